@@ -1,0 +1,1 @@
+"""kestrel: a fast LLM inference and serving engine."""

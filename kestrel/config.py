@@ -1,0 +1,218 @@
+"""Engine configuration: frozen dataclasses, validated once at construction.
+
+Only the standard library is imported here, so the engine (pure Python) and the
+CLI can both build and check a configuration without loading torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+BLOCK_SIZE_CHOICES = (16,)
+DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8")
+QUANTIZATION_CHOICES = (None, "fp8", "int8")
+ACTIVATION_SCHEME_CHOICES = ("dynamic", "static")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the value and what is allowed."""
+
+
+def _fail(field_name: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"invalid {field_name}={value!r}: {allowed}")
+
+
+def _check_choice(field_name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        _fail(field_name, value, f"expected one of {list(choices)}")
+
+
+def _check_int(field_name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _fail(field_name, value, f"expected an integer >= {minimum}" + (" or None" if allow_none else ""))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load. `hf_config` is the parsed config.json of the checkpoint."""
+
+    model: str
+    dtype: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    tokenizer: str | None = None
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPE_CHOICES)
+        _check_choice("load_format", self.load_format, LOAD_FORMAT_CHOICES)
+        _check_int("seed", self.seed, 0)
+        _check_int("max_model_len", self.max_model_len, 1, allow_none=True)
+        if not isinstance(self.model, str) or not self.model:
+            _fail("model", self.model, "expected the path of a Hugging Face model directory")
+        config_path = os.path.join(self.model, "config.json")
+        if not os.path.isdir(self.model):
+            _fail("model", self.model, "no such directory; pass the path of a Hugging Face model directory "
+                  "(create a small one with `kestrel model-init --arch llama --size tiny DIR`)")
+        if not os.path.isfile(config_path):
+            _fail("model", self.model, "the directory has no config.json; it must be a Hugging Face model directory")
+        if not self.hf_config:
+            try:
+                with open(config_path) as f:
+                    object.__setattr__(self, "hf_config", json.load(f))
+            except json.JSONDecodeError as e:
+                _fail("model", self.model, f"config.json is not valid JSON ({e})")
+        context = self.hf_config.get("max_position_embeddings")
+        if self.max_model_len is None:
+            object.__setattr__(self, "max_model_len", int(context) if context else 2048)
+        elif context and self.max_model_len > int(context):
+            _fail("max_model_len", self.max_model_len,
+                  f"the model's context is max_position_embeddings={context}; use a value <= {context}")
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or []
+        return archs[0] if archs else ""
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache. `num_blocks` overrides the count derived from memory."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        _check_choice("block_size", self.block_size, BLOCK_SIZE_CHOICES)
+        _check_int("kv_cache_blocks", self.num_blocks, 1, allow_none=True)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
+        if not isinstance(self.enable_prefix_caching, bool):
+            _fail("enable_prefix_caching", self.enable_prefix_caching, "expected True or False")
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            _fail("gpu_memory_utilization", self.gpu_memory_utilization, "expected a fraction in (0, 1]")
+        _check_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, 1)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """One token budget per step shared by decodes and prefill chunks."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """W8A8 quantization. `method=None` runs the checkpoint's own dtype."""
+
+    method: str | None = None
+    activation_scheme: str = "dynamic"
+    symmetric_activations: bool = True
+
+    def __post_init__(self) -> None:
+        _check_choice("quantization", self.method, QUANTIZATION_CHOICES)
+        _check_choice("activation_scheme", self.activation_scheme, ACTIVATION_SCHEME_CHOICES)
+        if self.method == "fp8" and not self.symmetric_activations:
+            _fail("symmetric_activations", self.symmetric_activations,
+                  "asymmetric activations exist only for quantization='int8'")
+        if self.method is None and self.activation_scheme == "static":
+            _fail("activation_scheme", self.activation_scheme, "static activation scales need a quantization method")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    device: str = "auto"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs:
+            _fail("max_num_batched_tokens", self.scheduler.max_num_batched_tokens,
+                  f"must be >= max_num_seqs={self.scheduler.max_num_seqs} so every running request can decode")
+        if not self.scheduler.enable_chunked_prefill and (
+            self.scheduler.max_num_batched_tokens < (self.model.max_model_len or 0)
+        ):
+            _fail("max_num_batched_tokens", self.scheduler.max_num_batched_tokens,
+                  "without chunked prefill it must be >= max_model_len")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Build from the flat keyword arguments of `LLM(...)` or the CLI; unknown names are an error."""
+        groups: dict[str, dict[str, Any]] = {name: {} for name in ("model", "cache", "scheduler", "parallel", "quant",
+                                                                   "engine")}
+        for key, value in kwargs.items():
+            if key not in _KWARG_TO_FIELD:
+                known = ", ".join(sorted(_KWARG_TO_FIELD))
+                raise ConfigError(f"unknown engine argument {key!r}; known arguments: {known}")
+            group, name = _KWARG_TO_FIELD[key]
+            groups[group][name] = value
+        return cls(
+            model=ModelConfig(model=model, **groups["model"]),
+            cache=CacheConfig(**groups["cache"]),
+            scheduler=SchedulerConfig(**groups["scheduler"]),
+            parallel=ParallelConfig(**groups["parallel"]),
+            quant=QuantConfig(**groups["quant"]),
+            **groups["engine"],
+        )
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+_KWARG_TO_FIELD: dict[str, tuple[str, str]] = {
+    "dtype": ("model", "dtype"),
+    "load_format": ("model", "load_format"),
+    "seed": ("model", "seed"),
+    "max_model_len": ("model", "max_model_len"),
+    "tokenizer": ("model", "tokenizer"),
+    "block_size": ("cache", "block_size"),
+    "kv_cache_blocks": ("cache", "num_blocks"),
+    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "kv_cache_dtype": ("cache", "kv_cache_dtype"),
+    "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
+    "cpu_kv_cache_bytes": ("cache", "cpu_kv_cache_bytes"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "quantization": ("quant", "method"),
+    "activation_scheme": ("quant", "activation_scheme"),
+    "symmetric_activations": ("quant", "symmetric_activations"),
+    "device": ("engine", "device"),
+    "enforce_eager": ("engine", "enforce_eager"),
+}

@@ -1,0 +1,67 @@
+"""The only types that cross between the engine (scheduler) and a worker (model runner).
+
+A worker keeps its own per-request state, so each step carries new requests in full and
+running ones as deltas (new block ids). A request resumed after preemption is sent again as new.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kestrel.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the worker has not seen (or has dropped after a preemption)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt plus any tokens generated before a preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request that ran in an earlier step: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    # Tokens to compute this step per request id, in batch order (new requests after cached ones).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the worker must forget: finished, aborted or preempted since the last step.
+    finished_req_ids: frozenset[str] = frozenset()
+    preempted_req_ids: frozenset[str] = frozenset()
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Per scheduled request, in the order of `req_ids`. A partial prefill chunk samples nothing (None)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int | None]
+    # {token_id: logprob} for the sampled token and the request's top-k, when it asked for logprobs.
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # Prompt logprobs computed this step for the request's prompt positions (chunk by chunk).
+    prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
+
+
+class Runner(Protocol):
+    """What the engine needs from a worker: run one scheduled step."""
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...

@@ -1,0 +1,100 @@
+"""SamplingParams: the same names and defaults as vLLM, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+_GREEDY_EPSILON = 1e-5
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message names it and what is allowed."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", [self.stop])
+        object.__setattr__(self, "stop", list(self.stop or []))
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        if self.top_k is None or self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(param: str, allowed: str) -> None:
+            raise SamplingParamsError(param, f"{param} must be {allowed}, got {getattr(self, param)!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", "an integer >= 1")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            bad("repetition_penalty", "> 0")
+        if not self.temperature >= 0.0:
+            bad("temperature", ">= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "an integer >= 0 (0 or -1 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", "an integer or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "an integer >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"<= max_tokens={self.max_tokens}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            bad("logprobs", "an integer >= 0 or None")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            bad("prompt_logprobs", "an integer >= 0 or None")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "a list of non-empty strings")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "a list of token ids >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPSILON
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def replace(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
