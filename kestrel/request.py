@@ -47,7 +47,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Chained hashes of the request's full blocks, kept across preemption so resumption hits the cache.
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list = field(default_factory=list)
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     stop_reason: int | str | None = None

@@ -1,0 +1,227 @@
+"""Scheduler: one token budget per step; chunked prefill and preemption follow from it (pure Python).
+
+Every request has `num_computed_tokens` catching up with `num_tokens`. Each step hands out the
+budget to running requests first (in admission order), then admits waiting ones. A request that
+cannot get blocks preempts the most recently admitted running request, which is freed and goes
+back to the front of the waiting queue to be recomputed (its cached blocks usually survive).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kestrel.config import CacheConfig, SchedulerConfig
+from kestrel.engine.contracts import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kestrel.engine.kv_cache_manager import KVCacheManager
+from kestrel.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_scheduled_tokens: int = 0  # tokens run through the model, over all steps
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 max_model_len: int) -> None:
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # Requests whose runner state must be dropped at the next step.
+        self._finished_ids: set[str] = set()
+        self._preempted_ids: set[str] = set()
+        # Requests the runner has seen since its last (re)admission.
+        self._known_to_runner: set[str] = set()
+        self.stats = SchedulerStats()
+
+    # ----- queue management -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        self.stats.num_prompt_tokens += request.num_prompt_tokens
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finish (or abort) requests wherever they are; unknown or finished ids are ignored."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ----- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        preempted_now = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            block_ids = self.kv.allocate(request, num_new)
+            while block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_now = True
+                if victim is request:
+                    break
+                block_ids = self.kv.allocate(request, num_new)
+            if block_ids is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = block_ids
+            budget -= num_new
+            index += 1
+
+        # After a preemption this step has no room to spare: admitting now would only thrash.
+        while (self.waiting and budget > 0 and not preempted_now
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            cached_prefix, num_cached = self.kv.find_cached_prefix(request)
+            num_new = request.num_tokens - num_cached
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            block_ids = self.kv.allocate(request, num_new, cached_prefix)
+            if block_ids is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        output = self._build_output(num_scheduled, new_block_ids)
+        for request_id, num_new in num_scheduled.items():
+            self.requests[request_id].num_computed_tokens += num_new
+        self.stats.num_steps += 1
+        self.stats.num_scheduled_tokens += output.total_num_scheduled_tokens
+        return output
+
+    def _build_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]]) -> SchedulerOutput:
+        cached, new = [], []
+        for request_id in num_scheduled:
+            request = self.requests[request_id]
+            if request_id in self._known_to_runner:
+                cached.append(CachedRequestData(request_id, new_block_ids[request_id],
+                                                request.num_computed_tokens))
+            else:
+                new.append(NewRequestData(
+                    req_id=request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv.block_ids(request_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                ))
+                self._known_to_runner.add(request_id)
+        # Cached requests come first in the batch, then new ones, matching num_scheduled's order.
+        order = [c.req_id for c in cached] + [n.req_id for n in new]
+        output = SchedulerOutput(
+            new_requests=new,
+            cached_requests=cached,
+            num_scheduled_tokens={rid: num_scheduled[rid] for rid in order},
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=frozenset(self._finished_ids),
+            preempted_req_ids=frozenset(self._preempted_ids),
+        )
+        self._finished_ids.clear()
+        self._preempted_ids.clear()
+        return output
+
+    def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Append sampled tokens, apply the stop rules, free finished requests.
+
+        Returns the requests that received a token this step (finished ones included).
+        """
+        updated = []
+        now = time.monotonic()
+        for i, request_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(request_id)
+            token_id = runner_output.sampled_token_ids[i]
+            if request is None or request.is_finished or token_id is None:
+                continue
+            request.append_output_token(token_id)
+            if runner_output.logprobs and runner_output.logprobs[i] is not None:
+                request.output_logprobs.append(runner_output.logprobs[i])
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self.stats.num_generation_tokens += 1
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            updated.append(request)
+        for request_id, logprobs in runner_output.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.prompt_logprobs.extend(logprobs)
+        return updated
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+        if request.request_id in self._known_to_runner:
+            self._known_to_runner.discard(request.request_id)
+            self._preempted_ids.add(request.request_id)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._known_to_runner:
+            self._known_to_runner.discard(request.request_id)
+            self._finished_ids.add(request.request_id)
