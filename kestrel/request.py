@@ -9,6 +9,14 @@ from dataclasses import dataclass, field
 from kestrel.sampling_params import SamplingParams
 
 
+class InvalidRequestError(ValueError):
+    """A request cannot be served as given; `param` names the offending input."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
