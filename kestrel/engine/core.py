@@ -1,0 +1,188 @@
+"""EngineCore: schedule -> runner.execute -> scheduler.update -> detokenize -> RequestOutputs (pure Python).
+
+The tokenizer is passed in (duck-typed), so this module never imports torch or transformers.
+A request with `n > 1` is fanned out into n sequences that share the prompt (and its cached blocks)
+and gathered back into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kestrel.config import ConfigError, EngineConfig
+from kestrel.engine.contracts import Runner
+from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.engine.scheduler import Scheduler
+from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kestrel.request import InvalidRequestError, Request, RequestStatus
+from kestrel.sampling_params import SamplingParams
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    index: int
+    status: RequestStatus = RequestStatus.WAITING
+    finished_time: float | None = None
+
+
+@dataclass
+class _ParentRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.status.finished for seq in self.sequences)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: Runner, num_blocks: int, tokenizer: Any,
+                 eos_token_id: int | None) -> None:
+        block_size = config.cache.block_size
+        max_model_len = config.model.max_model_len or 0
+        if num_blocks * block_size < max_model_len:
+            raise ConfigError(
+                f"invalid kv_cache_blocks={num_blocks}: {num_blocks} blocks of {block_size} tokens hold "
+                f"{num_blocks * block_size} tokens, fewer than max_model_len={max_model_len}; give more "
+                f"blocks (or memory) or lower max_model_len to <= {num_blocks * block_size}")
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len)
+        self._parents: dict[str, _ParentRequest] = {}
+        self._sequence_parent: dict[str, _ParentRequest] = {}
+
+    # ----- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        self._validate(request_id, prompt_token_ids)
+        parent = _ParentRequest(request_id, prompt, list(prompt_token_ids))
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            child_params = params
+            if params.n > 1:
+                # Distinct seeds keep seeded siblings from sampling identical sequences.
+                seed = None if params.seed is None else params.seed + index
+                child_params = params.replace(n=1, seed=seed)
+            request = Request(child_id, list(prompt_token_ids), child_params, eos_token_id=self.eos_token_id,
+                              max_model_len=self.max_model_len)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child_params)
+            sequence = _Sequence(request, detokenizer, index)
+            parent.sequences.append(sequence)
+            self._sequence_parent[child_id] = parent
+        self._parents[request_id] = parent
+        for sequence in parent.sequences:
+            self.scheduler.add_request(sequence.request)
+
+    def _validate(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        if request_id in self._parents:
+            raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty; give at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {len(prompt_token_ids)} tokens but the model's context is "
+                f"max_model_len={self.max_model_len}, which must also fit at least one generated token; "
+                f"shorten the prompt to at most {self.max_model_len - 1} tokens")
+        vocab_size = getattr(self.runner, "vocab_size", None)
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            parent = self._parents.pop(request_id, None)
+            if parent is None:
+                continue
+            child_ids = [seq.request.request_id for seq in parent.sequences]
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            for child_id in child_ids:
+                self._sequence_parent.pop(child_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ----- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return an output for every request that made progress."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            raise RuntimeError("the scheduler could not place any request; the KV cache is too small for the "
+                               "waiting prompts")
+        runner_output = self.runner.execute(scheduler_output)
+        updated = self.scheduler.update(scheduler_output, runner_output)
+        touched: dict[str, _ParentRequest] = {}
+        now = time.monotonic()
+        for request in updated:
+            parent = self._sequence_parent.get(request.request_id)
+            if parent is None:
+                continue
+            sequence = parent.sequences[0] if len(parent.sequences) == 1 else next(
+                s for s in parent.sequences if s.request is request)
+            self._detokenize(sequence)
+            sequence.status = request.status
+            if request.is_finished:
+                sequence.finished_time = now
+                self._sequence_parent.pop(request.request_id, None)
+            touched[parent.request_id] = parent
+        outputs = []
+        for parent in touched.values():
+            outputs.append(self._make_output(parent))
+            if parent.finished:
+                self._parents.pop(parent.request_id, None)
+        return outputs
+
+    def _detokenize(self, sequence: _Sequence) -> None:
+        request = sequence.request
+        detokenizer = sequence.detokenizer
+        new_tokens = request.output_token_ids[detokenizer.num_tokens:]
+        stop_string = detokenizer.update(new_tokens)
+        if stop_string is not None and not request.is_finished:
+            request.stop_reason = stop_string
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _make_output(self, parent: _ParentRequest) -> RequestOutput:
+        completions = []
+        for seq in parent.sequences:
+            request = seq.request
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=seq.detokenizer.output_text,
+                token_ids=list(request.output_token_ids),
+                logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+                finish_reason=request.status.finish_reason,
+                stop_reason=request.stop_reason,
+            ))
+        first = parent.sequences[0].request
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            finished_time=max((s.finished_time or 0.0) for s in parent.sequences) if parent.finished else None,
+            num_preemptions=sum(s.request.num_preemptions for s in parent.sequences),
+        )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            prompt_logprobs=first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=metrics,
+        )

@@ -1,0 +1,166 @@
+"""`kestrel generate | chat | model-init | bench ...`: the command line, and the only reader of env vars."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from collections.abc import Sequence
+
+from kestrel.config import ConfigError
+from kestrel.request import InvalidRequestError
+from kestrel.sampling_params import SamplingParams, SamplingParamsError
+
+# Benchmark suites live in kestrel.bench.<name>; each module exposes register(subparsers).
+BENCH_SUITES: tuple[str, ...] = ()
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", required=True, help="Hugging Face model directory")
+    group.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    group.add_argument("--load-format", default="auto", help="auto, safetensors or dummy (random weights)")
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--max-num-seqs", type=int, default=128)
+    group.add_argument("--kv-cache-blocks", type=int, default=None, help="override the number of KV cache blocks")
+    group.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
+    group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--quantization", default=None, help="fp8 or int8 (W8A8, quantized on load)")
+    group.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    group.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "dtype": args.dtype,
+        "load_format": args.load_format,
+        "max_model_len": args.max_model_len,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_cache_blocks": args.kv_cache_blocks,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "quantization": args.quantization,
+        "device": args.device,
+        "seed": args.seed,
+    }
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("-n", type=int, default=1, help="completions per prompt")
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.sample_seed, stop=args.stop)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kestrel.entrypoints.llm import LLM
+
+    params = _sampling_params(args)
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise InvalidRequestError("prompt", "no prompt given; pass --prompt TEXT (repeatable) or lines on stdin")
+    started = time.perf_counter()
+    llm = LLM(args.model, **_engine_kwargs(args))
+    loaded = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    done = time.perf_counter()
+    generated = 0
+    for output in outputs:
+        for completion in output.outputs:
+            generated += len(completion.token_ids)
+            print(f"{output.prompt}{completion.text}")
+            print(f"[finish_reason={completion.finish_reason}, tokens={len(completion.token_ids)}]")
+    print(f"[load {loaded - started:.2f} s, generate {done - loaded:.2f} s, "
+          f"{generated / max(done - loaded, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from kestrel.entrypoints.llm import LLM
+
+    llm = LLM(args.model, **_engine_kwargs(args))
+    params = _sampling_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    turns = [args.message] if args.message else None
+    while True:
+        if turns is not None:
+            if not turns:
+                return 0
+            user = turns.pop(0)
+        else:
+            try:
+                user = input("user> ")
+            except EOFError:
+                return 0
+        messages.append({"role": "user", "content": user})
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        print(f"assistant> {reply}")
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _cmd_model_init(args: argparse.Namespace) -> int:
+    from kestrel.loader.model_init import write_tiny_checkpoint
+
+    write_tiny_checkpoint(args.path, arch=args.arch, size=args.size, seed=args.seed)
+    print(f"wrote a random {args.arch} checkpoint ({args.size}) to {args.path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kestrel", description="Fast LLM inference and serving.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete prompts offline")
+    _add_engine_args(generate)
+    _add_sampling_args(generate)
+    generate.add_argument("--prompt", action="append", help="prompt text (repeatable); default: stdin lines")
+    generate.set_defaults(func=_cmd_generate)
+
+    chat = commands.add_parser("chat", help="chat with the model through its chat template")
+    _add_engine_args(chat)
+    _add_sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--message", action="append", help="user turn (repeatable); default: interactive")
+    chat.set_defaults(func=_cmd_chat)
+
+    init = commands.add_parser("model-init", help="write a small random Hugging Face checkpoint with a tokenizer")
+    init.add_argument("path")
+    init.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2"])
+    init.add_argument("--size", default="tiny", choices=["tiny"])
+    init.add_argument("--seed", type=int, default=0)
+    init.set_defaults(func=_cmd_model_init)
+
+    bench = commands.add_parser("bench", help="benchmark suites (GPU)")
+    suites = bench.add_subparsers(dest="suite", required=True)
+    for name in BENCH_SUITES:
+        importlib.import_module(f"kestrel.bench.{name}").register(suites)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, InvalidRequestError, SamplingParamsError) as e:
+        print(f"kestrel: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

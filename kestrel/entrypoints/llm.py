@@ -1,0 +1,116 @@
+"""LLM: the offline API. `LLM(model=DIR).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kestrel.config import EngineConfig
+from kestrel.engine.core import EngineCore
+from kestrel.entrypoints.chat import apply_chat_template
+from kestrel.loader.tokenizer import load_tokenizer
+from kestrel.outputs import RequestOutput
+from kestrel.request import InvalidRequestError
+from kestrel.sampling_params import SamplingParams
+from kestrel.worker.model_runner import ModelRunner
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An in-process engine. Keyword arguments are the engine arguments of `EngineConfig.from_kwargs`."""
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model, **engine_args)
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer_path)
+        eos_token_id = self.tokenizer.eos_token_id
+        self.runner = ModelRunner(self.config, eos_token_id=eos_token_id)
+        self.engine = EngineCore(self.config, self.runner, self.runner.num_blocks, self.tokenizer, eos_token_id)
+        self._counter = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
+                       else [sampling_params] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts; give one or "
+                             "one per prompt")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                text, token_ids = self._tokenize(prompt)
+                request_id = str(next(self._counter))
+                self.engine.add_request(request_id, token_ids, params, prompt=text)
+                ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": apply_chat_template(self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
+                                                     chat_template=chat_template, tools=tools)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            token_ids = prompt["prompt_token_ids"]
+            if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
+                raise InvalidRequestError("prompt_token_ids", "prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(token_ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        raise InvalidRequestError("prompt", f"a prompt must be a string or a dict with 'prompt' or "
+                                  f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm or len(wanted) < 2)
+        try:
+            while len(finished) < len(wanted) and self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request([rid for rid in request_ids if rid not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in request_ids]
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    @property
+    def stats(self):
+        return self.engine.scheduler.stats

@@ -1,0 +1,105 @@
+"""ModelRunner: loads the model, owns the KV cache and the per-request worker state, runs one step."""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.config import EngineConfig
+from kestrel.engine.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kestrel.loader import load_model, resolve_dtype
+from kestrel.sample.sampler import Sampler, SamplingMetadata, to_logprob_dicts
+from kestrel.worker.input_batch import CachedRequestState, build_model_inputs
+from kestrel.worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, num_blocks_for
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.model)
+        self.eos_token_id = eos_token_id
+        torch.manual_seed(config.model.seed)
+        self.model = load_model(config.model, config.quant, self.device, self.dtype)
+        self.vocab_size: int = int(config.model.hf_config["vocab_size"])
+        self.block_size = config.cache.block_size
+        num_layers, num_kv_heads, head_size = self.model.kv_cache_shape()
+        self.kv_spec = KVCacheSpec(num_layers, num_kv_heads, head_size,
+                                   kv_cache_dtype(config.cache, self.dtype), self.block_size)
+        self.num_blocks = num_blocks_for(config, self.kv_spec, self.device)
+        self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
+        self.model.bind_kv_cache(self.kv_caches)
+        generator = torch.Generator(self.device)
+        generator.manual_seed(config.model.seed)
+        self.sampler = Sampler(generator)
+        self.requests: dict[str, CachedRequestState] = {}
+
+    # ----- per-request state ----------------------------------------------------------------------
+
+    def _add(self, new: NewRequestData) -> None:
+        generator = None
+        if new.sampling_params.seed is not None:
+            generator = torch.Generator(self.device)
+            generator.manual_seed(new.sampling_params.seed)
+        self.requests[new.req_id] = CachedRequestState(
+            req_id=new.req_id,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            sampling_params=new.sampling_params,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            generator=generator,
+        )
+
+    def _apply_scheduler_output(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids | out.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.new_requests:
+            self._add(new)
+        for cached in out.cached_requests:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ----- the step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_scheduler_output(out)
+        req_ids = list(out.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput([], [])
+        states = [self.requests[rid] for rid in req_ids]
+        counts = [out.num_scheduled_tokens[rid] for rid in req_ids]
+        inputs = build_model_inputs(states, counts, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        for state, count in zip(states, counts):
+            state.num_computed_tokens += count
+
+        sampled: list[int | None] = [None] * len(req_ids)
+        logprobs: list[dict[int, float] | None] = [None] * len(req_ids)
+        if inputs.sampled_rows:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            rows = [states[i] for i in inputs.sampled_rows]
+            meta = SamplingMetadata.build(
+                [s.sampling_params for s in rows],
+                [s.prompt_token_ids for s in rows],
+                [s.output_token_ids for s in rows],
+                [s.generator for s in rows],
+                self.eos_token_id,
+                logits.shape[-1],
+                self.device,
+            )
+            result = self.sampler(logits, meta)
+            token_ids = result.sampled_token_ids.tolist()  # the step's one host synchronization
+            row_logprobs = to_logprob_dicts(result, [s.sampling_params.logprobs for s in rows])
+            for row, state, token_id, lp in zip(inputs.sampled_rows, rows, token_ids, row_logprobs):
+                state.token_ids.append(token_id)
+                sampled[row] = token_id
+                logprobs[row] = lp
+        return ModelRunnerOutput(req_ids, sampled, logprobs)
