@@ -1,9 +1,19 @@
 """kestrel: a fast LLM inference and serving engine."""
 
+from typing import Any
+
 from kestrel.config import ConfigError
-from kestrel.entrypoints.llm import LLM
 from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ConfigError"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # LLM pulls in torch; importing it lazily keeps the pure-Python engine modules light to import.
+    if name == "LLM":
+        from kestrel.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'kestrel' has no attribute {name!r}")
