@@ -1,0 +1,78 @@
+"""The import rules of the design, enforced by parsing every module's imports."""
+
+import ast
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "kestrel"
+CORE = {"config", "sampling_params", "request", "outputs"}
+
+# Which kestrel modules each part may import (prefix match on the dotted name below `kestrel.`).
+ALLOWED: dict[str, set[str]] = {
+    "core": CORE,
+    "engine": CORE | {"engine"},
+    "kernels": {"kernels"},
+    "ops": {"kernels"},
+    "quant": {"quant", "kernels", "ops", "config"},
+    "model": {"model", "quant", "ops", "config"},
+    "loader": {"loader", "model", "quant", "config"},
+    "sample": {"sample", "sampling_params"},
+    "worker": {"worker", "model", "loader", "sample", "ops", "engine.contracts"} | CORE,
+    "distributed": {"distributed", "config"},
+    "bench": {"bench", "kernels", "ops", "quant", "model", "loader", "worker", "sample", "engine"} | CORE,
+    "entrypoints": {""},  # everything
+}
+# Parts that must stay pure Python: standard library only outside kestrel.
+STDLIB_ONLY = {"core", "engine"}
+
+
+def part_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    if len(rel.parts) == 1:
+        stem = rel.stem
+        return "core" if stem in CORE else stem
+    return rel.parts[0]
+
+
+def imports_of(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+            if node.module == "kestrel":
+                names.extend(f"kestrel.{alias.name}" for alias in node.names)
+    return names
+
+
+def allowed(part: str, target: str) -> bool:
+    return any(target == p or target.startswith(p + ".") or p == "" for p in ALLOWED[part])
+
+
+def test_import_rules():
+    violations = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "__init__.py":
+            continue  # the public API re-exports lazily
+        part = part_of(path)
+        if part not in ALLOWED:
+            violations.append(f"{path.relative_to(PACKAGE)}: part {part!r} has no import rule; add one")
+            continue
+        for name in imports_of(path):
+            top = name.split(".")[0]
+            if top == "kestrel":
+                target = name[len("kestrel."):]
+                if target and not allowed(part, target):
+                    violations.append(f"{path.relative_to(PACKAGE)} imports kestrel.{target}")
+            elif part in STDLIB_ONLY and top not in sys.stdlib_module_names and top != "__future__":
+                violations.append(f"{path.relative_to(PACKAGE)} imports {name} (must stay pure Python)")
+    assert not violations, "import rule violations:\n" + "\n".join(violations)
+
+
+def test_rule_checker_catches_a_violation(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nfrom kestrel.worker import model_runner\n")
+    names = imports_of(bad)
+    assert "torch" in names and not allowed("engine", "worker.model_runner")
