@@ -145,7 +145,10 @@ def write_tokenizer(path: str, vocab_size: int = 1024) -> int:
     tokenizer = build_tokenizer(vocab_size)
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", _tokenizer_config(tokenizer))
-    _write_json(out / "special_tokens_map.json", {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN})
+    _write_json(
+        out / "special_tokens_map.json",
+        {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "additional_special_tokens": [START_HEADER, END_HEADER]},
+    )
     return tokenizer.get_vocab_size(with_added_tokens=True)
 
 
@@ -172,6 +175,8 @@ def _tokenizer_config(tokenizer: Tokenizer) -> dict:
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1 << 20,
         "added_tokens_decoder": added,
+        # Listed so transformers' all_special_ids agrees with decode(skip_special_tokens=True).
+        "additional_special_tokens": [START_HEADER, END_HEADER],
         "chat_template": CHAT_TEMPLATE,
     }
 

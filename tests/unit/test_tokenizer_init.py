@@ -45,6 +45,14 @@ def test_special_tokens(tokenizer) -> None:
     assert tokenizer.eos_token_id in tokenizer.all_special_ids
 
 
+def test_all_special_ids_match_skip_special_tokens(tokenizer) -> None:
+    """Incremental detokenization filters by all_special_ids; decode() must skip exactly those."""
+    ids = list(range(len(tokenizer)))
+    kept = [i for i in ids if i not in set(tokenizer.all_special_ids)]
+    assert len(kept) == len(ids) - 4
+    assert tokenizer.decode(ids, skip_special_tokens=True) == tokenizer.decode(kept)
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_round_trip(tokenizer, text: str) -> None:
     ids = tokenizer(text).input_ids
