@@ -1,0 +1,39 @@
+"""Build a model from a ModelConfig and fill its weights (checkpoint or random)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kestrel.config import ModelConfig, QuantConfig
+from kestrel.loader.dummy import initialize_dummy_weights
+from kestrel.loader.hf_config import load_hf_config, resolve_dtype
+from kestrel.loader.safetensors import checkpoint_files, iterate_safetensors
+from kestrel.model.registry import get_model_class
+
+
+def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = None,
+               device: str | torch.device = "cpu") -> nn.Module:
+    """The model of `model_config.architecture` on `device`, weights loaded, in eval mode."""
+    hf_config = model_config.hf_config or load_hf_config(model_config.model)
+    architectures = hf_config.get("architectures") or [""]
+    model_cls = get_model_class(architectures[0])
+    dtype = resolve_dtype(model_config.dtype, hf_config)
+    load_format = model_config.load_format
+    if load_format == "auto":
+        load_format = "safetensors"
+    if load_format == "safetensors":
+        checkpoint_files(model_config.model)  # fail before building the model when there are no weights
+    with torch.device(device):
+        model = model_cls(hf_config, dtype, quant_config)
+    if load_format == "dummy":
+        initialize_dummy_weights(model, seed=model_config.seed)
+        model.process_weights_after_loading()
+    else:
+        model.load_weights(iterate_safetensors(Path(model_config.model)))
+    return model.eval()
+
+
+__all__ = ["load_model"]

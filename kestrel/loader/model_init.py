@@ -1,0 +1,154 @@
+"""Write a small random Hugging Face checkpoint (config, safetensors, tokenizer) for tests and the demo.
+
+The tensors carry HF names and HF's initializer scale (std 0.02), so the directory loads unchanged
+in `transformers.AutoModelForCausalLM` as well as in kestrel.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from kestrel.loader.safetensors import INDEX_FILE
+from kestrel.loader.tokenizer_init import BOS_TOKEN, EOS_TOKEN, write_tokenizer
+
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2},
+    "small": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+              "num_key_value_heads": 2},
+}
+
+ARCHS: dict[str, dict[str, Any]] = {
+    # Llama 3.1 style: llama3 rope scaling (an original context of 64 stretched 8x to the 512 positions).
+    "llama": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64},
+    },
+    "mistral": {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "sliding_window": 32, "tie_word_embeddings": False,
+    },
+    # Like Qwen2-0.5B: tied embeddings, q/k/v bias, no sliding window.
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "use_sliding_window": False, "sliding_window": 512, "tie_word_embeddings": True,
+    },
+}
+
+INIT_STD = 0.02
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def write_tiny_checkpoint(path: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
+                          num_shards: int = 1, **overrides: Any) -> dict:
+    """Write config.json, safetensors weights (`num_shards` > 1 adds an index) and a tokenizer to
+    `path`; `overrides` replace config.json entries. Returns the config dict."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {sorted(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose from {sorted(SIZES)}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer_vocab = write_tokenizer(str(out))
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    config: dict[str, Any] = {
+        **SIZES[size],
+        **ARCHS[arch],
+        "vocab_size": tokenizer_vocab,
+        "max_position_embeddings": 512,
+        "hidden_act": "silu",
+        "initializer_range": INIT_STD,
+        "bos_token_id": tokenizer.token_to_id(BOS_TOKEN),
+        "eos_token_id": tokenizer.token_to_id(EOS_TOKEN),
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    config.update(overrides)
+    if config["vocab_size"] < tokenizer_vocab:
+        raise ValueError(f"vocab_size={config['vocab_size']} is smaller than the tokenizer's {tokenizer_vocab}")
+    dtype = _DTYPES[config["torch_dtype"]]
+    tensors = _random_tensors(config, seed, dtype)
+    _write_weights(out, tensors, num_shards)
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json",
+                {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
+    return config
+
+
+def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for a Llama-family config."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    qwen2 = config["model_type"] == "qwen2"
+    qkv_bias = qwen2 or config.get("attention_bias", False)
+    o_bias = not qwen2 and config.get("attention_bias", False)
+    mlp_bias = config.get("mlp_bias", False)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        projections = {
+            "self_attn.q_proj": (heads * head_dim, hidden, qkv_bias),
+            "self_attn.k_proj": (kv_heads * head_dim, hidden, qkv_bias),
+            "self_attn.v_proj": (kv_heads * head_dim, hidden, qkv_bias),
+            "self_attn.o_proj": (hidden, heads * head_dim, o_bias),
+            "mlp.gate_proj": (inter, hidden, mlp_bias),
+            "mlp.up_proj": (inter, hidden, mlp_bias),
+            "mlp.down_proj": (hidden, inter, mlp_bias),
+        }
+        for name, (n, k, bias) in projections.items():
+            shapes[f"{p}.{name}.weight"] = (n, k)
+            if bias:
+                shapes[f"{p}.{name}.bias"] = (n,)
+        shapes[f"{p}.input_layernorm.weight"] = (hidden,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
+    return shapes
+
+
+def _random_tensors(config: dict, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in checkpoint_shapes(config).items():
+        values = torch.randn(shape, generator=generator) * INIT_STD
+        if name.endswith("norm.weight"):
+            # HF initializes norms to exactly 1; a small spread makes a swapped norm visible in tests.
+            values += 1.0
+        tensors[name] = values.to(dtype).contiguous()
+    return tensors
+
+
+def _write_weights(out: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
+    metadata = {"format": "pt"}
+    # Leftovers of an earlier write would be picked up by the loader's glob or a stale index.
+    for old in [*out.glob("*.safetensors"), out / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    if num_shards == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata=metadata)
+        return
+    names = list(tensors)
+    weight_map = {}
+    for shard in range(num_shards):
+        filename = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {name: tensors[name] for name in names[shard::num_shards]}
+        save_file(part, str(out / filename), metadata=metadata)
+        weight_map.update(dict.fromkeys(part, filename))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")

@@ -1,0 +1,66 @@
+"""The attention layer: write this step's K/V into the paged cache, then attend over it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kestrel import ops
+from kestrel.model.attn_metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Holds one layer's KV cache `[2, num_blocks, block_size, num_kv_heads, head_size]` (K then V),
+    bound by the model runner with `bind_kv_cache`; not a buffer, so it never enters a state dict."""
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None, layer_idx: int = 0) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.layer_idx = layer_idx
+        self.kv_cache: torch.Tensor | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        expected = (2, self.num_kv_heads, self.head_size)
+        if kv_cache.dim() != 5 or (kv_cache.shape[0], *kv_cache.shape[3:]) != expected:
+            raise ValueError(
+                f"layer {self.layer_idx}: KV cache of shape {tuple(kv_cache.shape)} does not match "
+                f"[2, num_blocks, block_size, {self.num_kv_heads}, {self.head_size}]"
+            )
+        self.kv_cache = kv_cache
+        self.k_scale = float(k_scale)
+        self.v_scale = float(v_scale)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """q `[T, H*D]`, k and v `[T, H_kv*D]` -> `[T, H*D]`."""
+        if self.kv_cache is None:
+            raise RuntimeError(
+                f"attention layer {self.layer_idx} has no KV cache; the model runner must call "
+                "bind_kv_cache() on every layer of model.attention_layers() before forward()"
+            )
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_size)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
+        ops.store_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping, self.k_scale, self.v_scale)
+        out = ops.paged_attention(
+            q, k_cache, v_cache, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+            attn_metadata.block_tables, self.scale, self.sliding_window, self.k_scale, self.v_scale,
+        )
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
+                f"sliding_window={self.sliding_window}")

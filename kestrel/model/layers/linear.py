@@ -1,0 +1,207 @@
+"""Linear layers whose parameters are created by a QuantMethod and loaded by the layer's own loader.
+
+Loading contract (what a QuantMethod may rely on):
+- `create_weights(layer, input_size, output_partition_sizes, params_dtype)` registers parameters on the
+  layer. A parameter tagged `output_dim` (and `input_dim`) is sliced along those dims; one tagged
+  `per_shard=True` has one entry per merged shard along dim 0 (e.g. a per-tensor scale of q, k and v).
+- Each parameter's `weight_loader(param, loaded_weight, shard_id=None)` copies a checkpoint tensor in.
+  A method can point it at `layer.weight_loader` (the sharding-aware default below) or at its own
+  function; parameters left without one get `layer.weight_loader`.
+- After all tensors are loaded the model calls `layer.process_after_loading()`, which hands the layer
+  to `quant_method.process_after_loading` (e.g. to quantize the loaded weight).
+
+Tensor parallelism: a column layer splits its outputs across `tp_size` ranks, a row layer its inputs.
+The loaders already take this rank's slice of each checkpoint tensor; the collectives (all-reduce
+after a row layer) are the seam left for the distributed implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+
+from kestrel.model.layers.weights import copy_checked
+from kestrel.quant.base import QuantMethod
+from kestrel.quant.unquantized import UnquantizedLinearMethod
+
+ShardId = str | int
+TPSplit = Literal["output", "input"] | None
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by tp_size={denominator}")
+    return numerator // denominator
+
+
+class LinearBase(nn.Module):
+    """`y = x W^T + b` with `W` made of `len(output_sizes)` merged shards named by `shard_ids`."""
+
+    tp_split: TPSplit = None
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        *,
+        bias: bool = False,
+        quant_method: QuantMethod | None = None,
+        params_dtype: torch.dtype | None = None,
+        shard_ids: Sequence[ShardId] = (),
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> None:
+        super().__init__()
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"invalid tensor-parallel rank {tp_rank} of size {tp_size}")
+        if shard_ids and len(shard_ids) != len(output_sizes):
+            raise ValueError(f"{len(shard_ids)} shard ids for {len(output_sizes)} output shards")
+        params_dtype = params_dtype or torch.get_default_dtype()
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.input_size = input_size
+        self.output_size = sum(output_sizes)
+        self.shard_ids: list[ShardId] = list(shard_ids)
+        if self.tp_split == "output":
+            self.output_partition_sizes = [_divide(s, tp_size, "output size") for s in output_sizes]
+            self.input_size_per_partition = input_size
+        elif self.tp_split == "input":
+            self.output_partition_sizes = list(output_sizes)
+            self.input_size_per_partition = _divide(input_size, tp_size, "input size")
+        else:
+            self.output_partition_sizes = list(output_sizes)
+            self.input_size_per_partition = input_size
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(
+            self, self.input_size_per_partition, list(self.output_partition_sizes), params_dtype
+        )
+        if bias:
+            b = nn.Parameter(torch.empty(sum(self.output_partition_sizes), dtype=params_dtype), requires_grad=False)
+            b.output_dim = 0
+            self.register_parameter("bias", b)
+        else:
+            self.register_parameter("bias", None)
+        for param in self.parameters(recurse=False):
+            if not hasattr(param, "weight_loader"):
+                param.weight_loader = self.weight_loader
+
+    def shard_index(self, shard_id: ShardId) -> int:
+        try:
+            return self.shard_ids.index(shard_id)
+        except ValueError:
+            raise ValueError(f"unknown shard id {shard_id!r}; this layer's shards are {self.shard_ids}") from None
+
+    def shard_range(self, shard_id: ShardId) -> tuple[int, int]:
+        """(offset, size) of a merged shard along the output dim of this rank's weight."""
+        index = self.shard_index(shard_id)
+        return sum(self.output_partition_sizes[:index]), self.output_partition_sizes[index]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None) -> None:
+        target = param.data
+        detail = ""
+        if shard_id is not None:
+            detail = f"shard {shard_id!r}"
+            if getattr(param, "per_shard", False):
+                target = target[self.shard_index(shard_id)]
+            else:
+                output_dim = getattr(param, "output_dim", None)
+                if output_dim is None:
+                    raise ValueError(f"cannot load shard {shard_id!r} into a parameter without output_dim")
+                offset, size = self.shard_range(shard_id)
+                target = target.narrow(output_dim, offset, size)
+        elif self.shard_ids and self.tp_size > 1 and hasattr(param, "output_dim"):
+            # A pre-merged checkpoint tensor would need per-shard slicing for each rank.
+            raise NotImplementedError("loading an already merged tensor with tensor parallelism")
+        copy_checked(target, self._rank_slice(param, loaded_weight, shard_id), detail)
+
+    def _rank_slice(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None) -> torch.Tensor:
+        if self.tp_size == 1 or self.tp_split is None:
+            return loaded
+        dim = getattr(param, "output_dim" if self.tp_split == "output" else "input_dim", None)
+        if dim is None:
+            return loaded
+        size = loaded.shape[dim] // self.tp_size
+        return loaded.narrow(dim, self.tp_rank * size, size)
+
+    def process_after_loading(self) -> None:
+        self.quant_method.process_after_loading(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size}, shards={self.shard_ids or None}, "
+                f"bias={self.bias is not None}, tp={self.tp_rank}/{self.tp_size}, "
+                f"method={type(self.quant_method).__name__}")
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight."""
+
+    def __init__(self, input_size: int, output_size: int, **kwargs) -> None:
+        super().__init__(input_size, [output_size], **kwargs)
+
+
+class ColumnLinear(LinearBase):
+    """Output features split across ranks; the output stays split (the next row layer consumes it)."""
+
+    tp_split: TPSplit = "output"
+
+    def __init__(self, input_size: int, output_size: int, **kwargs) -> None:
+        super().__init__(input_size, [output_size], **kwargs)
+
+
+class MergedColumnLinear(LinearBase):
+    """Several column layers on the same input in one GEMM (gate and up: shard ids 0 and 1)."""
+
+    tp_split: TPSplit = "output"
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], **kwargs) -> None:
+        super().__init__(input_size, output_sizes, shard_ids=range(len(output_sizes)), **kwargs)
+
+
+class QKVParallelLinear(LinearBase):
+    """q, k and v projections in one GEMM (shard ids "q", "k", "v"); GQA has fewer k/v heads."""
+
+    tp_split: TPSplit = "output"
+
+    def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int, **kwargs) -> None:
+        tp_size = kwargs.get("tp_size", 1)
+        if num_kv_heads < tp_size:
+            # Would need each kv head replicated on several ranks.
+            raise NotImplementedError(f"num_kv_heads={num_kv_heads} < tp_size={tp_size}")
+        self.head_size = head_size
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = num_kv_heads // tp_size
+        sizes = [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size]
+        super().__init__(hidden_size, sizes, shard_ids=("q", "k", "v"), **kwargs)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split(self.output_partition_sizes, dim=-1)
+
+
+class RowLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed across ranks."""
+
+    tp_split: TPSplit = "input"
+
+    def __init__(self, input_size: int, output_size: int, **kwargs) -> None:
+        super().__init__(input_size, [output_size], **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # With TP only rank 0 adds the bias, so the sum over ranks adds it once.
+        bias = self.bias if self.tp_rank == 0 else None
+        out = self.quant_method.apply(self, x, bias)
+        if self.tp_size > 1:
+            raise NotImplementedError("all-reduce for tensor-parallel row layers")
+        return out
+
+
+def process_linear_layers_after_loading(model: nn.Module) -> None:
+    """Give every linear layer's quant method its post-loading hook (quantize, transpose, ...)."""
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.process_after_loading()
