@@ -6,7 +6,8 @@ import torch
 
 from kestrel.config import EngineConfig
 from kestrel.engine.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from kestrel.loader import load_model, resolve_dtype
+from kestrel.loader import load_model
+from kestrel.loader.hf_config import resolve_dtype
 from kestrel.sample.sampler import Sampler, SamplingMetadata, to_logprob_dicts
 from kestrel.worker.input_batch import CachedRequestState, build_model_inputs
 from kestrel.worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, num_blocks_for
@@ -22,18 +23,18 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.model)
+        self.dtype = resolve_dtype(config.model.dtype, config.model.hf_config)
         self.eos_token_id = eos_token_id
         torch.manual_seed(config.model.seed)
-        self.model = load_model(config.model, config.quant, self.device, self.dtype)
+        self.model = load_model(config.model, config.quant, self.device)
         self.vocab_size: int = int(config.model.hf_config["vocab_size"])
         self.block_size = config.cache.block_size
-        num_layers, num_kv_heads, head_size = self.model.kv_cache_shape()
+        num_layers, num_kv_heads, head_size = self.model.kv_cache_spec()
         self.kv_spec = KVCacheSpec(num_layers, num_kv_heads, head_size,
                                    kv_cache_dtype(config.cache, self.dtype), self.block_size)
         self.num_blocks = num_blocks_for(config, self.kv_spec, self.device)
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
-        self.model.bind_kv_cache(self.kv_caches)
+        self.model.bind_kv_caches(self.kv_caches)
         generator = torch.Generator(self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
