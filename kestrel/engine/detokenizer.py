@@ -1,0 +1,142 @@
+"""Incremental detokenization with stop strings (pure Python; the tokenizer is passed in).
+
+Text grows by decoding a short window of tokens instead of the whole output each step: the
+window starts at `prefix_offset` and `read_offset` marks where the already-committed text ends.
+Decoding window[prefix:] and window[prefix:read] and taking the difference gives the new text
+with the context a decoder needs (byte-level merges, SentencePiece leading spaces) and costs
+O(window) per step. If the new piece ends with U+FFFD, a multi-byte character is still split
+across tokens: the piece stays pending (visible in `output_text`, held back from `get_delta`)
+and the offsets stay put until a later token completes it.
+
+The tokenizer is duck-typed as a Hugging Face tokenizer: `convert_ids_to_tokens`,
+`convert_tokens_to_string`, `decode` and `all_special_ids`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kestrel.sampling_params import SamplingParams
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Output text of one sequence, extended token by token, stopped at the first stop string."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._tokenizer = tokenizer
+        self._params = params
+        # The text is decoded from the output alone (no prompt context), so it equals
+        # tokenizer.decode(output_token_ids) exactly; the prompt is kept for callers.
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = []
+        self._special_ids = frozenset(tokenizer.all_special_ids)
+        # Without spaces between special tokens, each special token is a literal boundary between
+        # separately decoded runs (Hugging Face's slow-tokenizer rule); with them, the tokenizer's own
+        # decoding of the whole sequence is kept.
+        self._split_at_special = not params.skip_special_tokens and not params.spaces_between_special_tokens
+        self._tokens: list[str] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._committed = ""
+        self._pending = ""
+        self._stops = list(params.stop)
+        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._searched = 0  # stable characters already searched for stop strings
+        self._emitted = 0
+        self.stop_reason: str | None = None
+        self._final_text: str | None = None
+
+    @property
+    def output_text(self) -> str:
+        if self._final_text is not None:
+            return self._final_text
+        return self._committed + self._pending
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_reason is not None
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Append tokens; return the stop string if one now matches (text is then final)."""
+        if self.stopped:
+            raise RuntimeError("update() after a stop string matched")
+        self.token_ids.extend(new_token_ids)
+        self._append_tokens(new_token_ids)
+        return self._check_stop()
+
+    def get_delta(self, finished: bool) -> str:
+        """Text not yet returned, holding back a possible stop-string prefix and split characters."""
+        text = self.output_text
+        if finished or self.stopped:
+            limit = len(text)
+        else:
+            limit = self._stable_len() - max(self._max_stop_len - 1, 0)
+        if limit <= self._emitted:
+            return ""
+        delta = text[self._emitted : limit]
+        self._emitted = limit
+        return delta
+
+    def _append_tokens(self, token_ids: list[int]) -> None:
+        skip = self._params.skip_special_tokens
+        kept = [t for t in token_ids if not (skip and t in self._special_ids)]
+        if not kept:
+            return
+        tokens = self._tokenizer.convert_ids_to_tokens(kept)
+        if not self._split_at_special:
+            self._tokens.extend(tokens)
+            self._decode_window()
+            return
+        for token_id, token in zip(kept, tokens):
+            if token_id in self._special_ids:
+                self._append_literal(token)
+            else:
+                self._tokens.append(token)
+        self._decode_window()
+
+    def _append_literal(self, token: str) -> None:
+        """A special token ends the current run: finalize it as is and restart the window after it."""
+        self._decode_window()
+        self._committed += self._pending + token
+        self._pending = ""
+        self._prefix_offset = self._read_offset = len(self._tokens)
+
+    def _decode_window(self) -> None:
+        decode = self._tokenizer.convert_tokens_to_string
+        window = self._tokens[self._prefix_offset :]
+        prefix_text = decode(window[: self._read_offset - self._prefix_offset]) if window else ""
+        new_text = decode(window) if window else ""
+        piece = new_text[len(prefix_text) :]
+        if piece.endswith(_REPLACEMENT):
+            self._pending = piece
+            return
+        self._committed += piece
+        self._pending = ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+
+    def _stable_len(self) -> int:
+        """Characters that no later token can change (all but a trailing split character)."""
+        return len(self._committed) + len(self._pending.rstrip(_REPLACEMENT))
+
+    def _check_stop(self) -> str | None:
+        if not self._stops:
+            return None
+        text = self.output_text
+        # A match not seen before must end after the previously searched stable text.
+        start = max(0, self._searched - self._max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            index = text.find(stop, start)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        self._searched = self._stable_len()
+        if best is None:
+            return None
+        index, stop = best
+        end = index + len(stop) if self._params.include_stop_str_in_output else index
+        self._final_text = text[:end]
+        self.stop_reason = stop
+        return stop

@@ -1,0 +1,182 @@
+"""IncrementalDetokenizer against full decodes of the built-in byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.loader.tokenizer_init import write_tokenizer
+from kestrel.sampling_params import SamplingParams as SP
+
+transformers = pytest.importorskip("transformers")
+
+CHARS = (
+    list("abcdefghij klmnopqrstuvwxyz ,.!?\n") + list("éèüñçøå") + list("日本語中文한국어") + ["🙂", "🚀", "👍🏽", "€"]
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    path: Path = tmp_path_factory.mktemp("tok")
+    write_tokenizer(str(path))
+    return transformers.AutoTokenizer.from_pretrained(str(path))
+
+
+def random_text(rng: random.Random, length: int) -> str:
+    return "".join(rng.choice(CHARS) for _ in range(length))
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def chunks(rng: random.Random, ids: list[int], max_chunk: int) -> list[list[int]]:
+    out, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, max_chunk)
+        out.append(ids[i : i + n])
+        i += n
+    return out
+
+
+def run(tokenizer, ids_chunks: list[list[int]], params: SP) -> tuple[IncrementalDetokenizer, list[str]]:
+    """Feed chunks, collecting deltas; checks the streaming invariants on the way."""
+    detok = IncrementalDetokenizer(tokenizer, [0, 5, 6], params)
+    deltas: list[str] = []
+    for chunk in ids_chunks:
+        stop = detok.update(chunk)
+        deltas.append(detok.get_delta(finished=stop is not None))
+        if stop is not None:
+            break
+    deltas.append(detok.get_delta(finished=True))
+    assert "".join(deltas) == detok.output_text
+    return detok, deltas
+
+
+# ---------------------------------------------------------------- text == decode
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_text_equals_decode(tokenizer, seed: int) -> None:
+    rng = random.Random(seed)
+    ids = encode(tokenizer, random_text(rng, 60))
+    detok = IncrementalDetokenizer(tokenizer, [], SP())
+    for chunk in chunks(rng, ids, 3):
+        detok.update(chunk)
+        assert detok.output_text == tokenizer.decode(detok.token_ids, skip_special_tokens=True)
+    assert detok.token_ids == ids
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("spaces", [True, False])
+def test_random_token_ids_equal_decode(tokenizer, seed: int, skip: bool, spaces: bool) -> None:
+    """Any ids at all, including special tokens and byte tokens that form invalid UTF-8."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(50)] + [1, 2, 3, rng.randrange(4, 300)]
+    params = SP(skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+    detok, _ = run(tokenizer, chunks(rng, ids, 4), params)
+    assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_multibyte_characters_are_never_split_in_deltas(tokenizer) -> None:
+    text = "naïve café 🙂🚀👍🏽 日本語 한국어 €5"
+    ids = encode(tokenizer, text)
+    # The tokenizer must actually split some characters across tokens for this test to mean anything.
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
+    detok = IncrementalDetokenizer(tokenizer, [], SP())
+    deltas = []
+    for token in ids:
+        detok.update([token])
+        deltas.append(detok.get_delta(finished=False))
+        assert "\ufffd" not in deltas[-1]
+    deltas.append(detok.get_delta(finished=True))
+    assert "".join(deltas) == text == detok.output_text
+
+
+def test_skip_special_tokens(tokenizer) -> None:
+    ids = encode(tokenizer, "Hi") + [tokenizer.eos_token_id, 2] + encode(tokenizer, "user") + [3]
+    kept, _ = run(tokenizer, [[t] for t in ids], SP(skip_special_tokens=False))
+    assert kept.output_text == "Hi<|end_of_text|><|start_header_id|>user<|end_header_id|>"
+    skipped, _ = run(tokenizer, [[t] for t in ids], SP(skip_special_tokens=True))
+    assert skipped.output_text == "Hiuser"
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+def stop_oracle(tokenizer, ids_chunks: list[list[int]], stops: list[str], include: bool) -> tuple[str, str | None]:
+    """Decode the whole prefix after every chunk; the first chunk where a stop appears decides."""
+    seen: list[int] = []
+    for chunk in ids_chunks:
+        seen.extend(chunk)
+        text = tokenizer.decode(seen, skip_special_tokens=True)
+        hits = [(text.find(s), i, s) for i, s in enumerate(stops) if s in text]
+        if hits:
+            index, _, stop = min(hits)
+            return text[: index + len(stop) if include else index], stop
+    return tokenizer.decode(seen, skip_special_tokens=True), None
+
+
+def test_stop_string_split_across_tokens(tokenizer) -> None:
+    ids = encode(tokenizer, "The answer is 42. ###END### and then more text")
+    stop = "###END###"
+    assert not any(stop in tokenizer.decode([t]) for t in ids)
+    detok, deltas = run(tokenizer, [[t] for t in ids], SP(stop=[stop]))
+    assert detok.stop_reason == stop
+    assert detok.output_text == "The answer is 42. "
+    assert all("#" not in d for d in deltas)
+
+
+def test_include_stop_str_in_output(tokenizer) -> None:
+    ids = encode(tokenizer, "alpha beta gamma delta")
+    detok, _ = run(tokenizer, [[t] for t in ids], SP(stop=["gam", "zzz"], include_stop_str_in_output=True))
+    assert detok.stop_reason == "gam"
+    assert detok.output_text == "alpha beta gam"
+
+
+def test_stop_string_with_multibyte_characters(tokenizer) -> None:
+    ids = encode(tokenizer, "x 日本語 🙂 y")
+    detok, deltas = run(tokenizer, [[t] for t in ids], SP(stop=["本語 🙂"]))
+    assert detok.output_text == "x 日"
+    assert "".join(deltas) == "x 日"
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_random(tokenizer, seed: int, include: bool) -> None:
+    rng = random.Random(100 + seed)
+    text = random_text(rng, 80)
+    start = rng.randrange(10, 70)
+    stops = [text[start : start + rng.randint(1, 6)], text[start + 3 : start + 5] or "q", "never-there"]
+    stops = [s for s in stops if s]
+    ids = encode(tokenizer, text)
+    ids_chunks = chunks(rng, ids, 3)
+    detok, deltas = run(tokenizer, ids_chunks, SP(stop=stops, include_stop_str_in_output=include))
+    expected_text, expected_stop = stop_oracle(tokenizer, ids_chunks, stops, include)
+    assert detok.stop_reason == expected_stop
+    assert detok.output_text == expected_text
+    # Everything streamed before the end is a prefix of the final text: no piece of a stop string leaked.
+    streamed = ""
+    for delta in deltas[:-1]:
+        streamed += delta
+        assert expected_text.startswith(streamed)
+
+
+def test_holds_back_possible_stop_prefix(tokenizer) -> None:
+    detok = IncrementalDetokenizer(tokenizer, [], SP(stop=["STOP"]))
+    detok.update(encode(tokenizer, "abc ST"))
+    assert detok.get_delta(finished=False) == "abc"
+    assert detok.update(encode(tokenizer, "UFF")) is None
+    assert detok.get_delta(finished=False) == " ST"  # "abc STUFF" less the last 3 characters
+    assert detok.get_delta(finished=True) == "UFF"
+
+
+def test_update_after_stop_is_an_error(tokenizer) -> None:
+    detok = IncrementalDetokenizer(tokenizer, [], SP(stop=["b"]))
+    assert detok.update(encode(tokenizer, "abc")) == "b"
+    with pytest.raises(RuntimeError):
+        detok.update([5])
