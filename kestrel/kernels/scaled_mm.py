@@ -1,0 +1,411 @@
+"""W8A8 GEMM with every scale and correction applied on the accumulator before the single store.
+
+`out[m, n] = scale_a[m] * scale_b[n] * (acc[m, n] - azp[m] * azp_adj[n]) + bias[n]`, computed in fp32 and
+rounded once to `out_dtype`, where `acc = a @ b.T` accumulates exactly in int32 (int8) or in fp32 (fp8).
+
+One Triton kernel serves two shape regimes, chosen by a per-(GPU, N, K, M bucket) tuning table:
+- small M (decode): operands swapped so the weight rows fill the MMA tile's M side (wgmma needs 64 rows,
+  a decode batch has 1-64) and the tokens sit on its narrow N side; split-K when N alone gives too few
+  programs to pull the weights at full bandwidth. Split partials meet in a workspace; the last program to
+  arrive at a tile (an atomic counter) sums them in a fixed order and runs the epilogue.
+- large M (prefill): a persistent grid walking output tiles in grouped order so a group of row tiles
+  reuses the same weight columns from L2; TMA descriptors (`tl.make_tensor_descriptor`) feed the tiles.
+Scale granularity (per tensor / per row) is a runtime stride (0 or 1), so it costs no extra compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+SMALL_M = 64
+TUNING_DIR = Path(__file__).parent / "tuning"
+_LOCK_SLOTS = 1 << 16
+
+
+@dataclass(frozen=True)
+class MMConfig:
+    """Launch parameters. `block_r` tiles the MMA's row side: tokens, or weight rows when `swap`."""
+
+    swap: bool
+    block_r: int
+    block_c: int
+    block_k: int
+    split_k: int = 1
+    group: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+    tma: bool = True
+    persistent: bool = False
+    flatten: bool = False
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> MMConfig:
+        return MMConfig(**d)
+
+
+# ----------------------------------------------------------------------------------------- reference
+
+
+def scaled_mm_ref(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    azp_adj: torch.Tensor | None = None,
+    azp: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PyTorch reference: exact accumulation in float64, the epilogue in fp32 as the kernel does it."""
+    _check_args(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp)
+    M, N = a.shape[0], b.shape[0]
+    acc = a.double() @ b.double().T  # exact for int8: |acc| <= K * 2^14 << 2^53
+    if azp is not None:
+        acc = acc - azp.double().reshape(-1, 1) * azp_adj.double().reshape(1, N)
+    sa = scale_a.float().reshape(-1, 1).expand(M, 1)
+    sb = scale_b.float().reshape(1, -1).expand(1, N)
+    out = (sa * sb) * acc.float()
+    if bias is not None:
+        out = out + bias.float().reshape(1, N)
+    return out.to(out_dtype)
+
+
+def _check_args(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp) -> None:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"scaled_mm: a [M, K] and b [N, K] expected, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype or a.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"scaled_mm: a and b must both be int8 or float8_e4m3fn, got {a.dtype}, {b.dtype}")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"scaled_mm: out_dtype must be bfloat16 or float16, got {out_dtype}")
+    M, N = a.shape[0], b.shape[0]
+    if scale_a.numel() not in (1, M) or scale_b.numel() not in (1, N):
+        raise ValueError("scaled_mm: scale_a must be a scalar or [M, 1], scale_b a scalar or [N, 1]")
+    if bias is not None and bias.numel() != N:
+        raise ValueError(f"scaled_mm: bias must have N={N} elements")
+    if (azp is None) != (azp_adj is None):
+        raise ValueError("scaled_mm: azp and azp_adj go together")
+    if azp is not None:
+        if a.dtype != torch.int8:
+            raise ValueError("scaled_mm: zero points are for int8 activations only")
+        if azp.numel() not in (1, M) or azp_adj.numel() != N:
+            raise ValueError("scaled_mm: azp must be a scalar or [M], azp_adj [N]")
+
+
+# ------------------------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _tile_coords(tile, num_r, num_c, group, split_k):
+    """Grouped order: `group` row tiles sweep the column tiles together, sharing them through L2."""
+    rc = tile // split_k
+    split = tile % split_k
+    per_group = group * num_c
+    first_r = (rc // per_group) * group
+    group_size = tl.minimum(num_r - first_r, group)
+    pid_r = first_r + (rc % per_group) % group_size
+    pid_c = (rc % per_group) // group_size
+    return pid_r, pid_c, split, rc
+
+
+@triton.jit
+def _load_8bit(ptrs, mask, IS_INT8: tl.constexpr):
+    """Masked 8-bit load with zero fill; fp8 goes through its bytes (a zero `other` cannot be cast to fp8
+    in the interpreter, and the bytes are the same on the GPU)."""
+    if IS_INT8:
+        return tl.load(ptrs, mask=mask, other=0)
+    raw = tl.load(ptrs.to(tl.pointer_type(tl.uint8)), mask=mask, other=0)
+    return raw.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> nearest-even bf16 grid point, still fp32. Done by hand because the interpreter truncates
+    casts to bf16; the GPU's own cast then sees an exact value, so both agree bit for bit."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, adj_ptr, azp_ptr, off_r, off_c, M, N, stride_cm,
+              stride_sa, stride_sb, stride_azp, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_AZP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = off_r + tl.arange(0, BLOCK_R)
+    cols = off_c + tl.arange(0, BLOCK_C)
+    if SWAP:
+        m_idx = cols[None, :]
+        n_idx = rows[:, None]
+    else:
+        m_idx = rows[:, None]
+        n_idx = cols[None, :]
+    m_ok = m_idx < M
+    n_ok = n_idx < N
+    sa = tl.load(sa_ptr + m_idx * stride_sa, mask=m_ok, other=0.0)
+    sb = tl.load(sb_ptr + n_idx * stride_sb, mask=n_ok, other=0.0)
+    if HAS_AZP:
+        azp = tl.load(azp_ptr + m_idx * stride_azp, mask=m_ok, other=0)
+        adj = tl.load(adj_ptr + n_idx, mask=n_ok, other=0)
+        acc = acc - azp * adj
+    out = (sa * sb) * acc.to(tl.float32)
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0).to(tl.float32)
+    if c_ptr.dtype.element_ty == tl.bfloat16:
+        out = round_bf16(out)
+    c_ptrs = c_ptr + m_idx.to(tl.int64) * stride_cm + n_idx
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=m_ok & n_ok)
+
+
+@triton.jit(do_not_specialize=["M", "stride_sa", "stride_sb", "stride_azp", "num_progs", "group", "split_k"])
+def _scaled_mm_kernel(
+    a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, adj_ptr, azp_ptr, ws_ptr, lock_ptr,
+    M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb, stride_azp,
+    num_progs, group, split_k,
+    IS_INT8: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_AZP: tl.constexpr,
+    USE_TMA: tl.constexpr, FLATTEN: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    ACC: tl.constexpr = tl.int32 if IS_INT8 else tl.float32
+    # x supplies the tile rows, y the tile columns; both are [rows, K] with K contiguous (nn.Linear layout).
+    if SWAP:
+        x_ptr = b_ptr
+        y_ptr = a_ptr
+        R = N
+        C = M
+        stride_x = stride_bn
+        stride_y = stride_am
+    else:
+        x_ptr = a_ptr
+        y_ptr = b_ptr
+        R = M
+        C = N
+        stride_x = stride_am
+        stride_y = stride_bn
+    if USE_TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [R, K], [stride_x, 1], [BLOCK_R, BLOCK_K])
+        y_desc = tl.make_tensor_descriptor(y_ptr, [C, K], [stride_y, 1], [BLOCK_C, BLOCK_K])
+
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_tiles_per_split = tl.cdiv(k_tiles, split_k)
+    num_r = tl.cdiv(R, BLOCK_R)
+    num_c = tl.cdiv(C, BLOCK_C)
+    num_tiles = num_r * num_c * split_k
+    arange_k = tl.arange(0, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_tiles, num_progs, flatten=FLATTEN):
+        pid_r, pid_c, split, rc = _tile_coords(tile, num_r, num_c, group, split_k)
+        off_r = pid_r * BLOCK_R
+        off_c = pid_c * BLOCK_C
+        kt_begin = split * k_tiles_per_split
+        kt_end = tl.minimum(kt_begin + k_tiles_per_split, k_tiles)
+        rows = off_r + tl.arange(0, BLOCK_R)
+        cols = off_c + tl.arange(0, BLOCK_C)
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+        y_rows = y_ptr + cols.to(tl.int64)[:, None] * stride_y
+        acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=ACC)
+        for kt in range(kt_begin, kt_end):
+            k = kt * BLOCK_K
+            if USE_TMA:
+                x = x_desc.load([off_r, k])
+                y = y_desc.load([off_c, k])
+            else:
+                k_ok = (k + arange_k)[None, :] < K
+                x = _load_8bit(x_rows + (k + arange_k)[None, :], (rows[:, None] < R) & k_ok, IS_INT8)
+                y = _load_8bit(y_rows + (k + arange_k)[None, :], (cols[:, None] < C) & k_ok, IS_INT8)
+            acc = tl.dot(x, y.T, acc, out_dtype=ACC)
+
+        if split_k > 1:
+            tile_offs = tl.arange(0, BLOCK_R)[:, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+            tile_base = rc.to(tl.int64) * split_k * (BLOCK_R * BLOCK_C)
+            tl.store(ws_ptr + tile_base + split * (BLOCK_R * BLOCK_C) + tile_offs, acc)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(lock_ptr + rc, 1, sem="acq_rel")
+            if arrived == split_k - 1:
+                # The last arrival sums every partial in split order, so results do not depend on timing.
+                total = tl.zeros((BLOCK_R, BLOCK_C), dtype=ACC)
+                for s in range(0, split_k):
+                    total += tl.load(ws_ptr + tile_base + s * (BLOCK_R * BLOCK_C) + tile_offs,
+                                     cache_modifier=".cg")
+                tl.atomic_xchg(lock_ptr + rc, 0)
+                _epilogue(total, c_ptr, sa_ptr, sb_ptr, bias_ptr, adj_ptr, azp_ptr, off_r, off_c, M, N,
+                          stride_cm, stride_sa, stride_sb, stride_azp, SWAP, HAS_BIAS, HAS_AZP,
+                          BLOCK_R, BLOCK_C)
+        else:
+            _epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, adj_ptr, azp_ptr, off_r, off_c, M, N,
+                      stride_cm, stride_sa, stride_sb, stride_azp, SWAP, HAS_BIAS, HAS_AZP,
+                      BLOCK_R, BLOCK_C)
+
+
+# ----------------------------------------------------------------------------------------- launcher
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    azp_adj: torch.Tensor | None = None,
+    azp: torch.Tensor | None = None,
+    *,
+    config: MMConfig | None = None,
+) -> torch.Tensor:
+    """Triton W8A8 GEMM; see the module docstring. `config` overrides the tuning table (for tuning)."""
+    _check_args(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp)
+    M, K = a.shape
+    N = b.shape[0]
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    if b.stride(1) != 1:
+        b = b.contiguous()
+    cfg = config or select_config(a.dtype, N, K, M, a.device)
+    use_tma = cfg.tma and _tma_ok(a) and _tma_ok(b)
+    R, C = (N, M) if cfg.swap else (M, N)
+    num_rc = triton.cdiv(R, cfg.block_r) * triton.cdiv(C, cfg.block_c)
+    split_k = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
+    if split_k > 1 and num_rc > _LOCK_SLOTS:
+        split_k = 1
+    num_tiles = num_rc * split_k
+    num_progs = min(num_tiles, _num_sms(a.device)) if cfg.persistent else num_tiles
+    acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
+    ws = torch.empty(num_tiles * cfg.block_r * cfg.block_c if split_k > 1 else 1, dtype=acc_dtype, device=a.device)
+    if use_tma:
+        triton.set_allocator(_triton_alloc)
+    sa, stride_sa = _flat_with_stride(scale_a, torch.float32)
+    sb, stride_sb = _flat_with_stride(scale_b, torch.float32)
+    azp_t, stride_azp = _flat_with_stride(azp, torch.int32) if azp is not None else (sa, 0)
+    adj = azp_adj.reshape(-1).to(torch.int32).contiguous() if azp_adj is not None else sa
+    bias_t = bias.reshape(-1).contiguous() if bias is not None else sa
+    _scaled_mm_kernel[(num_progs,)](
+        a, b, out, sa, sb, bias_t, adj, azp_t, ws, _lock_buffer(a.device),
+        M, N, K, a.stride(0), b.stride(0), out.stride(0), stride_sa, stride_sb, stride_azp,
+        num_progs, cfg.group, split_k,
+        IS_INT8=a.dtype == torch.int8, SWAP=cfg.swap, HAS_BIAS=bias is not None, HAS_AZP=azp is not None,
+        USE_TMA=use_tma, FLATTEN=cfg.flatten,
+        BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _flat_with_stride(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    flat = t.reshape(-1).to(dtype).contiguous()
+    return flat, (0 if flat.numel() == 1 else 1)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs a 16-byte aligned base and row stride (8-bit elements: stride % 16 == 0)."""
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def _triton_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+@functools.cache
+def _num_sms_cached(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    # Off CUDA (the interpreter) a small count keeps the persistent loop exercised by tests.
+    if device.type != "cuda":
+        return 4
+    return _num_sms_cached(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def _lock_buffer(device: torch.device) -> torch.Tensor:
+    """Zeroed split-K arrival counters; every kernel leaves them zeroed again, so one buffer per device
+    serves every call (calls on one stream; concurrent streams would need their own)."""
+    buf = _locks.get(device)
+    if buf is None:
+        buf = torch.zeros(_LOCK_SLOTS, dtype=torch.int32, device=device)
+        _locks[device] = buf
+    return buf
+
+
+# ------------------------------------------------------------------------------------ tuning table
+
+
+def m_bucket(M: int) -> int:
+    """Power-of-two bucket holding M (16 covers 1..16); 8192 covers everything above 4096."""
+    return min(8192, max(16, 1 << max(0, (M - 1).bit_length())))
+
+
+def dtype_key(dtype: torch.dtype) -> str:
+    return "int8" if dtype == torch.int8 else "fp8"
+
+
+def gpu_key(name: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in name.lower()).strip("_")
+
+
+def table_path(gpu_name: str) -> Path:
+    return TUNING_DIR / f"scaled_mm_{gpu_key(gpu_name)}.json"
+
+
+@functools.cache
+def load_table(gpu_name: str) -> dict:
+    path = table_path(gpu_name)
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text()).get("configs", {})
+
+
+@functools.cache
+def _device_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
+
+
+def select_config(dtype: torch.dtype, N: int, K: int, M: int, device: torch.device) -> MMConfig:
+    """Tuned entry for (GPU, dtype, N, K, M bucket), the nearest tuned bucket of that shape, or a default."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        entries = load_table(_device_name(index)).get(dtype_key(dtype), {}).get(f"{N},{K}", {})
+        if entries:
+            bucket = m_bucket(M)
+            tuned = [int(b) for b in entries]
+            # Stay on the same side of the small/large split as the exact bucket.
+            same_side = [b for b in tuned if (b <= SMALL_M) == (bucket <= SMALL_M)] or tuned
+            best = min(same_side, key=lambda b: abs(math.log2(b) - math.log2(bucket)))
+            cfg = MMConfig.from_json(entries[str(best)])
+            return _fit_block_c(cfg, M)
+    return default_config(N, K, M, _num_sms(device))
+
+
+def _fit_block_c(cfg: MMConfig, M: int) -> MMConfig:
+    """A swapped config borrowed from another bucket keeps the token tile at the batch's size."""
+    if cfg.swap:
+        return replace(cfg, block_c=max(16, min(cfg.block_c, triton.next_power_of_2(M))))
+    return cfg
+
+
+def default_config(N: int, K: int, M: int, num_sms: int) -> MMConfig:
+    if M <= SMALL_M:
+        block_r, block_k = 64, 256
+        tiles = triton.cdiv(N, block_r)
+        k_tiles = triton.cdiv(K, block_k)
+        split = max(1, min(k_tiles // 4, round(2 * num_sms / tiles)))
+        return MMConfig(swap=True, block_r=block_r, block_c=max(16, triton.next_power_of_2(M)),
+                        block_k=block_k, split_k=split, num_warps=4, num_stages=4)
+    if M <= 256:
+        return MMConfig(swap=False, block_r=64, block_c=128, block_k=128, num_warps=4, num_stages=4,
+                        persistent=True)
+    return MMConfig(swap=False, block_r=128, block_c=256, block_k=128, num_warps=8, num_stages=3,
+                    persistent=True)
