@@ -150,7 +150,7 @@ class EngineCore:
     def _detokenize(self, sequence: _Sequence) -> None:
         request = sequence.request
         detokenizer = sequence.detokenizer
-        new_tokens = request.output_token_ids[detokenizer.num_tokens:]
+        new_tokens = request.output_token_ids[len(detokenizer.token_ids):]
         stop_string = detokenizer.update(new_tokens)
         if stop_string is not None and not request.is_finished:
             request.stop_reason = stop_string
