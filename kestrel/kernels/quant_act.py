@@ -1,0 +1,305 @@
+"""Activation quantization to FP8 (e4m3) or INT8, alone or fused with the op that produces the activations.
+
+Conventions (DESIGN.md): `x = scale * (q - azp)`; FP8 saturates at +-448; symmetric INT8 uses [-127, 127];
+asymmetric INT8 uses [-128, 127] with an integer zero point. Dynamic scales are per token (one per row):
+- FP8: `s = max(absmax / 448, SCALE_FLOOR)`; INT8 symmetric: `s = max(absmax / 127, SCALE_FLOOR)`.
+- INT8 asymmetric: the row range is widened to include 0 (so 0 is exact and the zero point always fits
+  in int8), `s = max((hi - lo) / 255, SCALE_FLOOR)`, `azp = rint(-128 - lo / s)`.
+Rounding is to nearest even everywhere. The floor only guards all-zero rows against 0/0.
+
+Producers fused in front of the quantizer, so the activations are read once and never written in 16 bits:
+RMSNorm (optionally after a residual add, whose sum is written back as the new residual) and
+SiLU(gate) * up on a `[M, 2*I]` input (gate first). All math is fp32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+SCALE_FLOOR = 1e-12
+
+_IDENTITY, _RMS, _RMS_RESIDUAL, _SILU_MUL = 0, 1, 2, 3
+_FP8, _INT8_SYM, _INT8_ASYM = 0, 1, 2
+
+
+class QuantAct(NamedTuple):
+    """Quantized activations: q `[M, K]`, scale `[M, 1]` fp32 (or the given per-tensor scale), azp `[M]`
+    int32 (or the given per-tensor zero point) for asymmetric INT8, else None."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    azp: torch.Tensor | None
+
+
+# ----------------------------------------------------------------------------------------- public API
+
+
+def quant_fp8_per_token(x: torch.Tensor) -> QuantAct:
+    return _launch(x, _IDENTITY, torch.float8_e4m3fn, True, None, None)
+
+
+def quant_int8_per_token(x: torch.Tensor, symmetric: bool = True) -> QuantAct:
+    return _launch(x, _IDENTITY, torch.int8, symmetric, None, None)
+
+
+def quant_static(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                 azp: torch.Tensor | None = None) -> QuantAct:
+    """Per-tensor quantization with a given fp32 scale (and int32 zero point for asymmetric INT8)."""
+    return _launch(x, _IDENTITY, dtype, azp is None, scale, azp)
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
+                   residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                   azp: torch.Tensor | None = None,
+                   symmetric: bool = True) -> tuple[QuantAct, torch.Tensor | None]:
+    """RMSNorm(x [+ residual]) * weight, quantized; returns (quantized, new residual or None).
+
+    With a residual, `h = x + residual` is rounded to x's dtype (that is the new residual) and normalized.
+    A given `scale` (and `azp`) means static per-tensor quantization, otherwise dynamic per token.
+    """
+    producer = _RMS if residual is None else _RMS_RESIDUAL
+    sym = symmetric if scale is None else azp is None
+    return _launch(x, producer, dtype, sym, scale, azp, weight=weight, eps=eps, residual=residual,
+                   with_residual=True)
+
+
+def silu_mul_quant(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None,
+                   azp: torch.Tensor | None = None, symmetric: bool = True) -> QuantAct:
+    """SiLU(x[:, :I]) * x[:, I:] for x `[M, 2*I]`, quantized (static if `scale` is given)."""
+    sym = symmetric if scale is None else azp is None
+    return _launch(x, _SILU_MUL, dtype, sym, scale, azp)
+
+
+# ------------------------------------------------------------------------------------------ references
+
+
+def quant_fp8_per_token_ref(x: torch.Tensor) -> QuantAct:
+    return _quantize_ref(x.float(), torch.float8_e4m3fn, True, None, None)
+
+
+def quant_int8_per_token_ref(x: torch.Tensor, symmetric: bool = True) -> QuantAct:
+    return _quantize_ref(x.float(), torch.int8, symmetric, None, None)
+
+
+def quant_static_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                     azp: torch.Tensor | None = None) -> QuantAct:
+    return _quantize_ref(x.float(), dtype, azp is None, scale, azp)
+
+
+def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
+                       residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                       azp: torch.Tensor | None = None,
+                       symmetric: bool = True) -> tuple[QuantAct, torch.Tensor | None]:
+    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    hf = h.float()
+    rstd = 1.0 / torch.sqrt((hf * hf).sum(dim=-1, keepdim=True) / hf.shape[-1] + eps)
+    y = hf * rstd * weight.float()
+    sym = symmetric if scale is None else azp is None
+    return _quantize_ref(y, dtype, sym, scale, azp), (None if residual is None else h)
+
+
+def silu_mul_quant_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None,
+                       azp: torch.Tensor | None = None, symmetric: bool = True) -> QuantAct:
+    inter = x.shape[-1] // 2
+    g, u = x[..., :inter].float(), x[..., inter:].float()
+    y = g / (1.0 + torch.exp(-g)) * u
+    sym = symmetric if scale is None else azp is None
+    return _quantize_ref(y, dtype, sym, scale, azp)
+
+
+def _quantize_ref(y: torch.Tensor, dtype: torch.dtype, symmetric: bool, scale: torch.Tensor | None,
+                  azp: torch.Tensor | None) -> QuantAct:
+    _check_mode(dtype, symmetric)
+    zp = None
+    if scale is None:
+        if dtype == torch.int8 and not symmetric:
+            hi = y.amax(dim=-1, keepdim=True).clamp(min=0.0)
+            lo = y.amin(dim=-1, keepdim=True).clamp(max=0.0)
+            s = ((hi - lo) / 255.0).clamp(min=SCALE_FLOOR)
+            zp = torch.round(-128.0 - lo / s)
+        else:
+            qmax = FP8_MAX if dtype == torch.float8_e4m3fn else 127.0
+            s = (y.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=SCALE_FLOOR)
+    else:
+        s = scale.float().reshape(1, 1)
+        zp = None if azp is None else azp.float().reshape(1, 1)
+    v = y / s
+    if dtype == torch.float8_e4m3fn:
+        q = v.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    elif zp is None:
+        q = torch.round(v).clamp(-127, 127).to(dtype)
+    else:
+        q = (torch.round(v) + zp).clamp(-128, 127).to(dtype)
+    if scale is not None:
+        return QuantAct(q, scale, azp)
+    return QuantAct(q, s, None if zp is None else zp.reshape(-1).to(torch.int32))
+
+
+def _check_mode(dtype: torch.dtype, symmetric: bool) -> None:
+    if dtype not in (torch.float8_e4m3fn, torch.int8):
+        raise ValueError(f"activation quantization targets float8_e4m3fn or int8, not {dtype}")
+    if dtype == torch.float8_e4m3fn and not symmetric:
+        raise ValueError("FP8 activation quantization is symmetric only")
+
+
+# ---------------------------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _rint(y):
+    """Round half to even (libdevice.rint has no interpreter implementation)."""
+    f = tl.floor(y)
+    d = y - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """Nearest-even e4m3 grid point of v in [-448, 448], as fp32. Done by hand because the interpreter's
+    fp8 cast rounds wrongly; the GPU's cast then sees an exact value, so both agree bit for bit."""
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    subnormal = _rint(a * 512.0) * 0.001953125  # below 2^-6 the e4m3 grid step is 2^-9
+    r = tl.where(a < 0.015625, subnormal, normal)
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _round_bf16(x):
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_dtype(h, dtype: tl.constexpr):
+    """Round fp32 to `dtype` (nearest even), bf16 by hand for the interpreter's sake."""
+    if dtype == tl.bfloat16:
+        h = _round_bf16(h)
+    return h.to(dtype)
+
+
+@triton.jit
+def _produce(x_row, r_row, w_ptr, offs, mask, K, rstd, PRODUCER: tl.constexpr):
+    """The fp32 activations of one chunk of a row (0 where masked)."""
+    if PRODUCER == 3:
+        g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_row + K + offs, mask=mask, other=0.0).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * u
+    else:
+        y = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        if PRODUCER == 2:
+            r = tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
+            y = _to_dtype(y + r, x_row.dtype.element_ty).to(tl.float32)
+        if PRODUCER >= 1:
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            y = y * rstd * w
+    return y
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr, z_in_ptr,
+                      K, stride_x, stride_r, stride_ro, stride_q, eps,
+                      PRODUCER: tl.constexpr, QMODE: tl.constexpr, STATIC: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
+    ro_row = ro_ptr + row * stride_ro
+    q_row = q_ptr + row * stride_q
+    arange = tl.arange(0, BLOCK)
+
+    rstd = 1.0
+    if PRODUCER == 1 or PRODUCER == 2:
+        sumsq = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + arange
+            h = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            if PRODUCER == 2:
+                r = tl.load(r_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+                h = _to_dtype(h + r, x_row.dtype.element_ty)
+                tl.store(ro_row + offs, h, mask=offs < K)
+                h = h.to(tl.float32)
+            sumsq += h * h
+        rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(sumsq, axis=0), K * 1.0) + eps))
+
+    if STATIC:
+        s = tl.load(s_in_ptr)
+        if QMODE == 2:
+            z = tl.load(z_in_ptr).to(tl.float32)
+    else:
+        hi = tl.zeros((BLOCK,), dtype=tl.float32)
+        lo = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + arange
+            y = _produce(x_row, r_row, w_ptr, offs, offs < K, K, rstd, PRODUCER)
+            hi = tl.maximum(hi, y)
+            lo = tl.minimum(lo, y)
+        row_hi = tl.max(hi, axis=0)
+        row_lo = tl.min(lo, axis=0)
+        if QMODE == 0:
+            s = tl.maximum(tl.math.div_rn(tl.maximum(row_hi, -row_lo), 448.0), 1e-12)
+        elif QMODE == 1:
+            s = tl.maximum(tl.math.div_rn(tl.maximum(row_hi, -row_lo), 127.0), 1e-12)
+        else:
+            s = tl.maximum(tl.math.div_rn(row_hi - row_lo, 255.0), 1e-12)
+            z = _rint(-128.0 - tl.math.div_rn(row_lo, s))
+            tl.store(z_ptr + row, z.to(tl.int32))
+        tl.store(s_ptr + row, s)
+
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + arange
+        y = _produce(x_row, r_row, w_ptr, offs, offs < K, K, rstd, PRODUCER)
+        v = tl.math.div_rn(y, s)
+        if QMODE == 0:
+            q = _round_e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0))
+        elif QMODE == 1:
+            q = tl.minimum(tl.maximum(_rint(v), -127.0), 127.0)
+        else:
+            q = tl.minimum(tl.maximum(_rint(v) + z, -128.0), 127.0)
+        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+
+
+def _launch(x: torch.Tensor, producer: int, dtype: torch.dtype, symmetric: bool,
+            scale: torch.Tensor | None, azp: torch.Tensor | None, *, weight: torch.Tensor | None = None,
+            eps: float = 0.0, residual: torch.Tensor | None = None, with_residual: bool = False):
+    _check_mode(dtype, symmetric)
+    width = x.shape[-1]
+    K = width // 2 if producer == _SILU_MUL else width
+    x2 = x.reshape(-1, width)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    q = torch.empty((M, K), dtype=dtype, device=x.device)
+    static = scale is not None
+    s_out = torch.empty((M, 1), dtype=torch.float32, device=x.device) if not static else q
+    asym = dtype == torch.int8 and not symmetric
+    z_out = torch.empty((M,), dtype=torch.int32, device=x.device) if asym and not static else q
+    r2 = residual.reshape(-1, width).contiguous() if residual is not None else x2
+    r_out = torch.empty_like(x2) if residual is not None else x2
+    if M > 0:
+        block = min(triton.next_power_of_2(max(K, 1)), 4096)
+        qmode = _FP8 if dtype == torch.float8_e4m3fn else (_INT8_ASYM if asym else _INT8_SYM)
+        s_in = scale.reshape(-1).float().contiguous() if static else s_out
+        z_in = azp.reshape(-1).to(torch.int32).contiguous() if (static and azp is not None) else s_in
+        _act_quant_kernel[(M,)](
+            x2, r2, weight if weight is not None else x2, r_out, q, s_out, z_out, s_in, z_in,
+            K, x2.stride(0), r2.stride(0), r_out.stride(0), q.stride(0), float(eps),
+            PRODUCER=producer, QMODE=qmode, STATIC=static, BLOCK=block,
+            num_warps=4 if block <= 1024 else 8,
+        )
+    q = q.reshape(*x.shape[:-1], K)
+    if static:
+        result = QuantAct(q, scale, azp)
+    else:
+        result = QuantAct(q, s_out, z_out if asym else None)
+    if with_residual:
+        return result, (r_out.reshape(x.shape) if residual is not None else None)
+    return result
