@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kestrel.config import QuantConfig
+from kestrel.config import ConfigError, QuantConfig
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.activation import SiluAndMul
 from kestrel.model.layers.attention import Attention
@@ -64,7 +64,7 @@ class LlamaArchConfig:
                 sliding_windows: tuple[int | None, ...] | None = None) -> LlamaArchConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"unsupported hidden_act={act!r}; this model family supports 'silu'")
+            raise ConfigError(f"unsupported hidden_act={act!r} in config.json; this model family supports 'silu'")
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
         attention_bias = bool(hf.get("attention_bias", False))

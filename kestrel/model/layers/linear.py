@@ -6,7 +6,8 @@ Loading contract (what a QuantMethod may rely on):
   `per_shard=True` has one entry per merged shard along dim 0 (e.g. a per-tensor scale of q, k and v).
 - Each parameter's `weight_loader(param, loaded_weight, shard_id=None)` copies a checkpoint tensor in.
   A method can point it at `layer.weight_loader` (the sharding-aware default below) or at its own
-  function; parameters left without one get `layer.weight_loader`.
+  function; parameters left without one get `layer.weight_loader`. A parameter tagged
+  `checkpoint_optional=True` may be absent from a checkpoint (e.g. a static activation scale).
 - After all tensors are loaded the model calls `layer.process_after_loading()`, which hands the layer
   to `quant_method.process_after_loading` (e.g. to quantize the loaded weight).
 

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kestrel.config import ConfigError
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -25,7 +27,8 @@ class RopeConfig:
         scaling = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}")
+            raise ConfigError(f"unsupported rope type {rope_type!r} in config.json; "
+                              f"supported: {list(SUPPORTED_ROPE_TYPES)}")
         theta = scaling.get("rope_theta", hf_config.get("rope_theta", 10000.0))
         factor = scaling.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
         params = {k: v for k, v in scaling.items() if k not in ("rope_type", "type", "rope_theta",
