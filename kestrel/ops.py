@@ -10,6 +10,8 @@ import functools
 import torch
 
 from kestrel.kernels import attention as _attention
+from kestrel.kernels import quant_act as _quant_act
+from kestrel.kernels import scaled_mm as _scaled_mm
 from kestrel.kernels import store_kv as _store_kv
 
 
@@ -38,3 +40,33 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.
     impl = getattr(_store_kv, "store_kv", None) if use_triton(key) else None
     fn = impl or _store_kv.store_kv_ref
     fn(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None, azp_adj=None, azp=None):
+    fn = _scaled_mm.scaled_mm if use_triton(a) else _scaled_mm.scaled_mm_ref
+    return fn(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp)
+
+
+def quant_fp8_per_token(x):
+    fn = _quant_act.quant_fp8_per_token if use_triton(x) else _quant_act.quant_fp8_per_token_ref
+    return fn(x)
+
+
+def quant_int8_per_token(x, symmetric=True):
+    fn = _quant_act.quant_int8_per_token if use_triton(x) else _quant_act.quant_int8_per_token_ref
+    return fn(x, symmetric)
+
+
+def quant_static(x, scale, dtype, azp=None):
+    fn = _quant_act.quant_static if use_triton(x) else _quant_act.quant_static_ref
+    return fn(x, scale, dtype, azp)
+
+
+def rms_norm_quant(x, weight, eps, dtype, residual=None, scale=None, azp=None, symmetric=True):
+    fn = _quant_act.rms_norm_quant if use_triton(x) else _quant_act.rms_norm_quant_ref
+    return fn(x, weight, eps, dtype, residual, scale, azp, symmetric)
+
+
+def silu_mul_quant(x, dtype, scale=None, azp=None, symmetric=True):
+    fn = _quant_act.silu_mul_quant if use_triton(x) else _quant_act.silu_mul_quant_ref
+    return fn(x, dtype, scale, azp, symmetric)
