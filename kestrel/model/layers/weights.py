@@ -1,8 +1,6 @@
-"""Helpers shared by every layer's weight loaders: attribute tagging and checked copies."""
+"""Helpers shared by the layers' weight loaders: checked copies that name both shapes on mismatch."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -15,14 +13,6 @@ class WeightShapeError(ValueError):
         self.expected_shape = expected_shape
         where = f" ({detail})" if detail else ""
         super().__init__(f"checkpoint shape {loaded_shape} does not match parameter shape {expected_shape}{where}")
-
-
-def set_weight_attrs(param: torch.Tensor, **attrs: Any) -> None:
-    """Attach loading metadata (`weight_loader`, `output_dim`, `input_dim`, ...) to a parameter."""
-    for key, value in attrs.items():
-        if hasattr(param, key) and key != "weight_loader":
-            raise AttributeError(f"parameter already has attribute {key!r}")
-        setattr(param, key, value)
 
 
 def copy_checked(target: torch.Tensor, loaded: torch.Tensor, detail: str = "") -> None:
