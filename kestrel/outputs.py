@@ -17,6 +17,10 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # What this output adds to the previous one of the same request (for streaming).
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: SampleLogprobs | None = None
 
     @property
     def finished(self) -> bool:

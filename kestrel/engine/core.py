@@ -27,6 +27,7 @@ class _Sequence:
     index: int
     status: RequestStatus = RequestStatus.WAITING
     finished_time: float | None = None
+    num_emitted_tokens: int = 0
 
 
 @dataclass
@@ -160,13 +161,18 @@ class EngineCore:
         completions = []
         for seq in parent.sequences:
             request = seq.request
+            wants_logprobs = request.sampling_params.logprobs is not None
+            start, seq.num_emitted_tokens = seq.num_emitted_tokens, request.num_output_tokens
             completions.append(CompletionOutput(
                 index=seq.index,
                 text=seq.detokenizer.output_text,
                 token_ids=list(request.output_token_ids),
-                logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+                logprobs=list(request.output_logprobs) if wants_logprobs else None,
                 finish_reason=request.status.finish_reason,
                 stop_reason=request.stop_reason,
+                delta_text=seq.detokenizer.get_delta(seq.status.finished),
+                delta_token_ids=request.output_token_ids[start:],
+                delta_logprobs=request.output_logprobs[start:] if wants_logprobs else None,
             ))
         first = parent.sequences[0].request
         metrics = RequestMetrics(

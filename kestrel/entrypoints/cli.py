@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     init = commands.add_parser("model-init", help="write a small random Hugging Face checkpoint with a tokenizer")
     init.add_argument("path")
     init.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2"])
-    init.add_argument("--size", default="tiny", choices=["tiny"])
+    init.add_argument("--size", default="tiny", choices=["tiny", "small"])
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(func=_cmd_model_init)
 

@@ -49,8 +49,8 @@ def paged_attention_ref(
         v = v.repeat_interleave(group, dim=1)
         qs = q[q_start:q_end].to(compute_dtype)  # [Lq, H, D]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         allowed = k_pos <= q_pos
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
