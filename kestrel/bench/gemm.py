@@ -1,0 +1,800 @@
+"""`kestrel bench gemm`: W8A8 GEMMs against cuBLAS anchors on Llama-3-8B shapes (BENCHMARKS.md "gemm").
+
+Every variant is checked against a float64 reference on its first input set before it is timed. Timing
+captures one CUDA graph that calls the variant once per rotated input set (enough sets to overflow L2),
+replays it `--runs` times with CUDA events around each replay and reports the median per call.
+`--tune` searches a small config space per (dtype, N, K, M bucket) and writes the tuning table.
+`--smoke` runs tiny shapes on the CPU (under TRITON_INTERPRET=1) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+
+from kestrel.kernels import quant_act as qa
+from kestrel.kernels import scaled_mm as smm
+from kestrel.kernels.scaled_mm import MMConfig
+
+SHAPES: dict[str, tuple[int, int]] = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                                      "down": (4096, 14336)}
+M_VALUES = (1, 16, 64, 256, 1024, 4096, 8192)
+TUNE_M = (16, 64, 256, 1024, 4096, 8192)
+SMOKE_SHAPES = {"tiny": (96, 128), "tiny_k": (64, 208)}
+SMOKE_M = (1, 16, 40, 80)
+ROTATE_BYTES = 3 * 60 * 2**20  # three times the H200's L2
+MAX_SETS = 12
+# Measured ceilings from BENCHMARKS.md, used when the run cannot measure its own (e.g. on the CPU).
+FALLBACK_CEILINGS = {"bw": 4.26e12, "bf16": 760e12, "eight_bit": 1315e12}
+ERR_LIMIT = 1e-2
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+@dataclass
+class Weights:
+    w: torch.Tensor  # bf16 [N, K]
+    w8: torch.Tensor  # fp8 per channel
+    s8: torch.Tensor  # [N, 1]
+    wi: torch.Tensor  # int8 per channel, symmetric
+    si: torch.Tensor  # [N, 1]
+    adj: torch.Tensor  # int32 [N], colsum of wi
+    bias: torch.Tensor  # bf16 [N]
+    wi_t: torch.Tensor | None = None  # [K, N] copy, only if torch._int_mm refuses the transposed view
+
+
+@dataclass
+class Acts:
+    x: torch.Tensor  # bf16 [M, K]
+    fp8: qa.QuantAct
+    i8: qa.QuantAct
+    i8a: qa.QuantAct
+    fp8_static: qa.QuantAct
+    i8_static: qa.QuantAct
+
+
+def make_weights(N: int, K: int, count: int, device: torch.device, gen: torch.Generator) -> list[Weights]:
+    sets = []
+    for _ in range(count):
+        w = (torch.randn(N, K, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+        wf = w.float()
+        amax = wf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+        s8 = amax / 448.0
+        w8 = (wf / s8).clamp(-448, 448).to(torch.float8_e4m3fn)
+        si = amax / 127.0
+        wi = torch.round(wf / si).clamp(-127, 127).to(torch.int8)
+        bias = (torch.randn(N, generator=gen, device=device) * 0.1).to(torch.bfloat16)
+        sets.append(Weights(w, w8, s8, wi, si, wi.int().sum(dim=1, dtype=torch.int32), bias))
+    return sets
+
+
+def make_acts(M: int, K: int, count: int, device: torch.device, gen: torch.Generator) -> list[Acts]:
+    use_kernels = device.type == "cuda"
+    fp8 = qa.quant_fp8_per_token if use_kernels else qa.quant_fp8_per_token_ref
+    i8 = qa.quant_int8_per_token if use_kernels else qa.quant_int8_per_token_ref
+    static = qa.quant_static if use_kernels else qa.quant_static_ref
+    sets = []
+    for _ in range(count):
+        # Activation-like rows: most channels small, a few outliers, and a per-row magnitude spread.
+        x = torch.randn(M, K, generator=gen, device=device)
+        x = x * (0.5 + torch.rand(M, 1, generator=gen, device=device))
+        x[:, :: max(1, K // 16)] *= 8.0
+        x = x.to(torch.bfloat16)
+        amax = x.float().abs().amax().clamp(min=1e-12)
+        sets.append(Acts(x=x, fp8=fp8(x), i8=i8(x, True), i8a=i8(x, False),
+                         fp8_static=static(x, (amax / 448.0).reshape(()), torch.float8_e4m3fn),
+                         i8_static=static(x, (amax / 127.0).reshape(()), torch.int8)))
+    return sets
+
+
+# -------------------------------------------------------------------------------------------- variants
+
+
+@dataclass
+class Variant:
+    name: str
+    family: str  # anchor or ours; groups points in the plot
+    bits: int  # operand width: 16 or 8
+    quant_included: bool
+    call: Callable[[Weights, Acts], torch.Tensor]
+    ref: Callable[[Weights, Acts, dict], torch.Tensor]  # float64 expectation
+    min_m: int = 1
+
+
+def _epi_ref(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Tensor | None = None,
+             azp: torch.Tensor | None = None, adj: torch.Tensor | None = None) -> torch.Tensor:
+    if azp is not None:
+        acc = acc - azp.double().reshape(-1, 1) * adj.double().reshape(1, -1)
+    out = sa.double().reshape(-1, 1) * sb.double().reshape(1, -1) * acc
+    return out + bias.double().reshape(1, -1) if bias is not None else out
+
+
+def _acc(cache: dict, key: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if key not in cache:
+        cache[key] = a.double() @ b.double().T  # exact for int8 (|acc| << 2^53)
+    return cache[key]
+
+
+def _int_mm(W: Weights, A: Acts) -> torch.Tensor:
+    if W.wi_t is not None:
+        return torch._int_mm(A.i8.q, W.wi_t)
+    return torch._int_mm(A.i8.q, W.wi.t())
+
+
+def _t_scale(s: torch.Tensor) -> torch.Tensor:
+    """A per-tensor weight scale for the tensorwise variants (same weights, one scale: same timing)."""
+    return s.float().mean().reshape(())
+
+
+def build_variants() -> list[Variant]:
+    bf16 = torch.bfloat16
+    mm = smm.scaled_mm
+
+    def ours_fp8(W, A, quant=False, bias=False):
+        q = qa.quant_fp8_per_token(A.x) if quant else A.fp8
+        return mm(q.q, W.w8, q.scale, W.s8, bf16, W.bias if bias else None)
+
+    def ours_i8(W, A, quant=False, bias=False):
+        q = qa.quant_int8_per_token(A.x, True) if quant else A.i8
+        return mm(q.q, W.wi, q.scale, W.si, bf16, W.bias if bias else None)
+
+    def ours_i8a(W, A, quant=False):
+        q = qa.quant_int8_per_token(A.x, False) if quant else A.i8a
+        return mm(q.q, W.wi, q.scale, W.si, bf16, None, W.adj, q.azp)
+
+    def ref_fp8(W, A, c, bias=False):
+        return _epi_ref(_acc(c, "fp8", A.fp8.q, W.w8), A.fp8.scale, W.s8, W.bias if bias else None)
+
+    def ref_i8(W, A, c, bias=False):
+        return _epi_ref(_acc(c, "i8", A.i8.q, W.wi), A.i8.scale, W.si, W.bias if bias else None)
+
+    def ref_i8a(W, A, c):
+        return _epi_ref(_acc(c, "i8a", A.i8a.q, W.wi), A.i8a.scale, W.si, None, A.i8a.azp, W.adj)
+
+    def ref_fp8_t(W, A, c):
+        return _epi_ref(_acc(c, "fp8s", A.fp8_static.q, W.w8), A.fp8_static.scale, _t_scale(W.s8))
+
+    def ref_i8_t(W, A, c):
+        return _epi_ref(_acc(c, "i8s", A.i8_static.q, W.wi), A.i8_static.scale, _t_scale(W.si))
+
+    return [
+        Variant("bf16_mm", "anchor", 16, False, lambda W, A: torch.nn.functional.linear(A.x, W.w),
+                lambda W, A, c: _acc(c, "bf16", A.x, W.w)),
+        Variant("torch_fp8_rowwise", "anchor", 8, False,
+                lambda W, A: torch._scaled_mm(A.fp8.q, W.w8.t(), A.fp8.scale, W.s8.t(), out_dtype=bf16),
+                ref_fp8),
+        Variant("torch_fp8_tensorwise", "anchor", 8, False,
+                lambda W, A: torch._scaled_mm(A.fp8_static.q, W.w8.t(), A.fp8_static.scale, _t_scale(W.s8),
+                                              out_dtype=bf16),
+                ref_fp8_t),
+        Variant("torch_int_mm", "anchor", 8, False, _int_mm,
+                lambda W, A, c: _acc(c, "i8", A.i8.q, W.wi), min_m=17),
+        Variant("fp8_tok_ch", "ours", 8, False, ours_fp8, ref_fp8),
+        Variant("fp8_tok_ch+quant", "ours", 8, True, lambda W, A: ours_fp8(W, A, quant=True), ref_fp8),
+        Variant("fp8_tensor", "ours", 8, False,
+                lambda W, A: mm(A.fp8_static.q, W.w8, A.fp8_static.scale, _t_scale(W.s8), bf16), ref_fp8_t),
+        Variant("fp8_tok_ch_bias", "ours", 8, False, lambda W, A: ours_fp8(W, A, bias=True),
+                lambda W, A, c: ref_fp8(W, A, c, bias=True)),
+        Variant("int8_tok_ch", "ours", 8, False, ours_i8, ref_i8),
+        Variant("int8_tok_ch+quant", "ours", 8, True, lambda W, A: ours_i8(W, A, quant=True), ref_i8),
+        Variant("int8_tensor", "ours", 8, False,
+                lambda W, A: mm(A.i8_static.q, W.wi, A.i8_static.scale, _t_scale(W.si), bf16), ref_i8_t),
+        Variant("int8_tok_ch_bias", "ours", 8, False, lambda W, A: ours_i8(W, A, bias=True),
+                lambda W, A, c: ref_i8(W, A, c, bias=True)),
+        Variant("int8_asym", "ours", 8, False, ours_i8a, ref_i8a),
+        Variant("int8_asym+quant", "ours", 8, True, lambda W, A: ours_i8a(W, A, quant=True), ref_i8a),
+    ]
+
+
+# ------------------------------------------------------------------------------------- check and time
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64 = out.double()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    denom = ref.norm().item()
+    return (out64 - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def checked_call(fn: Callable[[], torch.Tensor], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """Run once right after freeing a NaN-filled block of the output's size: the caching allocator hands
+    that block back, so an element the kernel never writes shows up as NaN."""
+    poison = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+    del poison
+    return fn()
+
+
+def time_calls(calls: list[Callable[[], object]], runs: int, device: torch.device) -> tuple[float, bool]:
+    """Median microseconds per call. On CUDA: one graph holding every call, `runs` timed replays."""
+    if device.type != "cuda":
+        for c in calls:
+            c()
+        samples = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            for c in calls:
+                c()
+            samples.append((time.perf_counter() - t0) * 1e6 / len(calls))
+        return statistics.median(samples), False
+    try:
+        return _time_graph(calls, runs), True
+    except Exception:  # a variant that cannot be captured is timed eagerly, and marked so
+        torch.cuda.synchronize()
+        return _time_eager(calls, runs), False
+
+
+def _time_graph(calls: list[Callable[[], object]], runs: int) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for c in calls:
+                c()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    for _ in range(3):
+        graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    for s, e in zip(starts, ends):
+        s.record()
+        graph.replay()
+        e.record()
+    torch.cuda.synchronize()
+    samples = [s.elapsed_time(e) * 1e3 / len(calls) for s, e in zip(starts, ends)]
+    del graph
+    return statistics.median(samples)
+
+
+def _time_eager(calls: list[Callable[[], object]], runs: int) -> float:
+    for c in calls:
+        c()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    for s, e in zip(starts, ends):
+        s.record()
+        for c in calls:
+            c()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 / len(calls) for s, e in zip(starts, ends))
+
+
+# ------------------------------------------------------------------------------------------- ceilings
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return dict(FALLBACK_CEILINGS, measured=False)
+    src = torch.empty(2**30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    copy_us = _time_eager([lambda s=src, d=dst: d.copy_(s)], 10)
+    bw = 2 * src.numel() / (copy_us * 1e-6)
+    src = dst = None
+    n = 8192
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    bf16_us = _time_eager([lambda: a @ b], 10)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    fp8_us = _time_eager([lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16)], 10)
+    flops = 2 * n**3
+    return {"bw": bw, "bf16": flops / (bf16_us * 1e-6), "eight_bit": flops / (fp8_us * 1e-6), "measured": True,
+            "note": "copy of 1 GiB (read+write); 8192^3 bf16 torch.mm; 8192^3 fp8 torch._scaled_mm tensorwise"}
+
+
+def gemm_bytes(M: int, N: int, K: int, bits: int, quant_included: bool) -> int:
+    elt = bits // 8
+    total = (M * K + N * K) * elt + M * N * 2
+    if quant_included:
+        total += M * K * 2 + M * K  # read bf16 activations, write the 8-bit copy
+    return total
+
+
+def speed_of_light_us(M: int, N: int, K: int, bits: int, quant_included: bool, ceil: dict) -> float:
+    peak = ceil["bf16"] if bits == 16 else ceil["eight_bit"]
+    return max(2 * M * N * K / peak, gemm_bytes(M, N, K, bits, quant_included) / ceil["bw"]) * 1e6
+
+
+# ------------------------------------------------------------------------------------------- benchmark
+
+
+@dataclass
+class Ctx:
+    device: torch.device
+    runs: int
+    shapes: dict[str, tuple[int, int]]
+    m_values: tuple[int, ...]
+    ceilings: dict
+    log: Callable[[str], None] = print
+    max_candidates: int | None = None
+    weights: dict[str, list[Weights]] = field(default_factory=dict)
+
+
+def sets_for(M: int, N: int, K: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2
+    per_call = M * K + N * K + 2 * M * N
+    return max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / per_call)))
+
+
+def weights_for(ctx: Ctx, name: str, N: int, K: int) -> list[Weights]:
+    if name not in ctx.weights:
+        ctx.weights.clear()  # one shape's weights at a time
+        gen = torch.Generator(device=ctx.device).manual_seed(zlib.crc32(name.encode()))
+        ctx.weights[name] = make_weights(N, K, sets_for(1, N, K, ctx.device), ctx.device, gen)
+    return ctx.weights[name]
+
+
+def run_point(ctx: Ctx, shape: str, M: int, variants: list[Variant]) -> list[dict]:
+    N, K = ctx.shapes[shape]
+    weights = weights_for(ctx, shape, N, K)
+    count = min(len(weights), sets_for(M, N, K, ctx.device))
+    gen = torch.Generator(device=ctx.device).manual_seed(1000 + M)
+    acts = make_acts(M, K, count, ctx.device, gen)
+    cache: dict = {}
+    rows = []
+    for v in variants:
+        row = {"shape": shape, "N": N, "K": K, "M": M, "variant": v.name, "family": v.family,
+               "bits": v.bits, "quant_included": v.quant_included, "sets": count}
+        if v.min_m > M:
+            rows.append(dict(row, status="skipped", reason=f"needs M >= {v.min_m}"))
+            continue
+        rows.append(dict(row, **measure_variant(ctx, v, weights, acts, cache, M, N, K)))
+    del cache, acts
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def measure_variant(ctx: Ctx, v: Variant, weights: list[Weights], acts: list[Acts], cache: dict,
+                    M: int, N: int, K: int) -> dict:
+    try:
+        if v.name == "torch_int_mm":
+            _prepare_int_mm(weights, acts[0])
+        out = checked_call(lambda: v.call(weights[0], acts[0]), (M, N), ctx.device)
+        err = rel_err(out, v.ref(weights[0], acts[0], cache))
+        del out
+        if not err <= ERR_LIMIT:
+            return {"status": "wrong", "err": err}
+        calls = [(lambda W=weights[i], A=acts[i]: v.call(W, A)) for i in range(len(acts))]
+        us, graphed = time_calls(calls, ctx.runs, ctx.device)
+    except Exception as exc:  # one failing variant must not sink the whole run
+        return {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    flops = 2 * M * N * K
+    sol = speed_of_light_us(M, N, K, v.bits, v.quant_included, ctx.ceilings)
+    byts = gemm_bytes(M, N, K, v.bits, v.quant_included)
+    return {"status": "ok", "err": err, "us": us, "tflops": flops / us * 1e-6, "sol_us": sol,
+            "sol_frac": sol / us, "intensity": flops / byts, "graph": graphed}
+
+
+def _prepare_int_mm(weights: list[Weights], acts: Acts) -> None:
+    if weights[0].wi_t is not None:
+        return
+    try:
+        torch._int_mm(acts.i8.q, weights[0].wi.t())
+    except RuntimeError:
+        for W in weights:
+            W.wi_t = W.wi.t().contiguous()
+
+
+def bench(ctx: Ctx, variant_names: set[str] | None = None) -> list[dict]:
+    variants = [v for v in build_variants() if variant_names is None or v.name in variant_names]
+    rows: list[dict] = []
+    for shape in ctx.shapes:
+        for M in ctx.m_values:
+            t0 = time.time()
+            point = run_point(ctx, shape, M, variants)
+            rows.extend(point)
+            ok = {r["variant"]: r for r in point if r.get("status") == "ok"}
+            brief = " ".join(f"{k}={r['us']:.1f}" for k, r in ok.items())
+            ctx.log(f"[{shape} M={M} {time.time() - t0:.1f}s] {brief}")
+            for r in point:
+                if r.get("status") in ("wrong", "error"):
+                    ctx.log(f"  !! {r['variant']}: {r['status']} {r.get('err', '')} {r.get('reason', '')}")
+    return rows
+
+
+# -------------------------------------------------------------------------------------------- targets
+
+
+def _us(rows: list[dict], shape: str, M: int, variant: str) -> float | None:
+    for r in rows:
+        if r["shape"] == shape and r["M"] == M and r["variant"] == variant and r.get("status") == "ok":
+            return r["us"]
+    return None
+
+
+TARGETS = [
+    # (name, ours, anchor, M predicate, threshold): passes when anchor_us / ours_us >= threshold
+    ("FP8 tok x ch incl. quant >= 1.7x BF16 (M <= 64)", "fp8_tok_ch+quant", "bf16_mm", lambda m: m <= 64, 1.7),
+    ("FP8 tok x ch incl. quant >= 1.0x torch rowwise (M >= 1024)", "fp8_tok_ch+quant", "torch_fp8_rowwise",
+     lambda m: m >= 1024, 1.0),
+    ("INT8 tok x ch >= 1.4x torch._int_mm (M >= 1024)", "int8_tok_ch", "torch_int_mm", lambda m: m >= 1024, 1.4),
+    ("INT8 tok x ch incl. quant >= 1.7x BF16 (M <= 16)", "int8_tok_ch+quant", "bf16_mm", lambda m: m <= 16, 1.7),
+    ("INT8 asym within 10% of sym (all M)", "int8_asym", "int8_tok_ch", lambda m: True, 1 / 1.1),
+    ("INT8 asym incl. quant within 10% of sym incl. quant", "int8_asym+quant", "int8_tok_ch+quant",
+     lambda m: True, 1 / 1.1),
+]
+# Like-for-like views reported beside the targets (not targets themselves).
+EXTRA_RATIOS = [
+    ("FP8 tok x ch GEMM only vs torch rowwise", "fp8_tok_ch", "torch_fp8_rowwise"),
+    ("FP8 tok x ch GEMM only vs BF16", "fp8_tok_ch", "bf16_mm"),
+    ("FP8 tensor vs torch tensorwise", "fp8_tensor", "torch_fp8_tensorwise"),
+    ("INT8 tok x ch GEMM only vs BF16", "int8_tok_ch", "bf16_mm"),
+    ("INT8 tok x ch incl. quant vs torch._int_mm", "int8_tok_ch+quant", "torch_int_mm"),
+]
+
+
+def evaluate_targets(rows: list[dict], shapes: list[str], m_values: tuple[int, ...]) -> list[dict]:
+    out = []
+    for name, ours, anchor, pred, threshold in TARGETS:
+        for shape in shapes:
+            for M in m_values:
+                if not pred(M):
+                    continue
+                a, o = _us(rows, shape, M, anchor), _us(rows, shape, M, ours)
+                ratio = a / o if a and o else None
+                out.append({"target": name, "shape": shape, "M": M, "ours": ours, "anchor": anchor,
+                            "ratio": ratio, "threshold": threshold,
+                            "pass": None if ratio is None else ratio >= threshold})
+    return out
+
+
+def extra_ratios(rows: list[dict], shapes: list[str], m_values: tuple[int, ...]) -> list[dict]:
+    out = []
+    for name, ours, anchor in EXTRA_RATIOS:
+        for shape in shapes:
+            for M in m_values:
+                a, o = _us(rows, shape, M, anchor), _us(rows, shape, M, ours)
+                if a and o:
+                    out.append({"ratio_name": name, "shape": shape, "M": M, "ratio": a / o})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ tune
+
+
+def small_candidates(M: int) -> list[MMConfig]:
+    bc = max(16, 1 << max(0, (M - 1).bit_length()))
+    base = [(64, 128, 4, 4), (64, 256, 4, 4), (64, 256, 4, 6), (128, 128, 4, 4), (128, 256, 8, 3),
+            (64, 512, 4, 3)]
+    cfgs = []
+    for br, bk, warps, stages in base:
+        for tma in (True, False):
+            for split in (1, 2, 4, 8):
+                cfgs.append(MMConfig(swap=True, block_r=br, block_c=bc, block_k=bk, split_k=split,
+                                     num_warps=warps, num_stages=stages, tma=tma))
+    return cfgs
+
+
+def large_candidates(M: int) -> list[MMConfig]:
+    base = [(128, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 256, 64, 8, 4),
+            (256, 128, 128, 8, 3), (64, 128, 128, 4, 4), (64, 256, 128, 4, 3), (128, 128, 256, 8, 3)]
+    cfgs = [MMConfig(swap=False, block_r=br, block_c=bc, block_k=bk, num_warps=w, num_stages=s,
+                     persistent=True) for br, bc, bk, w, s in base]
+    cfgs.append(replace(cfgs[2], persistent=False))
+    cfgs.append(replace(cfgs[2], flatten=True))
+    cfgs.append(replace(cfgs[1], flatten=True))
+    if M <= 256:
+        cfgs.append(MMConfig(swap=True, block_r=128, block_c=min(256, M), block_k=128, num_warps=8,
+                             num_stages=3, split_k=1))
+    return cfgs
+
+
+def candidates(M: int) -> list[MMConfig]:
+    return small_candidates(M) if M <= smm.SMALL_M else large_candidates(M)
+
+
+def tune(ctx: Ctx, budget_s: float) -> tuple[dict, list[dict]]:
+    """Best config per (dtype, N, K, M bucket) on the token x channel variant, GEMM only."""
+    table: dict = {"fp8": {}, "int8": {}}
+    sweep: list[dict] = []
+    t_start = time.time()
+    for shape, (N, K) in ctx.shapes.items():
+        weights = weights_for(ctx, shape, N, K)
+        for M in ctx.m_values:
+            count = min(len(weights), sets_for(M, N, K, ctx.device))
+            acts = make_acts(M, K, count, ctx.device, torch.Generator(device=ctx.device).manual_seed(7 + M))
+            for key in ("fp8", "int8"):
+                if time.time() - t_start > budget_s:
+                    ctx.log(f"tune budget spent; {shape} M={M} {key} keeps the default config")
+                    continue
+                best = _tune_point(ctx, key, shape, M, N, K, weights, acts, sweep)
+                if best is not None:
+                    table[key].setdefault(f"{N},{K}", {})[str(smm.m_bucket(M))] = best.to_json()
+            del acts
+    return table, sweep
+
+
+def _tune_point(ctx: Ctx, key: str, shape: str, M: int, N: int, K: int, weights: list[Weights],
+                acts: list[Acts], sweep: list[dict]) -> MMConfig | None:
+    def call(cfg: MMConfig, W: Weights, A: Acts) -> torch.Tensor:
+        if key == "fp8":
+            return smm.scaled_mm(A.fp8.q, W.w8, A.fp8.scale, W.s8, torch.bfloat16, config=cfg)
+        return smm.scaled_mm(A.i8.q, W.wi, A.i8.scale, W.si, torch.bfloat16, config=cfg)
+
+    cache: dict = {}
+    W0, A0 = weights[0], acts[0]
+    ref = (_epi_ref(_acc(cache, key, A0.fp8.q, W0.w8), A0.fp8.scale, W0.s8) if key == "fp8"
+           else _epi_ref(_acc(cache, key, A0.i8.q, W0.wi), A0.i8.scale, W0.si))
+    best: tuple[float, MMConfig] | None = None
+    for cfg in candidates(M)[: ctx.max_candidates]:
+        entry = {"dtype": key, "shape": shape, "M": M, "config": cfg.to_json()}
+        try:
+            err = rel_err(checked_call(lambda c=cfg: call(c, W0, A0), (M, N), ctx.device), ref)
+            if not err <= ERR_LIMIT:
+                sweep.append(dict(entry, status="wrong", err=err))
+                continue
+            calls = [(lambda c=cfg, W=weights[i], A=acts[i]: call(c, W, A)) for i in range(len(acts))]
+            us, _ = time_calls(calls, max(10, ctx.runs // 2), ctx.device)
+        except Exception as exc:
+            sweep.append(dict(entry, status="error", reason=f"{type(exc).__name__}: {str(exc)[:200]}"))
+            continue
+        sweep.append(dict(entry, status="ok", us=us, tflops=2 * M * N * K / us * 1e-6))
+        if best is None or us < best[0]:
+            best = (us, cfg)
+    if best is not None:
+        ctx.log(f"tune {key} {shape} M={M}: {best[0]:.1f} us {best[1]}")
+    return best[1] if best else None
+
+
+# ---------------------------------------------------------------------------------------- precompile
+
+
+def _warm_specs(specs: list[tuple[str, dict, bool, str]]) -> list[str]:
+    """Compile (via one tiny launch each) in a worker process; the kernels land in Triton's disk cache."""
+    errors = []
+    dev = torch.device("cuda")
+    for key, cfg_json, bias, azp in specs:
+        cfg = MMConfig.from_json(cfg_json)
+        M, N, K = max(1, cfg.block_c if cfg.swap else cfg.block_r), 256, 512
+        dt = torch.int8 if key == "int8" else torch.float8_e4m3fn
+        a = torch.ones(M, K, device=dev).to(dt)
+        b = torch.ones(N, K, device=dev).to(dt)
+        sa, sb = torch.ones(M, 1, device=dev), torch.ones(N, 1, device=dev)
+        zb = torch.zeros(N, dtype=torch.bfloat16, device=dev) if bias else None
+        adj = torch.zeros(N, dtype=torch.int32, device=dev) if azp != "none" else None
+        z = torch.zeros(M, dtype=torch.int32, device=dev) if azp != "none" else None
+        try:
+            smm.scaled_mm(a, b, sa, sb, torch.bfloat16, zb, adj, z, config=cfg)
+            torch.cuda.synchronize()
+        except Exception as exc:
+            errors.append(f"{cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+    return errors
+
+
+def precompile(specs: list[tuple[str, dict, bool, str]], jobs: int, log: Callable[[str], None]) -> None:
+    if jobs <= 1 or not specs:
+        return
+    t0 = time.time()
+    chunks = [specs[i::jobs] for i in range(jobs) if specs[i::jobs]]
+    try:
+        with ProcessPoolExecutor(max_workers=len(chunks), mp_context=get_context("spawn")) as pool:
+            errors = [e for errs in pool.map(_warm_specs, chunks) for e in errs]
+    except Exception as exc:
+        log(f"precompile failed ({type(exc).__name__}: {exc}); compiling lazily")
+        return
+    log(f"precompiled {len(specs)} kernels in {time.time() - t0:.1f}s; {len(errors)} failed")
+    for e in errors[:8]:
+        log(f"  {e}")
+
+
+def tune_specs(m_values: tuple[int, ...]) -> list[tuple[str, dict, bool, str]]:
+    seen: dict[str, tuple[str, dict, bool, str]] = {}
+    for M in m_values:
+        for cfg in candidates(M):
+            for key in ("fp8", "int8"):
+                c = replace(cfg, split_k=1).to_json()
+                seen[json.dumps([key, c])] = (key, c, False, "none")
+    return list(seen.values())
+
+
+def bench_specs(shapes: dict[str, tuple[int, int]], m_values: tuple[int, ...],
+                device: torch.device) -> list[tuple[str, dict, bool, str]]:
+    seen: dict[str, tuple[str, dict, bool, str]] = {}
+    for N, K in shapes.values():
+        for M in m_values:
+            for key, dt in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
+                cfg = replace(smm.select_config(dt, N, K, M, device), split_k=1).to_json()
+                flags = [(False, "none"), (True, "none")] + ([(False, "token")] if key == "int8" else [])
+                for bias, azp in flags:
+                    seen[json.dumps([key, cfg, bias, azp])] = (key, cfg, bias, azp)
+    return list(seen.values())
+
+
+# -------------------------------------------------------------------------------------------- reports
+
+
+def environment(git_sha: str | None) -> dict:
+    import triton
+
+    env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "git_sha": git_sha or _git_sha(), "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, sms=props.multi_processor_count, l2_bytes=getattr(props, "L2_cache_size", None))
+    else:
+        env.update(gpu="cpu (TRITON_INTERPRET)")
+    return env
+
+
+def _git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def summary_table(rows: list[dict], shapes: list[str], m_values: tuple[int, ...]) -> str:
+    cols = [("bf16", "bf16_mm"), ("fp8row", "torch_fp8_rowwise"), ("int_mm", "torch_int_mm"),
+            ("fp8", "fp8_tok_ch"), ("fp8+q", "fp8_tok_ch+quant"), ("i8", "int8_tok_ch"),
+            ("i8+q", "int8_tok_ch+quant"), ("i8asym", "int8_asym")]
+    lines = ["shape    M     " + "".join(f"{c:>9}" for c, _ in cols) + "  fp8+q/bf16 fp8+q/row i8/int_mm"]
+    for shape in shapes:
+        for M in m_values:
+            us = {c: _us(rows, shape, M, v) for c, v in cols}
+            cells = "".join(f"{us[c]:9.1f}" if us[c] else f"{'-':>9}" for c, _ in cols)
+
+            ratios = [_ratio(us, "bf16", "fp8+q"), _ratio(us, "fp8row", "fp8+q"), _ratio(us, "int_mm", "i8")]
+            lines.append(f"{shape:8} {M:<5} {cells}  {ratios[0]:>10} {ratios[1]:>9} {ratios[2]:>9}")
+    lines.append("(median us per call; ratios = anchor time / ours)")
+    return "\n".join(lines)
+
+
+def _ratio(us: dict, anchor: str, ours: str) -> str:
+    return f"{us[anchor] / us[ours]:.2f}" if us[anchor] and us[ours] else "-"
+
+
+def targets_summary(targets: list[dict]) -> str:
+    lines = []
+    for name in dict.fromkeys(t["target"] for t in targets):
+        rows = [t for t in targets if t["target"] == name]
+        passed = sum(1 for t in rows if t["pass"])
+        missed = [f"{t['shape']}@{t['M']}:{t['ratio']:.2f}" if t["ratio"] else f"{t['shape']}@{t['M']}:n/a"
+                  for t in rows if not t["pass"]]
+        lines.append(f"{passed}/{len(rows)} {name}" + (f"  missed: {' '.join(missed)}" if missed else ""))
+    return "\n".join(lines)
+
+
+def plot_roofline(rows: list[dict], ceilings: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(9, 6))
+    xs = [1, 1e4]
+    for peak, label, style in ((ceilings["bf16"], "BF16 ceiling", "--"), (ceilings["eight_bit"], "8-bit ceiling", "-")):
+        knee = peak / ceilings["bw"]
+        ax.plot([xs[0], knee, xs[1]], [xs[0] * ceilings["bw"] / 1e12, peak / 1e12, peak / 1e12], style,
+                color="gray", label=f"{label} {peak / 1e12:.0f} TFLOP/s, {ceilings['bw'] / 1e12:.2f} TB/s")
+    shown = ["bf16_mm", "torch_fp8_rowwise", "torch_int_mm", "fp8_tok_ch+quant", "int8_tok_ch+quant", "int8_asym"]
+    markers = dict(zip(shown, "osv^D*"))
+    for name in shown:
+        pts = [r for r in rows if r["variant"] == name and r.get("status") == "ok"]
+        if pts:
+            ax.scatter([r["intensity"] for r in pts], [r["tflops"] for r in pts], marker=markers[name], label=name,
+                       alpha=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte of DRAM traffic, minimum)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title("Llama-3-8B GEMMs, M in {1..8192}: achieved vs roofline")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for JSON and PNG")
+    p.add_argument("--name", default=None, help="file stem (default gemm-<gpu>)")
+    p.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
+    p.add_argument("--ms", default=None, help="comma list of M values")
+    p.add_argument("--runs", type=int, default=50, help="timed graph replays per measurement (>= 50)")
+    p.add_argument("--variants", default=None, help="comma list of variant names (default: all)")
+    p.add_argument("--tune", action="store_true", help="search configs and write the tuning table first")
+    p.add_argument("--tune-only", action="store_true", help="tune, write the table, skip the benchmark")
+    p.add_argument("--tune-out", type=Path, default=None, help="tuning table path (default: in the package)")
+    p.add_argument("--tune-budget-s", type=float, default=240.0)
+    p.add_argument("--jobs", type=int, default=0, help="processes precompiling kernels (0: min(16, cpus))")
+    p.add_argument("--git-sha", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, for checking this script")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("gemm", help="W8A8 GEMM benchmark (BENCHMARKS.md 'gemm')")
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.shapes:
+        shapes = {s: shapes[s] for s in args.shapes.split(",")}
+    m_values = tuple(int(m) for m in args.ms.split(",")) if args.ms else (SMOKE_M if args.smoke else M_VALUES)
+    runs = 3 if args.smoke else max(args.runs, 1)
+    jobs = args.jobs or min(16, os.cpu_count() or 1)
+    if device.type != "cuda":
+        jobs = 1
+    env = environment(args.git_sha)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"gemm-{smm.gpu_key(env['gpu'])}"
+    log = lambda msg: print(msg, flush=True)
+    log(f"env: {env}")
+    ceilings = measure_ceilings(device)
+    log(f"ceilings: bw {ceilings['bw'] / 1e12:.2f} TB/s, bf16 {ceilings['bf16'] / 1e12:.0f}, "
+        f"8-bit {ceilings['eight_bit'] / 1e12:.0f} TFLOP/s")
+    ctx = Ctx(device=device, runs=runs, shapes=shapes, m_values=m_values, ceilings=ceilings, log=log,
+              max_candidates=3 if args.smoke else None)
+    result: dict = {"suite": "gemm", "environment": env, "ceilings": ceilings,
+                    "config": {"shapes": shapes, "m_values": list(m_values), "runs": runs,
+                               "rotate_bytes": ROTATE_BYTES, "err_limit": ERR_LIMIT,
+                               "timing": "CUDA graph of one call per rotated input set; median of runs replays"}}
+    if args.tune or args.tune_only:
+        tune_m = m_values if args.smoke or args.ms else TUNE_M
+        precompile(tune_specs(tune_m), jobs, log)
+        tctx = replace(ctx, m_values=tune_m)
+        table, sweep = tune(tctx, args.tune_budget_s)
+        path = args.tune_out or smm.table_path(env["gpu"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"gpu": env["gpu"], "environment": env, "configs": table}, indent=1) + "\n")
+        smm.load_table.cache_clear()
+        smm.TUNING_DIR = path.parent  # the benchmark below reads the table just written
+        (args.out / f"{stem}-sweep.json").write_text(json.dumps(sweep) + "\n")
+        log(f"wrote {path}")
+        if args.tune_only:
+            return 0
+    precompile(bench_specs(shapes, m_values, device), jobs, log)
+    names = set(args.variants.split(",")) if args.variants else None
+    rows = bench(ctx, names)
+    targets = evaluate_targets(rows, list(shapes), m_values)
+    result.update(results=rows, targets=targets, ratios=extra_ratios(rows, list(shapes), m_values))
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plotted = plot_roofline(rows, ceilings, args.out / f"{stem}.png")
+    log(f"wrote {args.out / (stem + '.json')}" + (" and .png" if plotted else " (no matplotlib: no PNG)"))
+    log(targets_summary(targets))
+    log(summary_table(rows, list(shapes), m_values))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kestrel bench gemm", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
