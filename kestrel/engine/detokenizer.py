@@ -19,6 +19,7 @@ from typing import Any
 from kestrel.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
+_PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
@@ -27,8 +28,6 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._tokenizer = tokenizer
         self._params = params
-        # The text is decoded from the output alone (no prompt context), so it equals
-        # tokenizer.decode(output_token_ids) exactly; the prompt is kept for callers.
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = []
         self._special_ids = frozenset(tokenizer.all_special_ids)
@@ -36,9 +35,9 @@ class IncrementalDetokenizer:
         # separately decoded runs (Hugging Face's slow-tokenizer rule); with them, the tokenizer's own
         # decoding of the whole sequence is kept.
         self._split_at_special = not params.skip_special_tokens and not params.spaces_between_special_tokens
-        self._tokens: list[str] = []
+        self._tokens: list[str] = self._prompt_context(tokenizer, prompt_token_ids)
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = len(self._tokens)
         self._committed = ""
         self._pending = ""
         self._stops = list(params.stop)
@@ -47,6 +46,17 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self.stop_reason: str | None = None
         self._final_text: str | None = None
+
+    def _prompt_context(self, tokenizer: Any, prompt_token_ids: list[int]) -> list[str]:
+        """The prompt's last few tokens, decoded before the output so that a decoder that drops a
+        leading space at the start of a text (SentencePiece) keeps the output's first space.
+        Byte-level tokenizers decode the same either way."""
+        ids = [t for t in prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:] if t not in self._special_ids]
+        if not ids:
+            return []
+        tokens = tokenizer.convert_ids_to_tokens(ids)
+        # A prompt ending inside a multi-byte character would shift every later offset.
+        return [] if tokenizer.convert_tokens_to_string(tokens).endswith(_REPLACEMENT) else tokens
 
     @property
     def output_text(self) -> str:

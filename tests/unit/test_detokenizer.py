@@ -180,3 +180,19 @@ def test_update_after_stop_is_an_error(tokenizer) -> None:
     assert detok.update(encode(tokenizer, "abc")) == "b"
     with pytest.raises(RuntimeError):
         detok.update([5])
+
+
+def test_prompt_context_keeps_the_first_leading_space_of_metaspace_tokenizers():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "▁again": 3}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    assert tokenizer.decode([2, 3]) == "world again"  # the decoder drops a text's leading space
+    detokenizer = IncrementalDetokenizer(tokenizer, [1], SP())
+    detokenizer.update([2])
+    detokenizer.update([3])
+    assert detokenizer.output_text == " world again"
