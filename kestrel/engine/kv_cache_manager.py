@@ -30,7 +30,8 @@ class KVCacheManager:
 
         At least one token is always left to compute, so the step that follows has a row to sample.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position computed.
             return [], 0
         hashes = self._update_hashes(request)
         hits: list[KVBlock] = []

@@ -173,6 +173,11 @@ class Scheduler:
         """
         updated = []
         now = time.monotonic()
+        # Before the tokens: the step that ends a prompt can also finish its request.
+        for request_id, logprobs in runner_output.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.prompt_logprobs.extend(logprobs)
         for i, request_id in enumerate(runner_output.req_ids):
             request = self.requests.get(request_id)
             token_id = runner_output.sampled_token_ids[i]
@@ -189,10 +194,6 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, status)
             updated.append(request)
-        for request_id, logprobs in runner_output.prompt_logprobs.items():
-            request = self.requests.get(request_id)
-            if request is not None:
-                request.prompt_logprobs.extend(logprobs)
         return updated
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
@@ -211,6 +212,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.prompt_logprobs = []  # recomputation produces them again
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -79,6 +79,7 @@ class ModelRunner:
         counts = [out.num_scheduled_tokens[rid] for rid in req_ids]
         inputs = build_model_inputs(states, counts, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        prompt_logprobs = self._prompt_logprobs(states, counts, inputs.attn_metadata.query_start_loc, hidden)
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
 
@@ -103,4 +104,36 @@ class ModelRunner:
                 state.token_ids.append(token_id)
                 sampled[row] = token_id
                 logprobs[row] = lp
-        return ModelRunnerOutput(req_ids, sampled, logprobs)
+        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], query_start_loc: torch.Tensor,
+                         hidden: torch.Tensor) -> dict[str, list[dict[int, float] | None]]:
+        """Logprobs of each prompt token given the ones before it, for the prompt rows of this step.
+
+        Row p of a chunk predicts token p + 1; the first prompt token has no logprob (None).
+        """
+        result: dict[str, list[dict[int, float] | None]] = {}
+        starts = None
+        for row, (state, count) in enumerate(zip(states, counts)):
+            k = state.sampling_params.prompt_logprobs
+            first = state.num_computed_tokens
+            last = min(first + count, state.num_prompt_tokens - 1)  # exclusive: positions with a next prompt token
+            if k is None or first >= state.num_prompt_tokens:
+                continue
+            if starts is None:
+                starts = query_start_loc.tolist()
+            entries: list[dict[int, float] | None] = [None] if first == 0 else []
+            if last > first:
+                rows = hidden[starts[row]: starts[row] + (last - first)]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+                targets = torch.tensor(state.token_ids[first + 1: last + 1], device=logprobs.device)
+                chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+                top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+                for i, token_id in enumerate(targets.tolist()):
+                    entry = {token_id: chosen[i]}
+                    if top_ids is not None:
+                        for tid, lp in zip(top_ids[i].tolist(), top_lp[i].tolist()):
+                            entry.setdefault(tid, lp)
+                    entries.append(entry)
+            result[state.req_id] = entries
+        return result

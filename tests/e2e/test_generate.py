@@ -143,3 +143,20 @@ def test_bad_input_errors(llama_dir, tmp_path):
     # The engine still works after rejected requests, and nothing leaked.
     assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_prompt_logprobs_match_hf_under_chunking(llama_dir):
+    prompts = mixed_prompts(1000, count=4, seed=9)
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    llm = LLM(llama_dir, dtype="float32", max_model_len=64, max_num_batched_tokens=8, max_num_seqs=8)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert len(output.prompt_logprobs) == len(prompt) and output.prompt_logprobs[0] is None
+        with torch.inference_mode():
+            expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
+        for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
+            token = prompt[position]
+            assert entry[token] == pytest.approx(expected[position - 1, token].item(), abs=1e-4)
+            top3 = expected[position - 1].topk(3).indices.tolist()
+            assert set(top3) <= set(entry)
