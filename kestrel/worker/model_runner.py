@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.config import EngineConfig
+from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kestrel.loader import load_model
 from kestrel.loader.hf_config import resolve_dtype
@@ -16,6 +16,8 @@ from kestrel.worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dty
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("invalid device='cuda': no CUDA device is available here; use device='cpu' or 'auto'")
     return torch.device(name)
 
 
