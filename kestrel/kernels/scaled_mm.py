@@ -172,7 +172,7 @@ def _scaled_mm_kernel(
     M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb, stride_azp,
     num_progs, group, split_k,
     IS_INT8: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_AZP: tl.constexpr,
-    USE_TMA: tl.constexpr, FLATTEN: tl.constexpr,
+    USE_TMA: tl.constexpr, FLATTEN: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     ACC: tl.constexpr = tl.int32 if IS_INT8 else tl.float32
@@ -223,7 +223,7 @@ def _scaled_mm_kernel(
                 y = _load_8bit(y_rows + (k + arange_k)[None, :], (cols[:, None] < C) & k_ok, IS_INT8)
             acc = tl.dot(x, y.T, acc, out_dtype=ACC)
 
-        if split_k > 1:
+        if SPLIT:
             tile_offs = tl.arange(0, BLOCK_R)[:, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
             tile_base = rc.to(tl.int64) * split_k * (BLOCK_R * BLOCK_C)
             tl.store(ws_ptr + tile_base + split * (BLOCK_R * BLOCK_C) + tile_offs, acc)
@@ -294,7 +294,7 @@ def scaled_mm(
         M, N, K, a.stride(0), b.stride(0), out.stride(0), stride_sa, stride_sb, stride_azp,
         num_progs, cfg.group, split_k,
         IS_INT8=a.dtype == torch.int8, SWAP=cfg.swap, HAS_BIAS=bias is not None, HAS_AZP=azp is not None,
-        USE_TMA=use_tma, FLATTEN=cfg.flatten,
+        USE_TMA=use_tma, FLATTEN=cfg.flatten, SPLIT=split_k > 1,
         BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -378,15 +378,21 @@ def select_config(dtype: torch.dtype, N: int, K: int, M: int, device: torch.devi
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         entries = load_table(_device_name(index)).get(dtype_key(dtype), {}).get(f"{N},{K}", {})
-        if entries:
-            bucket = m_bucket(M)
-            tuned = [int(b) for b in entries]
-            # Stay on the same side of the small/large split as the exact bucket.
-            same_side = [b for b in tuned if (b <= SMALL_M) == (bucket <= SMALL_M)] or tuned
-            best = min(same_side, key=lambda b: abs(math.log2(b) - math.log2(bucket)))
-            cfg = MMConfig.from_json(entries[str(best)])
-            return _fit_block_c(cfg, M)
+        cfg = lookup(entries, M)
+        if cfg is not None:
+            return cfg
     return default_config(N, K, M, _num_sms(device))
+
+
+def lookup(entries: dict[str, dict], M: int) -> MMConfig | None:
+    """The entry of M's bucket, else of the nearest tuned bucket on the same side of SMALL_M."""
+    if not entries:
+        return None
+    bucket = m_bucket(M)
+    tuned = [int(b) for b in entries]
+    same_side = [b for b in tuned if (b <= SMALL_M) == (bucket <= SMALL_M)] or tuned
+    best = min(same_side, key=lambda b: abs(math.log2(b) - math.log2(bucket)))
+    return _fit_block_c(MMConfig.from_json(entries[str(best)]), M)
 
 
 def _fit_block_c(cfg: MMConfig, M: int) -> MMConfig:
