@@ -584,17 +584,20 @@ def _warm_specs(specs: list[tuple[str, dict, bool, str]]) -> list[str]:
     return errors
 
 
-def precompile(specs: list[tuple[str, dict, bool, str]], jobs: int, log: Callable[[str], None]) -> None:
+def precompile(specs: list[tuple[str, dict, bool, str]], jobs: int, log: Callable[[str], None],
+               timeout_s: float = 300.0) -> None:
     if jobs <= 1 or not specs:
         return
     t0 = time.time()
     chunks = [specs[i::jobs] for i in range(jobs) if specs[i::jobs]]
+    pool = ProcessPoolExecutor(max_workers=len(chunks), mp_context=get_context("spawn"))
     try:
-        with ProcessPoolExecutor(max_workers=len(chunks), mp_context=get_context("spawn")) as pool:
-            errors = [e for errs in pool.map(_warm_specs, chunks) for e in errs]
-    except Exception as exc:
+        errors = [e for errs in pool.map(_warm_specs, chunks, timeout=timeout_s) for e in errs]
+    except Exception as exc:  # compiling lazily in this process is slower but still correct
         log(f"precompile failed ({type(exc).__name__}: {exc}); compiling lazily")
         return
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     log(f"precompiled {len(specs)} kernels in {time.time() - t0:.1f}s; {len(errors)} failed")
     for e in errors[:8]:
         log(f"  {e}")
@@ -741,6 +744,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    t_run = time.time()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     if args.shapes:
@@ -786,6 +790,7 @@ def run(args: argparse.Namespace) -> int:
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     plotted = plot_roofline(rows, ceilings, args.out / f"{stem}.png")
     log(f"wrote {args.out / (stem + '.json')}" + (" and .png" if plotted else " (no matplotlib: no PNG)"))
+    log(f"total {time.time() - t_run:.0f}s")
     log(targets_summary(targets))
     log(summary_table(rows, list(shapes), m_values))
     return 0
