@@ -398,7 +398,8 @@ def _prepare_int_mm(weights: list[Weights], acts: Acts) -> None:
             W.wi_t = W.wi.t().contiguous()
 
 
-def bench(ctx: Ctx, variant_names: set[str] | None = None) -> list[dict]:
+def bench(ctx: Ctx, variant_names: set[str] | None = None,
+          on_point: Callable[[list[dict]], None] | None = None) -> list[dict]:
     variants = [v for v in build_variants() if variant_names is None or v.name in variant_names]
     rows: list[dict] = []
     for shape in ctx.shapes:
@@ -412,6 +413,8 @@ def bench(ctx: Ctx, variant_names: set[str] | None = None) -> list[dict]:
             for r in point:
                 if r.get("status") in ("wrong", "error"):
                     ctx.log(f"  !! {r['variant']}: {r['status']} {r.get('err', '')} {r.get('reason', '')}")
+            if on_point is not None:
+                on_point(rows)
     return rows
 
 
@@ -784,10 +787,16 @@ def run(args: argparse.Namespace) -> int:
             return 0
     precompile(bench_specs(shapes, m_values, device), jobs, log)
     names = set(args.variants.split(",")) if args.variants else None
-    rows = bench(ctx, names)
-    targets = evaluate_targets(rows, list(shapes), m_values)
-    result.update(results=rows, targets=targets, ratios=extra_ratios(rows, list(shapes), m_values))
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    json_path = args.out / f"{stem}.json"
+
+    def save(rows: list[dict]) -> None:  # after every point, so a cut-off run still leaves its numbers
+        result.update(results=rows, targets=evaluate_targets(rows, list(shapes), m_values),
+                      ratios=extra_ratios(rows, list(shapes), m_values))
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+
+    rows = bench(ctx, names, on_point=save)
+    save(rows)
+    targets = result["targets"]
     plotted = plot_roofline(rows, ceilings, args.out / f"{stem}.png")
     log(f"wrote {args.out / (stem + '.json')}" + (" and .png" if plotted else " (no matplotlib: no PNG)"))
     log(f"total {time.time() - t_run:.0f}s")
