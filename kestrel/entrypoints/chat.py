@@ -1,20 +1,497 @@
-"""Chat templates: messages -> prompt token ids through the tokenizer's own template."""
+"""Chat templates and tool calls: messages (+ tools) -> prompt, model text -> OpenAI `tool_calls`.
+
+Tool calls use the JSON format of Llama 3.x: the assistant answers with only
+`{"name": ..., "arguments": {...}}` ("parameters" is accepted too), several calls as a JSON array
+or one object after another. A template that does not render `tools` itself gets a system
+instruction describing the tools and this format. `tool_choice` "required" and a named function
+start the assistant turn with the call's opening (`{"name": "` or the whole header up to the
+arguments), so the model only has to continue it; there is no guided decoding, so a model can
+still produce malformed JSON, and then the reply carries it as plain content and the finish
+reason is not "tool_calls".
+"""
 
 from __future__ import annotations
 
+import json
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 from kestrel.request import InvalidRequestError
 
+_WS = " \t\r\n"
+
+TOOL_INSTRUCTION = (
+    "You can call these functions:\n{functions}\n\n"
+    "To call a function, answer with only a JSON object of the form "
+    '{{"name": <function name>, "arguments": <object of argument values>}}; for several calls, '
+    "a JSON array of such objects. Do not add any other text to a function call."
+)
+REQUIRED_INSTRUCTION = "\nYou must call at least one of the functions."
+NAMED_INSTRUCTION = "\nYou must call the function {name}."
+
+
+# ----- templates ------------------------------------------------------------------------------------
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                         chat_template: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    text = render_chat(tokenizer, messages, tools=tools, tool_choice="auto" if tools else "none",
+                       add_generation_prompt=add_generation_prompt, chat_template=chat_template).text
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    text: str  # the rendered conversation, ending with the assistant prefix
+    assistant_prefix: str  # what the assistant turn was started with (a forced tool-call opening) or ""
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                tool_choice: str = "auto", named_tool: str | None = None, add_generation_prompt: bool = True,
+                chat_template: str | None = None) -> ChatPrompt:
+    """Render messages through the tokenizer's template. `tool_choice`: none, auto, required or named."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequestError("messages", "this model's tokenizer has no chat template; use a completion "
-                                  "prompt instead, or pass chat_template")
+                                  "prompt (/v1/completions) instead, or pass chat_template")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise InvalidRequestError("messages", "messages must be a list of {'role': ..., 'content': ...} dicts")
-    rendered = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
+    use_tools = bool(tools) and tool_choice != "none"
+    native = use_tools and template_renders_tools(template)
+    conversation = [_normalize_message(m, native) for m in messages]
+    if use_tools and not native:
+        conversation = _with_tool_instruction(conversation, tools or [], tool_choice, named_tool)
+    try:
+        text = tokenizer.apply_chat_template(conversation, tools=tools if native else None, chat_template=template,
                                              add_generation_prompt=add_generation_prompt, tokenize=False)
-    return tokenizer.encode(rendered, add_special_tokens=False)
+    except Exception as e:  # a template raises whatever its author chose (jinja errors, ValueError, ...)
+        raise InvalidRequestError("messages", f"the chat template could not render these messages: {e}") from None
+    prefix = forced_prefix(tool_choice, named_tool) if use_tools and add_generation_prompt else ""
+    return ChatPrompt(text + prefix, prefix)
+
+
+def template_renders_tools(template: str | dict[str, str]) -> bool:
+    sources = template.values() if isinstance(template, dict) else [template]
+    return any("tools" in source for source in sources)
+
+
+def forced_prefix(tool_choice: str, named_tool: str | None) -> str:
+    if tool_choice == "named" and named_tool:
+        return '{"name": ' + json.dumps(named_tool) + ', "arguments": '
+    if tool_choice == "required":
+        return '{"name": "'
+    return ""
+
+
+def _normalize_message(message: dict[str, Any], native_tools: bool) -> dict[str, Any]:
+    role = "system" if message["role"] == "developer" else message["role"]
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    out: dict[str, Any] = {"role": role, "content": content or ""}
+    if message.get("tool_call_id"):
+        out["tool_call_id"] = message["tool_call_id"]
+    if message.get("name"):
+        out["name"] = message["name"]
+    calls = message.get("tool_calls") or []
+    if calls and native_tools:
+        out["tool_calls"] = [_native_call(call) for call in calls]
+    elif calls:
+        rendered = [{"name": c["function"]["name"], "arguments": _loads_or_raw(c["function"].get("arguments", ""))}
+                    for c in calls]
+        text = json.dumps(rendered[0] if len(rendered) == 1 else rendered)
+        out["content"] = f"{out['content']}\n{text}" if out["content"] else text
+    return out
+
+
+def _native_call(call: dict[str, Any]) -> dict[str, Any]:
+    # HF templates expect the arguments as a mapping (they serialize it themselves).
+    function = call["function"]
+    native = {"type": "function",
+              "function": {"name": function["name"], "arguments": _loads_or_raw(function.get("arguments", ""))}}
+    if call.get("id"):
+        native["id"] = call["id"]
+    return native
+
+
+def _loads_or_raw(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        return text
+
+
+def _with_tool_instruction(conversation: list[dict[str, Any]], tools: list[dict[str, Any]], tool_choice: str,
+                           named_tool: str | None) -> list[dict[str, Any]]:
+    functions = "\n".join(json.dumps(tool.get("function", tool)) for tool in tools)
+    instruction = TOOL_INSTRUCTION.format(functions=functions)
+    if tool_choice == "required":
+        instruction += REQUIRED_INSTRUCTION
+    elif tool_choice == "named" and named_tool:
+        instruction += NAMED_INSTRUCTION.format(name=named_tool)
+    if conversation and conversation[0]["role"] == "system":
+        first = dict(conversation[0], content=f"{conversation[0]['content']}\n\n{instruction}")
+        return [first, *conversation[1:]]
+    return [{"role": "system", "content": instruction}, *conversation]
+
+
+# ----- tool-call parsing ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolArgumentsDelta:
+    index: int
+    text: str
+
+
+ParserEvent = ContentDelta | ToolCallStart | ToolArgumentsDelta
+
+
+@dataclass
+class ParsedToolCall:
+    id: str
+    name: str
+    arguments: str = ""
+    complete: bool = False
+
+    @property
+    def valid(self) -> bool:
+        if not self.complete:
+            return False
+        try:
+            return isinstance(json.loads(self.arguments), dict)
+        except ValueError:
+            return False
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class _JsonScanner:
+    """Finds where a JSON value that starts with `{` or `[` ends, one chunk of text at a time."""
+
+    def __init__(self, depth: int = 0) -> None:
+        self.depth = depth
+        self._started = depth > 0
+        self._in_string = False
+        self._escaped = False
+
+    def scan(self, text: str, start: int) -> int | None:
+        """Consume text[start:]; return the index just past the value's end, or None if it goes on."""
+        for i in range(start, len(text)):
+            c = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self.depth += 1
+                self._started = True
+            elif c in "}]":
+                self.depth -= 1
+                if self._started and self.depth == 0:
+                    return i + 1
+        return None
+
+
+_PARTIAL = "partial"
+_FAIL = "fail"
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def _literal(text: str, i: int, options: tuple[str, ...]) -> int | str:
+    """Index past whichever option text[i:] starts with (after whitespace), _PARTIAL or _FAIL."""
+    i = _skip_ws(text, i)
+    rest = text[i:]
+    if not rest:
+        return _PARTIAL
+    for option in options:
+        if rest.startswith(option):
+            return i + len(option)
+    return _PARTIAL if any(option.startswith(rest) for option in options) else _FAIL
+
+
+def _string(text: str, i: int) -> tuple[int, str] | str:
+    """A JSON string starting at text[i] (after whitespace): (index past it, value), _PARTIAL or _FAIL."""
+    i = _skip_ws(text, i)
+    if i >= len(text):
+        return _PARTIAL
+    if text[i] != '"':
+        return _FAIL
+    j, escaped = i + 1, False
+    while j < len(text):
+        c = text[j]
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c == '"':
+            try:
+                return j + 1, json.loads(text[i : j + 1])
+            except ValueError:
+                return _FAIL
+        j += 1
+    return _PARTIAL
+
+
+def _match_header(text: str, start: int) -> tuple[int, str] | str:
+    """`{"name": "<name>", "arguments": ` up to the arguments' opening `{`: (index of that brace, name)."""
+    i = _literal(text, start, ("{",))
+    for expected in (('"name"',), (":",)):
+        if isinstance(i, str):
+            return i
+        i = _literal(text, i, expected)
+    if isinstance(i, str):
+        return i
+    name = _string(text, i)
+    if isinstance(name, str):
+        return name
+    i, value = name
+    for expected in ((",",), ('"arguments"', '"parameters"'), (":",)):
+        i = _literal(text, i, expected)
+        if isinstance(i, str):
+            return i
+    i = _skip_ws(text, i)
+    if i >= len(text):
+        return _PARTIAL
+    return (i, value) if text[i] == "{" else _FAIL
+
+
+@dataclass
+class ToolCallParser:
+    """Turns streamed model text into content or tool-call events; `finish()` flushes the rest.
+
+    Text is content unless it starts (after whitespace) with `{` or `[`. Once a call's header with a
+    known function name is recognized, its arguments are streamed as they arrive; a JSON object in
+    another key order is buffered whole and checked before it is reported as a call.
+    """
+
+    tool_names: Collection[str]
+    prefix: str = ""
+    calls: list[ParsedToolCall] = field(default_factory=list)
+    _text: str = ""
+    _pos: int = 0
+    _state: str = "start"
+    _in_array: bool = False
+    _object_start: int = 0
+    _scanner: _JsonScanner | None = None
+    _scan_pos: int = 0
+    _pending: list[ParserEvent] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._pending = self.feed(self.prefix) if self.prefix else []
+
+    @property
+    def all_valid(self) -> bool:
+        return bool(self.calls) and all(call.valid for call in self.calls)
+
+    def feed(self, text: str) -> list[ParserEvent]:
+        events, self._pending = self._pending, []
+        self._text += text
+        while self._step(events):
+            pass
+        return events
+
+    def finish(self) -> list[ParserEvent]:
+        events = self.feed("")
+        if not self.calls and self._state not in ("content", "done") and self._text:
+            events.append(ContentDelta(self._text))
+        self._state = "done"
+        return events
+
+    # Each state handler returns True when it made progress and False when it needs more text.
+    def _step(self, events: list[ParserEvent]) -> bool:
+        return getattr(self, f"_on_{self._state}")(events)
+
+    def _next_char(self) -> str | None:
+        self._pos = _skip_ws(self._text, self._pos)
+        return self._text[self._pos] if self._pos < len(self._text) else None
+
+    def _on_start(self, events: list[ParserEvent]) -> bool:
+        c = self._next_char()
+        if c is None:
+            return False
+        if c == "[":
+            self._in_array = True
+            self._pos += 1
+            self._state = "object_start"
+        elif c == "{":
+            self._begin_object()
+        else:
+            self._fail()
+        return True
+
+    def _on_object_start(self, events: list[ParserEvent]) -> bool:
+        c = self._next_char()
+        if c is None:
+            return False
+        if c == "{":
+            self._begin_object()
+        elif c == "]" and self.calls:
+            self._pos += 1
+            self._state = "done"
+        else:
+            self._fail()
+        return True
+
+    def _begin_object(self) -> None:
+        self._object_start = self._pos
+        self._state = "header"
+
+    def _on_header(self, events: list[ParserEvent]) -> bool:
+        match = _match_header(self._text, self._object_start)
+        if match == _PARTIAL:
+            return False
+        if match == _FAIL:
+            self._scanner, self._scan_pos, self._state = _JsonScanner(), self._object_start, "whole"
+            return True
+        args_start, name = match  # type: ignore[misc]
+        if name not in self.tool_names:
+            self._fail()
+            return True
+        self._start_call(events, name)
+        self._pos, self._scanner, self._state = args_start, _JsonScanner(), "arguments"
+        return True
+
+    def _start_call(self, events: list[ParserEvent], name: str) -> ParsedToolCall:
+        call = ParsedToolCall(new_tool_call_id(), name)
+        self.calls.append(call)
+        events.append(ToolCallStart(len(self.calls) - 1, call.id, name))
+        return call
+
+    def _on_arguments(self, events: list[ParserEvent]) -> bool:
+        assert self._scanner is not None
+        end = self._scanner.scan(self._text, self._pos)
+        stop = len(self._text) if end is None else end
+        if stop > self._pos:
+            piece = self._text[self._pos : stop]
+            self.calls[-1].arguments += piece
+            events.append(ToolArgumentsDelta(len(self.calls) - 1, piece))
+            self._pos = stop
+        if end is None:
+            return False
+        self._scanner, self._state = _JsonScanner(depth=1), "object_end"
+        return True
+
+    def _on_object_end(self, events: list[ParserEvent]) -> bool:
+        # The rest of the call object (normally just `}`; extra keys are skipped).
+        assert self._scanner is not None
+        end = self._scanner.scan(self._text, self._pos)
+        if end is None:
+            self._pos = len(self._text)
+            return False
+        self._pos = end
+        self.calls[-1].complete = True
+        self._state = "separator" if self._in_array else "after"
+        return True
+
+    def _on_whole(self, events: list[ParserEvent]) -> bool:
+        assert self._scanner is not None
+        end = self._scanner.scan(self._text, self._scan_pos)
+        if end is None:
+            self._scan_pos = len(self._text)
+            return False
+        call = _call_from_json(self._text[self._object_start : end], self.tool_names)
+        if call is None:
+            self._fail()
+            return True
+        name, arguments = call
+        parsed = self._start_call(events, name)
+        parsed.arguments, parsed.complete = arguments, True
+        events.append(ToolArgumentsDelta(len(self.calls) - 1, arguments))
+        self._pos = end
+        self._state = "separator" if self._in_array else "after"
+        return True
+
+    def _on_separator(self, events: list[ParserEvent]) -> bool:
+        c = self._next_char()
+        if c is None:
+            return False
+        self._pos += 1
+        self._state = "object_start" if c == "," else "done"
+        return True
+
+    def _on_after(self, events: list[ParserEvent]) -> bool:
+        # Several top-level objects may follow one another, separated by whitespace, ';' or ','.
+        c = self._next_char()
+        while c in (";", ","):
+            self._pos += 1
+            c = self._next_char()
+        if c is None:
+            return False
+        if c == "{":
+            self._begin_object()
+        else:
+            self._state = "done"
+        return True
+
+    def _on_content(self, events: list[ParserEvent]) -> bool:
+        if self._pos < len(self._text):
+            events.append(ContentDelta(self._text[self._pos :]))
+            self._pos = len(self._text)
+        return False
+
+    def _on_done(self, events: list[ParserEvent]) -> bool:
+        self._pos = len(self._text)  # text after the last call is not part of the answer
+        return False
+
+    def _fail(self) -> None:
+        """Not a tool call: before any call everything is content; after one, the rest is dropped."""
+        if self.calls:
+            self._state = "done"
+        else:
+            self._state, self._pos = "content", 0
+
+
+def _call_from_json(text: str, tool_names: Collection[str]) -> tuple[str, str] | None:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in tool_names:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):
+        arguments = _loads_or_raw(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return obj["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class ToolParseResult:
+    content: str | None
+    calls: list[ParsedToolCall]
+
+
+def parse_tool_calls(text: str, tool_names: Collection[str], prefix: str = "") -> ToolParseResult:
+    """Whole-output parsing: the calls if every one is complete valid JSON, else all text as content."""
+    parser = ToolCallParser(tool_names, prefix)
+    events = parser.feed(text) + parser.finish()
+    if parser.all_valid:
+        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        return ToolParseResult(content or None, parser.calls)
+    return ToolParseResult(prefix + text, [])

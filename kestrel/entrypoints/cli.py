@@ -1,9 +1,10 @@
-"""`kestrel generate | chat | model-init | bench ...`: the command line, and the only reader of env vars."""
+"""`kestrel serve | generate | chat | model-init | bench ...`: the command line, and the only reader of env vars."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -121,9 +122,35 @@ def _cmd_model_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kestrel.entrypoints.server import run_server
+
+    args.api_key = args.api_key or os.environ.get("KESTREL_API_KEY") or None
+    return run_server(args, _engine_kwargs(args))
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: "
+                       "the KESTREL_API_KEY environment variable; none: open)")
+    group.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
+    group.add_argument("--max-queued-requests", type=int, default=1024,
+                       help="waiting sequences beyond which new requests get 429 with Retry-After")
+    group.add_argument("--request-timeout", type=float, default=None, help="abort requests running longer (s)")
+    group.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body (413 beyond)")
+    group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kestrel", description="Fast LLM inference and serving.")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_engine_args(serve)
+    _add_serve_args(serve)
+    serve.set_defaults(func=_cmd_serve)
 
     generate = commands.add_parser("generate", help="complete prompts offline")
     _add_engine_args(generate)

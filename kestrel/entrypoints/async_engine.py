@@ -1,0 +1,346 @@
+"""AsyncEngine: the EngineCore loop in a background thread, streamed to asyncio callers.
+
+Only the engine thread touches the EngineCore. Callers submit commands (add, abort) to a list
+guarded by a condition variable; the thread drains it between steps and sleeps on the condition
+when it has nothing to do. Outputs travel back to each request's asyncio queue through
+`loop.call_soon_threadsafe`, one call per step and event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kestrel.engine.core import EngineCore
+from kestrel.outputs import RequestOutput
+from kestrel.sampling_params import SamplingParams
+
+DEFAULT_RETRY_AFTER_S = 1
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (crashed or shut down); no request can be served any more."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the caller should retry after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, retry_after_s: int = DEFAULT_RETRY_AFTER_S) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimeoutError(TimeoutError):
+    """A request ran past its deadline and was aborted."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot published by the engine thread; counters are totals since start."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+_ACCEPTED = object()  # first queue item of a request the engine took
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class RequestStream:
+    """The outputs of one request, in order; `aclose()` (or leaving an `async for` early) aborts it."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, num_sequences: int, deadline: float | None) -> None:
+        self.request_id = request_id
+        self.num_sequences = num_sequences
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+        self._engine = engine
+        self._deadline = deadline
+        self._accepted = False
+
+    async def accepted(self) -> None:
+        """Wait until the engine took the request; raise its validation error if it refused it."""
+        if self._accepted:
+            return
+        try:
+            item = await self._get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self._accepted = True
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        await self.accepted()
+        try:
+            item = await self._get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    async def _get(self) -> Any:
+        if self._deadline is None:
+            return await self.queue.get()
+        remaining = self._deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(self.queue.get(), max(remaining, 0.0))
+        except TimeoutError:
+            raise RequestTimeoutError(f"request {self.request_id} ran past its timeout and was aborted") from None
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Runs an EngineCore in a daemon thread; `generate` streams a request's outputs to asyncio."""
+
+    def __init__(self, core: EngineCore, tokenizer: Any, *, model_path: str = "",
+                 max_queued_requests: int | None = None, request_timeout_s: float | None = None) -> None:
+        if max_queued_requests is not None and max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0 or None, got {max_queued_requests}")
+        if request_timeout_s is not None and not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s}")
+        self.core = core
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.max_model_len: int = core.max_model_len
+        self.max_queued_requests = max_queued_requests
+        self.request_timeout_s = request_timeout_s
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._num_pending_sequences = 0  # submitted, not yet handed to the scheduler
+        self._stats = EngineStats()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kestrel-engine", daemon=True)
+
+    @classmethod
+    def from_args(cls, model: str, *, max_queued_requests: int | None = None,
+                  request_timeout_s: float | None = None, **engine_args: Any) -> AsyncEngine:
+        """Load the model as `LLM(model, **engine_args)` does, and wrap its engine."""
+        from kestrel.config import EngineConfig
+        from kestrel.loader.tokenizer import load_tokenizer
+        from kestrel.worker.model_runner import ModelRunner
+
+        config = EngineConfig.from_kwargs(model, **engine_args)
+        tokenizer = load_tokenizer(config.model.tokenizer_path)
+        eos_token_id = tokenizer.eos_token_id
+        runner = ModelRunner(config, eos_token_id=eos_token_id)
+        core = EngineCore(config, runner, runner.num_blocks, tokenizer, eos_token_id)
+        return cls(core, tokenizer, model_path=model, max_queued_requests=max_queued_requests,
+                   request_timeout_s=request_timeout_s)
+
+    # ----- life cycle -----------------------------------------------------------------------------
+
+    def start(self) -> AsyncEngine:
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._error is None and not self._stopping and self._thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.core.runner, "vocab_size", None)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ----- submission (event-loop side) -------------------------------------------------------------
+
+    def check_capacity(self, num_sequences: int = 1) -> None:
+        """Raise QueueFullError if `num_sequences` more waiting sequences would exceed the queue limit."""
+        self._check_alive()
+        if self.max_queued_requests is None:
+            return
+        with self._cond:
+            stats = self._stats
+            queued = self._num_pending_sequences + stats.num_waiting
+        # Free running slots absorb new sequences; only the rest would wait.
+        room = max(0, self.core.config.scheduler.max_num_seqs - stats.num_running)
+        if queued + num_sequences - room > self.max_queued_requests:
+            raise QueueFullError(f"the server has {queued} queued sequences (limit max_queued_requests="
+                                 f"{self.max_queued_requests}); retry later")
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               prompt: str | None = None, timeout_s: float | None = None) -> RequestStream:
+        """Queue a request without waiting; the stream raises the engine's refusal, if any, when read."""
+        self._check_alive()
+        timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        stream = RequestStream(self, request_id, params.n, deadline)
+        with self._cond:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._commands.append(_Add(request_id, list(prompt_token_ids), params, prompt))
+            self._num_pending_sequences += params.n
+            self._cond.notify()
+        return stream
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt: str | None = None, timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (cumulative text and token ids, plus per-step deltas)."""
+        stream = self.submit(request_id, prompt_token_ids, params, prompt, timeout_s)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its KV blocks are freed before the engine's next step."""
+        with self._cond:
+            if self._streams.pop(request_id, None) is None:
+                return
+            self._commands.append(_Abort(request_id))
+            self._cond.notify()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._error!r}")
+        if self._stopping or not self._thread.is_alive():
+            raise EngineDeadError("the engine is not running")
+
+    # ----- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._stopping or self.core.has_unfinished_requests()):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    # Applied under the lock so the queue length seen by check_capacity never drops a request.
+                    self._apply(self._commands)
+                    self._commands = []
+                    self._num_pending_sequences = 0
+                    self._publish_stats()
+                if not self.core.has_unfinished_requests():
+                    continue
+                outputs = self.core.step()
+                with self._cond:
+                    self._dispatch(outputs)
+                    self._publish_stats()
+        except BaseException as error:
+            self._error = error
+            self._fail_all(EngineDeadError(f"the engine stopped after an error: {error!r}"))
+            raise
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _apply(self, commands: list[_Add | _Abort]) -> None:
+        accepted: list[tuple[RequestStream, Any]] = []
+        for command in commands:
+            if isinstance(command, _Abort):
+                self.core.abort_request([command.request_id])
+                continue
+            stream = self._streams.get(command.request_id)
+            if stream is None:
+                continue  # aborted before the engine saw it
+            try:
+                self.core.add_request(command.request_id, command.prompt_token_ids, command.params, command.prompt)
+            except ValueError as refusal:  # InvalidRequestError and friends: this request only
+                del self._streams[command.request_id]
+                accepted.append((stream, refusal))
+                continue
+            accepted.append((stream, _ACCEPTED))
+        self._deliver(accepted)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        items = []
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            items.append((stream, output))
+        self._deliver(items)
+
+    def _deliver(self, items: list[tuple[RequestStream, Any]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            # A closed event loop raises RuntimeError: nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, batch)
+
+    def _publish_stats(self) -> None:
+        scheduler = self.core.scheduler
+        self._stats = EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_cache_usage=scheduler.kv.usage,
+            prefix_cache_queries=scheduler.kv.prefix_queries,
+            prefix_cache_hits=scheduler.kv.prefix_hits,
+            num_preemptions=scheduler.stats.num_preemptions,
+            num_prompt_tokens=scheduler.stats.num_prompt_tokens,
+            num_generation_tokens=scheduler.stats.num_generation_tokens,
+        )
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        with self._cond:
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._commands = []
+            self._num_pending_sequences = 0
+        self._deliver([(stream, error) for stream in streams])
+
+
+def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in batch:
+        stream.queue.put_nowait(item)

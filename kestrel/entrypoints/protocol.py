@@ -1,0 +1,505 @@
+"""OpenAI request and response schemas: the only place request JSON is parsed and checked.
+
+Request models are strict (no "5" for 5, no NaN) so a wrong type is a 400 naming the field,
+not a silent coercion; unknown fields are ignored, as OpenAI clients send fields we do not
+know. Checks that span fields raise InvalidRequestError(param, message); range checks shared
+with the offline API stay in SamplingParams.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kestrel.request import InvalidRequestError
+from kestrel.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by completions and chat: OpenAI's sampling fields plus vLLM's extensions."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _check_common(self) -> None:
+        if self.logit_bias:
+            _unsupported("logit_bias", "logit_bias is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            _unsupported("stream_options", "stream_options is only allowed when stream is true")
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=_default(self.n, 1),
+            temperature=_default(self.temperature, 1.0),
+            top_p=_default(self.top_p, 1.0),
+            top_k=_default(self.top_k, 0),
+            min_p=_default(self.min_p, 0.0),
+            presence_penalty=_default(self.presence_penalty, 0.0),
+            frequency_penalty=_default(self.frequency_penalty, 0.0),
+            repetition_penalty=_default(self.repetition_penalty, 1.0),
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            min_tokens=_default(self.min_tokens, 0),
+            ignore_eos=_default(self.ignore_eos, False),
+            skip_special_tokens=_default(self.skip_special_tokens, True),
+            spaces_between_special_tokens=_default(self.spaces_between_special_tokens, True),
+            include_stop_str_in_output=_default(self.include_stop_str_in_output, False),
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+        )
+
+
+# ----- /v1/completions ----------------------------------------------------------------------------
+
+PromptInput = (str | Annotated[list[str], Field(min_length=1)] | TokenIds
+               | Annotated[list[TokenIds], Field(min_length=1)])
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: PromptInput
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_common()
+        if self.suffix is not None:
+            _unsupported("suffix", "suffix (insertion) is not supported by this server")
+        if self.best_of is not None and self.best_of != _default(self.n, 1):
+            _unsupported("best_of", "best_of other than n is not supported; use n")
+        if self.echo and self.logprobs is not None:
+            _unsupported("echo", "echo together with logprobs needs prompt logprobs, which this server does not "
+                         "compute; drop one of them")
+        return self._sampling_params(_default(self.max_tokens, 16), self.logprobs)
+
+
+# ----- /v1/chat/completions -----------------------------------------------------------------------
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str = ""
+
+
+class ToolCallIn(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+    @property
+    def tool_choice_mode(self) -> str:
+        """'none', 'auto', 'required' or 'named'; 'none' whenever no tools are given."""
+        if not self.tools:
+            return "none"
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
+        return "named" if isinstance(choice, NamedToolChoice) else choice
+
+    @property
+    def named_tool(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [message.model_dump(exclude_none=True) for message in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_common()
+        self._check_tools()
+        if self.response_format is not None and self.response_format.type != "text":
+            _unsupported("response_format", f"response_format {self.response_format.type!r} needs guided decoding, "
+                         "which this server does not have; use 'text'")
+        if self.top_logprobs is not None and not self.logprobs:
+            _unsupported("top_logprobs", "top_logprobs needs logprobs set to true")
+        logprobs = _default(self.top_logprobs, 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(max_tokens, logprobs)
+
+    def _check_tools(self) -> None:
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            _unsupported("tools", "tool function names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                _unsupported("tool_choice", f"tool_choice names function {choice.function.name!r}, which is not "
+                             f"among the tools {names}")
+        elif choice == "required" and not names:
+            _unsupported("tool_choice", "tool_choice 'required' needs at least one tool in tools")
+
+
+# ----- /tokenize and /detokenize -------------------------------------------------------------------
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = True
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool | None = True
+    tools: list[Tool] | None = None
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [message.model_dump(exclude_none=True) for message in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# ----- responses ------------------------------------------------------------------------------------
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatLogProb(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatChoiceLogProbs(BaseModel):
+    content: list[ChatLogProbsContent] | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kestrel"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ----- errors ----------------------------------------------------------------------------------------
+
+_UNION_HINTS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of {'type': 'text', 'text': ...} parts",
+    "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+}
+
+
+def validation_error_info(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """(param, message) for the first of pydantic's errors, in the words a client can act on."""
+    if not errors:
+        return None, "invalid request"
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first.get("msg"))
+        return None, f"the request body is not valid JSON: {detail}"
+    loc = _field_loc(first)
+    if not loc:
+        return None, f"the request body must be a JSON object ({first.get('msg')})"
+    param = _path(loc)
+    for error in errors:
+        error_loc = _field_loc(error)
+        if (error.get("type") == "literal_error" and error_loc[-1:] == ["type"] and "content" in error_loc
+                and error_loc[:len(loc)] == loc):
+            return param, (f"invalid {param}: content parts of type {error.get('input')!r} are not supported; "
+                           "this server serves text-only models: use {'type': 'text', 'text': ...}")
+    same_field = [e for e in errors if _field_loc(e)[:len(loc)] == loc]
+    name = next((part for part in reversed(loc) if isinstance(part, str)), "")
+    if len(same_field) > 1 and name in _UNION_HINTS:
+        return param, f"invalid {param}: expected {_UNION_HINTS[name]}"
+    return param, f"invalid {param}: {first.get('msg')}"
+
+
+def _field_loc(error: dict[str, Any]) -> list[Any]:
+    """The error's location without 'body' and without pydantic's union-member tags."""
+    return [part for part in error.get("loc", ()) if part != "body" and not _is_union_tag(part)]
+
+
+def _is_union_tag(part: Any) -> bool:
+    if not isinstance(part, str):
+        return False
+    return ("[" in part or "'" in part or part[:1].isupper() or part.split("-")[0] in _TYPE_TAGS
+            or part.startswith(("function-", "constrained-")))
+
+
+def parse_model(model: type[BaseModel], data: Any) -> BaseModel:
+    """Validate already-decoded JSON; raise InvalidRequestError naming the field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        param, message = validation_error_info(e.errors(include_url=False))
+        raise InvalidRequestError(param or "body", message) from None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
+
+
+def _path(loc: list[Any]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _unsupported(param: str, message: str) -> None:
+    raise InvalidRequestError(param, message)
+
+
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value

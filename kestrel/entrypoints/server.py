@@ -1,0 +1,275 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes, API key, body limit, errors; `run_server` for the CLI.
+
+Every failure a client can cause is a 4xx with OpenAI's error body
+`{"error": {"message", "type", "param", "code"}}`; a 500 never carries a stack trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import kestrel
+from kestrel.config import ConfigError
+from kestrel.entrypoints.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
+from kestrel.entrypoints.chat import render_chat
+from kestrel.entrypoints.metrics import ServerMetrics
+from kestrel.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    validation_error_info,
+)
+from kestrel.entrypoints.serving import ClientDisconnectedError, ModelNotFoundError, OpenAIServing, error_body
+from kestrel.request import InvalidRequestError
+from kestrel.sampling_params import SamplingParamsError
+
+logger = logging.getLogger("kestrel.server")
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+# Paths behind the API key; /health, /version and /metrics stay open for probes and scrapers.
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
+}
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The app for a started AsyncEngine. Several apps can coexist: each has its own metrics registry."""
+    metrics = ServerMetrics(engine, served_model_name)
+    serving = OpenAIServing(engine, served_model_name, metrics)
+    app = FastAPI(title="kestrel", version=kestrel.__version__,
+                  description="OpenAI-compatible API of the kestrel inference engine.")
+    app.state.engine = engine
+    app.state.metrics = metrics
+    _add_routes(app, engine, serving, metrics)
+    _add_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics) -> None:
+    tokenizer = engine.tokenizer
+
+    @app.post("/v1/completions", responses=_ERROR_RESPONSES)
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await serving.create_completion(body, raw)
+
+    @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.create_chat_completion(body, raw)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(data=[_model_card(serving.model_name, engine)])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERROR_RESPONSES)
+    async def retrieve_model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return _model_card(model_id, engine)
+
+    @app.get("/health", responses=_ERROR_RESPONSES)
+    async def health() -> Response:
+        if engine.is_healthy:
+            return Response(status_code=200)
+        return _error(503, "the engine is not running" + (f": {engine.error!r}" if engine.error else ""),
+                      "server_error", code="engine_dead")
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": kestrel.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            prompt = render_chat(tokenizer, body.message_dicts(), tools=body.tool_dicts() or None,
+                                 add_generation_prompt=body.add_generation_prompt is not False)
+            tokens = tokenizer.encode(prompt.text, add_special_tokens=False)
+        else:
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        limit = len(tokenizer)
+        bad = next((t for t in body.tokens if t >= limit), None)
+        if bad is not None:
+            raise InvalidRequestError("tokens", f"token id {bad} is out of range: the vocabulary has {limit} tokens")
+        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+
+
+def _model_card(name: str, engine: AsyncEngine) -> ModelCard:
+    return ModelCard(id=name, root=engine.model_path or None, max_model_len=engine.max_model_len)
+
+
+# ----- errors --------------------------------------------------------------------------------------
+
+def _error(status: int, message: str, err_type: str, param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, err_type, param, code), status_code=status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        param, message = validation_error_info(list(exc.errors()))
+        return _error(400, message, "invalid_request_error", param, "invalid_value")
+
+    @app.exception_handler(InvalidRequestError)
+    async def on_invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return _error(400, str(exc), "invalid_request_error", exc.param, "invalid_value")
+
+    @app.exception_handler(SamplingParamsError)
+    async def on_invalid_sampling(_: Request, exc: SamplingParamsError) -> JSONResponse:
+        return _error(400, str(exc), "invalid_request_error", exc.param, "invalid_value")
+
+    @app.exception_handler(ModelNotFoundError)
+    async def on_unknown_model(_: Request, exc: ModelNotFoundError) -> JSONResponse:
+        return _error(404, str(exc), "invalid_request_error", "model", "model_not_found")
+
+    @app.exception_handler(QueueFullError)
+    async def on_queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
+        return _error(429, str(exc), "rate_limit_error", None, "queue_full",
+                      headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error(503, str(exc), "server_error", None, "engine_dead")
+
+    @app.exception_handler(RequestTimeoutError)
+    async def on_timeout(_: Request, exc: RequestTimeoutError) -> JSONResponse:
+        return _error(504, str(exc), "timeout_error", None, "request_timeout")
+
+    @app.exception_handler(ClientDisconnectedError)
+    async def on_disconnect(_: Request, exc: ClientDisconnectedError) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error(exc.status_code, str(exc.detail), err_type, None, None, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error while serving a request", exc_info=exc)
+        return _error(500, "internal server error; see the server log", "server_error", None, "internal_error")
+
+
+# ----- middleware ----------------------------------------------------------------------------------
+
+async def _send_error(send: Send, status: int, message: str, err_type: str, code: str,
+                      headers: dict[str, str] | None = None) -> None:
+    body = json.dumps(error_body(message, err_type, None, code)).encode()
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer <key>` on the API paths, compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                await _send_error(send, 401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                                  "invalid_request_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Reads at most `max_bytes` of a request body (413 beyond), then replays it to the app."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._too_large(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Send) -> None:
+        await _send_error(send, 413, f"the request body is larger than the limit of {self.max_bytes} bytes",
+                          "invalid_request_error", "request_too_large")
+
+
+# ----- running ---------------------------------------------------------------------------------------
+
+def run_server(args: argparse.Namespace, engine_args: dict[str, Any] | None = None) -> int:
+    """Load the model, start the engine thread and serve until interrupted (`kestrel serve`)."""
+    import uvicorn
+
+    try:
+        engine = AsyncEngine.from_args(args.model, max_queued_requests=args.max_queued_requests,
+                                       request_timeout_s=args.request_timeout, **(engine_args or {}))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    engine.start()
+    name = args.served_model_name or args.model
+    app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_request_bytes)
+    print(f"kestrel: serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,485 @@
+"""The OpenAI endpoints' logic: a parsed request -> engine requests -> a response or SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kestrel.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream, RequestTimeoutError
+from kestrel.entrypoints.chat import (
+    ContentDelta,
+    ParserEvent,
+    ToolArgumentsDelta,
+    ToolCallParser,
+    ToolCallStart,
+    parse_tool_calls,
+    render_chat,
+)
+from kestrel.entrypoints.metrics import RequestTracker, ServerMetrics
+from kestrel.entrypoints.protocol import (
+    ChatChoice,
+    ChatChoiceLogProbs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProb,
+    ChatLogProbsContent,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    ErrorInfo,
+    ErrorResponse,
+    FunctionCall,
+    ToolCall,
+    UsageInfo,
+)
+from kestrel.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from kestrel.sampling_params import SamplingParams
+
+T = TypeVar("T")
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class ModelNotFoundError(LookupError):
+    def __init__(self, name: str, served: str) -> None:
+        super().__init__(f"the model {name!r} does not exist; this server serves {served!r}")
+
+
+class ClientDisconnectedError(Exception):
+    """The client went away before the response was ready; its requests were aborted."""
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class _Submitted:
+    """The engine requests behind one API request (one per prompt) and their trackers."""
+
+    streams: list[RequestStream]
+    trackers: list[RequestTracker]
+    prompts: list[_Prompt]
+    params: SamplingParams
+    request_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
+
+
+def error_body(message: str, err_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=code)).model_dump()
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = served_model_name
+        self.metrics = metrics
+        self._token_text: dict[int, str] = {}
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ModelNotFoundError(name, self.model_name)
+
+    # ----- /v1/completions ----------------------------------------------------------------------
+
+    async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
+        self.check_model(request.model)
+        params = request.to_sampling_params()
+        prompts = [self._encode(p) for p in request.prompts()]
+        job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params)
+        if request.echo:
+            job.prompts = [_Prompt(self._prompt_text(p, params), p.token_ids) for p in prompts]
+        if request.stream:
+            return EventStreamResponse(self._completion_stream(request, job))
+        finals = await _until_disconnect(raw, self._collect(job))
+        choices = []
+        for i, (prompt, final) in enumerate(zip(job.prompts, finals)):
+            for c in final.outputs:
+                prefix = (prompt.text or "") if request.echo else ""
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = self._completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+                choices.append(CompletionChoice(index=i * params.n + c.index, text=prefix + c.text, logprobs=logprobs,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        response = CompletionResponse(id=job.request_id, created=job.created, model=self.model_name,
+                                      choices=choices, usage=_usage(job, finals))
+        return JSONResponse(response.model_dump())
+
+    async def _completion_stream(self, request: CompletionRequest, job: _Submitted) -> AsyncIterator[str]:
+        n = job.params.n
+        offsets: dict[int, int] = {}
+        finished: set[int] = set()
+        completion_tokens = 0
+
+        def chunk(choice: CompletionChoice) -> str:
+            return sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=self.model_name,
+                                                choices=[choice]).model_dump_json(exclude_none=True))
+
+        try:
+            if request.echo:
+                for i, prompt in enumerate(job.prompts):
+                    for j in range(n):
+                        offsets[i * n + j] = len(prompt.text or "")
+                        yield chunk(CompletionChoice(index=i * n + j, text=prompt.text or ""))
+            async for i, output in self._merged(job):
+                for c in output.outputs:
+                    index = i * n + c.index
+                    if index in finished or not (c.delta_text or c.delta_token_ids or c.finished):
+                        continue
+                    completion_tokens += len(c.delta_token_ids)
+                    logprobs = None
+                    if job.params.logprobs is not None:
+                        logprobs = self._completion_logprobs(c.delta_token_ids, c.delta_logprobs,
+                                                             offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(c.delta_text)
+                    if c.finished:
+                        finished.add(index)
+                    elif not c.delta_text and logprobs is None:
+                        continue  # text held back (a split character or a possible stop string)
+                    yield chunk(CompletionChoice(index=index, text=c.delta_text, logprobs=logprobs,
+                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if request.include_usage_in_stream:
+                usage = UsageInfo(prompt_tokens=job.num_prompt_tokens, completion_tokens=completion_tokens,
+                                  total_tokens=job.num_prompt_tokens + completion_tokens)
+                yield sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=self.model_name,
+                                                   choices=[], usage=usage).model_dump_json())
+        except (EngineDeadError, RequestTimeoutError) as error:
+            yield _stream_error(error)
+        yield SSE_DONE
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None,
+                             offset: int) -> CompletionLogProbs:
+        result = CompletionLogProbs()
+        for token_id, candidates in zip(token_ids, logprobs or []):
+            text = self.token_text(token_id)
+            result.tokens.append(text)
+            result.token_logprobs.append(_finite(candidates.get(token_id)))
+            result.top_logprobs.append({self.token_text(t): _finite(lp) for t, lp in candidates.items()})
+            result.text_offset.append(offset)
+            offset += len(text)
+        return result
+
+    # ----- /v1/chat/completions ------------------------------------------------------------------
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(request.model)
+        params = request.to_sampling_params()
+        mode = request.tool_choice_mode
+        prompt = render_chat(self.tokenizer, request.message_dicts(), tools=request.tool_dicts() or None,
+                             tool_choice=mode, named_tool=request.named_tool)
+        token_ids = self.tokenizer.encode(prompt.text, add_special_tokens=False)
+        job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params)
+        tools = _tool_setup(request, prompt.assistant_prefix)
+        if request.stream:
+            return EventStreamResponse(self._chat_stream(request, job, tools))
+        (final,) = await _until_disconnect(raw, self._collect(job))
+        choices = [self._chat_choice(c, params, tools) for c in final.outputs]
+        response = ChatCompletionResponse(id=job.request_id, created=job.created, model=self.model_name,
+                                          choices=choices, usage=_usage(job, [final]))
+        return JSONResponse(response.model_dump())
+
+    def _chat_choice(self, c: CompletionOutput, params: SamplingParams, tools: _ToolSetup) -> ChatChoice:
+        message = ChatResponseMessage(content=c.text)
+        finish_reason = c.finish_reason
+        if tools.active:
+            parsed = parse_tool_calls(c.text, tools.names, tools.prefix)
+            calls = parsed.calls[: None if tools.parallel else 1]
+            message = ChatResponseMessage(content=parsed.content, tool_calls=[
+                ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                for call in calls])
+            if calls:
+                finish_reason = "tool_calls"
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = ChatChoiceLogProbs(content=self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs))
+        return ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
+                          stop_reason=c.stop_reason)
+
+    async def _chat_stream(self, request: ChatCompletionRequest, job: _Submitted,
+                           tools: _ToolSetup) -> AsyncIterator[str]:
+        params = job.params
+        parsers = {i: ToolCallParser(tools.names, tools.prefix) for i in range(params.n)} if tools.active else {}
+        finished: set[int] = set()
+        completion_tokens = 0
+
+        def chunk(choice: ChatStreamChoice) -> str:
+            return sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=self.model_name,
+                                           choices=[choice]).model_dump_json(exclude_none=True))
+
+        try:
+            for i in range(params.n):
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+            async for _, output in self._merged(job):
+                for c in output.outputs:
+                    if c.index in finished or not (c.delta_text or c.delta_token_ids or c.finished):
+                        continue
+                    completion_tokens += len(c.delta_token_ids)
+                    delta, finish_reason = self._chat_delta(c, parsers.get(c.index), tools)
+                    logprobs = None
+                    if params.logprobs is not None and c.delta_token_ids:
+                        logprobs = ChatChoiceLogProbs(
+                            content=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, params.logprobs))
+                    if c.finished:
+                        finished.add(c.index)
+                    if delta.content or delta.tool_calls or logprobs or finish_reason:
+                        yield chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
+                                                     finish_reason=finish_reason,
+                                                     stop_reason=c.stop_reason if finish_reason else None))
+            if request.include_usage_in_stream:
+                usage = UsageInfo(prompt_tokens=job.num_prompt_tokens, completion_tokens=completion_tokens,
+                                  total_tokens=job.num_prompt_tokens + completion_tokens)
+                yield sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=self.model_name,
+                                              choices=[], usage=usage).model_dump_json())
+        except (EngineDeadError, RequestTimeoutError) as error:
+            yield _stream_error(error)
+        yield SSE_DONE
+
+    def _chat_delta(self, c: CompletionOutput, parser: ToolCallParser | None,
+                    tools: _ToolSetup) -> tuple[DeltaMessage, str | None]:
+        finish_reason = c.finish_reason if c.finished else None
+        if parser is None:
+            return DeltaMessage(content=c.delta_text or None), finish_reason
+        events = parser.feed(c.delta_text)
+        if c.finished:
+            events += parser.finish()
+            calls = parser.calls[: None if tools.parallel else 1]
+            if calls and all(call.valid for call in calls):
+                finish_reason = "tool_calls"
+        content, tool_calls = _delta_from_events(events, tools.parallel)
+        return DeltaMessage(content=content, tool_calls=tool_calls), finish_reason
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None,
+                       num_top: int) -> list[ChatLogProbsContent]:
+        content = []
+        for token_id, candidates in zip(token_ids, logprobs or []):
+            top = sorted(candidates.items(), key=lambda item: item[1], reverse=True)[:num_top]
+            content.append(ChatLogProbsContent(
+                **self._chat_logprob(token_id, candidates.get(token_id)).model_dump(),
+                top_logprobs=[self._chat_logprob(t, lp) for t, lp in top],
+            ))
+        return content
+
+    def _chat_logprob(self, token_id: int, logprob: float | None) -> ChatLogProb:
+        text = self.token_text(token_id)
+        return ChatLogProb(token=text, logprob=_finite(logprob), bytes=list(text.encode("utf-8")))
+
+    # ----- shared --------------------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def _encode(self, prompt: str | list[int]) -> _Prompt:
+        if isinstance(prompt, str):
+            return _Prompt(prompt, self.tokenizer.encode(prompt))
+        return _Prompt(None, list(prompt))
+
+    def _prompt_text(self, prompt: _Prompt, params: SamplingParams) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.tokenizer.decode(prompt.token_ids, skip_special_tokens=params.skip_special_tokens)
+
+    async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams) -> _Submitted:
+        """Queue one engine request per prompt (all or none) and wait until the engine accepted them."""
+        trackers = [self.metrics.tracker() for _ in prompts]
+        self.engine.check_capacity(len(prompts) * params.n)
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        streams = [self.engine.submit(rid, p.token_ids, params, p.text) for rid, p in zip(ids, prompts)]
+        try:
+            for stream in streams:
+                await stream.accepted()
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        return _Submitted(streams, trackers, prompts, params, request_id)
+
+    async def _collect(self, job: _Submitted) -> list[RequestOutput]:
+        """The final output of every engine request of the job."""
+        finals: list[RequestOutput | None] = [None] * len(job.streams)
+        async for i, output in self._merged(job):
+            finals[i] = output
+        if any(final is None for final in finals):
+            raise EngineDeadError("a request ended without a final output")
+        return finals  # type: ignore[return-value]
+
+    async def _merged(self, job: _Submitted) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from all of the job's streams as they come; aborts the rest on exit."""
+        try:
+            if len(job.streams) == 1:
+                async for output in job.streams[0]:
+                    job.trackers[0].observe(output)
+                    yield 0, output
+                return
+            async for i, output in _merge(job.streams):
+                job.trackers[i].observe(output)
+                yield i, output
+        finally:
+            for stream in job.streams:
+                await stream.aclose()
+
+
+@dataclass(frozen=True)
+class _ToolSetup:
+    active: bool
+    names: frozenset[str]
+    prefix: str
+    parallel: bool
+
+
+def _tool_setup(request: ChatCompletionRequest, prefix: str) -> _ToolSetup:
+    mode = request.tool_choice_mode
+    names = [request.named_tool or ""] if mode == "named" else [t.function.name for t in request.tools or []]
+    return _ToolSetup(active=mode != "none", names=frozenset(names), prefix=prefix,
+                      parallel=request.parallel_tool_calls is not False)
+
+
+def _delta_from_events(events: list[ParserEvent], parallel: bool) -> tuple[str | None, list[DeltaToolCall] | None]:
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta)) or None
+    calls: list[DeltaToolCall] = []
+    for event in events:
+        if isinstance(event, ContentDelta) or (not parallel and event.index > 0):
+            continue
+        if isinstance(event, ToolCallStart):
+            calls.append(DeltaToolCall(index=event.index, id=event.id, type="function",
+                                       function=DeltaFunctionCall(name=event.name, arguments="")))
+        elif isinstance(event, ToolArgumentsDelta):
+            last = calls[-1] if calls else None
+            if last is not None and last.index == event.index and last.function is not None:
+                last.function.arguments = (last.function.arguments or "") + event.text
+            else:
+                calls.append(DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments=event.text)))
+    return content, calls or None
+
+
+async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+        except Exception as error:
+            queue.put_nowait((i, error))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _until_disconnect(raw: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its requests) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(raw))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientDisconnectedError("the client disconnected")
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _usage(job: _Submitted, finals: list[RequestOutput]) -> UsageInfo:
+    completion = sum(len(c.token_ids) for final in finals for c in final.outputs)
+    return UsageInfo(prompt_tokens=job.num_prompt_tokens, completion_tokens=completion,
+                     total_tokens=job.num_prompt_tokens + completion)
+
+
+def _finite(logprob: float | None) -> float:
+    if logprob is None or math.isnan(logprob):
+        return MIN_LOGPROB
+    return max(logprob, MIN_LOGPROB)
+
+
+def _stream_error(error: Exception) -> str:
+    if isinstance(error, RequestTimeoutError):
+        body = error_body(str(error), "timeout_error", code="request_timeout")
+    else:
+        body = error_body(str(error), "server_error", code="engine_dead")
+    return sse(json.dumps(body))
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events; a client disconnect cancels the stream, and the generator is always closed."""
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        streamer = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(_disconnected_asgi(receive))
+        try:
+            await asyncio.wait({streamer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streamer, watcher):
+                task.cancel()
+            await asyncio.gather(streamer, watcher, return_exceptions=True)
+            await self._events.aclose()  # type: ignore[attr-defined]
+        error = None if streamer.cancelled() else streamer.exception()
+        if error is not None and not isinstance(error, OSError):
+            raise error  # a bug, not a client going away: let the server log it
+
+
+async def _disconnected_asgi(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
