@@ -6,7 +6,12 @@ Cache layout per layer: `k_cache`, `v_cache` are `[num_blocks, block_size, num_k
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass, replace
+
 import torch
+import triton
+import triton.language as tl
 
 
 def paged_attention_ref(
@@ -57,4 +62,381 @@ def paged_attention_ref(
         scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ Triton
+#
+# Two launches of one kernel cover a flat batch:
+# - "decode" launch, grid (num_seqs, num_kv_heads, num_splits): one program per sequence whose query is at
+#   most BLOCK_Q tokens (decodes, short speculative chunks). With num_splits > 1 (flash-decoding) each
+#   program covers one slice of the context and writes a partial (output, log-sum-exp) that
+#   `_merge_splits_kernel` combines.
+# - "prefill" launch, grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads): an upper bound on the number
+#   of BLOCK_Q-token query tiles; each program finds its sequence by binary search over query_start_loc,
+#   so the grid depends on tensor shapes only and nothing is read back to the host.
+# In both, the query heads sharing one KV head are packed into the rows of one tile (row r is query token
+# r // GROUP, head r % GROUP), so each K/V tile is loaded once for the whole group.
+
+_LOG2E = 1.4426950408889634
+# Above this many tokens per sequence the decode launch hands a sequence to the prefill launch.
+_NO_LIMIT = 2**31 - 1
+_DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Tile shape of one launch: BLOCK_M packed query rows (tokens x group heads) by BLOCK_N keys."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt,
+                  offs_n, offs_d, d_ok, row_pos, start, num_tiles, seg_hi, window, qk_scale,
+                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+                  USE_WINDOW: tl.constexpr, HEAD_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
+    """Online-softmax over `num_tiles` key tiles from `start`; MASKED tiles apply the sequence end
+    (`seg_hi`), causality and the window, the others are known to be fully visible to every row."""
+    for i in range(num_tiles):
+        tok = start + i * BLOCK_N + offs_n
+        if MASKED:
+            tok_ok = tok < seg_hi
+            blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+            kv_mask = tok_ok[:, None] & d_ok[None, :]
+        else:
+            blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
+            kv_mask = d_ok[None, :]
+        in_blk = tok % BLOCK_SIZE
+        k_ptrs = k_base + (blk * stride_kb + in_blk * stride_kt)[:, None] + offs_d[None, :]
+        v_ptrs = v_base + (blk * stride_vb + in_blk * stride_vt)[:, None] + offs_d[None, :]
+        if MASKED or HEAD_MASK:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC) * qk_scale
+        if MASKED:
+            visible = tok_ok[None, :] & (tok[None, :] <= row_pos[:, None])
+            if USE_WINDOW:
+                visible = visible & (tok[None, :] > row_pos[:, None] - window)
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if MASKED:
+            # a row that has seen no key yet keeps m = -inf; subtracting 0 keeps exp2 at 0, not NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED or HEAD_MASK:
+            # masked, not just zero-weighted: 0 * NaN from an unwritten slot would poison acc
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi", "window"])
+def _paged_attn_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+    qk_scale, v_scale, window, num_seqs, q_len_lo, q_len_hi,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    if PER_SEQ:
+        seq = tl.program_id(0)
+        q_block = 0
+    else:
+        # Heaviest tiles (the last query tiles of the last sequence) first, to shorten the tail.
+        pid = tl.num_programs(0) - 1 - tl.program_id(0)
+        # Sequence s owns tiles [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1): find the last s
+        # whose first tile is <= pid.
+        lo = num_seqs * 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+            below = first <= pid
+            lo = tl.where(below, mid + 1, lo)
+            hi = tl.where(below, hi, mid)
+        seq = lo - 1
+        q_block = pid - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)
+
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if (q_len <= q_len_lo) | (q_len > q_len_hi):
+        return
+    q_tok0 = q_block * BLOCK_Q
+    if q_tok0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len  # position of the sequence's first query token
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD
+    tok_in = q_tok0 + offs_m // GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok_in < q_len)
+    head = kv_head * GROUP + offs_m % GROUP
+    row_pos = ctx + tok_in
+
+    q_ptrs = q_ptr + (q_start + tok_in)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+
+    # Keys [lo, hi) can matter to this tile; those below full_hi are visible to every row.
+    last_tok = tl.minimum(q_tok0 + BLOCK_Q, q_len) - 1
+    hi = ctx + last_tok + 1
+    full_hi = ctx + q_tok0 + 1
+    if USE_WINDOW:
+        lo = tl.maximum(ctx + q_tok0 - window + 1, 0)
+    else:
+        lo = 0
+    if SPLIT:
+        split = tl.program_id(2)
+        num_splits = tl.num_programs(2)
+        per_split = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+        seg_lo = lo + split * per_split
+        seg_hi = tl.minimum(seg_lo + per_split, hi)
+    else:
+        seg_lo = lo
+        seg_hi = hi
+    span = tl.maximum(seg_hi - seg_lo, 0)
+    num_tiles = tl.cdiv(span, BLOCK_N)
+    if USE_WINDOW:
+        num_full = 0
+    else:
+        num_full = tl.maximum(tl.minimum(seg_hi, full_hi) - seg_lo, 0) // BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb,
+                                  stride_vt, offs_n, offs_d, d_ok, row_pos, seg_lo, num_full, seg_hi, window,
+                                  qk_scale, BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE,
+                                  DOT_PREC)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb,
+                                  stride_vt, offs_n, offs_d, d_ok, row_pos, seg_lo + num_full * BLOCK_N,
+                                  num_tiles - num_full, seg_hi, window, qk_scale, BLOCK_N, BLOCK_SIZE, True,
+                                  USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc * (v_scale / l_safe)[:, None]
+    if SPLIT:
+        # partials [num_splits, num_seqs, num_kv_heads, BLOCK_M, HEAD_PAD] and lse [..., BLOCK_M]
+        row = ((split * num_seqs + seq) * tl.num_programs(1) + kv_head).to(tl.int64) * BLOCK_M + offs_m
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        tl.store(plse_ptr + row, lse)
+        tl.store(po_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], o)
+    else:
+        o_ptrs = out_ptr + (q_start + tok_in)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "q_len_hi"])
+def _merge_splits_kernel(
+    out_ptr, po_ptr, plse_ptr, qsl_ptr, num_seqs, num_splits, q_len_hi, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if (q_len <= 0) | (q_len > q_len_hi):
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    tok_in = offs_m // GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok_in < q_len)
+    head = kv_head * GROUP + offs_m % GROUP
+    stride_split = num_seqs * tl.num_programs(1) * BLOCK_M
+    row0 = (seq * tl.num_programs(1) + kv_head).to(tl.int64) * BLOCK_M + offs_m
+
+    lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        lse_max = tl.maximum(lse_max, tl.load(plse_ptr + row0 + s * stride_split))
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for s in range(num_splits):
+        row = row0 + s * stride_split
+        w = tl.math.exp2(tl.load(plse_ptr + row) - lse_max)
+        acc += w[:, None] * tl.load(po_ptr + row[:, None] * HEAD_PAD + offs_d[None, :])
+        total += w
+    o = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    o_ptrs = out_ptr + (q_start + tok_in)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD)[None, :])
+
+
+# ------------------------------------------------------------------------------------------------ launcher
+
+# Tile configs, per head size (padded to a power of two). PLACEHOLDER: replaced by measured values.
+_DECODE_CONFIGS: dict[tuple[int, bool], AttnConfig] = {
+    # (head_pad, fp8 cache) -> config; block_m is raised to the group size when a group is larger
+    (64, False): AttnConfig(16, 64, 4, 3),
+    (64, True): AttnConfig(16, 128, 4, 3),
+    (128, False): AttnConfig(16, 64, 4, 3),
+    (128, True): AttnConfig(16, 128, 4, 3),
+    (256, False): AttnConfig(16, 32, 4, 3),
+    (256, True): AttnConfig(16, 64, 4, 3),
+}
+_PREFILL_CONFIGS: dict[int, AttnConfig] = {
+    64: AttnConfig(128, 64, 4, 3),
+    128: AttnConfig(128, 64, 8, 3),
+    256: AttnConfig(64, 64, 8, 2),
+}
+# Split-KV: PLACEHOLDER.
+_SPLIT_TARGET_PROGRAMS = 4  # x number of SMs
+_MAX_SPLITS = 32
+_MIN_SPLIT_TOKENS = 256
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; a nominal 16 elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return 16
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def decode_config(head_size: int, group: int, fp8: bool) -> AttnConfig:
+    head_pad = max(16, _next_pow2(head_size))
+    cfg = _DECODE_CONFIGS.get((head_pad, fp8)) or AttnConfig(16, 32, 4, 2)
+    return replace(cfg, block_m=max(cfg.block_m, _next_pow2(group)))
+
+
+def prefill_config(head_size: int, group: int) -> AttnConfig:
+    head_pad = max(16, _next_pow2(head_size))
+    cfg = _PREFILL_CONFIGS.get(head_pad) or AttnConfig(64, 32, 4, 2)
+    return replace(cfg, block_m=max(cfg.block_m, _next_pow2(group)))
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device,
+                      max_seq_len: int | None = None) -> int:
+    """Splits of the context per (sequence, KV head) for the decode launch, from shapes only (and the
+    context length when the caller knows it on the host). PLACEHOLDER heuristic."""
+    programs = num_seqs * num_kv_heads
+    target = _SPLIT_TARGET_PROGRAMS * num_sms(device)
+    splits = 1
+    while programs * splits < target and splits < _MAX_SPLITS:
+        splits *= 2
+    if max_seq_len is not None:
+        splits = min(splits, max(1, max_seq_len // _MIN_SPLIT_TOKENS))
+    return splits
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    decode_cfg: AttnConfig | None = None,
+    prefill_cfg: AttnConfig | None = None,
+) -> torch.Tensor:
+    """Triton paged attention with `paged_attention_ref`'s semantics; no host synchronization.
+
+    `max_query_len` / `max_seq_len` are optional host-side hints (AttentionMetadata has them): with them a
+    pure decode batch skips the prefill launch and short contexts are not split. Leave them out when
+    capturing a CUDA graph that is replayed with other lengths. `num_splits`, `decode_cfg`, `prefill_cfg`
+    override the tuned choices (tests, benchmarks).
+    """
+    num_tokens, num_heads, head_size = q.shape
+    _, block_size, num_kv_heads, kv_head_size = k_cache.shape
+    if num_heads % num_kv_heads or kv_head_size != head_size or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("q, the caches and block_tables must have a contiguous last dimension")
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    head_pad = max(16, _next_pow2(head_size))
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    # Triton's CPU interpreter multiplies bf16 blocks wrongly (numpy has no bf16), so off the GPU the
+    # dots run in fp32; on the GPU they run in the activations' 16-bit type (fp32 stays exact).
+    dot_dtype = _DOT_DTYPES.get(q.dtype, tl.float32) if q.is_cuda else tl.float32
+    common = dict(
+        qk_scale=float(scale) * float(k_scale) * _LOG2E, v_scale=float(v_scale),
+        window=int(sliding_window or 0), num_seqs=num_seqs,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        stride_kb=k_cache.stride(0), stride_kt=k_cache.stride(1), stride_kh=k_cache.stride(2),
+        stride_vb=v_cache.stride(0), stride_vt=v_cache.stride(1), stride_vh=v_cache.stride(2),
+        stride_bt=block_tables.stride(0),
+        GROUP=group, HEAD=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
+        USE_WINDOW=sliding_window is not None, DOT_DTYPE=dot_dtype,
+        DOT_PREC="ieee" if dot_dtype == tl.float32 else "tf32",
+    )
+    dec = decode_cfg or decode_config(head_size, group, fp8)
+    dec_q = max(1, dec.block_m // group)
+
+    if num_tokens > dec_q and (max_query_len is None or max_query_len > dec_q):
+        pre = prefill_cfg or prefill_config(head_size, group)
+        pre_q = max(1, pre.block_m // group)
+        grid = (num_tokens // pre_q + num_seqs, num_kv_heads)
+        _paged_attn_kernel[grid](
+            q, k_cache, v_cache, out, out, out, query_start_loc, seq_lens, block_tables,
+            q_len_lo=dec_q, q_len_hi=_NO_LIMIT, **common,
+            BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False,
+            num_warps=pre.num_warps, num_stages=pre.num_stages,
+        )
+
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, q.device, max_seq_len)
+    split = num_splits > 1
+    if split:
+        part_o = torch.empty((num_splits, num_seqs, num_kv_heads, dec.block_m, head_pad), dtype=torch.float32,
+                             device=q.device)
+        part_lse = torch.empty(part_o.shape[:-1], dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out
+    _paged_attn_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse, query_start_loc, seq_lens, block_tables,
+        q_len_lo=0, q_len_hi=dec_q, **common,
+        BLOCK_M=dec.block_m, BLOCK_Q=dec_q, BLOCK_N=dec.block_n, PER_SEQ=True, SPLIT=split,
+        num_warps=dec.num_warps, num_stages=dec.num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(num_seqs, num_kv_heads)](
+            out, part_o, part_lse, query_start_loc, num_seqs, num_splits, dec_q, out.stride(0), out.stride(1),
+            GROUP=group, HEAD=head_size, HEAD_PAD=head_pad, BLOCK_M=dec.block_m, BLOCK_Q=dec_q,
+            num_warps=4,
+        )
     return out

@@ -1,0 +1,228 @@
+"""Triton paged attention and KV write against a float64 dense oracle (interpreted on CPU, compiled on CUDA).
+
+tests/kernels/conftest.py sets TRITON_INTERPRET=1 when there is no GPU, before the kernel modules are
+imported (or reloads them), so these tests run the real kernels everywhere. Shapes stay small: the
+interpreter executes every program in Python. Small tile configs are forced in most cases so a few dozen
+keys already span several key tiles (unmasked and masked loops, several query tiles per sequence).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.kernels.attention import AttnConfig, paged_attention
+from kestrel.kernels.store_kv import store_kv, store_kv_ref
+
+BLOCK_SIZE = 16
+SMALL_DECODE = AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
+SMALL_PREFILL = AttnConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
+
+# (context length after the step, query tokens this step): a full prefill, prefill chunks over cached
+# context, decodes (short and several blocks long), a 2-token query (speculative-style, decode launch),
+# a one-token prompt and a sequence with nothing scheduled.
+MIXED = [(37, 37), (58, 21), (45, 1), (70, 1), (3, 1), (29, 2), (1, 1), (24, 0), (40, 9)]
+
+
+def dense_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 window: int | None) -> torch.Tensor:
+    """Causal attention in float64 for one sequence: q `[Lq, H, D]` are the last Lq of k/v's `[L, H_kv, D]`."""
+    query_len, num_heads, _ = q.shape
+    context = k.shape[0]
+    group = num_heads // k.shape[1]
+    kk = k.double().repeat_interleave(group, dim=1)
+    vv = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    q_pos = torch.arange(context - query_len, context).unsqueeze(1)
+    k_pos = torch.arange(context).unsqueeze(0)
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, vv)
+
+
+class Case:
+    """A flat batch over a paged cache: per-sequence K/V scattered over shuffled blocks, with optional
+    prefix sharing (the second sequence reuses the first one's leading full blocks, as the prefix cache
+    does), padded block tables (padding 0 is a live block of another sequence) and unwritten blocks full
+    of NaN so any stray read shows up."""
+
+    def __init__(self, seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_size: int,
+                 device: torch.device, dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0, share_prefix_blocks: int = 0, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        cache_dtype = cache_dtype or dtype
+        blocks_needed = sum(-(-ctx // BLOCK_SIZE) for ctx, _ in seqs)
+        num_blocks = blocks_needed + 5
+        shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_size)
+        fill = float("nan") if cache_dtype != torch.float8_e4m3fn else 0.0
+        self.k_cache = torch.full(shape, fill, dtype=dtype).to(cache_dtype).to(device)
+        self.v_cache = torch.full(shape, fill, dtype=dtype).to(cache_dtype).to(device)
+        if cache_dtype == torch.float8_e4m3fn:  # e4m3fn NaN is 0x7f
+            self.k_cache.view(torch.uint8).fill_(0x7F)
+            self.v_cache.view(torch.uint8).fill_(0x7F)
+        free = torch.randperm(num_blocks, generator=g).tolist()
+        max_blocks = max(-(-ctx // BLOCK_SIZE) for ctx, _ in seqs) + 2
+        self.block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+        self.keys, self.values = [], []
+        for s, (ctx, _) in enumerate(seqs):
+            k = torch.randn(ctx, num_kv_heads, head_size, generator=g)
+            v = torch.randn(ctx, num_kv_heads, head_size, generator=g)
+            n_blocks = -(-ctx // BLOCK_SIZE)
+            shared = min(share_prefix_blocks, n_blocks - 1, len(self.keys[0]) // BLOCK_SIZE) if s == 1 else 0
+            if shared:
+                k[: shared * BLOCK_SIZE] = self.keys[0][: shared * BLOCK_SIZE]
+                v[: shared * BLOCK_SIZE] = self.values[0][: shared * BLOCK_SIZE]
+            blocks = self.block_tables[0, :shared].tolist() + [free.pop() for _ in range(n_blocks - shared)]
+            self.block_tables[s, :n_blocks] = torch.tensor(blocks, dtype=torch.int32)
+            slots = torch.tensor([blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(ctx)])
+            store_kv(k.to(dtype).to(device), v.to(dtype).to(device), self.k_cache, self.v_cache, slots.to(device),
+                     k_scale, v_scale)
+            # what the cache holds, dequantized: the oracle attends over exactly these values
+            k_stored = self.k_cache.view(-1, num_kv_heads, head_size)[slots.to(device)].cpu().double() * (
+                k_scale if cache_dtype == torch.float8_e4m3fn else 1.0)
+            v_stored = self.v_cache.view(-1, num_kv_heads, head_size)[slots.to(device)].cpu().double() * (
+                v_scale if cache_dtype == torch.float8_e4m3fn else 1.0)
+            self.keys.append(k_stored)
+            self.values.append(v_stored)
+        query_lens = [n for _, n in seqs]
+        self.q = torch.randn(sum(query_lens), num_heads, head_size, generator=g).to(dtype).to(device)
+        self.query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        self.seq_lens = torch.tensor([ctx for ctx, _ in seqs], dtype=torch.int32)
+        self.seqs = seqs
+        self.scale = head_size**-0.5
+        self.block_tables = self.block_tables.to(device)
+        self.query_start_loc = self.query_start_loc.to(device)
+        self.seq_lens = self.seq_lens.to(device)
+
+    def run(self, **kwargs) -> torch.Tensor:
+        return paged_attention(self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens,
+                               self.block_tables, self.scale, **kwargs)
+
+    def expected(self, window: int | None = None) -> torch.Tensor:
+        out = torch.zeros(self.q.shape, dtype=torch.float64)
+        starts = self.query_start_loc.tolist()
+        for s in range(len(self.seqs)):
+            rows = slice(starts[s], starts[s + 1])
+            if rows.stop > rows.start:
+                out[rows] = dense_oracle(self.q[rows].cpu(), self.keys[s], self.values[s], self.scale, window)
+        return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.cpu().double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2), (16, 2)], ids=["gqa1", "gqa4", "gqa8"])
+def test_mixed_batch_gqa(device: torch.device, num_heads: int, num_kv_heads: int) -> None:
+    case = Case(MIXED, num_heads, num_kv_heads, 64, device, share_prefix_blocks=2)
+    out = case.run(decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL, num_splits=1)
+    assert rel_err(out, case.expected()) < 1e-5
+
+
+def test_prefix_shared_blocks_are_shared(device: torch.device) -> None:
+    """Guards the prefix-sharing setup: the two sequences really point at the same physical blocks."""
+    case = Case(MIXED, 8, 2, 64, device, share_prefix_blocks=2)
+    assert torch.equal(case.block_tables[0, :2], case.block_tables[1, :2])
+
+
+def test_default_configs_head128(device: torch.device) -> None:
+    """The tuned tiles (large prefill tile, default split choice) on head size 128."""
+    seqs = [(150, 150), (90, 40), (200, 1), (33, 1)]
+    case = Case(seqs, 8, 2, 128, device, seed=1)
+    assert rel_err(case.run(), case.expected()) < 1e-5
+    hinted = case.run(max_query_len=150, max_seq_len=200)
+    assert rel_err(hinted, case.expected()) < 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 7, 20])
+def test_sliding_window(device: torch.device, window: int) -> None:
+    case = Case(MIXED, 8, 2, 64, device, seed=2)
+    out = case.run(sliding_window=window, decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL, num_splits=2)
+    assert rel_err(out, case.expected(window)) < 1e-5
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_kv(device: torch.device, num_splits: int) -> None:
+    """Flash-decoding partials + merge, including splits left empty by short contexts and a 2-token query."""
+    seqs = [(130, 1), (77, 1), (9, 1), (64, 2), (1, 1)]
+    case = Case(seqs, 16, 2, 64, device, seed=3)
+    out = case.run(decode_cfg=SMALL_DECODE, num_splits=num_splits)
+    assert rel_err(out, case.expected()) < 1e-5
+
+
+def test_split_kv_mixed_batch(device: torch.device) -> None:
+    """Split decode launch next to the prefill launch in one batch: each writes only its own rows."""
+    case = Case(MIXED, 8, 2, 64, device, seed=4)
+    out = case.run(decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL, num_splits=3)
+    assert rel_err(out, case.expected()) < 1e-5
+
+
+def test_fp8_kv(device: torch.device) -> None:
+    """FP8 e4m3 cache written by the Triton store_kv with per-tensor scales, dequantized in registers."""
+    k_scale, v_scale = 0.011, 0.0073
+    case = Case(MIXED, 8, 2, 64, device, cache_dtype=torch.float8_e4m3fn, k_scale=k_scale, v_scale=v_scale,
+                share_prefix_blocks=1, seed=5)
+    out = case.run(k_scale=k_scale, v_scale=v_scale, decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL,
+                   num_splits=2)
+    assert rel_err(out, case.expected()) < 1e-5
+
+
+def test_head128_bf16(device: torch.device) -> None:
+    seqs = [(50, 50), (40, 1), (66, 3)]
+    case = Case(seqs, 8, 1, 128, device, dtype=torch.bfloat16, seed=6)
+    out = case.run(decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL, num_splits=2)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, case.expected()) < 1e-2
+
+
+def test_head_size_not_power_of_two(device: torch.device) -> None:
+    seqs = [(20, 20), (35, 1)]
+    case = Case(seqs, 4, 2, 80, device, seed=7)
+    out = case.run(decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL, num_splits=2)
+    assert rel_err(out, case.expected()) < 1e-5
+
+
+def test_writes_only_into_out(device: torch.device) -> None:
+    case = Case([(20, 20), (35, 1)], 4, 2, 64, device, seed=8)
+    out = torch.full_like(case.q, float("nan"))
+    result = case.run(out=out, decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL, num_splits=2)
+    assert result is out
+    assert rel_err(out, case.expected()) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ store_kv
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_store_kv_matches_reference(device: torch.device, cache_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(9)
+    num_tokens, num_kv_heads, head_size, num_blocks = 13, 3, 64, 4
+    key = torch.randn(num_tokens, num_kv_heads, head_size, generator=g) * 2
+    value = torch.randn(num_tokens, num_kv_heads, head_size, generator=g) * 2
+    key[0, 0, :4] = torch.tensor([1e4, -1e4, 0.0, 3.0])  # saturates at +-448 * scale in FP8
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=g)[:num_tokens]
+    slots[[2, 7]] = -1
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_size)
+    caches = [torch.randn(shape, generator=g).to(cache_dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    if cache_dtype != torch.float8_e4m3fn:  # K/V arrive in the cache's dtype: a plain copy
+        key, value = key.to(cache_dtype), value.to(cache_dtype)
+    store_kv_ref(key, value, expected[0], expected[1], slots, 0.5, 0.25)
+    got = [c.clone().to(device) for c in caches]
+    store_kv(key.to(device), value.to(device), got[0], got[1], slots.to(device), 0.5, 0.25)
+    for e, o in zip(expected, got):
+        o = o.cpu()
+        if cache_dtype != torch.float8_e4m3fn or device.type == "cuda":
+            assert torch.equal(e.view(torch.uint8), o.view(torch.uint8))
+            continue
+        # Triton's interpreter rounds fp32 -> fp8 in software that drops a mantissa carry (a value just
+        # under 2.0 becomes 1.0) and rounds some subnormals down; the GPU's cvt instruction rounds right.
+        # Off the GPU, accept only such round-downs: same sign, magnitude in [ref / 2, ref).
+        same = e.view(torch.uint8) == o.view(torch.uint8)
+        assert same.float().mean() > 0.9
+        ef, of = e.float()[~same], o.float()[~same]
+        assert bool(((of * ef > 0) & (of.abs() < ef.abs()) & (of.abs() >= ef.abs() / 2)).all())
