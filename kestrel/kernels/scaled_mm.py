@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 SMALL_M = 64
 TUNING_DIR = Path(__file__).parent / "tuning"
@@ -45,6 +46,8 @@ class MMConfig:
     tma: bool = True
     persistent: bool = False
     flatten: bool = False
+    pdl: bool = False  # programmatic dependent launch (Hopper): start while the previous kernel drains
+    prefetch: bool = False  # swapped path: pull this program's weight rows into L2 before waiting
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -123,9 +126,25 @@ def _load_8bit(ptrs, mask, IS_INT8: tl.constexpr):
     """Masked 8-bit load with zero fill; fp8 goes through its bytes (a zero `other` cannot be cast to fp8
     in the interpreter, and the bytes are the same on the GPU)."""
     if IS_INT8:
-        return tl.load(ptrs, mask=mask, other=0)
-    raw = tl.load(ptrs.to(tl.pointer_type(tl.uint8)), mask=mask, other=0)
-    return raw.to(tl.float8e4nv, bitcast=True)
+        v = tl.load(ptrs, mask=mask, other=0)
+    else:
+        v = tl.load(ptrs.to(tl.pointer_type(tl.uint8)), mask=mask, other=0).to(tl.float8e4nv, bitcast=True)
+    return v
+
+
+@triton.jit
+def _prefetch_weight_rows(x_ptr, stride_x, R, K, k_tiles_per_split, num_r, num_c, group, split_k,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Bulk L2 prefetch of the weight bytes this program's first tile reads (8-bit: bytes == elements).
+    Weights never depend on the previous kernel, so this may run before `gdc_wait`."""
+    pid_r, _, split, _ = _tile_coords(tl.program_id(0), num_r, num_c, group, split_k)
+    rows = tl.minimum(pid_r * BLOCK_R + tl.arange(0, BLOCK_R), R - 1)
+    k0 = tl.minimum(split * k_tiles_per_split * BLOCK_K, K - 16)
+    nbytes = tl.maximum(tl.minimum(k_tiles_per_split * BLOCK_K, K - k0), 16)
+    addrs = (x_ptr + rows.to(tl.int64) * stride_x + k0).to(tl.int64)
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                              [addrs, tl.zeros([BLOCK_R], dtype=tl.int32) + nbytes], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -172,8 +191,8 @@ def _scaled_mm_kernel(
     M, N, K, stride_am, stride_bn, stride_cm, stride_sa, stride_sb, stride_azp,
     num_progs, group, split_k,
     IS_INT8: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_AZP: tl.constexpr,
-    USE_TMA: tl.constexpr, FLATTEN: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_TMA: tl.constexpr, FLATTEN: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     ACC: tl.constexpr = tl.int32 if IS_INT8 else tl.float32
     # x supplies the tile rows, y the tile columns; both are [rows, K] with K contiguous (nn.Linear layout).
@@ -191,14 +210,23 @@ def _scaled_mm_kernel(
         C = N
         stride_x = stride_am
         stride_y = stride_bn
-    if USE_TMA:
-        x_desc = tl.make_tensor_descriptor(x_ptr, [R, K], [stride_x, 1], [BLOCK_R, BLOCK_K])
-        y_desc = tl.make_tensor_descriptor(y_ptr, [C, K], [stride_y, 1], [BLOCK_C, BLOCK_K])
-
     k_tiles = tl.cdiv(K, BLOCK_K)
     k_tiles_per_split = tl.cdiv(k_tiles, split_k)
     num_r = tl.cdiv(R, BLOCK_R)
     num_c = tl.cdiv(C, BLOCK_C)
+    if USE_PDL:
+        gdc_launch_dependents()
+    if PREFETCH:
+        _prefetch_weight_rows(x_ptr, stride_x, R, K, k_tiles_per_split, num_r, num_c, group, split_k,
+                              BLOCK_R, BLOCK_K)
+    if USE_PDL:
+        # Everything below reads the previous kernel's output or writes memory it may still read
+        # (descriptor scratch, workspace, counters, output).
+        gdc_wait()
+    if USE_TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [R, K], [stride_x, 1], [BLOCK_R, BLOCK_K])
+        y_desc = tl.make_tensor_descriptor(y_ptr, [C, K], [stride_y, 1], [BLOCK_C, BLOCK_K])
+
     num_tiles = num_r * num_c * split_k
     arange_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles, num_progs, flatten=FLATTEN):
@@ -282,6 +310,10 @@ def scaled_mm(
     num_progs = min(num_tiles, _num_sms(a.device)) if cfg.persistent else num_tiles
     acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
     ws = torch.empty(num_tiles * cfg.block_r * cfg.block_c if split_k > 1 else 1, dtype=acc_dtype, device=a.device)
+    on_gpu = a.is_cuda and _is_hopper_or_newer(a.device)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if a.is_cuda:
+        launch["launch_pdl"] = cfg.pdl and on_gpu
     if use_tma:
         triton.set_allocator(_triton_alloc)
     sa, stride_sa = _flat_with_stride(scale_a, torch.float32)
@@ -294,9 +326,9 @@ def scaled_mm(
         M, N, K, a.stride(0), b.stride(0), out.stride(0), stride_sa, stride_sb, stride_azp,
         num_progs, cfg.group, split_k,
         IS_INT8=a.dtype == torch.int8, SWAP=cfg.swap, HAS_BIAS=bias is not None, HAS_AZP=azp is not None,
-        USE_TMA=use_tma, FLATTEN=cfg.flatten, SPLIT=split_k > 1,
-        BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_TMA=use_tma, FLATTEN=cfg.flatten, SPLIT=split_k > 1, USE_PDL=cfg.pdl and on_gpu,
+        PREFETCH=cfg.prefetch and cfg.swap and use_tma and on_gpu,
+        BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, BLOCK_K=cfg.block_k, **launch,
     )
     return out
 
@@ -313,6 +345,17 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 def _triton_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def _is_hopper_or_newer(device: torch.device) -> bool:
+    """Programmatic dependent launch and bulk L2 prefetch need sm_90."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability_major(index) >= 9
 
 
 @functools.cache
