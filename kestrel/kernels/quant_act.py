@@ -14,17 +14,21 @@ SiLU(gate) * up on a `[M, 2*I]` input (gate first). All math is fp32.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8_MAX = 448.0
 SCALE_FLOOR = 1e-12
 
 _IDENTITY, _RMS, _RMS_RESIDUAL, _SILU_MUL = 0, 1, 2, 3
 _FP8, _INT8_SYM, _INT8_ASYM = 0, 1, 2
+_MAX_ONE_PASS = 16384  # longest row held in registers (16 warps x 32 lanes x 32 values)
+_LOOP_BLOCK = 4096
 
 
 class QuantAct(NamedTuple):
@@ -205,66 +209,135 @@ def _produce(x_row, r_row, w_ptr, offs, mask, K, rstd, PRODUCER: tl.constexpr):
 
 
 @triton.jit
+def _row_scale(row_hi, row_lo, QMODE: tl.constexpr):
+    """Per-row scale and zero point from the row's range (which includes 0)."""
+    z = 0.0
+    if QMODE == 0:
+        s = tl.maximum(tl.math.div_rn(tl.maximum(row_hi, -row_lo), 448.0), 1e-12)
+    elif QMODE == 1:
+        s = tl.maximum(tl.math.div_rn(tl.maximum(row_hi, -row_lo), 127.0), 1e-12)
+    else:
+        s = tl.maximum(tl.math.div_rn(row_hi - row_lo, 255.0), 1e-12)
+        z = _rint(-128.0 - tl.math.div_rn(row_lo, s))
+    return s, z
+
+
+@triton.jit
+def _quantize(y, s, z, QMODE: tl.constexpr):
+    """Grid values (fp32) of y / s (+ z), saturated."""
+    v = tl.math.div_rn(y, s)
+    if QMODE == 0:
+        q = _round_e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0))
+    elif QMODE == 1:
+        q = tl.minimum(tl.maximum(_rint(v), -127.0), 127.0)
+    else:
+        q = tl.minimum(tl.maximum(_rint(v) + z, -128.0), 127.0)
+    return q
+
+
+@triton.jit
+def _rstd(sumsq, K, eps):
+    return tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(sumsq, axis=0), K * 1.0) + eps))
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr, z_in_ptr,
                       K, stride_x, stride_r, stride_ro, stride_q, eps,
                       PRODUCER: tl.constexpr, QMODE: tl.constexpr, STATIC: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK: tl.constexpr):
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
     ro_row = ro_ptr + row * stride_ro
     q_row = q_ptr + row * stride_q
     arange = tl.arange(0, BLOCK)
-
-    rstd = 1.0
-    if PRODUCER == 1 or PRODUCER == 2:
-        sumsq = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            offs = k0 + arange
-            h = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+    z = 0.0
+    if ONE_PASS:
+        # The whole row fits one block: read it once, keep it in registers.
+        mask = arange < K
+        if PRODUCER == 3:
+            y = _produce(x_row, r_row, w_ptr, arange, mask, K, 1.0, PRODUCER)
+        else:
+            y = tl.load(x_row + arange, mask=mask, other=0.0).to(tl.float32)
             if PRODUCER == 2:
-                r = tl.load(r_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-                h = _to_dtype(h + r, x_row.dtype.element_ty)
-                tl.store(ro_row + offs, h, mask=offs < K)
-                h = h.to(tl.float32)
-            sumsq += h * h
-        rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(sumsq, axis=0), K * 1.0) + eps))
-
-    if STATIC:
-        s = tl.load(s_in_ptr)
-        if QMODE == 2:
-            z = tl.load(z_in_ptr).to(tl.float32)
+                r = tl.load(r_row + arange, mask=mask, other=0.0).to(tl.float32)
+                h = _to_dtype(y + r, x_row.dtype.element_ty)
+                tl.store(ro_row + arange, h, mask=mask)
+                y = h.to(tl.float32)
+            if PRODUCER >= 1:
+                w = tl.load(w_ptr + arange, mask=mask, other=0.0).to(tl.float32)
+                y = y * _rstd(y * y, K, eps) * w
+        if STATIC:
+            s = tl.load(s_in_ptr)
+            if QMODE == 2:
+                z = tl.load(z_in_ptr).to(tl.float32)
+        else:
+            s, z = _row_scale(tl.max(tl.maximum(y, 0.0), axis=0), tl.min(tl.minimum(y, 0.0), axis=0), QMODE)
+            tl.store(s_ptr + row, s)
+            if QMODE == 2:
+                tl.store(z_ptr + row, z.to(tl.int32))
+        tl.store(q_row + arange, _quantize(y, s, z, QMODE).to(q_ptr.dtype.element_ty), mask=mask)
     else:
-        hi = tl.zeros((BLOCK,), dtype=tl.float32)
-        lo = tl.zeros((BLOCK,), dtype=tl.float32)
+        # Long rows: a statistics pass (two for RMSNorm) over L2-resident chunks, then the quantizing pass.
+        rstd = 1.0
+        if PRODUCER == 1 or PRODUCER == 2:
+            sumsq = tl.zeros((BLOCK,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                offs = k0 + arange
+                h = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+                if PRODUCER == 2:
+                    r = tl.load(r_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+                    h = _to_dtype(h + r, x_row.dtype.element_ty)
+                    tl.store(ro_row + offs, h, mask=offs < K)
+                    h = h.to(tl.float32)
+                sumsq += h * h
+            rstd = _rstd(sumsq, K, eps)
+        if STATIC:
+            s = tl.load(s_in_ptr)
+            if QMODE == 2:
+                z = tl.load(z_in_ptr).to(tl.float32)
+        else:
+            hi = tl.zeros((BLOCK,), dtype=tl.float32)
+            lo = tl.zeros((BLOCK,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                offs = k0 + arange
+                y = _produce(x_row, r_row, w_ptr, offs, offs < K, K, rstd, PRODUCER)
+                hi = tl.maximum(hi, y)
+                lo = tl.minimum(lo, y)
+            s, z = _row_scale(tl.max(hi, axis=0), tl.min(lo, axis=0), QMODE)
+            tl.store(s_ptr + row, s)
+            if QMODE == 2:
+                tl.store(z_ptr + row, z.to(tl.int32))
         for k0 in range(0, K, BLOCK):
             offs = k0 + arange
             y = _produce(x_row, r_row, w_ptr, offs, offs < K, K, rstd, PRODUCER)
-            hi = tl.maximum(hi, y)
-            lo = tl.minimum(lo, y)
-        row_hi = tl.max(hi, axis=0)
-        row_lo = tl.min(lo, axis=0)
-        if QMODE == 0:
-            s = tl.maximum(tl.math.div_rn(tl.maximum(row_hi, -row_lo), 448.0), 1e-12)
-        elif QMODE == 1:
-            s = tl.maximum(tl.math.div_rn(tl.maximum(row_hi, -row_lo), 127.0), 1e-12)
-        else:
-            s = tl.maximum(tl.math.div_rn(row_hi - row_lo, 255.0), 1e-12)
-            z = _rint(-128.0 - tl.math.div_rn(row_lo, s))
-            tl.store(z_ptr + row, z.to(tl.int32))
-        tl.store(s_ptr + row, s)
+            tl.store(q_row + offs, _quantize(y, s, z, QMODE).to(q_ptr.dtype.element_ty), mask=offs < K)
 
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + arange
-        y = _produce(x_row, r_row, w_ptr, offs, offs < K, K, rstd, PRODUCER)
-        v = tl.math.div_rn(y, s)
-        if QMODE == 0:
-            q = _round_e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0))
-        elif QMODE == 1:
-            q = tl.minimum(tl.maximum(_rint(v), -127.0), 127.0)
-        else:
-            q = tl.minimum(tl.maximum(_rint(v) + z, -128.0), 127.0)
-        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+
+def _launch_options(x: torch.Tensor, block: int) -> dict:
+    # ~16-32 fp32 values per thread keeps a whole row in registers without spilling.
+    opts: dict = {"num_warps": 4 if block <= 2048 else (8 if block <= 4096 else 16)}
+    if x.is_cuda:
+        pdl = _is_hopper_or_newer(x.device)
+        opts["launch_pdl"] = pdl
+        opts["USE_PDL"] = pdl
+    else:
+        opts["USE_PDL"] = False
+    return opts
+
+
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def _is_hopper_or_newer(device: torch.device) -> bool:
+    """Programmatic dependent launch (overlap with the previous kernel's tail) needs sm_90."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability_major(index) >= 9
 
 
 def _launch(x: torch.Tensor, producer: int, dtype: torch.dtype, symmetric: bool,
@@ -285,15 +358,16 @@ def _launch(x: torch.Tensor, producer: int, dtype: torch.dtype, symmetric: bool,
     r2 = residual.reshape(-1, width).contiguous() if residual is not None else x2
     r_out = torch.empty_like(x2) if residual is not None else x2
     if M > 0:
-        block = min(triton.next_power_of_2(max(K, 1)), 4096)
+        one_pass = K <= _MAX_ONE_PASS
+        block = triton.next_power_of_2(max(K, 1)) if one_pass else _LOOP_BLOCK
         qmode = _FP8 if dtype == torch.float8_e4m3fn else (_INT8_ASYM if asym else _INT8_SYM)
         s_in = scale.reshape(-1).float().contiguous() if static else s_out
         z_in = azp.reshape(-1).to(torch.int32).contiguous() if (static and azp is not None) else s_in
         _act_quant_kernel[(M,)](
             x2, r2, weight if weight is not None else x2, r_out, q, s_out, z_out, s_in, z_in,
             K, x2.stride(0), r2.stride(0), r_out.stride(0), q.stride(0), float(eps),
-            PRODUCER=producer, QMODE=qmode, STATIC=static, BLOCK=block,
-            num_warps=4 if block <= 1024 else 8,
+            PRODUCER=producer, QMODE=qmode, STATIC=static, ONE_PASS=one_pass, BLOCK=block,
+            **_launch_options(x, block),
         )
     q = q.reshape(*x.shape[:-1], K)
     if static:

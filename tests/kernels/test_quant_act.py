@@ -263,6 +263,27 @@ def test_silu_mul_quant_static(device):
     assert_oracle(got, oracle_silu(x), torch.float8_e4m3fn, True, 0.05)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_looped_path_for_long_rows(mode, device, monkeypatch):
+    """Rows longer than one register block take the chunked path (forced here with tiny limits)."""
+    monkeypatch.setattr(qa, "_MAX_ONE_PASS", 64)
+    monkeypatch.setattr(qa, "_LOOP_BLOCK", 128)
+    dtype, symmetric = mode
+    x = activations(5, 300, torch.bfloat16, seed=8)
+    assert_same(_dynamic(x.to(device), dtype, symmetric), _dynamic(x, dtype, symmetric, ref=True), exact=True)
+    w = (torch.rand(300) + 0.5).to(torch.bfloat16)
+    r = torch.randn(5, 300).to(torch.bfloat16)
+    got, got_res = qa.rms_norm_quant(x.to(device), w.to(device), 1e-6, dtype, r.to(device), symmetric=symmetric)
+    ref, ref_res = qa.rms_norm_quant_ref(x, w, 1e-6, dtype, r, symmetric=symmetric)
+    assert_same(got, ref, exact=False)
+    assert torch.equal(got_res.cpu(), ref_res)
+    g = activations(5, 600, torch.bfloat16, seed=9)
+    assert_same(qa.silu_mul_quant(g.to(device), dtype, symmetric=symmetric),
+                qa.silu_mul_quant_ref(g, dtype, symmetric=symmetric), exact=False)
+    static = qa.quant_static(x.to(device), torch.tensor(0.02, device=device), dtype)
+    assert_same(static, qa.quant_static_ref(x, torch.tensor(0.02), dtype), exact=True)
+
+
 def test_leading_dims_and_empty(device):
     x = activations(6, 40, torch.bfloat16).reshape(2, 3, 40)
     got = qa.quant_int8_per_token(x.to(device), symmetric=False)

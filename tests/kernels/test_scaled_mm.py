@@ -213,6 +213,18 @@ def test_shipped_tuning_tables_parse():
                     assert parsed.swap == (int(bucket) <= smm.SMALL_M) or not parsed.swap
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hopper_pdl_and_prefetch(dtype, device):
+    """Programmatic dependent launch + L2 weight prefetch: compiled-GPU only (inline PTX)."""
+    if device.type != "cuda":
+        pytest.skip("PDL and the bulk prefetch are GPU-only")
+    cfg = MMConfig(swap=True, block_r=64, block_c=16, block_k=128, split_k=3, tma=True, pdl=True, prefetch=True)
+    args = make_inputs(dtype, 9, 200, 1024, "token", "channel", True, None, device, seed=12)
+    for _ in range(3):  # back to back, so each launch overlaps the previous one's tail
+        out = smm.scaled_mm(*args[:4], torch.bfloat16, *args[4:], config=cfg)
+    assert_close(out, oracle(*args), BF16_RTOL)
+
+
 def test_kernels_really_run_in_the_interpreter():
     if torch.cuda.is_available():
         pytest.skip("compiled kernels on a GPU machine")
