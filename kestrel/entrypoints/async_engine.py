@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams
 
 DEFAULT_RETRY_AFTER_S = 1
+logger = logging.getLogger("kestrel.engine")
 
 
 class EngineDeadError(RuntimeError):
@@ -277,8 +279,9 @@ class AsyncEngine:
                     self._publish_stats()
         except BaseException as error:
             self._error = error
+            logger.exception("the engine thread stopped after an error; every request fails from now on")
             self._fail_all(EngineDeadError(f"the engine stopped after an error: {error!r}"))
-            raise
+            return
         self._fail_all(EngineDeadError("the engine was shut down"))
 
     def _apply(self, commands: list[_Add | _Abort]) -> None:

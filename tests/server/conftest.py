@@ -1,0 +1,191 @@
+"""Live kestrel servers for the OpenAI API tests: uvicorn in a thread on a free loopback port.
+
+`openai_server` runs the tiny random Llama checkpoint. `start_scripted` builds a server whose
+model is a `ScriptedRunner`: the real engine core, scheduler, detokenizer and HTTP stack, with
+a model that answers a fixed text, so that tool calls and timing-sensitive cases are exact.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kestrel.config import EngineConfig
+from kestrel.engine.contracts import ModelRunnerOutput, SchedulerOutput
+from kestrel.engine.core import EngineCore
+from kestrel.entrypoints.async_engine import AsyncEngine
+from kestrel.entrypoints.server import build_app
+from kestrel.loader.model_init import write_tiny_checkpoint
+from kestrel.loader.tokenizer import load_tokenizer
+
+API_KEY = "test-key"
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+SCRIPTED_BLOCKS = 256
+
+
+class LiveServer:
+    def __init__(self, app: Any, engine: AsyncEngine, api_key: str | None = API_KEY, model: str = MODEL) -> None:
+        self.app = app
+        self.engine = engine
+        self.api_key = api_key
+        self.model = model
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "none", max_retries=0,
+                             timeout=60, **kwargs)
+
+    def async_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "none", max_retries=0,
+                                  timeout=60, **kwargs)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+        self.engine.shutdown()
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples by name (labels dropped: one model per server)."""
+        text = httpx.get(f"{self.base_url}/metrics").text
+        samples: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name_labels, value = line.rsplit(" ", 1)
+                samples[name_labels.split("{")[0]] = float(value)
+        return samples
+
+    def wait_idle(self, timeout_s: float = 10.0) -> dict[str, float]:
+        """Wait until nothing runs or waits and the KV cache is empty; return the last metrics."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            samples = self.metrics()
+            idle = (samples["kestrel:kv_cache_usage_perc"] == 0 and samples["kestrel:num_requests_running"] == 0
+                    and samples["kestrel:num_requests_waiting"] == 0)
+            if idle or time.monotonic() > deadline:
+                return samples
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("server-llama-tiny")
+    write_tiny_checkpoint(str(path), arch="llama", seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def openai_server(tiny_model_dir: str) -> Iterator[LiveServer]:
+    engine = AsyncEngine.from_args(tiny_model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
+                                   max_num_batched_tokens=512, device="cpu", dtype="float32").start()
+    server = LiveServer(build_app(engine, MODEL, api_key=API_KEY, max_body_bytes=1 << 20), engine)
+    yield server
+    server.stop()
+
+
+# ----- a scripted model ---------------------------------------------------------------------------------
+
+@dataclass
+class _Progress:
+    num_tokens: int
+    num_prompt_tokens: int
+    num_computed: int
+
+
+@dataclass
+class ScriptedRunner:
+    """A Runner that 'generates' `script` (then eos) for every request, one token per step."""
+
+    tokenizer: Any
+    vocab_size: int
+    script: str = "Hello!"
+    step_delay_s: float = 0.0
+    fail_at_step: int | None = None
+    steps: int = 0
+    _progress: dict[str, _Progress] = field(default_factory=dict)
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps += 1
+        if self.fail_at_step is not None and self.steps >= self.fail_at_step:
+            raise RuntimeError("scripted model failure")
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            self._progress.pop(rid, None)
+        for new in out.new_requests:
+            self._progress[new.req_id] = _Progress(len(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens)
+        script = self.tokenizer.encode(self.script, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        req_ids = list(out.num_scheduled_tokens)
+        sampled: list[int | None] = []
+        for rid in req_ids:
+            progress = self._progress[rid]
+            progress.num_computed += out.num_scheduled_tokens[rid]
+            if progress.num_computed < progress.num_tokens:
+                sampled.append(None)  # a prefill chunk that does not reach the end
+                continue
+            position = progress.num_tokens - progress.num_prompt_tokens
+            sampled.append(script[min(position, len(script) - 1)])
+            progress.num_tokens += 1
+        return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
+
+
+def start_scripted(model_dir: str, *, api_key: str | None = API_KEY, max_queued_requests: int | None = None,
+                   max_num_seqs: int = 16, request_timeout_s: float | None = None,
+                   **runner_args: Any) -> tuple[LiveServer, ScriptedRunner]:
+    # The scripted model computes nothing, so it affords the checkpoint's whole context (tool prompts are long).
+    config = EngineConfig.from_kwargs(model_dir, max_model_len=512, max_num_seqs=max_num_seqs,
+                                      kv_cache_blocks=SCRIPTED_BLOCKS, device="cpu")
+    tokenizer = load_tokenizer(model_dir)
+    runner = ScriptedRunner(tokenizer, int(config.model.hf_config["vocab_size"]), **runner_args)
+    core = EngineCore(config, runner, SCRIPTED_BLOCKS, tokenizer, tokenizer.eos_token_id)
+    engine = AsyncEngine(core, tokenizer, model_path=model_dir, max_queued_requests=max_queued_requests,
+                         request_timeout_s=request_timeout_s).start()
+    return LiveServer(build_app(engine, MODEL, api_key=api_key), engine, api_key), runner
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_model_dir: str) -> Iterator[tuple[LiveServer, ScriptedRunner]]:
+    server, runner = start_scripted(tiny_model_dir)
+    yield server, runner
+    server.stop()
+
+
+@pytest.fixture
+def start_scripted_server(tiny_model_dir: str) -> Iterator[Callable[..., tuple[LiveServer, ScriptedRunner]]]:
+    """Start scripted servers with custom settings; they are stopped after the test."""
+    started: list[LiveServer] = []
+
+    def start(**kwargs: Any) -> tuple[LiveServer, ScriptedRunner]:
+        server, runner = start_scripted(tiny_model_dir, **kwargs)
+        started.append(server)
+        return server, runner
+
+    yield start
+    for server in started:
+        server.stop()

@@ -1,0 +1,157 @@
+"""The real server on the tiny random Llama, driven by the official `openai` client."""
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+PROMPT = "The quick brown fox"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def client(openai_server) -> openai.OpenAI:
+    return openai_server.client()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_completion_usage_matches_the_tokenizer(client, hf_tokenizer):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=7, temperature=0.0, extra_body={
+        "ignore_eos": True})
+    choice = response.choices[0]
+    assert response.object == "text_completion" and response.model == MODEL
+    assert choice.finish_reason == "length" and choice.index == 0
+    assert response.usage.prompt_tokens == len(hf_tokenizer.encode(PROMPT))
+    assert response.usage.completion_tokens == 7
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 7
+    assert isinstance(choice.text, str) and choice.text
+
+
+def test_streamed_completion_equals_the_whole_one(client):
+    args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_n_samples_and_several_prompts(client):
+    response = client.completions.create(model=MODEL, prompt=["Hello", "Once upon a time"], n=3, max_tokens=4,
+                                         temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in response.choices) == list(range(6))
+    assert response.usage.completion_tokens == 6 * 4
+    texts = [c.text for c in response.choices[:3]]
+    assert len(set(texts)) > 1, "seeded siblings must not repeat each other"
+    again = client.completions.create(model=MODEL, prompt=["Hello", "Once upon a time"], n=3, max_tokens=4,
+                                      temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in response.choices]
+
+
+def test_completion_logprobs(client):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, logprobs=3, temperature=0.0,
+                                         extra_body={"ignore_eos": True})
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert logprob <= 0.0
+        assert 3 <= len(top) <= 4 and top[token] == pytest.approx(logprob)
+        # Greedy: the sampled token is the most likely one.
+        assert logprob == pytest.approx(max(top.values()))
+
+
+def test_stop_string_cuts_the_text(client):
+    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
+    assert stop.strip(), f"pick a visible stop string from {base!r}"
+    choice = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.0, stop=[stop],
+                                       extra_body={"ignore_eos": True}).choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.text == base[: base.index(stop)]
+    kept = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.0, stop=stop,
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == base[: base.index(stop) + len(stop)]
+
+
+def test_echo_and_token_id_prompts(client, hf_tokenizer):
+    ids = hf_tokenizer.encode(PROMPT)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0.0)
+    by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.0, echo=True)
+    assert echoed.choices[0].text == PROMPT + by_text.choices[0].text
+
+
+def test_chat_usage_and_streaming(client, hf_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital?"}]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=6,
+                                              temperature=0.0, extra_body={"ignore_eos": True})
+    choice = response.choices[0]
+    assert response.object == "chat.completion"
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    rendered = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert response.usage.prompt_tokens == len(hf_tokenizer.encode(rendered, add_special_tokens=False))
+    assert response.usage.completion_tokens == 6
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=6,
+                                            temperature=0.0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.prompt_tokens == response.usage.prompt_tokens
+
+
+def test_chat_logprobs_and_content_parts(client):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logprobs=True,
+                                              top_logprobs=2, temperature=0.0, n=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in response.choices] == [0, 1]
+    content = response.choices[0].logprobs.content
+    assert len(content) == 4
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)  # greedy
+        assert bytes(item.bytes).decode("utf-8") == item.token
+
+
+def test_models_tokenize_detokenize(client, openai_server, hf_tokenizer):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    url, headers = openai_server.base_url, openai_server.headers
+    tokens = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": PROMPT}, headers=headers).json()
+    assert tokens["tokens"] == hf_tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 256
+    chat = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}, headers=headers)
+    assert chat.status_code == 200 and chat.json()["count"] > 3
+    text = httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"][1:]}, headers=headers).json()
+    assert text["prompt"] == PROMPT
+
+
+def test_health_version_and_metric_names(client, openai_server):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
+    url = openai_server.base_url
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/version").json()["version"]
+    samples = openai_server.metrics()
+    for name in ("kestrel:num_requests_running", "kestrel:num_requests_waiting", "kestrel:kv_cache_usage_perc",
+                 "kestrel:prefix_cache_queries_total", "kestrel:prefix_cache_hits_total",
+                 "kestrel:num_preemptions_total", "kestrel:prompt_tokens_total", "kestrel:generation_tokens_total",
+                 "kestrel:time_to_first_token_seconds_count", "kestrel:inter_token_latency_seconds_count",
+                 "kestrel:e2e_request_latency_seconds_count", "kestrel:request_success_total"):
+        assert name in samples, name
+    assert samples["kestrel:generation_tokens_total"] >= 3
+    assert samples["kestrel:time_to_first_token_seconds_count"] >= 1
+    assert samples["kestrel:e2e_request_latency_seconds_count"] >= 1

@@ -1,0 +1,210 @@
+"""Bad input and bad luck: every client mistake is a 4xx with OpenAI's error body, never a 500."""
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+MODEL = "tiny"
+
+
+def post(server, path: str, body=None, *, content: bytes | None = None, headers: dict | None = None) -> httpx.Response:
+    headers = {**server.headers, **(headers or {})}
+    if content is not None:
+        return httpx.post(f"{server.base_url}{path}", content=content, headers=headers, timeout=30)
+    return httpx.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=30)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": "x", "max_tokens": "16"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 100000}, "n"),
+    ({"prompt": "x", "temperature": -0.5}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "min_p": 2}, "min_p"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "stop": 3}, "stop"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "logit_bias": {"1": 5.0}}, "logit_bias"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": [5000]}, "prompt_token_ids"),
+])
+def test_invalid_completion_parameters(openai_server, body, param):
+    assert_error(post(openai_server, "/v1/completions", body), 400, param)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_completion_tokens"),
+])
+def test_invalid_chat_parameters(openai_server, body, param):
+    error = assert_error(post(openai_server, "/v1/chat/completions", body), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_openai_client_sees_a_bad_request(openai_server):
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_server.client().completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert info.value.body["param"] == "temperature"
+
+
+def test_unknown_model_is_404(openai_server):
+    error = assert_error(post(openai_server, "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404, "model")
+    assert error["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        openai_server.client().chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    assert httpx.get(f"{openai_server.base_url}/v1/models/gpt-9", headers=openai_server.headers).status_code == 404
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "test-key"}])
+def test_api_key_is_required(openai_server, headers):
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        response = httpx.post(f"{openai_server.base_url}{path}", json={"prompt": "x"}, headers=headers)
+        error = assert_error(response, 401)
+        assert error["code"] == "invalid_api_key"
+    assert httpx.get(f"{openai_server.base_url}/v1/models", headers=headers).status_code == 401
+    assert httpx.get(f"{openai_server.base_url}/health").status_code == 200  # probes stay open
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{openai_server.base_url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_prompt_longer_than_the_context_is_400(openai_server):
+    error = assert_error(post(openai_server, "/v1/completions", {"prompt": "hello " * 400}), 400, "prompt")
+    assert "max_model_len=256" in error["message"]
+    assert_error(post(openai_server, "/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": "hello " * 400}]}), 400, "prompt")
+
+
+def test_body_size_limit(openai_server):
+    big = {"prompt": "x" * (2 << 20)}
+    assert_error(post(openai_server, "/v1/completions", big), 413)
+
+    def chunks():  # no Content-Length: the limit must hold while reading
+        for _ in range(40):
+            yield b" " * 65536
+
+    response = httpx.post(f"{openai_server.base_url}/v1/completions", content=chunks(), headers=openai_server.headers)
+    assert_error(response, 413)
+
+
+@pytest.mark.parametrize("content", [b"{bad json", b"", b"[1, 2]", b'"text"', b"null", b'{"prompt": NaN}',
+                                     b"\xff\xfe", b"[" * 100000])
+def test_malformed_bodies_are_400(openai_server, content):
+    response = post(openai_server, "/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    assert_error(response, 400)
+
+
+def test_unknown_route_and_method_keep_the_error_shape(openai_server):
+    assert_error(httpx.get(f"{openai_server.base_url}/v1/nothing", headers=openai_server.headers), 404)
+    assert_error(httpx.get(f"{openai_server.base_url}/v1/completions", headers=openai_server.headers), 405)
+    assert_error(post(openai_server, "/detokenize", {"tokens": [10**6]}), 400, "tokens")
+
+
+def test_client_disconnect_mid_stream_frees_its_blocks(openai_server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{openai_server.base_url}/v1/completions", json=body, headers=openai_server.headers,
+                      timeout=30) as response:
+        lines = response.iter_lines()
+        received = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
+        assert len(received) >= 2
+        busy = openai_server.metrics()
+        assert busy["kestrel:kv_cache_usage_perc"] > 0 and busy["kestrel:num_requests_running"] == 1
+    samples = openai_server.wait_idle(timeout_s=5)
+    assert samples["kestrel:kv_cache_usage_perc"] == 0
+    assert samples["kestrel:num_requests_running"] == 0
+    # Far fewer than 200 tokens were generated for it.
+    assert samples["kestrel:generation_tokens_total"] - busy["kestrel:generation_tokens_total"] < 100
+
+
+def test_non_streaming_disconnect_aborts_too(openai_server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{openai_server.base_url}/v1/completions", json=body, headers=openai_server.headers, timeout=0.3)
+    samples = openai_server.wait_idle(timeout_s=5)
+    assert samples["kestrel:kv_cache_usage_perc"] == 0 and samples["kestrel:num_requests_running"] == 0
+
+
+def test_full_queue_answers_429_with_retry_after(start_scripted_server):
+    server, _ = start_scripted_server(max_queued_requests=1, max_num_seqs=1, step_delay_s=0.05,
+                                      script="one two three four five six seven eight")
+
+    async def scenario() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers, timeout=30) as client:
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 8}
+            running = asyncio.create_task(client.post("/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            queued = asyncio.create_task(client.post("/v1/completions", json=body))
+            await asyncio.sleep(0.1)
+            rejected = await client.post("/v1/completions", json=body)
+            assert rejected.headers["Retry-After"].isdigit()
+            assert assert_error(rejected, 429)["code"] == "queue_full"
+            return [rejected.status_code, (await running).status_code, (await queued).status_code]
+
+    assert asyncio.run(scenario()) == [429, 200, 200]
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_request_timeout_aborts(start_scripted_server):
+    server, _ = start_scripted_server(request_timeout_s=0.3, step_delay_s=0.05, script="word " * 50)
+    error = assert_error(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 100}), 504)
+    assert error["code"] == "request_timeout"
+    samples = server.wait_idle(timeout_s=5)
+    assert samples["kestrel:kv_cache_usage_perc"] == 0
+
+
+def test_engine_death_turns_health_503_and_fails_streams(start_scripted_server):
+    server, runner = start_scripted_server(step_delay_s=0.02, script="word " * 100)
+    client = server.client()
+    stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=100, stream=True)
+    first = next(iter(stream))
+    assert first.choices[0].text is not None
+    runner.fail_at_step = runner.steps + 1
+    died = time.monotonic()
+    with pytest.raises(openai.APIError, match="engine"):
+        for _ in stream:
+            pass
+    while httpx.get(f"{server.base_url}/health").status_code != 503:
+        assert time.monotonic() - died < 1.0, "/health must turn 503 within a second"
+        time.sleep(0.02)
+    assert assert_error(httpx.get(f"{server.base_url}/health"), 503)["code"] == "engine_dead"
+    assert_error(post(server, "/v1/completions", {"prompt": "hi"}), 503)
+    assert_error(post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}), 503)
+    assert server.metrics()["kestrel:engine_healthy"] == 0

@@ -1,0 +1,181 @@
+"""Tool calls end to end: the real server and engine with a scripted model that answers a fixed text."""
+
+import json
+
+import httpx
+import pytest
+
+MODEL = "tiny"
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Current weather in a city",
+                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                "required": ["city"]}},
+}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+USER = [{"role": "user", "content": "What's the weather in Paris?"}]
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "note": "a \\"quoted\\" {brace}"}}'
+
+
+@pytest.fixture
+def tools_server(scripted):
+    server, runner = scripted
+    runner.step_delay_s = 0.0
+    yield server, runner
+    runner.script = "Hello!"
+
+
+def chat(server, **kwargs):
+    return server.client().chat.completions.create(model=MODEL, messages=USER, max_tokens=128, **kwargs)
+
+
+def reassemble(stream) -> tuple[dict[int, dict], str, list[str]]:
+    calls: dict[int, dict] = {}
+    content, finish = "", []
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            if choice.finish_reason:
+                finish.append(choice.finish_reason)
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = delta.id or call["id"]
+                if delta.function and delta.function.name:
+                    call["name"] = delta.function.name
+                if delta.function and delta.function.arguments:
+                    call["arguments"] += delta.function.arguments
+    return calls, content, finish
+
+
+def test_auto_tool_call(tools_server):
+    server, runner = tools_server
+    runner.script = CALL
+    choice = chat(server, tools=[WEATHER, ADD]).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "note": 'a "quoted" {brace}'}
+
+
+def test_streamed_tool_call_arguments_reassemble_into_json(tools_server):
+    server, runner = tools_server
+    runner.script = CALL
+    calls, content, finish = reassemble(chat(server, tools=[WEATHER, ADD], stream=True))
+    assert finish == ["tool_calls"] and content == ""
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "note": 'a "quoted" {brace}'}
+
+
+def test_streamed_parallel_calls(tools_server):
+    server, runner = tools_server
+    runner.script = ('[{"name": "add", "parameters": {"a": 1, "b": [2, 3]}}, '
+                     '{"name": "get_weather", "arguments": {"city": "Rome"}}]')
+    calls, _, finish = reassemble(chat(server, tools=[WEATHER, ADD], stream=True))
+    assert finish == ["tool_calls"]
+    assert [calls[i]["name"] for i in sorted(calls)] == ["add", "get_weather"]
+    assert json.loads(calls[0]["arguments"]) == {"a": 1, "b": [2, 3]}
+    assert json.loads(calls[1]["arguments"]) == {"city": "Rome"}
+    single = chat(server, tools=[WEATHER, ADD], parallel_tool_calls=False).choices[0]
+    assert [c.function.name for c in single.message.tool_calls] == ["add"]
+
+
+def test_plain_text_stays_content(tools_server):
+    server, runner = tools_server
+    runner.script = "It is sunny in Paris."
+    choice = chat(server, tools=[WEATHER]).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content == "It is sunny in Paris."
+    assert not choice.message.tool_calls
+    calls, content, finish = reassemble(chat(server, tools=[WEATHER], stream=True))
+    assert calls == {} and content == "It is sunny in Paris." and finish == ["stop"]
+
+
+def test_tool_choice_none_never_parses(tools_server):
+    server, runner = tools_server
+    runner.script = CALL
+    choice = chat(server, tools=[WEATHER], tool_choice="none").choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content == CALL
+
+
+def test_named_function_forces_the_call_header(tools_server):
+    server, runner = tools_server
+    runner.script = '{"city": "Oslo"}}'  # the server started the call; the model writes only the arguments
+    choice = chat(server, tools=[WEATHER, ADD],
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    calls, _, finish = reassemble(chat(server, tools=[WEATHER, ADD], stream=True,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert finish == ["tool_calls"] and json.loads(calls[0]["arguments"]) == {"city": "Oslo"}
+
+
+def test_required_forces_a_call(tools_server):
+    server, runner = tools_server
+    runner.script = 'add", "arguments": {"a": 2}}'
+    choice = chat(server, tools=[WEATHER, ADD], tool_choice="required").choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.name == "add"
+
+
+def test_malformed_forced_call_falls_back_to_content(tools_server):
+    server, runner = tools_server
+    runner.script = "sorry, no JSON here"
+    choice = chat(server, tools=[WEATHER], tool_choice={"type": "function",
+                                                         "function": {"name": "get_weather"}}).choices[0]
+    assert choice.finish_reason == "stop"
+    assert not choice.message.tool_calls
+    assert choice.message.content == '{"name": "get_weather", "arguments": sorry, no JSON here'
+
+
+def test_tools_reach_the_prompt(tools_server):
+    server, _ = tools_server
+    body = {"messages": USER, "tools": [WEATHER]}
+    with_tools = httpx.post(f"{server.base_url}/tokenize", json=body, headers=server.headers).json()
+    without = httpx.post(f"{server.base_url}/tokenize", json={"messages": USER}, headers=server.headers).json()
+    assert with_tools["count"] > without["count"] + 20
+    text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": with_tools["tokens"]},
+                      headers=server.headers).json()["prompt"]
+    assert "get_weather" in text and '"arguments"' in text
+
+
+def test_tool_history_renders(tools_server):
+    server, runner = tools_server
+    runner.script = "It is 21 C."
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+    ]
+    response = server.client().chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    assert response.choices[0].message.content == "It is 21 C."
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "custom", "custom": {}}]}, "tools[0].type"),
+])
+def test_bad_tool_requests(tools_server, body, param):
+    server, _ = tools_server
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": USER, **body},
+                          headers=server.headers)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
+def test_model_without_chat_template_is_a_400(tools_server):
+    server, _ = tools_server
+    tokenizer = server.engine.tokenizer
+    template, tokenizer.chat_template = tokenizer.chat_template, None
+    try:
+        response = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": USER},
+                              headers=server.headers)
+    finally:
+        tokenizer.chat_template = template
+    assert response.status_code == 400
+    assert "no chat template" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == "messages"
