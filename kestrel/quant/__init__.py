@@ -7,9 +7,15 @@ from collections.abc import Callable
 from kestrel.config import ConfigError, QuantConfig
 from kestrel.quant.base import QuantMethod
 from kestrel.quant.unquantized import UnquantizedLinearMethod
+from kestrel.quant.w8a8_fp8 import Fp8LinearMethod
+from kestrel.quant.w8a8_int8 import Int8LinearMethod
 
-# method name (QuantConfig.method) -> factory; quantized methods add themselves here.
-QUANT_METHODS: dict[str, Callable[[QuantConfig], QuantMethod]] = {}
+# method name (QuantConfig.method) -> factory. These build the online methods (quantize on load); checkpoint
+# formats with pre-quantized weights and calibrated input scales construct their methods themselves.
+QUANT_METHODS: dict[str, Callable[[QuantConfig], QuantMethod]] = {
+    "fp8": Fp8LinearMethod,
+    "int8": Int8LinearMethod,
+}
 
 
 def get_quant_method(quant_config: QuantConfig | None, layer_name: str) -> QuantMethod:
@@ -26,4 +32,5 @@ def get_quant_method(quant_config: QuantConfig | None, layer_name: str) -> Quant
     return factory(quant_config)
 
 
-__all__ = ["QUANT_METHODS", "QuantMethod", "UnquantizedLinearMethod", "get_quant_method"]
+__all__ = ["QUANT_METHODS", "Fp8LinearMethod", "Int8LinearMethod", "QuantMethod", "UnquantizedLinearMethod",
+           "get_quant_method"]

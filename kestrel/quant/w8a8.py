@@ -1,0 +1,163 @@
+"""What the W8A8 methods (FP8 and INT8) share: per-channel weights, per-token or per-tensor activations.
+
+Online mode (`LLM(..., quantization="fp8" | "int8")` on a BF16/FP16/FP32 checkpoint): the layer loads the
+high-precision `weight [N, K]` exactly as the unquantized method does; `process_after_loading` replaces it
+with `weight` (8-bit, still `[N, K]`) and `weight_scale [N, 1]` fp32, so `W ~= weight_scale * weight`.
+Asymmetric INT8 activations also get `azp_adj [N]` int32 = the row sums of the quantized weight.
+
+Static activation scales (one per tensor) only make sense once calibrated, so they need a checkpoint that
+carries them: with `calibrated_inputs=True` the layer has `input_scale` (and, for asymmetric INT8,
+`input_zero_point`), one entry per merged shard, required in the checkpoint. Those checkpoints arrive with
+the compressed-tensors issue; online construction with activation_scheme="static" is a ConfigError.
+
+Output dtype: the GEMM writes bf16 or fp16. A float32 model gets the bf16 result widened back to float32,
+so its quantized linears carry bf16 output precision (at most 2^-8 relative rounding, below the 8-bit
+quantization error); float32 is meant for CPU tests, not for serving.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kestrel import ops
+from kestrel.config import ConfigError, QuantConfig
+from kestrel.kernels.quant_act import SCALE_FLOOR, QuantAct
+from kestrel.quant.base import QuantMethod
+from kestrel.quant.unquantized import UnquantizedLinearMethod
+
+GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16)
+INT8_MIN, INT8_MAX = -128, 127
+
+
+@dataclass(frozen=True)
+class InputQuant:
+    """How one layer quantizes its input: the keyword arguments that `ops.rms_norm_quant` and
+    `ops.silu_mul_quant` take, so a fused producer can emit exactly what `apply_quantized` expects."""
+
+    dtype: torch.dtype
+    symmetric: bool = True
+    scale: torch.Tensor | None = None  # static per-tensor scale; None = dynamic per token
+    azp: torch.Tensor | None = None  # static per-tensor zero point (asymmetric INT8)
+
+
+class W8A8LinearMethod(QuantMethod):
+    """Subclasses name the 8-bit dtype, quantize a weight row-wise and quantize activations per token."""
+
+    quant_dtype: torch.dtype
+    method_name: str
+
+    def __init__(self, quant_config: QuantConfig, calibrated_inputs: bool = False) -> None:
+        self.static = quant_config.activation_scheme == "static"
+        self.symmetric = quant_config.symmetric_activations
+        if self.static and not calibrated_inputs:
+            raise ConfigError(
+                f"invalid activation_scheme='static' for quantization={self.method_name!r}: online quantization "
+                "of a high-precision checkpoint has no calibrated activation scales; use "
+                "activation_scheme='dynamic' (per-token scales) or a checkpoint quantized with static input scales"
+            )
+
+    # ------------------------------------------------------------------------------------------ hooks
+
+    @abstractmethod
+    def quantize_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`weight [N, K]` -> (8-bit `[N, K]`, fp32 scales `[N, 1]`)."""
+
+    @abstractmethod
+    def quantize_dynamic(self, x: torch.Tensor) -> QuantAct:
+        """Per-token quantization of `x [M, K]`."""
+
+    # ---------------------------------------------------------------------------------------- loading
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        # The high-precision weight loads exactly like an unquantized one; process_after_loading converts it.
+        UnquantizedLinearMethod().create_weights(layer, input_size, output_partition_sizes, params_dtype)
+        if self.static:
+            num_shards = max(len(output_partition_sizes), 1)
+            _register_per_shard(layer, "input_scale", torch.ones(num_shards, dtype=torch.float32))
+            if not self.symmetric:
+                _register_per_shard(layer, "input_zero_point", torch.zeros(num_shards, dtype=torch.int32))
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        q, scale = self.quantize_weight(layer.weight.detach())
+        # Assigning new Parameters (rather than copying into the old ones) releases the high-precision weight.
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if not self.symmetric:
+            layer.azp_adj = nn.Parameter(q.sum(dim=1, dtype=torch.int32), requires_grad=False)
+        if self.static:
+            self._merge_input_scales(layer)
+
+    def _merge_input_scales(self, layer: nn.Module) -> None:
+        """Merged shards (q, k, v) read the same input, so one per-tensor scale must cover every shard."""
+        scales = layer.input_scale.detach().float()
+        if not bool(torch.isfinite(scales).all() and (scales > 0).all()):
+            raise ValueError(f"input_scale must be positive and finite, got {scales.tolist()}")
+        if self.symmetric:
+            layer.input_scale = nn.Parameter(scales.amax().reshape(1), requires_grad=False)
+            return
+        scale, zero_point = union_of_ranges(scales, layer.input_zero_point.detach())
+        layer.input_scale = nn.Parameter(scale, requires_grad=False)
+        layer.input_zero_point = nn.Parameter(zero_point, requires_grad=False)
+
+    # -------------------------------------------------------------------------------------- inference
+
+    def input_quant(self, layer: nn.Module) -> InputQuant:
+        if not self.static:
+            return InputQuant(self.quant_dtype, self.symmetric)
+        azp = None if self.symmetric else layer.input_zero_point
+        return InputQuant(self.quant_dtype, self.symmetric, layer.input_scale, azp)
+
+    def quantize_input(self, layer: nn.Module, x: torch.Tensor) -> QuantAct:
+        """`x [M, K]` -> 8-bit activations with scales (and zero points); the unfused producer."""
+        spec = self.input_quant(layer)
+        if spec.scale is not None:
+            return ops.quant_static(x, spec.scale, spec.dtype, spec.azp)
+        return self.quantize_dynamic(x)
+
+    def apply_quantized(self, layer: nn.Module, act: QuantAct, out_dtype: torch.dtype,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`[M, N]` in `out_dtype` from activations already quantized (by `quantize_input` or a fused producer)."""
+        gemm_dtype = out_dtype if out_dtype in GEMM_OUT_DTYPES else torch.bfloat16
+        azp_adj = layer.azp_adj if act.azp is not None else None
+        out = ops.scaled_mm(act.q, layer.weight, act.scale, layer.weight_scale, gemm_dtype, bias, azp_adj, act.azp)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        out = self.apply_quantized(layer, self.quantize_input(layer, x2), x.dtype, bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _register_per_shard(layer: nn.Module, name: str, init: torch.Tensor) -> None:
+    param = nn.Parameter(init, requires_grad=False)
+    param.per_shard = True
+    param.weight_loader = layer.weight_loader
+    layer.register_parameter(name, param)
+
+
+def absmax_scales(weight: torch.Tensor, qmax: float) -> torch.Tensor:
+    """Per-row fp32 scales `[N, 1]` that map each row's absmax to `qmax`; all-zero rows get the floor."""
+    # abs and max are exact in any float dtype, so no fp32 copy of the whole weight is needed here.
+    return (weight.abs().amax(dim=1, keepdim=True).float() / qmax).clamp(min=SCALE_FLOOR)
+
+
+def scaled_copy(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`weight / scale` in a fresh fp32 tensor that the caller may round and clamp in place."""
+    return weight.to(torch.float32, copy=True).div_(scale)
+
+
+def union_of_ranges(scales: torch.Tensor, zero_points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One asymmetric INT8 (scale `[1]` fp32, zero point `[1]` int32) whose range covers each given one's."""
+    if scales.numel() == 1:
+        return scales.reshape(1), zero_points.to(torch.int32).reshape(1)
+    z = zero_points.float()
+    lo = (scales * (INT8_MIN - z)).amin().clamp(max=0.0)
+    hi = (scales * (INT8_MAX - z)).amax().clamp(min=0.0)
+    scale = ((hi - lo) / (INT8_MAX - INT8_MIN)).clamp(min=SCALE_FLOOR)
+    zero_point = torch.round(INT8_MIN - lo / scale).clamp(INT8_MIN, INT8_MAX)
+    return scale.reshape(1), zero_point.to(torch.int32).reshape(1)
