@@ -14,12 +14,13 @@ from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams, SamplingParamsError
 
 # Benchmark suites live in kestrel.bench.<name>; each module exposes register(subparsers).
-BENCH_SUITES: tuple[str, ...] = ()
+BENCH_SUITES: tuple[str, ...] = ("ppl",)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", required=True, help="Hugging Face model directory")
+    group.add_argument("--model", default=None,
+                       help="Hugging Face model directory (default: the bundled kestrel-tiny)")
     group.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     group.add_argument("--load-format", default="auto", help="auto, safetensors or dummy (random weights)")
     group.add_argument("--max-model-len", type=int, default=None)

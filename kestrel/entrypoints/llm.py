@@ -1,4 +1,4 @@
-"""LLM: the offline API. `LLM(model=DIR).generate(prompts, SamplingParams(...))`."""
+"""LLM: the offline API. `LLM(model=DIR).generate(prompts, SamplingParams(...))`; `LLM()` runs kestrel-tiny."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.outputs import RequestOutput
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams
+from kestrel.tiny import default_model_path
 from kestrel.worker.model_runner import ModelRunner
 
 PromptType = str | dict[str, Any]
@@ -23,8 +24,10 @@ PromptType = str | dict[str, Any]
 class LLM:
     """An in-process engine. Keyword arguments are the engine arguments of `EngineConfig.from_kwargs`."""
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
-        self.config = EngineConfig.from_kwargs(model, **engine_args)
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        if model is None:
+            model = str(default_model_path())
+        self.config = EngineConfig.from_kwargs(str(model), **engine_args)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer_path)
         eos_token_id = self.tokenizer.eos_token_id
         self.runner = ModelRunner(self.config, eos_token_id=eos_token_id)

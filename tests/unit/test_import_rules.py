@@ -19,7 +19,8 @@ ALLOWED: dict[str, set[str]] = {
     "sample": {"sample", "sampling_params"},
     "worker": {"worker", "model", "loader", "sample", "ops", "engine.contracts"} | CORE,
     "distributed": {"distributed", "config"},
-    "bench": {"bench", "kernels", "ops", "quant", "model", "loader", "worker", "sample", "engine"} | CORE,
+    "bench": {"bench", "kernels", "ops", "quant", "model", "loader", "worker", "sample", "engine", "tiny"} | CORE,
+    "tiny": {"tiny", "loader", "config"} | CORE,
     "entrypoints": {""},  # everything
 }
 # Parts that must stay pure Python: standard library only outside kestrel.

@@ -1,0 +1,354 @@
+"""Training kestrel-tiny: tokenizer, packed data, AdamW with warmup + cosine, stop by wall clock, HF export.
+
+`scripts/train_tiny.py` is the command line; tests call `train()` with a small `TrainOptions`.
+Output (exactly the files the GPU machine can hand back): config.json, generation_config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json, special_tokens_map.json, train_log.json, loss.png.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from kestrel.loader.tokenizer_init import BOS_TOKEN, EOS_TOKEN
+from kestrel.tiny import corpus
+from kestrel.tiny.model import TinyConfig, TinyLlama, num_parameters, save_hf_model
+from kestrel.tiny.tokenizer import encode_documents, save_tokenizer, train_tokenizer
+
+# About 1% of the train split (disjoint from the eval split, since 100 is a multiple of 20) is kept out
+# of training to watch for overfitting and to pick the checkpoint; the eval split is never looked at.
+VAL_MODULUS = 100
+VAL_REMAINDER = 1
+# Time kept back from --max-total-minutes for the last evaluation and the writes.
+SAVE_RESERVE_S = 20.0
+MAX_SAFETENSORS_BYTES = 16_000_000
+
+
+@dataclass
+class TrainOptions:
+    out: Path
+    minutes: float = 8.0
+    steps: int | None = None
+    max_total_minutes: float | None = None
+    device: str = "auto"
+    seed: int = 0
+    model: TinyConfig = field(default_factory=TinyConfig)
+    tokenizer_dir: Path | None = None
+    max_train_files: int | None = None
+    batch_size: int = 64
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 200
+    weight_decay: float = 0.1
+    dropout: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 200
+    log_every: int = 50
+    val_tokens: int = 262_144
+    save_dtype: str = "bfloat16"
+    compile: bool = False
+    plot: bool = True
+    quiet: bool = False
+
+
+@dataclass
+class Data:
+    train: torch.Tensor  # packed token stream, int64
+    val: torch.Tensor  # [windows, context + 1]
+    stats: dict[str, Any]
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    num_parameters: int
+    safetensors_bytes: int
+    best_val_loss: float
+    log: dict[str, Any]
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def split_files(max_train_files: int | None) -> tuple[list[corpus.SourceFile], list[corpus.SourceFile]]:
+    """(train, val): the corpus's train split with the validation slice taken out."""
+    files = corpus.train_files()
+    val = [f for f in files if corpus.path_hash(f.rel) % VAL_MODULUS == VAL_REMAINDER]
+    train = [f for f in files if corpus.path_hash(f.rel) % VAL_MODULUS != VAL_REMAINDER]
+    if max_train_files is not None:
+        train = corpus.select_evenly(train, max_train_files)
+        val = corpus.select_evenly(val, max(2, max_train_files // 20))
+    return train, val
+
+
+def pack(docs: list[list[int]], bos_id: int, eos_id: int) -> torch.Tensor:
+    """One stream: <bos> file <eos> <bos> file <eos> ...; windows are cut from it at random offsets."""
+    out: list[int] = []
+    for ids in docs:
+        out.append(bos_id)
+        out.extend(ids)
+        out.append(eos_id)
+    return torch.tensor(out, dtype=torch.long)
+
+
+def val_windows(stream: torch.Tensor, context: int, max_tokens: int) -> torch.Tensor:
+    count = max(1, min(len(stream) // (context + 1), max_tokens // context))
+    return stream[: count * (context + 1)].view(count, context + 1)
+
+
+def prepare_data(opts: TrainOptions, log: dict[str, Any]) -> tuple[Tokenizer, Data]:
+    started = time.perf_counter()
+    train_set, val_set = split_files(opts.max_train_files)
+    train_texts, val_texts = corpus.texts(train_set), corpus.texts(val_set)
+    listed = time.perf_counter()
+    if opts.tokenizer_dir is not None:
+        tokenizer = Tokenizer.from_file(str(Path(opts.tokenizer_dir) / "tokenizer.json"))
+    else:
+        tokenizer = train_tokenizer(train_texts, opts.model.vocab_size)
+    trained = time.perf_counter()
+    if tokenizer.get_vocab_size() > opts.model.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "
+                         f"vocab_size={opts.model.vocab_size}")
+    bos, eos = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
+    train_stream = pack(encode_documents(tokenizer, train_texts), bos, eos)
+    val_stream = pack(encode_documents(tokenizer, val_texts), bos, eos)
+    if len(train_stream) <= opts.model.max_position + 1:
+        raise ValueError(f"only {len(train_stream)} training tokens; need more than the context "
+                         f"{opts.model.max_position}")
+    train_bytes = sum(len(t.encode("utf-8")) for t in train_texts)
+    stats = {
+        "python": platform.python_version(),
+        "stdlib": str(corpus.stdlib_root()),
+        "train_files": len(train_texts),
+        "val_files": len(val_texts),
+        "eval_files": len(corpus.eval_files()),
+        "train_bytes": train_bytes,
+        "train_tokens": len(train_stream),
+        "val_tokens": len(val_stream),
+        "bytes_per_token": train_bytes / max(1, len(train_stream) - 2 * len(train_texts)),
+    }
+    log["timing"].update(list_files_s=listed - started, tokenizer_s=trained - listed,
+                         encode_s=time.perf_counter() - trained)
+    return tokenizer, Data(train_stream, val_windows(val_stream, opts.model.max_position, opts.val_tokens), stats)
+
+
+# ------------------------------------------------------------------------------------------------ optimization
+
+
+def lr_at(opts: TrainOptions, step: int, progress: float) -> float:
+    """Linear warmup over `warmup_steps`, times a cosine from 1 to `min_lr_ratio` over the run's progress
+    (fraction of the step count, or of the wall-clock budget)."""
+    warm = min(1.0, (step + 1) / max(1, opts.warmup_steps))
+    cosine = opts.min_lr_ratio + (1 - opts.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return opts.lr * warm * cosine
+
+
+def make_optimizer(model: TinyLlama, opts: TrainOptions, device: torch.device) -> torch.optim.AdamW:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": opts.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+
+
+def sample_batch(stream: torch.Tensor, batch_size: int, context: int, generator: torch.Generator,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    offsets = torch.randint(0, len(stream) - context - 1, (batch_size,), generator=generator)
+    rows = (offsets[:, None] + torch.arange(context + 1)).to(device, non_blocking=True)
+    chunk = stream[rows]
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
+        "cpu", enabled=False)
+
+
+@torch.no_grad()
+def evaluate(model: TinyLlama, windows: torch.Tensor, device: torch.device, batch_size: int) -> float:
+    """Mean next-token loss (nats) over the validation windows."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(windows), batch_size):
+        chunk = windows[start: start + batch_size]
+        with autocast(device):
+            loss = model.loss(chunk[:, :-1], chunk[:, 1:])
+        n = chunk[:, 1:].numel()
+        total += float(loss) * n
+        count += n
+    model.train(was_training)
+    return total / max(1, count)
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here")
+    return torch.device(name)
+
+
+def train(opts: TrainOptions) -> TrainResult:
+    script_start = time.perf_counter()
+    device = resolve_device(opts.device)
+    torch.manual_seed(opts.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log: dict[str, Any] = {"options": _options_json(opts), "timing": {}, "train": [], "val": [],
+                           "environment": _environment(device)}
+    say = (lambda _msg: None) if opts.quiet else (lambda msg: print(msg, flush=True))
+
+    tokenizer, data = prepare_data(opts, log)
+    save_tokenizer(tokenizer, out)
+    bos, eos = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
+    log["corpus"] = data.stats
+    say(f"corpus: {data.stats['train_files']} train files, {data.stats['train_tokens']:,} tokens "
+        f"({data.stats['bytes_per_token']:.2f} bytes/token); val {data.stats['val_tokens']:,} tokens; "
+        f"prep {time.perf_counter() - script_start:.1f} s")
+
+    model = TinyLlama(opts.model, dropout=opts.dropout).to(device)
+    log["model"] = asdict(opts.model)
+    log["num_parameters"] = num_parameters(model)
+    say(f"model: {log['num_parameters']:,} parameters on {device}")
+    step_fn = torch.compile(model.loss) if opts.compile else model.loss
+    optimizer = make_optimizer(model, opts, device)
+    train_stream = data.train.to(device)
+    val = data.val.to(device)
+    generator = torch.Generator().manual_seed(opts.seed)
+    context = opts.model.max_position
+
+    budget_s = opts.minutes * 60.0
+    deadline = None if opts.max_total_minutes is None else script_start + opts.max_total_minutes * 60 - SAVE_RESERVE_S
+    best = {"val_loss": math.inf, "step": -1}
+    best_state: dict[str, torch.Tensor] = {}
+    loop_start = time.perf_counter()
+    step, tokens, running, running_n = 0, 0, 0.0, 0
+    model.train()
+    while True:
+        now = time.perf_counter()
+        progress = step / opts.steps if opts.steps is not None else (now - loop_start) / budget_s
+        if progress >= 1.0 or (deadline is not None and now >= deadline):
+            break
+        lr = lr_at(opts, step, progress)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        inputs, targets = sample_batch(train_stream, opts.batch_size, context, generator, device)
+        with autocast(device):
+            loss = step_fn(inputs, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip)
+        optimizer.step()
+        step += 1
+        tokens += inputs.numel()
+        running += loss.detach()
+        running_n += 1
+        if step % opts.log_every == 0:
+            mean = float(running) / running_n  # the only host sync between evaluations
+            running, running_n = 0.0, 0
+            elapsed = time.perf_counter() - loop_start
+            log["train"].append({"step": step, "tokens": tokens, "seconds": round(elapsed, 2), "lr": lr,
+                                 "loss": mean})
+            say(f"step {step:6d}  loss {mean:.4f}  lr {lr:.2e}  {tokens / elapsed:,.0f} tok/s  {elapsed:.0f} s")
+        if step % opts.eval_every == 0:
+            val_loss = evaluate(model, val, device, opts.batch_size)
+            log["val"].append({"step": step, "tokens": tokens,
+                               "seconds": round(time.perf_counter() - loop_start, 2), "loss": val_loss})
+            say(f"step {step:6d}  val {val_loss:.4f}")
+            if val_loss < best["val_loss"]:
+                best = {"val_loss": val_loss, "step": step}
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                # Written as it goes: a run killed by an outside time limit still leaves a usable model.
+                save_hf_model(model, out, bos, eos, opts.save_dtype)
+            _write_json(out / "train_log.json", log)
+
+    loop_s = time.perf_counter() - loop_start
+    final_loss = evaluate(model, val, device, opts.batch_size)
+    log["val"].append({"step": step, "tokens": tokens, "seconds": round(loop_s, 2), "loss": final_loss})
+    if final_loss < best["val_loss"] or not best_state:
+        best = {"val_loss": final_loss, "step": step}
+    else:
+        model.load_state_dict(best_state)
+    size = save_hf_model(model, out, bos, eos, opts.save_dtype)
+    saved_loss = _saved_dtype_loss(model, val, device, opts)
+    log.update(
+        steps=step, tokens=tokens, epochs=tokens / max(1, data.stats["train_tokens"]), best=best,
+        val_loss_saved_dtype=saved_loss, safetensors_bytes=size, save_dtype=opts.save_dtype,
+    )
+    log["timing"].update(train_loop_s=loop_s, total_s=time.perf_counter() - script_start)
+    _write_json(out / "train_log.json", log)
+    if opts.plot:
+        plot_loss(log, out / "loss.png")
+    say(f"done: {step} steps, {tokens:,} tokens ({log['epochs']:.1f} epochs) in {loop_s:.0f} s; best val "
+        f"{best['val_loss']:.4f} at step {best['step']}, {saved_loss:.4f} in {opts.save_dtype}; "
+        f"model.safetensors {size / 1e6:.2f} MB -> {out}")
+    if size > MAX_SAFETENSORS_BYTES:
+        say(f"warning: model.safetensors is {size:,} bytes, over the {MAX_SAFETENSORS_BYTES:,} limit")
+    return TrainResult(out, log["num_parameters"], size, best["val_loss"], log)
+
+
+def _saved_dtype_loss(model: TinyLlama, val: torch.Tensor, device: torch.device, opts: TrainOptions) -> float:
+    """Validation loss of the weights as stored (rounded to save_dtype), evaluated like the others."""
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[opts.save_dtype]
+    rounded = TinyLlama(opts.model).to(device)
+    rounded.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
+    return evaluate(rounded, val, device, opts.batch_size)
+
+
+def plot_loss(log: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; no loss.png", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    if log["train"]:
+        ax.plot([r["tokens"] / 1e6 for r in log["train"]], [r["loss"] for r in log["train"]], label="train")
+    if log["val"]:
+        ax.plot([r["tokens"] / 1e6 for r in log["val"]], [r["loss"] for r in log["val"]], "o-", ms=3,
+                label="validation")
+    ax.set_xlabel("tokens (millions)")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"kestrel-tiny: {log['num_parameters'] / 1e6:.2f}M parameters, {log['steps']} steps, "
+                 f"{log['timing']['train_loop_s'] / 60:.1f} min on {log['environment']['device_name']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _environment(device: torch.device) -> dict[str, Any]:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {"device": device.type, "device_name": name, "torch": torch.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def _options_json(opts: TrainOptions) -> dict[str, Any]:
+    plain = asdict(replace(opts, out=str(opts.out),
+                           tokenizer_dir=None if opts.tokenizer_dir is None else str(opts.tokenizer_dir)))
+    plain.pop("model")
+    return plain
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
