@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams
@@ -21,9 +21,20 @@ MAX_N = 128
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+def _integral(value: Any) -> Any:
+    # JSON Schema counts 1.0 as an integer; strict mode alone would refuse it.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+TokenId = Annotated[Int, Field(ge=0, le=INT64_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Seed = Annotated[Int, Field(ge=INT64_MIN, le=INT64_MAX)]
+StopString = Annotated[str, Field(min_length=1)]
 
 
 class _Request(BaseModel):
@@ -38,18 +49,18 @@ class _SamplingRequest(_Request):
     """Fields shared by completions and chat: OpenAI's sampling fields plus vLLM's extensions."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    n: Annotated[Int, Field(ge=1, le=MAX_N)] | None = 1
     temperature: Annotated[float, Field(ge=0.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[Int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = None
     stop_token_ids: list[TokenId] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    min_tokens: Annotated[Int, Field(ge=0)] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
@@ -101,11 +112,11 @@ PromptInput = (str | Annotated[list[str], Field(min_length=1)] | TokenIds
 
 class CompletionRequest(_SamplingRequest):
     prompt: PromptInput
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = 16
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False
     suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: Annotated[Int, Field(ge=1)] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""
@@ -191,10 +202,10 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -462,8 +473,16 @@ def validation_error_info(errors: list[dict[str, Any]]) -> tuple[str | None, str
     same_field = [e for e in errors if _field_loc(e)[:len(loc)] == loc]
     name = next((part for part in reversed(loc) if isinstance(part, str)), "")
     if len(same_field) > 1 and name in _UNION_HINTS:
+        # When only one accepted shape got past the top level (e.g. a list), its error is the useful one.
+        deeper = [e for e in same_field if len(_field_loc(e)) > len(loc)]
+        if deeper and len({_union_member(e) for e in deeper}) == 1:
+            return _path(_field_loc(deeper[0])), f"invalid {_path(_field_loc(deeper[0]))}: {deeper[0].get('msg')}"
         return param, f"invalid {param}: expected {_UNION_HINTS[name]}"
     return param, f"invalid {param}: {first.get('msg')}"
+
+
+def _union_member(error: dict[str, Any]) -> str:
+    return next((part for part in error.get("loc", ()) if _is_union_tag(part)), "")
 
 
 def _field_loc(error: dict[str, Any]) -> list[Any]:

@@ -189,3 +189,8 @@ def start_scripted_server(tiny_model_dir: str) -> Iterator[Callable[..., tuple[L
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def live_server_class() -> type[LiveServer]:
+    return LiveServer

@@ -22,8 +22,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"]
-    if param is not None:
-        assert error["param"] == param, error
+    if param is not None:  # a list item may be named more precisely: stop[0]
+        assert error["param"] == param or error["param"].startswith(f"{param}["), error
     return error
 
 

@@ -1,0 +1,65 @@
+"""Schemathesis fuzzes every operation of the server's OpenAPI schema (valid and invalid inputs): never a 5xx.
+
+The server runs the real tiny model with a short context, so even the largest valid requests
+(n = 128, no max_tokens) finish quickly; the engine must survive every sampling setting the
+schema allows.
+"""
+
+from collections.abc import Iterator
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
+
+from kestrel.entrypoints.async_engine import AsyncEngine
+from kestrel.entrypoints.server import build_app
+
+MAX_EXAMPLES = 40  # per operation and mode (valid / invalid inputs)
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tiny_model_dir: str, live_server_class) -> Iterator:
+    engine = AsyncEngine.from_args(tiny_model_dir, max_model_len=48, max_num_seqs=128, max_num_batched_tokens=512,
+                                   device="cpu", dtype="float32", max_queued_requests=4096).start()
+    server = live_server_class(build_app(engine, "tiny", api_key="fuzz-key", max_body_bytes=1 << 20), engine,
+                               api_key="fuzz-key")
+    yield server
+    server.stop()
+
+
+OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+              ("POST", "/detokenize"), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"),
+              ("GET", "/version"), ("GET", "/metrics")]
+
+
+@pytest.fixture(scope="module")
+def fuzz_schema(fuzz_server):
+    return schemathesis.openapi.from_url(f"{fuzz_server.base_url}/openapi.json")
+
+
+def test_every_operation_is_fuzzed(fuzz_schema):
+    found = {(op.ok().method.upper(), op.ok().path) for op in fuzz_schema.get_all_operations()}
+    assert found == set(OPERATIONS)
+
+
+# Invalid inputs need something to break: a JSON body (any string is a valid model id).
+CASES = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + [
+    (m, p, GenerationMode.NEGATIVE) for m, p in OPERATIONS if m == "POST"]
+
+
+@pytest.mark.parametrize("method, path, mode", CASES, ids=[f"{m} {p} {g.value}" for m, p, g in CASES])
+def test_no_server_errors(fuzz_server, fuzz_schema, method, path, mode):
+    operation = fuzz_schema[path][method]
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    def check(case) -> None:
+        response = case.call(headers=fuzz_server.headers, timeout=120)
+        assert response.status_code < 500, f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}"
+        if response.status_code >= 400 and path != "/health":
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        assert fuzz_server.engine.is_healthy
+
+    check()
