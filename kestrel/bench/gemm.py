@@ -42,6 +42,9 @@ MAX_SETS = 12
 # Measured ceilings from BENCHMARKS.md, used when the run cannot measure its own (e.g. on the CPU).
 FALLBACK_CEILINGS = {"bw": 4.26e12, "bf16": 760e12, "eight_bit": 1315e12}
 ERR_LIMIT = 1e-2
+# Promoting FP8 accumulation every BLOCK_K doubles the accumulator registers: a tile that does not spill.
+PRECISE_LARGE = MMConfig(swap=False, block_r=256, block_c=128, block_k=128, num_warps=8, num_stages=3,
+                         persistent=True, precise_acc=True)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -117,6 +120,11 @@ class Variant:
     min_m: int = 1
 
 
+def precise_config(N: int, K: int, M: int, device: torch.device) -> MMConfig:
+    base = smm.select_config(torch.float8_e4m3fn, N, K, M, device)
+    return replace(base, precise_acc=True) if base.swap else PRECISE_LARGE
+
+
 def _epi_ref(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Tensor | None = None,
              azp: torch.Tensor | None = None, adj: torch.Tensor | None = None) -> torch.Tensor:
     if azp is not None:
@@ -149,6 +157,10 @@ def build_variants() -> list[Variant]:
     def ours_fp8(W, A, quant=False, bias=False):
         q = qa.quant_fp8_per_token(A.x) if quant else A.fp8
         return mm(q.q, W.w8, q.scale, W.s8, bf16, W.bias if bias else None)
+
+    def ours_fp8_precise(W, A):
+        (M, K), N = A.fp8.q.shape, W.w8.shape[0]
+        return mm(A.fp8.q, W.w8, A.fp8.scale, W.s8, bf16, config=precise_config(N, K, M, A.x.device))
 
     def ours_i8(W, A, quant=False, bias=False):
         q = qa.quant_int8_per_token(A.x, True) if quant else A.i8
@@ -183,10 +195,15 @@ def build_variants() -> list[Variant]:
                 lambda W, A: torch._scaled_mm(A.fp8_static.q, W.w8.t(), A.fp8_static.scale, _t_scale(W.s8),
                                               out_dtype=bf16),
                 ref_fp8_t),
+        Variant("torch_fp8_rowwise_fastacc", "anchor", 8, False,
+                lambda W, A: torch._scaled_mm(A.fp8.q, W.w8.t(), A.fp8.scale, W.s8.t(), out_dtype=bf16,
+                                              use_fast_accum=True),
+                ref_fp8),
         Variant("torch_int_mm", "anchor", 8, False, _int_mm,
                 lambda W, A, c: _acc(c, "i8", A.i8.q, W.wi), min_m=17),
         Variant("fp8_tok_ch", "ours", 8, False, ours_fp8, ref_fp8),
         Variant("fp8_tok_ch+quant", "ours", 8, True, lambda W, A: ours_fp8(W, A, quant=True), ref_fp8),
+        Variant("fp8_tok_ch_precise", "ours", 8, False, ours_fp8_precise, ref_fp8),
         Variant("fp8_tensor", "ours", 8, False,
                 lambda W, A: mm(A.fp8_static.q, W.w8, A.fp8_static.scale, _t_scale(W.s8), bf16), ref_fp8_t),
         Variant("fp8_tok_ch_bias", "ours", 8, False, lambda W, A: ours_fp8(W, A, bias=True),
@@ -450,6 +467,9 @@ TARGETS = [
 ]
 # Like-for-like views reported beside the targets (not targets themselves).
 EXTRA_RATIOS = [
+    ("FP8 GEMM only, both fast accumulation: ours vs torch rowwise", "fp8_tok_ch", "torch_fp8_rowwise_fastacc"),
+    ("FP8 GEMM only, both precise accumulation: ours vs torch rowwise", "fp8_tok_ch_precise",
+     "torch_fp8_rowwise"),
     ("FP8 tok x ch GEMM only vs torch rowwise", "fp8_tok_ch", "torch_fp8_rowwise"),
     ("FP8 tok x ch GEMM only vs BF16", "fp8_tok_ch", "bf16_mm"),
     ("FP8 tensor vs torch tensorwise", "fp8_tensor", "torch_fp8_tensorwise"),
@@ -642,6 +662,10 @@ def bench_specs(shapes: dict[str, tuple[int, int]], m_values: tuple[int, ...],
                 flags = [(False, "none"), (True, "none")] + ([(False, "token")] if key == "int8" else [])
                 for bias, azp in flags:
                     seen[json.dumps([key, cfg, bias, azp])] = (key, cfg, bias, azp)
+                if key == "fp8":
+                    precise = precise_config(N, K, M, device)
+                    precise = replace(precise, split_k=min(precise.split_k, 2)).to_json()
+                    seen[json.dumps([key, precise, False, "none"])] = (key, precise, False, "none")
     return list(seen.values())
 
 

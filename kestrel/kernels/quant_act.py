@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8_MAX = 448.0
@@ -132,7 +133,7 @@ def _quantize_ref(y: torch.Tensor, dtype: torch.dtype, symmetric: bool, scale: t
     else:
         s = scale.float().reshape(1, 1)
         zp = None if azp is None else azp.float().reshape(1, 1)
-    v = y / s
+    v = y * (1.0 / s)  # the kernels multiply by the fp32 reciprocal too
     if dtype == torch.float8_e4m3fn:
         q = v.clamp(-FP8_MAX, FP8_MAX).to(dtype)
     elif zp is None:
@@ -183,15 +184,15 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _to_dtype(h, dtype: tl.constexpr):
-    """Round fp32 to `dtype` (nearest even), bf16 by hand for the interpreter's sake."""
-    if dtype == tl.bfloat16:
+def _to_dtype(h, dtype: tl.constexpr, FAST: tl.constexpr):
+    """Round fp32 to `dtype` (nearest even): the GPU's cast, or by hand for the interpreter's bf16."""
+    if dtype == tl.bfloat16 and not FAST:
         h = _round_bf16(h)
     return h.to(dtype)
 
 
 @triton.jit
-def _produce(x_row, r_row, w_ptr, offs, mask, K, rstd, PRODUCER: tl.constexpr):
+def _produce(x_row, r_row, w_ptr, offs, mask, K, rstd, PRODUCER: tl.constexpr, FAST: tl.constexpr):
     """The fp32 activations of one chunk of a row (0 where masked)."""
     if PRODUCER == 3:
         g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
@@ -201,7 +202,7 @@ def _produce(x_row, r_row, w_ptr, offs, mask, K, rstd, PRODUCER: tl.constexpr):
         y = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         if PRODUCER == 2:
             r = tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
-            y = _to_dtype(y + r, x_row.dtype.element_ty).to(tl.float32)
+            y = _to_dtype(y + r, x_row.dtype.element_ty, FAST).to(tl.float32)
         if PRODUCER >= 1:
             w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             y = y * rstd * w
@@ -223,15 +224,21 @@ def _row_scale(row_hi, row_lo, QMODE: tl.constexpr):
 
 
 @triton.jit
-def _quantize(y, s, z, QMODE: tl.constexpr):
-    """Grid values (fp32) of y / s (+ z), saturated."""
-    v = tl.math.div_rn(y, s)
+def _quantize(y, inv_s, z, q_dtype: tl.constexpr, QMODE: tl.constexpr, FAST: tl.constexpr):
+    """y * (1/s) (+ z) rounded to nearest even and saturated, as `q_dtype`. On the GPU the hardware
+    conversions round (cvt.rn.satfinite to e4m3, cvt.rni); the interpreter gets exact manual rounding."""
+    v = y * inv_s
     if QMODE == 0:
-        q = _round_e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0))
-    elif QMODE == 1:
-        q = tl.minimum(tl.maximum(_rint(v), -127.0), 127.0)
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        if not FAST:
+            v = _round_e4m3(v)
+        q = v.to(q_dtype)
     else:
-        q = tl.minimum(tl.maximum(_rint(v) + z, -128.0), 127.0)
+        r = libdevice.rint(v) if FAST else _rint(v)
+        if QMODE == 1:
+            q = tl.minimum(tl.maximum(r, -127.0), 127.0).to(q_dtype)
+        else:
+            q = tl.minimum(tl.maximum(r + z, -128.0), 127.0).to(q_dtype)
     return q
 
 
@@ -244,7 +251,8 @@ def _rstd(sumsq, K, eps):
 def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr, z_in_ptr,
                       K, stride_x, stride_r, stride_ro, stride_q, eps,
                       PRODUCER: tl.constexpr, QMODE: tl.constexpr, STATIC: tl.constexpr,
-                      ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK: tl.constexpr):
+                      ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr, FAST: tl.constexpr,
+                      BLOCK: tl.constexpr):
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -259,12 +267,12 @@ def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr
         # The whole row fits one block: read it once, keep it in registers.
         mask = arange < K
         if PRODUCER == 3:
-            y = _produce(x_row, r_row, w_ptr, arange, mask, K, 1.0, PRODUCER)
+            y = _produce(x_row, r_row, w_ptr, arange, mask, K, 1.0, PRODUCER, FAST)
         else:
             y = tl.load(x_row + arange, mask=mask, other=0.0).to(tl.float32)
             if PRODUCER == 2:
                 r = tl.load(r_row + arange, mask=mask, other=0.0).to(tl.float32)
-                h = _to_dtype(y + r, x_row.dtype.element_ty)
+                h = _to_dtype(y + r, x_row.dtype.element_ty, FAST)
                 tl.store(ro_row + arange, h, mask=mask)
                 y = h.to(tl.float32)
             if PRODUCER >= 1:
@@ -279,7 +287,8 @@ def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr
             tl.store(s_ptr + row, s)
             if QMODE == 2:
                 tl.store(z_ptr + row, z.to(tl.int32))
-        tl.store(q_row + arange, _quantize(y, s, z, QMODE).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_row + arange, _quantize(y, tl.math.div_rn(1.0, s), z, q_ptr.dtype.element_ty, QMODE, FAST),
+                 mask=mask)
     else:
         # Long rows: a statistics pass (two for RMSNorm) over L2-resident chunks, then the quantizing pass.
         rstd = 1.0
@@ -290,7 +299,7 @@ def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr
                 h = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
                 if PRODUCER == 2:
                     r = tl.load(r_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-                    h = _to_dtype(h + r, x_row.dtype.element_ty)
+                    h = _to_dtype(h + r, x_row.dtype.element_ty, FAST)
                     tl.store(ro_row + offs, h, mask=offs < K)
                     h = h.to(tl.float32)
                 sumsq += h * h
@@ -304,17 +313,18 @@ def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr
             lo = tl.zeros((BLOCK,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK):
                 offs = k0 + arange
-                y = _produce(x_row, r_row, w_ptr, offs, offs < K, K, rstd, PRODUCER)
+                y = _produce(x_row, r_row, w_ptr, offs, offs < K, K, rstd, PRODUCER, FAST)
                 hi = tl.maximum(hi, y)
                 lo = tl.minimum(lo, y)
             s, z = _row_scale(tl.max(hi, axis=0), tl.min(lo, axis=0), QMODE)
             tl.store(s_ptr + row, s)
             if QMODE == 2:
                 tl.store(z_ptr + row, z.to(tl.int32))
+        inv_s = tl.math.div_rn(1.0, s)
         for k0 in range(0, K, BLOCK):
             offs = k0 + arange
-            y = _produce(x_row, r_row, w_ptr, offs, offs < K, K, rstd, PRODUCER)
-            tl.store(q_row + offs, _quantize(y, s, z, QMODE).to(q_ptr.dtype.element_ty), mask=offs < K)
+            y = _produce(x_row, r_row, w_ptr, offs, offs < K, K, rstd, PRODUCER, FAST)
+            tl.store(q_row + offs, _quantize(y, inv_s, z, q_ptr.dtype.element_ty, QMODE, FAST), mask=offs < K)
 
 
 def _launch_options(x: torch.Tensor, block: int) -> dict:
@@ -326,6 +336,7 @@ def _launch_options(x: torch.Tensor, block: int) -> dict:
         opts["USE_PDL"] = pdl
     else:
         opts["USE_PDL"] = False
+    opts["FAST"] = x.is_cuda
     return opts
 
 

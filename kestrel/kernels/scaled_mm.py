@@ -48,6 +48,9 @@ class MMConfig:
     flatten: bool = False
     pdl: bool = False  # programmatic dependent launch (Hopper): start while the previous kernel drains
     prefetch: bool = False  # swapped path: pull this program's weight rows into L2 before waiting
+    # FP8 on sm_90: the tensor cores accumulate with reduced precision; promote into an fp32 accumulator
+    # after every BLOCK_K (as cuBLASLt does unless asked for fast accumulation). Costs registers and FADDs.
+    precise_acc: bool = False
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -149,8 +152,8 @@ def _prefetch_weight_rows(x_ptr, stride_x, R, K, k_tiles_per_split, num_r, num_c
 
 @triton.jit
 def round_bf16(x):
-    """fp32 -> nearest-even bf16 grid point, still fp32. Done by hand because the interpreter truncates
-    casts to bf16; the GPU's own cast then sees an exact value, so both agree bit for bit."""
+    """fp32 -> nearest-even bf16 grid point, still fp32, for the interpreter, whose casts to bf16
+    truncate (the GPU's cast rounds to nearest even by itself)."""
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
     return bits.to(tl.float32, bitcast=True)
@@ -159,7 +162,7 @@ def round_bf16(x):
 @triton.jit
 def _epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, adj_ptr, azp_ptr, off_r, off_c, M, N, stride_cm,
               stride_sa, stride_sb, stride_azp, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-              HAS_AZP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+              HAS_AZP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FAST: tl.constexpr):
     rows = off_r + tl.arange(0, BLOCK_R)
     cols = off_c + tl.arange(0, BLOCK_C)
     if SWAP:
@@ -179,7 +182,7 @@ def _epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, adj_ptr, azp_ptr, off_r, off
     out = (sa * sb) * acc.to(tl.float32)
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + n_idx, mask=n_ok, other=0.0).to(tl.float32)
-    if c_ptr.dtype.element_ty == tl.bfloat16:
+    if c_ptr.dtype.element_ty == tl.bfloat16 and not FAST:
         out = round_bf16(out)
     c_ptrs = c_ptr + m_idx.to(tl.int64) * stride_cm + n_idx
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=m_ok & n_ok)
@@ -192,7 +195,8 @@ def _scaled_mm_kernel(
     num_progs, group, split_k,
     IS_INT8: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_AZP: tl.constexpr,
     USE_TMA: tl.constexpr, FLATTEN: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr, PRECISE: tl.constexpr, FAST: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     ACC: tl.constexpr = tl.int32 if IS_INT8 else tl.float32
     # x supplies the tile rows, y the tile columns; both are [rows, K] with K contiguous (nn.Linear layout).
@@ -249,7 +253,10 @@ def _scaled_mm_kernel(
                 k_ok = (k + arange_k)[None, :] < K
                 x = _load_8bit(x_rows + (k + arange_k)[None, :], (rows[:, None] < R) & k_ok, IS_INT8)
                 y = _load_8bit(y_rows + (k + arange_k)[None, :], (cols[:, None] < C) & k_ok, IS_INT8)
-            acc = tl.dot(x, y.T, acc, out_dtype=ACC)
+            if PRECISE:
+                acc = tl.dot(x, y.T, acc, out_dtype=ACC, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(x, y.T, acc, out_dtype=ACC)
 
         if SPLIT:
             tile_offs = tl.arange(0, BLOCK_R)[:, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
@@ -266,11 +273,11 @@ def _scaled_mm_kernel(
                 tl.atomic_xchg(lock_ptr + rc, 0)
                 _epilogue(total, c_ptr, sa_ptr, sb_ptr, bias_ptr, adj_ptr, azp_ptr, off_r, off_c, M, N,
                           stride_cm, stride_sa, stride_sb, stride_azp, SWAP, HAS_BIAS, HAS_AZP,
-                          BLOCK_R, BLOCK_C)
+                          BLOCK_R, BLOCK_C, FAST)
         else:
             _epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, adj_ptr, azp_ptr, off_r, off_c, M, N,
                       stride_cm, stride_sa, stride_sb, stride_azp, SWAP, HAS_BIAS, HAS_AZP,
-                      BLOCK_R, BLOCK_C)
+                      BLOCK_R, BLOCK_C, FAST)
 
 
 # ----------------------------------------------------------------------------------------- launcher
@@ -328,6 +335,7 @@ def scaled_mm(
         IS_INT8=a.dtype == torch.int8, SWAP=cfg.swap, HAS_BIAS=bias is not None, HAS_AZP=azp is not None,
         USE_TMA=use_tma, FLATTEN=cfg.flatten, SPLIT=split_k > 1, USE_PDL=cfg.pdl and on_gpu,
         PREFETCH=cfg.prefetch and cfg.swap and use_tma and on_gpu,
+        PRECISE=cfg.precise_acc and on_gpu and a.dtype != torch.int8, FAST=a.is_cuda,
         BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, BLOCK_K=cfg.block_k, **launch,
     )
     return out

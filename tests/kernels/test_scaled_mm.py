@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -218,11 +219,26 @@ def test_hopper_pdl_and_prefetch(dtype, device):
     """Programmatic dependent launch + L2 weight prefetch: compiled-GPU only (inline PTX)."""
     if device.type != "cuda":
         pytest.skip("PDL and the bulk prefetch are GPU-only")
-    cfg = MMConfig(swap=True, block_r=64, block_c=16, block_k=128, split_k=3, tma=True, pdl=True, prefetch=True)
+    cfg = MMConfig(swap=True, block_r=64, block_c=16, block_k=128, split_k=3, tma=True, pdl=True, prefetch=True,
+                   precise_acc=True)
     args = make_inputs(dtype, 9, 200, 1024, "token", "channel", True, None, device, seed=12)
     for _ in range(3):  # back to back, so each launch overlaps the previous one's tail
         out = smm.scaled_mm(*args[:4], torch.bfloat16, *args[4:], config=cfg)
     assert_close(out, oracle(*args), BF16_RTOL)
+
+
+def test_fp8_fast_accumulation_stays_within_the_issue_bound(device):
+    """sm_90 FP8 tensor cores accumulate with reduced precision unless promoted (precise_acc); the fast
+    default must still meet the 1e-2 relative bound at a long K."""
+    if device.type != "cuda":
+        pytest.skip("the interpreter accumulates exactly in fp32")
+    args = make_inputs(torch.float8_e4m3fn, 32, 256, 4096, "token", "channel", False, None, device, seed=13)
+    expected = oracle(*args)
+    for precise in (False, True):
+        cfg = replace(smm.default_config(256, 4096, 32, 132), precise_acc=precise)
+        out = smm.scaled_mm(*args[:4], torch.bfloat16, config=cfg).cpu().double().numpy()
+        rel = np.linalg.norm(out - expected) / np.linalg.norm(expected)
+        assert rel < (4e-3 if precise else 1e-2)
 
 
 def test_kernels_really_run_in_the_interpreter():
