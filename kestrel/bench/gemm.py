@@ -444,6 +444,45 @@ def bench(ctx: Ctx, variant_names: set[str] | None = None,
     return rows
 
 
+# ------------------------------------------------------------------------------- activation quant alone
+
+
+QUANTIZERS: dict[str, Callable[[torch.Tensor], qa.QuantAct]] = {
+    "fp8": qa.quant_fp8_per_token,
+    "int8_asym": lambda t: qa.quant_int8_per_token(t, False),
+}
+
+
+def quant_bench(ctx: Ctx) -> list[dict]:
+    """The standalone per-token quantizers: achieved GB/s (bf16 in, 8-bit + scales out), one-pass (row in
+    registers) against the chunked two-pass path, so the switch-over length is measured, not guessed."""
+    rows = []
+    for K in sorted({K for _, K in ctx.shapes.values()}):
+        for M in (1, 64, 1024, 8192) if ctx.device.type == "cuda" else (1, 40):
+            xs = [torch.randn(M, K, device=ctx.device).to(torch.bfloat16) for _ in range(4)]
+            for name, fn in QUANTIZERS.items():
+                for path, limit in (("one_pass", 1 << 20), ("chunked", 0)):
+                    row = {"K": K, "M": M, "quant": name, "path": path}
+                    rows.append(dict(row, **_time_quant(fn, xs, limit, ctx)))
+            done = [r for r in rows[-4:] if r["status"] == "ok"]
+            ctx.log(f"quant K={K} M={M}: " + " ".join(f"{r['quant']}/{r['path']}={r['us']:.1f}us" for r in done))
+    return rows
+
+
+def _time_quant(fn: Callable[[torch.Tensor], qa.QuantAct], xs: list[torch.Tensor], one_pass_limit: int,
+                ctx: Ctx) -> dict:
+    saved = qa._MAX_ONE_PASS
+    qa._MAX_ONE_PASS = one_pass_limit
+    try:
+        us, _ = time_calls([lambda t=t: fn(t) for t in xs], ctx.runs, ctx.device)
+    except Exception as exc:
+        return {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    finally:
+        qa._MAX_ONE_PASS = saved
+    M, K = xs[0].shape
+    return {"status": "ok", "us": us, "GBps": (M * K * 3 + M * 8) / us * 1e-3}
+
+
 # -------------------------------------------------------------------------------------------- targets
 
 
@@ -833,6 +872,7 @@ def run(args: argparse.Namespace) -> int:
                       ratios=extra_ratios(rows, list(shapes), m_values))
         json_path.write_text(json.dumps(result, indent=1) + "\n")
 
+    result["quant"] = quant_bench(ctx)
     rows = bench(ctx, names, on_point=save)
     save(rows)
     targets = result["targets"]
