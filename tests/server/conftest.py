@@ -72,13 +72,14 @@ class LiveServer:
         self.engine.shutdown()
 
     def metrics(self) -> dict[str, float]:
-        """Prometheus samples by name (labels dropped: one model per server)."""
+        """Prometheus samples by name, summed over labels (one model per server; finish reasons add up)."""
         text = httpx.get(f"{self.base_url}/metrics").text
         samples: dict[str, float] = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
                 name_labels, value = line.rsplit(" ", 1)
-                samples[name_labels.split("{")[0]] = float(value)
+                name = name_labels.split("{")[0]
+                samples[name] = samples.get(name, 0.0) + float(value)
         return samples
 
     def wait_idle(self, timeout_s: float = 10.0) -> dict[str, float]:

@@ -15,7 +15,7 @@ from schemathesis import GenerationMode
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
 
-MAX_EXAMPLES = 40  # per operation and mode (valid / invalid inputs)
+MAX_EXAMPLES = 50  # per operation and mode (valid / invalid inputs)
 
 
 @pytest.fixture(scope="module")
