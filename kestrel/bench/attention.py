@@ -74,17 +74,19 @@ FULL = Suite(
     mixed=(1024, 4096, 64, 4096),
     decode_sweep_points=((64, 4096, 2), (1, 32768, 32), (256, 8192, 1), (16, 8192, 8)),
     prefill_sweep_lens=(4096, 16384),
+    # Candidates picked from sm_90 compiles on the CPU (registers, spills, K/V buffers the pipeliner
+    # keeps; see docs/kernels-attention.md): no spills, 1-2 buffers, 1-4 CTAs per SM.
     decode_candidates={
-        "bf16": (AttnConfig(16, 64, 4, 3), AttnConfig(16, 64, 4, 2), AttnConfig(16, 64, 4, 4),
-                 AttnConfig(16, 32, 4, 4), AttnConfig(16, 128, 4, 2), AttnConfig(16, 128, 4, 3),
-                 AttnConfig(16, 128, 8, 3), AttnConfig(16, 64, 2, 4)),
-        "fp8": (AttnConfig(16, 128, 4, 3), AttnConfig(16, 128, 4, 2), AttnConfig(16, 128, 4, 4),
-                AttnConfig(16, 64, 4, 4), AttnConfig(16, 256, 4, 2), AttnConfig(16, 256, 8, 3),
-                AttnConfig(16, 128, 8, 3), AttnConfig(16, 64, 2, 4)),
+        "bf16": (AttnConfig(16, 64, 4, 2), AttnConfig(16, 64, 8, 2), AttnConfig(16, 128, 4, 2),
+                 AttnConfig(16, 64, 4, 5), AttnConfig(16, 32, 4, 6), AttnConfig(16, 128, 8, 5),
+                 AttnConfig(16, 64, 4, 3), AttnConfig(16, 128, 8, 2)),
+        "fp8": (AttnConfig(16, 128, 4, 2), AttnConfig(16, 128, 8, 2), AttnConfig(16, 64, 4, 2),
+                AttnConfig(16, 64, 4, 5), AttnConfig(16, 128, 8, 5), AttnConfig(16, 256, 8, 3),
+                AttnConfig(16, 128, 4, 3), AttnConfig(16, 64, 8, 2)),
     },
-    prefill_candidates=(AttnConfig(128, 64, 8, 3), AttnConfig(128, 128, 8, 3), AttnConfig(128, 64, 4, 3),
-                        AttnConfig(128, 64, 8, 4), AttnConfig(128, 128, 8, 2), AttnConfig(64, 64, 4, 3),
-                        AttnConfig(64, 128, 4, 3), AttnConfig(128, 32, 4, 4)),
+    prefill_candidates=(AttnConfig(128, 64, 8, 3), AttnConfig(128, 64, 8, 4), AttnConfig(128, 64, 8, 2),
+                        AttnConfig(128, 128, 8, 2), AttnConfig(128, 128, 8, 3), AttnConfig(64, 64, 4, 3),
+                        AttnConfig(64, 64, 4, 4), AttnConfig(128, 32, 8, 3)),
 )
 
 SMOKE = Suite(
@@ -511,8 +513,9 @@ def sweep_prefill_configs(pool: Pool, suite: Suite, runs: int, gen: torch.Genera
 
 
 def bench_decode(pool: Pool, suite: Suite, cfgs: dict[str, AttnConfig], runs: int, gen: torch.Generator,
-                 ceilings: dict, save: Callable[[], None], results: dict) -> None:
-    """Every split count at every shape: the table that picks the split heuristic comes from here."""
+                 ceilings: dict, save: Callable[[], None], results: dict, deadline: float) -> None:
+    """Every split count at every shape: the table that picks the split heuristic comes from here.
+    Past the deadline only the split counts a power of four apart are tried."""
     device = pool.device
     sweep = results.setdefault("split_sweep", [])
     decode = results.setdefault("decode", [])
@@ -528,6 +531,8 @@ def bench_decode(pool: Pool, suite: Suite, cfgs: dict[str, AttnConfig], runs: in
                 for splits in suite.splits:
                     if splits > 1 and batch * suite.num_kv_heads * splits > 64 * 132:
                         continue  # far past filling the GPU: partials only cost
+                    if time.time() > deadline and splits not in (1, 4, 16, 64):
+                        continue
                     calls = decode_calls(pool, shp, splits, cfgs[kind])
                     err = check_decode(pool, shp, calls)
                     us = time_calls(calls, runs, device)[0] if err <= ERR_LIMIT else float("inf")
@@ -963,6 +968,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precompile-only", action="store_true", help="compile and run the checks, then stop")
     p.add_argument("--no-sweep", action="store_true", help="use the tile configs in the kernel file")
     p.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,mixed")
+    p.add_argument("--budget-s", type=float, default=0.0, help="past this many seconds, sweep fewer splits")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (run with TRITON_INTERPRET=1)")
 
 
@@ -990,6 +996,9 @@ def run(args: argparse.Namespace) -> int:
                                 "err_limit": ERR_LIMIT, "fp8_scale": FP8_SCALE,
                                 "timing": "CUDA graph of one call per rotated input set; median of replays"}}
     checks: list[dict] = []
+    checks_path = json_path.with_name(f"{stem}-checks.json")
+    if device.type == "cuda" and args.no_precompile and checks_path.exists():
+        results["checks"] = json.loads(checks_path.read_text())
     if device.type == "cuda" and not args.no_precompile:
         jobs = args.jobs or min(14, os.cpu_count() or 1)
         checks = precompile_and_check(suite, jobs, with_checks=True)
@@ -999,7 +1008,7 @@ def run(args: argparse.Namespace) -> int:
             log(f"  FAILED {c}")
         results["checks"] = checks
         if args.precompile_only:
-            json_path.with_name(f"{stem}-checks.json").write_text(json.dumps(checks, indent=1) + "\n")
+            checks_path.write_text(json.dumps(checks, indent=1) + "\n")
             return 1 if failed else 0
     elif device.type != "cuda":  # the script's own check path, on shapes the interpreter can afford
         checks = [run_case(dict(c, small=True), device) for c in correctness_cases()[:2]]
@@ -1026,13 +1035,15 @@ def run(args: argparse.Namespace) -> int:
         results["prefill_config_sweep"] = rows
     results["chosen"] = {"decode": {k: asdict(v) for k, v in cfgs.items()}, "prefill": asdict(pre_cfg)}
     save()
-    if "decode" not in skip:
-        bench_decode(pool, suite, cfgs, runs, gen, ceilings, save, results)
-        results["split_table"] = split_table(results["split_sweep"], suite.decode_batches, suite.decode_ctx)
+    # decode last: it is the longest section and saves after every shape
     if "prefill" not in skip:
         bench_prefill(pool, suite, pre_cfg, runs, gen, save, results)
     if "mixed" not in skip:
         bench_mixed(pool, suite, cfgs, pre_cfg, runs, gen, results)
+    if "decode" not in skip:
+        deadline = t_run + args.budget_s if args.budget_s > 0 else float("inf")
+        bench_decode(pool, suite, cfgs, runs, gen, ceilings, save, results, deadline)
+        results["split_table"] = split_table(results["split_sweep"], suite.decode_batches, suite.decode_ctx)
     save()
     plotted = plot(results, ceilings, args.out / f"{stem}.png")
     log(f"wrote {json_path}" + (" and .png" if plotted else " (no matplotlib: no PNG)"))

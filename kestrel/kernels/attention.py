@@ -290,15 +290,15 @@ def _merge_splits_kernel(
 # Tile configs, per head size (padded to a power of two). PLACEHOLDER: replaced by measured values.
 _DECODE_CONFIGS: dict[tuple[int, bool], AttnConfig] = {
     # (head_pad, fp8 cache) -> config; block_m is raised to the group size when a group is larger
-    (64, False): AttnConfig(16, 64, 4, 3),
-    (64, True): AttnConfig(16, 128, 4, 3),
-    (128, False): AttnConfig(16, 64, 4, 3),
-    (128, True): AttnConfig(16, 128, 4, 3),
+    (64, False): AttnConfig(16, 64, 4, 2),
+    (64, True): AttnConfig(16, 128, 4, 2),
+    (128, False): AttnConfig(16, 64, 4, 2),
+    (128, True): AttnConfig(16, 128, 4, 2),
     (256, False): AttnConfig(16, 32, 4, 3),
-    (256, True): AttnConfig(16, 64, 4, 3),
+    (256, True): AttnConfig(16, 64, 4, 2),
 }
 _PREFILL_CONFIGS: dict[int, AttnConfig] = {
-    64: AttnConfig(128, 64, 4, 3),
+    64: AttnConfig(128, 64, 8, 3),
     128: AttnConfig(128, 64, 8, 3),
     256: AttnConfig(64, 64, 8, 2),
 }

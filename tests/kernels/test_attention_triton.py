@@ -42,6 +42,12 @@ def dense_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return torch.einsum("hqk,khd->qhd", probs, vv)
 
 
+def read_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Cache rows at `slots` as float64 on the CPU (gathered through a byte view: FP8 included)."""
+    rows = cache.view(torch.uint8).view(-1, *cache.shape[2:-1], cache.shape[-1] * cache.element_size())
+    return rows[slots.to(cache.device)].view(cache.dtype).cpu().double()
+
+
 class Case:
     """A flat batch over a paged cache: per-sequence K/V scattered over shuffled blocks, with optional
     prefix sharing (the second sequence reuses the first one's leading full blocks, as the prefix cache
@@ -80,10 +86,8 @@ class Case:
             store_kv(k.to(dtype).to(device), v.to(dtype).to(device), self.k_cache, self.v_cache, slots.to(device),
                      k_scale, v_scale)
             # what the cache holds, dequantized: the oracle attends over exactly these values
-            k_stored = self.k_cache.view(-1, num_kv_heads, head_size)[slots.to(device)].cpu().double() * (
-                k_scale if cache_dtype == torch.float8_e4m3fn else 1.0)
-            v_stored = self.v_cache.view(-1, num_kv_heads, head_size)[slots.to(device)].cpu().double() * (
-                v_scale if cache_dtype == torch.float8_e4m3fn else 1.0)
+            k_stored = read_slots(self.k_cache, slots) * (k_scale if cache_dtype == torch.float8_e4m3fn else 1.0)
+            v_stored = read_slots(self.v_cache, slots) * (v_scale if cache_dtype == torch.float8_e4m3fn else 1.0)
             self.keys.append(k_stored)
             self.values.append(v_stored)
         query_lens = [n for _, n in seqs]
