@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
 
 from kestrel.config import CacheConfig, ConfigError, EngineConfig
+from kestrel.loader.safetensors import CheckpointNotFoundError, checkpoint_files
+
+logger = logging.getLogger(__name__)
+
+FP8_E4M3_MAX = 448.0
+# Per-layer FP8 KV scales as checkpoints name them: `self_attn.k_scale` (compressed-tensors, vLLM),
+# `self_attn.attn.k_scale`, and the older `self_attn.k_proj.output_scale`.
+_KV_SCALE_NAMES = (re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$"),
+                   re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_proj\.output_scale$"))
 
 
 @dataclass(frozen=True)
@@ -51,3 +63,37 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
     """One `[2, num_blocks, block_size, num_kv_heads, head_size]` tensor per layer (K then V)."""
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+
+def checkpoint_kv_scales(model_dir: str, num_layers: int) -> list[tuple[float, float]] | None:
+    """Per-layer (k_scale, v_scale) stored in the checkpoint, or None when it has none. A layer that has
+    only one of the two keeps 1.0 for the other."""
+    try:
+        files = checkpoint_files(model_dir)
+    except CheckpointNotFoundError:
+        return None
+    found: dict[int, dict[str, float]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                for pattern in _KV_SCALE_NAMES:
+                    m = pattern.match(name)
+                    if m and int(m.group(1)) < num_layers:
+                        found.setdefault(int(m.group(1)), {})[m.group(2)] = float(f.get_tensor(name).float().max())
+    if not found:
+        return None
+    return [(found.get(i, {}).get("k", 1.0), found.get(i, {}).get("v", 1.0)) for i in range(num_layers)]
+
+
+def kv_cache_scales(config: EngineConfig, num_layers: int) -> list[tuple[float, float]]:
+    """(k_scale, v_scale) per layer: 1.0 for a 16-bit cache; for FP8 the checkpoint's, else 1.0 with a
+    warning (ModelRunner.calibrate_kv_scales measures them instead)."""
+    if config.cache.kv_cache_dtype != "fp8":
+        return [(1.0, 1.0)] * num_layers
+    scales = None if config.model.load_format == "dummy" else checkpoint_kv_scales(config.model.model, num_layers)
+    if scales is None:
+        logger.warning("kv_cache_dtype='fp8' but the checkpoint has no KV cache scales: using k_scale = v_scale "
+                       "= 1.0, so K/V values beyond +-%g saturate; ModelRunner.calibrate_kv_scales() measures "
+                       "scales from a calibration run", FP8_E4M3_MAX)
+        return [(1.0, 1.0)] * num_layers
+    return scales

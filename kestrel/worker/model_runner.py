@@ -8,9 +8,17 @@ from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kestrel.loader import load_model
 from kestrel.loader.hf_config import resolve_dtype
+from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.sample.sampler import Sampler, SamplingMetadata, to_logprob_dicts
 from kestrel.worker.input_batch import CachedRequestState, build_model_inputs
-from kestrel.worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_cache_dtype, num_blocks_for
+from kestrel.worker.kv_cache import (
+    FP8_E4M3_MAX,
+    KVCacheSpec,
+    allocate_kv_cache,
+    kv_cache_dtype,
+    kv_cache_scales,
+    num_blocks_for,
+)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -36,11 +44,62 @@ class ModelRunner:
                                    kv_cache_dtype(config.cache, self.dtype), self.block_size)
         self.num_blocks = num_blocks_for(config, self.kv_spec, self.device)
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
-        self.model.bind_kv_caches(self.kv_caches)
+        self.bind_kv_caches(kv_cache_scales(config, num_layers))
         generator = torch.Generator(self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
         self.requests: dict[str, CachedRequestState] = {}
+
+    # ----- KV cache scales (FP8 cache) -----------------------------------------------------------------
+
+    def bind_kv_caches(self, scales: list[tuple[float, float]]) -> None:
+        """Bind each layer's cache with its (k_scale, v_scale)."""
+        self.kv_scales = list(scales)
+        for layer, cache, (k_scale, v_scale) in zip(self.model.attention_layers(), self.kv_caches, self.kv_scales,
+                                                    strict=True):
+            layer.bind_kv_cache(cache, k_scale, v_scale)
+
+    @torch.inference_mode()
+    def calibrate_kv_scales(self, token_ids: list[int] | None = None, num_tokens: int = 512,
+                            passes: int = 2) -> list[tuple[float, float]]:
+        """FP8 KV scales from a calibration prefill (random token ids unless given): per layer,
+        scale = max |K| (resp. |V|) / 448, then rebind. The first pass runs with the current scales, whose
+        saturation perturbs later layers; the next pass repeats with the measured ones. Call before serving:
+        it writes the first blocks of the cache."""
+        if self.kv_spec.dtype != torch.float8_e4m3fn:
+            return self.kv_scales
+        if token_ids is None:
+            g = torch.Generator().manual_seed(self.config.model.seed)
+            token_ids = torch.randint(0, self.vocab_size, (num_tokens,), generator=g).tolist()
+        n = min(len(token_ids), self.num_blocks * self.block_size, self.config.model.max_model_len or len(token_ids))
+        ids = torch.tensor(token_ids[:n], dtype=torch.long, device=self.device)
+        num_blocks = -(-n // self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
+            max_query_len=n, max_seq_len=n,
+        )
+        layers = self.model.attention_layers()
+        seen = torch.zeros(len(layers), 2, device=self.device)  # running max |K|, |V| per layer
+
+        def hook(i: int):
+            def record(_module, args) -> None:
+                seen[i, 0] = torch.maximum(seen[i, 0], args[1].abs().max().float())
+                seen[i, 1] = torch.maximum(seen[i, 1], args[2].abs().max().float())
+            return record
+
+        for _ in range(passes):
+            handles = [layer.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
+            try:
+                self.model(ids, torch.arange(n, device=self.device), meta)
+            finally:
+                for h in handles:
+                    h.remove()
+            amax = seen.clamp_min(1e-6).tolist()
+            self.bind_kv_caches([(k / FP8_E4M3_MAX, v / FP8_E4M3_MAX) for k, v in amax])
+        return self.kv_scales
 
     # ----- per-request state ----------------------------------------------------------------------
 

@@ -230,3 +230,36 @@ def test_store_kv_matches_reference(device: torch.device, cache_dtype: torch.dty
         assert same.float().mean() > 0.9
         ef, of = e.float()[~same], o.float()[~same]
         assert bool(((of * ef > 0) & (of.abs() < ef.abs()) & (of.abs() >= ef.abs() / 2)).all())
+
+
+# ------------------------------------------------------------------------------------- FP8 KV scales
+
+
+def test_fp8_kv_scales_default_checkpoint_and_calibrated(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """No scales in the checkpoint: 1.0 and a warning; scales in the checkpoint are read per layer; the
+    calibrated option sets amax / 448 per layer and generation still runs on the FP8 cache."""
+    from safetensors.torch import save_file
+
+    from kestrel.config import EngineConfig
+    from kestrel.loader.model_init import write_tiny_checkpoint
+    from kestrel.worker.kv_cache import checkpoint_kv_scales
+    from kestrel.worker.model_runner import ModelRunner
+
+    write_tiny_checkpoint(str(tmp_path), arch="llama", seed=3)
+    config = EngineConfig.from_kwargs(str(tmp_path), dtype="float32", kv_cache_dtype="fp8", max_model_len=64,
+                                      device="cpu")
+    with caplog.at_level("WARNING"):
+        runner = ModelRunner(config)
+    num_layers = len(runner.model.attention_layers())
+    assert runner.kv_scales == [(1.0, 1.0)] * num_layers
+    assert any("no KV cache scales" in r.getMessage() for r in caplog.records)
+
+    scales = runner.calibrate_kv_scales(num_tokens=40)
+    assert len(scales) == num_layers and all(0 < k < 1 and 0 < v < 1 for k, v in scales)
+    assert [(layer.k_scale, layer.v_scale) for layer in runner.model.attention_layers()] == scales
+
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+               "model.layers.1.self_attn.v_proj.output_scale": torch.tensor([0.25])},
+              str(tmp_path / "kv_scales.safetensors"))
+    read = checkpoint_kv_scales(str(tmp_path), num_layers)
+    assert read is not None and read[0] == (0.5, 1.0) and read[1] == (1.0, 0.25)
