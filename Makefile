@@ -27,6 +27,7 @@ $(TINY): $(STAMP)
 
 demo: $(STAMP) $(TINY)
 	$(VENV)/bin/kestrel generate --model $(TINY) --prompt "The quick brown fox" --max-tokens 24
+	$(PY) scripts/demo_chat.py --model $(TINY)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check kestrel tests scripts
