@@ -29,16 +29,18 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window=None,
-                    k_scale=1.0, v_scale=1.0, out=None):
-    impl = getattr(_attention, "paged_attention", None) if use_triton(q) else None
-    fn = impl or _attention.paged_attention_ref
-    return fn(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window,
-              k_scale, v_scale, out)
+                    k_scale=1.0, v_scale=1.0, out=None, max_query_len=None):
+    """`max_query_len` (a host int bounding every sequence's query length, AttentionMetadata's) lets the
+    Triton path skip launches a batch cannot need; the reference ignores it."""
+    if use_triton(q):
+        return _attention.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                          sliding_window, k_scale, v_scale, out, max_query_len=max_query_len)
+    return _attention.paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                          sliding_window, k_scale, v_scale, out)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
-    impl = getattr(_store_kv, "store_kv", None) if use_triton(key) else None
-    fn = impl or _store_kv.store_kv_ref
+    fn = _store_kv.store_kv if use_triton(key) else _store_kv.store_kv_ref
     fn(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 

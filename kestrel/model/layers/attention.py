@@ -58,6 +58,7 @@ class Attention(nn.Module):
         out = ops.paged_attention(
             q, k_cache, v_cache, attn_metadata.query_start_loc, attn_metadata.seq_lens,
             attn_metadata.block_tables, self.scale, self.sliding_window, self.k_scale, self.v_scale,
+            max_query_len=attn_metadata.max_query_len,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)
 
