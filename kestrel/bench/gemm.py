@@ -837,7 +837,7 @@ def run(args: argparse.Namespace) -> int:
         jobs = 1
     env = environment(args.git_sha)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or f"gemm-{smm.gpu_key(env['gpu'])}"
+    stem = args.name or f"gemm-{smm.gpu_key(env['gpu']).removeprefix('nvidia_')}"
     log = lambda msg: print(msg, flush=True)
     log(f"env: {env}")
     ceilings = measure_ceilings(device)

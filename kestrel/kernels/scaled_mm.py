@@ -454,15 +454,17 @@ def _fit_block_c(cfg: MMConfig, M: int) -> MMConfig:
 
 
 def default_config(N: int, K: int, M: int, num_sms: int) -> MMConfig:
+    """Untuned shapes: the H200 sweep's most common winners (docs/kernels-gemm.md)."""
     if M <= SMALL_M:
         block_r, block_k = 64, 256
         tiles = triton.cdiv(N, block_r)
         k_tiles = triton.cdiv(K, block_k)
-        split = max(1, min(k_tiles // 4, round(2 * num_sms / tiles)))
+        # Split K only when the weight rows alone leave most SMs idle.
+        split = max(1, min(k_tiles // 4, num_sms // tiles)) if tiles < num_sms // 2 else 1
         return MMConfig(swap=True, block_r=block_r, block_c=max(16, triton.next_power_of_2(M)),
-                        block_k=block_k, split_k=split, num_warps=4, num_stages=4)
+                        block_k=block_k, split_k=split, num_warps=4, num_stages=6)
     if M <= 256:
         return MMConfig(swap=False, block_r=64, block_c=128, block_k=128, num_warps=4, num_stages=4,
                         persistent=True)
-    return MMConfig(swap=False, block_r=128, block_c=256, block_k=128, num_warps=8, num_stages=3,
+    return MMConfig(swap=False, block_r=128, block_c=256, block_k=128, num_warps=8, num_stages=4,
                     persistent=True)

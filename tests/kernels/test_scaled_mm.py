@@ -77,11 +77,11 @@ def oracle(a, b, sa, sb, bias, adj, azp) -> np.ndarray:
     return out
 
 
-def assert_close(out: torch.Tensor, expected: np.ndarray, rtol: float) -> None:
+def assert_close(out: torch.Tensor, expected: np.ndarray, rtol: float, atol_frac: float = 1e-5) -> None:
     got = out.cpu().double().numpy()
     assert np.isfinite(got).all()
     scale = np.abs(expected).max()
-    bad = np.abs(got - expected) > rtol * np.abs(expected) + 1e-5 * scale
+    bad = np.abs(got - expected) > rtol * np.abs(expected) + atol_frac * scale
     assert not bad.any(), f"{bad.sum()} of {bad.size} elements off, first at {np.argwhere(bad)[0]}"
     rel = np.linalg.norm(got - expected) / np.linalg.norm(expected)
     assert rel < 1e-2
@@ -224,7 +224,10 @@ def test_hopper_pdl_and_prefetch(dtype, device):
     args = make_inputs(dtype, 9, 200, 1024, "token", "channel", True, None, device, seed=12)
     for _ in range(3):  # back to back, so each launch overlaps the previous one's tail
         out = smm.scaled_mm(*args[:4], torch.bfloat16, *args[4:], config=cfg)
-    assert_close(out, oracle(*args), BF16_RTOL)
+    # int8 is exact, so it pins down any ordering bug. Hopper's FP8 MMA keeps only ~14 bits of each
+    # in-flight partial sum even with promotion every BLOCK_K, so outputs near a cancellation carry an
+    # absolute error of about 2^-13 of the partial-sum magnitude: hence the wider absolute floor for fp8.
+    assert_close(out, oracle(*args), BF16_RTOL, 1e-5 if dtype == torch.int8 else 2e-3)
 
 
 def test_fp8_fast_accumulation_stays_within_the_issue_bound(device):
