@@ -202,6 +202,13 @@ class AsyncEngine:
 
     # ----- submission (event-loop side) -------------------------------------------------------------
 
+    @property
+    def max_sequences_per_request(self) -> int | None:
+        """The most sequences one request may ask for: with more, it could never be admitted."""
+        if self.max_queued_requests is None:
+            return None
+        return self.max_queued_requests + self.core.config.scheduler.max_num_seqs
+
     def check_capacity(self, num_sequences: int = 1) -> None:
         """Raise QueueFullError if `num_sequences` more waiting sequences would exceed the queue limit."""
         self._check_alive()
@@ -267,16 +274,18 @@ class AsyncEngine:
                     if self._stopping:
                         break
                     # Applied under the lock so the queue length seen by check_capacity never drops a request.
-                    self._apply(self._commands)
+                    replies = self._apply(self._commands)
                     self._commands = []
                     self._num_pending_sequences = 0
+                    # Stats first: a caller woken by its output must see the state that produced it.
                     self._publish_stats()
+                    self._deliver(replies)
                 if not self.core.has_unfinished_requests():
                     continue
                 outputs = self.core.step()
                 with self._cond:
-                    self._dispatch(outputs)
                     self._publish_stats()
+                    self._dispatch(outputs)
         except BaseException as error:
             self._error = error
             logger.exception("the engine thread stopped after an error; every request fails from now on")
@@ -284,7 +293,8 @@ class AsyncEngine:
             return
         self._fail_all(EngineDeadError("the engine was shut down"))
 
-    def _apply(self, commands: list[_Add | _Abort]) -> None:
+    def _apply(self, commands: list[_Add | _Abort]) -> list[tuple[RequestStream, Any]]:
+        """Run the callers' commands; return each added request's reply (accepted, or its refusal)."""
         accepted: list[tuple[RequestStream, Any]] = []
         for command in commands:
             if isinstance(command, _Abort):
@@ -300,7 +310,7 @@ class AsyncEngine:
                 accepted.append((stream, refusal))
                 continue
             accepted.append((stream, _ACCEPTED))
-        self._deliver(accepted)
+        return accepted
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         items = []

@@ -51,6 +51,7 @@ from kestrel.entrypoints.protocol import (
     UsageInfo,
 )
 from kestrel.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -316,6 +317,10 @@ class OpenAIServing:
     async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams) -> _Submitted:
         """Queue one engine request per prompt (all or none) and wait until the engine accepted them."""
         trackers = [self.metrics.tracker() for _ in prompts]
+        limit = self.engine.max_sequences_per_request
+        if limit is not None and len(prompts) * params.n > limit:
+            raise InvalidRequestError("n", f"{len(prompts)} prompt(s) x n={params.n} is more sequences than this "
+                                      f"server ever admits at once ({limit}); split the request")
         self.engine.check_capacity(len(prompts) * params.n)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         streams = [self.engine.submit(rid, p.token_ids, params, p.text) for rid, p in zip(ids, prompts)]

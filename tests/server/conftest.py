@@ -156,9 +156,9 @@ class ScriptedRunner:
         return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
 
 
-def start_scripted(model_dir: str, *, api_key: str | None = API_KEY, max_queued_requests: int | None = None,
-                   max_num_seqs: int = 16, request_timeout_s: float | None = None,
-                   **runner_args: Any) -> tuple[LiveServer, ScriptedRunner]:
+def scripted_engine(model_dir: str, *, max_queued_requests: int | None = None, max_num_seqs: int = 16,
+                    request_timeout_s: float | None = None, **runner_args: Any) -> tuple[AsyncEngine, ScriptedRunner]:
+    """A started AsyncEngine over the real EngineCore with a ScriptedRunner as its model."""
     # The scripted model computes nothing, so it affords the checkpoint's whole context (tool prompts are long).
     config = EngineConfig.from_kwargs(model_dir, max_model_len=512, max_num_seqs=max_num_seqs,
                                       kv_cache_blocks=SCRIPTED_BLOCKS, device="cpu")
@@ -167,6 +167,12 @@ def start_scripted(model_dir: str, *, api_key: str | None = API_KEY, max_queued_
     core = EngineCore(config, runner, SCRIPTED_BLOCKS, tokenizer, tokenizer.eos_token_id)
     engine = AsyncEngine(core, tokenizer, model_path=model_dir, max_queued_requests=max_queued_requests,
                          request_timeout_s=request_timeout_s).start()
+    return engine, runner
+
+
+def start_scripted(model_dir: str, *, api_key: str | None = API_KEY,
+                   **kwargs: Any) -> tuple[LiveServer, ScriptedRunner]:
+    engine, runner = scripted_engine(model_dir, **kwargs)
     return LiveServer(build_app(engine, MODEL, api_key=api_key), engine, api_key), runner
 
 
@@ -195,3 +201,18 @@ def start_scripted_server(tiny_model_dir: str) -> Iterator[Callable[..., tuple[L
 @pytest.fixture(scope="session")
 def live_server_class() -> type[LiveServer]:
     return LiveServer
+
+
+@pytest.fixture
+def make_scripted_engine(tiny_model_dir: str) -> Iterator[Callable[..., tuple[AsyncEngine, ScriptedRunner]]]:
+    """Build scripted AsyncEngines (no HTTP); they are shut down after the test."""
+    engines: list[AsyncEngine] = []
+
+    def make(**kwargs: Any) -> tuple[AsyncEngine, ScriptedRunner]:
+        engine, runner = scripted_engine(tiny_model_dir, **kwargs)
+        engines.append(engine)
+        return engine, runner
+
+    yield make
+    for engine in engines:
+        engine.shutdown()

@@ -180,6 +180,8 @@ def test_full_queue_answers_429_with_retry_after(start_scripted_server):
 
     assert asyncio.run(scenario()) == [429, 200, 200]
     assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+    # More sequences than the server could ever admit is the client's mistake, not a reason to retry.
+    assert_error(post(server, "/v1/completions", {"prompt": "hi", "n": 3}), 400, "n")
 
 
 def test_request_timeout_aborts(start_scripted_server):

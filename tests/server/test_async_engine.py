@@ -1,0 +1,115 @@
+"""AsyncEngine without HTTP: streaming, abort on close, idle sleep, refusals, queue limit, engine death."""
+
+import asyncio
+import time
+
+import pytest
+
+from kestrel.entrypoints.async_engine import EngineDeadError, QueueFullError, RequestTimeoutError
+from kestrel.request import InvalidRequestError
+from kestrel.sampling_params import SamplingParams
+
+
+def prompt(engine) -> list[int]:
+    return engine.tokenizer.encode("Hello there")
+
+
+def test_generate_streams_deltas_that_add_up(make_scripted_engine):
+    engine, _ = make_scripted_engine(script="one two three")
+
+    async def run():
+        return [out async for out in engine.generate("r1", prompt(engine), SamplingParams(max_tokens=50))]
+
+    outputs = asyncio.run(run())
+    final = outputs[-1].outputs[0]
+    assert outputs[-1].finished and final.finish_reason == "stop"
+    assert final.text == "one two three"
+    assert "".join(o.outputs[0].delta_text for o in outputs) == final.text
+    assert [t for o in outputs for t in o.outputs[0].delta_token_ids] == final.token_ids
+    assert engine.stats().kv_cache_usage == 0
+
+
+def test_leaving_the_stream_early_aborts_and_frees_blocks(make_scripted_engine):
+    engine, _ = make_scripted_engine(script="word " * 100, step_delay_s=0.005)
+
+    async def run():
+        stream = engine.generate("r1", prompt(engine), SamplingParams(max_tokens=200))
+        async for out in stream:
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        await stream.aclose()
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 2
+    while engine.stats().kv_cache_usage > 0 or engine.stats().num_running:
+        assert time.monotonic() < deadline, "the aborted request kept its blocks"
+        time.sleep(0.01)
+    assert engine.core.num_unfinished_requests == 0
+
+
+def test_idle_engine_sleeps(make_scripted_engine):
+    engine, runner = make_scripted_engine()
+    steps = runner.steps
+    time.sleep(0.3)
+    assert runner.steps == steps and engine.is_healthy
+
+
+def test_refusal_is_raised_to_the_caller(make_scripted_engine):
+    engine, _ = make_scripted_engine()
+
+    async def run():
+        async for _ in engine.generate("r1", [5] * 600, SamplingParams()):
+            pass
+
+    with pytest.raises(InvalidRequestError) as info:
+        asyncio.run(run())
+    assert info.value.param == "prompt"
+
+
+def test_timeout_aborts(make_scripted_engine):
+    engine, _ = make_scripted_engine(script="word " * 100, step_delay_s=0.01)
+
+    async def run():
+        async for _ in engine.generate("r1", prompt(engine), SamplingParams(max_tokens=300), timeout_s=0.1):
+            pass
+
+    with pytest.raises(RequestTimeoutError):
+        asyncio.run(run())
+    time.sleep(0.1)
+    assert engine.stats().kv_cache_usage == 0
+
+
+def test_queue_limit_counts_waiting_sequences(make_scripted_engine):
+    engine, _ = make_scripted_engine(max_queued_requests=2, max_num_seqs=1, script="word " * 100,
+                                     step_delay_s=0.01)
+    assert engine.max_sequences_per_request == 3
+
+    async def run():
+        streams = [engine.submit("a", prompt(engine), SamplingParams(max_tokens=100))]
+        await streams[0].accepted()
+        await asyncio.sleep(0.05)  # "a" runs; two more may wait
+        engine.check_capacity(2)
+        streams.append(engine.submit("b", prompt(engine), SamplingParams(max_tokens=100, n=2)))
+        with pytest.raises(QueueFullError):
+            engine.check_capacity(1)
+        for stream in streams:
+            await stream.aclose()
+
+    asyncio.run(run())
+
+
+def test_engine_death_fails_pending_streams(make_scripted_engine):
+    engine, runner = make_scripted_engine(script="word " * 100, step_delay_s=0.01)
+
+    async def run():
+        stream = engine.submit("r1", prompt(engine), SamplingParams(max_tokens=200))
+        await stream.__anext__()
+        runner.fail_at_step = runner.steps + 1
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+
+    asyncio.run(run())
+    assert not engine.is_healthy and isinstance(engine.error, RuntimeError)
+    with pytest.raises(EngineDeadError):
+        engine.check_capacity()
