@@ -12,8 +12,11 @@ from pathlib import Path
 
 import torch
 
-from kestrel.tiny.model import TinyConfig
-from kestrel.tiny.train import TrainOptions, train
+# Runnable from a fresh clone without installing kestrel: the repository root goes on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kestrel.tiny.model import TinyConfig  # noqa: E402
+from kestrel.tiny.train import TrainOptions, train  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dropout", type=float, default=defaults.dropout)
     p.add_argument("--eval-every", type=int, default=defaults.eval_every)
     p.add_argument("--log-every", type=int, default=defaults.log_every)
+    p.add_argument("--val-tokens", type=int, default=defaults.val_tokens,
+                   help="validation tokens per evaluation (at most; lower it for CPU runs)")
     p.add_argument("--save-dtype", default=defaults.save_dtype, choices=["bfloat16", "float16", "float32"])
     p.add_argument("--compile", action="store_true", help="torch.compile the training step")
     p.add_argument("--threads", type=int, default=None,
@@ -63,7 +68,8 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
         device=args.device, seed=args.seed, model=arch, tokenizer_dir=args.tokenizer_dir,
         max_train_files=args.max_train_files, batch_size=args.batch_size, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, dropout=args.dropout,
-        eval_every=args.eval_every, log_every=args.log_every, save_dtype=args.save_dtype, compile=args.compile,
+        eval_every=args.eval_every, log_every=args.log_every, val_tokens=args.val_tokens, save_dtype=args.save_dtype,
+        compile=args.compile,
     )
 
 

@@ -127,6 +127,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from kestrel.entrypoints.server import run_server
 
     args.api_key = args.api_key or os.environ.get("KESTREL_API_KEY") or None
+    if args.model is None:
+        from kestrel.tiny import default_model_path
+
+        args.model = str(default_model_path())
+        args.served_model_name = args.served_model_name or "kestrel-tiny"
     return run_server(args, _engine_kwargs(args))
 
 
