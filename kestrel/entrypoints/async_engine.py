@@ -2,17 +2,20 @@
 
 Only the engine thread touches the EngineCore. Callers submit commands (add, abort) to a list
 guarded by a condition variable; the thread drains it between steps and sleeps on the condition
-when it has nothing to do. Outputs travel back to each request's asyncio queue through
-`loop.call_soon_threadsafe`, one call per step and event loop.
+when it has nothing to do. Outputs travel back to each request's stream through
+`loop.call_soon_threadsafe`, one call per step and event loop. Outputs a slow reader has not
+taken yet are merged (their deltas joined), so a stalled client holds one output, not thousands.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +81,8 @@ class RequestStream:
         self.request_id = request_id
         self.num_sequences = num_sequences
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._items: deque[Any] = deque()
+        self._ready = asyncio.Event()
         self.finished = False
         self._engine = engine
         self._deadline = deadline
@@ -118,13 +122,24 @@ class RequestStream:
         return item
 
     async def _get(self) -> Any:
-        if self._deadline is None:
-            return await self.queue.get()
-        remaining = self._deadline - time.monotonic()
-        try:
-            return await asyncio.wait_for(self.queue.get(), max(remaining, 0.0))
-        except TimeoutError:
-            raise RequestTimeoutError(f"request {self.request_id} ran past its timeout and was aborted") from None
+        while not self._items:
+            self._ready.clear()
+            if self._deadline is None:
+                await self._ready.wait()
+                continue
+            try:
+                await asyncio.wait_for(self._ready.wait(), max(self._deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                raise RequestTimeoutError(f"request {self.request_id} ran past its timeout and was aborted") from None
+        return self._items.popleft()
+
+    def put(self, item: Any) -> None:
+        """Called on the stream's event loop by the engine thread's delivery."""
+        if self._items and isinstance(item, RequestOutput) and isinstance(self._items[-1], RequestOutput):
+            self._items[-1] = merge_outputs(self._items[-1], item)
+        else:
+            self._items.append(item)
+        self._ready.set()
 
     async def aclose(self) -> None:
         if not self.finished:
@@ -356,4 +371,22 @@ class AsyncEngine:
 
 def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in batch:
-        stream.queue.put_nowait(item)
+        stream.put(item)
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output equivalent to reading `earlier` then `later`: the later state with both deltas."""
+    before = {c.index: c for c in earlier.outputs}
+    merged = []
+    for c in later.outputs:
+        old = before.get(c.index)
+        if old is None:
+            merged.append(c)
+            continue
+        logprobs = None
+        if old.delta_logprobs is not None or c.delta_logprobs is not None:
+            logprobs = (old.delta_logprobs or []) + (c.delta_logprobs or [])
+        merged.append(dataclasses.replace(c, delta_text=old.delta_text + c.delta_text,
+                                          delta_token_ids=old.delta_token_ids + c.delta_token_ids,
+                                          delta_logprobs=logprobs))
+    return dataclasses.replace(later, outputs=merged)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import time
 import uuid
@@ -55,6 +56,7 @@ from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger("kestrel.server")
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
@@ -175,7 +177,7 @@ class OpenAIServing:
                                   total_tokens=job.num_prompt_tokens + completion_tokens)
                 yield sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=self.model_name,
                                                    choices=[], usage=usage).model_dump_json())
-        except (EngineDeadError, RequestTimeoutError) as error:
+        except Exception as error:  # the status line is sent: errors can only travel as an event
             yield _stream_error(error)
         yield SSE_DONE
 
@@ -262,7 +264,7 @@ class OpenAIServing:
                                   total_tokens=job.num_prompt_tokens + completion_tokens)
                 yield sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=self.model_name,
                                               choices=[], usage=usage).model_dump_json())
-        except (EngineDeadError, RequestTimeoutError) as error:
+        except Exception as error:  # the status line is sent: errors can only travel as an event
             yield _stream_error(error)
         yield SSE_DONE
 
@@ -457,8 +459,11 @@ def _finite(logprob: float | None) -> float:
 def _stream_error(error: Exception) -> str:
     if isinstance(error, RequestTimeoutError):
         body = error_body(str(error), "timeout_error", code="request_timeout")
-    else:
+    elif isinstance(error, EngineDeadError):
         body = error_body(str(error), "server_error", code="engine_dead")
+    else:
+        logger.exception("unexpected error while streaming a response", exc_info=error)
+        body = error_body("internal server error; see the server log", "server_error", code="internal_error")
     return sse(json.dumps(body))
 
 

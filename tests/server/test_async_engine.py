@@ -113,3 +113,20 @@ def test_engine_death_fails_pending_streams(make_scripted_engine):
     assert not engine.is_healthy and isinstance(engine.error, RuntimeError)
     with pytest.raises(EngineDeadError):
         engine.check_capacity()
+
+
+def test_a_slow_reader_gets_merged_deltas(make_scripted_engine):
+    engine, _ = make_scripted_engine(script="a b c d e f g h")
+
+    async def run():
+        stream = engine.submit("r1", prompt(engine), SamplingParams(max_tokens=50, logprobs=None, n=2))
+        await stream.accepted()
+        while engine.core.num_unfinished_requests:
+            await asyncio.sleep(0.01)
+        return [out async for out in stream]
+
+    (output,) = asyncio.run(run())
+    assert output.finished
+    for completion in output.outputs:
+        assert completion.text == "a b c d e f g h"
+        assert completion.delta_text == completion.text and completion.delta_token_ids == completion.token_ids
