@@ -77,9 +77,8 @@ class _Abort:
 class RequestStream:
     """The outputs of one request, in order; `aclose()` (or leaving an `async for` early) aborts it."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, num_sequences: int, deadline: float | None) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, deadline: float | None) -> None:
         self.request_id = request_id
-        self.num_sequences = num_sequences
         self.loop = asyncio.get_running_loop()
         self._items: deque[Any] = deque()
         self._ready = asyncio.Event()
@@ -244,7 +243,7 @@ class AsyncEngine:
         self._check_alive()
         timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        stream = RequestStream(self, request_id, params.n, deadline)
+        stream = RequestStream(self, request_id, deadline)
         with self._cond:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")

@@ -71,8 +71,8 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._model_name = model_name
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
+    def tracker(self, arrival: float | None = None) -> RequestTracker:
+        return RequestTracker(self, arrival)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -82,11 +82,11 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Latency of one engine request as the server sees it: started when the request arrives."""
+    """Latency of one engine request as the server sees it, from `arrival` (time.monotonic())."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, arrival: float | None = None) -> None:
         self._metrics = metrics
-        self._arrival = time.monotonic()
+        self._arrival = time.monotonic() if arrival is None else arrival
         self._last_token: float | None = None
         self._done = False
 

@@ -117,10 +117,11 @@ class OpenAIServing:
     # ----- /v1/completions ----------------------------------------------------------------------
 
     async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
         self.check_model(request.model)
         params = request.to_sampling_params()
         prompts = [self._encode(p) for p in request.prompts()]
-        job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params)
+        job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival)
         if request.echo:
             job.prompts = [_Prompt(self._prompt_text(p, params), p.token_ids) for p in prompts]
         if request.stream:
@@ -196,13 +197,14 @@ class OpenAIServing:
     # ----- /v1/chat/completions ------------------------------------------------------------------
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
         self.check_model(request.model)
         params = request.to_sampling_params()
         mode = request.tool_choice_mode
         prompt = render_chat(self.tokenizer, request.message_dicts(), tools=request.tool_dicts() or None,
                              tool_choice=mode, named_tool=request.named_tool)
         token_ids = self.tokenizer.encode(prompt.text, add_special_tokens=False)
-        job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params)
+        job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival)
         tools = _tool_setup(request, prompt.assistant_prefix)
         if request.stream:
             return EventStreamResponse(self._chat_stream(request, job, tools))
@@ -316,9 +318,10 @@ class OpenAIServing:
             return prompt.text
         return self.tokenizer.decode(prompt.token_ids, skip_special_tokens=params.skip_special_tokens)
 
-    async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams) -> _Submitted:
+    async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
+                      arrival: float) -> _Submitted:
         """Queue one engine request per prompt (all or none) and wait until the engine accepted them."""
-        trackers = [self.metrics.tracker() for _ in prompts]
+        trackers = [self.metrics.tracker(arrival) for _ in prompts]
         limit = self.engine.max_sequences_per_request
         if limit is not None and len(prompts) * params.n > limit:
             raise InvalidRequestError("n", f"{len(prompts)} prompt(s) x n={params.n} is more sequences than this "
