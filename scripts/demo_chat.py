@@ -1,6 +1,8 @@
 """Start `kestrel serve` on a model, send one chat request through the `openai` client, print the answer, stop.
 
-    python scripts/demo_chat.py --model .models/llama-tiny [--message "Hello!"]
+    python scripts/demo_chat.py [--model .models/llama-tiny] [--message "Hello!"]
+
+Without --model, `kestrel serve` picks its default model.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def wait_until_healthy(base_url: str, server: subprocess.Popen, timeout_s: float
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="model directory")
+    parser.add_argument("--model", default=None, help="model directory (default: the server's default model)")
     parser.add_argument("--message", default="What is the capital of France?")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the server to start")
@@ -49,8 +51,10 @@ def main() -> int:
 
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "kestrel.entrypoints.cli", "serve", "--model", args.model, "--port", str(port),
+    command = [sys.executable, "-m", "kestrel.entrypoints.cli", "serve", "--port", str(port),
                "--served-model-name", "demo", "--log-level", "warning"]
+    if args.model:
+        command += ["--model", args.model]
     # The key travels through the environment, as `kestrel serve` reads KESTREL_API_KEY.
     server = subprocess.Popen(command, env={**os.environ, "KESTREL_API_KEY": API_KEY})
     try:
