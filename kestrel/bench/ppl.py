@@ -236,14 +236,14 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or str(default_model_path())
     scorer = KestrelScorer(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
-    eval_set = corpus.select_evenly(corpus.eval_files(), args.max_files)
+    eval_set = corpus.select_evenly([f for f in corpus.eval_files() if f.path.stat().st_size > 0], args.max_files)
     documents = load_documents(scorer.tokenizer, eval_set)
     if not documents:
         raise ConfigError(f"no held-out files to score under {corpus.stdlib_root()}")
     train_set = corpus.select_evenly(corpus.train_files(), args.baseline_files)
     counts = unigram_counts(scorer.tokenizer, corpus.texts(train_set))
     result = {
-        "suite": "ppl", "model": model, "dtype": args.dtype, "device": str(scorer.runner.device),
+        "suite": "ppl", "model_dir": model, "dtype": args.dtype, "device": str(scorer.runner.device),
         "python": platform.python_version(), "stdlib": str(corpus.stdlib_root()),
         "baseline_train_files": len(train_set), "baseline_train_tokens": sum(counts.values()),
         **evaluate(scorer, documents, args.stride, counts),

@@ -27,7 +27,7 @@ from kestrel.tiny.train import TrainOptions, split_files, train
 BUNDLED = (BUNDLED_MODEL_DIR / "model.safetensors").is_file()
 
 # Bits-per-byte ratio (model / unigram) that the model must stay under on the test files.
-# CPU fixture (200 steps, 120k parameters, 512-token vocabulary): measured 0.78 on CPython 3.11.7's stdlib;
+# CPU fixture (200 steps, 120k parameters, 512-token vocabulary): measured 0.773 on CPython 3.11.7's stdlib;
 # 0.90 leaves room for other stdlib versions, whose held-out files and training text differ.
 FIXTURE_MAX_BPB_RATIO = 0.90
 # Bundled model: a wide margin by design (the issue asks for one). 0.60 is a conservative bound until the
@@ -164,7 +164,7 @@ def test_bench_cli_writes_result(model, monkeypatch, tmp_path) -> None:
     argv = ["--model", str(model[0]), "--baseline-files", "10", "--device", "cpu", "--result-file", str(out)]
     assert ppl.main(argv) == 0
     result = json.loads(out.read_text())
-    assert result["files"] == 1 and result["model"]["bits_per_byte"] > 0
+    assert result["files"] == 1 and result["model"]["bits_per_byte"] > 0 and result["model_dir"] == str(model[0])
     assert result["unigram"]["bits_per_byte"] > 0 and result["baseline_train_files"] == 10
 
 
