@@ -77,12 +77,11 @@ FULL = Suite(
     # Candidates picked from sm_90 compiles on the CPU (registers, spills, K/V buffers the pipeliner
     # keeps; see docs/kernels-attention.md): no spills, 1-2 buffers, 1-4 CTAs per SM.
     decode_candidates={
-        "bf16": (AttnConfig(16, 64, 4, 2), AttnConfig(16, 64, 8, 2), AttnConfig(16, 128, 4, 2),
-                 AttnConfig(16, 64, 4, 5), AttnConfig(16, 32, 4, 6), AttnConfig(16, 128, 8, 5),
-                 AttnConfig(16, 64, 4, 3), AttnConfig(16, 128, 8, 2)),
-        "fp8": (AttnConfig(16, 128, 4, 2), AttnConfig(16, 128, 8, 2), AttnConfig(16, 64, 4, 2),
-                AttnConfig(16, 64, 4, 5), AttnConfig(16, 128, 8, 5), AttnConfig(16, 256, 8, 3),
-                AttnConfig(16, 128, 4, 3), AttnConfig(16, 64, 8, 2)),
+        "bf16": (AttnConfig(16, 64, 4, 2), AttnConfig(16, 128, 4, 2), AttnConfig(16, 64, 4, 5),
+                 AttnConfig(16, 32, 4, 6), AttnConfig(16, 64, 4, 3), AttnConfig(16, 128, 8, 2)),
+        "fp8": (AttnConfig(16, 128, 4, 5), AttnConfig(16, 64, 4, 5), AttnConfig(16, 64, 8, 5),
+                AttnConfig(16, 128, 8, 2), AttnConfig(16, 128, 4, 2), AttnConfig(16, 64, 4, 2),
+                AttnConfig(16, 128, 8, 5), AttnConfig(16, 256, 8, 3)),
     },
     prefill_candidates=(AttnConfig(128, 64, 8, 3), AttnConfig(128, 64, 8, 4), AttnConfig(128, 64, 8, 2),
                         AttnConfig(128, 128, 8, 2), AttnConfig(128, 128, 8, 3), AttnConfig(64, 64, 4, 3),

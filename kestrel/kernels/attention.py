@@ -153,7 +153,7 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, Q_CLAMP: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     if PER_SEQ:
@@ -195,7 +195,10 @@ def _paged_attn_kernel(
     row_pos = ctx + tok_in
 
     q_ptrs = q_ptr + (q_start + tok_in)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if Q_CLAMP:  # bf16 queries into fp16 dots (FP8 cache): keep them finite
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0)
+    q = q.to(DOT_DTYPE)
 
     # Keys [lo, hi) can matter to this tile; those below full_hi are visible to every row.
     last_tok = tl.minimum(q_tok0 + BLOCK_Q, q_len) - 1
@@ -253,36 +256,31 @@ def _paged_attn_kernel(
 def _merge_splits_kernel(
     out_ptr, po_ptr, plse_ptr, qsl_ptr, num_seqs, num_splits, q_len_hi, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    BLOCK_Q: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
+    """One program per packed row (sequence, KV head, row): every split's partial is loaded in one
+    [SPLITS_PAD, HEAD_PAD] tile, so the merge costs one memory round trip rather than one per split."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    r = tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    if (q_len <= 0) | (q_len > q_len_hi):
+    tok = r // GROUP
+    if (q_len <= 0) | (q_len > q_len_hi) | (tok >= q_len):
         return
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_PAD)
-    tok_in = offs_m // GROUP
-    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok_in < q_len)
-    head = kv_head * GROUP + offs_m % GROUP
-    stride_split = num_seqs * tl.num_programs(1) * BLOCK_M
-    row0 = (seq * tl.num_programs(1) + kv_head).to(tl.int64) * BLOCK_M + offs_m
-
-    lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        lse_max = tl.maximum(lse_max, tl.load(plse_ptr + row0 + s * stride_split))
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    for s in range(num_splits):
-        row = row0 + s * stride_split
-        w = tl.math.exp2(tl.load(plse_ptr + row) - lse_max)
-        acc += w[:, None] * tl.load(po_ptr + row[:, None] * HEAD_PAD + offs_d[None, :])
-        total += w
-    o = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    o_ptrs = out_ptr + (q_start + tok_in)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD)[None, :])
+    s_ok = offs_s < num_splits
+    row = ((offs_s * num_seqs + seq) * tl.num_programs(1) + kv_head).to(tl.int64) * BLOCK_M + r
+    lse = tl.load(plse_ptr + row, mask=s_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    w = tl.math.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    o = tl.load(po_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    o = tl.sum(w[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
+    head = kv_head * GROUP + r % GROUP
+    tl.store(out_ptr + (q_start + tok) * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD)
 
 
 # ------------------------------------------------------------------------------------------------ launcher
@@ -293,18 +291,20 @@ _DECODE_CONFIGS: dict[tuple[int, bool], AttnConfig] = {
     (64, False): AttnConfig(16, 64, 4, 2),
     (64, True): AttnConfig(16, 128, 4, 2),
     (128, False): AttnConfig(16, 64, 4, 2),
-    (128, True): AttnConfig(16, 128, 4, 2),
+    (128, True): AttnConfig(16, 64, 4, 5),
     (256, False): AttnConfig(16, 32, 4, 3),
     (256, True): AttnConfig(16, 64, 4, 2),
 }
 _PREFILL_CONFIGS: dict[int, AttnConfig] = {
     64: AttnConfig(128, 64, 8, 3),
-    128: AttnConfig(128, 64, 8, 3),
+    128: AttnConfig(128, 128, 8, 3),
     256: AttnConfig(64, 64, 8, 2),
 }
-# Split-KV: PLACEHOLDER.
-_SPLIT_TARGET_PROGRAMS = 4  # x number of SMs
-_MAX_SPLITS = 32
+# Split-KV (flash-decoding): split each (sequence, KV head) until the decode launch has about
+# _SPLIT_TARGET_PROGRAMS programs per SM, at most _MAX_SPLITS; with the context length known, keep at least
+# _MIN_SPLIT_TOKENS keys per split. PLACEHOLDER values, replaced from the measured split sweep.
+_SPLIT_TARGET_PROGRAMS = 4
+_MAX_SPLITS = 64
 _MIN_SPLIT_TOKENS = 256
 
 
@@ -343,10 +343,10 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device,
     programs = num_seqs * num_kv_heads
     target = _SPLIT_TARGET_PROGRAMS * num_sms(device)
     splits = 1
-    while programs * splits < target and splits < _MAX_SPLITS:
+    while programs * splits * 2 <= target and splits < _MAX_SPLITS:
         splits *= 2
-    if max_seq_len is not None:
-        splits = min(splits, max(1, max_seq_len // _MIN_SPLIT_TOKENS))
+    while max_seq_len is not None and splits > 1 and splits * _MIN_SPLIT_TOKENS > max_seq_len:
+        splits //= 2
     return splits
 
 
@@ -391,8 +391,15 @@ def paged_attention(
     head_pad = max(16, _next_pow2(head_size))
     fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     # Triton's CPU interpreter multiplies bf16 blocks wrongly (numpy has no bf16), so off the GPU the
-    # dots run in fp32; on the GPU they run in the activations' 16-bit type (fp32 stays exact).
-    dot_dtype = _DOT_DTYPES.get(q.dtype, tl.float32) if q.is_cuda else tl.float32
+    # dots run in fp32. On the GPU they run in the activations' 16-bit type, except over an FP8 cache:
+    # e4m3 -> fp16 is one instruction per pair (-> bf16 takes two more per element, which made FP8 decode
+    # no faster than BF16, measured), and fp16 holds every e4m3 value exactly.
+    if not q.is_cuda or q.dtype not in _DOT_DTYPES:
+        dot_dtype = tl.float32
+    elif fp8:
+        dot_dtype = tl.float16
+    else:
+        dot_dtype = _DOT_DTYPES[q.dtype]
     common = dict(
         qk_scale=float(scale) * float(k_scale) * _LOG2E, v_scale=float(v_scale),
         window=int(sliding_window or 0), num_seqs=num_seqs,
@@ -403,6 +410,7 @@ def paged_attention(
         GROUP=group, HEAD=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         USE_WINDOW=sliding_window is not None, DOT_DTYPE=dot_dtype,
         DOT_PREC="ieee" if dot_dtype == tl.float32 else "tf32",
+        Q_CLAMP=dot_dtype == tl.float16 and q.dtype != torch.float16,
     )
     dec = decode_cfg or decode_config(head_size, group, fp8)
     dec_q = max(1, dec.block_m // group)
@@ -434,9 +442,9 @@ def paged_attention(
         num_warps=dec.num_warps, num_stages=dec.num_stages,
     )
     if split:
-        _merge_splits_kernel[(num_seqs, num_kv_heads)](
+        _merge_splits_kernel[(num_seqs, num_kv_heads, dec_q * group)](
             out, part_o, part_lse, query_start_loc, num_seqs, num_splits, dec_q, out.stride(0), out.stride(1),
             GROUP=group, HEAD=head_size, HEAD_PAD=head_pad, BLOCK_M=dec.block_m, BLOCK_Q=dec_q,
-            num_warps=4,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=8 if num_splits > 16 else 4,
         )
     return out
