@@ -636,6 +636,35 @@ def bench_mixed(pool: Pool, suite: Suite, cfgs: dict[str, AttnConfig], pre_cfg: 
         f"(parts alone {us_pre:.1f} + {us_dec:.1f})")
 
 
+def bench_kv_write(pool: Pool, suite: Suite, runs: int, gen: torch.Generator, results: dict) -> None:
+    """store_kv alone (BF16 and FP8 cache) against the unfused rotary embedding that a fused RoPE + KV
+    write would absorb: the rotary's time bounds what fusing could save."""
+    from kestrel.model.layers.rotary import RotaryEmbedding
+
+    s = suite
+    dev = pool.device
+    rope = RotaryEmbedding(s.head_size, 1 << 16).to(dev)
+    rows = []
+    for tokens in (16, 256, 4096):
+        key = torch.randn(tokens, s.num_kv_heads, s.head_size, generator=gen, device=dev).to(torch.bfloat16)
+        value = torch.randn_like(key)
+        q = torch.randn(tokens, s.num_heads * s.head_size, generator=gen, device=dev).to(torch.bfloat16)
+        pos = torch.randint(0, 1 << 15, (tokens,), generator=gen, device=dev)
+        slots = pool.perm[:tokens].long() * s.block_size + 3
+        row = {"tokens": tokens}
+        for kind in ("bf16", "fp8"):
+            k_cache, v_cache, scale = pool.caches(kind == "fp8")
+            call = lambda k=key, v=value, kc=k_cache, vc=v_cache, sl=slots, sc=scale: store_kv(k, v, kc, vc, sl, sc, sc)
+            row[f"store_{kind}_us"] = time_calls([call], runs, dev)[0]
+        kflat = key.view(tokens, -1)
+        call = lambda p=pos, q=q, k=kflat: rope(p, q, k)
+        row["rope_us"] = time_calls([call], runs, dev)[0]
+        rows.append(row)
+        log(f"kv write T={tokens}: store bf16 {row['store_bf16_us']:.1f} us, fp8 {row['store_fp8_us']:.1f} us; "
+            f"torch rotary {row['rope_us']:.1f} us")
+    results["kv_write"] = rows
+
+
 # ------------------------------------------------------------------------------------------------ checks
 
 
@@ -966,7 +995,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-precompile", action="store_true", help="skip the worker phase (kernels already cached)")
     p.add_argument("--precompile-only", action="store_true", help="compile and run the checks, then stop")
     p.add_argument("--no-sweep", action="store_true", help="use the tile configs in the kernel file")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,mixed")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,mixed,kv_write")
     p.add_argument("--budget-s", type=float, default=0.0, help="past this many seconds, sweep fewer splits")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (run with TRITON_INTERPRET=1)")
 
@@ -1039,6 +1068,8 @@ def run(args: argparse.Namespace) -> int:
         bench_prefill(pool, suite, pre_cfg, runs, gen, save, results)
     if "mixed" not in skip:
         bench_mixed(pool, suite, cfgs, pre_cfg, runs, gen, results)
+    if "kv_write" not in skip:
+        bench_kv_write(pool, suite, runs, gen, results)
     if "decode" not in skip:
         deadline = t_run + args.budget_s if args.budget_s > 0 else float("inf")
         bench_decode(pool, suite, cfgs, runs, gen, ceilings, save, results, deadline)
