@@ -231,11 +231,15 @@ def train(opts: TrainOptions) -> TrainResult:
     generator = torch.Generator().manual_seed(opts.seed)
     context = opts.model.max_position
 
+    loop_start = time.perf_counter()
     budget_s = opts.minutes * 60.0
     deadline = None if opts.max_total_minutes is None else script_start + opts.max_total_minutes * 60 - SAVE_RESERVE_S
+    if deadline is not None:
+        # The cosine spans the time actually left, so a slow preparation shortens the run, not the decay.
+        budget_s = max(1.0, min(budget_s, deadline - loop_start))
+    log["timing"]["train_budget_s"] = budget_s
     best = {"val_loss": math.inf, "step": -1}
     best_state: dict[str, torch.Tensor] = {}
-    loop_start = time.perf_counter()
     step, tokens, running, running_n = 0, 0, 0.0, 0
     model.train()
     while True:
