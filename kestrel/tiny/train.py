@@ -201,6 +201,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def train(opts: TrainOptions) -> TrainResult:
+    """Prepare the data, train until the step count or the wall-clock budget is used, write the directory."""
     script_start = time.perf_counter()
     device = resolve_device(opts.device)
     torch.manual_seed(opts.seed)
@@ -210,99 +211,125 @@ def train(opts: TrainOptions) -> TrainResult:
     out.mkdir(parents=True, exist_ok=True)
     log: dict[str, Any] = {"options": _options_json(opts), "timing": {}, "train": [], "val": [],
                            "environment": _environment(device)}
-    say = (lambda _msg: None) if opts.quiet else (lambda msg: print(msg, flush=True))
+    run = _Run(opts, device, out, log, script_start)
+    run.prepare()
+    run.loop()
+    return run.finish()
 
-    tokenizer, data = prepare_data(opts, log)
-    save_tokenizer(tokenizer, out)
-    bos, eos = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
-    log["corpus"] = data.stats
-    say(f"corpus: {data.stats['train_files']} train files, {data.stats['train_tokens']:,} tokens "
-        f"({data.stats['bytes_per_token']:.2f} bytes/token); val {data.stats['val_tokens']:,} tokens; "
-        f"prep {time.perf_counter() - script_start:.1f} s")
 
-    model = TinyLlama(opts.model, dropout=opts.dropout).to(device)
-    log["model"] = asdict(opts.model)
-    log["num_parameters"] = num_parameters(model)
-    say(f"model: {log['num_parameters']:,} parameters on {device}")
-    step_fn = torch.compile(model.loss) if opts.compile else model.loss
-    optimizer = make_optimizer(model, opts, device)
-    train_stream = data.train.to(device)
-    val = data.val.to(device)
-    generator = torch.Generator().manual_seed(opts.seed)
-    context = opts.model.max_position
+class _Run:
+    """One training run: its data, model, optimizer, log and best checkpoint."""
 
-    loop_start = time.perf_counter()
-    budget_s = opts.minutes * 60.0
-    deadline = None if opts.max_total_minutes is None else script_start + opts.max_total_minutes * 60 - SAVE_RESERVE_S
-    if deadline is not None:
-        # The cosine spans the time actually left, so a slow preparation shortens the run, not the decay.
-        budget_s = max(1.0, min(budget_s, deadline - loop_start))
-    log["timing"]["train_budget_s"] = budget_s
-    best = {"val_loss": math.inf, "step": -1}
-    best_state: dict[str, torch.Tensor] = {}
-    step, tokens, running, running_n = 0, 0, 0.0, 0
-    model.train()
-    while True:
-        now = time.perf_counter()
-        progress = step / opts.steps if opts.steps is not None else (now - loop_start) / budget_s
-        if progress >= 1.0 or (deadline is not None and now >= deadline):
-            break
-        lr = lr_at(opts, step, progress)
-        for group in optimizer.param_groups:
+    def __init__(self, opts: TrainOptions, device: torch.device, out: Path, log: dict[str, Any],
+                 script_start: float) -> None:
+        self.opts, self.device, self.out, self.log = opts, device, out, log
+        self.script_start = script_start
+        self.say = (lambda _msg: None) if opts.quiet else (lambda msg: print(msg, flush=True))
+        self.best: dict[str, float] = {"val_loss": math.inf, "step": -1}
+        self.best_state: dict[str, torch.Tensor] = {}
+        self.step = self.tokens = 0
+        self.loop_s = 0.0
+
+    def prepare(self) -> None:
+        opts = self.opts
+        tokenizer, data = prepare_data(opts, self.log)
+        save_tokenizer(tokenizer, self.out)
+        self.bos, self.eos = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
+        self.stats = self.log["corpus"] = data.stats
+        self.say(f"corpus: {data.stats['train_files']} train files, {data.stats['train_tokens']:,} tokens "
+                 f"({data.stats['bytes_per_token']:.2f} bytes/token); val {data.stats['val_tokens']:,} tokens; "
+                 f"prep {time.perf_counter() - self.script_start:.1f} s")
+        self.model = TinyLlama(opts.model, dropout=opts.dropout).to(self.device)
+        self.log["model"] = asdict(opts.model)
+        self.log["num_parameters"] = num_parameters(self.model)
+        self.say(f"model: {self.log['num_parameters']:,} parameters on {self.device}")
+        self.step_fn = torch.compile(self.model.loss) if opts.compile else self.model.loss
+        self.optimizer = make_optimizer(self.model, opts, self.device)
+        self.train_stream = data.train.to(self.device)
+        self.val = data.val.to(self.device)
+        self.generator = torch.Generator().manual_seed(opts.seed)
+
+    def loop(self) -> None:
+        opts = self.opts
+        loop_start = time.perf_counter()
+        budget_s = opts.minutes * 60.0
+        deadline = (None if opts.max_total_minutes is None
+                    else self.script_start + opts.max_total_minutes * 60 - SAVE_RESERVE_S)
+        if deadline is not None:
+            # The cosine spans the time actually left, so a slow preparation shortens the run, not the decay.
+            budget_s = max(1.0, min(budget_s, deadline - loop_start))
+        self.log["timing"]["train_budget_s"] = budget_s
+        running: torch.Tensor | float = 0.0
+        self.model.train()
+        while True:
+            now = time.perf_counter()
+            progress = self.step / opts.steps if opts.steps is not None else (now - loop_start) / budget_s
+            if progress >= 1.0 or (deadline is not None and now >= deadline):
+                break
+            lr = lr_at(opts, self.step, progress)
+            running = running + self._train_step(lr)
+            if self.step % opts.log_every == 0:
+                self._log_train(float(running) / opts.log_every, lr, time.perf_counter() - loop_start)
+                running = 0.0
+            if self.step % opts.eval_every == 0:
+                self._evaluate_and_keep(time.perf_counter() - loop_start)
+        self.loop_s = time.perf_counter() - loop_start
+
+    def _train_step(self, lr: float) -> torch.Tensor:
+        for group in self.optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = sample_batch(train_stream, opts.batch_size, context, generator, device)
-        with autocast(device):
-            loss = step_fn(inputs, targets)
-        optimizer.zero_grad(set_to_none=True)
+        inputs, targets = sample_batch(self.train_stream, self.opts.batch_size, self.opts.model.max_position,
+                                       self.generator, self.device)
+        with autocast(self.device):
+            loss = self.step_fn(inputs, targets)
+        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip)
-        optimizer.step()
-        step += 1
-        tokens += inputs.numel()
-        running += loss.detach()
-        running_n += 1
-        if step % opts.log_every == 0:
-            mean = float(running) / running_n  # the only host sync between evaluations
-            running, running_n = 0.0, 0
-            elapsed = time.perf_counter() - loop_start
-            log["train"].append({"step": step, "tokens": tokens, "seconds": round(elapsed, 2), "lr": lr,
-                                 "loss": mean})
-            say(f"step {step:6d}  loss {mean:.4f}  lr {lr:.2e}  {tokens / elapsed:,.0f} tok/s  {elapsed:.0f} s")
-        if step % opts.eval_every == 0:
-            val_loss = evaluate(model, val, device, opts.batch_size)
-            log["val"].append({"step": step, "tokens": tokens,
-                               "seconds": round(time.perf_counter() - loop_start, 2), "loss": val_loss})
-            say(f"step {step:6d}  val {val_loss:.4f}")
-            if val_loss < best["val_loss"]:
-                best = {"val_loss": val_loss, "step": step}
-                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                # Written as it goes: a run killed by an outside time limit still leaves a usable model.
-                save_hf_model(model, out, bos, eos, opts.save_dtype)
-            _write_json(out / "train_log.json", log)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.opts.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        self.tokens += inputs.numel()
+        return loss.detach()  # summed on the device; read back only when logged
 
-    loop_s = time.perf_counter() - loop_start
-    final_loss = evaluate(model, val, device, opts.batch_size)
-    log["val"].append({"step": step, "tokens": tokens, "seconds": round(loop_s, 2), "loss": final_loss})
-    if final_loss < best["val_loss"] or not best_state:
-        best = {"val_loss": final_loss, "step": step}
-    else:
-        model.load_state_dict(best_state)
-    size = save_hf_model(model, out, bos, eos, opts.save_dtype)
-    saved_loss = _saved_dtype_loss(model, val, device, opts)
-    log.update(
-        steps=step, tokens=tokens, epochs=tokens / max(1, data.stats["train_tokens"]), best=best,
-        val_loss_saved_dtype=saved_loss, safetensors_bytes=size, save_dtype=opts.save_dtype,
-    )
-    log["timing"].update(train_loop_s=loop_s, total_s=time.perf_counter() - script_start)
-    _write_json(out / "train_log.json", log)
-    if opts.plot:
-        plot_loss(log, out / "loss.png")
-    say(f"done: {step} steps, {tokens:,} tokens ({log['epochs']:.1f} epochs) in {loop_s:.0f} s; best val "
-        f"{best['val_loss']:.4f} at step {best['step']}, {saved_loss:.4f} in {opts.save_dtype}; "
-        f"model.safetensors {size / 1e6:.2f} MB -> {out}")
-    if size > MAX_SAFETENSORS_BYTES:
-        say(f"warning: model.safetensors is {size:,} bytes, over the {MAX_SAFETENSORS_BYTES:,} limit")
-    return TrainResult(out, log["num_parameters"], size, best["val_loss"], log)
+    def _log_train(self, loss: float, lr: float, elapsed: float) -> None:
+        self.log["train"].append({"step": self.step, "tokens": self.tokens, "seconds": round(elapsed, 2), "lr": lr,
+                                  "loss": loss})
+        self.say(f"step {self.step:6d}  loss {loss:.4f}  lr {lr:.2e}  {self.tokens / elapsed:,.0f} tok/s  "
+                 f"{elapsed:.0f} s")
+
+    def _evaluate_and_keep(self, elapsed: float) -> float:
+        val_loss = evaluate(self.model, self.val, self.device, self.opts.batch_size)
+        self.log["val"].append({"step": self.step, "tokens": self.tokens, "seconds": round(elapsed, 2),
+                                "loss": val_loss})
+        self.say(f"step {self.step:6d}  val {val_loss:.4f}")
+        if val_loss < self.best["val_loss"]:
+            self.best = {"val_loss": val_loss, "step": self.step}
+            self.best_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            # Written as it goes: a run killed by an outside time limit still leaves a usable model.
+            save_hf_model(self.model, self.out, self.bos, self.eos, self.opts.save_dtype)
+        _write_json(self.out / "train_log.json", self.log)
+        return val_loss
+
+    def finish(self) -> TrainResult:
+        opts, log = self.opts, self.log
+        best_before = self.best["val_loss"]
+        final_loss = self._evaluate_and_keep(self.loop_s)
+        if final_loss >= best_before:
+            self.model.load_state_dict(self.best_state)
+        size = save_hf_model(self.model, self.out, self.bos, self.eos, opts.save_dtype)
+        saved_loss = _saved_dtype_loss(self.model, self.val, self.device, opts)
+        log.update(steps=self.step, tokens=self.tokens, epochs=self.tokens / max(1, self.stats["train_tokens"]),
+                   best=self.best, val_loss_saved_dtype=saved_loss, safetensors_bytes=size,
+                   save_dtype=opts.save_dtype)
+        log["timing"].update(train_loop_s=self.loop_s, total_s=time.perf_counter() - self.script_start)
+        _write_json(self.out / "train_log.json", log)
+        if opts.plot:
+            plot_loss(log, self.out / "loss.png")
+        self.say(f"done: {self.step} steps, {self.tokens:,} tokens ({log['epochs']:.1f} epochs) in "
+                 f"{self.loop_s:.0f} s; best val {self.best['val_loss']:.4f} at step {self.best['step']}, "
+                 f"{saved_loss:.4f} in {opts.save_dtype}; model.safetensors {size / 1e6:.2f} MB -> {self.out}")
+        if size > MAX_SAFETENSORS_BYTES:
+            self.say(f"warning: model.safetensors is {size:,} bytes, over the {MAX_SAFETENSORS_BYTES:,} limit")
+        return TrainResult(self.out, log["num_parameters"], size, self.best["val_loss"], log)
 
 
 def _saved_dtype_loss(model: TinyLlama, val: torch.Tensor, device: torch.device, opts: TrainOptions) -> float:
