@@ -285,13 +285,22 @@ def _merge_splits_kernel(
 
 # ------------------------------------------------------------------------------------------------ launcher
 
-# Tile configs, per head size (padded to a power of two). PLACEHOLDER: replaced by measured values.
+# Tile configs per head size (padded to a power of two). Head size 128 was swept on the H200
+# (benchmarks/results/attention-h200.json, "decode_config_sweep" / "prefill_config_sweep"; the sum over
+# sweep points of time / best time, 4.0 is ideal for 4 points):
+#   decode BF16: (16, 64, 4, 2) 4.04 | (16, 128, 4, 2) 4.07 | (16, 32, 4, 6) 4.06 | (16, 64, 4, 3) 4.37
+#     e.g. 256 x 8k: 1942 us (4.43 TB/s) against 2110 us with 3 stages (1 K/V buffer, more registers)
+#   decode FP8: (16, 128, 4, 5) 4.03 | (16, 128, 4, 2) 4.10 | (16, 64, 4, 5) 4.33 | (16, 256, 8, 3) 6.0
+#     two K/V buffers (5 stages) pay here: 256 x 8k 1500 us against 1643 us with one
+#   prefill: (128, 128, 8, 3) 401 TFLOP/s at 16k | (128, 128, 8, 2) 390 | (128, 64, 8, 4) 353 | (64, 64, 4, 3) 348
+# Head sizes 64 and 256 were not timed: their tiles keep the per-tile bytes of the 128 ones and were
+# checked to compile for sm_90 without spills (256: fewer rows so the fp32 accumulator fits).
 _DECODE_CONFIGS: dict[tuple[int, bool], AttnConfig] = {
     # (head_pad, fp8 cache) -> config; block_m is raised to the group size when a group is larger
     (64, False): AttnConfig(16, 64, 4, 2),
-    (64, True): AttnConfig(16, 128, 4, 2),
+    (64, True): AttnConfig(16, 128, 4, 5),
     (128, False): AttnConfig(16, 64, 4, 2),
-    (128, True): AttnConfig(16, 64, 4, 5),
+    (128, True): AttnConfig(16, 128, 4, 5),
     (256, False): AttnConfig(16, 32, 4, 3),
     (256, True): AttnConfig(16, 64, 4, 2),
 }
@@ -300,12 +309,41 @@ _PREFILL_CONFIGS: dict[int, AttnConfig] = {
     128: AttnConfig(128, 128, 8, 3),
     256: AttnConfig(64, 64, 8, 2),
 }
-# Split-KV (flash-decoding): split each (sequence, KV head) until the decode launch has about
-# _SPLIT_TARGET_PROGRAMS programs per SM, at most _MAX_SPLITS; with the context length known, keep at least
-# _MIN_SPLIT_TOKENS keys per split. PLACEHOLDER values, replaced from the measured split sweep.
-_SPLIT_TARGET_PROGRAMS = 4
-_MAX_SPLITS = 64
-_MIN_SPLIT_TOKENS = 256
+# fp32 activations (exact "ieee" dots, tests and debugging): fp32 tiles take twice the shared memory;
+# (128, 128, 8, 3) asked for 262 KB of the 227 KB an SM has.
+_FP32_DECODE = AttnConfig(16, 32, 4, 2)
+_FP32_PREFILL = AttnConfig(32, 32, 4, 2)
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """Split-KV choice: double the splits of each (sequence, KV head) while the decode launch stays within
+    `programs_per_sm` programs per SM, up to `max_splits` (`max_splits_blind` when the context length is
+    unknown, as in a CUDA graph); with the context length known, keep >= `min_keys` keys per split, and
+    use >= `long_splits` splits from `long_context` keys on."""
+
+    programs_per_sm: int
+    max_splits: int
+    max_splits_blind: int
+    min_keys: int
+    long_context: int = 0
+    long_splits: int = 1
+
+
+# From the split sweep on the H200 (attention-h200.json "split_sweep", every power of two 1..64 timed at
+# batch {1, 16, 64, 256} x context {512, 2k, 4k, 8k, 32k}, 8 KV heads). Best splits, BF16 KV:
+#   batch 1: 8 / 16 / 32 / 64 / 64 (512 .. 32k; 32k: 44.5 us at 64, 46.6 at 32, 66.2 at 16, 812 at 1)
+#   batch 16: 2 / 4 / 4 / 4 / 4; batch 64 and 256: 1 (4 x 132 SMs = 528 programs already)
+# FP8 KV wants about half the programs (its 5-stage tile keeps 2 CTAs per SM, not 4):
+#   batch 1: 4 / 16 / 16 / 16 / 32; batch 16: 1 / 2 / 2 / 2 / 2; batch 64/256: 1, 2-4 from 8k on
+#   (64 x 32k: 1390 us at 2 splits, 1506 at 1; 256 x 8k: 1449 at 2, 1505 at 1)
+# These rules pick the best split or one within 6% of it, except: BF16 1 x 512 blind (32 splits, +20%);
+# FP8 1 x 512 / 1 x 2k blind (+16% / +9%), 16 x 512 (+8%), and blind 64 / 256 x 8k-32k (1 split, +2-8%).
+_SPLIT_RULES: dict[bool, SplitRule] = {
+    False: SplitRule(programs_per_sm=4, max_splits=64, max_splits_blind=32, min_keys=64),
+    True: SplitRule(programs_per_sm=2, max_splits=32, max_splits_blind=32, min_keys=128, long_context=8192,
+                    long_splits=2),
+}
 
 
 def _next_pow2(n: int) -> int:
@@ -324,29 +362,36 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def decode_config(head_size: int, group: int, fp8: bool) -> AttnConfig:
+def decode_config(head_size: int, group: int, fp8: bool, fp32: bool = False) -> AttnConfig:
     head_pad = max(16, _next_pow2(head_size))
-    cfg = _DECODE_CONFIGS.get((head_pad, fp8)) or AttnConfig(16, 32, 4, 2)
+    cfg = _FP32_DECODE if fp32 else _DECODE_CONFIGS.get((head_pad, fp8)) or AttnConfig(16, 32, 4, 2)
     return replace(cfg, block_m=max(cfg.block_m, _next_pow2(group)))
 
 
-def prefill_config(head_size: int, group: int) -> AttnConfig:
+def prefill_config(head_size: int, group: int, fp32: bool = False) -> AttnConfig:
     head_pad = max(16, _next_pow2(head_size))
-    cfg = _PREFILL_CONFIGS.get(head_pad) or AttnConfig(64, 32, 4, 2)
+    cfg = _FP32_PREFILL if fp32 else _PREFILL_CONFIGS.get(head_pad) or AttnConfig(64, 32, 4, 2)
     return replace(cfg, block_m=max(cfg.block_m, _next_pow2(group)))
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device,
-                      max_seq_len: int | None = None) -> int:
+def choose_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int | None = None,
+                      fp8: bool = False) -> int:
     """Splits of the context per (sequence, KV head) for the decode launch, from shapes only (and the
-    context length when the caller knows it on the host). PLACEHOLDER heuristic."""
+    context length when the caller knows it on the host): see _SPLIT_RULES."""
+    return splits_for(num_seqs, num_kv_heads, num_sms(device), max_seq_len, fp8)
+
+
+def splits_for(num_seqs: int, num_kv_heads: int, sms: int, max_seq_len: int | None, fp8: bool) -> int:
+    rule = _SPLIT_RULES[fp8]
     programs = num_seqs * num_kv_heads
-    target = _SPLIT_TARGET_PROGRAMS * num_sms(device)
+    cap = rule.max_splits if max_seq_len is not None else rule.max_splits_blind
     splits = 1
-    while programs * splits * 2 <= target and splits < _MAX_SPLITS:
+    while programs * splits * 2 <= rule.programs_per_sm * sms and splits < cap:
         splits *= 2
-    while max_seq_len is not None and splits > 1 and splits * _MIN_SPLIT_TOKENS > max_seq_len:
+    while max_seq_len is not None and splits > 1 and splits * rule.min_keys > max_seq_len:
         splits //= 2
+    if max_seq_len is not None and rule.long_context and max_seq_len >= rule.long_context:
+        splits = max(splits, rule.long_splits)
     return splits
 
 
@@ -412,11 +457,12 @@ def paged_attention(
         DOT_PREC="ieee" if dot_dtype == tl.float32 else "tf32",
         Q_CLAMP=dot_dtype == tl.float16 and q.dtype != torch.float16,
     )
-    dec = decode_cfg or decode_config(head_size, group, fp8)
+    wide = dot_dtype == tl.float32 and q.is_cuda
+    dec = decode_cfg or decode_config(head_size, group, fp8, wide)
     dec_q = max(1, dec.block_m // group)
 
     if num_tokens > dec_q and (max_query_len is None or max_query_len > dec_q):
-        pre = prefill_cfg or prefill_config(head_size, group)
+        pre = prefill_cfg or prefill_config(head_size, group, wide)
         pre_q = max(1, pre.block_m // group)
         grid = (num_tokens // pre_q + num_seqs, num_kv_heads)
         _paged_attn_kernel[grid](
@@ -427,7 +473,7 @@ def paged_attention(
         )
 
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, q.device, max_seq_len)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, q.device, max_seq_len, fp8)
     split = num_splits > 1
     if split:
         part_o = torch.empty((num_splits, num_seqs, num_kv_heads, dec.block_m, head_pad), dtype=torch.float32,
