@@ -79,8 +79,7 @@ def paged_attention_ref(
 # r // GROUP, head r % GROUP), so each K/V tile is loaded once for the whole group.
 
 _LOG2E = 1.4426950408889634
-# Above this many tokens per sequence the decode launch hands a sequence to the prefill launch.
-_NO_LIMIT = 2**31 - 1
+_NO_LIMIT = 2**31 - 1  # the prefill launch takes every query length above the decode launch's
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -416,10 +415,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """Triton paged attention with `paged_attention_ref`'s semantics; no host synchronization.
 
-    `max_query_len` / `max_seq_len` are optional host-side hints (AttentionMetadata has them): with them a
-    pure decode batch skips the prefill launch and short contexts are not split. Leave them out when
-    capturing a CUDA graph that is replayed with other lengths. `num_splits`, `decode_cfg`, `prefill_cfg`
-    override the tuned choices (tests, benchmarks).
+    `max_query_len` / `max_seq_len` are optional host-side hints (AttentionMetadata has them):
+    `max_query_len` must bound every sequence's query length (a decode CUDA graph can pass 1); with it a
+    pure decode batch skips the prefill launch, and a batch whose tokens all belong to one prefilling
+    sequence skips the decode launch. `max_seq_len` only tunes the split count: leave it out when capturing
+    a graph replayed at other context lengths. `num_splits`, `decode_cfg`, `prefill_cfg` override the tuned
+    choices (tests, benchmarks).
     """
     num_tokens, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, kv_head_size = k_cache.shape
@@ -472,6 +473,8 @@ def paged_attention(
             num_warps=pre.num_warps, num_stages=pre.num_stages,
         )
 
+    if max_query_len is not None and max_query_len > dec_q and num_tokens == max_query_len:
+        return out  # one sequence holds every token and it is not a decode: nothing for the decode launch
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, q.device, max_seq_len, fp8)
     split = num_splits > 1

@@ -142,6 +142,13 @@ def test_default_configs_head128(device: torch.device) -> None:
     assert rel_err(hinted, case.expected()) < 1e-5
 
 
+def test_single_prefill_with_hint_skips_decode_launch(device: torch.device) -> None:
+    """All tokens in one prefilling sequence (others idle): with max_query_len the decode launch is skipped."""
+    case = Case([(40, 0), (60, 30), (10, 0)], 8, 2, 64, device, seed=10)
+    out = case.run(max_query_len=30, max_seq_len=60, prefill_cfg=SMALL_PREFILL)
+    assert rel_err(out, case.expected()) < 1e-5
+
+
 @pytest.mark.parametrize("window", [1, 7, 20])
 def test_sliding_window(device: torch.device, window: int) -> None:
     case = Case(MIXED, 8, 2, 64, device, seed=2)
