@@ -2,7 +2,7 @@
 interpreter (TRITON_INTERPRET=1, set here before any kernel module is imported by these tests).
 
 Modules imported earlier in the session (by another test directory) were decorated in compiled mode; they
-are reloaded so their kernels become interpreted too.
+are reloaded, Triton's own jit library included, so their kernels become interpreted too.
 """
 
 from __future__ import annotations
@@ -21,12 +21,21 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _reload_compiled_kernel_modules() -> None:
+    """Re-decorate in interpreter mode whatever was decorated before TRITON_INTERPRET was set: Triton's own
+    library functions (tl.sum, tl.max, ...: triton.language.standard/random, then the triton.language
+    namespace that re-exports them) and then our kernel modules."""
     from triton.runtime.jit import JITFunction
 
+    def compiled(module) -> bool:
+        return module is not None and any(type(v) is JITFunction for v in vars(module).values())
+
+    library = [m for n, m in list(sys.modules.items()) if n.startswith("triton.language.") and compiled(m)]
+    for module in library:
+        importlib.reload(module)
+    if library:
+        importlib.reload(sys.modules["triton.language"])
     for name, module in list(sys.modules.items()):
-        if not name.startswith("kestrel.kernels.") or module is None:
-            continue
-        if any(type(v) is JITFunction for v in vars(module).values()):
+        if name.startswith("kestrel.kernels.") and compiled(module):
             importlib.reload(module)
 
 
