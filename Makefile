@@ -3,7 +3,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-TINY := .models/llama-tiny
 
 .PHONY: setup demo test lint clean
 
@@ -22,12 +21,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-$(TINY): $(STAMP)
-	$(VENV)/bin/kestrel model-init --arch llama --size tiny $(TINY)
-
-demo: $(STAMP) $(TINY)
-	$(VENV)/bin/kestrel generate --model $(TINY) --prompt "The quick brown fox" --max-tokens 24
-	$(PY) scripts/demo_chat.py --model $(TINY)
+# The demo runs the bundled kestrel-tiny model: offline generation, then one chat request through `kestrel serve`.
+demo: $(STAMP)
+	$(VENV)/bin/kestrel generate --prompt "def __init__(self" --prompt "import os" --max-tokens 48
+	$(PY) scripts/demo_chat.py
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check kestrel tests scripts

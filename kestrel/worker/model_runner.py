@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kestrel.config import ConfigError, EngineConfig
@@ -33,10 +35,14 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.model.dtype, config.model.hf_config)
+        model_config = config.model
+        if self.device.type == "cpu" and model_config.dtype == "auto":
+            # Half-precision matmuls are many times slower than float32 on most CPUs.
+            model_config = dataclasses.replace(model_config, dtype="float32")
+        self.dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
         self.eos_token_id = eos_token_id
         torch.manual_seed(config.model.seed)
-        self.model = load_model(config.model, config.quant, self.device)
+        self.model = load_model(model_config, config.quant, self.device)
         self.vocab_size: int = int(config.model.hf_config["vocab_size"])
         self.block_size = config.cache.block_size
         num_layers, num_kv_heads, head_size = self.model.kv_cache_spec()
