@@ -30,10 +30,11 @@ BUNDLED = (BUNDLED_MODEL_DIR / "model.safetensors").is_file()
 # CPU fixture (200 steps, 120k parameters, 512-token vocabulary): measured 0.773 on CPython 3.11.7's stdlib;
 # 0.90 leaves room for other stdlib versions, whose held-out files and training text differ.
 FIXTURE_MAX_BPB_RATIO = 0.90
-# Bundled model: a wide margin by design (the issue asks for one). 0.60 is a conservative bound until the
-# bundled model's ratio is measured (benchmarks/results/ppl-kestrel-tiny.json); then tighten it to the
-# measured value plus about 0.05 for stdlib-version noise.
-BUNDLED_MAX_BPB_RATIO = 0.60
+# Bundled model: `kestrel bench ppl` measured a bits-per-byte ratio of 0.456 against the unigram baseline on
+# all 98 held-out files (benchmarks/results/ppl-kestrel-tiny.json: perplexity 20.5 vs 747.6). This test scores
+# a few files with a baseline counted on fewer training files, so it allows that ratio plus about 0.1 for
+# the smaller sample and for stdlib differences between Python versions.
+BUNDLED_MAX_BPB_RATIO = 0.56
 PPL_RTOL = 1e-3
 MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json", "special_tokens_map.json"}
