@@ -32,7 +32,10 @@ _STACKED = (
     ("gate_proj", "gate_up_proj", 0),
     ("up_proj", "gate_up_proj", 1),
 )
-_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
+                     # FP8 KV cache scales: read by the worker when it sizes the cache, not parameters here.
+                     "self_attn.k_scale", "self_attn.v_scale", "attn.k_scale", "attn.v_scale",
+                     "k_proj.output_scale", "v_proj.output_scale")
 
 
 class WeightLoadingError(ValueError):

@@ -160,3 +160,20 @@ def test_prompt_logprobs_match_hf_under_chunking(llama_dir):
             assert entry[token] == pytest.approx(expected[position - 1, token].item(), abs=1e-4)
             top3 = expected[position - 1].topk(3).indices.tolist()
             assert set(top3) <= set(entry)
+
+
+def test_fp8_kv_cache_uses_checkpoint_scales(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    write_tiny_checkpoint(str(tmp_path), arch="llama", seed=4)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    weights["model.layers.1.self_attn.v_scale"] = torch.tensor(0.25)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, kv_cache_dtype="fp8")
+    layers = llm.runner.model.attention_layers()
+    assert [(a.k_scale, a.v_scale) for a in layers[:2]] == [(0.5, 1.0), (1.0, 0.25)]
+    assert llm.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    prompts = mixed_prompts(1000, count=4, seed=11)
+    fp8 = kestrel_greedy(llm, prompts, max_new=4)
+    assert all(len(tokens) == 4 for tokens in fp8)
