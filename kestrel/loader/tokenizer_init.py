@@ -7,6 +7,7 @@ tokenizer is byte-for-byte the same on every machine and Python version.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -115,19 +116,19 @@ SELECT name, count(*) FROM users WHERE age > 18 GROUP BY name ORDER BY name;
 CORPUS = [_ENGLISH, _CODE, _JSON_AND_SHELL]
 
 
-def build_tokenizer(vocab_size: int = 1024) -> Tokenizer:
-    """Train the byte-level BPE tokenizer in memory (deterministic: same corpus, fixed order)."""
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 1) -> Tokenizer:
+    """Byte-level BPE on `texts`; the special tokens take the first ids (0 = bos, 1 = eos)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        min_frequency=1,
+        min_frequency=min_frequency,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     # Like Llama 3: encoding a plain prompt prepends <|begin_of_text|>.
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -138,17 +139,27 @@ def build_tokenizer(vocab_size: int = 1024) -> Tokenizer:
     return tokenizer
 
 
-def write_tokenizer(path: str, vocab_size: int = 1024) -> int:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return the vocab size."""
+def build_tokenizer(vocab_size: int = 1024) -> Tokenizer:
+    """Train the built-in tokenizer in memory (deterministic: same corpus, fixed order)."""
+    return train_byte_level_bpe(CORPUS, vocab_size, min_frequency=1)
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> None:
+    """Write tokenizer.json, tokenizer_config.json (with the chat template) and special_tokens_map.json."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", _tokenizer_config(tokenizer))
     _write_json(
         out / "special_tokens_map.json",
         {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "additional_special_tokens": [START_HEADER, END_HEADER]},
     )
+
+
+def write_tokenizer(path: str, vocab_size: int = 1024) -> int:
+    """Write the built-in tokenizer's files to `path`; return the vocab size."""
+    tokenizer = build_tokenizer(vocab_size)
+    save_tokenizer(tokenizer, path)
     return tokenizer.get_vocab_size(with_added_tokens=True)
 
 
