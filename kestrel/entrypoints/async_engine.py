@@ -91,14 +91,7 @@ class RequestStream:
         """Wait until the engine took the request; raise its validation error if it refused it."""
         if self._accepted:
             return
-        try:
-            item = await self._get()
-        except BaseException:
-            await self.aclose()
-            raise
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
+        await self._next_item()
         self._accepted = True
 
     def __aiter__(self) -> RequestStream:
@@ -108,6 +101,13 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         await self.accepted()
+        item = await self._next_item()
+        if item.finished:
+            self.finished = True
+        return item
+
+    async def _next_item(self) -> Any:
+        """The next item from the engine; a cancelled wait aborts the request, an engine error is raised."""
         try:
             item = await self._get()
         except BaseException:
@@ -116,8 +116,6 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        if item.finished:
-            self.finished = True
         return item
 
     async def _get(self) -> Any:
