@@ -98,6 +98,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None  # absolute KV budget on any device; overrides the fraction
 
     def __post_init__(self) -> None:
         _check_choice("block_size", self.block_size, BLOCK_SIZE_CHOICES)
@@ -108,6 +109,7 @@ class CacheConfig:
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             _fail("gpu_memory_utilization", self.gpu_memory_utilization, "expected a fraction in (0, 1]")
         _check_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, 1)
+        _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, allow_none=True)
 
 
 @dataclass(frozen=True)
@@ -158,9 +160,13 @@ class EngineConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     device: str = "auto"
     enforce_eager: bool = False
+    debug_launch_count: bool = False  # log the kernel launches of one decoder layer's decode step at startup
 
     def __post_init__(self) -> None:
         _check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        for name in ("enforce_eager", "debug_launch_count"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "expected True or False")
         if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs:
             _fail("max_num_batched_tokens", self.scheduler.max_num_batched_tokens,
                   f"must be >= max_num_seqs={self.scheduler.max_num_seqs} so every running request can decode")
@@ -206,6 +212,7 @@ _KWARG_TO_FIELD: dict[str, tuple[str, str]] = {
     "kv_cache_dtype": ("cache", "kv_cache_dtype"),
     "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "cpu_kv_cache_bytes": ("cache", "cpu_kv_cache_bytes"),
+    "kv_cache_memory_bytes": ("cache", "kv_cache_memory_bytes"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
@@ -215,4 +222,5 @@ _KWARG_TO_FIELD: dict[str, tuple[str, str]] = {
     "symmetric_activations": ("quant", "symmetric_activations"),
     "device": ("engine", "device"),
     "enforce_eager": ("engine", "enforce_eager"),
+    "debug_launch_count": ("engine", "debug_launch_count"),
 }

@@ -8,12 +8,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kestrel import ops
 from kestrel.config import ConfigError, QuantConfig
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.activation import SiluAndMul
 from kestrel.model.layers.attention import Attention
 from kestrel.model.layers.embedding import LMHead, VocabEmbedding
 from kestrel.model.layers.linear import (
+    LinearBase,
     MergedColumnLinear,
     QKVParallelLinear,
     RowLinear,
@@ -23,6 +25,7 @@ from kestrel.model.layers.norm import RMSNorm
 from kestrel.model.layers.rotary import RopeConfig, RotaryEmbedding
 from kestrel.model.layers.weights import WeightShapeError
 from kestrel.quant import get_quant_method
+from kestrel.quant.w8a8 import QuantAct, W8A8LinearMethod
 
 # checkpoint sub-name -> (our merged module, shard id)
 _STACKED = (
@@ -108,7 +111,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
+        return self.attend(positions, self.qkv_proj(hidden_states), attn_metadata)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Everything after the qkv projection: RoPE, KV write, attention, o_proj."""
+        q, k, v = self.qkv_proj.split_qkv(qkv)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 
@@ -139,9 +146,17 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # W8A8 linears take activations quantized by the op before them (norm, SiLU-mul): one launch instead
+        # of two. Can be turned off to compare against the unfused path.
+        self.fuse_quant_producers = all(
+            isinstance(linear.quant_method, W8A8LinearMethod)
+            for linear in (self.self_attn.qkv_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fuse_quant_producers:
+            return self._forward_fused(positions, hidden_states, residual, attn_metadata)
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -150,6 +165,22 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+    def _forward_fused(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                       attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        attn, mlp = self.self_attn, self.mlp
+        if residual is None:
+            act, _ = _norm_quant(self.input_layernorm, hidden_states, None, attn.qkv_proj)
+            residual = hidden_states
+        else:
+            act, residual = _norm_quant(self.input_layernorm, hidden_states, residual, attn.qkv_proj)
+        qkv = _apply_quantized(attn.qkv_proj, act, hidden_states.dtype)
+        hidden_states = attn.attend(positions, qkv, attn_metadata)
+        act, residual = _norm_quant(self.post_attention_layernorm, hidden_states, residual, mlp.gate_up_proj)
+        gate_up = _apply_quantized(mlp.gate_up_proj, act, hidden_states.dtype)
+        spec = mlp.down_proj.quant_method.input_quant(mlp.down_proj)
+        act = ops.silu_mul_quant(gate_up, spec.dtype, spec.scale, spec.azp, spec.symmetric)
+        return _apply_quantized(mlp.down_proj, act, hidden_states.dtype), residual
 
 
 class LlamaModel(nn.Module):
@@ -270,6 +301,19 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
                            for i in range(num_layers)]
         windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
         return LlamaArchConfig.from_hf(hf, qkv_bias=True, o_bias=False, sliding_windows=windows)
+
+
+def _norm_quant(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+                consumer: LinearBase) -> tuple[QuantAct, torch.Tensor | None]:
+    """RMSNorm (+ residual add) emitting `consumer`'s quantized input; the new residual when one was given."""
+    spec = consumer.quant_method.input_quant(consumer)
+    return ops.rms_norm_quant(x, norm.weight, norm.eps, spec.dtype, residual, spec.scale, spec.azp, spec.symmetric)
+
+
+def _apply_quantized(linear: LinearBase, act: QuantAct, out_dtype: torch.dtype) -> torch.Tensor:
+    # A row layer adds its bias on rank 0 only (see RowLinear.forward); tensor parallelism is not wired here.
+    bias = linear.bias if linear.tp_rank == 0 else None
+    return linear.quant_method.apply_quantized(linear, act, out_dtype, bias)
 
 
 def _to_param_name(hf_name: str) -> tuple[str, str | int | None]:

@@ -39,23 +39,30 @@ def kv_cache_dtype(cache_config: CacheConfig, model_dtype: torch.dtype) -> torch
     return torch.float8_e4m3fn if cache_config.kv_cache_dtype == "fp8" else model_dtype
 
 
-def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
-    """Blocks that fit the memory budget, capped at what max_num_seqs full-length sequences could use."""
+def gpu_kv_cache_budget(total_bytes: int, peak_bytes: int, utilization: float) -> int:
+    """Bytes left for the KV cache when the process may use `utilization` of the GPU and the profiling
+    forward pass peaked at `peak_bytes` (weights, activations and non-torch memory together)."""
+    return int(total_bytes * utilization) - peak_bytes
+
+
+def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, budget: int | None = None) -> int:
+    """Blocks that fit the memory budget, capped at what max_num_seqs full-length sequences could use.
+
+    Budget precedence: `kv_cache_blocks`, then `kv_cache_memory_bytes`, then the given `budget` (the GPU's
+    profiled one), then `cpu_kv_cache_bytes`."""
     if config.cache.num_blocks is not None:
         return config.cache.num_blocks
     max_len = config.model.max_model_len or 0
     useful = config.scheduler.max_num_seqs * -(-max_len // spec.block_size)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        in_use = total - free
-        budget = int(total * config.cache.gpu_memory_utilization) - in_use
-    else:
+    if config.cache.kv_cache_memory_bytes is not None:
+        budget = config.cache.kv_cache_memory_bytes
+    elif budget is None:
         budget = config.cache.cpu_kv_cache_bytes
     fitting = budget // spec.bytes_per_block
     if fitting < 1:
         raise ConfigError(f"no room for the KV cache: one block needs {spec.bytes_per_block} bytes and the budget is "
-                          f"{max(budget, 0)} bytes; raise gpu_memory_utilization / cpu_kv_cache_bytes or set "
-                          "kv_cache_blocks")
+                          f"{max(budget, 0)} bytes; raise gpu_memory_utilization / kv_cache_memory_bytes / "
+                          "cpu_kv_cache_bytes or set kv_cache_blocks")
     return int(min(fitting, max(useful, 1)))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -12,15 +13,20 @@ from kestrel.loader import load_model
 from kestrel.loader.hf_config import resolve_dtype
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.sample.sampler import Sampler, SamplingMetadata, to_logprob_dicts
+from kestrel.worker.cuda_graph import DecodeGraphRunner
 from kestrel.worker.input_batch import CachedRequestState, build_model_inputs
 from kestrel.worker.kv_cache import (
     FP8_E4M3_MAX,
     KVCacheSpec,
     allocate_kv_cache,
+    gpu_kv_cache_budget,
     kv_cache_dtype,
     kv_cache_scales,
     num_blocks_for,
 )
+from kestrel.worker.launch_count import decoder_layer_launches
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -48,9 +54,16 @@ class ModelRunner:
         num_layers, num_kv_heads, head_size = self.model.kv_cache_spec()
         self.kv_spec = KVCacheSpec(num_layers, num_kv_heads, head_size,
                                    kv_cache_dtype(config.cache, self.dtype), self.block_size)
-        self.num_blocks = num_blocks_for(config, self.kv_spec, self.device)
+        self.graph_runner: DecodeGraphRunner | None = None
+        self.capture_seconds = 0.0
+        self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget())
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
         self.bind_kv_caches(kv_cache_scales(config, num_layers))
+        self.launches_per_layer: int | None = None
+        if config.debug_launch_count:
+            self.launches_per_layer = self._count_layer_launches()
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs()
         generator = torch.Generator(self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
@@ -64,6 +77,73 @@ class ModelRunner:
         for layer, cache, (k_scale, v_scale) in zip(self.model.attention_layers(), self.kv_caches, self.kv_scales,
                                                     strict=True):
             layer.bind_kv_cache(cache, k_scale, v_scale)
+        if self.graph_runner is not None:
+            # The scales are kernel arguments baked into the captured graphs.
+            self._capture_graphs()
+
+    # ----- GPU memory profiling and CUDA graphs --------------------------------------------------------
+
+    def _profiled_kv_budget(self) -> int | None:
+        """On CUDA, the KV budget from a profiling forward pass; None elsewhere or when no profile is needed."""
+        cache = self.config.cache
+        if self.device.type != "cuda" or cache.num_blocks is not None or cache.kv_cache_memory_bytes is not None:
+            return None
+        peak = self._profile_peak_memory()
+        total = torch.cuda.mem_get_info(self.device)[1]
+        budget = gpu_kv_cache_budget(total, peak, cache.gpu_memory_utilization)
+        logger.info("memory profile: peak %.2f GiB of %.2f GiB; KV cache budget %.2f GiB at "
+                    "gpu_memory_utilization=%.2f", peak / 2**30, total / 2**30, max(budget, 0) / 2**30,
+                    cache.gpu_memory_utilization)
+        return budget
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self) -> int:
+        """Peak bytes of a forward pass over `max_num_batched_tokens` tokens (one prefill sequence) plus the
+        logits of `max_num_seqs` rows, with a one-block KV cache that the pass never writes (slot -1)."""
+        num_tokens = self.config.scheduler.max_num_batched_tokens
+        num_rows = min(num_tokens, self.config.scheduler.max_num_seqs)
+        spec = self.kv_spec
+        scratch = allocate_kv_cache(spec, 1, self.device)
+        for layer, cache in zip(self.model.attention_layers(), scratch, strict=True):
+            layer.bind_kv_cache(cache)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(1, -(-num_tokens // spec.block_size), dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens, max_seq_len=num_tokens,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % max(self.config.model.max_model_len or 1, 1)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        hidden = self.model(ids, positions, meta)
+        torch.softmax(self.model.compute_logits(hidden[-num_rows:]), dim=-1)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory outside PyTorch's allocator (CUDA context, cuBLAS workspaces) counts against the budget too.
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) + max(non_torch, 0)
+        del hidden, scratch
+        for layer in self.model.attention_layers():
+            layer.kv_cache = None
+        torch.cuda.empty_cache()
+        return peak
+
+    def _count_layer_launches(self) -> int:
+        layer = self.model.model.layers[0]
+        count = decoder_layer_launches(layer, self.model.config.hidden_size, self.dtype, self.device)
+        kind = "CUDA kernels" if self.device.type == "cuda" else "ATen compute ops (CPU proxy for launches)"
+        logger.info("decode step of one decoder layer: %d %s", count, kind)
+        return count
+
+    def _capture_graphs(self) -> None:
+        self.graph_runner = None  # release the previous graphs' pool before capturing new ones
+        max_blocks = -(-(self.config.model.max_model_len or 1) // self.block_size)
+        runner = DecodeGraphRunner(self.model, self.config.scheduler.max_num_seqs, max_blocks, self.device)
+        with torch.inference_mode():
+            self.capture_seconds = runner.capture()
+        self.graph_runner = runner
 
     @torch.inference_mode()
     def calibrate_kv_scales(self, token_ids: list[int] | None = None, num_tokens: int = 512,
@@ -145,7 +225,11 @@ class ModelRunner:
         states = [self.requests[rid] for rid in req_ids]
         counts = [out.num_scheduled_tokens[rid] for rid in req_ids]
         inputs = build_model_inputs(states, counts, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        width = inputs.attn_metadata.block_tables.shape[1]
+        if self.graph_runner is not None and self.graph_runner.can_run(counts, width):
+            hidden = self.graph_runner.run(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         prompt_logprobs = self._prompt_logprobs(states, counts, inputs.attn_metadata.query_start_loc, hidden)
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
