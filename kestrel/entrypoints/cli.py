@@ -14,7 +14,7 @@ from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams, SamplingParamsError
 
 # Benchmark suites live in kestrel.bench.<name>; each module exposes register(subparsers).
-BENCH_SUITES: tuple[str, ...] = ("gemm", "attention", "serve", "ppl")
+BENCH_SUITES: tuple[str, ...] = ("gemm", "attention", "serve", "ppl", "latency", "throughput")
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:

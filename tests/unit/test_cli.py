@@ -9,7 +9,7 @@ def test_every_bench_suite_is_registered(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
     listed = capsys.readouterr().out
-    for suite in ("gemm", "attention", "serve", "ppl"):
+    for suite in ("gemm", "attention", "serve", "ppl", "latency", "throughput"):
         assert suite in listed
 
 

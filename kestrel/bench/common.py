@@ -1,0 +1,264 @@
+"""Shared pieces of the end-to-end suites (latency, throughput): model directories, engine construction,
+the HF transformers peer launched in a child process, ceilings, environment and result writing.
+
+Kestrel and HF transformers must run the *same* random weights, so for the Llama-3-8B architecture the
+weights are drawn once on the GPU and written as an HF safetensors checkpoint that both load. The HF
+peer runs in a child process so that its memory (and torch.compile's CUDA-graph pools) are gone before
+kestrel sizes its KV cache from free memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kestrel.bench import attention as attn_bench
+from kestrel.bench.hf_peer import median as median
+from kestrel.bench.hf_peer import percentile as percentile
+from kestrel.bench.hf_peer import random_prompts as random_prompts
+from kestrel.config import EngineConfig
+from kestrel.engine.core import EngineCore
+from kestrel.loader.model_init import _write_weights, checkpoint_shapes, write_tiny_checkpoint
+from kestrel.loader.tokenizer import load_tokenizer
+from kestrel.worker.model_runner import ModelRunner
+
+LLAMA3_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+    "hidden_act": "silu", "initializer_range": 0.02, "bos_token_id": 128000, "eos_token_id": 128001,
+    "torch_dtype": "bfloat16", "use_cache": True,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+}
+ARCHS = {"llama3-8b": LLAMA3_8B}
+SMOKE_OVERRIDES: dict[str, Any] = {"max_position_embeddings": 512}
+# Issue 7's nominal batch-1 decode targets (1.3 x 16 GB / 4.26 TB/s in BF16; half the bytes in FP8).
+NOMINAL_DECODE_TARGET_MS = {"bf16": 4.9, "fp8": 2.6}
+ROOFLINE_FACTOR = 1.3
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def write_random_checkpoint(path: Path, config: dict[str, Any], device: torch.device, seed: int = 0) -> None:
+    """HF-named random weights (std 0.02, norms 1 + N(0, 0.02)) drawn on `device`, saved as safetensors.
+    Reused when `path` already holds a checkpoint of the same config."""
+    if has_checkpoint(path, config):
+        return
+    marker = path / "config.json"
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device).manual_seed(seed)
+    dtype = getattr(torch, config["torch_dtype"])
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in checkpoint_shapes(config).items():
+        values = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(config["initializer_range"])
+        if name.endswith("norm.weight"):
+            values += 1.0
+        tensors[name] = values.to(dtype).cpu()
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_weights(path, tensors, num_shards=max(1, total // (4 << 30)))
+    marker.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def has_checkpoint(path: Path, config: dict[str, Any]) -> bool:
+    marker = path / "config.json"
+    return marker.is_file() and json.loads(marker.read_text()) == config and any(path.glob("*.safetensors"))
+
+
+def prepare_model(model: str | None, arch: str, smoke: bool, weights_dir: Path, with_checkpoint: bool,
+                  device: torch.device) -> tuple[str, str]:
+    """(model directory, load_format). `--model` wins; `--smoke` writes a tiny checkpoint; otherwise the
+    architecture's random checkpoint when the HF peer needs it or an earlier run left it (loading it is
+    faster than drawing dummy weights on the CPU), else its config.json alone with load_format="dummy"."""
+    if model:
+        return model, "auto"
+    if smoke:
+        write_tiny_checkpoint(weights_dir, "llama", "tiny", **SMOKE_OVERRIDES)
+        return str(weights_dir), "auto"
+    config = ARCHS[arch]
+    if with_checkpoint or has_checkpoint(weights_dir, config):
+        write_random_checkpoint(weights_dir, config, device)
+        return str(weights_dir), "auto"
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    (weights_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return str(weights_dir), "dummy"
+
+
+class NullTokenizer:
+    """Stands in for a tokenizer when the model directory has none (random-weight architectures): outputs
+    are token ids, and detokenization is a no-op."""
+
+    all_special_ids: list[int] = []
+    eos_token_id = None
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [""] * len(ids)
+
+    def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
+        return ""
+
+    def decode(self, ids: Sequence[int], **_: Any) -> str:
+        return ""
+
+
+@dataclass
+class Engine:
+    core: EngineCore
+    runner: ModelRunner
+    config: EngineConfig
+    build_s: float
+
+
+def build_engine(model: str, **engine_args: Any) -> Engine:
+    started = time.perf_counter()
+    config = EngineConfig.from_kwargs(model, **engine_args)
+    tokenizer: Any = NullTokenizer()
+    if any((Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = load_tokenizer(config.model.tokenizer_path)
+    eos = tokenizer.eos_token_id
+    runner = ModelRunner(config, eos_token_id=eos)
+    core = EngineCore(config, runner, runner.num_blocks, tokenizer, eos)
+    synchronize(runner.device)
+    return Engine(core, runner, config, time.perf_counter() - started)
+
+
+def release(engine: Engine | None) -> None:
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prompt_vocab(model_dir: str) -> int:
+    """Prompt token ids must be valid for the model and, when there is one, its tokenizer."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    vocab = int(config["vocab_size"])
+    tokenizer_file = Path(model_dir) / "tokenizer.json"
+    if tokenizer_file.is_file():
+        vocab = min(vocab, len(json.loads(tokenizer_file.read_text())["model"]["vocab"]))
+    return vocab
+
+
+# ------------------------------------------------------------------------------------------------ model bytes
+
+
+def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of parameters and buffers; `per_step` leaves out the embedding table, of which a step reads
+    only the rows of its tokens."""
+    total = embed = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        size = t.numel() * t.element_size()
+        total += size
+        if "embed_tokens" in name:
+            embed += size
+    return {"total": total, "embedding": embed, "per_step": total - embed}
+
+
+def kv_bytes_per_token(runner: ModelRunner) -> int:
+    spec = runner.kv_spec
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_size * torch.empty((), dtype=spec.dtype).element_size()
+
+
+def linear_params(hf_config: dict[str, Any]) -> int:
+    """Parameters a token multiplies through (every projection and the LM head, not the embedding)."""
+    return sum(math_prod(s) for n, s in checkpoint_shapes(hf_config).items()
+               if n.endswith("proj.weight") or n == "lm_head.weight")
+
+
+def math_prod(shape: Sequence[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def attention_flops(hf_config: dict[str, Any], query_len: int, context_len: int) -> float:
+    """QK^T and PV of causal attention for `query_len` new tokens at the end of `context_len` tokens."""
+    heads = hf_config["num_attention_heads"]
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+    pairs = query_len * context_len - query_len * (query_len - 1) / 2
+    return 4.0 * pairs * heads * head_dim * hf_config["num_hidden_layers"]
+
+
+# ------------------------------------------------------------------------------------------------ ceilings
+
+
+def measure_ceilings(device: torch.device) -> dict[str, Any]:
+    """Copy bandwidth and BF16 GEMM rate measured in this run (fallbacks from BENCHMARKS.md on the CPU);
+    the 8-bit peak is scaled from the BF16 one by the anchors' ratio (FP8 1315 / BF16 760 TFLOP/s)."""
+    ceilings = attn_bench.measure_ceilings(device)
+    ceilings["eight_bit_TFLOPs"] = ceilings["bf16_TFLOPs"] * 1315.0 / 760.0
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return ceilings
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env = attn_bench.environment()
+    if device.type != "cuda":
+        env["gpu"] = "cpu"
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        env["transformers"] = None
+    return env
+
+
+# ------------------------------------------------------------------------------------------------ HF peer
+
+
+def run_hf_peer(task: dict[str, Any], timeout_s: float, in_process: bool = False) -> dict[str, Any]:
+    """Run `kestrel.bench.hf_peer` on `task` in a child process (in this one for CPU smoke runs, where
+    memory does not matter and a child's imports would dominate); its JSON result, or the error."""
+    started = time.perf_counter()
+    if in_process:
+        from kestrel.bench import hf_peer
+
+        with torch.inference_mode():
+            result = hf_peer.latency(task) if task["kind"] == "latency" else hf_peer.throughput(task)
+        return {**result, "wall_s": round(time.perf_counter() - started, 2), "in_process": True}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kestrel.bench.hf_peer", json.dumps(task)],
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
+    result = json.loads(lines[-1])
+    result["wall_s"] = round(time.perf_counter() - started, 2)
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+
+def write_result(result: dict[str, Any], path: Path | None) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,337 @@
+"""`kestrel bench latency`: TTFT and decode ms/token per (batch, prompt length), next to the roofline.
+
+For each point the batch's requests (distinct random prompts, prefix caching off, ignore_eos, greedy)
+are added at once and the engine is stepped to completion; every step is timed on the host with a
+device synchronize on each side. TTFT = from adding the batch to the step that gives its *last* request
+its first token (the first request's is reported too). Decode ms/token = median step time over the steps
+in which all the batch's requests decode (one token each) and none is prefilling. Median over
+`--repeats` runs after `--warmups` short runs of the same shape.
+
+Roofline per decode step = (weight bytes a step reads, i.e. all but the embedding table, + KV bytes at the
+mean decode context) / the device-to-device copy bandwidth measured in this run. Prefill roofline =
+max(FLOPs / GEMM peak, bytes / bandwidth), the BF16 peak measured in this run (the 8-bit one scaled
+from it by the anchors' ratio). The HF transformers peer runs the same weights at batch 1 (eager, and
+with its static cache + torch.compile) in a child process before kestrel starts.
+
+`--smoke` runs a tiny random model on the CPU with tiny sizes: a check of the script, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kestrel.bench import common
+from kestrel.bench.common import Engine
+from kestrel.config import ConfigError
+from kestrel.sampling_params import SamplingParams
+
+SMOKE = {"batch": "1,2", "input_len": "8,24", "output_len": 4, "repeats": 1, "warmups": 1,
+         "max_num_batched_tokens": 32}
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+def run_batch(engine: Engine, prompts: list[list[int]], output_len: int, tag: str) -> dict[str, Any]:
+    """Add every prompt at once, step to completion; TTFTs and the pure-decode step times (seconds)."""
+    core, device = engine.core, engine.runner.device
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    common.synchronize(device)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"{tag}-{i}", prompt, params)
+    first: dict[str, float] = {}
+    tokens: dict[str, int] = {}
+    steps: list[float] = []
+    while core.has_unfinished_requests():
+        decoding_only = len(first) == len(prompts)
+        common.synchronize(device)
+        before = time.perf_counter()
+        outputs = core.step()
+        common.synchronize(device)
+        after = time.perf_counter()
+        if decoding_only:
+            steps.append(after - before)
+        for out in outputs:
+            tokens[out.request_id] = len(out.outputs[0].token_ids)
+            if tokens[out.request_id] and out.request_id not in first:
+                first[out.request_id] = after
+    produced = sum(tokens.values())
+    if produced != len(prompts) * output_len:
+        raise RuntimeError(f"{tag}: expected {len(prompts) * output_len} output tokens, got {produced}")
+    return {"ttft_s": max(first.values()) - start, "first_ttft_s": min(first.values()) - start, "steps": steps}
+
+
+def fits(engine: Engine, batch: int, total_len: int) -> bool:
+    block = engine.runner.block_size
+    blocks = batch * -(-total_len // block)
+    return blocks <= engine.runner.num_blocks and batch <= engine.config.scheduler.max_num_seqs
+
+
+def measure_point(engine: Engine, batch: int, input_len: int, output_len: int, repeats: int, warmups: int,
+                  vocab: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"batch": batch, "input_len": input_len, "output_len": output_len}
+    if not fits(engine, batch, input_len + output_len):
+        row["skipped"] = (f"KV cache holds {engine.runner.num_blocks * engine.runner.block_size} tokens, "
+                          f"the batch needs {batch * (input_len + output_len)}")
+        return row
+    seed = batch * 100_003 + input_len
+    for w in range(warmups):
+        run_batch(engine, common.random_prompts(batch, input_len, vocab, seed + w), min(output_len, 4),
+                  f"warm{batch}x{input_len}-{w}")
+    runs = [run_batch(engine, common.random_prompts(batch, input_len, vocab, seed + 1000 + r), output_len,
+                      f"run{batch}x{input_len}-{r}") for r in range(repeats)]
+    steps = [s for run in runs for s in run["steps"]]
+    row.update(
+        ttft_ms=1e3 * common.median([r["ttft_s"] for r in runs]),
+        first_request_ttft_ms=1e3 * common.median([r["first_ttft_s"] for r in runs]),
+        decode_ms_per_token=1e3 * common.median(steps) if steps else None,
+        decode_p10_ms=1e3 * common.percentile(steps, 0.1) if steps else None,
+        decode_p90_ms=1e3 * common.percentile(steps, 0.9) if steps else None,
+        decode_steps_timed=len(steps), repeats=repeats,
+    )
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ roofline
+
+
+def add_roofline(row: dict[str, Any], engine: Engine, ceilings: dict[str, Any], eight_bit: bool) -> None:
+    if "skipped" in row:
+        return
+    hf_config = engine.config.model.hf_config
+    bandwidth = ceilings["copy_TBps"] * 1e12
+    peak = (ceilings["eight_bit_TFLOPs"] if eight_bit else ceilings["bf16_TFLOPs"]) * 1e12
+    weights = common.weight_bytes(engine.runner.model)["per_step"]
+    per_token_kv = common.kv_bytes_per_token(engine.runner)
+    b, n, out = row["batch"], row["input_len"], row["output_len"]
+    mean_context = n + out / 2
+    decode_bytes = weights + b * mean_context * per_token_kv
+    row["decode_roofline_ms"] = 1e3 * decode_bytes / bandwidth
+    prefill_flops = 2.0 * common.linear_params(hf_config) * b * n + b * common.attention_flops(hf_config, n, n)
+    prefill_bytes = weights + b * n * per_token_kv
+    row["ttft_roofline_ms"] = 1e3 * max(prefill_flops / peak, prefill_bytes / bandwidth)
+    if row.get("decode_ms_per_token"):
+        row["decode_x_roofline"] = row["decode_ms_per_token"] / row["decode_roofline_ms"]
+    row["ttft_x_roofline"] = row["ttft_ms"] / row["ttft_roofline_ms"]
+
+
+def add_hf(rows: list[dict[str, Any]], hf: dict[str, Any]) -> None:
+    for peer in hf.get("rows", []):
+        for row in rows:
+            if row["batch"] == 1 and row["input_len"] == peer["input_len"] and row.get("decode_ms_per_token"):
+                key = peer["mode"].replace("-", "_")
+                row[f"hf_{key}_decode_ms"] = peer["decode_ms_per_token"]
+                row[f"hf_{key}_ttft_ms"] = peer["ttft_ms"]
+                row[f"speedup_vs_hf_{key}"] = peer["decode_ms_per_token"] / row["decode_ms_per_token"]
+
+
+def evaluate_targets(rows: list[dict[str, Any]], precision: str, smoke: bool) -> list[dict[str, Any]]:
+    """Issue 7: batch-1 decode within 1.3x of the roofline (at the shortest prompt), BF16 and W8A8-FP8."""
+    done = [r for r in rows if r["batch"] == 1 and r.get("decode_ms_per_token")]
+    if not done:
+        return []
+    row = min(done, key=lambda r: r["input_len"])
+    limit = common.ROOFLINE_FACTOR * row["decode_roofline_ms"]
+    targets = [{"target": f"batch-1 decode <= {common.ROOFLINE_FACTOR}x roofline ({precision}, "
+                          f"prompt {row['input_len']})", "limit_ms": limit, "measured_ms": row["decode_ms_per_token"],
+                "pass": row["decode_ms_per_token"] <= limit}]
+    nominal = common.NOMINAL_DECODE_TARGET_MS.get(precision)
+    if nominal is not None and not smoke:
+        targets.append({"target": f"batch-1 decode <= {nominal} ms (issue 7 nominal, {precision})",
+                        "limit_ms": nominal, "measured_ms": row["decode_ms_per_token"],
+                        "pass": row["decode_ms_per_token"] <= nominal})
+    return targets
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def summary(result: dict[str, Any]) -> str:
+    lines = [f"latency: {result['config']['precision']} weights, KV {result['config']['kv_cache_dtype']}, "
+             f"copy {result['ceilings']['copy_TBps']:.2f} TB/s, startup {result['startup_s']:.1f} s",
+             f"{'batch':>5} {'prompt':>6} {'TTFT ms':>9} {'roof':>8} {'decode ms':>9} {'roof':>7} {'x roof':>6} "
+             f"{'HF eager':>8} {'HF comp':>8}"]
+    for r in result["rows"]:
+        if "skipped" in r:
+            lines.append(f"{r['batch']:>5} {r['input_len']:>6}  skipped: {r['skipped']}")
+            continue
+        lines.append(f"{r['batch']:>5} {r['input_len']:>6} {r['ttft_ms']:9.2f} {r['ttft_roofline_ms']:8.2f} "
+                     f"{_f(r.get('decode_ms_per_token'), 9)} {r['decode_roofline_ms']:7.3f} "
+                     f"{_f(r.get('decode_x_roofline'), 6)} {_f(r.get('hf_eager_decode_ms'), 8)} "
+                     f"{_f(r.get('hf_static_compile_decode_ms'), 8)}")
+    for t in result["targets"]:
+        lines.append(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {t['measured_ms']:.3f} ms "
+                     f"(limit {t['limit_ms']:.3f})")
+    return "\n".join(lines)
+
+
+def _f(value: float | None, width: int) -> str:
+    return f"{value:{width}.3f}" if value is not None else f"{'-':>{width}}"
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in result["rows"] if "skipped" not in r]
+    if not rows:
+        return False
+    labels = [f"{r['batch']}x{r['input_len']}" for r in rows]
+    x = list(range(len(rows)))
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(rows) + 4), 4.5))
+    for ax, key, title in ((axes[0], "decode", "decode ms / step"), (axes[1], "ttft", "TTFT ms (whole batch)")):
+        measured = [r.get("decode_ms_per_token" if key == "decode" else "ttft_ms") or 0 for r in rows]
+        roof = [r[f"{key}_roofline_ms"] for r in rows]
+        ax.bar([i - 0.3 for i in x], measured, 0.3, label="kestrel")
+        ax.bar(x, roof, 0.3, label="roofline")
+        hf = [r.get(f"hf_eager_{'decode' if key == 'decode' else 'ttft'}_ms") or 0 for r in rows]
+        if any(hf):
+            ax.bar([i + 0.3 for i in x], hf, 0.3, label="HF eager (batch 1)")
+        ax.set_xticks(x, labels, rotation=45, ha="right")
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("batch x prompt tokens")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"kestrel latency, {result['config']['precision']} / KV {result['config']['kv_cache_dtype']} "
+                 f"({result['environment'].get('gpu')})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------ entry
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory (default: --arch with random weights)")
+    p.add_argument("--arch", default="llama3-8b", choices=sorted(common.ARCHS))
+    p.add_argument("--weights-dir", type=Path, default=Path("/tmp/kestrel-bench-llama3-8b"),
+                   help="where the random checkpoint shared with the HF peer is written (reused if present)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None, choices=["fp8", "int8"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    p.add_argument("--batch", default="1,8,32,128", help="comma-separated batch sizes")
+    p.add_argument("--input-len", default="128,1024,8192", help="comma-separated prompt lengths")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmups", type=int, default=1)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--hf-peer", default="eager", help="comma-separated: eager, static-compile, or none")
+    p.add_argument("--hf-timeout", type=float, default=300.0, help="seconds for the HF peer process")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--result-file", type=Path, default=None, help="write the JSON here (and the PNG beside it)")
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("latency", help="TTFT and decode ms/token vs roofline and HF transformers")
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def apply_smoke(args: argparse.Namespace) -> None:
+    args.batch, args.input_len = SMOKE["batch"], SMOKE["input_len"]
+    args.output_len, args.repeats, args.warmups = SMOKE["output_len"], SMOKE["repeats"], SMOKE["warmups"]
+    args.max_num_batched_tokens, args.dtype = SMOKE["max_num_batched_tokens"], "float32"
+    args.quantization, args.kv_cache_dtype = None, "auto"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.smoke:
+        apply_smoke(args)
+        with tempfile.TemporaryDirectory() as tmp:
+            args.weights_dir = Path(tmp)
+            return _run(args, torch.device("cpu"))
+    return _run(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _run(args: argparse.Namespace, device: torch.device) -> int:
+    batches, input_lens = int_list(args.batch), int_list(args.input_len)
+    hf_modes = [m for m in args.hf_peer.split(",") if m and m != "none"]
+    if any(m not in ("eager", "static-compile") for m in hf_modes):
+        raise ConfigError(f"invalid --hf-peer={args.hf_peer!r}: expected eager, static-compile or none")
+    ceilings = common.measure_ceilings(device)
+    model_dir, load_format = common.prepare_model(args.model, args.arch, args.smoke, args.weights_dir,
+                                                  bool(hf_modes), device)
+    hf: dict[str, Any] = {}
+    if hf_modes:
+        common.log(f"HF transformers peer: {hf_modes} at batch 1")
+        hf = common.run_hf_peer({"kind": "latency", "model": model_dir, "device": device.type,
+                                 "dtype": "float32" if args.smoke else "bfloat16", "modes": hf_modes,
+                                 "input_lens": input_lens, "output_len": args.output_len,
+                                 "repeats": args.repeats, "warmups": args.warmups,
+                                 "vocab": common.prompt_vocab(model_dir)}, args.hf_timeout)
+    max_batch = max(batches)
+    engine = common.build_engine(
+        model_dir, dtype=args.dtype, device=device.type, load_format=load_format, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, enable_prefix_caching=False,
+        max_num_seqs=max_batch, max_num_batched_tokens=max(args.max_num_batched_tokens, max_batch),
+        max_model_len=max(input_lens) + args.output_len + 1, gpu_memory_utilization=args.gpu_memory_utilization)
+    common.log(f"engine built in {engine.build_s:.1f} s; KV cache {engine.runner.num_blocks} blocks")
+    vocab = common.prompt_vocab(model_dir)
+    eight_bit = args.quantization is not None
+    rows = []
+    for batch in batches:
+        for input_len in input_lens:
+            common.log(f"batch {batch} x prompt {input_len}")
+            row = measure_point(engine, batch, input_len, args.output_len, args.repeats, args.warmups, vocab)
+            add_roofline(row, engine, ceilings, eight_bit)
+            rows.append(row)
+    add_hf(rows, hf)
+    precision = args.quantization or ("bf16" if args.dtype == "bfloat16" else args.dtype)
+    result = {
+        "suite": "latency",
+        "config": {"model": model_dir, "arch": None if args.model or args.smoke else args.arch,
+                   "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
+                   "precision": precision, "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
+                   "batches": batches, "input_lens": input_lens, "output_len": args.output_len,
+                   "repeats": args.repeats, "warmups": args.warmups, "smoke": args.smoke,
+                   "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
+                   "kv_cache_blocks": engine.runner.num_blocks},
+        "environment": common.environment(device), "ceilings": ceilings, "startup_s": engine.build_s,
+        "weight_bytes": common.weight_bytes(engine.runner.model),
+        "kv_bytes_per_token": common.kv_bytes_per_token(engine.runner),
+        "rows": rows, "hf_peer": hf, "targets": evaluate_targets(rows, precision, args.smoke),
+    }
+    print(summary(result))
+    common.write_result(result, args.result_file)
+    if args.result_file is not None and plot(result, args.result_file.with_suffix(".png")):
+        print(f"wrote {args.result_file.with_suffix('.png')}")
+    common.release(engine)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kestrel.bench.latency", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"latency: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""`kestrel bench throughput`: offline throughput, every request at once (infinite request rate), ignore_eos.
+
+Distinct random prompts of `--input-len` tokens, `--output-len` greedy tokens each, prefix caching off.
+Reported over the timed run (from adding the requests to the last one finishing): requests/s, output
+tokens/s, total (prompt + output) tokens/s. Startup to first token = from building the engine (weights,
+KV cache, CUDA graphs) to the first token of a single request. A short warm-up run precedes the timed one.
+
+The HF transformers peer (same weights, in a child process before kestrel starts) runs its continuous
+batching (`generate_batch`, static batches when missing) on the first `--hf-peer-prompts` prompts.
+Targets (issue 7): output tok/s >= 10x HF; W8A8-FP8 on 1000 in / 1000 out >= 15,000 output tok/s;
+startup to first token < 60 s. `--smoke` checks the script on a tiny CPU model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kestrel.bench import common
+from kestrel.bench.common import Engine
+from kestrel.config import ConfigError
+from kestrel.sampling_params import SamplingParams
+
+SMOKE = {"num_prompts": 6, "input_len": 12, "output_len": 5, "max_num_seqs": 4, "max_num_batched_tokens": 32,
+         "hf_peer_prompts": 3, "warmup_prompts": 2}
+FP8_TARGET_TOK_S = 15_000.0
+HF_FACTOR = 10.0
+STARTUP_LIMIT_S = 60.0
+
+
+def generate_all(engine: Engine, prompts: list[list[int]], output_len: int, tag: str,
+                 max_seconds: float | None = None) -> dict[str, Any]:
+    """Add every prompt, step until all finish (or `max_seconds` pass: the rest is aborted and the run
+    marked truncated, its rates then count the tokens produced so far); elapsed seconds and token counts."""
+    core = engine.core
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    common.synchronize(engine.runner.device)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"{tag}-{i}", prompt, params)
+    produced: dict[str, int] = {}
+    preemptions = finished = steps = 0
+    truncated = False
+    while core.has_unfinished_requests():
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            core.abort_request([f"{tag}-{i}" for i in range(len(prompts))])
+            truncated = True
+            break
+        steps += 1
+        for out in core.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+            if out.finished:
+                finished += 1
+                preemptions += out.metrics.num_preemptions if out.metrics else 0
+    common.synchronize(engine.runner.device)
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(produced.values())
+    if not truncated and (finished != len(prompts) or output_tokens != len(prompts) * output_len):
+        raise RuntimeError(f"{tag}: {finished}/{len(prompts)} requests finished with {output_tokens} output tokens; "
+                           f"expected {len(prompts) * output_len}")
+    prompt_tokens = sum(len(p) for i, p in enumerate(prompts) if not truncated or f"{tag}-{i}" in produced)
+    return {"elapsed_s": elapsed, "num_prompts": len(prompts), "finished": finished, "output_tokens": output_tokens,
+            "prompt_tokens": prompt_tokens, "steps": steps, "preemptions": preemptions, "truncated": truncated}
+
+
+def rates(run: dict[str, Any]) -> dict[str, float]:
+    elapsed = run["elapsed_s"]
+    return {"requests_per_s": run["finished"] / elapsed, "output_tok_per_s": run["output_tokens"] / elapsed,
+            "total_tok_per_s": (run["output_tokens"] + run["prompt_tokens"]) / elapsed}
+
+
+def evaluate_targets(result: dict[str, Any], smoke: bool) -> list[dict[str, Any]]:
+    ours = result["kestrel"]["output_tok_per_s"]
+    targets = []
+    hf = result["hf_peer"].get("output_tok_per_s")
+    if hf:
+        targets.append({"target": f"output tok/s >= {HF_FACTOR:.0f}x HF transformers ({result['hf_peer']['method']})",
+                        "limit": HF_FACTOR * hf, "measured": ours, "pass": ours >= HF_FACTOR * hf})
+    cfg = result["config"]
+    if cfg["quantization"] == "fp8" and cfg["input_len"] == 1000 and cfg["output_len"] == 1000 and not smoke:
+        targets.append({"target": "W8A8-FP8 1000/1000 output tok/s >= 15,000", "limit": FP8_TARGET_TOK_S,
+                        "measured": ours, "pass": ours >= FP8_TARGET_TOK_S})
+    if not smoke:
+        startup = result["startup_to_first_token_s"]
+        targets.append({"target": f"startup to first token < {STARTUP_LIMIT_S:.0f} s", "limit": STARTUP_LIMIT_S,
+                        "measured": startup, "pass": startup < STARTUP_LIMIT_S})
+    return targets
+
+
+def summary(result: dict[str, Any]) -> str:
+    cfg, ours, hf = result["config"], result["kestrel"], result["hf_peer"]
+    truncated = " TRUNCATED at --max-seconds: rates over the part done" if ours["truncated"] else ""
+    lines = [f"throughput: {cfg['num_prompts']} x ({cfg['input_len']} in / {cfg['output_len']} out), "
+             f"{cfg['precision']} weights, KV {cfg['kv_cache_dtype']}; startup to first token "
+             f"{result['startup_to_first_token_s']:.1f} s{truncated}",
+             f"{'':12}{'prompts':>8}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}",
+             f"{'kestrel':12}{ours['num_prompts']:>8}{ours['requests_per_s']:9.2f}{ours['output_tok_per_s']:11.1f}"
+             f"{ours['total_tok_per_s']:13.1f}"]
+    if hf.get("output_tok_per_s"):
+        lines.append(f"{'HF':12}{hf['num_prompts']:>8}{hf['requests_per_s']:9.2f}{hf['output_tok_per_s']:11.1f}"
+                     f"{hf['total_tok_per_s']:13.1f}   ({hf['method']})")
+    elif hf.get("error"):
+        lines.append(f"HF peer failed: {hf['error'][-300:]}")
+    for t in result["targets"]:
+        lines.append(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {t['measured']:.1f} (limit {t['limit']:.1f})")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = ["kestrel"]
+    values = [result["kestrel"]["output_tok_per_s"]]
+    if result["hf_peer"].get("output_tok_per_s"):
+        names.append("HF transformers")
+        values.append(result["hf_peer"]["output_tok_per_s"])
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    ax.bar(names, values, color=["tab:blue", "tab:gray"][: len(values)])
+    for t in result["targets"]:
+        if "tok/s" in t["target"]:
+            ax.axhline(t["limit"], linestyle="--", linewidth=1, color="tab:red")
+            ax.annotate(t["target"], (0, t["limit"]), fontsize=7, va="bottom")
+    ax.set_ylabel("output tokens / s")
+    cfg = result["config"]
+    ax.set_title(f"{cfg['num_prompts']} x {cfg['input_len']}/{cfg['output_len']}, {cfg['precision']}, KV "
+                 f"{cfg['kv_cache_dtype']} ({result['environment'].get('gpu')})", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory (default: --arch with random weights)")
+    p.add_argument("--arch", default="llama3-8b", choices=sorted(common.ARCHS))
+    p.add_argument("--weights-dir", type=Path, default=Path("/tmp/kestrel-bench-llama3-8b"),
+                   help="where the random checkpoint shared with the HF peer is written (reused if present)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None, choices=["fp8", "int8"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    p.add_argument("--num-prompts", type=int, default=1500)
+    p.add_argument("--input-len", type=int, default=1000)
+    p.add_argument("--output-len", type=int, default=1000)
+    p.add_argument("--warmup-prompts", type=int, default=64, help="short warm-up run before the timed one")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--max-seconds", type=float, default=420.0,
+                   help="abort the timed run after this long and report it as truncated (stays under a job limit)")
+    p.add_argument("--hf-peer-prompts", type=int, default=128, help="prompts for the HF peer (0: no peer)")
+    p.add_argument("--hf-static-batch", type=int, default=64, help="batch of the HF fallback without generate_batch")
+    p.add_argument("--hf-timeout", type=float, default=300.0, help="seconds for the HF peer process")
+    p.add_argument("--result-file", type=Path, default=None, help="write the JSON here (and the PNG beside it)")
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("throughput", help="offline throughput (ignore_eos) vs HF transformers")
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+        args.dtype, args.quantization, args.kv_cache_dtype = "float32", None, "auto"
+        with tempfile.TemporaryDirectory() as tmp:
+            args.weights_dir = Path(tmp)
+            return _run(args, torch.device("cpu"))
+    return _run(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _run(args: argparse.Namespace, device: torch.device) -> int:
+    model_dir, load_format = common.prepare_model(args.model, args.arch, args.smoke, args.weights_dir,
+                                                  args.hf_peer_prompts > 0, device)
+    vocab = common.prompt_vocab(model_dir)
+    hf: dict[str, Any] = {}
+    if args.hf_peer_prompts > 0:
+        common.log(f"HF transformers peer: {args.hf_peer_prompts} prompts")
+        hf = common.run_hf_peer({"kind": "throughput", "model": model_dir, "device": device.type,
+                                 "dtype": "float32" if args.smoke else "bfloat16",
+                                 "num_prompts": min(args.hf_peer_prompts, args.num_prompts),
+                                 "input_len": args.input_len, "output_len": args.output_len, "vocab": vocab,
+                                 "seed": 1, "static_batch": args.hf_static_batch,
+                                 "static_only": args.smoke}, args.hf_timeout, in_process=args.smoke)
+    started = time.perf_counter()
+    engine = common.build_engine(
+        model_dir, dtype=args.dtype, device=device.type, load_format=load_format, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, enable_prefix_caching=False,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
+        max_model_len=args.input_len + args.output_len + 1, gpu_memory_utilization=args.gpu_memory_utilization)
+    generate_all(engine, common.random_prompts(1, args.input_len, vocab, seed=0), 1, "first")
+    startup = time.perf_counter() - started
+    common.log(f"first token {startup:.1f} s after start (engine built in {engine.build_s:.1f} s); "
+               f"KV cache {engine.runner.num_blocks} blocks")
+    if args.warmup_prompts > 0:
+        generate_all(engine, common.random_prompts(args.warmup_prompts, args.input_len, vocab, seed=2),
+                     min(args.output_len, 16), "warm")
+    common.log(f"timed run: {args.num_prompts} prompts")
+    run_stats = generate_all(engine, common.random_prompts(args.num_prompts, args.input_len, vocab, seed=1),
+                             args.output_len, "run", max_seconds=args.max_seconds)
+    precision = args.quantization or ("bf16" if args.dtype == "bfloat16" else args.dtype)
+    result: dict[str, Any] = {
+        "suite": "throughput",
+        "config": {"model": model_dir, "arch": None if args.model or args.smoke else args.arch,
+                   "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
+                   "precision": precision, "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
+                   "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+                   "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "kv_cache_blocks": engine.runner.num_blocks, "smoke": args.smoke},
+        "environment": common.environment(device),
+        "startup_to_first_token_s": startup, "engine_build_s": engine.build_s,
+        "kestrel": {**run_stats, **rates(run_stats)}, "hf_peer": hf,
+    }
+    if hf.get("output_tok_per_s"):
+        result["speedup_vs_hf"] = result["kestrel"]["output_tok_per_s"] / hf["output_tok_per_s"]
+    result["targets"] = evaluate_targets(result, args.smoke)
+    print(summary(result))
+    common.write_result(result, args.result_file)
+    if args.result_file is not None and plot(result, args.result_file.with_suffix(".png")):
+        print(f"wrote {args.result_file.with_suffix('.png')}")
+    common.release(engine)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kestrel.bench.throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"throughput: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""`kestrel bench latency` and `kestrel bench throughput` end to end in --smoke mode (tiny model, CPU)."""
+
+import json
+from pathlib import Path
+
+from kestrel.bench import latency, throughput
+
+
+def test_latency_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "latency.json"
+    assert latency.main(["--smoke", "--result-file", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["suite"] == "latency" and result["config"]["smoke"]
+    assert {"git_sha", "torch", "gpu"} <= set(result["environment"])
+    assert result["ceilings"]["copy_TBps"] > 0 and result["startup_s"] > 0
+    rows = [r for r in result["rows"] if "skipped" not in r]
+    assert len(rows) == len(result["config"]["batches"]) * len(result["config"]["input_lens"])
+    output_len = result["config"]["output_len"]
+    for row in rows:
+        assert row["ttft_ms"] > 0 and row["first_request_ttft_ms"] <= row["ttft_ms"]
+        assert row["decode_ms_per_token"] > 0 and row["decode_steps_timed"] == row["repeats"] * (output_len - 1)
+        assert row["decode_p10_ms"] <= row["decode_ms_per_token"] <= row["decode_p90_ms"]
+        assert row["decode_roofline_ms"] > 0 and row["ttft_roofline_ms"] > 0
+        assert abs(row["decode_x_roofline"] * row["decode_roofline_ms"] - row["decode_ms_per_token"]) < 1e-6
+    weights = result["weight_bytes"]
+    assert weights["total"] == weights["embedding"] + weights["per_step"] and weights["embedding"] > 0
+    peer = result["hf_peer"]["rows"]
+    assert [p["input_len"] for p in peer] == result["config"]["input_lens"]
+    assert all(p["decode_ms_per_token"] > 0 and p["ttft_ms"] > 0 for p in peer)
+    batch1 = [r for r in rows if r["batch"] == 1]
+    assert all(r["speedup_vs_hf_eager"] > 0 for r in batch1)
+    assert result["targets"] and isinstance(result["targets"][0]["pass"], bool)
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_throughput_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    assert throughput.main(["--smoke", "--result-file", str(out)]) == 0
+    result = json.loads(out.read_text())
+    cfg, ours, hf = result["config"], result["kestrel"], result["hf_peer"]
+    assert result["suite"] == "throughput" and cfg["smoke"]
+    assert ours["output_tokens"] == cfg["num_prompts"] * cfg["output_len"]
+    assert ours["prompt_tokens"] == cfg["num_prompts"] * cfg["input_len"]
+    assert ours["output_tok_per_s"] > 0 and ours["total_tok_per_s"] > ours["output_tok_per_s"]
+    assert abs(ours["requests_per_s"] * ours["elapsed_s"] - cfg["num_prompts"]) < 1e-6
+    assert result["startup_to_first_token_s"] >= result["engine_build_s"] > 0
+    assert hf["output_tokens"] == hf["num_prompts"] * cfg["output_len"] and hf["output_tok_per_s"] > 0
+    assert result["speedup_vs_hf"] == ours["output_tok_per_s"] / hf["output_tok_per_s"]
+    assert result["targets"][0]["target"].startswith("output tok/s")
+    assert out.with_suffix(".png").stat().st_size > 0
