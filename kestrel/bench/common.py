@@ -128,6 +128,8 @@ def build_engine(model: str, **engine_args: Any) -> Engine:
         tokenizer = load_tokenizer(config.model.tokenizer_path)
     eos = tokenizer.eos_token_id
     runner = ModelRunner(config, eos_token_id=eos)
+    if config.cache.kv_cache_dtype == "fp8":
+        runner.calibrate_kv_scales()  # random weights have no checkpoint scales; 1.0 would waste FP8 range
     core = EngineCore(config, runner, runner.num_blocks, tokenizer, eos)
     synchronize(runner.device)
     return Engine(core, runner, config, time.perf_counter() - started)
@@ -159,10 +161,10 @@ def prompt_vocab(model_dir: str) -> int:
 
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of parameters and buffers; `per_step` leaves out the embedding table, of which a step reads
-    only the rows of its tokens."""
+    """Bytes of the parameters (weights, their scales, norms; not buffers such as rope tables, of which a
+    step reads only its positions' rows); `per_step` also leaves out the embedding table, for the same reason."""
     total = embed = 0
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+    for name, t in model.named_parameters():
         size = t.numel() * t.element_size()
         total += size
         if "embed_tokens" in name:

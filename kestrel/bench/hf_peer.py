@@ -73,8 +73,8 @@ def timed_generate(model: Any, ids: torch.Tensor, new_tokens: int, mode: str) ->
     start = time.perf_counter()
     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                    min_new_tokens=new_tokens, do_sample=False, streamer=clock, **extra)
-    # times[0] is the prompt, times[1] the first generated token.
-    stamps = clock.times[1:]
+    # generate() puts the prompt first, then one chunk per generated token: keep the last new_tokens.
+    stamps = clock.times[-new_tokens:]
     return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])]
 
 
@@ -134,7 +134,11 @@ def throughput(task: dict[str, Any]) -> dict[str, Any]:
 
 def _continuous(model: Any, prompts: list[list[int]], config: Any, device: torch.device, task: dict) -> int:
     results = model.generate_batch(inputs=prompts, generation_config=config)
-    return sum(len(getattr(r, "generated_tokens", None) or []) for r in results.values())
+    counts = [getattr(r, "generated_tokens", None) for r in results.values()]
+    if len(results) != len(prompts) or any(c is None for c in counts):
+        raise RuntimeError(f"generate_batch returned {len(results)} results for {len(prompts)} prompts, "
+                           "or results without generated_tokens")
+    return sum(len(c) for c in counts)
 
 
 def _static(model: Any, prompts: list[list[int]], config: Any, device: torch.device, task: dict) -> int:

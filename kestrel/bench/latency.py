@@ -309,6 +309,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
                    "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
                    "kv_cache_blocks": engine.runner.num_blocks},
         "environment": common.environment(device), "ceilings": ceilings, "startup_s": engine.build_s,
+        "graph_capture_s": getattr(engine.runner, "capture_seconds", None),
         "weight_bytes": common.weight_bytes(engine.runner.model),
         "kv_bytes_per_token": common.kv_bytes_per_token(engine.runner),
         "rows": rows, "hf_peer": hf, "targets": evaluate_targets(rows, precision, args.smoke),

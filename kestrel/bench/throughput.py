@@ -225,6 +225,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
                    "kv_cache_blocks": engine.runner.num_blocks, "smoke": args.smoke},
         "environment": common.environment(device),
         "startup_to_first_token_s": startup, "engine_build_s": engine.build_s,
+        "graph_capture_s": getattr(engine.runner, "capture_seconds", None),
         "kestrel": {**run_stats, **rates(run_stats)}, "hf_peer": hf,
     }
     if hf.get("output_tok_per_s"):
