@@ -119,8 +119,7 @@ class DecodeGraphRunner:
 
     def __init__(self, forward: ModelForward, max_num_seqs: int, max_blocks_per_seq: int,
                  device: torch.device) -> None:
-        if device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
+        self.device = device
         self.forward = forward
         self.sizes = capture_sizes(max_num_seqs)
         self.buffers = DecodeBuffers(self.sizes[-1], max_blocks_per_seq, device)
@@ -134,6 +133,8 @@ class DecodeGraphRunner:
 
     def capture(self) -> float:
         """Capture every bucket; returns (and keeps) the wall time it took."""
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
         start = time.perf_counter()
         self.graphs.clear()
         self.outputs.clear()
@@ -167,5 +168,8 @@ class DecodeGraphRunner:
         if bucket is None:
             raise ValueError(f"decode batch of {n} exceeds the largest captured bucket {self.max_batch}")
         self.buffers.load(inputs, bucket)
-        self.graphs[bucket].replay()
+        self._replay(bucket)
         return self.outputs[bucket][:n]
+
+    def _replay(self, bucket: int) -> None:
+        self.graphs[bucket].replay()
