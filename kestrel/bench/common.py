@@ -251,6 +251,21 @@ def run_hf_peer(task: dict[str, Any], timeout_s: float, in_process: bool = False
     return result
 
 
+def load_hf_result(path: Path, suite: str, output_len: int, input_len: int | None = None) -> dict[str, Any]:
+    """The HF peer block of an earlier result file of the same suite and workload (the peer is BF16 either way,
+    so one run serves the FP8 runs too)."""
+    from kestrel.config import ConfigError
+
+    result = json.loads(Path(path).read_text())
+    hf = result.get("hf_peer") or {}
+    cfg = result.get("config", {})
+    same = cfg.get("output_len") == output_len and (input_len is None or cfg.get("input_len") == input_len)
+    if result.get("suite") != suite or not hf or "error" in hf or not same:
+        raise ConfigError(f"invalid --hf-result={str(path)!r}: expected a {suite} result with an HF peer for "
+                          f"output_len={output_len}" + (f", input_len={input_len}" if input_len else ""))
+    return {**hf, "from_file": str(path)}
+
+
 # ------------------------------------------------------------------------------------------------ output
 
 

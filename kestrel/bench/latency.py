@@ -235,6 +235,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmups", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--hf-peer", default="eager", help="comma-separated: eager, static-compile, or none")
+    p.add_argument("--hf-result", type=Path, default=None,
+                   help="reuse the HF peer of an earlier latency result file instead of running it")
     p.add_argument("--hf-timeout", type=float, default=300.0, help="seconds for the HF peer process")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -267,14 +269,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, device: torch.device) -> int:
     batches, input_lens = int_list(args.batch), int_list(args.input_len)
-    hf_modes = [m for m in args.hf_peer.split(",") if m and m != "none"]
+    hf_modes = [] if args.hf_result else [m for m in args.hf_peer.split(",") if m and m != "none"]
     if any(m not in ("eager", "static-compile") for m in hf_modes):
         raise ConfigError(f"invalid --hf-peer={args.hf_peer!r}: expected eager, static-compile or none")
     ceilings = common.measure_ceilings(device)
     model_dir, load_format = common.prepare_model(args.model, args.arch, args.smoke, args.weights_dir,
                                                   bool(hf_modes), device)
     hf: dict[str, Any] = {}
-    if hf_modes:
+    if args.hf_result:
+        hf = common.load_hf_result(args.hf_result, "latency", args.output_len)
+    elif hf_modes:
         common.log(f"HF transformers peer: {hf_modes} at batch 1")
         hf = common.run_hf_peer({"kind": "latency", "model": model_dir, "device": device.type,
                                  "dtype": "float32" if args.smoke else "bfloat16", "modes": hf_modes,

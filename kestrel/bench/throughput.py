@@ -160,8 +160,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--max-seconds", type=float, default=420.0,
                    help="abort the timed run after this long and report it as truncated (stays under a job limit)")
-    p.add_argument("--hf-peer-prompts", type=int, default=128, help="prompts for the HF peer (0: no peer)")
+    p.add_argument("--hf-peer-prompts", type=int, default=64, help="prompts for the HF peer (0: no peer)")
     p.add_argument("--hf-static-batch", type=int, default=64, help="batch of the HF fallback without generate_batch")
+    p.add_argument("--hf-result", type=Path, default=None,
+                   help="reuse the HF peer of an earlier throughput result file (same workload) instead of running it")
     p.add_argument("--hf-timeout", type=float, default=300.0, help="seconds for the HF peer process")
     p.add_argument("--result-file", type=Path, default=None, help="write the JSON here (and the PNG beside it)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
@@ -186,11 +188,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, device: torch.device) -> int:
+    run_peer = args.hf_peer_prompts > 0 and args.hf_result is None
     model_dir, load_format = common.prepare_model(args.model, args.arch, args.smoke, args.weights_dir,
-                                                  args.hf_peer_prompts > 0, device)
+                                                  run_peer, device)
     vocab = common.prompt_vocab(model_dir)
     hf: dict[str, Any] = {}
-    if args.hf_peer_prompts > 0:
+    if args.hf_result is not None:
+        hf = common.load_hf_result(args.hf_result, "throughput", args.output_len, args.input_len)
+    elif run_peer:
         common.log(f"HF transformers peer: {args.hf_peer_prompts} prompts")
         hf = common.run_hf_peer({"kind": "throughput", "model": model_dir, "device": device.type,
                                  "dtype": "float32" if args.smoke else "bfloat16",

@@ -48,3 +48,18 @@ def test_throughput_smoke(tmp_path: Path) -> None:
     assert result["speedup_vs_hf"] == ours["output_tok_per_s"] / hf["output_tok_per_s"]
     assert result["targets"][0]["target"].startswith("output tok/s")
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_throughput_reuses_peer_and_truncates(tmp_path: Path) -> None:
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    assert throughput.main(["--smoke", "--result-file", str(first)]) == 0
+    assert throughput.main(["--smoke", "--max-seconds", "0", "--hf-result", str(first),
+                            "--result-file", str(second)]) == 0
+    result = json.loads(second.read_text())
+    assert result["hf_peer"]["from_file"] == str(first)
+    assert result["kestrel"]["truncated"] and result["kestrel"]["output_tokens"] == 0
+    assert throughput.main(["--smoke", "--input-len", "7", "--hf-result", str(first)]) == 0  # smoke fixes the lens
+    mismatched = json.loads(first.read_text())
+    mismatched["config"]["output_len"] += 1
+    (tmp_path / "bad.json").write_text(json.dumps(mismatched))
+    assert throughput.main(["--smoke", "--hf-result", str(tmp_path / "bad.json")]) == 2
