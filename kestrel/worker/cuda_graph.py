@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 # vLLM's spacing: fine steps where small batches dominate latency, coarser ones above.
 _FINE_STEP, _COARSE_STEP, _COARSE_FROM = 8, 16, 256
+# Larger decode batches run eagerly: their launch overhead is small next to their GEMMs, and each extra bucket
+# costs capture time at startup (vLLM stops at 512 too).
+MAX_CAPTURE_BATCH = 512
 
 ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
@@ -71,6 +74,7 @@ class DecodeBuffers:
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.num_loaded = 0  # rows 0..num_loaded hold a step's data; every row after them is padding
 
     def metadata(self, bucket: int) -> AttentionMetadata:
         # max_seq_len only tunes the attention's split count, which a graph must not bake in from one step.
@@ -84,7 +88,7 @@ class DecodeBuffers:
         )
 
     def load(self, inputs: ModelInputs, bucket: int) -> None:
-        """Copy one decode step (n <= bucket rows) in and reset rows n..bucket to harmless padding."""
+        """Copy one decode step (n <= bucket rows) in; rows n..bucket are left (or reset to) harmless padding."""
         n = inputs.input_ids.shape[0]
         meta = inputs.attn_metadata
         width = meta.block_tables.shape[1]
@@ -98,20 +102,22 @@ class DecodeBuffers:
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         # Columns past `width` keep stale block ids: a row's attention never reads past its own seq_len.
         self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-        if bucket > n:
-            self.input_ids[n:bucket].zero_()
-            self.positions[n:bucket].zero_()
-            self.slot_mapping[n:bucket].fill_(-1)
-            self.seq_lens[n:bucket].fill_(1)
-            self.block_tables[n:bucket].zero_()
+        # Only rows that held data in an earlier step need resetting: the steady state launches no fills.
+        if self.num_loaded > n:
+            self._pad(n, self.num_loaded)
+        self.num_loaded = n
+
+    def _pad(self, start: int, end: int) -> None:
+        self.input_ids[start:end].zero_()
+        self.positions[start:end].zero_()
+        self.slot_mapping[start:end].fill_(-1)
+        self.seq_lens[start:end].fill_(1)
+        self.block_tables[start:end].zero_()
 
     def reset_padding(self) -> None:
         """Every row padding: the state graphs are captured in."""
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.fill_(1)
-        self.block_tables.zero_()
+        self._pad(0, self.max_batch)
+        self.num_loaded = 0
 
 
 class DecodeGraphRunner:
@@ -121,7 +127,7 @@ class DecodeGraphRunner:
                  device: torch.device) -> None:
         self.device = device
         self.forward = forward
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = capture_sizes(min(max_num_seqs, MAX_CAPTURE_BATCH))
         self.buffers = DecodeBuffers(self.sizes[-1], max_blocks_per_seq, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

@@ -147,3 +147,24 @@ def test_padded_decode_through_the_model_matches_eager(tmp_path) -> None:
     assert (4, 3) in graph_runner.replays and (1, 1) in graph_runner.replays
     # 11 decode steps per batch (the first token comes from the prefill step, which runs eagerly).
     assert len(graph_runner.replays) == 2 * (params.max_tokens - 1)
+
+
+def test_capture_stops_at_the_cap() -> None:
+    from kestrel.worker.cuda_graph import MAX_CAPTURE_BATCH
+
+    runner = DecodeGraphRunner(lambda *a: a[0], 4096, 4, torch.device("cpu"))
+    assert runner.max_batch == MAX_CAPTURE_BATCH
+    assert not runner.can_run([1] * (MAX_CAPTURE_BATCH + 1), 1)
+
+
+def test_rows_padded_earlier_stay_padding() -> None:
+    buffers = DecodeBuffers(max_batch=8, max_blocks_per_seq=4, device=torch.device("cpu"))
+    buffers.load(_decode_inputs(8, 4, offset=50), 8)
+    buffers.load(_decode_inputs(2, 2), 8)
+    buffers.load(_decode_inputs(5, 3, offset=9), 8)
+    assert buffers.num_loaded == 5
+    assert buffers.slot_mapping[5:].tolist() == [-1] * 3
+    assert buffers.seq_lens[5:].tolist() == [1] * 3
+    assert buffers.block_tables[5:].abs().sum() == 0 and buffers.input_ids[5:].abs().sum() == 0
+    buffers.load(_decode_inputs(1, 1), 1)
+    assert buffers.slot_mapping[1:].tolist() == [-1] * 7
