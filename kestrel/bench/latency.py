@@ -127,6 +127,22 @@ def add_roofline(row: dict[str, Any], engine: Engine, ceilings: dict[str, Any], 
     row["ttft_x_roofline"] = row["ttft_ms"] / row["ttft_roofline_ms"]
 
 
+def run_peers(modes: list[str], model_dir: str, device: torch.device, args: argparse.Namespace,
+              input_lens: list[int]) -> dict[str, Any]:
+    """One child process per mode, so that a slow compile that times out does not lose the eager numbers."""
+    merged: dict[str, Any] = {"rows": [], "runs": {}}
+    for mode in modes:
+        common.log(f"HF transformers peer: {mode} at batch 1")
+        result = common.run_hf_peer({"kind": "latency", "model": model_dir, "device": device.type,
+                                     "dtype": "float32" if args.smoke else "bfloat16", "modes": [mode],
+                                     "input_lens": input_lens, "output_len": args.output_len,
+                                     "repeats": args.repeats, "warmups": args.warmups,
+                                     "vocab": common.prompt_vocab(model_dir)}, args.hf_timeout)
+        merged["rows"].extend(result.pop("rows", []))
+        merged["runs"][mode] = result
+    return merged
+
+
 def add_hf(rows: list[dict[str, Any]], hf: dict[str, Any]) -> None:
     for peer in hf.get("rows", []):
         for row in rows:
@@ -198,11 +214,14 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     for ax, key, title in ((axes[0], "decode", "decode ms / step"), (axes[1], "ttft", "TTFT ms (whole batch)")):
         measured = [r.get("decode_ms_per_token" if key == "decode" else "ttft_ms") or 0 for r in rows]
         roof = [r[f"{key}_roofline_ms"] for r in rows]
-        ax.bar([i - 0.3 for i in x], measured, 0.3, label="kestrel")
-        ax.bar(x, roof, 0.3, label="roofline")
-        hf = [r.get(f"hf_eager_{'decode' if key == 'decode' else 'ttft'}_ms") or 0 for r in rows]
-        if any(hf):
-            ax.bar([i + 0.3 for i in x], hf, 0.3, label="HF eager (batch 1)")
+        name = "decode" if key == "decode" else "ttft"
+        series = [("kestrel", measured), ("roofline", roof),
+                  ("HF eager (batch 1)", [r.get(f"hf_eager_{name}_ms") or 0 for r in rows]),
+                  ("HF static cache + compile (batch 1)", [r.get(f"hf_static_compile_{name}_ms") or 0 for r in rows])]
+        series = [(label, values) for label, values in series if any(values)]
+        width = 0.8 / len(series)
+        for j, (label, values) in enumerate(series):
+            ax.bar([i + (j - (len(series) - 1) / 2) * width for i in x], values, width, label=label)
         ax.set_xticks(x, labels, rotation=45, ha="right")
         ax.set_yscale("log")
         ax.set_title(title)
@@ -237,7 +256,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-peer", default="eager", help="comma-separated: eager, static-compile, or none")
     p.add_argument("--hf-result", type=Path, default=None,
                    help="reuse the HF peer of an earlier latency result file instead of running it")
-    p.add_argument("--hf-timeout", type=float, default=300.0, help="seconds for the HF peer process")
+    p.add_argument("--hf-timeout", type=float, default=300.0, help="seconds for each HF peer process (one per mode)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--result-file", type=Path, default=None, help="write the JSON here (and the PNG beside it)")
@@ -279,12 +298,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     if args.hf_result:
         hf = common.load_hf_result(args.hf_result, "latency", args.output_len)
     elif hf_modes:
-        common.log(f"HF transformers peer: {hf_modes} at batch 1")
-        hf = common.run_hf_peer({"kind": "latency", "model": model_dir, "device": device.type,
-                                 "dtype": "float32" if args.smoke else "bfloat16", "modes": hf_modes,
-                                 "input_lens": input_lens, "output_len": args.output_len,
-                                 "repeats": args.repeats, "warmups": args.warmups,
-                                 "vocab": common.prompt_vocab(model_dir)}, args.hf_timeout)
+        hf = run_peers(hf_modes, model_dir, device, args, input_lens)
     max_batch = max(batches)
     engine = common.build_engine(
         model_dir, dtype=args.dtype, device=device.type, load_format=load_format, quantization=args.quantization,
