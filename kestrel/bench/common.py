@@ -69,6 +69,8 @@ def write_random_checkpoint(path: Path, config: dict[str, Any], device: torch.de
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     _write_weights(path, tensors, num_shards=max(1, total // (4 << 30)))
     marker.write_text(json.dumps(config, indent=2) + "\n")
+    del tensors
+    release(None)  # the engine sizes its KV cache from free device memory
 
 
 def has_checkpoint(path: Path, config: dict[str, Any]) -> bool:
@@ -235,8 +237,7 @@ def run_hf_peer(task: dict[str, Any], timeout_s: float, in_process: bool = False
     if in_process:
         from kestrel.bench import hf_peer
 
-        with torch.inference_mode():
-            result = hf_peer.latency(task) if task["kind"] == "latency" else hf_peer.throughput(task)
+        result = hf_peer.latency(task) if task["kind"] == "latency" else hf_peer.throughput(task)
         return {**result, "wall_s": round(time.perf_counter() - started, 2), "in_process": True}
     try:
         proc = subprocess.run([sys.executable, "-m", "kestrel.bench.hf_peer", json.dumps(task)],

@@ -63,3 +63,26 @@ def test_throughput_reuses_peer_and_truncates(tmp_path: Path) -> None:
     mismatched["config"]["output_len"] += 1
     (tmp_path / "bad.json").write_text(json.dumps(mismatched))
     assert throughput.main(["--smoke", "--hf-result", str(tmp_path / "bad.json")]) == 2
+
+
+def test_random_checkpoint_is_shared_and_reused(tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kestrel.bench import common
+
+    config = {**common.LLAMA3_8B, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300,
+              "max_position_embeddings": 256, "torch_dtype": "float32"}
+    common.write_random_checkpoint(tmp_path, config, torch.device("cpu"))
+    assert common.has_checkpoint(tmp_path, config)
+    stamp = next(tmp_path.glob("*.safetensors")).stat().st_mtime_ns
+    common.write_random_checkpoint(tmp_path, config, torch.device("cpu"))  # reused, not rewritten
+    assert next(tmp_path.glob("*.safetensors")).stat().st_mtime_ns == stamp
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    engine = common.build_engine(str(tmp_path), dtype="float32", device="cpu", max_model_len=64)
+    assert isinstance(engine.core.tokenizer, common.NullTokenizer)
+    hf_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    assert common.weight_bytes(engine.runner.model)["total"] == hf_bytes
+    embed = hf.model.embed_tokens.weight
+    assert torch.equal(engine.runner.model.model.embed_tokens.weight, embed)
