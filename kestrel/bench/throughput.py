@@ -153,7 +153,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=1500)
     p.add_argument("--input-len", type=int, default=1000)
     p.add_argument("--output-len", type=int, default=1000)
-    p.add_argument("--warmup-prompts", type=int, default=64, help="short warm-up run before the timed one")
+    p.add_argument("--warmup-prompts", type=int, default=None,
+                   help="prompts of the short warm-up run (default --max-num-seqs, so every decode batch size "
+                        "and GEMM bucket is compiled before timing)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -213,8 +215,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     startup = time.perf_counter() - started
     common.log(f"first token {startup:.1f} s after start (engine built in {engine.build_s:.1f} s); "
                f"KV cache {engine.runner.num_blocks} blocks")
-    if args.warmup_prompts > 0:
-        generate_all(engine, common.random_prompts(args.warmup_prompts, args.input_len, vocab, seed=2),
+    warmup_prompts = args.max_num_seqs if args.warmup_prompts is None else args.warmup_prompts
+    if warmup_prompts > 0:
+        generate_all(engine, common.random_prompts(warmup_prompts, args.input_len, vocab, seed=2),
                      min(args.output_len, 16), "warm")
     common.log(f"timed run: {args.num_prompts} prompts")
     run_stats = generate_all(engine, common.random_prompts(args.num_prompts, args.input_len, vocab, seed=1),
