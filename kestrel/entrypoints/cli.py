@@ -32,6 +32,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quantization", default=None, help="fp8 or int8 (W8A8, quantized on load)")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of GPU memory for weights, activations and the KV cache")
+    group.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                       help="absolute KV cache budget in bytes (instead of the profiled one)")
+    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    group.add_argument("--debug-launch-count", action="store_true",
+                       help="log the kernel launches of one decoder layer's decode step")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -47,6 +54,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "quantization": args.quantization,
         "device": args.device,
         "seed": args.seed,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "enforce_eager": args.enforce_eager,
+        "debug_launch_count": args.debug_launch_count,
     }
 
 
@@ -79,6 +90,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     llm = LLM(args.model, **_engine_kwargs(args))
     loaded = time.perf_counter()
+    if args.debug_launch_count:
+        print(f"[launches per decoder layer (decode step): {llm.runner.launches_per_layer}]", file=sys.stderr)
     outputs = llm.generate(prompts, params)
     done = time.perf_counter()
     generated = 0
