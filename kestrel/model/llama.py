@@ -95,7 +95,7 @@ class LlamaArchConfig:
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaArchConfig, layer_idx: int, dtype: torch.dtype, quant_config: QuantConfig | None,
-                 prefix: str) -> None:
+                 prefix: str, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.qkv_bias,
@@ -105,7 +105,7 @@ class LlamaAttention(nn.Module):
             cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias,
             quant_method=get_quant_method(quant_config, f"{prefix}.o_proj"), params_dtype=dtype,
         )
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(cfg.num_heads, cfg.head_dim, cfg.num_kv_heads, scale=cfg.head_dim**-0.5,
                               sliding_window=cfg.sliding_windows[layer_idx], layer_idx=layer_idx)
 
@@ -140,9 +140,9 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaArchConfig, layer_idx: int, dtype: torch.dtype, quant_config: QuantConfig | None,
-                 prefix: str) -> None:
+                 prefix: str, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, dtype, quant_config, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(cfg, layer_idx, dtype, quant_config, f"{prefix}.self_attn", rotary_emb)
         self.mlp = LlamaMLP(cfg, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -187,8 +187,11 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, quant_config: QuantConfig | None) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        # One cos/sin table for all layers: at 128k positions it is 64 MB, which per layer would be 2 GB for 32.
+        rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, dtype, quant_config, f"model.layers.{i}") for i in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, i, dtype, quant_config, f"model.layers.{i}", rotary_emb)
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
