@@ -163,7 +163,9 @@ def test_non_streaming_disconnect_aborts_too(openai_server):
 
 
 def test_full_queue_answers_429_with_retry_after(start_scripted_server):
-    server, _ = start_scripted_server(max_queued_requests=1, max_num_seqs=1, step_delay_s=0.05,
+    # Steps of 0.2 s keep the first request running (8 tokens, >= 1.6 s) well past the 0.4 s the client waits
+    # before the third request, even on a loaded machine.
+    server, _ = start_scripted_server(max_queued_requests=1, max_num_seqs=1, step_delay_s=0.2,
                                       script="one two three four five six seven eight")
 
     async def scenario() -> list[int]:
