@@ -1,0 +1,23 @@
+"""Benchmark suites: `kestrel bench <suite>`; each module also runs as `python -m kestrel.bench.<suite>`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from kestrel.config import ConfigError
+
+
+def standalone_main(suite: str, description: str | None, add_arguments: Callable[[argparse.ArgumentParser], None],
+                    run: Callable[[argparse.Namespace], int], argv: Sequence[str] | None = None) -> int:
+    """`python -m kestrel.bench.<suite>`: parse the suite's arguments and run it; a ConfigError is a message."""
+    parser = argparse.ArgumentParser(prog=f"python -m kestrel.bench.{suite}", description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"{suite}: error: {e}", file=sys.stderr)
+        return 2

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kestrel.bench import common
+from kestrel.bench import common, standalone_main
 from kestrel.bench.common import Engine
 from kestrel.config import ConfigError
 from kestrel.sampling_params import SamplingParams
@@ -341,15 +341,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kestrel.bench.latency", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ConfigError as e:
-        print(f"latency: error: {e}", file=sys.stderr)
-        return 2
+    return standalone_main("latency", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

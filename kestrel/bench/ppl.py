@@ -28,6 +28,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from kestrel.bench import standalone_main
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.core import EngineCore
 from kestrel.loader.tokenizer import load_tokenizer
@@ -269,15 +270,7 @@ def format_summary(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kestrel.bench.ppl", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ConfigError as e:
-        print(f"ppl: error: {e}", file=sys.stderr)
-        return 2
+    return standalone_main("ppl", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from kestrel.bench import common
+from kestrel.bench import common, standalone_main
 from kestrel.bench.common import Engine
-from kestrel.config import ConfigError
 from kestrel.sampling_params import SamplingParams
 
 SMOKE = {"num_prompts": 6, "input_len": 12, "output_len": 5, "max_num_seqs": 4, "max_num_batched_tokens": 32,
@@ -248,15 +247,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kestrel.bench.throughput", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ConfigError as e:
-        print(f"throughput: error: {e}", file=sys.stderr)
-        return 2
+    return standalone_main("throughput", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
