@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kestrel.bench.timing import time_eager
 from kestrel.kernels import attention as attn
 from kestrel.kernels.attention import AttnConfig
 from kestrel.kernels.store_kv import store_kv, store_kv_ref
@@ -122,7 +123,7 @@ def time_calls(calls: list[Callable[[], object]], runs: int, device: torch.devic
         return _time_graph(calls, runs), True
     except Exception:
         torch.cuda.synchronize()
-        return _time_eager(calls, runs), False
+        return time_eager(calls, runs), False
 
 
 def _time_graph(calls: list[Callable[[], object]], runs: int) -> float:
@@ -149,31 +150,17 @@ def _time_graph(calls: list[Callable[[], object]], runs: int) -> float:
     return statistics.median(s.elapsed_time(e) * 1e3 / len(calls) for s, e in zip(starts, ends))
 
 
-def _time_eager(calls: list[Callable[[], object]], runs: int) -> float:
-    for c in calls:
-        c()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    for s, e in zip(starts, ends):
-        s.record()
-        for c in calls:
-            c()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 / len(calls) for s, e in zip(starts, ends))
-
-
 def measure_ceilings(device: torch.device) -> dict:
     if device.type != "cuda":
         return dict(FALLBACK, measured=False)
     src = torch.empty(2**31, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    copy_us = _time_eager([lambda: dst.copy_(src)], 10)
+    copy_us = time_eager([lambda: dst.copy_(src)], 10)
     src = dst = None
     n = 8192
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    mm_us = _time_eager([lambda: a @ b], 10)
+    mm_us = time_eager([lambda: a @ b], 10)
     return {"copy_TBps": 2 * 2**31 / copy_us / 1e6, "bf16_TFLOPs": 2 * n**3 / mm_us / 1e6, "measured": True}
 
 

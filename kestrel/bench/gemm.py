@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from kestrel.bench.timing import time_eager
 from kestrel.kernels import quant_act as qa
 from kestrel.kernels import scaled_mm as smm
 from kestrel.kernels.scaled_mm import MMConfig
@@ -254,7 +255,7 @@ def time_calls(calls: list[Callable[[], object]], runs: int, device: torch.devic
         return _time_graph(calls, runs), True
     except Exception:  # a variant that cannot be captured is timed eagerly, and marked so
         torch.cuda.synchronize()
-        return _time_eager(calls, runs), False
+        return time_eager(calls, runs), False
 
 
 def _time_graph(calls: list[Callable[[], object]], runs: int) -> float:
@@ -283,20 +284,6 @@ def _time_graph(calls: list[Callable[[], object]], runs: int) -> float:
     return statistics.median(samples)
 
 
-def _time_eager(calls: list[Callable[[], object]], runs: int) -> float:
-    for c in calls:
-        c()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    for s, e in zip(starts, ends):
-        s.record()
-        for c in calls:
-            c()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 / len(calls) for s, e in zip(starts, ends))
-
-
 # ------------------------------------------------------------------------------------------- ceilings
 
 
@@ -305,16 +292,16 @@ def measure_ceilings(device: torch.device) -> dict:
         return dict(FALLBACK_CEILINGS, measured=False)
     src = torch.empty(2**30, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    copy_us = _time_eager([lambda s=src, d=dst: d.copy_(s)], 10)
+    copy_us = time_eager([lambda s=src, d=dst: d.copy_(s)], 10)
     bw = 2 * src.numel() / (copy_us * 1e-6)
     src = dst = None
     n = 8192
     a = torch.randn(n, n, device=device).to(torch.bfloat16)
     b = torch.randn(n, n, device=device).to(torch.bfloat16)
-    bf16_us = _time_eager([lambda: a @ b], 10)
+    bf16_us = time_eager([lambda: a @ b], 10)
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
     one = torch.ones((), device=device)
-    fp8_us = _time_eager([lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16)], 10)
+    fp8_us = time_eager([lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16)], 10)
     flops = 2 * n**3
     return {"bw": bw, "bf16": flops / (bf16_us * 1e-6), "eight_bit": flops / (fp8_us * 1e-6), "measured": True,
             "note": "copy of 1 GiB (read+write); 8192^3 bf16 torch.mm; 8192^3 fp8 torch._scaled_mm tensorwise"}
