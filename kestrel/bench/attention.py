@@ -22,7 +22,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kestrel.bench.timing import time_eager
+from kestrel.bench.timing import time_calls, time_eager
 from kestrel.kernels import attention as attn
 from kestrel.kernels.attention import AttnConfig
 from kestrel.kernels.store_kv import store_kv, store_kv_ref
@@ -105,49 +104,6 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ timing
-
-
-def time_calls(calls: list[Callable[[], object]], runs: int, device: torch.device) -> tuple[float, bool]:
-    """Median microseconds per call; on CUDA one graph replays all calls (eager if capture fails)."""
-    if device.type != "cuda":
-        for c in calls:
-            c()
-        samples = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            for c in calls:
-                c()
-            samples.append((time.perf_counter() - t0) * 1e6 / len(calls))
-        return statistics.median(samples), False
-    try:
-        return _time_graph(calls, runs), True
-    except Exception:
-        torch.cuda.synchronize()
-        return time_eager(calls, runs), False
-
-
-def _time_graph(calls: list[Callable[[], object]], runs: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    graph.replay()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    for s, e in zip(starts, ends):
-        s.record()
-        graph.replay()
-        e.record()
-    torch.cuda.synchronize()
-    del graph
-    return statistics.median(s.elapsed_time(e) * 1e3 / len(calls) for s, e in zip(starts, ends))
 
 
 def measure_ceilings(device: torch.device) -> dict:

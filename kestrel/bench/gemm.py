@@ -14,7 +14,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kestrel.bench.timing import time_eager
+from kestrel.bench.timing import time_calls, time_eager
 from kestrel.kernels import quant_act as qa
 from kestrel.kernels import scaled_mm as smm
 from kestrel.kernels.scaled_mm import MMConfig
@@ -237,51 +236,6 @@ def checked_call(fn: Callable[[], torch.Tensor], shape: tuple[int, int], device:
     poison = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
     del poison
     return fn()
-
-
-def time_calls(calls: list[Callable[[], object]], runs: int, device: torch.device) -> tuple[float, bool]:
-    """Median microseconds per call. On CUDA: one graph holding every call, `runs` timed replays."""
-    if device.type != "cuda":
-        for c in calls:
-            c()
-        samples = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            for c in calls:
-                c()
-            samples.append((time.perf_counter() - t0) * 1e6 / len(calls))
-        return statistics.median(samples), False
-    try:
-        return _time_graph(calls, runs), True
-    except Exception:  # a variant that cannot be captured is timed eagerly, and marked so
-        torch.cuda.synchronize()
-        return time_eager(calls, runs), False
-
-
-def _time_graph(calls: list[Callable[[], object]], runs: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for c in calls:
-                c()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    for _ in range(3):
-        graph.replay()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    for s, e in zip(starts, ends):
-        s.record()
-        graph.replay()
-        e.record()
-    torch.cuda.synchronize()
-    samples = [s.elapsed_time(e) * 1e3 / len(calls) for s, e in zip(starts, ends)]
-    del graph
-    return statistics.median(samples)
 
 
 # ------------------------------------------------------------------------------------------- ceilings
