@@ -9,6 +9,7 @@ kestrel sizes its KV cache from free memory.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import subprocess
@@ -280,3 +281,14 @@ def write_result(result: dict[str, Any], path: Path | None) -> None:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and precision flags of the end-to-end suites (latency, throughput)."""
+    p.add_argument("--model", default=None, help="HF model directory (default: --arch with random weights)")
+    p.add_argument("--arch", default="llama3-8b", choices=sorted(ARCHS))
+    p.add_argument("--weights-dir", type=Path, default=Path("/tmp/kestrel-bench-llama3-8b"),
+                   help="where the random checkpoint shared with the HF peer is written (reused if present)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None, choices=["fp8", "int8"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])

@@ -142,13 +142,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model directory (default: --arch with random weights)")
-    p.add_argument("--arch", default="llama3-8b", choices=sorted(common.ARCHS))
-    p.add_argument("--weights-dir", type=Path, default=Path("/tmp/kestrel-bench-llama3-8b"),
-                   help="where the random checkpoint shared with the HF peer is written (reused if present)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantization", default=None, choices=["fp8", "int8"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    common.add_model_arguments(p)
     p.add_argument("--num-prompts", type=int, default=1500)
     p.add_argument("--input-len", type=int, default=1000)
     p.add_argument("--output-len", type=int, default=1000)
