@@ -16,6 +16,9 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+OUTPUT_KINDS = ("cumulative", "final_only")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -37,6 +40,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # "cumulative": an output at every step (text and token ids so far, plus deltas), for streaming;
+    # "final_only": one output when the request finishes, which spares the per-step detokenization and
+    # output objects of offline runs (the text is identical).
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +90,8 @@ class SamplingParams:
             bad("stop", "a list of non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "a list of token ids >= 0")
+        if self.output_kind not in OUTPUT_KINDS:
+            bad("output_kind", f"one of {list(OUTPUT_KINDS)}")
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +100,10 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def final_only(self) -> bool:
+        return self.output_kind == "final_only"
 
     def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)

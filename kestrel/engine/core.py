@@ -118,7 +118,8 @@ class EngineCore:
     # ----- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return an output for every request that made progress."""
+        """Run one scheduled step; return an output for every request that made progress (for
+        `output_kind="final_only"` requests, only once they finish)."""
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
@@ -135,7 +136,10 @@ class EngineCore:
                 continue
             sequence = parent.sequences[0] if len(parent.sequences) == 1 else next(
                 s for s in parent.sequences if s.request is request)
-            self._detokenize(sequence)
+            params = request.sampling_params
+            # Final-only requests without stop strings need their text only once, at the end.
+            if not params.final_only or params.stop or request.is_finished:
+                self._detokenize(sequence)
             sequence.status = request.status
             if request.is_finished:
                 sequence.finished_time = now
@@ -143,8 +147,10 @@ class EngineCore:
             touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
-            outputs.append(self._make_output(parent))
-            if parent.finished:
+            finished = parent.finished
+            if finished or not parent.sequences[0].request.sampling_params.final_only:
+                outputs.append(self._make_output(parent))
+            if finished:
                 self._parents.pop(parent.request_id, None)
         return outputs
 

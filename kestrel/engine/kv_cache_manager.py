@@ -12,6 +12,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
+        self._num_published: dict[str, int] = {}  # leading blocks of each request already published
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -54,34 +55,48 @@ class KVCacheManager:
         Full blocks are published to the prefix cache right away: their KV is written in this very
         step, before any attention reads it.
         """
+        request_id = request.request_id
+        held = self._blocks.get(request_id)
+        if held is None:
+            held = self._blocks[request_id] = []
+        num_prefix = len(cached_prefix) if cached_prefix else 0
+        num_total = request.num_computed_tokens + num_prefix * self.block_size + num_new_tokens
+        needed = -(-num_total // self.block_size) - len(held) - num_prefix
+        if not num_prefix and needed <= 0:  # the usual decode step: the last block still has room
+            self._publish_full_blocks(request, held, num_total)
+            return []
         cached_prefix = cached_prefix or []
-        held = self._blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
-        needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(held) - len(cached_prefix)
         revived = sum(1 for b in cached_prefix if b.ref_count == 0)
         if max(needed, 0) + revived > self.pool.num_free_blocks:
             if not held:
-                del self._blocks[request.request_id]
+                del self._blocks[request_id]
             return None
         self.pool.touch(cached_prefix)
         fresh = self.pool.allocate(max(needed, 0))
         held.extend(cached_prefix)
         held.extend(fresh)
-        self._publish_full_blocks(request, held, num_computed + num_new_tokens)
+        self._publish_full_blocks(request, held, num_total)
         return [b.block_id for b in cached_prefix] + [b.block_id for b in fresh]
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so the tail is evicted first."""
         held = self._blocks.pop(request.request_id, None)
+        self._num_published.pop(request.request_id, None)
         if held:
             self.pool.free(list(reversed(held)))
 
     def _publish_full_blocks(self, request: Request, held: list[KVBlock], num_tokens: int) -> None:
+        """Publish the blocks that became full since the last call (each step would otherwise walk them all)."""
         if not self.enable_prefix_caching:
             return
+        start = self._num_published.get(request.request_id, 0)
+        full = min(num_tokens // self.block_size, len(held))
+        if full <= start:
+            return
         hashes = self._update_hashes(request)
-        for block, block_hash in zip(held[: num_tokens // self.block_size], hashes):
-            self.pool.cache(block, block_hash)
+        for i in range(start, min(full, len(hashes))):
+            self.pool.cache(held[i], hashes[i])
+        self._num_published[request.request_id] = min(full, len(hashes))
 
     def _update_hashes(self, request: Request) -> list[BlockHash]:
         """Extend the request's chained block hashes (kept on the request across preemptions)."""

@@ -51,6 +51,9 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts; give one or "
                              "one per prompt")
+        # generate() returns finished outputs only, so the engine need not build one every step.
+        final = {id(p): p.replace(output_kind="final_only") for p in params_list}
+        params_list = [final[id(p)] for p in params_list]
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):

@@ -15,7 +15,7 @@ never reads a device value back to the host.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +57,8 @@ class SamplingMetadata:
     def build(
         cls,
         params: list[SamplingParams],
-        prompt_token_ids: list[list[int]],
-        output_token_ids: list[list[int]],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
         generators: list[torch.Generator | None],
         eos_token_id: int | None,
         vocab_size: int,
@@ -104,8 +104,8 @@ def _top_k(
 
 def _penalties(
     params: list[SamplingParams],
-    prompt_token_ids: list[list[int]],
-    output_token_ids: list[list[int]],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
     vocab_size: int,
     device: torch.device | str,
 ) -> dict[str, torch.Tensor | None]:
@@ -135,15 +135,16 @@ def _penalties(
 
 def _min_tokens(
     params: list[SamplingParams],
-    output_token_ids: list[list[int]],
+    output_token_ids: Sequence[Sequence[int]],
     eos_token_id: int | None,
     vocab_size: int,
     device: torch.device | str,
 ) -> dict[str, torch.Tensor | None]:
     rows: list[int] = []
     cols: list[int] = []
-    for row, (p, output) in enumerate(zip(params, output_token_ids)):
-        if len(output) >= p.min_tokens:
+    for row, p in enumerate(params):
+        # Indexing (not zipping) keeps lazily built token lists unbuilt for rows without min_tokens.
+        if not p.min_tokens or len(output_token_ids[row]) >= p.min_tokens:
             continue
         banned = set(p.stop_token_ids)
         if eos_token_id is not None and not p.ignore_eos:
@@ -156,7 +157,7 @@ def _min_tokens(
     return {"min_tokens_rows": _long(rows, device), "min_tokens_cols": _long(cols, device)}
 
 
-def _flatten(token_ids: list[list[int]], vocab_size: int) -> tuple[list[int], list[int]]:
+def _flatten(token_ids: Sequence[Sequence[int]], vocab_size: int) -> tuple[list[int], list[int]]:
     rows: list[int] = []
     cols: list[int] = []
     for row, ids in enumerate(token_ids):

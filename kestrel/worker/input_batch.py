@@ -1,4 +1,10 @@
-"""Turn the scheduled requests of one step into the model's flat inputs and AttentionMetadata."""
+"""Turn the scheduled requests of one step into the model's flat inputs and AttentionMetadata.
+
+Host time per step is a throughput limit at large batches (every microsecond per request is multiplied by
+hundreds of rows), so the inputs leave the host as three tensors: one int64 (ids, positions, slots, logits
+rows), one int32 (query starts, sequence lengths) and the block table, gathered from `BlockTable`, a
+persistent host copy that changes only when a request gets a new block.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None
+    block_table_row: int = -1  # this request's row in the runner's BlockTable
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -29,6 +36,44 @@ class CachedRequestState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+
+class BlockTable:
+    """Host block table `[max_rows, max_blocks_per_seq]` int32, one row per running request."""
+
+    def __init__(self, max_rows: int, max_blocks_per_seq: int) -> None:
+        self.table = torch.zeros(max_rows, max(max_blocks_per_seq, 1), dtype=torch.int32)
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self._lengths = [0] * max_rows
+
+    def add(self, block_ids: list[int]) -> int:
+        if not self._free_rows:
+            raise RuntimeError(f"block table full: {self.table.shape[0]} rows in use; more requests are running "
+                               "than max_num_seqs allows")
+        row = self._free_rows.pop()
+        self._lengths[row] = 0
+        self.append(row, block_ids)
+        return row
+
+    def append(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = self._lengths[row]
+        end = start + len(block_ids)
+        if end > self.table.shape[1]:
+            raise ValueError(f"request holds {end} blocks, more than max_blocks_per_seq={self.table.shape[1]}")
+        if len(block_ids) == 1:
+            self.table[row, start] = block_ids[0]
+        else:
+            self.table[row, start:end] = torch.tensor(block_ids, dtype=torch.int32)
+        self._lengths[row] = end
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def gather(self, rows: list[int], width: int) -> torch.Tensor:
+        """`[len(rows), width]`: entries past a row's own blocks are stale, never read by attention."""
+        return self.table[:, :width].index_select(0, torch.tensor(rows, dtype=torch.int64))
 
 
 @dataclass(frozen=True)
@@ -41,7 +86,7 @@ class ModelInputs:
 
 
 def build_model_inputs(states: list[CachedRequestState], num_scheduled: list[int], block_size: int,
-                       device: torch.device) -> ModelInputs:
+                       device: torch.device, block_table: BlockTable) -> ModelInputs:
     """Each request contributes its next `num_scheduled` tokens starting at `num_computed_tokens`."""
     input_ids: list[int] = []
     positions: list[int] = []
@@ -50,38 +95,52 @@ def build_model_inputs(states: list[CachedRequestState], num_scheduled: list[int
     seq_lens: list[int] = []
     logits_indices: list[int] = []
     sampled_rows: list[int] = []
+    rows: list[int] = []
+    max_blocks = 0
+    num_tokens = 0
     for row, (state, count) in enumerate(zip(states, num_scheduled)):
         start = state.num_computed_tokens
         end = start + count
-        input_ids.extend(state.token_ids[start:end])
-        positions.extend(range(start, end))
+        tokens = state.token_ids
         blocks = state.block_ids
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
-        query_start.append(query_start[-1] + count)
+        if count == 1:  # decode: the common case, kept free of per-token comprehensions
+            input_ids.append(tokens[start])
+            positions.append(start)
+            slots.append(blocks[start // block_size] * block_size + start % block_size)
+        else:
+            input_ids.extend(tokens[start:end])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
+        num_tokens += count
+        query_start.append(num_tokens)
         seq_lens.append(end)
-        if end == len(state.token_ids):
-            logits_indices.append(query_start[-1] - 1)
+        if end == len(tokens):
+            logits_indices.append(num_tokens - 1)
             sampled_rows.append(row)
-    max_blocks = max((len(s.block_ids) for s in states), default=0)
-    block_table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states]
+        rows.append(state.block_table_row)
+        if len(blocks) > max_blocks:
+            max_blocks = len(blocks)
     pin = device.type == "cuda"
-
-    def to_device(values, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=dtype, pin_memory=pin)
-        return tensor.to(device, non_blocking=True)
-
+    longs = torch.tensor(input_ids + positions + slots + logits_indices, dtype=torch.int64, pin_memory=pin)
+    ints = torch.tensor(query_start + seq_lens, dtype=torch.int32, pin_memory=pin)
+    table = block_table.gather(rows, max_blocks)
+    if pin:
+        longs = longs.to(device, non_blocking=True)
+        ints = ints.to(device, non_blocking=True)
+        table = table.pin_memory().to(device, non_blocking=True)
+    n, b = num_tokens, len(states)
     metadata = AttentionMetadata(
-        slot_mapping=to_device(slots, torch.int64),
-        query_start_loc=to_device(query_start, torch.int32),
-        seq_lens=to_device(seq_lens, torch.int32),
-        block_tables=to_device(block_table, torch.int32).reshape(len(states), max_blocks),
+        slot_mapping=longs[2 * n: 3 * n],
+        query_start_loc=ints[: b + 1],
+        seq_lens=ints[b + 1:],
+        block_tables=table,
         max_query_len=max(num_scheduled, default=0),
         max_seq_len=max(seq_lens, default=0),
     )
     return ModelInputs(
-        input_ids=to_device(input_ids, torch.int64),
-        positions=to_device(positions, torch.int64),
+        input_ids=longs[:n],
+        positions=longs[n: 2 * n],
         attn_metadata=metadata,
-        logits_indices=to_device(logits_indices, torch.int64),
+        logits_indices=longs[3 * n:],
         sampled_rows=sampled_rows,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -14,7 +15,7 @@ from kestrel.loader.hf_config import resolve_dtype
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.sample.sampler import Sampler, SamplingMetadata, to_logprob_dicts
 from kestrel.worker.cuda_graph import DecodeGraphRunner
-from kestrel.worker.input_batch import CachedRequestState, build_model_inputs
+from kestrel.worker.input_batch import BlockTable, CachedRequestState, build_model_inputs
 from kestrel.worker.kv_cache import (
     FP8_E4M3_MAX,
     KVCacheSpec,
@@ -68,6 +69,8 @@ class ModelRunner:
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
         self.requests: dict[str, CachedRequestState] = {}
+        max_blocks_per_seq = -(-(config.model.max_model_len or 1) // self.block_size)
+        self.block_table = BlockTable(config.scheduler.max_num_seqs, max_blocks_per_seq)
 
     # ----- KV cache scales (FP8 cache) -----------------------------------------------------------------
 
@@ -202,16 +205,21 @@ class ModelRunner:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             generator=generator,
+            block_table_row=self.block_table.add(new.block_ids),
         )
 
     def _apply_scheduler_output(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids | out.preempted_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.block_table.free(state.block_table_row)
         for new in out.new_requests:
             self._add(new)
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            if cached.new_block_ids:
+                state.block_ids.extend(cached.new_block_ids)
+                self.block_table.append(state.block_table_row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     # ----- the step -----------------------------------------------------------------------------
@@ -224,7 +232,7 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         states = [self.requests[rid] for rid in req_ids]
         counts = [out.num_scheduled_tokens[rid] for rid in req_ids]
-        inputs = build_model_inputs(states, counts, self.block_size, self.device)
+        inputs = build_model_inputs(states, counts, self.block_size, self.device, self.block_table)
         width = inputs.attn_metadata.block_tables.shape[1]
         if self.graph_runner is not None and self.graph_runner.can_run(counts, width):
             hidden = self.graph_runner.run(inputs)
@@ -241,8 +249,8 @@ class ModelRunner:
             rows = [states[i] for i in inputs.sampled_rows]
             meta = SamplingMetadata.build(
                 [s.sampling_params for s in rows],
-                [s.prompt_token_ids for s in rows],
-                [s.output_token_ids for s in rows],
+                _TokenLists(rows, prompt=True),
+                _TokenLists(rows, prompt=False),
                 [s.generator for s in rows],
                 self.eos_token_id,
                 logits.shape[-1],
@@ -288,3 +296,21 @@ class ModelRunner:
                     entries.append(entry)
             result[state.req_id] = entries
         return result
+
+
+class _TokenLists(Sequence[list[int]]):
+    """Each row's prompt (or output) token ids, sliced only when the sampler asks for that row: most steps
+    need none (no penalties, no min_tokens), and slicing every row's history costs O(context) per row."""
+
+    def __init__(self, states: list[CachedRequestState], prompt: bool) -> None:
+        self.states = states
+        self.prompt = prompt
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, row):  # type: ignore[override]
+        if isinstance(row, slice):
+            return [self[i] for i in range(*row.indices(len(self)))]
+        state = self.states[row]
+        return state.prompt_token_ids if self.prompt else state.output_token_ids
