@@ -38,12 +38,14 @@ def generate_all(engine: Engine, prompts: list[list[int]], output_len: int, tag:
     """Add every prompt, step until all finish (or `max_seconds` pass: the rest is aborted and the run
     marked truncated, its rates then count the tokens produced so far); elapsed seconds and token counts."""
     core = engine.core
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    # Outputs only at the end (as LLM.generate asks); tokens are counted by the scheduler, truncated runs too.
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, output_kind="final_only")
+    generated_before = core.scheduler.stats.num_generation_tokens
     common.synchronize(engine.runner.device)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         core.add_request(f"{tag}-{i}", prompt, params)
-    produced: dict[str, int] = {}
+    produced: set[str] = set()
     preemptions = finished = steps = 0
     truncated = False
     while core.has_unfinished_requests():
@@ -53,13 +55,13 @@ def generate_all(engine: Engine, prompts: list[list[int]], output_len: int, tag:
             break
         steps += 1
         for out in core.step():
-            produced[out.request_id] = len(out.outputs[0].token_ids)
+            produced.add(out.request_id)
             if out.finished:
                 finished += 1
                 preemptions += out.metrics.num_preemptions if out.metrics else 0
     common.synchronize(engine.runner.device)
     elapsed = time.perf_counter() - start
-    output_tokens = sum(produced.values())
+    output_tokens = core.scheduler.stats.num_generation_tokens - generated_before
     if not truncated and (finished != len(prompts) or output_tokens != len(prompts) * output_len):
         raise RuntimeError(f"{tag}: {finished}/{len(prompts)} requests finished with {output_tokens} output tokens; "
                            f"expected {len(prompts) * output_len}")
