@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kestrel.bench import common, standalone_main
+from kestrel.bench.checks import correctness_checks
 from kestrel.bench.common import Engine
 from kestrel.config import ConfigError
 from kestrel.sampling_params import SamplingParams
@@ -190,6 +191,12 @@ def summary(result: dict[str, Any]) -> str:
     for t in result["targets"]:
         lines.append(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {t['measured_ms']:.3f} ms "
                      f"(limit {t['limit_ms']:.3f})")
+    for c in result.get("checks", []):
+        detail = (f"{c['identical_sequences']}/{c['sequences']} identical" if "sequences" in c
+                  else ", ".join(f"batch {n}: {r['identical_sequences']}/{r['sequences']} identical"
+                                 for n, r in c["batches"].items()))
+        lines.append(f"{'PASS' if c['pass'] else 'FAIL'}  check: {c['check']} ({c['model']}, {c['dtype']}"
+                     f"{', ' + c['quantization'] if c.get('quantization') else ''}): {detail}")
     return "\n".join(lines)
 
 
@@ -255,6 +262,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--result-file", type=Path, default=None, help="write the JSON here (and the PNG beside it)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
+    p.add_argument("--no-checks", dest="checks", action="store_false",
+                   help="skip the correctness checks run first on a GPU (kestrel vs HF greedy, graphs vs eager)")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -285,6 +294,11 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     hf_modes = [] if args.hf_result else [m for m in args.hf_peer.split(",") if m and m != "none"]
     if any(m not in ("eager", "static-compile") for m in hf_modes):
         raise ConfigError(f"invalid --hf-peer={args.hf_peer!r}: expected eager, static-compile or none")
+    checks = []
+    if args.checks and device.type == "cuda":
+        common.log("correctness checks: kestrel-tiny vs HF transformers (bf16), CUDA graphs vs eager")
+        checks = correctness_checks(device.type)
+        common.release(None)
     ceilings = common.measure_ceilings(device)
     model_dir, load_format = common.prepare_model(args.model, args.arch, args.smoke, args.weights_dir,
                                                   bool(hf_modes), device)
@@ -324,7 +338,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         "graph_capture_s": getattr(engine.runner, "capture_seconds", None),
         "weight_bytes": common.weight_bytes(engine.runner.model),
         "kv_bytes_per_token": common.kv_bytes_per_token(engine.runner),
-        "rows": rows, "hf_peer": hf, "targets": evaluate_targets(rows, precision, args.smoke),
+        "rows": rows, "hf_peer": hf, "targets": evaluate_targets(rows, precision, args.smoke), "checks": checks,
     }
     print(summary(result))
     common.write_result(result, args.result_file)

@@ -86,3 +86,16 @@ def test_random_checkpoint_is_shared_and_reused(tmp_path: Path) -> None:
     assert common.weight_bytes(engine.runner.model)["total"] == hf_bytes
     embed = hf.model.embed_tokens.weight
     assert torch.equal(engine.runner.model.model.embed_tokens.weight, embed)
+
+
+def test_parity_check_agrees_with_hf_on_cpu() -> None:
+    """The benchmark's correctness check itself: kestrel-tiny vs transformers in float32 agree exactly, and a
+    corrupted output is reported with its first divergence."""
+    from kestrel.bench import checks
+    from kestrel.tiny import default_model_path
+
+    batch = checks.prompts(count=3, vocab=8000)
+    row = checks.parity_check(str(default_model_path()), "kestrel-tiny", "cpu", batch, dtype="float32", max_new=6)
+    assert row["pass"] and row["identical_sequences"] == 3 and row["token_agreement"] == 1.0
+    bad = checks.agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]])
+    assert bad["first_divergence"] == [None, 1] and bad["identical_sequences"] == 1
