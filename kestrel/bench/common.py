@@ -271,12 +271,13 @@ def load_hf_result(path: Path, suite: str, output_len: int, input_len: int | Non
 # ------------------------------------------------------------------------------------------------ output
 
 
-def write_result(result: dict[str, Any], path: Path | None) -> None:
+def write_result(result: dict[str, Any], path: Path | None, quiet: bool = False) -> None:
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def log(msg: str) -> None:

@@ -316,15 +316,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     common.log(f"engine built in {engine.build_s:.1f} s; KV cache {engine.runner.num_blocks} blocks")
     vocab = common.prompt_vocab(model_dir)
     eight_bit = args.quantization is not None
-    rows = []
-    for batch in batches:
-        for input_len in input_lens:
-            common.log(f"batch {batch} x prompt {input_len}")
-            row = measure_point(engine, batch, input_len, args.output_len, args.repeats, args.warmups, vocab)
-            add_roofline(row, engine, ceilings, eight_bit)
-            rows.append(row)
-    add_hf(rows, hf)
     precision = args.quantization or ("bf16" if args.dtype == "bfloat16" else args.dtype)
+    rows: list[dict[str, Any]] = []
     result = {
         "suite": "latency",
         "config": {"model": model_dir, "arch": None if args.model or args.smoke else args.arch,
@@ -338,8 +331,19 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         "graph_capture_s": getattr(engine.runner, "capture_seconds", None),
         "weight_bytes": common.weight_bytes(engine.runner.model),
         "kv_bytes_per_token": common.kv_bytes_per_token(engine.runner),
-        "rows": rows, "hf_peer": hf, "targets": evaluate_targets(rows, precision, args.smoke), "checks": checks,
+        "rows": rows, "hf_peer": hf, "targets": [], "checks": checks, "complete": False,
     }
+    for batch in batches:
+        for input_len in input_lens:
+            common.log(f"batch {batch} x prompt {input_len}")
+            row = measure_point(engine, batch, input_len, args.output_len, args.repeats, args.warmups, vocab)
+            add_roofline(row, engine, ceilings, eight_bit)
+            rows.append(row)
+            # Each finished point reaches the file at once: a run stopped by a job's time limit keeps them.
+            common.write_result(result, args.result_file, quiet=True)
+    add_hf(rows, hf)
+    result["targets"] = evaluate_targets(rows, precision, args.smoke)
+    result["complete"] = True
     print(summary(result))
     common.write_result(result, args.result_file)
     if args.result_file is not None and plot(result, args.result_file.with_suffix(".png")):
