@@ -9,8 +9,11 @@ import functools
 
 import torch
 
+from kestrel.kernels import activation as _activation
 from kestrel.kernels import attention as _attention
+from kestrel.kernels import norm as _norm
 from kestrel.kernels import quant_act as _quant_act
+from kestrel.kernels import rope_kv as _rope_kv
 from kestrel.kernels import scaled_mm as _scaled_mm
 from kestrel.kernels import store_kv as _store_kv
 
@@ -42,6 +45,22 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
 def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
     fn = _store_kv.store_kv if use_triton(key) else _store_kv.store_kv_ref
     fn(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def rope_store_kv(positions, q, k, v, cos_cache, sin_cache, rotary_dim, k_cache, v_cache, slot_mapping, k_scale=1.0,
+                  v_scale=1.0):
+    fn = _rope_kv.rope_store_kv if use_triton(q) else _rope_kv.rope_store_kv_ref
+    return fn(positions, q, k, v, cos_cache, sin_cache, rotary_dim, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    fn = _norm.rms_norm if use_triton(x) else _norm.rms_norm_ref
+    return fn(x, weight, eps, residual)
+
+
+def silu_mul(x):
+    fn = _activation.silu_mul if use_triton(x) else _activation.silu_mul_ref
+    return fn(x)
 
 
 def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None, azp_adj=None, azp=None):

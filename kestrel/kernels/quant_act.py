@@ -14,7 +14,6 @@ SiLU(gate) * up on a `[M, 2*I]` input (gate first). All math is fp32.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -22,6 +21,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kestrel.kernels import common
 
 FP8_MAX = 448.0
 SCALE_FLOOR = 1e-12
@@ -156,42 +157,6 @@ def _check_mode(dtype: torch.dtype, symmetric: bool) -> None:
 
 
 @triton.jit
-def _rint(y):
-    """Round half to even (libdevice.rint has no interpreter implementation)."""
-    f = tl.floor(y)
-    d = y - f
-    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
-
-
-@triton.jit
-def _round_e4m3(v):
-    """Nearest-even e4m3 grid point of v in [-448, 448], as fp32. Done by hand because the interpreter's
-    fp8 cast rounds wrongly; the GPU's cast then sees an exact value, so both agree bit for bit."""
-    a = tl.abs(v)
-    bits = a.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    subnormal = _rint(a * 512.0) * 0.001953125  # below 2^-6 the e4m3 grid step is 2^-9
-    r = tl.where(a < 0.015625, subnormal, normal)
-    return tl.where(v < 0, -r, r)
-
-
-@triton.jit
-def _round_bf16(x):
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _to_dtype(h, dtype: tl.constexpr, FAST: tl.constexpr):
-    """Round fp32 to `dtype` (nearest even): the GPU's cast, or by hand for the interpreter's bf16."""
-    if dtype == tl.bfloat16 and not FAST:
-        h = _round_bf16(h)
-    return h.to(dtype)
-
-
-@triton.jit
 def _produce(x_row, r_row, w_ptr, offs, mask, K, rstd, PRODUCER: tl.constexpr, FAST: tl.constexpr):
     """The fp32 activations of one chunk of a row (0 where masked)."""
     if PRODUCER == 3:
@@ -202,7 +167,7 @@ def _produce(x_row, r_row, w_ptr, offs, mask, K, rstd, PRODUCER: tl.constexpr, F
         y = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         if PRODUCER == 2:
             r = tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
-            y = _to_dtype(y + r, x_row.dtype.element_ty, FAST).to(tl.float32)
+            y = common.to_dtype(y + r, x_row.dtype.element_ty, FAST).to(tl.float32)
         if PRODUCER >= 1:
             w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             y = y * rstd * w
@@ -219,7 +184,7 @@ def _row_scale(row_hi, row_lo, QMODE: tl.constexpr):
         s = tl.maximum(tl.math.div_rn(tl.maximum(row_hi, -row_lo), 127.0), 1e-12)
     else:
         s = tl.maximum(tl.math.div_rn(row_hi - row_lo, 255.0), 1e-12)
-        z = _rint(-128.0 - tl.math.div_rn(row_lo, s))
+        z = common.rint(-128.0 - tl.math.div_rn(row_lo, s))
     return s, z
 
 
@@ -231,10 +196,10 @@ def _quantize(y, inv_s, z, q_dtype: tl.constexpr, QMODE: tl.constexpr, FAST: tl.
     if QMODE == 0:
         v = tl.minimum(tl.maximum(v, -448.0), 448.0)
         if not FAST:
-            v = _round_e4m3(v)
+            v = common.round_e4m3(v)
         q = v.to(q_dtype)
     else:
-        r = libdevice.rint(v) if FAST else _rint(v)
+        r = libdevice.rint(v) if FAST else common.rint(v)
         if QMODE == 1:
             q = tl.minimum(tl.maximum(r, -127.0), 127.0).to(q_dtype)
         else:
@@ -272,7 +237,7 @@ def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr
             y = tl.load(x_row + arange, mask=mask, other=0.0).to(tl.float32)
             if PRODUCER == 2:
                 r = tl.load(r_row + arange, mask=mask, other=0.0).to(tl.float32)
-                h = _to_dtype(y + r, x_row.dtype.element_ty, FAST)
+                h = common.to_dtype(y + r, x_row.dtype.element_ty, FAST)
                 tl.store(ro_row + arange, h, mask=mask)
                 y = h.to(tl.float32)
             if PRODUCER >= 1:
@@ -299,7 +264,7 @@ def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr
                 h = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
                 if PRODUCER == 2:
                     r = tl.load(r_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-                    h = _to_dtype(h + r, x_row.dtype.element_ty, FAST)
+                    h = common.to_dtype(h + r, x_row.dtype.element_ty, FAST)
                     tl.store(ro_row + offs, h, mask=offs < K)
                     h = h.to(tl.float32)
                 sumsq += h * h
@@ -329,26 +294,7 @@ def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr
 
 def _launch_options(x: torch.Tensor, block: int) -> dict:
     # ~16-32 fp32 values per thread keeps a whole row in registers without spilling.
-    opts: dict = {"num_warps": 4 if block <= 2048 else (8 if block <= 4096 else 16)}
-    if x.is_cuda:
-        pdl = _is_hopper_or_newer(x.device)
-        opts["launch_pdl"] = pdl
-        opts["USE_PDL"] = pdl
-    else:
-        opts["USE_PDL"] = False
-    opts["FAST"] = x.is_cuda
-    return opts
-
-
-@functools.cache
-def _capability_major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
-def _is_hopper_or_newer(device: torch.device) -> bool:
-    """Programmatic dependent launch (overlap with the previous kernel's tail) needs sm_90."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability_major(index) >= 9
+    return {"num_warps": 4 if block <= 2048 else (8 if block <= 4096 else 16), **common.launch_options(x)}
 
 
 def _launch(x: torch.Tensor, producer: int, dtype: torch.dtype, symmetric: bool,

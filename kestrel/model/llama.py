@@ -114,10 +114,9 @@ class LlamaAttention(nn.Module):
         return self.attend(positions, self.qkv_proj(hidden_states), attn_metadata)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """Everything after the qkv projection: RoPE, KV write, attention, o_proj."""
+        """Everything after the qkv projection: RoPE fused with the KV write, attention, o_proj."""
         q, k, v = self.qkv_proj.split_qkv(qkv)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
+        return self.o_proj(self.attn(q, k, v, attn_metadata, positions, self.rotary_emb))
 
 
 class LlamaMLP(nn.Module):

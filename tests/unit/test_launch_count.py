@@ -37,6 +37,13 @@ def test_fused_producers_launch_less(checkpoint: Path, quantization: str) -> Non
     assert fused < unfused
 
 
+def test_unquantized_layer_is_one_launch_per_op(checkpoint: Path) -> None:
+    """RMSNorm, qkv, RoPE + KV write, attention, o_proj, RMSNorm + residual, gate_up, SiLU-mul, down: each one
+    launch (the unfused PyTorch norms, rotary and SiLU-mul made this 46)."""
+    llm = LLM(str(checkpoint), dtype="float32", max_model_len=64, device="cpu", debug_launch_count=True)
+    assert llm.runner.launches_per_layer == 9
+
+
 def test_flag_is_validated(checkpoint: Path) -> None:
     with pytest.raises(ConfigError, match="debug_launch_count"):
         LLM(str(checkpoint), debug_launch_count="yes")

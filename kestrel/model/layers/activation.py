@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kestrel import ops
 
 
 class SiluAndMul(nn.Module):
-    """`[..., 2*I]` (gate then up, as gate_up_proj lays them out) -> `silu(gate) * up` of `[..., I]`."""
+    """`[..., 2*I]` (gate then up, as gate_up_proj lays them out) -> `silu(gate) * up` of `[..., I]`, computed
+    in fp32 and rounded once (one `ops.silu_mul` launch)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return ops.silu_mul(x)

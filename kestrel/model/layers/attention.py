@@ -1,4 +1,5 @@
-"""The attention layer: write this step's K/V into the paged cache, then attend over it."""
+"""The attention layer: write this step's K/V into the paged cache (rotating q and k on the way when given the
+rotary embedding), then attend over it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from torch import nn
 
 from kestrel import ops
 from kestrel.model.attn_metadata import AttentionMetadata
+from kestrel.model.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -41,24 +43,30 @@ class Attention(nn.Module):
         self.k_scale = float(k_scale)
         self.v_scale = float(v_scale)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """q `[T, H*D]`, k and v `[T, H_kv*D]` -> `[T, H*D]`."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata,
+                positions: torch.Tensor | None = None, rotary_emb: RotaryEmbedding | None = None) -> torch.Tensor:
+        """q `[T, H*D]`, k and v `[T, H_kv*D]` -> `[T, H*D]`. With `rotary_emb` (and `positions`), q and k are
+        rotated first, in the same launch as the KV write (`ops.rope_store_kv`)."""
         if self.kv_cache is None:
             raise RuntimeError(
                 f"attention layer {self.layer_idx} has no KV cache; the model runner must call "
                 "bind_kv_cache() on every layer of model.attention_layers() before forward()"
             )
         num_tokens = q.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_size)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
-        ops.store_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping, self.k_scale, self.v_scale)
+        if rotary_emb is None:
+            k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+            ops.store_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping, self.k_scale, self.v_scale)
+        else:
+            if positions is None:
+                raise ValueError(f"attention layer {self.layer_idx}: rotary_emb given without positions")
+            q = rotary_emb.rotate_and_store_kv(positions, q, k, v, k_cache, v_cache, attn_metadata.slot_mapping,
+                                               self.k_scale, self.v_scale)
         out = ops.paged_attention(
-            q, k_cache, v_cache, attn_metadata.query_start_loc, attn_metadata.seq_lens,
-            attn_metadata.block_tables, self.scale, self.sliding_window, self.k_scale, self.v_scale,
-            max_query_len=attn_metadata.max_query_len,
+            q.view(num_tokens, self.num_heads, self.head_size), k_cache, v_cache, attn_metadata.query_start_loc,
+            attn_metadata.seq_lens, attn_metadata.block_tables, self.scale, self.sliding_window, self.k_scale,
+            self.v_scale, max_query_len=attn_metadata.max_query_len,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)
 

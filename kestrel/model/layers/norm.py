@@ -1,10 +1,11 @@
-"""RMSNorm with an optional fused residual add, numerically matching Hugging Face Llama."""
+"""RMSNorm with an optional fused residual add, numerically matching Hugging Face Llama: one `ops.rms_norm`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kestrel import ops
 from kestrel.model.layers.weights import default_weight_loader
 
 
@@ -15,20 +16,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        # HF casts back to the input dtype before scaling by the weight.
-        return self.weight * x32.to(x.dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`norm(x)`, or with a residual: `(norm(x + residual), x + residual)`."""
-        if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
+        """`norm(x)`, or with a residual: `(norm(x + residual), x + residual)`. HF numerics: normalized in
+        fp32, cast back to the input dtype, then scaled by the weight."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

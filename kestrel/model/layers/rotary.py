@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kestrel import ops
 from kestrel.config import ConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -86,6 +87,17 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim // 2]
         sin = self.sin_cache[positions].unsqueeze(1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def rotate_and_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        """Rotated q `[T, H*D]` (a new tensor); rotated k and v written into the caches
+        `[num_blocks, block_size, H_kv, D]` by slot (-1: nowhere), in one `ops.rope_store_kv` launch. Unlike
+        `forward`, which rotates in the activations' dtype as HF does, this rotates in fp32 and rounds once."""
+        if k_cache.shape[-1] != self.head_size:
+            raise ValueError(f"KV cache head size {k_cache.shape[-1]} != rotary head size {self.head_size}")
+        return ops.rope_store_kv(positions, q, k, v, self.cos_cache, self.sin_cache, self.rotary_dim, k_cache,
+                                 v_cache, slot_mapping, k_scale, v_scale)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -1,0 +1,87 @@
+"""Helpers shared by the elementwise kernels: nearest-even rounding that Triton's interpreter gets right, and
+the programmatic-dependent-launch options.
+
+On the GPU (`FAST`) the hardware conversions round to nearest even. Triton's CPU interpreter truncates
+fp32 -> bf16 and drops the mantissa carry in fp32 -> e4m3, so off the GPU the kernels round by hand to an
+exactly representable fp32 value first; then both paths agree bit for bit.
+
+Kernels call these through the module (`common.to_dtype(...)`), never through a name imported into their own
+module: the kernel tests reload modules in interpreter mode in import order, and a name bound before that
+reload would still hold the compiled function.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_E4M3_MAX = 448.0
+
+
+@triton.jit
+def rint(y):
+    """Round half to even (libdevice.rint has no interpreter implementation)."""
+    f = tl.floor(y)
+    d = y - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit
+def round_e4m3(v):
+    """Nearest-even e4m3 grid point of v in [-448, 448], as fp32."""
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    subnormal = rint(a * 512.0) * 0.001953125  # below 2^-6 the e4m3 grid step is 2^-9
+    r = tl.where(a < 0.015625, subnormal, normal)
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def round_bf16(x):
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_dtype(h, dtype: tl.constexpr, FAST: tl.constexpr):
+    """Round fp32 to `dtype` (nearest even): the GPU's cast, or by hand for the interpreter's bf16."""
+    if dtype == tl.bfloat16 and not FAST:
+        h = round_bf16(h)
+    return h.to(dtype)
+
+
+@triton.jit
+def to_cache(x, scale, dtype: tl.constexpr, FP8: tl.constexpr, FAST: tl.constexpr):
+    """fp32 `x` as stored in a KV cache of `dtype`: an FP8 cache holds x / scale saturated to +-448."""
+    if FP8:
+        y = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+        if not FAST:
+            y = round_e4m3(y)
+        return y.to(dtype)
+    return to_dtype(x, dtype, FAST)
+
+
+def launch_options(x: torch.Tensor) -> dict:
+    """`FAST` and `USE_PDL` constexprs plus the launch's PDL flag: overlap with the previous kernel's tail."""
+    pdl = x.is_cuda and _is_hopper_or_newer(x.device)
+    opts: dict = {"FAST": x.is_cuda, "USE_PDL": pdl}
+    if x.is_cuda:
+        opts["launch_pdl"] = pdl
+    return opts
+
+
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def _is_hopper_or_newer(device: torch.device) -> bool:
+    """Programmatic dependent launch needs sm_90."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability_major(index) >= 9

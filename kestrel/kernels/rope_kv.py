@@ -1,0 +1,172 @@
+"""Rotary embedding of q and k fused with the paged KV-cache write, in one launch.
+
+Neox layout: in each head the two halves of the first `rotary_dim` dims rotate together
+(`x1 * cos - x2 * sin`, `x2 * cos + x1 * sin`) by the position's angles; dims past `rotary_dim` pass through.
+The rotation is done in fp32 with the fp32 cos/sin tables and rounded once: rotated q to q's dtype (a new
+contiguous tensor), rotated k straight into the K cache (rounded to the cache's dtype, or stored as
+k / k_scale saturated to +-448 in an FP8 cache, like `store_kv`). V is written as `store_kv` writes it. Rows
+whose slot is -1 write nothing into either cache; their q is still rotated.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kestrel.kernels import common
+from kestrel.kernels.store_kv import store_kv_ref
+
+_GROUP_ELEMENTS = 1024  # (head, dim) elements per program
+
+
+def rope_store_kv_ref(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    rotary_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """q `[T, H*D]`, k and v `[T, H_kv*D]`, caches `[num_blocks, block_size, H_kv, D]` -> rotated q `[T, H*D]`."""
+    num_tokens, head_size = q.shape[0], k_cache.shape[-1]
+    cos = cos_cache[positions].float().unsqueeze(1)  # [T, 1, rotary_dim // 2]
+    sin = sin_cache[positions].float().unsqueeze(1)
+    k_rot = _rotate_ref(k, cos, sin, rotary_dim, head_size)
+    store_kv_ref(k_rot, v.reshape(num_tokens, -1, head_size), k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return _rotate_ref(q, cos, sin, rotary_dim, head_size).to(q.dtype).reshape(num_tokens, -1)
+
+
+def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+                head_size: int) -> torch.Tensor:
+    """fp32 `[T, heads, head_size]`."""
+    x = x.float().reshape(x.shape[0], -1, head_size)
+    half = rotary_dim // 2
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
+# ------------------------------------------------------------------------------------------------ Triton
+
+
+@triton.jit
+def _rotated(row_ptr, h, d, mask, cos, sin, HALF: tl.constexpr, HEAD: tl.constexpr):
+    """fp32 rotated `[GROUP, HEAD_PAD]` tile of heads `h` of one token row (0 where masked)."""
+    first = d < HALF
+    rot = d < 2 * HALF
+    partner = tl.where(first, d + HALF, d - HALF)
+    x = tl.load(row_ptr + h[:, None] * HEAD + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    p = tl.load(row_ptr + h[:, None] * HEAD + partner[None, :], mask=mask & rot[None, :], other=0.0).to(tl.float32)
+    y = tl.where(first[None, :], x * cos[None, :] - p * sin[None, :], x * cos[None, :] + p * sin[None, :])
+    return tl.where(rot[None, :], y, x)
+
+
+@triton.jit
+def _rope_store_kv_kernel(
+    pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_scale, v_scale,
+    stride_q, stride_k, stride_v, stride_qo, stride_cos, stride_sin,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+    HALF: tl.constexpr, GROUP: tl.constexpr, Q_GROUPS: tl.constexpr, KV_GROUPS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr, FAST: tl.constexpr,
+):
+    """Program (token, group): groups of GROUP heads, first those of q, then k, then v."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    d = tl.arange(0, HEAD_PAD)
+    if g < Q_GROUPS + KV_GROUPS:
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        j = tl.where(d < HALF, d, d - HALF)
+        rot = d < 2 * HALF
+        cos = tl.load(cos_ptr + pos * stride_cos + j, mask=rot, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_sin + j, mask=rot, other=0.0).to(tl.float32)
+        if g < Q_GROUPS:
+            h = g * GROUP + tl.arange(0, GROUP)
+            mask = (h < NUM_HEADS)[:, None] & (d < HEAD)[None, :]
+            y = _rotated(q_ptr + t * stride_q, h, d, mask, cos, sin, HALF, HEAD)
+            tl.store(q_out_ptr + t * stride_qo + h[:, None] * HEAD + d[None, :],
+                     common.to_dtype(y, q_out_ptr.dtype.element_ty, FAST), mask=mask)
+        else:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            h = (g - Q_GROUPS) * GROUP + tl.arange(0, GROUP)
+            mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD)[None, :]
+            y = _rotated(k_ptr + t * stride_k, h, d, mask, cos, sin, HALF, HEAD)
+            dst = (k_cache_ptr + (slot // BLOCK_SIZE) * stride_kcb + (slot % BLOCK_SIZE) * stride_kct
+                   + h[:, None] * stride_kch + d[None, :])
+            tl.store(dst, common.to_cache(y, k_scale, k_cache_ptr.dtype.element_ty, K_FP8, FAST),
+                     mask=mask & (slot >= 0))
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        h = (g - Q_GROUPS - KV_GROUPS) * GROUP + tl.arange(0, GROUP)
+        mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD)[None, :] & (slot >= 0)
+        x = tl.load(v_ptr + t * stride_v + h[:, None] * HEAD + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        dst = (v_cache_ptr + (slot // BLOCK_SIZE) * stride_vcb + (slot % BLOCK_SIZE) * stride_vct
+               + h[:, None] * stride_vch + d[None, :])
+        tl.store(dst, common.to_cache(x, v_scale, v_cache_ptr.dtype.element_ty, V_FP8, FAST), mask=mask)
+
+
+def rope_store_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    rotary_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Triton `rope_store_kv_ref`. q, k and v may be column slices of one qkv tensor (strided rows)."""
+    num_tokens = q.shape[0]
+    _, block_size, num_kv_heads, head_size = k_cache.shape
+    num_heads = q.shape[-1] // head_size
+    q, k, v = (_rows(x, num_tokens) for x in (q, k, v))
+    half = rotary_dim // 2
+    if q.shape[1] != num_heads * head_size or k.shape[1] != num_kv_heads * head_size or v.shape[1] != k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit heads of "
+                         f"{head_size} and a cache of {num_kv_heads} KV heads")
+    if rotary_dim % 2 or rotary_dim > head_size or cos_cache.shape[-1] != half or sin_cache.shape[-1] != half:
+        raise ValueError(f"rotary_dim {rotary_dim} does not fit head size {head_size} and cos/sin tables of "
+                         f"{cos_cache.shape[-1]} / {sin_cache.shape[-1]} columns")
+    if any(x.stride(-1) != 1 for x in (cos_cache, sin_cache, k_cache, v_cache)):
+        raise ValueError("the cos/sin tables and the caches must have a contiguous last dimension")
+    q_out = torch.empty((num_tokens, num_heads * head_size), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    head_pad = triton.next_power_of_2(head_size)
+    group = min(triton.next_power_of_2(num_kv_heads), max(1, _GROUP_ELEMENTS // head_pad))
+    q_groups, kv_groups = triton.cdiv(num_heads, group), triton.cdiv(num_kv_heads, group)
+    fp8 = torch.float8_e4m3fn
+    _rope_store_kv_kernel[(num_tokens, q_groups + 2 * kv_groups)](
+        positions, q, k, v, cos_cache, sin_cache, q_out, k_cache, v_cache, slot_mapping,
+        float(k_scale), float(v_scale),
+        q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), cos_cache.stride(0), sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD=head_size, HEAD_PAD=head_pad, HALF=half,
+        GROUP=group, Q_GROUPS=q_groups, KV_GROUPS=kv_groups, BLOCK_SIZE=block_size,
+        K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, num_warps=4, **common.launch_options(q),
+    )
+    return q_out
+
+
+def _rows(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """`[T, heads * D]` with a unit last stride; strided rows are kept."""
+    if x.dim() != 2:
+        x = x.reshape(num_tokens, -1)
+    return x if x.stride(-1) == 1 else x.contiguous()
