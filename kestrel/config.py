@@ -119,10 +119,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
+    # Schedule and launch step N+1 while step N runs on the device; its sampled ids feed N+1 on the device and
+    # reach the host one step later (stop checks lag a step; batches needing the host's view of the latest
+    # token, such as penalties, run synchronously).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        if not isinstance(self.async_scheduling, bool):
+            _fail("async_scheduling", self.async_scheduling, "expected True or False")
 
 
 @dataclass(frozen=True)
@@ -216,6 +222,7 @@ _KWARG_TO_FIELD: dict[str, tuple[str, str]] = {
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
+    "async_scheduling": ("scheduler", "async_scheduling"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "quantization": ("quant", "method"),
     "activation_scheme": ("quant", "activation_scheme"),

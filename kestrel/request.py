@@ -54,6 +54,9 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens already scheduled to be sampled whose ids the host does not know yet (async scheduling: at most
+    # the one of the step in flight once the step before it is collected).
+    num_pending_tokens: int = 0
     # Chained hashes of the request's full blocks, kept across preemption so resumption hits the cache.
     block_hashes: list = field(default_factory=list)
     num_cached_tokens: int = -1

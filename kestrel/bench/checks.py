@@ -5,6 +5,7 @@
    Where they diverge, the float32 logit margin between the two candidates at the first divergence is
    recorded: a margin within bf16's rounding of the logits explains the divergence.
 2. CUDA-graph vs eager decoding in kestrel: identical tokens (a padded bucket and an exact one), BF16 and FP8.
+3. Async scheduling vs synchronous steps: identical greedy tokens.
 """
 
 from __future__ import annotations
@@ -124,6 +125,17 @@ def graph_check(model_dir: str, name: str, device: str, batch: list[list[int]],
             "batches": {str(n): r for n, r in rows.items()}, "pass": identical}
 
 
+def async_check(model_dir: str, name: str, device: str, batch: list[list[int]]) -> dict[str, Any]:
+    """Async scheduling (step N+1 launched before step N's tokens reach the host) vs synchronous steps:
+    identical greedy tokens, BF16, CUDA graphs on."""
+    kwargs = {"dtype": "bfloat16", "max_num_seqs": 16}
+    sync = kestrel_greedy(model_dir, batch, device, **kwargs)
+    overlapped = kestrel_greedy(model_dir, batch, device, async_scheduling=True, **kwargs)
+    row = agreement(overlapped, sync)
+    return {"check": "async scheduling vs synchronous", "model": name, "dtype": "bfloat16", **row,
+            "pass": row["identical_sequences"] == row["sequences"]}
+
+
 def correctness_checks(device: str = "cuda", random_archs: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Run every check; a failing check is recorded (with `pass: False`), never raised."""
     tiny = str(default_model_path())
@@ -137,6 +149,7 @@ def correctness_checks(device: str = "cuda", random_archs: tuple[str, ...] = ())
     if device == "cuda":
         for quantization in (None, "fp8"):
             results.append(graph_check(tiny, "kestrel-tiny (trained Llama)", device, batch, quantization))
+        results.append(async_check(tiny, "kestrel-tiny (trained Llama)", device, batch))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return results

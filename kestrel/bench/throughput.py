@@ -204,7 +204,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     engine = common.build_engine(
         model_dir, dtype=args.dtype, device=device.type, load_format=load_format, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, enable_prefix_caching=False,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
+        async_scheduling=args.async_scheduling, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
         max_model_len=args.input_len + args.output_len + 1, gpu_memory_utilization=args.gpu_memory_utilization)
     generate_all(engine, common.random_prompts(1, args.input_len, vocab, seed=0), 1, "first")
     startup = time.perf_counter() - started
@@ -223,7 +224,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         "config": {"model": model_dir, "arch": None if args.model or args.smoke else args.arch,
                    "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
                    "precision": precision, "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
-                   "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+                   "async_scheduling": args.async_scheduling, "num_prompts": args.num_prompts,
+                   "input_len": args.input_len, "output_len": args.output_len,
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "kv_cache_blocks": engine.runner.num_blocks, "smoke": args.smoke},
         "environment": common.environment(device),

@@ -65,3 +65,13 @@ class Runner(Protocol):
     """What the engine needs from a worker: run one scheduled step."""
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class AsyncRunner(Runner, Protocol):
+    """A worker that can enqueue a step and return before it finishes (async scheduling): `execute(s)` is
+    `collect(launch(s))`, and a step launched while another is in flight reads that one's sampled ids on the
+    device."""
+
+    def launch(self, scheduler_output: SchedulerOutput) -> object: ...
+
+    def collect(self, launched: object) -> ModelRunnerOutput: ...

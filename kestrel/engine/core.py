@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kestrel.config import ConfigError, EngineConfig
-from kestrel.engine.contracts import Runner
+from kestrel.engine.contracts import ModelRunnerOutput, Runner, SchedulerOutput
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.scheduler import Scheduler
 from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -42,6 +42,15 @@ class _ParentRequest:
         return all(seq.status.finished for seq in self.sequences)
 
 
+_NOTHING_PLACED = ("the scheduler could not place any request; the KV cache is too small for the waiting "
+                   "prompts")
+
+
+def _needs_latest_tokens(params: SamplingParams) -> bool:
+    """Sampling that reads the request's tokens on the host each step cannot lag one step behind."""
+    return params.has_penalties or params.min_tokens > 0 or params.prompt_logprobs is not None
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner, num_blocks: int, tokenizer: Any,
                  eos_token_id: int | None) -> None:
@@ -60,6 +69,11 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len)
         self._parents: dict[str, _ParentRequest] = {}
         self._sequence_parent: dict[str, _ParentRequest] = {}
+        self.async_scheduling = config.scheduler.async_scheduling
+        if self.async_scheduling and not (hasattr(runner, "launch") and hasattr(runner, "collect")):
+            raise ConfigError(f"invalid async_scheduling=True: the runner {type(runner).__name__} cannot launch a "
+                              "step without waiting for it; use async_scheduling=False")
+        self._pending: tuple[SchedulerOutput, Any] | None = None  # the launched step not yet collected
 
     # ----- requests -----------------------------------------------------------------------------
 
@@ -109,7 +123,7 @@ class EngineCore:
                 self._sequence_parent.pop(child_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._pending is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -119,14 +133,51 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return an output for every request that made progress (for
-        `output_kind="final_only"` requests, only once they finish)."""
+        `output_kind="final_only"` requests, only once they finish).
+
+        Under async scheduling the step launched here is collected by the next call, so the outputs returned
+        are those of the step before; a batch that needs the host's view of every token (penalties,
+        min_tokens, prompt logprobs) runs synchronously."""
+        if not self.async_scheduling:
+            return self._step_sync()
+        if self._needs_sync():
+            return self._collect_pending() + self._step_sync()
+        launched = None
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.is_empty:
+                launched = (scheduler_output, self.runner.launch(scheduler_output))
+            elif self._pending is None:
+                raise RuntimeError(_NOTHING_PLACED)
+        outputs = self._collect_pending()
+        self._pending = launched
+        if launched is not None and not self.scheduler.has_unfinished_requests():
+            # Every request of the step in flight has finished meanwhile: settle it now, so an idle engine
+            # holds nothing in flight.
+            outputs += self._collect_pending()
+        return outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            raise RuntimeError("the scheduler could not place any request; the KV cache is too small for the "
-                               "waiting prompts")
-        runner_output = self.runner.execute(scheduler_output)
+            raise RuntimeError(_NOTHING_PLACED)
+        return self._process(scheduler_output, self.runner.execute(scheduler_output))
+
+    def _collect_pending(self) -> list[RequestOutput]:
+        if self._pending is None:
+            return []
+        scheduler_output, launched = self._pending
+        self._pending = None
+        return self._process(scheduler_output, self.runner.collect(launched))
+
+    def _needs_sync(self) -> bool:
+        scheduler = self.scheduler
+        return any(_needs_latest_tokens(r.sampling_params) for queue in (scheduler.running, scheduler.waiting)
+                   for r in queue)
+
+    def _process(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         updated = self.scheduler.update(scheduler_output, runner_output)
         touched: dict[str, _ParentRequest] = {}
         now = time.monotonic()

@@ -89,7 +89,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_pending_tokens and (
+                    request.num_output_tokens + request.num_pending_tokens >= request.max_tokens):
+                index += 1  # its token in flight is its last: it finishes when that token arrives
+                continue
+            num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
             block_ids = self.kv.allocate(request, num_new)
             while block_ids is None:
                 victim = self.running.pop()
@@ -109,6 +113,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted_now
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted with a token in flight: readmitted once that token is known
             cached_prefix, num_cached = self.kv.find_cached_prefix(request)
             num_new = request.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -130,7 +136,10 @@ class Scheduler:
 
         output = self._build_output(num_scheduled, new_block_ids)
         for request_id, num_new in num_scheduled.items():
-            self.requests[request_id].num_computed_tokens += num_new
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+                request.num_pending_tokens += 1  # this step samples the request's next token
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += output.total_num_scheduled_tokens
         return output
@@ -181,7 +190,10 @@ class Scheduler:
         for i, request_id in enumerate(runner_output.req_ids):
             request = self.requests.get(request_id)
             token_id = runner_output.sampled_token_ids[i]
-            if request is None or request.is_finished or token_id is None:
+            if request is None or token_id is None:
+                continue
+            request.num_pending_tokens = max(request.num_pending_tokens - 1, 0)
+            if request.is_finished:
                 continue
             request.append_output_token(token_id)
             if runner_output.logprobs and runner_output.logprobs[i] is not None:
@@ -191,7 +203,8 @@ class Scheduler:
             self.stats.num_generation_tokens += 1
             status = self._stop_status(request, token_id)
             if status is not None:
-                self.running.remove(request)
+                # Under async scheduling the request may have been preempted while its token was in flight.
+                (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
                 self._finish(request, status)
             updated.append(request)
         return updated

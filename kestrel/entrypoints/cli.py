@@ -39,6 +39,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     group.add_argument("--debug-launch-count", action="store_true",
                        help="log the kernel launches of one decoder layer's decode step")
+    group.add_argument("--async-scheduling", action="store_true",
+                       help="overlap the host side of each step with the device work of the previous one")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -58,6 +60,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "enforce_eager": args.enforce_eager,
         "debug_launch_count": args.debug_launch_count,
+        "async_scheduling": args.async_scheduling,
     }
 
 

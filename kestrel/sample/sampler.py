@@ -71,7 +71,7 @@ class SamplingMetadata:
         requested = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=_tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy_mask=_to_device(greedy, torch.bool, device),
             all_greedy=all(greedy),
             all_random=not any(greedy),
             top_k=top_k,
@@ -86,7 +86,15 @@ class SamplingMetadata:
 
 
 def _tensor(values: list[float], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return _to_device(values, torch.float32, device)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Through pinned memory and a non-blocking copy on CUDA: a plain copy from pageable memory would wait for
+    all queued device work, which async scheduling must not."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _any_random(params: list[SamplingParams], uses: Callable[[SamplingParams], bool]) -> bool:
@@ -99,7 +107,7 @@ def _top_k(
     if not _any_random(params, lambda p: 0 < p.top_k < vocab_size):
         return None, vocab_size
     ks = [p.top_k if 0 < p.top_k < vocab_size and not p.greedy else vocab_size for p in params]
-    return torch.tensor(ks, dtype=torch.int64, device=device), max(ks)
+    return _to_device(ks, torch.int64, device), max(ks)
 
 
 def _penalties(
@@ -168,7 +176,7 @@ def _flatten(token_ids: Sequence[Sequence[int]], vocab_size: int) -> tuple[list[
 
 
 def _long(values: list[int], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return _to_device(values, torch.int64, device)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,10 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = None
     block_table_row: int = -1  # this request's row in the runner's BlockTable
+    # Async scheduling: tokens sampled by launched steps but not yet collected into `token_ids`, and the row
+    # of the latest one in the runner's `last_sampled` device tensor.
+    num_pending: int = 0
+    pending_row: int = -1
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -86,8 +90,12 @@ class ModelInputs:
 
 
 def build_model_inputs(states: list[CachedRequestState], num_scheduled: list[int], block_size: int,
-                       device: torch.device, block_table: BlockTable) -> ModelInputs:
-    """Each request contributes its next `num_scheduled` tokens starting at `num_computed_tokens`."""
+                       device: torch.device, block_table: BlockTable,
+                       last_sampled: torch.Tensor | None = None) -> ModelInputs:
+    """Each request contributes its next `num_scheduled` tokens starting at `num_computed_tokens`.
+
+    A position past the request's known tokens (its token is still in flight: async scheduling) is filled
+    on the device from `last_sampled`, the sampled ids of the step launched before this one."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -96,39 +104,54 @@ def build_model_inputs(states: list[CachedRequestState], num_scheduled: list[int
     logits_indices: list[int] = []
     sampled_rows: list[int] = []
     rows: list[int] = []
+    fill_dst: list[int] = []  # input rows whose token is taken from last_sampled[fill_src]
+    fill_src: list[int] = []
     max_blocks = 0
     num_tokens = 0
     for row, (state, count) in enumerate(zip(states, num_scheduled)):
         start = state.num_computed_tokens
         end = start + count
         tokens = state.token_ids
+        known = len(tokens)
         blocks = state.block_ids
         if count == 1:  # decode: the common case, kept free of per-token comprehensions
-            input_ids.append(tokens[start])
+            input_ids.append(tokens[start] if start < known else 0)
             positions.append(start)
             slots.append(blocks[start // block_size] * block_size + start % block_size)
         else:
             input_ids.extend(tokens[start:end])
+            input_ids.extend([0] * (end - max(known, start)) if end > known else ())
             positions.extend(range(start, end))
             slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
+        if end > known:
+            if end - known != 1 or state.num_pending != 1 or last_sampled is None:
+                raise RuntimeError(f"request {state.req_id}: positions {known}..{end} are not computed yet "
+                                   f"({state.num_pending} token(s) in flight)")
+            fill_dst.append(num_tokens + count - 1)
+            fill_src.append(state.pending_row)
         num_tokens += count
         query_start.append(num_tokens)
         seq_lens.append(end)
-        if end == len(tokens):
+        if end >= known:
             logits_indices.append(num_tokens - 1)
             sampled_rows.append(row)
         rows.append(state.block_table_row)
         if len(blocks) > max_blocks:
             max_blocks = len(blocks)
     pin = device.type == "cuda"
-    longs = torch.tensor(input_ids + positions + slots + logits_indices, dtype=torch.int64, pin_memory=pin)
+    longs = torch.tensor(input_ids + positions + slots + logits_indices + fill_dst + fill_src, dtype=torch.int64,
+                         pin_memory=pin)
     ints = torch.tensor(query_start + seq_lens, dtype=torch.int32, pin_memory=pin)
     table = block_table.gather(rows, max_blocks)
     if pin:
         longs = longs.to(device, non_blocking=True)
         ints = ints.to(device, non_blocking=True)
         table = table.pin_memory().to(device, non_blocking=True)
-    n, b = num_tokens, len(states)
+    n, b, s = num_tokens, len(states), len(logits_indices)
+    if fill_dst:
+        f = 3 * n + s
+        dst, src = longs[f: f + len(fill_dst)], longs[f + len(fill_dst):]
+        longs[:n].index_copy_(0, dst, last_sampled.index_select(0, src))
     metadata = AttentionMetadata(
         slot_mapping=longs[2 * n: 3 * n],
         query_start_loc=ints[: b + 1],
@@ -141,6 +164,6 @@ def build_model_inputs(states: list[CachedRequestState], num_scheduled: list[int
         input_ids=longs[:n],
         positions=longs[n: 2 * n],
         attn_metadata=metadata,
-        logits_indices=longs[3 * n:],
+        logits_indices=longs[3 * n: 3 * n + s],
         sampled_rows=sampled_rows,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -13,7 +14,7 @@ from kestrel.engine.contracts import ModelRunnerOutput, NewRequestData, Schedule
 from kestrel.loader import load_model
 from kestrel.loader.hf_config import resolve_dtype
 from kestrel.model.attn_metadata import AttentionMetadata
-from kestrel.sample.sampler import Sampler, SamplingMetadata, to_logprob_dicts
+from kestrel.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, to_logprob_dicts
 from kestrel.worker.cuda_graph import DecodeGraphRunner
 from kestrel.worker.input_batch import BlockTable, CachedRequestState, build_model_inputs
 from kestrel.worker.kv_cache import (
@@ -71,6 +72,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         max_blocks_per_seq = -(-(config.model.max_model_len or 1) // self.block_size)
         self.block_table = BlockTable(config.scheduler.max_num_seqs, max_blocks_per_seq)
+        self._last_sampled: torch.Tensor | None = None  # sampled ids of the latest launched step, on the device
 
     # ----- KV cache scales (FP8 cache) -----------------------------------------------------------------
 
@@ -226,13 +228,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Enqueue one step on the device and return at once; `collect` waits for its sampled ids.
+
+        A row whose input token was sampled by the step still in flight reads it on the device
+        (`last_sampled`), so the next step can be launched before the host knows that token.
+        """
         self._apply_scheduler_output(out)
         req_ids = list(out.num_scheduled_tokens)
         if not req_ids:
-            return ModelRunnerOutput([], [])
+            return LaunchedStep(req_ids, [], [], None, None, None, {})
         states = [self.requests[rid] for rid in req_ids]
         counts = [out.num_scheduled_tokens[rid] for rid in req_ids]
-        inputs = build_model_inputs(states, counts, self.block_size, self.device, self.block_table)
+        inputs = build_model_inputs(states, counts, self.block_size, self.device, self.block_table,
+                                    self._last_sampled)
         width = inputs.attn_metadata.block_tables.shape[1]
         if self.graph_runner is not None and self.graph_runner.can_run(counts, width):
             hidden = self.graph_runner.run(inputs)
@@ -241,29 +253,49 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(states, counts, inputs.attn_metadata.query_start_loc, hidden)
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
+        if not inputs.sampled_rows:
+            return LaunchedStep(req_ids, [], [], None, None, None, prompt_logprobs)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        rows = [states[i] for i in inputs.sampled_rows]
+        meta = SamplingMetadata.build(
+            [s.sampling_params for s in rows],
+            _TokenLists(rows, prompt=True),
+            _TokenLists(rows, prompt=False),
+            [s.generator for s in rows],
+            self.eos_token_id,
+            logits.shape[-1],
+            self.device,
+        )
+        result = self.sampler(logits, meta)
+        sampled = result.sampled_token_ids
+        event = None
+        host = sampled
+        if self.device.type == "cuda":
+            host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            host.copy_(sampled, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        for i, state in enumerate(rows):
+            state.num_pending += 1
+            state.pending_row = i
+        self._last_sampled = sampled
+        return LaunchedStep(req_ids, inputs.sampled_rows, rows, result, host, event, prompt_logprobs)
 
-        sampled: list[int | None] = [None] * len(req_ids)
-        logprobs: list[dict[int, float] | None] = [None] * len(req_ids)
-        if inputs.sampled_rows:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            rows = [states[i] for i in inputs.sampled_rows]
-            meta = SamplingMetadata.build(
-                [s.sampling_params for s in rows],
-                _TokenLists(rows, prompt=True),
-                _TokenLists(rows, prompt=False),
-                [s.generator for s in rows],
-                self.eos_token_id,
-                logits.shape[-1],
-                self.device,
-            )
-            result = self.sampler(logits, meta)
-            token_ids = result.sampled_token_ids.tolist()  # the step's one host synchronization
-            row_logprobs = to_logprob_dicts(result, [s.sampling_params.logprobs for s in rows])
-            for row, state, token_id, lp in zip(inputs.sampled_rows, rows, token_ids, row_logprobs):
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step's sampled ids (the step's one host synchronization) and record them."""
+        sampled: list[int | None] = [None] * len(step.req_ids)
+        logprobs: list[dict[int, float] | None] = [None] * len(step.req_ids)
+        if step.rows:
+            if step.event is not None:
+                step.event.synchronize()
+            token_ids = step.host_token_ids.tolist()
+            row_logprobs = to_logprob_dicts(step.result, [s.sampling_params.logprobs for s in step.rows])
+            for row, state, token_id, lp in zip(step.sampled_rows, step.rows, token_ids, row_logprobs):
+                state.num_pending -= 1
                 state.token_ids.append(token_id)
                 sampled[row] = token_id
                 logprobs[row] = lp
-        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs)
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], query_start_loc: torch.Tensor,
                          hidden: torch.Tensor) -> dict[str, list[dict[int, float] | None]]:
@@ -296,6 +328,19 @@ class ModelRunner:
                     entries.append(entry)
             result[state.req_id] = entries
         return result
+
+
+@dataclass
+class LaunchedStep:
+    """A step enqueued on the device, waiting to be collected."""
+
+    req_ids: list[str]
+    sampled_rows: list[int]  # batch rows that sample, in the order of `rows`
+    rows: list[CachedRequestState]
+    result: SamplerOutput | None
+    host_token_ids: torch.Tensor | None  # pinned host copy of the sampled ids (the device tensor on the CPU)
+    event: torch.cuda.Event | None  # recorded after that copy on CUDA
+    prompt_logprobs: dict[str, list[dict[int, float] | None]]
 
 
 class _TokenLists(Sequence[list[int]]):

@@ -103,8 +103,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def openai_server(tiny_model_dir: str) -> Iterator[LiveServer]:
+    """The real-model server runs with async scheduling, so the whole OpenAI suite covers that path (the
+    synchronous one is covered by tests/e2e and the scripted servers)."""
     engine = AsyncEngine.from_args(tiny_model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
-                                   max_num_batched_tokens=512, device="cpu", dtype="float32").start()
+                                   max_num_batched_tokens=512, device="cpu", dtype="float32",
+                                   async_scheduling=True).start()
     server = LiveServer(build_app(engine, MODEL, api_key=API_KEY, max_body_bytes=1 << 20), engine)
     yield server
     server.stop()
