@@ -121,14 +121,15 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Schedule and launch step N+1 while step N runs on the device; its sampled ids feed N+1 on the device and
     # reach the host one step later (stop checks lag a step; batches needing the host's view of the latest
-    # token, such as penalties, run synchronously).
-    async_scheduling: bool = False
+    # token, such as penalties, run synchronously). None: on for a GPU runner, off on the CPU (nothing to
+    # overlap there).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
-        if not isinstance(self.async_scheduling, bool):
-            _fail("async_scheduling", self.async_scheduling, "expected True or False")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            _fail("async_scheduling", self.async_scheduling, "expected True, False or None (automatic)")
 
 
 @dataclass(frozen=True)

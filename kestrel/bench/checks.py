@@ -129,7 +129,7 @@ def async_check(model_dir: str, name: str, device: str, batch: list[list[int]]) 
     """Async scheduling (step N+1 launched before step N's tokens reach the host) vs synchronous steps:
     identical greedy tokens, BF16, CUDA graphs on."""
     kwargs = {"dtype": "bfloat16", "max_num_seqs": 16}
-    sync = kestrel_greedy(model_dir, batch, device, **kwargs)
+    sync = kestrel_greedy(model_dir, batch, device, async_scheduling=False, **kwargs)
     overlapped = kestrel_greedy(model_dir, batch, device, async_scheduling=True, **kwargs)
     row = agreement(overlapped, sync)
     return {"check": "async scheduling vs synchronous", "model": name, "dtype": "bfloat16", **row,

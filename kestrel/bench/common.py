@@ -293,5 +293,5 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default=None, choices=["fp8", "int8"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="launch each step before the previous one's tokens reach the host")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each step before the previous one's tokens reach the host (default: on for a GPU)")

@@ -325,7 +325,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         "config": {"model": model_dir, "arch": None if args.model or args.smoke else args.arch,
                    "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
                    "precision": precision, "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
-                   "async_scheduling": args.async_scheduling, "batches": batches, "input_lens": input_lens,
+                   "async_scheduling": engine.core.async_scheduling, "batches": batches, "input_lens": input_lens,
                    "output_len": args.output_len,
                    "repeats": args.repeats, "warmups": args.warmups, "smoke": args.smoke,
                    "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,

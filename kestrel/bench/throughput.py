@@ -224,7 +224,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         "config": {"model": model_dir, "arch": None if args.model or args.smoke else args.arch,
                    "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
                    "precision": precision, "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
-                   "async_scheduling": args.async_scheduling, "num_prompts": args.num_prompts,
+                   "async_scheduling": engine.core.async_scheduling, "num_prompts": args.num_prompts,
                    "input_len": args.input_len, "output_len": args.output_len,
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "kv_cache_blocks": engine.runner.num_blocks, "smoke": args.smoke},

@@ -69,8 +69,11 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len)
         self._parents: dict[str, _ParentRequest] = {}
         self._sequence_parent: dict[str, _ParentRequest] = {}
+        can_launch = hasattr(runner, "launch") and hasattr(runner, "collect")
         self.async_scheduling = config.scheduler.async_scheduling
-        if self.async_scheduling and not (hasattr(runner, "launch") and hasattr(runner, "collect")):
+        if self.async_scheduling is None:  # automatic: worth it when a device runs the steps
+            self.async_scheduling = can_launch and getattr(getattr(runner, "device", None), "type", "cpu") != "cpu"
+        if self.async_scheduling and not can_launch:
             raise ConfigError(f"invalid async_scheduling=True: the runner {type(runner).__name__} cannot launch a "
                               "step without waiting for it; use async_scheduling=False")
         self._pending: tuple[SchedulerOutput, Any] | None = None  # the launched step not yet collected

@@ -39,8 +39,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     group.add_argument("--debug-launch-count", action="store_true",
                        help="log the kernel launches of one decoder layer's decode step")
-    group.add_argument("--async-scheduling", action="store_true",
-                       help="overlap the host side of each step with the device work of the previous one")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="overlap the host side of each step with the device work of the previous one "
+                            "(default: on for a GPU)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
