@@ -44,6 +44,8 @@ class SamplingParams:
     # "final_only": one output when the request finishes, which spares the per-step detokenization and
     # output objects of offline runs (the text is identical).
     output_kind: str = "cumulative"
+    # token id -> value added to its logit before sampling (greedy too), OpenAI's range [-100, 100].
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +92,11 @@ class SamplingParams:
             bad("stop", "a list of non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "a list of token ids >= 0")
+        if self.logit_bias is not None and (
+                not isinstance(self.logit_bias, dict)
+                or any(not _is_int(t) or t < 0 for t in self.logit_bias)
+                or any(not isinstance(v, int | float) or not -100.0 <= v <= 100.0 for v in self.logit_bias.values())):
+            bad("logit_bias", "a dict of token id (>= 0) -> bias in [-100, 100]")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"one of {list(OUTPUT_KINDS)}")
 

@@ -82,7 +82,7 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
-        self._validate(request_id, prompt_token_ids)
+        self._validate(request_id, prompt_token_ids, params)
         parent = _ParentRequest(request_id, prompt, list(prompt_token_ids))
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
@@ -101,7 +101,7 @@ class EngineCore:
         for sequence in parent.sequences:
             self.scheduler.add_request(sequence.request)
 
-    def _validate(self, request_id: str, prompt_token_ids: list[int]) -> None:
+    def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._parents:
             raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -114,6 +114,9 @@ class EngineCore:
         vocab_size = getattr(self.runner, "vocab_size", None)
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
+        bias = params.logit_bias or {}
+        if vocab_size is not None and any(t >= vocab_size for t in bias):
+            raise InvalidRequestError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size})")
 
     def abort_request(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

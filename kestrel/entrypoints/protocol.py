@@ -75,8 +75,6 @@ class _SamplingRequest(_Request):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _check_common(self) -> None:
-        if self.logit_bias:
-            _unsupported("logit_bias", "logit_bias is not supported by this server")
         if self.stream_options is not None and not self.stream:
             _unsupported("stream_options", "stream_options is only allowed when stream is true")
 
@@ -101,7 +99,21 @@ class _SamplingRequest(_Request):
             include_stop_str_in_output=_default(self.include_stop_str_in_output, False),
             max_tokens=max_tokens,
             logprobs=logprobs,
+            logit_bias=self._token_bias(),
         )
+
+    def _token_bias(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as JSON object keys (strings)."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise InvalidRequestError("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+            bias[token] = value
+        return bias
 
 
 # ----- /v1/completions ----------------------------------------------------------------------------
@@ -133,10 +145,10 @@ class CompletionRequest(_SamplingRequest):
             _unsupported("suffix", "suffix (insertion) is not supported by this server")
         if self.best_of is not None and self.best_of != _default(self.n, 1):
             _unsupported("best_of", "best_of other than n is not supported; use n")
+        params = self._sampling_params(_default(self.max_tokens, 16), self.logprobs)
         if self.echo and self.logprobs is not None:
-            _unsupported("echo", "echo together with logprobs needs prompt logprobs, which this server does not "
-                         "compute; drop one of them")
-        return self._sampling_params(_default(self.max_tokens, 16), self.logprobs)
+            params = params.replace(prompt_logprobs=self.logprobs)  # the echoed prompt carries its logprobs
+        return params
 
 
 # ----- /v1/chat/completions -----------------------------------------------------------------------

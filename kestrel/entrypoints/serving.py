@@ -95,6 +95,17 @@ def error_body(message: str, err_type: str, param: str | None = None, code: str 
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=code)).model_dump()
 
 
+def _join(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
+    return CompletionLogProbs(text_offset=first.text_offset + second.text_offset,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              tokens=first.tokens + second.tokens,
+                              top_logprobs=first.top_logprobs + second.top_logprobs)
+
+
+def _text_end(logprobs: CompletionLogProbs) -> int:
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens else 0
+
+
 def sse(data: str) -> str:
     return f"data: {data}\n\n"
 
@@ -132,7 +143,11 @@ class OpenAIServing:
             for c in final.outputs:
                 prefix = (prompt.text or "") if request.echo else ""
                 logprobs = None
-                if params.logprobs is not None:
+                if params.logprobs is not None and request.echo:
+                    # Offsets count the tokens' texts, the prompt's special tokens included.
+                    echoed = self._prompt_logprobs(prompt.token_ids, final.prompt_logprobs)
+                    logprobs = _join(echoed, self._completion_logprobs(c.token_ids, c.logprobs, _text_end(echoed)))
+                elif params.logprobs is not None:
                     logprobs = self._completion_logprobs(c.token_ids, c.logprobs, len(prefix))
                 choices.append(CompletionChoice(index=i * params.n + c.index, text=prefix + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
@@ -150,13 +165,22 @@ class OpenAIServing:
             return sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=self.model_name,
                                                 choices=[choice]).model_dump_json(exclude_none=True))
 
+        # With logprobs the echoed prompt waits for its prompt logprobs, which come with the first output.
+        echo_later = set(range(len(job.prompts))) if request.echo and job.params.prompt_logprobs is not None else set()
         try:
-            if request.echo:
+            if request.echo and not echo_later:
                 for i, prompt in enumerate(job.prompts):
                     for j in range(n):
                         offsets[i * n + j] = len(prompt.text or "")
                         yield chunk(CompletionChoice(index=i * n + j, text=prompt.text or ""))
             async for i, output in self._merged(job):
+                if i in echo_later:
+                    echo_later.discard(i)
+                    prompt = job.prompts[i]
+                    block = self._prompt_logprobs(prompt.token_ids, output.prompt_logprobs)
+                    for j in range(n):
+                        offsets[i * n + j] = _text_end(block)
+                        yield chunk(CompletionChoice(index=i * n + j, text=prompt.text or "", logprobs=block))
                 for c in output.outputs:
                     index = i * n + c.index
                     if index in finished or not (c.delta_text or c.delta_token_ids or c.finished):
@@ -181,6 +205,26 @@ class OpenAIServing:
         except Exception as error:  # the status line is sent: errors can only travel as an event
             yield _stream_error(error)
         yield SSE_DONE
+
+    def _prompt_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float] | None] | None
+                         ) -> CompletionLogProbs:
+        """The echoed prompt's tokens with their logprobs (None for the first token, which has no context)."""
+        result = CompletionLogProbs()
+        entries = list(logprobs or [])
+        entries += [None] * (len(token_ids) - len(entries))
+        offset = 0
+        for token_id, candidates in zip(token_ids, entries):
+            text = self.token_text(token_id)
+            result.tokens.append(text)
+            result.text_offset.append(offset)
+            offset += len(text)
+            if candidates is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                result.token_logprobs.append(_finite(candidates.get(token_id)))
+                result.top_logprobs.append({self.token_text(t): _finite(lp) for t, lp in candidates.items()})
+        return result
 
     def _completion_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None,
                              offset: int) -> CompletionLogProbs:

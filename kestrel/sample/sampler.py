@@ -48,6 +48,10 @@ class SamplingMetadata:
     min_tokens_cols: torch.Tensor | None
     generators: dict[int, torch.Generator]  # row -> the request's own generator (seeded requests)
     max_num_logprobs: int | None  # largest `logprobs` asked for in the batch; None if none asked
+    # (row, token, bias) triples of the rows' logit_bias; None when no row has one.
+    logit_bias_rows: torch.Tensor | None = None
+    logit_bias_cols: torch.Tensor | None = None
+    logit_bias_values: torch.Tensor | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -82,6 +86,7 @@ class SamplingMetadata:
             **_min_tokens(params, output_token_ids, eos_token_id, vocab_size, device),
             generators={i: g for i, g in enumerate(generators) if g is not None},
             max_num_logprobs=max(requested) if requested else None,
+            **_logit_bias(params, device),
         )
 
 
@@ -141,6 +146,21 @@ def _penalties(
     }
 
 
+def _logit_bias(params: list[SamplingParams], device: torch.device | str) -> dict[str, torch.Tensor | None]:
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            rows.append(row)
+            cols.append(token)
+            values.append(float(bias))
+    if not rows:
+        return {}
+    return {"logit_bias_rows": _long(rows, device), "logit_bias_cols": _long(cols, device),
+            "logit_bias_values": _tensor(values, device)}
+
+
 def _min_tokens(
     params: list[SamplingParams],
     output_token_ids: Sequence[Sequence[int]],
@@ -196,6 +216,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
+        logits = apply_logit_bias(logits, meta)
         logits = apply_penalties(logits, meta)
         logits = apply_min_tokens(logits, meta)
         sampled = self._sample(logits, meta)
@@ -224,6 +245,13 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     logits = torch.where(logits > 0, logits / penalty, logits * penalty)
     logits = logits - meta.frequency_penalty * meta.output_counts
     return logits - meta.presence_penalty * (meta.output_counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    if meta.logit_bias_rows is None:
+        return logits
+    return logits.index_put((meta.logit_bias_rows, meta.logit_bias_cols), meta.logit_bias_values.to(logits.dtype),
+                            accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -155,3 +155,42 @@ def test_health_version_and_metric_names(client, openai_server):
     assert samples["kestrel:generation_tokens_total"] >= 3
     assert samples["kestrel:time_to_first_token_seconds_count"] >= 1
     assert samples["kestrel:e2e_request_latency_seconds_count"] >= 1
+
+
+def test_logit_bias_forces_and_bans_tokens(client, hf_tokenizer):
+    args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    plain = client.completions.create(logprobs=0, **args).choices[0]
+    forced_id = 7
+    forced = client.completions.create(logit_bias={str(forced_id): 100}, **args).choices[0]
+    assert forced.text == hf_tokenizer.decode([forced_id] * 5)
+    first = hf_tokenizer.convert_tokens_to_ids(plain.logprobs.tokens[0]) if plain.logprobs.tokens else None
+    first_ids = hf_tokenizer.encode(plain.text, add_special_tokens=False)[:1]
+    banned_id = first if isinstance(first, int) and first != hf_tokenizer.unk_token_id else first_ids[0]
+    banned = client.completions.create(logit_bias={str(banned_id): -100}, logprobs=0, **args).choices[0]
+    assert banned.logprobs.tokens[0] != plain.logprobs.tokens[0]
+
+
+def test_echo_with_logprobs_matches_hf_prompt_logprobs(client, hf_tokenizer, tiny_model_dir):
+    import torch
+    import transformers
+
+    args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0, "echo": True, "logprobs": 2,
+            "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**args).choices[0]
+    prompt_ids = hf_tokenizer.encode(PROMPT)
+    lp = whole.logprobs
+    assert len(lp.tokens) == len(prompt_ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert whole.text.startswith(PROMPT)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0].double(), dim=-1)
+    for i in range(1, len(prompt_ids)):
+        assert lp.token_logprobs[i] == pytest.approx(expected[i - 1, prompt_ids[i]].item(), abs=1e-4)
+        assert 1 <= len(lp.top_logprobs[i]) <= 3
+    offsets = lp.text_offset
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **args) if c.choices]
+    streamed = [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)

@@ -54,8 +54,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "logit_bias": {"1": 5.0}}, "logit_bias"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "logit_bias": {"one": 5.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": 500.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"99999999": 1.0}}, "logit_bias"),
     ({"prompt": [5000]}, "prompt_token_ids"),
 ])
 def test_invalid_completion_parameters(openai_server, body, param):

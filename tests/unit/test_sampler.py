@@ -320,3 +320,28 @@ def test_to_logprob_dicts_without_logprobs() -> None:
 def test_build_rejects_mismatched_lengths() -> None:
     with pytest.raises(ValueError):
         SamplingMetadata.build([SP()], [[1]], [], [None], EOS, V, "cpu")
+
+
+def test_logit_bias_shifts_sampling_but_not_raw_logprobs() -> None:
+    logits = random_logits(3)
+    base = logits.numpy().astype(np.float64)
+    target = int(np.argmin(base[0]))
+    params = [SP(temperature=0.0, logit_bias={target: 100.0}, logprobs=1),
+              SP(temperature=0.0, logit_bias={int(np.argmax(base[1])): -100.0}),
+              SP(temperature=0.0)]
+    out = Sampler()(logits, build(params))
+    biased = base.copy()
+    biased[0, target] += 100.0
+    biased[1, int(np.argmax(base[1]))] -= 100.0
+    assert out.sampled_token_ids.tolist() == [int(np.argmax(row)) for row in biased]
+    assert out.sampled_token_ids[0].item() == target
+    # reported logprobs are the model's own (raw) distribution
+    expected = np.log(softmax64(base[0]))[target]
+    assert out.logprobs[0, 0].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_logit_bias_is_validated() -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SP(logit_bias={3: 101.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SP(logit_bias={-1: 1.0})
