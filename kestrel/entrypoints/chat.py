@@ -1,13 +1,14 @@
 """Chat templates and tool calls: messages (+ tools) -> prompt, model text -> OpenAI `tool_calls`.
 
-Tool calls use the JSON format of Llama 3.x: the assistant answers with only
-`{"name": ..., "arguments": {...}}` ("parameters" is accepted too), several calls as a JSON array
-or one object after another. A template that does not render `tools` itself gets a system
-instruction describing the tools and this format. `tool_choice` "required" and a named function
-start the assistant turn with the call's opening (`{"name": "` or the whole header up to the
-arguments), so the model only has to continue it; there is no guided decoding, so a model can
-still produce malformed JSON, and then the reply carries it as plain content and the finish
-reason is not "tool_calls".
+Tool calls are JSON objects `{"name": ..., "arguments": {...}}` ("parameters" is accepted too), in one of
+three wrappings, chosen from the chat template: Llama 3.x's bare JSON (the answer is only the call, several
+calls as a JSON array or one object after another), Hermes/Qwen2's `<tool_call>{...}</tool_call>` blocks
+(after optional content), and Mistral's `[TOOL_CALLS] [{...}, ...]` (after optional content). A template that
+does not render `tools` itself gets a system instruction describing the tools and the Llama 3.x format.
+`tool_choice` "required" and a named function start the assistant turn with the call's opening (its marker,
+then `{"name": "` or the whole header up to the arguments), so the model only has to continue it; there is no
+guided decoding, so a model can still produce malformed JSON, and then the reply carries it as plain content
+and the finish reason is not "tool_calls".
 """
 
 from __future__ import annotations
@@ -41,10 +42,16 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_gene
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+TOOL_FORMATS = ("llama3_json", "hermes", "mistral")
+# (opening marker, closing marker) of the wrapped formats
+_MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "mistral": ("[TOOL_CALLS]", None)}
+
+
 @dataclass(frozen=True)
 class ChatPrompt:
     text: str  # the rendered conversation, ending with the assistant prefix
     assistant_prefix: str  # what the assistant turn was started with (a forced tool-call opening) or ""
+    tool_format: str = "llama3_json"  # how the model writes tool calls (TOOL_FORMATS)
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
@@ -67,8 +74,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
                                              add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as e:  # a template raises whatever its author chose (jinja errors, ValueError, ...)
         raise InvalidRequestError("messages", f"the chat template could not render these messages: {e}") from None
-    prefix = forced_prefix(tool_choice, named_tool) if use_tools and add_generation_prompt else ""
-    return ChatPrompt(text + prefix, prefix)
+    fmt = tool_format(template) if native else "llama3_json"
+    prefix = forced_prefix(tool_choice, named_tool, fmt) if use_tools and add_generation_prompt else ""
+    return ChatPrompt(text + prefix, prefix, fmt)
 
 
 def template_renders_tools(template: str | dict[str, str]) -> bool:
@@ -76,12 +84,28 @@ def template_renders_tools(template: str | dict[str, str]) -> bool:
     return any("tools" in source for source in sources)
 
 
-def forced_prefix(tool_choice: str, named_tool: str | None) -> str:
+def tool_format(template: str | dict[str, str]) -> str:
+    """The tool-call format a template teaches its model, recognized by the markers it renders."""
+    source = " ".join(template.values()) if isinstance(template, dict) else template
+    if "<tool_call>" in source:
+        return "hermes"
+    if "[TOOL_CALLS]" in source:
+        return "mistral"
+    return "llama3_json"
+
+
+def forced_prefix(tool_choice: str, named_tool: str | None, fmt: str = "llama3_json") -> str:
     if tool_choice == "named" and named_tool:
-        return '{"name": ' + json.dumps(named_tool) + ', "arguments": '
-    if tool_choice == "required":
-        return '{"name": "'
-    return ""
+        call = '{"name": ' + json.dumps(named_tool) + ', "arguments": '
+    elif tool_choice == "required":
+        call = '{"name": "'
+    else:
+        return ""
+    if fmt == "hermes":
+        return "<tool_call>\n" + call
+    if fmt == "mistral":
+        return "[TOOL_CALLS] [" + call
+    return call
 
 
 def _normalize_message(message: dict[str, Any], native_tools: bool) -> dict[str, Any]:
@@ -487,9 +511,88 @@ class ToolParseResult:
     calls: list[ParsedToolCall]
 
 
-def parse_tool_calls(text: str, tool_names: Collection[str], prefix: str = "") -> ToolParseResult:
+@dataclass
+class MarkedToolCallParser:
+    """Content until the opening marker; after it, JSON tool calls as `ToolCallParser` reads them, with every
+    marker (closing ones, and openings of further calls) taken out of the text it is fed. A partial marker at
+    the end of the text so far is held back until the next piece decides it."""
+
+    tool_names: Collection[str]
+    start: str
+    end: str | None = None
+    prefix: str = ""
+    _inner: ToolCallParser | None = None
+    _held: str = ""
+    _pending: list[ParserEvent] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._pending = self.feed(self.prefix) if self.prefix else []
+
+    @property
+    def calls(self) -> list[ParsedToolCall]:
+        return self._inner.calls if self._inner is not None else []
+
+    @property
+    def all_valid(self) -> bool:
+        return self._inner is not None and self._inner.all_valid
+
+    def feed(self, text: str) -> list[ParserEvent]:
+        events, self._pending = self._pending, []
+        text, self._held = self._held + text, ""
+        if self._inner is None:
+            found = text.find(self.start)
+            if found < 0:
+                # Hold back a possible partial marker and the whitespace before it: if a call follows, that
+                # whitespace is not part of the content.
+                keep = _partial_suffix(text, (self.start,))
+                content = text[: len(text) - keep].rstrip(_WS)
+                if content:
+                    events.append(ContentDelta(content))
+                self._held = text[len(content):]
+                return events
+            if found and text[:found].strip():
+                events.append(ContentDelta(text[:found].rstrip(_WS)))
+            self._inner = ToolCallParser(self.tool_names)
+            text = text[found + len(self.start):]
+        markers = tuple(m for m in (self.start, self.end) if m)
+        for marker in markers:
+            text = text.replace(marker, " ")
+        keep = _partial_suffix(text, markers)
+        self._held = text[len(text) - keep:] if keep else ""
+        events += self._inner.feed(text[: len(text) - keep])
+        return events
+
+    def finish(self) -> list[ParserEvent]:
+        held, self._held = self._held, ""
+        if self._inner is None:
+            return self._pending + ([ContentDelta(held)] if held else [])
+        return self.feed("") + self._inner.feed(held) + self._inner.finish()
+
+
+def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is a proper beginning of one of the markers."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:n]):
+                best = n
+                break
+    return best
+
+
+def make_tool_parser(fmt: str, tool_names: Collection[str], prefix: str = "") -> ToolCallParser | MarkedToolCallParser:
+    if fmt not in TOOL_FORMATS:
+        raise ValueError(f"unknown tool-call format {fmt!r}; known: {list(TOOL_FORMATS)}")
+    if fmt == "llama3_json":
+        return ToolCallParser(tool_names, prefix)
+    start, end = _MARKERS[fmt]
+    return MarkedToolCallParser(tool_names, start, end, prefix)
+
+
+def parse_tool_calls(text: str, tool_names: Collection[str], prefix: str = "",
+                     fmt: str = "llama3_json") -> ToolParseResult:
     """Whole-output parsing: the calls if every one is complete valid JSON, else all text as content."""
-    parser = ToolCallParser(tool_names, prefix)
+    parser = make_tool_parser(fmt, tool_names, prefix)
     events = parser.feed(text) + parser.finish()
     if parser.all_valid:
         content = "".join(e.text for e in events if isinstance(e, ContentDelta))

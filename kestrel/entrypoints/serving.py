@@ -19,10 +19,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from kestrel.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream, RequestTimeoutError
 from kestrel.entrypoints.chat import (
     ContentDelta,
+    MarkedToolCallParser,
     ParserEvent,
     ToolArgumentsDelta,
     ToolCallParser,
     ToolCallStart,
+    make_tool_parser,
     parse_tool_calls,
     render_chat,
 )
@@ -249,7 +251,7 @@ class OpenAIServing:
                              tool_choice=mode, named_tool=request.named_tool)
         token_ids = self.tokenizer.encode(prompt.text, add_special_tokens=False)
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival)
-        tools = _tool_setup(request, prompt.assistant_prefix)
+        tools = _tool_setup(request, prompt.assistant_prefix, prompt.tool_format)
         if request.stream:
             return EventStreamResponse(self._chat_stream(request, job, tools))
         (final,) = await _until_disconnect(raw, self._collect(job))
@@ -262,7 +264,7 @@ class OpenAIServing:
         message = ChatResponseMessage(content=c.text)
         finish_reason = c.finish_reason
         if tools.active:
-            parsed = parse_tool_calls(c.text, tools.names, tools.prefix)
+            parsed = parse_tool_calls(c.text, tools.names, tools.prefix, tools.format)
             calls = parsed.calls[: None if tools.parallel else 1]
             message = ChatResponseMessage(content=parsed.content, tool_calls=[
                 ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
@@ -278,7 +280,8 @@ class OpenAIServing:
     async def _chat_stream(self, request: ChatCompletionRequest, job: _Submitted,
                            tools: _ToolSetup) -> AsyncIterator[str]:
         params = job.params
-        parsers = {i: ToolCallParser(tools.names, tools.prefix) for i in range(params.n)} if tools.active else {}
+        parsers = ({i: make_tool_parser(tools.format, tools.names, tools.prefix) for i in range(params.n)}
+                   if tools.active else {})
         finished: set[int] = set()
         completion_tokens = 0
 
@@ -314,7 +317,7 @@ class OpenAIServing:
             yield _stream_error(error)
         yield SSE_DONE
 
-    def _chat_delta(self, c: CompletionOutput, parser: ToolCallParser | None,
+    def _chat_delta(self, c: CompletionOutput, parser: ToolCallParser | MarkedToolCallParser | None,
                     tools: _ToolSetup) -> tuple[DeltaMessage, str | None]:
         finish_reason = c.finish_reason if c.finished else None
         if parser is None:
@@ -413,13 +416,14 @@ class _ToolSetup:
     names: frozenset[str]
     prefix: str
     parallel: bool
+    format: str = "llama3_json"
 
 
-def _tool_setup(request: ChatCompletionRequest, prefix: str) -> _ToolSetup:
+def _tool_setup(request: ChatCompletionRequest, prefix: str, fmt: str = "llama3_json") -> _ToolSetup:
     mode = request.tool_choice_mode
     names = [request.named_tool or ""] if mode == "named" else [t.function.name for t in request.tools or []]
     return _ToolSetup(active=mode != "none", names=frozenset(names), prefix=prefix,
-                      parallel=request.parallel_tool_calls is not False)
+                      parallel=request.parallel_tool_calls is not False, format=fmt)
 
 
 def _delta_from_events(events: list[ParserEvent], parallel: bool) -> tuple[str | None, list[DeltaToolCall] | None]:
