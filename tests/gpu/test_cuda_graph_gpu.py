@@ -99,3 +99,15 @@ def test_launch_count_on_gpu(checkpoint: Path) -> None:
     unfused = llm.runner._count_layer_launches()
     print(f"kernel launches per decoder layer (fp8, decode, batch 1): fused {fused}, unfused {unfused}")
     assert fused is not None and 0 < fused < unfused
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_async_scheduling_matches_sync_on_gpu(checkpoint: Path, quantization: str | None) -> None:
+    """Step N+1 launched before step N's ids reach the host (ids fed on the device, graphs on): identical
+    greedy tokens to synchronous steps, for a batch mixing prompt lengths (prefill and decode steps)."""
+    kwargs = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=8, quantization=quantization, device="cuda")
+    sync = LLM(str(checkpoint), async_scheduling=False, **kwargs)
+    overlapped = LLM(str(checkpoint), **kwargs)
+    assert overlapped.engine.async_scheduling and not sync.engine.async_scheduling
+    batch = prompts(7)
+    assert generate(overlapped, batch) == generate(sync, batch)
