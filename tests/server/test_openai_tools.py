@@ -179,3 +179,42 @@ def test_model_without_chat_template_is_a_400(tools_server):
     assert response.status_code == 400
     assert "no chat template" in response.json()["error"]["message"]
     assert response.json()["error"]["param"] == "messages"
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|system|>Tools: {% for t in tools %}{{ t | tojson }}{% endfor %}. Call one as "
+    "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+HERMES_ANSWER = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                 '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def hermes_server(tiny_model_dir, tmp_path_factory):
+    """The scripted server over a copy of the tiny model whose chat template teaches `<tool_call>` blocks."""
+    import shutil
+
+    from conftest import start_scripted
+
+    path = tmp_path_factory.mktemp("hermes") / "model"
+    shutil.copytree(tiny_model_dir, path)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = HERMES_TEMPLATE
+    config_file.write_text(json.dumps(config))
+    server, runner = start_scripted(str(path))
+    runner.script = HERMES_ANSWER
+    yield server
+    server.stop()
+
+
+def test_hermes_tool_calls_after_content(hermes_server):
+    choice = chat(hermes_server, tools=[WEATHER, ADD]).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"}), ("add", {"a": 1})]
+    calls_streamed, content, finish = reassemble(chat(hermes_server, tools=[WEATHER, ADD], stream=True))
+    assert content == "Let me check." and finish == ["tool_calls"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls_streamed.values()] == calls
