@@ -40,7 +40,8 @@ def build(layers: int, quantization: str | None, kv_cache_dtype: str, max_batch:
 def decode_steps(engine: common.Engine, batch: int, context: int, steps: int, profile_steps: int,
                  tag: str) -> dict[str, Any]:
     core = engine.core
-    params = SamplingParams(max_tokens=steps + profile_steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + profile_steps + 8, temperature=0.0, ignore_eos=True,
+                            output_kind="final_only")
     for i, prompt in enumerate(common.random_prompts(batch, context, 128256, seed=batch)):
         core.add_request(f"{tag}-{i}", prompt, params)
     while any(len(r.output_token_ids) == 0 for r in core.scheduler.running) or core.scheduler.waiting:
