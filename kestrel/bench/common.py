@@ -15,7 +15,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -295,3 +295,41 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the previous one's tokens reach the host (default: on for a GPU)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+
+
+def build_suite_engine(args: argparse.Namespace, model_dir: str, load_format: str, device: torch.device,
+                       max_num_seqs: int, max_model_len: int) -> Engine:
+    """The engine of an end-to-end suite from its `add_model_arguments` flags (prefix caching off: prompts
+    are distinct anyway, and a hit would skip the work being measured)."""
+    return build_engine(
+        model_dir, dtype=args.dtype, device=device.type, load_format=load_format, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, enable_prefix_caching=False,
+        async_scheduling=args.async_scheduling, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs), max_model_len=max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization)
+
+
+def precision(args: argparse.Namespace) -> str:
+    return args.quantization or ("bf16" if args.dtype == "bfloat16" else args.dtype)
+
+
+def engine_config_block(args: argparse.Namespace, engine: Engine, model_dir: str, load_format: str) -> dict[str, Any]:
+    """The model, precision and engine settings a result was measured with (the suite adds its workload)."""
+    return {"model": model_dir, "arch": None if args.model or args.smoke else args.arch,
+            "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
+            "precision": precision(args), "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
+            "async_scheduling": engine.core.async_scheduling,
+            "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
+            "kv_cache_blocks": engine.runner.num_blocks, "smoke": args.smoke}
+
+
+def report(result: dict[str, Any], summary_text: str, path: Path | None,
+           plot: Callable[[dict[str, Any], Path], bool]) -> None:
+    """Print the summary, write the JSON and, beside it, the PNG."""
+    print(summary_text)
+    write_result(result, path)
+    if path is not None and plot(result, path.with_suffix(".png")):
+        print(f"wrote {path.with_suffix('.png')}")

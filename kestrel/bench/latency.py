@@ -254,13 +254,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmups", type=int, default=1)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--hf-peer", default="eager", help="comma-separated: eager, static-compile, or none")
     p.add_argument("--hf-result", type=Path, default=None,
                    help="reuse the HF peer of an earlier latency result file instead of running it")
     p.add_argument("--hf-timeout", type=float, default=300.0, help="seconds for each HF peer process (one per mode)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--result-file", type=Path, default=None, help="write the JSON here (and the PNG beside it)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
     p.add_argument("--no-checks", dest="checks", action="store_false",
@@ -308,28 +305,17 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         hf = common.load_hf_result(args.hf_result, "latency", args.output_len)
     elif hf_modes:
         hf = run_peers(hf_modes, model_dir, device, args, input_lens)
-    max_batch = max(batches)
-    engine = common.build_engine(
-        model_dir, dtype=args.dtype, device=device.type, load_format=load_format, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, enable_prefix_caching=False,
-        async_scheduling=args.async_scheduling, max_num_seqs=max_batch,
-        max_num_batched_tokens=max(args.max_num_batched_tokens, max_batch),
-        max_model_len=max(input_lens) + args.output_len + 1, gpu_memory_utilization=args.gpu_memory_utilization)
+    engine = common.build_suite_engine(args, model_dir, load_format, device, max(batches),
+                                       max(input_lens) + args.output_len + 1)
     common.log(f"engine built in {engine.build_s:.1f} s; KV cache {engine.runner.num_blocks} blocks")
     vocab = common.prompt_vocab(model_dir)
     eight_bit = args.quantization is not None
-    precision = args.quantization or ("bf16" if args.dtype == "bfloat16" else args.dtype)
     rows: list[dict[str, Any]] = []
     result = {
         "suite": "latency",
-        "config": {"model": model_dir, "arch": None if args.model or args.smoke else args.arch,
-                   "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
-                   "precision": precision, "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
-                   "async_scheduling": engine.core.async_scheduling, "batches": batches, "input_lens": input_lens,
-                   "output_len": args.output_len,
-                   "repeats": args.repeats, "warmups": args.warmups, "smoke": args.smoke,
-                   "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
-                   "kv_cache_blocks": engine.runner.num_blocks},
+        "config": {**common.engine_config_block(args, engine, model_dir, load_format), "batches": batches,
+                   "input_lens": input_lens, "output_len": args.output_len, "repeats": args.repeats,
+                   "warmups": args.warmups},
         "environment": common.environment(device), "ceilings": ceilings, "startup_s": engine.build_s,
         "graph_capture_s": getattr(engine.runner, "capture_seconds", None),
         "weight_bytes": common.weight_bytes(engine.runner.model),
@@ -345,12 +331,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
             # Each finished point reaches the file at once: a run stopped by a job's time limit keeps them.
             common.write_result(result, args.result_file, quiet=True)
     add_hf(rows, hf)
-    result["targets"] = evaluate_targets(rows, precision, args.smoke)
+    result["targets"] = evaluate_targets(rows, common.precision(args), args.smoke)
     result["complete"] = True
-    print(summary(result))
-    common.write_result(result, args.result_file)
-    if args.result_file is not None and plot(result, args.result_file.with_suffix(".png")):
-        print(f"wrote {args.result_file.with_suffix('.png')}")
+    common.report(result, summary(result), args.result_file, plot)
     common.release(engine)
     return 0
 

@@ -152,9 +152,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts of the short warm-up run (default --max-num-seqs, so every decode batch size "
                         "and GEMM bucket is compiled before timing)")
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--max-seconds", type=float, default=420.0,
                    help="abort the timed run after this long and report it as truncated (stays under a job limit)")
     p.add_argument("--hf-peer-prompts", type=int, default=64, help="prompts for the HF peer (0: no peer)")
@@ -201,12 +198,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
                                  "seed": 1, "static_batch": args.hf_static_batch,
                                  "static_only": args.smoke}, args.hf_timeout, in_process=args.smoke)
     started = time.perf_counter()
-    engine = common.build_engine(
-        model_dir, dtype=args.dtype, device=device.type, load_format=load_format, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, enable_prefix_caching=False,
-        async_scheduling=args.async_scheduling, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
-        max_model_len=args.input_len + args.output_len + 1, gpu_memory_utilization=args.gpu_memory_utilization)
+    engine = common.build_suite_engine(args, model_dir, load_format, device, args.max_num_seqs,
+                                       args.input_len + args.output_len + 1)
     generate_all(engine, common.random_prompts(1, args.input_len, vocab, seed=0), 1, "first")
     startup = time.perf_counter() - started
     common.log(f"first token {startup:.1f} s after start (engine built in {engine.build_s:.1f} s); "
@@ -218,16 +211,10 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     common.log(f"timed run: {args.num_prompts} prompts")
     run_stats = generate_all(engine, common.random_prompts(args.num_prompts, args.input_len, vocab, seed=1),
                              args.output_len, "run", max_seconds=args.max_seconds)
-    precision = args.quantization or ("bf16" if args.dtype == "bfloat16" else args.dtype)
     result: dict[str, Any] = {
         "suite": "throughput",
-        "config": {"model": model_dir, "arch": None if args.model or args.smoke else args.arch,
-                   "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
-                   "precision": precision, "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
-                   "async_scheduling": engine.core.async_scheduling, "num_prompts": args.num_prompts,
-                   "input_len": args.input_len, "output_len": args.output_len,
-                   "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "kv_cache_blocks": engine.runner.num_blocks, "smoke": args.smoke},
+        "config": {**common.engine_config_block(args, engine, model_dir, load_format), "num_prompts": args.num_prompts,
+                   "input_len": args.input_len, "output_len": args.output_len, "max_num_seqs": args.max_num_seqs},
         "environment": common.environment(device),
         "startup_to_first_token_s": startup, "engine_build_s": engine.build_s,
         "graph_capture_s": getattr(engine.runner, "capture_seconds", None),
@@ -236,10 +223,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     if hf.get("output_tok_per_s"):
         result["speedup_vs_hf"] = result["kestrel"]["output_tok_per_s"] / hf["output_tok_per_s"]
     result["targets"] = evaluate_targets(result, args.smoke)
-    print(summary(result))
-    common.write_result(result, args.result_file)
-    if args.result_file is not None and plot(result, args.result_file.with_suffix(".png")):
-        print(f"wrote {args.result_file.with_suffix('.png')}")
+    common.report(result, summary(result), args.result_file, plot)
     common.release(engine)
     return 0
 
