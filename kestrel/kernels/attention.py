@@ -6,12 +6,13 @@ Cache layout per layer: `k_cache`, `v_cache` are `[num_blocks, block_size, num_k
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
+
+from kestrel.kernels import common
 
 
 def paged_attention_ref(
@@ -349,16 +350,9 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of a CUDA device; a nominal 16 elsewhere (the interpreter)."""
-    if device.type != "cuda":
-        return 16
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return common.num_sms(device, off_cuda=16)
 
 
 def decode_config(head_size: int, group: int, fp8: bool, fp32: bool = False) -> AttnConfig:

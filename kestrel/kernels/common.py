@@ -69,7 +69,7 @@ def to_cache(x, scale, dtype: tl.constexpr, FP8: tl.constexpr, FAST: tl.constexp
 
 def launch_options(x: torch.Tensor) -> dict:
     """`FAST` and `USE_PDL` constexprs plus the launch's PDL flag: overlap with the previous kernel's tail."""
-    pdl = x.is_cuda and _is_hopper_or_newer(x.device)
+    pdl = x.is_cuda and is_hopper_or_newer(x.device)
     opts: dict = {"FAST": x.is_cuda, "USE_PDL": pdl}
     if x.is_cuda:
         opts["launch_pdl"] = pdl
@@ -81,7 +81,19 @@ def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def _is_hopper_or_newer(device: torch.device) -> bool:
-    """Programmatic dependent launch needs sm_90."""
+def is_hopper_or_newer(device: torch.device) -> bool:
+    """Programmatic dependent launch, TMA and bulk L2 prefetch need sm_90."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability_major(index) >= 9
+
+
+@functools.cache
+def _num_sms_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device, off_cuda: int) -> int:
+    """Multiprocessors of a CUDA device; `off_cuda` elsewhere (the interpreter), chosen by each caller."""
+    if device.type != "cuda":
+        return off_cuda
+    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())

@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kestrel.kernels import common
+
 SMALL_M = 64
 TUNING_DIR = Path(__file__).parent / "tuning"
 _LOCK_SLOTS = 1 << 16
@@ -317,7 +319,7 @@ def scaled_mm(
     num_progs = min(num_tiles, _num_sms(a.device)) if cfg.persistent else num_tiles
     acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
     ws = torch.empty(num_tiles * cfg.block_r * cfg.block_c if split_k > 1 else 1, dtype=acc_dtype, device=a.device)
-    on_gpu = a.is_cuda and _is_hopper_or_newer(a.device)
+    on_gpu = a.is_cuda and common.is_hopper_or_newer(a.device)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if a.is_cuda:
         launch["launch_pdl"] = cfg.pdl and on_gpu
@@ -355,27 +357,9 @@ def _triton_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-@functools.cache
-def _capability_major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
-def _is_hopper_or_newer(device: torch.device) -> bool:
-    """Programmatic dependent launch and bulk L2 prefetch need sm_90."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability_major(index) >= 9
-
-
-@functools.cache
-def _num_sms_cached(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_sms(device: torch.device) -> int:
     # Off CUDA (the interpreter) a small count keeps the persistent loop exercised by tests.
-    if device.type != "cuda":
-        return 4
-    return _num_sms_cached(device.index if device.index is not None else torch.cuda.current_device())
+    return common.num_sms(device, off_cuda=4)
 
 
 _locks: dict[torch.device, torch.Tensor] = {}
