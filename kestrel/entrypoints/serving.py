@@ -200,8 +200,7 @@ class OpenAIServing:
                     yield chunk(CompletionChoice(index=index, text=c.delta_text, logprobs=logprobs,
                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
             if request.include_usage_in_stream:
-                usage = UsageInfo(prompt_tokens=job.num_prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=job.num_prompt_tokens + completion_tokens)
+                usage = _usage_of(job, completion_tokens)
                 yield sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=self.model_name,
                                                    choices=[], usage=usage).model_dump_json())
         except Exception as error:  # the status line is sent: errors can only travel as an event
@@ -211,11 +210,14 @@ class OpenAIServing:
     def _prompt_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float] | None] | None
                          ) -> CompletionLogProbs:
         """The echoed prompt's tokens with their logprobs (None for the first token, which has no context)."""
-        result = CompletionLogProbs()
         entries = list(logprobs or [])
         entries += [None] * (len(token_ids) - len(entries))
-        offset = 0
-        for token_id, candidates in zip(token_ids, entries):
+        return self._completion_logprobs(token_ids, entries, 0)
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float] | None] | None,
+                             offset: int) -> CompletionLogProbs:
+        result = CompletionLogProbs()
+        for token_id, candidates in zip(token_ids, logprobs or []):
             text = self.token_text(token_id)
             result.tokens.append(text)
             result.text_offset.append(offset)
@@ -226,18 +228,6 @@ class OpenAIServing:
             else:
                 result.token_logprobs.append(_finite(candidates.get(token_id)))
                 result.top_logprobs.append({self.token_text(t): _finite(lp) for t, lp in candidates.items()})
-        return result
-
-    def _completion_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None,
-                             offset: int) -> CompletionLogProbs:
-        result = CompletionLogProbs()
-        for token_id, candidates in zip(token_ids, logprobs or []):
-            text = self.token_text(token_id)
-            result.tokens.append(text)
-            result.token_logprobs.append(_finite(candidates.get(token_id)))
-            result.top_logprobs.append({self.token_text(t): _finite(lp) for t, lp in candidates.items()})
-            result.text_offset.append(offset)
-            offset += len(text)
         return result
 
     # ----- /v1/chat/completions ------------------------------------------------------------------
@@ -309,8 +299,7 @@ class OpenAIServing:
                                                      finish_reason=finish_reason,
                                                      stop_reason=c.stop_reason if finish_reason else None))
             if request.include_usage_in_stream:
-                usage = UsageInfo(prompt_tokens=job.num_prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=job.num_prompt_tokens + completion_tokens)
+                usage = _usage_of(job, completion_tokens)
                 yield sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=self.model_name,
                                               choices=[], usage=usage).model_dump_json())
         except Exception as error:  # the status line is sent: errors can only travel as an event
@@ -496,9 +485,12 @@ async def _disconnected(raw: Request) -> None:
 
 
 def _usage(job: _Submitted, finals: list[RequestOutput]) -> UsageInfo:
-    completion = sum(len(c.token_ids) for final in finals for c in final.outputs)
-    return UsageInfo(prompt_tokens=job.num_prompt_tokens, completion_tokens=completion,
-                     total_tokens=job.num_prompt_tokens + completion)
+    return _usage_of(job, sum(len(c.token_ids) for final in finals for c in final.outputs))
+
+
+def _usage_of(job: _Submitted, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=job.num_prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=job.num_prompt_tokens + completion_tokens)
 
 
 def _finite(logprob: float | None) -> float:
