@@ -77,6 +77,9 @@ class EngineCore:
             raise ConfigError(f"invalid async_scheduling=True: the runner {type(runner).__name__} cannot launch a "
                               "step without waiting for it; use async_scheduling=False")
         self._pending: tuple[SchedulerOutput, Any] | None = None  # the launched step not yet collected
+        # Live requests whose sampling reads their latest tokens on the host (usually none): kept here so a
+        # step need not scan every request; finished ones are dropped lazily by `_needs_sync`.
+        self._sync_request_ids: set[str] = set()
 
     # ----- requests -----------------------------------------------------------------------------
 
@@ -100,6 +103,8 @@ class EngineCore:
         self._parents[request_id] = parent
         for sequence in parent.sequences:
             self.scheduler.add_request(sequence.request)
+            if _needs_latest_tokens(sequence.request.sampling_params):
+                self._sync_request_ids.add(sequence.request.request_id)
 
     def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._parents:
@@ -179,9 +184,10 @@ class EngineCore:
         return self._process(scheduler_output, self.runner.collect(launched))
 
     def _needs_sync(self) -> bool:
-        scheduler = self.scheduler
-        return any(_needs_latest_tokens(r.sampling_params) for queue in (scheduler.running, scheduler.waiting)
-                   for r in queue)
+        if self._sync_request_ids:
+            live = self.scheduler.requests  # unfinished requests, waiting or running
+            self._sync_request_ids = {rid for rid in self._sync_request_ids if rid in live}
+        return bool(self._sync_request_ids)
 
     def _process(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         updated = self.scheduler.update(scheduler_output, runner_output)
