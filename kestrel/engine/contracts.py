@@ -46,7 +46,12 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to compute. Such an output may still release requests, and must reach the runner then."""
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def releases_requests(self) -> bool:
+        return bool(self.finished_req_ids or self.preempted_req_ids)
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,8 @@ class Runner(Protocol):
 class AsyncRunner(Runner, Protocol):
     """A worker that can enqueue a step and return before it finishes (async scheduling): `execute(s)` is
     `collect(launch(s))`, and a step launched while another is in flight reads that one's sampled ids on the
-    device."""
+    device. An output with nothing to compute (it only releases requests) may be executed while a step is in
+    flight: the worker drops those requests' state, and the step in flight still collects normally."""
 
     def launch(self, scheduler_output: SchedulerOutput) -> object: ...
 

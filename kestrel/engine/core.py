@@ -132,6 +132,8 @@ class EngineCore:
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             for child_id in child_ids:
                 self._sequence_parent.pop(child_id, None)
+        if not self.has_unfinished_requests():
+            self._release_finished()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._pending is not None
@@ -148,11 +150,23 @@ class EngineCore:
 
         Under async scheduling the step launched here is collected by the next call, so the outputs returned
         are those of the step before; a batch that needs the host's view of every token (penalties,
-        min_tokens, prompt logprobs) runs synchronously."""
+        min_tokens, prompt logprobs) runs synchronously.
+
+        Every request the scheduler finishes, aborts or preempts reaches the runner's release list with the
+        next scheduler output, even one with nothing to compute: the runner's rows then never outnumber the
+        scheduler's running requests, whatever finished while a step was in flight. An engine left idle
+        releases them at once, so the runner holds no state between bursts."""
         if not self.async_scheduling:
-            return self._step_sync()
-        if self._needs_sync():
-            return self._collect_pending() + self._step_sync()
+            outputs = self._step_sync()
+        elif self._needs_sync():
+            outputs = self._collect_pending() + self._step_sync()
+        else:
+            outputs = self._step_async()
+        if not self.has_unfinished_requests():
+            self._release_finished()
+        return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
         launched = None
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
@@ -160,6 +174,10 @@ class EngineCore:
                 launched = (scheduler_output, self.runner.launch(scheduler_output))
             elif self._pending is None:
                 raise RuntimeError(_NOTHING_PLACED)
+            elif scheduler_output.releases_requests:
+                # Every running request waits on its token in flight: nothing to compute, but the releases
+                # must reach the runner before the next step admits into their rows.
+                self.runner.execute(scheduler_output)
         outputs = self._collect_pending()
         self._pending = launched
         if launched is not None and not self.scheduler.has_unfinished_requests():
@@ -175,6 +193,13 @@ class EngineCore:
         if scheduler_output.is_empty:
             raise RuntimeError(_NOTHING_PLACED)
         return self._process(scheduler_output, self.runner.execute(scheduler_output))
+
+    def _release_finished(self) -> None:
+        """Tell the runner to drop the state of requests that ended since the last step (engine idle)."""
+        if self.scheduler.has_pending_releases:
+            scheduler_output = self.scheduler.schedule()
+            assert scheduler_output.is_empty, "an idle engine scheduled work"
+            self.runner.execute(scheduler_output)
 
     def _collect_pending(self) -> list[RequestOutput]:
         if self._pending is None:

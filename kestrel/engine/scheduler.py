@@ -71,6 +71,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def has_pending_releases(self) -> bool:
+        """Requests finished, aborted or preempted that the runner has not been told to drop yet."""
+        return bool(self._finished_ids or self._preempted_ids)
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 
@@ -140,7 +145,8 @@ class Scheduler:
             request.num_computed_tokens += num_new
             if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
                 request.num_pending_tokens += 1  # this step samples the request's next token
-        self.stats.num_steps += 1
+        if not output.is_empty:
+            self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += output.total_num_scheduled_tokens
         return output
 

@@ -50,6 +50,10 @@ class BlockTable:
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._lengths = [0] * max_rows
 
+    @property
+    def num_rows_in_use(self) -> int:
+        return self.table.shape[0] - len(self._free_rows)
+
     def add(self, block_ids: list[int]) -> int:
         if not self._free_rows:
             raise RuntimeError(f"block table full: {self.table.shape[0]} rows in use; more requests are running "

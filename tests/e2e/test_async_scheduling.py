@@ -22,8 +22,10 @@ def llama_dir(tmp_path_factory):
 
 
 def all_blocks_free(llm: LLM) -> bool:
+    """Blocks, the worker's rows and its per-request state are all released once generate returns."""
     pool = llm.engine.scheduler.kv.pool
-    return pool.num_free_blocks == pool.num_blocks and not llm.engine.has_unfinished_requests()
+    return (pool.num_free_blocks == pool.num_blocks and not llm.engine.has_unfinished_requests()
+            and not llm.runner.requests and llm.runner.block_table.num_rows_in_use == 0)
 
 
 def test_greedy_matches_hf_with_chunking_and_preemption(llama_dir):
@@ -121,3 +123,20 @@ def test_random_greedy_mix_under_async_keeps_max_tokens(llama_dir):
     expected = sync.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
     assert all_blocks_free(llm)
+
+
+def test_a_drained_batch_then_a_burst_of_chunked_prefills(llama_dir):
+    """A full batch finishes on its in-flight tokens, then a burst larger than max_num_seqs is admitted while
+    its prompts are prefilled in chunks: the worker's rows are released before they are reused, and the
+    burst's outputs equal the synchronous engine's."""
+    rng = random.Random(4)
+    llm = LLM(llama_dir, dtype="float32", max_model_len=64, max_num_seqs=6, max_num_batched_tokens=48,
+              async_scheduling=True)
+    sync = LLM(llama_dir, dtype="float32", max_model_len=64, max_num_seqs=6, max_num_batched_tokens=48)
+    for count, max_tokens in [(6, 4), (30, 10), (6, 3)]:
+        prompts = [{"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(40)]} for _ in range(count)]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert all_blocks_free(llm)
+        expected = sync.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
