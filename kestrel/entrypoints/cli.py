@@ -14,7 +14,8 @@ from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams, SamplingParamsError
 
 # Benchmark suites live in kestrel.bench.<name>; each module exposes register(subparsers).
-BENCH_SUITES: tuple[str, ...] = ("gemm", "attention", "serve", "ppl", "latency", "throughput")
+BENCH_SUITES: tuple[str, ...] = ("gemm", "attention", "serve", "ppl", "latency", "throughput",
+                                   "step_budget")
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
