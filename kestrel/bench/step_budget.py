@@ -391,7 +391,18 @@ def _run(args: argparse.Namespace, device: torch.device, model_dir: str, load_fo
     prefill = [int(t) for t in str(args.prefill_tokens).split(",") if t]
     ceilings = common.measure_ceilings(device)
     ceilings["fp8_TFLOPs"] = measure_fp8_rate(device) if device.type == "cuda" else ceilings["eight_bit_TFLOPs"]
-    results = []
+    results: list[dict[str, Any]] = []
+    environment = common.environment(device)
+
+    def make_result(rows: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
+        return {"suite": "step_budget", "complete": complete,
+                "config": {"arch": "tiny (smoke)" if args.smoke else args.arch,
+                           "layers": config["num_hidden_layers"], "context": args.context, "batches": batches,
+                           "prefill_tokens": prefill, "steps": args.steps, "profile_steps": args.profile_steps,
+                           "async_scheduling": args.async_scheduling, "enforce_eager": args.enforce_eager,
+                           "max_num_batched_tokens": args.max_num_batched_tokens, "smoke": args.smoke},
+                "environment": environment, "ceilings": ceilings, "results": rows}
+
     precisions = ["bf16"] if args.smoke else args.precisions.split(",")
     for precision in precisions:
         if precision not in PRECISIONS:
@@ -405,20 +416,16 @@ def _run(args: argparse.Namespace, device: torch.device, model_dir: str, load_fo
             results.append(row)
             common.log(f"{precision} decode batch {batch}: {row['step_us'] / 1e3:.2f} ms/step, floor "
                        f"{row['floor_us'] / 1e3:.2f} ms, GPU busy {row['gpu_busy_fraction']:.0%}")
+            common.write_result(make_result(results, complete=False), args.result_file, quiet=True)
         for tokens in prefill:
             row = prefill_point(engine, precision, tokens, args.prefill_prompt_len, 3, vocab, ceilings)
             results.append(row)
             common.log(f"{precision} prefill {tokens} tokens: {row['step_us'] / 1e3:.2f} ms/step, floor "
                        f"{row['floor_us'] / 1e3:.2f} ms")
-        common.release(engine)
-    result = {"suite": "step_budget",
-              "config": {"arch": "tiny (smoke)" if args.smoke else args.arch, "layers": config["num_hidden_layers"],
-                         "context": args.context, "batches": batches, "prefill_tokens": prefill,
-                         "steps": args.steps, "profile_steps": args.profile_steps,
-                         "async_scheduling": args.async_scheduling, "enforce_eager": args.enforce_eager,
-                         "max_num_batched_tokens": args.max_num_batched_tokens, "smoke": args.smoke},
-              "environment": common.environment(device), "ceilings": ceilings, "results": results}
-    common.report(result, summary(result), args.result_file, plot)
+            common.write_result(make_result(results, complete=False), args.result_file, quiet=True)
+        del engine  # the next precision sizes its KV cache from the memory this one frees
+        common.release(None)
+    common.report(make_result(results, complete=True), summary(make_result(results, True)), args.result_file, plot)
     return 0
 
 

@@ -95,13 +95,39 @@ class AttnConfig:
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt,
-                  offs_n, offs_d, d_ok, row_pos, start, num_tiles, seg_hi, window, qk_scale,
+def _e4m3_bits_to_f16(b):
+    """An e4m3 byte (int32 in [0, 256)) as fp16, exactly: sign and the 7 low bits shifted into fp16's fields give
+    the value times 2^-8 (normals and subnormals alike; 0x7f, e4m3's NaN, is never stored: writes clamp)."""
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return (bits.to(tl.int16).to(tl.float16, bitcast=True) * 256.0).to(tl.float16)
+
+
+@triton.jit
+def _e4m3_pairs_to_f16(w, ASM: tl.constexpr):
+    """Int16 words holding two e4m3 values (low byte: the even head dim) -> (even, odd) fp16 tensors."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }", "=h,=h,h", [w],
+            dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        u = w.to(tl.int32) & 0xFFFF
+        lo = _e4m3_bits_to_f16(u & 0xFF)
+        hi = _e4m3_bits_to_f16(u >> 8)
+    return lo, hi
+
+
+@triton.jit
+def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt,
+                  offs_n, offs_d, offs_w, d_ok, row_pos, start, num_tiles, seg_hi, window, qk_scale,
                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
                   USE_WINDOW: tl.constexpr, HEAD_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                  DOT_PREC: tl.constexpr):
+                  DOT_PREC: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr):
     """Online-softmax over `num_tiles` key tiles from `start`; MASKED tiles apply the sequence end
-    (`seg_hi`), causality and the window, the others are known to be fully visible to every row."""
+    (`seg_hi`), causality and the window, the others are known to be fully visible to every row.
+
+    V_PAIRS (FP8 cache): V is read as int16 words of two e4m3 values and P @ V runs as two dots, over the even
+    and the odd head dims (`acc`, `acc_odd`). Read as bytes, the PV operand needs a transposed 8-bit load,
+    which Triton emits as one shared-memory load per byte; words transpose with ldmatrix like 16-bit data."""
     for i in range(num_tiles):
         tok = start + i * BLOCK_N + offs_n
         if MASKED:
@@ -134,14 +160,26 @@ def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED or HEAD_MASK:
-            # masked, not just zero-weighted: 0 * NaN from an unwritten slot would poison acc
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        if V_PAIRS:
+            acc_odd = acc_odd * alpha[:, None]
+            w_ptrs = v_base + (blk * stride_vb + in_blk * stride_vt)[:, None] + offs_w[None, :]
+            if MASKED:
+                w = tl.load(w_ptrs, mask=tok_ok[:, None], other=0)
+            else:
+                w = tl.load(w_ptrs)
+            v_even, v_odd = _e4m3_pairs_to_f16(w, V_ASM)
+            p_dot = p.to(DOT_DTYPE)  # fp16 on the GPU (a no-op for the values); fp32 in the interpreter
+            acc = tl.dot(p_dot, v_even.to(DOT_DTYPE), acc, input_precision=DOT_PREC)
+            acc_odd = tl.dot(p_dot, v_odd.to(DOT_DTYPE), acc_odd, input_precision=DOT_PREC)
         else:
-            v = tl.load(v_ptrs)
-        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PREC)
+            if MASKED or HEAD_MASK:
+                # masked, not just zero-weighted: 0 * NaN from an unwritten slot would poison acc
+                v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+            acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PREC)
         m_i = m_new
-    return acc, m_i, l_i
+    return acc, acc_odd, m_i, l_i
 
 
 @triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi", "window"])
@@ -153,7 +191,8 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PREC: tl.constexpr, Q_CLAMP: tl.constexpr,
+    DOT_PREC: tl.constexpr, Q_CLAMP: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr,
+    ACC_W: tl.constexpr, ODD_W: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     if PER_SEQ:
@@ -226,18 +265,24 @@ def _paged_attn_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    # With V_PAIRS, acc holds the even head dims and acc_odd the odd ones (ACC_W = ODD_W = HEAD_PAD / 2);
+    # otherwise acc is the whole row and acc_odd an unused column.
+    acc = tl.zeros([BLOCK_M, ACC_W], tl.float32)
+    acc_odd = tl.zeros([BLOCK_M, ODD_W], tl.float32)
+    offs_w = tl.arange(0, ACC_W)
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb,
-                                  stride_vt, offs_n, offs_d, d_ok, row_pos, seg_lo, num_full, seg_hi, window,
-                                  qk_scale, BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE,
-                                  DOT_PREC)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb,
-                                  stride_vt, offs_n, offs_d, d_ok, row_pos, seg_lo + num_full * BLOCK_N,
-                                  num_tiles - num_full, seg_hi, window, qk_scale, BLOCK_N, BLOCK_SIZE, True,
-                                  USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC)
+    acc, acc_odd, m_i, l_i = _attend_tiles(
+        acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
+        offs_d, offs_w, d_ok, row_pos, seg_lo, num_full, seg_hi, window, qk_scale, BLOCK_N, BLOCK_SIZE, False,
+        USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM)
+    acc, acc_odd, m_i, l_i = _attend_tiles(
+        acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
+        offs_d, offs_w, d_ok, row_pos, seg_lo + num_full * BLOCK_N, num_tiles - num_full, seg_hi, window,
+        qk_scale, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM)
+    if V_PAIRS:
+        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc * (v_scale / l_safe)[:, None]
@@ -453,6 +498,13 @@ def paged_attention(
         Q_CLAMP=dot_dtype == tl.float16 and q.dtype != torch.float16,
     )
     wide = dot_dtype == tl.float32 and q.is_cuda
+    # FP8 (e4m3) V read as int16 pairs, see _attend_tiles; the dots then run in fp16 off the GPU too.
+    v_pairs = (k_cache.dtype == torch.float8_e4m3fn and head_size == head_pad and v_cache.stride(-1) == 1
+               and all(st % 2 == 0 for st in v_cache.stride()[:-1]) and v_cache.storage_offset() % 2 == 0)
+    v_arg = v_cache.view(torch.int16) if v_pairs else v_cache
+    pairs = dict(V_PAIRS=v_pairs, V_ASM=v_pairs and q.is_cuda, ACC_W=head_pad // 2 if v_pairs else head_pad,
+                 ODD_W=head_pad // 2 if v_pairs else 1)
+    common.update(stride_vb=v_arg.stride(0), stride_vt=v_arg.stride(1), stride_vh=v_arg.stride(2))
     dec = decode_cfg or decode_config(head_size, group, fp8, wide)
     dec_q = max(1, dec.block_m // group)
 
@@ -461,8 +513,8 @@ def paged_attention(
         pre_q = max(1, pre.block_m // group)
         grid = (num_tokens // pre_q + num_seqs, num_kv_heads)
         _paged_attn_kernel[grid](
-            q, k_cache, v_cache, out, out, out, query_start_loc, seq_lens, block_tables,
-            q_len_lo=dec_q, q_len_hi=_NO_LIMIT, **common,
+            q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables,
+            q_len_lo=dec_q, q_len_hi=_NO_LIMIT, **common, **pairs,
             BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False,
             num_warps=pre.num_warps, num_stages=pre.num_stages,
         )
@@ -479,8 +531,8 @@ def paged_attention(
     else:
         part_o = part_lse = out
     _paged_attn_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, query_start_loc, seq_lens, block_tables,
-        q_len_lo=0, q_len_hi=dec_q, **common,
+        q, k_cache, v_arg, out, part_o, part_lse, query_start_loc, seq_lens, block_tables,
+        q_len_lo=0, q_len_hi=dec_q, **common, **pairs,
         BLOCK_M=dec.block_m, BLOCK_Q=dec_q, BLOCK_N=dec.block_n, PER_SEQ=True, SPLIT=split,
         num_warps=dec.num_warps, num_stages=dec.num_stages,
     )
