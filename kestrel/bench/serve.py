@@ -648,6 +648,43 @@ async def bench(target: Target, levels: list[Level], work: Workload, warmup_requ
     return results, warmup_failed
 
 
+def plot(doc: dict[str, Any], path: Path) -> bool:
+    """Latency percentiles (TTFT, TPOT, ITL: median and p99) and output throughput per level; False without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    results = doc["results"]
+    labels = [r["label"].replace("concurrency ", "c=").replace("request rate ", "rate ") for r in results]
+    x = range(len(results))
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4))
+    for ax, key, title in zip(axes, ("ttft_ms", "tpot_ms", "itl_ms"), ("TTFT", "TPOT", "ITL"), strict=False):
+        values = {stat: [(r["metrics"][key] or {}).get(stat) or 0 for r in results] for stat in ("median", "p99")}
+        for (stat, ys), style in zip(values.items(), ("o-", "s--"), strict=True):
+            ax.plot(x, ys, style, label=stat)
+        ax.set_title(f"{title} (ms)")
+        if all(v > 0 for ys in values.values() for v in ys):
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    axes[3].bar(x, [r["metrics"]["output_throughput"] for r in results], color="tab:green")
+    axes[3].set_title("output tok/s")
+    for ax in axes:
+        ax.set_xticks(list(x), labels, rotation=30, fontsize=8)
+        ax.grid(alpha=0.3)
+    cfg = doc["config"]
+    fig.suptitle(f"kestrel bench serve: {cfg['input_len']} in / {cfg['output_len']} out, "
+                 f"{cfg['num_prompts']} requests per level, failed: "
+                 f"{sum(r['metrics']['failed'] for r in results)}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     """Run every level; exit 0 when all requests succeeded, 1 when any failed, 2 on bad arguments or no server."""
     try:
@@ -680,6 +717,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_sweep(results))
     if args.result_file is not None:
         print(f"wrote {args.result_file}")
+        if results and plot(json.loads(args.result_file.read_text()), args.result_file.with_suffix(".png")):
+            print(f"wrote {args.result_file.with_suffix('.png')}")
     return 1 if any(r["metrics"]["failed"] for r in results) else 0
 
 

@@ -28,7 +28,7 @@ import torch
 from kestrel.bench import common, standalone_main
 
 GEMMS = ("qkv", "o", "gate_up", "down")
-COMPONENTS = (*GEMMS, "lm_head", "attention", "norm_rope_act", "act_quant", "embed_sampler_other", "host_gap")
+COMPONENTS = (*GEMMS, "lm_head", "attention", "norm_rope_act_quant", "embed_sampler_other", "host_gap")
 PRECISIONS = {"bf16": (None, "auto"), "fp8": ("fp8", "fp8"), "int8": ("int8", "auto")}
 
 
@@ -42,13 +42,24 @@ def kernel_kind(name: str) -> str:
         return "gemm_tail"
     if "paged_attn" in lowered or "merge_splits" in lowered:
         return "attention"
-    if any(k in lowered for k in ("rms_norm", "silu", "rope", "store_kv")):
-        return "norm_rope_act"
-    if "quant" in lowered:
-        return "act_quant"
+    # One component: the activation quantizer is also the kernel of the fused RMSNorm / SiLU-mul producers.
+    if any(k in lowered for k in ("rms_norm", "silu", "rope", "store_kv", "quant")):
+        return "norm_rope_act_quant"
     if any(k in lowered for k in ("scaled_mm", "nvjet", "gemm", "cutlass", "xmma", "_int_mm")):
         return "gemm"
     return "embed_sampler_other"
+
+
+def exclusive_durations(events: list[tuple[str, float, float]]) -> list[tuple[str, float]]:
+    """(name, microseconds) in start order, each kernel charged only for the time no earlier kernel was still
+    running: a kernel launched early with programmatic dependent launch waits inside itself for its producer,
+    and that wait belongs to the producer. The durations add up to the GPU-busy time."""
+    out, end = [], float("-inf")
+    for name, start, duration in events:
+        stop = start + duration
+        out.append((name, max(stop - max(start, end), 0.0)))
+        end = max(end, stop)
+    return out
 
 
 def assign_components(kernels: list[tuple[str, float]], num_layers: int, num_steps: int) -> tuple[dict, bool]:
@@ -148,8 +159,8 @@ def component_floors(hf: dict[str, Any], precision: str, kv_bytes: int, tokens: 
     # SiLU-mul; the quantization passes of the inputs that no producer fuses (the o projection's at least).
     elementwise = tokens * (2 * (3 * hidden * 2 + hidden * a_bytes) + qkv_n * 2 + heads * head * 2
                             + 2 * kv_heads * head * kv_bytes + 2 * inter * 2 + inter * a_bytes)
-    out["norm_rope_act"] = layers * 1e6 * elementwise / bw
-    out["act_quant"] = layers * 1e6 * tokens * heads * head * (2 + 1) / bw if quantized else 0.0
+    quant = tokens * heads * head * (2 + 1) if quantized else 0
+    out["norm_rope_act_quant"] = layers * 1e6 * (elementwise + quant) / bw
     out["embed_sampler_other"] = 1e6 * (tokens * hidden * 2 + 2 * rows * vocab * 4) / bw
     out["host_gap"] = 0.0
     return out
@@ -185,7 +196,7 @@ def kv_element_bytes(engine: common.Engine) -> int:
 
 def _row(kind: str, precision: str, wall_us: float, events, num_steps: int, num_layers: int,
          floors: dict[str, float], **extra: Any) -> dict[str, Any]:
-    per_component, ordered = assign_components([(n, d) for n, _, d in events], num_layers, num_steps)
+    per_component, ordered = assign_components(exclusive_durations(events), num_layers, num_steps)
     gpu_us = busy_us(events) / num_steps
     per_component["host_gap"] = (0.0, max(wall_us - gpu_us, 0.0))
     components = {}

@@ -259,6 +259,8 @@ def test_sweep_writes_one_result_per_level(base_url, tmp_path, capsys):
     assert len({tuple(b["prompt"]) for b in STATE.bodies}) == 8  # no prompt repeats across warm-up and levels
     out = capsys.readouterr().out
     assert "concurrency 1" in out and "concurrency 3" in out and "TTFT p99" in out
+    png = next(tmp_path.glob("*.png"))  # the plot beside the JSON
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def free_port() -> int:

@@ -1,4 +1,5 @@
-"""A bounded load test: 200 streaming requests at concurrency 32 on the tiny model, some clients aborting."""
+"""A bounded load test on the tiny model (async scheduling): two waves of 120 streaming requests at concurrency 48,
+more than the server's max_num_seqs (32), some clients aborting; the engine drains between the waves."""
 
 import asyncio
 import random
@@ -6,8 +7,8 @@ import random
 import openai
 
 MODEL = "tiny"
-NUM_REQUESTS = 200
-CONCURRENCY = 32
+NUM_REQUESTS = 120
+CONCURRENCY = 48  # the server runs max_num_seqs=32: the rest queue
 ABORT_EVERY = 7  # every 7th client reads two chunks and hangs up
 
 
@@ -47,16 +48,23 @@ async def run_load(server) -> list[dict]:
 
 
 def test_load_with_aborting_clients(openai_server):
+    assert openai_server.engine.core.config.scheduler.max_num_seqs < CONCURRENCY
     before = openai_server.metrics()
-    results = asyncio.run(run_load(openai_server))
-    completed = [r for r in results if not r["aborted"]]
-    assert len(completed) == NUM_REQUESTS - len(range(0, NUM_REQUESTS, ABORT_EVERY))
-    for result in completed:
-        assert result["finish"] == "length"
-        assert result["usage"].completion_tokens == result["max_tokens"]
-    after = openai_server.wait_idle(timeout_s=10)
-    assert after["kestrel:kv_cache_usage_perc"] == 0
-    assert after["kestrel:num_requests_running"] == 0 and after["kestrel:num_requests_waiting"] == 0
+    completed = []
+    for _ in range(2):  # the second wave refills an engine that drained a full batch
+        results = asyncio.run(run_load(openai_server))
+        wave = [r for r in results if not r["aborted"]]
+        assert len(wave) == NUM_REQUESTS - len(range(0, NUM_REQUESTS, ABORT_EVERY))
+        for result in wave:
+            assert result["finish"] == "length"
+            assert result["usage"].completion_tokens == result["max_tokens"]
+        completed += wave
+        after = openai_server.wait_idle(timeout_s=10)
+        assert after["kestrel:kv_cache_usage_perc"] == 0
+        assert after["kestrel:num_requests_running"] == 0 and after["kestrel:num_requests_waiting"] == 0
+        runner = openai_server.engine.core.runner
+        assert runner.block_table.num_rows_in_use == 0 and not runner.requests  # the worker released every row
     finished = after["kestrel:request_success_total"] - before.get("kestrel:request_success_total", 0)
     assert finished >= len(completed)
     assert openai_server.engine.is_healthy
+    assert openai_server.engine.core.async_scheduling
