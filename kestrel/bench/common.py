@@ -44,8 +44,7 @@ LLAMA3_8B: dict[str, Any] = {
 }
 ARCHS = {"llama3-8b": LLAMA3_8B}
 SMOKE_OVERRIDES: dict[str, Any] = {"max_position_embeddings": 512}
-# Issue 7's nominal batch-1 decode targets (1.3 x 16 GB / 4.26 TB/s in BF16; half the bytes in FP8).
-NOMINAL_DECODE_TARGET_MS = {"bf16": 4.9, "fp8": 2.6}
+# Batch-1 decode target of precisions without their own (latency.DECODE_ROOFLINE_FACTORS): x the roofline.
 ROOFLINE_FACTOR = 1.3
 
 

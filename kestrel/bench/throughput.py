@@ -7,8 +7,9 @@ KV cache, CUDA graphs) to the first token of a single request. A short warm-up r
 
 The HF transformers peer (same weights, in a child process before kestrel starts) runs its continuous
 batching (`generate_batch`, static batches when missing) on the first `--hf-peer-prompts` prompts.
-Targets (issue 7): output tok/s >= 10x HF; W8A8-FP8 on 1000 in / 1000 out >= 15,000 output tok/s;
-startup to first token < 60 s. `--smoke` checks the script on a tiny CPU model.
+Targets: output tok/s >= 10x HF; W8A8-FP8 on 1000 in / 1000 out >= 17,744 output tok/s (TensorRT-LLM's
+published figure for Llama-3.1-8B FP8 on one H200), aiming at 19,500; startup to first token < 30 s.
+`--smoke` checks the script on a tiny CPU model.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from kestrel.sampling_params import SamplingParams
 
 SMOKE = {"num_prompts": 6, "input_len": 12, "output_len": 5, "max_num_seqs": 4, "max_num_batched_tokens": 32,
          "hf_peer_prompts": 3, "warmup_prompts": 2}
-FP8_TARGET_TOK_S = 15_000.0
+FP8_TARGETS_TOK_S = ((17_744.0, "TensorRT-LLM's published figure"), (19_500.0, "the aim"))
 HF_FACTOR = 10.0
-STARTUP_LIMIT_S = 60.0
+STARTUP_LIMIT_S = 30.0
 
 
 def generate_all(engine: Engine, prompts: list[list[int]], output_len: int, tag: str,
@@ -85,8 +86,9 @@ def evaluate_targets(result: dict[str, Any], smoke: bool) -> list[dict[str, Any]
                         "limit": HF_FACTOR * hf, "measured": ours, "pass": ours >= HF_FACTOR * hf})
     cfg = result["config"]
     if cfg["quantization"] == "fp8" and cfg["input_len"] == 1000 and cfg["output_len"] == 1000 and not smoke:
-        targets.append({"target": "W8A8-FP8 1000/1000 output tok/s >= 15,000", "limit": FP8_TARGET_TOK_S,
-                        "measured": ours, "pass": ours >= FP8_TARGET_TOK_S})
+        for limit, what in FP8_TARGETS_TOK_S:
+            targets.append({"target": f"W8A8-FP8 1000/1000 output tok/s >= {limit:,.0f} ({what})", "limit": limit,
+                            "measured": ours, "pass": ours >= limit})
     if not smoke:
         startup = result["startup_to_first_token_s"]
         targets.append({"target": f"startup to first token < {STARTUP_LIMIT_S:.0f} s", "limit": STARTUP_LIMIT_S,
