@@ -9,6 +9,16 @@ from collections.abc import Callable, Sequence
 from kestrel.config import ConfigError
 
 
+def register_suite(subparsers, name: str, help_text: str,
+                   add_arguments: Callable[[argparse.ArgumentParser], None],
+                   run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """`kestrel bench <name>`: the suite's sub-command with its arguments and entry point."""
+    p = subparsers.add_parser(name, help=help_text)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
 def standalone_main(suite: str, description: str | None, add_arguments: Callable[[argparse.ArgumentParser], None],
                     run: Callable[[argparse.Namespace], int], argv: Sequence[str] | None = None) -> int:
     """`python -m kestrel.bench.<suite>`: parse the suite's arguments and run it; a ConfigError is a message."""

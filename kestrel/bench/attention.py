@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kestrel.bench import register_suite
 from kestrel.bench.timing import time_calls, time_eager
 from kestrel.kernels import attention as attn
 from kestrel.kernels.attention import AttnConfig
@@ -971,10 +972,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("attention", help="paged attention benchmark (BENCHMARKS.md 'attention')")
-    add_arguments(p)
-    p.set_defaults(func=run)
-    return p
+    return register_suite(subparsers, "attention", "paged attention benchmark (BENCHMARKS.md 'attention')",
+                          add_arguments, run)
 
 
 def run(args: argparse.Namespace) -> int:

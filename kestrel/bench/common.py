@@ -299,6 +299,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
 
 
+def add_report_arguments(p: argparse.ArgumentParser) -> None:
+    """Where an end-to-end suite writes its result, and its CPU smoke mode."""
+    p.add_argument("--result-file", type=Path, default=None, help="write the JSON here (and the PNG beside it)")
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
+
+
 def build_suite_engine(args: argparse.Namespace, model_dir: str, load_format: str, device: torch.device,
                        max_num_seqs: int, max_model_len: int) -> Engine:
     """The engine of an end-to-end suite from its `add_model_arguments` flags (prefix caching off: prompts

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kestrel.bench import register_suite
 from kestrel.bench.timing import time_calls, time_eager
 from kestrel.kernels import quant_act as qa
 from kestrel.kernels import scaled_mm as smm
@@ -759,10 +760,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("gemm", help="W8A8 GEMM benchmark (BENCHMARKS.md 'gemm')")
-    add_arguments(p)
-    p.set_defaults(func=run)
-    return p
+    return register_suite(subparsers, "gemm", "W8A8 GEMM benchmark (BENCHMARKS.md 'gemm')", add_arguments, run)
 
 
 def run(args: argparse.Namespace) -> int:

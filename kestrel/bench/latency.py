@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kestrel.bench import common, standalone_main
+from kestrel.bench import common, register_suite, standalone_main
 from kestrel.bench.checks import correctness_checks
 from kestrel.bench.common import Engine
 from kestrel.config import ConfigError
@@ -274,17 +274,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-result", type=Path, default=None,
                    help="reuse the HF peer of an earlier latency result file instead of running it")
     p.add_argument("--hf-timeout", type=float, default=300.0, help="seconds for each HF peer process (one per mode)")
-    p.add_argument("--result-file", type=Path, default=None, help="write the JSON here (and the PNG beside it)")
-    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
+    common.add_report_arguments(p)
     p.add_argument("--no-checks", dest="checks", action="store_false",
                    help="skip the correctness checks run first on a GPU (kestrel vs HF greedy, graphs vs eager)")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("latency", help="TTFT and decode ms/token vs roofline and HF transformers")
-    add_arguments(p)
-    p.set_defaults(func=run)
-    return p
+    return register_suite(subparsers, "latency", "TTFT and decode ms/token vs roofline and HF transformers",
+                          add_arguments, run)
 
 
 def apply_smoke(args: argparse.Namespace) -> None:

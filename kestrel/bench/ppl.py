@@ -28,7 +28,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kestrel.bench import standalone_main
+from kestrel.bench import register_suite, standalone_main
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.core import EngineCore
 from kestrel.loader.tokenizer import load_tokenizer
@@ -212,10 +212,8 @@ def evaluate(scorer: KestrelScorer, documents: list[Document], stride: int | Non
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("ppl", help="held-out perplexity and bits per byte (stdlib corpus) vs a unigram")
-    add_arguments(p)
-    p.set_defaults(func=run)
-    return p
+    return register_suite(subparsers, "ppl", "held-out perplexity and bits per byte (stdlib corpus) vs a unigram",
+                          add_arguments, run)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

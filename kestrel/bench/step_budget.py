@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kestrel.bench import common, standalone_main
+from kestrel.bench import common, register_suite, standalone_main
 
 GEMMS = ("qkv", "o", "gate_up", "down")
 COMPONENTS = (*GEMMS, "lm_head", "attention", "norm_rope_act_quant", "embed_sampler_other", "host_gap")
@@ -360,15 +360,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the architecture's)")
-    p.add_argument("--result-file", type=Path, default=None, help="write the JSON here (and the PNG beside it)")
-    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
+    common.add_report_arguments(p)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("step-budget", help="time per step component at full batch vs each one's roofline")
-    add_arguments(p)
-    p.set_defaults(func=run)
-    return p
+    return register_suite(subparsers, "step-budget", "time per step component at full batch vs each one's roofline",
+                          add_arguments, run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kestrel.bench import common, standalone_main
+from kestrel.bench import common, register_suite, standalone_main
 from kestrel.bench.common import Engine
 from kestrel.sampling_params import SamplingParams
 
@@ -161,15 +161,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-result", type=Path, default=None,
                    help="reuse the HF peer of an earlier throughput result file (same workload) instead of running it")
     p.add_argument("--hf-timeout", type=float, default=300.0, help="seconds for the HF peer process")
-    p.add_argument("--result-file", type=Path, default=None, help="write the JSON here (and the PNG beside it)")
-    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
+    common.add_report_arguments(p)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("throughput", help="offline throughput (ignore_eos) vs HF transformers")
-    add_arguments(p)
-    p.set_defaults(func=run)
-    return p
+    return register_suite(subparsers, "throughput", "offline throughput (ignore_eos) vs HF transformers",
+                          add_arguments, run)
 
 
 def run(args: argparse.Namespace) -> int:
