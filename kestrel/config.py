@@ -16,7 +16,8 @@ BLOCK_SIZE_CHOICES = (16,)
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8")
-QUANTIZATION_CHOICES = (None, "fp8", "int8")
+# The one list of quantization names: quantize at load ("fp8", "int8") or load a checkpoint saved in a format.
+QUANTIZATION_CHOICES = (None, "fp8", "int8", "compressed-tensors")
 ACTIVATION_SCHEME_CHOICES = ("dynamic", "static")
 
 
@@ -177,6 +178,9 @@ class EngineConfig:
         if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs:
             _fail("max_num_batched_tokens", self.scheduler.max_num_batched_tokens,
                   f"must be >= max_num_seqs={self.scheduler.max_num_seqs} so every running request can decode")
+        if self.quant.method == "compressed-tensors" and not self.model.hf_config.get("quantization_config"):
+            _fail("quantization", self.quant.method, "it names a checkpoint format, and this checkpoint has no "
+                  "quantization_config in its config.json; use 'fp8' or 'int8' to quantize at load")
         if not self.scheduler.enable_chunked_prefill and (
             self.scheduler.max_num_batched_tokens < (self.model.max_model_len or 0)
         ):

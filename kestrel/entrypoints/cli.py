@@ -30,7 +30,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-blocks", type=int, default=None, help="override the number of KV cache blocks")
     group.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument("--quantization", default=None, help="fp8 or int8 (W8A8, quantized on load)")
+    group.add_argument("--quantization", default=None,
+                       help="fp8 or int8: W8A8, quantized on load; a quantized checkpoint (compressed-tensors, fp8) "
+                            "loads as saved without it")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9,

@@ -7,11 +7,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kestrel.config import ModelConfig, QuantConfig
+from kestrel.config import ConfigError, ModelConfig, QuantConfig
 from kestrel.loader.dummy import initialize_dummy_weights
 from kestrel.loader.hf_config import load_hf_config, resolve_dtype
 from kestrel.loader.safetensors import checkpoint_files, iterate_safetensors
 from kestrel.model.registry import get_model_class
+from kestrel.quant import QuantPlan
 
 
 def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = None,
@@ -26,8 +27,13 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
         load_format = "safetensors"
     if load_format == "safetensors":
         checkpoint_files(model_config.model)  # fail before building the model when there are no weights
+    # The checkpoint's quantization_config, when it has one, decides each linear layer's method.
+    plan = QuantPlan.build(quant_config, hf_config)
+    if plan.checkpoint is not None and load_format == "dummy":
+        raise ConfigError("invalid load_format='dummy': the checkpoint is quantized (quantization_config); random "
+                          "weights exist only for unquantized models, or with quantization='fp8' / 'int8' at load")
     with torch.device(device):
-        model = model_cls(hf_config, dtype, quant_config)
+        model = model_cls(hf_config, dtype, plan)
     if load_format == "dummy":
         initialize_dummy_weights(model, seed=model_config.seed)
         model.process_weights_after_loading()

@@ -24,8 +24,11 @@ from kestrel.model.layers.linear import (
 from kestrel.model.layers.norm import RMSNorm
 from kestrel.model.layers.rotary import RopeConfig, RotaryEmbedding
 from kestrel.model.layers.weights import WeightShapeError
-from kestrel.quant import get_quant_method
+from kestrel.quant import QuantPlan, get_quant_method
 from kestrel.quant.w8a8 import QuantAct, W8A8LinearMethod
+
+# The quantization a model is built with: the plan, or an online QuantConfig (tests), or none.
+Quantization = QuantPlan | QuantConfig | None
 
 # checkpoint sub-name -> (our merged module, shard id)
 _STACKED = (
@@ -94,12 +97,13 @@ class LlamaArchConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaArchConfig, layer_idx: int, dtype: torch.dtype, quant_config: QuantConfig | None,
+    def __init__(self, cfg: LlamaArchConfig, layer_idx: int, dtype: torch.dtype, quant_config: Quantization,
                  prefix: str, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.qkv_bias,
-            quant_method=get_quant_method(quant_config, f"{prefix}.qkv_proj"), params_dtype=dtype,
+            quant_method=get_quant_method(quant_config, f"{prefix}.qkv_proj", _parts(f"{prefix}.qkv_proj")),
+            params_dtype=dtype,
         )
         self.o_proj = RowLinear(
             cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias,
@@ -120,12 +124,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, quant_config: QuantConfig | None,
+    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, quant_config: Quantization,
                  prefix: str) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnLinear(
             cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias,
-            quant_method=get_quant_method(quant_config, f"{prefix}.gate_up_proj"), params_dtype=dtype,
+            quant_method=get_quant_method(quant_config, f"{prefix}.gate_up_proj", _parts(f"{prefix}.gate_up_proj")),
+            params_dtype=dtype,
         )
         self.down_proj = RowLinear(
             cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
@@ -138,7 +143,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaArchConfig, layer_idx: int, dtype: torch.dtype, quant_config: QuantConfig | None,
+    def __init__(self, cfg: LlamaArchConfig, layer_idx: int, dtype: torch.dtype, quant_config: Quantization,
                  prefix: str, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, dtype, quant_config, f"{prefix}.self_attn", rotary_emb)
@@ -183,7 +188,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, quant_config: QuantConfig | None) -> None:
+    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, quant_config: Quantization) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         # One cos/sin table for all layers: at 128k positions it is 64 MB, which per layer would be 2 GB for 32.
@@ -209,12 +214,14 @@ class LlamaForCausalLM(nn.Module):
     `compute_logits(hidden [R, hidden]) -> float32 logits [R, vocab]`."""
 
     def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32,
-                 quant_config: QuantConfig | None = None) -> None:
+                 quant_config: Quantization = None) -> None:
         super().__init__()
         self.hf_config = hf_config
         self.dtype = dtype
         self.config = self.arch_config(hf_config)
         self.model = LlamaModel(self.config, dtype, quant_config)
+        if isinstance(quant_config, QuantPlan):
+            quant_config.check_unquantized("lm_head")
         tie = self.model.embed_tokens if self.config.tie_word_embeddings else None
         self.lm_head = LMHead(self.config.vocab_size, self.config.hidden_size, dtype, tie_to=tie)
 
@@ -316,6 +323,13 @@ def _apply_quantized(linear: LinearBase, act: QuantAct, out_dtype: torch.dtype) 
     # A row layer adds its bias on rank 0 only (see RowLinear.forward); tensor parallelism is not wired here.
     bias = linear.bias if linear.tp_rank == 0 else None
     return linear.quant_method.apply_quantized(linear, act, out_dtype, bias)
+
+
+def _parts(merged_name: str) -> tuple[str, ...]:
+    """The checkpoint modules a merged layer is made of (q/k/v_proj for qkv_proj), in shard order."""
+    merged = merged_name.rsplit(".", 1)[-1]
+    prefix = merged_name[: -len(merged)]
+    return tuple(prefix + part for part, target, _ in _STACKED if target == merged)
 
 
 def _to_param_name(hf_name: str) -> tuple[str, str | int | None]:

@@ -5,10 +5,13 @@ high-precision `weight [N, K]` exactly as the unquantized method does; `process_
 with `weight` (8-bit, still `[N, K]`) and `weight_scale [N, 1]` fp32, so `W ~= weight_scale * weight`.
 Asymmetric INT8 activations also get `azp_adj [N]` int32 = the row sums of the quantized weight.
 
-Static activation scales (one per tensor) only make sense once calibrated, so they need a checkpoint that
-carries them: with `calibrated_inputs=True` the layer has `input_scale` (and, for asymmetric INT8,
-`input_zero_point`), one entry per merged shard, required in the checkpoint. Those checkpoints arrive with
-the compressed-tensors issue; online construction with activation_scheme="static" is a ConfigError.
+Pre-quantized checkpoints (`prequantized=True`, compressed-tensors or the `fp8` format): `weight` is created in
+the 8-bit dtype and loaded as stored, with `weight_scale` per output channel `[N, 1]` or per tensor (one per
+merged shard, expanded to the shard's rows after loading: exact, since the GEMM's epilogue scales each output
+channel anyway). Static activation scales (one per tensor) only make sense once calibrated: with
+`calibrated_inputs=True` the layer has `input_scale` (and, for asymmetric INT8, `input_zero_point`), one entry
+per merged shard, required in the checkpoint. Online construction with activation_scheme="static" is a
+ConfigError.
 
 Output dtype: the GEMM writes bf16 or fp16. A float32 model gets the bf16 result widened back to float32,
 so its quantized linears carry bf16 output precision (at most 2^-8 relative rounding, below the 8-bit
@@ -50,9 +53,12 @@ class W8A8LinearMethod(QuantMethod):
     quant_dtype: torch.dtype
     method_name: str
 
-    def __init__(self, quant_config: QuantConfig, calibrated_inputs: bool = False) -> None:
+    def __init__(self, quant_config: QuantConfig, calibrated_inputs: bool = False, prequantized: bool = False,
+                 weight_per_tensor: bool = False) -> None:
         self.static = quant_config.activation_scheme == "static"
         self.symmetric = quant_config.symmetric_activations
+        self.prequantized = prequantized
+        self.weight_per_tensor = weight_per_tensor and prequantized
         if self.static and not calibrated_inputs:
             raise ConfigError(
                 f"invalid activation_scheme='static' for quantization={self.method_name!r}: online quantization "
@@ -74,16 +80,35 @@ class W8A8LinearMethod(QuantMethod):
 
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
-        # The high-precision weight loads exactly like an unquantized one; process_after_loading converts it.
-        UnquantizedLinearMethod().create_weights(layer, input_size, output_partition_sizes, params_dtype)
+        num_shards = max(len(output_partition_sizes), 1)
+        if self.prequantized:
+            # Stored 8-bit weights load slice by slice like unquantized ones, in their own dtype.
+            UnquantizedLinearMethod().create_weights(layer, input_size, output_partition_sizes, self.quant_dtype)
+            if self.weight_per_tensor:
+                _register_per_shard(layer, "weight_scale", torch.ones(num_shards, dtype=torch.float32))
+            else:
+                scale = nn.Parameter(torch.ones(sum(output_partition_sizes), 1, dtype=torch.float32),
+                                     requires_grad=False)
+                scale.output_dim = 0
+                layer.register_parameter("weight_scale", scale)
+        else:
+            # The high-precision weight loads exactly like an unquantized one; process_after_loading converts it.
+            UnquantizedLinearMethod().create_weights(layer, input_size, output_partition_sizes, params_dtype)
         if self.static:
-            num_shards = max(len(output_partition_sizes), 1)
             _register_per_shard(layer, "input_scale", torch.ones(num_shards, dtype=torch.float32))
             if not self.symmetric:
                 _register_per_shard(layer, "input_zero_point", torch.zeros(num_shards, dtype=torch.int32))
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        q, scale = self.quantize_weight(layer.weight.detach())
+        if self.prequantized:
+            q, scale = layer.weight.detach(), layer.weight_scale.detach().float()
+            if self.weight_per_tensor:
+                rows = torch.tensor(layer.output_partition_sizes, device=scale.device)
+                scale = scale.repeat_interleave(rows).reshape(-1, 1)
+            if not bool(torch.isfinite(scale).all() and (scale > 0).all()):
+                raise ValueError("weight_scale must be positive and finite")
+        else:
+            q, scale = self.quantize_weight(layer.weight.detach())
         # Assigning new Parameters (rather than copying into the old ones) releases the high-precision weight.
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)

@@ -1,0 +1,216 @@
+"""W8A8 checkpoints written by llm-compressor (compressed-tensors format) and the `fp8` format load in kestrel.
+
+The oracle is the checkpoint's own fake-quantized forward: transformers with compressed-tensors, which
+decompresses the weights and quantizes each linear layer's input as the scheme says. Per linear layer, kestrel
+is fed the exact input the oracle's layer saw, so the outputs must agree to the GEMM's bf16 output rounding; end
+to end, the logits must sit closer to the oracle than the float model does, and greedy tokens agree wherever
+the oracle's top two are clearly apart. Unsupported schemes and contradicting flags are ConfigErrors that name them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_hf_parity import PagedBatch, random_prompts
+
+from kestrel.config import ConfigError, EngineConfig, ModelConfig, QuantConfig
+from kestrel.loader import load_model
+from kestrel.loader.model_init import write_tiny_checkpoint
+from kestrel.model.layers.linear import LinearBase
+
+transformers = pytest.importorskip("transformers")
+llmcompressor = pytest.importorskip("llmcompressor")
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from llmcompressor import oneshot  # noqa: E402
+from llmcompressor.modifiers.quantization import QuantizationModifier  # noqa: E402
+
+
+def _args(kind: str, strategy: str, dynamic: bool = False, symmetric: bool = True) -> QuantizationArgs:
+    return QuantizationArgs(num_bits=8, type=kind, strategy=strategy, dynamic=dynamic, symmetric=symmetric)
+
+
+SCHEMES = {
+    "fp8-dynamic": "FP8_DYNAMIC",  # llm-compressor's preset: per-channel weights, per-token inputs
+    "fp8-static": QuantizationScheme(targets=["Linear"], weights=_args("float", "tensor"),
+                                     input_activations=_args("float", "tensor")),
+    "int8-dynamic": "W8A8",  # per-channel INT8 weights, dynamic per-token symmetric inputs
+    "int8-static-asym": QuantizationScheme(targets=["Linear"], weights=_args("int", "channel"),
+                                           input_activations=_args("int", "tensor", symmetric=False)),
+}
+PROMPTS = random_prompts(1000, [5, 29, 12, 40], seed=3)
+
+
+def quantize(base: Path, out: Path, scheme) -> Path:
+    """llm-compressor's oneshot on a saved model, with a short random calibration set for static scales."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    if isinstance(scheme, str):
+        recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+    else:
+        recipe = QuantizationModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, 1000, (32,), generator=g).tolist() for _ in range(16)]
+    data = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 32 for _ in ids]})
+    oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=16, max_seq_length=32)
+    model.save_pretrained(str(out), save_compressed=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_dirs(tmp_path_factory) -> dict[str, Path]:
+    dirs = {}
+    for arch in ("llama", "qwen2"):
+        path = tmp_path_factory.mktemp(f"base-{arch}")
+        write_tiny_checkpoint(str(path), arch=arch, seed=4, tie_word_embeddings=False)
+        dirs[arch] = path
+    return dirs
+
+
+@pytest.fixture(scope="module", params=[("llama", name) for name in SCHEMES] + [("qwen2", "fp8-dynamic")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def checkpoint(request, base_dirs, tmp_path_factory) -> tuple[Path, Path]:
+    arch, name = request.param
+    out = quantize(base_dirs[arch], tmp_path_factory.mktemp(f"{arch}-{name}"), SCHEMES[name])
+    return base_dirs[arch], out
+
+
+def oracle(path: Path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def kestrel_logits(path: Path) -> list[torch.Tensor]:
+    model = load_model(ModelConfig(model=str(path), dtype="float32"))
+    return PagedBatch(model, len(PROMPTS)).step(PROMPTS, [(0, len(p)) for p in PROMPTS])
+
+
+def test_every_linear_layer_matches_the_checkpoints_fake_quantized_forward(checkpoint):
+    _, path = checkpoint
+    hf = oracle(path)
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    hooks = [module.register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, (args[0], out)))
+             for name, module in hf.named_modules() if isinstance(module, torch.nn.Linear) and name != "lm_head"]
+    with torch.no_grad():
+        hf(torch.tensor([PROMPTS[3]]))
+    for h in hooks:
+        h.remove()
+    ours = load_model(ModelConfig(model=str(path), dtype="float32"))
+    merged = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    checked = 0
+    for name, module in ours.named_modules():
+        if not isinstance(module, LinearBase):
+            continue
+        prefix, leaf = name.rsplit(".", 1)
+        parts = [f"{prefix}.{p}" for p in merged.get(leaf, (leaf,))]
+        x = seen[parts[0]][0][0]
+        ref = torch.cat([seen[p][1][0] for p in parts], dim=-1)
+        with torch.no_grad():
+            got = module(x)
+        # The W8A8 GEMM rounds its output to bf16 once: 2^-8 relative to each output row's largest value.
+        bound = 2.0**-8 * ref.abs().amax(dim=-1, keepdim=True) + 1e-6
+        if dynamic_int8(path):
+            # Dynamic symmetric INT8 scales are absmax / 127 here (as in vLLM's kernels) and absmax / 127.5 in
+            # compressed-tensors' fake quantization, so an input element may round one step apart:
+            # |dy[m, n]| <= step[m] * sum_k |W[n, k]|, with step[m] = absmax(x[m]) / 127.
+            weight = torch.cat([hf.get_submodule(p).weight.float() for p in parts])
+            bound = bound + (x.abs().amax(-1, keepdim=True) / 127) * weight.abs().sum(1)[None, :]
+        assert bool(((got - ref).abs() <= bound).all()), f"{name}: max error {(got - ref).abs().max():.3e}"
+        checked += 1
+    assert checked == 4 * hf.config.num_hidden_layers
+
+
+def dynamic_int8(path: Path) -> bool:
+    group = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    return group["weights"]["type"] == "int" and group["input_activations"]["dynamic"]
+
+
+def test_logits_and_greedy_tokens_follow_the_checkpoint(checkpoint):
+    base, path = checkpoint
+    hf, float_model = oracle(path), oracle(base)
+    for prompt, got in zip(PROMPTS, kestrel_logits(path), strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0]
+            full = float_model(torch.tensor([prompt])).logits[0]
+        quant_effect = float((ref - full).norm() / full.norm())
+        error = float((got - ref).norm() / ref.norm())
+        # Each layer matches to rounding (above); through the layers, a rounding difference moves an 8-bit input
+        # by a whole step now and then, so end to end kestrel need only be closer to the checkpoint than the
+        # float model is.
+        assert error < quant_effect, f"logits {error:.4f} from the checkpoint, quantization moved {quant_effect:.4f}"
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 4 * error * ref.abs().amax()
+        assert bool((got.argmax(-1) == ref.argmax(-1))[clear].all()), "greedy tokens differ where the oracle is clear"
+
+
+def test_fp8_format_loads_like_its_compressed_tensors_twin(base_dirs, tmp_path):
+    """`quant_method: "fp8"` with static activations: per-tensor weights and input scales, vLLM's FP8 format."""
+    ct = quantize(base_dirs["llama"], tmp_path / "ct", SCHEMES["fp8-static"])
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    config = json.loads((ct / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static",
+                                     "ignored_layers": ["lm_head"]}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    save_file(load_file(str(ct / "model.safetensors")), str(fp8 / "model.safetensors"))
+    ours = kestrel_logits(fp8)
+    twin = kestrel_logits(ct)
+    for a, b in zip(ours, twin, strict=True):
+        assert torch.equal(a, b)
+
+
+def write_config(path: Path, quantization_config: dict) -> Path:
+    write_tiny_checkpoint(str(path), arch="llama", seed=1)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("quantization_config, message", [
+    ({"quant_method": "awq", "bits": 4}, "quant_method='awq'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}},
+     "pack-quantized"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
+     "weight-only"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 32},
+        "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}}},
+     "strategy='group'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}},
+     "quantizes 'lm_head'"),  # no ignore list: the LM head would be quantized
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"], "config_groups": {
+        "group_0": {"targets": ["re:.*q_proj"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}},
+     "different schemes"),  # q quantized, k and v not: one qkv GEMM cannot mix them
+])
+def test_unsupported_checkpoints_fail_at_start_up_naming_the_scheme(tmp_path, quantization_config, message):
+    path = write_config(tmp_path / "m", quantization_config)
+    with pytest.raises(ConfigError, match=message):
+        load_model(ModelConfig(model=str(path), dtype="float32"))
+
+
+def test_flags_that_contradict_the_checkpoint_are_errors(checkpoint):
+    _, path = checkpoint
+    with pytest.raises(ConfigError, match="quantization='int8'.*compressed-tensors"):
+        load_model(ModelConfig(model=str(path), dtype="float32"), QuantConfig(method="int8"))
+    with pytest.raises(ConfigError, match="activation_scheme='static'"):
+        load_model(ModelConfig(model=str(path), dtype="float32"),
+                   QuantConfig(method="compressed-tensors", activation_scheme="static"))
+    # naming the checkpoint's own method is accepted
+    load_model(ModelConfig(model=str(path), dtype="float32"), QuantConfig(method="compressed-tensors"))
+    with pytest.raises(ConfigError, match="checkpoint has no quantization_config"):
+        EngineConfig.from_kwargs(str(write_tiny_checkpoint_dir(path.parent / "plain")),
+                                 quantization="compressed-tensors")
+
+
+def write_tiny_checkpoint_dir(path: Path) -> Path:
+    write_tiny_checkpoint(str(path), arch="llama", seed=1)
+    return path
