@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from kestrel.config import ConfigError
 from kestrel.request import InvalidRequestError
@@ -143,6 +145,57 @@ def _cmd_model_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibration_samples(args: argparse.Namespace) -> list[list[int]]:
+    """Token sequences of --seq-len tokens: from --calibration FILE (JSONL with "input_ids" or "text", else plain
+    text), or the built-in set drawn from the kestrel-tiny training corpus."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    ids: list[int] = []
+    if args.calibration == "builtin":
+        from kestrel.tiny import corpus
+
+        texts = corpus.texts(corpus.select_evenly(corpus.train_files(), 4 * args.num_samples))
+    else:
+        path = Path(args.calibration)
+        if not path.is_file():
+            raise ConfigError(f"invalid calibration={args.calibration!r}: no such file; give a JSONL or text file "
+                              "or 'builtin'")
+        texts = []
+        for line in path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]:
+            if path.suffix != ".jsonl":
+                texts.append(line)
+                continue
+            record = json.loads(line)
+            if "input_ids" in record:
+                ids.extend(int(t) for t in record["input_ids"])
+            else:
+                texts.append(record["text"])
+    for text in texts:
+        if len(ids) >= args.num_samples * args.seq_len:
+            break
+        ids.extend(tokenizer.encode(text, add_special_tokens=False))
+    samples = [ids[i:i + args.seq_len] for i in range(0, len(ids) - args.seq_len + 1, args.seq_len)]
+    if not samples:
+        raise ConfigError(f"invalid calibration={args.calibration!r}: fewer than --seq-len={args.seq_len} tokens")
+    return samples[: args.num_samples]
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from kestrel.quant.calibrate import QuantizeOptions, quantize_checkpoint
+
+    options = QuantizeOptions(args.scheme, args.smoothquant, args.kv_cache == "fp8", args.num_samples, args.seq_len)
+    samples = _calibration_samples(args) if options.needs_calibration else None
+    summary = quantize_checkpoint(args.model, args.out, options, samples, device=args.device,
+                                  progress=lambda items: tqdm(items, desc="quantize", leave=False))
+    print(json.dumps(summary, indent=2))
+    print(f"wrote a compressed-tensors {args.scheme} checkpoint to {args.out}; serve it with "
+          f"`kestrel serve --model {args.out}`")
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kestrel.entrypoints.server import run_server
 
@@ -197,6 +250,22 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--size", default="tiny", choices=["tiny", "small"])
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(func=_cmd_model_init)
+
+    quantize = commands.add_parser("quantize", help="write a W8A8 compressed-tensors checkpoint (calibrated, "
+                                   "optionally smoothed)")
+    quantize.add_argument("model", help="Hugging Face model directory with float weights")
+    quantize.add_argument("out", help="output directory")
+    quantize.add_argument("--scheme", required=True,
+                          choices=["fp8-dynamic", "fp8-static", "w8a8-int8", "w8a8-int8-static"])
+    quantize.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA",
+                          help="migrate activation outliers into the weights (alpha in [0, 1], e.g. 0.5)")
+    quantize.add_argument("--kv-cache", default=None, choices=["fp8"], help="calibrate FP8 KV cache scales")
+    quantize.add_argument("--calibration", default="builtin", help="JSONL / text file, or 'builtin' (the "
+                          "kestrel-tiny corpus)")
+    quantize.add_argument("--num-samples", type=int, default=64)
+    quantize.add_argument("--seq-len", type=int, default=256)
+    quantize.add_argument("--device", default="cpu", help="where the calibration forward runs")
+    quantize.set_defaults(func=_cmd_quantize)
 
     bench = commands.add_parser("bench", help="benchmark suites (GPU)")
     suites = bench.add_subparsers(dest="suite", required=True)

@@ -1,0 +1,118 @@
+"""`kestrel quantize`: SmoothQuant keeps the float model's function; the checkpoints it writes pass
+compressed-tensors' own config parser, load in transformers + compressed-tensors, and kestrel's layers match
+that fake-quantized forward as they do for llm-compressor's checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_quantized_checkpoints import PROMPTS, dynamic_int8, oracle
+
+from kestrel.config import ConfigError, ModelConfig
+from kestrel.entrypoints.cli import main
+from kestrel.loader import load_model
+from kestrel.loader.model_init import write_tiny_checkpoint
+from kestrel.model.layers.linear import LinearBase
+from kestrel.quant.calibrate import QuantizeOptions, calibrate, quantize_checkpoint, smooth
+
+transformers = pytest.importorskip("transformers")
+compressed_tensors = pytest.importorskip("compressed_tensors")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("base")
+    write_tiny_checkpoint(str(path), arch="llama", seed=6, tie_word_embeddings=False)
+    return path
+
+
+def samples(n: int = 8, length: int = 32) -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(3, 1000, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def test_smoothquant_keeps_the_float_model(base, tmp_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float64).eval()
+    weights = {k: v.double() for k, v in load_file(str(base / "model.safetensors")).items()}
+    calibration = calibrate(model, samples(), torch.device("cpu"))
+    before = dict(calibration.input_absmax)
+    smooth(weights, calibration, 0.5, model.config.num_hidden_layers)
+    ids = torch.tensor([PROMPTS[3]])
+    with torch.no_grad():
+        expected = model(ids).logits
+        model.load_state_dict(weights, strict=False)
+        got = model(ids).logits
+    # smoothing computes in float32 (the checkpoint dtype): equal up to its rounding
+    assert float((got - expected).abs().max() / expected.abs().max()) < 1e-5
+    # the smoothed activations' channel maxima shrink where they were largest
+    name = "model.layers.0.self_attn.q_proj"
+    assert float(calibration.input_absmax[name].max()) < float(before[name].max())
+
+
+@pytest.mark.parametrize("scheme, smoothquant", [("fp8-dynamic", None), ("fp8-static", None),
+                                                 ("w8a8-int8", 0.5), ("w8a8-int8-static", 0.5)])
+def test_written_checkpoints_load_and_match_their_fake_quantized_forward(base, tmp_path, scheme, smoothquant):
+    out = tmp_path / "q"
+    options = QuantizeOptions(scheme, smoothquant, kv_cache_fp8=scheme == "fp8-static")
+    summary = quantize_checkpoint(base, out, options, samples() if options.needs_calibration else None)
+    assert summary["linear_layers"] == 7 * 2
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    from compressed_tensors.quantization import QuantizationConfig
+
+    parsed = QuantizationConfig.model_validate(config)  # compressed-tensors' own parser accepts it
+    assert parsed.config_groups["group_0"].input_activations.dynamic == ("static" not in scheme)
+    hf = oracle(out)
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            module.register_forward_hook(lambda m, a, o, name=name: seen.__setitem__(name, (a[0], o)))
+    with torch.no_grad():
+        hf(torch.tensor([PROMPTS[1]]))
+    ours = load_model(ModelConfig(model=str(out), dtype="float32"))
+    merged = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for name, module in ours.named_modules():
+        if isinstance(module, LinearBase):
+            prefix, leaf = name.rsplit(".", 1)
+            parts = [f"{prefix}.{p}" for p in merged.get(leaf, (leaf,))]
+            x = seen[parts[0]][0][0]
+            ref = torch.cat([seen[p][1][0] for p in parts], dim=-1)
+            bound = 2.0**-8 * ref.abs().amax(dim=-1, keepdim=True) + 1e-6
+            if dynamic_int8(out):
+                weight = torch.cat([hf.get_submodule(p).weight.float() for p in parts])
+                bound = bound + (x.abs().amax(-1, keepdim=True) / 127) * weight.abs().sum(1)[None, :]
+            with torch.no_grad():
+                got = module(x)
+            assert bool(((got - ref).abs() <= bound).all()), f"{name}: {(got - ref).abs().max():.3e}"
+    if options.kv_cache_fp8:
+        tensors = load_file(str(out / "model.safetensors"))
+        assert float(tensors["model.layers.0.self_attn.k_scale"]) > 0
+
+
+def test_cli_writes_a_checkpoint_kestrel_serves(base, tmp_path, capsys):
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("\n".join(json.dumps({"input_ids": s}) for s in samples(4, 40)))
+    out = tmp_path / "cli"
+    assert main(["quantize", str(base), str(out), "--scheme", "fp8-static", "--calibration", str(calib),
+                 "--num-samples", "4", "--seq-len", "32", "--kv-cache", "fp8"]) == 0
+    assert "compressed-tensors fp8-static" in capsys.readouterr().out
+    from kestrel import LLM, SamplingParams
+
+    llm = LLM(str(out), dtype="float32", max_model_len=128, kv_cache_dtype="fp8")
+    result = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert len(result[0].outputs[0].token_ids) == 4
+    assert llm.runner.kv_scales[0] != (1.0, 1.0)  # the checkpoint's calibrated KV scales were bound
+
+
+def test_bad_quantize_arguments_are_config_errors(base, tmp_path):
+    with pytest.raises(ConfigError, match="scheme='w4a16'"):
+        QuantizeOptions("w4a16")
+    with pytest.raises(ConfigError, match="smoothquant=1.5"):
+        QuantizeOptions("w8a8-int8", smoothquant=1.5)
+    with pytest.raises(ConfigError, match="needs calibration samples"):
+        quantize_checkpoint(base, tmp_path / "x", QuantizeOptions("fp8-static"), None)
+    assert main(["quantize", str(base), str(tmp_path / "y"), "--scheme", "fp8-static", "--calibration",
+                 str(tmp_path / "missing.jsonl")]) == 2
