@@ -228,9 +228,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--result-file", type=Path, default=None, help="write the JSON result here")
+    p.add_argument("--quant-sweep", action="store_true",
+                   help="score the float model and each quantization (kestrel quantize) on kestrel-tiny and an "
+                        "outlier-injected copy; JSON + bar chart (see kestrel.bench.quant_accuracy)")
+    p.add_argument("--calibration-samples", type=int, default=32, help="256-token calibration sequences (sweep)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.quant_sweep:
+        return _run_quant_sweep(args)
     started = time.perf_counter()
     model = args.model or str(default_model_path())
     scorer = KestrelScorer(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -253,6 +259,41 @@ def run(args: argparse.Namespace) -> int:
         args.result_file.parent.mkdir(parents=True, exist_ok=True)
         args.result_file.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.result_file}")
+    return 0
+
+
+def _run_quant_sweep(args: argparse.Namespace) -> int:
+    from kestrel.bench import quant_accuracy
+
+    tokenizer = load_tokenizer(args.model or str(default_model_path()))
+    eval_set = corpus.select_evenly([f for f in corpus.eval_files() if f.path.stat().st_size > 0], args.max_files)
+    documents = load_documents(tokenizer, eval_set)
+    counts = unigram_counts(tokenizer, corpus.texts(corpus.select_evenly(corpus.train_files(), args.baseline_files)),
+                            use_tqdm=False)
+
+    def score(model_dir: str, calibrate_kv: list[list[int]] | None = None, **engine_args: Any) -> dict[str, Any]:
+        scorer = KestrelScorer(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                               **engine_args)
+        if calibrate_kv is not None:
+            scorer.runner.calibrate_kv_scales([t for sample in calibrate_kv for t in sample])
+        result = evaluate(scorer, documents, args.stride, counts, use_tqdm=False)
+        if engine_args.get("kv_cache_dtype") == "fp8":
+            result["kv_scales"] = [list(s) for s in scorer.runner.kv_scales]
+        return result
+
+    result = quant_accuracy.run_sweep(args, score, tokenizer)
+    result.update(files=len(documents), tokens=sum(d.num_scored for d in documents), dtype=args.dtype)
+    for row in result["rows"]:
+        row.pop("files", None)
+    for t in result["targets"]:
+        print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {t['measured']}")
+    if args.result_file is not None:
+        args.result_file.parent.mkdir(parents=True, exist_ok=True)
+        args.result_file.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.result_file}")
+        if quant_accuracy.plot(result, args.result_file.with_suffix(".png")):
+            print(f"wrote {args.result_file.with_suffix('.png')}")
     return 0
 
 

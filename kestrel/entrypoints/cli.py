@@ -155,22 +155,24 @@ def _calibration_samples(args: argparse.Namespace) -> list[list[int]]:
     if args.calibration == "builtin":
         from kestrel.tiny import corpus
 
-        texts = corpus.texts(corpus.select_evenly(corpus.train_files(), 4 * args.num_samples))
-    else:
-        path = Path(args.calibration)
-        if not path.is_file():
-            raise ConfigError(f"invalid calibration={args.calibration!r}: no such file; give a JSONL or text file "
-                              "or 'builtin'")
-        texts = []
-        for line in path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]:
-            if path.suffix != ".jsonl":
-                texts.append(line)
-                continue
-            record = json.loads(line)
-            if "input_ids" in record:
-                ids.extend(int(t) for t in record["input_ids"])
-            else:
-                texts.append(record["text"])
+        samples = corpus.calibration_token_ids(tokenizer, args.num_samples, args.seq_len)
+        if not samples:
+            raise ConfigError("the built-in calibration set is empty on this machine; pass --calibration FILE")
+        return samples
+    path = Path(args.calibration)
+    if not path.is_file():
+        raise ConfigError(f"invalid calibration={args.calibration!r}: no such file; give a JSONL or text file "
+                          "or 'builtin'")
+    texts = []
+    for line in path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]:
+        if path.suffix != ".jsonl":
+            texts.append(line)
+            continue
+        record = json.loads(line)
+        if "input_ids" in record:
+            ids.extend(int(t) for t in record["input_ids"])
+        else:
+            texts.append(record["text"])
     for text in texts:
         if len(ids) >= args.num_samples * args.seq_len:
             break

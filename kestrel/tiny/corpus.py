@@ -96,3 +96,14 @@ def iter_texts(files: list[SourceFile]) -> Iterator[tuple[SourceFile, str]]:
 
 def texts(files: list[SourceFile]) -> list[str]:
     return [text for _, text in iter_texts(files)]
+
+
+def calibration_token_ids(tokenizer, num_samples: int, seq_len: int) -> list[list[int]]:
+    """Up to `num_samples` sequences of `seq_len` tokens from training-split files (spread evenly), encoded with
+    `tokenizer`: the built-in calibration set of `kestrel quantize` and of the accuracy benchmark."""
+    ids: list[int] = []
+    for text in texts(select_evenly(train_files(), 4 * num_samples)):
+        ids.extend(tokenizer.encode(text, add_special_tokens=False))
+        if len(ids) >= num_samples * seq_len:
+            break
+    return [ids[i:i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)][:num_samples]

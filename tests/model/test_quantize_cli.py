@@ -116,3 +116,22 @@ def test_bad_quantize_arguments_are_config_errors(base, tmp_path):
         quantize_checkpoint(base, tmp_path / "x", QuantizeOptions("fp8-static"), None)
     assert main(["quantize", str(base), str(tmp_path / "y"), "--scheme", "fp8-static", "--calibration",
                  str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_outlier_injection_keeps_the_function_and_makes_outliers(tmp_path):
+    from kestrel.bench.quant_accuracy import OUTLIER_CHANNELS, OUTLIER_SCALE, inject_outliers
+    from kestrel.tiny import default_model_path
+
+    src = Path(default_model_path())
+    dst = inject_outliers(src, tmp_path / "outliers")
+    a = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    b = transformers.AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPTS[1]]) % a.config.vocab_size
+    seen = {}
+    b.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+    with torch.no_grad():
+        expected, got = a(ids).logits, b(ids).logits
+    assert float((got - expected).abs().max() / expected.abs().max()) < 1e-4
+    x = seen["x"][0].abs().amax(0)
+    others = x[[c for c in range(x.numel()) if c not in OUTLIER_CHANNELS]]
+    assert float(x[list(OUTLIER_CHANNELS)].min()) > OUTLIER_SCALE / 4 * float(others.median())

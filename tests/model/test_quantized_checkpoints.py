@@ -4,7 +4,9 @@ The oracle is the checkpoint's own fake-quantized forward: transformers with com
 decompresses the weights and quantizes each linear layer's input as the scheme says. Per linear layer, kestrel
 is fed the exact input the oracle's layer saw, so the outputs must agree to the GEMM's bf16 output rounding; end
 to end, the logits must sit closer to the oracle than the float model does, and greedy tokens agree wherever
-the oracle's top two are clearly apart. Unsupported schemes and contradicting flags are ConfigErrors that name them.
+the oracle's top two are clearly apart. Dynamic INT8 scales differ by design (absmax / 127 here and in vLLM,
+/ 127.5 in compressed-tensors): per layer the bound adds one input step, and end to end the oracle is the float
+architecture with the checkpoint's tensors and inputs fake-quantized at / 127. Unsupported schemes and contradicting flags are ConfigErrors that name them.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ llmcompressor = pytest.importorskip("llmcompressor")
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from llmcompressor import oneshot  # noqa: E402
-from llmcompressor.modifiers.quantization import QuantizationModifier  # noqa: E402
+from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier  # noqa: E402
+from llmcompressor.modifiers.smoothquant import SmoothQuantModifier  # noqa: E402
 
 
 def _args(kind: str, strategy: str, dynamic: bool = False, symmetric: bool = True) -> QuantizationArgs:
@@ -41,6 +44,8 @@ SCHEMES = {
     "int8-dynamic": "W8A8",  # per-channel INT8 weights, dynamic per-token symmetric inputs
     "int8-static-asym": QuantizationScheme(targets=["Linear"], weights=_args("int", "channel"),
                                            input_activations=_args("int", "tensor", symmetric=False)),
+    # llm-compressor's W8A8 INT8 recipe: SmoothQuant folded into the norms, then GPTQ-rounded weights
+    "int8-smoothquant-gptq": "smoothquant+gptq",
 }
 PROMPTS = random_prompts(1000, [5, 29, 12, 40], seed=3)
 
@@ -48,7 +53,10 @@ PROMPTS = random_prompts(1000, [5, 29, 12, 40], seed=3)
 def quantize(base: Path, out: Path, scheme) -> Path:
     """llm-compressor's oneshot on a saved model, with a short random calibration set for static scales."""
     model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    if isinstance(scheme, str):
+    if scheme == "smoothquant+gptq":
+        recipe = [SmoothQuantModifier(smoothing_strength=0.8),
+                  GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])]
+    elif isinstance(scheme, str):
         recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
     else:
         recipe = QuantizationModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
@@ -122,6 +130,30 @@ def test_every_linear_layer_matches_the_checkpoints_fake_quantized_forward(check
     assert checked == 4 * hf.config.num_hidden_layers
 
 
+def per_token_127_oracle(base: Path, path: Path) -> torch.nn.Module:
+    """For dynamic INT8 checkpoints: the float architecture (transformers) with the checkpoint's tensors, its
+    linear weights dequantized, and each linear input quantized per token at absmax / 127 (kestrel's and vLLM's
+    dynamic INT8), where compressed-tensors' fake quantization uses 127.5."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    tensors = load_file(str(path / "model.safetensors"))
+    state = {}
+    for name, tensor in tensors.items():
+        if name.endswith(("_scale", "_zero_point")):
+            continue
+        scale = tensors.get(name.removesuffix(".weight") + ".weight_scale")
+        state[name] = tensor.float() * scale.float().reshape(-1, 1) if scale is not None else tensor.float()
+    model.load_state_dict(state, strict=False)
+
+    def fake_quant(_m, args):
+        step = (args[0].abs().amax(-1, keepdim=True) / 127).clamp_min(1e-12)
+        return ((args[0] / step).round().clamp(-127, 127) * step,)
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            module.register_forward_pre_hook(fake_quant)
+    return model
+
+
 def dynamic_int8(path: Path) -> bool:
     group = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
     return group["weights"]["type"] == "int" and group["input_activations"]["dynamic"]
@@ -129,7 +161,8 @@ def dynamic_int8(path: Path) -> bool:
 
 def test_logits_and_greedy_tokens_follow_the_checkpoint(checkpoint):
     base, path = checkpoint
-    hf, float_model = oracle(path), oracle(base)
+    hf = per_token_127_oracle(base, path) if dynamic_int8(path) else oracle(path)
+    float_model = oracle(base)
     for prompt, got in zip(PROMPTS, kestrel_logits(path), strict=True):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0]

@@ -1,0 +1,135 @@
+"""`kestrel bench ppl --quant-sweep`: held-out perplexity of each quantization against the float model.
+
+Two base models: the bundled kestrel-tiny, and an outlier-injected copy of it: in every decoder layer a few
+RMSNorm channels are scaled up by s (a power of two, so exactly) and the input columns of the linear layers they
+feed (q, k, v; gate, up) down by 1/s. The float model computes the same function, but its activations carry the
+large outlier channels that real LLMs have and that per-token INT8 handles worst. For each base, every variant
+is written by `kestrel quantize` (compressed-tensors) and scored by the same perplexity evaluation: FP8 dynamic,
+FP8 static, INT8 (dynamic per-token) without smoothing and with SmoothQuant, and the float model with an FP8 KV
+cache under calibrated and under unit scales. JSON + a bar chart of each variant's perplexity relative to its
+base's float model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kestrel.quant.calibrate import QuantizeOptions, quantize_checkpoint
+from kestrel.tiny import corpus
+
+OUTLIER_CHANNELS = (7, 61, 130, 201)
+OUTLIER_SCALE = 32.0
+_FEEDS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
+# name -> (scheme, SmoothQuant alpha) written by `kestrel quantize`; None: the float model itself
+VARIANTS: dict[str, tuple[str | None, float | None, str]] = {
+    "float": (None, None, "auto"),
+    "fp8-dynamic": ("fp8-dynamic", None, "auto"),
+    "fp8-static": ("fp8-static", None, "auto"),
+    "int8": ("w8a8-int8", None, "auto"),
+    "int8-smoothquant": ("w8a8-int8", 0.5, "auto"),
+    "fp8-kv-calibrated": (None, None, "fp8-calibrated"),
+    "fp8-kv-unit": (None, None, "fp8-unit"),
+}
+# Issue targets: perplexity within these fractions of the float model's.
+TARGETS = {"fp8-dynamic": 0.01, "fp8-static": 0.01, "int8-smoothquant": 0.02, "fp8-kv-calibrated": 0.005}
+
+
+def inject_outliers(src: Path, dst: Path, channels: tuple[int, ...] = OUTLIER_CHANNELS,
+                    scale: float = OUTLIER_SCALE) -> Path:
+    """A copy of the checkpoint with the same function and outlier activation channels."""
+    shutil.copytree(src, dst)
+    files = sorted(dst.glob("*.safetensors"))
+    tensors = {name: t for f in files for name, t in load_file(str(f)).items()}
+    num_layers = json.loads((dst / "config.json").read_text())["num_hidden_layers"]
+    idx = torch.tensor(channels)
+    for i in range(num_layers):
+        for norm, fed in _FEEDS.items():
+            tensors[f"model.layers.{i}.{norm}.weight"][idx] *= scale
+            for f in fed:
+                tensors[f"model.layers.{i}.{f}.weight"][:, idx] /= scale
+    for f in files:
+        f.unlink()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def run_sweep(args: Any, score: Any, tokenizer: Any) -> dict[str, Any]:
+    """`score(model_dir, **engine_args) -> perplexity result`; returns the sweep's JSON document."""
+    from kestrel.tiny import default_model_path
+
+    started = time.perf_counter()
+    samples = corpus.calibration_token_ids(tokenizer, args.calibration_samples, 256)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        bases = {"kestrel-tiny": Path(args.model or default_model_path()),
+                 "kestrel-tiny-outliers": inject_outliers(Path(args.model or default_model_path()),
+                                                          Path(tmp) / "outliers")}
+        for base_name, base in bases.items():
+            for variant, (scheme, alpha, kv) in VARIANTS.items():
+                model_dir = base
+                if scheme is not None:
+                    model_dir = Path(tmp) / f"{base_name}-{variant}"
+                    quantize_checkpoint(base, model_dir, QuantizeOptions(scheme, alpha), samples)
+                kv_args = {} if kv == "auto" else {"kv_cache_dtype": "fp8"}
+                result = score(str(model_dir), calibrate_kv=samples if kv == "fp8-calibrated" else None, **kv_args)
+                rows.append({"base": base_name, "variant": variant, "scheme": scheme, "smoothquant": alpha,
+                             "kv_cache": kv, "perplexity": result["model"]["perplexity"],
+                             "bits_per_byte": result["model"]["bits_per_byte"], "tokens": result["tokens"],
+                             "files": result["files"], "kv_scales": result.get("kv_scales")})
+                print(f"{base_name:>22} {variant:>18}: perplexity {rows[-1]['perplexity']:.4f}", flush=True)
+    for row in rows:
+        ref = next(r for r in rows if r["base"] == row["base"] and r["variant"] == "float")
+        row["vs_float"] = row["perplexity"] / ref["perplexity"] - 1.0
+    targets = []
+    for row in rows:
+        limit = TARGETS.get(row["variant"])
+        if limit is None or (row["variant"] == "int8-smoothquant" and row["base"] != "kestrel-tiny-outliers"):
+            continue
+        targets.append({"target": f"{row['variant']} on {row['base']}: perplexity within +{limit:.1%} of float",
+                        "limit": limit, "measured": row["vs_float"], "pass": row["vs_float"] <= limit})
+    outl = {r["variant"]: r["vs_float"] for r in rows if r["base"] == "kestrel-tiny-outliers"}
+    targets.append({"target": "INT8 without smoothing clearly worse than with SmoothQuant on the outlier model",
+                    "limit": None, "measured": [outl["int8"], outl["int8-smoothquant"]],
+                    "pass": outl["int8"] > 2 * max(outl["int8-smoothquant"], 1e-4)})
+    return {"suite": "ppl-quant-sweep", "outlier_channels": list(OUTLIER_CHANNELS), "outlier_scale": OUTLIER_SCALE,
+            "calibration_samples": len(samples), "rows": rows, "targets": targets,
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    variants = [v for v in VARIANTS if v != "float"]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.38
+    for k, base in enumerate(("kestrel-tiny", "kestrel-tiny-outliers")):
+        values = [100 * next(r["vs_float"] for r in result["rows"] if r["base"] == base and r["variant"] == v)
+                  for v in variants]
+        ax.bar([i + (k - 0.5) * width for i in range(len(variants))], values, width, label=base)
+    for v, limit in TARGETS.items():
+        i = variants.index(v)
+        ax.hlines(100 * limit, i - 0.45, i + 0.45, colors="black", linestyles="dashed", linewidth=1)
+    ax.set_xticks(range(len(variants)), variants, rotation=15)
+    ax.set_ylabel("perplexity vs float model (%)")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_title("Held-out perplexity of each quantization (dashed: target)")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
