@@ -6,7 +6,8 @@ is fed the exact input the oracle's layer saw, so the outputs must agree to the 
 to end, the logits must sit closer to the oracle than the float model does, and greedy tokens agree wherever
 the oracle's top two are clearly apart. Dynamic INT8 scales differ by design (absmax / 127 here and in vLLM,
 / 127.5 in compressed-tensors): per layer the bound adds one input step, and end to end the oracle is the float
-architecture with the checkpoint's tensors and inputs fake-quantized at / 127. Unsupported schemes and contradicting flags are ConfigErrors that name them.
+architecture with the checkpoint's tensors and inputs fake-quantized at / 127. Unsupported schemes and
+contradicting flags are ConfigErrors that name them.
 """
 
 from __future__ import annotations
