@@ -95,9 +95,15 @@ def checkpoint_kv_scales(model_dir: str, num_layers: int) -> list[tuple[float, f
 def kv_cache_scales(config: EngineConfig, num_layers: int) -> list[tuple[float, float]]:
     """(k_scale, v_scale) per layer: 1.0 for a 16-bit cache; for FP8 the checkpoint's, else 1.0 with a
     warning (ModelRunner.calibrate_kv_scales measures them instead)."""
+    declared = bool((config.model.hf_config.get("quantization_config") or {}).get("kv_cache_scheme"))
     if config.cache.kv_cache_dtype != "fp8":
+        if declared:
+            logger.info("the checkpoint carries FP8 KV cache scales (kv_cache_scheme); kv_cache_dtype='fp8' uses them")
         return [(1.0, 1.0)] * num_layers
     scales = None if config.model.load_format == "dummy" else checkpoint_kv_scales(config.model.model, num_layers)
+    if scales is None and declared:
+        raise ConfigError("invalid checkpoint: its quantization_config declares a kv_cache_scheme but no layer has "
+                          "k_scale / v_scale tensors; re-export it or drop kv_cache_scheme")
     if scales is None:
         logger.warning("kv_cache_dtype='fp8' but the checkpoint has no KV cache scales: using k_scale = v_scale "
                        "= 1.0, so K/V values beyond +-%g saturate; ModelRunner.calibrate_kv_scales() measures "

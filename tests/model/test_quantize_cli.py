@@ -135,3 +135,17 @@ def test_outlier_injection_keeps_the_function_and_makes_outliers(tmp_path):
     x = seen["x"][0].abs().amax(0)
     others = x[[c for c in range(x.numel()) if c not in OUTLIER_CHANNELS]]
     assert float(x[list(OUTLIER_CHANNELS)].min()) > OUTLIER_SCALE / 4 * float(others.median())
+
+
+def test_declared_kv_cache_scheme_without_scales_is_an_error(base, tmp_path):
+    from safetensors.torch import save_file
+
+    from kestrel import LLM
+
+    out = tmp_path / "kv"
+    quantize_checkpoint(base, out, QuantizeOptions("fp8-dynamic", kv_cache_fp8=True), samples())
+    tensors = {k: v for k, v in load_file(str(out / "model.safetensors")).items() if not k.endswith(("k_scale",
+                                                                                                    "v_scale"))}
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ConfigError, match="kv_cache_scheme"):
+        LLM(str(out), dtype="float32", max_model_len=128, kv_cache_dtype="fp8")
