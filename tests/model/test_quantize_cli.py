@@ -10,13 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_quantized_checkpoints import PROMPTS, dynamic_int8, oracle
+from test_quantized_checkpoints import PROMPTS, assert_layers_match_fake_quantized_forward
 
-from kestrel.config import ConfigError, ModelConfig
+from kestrel.config import ConfigError
 from kestrel.entrypoints.cli import main
-from kestrel.loader import load_model
 from kestrel.loader.model_init import write_tiny_checkpoint
-from kestrel.model.layers.linear import LinearBase
 from kestrel.quant.calibrate import QuantizeOptions, calibrate, quantize_checkpoint, smooth
 
 transformers = pytest.importorskip("transformers")
@@ -65,28 +63,7 @@ def test_written_checkpoints_load_and_match_their_fake_quantized_forward(base, t
 
     parsed = QuantizationConfig.model_validate(config)  # compressed-tensors' own parser accepts it
     assert parsed.config_groups["group_0"].input_activations.dynamic == ("static" not in scheme)
-    hf = oracle(out)
-    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for name, module in hf.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            module.register_forward_hook(lambda m, a, o, name=name: seen.__setitem__(name, (a[0], o)))
-    with torch.no_grad():
-        hf(torch.tensor([PROMPTS[1]]))
-    ours = load_model(ModelConfig(model=str(out), dtype="float32"))
-    merged = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    for name, module in ours.named_modules():
-        if isinstance(module, LinearBase):
-            prefix, leaf = name.rsplit(".", 1)
-            parts = [f"{prefix}.{p}" for p in merged.get(leaf, (leaf,))]
-            x = seen[parts[0]][0][0]
-            ref = torch.cat([seen[p][1][0] for p in parts], dim=-1)
-            bound = 2.0**-8 * ref.abs().amax(dim=-1, keepdim=True) + 1e-6
-            if dynamic_int8(out):
-                weight = torch.cat([hf.get_submodule(p).weight.float() for p in parts])
-                bound = bound + (x.abs().amax(-1, keepdim=True) / 127) * weight.abs().sum(1)[None, :]
-            with torch.no_grad():
-                got = module(x)
-            assert bool(((got - ref).abs() <= bound).all()), f"{name}: {(got - ref).abs().max():.3e}"
+    assert_layers_match_fake_quantized_forward(out, PROMPTS[1])
     if options.kv_cache_fp8:
         tensors = load_file(str(out / "model.safetensors"))
         assert float(tensors["model.layers.0.self_attn.k_scale"]) > 0

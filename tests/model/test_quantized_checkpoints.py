@@ -96,14 +96,14 @@ def kestrel_logits(path: Path) -> list[torch.Tensor]:
     return PagedBatch(model, len(PROMPTS)).step(PROMPTS, [(0, len(p)) for p in PROMPTS])
 
 
-def test_every_linear_layer_matches_the_checkpoints_fake_quantized_forward(checkpoint):
-    _, path = checkpoint
+def assert_layers_match_fake_quantized_forward(path: Path, prompt: list[int]) -> None:
+    """Every kestrel linear layer, fed the input the oracle's layer saw, gives the oracle's output to rounding."""
     hf = oracle(path)
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     hooks = [module.register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, (args[0], out)))
              for name, module in hf.named_modules() if isinstance(module, torch.nn.Linear) and name != "lm_head"]
     with torch.no_grad():
-        hf(torch.tensor([PROMPTS[3]]))
+        hf(torch.tensor([prompt]))
     for h in hooks:
         h.remove()
     ours = load_model(ModelConfig(model=str(path), dtype="float32"))
@@ -129,6 +129,10 @@ def test_every_linear_layer_matches_the_checkpoints_fake_quantized_forward(check
         assert bool(((got - ref).abs() <= bound).all()), f"{name}: max error {(got - ref).abs().max():.3e}"
         checked += 1
     assert checked == 4 * hf.config.num_hidden_layers
+
+
+def test_every_linear_layer_matches_the_checkpoints_fake_quantized_forward(checkpoint):
+    assert_layers_match_fake_quantized_forward(checkpoint[1], PROMPTS[3])
 
 
 def per_token_127_oracle(base: Path, path: Path) -> torch.nn.Module:
