@@ -125,7 +125,10 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         ax.hlines(100 * limit, i - 0.45, i + 0.45, colors="black", linestyles="dashed", linewidth=1)
     ax.set_xticks(range(len(variants)), variants, rotation=15)
     ax.set_ylabel("perplexity vs float model (%)")
-    ax.set_yscale("symlog", linthresh=1.0)
+    for i, v in enumerate(variants):
+        for k, base in enumerate(("kestrel-tiny", "kestrel-tiny-outliers")):
+            value = 100 * next(r["vs_float"] for r in result["rows"] if r["base"] == base and r["variant"] == v)
+            ax.annotate(f"{value:+.2f}", (i + (k - 0.5) * width, value), ha="center", va="bottom", fontsize=7)
     ax.set_title("Held-out perplexity of each quantization (dashed: target)")
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
