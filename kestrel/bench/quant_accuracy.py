@@ -5,9 +5,10 @@ RMSNorm channels are scaled up by s (a power of two, so exactly) and the input c
 feed (q, k, v; gate, up) down by 1/s. The float model computes the same function, but its activations carry the
 large outlier channels that real LLMs have and that per-token INT8 handles worst. For each base, every variant
 is written by `kestrel quantize` (compressed-tensors) and scored by the same perplexity evaluation: FP8 dynamic,
-FP8 static, INT8 (dynamic per-token) without smoothing and with SmoothQuant, and the float model with an FP8 KV
-cache under calibrated and under unit scales. JSON + a bar chart of each variant's perplexity relative to its
-base's float model.
+FP8 static (per-channel weights; per-tensor weights with each merged shard's scale kept, and re-quantized to
+one scale per merged GEMM), INT8 (dynamic per-token) without smoothing and with SmoothQuant, and the float model
+with an FP8 KV cache under calibrated and under unit scales. JSON + a bar chart of each variant's perplexity
+relative to its base's float model.
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ OUTLIER_CHANNELS = (7, 61, 130, 201)
 OUTLIER_SCALE = 32.0
 _FEEDS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
-# name -> (scheme, SmoothQuant alpha) written by `kestrel quantize`; None: the float model itself
+# name -> (scheme, SmoothQuant alpha, KV cache) written by `kestrel quantize`; None: the float model itself.
+# "-tensor": one weight scale per module; "-requantized": then one per merged GEMM (q/k/v, gate/up share the
+# largest, weights re-rounded), what a kernel taking a single weight scale needs; kestrel keeps each shard's.
 VARIANTS: dict[str, tuple[str | None, float | None, str]] = {
     "float": (None, None, "auto"),
     "fp8-dynamic": ("fp8-dynamic", None, "auto"),
     "fp8-static": ("fp8-static", None, "auto"),
+    "fp8-static-tensor": ("fp8-static", None, "auto"),
+    "fp8-static-tensor-requantized": ("fp8-static", None, "auto"),
     "int8": ("w8a8-int8", None, "auto"),
     "int8-smoothquant": ("w8a8-int8", 0.5, "auto"),
     "fp8-kv-calibrated": (None, None, "fp8-calibrated"),
@@ -62,6 +67,21 @@ def inject_outliers(src: Path, dst: Path, channels: tuple[int, ...] = OUTLIER_CH
     return dst
 
 
+def requantize_fused_shards(path: Path) -> None:
+    """Give the per-tensor FP8 shards of each merged GEMM one scale (their largest), re-rounding the weights."""
+    tensors = load_file(str(path / "model.safetensors"))
+    num_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    for i in range(num_layers):
+        for fed in _FEEDS.values():
+            names = [f"model.layers.{i}.{f}" for f in fed]
+            shared = max(float(tensors[n + ".weight_scale"]) for n in names)
+            for n in names:
+                w = tensors[n + ".weight"].float() * tensors[n + ".weight_scale"].float()
+                tensors[n + ".weight"] = (w / shared).clamp(-448, 448).to(torch.float8_e4m3fn)
+                tensors[n + ".weight_scale"] = torch.tensor([shared], dtype=torch.float32)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
 def run_sweep(args: Any, score: Any, tokenizer: Any) -> dict[str, Any]:
     """`score(model_dir, **engine_args) -> perplexity result`; returns the sweep's JSON document."""
     from kestrel.tiny import default_model_path
@@ -78,7 +98,11 @@ def run_sweep(args: Any, score: Any, tokenizer: Any) -> dict[str, Any]:
                 model_dir = base
                 if scheme is not None:
                     model_dir = Path(tmp) / f"{base_name}-{variant}"
-                    quantize_checkpoint(base, model_dir, QuantizeOptions(scheme, alpha), samples)
+                    strategy = "tensor" if "-tensor" in variant else "channel"
+                    quantize_checkpoint(base, model_dir, QuantizeOptions(scheme, alpha, weight_strategy=strategy),
+                                        samples)
+                    if variant.endswith("-requantized"):
+                        requantize_fused_shards(model_dir)
                 kv_args = {} if kv == "auto" else {"kv_cache_dtype": "fp8"}
                 result = score(str(model_dir), calibrate_kv=samples if kv == "fp8-calibrated" else None, **kv_args)
                 rows.append({"base": base_name, "variant": variant, "scheme": scheme, "smoothquant": alpha,

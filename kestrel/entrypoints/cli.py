@@ -188,7 +188,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     from kestrel.quant.calibrate import QuantizeOptions, quantize_checkpoint
 
-    options = QuantizeOptions(args.scheme, args.smoothquant, args.kv_cache == "fp8", args.num_samples, args.seq_len)
+    options = QuantizeOptions(args.scheme, args.smoothquant, args.kv_cache == "fp8", args.num_samples, args.seq_len,
+                              args.weight_strategy)
     samples = _calibration_samples(args) if options.needs_calibration else None
     summary = quantize_checkpoint(args.model, args.out, options, samples, device=args.device,
                                   progress=lambda items: tqdm(items, desc="quantize", leave=False))
@@ -266,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "kestrel-tiny corpus)")
     quantize.add_argument("--num-samples", type=int, default=64)
     quantize.add_argument("--seq-len", type=int, default=256)
+    quantize.add_argument("--weight-strategy", default="channel", choices=["channel", "tensor"],
+                          help="one weight scale per output channel (default) or per linear module")
     quantize.add_argument("--device", default="cpu", help="where the calibration forward runs")
     quantize.set_defaults(func=_cmd_quantize)
 

@@ -41,10 +41,13 @@ class QuantizeOptions:
     kv_cache_fp8: bool = False
     num_samples: int = 64
     seq_len: int = 256
+    weight_strategy: str = "channel"  # or "tensor": one weight scale per linear module
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise ConfigError(f"invalid scheme={self.scheme!r}: expected one of {list(SCHEMES)}")
+        if self.weight_strategy not in ("channel", "tensor"):
+            raise ConfigError(f"invalid weight_strategy={self.weight_strategy!r}: expected 'channel' or 'tensor'")
         if self.smoothquant is not None and not 0.0 <= self.smoothquant <= 1.0:
             raise ConfigError(f"invalid smoothquant={self.smoothquant!r}: alpha must be in [0, 1]")
         if self.num_samples < 1 or self.seq_len < 2:
@@ -116,10 +119,12 @@ def smooth(weights: dict[str, torch.Tensor], calibration: Calibration, alpha: fl
                 calibration.input_absmax[n] = calibration.input_absmax[n] / s
 
 
-def quantize_weight(weight: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(weight: torch.Tensor, fp8: bool, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit weight and its fp32 scale: `[N, 1]` per output channel, or `[1]` for the whole tensor."""
     w = weight.float()
     qmax = FP8_MAX if fp8 else INT8_MAX
-    scale = (w.abs().amax(1, keepdim=True) / qmax).clamp_min(1e-12)
+    amax = w.abs().amax().reshape(1) if per_tensor else w.abs().amax(1, keepdim=True)
+    scale = (amax / qmax).clamp_min(1e-12)
     q = (w / scale).clamp(-qmax, qmax)
     return (q.to(torch.float8_e4m3fn) if fp8 else q.round().to(torch.int8)), scale
 
@@ -136,7 +141,7 @@ def quantization_config(options: QuantizeOptions) -> dict:
         "quant_method": "compressed-tensors", "format": f"{kind}-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {
             "targets": ["Linear"], "format": f"{kind}-quantized", "output_activations": None,
-            "weights": args("channel", False),
+            "weights": args(options.weight_strategy, False),
             "input_activations": args("tensor", False) if options.static else args("token", True)}},
         "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
         "global_compression_ratio": None,
@@ -182,7 +187,8 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, options: Qua
     for name, tensor in progress(list(weights.items())):
         module = name[: -len(".weight")]
         if name.endswith(".weight") and module.endswith("_proj") and ".layers." in name:
-            out[name], out[module + ".weight_scale"] = quantize_weight(tensor, options.fp8)
+            out[name], out[module + ".weight_scale"] = quantize_weight(tensor, options.fp8,
+                                                                      options.weight_strategy == "tensor")
             if options.static:
                 scale = float(calibration.input_absmax[module].max()) / qmax
                 out[module + ".input_scale"] = torch.tensor([max(scale, 1e-12)], dtype=torch.float32)

@@ -51,11 +51,13 @@ def test_smoothquant_keeps_the_float_model(base, tmp_path):
     assert float(calibration.input_absmax[name].max()) < float(before[name].max())
 
 
-@pytest.mark.parametrize("scheme, smoothquant", [("fp8-dynamic", None), ("fp8-static", None),
-                                                 ("w8a8-int8", 0.5), ("w8a8-int8-static", 0.5)])
-def test_written_checkpoints_load_and_match_their_fake_quantized_forward(base, tmp_path, scheme, smoothquant):
+@pytest.mark.parametrize("scheme, smoothquant, strategy", [
+    ("fp8-dynamic", None, "channel"), ("fp8-static", None, "channel"), ("fp8-static", None, "tensor"),
+    ("w8a8-int8", 0.5, "channel"), ("w8a8-int8-static", 0.5, "channel")])
+def test_written_checkpoints_load_and_match_their_fake_quantized_forward(base, tmp_path, scheme, smoothquant,
+                                                                         strategy):
     out = tmp_path / "q"
-    options = QuantizeOptions(scheme, smoothquant, kv_cache_fp8=scheme == "fp8-static")
+    options = QuantizeOptions(scheme, smoothquant, kv_cache_fp8=scheme == "fp8-static", weight_strategy=strategy)
     summary = quantize_checkpoint(base, out, options, samples() if options.needs_calibration else None)
     assert summary["linear_layers"] == 7 * 2
     config = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -126,3 +128,21 @@ def test_declared_kv_cache_scheme_without_scales_is_an_error(base, tmp_path):
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(ConfigError, match="kv_cache_scheme"):
         LLM(str(out), dtype="float32", max_model_len=128, kv_cache_dtype="fp8")
+
+
+def test_requantized_fused_shards_share_one_scale(base, tmp_path):
+    from kestrel.bench.quant_accuracy import requantize_fused_shards
+
+    out = tmp_path / "t"
+    quantize_checkpoint(base, out, QuantizeOptions("fp8-static", weight_strategy="tensor"), samples())
+    before = load_file(str(out / "model.safetensors"))
+    requantize_fused_shards(out)
+    after = load_file(str(out / "model.safetensors"))
+    qkv = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    scales = [float(before[n + ".weight_scale"]) for n in qkv]
+    assert len(set(scales)) == 3  # distinct per-tensor scales as written
+    assert {float(after[n + ".weight_scale"]) for n in qkv} == {max(scales)}
+    for n in qkv:  # the same weights, re-rounded on the coarser grid
+        w0 = before[n + ".weight"].float() * before[n + ".weight_scale"]
+        w1 = after[n + ".weight"].float() * after[n + ".weight_scale"]
+        assert float((w1 - w0).abs().max()) <= float(w0.abs().max()) * 2.0**-3
