@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams
@@ -37,8 +37,32 @@ Seed = Annotated[Int, Field(ge=INT64_MIN, le=INT64_MAX)]
 StopString = Annotated[str, Field(min_length=1)]
 
 
+def _check_unicode(value: Any) -> None:
+    """Text must be encodable as UTF-8: a lone UTF-16 surrogate (JSON "\\ud800") cannot be tokenized."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("the text holds a lone surrogate (U+D800-U+DFFF), which is not valid Unicode; send "
+                             "characters outside the BMP as a surrogate pair or as UTF-8") from None
+    elif isinstance(value, list | tuple):
+        for item in value:
+            if isinstance(item, str | list | tuple | dict):
+                _check_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        _check_unicode(value)
+        return value
 
 
 class StreamOptions(_Request):

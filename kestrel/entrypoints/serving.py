@@ -134,7 +134,7 @@ class OpenAIServing:
         self.check_model(request.model)
         params = request.to_sampling_params()
         prompts = [self._encode(p) for p in request.prompts()]
-        job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival)
+        job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt")
         if request.echo:
             job.prompts = [_Prompt(self._prompt_text(p, params), p.token_ids) for p in prompts]
         if request.stream:
@@ -240,7 +240,8 @@ class OpenAIServing:
         prompt = render_chat(self.tokenizer, request.message_dicts(), tools=request.tool_dicts() or None,
                              tool_choice=mode, named_tool=request.named_tool)
         token_ids = self.tokenizer.encode(prompt.text, add_special_tokens=False)
-        job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival)
+        job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
+                                 prompt_param="messages")
         tools = _tool_setup(request, prompt.assistant_prefix, prompt.tool_format)
         if request.stream:
             return EventStreamResponse(self._chat_stream(request, job, tools))
@@ -355,12 +356,14 @@ class OpenAIServing:
         return self.tokenizer.decode(prompt.token_ids, skip_special_tokens=params.skip_special_tokens)
 
     async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
-                      arrival: float) -> _Submitted:
-        """Queue one engine request per prompt (all or none) and wait until the engine accepted them."""
+                      arrival: float, prompt_param: str) -> _Submitted:
+        """Queue one engine request per prompt (all or none) and wait until the engine accepted them.
+        Refusals name the request's own field (`prompt_param` for the prompt), not the engine's."""
         trackers = [self.metrics.tracker(arrival) for _ in prompts]
         limit = self.engine.max_sequences_per_request
         if limit is not None and len(prompts) * params.n > limit:
-            raise InvalidRequestError("n", f"{len(prompts)} prompt(s) x n={params.n} is more sequences than this "
+            raise InvalidRequestError("n" if params.n > 1 else prompt_param,
+                                      f"{len(prompts)} prompt(s) x n={params.n} is more sequences than this "
                                       f"server ever admits at once ({limit}); split the request")
         self.engine.check_capacity(len(prompts) * params.n)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -368,9 +371,11 @@ class OpenAIServing:
         try:
             for stream in streams:
                 await stream.accepted()
-        except BaseException:
+        except BaseException as error:
             for stream in streams:
                 await stream.aclose()
+            if isinstance(error, InvalidRequestError) and error.param in ("prompt", "prompt_token_ids"):
+                raise InvalidRequestError(prompt_param, str(error)) from None
             raise
         return _Submitted(streams, trackers, prompts, params, request_id)
 

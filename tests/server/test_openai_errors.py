@@ -57,7 +57,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     ({"prompt": "x", "logit_bias": {"one": 5.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"1": 500.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"99999999": 1.0}}, "logit_bias"),
-    ({"prompt": [5000]}, "prompt_token_ids"),
+    ({"prompt": [5000]}, "prompt"),  # out of the vocabulary: named by the request's field
 ])
 def test_invalid_completion_parameters(openai_server, body, param):
     assert_error(post(openai_server, "/v1/completions", body), 400, param)
@@ -79,6 +79,30 @@ def test_invalid_completion_parameters(openai_server, body, param):
 def test_invalid_chat_parameters(openai_server, body, param):
     error = assert_error(post(openai_server, "/v1/chat/completions", body), 400, param)
     assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "x\\udfff"], "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": "ok", "stop": ["\\ud800"], "max_tokens": 2}', "stop"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}], "stream": true}',
+     "messages[0].content"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(openai_server, path, body, param):
+    error = assert_error(post(openai_server, path, content=body.encode(),
+                              headers={"Content-Type": "application/json"}), 400, param)
+    assert "surrogate" in error["message"] or "unicode" in error["message"]
+
+
+def test_too_many_prompts_names_the_prompt_not_n(start_scripted_server):
+    server, _ = start_scripted_server(max_queued_requests=4)
+    limit = server.engine.max_sequences_per_request
+    error = assert_error(post(server, "/v1/completions", {"prompt": ["x"] * (limit + 1), "max_tokens": 1}),
+                         400, "prompt")
+    assert str(limit) in error["message"]
+    assert_error(post(server, "/v1/completions", {"prompt": ["x"] * 2, "n": limit, "max_tokens": 1}), 400, "n")
 
 
 def test_openai_client_sees_a_bad_request(openai_server):
@@ -111,7 +135,7 @@ def test_prompt_longer_than_the_context_is_400(openai_server):
     error = assert_error(post(openai_server, "/v1/completions", {"prompt": "hello " * 400}), 400, "prompt")
     assert "max_model_len=256" in error["message"]
     assert_error(post(openai_server, "/v1/chat/completions",
-                      {"messages": [{"role": "user", "content": "hello " * 400}]}), 400, "prompt")
+                      {"messages": [{"role": "user", "content": "hello " * 400}]}), 400, "messages")
 
 
 def test_body_size_limit(openai_server):
