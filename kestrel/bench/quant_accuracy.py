@@ -147,7 +147,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     for v, limit in TARGETS.items():
         i = variants.index(v)
         ax.hlines(100 * limit, i - 0.45, i + 0.45, colors="black", linestyles="dashed", linewidth=1)
-    ax.set_xticks(range(len(variants)), variants, rotation=15)
+    ax.set_xticks(range(len(variants)), [v.replace("-requantized", "\nrequantized") for v in variants], rotation=15)
     ax.set_ylabel("perplexity vs float model (%)")
     for i, v in enumerate(variants):
         for k, base in enumerate(("kestrel-tiny", "kestrel-tiny-outliers")):

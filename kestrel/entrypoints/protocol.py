@@ -132,11 +132,11 @@ class _SamplingRequest(_Request):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise InvalidRequestError("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
-            bias[token] = value
+            # Only plain ASCII digits: int() would also take " 5 ", "1_0" and other scripts' digits ("١").
+            if not (key.isascii() and key.isdigit()) or len(key) > 19:
+                raise InvalidRequestError("logit_bias", f"logit_bias keys must be token ids written in decimal "
+                                          f"digits, got {key!r}")
+            bias[int(key)] = value
         return bias
 
 

@@ -10,6 +10,7 @@ import argparse
 import hmac
 import json
 import logging
+import os
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -124,7 +125,9 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
 
 
 def _model_card(name: str, engine: AsyncEngine) -> ModelCard:
-    return ModelCard(id=name, root=engine.model_path or None, max_model_len=engine.max_model_len)
+    # The directory's name only: the server's file-system layout is not the client's business.
+    root = os.path.basename(os.path.normpath(engine.model_path)) if engine.model_path else None
+    return ModelCard(id=name, root=root, max_model_len=engine.max_model_len)
 
 
 # ----- errors --------------------------------------------------------------------------------------

@@ -63,8 +63,11 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
 class ModelNotFoundError(LookupError):
+    MAX_ECHO = 100  # characters of the unknown name repeated back: a huge name must not make a huge error body
+
     def __init__(self, name: str, served: str) -> None:
-        super().__init__(f"the model {name!r} does not exist; this server serves {served!r}")
+        shown = name if len(name) <= self.MAX_ECHO else name[: self.MAX_ECHO] + "..."
+        super().__init__(f"the model {shown!r} does not exist; this server serves {served!r}")
 
 
 class ClientDisconnectedError(Exception):

@@ -57,6 +57,10 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     ({"prompt": "x", "logit_bias": {"one": 5.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"1": 500.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"99999999": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {" 5 ": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1_0": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"\u0661": 1.0}}, "logit_bias"),  # ARABIC-INDIC DIGIT ONE
+    ({"prompt": "x", "logit_bias": {"-1": 1.0}}, "logit_bias"),
     ({"prompt": [5000]}, "prompt"),  # out of the vocabulary: named by the request's field
 ])
 def test_invalid_completion_parameters(openai_server, body, param):
@@ -117,6 +121,13 @@ def test_unknown_model_is_404(openai_server):
     with pytest.raises(openai.NotFoundError):
         openai_server.client().chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
     assert httpx.get(f"{openai_server.base_url}/v1/models/gpt-9", headers=openai_server.headers).status_code == 404
+    huge = post(openai_server, "/v1/completions", {"model": "m" * 1_000_000, "prompt": "x"})
+    assert huge.status_code == 404 and len(huge.content) < 1_000  # the unknown name is not echoed whole
+
+
+def test_model_list_shows_no_server_paths(openai_server):
+    models = httpx.get(f"{openai_server.base_url}/v1/models", headers=openai_server.headers).json()["data"]
+    assert models and all("/" not in (m.get("root") or "") for m in models)
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "test-key"}])
