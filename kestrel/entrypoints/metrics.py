@@ -105,3 +105,12 @@ class RequestTracker:
             self._metrics.e2e.observe(now - self._arrival)
             for completion in output.outputs:
                 self._metrics.finished(completion.finish_reason or "abort")
+
+    def aborted(self) -> None:
+        """The request ended without its final output (the client left, or it timed out): counted as an abort,
+        its latency so far in the end-to-end histogram."""
+        if self._done:
+            return
+        self._done = True
+        self._metrics.e2e.observe(time.monotonic() - self._arrival)
+        self._metrics.finished("abort")

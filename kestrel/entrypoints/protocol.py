@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams
@@ -199,6 +199,12 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_result_names_its_call(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:

@@ -11,6 +11,7 @@ import hmac
 import json
 import logging
 import os
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -56,7 +57,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     """The app for a started AsyncEngine. Several apps can coexist: each has its own metrics registry."""
     metrics = ServerMetrics(engine, served_model_name)
     serving = OpenAIServing(engine, served_model_name, metrics)
-    app = FastAPI(title="kestrel", version=kestrel.__version__,
+    # No trailing-slash redirects: they are built from the Host header, which the client controls.
+    app = FastAPI(title="kestrel", version=kestrel.__version__, redirect_slashes=False,
                   description="OpenAI-compatible API of the kestrel inference engine.")
     app.state.engine = engine
     app.state.metrics = metrics
@@ -211,8 +213,23 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply a JSON text nests arrays and objects (brackets inside strings do not count)."""
+    depth = deepest = 0
+    for match in _JSON_BRACKET.finditer(_JSON_STRING.sub(b"", body)):
+        depth += 1 if match.group() in (b"[", b"{") else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
 class BodyLimitMiddleware:
-    """Reads at most `max_bytes` of a request body (413 beyond), then replays it to the app."""
+    """Reads at most `max_bytes` of a request body (413 beyond) and refuses JSON nested deeper than
+    MAX_JSON_DEPTH (400), then replays it to the app."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -240,6 +257,11 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        depth = json_depth(b"".join(chunks))
+        if depth > MAX_JSON_DEPTH:
+            await _send_error(send, 400, f"the request body nests JSON {depth} levels deep; at most {MAX_JSON_DEPTH} "
+                              "are accepted", "invalid_request_error", "json_too_deep")
+            return
         replayed = False
 
         async def replay() -> Message:

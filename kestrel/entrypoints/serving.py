@@ -405,6 +405,8 @@ class OpenAIServing:
         finally:
             for stream in job.streams:
                 await stream.aclose()
+            for tracker in job.trackers:
+                tracker.aborted()  # a no-op for the requests that finished
 
 
 @dataclass(frozen=True)

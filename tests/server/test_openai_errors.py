@@ -79,6 +79,7 @@ def test_invalid_completion_parameters(openai_server, body, param):
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
      "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]}, "messages[1]"),
 ])
 def test_invalid_chat_parameters(openai_server, body, param):
     error = assert_error(post(openai_server, "/v1/chat/completions", body), 400, param)
@@ -123,6 +124,23 @@ def test_unknown_model_is_404(openai_server):
     assert httpx.get(f"{openai_server.base_url}/v1/models/gpt-9", headers=openai_server.headers).status_code == 404
     huge = post(openai_server, "/v1/completions", {"model": "m" * 1_000_000, "prompt": "x"})
     assert huge.status_code == 404 and len(huge.content) < 1_000  # the unknown name is not echoed whole
+
+
+def test_deeply_nested_json_has_its_own_error(openai_server):
+    deep = '{"prompt": "x", "extra": ' + "[" * 1000 + "]" * 1000 + "}"
+    error = assert_error(post(openai_server, "/v1/completions", content=deep.encode(),
+                              headers={"Content-Type": "application/json"}), 400)
+    assert error["code"] == "json_too_deep" and "1001 levels" in error["message"]
+    # brackets inside strings are text, not nesting
+    shallow = {"prompt": "[" * 1000, "max_tokens": 1}
+    assert post(openai_server, "/v1/completions", shallow).status_code == 200
+
+
+def test_no_redirect_built_from_the_host_header(openai_server):
+    response = httpx.get(f"{openai_server.base_url}/health/", headers={"Host": "evil.example"},
+                         follow_redirects=False)
+    assert response.status_code == 404 and "location" not in response.headers
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_model_list_shows_no_server_paths(openai_server):
@@ -174,7 +192,14 @@ def test_unknown_route_and_method_keep_the_error_shape(openai_server):
     assert_error(post(openai_server, "/detokenize", {"tokens": [10**6]}), 400, "tokens")
 
 
+def aborted_requests(server) -> float:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kestrel:request_success_total{") and 'finished_reason="abort"' in line)
+
+
 def test_client_disconnect_mid_stream_frees_its_blocks(openai_server):
+    aborts = aborted_requests(openai_server)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{openai_server.base_url}/v1/completions", json=body, headers=openai_server.headers,
                       timeout=30) as response:
@@ -188,6 +213,7 @@ def test_client_disconnect_mid_stream_frees_its_blocks(openai_server):
     assert samples["kestrel:num_requests_running"] == 0
     # Far fewer than 200 tokens were generated for it.
     assert samples["kestrel:generation_tokens_total"] - busy["kestrel:generation_tokens_total"] < 100
+    assert aborted_requests(openai_server) == aborts + 1  # counted as an abort
 
 
 def test_non_streaming_disconnect_aborts_too(openai_server):
