@@ -7,6 +7,7 @@ Every failure a client can cause is a 4xx with OpenAI's error body
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import json
 import logging
@@ -108,13 +109,22 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
-        if isinstance(body, TokenizeChatRequest):
-            prompt = render_chat(tokenizer, body.message_dicts(), tools=body.tool_dicts() or None,
-                                 add_generation_prompt=body.add_generation_prompt is not False)
-            tokens = tokenizer.encode(prompt.text, add_special_tokens=False)
-        else:
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-        return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
+
+        def encode() -> list[int]:
+            if isinstance(body, TokenizeChatRequest):
+                prompt = render_chat(tokenizer, body.message_dicts(), tools=body.tool_dicts() or None,
+                                     add_generation_prompt=body.add_generation_prompt is not False)
+                return tokenizer.encode(prompt.text, add_special_tokens=False)
+            return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+
+        def respond() -> Response:
+            tokens = encode()
+            body_json = TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len,
+                                         tokens=tokens).model_dump_json()
+            return Response(body_json, media_type="application/json")
+
+        # Tokenizing and encoding the reply run in a worker thread: a 4 MB prompt must not stall the event loop.
+        return await asyncio.to_thread(respond)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
@@ -123,7 +133,7 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
         bad = next((t for t in body.tokens if t >= limit), None)
         if bad is not None:
             raise InvalidRequestError("tokens", f"token id {bad} is out of range: the vocabulary has {limit} tokens")
-        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
 
 def _model_card(name: str, engine: AsyncEngine) -> ModelCard:
@@ -214,7 +224,7 @@ class ApiKeyMiddleware:
 
 
 MAX_JSON_DEPTH = 64
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: ~15x faster than (?:[^"\\]|\\.)*
 _JSON_BRACKET = re.compile(rb"[\[\]{}]")
 
 

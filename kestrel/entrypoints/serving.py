@@ -136,7 +136,9 @@ class OpenAIServing:
         arrival = time.monotonic()
         self.check_model(request.model)
         params = request.to_sampling_params()
-        prompts = [self._encode(p) for p in request.prompts()]
+        # Tokenizing runs in a worker thread (the tokenizer releases the GIL), so a long prompt never stalls
+        # the event loop and the other clients' streams.
+        prompts = await asyncio.to_thread(lambda: [self._encode(p) for p in request.prompts()])
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt")
         if request.echo:
             job.prompts = [_Prompt(self._prompt_text(p, params), p.token_ids) for p in prompts]
@@ -240,9 +242,13 @@ class OpenAIServing:
         self.check_model(request.model)
         params = request.to_sampling_params()
         mode = request.tool_choice_mode
-        prompt = render_chat(self.tokenizer, request.message_dicts(), tools=request.tool_dicts() or None,
-                             tool_choice=mode, named_tool=request.named_tool)
-        token_ids = self.tokenizer.encode(prompt.text, add_special_tokens=False)
+
+        def render() -> tuple[Any, list[int]]:
+            rendered = render_chat(self.tokenizer, request.message_dicts(), tools=request.tool_dicts() or None,
+                                   tool_choice=mode, named_tool=request.named_tool)
+            return rendered, self.tokenizer.encode(rendered.text, add_special_tokens=False)
+
+        prompt, token_ids = await asyncio.to_thread(render)  # templating and tokenizing off the event loop
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages")
         tools = _tool_setup(request, prompt.assistant_prefix, prompt.tool_format)
