@@ -65,6 +65,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.state.metrics = metrics
     _add_routes(app, engine, serving, metrics)
     _add_error_handlers(app)
+    _standard_limits_in_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -91,7 +92,9 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
         serving.check_model(model_id)
         return _model_card(model_id, engine)
 
-    @app.get("/health", responses=_ERROR_RESPONSES)
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "The engine is running (empty body).", "content": {}},
+                        503: {"model": ErrorResponse, "description": "The engine stopped."}})
     async def health() -> Response:
         if engine.is_healthy:
             return Response(status_code=200)
@@ -134,6 +137,35 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
         if bad is not None:
             raise InvalidRequestError("tokens", f"token id {bad} is out of range: the vocabulary has {limit} tokens")
         return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
+
+
+_LIMIT_KEYWORDS = (("ge", "minimum"), ("le", "maximum"), ("gt", "exclusiveMinimum"), ("lt", "exclusiveMaximum"))
+
+
+def _standard_limits(node: Any) -> None:
+    """pydantic writes the bounds of annotated numbers as ge/le, which JSON Schema (and so clients and fuzzers)
+    do not read: rename them to minimum/maximum in place."""
+    if isinstance(node, dict):
+        if node.get("type") in ("integer", "number"):
+            for ours, standard in _LIMIT_KEYWORDS:
+                if ours in node:
+                    node[standard] = node.pop(ours)
+        for value in node.values():
+            _standard_limits(value)
+    elif isinstance(node, list):
+        for value in node:
+            _standard_limits(value)
+
+
+def _standard_limits_in_openapi(app: FastAPI) -> None:
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = generate()
+        _standard_limits(schema)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _model_card(name: str, engine: AsyncEngine) -> ModelCard:

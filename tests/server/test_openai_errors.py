@@ -290,6 +290,7 @@ def test_big_tokenize_requests_do_not_stall_health(start_scripted_server):
                        .status_code)
 
     workers = [threading.Thread(target=tokenize) for _ in range(4)]
+    began = time.perf_counter()
     for w in workers:
         w.start()
     time.sleep(0.5)  # the bodies are read and tokenizing has begun
@@ -300,6 +301,19 @@ def test_big_tokenize_requests_do_not_stall_health(start_scripted_server):
         worst = max(worst, time.perf_counter() - started)
         time.sleep(0.05)
     assert results == [200] * 4
-    # Each tokenization takes ~4 s here and once stalled /health that long. What still runs under the GIL (the
-    # id list, the reply's JSON, body parsing) keeps the worst probe at a few hundred ms on 2 cores.
-    assert worst < 1.0, f"/health took {worst * 1e3:.0f} ms while the tokenize requests ran"
+    total = time.perf_counter() - began
+    # Relative to the run, so machine load scales both sides: tokenizing on the event loop stalled /health for
+    # most of the run (3.3 of ~4.5 s); what still holds the GIL (the id list, the reply's JSON, body parsing)
+    # is a small part of it.
+    assert worst < 0.4 * total, f"/health took {worst * 1e3:.0f} ms of a {total:.1f} s tokenize run"
+
+
+def test_openapi_states_limits_as_json_schema(openai_server):
+    doc = httpx.get(f"{openai_server.base_url}/openapi.json").json()
+    text = json.dumps(doc)
+    assert '"ge":' not in text and '"le":' not in text
+    props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    n = next(s for s in props["n"]["anyOf"] if s.get("type") == "integer")
+    assert (n["minimum"], n["maximum"]) == (1, 128)
+    health = doc["paths"]["/health"]["get"]["responses"]
+    assert "application/json" not in health["200"].get("content", {})  # an empty body, as served
