@@ -39,7 +39,13 @@ from kestrel.entrypoints.protocol import (
     TokenizeResponse,
     validation_error_info,
 )
-from kestrel.entrypoints.serving import ClientDisconnectedError, ModelNotFoundError, OpenAIServing, error_body
+from kestrel.entrypoints.serving import (
+    DEFAULT_MAX_LOGPROB_ENTRIES,
+    ClientDisconnectedError,
+    ModelNotFoundError,
+    OpenAIServing,
+    error_body,
+)
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParamsError
 
@@ -54,10 +60,11 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES) -> FastAPI:
     """The app for a started AsyncEngine. Several apps can coexist: each has its own metrics registry."""
     metrics = ServerMetrics(engine, served_model_name)
-    serving = OpenAIServing(engine, served_model_name, metrics)
+    serving = OpenAIServing(engine, served_model_name, metrics, max_logprob_entries)
     # No trailing-slash redirects: they are built from the Host header, which the client controls.
     app = FastAPI(title="kestrel", version=kestrel.__version__, redirect_slashes=False,
                   description="OpenAI-compatible API of the kestrel inference engine.")
@@ -333,7 +340,11 @@ def run_server(args: argparse.Namespace, engine_args: dict[str, Any] | None = No
         raise ConfigError(str(e)) from e
     engine.start()
     name = args.served_model_name or args.model
-    app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_request_bytes)
+    entries = args.max_logprob_entries if args.max_logprob_entries is not None else DEFAULT_MAX_LOGPROB_ENTRIES
+    if entries < 1:
+        raise ConfigError(f"invalid --max-logprob-entries={entries}: expected an integer >= 1")
+    app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
+                    max_logprob_entries=entries)
     print(f"kestrel: serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -118,8 +118,13 @@ def sse(data: str) -> str:
 SSE_DONE = sse("[DONE]")
 
 
+DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18  # ~7 MB of JSON at the usual ~26 bytes an entry
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics,
+                 max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES) -> None:
+        self.max_logprob_entries = max_logprob_entries
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
@@ -139,6 +144,7 @@ class OpenAIServing:
         # Tokenizing runs in a worker thread (the tokenizer releases the GIL), so a long prompt never stalls
         # the event loop and the other clients' streams.
         prompts = await asyncio.to_thread(lambda: [self._encode(p) for p in request.prompts()])
+        self._check_logprob_entries(prompts, params, "logprobs")
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt")
         if request.echo:
             job.prompts = [_Prompt(self._prompt_text(p, params), p.token_ids) for p in prompts]
@@ -249,6 +255,7 @@ class OpenAIServing:
             return rendered, self.tokenizer.encode(rendered.text, add_special_tokens=False)
 
         prompt, token_ids = await asyncio.to_thread(render)  # templating and tokenizing off the event loop
+        self._check_logprob_entries([_Prompt(None, token_ids)], params, "top_logprobs")
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages")
         tools = _tool_setup(request, prompt.assistant_prefix, prompt.tool_format)
@@ -363,6 +370,24 @@ class OpenAIServing:
         if prompt.text is not None:
             return prompt.text
         return self.tokenizer.decode(prompt.token_ids, skip_special_tokens=params.skip_special_tokens)
+
+    def _check_logprob_entries(self, prompts: list[_Prompt], params: SamplingParams, param: str) -> None:
+        """Bound the response: n x (echoed prompt + generated tokens) x (logprobs + 1) entries, before any work."""
+        k = max(params.logprobs if params.logprobs is not None else -1,
+                params.prompt_logprobs if params.prompt_logprobs is not None else -1)
+        if k < 0:
+            return
+        context = self.engine.max_model_len
+        entries = 0
+        for prompt in prompts:
+            generated = params.max_tokens if params.max_tokens is not None else context - len(prompt.token_ids)
+            echoed = len(prompt.token_ids) if params.prompt_logprobs is not None else 0
+            entries += params.n * (echoed + max(generated, 0)) * (k + 1)
+        if entries > self.max_logprob_entries:
+            raise InvalidRequestError(param, f"the response would carry {entries:,} logprob entries (n x tokens x "
+                                      f"(logprobs + 1)), more than this server's limit of "
+                                      f"{self.max_logprob_entries:,}; lower n, max_tokens or {param}, or start the "
+                                      "server with a larger --max-logprob-entries")
 
     async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
                       arrival: float, prompt_param: str) -> _Submitted:

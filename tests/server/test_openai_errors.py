@@ -317,3 +317,14 @@ def test_openapi_states_limits_as_json_schema(openai_server):
     assert (n["minimum"], n["maximum"]) == (1, 128)
     health = doc["paths"]["/health"]["get"]["responses"]
     assert "application/json" not in health["200"].get("content", {})  # an empty body, as served
+
+
+def test_responses_too_large_to_build_are_refused(openai_server):
+    """The 1.5 KB request that asked for a 35 MB reply: n x echoed prompt x logprobs is bounded up front."""
+    body = {"prompt": list(range(10, 210)), "max_tokens": 1, "echo": True, "logprobs": 20, "n": 128}
+    error = assert_error(post(openai_server, "/v1/completions", body), 400, "logprobs")
+    assert "--max-logprob-entries" in error["message"] and "262,144" in error["message"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 20, "n": 128}
+    assert_error(post(openai_server, "/v1/chat/completions", chat), 400, "top_logprobs")
+    small = {"prompt": list(range(10, 30)), "max_tokens": 2, "echo": True, "logprobs": 5, "n": 2}
+    assert post(openai_server, "/v1/completions", small).status_code == 200
