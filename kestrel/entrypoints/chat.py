@@ -79,6 +79,45 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
     return ChatPrompt(text + prefix, prefix, fmt)
 
 
+def special_token_texts(tokenizer: Any) -> list[str]:
+    """The strings the tokenizer turns into special (control) tokens."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts = {token.content for token in decoder.values() if getattr(token, "special", False)}
+    texts.update(getattr(tokenizer, "all_special_tokens", []) or [])
+    return sorted((t for t in texts if t), key=len, reverse=True)
+
+
+def encode_chat(tokenizer: Any, text: str, message_texts: list[str],
+                allow_special_in_content: bool = False) -> list[int]:
+    """Token ids of a rendered chat prompt in which the messages' own text never becomes a control token.
+
+    The template's text is encoded as usual (its special tokens stay special); each message text that holds a
+    special-token string is found in the rendered prompt, in order, and encoded with special tokens split into
+    plain text, so a user cannot forge a turn with "<|end_of_text|><|start_header_id|>system...". A template that
+    rewrites such a text beyond trimming is refused rather than guessed at. `allow_special_in_content` restores
+    the permissive behaviour (the whole prompt encoded at once)."""
+    specials = [] if allow_special_in_content else special_token_texts(tokenizer)
+    risky = [m for m in message_texts if m and any(s in m for s in specials)]
+    if not risky:
+        return tokenizer.encode(text, add_special_tokens=False)
+    ids: list[int] = []
+    position = 0
+    for content in risky:
+        at = text.find(content, position)
+        if at < 0:
+            content = content.strip()
+            at = text.find(content, position)
+        if at < 0:
+            raise InvalidRequestError("messages", "a message holds special-token text that the chat template "
+                                      "rewrites, so it cannot be kept as plain text; remove the special tokens "
+                                      f"({', '.join(s for s in specials if s in content)[:200]})")
+        ids += tokenizer.encode(text[position:at], add_special_tokens=False)
+        ids += tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+        position = at + len(content)
+    ids += tokenizer.encode(text[position:], add_special_tokens=False)
+    return ids
+
+
 def template_renders_tools(template: str | dict[str, str]) -> bool:
     sources = template.values() if isinstance(template, dict) else [template]
     return any("tools" in source for source in sources)

@@ -222,6 +222,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="waiting sequences beyond which new requests get 429 with Retry-After")
     group.add_argument("--request-timeout", type=float, default=None, help="abort requests running longer (s)")
     group.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body (413 beyond)")
+    group.add_argument("--special-tokens-in-content", action="store_true",
+                       help="let special-token text in chat messages become control tokens (vLLM's behaviour; off: "
+                            "it is tokenized as plain text)")
     group.add_argument("--max-logprob-entries", type=int, default=None,
                        help="most logprob entries one response may carry, n x tokens x (logprobs + 1); 400 beyond "
                             "(default: 262144, about 7 MB of JSON)")

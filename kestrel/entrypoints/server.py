@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import kestrel
 from kestrel.config import ConfigError
 from kestrel.entrypoints.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
-from kestrel.entrypoints.chat import render_chat
+from kestrel.entrypoints.chat import encode_chat, render_chat
 from kestrel.entrypoints.metrics import ServerMetrics
 from kestrel.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -61,10 +61,11 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES) -> FastAPI:
+              max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
+              allow_special_in_content: bool = False) -> FastAPI:
     """The app for a started AsyncEngine. Several apps can coexist: each has its own metrics registry."""
     metrics = ServerMetrics(engine, served_model_name)
-    serving = OpenAIServing(engine, served_model_name, metrics, max_logprob_entries)
+    serving = OpenAIServing(engine, served_model_name, metrics, max_logprob_entries, allow_special_in_content)
     # No trailing-slash redirects: they are built from the Host header, which the client controls.
     app = FastAPI(title="kestrel", version=kestrel.__version__, redirect_slashes=False,
                   description="OpenAI-compatible API of the kestrel inference engine.")
@@ -124,7 +125,8 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
             if isinstance(body, TokenizeChatRequest):
                 prompt = render_chat(tokenizer, body.message_dicts(), tools=body.tool_dicts() or None,
                                      add_generation_prompt=body.add_generation_prompt is not False)
-                return tokenizer.encode(prompt.text, add_special_tokens=False)
+                return encode_chat(tokenizer, prompt.text, [m.text() for m in body.messages],
+                                   serving.allow_special_in_content)
             return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
 
         def respond() -> Response:
@@ -344,7 +346,7 @@ def run_server(args: argparse.Namespace, engine_args: dict[str, Any] | None = No
     if entries < 1:
         raise ConfigError(f"invalid --max-logprob-entries={entries}: expected an integer >= 1")
     app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
-                    max_logprob_entries=entries)
+                    max_logprob_entries=entries, allow_special_in_content=args.special_tokens_in_content)
     print(f"kestrel: serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

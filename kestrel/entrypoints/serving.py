@@ -24,6 +24,7 @@ from kestrel.entrypoints.chat import (
     ToolArgumentsDelta,
     ToolCallParser,
     ToolCallStart,
+    encode_chat,
     make_tool_parser,
     parse_tool_calls,
     render_chat,
@@ -123,8 +124,10 @@ DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18  # ~7 MB of JSON at the usual ~26 bytes an
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics,
-                 max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES) -> None:
+                 max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
+                 allow_special_in_content: bool = False) -> None:
         self.max_logprob_entries = max_logprob_entries
+        self.allow_special_in_content = allow_special_in_content
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
@@ -252,7 +255,8 @@ class OpenAIServing:
         def render() -> tuple[Any, list[int]]:
             rendered = render_chat(self.tokenizer, request.message_dicts(), tools=request.tool_dicts() or None,
                                    tool_choice=mode, named_tool=request.named_tool)
-            return rendered, self.tokenizer.encode(rendered.text, add_special_tokens=False)
+            return rendered, encode_chat(self.tokenizer, rendered.text, [m.text() for m in request.messages],
+                                         self.allow_special_in_content)
 
         prompt, token_ids = await asyncio.to_thread(render)  # templating and tokenizing off the event loop
         self._check_logprob_entries([_Prompt(None, token_ids)], params, "top_logprobs")
