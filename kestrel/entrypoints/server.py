@@ -28,7 +28,9 @@ from kestrel.entrypoints.chat import encode_chat, render_chat
 from kestrel.entrypoints.metrics import ServerMetrics
 from kestrel.entrypoints.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
@@ -55,8 +57,17 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 # Paths behind the API key; /health, /version and /metrics stay open for probes and scrapers.
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503, 504)
 }
+_SSE = ("With `stream: true`, a `text/event-stream` of `data: <chunk JSON>` lines ({chunk} objects), an error "
+        "event `data: {{\"error\": ...}}` if the request fails mid-stream, and `data: [DONE]` last.")
+
+
+def _generation_responses(whole: type, chunk: str) -> dict[int | str, dict[str, Any]]:
+    """The 200 of a generation route: the whole response as JSON, or server-sent events."""
+    return {200: {"model": whole, "description": "The completion.",
+                  "content": {"text/event-stream": {"schema": {"type": "string", "description": _SSE.format(
+                      chunk=chunk)}}}}, **_ERROR_RESPONSES}
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
@@ -83,11 +94,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics) -> None:
     tokenizer = engine.tokenizer
 
-    @app.post("/v1/completions", responses=_ERROR_RESPONSES)
+    @app.post("/v1/completions", responses=_generation_responses(CompletionResponse, "CompletionStreamResponse"))
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await serving.create_completion(body, raw)
 
-    @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
+    @app.post("/v1/chat/completions",
+              responses=_generation_responses(ChatCompletionResponse, "ChatCompletionChunk"))
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.create_chat_completion(body, raw)
 

@@ -353,3 +353,17 @@ def test_special_tokens_in_content_flag_restores_the_permissive_behaviour(tiny_m
     assert permissive == tokenizer.encode(text, add_special_tokens=False)
     eot = tokenizer.convert_tokens_to_ids("<|end_of_text|>")
     assert eot in permissive and eot not in strict
+
+
+def test_openapi_documents_generation_responses_and_errors(openai_server):
+    doc = httpx.get(f"{openai_server.base_url}/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert {"200", "400", "413", "429", "503", "504"} <= set(responses)
+        content = responses["200"]["content"]
+        assert "$ref" in json.dumps(content["application/json"]["schema"]) and "text/event-stream" in content
+    # a real response validates against the documented model
+    from kestrel.entrypoints.protocol import CompletionResponse
+
+    body = post(openai_server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).json()
+    CompletionResponse.model_validate(body)
