@@ -16,7 +16,6 @@ split, add-one smoothed over the model's vocabulary, with the same accounting.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kestrel.bench import register_suite, standalone_main
+from kestrel.bench.common import write_result
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.core import EngineCore
 from kestrel.loader.tokenizer import load_tokenizer
@@ -239,12 +239,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_quant_sweep(args)
     started = time.perf_counter()
     model = args.model or str(default_model_path())
-    scorer = KestrelScorer(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
-    eval_set = corpus.select_evenly([f for f in corpus.eval_files() if f.path.stat().st_size > 0], args.max_files)
-    documents = load_documents(scorer.tokenizer, eval_set)
-    if not documents:
-        raise ConfigError(f"no held-out files to score under {corpus.stdlib_root()}")
+    scorer = _scorer(args, model)
+    documents = _held_out_documents(args, scorer.tokenizer)
     train_set = corpus.select_evenly(corpus.train_files(), args.baseline_files)
     counts = unigram_counts(scorer.tokenizer, corpus.texts(train_set))
     result = {
@@ -255,26 +251,34 @@ def run(args: argparse.Namespace) -> int:
     }
     result["seconds"] = round(time.perf_counter() - started, 2)
     print(format_summary(result))
-    if args.result_file is not None:
-        args.result_file.parent.mkdir(parents=True, exist_ok=True)
-        args.result_file.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.result_file}")
+    write_result(result, args.result_file)
     return 0
+
+
+def _scorer(args: argparse.Namespace, model: str, **engine_args: Any) -> KestrelScorer:
+    return KestrelScorer(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                         **engine_args)
+
+
+def _held_out_documents(args: argparse.Namespace, tokenizer: Any) -> list[Document]:
+    eval_set = corpus.select_evenly([f for f in corpus.eval_files() if f.path.stat().st_size > 0], args.max_files)
+    documents = load_documents(tokenizer, eval_set)
+    if not documents:
+        raise ConfigError(f"no held-out files to score under {corpus.stdlib_root()}")
+    return documents
 
 
 def _run_quant_sweep(args: argparse.Namespace) -> int:
     from kestrel.bench import quant_accuracy
 
     tokenizer = load_tokenizer(args.model or str(default_model_path()))
-    eval_set = corpus.select_evenly([f for f in corpus.eval_files() if f.path.stat().st_size > 0], args.max_files)
-    documents = load_documents(tokenizer, eval_set)
+    documents = _held_out_documents(args, tokenizer)
     counts = unigram_counts(tokenizer, corpus.texts(corpus.select_evenly(corpus.train_files(), args.baseline_files)),
                             use_tqdm=False)
 
     def score(model_dir: str, calibrate_kv: list[list[int]] | None = None, **engine_args: Any) -> dict[str, Any]:
-        scorer = KestrelScorer(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                               **engine_args)
+        scorer = _scorer(args, model_dir, **engine_args)
         if calibrate_kv is not None:
             scorer.runner.calibrate_kv_scales([t for sample in calibrate_kv for t in sample])
         result = evaluate(scorer, documents, args.stride, counts, use_tqdm=False)
@@ -288,12 +292,9 @@ def _run_quant_sweep(args: argparse.Namespace) -> int:
         row.pop("files", None)
     for t in result["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {t['measured']}")
-    if args.result_file is not None:
-        args.result_file.parent.mkdir(parents=True, exist_ok=True)
-        args.result_file.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.result_file}")
-        if quant_accuracy.plot(result, args.result_file.with_suffix(".png")):
-            print(f"wrote {args.result_file.with_suffix('.png')}")
+    write_result(result, args.result_file)
+    if args.result_file is not None and quant_accuracy.plot(result, args.result_file.with_suffix(".png")):
+        print(f"wrote {args.result_file.with_suffix('.png')}")
     return 0
 
 

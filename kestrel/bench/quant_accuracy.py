@@ -23,13 +23,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from kestrel.quant.calibrate import QuantizeOptions, quantize_checkpoint
+from kestrel.quant.calibrate import NORM_FEEDS, QuantizeOptions, quantize_checkpoint
 from kestrel.tiny import corpus
 
 OUTLIER_CHANNELS = (7, 61, 130, 201)
 OUTLIER_SCALE = 32.0
-_FEEDS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
 # name -> (scheme, SmoothQuant alpha, KV cache) written by `kestrel quantize`; None: the float model itself.
 # "-tensor": one weight scale per module; "-requantized": then one per merged GEMM (q/k/v, gate/up share the
 # largest, weights re-rounded), what a kernel taking a single weight scale needs; kestrel keeps each shard's.
@@ -57,7 +55,7 @@ def inject_outliers(src: Path, dst: Path, channels: tuple[int, ...] = OUTLIER_CH
     num_layers = json.loads((dst / "config.json").read_text())["num_hidden_layers"]
     idx = torch.tensor(channels)
     for i in range(num_layers):
-        for norm, fed in _FEEDS.items():
+        for norm, fed in NORM_FEEDS.items():
             tensors[f"model.layers.{i}.{norm}.weight"][idx] *= scale
             for f in fed:
                 tensors[f"model.layers.{i}.{f}.weight"][:, idx] /= scale
@@ -72,7 +70,7 @@ def requantize_fused_shards(path: Path) -> None:
     tensors = load_file(str(path / "model.safetensors"))
     num_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     for i in range(num_layers):
-        for fed in _FEEDS.values():
+        for fed in NORM_FEEDS.values():
             names = [f"model.layers.{i}.{f}" for f in fed]
             shared = max(float(tensors[n + ".weight_scale"]) for n in names)
             for n in names:

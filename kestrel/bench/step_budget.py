@@ -378,9 +378,8 @@ def run(args: argparse.Namespace) -> int:
         args.batch, args.context, args.prefill_tokens, args.prefill_prompt_len = "3", 20, "32", 16
         args.steps, args.profile_steps, args.dtype, args.max_num_batched_tokens = 3, 2, "float32", 32
         with tempfile.TemporaryDirectory() as tmp:
-            common.write_tiny_checkpoint(tmp, "llama", "tiny", **common.SMOKE_OVERRIDES)
-            config = json.loads((Path(tmp) / "config.json").read_text())
-            return _run(args, torch.device("cpu"), tmp, "auto", config)
+            model_dir, load_format = common.prepare_model(None, args.arch, True, Path(tmp), False, torch.device("cpu"))
+            return _run(args, torch.device("cpu"), model_dir, load_format)
     if not torch.cuda.is_available():
         raise ConfigError("invalid device: the step budget profiles CUDA kernels; run it on a GPU (or --smoke)")
     config = dict(common.ARCHS[args.arch])
@@ -388,11 +387,13 @@ def run(args: argparse.Namespace) -> int:
         config["num_hidden_layers"] = args.layers
     workdir = Path(tempfile.mkdtemp(prefix="kestrel-step-budget-"))
     (workdir / "config.json").write_text(json.dumps(config))
-    return _run(args, torch.device("cuda"), str(workdir), "dummy", config)
+    return _run(args, torch.device("cuda"), str(workdir), "dummy")
 
 
-def _run(args: argparse.Namespace, device: torch.device, model_dir: str, load_format: str,
-         config: dict[str, Any]) -> int:
+def _run(args: argparse.Namespace, device: torch.device, model_dir: str, load_format: str) -> int:
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
     from kestrel.config import ConfigError
 
     batches = [int(b) for b in str(args.batch).split(",") if b]

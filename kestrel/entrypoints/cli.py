@@ -150,11 +150,10 @@ def _calibration_samples(args: argparse.Namespace) -> list[list[int]]:
     text), or the built-in set drawn from the kestrel-tiny training corpus."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    ids: list[int] = []
-    if args.calibration == "builtin":
-        from kestrel.tiny import corpus
+    from kestrel.tiny import corpus
 
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if args.calibration == "builtin":
         samples = corpus.calibration_token_ids(tokenizer, args.num_samples, args.seq_len)
         if not samples:
             raise ConfigError("the built-in calibration set is empty on this machine; pass --calibration FILE")
@@ -163,24 +162,21 @@ def _calibration_samples(args: argparse.Namespace) -> list[list[int]]:
     if not path.is_file():
         raise ConfigError(f"invalid calibration={args.calibration!r}: no such file; give a JSONL or text file "
                           "or 'builtin'")
-    texts = []
-    for line in path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]:
-        if path.suffix != ".jsonl":
-            texts.append(line)
-            continue
-        record = json.loads(line)
-        if "input_ids" in record:
-            ids.extend(int(t) for t in record["input_ids"])
-        else:
-            texts.append(record["text"])
-    for text in texts:
-        if len(ids) >= args.num_samples * args.seq_len:
-            break
-        ids.extend(tokenizer.encode(text, add_special_tokens=False))
-    samples = [ids[i:i + args.seq_len] for i in range(0, len(ids) - args.seq_len + 1, args.seq_len)]
+    texts: list[str] = []
+    ids: list[int] = []
+    if path.suffix == ".jsonl":
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if "input_ids" in record:
+                ids.extend(int(t) for t in record["input_ids"])
+            else:
+                texts.append(record["text"])
+    else:
+        texts.append(path.read_text())
+    samples = corpus.calibration_token_ids(tokenizer, args.num_samples, args.seq_len, texts, ids)
     if not samples:
         raise ConfigError(f"invalid calibration={args.calibration!r}: fewer than --seq-len={args.seq_len} tokens")
-    return samples[: args.num_samples]
+    return samples
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:

@@ -499,7 +499,7 @@ def paged_attention(
     )
     wide = dot_dtype == tl.float32 and q.is_cuda
     # FP8 (e4m3) V read as int16 pairs, see _attend_tiles; the dots then run in fp16 off the GPU too.
-    v_pairs = (k_cache.dtype == torch.float8_e4m3fn and head_size == head_pad and v_cache.stride(-1) == 1
+    v_pairs = (v_cache.dtype == torch.float8_e4m3fn and head_size == head_pad and v_cache.stride(-1) == 1
                and all(st % 2 == 0 for st in v_cache.stride()[:-1]) and v_cache.storage_offset() % 2 == 0)
     v_arg = v_cache.view(torch.int16) if v_pairs else v_cache
     pairs = dict(V_PAIRS=v_pairs, V_ASM=v_pairs and q.is_cuda, ACC_W=head_pad // 2 if v_pairs else head_pad,

@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 from kestrel.config import ConfigError
+from kestrel.kernels.quant_act import FP8_MAX, SCALE_FLOOR
+from kestrel.quant.w8a8_fp8 import quantize_weight_fp8
+from kestrel.quant.w8a8_int8 import INT8_SYM_MAX, quantize_weight_int8
 
-FP8_MAX = 448.0
-INT8_MAX = 127.0
 SCHEMES = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w8a8-int8-static")
-_NORM_FEEDS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+NORM_FEEDS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
            "merges.txt", "generation_config.json", "chat_template.jinja")
@@ -106,7 +107,7 @@ def calibrate(model: torch.nn.Module, samples: Iterable[list[int]], device: torc
 def smooth(weights: dict[str, torch.Tensor], calibration: Calibration, alpha: float, num_layers: int) -> None:
     """SmoothQuant in place on the checkpoint tensors; the calibrated input absmax is divided by the same s."""
     for i in range(num_layers):
-        for norm, fed in _NORM_FEEDS.items():
+        for norm, fed in NORM_FEEDS.items():
             names = [f"model.layers.{i}.{f}" for f in fed]
             act = calibration.input_absmax[names[0]].clamp_min(1e-5)
             w_max = torch.stack([weights[n + ".weight"].float().abs().amax(0) for n in names]).amax(0).clamp_min(1e-5)
@@ -120,13 +121,13 @@ def smooth(weights: dict[str, torch.Tensor], calibration: Calibration, alpha: fl
 
 
 def quantize_weight(weight: torch.Tensor, fp8: bool, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """8-bit weight and its fp32 scale: `[N, 1]` per output channel, or `[1]` for the whole tensor."""
-    w = weight.float()
-    qmax = FP8_MAX if fp8 else INT8_MAX
-    amax = w.abs().amax().reshape(1) if per_tensor else w.abs().amax(1, keepdim=True)
-    scale = (amax / qmax).clamp_min(1e-12)
-    q = (w / scale).clamp(-qmax, qmax)
-    return (q.to(torch.float8_e4m3fn) if fp8 else q.round().to(torch.int8)), scale
+    """8-bit weight and its fp32 scale: `[N, 1]` per output channel (the quantizers of quantization at load), or
+    `[1]` for the whole tensor (the same quantizer over the tensor as one row)."""
+    quantize = quantize_weight_fp8 if fp8 else quantize_weight_int8
+    if not per_tensor:
+        return quantize(weight)
+    q, scale = quantize(weight.reshape(1, -1))
+    return q.reshape(weight.shape), scale.reshape(1)
 
 
 def quantization_config(options: QuantizeOptions) -> dict:
@@ -182,7 +183,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, options: Qua
     if options.smoothquant is not None:
         smooth(weights, calibration, options.smoothquant, num_layers)
     out: dict[str, torch.Tensor] = {}
-    qmax = FP8_MAX if options.fp8 else INT8_MAX
+    qmax = FP8_MAX if options.fp8 else INT8_SYM_MAX
     input_scales = []
     for name, tensor in progress(list(weights.items())):
         module = name[: -len(".weight")]
@@ -191,15 +192,16 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, options: Qua
                                                                       options.weight_strategy == "tensor")
             if options.static:
                 scale = float(calibration.input_absmax[module].max()) / qmax
-                out[module + ".input_scale"] = torch.tensor([max(scale, 1e-12)], dtype=torch.float32)
+                out[module + ".input_scale"] = torch.tensor([max(scale, SCALE_FLOOR)], dtype=torch.float32)
                 input_scales.append(scale)
         else:
             out[name] = tensor.contiguous()
     if options.kv_cache_fp8:
         for i in range(num_layers):
             out[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(
-                max(calibration.key_absmax[i] * math.sqrt(2.0) / FP8_MAX, 1e-12))
-            out[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(max(calibration.value_absmax[i] / FP8_MAX, 1e-12))
+                max(calibration.key_absmax[i] * math.sqrt(2.0) / FP8_MAX, SCALE_FLOOR))
+            out[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(
+                max(calibration.value_absmax[i] / FP8_MAX, SCALE_FLOOR))
     dst.mkdir(parents=True, exist_ok=True)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     hf_config["quantization_config"] = quantization_config(options)

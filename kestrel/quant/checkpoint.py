@@ -48,7 +48,6 @@ class CheckpointQuantization:
     quant_method: str
     groups: tuple[_Group, ...]
     ignore: tuple[str, ...]
-    kv_cache_fp8: bool  # the checkpoint carries FP8 KV cache scales (k_scale / v_scale per layer)
 
     def scheme_for(self, module_name: str) -> LinearScheme | None:
         """The scheme of a linear module, or None when the checkpoint leaves it unquantized."""
@@ -98,7 +97,7 @@ def _parse_fp8(config: dict[str, Any]) -> CheckpointQuantization:
         raise ConfigError(f"invalid quantization_config.activation_scheme={scheme!r}: expected 'static' or 'dynamic'")
     linear = LinearScheme("fp8", weight_per_tensor=True, static_input=scheme == "static")
     ignore = tuple(config.get("ignored_layers") or config.get("modules_to_not_convert") or ())
-    return CheckpointQuantization("fp8", (_Group(("Linear",), linear),), ignore, kv_cache_fp8=False)
+    return CheckpointQuantization("fp8", (_Group(("Linear",), linear),), ignore)
 
 
 def _parse_compressed_tensors(config: dict[str, Any]) -> CheckpointQuantization:
@@ -115,8 +114,9 @@ def _parse_compressed_tensors(config: dict[str, Any]) -> CheckpointQuantization:
         groups.append(_Group(targets, _group_scheme(name, group, fmt, targets)))
     if not groups:
         raise ConfigError("invalid quantization_config: compressed-tensors config without config_groups")
-    return CheckpointQuantization("compressed-tensors", tuple(groups), tuple(config.get("ignore") or ()),
-                                  kv_cache_fp8=_kv_cache_scheme(config.get("kv_cache_scheme")))
+    # The worker binds the per-layer k_scale / v_scale tensors (worker/kv_cache.py); here only the scheme is checked.
+    _check_kv_cache_scheme(config.get("kv_cache_scheme"))
+    return CheckpointQuantization("compressed-tensors", tuple(groups), tuple(config.get("ignore") or ()))
 
 
 def _group_scheme(name: str, group: dict[str, Any], fmt: str | None, targets: tuple[str, ...]) -> LinearScheme:
@@ -156,10 +156,9 @@ def _group_scheme(name: str, group: dict[str, Any], fmt: str | None, targets: tu
                         static_input=not dynamic, symmetric_input=symmetric)
 
 
-def _kv_cache_scheme(scheme: dict[str, Any] | None) -> bool:
+def _check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:
     if not scheme:
-        return False
+        return
     if scheme.get("num_bits") != 8 or scheme.get("type") != "float" or scheme.get("strategy", "tensor") != "tensor":
         raise ConfigError(f"invalid quantization_config.kv_cache_scheme={scheme!r}: only per-tensor FP8 KV cache "
                           "scales are supported")
-    return True

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import sysconfig
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,12 +98,16 @@ def texts(files: list[SourceFile]) -> list[str]:
     return [text for _, text in iter_texts(files)]
 
 
-def calibration_token_ids(tokenizer, num_samples: int, seq_len: int) -> list[list[int]]:
-    """Up to `num_samples` sequences of `seq_len` tokens from training-split files (spread evenly), encoded with
-    `tokenizer`: the built-in calibration set of `kestrel quantize` and of the accuracy benchmark."""
-    ids: list[int] = []
-    for text in texts(select_evenly(train_files(), 4 * num_samples)):
-        ids.extend(tokenizer.encode(text, add_special_tokens=False))
+def calibration_token_ids(tokenizer, num_samples: int, seq_len: int, source_texts: Iterable[str] | None = None,
+                          token_ids: Iterable[int] = ()) -> list[list[int]]:
+    """Up to `num_samples` sequences of `seq_len` tokens: `token_ids`, then `source_texts` encoded with
+    `tokenizer` (by default training-split files spread evenly: the built-in calibration set of `kestrel quantize`
+    and of the accuracy benchmark), until enough tokens are there."""
+    ids = list(token_ids)
+    if source_texts is None:
+        source_texts = texts(select_evenly(train_files(), 4 * num_samples))
+    for text in source_texts:
         if len(ids) >= num_samples * seq_len:
             break
+        ids.extend(tokenizer.encode(text, add_special_tokens=False))
     return [ids[i:i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)][:num_samples]
