@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,16 +87,14 @@ def special_token_texts(tokenizer: Any) -> list[str]:
     return sorted((t for t in texts if t), key=len, reverse=True)
 
 
-def encode_chat(tokenizer: Any, text: str, message_texts: list[str],
-                allow_special_in_content: bool = False) -> list[int]:
+def encode_chat(tokenizer: Any, text: str, message_texts: list[str], specials: Sequence[str]) -> list[int]:
     """Token ids of a rendered chat prompt in which the messages' own text never becomes a control token.
 
-    The template's text is encoded as usual (its special tokens stay special); each message text that holds a
-    special-token string is found in the rendered prompt, in order, and encoded with special tokens split into
-    plain text, so a user cannot forge a turn with "<|end_of_text|><|start_header_id|>system...". A template that
-    rewrites such a text beyond trimming is refused rather than guessed at. `allow_special_in_content` restores
-    the permissive behaviour (the whole prompt encoded at once)."""
-    specials = [] if allow_special_in_content else special_token_texts(tokenizer)
+    The template's text is encoded as usual (its special tokens stay special); each message text that holds one of
+    the `specials` strings (`special_token_texts`) is found in the rendered prompt, in order, and encoded with
+    special tokens split into plain text, so a user cannot forge a turn with
+    "<|end_of_text|><|start_header_id|>system...". A template that rewrites such a text beyond trimming is refused
+    rather than guessed at. No `specials` is the permissive behaviour (the whole prompt encoded at once)."""
     risky = [m for m in message_texts if m and any(s in m for s in specials)]
     if not risky:
         return tokenizer.encode(text, add_special_tokens=False)

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import kestrel
 from kestrel.config import ConfigError
 from kestrel.entrypoints.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
-from kestrel.entrypoints.chat import encode_chat, render_chat
+from kestrel.entrypoints.chat import render_chat
 from kestrel.entrypoints.metrics import ServerMetrics
 from kestrel.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -137,8 +137,7 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
             if isinstance(body, TokenizeChatRequest):
                 prompt = render_chat(tokenizer, body.message_dicts(), tools=body.tool_dicts() or None,
                                      add_generation_prompt=body.add_generation_prompt is not False)
-                return encode_chat(tokenizer, prompt.text, [m.text() for m in body.messages],
-                                   serving.allow_special_in_content)
+                return serving.encode_chat(prompt.text, body.messages)
             return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
 
         def respond() -> Response:

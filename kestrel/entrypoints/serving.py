@@ -28,6 +28,7 @@ from kestrel.entrypoints.chat import (
     make_tool_parser,
     parse_tool_calls,
     render_chat,
+    special_token_texts,
 )
 from kestrel.entrypoints.metrics import RequestTracker, ServerMetrics
 from kestrel.entrypoints.protocol import (
@@ -38,6 +39,7 @@ from kestrel.entrypoints.protocol import (
     ChatCompletionResponse,
     ChatLogProb,
     ChatLogProbsContent,
+    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
@@ -127,9 +129,10 @@ class OpenAIServing:
                  max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
                  allow_special_in_content: bool = False) -> None:
         self.max_logprob_entries = max_logprob_entries
-        self.allow_special_in_content = allow_special_in_content
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        # Strings that must stay text inside chat messages (none: they may become control tokens, as in vLLM).
+        self.content_specials = () if allow_special_in_content else tuple(special_token_texts(self.tokenizer))
         self.model_name = served_model_name
         self.metrics = metrics
         self._token_text: dict[int, str] = {}
@@ -147,8 +150,8 @@ class OpenAIServing:
         # Tokenizing runs in a worker thread (the tokenizer releases the GIL), so a long prompt never stalls
         # the event loop and the other clients' streams.
         prompts = await asyncio.to_thread(lambda: [self._encode(p) for p in request.prompts()])
-        self._check_logprob_entries(prompts, params, "logprobs")
-        job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt")
+        job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
+                                 logprobs_param="logprobs")
         if request.echo:
             job.prompts = [_Prompt(self._prompt_text(p, params), p.token_ids) for p in prompts]
         if request.stream:
@@ -255,13 +258,11 @@ class OpenAIServing:
         def render() -> tuple[Any, list[int]]:
             rendered = render_chat(self.tokenizer, request.message_dicts(), tools=request.tool_dicts() or None,
                                    tool_choice=mode, named_tool=request.named_tool)
-            return rendered, encode_chat(self.tokenizer, rendered.text, [m.text() for m in request.messages],
-                                         self.allow_special_in_content)
+            return rendered, self.encode_chat(rendered.text, request.messages)
 
         prompt, token_ids = await asyncio.to_thread(render)  # templating and tokenizing off the event loop
-        self._check_logprob_entries([_Prompt(None, token_ids)], params, "top_logprobs")
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
-                                 prompt_param="messages")
+                                 prompt_param="messages", logprobs_param="top_logprobs")
         tools = _tool_setup(request, prompt.assistant_prefix, prompt.tool_format)
         if request.stream:
             return EventStreamResponse(self._chat_stream(request, job, tools))
@@ -375,6 +376,10 @@ class OpenAIServing:
             return prompt.text
         return self.tokenizer.decode(prompt.token_ids, skip_special_tokens=params.skip_special_tokens)
 
+    def encode_chat(self, rendered_text: str, messages: list[ChatMessage]) -> list[int]:
+        """Token ids of a rendered chat prompt; special-token text inside the messages stays text."""
+        return encode_chat(self.tokenizer, rendered_text, [m.text() for m in messages], self.content_specials)
+
     def _check_logprob_entries(self, prompts: list[_Prompt], params: SamplingParams, param: str) -> None:
         """Bound the response: n x (echoed prompt + generated tokens) x (logprobs + 1) entries, before any work."""
         k = max(params.logprobs if params.logprobs is not None else -1,
@@ -394,9 +399,11 @@ class OpenAIServing:
                                       "server with a larger --max-logprob-entries")
 
     async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
-                      arrival: float, prompt_param: str) -> _Submitted:
-        """Queue one engine request per prompt (all or none) and wait until the engine accepted them.
-        Refusals name the request's own field (`prompt_param` for the prompt), not the engine's."""
+                      arrival: float, prompt_param: str, logprobs_param: str) -> _Submitted:
+        """Check the request's size, queue one engine request per prompt (all or none) and wait until the engine
+        accepted them. Refusals name the request's own fields (`prompt_param`, `logprobs_param`), not the
+        engine's."""
+        self._check_logprob_entries(prompts, params, logprobs_param)
         trackers = [self.metrics.tracker(arrival) for _ in prompts]
         limit = self.engine.max_sequences_per_request
         if limit is not None and len(prompts) * params.n > limit:

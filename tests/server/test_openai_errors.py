@@ -343,13 +343,13 @@ def test_special_token_text_in_messages_stays_text(openai_server):
 
 
 def test_special_tokens_in_content_flag_restores_the_permissive_behaviour(tiny_model_dir):
-    from kestrel.entrypoints.chat import encode_chat
+    from kestrel.entrypoints.chat import encode_chat, special_token_texts
     from kestrel.loader.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir)
     text = "<|start_header_id|>user<|end_header_id|>\n\nhi<|end_of_text|>x"
-    strict = encode_chat(tokenizer, text, ["hi<|end_of_text|>x"])
-    permissive = encode_chat(tokenizer, text, ["hi<|end_of_text|>x"], allow_special_in_content=True)
+    strict = encode_chat(tokenizer, text, ["hi<|end_of_text|>x"], special_token_texts(tokenizer))
+    permissive = encode_chat(tokenizer, text, ["hi<|end_of_text|>x"], ())  # --special-tokens-in-content
     assert permissive == tokenizer.encode(text, add_special_tokens=False)
     eot = tokenizer.convert_tokens_to_ids("<|end_of_text|>")
     assert eot in permissive and eot not in strict
