@@ -317,15 +317,31 @@ def build_suite_engine(args: argparse.Namespace, model_dir: str, load_format: st
         gpu_memory_utilization=args.gpu_memory_utilization)
 
 
-def precision(args: argparse.Namespace) -> str:
-    return args.quantization or ("bf16" if args.dtype == "bfloat16" else args.dtype)
+def precision(args: argparse.Namespace, model_dir: str | None = None) -> str:
+    """fp8 / int8 when the flag quantizes at load or the checkpoint in `model_dir` is quantized, else the dtype."""
+    if args.quantization:
+        return args.quantization
+    saved = checkpoint_precision(model_dir) if model_dir else None
+    return saved or ("bf16" if args.dtype == "bfloat16" else args.dtype)
+
+
+def checkpoint_precision(model_dir: str) -> str | None:
+    """"fp8" or "int8" for a W8A8 checkpoint (its quantization_config), None for a float one."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        return None
+    from kestrel.quant.checkpoint import parse_quantization_config
+
+    saved = json.loads(config_file.read_text()).get("quantization_config")
+    return parse_quantization_config(saved).precision if saved else None
 
 
 def engine_config_block(args: argparse.Namespace, engine: Engine, model_dir: str, load_format: str) -> dict[str, Any]:
     """The model, precision and engine settings a result was measured with (the suite adds its workload)."""
     return {"model": model_dir, "arch": None if args.model or args.smoke else args.arch,
             "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
-            "precision": precision(args), "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
+            "precision": precision(args, model_dir), "kv_cache_dtype": args.kv_cache_dtype,
+            "enforce_eager": args.enforce_eager,
             "async_scheduling": engine.core.async_scheduling,
             "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
             "kv_cache_blocks": engine.runner.num_blocks, "smoke": args.smoke}

@@ -322,7 +322,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
                                        max(input_lens) + args.output_len + 1)
     common.log(f"engine built in {engine.build_s:.1f} s; KV cache {engine.runner.num_blocks} blocks")
     vocab = common.prompt_vocab(model_dir)
-    eight_bit = args.quantization is not None
+    eight_bit = common.precision(args, model_dir) in ("fp8", "int8")
     rows: list[dict[str, Any]] = []
     result = {
         "suite": "latency",
@@ -344,7 +344,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
             # Each finished point reaches the file at once: a run stopped by a job's time limit keeps them.
             common.write_result(result, args.result_file, quiet=True)
     add_hf(rows, hf)
-    result["targets"] = evaluate_targets(rows, common.precision(args), args.smoke)
+    result["targets"] = evaluate_targets(rows, common.precision(args, model_dir), args.smoke)
     result["complete"] = True
     common.report(result, summary(result), args.result_file, plot)
     common.release(engine)

@@ -171,11 +171,11 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, options: Qua
         raise ConfigError(f"invalid model={str(src)!r}: no *.safetensors weights to quantize")
     weights = {name: t for f in files for name, t in load_file(str(f)).items()}
     calibration = Calibration({}, {}, {})
+    dev = torch.device(device)
     if options.needs_calibration:
         if not samples:
             raise ConfigError(f"invalid calibration: scheme {options.scheme!r} with smoothquant={options.smoothquant} "
                               f"and kv_cache_fp8={options.kv_cache_fp8} needs calibration samples")
-        dev = torch.device(device)
         model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).to(dev).eval()
         calibration = calibrate(model, progress(samples), dev)
         del model
@@ -188,8 +188,8 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, options: Qua
     for name, tensor in progress(list(weights.items())):
         module = name[: -len(".weight")]
         if name.endswith(".weight") and module.endswith("_proj") and ".layers." in name:
-            out[name], out[module + ".weight_scale"] = quantize_weight(tensor, options.fp8,
-                                                                      options.weight_strategy == "tensor")
+            q, scale = quantize_weight(tensor.to(dev), options.fp8, options.weight_strategy == "tensor")
+            out[name], out[module + ".weight_scale"] = q.cpu(), scale.cpu()
             if options.static:
                 scale = float(calibration.input_absmax[module].max()) / qmax
                 out[module + ".input_scale"] = torch.tensor([max(scale, SCALE_FLOOR)], dtype=torch.float32)

@@ -49,6 +49,11 @@ class CheckpointQuantization:
     groups: tuple[_Group, ...]
     ignore: tuple[str, ...]
 
+    @property
+    def precision(self) -> str:
+        """The 8-bit type of the checkpoint's linear layers ("fp8", "int8", or "fp8+int8" when both occur)."""
+        return "+".join(sorted({group.scheme.method for group in self.groups}))
+
     def scheme_for(self, module_name: str) -> LinearScheme | None:
         """The scheme of a linear module, or None when the checkpoint leaves it unquantized."""
         if any(_matches(pattern, module_name) for pattern in self.ignore):
