@@ -145,16 +145,23 @@ def _cmd_model_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"invalid model={model!r}: no tokenizer to encode calibration text ({e}); give "
+                          "--calibration a JSONL file of {\"input_ids\": [...]} records") from None
+
+
 def _calibration_samples(args: argparse.Namespace) -> list[list[int]]:
     """Token sequences of --seq-len tokens: from --calibration FILE (JSONL with "input_ids" or "text", else plain
     text), or the built-in set drawn from the kestrel-tiny training corpus."""
-    from transformers import AutoTokenizer
-
     from kestrel.tiny import corpus
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
     if args.calibration == "builtin":
-        samples = corpus.calibration_token_ids(tokenizer, args.num_samples, args.seq_len)
+        samples = corpus.calibration_token_ids(_model_tokenizer(args.model), args.num_samples, args.seq_len)
         if not samples:
             raise ConfigError("the built-in calibration set is empty on this machine; pass --calibration FILE")
         return samples
@@ -173,6 +180,8 @@ def _calibration_samples(args: argparse.Namespace) -> list[list[int]]:
                 texts.append(record["text"])
     else:
         texts.append(path.read_text())
+    # A file of token ids alone needs no tokenizer (a model directory may have none).
+    tokenizer = _model_tokenizer(args.model) if texts else None
     samples = corpus.calibration_token_ids(tokenizer, args.num_samples, args.seq_len, texts, ids)
     if not samples:
         raise ConfigError(f"invalid calibration={args.calibration!r}: fewer than --seq-len={args.seq_len} tokens")

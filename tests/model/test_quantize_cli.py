@@ -86,6 +86,20 @@ def test_cli_writes_a_checkpoint_kestrel_serves(base, tmp_path, capsys):
     assert llm.runner.kv_scales[0] != (1.0, 1.0)  # the checkpoint's calibrated KV scales were bound
 
 
+def test_token_id_calibration_needs_no_tokenizer(base, tmp_path, capsys):
+    bare = tmp_path / "bare"  # random-weight benchmark models have no tokenizer
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((base / name).read_bytes())
+    ids_file, text_file = tmp_path / "ids.jsonl", tmp_path / "calib.txt"
+    ids_file.write_text("\n".join(json.dumps({"input_ids": s}) for s in samples(2, 40)))
+    text_file.write_text("some calibration text " * 50)
+    args = ["--scheme", "fp8-static", "--num-samples", "2", "--seq-len", "32", "--calibration"]
+    assert main(["quantize", str(bare), str(tmp_path / "ok"), *args, str(ids_file)]) == 0
+    assert main(["quantize", str(bare), str(tmp_path / "no"), *args, str(text_file)]) == 2
+    assert "no tokenizer to encode calibration text" in capsys.readouterr().err
+
+
 def test_bad_quantize_arguments_are_config_errors(base, tmp_path):
     with pytest.raises(ConfigError, match="scheme='w4a16'"):
         QuantizeOptions("w4a16")
