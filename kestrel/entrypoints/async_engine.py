@@ -40,6 +40,10 @@ class QueueFullError(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class ServerShuttingDownError(RuntimeError):
+    """The server is draining before it stops: no new requests, and the unfinished ones end at the deadline."""
+
+
 class RequestTimeoutError(TimeoutError):
     """A request ran past its deadline and was aborted."""
 
@@ -165,6 +169,7 @@ class AsyncEngine:
         self._num_pending_sequences = 0  # submitted, not yet handed to the scheduler
         self._stats = EngineStats()
         self._stopping = False
+        self._draining = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kestrel-engine", daemon=True)
 
@@ -197,9 +202,33 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
+    def begin_drain(self) -> None:
+        """Refuse new requests (ServerShuttingDownError); the running ones go on until `end_unfinished`."""
+        with self._cond:
+            self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._cond:
+            return len(self._streams)
+
+    def end_unfinished(self, reason: str) -> int:
+        """Abort every unfinished request and end its stream with ServerShuttingDownError(reason); how many."""
+        with self._cond:
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._commands.extend(_Abort(stream.request_id) for stream in streams)
+            self._cond.notify()
+        self._deliver([(stream, ServerShuttingDownError(reason)) for stream in streams])
+        return len(streams)
+
     @property
     def is_healthy(self) -> bool:
-        return self._error is None and not self._stopping and self._thread.is_alive()
+        return self._error is None and not self._stopping and not self._draining and self._thread.is_alive()
 
     @property
     def error(self) -> BaseException | None:
@@ -274,6 +303,9 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine stopped after an error: {self._error!r}")
         if self._stopping or not self._thread.is_alive():
             raise EngineDeadError("the engine is not running")
+        if self._draining:
+            raise ServerShuttingDownError("the server is shutting down and takes no new requests; retry on another "
+                                          "replica or after it restarts")
 
     # ----- the engine thread ---------------------------------------------------------------------
 

@@ -227,6 +227,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="waiting sequences beyond which new requests get 429 with Retry-After")
     group.add_argument("--request-timeout", type=float, default=None, help="abort requests running longer (s)")
     group.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body (413 beyond)")
+    group.add_argument("--header-read-timeout", type=float, default=15.0,
+                       help="close a connection whose request headers take longer (s)")
+    group.add_argument("--body-read-timeout", type=float, default=60.0,
+                       help="answer 408 when a request body takes longer to arrive (s)")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM, how long running requests may still finish before they are ended with a "
+                            "503 / an error event (s)")
     group.add_argument("--special-tokens-in-content", action="store_true",
                        help="let special-token text in chat messages become control tokens (vLLM's behaviour; off: "
                             "it is tokenized as plain text)")

@@ -23,7 +23,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kestrel
 from kestrel.config import ConfigError
-from kestrel.entrypoints.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTimeoutError
+from kestrel.entrypoints.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestTimeoutError,
+    ServerShuttingDownError,
+)
 from kestrel.entrypoints.chat import render_chat
 from kestrel.entrypoints.metrics import ServerMetrics
 from kestrel.entrypoints.protocol import (
@@ -54,10 +60,11 @@ from kestrel.sampling_params import SamplingParamsError
 logger = logging.getLogger("kestrel.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_BODY_TIMEOUT_S = 60.0
 # Paths behind the API key; /health, /version and /metrics stay open for probes and scrapers.
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503, 504)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 503, 504)
 }
 _SSE = ("With `stream: true`, a `text/event-stream` of `data: <chunk JSON>` lines ({chunk} objects), an error "
         "event `data: {{\"error\": ...}}` if the request fails mid-stream, and `data: [DONE]` last.")
@@ -71,7 +78,7 @@ def _generation_responses(whole: type, chunk: str) -> dict[int | str, dict[str, 
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
               max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
               allow_special_in_content: bool = False) -> FastAPI:
     """The app for a started AsyncEngine. Several apps can coexist: each has its own metrics registry."""
@@ -85,7 +92,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     _add_routes(app, engine, serving, metrics)
     _add_error_handlers(app)
     _standard_limits_in_openapi(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
@@ -114,10 +121,13 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
 
     @app.get("/health", response_class=Response,
              responses={200: {"description": "The engine is running (empty body).", "content": {}},
-                        503: {"model": ErrorResponse, "description": "The engine stopped."}})
+                        503: {"model": ErrorResponse, "description": "The engine stopped, or the server is "
+                                                                        "shutting down."}})
     async def health() -> Response:
         if engine.is_healthy:
             return Response(status_code=200)
+        if engine.draining:
+            return _error(503, "the server is shutting down", "server_error", code="server_shutting_down")
         return _error(503, "the engine is not running" + (f": {engine.error!r}" if engine.error else ""),
                       "server_error", code="engine_dead")
 
@@ -228,6 +238,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return _error(503, str(exc), "server_error", None, "engine_dead")
 
+    @app.exception_handler(ServerShuttingDownError)
+    async def on_shutting_down(_: Request, exc: ServerShuttingDownError) -> JSONResponse:
+        return _error(503, str(exc), "server_error", None, "server_shutting_down")
+
     @app.exception_handler(RequestTimeoutError)
     async def on_timeout(_: Request, exc: RequestTimeoutError) -> JSONResponse:
         return _error(504, str(exc), "timeout_error", None, "request_timeout")
@@ -290,12 +304,13 @@ def json_depth(body: bytes) -> int:
 
 
 class BodyLimitMiddleware:
-    """Reads at most `max_bytes` of a request body (413 beyond) and refuses JSON nested deeper than
-    MAX_JSON_DEPTH (400), then replays it to the app."""
+    """Reads at most `max_bytes` of a request body (413 beyond) within `timeout_s` (408 after) and refuses JSON
+    nested deeper than MAX_JSON_DEPTH (400), then replays it to the app."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -307,8 +322,15 @@ class BodyLimitMiddleware:
             return
         chunks: list[bytes] = []
         size = 0
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                await _send_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s (raise "
+                                  "--body-read-timeout for slow clients)", "invalid_request_error", "body_timeout",
+                                  {"Connection": "close"})
+                return
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")
@@ -343,8 +365,8 @@ class BodyLimitMiddleware:
 # ----- running ---------------------------------------------------------------------------------------
 
 def run_server(args: argparse.Namespace, engine_args: dict[str, Any] | None = None) -> int:
-    """Load the model, start the engine thread and serve until interrupted (`kestrel serve`)."""
-    import uvicorn
+    """Load the model, start the engine thread and serve until SIGTERM / SIGINT, then drain (`kestrel serve`)."""
+    from kestrel.entrypoints.http_server import serve
 
     try:
         engine = AsyncEngine.from_args(args.model, max_queued_requests=args.max_queued_requests,
@@ -356,11 +378,17 @@ def run_server(args: argparse.Namespace, engine_args: dict[str, Any] | None = No
     entries = args.max_logprob_entries if args.max_logprob_entries is not None else DEFAULT_MAX_LOGPROB_ENTRIES
     if entries < 1:
         raise ConfigError(f"invalid --max-logprob-entries={entries}: expected an integer >= 1")
+    for flag, value in (("--header-read-timeout", args.header_read_timeout),
+                        ("--body-read-timeout", args.body_read_timeout), ("--shutdown-timeout", args.shutdown_timeout)):
+        if not value > 0:
+            raise ConfigError(f"invalid {flag}={value}: expected a number of seconds > 0")
     app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
-                    max_logprob_entries=entries, allow_special_in_content=args.special_tokens_in_content)
+                    body_timeout_s=args.body_read_timeout, max_logprob_entries=entries,
+                    allow_special_in_content=args.special_tokens_in_content)
     print(f"kestrel: serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        serve(app, engine, host=args.host, port=args.port, log_level=args.log_level,
+              header_timeout_s=args.header_read_timeout, drain_timeout_s=args.shutdown_timeout)
     finally:
         engine.shutdown()
     return 0

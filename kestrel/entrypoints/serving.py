@@ -16,7 +16,13 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from kestrel.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream, RequestTimeoutError
+from kestrel.entrypoints.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestStream,
+    RequestTimeoutError,
+    ServerShuttingDownError,
+)
 from kestrel.entrypoints.chat import (
     ContentDelta,
     MarkedToolCallParser,
@@ -556,6 +562,8 @@ def _stream_error(error: Exception) -> str:
         body = error_body(str(error), "timeout_error", code="request_timeout")
     elif isinstance(error, EngineDeadError):
         body = error_body(str(error), "server_error", code="engine_dead")
+    elif isinstance(error, ServerShuttingDownError):
+        body = error_body(str(error), "server_error", code="server_shutting_down")
     else:
         logger.exception("unexpected error while streaming a response", exc_info=error)
         body = error_body("internal server error; see the server log", "server_error", code="internal_error")

@@ -34,7 +34,9 @@ SCRIPTED_BLOCKS = 256
 
 
 class LiveServer:
-    def __init__(self, app: Any, engine: AsyncEngine, api_key: str | None = API_KEY, model: str = MODEL) -> None:
+    def __init__(self, app: Any, engine: AsyncEngine, api_key: str | None = API_KEY, model: str = MODEL,
+                 server_factory: Callable[[uvicorn.Config], uvicorn.Server] = uvicorn.Server,
+                 **uvicorn_config: Any) -> None:
         self.app = app
         self.engine = engine
         self.api_key = api_key
@@ -44,8 +46,9 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+                                **uvicorn_config)
+        self._server = server_factory(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
