@@ -61,8 +61,10 @@ logger = logging.getLogger("kestrel.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_BODY_TIMEOUT_S = 60.0
-# Paths behind the API key; /health, /version and /metrics stay open for probes and scrapers.
+# Paths behind the API key; /health, /version and /metrics stay open for probes and scrapers. The API's
+# documentation (OpenAPI document, Swagger UI, ReDoc) too, unless the server exposes it (`--public-docs`).
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+DOCS_PATHS = ("/openapi.json", "/docs", "/redoc")
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 503, 504)
 }
@@ -72,15 +74,16 @@ _SSE = ("With `stream: true`, a `text/event-stream` of `data: <chunk JSON>` line
 
 def _generation_responses(whole: type, chunk: str) -> dict[int | str, dict[str, Any]]:
     """The 200 of a generation route: the whole response as JSON, or server-sent events."""
+    event = {"type": "object", "required": ["data"], "description": _SSE.format(chunk=chunk),
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
     return {200: {"model": whole, "description": "The completion.",
-                  "content": {"text/event-stream": {"schema": {"type": "string", "description": _SSE.format(
-                      chunk=chunk)}}}}, **_ERROR_RESPONSES}
+                  "content": {"text/event-stream": {"schema": event}}}, **_ERROR_RESPONSES}
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
               max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
-              allow_special_in_content: bool = False) -> FastAPI:
+              allow_special_in_content: bool = False, public_docs: bool = False) -> FastAPI:
     """The app for a started AsyncEngine. Several apps can coexist: each has its own metrics registry."""
     metrics = ServerMetrics(engine, served_model_name)
     serving = OpenAIServing(engine, served_model_name, metrics, max_logprob_entries, allow_special_in_content)
@@ -94,7 +97,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     _standard_limits_in_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        protected = PROTECTED_PREFIXES if public_docs else PROTECTED_PREFIXES + DOCS_PATHS
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, protected=protected)
     return app
 
 
@@ -135,7 +139,9 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
     async def version() -> dict[str, str]:
         return {"version": kestrel.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"description": "Prometheus text exposition format.",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -275,12 +281,13 @@ async def _send_error(send: Send, status: int, message: str, err_type: str, code
 class ApiKeyMiddleware:
     """`Authorization: Bearer <key>` on the API paths, compared in constant time."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, protected: tuple[str, ...] = PROTECTED_PREFIXES) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._protected = protected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
+        if scope["type"] == "http" and scope["path"].startswith(self._protected):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 await _send_error(send, 401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
@@ -384,7 +391,7 @@ def run_server(args: argparse.Namespace, engine_args: dict[str, Any] | None = No
             raise ConfigError(f"invalid {flag}={value}: expected a number of seconds > 0")
     app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
                     body_timeout_s=args.body_read_timeout, max_logprob_entries=entries,
-                    allow_special_in_content=args.special_tokens_in_content)
+                    allow_special_in_content=args.special_tokens_in_content, public_docs=args.public_docs)
     print(f"kestrel: serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
     try:
         serve(app, engine, host=args.host, port=args.port, log_level=args.log_level,

@@ -176,10 +176,10 @@ def scripted_engine(model_dir: str, *, max_queued_requests: int | None = None, m
     return engine, runner
 
 
-def start_scripted(model_dir: str, *, api_key: str | None = API_KEY,
+def start_scripted(model_dir: str, *, api_key: str | None = API_KEY, public_docs: bool = False,
                    **kwargs: Any) -> tuple[LiveServer, ScriptedRunner]:
     engine, runner = scripted_engine(model_dir, **kwargs)
-    return LiveServer(build_app(engine, MODEL, api_key=api_key), engine, api_key), runner
+    return LiveServer(build_app(engine, MODEL, api_key=api_key, public_docs=public_docs), engine, api_key), runner
 
 
 @pytest.fixture(scope="module")

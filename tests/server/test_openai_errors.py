@@ -309,7 +309,7 @@ def test_big_tokenize_requests_do_not_stall_health(start_scripted_server):
 
 
 def test_openapi_states_limits_as_json_schema(openai_server):
-    doc = httpx.get(f"{openai_server.base_url}/openapi.json").json()
+    doc = httpx.get(f"{openai_server.base_url}/openapi.json", headers=openai_server.headers).json()
     text = json.dumps(doc)
     assert '"ge":' not in text and '"le":' not in text
     props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
@@ -356,10 +356,10 @@ def test_special_tokens_in_content_flag_restores_the_permissive_behaviour(tiny_m
 
 
 def test_openapi_documents_generation_responses_and_errors(openai_server):
-    doc = httpx.get(f"{openai_server.base_url}/openapi.json").json()
+    doc = httpx.get(f"{openai_server.base_url}/openapi.json", headers=openai_server.headers).json()
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = doc["paths"][path]["post"]["responses"]
-        assert {"200", "400", "413", "429", "503", "504"} <= set(responses)
+        assert {"200", "400", "408", "413", "429", "503", "504"} <= set(responses)
         content = responses["200"]["content"]
         assert "$ref" in json.dumps(content["application/json"]["schema"]) and "text/event-stream" in content
     # a real response validates against the documented model
@@ -367,3 +367,12 @@ def test_openapi_documents_generation_responses_and_errors(openai_server):
 
     body = post(openai_server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).json()
     CompletionResponse.model_validate(body)
+
+
+def test_api_docs_are_behind_the_key_unless_public(openai_server, start_scripted_server):
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert httpx.get(f"{openai_server.base_url}{path}").status_code == 401
+        assert httpx.get(f"{openai_server.base_url}{path}", headers=openai_server.headers).status_code == 200
+    public, _ = start_scripted_server(public_docs=True)
+    assert httpx.get(f"{public.base_url}/openapi.json").status_code == 200
+    assert httpx.get(f"{public.base_url}/v1/models").status_code == 401

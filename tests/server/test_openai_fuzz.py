@@ -1,4 +1,5 @@
-"""Schemathesis fuzzes every operation of the server's OpenAPI schema (valid and invalid inputs): never a 5xx.
+"""Schemathesis fuzzes every operation of the server's OpenAPI schema (valid and invalid inputs): never a 5xx,
+and every response conforms to the document (its status code, content type, headers and body schema).
 
 The server runs the real tiny model with a short context, so even the largest valid requests
 (n = 128, no max_tokens) finish quickly; the engine must survive every sampling setting the
@@ -11,11 +12,20 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
 
-MAX_EXAMPLES = 50  # per operation and mode (valid / invalid inputs)
+MAX_EXAMPLES = 120  # per operation and mode (valid / invalid inputs); GETs without parameters run fewer
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
+          response_schema_conformance]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +45,7 @@ OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("P
 
 @pytest.fixture(scope="module")
 def fuzz_schema(fuzz_server):
-    return schemathesis.openapi.from_url(f"{fuzz_server.base_url}/openapi.json")
+    return schemathesis.openapi.from_url(f"{fuzz_server.base_url}/openapi.json", headers=fuzz_server.headers)
 
 
 def test_every_operation_is_fuzzed(fuzz_schema):
@@ -48,6 +58,9 @@ CASES = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + [
     (m, p, GenerationMode.NEGATIVE) for m, p in OPERATIONS if m == "POST"]
 
 
+CALLS: dict[tuple[str, str, str], int] = {}
+
+
 @pytest.mark.parametrize("method, path, mode", CASES, ids=[f"{m} {p} {g.value}" for m, p, g in CASES])
 def test_no_server_errors(fuzz_server, fuzz_schema, method, path, mode):
     operation = fuzz_schema[path][method]
@@ -57,9 +70,17 @@ def test_no_server_errors(fuzz_server, fuzz_schema, method, path, mode):
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
     def check(case) -> None:
         response = case.call(headers=fuzz_server.headers, timeout=120)
+        CALLS[method, path, mode.value] = CALLS.get((method, path, mode.value), 0) + 1
         assert response.status_code < 500, f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}"
+        case.validate_response(response, checks=CHECKS)
         if response.status_code >= 400 and path != "/health":
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}
         assert fuzz_server.engine.is_healthy
 
     check()
+
+
+def test_the_fuzzing_ran_at_least_1000_cases():
+    if len(CALLS) < len(CASES):
+        pytest.skip("runs after the whole fuzzing set")
+    assert sum(CALLS.values()) >= 1000, CALLS
