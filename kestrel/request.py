@@ -16,6 +16,15 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # crosses process boundaries (tokenizer workers)
+        return type(self), (self.param, str(self))
+
+
+def prompt_too_long(num_tokens: int, max_model_len: int, param: str = "prompt") -> InvalidRequestError:
+    return InvalidRequestError(
+        param, f"the prompt has {num_tokens} tokens but the model's context is max_model_len={max_model_len}, "
+        f"which must also fit at least one generated token; shorten the prompt to at most {max_model_len - 1} tokens")
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0

@@ -16,7 +16,7 @@ from kestrel.engine.contracts import ModelRunnerOutput, Runner, SchedulerOutput
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.scheduler import Scheduler
 from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kestrel.request import InvalidRequestError, Request, RequestStatus
+from kestrel.request import InvalidRequestError, Request, RequestStatus, prompt_too_long
 from kestrel.sampling_params import SamplingParams
 
 
@@ -112,10 +112,7 @@ class EngineCore:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "the prompt is empty; give at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"the prompt has {len(prompt_token_ids)} tokens but the model's context is "
-                f"max_model_len={self.max_model_len}, which must also fit at least one generated token; "
-                f"shorten the prompt to at most {self.max_model_len - 1} tokens")
+            raise prompt_too_long(len(prompt_token_ids), self.max_model_len)
         vocab_size = getattr(self.runner, "vocab_size", None)
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")

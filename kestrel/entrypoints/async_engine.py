@@ -235,6 +235,10 @@ class AsyncEngine:
         return self._error
 
     @property
+    def tokenizer_path(self) -> str:
+        return self.core.config.model.tokenizer_path
+
+    @property
     def vocab_size(self) -> int | None:
         return getattr(self.core.runner, "vocab_size", None)
 

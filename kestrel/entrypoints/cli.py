@@ -227,6 +227,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="waiting sequences beyond which new requests get 429 with Retry-After")
     group.add_argument("--request-timeout", type=float, default=None, help="abort requests running longer (s)")
     group.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body (413 beyond)")
+    group.add_argument("--tokenizer-workers", type=int, default=None,
+                       help="processes that tokenize prompts and template chats, off the event loop (default: half "
+                            "the CPU cores, 1 to 4; 0: a thread of the server process)")
     group.add_argument("--public-docs", action="store_true",
                        help="serve /openapi.json, /docs and /redoc without the API key (default: behind it)")
     group.add_argument("--header-read-timeout", type=float, default=15.0,

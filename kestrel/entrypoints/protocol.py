@@ -220,6 +220,25 @@ class FunctionDefinition(_Request):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _parameters_are_a_json_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The model is shown this schema and its calls are parsed against it: it must be a valid JSON Schema
+        (draft 2020-12) of an object, since arguments are a JSON object."""
+        if parameters is None:
+            return None
+        from jsonschema import Draft202012Validator
+        from jsonschema.exceptions import SchemaError
+
+        try:
+            Draft202012Validator.check_schema(parameters)
+        except SchemaError as e:
+            where = "/".join(str(p) for p in e.absolute_path) or "the root"
+            raise ValueError(f"is not a valid JSON Schema (at {where}: {e.message})") from None
+        if parameters.get("type", "object") != "object":
+            raise ValueError(f"must describe a JSON object (the call's arguments), not type {parameters['type']!r}")
+        return parameters
+
 
 class Tool(_Request):
     type: Literal["function"]

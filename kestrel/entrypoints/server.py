@@ -30,7 +30,7 @@ from kestrel.entrypoints.async_engine import (
     RequestTimeoutError,
     ServerShuttingDownError,
 )
-from kestrel.entrypoints.chat import render_chat
+from kestrel.entrypoints.chat import special_token_texts
 from kestrel.entrypoints.metrics import ServerMetrics
 from kestrel.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -52,8 +52,10 @@ from kestrel.entrypoints.serving import (
     ClientDisconnectedError,
     ModelNotFoundError,
     OpenAIServing,
+    chat_input,
     error_body,
 )
+from kestrel.entrypoints.text_workers import ChatInput, TextWorkers
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParamsError
 
@@ -83,15 +85,21 @@ def _generation_responses(whole: type, chunk: str) -> dict[int | str, dict[str, 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
               max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
-              allow_special_in_content: bool = False, public_docs: bool = False) -> FastAPI:
+              allow_special_in_content: bool = False, public_docs: bool = False,
+              tokenizer_workers: int = 0) -> FastAPI:
     """The app for a started AsyncEngine. Several apps can coexist: each has its own metrics registry."""
     metrics = ServerMetrics(engine, served_model_name)
-    serving = OpenAIServing(engine, served_model_name, metrics, max_logprob_entries, allow_special_in_content)
+    # Strings that must stay text inside chat messages (none: they may become control tokens, as in vLLM).
+    specials = () if allow_special_in_content else special_token_texts(engine.tokenizer)
+    text = TextWorkers(engine.tokenizer, specials, tokenizer_path=engine.tokenizer_path,
+                       processes=tokenizer_workers).start()
+    serving = OpenAIServing(engine, served_model_name, metrics, text, max_logprob_entries)
     # No trailing-slash redirects: they are built from the Host header, which the client controls.
     app = FastAPI(title="kestrel", version=kestrel.__version__, redirect_slashes=False,
                   description="OpenAI-compatible API of the kestrel inference engine.")
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.text_workers = text
     _add_routes(app, engine, serving, metrics)
     _add_error_handlers(app)
     _standard_limits_in_openapi(app)
@@ -148,22 +156,13 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
-
-        def encode() -> list[int]:
-            if isinstance(body, TokenizeChatRequest):
-                prompt = render_chat(tokenizer, body.message_dicts(), tools=body.tool_dicts() or None,
-                                     add_generation_prompt=body.add_generation_prompt is not False)
-                return serving.encode_chat(prompt.text, body.messages)
-            return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-
-        def respond() -> Response:
-            tokens = encode()
-            body_json = TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len,
-                                         tokens=tokens).model_dump_json()
-            return Response(body_json, media_type="application/json")
-
-        # Tokenizing and encoding the reply run in a worker thread: a 4 MB prompt must not stall the event loop.
-        return await asyncio.to_thread(respond)
+        prompt: str | ChatInput = body.prompt if not isinstance(body, TokenizeChatRequest) else chat_input(
+            body.messages, body.message_dicts(), body.tool_dicts() or None,
+            add_generation_prompt=body.add_generation_prompt is not False)
+        # Tokenizing and encoding the reply run in TextWorkers: a 4 MB prompt must not stall the event loop.
+        reply = await serving.text.tokenize_reply(prompt, getattr(body, "add_special_tokens", None) is not False,
+                                                  engine.max_model_len)
+        return Response(reply, media_type="application/json")  # type: ignore[return-value]
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
@@ -172,7 +171,8 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
         bad = next((t for t in body.tokens if t >= limit), None)
         if bad is not None:
             raise InvalidRequestError("tokens", f"token id {bad} is out of range: the vocabulary has {limit} tokens")
-        return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
+        reply = await serving.text.detokenize_reply(body.tokens)
+        return Response(reply, media_type="application/json")  # type: ignore[return-value]
 
 
 _LIMIT_KEYWORDS = (("ge", "minimum"), ("le", "maximum"), ("gt", "exclusiveMinimum"), ("lt", "exclusiveMaximum"))
@@ -302,7 +302,11 @@ _JSON_BRACKET = re.compile(rb"[\[\]{}]")
 
 
 def json_depth(body: bytes) -> int:
-    """How deeply a JSON text nests arrays and objects (brackets inside strings do not count)."""
+    """How deeply a JSON text nests arrays and objects (brackets inside strings do not count); a text that opens
+    at most MAX_JSON_DEPTH of them in all gets that count, a bound that spares the scan."""
+    openers = body.count(b"[") + body.count(b"{")
+    if openers <= MAX_JSON_DEPTH:  # cannot nest deeper than it opens; counting is ~30x faster than the scan
+        return openers
     depth = deepest = 0
     for match in _JSON_BRACKET.finditer(_JSON_STRING.sub(b"", body)):
         depth += 1 if match.group() in (b"[", b"{") else -1
@@ -389,7 +393,13 @@ def run_server(args: argparse.Namespace, engine_args: dict[str, Any] | None = No
                         ("--body-read-timeout", args.body_read_timeout), ("--shutdown-timeout", args.shutdown_timeout)):
         if not value > 0:
             raise ConfigError(f"invalid {flag}={value}: expected a number of seconds > 0")
+    workers = args.tokenizer_workers
+    if workers is None:
+        workers = min(4, max(1, (os.cpu_count() or 2) // 2))
+    if workers < 0:
+        raise ConfigError(f"invalid --tokenizer-workers={workers}: expected 0 (a thread) or more processes")
     app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
+                    tokenizer_workers=workers,
                     body_timeout_s=args.body_read_timeout, max_logprob_entries=entries,
                     allow_special_in_content=args.special_tokens_in_content, public_docs=args.public_docs)
     print(f"kestrel: serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
@@ -397,5 +407,6 @@ def run_server(args: argparse.Namespace, engine_args: dict[str, Any] | None = No
         serve(app, engine, host=args.host, port=args.port, log_level=args.log_level,
               header_timeout_s=args.header_read_timeout, drain_timeout_s=args.shutdown_timeout)
     finally:
+        app.state.text_workers.close()
         engine.shutdown()
     return 0

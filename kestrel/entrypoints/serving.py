@@ -30,11 +30,8 @@ from kestrel.entrypoints.chat import (
     ToolArgumentsDelta,
     ToolCallParser,
     ToolCallStart,
-    encode_chat,
     make_tool_parser,
     parse_tool_calls,
-    render_chat,
-    special_token_texts,
 )
 from kestrel.entrypoints.metrics import RequestTracker, ServerMetrics
 from kestrel.entrypoints.protocol import (
@@ -62,8 +59,9 @@ from kestrel.entrypoints.protocol import (
     ToolCall,
     UsageInfo,
 )
+from kestrel.entrypoints.text_workers import ChatInput, TextWorkers
 from kestrel.outputs import CompletionOutput, RequestOutput, SampleLogprobs
-from kestrel.request import InvalidRequestError
+from kestrel.request import InvalidRequestError, prompt_too_long
 from kestrel.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -131,14 +129,12 @@ DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18  # ~7 MB of JSON at the usual ~26 bytes an
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics,
-                 max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
-                 allow_special_in_content: bool = False) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics, text: TextWorkers,
+                 max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES) -> None:
         self.max_logprob_entries = max_logprob_entries
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        # Strings that must stay text inside chat messages (none: they may become control tokens, as in vLLM).
-        self.content_specials = () if allow_special_in_content else tuple(special_token_texts(self.tokenizer))
+        self.text = text
         self.model_name = served_model_name
         self.metrics = metrics
         self._token_text: dict[int, str] = {}
@@ -153,9 +149,7 @@ class OpenAIServing:
         arrival = time.monotonic()
         self.check_model(request.model)
         params = request.to_sampling_params()
-        # Tokenizing runs in a worker thread (the tokenizer releases the GIL), so a long prompt never stalls
-        # the event loop and the other clients' streams.
-        prompts = await asyncio.to_thread(lambda: [self._encode(p) for p in request.prompts()])
+        prompts = await self._encode_prompts(request.prompts())
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
                                  logprobs_param="logprobs")
         if request.echo:
@@ -261,12 +255,11 @@ class OpenAIServing:
         params = request.to_sampling_params()
         mode = request.tool_choice_mode
 
-        def render() -> tuple[Any, list[int]]:
-            rendered = render_chat(self.tokenizer, request.message_dicts(), tools=request.tool_dicts() or None,
-                                   tool_choice=mode, named_tool=request.named_tool)
-            return rendered, self.encode_chat(rendered.text, request.messages)
-
-        prompt, token_ids = await asyncio.to_thread(render)  # templating and tokenizing off the event loop
+        chat = chat_input(request.messages, request.message_dicts(), request.tool_dicts() or None, mode,
+                          request.named_tool)
+        prompt, count, token_ids = await self.text.render_chat(chat, self.engine.max_model_len)
+        if token_ids is None:
+            raise prompt_too_long(count, self.engine.max_model_len, "messages")
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs")
         tools = _tool_setup(request, prompt.assistant_prefix, prompt.tool_format)
@@ -372,19 +365,25 @@ class OpenAIServing:
             self._token_text[token_id] = text
         return text
 
-    def _encode(self, prompt: str | list[int]) -> _Prompt:
-        if isinstance(prompt, str):
-            return _Prompt(prompt, self.tokenizer.encode(prompt))
-        return _Prompt(None, list(prompt))
+    async def _encode_prompts(self, prompts: Sequence[str | list[int]]) -> list[_Prompt]:
+        """Text prompts are tokenized off the event loop (TextWorkers); one that cannot fit is refused by count."""
+        limit = self.engine.max_model_len
+        encoded = iter(await self.text.encode_prompts([p for p in prompts if isinstance(p, str)], limit))
+        out = []
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                out.append(_Prompt(None, list(prompt)))
+                continue
+            count, ids = next(encoded)
+            if ids is None:
+                raise prompt_too_long(count, limit)
+            out.append(_Prompt(prompt, ids))
+        return out
 
     def _prompt_text(self, prompt: _Prompt, params: SamplingParams) -> str:
         if prompt.text is not None:
             return prompt.text
         return self.tokenizer.decode(prompt.token_ids, skip_special_tokens=params.skip_special_tokens)
-
-    def encode_chat(self, rendered_text: str, messages: list[ChatMessage]) -> list[int]:
-        """Token ids of a rendered chat prompt; special-token text inside the messages stays text."""
-        return encode_chat(self.tokenizer, rendered_text, [m.text() for m in messages], self.content_specials)
 
     def _check_logprob_entries(self, prompts: list[_Prompt], params: SamplingParams, param: str) -> None:
         """Bound the response: n x (echoed prompt + generated tokens) x (logprobs + 1) entries, before any work."""
@@ -455,6 +454,13 @@ class OpenAIServing:
                 await stream.aclose()
             for tracker in job.trackers:
                 tracker.aborted()  # a no-op for the requests that finished
+
+
+def chat_input(messages: Sequence[ChatMessage], message_dicts: list[dict[str, Any]],
+               tools: list[dict[str, Any]] | None, tool_choice: str = "auto", named_tool: str | None = None,
+               add_generation_prompt: bool = True) -> ChatInput:
+    return ChatInput(message_dicts, [m.text() for m in messages], tools, tool_choice, named_tool,
+                     add_generation_prompt)
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,16 @@ a model that answers a fixed text, so that tool calls and timing-sensitive cases
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +32,7 @@ from kestrel.entrypoints.server import build_app
 from kestrel.loader.model_init import write_tiny_checkpoint
 from kestrel.loader.tokenizer import load_tokenizer
 
+REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -114,6 +120,34 @@ def openai_server(tiny_model_dir: str) -> Iterator[LiveServer]:
     server = LiveServer(build_app(engine, MODEL, api_key=API_KEY, max_body_bytes=1 << 20), engine)
     yield server
     server.stop()
+
+
+@contextlib.contextmanager
+def serve_process(model_dir: str, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`kestrel serve` as its own process (key API_KEY, model name MODEL), ready: (process, base URL)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "kestrel.entrypoints.cli", "serve", "--model", model_dir,
+                                "--served-model-name", MODEL, "--port", str(port), "--dtype", "float32",
+                                "--log-level", "warning", *flags],
+                               cwd=REPO, env={**os.environ, "KESTREL_API_KEY": API_KEY})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kestrel serve did not become ready (exit code {process.poll()})")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield process, base
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
 
 
 # ----- a scripted model ---------------------------------------------------------------------------------

@@ -4,23 +4,18 @@ header / body read timeouts that stop slow clients from holding connections."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import API_KEY, MODEL, LiveServer, scripted_engine
+from conftest import API_KEY, MODEL, LiveServer, scripted_engine, serve_process
 
 from kestrel.entrypoints.http_server import DrainingServer, protocol_with_header_timeout
 from kestrel.entrypoints.server import build_app
 
-REPO = Path(__file__).resolve().parents[2]
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
@@ -108,23 +103,7 @@ def test_a_draining_server_refuses_new_requests_with_503(start_scripted_server):
 
 
 def test_kestrel_serve_drains_on_sigterm_and_exits(tiny_model_dir):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "kestrel.entrypoints.cli", "serve", "--model", tiny_model_dir,
-                               "--served-model-name", MODEL, "--port", str(port), "--dtype", "float32",
-                               "--max-model-len", "512", "--shutdown-timeout", "1", "--log-level", "warning"],
-                              cwd=REPO, env={**os.environ, "KESTREL_API_KEY": API_KEY}, stderr=subprocess.PIPE,
-                              text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    with serve_process(tiny_model_dir, "--max-model-len", "512", "--shutdown-timeout", "1") as (server, base):
         streams = [Outcome(base, completion(500, stream=True)) for _ in range(8)]
         plain = [Outcome(base, completion(500, stream=False)) for _ in range(4)]
         for o in streams:
@@ -142,10 +121,6 @@ def test_kestrel_serve_drains_on_sigterm_and_exits(tiny_model_dir):
                 ended += 1
         assert ended > 0  # the drain timeout (1 s) came before 500 tokens
         assert server.wait(30) == 0
-    finally:
-        if server.poll() is None:
-            server.kill()
-        server.wait()
 
 
 def test_a_client_trickling_its_headers_is_disconnected(tiny_model_dir):
