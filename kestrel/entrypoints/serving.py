@@ -149,6 +149,7 @@ class OpenAIServing:
         arrival = time.monotonic()
         self.check_model(request.model)
         params = request.to_sampling_params()
+        self._check_sequences(len(request.prompts()), params.n, "prompt")  # before any tokenizing
         prompts = await self._encode_prompts(request.prompts())
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
                                  logprobs_param="logprobs")
@@ -385,6 +386,13 @@ class OpenAIServing:
             return prompt.text
         return self.tokenizer.decode(prompt.token_ids, skip_special_tokens=params.skip_special_tokens)
 
+    def _check_sequences(self, num_prompts: int, n: int, prompt_param: str) -> None:
+        limit = self.engine.max_sequences_per_request
+        if limit is not None and num_prompts * n > limit:
+            raise InvalidRequestError("n" if n > 1 else prompt_param,
+                                      f"{num_prompts} prompt(s) x n={n} is more sequences than this server ever "
+                                      f"admits at once ({limit}); split the request")
+
     def _check_logprob_entries(self, prompts: list[_Prompt], params: SamplingParams, param: str) -> None:
         """Bound the response: n x (echoed prompt + generated tokens) x (logprobs + 1) entries, before any work."""
         k = max(params.logprobs if params.logprobs is not None else -1,
@@ -410,11 +418,7 @@ class OpenAIServing:
         engine's."""
         self._check_logprob_entries(prompts, params, logprobs_param)
         trackers = [self.metrics.tracker(arrival) for _ in prompts]
-        limit = self.engine.max_sequences_per_request
-        if limit is not None and len(prompts) * params.n > limit:
-            raise InvalidRequestError("n" if params.n > 1 else prompt_param,
-                                      f"{len(prompts)} prompt(s) x n={params.n} is more sequences than this "
-                                      f"server ever admits at once ({limit}); split the request")
+        self._check_sequences(len(prompts), params.n, prompt_param)
         self.engine.check_capacity(len(prompts) * params.n)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         streams = [self.engine.submit(rid, p.token_ids, params, p.text) for rid, p in zip(ids, prompts)]
