@@ -139,6 +139,9 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size != 1:
+            _fail("tensor_parallel_size", self.tensor_parallel_size, "tensor parallelism is not implemented yet: "
+                  "kestrel runs a model on one device; use 1")
 
 
 @dataclass(frozen=True)

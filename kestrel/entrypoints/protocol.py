@@ -55,8 +55,64 @@ def _check_unicode(value: Any) -> None:
             _check_unicode(item)
 
 
+_STRUCTURED = "structured outputs (guided decoding) are not implemented yet"
+_OPENAI_PLATFORM = "an OpenAI platform feature that this server does not have"
+# Request fields of vLLM and OpenAI that kestrel does not implement yet, with what to do instead. Any other
+# unknown field is refused too: a field is honoured or refused, never ignored.
+NOT_SUPPORTED_FIELDS: dict[str, str] = {
+    **{name: _STRUCTURED for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                      "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")},
+    "allowed_token_ids": "restricting sampling to a token set is not implemented yet; logit_bias can steer tokens",
+    "bad_words": "bad-word blocking is not implemented yet",
+    "prompt_logprobs": "not implemented yet; on /v1/completions, echo with logprobs returns the prompt's logprobs",
+    "truncate_prompt_tokens": "prompt truncation is not implemented yet; shorten the prompt on the client",
+    "return_tokens_as_token_ids": "not implemented yet; /tokenize gives a text's token ids",
+    "return_token_ids": "not implemented yet; /tokenize gives a text's token ids",
+    "use_beam_search": "beam search is not implemented yet",
+    "length_penalty": "beam search (which length_penalty scores) is not implemented yet",
+    "priority": "priority scheduling is not implemented yet; requests are served first come, first served",
+    "chat_template": "a per-request chat template is not implemented yet; the model's own template is used",
+    "chat_template_kwargs": "chat template arguments are not implemented yet",
+    "continue_final_message": "continuing the final message is not implemented yet",
+    "add_generation_prompt": "chat completions always open the assistant turn (add_generation_prompt true)",
+    "echo": "echo is not implemented for chat completions (it is for /v1/completions)",
+    "documents": "documents for retrieval templates are not implemented",
+    "mm_processor_kwargs": "this server serves text-only models",
+    "logits_processors": "custom logits processors are not implemented",
+    "cache_salt": "prefix-cache salting is not implemented yet",
+    "kv_transfer_params": "KV transfer is not implemented",
+    "vllm_xargs": "vLLM's extension arguments are not implemented",
+    "request_id": "request ids are chosen by the server",
+    **{name: _OPENAI_PLATFORM for name in ("store", "metadata", "service_tier", "reasoning_effort", "modalities",
+                                           "audio", "prediction", "web_search_options", "verbosity",
+                                           "safety_identifier", "prompt_cache_key")},
+    "functions": "the deprecated functions field is not supported; use tools",
+    "function_call": "the deprecated function_call field is not supported; use tool_choice",
+}
+_EMPTY_VALUES: tuple[Any, ...] = (None, [], {})
+# vLLM fields sent with the value that asks for nothing beyond what kestrel does anyway (vLLM's defaults).
+_NO_OP_VALUES: dict[str, Any] = {"use_beam_search": False, "priority": 0, "continue_final_message": False,
+                                 "add_generation_prompt": True, "return_tokens_as_token_ids": False, "echo": False,
+                                 "return_token_ids": False}
+
+
+def _asks_nothing(name: str, value: Any) -> bool:
+    return value in _EMPTY_VALUES or (name in _NO_OP_VALUES and value is _NO_OP_VALUES[name])
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    # Unknown fields are errors (validation_error_info names them); see NOT_SUPPORTED_FIELDS.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_empty_fields_carry_nothing(cls, data: Any) -> Any:
+        """An unknown field set to null or empty, or a vLLM field set to its no-op default, asks for nothing, so
+        nothing is ignored by dropping it; clients replaying OpenAI responses send such fields (a message's
+        `refusal: null`, `annotations: []`), vLLM clients `use_beam_search: false`."""
+        if isinstance(data, dict) and any(k not in cls.model_fields and _asks_nothing(k, v) for k, v in data.items()):
+            return {k: v for k, v in data.items() if k in cls.model_fields or not _asks_nothing(k, v)}
+        return data
 
     @field_validator("*", mode="after")
     @classmethod
@@ -521,6 +577,18 @@ def validation_error_info(errors: list[dict[str, Any]]) -> tuple[str | None, str
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", first.get("msg"))
         return None, f"the request body is not valid JSON: {detail}"
+    unknown = _unknown_field(errors)
+    if unknown is not None:
+        loc = _field_loc(unknown)
+        name, param = str(loc[-1]), _path(loc)
+        reason = NOT_SUPPORTED_FIELDS.get(name)
+        if reason is not None:
+            return param, f"{param} is not supported: {reason}; remove it from the request"
+        return param, (f"unknown field {param}: it is not a request field this server knows (OpenAI's and vLLM's "
+                       "are listed at /docs); remove it or check its spelling")
+    # A field that only another shape of a union body knows says nothing about what is wrong here.
+    errors = [e for e in errors if e.get("type") != "extra_forbidden"] or errors
+    first = errors[0]
     loc = _field_loc(first)
     if not loc:
         return None, f"the request body must be a JSON object ({first.get('msg')})"
@@ -540,6 +608,18 @@ def validation_error_info(errors: list[dict[str, Any]]) -> tuple[str | None, str
             return _path(_field_loc(deeper[0])), f"invalid {_path(_field_loc(deeper[0]))}: {deeper[0].get('msg')}"
         return param, f"invalid {param}: expected {_UNION_HINTS[name]}"
     return param, f"invalid {param}: {first.get('msg')}"
+
+
+def _unknown_field(errors: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first unknown-field error, for a field that every shape of a union body (e.g. /tokenize's prompt or
+    messages forms) rejects: a field that one shape knows is no unknown field."""
+    members = {_union_member(e) for e in errors}
+    extra = [e for e in errors if e.get("type") == "extra_forbidden" and _field_loc(e)]
+    for error in extra:
+        loc = _field_loc(error)
+        if all(any(_field_loc(e) == loc and _union_member(e) == m for e in extra) for m in members):
+            return error
+    return None
 
 
 def _union_member(error: dict[str, Any]) -> str:
