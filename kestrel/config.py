@@ -19,6 +19,7 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "fp8")
 # The one list of quantization names: quantize at load ("fp8", "int8") or load a checkpoint saved in a format.
 QUANTIZATION_CHOICES = (None, "fp8", "int8", "compressed-tensors")
 ACTIVATION_SCHEME_CHOICES = ("dynamic", "static")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
 class ConfigError(ValueError):
@@ -51,6 +52,7 @@ class ModelConfig:
     seed: int = 0
     max_model_len: int | None = None
     tokenizer: str | None = None
+    generation_config: str = "auto"  # "auto" (the model's generation_config.json), "vllm" (none) or a directory
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +68,10 @@ class ModelConfig:
                   "(create a small one with `kestrel model-init --arch llama --size tiny DIR`)")
         if not os.path.isfile(config_path):
             _fail("model", self.model, "the directory has no config.json; it must be a Hugging Face model directory")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
+                os.path.join(str(self.generation_config), "generation_config.json")):
+            _fail("generation_config", self.generation_config, "expected 'auto' (the model's generation_config.json), "
+                  "'vllm' (none) or a directory that holds a generation_config.json")
         if not self.hf_config:
             try:
                 with open(config_path) as f:
@@ -87,6 +93,15 @@ class ModelConfig:
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
+
+    @property
+    def generation_config_path(self) -> str | None:
+        """The generation_config.json that applies, if any."""
+        if self.generation_config == "vllm":
+            return None
+        directory = self.model if self.generation_config == "auto" else self.generation_config
+        path = os.path.join(directory, "generation_config.json")
+        return path if os.path.isfile(path) else None
 
 
 @dataclass(frozen=True)
@@ -136,12 +151,14 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
-        if self.tensor_parallel_size != 1:
-            _fail("tensor_parallel_size", self.tensor_parallel_size, "tensor parallelism is not implemented yet: "
-                  "kestrel runs a model on one device; use 1")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            _check_int(name, getattr(self, name), 1)
+            if getattr(self, name) != 1:
+                _fail(name, getattr(self, name), "tensor and pipeline parallelism are not implemented yet: kestrel "
+                      "runs a model on one device; use 1")
 
 
 @dataclass(frozen=True)
@@ -174,7 +191,7 @@ class EngineConfig:
     debug_launch_count: bool = False  # log the kernel launches of one decoder layer's decode step at startup
 
     def __post_init__(self) -> None:
-        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        _check_choice("device", self.device, DEVICE_CHOICES)
         for name in ("enforce_eager", "debug_launch_count"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "expected True or False")
@@ -214,28 +231,78 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-_KWARG_TO_FIELD: dict[str, tuple[str, str]] = {
-    "dtype": ("model", "dtype"),
-    "load_format": ("model", "load_format"),
-    "seed": ("model", "seed"),
-    "max_model_len": ("model", "max_model_len"),
-    "tokenizer": ("model", "tokenizer"),
-    "block_size": ("cache", "block_size"),
-    "kv_cache_blocks": ("cache", "num_blocks"),
-    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
-    "kv_cache_dtype": ("cache", "kv_cache_dtype"),
-    "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
-    "cpu_kv_cache_bytes": ("cache", "cpu_kv_cache_bytes"),
-    "kv_cache_memory_bytes": ("cache", "kv_cache_memory_bytes"),
-    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
-    "max_num_seqs": ("scheduler", "max_num_seqs"),
-    "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
-    "async_scheduling": ("scheduler", "async_scheduling"),
-    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
-    "quantization": ("quant", "method"),
-    "activation_scheme": ("quant", "activation_scheme"),
-    "symmetric_activations": ("quant", "symmetric_activations"),
-    "device": ("engine", "device"),
-    "enforce_eager": ("engine", "enforce_eager"),
-    "debug_launch_count": ("engine", "debug_launch_count"),
-}
+@dataclass(frozen=True)
+class EngineArg:
+    """One engine argument: its `LLM(...)` keyword (and CLI flag, `--` + dashes), the config field it sets, and
+    the flag's help. The CLI's engine flags are generated from this table, so the two cannot drift apart."""
+
+    name: str
+    group: str  # the EngineConfig part: model, cache, scheduler, parallel, quant, or engine (EngineConfig itself)
+    field: str
+    help: str
+    aliases: tuple[str, ...] = ()  # more CLI spellings (vLLM's short flags)
+    choices: tuple[Any, ...] | None = None
+
+
+ENGINE_ARGS: tuple[EngineArg, ...] = (
+    EngineArg("tokenizer", "model", "tokenizer", "tokenizer directory (default: the model's)"),
+    EngineArg("dtype", "model", "dtype", "weights and activations dtype; auto: the checkpoint's",
+              choices=DTYPE_CHOICES),
+    EngineArg("load_format", "model", "load_format", "dummy: random weights of the checkpoint's shapes",
+              choices=LOAD_FORMAT_CHOICES),
+    EngineArg("seed", "model", "seed", "seed of dummy weights and of unseeded sampling"),
+    EngineArg("max_model_len", "model", "max_model_len", "context length (default: the model's)"),
+    EngineArg("generation_config", "model", "generation_config",
+              "auto: the model's generation_config.json gives extra EOS ids and default sampling settings; vllm: "
+              "ignore it; or a directory holding one"),
+    EngineArg("block_size", "cache", "block_size", "tokens per KV cache block", choices=BLOCK_SIZE_CHOICES),
+    EngineArg("kv_cache_blocks", "cache", "num_blocks", "number of KV cache blocks (instead of the profiled one)",
+              aliases=("--num-gpu-blocks-override",)),
+    EngineArg("enable_prefix_caching", "cache", "enable_prefix_caching", "reuse the KV of shared prompt prefixes"),
+    EngineArg("kv_cache_dtype", "cache", "kv_cache_dtype", "KV cache element type", choices=KV_CACHE_DTYPE_CHOICES),
+    EngineArg("gpu_memory_utilization", "cache", "gpu_memory_utilization",
+              "fraction of GPU memory for weights, activations and the KV cache"),
+    EngineArg("cpu_kv_cache_bytes", "cache", "cpu_kv_cache_bytes", "KV cache bytes on the CPU"),
+    EngineArg("kv_cache_memory_bytes", "cache", "kv_cache_memory_bytes",
+              "absolute KV cache budget in bytes (instead of the fraction)"),
+    EngineArg("max_num_batched_tokens", "scheduler", "max_num_batched_tokens", "token budget of one step"),
+    EngineArg("max_num_seqs", "scheduler", "max_num_seqs", "most sequences in the running batch"),
+    EngineArg("enable_chunked_prefill", "scheduler", "enable_chunked_prefill",
+              "split long prefills across steps within the token budget"),
+    EngineArg("async_scheduling", "scheduler", "async_scheduling",
+              "overlap the host side of each step with the device work of the previous one (default: on for a GPU)"),
+    EngineArg("tensor_parallel_size", "parallel", "tensor_parallel_size", "GPUs per model replica", aliases=("-tp",)),
+    EngineArg("pipeline_parallel_size", "parallel", "pipeline_parallel_size", "pipeline stages", aliases=("-pp",)),
+    EngineArg("quantization", "quant", "method",
+              "fp8 or int8: W8A8 quantized at load; a quantized checkpoint (compressed-tensors, fp8) loads as saved "
+              "without it", aliases=("-q",), choices=QUANTIZATION_CHOICES),
+    EngineArg("activation_scheme", "quant", "activation_scheme", "W8A8 activation scales",
+              choices=ACTIVATION_SCHEME_CHOICES),
+    EngineArg("symmetric_activations", "quant", "symmetric_activations", "INT8 activations without a zero point"),
+    EngineArg("device", "engine", "device", "where the model runs", choices=DEVICE_CHOICES),
+    EngineArg("enforce_eager", "engine", "enforce_eager", "no CUDA graphs"),
+    EngineArg("debug_launch_count", "engine", "debug_launch_count",
+              "log the kernel launches of one decoder layer's decode step"),
+)
+_KWARG_TO_FIELD: dict[str, tuple[str, str]] = {arg.name: (arg.group, arg.field) for arg in ENGINE_ARGS}
+_GROUP_CLASSES: dict[str, type] = {}  # filled below, once the classes exist
+
+
+def engine_arg_default(arg: EngineArg) -> Any:
+    for f in dataclasses.fields(_GROUP_CLASSES[arg.group]):
+        if f.name == arg.field:
+            return f.default if f.default is not dataclasses.MISSING else None
+    raise KeyError(arg.field)
+
+
+def engine_arg_type(arg: EngineArg) -> type:
+    """int, float, str or bool: the type of the field, None left out."""
+    import typing
+
+    hint = typing.get_type_hints(_GROUP_CLASSES[arg.group])[arg.field]
+    kinds = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
+    return kinds[0]
+
+
+_GROUP_CLASSES.update(model=ModelConfig, cache=CacheConfig, scheduler=SchedulerConfig, parallel=ParallelConfig,
+                      quant=QuantConfig, engine=EngineConfig)

@@ -56,6 +56,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     max_model_len: int | None = None
+    extra_eos_token_ids: frozenset[int] = frozenset()  # generation_config.json's, besides the tokenizer's
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

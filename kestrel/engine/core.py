@@ -15,6 +15,7 @@ from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.contracts import ModelRunnerOutput, Runner, SchedulerOutput
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.scheduler import Scheduler
+from kestrel.loader.generation_config import load_generation_defaults
 from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kestrel.request import InvalidRequestError, Request, RequestStatus, prompt_too_long
 from kestrel.sampling_params import SamplingParams
@@ -65,6 +66,9 @@ class EngineCore:
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
+        # The model's generation_config.json: more EOS ids, and default sampling settings (for the entrypoints).
+        self.generation_defaults = load_generation_defaults(config.model)
+        self._extra_eos = self.generation_defaults.eos_token_ids - {eos_token_id}
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len)
         self._parents: dict[str, _ParentRequest] = {}
@@ -95,7 +99,7 @@ class EngineCore:
                 seed = None if params.seed is None else params.seed + index
                 child_params = params.replace(n=1, seed=seed)
             request = Request(child_id, list(prompt_token_ids), child_params, eos_token_id=self.eos_token_id,
-                              max_model_len=self.max_model_len)
+                              max_model_len=self.max_model_len, extra_eos_token_ids=self._extra_eos)
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child_params)
             sequence = _Sequence(request, detokenizer, index)
             parent.sequences.append(sequence)

@@ -218,7 +218,7 @@ class Scheduler:
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id == request.eos_token_id:
+            if not params.ignore_eos and (token_id == request.eos_token_id or token_id in request.extra_eos_token_ids):
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id

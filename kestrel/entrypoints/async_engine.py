@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kestrel.engine.core import EngineCore
+from kestrel.loader.generation_config import GenerationDefaults
 from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams
 
@@ -233,6 +234,10 @@ class AsyncEngine:
     @property
     def error(self) -> BaseException | None:
         return self._error
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        return self.core.generation_defaults
 
     @property
     def tokenizer_path(self) -> str:

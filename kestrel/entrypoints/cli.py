@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kestrel.config import ConfigError
+from kestrel.config import ENGINE_ARGS, ConfigError, engine_arg_default, engine_arg_type
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams, SamplingParamsError
 
@@ -21,53 +21,27 @@ BENCH_SUITES: tuple[str, ...] = ("gemm", "attention", "serve", "ppl", "latency",
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, one per ENGINE_ARGS entry (LLM's keyword with dashes, and vLLM's short spellings); a
+    flag left out leaves the config's own default."""
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
                        help="Hugging Face model directory (default: the bundled kestrel-tiny)")
-    group.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
-    group.add_argument("--load-format", default="auto", help="auto, safetensors or dummy (random weights)")
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    group.add_argument("--max-num-seqs", type=int, default=128)
-    group.add_argument("--kv-cache-blocks", type=int, default=None, help="override the number of KV cache blocks")
-    group.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
-    group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument("--quantization", default=None,
-                       help="fp8 or int8: W8A8, quantized on load; a quantized checkpoint (compressed-tensors, fp8) "
-                            "loads as saved without it")
-    group.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="fraction of GPU memory for weights, activations and the KV cache")
-    group.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                       help="absolute KV cache budget in bytes (instead of the profiled one)")
-    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
-    group.add_argument("--debug-launch-count", action="store_true",
-                       help="log the kernel launches of one decoder layer's decode step")
-    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                       help="overlap the host side of each step with the device work of the previous one "
-                            "(default: on for a GPU)")
+    for arg in ENGINE_ARGS:
+        flags = ["--" + arg.name.replace("_", "-"), *arg.aliases]
+        kind = engine_arg_type(arg)
+        default = engine_arg_default(arg)
+        shown = f"{arg.help} (default: {default})" if default is not None else arg.help
+        if kind is bool:
+            group.add_argument(*flags, dest=arg.name, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=shown)
+            continue
+        choices = [c for c in arg.choices if c is not None] if arg.choices else None
+        group.add_argument(*flags, dest=arg.name, type=kind, choices=choices, default=argparse.SUPPRESS,
+                           help=shown)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        "dtype": args.dtype,
-        "load_format": args.load_format,
-        "max_model_len": args.max_model_len,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_num_seqs": args.max_num_seqs,
-        "kv_cache_blocks": args.kv_cache_blocks,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "quantization": args.quantization,
-        "device": args.device,
-        "seed": args.seed,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-        "enforce_eager": args.enforce_eager,
-        "debug_launch_count": args.debug_launch_count,
-        "async_scheduling": args.async_scheduling,
-    }
+    return {arg.name: getattr(args, arg.name) for arg in ENGINE_ARGS if hasattr(args, arg.name)}
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -208,6 +182,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from kestrel.entrypoints.server import run_server
 
     args.api_key = args.api_key or os.environ.get("KESTREL_API_KEY") or None
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ConfigError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
+        args.model = args.model_tag
     if args.model is None:
         from kestrel.tiny import default_model_path
 
@@ -253,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model directory, as `vllm serve MODEL` takes it (or --model)")
     _add_engine_args(serve)
     _add_serve_args(serve)
     serve.set_defaults(func=_cmd_serve)

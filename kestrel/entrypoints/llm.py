@@ -34,6 +34,11 @@ class LLM:
         self.engine = EngineCore(self.config, self.runner, self.runner.num_blocks, self.tokenizer, eos_token_id)
         self._counter = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json settings (temperature, top_p, top_k, min_p,
+        repetition_penalty), as `generate` and `chat` use when given none."""
+        return SamplingParams(**self.engine.generation_defaults.sampling)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -45,7 +50,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):

@@ -9,6 +9,7 @@ with the offline API stay in SamplingParams.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -158,17 +159,20 @@ class _SamplingRequest(_Request):
         if self.stream_options is not None and not self.stream:
             _unsupported("stream_options", "stream_options is only allowed when stream is true")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         model_defaults: Mapping[str, Any]) -> SamplingParams:
+        """`model_defaults`: the model's generation_config settings, for the fields the request leaves unset."""
+        base = {**_SAMPLING_DEFAULTS, **model_defaults}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=_default(self.n, 1),
-            temperature=_default(self.temperature, 1.0),
-            top_p=_default(self.top_p, 1.0),
-            top_k=_default(self.top_k, 0),
-            min_p=_default(self.min_p, 0.0),
+            temperature=_default(self.temperature, base["temperature"]),
+            top_p=_default(self.top_p, base["top_p"]),
+            top_k=_default(self.top_k, base["top_k"]),
+            min_p=_default(self.min_p, base["min_p"]),
             presence_penalty=_default(self.presence_penalty, 0.0),
             frequency_penalty=_default(self.frequency_penalty, 0.0),
-            repetition_penalty=_default(self.repetition_penalty, 1.0),
+            repetition_penalty=_default(self.repetition_penalty, base["repetition_penalty"]),
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -219,13 +223,13 @@ class CompletionRequest(_SamplingRequest):
             return [list(prompt)]  # type: ignore[arg-type]
         return list(prompt)  # type: ignore[arg-type]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         self._check_common()
         if self.suffix is not None:
             _unsupported("suffix", "suffix (insertion) is not supported by this server")
         if self.best_of is not None and self.best_of != _default(self.n, 1):
             _unsupported("best_of", "best_of other than n is not supported; use n")
-        params = self._sampling_params(_default(self.max_tokens, 16), self.logprobs)
+        params = self._sampling_params(_default(self.max_tokens, 16), self.logprobs, model_defaults or {})
         if self.echo and self.logprobs is not None:
             params = params.replace(prompt_logprobs=self.logprobs)  # the echoed prompt carries its logprobs
         return params
@@ -346,7 +350,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def message_dicts(self) -> list[dict[str, Any]]:
         return [message.model_dump(exclude_none=True) for message in self.messages]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         self._check_common()
         self._check_tools()
         if self.response_format is not None and self.response_format.type != "text":
@@ -356,7 +360,7 @@ class ChatCompletionRequest(_SamplingRequest):
             _unsupported("top_logprobs", "top_logprobs needs logprobs set to true")
         logprobs = _default(self.top_logprobs, 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, model_defaults or {})
 
     def _check_tools(self) -> None:
         names = [tool.function.name for tool in self.tools or []]
@@ -659,6 +663,10 @@ def _path(loc: list[Any]) -> str:
 
 def _unsupported(param: str, message: str) -> None:
     raise InvalidRequestError(param, message)
+
+
+_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                      "repetition_penalty": 1.0}
 
 
 def _default(value: Any, default: Any) -> Any:

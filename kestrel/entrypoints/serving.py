@@ -148,7 +148,7 @@ class OpenAIServing:
     async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(request.model)
-        params = request.to_sampling_params()
+        params = request.to_sampling_params(self.engine.generation_defaults.sampling)
         self._check_sequences(len(request.prompts()), params.n, "prompt")  # before any tokenizing
         prompts = await self._encode_prompts(request.prompts())
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
@@ -253,7 +253,7 @@ class OpenAIServing:
     async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(request.model)
-        params = request.to_sampling_params()
+        params = request.to_sampling_params(self.engine.generation_defaults.sampling)
         mode = request.tool_choice_mode
 
         chat = chat_input(request.messages, request.message_dicts(), request.tool_dicts() or None, mode,

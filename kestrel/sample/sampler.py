@@ -15,7 +15,7 @@ never reads a device value back to the host.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +64,7 @@ class SamplingMetadata:
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
         generators: list[torch.Generator | None],
-        eos_token_id: int | None,
+        eos_token_id: int | Collection[int] | None,
         vocab_size: int,
         device: torch.device | str,
     ) -> SamplingMetadata:
@@ -164,10 +164,11 @@ def _logit_bias(params: list[SamplingParams], device: torch.device | str) -> dic
 def _min_tokens(
     params: list[SamplingParams],
     output_token_ids: Sequence[Sequence[int]],
-    eos_token_id: int | None,
+    eos_token_id: int | Collection[int] | None,
     vocab_size: int,
     device: torch.device | str,
 ) -> dict[str, torch.Tensor | None]:
+    eos_ids = () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id
     rows: list[int] = []
     cols: list[int] = []
     for row, p in enumerate(params):
@@ -175,8 +176,8 @@ def _min_tokens(
         if not p.min_tokens or len(output_token_ids[row]) >= p.min_tokens:
             continue
         banned = set(p.stop_token_ids)
-        if eos_token_id is not None and not p.ignore_eos:
-            banned.add(eos_token_id)
+        if not p.ignore_eos:
+            banned.update(eos_ids)
         for token in sorted(t for t in banned if t < vocab_size):
             rows.append(row)
             cols.append(token)

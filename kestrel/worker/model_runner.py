@@ -12,6 +12,7 @@ import torch
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kestrel.loader import load_model
+from kestrel.loader.generation_config import load_generation_defaults
 from kestrel.loader.hf_config import resolve_dtype
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, to_logprob_dicts
@@ -49,6 +50,9 @@ class ModelRunner:
             model_config = dataclasses.replace(model_config, dtype="float32")
         self.dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
         self.eos_token_id = eos_token_id
+        # min_tokens holds back every EOS id: the tokenizer's and generation_config.json's.
+        own = frozenset() if eos_token_id is None else frozenset({eos_token_id})
+        self.eos_token_ids = own | load_generation_defaults(config.model).eos_token_ids
         torch.manual_seed(config.model.seed)
         self.model = load_model(model_config, config.quant, self.device)
         self.vocab_size: int = int(config.model.hf_config["vocab_size"])
@@ -262,7 +266,7 @@ class ModelRunner:
             _TokenLists(rows, prompt=True),
             _TokenLists(rows, prompt=False),
             [s.generator for s in rows],
-            self.eos_token_id,
+            self.eos_token_ids,
             logits.shape[-1],
             self.device,
         )

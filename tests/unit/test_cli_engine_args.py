@@ -1,0 +1,55 @@
+"""The CLI's engine flags come from config.ENGINE_ARGS (one config channel): every engine argument of `LLM(...)`
+is a flag with vLLM's spelling, a flag left out leaves the config default, and `kestrel serve MODEL` takes the
+model as vLLM's positional argument."""
+
+import pytest
+
+from kestrel.config import ENGINE_ARGS, EngineConfig
+from kestrel.entrypoints.cli import _engine_kwargs, build_parser, main
+
+
+def serve_args(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_every_engine_argument_is_a_flag():
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for arg in ENGINE_ARGS:
+        assert "--" + arg.name.replace("_", "-") in help_text
+    for vllm_flag in ("-tp", "-pp", "-q", "--enable-prefix-caching", "--no-enable-prefix-caching",
+                      "--enable-chunked-prefill", "--num-gpu-blocks-override", "--generation-config", "--block-size",
+                      "--tokenizer"):
+        assert vllm_flag in help_text
+
+
+def test_flags_left_out_keep_the_config_defaults(tiny_model_dir):
+    args = serve_args(tiny_model_dir)
+    assert args.model_tag == tiny_model_dir and _engine_kwargs(args) == {}
+    assert EngineConfig.from_kwargs(tiny_model_dir, **_engine_kwargs(args)) == EngineConfig.from_kwargs(tiny_model_dir)
+
+
+def test_vllm_spellings_reach_the_config(tiny_model_dir):
+    args = serve_args(tiny_model_dir, "-tp", "1", "--no-enable-prefix-caching", "--num-gpu-blocks-override", "64",
+                      "--max-num-seqs", "8", "--no-async-scheduling", "--generation-config", "vllm")
+    kwargs = _engine_kwargs(args)
+    assert kwargs == {"tensor_parallel_size": 1, "enable_prefix_caching": False, "kv_cache_blocks": 64,
+                      "max_num_seqs": 8, "async_scheduling": False, "generation_config": "vllm"}
+    config = EngineConfig.from_kwargs(tiny_model_dir, **kwargs)
+    assert (config.cache.enable_prefix_caching, config.cache.num_blocks, config.scheduler.async_scheduling) == (
+        False, 64, False)
+
+
+def test_unsupported_parallelism_and_two_models_are_errors(tiny_model_dir, capsys):
+    assert main(["serve", tiny_model_dir, "-tp", "2"]) == 2
+    assert "tensor_parallel_size=2" in capsys.readouterr().err
+    assert main(["serve", tiny_model_dir, "--model", "/elsewhere"]) == 2
+    assert "two models given" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from kestrel.loader.model_init import write_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("cli-tiny")
+    write_tiny_checkpoint(str(path), arch="llama", seed=0)
+    return str(path)

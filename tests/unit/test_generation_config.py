@@ -1,0 +1,76 @@
+"""generation_config.json is honoured: its EOS ids end generation (and min_tokens holds them back), its sampling
+settings are the defaults of requests that leave them unset; `generation_config="vllm"` ignores it, a directory
+replaces it, and a bad value is a ConfigError."""
+
+import json
+import shutil
+
+import pytest
+
+from kestrel import LLM, SamplingParams
+from kestrel.config import ConfigError, EngineConfig
+from kestrel.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from kestrel.loader.model_init import write_tiny_checkpoint
+
+GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gen-config")
+    write_tiny_checkpoint(str(path), arch="llama", seed=3)
+    return path
+
+
+def with_generation_config(model_dir, tmp_path, **fields):
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    saved = json.loads((copy / "generation_config.json").read_text())
+    (copy / "generation_config.json").write_text(json.dumps({**saved, **fields}))
+    return copy
+
+
+def test_extra_eos_ids_stop_generation_and_min_tokens_holds_them_back(model_dir, tmp_path):
+    plain = LLM(str(model_dir), dtype="float32", max_model_len=64)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    tokens = plain.generate(prompt, SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    assert len(tokens) == 8
+    eos = json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"]
+    stopper = tokens[2]
+    extended = with_generation_config(model_dir, tmp_path, eos_token_id=[eos, stopper])
+    llm = LLM(str(extended), dtype="float32", max_model_len=64)
+    out = llm.generate(prompt, SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0]
+    first = tokens.index(stopper)
+    assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop"
+    held = llm.generate(prompt, SamplingParams(**GREEDY, min_tokens=first + 2), use_tqdm=False)[0].outputs[0]
+    assert stopper not in held.token_ids[: first + 2]
+    ignored = LLM(str(extended), dtype="float32", max_model_len=64, generation_config="vllm")
+    assert ignored.generate(prompt, SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].token_ids == tokens
+
+
+def test_sampling_defaults_apply_where_the_request_is_silent(model_dir, tmp_path):
+    tuned = with_generation_config(model_dir, tmp_path, temperature=0.6, top_p=0.9, top_k=20)
+    llm = LLM(str(tuned), dtype="float32", max_model_len=64)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.6, 0.9, 20)
+    model_defaults = llm.engine.generation_defaults.sampling
+    silent = CompletionRequest(prompt="hi").to_sampling_params(model_defaults)
+    assert (silent.temperature, silent.top_p, silent.top_k) == (0.6, 0.9, 20)
+    explicit = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=1.0,
+                                     top_k=-1).to_sampling_params(model_defaults)
+    assert (explicit.temperature, explicit.top_p, explicit.top_k) == (1.0, 0.9, 0)  # -1 and 0: no top-k
+    vllm = LLM(str(tuned), dtype="float32", max_model_len=64, generation_config="vllm")
+    assert vllm.get_default_sampling_params().temperature == SamplingParams().temperature
+
+
+def test_generation_config_from_another_directory_and_bad_values(model_dir, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"temperature": 0.3}))
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=64, generation_config=str(other))
+    assert llm.get_default_sampling_params().temperature == 0.3
+    with pytest.raises(ConfigError, match="generation_config"):
+        EngineConfig.from_kwargs(str(model_dir), generation_config=str(tmp_path / "missing"))
+    broken = with_generation_config(model_dir, tmp_path, eos_token_id="x")
+    with pytest.raises(ConfigError, match="eos_token_id"):
+        LLM(str(broken), dtype="float32", max_model_len=64)
