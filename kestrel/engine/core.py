@@ -70,6 +70,7 @@ class EngineCore:
         self.generation_defaults = load_generation_defaults(config.model)
         self._extra_eos = self.generation_defaults.eos_token_ids - {eos_token_id}
         self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len)
         self._parents: dict[str, _ParentRequest] = {}
         self._sequence_parent: dict[str, _ParentRequest] = {}

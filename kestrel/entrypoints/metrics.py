@@ -1,13 +1,18 @@
-"""Prometheus metrics of the server, named as vLLM's under a `kestrel:` prefix, in a per-app registry.
+"""Prometheus metrics of the server with vLLM's names and labels (`model_name`, `engine`), in a per-app registry,
+exposed twice: under `kestrel:` and under `vllm:`, so that vLLM's dashboards and alerts work unchanged. One
+registry holds each series once; the `vllm:` copy is written from it at scrape time (the same samples renamed),
+so the two can never disagree.
 
 Engine gauges and counters are read from the engine thread's latest stats snapshot at scrape
-time; latency histograms are observed by the server as each request's outputs arrive.
+time; latency histograms are observed by the server as each request's outputs arrive, the per-phase ones
+(queue, prefill, decode, inference) from the engine's timestamps in the request's final output.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,6 +22,12 @@ from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.outputs import RequestOutput
 
 PREFIX = "kestrel:"
+VLLM_PREFIX = "vllm:"
+ENGINE_INDEX = "0"  # vLLM labels every series with its engine's index; one engine per kestrel server
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+N_BUCKETS = (1, 2, 5, 10, 20)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -28,7 +39,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20
 class _EngineCollector(Collector):
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self._engine = engine
-        self._labels = [model_name]
+        self._labels = [model_name, ENGINE_INDEX]
 
     def collect(self) -> Iterator[Metric]:
         stats = self._engine.stats()
@@ -40,7 +51,7 @@ class _EngineCollector(Collector):
             ("engine_healthy", "1 while the engine thread runs, 0 once it stopped.", int(self._engine.is_healthy)),
         )
         for name, doc, value in gauges:
-            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
             gauge.add_metric(self._labels, value)
             yield gauge
         counters = (
@@ -51,41 +62,103 @@ class _EngineCollector(Collector):
             ("generation_tokens", "Tokens generated.", stats.num_generation_tokens),
         )
         for name, doc, value in counters:
-            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
             counter.add_metric(self._labels, value)
             yield counter
+        cache = self._engine.core.config.cache
+        info = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration (value 1).",
+                                 labels=[*LABELS, "block_size", "cache_dtype", "num_gpu_blocks",
+                                         "enable_prefix_caching", "gpu_memory_utilization"])
+        info.add_metric([*self._labels, str(cache.block_size), cache.kv_cache_dtype,
+                         str(self._engine.core.num_blocks), str(cache.enable_prefix_caching),
+                         str(cache.gpu_memory_utilization)], 1)
+        yield info
+
+
+LABELS = ["model_name", "engine"]
 
 
 class ServerMetrics:
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(engine, model_name))
-        labels = ["model_name"]
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to the first generated token.",
-                              labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between successive outputs.",
-                             labels, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to the last token.",
-                             labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Any:
+            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=self.registry).labels(
+                model_name, ENGINE_INDEX)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to the first generated token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between successive outputs.", ITL_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first (vLLM's "
+                              "older name of the inter-token latency).", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.", E2E_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_LATENCY_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to the first token.",
+                                 REQUEST_LATENCY_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First token to the last token.",
+                                REQUEST_LATENCY_BUCKETS)
+        self.inference = histogram("request_inference_time_seconds", "First scheduled to the last token.",
+                                   REQUEST_LATENCY_BUCKETS)
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of finished requests.",
+                                       TOKEN_COUNT_BUCKETS)
+        self.generation_tokens = histogram("request_generation_tokens", "Generated tokens of finished requests.",
+                                           TOKEN_COUNT_BUCKETS)
+        self.params_n = histogram("request_params_n", "The n of finished requests.", N_BUCKETS)
+        self.params_max_tokens = histogram("request_params_max_tokens", "The max_tokens of finished requests.",
+                                           TOKEN_COUNT_BUCKETS)
         self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)
+                                [*LABELS, "finished_reason"], registry=self.registry)
         self._model_name = model_name
 
-    def tracker(self, arrival: float | None = None) -> RequestTracker:
-        return RequestTracker(self, arrival)
+    def tracker(self, arrival: float | None = None, params: Any = None) -> RequestTracker:
+        return RequestTracker(self, arrival, params)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """Every series under `kestrel:`, then the same under `vllm:`."""
+        text = generate_latest(self.registry)
+        return text + _renamed(text, PREFIX.encode(), VLLM_PREFIX.encode())
 
     def finished(self, reason: str) -> None:
-        self._success.labels(self._model_name, reason).inc()
+        self._success.labels(self._model_name, ENGINE_INDEX, reason).inc()
+
+    def observe_final(self, output: RequestOutput, params: Any) -> None:
+        """The per-phase latencies and the sizes of a finished engine request (its engine timestamps)."""
+        m = output.metrics
+        if m is not None and m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+            if m.finished_time is not None:
+                self.inference.observe(m.finished_time - m.first_scheduled_time)
+                if m.first_token_time is not None:
+                    self.decode.observe(m.finished_time - m.first_token_time)
+        self.prompt_tokens.observe(len(output.prompt_token_ids))
+        self.generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
+        if params is not None:
+            self.params_n.observe(params.n)
+            if params.max_tokens is not None:
+                self.params_max_tokens.observe(params.max_tokens)
+
+
+def _renamed(text: bytes, old: bytes, new: bytes) -> bytes:
+    """The exposition text with every metric name's prefix `old` replaced (names start a sample line or follow
+    '# HELP ' / '# TYPE '; label values are left alone)."""
+    out = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith(old):
+            line = new + line[len(old):]
+        elif line.startswith((b"# HELP " + old, b"# TYPE " + old)):
+            line = line[:7] + new + line[7 + len(old):]
+        out.append(line)
+    return b"".join(out)
 
 
 class RequestTracker:
     """Latency of one engine request as the server sees it, from `arrival` (time.monotonic())."""
 
-    def __init__(self, metrics: ServerMetrics, arrival: float | None = None) -> None:
+    def __init__(self, metrics: ServerMetrics, arrival: float | None = None, params: Any = None) -> None:
         self._metrics = metrics
+        self._params = params
         self._arrival = time.monotonic() if arrival is None else arrival
         self._last_token: float | None = None
         self._done = False
@@ -99,10 +172,12 @@ class RequestTracker:
                 self._metrics.ttft.observe(now - self._arrival)
             else:
                 self._metrics.itl.observe(now - self._last_token)
+                self._metrics.tpot.observe(now - self._last_token)
             self._last_token = now
         if output.finished:
             self._done = True
             self._metrics.e2e.observe(now - self._arrival)
+            self._metrics.observe_final(output, self._params)
             for completion in output.outputs:
                 self._metrics.finished(completion.finish_reason or "abort")
 

@@ -417,7 +417,7 @@ class OpenAIServing:
         accepted them. Refusals name the request's own fields (`prompt_param`, `logprobs_param`), not the
         engine's."""
         self._check_logprob_entries(prompts, params, logprobs_param)
-        trackers = [self.metrics.tracker(arrival) for _ in prompts]
+        trackers = [self.metrics.tracker(arrival, params) for _ in prompts]
         self._check_sequences(len(prompts), params.n, prompt_param)
         self.engine.check_capacity(len(prompts) * params.n)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]

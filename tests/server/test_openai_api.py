@@ -146,15 +146,23 @@ def test_health_version_and_metric_names(client, openai_server):
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/version").json()["version"]
     samples = openai_server.metrics()
-    for name in ("kestrel:num_requests_running", "kestrel:num_requests_waiting", "kestrel:kv_cache_usage_perc",
-                 "kestrel:prefix_cache_queries_total", "kestrel:prefix_cache_hits_total",
-                 "kestrel:num_preemptions_total", "kestrel:prompt_tokens_total", "kestrel:generation_tokens_total",
-                 "kestrel:time_to_first_token_seconds_count", "kestrel:inter_token_latency_seconds_count",
-                 "kestrel:e2e_request_latency_seconds_count", "kestrel:request_success_total"):
-        assert name in samples, name
-    assert samples["kestrel:generation_tokens_total"] >= 3
-    assert samples["kestrel:time_to_first_token_seconds_count"] >= 1
-    assert samples["kestrel:e2e_request_latency_seconds_count"] >= 1
+    # vLLM's series (vllm/v1/metrics/loggers.py), under both prefixes, with the same values.
+    names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+             "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+             "request_success_total", "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+             "time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",
+             "request_queue_time_seconds_count", "request_prefill_time_seconds_count",
+             "request_decode_time_seconds_count", "request_inference_time_seconds_count",
+             "request_prompt_tokens_count", "request_generation_tokens_count", "request_params_n_count",
+             "request_params_max_tokens_count", "cache_config_info")
+    for name in names:
+        assert f"kestrel:{name}" in samples and f"vllm:{name}" in samples, name
+        assert samples[f"kestrel:{name}"] == samples[f"vllm:{name}"], name
+    assert samples["vllm:generation_tokens_total"] >= 3
+    assert samples["vllm:request_prefill_time_seconds_count"] >= 1
+    text = httpx.get(f"{url}/metrics").text
+    assert 'vllm:num_requests_running{engine="0",model_name="tiny"}' in text
+    assert 'block_size="16"' in text
 
 
 def test_logit_bias_forces_and_bans_tokens(client, hf_tokenizer):
