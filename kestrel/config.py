@@ -14,7 +14,7 @@ from typing import Any
 
 BLOCK_SIZE_CHOICES = (16,)
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
-LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
+LOAD_FORMAT_CHOICES = ("auto", "safetensors", "pt", "dummy")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8")
 # The one list of quantization names: quantize at load ("fp8", "int8") or load a checkpoint saved in a format.
 QUANTIZATION_CHOICES = (None, "fp8", "int8", "compressed-tensors")
@@ -24,6 +24,35 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, the value and what is allowed."""
+
+
+DEFAULT_HF_HUB_CACHE = os.path.join("~", ".cache", "huggingface", "hub")
+
+
+def resolve_model_path(model: str, download_dir: str | None = None) -> str:
+    """A model directory as given, or a Hugging Face model id ("org/name") found in a local hub cache
+    (`download_dir`, default ~/.cache/huggingface/hub): the snapshot that refs/main names, else the newest one.
+    Nothing is downloaded."""
+    if os.path.isdir(model) or model.count("/") != 1 or model.startswith(("/", ".", "~")):
+        return model
+    cache = os.path.expanduser(download_dir or DEFAULT_HF_HUB_CACHE)
+    repo = os.path.join(cache, "models--" + model.replace("/", "--"))
+    snapshots = os.path.join(repo, "snapshots")
+    ref = os.path.join(repo, "refs", "main")
+    if os.path.isfile(ref):
+        with open(ref) as f:
+            candidate = os.path.join(snapshots, f.read().strip())
+        if os.path.isdir(candidate):
+            return candidate
+    if os.path.isdir(snapshots):
+        found = [os.path.join(snapshots, d) for d in os.listdir(snapshots)]
+        found = [d for d in found if os.path.isdir(d)]
+        if found:
+            return max(found, key=os.path.getmtime)
+    _fail("model", model, f"no such directory, and no snapshot of the Hugging Face model {model!r} in the local "
+          f"cache {cache} (kestrel does not download: fetch it with `huggingface-cli download {model}` or pass a "
+          "directory; download_dir / HF_HUB_CACHE name another cache)")
+    return model
 
 
 def _fail(field_name: str, value: Any, allowed: str) -> None:
@@ -53,6 +82,7 @@ class ModelConfig:
     max_model_len: int | None = None
     tokenizer: str | None = None
     generation_config: str = "auto"  # "auto" (the model's generation_config.json), "vllm" (none) or a directory
+    download_dir: str | None = None  # the Hugging Face hub cache a model id is looked up in
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +92,7 @@ class ModelConfig:
         _check_int("max_model_len", self.max_model_len, 1, allow_none=True)
         if not isinstance(self.model, str) or not self.model:
             _fail("model", self.model, "expected the path of a Hugging Face model directory")
+        object.__setattr__(self, "model", resolve_model_path(self.model, self.download_dir))
         config_path = os.path.join(self.model, "config.json")
         if not os.path.isdir(self.model):
             _fail("model", self.model, "no such directory; pass the path of a Hugging Face model directory "
@@ -248,13 +279,17 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("tokenizer", "model", "tokenizer", "tokenizer directory (default: the model's)"),
     EngineArg("dtype", "model", "dtype", "weights and activations dtype; auto: the checkpoint's",
               choices=DTYPE_CHOICES),
-    EngineArg("load_format", "model", "load_format", "dummy: random weights of the checkpoint's shapes",
+    EngineArg("load_format", "model", "load_format", "auto: safetensors if present, else pytorch_model*.bin (pt); "
+              "dummy: random weights of the checkpoint's shapes",
               choices=LOAD_FORMAT_CHOICES),
     EngineArg("seed", "model", "seed", "seed of dummy weights and of unseeded sampling"),
     EngineArg("max_model_len", "model", "max_model_len", "context length (default: the model's)"),
     EngineArg("generation_config", "model", "generation_config",
               "auto: the model's generation_config.json gives extra EOS ids and default sampling settings; vllm: "
               "ignore it; or a directory holding one"),
+    EngineArg("download_dir", "model", "download_dir",
+              "Hugging Face hub cache in which a model id (org/name) is looked up (default: HF_HUB_CACHE, "
+              "HF_HOME/hub, ~/.cache/huggingface/hub); nothing is downloaded"),
     EngineArg("block_size", "cache", "block_size", "tokens per KV cache block", choices=BLOCK_SIZE_CHOICES),
     EngineArg("kv_cache_blocks", "cache", "num_blocks", "number of KV cache blocks (instead of the profiled one)",
               aliases=("--num-gpu-blocks-override",)),

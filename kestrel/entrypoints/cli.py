@@ -41,7 +41,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return {arg.name: getattr(args, arg.name) for arg in ENGINE_ARGS if hasattr(args, arg.name)}
+    kwargs = {arg.name: getattr(args, arg.name) for arg in ENGINE_ARGS if hasattr(args, arg.name)}
+    if "download_dir" not in kwargs:  # the Hugging Face cache variables, as huggingface_hub reads them
+        hub = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub")
+                                                  if os.environ.get("HF_HOME") else None)
+        if hub:
+            kwargs["download_dir"] = hub
+    return kwargs
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ from torch import nn
 from kestrel.config import ConfigError, ModelConfig, QuantConfig
 from kestrel.loader.dummy import initialize_dummy_weights
 from kestrel.loader.hf_config import load_hf_config, resolve_dtype
-from kestrel.loader.safetensors import checkpoint_files, iterate_safetensors
+from kestrel.loader.safetensors import checkpoint_files, iterate_weights, weight_format
 from kestrel.model.registry import get_model_class
 from kestrel.quant import QuantPlan
 
@@ -24,9 +24,9 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
     dtype = resolve_dtype(model_config.dtype, hf_config)
     load_format = model_config.load_format
     if load_format == "auto":
-        load_format = "safetensors"
-    if load_format == "safetensors":
-        checkpoint_files(model_config.model)  # fail before building the model when there are no weights
+        load_format = weight_format(model_config.model) or "safetensors"
+    if load_format != "dummy":
+        checkpoint_files(model_config.model, load_format)  # fail before building the model when there are none
     # The checkpoint's quantization_config, when it has one, decides each linear layer's method.
     plan = QuantPlan.build(quant_config, hf_config)
     if plan.checkpoint is not None and load_format == "dummy":
@@ -38,7 +38,7 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
         initialize_dummy_weights(model, seed=model_config.seed)
         model.process_weights_after_loading()
     else:
-        model.load_weights(iterate_safetensors(Path(model_config.model)))
+        model.load_weights(iterate_weights(Path(model_config.model), load_format))
     return model.eval()
 
 

@@ -1,4 +1,6 @@
-"""Iterate (name, tensor) over a single or sharded safetensors checkpoint."""
+"""Find and iterate (name, tensor) over a checkpoint's weight files: safetensors (single or sharded with
+`model.safetensors.index.json`), else PyTorch `pytorch_model*.bin` files (single or sharded with
+`pytorch_model.bin.index.json`), read with `weights_only=True` so that no pickled code runs."""
 
 from __future__ import annotations
 
@@ -10,16 +12,28 @@ import torch
 from safetensors import safe_open
 
 INDEX_FILE = "model.safetensors.index.json"
+PT_INDEX_FILE = "pytorch_model.bin.index.json"
+FORMATS = {"safetensors": ("*.safetensors", INDEX_FILE), "pt": ("pytorch_model*.bin", PT_INDEX_FILE)}
 
 
 class CheckpointNotFoundError(FileNotFoundError):
     pass
 
 
-def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    """The shard files named by the index, or every *.safetensors file when there is no index."""
+def weight_format(model_dir: str | Path) -> str | None:
+    """"safetensors" or "pt", whichever the directory holds (safetensors first), or None."""
     root = Path(model_dir)
-    index = root / INDEX_FILE
+    for name, (pattern, index) in FORMATS.items():
+        if (root / index).is_file() or any(root.glob(pattern)):
+            return name
+    return None
+
+
+def checkpoint_files(model_dir: str | Path, fmt: str = "safetensors") -> list[Path]:
+    """The shard files of format `fmt` named by its index, or every matching file when there is no index."""
+    root = Path(model_dir)
+    pattern, index_name = FORMATS[fmt]
+    index = root / index_name
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         files = [root / name for name in sorted(set(weight_map.values()))]
@@ -27,18 +41,23 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
         if absent:
             raise CheckpointNotFoundError(f"{index} names shard files that do not exist: {absent}")
         return files
-    files = sorted(root.glob("*.safetensors"))
+    files = sorted(root.glob(pattern))
     if not files:
         present = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
         raise CheckpointNotFoundError(
-            f"no *.safetensors weights in {root} (found: {present or 'nothing'}); "
+            f"no {pattern} weights in {root} (found: {present or 'nothing'}); "
             "use load_format='dummy' for random weights"
         )
     return files
 
 
-def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in checkpoint_files(model_dir):
+def iterate_weights(model_dir: str | Path, fmt: str = "safetensors") -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(model_dir, fmt):
+        if fmt == "pt":
+            state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            yield from state.items()
+            del state
+            continue
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 yield name, f.get_tensor(name)

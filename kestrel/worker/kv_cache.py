@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 
 from kestrel.config import CacheConfig, ConfigError, EngineConfig
-from kestrel.loader.safetensors import CheckpointNotFoundError, checkpoint_files
+from kestrel.loader.safetensors import CheckpointNotFoundError, checkpoint_files, iterate_weights, weight_format
 
 logger = logging.getLogger(__name__)
 
@@ -75,18 +76,26 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
 def checkpoint_kv_scales(model_dir: str, num_layers: int) -> list[tuple[float, float]] | None:
     """Per-layer (k_scale, v_scale) stored in the checkpoint, or None when it has none. A layer that has
     only one of the two keeps 1.0 for the other."""
+    fmt = weight_format(model_dir)
     try:
-        files = checkpoint_files(model_dir)
+        files = checkpoint_files(model_dir, fmt or "safetensors")
     except CheckpointNotFoundError:
         return None
     found: dict[int, dict[str, float]] = {}
-    for path in files:
+
+    def record(name: str, read: Callable[[], torch.Tensor]) -> None:
+        for pattern in _KV_SCALE_NAMES:
+            m = pattern.match(name)
+            if m and int(m.group(1)) < num_layers:
+                found.setdefault(int(m.group(1)), {})[m.group(2)] = float(read().float().max())
+
+    if fmt == "pt":
+        for name, tensor in iterate_weights(model_dir, "pt"):
+            record(name, lambda tensor=tensor: tensor)
+    for path in files if fmt != "pt" else []:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                for pattern in _KV_SCALE_NAMES:
-                    m = pattern.match(name)
-                    if m and int(m.group(1)) < num_layers:
-                        found.setdefault(int(m.group(1)), {})[m.group(2)] = float(f.get_tensor(name).float().max())
+                record(name, lambda f=f, name=name: f.get_tensor(name))
     if not found:
         return None
     return [(found.get(i, {}).get("k", 1.0), found.get(i, {}).get("v", 1.0)) for i in range(num_layers)]

@@ -22,7 +22,9 @@ def test_every_engine_argument_is_a_flag():
         assert vllm_flag in help_text
 
 
-def test_flags_left_out_keep_the_config_defaults(tiny_model_dir):
+def test_flags_left_out_keep_the_config_defaults(tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HOME", raising=False)
     args = serve_args(tiny_model_dir)
     assert args.model_tag == tiny_model_dir and _engine_kwargs(args) == {}
     assert EngineConfig.from_kwargs(tiny_model_dir, **_engine_kwargs(args)) == EngineConfig.from_kwargs(tiny_model_dir)
@@ -53,3 +55,12 @@ def tiny_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("cli-tiny")
     write_tiny_checkpoint(str(path), arch="llama", seed=0)
     return str(path)
+
+
+def test_the_hub_cache_variables_become_download_dir(tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", "/data/hf")
+    assert _engine_kwargs(serve_args(tiny_model_dir))["download_dir"] == "/data/hf/hub"
+    monkeypatch.setenv("HF_HUB_CACHE", "/cache")
+    assert _engine_kwargs(serve_args(tiny_model_dir))["download_dir"] == "/cache"
+    assert _engine_kwargs(serve_args(tiny_model_dir, "--download-dir", "/mine"))["download_dir"] == "/mine"
