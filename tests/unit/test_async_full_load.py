@@ -42,7 +42,8 @@ def make_engine(*, async_scheduling: bool, num_blocks: int = 512, budget: int = 
                 max_model_len: int = 512) -> tuple[EngineCore, LaggedRunner]:
     config = EngineConfig.from_kwargs(str(default_model_path()), max_model_len=max_model_len,
                                       max_num_seqs=MAX_SEQS, max_num_batched_tokens=budget,
-                                      kv_cache_blocks=num_blocks, async_scheduling=async_scheduling, device="cpu")
+                                      kv_cache_blocks=num_blocks, async_scheduling=async_scheduling, device="cpu",
+                                      generation_config="vllm")  # the runner's EOS is the only one
     runner = LaggedRunner(MAX_SEQS, VOCAB, EOS, block_size=config.cache.block_size, eos_rate=eos_rate)
     return EngineCore(config, runner, num_blocks, _Tokenizer(), EOS), runner
 
