@@ -83,6 +83,7 @@ class ModelConfig:
     tokenizer: str | None = None
     generation_config: str = "auto"  # "auto" (the model's generation_config.json), "vllm" (none) or a directory
     download_dir: str | None = None  # the Hugging Face hub cache a model id is looked up in
+    trust_remote_code: bool = False  # let the tokenizer run the Python code its directory ships
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -290,6 +291,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("download_dir", "model", "download_dir",
               "Hugging Face hub cache in which a model id (org/name) is looked up (default: HF_HUB_CACHE, "
               "HF_HOME/hub, ~/.cache/huggingface/hub); nothing is downloaded"),
+    EngineArg("trust_remote_code", "model", "trust_remote_code",
+              "let a tokenizer run the code its directory ships (model architectures are kestrel's own)"),
     EngineArg("block_size", "cache", "block_size", "tokens per KV cache block", choices=BLOCK_SIZE_CHOICES),
     EngineArg("kv_cache_blocks", "cache", "num_blocks", "number of KV cache blocks (instead of the profiled one)",
               aliases=("--num-gpu-blocks-override",)),

@@ -183,7 +183,7 @@ class AsyncEngine:
         from kestrel.worker.model_runner import ModelRunner
 
         config = EngineConfig.from_kwargs(model, **engine_args)
-        tokenizer = load_tokenizer(config.model.tokenizer_path)
+        tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
         eos_token_id = tokenizer.eos_token_id
         runner = ModelRunner(config, eos_token_id=eos_token_id)
         core = EngineCore(config, runner, runner.num_blocks, tokenizer, eos_token_id)

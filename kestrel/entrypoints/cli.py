@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
 import sys
 import time
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
 from kestrel.config import ENGINE_ARGS, ConfigError, engine_arg_default, engine_arg_type
+from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams, SamplingParamsError
 
@@ -187,49 +191,51 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kestrel.entrypoints.server import run_server
 
-    args.api_key = args.api_key or os.environ.get("KESTREL_API_KEY") or None
+    config = _server_config(args)
+    model = args.model
     if args.model_tag is not None:
-        if args.model is not None and args.model != args.model_tag:
-            raise ConfigError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
-        args.model = args.model_tag
-    if args.model is None:
+        if model is not None and model != args.model_tag:
+            raise ConfigError(f"two models given: {args.model_tag!r} and --model {model!r}; give one")
+        model = args.model_tag
+    if model is None:
         from kestrel.tiny import default_model_path
 
-        args.model = str(default_model_path())
-        args.served_model_name = args.served_model_name or "kestrel-tiny"
-    return run_server(args, _engine_kwargs(args))
+        model = str(default_model_path())
+        if not config.served_model_name:
+            config = dataclasses.replace(config, served_model_name=("kestrel-tiny",))
+    return run_server(config, model, _engine_kwargs(args))
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The server flags, one per ServerConfig field (its name with dashes; help and choices from its metadata)."""
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
-    group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: "
-                       "the KESTREL_API_KEY environment variable; none: open)")
-    group.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
-    group.add_argument("--max-queued-requests", type=int, default=1024,
-                       help="waiting sequences beyond which new requests get 429 with Retry-After")
-    group.add_argument("--request-timeout", type=float, default=None, help="abort requests running longer (s)")
-    group.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body (413 beyond)")
-    group.add_argument("--tokenizer-workers", type=int, default=None,
-                       help="processes that tokenize prompts and template chats, off the event loop (default: half "
-                            "the CPU cores, 1 to 4; 0: a thread of the server process)")
-    group.add_argument("--public-docs", action="store_true",
-                       help="serve /openapi.json, /docs and /redoc without the API key (default: behind it)")
-    group.add_argument("--header-read-timeout", type=float, default=15.0,
-                       help="close a connection whose request headers take longer (s)")
-    group.add_argument("--body-read-timeout", type=float, default=60.0,
-                       help="answer 408 when a request body takes longer to arrive (s)")
-    group.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="on SIGTERM, how long running requests may still finish before they are ended with a "
-                            "503 / an error event (s)")
-    group.add_argument("--special-tokens-in-content", action="store_true",
-                       help="let special-token text in chat messages become control tokens (vLLM's behaviour; off: "
-                            "it is tokenized as plain text)")
-    group.add_argument("--max-logprob-entries", type=int, default=None,
-                       help="most logprob entries one response may carry, n x tokens x (logprobs + 1); 400 beyond "
-                            "(default: 262144, about 7 MB of JSON)")
-    group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    hints = typing.get_type_hints(ServerConfig)
+    for f in dataclasses.fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        # `X | None` -> X; other generic types (tuple[str, ...]) stay whole.
+        kind = next(t for t in typing.get_args(hint) if t is not type(None)) if isinstance(
+            hint, types.UnionType) else hint
+        default = f.default
+        shown = f.metadata["help"] + (f" (default: {default})" if default not in (None, ()) else "")
+        if kind is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=shown)
+        elif typing.get_origin(kind) is tuple:
+            group.add_argument(flag, dest=f.name, nargs="+", default=argparse.SUPPRESS, help=shown)
+        else:
+            group.add_argument(flag, dest=f.name, type=kind, choices=f.metadata.get("choices"),
+                               default=argparse.SUPPRESS, help=shown)
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
+    for name in ("api_key", "served_model_name", "allowed_origins", "allowed_methods", "allowed_headers"):
+        if name in given:
+            given[name] = tuple(given[name])
+    if "api_key" not in given and os.environ.get("KESTREL_API_KEY"):
+        given["api_key"] = (os.environ["KESTREL_API_KEY"],)
+    return ServerConfig(**given)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,6 +22,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kestrel.entrypoints.async_engine import AsyncEngine
+from kestrel.entrypoints.server_config import ServerConfig
 
 logger = logging.getLogger("kestrel.server")
 
@@ -96,16 +97,19 @@ class DrainingServer(uvicorn.Server):
             logger.warning("drain timeout: ended %d unfinished requests", ended)
 
 
-def serve(app: Any, engine: AsyncEngine, *, host: str, port: int, log_level: str, header_timeout_s: float,
-          drain_timeout_s: float) -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            http=protocol_with_header_timeout(header_timeout_s),
-                            timeout_graceful_shutdown=int(drain_timeout_s + _FLUSH_MARGIN_S))
+def serve(app: Any, engine: AsyncEngine, config: ServerConfig) -> None:
+    drain_timeout_s = config.shutdown_timeout
+    uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port,
+                                    log_level=config.uvicorn_log_level or config.log_level,
+                                    http=protocol_with_header_timeout(config.header_read_timeout),
+                                    timeout_graceful_shutdown=int(drain_timeout_s + _FLUSH_MARGIN_S),
+                                    ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+                                    root_path=config.root_path or "")
     # uvicorn re-raises the signal that stopped it once it is done; the drain is that signal's whole effect, so
     # it lands on a no-op handler and the process exits 0 after the engine's own shutdown.
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        DrainingServer(config, engine, drain_timeout_s).run()
+        DrainingServer(uvicorn_config, engine, drain_timeout_s).run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

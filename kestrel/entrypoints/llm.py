@@ -28,7 +28,7 @@ class LLM:
         if model is None:
             model = str(default_model_path())
         self.config = EngineConfig.from_kwargs(str(model), **engine_args)
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer_path)
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer_path, self.config.model.trust_remote_code)
         eos_token_id = self.tokenizer.eos_token_id
         self.runner = ModelRunner(self.config, eos_token_id=eos_token_id)
         self.engine = EngineCore(self.config, self.runner, self.runner.num_blocks, self.tokenizer, eos_token_id)

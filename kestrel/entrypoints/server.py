@@ -6,17 +6,19 @@ Every failure a client can cause is a 4xx with OpenAI's error body
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -47,8 +49,8 @@ from kestrel.entrypoints.protocol import (
     TokenizeResponse,
     validation_error_info,
 )
+from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.entrypoints.serving import (
-    DEFAULT_MAX_LOGPROB_ENTRIES,
     ClientDisconnectedError,
     ModelNotFoundError,
     OpenAIServing,
@@ -61,7 +63,6 @@ from kestrel.sampling_params import SamplingParamsError
 
 logger = logging.getLogger("kestrel.server")
 
-DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_BODY_TIMEOUT_S = 60.0
 # Paths behind the API key; /health, /version and /metrics stay open for probes and scrapers. The API's
 # documentation (OpenAPI document, Swagger UI, ReDoc) too, unless the server exposes it (`--public-docs`).
@@ -82,31 +83,39 @@ def _generation_responses(whole: type, chunk: str) -> dict[int | str, dict[str, 
                   "content": {"text/event-stream": {"schema": event}}}, **_ERROR_RESPONSES}
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-              max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
-              allow_special_in_content: bool = False, public_docs: bool = False,
-              tokenizer_workers: int = 0) -> FastAPI:
-    """The app for a started AsyncEngine. Several apps can coexist: each has its own metrics registry."""
-    metrics = ServerMetrics(engine, served_model_name)
+def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str],
+              api_key: str | Sequence[str] | None = None, *, config: ServerConfig | None = None,
+              **settings: Any) -> FastAPI:
+    """The app for a started AsyncEngine, with `config`'s settings (`settings`: ServerConfig fields that replace
+    its values). Several apps can coexist: each has its own metrics registry."""
+    config = dataclasses.replace(config or ServerConfig(tokenizer_workers=0), **settings)
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
+    keys = () if not api_key else (api_key,) if isinstance(api_key, str) else tuple(api_key)
+    metrics = ServerMetrics(engine, names[0])
     # Strings that must stay text inside chat messages (none: they may become control tokens, as in vLLM).
-    specials = () if allow_special_in_content else special_token_texts(engine.tokenizer)
+    specials = () if config.special_tokens_in_content else special_token_texts(engine.tokenizer)
     text = TextWorkers(engine.tokenizer, specials, tokenizer_path=engine.tokenizer_path,
-                       processes=tokenizer_workers).start()
-    serving = OpenAIServing(engine, served_model_name, metrics, text, max_logprob_entries)
+                       processes=config.tokenizer_workers or 0, chat_template=config.chat_template_text(),
+                       trust_remote_code=engine.core.config.model.trust_remote_code).start()
+    serving = OpenAIServing(engine, names, metrics, text, config)
     # No trailing-slash redirects: they are built from the Host header, which the client controls.
     app = FastAPI(title="kestrel", version=kestrel.__version__, redirect_slashes=False,
-                  description="OpenAI-compatible API of the kestrel inference engine.")
+                  root_path=config.root_path or "", description="OpenAI-compatible API of the kestrel inference "
+                  "engine.")
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.text_workers = text
     _add_routes(app, engine, serving, metrics)
     _add_error_handlers(app)
     _standard_limits_in_openapi(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
-    if api_key:
-        protected = PROTECTED_PREFIXES if public_docs else PROTECTED_PREFIXES + DOCS_PATHS
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key, protected=protected)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout_s=config.body_read_timeout)
+    if keys:
+        protected = PROTECTED_PREFIXES if config.public_docs else PROTECTED_PREFIXES + DOCS_PATHS
+        app.add_middleware(ApiKeyMiddleware, api_keys=keys, protected=protected)
+    if config.allowed_origins:  # outermost: browsers' preflight requests carry no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                           allow_credentials=config.allow_credentials)
     return app
 
 
@@ -124,7 +133,7 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[_model_card(serving.model_name, engine)])
+        return ModelList(data=[_model_card(name, engine) for name in serving.model_names])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERROR_RESPONSES)
     async def retrieve_model(model_id: str) -> ModelCard:
@@ -279,17 +288,19 @@ async def _send_error(send: Send, status: int, message: str, err_type: str, code
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on the API paths, compared in constant time."""
+    """`Authorization: Bearer <key>` with one of the server's keys on the API paths, compared in constant time."""
 
-    def __init__(self, app: ASGIApp, api_key: str, protected: tuple[str, ...] = PROTECTED_PREFIXES) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str],
+                 protected: tuple[str, ...] = PROTECTED_PREFIXES) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = [f"Bearer {key}".encode() for key in api_keys]
         self._protected = protected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self._protected):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            # Every key is compared (constant time each), so the time does not tell which one matched.
+            if not sum(hmac.compare_digest(given, key) for key in self._expected):
                 await _send_error(send, 401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
                                   "invalid_request_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
                 return
@@ -375,37 +386,28 @@ class BodyLimitMiddleware:
 
 # ----- running ---------------------------------------------------------------------------------------
 
-def run_server(args: argparse.Namespace, engine_args: dict[str, Any] | None = None) -> int:
+def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | None = None) -> int:
     """Load the model, start the engine thread and serve until SIGTERM / SIGINT, then drain (`kestrel serve`)."""
     from kestrel.entrypoints.http_server import serve
 
+    logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = AsyncEngine.from_args(args.model, max_queued_requests=args.max_queued_requests,
-                                       request_timeout_s=args.request_timeout, **(engine_args or {}))
+        engine = AsyncEngine.from_args(model, max_queued_requests=config.max_queued_requests,
+                                       request_timeout_s=config.request_timeout, **(engine_args or {}))
     except ValueError as e:
         raise ConfigError(str(e)) from e
     engine.start()
-    name = args.served_model_name or args.model
-    entries = args.max_logprob_entries if args.max_logprob_entries is not None else DEFAULT_MAX_LOGPROB_ENTRIES
-    if entries < 1:
-        raise ConfigError(f"invalid --max-logprob-entries={entries}: expected an integer >= 1")
-    for flag, value in (("--header-read-timeout", args.header_read_timeout),
-                        ("--body-read-timeout", args.body_read_timeout), ("--shutdown-timeout", args.shutdown_timeout)):
-        if not value > 0:
-            raise ConfigError(f"invalid {flag}={value}: expected a number of seconds > 0")
-    workers = args.tokenizer_workers
+    workers = config.tokenizer_workers
     if workers is None:
         workers = min(4, max(1, (os.cpu_count() or 2) // 2))
-    if workers < 0:
-        raise ConfigError(f"invalid --tokenizer-workers={workers}: expected 0 (a thread) or more processes")
-    app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
-                    tokenizer_workers=workers,
-                    body_timeout_s=args.body_read_timeout, max_logprob_entries=entries,
-                    allow_special_in_content=args.special_tokens_in_content, public_docs=args.public_docs)
-    print(f"kestrel: serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
+    names = config.served_model_name or (model,)
+    app = build_app(engine, names, config.api_key, config=config, tokenizer_workers=workers)
+    scheme = "https" if config.ssl_certfile else "http"
+    print(f"kestrel: serving {names[0]!r} at {scheme}://{config.host}:{config.port}{config.root_path or ''}/v1",
+          flush=True)
     try:
-        serve(app, engine, host=args.host, port=args.port, log_level=args.log_level,
-              header_timeout_s=args.header_read_timeout, drain_timeout_s=args.shutdown_timeout)
+        serve(app, engine, config)
     finally:
         app.state.text_workers.close()
         engine.shutdown()

@@ -59,6 +59,7 @@ from kestrel.entrypoints.protocol import (
     ToolCall,
     UsageInfo,
 )
+from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.entrypoints.text_workers import ChatInput, TextWorkers
 from kestrel.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from kestrel.request import InvalidRequestError, prompt_too_long
@@ -97,6 +98,7 @@ class _Submitted:
     params: SamplingParams
     request_id: str
     created: int = field(default_factory=lambda: int(time.time()))
+    model_name: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -125,23 +127,28 @@ def sse(data: str) -> str:
 SSE_DONE = sse("[DONE]")
 
 
-DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18  # ~7 MB of JSON at the usual ~26 bytes an entry
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics, text: TextWorkers,
-                 max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES) -> None:
-        self.max_logprob_entries = max_logprob_entries
+    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], metrics: ServerMetrics,
+                 text: TextWorkers, config: ServerConfig) -> None:
+        self.config = config
+        self.max_logprob_entries = config.max_logprob_entries
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.text = text
-        self.model_name = served_model_name
+        self.model_names = tuple(served_model_names)
+        self.model_name = self.model_names[0]
         self.metrics = metrics
         self._token_text: dict[int, str] = {}
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.model_names:
             raise ModelNotFoundError(name, self.model_name)
+
+    def response_model_name(self, requested: str | None) -> str:
+        """The name a response reports: the one the client asked for (one of ours), else the first."""
+        return requested if requested is not None else self.model_name
 
     # ----- /v1/completions ----------------------------------------------------------------------
 
@@ -153,6 +160,7 @@ class OpenAIServing:
         prompts = await self._encode_prompts(request.prompts())
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
                                  logprobs_param="logprobs")
+        job.model_name = self.response_model_name(request.model)
         if request.echo:
             job.prompts = [_Prompt(self._prompt_text(p, params), p.token_ids) for p in prompts]
         if request.stream:
@@ -171,7 +179,7 @@ class OpenAIServing:
                     logprobs = self._completion_logprobs(c.token_ids, c.logprobs, len(prefix))
                 choices.append(CompletionChoice(index=i * params.n + c.index, text=prefix + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        response = CompletionResponse(id=job.request_id, created=job.created, model=self.model_name,
+        response = CompletionResponse(id=job.request_id, created=job.created, model=job.model_name,
                                       choices=choices, usage=_usage(job, finals))
         return JSONResponse(response.model_dump())
 
@@ -182,7 +190,7 @@ class OpenAIServing:
         completion_tokens = 0
 
         def chunk(choice: CompletionChoice) -> str:
-            return sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=self.model_name,
+            return sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model_name,
                                                 choices=[choice]).model_dump_json(exclude_none=True))
 
         # With logprobs the echoed prompt waits for its prompt logprobs, which come with the first output.
@@ -219,7 +227,7 @@ class OpenAIServing:
                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
             if request.include_usage_in_stream:
                 usage = _usage_of(job, completion_tokens)
-                yield sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=self.model_name,
+                yield sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model_name,
                                                    choices=[], usage=usage).model_dump_json())
         except Exception as error:  # the status line is sent: errors can only travel as an event
             yield _stream_error(error)
@@ -255,6 +263,10 @@ class OpenAIServing:
         self.check_model(request.model)
         params = request.to_sampling_params(self.engine.generation_defaults.sampling)
         mode = request.tool_choice_mode
+        if mode == "auto" and not self.config.enable_auto_tool_choice:
+            raise InvalidRequestError("tool_choice", "tool_choice 'auto' (the default with tools) is off on this "
+                                      "server (--no-enable-auto-tool-choice); use 'none', 'required' or a named "
+                                      "function")
 
         chat = chat_input(request.messages, request.message_dicts(), request.tool_dicts() or None, mode,
                           request.named_tool)
@@ -263,12 +275,13 @@ class OpenAIServing:
             raise prompt_too_long(count, self.engine.max_model_len, "messages")
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs")
-        tools = _tool_setup(request, prompt.assistant_prefix, prompt.tool_format)
+        job.model_name = self.response_model_name(request.model)
+        tools = _tool_setup(request, prompt.assistant_prefix, self.config.tool_call_parser or prompt.tool_format)
         if request.stream:
             return EventStreamResponse(self._chat_stream(request, job, tools))
         (final,) = await _until_disconnect(raw, self._collect(job))
         choices = [self._chat_choice(c, params, tools) for c in final.outputs]
-        response = ChatCompletionResponse(id=job.request_id, created=job.created, model=self.model_name,
+        response = ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model_name,
                                           choices=choices, usage=_usage(job, [final]))
         return JSONResponse(response.model_dump())
 
@@ -298,7 +311,7 @@ class OpenAIServing:
         completion_tokens = 0
 
         def chunk(choice: ChatStreamChoice) -> str:
-            return sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=self.model_name,
+            return sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model_name,
                                            choices=[choice]).model_dump_json(exclude_none=True))
 
         try:
@@ -322,7 +335,7 @@ class OpenAIServing:
                                                      stop_reason=c.stop_reason if finish_reason else None))
             if request.include_usage_in_stream:
                 usage = _usage_of(job, completion_tokens)
-                yield sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=self.model_name,
+                yield sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model_name,
                                               choices=[], usage=usage).model_dump_json())
         except Exception as error:  # the status line is sent: errors can only travel as an event
             yield _stream_error(error)
@@ -431,6 +444,9 @@ class OpenAIServing:
             if isinstance(error, InvalidRequestError) and error.param in ("prompt", "prompt_token_ids"):
                 raise InvalidRequestError(prompt_param, str(error)) from None
             raise
+        if self.config.enable_log_requests:
+            logger.info("request %s: %d prompt(s), %s prompt tokens, %r", request_id, len(prompts),
+                        [len(p.token_ids) for p in prompts], params)
         return _Submitted(streams, trackers, prompts, params, request_id)
 
     async def _collect(self, job: _Submitted) -> list[RequestOutput]:

@@ -10,8 +10,10 @@ and /detokenize replies come back as finished JSON bytes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import multiprocessing
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ class ChatInput:
     tool_choice: str = "auto"
     named_tool: str | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # the server's --chat-template, else the tokenizer's
 
 
 # ----- the work (module functions: a worker process runs them by name) -----------------------------------
@@ -44,7 +47,8 @@ def encode_prompt(tokenizer: Any, specials: Sequence[str], text: str,
 def render_and_encode(tokenizer: Any, specials: Sequence[str], chat: ChatInput,
                       limit: int | None) -> tuple[ChatPrompt, int, list[int] | None]:
     prompt = render_chat(tokenizer, chat.messages, tools=chat.tools, tool_choice=chat.tool_choice,
-                         named_tool=chat.named_tool, add_generation_prompt=chat.add_generation_prompt)
+                         named_tool=chat.named_tool, add_generation_prompt=chat.add_generation_prompt,
+                         chat_template=chat.chat_template)
     ids = encode_chat(tokenizer, prompt.text, chat.message_texts, specials)
     return prompt, len(ids), (ids if limit is None or len(ids) < limit else None)
 
@@ -71,11 +75,13 @@ _worker_tokenizer: Any = None
 _worker_specials: tuple[str, ...] = ()
 
 
-def _init_worker(tokenizer_path: str, specials: tuple[str, ...]) -> None:
+def _init_worker(tokenizer_path: str, specials: tuple[str, ...], trust_remote_code: bool) -> None:
     global _worker_tokenizer, _worker_specials
     from kestrel.loader.tokenizer import load_tokenizer
 
-    _worker_tokenizer = load_tokenizer(tokenizer_path)
+    # Batch work: below the serving process's priority, so its event loop and the engine get the cores first.
+    os.nice(5)
+    _worker_tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
     _worker_specials = specials
 
 
@@ -85,8 +91,9 @@ def _in_worker(work: Callable[..., Any], *args: Any) -> Any:
 
 class TextWorkers:
     def __init__(self, tokenizer: Any, specials: Sequence[str], *, tokenizer_path: str | None = None,
-                 processes: int = 0) -> None:
+                 processes: int = 0, chat_template: str | None = None, trust_remote_code: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.specials = tuple(specials)
         self.processes = processes
         self._pool: ProcessPoolExecutor | None = None
@@ -95,7 +102,8 @@ class TextWorkers:
                 raise ValueError("tokenizer worker processes need the tokenizer's directory")
             # Spawned, not forked: the serving process runs the engine thread (and CUDA) already.
             self._pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init_worker, initargs=(tokenizer_path, self.specials))
+                                             initializer=_init_worker,
+                                             initargs=(tokenizer_path, self.specials, trust_remote_code))
 
     def start(self) -> TextWorkers:
         """Start every worker and load its tokenizer now, so the first requests do not wait for it."""
@@ -118,10 +126,15 @@ class TextWorkers:
         return list(await asyncio.gather(*(self._run(encode_prompt, text, limit) for text in texts)))
 
     async def render_chat(self, chat: ChatInput, limit: int | None) -> tuple[ChatPrompt, int, list[int] | None]:
-        return await self._run(render_and_encode, chat, limit)
+        return await self._run(render_and_encode, self._with_template(chat), limit)
 
     async def tokenize_reply(self, prompt: str | ChatInput, add_special_tokens: bool, max_model_len: int) -> bytes:
+        if isinstance(prompt, ChatInput):
+            prompt = self._with_template(prompt)
         return await self._run(tokenize_reply, prompt, add_special_tokens, max_model_len)
+
+    def _with_template(self, chat: ChatInput) -> ChatInput:
+        return chat if self.chat_template is None else dataclasses.replace(chat, chat_template=self.chat_template)
 
     async def detokenize_reply(self, token_ids: list[int]) -> bytes:
         return await self._run(detokenize_reply, token_ids)

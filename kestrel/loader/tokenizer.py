@@ -10,13 +10,13 @@ from kestrel.config import ConfigError
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
         raise ConfigError(f"invalid tokenizer={path!r}: the directory has none of {list(_TOKENIZER_FILES)}; "
                           "pass tokenizer=DIR pointing at a Hugging Face tokenizer")
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"invalid tokenizer={path!r}: it could not be loaded ({e})") from e

@@ -117,7 +117,7 @@ def openai_server(tiny_model_dir: str) -> Iterator[LiveServer]:
     engine = AsyncEngine.from_args(tiny_model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
                                    max_num_batched_tokens=512, device="cpu", dtype="float32",
                                    async_scheduling=True).start()
-    server = LiveServer(build_app(engine, MODEL, api_key=API_KEY, max_body_bytes=1 << 20), engine)
+    server = LiveServer(build_app(engine, MODEL, api_key=API_KEY, max_request_bytes=1 << 20), engine)
     yield server
     server.stop()
 

@@ -32,7 +32,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 def fuzz_server(tiny_model_dir: str, live_server_class) -> Iterator:
     engine = AsyncEngine.from_args(tiny_model_dir, max_model_len=48, max_num_seqs=128, max_num_batched_tokens=512,
                                    device="cpu", dtype="float32", max_queued_requests=4096).start()
-    server = live_server_class(build_app(engine, "tiny", api_key="fuzz-key", max_body_bytes=1 << 20), engine,
+    server = live_server_class(build_app(engine, "tiny", api_key="fuzz-key", max_request_bytes=1 << 20), engine,
                                api_key="fuzz-key")
     yield server
     server.stop()

@@ -161,7 +161,7 @@ def test_a_client_trickling_its_headers_is_disconnected(tiny_model_dir):
 
 def test_a_body_that_does_not_arrive_in_time_is_a_408(tiny_model_dir):
     engine, _ = scripted_engine(tiny_model_dir)
-    server = LiveServer(build_app(engine, MODEL, api_key=API_KEY, body_timeout_s=0.5), engine)
+    server = LiveServer(build_app(engine, MODEL, api_key=API_KEY, body_read_timeout=0.5), engine)
     try:
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()

@@ -1,0 +1,106 @@
+"""The HTTP server's settings: one frozen dataclass, validated once; `kestrel serve`'s server flags are generated
+from its fields (names with dashes, help and vLLM's spellings in each field's metadata), so the two cannot drift.
+
+Only the standard library is imported here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from kestrel.config import ConfigError
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
+DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18  # ~7 MB of JSON at the usual ~26 bytes an entry
+
+
+def _opt(default: Any, help_text: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help_text, **extra})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = _opt("127.0.0.1", "address to bind (0.0.0.0 for every interface)")
+    port: int = _opt(8000, "port to listen on")
+    api_key: tuple[str, ...] = _opt((), "one or more keys clients send as 'Authorization: Bearer KEY' on /v1 "
+                                        "(default: the KESTREL_API_KEY environment variable; none: open)")
+    served_model_name: tuple[str, ...] = _opt((), "the model's names for clients: the first is reported, all are "
+                                                  "accepted (default: the model as given)")
+    max_queued_requests: int = _opt(1024, "waiting sequences beyond which new requests get 429 with Retry-After")
+    request_timeout: float | None = _opt(None, "abort requests running longer (s)")
+    max_request_bytes: int = _opt(4 << 20, "largest request body (413 beyond)")
+    max_logprob_entries: int = _opt(DEFAULT_MAX_LOGPROB_ENTRIES,
+                                    "most logprob entries one response may carry, n x tokens x (logprobs + 1); "
+                                    "400 beyond")
+    tokenizer_workers: int | None = _opt(None, "processes that tokenize prompts and render chat templates off the "
+                                               "event loop (default: half the CPU cores, 1 to 4; 0: a thread)")
+    chat_template: str | None = _opt(None, "a chat template (Jinja) file, or the template itself, instead of the "
+                                           "tokenizer's")
+    tool_call_parser: str | None = _opt(None, "how the model writes tool calls (default: detected from the chat "
+                                              "template)", choices=TOOL_CALL_PARSERS)
+    enable_auto_tool_choice: bool = _opt(True, "let the model decide whether to call a tool (tool_choice 'auto'); "
+                                               "off: such requests are refused")
+    special_tokens_in_content: bool = _opt(False, "let special-token text in chat messages become control tokens "
+                                                  "(vLLM's behaviour; off: it is tokenized as plain text)")
+    allowed_origins: tuple[str, ...] = _opt((), "origins allowed to call the API from a browser (CORS; '*' for "
+                                                "any; default: no CORS headers)")
+    allowed_methods: tuple[str, ...] = _opt(("*",), "CORS: allowed methods")
+    allowed_headers: tuple[str, ...] = _opt(("*",), "CORS: allowed request headers")
+    allow_credentials: bool = _opt(False, "CORS: allow credentials")
+    root_path: str | None = _opt(None, "the path prefix a proxy serves the API under")
+    ssl_keyfile: str | None = _opt(None, "TLS private key file (with --ssl-certfile)")
+    ssl_certfile: str | None = _opt(None, "TLS certificate file (with --ssl-keyfile)")
+    public_docs: bool = _opt(False, "serve /openapi.json, /docs and /redoc without the API key (default: behind it)")
+    header_read_timeout: float = _opt(15.0, "close a connection whose request headers take longer (s)")
+    body_read_timeout: float = _opt(60.0, "answer 408 when a request body takes longer to arrive (s)")
+    shutdown_timeout: float = _opt(30.0, "on SIGTERM, how long running requests may still finish before they are "
+                                         "ended with a 503 / an error event (s)")
+    enable_log_requests: bool = _opt(False, "log each request's id, size and sampling settings")
+    log_level: str = _opt("info", "kestrel's log level", choices=LOG_LEVELS)
+    uvicorn_log_level: str | None = _opt(None, "the HTTP server's own log level (default: --log-level)",
+                                         choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        for name in ("port", "max_queued_requests", "max_request_bytes", "max_logprob_entries"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name != "port" else 1):
+                raise ConfigError(f"invalid {name}={value!r}: expected a non-negative integer")
+        for name in ("header_read_timeout", "body_read_timeout", "shutdown_timeout", "request_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"invalid {name}={value!r}: expected a number of seconds > 0")
+        if self.tokenizer_workers is not None and self.tokenizer_workers < 0:
+            raise ConfigError(f"invalid tokenizer_workers={self.tokenizer_workers}: expected 0 (a thread) or more")
+        if self.max_logprob_entries < 1:
+            raise ConfigError(f"invalid max_logprob_entries={self.max_logprob_entries}: expected >= 1")
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ConfigError("invalid TLS settings: give both ssl_keyfile and ssl_certfile, or neither")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"invalid {name}={path!r}: no such file")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"invalid tool_call_parser={self.tool_call_parser!r}: expected one of "
+                              f"{list(TOOL_CALL_PARSERS)}")
+        for name in ("log_level", "uvicorn_log_level"):
+            value = getattr(self, name)
+            if value is not None and value not in LOG_LEVELS:
+                raise ConfigError(f"invalid {name}={value!r}: expected one of {list(LOG_LEVELS)}")
+
+    def chat_template_text(self) -> str | None:
+        """The --chat-template as template text: a file's contents, or the value itself when no such file."""
+        if self.chat_template is None:
+            return None
+        if os.path.isfile(self.chat_template):
+            with open(self.chat_template) as f:
+                return f.read()
+        if "{" not in self.chat_template:
+            raise ConfigError(f"invalid chat_template={self.chat_template!r}: no such file, and not a Jinja template")
+        return self.chat_template
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.served_model_name
