@@ -6,7 +6,7 @@ from kestrel.config import ConfigError
 from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ConfigError"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ConfigError"]
 __version__ = "0.1.0"
 
 
@@ -16,4 +16,8 @@ def __getattr__(name: str) -> Any:
         from kestrel.entrypoints.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from kestrel.entrypoints.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(f"module 'kestrel' has no attribute {name!r}")

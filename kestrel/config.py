@@ -71,6 +71,38 @@ def _check_int(field_name: str, value: Any, minimum: int, allow_none: bool = Fal
         _fail(field_name, value, f"expected an integer >= {minimum}" + (" or None" if allow_none else ""))
 
 
+# generation_config.json keys -> SamplingParams fields (the ones a model's defaults may set).
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """A model's generation_config.json as the engine applies it: its EOS ids end generation besides the
+    tokenizer's, and its sampling settings are the defaults of requests that leave them unset (vLLM's
+    `--generation-config auto`)."""
+
+    eos_token_ids: frozenset[int] = frozenset()
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams field -> value
+
+
+def _read_generation_defaults(path: str | None, setting: str) -> GenerationDefaults:
+    if path is None:
+        return GenerationDefaults()
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"invalid generation_config={setting!r}: {path} could not be read ({e}); fix it or pass "
+                          "generation_config='vllm' to ignore it") from None
+    eos = data.get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not all(isinstance(t, int) and t >= 0 for t in eos_ids):
+        raise ConfigError(f"invalid generation_config: eos_token_id={eos!r} in {path} is not a token id or a list "
+                          "of them")
+    sampling = {key: data[key] for key in GENERATION_SAMPLING_KEYS if data.get(key) is not None}
+    return GenerationDefaults(frozenset(eos_ids), sampling)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load. `hf_config` is the parsed config.json of the checkpoint."""
@@ -85,6 +117,7 @@ class ModelConfig:
     download_dir: str | None = None  # the Hugging Face hub cache a model id is looked up in
     trust_remote_code: bool = False  # let the tokenizer run the Python code its directory ships
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPE_CHOICES)
@@ -110,6 +143,8 @@ class ModelConfig:
                     object.__setattr__(self, "hf_config", json.load(f))
             except json.JSONDecodeError as e:
                 _fail("model", self.model, f"config.json is not valid JSON ({e})")
+        object.__setattr__(self, "generation_defaults",
+                           _read_generation_defaults(self.generation_config_path, self.generation_config))
         context = self.hf_config.get("max_position_embeddings")
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", int(context) if context else 2048)

@@ -15,7 +15,6 @@ from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.contracts import ModelRunnerOutput, Runner, SchedulerOutput
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.scheduler import Scheduler
-from kestrel.loader.generation_config import load_generation_defaults
 from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kestrel.request import InvalidRequestError, Request, RequestStatus, prompt_too_long
 from kestrel.sampling_params import SamplingParams
@@ -67,7 +66,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         # The model's generation_config.json: more EOS ids, and default sampling settings (for the entrypoints).
-        self.generation_defaults = load_generation_defaults(config.model)
+        self.generation_defaults = config.model.generation_defaults
         self._extra_eos = self.generation_defaults.eos_token_ids - {eos_token_id}
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from kestrel.config import GenerationDefaults
 from kestrel.engine.core import EngineCore
-from kestrel.loader.generation_config import GenerationDefaults
 from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams
 

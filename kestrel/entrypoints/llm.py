@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -43,9 +44,10 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. `use_tqdm`: a progress bar, or a
+        tqdm-like class to build it with."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -75,7 +77,7 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
@@ -102,15 +104,25 @@ class LLM:
         raise InvalidRequestError("prompt", f"a prompt must be a string or a dict with 'prompt' or "
                                   f"'prompt_token_ids', got {type(prompt).__name__}")
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
-        bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm or len(wanted) < 2)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(request_ids), desc="Processed prompts", unit="req",
+                       disable=not use_tqdm or len(wanted) < 2)
+        started = time.perf_counter()
+        prompt_tokens = output_tokens = 0
         try:
             while len(finished) < len(wanted) and self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
+                        prompt_tokens += len(output.prompt_token_ids)
+                        output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        elapsed = max(time.perf_counter() - started, 1e-9)
+                        # As vLLM's bar shows it: the rates over the requests finished so far.
+                        bar.set_postfix_str(f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
+                                            f"output: {output_tokens / elapsed:.2f} toks/s", refresh=False)
                         bar.update(1)
         except BaseException:
             self.engine.abort_request([rid for rid in request_ids if rid not in finished])

@@ -12,7 +12,6 @@ import torch
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kestrel.loader import load_model
-from kestrel.loader.generation_config import load_generation_defaults
 from kestrel.loader.hf_config import resolve_dtype
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, to_logprob_dicts
@@ -52,7 +51,7 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         # min_tokens holds back every EOS id: the tokenizer's and generation_config.json's.
         own = frozenset() if eos_token_id is None else frozenset({eos_token_id})
-        self.eos_token_ids = own | load_generation_defaults(config.model).eos_token_ids
+        self.eos_token_ids = own | config.model.generation_defaults.eos_token_ids
         torch.manual_seed(config.model.seed)
         self.model = load_model(model_config, config.quant, self.device)
         self.vocab_size: int = int(config.model.hf_config["vocab_size"])

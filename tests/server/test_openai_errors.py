@@ -307,15 +307,18 @@ def test_big_tokenize_requests_do_not_stall_health(tiny_model_dir, tmp_path):
     with serve_process(tiny_model_dir) as (_, base):
         clients = [subprocess.Popen([sys.executable, "-c", _TOKENIZE_CLIENT, base, str(body_file), API_KEY],
                                     stdout=subprocess.PIPE, text=True) for _ in range(4)]
-        worst = 0.0
+        waits: list[tuple[float, float]] = []
+        began = time.perf_counter()
         while any(c.poll() is None for c in clients):
             started = time.perf_counter()
             assert httpx.get(f"{base}/health", timeout=30).status_code == 200
-            worst = max(worst, time.perf_counter() - started)
+            waits.append((time.perf_counter() - started, started - began))
             time.sleep(0.05)
+    worst = max(w for w, _ in waits)
     replies = [c.communicate()[0].split() for c in clients]
     assert all(status == "200" and int(count) > 1_000_000 for status, count in replies), replies
-    assert worst < 0.2, f"/health took {worst * 1e3:.0f} ms while four 3.9 MB prompts were tokenized"
+    slowest = ", ".join(f"{w * 1e3:.0f} ms at {t:.1f} s" for w, t in sorted(waits, reverse=True)[:5])
+    assert worst < 0.2, f"/health took {worst * 1e3:.0f} ms while four 3.9 MB prompts were tokenized ({slowest})"
 
 
 def test_openapi_states_limits_as_json_schema(openai_server):

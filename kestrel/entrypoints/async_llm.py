@@ -1,0 +1,90 @@
+"""`kestrel.AsyncLLM`: the engine for asyncio applications, in vLLM's shape.
+
+    llm = AsyncLLM("/models/llama", max_model_len=4096)          # the engine arguments of LLM(...)
+    async for output in llm.generate("Hello", SamplingParams(max_tokens=32), request_id="r1"):
+        print(output.outputs[0].delta_text, end="")               # or .text: cumulative
+    await llm.abort("r2")
+    llm.shutdown()
+
+The engine runs in a thread of this process (the same AsyncEngine the OpenAI server runs on); `generate` is an
+async iterator of RequestOutput, one per engine step that produced tokens for the request (`output_kind=
+"final_only"` in the SamplingParams: the finished output alone). Leaving the iteration early, or cancelling the
+task that iterates, aborts the request and frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kestrel.entrypoints.async_engine import AsyncEngine, EngineDeadError
+from kestrel.outputs import RequestOutput
+from kestrel.request import InvalidRequestError
+from kestrel.sampling_params import SamplingParams
+
+
+class AsyncLLM:
+    def __init__(self, model: str, *, max_queued_requests: int | None = None,
+                 request_timeout_s: float | None = None, **engine_args: Any) -> None:
+        self.engine = AsyncEngine.from_args(str(model), max_queued_requests=max_queued_requests,
+                                            request_timeout_s=request_timeout_s, **engine_args).start()
+        self.tokenizer = self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json settings, used when `generate` gets none."""
+        return SamplingParams(**self.engine.generation_defaults.sampling)
+
+    async def generate(self, prompt: str | dict[str, Any], sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}."""
+        text, token_ids = await asyncio.to_thread(self._tokenize, prompt)
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        stream = self.engine.submit(request_id or uuid.uuid4().hex, token_ids, params, text)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            self.engine.abort(rid)
+
+    async def check_health(self) -> None:
+        if not self.engine.is_healthy:
+            raise EngineDeadError("the engine is not running" + (f": {self.engine.error!r}" if self.engine.error
+                                                                  else ""))
+
+    @property
+    def is_running(self) -> bool:
+        return self.engine.is_healthy
+
+    @property
+    def errored(self) -> bool:
+        return self.engine.error is not None
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *_: Any) -> None:
+        self.shutdown()
+
+    def _tokenize(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise InvalidRequestError("prompt_token_ids", "prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise InvalidRequestError("prompt", "a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids'")

@@ -1,0 +1,87 @@
+"""`kestrel.AsyncLLM` embedded in a small asyncio application: concurrent requests stream their tokens, a cancelled
+task and an abort by id free their requests, final-only output, and a clean shutdown."""
+
+import asyncio
+
+import pytest
+
+from kestrel import AsyncLLM, SamplingParams
+from kestrel.entrypoints.async_engine import EngineDeadError
+from kestrel.loader.model_init import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("async-llm")
+    write_tiny_checkpoint(str(path), arch="llama", seed=2)
+    return str(path)
+
+
+def test_an_asyncio_app_streams_cancels_aborts_and_shuts_down(model_dir):
+    async def app() -> None:
+        llm = AsyncLLM(model_dir, dtype="float32", max_model_len=128, max_num_seqs=8)
+        greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+        async def collect(i: int) -> tuple[list[int], str, int]:
+            deltas, text, steps = [], "", 0
+            async for out in llm.generate({"prompt_token_ids": [3 + i, 4, 5]}, greedy, request_id=f"r{i}"):
+                deltas += out.outputs[0].delta_token_ids
+                text, steps = out.outputs[0].text, steps + 1
+            assert out.finished and deltas == out.outputs[0].token_ids
+            return deltas, text, steps
+
+        results = await asyncio.gather(*(collect(i) for i in range(4)))
+        assert all(len(tokens) == 12 and steps > 1 for tokens, _, steps in results)
+
+        final_only = greedy.replace(output_kind="final_only")
+        outs = [o async for o in llm.generate({"prompt_token_ids": [3, 4, 5]}, final_only)]
+        assert len(outs) == 1 and outs[0].outputs[0].token_ids == results[0][0]
+
+        long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+
+        async def until_cancelled() -> None:
+            async for _ in llm.generate("hello", long, request_id="cancel-me"):
+                pass
+
+        task = asyncio.create_task(until_cancelled())
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        stream = llm.generate("hello", long, request_id="abort-me")
+        first = await stream.__anext__()
+        assert not first.finished
+        await llm.abort("abort-me")
+        await stream.aclose()
+        for _ in range(100):
+            if not llm.engine.core.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.02)
+        assert not llm.engine.core.has_unfinished_requests()
+        await llm.check_health()
+        llm.shutdown()
+        assert not llm.is_running
+        with pytest.raises(EngineDeadError):
+            await llm.check_health()
+
+    asyncio.run(app())
+
+
+def test_llm_generate_builds_its_bar_with_a_given_tqdm_class(model_dir):
+    from tqdm import tqdm
+
+    from kestrel import LLM
+
+    made = []
+
+    class Bar(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = False
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=64)
+    llm.generate([{"prompt_token_ids": [3, 4]}, {"prompt_token_ids": [5, 6]}],
+                 SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=Bar)
+    assert len(made) == 1 and made[0].n == 2 and "output:" in made[0].postfix
