@@ -256,10 +256,11 @@ class EngineConfig:
     device: str = "auto"
     enforce_eager: bool = False
     debug_launch_count: bool = False  # log the kernel launches of one decoder layer's decode step at startup
+    disable_log_stats: bool = False  # no periodic throughput / queue / KV cache line in the log
 
     def __post_init__(self) -> None:
         _check_choice("device", self.device, DEVICE_CHOICES)
-        for name in ("enforce_eager", "debug_launch_count"):
+        for name in ("enforce_eager", "debug_launch_count", "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "expected True or False")
         if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs:
@@ -356,6 +357,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("enforce_eager", "engine", "enforce_eager", "no CUDA graphs"),
     EngineArg("debug_launch_count", "engine", "debug_launch_count",
               "log the kernel launches of one decoder layer's decode step"),
+    EngineArg("disable_log_stats", "engine", "disable_log_stats",
+              "no periodic log line of throughput, running / waiting requests and KV cache usage"),
 )
 _KWARG_TO_FIELD: dict[str, tuple[str, str]] = {arg.name: (arg.group, arg.field) for arg in ENGINE_ARGS}
 _GROUP_CLASSES: dict[str, type] = {}  # filled below, once the classes exist

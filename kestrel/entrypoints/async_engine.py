@@ -22,6 +22,7 @@ from typing import Any
 
 from kestrel.config import GenerationDefaults
 from kestrel.engine.core import EngineCore
+from kestrel.engine.stats_logger import StatsLogger
 from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams
 
@@ -173,6 +174,7 @@ class AsyncEngine:
         self._draining = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kestrel-engine", daemon=True)
+        self._stats_logger = None if core.config.disable_log_stats else StatsLogger()
 
     @classmethod
     def from_args(cls, model: str, *, max_queued_requests: int | None = None,
@@ -321,6 +323,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
+                if self._stats_logger is not None and not self.core.has_unfinished_requests():
+                    self._stats_logger.maybe_log(self.core.scheduler, force=True)  # the last line of a busy spell
                 with self._cond:
                     while not (self._commands or self._stopping or self.core.has_unfinished_requests()):
                         self._cond.wait()
@@ -336,6 +340,8 @@ class AsyncEngine:
                 if not self.core.has_unfinished_requests():
                     continue
                 outputs = self.core.step()
+                if self._stats_logger is not None:
+                    self._stats_logger.maybe_log(self.core.scheduler)
                 with self._cond:
                     self._publish_stats()
                     self._dispatch(outputs)

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from kestrel.config import EngineConfig
 from kestrel.engine.core import EngineCore
+from kestrel.engine.stats_logger import StatsLogger
 from kestrel.entrypoints.chat import apply_chat_template
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.outputs import RequestOutput
@@ -28,12 +29,14 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         if model is None:
             model = str(default_model_path())
+        engine_args.setdefault("disable_log_stats", True)  # as vLLM's LLM: the progress bar reports instead
         self.config = EngineConfig.from_kwargs(str(model), **engine_args)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer_path, self.config.model.trust_remote_code)
         eos_token_id = self.tokenizer.eos_token_id
         self.runner = ModelRunner(self.config, eos_token_id=eos_token_id)
         self.engine = EngineCore(self.config, self.runner, self.runner.num_blocks, self.tokenizer, eos_token_id)
         self._counter = itertools.count()
+        self._stats_logger = None if self.config.disable_log_stats else StatsLogger()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json settings (temperature, top_p, top_k, min_p,
@@ -114,7 +117,10 @@ class LLM:
         prompt_tokens = output_tokens = 0
         try:
             while len(finished) < len(wanted) and self.engine.has_unfinished_requests():
-                for output in self.engine.step():
+                outputs = self.engine.step()
+                if self._stats_logger is not None:
+                    self._stats_logger.maybe_log(self.engine.scheduler)
+                for output in outputs:
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
                         prompt_tokens += len(output.prompt_token_ids)

@@ -62,7 +62,12 @@ _OPENAI_PLATFORM = "an OpenAI platform feature that this server does not have"
 # unknown field is refused too: a field is honoured or refused, never ignored.
 NOT_SUPPORTED_FIELDS: dict[str, str] = {
     **{name: _STRUCTURED for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                                      "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")},
+                                      "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
+                                      "structural_tag")},
+    "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
+    "include_reasoning": "reasoning parsing is not implemented",
+    "best_of": "best_of is not supported on chat completions; use n",
+    "add_special_tokens": "on chat completions the template places the special tokens (add_special_tokens false)",
     "allowed_token_ids": "restricting sampling to a token set is not implemented yet; logit_bias can steer tokens",
     "bad_words": "bad-word blocking is not implemented yet",
     "prompt_logprobs": "not implemented yet; on /v1/completions, echo with logprobs returns the prompt's logprobs",
@@ -94,7 +99,7 @@ _EMPTY_VALUES: tuple[Any, ...] = (None, [], {})
 # vLLM fields sent with the value that asks for nothing beyond what kestrel does anyway (vLLM's defaults).
 _NO_OP_VALUES: dict[str, Any] = {"use_beam_search": False, "priority": 0, "continue_final_message": False,
                                  "add_generation_prompt": True, "return_tokens_as_token_ids": False, "echo": False,
-                                 "return_token_ids": False}
+                                 "return_token_ids": False, "add_special_tokens": False}
 
 
 def _asks_nothing(name: str, value: Any) -> bool:
@@ -211,6 +216,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: Annotated[Int, Field(ge=1)] | None = 16
     logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False
+    add_special_tokens: bool | None = True  # vLLM's: the tokenizer's BOS (and the like) around a text prompt
     suffix: str | None = None
     best_of: Annotated[Int, Field(ge=1)] | None = None
 

@@ -386,6 +386,26 @@ class BodyLimitMiddleware:
 
 # ----- running ---------------------------------------------------------------------------------------
 
+def startup_summary(engine: AsyncEngine) -> list[str]:
+    """What a started engine runs: model, precision, KV cache capacity and concurrency, CUDA-graph capture."""
+    config, runner = engine.core.config, engine.core.runner
+    saved = (config.model.hf_config.get("quantization_config") or {}).get("quant_method")
+    quant = config.quant.method or (f"{saved} (checkpoint)" if saved else "none")
+    tokens = engine.core.num_blocks * config.cache.block_size
+    lines = [f"model {config.model.model} ({config.model.architecture}), dtype {getattr(runner, 'dtype', '?')}, "
+             f"quantization {quant}, device {getattr(runner, 'device', config.device)}",
+             f"KV cache: {engine.core.num_blocks} blocks of {config.cache.block_size} tokens ({tokens:,} tokens, "
+             f"{config.cache.kv_cache_dtype}); max_model_len {engine.max_model_len}: "
+             f"{tokens / engine.max_model_len:.1f}x concurrency at full length; max_num_seqs "
+             f"{config.scheduler.max_num_seqs}, max_num_batched_tokens {config.scheduler.max_num_batched_tokens}"]
+    capture = getattr(runner, "capture_seconds", None)
+    if capture:
+        lines.append(f"CUDA graphs captured in {capture:.1f} s")
+    lines.append("routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
+                 "/version, /metrics, /docs")
+    return lines
+
+
 def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | None = None) -> int:
     """Load the model, start the engine thread and serve until SIGTERM / SIGINT, then drain (`kestrel serve`)."""
     from kestrel.entrypoints.http_server import serve
@@ -398,6 +418,8 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
     except ValueError as e:
         raise ConfigError(str(e)) from e
     engine.start()
+    for line in startup_summary(engine):
+        logger.info(line)
     workers = config.tokenizer_workers
     if workers is None:
         workers = min(4, max(1, (os.cpu_count() or 2) // 2))

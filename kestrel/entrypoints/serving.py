@@ -157,7 +157,7 @@ class OpenAIServing:
         self.check_model(request.model)
         params = request.to_sampling_params(self.engine.generation_defaults.sampling)
         self._check_sequences(len(request.prompts()), params.n, "prompt")  # before any tokenizing
-        prompts = await self._encode_prompts(request.prompts())
+        prompts = await self._encode_prompts(request.prompts(), request.add_special_tokens is not False)
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
                                  logprobs_param="logprobs")
         job.model_name = self.response_model_name(request.model)
@@ -379,10 +379,12 @@ class OpenAIServing:
             self._token_text[token_id] = text
         return text
 
-    async def _encode_prompts(self, prompts: Sequence[str | list[int]]) -> list[_Prompt]:
+    async def _encode_prompts(self, prompts: Sequence[str | list[int]],
+                              add_special_tokens: bool = True) -> list[_Prompt]:
         """Text prompts are tokenized off the event loop (TextWorkers); one that cannot fit is refused by count."""
         limit = self.engine.max_model_len
-        encoded = iter(await self.text.encode_prompts([p for p in prompts if isinstance(p, str)], limit))
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(await self.text.encode_prompts(texts, limit, add_special_tokens))
         out = []
         for prompt in prompts:
             if not isinstance(prompt, str):

@@ -37,10 +37,10 @@ class ChatInput:
 
 # ----- the work (module functions: a worker process runs them by name) -----------------------------------
 
-def encode_prompt(tokenizer: Any, specials: Sequence[str], text: str,
-                  limit: int | None) -> tuple[int, list[int] | None]:
+def encode_prompt(tokenizer: Any, specials: Sequence[str], text: str, limit: int | None,
+                  add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
     """(token count, ids), the ids None when there are `limit` or more (the caller only reports the count)."""
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return len(ids), (ids if limit is None or len(ids) < limit else None)
 
 
@@ -122,8 +122,10 @@ class TextWorkers:
             return await asyncio.to_thread(work, self.tokenizer, self.specials, *args)
         return await asyncio.wrap_future(self._pool.submit(_in_worker, work, *args))
 
-    async def encode_prompts(self, texts: list[str], limit: int | None) -> list[tuple[int, list[int] | None]]:
-        return list(await asyncio.gather(*(self._run(encode_prompt, text, limit) for text in texts)))
+    async def encode_prompts(self, texts: list[str], limit: int | None,
+                             add_special_tokens: bool = True) -> list[tuple[int, list[int] | None]]:
+        return list(await asyncio.gather(*(self._run(encode_prompt, text, limit, add_special_tokens)
+                                           for text in texts)))
 
     async def render_chat(self, chat: ChatInput, limit: int | None) -> tuple[ChatPrompt, int, list[int] | None]:
         return await self._run(render_and_encode, self._with_template(chat), limit)

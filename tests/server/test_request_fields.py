@@ -7,7 +7,7 @@ import pytest
 from conftest import MODEL
 
 from kestrel.config import ConfigError, EngineConfig
-from kestrel.entrypoints.protocol import NOT_SUPPORTED_FIELDS
+from kestrel.entrypoints.protocol import NOT_SUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -29,6 +29,47 @@ def test_chat_fields_kestrel_has_only_for_completions_are_refused(openai_server,
     response = httpx.post(f"{openai_server.base_url}/v1/chat/completions", json={**CHAT, field: CHAT_ONLY[field]},
                           headers=openai_server.headers, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+# Every field of vLLM's request models (vllm/entrypoints/openai/protocol.py: CompletionRequest and
+# ChatCompletionRequest, vLLM 0.10-0.11) with a value that asks for something. Each is either a field kestrel's
+# request model has (honoured; the other tests check the effects) or refused with a 400 that names it.
+VLLM_COMMON = {
+    "model": MODEL, "frequency_penalty": 0.5, "logit_bias": {"5": 1.0}, "max_tokens": 3, "n": 2,
+    "presence_penalty": 0.5, "seed": 7, "stop": ["zz"], "stream": False, "temperature": 0.5, "top_p": 0.9,
+    "user": "u1", "use_beam_search": True, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
+    "length_penalty": 0.5, "stop_token_ids": [9], "include_stop_str_in_output": True, "ignore_eos": True,
+    "min_tokens": 1, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+    "truncate_prompt_tokens": 4, "prompt_logprobs": 1, "allowed_token_ids": [5, 6], "bad_words": ["x"],
+    "add_special_tokens": True, "response_format": {"type": "json_object"}, "guided_json": {"type": "object"},
+    "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "structural_tag": "{}",
+    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "structured_outputs": {"choice": ["a"]},
+    "priority": 1, "request_id": "mine", "logits_processors": ["x"], "return_tokens_as_token_ids": True,
+    "return_token_ids": True, "cache_salt": "s", "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
+}
+VLLM_COMPLETION = {**VLLM_COMMON, "prompt": "hi", "best_of": 3, "echo": True, "logprobs": 2, "suffix": "end",
+                   "stream_options": {"include_usage": True}, "prompt_embeds": "AAAA"}
+VLLM_CHAT = {**VLLM_COMMON, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2,
+             "max_completion_tokens": 3, "tools": None, "tool_choice": "none", "parallel_tool_calls": False,
+             "reasoning_effort": "low", "include_reasoning": False, "best_of": 3, "echo": True,
+             "add_generation_prompt": False, "continue_final_message": True, "documents": [{"t": "x"}],
+             "chat_template": "{{ messages }}", "chat_template_kwargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
+             "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize("path, fields, model", [("/v1/completions", VLLM_COMPLETION, CompletionRequest),
+                                                 ("/v1/chat/completions", VLLM_CHAT, ChatCompletionRequest)])
+def test_every_vllm_request_field_is_honoured_or_refused(openai_server, path, fields, model):
+    required = {"prompt", "messages", "model"}
+    base = {k: fields[k] for k in required if k in fields}
+    for name, value in fields.items():
+        if name in required:
+            continue
+        if name in model.model_fields:  # a field of kestrel's request model: honoured
+            continue
+        response = post(openai_server, path, {**base, name: value})
+        assert response.status_code == 400, (name, response.text)
+        assert response.json()["error"]["param"] == name, (name, response.json())
 
 
 def post(server, path, body):
@@ -81,3 +122,17 @@ def test_openai_client_extra_body_fields_are_checked(openai_server):
 def test_tensor_parallel_size_other_than_one_is_refused(tiny_model_dir):
     with pytest.raises(ConfigError, match="tensor_parallel_size=2"):
         EngineConfig.from_kwargs(tiny_model_dir, tensor_parallel_size=2)
+
+
+def test_add_special_tokens_is_honoured_on_completions(openai_server, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert hf_tokenizer.encode("hello there") != hf_tokenizer.encode("hello there", add_special_tokens=False)
+    counts = {}
+    for flag in (True, False):
+        reply = post(openai_server, "/v1/completions", {**COMPLETION, "prompt": "hello there",
+                                                         "add_special_tokens": flag}).json()
+        counts[flag] = reply["usage"]["prompt_tokens"]
+    assert counts[True] == len(hf_tokenizer.encode("hello there", add_special_tokens=True))
+    assert counts[False] == len(hf_tokenizer.encode("hello there", add_special_tokens=False))
