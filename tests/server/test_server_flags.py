@@ -89,3 +89,12 @@ def test_auto_tool_choice_can_be_switched_off(server):
 def test_bad_settings_are_config_errors(settings, match):
     with pytest.raises(ConfigError, match=match):
         ServerConfig(**settings).chat_template_text()
+
+
+def test_the_startup_summary_names_what_runs(server):
+    from kestrel.entrypoints.server import startup_summary
+
+    live = server()
+    text = "\n".join(startup_summary(live.engine))
+    assert "KV cache: 256 blocks of 16 tokens (4,096 tokens" in text and "max_model_len 512: 8.0x" in text
+    assert "quantization none" in text
