@@ -116,6 +116,7 @@ class ModelConfig:
     generation_config: str = "auto"  # "auto" (the model's generation_config.json), "vllm" (none) or a directory
     download_dir: str | None = None  # the Hugging Face hub cache a model id is looked up in
     trust_remote_code: bool = False  # let the tokenizer run the Python code its directory ships
+    hf_overrides: dict | None = None  # config.json keys replaced after reading it (vLLM's hf_overrides)
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults, compare=False, repr=False)
 
@@ -143,6 +144,10 @@ class ModelConfig:
                     object.__setattr__(self, "hf_config", json.load(f))
             except json.JSONDecodeError as e:
                 _fail("model", self.model, f"config.json is not valid JSON ({e})")
+        if self.hf_overrides is not None:
+            if not isinstance(self.hf_overrides, dict):
+                _fail("hf_overrides", self.hf_overrides, "expected a dict of config.json keys and values")
+            object.__setattr__(self, "hf_config", {**self.hf_config, **self.hf_overrides})
         object.__setattr__(self, "generation_defaults",
                            _read_generation_defaults(self.generation_config_path, self.generation_config))
         context = self.hf_config.get("max_position_embeddings")
@@ -329,6 +334,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "HF_HOME/hub, ~/.cache/huggingface/hub); nothing is downloaded"),
     EngineArg("trust_remote_code", "model", "trust_remote_code",
               "let a tokenizer run the code its directory ships (model architectures are kestrel's own)"),
+    EngineArg("hf_overrides", "model", "hf_overrides", "config.json keys to replace, as JSON (e.g. "
+              "'{\"rope_theta\": 1000000}')"),
     EngineArg("block_size", "cache", "block_size", "tokens per KV cache block", choices=BLOCK_SIZE_CHOICES),
     EngineArg("kv_cache_blocks", "cache", "num_blocks", "number of KV cache blocks (instead of the profiled one)",
               aliases=("--num-gpu-blocks-override",)),

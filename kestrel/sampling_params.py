@@ -54,6 +54,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
         if self.top_k is None or self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.seed == -1 and _is_int(self.seed):  # vLLM's spelling of "no seed": random sampling
+            object.__setattr__(self, "seed", None)
         self._validate()
 
     def _validate(self) -> None:

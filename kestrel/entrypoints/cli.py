@@ -40,8 +40,18 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                                default=argparse.SUPPRESS, help=shown)
             continue
         choices = [c for c in arg.choices if c is not None] if arg.choices else None
-        group.add_argument(*flags, dest=arg.name, type=kind, choices=choices, default=argparse.SUPPRESS,
-                           help=shown)
+        group.add_argument(*flags, dest=arg.name, type=_json_object if kind is dict else kind, choices=choices,
+                           default=argparse.SUPPRESS, help=shown)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:

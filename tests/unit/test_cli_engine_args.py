@@ -64,3 +64,12 @@ def test_the_hub_cache_variables_become_download_dir(tiny_model_dir, monkeypatch
     monkeypatch.setenv("HF_HUB_CACHE", "/cache")
     assert _engine_kwargs(serve_args(tiny_model_dir))["download_dir"] == "/cache"
     assert _engine_kwargs(serve_args(tiny_model_dir, "--download-dir", "/mine"))["download_dir"] == "/mine"
+
+
+def test_hf_overrides_replace_config_json_keys(tiny_model_dir, capsys):
+    args = serve_args(tiny_model_dir, "--hf-overrides", '{"max_position_embeddings": 32}')
+    config = EngineConfig.from_kwargs(tiny_model_dir, **_engine_kwargs(args))
+    assert config.model.hf_config["max_position_embeddings"] == 32 and config.model.max_model_len == 32
+    with pytest.raises(SystemExit):
+        serve_args(tiny_model_dir, "--hf-overrides", "[1]")
+    assert "expected a JSON object" in capsys.readouterr().err

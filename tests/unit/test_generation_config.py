@@ -74,3 +74,7 @@ def test_generation_config_from_another_directory_and_bad_values(model_dir, tmp_
     broken = with_generation_config(model_dir, tmp_path, eos_token_id="x")
     with pytest.raises(ConfigError, match="eos_token_id"):
         LLM(str(broken), dtype="float32", max_model_len=64)
+
+
+def test_seed_minus_one_means_unseeded_as_in_vllm():
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
