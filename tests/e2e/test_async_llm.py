@@ -37,14 +37,16 @@ def test_an_asyncio_app_streams_cancels_aborts_and_shuts_down(model_dir):
         outs = [o async for o in llm.generate({"prompt_token_ids": [3, 4, 5]}, final_only)]
         assert len(outs) == 1 and outs[0].outputs[0].token_ids == results[0][0]
 
-        long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        long = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+        streaming = asyncio.Event()
 
         async def until_cancelled() -> None:
             async for _ in llm.generate("hello", long, request_id="cancel-me"):
-                pass
+                streaming.set()
+                await asyncio.sleep(0)  # the cancellation lands here, mid-stream
 
         task = asyncio.create_task(until_cancelled())
-        await asyncio.sleep(0.2)
+        await streaming.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
