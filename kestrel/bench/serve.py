@@ -163,6 +163,92 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float) -> dict[s
     }
 
 
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def _percentile_key(q: float) -> str:
+    return f"p{int(q)}" if float(q).is_integer() else f"p{q:g}"
+
+
+def flat_metrics(records: Sequence[RequestRecord], duration: float, percentile_metrics: Sequence[str] = ("ttft",
+                 "tpot", "itl"), metric_percentiles: Sequence[float] = (99.0,),
+                 goodput: dict[str, float] | None = None) -> dict[str, Any]:
+    """`vllm bench serve`'s flat result keys for one level: totals and throughputs, `request_goodput` (requests
+    within every `goodput` SLO, in ms, per second), and mean / median / std / pXX of the chosen latencies."""
+    ok = [r for r in records if r.success]
+    samples: dict[str, list[float]] = {name: [] for name in LATENCY_METRICS}
+    good = 0
+    for r in ok:
+        ttft, e2e, tpot, gaps = request_latencies(r)
+        per_request = {"ttft": ttft, "tpot": tpot or 0.0, "e2el": e2e}
+        samples["ttft"].append(ttft)
+        samples["e2el"].append(e2e)
+        if tpot is not None:
+            samples["tpot"].append(tpot)
+        samples["itl"].extend(gaps)
+        if goodput and all(per_request[k] * 1e3 <= limit for k, limit in goodput.items()):
+            good += 1
+    total_in = sum(r.input_tokens for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    out: dict[str, Any] = {
+        "duration": duration, "completed": len(ok), "failed": len(records) - len(ok),
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration,
+        "request_goodput": good / duration if goodput else None,
+        "output_throughput": total_out / duration, "total_token_throughput": (total_in + total_out) / duration,
+        "input_lens": [r.input_tokens for r in records], "output_lens": [r.output_tokens for r in records],
+    }
+    for name in percentile_metrics:
+        ms = [v * 1e3 for v in samples[name]]
+        out[f"mean_{name}_ms"] = statistics.fmean(ms) if ms else 0.0
+        out[f"median_{name}_ms"] = percentile(ms, 50.0) if ms else 0.0
+        out[f"std_{name}_ms"] = statistics.pstdev(ms) if ms else 0.0
+        for q in metric_percentiles:
+            out[f"{_percentile_key(q)}_{name}_ms"] = percentile(ms, q) if ms else 0.0
+    return out
+
+
+def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
+    """`ttft:500 tpot:50` -> {"ttft": 500.0, "tpot": 50.0} (milliseconds), as vLLM's --goodput takes them."""
+    slos: dict[str, float] = {}
+    for item in items or ():
+        name, _, value = item.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS and e2el:MS, got {item!r}")
+        slos[name] = float(value)
+        if slos[name] < 0:
+            raise ValueError(f"--goodput {name} must be >= 0 ms")
+    return slos
+
+
+def load_sharegpt(path: Path, count_tokens: Callable[[str], int] | None, fixed_output_len: int | None,
+                  max_prompt_tokens: int = 1024, max_total_tokens: int = 2048) -> list[tuple[str, int]]:
+    """(first human turn, output budget) of every ShareGPT conversation with a reply, filtered as vLLM does (at
+    least 4 prompt and output tokens, prompt <= 1024, prompt + output <= 2048); the budget is the reply's
+    token count, or `fixed_output_len`."""
+    data = json.loads(Path(path).read_text())
+    out = []
+    for item in data:
+        turns = item.get("conversations") or item.get("conversation") or []
+        if len(turns) < 2 or not isinstance(turns[0].get("value"), str) or not isinstance(turns[1].get("value"), str):
+            continue
+        prompt, reply = turns[0]["value"], turns[1]["value"]
+        if count_tokens is None:
+            if fixed_output_len is None:
+                raise ValueError("ShareGPT output lengths need the server's /tokenize; pass --sharegpt-output-len")
+            out.append((prompt, fixed_output_len))
+            continue
+        prompt_len = count_tokens(prompt)
+        output_len = fixed_output_len if fixed_output_len is not None else count_tokens(reply)
+        if prompt_len < 4 or output_len < 4 or prompt_len > max_prompt_tokens or \
+                prompt_len + output_len > max_total_tokens:
+            continue
+        out.append((prompt, output_len))
+    if not out:
+        raise ValueError(f"{path} holds no usable ShareGPT conversation (a list of {{'conversations': [...]}})")
+    return out
+
+
 def record_to_json(record: RequestRecord, t0: float) -> dict[str, Any]:
     """Per-request record for the result file; times relative to the level's start (t0) or the request's start."""
     out: dict[str, Any] = {"index": record.index, "success": record.success, "status": record.status,
@@ -185,10 +271,13 @@ def make_prompts(count: int, input_len: int, token_range: tuple[int, int], seed:
     return [rng.choices(ids, k=input_len) for _ in range(count)]
 
 
-def arrival_offsets(count: int, rate: float, seed: int | str) -> list[float]:
-    """Send times (s after the start) of a Poisson process of `rate` req/s; the first request goes at once."""
+def arrival_offsets(count: int, rate: float, seed: int | str, burstiness: float = 1.0) -> list[float]:
+    """Send times (s after the start) of `rate` req/s, the first request at once. Gaps are gamma distributed with
+    shape `burstiness` and mean 1/rate, as in vLLM: 1 is a Poisson process, below 1 burstier, above 1 steadier."""
     if rate <= 0:
         raise ValueError(f"request rate must be positive, got {rate}")
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be positive, got {burstiness}")
     if math.isinf(rate):
         return [0.0] * count
     rng = random.Random(seed)
@@ -196,7 +285,7 @@ def arrival_offsets(count: int, rate: float, seed: int | str) -> list[float]:
     t = 0.0
     for _ in range(count):
         offsets.append(t)
-        t += rng.expovariate(rate)
+        t += rng.expovariate(rate) if burstiness == 1.0 else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
     return offsets
 
 
@@ -205,7 +294,7 @@ def level_seed(kind: str, seed: int, level_index: int) -> str:
     return f"{kind}-{seed}-{level_index}"
 
 
-def completion_payload(model: str, prompt: list[int], max_tokens: int, ignore_eos: bool) -> dict[str, Any]:
+def completion_payload(model: str, prompt: list[int] | str, max_tokens: int, ignore_eos: bool) -> dict[str, Any]:
     payload: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                                "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
@@ -284,10 +373,19 @@ def make_client(pool_size: int, timeout_s: float) -> httpx.AsyncClient:
                              trust_env=False)
 
 
-async def send_request(client: httpx.AsyncClient, target: Target, index: int, prompt: list[int], max_tokens: int,
+Prompt = list[int] | str  # token ids (random dataset) or text (ShareGPT)
+MaxTokens = int | Sequence[int]  # one budget for all, or one per prompt
+
+
+def _budget(max_tokens: MaxTokens, index: int) -> int:
+    return max_tokens if isinstance(max_tokens, int) else max_tokens[index]
+
+
+async def send_request(client: httpx.AsyncClient, target: Target, index: int, prompt: Prompt, max_tokens: int,
                        ignore_eos: bool) -> RequestRecord:
     payload = completion_payload(target.model, prompt, max_tokens, ignore_eos)
-    record = RequestRecord(index=index, start=time.perf_counter(), prompt_tokens=len(prompt), max_tokens=max_tokens)
+    record = RequestRecord(index=index, start=time.perf_counter(),
+                           prompt_tokens=len(prompt) if isinstance(prompt, list) else 0, max_tokens=max_tokens)
     try:
         async with client.stream("POST", target.completions_url, json=payload, headers=target.headers) as response:
             record.status = response.status_code
@@ -314,28 +412,29 @@ async def send_request(client: httpx.AsyncClient, target: Target, index: int, pr
     return record
 
 
-async def run_fixed_concurrency(client: httpx.AsyncClient, target: Target, prompts: list[list[int]], max_tokens: int,
-                                ignore_eos: bool, concurrency: int) -> list[RequestRecord]:
+async def run_fixed_concurrency(client: httpx.AsyncClient, target: Target, prompts: Sequence[Prompt],
+                                max_tokens: MaxTokens, ignore_eos: bool, concurrency: int) -> list[RequestRecord]:
     records: list[RequestRecord] = []
     pending = iter(enumerate(prompts))
 
     async def worker() -> None:
         for index, prompt in pending:  # the shared iterator hands each prompt to exactly one worker
-            records.append(await send_request(client, target, index, prompt, max_tokens, ignore_eos))
+            records.append(await send_request(client, target, index, prompt, _budget(max_tokens, index),
+                                              ignore_eos))
 
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
     return sorted(records, key=lambda r: r.index)
 
 
-async def run_poisson(client: httpx.AsyncClient, target: Target, prompts: list[list[int]], max_tokens: int,
+async def run_poisson(client: httpx.AsyncClient, target: Target, prompts: Sequence[Prompt], max_tokens: MaxTokens,
                       ignore_eos: bool, offsets: list[float], max_concurrency: int | None) -> list[RequestRecord]:
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
-    async def one(index: int, prompt: list[int]) -> RequestRecord:
+    async def one(index: int, prompt: Prompt) -> RequestRecord:
         if gate is None:
-            return await send_request(client, target, index, prompt, max_tokens, ignore_eos)
+            return await send_request(client, target, index, prompt, _budget(max_tokens, index), ignore_eos)
         async with gate:
-            return await send_request(client, target, index, prompt, max_tokens, ignore_eos)
+            return await send_request(client, target, index, prompt, _budget(max_tokens, index), ignore_eos)
 
     t0 = time.perf_counter()
     tasks = []
@@ -438,6 +537,17 @@ class Workload:
     seed: int
     ignore_eos: bool
     timeout_s: float
+    burstiness: float = 1.0
+    # ShareGPT: (first human turn, output budget) per conversation, drawn per level; None: random token ids
+    conversations: list[tuple[str, int]] | None = None
+
+    def level_prompts(self, kind: str, level_index: int, count: int) -> tuple[list[Prompt], MaxTokens]:
+        if self.conversations is None:
+            return (list(make_prompts(count, self.input_len, self.token_range,
+                                      level_seed(kind, self.seed, level_index))), self.output_len)
+        picked = random.Random(level_seed(kind, self.seed, level_index)).sample(
+            self.conversations, min(count, len(self.conversations)))
+        return [text for text, _ in picked], [budget for _, budget in picked]
 
 
 @dataclass
@@ -472,20 +582,20 @@ def client_warning(client: dict[str, Any]) -> str | None:
 
 async def run_level(target: Target, level: Level, work: Workload, level_index: int) -> LevelRun:
     # each level gets its own prompts so a prefix cache cannot reuse the previous level's work
-    prompts = make_prompts(work.num_prompts, work.input_len, work.token_range,
-                           level_seed("prompts", work.seed, level_index))
+    prompts, budgets = work.level_prompts("prompts", level_index, work.num_prompts)
     lag = LoopLag()
     async with make_client(level.pool_size(work.num_prompts), work.timeout_s) as client:
         watcher = asyncio.create_task(lag.watch())
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         if level.concurrency is not None:
-            records = await run_fixed_concurrency(client, target, prompts, work.output_len, work.ignore_eos,
+            records = await run_fixed_concurrency(client, target, prompts, budgets, work.ignore_eos,
                                                   level.concurrency)
         else:
             assert level.request_rate is not None
-            offsets = arrival_offsets(len(prompts), level.request_rate, level_seed("arrivals", work.seed, level_index))
-            records = await run_poisson(client, target, prompts, work.output_len, work.ignore_eos, offsets,
+            offsets = arrival_offsets(len(prompts), level.request_rate, level_seed("arrivals", work.seed, level_index),
+                                      work.burstiness)
+            records = await run_poisson(client, target, prompts, budgets, work.ignore_eos, offsets,
                                         level.max_concurrency)
         duration = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
@@ -496,9 +606,9 @@ async def run_level(target: Target, level: Level, work: Workload, level_index: i
 
 async def warm_up(target: Target, work: Workload, count: int) -> int:
     """Send `count` requests at once, outside any measurement; return how many failed."""
-    prompts = make_prompts(count, work.input_len, work.token_range, level_seed("warmup", work.seed, 0))
+    prompts, budgets = work.level_prompts("warmup", 0, count)
     async with make_client(count, work.timeout_s) as client:
-        records = await run_fixed_concurrency(client, target, prompts, work.output_len, work.ignore_eos, count)
+        records = await run_fixed_concurrency(client, target, prompts, budgets, work.ignore_eos, len(prompts))
     return sum(1 for r in records if not r.success)
 
 
@@ -566,27 +676,50 @@ def environment(git_sha: str | None, server: Any) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000 (a /v1 suffix is ok)")
+    p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (a /v1 suffix is ok; "
+                   "default: http://HOST:PORT)")
+    p.add_argument("--host", default="127.0.0.1", help="with --port, the server when --base-url is not given")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", default="openai", choices=["openai", "vllm"],
+                   help="both send OpenAI streaming completions (vLLM's names)")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions"])
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
-    mode = p.add_mutually_exclusive_group(required=True)
+    mode = p.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", default=None, help="requests kept in flight; a comma list sweeps, e.g. 1,4,16")
-    mode.add_argument("--request-rate", default=None, help="Poisson arrivals per second (inf: all at once); "
-                                                           "a comma list sweeps")
+    mode.add_argument("--request-rate", default=None, help="arrivals per second (inf: all at once, the default); "
+                      "a comma list sweeps")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests with --request-rate")
-    p.add_argument("--num-prompts", type=int, required=True, help="requests per level")
-    p.add_argument("--input-len", type=int, required=True, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, required=True, help="max_tokens per request")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 Poisson, below 1 burstier, above 1 steadier")
+    p.add_argument("--num-prompts", type=int, default=1000, help="requests per level")
+    p.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"],
+                   help="random token ids of --input-len, or ShareGPT conversations from --dataset-path")
+    p.add_argument("--dataset-path", type=Path, default=None, help="the ShareGPT JSON file")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="max_tokens of every ShareGPT request (default: the length of the recorded reply)")
+    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=None,
+                   help="prompt tokens per request (random dataset)")
+    p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=None,
+                   help="max_tokens per request (random dataset)")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true so every request runs to "
-                                                            "--output-len")
+                   "max_tokens")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="prompt token ids drawn from "
-                                                                             "[0, vocab-size)")
+                   "[0, VOCAB_SIZE)")
     p.add_argument("--token-ids", default=None, metavar="START:END", help="draw prompt token ids from [START, END) "
-                                                                         "instead")
+                   "instead")
     p.add_argument("--seed", type=int, default=0, help="seeds prompts and arrival times")
     p.add_argument("--warmup-requests", type=int, default=0, help="requests sent (all at once) before measuring")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may wait for its next byte")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                   help="comma list of ttft, tpot, itl, e2el: the latencies given as flat mean/median/std/pXX keys")
+    p.add_argument("--metric-percentiles", default="99", help="comma list of percentiles for those keys")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs (ttft:MS tpot:MS e2el:MS) for request_goodput")
     p.add_argument("--result-file", type=Path, default=None, help="write the JSON result here")
+    p.add_argument("--save-result", action="store_true", help="write the JSON result into --result-dir")
+    p.add_argument("--result-dir", type=Path, default=Path("."), help="with --save-result")
+    p.add_argument("--result-filename", default=None, help="with --save-result (default: from the run's settings)")
     p.add_argument("--save-requests", action="store_true", help="include per-request records in the JSON")
     p.add_argument("--git-sha", default=None, help="recorded in the JSON (default: git rev-parse HEAD)")
 
@@ -600,34 +733,71 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def validate(args: argparse.Namespace) -> tuple[list[Level], Workload]:
-    for name in ("num_prompts", "input_len", "output_len"):
-        if getattr(args, name) < 1:
+    if args.dataset_name == "random":
+        for name in ("input_len", "output_len"):
+            if getattr(args, name) is None:
+                raise ValueError(f"the random dataset needs --{name.replace('_', '-')} (or vLLM's "
+                                 f"--random-{name.replace('_', '-')})")
+    elif args.dataset_path is None or not args.dataset_path.is_file():
+        raise ValueError(f"--dataset-name sharegpt needs --dataset-path FILE (got {args.dataset_path})")
+    for name in ("num_prompts", "input_len", "output_len", "sharegpt_output_len"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     if args.warmup_requests < 0:
         raise ValueError("--warmup-requests must be >= 0")
     if args.timeout <= 0:
         raise ValueError("--timeout must be positive")
-    if args.max_concurrency is not None and args.request_rate is None:
+    if args.max_concurrency is not None and args.concurrency is not None:
         raise ValueError("--max-concurrency applies only with --request-rate")
-    levels = parse_levels(args.concurrency, args.request_rate, args.max_concurrency)
+    if not args.burstiness > 0:
+        raise ValueError("--burstiness must be positive")
+    metrics = [m for m in args.percentile_metrics.split(",") if m]
+    if not set(metrics) <= set(LATENCY_METRICS):
+        raise ValueError(f"--percentile-metrics takes {', '.join(LATENCY_METRICS)}, got {args.percentile_metrics!r}")
+    quantiles = [float(q) for q in args.metric_percentiles.split(",") if q]
+    if not quantiles or not all(0 < q < 100 for q in quantiles):
+        raise ValueError(f"--metric-percentiles takes numbers in (0, 100), got {args.metric_percentiles!r}")
+    args.goodput_slos = parse_goodput(args.goodput)
+    rate = args.request_rate if args.concurrency is not None or args.request_rate is not None else "inf"
+    levels = parse_levels(args.concurrency, rate, args.max_concurrency)
     token_range = parse_token_range(args.token_ids, args.vocab_size)
     if not 0 <= token_range[0] < token_range[1]:
         raise ValueError(f"token id range [{token_range[0]}, {token_range[1]}) is empty or negative")
-    work = Workload(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                    token_range=token_range, seed=args.seed, ignore_eos=args.ignore_eos, timeout_s=args.timeout)
+    work = Workload(num_prompts=args.num_prompts, input_len=args.input_len or 0, output_len=args.output_len or 0,
+                    token_range=token_range, seed=args.seed, ignore_eos=args.ignore_eos, timeout_s=args.timeout,
+                    burstiness=args.burstiness)
     return levels, work
+
+
+def count_tokens_with(target: Target, timeout_s: float) -> Callable[[str], int] | None:
+    """A token counter through the server's /tokenize (kestrel's and vLLM's), or None when it has none."""
+    client = httpx.Client(timeout=timeout_s, trust_env=False)
+
+    def count(text: str) -> int:
+        reply = client.post(f"{target.base_url}/tokenize", json={"model": target.model, "prompt": text,
+                                                                 "add_special_tokens": False},
+                            headers=target.headers)
+        reply.raise_for_status()
+        return int(reply.json()["count"])
+
+    try:
+        count("probe")
+    except (httpx.HTTPError, KeyError, ValueError):
+        return None
+    return count
 
 
 async def resolve_target(args: argparse.Namespace, timeout_s: float) -> tuple[Target, Any]:
     """The target (asking GET /v1/models for the model when not given) and the server's /version, if any."""
-    base_url = normalize_base_url(args.base_url)
+    base_url = normalize_base_url(args.base_url or f"http://{args.host}:{args.port}")
     headers = auth_headers(args.api_key)
     model = args.model or await resolve_model(base_url, headers, timeout_s)
     return Target(base_url=base_url, model=model, headers=headers), await server_version(base_url, headers)
 
 
 async def bench(target: Target, levels: list[Level], work: Workload, warmup_requests: int, save_requests: bool,
-                on_level: Callable[[list[dict[str, Any]], int], None]) -> tuple[list[dict[str, Any]], int]:
+                on_level: Callable[[list[dict[str, Any]], int], None],
+                flat_settings: tuple = ()) -> tuple[list[dict[str, Any]], int]:
     """Warm up, then run every level, calling `on_level` after each; return the results and failed warm-ups."""
     results: list[dict[str, Any]] = []
     warmup_failed = 0
@@ -637,7 +807,8 @@ async def bench(target: Target, levels: list[Level], work: Workload, warmup_requ
     for i, level in enumerate(levels):
         done = await run_level(target, level, work, i)
         metrics = compute_metrics(done.records, done.duration)
-        entry: dict[str, Any] = {"label": level.label, **level.to_json(), "metrics": metrics, "client": done.client}
+        entry: dict[str, Any] = {"label": level.label, **level.to_json(), "metrics": metrics, "client": done.client,
+                                 **flat_metrics(done.records, done.duration, *flat_settings)}
         if save_requests:
             entry["requests"] = [record_to_json(r, done.t0) for r in done.records]
         results.append(entry)
@@ -695,24 +866,47 @@ def run(args: argparse.Namespace) -> int:
     try:
         target, server = asyncio.run(resolve_target(args, work.timeout_s))
     except (httpx.HTTPError, RuntimeError, KeyError, TypeError, ValueError) as e:
-        print(f"kestrel bench serve: error: cannot query {args.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"kestrel bench serve: error: cannot query {args.base_url or f'{args.host}:{args.port}'}: "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    if args.dataset_name == "sharegpt":
+        try:
+            work.conversations = load_sharegpt(args.dataset_path, count_tokens_with(target, work.timeout_s),
+                                               args.sharegpt_output_len)
+        except (ValueError, OSError) as e:
+            print(f"kestrel bench serve: error: {e}", file=sys.stderr)
+            return 2
     config = {"base_url": target.base_url, "model": target.model, "endpoint": "/v1/completions",
+              "dataset_name": args.dataset_name, "dataset_path": str(args.dataset_path) if args.dataset_path else None,
               "num_prompts": work.num_prompts, "input_len": work.input_len, "output_len": work.output_len,
+              "burstiness": work.burstiness,
               "token_ids": list(work.token_range), "seed": work.seed, "ignore_eos": work.ignore_eos,
               "temperature": 0.0, "warmup_requests": args.warmup_requests, "timeout_s": work.timeout_s,
               "levels": [lv.to_json() for lv in levels]}
     env = environment(args.git_sha, server)
+
+    if args.save_result and args.result_file is None:
+        rate = levels[0].label.replace(" ", "-").replace(",", "")
+        name = args.result_filename or f"kestrel-{rate}-{target.model.rsplit('/', 1)[-1]}-" \
+            f"{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}.json"
+        args.result_file = args.result_dir / name
+    flat = ([m for m in args.percentile_metrics.split(",") if m],
+            [float(q) for q in args.metric_percentiles.split(",") if q], args.goodput_slos or None)
 
     def save(results: list[dict[str, Any]], warmup_failed: int) -> None:
         # rewritten after every level, so a sweep that dies at a high level keeps the levels it finished
         if args.result_file is not None:
             doc = {"suite": "serve", "environment": env, "config": config, "warmup_failed": warmup_failed,
                    "results": results}
+            if len(levels) == 1 and results:  # vLLM's flat keys at the top, as its scripts read them
+                level = results[0]
+                doc.update({k: v for k, v in level.items() if k not in ("label", "metrics", "client", "requests")},
+                           date=datetime.now(UTC).strftime("%Y%m%d-%H%M%S"), backend=args.backend,
+                           model_id=target.model, num_prompts=work.num_prompts)
             args.result_file.parent.mkdir(parents=True, exist_ok=True)
             args.result_file.write_text(json.dumps(doc, indent=1) + "\n")
 
-    results, _ = asyncio.run(bench(target, levels, work, args.warmup_requests, args.save_requests, save))
+    results, _ = asyncio.run(bench(target, levels, work, args.warmup_requests, args.save_requests, save, flat))
     if len(results) > 1:
         print(format_sweep(results))
     if args.result_file is not None:

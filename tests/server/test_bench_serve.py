@@ -68,6 +68,11 @@ def make_app() -> FastAPI:
     async def version():
         return {"version": "fake-0"}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):  # one token per word
+        body = await request.json()
+        return {"count": len(body["prompt"].split()), "max_model_len": 4096, "tokens": []}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         if (denied := unauthorized(request)) is not None:
@@ -281,3 +286,47 @@ def test_unreachable_server(tmp_path):
     m = doc["results"][0]["metrics"]
     assert rc == 1 and m["failed"] == 3 and m["completed"] == 0
     assert list(m["errors"]) == [next(iter(m["errors"]))] and "ConnectError" in next(iter(m["errors"]))
+
+
+def test_vllm_flags_sharegpt_and_flat_result_keys(base_url, tmp_path):
+    words = " ".join
+    conversations = [{"conversations": [{"from": "human", "value": words(["ask"] * (4 + i))},
+                                        {"from": "gpt", "value": words(["answer"] * (4 + i))}]} for i in range(4)]
+    conversations.append({"conversations": [{"from": "human", "value": "too short"},
+                                            {"from": "gpt", "value": words(["x"] * 9)}]})  # filtered: < 4 tokens
+    conversations.append({"conversations": [{"from": "human", "value": "no reply"}]})
+    dataset = tmp_path / "sharegpt.json"
+    dataset.write_text(json.dumps(conversations))
+    rc = main(["--base-url", base_url, "--backend", "vllm", "--dataset-name", "sharegpt", "--dataset-path",
+               str(dataset), "--num-prompts", "3", "--save-result", "--result-dir", str(tmp_path / "out"),
+               "--result-filename", "r.json", "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles",
+               "50,99.9", "--goodput", "ttft:60000", "tpot:60000"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "out" / "r.json").read_text())
+    assert len(STATE.bodies) == 3
+    for body in STATE.bodies:  # text prompts from the file, each with its reply's length as max_tokens
+        assert body["prompt"].startswith("ask") and body["max_tokens"] == len(body["prompt"].split())
+    assert doc["completed"] == 3 and doc["backend"] == "vllm" and doc["model_id"] == "fake-model"
+    for key in ("mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p50_ttft_ms", "p99.9_ttft_ms", "mean_tpot_ms",
+                "p99.9_e2el_ms", "request_throughput", "output_throughput", "total_token_throughput",
+                "input_lens", "output_lens", "duration"):
+        assert key in doc, key
+    assert "mean_itl_ms" not in doc  # itl was not asked for
+    assert doc["request_goodput"] == pytest.approx(3 / doc["duration"])
+    assert doc["results"][0]["p99.9_ttft_ms"] == doc["p99.9_ttft_ms"]
+
+
+def test_random_dataset_takes_vllms_length_flags(base_url, tmp_path):
+    out = tmp_path / "r.json"
+    rc = main(["--base-url", base_url, "--num-prompts", "4", "--random-input-len", "7", "--random-output-len", "3",
+               "--result-file", str(out), "--burstiness", "0.5", "--request-rate", "50"])
+    assert rc == 0 and all(len(b["prompt"]) == 7 and b["max_tokens"] == 3 for b in STATE.bodies)
+    assert json.loads(out.read_text())["config"]["burstiness"] == 0.5
+
+
+def test_burstiness_keeps_the_mean_rate():
+    gaps = [b - a for a, b in zip(*(lambda o: (o, o[1:]))(arrival_offsets(4001, 20.0, "s", burstiness=0.25)))]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.1)
+    steady = [b - a for a, b in zip(*(lambda o: (o, o[1:]))(arrival_offsets(4001, 20.0, "s", burstiness=8.0)))]
+    spread = lambda xs: (sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / len(xs)) ** 0.5  # noqa: E731
+    assert spread(steady) < spread(gaps)
