@@ -62,7 +62,13 @@ class EngineStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # Tokens per engine step (vLLM's iteration_tokens_total): cumulative counts at ITERATION_TOKEN_BUCKETS.
+    iteration_buckets: tuple[int, ...] = ()
+    iteration_count: int = 0
+    iteration_sum: int = 0
 
+
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 _ACCEPTED = object()  # first queue item of a request the engine took
 
@@ -175,6 +181,9 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kestrel-engine", daemon=True)
         self._stats_logger = None if core.config.disable_log_stats else StatsLogger()
+        self._iteration_buckets = [0] * len(ITERATION_TOKEN_BUCKETS)
+        self._iteration_count = self._iteration_sum = 0
+        self._scheduled_before = 0
 
     @classmethod
     def from_args(cls, model: str, *, max_queued_requests: int | None = None,
@@ -340,6 +349,7 @@ class AsyncEngine:
                 if not self.core.has_unfinished_requests():
                     continue
                 outputs = self.core.step()
+                self._count_iteration_tokens()
                 if self._stats_logger is not None:
                     self._stats_logger.maybe_log(self.core.scheduler)
                 with self._cond:
@@ -391,6 +401,17 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_put_all, batch)
 
+    def _count_iteration_tokens(self) -> None:
+        total = self.core.scheduler.stats.num_scheduled_tokens
+        tokens, self._scheduled_before = total - self._scheduled_before, total
+        if tokens <= 0:
+            return
+        self._iteration_count += 1
+        self._iteration_sum += tokens
+        for i, bound in enumerate(ITERATION_TOKEN_BUCKETS):
+            if tokens <= bound:
+                self._iteration_buckets[i] += 1
+
     def _publish_stats(self) -> None:
         scheduler = self.core.scheduler
         self._stats = EngineStats(
@@ -402,6 +423,9 @@ class AsyncEngine:
             num_preemptions=scheduler.stats.num_preemptions,
             num_prompt_tokens=scheduler.stats.num_prompt_tokens,
             num_generation_tokens=scheduler.stats.num_generation_tokens,
+            iteration_buckets=tuple(self._iteration_buckets),
+            iteration_count=self._iteration_count,
+            iteration_sum=self._iteration_sum,
         )
 
     def _fail_all(self, error: EngineDeadError) -> None:

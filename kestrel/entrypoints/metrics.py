@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kestrel.entrypoints.async_engine import AsyncEngine
+from kestrel.entrypoints.async_engine import ITERATION_TOKEN_BUCKETS, AsyncEngine
 from kestrel.outputs import RequestOutput
 
 PREFIX = "kestrel:"
@@ -65,6 +65,12 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
             counter.add_metric(self._labels, value)
             yield counter
+        iterations = HistogramMetricFamily(PREFIX + "iteration_tokens_total", "Tokens run through the model per "
+                                           "engine step.", labels=LABELS)
+        buckets = [(str(float(b)), c) for b, c in zip(ITERATION_TOKEN_BUCKETS, stats.iteration_buckets)]
+        iterations.add_metric(self._labels, [*buckets, ("+Inf", stats.iteration_count)],
+                              sum_value=stats.iteration_sum)
+        yield iterations
         cache = self._engine.core.config.cache
         info = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration (value 1).",
                                  labels=[*LABELS, "block_size", "cache_dtype", "num_gpu_blocks",

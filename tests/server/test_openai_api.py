@@ -154,12 +154,13 @@ def test_health_version_and_metric_names(client, openai_server):
              "request_queue_time_seconds_count", "request_prefill_time_seconds_count",
              "request_decode_time_seconds_count", "request_inference_time_seconds_count",
              "request_prompt_tokens_count", "request_generation_tokens_count", "request_params_n_count",
-             "request_params_max_tokens_count", "cache_config_info")
+             "request_params_max_tokens_count", "cache_config_info", "iteration_tokens_total_count")
     for name in names:
         assert f"kestrel:{name}" in samples and f"vllm:{name}" in samples, name
         assert samples[f"kestrel:{name}"] == samples[f"vllm:{name}"], name
     assert samples["vllm:generation_tokens_total"] >= 3
     assert samples["vllm:request_prefill_time_seconds_count"] >= 1
+    assert samples["vllm:iteration_tokens_total_sum"] >= samples["vllm:generation_tokens_total"]
     text = httpx.get(f"{url}/metrics").text
     assert 'vllm:num_requests_running{engine="0",model_name="tiny"}' in text
     assert 'block_size="16"' in text
