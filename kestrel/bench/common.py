@@ -347,6 +347,36 @@ def engine_config_block(args: argparse.Namespace, engine: Engine, model_dir: str
             "kv_cache_blocks": engine.runner.num_blocks, "smoke": args.smoke}
 
 
+def pyplot() -> Any:
+    """matplotlib.pyplot on the non-interactive Agg backend, or None where matplotlib is not installed (the
+    suites then write their JSON alone)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(plt: Any, fig: Any, path: Path) -> bool:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def target_lines(targets: list[dict[str, Any]], fmt: str = ".1f") -> list[str]:
+    """One PASS / FAIL line per target: what, measured, limit."""
+    lines = []
+    for t in targets:
+        measured = "-" if t["measured"] is None else format(t["measured"], fmt)
+        lines.append(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {measured} (limit {format(t['limit'], fmt)})")
+    return lines
+
+
 def report(result: dict[str, Any], summary_text: str, path: Path | None,
            plot: Callable[[dict[str, Any], Path], bool]) -> None:
     """Print the summary, write the JSON and, beside it, the PNG."""

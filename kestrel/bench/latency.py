@@ -222,12 +222,8 @@ def _f(value: float | None, width: int) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         return False
     rows = [r for r in result["rows"] if "skipped" not in r]
     if not rows:
@@ -253,11 +249,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         ax.legend(fontsize=8)
     fig.suptitle(f"kestrel latency, {result['config']['precision']} / KV {result['config']['kv_cache_dtype']} "
                  f"({result['environment'].get('gpu')})")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return common.save_figure(plt, fig, path)
 
 
 # ------------------------------------------------------------------------------------------------ entry

@@ -224,19 +224,12 @@ def summary(result: dict[str, Any]) -> str:
         for key in ("throughput_error", "latency_error"):
             if key in r:
                 lines.append(f"  {key}: {r[key][-400:]}")
-    for t in result["targets"]:
-        measured = "-" if t["measured"] is None else f"{t['measured']:.3f}"
-        lines.append(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {measured} (limit {t['limit']:.2f})")
-    return "\n".join(lines)
+    return "\n".join(lines + common.target_lines(result["targets"], ".3f"))
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         return False
     schemes = result["config"]["schemes"]
     panels = (("output_tok_per_s", "output tokens / s"), ("decode_ms_per_token", "batch-1 decode ms / token"),
@@ -255,11 +248,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     cfg = result["config"]
     fig.suptitle(f"kestrel quantize checkpoint vs quantization at load, {cfg['arch']} "
                  f"({result['environment'].get('gpu')})", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return common.save_figure(plt, fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

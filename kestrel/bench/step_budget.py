@@ -317,12 +317,8 @@ def summary(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         return False
     rows = result["results"]
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(rows)), 6))

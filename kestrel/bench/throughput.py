@@ -110,18 +110,12 @@ def summary(result: dict[str, Any]) -> str:
                      f"{hf['total_tok_per_s']:13.1f}   ({hf['method']})")
     elif hf.get("error"):
         lines.append(f"HF peer failed: {hf['error'][-300:]}")
-    for t in result["targets"]:
-        lines.append(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {t['measured']:.1f} (limit {t['limit']:.1f})")
-    return "\n".join(lines)
+    return "\n".join(lines + common.target_lines(result["targets"]))
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         return False
     names = ["kestrel"]
     values = [result["kestrel"]["output_tok_per_s"]]
@@ -138,11 +132,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     cfg = result["config"]
     ax.set_title(f"{cfg['num_prompts']} x {cfg['input_len']}/{cfg['output_len']}, {cfg['precision']}, KV "
                  f"{cfg['kv_cache_dtype']} ({result['environment'].get('gpu')})", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return common.save_figure(plt, fig, path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kestrel.entrypoints.async_engine import AsyncEngine, EngineDeadError
+from kestrel.entrypoints.llm import tokenize_prompt
 from kestrel.outputs import RequestOutput
-from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams
 
 
@@ -39,7 +39,7 @@ class AsyncLLM:
     async def generate(self, prompt: str | dict[str, Any], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}."""
-        text, token_ids = await asyncio.to_thread(self._tokenize, prompt)
+        text, token_ids = await asyncio.to_thread(tokenize_prompt, self.tokenizer, prompt)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         stream = self.engine.submit(request_id or uuid.uuid4().hex, token_ids, params, text)
         try:
@@ -76,15 +76,3 @@ class AsyncLLM:
 
     async def __aexit__(self, *_: Any) -> None:
         self.shutdown()
-
-    def _tokenize(self, prompt: str | dict[str, Any]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                raise InvalidRequestError("prompt_token_ids", "prompt_token_ids must be a list of integers")
-            return prompt.get("prompt"), list(ids)
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise InvalidRequestError("prompt", "a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids'")

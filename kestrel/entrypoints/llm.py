@@ -23,6 +23,21 @@ from kestrel.worker.model_runner import ModelRunner
 PromptType = str | dict[str, Any]
 
 
+def tokenize_prompt(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt given as text, {"prompt": text} or {"prompt_token_ids": [...]}."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        token_ids = prompt["prompt_token_ids"]
+        if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
+            raise InvalidRequestError("prompt_token_ids", "prompt_token_ids must be a list of integers")
+        return prompt.get("prompt"), list(token_ids)
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        return tokenize_prompt(tokenizer, prompt["prompt"])
+    raise InvalidRequestError("prompt", f"a prompt must be a string or a dict with 'prompt' or "
+                              f"'prompt_token_ids', got {type(prompt).__name__}")
+
+
 class LLM:
     """An in-process engine. Keyword arguments are the engine arguments of `EngineConfig.from_kwargs`."""
 
@@ -95,17 +110,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            token_ids = prompt["prompt_token_ids"]
-            if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
-                raise InvalidRequestError("prompt_token_ids", "prompt_token_ids must be a list of integers")
-            return prompt.get("prompt"), list(token_ids)
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return self._tokenize(prompt["prompt"])
-        raise InvalidRequestError("prompt", f"a prompt must be a string or a dict with 'prompt' or "
-                                  f"'prompt_token_ids', got {type(prompt).__name__}")
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
