@@ -26,6 +26,13 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the generated tokens' logprobs (vLLM's field), when logprobs were asked for."""
+        if self.logprobs is None:
+            return None
+        return sum(step[token] for token, step in zip(self.token_ids, self.logprobs) if step and token in step)
+
 
 @dataclass
 class RequestMetrics:

@@ -87,3 +87,15 @@ def test_llm_generate_builds_its_bar_with_a_given_tqdm_class(model_dir):
     llm.generate([{"prompt_token_ids": [3, 4]}, {"prompt_token_ids": [5, 6]}],
                  SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=Bar)
     assert len(made) == 1 and made[0].n == 2 and "output:" in made[0].postfix
+
+
+def test_cumulative_logprob_sums_the_generated_tokens(model_dir):
+    from kestrel import LLM
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=64)
+    prompt = {"prompt_token_ids": [3, 4, 5]}
+    out = llm.generate(prompt, SamplingParams(max_tokens=4, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.cumulative_logprob == sum(step[t] for t, step in zip(c.token_ids, c.logprobs)) < 0
+    plain = llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert plain.outputs[0].cumulative_logprob is None
