@@ -38,7 +38,9 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
         initialize_dummy_weights(model, seed=model_config.seed)
         model.process_weights_after_loading()
     else:
-        model.load_weights(iterate_weights(Path(model_config.model), load_format))
+        files = checkpoint_files(model_config.model, load_format)
+        # Large checkpoints take a while: show progress when there is more than one file to read.
+        model.load_weights(iterate_weights(Path(model_config.model), load_format, progress=len(files) > 1))
     return model.eval()
 
 

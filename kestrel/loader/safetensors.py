@@ -51,8 +51,15 @@ def checkpoint_files(model_dir: str | Path, fmt: str = "safetensors") -> list[Pa
     return files
 
 
-def iterate_weights(model_dir: str | Path, fmt: str = "safetensors") -> Iterator[tuple[str, torch.Tensor]]:
-    for path in checkpoint_files(model_dir, fmt):
+def iterate_weights(model_dir: str | Path, fmt: str = "safetensors",
+                    progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the checkpoint, file by file; `progress`: a bar over the files on stderr."""
+    files = checkpoint_files(model_dir, fmt)
+    if progress:
+        from tqdm.auto import tqdm
+
+        files = tqdm(files, desc="Loading weights", unit="file", leave=False)
+    for path in files:
         if fmt == "pt":
             state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
             yield from state.items()
