@@ -56,8 +56,11 @@ class ChatPrompt:
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                 tool_choice: str = "auto", named_tool: str | None = None, add_generation_prompt: bool = True,
-                chat_template: str | None = None) -> ChatPrompt:
-    """Render messages through the tokenizer's template. `tool_choice`: none, auto, required or named."""
+                chat_template: str | None = None, continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
+    """Render messages through the tokenizer's template. `tool_choice`: none, auto, required or named;
+    `continue_final_message`: leave the last (assistant) message open for the model to go on with;
+    `template_kwargs`: more variables for the template (e.g. enable_thinking)."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequestError("messages", "this model's tokenizer has no chat template; use a completion "
@@ -71,7 +74,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
         conversation = _with_tool_instruction(conversation, tools or [], tool_choice, named_tool)
     try:
         text = tokenizer.apply_chat_template(conversation, tools=tools if native else None, chat_template=template,
-                                             add_generation_prompt=add_generation_prompt, tokenize=False)
+                                             add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             continue_final_message=continue_final_message,
+                                             **(template_kwargs or {}))
     except Exception as e:  # a template raises whatever its author chose (jinja errors, ValueError, ...)
         raise InvalidRequestError("messages", f"the chat template could not render these messages: {e}") from None
     fmt = tool_format(template) if native else "llama3_json"

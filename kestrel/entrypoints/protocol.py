@@ -71,16 +71,11 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
     "allowed_token_ids": "restricting sampling to a token set is not implemented yet; logit_bias can steer tokens",
     "bad_words": "bad-word blocking is not implemented yet",
     "prompt_logprobs": "not implemented yet; on /v1/completions, echo with logprobs returns the prompt's logprobs",
-    "truncate_prompt_tokens": "prompt truncation is not implemented yet; shorten the prompt on the client",
     "return_tokens_as_token_ids": "not implemented yet; /tokenize gives a text's token ids",
     "return_token_ids": "not implemented yet; /tokenize gives a text's token ids",
     "use_beam_search": "beam search is not implemented yet",
     "length_penalty": "beam search (which length_penalty scores) is not implemented yet",
     "priority": "priority scheduling is not implemented yet; requests are served first come, first served",
-    "chat_template": "a per-request chat template is not implemented yet; the model's own template is used",
-    "chat_template_kwargs": "chat template arguments are not implemented yet",
-    "continue_final_message": "continuing the final message is not implemented yet",
-    "add_generation_prompt": "chat completions always open the assistant turn (add_generation_prompt true)",
     "echo": "echo is not implemented for chat completions (it is for /v1/completions)",
     "documents": "documents for retrieval templates are not implemented",
     "mm_processor_kwargs": "this server serves text-only models",
@@ -97,9 +92,8 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
 }
 _EMPTY_VALUES: tuple[Any, ...] = (None, [], {})
 # vLLM fields sent with the value that asks for nothing beyond what kestrel does anyway (vLLM's defaults).
-_NO_OP_VALUES: dict[str, Any] = {"use_beam_search": False, "priority": 0, "continue_final_message": False,
-                                 "add_generation_prompt": True, "return_tokens_as_token_ids": False, "echo": False,
-                                 "return_token_ids": False, "add_special_tokens": False}
+_NO_OP_VALUES: dict[str, Any] = {"use_beam_search": False, "priority": 0, "return_tokens_as_token_ids": False,
+                                 "echo": False, "return_token_ids": False, "add_special_tokens": False}
 
 
 def _asks_nothing(name: str, value: Any) -> bool:
@@ -153,6 +147,7 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None  # keep the prompt's last N tokens
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
@@ -337,6 +332,11 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's chat extensions
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def tool_choice_mode(self) -> str:
@@ -364,6 +364,13 @@ class ChatCompletionRequest(_SamplingRequest):
                          "which this server does not have; use 'text'")
         if self.top_logprobs is not None and not self.logprobs:
             _unsupported("top_logprobs", "top_logprobs needs logprobs set to true")
+        if self.continue_final_message:
+            if self.add_generation_prompt is not False:
+                _unsupported("continue_final_message", "continue_final_message continues the last message, so it "
+                             "needs add_generation_prompt set to false")
+            if self.messages[-1].role != "assistant":
+                _unsupported("continue_final_message", "continue_final_message needs the last message to be the "
+                             "assistant's")
         logprobs = _default(self.top_logprobs, 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(max_tokens, logprobs, model_defaults or {})

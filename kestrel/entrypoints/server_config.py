@@ -39,6 +39,8 @@ class ServerConfig:
                                                "event loop (default: half the CPU cores, 1 to 4; 0: a thread)")
     chat_template: str | None = _opt(None, "a chat template (Jinja) file, or the template itself, instead of the "
                                            "tokenizer's")
+    trust_request_chat_template: bool = _opt(False, "accept a chat_template in chat requests (rendered in a "
+                                                    "sandbox); off: such requests are refused")
     tool_call_parser: str | None = _opt(None, "how the model writes tool calls (default: detected from the chat "
                                               "template)", choices=TOOL_CALL_PARSERS)
     enable_auto_tool_choice: bool = _opt(True, "let the model decide whether to call a tool (tool_choice 'auto'); "

@@ -157,7 +157,8 @@ class OpenAIServing:
         self.check_model(request.model)
         params = request.to_sampling_params(self.engine.generation_defaults.sampling)
         self._check_sequences(len(request.prompts()), params.n, "prompt")  # before any tokenizing
-        prompts = await self._encode_prompts(request.prompts(), request.add_special_tokens is not False)
+        prompts = await self._encode_prompts(request.prompts(), request.add_special_tokens is not False,
+                                             request.truncate_prompt_tokens)
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
                                  logprobs_param="logprobs")
         job.model_name = self.response_model_name(request.model)
@@ -268,11 +269,22 @@ class OpenAIServing:
                                       "server (--no-enable-auto-tool-choice); use 'none', 'required' or a named "
                                       "function")
 
+        if request.chat_template is not None and not self.config.trust_request_chat_template:
+            raise InvalidRequestError("chat_template", "this server does not take chat templates from requests; "
+                                      "start it with --trust-request-chat-template, or give the server one with "
+                                      "--chat-template")
         chat = chat_input(request.messages, request.message_dicts(), request.tool_dicts() or None, mode,
-                          request.named_tool)
-        prompt, count, token_ids = await self.text.render_chat(chat, self.engine.max_model_len)
-        if token_ids is None:
-            raise prompt_too_long(count, self.engine.max_model_len, "messages")
+                          request.named_tool, add_generation_prompt=request.add_generation_prompt is not False,
+                          chat_template=request.chat_template,
+                          continue_final_message=bool(request.continue_final_message),
+                          template_kwargs=request.chat_template_kwargs)
+        truncate = request.truncate_prompt_tokens
+        prompt, count, token_ids = await self.text.render_chat(chat, None if truncate else self.engine.max_model_len)
+        if token_ids is not None and truncate:
+            token_ids = token_ids[-truncate:]
+        if token_ids is None or len(token_ids) >= self.engine.max_model_len:
+            raise prompt_too_long(count if token_ids is None else len(token_ids), self.engine.max_model_len,
+                                  "messages")
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs")
         job.model_name = self.response_model_name(request.model)
@@ -379,21 +391,27 @@ class OpenAIServing:
             self._token_text[token_id] = text
         return text
 
-    async def _encode_prompts(self, prompts: Sequence[str | list[int]],
-                              add_special_tokens: bool = True) -> list[_Prompt]:
-        """Text prompts are tokenized off the event loop (TextWorkers); one that cannot fit is refused by count."""
+    async def _encode_prompts(self, prompts: Sequence[str | list[int]], add_special_tokens: bool = True,
+                              truncate: int | None = None) -> list[_Prompt]:
+        """Text prompts are tokenized off the event loop (TextWorkers); one that cannot fit is refused by count.
+        `truncate`: keep each prompt's last `truncate` tokens (vLLM's truncate_prompt_tokens)."""
         limit = self.engine.max_model_len
         texts = [p for p in prompts if isinstance(p, str)]
-        encoded = iter(await self.text.encode_prompts(texts, limit, add_special_tokens))
+        encoded = iter(await self.text.encode_prompts(texts, None if truncate else limit, add_special_tokens))
         out = []
         for prompt in prompts:
-            if not isinstance(prompt, str):
-                out.append(_Prompt(None, list(prompt)))
-                continue
-            count, ids = next(encoded)
-            if ids is None:
-                raise prompt_too_long(count, limit)
-            out.append(_Prompt(prompt, ids))
+            if isinstance(prompt, str):
+                count, ids = next(encoded)
+                if ids is None:
+                    raise prompt_too_long(count, limit)
+            else:
+                ids = list(prompt)
+            if truncate:
+                ids = ids[-truncate:]
+            if len(ids) >= limit:
+                raise prompt_too_long(len(ids), limit)
+            # A truncated prompt's text is no longer the prompt: echo and detokenization use the ids.
+            out.append(_Prompt(prompt if isinstance(prompt, str) and not truncate else None, ids))
         return out
 
     def _prompt_text(self, prompt: _Prompt, params: SamplingParams) -> str:
@@ -480,9 +498,10 @@ class OpenAIServing:
 
 def chat_input(messages: Sequence[ChatMessage], message_dicts: list[dict[str, Any]],
                tools: list[dict[str, Any]] | None, tool_choice: str = "auto", named_tool: str | None = None,
-               add_generation_prompt: bool = True) -> ChatInput:
+               add_generation_prompt: bool = True, chat_template: str | None = None,
+               continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> ChatInput:
     return ChatInput(message_dicts, [m.text() for m in messages], tools, tool_choice, named_tool,
-                     add_generation_prompt)
+                     add_generation_prompt, chat_template, continue_final_message, template_kwargs)
 
 
 @dataclass(frozen=True)

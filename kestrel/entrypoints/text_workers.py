@@ -32,7 +32,9 @@ class ChatInput:
     tool_choice: str = "auto"
     named_tool: str | None = None
     add_generation_prompt: bool = True
-    chat_template: str | None = None  # the server's --chat-template, else the tokenizer's
+    chat_template: str | None = None  # the request's, else the server's --chat-template, else the tokenizer's
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] | None = None
 
 
 # ----- the work (module functions: a worker process runs them by name) -----------------------------------
@@ -48,7 +50,8 @@ def render_and_encode(tokenizer: Any, specials: Sequence[str], chat: ChatInput,
                       limit: int | None) -> tuple[ChatPrompt, int, list[int] | None]:
     prompt = render_chat(tokenizer, chat.messages, tools=chat.tools, tool_choice=chat.tool_choice,
                          named_tool=chat.named_tool, add_generation_prompt=chat.add_generation_prompt,
-                         chat_template=chat.chat_template)
+                         chat_template=chat.chat_template, continue_final_message=chat.continue_final_message,
+                         template_kwargs=chat.template_kwargs)
     ids = encode_chat(tokenizer, prompt.text, chat.message_texts, specials)
     return prompt, len(ids), (ids if limit is None or len(ids) < limit else None)
 
@@ -136,7 +139,9 @@ class TextWorkers:
         return await self._run(tokenize_reply, prompt, add_special_tokens, max_model_len)
 
     def _with_template(self, chat: ChatInput) -> ChatInput:
-        return chat if self.chat_template is None else dataclasses.replace(chat, chat_template=self.chat_template)
+        if self.chat_template is None or chat.chat_template is not None:
+            return chat
+        return dataclasses.replace(chat, chat_template=self.chat_template)
 
     async def detokenize_reply(self, token_ids: list[int]) -> bytes:
         return await self._run(detokenize_reply, token_ids)

@@ -211,9 +211,11 @@ def scripted_engine(model_dir: str, *, max_queued_requests: int | None = None, m
 
 
 def start_scripted(model_dir: str, *, api_key: str | None = API_KEY, public_docs: bool = False,
-                   **kwargs: Any) -> tuple[LiveServer, ScriptedRunner]:
+                   trust_request_chat_template: bool = False, **kwargs: Any) -> tuple[LiveServer, ScriptedRunner]:
     engine, runner = scripted_engine(model_dir, **kwargs)
-    return LiveServer(build_app(engine, MODEL, api_key=api_key, public_docs=public_docs), engine, api_key), runner
+    app = build_app(engine, MODEL, api_key=api_key, public_docs=public_docs,
+                    trust_request_chat_template=trust_request_chat_template)
+    return LiveServer(app, engine, api_key), runner
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,11 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 UNSUPPORTED = {
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "x",
     "structured_outputs": {"choice": ["a"]}, "allowed_token_ids": [1, 2], "bad_words": ["x"], "prompt_logprobs": 1,
-    "truncate_prompt_tokens": 8, "return_tokens_as_token_ids": True, "use_beam_search": True, "priority": 1,
-    "chat_template": "{{ messages }}", "chat_template_kwargs": {"enable_thinking": False},
-    "continue_final_message": True, "store": True, "metadata": {"k": "v"}, "service_tier": "auto",
+    "return_tokens_as_token_ids": True, "use_beam_search": True, "priority": 1, "store": True,
+    "metadata": {"k": "v"}, "service_tier": "auto",
     "reasoning_effort": "low", "functions": [{"name": "f"}],
 }
-CHAT_ONLY = {"echo": True, "add_generation_prompt": False}
+CHAT_ONLY = {"echo": True, "add_special_tokens": True}
 
 
 @pytest.mark.parametrize("field", sorted(CHAT_ONLY))
@@ -136,3 +135,43 @@ def test_add_special_tokens_is_honoured_on_completions(openai_server, tiny_model
         counts[flag] = reply["usage"]["prompt_tokens"]
     assert counts[True] == len(hf_tokenizer.encode("hello there", add_special_tokens=True))
     assert counts[False] == len(hf_tokenizer.encode("hello there", add_special_tokens=False))
+
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(openai_server):
+    ids = list(range(5, 400))  # longer than the context (256) until truncated
+    reply = post(openai_server, "/v1/completions", {**COMPLETION, "prompt": ids, "truncate_prompt_tokens": 7})
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == 7
+    assert post(openai_server, "/v1/completions", {**COMPLETION, "prompt": ids}).status_code == 400
+    chat = post(openai_server, "/v1/chat/completions", {**CHAT, "truncate_prompt_tokens": 3})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 3
+
+
+def test_request_chat_templates_need_the_servers_trust(openai_server, start_scripted_server, tiny_model_dir):
+    template = "{% for m in messages %}[{{ m['content'] }}|{{ greeting }}]{% endfor %}"
+    body = {**CHAT, "chat_template": template, "chat_template_kwargs": {"greeting": "hello there"}}
+    refused = post(openai_server, "/v1/chat/completions", body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    trusting, _ = start_scripted_server(trust_request_chat_template=True)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokens = httpx.post(f"{trusting.base_url}/v1/chat/completions", json=body, headers=trusting.headers,
+                        timeout=30).json()["usage"]["prompt_tokens"]
+    assert tokens == len(tokenizer.encode("[hi|hello there]", add_special_tokens=False))
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open(openai_server, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    body = {**CHAT, "messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    reply = post(openai_server, "/v1/chat/completions", body)
+    assert reply.status_code == 200, reply.text
+    text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True,
+                                         add_generation_prompt=False)
+    assert text.endswith("Once upon")
+    assert reply.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(text, add_special_tokens=False))
+    both = post(openai_server, "/v1/chat/completions", {**body, "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
