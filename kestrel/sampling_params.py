@@ -46,6 +46,8 @@ class SamplingParams:
     output_kind: str = "cumulative"
     # token id -> value added to its logit before sampling (greedy too), OpenAI's range [-100, 100].
     logit_bias: dict[int, float] | None = None
+    # Sampling (greedy too) only ever picks one of these token ids (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +101,10 @@ class SamplingParams:
                 or any(not _is_int(t) or t < 0 for t in self.logit_bias)
                 or any(not isinstance(v, int | float) or not -100.0 <= v <= 100.0 for v in self.logit_bias.values())):
             bad("logit_bias", "a dict of token id (>= 0) -> bias in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids
+                or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "a non-empty list of token ids >= 0")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"one of {list(OUTPUT_KINDS)}")
 

@@ -123,6 +123,8 @@ class EngineCore:
         bias = params.logit_bias or {}
         if vocab_size is not None and any(t >= vocab_size for t in bias):
             raise InvalidRequestError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size})")
+        if vocab_size is not None and any(t >= vocab_size for t in params.allowed_token_ids or ()):
+            raise InvalidRequestError("allowed_token_ids", f"allowed_token_ids must be in [0, {vocab_size})")
 
     def abort_request(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -68,7 +68,6 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
     "include_reasoning": "reasoning parsing is not implemented",
     "best_of": "best_of is not supported on chat completions; use n",
     "add_special_tokens": "on chat completions the template places the special tokens (add_special_tokens false)",
-    "allowed_token_ids": "restricting sampling to a token set is not implemented yet; logit_bias can steer tokens",
     "bad_words": "bad-word blocking is not implemented yet",
     "prompt_logprobs": "not implemented yet; on /v1/completions, echo with logprobs returns the prompt's logprobs",
     "return_tokens_as_token_ids": "not implemented yet; /tokenize gives a text's token ids",
@@ -146,6 +145,7 @@ class _SamplingRequest(_Request):
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None  # keep the prompt's last N tokens
     stream: bool | None = False
@@ -184,6 +184,7 @@ class _SamplingRequest(_Request):
             max_tokens=max_tokens,
             logprobs=logprobs,
             logit_bias=self._token_bias(),
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids else None,
         )
 
     def _token_bias(self) -> dict[int, float] | None:

@@ -52,6 +52,10 @@ class SamplingMetadata:
     logit_bias_rows: torch.Tensor | None = None
     logit_bias_cols: torch.Tensor | None = None
     logit_bias_values: torch.Tensor | None = None
+    # Rows restricted to allowed_token_ids: the rows, and (position among those rows, token) pairs allowed.
+    allowed_rows: torch.Tensor | None = None
+    allowed_pos: torch.Tensor | None = None
+    allowed_cols: torch.Tensor | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -87,6 +91,7 @@ class SamplingMetadata:
             generators={i: g for i, g in enumerate(generators) if g is not None},
             max_num_logprobs=max(requested) if requested else None,
             **_logit_bias(params, device),
+            **_allowed_tokens(params, vocab_size, device),
         )
 
 
@@ -208,6 +213,24 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [B, k + 1] float32
 
 
+def _allowed_tokens(params: list[SamplingParams], vocab_size: int,
+                    device: torch.device | str) -> dict[str, torch.Tensor | None]:
+    rows: list[int] = []
+    pos: list[int] = []
+    cols: list[int] = []
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is None:
+            continue
+        for token in p.allowed_token_ids:
+            if token < vocab_size:
+                pos.append(len(rows))
+                cols.append(token)
+        rows.append(row)
+    if not rows:
+        return {}
+    return {"allowed_rows": _long(rows, device), "allowed_pos": _long(pos, device), "allowed_cols": _long(cols, device)}
+
+
 class Sampler:
     """Turns a batch of logits into token ids (and logprobs) without reading device values on the host."""
 
@@ -218,6 +241,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         logits = apply_logit_bias(logits, meta)
+        logits = apply_allowed_tokens(logits, meta)
         logits = apply_penalties(logits, meta)
         logits = apply_min_tokens(logits, meta)
         sampled = self._sample(logits, meta)
@@ -253,6 +277,17 @@ def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
         return logits
     return logits.index_put((meta.logit_bias_rows, meta.logit_bias_cols), meta.logit_bias_values.to(logits.dtype),
                             accumulate=True)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """-inf for every token outside a restricted row's allowed_token_ids."""
+    if meta.allowed_rows is None:
+        return logits
+    banned = torch.ones((meta.allowed_rows.shape[0], logits.shape[-1]), dtype=torch.bool, device=logits.device)
+    banned[meta.allowed_pos, meta.allowed_cols] = False
+    logits = logits.clone()
+    logits[meta.allowed_rows] = logits[meta.allowed_rows].masked_fill(banned, float("-inf"))
+    return logits
 
 
 def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

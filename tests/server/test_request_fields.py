@@ -15,7 +15,7 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 # and OpenAI's newer chat fields that kestrel does not implement yet, with a value that would ask for something.
 UNSUPPORTED = {
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "x",
-    "structured_outputs": {"choice": ["a"]}, "allowed_token_ids": [1, 2], "bad_words": ["x"], "prompt_logprobs": 1,
+    "structured_outputs": {"choice": ["a"]}, "bad_words": ["x"], "prompt_logprobs": 1,
     "return_tokens_as_token_ids": True, "use_beam_search": True, "priority": 1, "store": True,
     "metadata": {"k": "v"}, "service_tier": "auto",
     "reasoning_effort": "low", "functions": [{"name": "f"}],
@@ -175,3 +175,15 @@ def test_continue_final_message_leaves_the_assistant_turn_open(openai_server, ti
     assert reply.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(text, add_special_tokens=False))
     both = post(openai_server, "/v1/chat/completions", {**body, "add_generation_prompt": True})
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+
+def test_allowed_token_ids_restrict_what_is_generated(openai_server, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    reply = post(openai_server, "/v1/completions", {**COMPLETION, "max_tokens": 6, "ignore_eos": True,
+                                                     "temperature": 1.0, "seed": 3, "allowed_token_ids": [11]}).json()
+    assert reply["choices"][0]["text"] == tokenizer.decode([11] * 6)
+    out_of_vocab = post(openai_server, "/v1/completions", {**COMPLETION, "allowed_token_ids": [10 ** 9]})
+    assert out_of_vocab.status_code == 400 and out_of_vocab.json()["error"]["param"] == "allowed_token_ids"

@@ -345,3 +345,18 @@ def test_logit_bias_is_validated() -> None:
         SP(logit_bias={3: 101.0})
     with pytest.raises(ValueError, match="logit_bias"):
         SP(logit_bias={-1: 1.0})
+
+
+def test_allowed_token_ids_restrict_greedy_and_random_rows_only() -> None:
+    params = [SP(temperature=0.0, allowed_token_ids=[3, 7]), SP(temperature=1.0, seed=5, allowed_token_ids=[9]),
+              SP(temperature=0.0)]
+    gens = [None, torch.Generator().manual_seed(5), None]
+    logits = random_logits(3)
+    for trial in range(20):
+        out = Sampler()(random_logits(3, seed=trial), build(params, generators=gens)).sampled_token_ids.tolist()
+        assert out[0] in (3, 7) and out[1] == 9
+    expected_row0 = 3 if logits[0, 3] > logits[0, 7] else 7
+    out = Sampler()(logits, build(params, generators=gens)).sampled_token_ids.tolist()
+    assert out[0] == expected_row0 and out[2] == int(logits[2].argmax())
+    with pytest.raises(Exception, match="allowed_token_ids"):
+        SP(allowed_token_ids=[])
