@@ -73,10 +73,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
     if use_tools and not native:
         conversation = _with_tool_instruction(conversation, tools or [], tool_choice, named_tool)
     try:
+        extra = {**(template_kwargs or {}), **({"continue_final_message": True} if continue_final_message else {})}
         text = tokenizer.apply_chat_template(conversation, tools=tools if native else None, chat_template=template,
-                                             add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             continue_final_message=continue_final_message,
-                                             **(template_kwargs or {}))
+                                             add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
     except Exception as e:  # a template raises whatever its author chose (jinja errors, ValueError, ...)
         raise InvalidRequestError("messages", f"the chat template could not render these messages: {e}") from None
     fmt = tool_format(template) if native else "llama3_json"
