@@ -75,7 +75,6 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
     "use_beam_search": "beam search is not implemented yet",
     "length_penalty": "beam search (which length_penalty scores) is not implemented yet",
     "priority": "priority scheduling is not implemented yet; requests are served first come, first served",
-    "echo": "echo is not implemented for chat completions (it is for /v1/completions)",
     "documents": "documents for retrieval templates are not implemented",
     "mm_processor_kwargs": "this server serves text-only models",
     "logits_processors": "custom logits processors are not implemented",
@@ -92,7 +91,7 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
 _EMPTY_VALUES: tuple[Any, ...] = (None, [], {})
 # vLLM fields sent with the value that asks for nothing beyond what kestrel does anyway (vLLM's defaults).
 _NO_OP_VALUES: dict[str, Any] = {"use_beam_search": False, "priority": 0, "return_tokens_as_token_ids": False,
-                                 "echo": False, "return_token_ids": False, "add_special_tokens": False}
+                                 "return_token_ids": False, "add_special_tokens": False}
 
 
 def _asks_nothing(name: str, value: Any) -> bool:
@@ -338,6 +337,7 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool | None = False  # vLLM's: the answer starts with the last message when it is the assistant's
 
     @property
     def tool_choice_mode(self) -> str:

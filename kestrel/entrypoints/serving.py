@@ -292,18 +292,20 @@ class OpenAIServing:
         if request.stream:
             return EventStreamResponse(self._chat_stream(request, job, tools))
         (final,) = await _until_disconnect(raw, self._collect(job))
-        choices = [self._chat_choice(c, params, tools) for c in final.outputs]
+        echoed = _chat_echo(request)
+        choices = [self._chat_choice(c, params, tools, echoed) for c in final.outputs]
         response = ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model_name,
                                           choices=choices, usage=_usage(job, [final]))
         return JSONResponse(response.model_dump())
 
-    def _chat_choice(self, c: CompletionOutput, params: SamplingParams, tools: _ToolSetup) -> ChatChoice:
-        message = ChatResponseMessage(content=c.text)
+    def _chat_choice(self, c: CompletionOutput, params: SamplingParams, tools: _ToolSetup,
+                     echoed: str = "") -> ChatChoice:
+        message = ChatResponseMessage(content=echoed + c.text)
         finish_reason = c.finish_reason
         if tools.active:
             parsed = parse_tool_calls(c.text, tools.names, tools.prefix, tools.format)
             calls = parsed.calls[: None if tools.parallel else 1]
-            message = ChatResponseMessage(content=parsed.content, tool_calls=[
+            message = ChatResponseMessage(content=echoed + (parsed.content or "") or None, tool_calls=[
                 ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
                 for call in calls])
             if calls:
@@ -327,8 +329,9 @@ class OpenAIServing:
                                            choices=[choice]).model_dump_json(exclude_none=True))
 
         try:
+            echoed = _chat_echo(request)
             for i in range(params.n):
-                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echoed)))
             async for _, output in self._merged(job):
                 for c in output.outputs:
                     if c.index in finished or not (c.delta_text or c.delta_token_ids or c.finished):
@@ -494,6 +497,13 @@ class OpenAIServing:
                 await stream.aclose()
             for tracker in job.trackers:
                 tracker.aborted()  # a no-op for the requests that finished
+
+
+def _chat_echo(request: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's text leads the answer when it is the assistant's own (the turn the
+    model continues); otherwise nothing is echoed."""
+    last = request.messages[-1]
+    return last.text() if request.echo and last.role == "assistant" else ""
 
 
 def chat_input(messages: Sequence[ChatMessage], message_dicts: list[dict[str, Any]],

@@ -20,7 +20,7 @@ UNSUPPORTED = {
     "metadata": {"k": "v"}, "service_tier": "auto",
     "reasoning_effort": "low", "functions": [{"name": "f"}],
 }
-CHAT_ONLY = {"echo": True, "add_special_tokens": True}
+CHAT_ONLY = {"add_special_tokens": True}
 
 
 @pytest.mark.parametrize("field", sorted(CHAT_ONLY))
@@ -103,7 +103,7 @@ def test_null_and_empty_unknown_fields_ask_for_nothing(openai_server):
     replayed = {"role": "assistant", "content": "hello", "refusal": None, "annotations": [], "audio": None,
                 "function_call": None}
     body = {**CHAT, "messages": [{"role": "user", "content": "hi"}, replayed, {"role": "user", "content": "more"}],
-            "guided_json": None, "metadata": {}, "use_beam_search": False, "priority": 0, "echo": False,
+            "guided_json": None, "metadata": {}, "use_beam_search": False, "priority": 0,
             "add_generation_prompt": True}
     response = post(openai_server, "/v1/chat/completions", body)
     assert response.status_code == 200, response.text
@@ -187,3 +187,26 @@ def test_allowed_token_ids_restrict_what_is_generated(openai_server, tiny_model_
     assert reply["choices"][0]["text"] == tokenizer.decode([11] * 6)
     out_of_vocab = post(openai_server, "/v1/completions", {**COMPLETION, "allowed_token_ids": [10 ** 9]})
     assert out_of_vocab.status_code == 400 and out_of_vocab.json()["error"]["param"] == "allowed_token_ids"
+
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_echo_leads_with_the_assistants_own_last_message(openai_server, stream):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    body = {**CHAT, "messages": messages, "continue_final_message": True, "add_generation_prompt": False,
+            "echo": True, "max_tokens": 3, "stream": stream}
+    if not stream:
+        content = post(openai_server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    else:
+        with httpx.stream("POST", f"{openai_server.base_url}/v1/chat/completions", json=body,
+                          headers=openai_server.headers, timeout=30) as reply:
+            lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+        import json
+
+        content = "".join(json.loads(x)["choices"][0]["delta"].get("content") or "" for x in lines
+                          if json.loads(x)["choices"])
+    assert content.startswith("Once upon") and len(content) > len("Once upon")
+    greedy = {**CHAT, "temperature": 0.0}  # a user's last message is not echoed: echo changes nothing
+    with_echo = post(openai_server, "/v1/chat/completions", {**greedy, "echo": True}).json()
+    assert with_echo["choices"][0]["message"] == post(openai_server, "/v1/chat/completions",
+                                                      greedy).json()["choices"][0]["message"]
