@@ -48,6 +48,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Sampling (greedy too) only ever picks one of these token ids (vLLM's allowed_token_ids).
     allowed_token_ids: list[int] | None = None
+    # Words never generated (vLLM's bad_words): the last token of a word is banned wherever the tokens before it
+    # end the output. The engine fills bad_words_token_ids from them (with and without a leading space).
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,6 +109,12 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids
                 or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
             bad("allowed_token_ids", "a non-empty list of token ids >= 0")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list | tuple) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            bad("bad_words", "a list of non-empty strings")
+        if self.bad_words_token_ids is not None and any(
+                not seq or any(not _is_int(t) or t < 0 for t in seq) for seq in self.bad_words_token_ids):
+            bad("bad_words_token_ids", "a list of non-empty token id lists")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"one of {list(OUTPUT_KINDS)}")
 

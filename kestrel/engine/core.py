@@ -48,7 +48,8 @@ _NOTHING_PLACED = ("the scheduler could not place any request; the KV cache is t
 
 def _needs_latest_tokens(params: SamplingParams) -> bool:
     """Sampling that reads the request's tokens on the host each step cannot lag one step behind."""
-    return params.has_penalties or params.min_tokens > 0 or params.prompt_logprobs is not None
+    return (params.has_penalties or params.min_tokens > 0 or params.prompt_logprobs is not None
+            or bool(params.bad_words_token_ids))
 
 
 class EngineCore:
@@ -90,6 +91,8 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
         self._validate(request_id, prompt_token_ids, params)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = params.replace(bad_words_token_ids=self._bad_word_sequences(params.bad_words))
         parent = _ParentRequest(request_id, prompt, list(prompt_token_ids))
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
@@ -109,6 +112,18 @@ class EngineCore:
             self.scheduler.add_request(sequence.request)
             if _needs_latest_tokens(sequence.request.sampling_params):
                 self._sync_request_ids.add(sequence.request.request_id)
+
+    def _bad_word_sequences(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids as the model would write it mid-text (after a space) and at the start."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words", "bad_words needs the model's tokenizer")
+        sequences: list[list[int]] = []
+        for word in words:
+            for variant in (word, " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(variant, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._parents:

@@ -68,7 +68,6 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
     "include_reasoning": "reasoning parsing is not implemented",
     "best_of": "best_of is not supported on chat completions; use n",
     "add_special_tokens": "on chat completions the template places the special tokens (add_special_tokens false)",
-    "bad_words": "bad-word blocking is not implemented yet",
     "prompt_logprobs": "not implemented yet; on /v1/completions, echo with logprobs returns the prompt's logprobs",
     "return_tokens_as_token_ids": "not implemented yet; /tokenize gives a text's token ids",
     "return_token_ids": "not implemented yet; /tokenize gives a text's token ids",
@@ -145,6 +144,7 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None  # keep the prompt's last N tokens
     stream: bool | None = False
@@ -184,6 +184,7 @@ class _SamplingRequest(_Request):
             logprobs=logprobs,
             logit_bias=self._token_bias(),
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids else None,
+            bad_words=list(self.bad_words) if self.bad_words else None,
         )
 
     def _token_bias(self) -> dict[int, float] | None:

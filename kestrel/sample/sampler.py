@@ -52,6 +52,9 @@ class SamplingMetadata:
     logit_bias_rows: torch.Tensor | None = None
     logit_bias_cols: torch.Tensor | None = None
     logit_bias_values: torch.Tensor | None = None
+    # (row, token) pairs that bad_words ban at this step; None when none.
+    bad_rows: torch.Tensor | None = None
+    bad_cols: torch.Tensor | None = None
     # Rows restricted to allowed_token_ids: the rows, and (position among those rows, token) pairs allowed.
     allowed_rows: torch.Tensor | None = None
     allowed_pos: torch.Tensor | None = None
@@ -92,6 +95,7 @@ class SamplingMetadata:
             max_num_logprobs=max(requested) if requested else None,
             **_logit_bias(params, device),
             **_allowed_tokens(params, vocab_size, device),
+            **_bad_words(params, output_token_ids, vocab_size, device),
         )
 
 
@@ -213,6 +217,24 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [B, k + 1] float32
 
 
+def _bad_words(params: list[SamplingParams], output_token_ids: Sequence[Sequence[int]], vocab_size: int,
+               device: torch.device | str) -> dict[str, torch.Tensor | None]:
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, p in enumerate(params):
+        if not p.bad_words_token_ids:
+            continue
+        out = output_token_ids[row]
+        for seq in p.bad_words_token_ids:
+            prefix = seq[:-1]
+            if seq[-1] < vocab_size and (not prefix or list(out[len(out) - len(prefix):]) == prefix):
+                rows.append(row)
+                cols.append(seq[-1])
+    if not rows:
+        return {}
+    return {"bad_rows": _long(rows, device), "bad_cols": _long(cols, device)}
+
+
 def _allowed_tokens(params: list[SamplingParams], vocab_size: int,
                     device: torch.device | str) -> dict[str, torch.Tensor | None]:
     rows: list[int] = []
@@ -242,6 +264,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         logits = apply_logit_bias(logits, meta)
         logits = apply_allowed_tokens(logits, meta)
+        logits = apply_bad_words(logits, meta)
         logits = apply_penalties(logits, meta)
         logits = apply_min_tokens(logits, meta)
         sampled = self._sample(logits, meta)
@@ -277,6 +300,14 @@ def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
         return logits
     return logits.index_put((meta.logit_bias_rows, meta.logit_bias_cols), meta.logit_bias_values.to(logits.dtype),
                             accumulate=True)
+
+
+def apply_bad_words(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    if meta.bad_rows is None:
+        return logits
+    logits = logits.clone()
+    logits[meta.bad_rows, meta.bad_cols] = _NEG_INF
+    return logits
 
 
 def apply_allowed_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -99,3 +99,17 @@ def test_cumulative_logprob_sums_the_generated_tokens(model_dir):
     assert c.cumulative_logprob == sum(step[t] for t, step in zip(c.token_ids, c.logprobs)) < 0
     plain = llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert plain.outputs[0].cumulative_logprob is None
+
+
+def test_bad_words_are_never_generated(model_dir):
+    from kestrel import LLM
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=64)
+    prompt = {"prompt_token_ids": [3, 4, 5]}
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    sequences = {t: llm.engine._bad_word_sequences([llm.tokenizer.decode([t]).strip()]) for t in set(tokens)}
+    banned = next(t for t in tokens if [t] in sequences[t])  # a generated token that is a word on its own
+    word = llm.tokenizer.decode([banned]).strip()
+    out = llm.generate(prompt, greedy.replace(bad_words=[word]), use_tqdm=False)[0].outputs[0].token_ids
+    assert banned not in out and len(out) == 8

@@ -15,7 +15,7 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 # and OpenAI's newer chat fields that kestrel does not implement yet, with a value that would ask for something.
 UNSUPPORTED = {
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "x",
-    "structured_outputs": {"choice": ["a"]}, "bad_words": ["x"], "prompt_logprobs": 1,
+    "structured_outputs": {"choice": ["a"]}, "prompt_logprobs": 1,
     "return_tokens_as_token_ids": True, "use_beam_search": True, "priority": 1, "store": True,
     "metadata": {"k": "v"}, "service_tier": "auto",
     "reasoning_effort": "low", "functions": [{"name": "f"}],
@@ -210,3 +210,10 @@ def test_chat_echo_leads_with_the_assistants_own_last_message(openai_server, str
     with_echo = post(openai_server, "/v1/chat/completions", {**greedy, "echo": True}).json()
     assert with_echo["choices"][0]["message"] == post(openai_server, "/v1/chat/completions",
                                                       greedy).json()["choices"][0]["message"]
+
+
+def test_bad_words_reach_the_engine(openai_server):
+    reply = post(openai_server, "/v1/completions", {**COMPLETION, "bad_words": ["hello", "world"], "max_tokens": 4})
+    assert reply.status_code == 200
+    bad = post(openai_server, "/v1/completions", {**COMPLETION, "bad_words": [""]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("bad_words")

@@ -360,3 +360,13 @@ def test_allowed_token_ids_restrict_greedy_and_random_rows_only() -> None:
     assert out[0] == expected_row0 and out[2] == int(logits[2].argmax())
     with pytest.raises(Exception, match="allowed_token_ids"):
         SP(allowed_token_ids=[])
+
+
+def test_bad_words_ban_the_last_token_after_the_words_prefix() -> None:
+    bad = [[5], [7, 8]]
+    params = [SP(temperature=0.0, bad_words_token_ids=bad), SP(temperature=0.0, bad_words_token_ids=bad)]
+    logits = torch.zeros(2, V)
+    logits[:, 5] = 10.0
+    logits[:, 8] = 9.0
+    out = Sampler()(logits, build(params, outputs=[[3, 7], [7, 3]])).sampled_token_ids.tolist()
+    assert out == [0, 8]  # row 0 just wrote 7: 8 is banned too; row 1 did not, so 8 may follow
