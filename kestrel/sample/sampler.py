@@ -302,12 +302,17 @@ def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
                             accumulate=True)
 
 
-def apply_bad_words(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    if meta.bad_rows is None:
+def _ban(logits: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tensor | None) -> torch.Tensor:
+    """-inf at the (row, token) pairs; the logits unchanged (not copied) when there are none."""
+    if rows is None:
         return logits
     logits = logits.clone()
-    logits[meta.bad_rows, meta.bad_cols] = _NEG_INF
+    logits[rows, cols] = _NEG_INF
     return logits
+
+
+def apply_bad_words(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    return _ban(logits, meta.bad_rows, meta.bad_cols)
 
 
 def apply_allowed_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -317,16 +322,12 @@ def apply_allowed_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.
     banned = torch.ones((meta.allowed_rows.shape[0], logits.shape[-1]), dtype=torch.bool, device=logits.device)
     banned[meta.allowed_pos, meta.allowed_cols] = False
     logits = logits.clone()
-    logits[meta.allowed_rows] = logits[meta.allowed_rows].masked_fill(banned, float("-inf"))
+    logits[meta.allowed_rows] = logits[meta.allowed_rows].masked_fill(banned, _NEG_INF)
     return logits
 
 
 def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    if meta.min_tokens_rows is None:
-        return logits
-    logits = logits.clone()
-    logits[meta.min_tokens_rows, meta.min_tokens_cols] = _NEG_INF
-    return logits
+    return _ban(logits, meta.min_tokens_rows, meta.min_tokens_cols)
 
 
 def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
