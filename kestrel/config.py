@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -378,13 +380,16 @@ def engine_arg_default(arg: EngineArg) -> Any:
     raise KeyError(arg.field)
 
 
-def engine_arg_type(arg: EngineArg) -> type:
-    """int, float, str or bool: the type of the field, None left out."""
-    import typing
+def field_kind(cls: type, name: str) -> Any:
+    """The type of a dataclass field with `| None` left out: int, float, str, bool, dict, tuple[str, ...]."""
+    hint = typing.get_type_hints(cls)[name]
+    if isinstance(hint, types.UnionType):
+        return next(t for t in typing.get_args(hint) if t is not type(None))
+    return hint
 
-    hint = typing.get_type_hints(_GROUP_CLASSES[arg.group])[arg.field]
-    kinds = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
-    return kinds[0]
+
+def engine_arg_type(arg: EngineArg) -> Any:
+    return field_kind(_GROUP_CLASSES[arg.group], arg.field)
 
 
 _GROUP_CLASSES.update(model=ModelConfig, cache=CacheConfig, scheduler=SchedulerConfig, parallel=ParallelConfig,

@@ -9,12 +9,12 @@ import json
 import os
 import sys
 import time
-import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from kestrel.config import ENGINE_ARGS, ConfigError, engine_arg_default, engine_arg_type
+from kestrel.config import ENGINE_ARGS, ConfigError, engine_arg_default, engine_arg_type, field_kind
 from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams, SamplingParamsError
@@ -31,16 +31,23 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=None,
                        help="Hugging Face model directory (default: the bundled kestrel-tiny)")
     for arg in ENGINE_ARGS:
-        flags = ["--" + arg.name.replace("_", "-"), *arg.aliases]
-        kind = engine_arg_type(arg)
-        default = engine_arg_default(arg)
-        shown = f"{arg.help} (default: {default})" if default is not None else arg.help
-        if kind is bool:
-            group.add_argument(*flags, dest=arg.name, action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=shown)
-            continue
-        choices = [c for c in arg.choices if c is not None] if arg.choices else None
-        group.add_argument(*flags, dest=arg.name, type=_json_object if kind is dict else kind, choices=choices,
+        _add_flag(group, ["--" + arg.name.replace("_", "-"), *arg.aliases], arg.name, engine_arg_type(arg),
+                  engine_arg_default(arg), arg.help, arg.choices)
+
+
+def _add_flag(group: argparse._ArgumentGroup, flags: list[str], dest: str, kind: Any, default: Any,
+              help_text: str, choices: Sequence[Any] | None = None) -> None:
+    """One flag for a config field of type `kind`; left out, it leaves the field's own default (shown in the
+    help). bool: --x / --no-x; tuple: one or more values; dict: a JSON object."""
+    shown = help_text + (f" (default: {default})" if default not in (None, ()) else "")
+    if kind is bool:
+        group.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=shown)
+    elif typing.get_origin(kind) is tuple:
+        group.add_argument(*flags, dest=dest, nargs="+", default=argparse.SUPPRESS, help=shown)
+    else:
+        group.add_argument(*flags, dest=dest, type=_json_object if kind is dict else kind,
+                           choices=[c for c in choices if c is not None] if choices else None,
                            default=argparse.SUPPRESS, help=shown)
 
 
@@ -219,30 +226,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The server flags, one per ServerConfig field (its name with dashes; help and choices from its metadata)."""
     group = parser.add_argument_group("server")
-    hints = typing.get_type_hints(ServerConfig)
     for f in dataclasses.fields(ServerConfig):
-        flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        # `X | None` -> X; other generic types (tuple[str, ...]) stay whole.
-        kind = next(t for t in typing.get_args(hint) if t is not type(None)) if isinstance(
-            hint, types.UnionType) else hint
-        default = f.default
-        shown = f.metadata["help"] + (f" (default: {default})" if default not in (None, ()) else "")
-        if kind is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                               help=shown)
-        elif typing.get_origin(kind) is tuple:
-            group.add_argument(flag, dest=f.name, nargs="+", default=argparse.SUPPRESS, help=shown)
-        else:
-            group.add_argument(flag, dest=f.name, type=kind, choices=f.metadata.get("choices"),
-                               default=argparse.SUPPRESS, help=shown)
+        _add_flag(group, ["--" + f.name.replace("_", "-")], f.name, field_kind(ServerConfig, f.name), f.default,
+                  f.metadata["help"], f.metadata.get("choices"))
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
-    for name in ("api_key", "served_model_name", "allowed_origins", "allowed_methods", "allowed_headers"):
-        if name in given:
-            given[name] = tuple(given[name])
+    for name, value in given.items():
+        if typing.get_origin(field_kind(ServerConfig, name)) is tuple:
+            given[name] = tuple(value)
     if "api_key" not in given and os.environ.get("KESTREL_API_KEY"):
         given["api_key"] = (os.environ["KESTREL_API_KEY"],)
     return ServerConfig(**given)
