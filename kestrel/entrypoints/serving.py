@@ -127,8 +127,6 @@ def sse(data: str) -> str:
 SSE_DONE = sse("[DONE]")
 
 
-
-
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], metrics: ServerMetrics,
                  text: TextWorkers, config: ServerConfig) -> None:
@@ -279,12 +277,9 @@ class OpenAIServing:
                           continue_final_message=bool(request.continue_final_message),
                           template_kwargs=request.chat_template_kwargs)
         truncate = request.truncate_prompt_tokens
-        prompt, count, token_ids = await self.text.render_chat(chat, None if truncate else self.engine.max_model_len)
-        if token_ids is not None and truncate:
-            token_ids = token_ids[-truncate:]
-        if token_ids is None or len(token_ids) >= self.engine.max_model_len:
-            raise prompt_too_long(count if token_ids is None else len(token_ids), self.engine.max_model_len,
-                                  "messages")
+        self._check_sequences(1, params.n, "messages")  # before any templating
+        prompt, count, ids = await self.text.render_chat(chat, None if truncate else self.engine.max_model_len)
+        token_ids = self._fit_prompt(count, ids, truncate, "messages")
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs")
         job.model_name = self.response_model_name(request.model)
@@ -403,19 +398,21 @@ class OpenAIServing:
         encoded = iter(await self.text.encode_prompts(texts, None if truncate else limit, add_special_tokens))
         out = []
         for prompt in prompts:
-            if isinstance(prompt, str):
-                count, ids = next(encoded)
-                if ids is None:
-                    raise prompt_too_long(count, limit)
-            else:
-                ids = list(prompt)
-            if truncate:
-                ids = ids[-truncate:]
-            if len(ids) >= limit:
-                raise prompt_too_long(len(ids), limit)
+            count, ids = next(encoded) if isinstance(prompt, str) else (len(prompt), list(prompt))
             # A truncated prompt's text is no longer the prompt: echo and detokenization use the ids.
-            out.append(_Prompt(prompt if isinstance(prompt, str) and not truncate else None, ids))
+            out.append(_Prompt(prompt if isinstance(prompt, str) and not truncate else None,
+                               self._fit_prompt(count, ids, truncate, "prompt")))
         return out
+
+    def _fit_prompt(self, count: int, ids: list[int] | None, truncate: int | None, param: str) -> list[int]:
+        """The prompt's ids, its last `truncate` when asked; a prompt the context cannot hold is refused (`ids`
+        None: the tokenizer reported only its `count`)."""
+        limit = self.engine.max_model_len
+        if ids is not None and truncate:
+            ids = ids[-truncate:]
+        if ids is None or len(ids) >= limit:
+            raise prompt_too_long(count if ids is None else len(ids), limit, param)
+        return ids
 
     def _prompt_text(self, prompt: _Prompt, params: SamplingParams) -> str:
         if prompt.text is not None:
@@ -449,12 +446,11 @@ class OpenAIServing:
 
     async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
                       arrival: float, prompt_param: str, logprobs_param: str) -> _Submitted:
-        """Check the request's size, queue one engine request per prompt (all or none) and wait until the engine
-        accepted them. Refusals name the request's own fields (`prompt_param`, `logprobs_param`), not the
-        engine's."""
+        """Check the response's size, queue one engine request per prompt (all or none) and wait until the engine
+        accepted them (the routes checked the number of sequences before their tokenizing). Refusals name the
+        request's own fields (`prompt_param`, `logprobs_param`), not the engine's."""
         self._check_logprob_entries(prompts, params, logprobs_param)
         trackers = [self.metrics.tracker(arrival, params) for _ in prompts]
-        self._check_sequences(len(prompts), params.n, prompt_param)
         self.engine.check_capacity(len(prompts) * params.n)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         streams = [self.engine.submit(rid, p.token_ids, params, p.text) for rid, p in zip(ids, prompts)]
