@@ -63,7 +63,6 @@ from kestrel.sampling_params import SamplingParamsError
 
 logger = logging.getLogger("kestrel.server")
 
-DEFAULT_BODY_TIMEOUT_S = 60.0
 # Paths behind the API key; /health, /version and /metrics stay open for probes and scrapers. The API's
 # documentation (OpenAPI document, Swagger UI, ReDoc) too, unless the server exposes it (`--public-docs`).
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
@@ -95,7 +94,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str],
     # Strings that must stay text inside chat messages (none: they may become control tokens, as in vLLM).
     specials = () if config.special_tokens_in_content else special_token_texts(engine.tokenizer)
     text = TextWorkers(engine.tokenizer, specials, tokenizer_path=engine.tokenizer_path,
-                       processes=config.tokenizer_workers or 0, chat_template=config.chat_template_text(),
+                       processes=config.tokenizer_processes, chat_template=config.chat_template_text(),
                        trust_remote_code=engine.core.config.model.trust_remote_code).start()
     serving = OpenAIServing(engine, names, metrics, text, config)
     # No trailing-slash redirects: they are built from the Host header, which the client controls.
@@ -329,7 +328,7 @@ class BodyLimitMiddleware:
     """Reads at most `max_bytes` of a request body (413 beyond) within `timeout_s` (408 after) and refuses JSON
     nested deeper than MAX_JSON_DEPTH (400), then replays it to the app."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
@@ -420,11 +419,8 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
     engine.start()
     for line in startup_summary(engine):
         logger.info(line)
-    workers = config.tokenizer_workers
-    if workers is None:
-        workers = min(4, max(1, (os.cpu_count() or 2) // 2))
     names = config.served_model_name or (model,)
-    app = build_app(engine, names, config.api_key, config=config, tokenizer_workers=workers)
+    app = build_app(engine, names, config.api_key, config=config)
     scheme = "https" if config.ssl_certfile else "http"
     print(f"kestrel: serving {names[0]!r} at {scheme}://{config.host}:{config.port}{config.root_path or ''}/v1",
           flush=True)

@@ -104,5 +104,8 @@ class ServerConfig:
         return self.chat_template
 
     @property
-    def model_names(self) -> tuple[str, ...]:
-        return self.served_model_name
+    def tokenizer_processes(self) -> int:
+        """tokenizer_workers, its default resolved: half the CPU cores, 1 to 4."""
+        if self.tokenizer_workers is not None:
+            return self.tokenizer_workers
+        return min(4, max(1, (os.cpu_count() or 2) // 2))
