@@ -8,12 +8,14 @@ with the offline API stay in SamplingParams.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kestrel.config import GENERATION_SAMPLING_KEYS
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams
 
@@ -680,8 +682,9 @@ def _unsupported(param: str, message: str) -> None:
     raise InvalidRequestError(param, message)
 
 
-_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                                      "repetition_penalty": 1.0}
+# SamplingParams' own defaults of the settings a model's generation_config may change.
+_SAMPLING_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SamplingParams)
+                                      if f.name in GENERATION_SAMPLING_KEYS}
 
 
 def _default(value: Any, default: Any) -> Any:

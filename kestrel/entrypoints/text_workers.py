@@ -42,7 +42,10 @@ class ChatInput:
 def encode_prompt(tokenizer: Any, specials: Sequence[str], text: str, limit: int | None,
                   add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
     """(token count, ids), the ids None when there are `limit` or more (the caller only reports the count)."""
-    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return _within(tokenizer.encode(text, add_special_tokens=add_special_tokens), limit)
+
+
+def _within(ids: list[int], limit: int | None) -> tuple[int, list[int] | None]:
     return len(ids), (ids if limit is None or len(ids) < limit else None)
 
 
@@ -52,8 +55,7 @@ def render_and_encode(tokenizer: Any, specials: Sequence[str], chat: ChatInput,
                          named_tool=chat.named_tool, add_generation_prompt=chat.add_generation_prompt,
                          chat_template=chat.chat_template, continue_final_message=chat.continue_final_message,
                          template_kwargs=chat.template_kwargs)
-    ids = encode_chat(tokenizer, prompt.text, chat.message_texts, specials)
-    return prompt, len(ids), (ids if limit is None or len(ids) < limit else None)
+    return (prompt, *_within(encode_chat(tokenizer, prompt.text, chat.message_texts, specials), limit))
 
 
 def tokenize_reply(tokenizer: Any, specials: Sequence[str], prompt: str | ChatInput, add_special_tokens: bool,
