@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from kestrel.config import ConfigError, ModelConfig, QuantConfig
 from kestrel.loader.dummy import initialize_dummy_weights
 from kestrel.loader.hf_config import load_hf_config, resolve_dtype
-from kestrel.loader.safetensors import checkpoint_files, iterate_weights, weight_format
+from kestrel.loader.safetensors import checkpoint_files, iterate_files, weight_format
 from kestrel.model.registry import get_model_class
 from kestrel.quant import QuantPlan
 
@@ -25,8 +23,8 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
     load_format = model_config.load_format
     if load_format == "auto":
         load_format = weight_format(model_config.model) or "safetensors"
-    if load_format != "dummy":
-        checkpoint_files(model_config.model, load_format)  # fail before building the model when there are none
+    # Listed before building the model, so that a directory without weights fails at once.
+    files = checkpoint_files(model_config.model, load_format) if load_format != "dummy" else []
     # The checkpoint's quantization_config, when it has one, decides each linear layer's method.
     plan = QuantPlan.build(quant_config, hf_config)
     if plan.checkpoint is not None and load_format == "dummy":
@@ -38,9 +36,8 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
         initialize_dummy_weights(model, seed=model_config.seed)
         model.process_weights_after_loading()
     else:
-        files = checkpoint_files(model_config.model, load_format)
         # Large checkpoints take a while: show progress when there is more than one file to read.
-        model.load_weights(iterate_weights(Path(model_config.model), load_format, progress=len(files) > 1))
+        model.load_weights(iterate_files(files, load_format, progress=len(files) > 1))
     return model.eval()
 
 

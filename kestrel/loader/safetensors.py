@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -51,10 +51,8 @@ def checkpoint_files(model_dir: str | Path, fmt: str = "safetensors") -> list[Pa
     return files
 
 
-def iterate_weights(model_dir: str | Path, fmt: str = "safetensors",
-                    progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) of the checkpoint, file by file; `progress`: a bar over the files on stderr."""
-    files = checkpoint_files(model_dir, fmt)
+def iterate_files(files: Sequence[Path], fmt: str, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of `files` (as `checkpoint_files` lists them); `progress`: a bar over them on stderr."""
     if progress:
         from tqdm.auto import tqdm
 

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from kestrel.config import CacheConfig, ConfigError, EngineConfig
-from kestrel.loader.safetensors import CheckpointNotFoundError, checkpoint_files, iterate_weights, weight_format
+from kestrel.loader.safetensors import CheckpointNotFoundError, checkpoint_files, iterate_files, weight_format
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def checkpoint_kv_scales(model_dir: str, num_layers: int) -> list[tuple[float, f
                 found.setdefault(int(m.group(1)), {})[m.group(2)] = float(read().float().max())
 
     if fmt == "pt":
-        for name, tensor in iterate_weights(model_dir, "pt"):
+        for name, tensor in iterate_files(files, "pt"):
             record(name, lambda tensor=tensor: tensor)
     for path in files if fmt != "pt" else []:
         with safe_open(str(path), framework="pt", device="cpu") as f:
