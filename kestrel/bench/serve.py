@@ -126,22 +126,29 @@ def error_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
     return dict(counts.most_common())
 
 
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def latency_samples(ok: Sequence[RequestRecord]) -> dict[str, list[float]]:
+    """Seconds of each LATENCY_METRICS name over successful records: TTFT, TPOT (requests with more than one
+    output token), every ITL gap, E2E."""
+    samples: dict[str, list[float]] = {name: [] for name in LATENCY_METRICS}
+    for r in ok:
+        ttft, e2e, tpot, gaps = request_latencies(r)
+        samples["ttft"].append(ttft)
+        samples["e2el"].append(e2e)
+        if tpot is not None:
+            samples["tpot"].append(tpot)
+        samples["itl"].extend(gaps)
+    return samples
+
+
 def compute_metrics(records: Sequence[RequestRecord], duration: float) -> dict[str, Any]:
     """Aggregate metrics of one benchmark level; failed requests are counted, never measured."""
     if duration <= 0:
         raise ValueError(f"duration must be positive, got {duration}")
     ok = [r for r in records if r.success]
-    ttfts: list[float] = []
-    e2es: list[float] = []
-    tpots: list[float] = []
-    itls: list[float] = []
-    for r in ok:
-        ttft, e2e, tpot, gaps = request_latencies(r)
-        ttfts.append(ttft)
-        e2es.append(e2e)
-        if tpot is not None:
-            tpots.append(tpot)
-        itls.extend(gaps)
+    samples = latency_samples(ok)
     total_in = sum(r.input_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
     return {
@@ -155,47 +162,39 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float) -> dict[s
         "request_throughput": len(ok) / duration,
         "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,
-        "ttft_ms": summarize_ms(ttfts),
-        "tpot_ms": summarize_ms(tpots),
-        "itl_ms": summarize_ms(itls),
-        "e2e_ms": summarize_ms(e2es),
+        "ttft_ms": summarize_ms(samples["ttft"]),
+        "tpot_ms": summarize_ms(samples["tpot"]),
+        "itl_ms": summarize_ms(samples["itl"]),
+        "e2e_ms": summarize_ms(samples["e2el"]),
         "errors": error_counts(records),
     }
-
-
-LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 def _percentile_key(q: float) -> str:
     return f"p{int(q)}" if float(q).is_integer() else f"p{q:g}"
 
 
-def flat_metrics(records: Sequence[RequestRecord], duration: float, percentile_metrics: Sequence[str] = ("ttft",
-                 "tpot", "itl"), metric_percentiles: Sequence[float] = (99.0,),
+def flat_metrics(records: Sequence[RequestRecord], metrics: dict[str, Any],
+                 percentile_metrics: Sequence[str] = ("ttft", "tpot", "itl"),
+                 metric_percentiles: Sequence[float] = (99.0,),
                  goodput: dict[str, float] | None = None) -> dict[str, Any]:
-    """`vllm bench serve`'s flat result keys for one level: totals and throughputs, `request_goodput` (requests
-    within every `goodput` SLO, in ms, per second), and mean / median / std / pXX of the chosen latencies."""
+    """`vllm bench serve`'s flat result keys for one level, beside its `compute_metrics` block: totals and
+    throughputs, `request_goodput` (requests within every `goodput` SLO, in ms, per second), and mean / median /
+    std / pXX of the chosen latencies."""
     ok = [r for r in records if r.success]
-    samples: dict[str, list[float]] = {name: [] for name in LATENCY_METRICS}
+    samples = latency_samples(ok)
+    duration = metrics["duration_s"]
     good = 0
-    for r in ok:
-        ttft, e2e, tpot, gaps = request_latencies(r)
+    for r in ok if goodput else ():
+        ttft, e2e, tpot, _ = request_latencies(r)
         per_request = {"ttft": ttft, "tpot": tpot or 0.0, "e2el": e2e}
-        samples["ttft"].append(ttft)
-        samples["e2el"].append(e2e)
-        if tpot is not None:
-            samples["tpot"].append(tpot)
-        samples["itl"].extend(gaps)
-        if goodput and all(per_request[k] * 1e3 <= limit for k, limit in goodput.items()):
-            good += 1
-    total_in = sum(r.input_tokens for r in ok)
-    total_out = sum(r.output_tokens for r in ok)
+        good += all(per_request[k] * 1e3 <= limit for k, limit in goodput.items())
     out: dict[str, Any] = {
-        "duration": duration, "completed": len(ok), "failed": len(records) - len(ok),
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "request_throughput": len(ok) / duration,
+        "duration": duration,
+        **{k: metrics[k] for k in ("completed", "failed", "total_input_tokens", "total_output_tokens",
+                                   "request_throughput")},
         "request_goodput": good / duration if goodput else None,
-        "output_throughput": total_out / duration, "total_token_throughput": (total_in + total_out) / duration,
+        **{k: metrics[k] for k in ("output_throughput", "total_token_throughput")},
         "input_lens": [r.input_tokens for r in records], "output_lens": [r.output_tokens for r in records],
     }
     for name in percentile_metrics:
@@ -808,7 +807,7 @@ async def bench(target: Target, levels: list[Level], work: Workload, warmup_requ
         done = await run_level(target, level, work, i)
         metrics = compute_metrics(done.records, done.duration)
         entry: dict[str, Any] = {"label": level.label, **level.to_json(), "metrics": metrics, "client": done.client,
-                                 **flat_metrics(done.records, done.duration, *flat_settings)}
+                                 **flat_metrics(done.records, metrics, *flat_settings)}
         if save_requests:
             entry["requests"] = [record_to_json(r, done.t0) for r in done.records]
         results.append(entry)
