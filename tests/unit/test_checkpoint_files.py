@@ -11,14 +11,17 @@ from safetensors.torch import load_file
 
 from kestrel import LLM, SamplingParams
 from kestrel.config import ConfigError, EngineConfig
+from kestrel.loader.model_init import write_tiny_checkpoint
 
 PROMPT = {"prompt_token_ids": [3, 4, 5, 6]}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture
-def model_dir(tiny_llama_dir):
-    return tiny_llama_dir
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("files")
+    write_tiny_checkpoint(str(path), arch="llama", seed=5)
+    return path
 
 
 def tokens(path, **kwargs) -> list[int]:

@@ -48,9 +48,13 @@ def test_unsupported_parallelism_and_two_models_are_errors(tiny_model_dir, capsy
     assert "two models given" in capsys.readouterr().err
 
 
-@pytest.fixture
-def tiny_model_dir(tiny_llama_dir):
-    return str(tiny_llama_dir)
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from kestrel.loader.model_init import write_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("cli-tiny")
+    write_tiny_checkpoint(str(path), arch="llama", seed=0)
+    return str(path)
 
 
 def test_the_hub_cache_variables_become_download_dir(tiny_model_dir, monkeypatch):

@@ -10,13 +10,16 @@ import pytest
 from kestrel import LLM, SamplingParams
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from kestrel.loader.model_init import write_tiny_checkpoint
 
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=False)
 
 
-@pytest.fixture
-def model_dir(tiny_llama_dir):
-    return tiny_llama_dir
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gen-config")
+    write_tiny_checkpoint(str(path), arch="llama", seed=3)
+    return path
 
 
 def with_generation_config(model_dir, tmp_path, **fields):

@@ -4,6 +4,8 @@ LLM(disable_log_stats=False) logs it, the default stays quiet."""
 import logging
 from types import SimpleNamespace
 
+import pytest
+
 from kestrel import LLM, SamplingParams
 from kestrel.engine.stats_logger import StatsLogger
 
@@ -32,8 +34,7 @@ def test_rates_are_over_the_interval_and_logged_once_per_interval():
     assert lines == [line, forced]
 
 
-def test_llm_logs_stats_only_when_asked(tiny_llama_dir, caplog):
-    tiny_checkpoint = str(tiny_llama_dir)
+def test_llm_logs_stats_only_when_asked(tiny_checkpoint, caplog):
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     with caplog.at_level(logging.INFO, logger="kestrel.engine"):
         quiet = LLM(tiny_checkpoint, dtype="float32", max_model_len=64)
@@ -43,3 +44,11 @@ def test_llm_logs_stats_only_when_asked(tiny_llama_dir, caplog):
         loud.generate([{"prompt_token_ids": [3, 4]}] * 2, params, use_tqdm=False)
     assert any("Avg generation throughput" in r.message for r in caplog.records)
 
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from kestrel.loader.model_init import write_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("stats")
+    write_tiny_checkpoint(str(path), arch="llama", seed=1)
+    return str(path)
