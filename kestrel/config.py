@@ -119,6 +119,7 @@ class ModelConfig:
     download_dir: str | None = None  # the Hugging Face hub cache a model id is looked up in
     trust_remote_code: bool = False  # let the tokenizer run the Python code its directory ships
     hf_overrides: dict | None = None  # config.json keys replaced after reading it (vLLM's hf_overrides)
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1: the whole vocabulary
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults, compare=False, repr=False)
 
@@ -127,6 +128,7 @@ class ModelConfig:
         _check_choice("load_format", self.load_format, LOAD_FORMAT_CHOICES)
         _check_int("seed", self.seed, 0)
         _check_int("max_model_len", self.max_model_len, 1, allow_none=True)
+        _check_int("max_logprobs", self.max_logprobs, -1)
         if not isinstance(self.model, str) or not self.model:
             _fail("model", self.model, "expected the path of a Hugging Face model directory")
         object.__setattr__(self, "model", resolve_model_path(self.model, self.download_dir))
@@ -338,6 +340,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "let a tokenizer run the code its directory ships (model architectures are kestrel's own)"),
     EngineArg("hf_overrides", "model", "hf_overrides", "config.json keys to replace, as JSON (e.g. "
               "'{\"rope_theta\": 1000000}')"),
+    EngineArg("max_logprobs", "model", "max_logprobs",
+              "most logprobs (and prompt_logprobs) a request may ask for; -1: the whole vocabulary"),
     EngineArg("block_size", "cache", "block_size", "tokens per KV cache block", choices=BLOCK_SIZE_CHOICES),
     EngineArg("kv_cache_blocks", "cache", "num_blocks", "number of KV cache blocks (instead of the profiled one)",
               aliases=("--num-gpu-blocks-override",)),

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Per generated token: {token_id: logprob} for the sampled token and the top-k candidates.
-SampleLogprobs = list[dict[int, float]]
-PromptLogprobs = list[dict[int, float] | None]
+
+@dataclass(frozen=True)
+class Logprob:
+    """One candidate token's log probability (vLLM's shape): its rank in the model's distribution (1 = most
+    likely) and its text, decoded alone."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token: {token_id: Logprob} for the sampled token and the top-k candidates.
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token (the first has no context: None).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -31,7 +43,7 @@ class CompletionOutput:
         """The sum of the generated tokens' logprobs (vLLM's field), when logprobs were asked for."""
         if self.logprobs is None:
             return None
-        return sum(step[token] for token, step in zip(self.token_ids, self.logprobs) if step and token in step)
+        return sum(step[token].logprob for token, step in zip(self.token_ids, self.logprobs) if step and token in step)
 
 
 @dataclass

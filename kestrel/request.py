@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kestrel.outputs import Logprob
 from kestrel.sampling_params import SamplingParams
 
 
@@ -61,8 +62,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     # (token ids, logprobs) of the top candidates per sampled token, when logprobs were asked for.
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Tokens already scheduled to be sampled whose ids the host does not know yet (async scheduling: at most
     # the one of the step in flight once the step before it is collected).

@@ -32,6 +32,7 @@ from kestrel.bench.common import write_result
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.core import EngineCore
 from kestrel.loader.tokenizer import load_tokenizer
+from kestrel.outputs import PromptLogprobs
 from kestrel.sampling_params import SamplingParams
 from kestrel.tiny import corpus, default_model_path
 from kestrel.worker.model_runner import ModelRunner
@@ -153,7 +154,7 @@ class KestrelScorer:
         return results
 
 
-def _scored_nll(w: Window, doc: Document, prompt_logprobs: list[dict[int, float] | None] | None) -> float:
+def _scored_nll(w: Window, doc: Document, prompt_logprobs: PromptLogprobs | None) -> float:
     if prompt_logprobs is None or len(prompt_logprobs) != w.end - w.begin:
         raise RuntimeError(f"window {w} of {doc.name}: expected {w.end - w.begin} prompt logprobs, got "
                            f"{None if prompt_logprobs is None else len(prompt_logprobs)}")
@@ -161,7 +162,7 @@ def _scored_nll(w: Window, doc: Document, prompt_logprobs: list[dict[int, float]
     for pos in range(w.score_from, w.end):
         entry = prompt_logprobs[pos - w.begin]
         assert entry is not None
-        total -= entry[doc.token_ids[pos]]
+        total -= entry[doc.token_ids[pos]].logprob
     return total
 
 

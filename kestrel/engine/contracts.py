@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kestrel.outputs import Logprob
 from kestrel.sampling_params import SamplingParams
 
 
@@ -60,10 +61,10 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[int | None]
-    # {token_id: logprob} for the sampled token and the request's top-k, when it asked for logprobs.
-    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # {token_id: Logprob} for the sampled token and the request's top-k, when it asked for logprobs.
+    logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     # Prompt logprobs computed this step for the request's prompt positions (chunk by chunk).
-    prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
 
 
 class Runner(Protocol):

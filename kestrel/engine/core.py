@@ -7,6 +7,7 @@ and gathered back into one RequestOutput.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,8 @@ class _Sequence:
     status: RequestStatus = RequestStatus.WAITING
     finished_time: float | None = None
     num_emitted_tokens: int = 0
+    num_named_logprobs: int = 0  # output logprob entries whose tokens carry their text
+    num_named_prompt_logprobs: int = 0
 
 
 @dataclass
@@ -85,6 +88,7 @@ class EngineCore:
         # Live requests whose sampling reads their latest tokens on the host (usually none): kept here so a
         # step need not scan every request; finished ones are dropped lazily by `_needs_sync`.
         self._sync_request_ids: set[str] = set()
+        self._token_texts: dict[int, str] = {}
 
     # ----- requests -----------------------------------------------------------------------------
 
@@ -135,6 +139,15 @@ class EngineCore:
         vocab_size = getattr(self.runner, "vocab_size", None)
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")
+        limit = self.config.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and vocab_size is not None and asked > vocab_size:
+                raise InvalidRequestError(name, f"{name}={asked} is more than the vocabulary's {vocab_size} tokens")
+            if asked is not None and limit >= 0 and asked > limit:
+                raise InvalidRequestError(name, f"{name}={asked} is more than this engine's max_logprobs={limit}; ask "
+                                          f"for at most {limit}, or start the engine with a larger max_logprobs "
+                                          "(-1: no limit)")
         bias = params.logit_bias or {}
         if vocab_size is not None and any(t >= vocab_size for t in bias):
             raise InvalidRequestError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size})")
@@ -243,6 +256,8 @@ class EngineCore:
             sequence = parent.sequences[0] if len(parent.sequences) == 1 else next(
                 s for s in parent.sequences if s.request is request)
             params = request.sampling_params
+            if params.logprobs is not None or params.prompt_logprobs is not None:
+                self._name_logprob_tokens(sequence)
             # Final-only requests without stop strings need their text only once, at the end.
             if not params.final_only or params.stop or request.is_finished:
                 self._detokenize(sequence)
@@ -259,6 +274,29 @@ class EngineCore:
             if finished:
                 self._parents.pop(parent.request_id, None)
         return outputs
+
+    def token_text(self, token_id: int) -> str | None:
+        """One token's text decoded alone (a logprob's decoded_token); None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _name_logprob_tokens(self, sequence: _Sequence) -> None:
+        """Give the logprob entries that arrived this step their tokens' text."""
+        request = sequence.request
+        if len(request.prompt_logprobs) < sequence.num_named_prompt_logprobs:
+            sequence.num_named_prompt_logprobs = 0  # preempted: the prompt's logprobs were computed again
+        for entries, done in ((request.output_logprobs, sequence.num_named_logprobs),
+                              (request.prompt_logprobs, sequence.num_named_prompt_logprobs)):
+            for i in range(done, len(entries)):
+                if entries[i] is not None:
+                    entries[i] = {t: dataclasses.replace(lp, decoded_token=self.token_text(t))
+                                  for t, lp in entries[i].items()}
+        sequence.num_named_logprobs = len(request.output_logprobs)
+        sequence.num_named_prompt_logprobs = len(request.prompt_logprobs)
 
     def _detokenize(self, sequence: _Sequence) -> None:
         request = sequence.request

@@ -19,7 +19,6 @@ from kestrel.config import GENERATION_SAMPLING_KEYS
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams
 
-MAX_LOGPROBS = 20
 MAX_N = 128
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -70,9 +69,6 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
     "include_reasoning": "reasoning parsing is not implemented",
     "best_of": "best_of is not supported on chat completions; use n",
     "add_special_tokens": "on chat completions the template places the special tokens (add_special_tokens false)",
-    "prompt_logprobs": "not implemented yet; on /v1/completions, echo with logprobs returns the prompt's logprobs",
-    "return_tokens_as_token_ids": "not implemented yet; /tokenize gives a text's token ids",
-    "return_token_ids": "not implemented yet; /tokenize gives a text's token ids",
     "use_beam_search": "beam search is not implemented yet",
     "length_penalty": "beam search (which length_penalty scores) is not implemented yet",
     "priority": "priority scheduling is not implemented yet; requests are served first come, first served",
@@ -91,8 +87,7 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
 }
 _EMPTY_VALUES: tuple[Any, ...] = (None, [], {})
 # vLLM fields sent with the value that asks for nothing beyond what kestrel does anyway (vLLM's defaults).
-_NO_OP_VALUES: dict[str, Any] = {"use_beam_search": False, "priority": 0, "return_tokens_as_token_ids": False,
-                                 "return_token_ids": False, "add_special_tokens": False}
+_NO_OP_VALUES: dict[str, Any] = {"use_beam_search": False, "priority": 0, "add_special_tokens": False}
 
 
 def _asks_nothing(name: str, value: Any) -> bool:
@@ -149,6 +144,9 @@ class _SamplingRequest(_Request):
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None  # keep the prompt's last N tokens
+    prompt_logprobs: Annotated[Int, Field(ge=0)] | None = None  # vLLM's: each prompt token's logprob and top-N
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N" (for unprintable ones)
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids in the response
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
@@ -159,6 +157,8 @@ class _SamplingRequest(_Request):
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             _unsupported("stream_options", "stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            _unsupported("prompt_logprobs", "prompt_logprobs are not available when stream is true")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          model_defaults: Mapping[str, Any]) -> SamplingParams:
@@ -184,6 +184,7 @@ class _SamplingRequest(_Request):
             include_stop_str_in_output=_default(self.include_stop_str_in_output, False),
             max_tokens=max_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             logit_bias=self._token_bias(),
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids else None,
             bad_words=list(self.bad_words) if self.bad_words else None,
@@ -212,7 +213,7 @@ PromptInput = (str | Annotated[list[str], Field(min_length=1)] | TokenIds
 class CompletionRequest(_SamplingRequest):
     prompt: PromptInput
     max_tokens: Annotated[Int, Field(ge=1)] | None = 16
-    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[Int, Field(ge=0)] | None = None
     echo: bool | None = False
     add_special_tokens: bool | None = True  # vLLM's: the tokenizer's BOS (and the like) around a text prompt
     suffix: str | None = None
@@ -234,8 +235,8 @@ class CompletionRequest(_SamplingRequest):
         if self.best_of is not None and self.best_of != _default(self.n, 1):
             _unsupported("best_of", "best_of other than n is not supported; use n")
         params = self._sampling_params(_default(self.max_tokens, 16), self.logprobs, model_defaults or {})
-        if self.echo and self.logprobs is not None:
-            params = params.replace(prompt_logprobs=self.logprobs)  # the echoed prompt carries its logprobs
+        if self.echo and self.logprobs is not None:  # the echoed prompt carries its logprobs
+            params = params.replace(prompt_logprobs=max(self.logprobs, _default(self.prompt_logprobs, 0)))
         return params
 
 
@@ -330,7 +331,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: Annotated[Int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0)] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -446,12 +447,26 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's logprob object, keyed by token id in `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -500,6 +515,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -509,6 +525,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaFunctionCall(BaseModel):
@@ -535,6 +553,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this chunk's
 
 
 class ChatCompletionChunk(BaseModel):
@@ -544,6 +563,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, on the first chunk
 
 
 class CompletionStreamResponse(BaseModel):

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -33,6 +32,7 @@ from kestrel.entrypoints.chat import (
     make_tool_parser,
     parse_tool_calls,
 )
+from kestrel.entrypoints.logprob_format import LogprobFormatter, join, text_end
 from kestrel.entrypoints.metrics import RequestTracker, ServerMetrics
 from kestrel.entrypoints.protocol import (
     ChatChoice,
@@ -40,13 +40,10 @@ from kestrel.entrypoints.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogProb,
-    ChatLogProbsContent,
     ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
-    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
@@ -61,13 +58,12 @@ from kestrel.entrypoints.protocol import (
 )
 from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.entrypoints.text_workers import ChatInput, TextWorkers
-from kestrel.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.request import InvalidRequestError, prompt_too_long
 from kestrel.sampling_params import SamplingParams
 
 T = TypeVar("T")
 logger = logging.getLogger("kestrel.server")
-MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
 class ModelNotFoundError(LookupError):
@@ -107,17 +103,6 @@ class _Submitted:
 
 def error_body(message: str, err_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=code)).model_dump()
-
-
-def _join(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
-    return CompletionLogProbs(text_offset=first.text_offset + second.text_offset,
-                              token_logprobs=first.token_logprobs + second.token_logprobs,
-                              tokens=first.tokens + second.tokens,
-                              top_logprobs=first.top_logprobs + second.top_logprobs)
-
-
-def _text_end(logprobs: CompletionLogProbs) -> int:
-    return logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens else 0
 
 
 def sse(data: str) -> str:
@@ -165,19 +150,27 @@ class OpenAIServing:
         if request.stream:
             return EventStreamResponse(self._completion_stream(request, job))
         finals = await _until_disconnect(raw, self._collect(job))
+        fmt = self._formatter(params.logprobs, request.return_tokens_as_token_ids)
+        ids = bool(request.return_token_ids)
         choices = []
         for i, (prompt, final) in enumerate(zip(job.prompts, finals)):
+            prompt_logprobs = None
+            if request.prompt_logprobs is not None:
+                prompt_logprobs = fmt.prompt_logprobs(final.prompt_logprobs, request.prompt_logprobs)
             for c in final.outputs:
                 prefix = (prompt.text or "") if request.echo else ""
                 logprobs = None
                 if params.logprobs is not None and request.echo:
                     # Offsets count the tokens' texts, the prompt's special tokens included.
-                    echoed = self._prompt_logprobs(prompt.token_ids, final.prompt_logprobs)
-                    logprobs = _join(echoed, self._completion_logprobs(c.token_ids, c.logprobs, _text_end(echoed)))
+                    echoed = fmt.echoed_prompt(prompt.token_ids, final.prompt_logprobs)
+                    logprobs = join(echoed, fmt.completion(c.token_ids, c.logprobs, text_end(echoed)))
                 elif params.logprobs is not None:
-                    logprobs = self._completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+                    logprobs = fmt.completion(c.token_ids, c.logprobs, len(prefix))
                 choices.append(CompletionChoice(index=i * params.n + c.index, text=prefix + c.text, logprobs=logprobs,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=prompt_logprobs,
+                                                prompt_token_ids=list(prompt.token_ids) if ids else None,
+                                                token_ids=list(c.token_ids) if ids else None))
         response = CompletionResponse(id=job.request_id, created=job.created, model=job.model_name,
                                       choices=choices, usage=_usage(job, finals))
         return JSONResponse(response.model_dump())
@@ -187,6 +180,19 @@ class OpenAIServing:
         offsets: dict[int, int] = {}
         finished: set[int] = set()
         completion_tokens = 0
+        fmt = self._formatter(job.params.logprobs, request.return_tokens_as_token_ids)
+        ids = bool(request.return_token_ids)
+        ids_sent: set[int] = set()
+
+        def token_ids(index: int, prompt: _Prompt, delta: list[int]) -> dict[str, list[int]]:
+            """With return_token_ids: each chunk's new token ids, and the prompt's on a choice's first chunk."""
+            if not ids:
+                return {}
+            fields = {"token_ids": list(delta)}
+            if index not in ids_sent:
+                ids_sent.add(index)
+                fields["prompt_token_ids"] = list(prompt.token_ids)
+            return fields
 
         def chunk(choice: CompletionChoice) -> str:
             return sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model_name,
@@ -199,15 +205,17 @@ class OpenAIServing:
                 for i, prompt in enumerate(job.prompts):
                     for j in range(n):
                         offsets[i * n + j] = len(prompt.text or "")
-                        yield chunk(CompletionChoice(index=i * n + j, text=prompt.text or ""))
+                        yield chunk(CompletionChoice(index=i * n + j, text=prompt.text or "",
+                                                     **token_ids(i * n + j, prompt, [])))
             async for i, output in self._merged(job):
                 if i in echo_later:
                     echo_later.discard(i)
                     prompt = job.prompts[i]
-                    block = self._prompt_logprobs(prompt.token_ids, output.prompt_logprobs)
+                    block = fmt.echoed_prompt(prompt.token_ids, output.prompt_logprobs)
                     for j in range(n):
-                        offsets[i * n + j] = _text_end(block)
-                        yield chunk(CompletionChoice(index=i * n + j, text=prompt.text or "", logprobs=block))
+                        offsets[i * n + j] = text_end(block)
+                        yield chunk(CompletionChoice(index=i * n + j, text=prompt.text or "", logprobs=block,
+                                                     **token_ids(i * n + j, prompt, [])))
                 for c in output.outputs:
                     index = i * n + c.index
                     if index in finished or not (c.delta_text or c.delta_token_ids or c.finished):
@@ -215,15 +223,15 @@ class OpenAIServing:
                     completion_tokens += len(c.delta_token_ids)
                     logprobs = None
                     if job.params.logprobs is not None:
-                        logprobs = self._completion_logprobs(c.delta_token_ids, c.delta_logprobs,
-                                                             offsets.get(index, 0))
+                        logprobs = fmt.completion(c.delta_token_ids, c.delta_logprobs, offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + len(c.delta_text)
                     if c.finished:
                         finished.add(index)
                     elif not c.delta_text and logprobs is None:
                         continue  # text held back (a split character or a possible stop string)
                     yield chunk(CompletionChoice(index=index, text=c.delta_text, logprobs=logprobs,
-                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                 **token_ids(index, job.prompts[i], c.delta_token_ids)))
             if request.include_usage_in_stream:
                 usage = _usage_of(job, completion_tokens)
                 yield sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model_name,
@@ -231,29 +239,6 @@ class OpenAIServing:
         except Exception as error:  # the status line is sent: errors can only travel as an event
             yield _stream_error(error)
         yield SSE_DONE
-
-    def _prompt_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float] | None] | None
-                         ) -> CompletionLogProbs:
-        """The echoed prompt's tokens with their logprobs (None for the first token, which has no context)."""
-        entries = list(logprobs or [])
-        entries += [None] * (len(token_ids) - len(entries))
-        return self._completion_logprobs(token_ids, entries, 0)
-
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float] | None] | None,
-                             offset: int) -> CompletionLogProbs:
-        result = CompletionLogProbs()
-        for token_id, candidates in zip(token_ids, logprobs or []):
-            text = self.token_text(token_id)
-            result.tokens.append(text)
-            result.text_offset.append(offset)
-            offset += len(text)
-            if candidates is None:
-                result.token_logprobs.append(None)
-                result.top_logprobs.append(None)
-            else:
-                result.token_logprobs.append(_finite(candidates.get(token_id)))
-                result.top_logprobs.append({self.token_text(t): _finite(lp) for t, lp in candidates.items()})
-        return result
 
     # ----- /v1/chat/completions ------------------------------------------------------------------
 
@@ -288,13 +273,19 @@ class OpenAIServing:
             return EventStreamResponse(self._chat_stream(request, job, tools))
         (final,) = await _until_disconnect(raw, self._collect(job))
         echoed = _chat_echo(request)
-        choices = [self._chat_choice(c, params, tools, echoed) for c in final.outputs]
+        fmt = self._formatter(params.logprobs, request.return_tokens_as_token_ids)
+        ids = bool(request.return_token_ids)
+        choices = [self._chat_choice(c, params, tools, fmt, echoed, ids) for c in final.outputs]
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None:
+            prompt_logprobs = fmt.prompt_logprobs(final.prompt_logprobs, request.prompt_logprobs)
         response = ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model_name,
-                                          choices=choices, usage=_usage(job, [final]))
+                                          choices=choices, usage=_usage(job, [final]), prompt_logprobs=prompt_logprobs,
+                                          prompt_token_ids=list(final.prompt_token_ids) if ids else None)
         return JSONResponse(response.model_dump())
 
-    def _chat_choice(self, c: CompletionOutput, params: SamplingParams, tools: _ToolSetup,
-                     echoed: str = "") -> ChatChoice:
+    def _chat_choice(self, c: CompletionOutput, params: SamplingParams, tools: _ToolSetup, fmt: LogprobFormatter,
+                     echoed: str = "", ids: bool = False) -> ChatChoice:
         message = ChatResponseMessage(content=echoed + c.text)
         finish_reason = c.finish_reason
         if tools.active:
@@ -307,9 +298,9 @@ class OpenAIServing:
                 finish_reason = "tool_calls"
         logprobs = None
         if params.logprobs is not None:
-            logprobs = ChatChoiceLogProbs(content=self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs))
+            logprobs = ChatChoiceLogProbs(content=fmt.chat(c.token_ids, c.logprobs))
         return ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
-                          stop_reason=c.stop_reason)
+                          stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None)
 
     async def _chat_stream(self, request: ChatCompletionRequest, job: _Submitted,
                            tools: _ToolSetup) -> AsyncIterator[str]:
@@ -318,15 +309,19 @@ class OpenAIServing:
                    if tools.active else {})
         finished: set[int] = set()
         completion_tokens = 0
+        fmt = self._formatter(params.logprobs, request.return_tokens_as_token_ids)
+        ids = bool(request.return_token_ids)
 
-        def chunk(choice: ChatStreamChoice) -> str:
+        def chunk(choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> str:
             return sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model_name,
-                                           choices=[choice]).model_dump_json(exclude_none=True))
+                                           choices=[choice], prompt_token_ids=prompt_token_ids
+                                           ).model_dump_json(exclude_none=True))
 
         try:
             echoed = _chat_echo(request)
             for i in range(params.n):
-                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echoed)))
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echoed)),
+                            list(job.prompts[0].token_ids) if ids else None)
             async for _, output in self._merged(job):
                 for c in output.outputs:
                     if c.index in finished or not (c.delta_text or c.delta_token_ids or c.finished):
@@ -336,13 +331,14 @@ class OpenAIServing:
                     logprobs = None
                     if params.logprobs is not None and c.delta_token_ids:
                         logprobs = ChatChoiceLogProbs(
-                            content=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, params.logprobs))
+                            content=fmt.chat(c.delta_token_ids, c.delta_logprobs))
                     if c.finished:
                         finished.add(c.index)
-                    if delta.content or delta.tool_calls or logprobs or finish_reason:
+                    if delta.content or delta.tool_calls or logprobs or finish_reason or (ids and c.delta_token_ids):
                         yield chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
                                                      finish_reason=finish_reason,
-                                                     stop_reason=c.stop_reason if finish_reason else None))
+                                                     stop_reason=c.stop_reason if finish_reason else None,
+                                                     token_ids=list(c.delta_token_ids) if ids else None))
             if request.include_usage_in_stream:
                 usage = _usage_of(job, completion_tokens)
                 yield sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model_name,
@@ -365,22 +361,10 @@ class OpenAIServing:
         content, tool_calls = _delta_from_events(events, tools.parallel)
         return DeltaMessage(content=content, tool_calls=tool_calls), finish_reason
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None,
-                       num_top: int) -> list[ChatLogProbsContent]:
-        content = []
-        for token_id, candidates in zip(token_ids, logprobs or []):
-            top = sorted(candidates.items(), key=lambda item: item[1], reverse=True)[:num_top]
-            content.append(ChatLogProbsContent(
-                **self._chat_logprob(token_id, candidates.get(token_id)).model_dump(),
-                top_logprobs=[self._chat_logprob(t, lp) for t, lp in top],
-            ))
-        return content
-
-    def _chat_logprob(self, token_id: int, logprob: float | None) -> ChatLogProb:
-        text = self.token_text(token_id)
-        return ChatLogProb(token=text, logprob=_finite(logprob), bytes=list(text.encode("utf-8")))
-
     # ----- shared --------------------------------------------------------------------------------
+
+    def _formatter(self, num_top: int | None, tokens_as_ids: bool | None) -> LogprobFormatter:
+        return LogprobFormatter(self.token_text, num_top, bool(tokens_as_ids))
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -462,6 +446,9 @@ class OpenAIServing:
                 await stream.aclose()
             if isinstance(error, InvalidRequestError) and error.param in ("prompt", "prompt_token_ids"):
                 raise InvalidRequestError(prompt_param, str(error)) from None
+            if isinstance(error, InvalidRequestError) and error.param == "logprobs":
+                raise InvalidRequestError(logprobs_param, str(error).replace("logprobs=", f"{logprobs_param}=", 1)
+                                          ) from None
             raise
         if self.config.enable_log_requests:
             logger.info("request %s: %d prompt(s), %s prompt tokens, %r", request_id, len(prompts),
@@ -602,12 +589,6 @@ def _usage(job: _Submitted, finals: list[RequestOutput]) -> UsageInfo:
 def _usage_of(job: _Submitted, completion_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=job.num_prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=job.num_prompt_tokens + completion_tokens)
-
-
-def _finite(logprob: float | None) -> float:
-    if logprob is None or math.isnan(logprob):
-        return MIN_LOGPROB
-    return max(logprob, MIN_LOGPROB)
 
 
 def _stream_error(error: Exception) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kestrel.outputs import Logprob
 from kestrel.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -215,6 +216,8 @@ class SamplerOutput:
     # Column 0: the sampled token; columns 1..k: the top-k of the raw distribution. None if no row asked.
     logprob_token_ids: torch.Tensor | None  # [B, k + 1] int64
     logprobs: torch.Tensor | None  # [B, k + 1] float32
+    # Rank of the sampled token in the raw distribution (1 = the most likely). None if no row asked.
+    sampled_ranks: torch.Tensor | None = None  # [B] int64
 
 
 def _bad_words(params: list[SamplingParams], output_token_ids: Sequence[Sequence[int]], vocab_size: int,
@@ -271,7 +274,7 @@ class Sampler:
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None)
         ids, lps = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
-        return SamplerOutput(sampled, ids, lps)
+        return SamplerOutput(sampled, ids, lps, token_ranks(raw_logprobs, lps[:, 0]))
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         greedy = None if meta.all_random else logits.argmax(dim=-1)
@@ -397,16 +400,31 @@ def gather_logprobs(
     return torch.cat([sampled_ids, top_ids], dim=1), torch.cat([sampled_lps, top_lps], dim=1)
 
 
-def to_logprob_dicts(out: SamplerOutput, num_logprobs_per_row: list[int | None]) -> list[dict[int, float] | None]:
-    """Host-side conversion (syncs once): {token_id: logprob} with the sampled token first, then its top-n."""
+def token_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Rank of each row's chosen logprob within its row: 1 + the number of tokens strictly more likely."""
+    return (logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
+
+
+def logprob_entry(chosen_id: int, chosen_lp: float, chosen_rank: int, top_ids: Sequence[int],
+                  top_lps: Sequence[float]) -> dict[int, Logprob]:
+    """{token_id: Logprob}: the chosen token first, then the top candidates ranked 1, 2, ..."""
+    entry = {chosen_id: Logprob(chosen_lp, chosen_rank)}
+    for rank, (token_id, lp) in enumerate(zip(top_ids, top_lps), start=1):
+        entry.setdefault(token_id, Logprob(lp, rank))
+    return entry
+
+
+def to_logprob_dicts(out: SamplerOutput, num_logprobs_per_row: list[int | None]) -> list[dict[int, Logprob] | None]:
+    """Host-side conversion (syncs once): {token_id: Logprob} with the sampled token first, then its top-n."""
     if out.logprob_token_ids is None or out.logprobs is None:
         return [None] * len(num_logprobs_per_row)
     all_ids = out.logprob_token_ids.tolist()
     all_lps = out.logprobs.tolist()
-    result: list[dict[int, float] | None] = []
-    for ids, lps, n in zip(all_ids, all_lps, num_logprobs_per_row):
+    all_ranks = out.sampled_ranks.tolist() if out.sampled_ranks is not None else [None] * len(all_ids)
+    result: list[dict[int, Logprob] | None] = []
+    for ids, lps, rank, n in zip(all_ids, all_lps, all_ranks, num_logprobs_per_row):
         if n is None:
             result.append(None)
             continue
-        result.append(dict(zip(ids[: n + 1], lps[: n + 1])))
+        result.append(logprob_entry(ids[0], lps[0], rank, ids[1: n + 1], lps[1: n + 1]))
     return result

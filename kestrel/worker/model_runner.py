@@ -14,7 +14,15 @@ from kestrel.engine.contracts import ModelRunnerOutput, NewRequestData, Schedule
 from kestrel.loader import load_model
 from kestrel.loader.hf_config import resolve_dtype
 from kestrel.model.attn_metadata import AttentionMetadata
-from kestrel.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, to_logprob_dicts
+from kestrel.outputs import Logprob
+from kestrel.sample.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    logprob_entry,
+    to_logprob_dicts,
+    token_ranks,
+)
 from kestrel.worker.cuda_graph import DecodeGraphRunner
 from kestrel.worker.input_batch import BlockTable, CachedRequestState, build_model_inputs
 from kestrel.worker.kv_cache import (
@@ -287,7 +295,7 @@ class ModelRunner:
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's sampled ids (the step's one host synchronization) and record them."""
         sampled: list[int | None] = [None] * len(step.req_ids)
-        logprobs: list[dict[int, float] | None] = [None] * len(step.req_ids)
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(step.req_ids)
         if step.rows:
             if step.event is not None:
                 step.event.synchronize()
@@ -301,12 +309,12 @@ class ModelRunner:
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs)
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], query_start_loc: torch.Tensor,
-                         hidden: torch.Tensor) -> dict[str, list[dict[int, float] | None]]:
+                         hidden: torch.Tensor) -> dict[str, list[dict[int, Logprob] | None]]:
         """Logprobs of each prompt token given the ones before it, for the prompt rows of this step.
 
         Row p of a chunk predicts token p + 1; the first prompt token has no logprob (None).
         """
-        result: dict[str, list[dict[int, float] | None]] = {}
+        result: dict[str, list[dict[int, Logprob] | None]] = {}
         starts = None
         for row, (state, count) in enumerate(zip(states, counts)):
             k = state.sampling_params.prompt_logprobs
@@ -316,19 +324,17 @@ class ModelRunner:
                 continue
             if starts is None:
                 starts = query_start_loc.tolist()
-            entries: list[dict[int, float] | None] = [None] if first == 0 else []
+            entries: list[dict[int, Logprob] | None] = [None] if first == 0 else []
             if last > first:
                 rows = hidden[starts[row]: starts[row] + (last - first)]
                 logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
                 targets = torch.tensor(state.token_ids[first + 1: last + 1], device=logprobs.device)
-                chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-                top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
-                for i, token_id in enumerate(targets.tolist()):
-                    entry = {token_id: chosen[i]}
-                    if top_ids is not None:
-                        for tid, lp in zip(top_ids[i].tolist(), top_lp[i].tolist()):
-                            entry.setdefault(tid, lp)
-                    entries.append(entry)
+                chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+                ranks = token_ranks(logprobs, chosen).tolist()
+                top_lp, top_ids = logprobs.topk(k, dim=-1)
+                top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+                for i, (token_id, lp) in enumerate(zip(targets.tolist(), chosen.tolist())):
+                    entries.append(logprob_entry(token_id, lp, ranks[i], top_ids[i], top_lp[i]))
             result[state.req_id] = entries
         return result
 
@@ -343,7 +349,7 @@ class LaunchedStep:
     result: SamplerOutput | None
     host_token_ids: torch.Tensor | None  # pinned host copy of the sampled ids (the device tensor on the CPU)
     event: torch.cuda.Event | None  # recorded after that copy on CUDA
-    prompt_logprobs: dict[str, list[dict[int, float] | None]]
+    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]]
 
 
 class _TokenLists(Sequence[list[int]]):

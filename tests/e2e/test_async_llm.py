@@ -96,7 +96,7 @@ def test_cumulative_logprob_sums_the_generated_tokens(model_dir):
     prompt = {"prompt_token_ids": [3, 4, 5]}
     out = llm.generate(prompt, SamplingParams(max_tokens=4, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
     c = out.outputs[0]
-    assert c.cumulative_logprob == sum(step[t] for t, step in zip(c.token_ids, c.logprobs)) < 0
+    assert c.cumulative_logprob == sum(step[t].logprob for t, step in zip(c.token_ids, c.logprobs)) < 0
     plain = llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert plain.outputs[0].cumulative_logprob is None
 

@@ -110,7 +110,11 @@ def test_n_logprobs_and_stop_strings(llama_dir):
         assert len(completion.token_ids) == 6 and len(completion.logprobs) == 6
         for token_id, entry in zip(completion.token_ids, completion.logprobs):
             assert token_id in entry and 2 <= len(entry) <= 3
-            assert all(lp <= 0.0 for lp in entry.values())
+            assert all(lp.logprob <= 0.0 for lp in entry.values())
+            # The top candidates are ranked 1, 2 (vLLM's Logprob.rank), each with its text decoded alone.
+            others = sorted(lp.rank for t, lp in entry.items() if t != token_id or lp.rank <= 2)
+            assert others[:2] == [1, 2] and entry[token_id].rank >= 1
+            assert all(lp.decoded_token == llm.tokenizer.decode([t]) for t, lp in entry.items())
     greedy = llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                           use_tqdm=False)[0].outputs[0]
     stop = greedy.text[3:6]
@@ -127,6 +131,8 @@ def test_bad_input_errors(llama_dir, tmp_path):
         llm.generate({"prompt_token_ids": []}, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="max_model_len=32"):
         llm.generate({"prompt_token_ids": [5] * 40}, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="max_logprobs=20"):  # vLLM's default limit
+        llm.generate("x", SamplingParams(logprobs=21), use_tqdm=False)
     with pytest.raises(SamplingParamsError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     with pytest.raises(SamplingParamsError, match="temperature"):
@@ -157,8 +163,12 @@ def test_prompt_logprobs_match_hf_under_chunking(llama_dir):
             expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
         for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
             token = prompt[position]
-            assert entry[token] == pytest.approx(expected[position - 1, token].item(), abs=1e-4)
-            top3 = expected[position - 1].topk(3).indices.tolist()
+            row = expected[position - 1]
+            assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+            # Its rank in the float64 distribution, up to ties within the float32 tolerance.
+            chosen = row[token].item()
+            assert 1 + int((row > chosen + 1e-4).sum()) <= entry[token].rank <= 1 + int((row > chosen - 1e-4).sum())
+            top3 = row.topk(3).indices.tolist()
             assert set(top3) <= set(entry)
 
 

@@ -15,8 +15,7 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 # and OpenAI's newer chat fields that kestrel does not implement yet, with a value that would ask for something.
 UNSUPPORTED = {
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "x",
-    "structured_outputs": {"choice": ["a"]}, "prompt_logprobs": 1,
-    "return_tokens_as_token_ids": True, "use_beam_search": True, "priority": 1, "store": True,
+    "structured_outputs": {"choice": ["a"]}, "use_beam_search": True, "priority": 1, "store": True,
     "metadata": {"k": "v"}, "service_tier": "auto",
     "reasoning_effort": "low", "functions": [{"name": "f"}],
 }
@@ -217,3 +216,60 @@ def test_bad_words_reach_the_engine(openai_server):
     assert reply.status_code == 200
     bad = post(openai_server, "/v1/completions", {**COMPLETION, "bad_words": [""]})
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("bad_words")
+
+
+def test_prompt_logprobs_come_back_keyed_by_the_prompts_own_tokens(openai_server):
+    body = {**COMPLETION, "prompt": "def add(a, b):", "prompt_logprobs": 2, "return_token_ids": True}
+    choice = post(openai_server, "/v1/completions", body).json()["choices"][0]
+    prompt_ids, entries = choice["prompt_token_ids"], choice["prompt_logprobs"]
+    assert len(entries) == len(prompt_ids) > 2 and entries[0] is None  # the first token has no context
+    for token_id, entry in zip(prompt_ids[1:], entries[1:]):
+        own = entry[str(token_id)]
+        assert own["logprob"] <= 0 and own["rank"] >= 1 and isinstance(own["decoded_token"], str)
+        ranks = sorted(e["rank"] for key, e in entry.items() if key != str(token_id) or e["rank"] <= 2)
+        assert ranks[:2] == [1, 2] and len(entry) <= 3
+    chat = post(openai_server, "/v1/chat/completions", {**CHAT, "prompt_logprobs": 0, "return_token_ids": True}).json()
+    assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"]) and chat["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
+    streamed = post(openai_server, "/v1/completions", {**body, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_token_ids_and_tokens_as_token_ids(openai_server):
+    body = {**COMPLETION, "max_tokens": 5, "ignore_eos": True, "logprobs": 1, "return_tokens_as_token_ids": True,
+            "return_token_ids": True}
+    choice = post(openai_server, "/v1/completions", body).json()["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(all(key.startswith("token_id:") for key in top) for top in choice["logprobs"]["top_logprobs"])
+    text = httpx.post(f"{openai_server.base_url}/detokenize", json={"model": MODEL, "tokens": choice["token_ids"]},
+                      headers=openai_server.headers, timeout=30).json()["prompt"]
+    assert text == choice["text"]
+    chat = post(openai_server, "/v1/chat/completions", {**CHAT, "max_tokens": 4, "ignore_eos": True, "logprobs": True,
+                                                         "return_tokens_as_token_ids": True,
+                                                         "return_token_ids": True}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in chat["choices"][0]["token_ids"]]
+    assert chat["prompt_token_ids"][0] == 0  # BOS
+
+
+def test_return_token_ids_when_streaming(openai_server):
+    import json
+
+    body = {**CHAT, "max_tokens": 5, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    with httpx.stream("POST", f"{openai_server.base_url}/v1/chat/completions", json=body,
+                      headers=openai_server.headers, timeout=30) as reply:
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert chunks[0]["prompt_token_ids"][0] == 0
+    streamed = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
+    whole = post(openai_server, "/v1/chat/completions", {**body, "stream": False, "temperature": 0.0})
+    again = post(openai_server, "/v1/chat/completions", {**body, "stream": False, "temperature": 0.0})
+    assert len(streamed) == 5 and whole.json()["choices"][0]["token_ids"] == again.json()["choices"][0]["token_ids"]
+
+
+def test_logprobs_beyond_max_logprobs_are_refused_by_name(openai_server):
+    chat = post(openai_server, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "top_logprobs"
+    assert "max_logprobs=20" in chat.json()["error"]["message"]
+    completion = post(openai_server, "/v1/completions", {**COMPLETION, "prompt_logprobs": 25})
+    assert completion.status_code == 400 and completion.json()["error"]["param"] == "prompt_logprobs"

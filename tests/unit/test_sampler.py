@@ -309,7 +309,9 @@ def test_logprobs_are_raw_log_softmax() -> None:
         expected_keys = [sampled[row], *np.argsort(-ref[row])[:n].tolist()]
         assert set(d) == set(expected_keys)
         for token, lp in d.items():
-            assert lp == pytest.approx(ref[row, token], abs=1e-5)
+            assert lp.logprob == pytest.approx(ref[row, token], abs=1e-5)
+            # Rank: 1 + the number of tokens strictly more likely in the float64 reference.
+            assert lp.rank == 1 + int((ref[row] > ref[row, token]).sum())
 
 
 def test_to_logprob_dicts_without_logprobs() -> None:
