@@ -22,6 +22,7 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "fp8")
 QUANTIZATION_CHOICES = (None, "fp8", "int8", "compressed-tensors")
 ACTIVATION_SCHEME_CHOICES = ("dynamic", "static")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+SCHEDULING_POLICY_CHOICES = ("fcfs", "priority")
 
 
 class ConfigError(ValueError):
@@ -216,8 +217,12 @@ class SchedulerConfig:
     # token, such as penalties, run synchronously). None: on for a GPU runner, off on the CPU (nothing to
     # overlap there).
     async_scheduling: bool | None = None
+    # "fcfs": first come, first served; "priority": lowest `priority` value first (then arrival), and the
+    # lowest-priority running request is the one preempted (vLLM's --scheduling-policy).
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        _check_choice("scheduling_policy", self.policy, SCHEDULING_POLICY_CHOICES)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
@@ -358,6 +363,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "split long prefills across steps within the token budget"),
     EngineArg("async_scheduling", "scheduler", "async_scheduling",
               "overlap the host side of each step with the device work of the previous one (default: on for a GPU)"),
+    EngineArg("scheduling_policy", "scheduler", "policy",
+              "fcfs: first come, first served; priority: requests with a lower priority value first, and the "
+              "lowest-priority running request is preempted first", choices=SCHEDULING_POLICY_CHOICES),
     EngineArg("tensor_parallel_size", "parallel", "tensor_parallel_size", "GPUs per model replica", aliases=("-tp",)),
     EngineArg("pipeline_parallel_size", "parallel", "pipeline_parallel_size", "pipeline stages", aliases=("-pp",)),
     EngineArg("quantization", "quant", "method",

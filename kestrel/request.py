@@ -58,6 +58,7 @@ class Request:
     eos_token_id: int | None = None
     max_model_len: int | None = None
     extra_eos_token_ids: frozenset[int] = frozenset()  # generation_config.json's, besides the tokenizer's
+    priority: int = 0  # under the priority policy: lower values are scheduled first
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -103,6 +104,10 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    @property
+    def priority_key(self) -> tuple[int, float]:
+        return self.priority, self.arrival_time
 
     @property
     def is_finished(self) -> bool:

@@ -93,8 +93,10 @@ class EngineCore:
     # ----- requests -----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, priority: int = 0) -> None:
+        """`priority`: under the priority scheduling policy, lower values are served first."""
         self._validate(request_id, prompt_token_ids, params)
+        self._check_priority(priority)
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.replace(bad_words_token_ids=self._bad_word_sequences(params.bad_words))
         parent = _ParentRequest(request_id, prompt, list(prompt_token_ids))
@@ -106,7 +108,8 @@ class EngineCore:
                 seed = None if params.seed is None else params.seed + index
                 child_params = params.replace(n=1, seed=seed)
             request = Request(child_id, list(prompt_token_ids), child_params, eos_token_id=self.eos_token_id,
-                              max_model_len=self.max_model_len, extra_eos_token_ids=self._extra_eos)
+                              max_model_len=self.max_model_len, extra_eos_token_ids=self._extra_eos,
+                              priority=priority)
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child_params)
             sequence = _Sequence(request, detokenizer, index)
             parent.sequences.append(sequence)
@@ -128,6 +131,14 @@ class EngineCore:
                 if ids and ids not in sequences:
                     sequences.append(ids)
         return sequences
+
+    def _check_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError("priority", f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise InvalidRequestError("priority", f"priority={priority} needs priority scheduling, and this engine "
+                                      "schedules first come, first served; start it with scheduling_policy="
+                                      "'priority' (--scheduling-policy priority) or leave priority at 0")
 
     def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._parents:

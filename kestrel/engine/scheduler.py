@@ -4,10 +4,15 @@ Every request has `num_computed_tokens` catching up with `num_tokens`. Each step
 budget to running requests first (in admission order), then admits waiting ones. A request that
 cannot get blocks preempts the most recently admitted running request, which is freed and goes
 back to the front of the waiting queue to be recomputed (its cached blocks usually survive).
+
+Under the priority policy both queues stay sorted by (priority, arrival): the budget goes to the most important
+running requests first, waiting ones are admitted in that order, and the preempted request, the last running one,
+is the least important.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -42,6 +47,7 @@ class Scheduler:
         # Requests the runner has seen since its last (re)admission.
         self._known_to_runner: set[str] = set()
         self.stats = SchedulerStats()
+        self._by_priority = scheduler_config.policy == "priority"
 
     # ----- queue management -------------------------------------------------------------------
 
@@ -49,7 +55,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self._by_priority:
+            bisect.insort(self.waiting, request, key=_priority_key)
+        else:
+            self.waiting.append(request)
         self.stats.num_prompt_tokens += request.num_prompt_tokens
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
@@ -135,7 +144,10 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
-            self.running.append(request)
+            if self._by_priority:
+                bisect.insort(self.running, request, key=_priority_key)
+            else:
+                self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
@@ -234,7 +246,10 @@ class Scheduler:
         request.prompt_logprobs = []  # recomputation produces them again
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self._by_priority:
+            bisect.insort(self.waiting, request, key=_priority_key)
+        else:
+            self.waiting.appendleft(request)
         if request.request_id in self._known_to_runner:
             self._known_to_runner.discard(request.request_id)
             self._preempted_ids.add(request.request_id)
@@ -246,3 +261,7 @@ class Scheduler:
         if request.request_id in self._known_to_runner:
             self._known_to_runner.discard(request.request_id)
             self._finished_ids.add(request.request_id)
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority_key

@@ -79,6 +79,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -285,7 +286,7 @@ class AsyncEngine:
                                  f"{self.max_queued_requests}); retry later")
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               prompt: str | None = None, timeout_s: float | None = None) -> RequestStream:
+               prompt: str | None = None, timeout_s: float | None = None, priority: int = 0) -> RequestStream:
         """Queue a request without waiting; the stream raises the engine's refusal, if any, when read."""
         self._check_alive()
         timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
@@ -295,15 +296,16 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._commands.append(_Add(request_id, list(prompt_token_ids), params, prompt))
+            self._commands.append(_Add(request_id, list(prompt_token_ids), params, prompt, priority))
             self._num_pending_sequences += params.n
             self._cond.notify()
         return stream
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None, timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, timeout_s: float | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative text and token ids, plus per-step deltas)."""
-        stream = self.submit(request_id, prompt_token_ids, params, prompt, timeout_s)
+        stream = self.submit(request_id, prompt_token_ids, params, prompt, timeout_s, priority)
         try:
             async for output in stream:
                 yield output
@@ -373,7 +375,8 @@ class AsyncEngine:
             if stream is None:
                 continue  # aborted before the engine saw it
             try:
-                self.core.add_request(command.request_id, command.prompt_token_ids, command.params, command.prompt)
+                self.core.add_request(command.request_id, command.prompt_token_ids, command.params, command.prompt,
+                                      command.priority)
             except ValueError as refusal:  # InvalidRequestError and friends: this request only
                 del self._streams[command.request_id]
                 accepted.append((stream, refusal))

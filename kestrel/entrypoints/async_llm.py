@@ -37,11 +37,12 @@ class AsyncLLM:
         return SamplingParams(**self.engine.generation_defaults.sampling)
 
     async def generate(self, prompt: str | dict[str, Any], sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}."""
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}.
+        `priority`: lower first, under scheduling_policy='priority'."""
         text, token_ids = await asyncio.to_thread(tokenize_prompt, self.tokenizer, prompt)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        stream = self.engine.submit(request_id or uuid.uuid4().hex, token_ids, params, text)
+        stream = self.engine.submit(request_id or uuid.uuid4().hex, token_ids, params, text, priority=priority)
         try:
             async for output in stream:
                 yield output

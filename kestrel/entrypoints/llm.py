@@ -63,9 +63,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. `use_tqdm`: a progress bar, or a
-        tqdm-like class to build it with."""
+        tqdm-like class to build it with. `priority`: one value per prompt, lower first (needs
+        scheduling_policy='priority')."""
+        if lora_request is not None:
+            raise InvalidRequestError("lora_request", "LoRA adapters are not supported; merge the adapter into "
+                                      "the model's weights and load that checkpoint")
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -76,15 +82,19 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts; give one or "
                              "one per prompt")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise InvalidRequestError("priority", f"got {len(priorities)} priorities for {len(prompts)} prompts; "
+                                      "give one per prompt")
         # generate() returns finished outputs only, so the engine need not build one every step.
         final = {id(p): p.replace(output_kind="final_only") for p in params_list}
         params_list = [final[id(p)] for p in params_list]
         ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, rank in zip(prompts, params_list, priorities):
                 text, token_ids = self._tokenize(prompt)
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, token_ids, params, prompt=text)
+                self.engine.add_request(request_id, token_ids, params, prompt=text, priority=rank)
                 ids.append(request_id)
         except Exception:
             self.engine.abort_request(ids)

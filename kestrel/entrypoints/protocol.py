@@ -71,7 +71,6 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
     "add_special_tokens": "on chat completions the template places the special tokens (add_special_tokens false)",
     "use_beam_search": "beam search is not implemented yet",
     "length_penalty": "beam search (which length_penalty scores) is not implemented yet",
-    "priority": "priority scheduling is not implemented yet; requests are served first come, first served",
     "documents": "documents for retrieval templates are not implemented",
     "mm_processor_kwargs": "this server serves text-only models",
     "logits_processors": "custom logits processors are not implemented",
@@ -87,7 +86,7 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
 }
 _EMPTY_VALUES: tuple[Any, ...] = (None, [], {})
 # vLLM fields sent with the value that asks for nothing beyond what kestrel does anyway (vLLM's defaults).
-_NO_OP_VALUES: dict[str, Any] = {"use_beam_search": False, "priority": 0, "add_special_tokens": False}
+_NO_OP_VALUES: dict[str, Any] = {"use_beam_search": False, "add_special_tokens": False}
 
 
 def _asks_nothing(name: str, value: Any) -> bool:
@@ -147,6 +146,7 @@ class _SamplingRequest(_Request):
     prompt_logprobs: Annotated[Int, Field(ge=0)] | None = None  # vLLM's: each prompt token's logprob and top-N
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N" (for unprintable ones)
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids in the response
+    priority: Int | None = None  # vLLM's: lower first, when the server runs --scheduling-policy priority
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 

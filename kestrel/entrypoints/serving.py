@@ -143,7 +143,7 @@ class OpenAIServing:
         prompts = await self._encode_prompts(request.prompts(), request.add_special_tokens is not False,
                                              request.truncate_prompt_tokens)
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
-                                 logprobs_param="logprobs")
+                                 logprobs_param="logprobs", priority=request.priority)
         job.model_name = self.response_model_name(request.model)
         if request.echo:
             job.prompts = [_Prompt(self._prompt_text(p, params), p.token_ids) for p in prompts]
@@ -266,7 +266,7 @@ class OpenAIServing:
         prompt, count, ids = await self.text.render_chat(chat, None if truncate else self.engine.max_model_len)
         token_ids = self._fit_prompt(count, ids, truncate, "messages")
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
-                                 prompt_param="messages", logprobs_param="top_logprobs")
+                                 prompt_param="messages", logprobs_param="top_logprobs", priority=request.priority)
         job.model_name = self.response_model_name(request.model)
         tools = _tool_setup(request, prompt.assistant_prefix, self.config.tool_call_parser or prompt.tool_format)
         if request.stream:
@@ -429,7 +429,8 @@ class OpenAIServing:
                                       "server with a larger --max-logprob-entries")
 
     async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
-                      arrival: float, prompt_param: str, logprobs_param: str) -> _Submitted:
+                      arrival: float, prompt_param: str, logprobs_param: str, priority: int | None = None
+                      ) -> _Submitted:
         """Check the response's size, queue one engine request per prompt (all or none) and wait until the engine
         accepted them (the routes checked the number of sequences before their tokenizing). Refusals name the
         request's own fields (`prompt_param`, `logprobs_param`), not the engine's."""
@@ -437,7 +438,8 @@ class OpenAIServing:
         trackers = [self.metrics.tracker(arrival, params) for _ in prompts]
         self.engine.check_capacity(len(prompts) * params.n)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        streams = [self.engine.submit(rid, p.token_ids, params, p.text) for rid, p in zip(ids, prompts)]
+        streams = [self.engine.submit(rid, p.token_ids, params, p.text, priority=priority or 0)
+                   for rid, p in zip(ids, prompts)]
         try:
             for stream in streams:
                 await stream.accepted()

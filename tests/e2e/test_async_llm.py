@@ -113,3 +113,43 @@ def test_bad_words_are_never_generated(model_dir):
     word = llm.tokenizer.decode([banned]).strip()
     out = llm.generate(prompt, greedy.replace(bad_words=[word]), use_tqdm=False)[0].outputs[0].token_ids
     assert banned not in out and len(out) == 8
+
+
+def test_priority_scheduling_serves_lower_values_first(model_dir):
+    from kestrel import LLM
+    from kestrel.request import InvalidRequestError
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, max_num_seqs=1, scheduling_policy="priority")
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    outputs = llm.generate(["a b", "c d", "e f"], params, priority=[2, 0, 1], use_tqdm=False)
+    order = sorted(range(3), key=lambda i: outputs[i].metrics.first_scheduled_time)
+    assert order == [1, 2, 0]
+    fcfs = LLM(model_dir, dtype="float32", max_model_len=64)
+    with pytest.raises(InvalidRequestError, match="scheduling_policy='priority'") as refused:
+        fcfs.generate(["a"], params, priority=[1], use_tqdm=False)
+    assert refused.value.param == "priority"
+    with pytest.raises(InvalidRequestError, match="LoRA") as lora:
+        fcfs.generate(["a"], params, lora_request=object(), use_tqdm=False)
+    assert lora.value.param == "lora_request"
+    assert not fcfs.engine.has_unfinished_requests()
+
+
+def test_async_llm_takes_a_priority(model_dir):
+    async def app() -> list[str]:
+        async with AsyncLLM(model_dir, dtype="float32", max_model_len=64, max_num_seqs=1,
+                            scheduling_policy="priority") as engine:
+            finished: list[str] = []
+
+            async def run(name: str, priority: int) -> None:
+                async for out in engine.generate("x y", SamplingParams(max_tokens=4, ignore_eos=True), name,
+                                                 priority=priority):
+                    if out.finished:
+                        finished.append(name)
+
+            first = asyncio.create_task(run("first", 0))  # takes the one seat
+            await asyncio.sleep(0)
+            await asyncio.gather(first, run("low", 9), run("high", -5))
+            return finished
+
+    finished = asyncio.run(app())
+    assert finished.index("high") < finished.index("low")

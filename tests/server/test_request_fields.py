@@ -15,7 +15,7 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 # and OpenAI's newer chat fields that kestrel does not implement yet, with a value that would ask for something.
 UNSUPPORTED = {
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "x",
-    "structured_outputs": {"choice": ["a"]}, "use_beam_search": True, "priority": 1, "store": True,
+    "structured_outputs": {"choice": ["a"]}, "use_beam_search": True, "store": True,
     "metadata": {"k": "v"}, "service_tier": "auto",
     "reasoning_effort": "low", "functions": [{"name": "f"}],
 }
@@ -273,3 +273,10 @@ def test_logprobs_beyond_max_logprobs_are_refused_by_name(openai_server):
     assert "max_logprobs=20" in chat.json()["error"]["message"]
     completion = post(openai_server, "/v1/completions", {**COMPLETION, "prompt_logprobs": 25})
     assert completion.status_code == 400 and completion.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_priority_needs_the_priority_policy(openai_server):
+    refused = post(openai_server, "/v1/completions", {**COMPLETION, "priority": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+    assert "--scheduling-policy priority" in refused.json()["error"]["message"]
+    assert post(openai_server, "/v1/chat/completions", {**CHAT, "priority": 0}).status_code == 200

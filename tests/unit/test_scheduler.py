@@ -212,3 +212,46 @@ def test_max_model_len_caps_generation():
     sched.add_request(r)
     run_to_completion(sched, FakeRunner())
     assert r.num_tokens == 8 and r.status == RequestStatus.FINISHED_LENGTH
+
+
+def priority_scheduler(**kwargs):
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=kwargs.pop("budget", 64), max_num_seqs=kwargs.pop(
+        "max_seqs", 4), policy="priority"), CacheConfig(), kwargs.pop("num_blocks", 64), kwargs.pop("max_model_len",
+                                                                                                   512))
+
+
+def prioritized(rid, n_prompt, priority, max_tokens=5, seed=0):
+    request = req(rid, n_prompt, max_tokens, seed)
+    request.priority = priority
+    return request
+
+
+def test_priority_policy_admits_the_lowest_value_first_then_by_arrival():
+    sched = priority_scheduler(max_seqs=1)
+    runner = FakeRunner()
+    for rid, priority in (("late-low", 5), ("urgent", -1), ("normal-a", 0), ("normal-b", 0)):
+        sched.add_request(prioritized(rid, 4, priority, max_tokens=2, seed=len(rid)))
+    admitted = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        admitted += [n.req_id for n in out.new_requests]
+        sched.update(out, runner.execute(out))
+    assert admitted == ["urgent", "normal-a", "normal-b", "late-low"]
+
+
+def test_priority_policy_preempts_the_least_important_not_the_newest():
+    # Same shape as test_preempted_request_goes_to_front_of_queue, where first come, first served preempts "new".
+    sched = priority_scheduler(num_blocks=4, max_model_len=64)
+    runner = FakeRunner()
+    sched.add_request(prioritized("old", 30, priority=3, max_tokens=30))
+    sched.add_request(prioritized("new", 30, priority=0, max_tokens=30, seed=1))
+    preempted = None
+    for _ in range(100):
+        out = sched.schedule()
+        sched.update(out, runner.execute(out))
+        if out.preempted_req_ids:
+            preempted = set(out.preempted_req_ids)
+            break
+    assert preempted == {"old"}
+    finished = run_to_completion(sched, runner)
+    assert sorted(finished) == ["new", "old"] and sched.kv.pool.num_free_blocks == 4
