@@ -4,9 +4,9 @@ from typing import Any
 
 from kestrel.config import ConfigError
 from kestrel.outputs import CompletionOutput, RequestOutput
-from kestrel.sampling_params import SamplingParams
+from kestrel.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ConfigError"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "ConfigError"]
 __version__ = "0.1.0"
 
 

@@ -134,5 +134,35 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's beam search settings (`LLM.beam_search`)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    # Of the one token each beam samples, an extra candidate besides its top 2 x beam_width (whose logprobs are
+    # the model's raw ones); 0: greedy, which is always among the top.
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # keep a final EOS token's text in `text`
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SamplingParamsError(name, f"{name} must be an integer >= 1, got {value!r}")
+        if not self.temperature >= 0.0:
+            raise SamplingParamsError("temperature", f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.length_penalty, int | float) or self.length_penalty != self.length_penalty:
+            raise SamplingParamsError("length_penalty", f"length_penalty must be a number, got "
+                                      f"{self.length_penalty!r}")
+
+    def step_params(self) -> SamplingParams:
+        """One round of one beam: a single token and its candidates."""
+        return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=2 * self.beam_width,
+                              ignore_eos=True, output_kind="final_only")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

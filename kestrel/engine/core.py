@@ -72,6 +72,8 @@ class EngineCore:
         # The model's generation_config.json: more EOS ids, and default sampling settings (for the entrypoints).
         self.generation_defaults = config.model.generation_defaults
         self._extra_eos = self.generation_defaults.eos_token_ids - {eos_token_id}
+        # Every id that ends generation: the tokenizer's EOS and generation_config.json's.
+        self.eos_token_ids = self._extra_eos | ({eos_token_id} - {None})
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len)

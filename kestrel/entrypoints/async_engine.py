@@ -252,6 +252,10 @@ class AsyncEngine:
         return self.core.generation_defaults
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.core.eos_token_ids
+
+    @property
     def tokenizer_path(self) -> str:
         return self.core.config.model.tokenizer_path
 

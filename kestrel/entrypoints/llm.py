@@ -12,11 +12,12 @@ from tqdm.auto import tqdm
 from kestrel.config import EngineConfig
 from kestrel.engine.core import EngineCore
 from kestrel.engine.stats_logger import StatsLogger
+from kestrel.entrypoints.beam_search import BeamSearch, BeamSearchOutput, check_beam_width
 from kestrel.entrypoints.chat import apply_chat_template
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.outputs import RequestOutput
 from kestrel.request import InvalidRequestError
-from kestrel.sampling_params import SamplingParams
+from kestrel.sampling_params import BeamSearchParams, SamplingParams
 from kestrel.tiny import default_model_path
 from kestrel.worker.model_runner import ModelRunner
 
@@ -100,6 +101,42 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt, the `beam_width` best sequences (prompt tokens included in `tokens`),
+        ranked by length-penalized cumulative logprob. `concurrency_limit`: prompts searched at once."""
+        if lora_request is not None:
+            raise InvalidRequestError("lora_request", "LoRA adapters are not supported")
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not isinstance(
+                concurrency_limit, int) or concurrency_limit < 1):
+            raise InvalidRequestError("concurrency_limit", f"concurrency_limit must be an integer >= 1 or None, got "
+                                      f"{concurrency_limit!r}")
+        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        check_beam_width(params, self.config.model.max_logprobs)
+        searches = [BeamSearch(self._tokenize(p)[1], params, self.engine.eos_token_ids, self.engine.max_model_len)
+                    for p in prompts]
+        step_params = params.step_params()
+        group = concurrency_limit or len(searches) or 1
+        bar = tqdm(total=len(searches), desc="Beam search", unit="prompt", disable=not use_tqdm)
+        for start in range(0, len(searches), group):
+            active = searches[start: start + group]
+            while live := [s for s in active if not s.done]:
+                beams = [(search, beam) for search in live for beam in search.live]
+                outputs = self.generate([{"prompt_token_ids": beam.tokens} for _, beam in beams],
+                                        step_params, use_tqdm=False)
+                for search in live:
+                    search.advance([out.outputs[0].logprobs[0] for (owner, _), out in zip(beams, outputs)
+                                    if owner is search])
+            bar.update(len(active))
+        bar.close()
+        return [search.finish(self.tokenizer) for search in searches]
 
     def chat(
         self,

@@ -17,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from kestrel.config import GENERATION_SAMPLING_KEYS
 from kestrel.request import InvalidRequestError
-from kestrel.sampling_params import SamplingParams
+from kestrel.sampling_params import BeamSearchParams, SamplingParams
 
 MAX_N = 128
 INT64_MIN = -(2**63)
@@ -69,8 +69,6 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
     "include_reasoning": "reasoning parsing is not implemented",
     "best_of": "best_of is not supported on chat completions; use n",
     "add_special_tokens": "on chat completions the template places the special tokens (add_special_tokens false)",
-    "use_beam_search": "beam search is not implemented yet",
-    "length_penalty": "beam search (which length_penalty scores) is not implemented yet",
     "documents": "documents for retrieval templates are not implemented",
     "mm_processor_kwargs": "this server serves text-only models",
     "logits_processors": "custom logits processors are not implemented",
@@ -86,7 +84,13 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
 }
 _EMPTY_VALUES: tuple[Any, ...] = (None, [], {})
 # vLLM fields sent with the value that asks for nothing beyond what kestrel does anyway (vLLM's defaults).
-_NO_OP_VALUES: dict[str, Any] = {"use_beam_search": False, "add_special_tokens": False}
+_NO_OP_VALUES: dict[str, Any] = {"add_special_tokens": False}
+# With use_beam_search, only these fields take effect (n is the beam width); any other one set is refused.
+_BEAM_SEARCH_FIELDS = frozenset({
+    "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "ignore_eos",
+    "length_penalty", "include_stop_str_in_output", "use_beam_search", "stream", "user", "echo",
+    "add_special_tokens", "truncate_prompt_tokens", "priority", "add_generation_prompt", "continue_final_message",
+    "chat_template", "chat_template_kwargs"})
 
 
 def _asks_nothing(name: str, value: Any) -> bool:
@@ -147,6 +151,8 @@ class _SamplingRequest(_Request):
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N" (for unprintable ones)
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids in the response
     priority: Int | None = None  # vLLM's: lower first, when the server runs --scheduling-policy priority
+    use_beam_search: bool | None = None  # vLLM's: the n best beams instead of n samples
+    length_penalty: float | None = None  # beam scores: cum_logprob / length ** length_penalty
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
@@ -189,6 +195,26 @@ class _SamplingRequest(_Request):
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids else None,
             bad_words=list(self.bad_words) if self.bad_words else None,
         )
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
+        """vLLM's use_beam_search: BeamSearchParams (n beams), or None for sampling. A field that beam search
+        does not use is refused by name rather than dropped."""
+        if not self.use_beam_search:
+            if self.length_penalty is not None:
+                _unsupported("length_penalty", "length_penalty scores beams; it needs use_beam_search true")
+            return None
+        if self.stream:
+            _unsupported("use_beam_search", "beam search returns whole beams; it cannot stream (set stream false)")
+        for name in sorted(self.model_fields_set - _BEAM_SEARCH_FIELDS):
+            if not _beam_search_ignores(name, getattr(self, name), type(self).model_fields[name].default):
+                _unsupported(name, f"{name} does not apply to beam search (use_beam_search true), which takes n "
+                             "(the beam width), max_tokens, temperature, ignore_eos, length_penalty and "
+                             "include_stop_str_in_output")
+        return BeamSearchParams(beam_width=_default(self.n, 1), max_tokens=max_tokens,
+                                ignore_eos=_default(self.ignore_eos, False),
+                                temperature=_default(self.temperature, 0.0),
+                                length_penalty=_default(self.length_penalty, 1.0),
+                                include_stop_str_in_output=_default(self.include_stop_str_in_output, False))
 
     def _token_bias(self) -> dict[int, float] | None:
         """OpenAI sends token ids as JSON object keys (strings)."""
@@ -696,6 +722,14 @@ def _path(loc: list[Any]) -> str:
     for part in loc:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path
+
+
+def _beam_search_ignores(name: str, value: Any, request_default: Any) -> bool:
+    """A value that asks for nothing: unset, empty, false, or the request's or SamplingParams' default."""
+    if value is None or value is False or value == [] or value == {}:
+        return True
+    defaults = [request_default, getattr(SamplingParams, name, None)]
+    return any(type(value) is type(d) and value == d for d in defaults if d is not None)
 
 
 def _unsupported(param: str, message: str) -> None:

@@ -22,6 +22,7 @@ from kestrel.entrypoints.async_engine import (
     RequestTimeoutError,
     ServerShuttingDownError,
 )
+from kestrel.entrypoints.beam_search import search_async
 from kestrel.entrypoints.chat import (
     ContentDelta,
     MarkedToolCallParser,
@@ -60,7 +61,7 @@ from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.entrypoints.text_workers import ChatInput, TextWorkers
 from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.request import InvalidRequestError, prompt_too_long
-from kestrel.sampling_params import SamplingParams
+from kestrel.sampling_params import BeamSearchParams, SamplingParams
 
 T = TypeVar("T")
 logger = logging.getLogger("kestrel.server")
@@ -138,6 +139,9 @@ class OpenAIServing:
     async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(request.model)
+        beam = request.beam_search_params(request.max_tokens if request.max_tokens is not None else 16)
+        if beam is not None:
+            return await _until_disconnect(raw, self._beam_completion(request, beam))
         params = request.to_sampling_params(self.engine.generation_defaults.sampling)
         self._check_sequences(len(request.prompts()), params.n, "prompt")  # before any tokenizing
         prompts = await self._encode_prompts(request.prompts(), request.add_special_tokens is not False,
@@ -240,11 +244,30 @@ class OpenAIServing:
             yield _stream_error(error)
         yield SSE_DONE
 
+    async def _beam_completion(self, request: CompletionRequest, beam: BeamSearchParams) -> Response:
+        self._check_sequences(len(request.prompts()), beam.beam_width, "prompt")
+        prompts = await self._encode_prompts(request.prompts(), request.add_special_tokens is not False,
+                                             request.truncate_prompt_tokens)
+        results = await search_async(self.engine, [p.token_ids for p in prompts], beam, request.priority or 0)
+        choices = []
+        for i, (prompt, result) in enumerate(zip(prompts, results)):
+            prefix = self._prompt_text(prompt, SamplingParams()) if request.echo else ""
+            choices += [CompletionChoice(index=i * beam.beam_width + j, text=prefix + seq.text,
+                                         finish_reason=seq.finish_reason) for j, seq in enumerate(result.sequences)]
+        completion_tokens = sum(len(seq.output_token_ids) for r in results for seq in r.sequences)
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        return JSONResponse(CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex}", model=self.response_model_name(request.model), choices=choices,
+            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens)).model_dump())
+
     # ----- /v1/chat/completions ------------------------------------------------------------------
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(request.model)
+        max_tokens = request.max_completion_tokens or request.max_tokens or self.engine.max_model_len
+        beam = request.beam_search_params(max_tokens)
         params = request.to_sampling_params(self.engine.generation_defaults.sampling)
         mode = request.tool_choice_mode
         if mode == "auto" and not self.config.enable_auto_tool_choice:
@@ -265,6 +288,8 @@ class OpenAIServing:
         self._check_sequences(1, params.n, "messages")  # before any templating
         prompt, count, ids = await self.text.render_chat(chat, None if truncate else self.engine.max_model_len)
         token_ids = self._fit_prompt(count, ids, truncate, "messages")
+        if beam is not None:
+            return await _until_disconnect(raw, self._beam_chat(request, beam, token_ids))
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs", priority=request.priority)
         job.model_name = self.response_model_name(request.model)
@@ -283,6 +308,18 @@ class OpenAIServing:
                                           choices=choices, usage=_usage(job, [final]), prompt_logprobs=prompt_logprobs,
                                           prompt_token_ids=list(final.prompt_token_ids) if ids else None)
         return JSONResponse(response.model_dump())
+
+    async def _beam_chat(self, request: ChatCompletionRequest, beam: BeamSearchParams,
+                         token_ids: list[int]) -> Response:
+        (result,) = await search_async(self.engine, [token_ids], beam, request.priority or 0)
+        echoed = _chat_echo(request)
+        choices = [ChatChoice(index=j, message=ChatResponseMessage(content=echoed + seq.text),
+                              finish_reason=seq.finish_reason) for j, seq in enumerate(result.sequences)]
+        completion_tokens = sum(len(seq.output_token_ids) for seq in result.sequences)
+        return JSONResponse(ChatCompletionResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex}", model=self.response_model_name(request.model), choices=choices,
+            usage=UsageInfo(prompt_tokens=len(token_ids), completion_tokens=completion_tokens,
+                            total_tokens=len(token_ids) + completion_tokens)).model_dump())
 
     def _chat_choice(self, c: CompletionOutput, params: SamplingParams, tools: _ToolSetup, fmt: LogprobFormatter,
                      echoed: str = "", ids: bool = False) -> ChatChoice:

@@ -15,7 +15,7 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 # and OpenAI's newer chat fields that kestrel does not implement yet, with a value that would ask for something.
 UNSUPPORTED = {
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "x",
-    "structured_outputs": {"choice": ["a"]}, "use_beam_search": True, "store": True,
+    "structured_outputs": {"choice": ["a"]}, "store": True,
     "metadata": {"k": "v"}, "service_tier": "auto",
     "reasoning_effort": "low", "functions": [{"name": "f"}],
 }
@@ -280,3 +280,26 @@ def test_priority_needs_the_priority_policy(openai_server):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
     assert "--scheduling-policy priority" in refused.json()["error"]["message"]
     assert post(openai_server, "/v1/chat/completions", {**CHAT, "priority": 0}).status_code == 200
+
+
+def test_use_beam_search_returns_the_n_best_beams(openai_server, tiny_model_dir):
+    from kestrel import LLM, BeamSearchParams
+
+    body = {**COMPLETION, "prompt": "def f(x):", "use_beam_search": True, "n": 3, "max_tokens": 4,
+            "length_penalty": 0.8}
+    reply = post(openai_server, "/v1/completions", body)
+    assert reply.status_code == 200, reply.text
+    texts = [c["text"] for c in reply.json()["choices"]]
+    llm = LLM(tiny_model_dir, max_model_len=128)
+    offline = llm.beam_search(["def f(x):"], BeamSearchParams(beam_width=3, max_tokens=4, length_penalty=0.8))[0]
+    assert texts == [seq.text for seq in offline.sequences]
+    assert reply.json()["usage"]["completion_tokens"] == sum(len(s.output_token_ids) for s in offline.sequences)
+    chat = post(openai_server, "/v1/chat/completions", {**CHAT, "use_beam_search": True, "n": 2, "max_tokens": 3})
+    assert chat.status_code == 200 and len(chat.json()["choices"]) == 2
+    for field, value in (("top_p", 0.5), ("stop", ["x"]), ("logprobs", 1), ("stream", True)):
+        refused = post(openai_server, "/v1/completions", {**body, field: value})
+        assert refused.status_code == 400, (field, refused.text)
+        assert refused.json()["error"]["param"] in (field, "use_beam_search"), refused.json()
+    assert post(openai_server, "/v1/completions", {**body, "top_p": 1.0}).status_code == 200  # a no-op value
+    lone = post(openai_server, "/v1/completions", {**COMPLETION, "length_penalty": 0.5})
+    assert lone.status_code == 400 and lone.json()["error"]["param"] == "length_penalty"
