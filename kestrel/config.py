@@ -295,6 +295,11 @@ class EngineConfig:
         groups: dict[str, dict[str, Any]] = {name: {} for name in ("model", "cache", "scheduler", "parallel", "quant",
                                                                    "engine")}
         for key, value in kwargs.items():
+            if key not in _KWARG_TO_FIELD and _engine_arg_asks_nothing(key, value):
+                continue
+            if key in NOT_SUPPORTED_ENGINE_ARGS:
+                reason = NOT_SUPPORTED_ENGINE_ARGS[key]
+                raise ConfigError(f"engine argument {key}={value!r} is not supported: {reason}; remove it")
             if key not in _KWARG_TO_FIELD:
                 known = ", ".join(sorted(_KWARG_TO_FIELD))
                 raise ConfigError(f"unknown engine argument {key!r}; known arguments: {known}")
@@ -382,6 +387,58 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "no periodic log line of throughput, running / waiting requests and KV cache usage"),
 )
 _KWARG_TO_FIELD: dict[str, tuple[str, str]] = {arg.name: (arg.group, arg.field) for arg in ENGINE_ARGS}
+
+_LATER = "it comes with a later capability"
+# vLLM engine arguments kestrel does not have, with the reason (LLM(**kwargs) and the CLI refuse them by name).
+NOT_SUPPORTED_ENGINE_ARGS: dict[str, str] = {
+    "swap_space": "kestrel preempts by recomputation and keeps no CPU swap space",
+    "cpu_offload_gb": "weights are not offloaded to the CPU; the whole model lives on the device",
+    "preemption_mode": "kestrel always preempts by recomputation",
+    "enable_lora": "LoRA adapters are not supported; merge the adapter into the weights",
+    "max_loras": "LoRA adapters are not supported", "max_lora_rank": "LoRA adapters are not supported",
+    "speculative_config": f"speculative decoding is not implemented yet ({_LATER})",
+    "structured_outputs_config": f"structured outputs are not implemented yet ({_LATER})",
+    "guided_decoding_backend": f"structured outputs are not implemented yet ({_LATER})",
+    "data_parallel_size": "run one server per replica behind a load balancer",
+    "distributed_executor_backend": f"kestrel runs on one device ({_LATER})",
+    "enable_expert_parallel": "kestrel has no mixture-of-experts models",
+    "revision": "kestrel does not download; name the snapshot directory (or the cache's refs/main) instead",
+    "tokenizer_revision": "kestrel does not download; pass --tokenizer DIR",
+    "code_revision": "kestrel does not download model code",
+    "hf_token": "kestrel does not download, so it needs no Hugging Face token",
+    "tokenizer_mode": "kestrel loads the fast (tokenizers) tokenizer a model directory has",
+    "skip_tokenizer_init": "kestrel needs the tokenizer (stop strings, detokenization)",
+    "max_seq_len_to_capture": "CUDA graphs cover the decode batch sizes up to max_num_seqs; enforce_eager turns "
+                              "them off",
+    "compilation_config": "kestrel's kernels are its own Triton kernels, with CUDA graphs (enforce_eager turns them "
+                          "off); there is no torch.compile configuration",
+    "limit_mm_per_prompt": "kestrel serves text-only models", "mm_processor_kwargs": "kestrel serves text-only models",
+    "enable_prompt_embeds": "prompt embeddings are not supported",
+    "task": "kestrel generates text; there is no pooling / embedding runner",
+    "runner": "kestrel generates text; there is no pooling / embedding runner",
+    "override_pooler_config": "kestrel has no pooling runner",
+    "kv_transfer_config": "KV transfer (disaggregated prefill) is not implemented",
+    "enable_sleep_mode": "sleep mode is not implemented",
+    "calculate_kv_scales": "FP8 KV scales come from the checkpoint or `kestrel quantize`",
+    "rope_scaling": "pass it through hf_overrides ({'rope_scaling': ...})",
+    "rope_theta": "pass it through hf_overrides ({'rope_theta': ...})",
+    "override_generation_config": "put the settings in a generation_config.json and pass generation_config=DIR",
+    "logprobs_mode": "logprobs are the raw model's (vLLM's raw_logprobs)",
+    "served_model_name": "it names the model in the server; pass --served-model-name to kestrel serve",
+}
+# vLLM engine arguments at a value that asks for what kestrel does anyway: accepted, since nothing is ignored.
+_ENGINE_ARG_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "swap_space": (0,), "cpu_offload_gb": (0,), "enable_lora": (False,), "skip_tokenizer_init": (False,),
+    "tokenizer_mode": ("auto",), "task": ("auto", "generate"), "runner": ("auto", "generate"),
+    "preemption_mode": (None, "recompute"), "logprobs_mode": ("raw_logprobs",), "revision": (None, "main"),
+    "speculative_config": (None,), "distributed_executor_backend": (None,), "enable_prompt_embeds": (False,),
+    "calculate_kv_scales": (False,), "enable_sleep_mode": (False,), "data_parallel_size": (1,),
+    "enable_expert_parallel": (False,), "hf_token": (None,), "compilation_config": (None,),
+}
+
+
+def _engine_arg_asks_nothing(key: str, value: Any) -> bool:
+    return any(type(value) is type(v) and value == v for v in _ENGINE_ARG_NO_OP_VALUES.get(key, ()))
 _GROUP_CLASSES: dict[str, type] = {}  # filled below, once the classes exist
 
 
