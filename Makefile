@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup browser demo test lint clean
 
 setup: $(STAMP)
 
@@ -26,7 +26,17 @@ demo: $(STAMP)
 	$(VENV)/bin/kestrel generate --prompt "def __init__(self" --prompt "import os" --max-tokens 48
 	$(PY) scripts/demo_chat.py
 
-test: $(STAMP)
+# The playground's browser test (tests/server/test_playground.py) drives Debian's headless Chromium through its
+# chromedriver; Selenium never downloads a browser. Installed here when missing (CI starts on a fresh machine).
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		echo "installing Debian's chromium and chromium-driver for the browser test"; \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium chromium-driver; \
+	fi
+
+test: $(STAMP) browser
 	$(VENV)/bin/ruff check kestrel tests scripts
 	$(PY) -m pytest -x
 

@@ -34,6 +34,7 @@ from kestrel.entrypoints.async_engine import (
 )
 from kestrel.entrypoints.chat import special_token_texts
 from kestrel.entrypoints.metrics import ServerMetrics
+from kestrel.entrypoints.playground import add_playground_routes
 from kestrel.entrypoints.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -65,6 +66,7 @@ logger = logging.getLogger("kestrel.server")
 
 # Paths behind the API key; /health, /version and /metrics stay open for probes and scrapers. The API's
 # documentation (OpenAPI document, Swagger UI, ReDoc) too, unless the server exposes it (`--public-docs`).
+# The playground page (/, /static/) stays open: it holds no secret and sends the key its user types.
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 DOCS_PATHS = ("/openapi.json", "/docs", "/redoc")
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -105,6 +107,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str],
     app.state.metrics = metrics
     app.state.text_workers = text
     _add_routes(app, engine, serving, metrics)
+    add_playground_routes(app)  # GET /: the browser playground, open like /health (the key is typed into it)
     _add_error_handlers(app)
     _standard_limits_in_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout_s=config.body_read_timeout)
@@ -401,7 +404,7 @@ def startup_summary(engine: AsyncEngine) -> list[str]:
     if capture:
         lines.append(f"CUDA graphs captured in {capture:.1f} s")
     lines.append("routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
-                 "/version, /metrics, /docs")
+                 "/version, /metrics, /docs; the playground at /")
     return lines
 
 

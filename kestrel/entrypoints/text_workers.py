@@ -10,10 +10,13 @@ and /detokenize replies come back as finished JSON bytes.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import json
 import multiprocessing
 import os
+import signal
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -76,6 +79,7 @@ def detokenize_reply(tokenizer: Any, specials: Sequence[str], token_ids: list[in
 
 # ----- worker processes -----------------------------------------------------------------------------------
 
+_PR_SET_PDEATHSIG = 1
 _worker_tokenizer: Any = None
 _worker_specials: tuple[str, ...] = ()
 
@@ -84,10 +88,26 @@ def _init_worker(tokenizer_path: str, specials: tuple[str, ...], trust_remote_co
     global _worker_tokenizer, _worker_specials
     from kestrel.loader.tokenizer import load_tokenizer
 
+    _end_with_parent()
     # Batch work: below the serving process's priority, so its event loop and the engine get the cores first.
     os.nice(5)
     _worker_tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
     _worker_specials = specials
+
+
+def _end_with_parent() -> None:
+    """A worker dies with the serving process, even a killed one (Linux: PR_SET_PDEATHSIG), rather than finishing
+    a long tokenization nobody waits for."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(0)
 
 
 def _in_worker(work: Callable[..., Any], *args: Any) -> Any:
