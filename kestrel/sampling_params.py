@@ -17,6 +17,42 @@ class SamplingParamsError(ValueError):
 
 
 OUTPUT_KINDS = ("cumulative", "final_only")
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's names): exactly one of a JSON schema (`json`, a dict or its
+    JSON text), any JSON object (`json_object`), a regular expression, a list of choices, or an EBNF grammar
+    (GBNF-style, as xgrammar reads it)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON without whitespace between tokens (vLLM's disable_any_whitespace).
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError("structured_outputs", f"structured_outputs takes exactly one of "
+                                      f"{list(STRUCTURED_OUTPUT_KINDS)}, got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise SamplingParamsError("structured_outputs.json", "json must be a JSON schema (a dict or its text)")
+        if self.choice is not None and (not isinstance(self.choice, list | tuple) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise SamplingParamsError("structured_outputs.choice", "choice must be a non-empty list of non-empty "
+                                      "strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsError(f"structured_outputs.{name}", f"{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False))
 
 
 @dataclass(frozen=True)
@@ -52,6 +88,8 @@ class SamplingParams:
     # end the output. The engine fills bad_words_token_ids from them (with and without a leading space).
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # Constrained decoding (vLLM's structured_outputs): every token is one the grammar allows.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +153,8 @@ class SamplingParams:
         if self.bad_words_token_ids is not None and any(
                 not seq or any(not _is_int(t) or t < 0 for t in seq) for seq in self.bad_words_token_ids):
             bad("bad_words_token_ids", "a list of non-empty token id lists")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "a StructuredOutputsParams")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"one of {list(OUTPUT_KINDS)}")
 

@@ -2,12 +2,15 @@
 
 A worker keeps its own per-request state, so each step carries new requests in full and
 running ones as deltas (new block ids). A request resumed after preemption is sent again as new.
+
+A step may carry, per request, draft tokens to verify (speculative decoding) and may constrain the next token
+with a grammar bitmask (structured outputs); the worker returns the accepted tokens per request, one or more.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kestrel.outputs import Logprob
 from kestrel.sampling_params import SamplingParams
@@ -44,6 +47,10 @@ class SchedulerOutput:
     # Requests the worker must forget: finished, aborted or preempted since the last step.
     finished_req_ids: frozenset[str] = frozenset()
     preempted_req_ids: frozenset[str] = frozenset()
+    # Draft tokens per request, to verify this step: the last len(drafts) of its scheduled tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Requests whose tokens this step are grammar-constrained: the step's GrammarBitmask has their rows.
+    structured_output_request_ids: frozenset[str] = frozenset()
 
     @property
     def is_empty(self) -> bool:
@@ -56,21 +63,44 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
-class ModelRunnerOutput:
-    """Per scheduled request, in the order of `req_ids`. A partial prefill chunk samples nothing (None)."""
+class GrammarBitmask:
+    """Allowed next tokens of constrained requests, filled on the host while the forward runs: row i of
+    `bitmask` (int32 [rows, ceil(vocab / 32)], bit t % 32 of word t // 32 set = token t allowed) belongs to
+    `req_ids[i]`. Opaque to the engine: the structured-output backend builds it, the worker applies it."""
 
     req_ids: list[str]
-    sampled_token_ids: list[int | None]
-    # {token_id: Logprob} for the sampled token and the request's top-k, when it asked for logprobs.
-    logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    bitmask: Any
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Per scheduled request, in the order of `req_ids`: the tokens the step adds, in order (the accepted
+    drafts and one sampled token; empty for a partial prefill chunk)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # Per added token: {token_id: Logprob} for it and the request's top-k, when it asked for logprobs.
+    logprobs: list[list[dict[int, Logprob]] | None] = field(default_factory=list)
     # Prompt logprobs computed this step for the request's prompt positions (chunk by chunk).
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
 
 
 class Runner(Protocol):
-    """What the engine needs from a worker: run one scheduled step."""
+    """What the engine needs from a worker: run one scheduled step (with its grammar bitmask, if any)."""
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute(self, scheduler_output: SchedulerOutput,
+                grammar: GrammarBitmask | None = None) -> ModelRunnerOutput: ...
+
+
+class SplitRunner(Runner, Protocol):
+    """A worker whose forward and sampling are separate calls, so the engine can fill the grammar bitmask on
+    the host while the forward runs: `execute(s, g)` is `collect(sample(forward(s), g))`."""
+
+    def forward(self, scheduler_output: SchedulerOutput) -> object: ...
+
+    def sample(self, forwarded: object, grammar: GrammarBitmask | None) -> object: ...
+
+    def collect(self, launched: object) -> ModelRunnerOutput: ...
 
 
 class AsyncRunner(Runner, Protocol):

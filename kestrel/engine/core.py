@@ -31,6 +31,7 @@ class _Sequence:
     num_emitted_tokens: int = 0
     num_named_logprobs: int = 0  # output logprob entries whose tokens carry their text
     num_named_prompt_logprobs: int = 0
+    num_grammar_tokens: int = 0  # output tokens its grammar matcher has accepted
 
 
 @dataclass
@@ -52,12 +53,13 @@ _NOTHING_PLACED = ("the scheduler could not place any request; the KV cache is t
 def _needs_latest_tokens(params: SamplingParams) -> bool:
     """Sampling that reads the request's tokens on the host each step cannot lag one step behind."""
     return (params.has_penalties or params.min_tokens > 0 or params.prompt_logprobs is not None
-            or bool(params.bad_words_token_ids))
+            or bool(params.bad_words_token_ids) or params.structured_outputs is not None)
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner, num_blocks: int, tokenizer: Any,
-                 eos_token_id: int | None) -> None:
+                 eos_token_id: int | None, structured: Any = None) -> None:
+        """`structured`: the grammar backend of structured outputs (kestrel.structured), duck-typed."""
         block_size = config.cache.block_size
         max_model_len = config.model.max_model_len or 0
         if num_blocks * block_size < max_model_len:
@@ -68,6 +70,7 @@ class EngineCore:
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
+        self.structured = structured
         self.eos_token_id = eos_token_id
         # The model's generation_config.json: more EOS ids, and default sampling settings (for the entrypoints).
         self.generation_defaults = config.model.generation_defaults
@@ -115,12 +118,30 @@ class EngineCore:
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child_params)
             sequence = _Sequence(request, detokenizer, index)
             parent.sequences.append(sequence)
-            self._sequence_parent[child_id] = parent
+        if params.structured_outputs is not None:
+            self._add_grammars(parent, params)
+        for sequence in parent.sequences:
+            self._sequence_parent[sequence.request.request_id] = parent
         self._parents[request_id] = parent
         for sequence in parent.sequences:
             self.scheduler.add_request(sequence.request)
             if _needs_latest_tokens(sequence.request.sampling_params):
                 self._sync_request_ids.add(sequence.request.request_id)
+
+    def _add_grammars(self, parent: _ParentRequest, params: SamplingParams) -> None:
+        """A matcher per sequence (compiling the grammar once, cached); all or none."""
+        if self.structured is None:
+            raise InvalidRequestError("structured_outputs", "this engine has no grammar backend for structured "
+                                      "outputs")
+        added = []
+        try:
+            for sequence in parent.sequences:
+                self.structured.add(sequence.request.request_id, params.structured_outputs)
+                added.append(sequence.request.request_id)
+        except BaseException:
+            for request_id in added:
+                self.structured.remove(request_id)
+            raise
 
     def _bad_word_sequences(self, words: list[str]) -> list[list[int]]:
         """Each word's token ids as the model would write it mid-text (after a space) and at the start."""
@@ -176,6 +197,8 @@ class EngineCore:
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             for child_id in child_ids:
                 self._sequence_parent.pop(child_id, None)
+                if self.structured is not None:
+                    self.structured.remove(child_id)
         if not self.has_unfinished_requests():
             self._release_finished()
 
@@ -236,7 +259,20 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             raise RuntimeError(_NOTHING_PLACED)
-        return self._process(scheduler_output, self.runner.execute(scheduler_output))
+        return self._process(scheduler_output, self._execute(scheduler_output))
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run a step; a step with grammar-constrained requests fills their bitmask on the host while the
+        runner's forward runs (when the runner splits forward and sampling), then samples."""
+        constrained = scheduler_output.structured_output_request_ids
+        if not constrained or self.structured is None:
+            return self.runner.execute(scheduler_output)
+        ids = [rid for rid in scheduler_output.num_scheduled_tokens if rid in constrained]
+        runner: Any = self.runner
+        if hasattr(runner, "forward") and hasattr(runner, "sample"):
+            forwarded = runner.forward(scheduler_output)
+            return runner.collect(runner.sample(forwarded, self.structured.bitmask(ids)))
+        return runner.execute(scheduler_output, self.structured.bitmask(ids))
 
     def _release_finished(self) -> None:
         """Tell the runner to drop the state of requests that ended since the last step (engine idle)."""
@@ -269,6 +305,8 @@ class EngineCore:
             sequence = parent.sequences[0] if len(parent.sequences) == 1 else next(
                 s for s in parent.sequences if s.request is request)
             params = request.sampling_params
+            if params.structured_outputs is not None:
+                self._advance_grammar(sequence)
             if params.logprobs is not None or params.prompt_logprobs is not None:
                 self._name_logprob_tokens(sequence)
             # Final-only requests without stop strings need their text only once, at the end.
@@ -287,6 +325,17 @@ class EngineCore:
             if finished:
                 self._parents.pop(parent.request_id, None)
         return outputs
+
+    def _advance_grammar(self, sequence: _Sequence) -> None:
+        """Feed the request's new tokens to its matcher; a grammar complete with its stop token ends it."""
+        request = sequence.request
+        request_id = request.request_id
+        new = request.output_token_ids[sequence.num_grammar_tokens:]
+        sequence.num_grammar_tokens += self.structured.accept(request_id, new)
+        if not request.is_finished and self.structured.is_terminated(request_id):
+            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            self.structured.remove(request_id)
 
     def token_text(self, token_id: int) -> str | None:
         """One token's text decoded alone (a logprob's decoded_token); None without a tokenizer."""

@@ -188,18 +188,23 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=frozenset(self._finished_ids),
             preempted_req_ids=frozenset(self._preempted_ids),
+            structured_output_request_ids=frozenset(
+                rid for rid in order if self.requests[rid].sampling_params.structured_outputs is not None),
         )
         self._finished_ids.clear()
         self._preempted_ids.clear()
         return output
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
-        """Append sampled tokens, apply the stop rules, free finished requests.
+        """Append each request's new tokens, applying the stop rules token by token (the first hit ends the
+        request and drops the tokens after it), and free finished requests. Draft tokens the step rejected
+        give back their KV slots: the request's computed tokens fall back to what was accepted.
 
         Returns the requests that received a token this step (finished ones included).
         """
         updated = []
         now = time.monotonic()
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         # Before the tokens: the step that ends a prompt can also finish its request.
         for request_id, logprobs in runner_output.prompt_logprobs.items():
             request = self.requests.get(request_id)
@@ -207,23 +212,29 @@ class Scheduler:
                 request.prompt_logprobs.extend(logprobs)
         for i, request_id in enumerate(runner_output.req_ids):
             request = self.requests.get(request_id)
-            token_id = runner_output.sampled_token_ids[i]
-            if request is None or token_id is None:
+            tokens = runner_output.sampled_token_ids[i]
+            if request is None or not tokens:
                 continue
             request.num_pending_tokens = max(request.num_pending_tokens - 1, 0)
+            num_rejected = len(drafts.get(request_id, ())) + 1 - len(tokens)
+            if num_rejected > 0 and request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens -= num_rejected
             if request.is_finished:
                 continue
-            request.append_output_token(token_id)
-            if runner_output.logprobs and runner_output.logprobs[i] is not None:
-                request.output_logprobs.append(runner_output.logprobs[i])
+            logprobs = runner_output.logprobs[i] if runner_output.logprobs else None
             if request.first_token_time is None:
                 request.first_token_time = now
-            self.stats.num_generation_tokens += 1
-            status = self._stop_status(request, token_id)
-            if status is not None:
-                # Under async scheduling the request may have been preempted while its token was in flight.
-                (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
-                self._finish(request, status)
+            for j, token_id in enumerate(tokens):
+                request.append_output_token(token_id)
+                if logprobs is not None and logprobs[j] is not None:
+                    request.output_logprobs.append(logprobs[j])
+                self.stats.num_generation_tokens += 1
+                status = self._stop_status(request, token_id)
+                if status is not None:
+                    # Under async scheduling the request may have been preempted while its token was in flight.
+                    (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
+                    self._finish(request, status)
+                    break
             updated.append(request)
         return updated
 

@@ -191,15 +191,10 @@ class AsyncEngine:
                   request_timeout_s: float | None = None, **engine_args: Any) -> AsyncEngine:
         """Load the model as `LLM(model, **engine_args)` does, and wrap its engine."""
         from kestrel.config import EngineConfig
-        from kestrel.loader.tokenizer import load_tokenizer
-        from kestrel.worker.model_runner import ModelRunner
+        from kestrel.entrypoints.engine_factory import build_engine
 
-        config = EngineConfig.from_kwargs(model, **engine_args)
-        tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
-        eos_token_id = tokenizer.eos_token_id
-        runner = ModelRunner(config, eos_token_id=eos_token_id)
-        core = EngineCore(config, runner, runner.num_blocks, tokenizer, eos_token_id)
-        return cls(core, tokenizer, model_path=model, max_queued_requests=max_queued_requests,
+        built = build_engine(EngineConfig.from_kwargs(model, **engine_args))
+        return cls(built.core, built.tokenizer, model_path=model, max_queued_requests=max_queued_requests,
                    request_timeout_s=request_timeout_s)
 
     # ----- life cycle -----------------------------------------------------------------------------

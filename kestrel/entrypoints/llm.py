@@ -10,16 +10,14 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kestrel.config import EngineConfig
-from kestrel.engine.core import EngineCore
 from kestrel.engine.stats_logger import StatsLogger
 from kestrel.entrypoints.beam_search import BeamSearch, BeamSearchOutput, check_beam_width
 from kestrel.entrypoints.chat import apply_chat_template
-from kestrel.loader.tokenizer import load_tokenizer
+from kestrel.entrypoints.engine_factory import build_engine
 from kestrel.outputs import RequestOutput
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import BeamSearchParams, SamplingParams
 from kestrel.tiny import default_model_path
-from kestrel.worker.model_runner import ModelRunner
 
 PromptType = str | dict[str, Any]
 
@@ -47,10 +45,8 @@ class LLM:
             model = str(default_model_path())
         engine_args.setdefault("disable_log_stats", True)  # as vLLM's LLM: the progress bar reports instead
         self.config = EngineConfig.from_kwargs(str(model), **engine_args)
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer_path, self.config.model.trust_remote_code)
-        eos_token_id = self.tokenizer.eos_token_id
-        self.runner = ModelRunner(self.config, eos_token_id=eos_token_id)
-        self.engine = EngineCore(self.config, self.runner, self.runner.num_blocks, self.tokenizer, eos_token_id)
+        built = build_engine(self.config)
+        self.tokenizer, self.runner, self.engine = built.tokenizer, built.runner, built.core
         self._counter = itertools.count()
         self._stats_logger = None if self.config.disable_log_stats else StatsLogger()
 

@@ -9,6 +9,7 @@ with the offline API stay in SamplingParams.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -17,7 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from kestrel.config import GENERATION_SAMPLING_KEYS
 from kestrel.request import InvalidRequestError
-from kestrel.sampling_params import BeamSearchParams, SamplingParams
+from kestrel.sampling_params import BeamSearchParams, SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 MAX_N = 128
 INT64_MIN = -(2**63)
@@ -57,14 +58,13 @@ def _check_unicode(value: Any) -> None:
             _check_unicode(item)
 
 
-_STRUCTURED = "structured outputs (guided decoding) are not implemented yet"
 _OPENAI_PLATFORM = "an OpenAI platform feature that this server does not have"
 # Request fields of vLLM and OpenAI that kestrel does not implement yet, with what to do instead. Any other
 # unknown field is refused too: a field is honoured or refused, never ignored.
 NOT_SUPPORTED_FIELDS: dict[str, str] = {
-    **{name: _STRUCTURED for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                                      "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
-                                      "structural_tag")},
+    "guided_whitespace_pattern": "a custom whitespace pattern is not supported; use structured_outputs with "
+                                 "disable_any_whitespace",
+    "structural_tag": "structural tags are not supported; use structured_outputs (json, regex, choice, grammar)",
     "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
     "include_reasoning": "reasoning parsing is not implemented",
     "best_of": "best_of is not supported on chat completions; use n",
@@ -151,6 +151,14 @@ class _SamplingRequest(_Request):
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N" (for unprintable ones)
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids in the response
     priority: Int | None = None  # vLLM's: lower first, when the server runs --scheduling-policy priority
+    # vLLM's constrained decoding; the guided_* spellings are vLLM's older names for the same.
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    response_format: ResponseFormat | None = None
     use_beam_search: bool | None = None  # vLLM's: the n best beams instead of n samples
     length_penalty: float | None = None  # beam scores: cum_logprob / length ** length_penalty
     stream: bool | None = False
@@ -191,10 +199,63 @@ class _SamplingRequest(_Request):
             max_tokens=max_tokens,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            structured_outputs=self.structured_outputs_params(),
             logit_bias=self._token_bias(),
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids else None,
             bad_words=list(self.bad_words) if self.bad_words else None,
         )
+
+    @property
+    def structured_outputs_field(self) -> str:
+        """The request field its grammar came from, for errors about that grammar."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        guided = [n for n in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(self, n)]
+        return guided[0] if guided and self.structured_outputs is None else "structured_outputs"
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's one grammar, from response_format, structured_outputs or the guided_* fields; asking
+        in two places is an error naming both."""
+        asked: list[tuple[str, StructuredOutputsParams]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.append(("response_format", self._response_format_params(self.response_format)))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", self._structured_outputs_request(self.structured_outputs)))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                asked.append((name, _structured(name, **{kind: _schema(name, value) if kind == "json" else value})))
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            _unsupported("guided_decoding_backend", f"the grammar backend is xgrammar; got "
+                         f"{self.guided_decoding_backend!r}")
+        if len(asked) > 1:
+            _unsupported(asked[1][0], f"{asked[0][0]} and {asked[1][0]} both constrain the output; give one")
+        return asked[0][1] if asked else None
+
+    @staticmethod
+    def _response_format_params(fmt: ResponseFormat) -> StructuredOutputsParams:
+        if fmt.type == "json_object":
+            if fmt.json_schema is not None:
+                _unsupported("response_format.json_schema", "json_schema goes with type 'json_schema'")
+            return _structured("response_format", json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            _unsupported("response_format.json_schema", "type 'json_schema' needs json_schema.schema")
+        return _structured("response_format.json_schema", json=fmt.json_schema.schema_)
+
+    @staticmethod
+    def _structured_outputs_request(request: StructuredOutputsRequest) -> StructuredOutputsParams:
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(request, name) is not None:
+                _unsupported(f"structured_outputs.{name}", NOT_SUPPORTED_FIELDS[name if name != "whitespace_pattern"
+                                                                                else "guided_whitespace_pattern"])
+        if request.disable_additional_properties:
+            _unsupported("structured_outputs.disable_additional_properties", "set additionalProperties false in "
+                         "the schema itself")
+        json_value = _schema("structured_outputs.json", request.json_) if request.json_ is not None else None
+        return _structured("structured_outputs", json=json_value, regex=request.regex, choice=request.choice,
+                           grammar=request.grammar, json_object=request.json_object,
+                           disable_any_whitespace=bool(request.disable_any_whitespace))
 
     def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
         """vLLM's use_beam_search: BeamSearchParams (n beams), or None for sampling. A field that beam search
@@ -345,8 +406,34 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's structured_outputs extra-body field: one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_fallback: bool | None = None  # kestrel has one backend: nothing to fall back from
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
@@ -361,7 +448,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     # vLLM's chat extensions
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
@@ -390,9 +476,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def to_sampling_params(self, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         self._check_common()
         self._check_tools()
-        if self.response_format is not None and self.response_format.type != "text":
-            _unsupported("response_format", f"response_format {self.response_format.type!r} needs guided decoding, "
-                         "which this server does not have; use 'text'")
         if self.top_logprobs is not None and not self.logprobs:
             _unsupported("top_logprobs", "top_logprobs needs logprobs set to true")
         if self.continue_final_message:
@@ -722,6 +805,22 @@ def _path(loc: list[Any]) -> str:
     for part in loc:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path
+
+
+def _schema(param: str, value: dict[str, Any] | str) -> dict[str, Any] | str:
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except json.JSONDecodeError as error:
+            _unsupported(param, f"{param} must be a JSON schema (an object or its JSON text): {error}")
+    return value
+
+
+def _structured(param: str, **spec: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**spec)
+    except SamplingParamsError as error:
+        raise InvalidRequestError(param, str(error)) from None
 
 
 def _beam_search_ignores(name: str, value: Any, request_default: Any) -> bool:

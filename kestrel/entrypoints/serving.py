@@ -61,7 +61,8 @@ from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.entrypoints.text_workers import ChatInput, TextWorkers
 from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.request import InvalidRequestError, prompt_too_long
-from kestrel.sampling_params import BeamSearchParams, SamplingParams
+from kestrel.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from kestrel.structured.tool_grammar import tool_call_grammar
 
 T = TypeVar("T")
 logger = logging.getLogger("kestrel.server")
@@ -147,7 +148,8 @@ class OpenAIServing:
         prompts = await self._encode_prompts(request.prompts(), request.add_special_tokens is not False,
                                              request.truncate_prompt_tokens)
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
-                                 logprobs_param="logprobs", priority=request.priority)
+                                 logprobs_param="logprobs", priority=request.priority,
+                                 structured_param=request.structured_outputs_field)
         job.model_name = self.response_model_name(request.model)
         if request.echo:
             job.prompts = [_Prompt(self._prompt_text(p, params), p.token_ids) for p in prompts]
@@ -290,8 +292,17 @@ class OpenAIServing:
         token_ids = self._fit_prompt(count, ids, truncate, "messages")
         if beam is not None:
             return await _until_disconnect(raw, self._beam_chat(request, beam, token_ids))
+        structured_param = request.structured_outputs_field
+        if mode in ("required", "named") and prompt.assistant_prefix:
+            if params.structured_outputs is not None:
+                raise InvalidRequestError(structured_param, f"tool_choice {request.tool_choice!r} constrains the "
+                                          f"answer to a tool call; {structured_param} cannot constrain it too")
+            grammar = tool_call_grammar(request.tool_dicts(), mode, request.named_tool, prompt.tool_format)
+            params = params.replace(structured_outputs=StructuredOutputsParams(grammar=grammar))
+            structured_param = "tools"
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
-                                 prompt_param="messages", logprobs_param="top_logprobs", priority=request.priority)
+                                 prompt_param="messages", logprobs_param="top_logprobs", priority=request.priority,
+                                 structured_param=structured_param)
         job.model_name = self.response_model_name(request.model)
         tools = _tool_setup(request, prompt.assistant_prefix, self.config.tool_call_parser or prompt.tool_format)
         if request.stream:
@@ -466,8 +477,8 @@ class OpenAIServing:
                                       "server with a larger --max-logprob-entries")
 
     async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
-                      arrival: float, prompt_param: str, logprobs_param: str, priority: int | None = None
-                      ) -> _Submitted:
+                      arrival: float, prompt_param: str, logprobs_param: str, priority: int | None = None,
+                      structured_param: str = "structured_outputs") -> _Submitted:
         """Check the response's size, queue one engine request per prompt (all or none) and wait until the engine
         accepted them (the routes checked the number of sequences before their tokenizing). Refusals name the
         request's own fields (`prompt_param`, `logprobs_param`), not the engine's."""
@@ -485,6 +496,8 @@ class OpenAIServing:
                 await stream.aclose()
             if isinstance(error, InvalidRequestError) and error.param in ("prompt", "prompt_token_ids"):
                 raise InvalidRequestError(prompt_param, str(error)) from None
+            if isinstance(error, InvalidRequestError) and error.param.startswith("structured_outputs"):
+                raise InvalidRequestError(structured_param, str(error)) from None
             if isinstance(error, InvalidRequestError) and error.param == "logprobs":
                 raise InvalidRequestError(logprobs_param, str(error).replace("logprobs=", f"{logprobs_param}=", 1)
                                           ) from None

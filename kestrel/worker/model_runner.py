@@ -10,11 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.config import ConfigError, EngineConfig
-from kestrel.engine.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kestrel.loader import load_model
 from kestrel.loader.hf_config import resolve_dtype
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.outputs import Logprob
+from kestrel.sample.grammar_mask import apply_token_bitmask
 from kestrel.sample.sampler import (
     Sampler,
     SamplerOutput,
@@ -238,20 +239,26 @@ class ModelRunner:
     # ----- the step -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collect(self.launch(out))
+    def execute(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        return self.collect(self.sample(self.forward(out), grammar))
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+    def launch(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> LaunchedStep:
         """Enqueue one step on the device and return at once; `collect` waits for its sampled ids.
 
         A row whose input token was sampled by the step still in flight reads it on the device
         (`last_sampled`), so the next step can be launched before the host knows that token.
         """
+        return self.sample(self.forward(out), grammar)
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> ForwardStep:
+        """Enqueue the step's forward and the logits of its sampling rows; `sample` follows (the engine fills
+        the grammar bitmask on the host in between)."""
         self._apply_scheduler_output(out)
         req_ids = list(out.num_scheduled_tokens)
         if not req_ids:
-            return LaunchedStep(req_ids, [], [], None, None, None, {})
+            return ForwardStep(req_ids, [], [], None, {})
         states = [self.requests[rid] for rid in req_ids]
         counts = [out.num_scheduled_tokens[rid] for rid in req_ids]
         inputs = build_model_inputs(states, counts, self.block_size, self.device, self.block_table,
@@ -265,9 +272,25 @@ class ModelRunner:
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
         if not inputs.sampled_rows:
-            return LaunchedStep(req_ids, [], [], None, None, None, prompt_logprobs)
+            return ForwardStep(req_ids, [], [], None, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         rows = [states[i] for i in inputs.sampled_rows]
+        return ForwardStep(req_ids, inputs.sampled_rows, rows, logits, prompt_logprobs)
+
+    @torch.inference_mode()
+    def sample(self, step: ForwardStep, grammar: GrammarBitmask | None = None) -> LaunchedStep:
+        """Enqueue the sampling of a forwarded step, its constrained rows masked by `grammar` first (so greedy,
+        top-p/top-k and logprobs all see the masked distribution)."""
+        if step.logits is None:
+            return LaunchedStep(step.req_ids, [], [], None, None, None, step.prompt_logprobs)
+        logits, rows = step.logits, step.rows
+        if grammar is not None and grammar.req_ids:
+            position = {state.req_id: i for i, state in enumerate(rows)}
+            pairs = [(i, position[rid]) for i, rid in enumerate(grammar.req_ids) if rid in position]
+            if pairs:
+                masks = grammar.bitmask[[i for i, _ in pairs]]
+                target = torch.tensor([row for _, row in pairs], dtype=torch.long)
+                logits = apply_token_bitmask(logits, _to_device(masks, self.device), _to_device(target, self.device))
         meta = SamplingMetadata.build(
             [s.sampling_params for s in rows],
             _TokenLists(rows, prompt=True),
@@ -290,12 +313,12 @@ class ModelRunner:
             state.num_pending += 1
             state.pending_row = i
         self._last_sampled = sampled
-        return LaunchedStep(req_ids, inputs.sampled_rows, rows, result, host, event, prompt_logprobs)
+        return LaunchedStep(step.req_ids, step.sampled_rows, rows, result, host, event, step.prompt_logprobs)
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's sampled ids (the step's one host synchronization) and record them."""
-        sampled: list[int | None] = [None] * len(step.req_ids)
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(step.req_ids)
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        logprobs: list[list[dict[int, Logprob]] | None] = [None] * len(step.req_ids)
         if step.rows:
             if step.event is not None:
                 step.event.synchronize()
@@ -304,8 +327,8 @@ class ModelRunner:
             for row, state, token_id, lp in zip(step.sampled_rows, step.rows, token_ids, row_logprobs):
                 state.num_pending -= 1
                 state.token_ids.append(token_id)
-                sampled[row] = token_id
-                logprobs[row] = lp
+                sampled[row] = [token_id]
+                logprobs[row] = None if lp is None else [lp]
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs)
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], query_start_loc: torch.Tensor,
@@ -337,6 +360,23 @@ class ModelRunner:
                     entries.append(logprob_entry(token_id, lp, ranks[i], top_ids[i], top_lp[i]))
             result[state.req_id] = entries
         return result
+
+
+@dataclass
+class ForwardStep:
+    """A step whose forward is enqueued; its sampling is not yet."""
+
+    req_ids: list[str]
+    sampled_rows: list[int]
+    rows: list[CachedRequestState]
+    logits: torch.Tensor | None  # [len(rows), vocab]; None when no row samples
+    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]]
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

@@ -175,7 +175,7 @@ class ScriptedRunner:
     steps: int = 0
     _progress: dict[str, _Progress] = field(default_factory=dict)
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput, grammar: Any = None) -> ModelRunnerOutput:
         self.steps += 1
         if self.fail_at_step is not None and self.steps >= self.fail_at_step:
             raise RuntimeError("scripted model failure")
@@ -187,15 +187,15 @@ class ScriptedRunner:
             self._progress[new.req_id] = _Progress(len(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens)
         script = self.tokenizer.encode(self.script, add_special_tokens=False) + [self.tokenizer.eos_token_id]
         req_ids = list(out.num_scheduled_tokens)
-        sampled: list[int | None] = []
+        sampled: list[list[int]] = []
         for rid in req_ids:
             progress = self._progress[rid]
             progress.num_computed += out.num_scheduled_tokens[rid]
             if progress.num_computed < progress.num_tokens:
-                sampled.append(None)  # a prefill chunk that does not reach the end
+                sampled.append([])  # a prefill chunk that does not reach the end
                 continue
             position = progress.num_tokens - progress.num_prompt_tokens
-            sampled.append(script[min(position, len(script) - 1)])
+            sampled.append([script[min(position, len(script) - 1)]])
             progress.num_tokens += 1
         return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
 

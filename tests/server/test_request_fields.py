@@ -14,8 +14,7 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 # vLLM's extra request fields (vllm/entrypoints/openai/protocol.py, CompletionRequest and ChatCompletionRequest)
 # and OpenAI's newer chat fields that kestrel does not implement yet, with a value that would ask for something.
 UNSUPPORTED = {
-    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "x",
-    "structured_outputs": {"choice": ["a"]}, "store": True,
+    "guided_whitespace_pattern": " ", "structural_tag": "{}", "store": True,
     "metadata": {"k": "v"}, "service_tier": "auto",
     "reasoning_effort": "low", "functions": [{"name": "f"}],
 }
@@ -112,9 +111,12 @@ def test_openai_client_extra_body_fields_are_checked(openai_server):
     import openai
 
     client = openai_server.client()
-    with pytest.raises(openai.BadRequestError, match="guided_choice"):
+    with pytest.raises(openai.BadRequestError, match="structural_tag"):
         client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=2,
-                                       extra_body={"guided_choice": ["yes", "no"]})
+                                       extra_body={"structural_tag": "{}"})
+    answer = client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=4,
+                                            extra_body={"guided_choice": ["yes", "no"]})
+    assert answer.choices[0].message.content in ("yes", "no")
 
 
 def test_tensor_parallel_size_other_than_one_is_refused(tiny_model_dir):

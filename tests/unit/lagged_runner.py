@@ -104,15 +104,15 @@ class LaggedRunner:
     def collect(self, launched: _Launched) -> ModelRunnerOutput:
         if launched.req_ids:
             self.in_flight -= 1
-        tokens: list[int | None] = []
+        tokens: list[list[int]] = []
         for item in launched.sampled:
             if item is None:
-                tokens.append(None)
+                tokens.append([])
                 continue
             state, token = item
             state.pending -= 1
             state.tokens.append(token)
-            tokens.append(token)
+            tokens.append([token])
         return ModelRunnerOutput(launched.req_ids, tokens, [None] * len(tokens))
 
     def expected_tokens(self, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:

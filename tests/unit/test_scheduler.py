@@ -40,9 +40,9 @@ class FakeRunner:
             if end == len(st["tokens"]):
                 token = 1000 + len(st["tokens"])
                 st["tokens"].append(token)
-                sampled.append(token)
+                sampled.append([token])
             else:
-                sampled.append(None)
+                sampled.append([])
         self.computed_per_step.append(out.total_num_scheduled_tokens)
         return ModelRunnerOutput(req_ids, sampled)
 
@@ -81,7 +81,7 @@ def test_budget_and_chunked_prefill():
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"a": 16}
     runner.execute(out)
-    sched.update(out, ModelRunnerOutput(["a"], [None]))
+    sched.update(out, ModelRunnerOutput(["a"], [[]]))
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"a": 16}
     assert [c.req_id for c in out.cached_requests] == ["a"]
@@ -196,13 +196,13 @@ def test_stop_rules():
     # min_tokens counts the token just sampled: eos as the first token does not stop, as the third it does.
     for token, expect_finished in [(9, False), (5, False), (9, True)]:
         out = sched.schedule()
-        sched.update(out, ModelRunnerOutput(["a"], [token]))
+        sched.update(out, ModelRunnerOutput(["a"], [[token]]))
         assert r.is_finished == expect_finished
     assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason is None
     r2 = Request("b", [1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=[7]), eos_token_id=9)
     sched.add_request(r2)
     out = sched.schedule()
-    sched.update(out, ModelRunnerOutput(["b"], [7]))
+    sched.update(out, ModelRunnerOutput(["b"], [[7]]))
     assert r2.status == RequestStatus.FINISHED_STOPPED and r2.stop_reason == 7
 
 

@@ -1,0 +1,29 @@
+"""The one engine constructor: LLM, AsyncLLM and the server build their engine here from an EngineConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kestrel.config import EngineConfig
+from kestrel.engine.core import EngineCore
+from kestrel.loader.tokenizer import load_tokenizer
+from kestrel.structured.backend import GrammarBackend
+from kestrel.worker.model_runner import ModelRunner
+
+
+@dataclass
+class BuiltEngine:
+    tokenizer: Any
+    runner: ModelRunner
+    core: EngineCore
+
+
+def build_engine(config: EngineConfig) -> BuiltEngine:
+    """Tokenizer, model runner (weights, KV cache, graphs) and the engine core with its grammar backend."""
+    tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
+    eos_token_id = tokenizer.eos_token_id
+    runner = ModelRunner(config, eos_token_id=eos_token_id)
+    structured = GrammarBackend(tokenizer, runner.vocab_size, runner.eos_token_ids)
+    core = EngineCore(config, runner, runner.num_blocks, tokenizer, eos_token_id, structured)
+    return BuiltEngine(tokenizer, runner, core)

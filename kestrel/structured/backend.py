@@ -1,0 +1,107 @@
+"""The xgrammar backend: compile, match, fill bitmasks. See the package docstring for the contract."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+from kestrel.engine.contracts import GrammarBitmask
+from kestrel.request import InvalidRequestError
+from kestrel.sampling_params import StructuredOutputsParams
+
+# The longest whitespace run allowed between JSON tokens: room for indented, pretty-printed JSON, and a bound on
+# a model that would otherwise pad an object with whitespace until max_tokens.
+JSON_MAX_WHITESPACE = 16
+
+
+class GrammarBackend:
+    """Per engine: the tokenizer's vocabulary as xgrammar sees it, a compiler with its cache, the matchers."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], max_threads: int = 2) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._max_threads = max_threads
+        self._compiler: Any = None
+        self._matchers: dict[str, Any] = {}
+        self.fill_seconds = 0.0  # host time spent filling bitmasks (for the benchmarks)
+        self.num_fills = 0
+
+    @property
+    def compiler(self) -> Any:
+        """Built on first use: reading a large vocabulary takes a moment, and most engines never need it."""
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self._eos or None)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=True)
+        return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The compiled grammar of `spec`; a grammar the compiler rejects is an InvalidRequestError naming it."""
+        kind = spec.kind
+        try:
+            if kind in ("json", "json_object"):  # json_object: any JSON object (not any JSON value)
+                schema = spec.json if kind == "json" else {"type": "object"}
+                text = schema if isinstance(schema, str) else json.dumps(schema)
+                return self.compiler.compile_json_schema(text, any_whitespace=not spec.disable_any_whitespace,
+                                                         max_whitespace_cnt=JSON_MAX_WHITESPACE)
+            if kind == "regex":
+                return self.compiler.compile_regex(spec.regex)
+            if kind == "choice":
+                return self.compiler.compile_grammar(choice_grammar(spec.choice or []))
+            return self.compiler.compile_grammar(spec.grammar)
+        except (RuntimeError, ValueError, TypeError) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise InvalidRequestError(f"structured_outputs.{kind}", f"the {kind} grammar could not be compiled: "
+                                      f"{reason[:500]}") from None
+
+    def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
+        import xgrammar as xgr
+
+        self._matchers[request_id] = xgr.GrammarMatcher(self.compile(spec))
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def accept(self, request_id: str, token_ids: list[int]) -> int:
+        """Advance the request's matcher; returns how many of the tokens the grammar accepted (in order)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return len(token_ids)
+        for count, token_id in enumerate(token_ids):
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                return count
+        return len(token_ids)
+
+    def is_terminated(self, request_id: str) -> bool:
+        """The grammar is complete and its stop token accepted: nothing more may follow."""
+        matcher = self._matchers.get(request_id)
+        return matcher is not None and matcher.is_terminated()
+
+    def bitmask(self, request_ids: list[str]) -> GrammarBitmask:
+        """The next-token bitmask of each request (int32 rows on the host)."""
+        import xgrammar as xgr
+
+        started = time.perf_counter()
+        rows = [rid for rid in request_ids if rid in self._matchers]
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for i, rid in enumerate(rows):
+            self._matchers[rid].fill_next_token_bitmask(bitmask, i)
+        self.fill_seconds += time.perf_counter() - started
+        self.num_fills += 1
+        return GrammarBitmask(rows, bitmask)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly the given strings."""
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+
+
+def _ebnf_literal(text: str) -> str:
+    escaped = re.sub(r'["\\]', lambda m: "\\" + m.group(0), text)
+    escaped = escaped.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    return f'"{escaped}"'
