@@ -255,3 +255,23 @@ def test_priority_policy_preempts_the_least_important_not_the_newest():
     assert preempted == {"old"}
     finished = run_to_completion(sched, runner)
     assert sorted(finished) == ["new", "old"] and sched.kv.pool.num_free_blocks == 4
+
+
+def test_update_appends_several_tokens_and_stops_at_the_first_stop_rule():
+    sched = make_scheduler()
+    runner = FakeRunner()
+    request = Request("a", [5, 6, 7], SamplingParams(max_tokens=10, stop_token_ids=[42]), eos_token_id=2)
+    sched.add_request(request)
+    out = sched.schedule()
+    sched.update(out, runner.execute(out))  # the prompt's step: one token
+    computed = request.num_computed_tokens
+    # A verify step of 3 drafts: two accepted plus the corrected token = 3 tokens; one draft's slot is given back.
+    spec = SchedulerOutput([], [], {"a": 4}, 4, scheduled_spec_decode_tokens={"a": [11, 12, 13]})
+    request.num_computed_tokens += 4
+    sched.update(spec, ModelRunnerOutput(["a"], [[11, 12, 99]]))
+    assert request.output_token_ids[-3:] == [11, 12, 99] and request.num_computed_tokens == computed + 3
+    # Tokens after a stop token are dropped, and the request finishes with that token's reason.
+    sched.update(SchedulerOutput([], [], {"a": 3}, 3, scheduled_spec_decode_tokens={"a": [8, 42]}),
+                 ModelRunnerOutput(["a"], [[8, 42, 9]]))
+    assert request.output_token_ids[-2:] == [8, 42] and request.stop_reason == 42
+    assert request.status == RequestStatus.FINISHED_STOPPED and sched.kv.pool.num_free_blocks == 64
