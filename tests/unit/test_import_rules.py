@@ -20,7 +20,8 @@ ALLOWED: dict[str, set[str]] = {
     "structured": {"structured", "engine.contracts"} | CORE,
     "worker": {"worker", "model", "loader", "sample", "ops", "engine.contracts"} | CORE,
     "distributed": {"distributed", "config"},
-    "bench": {"bench", "kernels", "ops", "quant", "model", "loader", "worker", "sample", "engine", "tiny"} | CORE,
+    "bench": {"bench", "kernels", "ops", "quant", "model", "loader", "worker", "sample", "engine", "tiny",
+              "structured"} | CORE,
     "tiny": {"tiny", "loader", "config"} | CORE,
     "entrypoints": {""},  # everything
 }

@@ -1,0 +1,165 @@
+"""`kestrel bench structured`: the cost of grammar-constrained decoding, and of the step contract's one-token path.
+
+Per batch size, B requests (distinct random prompts, greedy, prefix caching off) decode `--output-len` tokens
+three ways: unconstrained with the engine's default scheduling (async on a GPU), unconstrained synchronous, and
+constrained by a JSON schema (an array of at least 10,000 digits, so no request completes its grammar within
+the run and every step has all B rows constrained). A step with constrained requests runs synchronously: the
+grammar must see each token before it can mask the next. Reported per mode: the median time of the steps in
+which all B requests decode; for the constrained one also the host time filling the bitmask per step (it
+overlaps the step's forward) and its share of the step. Overhead = constrained / unconstrained - 1.
+
+Random-weight architectures have no tokenizer: `--tokenizer DIR` gives the vocabulary the grammar is compiled
+against (a 128k byte-level BPE is the realistic size: a mask fill scans the vocabulary).
+`--smoke` runs a tiny random model on the CPU: a check of the script, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kestrel.bench import common, register_suite, standalone_main
+from kestrel.bench.latency import int_list
+from kestrel.config import ConfigError
+from kestrel.loader.tokenizer import load_tokenizer
+from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
+from kestrel.structured.backend import GrammarBackend
+
+SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 10000}
+MODES = ("unconstrained", "unconstrained_sync", "json_schema")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    common.add_model_arguments(p)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    p.add_argument("--batch", default="1,64", help="comma-separated batch sizes")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    common.add_report_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.smoke:
+        args.batch, args.input_len, args.output_len, args.repeats = "1,2", 8, 6, 1
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    batches = int_list(args.batch)
+    model_dir, load_format = common.prepare_model(args.model, args.arch, args.smoke, args.weights_dir, False, device)
+    tokenizer_dir = args.tokenizer or model_dir
+    if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        raise ConfigError(f"invalid --tokenizer={tokenizer_dir!r}: no tokenizer.json there; the grammar needs the "
+                          "model's vocabulary (pass --tokenizer DIR for a random-weight architecture)")
+    engine = common.build_suite_engine(args, model_dir, load_format, device, max(batches),
+                                       args.input_len + args.output_len + 1)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    backend = GrammarBackend(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids)
+    engine.core.structured = backend
+    default_async = engine.core.async_scheduling
+    vocab = min(common.prompt_vocab(model_dir), tokenizer.vocab_size)
+    rows = []
+    result: dict[str, Any] = {
+        "suite": "structured",
+        "config": {**common.engine_config_block(args, engine, model_dir, load_format), "batches": batches,
+                   "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
+                   "tokenizer": tokenizer_dir, "tokenizer_vocab": len(tokenizer), "schema": SCHEMA},
+        "environment": common.environment(device), "rows": rows, "complete": False,
+    }
+    for batch in batches:
+        row: dict[str, Any] = {"batch": batch}
+        for mode in MODES:
+            engine.core.async_scheduling = default_async if mode == "unconstrained" else False
+            samples = [measure(engine, backend, batch, args, vocab, mode, f"{mode}-{batch}-{r}")
+                       for r in range(args.repeats + 1)][1:]  # the first run warms up (graphs, compiled grammar)
+            row[f"{mode}_ms_per_step"] = statistics.median(s["step_ms"] for s in samples)
+            if mode == "json_schema":
+                row["mask_fill_ms_per_step"] = statistics.median(s["fill_ms"] for s in samples)
+        engine.core.async_scheduling = default_async
+        row["overhead_vs_default"] = row["json_schema_ms_per_step"] / row["unconstrained_ms_per_step"] - 1
+        row["overhead_vs_sync"] = row["json_schema_ms_per_step"] / row["unconstrained_sync_ms_per_step"] - 1
+        row["mask_fill_share"] = row["mask_fill_ms_per_step"] / row["json_schema_ms_per_step"]
+        rows.append(row)
+        common.log(f"batch {batch}: {row}")
+        common.write_result(result, args.result_file, quiet=True)
+    result["complete"] = True
+    common.report(result, summary(result), args.result_file, plot)
+    common.release(engine)
+    return 0
+
+
+def measure(engine: common.Engine, backend: GrammarBackend, batch: int, args: argparse.Namespace, vocab: int,
+            mode: str, tag: str) -> dict[str, float]:
+    core = engine.core
+    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if mode == "json_schema" else None
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, structured_outputs=spec)
+    g = torch.Generator().manual_seed(hash(tag) % (1 << 31))
+    for i in range(batch):
+        core.add_request(f"{tag}-{i}", torch.randint(1, vocab, (args.input_len,), generator=g).tolist(), params)
+    fills_before = backend.num_fills
+    steps: list[float] = []
+    first: set[str] = set()
+    before = time.perf_counter()
+    decode_fills = decode_fill_s = 0.0
+    while core.has_unfinished_requests():
+        decoding = len(first) == batch
+        n, s = backend.num_fills, backend.fill_seconds
+        outputs = core.step()
+        after = time.perf_counter()
+        if decoding:
+            steps.append(after - before)
+            decode_fills += backend.num_fills - n
+            decode_fill_s += backend.fill_seconds - s
+        before = after
+        first.update(o.request_id for o in outputs if o.outputs[0].token_ids)
+    produced = backend.num_fills - fills_before
+    if mode == "json_schema" and produced == 0:
+        raise RuntimeError("the constrained run filled no bitmask")
+    return {"step_ms": 1e3 * statistics.median(steps),
+            "fill_ms": 1e3 * decode_fill_s / decode_fills if decode_fills else 0.0}
+
+
+def summary(result: dict[str, Any]) -> str:
+    lines = ["batch  default ms/step  sync ms/step  json-schema ms/step  mask fill ms  overhead (vs default, "
+             "vs sync)"]
+    for r in result["rows"]:
+        lines.append(f"{r['batch']:>5}  {r['unconstrained_ms_per_step']:>15.3f}"
+                     f"  {r['unconstrained_sync_ms_per_step']:>12.3f}"
+                     f"  {r['json_schema_ms_per_step']:>19.3f}  {r['mask_fill_ms_per_step']:>12.3f}"
+                     f"  {100 * r['overhead_vs_default']:+.1f}%, {100 * r['overhead_vs_sync']:+.1f}%")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    plt = common.pyplot()
+    if plt is None:
+        return False
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.25
+    for k, (mode, label) in enumerate(zip(MODES, ("unconstrained (default)", "unconstrained, sync", "JSON schema"))):
+        ax.bar([i + (k - 1) * width for i in range(len(rows))], [r[f"{mode}_ms_per_step"] for r in rows], width,
+               label=label)
+    ax.bar([i + width for i in range(len(rows))], [r["mask_fill_ms_per_step"] for r in rows], width * 0.4,
+           color="black", label="mask fill (host, overlapped)")
+    ax.set_xticks(range(len(rows)), [f"batch {r['batch']}" for r in rows])
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(f"structured outputs cost ({result['environment'].get('device', '')})", fontsize=9)
+    ax.legend(fontsize=8)
+    return common.save_figure(plt, fig, path)
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    return register_suite(subparsers, "structured", "grammar-constrained decoding cost per step", add_arguments, run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return standalone_main("structured", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
