@@ -296,6 +296,8 @@ class EngineCore:
 
     def _process(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         updated = self.scheduler.update(scheduler_output, runner_output)
+        if scheduler_output.structured_output_request_ids and self.structured is not None:
+            self._advance_grammars(updated)
         touched: dict[str, _ParentRequest] = {}
         now = time.monotonic()
         for request in updated:
@@ -305,8 +307,6 @@ class EngineCore:
             sequence = parent.sequences[0] if len(parent.sequences) == 1 else next(
                 s for s in parent.sequences if s.request is request)
             params = request.sampling_params
-            if params.structured_outputs is not None:
-                self._advance_grammar(sequence)
             if params.logprobs is not None or params.prompt_logprobs is not None:
                 self._name_logprob_tokens(sequence)
             # Final-only requests without stop strings need their text only once, at the end.
@@ -326,16 +326,24 @@ class EngineCore:
                 self._parents.pop(parent.request_id, None)
         return outputs
 
-    def _advance_grammar(self, sequence: _Sequence) -> None:
-        """Feed the request's new tokens to its matcher; a grammar complete with its stop token ends it."""
-        request = sequence.request
-        request_id = request.request_id
-        new = request.output_token_ids[sequence.num_grammar_tokens:]
-        sequence.num_grammar_tokens += self.structured.accept(request_id, new)
-        if not request.is_finished and self.structured.is_terminated(request_id):
-            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
-        if request.is_finished:
-            self.structured.remove(request_id)
+    def _advance_grammars(self, updated: list[Request]) -> None:
+        """Feed the step's new tokens to their requests' matchers (one batched call); a grammar complete with its
+        stop token ends its request."""
+        sequences = []
+        for request in updated:
+            parent = self._sequence_parent.get(request.request_id)
+            if parent is None or request.sampling_params.structured_outputs is None:
+                continue
+            sequences.append(next(s for s in parent.sequences if s.request is request))
+        new = {s.request.request_id: s.request.output_token_ids[s.num_grammar_tokens:] for s in sequences}
+        accepted = self.structured.accept_many(new)
+        for sequence in sequences:
+            request = sequence.request
+            sequence.num_grammar_tokens += accepted[request.request_id]
+            if not request.is_finished and self.structured.is_terminated(request.request_id):
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            if request.is_finished:
+                self.structured.remove(request.request_id)
 
     def token_text(self, token_id: int) -> str | None:
         """One token's text decoded alone (a logprob's decoded_token); None without a tokenizer."""

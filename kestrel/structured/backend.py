@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from typing import Any
@@ -19,13 +20,16 @@ JSON_MAX_WHITESPACE = 16
 class GrammarBackend:
     """Per engine: the tokenizer's vocabulary as xgrammar sees it, a compiler with its cache, the matchers."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], max_threads: int = 2) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
+                 max_threads: int | None = None) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
-        self._max_threads = max_threads
+        # Compilation and bitmask filling run in xgrammar's threads: up to 8 of the host's cores.
+        self._max_threads = max_threads or max(1, min(8, os.cpu_count() or 1))
         self._compiler: Any = None
         self._matchers: dict[str, Any] = {}
+        self._batch: Any = None
         self.fill_seconds = 0.0  # host time spent filling bitmasks (for the benchmarks)
         self.num_fills = 0
 
@@ -67,6 +71,24 @@ class GrammarBackend:
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
+    def accept_many(self, new_tokens: dict[str, list[int]]) -> dict[str, int]:
+        """Advance each request's matcher with its new tokens; per request, how many the grammar accepted (in
+        order). The usual step, one token per request, goes to xgrammar in one batched call."""
+        import xgrammar as xgr
+
+        counts = {rid: 0 for rid in new_tokens}
+        singles = [(rid, tokens[0]) for rid, tokens in new_tokens.items()
+                   if len(tokens) == 1 and rid in self._matchers and not self._matchers[rid].is_terminated()]
+        if singles:
+            results = xgr.BatchGrammarMatcher.batch_accept_token([self._matchers[rid] for rid, _ in singles],
+                                                                 [token for _, token in singles])
+            counts.update({rid: int(ok) for (rid, _), ok in zip(singles, results)})
+        done = {rid for rid, _ in singles}
+        for rid, tokens in new_tokens.items():
+            if rid not in done:
+                counts[rid] = self.accept(rid, tokens)
+        return counts
+
     def accept(self, request_id: str, token_ids: list[int]) -> int:
         """Advance the request's matcher; returns how many of the tokens the grammar accepted (in order)."""
         matcher = self._matchers.get(request_id)
@@ -89,8 +111,12 @@ class GrammarBackend:
         started = time.perf_counter()
         rows = [rid for rid in request_ids if rid in self._matchers]
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for i, rid in enumerate(rows):
-            self._matchers[rid].fill_next_token_bitmask(bitmask, i)
+        if len(rows) == 1:
+            self._matchers[rows[0]].fill_next_token_bitmask(bitmask, 0)
+        elif rows:  # the rows in parallel, in xgrammar's threads
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads=self._max_threads)
+            self._batch.batch_fill_next_token_bitmask([self._matchers[rid] for rid in rows], bitmask)
         self.fill_seconds += time.perf_counter() - started
         self.num_fills += 1
         return GrammarBitmask(rows, bitmask)
