@@ -260,6 +260,44 @@ class QuantConfig:
             _fail("activation_scheme", self.activation_scheme, "static activation scales need a quantization method")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding with vLLM's names. "ngram" (prompt lookup): the last n tokens (n from
+    prompt_lookup_max down to prompt_lookup_min) are looked up earlier in the prompt and output, and the tokens
+    that followed the latest match are proposed; the target verifies num_speculative_tokens of them in one forward.
+    Speculation is off for a step whose running batch exceeds disable_by_batch_size (it pays at small batch)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            later = " (draft models and EAGLE heads come later)" if self.method in ("draft_model", "eagle",
+                                                                                    "eagle3", "mtp") else ""
+            _fail("speculative_config.method", self.method, f"expected one of {list(SPECULATIVE_METHODS)}{later}")
+        _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1)
+        _check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1)
+        _check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
+        _check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1, allow_none=True)
+
+    @classmethod
+    def from_dict(cls, value: dict) -> SpeculativeConfig:
+        if not isinstance(value, dict):
+            _fail("speculative_config", value, "expected a dict such as {'method': 'ngram', "
+                  "'num_speculative_tokens': 4}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            _fail("speculative_config", value, f"unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -271,8 +309,12 @@ class EngineConfig:
     enforce_eager: bool = False
     debug_launch_count: bool = False  # log the kernel launches of one decoder layer's decode step at startup
     disable_log_stats: bool = False  # no periodic throughput / queue / KV cache line in the log
+    speculative_config: dict | None = None  # vLLM's dict; parsed into `speculative`
+    speculative: SpeculativeConfig | None = field(default=None, init=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative", SpeculativeConfig.from_dict(self.speculative_config))
         _check_choice("device", self.device, DEVICE_CHOICES)
         for name in ("enforce_eager", "debug_launch_count", "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
@@ -383,6 +425,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("enforce_eager", "engine", "enforce_eager", "no CUDA graphs"),
     EngineArg("debug_launch_count", "engine", "debug_launch_count",
               "log the kernel launches of one decoder layer's decode step"),
+    EngineArg("speculative_config", "engine", "speculative_config",
+              "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5, \"disable_by_batch_size\": 16}"),
     EngineArg("disable_log_stats", "engine", "disable_log_stats",
               "no periodic log line of throughput, running / waiting requests and KV cache usage"),
 )
@@ -396,7 +441,6 @@ NOT_SUPPORTED_ENGINE_ARGS: dict[str, str] = {
     "preemption_mode": "kestrel always preempts by recomputation",
     "enable_lora": "LoRA adapters are not supported; merge the adapter into the weights",
     "max_loras": "LoRA adapters are not supported", "max_lora_rank": "LoRA adapters are not supported",
-    "speculative_config": f"speculative decoding is not implemented yet ({_LATER})",
     "structured_outputs_config": f"structured outputs are not implemented yet ({_LATER})",
     "guided_decoding_backend": f"structured outputs are not implemented yet ({_LATER})",
     "data_parallel_size": "run one server per replica behind a load balancer",
@@ -431,7 +475,7 @@ _ENGINE_ARG_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "swap_space": (0,), "cpu_offload_gb": (0,), "enable_lora": (False,), "skip_tokenizer_init": (False,),
     "tokenizer_mode": ("auto",), "task": ("auto", "generate"), "runner": ("auto", "generate"),
     "preemption_mode": (None, "recompute"), "logprobs_mode": ("raw_logprobs",), "revision": (None, "main"),
-    "speculative_config": (None,), "distributed_executor_backend": (None,), "enable_prompt_embeds": (False,),
+    "distributed_executor_backend": (None,), "enable_prompt_embeds": (False,),
     "calculate_kv_scales": (False,), "enable_sleep_mode": (False,), "data_parallel_size": (1,),
     "enable_expert_parallel": (False,), "hf_token": (None,), "compilation_config": (None,),
 }

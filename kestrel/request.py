@@ -69,6 +69,8 @@ class Request:
     # Tokens already scheduled to be sampled whose ids the host does not know yet (async scheduling: at most
     # the one of the step in flight once the step before it is collected).
     num_pending_tokens: int = 0
+    # Speculative decoding: tokens proposed for this request's next step (verified there, then cleared).
+    spec_token_ids: list[int] = field(default_factory=list)
     # Chained hashes of the request's full blocks, kept across preemption so resumption hits the cache.
     block_hashes: list = field(default_factory=list)
     num_cached_tokens: int = -1

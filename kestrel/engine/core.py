@@ -15,6 +15,7 @@ from typing import Any
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.contracts import ModelRunnerOutput, Runner, SchedulerOutput
 from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.engine.ngram_proposer import propose
 from kestrel.engine.scheduler import Scheduler
 from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kestrel.request import InvalidRequestError, Request, RequestStatus, prompt_too_long
@@ -48,6 +49,14 @@ class _ParentRequest:
 
 _NOTHING_PLACED = ("the scheduler could not place any request; the KV cache is too small for the waiting "
                    "prompts")
+
+
+def _speculates(params: SamplingParams) -> bool:
+    """Requests whose sampling the draft verification covers: temperature, top-k/top-p/min-p, logit_bias and
+    allowed_token_ids apply to every verified position alike; history-dependent settings do not (yet)."""
+    return not (params.has_penalties or params.min_tokens > 0 or params.logprobs is not None
+                or params.prompt_logprobs is not None or params.bad_words_token_ids
+                or params.structured_outputs is not None)
 
 
 def _needs_latest_tokens(params: SamplingParams) -> bool:
@@ -256,6 +265,8 @@ class EngineCore:
     def _step_sync(self) -> list[RequestOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
+        if self._speculating():
+            self._propose_drafts()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             raise RuntimeError(_NOTHING_PLACED)
@@ -288,7 +299,23 @@ class EngineCore:
         self._pending = None
         return self._process(scheduler_output, self.runner.collect(launched))
 
+    def _speculating(self) -> bool:
+        spec = self.config.speculative
+        if spec is None or not self.scheduler.running:
+            return False
+        return spec.disable_by_batch_size is None or self.scheduler.num_running <= spec.disable_by_batch_size
+
+    def _propose_drafts(self) -> None:
+        """N-gram proposals for the running requests that decode this step (verified in it)."""
+        spec = self.config.speculative
+        for request in self.scheduler.running:
+            if not request.num_pending_tokens and _speculates(request.sampling_params):
+                request.spec_token_ids = propose(request.all_token_ids, spec.num_speculative_tokens,
+                                                 spec.prompt_lookup_min, spec.prompt_lookup_max)
+
     def _needs_sync(self) -> bool:
+        if self._speculating():
+            return True  # a verify step must know the tokens it proposes from
         if self._sync_request_ids:
             live = self.scheduler.requests  # unfinished requests, waiting or running
             self._sync_request_ids = {rid for rid in self._sync_request_ids if rid in live}

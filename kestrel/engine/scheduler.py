@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kestrel.config import CacheConfig, SchedulerConfig
 from kestrel.engine.contracts import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -26,6 +26,11 @@ from kestrel.request import Request, RequestStatus
 @dataclass
 class SchedulerStats:
     num_steps: int = 0
+    # Speculative decoding: verify steps of a request, draft tokens verified, drafts accepted (also by position).
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
     num_scheduled_tokens: int = 0  # tokens run through the model, over all steps
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
@@ -97,6 +102,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        spec: dict[str, list[int]] = {}
         new_block_ids: dict[str, list[int]] = {}
         preempted_now = False
 
@@ -108,6 +114,8 @@ class Scheduler:
                 index += 1  # its token in flight is its last: it finishes when that token arrives
                 continue
             num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
+            drafts = self._drafts_to_verify(request, num_new, budget)
+            num_new += len(drafts)
             block_ids = self.kv.allocate(request, num_new)
             while block_ids is None:
                 victim = self.running.pop()
@@ -120,6 +128,8 @@ class Scheduler:
                 break
             num_scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = block_ids
+            if drafts:
+                spec[request.request_id] = drafts
             budget -= num_new
             index += 1
 
@@ -151,18 +161,30 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
-        output = self._build_output(num_scheduled, new_block_ids)
+        output = self._build_output(num_scheduled, new_block_ids, spec)
         for request_id, num_new in num_scheduled.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
-                request.num_pending_tokens += 1  # this step samples the request's next token
+            request.spec_token_ids = []
+            if request.num_computed_tokens == (request.num_tokens + request.num_pending_tokens
+                                               + len(spec.get(request_id, ()))):
+                request.num_pending_tokens += 1  # this step samples the request's next token(s)
         if not output.is_empty:
             self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += output.total_num_scheduled_tokens
         return output
 
-    def _build_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]]) -> SchedulerOutput:
+    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The proposed tokens a decoding request verifies this step: as many as the budget, its max_tokens and
+        the context leave room for (the step also samples one token of its own)."""
+        if not request.spec_token_ids or num_new != 1 or request.num_pending_tokens:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        return request.spec_token_ids[:max(room, 0)]
+
+    def _build_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
+                      spec: dict[str, list[int]]) -> SchedulerOutput:
         cached, new = [], []
         for request_id in num_scheduled:
             request = self.requests[request_id]
@@ -188,6 +210,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=frozenset(self._finished_ids),
             preempted_req_ids=frozenset(self._preempted_ids),
+            scheduled_spec_decode_tokens=spec,
             structured_output_request_ids=frozenset(
                 rid for rid in order if self.requests[rid].sampling_params.structured_outputs is not None),
         )
@@ -216,7 +239,10 @@ class Scheduler:
             if request is None or not tokens:
                 continue
             request.num_pending_tokens = max(request.num_pending_tokens - 1, 0)
-            num_rejected = len(drafts.get(request_id, ())) + 1 - len(tokens)
+            verified = drafts.get(request_id, ())
+            num_rejected = len(verified) + 1 - len(tokens)
+            if verified:
+                self._count_acceptance(len(verified), len(tokens) - 1)
             if num_rejected > 0 and request.status == RequestStatus.RUNNING:
                 request.num_computed_tokens -= num_rejected
             if request.is_finished:
@@ -237,6 +263,16 @@ class Scheduler:
                     break
             updated.append(request)
         return updated
+
+    def _count_acceptance(self, num_drafts: int, num_accepted: int) -> None:
+        stats = self.stats
+        stats.num_spec_drafts += 1
+        stats.num_spec_draft_tokens += num_drafts
+        stats.num_spec_accepted_tokens += num_accepted
+        per_position = stats.spec_accepted_per_position
+        per_position.extend([0] * (num_drafts - len(per_position)))
+        for position in range(num_accepted):
+            per_position[position] += 1
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

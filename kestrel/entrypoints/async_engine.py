@@ -66,6 +66,11 @@ class EngineStats:
     iteration_buckets: tuple[int, ...] = ()
     iteration_count: int = 0
     iteration_sum: int = 0
+    # Speculative decoding (vLLM's spec_decode series): verify steps, draft tokens, accepted ones (by position).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -428,6 +433,10 @@ class AsyncEngine:
             iteration_buckets=tuple(self._iteration_buckets),
             iteration_count=self._iteration_count,
             iteration_sum=self._iteration_sum,
+            spec_num_drafts=scheduler.stats.num_spec_drafts,
+            spec_num_draft_tokens=scheduler.stats.num_spec_draft_tokens,
+            spec_num_accepted_tokens=scheduler.stats.num_spec_accepted_tokens,
+            spec_accepted_per_position=tuple(scheduler.stats.spec_accepted_per_position),
         )
 
     def _fail_all(self, error: EngineDeadError) -> None:

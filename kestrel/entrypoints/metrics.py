@@ -60,11 +60,21 @@ class _EngineCollector(Collector):
             ("num_preemptions", "Sequences preempted (to be recomputed).", stats.num_preemptions),
             ("prompt_tokens", "Prompt tokens received.", stats.num_prompt_tokens),
             ("generation_tokens", "Tokens generated.", stats.num_generation_tokens),
+            ("spec_decode_num_drafts", "Speculative verify steps (one per request and step).",
+             stats.spec_num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified.", stats.spec_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens),
         )
         for name, doc, value in counters:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
             counter.add_metric(self._labels, value)
             yield counter
+        per_position = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                           "Draft tokens accepted, by position in the draft.",
+                                           labels=[*LABELS, "position"])
+        for position, accepted in enumerate(stats.spec_accepted_per_position):
+            per_position.add_metric([*self._labels, str(position)], accepted)
+        yield per_position
         iterations = HistogramMetricFamily(PREFIX + "iteration_tokens_total", "Tokens run through the model per "
                                            "engine step.", labels=LABELS)
         buckets = [(str(float(b)), c) for b, c in zip(ITERATION_TOKEN_BUCKETS, stats.iteration_buckets)]

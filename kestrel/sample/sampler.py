@@ -265,16 +265,21 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
-        logits = apply_logit_bias(logits, meta)
-        logits = apply_allowed_tokens(logits, meta)
-        logits = apply_bad_words(logits, meta)
-        logits = apply_penalties(logits, meta)
-        logits = apply_min_tokens(logits, meta)
-        sampled = self._sample(logits, meta)
+        sampled = self._sample(self.transform(logits, meta), meta)
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None)
         ids, lps = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled, ids, lps, token_ranks(raw_logprobs, lps[:, 0]))
+
+    @staticmethod
+    def transform(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The logits every row samples from (greedy too): bias, allowed and banned tokens, penalties,
+        min_tokens."""
+        logits = apply_logit_bias(logits, meta)
+        logits = apply_allowed_tokens(logits, meta)
+        logits = apply_bad_words(logits, meta)
+        logits = apply_penalties(logits, meta)
+        return apply_min_tokens(logits, meta)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         greedy = None if meta.all_random else logits.argmax(dim=-1)

@@ -8,7 +8,7 @@ persistent host copy that changes only when a request gets a new block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,8 @@ class CachedRequestState:
     # of the latest one in the runner's `last_sampled` device tensor.
     num_pending: int = 0
     pending_row: int = -1
+    # Speculative decoding: the draft tokens this step verifies, appended to `token_ids` until it is collected.
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from kestrel.sample.sampler import (
     to_logprob_dicts,
     token_ranks,
 )
+from kestrel.sample.spec_verify import VerifyOutput, verify
 from kestrel.worker.cuda_graph import DecodeGraphRunner
 from kestrel.worker.input_batch import BlockTable, CachedRequestState, build_model_inputs
 from kestrel.worker.kv_cache import (
@@ -235,6 +237,10 @@ class ModelRunner:
                 state.block_ids.extend(cached.new_block_ids)
                 self.block_table.append(state.block_table_row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        for req_id, drafts in out.scheduled_spec_decode_tokens.items():
+            state = self.requests[req_id]
+            state.drafts = list(drafts)
+            state.token_ids.extend(drafts)  # the step's inputs; replaced by the accepted tokens on collect
 
     # ----- the step -----------------------------------------------------------------------------
 
@@ -275,7 +281,15 @@ class ModelRunner:
             return ForwardStep(req_ids, [], [], None, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         rows = [states[i] for i in inputs.sampled_rows]
-        return ForwardStep(req_ids, inputs.sampled_rows, rows, logits, prompt_logprobs)
+        spec_logits = None
+        if any(state.drafts for state in rows):
+            # A verifying row also scores the positions of its drafts: the k before its last.
+            ends = list(itertools.accumulate(counts))
+            positions = [p for i in inputs.sampled_rows if states[i].drafts
+                         for p in range(ends[i] - 1 - len(states[i].drafts), ends[i] - 1)]
+            index = torch.tensor(positions, dtype=torch.long, device=self.device)
+            spec_logits = self.model.compute_logits(hidden[index])
+        return ForwardStep(req_ids, inputs.sampled_rows, rows, logits, prompt_logprobs, spec_logits)
 
     @torch.inference_mode()
     def sample(self, step: ForwardStep, grammar: GrammarBitmask | None = None) -> LaunchedStep:
@@ -283,6 +297,8 @@ class ModelRunner:
         top-p/top-k and logprobs all see the masked distribution)."""
         if step.logits is None:
             return LaunchedStep(step.req_ids, [], [], None, None, None, step.prompt_logprobs)
+        if step.spec_logits is not None:
+            return self._sample_with_drafts(step, grammar)
         logits, rows = step.logits, step.rows
         if grammar is not None and grammar.req_ids:
             position = {state.req_id: i for i, state in enumerate(rows)}
@@ -315,6 +331,33 @@ class ModelRunner:
         self._last_sampled = sampled
         return LaunchedStep(step.req_ids, step.sampled_rows, rows, result, host, event, step.prompt_logprobs)
 
+    def _sample_with_drafts(self, step: ForwardStep, grammar: GrammarBitmask | None) -> LaunchedStep:
+        """A step with verifying rows: the others sample as usual, the verifying ones check their drafts
+        (speculative decoding runs synchronously, so nothing reads `last_sampled`)."""
+        plain = [i for i, state in enumerate(step.rows) if not state.drafts]
+        verifying = [i for i, state in enumerate(step.rows) if state.drafts]
+        launched = self.sample(ForwardStep(step.req_ids, [step.sampled_rows[i] for i in plain],
+                                           [step.rows[i] for i in plain],
+                                           step.logits[plain] if plain else None, step.prompt_logprobs), grammar)
+        states = [step.rows[i] for i in verifying]
+        pieces, offset = [], 0
+        for i, state in zip(verifying, states):
+            k = len(state.drafts)
+            pieces += [step.spec_logits[offset: offset + k], step.logits[i: i + 1]]
+            offset += k
+        repeat = [s for s in states for _ in range(len(s.drafts) + 1)]
+        meta = SamplingMetadata.build([s.sampling_params for s in repeat], _TokenLists(repeat, prompt=True),
+                                      _TokenLists(repeat, prompt=False), [s.generator for s in repeat],
+                                      self.eos_token_ids, step.logits.shape[-1], self.device)
+        draft_ids = torch.tensor([t for s in states for t in (*s.drafts, -1)], dtype=torch.long)
+        verified = verify(torch.cat(pieces), meta, _to_device(draft_ids, self.device),
+                          [len(s.drafts) for s in states], self.sampler)
+        for state in states:
+            state.num_pending += 1
+        launched.spec = SpecStep([step.sampled_rows[i] for i in verifying], states, verified)
+        self._last_sampled = None
+        return launched
+
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's sampled ids (the step's one host synchronization) and record them."""
         sampled: list[list[int]] = [[] for _ in step.req_ids]
@@ -329,6 +372,19 @@ class ModelRunner:
                 state.token_ids.append(token_id)
                 sampled[row] = [token_id]
                 logprobs[row] = None if lp is None else [lp]
+        if step.spec is not None:
+            accepted = step.spec.verified.num_accepted.tolist()
+            emitted = step.spec.verified.tokens.tolist()
+            offset = 0
+            for row, state, num_accepted in zip(step.spec.batch_rows, step.spec.states, accepted):
+                k = len(state.drafts)
+                tokens = state.drafts[:num_accepted] + [emitted[offset + num_accepted]]
+                offset += k + 1
+                del state.token_ids[len(state.token_ids) - k:]
+                state.token_ids.extend(tokens)
+                state.drafts = []
+                state.num_pending -= 1
+                sampled[row] = tokens
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs)
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], query_start_loc: torch.Tensor,
@@ -371,6 +427,17 @@ class ForwardStep:
     rows: list[CachedRequestState]
     logits: torch.Tensor | None  # [len(rows), vocab]; None when no row samples
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]]
+    # The positions of the verifying rows' drafts, k per such row in row order; None without drafts.
+    spec_logits: torch.Tensor | None = None
+
+
+@dataclass
+class SpecStep:
+    """The verifying rows of a launched step."""
+
+    batch_rows: list[int]
+    states: list[CachedRequestState]
+    verified: VerifyOutput
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -390,6 +457,7 @@ class LaunchedStep:
     host_token_ids: torch.Tensor | None  # pinned host copy of the sampled ids (the device tensor on the CPU)
     event: torch.cuda.Event | None  # recorded after that copy on CUDA
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]]
+    spec: SpecStep | None = None
 
 
 class _TokenLists(Sequence[list[int]]):

@@ -1,0 +1,100 @@
+"""Speculative decoding (n-gram proposals) is lossless: greedy outputs equal decoding without it (random models
+and kestrel-tiny, float32, under chunked prefill and preemption), and rejection sampling leaves the target
+distribution as it is (a chi-square test over many seeded draws on a small vocabulary)."""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from kestrel import SamplingParams
+from kestrel.loader.model_init import write_tiny_checkpoint
+from kestrel.sample.sampler import Sampler, SamplingMetadata
+from kestrel.sample.spec_verify import verify
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+REPETITIVE = ["def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
+              "import os\nimport sys\nimport os\nimport sys\nimport os\n", "x = [1, 2, 3, 1, 2, 3, 1, 2"]
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec-random")
+    write_tiny_checkpoint(str(path), arch="llama", seed=11)
+    return str(path)
+
+
+def greedy(llm, prompts, max_tokens=48):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("which", ["kestrel-tiny", "random"])
+def test_greedy_outputs_are_identical_with_and_without_speculation(random_model, which):
+    from kestrel import LLM
+
+    model = None if which == "kestrel-tiny" else random_model
+    # Random weights repeat themselves under greedy decoding too, so n-grams find proposals on both.
+    prompts = REPETITIVE + ["class Stack:\n    def push(self, item):\n"]
+    plain = greedy(LLM(model, dtype="float32", max_model_len=256), prompts)
+    spec = LLM(model, dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    assert greedy(spec, prompts) == plain
+    stats = spec.stats
+    assert stats.num_spec_draft_tokens > 0 and 0 < stats.num_spec_accepted_tokens <= stats.num_spec_draft_tokens
+    assert not spec.engine.has_unfinished_requests()
+
+
+def test_lossless_under_chunked_prefill_preemption_and_async_scheduling():
+    from kestrel import LLM
+
+    prompts = REPETITIVE * 2
+    plain = greedy(LLM(dtype="float32", max_model_len=128), prompts, max_tokens=40)
+    # A tiny KV cache and token budget: prompts are chunked and requests preempted while they speculate.
+    spec = LLM(dtype="float32", max_model_len=128, kv_cache_blocks=12, max_num_batched_tokens=16, max_num_seqs=6,
+               async_scheduling=True, speculative_config=NGRAM)
+    assert greedy(spec, prompts, max_tokens=40) == plain
+    assert spec.stats.num_preemptions > 0 and spec.stats.num_spec_accepted_tokens > 0
+    assert spec.engine.scheduler.kv.pool.num_free_blocks == 12
+
+
+def test_seeded_sampling_is_reproducible_and_stops_where_it_should():
+    from kestrel import LLM
+
+    spec = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=40, stop=["\n\n\n"])
+    first = spec.generate(REPETITIVE, params, use_tqdm=False)
+    again = spec.generate(REPETITIVE, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    capped = spec.generate(REPETITIVE[0], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert len(capped.token_ids) == 7  # drafts never run past max_tokens
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    vocab, trials = 8, 6000
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, vocab, generator=g) * 1.5  # positions 0..2 of one request with two drafts
+    drafts = [2, 5]
+    temperature = 0.9
+    params = SamplingParams(temperature=temperature, top_k=6)
+    first, second_after_draft = np.zeros(vocab), np.zeros(vocab)
+    for trial in range(trials):
+        gen = torch.Generator().manual_seed(trial)
+        meta = SamplingMetadata.build([params] * 3, [[]] * 3, [[]] * 3, [gen] * 3, frozenset(), vocab, "cpu")
+        out = verify(logits.clone(), meta, torch.tensor([*drafts, -1]), [2], Sampler())
+        accepted = int(out.num_accepted[0])
+        tokens = drafts[:accepted] + [int(out.tokens[accepted])]
+        first[tokens[0]] += 1
+        if tokens[0] == drafts[0]:
+            second_after_draft[tokens[1]] += 1
+
+    def target(row):
+        kept = logits[row] / temperature
+        kth = kept.topk(6).values[-1]
+        return torch.softmax(kept.masked_fill(kept < kth, float("-inf")), dim=-1).double().numpy()
+
+    for counts, p in ((first, target(0)), (second_after_draft, target(1))):
+        support = p > 0
+        assert counts[~support].sum() == 0  # nothing outside top-k
+        expected = p[support] / p[support].sum() * counts.sum()
+        assert chisquare(counts[support], expected).pvalue > 1e-3, (counts, expected)
