@@ -100,7 +100,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     llm = LLM(args.model, **_engine_kwargs(args))
     loaded = time.perf_counter()
-    if args.debug_launch_count:
+    if llm.config.debug_launch_count:
         print(f"[launches per decoder layer (decode step): {llm.runner.launches_per_layer}]", file=sys.stderr)
     outputs = llm.generate(prompts, params)
     done = time.perf_counter()

@@ -17,3 +17,10 @@ def test_config_error_is_a_message(capsys, tmp_path):
     assert cli.main(["generate", "--model", str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert "no such directory" in err and "Traceback" not in err
+
+
+def test_generate_runs_with_the_engine_flags_left_out(capsys):
+    # The bundled model, no engine flag given (each keeps its config default), speculative decoding on.
+    assert cli.main(["generate", "--prompt", "import os\nimport sys\nimport os\nimport", "--max-tokens", "4",
+                     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']) == 0
+    assert "[finish_reason=length, tokens=4]" in capsys.readouterr().out
