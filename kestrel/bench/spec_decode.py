@@ -1,0 +1,196 @@
+"""`kestrel bench spec-decode`: what speculative decoding buys at batch 1, and what verification costs.
+
+Part 1, n-gram on kestrel-tiny: code-completion prompts cut from the held-out corpus (the first `--prompt-len`
+tokens of each file) decode `--output-len` greedy tokens one request at a time, without speculation and with
+n-gram proposals of k = each of `--k`; reported per k: output tokens/s, the speedup, the mean accepted length
+(tokens per verify step, the sampled one included), the acceptance rate and the acceptance by draft position.
+Greedy outputs are compared with the run without speculation (they must be equal).
+
+Part 2, verification cost on the Llama-3-8B architecture (random weights): at batch 1 with a 512-token context,
+the time of a decode step that verifies k drafts (a (k + 1)-token forward, drafts fixed and mostly rejected)
+against a one-token step, for k = 1..8; speculation pays when the accepted length exceeds that ratio.
+
+`--smoke` runs a tiny random model on the CPU: a check of the script, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kestrel.bench import common, register_suite, standalone_main
+from kestrel.bench.latency import int_list
+from kestrel.sampling_params import SamplingParams
+from kestrel.tiny import corpus, default_model_path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    common.add_model_arguments(p)
+    p.add_argument("--k", default="1,2,4,6", help="comma-separated numbers of speculative tokens (part 1)")
+    p.add_argument("--prompts", type=int, default=8, help="held-out files to complete (part 1)")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--verify-k", default="1,2,3,4,5,6,7,8", help="draft counts of the cost sweep (part 2)")
+    p.add_argument("--skip-verify-sweep", action="store_true")
+    common.add_report_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.smoke:
+        args.k, args.prompts, args.prompt_len, args.output_len, args.verify_k = "2", 2, 48, 12, "1,2"
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    result: dict[str, Any] = {"suite": "spec-decode", "environment": common.environment(device),
+                              "config": {"k": int_list(args.k), "prompts": args.prompts, "prompt_len": args.prompt_len,
+                                         "output_len": args.output_len, "smoke": args.smoke},
+                              "ngram": [], "verify_cost": [], "complete": False}
+    ngram_part(args, device, result)
+    common.write_result(result, args.result_file, quiet=True)
+    if not args.skip_verify_sweep:
+        verify_part(args, device, result)
+    result["complete"] = True
+    common.report(result, summary(result), args.result_file, plot)
+    return 0
+
+
+def _prompts(tokenizer: Any, count: int, length: int) -> list[list[int]]:
+    files = corpus.select_evenly(corpus.eval_files(), count * 3)
+    prompts = []
+    for text in corpus.texts(files):
+        ids = tokenizer(text).input_ids
+        if len(ids) >= length:
+            prompts.append(ids[:length])
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def ngram_part(args: argparse.Namespace, device: torch.device, result: dict[str, Any]) -> None:
+    from kestrel import LLM
+
+    model = str(default_model_path())
+    dtype = "float32" if device.type == "cpu" else "bfloat16"
+    base_args = {"dtype": dtype, "max_model_len": args.prompt_len + args.output_len + 8, "device": device.type,
+                 "enable_prefix_caching": False}
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    baseline_llm = LLM(model, **base_args)
+    prompts = _prompts(baseline_llm.tokenizer, args.prompts, args.prompt_len)
+    baseline, baseline_s = _decode_each(baseline_llm, prompts, params)
+    del baseline_llm
+    base_tps = len(prompts) * args.output_len / baseline_s
+    result["ngram_baseline_tok_s"] = base_tps
+    for k in int_list(args.k):
+        llm = LLM(model, **base_args, speculative_config={"method": "ngram", "num_speculative_tokens": k})
+        outputs, seconds = _decode_each(llm, prompts, params)
+        stats = llm.stats
+        steps = stats.num_spec_drafts
+        tps = len(prompts) * args.output_len / seconds
+        row = {"k": k, "tok_s": tps, "speedup": tps / base_tps,
+               "mean_accepted_length": (stats.num_spec_accepted_tokens + steps) / steps if steps else 1.0,
+               "acceptance_rate": stats.num_spec_accepted_tokens / max(stats.num_spec_draft_tokens, 1),
+               "accepted_per_position": [a / steps for a in stats.spec_accepted_per_position] if steps else [],
+               "verify_steps": steps, "identical_to_baseline": outputs == baseline}
+        result["ngram"].append(row)
+        common.log(f"ngram k={k}: {row}")
+        del llm
+        common.release(None)
+
+
+def _decode_each(llm: Any, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float]:
+    """Batch 1: each prompt alone (after one warm-up), timed end to end."""
+    llm.generate([{"prompt_token_ids": prompts[0]}], params.replace(max_tokens=8), use_tqdm=False)
+    outputs, seconds = [], 0.0
+    for prompt in prompts:
+        common.synchronize(llm.runner.device)
+        started = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        common.synchronize(llm.runner.device)
+        seconds += time.perf_counter() - started
+        outputs.append(out.outputs[0].token_ids)
+    return outputs, seconds
+
+
+def verify_part(args: argparse.Namespace, device: torch.device, result: dict[str, Any]) -> None:
+    """Steps with k fixed drafts vs plain decode steps, on the --arch model."""
+    model_dir, load_format = common.prepare_model(args.model, args.arch, args.smoke, args.weights_dir, False, device)
+    context = 512 if not args.smoke else 32
+    ks = int_list(args.verify_k)
+    engine = common.build_engine(
+        model_dir, dtype=args.dtype if device.type == "cuda" else "float32", device=device.type,
+        load_format=load_format, max_num_seqs=1, max_model_len=context + 64 + max(ks) + 2, enable_prefix_caching=False,
+        speculative_config={"method": "ngram", "num_speculative_tokens": max(ks)})
+    core = engine.core
+    vocab = common.prompt_vocab(model_dir)
+    prompt = torch.randint(1, vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    times: dict[int, float] = {}
+    for k in [0, *ks]:
+        fixed = [3] * k
+
+        def propose(drafts: list[int] = fixed) -> None:  # a fixed proposal (random weights reject it)
+            for request in core.scheduler.running:
+                request.spec_token_ids = list(drafts)
+
+        core._propose_drafts = propose  # the bench's own proposer: fixed drafts of length k
+        core.add_request(f"verify-{k}", prompt, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+        core.step()  # the prompt's step
+        steps = []
+        before = time.perf_counter()
+        while core.has_unfinished_requests():
+            core.step()
+            after = time.perf_counter()
+            steps.append(after - before)
+            before = after
+        times[k] = statistics.median(steps)
+    for k in ks:
+        result["verify_cost"].append({"k": k, "step_ms": 1e3 * times[k], "plain_step_ms": 1e3 * times[0],
+                                      "ratio": times[k] / times[0]})
+    common.release(engine)
+
+
+def summary(result: dict[str, Any]) -> str:
+    lines = [f"n-gram on kestrel-tiny, batch 1: baseline {result.get('ngram_baseline_tok_s', 0):.1f} tok/s"]
+    for r in result["ngram"]:
+        lines.append(f"  k={r['k']}: {r['tok_s']:.1f} tok/s ({r['speedup']:.2f}x), mean accepted length "
+                     f"{r['mean_accepted_length']:.2f}, acceptance {100 * r['acceptance_rate']:.0f}%, identical "
+                     f"{r['identical_to_baseline']}")
+    for r in result["verify_cost"]:
+        lines.append(f"  verify k={r['k']}: {r['step_ms']:.2f} ms vs {r['plain_step_ms']:.2f} ms ({r['ratio']:.2f}x)")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    plt = common.pyplot()
+    if plt is None:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    ks = [r["k"] for r in result["ngram"]]
+    left.plot(ks, [r["speedup"] for r in result["ngram"]], "o-", label="speedup (tok/s)")
+    left.plot(ks, [r["mean_accepted_length"] for r in result["ngram"]], "s--", label="mean accepted length")
+    left.axhline(1.0, color="gray", lw=0.5)
+    left.set_xlabel("num_speculative_tokens")
+    left.set_title("n-gram, kestrel-tiny, batch 1", fontsize=9)
+    left.legend(fontsize=8)
+    if result["verify_cost"]:
+        right.plot([r["k"] for r in result["verify_cost"]], [r["ratio"] for r in result["verify_cost"]], "o-")
+        right.set_xlabel("drafts verified (k)")
+        right.set_ylabel("step time / one-token step")
+        right.set_title("verification cost, Llama-3-8B shape, batch 1", fontsize=9)
+    return common.save_figure(plt, fig, path)
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    return register_suite(subparsers, "spec-decode", "speculative decoding: speedup, acceptance, verify cost",
+                          add_arguments, run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return standalone_main("spec-decode", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
