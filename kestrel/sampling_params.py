@@ -155,6 +155,12 @@ class SamplingParams:
             bad("bad_words_token_ids", "a list of non-empty token id lists")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "a StructuredOutputsParams")
+        if self.structured_outputs is not None:
+            # Each could leave no token the grammar allows (min_tokens bans the EOS a finished grammar needs).
+            for name, unset in (("min_tokens", 0), ("allowed_token_ids", None), ("bad_words", None)):
+                if getattr(self, name) not in (unset, [], ()):
+                    bad(name, f"{unset!r} with structured_outputs (the grammar decides which tokens may "
+                        "come, and when the output ends)")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"one of {list(OUTPUT_KINDS)}")
 

@@ -8,6 +8,7 @@ and gathered back into one RequestOutput.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,15 +48,16 @@ class _ParentRequest:
         return all(seq.status.finished for seq in self.sequences)
 
 
+logger = logging.getLogger(__name__)
+
 _NOTHING_PLACED = ("the scheduler could not place any request; the KV cache is too small for the waiting "
                    "prompts")
 
 
 def _speculates(params: SamplingParams) -> bool:
-    """Requests whose sampling the draft verification covers: temperature, top-k/top-p/min-p, logit_bias and
-    allowed_token_ids apply to every verified position alike; history-dependent settings do not (yet)."""
-    return not (params.has_penalties or params.min_tokens > 0 or params.logprobs is not None
-                or params.prompt_logprobs is not None or params.bad_words_token_ids
+    """Requests whose sampling the draft verification covers: every sampling setting, penalties, min_tokens and
+    bad words included (each verified position sees the drafts before it); not yet logprobs or a grammar."""
+    return not (params.logprobs is not None or params.prompt_logprobs is not None
                 or params.structured_outputs is not None)
 
 
@@ -309,7 +311,8 @@ class EngineCore:
         """N-gram proposals for the running requests that decode this step (verified in it)."""
         spec = self.config.speculative
         for request in self.scheduler.running:
-            if not request.num_pending_tokens and _speculates(request.sampling_params):
+            decoding = request.num_computed_tokens == request.num_tokens - 1
+            if decoding and not request.num_pending_tokens and _speculates(request.sampling_params):
                 request.spec_token_ids = propose(request.all_token_ids, spec.num_speculative_tokens,
                                                  spec.prompt_lookup_min, spec.prompt_lookup_max)
 
@@ -340,6 +343,8 @@ class EngineCore:
             if not params.final_only or params.stop or request.is_finished:
                 self._detokenize(sequence)
             sequence.status = request.status
+            if request.is_finished and params.structured_outputs is not None and self.structured is not None:
+                self.structured.remove(request.request_id)  # a stop string may have ended it just now
             if request.is_finished:
                 sequence.finished_time = now
                 self._sequence_parent.pop(request.request_id, None)
@@ -367,6 +372,11 @@ class EngineCore:
         for sequence in sequences:
             request = sequence.request
             sequence.num_grammar_tokens += accepted[request.request_id]
+            if sequence.num_grammar_tokens < request.num_output_tokens and not request.is_finished:
+                # A token outside the grammar (its mask applies to every sampled token, so this is a bug).
+                logger.warning("request %s: token %d is outside its grammar; the request ends here",
+                               request.request_id, request.output_token_ids[sequence.num_grammar_tokens])
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             if not request.is_finished and self.structured.is_terminated(request.request_id):
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             if request.is_finished:

@@ -115,8 +115,11 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts_to_verify(request, num_new, budget)
+            block_ids = self.kv.allocate(request, num_new + len(drafts))
+            if block_ids is None and drafts:
+                drafts = []  # the drafts are optional: never preempt for them
+                block_ids = self.kv.allocate(request, num_new)
             num_new += len(drafts)
-            block_ids = self.kv.allocate(request, num_new)
             while block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)

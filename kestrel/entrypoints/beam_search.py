@@ -84,8 +84,10 @@ class BeamSearch:
         self.rounds += 1
         extended.sort(key=lambda b: b.cum_logprob, reverse=True)
         self.live = extended[:width]
-        self.complete.sort(key=lambda b: b.cum_logprob, reverse=True)
-        del self.complete[width:]  # a complete beam outside the best beam_width can never be returned
+        # Complete beams rank by their final score, so the best beam_width of them by it are all that can win.
+        self.complete.sort(key=lambda b: beam_score(b, self.eos_token_ids, self.params.length_penalty),
+                           reverse=True)
+        del self.complete[width:]
 
     def result(self) -> BeamSearchOutput:
         for beam in self.live:

@@ -347,7 +347,7 @@ class ModelRunner:
             offset += k
         repeat = [s for s in states for _ in range(len(s.drafts) + 1)]
         meta = SamplingMetadata.build([s.sampling_params for s in repeat], _TokenLists(repeat, prompt=True),
-                                      _TokenLists(repeat, prompt=False), [s.generator for s in repeat],
+                                      _DraftOutputs(states), [s.generator for s in repeat],
                                       self.eos_token_ids, step.logits.shape[-1], self.device)
         draft_ids = torch.tensor([t for s in states for t in (*s.drafts, -1)], dtype=torch.long)
         verified = verify(torch.cat(pieces), meta, _to_device(draft_ids, self.device),
@@ -458,6 +458,25 @@ class LaunchedStep:
     event: torch.cuda.Event | None  # recorded after that copy on CUDA
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]]
     spec: SpecStep | None = None
+
+
+class _DraftOutputs(Sequence[list[int]]):
+    """The output token ids before each verified position: position j of a request with k drafts follows its
+    output before the drafts plus drafts 1..j, so penalties, min_tokens and bad words see what would precede
+    that token without speculation. Sliced only when the sampler asks for a row."""
+
+    def __init__(self, states: list[CachedRequestState]) -> None:
+        self.rows = [(state, j) for state in states for j in range(len(state.drafts) + 1)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, row):  # type: ignore[override]
+        if isinstance(row, slice):
+            return [self[i] for i in range(*row.indices(len(self)))]
+        state, j = self.rows[row]
+        output = state.output_token_ids  # the drafts are at its end while the step runs
+        return output[: len(output) - len(state.drafts) + j]
 
 
 class _TokenLists(Sequence[list[int]]):

@@ -109,3 +109,21 @@ def test_a_beam_that_ends_in_eos_is_complete_and_scored_without_it():
     ranked = search.result().sequences
     assert [b.tokens for b in ranked] == [[1, 2, eos], [1, 2, 5, 7, 7]]
     assert [b.finish_reason for b in ranked] == ["stop", "length"]
+
+
+def test_complete_beams_are_kept_by_their_length_penalized_score():
+    from kestrel.entrypoints.beam_search import BeamSearch
+    from kestrel.outputs import Logprob
+
+    eos = 9
+    prompt = list(range(1, 9))  # 8 prompt tokens
+    search = BeamSearch(prompt, BeamSearchParams(beam_width=1, max_tokens=3), frozenset({eos}), max_model_len=64)
+    search.advance([{eos: Logprob(-1.0), 5: Logprob(-0.1)}])  # short: -1.0 over 8 tokens = -0.125
+    search.advance([{eos: Logprob(-1.1)}])  # longer: -1.2 over 9 tokens = -0.133, so the short one wins
+    best = search.result().sequences[0]
+    assert best.tokens == prompt + [eos]
+    search = BeamSearch(prompt, BeamSearchParams(beam_width=1, max_tokens=3), frozenset({eos}), max_model_len=64)
+    search.advance([{eos: Logprob(-1.0), 5: Logprob(-0.1)}])
+    search.advance([{eos: Logprob(-0.98)}])  # -1.08 over 9 tokens = -0.12 beats -0.125: it must survive
+    best = search.result().sequences[0]
+    assert best.tokens == prompt + [5, eos]

@@ -98,3 +98,17 @@ def test_rejection_sampling_keeps_the_target_distribution():
         assert counts[~support].sum() == 0  # nothing outside top-k
         expected = p[support] / p[support].sum() * counts.sum()
         assert chisquare(counts[support], expected).pvalue > 1e-3, (counts, expected)
+
+
+@pytest.mark.parametrize("settings", [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.5),
+                                      dict(min_tokens=20), dict(bad_words=["add"])],
+                         ids=["repetition", "presence-frequency", "min_tokens", "bad_words"])
+def test_history_dependent_settings_stay_lossless(settings):
+    from kestrel import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=40, **settings)
+    plain = LLM(dtype="float32", max_model_len=256)
+    spec = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    expected = [o.outputs[0].token_ids for o in plain.generate(REPETITIVE, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(REPETITIVE, params, use_tqdm=False)] == expected
+    assert spec.stats.num_spec_draft_tokens > 0

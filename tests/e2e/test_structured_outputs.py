@@ -134,3 +134,18 @@ def test_constrained_logprobs_are_a_float64_masked_log_softmax():
             assert keep[token] and lp.logprob == pytest.approx(ref[token], abs=1e-5)
         if row == 3:  # greedy over the allowed tokens
             assert sampled == int(np.argmax(ref))
+
+
+def test_settings_that_could_empty_the_grammar_mask_are_refused():
+    for name, value in (("min_tokens", 3), ("allowed_token_ids", [5]), ("bad_words", ["x"])):
+        with pytest.raises(SamplingParamsError) as refused:
+            SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]), **{name: value})
+        assert refused.value.param == name
+
+
+def test_a_stop_string_ending_a_constrained_request_releases_its_matcher(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=40, stop=['"'],
+                            structured_outputs=StructuredOutputsParams(json=PERSON))
+    out = llm.generate("x", params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == '"'
+    assert not llm.engine.structured._matchers
