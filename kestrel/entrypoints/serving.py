@@ -293,7 +293,9 @@ class OpenAIServing:
         if beam is not None:
             return await _until_disconnect(raw, self._beam_chat(request, beam, token_ids))
         structured_param = request.structured_outputs_field
-        if mode in ("required", "named") and prompt.assistant_prefix:
+        # A forced call is grammar-constrained wherever the engine has a grammar backend (every engine built by
+        # build_engine); without one (a test double), the call's opening in the prompt and the parser remain.
+        if mode in ("required", "named") and prompt.assistant_prefix and self.engine.core.structured is not None:
             if params.structured_outputs is not None:
                 raise InvalidRequestError(structured_param, f"tool_choice {request.tool_choice!r} constrains the "
                                           f"answer to a tool call; {structured_param} cannot constrain it too")
