@@ -71,23 +71,22 @@ def _prompts(tokenizer: Any, count: int, length: int) -> list[list[int]]:
 
 
 def ngram_part(args: argparse.Namespace, device: torch.device, result: dict[str, Any]) -> None:
-    from kestrel import LLM
-
     model = str(default_model_path())
-    dtype = "float32" if device.type == "cpu" else "bfloat16"
-    base_args = {"dtype": dtype, "max_model_len": args.prompt_len + args.output_len + 8, "device": device.type,
-                 "enable_prefix_caching": False}
+    engine_args = {"dtype": "float32" if device.type == "cpu" else "bfloat16", "device": device.type,
+                   "max_model_len": args.prompt_len + args.output_len + 8, "enable_prefix_caching": False,
+                   "max_num_seqs": 1}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    baseline_llm = LLM(model, **base_args)
-    prompts = _prompts(baseline_llm.tokenizer, args.prompts, args.prompt_len)
-    baseline, baseline_s = _decode_each(baseline_llm, prompts, params)
-    del baseline_llm
+    engine = common.build_engine(model, **engine_args)
+    prompts = _prompts(engine.core.tokenizer, args.prompts, args.prompt_len)
+    baseline, baseline_s = _decode_each(engine, prompts, params)
+    common.release(engine)
     base_tps = len(prompts) * args.output_len / baseline_s
     result["ngram_baseline_tok_s"] = base_tps
     for k in int_list(args.k):
-        llm = LLM(model, **base_args, speculative_config={"method": "ngram", "num_speculative_tokens": k})
-        outputs, seconds = _decode_each(llm, prompts, params)
-        stats = llm.stats
+        engine = common.build_engine(model, **engine_args,
+                                     speculative_config={"method": "ngram", "num_speculative_tokens": k})
+        outputs, seconds = _decode_each(engine, prompts, params)
+        stats = engine.core.scheduler.stats
         steps = stats.num_spec_drafts
         tps = len(prompts) * args.output_len / seconds
         row = {"k": k, "tok_s": tps, "speedup": tps / base_tps,
@@ -97,22 +96,32 @@ def ngram_part(args: argparse.Namespace, device: torch.device, result: dict[str,
                "verify_steps": steps, "identical_to_baseline": outputs == baseline}
         result["ngram"].append(row)
         common.log(f"ngram k={k}: {row}")
-        del llm
-        common.release(None)
+        common.release(engine)
 
 
-def _decode_each(llm: Any, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float]:
+def _decode_each(engine: common.Engine, prompts: list[list[int]],
+                 params: SamplingParams) -> tuple[list[list[int]], float]:
     """Batch 1: each prompt alone (after one warm-up), timed end to end."""
-    llm.generate([{"prompt_token_ids": prompts[0]}], params.replace(max_tokens=8), use_tqdm=False)
+    _generate(engine, prompts[0], params.replace(max_tokens=8), "warm-up")
     outputs, seconds = [], 0.0
-    for prompt in prompts:
-        common.synchronize(llm.runner.device)
+    for i, prompt in enumerate(prompts):
+        common.synchronize(engine.runner.device)
         started = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-        common.synchronize(llm.runner.device)
+        outputs.append(_generate(engine, prompt, params, f"p{i}"))
+        common.synchronize(engine.runner.device)
         seconds += time.perf_counter() - started
-        outputs.append(out.outputs[0].token_ids)
     return outputs, seconds
+
+
+def _generate(engine: common.Engine, prompt: list[int], params: SamplingParams, request_id: str) -> list[int]:
+    core = engine.core
+    core.add_request(request_id, prompt, params)
+    tokens: list[int] = []
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                tokens = out.outputs[0].token_ids
+    return tokens
 
 
 def verify_part(args: argparse.Namespace, device: torch.device, result: dict[str, Any]) -> None:
