@@ -1,6 +1,6 @@
 """Start `kestrel serve` on a model, send one chat request through the `openai` client, print the answer, stop.
 
-    python scripts/demo_chat.py [--model DIR] [--message "Hello!"]
+    python scripts/demo_chat.py [--model DIR] [--message "What does `json.dumps` do?"]
 
 Without --model, `kestrel serve` picks its default model.
 """
@@ -44,8 +44,9 @@ def wait_until_healthy(base_url: str, server: subprocess.Popen, timeout_s: float
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the server's default model)")
-    parser.add_argument("--message", default="Write a function that reverses a string.")
-    parser.add_argument("--max-tokens", type=int, default=24)
+    # kestrel-tiny's chat fine-tune answers questions about the stdlib (docs/kestrel-tiny.md, "Chat fine-tune").
+    parser.add_argument("--message", default="What does `os.path.join` do?")
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the server to start")
     args = parser.parse_args()
 

@@ -122,7 +122,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **_engine_kwargs(args))
     params = _sampling_params(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    turns = [args.message] if args.message else None
+    turns = list(args.message) if args.message else None  # --message is repeatable: one turn each
     while True:
         if turns is not None:
             if not turns:

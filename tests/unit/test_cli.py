@@ -24,3 +24,10 @@ def test_generate_runs_with_the_engine_flags_left_out(capsys):
     assert cli.main(["generate", "--prompt", "import os\nimport sys\nimport os\nimport", "--max-tokens", "4",
                      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']) == 0
     assert "[finish_reason=length, tokens=4]" in capsys.readouterr().out
+
+
+def test_chat_sends_each_message_as_one_turn(capsys):
+    assert cli.main(["chat", "--message", "What does `os.path.join` do?", "--message", "And `os.getcwd`?",
+                     "--max-tokens", "24", "--temperature", "0"]) == 0
+    replies = [line for line in capsys.readouterr().out.splitlines() if line.startswith("assistant> ")]
+    assert len(replies) == 2 and "os.path.join" in replies[0]  # the chat fine-tune names what it explains
