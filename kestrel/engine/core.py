@@ -64,7 +64,7 @@ def _speculates(params: SamplingParams) -> bool:
 def _needs_latest_tokens(params: SamplingParams) -> bool:
     """Sampling that reads the request's tokens on the host each step cannot lag one step behind."""
     return (params.has_penalties or params.min_tokens > 0 or params.prompt_logprobs is not None
-            or bool(params.bad_words_token_ids) or params.structured_outputs is not None)
+            or bool(params.bad_words_token_ids))
 
 
 class EngineCore:
@@ -101,6 +101,7 @@ class EngineCore:
             raise ConfigError(f"invalid async_scheduling=True: the runner {type(runner).__name__} cannot launch a "
                               "step without waiting for it; use async_scheduling=False")
         self._pending: tuple[SchedulerOutput, Any] | None = None  # the launched step not yet collected
+        self._can_split = hasattr(runner, "forward") and hasattr(runner, "sample") and can_launch
         # Live requests whose sampling reads their latest tokens on the host (usually none): kept here so a
         # step need not scan every request; finished ones are dropped lazily by `_needs_sync`.
         self._sync_request_ids: set[str] = set()
@@ -136,7 +137,11 @@ class EngineCore:
         self._parents[request_id] = parent
         for sequence in parent.sequences:
             self.scheduler.add_request(sequence.request)
-            if _needs_latest_tokens(sequence.request.sampling_params):
+            # A grammar needs each token before it masks the next: under async scheduling a runner that splits
+            # forward and sampling gets it in between (see _step_async); any other runner steps synchronously.
+            needs_sync = _needs_latest_tokens(params) or (params.structured_outputs is not None
+                                                          and not self._can_split)
+            if needs_sync:
                 self._sync_request_ids.add(sequence.request.request_id)
 
     def _add_grammars(self, parent: _ParentRequest, params: SamplingParams) -> None:
@@ -248,6 +253,18 @@ class EngineCore:
         launched = None
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
+            constrained = scheduler_output.structured_output_request_ids
+            if not scheduler_output.is_empty and constrained and self.structured is not None:
+                # The forward of step N+1 runs while the host collects step N, feeds its tokens to the grammars
+                # and fills N+1's bitmask; then N+1 samples.
+                runner: Any = self.runner
+                forwarded = runner.forward(scheduler_output)
+                outputs = self._collect_pending()
+                ids = [rid for rid in scheduler_output.num_scheduled_tokens if rid in constrained]
+                self._pending = (scheduler_output, runner.sample(forwarded, self.structured.bitmask(ids)))
+                if not self.scheduler.has_unfinished_requests():
+                    outputs += self._collect_pending()
+                return outputs
             if not scheduler_output.is_empty:
                 launched = (scheduler_output, self.runner.launch(scheduler_output))
             elif self._pending is None:

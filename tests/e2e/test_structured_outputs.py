@@ -149,3 +149,21 @@ def test_a_stop_string_ending_a_constrained_request_releases_its_matcher(llm):
     out = llm.generate("x", params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == '"'
     assert not llm.engine.structured._matchers
+
+
+def test_async_scheduling_keeps_constrained_steps_async(monkeypatch):
+    """Step N+1's forward is launched before step N's tokens reach the grammar; no step falls back to sync."""
+    from kestrel import LLM
+
+    llm = LLM(max_model_len=256, async_scheduling=True)
+
+    def no_sync_step():
+        raise AssertionError("a constrained batch stepped synchronously")
+
+    monkeypatch.setattr(llm.engine, "_step_sync", no_sync_step)
+    params = [constrained(seed, 1.0, json=PERSON, disable_any_whitespace=True) for seed in range(4)]
+    outputs = llm.generate(["A person, as JSON:\n"] * 4, params, use_tqdm=False)
+    for out in outputs:
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+    assert not llm.engine.structured._matchers
