@@ -54,6 +54,7 @@ from kestrel.tiny.train import (
     make_optimizer,
     pack,
     resolve_device,
+    run_progress,
     sample_batch,
     split_files,
     val_windows,
@@ -452,7 +453,7 @@ class _Run:
         self.model.train()
         while True:
             now = time.perf_counter()
-            progress = self.step / opts.steps if opts.steps is not None else (now - loop_start) / budget_s
+            progress = run_progress(self.step, opts.steps, now - loop_start, budget_s)
             if progress >= 1.0 or (deadline is not None and now >= deadline):
                 break
             lr = lr_at(opts, self.step, progress)  # type: ignore[arg-type]

@@ -144,6 +144,11 @@ def prepare_data(opts: TrainOptions, log: dict[str, Any]) -> tuple[Tokenizer, Da
 # ------------------------------------------------------------------------------------------------ optimization
 
 
+def run_progress(step: int, steps: int | None, elapsed_s: float, budget_s: float) -> float:
+    """How far a run is, 0 to 1: by steps when a step count is set, else by wall clock."""
+    return step / steps if steps is not None else elapsed_s / budget_s
+
+
 def lr_at(opts: TrainOptions, step: int, progress: float) -> float:
     """Linear warmup over `warmup_steps`, times a cosine from 1 to `min_lr_ratio` over the run's progress
     (fraction of the step count, or of the wall-clock budget)."""
@@ -263,7 +268,7 @@ class _Run:
         self.model.train()
         while True:
             now = time.perf_counter()
-            progress = self.step / opts.steps if opts.steps is not None else (now - loop_start) / budget_s
+            progress = run_progress(self.step, opts.steps, now - loop_start, budget_s)
             if progress >= 1.0 or (deadline is not None and now >= deadline):
                 break
             lr = lr_at(opts, self.step, progress)

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from test_tiny import one_thread  # noqa: F401  (a fixture, shared)
 
 from kestrel import LLM, SamplingParams
 from kestrel.entrypoints.chat import apply_chat_template
@@ -30,15 +31,8 @@ TRAIN_FILES = 40
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory, one_thread) -> Path:
+def base(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    request.getfixturevalue("one_thread")
     if (BUNDLED_MODEL_DIR / "model.safetensors").is_file():
         return BUNDLED_MODEL_DIR
     out = tmp_path_factory.mktemp("tiny-base")
