@@ -57,8 +57,7 @@ _NOTHING_PLACED = ("the scheduler could not place any request; the KV cache is t
 def _speculates(params: SamplingParams) -> bool:
     """Requests whose sampling the draft verification covers: every sampling setting, penalties, min_tokens and
     bad words included (each verified position sees the drafts before it); not yet logprobs or a grammar."""
-    return not (params.logprobs is not None or params.prompt_logprobs is not None
-                or params.structured_outputs is not None)
+    return not (params.logprobs is not None or params.prompt_logprobs is not None)
 
 
 def _needs_latest_tokens(params: SamplingParams) -> bool:
@@ -301,7 +300,8 @@ class EngineCore:
         runner: Any = self.runner
         if hasattr(runner, "forward") and hasattr(runner, "sample"):
             forwarded = runner.forward(scheduler_output)
-            return runner.collect(runner.sample(forwarded, self.structured.bitmask(ids)))
+            grammar = self.structured.bitmask(ids, scheduler_output.scheduled_spec_decode_tokens)
+            return runner.collect(runner.sample(forwarded, grammar))
         return runner.execute(scheduler_output, self.structured.bitmask(ids))
 
     def _release_finished(self) -> None:
@@ -330,8 +330,11 @@ class EngineCore:
         for request in self.scheduler.running:
             decoding = request.num_computed_tokens == request.num_tokens - 1
             if decoding and not request.num_pending_tokens and _speculates(request.sampling_params):
-                request.spec_token_ids = propose(request.all_token_ids, spec.num_speculative_tokens,
-                                                 spec.prompt_lookup_min, spec.prompt_lookup_max)
+                drafts = propose(request.all_token_ids, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                 spec.prompt_lookup_max)
+                if drafts and request.sampling_params.structured_outputs is not None and self.structured:
+                    drafts = self.structured.valid_drafts(request.request_id, drafts)  # only what the grammar allows
+                request.spec_token_ids = drafts
 
     def _needs_sync(self) -> bool:
         if self._speculating():

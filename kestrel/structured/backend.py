@@ -104,12 +104,34 @@ class GrammarBackend:
         matcher = self._matchers.get(request_id)
         return matcher is not None and matcher.is_terminated()
 
-    def bitmask(self, request_ids: list[str]) -> GrammarBitmask:
-        """The next-token bitmask of each request (int32 rows on the host)."""
+    def valid_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
+        """The longest prefix of proposed tokens the request's grammar accepts (its matcher left as it was)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or matcher.is_terminated():
+            return []
+        count = 0
+        for token_id in drafts:
+            if not matcher.accept_token(token_id):
+                break
+            if matcher.is_terminated():  # the draft ends the grammar: the request decides that itself
+                matcher.rollback(1)
+                break
+            count += 1
+        if count:
+            matcher.rollback(count)
+        return drafts[:count]
+
+    def bitmask(self, request_ids: list[str], drafts: dict[str, list[int]] | None = None) -> GrammarBitmask:
+        """The next-token bitmask of each request (int32 rows on the host). A request verifying drafts gets
+        one row per verified position, in order: the grammar's state after each draft (drafts the grammar
+        accepts, as the proposals were checked with `valid_drafts`)."""
         import xgrammar as xgr
 
         started = time.perf_counter()
         rows = [rid for rid in request_ids if rid in self._matchers]
+        drafts = {rid: d for rid, d in (drafts or {}).items() if rid in self._matchers and d}
+        if drafts:
+            return self._bitmask_with_drafts(rows, drafts, started)
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         if len(rows) == 1:
             self._matchers[rows[0]].fill_next_token_bitmask(bitmask, 0)
@@ -120,6 +142,29 @@ class GrammarBackend:
         self.fill_seconds += time.perf_counter() - started
         self.num_fills += 1
         return GrammarBitmask(rows, bitmask)
+
+    def _bitmask_with_drafts(self, rows: list[str], drafts: dict[str, list[int]], started: float) -> GrammarBitmask:
+        import xgrammar as xgr
+
+        req_ids = [rid for rid in rows for _ in range(len(drafts.get(rid, ())) + 1)]
+        bitmask = xgr.allocate_token_bitmask(len(req_ids), self.vocab_size)
+        row = 0
+        for rid in rows:
+            matcher = self._matchers[rid]
+            accepted, valid = 0, True
+            for token_id in drafts.get(rid, ()):
+                matcher.fill_next_token_bitmask(bitmask, row)
+                row += 1
+                # After a draft the grammar rejects, the rows repeat its state (verification stops there anyway).
+                valid = valid and not matcher.is_terminated() and matcher.accept_token(token_id)
+                accepted += valid
+            matcher.fill_next_token_bitmask(bitmask, row)
+            row += 1
+            if accepted:
+                matcher.rollback(accepted)
+        self.fill_seconds += time.perf_counter() - started
+        self.num_fills += 1
+        return GrammarBitmask(req_ids, bitmask)
 
 
 def choice_grammar(choices: list[str]) -> str:

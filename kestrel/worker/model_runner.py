@@ -350,13 +350,36 @@ class ModelRunner:
                                       _DraftOutputs(states), [s.generator for s in repeat],
                                       self.eos_token_ids, step.logits.shape[-1], self.device)
         draft_ids = torch.tensor([t for s in states for t in (*s.drafts, -1)], dtype=torch.long)
-        verified = verify(torch.cat(pieces), meta, _to_device(draft_ids, self.device),
-                          [len(s.drafts) for s in states], self.sampler)
+        logits = torch.cat(pieces)
+        if grammar is not None and grammar.req_ids:
+            logits = self._mask_verified_positions(logits, states, grammar)
+        verified = verify(logits, meta, _to_device(draft_ids, self.device), [len(s.drafts) for s in states],
+                          self.sampler)
         for state in states:
             state.num_pending += 1
         launched.spec = SpecStep([step.sampled_rows[i] for i in verifying], states, verified)
         self._last_sampled = None
         return launched
+
+    def _mask_verified_positions(self, logits: torch.Tensor, states: list[CachedRequestState],
+                                 grammar: GrammarBitmask) -> torch.Tensor:
+        """A constrained verifying request has one bitmask row per verified position, in order."""
+        first: dict[str, int] = {}
+        for i, rid in enumerate(grammar.req_ids):
+            first.setdefault(rid, i)
+        mask_rows, targets, offset = [], [], 0
+        for state in states:
+            k = len(state.drafts)
+            start = first.get(state.req_id)
+            if start is not None:
+                mask_rows += range(start, start + k + 1)
+                targets += range(offset, offset + k + 1)
+            offset += k + 1
+        if not mask_rows:
+            return logits
+        masks = grammar.bitmask[mask_rows]
+        return apply_token_bitmask(logits, _to_device(masks, self.device),
+                                   _to_device(torch.tensor(targets, dtype=torch.long), self.device))
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's sampled ids (the step's one host synchronization) and record them."""

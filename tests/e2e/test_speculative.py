@@ -112,3 +112,26 @@ def test_history_dependent_settings_stay_lossless(settings):
     expected = [o.outputs[0].token_ids for o in plain.generate(REPETITIVE, params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in spec.generate(REPETITIVE, params, use_tqdm=False)] == expected
     assert spec.stats.num_spec_draft_tokens > 0
+
+
+def test_constrained_requests_speculate_with_drafts_the_grammar_allows():
+    import json
+
+    import jsonschema
+
+    from kestrel import LLM
+    from kestrel.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 16,
+              "maxItems": 40}
+    prompt = "digits = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3]\nmore = "
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=120, structured_outputs=StructuredOutputsParams(
+        json=schema, disable_any_whitespace=True)) for t, s in ((0.0, 0), (0.9, 1), (1.2, 2))]
+    plain = LLM(dtype="float32", max_model_len=256).generate([prompt] * 3, params, use_tqdm=False)
+    spec = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    outputs = spec.generate([prompt] * 3, params, use_tqdm=False)
+    for out in outputs:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert outputs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids  # greedy: lossless
+    assert spec.stats.num_spec_accepted_tokens > 0 and not spec.engine.structured._matchers
