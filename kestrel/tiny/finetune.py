@@ -451,11 +451,7 @@ class _Run:
         sums: dict[str, torch.Tensor | float] = {"loss": 0.0, "qa": 0.0, "code": 0.0}
         count = 0
         self.model.train()
-        while True:
-            now = time.perf_counter()
-            progress = run_progress(self.step, opts.steps, now - loop_start, budget_s)
-            if progress >= 1.0 or (deadline is not None and now >= deadline):
-                break
+        while (progress := run_progress(self.step, opts.steps, loop_start, budget_s, deadline)) is not None:
             lr = lr_at(opts, self.step, progress)  # type: ignore[arg-type]
             for key, value in self._train_step(lr).items():
                 sums[key] += value

@@ -144,9 +144,13 @@ def prepare_data(opts: TrainOptions, log: dict[str, Any]) -> tuple[Tokenizer, Da
 # ------------------------------------------------------------------------------------------------ optimization
 
 
-def run_progress(step: int, steps: int | None, elapsed_s: float, budget_s: float) -> float:
-    """How far a run is, 0 to 1: by steps when a step count is set, else by wall clock."""
-    return step / steps if steps is not None else elapsed_s / budget_s
+def run_progress(step: int, steps: int | None, loop_start: float, budget_s: float,
+                 deadline: float | None) -> float | None:
+    """How far a run is, in [0, 1): by steps when a step count is set, else by wall clock; None once it is over
+    (its steps, its time budget or the deadline)."""
+    now = time.perf_counter()
+    progress = step / steps if steps is not None else (now - loop_start) / budget_s
+    return None if progress >= 1.0 or (deadline is not None and now >= deadline) else progress
 
 
 def lr_at(opts: TrainOptions, step: int, progress: float) -> float:
@@ -266,11 +270,7 @@ class _Run:
         self.log["timing"]["train_budget_s"] = budget_s
         running: torch.Tensor | float = 0.0
         self.model.train()
-        while True:
-            now = time.perf_counter()
-            progress = run_progress(self.step, opts.steps, now - loop_start, budget_s)
-            if progress >= 1.0 or (deadline is not None and now >= deadline):
-                break
+        while (progress := run_progress(self.step, opts.steps, loop_start, budget_s, deadline)) is not None:
             lr = lr_at(opts, self.step, progress)
             running = running + self._train_step(lr)
             if self.step % opts.log_every == 0:
