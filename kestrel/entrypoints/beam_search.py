@@ -110,6 +110,25 @@ class BeamSearch:
         return output
 
 
+Round = list[tuple[BeamSearch, BeamSearchSequence]]
+
+
+def next_round(searches: list[BeamSearch]) -> Round:
+    """The live beams of every unfinished search: one engine request each this round (empty: all done)."""
+    return [(search, beam) for search in searches if not search.done for beam in search.live]
+
+
+def advance_round(beams: Round, candidates: list[dict[int, Logprob]]) -> None:
+    """Give each search its beams' candidates, `candidates[i]` being those of `beams[i]`."""
+    per_search: dict[int, list[dict[int, Logprob]]] = {}
+    owners: dict[int, BeamSearch] = {}
+    for (search, _), options in zip(beams, candidates, strict=True):
+        per_search.setdefault(id(search), []).append(options)
+        owners[id(search)] = search
+    for key, options in per_search.items():
+        owners[key].advance(options)
+
+
 def check_beam_width(params: BeamSearchParams, max_logprobs: int, param: str = "beam_width") -> None:
     """Each round asks the engine for 2 x beam_width logprobs, which max_logprobs bounds."""
     if max_logprobs >= 0 and 2 * params.beam_width > max_logprobs:
@@ -124,8 +143,7 @@ async def search_async(engine: Any, prompts: list[list[int]], params: BeamSearch
     check_beam_width(params, engine.core.config.model.max_logprobs, "n")
     searches = [BeamSearch(ids, params, engine.eos_token_ids, engine.max_model_len) for ids in prompts]
     step = params.step_params()
-    while live := [s for s in searches if not s.done]:
-        beams = [(search, beam) for search in live for beam in search.live]
+    while beams := next_round(searches):
         engine.check_capacity(len(beams))
         streams = [engine.submit(f"beam-{uuid.uuid4().hex}", beam.tokens, step, priority=priority)
                    for _, beam in beams]
@@ -134,9 +152,7 @@ async def search_async(engine: Any, prompts: list[list[int]], params: BeamSearch
         finally:
             for stream in streams:
                 await stream.aclose()
-        for search in live:
-            search.advance([final.outputs[0].logprobs[0] for (owner, _), final in zip(beams, finals)
-                            if owner is search])
+        advance_round(beams, [final.outputs[0].logprobs[0] for final in finals])
     return [search.finish(engine.tokenizer) for search in searches]
 
 

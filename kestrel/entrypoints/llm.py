@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from kestrel.config import EngineConfig
 from kestrel.engine.stats_logger import StatsLogger
-from kestrel.entrypoints.beam_search import BeamSearch, BeamSearchOutput, check_beam_width
+from kestrel.entrypoints.beam_search import BeamSearch, BeamSearchOutput, advance_round, check_beam_width, next_round
 from kestrel.entrypoints.chat import apply_chat_template
 from kestrel.entrypoints.engine_factory import build_engine
 from kestrel.outputs import RequestOutput
@@ -123,13 +123,10 @@ class LLM:
         bar = tqdm(total=len(searches), desc="Beam search", unit="prompt", disable=not use_tqdm)
         for start in range(0, len(searches), group):
             active = searches[start: start + group]
-            while live := [s for s in active if not s.done]:
-                beams = [(search, beam) for search in live for beam in search.live]
+            while beams := next_round(active):
                 outputs = self.generate([{"prompt_token_ids": beam.tokens} for _, beam in beams],
                                         step_params, use_tqdm=False)
-                for search in live:
-                    search.advance([out.outputs[0].logprobs[0] for (owner, _), out in zip(beams, outputs)
-                                    if owner is search])
+                advance_round(beams, [out.outputs[0].logprobs[0] for out in outputs])
             bar.update(len(active))
         bar.close()
         return [search.finish(self.tokenizer) for search in searches]
