@@ -259,8 +259,7 @@ class EngineCore:
                 runner: Any = self.runner
                 forwarded = runner.forward(scheduler_output)
                 outputs = self._collect_pending()
-                ids = [rid for rid in scheduler_output.num_scheduled_tokens if rid in constrained]
-                self._pending = (scheduler_output, runner.sample(forwarded, self.structured.bitmask(ids)))
+                self._pending = (scheduler_output, runner.sample(forwarded, self._grammar_bitmask(scheduler_output)))
                 if not self.scheduler.has_unfinished_requests():
                     outputs += self._collect_pending()
                 return outputs
@@ -293,16 +292,19 @@ class EngineCore:
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run a step; a step with grammar-constrained requests fills their bitmask on the host while the
         runner's forward runs (when the runner splits forward and sampling), then samples."""
-        constrained = scheduler_output.structured_output_request_ids
-        if not constrained or self.structured is None:
+        if not scheduler_output.structured_output_request_ids or self.structured is None:
             return self.runner.execute(scheduler_output)
-        ids = [rid for rid in scheduler_output.num_scheduled_tokens if rid in constrained]
         runner: Any = self.runner
         if hasattr(runner, "forward") and hasattr(runner, "sample"):
             forwarded = runner.forward(scheduler_output)
-            grammar = self.structured.bitmask(ids, scheduler_output.scheduled_spec_decode_tokens)
-            return runner.collect(runner.sample(forwarded, grammar))
-        return runner.execute(scheduler_output, self.structured.bitmask(ids))
+            return runner.collect(runner.sample(forwarded, self._grammar_bitmask(scheduler_output)))
+        return runner.execute(scheduler_output, self._grammar_bitmask(scheduler_output))
+
+    def _grammar_bitmask(self, scheduler_output: SchedulerOutput) -> Any:
+        """The step's constrained rows, in batch order; a request verifying drafts has one per position."""
+        constrained = scheduler_output.structured_output_request_ids
+        ids = [rid for rid in scheduler_output.num_scheduled_tokens if rid in constrained]
+        return self.structured.bitmask(ids, scheduler_output.scheduled_spec_decode_tokens)
 
     def _release_finished(self) -> None:
         """Tell the runner to drop the state of requests that ended since the last step (engine idle)."""

@@ -44,13 +44,14 @@ def text_end(logprobs: CompletionLogProbs) -> int:
 class LogprobFormatter:
     """One request's view: how many top candidates it asked for and how its tokens are labelled."""
 
-    def __init__(self, token_text: Callable[[int], str], num_top: int | None, tokens_as_ids: bool = False) -> None:
+    def __init__(self, token_text: Callable[[int], str | None], num_top: int | None,
+                 tokens_as_ids: bool = False) -> None:
         self._token_text = token_text
         self.num_top = num_top or 0
         self.tokens_as_ids = tokens_as_ids
 
     def label(self, token_id: int) -> str:
-        return f"token_id:{token_id}" if self.tokens_as_ids else self._token_text(token_id)
+        return f"token_id:{token_id}" if self.tokens_as_ids else self._token_text(token_id) or ""
 
     def _top(self, candidates: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
         """The request's top candidates, most likely first (the engine may hold more, e.g. for prompt_logprobs)."""

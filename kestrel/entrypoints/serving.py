@@ -125,7 +125,6 @@ class OpenAIServing:
         self.model_names = tuple(served_model_names)
         self.model_name = self.model_names[0]
         self.metrics = metrics
-        self._token_text: dict[int, str] = {}
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
@@ -257,11 +256,9 @@ class OpenAIServing:
             choices += [CompletionChoice(index=i * beam.beam_width + j, text=prefix + seq.text,
                                          finish_reason=seq.finish_reason) for j, seq in enumerate(result.sequences)]
         completion_tokens = sum(len(seq.output_token_ids) for r in results for seq in r.sequences)
-        prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        return JSONResponse(CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}", model=self.response_model_name(request.model), choices=choices,
-            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens)).model_dump())
+        usage = _usage_info(sum(len(p.token_ids) for p in prompts), completion_tokens)
+        return JSONResponse(CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", choices=choices, usage=usage,
+                                               model=self.response_model_name(request.model)).model_dump())
 
     # ----- /v1/chat/completions ------------------------------------------------------------------
 
@@ -328,11 +325,9 @@ class OpenAIServing:
         echoed = _chat_echo(request)
         choices = [ChatChoice(index=j, message=ChatResponseMessage(content=echoed + seq.text),
                               finish_reason=seq.finish_reason) for j, seq in enumerate(result.sequences)]
-        completion_tokens = sum(len(seq.output_token_ids) for seq in result.sequences)
-        return JSONResponse(ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex}", model=self.response_model_name(request.model), choices=choices,
-            usage=UsageInfo(prompt_tokens=len(token_ids), completion_tokens=completion_tokens,
-                            total_tokens=len(token_ids) + completion_tokens)).model_dump())
+        usage = _usage_info(len(token_ids), sum(len(seq.output_token_ids) for seq in result.sequences))
+        return JSONResponse(ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex}", choices=choices, usage=usage,
+                                                   model=self.response_model_name(request.model)).model_dump())
 
     def _chat_choice(self, c: CompletionOutput, params: SamplingParams, tools: _ToolSetup, fmt: LogprobFormatter,
                      echoed: str = "", ids: bool = False) -> ChatChoice:
@@ -414,14 +409,8 @@ class OpenAIServing:
     # ----- shared --------------------------------------------------------------------------------
 
     def _formatter(self, num_top: int | None, tokens_as_ids: bool | None) -> LogprobFormatter:
-        return LogprobFormatter(self.token_text, num_top, bool(tokens_as_ids))
-
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text[token_id] = text
-        return text
+        # One token's text, decoded alone and cached by the engine (its logprobs' decoded_token too).
+        return LogprobFormatter(self.engine.core.token_text, num_top, bool(tokens_as_ids))
 
     async def _encode_prompts(self, prompts: Sequence[str | list[int]], add_special_tokens: bool = True,
                               truncate: int | None = None) -> list[_Prompt]:
@@ -641,8 +630,12 @@ def _usage(job: _Submitted, finals: list[RequestOutput]) -> UsageInfo:
 
 
 def _usage_of(job: _Submitted, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=job.num_prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=job.num_prompt_tokens + completion_tokens)
+    return _usage_info(job.num_prompt_tokens, completion_tokens)
+
+
+def _usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
 
 
 def _stream_error(error: Exception) -> str:

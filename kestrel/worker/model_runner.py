@@ -249,13 +249,13 @@ class ModelRunner:
         return self.collect(self.sample(self.forward(out), grammar))
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> LaunchedStep:
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Enqueue one step on the device and return at once; `collect` waits for its sampled ids.
 
         A row whose input token was sampled by the step still in flight reads it on the device
         (`last_sampled`), so the next step can be launched before the host knows that token.
         """
-        return self.sample(self.forward(out), grammar)
+        return self.sample(self.forward(out))
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> ForwardStep:
@@ -303,10 +303,7 @@ class ModelRunner:
         if grammar is not None and grammar.req_ids:
             position = {state.req_id: i for i, state in enumerate(rows)}
             pairs = [(i, position[rid]) for i, rid in enumerate(grammar.req_ids) if rid in position]
-            if pairs:
-                masks = grammar.bitmask[[i for i, _ in pairs]]
-                target = torch.tensor([row for _, row in pairs], dtype=torch.long)
-                logits = apply_token_bitmask(logits, _to_device(masks, self.device), _to_device(target, self.device))
+            logits = self._apply_grammar(logits, grammar, [i for i, _ in pairs], [row for _, row in pairs])
         meta = SamplingMetadata.build(
             [s.sampling_params for s in rows],
             _TokenLists(rows, prompt=True),
@@ -375,11 +372,15 @@ class ModelRunner:
                 mask_rows += range(start, start + k + 1)
                 targets += range(offset, offset + k + 1)
             offset += k + 1
+        return self._apply_grammar(logits, grammar, mask_rows, targets)
+
+    def _apply_grammar(self, logits: torch.Tensor, grammar: GrammarBitmask, mask_rows: list[int],
+                       targets: list[int]) -> torch.Tensor:
+        """Mask logits row targets[i] by the grammar's row mask_rows[i]."""
         if not mask_rows:
             return logits
-        masks = grammar.bitmask[mask_rows]
-        return apply_token_bitmask(logits, _to_device(masks, self.device),
-                                   _to_device(torch.tensor(targets, dtype=torch.long), self.device))
+        masks = _to_device(grammar.bitmask[mask_rows], self.device)
+        return apply_token_bitmask(logits, masks, _to_device(torch.tensor(targets, dtype=torch.long), self.device))
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's sampled ids (the step's one host synchronization) and record them."""
