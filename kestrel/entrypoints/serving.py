@@ -232,7 +232,7 @@ class OpenAIServing:
                     offsets[index] = offsets.get(index, 0) + len(c.delta_text)
                     if c.finished:
                         finished.add(index)
-                    elif not c.delta_text and logprobs is None:
+                    elif not c.delta_text and logprobs is None and not ids:
                         continue  # text held back (a split character or a possible stop string)
                     yield chunk(CompletionChoice(index=index, text=c.delta_text, logprobs=logprobs,
                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,

@@ -305,3 +305,16 @@ def test_use_beam_search_returns_the_n_best_beams(openai_server, tiny_model_dir)
     assert post(openai_server, "/v1/completions", {**body, "top_p": 1.0}).status_code == 200  # a no-op value
     lone = post(openai_server, "/v1/completions", {**COMPLETION, "length_penalty": 0.5})
     assert lone.status_code == 400 and lone.json()["error"]["param"] == "length_penalty"
+
+
+def test_streamed_completion_token_ids_add_up_to_the_whole(openai_server):
+    import json
+
+    body = {**COMPLETION, "max_tokens": 12, "ignore_eos": True, "temperature": 0.0, "return_token_ids": True}
+    whole = post(openai_server, "/v1/completions", body).json()["choices"][0]["token_ids"]
+    with httpx.stream("POST", f"{openai_server.base_url}/v1/completions", json={**body, "stream": True},
+                      headers=openai_server.headers, timeout=30) as reply:
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    # Tokens whose text is held back (a split character) still send their ids.
+    assert [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []] == whole
