@@ -825,7 +825,7 @@ def _structured(param: str, **spec: Any) -> StructuredOutputsParams:
 
 def _beam_search_ignores(name: str, value: Any, request_default: Any) -> bool:
     """A value that asks for nothing: unset, empty, false, or the request's or SamplingParams' default."""
-    if value is None or value is False or value == [] or value == {}:
+    if value is False or value in _EMPTY_VALUES:
         return True
     defaults = [request_default, getattr(SamplingParams, name, None)]
     return any(type(value) is type(d) and value == d for d in defaults if d is not None)
