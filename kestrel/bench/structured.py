@@ -6,7 +6,8 @@ constrained by a JSON schema (an array of at least 10,000 digits, so no request 
 the run and every step has all B rows constrained) with the default scheduling: under async scheduling step
 N+1's forward runs while the host feeds step N's tokens to the grammars and fills N+1's bitmask. Reported per
 mode: the median time of the steps in which all B requests decode; for the constrained one also the host time
-filling the bitmask per step and its share of the step. Overhead = constrained / unconstrained - 1.
+filling the bitmask per step and its share of the step, and the host time advancing the matchers with the
+step's tokens. Overhead = constrained / unconstrained - 1.
 
 Random-weight architectures have no tokenizer: `--tokenizer DIR` gives the vocabulary the grammar is compiled
 against (a 128k byte-level BPE is the realistic size: a mask fill scans the vocabulary).
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
             row[f"{mode}_ms_per_step"] = statistics.median(s["step_ms"] for s in samples)
             if mode == "json_schema":
                 row["mask_fill_ms_per_step"] = statistics.median(s["fill_ms"] for s in samples)
+                row["grammar_accept_ms_per_step"] = statistics.median(s["accept_ms"] for s in samples)
         engine.core.async_scheduling = default_async
         row["overhead_vs_default"] = row["json_schema_ms_per_step"] / row["unconstrained_ms_per_step"] - 1
         row["overhead_vs_sync"] = row["json_schema_ms_per_step"] / row["unconstrained_sync_ms_per_step"] - 1
@@ -104,32 +106,35 @@ def measure(engine: common.Engine, backend: GrammarBackend, batch: int, args: ar
     steps: list[float] = []
     first: set[str] = set()
     before = time.perf_counter()
-    decode_fills = decode_fill_s = 0.0
+    decode_fills = decode_fill_s = decode_accept_s = 0.0
     while core.has_unfinished_requests():
         decoding = len(first) == batch
-        n, s = backend.num_fills, backend.fill_seconds
+        n, s, a = backend.num_fills, backend.fill_seconds, backend.accept_seconds
         outputs = core.step()
         after = time.perf_counter()
         if decoding:
             steps.append(after - before)
             decode_fills += backend.num_fills - n
             decode_fill_s += backend.fill_seconds - s
+            decode_accept_s += backend.accept_seconds - a
         before = after
         first.update(o.request_id for o in outputs if o.outputs[0].token_ids)
     produced = backend.num_fills - fills_before
     if mode == "json_schema" and produced == 0:
         raise RuntimeError("the constrained run filled no bitmask")
     return {"step_ms": 1e3 * statistics.median(steps),
-            "fill_ms": 1e3 * decode_fill_s / decode_fills if decode_fills else 0.0}
+            "fill_ms": 1e3 * decode_fill_s / decode_fills if decode_fills else 0.0,
+            "accept_ms": 1e3 * decode_accept_s / decode_fills if decode_fills else 0.0}
 
 
 def summary(result: dict[str, Any]) -> str:
-    lines = ["batch  default ms/step  sync ms/step  json-schema ms/step  mask fill ms  overhead (vs default, "
-             "vs sync)"]
+    lines = ["batch  default ms/step  sync ms/step  json-schema ms/step  mask fill ms  accept ms  overhead (vs "
+             "default, vs sync)"]
     for r in result["rows"]:
         lines.append(f"{r['batch']:>5}  {r['unconstrained_ms_per_step']:>15.3f}"
                      f"  {r['unconstrained_sync_ms_per_step']:>12.3f}"
                      f"  {r['json_schema_ms_per_step']:>19.3f}  {r['mask_fill_ms_per_step']:>12.3f}"
+                     f"  {r.get('grammar_accept_ms_per_step', 0.0):>9.3f}"
                      f"  {100 * r['overhead_vs_default']:+.1f}%, {100 * r['overhead_vs_sync']:+.1f}%")
     return "\n".join(lines)
 
