@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     engine = common.build_suite_engine(args, model_dir, load_format, device, max(batches),
                                        args.input_len + args.output_len + 1)
     tokenizer = load_tokenizer(tokenizer_dir)
-    backend = GrammarBackend(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids)
+    backend = GrammarBackend(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids,
+                             pin_memory=device.type == "cuda")
     engine.core.structured = backend
     default_async = engine.core.async_scheduling
     vocab = min(common.prompt_vocab(model_dir), tokenizer.vocab_size)

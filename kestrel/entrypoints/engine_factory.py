@@ -24,6 +24,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
     eos_token_id = tokenizer.eos_token_id
     runner = ModelRunner(config, eos_token_id=eos_token_id)
-    structured = GrammarBackend(tokenizer, runner.vocab_size, runner.eos_token_ids)
+    structured = GrammarBackend(tokenizer, runner.vocab_size, runner.eos_token_ids,
+                                pin_memory=runner.device.type == "cuda")
     core = EngineCore(config, runner, runner.num_blocks, tokenizer, eos_token_id, structured)
     return BuiltEngine(tokenizer, runner, core)

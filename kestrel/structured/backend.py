@@ -21,7 +21,7 @@ class GrammarBackend:
     """Per engine: the tokenizer's vocabulary as xgrammar sees it, a compiler with its cache, the matchers."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
-                 max_threads: int | None = None) -> None:
+                 max_threads: int | None = None, pin_memory: bool = False) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
@@ -32,6 +32,12 @@ class GrammarBackend:
         self._compiler: Any = None
         self._matchers: dict[str, Any] = {}
         self._batch: Any = None
+        # Bitmasks are filled into two buffers used in turn (a step's mask may still be copying to the device
+        # while the next one is filled), pinned when the worker is a GPU: a fresh allocation, gather and pinned
+        # copy per step woke torch's CPU thread pool, whose spinning threads then slowed the fill itself.
+        self._pin_memory = pin_memory
+        self._buffers: list[Any] = [None, None]
+        self._turn = 0
         self.fill_seconds = 0.0  # host time spent filling bitmasks (for the benchmarks)
         self.num_fills = 0
         self.accept_seconds = 0.0  # host time spent advancing matchers (for the benchmarks)
@@ -137,7 +143,7 @@ class GrammarBackend:
         drafts = {rid: d for rid, d in (drafts or {}).items() if rid in self._matchers and d}
         if drafts:
             return self._bitmask_with_drafts(rows, drafts, started)
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        bitmask = self._buffer(len(rows))
         if len(rows) == 1:
             self._matchers[rows[0]].fill_next_token_bitmask(bitmask, 0)
         elif rows:  # the rows in one call
@@ -148,11 +154,22 @@ class GrammarBackend:
         self.num_fills += 1
         return GrammarBitmask(rows, bitmask)
 
-    def _bitmask_with_drafts(self, rows: list[str], drafts: dict[str, list[int]], started: float) -> GrammarBitmask:
+    def _buffer(self, num_rows: int) -> Any:
+        """The first `num_rows` rows of this step's bitmask buffer (grown to the next power of two as needed)."""
         import xgrammar as xgr
 
+        self._turn ^= 1
+        buffer = self._buffers[self._turn]
+        if buffer is None or buffer.shape[0] < num_rows:
+            buffer = xgr.allocate_token_bitmask(1 << max(num_rows - 1, 0).bit_length(), self.vocab_size)
+            if self._pin_memory:
+                buffer = buffer.pin_memory()
+            self._buffers[self._turn] = buffer
+        return buffer[:num_rows]
+
+    def _bitmask_with_drafts(self, rows: list[str], drafts: dict[str, list[int]], started: float) -> GrammarBitmask:
         req_ids = [rid for rid in rows for _ in range(len(drafts.get(rid, ())) + 1)]
-        bitmask = xgr.allocate_token_bitmask(len(req_ids), self.vocab_size)
+        bitmask = self._buffer(len(req_ids))
         row = 0
         for rid in rows:
             matcher = self._matchers[rid]

@@ -379,7 +379,9 @@ class ModelRunner:
         """Mask logits row targets[i] by the grammar's row mask_rows[i]."""
         if not mask_rows:
             return logits
-        masks = _to_device(grammar.bitmask[mask_rows], self.device)
+        every_row = mask_rows == list(range(grammar.bitmask.shape[0]))
+        # The usual step masks with every row in order: the (pinned) mask goes to the device without a gather.
+        masks = _to_device(grammar.bitmask if every_row else grammar.bitmask[mask_rows], self.device)
         return apply_token_bitmask(logits, masks, _to_device(torch.tensor(targets, dtype=torch.long), self.device))
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
