@@ -167,3 +167,24 @@ def test_async_scheduling_keeps_constrained_steps_async(monkeypatch):
         assert out.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
     assert not llm.engine.structured._matchers
+
+
+def test_reused_bitmask_buffers_hold_each_steps_own_masks(llm):
+    """Masks are filled into two reused buffers that grow with the batch: each step's rows must equal a fresh
+    xgrammar fill of the same matchers, whatever the earlier steps left in the buffer."""
+    import xgrammar as xgr
+
+    backend = llm.engine.structured
+    specs = [StructuredOutputsParams(json=PERSON), StructuredOutputsParams(regex=r"[0-9]{3}"),
+             StructuredOutputsParams(choice=["yes", "no"])]
+    for batch in (1, 3, 2, 5, 1):
+        ids = [f"buffer-{batch}-{i}" for i in range(batch)]
+        for i, rid in enumerate(ids):
+            backend.add(rid, specs[i % len(specs)])
+        got = backend.bitmask(ids)
+        for row, rid in enumerate(ids):
+            fresh = xgr.allocate_token_bitmask(1, backend.vocab_size)
+            backend._matchers[rid].fill_next_token_bitmask(fresh, 0)
+            assert torch.equal(got.bitmask[row], fresh[0]), (batch, row)
+        for rid in ids:
+            backend.remove(rid)
