@@ -21,12 +21,13 @@ from kestrel.sample.sampler import (
     Sampler,
     SamplerOutput,
     SamplingMetadata,
+    gather_logprobs,
     logprob_entry,
     to_logprob_dicts,
     token_ranks,
 )
 from kestrel.sample.spec_verify import VerifyOutput, verify
-from kestrel.worker.cuda_graph import DecodeGraphRunner
+from kestrel.worker.cuda_graph import GraphRunner, verify_batch_limit
 from kestrel.worker.input_batch import BlockTable, CachedRequestState, build_model_inputs
 from kestrel.worker.kv_cache import (
     FP8_E4M3_MAX,
@@ -70,7 +71,7 @@ class ModelRunner:
         num_layers, num_kv_heads, head_size = self.model.kv_cache_spec()
         self.kv_spec = KVCacheSpec(num_layers, num_kv_heads, head_size,
                                    kv_cache_dtype(config.cache, self.dtype), self.block_size)
-        self.graph_runner: DecodeGraphRunner | None = None
+        self.graph_runner: GraphRunner | None = None
         self.capture_seconds = 0.0
         self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget())
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
@@ -159,7 +160,12 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         self.graph_runner = None  # release the previous graphs' pool before capturing new ones
         max_blocks = -(-(self.config.model.max_model_len or 1) // self.block_size)
-        runner = DecodeGraphRunner(self.model, self.config.scheduler.max_num_seqs, max_blocks, self.device)
+        spec = self.config.speculative
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        # Verify steps score a row's last token and up to k drafts: q = 2 .. k + 1 query tokens per row.
+        verify_lens = list(range(2, spec.num_speculative_tokens + 2)) if spec is not None else []
+        verify_batch = verify_batch_limit(max_num_seqs, spec.disable_by_batch_size if spec is not None else None)
+        runner = GraphRunner(self.model, max_num_seqs, max_blocks, self.device, verify_lens, verify_batch)
         with torch.inference_mode():
             self.capture_seconds = runner.capture()
         self.graph_runner = runner
@@ -271,7 +277,7 @@ class ModelRunner:
                                     self._last_sampled)
         width = inputs.attn_metadata.block_tables.shape[1]
         if self.graph_runner is not None and self.graph_runner.can_run(counts, width):
-            hidden = self.graph_runner.run(inputs)
+            hidden = self.graph_runner.run(inputs, counts)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         prompt_logprobs = self._prompt_logprobs(states, counts, inputs.attn_metadata.query_start_loc, hidden)
@@ -352,9 +358,16 @@ class ModelRunner:
             logits = self._mask_verified_positions(logits, states, grammar)
         verified = verify(logits, meta, _to_device(draft_ids, self.device), [len(s.drafts) for s in states],
                           self.sampler)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            # As without speculation: the raw (pre-transform) distribution at each position, its emitted token
+            # first; the host keeps the accepted positions' entries.
+            raw = torch.log_softmax(logits, dim=-1)
+            ids, lps = gather_logprobs(raw, verified.chosen, meta.max_num_logprobs)
+            logprobs = SamplerOutput(verified.chosen, ids, lps, token_ranks(raw, lps[:, 0]))
         for state in states:
             state.num_pending += 1
-        launched.spec = SpecStep([step.sampled_rows[i] for i in verifying], states, verified)
+        launched.spec = SpecStep([step.sampled_rows[i] for i in verifying], states, verified, logprobs)
         self._last_sampled = None
         return launched
 
@@ -397,12 +410,19 @@ class ModelRunner:
                 sampled[row] = [token_id]
                 logprobs[row] = None if lp is None else [lp]
         if step.spec is not None:
-            accepted = step.spec.verified.num_accepted.tolist()
-            emitted = step.spec.verified.tokens.tolist()
+            spec = step.spec
+            accepted = spec.verified.num_accepted.tolist()
+            emitted = spec.verified.tokens.tolist()
+            position_logprobs = [None] * len(emitted)
+            if spec.logprobs is not None:
+                per_position = [s.sampling_params.logprobs for s in spec.states for _ in range(len(s.drafts) + 1)]
+                position_logprobs = to_logprob_dicts(spec.logprobs, per_position)
             offset = 0
-            for row, state, num_accepted in zip(step.spec.batch_rows, step.spec.states, accepted):
+            for row, state, num_accepted in zip(spec.batch_rows, spec.states, accepted):
                 k = len(state.drafts)
                 tokens = state.drafts[:num_accepted] + [emitted[offset + num_accepted]]
+                if state.sampling_params.logprobs is not None:
+                    logprobs[row] = position_logprobs[offset: offset + num_accepted + 1]
                 offset += k + 1
                 del state.token_ids[len(state.token_ids) - k:]
                 state.token_ids.extend(tokens)
@@ -462,6 +482,7 @@ class SpecStep:
     batch_rows: list[int]
     states: list[CachedRequestState]
     verified: VerifyOutput
+    logprobs: SamplerOutput | None = None  # per verified position, when a verifying row asked for logprobs
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
