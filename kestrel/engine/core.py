@@ -54,10 +54,6 @@ _NOTHING_PLACED = ("the scheduler could not place any request; the KV cache is t
                    "prompts")
 
 
-def _speculates(params: SamplingParams) -> bool:
-    """Requests whose sampling the draft verification covers: every sampling setting, penalties, min_tokens and
-    bad words included (each verified position sees the drafts before it); not yet logprobs or a grammar."""
-    return not (params.logprobs is not None or params.prompt_logprobs is not None)
 
 
 def _needs_latest_tokens(params: SamplingParams) -> bool:
@@ -331,7 +327,7 @@ class EngineCore:
         spec = self.config.speculative
         for request in self.scheduler.running:
             decoding = request.num_computed_tokens == request.num_tokens - 1
-            if decoding and not request.num_pending_tokens and _speculates(request.sampling_params):
+            if decoding and not request.num_pending_tokens:
                 drafts = propose(request.all_token_ids, spec.num_speculative_tokens, spec.prompt_lookup_min,
                                  spec.prompt_lookup_max)
                 if drafts and request.sampling_params.structured_outputs is not None and self.structured:
