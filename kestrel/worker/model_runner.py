@@ -28,6 +28,7 @@ from kestrel.sample.sampler import (
 )
 from kestrel.sample.spec_verify import VerifyOutput, verify
 from kestrel.worker.cuda_graph import GraphRunner, verify_batch_limit
+from kestrel.worker.drafter import build_drafter
 from kestrel.worker.input_batch import BlockTable, CachedRequestState, build_model_inputs
 from kestrel.worker.kv_cache import (
     FP8_E4M3_MAX,
@@ -73,14 +74,22 @@ class ModelRunner:
                                    kv_cache_dtype(config.cache, self.dtype), self.block_size)
         self.graph_runner: GraphRunner | None = None
         self.capture_seconds = 0.0
-        self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget())
+        # A draft model or EAGLE head: loaded before the memory profile, its K/V in the target's blocks.
+        self.drafter = build_drafter(config, self.model, self.dtype, self.kv_spec.dtype, self.device)
+        draft_bytes = self.drafter.kv_spec.bytes_per_block if self.drafter is not None else 0
+        self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget(), draft_bytes)
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
+        if self.drafter is not None:
+            self.drafter.bind(self.num_blocks)
         self.bind_kv_caches(kv_cache_scales(config, num_layers))
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
             self.launches_per_layer = self._count_layer_launches()
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
+            if self.drafter is not None:
+                self.drafter.capture_graphs(config.scheduler.max_num_seqs,
+                                            -(-(config.model.max_model_len or 1) // self.block_size))
         generator = torch.Generator(self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
@@ -229,6 +238,8 @@ class ModelRunner:
             generator=generator,
             block_table_row=self.block_table.add(new.block_ids),
         )
+        if self.drafter is not None:
+            self.drafter.reset_row(self.requests[new.req_id].block_table_row)
 
     def _apply_scheduler_output(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids | out.preempted_req_ids:
@@ -280,6 +291,11 @@ class ModelRunner:
             hidden = self.graph_runner.run(inputs, counts)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        draft = None
+        if self.drafter is not None:
+            self.drafter.catch_up(inputs, counts, states, hidden)
+            if out.draft_request_ids:
+                draft = DraftStep(out.draft_request_ids, hidden, [0, *itertools.accumulate(counts)])
         prompt_logprobs = self._prompt_logprobs(states, counts, inputs.attn_metadata.query_start_loc, hidden)
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
@@ -295,12 +311,17 @@ class ModelRunner:
                          for p in range(ends[i] - 1 - len(states[i].drafts), ends[i] - 1)]
             index = torch.tensor(positions, dtype=torch.long, device=self.device)
             spec_logits = self.model.compute_logits(hidden[index])
-        return ForwardStep(req_ids, inputs.sampled_rows, rows, logits, prompt_logprobs, spec_logits)
+        return ForwardStep(req_ids, inputs.sampled_rows, rows, logits, prompt_logprobs, spec_logits, draft)
 
     @torch.inference_mode()
     def sample(self, step: ForwardStep, grammar: GrammarBitmask | None = None) -> LaunchedStep:
         """Enqueue the sampling of a forwarded step, its constrained rows masked by `grammar` first (so greedy,
         top-p/top-k and logprobs all see the masked distribution)."""
+        launched = self._sample(step, grammar)
+        launched.draft = step.draft
+        return launched
+
+    def _sample(self, step: ForwardStep, grammar: GrammarBitmask | None) -> LaunchedStep:
         if step.logits is None:
             return LaunchedStep(step.req_ids, [], [], None, None, None, step.prompt_logprobs)
         if step.spec_logits is not None:
@@ -409,9 +430,11 @@ class ModelRunner:
                 state.token_ids.append(token_id)
                 sampled[row] = [token_id]
                 logprobs[row] = None if lp is None else [lp]
+        accepted_by_row: dict[int, int] = {}
         if step.spec is not None:
             spec = step.spec
             accepted = spec.verified.num_accepted.tolist()
+            accepted_by_row = dict(zip(spec.batch_rows, accepted))
             emitted = spec.verified.tokens.tolist()
             position_logprobs = [None] * len(emitted)
             if spec.logprobs is not None:
@@ -429,7 +452,21 @@ class ModelRunner:
                 state.drafts = []
                 state.num_pending -= 1
                 sampled[row] = tokens
-        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs)
+        drafts = self._propose(step, sampled, accepted_by_row) if step.draft is not None else {}
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs, drafts)
+
+    def _propose(self, step: LaunchedStep, sampled: list[list[int]], accepted: dict[int, int]) -> dict[str, list[int]]:
+        """The drafter's proposals for the step's requests in `draft_request_ids`, now that their tokens are known;
+        first, rows that rejected drafts keep the target's hidden state at their last accepted position."""
+        draft = step.draft
+        states = [self.requests.get(rid) for rid in step.req_ids]
+        rows = list(accepted)
+        self.drafter.settle([states[r].block_table_row for r in rows], [draft.starts[r] + accepted[r] for r in rows],
+                            draft.hidden)
+        proposing = [state for rid, state, tokens in zip(step.req_ids, states, sampled)
+                     if tokens and state is not None and rid in draft.request_ids]
+        return {state.req_id: drafts for state, drafts in zip(proposing, self.drafter.propose(proposing,
+                                                                                               self.block_table))}
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], query_start_loc: torch.Tensor,
                          hidden: torch.Tensor) -> dict[str, list[dict[int, Logprob] | None]]:
@@ -473,6 +510,18 @@ class ForwardStep:
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]]
     # The positions of the verifying rows' drafts, k per such row in row order; None without drafts.
     spec_logits: torch.Tensor | None = None
+    draft: DraftStep | None = None
+
+
+@dataclass
+class DraftStep:
+    """What a worker-side drafter needs when the step is collected: the requests to propose for, the target's
+    hidden states of the step (valid until the next step: speculation runs synchronously) and each row's first
+    token among them."""
+
+    request_ids: frozenset[str]
+    hidden: torch.Tensor
+    starts: list[int]
 
 
 @dataclass
@@ -503,6 +552,7 @@ class LaunchedStep:
     event: torch.cuda.Event | None  # recorded after that copy on CUDA
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]]
     spec: SpecStep | None = None
+    draft: DraftStep | None = None
 
 
 class _DraftOutputs(Sequence[list[int]]):
