@@ -124,6 +124,12 @@ class Drafter:
         step reads besides its token."""
         raise NotImplementedError
 
+    def _longs(self, values: list[int]) -> torch.Tensor:
+        """A small int64 index on the device; through pinned memory on CUDA, so the copy does not wait for the
+        queued work (async scheduling launches the next step before this one finishes)."""
+        pin = self.device.type == "cuda"
+        return torch.tensor(values, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
+
     def _run(self, forward, inputs: ModelInputs, counts: list[int]) -> torch.Tensor:
         width = inputs.attn_metadata.block_tables.shape[1]
         if self.graph_runner is not None and self.graph_runner.can_run(counts, width):
@@ -137,7 +143,8 @@ class DraftModelDrafter(Drafter):
     def _load(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
         draft = ModelConfig(model=config.speculative.model, dtype=_DTYPE_NAMES[dtype],
                              max_model_len=config.model.max_model_len, seed=config.model.seed,
-                             load_format=config.model.load_format, generation_config="vllm")
+                             load_format="dummy" if config.model.load_format == "dummy" else "auto",
+                             generation_config="vllm")
         return load_model(draft, None, device)
 
     def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
@@ -170,7 +177,8 @@ class EagleDrafter(Drafter):
         self.embed = target.model.embed_tokens
 
     def _load(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
-        return load_eagle_head(config.speculative.model, dtype, device, config.model.load_format, config.model.seed)
+        load_format = "dummy" if config.model.load_format == "dummy" else "auto"
+        return load_eagle_head(config.speculative.model, dtype, device, load_format, config.model.seed)
 
     def _head_from_buffer(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The head on the static feature buffer: what the proposal graphs capture."""
@@ -192,23 +200,20 @@ class EagleDrafter(Drafter):
         rows = [s.block_table_row for s in states]
         starts = [0, *itertools.accumulate(counts)]
         features = torch.cat([hidden[:1], hidden[:-1]])
-        first = torch.tensor(starts[:-1], dtype=torch.int64).to(self.device, non_blocking=True)
-        row_index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        first, row_index = self._longs(starts[:-1]), self._longs(rows)
         features.index_copy_(0, first, self.features.index_select(0, row_index))
         self.model(inputs.input_ids, features, inputs.positions, inputs.attn_metadata, self.embed)
-        last = torch.tensor([end - 1 for end in starts[1:]], dtype=torch.int64).to(self.device, non_blocking=True)
+        last = self._longs([end - 1 for end in starts[1:]])
         self.features.index_copy_(0, row_index, hidden.index_select(0, last).to(self.features.dtype))
 
     def settle(self, rows: list[int], hidden_index: list[int], hidden: torch.Tensor) -> None:
         if not rows:
             return
-        index = torch.tensor(hidden_index, dtype=torch.int64).to(self.device, non_blocking=True)
-        row_index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        index, row_index = self._longs(hidden_index), self._longs(rows)
         self.features.index_copy_(0, row_index, hidden.index_select(0, index).to(self.features.dtype))
 
     def _first_carry(self, states: list[CachedRequestState]) -> torch.Tensor | None:
-        rows = torch.tensor([s.block_table_row for s in states], dtype=torch.int64).to(self.device, non_blocking=True)
-        return self.features.index_select(0, rows)
+        return self.features.index_select(0, self._longs([s.block_table_row for s in states]))
 
     def _step(self, inputs: ModelInputs, carry: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows = inputs.input_ids.shape[0]

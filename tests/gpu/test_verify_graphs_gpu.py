@@ -79,3 +79,27 @@ def test_speculation_with_verify_graphs_is_lossless(checkpoint: Path) -> None:
     got = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     assert spec.stats.num_spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("proposer", ["self", "head"])
+def test_worker_proposers_with_graphs_are_lossless(checkpoint: Path, tmp_path: Path, proposer: str) -> None:
+    """A draft model (the target drafting for itself: every draft accepted) and a random EAGLE head, their
+    catch-up and proposal steps in CUDA graphs: greedy outputs equal the eager run without speculation."""
+    import json
+
+    from kestrel.loader.model_init import write_eagle_head
+
+    model = str(checkpoint)
+    if proposer == "head":
+        write_eagle_head(tmp_path, json.loads((checkpoint / "config.json").read_text()), seed=1)
+        model = str(tmp_path)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * (3 + i)} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kwargs = dict(dtype="float32", max_model_len=128, max_num_seqs=8, device="cuda")
+    plain = LLM(str(checkpoint), enforce_eager=True, **kwargs).generate(prompts, params, use_tqdm=False)
+    spec = LLM(str(checkpoint), speculative_config={"model": model, "num_speculative_tokens": 3}, **kwargs)
+    assert spec.runner.drafter.graph_runner is not None
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    if proposer == "self":
+        assert spec.stats.num_spec_accepted_tokens == spec.stats.num_spec_draft_tokens > 0
