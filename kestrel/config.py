@@ -260,42 +260,112 @@ class QuantConfig:
             _fail("activation_scheme", self.activation_scheme, "static activation scales need a quantization method")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
+# The config.json architecture of an EAGLE-style head (kestrel.model.eagle): it names the method when none is given.
+EAGLE_HEAD_ARCHITECTURE = "KestrelEagleHead"
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding with vLLM's names. "ngram" (prompt lookup): the last n tokens (n from
-    prompt_lookup_max down to prompt_lookup_min) are looked up earlier in the prompt and output, and the tokens
-    that followed the latest match are proposed; the target verifies num_speculative_tokens of them in one forward.
+    """Speculative decoding with vLLM's names. Proposers:
+    - "ngram" (prompt lookup): the last n tokens (n from prompt_lookup_max down to prompt_lookup_min) are looked
+      up earlier in the prompt and output, and the tokens that followed the latest match are proposed;
+    - "draft_model": `model` is a smaller checkpoint with the target's vocabulary, run greedily k steps;
+    - "eagle": `model` is an EAGLE-style head (one decoder layer over the target's last hidden state and the next
+      token's embedding, sharing the target's embedding and LM head), run greedily k steps.
+    The target verifies num_speculative_tokens of them in one forward. As in vLLM, `method` may be left out when
+    `model` is given: a head (its config.json architecture, or "eagle" in its directory name) means "eagle",
+    anything else "draft_model"; without `model` it means "ngram".
     Speculation is off for a step whose running batch exceeds disable_by_batch_size (it pays at small batch)."""
 
-    method: str = "ngram"
+    method: str | None = None
+    model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
+    draft_hf_config: dict = field(default_factory=dict, compare=False, repr=False, init=False)
 
     def __post_init__(self) -> None:
+        if self.model is not None:
+            self._read_model()
+        if self.method is None:
+            object.__setattr__(self, "method", self._inferred_method())
         if self.method not in SPECULATIVE_METHODS:
-            later = " (draft models and EAGLE heads come later)" if self.method in ("draft_model", "eagle",
-                                                                                    "eagle3", "mtp") else ""
-            _fail("speculative_config.method", self.method, f"expected one of {list(SPECULATIVE_METHODS)}{later}")
+            _fail("speculative_config.method", self.method, f"expected one of {list(SPECULATIVE_METHODS)}")
+        if self.method == "ngram" and self.model is not None:
+            _fail("speculative_config.model", self.model, "method 'ngram' proposes from the prompt and takes no "
+                  "model; drop model or use method 'draft_model' / 'eagle'")
+        if self.method != "ngram" and self.model is None:
+            _fail("speculative_config.model", None, f"method {self.method!r} needs the path of its checkpoint")
         _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1)
         _check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1)
         _check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
         _check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1, allow_none=True)
+        is_head = EAGLE_HEAD_ARCHITECTURE in (self.draft_hf_config.get("architectures") or [])
+        if self.method == "draft_model" and is_head:
+            _fail("speculative_config.model", self.model, "this is an EAGLE-style head, not a draft model; use "
+                  "method 'eagle'")
+        if self.method == "eagle" and self.model is not None and not is_head:
+            _fail("speculative_config.model", self.model, f"method 'eagle' needs an EAGLE-style head (config.json "
+                  f"architectures [{EAGLE_HEAD_ARCHITECTURE!r}], as scripts/train_eagle_tiny.py writes)")
+
+    def _read_model(self) -> None:
+        if not isinstance(self.model, str) or not os.path.isfile(os.path.join(self.model, "config.json")):
+            _fail("speculative_config.model", self.model, "expected a model directory holding a config.json")
+        try:
+            with open(os.path.join(self.model, "config.json")) as f:
+                object.__setattr__(self, "draft_hf_config", json.load(f))
+        except json.JSONDecodeError as e:
+            _fail("speculative_config.model", self.model, f"config.json is not valid JSON ({e})")
+
+    def _inferred_method(self) -> str:
+        if self.model is None:
+            return "ngram"
+        is_head = EAGLE_HEAD_ARCHITECTURE in (self.draft_hf_config.get("architectures") or [])
+        named = "eagle" in os.path.basename(os.path.normpath(self.model)).lower()
+        return "eagle" if is_head or named else "draft_model"
+
+    @property
+    def uses_model(self) -> bool:
+        """Drafts come from a model the worker runs (not from the engine's n-gram lookup)."""
+        return self.method in ("draft_model", "eagle")
+
+    def check_target(self, target: dict, max_model_len: int, kv_cache_dtype: str) -> None:
+        """The draft checkpoint must fit the target: the same vocabulary, positions up to max_model_len, a
+        16-bit KV cache (its K/V share the target's blocks), and for a head the target's hidden size."""
+        if not self.uses_model:
+            return
+        draft = self.draft_hf_config
+        if draft.get("vocab_size") != target.get("vocab_size"):
+            _fail("speculative_config.model", self.model, f"its vocab_size={draft.get('vocab_size')} differs from "
+                  f"the target's {target.get('vocab_size')}; a draft must share the target's tokenizer")
+        context = draft.get("max_position_embeddings")
+        if context and int(context) < max_model_len:
+            _fail("speculative_config.model", self.model, f"its max_position_embeddings={context} is below "
+                  f"max_model_len={max_model_len}; lower max_model_len")
+        if self.method == "eagle" and draft.get("hidden_size") != target.get("hidden_size"):
+            _fail("speculative_config.model", self.model, f"the head's hidden_size={draft.get('hidden_size')} "
+                  f"differs from the target's {target.get('hidden_size')}; train the head on this target")
+        if kv_cache_dtype != "auto":
+            _fail("kv_cache_dtype", kv_cache_dtype, f"speculative method {self.method!r} keeps the draft's K/V "
+                  "in the target's blocks at the model's dtype; use kv_cache_dtype='auto'")
 
     @classmethod
     def from_dict(cls, value: dict) -> SpeculativeConfig:
         if not isinstance(value, dict):
             _fail("speculative_config", value, "expected a dict such as {'method': 'ngram', "
                   "'num_speculative_tokens': 4}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(value) - known)
         if unknown:
             _fail("speculative_config", value, f"unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        config = cls(**value)
+        lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(value))
+        if lookup and config.method != "ngram":
+            _fail(f"speculative_config.{lookup[0]}", value[lookup[0]], f"it tunes method 'ngram' only, and the method "
+                  f"is {config.method!r}; drop it")
+        return config
 
 
 @dataclass(frozen=True)
@@ -315,6 +385,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative", SpeculativeConfig.from_dict(self.speculative_config))
+            self.speculative.check_target(self.model.hf_config, self.model.max_model_len or 0,
+                                          self.cache.kv_cache_dtype)
         _check_choice("device", self.device, DEVICE_CHOICES)
         for name in ("enforce_eager", "debug_launch_count", "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
@@ -427,7 +499,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "log the kernel launches of one decoder layer's decode step"),
     EngineArg("speculative_config", "engine", "speculative_config",
               "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-              "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5, \"disable_by_batch_size\": 16}"),
+              "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5, \"disable_by_batch_size\": 16}, or "
+              "{\"method\": \"draft_model\" | \"eagle\", \"model\": PATH, \"num_speculative_tokens\": 4}"),
     EngineArg("disable_log_stats", "engine", "disable_log_stats",
               "no periodic log line of throughput, running / waiting requests and KV cache usage"),
 )

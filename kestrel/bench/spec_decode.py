@@ -6,11 +6,16 @@ n-gram proposals of k = each of `--k`; reported per k: output tokens/s, the spee
 (tokens per verify step, the sampled one included), the acceptance rate and the acceptance by draft position.
 Greedy outputs are compared with the run without speculation (they must be equal).
 
+Part 1b, the same prompts with a draft model (`--draft-model DIR`) and an EAGLE-style head (`--eagle-head DIR`) for
+kestrel-tiny (scripts/train_eagle_tiny.py trains both), at each k of `--model-k`: the same columns.
+
 Part 2, verification cost on the Llama-3-8B architecture (random weights): at batch 1 with a 512-token context,
 the time of a decode step that verifies k drafts (a (k + 1)-token forward, drafts fixed and mostly rejected)
-against a one-token step, for k = 1..8; speculation pays when the accepted length exceeds that ratio.
+against a one-token step, for k = 1..8, both replayed in CUDA graphs (the engine captures the verify shapes);
+speculation pays when the accepted length exceeds that ratio.
 
-`--smoke` runs a tiny random model on the CPU: a check of the script, not a measurement.
+`--smoke` runs a tiny random model on the CPU (kestrel-tiny drafting for itself, a random head): a check of the
+script, not a measurement.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from kestrel.bench.latency import int_list
 from kestrel.sampling_params import SamplingParams
 from kestrel.tiny import corpus, default_model_path
 
+METHODS = ("ngram", "draft_model", "eagle")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     common.add_model_arguments(p)
@@ -36,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=8, help="held-out files to complete (part 1)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--draft-model", type=Path, default=None, help="a draft model for kestrel-tiny (part 1b)")
+    p.add_argument("--eagle-head", type=Path, default=None, help="an EAGLE-style head for kestrel-tiny (part 1b)")
+    p.add_argument("--model-k", default="2,4", help="num_speculative_tokens of the draft model and the head")
     p.add_argument("--verify-k", default="1,2,3,4,5,6,7,8", help="draft counts of the cost sweep (part 2)")
     p.add_argument("--skip-verify-sweep", action="store_true")
     common.add_report_arguments(p)
@@ -43,12 +53,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.smoke:
-        args.k, args.prompts, args.prompt_len, args.output_len, args.verify_k = "2", 2, 48, 12, "1,2"
+        args.k, args.prompts, args.prompt_len, args.output_len, args.verify_k = "2", 1, 32, 10, "1,2"
+        args.model_k = "2"
+        smoke_proposers(args)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     result: dict[str, Any] = {"suite": "spec-decode", "environment": common.environment(device),
                               "config": {"k": int_list(args.k), "prompts": args.prompts, "prompt_len": args.prompt_len,
                                          "output_len": args.output_len, "smoke": args.smoke},
-                              "ngram": [], "verify_cost": [], "complete": False}
+                              "ngram": [], "draft_model": [], "eagle": [], "verify_cost": [], "complete": False}
     ngram_part(args, device, result)
     common.write_result(result, args.result_file, quiet=True)
     if not args.skip_verify_sweep:
@@ -81,10 +93,13 @@ def ngram_part(args: argparse.Namespace, device: torch.device, result: dict[str,
     baseline, baseline_s = _decode_each(engine, prompts, params)
     common.release(engine)
     base_tps = len(prompts) * args.output_len / baseline_s
-    result["ngram_baseline_tok_s"] = base_tps
-    for k in int_list(args.k):
-        engine = common.build_engine(model, **engine_args,
-                                     speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    result["ngram_baseline_tok_s"] = result["baseline_tok_s"] = base_tps
+    runs = [("ngram", {"method": "ngram"}, k) for k in int_list(args.k)]
+    for method, path in (("draft_model", args.draft_model), ("eagle", args.eagle_head)):
+        if path is not None:
+            runs += [(method, {"method": method, "model": str(path)}, k) for k in int_list(args.model_k)]
+    for method, spec, k in runs:
+        engine = common.build_engine(model, **engine_args, speculative_config={**spec, "num_speculative_tokens": k})
         outputs, seconds = _decode_each(engine, prompts, params)
         stats = engine.core.scheduler.stats
         steps = stats.num_spec_drafts
@@ -94,9 +109,25 @@ def ngram_part(args: argparse.Namespace, device: torch.device, result: dict[str,
                "acceptance_rate": stats.num_spec_accepted_tokens / max(stats.num_spec_draft_tokens, 1),
                "accepted_per_position": [a / steps for a in stats.spec_accepted_per_position] if steps else [],
                "verify_steps": steps, "identical_to_baseline": outputs == baseline}
-        result["ngram"].append(row)
-        common.log(f"ngram k={k}: {row}")
+        result[method].append(row)
+        common.log(f"{method} k={k}: {row}")
         common.release(engine)
+
+
+def smoke_proposers(args: argparse.Namespace) -> None:
+    """Proposers for a CPU check of part 1b when none are given: kestrel-tiny as its own draft, a random head."""
+    import json
+    import tempfile
+
+    from kestrel.loader.model_init import write_eagle_head
+
+    tiny = default_model_path()
+    if args.draft_model is None:
+        args.draft_model = tiny
+    if args.eagle_head is None:
+        head = Path(tempfile.mkdtemp(prefix="kestrel-smoke-eagle-"))
+        write_eagle_head(head, json.loads((tiny / "config.json").read_text()), seed=0)
+        args.eagle_head = head
 
 
 def _decode_each(engine: common.Engine, prompts: list[list[int]],
@@ -162,11 +193,12 @@ def verify_part(args: argparse.Namespace, device: torch.device, result: dict[str
 
 
 def summary(result: dict[str, Any]) -> str:
-    lines = [f"n-gram on kestrel-tiny, batch 1: baseline {result.get('ngram_baseline_tok_s', 0):.1f} tok/s"]
-    for r in result["ngram"]:
-        lines.append(f"  k={r['k']}: {r['tok_s']:.1f} tok/s ({r['speedup']:.2f}x), mean accepted length "
-                     f"{r['mean_accepted_length']:.2f}, acceptance {100 * r['acceptance_rate']:.0f}%, identical "
-                     f"{r['identical_to_baseline']}")
+    lines = [f"kestrel-tiny, batch 1: baseline {result.get('ngram_baseline_tok_s', 0):.1f} tok/s"]
+    for method in METHODS:
+        for r in result.get(method, []):
+            lines.append(f"  {method} k={r['k']}: {r['tok_s']:.1f} tok/s ({r['speedup']:.2f}x), mean accepted length "
+                         f"{r['mean_accepted_length']:.2f}, acceptance {100 * r['acceptance_rate']:.0f}%, identical "
+                         f"{r['identical_to_baseline']}")
     for r in result["verify_cost"]:
         lines.append(f"  verify k={r['k']}: {r['step_ms']:.2f} ms vs {r['plain_step_ms']:.2f} ms ({r['ratio']:.2f}x)")
     return "\n".join(lines)
@@ -177,12 +209,17 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     if plt is None:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    ks = [r["k"] for r in result["ngram"]]
-    left.plot(ks, [r["speedup"] for r in result["ngram"]], "o-", label="speedup (tok/s)")
-    left.plot(ks, [r["mean_accepted_length"] for r in result["ngram"]], "s--", label="mean accepted length")
+    for method, color in zip(METHODS, ("C0", "C1", "C2")):
+        rows = result.get(method, [])
+        if not rows:
+            continue
+        ks = [r["k"] for r in rows]
+        left.plot(ks, [r["speedup"] for r in rows], "o-", color=color, label=f"{method}: speedup (tok/s)")
+        left.plot(ks, [r["mean_accepted_length"] for r in rows], "s--", color=color,
+                  label=f"{method}: mean accepted length")
     left.axhline(1.0, color="gray", lw=0.5)
     left.set_xlabel("num_speculative_tokens")
-    left.set_title("n-gram, kestrel-tiny, batch 1", fontsize=9)
+    left.set_title("kestrel-tiny, batch 1", fontsize=9)
     left.legend(fontsize=8)
     if result["verify_cost"]:
         right.plot([r["k"] for r in result["verify_cost"]], [r["ratio"] for r in result["verify_cost"]], "o-")

@@ -4,7 +4,8 @@ A worker keeps its own per-request state, so each step carries new requests in f
 running ones as deltas (new block ids). A request resumed after preemption is sent again as new.
 
 A step may carry, per request, draft tokens to verify (speculative decoding) and may constrain the next token
-with a grammar bitmask (structured outputs); the worker returns the accepted tokens per request, one or more.
+with a grammar bitmask (structured outputs); the worker returns the accepted tokens per request, one or more, and
+(with a draft model or an EAGLE head) the drafts it proposes for the next step.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Requests whose tokens this step are grammar-constrained: the step's GrammarBitmask has their rows.
     structured_output_request_ids: frozenset[str] = frozenset()
+    # Requests the worker's draft proposer (draft model, EAGLE head) proposes for once this step's tokens are
+    # known: each samples this step, and its blocks cover `draft_lookahead` positions past the step's tokens (the
+    # proposer writes its own K/V there).
+    draft_request_ids: frozenset[str] = frozenset()
+    draft_lookahead: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -83,6 +89,8 @@ class ModelRunnerOutput:
     logprobs: list[list[dict[int, Logprob]] | None] = field(default_factory=list)
     # Prompt logprobs computed this step for the request's prompt positions (chunk by chunk).
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    # Draft tokens proposed on the worker for the next step, per request of the step's `draft_request_ids`.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Runner(Protocol):

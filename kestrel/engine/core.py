@@ -54,10 +54,6 @@ _NOTHING_PLACED = ("the scheduler could not place any request; the KV cache is t
                    "prompts")
 
 
-def _speculates(params: SamplingParams) -> bool:
-    """Requests whose sampling the draft verification covers: every sampling setting, penalties, min_tokens and
-    bad words included (each verified position sees the drafts before it); not yet logprobs or a grammar."""
-    return not (params.logprobs is not None or params.prompt_logprobs is not None)
 
 
 def _needs_latest_tokens(params: SamplingParams) -> bool:
@@ -251,6 +247,8 @@ class EngineCore:
     def _step_async(self) -> list[RequestOutput]:
         launched = None
         if self.scheduler.has_unfinished_requests():
+            # A step launched before the previous one's tokens are known neither verifies nor proposes drafts.
+            self.scheduler.verify_drafts, self.scheduler.draft_lookahead = False, 0
             scheduler_output = self.scheduler.schedule()
             constrained = scheduler_output.structured_output_request_ids
             if not scheduler_output.is_empty and constrained and self.structured is not None:
@@ -282,8 +280,13 @@ class EngineCore:
     def _step_sync(self) -> list[RequestOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
-        if self._speculating():
+        spec = self.config.speculative
+        speculating = self._speculating()
+        if speculating and not spec.uses_model:
             self._propose_drafts()
+        # A worker-side proposer drafts for the step after this one, into `draft_lookahead` positions of scratch.
+        self.scheduler.verify_drafts = True
+        self.scheduler.draft_lookahead = spec.num_speculative_tokens if speculating and spec.uses_model else 0
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             raise RuntimeError(_NOTHING_PLACED)
@@ -331,12 +334,23 @@ class EngineCore:
         spec = self.config.speculative
         for request in self.scheduler.running:
             decoding = request.num_computed_tokens == request.num_tokens - 1
-            if decoding and not request.num_pending_tokens and _speculates(request.sampling_params):
+            if decoding and not request.num_pending_tokens:
                 drafts = propose(request.all_token_ids, spec.num_speculative_tokens, spec.prompt_lookup_min,
                                  spec.prompt_lookup_max)
-                if drafts and request.sampling_params.structured_outputs is not None and self.structured:
-                    drafts = self.structured.valid_drafts(request.request_id, drafts)  # only what the grammar allows
-                request.spec_token_ids = drafts
+                request.spec_token_ids = self._grammar_drafts(request, drafts)
+
+    def _take_worker_drafts(self, runner_output: ModelRunnerOutput) -> None:
+        """Drafts the worker's proposer made for the next step (draft model, EAGLE head), once the step's tokens
+        (and the grammars) have advanced."""
+        for request_id, drafts in runner_output.draft_token_ids.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING and drafts:
+                request.spec_token_ids = self._grammar_drafts(request, drafts)
+
+    def _grammar_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        if drafts and request.sampling_params.structured_outputs is not None and self.structured:
+            return self.structured.valid_drafts(request.request_id, drafts)  # only what the grammar allows
+        return drafts
 
     def _needs_sync(self) -> bool:
         if self._speculating():
@@ -350,6 +364,8 @@ class EngineCore:
         updated = self.scheduler.update(scheduler_output, runner_output)
         if scheduler_output.structured_output_request_ids and self.structured is not None:
             self._advance_grammars(updated)
+        if runner_output.draft_token_ids:
+            self._take_worker_drafts(runner_output)
         touched: dict[str, _ParentRequest] = {}
         now = time.monotonic()
         for request in updated:

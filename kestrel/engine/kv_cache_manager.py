@@ -47,9 +47,10 @@ class KVCacheManager:
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
-    def allocate(self, request: Request, num_new_tokens: int,
-                 cached_prefix: list[KVBlock] | None = None) -> list[int] | None:
-        """Blocks for `num_new_tokens` more tokens after the computed ones; None when they do not fit.
+    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[KVBlock] | None = None,
+                 lookahead: int = 0) -> list[int] | None:
+        """Blocks for `num_new_tokens` more tokens after the computed ones, plus `lookahead` positions after those
+        (a draft proposer's scratch, never published); None when they do not fit.
 
         Returns the ids of the blocks added to the request (cached prefix first, then fresh ones).
         Full blocks are published to the prefix cache right away: their KV is written in this very
@@ -61,7 +62,7 @@ class KVCacheManager:
             held = self._blocks[request_id] = []
         num_prefix = len(cached_prefix) if cached_prefix else 0
         num_total = request.num_computed_tokens + num_prefix * self.block_size + num_new_tokens
-        needed = -(-num_total // self.block_size) - len(held) - num_prefix
+        needed = -(-(num_total + lookahead) // self.block_size) - len(held) - num_prefix
         if not num_prefix and needed <= 0:  # the usual decode step: the last block still has room
             self._publish_full_blocks(request, held, num_total)
             return []

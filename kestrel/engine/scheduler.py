@@ -53,6 +53,10 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self.stats = SchedulerStats()
         self._by_priority = scheduler_config.policy == "priority"
+        # Set by the engine per step: whether proposed drafts are verified (only in steps whose inputs are all
+        # known on the host), and the positions past a step's tokens a worker-side proposer writes (k, or 0).
+        self.verify_drafts = True
+        self.draft_lookahead = 0
 
     # ----- queue management -------------------------------------------------------------------
 
@@ -104,6 +108,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         spec: dict[str, list[int]] = {}
         new_block_ids: dict[str, list[int]] = {}
+        proposing: set[str] = set()  # requests whose drafts the worker proposes after this step
         preempted_now = False
 
         index = 0
@@ -115,9 +120,11 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts_to_verify(request, num_new, budget)
-            block_ids = self.kv.allocate(request, num_new + len(drafts))
-            if block_ids is None and drafts:
-                drafts = []  # the drafts are optional: never preempt for them
+            samples = request.num_computed_tokens + num_new == request.num_tokens + request.num_pending_tokens
+            lookahead = self._lookahead(request.num_computed_tokens + num_new + len(drafts)) if samples else 0
+            block_ids = self.kv.allocate(request, num_new + len(drafts), lookahead=lookahead)
+            if block_ids is None and (drafts or lookahead):
+                drafts, lookahead = [], 0  # drafts and the proposer's lookahead are optional: never preempt for them
                 block_ids = self.kv.allocate(request, num_new)
             num_new += len(drafts)
             while block_ids is None:
@@ -133,6 +140,8 @@ class Scheduler:
             new_block_ids[request.request_id] = block_ids
             if drafts:
                 spec[request.request_id] = drafts
+            if lookahead:
+                proposing.add(request.request_id)
             budget -= num_new
             index += 1
 
@@ -147,9 +156,16 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            block_ids = self.kv.allocate(request, num_new, cached_prefix)
+            end = num_cached + num_new
+            lookahead = self._lookahead(end) if end == request.num_tokens else 0
+            block_ids = self.kv.allocate(request, num_new, cached_prefix, lookahead=lookahead)
+            if block_ids is None and lookahead:
+                lookahead = 0
+                block_ids = self.kv.allocate(request, num_new, cached_prefix)
             if block_ids is None:
                 break
+            if lookahead:
+                proposing.add(request.request_id)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
@@ -164,7 +180,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
-        output = self._build_output(num_scheduled, new_block_ids, spec)
+        output = self._build_output(num_scheduled, new_block_ids, spec, proposing)
         for request_id, num_new in num_scheduled.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_new
@@ -180,14 +196,19 @@ class Scheduler:
     def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The proposed tokens a decoding request verifies this step: as many as the budget, its max_tokens and
         the context leave room for (the step also samples one token of its own)."""
-        if not request.spec_token_ids or num_new != 1 or request.num_pending_tokens:
+        if not self.verify_drafts or not request.spec_token_ids or num_new != 1 or request.num_pending_tokens:
             return []
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
                    self.max_model_len - request.num_tokens - 1)
         return request.spec_token_ids[:max(room, 0)]
 
+    def _lookahead(self, end: int) -> int:
+        """Positions the draft proposer writes past a step's tokens (which end at position `end`) for a request
+        the step samples: up to k, within max_model_len."""
+        return max(min(self.draft_lookahead, self.max_model_len - end), 0)
+
     def _build_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
-                      spec: dict[str, list[int]]) -> SchedulerOutput:
+                      spec: dict[str, list[int]], proposing: set[str]) -> SchedulerOutput:
         cached, new = [], []
         for request_id in num_scheduled:
             request = self.requests[request_id]
@@ -216,6 +237,8 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec,
             structured_output_request_ids=frozenset(
                 rid for rid in order if self.requests[rid].sampling_params.structured_outputs is not None),
+            draft_request_ids=frozenset(proposing),
+            draft_lookahead=self.draft_lookahead if proposing else 0,
         )
         self._finished_ids.clear()
         self._preempted_ids.clear()
@@ -293,6 +316,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.prompt_logprobs = []  # recomputation produces them again
         request.num_preemptions += 1
         self.stats.num_preemptions += 1

@@ -9,6 +9,7 @@ from kestrel.config import ConfigError, ModelConfig, QuantConfig
 from kestrel.loader.dummy import initialize_dummy_weights
 from kestrel.loader.hf_config import load_hf_config, resolve_dtype
 from kestrel.loader.safetensors import checkpoint_files, iterate_files, weight_format
+from kestrel.model.eagle import EagleHead
 from kestrel.model.registry import get_model_class
 from kestrel.quant import QuantPlan
 
@@ -41,4 +42,20 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
     return model.eval()
 
 
-__all__ = ["load_model"]
+def load_eagle_head(model_dir: str, dtype: torch.dtype, device: str | torch.device = "cpu",
+                    load_format: str = "auto", seed: int = 0) -> EagleHead:
+    """An EAGLE-style head (kestrel.model.eagle) from its directory: config.json and safetensors weights
+    (random ones with load_format='dummy')."""
+    hf_config = load_hf_config(model_dir)
+    with torch.device(device):
+        head = EagleHead(hf_config, dtype)
+    if load_format == "dummy":
+        initialize_dummy_weights(head, seed=seed)
+        head.process_weights_after_loading()
+    else:
+        fmt = weight_format(model_dir) or "safetensors"
+        head.load_weights(iterate_files(checkpoint_files(model_dir, fmt), fmt))
+    return head.eval()
+
+
+__all__ = ["load_eagle_head", "load_model"]

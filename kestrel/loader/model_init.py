@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from kestrel.config import EAGLE_HEAD_ARCHITECTURE
 from kestrel.loader.safetensors import INDEX_FILE
 from kestrel.loader.tokenizer_init import BOS_TOKEN, EOS_TOKEN, write_tokenizer
 
@@ -82,6 +83,46 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "llama", size: str = "ti
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json",
                 {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
+    return config
+
+
+_HEAD_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size", "hidden_act",
+              "attention_bias", "mlp_bias", "torch_dtype")
+
+
+def eagle_head_config(target_config: dict) -> dict:
+    """config.json of an EAGLE-style head (kestrel.model.eagle) for a Llama-family target: the target's shapes,
+    one decoder layer."""
+    config = {key: target_config[key] for key in _HEAD_KEYS if key in target_config}
+    return {**config, "architectures": [EAGLE_HEAD_ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+            "tie_word_embeddings": False}
+
+
+def eagle_head_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape of a head: `fc` over [embedding; feature], one decoder layer, a final norm (no
+    embedding or LM head: the target's are shared)."""
+    hidden = config["hidden_size"]
+    layer = {name: shape for name, shape in checkpoint_shapes({**config, "num_hidden_layers": 1}).items()
+             if name.startswith("model.layers.0.") or name == "model.norm.weight"}
+    return {"fc.weight": (hidden, 2 * hidden), **layer}
+
+
+def write_eagle_head(path: str | Path, target_config: dict, seed: int = 0,
+                     tensors: dict[str, torch.Tensor] | None = None) -> dict:
+    """Write an EAGLE-style head directory (config.json + model.safetensors) for `target_config`: the given
+    tensors, or random ones (HF's initializer scale). Returns the config dict."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = eagle_head_config(target_config)
+    if tensors is None:
+        generator = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for name, shape in eagle_head_shapes(config).items():
+            values = torch.randn(shape, generator=generator) * INIT_STD
+            tensors[name] = (values + 1.0 if name.endswith("norm.weight") else values).contiguous()
+    _write_weights(out, {name: t.contiguous() for name, t in tensors.items()}, 1)
+    _write_json(out / "config.json", config)
     return config
 
 

@@ -23,6 +23,8 @@ from kestrel.sample.sampler import Sampler, SamplingMetadata, exponential_race, 
 class VerifyOutput:
     num_accepted: torch.Tensor  # [R] int64: drafts accepted per request
     tokens: torch.Tensor  # [N] int64: per position, the token emitted if the chain stops there
+    # [N] int64: per position, the token the request emits there: its draft while accepted, then `tokens`.
+    chosen: torch.Tensor
 
 
 def verify(logits: torch.Tensor, meta: SamplingMetadata, draft_ids: torch.Tensor, num_drafts: list[int],
@@ -57,7 +59,8 @@ def verify(logits: torch.Tensor, meta: SamplingMetadata, draft_ids: torch.Tensor
     first_rejection = torch.full((len(num_drafts),), 1 << 30, dtype=torch.long, device=logits.device)
     first_rejection.scatter_reduce_(0, request_of, rejected_at, reduce="amin")
     num_accepted = torch.minimum(first_rejection, counts - 1)
-    return VerifyOutput(num_accepted, emitted)
+    chosen = torch.where(position < num_accepted[request_of], drafts, emitted)
+    return VerifyOutput(num_accepted, emitted, chosen)
 
 
 def _uniform(rows: int, meta: SamplingMetadata, shared: torch.Generator | None, device: torch.device) -> torch.Tensor:

@@ -1,19 +1,28 @@
-"""Decode CUDA graphs: one graph per batch-size bucket, replayed on static input buffers.
+"""CUDA graphs of decode and verify steps: one graph per (query length, batch bucket), replayed on static buffers.
 
-A decode step (every sequence has exactly one query token) is padded up to the smallest bucket that holds it.
-Padded rows write their K/V nowhere (slot -1), have seq_len 1 and an all-zero block-table row, so their
-attention reads one slot of block 0 and their outputs are discarded. `query_start_loc` of a decode batch is
-always `0..B`, so it is a constant buffer.
+A decode step (every row has one query token) is padded up to the smallest batch bucket that holds it. A verify
+step (speculative decoding: a row scores its last token and its k drafts, k + 1 query tokens) runs in the graph
+of query length q = the step's longest row, captured for q = 2 .. k + 1 and small batches only (speculation is
+turned off for large ones). Every row of such a graph has exactly q query tokens: a shorter row (fewer drafts, a
+plain decode row, a short prefill chunk) is padded at its front. Front padding keeps the row's seq_len as it is,
+so the attention kernel places each real query token at its true position (seq_len - q + i); the pad tokens sit
+at earlier positions, read only keys the row already owns (or none), write their K/V nowhere (slot -1), and
+their outputs are dropped by a gather back to the step's own token order.
 
-The bucket list and `DecodeBuffers` are device-independent (tested on CPU); only `DecodeGraphRunner.capture`
-and `replay` need CUDA.
+Padded rows (past the step's batch) have seq_len 1, an all-zero block-table row and slot -1 for every token.
+What a graph bakes in is shape-only: the attention's launch choice from max_query_len = q (it bounds every row's
+query length, exactly) and its split count from the batch size (max_seq_len stays 0: the split rule must not
+see one step's context length).
+
+The buckets and `GraphBuffers` are device-independent (tested on CPU); only `GraphRunner.capture` and `_replay`
+need CUDA.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -27,6 +36,9 @@ _FINE_STEP, _COARSE_STEP, _COARSE_FROM = 8, 16, 256
 # Larger decode batches run eagerly: their launch overhead is small next to their GEMMs, and each extra bucket
 # costs capture time at startup (vLLM stops at 512 too).
 MAX_CAPTURE_BATCH = 512
+# Verify graphs: speculation pays at small batch; each (q, bucket) pair is one more graph to capture.
+DEFAULT_VERIFY_BATCH = 16
+MAX_VERIFY_BATCH = 32
 
 ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
@@ -62,75 +74,134 @@ def is_decode_only(num_scheduled: list[int]) -> bool:
     return bool(num_scheduled) and all(count == 1 for count in num_scheduled)
 
 
-class DecodeBuffers:
-    """Static inputs of the decode graphs, sized for the largest bucket; graphs read prefixes of them."""
+def verify_batch_limit(max_num_seqs: int, disable_by_batch_size: int | None) -> int:
+    """The largest batch a verify graph is captured for: speculation's own batch limit when set (it does not
+    run above it), else DEFAULT_VERIFY_BATCH; never above MAX_VERIFY_BATCH or max_num_seqs."""
+    return max(1, min(max_num_seqs, disable_by_batch_size or DEFAULT_VERIFY_BATCH, MAX_VERIFY_BATCH))
 
-    def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
+
+def padded_token_index(num_scheduled: list[int], query_len: int) -> list[int] | None:
+    """Where each real token of a step sits in the padded layout (row r owns tokens r*q .. r*q + q - 1, its real
+    tokens last), in the step's own token order; None when every row already has q tokens (no padding)."""
+    if all(count == query_len for count in num_scheduled):
+        return None
+    index: list[int] = []
+    for row, count in enumerate(num_scheduled):
+        end = (row + 1) * query_len
+        index.extend(range(end - count, end))
+    return index
+
+
+class GraphBuffers:
+    """Static inputs of every graph: token buffers for the largest (bucket x q) and row buffers for the largest
+    bucket; a graph reads prefixes of them. Tokens and rows past what the latest step loaded are padding."""
+
+    def __init__(self, max_tokens: int, max_batch: int, max_blocks_per_seq: int, query_lens: list[int],
+                 device: torch.device) -> None:
+        self.max_tokens = max_tokens
         self.max_batch = max_batch
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.device = device
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.num_loaded = 0  # rows 0..num_loaded hold a step's data; every row after them is padding
+        # Every row of a graph has exactly q tokens, so its query starts are a constant 0, q, 2q, ...
+        self.query_start_locs = {
+            q: torch.arange(0, (max_batch + 1) * q, q, dtype=torch.int32, device=device) for q in query_lens}
+        self.num_loaded_tokens = 0  # tokens 0..num_loaded_tokens may hold a step's data; the rest is padding
+        self.num_loaded = 0  # the same for rows
 
-    def metadata(self, bucket: int) -> AttentionMetadata:
-        # max_seq_len only tunes the attention's split count, which a graph must not bake in from one step.
+    def metadata(self, bucket: int, query_len: int = 1) -> AttentionMetadata:
+        num_tokens = bucket * query_len
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket],
-            query_start_loc=self.query_start_loc[: bucket + 1],
+            slot_mapping=self.slot_mapping[:num_tokens],
+            query_start_loc=self.query_start_locs[query_len][: bucket + 1],
             seq_lens=self.seq_lens[:bucket],
             block_tables=self.block_tables[:bucket],
-            max_query_len=1,
+            max_query_len=query_len,
             max_seq_len=0,
         )
 
-    def load(self, inputs: ModelInputs, bucket: int) -> None:
-        """Copy one decode step (n <= bucket rows) in; rows n..bucket are left (or reset to) harmless padding."""
-        n = inputs.input_ids.shape[0]
+    def load(self, inputs: ModelInputs, bucket: int, query_len: int = 1,
+             num_scheduled: list[int] | None = None) -> torch.Tensor | None:
+        """Copy one step (n <= bucket rows, each with at most `query_len` tokens) in, padded as the module
+        docstring says. Returns the device index of the real tokens in the padded layout, or None when they are
+        its first tokens in order (no row needed padding)."""
+        n = inputs.attn_metadata.seq_lens.shape[0]
         meta = inputs.attn_metadata
         width = meta.block_tables.shape[1]
-        if n > bucket or bucket > self.max_batch:
-            raise ValueError(f"{n} rows do not fit bucket {bucket} (largest {self.max_batch})")
+        counts = num_scheduled if num_scheduled is not None else [1] * n
+        if n > bucket or bucket > self.max_batch or bucket * query_len > self.max_tokens:
+            raise ValueError(f"{n} rows of {query_len} tokens do not fit bucket {bucket} (largest {self.max_batch} "
+                             f"rows, {self.max_tokens} tokens)")
+        if len(counts) != n or max(counts, default=0) > query_len:
+            raise ValueError(f"rows of {counts} tokens do not fit query length {query_len}")
         if width > self.max_blocks_per_seq:
             raise ValueError(f"block table of {width} blocks exceeds max_blocks_per_seq={self.max_blocks_per_seq}")
-        self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:n].copy_(inputs.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        num_tokens = n * query_len
+        host_index = padded_token_index(counts, query_len)
+        index = None
+        if host_index is None:
+            self.input_ids[:num_tokens].copy_(inputs.input_ids, non_blocking=True)
+            self.positions[:num_tokens].copy_(inputs.positions, non_blocking=True)
+            self.slot_mapping[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)
+        else:
+            self._pad_tokens(0, num_tokens)
+            pin = self.device.type == "cuda"
+            index = torch.tensor(host_index, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
+            self.input_ids.index_copy_(0, index, inputs.input_ids)
+            self.positions.index_copy_(0, index, inputs.positions)
+            self.slot_mapping.index_copy_(0, index, meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         # Columns past `width` keep stale block ids: a row's attention never reads past its own seq_len.
         self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-        # Only rows that held data in an earlier step need resetting: the steady state launches no fills.
+        # Only what held data in an earlier step needs resetting: the steady state launches no fills.
+        if self.num_loaded_tokens > num_tokens:
+            self._pad_tokens(num_tokens, self.num_loaded_tokens)
+        self.num_loaded_tokens = num_tokens
         if self.num_loaded > n:
-            self._pad(n, self.num_loaded)
+            self._pad_rows(n, self.num_loaded)
         self.num_loaded = n
+        return index
 
-    def _pad(self, start: int, end: int) -> None:
+    def _pad_tokens(self, start: int, end: int) -> None:
         self.input_ids[start:end].zero_()
         self.positions[start:end].zero_()
         self.slot_mapping[start:end].fill_(-1)
+
+    def _pad_rows(self, start: int, end: int) -> None:
         self.seq_lens[start:end].fill_(1)
         self.block_tables[start:end].zero_()
 
     def reset_padding(self) -> None:
-        """Every row padding: the state graphs are captured in."""
-        self._pad(0, self.max_batch)
-        self.num_loaded = 0
+        """Every token and row padding: the state graphs are captured in."""
+        self._pad_tokens(0, self.max_tokens)
+        self._pad_rows(0, self.max_batch)
+        self.num_loaded_tokens = self.num_loaded = 0
 
 
-class DecodeGraphRunner:
-    """Captures `forward` once per bucket (largest first, one memory pool) and replays it for decode steps."""
+class GraphRunner:
+    """Captures `forward` once per (query length, bucket), the largest first in one memory pool, and replays it:
+    decode graphs (q = 1) up to `max_num_seqs` rows, verify graphs (each q of `verify_query_lens`) up to
+    `verify_batch` rows."""
 
-    def __init__(self, forward: ModelForward, max_num_seqs: int, max_blocks_per_seq: int,
-                 device: torch.device) -> None:
+    def __init__(self, forward: ModelForward, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 verify_query_lens: Sequence[int] = (), verify_batch: int = DEFAULT_VERIFY_BATCH) -> None:
         self.device = device
         self.forward = forward
         self.sizes = capture_sizes(min(max_num_seqs, MAX_CAPTURE_BATCH))
-        self.buffers = DecodeBuffers(self.sizes[-1], max_blocks_per_seq, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.verify_sizes = capture_sizes(min(verify_batch, max_num_seqs)) if verify_query_lens else []
+        if any(q < 2 for q in verify_query_lens):
+            raise ValueError(f"verify query lengths {list(verify_query_lens)} must be >= 2")
+        self.verify_query_lens = sorted(set(verify_query_lens))
+        self.keys = [(1, b) for b in self.sizes] + [(q, b) for q in self.verify_query_lens for b in self.verify_sizes]
+        max_tokens = max(q * b for q, b in self.keys)
+        self.buffers = GraphBuffers(max_tokens, self.sizes[-1], max_blocks_per_seq, [1, *self.verify_query_lens],
+                                    device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_seconds = 0.0
 
     @property
@@ -138,7 +209,7 @@ class DecodeGraphRunner:
         return self.sizes[-1]
 
     def capture(self) -> float:
-        """Capture every bucket; returns (and keeps) the wall time it took."""
+        """Capture every graph; returns (and keeps) the wall time it took."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         start = time.perf_counter()
@@ -146,36 +217,51 @@ class DecodeGraphRunner:
         self.outputs.clear()
         self.buffers.reset_padding()
         pool = torch.cuda.graph_pool_handle()
-        for bucket in reversed(self.sizes):
-            ids, pos = self.buffers.input_ids[:bucket], self.buffers.positions[:bucket]
-            meta = self.buffers.metadata(bucket)
+        for key in sorted(self.keys, key=lambda k: (k[0] * k[1], k), reverse=True):
+            ids, pos, meta = self._inputs(key)
             # Warm up outside the graph: Triton compiles (and caches) each specialization on its first call.
             self.forward(ids, pos, meta)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bucket] = self.forward(ids, pos, meta)
-            self.graphs[bucket] = graph
+                self.outputs[key] = self.forward(ids, pos, meta)
+            self.graphs[key] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.2f s", len(self.sizes),
-                    self.sizes, self.capture_seconds)
+        logger.info("captured %d CUDA graphs (decode batch sizes %s; verify query lengths %s at batch sizes %s) in "
+                    "%.2f s", len(self.keys), self.sizes, self.verify_query_lens, self.verify_sizes,
+                    self.capture_seconds)
         return self.capture_seconds
 
+    def _inputs(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        q, bucket = key
+        n = q * bucket
+        return self.buffers.input_ids[:n], self.buffers.positions[:n], self.buffers.metadata(bucket, q)
+
+    def key_for(self, num_scheduled: list[int], block_table_width: int) -> tuple[int, int] | None:
+        """The graph a step replays in, or None when it runs eagerly."""
+        if not self.graphs or not num_scheduled or block_table_width > self.buffers.max_blocks_per_seq:
+            return None
+        q = max(num_scheduled)
+        sizes = self.sizes if q == 1 else self.verify_sizes if q in self.verify_query_lens else []
+        bucket = bucket_for(len(num_scheduled), sizes)
+        return None if bucket is None else (q, bucket)
+
     def can_run(self, num_scheduled: list[int], block_table_width: int) -> bool:
-        return (bool(self.graphs) and is_decode_only(num_scheduled) and len(num_scheduled) <= self.max_batch
-                and block_table_width <= self.buffers.max_blocks_per_seq)
+        return self.key_for(num_scheduled, block_table_width) is not None
 
-    def run(self, inputs: ModelInputs) -> torch.Tensor:
-        """Hidden states `[n, hidden]` of one decode step: a view of the bucket's static output, valid until
-        the next replay."""
-        n = inputs.input_ids.shape[0]
-        bucket = bucket_for(n, self.sizes)
-        if bucket is None:
-            raise ValueError(f"decode batch of {n} exceeds the largest captured bucket {self.max_batch}")
-        self.buffers.load(inputs, bucket)
-        self._replay(bucket)
-        return self.outputs[bucket][:n]
+    def run(self, inputs: ModelInputs, num_scheduled: list[int] | None = None) -> torch.Tensor:
+        """Hidden states `[num_tokens, hidden]` of one step, in its own token order: a view of (or a gather from)
+        the graph's static output, valid until the next replay."""
+        counts = num_scheduled if num_scheduled is not None else [1] * inputs.input_ids.shape[0]
+        key = self.key_for(counts, inputs.attn_metadata.block_tables.shape[1])
+        if key is None:
+            raise ValueError(f"no captured graph for a step of {len(counts)} rows of up to {max(counts)} tokens")
+        q, bucket = key
+        index = self.buffers.load(inputs, bucket, q, counts)
+        self._replay(key)
+        out = self.outputs[key]
+        return out[: len(counts) * q] if index is None else out.index_select(0, index)
 
-    def _replay(self, bucket: int) -> None:
-        self.graphs[bucket].replay()
+    def _replay(self, key: tuple[int, int]) -> None:
+        self.graphs[key].replay()

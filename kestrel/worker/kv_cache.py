@@ -46,8 +46,10 @@ def gpu_kv_cache_budget(total_bytes: int, peak_bytes: int, utilization: float) -
     return int(total_bytes * utilization) - peak_bytes
 
 
-def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, budget: int | None = None) -> int:
+def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, budget: int | None = None,
+                   extra_bytes_per_block: int = 0) -> int:
     """Blocks that fit the memory budget, capped at what max_num_seqs full-length sequences could use.
+    `extra_bytes_per_block`: a draft proposer's K/V, which lives in the same blocks.
 
     Budget precedence: `kv_cache_blocks`, then `kv_cache_memory_bytes`, then the given `budget` (the GPU's
     profiled one), then `cpu_kv_cache_bytes`."""
@@ -59,9 +61,10 @@ def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, budget: int | None =
         budget = config.cache.kv_cache_memory_bytes
     elif budget is None:
         budget = config.cache.cpu_kv_cache_bytes
-    fitting = budget // spec.bytes_per_block
+    bytes_per_block = spec.bytes_per_block + extra_bytes_per_block
+    fitting = budget // bytes_per_block
     if fitting < 1:
-        raise ConfigError(f"no room for the KV cache: one block needs {spec.bytes_per_block} bytes and the budget is "
+        raise ConfigError(f"no room for the KV cache: one block needs {bytes_per_block} bytes and the budget is "
                           f"{max(budget, 0)} bytes; raise gpu_memory_utilization / kv_cache_memory_bytes / "
                           "cpu_kv_cache_bytes or set kv_cache_blocks")
     return int(min(fitting, max(useful, 1)))

@@ -21,12 +21,14 @@ from kestrel.sample.sampler import (
     Sampler,
     SamplerOutput,
     SamplingMetadata,
+    gather_logprobs,
     logprob_entry,
     to_logprob_dicts,
     token_ranks,
 )
 from kestrel.sample.spec_verify import VerifyOutput, verify
-from kestrel.worker.cuda_graph import DecodeGraphRunner
+from kestrel.worker.cuda_graph import GraphRunner, verify_batch_limit
+from kestrel.worker.drafter import build_drafter
 from kestrel.worker.input_batch import BlockTable, CachedRequestState, build_model_inputs
 from kestrel.worker.kv_cache import (
     FP8_E4M3_MAX,
@@ -70,16 +72,24 @@ class ModelRunner:
         num_layers, num_kv_heads, head_size = self.model.kv_cache_spec()
         self.kv_spec = KVCacheSpec(num_layers, num_kv_heads, head_size,
                                    kv_cache_dtype(config.cache, self.dtype), self.block_size)
-        self.graph_runner: DecodeGraphRunner | None = None
+        self.graph_runner: GraphRunner | None = None
         self.capture_seconds = 0.0
-        self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget())
+        # A draft model or EAGLE head: loaded before the memory profile, its K/V in the target's blocks.
+        self.drafter = build_drafter(config, self.model, self.dtype, self.kv_spec.dtype, self.device)
+        draft_bytes = self.drafter.kv_spec.bytes_per_block if self.drafter is not None else 0
+        self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget(), draft_bytes)
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
+        if self.drafter is not None:
+            self.drafter.bind(self.num_blocks)
         self.bind_kv_caches(kv_cache_scales(config, num_layers))
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
             self.launches_per_layer = self._count_layer_launches()
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
+            if self.drafter is not None:
+                self.drafter.capture_graphs(config.scheduler.max_num_seqs,
+                                            -(-(config.model.max_model_len or 1) // self.block_size))
         generator = torch.Generator(self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
@@ -159,7 +169,12 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         self.graph_runner = None  # release the previous graphs' pool before capturing new ones
         max_blocks = -(-(self.config.model.max_model_len or 1) // self.block_size)
-        runner = DecodeGraphRunner(self.model, self.config.scheduler.max_num_seqs, max_blocks, self.device)
+        spec = self.config.speculative
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        # Verify steps score a row's last token and up to k drafts: q = 2 .. k + 1 query tokens per row.
+        verify_lens = list(range(2, spec.num_speculative_tokens + 2)) if spec is not None else []
+        verify_batch = verify_batch_limit(max_num_seqs, spec.disable_by_batch_size if spec is not None else None)
+        runner = GraphRunner(self.model, max_num_seqs, max_blocks, self.device, verify_lens, verify_batch)
         with torch.inference_mode():
             self.capture_seconds = runner.capture()
         self.graph_runner = runner
@@ -223,6 +238,8 @@ class ModelRunner:
             generator=generator,
             block_table_row=self.block_table.add(new.block_ids),
         )
+        if self.drafter is not None:
+            self.drafter.reset_row(self.requests[new.req_id].block_table_row)
 
     def _apply_scheduler_output(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids | out.preempted_req_ids:
@@ -271,9 +288,14 @@ class ModelRunner:
                                     self._last_sampled)
         width = inputs.attn_metadata.block_tables.shape[1]
         if self.graph_runner is not None and self.graph_runner.can_run(counts, width):
-            hidden = self.graph_runner.run(inputs)
+            hidden = self.graph_runner.run(inputs, counts)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        draft = None
+        if self.drafter is not None:
+            self.drafter.catch_up(inputs, counts, states, hidden)
+            if out.draft_request_ids:
+                draft = DraftStep(out.draft_request_ids, hidden, [0, *itertools.accumulate(counts)])
         prompt_logprobs = self._prompt_logprobs(states, counts, inputs.attn_metadata.query_start_loc, hidden)
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
@@ -289,12 +311,17 @@ class ModelRunner:
                          for p in range(ends[i] - 1 - len(states[i].drafts), ends[i] - 1)]
             index = torch.tensor(positions, dtype=torch.long, device=self.device)
             spec_logits = self.model.compute_logits(hidden[index])
-        return ForwardStep(req_ids, inputs.sampled_rows, rows, logits, prompt_logprobs, spec_logits)
+        return ForwardStep(req_ids, inputs.sampled_rows, rows, logits, prompt_logprobs, spec_logits, draft)
 
     @torch.inference_mode()
     def sample(self, step: ForwardStep, grammar: GrammarBitmask | None = None) -> LaunchedStep:
         """Enqueue the sampling of a forwarded step, its constrained rows masked by `grammar` first (so greedy,
         top-p/top-k and logprobs all see the masked distribution)."""
+        launched = self._sample(step, grammar)
+        launched.draft = step.draft
+        return launched
+
+    def _sample(self, step: ForwardStep, grammar: GrammarBitmask | None) -> LaunchedStep:
         if step.logits is None:
             return LaunchedStep(step.req_ids, [], [], None, None, None, step.prompt_logprobs)
         if step.spec_logits is not None:
@@ -352,9 +379,16 @@ class ModelRunner:
             logits = self._mask_verified_positions(logits, states, grammar)
         verified = verify(logits, meta, _to_device(draft_ids, self.device), [len(s.drafts) for s in states],
                           self.sampler)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            # As without speculation: the raw (pre-transform) distribution at each position, its emitted token
+            # first; the host keeps the accepted positions' entries.
+            raw = torch.log_softmax(logits, dim=-1)
+            ids, lps = gather_logprobs(raw, verified.chosen, meta.max_num_logprobs)
+            logprobs = SamplerOutput(verified.chosen, ids, lps, token_ranks(raw, lps[:, 0]))
         for state in states:
             state.num_pending += 1
-        launched.spec = SpecStep([step.sampled_rows[i] for i in verifying], states, verified)
+        launched.spec = SpecStep([step.sampled_rows[i] for i in verifying], states, verified, logprobs)
         self._last_sampled = None
         return launched
 
@@ -398,20 +432,43 @@ class ModelRunner:
                 state.token_ids.append(token_id)
                 sampled[row] = [token_id]
                 logprobs[row] = None if lp is None else [lp]
+        accepted_by_row: dict[int, int] = {}
         if step.spec is not None:
-            accepted = step.spec.verified.num_accepted.tolist()
-            emitted = step.spec.verified.tokens.tolist()
+            spec = step.spec
+            accepted = spec.verified.num_accepted.tolist()
+            accepted_by_row = dict(zip(spec.batch_rows, accepted))
+            emitted = spec.verified.tokens.tolist()
+            position_logprobs = [None] * len(emitted)
+            if spec.logprobs is not None:
+                per_position = [s.sampling_params.logprobs for s in spec.states for _ in range(len(s.drafts) + 1)]
+                position_logprobs = to_logprob_dicts(spec.logprobs, per_position)
             offset = 0
-            for row, state, num_accepted in zip(step.spec.batch_rows, step.spec.states, accepted):
+            for row, state, num_accepted in zip(spec.batch_rows, spec.states, accepted):
                 k = len(state.drafts)
                 tokens = state.drafts[:num_accepted] + [emitted[offset + num_accepted]]
+                if state.sampling_params.logprobs is not None:
+                    logprobs[row] = position_logprobs[offset: offset + num_accepted + 1]
                 offset += k + 1
                 del state.token_ids[len(state.token_ids) - k:]
                 state.token_ids.extend(tokens)
                 state.drafts = []
                 state.num_pending -= 1
                 sampled[row] = tokens
-        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs)
+        drafts = self._propose(step, sampled, accepted_by_row) if step.draft is not None else {}
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs, drafts)
+
+    def _propose(self, step: LaunchedStep, sampled: list[list[int]], accepted: dict[int, int]) -> dict[str, list[int]]:
+        """The drafter's proposals for the step's requests in `draft_request_ids`, now that their tokens are known;
+        first, rows that rejected drafts keep the target's hidden state at their last accepted position."""
+        draft = step.draft
+        states = [self.requests.get(rid) for rid in step.req_ids]
+        rows = list(accepted)
+        self.drafter.settle([states[r].block_table_row for r in rows], [draft.starts[r] + accepted[r] for r in rows],
+                            draft.hidden)
+        proposing = [state for rid, state, tokens in zip(step.req_ids, states, sampled)
+                     if tokens and state is not None and rid in draft.request_ids]
+        return {state.req_id: drafts for state, drafts in zip(proposing, self.drafter.propose(proposing,
+                                                                                               self.block_table))}
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], query_start_loc: torch.Tensor,
                          hidden: torch.Tensor) -> dict[str, list[dict[int, Logprob] | None]]:
@@ -455,6 +512,18 @@ class ForwardStep:
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]]
     # The positions of the verifying rows' drafts, k per such row in row order; None without drafts.
     spec_logits: torch.Tensor | None = None
+    draft: DraftStep | None = None
+
+
+@dataclass
+class DraftStep:
+    """What a worker-side drafter needs when the step is collected: the requests to propose for, the target's
+    hidden states of the step (valid until the next step: speculation runs synchronously) and each row's first
+    token among them."""
+
+    request_ids: frozenset[str]
+    hidden: torch.Tensor
+    starts: list[int]
 
 
 @dataclass
@@ -464,6 +533,7 @@ class SpecStep:
     batch_rows: list[int]
     states: list[CachedRequestState]
     verified: VerifyOutput
+    logprobs: SamplerOutput | None = None  # per verified position, when a verifying row asked for logprobs
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -484,6 +554,7 @@ class LaunchedStep:
     event: torch.cuda.Event | None  # recorded after that copy on CUDA
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]]
     spec: SpecStep | None = None
+    draft: DraftStep | None = None
 
 
 class _DraftOutputs(Sequence[list[int]]):

@@ -135,3 +135,28 @@ def test_constrained_requests_speculate_with_drafts_the_grammar_allows():
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
     assert outputs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids  # greedy: lossless
     assert spec.stats.num_spec_accepted_tokens > 0 and not spec.engine.structured._matchers
+
+
+def test_logprobs_match_decoding_without_speculation():
+    """Requests asking for logprobs speculate too, and each emitted token's entry (its logprob, rank and the top
+    candidates) is the target's at that position, as without speculation."""
+    from kestrel import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    plain = LLM(dtype="float32", max_model_len=256).generate(REPETITIVE, params, use_tqdm=False)
+    spec = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    got = spec.generate(REPETITIVE, params, use_tqdm=False)
+    assert spec.stats.num_spec_accepted_tokens > 0
+    for a, b in zip(got, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for entries_a, entries_b in ((a.outputs[0].logprobs, b.outputs[0].logprobs),
+                                     (a.prompt_logprobs, b.prompt_logprobs)):
+            assert len(entries_a) == len(entries_b)
+            for ea, eb in zip(entries_a, entries_b):
+                if eb is None:
+                    assert ea is None
+                    continue
+                assert list(ea) == list(eb)  # the emitted token first, then the same top candidates
+                for token_id in eb:
+                    assert ea[token_id].rank == eb[token_id].rank
+                    assert ea[token_id].logprob == pytest.approx(eb[token_id].logprob, abs=1e-4)

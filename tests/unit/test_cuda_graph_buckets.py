@@ -1,4 +1,4 @@
-"""The device-independent half of the decode CUDA graphs: buckets and the padding of static inputs."""
+"""The device-independent half of the decode and verify CUDA graphs: buckets and the padding of static inputs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from kestrel.model.attn_metadata import AttentionMetadata
-from kestrel.worker.cuda_graph import DecodeBuffers, DecodeGraphRunner, bucket_for, capture_sizes, is_decode_only
+from kestrel.worker.cuda_graph import (
+    GraphBuffers,
+    GraphRunner,
+    bucket_for,
+    capture_sizes,
+    is_decode_only,
+    padded_token_index,
+    verify_batch_limit,
+)
 from kestrel.worker.input_batch import ModelInputs
 
 
@@ -44,6 +52,11 @@ def test_is_decode_only() -> None:
     assert not is_decode_only([])
 
 
+def _buffers(max_batch: int, max_blocks: int, query_lens: tuple[int, ...] = (1,), max_tokens: int | None = None):
+    return GraphBuffers(max_tokens or max_batch * max(query_lens), max_batch, max_blocks, list(query_lens),
+                        torch.device("cpu"))
+
+
 def _decode_inputs(n: int, width: int, offset: int = 0) -> ModelInputs:
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n, dtype=torch.int64) + 100 + offset,
@@ -57,7 +70,7 @@ def _decode_inputs(n: int, width: int, offset: int = 0) -> ModelInputs:
 
 
 def test_load_copies_rows_and_pads_the_rest() -> None:
-    buffers = DecodeBuffers(max_batch=8, max_blocks_per_seq=4, device=torch.device("cpu"))
+    buffers = _buffers(8, 4)
     with torch.inference_mode():
         buffers.load(_decode_inputs(8, 4, offset=50), 8)  # a larger earlier step leaves stale rows
         inputs = _decode_inputs(3, 2)
@@ -87,7 +100,7 @@ def test_padding_reads_nothing_harmful_through_attention() -> None:
     meta = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, torch.tensor([20, 3, 17], dtype=torch.int32),
                              torch.tensor([[1, 2], [3, 0], [4, 5]], dtype=torch.int32), 1, 20)
     inputs = ModelInputs(inputs.input_ids, inputs.positions, meta, inputs.logits_indices, inputs.sampled_rows)
-    buffers = DecodeBuffers(max_batch=8, max_blocks_per_seq=4, device=torch.device("cpu"))
+    buffers = _buffers(8, 4)
     buffers.load(inputs, 8)
     q = torch.randn(8, heads, head, generator=g)
     padded_meta = buffers.metadata(8)
@@ -99,28 +112,33 @@ def test_padding_reads_nothing_harmful_through_attention() -> None:
 
 
 def test_load_rejects_oversized_batches() -> None:
-    buffers = DecodeBuffers(max_batch=4, max_blocks_per_seq=2, device=torch.device("cpu"))
+    buffers = _buffers(4, 2)
     with pytest.raises(ValueError):
         buffers.load(_decode_inputs(5, 2), 4)
     with pytest.raises(ValueError):
         buffers.load(_decode_inputs(2, 3), 2)
 
 
-class EagerReplayRunner(DecodeGraphRunner):
+class EagerReplayRunner(GraphRunner):
     """The graph runner with each replay done eagerly on the static buffers: runs on CPU and exercises the
     same padding, buffers and ModelRunner dispatch as the CUDA graphs (only capture/replay differ)."""
 
     replays: list[tuple[int, int]]
+    verify_replays: list[tuple[int, int, int]]
 
     def capture(self) -> float:
-        self.replays = []
-        self.graphs = {bucket: None for bucket in self.sizes}  # type: ignore[misc]
+        self.replays, self.verify_replays = [], []
+        self.graphs = dict.fromkeys(self.keys)  # type: ignore[misc]
         return 0.0
 
-    def _replay(self, bucket: int) -> None:
-        self.replays.append((bucket, int((self.buffers.slot_mapping[:bucket] >= 0).sum())))
-        self.outputs[bucket] = self.forward(self.buffers.input_ids[:bucket], self.buffers.positions[:bucket],
-                                            self.buffers.metadata(bucket))
+    def _replay(self, key: tuple[int, int]) -> None:
+        q, bucket = key
+        real = int((self.buffers.slot_mapping[:q * bucket] >= 0).sum())
+        if q == 1:
+            self.replays.append((bucket, real))
+        else:
+            self.verify_replays.append((q, bucket, real))
+        self.outputs[key] = self.forward(*self._inputs(key))
 
 
 def test_padded_decode_through_the_model_matches_eager(tmp_path) -> None:
@@ -152,13 +170,13 @@ def test_padded_decode_through_the_model_matches_eager(tmp_path) -> None:
 def test_capture_stops_at_the_cap() -> None:
     from kestrel.worker.cuda_graph import MAX_CAPTURE_BATCH
 
-    runner = DecodeGraphRunner(lambda *a: a[0], 4096, 4, torch.device("cpu"))
+    runner = GraphRunner(lambda *a: a[0], 4096, 4, torch.device("cpu"))
     assert runner.max_batch == MAX_CAPTURE_BATCH
     assert not runner.can_run([1] * (MAX_CAPTURE_BATCH + 1), 1)
 
 
 def test_rows_padded_earlier_stay_padding() -> None:
-    buffers = DecodeBuffers(max_batch=8, max_blocks_per_seq=4, device=torch.device("cpu"))
+    buffers = _buffers(8, 4)
     buffers.load(_decode_inputs(8, 4, offset=50), 8)
     buffers.load(_decode_inputs(2, 2), 8)
     buffers.load(_decode_inputs(5, 3, offset=9), 8)
@@ -168,3 +186,115 @@ def test_rows_padded_earlier_stay_padding() -> None:
     assert buffers.block_tables[5:].abs().sum() == 0 and buffers.input_ids[5:].abs().sum() == 0
     buffers.load(_decode_inputs(1, 1), 1)
     assert buffers.slot_mapping[1:].tolist() == [-1] * 7
+
+
+# ----- verify graphs (speculative decoding: rows of up to k + 1 query tokens) ------------------------------------
+
+def test_verify_batch_limit_and_graph_keys() -> None:
+    assert verify_batch_limit(256, None) == 16
+    assert verify_batch_limit(256, 4) == 4
+    assert verify_batch_limit(6, None) == 6
+    assert verify_batch_limit(1024, 1000) == 32
+    runner = GraphRunner(lambda *a: a[0], 64, 4, torch.device("cpu"), verify_query_lens=[2, 3, 4], verify_batch=4)
+    runner.graphs = dict.fromkeys(runner.keys)  # as if captured
+    assert runner.verify_sizes == [1, 2, 4]
+    assert runner.key_for([1, 1, 1], 4) == (1, 4)
+    assert runner.key_for([3], 4) == (3, 1)
+    assert runner.key_for([1, 4, 2], 4) == (4, 4)  # padded to the longest row
+    assert runner.key_for([5], 4) is None  # longer than any captured query (a prefill chunk)
+    assert runner.key_for([2] * 5, 4) is None  # more rows than the verify buckets hold
+    assert runner.key_for([2], 5) is None  # wider block table than the buffers
+    assert runner.buffers.max_tokens == max(64, 4 * 4)
+
+
+def test_padded_token_index_puts_each_row_last_in_its_slot() -> None:
+    assert padded_token_index([3, 3], 3) is None
+    assert padded_token_index([1, 3, 2], 3) == [2, 3, 4, 5, 7, 8]
+    assert padded_token_index([2], 4) == [2, 3]
+
+
+def _verify_inputs(counts: list[int], seq_lens: list[int], width: int) -> ModelInputs:
+    n = sum(counts)
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    positions = [p for c, s in zip(counts, seq_lens) for p in range(s - c, s)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(positions, dtype=torch.int64) + 1000,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.arange(len(counts) * width, dtype=torch.int32).reshape(len(counts), width) % 6,
+        max_query_len=max(counts), max_seq_len=max(seq_lens),
+    )
+    return ModelInputs(input_ids=torch.arange(n) + 7, positions=torch.tensor(positions), attn_metadata=meta,
+                       logits_indices=torch.tensor([s - 1 for s in starts[1:]]), sampled_rows=list(range(len(counts))))
+
+
+def test_verify_load_pads_rows_at_their_front() -> None:
+    buffers = _buffers(4, 3, query_lens=(1, 3), max_tokens=12)
+    buffers.load(_decode_inputs(4, 3, offset=50), 4)  # stale decode data in the first tokens
+    inputs = _verify_inputs([1, 3, 2], [9, 20, 33], 3)
+    index = buffers.load(inputs, 4, 3, [1, 3, 2])
+    assert index.tolist() == [2, 3, 4, 5, 7, 8]
+    meta = buffers.metadata(4, 3)
+    assert meta.max_query_len == 3 and meta.query_start_loc.tolist() == [0, 3, 6, 9, 12]
+    assert meta.slot_mapping.tolist() == [-1, -1, 1008, 1017, 1018, 1019, -1, 1031, 1032, -1, -1, -1]
+    assert buffers.input_ids[:12].tolist() == [0, 0, 7, 8, 9, 10, 0, 11, 12, 0, 0, 0]
+    assert buffers.positions[:12].tolist() == [0, 0, 8, 17, 18, 19, 0, 31, 32, 0, 0, 0]
+    assert meta.seq_lens.tolist() == [9, 20, 33, 1]  # real rows keep their seq_len; the padded row has 1
+    # A later uniform decode step leaves every token past its own as padding again.
+    buffers.load(_decode_inputs(2, 3), 2)
+    assert buffers.slot_mapping[2:].tolist() == [-1] * 10 and buffers.seq_lens[2:].tolist() == [1, 1]
+    with pytest.raises(ValueError):
+        buffers.load(_verify_inputs([4], [9], 3), 1, 3, [4])  # a row longer than the graph's q
+
+
+def test_front_padded_verify_attention_equals_the_unpadded_batch() -> None:
+    """Real query tokens of a padded verify layout attend exactly as in the unpadded step (the pad tokens before
+    them read only keys their row owns, or none; a row shorter than q included)."""
+    from kestrel.kernels.attention import paged_attention_ref
+
+    g = torch.Generator().manual_seed(0)
+    num_blocks, block_size, kv_heads, heads, head = 8, 16, 2, 4, 8
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head, generator=g)
+    counts, seq_lens = [1, 5, 3, 2], [20, 33, 3, 17]  # row 2: shorter (3 keys) than q = 5
+    inputs = _verify_inputs(counts, seq_lens, 3)
+    meta = inputs.attn_metadata
+    meta = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                             torch.tensor([[1, 2, 0], [3, 4, 5], [6, 0, 0], [7, 1, 0]], dtype=torch.int32),
+                             5, 33)
+    inputs = ModelInputs(inputs.input_ids, inputs.positions, meta, inputs.logits_indices, inputs.sampled_rows)
+    buffers = _buffers(4, 3, query_lens=(1, 5), max_tokens=20)
+    index = buffers.load(inputs, 4, 5, counts)
+    q = torch.randn(sum(counts), heads, head, generator=g)
+    padded_q = torch.zeros(20, heads, head).index_copy_(0, index, q)
+    pm = buffers.metadata(4, 5)
+    padded = paged_attention_ref(padded_q, k_cache, v_cache, pm.query_start_loc, pm.seq_lens, pm.block_tables, 0.3)
+    plain = paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.3)
+    torch.testing.assert_close(padded.index_select(0, index), plain, rtol=1e-5, atol=1e-6)  # einsum shapes differ
+
+
+def test_verify_steps_through_the_graph_path_match_eager() -> None:
+    """n-gram speculation on kestrel-tiny with verify steps replayed through the graph runner's padded buffers
+    (eagerly, on CPU): the greedy tokens equal the plain engine's, and verify replays happened, padded ones
+    (a row with fewer drafts than the longest) included."""
+    from kestrel import LLM, SamplingParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    prompts = ["x = [1, 2, 3, 1, 2, 3, 1, 2", "import os\nimport sys\nimport os\nimport sys\n",
+               "def f(a):\n    return a\n\n\ndef g(b):\n"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    eager = LLM(dtype="float32", max_model_len=128, max_num_seqs=4)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(dtype="float32", max_model_len=128, max_num_seqs=4, speculative_config=spec)
+    runner = llm.runner
+    graph_runner = EagerReplayRunner(runner.model, 4, 128 // runner.block_size, runner.device,
+                                     verify_query_lens=[2, 3, 4], verify_batch=4)
+    graph_runner.capture()
+    runner.graph_runner = graph_runner
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert llm.stats.num_spec_accepted_tokens > 0
+    assert graph_runner.verify_replays
+    assert any(real < q * bucket for q, bucket, real in graph_runner.verify_replays)
