@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.config import ConfigError, EngineConfig
+from kestrel.distributed.parallel import ParallelContext
 from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kestrel.loader import load_model
 from kestrel.loader.hf_config import resolve_dtype
@@ -51,7 +52,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, eos_token_id: int | None = None,
+                 parallel: ParallelContext | None = None) -> None:
+        """`parallel`: this rank's place in a tensor/pipeline-parallel group (kestrel.distributed.worker);
+        None runs the whole model in this process."""
         self.config = config
         self.device = resolve_device(config.device)
         model_config = config.model
@@ -64,7 +68,7 @@ class ModelRunner:
         own = frozenset() if eos_token_id is None else frozenset({eos_token_id})
         self.eos_token_ids = own | config.model.generation_defaults.eos_token_ids
         torch.manual_seed(config.model.seed)
-        self.model = load_model(model_config, config.quant, self.device)
+        self.model = load_model(model_config, config.quant, self.device, parallel)
         self.vocab_size: int = int(config.model.hf_config["vocab_size"])
         self.block_size = config.cache.block_size
         num_layers, num_kv_heads, head_size = self.model.kv_cache_spec()
@@ -73,12 +77,14 @@ class ModelRunner:
         self.graph_runner: DecodeGraphRunner | None = None
         self.capture_seconds = 0.0
         self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget())
+        if parallel is not None:  # every rank holds the same blocks: as many as the tightest rank can
+            self.num_blocks = parallel.min_over_world(self.num_blocks, self.device)
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
         self.bind_kv_caches(kv_cache_scales(config, num_layers))
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
             self.launches_per_layer = self._count_layer_launches()
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and (parallel is None or parallel.world_size == 1):
             self._capture_graphs()
         generator = torch.Generator(self.device)
         generator.manual_seed(config.model.seed)
