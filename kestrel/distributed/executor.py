@@ -82,6 +82,8 @@ class Executor(ABC):
         self.block_size = info.block_size
         self.device = DeviceInfo(info.device_type)
         self.capture_seconds = info.capture_seconds
+        self.weight_bytes = info.weight_bytes
+        self.kv_bytes_per_token = info.kv_bytes_per_token
 
     # ----- Runner, SplitRunner, AsyncRunner ---------------------------------------------------------
 

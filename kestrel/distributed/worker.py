@@ -46,6 +46,8 @@ class WorkerInfo:
     block_size: int
     device_type: str
     capture_seconds: float
+    weight_bytes: dict[str, int]  # this rank's parameters: total, embedding, per_step (the benches' roofline)
+    kv_bytes_per_token: int  # this rank's KV cache bytes per token
 
 
 # Calls: (op, key, payload). A key names a forwarded / launched step kept on the worker until collected, so
@@ -76,8 +78,15 @@ class Worker:
 
     def info(self) -> WorkerInfo:
         r = self.runner
+        total = embed = 0
+        for name, t in r.model.named_parameters():
+            total += t.numel() * t.element_size()
+            embed += t.numel() * t.element_size() if "embed_tokens" in name else 0
+        spec = r.kv_spec
+        kv_per_token = spec.bytes_per_block // spec.block_size
         return WorkerInfo(r.vocab_size, frozenset(r.eos_token_ids), r.num_blocks, r.block_size, r.device.type,
-                          r.capture_seconds)
+                          r.capture_seconds, {"total": total, "embedding": embed, "per_step": total - embed},
+                          kv_per_token)
 
     def handle(self, call: tuple[str, int | None, Any]) -> ModelRunnerOutput | None:
         """Run one call; the output of `execute` / `collect`, else None."""
