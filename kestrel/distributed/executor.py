@@ -161,7 +161,7 @@ class MultiprocExecutor(Executor):
         super().__init__(config)
         ctx = get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        threads = threads_per_rank(self.world_size) if config.device == "cpu" else None
+        threads = threads_per_rank(self.world_size) if config.device != "cuda" else None
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         for rank in range(self.world_size):
