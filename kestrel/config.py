@@ -7,6 +7,7 @@ CLI can both build and check a configuration without loading torch.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import types
@@ -23,6 +24,8 @@ QUANTIZATION_CHOICES = (None, "fp8", "int8", "compressed-tensors")
 ACTIVATION_SCHEME_CHOICES = ("dynamic", "static")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICY_CHOICES = ("fcfs", "priority")
+# None: the model runs in the engine's process on one device, in "mp" worker processes on several.
+DISTRIBUTED_EXECUTOR_BACKEND_CHOICES = (None, "mp", "ray")
 
 
 class ConfigError(ValueError):
@@ -231,15 +234,37 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """tensor_parallel_size x pipeline_parallel_size worker processes (one per device). With one device and no
+    backend named, the model runs in the engine's own process; naming a backend runs even one device through
+    a worker process."""
+
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    # How long the engine waits for a worker (process-group setup, a step's reply) before failing; a worker
+    # that dies is noticed at once.
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             _check_int(name, getattr(self, name), 1)
-            if getattr(self, name) != 1:
-                _fail(name, getattr(self, name), "tensor and pipeline parallelism are not implemented yet: kestrel "
-                      "runs a model on one device; use 1")
+        _check_choice("distributed_executor_backend", self.distributed_executor_backend,
+                      DISTRIBUTED_EXECUTOR_BACKEND_CHOICES)
+        if (isinstance(self.distributed_timeout_s, bool) or not isinstance(self.distributed_timeout_s, int | float)
+                or not self.distributed_timeout_s > 0):
+            _fail("distributed_timeout_s", self.distributed_timeout_s, "expected a number of seconds > 0")
+        if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
+            _fail("distributed_executor_backend", "ray", "the ray package is not installed here; install it "
+                  "(pip install ray) or use 'mp' (worker processes on this machine)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def uses_workers(self) -> bool:
+        """True when the model runs in worker processes behind an executor."""
+        return self.world_size > 1 or self.distributed_executor_backend is not None
 
 
 @dataclass(frozen=True)
@@ -397,11 +422,40 @@ class EngineConfig:
         if self.quant.method == "compressed-tensors" and not self.model.hf_config.get("quantization_config"):
             _fail("quantization", self.quant.method, "it names a checkpoint format, and this checkpoint has no "
                   "quantization_config in its config.json; use 'fp8' or 'int8' to quantize at load")
+        self._check_parallel()
         if not self.scheduler.enable_chunked_prefill and (
             self.scheduler.max_num_batched_tokens < (self.model.max_model_len or 0)
         ):
             _fail("max_num_batched_tokens", self.scheduler.max_num_batched_tokens,
                   "without chunked prefill it must be >= max_model_len")
+
+    def _check_parallel(self) -> None:
+        """What the sharded model needs of the checkpoint's shapes, and what runs only on one device."""
+        hf, tp, pp = self.model.hf_config, self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
+        heads = hf.get("num_attention_heads")
+        kv_heads = hf.get("num_key_value_heads") or heads
+        if tp > 1 and heads:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+            if heads % tp or (kv_heads % tp and tp % kv_heads):
+                _fail("tensor_parallel_size", tp, f"it must divide num_attention_heads={heads} and divide or be a "
+                      f"multiple of num_key_value_heads={kv_heads}; use one of {divisors}")
+            inter = hf.get("intermediate_size")
+            if inter and inter % tp:
+                _fail("tensor_parallel_size", tp, f"it must divide intermediate_size={inter}")
+        layers = hf.get("num_hidden_layers")
+        if layers and pp > layers:
+            _fail("pipeline_parallel_size", pp, f"the model has num_hidden_layers={layers}; use at most {layers} "
+                  "stages")
+        if pp > 1 and self.cache.kv_cache_dtype == "fp8":
+            _fail("kv_cache_dtype", "fp8", "per-layer FP8 KV scales are not split across pipeline stages yet; use "
+                  "kv_cache_dtype='auto' or pipeline_parallel_size=1")
+        spec = self.speculative
+        if self.parallel.uses_workers and spec is not None and spec.method != "ngram":
+            _fail("speculative_config.method", spec.method, "draft models and EAGLE heads run in one process; use "
+                  "method 'ngram' with tensor/pipeline parallelism or distributed_executor_backend")
+        if self.parallel.uses_workers and self.debug_launch_count:
+            _fail("debug_launch_count", True, "launch counting runs in the engine's own process; use it without "
+                  "tensor/pipeline parallelism or distributed_executor_backend")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -487,6 +541,11 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "lowest-priority running request is preempted first", choices=SCHEDULING_POLICY_CHOICES),
     EngineArg("tensor_parallel_size", "parallel", "tensor_parallel_size", "GPUs per model replica", aliases=("-tp",)),
     EngineArg("pipeline_parallel_size", "parallel", "pipeline_parallel_size", "pipeline stages", aliases=("-pp",)),
+    EngineArg("distributed_executor_backend", "parallel", "distributed_executor_backend",
+              "worker processes: mp (spawned on this machine) or ray (actors on a Ray cluster, multi-node); "
+              "default: in-process on one device, mp on several", choices=DISTRIBUTED_EXECUTOR_BACKEND_CHOICES),
+    EngineArg("distributed_timeout_s", "parallel", "distributed_timeout_s",
+              "seconds to wait for a worker (group setup, one step) before failing; a dead worker fails at once"),
     EngineArg("quantization", "quant", "method",
               "fp8 or int8: W8A8 quantized at load; a quantized checkpoint (compressed-tensors, fp8) loads as saved "
               "without it", aliases=("-q",), choices=QUANTIZATION_CHOICES),
@@ -517,7 +576,6 @@ NOT_SUPPORTED_ENGINE_ARGS: dict[str, str] = {
     "structured_outputs_config": f"structured outputs are not implemented yet ({_LATER})",
     "guided_decoding_backend": f"structured outputs are not implemented yet ({_LATER})",
     "data_parallel_size": "run one server per replica behind a load balancer",
-    "distributed_executor_backend": f"kestrel runs on one device ({_LATER})",
     "enable_expert_parallel": "kestrel has no mixture-of-experts models",
     "revision": "kestrel does not download; name the snapshot directory (or the cache's refs/main) instead",
     "tokenizer_revision": "kestrel does not download; pass --tokenizer DIR",
@@ -548,7 +606,7 @@ _ENGINE_ARG_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "swap_space": (0,), "cpu_offload_gb": (0,), "enable_lora": (False,), "skip_tokenizer_init": (False,),
     "tokenizer_mode": ("auto",), "task": ("auto", "generate"), "runner": ("auto", "generate"),
     "preemption_mode": (None, "recompute"), "logprobs_mode": ("raw_logprobs",), "revision": (None, "main"),
-    "distributed_executor_backend": (None,), "enable_prompt_embeds": (False,),
+    "enable_prompt_embeds": (False,),
     "calculate_kv_scales": (False,), "enable_sleep_mode": (False,), "data_parallel_size": (1,),
     "enable_expert_parallel": (False,), "hf_token": (None,), "compilation_config": (None,),
 }

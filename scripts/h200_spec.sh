@@ -13,6 +13,6 @@ python3 scripts/train_eagle_tiny.py --kind eagle --device cuda --minutes 2.0 --s
   --out "$out/eagle-kestrel-tiny" 2>&1 | tail -30
 python3 scripts/train_eagle_tiny.py --kind draft --device cuda --minutes 1.5 --steps 4000 \
   --out "$out/draft-kestrel-tiny" 2>&1 | tail -30
-python3 -m kestrel.bench.spec_decode --k 1,2,4,6 --model-k 2,4 \
+python3 -m kestrel.bench.spec_decode --k 1,2,4,6 --model-k 2,4 --prompt-len 200 --output-len 256 \
   --draft-model "$out/draft-kestrel-tiny" --eagle-head "$out/eagle-kestrel-tiny" \
   --result-file "$out/spec-decode-h200.json" 2>&1 | tail -30

@@ -26,7 +26,8 @@ from kestrel.bench import attention as attn_bench
 from kestrel.bench.hf_peer import median as median
 from kestrel.bench.hf_peer import percentile as percentile
 from kestrel.bench.hf_peer import random_prompts as random_prompts
-from kestrel.config import EngineConfig
+from kestrel.config import ConfigError, EngineConfig
+from kestrel.distributed.executor import build_executor
 from kestrel.engine.core import EngineCore
 from kestrel.loader.model_init import _write_weights, checkpoint_shapes, write_tiny_checkpoint
 from kestrel.loader.tokenizer import load_tokenizer
@@ -129,7 +130,14 @@ def build_engine(model: str, **engine_args: Any) -> Engine:
     if any((Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = load_tokenizer(config.model.tokenizer_path)
     eos = tokenizer.eos_token_id
-    runner = ModelRunner(config, eos_token_id=eos)
+    runner: Any
+    if config.parallel.uses_workers:
+        if config.cache.kv_cache_dtype == "fp8":
+            raise ConfigError("invalid kv_cache_dtype='fp8' with worker processes in a bench: its KV scales are "
+                              "calibrated in-process; run without --distributed-executor-backend / tensor parallelism")
+        runner = build_executor(config, eos)
+    else:
+        runner = ModelRunner(config, eos_token_id=eos)
     if config.cache.kv_cache_dtype == "fp8":
         runner.calibrate_kv_scales()  # random weights have no checkpoint scales; 1.0 would waste FP8 range
     core = EngineCore(config, runner, runner.num_blocks, tokenizer, eos)
@@ -144,8 +152,9 @@ def release(engine: Engine | None) -> None:
         torch.cuda.empty_cache()
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
+def synchronize(device: Any) -> None:
+    # An executor's device is in its workers, which answer only once a step is done: nothing to wait for here.
+    if isinstance(device, torch.device) and device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
@@ -162,6 +171,11 @@ def prompt_vocab(model_dir: str) -> int:
 # ------------------------------------------------------------------------------------------------ model bytes
 
 
+def runner_weight_bytes(runner: Any) -> dict[str, int]:
+    """`weight_bytes` of the runner's model, in this process or (executor) as its rank 0 reported them."""
+    return weight_bytes(runner.model) if isinstance(runner, ModelRunner) else dict(runner.weight_bytes)
+
+
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of the parameters (weights, their scales, norms; not buffers such as rope tables, of which a
     step reads only its positions' rows); `per_step` also leaves out the embedding table, for the same reason."""
@@ -174,7 +188,9 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     return {"total": total, "embedding": embed, "per_step": total - embed}
 
 
-def kv_bytes_per_token(runner: ModelRunner) -> int:
+def kv_bytes_per_token(runner: Any) -> int:
+    if not isinstance(runner, ModelRunner):
+        return runner.kv_bytes_per_token
     spec = runner.kv_spec
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_size * torch.empty((), dtype=spec.dtype).element_size()
 
@@ -297,6 +313,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                   help="run the model in worker processes (with tp 1: the executor path, for its overhead)")
 
 
 def add_report_arguments(p: argparse.ArgumentParser) -> None:
@@ -314,7 +333,8 @@ def build_suite_engine(args: argparse.Namespace, model_dir: str, load_format: st
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, enable_prefix_caching=False,
         async_scheduling=args.async_scheduling, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs), max_model_len=max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization)
+        gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend)
 
 
 def precision(args: argparse.Namespace, model_dir: str | None = None) -> str:
@@ -341,7 +361,8 @@ def engine_config_block(args: argparse.Namespace, engine: Engine, model_dir: str
     return {"model": model_dir, "arch": None if args.model or args.smoke else args.arch,
             "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
             "precision": precision(args, model_dir), "kv_cache_dtype": args.kv_cache_dtype,
-            "enforce_eager": args.enforce_eager,
+            "enforce_eager": args.enforce_eager, "tensor_parallel_size": args.tensor_parallel_size,
+            "distributed_executor_backend": args.distributed_executor_backend,
             "async_scheduling": engine.core.async_scheduling,
             "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
             "kv_cache_blocks": engine.runner.num_blocks, "smoke": args.smoke}

@@ -115,7 +115,7 @@ def add_roofline(row: dict[str, Any], engine: Engine, ceilings: dict[str, Any], 
     hf_config = engine.config.model.hf_config
     bandwidth = ceilings["copy_TBps"] * 1e12
     peak = (ceilings["eight_bit_TFLOPs"] if eight_bit else ceilings["bf16_TFLOPs"]) * 1e12
-    weights = common.weight_bytes(engine.runner.model)["per_step"]
+    weights = common.runner_weight_bytes(engine.runner)["per_step"]
     per_token_kv = common.kv_bytes_per_token(engine.runner)
     b, n, out = row["batch"], row["input_len"], row["output_len"]
     mean_context = n + out / 2
@@ -323,7 +323,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
                    "warmups": args.warmups},
         "environment": common.environment(device), "ceilings": ceilings, "startup_s": engine.build_s,
         "graph_capture_s": getattr(engine.runner, "capture_seconds", None),
-        "weight_bytes": common.weight_bytes(engine.runner.model),
+        "weight_bytes": common.runner_weight_bytes(engine.runner),
         "kv_bytes_per_token": common.kv_bytes_per_token(engine.runner),
         "rows": rows, "hf_peer": hf, "targets": [], "checks": checks, "complete": False,
     }

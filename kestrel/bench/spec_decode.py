@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     common.add_model_arguments(p)
     p.add_argument("--k", default="1,2,4,6", help="comma-separated numbers of speculative tokens (part 1)")
     p.add_argument("--prompts", type=int, default=8, help="held-out files to complete (part 1)")
-    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=200)  # + output-len + 8 within the 512 context
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--draft-model", type=Path, default=None, help="a draft model for kestrel-tiny (part 1b)")
     p.add_argument("--eagle-head", type=Path, default=None, help="an EAGLE-style head for kestrel-tiny (part 1b)")

@@ -214,6 +214,9 @@ class AsyncEngine:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        stop_workers = getattr(self.core.runner, "shutdown", None)
+        if stop_workers is not None:  # an executor's worker processes
+            stop_workers()
 
     def begin_drain(self) -> None:
         """Refuse new requests (ServerShuttingDownError); the running ones go on until `end_unfinished`."""
@@ -241,11 +244,14 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._error is None and not self._stopping and not self._draining and self._thread.is_alive()
+        # An executor whose worker died is unhealthy at once, before any step runs into it.
+        runner_ok = getattr(self.core.runner, "healthy", True)
+        return (self._error is None and not self._stopping and not self._draining and self._thread.is_alive()
+                and runner_ok)
 
     @property
     def error(self) -> BaseException | None:
-        return self._error
+        return self._error or getattr(self.core.runner, "error", None)
 
     @property
     def generation_defaults(self) -> GenerationDefaults:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kestrel.config import EngineConfig
+from kestrel.distributed.executor import Executor, build_executor
 from kestrel.engine.core import EngineCore
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.structured.backend import GrammarBackend
@@ -15,16 +16,23 @@ from kestrel.worker.model_runner import ModelRunner
 @dataclass
 class BuiltEngine:
     tokenizer: Any
-    runner: ModelRunner
+    runner: ModelRunner | Executor
     core: EngineCore
 
 
 def build_engine(config: EngineConfig) -> BuiltEngine:
-    """Tokenizer, model runner (weights, KV cache, graphs) and the engine core with its grammar backend."""
+    """Tokenizer, model runner (weights, KV cache, graphs) and the engine core with its grammar backend. With
+    tensor/pipeline parallelism (or a named executor backend) the runner is an executor over worker processes
+    and this process holds no model."""
     tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
     eos_token_id = tokenizer.eos_token_id
-    runner = ModelRunner(config, eos_token_id=eos_token_id)
-    structured = GrammarBackend(tokenizer, runner.vocab_size, runner.eos_token_ids,
-                                pin_memory=runner.device.type == "cuda")
+    runner: ModelRunner | Executor
+    if config.parallel.uses_workers:
+        runner = build_executor(config, eos_token_id)
+    else:
+        runner = ModelRunner(config, eos_token_id=eos_token_id)
+    # Masks go to the device from pinned memory when this process's runner is on a GPU.
+    pin = isinstance(runner, ModelRunner) and runner.device.type == "cuda"
+    structured = GrammarBackend(tokenizer, runner.vocab_size, runner.eos_token_ids, pin_memory=pin)
     core = EngineCore(config, runner, runner.num_blocks, tokenizer, eos_token_id, structured)
     return BuiltEngine(tokenizer, runner, core)

@@ -76,7 +76,7 @@ def scaled_mm_ref(
     azp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PyTorch reference: exact accumulation in float64, the epilogue in fp32 as the kernel does it."""
-    _check_args(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp)
+    _check_args(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, allow_fp32=True)
     M, N = a.shape[0], b.shape[0]
     acc = a.double() @ b.double().T  # exact for int8: |acc| <= K * 2^14 << 2^53
     if azp is not None:
@@ -89,12 +89,13 @@ def scaled_mm_ref(
     return out.to(out_dtype)
 
 
-def _check_args(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp) -> None:
+def _check_args(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, allow_fp32: bool = False) -> None:
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"scaled_mm: a [M, K] and b [N, K] expected, got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype != b.dtype or a.dtype not in (torch.int8, torch.float8_e4m3fn):
         raise ValueError(f"scaled_mm: a and b must both be int8 or float8_e4m3fn, got {a.dtype}, {b.dtype}")
-    if out_dtype not in (torch.bfloat16, torch.float16):
+    # The reference also writes float32 (tensor-parallel partial sums of float32 test models).
+    if out_dtype not in (torch.bfloat16, torch.float16) and not (allow_fp32 and out_dtype == torch.float32):
         raise ValueError(f"scaled_mm: out_dtype must be bfloat16 or float16, got {out_dtype}")
     M, N = a.shape[0], b.shape[0]
     if scale_a.numel() not in (1, M) or scale_b.numel() not in (1, N):

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kestrel.config import ConfigError, ModelConfig, QuantConfig
+from kestrel.distributed.parallel import ParallelContext
 from kestrel.loader.dummy import initialize_dummy_weights
 from kestrel.loader.hf_config import load_hf_config, resolve_dtype
 from kestrel.loader.safetensors import checkpoint_files, iterate_files, weight_format
@@ -15,8 +16,9 @@ from kestrel.quant import QuantPlan
 
 
 def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = None,
-               device: str | torch.device = "cpu") -> nn.Module:
-    """The model of `model_config.architecture` on `device`, weights loaded, in eval mode."""
+               device: str | torch.device = "cpu", parallel: ParallelContext | None = None) -> nn.Module:
+    """The model of `model_config.architecture` on `device`, weights loaded, in eval mode; with `parallel`,
+    this rank's shard of it (its stage's layers, its slices of each sharded layer)."""
     hf_config = model_config.hf_config or load_hf_config(model_config.model)
     architectures = hf_config.get("architectures") or [""]
     model_cls = get_model_class(architectures[0])
@@ -32,7 +34,7 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
         raise ConfigError("invalid load_format='dummy': the checkpoint is quantized (quantization_config); random "
                           "weights exist only for unquantized models, or with quantization='fp8' / 'int8' at load")
     with torch.device(device):
-        model = model_cls(hf_config, dtype, plan)
+        model = model_cls(hf_config, dtype, plan) if parallel is None else model_cls(hf_config, dtype, plan, parallel)
     if load_format == "dummy":
         initialize_dummy_weights(model, seed=model_config.seed)
         model.process_weights_after_loading()

@@ -10,6 +10,7 @@ from torch import nn
 
 from kestrel import ops
 from kestrel.config import ConfigError, QuantConfig
+from kestrel.distributed.parallel import ParallelContext, single_process
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.activation import SiluAndMul
 from kestrel.model.layers.attention import Attention
@@ -98,20 +99,22 @@ class LlamaArchConfig:
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaArchConfig, layer_idx: int, dtype: torch.dtype, quant_config: Quantization,
-                 prefix: str, rotary_emb: RotaryEmbedding) -> None:
+                 prefix: str, rotary_emb: RotaryEmbedding, parallel: ParallelContext) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.qkv_bias,
             quant_method=get_quant_method(quant_config, f"{prefix}.qkv_proj", _parts(f"{prefix}.qkv_proj")),
-            params_dtype=dtype,
+            params_dtype=dtype, parallel=parallel,
         )
         self.o_proj = RowLinear(
             cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias,
-            quant_method=get_quant_method(quant_config, f"{prefix}.o_proj"), params_dtype=dtype,
+            quant_method=get_quant_method(quant_config, f"{prefix}.o_proj"), params_dtype=dtype, parallel=parallel,
         )
         self.rotary_emb = rotary_emb
-        self.attn = Attention(cfg.num_heads, cfg.head_dim, cfg.num_kv_heads, scale=cfg.head_dim**-0.5,
-                              sliding_window=cfg.sliding_windows[layer_idx], layer_idx=layer_idx)
+        # This rank's heads (kv heads replicated when tp_size > num_kv_heads).
+        self.attn = Attention(self.qkv_proj.num_heads, cfg.head_dim, self.qkv_proj.num_kv_heads,
+                              scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_windows[layer_idx],
+                              layer_idx=layer_idx)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -125,16 +128,16 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, quant_config: Quantization,
-                 prefix: str) -> None:
+                 prefix: str, parallel: ParallelContext) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnLinear(
             cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias,
             quant_method=get_quant_method(quant_config, f"{prefix}.gate_up_proj", _parts(f"{prefix}.gate_up_proj")),
-            params_dtype=dtype,
+            params_dtype=dtype, parallel=parallel,
         )
         self.down_proj = RowLinear(
             cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
-            quant_method=get_quant_method(quant_config, f"{prefix}.down_proj"), params_dtype=dtype,
+            quant_method=get_quant_method(quant_config, f"{prefix}.down_proj"), params_dtype=dtype, parallel=parallel,
         )
         self.act_fn = SiluAndMul()
 
@@ -144,10 +147,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaArchConfig, layer_idx: int, dtype: torch.dtype, quant_config: Quantization,
-                 prefix: str, rotary_emb: RotaryEmbedding) -> None:
+                 prefix: str, rotary_emb: RotaryEmbedding, parallel: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, dtype, quant_config, f"{prefix}.self_attn", rotary_emb)
-        self.mlp = LlamaMLP(cfg, dtype, quant_config, f"{prefix}.mlp")
+        self.self_attn = LlamaAttention(cfg, layer_idx, dtype, quant_config, f"{prefix}.self_attn", rotary_emb,
+                                        parallel)
+        self.mlp = LlamaMLP(cfg, dtype, quant_config, f"{prefix}.mlp", parallel)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # W8A8 linears take activations quantized by the op before them (norm, SiLU-mul): one launch instead
@@ -182,29 +186,53 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states = attn.attend(positions, qkv, attn_metadata)
         act, residual = _norm_quant(self.post_attention_layernorm, hidden_states, residual, mlp.gate_up_proj)
         gate_up = _apply_quantized(mlp.gate_up_proj, act, hidden_states.dtype)
-        spec = mlp.down_proj.quant_method.input_quant(mlp.down_proj)
-        act = ops.silu_mul_quant(gate_up, spec.dtype, spec.scale, spec.azp, spec.symmetric)
+        if mlp.down_proj.needs_global_input_scale:
+            # Per-token scales over the whole intermediate row, which no rank holds: SiLU-mul, then the row
+            # layer's group-wide quantization.
+            act = mlp.down_proj.quantize_input(mlp.act_fn(gate_up))
+        else:
+            spec = mlp.down_proj.quant_method.input_quant(mlp.down_proj)
+            act = ops.silu_mul_quant(gate_up, spec.dtype, spec.scale, spec.azp, spec.symmetric)
         return _apply_quantized(mlp.down_proj, act, hidden_states.dtype), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, quant_config: Quantization) -> None:
+    """Under pipeline parallelism a stage builds only its own layers (the others are empty placeholders, so
+    parameter names keep their layer index), the first stage the embedding, the last the final norm."""
+
+    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, quant_config: Quantization,
+                 parallel: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.parallel = parallel
+        self.hidden_size = cfg.hidden_size
+        self.dtype = dtype
+        self.stage_layers = parallel.stage_layers(cfg.num_layers)
+        if parallel.is_first_stage:
+            self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         # One cos/sin table for all layers: at 128k positions it is 64 MB, which per layer would be 2 GB for 32.
         rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, dtype, quant_config, f"model.layers.{i}", rotary_emb)
+            LlamaDecoderLayer(cfg, i, dtype, quant_config, f"model.layers.{i}", rotary_emb, parallel)
+            if i in self.stage_layers else nn.Identity()
             for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if parallel.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        parallel = self.parallel
+        if parallel.is_first_stage:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            like = ((input_ids.shape[0], self.hidden_size), self.dtype)
+            hidden_states, residual = parallel.recv_from_prev_stage([like, like], input_ids.device)
+        for i in self.stage_layers:
+            hidden_states, residual = self.layers[i](positions, hidden_states, residual, attn_metadata)
+        if not parallel.is_last_stage:
+            parallel.send_to_next_stage([hidden_states, residual])
+            # Nothing to return but rows to index: compute_logits takes the last stage's logits instead.
+            return hidden_states
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -214,16 +242,20 @@ class LlamaForCausalLM(nn.Module):
     `compute_logits(hidden [R, hidden]) -> float32 logits [R, vocab]`."""
 
     def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32,
-                 quant_config: Quantization = None) -> None:
+                 quant_config: Quantization = None, parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.hf_config = hf_config
         self.dtype = dtype
+        self.parallel = parallel or single_process()
         self.config = self.arch_config(hf_config)
-        self.model = LlamaModel(self.config, dtype, quant_config)
+        self.model = LlamaModel(self.config, dtype, quant_config, self.parallel)
         if isinstance(quant_config, QuantPlan):
             quant_config.check_unquantized("lm_head")
-        tie = self.model.embed_tokens if self.config.tie_word_embeddings else None
-        self.lm_head = LMHead(self.config.vocab_size, self.config.hidden_size, dtype, tie_to=tie)
+        if self.parallel.is_last_stage:
+            # A last stage that is not the first has no embedding to tie to: it loads the embedding's tensor.
+            tie = self.model.embed_tokens if self.config.tie_word_embeddings and self.parallel.is_first_stage else None
+            self.lm_head = LMHead(self.config.vocab_size, self.config.hidden_size, dtype, tie_to=tie,
+                                  parallel=self.parallel)
 
     @classmethod
     def arch_config(cls, hf: dict) -> LlamaArchConfig:
@@ -234,11 +266,20 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        """Float32 logits; under pipeline parallelism the last stage's, broadcast to every stage so that all
+        ranks sample the same tokens."""
+        if self.parallel.pp_size == 1:
+            return self.lm_head(hidden_states)
+        if self.parallel.is_last_stage:
+            logits = self.lm_head(hidden_states)
+        else:
+            logits = torch.empty(hidden_states.shape[0], self.config.vocab_size, dtype=torch.float32,
+                                 device=hidden_states.device)
+        return self.parallel.broadcast_from_last_stage(logits)
 
     def attention_layers(self) -> list[Attention]:
-        """The Attention modules in layer order, for the runner to bind one KV cache each."""
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """This stage's Attention modules in layer order, for the runner to bind one KV cache each."""
+        return [self.model.layers[i].self_attn.attn for i in self.model.stage_layers]
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor], k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         layers = self.attention_layers()
@@ -248,8 +289,24 @@ class LlamaForCausalLM(nn.Module):
             layer.bind_kv_cache(cache, k_scale, v_scale)
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_size) of the per-layer KV caches."""
-        return self.config.num_layers, self.config.num_kv_heads, self.config.head_dim
+        """(num_layers, num_kv_heads, head_size) of this rank's per-layer KV caches (its stage's layers, its
+        share of the kv heads)."""
+        layers = self.attention_layers()
+        num_kv_heads = layers[0].num_kv_heads if layers else self.config.num_kv_heads
+        return len(layers), num_kv_heads, self.config.head_dim
+
+    def owns_checkpoint_tensor(self, hf_name: str) -> bool:
+        """False for a tensor that belongs to another pipeline stage."""
+        if self.parallel.pp_size == 1:
+            return True
+        if hf_name.startswith("model.layers."):
+            return int(hf_name.split(".")[2]) in self.model.stage_layers
+        if hf_name.startswith("model.embed_tokens."):
+            tied_here = self.config.tie_word_embeddings and self.parallel.is_last_stage
+            return self.parallel.is_first_stage or tied_here
+        if hf_name.startswith(("model.norm.", "lm_head.")):
+            return self.parallel.is_last_stage
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) in through each parameter's weight_loader, check that
@@ -263,7 +320,11 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                     continue
+                if not self.owns_checkpoint_tensor(hf_name):
+                    continue
                 name, shard_id = _to_param_name(hf_name)
+                if name == "model.embed_tokens.weight" and not self.parallel.is_first_stage:
+                    name = hf_name = "lm_head.weight"  # the tied head of a last stage without the embedding
                 param = params.get(name)
                 if param is None:
                     raise WeightLoadingError(
@@ -320,9 +381,8 @@ def _norm_quant(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
 
 
 def _apply_quantized(linear: LinearBase, act: QuantAct, out_dtype: torch.dtype) -> torch.Tensor:
-    # A row layer adds its bias on rank 0 only (see RowLinear.forward); tensor parallelism is not wired here.
-    bias = linear.bias if linear.tp_rank == 0 else None
-    return linear.quant_method.apply_quantized(linear, act, out_dtype, bias)
+    # The layer adds its bias (a row layer on tp rank 0 only) and, for a row layer, sums over the group.
+    return linear.apply_quantized(act, out_dtype)
 
 
 def _parts(merged_name: str) -> tuple[str, ...]:

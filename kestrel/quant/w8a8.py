@@ -145,9 +145,12 @@ class W8A8LinearMethod(QuantMethod):
         return self.quantize_dynamic(x)
 
     def apply_quantized(self, layer: nn.Module, act: QuantAct, out_dtype: torch.dtype,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`[M, N]` in `out_dtype` from activations already quantized (by `quantize_input` or a fused producer)."""
-        gemm_dtype = out_dtype if out_dtype in GEMM_OUT_DTYPES else torch.bfloat16
+                        bias: torch.Tensor | None = None, gemm_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`[M, N]` in `out_dtype` from activations already quantized (by `quantize_input` or a fused producer).
+        `gemm_dtype`: what the GEMM writes (default: bf16 unless `out_dtype` is a 16-bit one); float32 is for the
+        partial sums of a tensor-parallel row layer of a float32 model (reference GEMM only)."""
+        if gemm_dtype is None:
+            gemm_dtype = out_dtype if out_dtype in GEMM_OUT_DTYPES else torch.bfloat16
         azp_adj = layer.azp_adj if act.azp is not None else None
         out = ops.scaled_mm(act.q, layer.weight, act.scale, layer.weight_scale, gemm_dtype, bias, azp_adj, act.azp)
         return out if out.dtype == out_dtype else out.to(out_dtype)

@@ -229,6 +229,7 @@ def train_draft(opts: DraftTrainOptions) -> dict[str, Any]:
     torch.manual_seed(opts.seed)
     target = load_target(opts.target, device)
     train, held = load_streams(opts)
+    train = train.to(device)  # sample_batch indexes it with device rows
     prefixes = eval_prefixes(held, opts.eval_positions, min(opts.eval_prefix, target.cfg.max_position - 16), opts.seed)
     proposer: nn.Module = (TinyEagleHead(target.cfg, target) if opts.kind == "eagle"
                            else init_draft_model(target, opts.draft_layers)).to(device)

@@ -170,7 +170,8 @@ def test_split_k_counters_are_left_zeroed(device):
         dict(b_dtype=torch.float8_e4m3fn),  # mixed dtypes
         dict(scale_a_shape=(3, 1)),  # neither scalar nor [M, 1]
         dict(azp_only=True),  # azp without azp_adj
-        dict(out_dtype=torch.float32),
+        dict(out_dtype=torch.float32, kernel_only=True),
+        dict(out_dtype=torch.int32),
     ],
 )
 def test_invalid_arguments_raise(bad):
@@ -178,9 +179,21 @@ def test_invalid_arguments_raise(bad):
     b = torch.zeros(8, 32, dtype=bad.get("b_dtype", torch.int8))
     sa = torch.ones(*bad.get("scale_a_shape", (4, 1)))
     azp = torch.zeros(4, dtype=torch.int32) if bad.get("azp_only") else None
-    for fn in (smm.scaled_mm, smm.scaled_mm_ref):
+    for fn in (smm.scaled_mm,) if bad.get("kernel_only") else (smm.scaled_mm, smm.scaled_mm_ref):
         with pytest.raises(ValueError):
             fn(a, b, sa, torch.ones(8, 1), bad.get("out_dtype", torch.bfloat16), None, None, azp)
+
+
+def test_reference_writes_float32_without_rounding():
+    """The float32 output (tensor-parallel partial sums of float32 models) is the epilogue before any rounding."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (4, 32), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (8, 32), generator=g, dtype=torch.int8)
+    sa, sb = torch.rand(4, 1, generator=g) + 0.5, torch.rand(8, 1, generator=g) + 0.5
+    out = smm.scaled_mm_ref(a, b, sa, sb, torch.float32)
+    expected = (sa * sb.T) * (a.double() @ b.double().T).float()
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    assert not torch.equal(out, out.to(torch.bfloat16).float())
 
 
 def test_m_buckets():

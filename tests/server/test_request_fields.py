@@ -119,9 +119,9 @@ def test_openai_client_extra_body_fields_are_checked(openai_server):
     assert answer.choices[0].message.content in ("yes", "no")
 
 
-def test_tensor_parallel_size_other_than_one_is_refused(tiny_model_dir):
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2"):
-        EngineConfig.from_kwargs(tiny_model_dir, tensor_parallel_size=2)
+def test_tensor_parallel_size_that_does_not_divide_the_heads_is_refused(tiny_model_dir):
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3.*num_attention_heads"):
+        EngineConfig.from_kwargs(tiny_model_dir, tensor_parallel_size=3)
 
 
 def test_add_special_tokens_is_honoured_on_completions(openai_server, tiny_model_dir):

@@ -42,8 +42,8 @@ def test_vllm_spellings_reach_the_config(tiny_model_dir):
 
 
 def test_unsupported_parallelism_and_two_models_are_errors(tiny_model_dir, capsys):
-    assert main(["serve", tiny_model_dir, "-tp", "2"]) == 2
-    assert "tensor_parallel_size=2" in capsys.readouterr().err
+    assert main(["serve", tiny_model_dir, "-tp", "3"]) == 2
+    assert "tensor_parallel_size=3" in capsys.readouterr().err
     assert main(["serve", tiny_model_dir, "--model", "/elsewhere"]) == 2
     assert "two models given" in capsys.readouterr().err
 

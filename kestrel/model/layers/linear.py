@@ -12,8 +12,10 @@ Loading contract (what a QuantMethod may rely on):
   to `quant_method.process_after_loading` (e.g. to quantize the loaded weight).
 
 Tensor parallelism: a column layer splits its outputs across `tp_size` ranks, a row layer its inputs.
-The loaders already take this rank's slice of each checkpoint tensor; the collectives (all-reduce
-after a row layer) are the seam left for the distributed implementation.
+The loaders take this rank's slice of each checkpoint tensor; a row layer sums its partial outputs with one
+all-reduce over the `ParallelContext` it was built with. A W8A8 row layer quantizes with the scales one
+device would use: per-token activation extremes and (online) per-channel weight absmax are max-reduced over
+the group first, so every rank's int8/fp8 values are exactly the single-device ones.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from typing import Literal
 import torch
 from torch import nn
 
+from kestrel.distributed.parallel import ParallelContext, single_process
 from kestrel.model.layers.weights import copy_checked
 from kestrel.quant.base import QuantMethod
 from kestrel.quant.unquantized import UnquantizedLinearMethod
+from kestrel.quant.w8a8 import GEMM_OUT_DTYPES, QuantAct, W8A8LinearMethod
 
 ShardId = str | int
 TPSplit = Literal["output", "input"] | None
@@ -54,8 +58,14 @@ class LinearBase(nn.Module):
         shard_ids: Sequence[ShardId] = (),
         tp_size: int = 1,
         tp_rank: int = 0,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
+        if parallel is not None:
+            tp_size, tp_rank = parallel.tp_size, parallel.tp_rank
+        else:
+            parallel = single_process()
+        self.parallel = parallel
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"invalid tensor-parallel rank {tp_rank} of size {tp_size}")
         if shard_ids and len(shard_ids) != len(output_sizes):
@@ -130,8 +140,24 @@ class LinearBase(nn.Module):
     def process_after_loading(self) -> None:
         self.quant_method.process_after_loading(self)
 
+    def rank_bias(self) -> torch.Tensor | None:
+        """The bias this rank adds (its own slice for a column layer)."""
+        return self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
+
+    def apply_quantized(self, act: QuantAct, out_dtype: torch.dtype) -> torch.Tensor:
+        """The output from activations a fused producer already quantized (W8A8 methods only)."""
+        return self.quant_method.apply_quantized(self, act, out_dtype, self.rank_bias())
+
+    def quantize_input(self, x: torch.Tensor) -> QuantAct:
+        return self.quant_method.quantize_input(self, x)
+
+    @property
+    def needs_global_input_scale(self) -> bool:
+        """True when a fused producer's per-token scales would see only this rank's slice of the input."""
+        return False
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, shards={self.shard_ids or None}, "
@@ -170,15 +196,28 @@ class QKVParallelLinear(LinearBase):
     tp_split: TPSplit = "output"
 
     def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int, **kwargs) -> None:
-        tp_size = kwargs.get("tp_size", 1)
-        if num_kv_heads < tp_size:
-            # Would need each kv head replicated on several ranks.
-            raise NotImplementedError(f"num_kv_heads={num_kv_heads} < tp_size={tp_size}")
+        parallel = kwargs.get("parallel")
+        tp_size = parallel.tp_size if parallel is not None else kwargs.get("tp_size", 1)
+        tp_rank = parallel.tp_rank if parallel is not None else kwargs.get("tp_rank", 0)
+        if num_heads % tp_size or (num_kv_heads % tp_size and tp_size % num_kv_heads):
+            raise ValueError(f"tp_size={tp_size} must divide num_heads={num_heads} and divide or be a multiple "
+                             f"of num_kv_heads={num_kv_heads}")
         self.head_size = head_size
         self.num_heads = num_heads // tp_size
-        self.num_kv_heads = num_kv_heads // tp_size
-        sizes = [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size]
-        super().__init__(hidden_size, sizes, shard_ids=("q", "k", "v"), **kwargs)
+        # With more ranks than kv heads each kv head is replicated on tp_size / num_kv_heads ranks.
+        self.num_kv_heads = max(num_kv_heads // tp_size, 1)
+        self.kv_head_start = (tp_rank * self.num_kv_heads if num_kv_heads >= tp_size
+                              else tp_rank // (tp_size // num_kv_heads))
+        # Sizes per rank times tp_size: the base class divides them back.
+        kv = self.num_kv_heads * head_size * tp_size
+        super().__init__(hidden_size, [num_heads * head_size, kv, kv], shard_ids=("q", "k", "v"), **kwargs)
+
+    def _rank_slice(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None) -> torch.Tensor:
+        dim = getattr(param, "output_dim", None)
+        if shard_id in ("k", "v") and self.tp_size > 1 and dim is not None and not getattr(param, "per_shard", False):
+            size = self.num_kv_heads * self.head_size
+            return loaded.narrow(dim, self.kv_head_start * self.head_size, size)
+        return super()._rank_slice(param, loaded, shard_id)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split(self.output_partition_sizes, dim=-1)
@@ -192,13 +231,65 @@ class RowLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, **kwargs) -> None:
         super().__init__(input_size, [output_size], **kwargs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def rank_bias(self) -> torch.Tensor | None:
         # With TP only rank 0 adds the bias, so the sum over ranks adds it once.
-        bias = self.bias if self.tp_rank == 0 else None
-        out = self.quant_method.apply(self, x, bias)
-        if self.tp_size > 1:
-            raise NotImplementedError("all-reduce for tensor-parallel row layers")
+        return self.bias if self.tp_rank == 0 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self.quant_method.apply(self, x, self.bias)
+        if isinstance(self.quant_method, W8A8LinearMethod):
+            x2 = x.reshape(-1, x.shape[-1])
+            out = self.apply_quantized(self.quantize_input(x2), x.dtype)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+        return self.parallel.all_reduce(self.quant_method.apply(self, x, self.rank_bias()))
+
+    @property
+    def needs_global_input_scale(self) -> bool:
+        method = self.quant_method
+        return self.tp_size > 1 and isinstance(method, W8A8LinearMethod) and not method.static
+
+    def quantize_input(self, x: torch.Tensor) -> QuantAct:
+        """`x [M, K/tp]` quantized with the per-token scale (and zero point) of the whole row: the group's
+        extremes are appended as extra columns, so the quantizer (kernel or reference) computes exactly the
+        single-device scales; the extra columns are dropped again."""
+        method = self.quant_method
+        if not self.needs_global_input_scale:
+            return method.quantize_input(self, x)
+        if method.symmetric:
+            pads = [self.parallel.all_reduce_max(x.abs().amax(dim=-1, keepdim=True))]
+        else:
+            hi = self.parallel.all_reduce_max(x.amax(dim=-1, keepdim=True))
+            neg_lo = self.parallel.all_reduce_max(-x.amin(dim=-1, keepdim=True))
+            pads = [hi, -neg_lo]
+        act = method.quantize_dynamic(torch.cat([x, *pads], dim=-1))
+        return QuantAct(act.q[:, : x.shape[-1]].contiguous(), act.scale, act.azp)
+
+    def apply_quantized(self, act: QuantAct, out_dtype: torch.dtype) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().apply_quantized(act, out_dtype)
+        # Partial sums stay in float32 for a float32 model and are rounded once after the sum, as the one-device
+        # GEMM rounds its (bf16) output once.
+        partial = torch.float32 if out_dtype not in GEMM_OUT_DTYPES else out_dtype
+        out = self.parallel.all_reduce(
+            self.quant_method.apply_quantized(self, act, partial, self.rank_bias(), gemm_dtype=partial))
+        if out_dtype not in GEMM_OUT_DTYPES:
+            out = out.to(torch.bfloat16).to(out_dtype)
         return out
+
+    def process_after_loading(self) -> None:
+        method = self.quant_method
+        if self.tp_size == 1 or not isinstance(method, W8A8LinearMethod) or method.prequantized:
+            return super().process_after_loading()
+        # Online quantization scales each output channel by its absmax over the whole row: append the group's
+        # absmax as an extra input column, quantize, and drop the column.
+        weight = self.weight.detach()
+        row_max = self.parallel.all_reduce_max(weight.abs().amax(dim=1, keepdim=True))
+        self.weight = nn.Parameter(torch.cat([weight, row_max], dim=1), requires_grad=False)
+        method.process_after_loading(self)
+        self.weight = nn.Parameter(self.weight[:, :-1].contiguous(), requires_grad=False)
+        if not method.symmetric:
+            self.azp_adj = nn.Parameter(self.weight.sum(dim=1, dtype=torch.int32), requires_grad=False)
 
 
 def process_linear_layers_after_loading(model: nn.Module) -> None:

@@ -1,0 +1,266 @@
+"""Executors: the engine's `Runner` (and `SplitRunner` / `AsyncRunner`) over N worker processes.
+
+Each call is broadcast to every worker in order; only rank 0 answers `execute` / `collect` (all ranks hold the
+same outputs). `forward` / `sample` / `launch` return a key at once and the workers keep the step under it, so
+async scheduling still overlaps the host with the device. The engine's process loads no model: torch is not
+imported here.
+
+A worker that dies or reports an error, or a reply that does not come within `distributed_timeout_s`, stops
+every worker and raises `WorkerError` from the call (and from every later one): the engine fails its requests
+with that error, and `healthy` turns False (the server's /health answers 503).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import pickle
+import socket
+import time
+import weakref
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from multiprocessing import get_context
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from kestrel.config import EngineConfig
+from kestrel.distributed.worker import (
+    COLLECT,
+    EXECUTE,
+    FORWARD,
+    LAUNCH,
+    SAMPLE,
+    SHUTDOWN,
+    WorkerInfo,
+    WorkerSpec,
+    worker_process_main,
+)
+from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A worker process died, failed or stopped answering; the executor cannot run steps any more."""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The workers' device kind, where the engine looks for `runner.device.type`."""
+
+    type: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Ranks sharing this machine's cores split them (on a GPU the count hardly matters)."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+class Executor(ABC):
+    """The Runner contract over workers; subclasses move the calls."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.world_size = config.parallel.world_size
+        self.timeout_s = config.parallel.distributed_timeout_s
+        self._keys = itertools.count()
+        self._error: str | None = None
+
+    def _adopt(self, info: WorkerInfo) -> None:
+        self.vocab_size = info.vocab_size
+        self.eos_token_ids = info.eos_token_ids
+        self.num_blocks = info.num_blocks
+        self.block_size = info.block_size
+        self.device = DeviceInfo(info.device_type)
+        self.capture_seconds = info.capture_seconds
+        self.weight_bytes = info.weight_bytes
+        self.kv_bytes_per_token = info.kv_bytes_per_token
+
+    # ----- Runner, SplitRunner, AsyncRunner ---------------------------------------------------------
+
+    def execute(self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        self._send((EXECUTE, None, (scheduler_output, grammar)))
+        return self._reply()
+
+    def forward(self, scheduler_output: SchedulerOutput) -> int:
+        key = next(self._keys)
+        self._send((FORWARD, key, scheduler_output))
+        return key
+
+    def sample(self, forwarded: int, grammar: GrammarBitmask | None = None) -> int:
+        key = next(self._keys)
+        self._send((SAMPLE, key, (forwarded, grammar)))
+        return key
+
+    def launch(self, scheduler_output: SchedulerOutput) -> int:
+        key = next(self._keys)
+        self._send((LAUNCH, key, scheduler_output))
+        return key
+
+    def collect(self, launched: int) -> ModelRunnerOutput:
+        self._send((COLLECT, None, launched))
+        return self._reply()
+
+    # ----- health -----------------------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        if self._error is None:
+            dead = self._dead_worker()
+            if dead is not None:
+                self._fail(dead)
+        return self._error is None
+
+    @property
+    def error(self) -> WorkerError | None:
+        return None if self._error is None else WorkerError(self._error)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise WorkerError(self._error)
+
+    def _fail(self, reason: str) -> WorkerError:
+        """Record the first failure, stop every worker, and return the error to raise."""
+        if self._error is None:
+            self._error = f"distributed executor failed: {reason}; the engine cannot run steps any more"
+            logger.error(self._error)
+            self.shutdown()
+        return WorkerError(self._error)
+
+    def _send(self, call: tuple) -> None:
+        self._check()
+        self._broadcast(pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL))
+
+    @abstractmethod
+    def _broadcast(self, payload: bytes) -> None: ...
+
+    @abstractmethod
+    def _reply(self) -> ModelRunnerOutput: ...
+
+    @abstractmethod
+    def _dead_worker(self) -> str | None:
+        """What happened to a worker that is gone, or None while all live."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class MultiprocExecutor(Executor):
+    """`mp`: one spawned process per rank on this machine (rank r on GPU r), pipes to each."""
+
+    def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
+        super().__init__(config)
+        ctx = get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        threads = threads_per_rank(self.world_size) if config.device != "cuda" else None
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            spec = WorkerSpec(config, eos_token_id, rank, init_method, device_index=rank, num_threads=threads)
+            proc = ctx.Process(target=worker_process_main, args=(spec, child), daemon=True,
+                               name=f"kestrel-worker-{rank}")
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._finalizer = weakref.finalize(self, _stop_processes, self._procs, self._conns)
+        infos = [self._receive(rank, "start") for rank in range(self.world_size)]
+        self._adopt(infos[0])
+        logger.info("%d worker processes ready (tp=%d, pp=%d, %d KV blocks)", self.world_size,
+                    config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size, self.num_blocks)
+
+    def _receive(self, rank: int, what: str) -> Any:
+        """The next message of `rank`, watching every other worker for an error or an exit meanwhile."""
+        deadline = time.monotonic() + self.timeout_s
+        conn = self._conns[rank]
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._fail(f"rank {rank} did not answer ({what}) within distributed_timeout_s="
+                                 f"{self.timeout_s:g}")
+            # Between steps the other ranks send nothing but an error; at start each sends its "ready" in turn.
+            others = [c for c in self._conns if c is not conn] if what == "step" else []
+            ready = wait([conn, *others, *(p.sentinel for p in self._procs)], timeout=remaining)
+            for other in others:
+                if other in ready:
+                    raise self._fail(self._describe(self._conns.index(other)))
+            if conn in ready:
+                try:
+                    status, value = conn.recv()
+                except (EOFError, OSError):
+                    raise self._fail(self._describe(rank)) from None
+                if status == "error":
+                    raise self._fail(f"rank {rank} failed: {value}")
+                return value
+            for i, proc in enumerate(self._procs):
+                if proc.sentinel in ready:
+                    raise self._fail(self._describe(i))
+
+    def _describe(self, rank: int) -> str:
+        """Why `rank` stopped: its reported error, else its exit."""
+        conn = self._conns[rank]
+        try:
+            while conn.poll():
+                status, value = conn.recv()
+                if status == "error":
+                    return f"rank {rank} failed: {value}"
+        except (EOFError, OSError):
+            pass
+        proc = self._procs[rank]
+        proc.join(1.0)
+        return f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+
+    def _broadcast(self, payload: bytes) -> None:
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(payload)
+            except OSError:
+                raise self._fail(self._describe(rank)) from None
+
+    def _reply(self) -> ModelRunnerOutput:
+        return self._receive(0, "step")
+
+    def _dead_worker(self) -> str | None:
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                return self._describe(rank)
+        return None
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _stop_processes(procs: list[Any], conns: list[Connection]) -> None:
+    """Ask each worker to stop, then end the ones that do not within a few seconds."""
+    stop = pickle.dumps((SHUTDOWN, None, None))
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.send_bytes(stop)
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        proc.join(max(deadline - time.monotonic(), 0.0))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
+    for conn in conns:
+        conn.close()
+
+
+def build_executor(config: EngineConfig, eos_token_id: int | None) -> Executor:
+    """The executor `distributed_executor_backend` names (mp when none is named)."""
+    if config.parallel.distributed_executor_backend == "ray":
+        from kestrel.distributed.ray_executor import RayExecutor
+
+        return RayExecutor(config, eos_token_id)
+    return MultiprocExecutor(config, eos_token_id)

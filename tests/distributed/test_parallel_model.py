@@ -1,0 +1,129 @@
+"""The sharded model against the one-process model: logits of a paged prefill, a chunked continuation and a
+decode step, for Llama / Mistral / Qwen2 tiny random checkpoints, float32 and W8A8 (INT8 sym/asym, FP8,
+quantized at load), under TP = 4 (kv heads replicated: 2 kv heads on 4 ranks) and TP = 2 x PP = 2.
+
+One group of 4 gloo processes is spawned for the module; each rank writes its logits to a file that the test
+compares with the oracle computed here in one process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from kestrel.config import ModelConfig, QuantConfig
+from kestrel.distributed.parallel import init_parallel, shutdown_parallel
+from kestrel.loader import load_model
+from kestrel.loader.model_init import write_tiny_checkpoint
+from kestrel.model.attn_metadata import AttentionMetadata
+
+BLOCK = 16
+LAYOUTS = ((4, 1), (2, 2))  # (tp, pp)
+ARCHS = ("llama", "mistral", "qwen2")
+QUANTS = {"float32": None, "int8": QuantConfig(method="int8"), "fp8": QuantConfig(method="fp8"),
+          "int8-asym": QuantConfig(method="int8", symmetric_activations=False)}
+# Which (arch, quant) pairs run: every arch in float32, every quantization on one arch or another.
+CASES = [(arch, "float32") for arch in ARCHS] + [("llama", "int8"), ("qwen2", "fp8"), ("mistral", "int8-asym")]
+STEPS = [  # per step, each sequence's (start, end) of its tokens; the prompts are 21 and 9 tokens long
+    [(0, 12), (0, 9)],  # prefill, the first one chunked
+    [(12, 21), (9, 10)],  # the rest of the chunk, a decode
+    [(21, 22), (10, 11)],  # decodes
+]
+TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tokens_for(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (22, 11)]
+
+
+def run_steps(model: torch.nn.Module, vocab: int) -> torch.Tensor:
+    """Every step's logits, concatenated; each sequence owns blocks 1-2 / 3-4 of the paged cache."""
+    layers, kv_heads, head = model.kv_cache_spec()
+    model.bind_kv_caches([torch.zeros(2, 5, BLOCK, kv_heads, head) for _ in range(layers)])
+    tables = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+    tokens, out = tokens_for(vocab), []
+    for ranges in STEPS:
+        ids, pos, slots, lens = [], [], [], []
+        for s, (a, b) in enumerate(ranges):
+            ids += tokens[s][a:b]
+            pos += list(range(a, b))
+            slots += [int(tables[s, p // BLOCK]) * BLOCK + p % BLOCK for p in range(a, b)]
+            lens.append(b - a)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), block_tables=tables,
+            query_start_loc=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
+            seq_lens=torch.tensor([b for _, b in ranges], dtype=torch.int32),
+            max_query_len=max(lens), max_seq_len=max(b for _, b in ranges))
+        with torch.no_grad():
+            out.append(model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), meta)))
+    return torch.cat(out)
+
+
+def load(path: Path, quant: str, parallel=None) -> torch.nn.Module:
+    return load_model(ModelConfig(model=str(path), dtype="float32"), QUANTS[quant], "cpu", parallel)
+
+
+def rank_main(rank: int, ports: list[int], root: str) -> None:
+    torch.set_num_threads(1)
+    try:
+        for (tp, pp), port in zip(LAYOUTS, ports):
+            parallel = init_parallel(rank, tp, pp, f"tcp://127.0.0.1:{port}", "gloo", TIMEOUT_S)
+            try:
+                for arch, quant in CASES:
+                    model = load(Path(root) / arch, quant, parallel)
+                    logits = run_steps(model, model.config.vocab_size)
+                    torch.save(logits, Path(root) / f"{arch}-{quant}-tp{tp}-pp{pp}-rank{rank}.pt")
+            finally:
+                shutdown_parallel()
+    except BaseException:
+        (Path(root) / f"error-rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tp-model")
+    for arch in ARCHS:
+        write_tiny_checkpoint(root / arch, arch, seed=3)
+    ctx = multiprocessing.get_context("spawn")
+    ports = [free_port() for _ in LAYOUTS]
+    procs = [ctx.Process(target=rank_main, args=(rank, ports, str(root)), daemon=True) for rank in range(4)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(TIMEOUT_S)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    errors = sorted(root.glob("error-rank*.txt"))
+    assert not errors, errors[0].read_text()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return root
+
+
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+@pytest.mark.parametrize("arch,quant", CASES)
+def test_sharded_logits_match_one_process(results: Path, arch: str, quant: str, tp: int, pp: int) -> None:
+    model = load(results / arch, quant)
+    oracle = run_steps(model, model.config.vocab_size)
+    for rank in range(tp * pp):
+        # Every rank ends with the whole vocabulary's logits (gathered over tp, broadcast over pp).
+        ours = torch.load(results / f"{arch}-{quant}-tp{tp}-pp{pp}-rank{rank}.pt")
+        assert ours.shape == oracle.shape
+        torch.testing.assert_close(ours, oracle, rtol=0, atol=1e-5)
+        assert torch.equal(ours.argmax(-1), oracle.argmax(-1))
