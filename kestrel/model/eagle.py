@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kestrel.config import ConfigError
+from kestrel.distributed.parallel import single_process
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.attention import Attention
 from kestrel.model.layers.linear import RowLinear, process_linear_layers_after_loading
@@ -35,7 +36,8 @@ class _HeadBody(nn.Module):
     def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
         rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, 0, dtype, None, "model.layers.0", rotary_emb)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, 0, dtype, None, "model.layers.0", rotary_emb,
+                                                       single_process())])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
