@@ -1,4 +1,4 @@
-"""`kestrel bench latency` and `kestrel bench throughput` end to end in --smoke mode (tiny model, CPU)."""
+"""`kestrel bench latency`, `throughput` and `structured` end to end in --smoke mode (tiny model, CPU)."""
 
 import json
 from pathlib import Path
@@ -99,3 +99,15 @@ def test_parity_check_agrees_with_hf_on_cpu() -> None:
     assert row["pass"] and row["identical_sequences"] == 3 and row["token_agreement"] == 1.0
     bad = checks.agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]])
     assert bad["first_divergence"] == [None, 1] and bad["identical_sequences"] == 1
+
+
+def test_structured_smoke(tmp_path: Path) -> None:
+    from kestrel.bench import structured
+
+    out = tmp_path / "structured.json"
+    assert structured.main(["--smoke", "--result-file", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["complete"] and set(result["config"]["schemas"]) == {"record", "digit-array"}
+    for row in result["rows"]:
+        for name in ("record", "digit-array"):
+            assert row[f"{name}_ms_per_step"] > 0 and row[f"{name}_mask_fill_ms_per_step"] > 0
