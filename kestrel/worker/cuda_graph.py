@@ -250,15 +250,19 @@ class GraphRunner:
     def can_run(self, num_scheduled: list[int], block_table_width: int) -> bool:
         return self.key_for(num_scheduled, block_table_width) is not None
 
-    def run(self, inputs: ModelInputs, num_scheduled: list[int] | None = None) -> torch.Tensor:
+    def run(self, inputs: ModelInputs, num_scheduled: list[int] | None = None,
+            load_more: Callable[[torch.Tensor | None, int, int], None] | None = None) -> torch.Tensor:
         """Hidden states `[num_tokens, hidden]` of one step, in its own token order: a view of (or a gather from)
-        the graph's static output, valid until the next replay."""
+        the graph's static output, valid until the next replay. `load_more(index, bucket, q)` fills a forward's
+        own static inputs before the replay (`index`: as `GraphBuffers.load` returns it)."""
         counts = num_scheduled if num_scheduled is not None else [1] * inputs.input_ids.shape[0]
         key = self.key_for(counts, inputs.attn_metadata.block_tables.shape[1])
         if key is None:
             raise ValueError(f"no captured graph for a step of {len(counts)} rows of up to {max(counts)} tokens")
         q, bucket = key
         index = self.buffers.load(inputs, bucket, q, counts)
+        if load_more is not None:
+            load_more(index, bucket, q)
         self._replay(key)
         out = self.outputs[key]
         return out[: len(counts) * q] if index is None else out.index_select(0, index)
