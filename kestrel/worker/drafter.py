@@ -27,6 +27,7 @@ from torch import nn
 from kestrel.config import EngineConfig, ModelConfig
 from kestrel.loader import load_eagle_head, load_model
 from kestrel.model.attn_metadata import AttentionMetadata
+from kestrel.worker import cuda_graph
 from kestrel.worker.cuda_graph import GraphRunner, bucket_for, capture_sizes, verify_batch_limit
 from kestrel.worker.input_batch import BlockTable, CachedRequestState, ModelInputs
 from kestrel.worker.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -54,7 +55,7 @@ class Drafter:
         self.graph_runner: GraphRunner | None = None
         self.capture_seconds = 0.0
         self._pin = device.type == "cuda"
-        self.proposal_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.proposal_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per batch bucket
         self.proposal_sizes: list[int] = []
         max_rows = max(config.scheduler.max_num_seqs, 1)
         self._proposal_buffers(max_rows, -(-max(self.max_model_len, 1) // self.block_size))
@@ -159,16 +160,9 @@ class Drafter:
 
     def _capture_proposals(self, max_rows: int, verify_batch: int) -> None:
         self.proposal_sizes = capture_sizes(min(max_rows, verify_batch))
-        pool = torch.cuda.graph_pool_handle()
-        graphs = {}
-        for bucket in reversed(self.proposal_sizes):
-            self._propose_steps(bucket)  # warm-up: Triton compiles outside the graph
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._propose_steps(bucket)
-            graphs[bucket] = graph
-        self.proposal_graphs = graphs
+        pool = cuda_graph.graph_pool(self.device)
+        self.proposal_graphs = {bucket: cuda_graph.capture_graph(lambda b=bucket: self._propose_steps(b), pool)[0]
+                                for bucket in reversed(self.proposal_sizes)}
 
     def _first_carry(self, bucket: int) -> torch.Tensor | None:
         return None
