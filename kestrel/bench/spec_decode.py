@@ -48,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-k", default="2,4", help="num_speculative_tokens of the draft model and the head")
     p.add_argument("--verify-k", default="1,2,3,4,5,6,7,8", help="draft counts of the cost sweep (part 2)")
     p.add_argument("--skip-verify-sweep", action="store_true")
+    p.add_argument("--skip-ngram", action="store_true", help="part 1b only: the baseline, draft model and head")
     common.add_report_arguments(p)
 
 
@@ -94,7 +95,7 @@ def ngram_part(args: argparse.Namespace, device: torch.device, result: dict[str,
     common.release(engine)
     base_tps = len(prompts) * args.output_len / baseline_s
     result["ngram_baseline_tok_s"] = result["baseline_tok_s"] = base_tps
-    runs = [("ngram", {"method": "ngram"}, k) for k in int_list(args.k)]
+    runs = [] if args.skip_ngram else [("ngram", {"method": "ngram"}, k) for k in int_list(args.k)]
     for method, path in (("draft_model", args.draft_model), ("eagle", args.eagle_head)):
         if path is not None:
             runs += [(method, {"method": method, "model": str(path)}, k) for k in int_list(args.model_k)]

@@ -182,6 +182,23 @@ class GraphBuffers:
         self.num_loaded_tokens = self.num_loaded = 0
 
 
+def graph_pool(device: torch.device) -> object:
+    if device.type != "cuda":
+        raise ValueError("CUDA graphs need a CUDA device")
+    return torch.cuda.graph_pool_handle()
+
+
+def capture_graph(fn: Callable[[], torch.Tensor], pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Capture `fn` (device work on static buffers) in `pool`; returns the graph and its static output."""
+    fn()  # warm up outside the graph: Triton compiles (and caches) each specialization on its first call
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
 class GraphRunner:
     """Captures `forward` once per (query length, bucket), the largest first in one memory pool, and replays it:
     decode graphs (q = 1) up to `max_num_seqs` rows, verify graphs (each q of `verify_query_lens`) up to
@@ -210,23 +227,15 @@ class GraphRunner:
 
     def capture(self) -> float:
         """Capture every graph; returns (and keeps) the wall time it took."""
-        if self.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
         start = time.perf_counter()
         self.graphs.clear()
         self.outputs.clear()
         self.buffers.reset_padding()
-        pool = torch.cuda.graph_pool_handle()
+        pool = graph_pool(self.device)
         for key in sorted(self.keys, key=lambda k: (k[0] * k[1], k), reverse=True):
             ids, pos, meta = self._inputs(key)
-            # Warm up outside the graph: Triton compiles (and caches) each specialization on its first call.
-            self.forward(ids, pos, meta)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[key] = self.forward(ids, pos, meta)
-            self.graphs[key] = graph
-        torch.cuda.synchronize()
+            self.graphs[key], self.outputs[key] = capture_graph(
+                lambda ids=ids, pos=pos, meta=meta: self.forward(ids, pos, meta), pool)
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs (decode batch sizes %s; verify query lengths %s at batch sizes %s) in "
                     "%.2f s", len(self.keys), self.sizes, self.verify_query_lens, self.verify_sizes,
@@ -250,15 +259,19 @@ class GraphRunner:
     def can_run(self, num_scheduled: list[int], block_table_width: int) -> bool:
         return self.key_for(num_scheduled, block_table_width) is not None
 
-    def run(self, inputs: ModelInputs, num_scheduled: list[int] | None = None) -> torch.Tensor:
+    def run(self, inputs: ModelInputs, num_scheduled: list[int] | None = None,
+            load_more: Callable[[torch.Tensor | None, int, int], None] | None = None) -> torch.Tensor:
         """Hidden states `[num_tokens, hidden]` of one step, in its own token order: a view of (or a gather from)
-        the graph's static output, valid until the next replay."""
+        the graph's static output, valid until the next replay. `load_more(index, bucket, q)` fills a forward's
+        own static inputs before the replay (`index`: as `GraphBuffers.load` returns it)."""
         counts = num_scheduled if num_scheduled is not None else [1] * inputs.input_ids.shape[0]
         key = self.key_for(counts, inputs.attn_metadata.block_tables.shape[1])
         if key is None:
             raise ValueError(f"no captured graph for a step of {len(counts)} rows of up to {max(counts)} tokens")
         q, bucket = key
         index = self.buffers.load(inputs, bucket, q, counts)
+        if load_more is not None:
+            load_more(index, bucket, q)
         self._replay(key)
         out = self.outputs[key]
         return out[: len(counts) * q] if index is None else out.index_select(0, index)

@@ -328,7 +328,7 @@ class ModelRunner:
             ends = list(itertools.accumulate(counts))
             positions = [p for i in inputs.sampled_rows if states[i].drafts
                          for p in range(ends[i] - 1 - len(states[i].drafts), ends[i] - 1)]
-            index = torch.tensor(positions, dtype=torch.long, device=self.device)
+            index = _to_device(torch.tensor(positions, dtype=torch.long), self.device)
             spec_logits = self.model.compute_logits(hidden[index])
         return ForwardStep(req_ids, inputs.sampled_rows, rows, logits, prompt_logprobs, spec_logits, draft)
 
@@ -337,12 +337,69 @@ class ModelRunner:
         """Enqueue the sampling of a forwarded step, its constrained rows masked by `grammar` first (so greedy,
         top-p/top-k and logprobs all see the masked distribution)."""
         launched = self._sample(step, grammar)
-        launched.draft = step.draft
+        if step.draft is not None:
+            self._propose(step.draft, launched)
+        self._copy_to_host(launched)
         return launched
+
+    def _propose(self, draft: DraftStep, launched: LaunchedStep) -> None:
+        """Enqueue the drafter's proposals from the step's sampled rows (plain rows, then verifying ones), fed on
+        the device by their sampled token and accepted count: nothing waits for the host."""
+        spec = launched.spec
+        plain = launched.rows
+        verifying = spec.states if spec is not None else []
+        batch_rows = launched.sampled_rows + (spec.batch_rows if spec is not None else [])
+        states = plain + verifying
+        if not states:
+            return
+        sampled = launched.result.sampled_token_ids if plain else None
+        sources, accepted = [], []
+        if plain:
+            sources.append(sampled)
+            accepted.append(torch.zeros(len(plain), dtype=torch.int64, device=self.device))
+        if spec is not None:
+            sources.append(spec.verified.tokens)
+            accepted.append(spec.verified.num_accepted)
+        token_base, offset = list(range(len(plain))), len(plain)
+        for state in verifying:
+            token_base.append(offset)
+            offset += len(state.drafts) + 1
+        # A verifying row's first draft input is its bonus token, at its position before the drafts plus the
+        # accepted ones; the target's hidden state just before it sits at the same offset among its step tokens.
+        base = [len(s.token_ids) - len(s.drafts) for s in states]
+        hidden_base = [draft.starts[r + 1] - 1 - len(s.drafts) for r, s in zip(batch_rows, states)]
+        caps = [self.drafter.k if s.req_id in draft.request_ids else 0 for s in states]
+        drafts = self.drafter.propose(
+            sources[0] if len(sources) == 1 else torch.cat(sources), token_base,
+            accepted[0] if len(accepted) == 1 else torch.cat(accepted), base, draft.hidden, hidden_base,
+            [s.block_table_row for s in states], caps, self.block_table)
+        launched.proposal = Proposal(drafts, [s.req_id for s, cap in zip(states, caps) if cap], base,
+                                     [i for i, cap in enumerate(caps) if cap], len(plain))
+
+    def _copy_to_host(self, launched: LaunchedStep) -> None:
+        """Every id the host reads of the step in one copy: the sampled ids, the verified tokens and accepted
+        counts, the drafts; `collect` waits once for it."""
+        pieces = []
+        if launched.rows:
+            pieces.append(launched.result.sampled_token_ids)
+        if launched.spec is not None:
+            pieces += [launched.spec.verified.tokens, launched.spec.verified.num_accepted]
+        if launched.proposal is not None:
+            pieces.append(launched.proposal.drafts.reshape(-1))
+        if not pieces:
+            return
+        packed = pieces[0] if len(pieces) == 1 else torch.cat([p.to(torch.int64) for p in pieces])
+        if self.device.type != "cuda":
+            launched.host = packed
+            return
+        launched.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        launched.host.copy_(packed, non_blocking=True)
+        launched.event = torch.cuda.Event()
+        launched.event.record()
 
     def _sample(self, step: ForwardStep, grammar: GrammarBitmask | None) -> LaunchedStep:
         if step.logits is None:
-            return LaunchedStep(step.req_ids, [], [], None, None, None, step.prompt_logprobs)
+            return LaunchedStep(step.req_ids, [], [], None, step.prompt_logprobs)
         if step.spec_logits is not None:
             return self._sample_with_drafts(step, grammar)
         logits, rows = step.logits, step.rows
@@ -360,26 +417,18 @@ class ModelRunner:
             self.device,
         )
         result = self.sampler(logits, meta)
-        sampled = result.sampled_token_ids
-        event = None
-        host = sampled
-        if self.device.type == "cuda":
-            host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            host.copy_(sampled, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
         for i, state in enumerate(rows):
             state.num_pending += 1
             state.pending_row = i
-        self._last_sampled = sampled
-        return LaunchedStep(step.req_ids, step.sampled_rows, rows, result, host, event, step.prompt_logprobs)
+        self._last_sampled = result.sampled_token_ids
+        return LaunchedStep(step.req_ids, step.sampled_rows, rows, result, step.prompt_logprobs)
 
     def _sample_with_drafts(self, step: ForwardStep, grammar: GrammarBitmask | None) -> LaunchedStep:
         """A step with verifying rows: the others sample as usual, the verifying ones check their drafts
         (speculative decoding runs synchronously, so nothing reads `last_sampled`)."""
         plain = [i for i, state in enumerate(step.rows) if not state.drafts]
         verifying = [i for i, state in enumerate(step.rows) if state.drafts]
-        launched = self.sample(ForwardStep(step.req_ids, [step.sampled_rows[i] for i in plain],
+        launched = self._sample(ForwardStep(step.req_ids, [step.sampled_rows[i] for i in plain],
                                            [step.rows[i] for i in plain],
                                            step.logits[plain] if plain else None, step.prompt_logprobs), grammar)
         states = [step.rows[i] for i in verifying]
@@ -438,56 +487,52 @@ class ModelRunner:
         return apply_token_bitmask(logits, masks, _to_device(torch.tensor(targets, dtype=torch.long), self.device))
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
-        """Wait for a launched step's sampled ids (the step's one host synchronization) and record them."""
+        """Wait for a launched step's ids (the step's one host synchronization) and record them."""
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: list[list[dict[int, Logprob]] | None] = [None] * len(step.req_ids)
+        if step.event is not None:
+            step.event.synchronize()
+        values = step.host.tolist() if step.host is not None else []
+        offset = len(step.rows)
         if step.rows:
-            if step.event is not None:
-                step.event.synchronize()
-            token_ids = step.host_token_ids.tolist()
             row_logprobs = to_logprob_dicts(step.result, [s.sampling_params.logprobs for s in step.rows])
-            for row, state, token_id, lp in zip(step.sampled_rows, step.rows, token_ids, row_logprobs):
+            for row, state, token_id, lp in zip(step.sampled_rows, step.rows, values, row_logprobs):
                 state.num_pending -= 1
                 state.token_ids.append(token_id)
                 sampled[row] = [token_id]
                 logprobs[row] = None if lp is None else [lp]
-        accepted_by_row: dict[int, int] = {}
+        accepted: list[int] = []
         if step.spec is not None:
             spec = step.spec
-            accepted = spec.verified.num_accepted.tolist()
-            accepted_by_row = dict(zip(spec.batch_rows, accepted))
-            emitted = spec.verified.tokens.tolist()
+            num_positions = sum(len(s.drafts) + 1 for s in spec.states)
+            emitted = values[offset: offset + num_positions]
+            accepted = values[offset + num_positions: offset + num_positions + len(spec.states)]
+            offset += num_positions + len(spec.states)
             position_logprobs = [None] * len(emitted)
             if spec.logprobs is not None:
                 per_position = [s.sampling_params.logprobs for s in spec.states for _ in range(len(s.drafts) + 1)]
                 position_logprobs = to_logprob_dicts(spec.logprobs, per_position)
-            offset = 0
+            start = 0
             for row, state, num_accepted in zip(spec.batch_rows, spec.states, accepted):
                 k = len(state.drafts)
-                tokens = state.drafts[:num_accepted] + [emitted[offset + num_accepted]]
+                tokens = state.drafts[:num_accepted] + [emitted[start + num_accepted]]
                 if state.sampling_params.logprobs is not None:
-                    logprobs[row] = position_logprobs[offset: offset + num_accepted + 1]
-                offset += k + 1
+                    logprobs[row] = position_logprobs[start: start + num_accepted + 1]
+                start += k + 1
                 del state.token_ids[len(state.token_ids) - k:]
                 state.token_ids.extend(tokens)
                 state.drafts = []
                 state.num_pending -= 1
                 sampled[row] = tokens
-        drafts = self._propose(step, sampled, accepted_by_row) if step.draft is not None else {}
+        drafts: dict[str, list[int]] = {}
+        proposal = step.proposal
+        if proposal is not None:
+            k = self.drafter.k
+            for req_id, i in zip(proposal.req_ids, proposal.rows):
+                num_accepted = accepted[i - proposal.num_plain] if i >= proposal.num_plain else 0
+                row = values[offset + i * k: offset + (i + 1) * k]
+                drafts[req_id] = row[: self.drafter.num_steps(proposal.base[i] + num_accepted)]
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs, drafts)
-
-    def _propose(self, step: LaunchedStep, sampled: list[list[int]], accepted: dict[int, int]) -> dict[str, list[int]]:
-        """The drafter's proposals for the step's requests in `draft_request_ids`, now that their tokens are known;
-        first, rows that rejected drafts keep the target's hidden state at their last accepted position."""
-        draft = step.draft
-        states = [self.requests.get(rid) for rid in step.req_ids]
-        rows = list(accepted)
-        self.drafter.settle([states[r].block_table_row for r in rows], [draft.starts[r] + accepted[r] for r in rows],
-                            draft.hidden)
-        proposing = [state for rid, state, tokens in zip(step.req_ids, states, sampled)
-                     if tokens and state is not None and rid in draft.request_ids]
-        return {state.req_id: drafts for state, drafts in zip(proposing, self.drafter.propose(proposing,
-                                                                                               self.block_table))}
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], query_start_loc: torch.Tensor,
                          hidden: torch.Tensor) -> dict[str, list[dict[int, Logprob] | None]]:
@@ -536,9 +581,8 @@ class ForwardStep:
 
 @dataclass
 class DraftStep:
-    """What a worker-side drafter needs when the step is collected: the requests to propose for, the target's
-    hidden states of the step (valid until the next step: speculation runs synchronously) and each row's first
-    token among them."""
+    """What a worker-side drafter needs when the step samples: the requests to propose for, the target's hidden
+    states of the step (valid until the next forward) and each row's first token among them."""
 
     request_ids: frozenset[str]
     hidden: torch.Tensor
@@ -569,11 +613,25 @@ class LaunchedStep:
     sampled_rows: list[int]  # batch rows that sample, in the order of `rows`
     rows: list[CachedRequestState]
     result: SamplerOutput | None
-    host_token_ids: torch.Tensor | None  # pinned host copy of the sampled ids (the device tensor on the CPU)
-    event: torch.cuda.Event | None  # recorded after that copy on CUDA
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]]
     spec: SpecStep | None = None
-    draft: DraftStep | None = None
+    proposal: Proposal | None = None
+    # Every id the host reads, packed by `_copy_to_host` (pinned on CUDA, the device tensor on the CPU).
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None  # recorded after that copy on CUDA
+
+
+@dataclass
+class Proposal:
+    """The drafter's proposals of a launched step: `drafts[i]` for proposal row i (plain sampled rows, then the
+    verifying ones); `req_ids[j]` proposes from row `rows[j]`, whose first draft input sits at position
+    `base[rows[j]]` plus its accepted count."""
+
+    drafts: torch.Tensor  # [rows, k] int64, on the device
+    req_ids: list[str]
+    base: list[int]
+    rows: list[int]
+    num_plain: int
 
 
 class _DraftOutputs(Sequence[list[int]]):

@@ -70,20 +70,25 @@ def test_eagle_proposals_equal_a_recomputation_over_the_whole_context(models):
     spec = {"model": models["head"], "num_speculative_tokens": 3}
     llm = LLM(models["target"], dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4,
               enable_prefix_caching=False, speculative_config=spec)
-    drafter = llm.runner.drafter
-    recorded = []
-    propose = drafter.propose
-
-    def recording(states, block_table):
-        drafts = propose(states, block_table)
-        recorded.extend((list(s.token_ids), d) for s, d in zip(states, drafts))
-        return drafts
-
-    drafter.propose = recording
+    recorded = record_proposals(llm.runner)
     run(llm, PROMPTS[:3], n=1, max_tokens=12)
     assert len(recorded) >= 30
     for tokens, drafts in recorded[::3]:
         assert drafts == _recompute_head(llm.runner, tokens, 3)
+
+
+def record_proposals(runner):
+    """(the request's tokens, its drafts) for each proposal the runner returns."""
+    recorded = []
+    collect = runner.collect
+
+    def recording(launched):
+        out = collect(launched)
+        recorded.extend((list(runner.requests[rid].token_ids), d) for rid, d in out.draft_token_ids.items() if d)
+        return out
+
+    runner.collect = recording
+    return recorded
 
 
 def _recompute_head(runner, tokens, k):

@@ -38,25 +38,30 @@ def test_trainers_write_loadable_directories_and_acceptance_logs(trained):
     assert json.loads((root / "draft" / "config.json").read_text())["num_hidden_layers"] == 2
 
 
+def record_proposals(runner):
+    """(the request's tokens, its drafts) for each proposal the runner returns."""
+    recorded = []
+    collect = runner.collect
+
+    def recording(launched):
+        out = collect(launched)
+        recorded.extend((list(runner.requests[rid].token_ids), d) for rid, d in out.draft_token_ids.items() if d)
+        return out
+
+    runner.collect = recording
+    return recorded
+
+
 def test_engine_runs_the_trained_proposers(trained):
     """Lossless with both; the engine's EAGLE proposals equal the training-side head's on the same contexts."""
     root, _ = trained
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     plain = LLM(dtype="float32", max_model_len=128).generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
-    recorded = []
     for kind in ("draft", "eagle"):
         llm = LLM(dtype="float32", max_model_len=128, speculative_config={"model": str(root / kind),
                                                                           "num_speculative_tokens": 3})
         assert llm.config.speculative.method == ("eagle" if kind == "eagle" else "draft_model")
-        propose = llm.runner.drafter.propose
-
-        def recording(states, block_table, propose=propose):
-            drafts = propose(states, block_table)
-            recorded.extend((list(s.token_ids), d) for s, d in zip(states, drafts))
-            return drafts
-
-        recorded.clear()
-        llm.runner.drafter.propose = recording
+        recorded = record_proposals(llm.runner)
         assert llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids == plain
         assert llm.stats.num_spec_draft_tokens > 0
     target = load_target(default_model_path(), torch.device("cpu"))
