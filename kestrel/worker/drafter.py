@@ -63,6 +63,15 @@ class Drafter:
     def _load(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
         raise NotImplementedError
 
+    def _capture(self, runner: GraphRunner, max_num_seqs: int, verify_batch: int) -> None:
+        """Capture the catch-up graphs of `runner` and the k-step proposal graphs; keep their wall time."""
+        with torch.inference_mode():
+            start = time.perf_counter()
+            runner.capture()
+            self._capture_proposals(max_num_seqs, verify_batch)
+            self.capture_seconds = time.perf_counter() - start
+        self.graph_runner = runner
+
     def bind(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches, strict=True):
@@ -200,12 +209,7 @@ class DraftModelDrafter(Drafter):
         # The catch-up steps have the target's shapes (decode, verify); the k proposal steps are one graph.
         runner = GraphRunner(self.model, max_num_seqs, max_blocks_per_seq, self.device, list(range(2, self.k + 2)),
                              verify_batch)
-        with torch.inference_mode():
-            start = time.perf_counter()
-            runner.capture()
-            self._capture_proposals(max_num_seqs, verify_batch)
-            self.capture_seconds = time.perf_counter() - start
-        self.graph_runner = runner
+        self._capture(runner, max_num_seqs, verify_batch)
 
     def catch_up(self, inputs: ModelInputs, counts: list[int], states: list[CachedRequestState],
                  hidden: torch.Tensor) -> None:
@@ -248,12 +252,7 @@ class EagleDrafter(Drafter):
                                         device=self.device)
         self.catch_rows = torch.zeros(2, runner.max_batch, dtype=torch.int64, device=self.device)
         self.catch_rows[0].fill_(self.scratch_row)
-        with torch.inference_mode():
-            start = time.perf_counter()
-            runner.capture()
-            self._capture_proposals(max_num_seqs, verify_batch)
-            self.capture_seconds = time.perf_counter() - start
-        self.graph_runner = runner
+        self._capture(runner, max_num_seqs, verify_batch)
 
     def reset_row(self, row: int) -> None:
         self.features[row].zero_()

@@ -10,7 +10,7 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.config import ConfigError, EngineConfig
-from kestrel.loader.model_init import write_eagle_head, write_tiny_checkpoint
+from kestrel.loader.model_init import write_tiny_checkpoint
 from kestrel.model.attn_metadata import AttentionMetadata
 
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8] * (3 + i) + [9] * (5 * i)} for i in range(4)] * 2
@@ -20,29 +20,20 @@ STRESS = dict(kv_cache_blocks=10, max_num_batched_tokens=16, max_num_seqs=8, asy
               enable_prefix_caching=True)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec-models")
-    target_config = write_tiny_checkpoint(root / "target", arch="llama", seed=11)
-    write_tiny_checkpoint(root / "draft", arch="llama", seed=12, num_hidden_layers=1)
-    write_eagle_head(root / "head", target_config, seed=5)
-    return {name: str(root / name) for name in ("target", "draft", "head")}
-
-
 def run(llm, prompts=PROMPTS, n=2, max_tokens=40):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=n)
     return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")
-def plain(models):
-    return run(LLM(models["target"], dtype="float32", max_model_len=128))
+def plain(spec_models):
+    return run(LLM(spec_models["target"], dtype="float32", max_model_len=128))
 
 
 @pytest.mark.parametrize("proposer", ["target", "draft", "head"])
-def test_lossless_under_chunking_preemption_async_prefix_caching_and_n(models, plain, proposer):
-    spec = {"model": models[proposer], "num_speculative_tokens": 3, "disable_by_batch_size": 3}
-    llm = LLM(models["target"], dtype="float32", max_model_len=128, speculative_config=spec, **STRESS)
+def test_lossless_under_chunking_preemption_async_prefix_caching_and_n(spec_models, plain, proposer):
+    spec = {"model": spec_models[proposer], "num_speculative_tokens": 3, "disable_by_batch_size": 3}
+    llm = LLM(spec_models["target"], dtype="float32", max_model_len=128, speculative_config=spec, **STRESS)
     assert llm.config.speculative.method == ("eagle" if proposer == "head" else "draft_model")
     assert run(llm) == plain
     stats, kv = llm.stats, llm.engine.scheduler.kv
@@ -53,42 +44,28 @@ def test_lossless_under_chunking_preemption_async_prefix_caching_and_n(models, p
         assert stats.spec_accepted_per_position[0] == stats.num_spec_drafts
 
 
-def test_draft_blocks_share_the_kv_budget(models):
+def test_draft_blocks_share_the_kv_budget(spec_models):
     """The blocks hold both models' K/V: a memory budget buys fewer blocks with a draft model."""
     budget = dict(cpu_kv_cache_bytes=1 << 20, max_model_len=128, dtype="float32", max_num_seqs=64)
-    alone = LLM(models["target"], **budget).runner
-    both = LLM(models["target"], speculative_config={"model": models["draft"]}, **budget).runner
+    alone = LLM(spec_models["target"], **budget).runner
+    both = LLM(spec_models["target"], speculative_config={"model": spec_models["draft"]}, **budget).runner
     per_block = alone.kv_spec.bytes_per_block + both.drafter.kv_spec.bytes_per_block
     assert alone.num_blocks == (1 << 20) // alone.kv_spec.bytes_per_block
     assert both.num_blocks == (1 << 20) // per_block
     assert both.drafter.kv_caches[0].shape[1] == both.num_blocks
 
 
-def test_eagle_proposals_equal_a_recomputation_over_the_whole_context(models):
+def test_eagle_proposals_equal_a_recomputation_over_the_whole_context(spec_models, record_proposals):
     """Each proposal of the head (fed the target's hidden states chunk by chunk, its own outputs while drafting,
     K/V in the shared blocks) equals the head run over the whole context at once, then greedily k steps."""
-    spec = {"model": models["head"], "num_speculative_tokens": 3}
-    llm = LLM(models["target"], dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4,
+    spec = {"model": spec_models["head"], "num_speculative_tokens": 3}
+    llm = LLM(spec_models["target"], dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4,
               enable_prefix_caching=False, speculative_config=spec)
     recorded = record_proposals(llm.runner)
     run(llm, PROMPTS[:3], n=1, max_tokens=12)
     assert len(recorded) >= 30
     for tokens, drafts in recorded[::3]:
         assert drafts == _recompute_head(llm.runner, tokens, 3)
-
-
-def record_proposals(runner):
-    """(the request's tokens, its drafts) for each proposal the runner returns."""
-    recorded = []
-    collect = runner.collect
-
-    def recording(launched):
-        out = collect(launched)
-        recorded.extend((list(runner.requests[rid].token_ids), d) for rid, d in out.draft_token_ids.items() if d)
-        return out
-
-    runner.collect = recording
-    return recorded
 
 
 def _recompute_head(runner, tokens, k):
@@ -118,26 +95,26 @@ def _recompute_head(runner, tokens, k):
     return drafts
 
 
-def test_config_checks_name_the_field(models, tmp_path):
-    target = models["target"]
+def test_config_checks_name_the_field(spec_models, tmp_path):
+    target = spec_models["target"]
 
     def config(spec, **kw):
         return EngineConfig.from_kwargs(target, speculative_config=spec, **kw)
 
-    assert config({"model": models["draft"]}).speculative.method == "draft_model"
-    assert config({"model": models["head"]}).speculative.method == "eagle"
+    assert config({"model": spec_models["draft"]}).speculative.method == "draft_model"
+    assert config({"model": spec_models["head"]}).speculative.method == "eagle"
     assert config({}).speculative.method == "ngram"
     write_tiny_checkpoint(tmp_path / "other-vocab", seed=1, vocab_size=2048)
     cases = [
         ({"model": str(tmp_path / "other-vocab")}, {}, "vocab_size"),
-        ({"method": "ngram", "model": models["draft"]}, {}, "speculative_config.model"),
+        ({"method": "ngram", "model": spec_models["draft"]}, {}, "speculative_config.model"),
         ({"method": "draft_model"}, {}, "speculative_config.model"),
-        ({"method": "eagle", "model": models["draft"]}, {}, "EAGLE-style head"),
-        ({"method": "draft_model", "model": models["head"]}, {}, "method 'eagle'"),
-        ({"model": models["draft"], "prompt_lookup_max": 3}, {}, "speculative_config.prompt_lookup_max"),
-        ({"method": "eagle3", "model": models["head"]}, {}, "speculative_config.method"),
-        ({"model": models["draft"], "quantization": "fp8"}, {}, "unknown keys ['quantization']"),
-        ({"model": models["draft"]}, {"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({"method": "eagle", "model": spec_models["draft"]}, {}, "EAGLE-style head"),
+        ({"method": "draft_model", "model": spec_models["head"]}, {}, "method 'eagle'"),
+        ({"model": spec_models["draft"], "prompt_lookup_max": 3}, {}, "speculative_config.prompt_lookup_max"),
+        ({"method": "eagle3", "model": spec_models["head"]}, {}, "speculative_config.method"),
+        ({"model": spec_models["draft"], "quantization": "fp8"}, {}, "unknown keys ['quantization']"),
+        ({"model": spec_models["draft"]}, {"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
         ({"model": str(tmp_path / "missing")}, {}, "speculative_config.model"),
     ]
     for spec, kw, message in cases:

@@ -8,12 +8,11 @@ padded verify rows (two requests, one of them decoding plainly or verifying fewe
 
 import pytest
 import torch
-from test_speculative_models import _recompute_head, record_proposals
+from test_speculative_models import _recompute_head
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kestrel import LLM, SamplingParams
-from kestrel.loader.model_init import write_eagle_head, write_tiny_checkpoint
 from kestrel.worker import cuda_graph
 
 K = 3
@@ -73,15 +72,6 @@ class EagerGraph:
             self.out.copy_(out)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec-counts")
-    target_config = write_tiny_checkpoint(root / "target", arch="llama", seed=11)
-    write_tiny_checkpoint(root / "draft", arch="llama", seed=12, num_hidden_layers=1)
-    write_eagle_head(root / "head", target_config, seed=5)
-    return {name: str(root / name) for name in ("target", "draft", "head")}
-
-
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8] * 4}, {"prompt_token_ids": [9, 5, 6] * 3}]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 KW = dict(dtype="float32", max_model_len=64, max_num_seqs=2)
@@ -107,9 +97,11 @@ def with_emulated_graphs(llm: LLM, counter: Counter, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("proposer", ["draft", "head"])
-def test_one_host_read_and_one_replay_per_program_per_speculative_step(models, proposer, monkeypatch):
-    plain = [o.outputs[0].token_ids for o in LLM(models["target"], **KW).generate(PROMPTS, PARAMS, use_tqdm=False)]
-    llm = LLM(models["target"], speculative_config={"model": models[proposer], "num_speculative_tokens": K}, **KW)
+def test_one_host_read_and_one_replay_per_program_per_speculative_step(spec_models, proposer, monkeypatch,
+                                                                      record_proposals):
+    plain = [o.outputs[0].token_ids for o in LLM(spec_models["target"], **KW).generate(PROMPTS, PARAMS, use_tqdm=False)]
+    spec = {"model": spec_models[proposer], "num_speculative_tokens": K}
+    llm = LLM(spec_models["target"], speculative_config=spec, **KW)
     runner = llm.runner
     counter = Counter()
     with_emulated_graphs(llm, counter, monkeypatch)

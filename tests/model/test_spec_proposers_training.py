@@ -38,21 +38,7 @@ def test_trainers_write_loadable_directories_and_acceptance_logs(trained):
     assert json.loads((root / "draft" / "config.json").read_text())["num_hidden_layers"] == 2
 
 
-def record_proposals(runner):
-    """(the request's tokens, its drafts) for each proposal the runner returns."""
-    recorded = []
-    collect = runner.collect
-
-    def recording(launched):
-        out = collect(launched)
-        recorded.extend((list(runner.requests[rid].token_ids), d) for rid, d in out.draft_token_ids.items() if d)
-        return out
-
-    runner.collect = recording
-    return recorded
-
-
-def test_engine_runs_the_trained_proposers(trained):
+def test_engine_runs_the_trained_proposers(trained, record_proposals):
     """Lossless with both; the engine's EAGLE proposals equal the training-side head's on the same contexts."""
     root, _ = trained
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -1,0 +1,36 @@
+"""Fixtures shared across test folders: speculative decoding's small random checkpoints and proposal recording."""
+
+from __future__ import annotations
+
+import pytest
+
+from kestrel.loader.model_init import write_eagle_head, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def spec_models(tmp_path_factory) -> dict[str, str]:
+    """A random Llama target, a one-layer draft model with its vocabulary and a random EAGLE head over it."""
+    root = tmp_path_factory.mktemp("spec-models")
+    target_config = write_tiny_checkpoint(root / "target", arch="llama", seed=11)
+    write_tiny_checkpoint(root / "draft", arch="llama", seed=12, num_hidden_layers=1)
+    write_eagle_head(root / "head", target_config, seed=5)
+    return {name: str(root / name) for name in ("target", "draft", "head")}
+
+
+def _record_proposals(runner) -> list[tuple[list[int], list[int]]]:
+    """(the request's tokens, its drafts) for each proposal the runner returns, from now on."""
+    recorded: list[tuple[list[int], list[int]]] = []
+    collect = runner.collect
+
+    def recording(launched):
+        out = collect(launched)
+        recorded.extend((list(runner.requests[rid].token_ids), d) for rid, d in out.draft_token_ids.items() if d)
+        return out
+
+    runner.collect = recording
+    return recorded
+
+
+@pytest.fixture
+def record_proposals():
+    return _record_proposals
