@@ -5,6 +5,10 @@ same outputs). `forward` / `sample` / `launch` return a key at once and the work
 async scheduling still overlaps the host with the device. The engine's process loads no model: torch is not
 imported here.
 
+Under pipeline parallelism the last stage's first rank answers instead, each step as soon as it has run (the
+engine keeps several batches in flight and collects the oldest); its replies arrive in call order and are kept
+until collected, and each collected step's sampled ids go back to every worker (RECORD) for the earlier stages.
+
 A worker that dies or reports an error, or a reply that does not come within `distributed_timeout_s`, stops
 every worker and raises `WorkerError` from the call (and from every later one): the engine fails its requests
 with that error, and `healthy` turns False (the server's /health answers 503).
@@ -21,6 +25,7 @@ import socket
 import time
 import weakref
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
@@ -32,10 +37,12 @@ from kestrel.distributed.worker import (
     EXECUTE,
     FORWARD,
     LAUNCH,
+    RECORD,
     SAMPLE,
     SHUTDOWN,
     WorkerInfo,
     WorkerSpec,
+    reply_rank,
     worker_process_main,
 )
 from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
@@ -74,6 +81,10 @@ class Executor(ABC):
         self.timeout_s = config.parallel.distributed_timeout_s
         self._keys = itertools.count()
         self._error: str | None = None
+        self.reply_rank = reply_rank(config)
+        self.pipelined = config.parallel.pipeline_parallel_size > 1
+        self._awaiting: deque[int] = deque()  # pipelined: the steps whose replies are due, in call order
+        self._arrived: dict[int, ModelRunnerOutput] = {}  # pipelined: replies read, not yet collected
 
     def _adopt(self, info: WorkerInfo) -> None:
         self.vocab_size = info.vocab_size
@@ -88,6 +99,8 @@ class Executor(ABC):
     # ----- Runner, SplitRunner, AsyncRunner ---------------------------------------------------------
 
     def execute(self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        if self.pipelined:
+            return self._stage_output(self._send_step(EXECUTE, (scheduler_output, grammar)))
         self._send((EXECUTE, None, (scheduler_output, grammar)))
         return self._reply()
 
@@ -97,18 +110,48 @@ class Executor(ABC):
         return key
 
     def sample(self, forwarded: int, grammar: GrammarBitmask | None = None) -> int:
+        if self.pipelined:
+            return self._send_step(SAMPLE, (forwarded, grammar))
         key = next(self._keys)
         self._send((SAMPLE, key, (forwarded, grammar)))
         return key
 
     def launch(self, scheduler_output: SchedulerOutput) -> int:
+        if self.pipelined:
+            return self._send_step(LAUNCH, scheduler_output)
         key = next(self._keys)
         self._send((LAUNCH, key, scheduler_output))
         return key
 
     def collect(self, launched: int) -> ModelRunnerOutput:
+        if self.pipelined:
+            return self._stage_output(launched)
         self._send((COLLECT, None, launched))
         return self._reply()
+
+    # ----- pipeline parallelism -------------------------------------------------------------------------
+
+    def _send_step(self, op: str, payload: Any) -> int:
+        """A call the last stage answers once it has run the step."""
+        key = next(self._keys)
+        self._send((op, key, payload))
+        self._awaiting.append(key)
+        return key
+
+    def _stage_output(self, key: int) -> ModelRunnerOutput:
+        """Step `key`'s output (reading the replies due before it), after sending its sampled ids to the earlier
+        stages: they reach every worker before any later call that could read them."""
+        while key not in self._arrived:
+            if not self._awaiting:
+                raise RuntimeError(f"step {key} is not in flight (never launched, or collected already)")
+            due = self._awaiting.popleft()
+            answered, output = self._reply()
+            if answered != due:
+                raise self._fail(f"rank {self.reply_rank} answered step {answered} where step {due} was due")
+            self._arrived[due] = output
+        output = self._arrived.pop(key)
+        self._send((RECORD, None, (output.req_ids, output.sampled_token_ids)))
+        return output
 
     # ----- health -----------------------------------------------------------------------------------
 
@@ -144,7 +187,8 @@ class Executor(ABC):
     def _broadcast(self, payload: bytes) -> None: ...
 
     @abstractmethod
-    def _reply(self) -> ModelRunnerOutput: ...
+    def _reply(self) -> Any:
+        """The reply rank's next reply, in call order: an output (or `(key, output)` when pipelined)."""
 
     @abstractmethod
     def _dead_worker(self) -> str | None:
@@ -227,8 +271,8 @@ class MultiprocExecutor(Executor):
             except OSError:
                 raise self._fail(self._describe(rank)) from None
 
-    def _reply(self) -> ModelRunnerOutput:
-        return self._receive(0, "step")
+    def _reply(self) -> Any:
+        return self._receive(self.reply_rank, "step")
 
     def _dead_worker(self) -> str | None:
         for rank, proc in enumerate(self._procs):

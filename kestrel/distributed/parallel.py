@@ -95,13 +95,6 @@ class ParallelContext:
             out.append(tensor)
         return out
 
-    def broadcast_from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The last stage's `tensor` on every stage (in place), so every rank samples the same logits."""
-        if self.pp_size > 1:
-            src = (self.pp_size - 1) * self.tp_size + self.tp_rank
-            dist.broadcast(tensor, src=src, group=self.pp_group)
-        return tensor
-
     # ----- whole world --------------------------------------------------------------------------------
 
     def min_over_world(self, value: int, device: torch.device) -> int:

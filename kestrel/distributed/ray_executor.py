@@ -3,19 +3,20 @@ or across a Ray cluster's nodes (pipeline stages on different nodes).
 
 The engine process connects to the running cluster (`ray start --head` / `ray start --address=...`) or, when
 there is none, starts a local one. Rank 0's node hosts the process-group store. Calls reach each actor in the
-order they are made (Ray runs one caller's calls on an actor in order); only rank 0's replies are awaited,
-the others' are checked for errors without waiting.
+order they are made (Ray runs one caller's calls on an actor in order); only the reply rank's results are
+awaited (rank 0's, or under pipeline parallelism the last stage's first rank's), in call order; the others' are
+checked for errors without waiting.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any
 
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.distributed.executor import Executor, free_port
-from kestrel.distributed.worker import Worker, WorkerInfo, WorkerSpec
-from kestrel.engine.contracts import ModelRunnerOutput
+from kestrel.distributed.worker import Worker, WorkerInfo, WorkerSpec, reply_rank
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +34,15 @@ class RayWorker:
 
     def start(self, spec: WorkerSpec) -> WorkerInfo | None:
         self.worker = Worker(spec)
+        self.replies = spec.rank == reply_rank(spec.config)
         return self.worker.info() if spec.rank == 0 else None
 
-    def call(self, payload: bytes) -> ModelRunnerOutput | None:
+    def call(self, payload: bytes) -> Any:
         import pickle
 
         assert self.worker is not None
         result = self.worker.handle(pickle.loads(payload))
-        return result if self.worker.rank == 0 else None
+        return result if self.replies else None
 
     def pid(self) -> int:
         import os
@@ -82,6 +84,7 @@ class RayExecutor(Executor):
             for rank in range(self.world_size)
         ]
         self._pending: list[Any] = []  # refs of calls not yet seen to succeed (errors surface from them)
+        self._reply_refs: deque[Any] = deque()  # the reply rank's refs of the calls not yet read, in call order
         try:
             host, port = ray.get(self._actors[0].address.remote(), timeout=self.timeout_s)
             threads = None if gpu else 1
@@ -105,20 +108,25 @@ class RayExecutor(Executor):
 
     def _broadcast(self, payload: bytes) -> None:
         refs = [actor.call.remote(payload) for actor in self._actors]
-        self._rank0 = refs[0]
+        self._reply_refs.append(refs[self.reply_rank])
         self._pending.extend(refs)
 
-    def _reply(self) -> ModelRunnerOutput:
-        ray, rank0 = self._ray, self._rank0
-        # Wait for rank 0's reply, but surface any call's failure as soon as it happens.
-        while True:
-            done, _ = ray.wait(self._pending, num_returns=1, timeout=self.timeout_s)
-            if not done:
-                raise self._fail(f"rank 0 did not answer (step) within distributed_timeout_s={self.timeout_s:g}")
-            (result,) = self._get(done, "step")  # raises if that call failed
-            self._pending = [r for r in self._pending if r != done[0]]
-            if done[0] == rank0:
+    def _reply(self) -> Any:
+        """The reply rank's next result that is an answer (calls that answer nothing return None)."""
+        while self._reply_refs:
+            ref = self._reply_refs.popleft()
+            # Wait for it, but surface any call's failure as soon as it happens.
+            while ref in self._pending:
+                done, _ = self._ray.wait(self._pending, num_returns=1, timeout=self.timeout_s)
+                if not done:
+                    raise self._fail(f"rank {self.reply_rank} did not answer (step) within distributed_timeout_s="
+                                     f"{self.timeout_s:g}")
+                self._get(done, "step")  # raises if that call failed
+                self._pending = [r for r in self._pending if r != done[0]]
+            (result,) = self._get([ref], "step")
+            if result is not None:
                 return result
+        raise RuntimeError("no worker call is waiting for an answer")
 
     def _dead_worker(self) -> str | None:
         if not self._pending:

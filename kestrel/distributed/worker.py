@@ -2,8 +2,13 @@
 `ModelRunner`, and the calls an executor makes on it.
 
 Every rank runs the same runner logic on the same scheduler outputs: the sharded layers meet in their
-collectives, and every rank ends a step with the same logits (gathered over tp, broadcast over pp) and
-samples the same tokens (same seeds), so each keeps its own request state and only rank 0 reports back.
+collectives, and every rank of a tensor-parallel group ends a step with the same logits (gathered over tp) and
+samples the same tokens (same seeds), so each keeps its own request state and one rank reports back.
+
+Under pipeline parallelism only the last stage samples; its first rank reports each step as soon as the step has
+run (a launched step does not wait for its collect), and the engine sends the sampled ids back to the earlier
+stages (RECORD) before any later step reads them. No collective spans stages except the hidden states each stage
+sends to the next, so a stage never waits on a later one and several batches can be in flight.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import queue
+import threading
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -53,6 +60,14 @@ class WorkerInfo:
 # Calls: (op, key, payload). A key names a forwarded / launched step kept on the worker until collected, so
 # the executor never waits for a reply that only hands back a handle.
 EXECUTE, FORWARD, SAMPLE, LAUNCH, COLLECT, SHUTDOWN = "execute", "forward", "sample", "launch", "collect", "shutdown"
+# Pipeline parallelism: (req_ids, sampled_token_ids) of a step the last stage ran, for the earlier stages.
+RECORD = "record"
+
+
+def reply_rank(config: EngineConfig) -> int:
+    """The rank whose replies the executor reads: the first of the last pipeline stage (rank 0 without one)."""
+    parallel = config.parallel
+    return (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
 
 
 class Worker:
@@ -88,8 +103,11 @@ class Worker:
                           r.capture_seconds, {"total": total, "embedding": embed, "per_step": total - embed},
                           kv_per_token)
 
-    def handle(self, call: tuple[str, int | None, Any]) -> ModelRunnerOutput | None:
-        """Run one call; the output of `execute` / `collect`, else None."""
+    def handle(self, call: tuple[str, int | None, Any]) -> Any:
+        """Run one call; the output of `execute` / `collect`, else None. Under pipeline parallelism,
+        `(key, output)` of each call that runs a step to its end on the last stage, else None."""
+        if self.parallel.pp_size > 1:
+            return self._handle_stage(call)
         op, key, payload = call
         runner = self.runner
         if op == EXECUTE:
@@ -108,29 +126,85 @@ class Worker:
             raise ValueError(f"unknown worker call {op!r}")
         return None
 
+    def _handle_stage(self, call: tuple[str, int | None, Any]) -> tuple[int, ModelRunnerOutput] | None:
+        op, key, payload = call
+        runner = self.runner
+        if self.parallel.is_last_stage:
+            if op == EXECUTE:
+                return key, runner.execute(*payload)
+            if op == LAUNCH:
+                return key, runner.execute(payload)
+            if op == FORWARD:
+                self._steps[key] = runner.forward(payload)
+                return None
+            if op == SAMPLE:
+                forwarded, grammar = payload
+                return key, runner.collect(runner.sample(self._steps.pop(forwarded), grammar))
+            if op == RECORD:
+                return None  # this stage sampled them
+        elif op in (EXECUTE, LAUNCH, FORWARD):
+            runner.forward_stage(payload[0] if op == EXECUTE else payload)
+            return None
+        elif op == SAMPLE:
+            return None
+        elif op == RECORD:
+            runner.record_sampled(*payload)
+            return None
+        raise ValueError(f"unknown worker call {op!r} under pipeline parallelism")
+
     def close(self) -> None:
         shutdown_parallel()
 
 
+class _Outbox:
+    """Replies written by a thread. A pipeline's last stage answers steps unasked while the engine may be
+    writing the next call to it: were both blocked writing into full pipes, neither would read."""
+
+    def __init__(self, conn: Connection, lock: threading.Lock) -> None:
+        self._conn = conn
+        self._lock = lock
+        self._queue: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="kestrel-replies", daemon=True).start()
+
+    def put(self, payload: bytes) -> None:
+        self._queue.put(payload)
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                payload = self._queue.get()
+                with self._lock:
+                    self._conn.send_bytes(payload)
+
+
 def worker_process_main(spec: WorkerSpec, conn: Connection) -> None:
     """The body of an `mp` worker process: start, report, then serve calls from the engine's pipe until told
-    to stop (or the pipe closes: the engine process is gone). Only rank 0 sends outputs; any rank sends its
-    error and exits, which the executor sees at once."""
+    to stop (or the pipe closes: the engine process is gone). Only the reply rank sends outputs; any rank sends
+    its error and exits, which the executor sees at once."""
+    lock = threading.Lock()
     try:
         worker = Worker(spec)
         conn.send(("ready", worker.info() if spec.rank == 0 else None))
+        replies = spec.rank == reply_rank(spec.config)
+        outbox = _Outbox(conn, lock) if replies and spec.config.parallel.pipeline_parallel_size > 1 else None
         while True:
             call = pickle.loads(conn.recv_bytes())
             if call[0] == SHUTDOWN:
                 break
             result = worker.handle(call)
-            if result is not None and spec.rank == 0:
-                conn.send_bytes(pickle.dumps(("ok", result)))
+            if result is not None and replies:
+                payload = pickle.dumps(("ok", result))
+                if outbox is not None:
+                    outbox.put(payload)
+                else:
+                    conn.send_bytes(payload)
     except EOFError:
         pass  # the engine process is gone
     except BaseException as error:  # noqa: BLE001 - reported to the engine, then the process ends
-        with contextlib.suppress(OSError):
-            conn.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+        # Bounded: the reply thread may hold the pipe; the executor then sees the exit instead of the message.
+        if lock.acquire(timeout=5.0):
+            with contextlib.suppress(OSError):
+                conn.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
         os._exit(1)  # a rank stuck in a collective with a dead peer must not keep the process alive
     # Tearing the process group down would wait on peers that may be gone; the process ends here anyway.
     os._exit(0)

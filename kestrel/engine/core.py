@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +97,14 @@ class EngineCore:
             raise ConfigError(f"invalid async_scheduling=True: the runner {type(runner).__name__} cannot launch a "
                               "step without waiting for it; use async_scheduling=False")
         self._pending: tuple[SchedulerOutput, Any] | None = None  # the launched step not yet collected
+        # Pipeline parallelism: up to pp launched batches in flight (vLLM's batch queue), oldest first, and the
+        # requests they hold. None: one step at a time (sync or async scheduling).
+        self._batch_queue: deque[tuple[SchedulerOutput, Any]] | None = None
+        self._in_flight_ids: set[str] = set()
+        self.max_batches_in_flight = config.parallel.pipeline_parallel_size
+        if self.max_batches_in_flight > 1 and can_launch and config.scheduler.async_scheduling is not False:
+            self._batch_queue = deque()
+            self.async_scheduling = False
         self._can_split = hasattr(runner, "forward") and hasattr(runner, "sample") and can_launch
         # Live requests whose sampling reads their latest tokens on the host (usually none): kept here so a
         # step need not scan every request; finished ones are dropped lazily by `_needs_sync`.
@@ -214,7 +223,7 @@ class EngineCore:
             self._release_finished()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._pending is not None
+        return self.scheduler.has_unfinished_requests() or self._pending is not None or bool(self._batch_queue)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -234,7 +243,9 @@ class EngineCore:
         next scheduler output, even one with nothing to compute: the runner's rows then never outnumber the
         scheduler's running requests, whatever finished while a step was in flight. An engine left idle
         releases them at once, so the runner holds no state between bursts."""
-        if not self.async_scheduling:
+        if self._batch_queue is not None:
+            outputs = self._drain() + self._step_sync() if self._needs_sync() else self._step_pipelined()
+        elif not self.async_scheduling:
             outputs = self._step_sync()
         elif self._needs_sync():
             outputs = self._collect_pending() + self._step_sync()
@@ -275,6 +286,51 @@ class EngineCore:
             # Every request of the step in flight has finished meanwhile: settle it now, so an idle engine
             # holds nothing in flight.
             outputs += self._collect_pending()
+        return outputs
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Pipeline parallelism, as vLLM's batch queue: launch a batch scheduled from the requests with nothing in
+        flight (their tokens are all known, so no placeholder is read on the device and every stage can start it
+        at once), while fewer than pp batches are in flight; collect the oldest only when the queue is full or
+        nothing else can be scheduled. The stages then each work on a different batch."""
+        queue = self._batch_queue
+        if len(queue) < self.max_batches_in_flight and self.scheduler.has_unfinished_requests():
+            self.scheduler.verify_drafts, self.scheduler.draft_lookahead = False, 0
+            scheduler_output = self.scheduler.schedule(exclude=self._in_flight_ids)
+            if not scheduler_output.is_empty:
+                queue.append((scheduler_output, self._launch(scheduler_output)))
+                self._in_flight_ids.update(scheduler_output.num_scheduled_tokens)
+                stats = self.scheduler.stats
+                stats.max_batches_in_flight = max(stats.max_batches_in_flight, len(queue))
+                if len(queue) < self.max_batches_in_flight:
+                    return []
+            elif scheduler_output.releases_requests:
+                # Nothing to compute, but the releases must reach the runner before a later batch admits into
+                # their rows (the runner answers once the batches in flight have run).
+                self.runner.execute(scheduler_output)
+        if not queue:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError(_NOTHING_PLACED)
+            return []
+        return self._collect_oldest()
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> Any:
+        """Launch a batch; a constrained one gets its grammar bitmask now (its requests' tokens are all known)."""
+        if scheduler_output.structured_output_request_ids and self.structured is not None:
+            runner: Any = self.runner
+            return runner.sample(runner.forward(scheduler_output), self._grammar_bitmask(scheduler_output))
+        return self.runner.launch(scheduler_output)
+
+    def _collect_oldest(self) -> list[RequestOutput]:
+        scheduler_output, launched = self._batch_queue.popleft()
+        self._in_flight_ids.difference_update(scheduler_output.num_scheduled_tokens)
+        return self._process(scheduler_output, self.runner.collect(launched))
+
+    def _drain(self) -> list[RequestOutput]:
+        """Collect every batch in flight (before a step that must run alone)."""
+        outputs: list[RequestOutput] = []
+        while self._batch_queue:
+            outputs += self._collect_oldest()
         return outputs
 
     def _step_sync(self) -> list[RequestOutput]:

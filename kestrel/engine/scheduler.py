@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kestrel.config import CacheConfig, SchedulerConfig
@@ -35,6 +36,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # Pipeline parallelism's batch queue: the most launched batches that were in flight at once.
+    max_batches_in_flight: int = 0
 
 
 class Scheduler:
@@ -103,7 +106,10 @@ class Scheduler:
 
     # ----- one step ---------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, exclude: Collection[str] = ()) -> SchedulerOutput:
+        """`exclude`: requests with work in flight (pipeline parallelism's batch queue); they are left out of this
+        step instead of being scheduled with a placeholder for their pending token, and a waiting one holds back
+        the waiting queue behind it (admission stays in order)."""
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         spec: dict[str, list[int]] = {}
@@ -114,6 +120,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.request_id in exclude:
+                index += 1
+                continue
             if request.num_pending_tokens and (
                     request.num_output_tokens + request.num_pending_tokens >= request.max_tokens):
                 index += 1  # its token in flight is its last: it finishes when that token arrives
@@ -149,7 +158,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted_now
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            if request.num_pending_tokens:
+            if request.num_pending_tokens or request.request_id in exclude:
                 break  # preempted with a token in flight: readmitted once that token is known
             cached_prefix, num_cached = self.kv.find_cached_prefix(request)
             num_new = request.num_tokens - num_cached

@@ -231,7 +231,7 @@ class LlamaModel(nn.Module):
             hidden_states, residual = self.layers[i](positions, hidden_states, residual, attn_metadata)
         if not parallel.is_last_stage:
             parallel.send_to_next_stage([hidden_states, residual])
-            # Nothing to return but rows to index: compute_logits takes the last stage's logits instead.
+            # Only the last stage computes logits; an earlier stage's output is never read.
             return hidden_states
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
@@ -266,16 +266,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Float32 logits; under pipeline parallelism the last stage's, broadcast to every stage so that all
-        ranks sample the same tokens."""
-        if self.parallel.pp_size == 1:
-            return self.lm_head(hidden_states)
-        if self.parallel.is_last_stage:
-            logits = self.lm_head(hidden_states)
-        else:
-            logits = torch.empty(hidden_states.shape[0], self.config.vocab_size, dtype=torch.float32,
-                                 device=hidden_states.device)
-        return self.parallel.broadcast_from_last_stage(logits)
+        """Float32 logits. Under pipeline parallelism only the last stage has an LM head: it alone samples, and
+        the other stages learn the sampled ids from the engine (kestrel.distributed.worker)."""
+        return self.lm_head(hidden_states)
 
     def attention_layers(self) -> list[Attention]:
         """This stage's Attention modules in layer order, for the runner to bind one KV cache each."""

@@ -70,6 +70,7 @@ class ModelRunner:
         """`parallel`: this rank's place in a tensor/pipeline-parallel group (kestrel.distributed.worker);
         None runs the whole model in this process."""
         self.config = config
+        self.parallel = parallel
         self.device = resolve_device(config.device)
         model_config = config.model
         if self.device.type == "cpu" and model_config.dtype == "auto":
@@ -166,7 +167,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         hidden = self.model(ids, positions, meta)
-        torch.softmax(self.model.compute_logits(hidden[-num_rows:]), dim=-1)
+        if self.parallel is None or self.parallel.is_last_stage:  # only the last pipeline stage has an LM head
+            torch.softmax(self.model.compute_logits(hidden[-num_rows:]), dim=-1)
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         # Memory outside PyTorch's allocator (CUDA context, cuBLAS workspaces) counts against the budget too.
@@ -331,6 +333,29 @@ class ModelRunner:
             index = _to_device(torch.tensor(positions, dtype=torch.long), self.device)
             spec_logits = self.model.compute_logits(hidden[index])
         return ForwardStep(req_ids, inputs.sampled_rows, rows, logits, prompt_logprobs, spec_logits, draft)
+
+    @torch.inference_mode()
+    def forward_stage(self, out: SchedulerOutput) -> None:
+        """A pipeline stage before the last: run this stage's layers on the step and hand its hidden states on
+        (the model's forward sends them). Only the last stage samples; `record_sampled` brings its ids here before
+        any later step reads them."""
+        self._apply_scheduler_output(out)
+        states = [self.requests[rid] for rid in out.num_scheduled_tokens]
+        if not states:
+            return
+        counts = list(out.num_scheduled_tokens.values())
+        inputs = build_model_inputs(states, counts, self.block_size, self.device, self.block_table)
+        self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        for state, count in zip(states, counts):
+            state.num_computed_tokens += count
+
+    def record_sampled(self, req_ids: list[str], sampled_token_ids: list[list[int]]) -> None:
+        """The tokens the last stage added to each request in a step (a pipeline stage before the last); requests
+        released meanwhile are skipped."""
+        for req_id, tokens in zip(req_ids, sampled_token_ids, strict=True):
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.token_ids.extend(tokens)
 
     @torch.inference_mode()
     def sample(self, step: ForwardStep, grammar: GrammarBitmask | None = None) -> LaunchedStep:

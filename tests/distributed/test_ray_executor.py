@@ -1,5 +1,6 @@
 """The ray backend on a local Ray cluster started here (one per module: Ray starts slowly): the same tokens and
-logprobs as the one-process engine for TP = 2 and PP = 2, and a killed actor process is a clean error."""
+logprobs as the one-process engine for TP = 2 and PP = 2 (two batches in flight), and a killed actor process is a
+clean error."""
 
 from __future__ import annotations
 
@@ -43,15 +44,17 @@ def model(tmp_path_factory) -> Path:
 def run(model: Path, **engine_args):
     llm = LLM(str(model), **ENGINE, **engine_args)
     try:
-        return llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        return llm.generate(PROMPTS, PARAMS, use_tqdm=False), llm.engine.scheduler.stats.max_batches_in_flight
     finally:
         getattr(llm.runner, "shutdown", lambda: None)()
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_ray_workers_match_one_process(cluster, model: Path, tp: int, pp: int) -> None:
-    expected = run(model)
-    ours = run(model, distributed_executor_backend="ray", tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    expected, _ = run(model)
+    ours, in_flight = run(model, distributed_executor_backend="ray", tensor_parallel_size=tp,
+                          pipeline_parallel_size=pp)
+    assert in_flight == (pp if pp > 1 else 0)  # pp = 2: the batch queue held two batches at once
     for want, got in zip(expected, ours, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         for want_lp, got_lp in zip(want.outputs[0].logprobs, got.outputs[0].logprobs, strict=True):
