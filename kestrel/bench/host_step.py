@@ -214,7 +214,9 @@ def _measure(mode: str, args: argparse.Namespace, tokenizer: Any, vocab_size: in
     for name, phase in (("forward", "forward"), ("launch", "forward"), ("sample", "sample"),
                         ("collect", "collect")):
         clock.wrap(runner, name, phase)
-    clock.wrap(core, "_process", "outputs")
+    # The scheduler update and grammar accept run in _advance (their own phases), the text and outputs in _emit.
+    clock.wrap(core, "_advance", "outputs")
+    clock.wrap(core, "_emit", "outputs")
     if mode == "constrained":
         clock.wrap(backend, "accept_many", "grammar_accept")
         clock.wrap(backend, "bitmask", "mask_fill")
@@ -240,7 +242,7 @@ def _measure(mode: str, args: argparse.Namespace, tokenizer: Any, vocab_size: in
                 continue
             s = dict(clock.seconds)
             s["sample"] = s.get("sample", 0.0) - (runner.device_seconds - device_before)
-            # _process covers the scheduler update and the grammar accept: its own share is the rest.
+            # Collecting outputs covers the scheduler update and the grammar accept: its own share is the rest.
             s["outputs"] = s.get("outputs", 0.0) - s.get("update", 0.0) - s.get("grammar_accept", 0.0)
             total -= runner.device_seconds - device_before
             for phase in PHASES:

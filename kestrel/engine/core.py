@@ -253,11 +253,17 @@ class EngineCore:
             constrained = scheduler_output.structured_output_request_ids
             if not scheduler_output.is_empty and constrained and self.structured is not None:
                 # The forward of step N+1 runs while the host collects step N, feeds its tokens to the grammars
-                # and fills N+1's bitmask; then N+1 samples.
+                # and fills N+1's bitmask; N+1 samples, and only then does N's text and outputs follow (nothing
+                # of N+1 waits on them; a stop string found there ends its request as one finished in flight).
                 runner: Any = self.runner
                 forwarded = runner.forward(scheduler_output)
-                outputs = self._collect_pending()
+                updated: list[Request] = []
+                if self._pending is not None:
+                    collected, launched = self._pending
+                    self._pending = None
+                    updated = self._advance(collected, runner.collect(launched))
                 self._pending = (scheduler_output, runner.sample(forwarded, self._grammar_bitmask(scheduler_output)))
+                outputs = self._emit(updated)
                 if not self.scheduler.has_unfinished_requests():
                     outputs += self._collect_pending()
                 return outputs
