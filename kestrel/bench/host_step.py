@@ -59,7 +59,9 @@ class NullRunner:
     row's token (a random one its grammar row allows, when constrained), `collect` returns them. The time spent
     picking tokens (the stand-in for the device) accumulates in `device_seconds`."""
 
-    def __init__(self, vocab_size: int, eos_token_id: int | None, seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, eos_token_id: int | None, seed: int = 0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.rows: dict[str, _Row] = {}
@@ -88,11 +90,11 @@ class NullRunner:
         return _Step(req_ids, sampling)
 
     def sample(self, step: _Step, grammar: GrammarBitmask | None = None) -> _Step:
-        started = time.perf_counter()
+        started = self.clock()
         masks = {} if grammar is None else {rid: i for i, rid in enumerate(grammar.req_ids)}
         step.tokens = [self._pick(grammar.bitmask[masks[rid]] if rid in masks else None)  # type: ignore[union-attr]
                        for rid in step.sampling]
-        self.device_seconds += time.perf_counter() - started
+        self.device_seconds += self.clock() - started
         return step
 
     def _pick(self, mask: Any) -> int:
@@ -125,20 +127,21 @@ class NullRunner:
 class _PhaseClock:
     """Wraps bound methods so each call's time adds to its phase (nested phases are subtracted by the caller)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self.seconds: dict[str, float] = {}
         self._wrapped: list[tuple[Any, str]] = []
 
     def wrap(self, owner: Any, name: str, phase: str) -> None:
         method: Callable[..., Any] = getattr(owner, name)
-        seconds = self.seconds
+        seconds, clock = self.seconds, self.clock
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
+            started = clock()
             try:
                 return method(*args, **kwargs)
             finally:
-                seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - started
+                seconds[phase] = seconds.get(phase, 0.0) + clock() - started
 
         setattr(owner, name, timed)
         self._wrapped.append((owner, name))
@@ -158,6 +161,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
     p.add_argument("--profile", default=None, help="write a cProfile of the measured runs to this file")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="wall: elapsed time; cpu: the engine thread's CPU time, steadier on a shared machine "
+                   "(the grammar's mask fill runs on that thread here)")
     p.add_argument("--smoke", action="store_true", help="a tiny run, a check of the script")
 
 
@@ -185,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
 
         profiler = cProfile.Profile()
     print(f"host-step: batch {args.batch}, input {args.input_len}, output {args.output_len}, "
-          f"tokenizer {tokenizer_dir} ({vocab_size} tokens), {args.repeats} repeats", file=sys.stderr)
+          f"tokenizer {tokenizer_dir} ({vocab_size} tokens), {args.repeats} repeats, {args.clock} clock",
+          file=sys.stderr)
     results: dict[str, dict[str, float]] = {}
     for mode in modes:
         samples = [_measure(mode, args, tokenizer, vocab_size, eos, backend, schema,
@@ -205,21 +212,22 @@ def _measure(mode: str, args: argparse.Namespace, tokenizer: Any, vocab_size: in
                                       async_scheduling=mode != "unconstrained_sync", device="cpu",
                                       enable_prefix_caching=False, generation_config="vllm")
     blocks_per_seq = -(-(args.input_len + args.output_len + 16) // config.cache.block_size)
-    runner = NullRunner(vocab_size, eos, seed=repeat)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    runner = NullRunner(vocab_size, eos, seed=repeat, clock=clock)
     core = EngineCore(config, runner, args.batch * blocks_per_seq + 16, tokenizer, eos,
                       structured=backend if mode == "constrained" else None)
-    clock = _PhaseClock()
+    phases = _PhaseClock(clock)
     for name, phase in (("schedule", "schedule"), ("update", "update")):
-        clock.wrap(core.scheduler, name, phase)
+        phases.wrap(core.scheduler, name, phase)
     for name, phase in (("forward", "forward"), ("launch", "forward"), ("sample", "sample"),
                         ("collect", "collect")):
-        clock.wrap(runner, name, phase)
+        phases.wrap(runner, name, phase)
     # The scheduler update and grammar accept run in _advance (their own phases), the text and outputs in _emit.
-    clock.wrap(core, "_advance", "outputs")
-    clock.wrap(core, "_emit", "outputs")
+    phases.wrap(core, "_advance", "outputs")
+    phases.wrap(core, "_emit", "outputs")
     if mode == "constrained":
-        clock.wrap(backend, "accept_many", "grammar_accept")
-        clock.wrap(backend, "bitmask", "mask_fill")
+        phases.wrap(backend, "accept_many", "grammar_accept")
+        phases.wrap(backend, "bitmask", "mask_fill")
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True,
                             structured_outputs=schema if mode == "constrained" else None)
     rng = random.Random(repeat)
@@ -232,15 +240,15 @@ def _measure(mode: str, args: argparse.Namespace, tokenizer: Any, vocab_size: in
     try:
         while core.has_unfinished_requests():
             decoding = len(started) == args.batch
-            clock.seconds.clear()
+            phases.seconds.clear()
             device_before = runner.device_seconds
-            before = time.perf_counter()
+            before = clock()
             outputs = core.step()
-            total = time.perf_counter() - before
+            total = clock() - before
             started.update(o.request_id for o in outputs)
             if not decoding or not core.has_unfinished_requests():
                 continue
-            s = dict(clock.seconds)
+            s = dict(phases.seconds)
             s["sample"] = s.get("sample", 0.0) - (runner.device_seconds - device_before)
             # Collecting outputs covers the scheduler update and the grammar accept: its own share is the rest.
             s["outputs"] = s.get("outputs", 0.0) - s.get("update", 0.0) - s.get("grammar_accept", 0.0)
@@ -252,7 +260,7 @@ def _measure(mode: str, args: argparse.Namespace, tokenizer: Any, vocab_size: in
     finally:
         if profiler is not None:
             profiler.disable()
-        clock.unwrap()
+        phases.unwrap()
     if not per_step["step"]:
         raise RuntimeError("no step had every request decoding; raise --output-len")
     return {k: statistics.median(v) for k, v in per_step.items()}
