@@ -41,11 +41,14 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
 
 
 @dataclass
@@ -81,6 +84,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self._max_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,6 +101,11 @@ class Request:
     @property
     def max_tokens(self) -> int:
         """Output tokens allowed: the request's own limit, capped by the model's context."""
+        if self._max_tokens is None:
+            self._max_tokens = self._output_limit()
+        return self._max_tokens
+
+    def _output_limit(self) -> int:
         limit = self.sampling_params.max_tokens
         room = (self.max_model_len - self.num_prompt_tokens) if self.max_model_len else None
         if limit is None:

@@ -264,11 +264,17 @@ class EngineCore:
             constrained = scheduler_output.structured_output_request_ids
             if not scheduler_output.is_empty and constrained and self.structured is not None:
                 # The forward of step N+1 runs while the host collects step N, feeds its tokens to the grammars
-                # and fills N+1's bitmask; then N+1 samples.
+                # and fills N+1's bitmask; N+1 samples, and only then does N's text and outputs follow (nothing
+                # of N+1 waits on them; a stop string found there ends its request as one finished in flight).
                 runner: Any = self.runner
                 forwarded = runner.forward(scheduler_output)
-                outputs = self._collect_pending()
+                updated: list[Request] = []
+                if self._pending is not None:
+                    collected, launched = self._pending
+                    self._pending = None
+                    updated = self._advance(collected, runner.collect(launched))
                 self._pending = (scheduler_output, runner.sample(forwarded, self._grammar_bitmask(scheduler_output)))
+                outputs = self._emit(updated)
                 if not self.scheduler.has_unfinished_requests():
                     outputs += self._collect_pending()
                 return outputs
@@ -417,37 +423,49 @@ class EngineCore:
         return bool(self._sync_request_ids)
 
     def _process(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        return self._emit(self._advance(scheduler_output, runner_output))
+
+    def _advance(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """The step's tokens into the scheduler and the grammars: what the next step's sampling depends on.
+        Returns the requests that received tokens."""
         updated = self.scheduler.update(scheduler_output, runner_output)
         if scheduler_output.structured_output_request_ids and self.structured is not None:
             self._advance_grammars(updated)
         if runner_output.draft_token_ids:
             self._take_worker_drafts(runner_output)
+        return updated
+
+    def _emit(self, updated: list[Request]) -> list[RequestOutput]:
+        """Text, stop strings and RequestOutputs of the requests a step advanced (`_advance`)."""
         touched: dict[str, _ParentRequest] = {}
         now = time.monotonic()
+        sequence_parent = self._sequence_parent
+        structured = self.structured
         for request in updated:
-            parent = self._sequence_parent.get(request.request_id)
+            request_id = request.request_id
+            parent = sequence_parent.get(request_id)
             if parent is None:
                 continue
-            sequence = parent.sequences[0] if len(parent.sequences) == 1 else next(
-                s for s in parent.sequences if s.request is request)
+            sequences = parent.sequences
+            sequence = sequences[0] if len(sequences) == 1 else next(s for s in sequences if s.request is request)
             params = request.sampling_params
             if params.logprobs is not None or params.prompt_logprobs is not None:
                 self._name_logprob_tokens(sequence)
             # Final-only requests without stop strings need their text only once, at the end.
-            if not params.final_only or params.stop or request.is_finished:
+            if not params.final_only or params.stop or request.status.finished:
                 self._detokenize(sequence)
-            sequence.status = request.status
-            if request.is_finished and params.structured_outputs is not None and self.structured is not None:
-                self.structured.remove(request.request_id)  # a stop string may have ended it just now
-            if request.is_finished:
+            status = sequence.status = request.status  # a stop string may have ended it just now
+            if status.finished:
+                if params.structured_outputs is not None and structured is not None:
+                    structured.remove(request_id)
                 sequence.finished_time = now
-                self._sequence_parent.pop(request.request_id, None)
+                sequence_parent.pop(request_id, None)
             touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
             finished = parent.finished
             if finished or not parent.sequences[0].request.sampling_params.final_only:
-                outputs.append(self._make_output(parent))
+                outputs.append(self._make_output(parent, finished))
             if finished:
                 self._parents.pop(parent.request_id, None)
         return outputs
@@ -455,14 +473,20 @@ class EngineCore:
     def _advance_grammars(self, updated: list[Request]) -> None:
         """Feed the step's new tokens to their requests' matchers (one batched call); a grammar complete with its
         stop token ends its request."""
+        structured = self.structured
         sequences = []
+        new: dict[str, list[int]] = {}
         for request in updated:
-            parent = self._sequence_parent.get(request.request_id)
-            if parent is None or request.sampling_params.structured_outputs is None:
+            if request.sampling_params.structured_outputs is None:
                 continue
-            sequences.append(next(s for s in parent.sequences if s.request is request))
-        new = {s.request.request_id: s.request.output_token_ids[s.num_grammar_tokens:] for s in sequences}
-        accepted = self.structured.accept_many(new)
+            parent = self._sequence_parent.get(request.request_id)
+            if parent is None:
+                continue
+            siblings = parent.sequences
+            sequence = siblings[0] if len(siblings) == 1 else next(s for s in siblings if s.request is request)
+            sequences.append(sequence)
+            new[request.request_id] = request.output_token_ids[sequence.num_grammar_tokens:]
+        accepted = structured.accept_many(new)
         for sequence in sequences:
             request = sequence.request
             sequence.num_grammar_tokens += accepted[request.request_id]
@@ -471,10 +495,10 @@ class EngineCore:
                 logger.warning("request %s: token %d is outside its grammar; the request ends here",
                                request.request_id, request.output_token_ids[sequence.num_grammar_tokens])
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-            if not request.is_finished and self.structured.is_terminated(request.request_id):
+            if not request.is_finished and structured.is_terminated(request.request_id):
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             if request.is_finished:
-                self.structured.remove(request.request_id)
+                structured.remove(request.request_id)
 
     def token_text(self, token_id: int) -> str | None:
         """One token's text decoded alone (a logprob's decoded_token); None without a tokenizer."""
@@ -508,38 +532,50 @@ class EngineCore:
             request.stop_reason = stop_string
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
-    def _make_output(self, parent: _ParentRequest) -> RequestOutput:
-        completions = []
-        for seq in parent.sequences:
-            request = seq.request
-            wants_logprobs = request.sampling_params.logprobs is not None
-            start, seq.num_emitted_tokens = seq.num_emitted_tokens, request.num_output_tokens
-            completions.append(CompletionOutput(
-                index=seq.index,
-                text=seq.detokenizer.output_text,
-                token_ids=list(request.output_token_ids),
-                logprobs=list(request.output_logprobs) if wants_logprobs else None,
-                finish_reason=request.status.finish_reason,
-                stop_reason=request.stop_reason,
-                delta_text=seq.detokenizer.get_delta(seq.status.finished),
-                delta_token_ids=request.output_token_ids[start:],
-                delta_logprobs=request.output_logprobs[start:] if wants_logprobs else None,
-            ))
-        first = parent.sequences[0].request
+    def _make_output(self, parent: _ParentRequest, finished: bool) -> RequestOutput:
+        sequences = parent.sequences
+        completions = [self._completion(seq) for seq in sequences]
+        first = sequences[0].request
+        if not finished:
+            finished_time = None
+        elif len(sequences) == 1:
+            finished_time = sequences[0].finished_time or 0.0
+        else:
+            finished_time = max((s.finished_time or 0.0) for s in sequences)
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,
             first_scheduled_time=first.first_scheduled_time,
             first_token_time=first.first_token_time,
-            finished_time=max((s.finished_time or 0.0) for s in parent.sequences) if parent.finished else None,
-            num_preemptions=sum(s.request.num_preemptions for s in parent.sequences),
+            finished_time=finished_time,
+            num_preemptions=sum(s.request.num_preemptions for s in sequences),
         )
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=completions,
-            finished=parent.finished,
+            finished=finished,
             prompt_logprobs=first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=metrics,
+        )
+
+    @staticmethod
+    def _completion(seq: _Sequence) -> CompletionOutput:
+        request = seq.request
+        output_token_ids = request.output_token_ids
+        wants_logprobs = request.sampling_params.logprobs is not None
+        start = seq.num_emitted_tokens
+        seq.num_emitted_tokens = len(output_token_ids)
+        status = seq.status
+        return CompletionOutput(
+            index=seq.index,
+            text=seq.detokenizer.output_text,
+            token_ids=list(output_token_ids),
+            logprobs=list(request.output_logprobs) if wants_logprobs else None,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            delta_text=seq.detokenizer.get_delta(status.finished),
+            delta_token_ids=output_token_ids[start:],
+            delta_logprobs=request.output_logprobs[start:] if wants_logprobs else None,
         )
