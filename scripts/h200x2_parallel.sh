@@ -21,6 +21,8 @@ if [[ "${3:-}" == "--smoke" ]]; then smoke=(--smoke); elif [[ -n "${3:-}" ]]; th
   echo "unknown option ${3}; the only one is --smoke" >&2; exit 2; fi
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# The checkout this script is in, also for scripts/*.py (whose own directory would come first on sys.path).
+export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
 failed=0
 

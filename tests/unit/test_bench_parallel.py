@@ -80,3 +80,29 @@ def test_table_reports_the_issue_ratios(tmp_path):
     missing = next(t for t in found.values() if t["target"].startswith("runs without"))
     assert "70b-fp8-latency-tp1" in missing["target"] and "8b-latency-tp1" not in missing["target"]
     assert found["greedy parity with TP=1 (not run)"]["pass"] is None
+
+
+def test_fp8_kv_scales_calibrated_through_the_executor_per_pipeline_stage(tmp_path):
+    from kestrel.loader.model_init import write_tiny_checkpoint
+    from kestrel.sampling_params import SamplingParams
+
+    write_tiny_checkpoint(tmp_path, "llama", "tiny", **common.SMOKE_OVERRIDES)
+    tokens, scales = {}, {}
+    for pp in (1, 2):
+        engine = common.build_engine(str(tmp_path), dtype="float32", device="cpu", kv_cache_dtype="fp8",
+                                     enable_prefix_caching=False, max_num_seqs=1, max_model_len=64,
+                                     pipeline_parallel_size=pp, distributed_executor_backend="mp" if pp > 1 else None)
+        try:
+            scales[pp] = engine.runner.calibrate_kv_scales()  # the reply rank's: the last stage's layers
+            engine.core.add_request("r", list(range(5, 20)), SamplingParams(max_tokens=6, temperature=0.0,
+                                                                            ignore_eos=True))
+            while engine.core.has_unfinished_requests():
+                for out in engine.core.step():
+                    tokens[pp] = out.outputs[0].token_ids
+        finally:
+            if pp > 1:
+                engine.runner.shutdown()
+    num_layers = len(scales[1])
+    assert scales[2] == scales[1][num_layers - len(scales[2]):] and len(scales[2]) == num_layers // 2
+    assert all(k != 1.0 and v != 1.0 for k, v in scales[1])
+    assert tokens[2] == tokens[1]
