@@ -446,9 +446,6 @@ class EngineConfig:
         if layers and pp > layers:
             _fail("pipeline_parallel_size", pp, f"the model has num_hidden_layers={layers}; use at most {layers} "
                   "stages")
-        if pp > 1 and self.cache.kv_cache_dtype == "fp8":
-            _fail("kv_cache_dtype", "fp8", "per-layer FP8 KV scales are not split across pipeline stages yet; use "
-                  "kv_cache_dtype='auto' or pipeline_parallel_size=1")
         spec = self.speculative
         if self.parallel.uses_workers and spec is not None and spec.method != "ngram":
             _fail("speculative_config.method", spec.method, "draft models and EAGLE heads run in one process; use "

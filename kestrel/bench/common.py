@@ -43,7 +43,13 @@ LLAMA3_8B: dict[str, Any] = {
     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                      "original_max_position_embeddings": 8192},
 }
-ARCHS = {"llama3-8b": LLAMA3_8B}
+# Llama-3-70B's shape with the 8B entry's rope (llama3 scaling, theta 500k) and vocabulary: 140 GB of BF16
+# weights, so on an H200 it needs two ranks in BF16, or W8A8 (70 GB) on one.
+LLAMA3_70B: dict[str, Any] = {
+    **LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+}
+ARCHS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
 SMOKE_OVERRIDES: dict[str, Any] = {"max_position_embeddings": 512}
 # Batch-1 decode target of precisions without their own (latency.DECODE_ROOFLINE_FACTORS): x the roofline.
 ROOFLINE_FACTOR = 1.3
@@ -79,11 +85,18 @@ def has_checkpoint(path: Path, config: dict[str, Any]) -> bool:
     return marker.is_file() and json.loads(marker.read_text()) == config and any(path.glob("*.safetensors"))
 
 
-def prepare_model(model: str | None, arch: str, smoke: bool, weights_dir: Path, with_checkpoint: bool,
+def default_weights_dir(arch: str) -> Path:
+    """Where `--arch`'s random checkpoint (or config.json alone) goes when `--weights-dir` is not given: one
+    directory per architecture, so that one's config never replaces another's checkpoint."""
+    return Path(f"/tmp/kestrel-bench-{arch}")
+
+
+def prepare_model(model: str | None, arch: str, smoke: bool, weights_dir: Path | None, with_checkpoint: bool,
                   device: torch.device) -> tuple[str, str]:
     """(model directory, load_format). `--model` wins; `--smoke` writes a tiny checkpoint; otherwise the
     architecture's random checkpoint when the HF peer needs it or an earlier run left it (loading it is
     faster than drawing dummy weights on the CPU), else its config.json alone with load_format="dummy"."""
+    weights_dir = weights_dir or default_weights_dir(arch)
     if model:
         return model, "auto"
     if smoke:
@@ -130,16 +143,11 @@ def build_engine(model: str, **engine_args: Any) -> Engine:
     if any((Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = load_tokenizer(config.model.tokenizer_path)
     eos = tokenizer.eos_token_id
-    runner: Any
-    if config.parallel.uses_workers:
-        if config.cache.kv_cache_dtype == "fp8":
-            raise ConfigError("invalid kv_cache_dtype='fp8' with worker processes in a bench: its KV scales are "
-                              "calibrated in-process; run without --distributed-executor-backend / tensor parallelism")
-        runner = build_executor(config, eos)
-    else:
-        runner = ModelRunner(config, eos_token_id=eos)
+    runner: Any = build_executor(config, eos) if config.parallel.uses_workers else ModelRunner(config, eos_token_id=eos)
     if config.cache.kv_cache_dtype == "fp8":
-        runner.calibrate_kv_scales()  # random weights have no checkpoint scales; 1.0 would waste FP8 range
+        # Random weights have no checkpoint scales; 1.0 would waste FP8 range. Workers each calibrate their own
+        # layers and kv heads in one collective prefill.
+        runner.calibrate_kv_scales()
     core = EngineCore(config, runner, runner.num_blocks, tokenizer, eos)
     synchronize(runner.device)
     return Engine(core, runner, config, time.perf_counter() - started)
@@ -271,8 +279,6 @@ def run_hf_peer(task: dict[str, Any], timeout_s: float, in_process: bool = False
 def load_hf_result(path: Path, suite: str, output_len: int, input_len: int | None = None) -> dict[str, Any]:
     """The HF peer block of an earlier result file of the same suite and workload (the peer is BF16 either way,
     so one run serves the FP8 runs too)."""
-    from kestrel.config import ConfigError
-
     result = json.loads(Path(path).read_text())
     hf = result.get("hf_peer") or {}
     cfg = result.get("config", {})
@@ -303,8 +309,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The model and precision flags of the end-to-end suites (latency, throughput)."""
     p.add_argument("--model", default=None, help="HF model directory (default: --arch with random weights)")
     p.add_argument("--arch", default="llama3-8b", choices=sorted(ARCHS))
-    p.add_argument("--weights-dir", type=Path, default=Path("/tmp/kestrel-bench-llama3-8b"),
-                   help="where the random checkpoint shared with the HF peer is written (reused if present)")
+    p.add_argument("--weights-dir", type=Path, default=None,
+                   help="where the random checkpoint shared with the HF peer is written (reused if present; "
+                        "default /tmp/kestrel-bench-ARCH)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default=None, choices=["fp8", "int8"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
@@ -314,6 +321,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="run the model in worker processes (with tp 1: the executor path, for its overhead)")
 
@@ -334,6 +342,7 @@ def build_suite_engine(args: argparse.Namespace, model_dir: str, load_format: st
         async_scheduling=args.async_scheduling, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs), max_model_len=max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend)
 
 
@@ -362,6 +371,7 @@ def engine_config_block(args: argparse.Namespace, engine: Engine, model_dir: str
             "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
             "precision": precision(args, model_dir), "kv_cache_dtype": args.kv_cache_dtype,
             "enforce_eager": args.enforce_eager, "tensor_parallel_size": args.tensor_parallel_size,
+            "pipeline_parallel_size": args.pipeline_parallel_size,
             "distributed_executor_backend": args.distributed_executor_backend,
             "async_scheduling": engine.core.async_scheduling,
             "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,

@@ -33,6 +33,7 @@ from typing import Any
 
 from kestrel.config import EngineConfig
 from kestrel.distributed.worker import (
+    CALIBRATE_KV,
     COLLECT,
     EXECUTE,
     FORWARD,
@@ -127,6 +128,11 @@ class Executor(ABC):
         if self.pipelined:
             return self._stage_output(launched)
         self._send((COLLECT, None, launched))
+        return self._reply()
+
+    def calibrate_kv_scales(self) -> list[tuple[float, float]]:
+        """`ModelRunner.calibrate_kv_scales` on every rank at once (before any step); the reply rank's scales."""
+        self._send((CALIBRATE_KV, None, None))
         return self._reply()
 
     # ----- pipeline parallelism -------------------------------------------------------------------------

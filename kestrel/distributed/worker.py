@@ -62,6 +62,9 @@ class WorkerInfo:
 EXECUTE, FORWARD, SAMPLE, LAUNCH, COLLECT, SHUTDOWN = "execute", "forward", "sample", "launch", "collect", "shutdown"
 # Pipeline parallelism: (req_ids, sampled_token_ids) of a step the last stage ran, for the earlier stages.
 RECORD = "record"
+# FP8 KV scales from one calibration prefill that every rank runs together (its collectives and stage sends meet);
+# each rank measures its own layers and kv heads. Answered with the reply rank's scales.
+CALIBRATE_KV = "calibrate_kv"
 
 
 def reply_rank(config: EngineConfig) -> int:
@@ -106,6 +109,8 @@ class Worker:
     def handle(self, call: tuple[str, int | None, Any]) -> Any:
         """Run one call; the output of `execute` / `collect`, else None. Under pipeline parallelism,
         `(key, output)` of each call that runs a step to its end on the last stage, else None."""
+        if call[0] == CALIBRATE_KV:
+            return self.runner.calibrate_kv_scales()
         if self.parallel.pp_size > 1:
             return self._handle_stage(call)
         op, key, payload = call

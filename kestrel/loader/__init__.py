@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 from torch import nn
 
@@ -9,6 +12,7 @@ from kestrel.config import ConfigError, ModelConfig, QuantConfig
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.loader.dummy import initialize_dummy_weights
 from kestrel.loader.hf_config import load_hf_config, resolve_dtype
+from kestrel.loader.model_init import checkpoint_shapes
 from kestrel.loader.safetensors import checkpoint_files, iterate_files, weight_format
 from kestrel.model.eagle import EagleHead
 from kestrel.model.registry import get_model_class
@@ -33,15 +37,39 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
     if plan.checkpoint is not None and load_format == "dummy":
         raise ConfigError("invalid load_format='dummy': the checkpoint is quantized (quantization_config); random "
                           "weights exist only for unquantized models, or with quantization='fp8' / 'int8' at load")
-    with torch.device(device):
-        model = model_cls(hf_config, dtype, plan) if parallel is None else model_cls(hf_config, dtype, plan, parallel)
     if load_format == "dummy":
-        initialize_dummy_weights(model, seed=model_config.seed)
-        model.process_weights_after_loading()
-    else:
-        # Large checkpoints take a while: show progress when there is more than one file to read.
-        model.load_weights(iterate_files(files, load_format, progress=len(files) > 1))
+        plan = dataclasses.replace(plan, random_weights=True)
+    try:
+        with torch.device(device):
+            model = (model_cls(hf_config, dtype, plan) if parallel is None
+                     else model_cls(hf_config, dtype, plan, parallel))
+        if load_format == "dummy":
+            initialize_dummy_weights(model, seed=model_config.seed, device=device)
+            model.process_weights_after_loading()
+        else:
+            # Large checkpoints take a while: show progress when there is more than one file to read.
+            model.load_weights(iterate_files(files, load_format, progress=len(files) > 1))
+    except torch.OutOfMemoryError as error:
+        raise ConfigError(out_of_memory_message(hf_config, dtype, plan, parallel, device)) from error
     return model.eval()
+
+
+def out_of_memory_message(hf_config: dict, dtype: torch.dtype, plan: QuantPlan, parallel: ParallelContext | None,
+                          device: str | torch.device) -> str:
+    """What the weights need per rank against what the device has, and the ways to make them fit."""
+    tp = parallel.tp_size if parallel is not None else 1
+    pp = parallel.pp_size if parallel is not None else 1
+    eight_bit = plan.checkpoint is not None or (plan.user is not None and plan.user.method is not None)
+    total = 0
+    for name, shape in checkpoint_shapes(hf_config).items():
+        size = 1 if eight_bit and name.endswith("proj.weight") else torch.empty((), dtype=dtype).element_size()
+        total += math.prod(shape) * size
+    have = ""
+    if torch.device(device).type == "cuda":
+        have = f" of the {torch.cuda.mem_get_info(torch.device(device))[1] / 1e9:.0f} GB on {device}"
+    return (f"the model's weights do not fit: about {total / (tp * pp) / 1e9:.0f} GB per rank at tp={tp}, pp={pp}"
+            f"{have} (out of memory while loading); use a larger tensor_parallel_size / pipeline_parallel_size"
+            + ("" if eight_bit else ", or quantization='fp8'"))
 
 
 def load_eagle_head(model_dir: str, dtype: torch.dtype, device: str | torch.device = "cpu",

@@ -28,6 +28,9 @@ class QuantPlan:
 
     user: QuantConfig | None = None
     checkpoint: CheckpointQuantization | None = None
+    # Random weights (load_format="dummy"): layers quantized at load create their high-precision weight on the
+    # meta device, and the loader fills and quantizes one layer at a time (a 70B model is 140 GB in BF16).
+    random_weights: bool = False
 
     @classmethod
     def build(cls, quant_config: QuantConfig | None, hf_config: dict[str, Any]) -> QuantPlan:
@@ -49,7 +52,10 @@ class QuantPlan:
             raise ConfigError(f"invalid quantization={config.method!r}: no method of that name quantizes at load "
                               f"(registered: {sorted(QUANT_METHODS)}); 'compressed-tensors' names a checkpoint "
                               f"format and needs a checkpoint with a quantization_config; layer {layer_name!r}")
-        return factory(config)
+        method = factory(config)
+        if self.random_weights and isinstance(method, W8A8LinearMethod):
+            method.defer_weight = True
+        return method
 
     def check_unquantized(self, module_name: str) -> None:
         """Modules kestrel always runs in the model dtype (the LM head) must not be quantized in the checkpoint."""

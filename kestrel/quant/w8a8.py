@@ -20,6 +20,7 @@ quantization error); float32 is meant for CPU tests, not for serving.
 
 from __future__ import annotations
 
+import contextlib
 from abc import abstractmethod
 from dataclasses import dataclass
 
@@ -52,6 +53,9 @@ class W8A8LinearMethod(QuantMethod):
 
     quant_dtype: torch.dtype
     method_name: str
+    # Online mode: create the high-precision weight on the meta device, for a loader that materializes and
+    # quantizes layer by layer (QuantPlan.random_weights).
+    defer_weight: bool = False
 
     def __init__(self, quant_config: QuantConfig, calibrated_inputs: bool = False, prequantized: bool = False,
                  weight_per_tensor: bool = False) -> None:
@@ -93,7 +97,8 @@ class W8A8LinearMethod(QuantMethod):
                 layer.register_parameter("weight_scale", scale)
         else:
             # The high-precision weight loads exactly like an unquantized one; process_after_loading converts it.
-            UnquantizedLinearMethod().create_weights(layer, input_size, output_partition_sizes, params_dtype)
+            with torch.device("meta") if self.defer_weight else contextlib.nullcontext():
+                UnquantizedLinearMethod().create_weights(layer, input_size, output_partition_sizes, params_dtype)
         if self.static:
             _register_per_shard(layer, "input_scale", torch.ones(num_shards, dtype=torch.float32))
             if not self.symmetric:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,15 +104,17 @@ def checkpoint_kv_scales(model_dir: str, num_layers: int) -> list[tuple[float, f
     return [(found.get(i, {}).get("k", 1.0), found.get(i, {}).get("v", 1.0)) for i in range(num_layers)]
 
 
-def kv_cache_scales(config: EngineConfig, num_layers: int) -> list[tuple[float, float]]:
-    """(k_scale, v_scale) per layer: 1.0 for a 16-bit cache; for FP8 the checkpoint's, else 1.0 with a
-    warning (ModelRunner.calibrate_kv_scales measures them instead)."""
+def kv_cache_scales(config: EngineConfig, layers: Sequence[int]) -> list[tuple[float, float]]:
+    """(k_scale, v_scale) of each of `layers` (model layer indices: a pipeline stage's own): 1.0 for a 16-bit
+    cache; for FP8 the checkpoint's, else 1.0 with a warning (ModelRunner.calibrate_kv_scales measures them)."""
+    num_layers = len(layers)
     declared = bool((config.model.hf_config.get("quantization_config") or {}).get("kv_cache_scheme"))
     if config.cache.kv_cache_dtype != "fp8":
         if declared:
             logger.info("the checkpoint carries FP8 KV cache scales (kv_cache_scheme); kv_cache_dtype='fp8' uses them")
         return [(1.0, 1.0)] * num_layers
-    scales = None if config.model.load_format == "dummy" else checkpoint_kv_scales(config.model.model, num_layers)
+    total = max(layers, default=-1) + 1
+    scales = None if config.model.load_format == "dummy" else checkpoint_kv_scales(config.model.model, total)
     if scales is None and declared:
         raise ConfigError("invalid checkpoint: its quantization_config declares a kv_cache_scheme but no layer has "
                           "k_scale / v_scale tensors; re-export it or drop kv_cache_scheme")
@@ -121,4 +123,4 @@ def kv_cache_scales(config: EngineConfig, num_layers: int) -> list[tuple[float, 
                        "= 1.0, so K/V values beyond +-%g saturate; ModelRunner.calibrate_kv_scales() measures "
                        "scales from a calibration run", FP8_E4M3_MAX)
         return [(1.0, 1.0)] * num_layers
-    return scales
+    return [scales[i] for i in layers]

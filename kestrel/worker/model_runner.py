@@ -99,7 +99,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
         if self.drafter is not None:
             self.drafter.bind(self.num_blocks)
-        self.bind_kv_caches(kv_cache_scales(config, num_layers))
+        total_layers = int(config.model.hf_config["num_hidden_layers"])
+        stage = parallel.stage_layers(total_layers) if parallel is not None else range(total_layers)
+        self.bind_kv_caches(kv_cache_scales(config, stage))
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
             self.launches_per_layer = self._count_layer_launches()

@@ -86,6 +86,7 @@ class LinearBase(nn.Module):
             self.output_partition_sizes = list(output_sizes)
             self.input_size_per_partition = input_size
         self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.processed = False  # process_after_loading has run (see process_linear_layer)
         self.quant_method.create_weights(
             self, self.input_size_per_partition, list(self.output_partition_sizes), params_dtype
         )
@@ -292,8 +293,16 @@ class RowLinear(LinearBase):
             self.azp_adj = nn.Parameter(self.weight.sum(dim=1, dtype=torch.int32), requires_grad=False)
 
 
+def process_linear_layer(layer: LinearBase) -> None:
+    """The layer's post-loading hook, once: the dummy loader runs it as soon as a deferred layer is filled, and
+    the model's pass over every layer then leaves that one alone."""
+    if not layer.processed:
+        layer.process_after_loading()
+        layer.processed = True
+
+
 def process_linear_layers_after_loading(model: nn.Module) -> None:
     """Give every linear layer's quant method its post-loading hook (quantize, transpose, ...)."""
     for module in model.modules():
         if isinstance(module, LinearBase):
-            module.process_after_loading()
+            process_linear_layer(module)
