@@ -333,9 +333,9 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_suite_engine(args: argparse.Namespace, model_dir: str, load_format: str, device: torch.device,
-                       max_num_seqs: int, max_model_len: int) -> Engine:
+                       max_num_seqs: int, max_model_len: int, **extra: Any) -> Engine:
     """The engine of an end-to-end suite from its `add_model_arguments` flags (prefix caching off: prompts
-    are distinct anyway, and a hit would skip the work being measured)."""
+    are distinct anyway, and a hit would skip the work being measured); `extra`: the suite's own engine arguments."""
     return build_engine(
         model_dir, dtype=args.dtype, device=device.type, load_format=load_format, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, enable_prefix_caching=False,
@@ -343,7 +343,7 @@ def build_suite_engine(args: argparse.Namespace, model_dir: str, load_format: st
         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs), max_model_len=max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend)
+        distributed_executor_backend=args.distributed_executor_backend, **extra)
 
 
 def precision(args: argparse.Namespace, model_dir: str | None = None) -> str:

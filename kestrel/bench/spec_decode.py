@@ -38,7 +38,7 @@ METHODS = ("ngram", "draft_model", "eagle")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    common.add_model_arguments(p)
+    common.add_model_arguments(p)  # the model and engine of part 2 (part 1 runs the bundled kestrel-tiny)
     p.add_argument("--k", default="1,2,4,6", help="comma-separated numbers of speculative tokens (part 1)")
     p.add_argument("--prompts", type=int, default=8, help="held-out files to complete (part 1)")
     p.add_argument("--prompt-len", type=int, default=200)  # + output-len + 8 within the 512 context
@@ -161,10 +161,10 @@ def verify_part(args: argparse.Namespace, device: torch.device, result: dict[str
     model_dir, load_format = common.prepare_model(args.model, args.arch, args.smoke, args.weights_dir, False, device)
     context = 512 if not args.smoke else 32
     ks = int_list(args.verify_k)
-    engine = common.build_engine(
-        model_dir, dtype=args.dtype if device.type == "cuda" else "float32", device=device.type,
-        load_format=load_format, max_num_seqs=1, max_model_len=context + 64 + max(ks) + 2, enable_prefix_caching=False,
-        speculative_config={"method": "ngram", "num_speculative_tokens": max(ks)})
+    if device.type != "cuda":
+        args.dtype = "float32"
+    engine = common.build_suite_engine(args, model_dir, load_format, device, 1, context + 64 + max(ks) + 2,
+                                       speculative_config={"method": "ngram", "num_speculative_tokens": max(ks)})
     core = engine.core
     vocab = common.prompt_vocab(model_dir)
     prompt = torch.randint(1, vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist()
