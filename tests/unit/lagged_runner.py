@@ -1,4 +1,5 @@
-"""LaggedRunner: a pure-Python worker with the ModelRunner's launch/collect contract, for async scheduling tests.
+"""LaggedRunner: a pure-Python worker with the ModelRunner's launch/collect contract, for async scheduling tests (and
+WordTokenizer, a one-word-per-id tokenizer for engines built around it).
 
 It holds exactly `max_rows` rows (as the runner's block table holds `max_num_seqs`) and fails loudly when a
 step would need more, reads a token still in flight as the device would (at most one per request), and
@@ -125,3 +126,20 @@ class LaggedRunner:
             if token == self.eos_token_id and not ignore_eos:
                 break
         return out
+
+
+class WordTokenizer:
+    """Enough of a tokenizer for the detokenizer: one word per id; `eos_token_id` is the only special id."""
+
+    def __init__(self, eos_token_id: int) -> None:
+        self.eos_token_id = eos_token_id
+        self.all_special_ids = [eos_token_id]
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens=False):
+        return [f"w{i}" for i in ids if not (skip_special_tokens and i == self.eos_token_id)]
+
+    def convert_tokens_to_string(self, tokens):
+        return " ".join(tokens)
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self.convert_tokens_to_string(self.convert_ids_to_tokens(ids, skip_special_tokens))

@@ -9,7 +9,7 @@ import asyncio
 import random
 
 import pytest
-from lagged_runner import LaggedRunner
+from lagged_runner import LaggedRunner, WordTokenizer
 
 from kestrel.config import EngineConfig
 from kestrel.engine.core import EngineCore
@@ -22,22 +22,6 @@ EOS = 2
 MAX_SEQS = 16
 
 
-class _Tokenizer:
-    """Enough of a tokenizer for the detokenizer: one word per id."""
-
-    eos_token_id = EOS
-    all_special_ids = [EOS]
-
-    def convert_ids_to_tokens(self, ids, skip_special_tokens=False):
-        return [f"w{i}" for i in ids if not (skip_special_tokens and i == EOS)]
-
-    def convert_tokens_to_string(self, tokens):
-        return " ".join(tokens)
-
-    def decode(self, ids, skip_special_tokens=False):
-        return self.convert_tokens_to_string(self.convert_ids_to_tokens(ids, skip_special_tokens))
-
-
 def make_engine(*, async_scheduling: bool, num_blocks: int = 512, budget: int = 256, eos_rate: float = 0.0,
                 max_model_len: int = 512) -> tuple[EngineCore, LaggedRunner]:
     config = EngineConfig.from_kwargs(str(default_model_path()), max_model_len=max_model_len,
@@ -45,7 +29,7 @@ def make_engine(*, async_scheduling: bool, num_blocks: int = 512, budget: int = 
                                       kv_cache_blocks=num_blocks, async_scheduling=async_scheduling, device="cpu",
                                       generation_config="vllm")  # the runner's EOS is the only one
     runner = LaggedRunner(MAX_SEQS, VOCAB, EOS, block_size=config.cache.block_size, eos_rate=eos_rate)
-    return EngineCore(config, runner, num_blocks, _Tokenizer(), EOS), runner
+    return EngineCore(config, runner, num_blocks, WordTokenizer(EOS), EOS), runner
 
 
 def random_prompt(rng: random.Random, length: int) -> list[int]:
@@ -141,7 +125,7 @@ def test_async_server_engine_with_more_streams_than_rows():
     """AsyncEngine over the lagged runner: 3x max_num_seqs concurrent streams, a third of them closed early,
     then a second wave after the engine went idle."""
     core, runner = make_engine(async_scheduling=True, num_blocks=256, budget=128, eos_rate=0.02)
-    engine = AsyncEngine(core, _Tokenizer()).start()
+    engine = AsyncEngine(core, WordTokenizer(EOS)).start()
     rng = random.Random(5)
 
     async def one(rid: str, prompt: list[int], max_tokens: int, leave_after: int | None):

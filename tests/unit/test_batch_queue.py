@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from lagged_runner import LaggedRunner
+from lagged_runner import LaggedRunner, WordTokenizer
 
 from kestrel.config import CacheConfig, EngineConfig, SchedulerConfig
 from kestrel.engine.contracts import ModelRunnerOutput, SchedulerOutput
@@ -57,26 +57,12 @@ class StagedRunner(LaggedRunner):
         return super().collect(launched)
 
 
-class _Tokenizer:
-    eos_token_id = EOS
-    all_special_ids = [EOS]
-
-    def convert_ids_to_tokens(self, ids, skip_special_tokens=False):
-        return [f"w{i}" for i in ids if not (skip_special_tokens and i == EOS)]
-
-    def convert_tokens_to_string(self, tokens):
-        return " ".join(tokens)
-
-    def decode(self, ids, skip_special_tokens=False):
-        return self.convert_tokens_to_string(self.convert_ids_to_tokens(ids, skip_special_tokens))
-
-
 def make_engine(pp: int, **overrides) -> tuple[EngineCore, StagedRunner]:
     args = dict(max_model_len=256, max_num_seqs=MAX_SEQS, max_num_batched_tokens=48, kv_cache_blocks=40,
                 device="cpu", generation_config="vllm", pipeline_parallel_size=pp)
     config = EngineConfig.from_kwargs(str(default_model_path()), **{**args, **overrides})
     runner = StagedRunner(MAX_SEQS, VOCAB, EOS, block_size=config.cache.block_size, eos_rate=0.05)
-    return EngineCore(config, runner, config.cache.num_blocks, _Tokenizer(), EOS), runner
+    return EngineCore(config, runner, config.cache.num_blocks, WordTokenizer(EOS), EOS), runner
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -113,7 +99,7 @@ def test_one_stage_keeps_one_step_at_a_time() -> None:
     config = EngineConfig.from_kwargs(str(default_model_path()), max_model_len=256, max_num_seqs=MAX_SEQS,
                                       kv_cache_blocks=40, device="cpu", async_scheduling=True)
     runner = LaggedRunner(MAX_SEQS, VOCAB, EOS, block_size=config.cache.block_size)  # fails on a third step
-    engine = EngineCore(config, runner, 40, _Tokenizer(), EOS)
+    engine = EngineCore(config, runner, 40, WordTokenizer(EOS), EOS)
     for i in range(6):
         engine.add_request(f"r{i}", [3 + i] * 20, SamplingParams(max_tokens=5, ignore_eos=True))
     while engine.has_unfinished_requests():
