@@ -356,8 +356,12 @@ class ModelRunner:
         released meanwhile are skipped."""
         for req_id, tokens in zip(req_ids, sampled_token_ids, strict=True):
             state = self.requests.get(req_id)
-            if state is not None:
-                state.token_ids.extend(tokens)
+            if state is None:
+                continue
+            if state.drafts:  # a verify step: its drafts were this stage's inputs; the accepted ones come back
+                del state.token_ids[len(state.token_ids) - len(state.drafts):]
+                state.drafts = []
+            state.token_ids.extend(tokens)
 
     @torch.inference_mode()
     def sample(self, step: ForwardStep, grammar: GrammarBitmask | None = None) -> LaunchedStep:

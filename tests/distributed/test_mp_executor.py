@@ -71,6 +71,25 @@ def test_workers_match_one_process(models: Path, case: str) -> None:
                 assert abs(got_lp[token].logprob - lp.logprob) <= 1e-5
 
 
+def test_ngram_speculation_across_pipeline_stages_is_lossless(models: Path) -> None:
+    """A verify step's drafts are the earlier stages' inputs too: they must give way to the accepted tokens there."""
+    prompts = [{"prompt_token_ids": ([5, 6, 7, 8, 9] * 6)[:n]} for n in (30, 21)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    runs = {}
+    for name, extra in (("plain", {}), ("pp2", {"speculative_config": spec, "pipeline_parallel_size": 2})):
+        llm = LLM(str(models / "llama"), **{**ENGINE, "kv_cache_blocks": 40}, **extra)
+        try:
+            runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            stats = llm.engine.scheduler.stats
+        finally:
+            shutdown = getattr(llm.runner, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+    assert stats.num_spec_draft_tokens > 0 and stats.num_spec_accepted_tokens > 0
+    assert runs["pp2"] == runs["plain"]
+
+
 def test_killed_worker_fails_requests_and_health(models: Path) -> None:
     engine = AsyncEngine.from_args(str(models / "llama"), **ENGINE, tensor_parallel_size=2)
     executor = engine.core.runner
