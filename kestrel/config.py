@@ -251,8 +251,9 @@ class ParallelConfig:
         _check_choice("distributed_executor_backend", self.distributed_executor_backend,
                       DISTRIBUTED_EXECUTOR_BACKEND_CHOICES)
         if (isinstance(self.distributed_timeout_s, bool) or not isinstance(self.distributed_timeout_s, int | float)
-                or not self.distributed_timeout_s > 0):
-            _fail("distributed_timeout_s", self.distributed_timeout_s, "expected a number of seconds > 0")
+                or not 0 < self.distributed_timeout_s < 1e9):
+            _fail("distributed_timeout_s", self.distributed_timeout_s, "expected a finite number of seconds > 0 "
+                  "(below 1e9)")
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             _fail("distributed_executor_backend", "ray", "the ray package is not installed here; install it "
                   "(pip install ray) or use 'mp' (worker processes on this machine)")

@@ -58,6 +58,10 @@ class SchedulerOutput:
     draft_request_ids: frozenset[str] = frozenset()
     draft_lookahead: int = 0
 
+    # The scheduler's number for this step: its tokens are matched to the requests it scheduled, not to a later
+    # request that reuses the id of one that ended while the step was in flight.
+    step_id: int = 0
+
     @property
     def is_empty(self) -> bool:
         """Nothing to compute. Such an output may still release requests, and must reach the runner then."""

@@ -401,11 +401,12 @@ class EngineCore:
                                  spec.prompt_lookup_max)
                 request.spec_token_ids = self._grammar_drafts(request, drafts)
 
-    def _take_worker_drafts(self, runner_output: ModelRunnerOutput) -> None:
+    def _take_worker_drafts(self, runner_output: ModelRunnerOutput, updated: list[Request]) -> None:
         """Drafts the worker's proposer made for the next step (draft model, EAGLE head), once the step's tokens
-        (and the grammars) have advanced."""
+        (and the grammars) have advanced; only for the requests the step advanced (`updated`)."""
+        advanced = {request.request_id: request for request in updated}
         for request_id, drafts in runner_output.draft_token_ids.items():
-            request = self.scheduler.requests.get(request_id)
+            request = advanced.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING and drafts:
                 request.spec_token_ids = self._grammar_drafts(request, drafts)
 
@@ -432,7 +433,7 @@ class EngineCore:
         if scheduler_output.structured_output_request_ids and self.structured is not None:
             self._advance_grammars(updated)
         if runner_output.draft_token_ids:
-            self._take_worker_drafts(runner_output)
+            self._take_worker_drafts(runner_output, updated)
         return updated
 
     def _emit(self, updated: list[Request]) -> list[RequestOutput]:

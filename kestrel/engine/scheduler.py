@@ -13,6 +13,7 @@ is the least important.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import deque
 from collections.abc import Collection
@@ -59,6 +60,9 @@ class Scheduler:
         # Set by the engine per step: whether proposed drafts are verified (only in steps whose inputs are all
         # known on the host), and the positions past a step's tokens a worker-side proposer writes (k, or 0).
         self.verify_drafts = True
+        # Per step in flight, the requests it scheduled (by id): a step's tokens go to those objects only.
+        self._scheduled: dict[int, dict[str, Request]] = {}
+        self._step_ids = itertools.count(1)
         self.draft_lookahead = 0
 
     # ----- queue management -------------------------------------------------------------------
@@ -248,7 +252,10 @@ class Scheduler:
                 rid for rid in order if self.requests[rid].sampling_params.structured_outputs is not None),
             draft_request_ids=frozenset(proposing),
             draft_lookahead=self.draft_lookahead if proposing else 0,
+            step_id=next(self._step_ids),
         )
+        if order:
+            self._scheduled[output.step_id] = {rid: self.requests[rid] for rid in order}
         self._finished_ids.clear()
         self._preempted_ids.clear()
         return output
@@ -263,13 +270,23 @@ class Scheduler:
         updated = []
         now = time.monotonic()
         drafts = scheduler_output.scheduled_spec_decode_tokens
+        scheduled = self._scheduled.pop(scheduler_output.step_id, None)
+
+        def live(request_id: str) -> Request | None:
+            """The request this step scheduled under that id, if it is still here (an id may be reused by a new
+            request once the old one was aborted, even while this step was in flight)."""
+            request = self.requests.get(request_id)
+            if scheduled is not None and scheduled.get(request_id) is not request:
+                return None
+            return request
+
         # Before the tokens: the step that ends a prompt can also finish its request.
         for request_id, logprobs in runner_output.prompt_logprobs.items():
-            request = self.requests.get(request_id)
+            request = live(request_id)
             if request is not None:
                 request.prompt_logprobs.extend(logprobs)
         for i, request_id in enumerate(runner_output.req_ids):
-            request = self.requests.get(request_id)
+            request = live(request_id)
             tokens = runner_output.sampled_token_ids[i]
             if request is None or not tokens:
                 continue

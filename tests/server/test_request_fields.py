@@ -124,6 +124,12 @@ def test_tensor_parallel_size_that_does_not_divide_the_heads_is_refused(tiny_mod
         EngineConfig.from_kwargs(tiny_model_dir, tensor_parallel_size=3)
 
 
+@pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan"), True])
+def test_distributed_timeout_must_be_finite_seconds(tiny_model_dir, value):
+    with pytest.raises(ConfigError, match="distributed_timeout_s"):
+        EngineConfig.from_kwargs(tiny_model_dir, distributed_timeout_s=value)
+
+
 def test_add_special_tokens_is_honoured_on_completions(openai_server, tiny_model_dir):
     from transformers import AutoTokenizer
 

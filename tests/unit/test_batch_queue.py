@@ -134,3 +134,31 @@ def test_scheduler_leaves_out_requests_in_flight() -> None:
     held = sched.schedule(exclude={"a", "b", "c", "d"})
     assert held.num_scheduled_tokens == {} and [r.request_id for r in sched.waiting] == ["d", "e"]
     assert sched.schedule(exclude={"a", "b", "c"}).num_scheduled_tokens == {"d": 4, "e": 4}
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_an_id_reused_after_an_abort_in_flight_gets_only_its_own_tokens(pp: int) -> None:
+    """A request aborted while its step is in flight frees its id at once; the step's token for it must not land
+    on a new request with that id (pp = 1: async scheduling's one step in flight; pp = 2: the batch queue)."""
+    if pp == 1:
+        config = EngineConfig.from_kwargs(str(default_model_path()), max_model_len=256, max_num_seqs=MAX_SEQS,
+                                          kv_cache_blocks=40, device="cpu", async_scheduling=True,
+                                          generation_config="vllm")
+        runner = LaggedRunner(MAX_SEQS, VOCAB, EOS, block_size=config.cache.block_size)
+        engine = EngineCore(config, runner, 40, WordTokenizer(EOS), EOS)
+    else:
+        engine, runner = make_engine(pp=2)
+    runner.eos_rate = 0.0
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request("a", [5] * 10, params)
+    engine.add_request("b", [6] * 10, params)
+    engine.step()  # a's first step is in flight
+    engine.abort_request(["a"])
+    engine.add_request("a", [7] * 30, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done["a"] == runner.expected_tokens([7] * 30, 3, ignore_eos=True)
+    assert done["b"] == runner.expected_tokens([6] * 10, 3, ignore_eos=True)
