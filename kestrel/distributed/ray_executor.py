@@ -124,20 +124,26 @@ class RayExecutor(Executor):
                 self._get(done, "step")  # raises if that call failed
                 self._pending = [r for r in self._pending if r != done[0]]
             (result,) = self._get([ref], "step")
+            # The other ranks' calls of this step are done by now too, most often: drop them here, or the list
+            # (scanned by every wait) would grow by world_size - 1 refs a step.
+            failure = self._dead_worker()
+            if failure is not None:
+                raise self._fail(failure)
             if result is not None:
                 return result
         raise RuntimeError("no worker call is waiting for an answer")
 
     def _dead_worker(self) -> str | None:
+        """A failed call's error, else None; the calls seen to succeed leave the pending list."""
         if not self._pending:
             return None
-        done, _ = self._ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
+        done, rest = self._ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
         for ref in done:
             try:
                 self._ray.get(ref)
             except self._ray.exceptions.RayError as error:
                 return f"a worker failed: {error}"
-        self._pending = [r for r in self._pending if r not in set(done)]
+        self._pending = rest
         return None
 
     def shutdown(self) -> None:
