@@ -227,12 +227,17 @@ def test_client_disconnect_mid_stream_frees_its_blocks(openai_server):
     assert aborted_requests(openai_server) == aborts + 1  # counted as an abort
 
 
-def test_non_streaming_disconnect_aborts_too(openai_server):
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True}
+def test_non_streaming_disconnect_aborts_too(start_scripted_server):
+    # Steps of 0.1 s keep the request running (20 tokens, >= 2 s) far past the client's 0.5 s, however fast the
+    # engine's own step is.
+    server, _ = start_scripted_server(step_delay_s=0.1, script=" ".join(f"w{i}" for i in range(20)))
+    aborts = aborted_requests(server)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{openai_server.base_url}/v1/completions", json=body, headers=openai_server.headers, timeout=0.3)
-    samples = openai_server.wait_idle(timeout_s=5)
+        httpx.post(f"{server.base_url}/v1/completions", json=body, headers=server.headers, timeout=0.5)
+    samples = server.wait_idle(timeout_s=5)
     assert samples["kestrel:kv_cache_usage_perc"] == 0 and samples["kestrel:num_requests_running"] == 0
+    assert aborted_requests(server) == aborts + 1  # ended as an abort, not finished
 
 
 def test_full_queue_answers_429_with_retry_after(start_scripted_server):
