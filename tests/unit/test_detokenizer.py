@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.engine.detokenizer import IncrementalDetokenizer, TokenizerLookups
 from kestrel.loader.tokenizer_init import write_tokenizer
 from kestrel.sampling_params import SamplingParams as SP
 
@@ -196,3 +196,20 @@ def test_prompt_context_keeps_the_first_leading_space_of_metaspace_tokenizers():
     detokenizer.update([2])
     detokenizer.update([3])
     assert detokenizer.output_text == " world again"
+
+
+def test_shared_lookups_equal_private_ones(tokenizer) -> None:
+    """Detokenizers sharing one TokenizerLookups (as the engine's do) give the texts that private ones give."""
+    lookups = TokenizerLookups(tokenizer)
+    assert type(lookups.tokens_to_string.__self__) is type(tokenizer.backend_tokenizer.decoder)  # the fast path
+    rng = random.Random(7)
+    for _ in range(20):
+        ids = encode(tokenizer, random_text(rng, 40))
+        params = SP(skip_special_tokens=rng.random() < 0.5)
+        shared = IncrementalDetokenizer(tokenizer, [0, 5, 6], params, lookups)
+        private = IncrementalDetokenizer(tokenizer, [0, 5, 6], params)
+        for chunk in chunks(rng, ids, 3):
+            shared.update(chunk)
+            private.update(chunk)
+            assert shared.get_delta(finished=False) == private.get_delta(finished=False)
+        assert shared.output_text == private.output_text == tokenizer.decode(ids, skip_special_tokens=False)
