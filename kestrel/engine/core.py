@@ -110,7 +110,6 @@ class EngineCore:
         # step need not scan every request; finished ones are dropped lazily by `_needs_sync`.
         self._sync_request_ids: set[str] = set()
         self._token_texts: dict[int, str] = {}
-        self._tokenizer_lookups: TokenizerLookups | None = None
 
     # ----- requests -----------------------------------------------------------------------------
 
@@ -132,10 +131,8 @@ class EngineCore:
             request = Request(child_id, list(prompt_token_ids), child_params, eos_token_id=self.eos_token_id,
                               max_model_len=self.max_model_len, extra_eos_token_ids=self._extra_eos,
                               priority=priority)
-            if self._tokenizer_lookups is None or self._tokenizer_lookups.tokenizer is not self.tokenizer:
-                self._tokenizer_lookups = TokenizerLookups(self.tokenizer)
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child_params,
-                                                 self._tokenizer_lookups)
+                                                 TokenizerLookups.of(self.tokenizer))
             sequence = _Sequence(request, detokenizer, index)
             parent.sequences.append(sequence)
         if params.structured_outputs is not None:

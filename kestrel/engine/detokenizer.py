@@ -16,6 +16,7 @@ key, so every step costs one tokenizer call per sequence instead of three.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,33 +27,56 @@ _PROMPT_CONTEXT_TOKENS = 5
 _FAST_TOKENIZER_MODULE = "transformers.tokenization_utils_tokenizers"
 
 
-def _tokens_to_string(tokenizer: Any) -> Callable[[list[str]], str]:
-    """`convert_tokens_to_string`, or for a Hugging Face fast tokenizer that does not override it, the body it
-    runs (its Rust decoder) without the two Python calls around it per step."""
+def _fast_decoder(tokenizer: Any) -> Callable[[list[str]], str] | None:
+    """For a Hugging Face fast tokenizer that does not override `convert_tokens_to_string`, the body it runs
+    (its Rust decoder), without the two Python calls around it per step."""
     method = getattr(type(tokenizer), "convert_tokens_to_string", None)
     if getattr(method, "__module__", None) == _FAST_TOKENIZER_MODULE:
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         if decoder is not None:
             return decoder.decode
-    return tokenizer.convert_tokens_to_string
+    return None
 
 
 class TokenizerLookups:
-    """Per-tokenizer caches shared by all its detokenizers (bounded by the vocabulary)."""
+    """Per-tokenizer caches shared by all its detokenizers (bounded by the vocabulary). They assume the
+    tokenizer's vocabulary and special tokens no longer change."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    _shared: weakref.WeakKeyDictionary[Any, TokenizerLookups] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> TokenizerLookups:
+        """The lookups of `tokenizer`, kept warm for as long as it lives (across engines that share it)."""
+        try:
+            lookups = cls._shared.get(tokenizer)
+        except TypeError:  # neither hashable nor weakly referable: not shared
+            return cls(tokenizer)
+        if lookups is None:
+            # A registry entry must not keep its own key alive.
+            lookups = cls._shared[tokenizer] = cls(tokenizer, weakref.ref(tokenizer))
+        return lookups
+
+    def __init__(self, tokenizer: Any, tokenizer_ref: Callable[[], Any] | None = None) -> None:
+        """`tokenizer_ref`: how to reach the tokenizer later (a strong reference when not given)."""
+        self._tokenizer_ref = tokenizer_ref if tokenizer_ref is not None else lambda: tokenizer
         self.special_ids = frozenset(tokenizer.all_special_ids)
-        self.tokens_to_string = _tokens_to_string(tokenizer)
+        self.tokens_to_string: Callable[[list[str]], str] = _fast_decoder(tokenizer) or self._tokens_to_string
         self._token_strings: dict[int, str] = {}
         self._single_texts: dict[str, str] = {}
 
+    def _tokens_to_string(self, tokens: list[str]) -> str:
+        return self._tokenizer_ref().convert_tokens_to_string(tokens)
+
     def ids_to_tokens(self, ids: list[int]) -> list[str]:
         cache = self._token_strings
+        if len(ids) == 1:  # one token per sequence per step is the common case
+            token_id = ids[0]
+            if token_id in cache:
+                return [cache[token_id]]
         missing = [i for i in ids if i not in cache]
         if missing:
             missing = list(dict.fromkeys(missing))
-            cache.update(zip(missing, self.tokenizer.convert_ids_to_tokens(missing)))
+            cache.update(zip(missing, self._tokenizer_ref().convert_ids_to_tokens(missing)))
         return [cache[i] for i in ids]
 
     def decode_tokens(self, tokens: list[str]) -> str:

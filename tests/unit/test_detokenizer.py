@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 from pathlib import Path
 
 import pytest
@@ -213,3 +215,36 @@ def test_shared_lookups_equal_private_ones(tokenizer) -> None:
             private.update(chunk)
             assert shared.get_delta(finished=False) == private.get_delta(finished=False)
         assert shared.output_text == private.output_text == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_lookups_are_shared_per_tokenizer(tokenizer) -> None:
+    assert TokenizerLookups.of(tokenizer) is TokenizerLookups.of(tokenizer)
+
+    class Unhashable:
+        __hash__ = None  # type: ignore[assignment]
+        all_special_ids: list[int] = []
+
+        def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+            return [f"<{i}>" for i in ids]
+
+        def convert_tokens_to_string(self, tokens: list[str]) -> str:
+            return "".join(tokens)
+
+    plain = Unhashable()
+    lookups = TokenizerLookups.of(plain)
+    assert lookups is not TokenizerLookups.of(plain)
+    assert lookups.ids_to_tokens([3, 4, 3]) == ["<3>", "<4>", "<3>"]
+    assert lookups.decode_tokens(["<3>"]) == "<3>"
+    detok = IncrementalDetokenizer(plain, [1], SP(), lookups)
+    detok.update([2, 3])
+    assert detok.output_text == "<2><3>"
+
+
+def test_shared_lookups_do_not_keep_their_tokenizer_alive(tmp_path) -> None:
+    write_tokenizer(str(tmp_path))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    TokenizerLookups.of(tok).ids_to_tokens([5, 6])
+    ref = weakref.ref(tok)
+    del tok
+    gc.collect()
+    assert ref() is None
