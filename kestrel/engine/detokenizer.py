@@ -73,6 +73,9 @@ class TokenizerLookups:
             token_id = ids[0]
             if token_id in cache:
                 return [cache[token_id]]
+            tokens = self._tokenizer_ref().convert_ids_to_tokens(ids)
+            cache[token_id] = tokens[0]
+            return tokens
         missing = [i for i in ids if i not in cache]
         if missing:
             missing = list(dict.fromkeys(missing))
