@@ -16,7 +16,7 @@ from typing import Any
 
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.contracts import ModelRunnerOutput, Runner, SchedulerOutput
-from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.engine.detokenizer import IncrementalDetokenizer, TokenizerLookups
 from kestrel.engine.ngram_proposer import propose
 from kestrel.engine.scheduler import Scheduler
 from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -131,7 +131,8 @@ class EngineCore:
             request = Request(child_id, list(prompt_token_ids), child_params, eos_token_id=self.eos_token_id,
                               max_model_len=self.max_model_len, extra_eos_token_ids=self._extra_eos,
                               priority=priority)
-            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child_params)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child_params,
+                                                 TokenizerLookups.of(self.tokenizer))
             sequence = _Sequence(request, detokenizer, index)
             parent.sequences.append(sequence)
         if params.structured_outputs is not None:
@@ -463,10 +464,12 @@ class EngineCore:
                 sequence_parent.pop(request_id, None)
             touched[parent.request_id] = parent
         outputs = []
+        make_output = self._make_output
         for parent in touched.values():
-            finished = parent.finished
-            if finished or not parent.sequences[0].request.sampling_params.final_only:
-                outputs.append(self._make_output(parent, finished))
+            sequences = parent.sequences
+            finished = sequences[0].status.finished if len(sequences) == 1 else parent.finished
+            if finished or not sequences[0].request.sampling_params.final_only:
+                outputs.append(make_output(parent, finished))
             if finished:
                 self._parents.pop(parent.request_id, None)
         return outputs
@@ -535,20 +538,24 @@ class EngineCore:
 
     def _make_output(self, parent: _ParentRequest, finished: bool) -> RequestOutput:
         sequences = parent.sequences
-        completions = [self._completion(seq) for seq in sequences]
-        first = sequences[0].request
-        if not finished:
-            finished_time = None
-        elif len(sequences) == 1:
-            finished_time = sequences[0].finished_time or 0.0
+        completion = self._completion
+        if len(sequences) == 1:
+            sequence = sequences[0]
+            completions = [completion(sequence)]
+            first = sequence.request
+            finished_time = (sequence.finished_time or 0.0) if finished else None
+            num_preemptions = first.num_preemptions
         else:
-            finished_time = max((s.finished_time or 0.0) for s in sequences)
+            completions = [completion(seq) for seq in sequences]
+            first = sequences[0].request
+            finished_time = max((s.finished_time or 0.0) for s in sequences) if finished else None
+            num_preemptions = sum(s.request.num_preemptions for s in sequences)
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,
             first_scheduled_time=first.first_scheduled_time,
             first_token_time=first.first_token_time,
             finished_time=finished_time,
-            num_preemptions=sum(s.request.num_preemptions for s in sequences),
+            num_preemptions=num_preemptions,
         )
         return RequestOutput(
             request_id=parent.request_id,

@@ -9,33 +9,105 @@ across tokens: the piece stays pending (visible in `output_text`, held back from
 and the offsets stay put until a later token completes it.
 
 The tokenizer is duck-typed as a Hugging Face tokenizer: `convert_ids_to_tokens`,
-`convert_tokens_to_string`, `decode` and `all_special_ids`.
+`convert_tokens_to_string`, `decode` and `all_special_ids`. `TokenizerLookups` holds what the detokenizers of
+one tokenizer share: each id's token string and each token's text decoded alone, both pure functions of their
+key, so every step costs one tokenizer call per sequence instead of three.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from kestrel.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5
+_FAST_TOKENIZER_MODULE = "transformers.tokenization_utils_tokenizers"
+
+
+def _fast_decoder(tokenizer: Any) -> Callable[[list[str]], str] | None:
+    """For a Hugging Face fast tokenizer that does not override `convert_tokens_to_string`, the body it runs
+    (its Rust decoder), without the two Python calls around it per step."""
+    method = getattr(type(tokenizer), "convert_tokens_to_string", None)
+    if getattr(method, "__module__", None) == _FAST_TOKENIZER_MODULE:
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        if decoder is not None:
+            return decoder.decode
+    return None
+
+
+class TokenizerLookups:
+    """Per-tokenizer caches shared by all its detokenizers (bounded by the vocabulary). They assume the
+    tokenizer's vocabulary and special tokens no longer change."""
+
+    _shared: weakref.WeakKeyDictionary[Any, TokenizerLookups] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> TokenizerLookups:
+        """The lookups of `tokenizer`, kept warm for as long as it lives (across engines that share it)."""
+        try:
+            lookups = cls._shared.get(tokenizer)
+        except TypeError:  # neither hashable nor weakly referable: not shared
+            return cls(tokenizer)
+        if lookups is None:
+            # A registry entry must not keep its own key alive.
+            lookups = cls._shared[tokenizer] = cls(tokenizer, weakref.ref(tokenizer))
+        return lookups
+
+    def __init__(self, tokenizer: Any, tokenizer_ref: Callable[[], Any] | None = None) -> None:
+        """`tokenizer_ref`: how to reach the tokenizer later (a strong reference when not given)."""
+        self._tokenizer_ref = tokenizer_ref if tokenizer_ref is not None else lambda: tokenizer
+        self.special_ids = frozenset(tokenizer.all_special_ids)
+        self.tokens_to_string: Callable[[list[str]], str] = _fast_decoder(tokenizer) or self._tokens_to_string
+        self._token_strings: dict[int, str] = {}
+        self._single_texts: dict[str, str] = {}
+
+    def _tokens_to_string(self, tokens: list[str]) -> str:
+        return self._tokenizer_ref().convert_tokens_to_string(tokens)
+
+    def ids_to_tokens(self, ids: list[int]) -> list[str]:
+        cache = self._token_strings
+        if len(ids) == 1:  # one token per sequence per step is the common case
+            token_id = ids[0]
+            if token_id in cache:
+                return [cache[token_id]]
+            tokens = self._tokenizer_ref().convert_ids_to_tokens(ids)
+            cache[token_id] = tokens[0]
+            return tokens
+        missing = [i for i in ids if i not in cache]
+        if missing:
+            missing = list(dict.fromkeys(missing))
+            cache.update(zip(missing, self._tokenizer_ref().convert_ids_to_tokens(missing)))
+        return [cache[i] for i in ids]
+
+    def decode_tokens(self, tokens: list[str]) -> str:
+        if len(tokens) != 1:
+            return self.tokens_to_string(tokens)
+        token = tokens[0]
+        text = self._single_texts.get(token)
+        if text is None:
+            text = self._single_texts[token] = self.tokens_to_string(tokens)
+        return text
 
 
 class IncrementalDetokenizer:
     """Output text of one sequence, extended token by token, stopped at the first stop string."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams,
+                 lookups: TokenizerLookups | None = None) -> None:
+        """`lookups`: shared with the other detokenizers of `tokenizer` (a private one when not given)."""
+        self._lookups = lookups = lookups if lookups is not None else TokenizerLookups(tokenizer)
         self._params = params
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = []
-        self._special_ids = frozenset(tokenizer.all_special_ids)
+        self._special_ids = lookups.special_ids
         # Without spaces between special tokens, each special token is a literal boundary between
         # separately decoded runs (Hugging Face's slow-tokenizer rule); with them, the tokenizer's own
         # decoding of the whole sequence is kept.
         self._split_at_special = not params.skip_special_tokens and not params.spaces_between_special_tokens
-        self._tokens: list[str] = self._prompt_context(tokenizer, prompt_token_ids)
+        self._tokens: list[str] = self._prompt_context(prompt_token_ids)
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
         self._committed = ""
@@ -47,16 +119,16 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self._final_text: str | None = None
 
-    def _prompt_context(self, tokenizer: Any, prompt_token_ids: list[int]) -> list[str]:
+    def _prompt_context(self, prompt_token_ids: list[int]) -> list[str]:
         """The prompt's last few tokens, decoded before the output so that a decoder that drops a
         leading space at the start of a text (SentencePiece) keeps the output's first space.
         Byte-level tokenizers decode the same either way."""
         ids = [t for t in prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:] if t not in self._special_ids]
         if not ids:
             return []
-        tokens = tokenizer.convert_ids_to_tokens(ids)
+        tokens = self._lookups.ids_to_tokens(ids)
         # A prompt ending inside a multi-byte character would shift every later offset.
-        return [] if tokenizer.convert_tokens_to_string(tokens).endswith(_REPLACEMENT) else tokens
+        return [] if self._lookups.decode_tokens(tokens).endswith(_REPLACEMENT) else tokens
 
     @property
     def output_text(self) -> str:
@@ -94,7 +166,7 @@ class IncrementalDetokenizer:
         kept = [t for t in token_ids if not (skip and t in self._special_ids)]
         if not kept:
             return
-        tokens = self._tokenizer.convert_ids_to_tokens(kept)
+        tokens = self._lookups.ids_to_tokens(kept)
         if not self._split_at_special:
             self._tokens.extend(tokens)
             self._decode_window()
@@ -114,7 +186,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset = len(self._tokens)
 
     def _decode_window(self) -> None:
-        decode = self._tokenizer.convert_tokens_to_string
+        decode = self._lookups.decode_tokens
         window = self._tokens[self._prefix_offset :]
         prefix_text = decode(window[: self._read_offset - self._prefix_offset]) if window else ""
         new_text = decode(window) if window else ""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 from pathlib import Path
 
 import pytest
 
-from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.engine.detokenizer import IncrementalDetokenizer, TokenizerLookups
 from kestrel.loader.tokenizer_init import write_tokenizer
 from kestrel.sampling_params import SamplingParams as SP
 
@@ -196,3 +198,53 @@ def test_prompt_context_keeps_the_first_leading_space_of_metaspace_tokenizers():
     detokenizer.update([2])
     detokenizer.update([3])
     assert detokenizer.output_text == " world again"
+
+
+def test_shared_lookups_equal_private_ones(tokenizer) -> None:
+    """Detokenizers sharing one TokenizerLookups (as the engine's do) give the texts that private ones give."""
+    lookups = TokenizerLookups(tokenizer)
+    assert type(lookups.tokens_to_string.__self__) is type(tokenizer.backend_tokenizer.decoder)  # the fast path
+    rng = random.Random(7)
+    for _ in range(20):
+        ids = encode(tokenizer, random_text(rng, 40))
+        params = SP(skip_special_tokens=rng.random() < 0.5)
+        shared = IncrementalDetokenizer(tokenizer, [0, 5, 6], params, lookups)
+        private = IncrementalDetokenizer(tokenizer, [0, 5, 6], params)
+        for chunk in chunks(rng, ids, 3):
+            shared.update(chunk)
+            private.update(chunk)
+            assert shared.get_delta(finished=False) == private.get_delta(finished=False)
+        assert shared.output_text == private.output_text == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_lookups_are_shared_per_tokenizer(tokenizer) -> None:
+    assert TokenizerLookups.of(tokenizer) is TokenizerLookups.of(tokenizer)
+
+    class Unhashable:
+        __hash__ = None  # type: ignore[assignment]
+        all_special_ids: list[int] = []
+
+        def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+            return [f"<{i}>" for i in ids]
+
+        def convert_tokens_to_string(self, tokens: list[str]) -> str:
+            return "".join(tokens)
+
+    plain = Unhashable()
+    lookups = TokenizerLookups.of(plain)
+    assert lookups is not TokenizerLookups.of(plain)
+    assert lookups.ids_to_tokens([3, 4, 3]) == ["<3>", "<4>", "<3>"]
+    assert lookups.decode_tokens(["<3>"]) == "<3>"
+    detok = IncrementalDetokenizer(plain, [1], SP(), lookups)
+    detok.update([2, 3])
+    assert detok.output_text == "<2><3>"
+
+
+def test_shared_lookups_do_not_keep_their_tokenizer_alive(tmp_path) -> None:
+    write_tokenizer(str(tmp_path))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    TokenizerLookups.of(tok).ids_to_tokens([5, 6])
+    ref = weakref.ref(tok)
+    del tok
+    gc.collect()
+    assert ref() is None
