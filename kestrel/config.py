@@ -328,7 +328,7 @@ class SpeculativeConfig:
         _check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1)
         _check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
         _check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1, allow_none=True)
-        is_head = EAGLE_HEAD_ARCHITECTURE in (self.draft_hf_config.get("architectures") or [])
+        is_head = self._names_a_head
         if self.method == "draft_model" and is_head:
             _fail("speculative_config.model", self.model, "this is an EAGLE-style head, not a draft model; use "
                   "method 'eagle'")
@@ -345,12 +345,16 @@ class SpeculativeConfig:
         except json.JSONDecodeError as e:
             _fail("speculative_config.model", self.model, f"config.json is not valid JSON ({e})")
 
+    @property
+    def _names_a_head(self) -> bool:
+        """`model`'s config.json declares an EAGLE-style head."""
+        return EAGLE_HEAD_ARCHITECTURE in (self.draft_hf_config.get("architectures") or [])
+
     def _inferred_method(self) -> str:
         if self.model is None:
             return "ngram"
-        is_head = EAGLE_HEAD_ARCHITECTURE in (self.draft_hf_config.get("architectures") or [])
         named = "eagle" in os.path.basename(os.path.normpath(self.model)).lower()
-        return "eagle" if is_head or named else "draft_model"
+        return "eagle" if self._names_a_head or named else "draft_model"
 
     @property
     def uses_model(self) -> bool:
@@ -448,7 +452,7 @@ class EngineConfig:
             _fail("pipeline_parallel_size", pp, f"the model has num_hidden_layers={layers}; use at most {layers} "
                   "stages")
         spec = self.speculative
-        if self.parallel.uses_workers and spec is not None and spec.method != "ngram":
+        if self.parallel.uses_workers and spec is not None and spec.uses_model:
             _fail("speculative_config.method", spec.method, "draft models and EAGLE heads run in one process; use "
                   "method 'ngram' with tensor/pipeline parallelism or distributed_executor_backend")
         if self.parallel.uses_workers and self.debug_launch_count:

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                                        args.input_len + args.output_len + 1)
     tokenizer = load_tokenizer(tokenizer_dir)
     backend = GrammarBackend(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids,
-                             pin_memory=device.type == "cuda", gpu_host=device.type == "cuda")
+                             gpu_host=device.type == "cuda")
     engine.core.structured = backend
     default_async = engine.core.async_scheduling
     vocab = min(common.prompt_vocab(model_dir), tokenizer.vocab_size)

@@ -56,7 +56,6 @@ _NOTHING_PLACED = ("the scheduler could not place any request; the KV cache is t
 
 
 
-
 def _needs_latest_tokens(params: SamplingParams) -> bool:
     """Sampling that reads the request's tokens on the host each step cannot lag one step behind."""
     return (params.has_penalties or params.min_tokens > 0 or params.prompt_logprobs is not None
@@ -260,8 +259,7 @@ class EngineCore:
         launched = None
         if self.scheduler.has_unfinished_requests():
             # A step launched before the previous one's tokens are known neither verifies nor proposes drafts.
-            self.scheduler.verify_drafts, self.scheduler.draft_lookahead = False, 0
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self.scheduler.schedule(verify_drafts=False)
             constrained = scheduler_output.structured_output_request_ids
             if not scheduler_output.is_empty and constrained and self.structured is not None:
                 # The forward of step N+1 runs while the host collects step N, feeds its tokens to the grammars
@@ -302,8 +300,7 @@ class EngineCore:
         nothing else can be scheduled. The stages then each work on a different batch."""
         queue = self._batch_queue
         if len(queue) < self.max_batches_in_flight and self.scheduler.has_unfinished_requests():
-            self.scheduler.verify_drafts, self.scheduler.draft_lookahead = False, 0
-            scheduler_output = self.scheduler.schedule(exclude=self._in_flight_ids)
+            scheduler_output = self.scheduler.schedule(exclude=self._in_flight_ids, verify_drafts=False)
             if not scheduler_output.is_empty:
                 queue.append((scheduler_output, self._launch(scheduler_output)))
                 self._in_flight_ids.update(scheduler_output.num_scheduled_tokens)
@@ -348,9 +345,8 @@ class EngineCore:
         if speculating and not spec.uses_model:
             self._propose_drafts()
         # A worker-side proposer drafts for the step after this one, into `draft_lookahead` positions of scratch.
-        self.scheduler.verify_drafts = True
-        self.scheduler.draft_lookahead = spec.num_speculative_tokens if speculating and spec.uses_model else 0
-        scheduler_output = self.scheduler.schedule()
+        lookahead = spec.num_speculative_tokens if speculating and spec.uses_model else 0
+        scheduler_output = self.scheduler.schedule(draft_lookahead=lookahead)
         if scheduler_output.is_empty:
             raise RuntimeError(_NOTHING_PLACED)
         return self._process(scheduler_output, self._execute(scheduler_output))

@@ -57,13 +57,9 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self.stats = SchedulerStats()
         self._by_priority = scheduler_config.policy == "priority"
-        # Set by the engine per step: whether proposed drafts are verified (only in steps whose inputs are all
-        # known on the host), and the positions past a step's tokens a worker-side proposer writes (k, or 0).
-        self.verify_drafts = True
         # Per step in flight, the requests it scheduled (by id): a step's tokens go to those objects only.
         self._scheduled: dict[int, dict[str, Request]] = {}
         self._step_ids = itertools.count(1)
-        self.draft_lookahead = 0
 
     # ----- queue management -------------------------------------------------------------------
 
@@ -110,10 +106,13 @@ class Scheduler:
 
     # ----- one step ---------------------------------------------------------------------------
 
-    def schedule(self, exclude: Collection[str] = ()) -> SchedulerOutput:
+    def schedule(self, exclude: Collection[str] = (), verify_drafts: bool = True,
+                 draft_lookahead: int = 0) -> SchedulerOutput:
         """`exclude`: requests with work in flight (pipeline parallelism's batch queue); they are left out of this
         step instead of being scheduled with a placeholder for their pending token, and a waiting one holds back
-        the waiting queue behind it (admission stays in order)."""
+        the waiting queue behind it (admission stays in order). `verify_drafts`: whether proposed drafts are
+        verified (only in steps whose inputs are all known on the host). `draft_lookahead`: the positions past a
+        step's tokens a worker-side proposer writes (k, or 0)."""
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         spec: dict[str, list[int]] = {}
@@ -132,9 +131,10 @@ class Scheduler:
                 index += 1  # its token in flight is its last: it finishes when that token arrives
                 continue
             num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
-            drafts = self._drafts_to_verify(request, num_new, budget)
+            drafts = self._drafts_to_verify(request, num_new, budget) if verify_drafts else []
             samples = request.num_computed_tokens + num_new == request.num_tokens + request.num_pending_tokens
-            lookahead = self._lookahead(request.num_computed_tokens + num_new + len(drafts)) if samples else 0
+            end = request.num_computed_tokens + num_new + len(drafts)
+            lookahead = self._lookahead(draft_lookahead, end) if samples else 0
             block_ids = self.kv.allocate(request, num_new + len(drafts), lookahead=lookahead)
             if block_ids is None and (drafts or lookahead):
                 drafts, lookahead = [], 0  # drafts and the proposer's lookahead are optional: never preempt for them
@@ -170,7 +170,7 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             end = num_cached + num_new
-            lookahead = self._lookahead(end) if end == request.num_tokens else 0
+            lookahead = self._lookahead(draft_lookahead, end) if end == request.num_tokens else 0
             block_ids = self.kv.allocate(request, num_new, cached_prefix, lookahead=lookahead)
             if block_ids is None and lookahead:
                 lookahead = 0
@@ -193,7 +193,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
-        output = self._build_output(num_scheduled, new_block_ids, spec, proposing)
+        output = self._build_output(num_scheduled, new_block_ids, spec, proposing, draft_lookahead)
         for request_id, num_new in num_scheduled.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_new
@@ -209,19 +209,19 @@ class Scheduler:
     def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The proposed tokens a decoding request verifies this step: as many as the budget, its max_tokens and
         the context leave room for (the step also samples one token of its own)."""
-        if not self.verify_drafts or not request.spec_token_ids or num_new != 1 or request.num_pending_tokens:
+        if not request.spec_token_ids or num_new != 1 or request.num_pending_tokens:
             return []
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
                    self.max_model_len - request.num_tokens - 1)
         return request.spec_token_ids[:max(room, 0)]
 
-    def _lookahead(self, end: int) -> int:
+    def _lookahead(self, draft_lookahead: int, end: int) -> int:
         """Positions the draft proposer writes past a step's tokens (which end at position `end`) for a request
-        the step samples: up to k, within max_model_len."""
-        return max(min(self.draft_lookahead, self.max_model_len - end), 0)
+        the step samples: up to `draft_lookahead`, within max_model_len."""
+        return max(min(draft_lookahead, self.max_model_len - end), 0)
 
     def _build_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
-                      spec: dict[str, list[int]], proposing: set[str]) -> SchedulerOutput:
+                      spec: dict[str, list[int]], proposing: set[str], draft_lookahead: int) -> SchedulerOutput:
         cached, new = [], []
         for request_id in num_scheduled:
             request = self.requests[request_id]
@@ -251,7 +251,7 @@ class Scheduler:
             structured_output_request_ids=frozenset(
                 rid for rid in order if self.requests[rid].sampling_params.structured_outputs is not None),
             draft_request_ids=frozenset(proposing),
-            draft_lookahead=self.draft_lookahead if proposing else 0,
+            draft_lookahead=draft_lookahead if proposing else 0,
             step_id=next(self._step_ids),
         )
         if order:

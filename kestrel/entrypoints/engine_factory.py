@@ -31,8 +31,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         runner = build_executor(config, eos_token_id)
     else:
         runner = ModelRunner(config, eos_token_id=eos_token_id)
-    # Masks go to the device from pinned memory when this process's runner is on a GPU.
-    pin = isinstance(runner, ModelRunner) and runner.device.type == "cuda"
-    structured = GrammarBackend(tokenizer, runner.vocab_size, runner.eos_token_ids, pin_memory=pin, gpu_host=pin)
+    gpu_host = isinstance(runner, ModelRunner) and runner.device.type == "cuda"  # executors pickle the masks
+    structured = GrammarBackend(tokenizer, runner.vocab_size, runner.eos_token_ids, gpu_host=gpu_host)
     core = EngineCore(config, runner, runner.num_blocks, tokenizer, eos_token_id, structured)
     return BuiltEngine(tokenizer, runner, core)

@@ -21,7 +21,8 @@ class GrammarBackend:
     """Per engine: the tokenizer's vocabulary as xgrammar sees it, a compiler with its cache, the matchers."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
-                 max_threads: int | None = None, pin_memory: bool = False, gpu_host: bool = False) -> None:
+                 max_threads: int | None = None, gpu_host: bool = False) -> None:
+        """`gpu_host`: the runner of this process is on a GPU (masks are pinned and filled in xgrammar's threads)."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
@@ -35,9 +36,9 @@ class GrammarBackend:
         self._matchers: dict[str, Any] = {}
         self._batch: Any = None
         # Bitmasks are filled into two buffers used in turn (a step's mask may still be copying to the device
-        # while the next one is filled), pinned when the worker is a GPU: a fresh allocation, gather and pinned
-        # copy per step woke torch's CPU thread pool, whose spinning threads then slowed the fill itself.
-        self._pin_memory = pin_memory
+        # while the next one is filled), pinned on a GPU host: a fresh allocation, gather and pinned copy per step
+        # woke torch's CPU thread pool, whose spinning threads then slowed the fill itself.
+        self._pin_memory = gpu_host
         self._buffers: list[Any] = [None, None]
         self._turn = 0
         self.fill_seconds = 0.0  # host time spent filling bitmasks (for the benchmarks)

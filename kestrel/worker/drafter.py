@@ -28,7 +28,7 @@ from kestrel.config import EngineConfig, ModelConfig
 from kestrel.loader import load_eagle_head, load_model
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.worker import cuda_graph
-from kestrel.worker.cuda_graph import GraphRunner, bucket_for, capture_sizes, verify_batch_limit
+from kestrel.worker.cuda_graph import GraphRunner, bucket_for, capture_sizes
 from kestrel.worker.input_batch import BlockTable, CachedRequestState, ModelInputs
 from kestrel.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 
@@ -77,7 +77,10 @@ class Drafter:
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches, strict=True):
             layer.bind_kv_cache(cache)
 
-    def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+    def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int, verify_lens: list[int],
+                       verify_batch: int) -> None:
+        """Graphs of the catch-up in the target's shapes (decode, and verify: `verify_lens` up to `verify_batch`
+        rows) and of the k proposal steps."""
         raise NotImplementedError
 
     def reset_row(self, row: int) -> None:
@@ -204,11 +207,9 @@ class DraftModelDrafter(Drafter):
                              generation_config="vllm")
         return load_model(draft, None, device)
 
-    def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
-        verify_batch = verify_batch_limit(max_num_seqs, self.config.speculative.disable_by_batch_size)
-        # The catch-up steps have the target's shapes (decode, verify); the k proposal steps are one graph.
-        runner = GraphRunner(self.model, max_num_seqs, max_blocks_per_seq, self.device, list(range(2, self.k + 2)),
-                             verify_batch)
+    def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int, verify_lens: list[int],
+                       verify_batch: int) -> None:
+        runner = GraphRunner(self.model, max_num_seqs, max_blocks_per_seq, self.device, verify_lens, verify_batch)
         self._capture(runner, max_num_seqs, verify_batch)
 
     def catch_up(self, inputs: ModelInputs, counts: list[int], states: list[CachedRequestState],
@@ -243,11 +244,10 @@ class EagleDrafter(Drafter):
         load_format = "dummy" if config.model.load_format == "dummy" else "auto"
         return load_eagle_head(config.speculative.model, dtype, device, load_format, config.model.seed)
 
-    def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
-        verify_batch = verify_batch_limit(max_num_seqs, self.config.speculative.disable_by_batch_size)
-        # The catch-up runs in the target's shapes (decode, verify); the k proposal steps are one graph.
+    def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int, verify_lens: list[int],
+                       verify_batch: int) -> None:
         runner = GraphRunner(self._catch_up_from_buffers, max_num_seqs, max_blocks_per_seq, self.device,
-                             list(range(2, self.k + 2)), verify_batch)
+                             verify_lens, verify_batch)
         self.catch_hidden = torch.zeros(runner.buffers.max_tokens, self.features.shape[1], dtype=self.dtype,
                                         device=self.device)
         self.catch_rows = torch.zeros(2, runner.max_batch, dtype=torch.int64, device=self.device)

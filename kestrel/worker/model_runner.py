@@ -85,6 +85,7 @@ class ModelRunner:
         self.model = load_model(model_config, config.quant, self.device, parallel)
         self.vocab_size: int = int(config.model.hf_config["vocab_size"])
         self.block_size = config.cache.block_size
+        self.max_blocks_per_seq = -(-(config.model.max_model_len or 1) // self.block_size)
         num_layers, num_kv_heads, head_size = self.model.kv_cache_spec()
         self.kv_spec = KVCacheSpec(num_layers, num_kv_heads, head_size,
                                    kv_cache_dtype(config.cache, self.dtype), self.block_size)
@@ -108,14 +109,13 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and (parallel is None or parallel.world_size == 1):
             self._capture_graphs()
             if self.drafter is not None:
-                self.drafter.capture_graphs(config.scheduler.max_num_seqs,
-                                            -(-(config.model.max_model_len or 1) // self.block_size))
+                self.drafter.capture_graphs(config.scheduler.max_num_seqs, self.max_blocks_per_seq,
+                                            *self._verify_shapes())
         generator = torch.Generator(self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
         self.requests: dict[str, CachedRequestState] = {}
-        max_blocks_per_seq = -(-(config.model.max_model_len or 1) // self.block_size)
-        self.block_table = BlockTable(config.scheduler.max_num_seqs, max_blocks_per_seq)
+        self.block_table = BlockTable(config.scheduler.max_num_seqs, self.max_blocks_per_seq)
         self._last_sampled: torch.Tensor | None = None  # sampled ids of the latest launched step, on the device
         if self.device.type == "cuda":
             host_threads_for_gpu_steps()
@@ -189,15 +189,20 @@ class ModelRunner:
         logger.info("decode step of one decoder layer: %d %s", count, kind)
         return count
 
-    def _capture_graphs(self) -> None:
-        self.graph_runner = None  # release the previous graphs' pool before capturing new ones
-        max_blocks = -(-(self.config.model.max_model_len or 1) // self.block_size)
+    def _verify_shapes(self) -> tuple[list[int], int]:
+        """The query lengths and largest batch of the verify-step graphs (the target's and a drafter's catch-up):
+        a row scores its last token and up to k drafts, q = 2 .. k + 1 tokens."""
         spec = self.config.speculative
         max_num_seqs = self.config.scheduler.max_num_seqs
-        # Verify steps score a row's last token and up to k drafts: q = 2 .. k + 1 query tokens per row.
-        verify_lens = list(range(2, spec.num_speculative_tokens + 2)) if spec is not None else []
-        verify_batch = verify_batch_limit(max_num_seqs, spec.disable_by_batch_size if spec is not None else None)
-        runner = GraphRunner(self.model, max_num_seqs, max_blocks, self.device, verify_lens, verify_batch)
+        if spec is None:
+            return [], verify_batch_limit(max_num_seqs, None)
+        return list(range(2, spec.num_speculative_tokens + 2)), verify_batch_limit(max_num_seqs,
+                                                                                  spec.disable_by_batch_size)
+
+    def _capture_graphs(self) -> None:
+        self.graph_runner = None  # release the previous graphs' pool before capturing new ones
+        runner = GraphRunner(self.model, self.config.scheduler.max_num_seqs, self.max_blocks_per_seq, self.device,
+                             *self._verify_shapes())
         with torch.inference_mode():
             self.capture_seconds = runner.capture()
         self.graph_runner = runner

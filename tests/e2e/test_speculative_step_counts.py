@@ -93,7 +93,7 @@ def with_emulated_graphs(llm: LLM, counter: Counter, monkeypatch) -> None:
         monkeypatch.setattr(cuda_graph, "graph_pool", lambda device: "target")
         runner._capture_graphs()
         monkeypatch.setattr(cuda_graph, "graph_pool", lambda device: "catch-up")
-        drafter.capture_graphs(KW["max_num_seqs"], KW["max_model_len"] // runner.block_size)
+        drafter.capture_graphs(KW["max_num_seqs"], runner.max_blocks_per_seq, *runner._verify_shapes())
 
 
 @pytest.mark.parametrize("proposer", ["draft", "head"])
