@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class InputQuant:
+    """How one layer quantizes its input: the keyword arguments that `ops.rms_norm_quant` and
+    `ops.silu_mul_quant` take, so a fused producer can emit exactly what `apply_quantized` expects."""
+
+    dtype: torch.dtype
+    symmetric: bool = True
+    scale: torch.Tensor | None = None  # static per-tensor scale; None = dynamic per token
+    azp: torch.Tensor | None = None  # static per-tensor zero point (asymmetric INT8)
 
 
 class QuantMethod(ABC):
@@ -32,3 +44,8 @@ class QuantMethod(ABC):
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def input_quant(self, layer: nn.Module) -> InputQuant | None:
+        """What a fused producer (norm, activation) must emit for this layer's input, or None: the layer takes
+        its input in the model dtype. The producers ask the layer, never test the method's type."""
+        return None

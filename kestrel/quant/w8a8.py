@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 from abc import abstractmethod
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,22 +29,11 @@ from torch import nn
 from kestrel import ops
 from kestrel.config import ConfigError, QuantConfig
 from kestrel.kernels.quant_act import SCALE_FLOOR, QuantAct
-from kestrel.quant.base import QuantMethod
+from kestrel.quant.base import InputQuant, QuantMethod
 from kestrel.quant.unquantized import UnquantizedLinearMethod
 
 GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16)
 INT8_MIN, INT8_MAX = -128, 127
-
-
-@dataclass(frozen=True)
-class InputQuant:
-    """How one layer quantizes its input: the keyword arguments that `ops.rms_norm_quant` and
-    `ops.silu_mul_quant` take, so a fused producer can emit exactly what `apply_quantized` expects."""
-
-    dtype: torch.dtype
-    symmetric: bool = True
-    scale: torch.Tensor | None = None  # static per-tensor scale; None = dynamic per token
-    azp: torch.Tensor | None = None  # static per-tensor zero point (asymmetric INT8)
 
 
 class W8A8LinearMethod(QuantMethod):

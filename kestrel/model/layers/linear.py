@@ -28,7 +28,7 @@ from torch import nn
 
 from kestrel.distributed.parallel import ParallelContext, single_process
 from kestrel.model.layers.weights import copy_checked
-from kestrel.quant.base import QuantMethod
+from kestrel.quant.base import InputQuant, QuantMethod
 from kestrel.quant.unquantized import UnquantizedLinearMethod
 from kestrel.quant.w8a8 import GEMM_OUT_DTYPES, QuantAct, W8A8LinearMethod
 
@@ -85,6 +85,7 @@ class LinearBase(nn.Module):
         else:
             self.output_partition_sizes = list(output_sizes)
             self.input_size_per_partition = input_size
+        self.out_dtype = params_dtype  # what forward returns, also from pre-quantized input
         self.quant_method = quant_method or UnquantizedLinearMethod()
         self.processed = False  # process_after_loading has run (see process_linear_layer)
         self.quant_method.create_weights(
@@ -145,7 +146,14 @@ class LinearBase(nn.Module):
         """The bias this rank adds (its own slice for a column layer)."""
         return self.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def input_quant(self) -> InputQuant | None:
+        """What a fused producer (norm, activation) must emit for this layer, or None: model-dtype input."""
+        return self.quant_method.input_quant(self)
+
+    def forward(self, x: torch.Tensor | QuantAct) -> torch.Tensor:
+        """`x` in the model dtype, or already quantized by a fused producer as `input_quant()` asked."""
+        if isinstance(x, QuantAct):
+            return self.apply_quantized(x, self.out_dtype)
         return self.quant_method.apply(self, x, self.bias)
 
     def apply_quantized(self, act: QuantAct, out_dtype: torch.dtype) -> torch.Tensor:
@@ -236,7 +244,13 @@ class RowLinear(LinearBase):
         # With TP only rank 0 adds the bias, so the sum over ranks adds it once.
         return self.bias if self.tp_rank == 0 else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def input_quant(self) -> InputQuant | None:
+        # A producer sees only this rank's slice of the row, not the per-token scale over all of it.
+        return None if self.needs_global_input_scale else super().input_quant()
+
+    def forward(self, x: torch.Tensor | QuantAct) -> torch.Tensor:
+        if isinstance(x, QuantAct):
+            return self.apply_quantized(x, self.out_dtype)
         if self.tp_size == 1:
             return self.quant_method.apply(self, x, self.bias)
         if isinstance(self.quant_method, W8A8LinearMethod):
