@@ -96,10 +96,9 @@ class Worker:
 
     def info(self) -> WorkerInfo:
         r = self.runner
-        total = embed = 0
-        for name, t in r.model.named_parameters():
-            total += t.numel() * t.element_size()
-            embed += t.numel() * t.element_size() if "embed_tokens" in name else 0
+        total = sum(t.numel() * t.element_size() for t in r.model.parameters())
+        embedding = r.model.get_input_embeddings()
+        embed = 0 if embedding is None else sum(t.numel() * t.element_size() for t in embedding.parameters())
         spec = r.kv_spec
         kv_per_token = spec.bytes_per_block // spec.block_size
         return WorkerInfo(r.vocab_size, frozenset(r.eos_token_ids), r.num_blocks, r.block_size, r.device.type,

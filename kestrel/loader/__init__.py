@@ -8,14 +8,13 @@ import math
 import torch
 from torch import nn
 
-from kestrel.config import ConfigError, ModelConfig, QuantConfig
+from kestrel.config import EAGLE_HEAD_ARCHITECTURE, ConfigError, ModelConfig, QuantConfig
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.loader.dummy import initialize_dummy_weights
 from kestrel.loader.hf_config import load_hf_config, resolve_dtype
 from kestrel.loader.model_init import checkpoint_shapes
 from kestrel.loader.safetensors import checkpoint_files, iterate_files, weight_format
-from kestrel.model.eagle import EagleHead
-from kestrel.model.registry import get_model_class
+from kestrel.model.registry import get_draft_head_class, get_model_class
 from kestrel.quant import QuantPlan
 
 
@@ -73,12 +72,13 @@ def out_of_memory_message(hf_config: dict, dtype: torch.dtype, plan: QuantPlan, 
 
 
 def load_eagle_head(model_dir: str, dtype: torch.dtype, device: str | torch.device = "cpu",
-                    load_format: str = "auto", seed: int = 0) -> EagleHead:
+                    load_format: str = "auto", seed: int = 0) -> nn.Module:
     """An EAGLE-style head (kestrel.model.eagle) from its directory: config.json and safetensors weights
     (random ones with load_format='dummy')."""
     hf_config = load_hf_config(model_dir)
+    head_cls = get_draft_head_class((hf_config.get("architectures") or [EAGLE_HEAD_ARCHITECTURE])[0])
     with torch.device(device):
-        head = EagleHead(hf_config, dtype)
+        head = head_cls(hf_config, dtype)
     if load_format == "dummy":
         initialize_dummy_weights(head, seed=seed)
         head.process_weights_after_loading()

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from kestrel.model.layers.linear import LinearBase, process_linear_layer
-from kestrel.model.layers.norm import RMSNorm
+from kestrel.model.layers.norm import LayerNorm, RMSNorm
 
 
 @torch.no_grad()
@@ -22,7 +22,9 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02,
     parameter is filled: at most one layer's high-precision weight exists at a time. The values are those the
     same seed gives the model built without deferral (parameters are drawn in the same order)."""
     generators: dict[torch.device, torch.Generator] = {}
-    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    # Scales multiply (Gemma's unit-offset RMSNorm stores scale - 1, which is drawn like any weight).
+    norm_weights = {id(m.weight) for m in model.modules()
+                    if isinstance(m, LayerNorm) or (isinstance(m, RMSNorm) and not m.unit_offset)}
     owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
     deferred: dict[int, int] = {}  # id(layer) -> its meta parameters not yet filled
     for param in model.parameters():

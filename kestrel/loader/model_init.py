@@ -17,6 +17,8 @@ from tokenizers import Tokenizer
 from kestrel.config import EAGLE_HEAD_ARCHITECTURE
 from kestrel.loader.safetensors import INDEX_FILE
 from kestrel.loader.tokenizer_init import BOS_TOKEN, EOS_TOKEN, write_tokenizer
+from kestrel.model import loading
+from kestrel.model.registry import get_draft_head_class, get_model_class
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -78,7 +80,7 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "llama", size: str = "ti
     if config["vocab_size"] < tokenizer_vocab:
         raise ValueError(f"vocab_size={config['vocab_size']} is smaller than the tokenizer's {tokenizer_vocab}")
     dtype = _DTYPES[config["torch_dtype"]]
-    tensors = _random_tensors(config, seed, dtype)
+    tensors = _random_tensors(config, ARCHS[arch]["architectures"][0], seed, dtype)
     _write_weights(out, tensors, num_shards)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json",
@@ -102,10 +104,7 @@ def eagle_head_config(target_config: dict) -> dict:
 def eagle_head_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape of a head: `fc` over [embedding; feature], one decoder layer, a final norm (no
     embedding or LM head: the target's are shared)."""
-    hidden = config["hidden_size"]
-    layer = {name: shape for name, shape in checkpoint_shapes({**config, "num_hidden_layers": 1}).items()
-             if name.startswith("model.layers.0.") or name == "model.norm.weight"}
-    return {"fc.weight": (hidden, 2 * hidden), **layer}
+    return checkpoint_shapes({**config, "architectures": [EAGLE_HEAD_ARCHITECTURE], "num_hidden_layers": 1})
 
 
 def write_eagle_head(path: str | Path, target_config: dict, seed: int = 0,
@@ -126,44 +125,30 @@ def write_eagle_head(path: str | Path, target_config: dict, seed: int = 0,
     return config
 
 
-def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape for a Llama-family config."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    qwen2 = config["model_type"] == "qwen2"
-    qkv_bias = qwen2 or config.get("attention_bias", False)
-    o_bias = not qwen2 and config.get("attention_bias", False)
-    mlp_bias = config.get("mlp_bias", False)
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        projections = {
-            "self_attn.q_proj": (heads * head_dim, hidden, qkv_bias),
-            "self_attn.k_proj": (kv_heads * head_dim, hidden, qkv_bias),
-            "self_attn.v_proj": (kv_heads * head_dim, hidden, qkv_bias),
-            "self_attn.o_proj": (hidden, heads * head_dim, o_bias),
-            "mlp.gate_proj": (inter, hidden, mlp_bias),
-            "mlp.up_proj": (inter, hidden, mlp_bias),
-            "mlp.down_proj": (hidden, inter, mlp_bias),
-        }
-        for name, (n, k, bias) in projections.items():
-            shapes[f"{p}.{name}.weight"] = (n, k)
-            if bias:
-                shapes[f"{p}.{name}.bias"] = (n,)
-        shapes[f"{p}.input_layernorm.weight"] = (hidden,)
-        shapes[f"{p}.post_attention_layernorm.weight"] = (hidden,)
-    shapes["model.norm.weight"] = (hidden,)
-    if not config.get("tie_word_embeddings", False):
-        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
-    return shapes
+def checkpoint_shapes(config: dict, architecture: str | None = None) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape of the model `config` describes (the registered class of `architecture`, default
+    the config's, built on the meta device in float32): each module's weight then its bias, modules in the order
+    the model declares them."""
+    architecture = architecture or (config.get("architectures") or [""])[0]
+    model_cls = get_draft_head_class(architecture) if architecture == EAGLE_HEAD_ARCHITECTURE \
+        else get_model_class(architecture)
+    with torch.device("meta"):
+        model = model_cls(config, torch.float32)
+    shapes = loading.checkpoint_shapes(model)
+    by_module: dict[str, list[str]] = {}
+    for name in shapes:
+        by_module.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    return {name: shapes[name] for names in by_module.values() for name in sorted(names, key=_weight_first)}
 
 
-def _random_tensors(config: dict, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _weight_first(name: str) -> tuple[bool, str]:
+    return not name.endswith(".weight"), name
+
+
+def _random_tensors(config: dict, architecture: str, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in checkpoint_shapes(config).items():
+    for name, shape in checkpoint_shapes(config, architecture).items():
         values = torch.randn(shape, generator=generator) * INIT_STD
         if name.endswith("norm.weight"):
             # HF initializes norms to exactly 1; a small spread makes a swapped norm visible in tests.

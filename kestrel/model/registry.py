@@ -1,28 +1,56 @@
-"""Hugging Face architecture name (config.json `architectures[0]`) -> model class."""
+"""Hugging Face architecture name (config.json `architectures[0]`) -> model class, imported on first use.
+
+A family registers here by name and module path; nothing outside `kestrel.model` imports a family module.
+"""
 
 from __future__ import annotations
 
+import importlib
+
 from torch import nn
 
-from kestrel.config import ConfigError
-from kestrel.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from kestrel.config import EAGLE_HEAD_ARCHITECTURE, ConfigError
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+# architecture -> "module:Class"
+_FAMILIES: dict[str, str] = {
+    "LlamaForCausalLM": "kestrel.model.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "kestrel.model.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "kestrel.model.llama:Qwen2ForCausalLM",
 }
+# Draft heads: loaded beside a target model, never served on their own.
+_DRAFT_HEADS: dict[str, str] = {EAGLE_HEAD_ARCHITECTURE: "kestrel.model.eagle:EagleHead"}
+_registered: dict[str, type[nn.Module]] = {}
+
+
+def register_model(architecture: str, model_cls: type[nn.Module]) -> None:
+    """Serve `architecture` with `model_cls` (a family defined outside this package, or a test's)."""
+    _registered[architecture] = model_cls
 
 
 def supported_architectures() -> list[str]:
-    return sorted(MODEL_REGISTRY)
+    return sorted({*_FAMILIES, *_registered})
+
+
+def _import(path: str) -> type[nn.Module]:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
-    try:
-        return MODEL_REGISTRY[architecture]
-    except KeyError:
+    if architecture in _registered:
+        return _registered[architecture]
+    path = _FAMILIES.get(architecture)
+    if path is None:
         raise ConfigError(
             f"unsupported model architecture {architecture!r} (config.json `architectures`); "
             f"supported: {', '.join(supported_architectures())}"
-        ) from None
+        )
+    return _import(path)
+
+
+def get_draft_head_class(architecture: str) -> type[nn.Module]:
+    path = _DRAFT_HEADS.get(architecture)
+    if path is None:
+        raise ConfigError(f"unsupported draft head architecture {architecture!r} (config.json `architectures`); "
+                          f"supported: {', '.join(sorted(_DRAFT_HEADS))}")
+    return _import(path)

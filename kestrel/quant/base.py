@@ -8,6 +8,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kestrel.kernels.quant_act import QuantAct
+
+__all__ = ["InputQuant", "QuantAct", "QuantMethod"]
+
 
 @dataclass(frozen=True)
 class InputQuant:

@@ -227,14 +227,14 @@ class EagleDrafter(Drafter):
     def __init__(self, config: EngineConfig, target: nn.Module, dtype: torch.dtype, kv_dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__(config, target, dtype, kv_dtype, device)
-        hidden = self.model.config.hidden_size
+        hidden = self.model.hidden_size
         max_rows = max(config.scheduler.max_num_seqs, 1)
         # Per block-table row: the target's hidden state at the row's last kept position (its next feature); one
         # more row takes the writes of a graph's padded rows.
         self.scratch_row = max_rows
         self.features = torch.zeros(max_rows + 1, hidden, dtype=dtype, device=device)
         self.feature_buf = torch.zeros(max_rows, hidden, dtype=dtype, device=device)  # first proposal step's
-        self.embed = target.model.embed_tokens
+        self.embed = target.get_input_embeddings()
         # Static inputs of the catch-up graphs besides the GraphBuffers: the target's hidden states in the padded
         # token layout, and per row its block-table row and the padded index of its first token.
         self.catch_hidden: torch.Tensor | None = None

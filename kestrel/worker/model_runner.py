@@ -41,6 +41,7 @@ from kestrel.worker.kv_cache import (
     num_blocks_for,
 )
 from kestrel.worker.launch_count import decoder_layer_launches
+from kestrel.worker.stage_transport import run_model
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device) % max(self.config.model.max_model_len or 1, 1)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        hidden = self.model(ids, positions, meta)
+        hidden = run_model(self.model, self.parallel, ids, positions, meta, transport=False)
         if self.parallel is None or self.parallel.is_last_stage:  # only the last pipeline stage has an LM head
             torch.softmax(self.model.compute_logits(hidden[-num_rows:]), dim=-1)
         torch.cuda.synchronize(self.device)
@@ -183,8 +184,8 @@ class ModelRunner:
         return peak
 
     def _count_layer_launches(self) -> int:
-        layer = self.model.model.layers[0]
-        count = decoder_layer_launches(layer, self.model.config.hidden_size, self.dtype, self.device)
+        layer = self.model.decoder_layers()[0]
+        count = decoder_layer_launches(layer, self.model.hidden_size, self.dtype, self.device)
         kind = "CUDA kernels" if self.device.type == "cuda" else "ATen compute ops (CPU proxy for launches)"
         logger.info("decode step of one decoder layer: %d %s", count, kind)
         return count
@@ -241,7 +242,7 @@ class ModelRunner:
         for _ in range(passes):
             handles = [layer.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
             try:
-                self.model(ids, torch.arange(n, device=self.device), meta)
+                run_model(self.model, self.parallel, ids, torch.arange(n, device=self.device), meta)
             finally:
                 for h in handles:
                     h.remove()
@@ -318,7 +319,7 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(counts, width):
             hidden = self.graph_runner.run(inputs, counts)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            hidden = run_model(self.model, self.parallel, inputs.input_ids, inputs.positions, inputs.attn_metadata)
         draft = None
         if self.drafter is not None:
             self.drafter.catch_up(inputs, counts, states, hidden)
@@ -344,7 +345,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_stage(self, out: SchedulerOutput) -> None:
         """A pipeline stage before the last: run this stage's layers on the step and hand its hidden states on
-        (the model's forward sends them). Only the last stage samples; `record_sampled` brings its ids here before
+        (`run_model` sends them). Only the last stage samples; `record_sampled` brings its ids here before
         any later step reads them."""
         self._apply_scheduler_output(out)
         states = [self.requests[rid] for rid in out.num_scheduled_tokens]
@@ -352,7 +353,7 @@ class ModelRunner:
             return
         counts = list(out.num_scheduled_tokens.values())
         inputs = build_model_inputs(states, counts, self.block_size, self.device, self.block_table)
-        self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        run_model(self.model, self.parallel, inputs.input_ids, inputs.positions, inputs.attn_metadata)
         for state, count in zip(states, counts):
             state.num_computed_tokens += count
 

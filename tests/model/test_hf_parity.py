@@ -18,7 +18,7 @@ from kestrel.loader.model_init import write_tiny_checkpoint
 from kestrel.loader.safetensors import CheckpointNotFoundError
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.rotary import RopeConfig, compute_inv_freq
-from kestrel.model.llama import WeightLoadingError
+from kestrel.model.loading import WeightLoadingError
 from kestrel.model.registry import get_model_class
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,9 @@
-"""Gated activations for the MLP."""
+"""Gated activations for the MLP, each with its fused quantizing producer.
+
+`[..., 2*I]` (gate then up, as gate_up_proj lays them out) -> `act(gate) * up` of `[..., I]`, computed in fp32
+and rounded once, in one `ops` launch. `feed` hands the result to the next linear layer in the form that layer
+asks for (`LinearBase.input_quant()`): quantized in the same launch when it takes 8-bit input.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,48 @@ import torch
 from torch import nn
 
 from kestrel import ops
+from kestrel.config import ConfigError
+from kestrel.model.layers.linear import LinearBase
+from kestrel.quant.base import QuantAct
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# config.json `hidden_act` (transformers' ACT2FN names) -> ours.
+_HF_NAMES = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+             "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 
 
-class SiluAndMul(nn.Module):
-    """`[..., 2*I]` (gate then up, as gate_up_proj lays them out) -> `silu(gate) * up` of `[..., I]`, computed
-    in fp32 and rounded once (one `ops.silu_mul` launch)."""
+def activation_from_hf(name: str) -> str:
+    try:
+        return _HF_NAMES[name]
+    except KeyError:
+        raise ConfigError(f"unsupported hidden_act={name!r} in config.json; supported: {sorted(_HF_NAMES)}") from None
+
+
+class GatedActivation(nn.Module):
+    def __init__(self, activation: str = "silu") -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose from {ACTIVATIONS}")
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.silu_mul(x)
+        if self.activation == "silu":
+            return ops.silu_mul(x)
+        return ops.act_mul(x, self.activation)
+
+    def feed(self, x: torch.Tensor, consumer: LinearBase, fuse: bool = True) -> torch.Tensor | QuantAct:
+        """`forward(x)` in the form `consumer` takes: quantized in the same launch when it asks for it."""
+        spec = consumer.input_quant() if fuse else None
+        if spec is None:
+            return self(x)
+        if self.activation == "silu":
+            return ops.silu_mul_quant(x, spec.dtype, spec.scale, spec.azp, spec.symmetric)
+        return ops.act_mul_quant(x, self.activation, spec.dtype, spec.scale, spec.azp, spec.symmetric)
+
+    def extra_repr(self) -> str:
+        return self.activation
+
+
+class SiluAndMul(GatedActivation):
+    def __init__(self) -> None:
+        super().__init__("silu")

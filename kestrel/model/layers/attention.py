@@ -16,7 +16,10 @@ class Attention(nn.Module):
     bound by the model runner with `bind_kv_cache`; not a buffer, so it never enters a state dict."""
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None, layer_idx: int = 0) -> None:
+                 sliding_window: int | None = None, layer_idx: int = 0, logit_soft_cap: float | None = None,
+                 prefix: str | None = None) -> None:
+        """`prefix`: the checkpoint name of the module this layer attends for (e.g. "model.layers.3.self_attn"),
+        under which checkpoints store its FP8 KV scales. `logit_soft_cap`: scores become cap * tanh(s / cap)."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -27,7 +30,11 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        if logit_soft_cap is not None and logit_soft_cap <= 0:
+            raise ValueError(f"logit_soft_cap={logit_soft_cap} must be > 0 or None")
+        self.logit_soft_cap = logit_soft_cap
         self.layer_idx = layer_idx
+        self.prefix = prefix
         self.kv_cache: torch.Tensor | None = None
         self.k_scale = 1.0
         self.v_scale = 1.0
@@ -63,10 +70,11 @@ class Attention(nn.Module):
                 raise ValueError(f"attention layer {self.layer_idx}: rotary_emb given without positions")
             q = rotary_emb.rotate_and_store_kv(positions, q, k, v, k_cache, v_cache, attn_metadata.slot_mapping,
                                                self.k_scale, self.v_scale)
+        soft_cap = {} if self.logit_soft_cap is None else {"logit_soft_cap": self.logit_soft_cap}
         out = ops.paged_attention(
             q.view(num_tokens, self.num_heads, self.head_size), k_cache, v_cache, attn_metadata.query_start_loc,
             attn_metadata.seq_lens, attn_metadata.block_tables, self.scale, self.sliding_window, self.k_scale,
-            self.v_scale, max_query_len=attn_metadata.max_query_len,
+            self.v_scale, max_query_len=attn_metadata.max_query_len, **soft_cap,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)
 
