@@ -16,6 +16,7 @@ from typing import Any
 
 from kestrel.config import ENGINE_ARGS, ConfigError, engine_arg_default, engine_arg_type, field_kind
 from kestrel.entrypoints.server_config import ServerConfig
+from kestrel.init_configs import ARCHS, SIZES
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams, SamplingParamsError
 
@@ -268,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     init = commands.add_parser("model-init", help="write a small random Hugging Face checkpoint with a tokenizer")
     init.add_argument("path")
-    init.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2"])
-    init.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    init.add_argument("--arch", default="llama", choices=sorted(ARCHS))
+    init.add_argument("--size", default="tiny", choices=sorted(SIZES))
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(func=_cmd_model_init)
 

@@ -15,36 +15,11 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from kestrel.config import EAGLE_HEAD_ARCHITECTURE
+from kestrel.init_configs import ARCHS, SIZES
 from kestrel.loader.safetensors import INDEX_FILE
 from kestrel.loader.tokenizer_init import BOS_TOKEN, EOS_TOKEN, write_tokenizer
 from kestrel.model import loading
 from kestrel.model.registry import get_draft_head_class, get_model_class
-
-SIZES: dict[str, dict[str, int]] = {
-    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2},
-    "small": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
-              "num_key_value_heads": 2},
-}
-
-ARCHS: dict[str, dict[str, Any]] = {
-    # Llama 3.1 style: llama3 rope scaling (an original context of 64 stretched 8x to the 512 positions).
-    "llama": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 64},
-    },
-    "mistral": {
-        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "sliding_window": 32, "tie_word_embeddings": False,
-    },
-    # Like Qwen2-0.5B: tied embeddings, q/k/v bias, no sliding window.
-    "qwen2": {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0, "use_sliding_window": False, "sliding_window": 512, "tie_word_embeddings": True,
-    },
-}
 
 INIT_STD = 0.02
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
