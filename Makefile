@@ -37,11 +37,11 @@ browser:
 	fi
 
 test: $(STAMP) browser
-	$(VENV)/bin/ruff check kestrel tests scripts
+	$(VENV)/bin/ruff check kestrel training tests scripts
 	$(PY) -m pytest -x
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kestrel tests scripts
+	$(VENV)/bin/ruff check kestrel training tests scripts
 
 clean:
 	rm -rf $(VENV) .models

@@ -20,7 +20,7 @@ import torch
 # Runnable from a fresh clone without installing kestrel: the repository root goes on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kestrel.tiny.finetune import FinetuneOptions, finetune  # noqa: E402
+from training.tiny.finetune import FinetuneOptions, finetune  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

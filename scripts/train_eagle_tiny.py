@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kestrel.tiny import default_model_path  # noqa: E402
-from kestrel.tiny.eagle import KINDS, DraftTrainOptions, train_draft  # noqa: E402
+from training.tiny.eagle import KINDS, DraftTrainOptions, train_draft  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

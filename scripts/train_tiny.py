@@ -15,8 +15,8 @@ import torch
 # Runnable from a fresh clone without installing kestrel: the repository root goes on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kestrel.tiny.model import TinyConfig  # noqa: E402
-from kestrel.tiny.train import TrainOptions, train  # noqa: E402
+from training.tiny.model import TinyConfig  # noqa: E402
+from training.tiny.train import TrainOptions, train  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kestrel.loader.tokenizer_init import save_tokenizer  # noqa: E402
 from kestrel.tiny import corpus  # noqa: E402
-from kestrel.tiny.tokenizer import train_tokenizer  # noqa: E402
+from training.tiny.tokenizer import train_tokenizer  # noqa: E402
 
 
 def main() -> int:

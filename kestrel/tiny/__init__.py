@@ -1,7 +1,9 @@
 """kestrel-tiny: the small model trained on the Python standard library that ships with kestrel.
 
-`default_model_path()` is the model every command uses when none is given. The training code lives in
-`kestrel.tiny.train` (torch); this module stays light so the CLI can resolve the path cheaply.
+`default_model_path()` is the model every command uses when none is given; `kestrel.tiny.corpus` is the stdlib
+corpus and its held-out split (the built-in calibration set of `kestrel quantize`, the text of `kestrel bench ppl`).
+The training code lives outside the runtime, in the top-level `training.tiny` package; this module stays light so
+the CLI can resolve the path cheaply.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from kestrel import LLM, SamplingParams
 from kestrel.tiny import default_model_path
-from kestrel.tiny.eagle import DraftTrainOptions, TinyEagleHead, eagle_drafts, load_target, train_draft
+from training.tiny.eagle import DraftTrainOptions, TinyEagleHead, eagle_drafts, load_target, train_draft
 
 SMALL = dict(steps=3, device="cpu", batch_size=2, context=64, max_train_files=3, max_eval_files=2,
              eval_positions=4, eval_prefix=32, num_speculative_tokens=3)

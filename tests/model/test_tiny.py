@@ -21,8 +21,8 @@ from kestrel import LLM, SamplingParams
 from kestrel.bench import ppl
 from kestrel.config import ConfigError
 from kestrel.tiny import BUNDLED_MODEL_DIR, corpus
-from kestrel.tiny.model import TinyConfig
-from kestrel.tiny.train import TrainOptions, split_files, train
+from training.tiny.model import TinyConfig
+from training.tiny.train import TrainOptions, split_files, train
 
 BUNDLED = (BUNDLED_MODEL_DIR / "model.safetensors").is_file()
 

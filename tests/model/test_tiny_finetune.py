@@ -22,10 +22,11 @@ from test_tiny import one_thread  # noqa: F401  (a fixture, shared)
 from kestrel import LLM, SamplingParams
 from kestrel.entrypoints.chat import apply_chat_template
 from kestrel.loader.tokenizer import load_tokenizer
-from kestrel.tiny import BUNDLED_MODEL_DIR, corpus, qa
-from kestrel.tiny import finetune as ft
-from kestrel.tiny.model import TinyConfig
-from kestrel.tiny.train import MAX_SAFETENSORS_BYTES, TrainOptions, split_files, train
+from kestrel.tiny import BUNDLED_MODEL_DIR, corpus
+from training.tiny import finetune as ft
+from training.tiny import qa
+from training.tiny.model import TinyConfig
+from training.tiny.train import MAX_SAFETENSORS_BYTES, TrainOptions, split_files, train
 
 TRAIN_FILES = 40
 

@@ -21,8 +21,8 @@ from tokenizers import Tokenizer
 
 from kestrel.loader.tokenizer_init import BOS_TOKEN, EOS_TOKEN
 from kestrel.tiny import corpus
-from kestrel.tiny.model import TinyConfig, TinyLlama, num_parameters, save_hf_model
-from kestrel.tiny.tokenizer import encode_documents, save_tokenizer, train_tokenizer
+from training.tiny.model import TinyConfig, TinyLlama, num_parameters, save_hf_model
+from training.tiny.tokenizer import encode_documents, save_tokenizer, train_tokenizer
 
 # About 1% of the train split (disjoint from the eval split, since 100 is a multiple of 20) is kept out
 # of training to watch for overfitting and to pick the checkpoint; the eval split is never looked at.

@@ -1,6 +1,6 @@
 """Question/answer pairs about the standard library, built from its own docstrings and signatures.
 
-The chat fine-tune of kestrel-tiny (`kestrel.tiny.finetune`) trains on these: "What does `os.path.join` do?"
+The chat fine-tune of kestrel-tiny (`training.tiny.finetune`) trains on these: "What does `os.path.join` do?"
 is answered with the signature line and the first paragraph of the docstring. Everything comes from the
 running interpreter's stdlib source, parsed with `ast` (nothing is imported, so no module's import side
 effects run and the result is the same on any machine with the same stdlib).

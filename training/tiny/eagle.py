@@ -33,9 +33,9 @@ from torch import nn
 from kestrel.loader.model_init import write_eagle_head
 from kestrel.loader.tokenizer_init import BOS_TOKEN, EOS_TOKEN
 from kestrel.tiny import corpus
-from kestrel.tiny.model import DecoderLayer, RMSNorm, TinyConfig, TinyLlama, rope_tables, save_hf_model
-from kestrel.tiny.tokenizer import encode_documents
-from kestrel.tiny.train import autocast, pack, resolve_device, sample_batch, split_files
+from training.tiny.model import DecoderLayer, RMSNorm, TinyConfig, TinyLlama, rope_tables, save_hf_model
+from training.tiny.tokenizer import encode_documents
+from training.tiny.train import autocast, pack, resolve_device, sample_batch, split_files
 
 KINDS = ("eagle", "draft")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

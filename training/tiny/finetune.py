@@ -1,4 +1,4 @@
-"""Chat fine-tune of kestrel-tiny: stdlib questions and answers (`kestrel.tiny.qa`) mixed with stdlib source.
+"""Chat fine-tune of kestrel-tiny: stdlib questions and answers (`training.tiny.qa`) mixed with stdlib source.
 
 `scripts/finetune_tiny.py` is the command line; tests call `finetune()` with a small `FinetuneOptions`.
 
@@ -8,7 +8,7 @@ eos; and `code_batch_size` windows of the packed train-split source (as in pre-t
 its code perplexity. The objective is `(1 - code_weight) * answer loss + code_weight * source loss`.
 
 Everything trained on comes from the train split of `kestrel.tiny.corpus` minus the validation slice of
-`kestrel.tiny.train` (files with crc32 % 100 == 1). Each validation measures the answer loss on that slice's
+`training.tiny.train` (files with crc32 % 100 == 1). Each validation measures the answer loss on that slice's
 pairs (functions never trained on), on a fixed sample of the training pairs ("recall": what the model has
 learnt of the docs) and the source loss on that slice's files; by default the weights kept are those with the
 best recall among the validations whose source loss is at most `max_source_drift` above the base's. The
@@ -40,10 +40,11 @@ from tokenizers import Tokenizer
 import kestrel.bench.ppl as ppl
 from kestrel.entrypoints.chat import apply_chat_template
 from kestrel.loader.tokenizer import load_tokenizer
-from kestrel.tiny import BUNDLED_MODEL_DIR, corpus, qa
-from kestrel.tiny.model import TinyConfig, TinyLlama, num_parameters, rope_tables, save_hf_model
-from kestrel.tiny.tokenizer import encode_documents
-from kestrel.tiny.train import (
+from kestrel.tiny import BUNDLED_MODEL_DIR, corpus
+from training.tiny import qa
+from training.tiny.model import TinyConfig, TinyLlama, num_parameters, rope_tables, save_hf_model
+from training.tiny.tokenizer import encode_documents
+from training.tiny.train import (
     MAX_SAFETENSORS_BYTES,
     SAVE_RESERVE_S,
     _environment,
