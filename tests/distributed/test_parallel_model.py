@@ -21,6 +21,7 @@ from kestrel.distributed.parallel import init_parallel, shutdown_parallel
 from kestrel.loader import load_model
 from kestrel.loader.model_init import write_tiny_checkpoint
 from kestrel.model.attn_metadata import AttentionMetadata
+from kestrel.worker.stage_transport import run_model
 
 BLOCK = 16
 LAYOUTS = ((4, 1), (2, 2))  # (tp, pp)
@@ -67,7 +68,7 @@ def run_steps(model: torch.nn.Module, vocab: int) -> torch.Tensor:
             seq_lens=torch.tensor([b for _, b in ranges], dtype=torch.int32),
             max_query_len=max(lens), max_seq_len=max(b for _, b in ranges))
         with torch.no_grad():
-            hidden = model(torch.tensor(ids), torch.tensor(pos), meta)
+            hidden = run_model(model, model.parallel, torch.tensor(ids), torch.tensor(pos), meta)
             if model.parallel.is_last_stage:  # an earlier stage has no LM head: it sent its hidden states on
                 out.append(model.compute_logits(hidden))
     return torch.cat(out) if out else torch.empty(0)
