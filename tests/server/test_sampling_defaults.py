@@ -7,7 +7,9 @@ import pytest
 
 from kestrel.config import GENERATION_SAMPLING_KEYS
 from kestrel.entrypoints import cli
+from kestrel.entrypoints.chat import TOOL_FORMATS
 from kestrel.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, parse_model
+from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SAMPLING_BOUNDS, BeamSearchParams, SamplingParams
 
@@ -120,3 +122,7 @@ def test_the_cli_help_names_each_override_and_sampling_params_default():
     for name, (value, reason) in cli.CLI_SAMPLING_OVERRIDES.items():
         assert f"(default: {value}: {reason}; SamplingParams() has {SamplingParams.default(name)})" in help_text
 
+
+def test_one_tuple_of_tool_formats():
+    tool_call_parser = next(f for f in dataclasses.fields(ServerConfig) if f.name == "tool_call_parser")
+    assert tool_call_parser.metadata["choices"] is TOOL_FORMATS
