@@ -26,14 +26,15 @@ BENCH_SUITES: tuple[str, ...] = ("gemm", "attention", "serve", "ppl", "latency",
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine flags, one per ENGINE_ARGS entry (LLM's keyword with dashes, and vLLM's short spellings); a
-    flag left out leaves the config's own default."""
+    """The engine flags, one per ENGINE_ARGS entry (LLM's keyword with dashes, vLLM's name where it differs, and
+    vLLM's short spellings); a flag left out leaves the config's own default."""
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
                        help="Hugging Face model directory (default: the bundled kestrel-tiny)")
     for arg in ENGINE_ARGS:
-        _add_flag(group, ["--" + arg.name.replace("_", "-"), *arg.aliases], arg.name, engine_arg_type(arg),
-                  engine_arg_default(arg), arg.help, arg.choices)
+        vllm_flags = ["--" + arg.vllm_name.replace("_", "-")] if arg.vllm_name else []
+        _add_flag(group, ["--" + arg.name.replace("_", "-"), *vllm_flags, *arg.aliases], arg.name,
+                  engine_arg_type(arg), engine_arg_default(arg), arg.help, arg.choices)
 
 
 def _add_flag(group: argparse._ArgumentGroup, flags: list[str], dest: str, kind: Any, default: Any,
