@@ -186,10 +186,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache. `num_blocks` overrides the count derived from memory."""
+    """The paged KV cache. `kv_cache_blocks` (vLLM's num_gpu_blocks_override) overrides the count derived from
+    memory."""
 
     block_size: int = 16
-    num_blocks: int | None = None
+    kv_cache_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
@@ -198,7 +199,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_choice("block_size", self.block_size, BLOCK_SIZE_CHOICES)
-        _check_int("kv_cache_blocks", self.num_blocks, 1, allow_none=True)
+        _check_int("kv_cache_blocks", self.kv_cache_blocks, 1, allow_none=True)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
         if not isinstance(self.enable_prefix_caching, bool):
             _fail("enable_prefix_caching", self.enable_prefix_caching, "expected True or False")
@@ -206,6 +207,11 @@ class CacheConfig:
             _fail("gpu_memory_utilization", self.gpu_memory_utilization, "expected a fraction in (0, 1]")
         _check_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, 1)
         _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, allow_none=True)
+
+    @property
+    def num_blocks(self) -> int | None:
+        """The earlier name of kv_cache_blocks, read by the worker's cache sizing."""
+        return self.kv_cache_blocks
 
 
 @dataclass(frozen=True)
@@ -464,6 +470,13 @@ class EngineConfig:
         """Build from the flat keyword arguments of `LLM(...)` or the CLI; unknown names are an error."""
         groups: dict[str, dict[str, Any]] = {name: {} for name in ("model", "cache", "scheduler", "parallel", "quant",
                                                                    "engine")}
+        for vllm_name, name in _VLLM_SPELLINGS.items():
+            if vllm_name in kwargs:
+                if name in kwargs:
+                    raise ConfigError(f"engine arguments {name}={kwargs[name]!r} and {vllm_name}="
+                                      f"{kwargs[vllm_name]!r} are the same setting (vLLM's spelling and kestrel's); "
+                                      "give one")
+                kwargs[name] = kwargs.pop(vllm_name)
         for key, value in kwargs.items():
             if key not in _KWARG_TO_FIELD and _engine_arg_asks_nothing(key, value):
                 continue
@@ -499,6 +512,7 @@ class EngineArg:
     help: str
     aliases: tuple[str, ...] = ()  # more CLI spellings (vLLM's short flags)
     choices: tuple[Any, ...] | None = None
+    vllm_name: str | None = None  # vLLM's name where it differs: accepted by LLM(...) and as a flag too
 
 
 ENGINE_ARGS: tuple[EngineArg, ...] = (
@@ -523,8 +537,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("max_logprobs", "model", "max_logprobs",
               "most logprobs (and prompt_logprobs) a request may ask for; -1: the whole vocabulary"),
     EngineArg("block_size", "cache", "block_size", "tokens per KV cache block", choices=BLOCK_SIZE_CHOICES),
-    EngineArg("kv_cache_blocks", "cache", "num_blocks", "number of KV cache blocks (instead of the profiled one)",
-              aliases=("--num-gpu-blocks-override",)),
+    EngineArg("kv_cache_blocks", "cache", "kv_cache_blocks", "number of KV cache blocks (instead of the profiled "
+              "one)", vllm_name="num_gpu_blocks_override"),
     EngineArg("enable_prefix_caching", "cache", "enable_prefix_caching", "reuse the KV of shared prompt prefixes"),
     EngineArg("kv_cache_dtype", "cache", "kv_cache_dtype", "KV cache element type", choices=KV_CACHE_DTYPE_CHOICES),
     EngineArg("gpu_memory_utilization", "cache", "gpu_memory_utilization",
@@ -566,6 +580,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "no periodic log line of throughput, running / waiting requests and KV cache usage"),
 )
 _KWARG_TO_FIELD: dict[str, tuple[str, str]] = {arg.name: (arg.group, arg.field) for arg in ENGINE_ARGS}
+_VLLM_SPELLINGS: dict[str, str] = {arg.vllm_name: arg.name for arg in ENGINE_ARGS if arg.vllm_name}
 
 _LATER = "it comes with a later capability"
 # vLLM engine arguments kestrel does not have, with the reason (LLM(**kwargs) and the CLI refuse them by name).

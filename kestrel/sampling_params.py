@@ -1,9 +1,17 @@
-"""SamplingParams: the same names and defaults as vLLM, validated on construction."""
+"""SamplingParams: the same names and defaults as vLLM, validated on construction.
+
+This module is the one source of sampling defaults and bounds: the server's request models and the command
+line's sampling flags read `SamplingParams.default(name)` and `SAMPLING_BOUNDS` rather than restating them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 _GREEDY_EPSILON = 1e-5
 
@@ -14,6 +22,59 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The values a numeric sampling parameter may take; `allowed` says them in an error message."""
+
+    allowed: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    integer: bool = False
+    optional: bool = False  # None is allowed too (no limit, or nothing asked)
+
+    def admits(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        if not (_is_int(value) if self.integer else _is_number(value)) or math.isnan(value):
+            return False
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le))
+
+    def json_schema(self) -> dict[str, float]:
+        """The bound as JSON Schema keywords, for the server's OpenAPI document."""
+        keywords = {"minimum": self.ge, "exclusiveMinimum": self.gt, "maximum": self.le}
+        return {key: value for key, value in keywords.items() if value is not None}
+
+
+# The range of every numeric SamplingParams field, as given (before top_k's -1 and seed's -1 become their
+# canonical 0 and None). SamplingParams checks them on construction; the server's request models check a request's
+# values against the same table while parsing it.
+SAMPLING_BOUNDS: Mapping[str, Bound] = MappingProxyType({
+    "n": Bound("an integer >= 1", ge=1, integer=True),
+    "presence_penalty": Bound("in [-2, 2]", ge=-2.0, le=2.0),
+    "frequency_penalty": Bound("in [-2, 2]", ge=-2.0, le=2.0),
+    "repetition_penalty": Bound("> 0", gt=0.0),
+    "temperature": Bound(">= 0 (0 means greedy)", ge=0.0),
+    "top_p": Bound("in (0, 1]", gt=0.0, le=1.0),
+    "top_k": Bound("an integer >= 0 (0 or -1 disables it)", ge=-1, integer=True),
+    "min_p": Bound("in [0, 1]", ge=0.0, le=1.0),
+    "max_tokens": Bound("an integer >= 1 or None", ge=1, integer=True, optional=True),
+    "min_tokens": Bound("an integer >= 0", ge=0, integer=True),
+    "logprobs": Bound("an integer >= 0 or None", ge=0, integer=True, optional=True),
+    "prompt_logprobs": Bound("an integer >= 0 or None", ge=0, integer=True, optional=True),
+})
+
+
+def check_bound(name: str, value: Any, param: str | None = None) -> None:
+    """Raise SamplingParamsError unless `value` is in SAMPLING_BOUNDS[name]; `param`: the name the error gives
+    (a request field that sets this parameter under another name, such as max_completion_tokens)."""
+    bound = SAMPLING_BOUNDS[name]
+    if not bound.admits(value):
+        param = param or name
+        raise SamplingParamsError(param, f"{param} must be {bound.allowed}, got {value!r}")
 
 
 OUTPUT_KINDS = ("cumulative", "final_only")
@@ -57,6 +118,10 @@ class StructuredOutputsParams:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    # The temperature of greedy decoding, for callers whose default is greedy on purpose (beam search, the
+    # command line).
+    GREEDY_TEMPERATURE: ClassVar[float] = 0.0
+
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -106,34 +171,12 @@ class SamplingParams:
         def bad(param: str, allowed: str) -> None:
             raise SamplingParamsError(param, f"{param} must be {allowed}, got {getattr(self, param)!r}")
 
-        if not _is_int(self.n) or self.n < 1:
-            bad("n", "an integer >= 1")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", "in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", "in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            bad("repetition_penalty", "> 0")
-        if not self.temperature >= 0.0:
-            bad("temperature", ">= 0 (0 means greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            bad("top_k", "an integer >= 0 (0 or -1 disables it)")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", "in [0, 1]")
+        for name in SAMPLING_BOUNDS:
+            check_bound(name, getattr(self, name))
         if self.seed is not None and not _is_int(self.seed):
             bad("seed", "an integer or None")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            bad("max_tokens", "an integer >= 1 or None")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"<= max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            bad("logprobs", "an integer >= 0 or None")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
-            bad("prompt_logprobs", "an integer >= 0 or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "a list of non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -164,6 +207,16 @@ class SamplingParams:
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"one of {list(OUTPUT_KINDS)}")
 
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The default of field `name` (a fresh one for a list)."""
+        return _FIELD_DEFAULTS[name]()
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Every field's default: the arguments of SamplingParams()."""
+        return {name: make() for name, make in _FIELD_DEFAULTS.items()}
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPSILON
@@ -188,8 +241,8 @@ class BeamSearchParams:
     max_tokens: int
     ignore_eos: bool = False
     # Of the one token each beam samples, an extra candidate besides its top 2 x beam_width (whose logprobs are
-    # the model's raw ones); 0: greedy, which is always among the top.
-    temperature: float = 0.0
+    # the model's raw ones); greedy by default (vLLM's), which is always among the top.
+    temperature: float = SamplingParams.GREEDY_TEMPERATURE
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False  # keep a final EOS token's text in `text`
 
@@ -198,8 +251,7 @@ class BeamSearchParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SamplingParamsError(name, f"{name} must be an integer >= 1, got {value!r}")
-        if not self.temperature >= 0.0:
-            raise SamplingParamsError("temperature", f"temperature must be >= 0, got {self.temperature!r}")
+        check_bound("temperature", self.temperature)
         if not isinstance(self.length_penalty, int | float) or self.length_penalty != self.length_penalty:
             raise SamplingParamsError("length_penalty", f"length_penalty must be a number, got "
                                       f"{self.length_penalty!r}")
@@ -210,5 +262,14 @@ class BeamSearchParams:
                               ignore_eos=True, output_kind="final_only")
 
 
+_FIELD_DEFAULTS: dict[str, Any] = {
+    f.name: (f.default_factory if f.default is dataclasses.MISSING else (lambda value=f.default: value))
+    for f in dataclasses.fields(SamplingParams)}
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

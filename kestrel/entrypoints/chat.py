@@ -42,6 +42,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_gene
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+# How a model writes tool calls; also the choices of `kestrel serve --tool-call-parser`.
 TOOL_FORMATS = ("llama3_json", "hermes", "mistral")
 # (opening marker, closing marker) of the wrapped formats
 _MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "mistral": ("[TOOL_CALLS]", None)}

@@ -27,14 +27,15 @@ BENCH_SUITES: tuple[str, ...] = ("gemm", "attention", "serve", "ppl", "latency",
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine flags, one per ENGINE_ARGS entry (LLM's keyword with dashes, and vLLM's short spellings); a
-    flag left out leaves the config's own default."""
+    """The engine flags, one per ENGINE_ARGS entry (LLM's keyword with dashes, vLLM's name where it differs, and
+    vLLM's short spellings); a flag left out leaves the config's own default."""
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
                        help="Hugging Face model directory (default: the bundled kestrel-tiny)")
     for arg in ENGINE_ARGS:
-        _add_flag(group, ["--" + arg.name.replace("_", "-"), *arg.aliases], arg.name, engine_arg_type(arg),
-                  engine_arg_default(arg), arg.help, arg.choices)
+        vllm_flags = ["--" + arg.vllm_name.replace("_", "-")] if arg.vllm_name else []
+        _add_flag(group, ["--" + arg.name.replace("_", "-"), *vllm_flags, *arg.aliases], arg.name,
+                  engine_arg_type(arg), engine_arg_default(arg), arg.help, arg.choices)
 
 
 def _add_flag(group: argparse._ArgumentGroup, flags: list[str], dest: str, kind: Any, default: Any,
@@ -73,23 +74,57 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+# The sampling flags of `generate` and `chat`: (SamplingParams field, flag, help); a flag's value is
+# args.<flag without dashes>. Types and defaults are SamplingParams', but for CLI_SAMPLING_OVERRIDES.
+SAMPLING_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("max_tokens", "--max-tokens", "most tokens to generate per completion"),
+    ("temperature", "--temperature", "0 means greedy"),
+    ("top_p", "--top-p", "nucleus sampling: the smallest set of tokens with this much probability"),
+    ("top_k", "--top-k", "sample among the k most likely tokens (0: all)"),
+    ("min_p", "--min-p", "drop tokens less likely than this fraction of the most likely one"),
+    ("repetition_penalty", "--repetition-penalty", "> 1 discourages tokens already in the prompt or output"),
+    ("seed", "--sample-seed", "per-request sampling seed"),
+    ("stop", "--stop", "stop string (repeatable)"),
+    ("n", "-n", "completions per prompt"),
+)
+# Where the command line departs from SamplingParams() on purpose, with the reason its help gives: a run at the
+# terminal answers the same each time, and at more length than the API's 16 tokens.
+CLI_SAMPLING_OVERRIDES: dict[str, tuple[Any, str]] = {
+    "temperature": (SamplingParams.GREEDY_TEMPERATURE, "greedy, the same answer each run"),
+    "max_tokens": (64, "room for an answer at the terminal"),
+}
+
+
+def cli_sampling_defaults() -> dict[str, Any]:
+    """The sampling settings of `generate` and `chat` when no flag is given."""
+    defaults = {name: SamplingParams.default(name) for name, _, _ in SAMPLING_FLAGS}
+    return {**defaults, **{name: value for name, (value, _) in CLI_SAMPLING_OVERRIDES.items()}}
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=64)
-    group.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
-    group.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
-    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    group.add_argument("-n", type=int, default=1, help="completions per prompt")
+    defaults = cli_sampling_defaults()
+    for name, flag, help_text in SAMPLING_FLAGS:
+        default = defaults[name]
+        if name in CLI_SAMPLING_OVERRIDES:
+            shown = (f"{help_text} (default: {default}: {CLI_SAMPLING_OVERRIDES[name][1]}; SamplingParams() has "
+                     f"{SamplingParams.default(name)})")
+        else:
+            shown = help_text + (f" (default: {default})" if default not in (None, []) else "")
+        kind = field_kind(SamplingParams, name)
+        if typing.get_origin(kind) is list:
+            group.add_argument(flag, dest=_flag_dest(flag), action="append", type=typing.get_args(kind)[0],
+                               default=default, help=shown)
+        else:
+            group.add_argument(flag, dest=_flag_dest(flag), type=kind, default=default, help=shown)
+
+
+def _flag_dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.sample_seed, stop=args.stop)
+    return SamplingParams(**{name: getattr(args, _flag_dest(flag)) for name, flag, _ in SAMPLING_FLAGS})
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

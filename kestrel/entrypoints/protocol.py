@@ -1,29 +1,45 @@
 """OpenAI request and response schemas: the only place request JSON is parsed and checked.
 
 Request models are strict (no "5" for 5, no NaN) so a wrong type is a 400 naming the field,
-not a silent coercion; unknown fields are ignored, as OpenAI clients send fields we do not
-know. Checks that span fields raise InvalidRequestError(param, message); range checks shared
-with the offline API stay in SamplingParams.
+not a silent coercion; unknown fields are refused by name (NOT_SUPPORTED_FIELDS). Checks that span
+fields raise InvalidRequestError(param, message). Sampling defaults and ranges are SamplingParams':
+a field's default reads `SamplingParams.default`, its range is `SAMPLING_BOUNDS`, checked while the
+request is parsed, and a field left unset takes the model's generation_config or SamplingParams'
+default when the request becomes SamplingParams.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
-from kestrel.config import GENERATION_SAMPLING_KEYS
 from kestrel.request import InvalidRequestError
-from kestrel.sampling_params import BeamSearchParams, SamplingParams, SamplingParamsError, StructuredOutputsParams
+from kestrel.sampling_params import (
+    SAMPLING_BOUNDS,
+    BeamSearchParams,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+    check_bound,
+)
 
-MAX_N = 128
+MAX_N = 128  # the server's own limit on n, beyond SamplingParams' n >= 1
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
-
 
 
 def _integral(value: Any) -> Any:
@@ -38,6 +54,25 @@ TokenId = Annotated[Int, Field(ge=0, le=INT64_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Seed = Annotated[Int, Field(ge=INT64_MIN, le=INT64_MAX)]
 StopString = Annotated[str, Field(min_length=1)]
+_BOUND_ERROR = "sampling_bound"  # pydantic's error type of a value outside SAMPLING_BOUNDS
+
+
+def _bounded(kind: Any, name: str, param: str | None = None) -> Any:
+    """`kind` limited to SamplingParams' range of `name` (SAMPLING_BOUNDS), checked while the request is parsed;
+    `param`: the request field when it sets `name` under another name. Out of range, the 400 names the field
+    with SamplingParams' own message."""
+    def check(value: Any) -> Any:
+        try:
+            check_bound(name, value, param)
+        except SamplingParamsError as error:
+            raise PydanticCustomError(_BOUND_ERROR, "{message}", {"message": str(error)}) from None
+        return value
+
+    return Annotated[kind, AfterValidator(check), Field(json_schema_extra=SAMPLING_BOUNDS[name].json_schema())]
+
+
+def _sampling_default(name: str) -> Any:
+    return SamplingParams.default(name)
 
 
 def _check_unicode(value: Any) -> None:
@@ -126,28 +161,29 @@ class _SamplingRequest(_Request):
     """Fields shared by completions and chat: OpenAI's sampling fields plus vLLM's extensions."""
 
     model: str | None = None
-    n: Annotated[Int, Field(ge=1, le=MAX_N)] | None = 1
-    temperature: Annotated[float, Field(ge=0.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[Int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    n: _bounded(Annotated[Int, Field(le=MAX_N)], "n") | None = _sampling_default("n")
+    # None: the model's generation_config value (GENERATION_SAMPLING_KEYS), else SamplingParams' default.
+    temperature: _bounded(float, "temperature") | None = None
+    top_p: _bounded(float, "top_p") | None = None
+    top_k: _bounded(Int, "top_k") | None = None
+    min_p: _bounded(float, "min_p") | None = None
+    repetition_penalty: _bounded(float, "repetition_penalty") | None = None
+    presence_penalty: _bounded(float, "presence_penalty") | None = _sampling_default("presence_penalty")
+    frequency_penalty: _bounded(float, "frequency_penalty") | None = _sampling_default("frequency_penalty")
     seed: Seed | None = None
     stop: StopString | list[StopString] | None = None
     stop_token_ids: list[TokenId] | None = None
-    min_tokens: Annotated[Int, Field(ge=0)] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
+    min_tokens: _bounded(Int, "min_tokens") | None = _sampling_default("min_tokens")
+    ignore_eos: bool | None = _sampling_default("ignore_eos")
+    skip_special_tokens: bool | None = _sampling_default("skip_special_tokens")
+    spaces_between_special_tokens: bool | None = _sampling_default("spaces_between_special_tokens")
+    include_stop_str_in_output: bool | None = _sampling_default("include_stop_str_in_output")
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None  # keep the prompt's last N tokens
-    prompt_logprobs: Annotated[Int, Field(ge=0)] | None = None  # vLLM's: each prompt token's logprob and top-N
+    prompt_logprobs: _bounded(Int, "prompt_logprobs") | None = None  # vLLM's: each prompt token's logprob and top-N
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N" (for unprintable ones)
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids in the response
     priority: Int | None = None  # vLLM's: lower first, when the server runs --scheduling-policy priority
@@ -176,26 +212,15 @@ class _SamplingRequest(_Request):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          model_defaults: Mapping[str, Any]) -> SamplingParams:
-        """`model_defaults`: the model's generation_config settings, for the fields the request leaves unset."""
-        base = {**_SAMPLING_DEFAULTS, **model_defaults}
+        """`model_defaults`: the model's generation_config settings, for the fields the request leaves unset (or
+        sets to null); SamplingParams' defaults fill in the rest."""
+        given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            n=_default(self.n, 1),
-            temperature=_default(self.temperature, base["temperature"]),
-            top_p=_default(self.top_p, base["top_p"]),
-            top_k=_default(self.top_k, base["top_k"]),
-            min_p=_default(self.min_p, base["min_p"]),
-            presence_penalty=_default(self.presence_penalty, 0.0),
-            frequency_penalty=_default(self.frequency_penalty, 0.0),
-            repetition_penalty=_default(self.repetition_penalty, base["repetition_penalty"]),
+            **{**model_defaults, **given},
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
-            min_tokens=_default(self.min_tokens, 0),
-            ignore_eos=_default(self.ignore_eos, False),
-            skip_special_tokens=_default(self.skip_special_tokens, True),
-            spaces_between_special_tokens=_default(self.spaces_between_special_tokens, True),
-            include_stop_str_in_output=_default(self.include_stop_str_in_output, False),
             max_tokens=max_tokens,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
@@ -271,11 +296,9 @@ class _SamplingRequest(_Request):
                 _unsupported(name, f"{name} does not apply to beam search (use_beam_search true), which takes n "
                              "(the beam width), max_tokens, temperature, ignore_eos, length_penalty and "
                              "include_stop_str_in_output")
-        return BeamSearchParams(beam_width=_default(self.n, 1), max_tokens=max_tokens,
-                                ignore_eos=_default(self.ignore_eos, False),
-                                temperature=_default(self.temperature, 0.0),
-                                length_penalty=_default(self.length_penalty, 1.0),
-                                include_stop_str_in_output=_default(self.include_stop_str_in_output, False))
+        # Unset fields keep BeamSearchParams' defaults (temperature: greedy).
+        given = {name: getattr(self, name) for name in _BEAM_SEARCH_SETTINGS if getattr(self, name) is not None}
+        return BeamSearchParams(beam_width=_default(self.n, _sampling_default("n")), max_tokens=max_tokens, **given)
 
     def _token_bias(self) -> dict[int, float] | None:
         """OpenAI sends token ids as JSON object keys (strings)."""
@@ -299,12 +322,18 @@ PromptInput = (str | Annotated[list[str], Field(min_length=1)] | TokenIds
 
 class CompletionRequest(_SamplingRequest):
     prompt: PromptInput
-    max_tokens: Annotated[Int, Field(ge=1)] | None = 16
-    logprobs: Annotated[Int, Field(ge=0)] | None = None
+    # OpenAI's completions default, which is SamplingParams' too.
+    max_tokens: _bounded(Int, "max_tokens") | None = _sampling_default("max_tokens")
+    logprobs: _bounded(Int, "logprobs") | None = _sampling_default("logprobs")
     echo: bool | None = False
     add_special_tokens: bool | None = True  # vLLM's: the tokenizer's BOS (and the like) around a text prompt
     suffix: str | None = None
     best_of: Annotated[Int, Field(ge=1)] | None = None
+
+    @property
+    def token_limit(self) -> int:
+        """max_tokens, SamplingParams' default when sent as null."""
+        return _default(self.max_tokens, _sampling_default("max_tokens"))
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""
@@ -319,9 +348,9 @@ class CompletionRequest(_SamplingRequest):
         self._check_common()
         if self.suffix is not None:
             _unsupported("suffix", "suffix (insertion) is not supported by this server")
-        if self.best_of is not None and self.best_of != _default(self.n, 1):
+        if self.best_of is not None and self.best_of != _default(self.n, _sampling_default("n")):
             _unsupported("best_of", "best_of other than n is not supported; use n")
-        params = self._sampling_params(_default(self.max_tokens, 16), self.logprobs, model_defaults or {})
+        params = self._sampling_params(self.token_limit, self.logprobs, model_defaults or {})
         if self.echo and self.logprobs is not None:  # the echoed prompt carries its logprobs
             params = params.replace(prompt_logprobs=max(self.logprobs, _default(self.prompt_logprobs, 0)))
         return params
@@ -441,10 +470,11 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[Int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
+    # None: no limit but the context's (vLLM's chat default: the model's remaining length).
+    max_tokens: _bounded(Int, "max_tokens") | None = None
+    max_completion_tokens: _bounded(Int, "max_tokens", "max_completion_tokens") | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[Int, Field(ge=0)] | None = None
+    top_logprobs: _bounded(Int, "logprobs", "top_logprobs") | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -743,6 +773,8 @@ def validation_error_info(errors: list[dict[str, Any]]) -> tuple[str | None, str
     if not loc:
         return None, f"the request body must be a JSON object ({first.get('msg')})"
     param = _path(loc)
+    if first.get("type") == _BOUND_ERROR:  # SamplingParams' message, which names the field
+        return param, first["msg"]
     for error in errors:
         error_loc = _field_loc(error)
         if (error.get("type") == "literal_error" and error_loc[-1:] == ["type"] and "content" in error_loc
@@ -835,9 +867,12 @@ def _unsupported(param: str, message: str) -> None:
     raise InvalidRequestError(param, message)
 
 
-# SamplingParams' own defaults of the settings a model's generation_config may change.
-_SAMPLING_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SamplingParams)
-                                      if f.name in GENERATION_SAMPLING_KEYS}
+# Request fields that are SamplingParams fields of the same name and meaning, passed on when set.
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+                    "spaces_between_special_tokens", "include_stop_str_in_output")
+# Request fields that are BeamSearchParams fields of the same name, passed on when set.
+_BEAM_SEARCH_SETTINGS = ("ignore_eos", "temperature", "length_penalty", "include_stop_str_in_output")
 
 
 def _default(value: Any, default: Any) -> Any:

@@ -1,7 +1,7 @@
 """The HTTP server's settings: one frozen dataclass, validated once; `kestrel serve`'s server flags are generated
 from its fields (names with dashes, help and vLLM's spellings in each field's metadata), so the two cannot drift.
 
-Only the standard library is imported here.
+Only the standard library and kestrel's light modules (config, the chat module's tool formats) are imported here.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kestrel.config import ConfigError
+from kestrel.entrypoints.chat import TOOL_FORMATS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18  # ~7 MB of JSON at the usual ~26 bytes an entry
 
 
@@ -42,7 +42,7 @@ class ServerConfig:
     trust_request_chat_template: bool = _opt(False, "accept a chat_template in chat requests (rendered in a "
                                                     "sandbox); off: such requests are refused")
     tool_call_parser: str | None = _opt(None, "how the model writes tool calls (default: detected from the chat "
-                                              "template)", choices=TOOL_CALL_PARSERS)
+                                              "template)", choices=TOOL_FORMATS)
     enable_auto_tool_choice: bool = _opt(True, "let the model decide whether to call a tool (tool_choice 'auto'); "
                                                "off: such requests are refused")
     special_tokens_in_content: bool = _opt(False, "let special-token text in chat messages become control tokens "
@@ -84,9 +84,9 @@ class ServerConfig:
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ConfigError(f"invalid {name}={path!r}: no such file")
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_FORMATS:
             raise ConfigError(f"invalid tool_call_parser={self.tool_call_parser!r}: expected one of "
-                              f"{list(TOOL_CALL_PARSERS)}")
+                              f"{list(TOOL_FORMATS)}")
         for name in ("log_level", "uvicorn_log_level"):
             value = getattr(self, name)
             if value is not None and value not in LOG_LEVELS:

@@ -139,7 +139,7 @@ class OpenAIServing:
     async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(request.model)
-        beam = request.beam_search_params(request.max_tokens if request.max_tokens is not None else 16)
+        beam = request.beam_search_params(request.token_limit)
         if beam is not None:
             return await _until_disconnect(raw, self._beam_completion(request, beam))
         params = request.to_sampling_params(self.engine.generation_defaults.sampling)

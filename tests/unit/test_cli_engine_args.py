@@ -37,7 +37,7 @@ def test_vllm_spellings_reach_the_config(tiny_model_dir):
     assert kwargs == {"tensor_parallel_size": 1, "enable_prefix_caching": False, "kv_cache_blocks": 64,
                       "max_num_seqs": 8, "async_scheduling": False, "generation_config": "vllm"}
     config = EngineConfig.from_kwargs(tiny_model_dir, **kwargs)
-    assert (config.cache.enable_prefix_caching, config.cache.num_blocks, config.scheduler.async_scheduling) == (
+    assert (config.cache.enable_prefix_caching, config.cache.kv_cache_blocks, config.scheduler.async_scheduling) == (
         False, 64, False)
 
 

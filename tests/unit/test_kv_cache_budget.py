@@ -35,7 +35,7 @@ def test_budget_precedence(model_dir: Path) -> None:
     assert num_blocks_for(config, SPEC, budget=7 * per_block + 1) == 7
     absolute = config.replace(cache=config.cache.__class__(kv_cache_memory_bytes=3 * per_block))
     assert num_blocks_for(absolute, SPEC, budget=7 * per_block) == 3
-    explicit = config.replace(cache=config.cache.__class__(num_blocks=5, kv_cache_memory_bytes=3 * per_block))
+    explicit = config.replace(cache=config.cache.__class__(kv_cache_blocks=5, kv_cache_memory_bytes=3 * per_block))
     assert num_blocks_for(explicit, SPEC, budget=7 * per_block) == 5
     with pytest.raises(ConfigError, match="no room for the KV cache"):
         num_blocks_for(config, SPEC, budget=-1)

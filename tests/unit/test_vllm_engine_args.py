@@ -29,8 +29,8 @@ VLLM_ENGINE_ARGS = {
     "runner": "pooling", "override_pooler_config": {"a": 1}, "enable_prompt_embeds": True,
     "override_generation_config": {"temperature": 0.5}, "served_model_name": "mine",
 }
-# vLLM arguments kestrel spells differently: these are the CLI aliases (--num-gpu-blocks-override) of its own.
-ALIASES = {"num_gpu_blocks_override": "kv_cache_blocks"}
+# vLLM arguments kestrel spells differently, accepted under vLLM's name too: the kestrel argument each sets.
+VLLM_SPELLINGS = {"num_gpu_blocks_override": "kv_cache_blocks"}
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +42,14 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("name", sorted(VLLM_ENGINE_ARGS))
 def test_each_vllm_engine_argument_is_honoured_or_refused_by_name(model_dir, name):
-    ours = {arg.name for arg in ENGINE_ARGS}
-    key = name if name in ours else ALIASES.get(name, name)
+    ours = {arg.name for arg in ENGINE_ARGS} | set(VLLM_SPELLINGS)
     value = VLLM_ENGINE_ARGS[name]
-    if key in ours:
-        if key == "download_dir":
+    if name in ours:
+        if name == "download_dir":
             value = model_dir  # a model directory given as such never consults the cache
-        config = EngineConfig.from_kwargs(model_dir, **{key: value})
-        assert config is not None
+        config = EngineConfig.from_kwargs(model_dir, **{name: value})
+        if name in VLLM_SPELLINGS:
+            assert config == EngineConfig.from_kwargs(model_dir, **{VLLM_SPELLINGS[name]: value})
         return
     with pytest.raises(ConfigError) as refused:
         EngineConfig.from_kwargs(model_dir, **{name: value})
@@ -66,3 +66,14 @@ def test_a_vllm_argument_at_its_no_op_value_is_accepted(model_dir, name, value):
 def test_a_misspelt_argument_is_an_error_listing_the_known_ones(model_dir):
     with pytest.raises(ConfigError, match="unknown engine argument 'max_num_seq'.*max_num_seqs"):
         EngineConfig.from_kwargs(model_dir, max_num_seq=4)
+
+
+def test_vllm_spellings_are_the_engine_args_own():
+    assert {arg.vllm_name: arg.name for arg in ENGINE_ARGS if arg.vllm_name} == VLLM_SPELLINGS
+
+
+def test_the_kv_block_count_under_both_names_is_an_error(model_dir):
+    config = EngineConfig.from_kwargs(model_dir, num_gpu_blocks_override=64)
+    assert config.cache.kv_cache_blocks == 64 and config.cache.num_blocks == 64
+    with pytest.raises(ConfigError, match="kv_cache_blocks=64 and num_gpu_blocks_override=32.*give one"):
+        EngineConfig.from_kwargs(model_dir, kv_cache_blocks=64, num_gpu_blocks_override=32)
