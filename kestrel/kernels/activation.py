@@ -30,7 +30,6 @@ HF_ACTIVATIONS = {
     "gelu": "gelu",
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_new": "gelu_tanh",
-    "gelu_python_tanh": "gelu_tanh",
 }
 
 
@@ -93,9 +92,11 @@ def _act_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.const
     mask = cols < inter
     x_row = x_ptr + row * stride_x
     g = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    y = activate(g, ACTIVATION)
     if GATED:
-        y = y * tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)  # both loads in flight at once
+        y = activate(g, ACTIVATION) * u
+    else:
+        y = activate(g, ACTIVATION)
     tl.store(out_ptr + row * stride_out + cols, common.to_dtype(y, out_ptr.dtype.element_ty, FAST), mask=mask)
 
 

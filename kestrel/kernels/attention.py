@@ -130,7 +130,7 @@ def _e4m3_pairs_to_f16(w, ASM: tl.constexpr):
 
 @triton.jit
 def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt,
-                  offs_n, offs_d, offs_w, d_ok, row_pos, start, num_tiles, seg_hi, window, qk_scale, soft_cap,
+                  offs_n, offs_d, offs_w, d_ok, row_pos, start, num_tiles, seg_hi, window, qk_scale,
                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
                   USE_WINDOW: tl.constexpr, HEAD_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr,
                   DOT_PREC: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr, SOFT_CAP: tl.constexpr):
@@ -141,9 +141,9 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
     and the odd head dims (`acc`, `acc_odd`). Read as bytes, the PV operand needs a transposed 8-bit load,
     which Triton emits as one shared-memory load per byte; words transpose with ldmatrix like 16-bit data.
 
-    SOFT_CAP: `qk_scale` carries 2 log2(e) / cap, so exp2(qk) = exp(2 s / cap) for the scaled score s, and
-    `soft_cap` is cap * log2(e): tanh(x) = 1 - 2 / (exp(2x) + 1) (saturating to +-1, never NaN) brings the
-    capped score back to the log2 domain of the softmax."""
+    SOFT_CAP (0: none) is cap * log2(e), and then `qk_scale` carries 2 log2(e) / cap, so exp2(qk) =
+    exp(2 s / cap) for the scaled score s: tanh(x) = 1 - 2 / (exp(2x) + 1) (saturating to +-1, never NaN) times
+    SOFT_CAP is the capped score in the log2 domain of the softmax."""
     for i in range(num_tiles):
         tok = start + i * BLOCK_N + offs_n
         if MASKED:
@@ -161,8 +161,8 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
         else:
             k = tl.load(k_ptrs)
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC) * qk_scale
-        if SOFT_CAP:
-            qk = soft_cap - (2.0 * soft_cap) / (tl.math.exp2(qk) + 1.0)
+        if SOFT_CAP > 0:
+            qk = SOFT_CAP - (2.0 * SOFT_CAP) / (tl.math.exp2(qk) + 1.0)
         if MASKED:
             visible = tok_ok[None, :] & (tok[None, :] <= row_pos[:, None])
             if USE_WINDOW:
@@ -203,7 +203,7 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
 @triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi", "window"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
-    qk_scale, v_scale, soft_cap, window, num_seqs, q_len_lo, q_len_hi,
+    qk_scale, v_scale, window, num_seqs, q_len_lo, q_len_hi,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -293,12 +293,12 @@ def _paged_attn_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     acc, acc_odd, m_i, l_i = _attend_tiles(
         acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
-        offs_d, offs_w, d_ok, row_pos, seg_lo, num_full, seg_hi, window, qk_scale, soft_cap, BLOCK_N, BLOCK_SIZE,
+        offs_d, offs_w, d_ok, row_pos, seg_lo, num_full, seg_hi, window, qk_scale, BLOCK_N, BLOCK_SIZE,
         False, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
     acc, acc_odd, m_i, l_i = _attend_tiles(
         acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
         offs_d, offs_w, d_ok, row_pos, seg_lo + num_full * BLOCK_N, num_tiles - num_full, seg_hi, window,
-        qk_scale, soft_cap, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS,
+        qk_scale, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS,
         V_ASM, SOFT_CAP)
     if V_PAIRS:
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
@@ -506,11 +506,13 @@ def paged_attention(
         dot_dtype = tl.float16
     else:
         dot_dtype = _DOT_DTYPES[q.dtype]
-    soft_cap = logit_soft_cap is not None
+    # The cap is a compile-time constant (one value per model: Gemma 2 caps every layer at 50), so the default
+    # path compiles to exactly the uncapped kernel, with no extra parameter.
     qk_scale = float(scale) * float(k_scale) * _LOG2E
+    capped = logit_soft_cap is not None
     common = dict(
-        qk_scale=qk_scale * 2.0 / float(logit_soft_cap) if soft_cap else qk_scale, v_scale=float(v_scale),
-        soft_cap=float(logit_soft_cap) * _LOG2E if soft_cap else 0.0, SOFT_CAP=soft_cap,
+        qk_scale=qk_scale * 2.0 / float(logit_soft_cap) if capped else qk_scale, v_scale=float(v_scale),
+        SOFT_CAP=float(logit_soft_cap) * _LOG2E if capped else 0.0,
         window=int(sliding_window or 0), num_seqs=num_seqs,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_kb=k_cache.stride(0), stride_kt=k_cache.stride(1), stride_kh=k_cache.stride(2),

@@ -206,7 +206,8 @@ def _produce(x_row, r_row, w_ptr, offs, mask, K, rstd, PRODUCER: tl.constexpr, A
             r = tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
             y = common.to_dtype(y + r, x_row.dtype.element_ty, FAST).to(tl.float32)
         if PRODUCER >= 1:
-            y = y * rstd * _norm_weight(w_ptr, offs, mask, UNIT_OFFSET)
+            w = _norm_weight(w_ptr, offs, mask, UNIT_OFFSET)
+            y = y * rstd * w
     return y
 
 
