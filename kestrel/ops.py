@@ -32,14 +32,16 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window=None,
-                    k_scale=1.0, v_scale=1.0, out=None, max_query_len=None):
+                    k_scale=1.0, v_scale=1.0, out=None, max_query_len=None, logit_soft_cap=None):
     """`max_query_len` (a host int bounding every sequence's query length, AttentionMetadata's) lets the
-    Triton path skip launches a batch cannot need; the reference ignores it."""
+    Triton path skip launches a batch cannot need; the reference ignores it. `logit_soft_cap` (Gemma 2):
+    scaled scores become `cap * tanh(scores / cap)` before masking."""
     if use_triton(q):
         return _attention.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                          sliding_window, k_scale, v_scale, out, max_query_len=max_query_len)
+                                          sliding_window, k_scale, v_scale, out, logit_soft_cap,
+                                          max_query_len=max_query_len)
     return _attention.paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                          sliding_window, k_scale, v_scale, out)
+                                          sliding_window, k_scale, v_scale, out, logit_soft_cap)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
@@ -53,14 +55,31 @@ def rope_store_kv(positions, q, k, v, cos_cache, sin_cache, rotary_dim, k_cache,
     return fn(positions, q, k, v, cos_cache, sin_cache, rotary_dim, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def rms_norm(x, weight, eps, residual=None):
+def rms_norm(x, weight, eps, residual=None, unit_offset=False):
+    """`unit_offset`: Gemma's `norm(x) * (1 + weight)` in fp32, rounded once to x's dtype."""
     fn = _norm.rms_norm if use_triton(x) else _norm.rms_norm_ref
-    return fn(x, weight, eps, residual)
+    return fn(x, weight, eps, residual, unit_offset)
+
+
+def layer_norm(x, weight, bias, eps, residual=None):
+    fn = _norm.layer_norm if use_triton(x) else _norm.layer_norm_ref
+    return fn(x, weight, bias, eps, residual)
 
 
 def silu_mul(x):
     fn = _activation.silu_mul if use_triton(x) else _activation.silu_mul_ref
     return fn(x)
+
+
+def act_mul(x, activation):
+    """`act(gate) * up` for x `[..., 2*I]`; activation in `kernels.activation.ACTIVATIONS`."""
+    fn = _activation.act_mul if use_triton(x) else _activation.act_mul_ref
+    return fn(x, activation)
+
+
+def act(x, activation):
+    fn = _activation.act if use_triton(x) else _activation.act_ref
+    return fn(x, activation)
 
 
 def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None, azp_adj=None, azp=None):
@@ -83,11 +102,21 @@ def quant_static(x, scale, dtype, azp=None):
     return fn(x, scale, dtype, azp)
 
 
-def rms_norm_quant(x, weight, eps, dtype, residual=None, scale=None, azp=None, symmetric=True):
+def rms_norm_quant(x, weight, eps, dtype, residual=None, scale=None, azp=None, symmetric=True, unit_offset=False):
     fn = _quant_act.rms_norm_quant if use_triton(x) else _quant_act.rms_norm_quant_ref
-    return fn(x, weight, eps, dtype, residual, scale, azp, symmetric)
+    return fn(x, weight, eps, dtype, residual, scale, azp, symmetric, unit_offset)
 
 
 def silu_mul_quant(x, dtype, scale=None, azp=None, symmetric=True):
     fn = _quant_act.silu_mul_quant if use_triton(x) else _quant_act.silu_mul_quant_ref
     return fn(x, dtype, scale, azp, symmetric)
+
+
+def act_mul_quant(x, activation, dtype, scale=None, azp=None, symmetric=True):
+    fn = _quant_act.act_mul_quant if use_triton(x) else _quant_act.act_mul_quant_ref
+    return fn(x, activation, dtype, scale, azp, symmetric)
+
+
+def act_quant(x, activation, dtype, scale=None, azp=None, symmetric=True):
+    fn = _quant_act.act_quant if use_triton(x) else _quant_act.act_quant_ref
+    return fn(x, activation, dtype, scale, azp, symmetric)

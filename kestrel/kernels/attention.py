@@ -2,6 +2,8 @@
 
 Cache layout per layer: `k_cache`, `v_cache` are `[num_blocks, block_size, num_kv_heads, head_size]`
 (bf16/fp16/fp32, or float8_e4m3fn with per-tensor `k_scale`/`v_scale`: stored = value / scale).
+Per call: any `scale` (1/sqrt(head_size), Gemma's query_pre_attn_scalar^-1/2, ...), an optional sliding window
+and an optional logit soft cap (Gemma 2: scaled scores become `cap * tanh(scores / cap)` before masking).
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ def paged_attention_ref(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    logit_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Reference: q `[num_tokens, num_heads, head_size]` -> out of the same shape and dtype.
 
     Query row i of a sequence with context length L and query length Lq sits at position
     L - Lq + i and attends to keys at positions p with p <= its position (and, with a sliding
-    window W, p > position - W). Computed in float32 (float64 if q is float64).
+    window W, p > position - W). Scores are `q . k * scale`, then `cap * tanh(score / cap)` with a
+    `logit_soft_cap`. Computed in float32 (float64 if q is float64).
     """
+    _check_soft_cap(logit_soft_cap)
     num_tokens, num_heads, head_size = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -55,6 +60,8 @@ def paged_attention_ref(
         v = v.repeat_interleave(group, dim=1)
         qs = q[q_start:q_end].to(compute_dtype)  # [Lq, H, D]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        if logit_soft_cap is not None:
+            scores = torch.tanh(scores / logit_soft_cap) * logit_soft_cap
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         allowed = k_pos <= q_pos
@@ -64,6 +71,11 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
+
+
+def _check_soft_cap(logit_soft_cap: float | None) -> None:
+    if logit_soft_cap is not None and not logit_soft_cap > 0:
+        raise ValueError(f"logit_soft_cap must be positive, got {logit_soft_cap}")
 
 
 # ------------------------------------------------------------------------------------------------ Triton
@@ -121,13 +133,17 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
                   offs_n, offs_d, offs_w, d_ok, row_pos, start, num_tiles, seg_hi, window, qk_scale,
                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
                   USE_WINDOW: tl.constexpr, HEAD_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                  DOT_PREC: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr):
+                  DOT_PREC: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Online-softmax over `num_tiles` key tiles from `start`; MASKED tiles apply the sequence end
     (`seg_hi`), causality and the window, the others are known to be fully visible to every row.
 
     V_PAIRS (FP8 cache): V is read as int16 words of two e4m3 values and P @ V runs as two dots, over the even
     and the odd head dims (`acc`, `acc_odd`). Read as bytes, the PV operand needs a transposed 8-bit load,
-    which Triton emits as one shared-memory load per byte; words transpose with ldmatrix like 16-bit data."""
+    which Triton emits as one shared-memory load per byte; words transpose with ldmatrix like 16-bit data.
+
+    SOFT_CAP (0: none) is cap * log2(e), and then `qk_scale` carries 2 log2(e) / cap, so exp2(qk) =
+    exp(2 s / cap) for the scaled score s: tanh(x) = 1 - 2 / (exp(2x) + 1) (saturating to +-1, never NaN) times
+    SOFT_CAP is the capped score in the log2 domain of the softmax."""
     for i in range(num_tiles):
         tok = start + i * BLOCK_N + offs_n
         if MASKED:
@@ -145,6 +161,8 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
         else:
             k = tl.load(k_ptrs)
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC) * qk_scale
+        if SOFT_CAP > 0:
+            qk = SOFT_CAP - (2.0 * SOFT_CAP) / (tl.math.exp2(qk) + 1.0)
         if MASKED:
             visible = tok_ok[None, :] & (tok[None, :] <= row_pos[:, None])
             if USE_WINDOW:
@@ -192,7 +210,7 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr, Q_CLAMP: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr,
-    ACC_W: tl.constexpr, ODD_W: tl.constexpr,
+    ACC_W: tl.constexpr, ODD_W: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     if PER_SEQ:
@@ -275,12 +293,13 @@ def _paged_attn_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     acc, acc_odd, m_i, l_i = _attend_tiles(
         acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
-        offs_d, offs_w, d_ok, row_pos, seg_lo, num_full, seg_hi, window, qk_scale, BLOCK_N, BLOCK_SIZE, False,
-        USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM)
+        offs_d, offs_w, d_ok, row_pos, seg_lo, num_full, seg_hi, window, qk_scale, BLOCK_N, BLOCK_SIZE,
+        False, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
     acc, acc_odd, m_i, l_i = _attend_tiles(
         acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
         offs_d, offs_w, d_ok, row_pos, seg_lo + num_full * BLOCK_N, num_tiles - num_full, seg_hi, window,
-        qk_scale, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM)
+        qk_scale, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS,
+        V_ASM, SOFT_CAP)
     if V_PAIRS:
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
 
@@ -445,6 +464,7 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    logit_soft_cap: float | None = None,
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
@@ -467,6 +487,7 @@ def paged_attention(
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
         raise ValueError("q, the caches and block_tables must have a contiguous last dimension")
+    _check_soft_cap(logit_soft_cap)
     if out is None:
         out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0]
@@ -485,8 +506,13 @@ def paged_attention(
         dot_dtype = tl.float16
     else:
         dot_dtype = _DOT_DTYPES[q.dtype]
+    # The cap is a compile-time constant (one value per model: Gemma 2 caps every layer at 50), so the default
+    # path compiles to exactly the uncapped kernel, with no extra parameter.
+    qk_scale = float(scale) * float(k_scale) * _LOG2E
+    capped = logit_soft_cap is not None
     common = dict(
-        qk_scale=float(scale) * float(k_scale) * _LOG2E, v_scale=float(v_scale),
+        qk_scale=qk_scale * 2.0 / float(logit_soft_cap) if capped else qk_scale, v_scale=float(v_scale),
+        SOFT_CAP=float(logit_soft_cap) * _LOG2E if capped else 0.0,
         window=int(sliding_window or 0), num_seqs=num_seqs,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_kb=k_cache.stride(0), stride_kt=k_cache.stride(1), stride_kh=k_cache.stride(2),

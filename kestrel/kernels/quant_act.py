@@ -8,8 +8,9 @@ asymmetric INT8 uses [-128, 127] with an integer zero point. Dynamic scales are 
 Rounding is to nearest even everywhere. The floor only guards all-zero rows against 0/0.
 
 Producers fused in front of the quantizer, so the activations are read once and never written in 16 bits:
-RMSNorm (optionally after a residual add, whose sum is written back as the new residual) and
-SiLU(gate) * up on a `[M, 2*I]` input (gate first). All math is fp32.
+RMSNorm (optionally after a residual add, whose sum is written back as the new residual; optionally Gemma's
+`1 + weight`), gated `act(gate) * up` on a `[M, 2*I]` input (gate first) and plain `act(x)`, for the
+activations of `kernels/activation.py` (SiLU, GELU, GELU-tanh). All math is fp32.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kestrel.kernels import activation as _activation
 from kestrel.kernels import common
 
 FP8_MAX = 448.0
 SCALE_FLOOR = 1e-12
 
-_IDENTITY, _RMS, _RMS_RESIDUAL, _SILU_MUL = 0, 1, 2, 3
+_IDENTITY, _RMS, _RMS_RESIDUAL, _ACT_MUL, _ACT = 0, 1, 2, 3, 4
 _FP8, _INT8_SYM, _INT8_ASYM = 0, 1, 2
 _MAX_ONE_PASS = 16384  # longest row held in registers (16 warps x 32 lanes x 32 values)
 _LOOP_BLOCK = 4096
@@ -61,9 +63,10 @@ def quant_static(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
                    residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                   azp: torch.Tensor | None = None,
-                   symmetric: bool = True) -> tuple[QuantAct, torch.Tensor | None]:
-    """RMSNorm(x [+ residual]) * weight, quantized; returns (quantized, new residual or None).
+                   azp: torch.Tensor | None = None, symmetric: bool = True,
+                   unit_offset: bool = False) -> tuple[QuantAct, torch.Tensor | None]:
+    """RMSNorm(x [+ residual]) * weight (`* (1 + weight)` with `unit_offset`), quantized; returns
+    (quantized, new residual or None).
 
     With a residual, `h = x + residual` is rounded to x's dtype (that is the new residual) and normalized.
     A given `scale` (and `azp`) means static per-tensor quantization, otherwise dynamic per token.
@@ -71,14 +74,27 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: tor
     producer = _RMS if residual is None else _RMS_RESIDUAL
     sym = symmetric if scale is None else azp is None
     return _launch(x, producer, dtype, sym, scale, azp, weight=weight, eps=eps, residual=residual,
-                   with_residual=True)
+                   with_residual=True, unit_offset=unit_offset)
+
+
+def act_mul_quant(x: torch.Tensor, activation: str, dtype: torch.dtype, scale: torch.Tensor | None = None,
+                  azp: torch.Tensor | None = None, symmetric: bool = True) -> QuantAct:
+    """act(x[:, :I]) * x[:, I:] for x `[M, 2*I]`, quantized (static if `scale` is given)."""
+    sym = symmetric if scale is None else azp is None
+    return _launch(x, _ACT_MUL, dtype, sym, scale, azp, activation=_activation.activation_code(activation))
+
+
+def act_quant(x: torch.Tensor, activation: str, dtype: torch.dtype, scale: torch.Tensor | None = None,
+              azp: torch.Tensor | None = None, symmetric: bool = True) -> QuantAct:
+    """act(x), quantized (static if `scale` is given)."""
+    sym = symmetric if scale is None else azp is None
+    return _launch(x, _ACT, dtype, sym, scale, azp, activation=_activation.activation_code(activation))
 
 
 def silu_mul_quant(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None,
                    azp: torch.Tensor | None = None, symmetric: bool = True) -> QuantAct:
     """SiLU(x[:, :I]) * x[:, I:] for x `[M, 2*I]`, quantized (static if `scale` is given)."""
-    sym = symmetric if scale is None else azp is None
-    return _launch(x, _SILU_MUL, dtype, sym, scale, azp)
+    return act_mul_quant(x, "silu", dtype, scale, azp, symmetric)
 
 
 # ------------------------------------------------------------------------------------------ references
@@ -99,23 +115,41 @@ def quant_static_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
 
 def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
                        residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                       azp: torch.Tensor | None = None,
-                       symmetric: bool = True) -> tuple[QuantAct, torch.Tensor | None]:
+                       azp: torch.Tensor | None = None, symmetric: bool = True,
+                       unit_offset: bool = False) -> tuple[QuantAct, torch.Tensor | None]:
     h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
     hf = h.float()
     rstd = 1.0 / torch.sqrt((hf * hf).sum(dim=-1, keepdim=True) / hf.shape[-1] + eps)
-    y = hf * rstd * weight.float()
+    y = hf * rstd * (1.0 + weight.float() if unit_offset else weight.float())
     sym = symmetric if scale is None else azp is None
     return _quantize_ref(y, dtype, sym, scale, azp), (None if residual is None else h)
 
 
-def silu_mul_quant_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None,
-                       azp: torch.Tensor | None = None, symmetric: bool = True) -> QuantAct:
+def act_mul_quant_ref(x: torch.Tensor, activation: str, dtype: torch.dtype, scale: torch.Tensor | None = None,
+                      azp: torch.Tensor | None = None, symmetric: bool = True) -> QuantAct:
     inter = x.shape[-1] // 2
     g, u = x[..., :inter].float(), x[..., inter:].float()
-    y = g / (1.0 + torch.exp(-g)) * u
+    y = _activate_ref(g, activation) * u
     sym = symmetric if scale is None else azp is None
     return _quantize_ref(y, dtype, sym, scale, azp)
+
+
+def act_quant_ref(x: torch.Tensor, activation: str, dtype: torch.dtype, scale: torch.Tensor | None = None,
+                  azp: torch.Tensor | None = None, symmetric: bool = True) -> QuantAct:
+    y = _activate_ref(x.float(), activation)
+    sym = symmetric if scale is None else azp is None
+    return _quantize_ref(y, dtype, sym, scale, azp)
+
+
+def silu_mul_quant_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None,
+                       azp: torch.Tensor | None = None, symmetric: bool = True) -> QuantAct:
+    return act_mul_quant_ref(x, "silu", dtype, scale, azp, symmetric)
+
+
+def _activate_ref(g: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return g / (1.0 + torch.exp(-g))  # the kernel's expression (F.silu differs from it in the last bit)
+    return _activation.activate_ref(g, activation)
 
 
 def _quantize_ref(y: torch.Tensor, dtype: torch.dtype, symmetric: bool, scale: torch.Tensor | None,
@@ -157,21 +191,32 @@ def _check_mode(dtype: torch.dtype, symmetric: bool) -> None:
 
 
 @triton.jit
-def _produce(x_row, r_row, w_ptr, offs, mask, K, rstd, PRODUCER: tl.constexpr, FAST: tl.constexpr):
-    """The fp32 activations of one chunk of a row (0 where masked)."""
+def _produce(x_row, r_row, w_ptr, offs, mask, K, rstd, PRODUCER: tl.constexpr, ACTIVATION: tl.constexpr,
+             UNIT_OFFSET: tl.constexpr, FAST: tl.constexpr):
+    """The fp32 activations of one chunk of a row (0 where masked: every activation maps 0 to 0)."""
     if PRODUCER == 3:
         g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_row + K + offs, mask=mask, other=0.0).to(tl.float32)
-        y = g / (1.0 + tl.exp(-g)) * u
+        y = _activation.activate(g, ACTIVATION) * u
+    elif PRODUCER == 4:
+        y = _activation.activate(tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32), ACTIVATION)
     else:
         y = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         if PRODUCER == 2:
             r = tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
             y = common.to_dtype(y + r, x_row.dtype.element_ty, FAST).to(tl.float32)
         if PRODUCER >= 1:
-            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            w = _norm_weight(w_ptr, offs, mask, UNIT_OFFSET)
             y = y * rstd * w
     return y
+
+
+@triton.jit
+def _norm_weight(w_ptr, offs, mask, UNIT_OFFSET: tl.constexpr):
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        w = 1.0 + w
+    return w
 
 
 @triton.jit
@@ -217,7 +262,7 @@ def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr
                       K, stride_x, stride_r, stride_ro, stride_q, eps,
                       PRODUCER: tl.constexpr, QMODE: tl.constexpr, STATIC: tl.constexpr,
                       ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr, FAST: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, ACTIVATION: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -231,8 +276,8 @@ def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr
     if ONE_PASS:
         # The whole row fits one block: read it once, keep it in registers.
         mask = arange < K
-        if PRODUCER == 3:
-            y = _produce(x_row, r_row, w_ptr, arange, mask, K, 1.0, PRODUCER, FAST)
+        if PRODUCER >= 3:
+            y = _produce(x_row, r_row, w_ptr, arange, mask, K, 1.0, PRODUCER, ACTIVATION, UNIT_OFFSET, FAST)
         else:
             y = tl.load(x_row + arange, mask=mask, other=0.0).to(tl.float32)
             if PRODUCER == 2:
@@ -241,7 +286,7 @@ def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr
                 tl.store(ro_row + arange, h, mask=mask)
                 y = h.to(tl.float32)
             if PRODUCER >= 1:
-                w = tl.load(w_ptr + arange, mask=mask, other=0.0).to(tl.float32)
+                w = _norm_weight(w_ptr, arange, mask, UNIT_OFFSET)
                 y = y * _rstd(y * y, K, eps) * w
         if STATIC:
             s = tl.load(s_in_ptr)
@@ -278,7 +323,7 @@ def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr
             lo = tl.zeros((BLOCK,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK):
                 offs = k0 + arange
-                y = _produce(x_row, r_row, w_ptr, offs, offs < K, K, rstd, PRODUCER, FAST)
+                y = _produce(x_row, r_row, w_ptr, offs, offs < K, K, rstd, PRODUCER, ACTIVATION, UNIT_OFFSET, FAST)
                 hi = tl.maximum(hi, y)
                 lo = tl.minimum(lo, y)
             s, z = _row_scale(tl.max(hi, axis=0), tl.min(lo, axis=0), QMODE)
@@ -288,7 +333,7 @@ def _act_quant_kernel(x_ptr, r_ptr, w_ptr, ro_ptr, q_ptr, s_ptr, z_ptr, s_in_ptr
         inv_s = tl.math.div_rn(1.0, s)
         for k0 in range(0, K, BLOCK):
             offs = k0 + arange
-            y = _produce(x_row, r_row, w_ptr, offs, offs < K, K, rstd, PRODUCER, FAST)
+            y = _produce(x_row, r_row, w_ptr, offs, offs < K, K, rstd, PRODUCER, ACTIVATION, UNIT_OFFSET, FAST)
             tl.store(q_row + offs, _quantize(y, inv_s, z, q_ptr.dtype.element_ty, QMODE, FAST), mask=offs < K)
 
 
@@ -299,10 +344,13 @@ def _launch_options(x: torch.Tensor, block: int) -> dict:
 
 def _launch(x: torch.Tensor, producer: int, dtype: torch.dtype, symmetric: bool,
             scale: torch.Tensor | None, azp: torch.Tensor | None, *, weight: torch.Tensor | None = None,
-            eps: float = 0.0, residual: torch.Tensor | None = None, with_residual: bool = False):
+            eps: float = 0.0, residual: torch.Tensor | None = None, with_residual: bool = False,
+            activation: int = 0, unit_offset: bool = False):
     _check_mode(dtype, symmetric)
     width = x.shape[-1]
-    K = width // 2 if producer == _SILU_MUL else width
+    if producer == _ACT_MUL and width % 2:
+        raise ValueError(f"act_mul_quant needs an even last dimension (gate then up), got {width}")
+    K = width // 2 if producer == _ACT_MUL else width
     x2 = x.reshape(-1, width)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -324,7 +372,7 @@ def _launch(x: torch.Tensor, producer: int, dtype: torch.dtype, symmetric: bool,
             x2, r2, weight if weight is not None else x2, r_out, q, s_out, z_out, s_in, z_in,
             K, x2.stride(0), r2.stride(0), r_out.stride(0), q.stride(0), float(eps),
             PRODUCER=producer, QMODE=qmode, STATIC=static, ONE_PASS=one_pass, BLOCK=block,
-            **_launch_options(x, block),
+            ACTIVATION=activation, UNIT_OFFSET=unit_offset, **_launch_options(x, block),
         )
     q = q.reshape(*x.shape[:-1], K)
     if static:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.kernels.attention import AttnConfig, paged_attention
+from kestrel.kernels.attention import AttnConfig, paged_attention, paged_attention_ref
 from kestrel.kernels.store_kv import store_kv, store_kv_ref
 
 BLOCK_SIZE = 16
@@ -25,14 +25,17 @@ MIXED = [(37, 37), (58, 21), (45, 1), (70, 1), (3, 1), (29, 2), (1, 1), (24, 0),
 
 
 def dense_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 window: int | None) -> torch.Tensor:
-    """Causal attention in float64 for one sequence: q `[Lq, H, D]` are the last Lq of k/v's `[L, H_kv, D]`."""
+                 window: int | None, soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention in float64 for one sequence: q `[Lq, H, D]` are the last Lq of k/v's `[L, H_kv, D]`;
+    with a soft cap, scores become `cap * tanh(scores / cap)` (Gemma 2) before the mask."""
     query_len, num_heads, _ = q.shape
     context = k.shape[0]
     group = num_heads // k.shape[1]
     kk = k.double().repeat_interleave(group, dim=1)
     vv = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     q_pos = torch.arange(context - query_len, context).unsqueeze(1)
     k_pos = torch.arange(context).unsqueeze(0)
     allowed = k_pos <= q_pos
@@ -100,17 +103,18 @@ class Case:
         self.query_start_loc = self.query_start_loc.to(device)
         self.seq_lens = self.seq_lens.to(device)
 
-    def run(self, **kwargs) -> torch.Tensor:
-        return paged_attention(self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens,
-                               self.block_tables, self.scale, **kwargs)
+    def run(self, fn=paged_attention, **kwargs) -> torch.Tensor:
+        return fn(self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens, self.block_tables,
+                  self.scale, **kwargs)
 
-    def expected(self, window: int | None = None) -> torch.Tensor:
+    def expected(self, window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
         out = torch.zeros(self.q.shape, dtype=torch.float64)
         starts = self.query_start_loc.tolist()
         for s in range(len(self.seqs)):
             rows = slice(starts[s], starts[s + 1])
             if rows.stop > rows.start:
-                out[rows] = dense_oracle(self.q[rows].cpu(), self.keys[s], self.values[s], self.scale, window)
+                out[rows] = dense_oracle(self.q[rows].cpu(), self.keys[s], self.values[s], self.scale, window,
+                                         soft_cap)
         return out
 
 
@@ -203,6 +207,50 @@ def test_writes_only_into_out(device: torch.device) -> None:
     result = case.run(out=out, decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL, num_splits=2)
     assert result is out
     assert rel_err(out, case.expected()) < 1e-5
+
+
+# ------------------------------------------------------------------------------- soft cap, scale, window
+
+# A small mixed batch: a prefill longer than one query tile, a decode, a 3-token query, a chunk over cached
+# context and an idle sequence.
+SMALL_MIXED = [(20, 20), (33, 1), (18, 3), (40, 9), (5, 0)]
+
+
+@pytest.mark.parametrize("scale,soft_cap,cache_dtype,num_splits", [
+    (1.0, 5.0, torch.float32, 2), (1 / 16, 0.5, torch.float32, 1), (1.0, 5.0, torch.float8_e4m3fn, 2),
+], ids=["d32-split", "q256", "fp8-split"])
+def test_logit_soft_cap(device: torch.device, scale: float, soft_cap: float, cache_dtype: torch.dtype,
+                        num_splits: int) -> None:
+    """Gemma 2's cap on the scaled scores in the prefill and decode launches (split or not), with a scale that is
+    not 1/sqrt(head_size) (Gemma's query_pre_attn_scalar^-1/2); the scores reach several times the cap, so the
+    cap changes the output. FP8: k_scale folds into the capped multiplier too. The reference agrees."""
+    k_scale, v_scale = (0.011, 0.0073) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    case = Case(SMALL_MIXED, 4, 2, 32, device, cache_dtype=cache_dtype, k_scale=k_scale, v_scale=v_scale, seed=20)
+    case.scale = scale
+    capped = case.expected(soft_cap=soft_cap)
+    assert rel_err(capped, case.expected()) > 0.05
+    out = case.run(logit_soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, decode_cfg=SMALL_DECODE,
+                   prefill_cfg=SMALL_PREFILL, num_splits=num_splits)
+    assert rel_err(out, capped) < 1e-5
+    ref = case.run(paged_attention_ref, k_scale=k_scale, v_scale=v_scale, logit_soft_cap=soft_cap)
+    assert rel_err(ref, capped) < 1e-5
+
+
+def test_window_and_soft_cap_are_per_call(device: torch.device) -> None:
+    """The same caches and queries under changing window and cap, in turn: nothing sticks between calls."""
+    case = Case(SMALL_MIXED, 4, 2, 32, device, seed=21)
+    case.scale = 0.5
+    for window, soft_cap in ((6, 3.0), (None, None), (13, None)):
+        out = case.run(sliding_window=window, logit_soft_cap=soft_cap, decode_cfg=SMALL_DECODE,
+                       prefill_cfg=SMALL_PREFILL, num_splits=1)
+        assert rel_err(out, case.expected(window, soft_cap)) < 1e-5
+
+
+def test_soft_cap_must_be_positive(device: torch.device) -> None:
+    case = Case([(4, 4)], 2, 2, 16, device, seed=22)
+    for fn in (paged_attention, paged_attention_ref):
+        with pytest.raises(ValueError, match="positive"):
+            case.run(fn, logit_soft_cap=0.0)
 
 
 # ------------------------------------------------------------------------------------------------ store_kv

@@ -8,6 +8,8 @@ Special rows: all zeros, a saturating outlier, a constant row, an all-negative r
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -303,3 +305,90 @@ def test_kernels_really_run_in_the_interpreter():
     if torch.cuda.is_available():
         pytest.skip("compiled kernels on a GPU machine")
     assert type(qa._act_quant_kernel).__name__ == "InterpretedFunction"
+
+
+# ------------------------------------------------------------------------- GELU producers, Gemma norm
+
+
+def oracle_act(g: np.ndarray, activation: str) -> np.ndarray:
+    """float64 HF formulas: exact (erf) GELU and the tanh approximation."""
+    if activation == "gelu":
+        return 0.5 * g * (1.0 + np.vectorize(math.erf)(g / math.sqrt(2.0)))
+    return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
+
+
+def oracle_act_mul(x, activation):
+    xd = x.double().numpy()
+    inter = xd.shape[1] // 2
+    return oracle_act(xd[:, :inter], activation) * xd[:, inter:]
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("mode", MODES)
+def test_gelu_mul_quant(mode, activation, device):
+    dtype, symmetric = mode
+    x = activations(6, 2 * 150, torch.bfloat16, seed=10)
+    got = qa.act_mul_quant(x.to(device), activation, dtype, symmetric=symmetric)
+    ref = qa.act_mul_quant_ref(x, activation, dtype, symmetric=symmetric)
+    assert got.q.shape == (6, 150)
+    assert_same(got, ref, exact=False)
+    y = oracle_act_mul(x, activation)
+    assert_oracle(got, y, dtype, symmetric)
+    assert_oracle(ref, y, dtype, symmetric)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_plain_act_quant_and_static(activation, device):
+    """Non-gated act(x) -> quant (GPT-NeoX / Phi-2 MLPs), dynamic asymmetric INT8 and static FP8."""
+    x = activations(5, 200, torch.float16, seed=11)
+    y = oracle_act(x.double().numpy(), activation)
+    got = qa.act_quant(x.to(device), activation, torch.int8, symmetric=False)
+    assert_same(got, qa.act_quant_ref(x, activation, torch.int8, symmetric=False), exact=False)
+    assert_oracle(got, y, torch.int8, False)
+    scale = torch.tensor(0.03)
+    got = qa.act_quant(x.to(device), activation, torch.float8_e4m3fn, scale.to(device))
+    assert_same(got, qa.act_quant_ref(x, activation, torch.float8_e4m3fn, scale), exact=False)
+    assert_oracle(got, y, torch.float8_e4m3fn, True, 0.03)
+
+
+def test_gelu_quant_looped_path(device, monkeypatch):
+    monkeypatch.setattr(qa, "_MAX_ONE_PASS", 64)
+    monkeypatch.setattr(qa, "_LOOP_BLOCK", 128)
+    x = activations(4, 2 * 300, torch.bfloat16, seed=12)
+    got = qa.act_mul_quant(x.to(device), "gelu_tanh", torch.float8_e4m3fn)
+    assert_same(got, qa.act_mul_quant_ref(x, "gelu_tanh", torch.float8_e4m3fn), exact=False)
+    assert_oracle(got, oracle_act_mul(x, "gelu_tanh"), torch.float8_e4m3fn, True)
+    w = (torch.rand(600) - 0.5).to(torch.bfloat16)
+    got, _ = qa.rms_norm_quant(x.to(device), w.to(device), 1e-6, torch.int8, unit_offset=True)
+    ref, _ = qa.rms_norm_quant_ref(x, w, 1e-6, torch.int8, unit_offset=True)
+    assert_same(got, ref, exact=False)
+    assert_oracle(got, oracle_rms(x, 1.0 + w.double(), 1e-6)[0], torch.int8, True)
+
+
+def test_silu_mul_quant_is_act_mul_quant_silu(device):
+    x = activations(4, 2 * 64, torch.bfloat16, seed=13).to(device)
+    a, b = qa.silu_mul_quant(x, torch.int8), qa.act_mul_quant(x, "silu", torch.int8)
+    assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale)
+    a, b = qa.silu_mul_quant_ref(x.cpu(), torch.int8), qa.act_mul_quant_ref(x.cpu(), "silu", torch.int8)
+    assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_unit_offset_rms_norm_quant(mode, with_residual, device):
+    """Gemma's `norm(h) * (1 + weight)` feeding the quantizer; weights around 0 as Gemma stores them."""
+    dtype, symmetric = mode
+    g = torch.Generator().manual_seed(14)
+    x = activations(7, 300, torch.bfloat16, seed=15)
+    w = (torch.randn(300, generator=g) * 0.5).to(torch.bfloat16)
+    residual = torch.randn(7, 300, generator=g).to(torch.bfloat16) if with_residual else None
+    dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+    got, got_res = qa.rms_norm_quant(dev(x), dev(w), 1e-6, dtype, dev(residual), symmetric=symmetric,
+                                     unit_offset=True)
+    ref, ref_res = qa.rms_norm_quant_ref(x, w, 1e-6, dtype, residual, symmetric=symmetric, unit_offset=True)
+    assert_same(got, ref, exact=False)
+    y, h = oracle_rms(x, 1.0 + w.double(), 1e-6, residual)
+    assert_oracle(got, y, dtype, symmetric)
+    assert_oracle(ref, y, dtype, symmetric)
+    if with_residual:
+        assert torch.equal(got_res.cpu(), h) and torch.equal(ref_res, h)
