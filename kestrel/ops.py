@@ -16,6 +16,7 @@ from kestrel.kernels import quant_act as _quant_act
 from kestrel.kernels import rope_kv as _rope_kv
 from kestrel.kernels import scaled_mm as _scaled_mm
 from kestrel.kernels import store_kv as _store_kv
+from kestrel.kernels.activation import ACTIVATIONS, HF_ACTIVATIONS  # noqa: F401 - the layers' names
 
 
 @functools.cache
@@ -66,11 +67,6 @@ def layer_norm(x, weight, bias, eps, residual=None):
     return fn(x, weight, bias, eps, residual)
 
 
-def silu_mul(x):
-    fn = _activation.silu_mul if use_triton(x) else _activation.silu_mul_ref
-    return fn(x)
-
-
 def act_mul(x, activation):
     """`act(gate) * up` for x `[..., 2*I]`; activation in `kernels.activation.ACTIVATIONS`."""
     fn = _activation.act_mul if use_triton(x) else _activation.act_mul_ref
@@ -105,11 +101,6 @@ def quant_static(x, scale, dtype, azp=None):
 def rms_norm_quant(x, weight, eps, dtype, residual=None, scale=None, azp=None, symmetric=True, unit_offset=False):
     fn = _quant_act.rms_norm_quant if use_triton(x) else _quant_act.rms_norm_quant_ref
     return fn(x, weight, eps, dtype, residual, scale, azp, symmetric, unit_offset)
-
-
-def silu_mul_quant(x, dtype, scale=None, azp=None, symmetric=True):
-    fn = _quant_act.silu_mul_quant if use_triton(x) else _quant_act.silu_mul_quant_ref
-    return fn(x, dtype, scale, azp, symmetric)
 
 
 def act_mul_quant(x, activation, dtype, scale=None, azp=None, symmetric=True):

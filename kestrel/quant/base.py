@@ -16,7 +16,7 @@ __all__ = ["InputQuant", "QuantAct", "QuantMethod"]
 @dataclass(frozen=True)
 class InputQuant:
     """How one layer quantizes its input: the keyword arguments that `ops.rms_norm_quant` and
-    `ops.silu_mul_quant` take, so a fused producer can emit exactly what `apply_quantized` expects."""
+    `ops.act_mul_quant` take, so a fused producer can emit exactly what `apply_quantized` expects."""
 
     dtype: torch.dtype
     symmetric: bool = True

@@ -72,7 +72,7 @@ def test_fused_path_uses_the_fused_ops(tiny, monkeypatch: pytest.MonkeyPatch) ->
     """Per layer: two RMSNorm->quant, one SiLU-mul->quant, and no standalone activation quantization."""
     path, prompts, _ = tiny
     model = load_model(ModelConfig(model=str(path), dtype="float32"), CONFIGS["int8-asym"])
-    calls = {"rms_norm_quant": 0, "silu_mul_quant": 0, "quantize_input": 0}
+    calls = {"rms_norm_quant": 0, "act_mul_quant": 0, "quantize_input": 0}
 
     def counting(name: str, fn):
         def wrapper(*args, **kwargs):
@@ -81,10 +81,10 @@ def test_fused_path_uses_the_fused_ops(tiny, monkeypatch: pytest.MonkeyPatch) ->
         return wrapper
 
     monkeypatch.setattr(ops, "rms_norm_quant", counting("rms_norm_quant", ops.rms_norm_quant))
-    monkeypatch.setattr(ops, "silu_mul_quant", counting("silu_mul_quant", ops.silu_mul_quant))
+    monkeypatch.setattr(ops, "act_mul_quant", counting("act_mul_quant", ops.act_mul_quant))
     monkeypatch.setattr(W8A8LinearMethod, "quantize_input",
                         counting("quantize_input", W8A8LinearMethod.quantize_input))
     last_logits(model, prompts)
     num_layers = model.config.num_layers
     # o_proj still quantizes its own input (attention output has no fused producer yet).
-    assert calls == {"rms_norm_quant": 2 * num_layers, "silu_mul_quant": num_layers, "quantize_input": num_layers}
+    assert calls == {"rms_norm_quant": 2 * num_layers, "act_mul_quant": num_layers, "quantize_input": num_layers}

@@ -15,29 +15,24 @@ from kestrel.config import ConfigError
 from kestrel.model.layers.linear import LinearBase
 from kestrel.quant.base import QuantAct
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-# config.json `hidden_act` (transformers' ACT2FN names) -> ours.
-_HF_NAMES = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-             "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
-
 
 def activation_from_hf(name: str) -> str:
+    """config.json `hidden_act` (transformers' ACT2FN names) -> ours."""
     try:
-        return _HF_NAMES[name]
+        return ops.HF_ACTIVATIONS[name]
     except KeyError:
-        raise ConfigError(f"unsupported hidden_act={name!r} in config.json; supported: {sorted(_HF_NAMES)}") from None
+        raise ConfigError(f"unsupported hidden_act={name!r} in config.json; supported: "
+                          f"{sorted(ops.HF_ACTIVATIONS)}") from None
 
 
 class GatedActivation(nn.Module):
     def __init__(self, activation: str = "silu") -> None:
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}; choose from {ACTIVATIONS}")
+        if activation not in ops.ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose from {ops.ACTIVATIONS}")
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "silu":
-            return ops.silu_mul(x)
         return ops.act_mul(x, self.activation)
 
     def feed(self, x: torch.Tensor, consumer: LinearBase, fuse: bool = True) -> torch.Tensor | QuantAct:
@@ -45,8 +40,6 @@ class GatedActivation(nn.Module):
         spec = consumer.input_quant() if fuse else None
         if spec is None:
             return self(x)
-        if self.activation == "silu":
-            return ops.silu_mul_quant(x, spec.dtype, spec.scale, spec.azp, spec.symmetric)
         return ops.act_mul_quant(x, self.activation, spec.dtype, spec.scale, spec.azp, spec.symmetric)
 
     def extra_repr(self) -> str:

@@ -70,11 +70,10 @@ class Attention(nn.Module):
                 raise ValueError(f"attention layer {self.layer_idx}: rotary_emb given without positions")
             q = rotary_emb.rotate_and_store_kv(positions, q, k, v, k_cache, v_cache, attn_metadata.slot_mapping,
                                                self.k_scale, self.v_scale)
-        soft_cap = {} if self.logit_soft_cap is None else {"logit_soft_cap": self.logit_soft_cap}
         out = ops.paged_attention(
             q.view(num_tokens, self.num_heads, self.head_size), k_cache, v_cache, attn_metadata.query_start_loc,
             attn_metadata.seq_lens, attn_metadata.block_tables, self.scale, self.sliding_window, self.k_scale,
-            self.v_scale, max_query_len=attn_metadata.max_query_len, **soft_cap,
+            self.v_scale, max_query_len=attn_metadata.max_query_len, logit_soft_cap=self.logit_soft_cap,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)
 

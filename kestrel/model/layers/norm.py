@@ -32,9 +32,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> NormOutput:
         """`norm(x)`, or with a residual: `(norm(x + residual), x + residual)`."""
-        if self.unit_offset:
-            return ops.rms_norm(x, self.weight, self.eps, residual, unit_offset=True)
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+        return ops.rms_norm(x, self.weight, self.eps, residual, unit_offset=self.unit_offset)
 
     def feed(self, x: torch.Tensor, residual: torch.Tensor | None, consumer: LinearBase,
              fuse: bool = True) -> tuple[torch.Tensor | QuantAct, torch.Tensor]:
@@ -45,9 +43,8 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return self(x), x
             return self(x, residual)
-        kwargs = {"unit_offset": True} if self.unit_offset else {}
         act, new_residual = ops.rms_norm_quant(x, self.weight, self.eps, spec.dtype, residual, spec.scale, spec.azp,
-                                               spec.symmetric, **kwargs)
+                                               spec.symmetric, unit_offset=self.unit_offset)
         return act, x if residual is None else new_residual
 
     def extra_repr(self) -> str:
