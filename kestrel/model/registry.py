@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from kestrel.config import ConfigError
@@ -26,3 +27,10 @@ def get_model_class(architecture: str) -> type[nn.Module]:
             f"unsupported model architecture {architecture!r} (config.json `architectures`); "
             f"supported: {', '.join(supported_architectures())}"
         ) from None
+
+
+def model_skeleton(hf_config: dict) -> nn.Module:
+    """The unsharded, unquantized model of `hf_config` on the meta device: its structure and declarations (what
+    `kestrel quantize` reads), no weights and no memory."""
+    with torch.device("meta"):
+        return get_model_class((hf_config.get("architectures") or [""])[0])(hf_config)
