@@ -23,8 +23,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from kestrel.quant.calibrate import NORM_FEEDS, QuantizeOptions, quantize_checkpoint
+from kestrel.loader.hf_config import load_hf_config
+from kestrel.model.registry import model_skeleton
+from kestrel.quant.calibrate import QuantizeOptions, quantize_checkpoint
 from kestrel.tiny import corpus
+
+# kestrel-tiny (a Llama): each decoder layer's norms and the projections each one feeds.
+NORM_FEEDS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
 
 OUTLIER_CHANNELS = (7, 61, 130, 201)
 OUTLIER_SCALE = 32.0
@@ -98,7 +104,7 @@ def run_sweep(args: Any, score: Any, tokenizer: Any) -> dict[str, Any]:
                     model_dir = Path(tmp) / f"{base_name}-{variant}"
                     strategy = "tensor" if "-tensor" in variant else "channel"
                     quantize_checkpoint(base, model_dir, QuantizeOptions(scheme, alpha, weight_strategy=strategy),
-                                        samples)
+                                        samples, model=model_skeleton(load_hf_config(base)))
                     if variant.endswith("-requantized"):
                         requantize_fused_shards(model_dir)
                 kv_args = {} if kv == "auto" else {"kv_cache_dtype": "fp8"}

@@ -28,7 +28,9 @@ import torch
 
 from kestrel.bench import common, register_suite, standalone_main
 from kestrel.config import ConfigError
+from kestrel.loader.hf_config import load_hf_config
 from kestrel.loader.model_init import write_tiny_checkpoint
+from kestrel.model.registry import model_skeleton
 from kestrel.quant.calibrate import SCHEMES, QuantizeOptions, quantization_config, quantize_checkpoint
 
 ONLINE_FLAG = {"fp8-dynamic": "fp8", "fp8-static": "fp8", "w8a8-int8": "int8", "w8a8-int8-static": "int8"}
@@ -97,7 +99,8 @@ def _run(args: argparse.Namespace, schemes: list[str], device: torch.device) -> 
             quant_summary: dict[str, Any] = {"reused": True}
         else:
             common.log(f"kestrel quantize {scheme} -> {out_dir}")
-            quant_summary = quantize_checkpoint(float_dir, out_dir, options, samples, device=device.type)
+            quant_summary = quantize_checkpoint(float_dir, out_dir, options, samples, device=device.type,
+                                                model=model_skeleton(load_hf_config(float_dir)))
         checkpoints[scheme] = {"dir": str(out_dir), "quantize_s": time.perf_counter() - began, **quant_summary}
     common.release(None)  # the calibration model's memory, before the measuring processes size their KV caches
     rows: list[dict[str, Any]] = []

@@ -229,13 +229,16 @@ def _calibration_samples(args: argparse.Namespace) -> list[list[int]]:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
+    from kestrel.loader.hf_config import load_hf_config
+    from kestrel.model.registry import model_skeleton
     from kestrel.quant.calibrate import QuantizeOptions, quantize_checkpoint
 
     options = QuantizeOptions(args.scheme, args.smoothquant, args.kv_cache == "fp8", args.num_samples, args.seq_len,
                               args.weight_strategy)
     samples = _calibration_samples(args) if options.needs_calibration else None
     summary = quantize_checkpoint(args.model, args.out, options, samples, device=args.device,
-                                  progress=lambda items: tqdm(items, desc="quantize", leave=False))
+                                  progress=lambda items: tqdm(items, desc="quantize", leave=False),
+                                  model=model_skeleton(load_hf_config(args.model)))
     print(json.dumps(summary, indent=2))
     print(f"wrote a compressed-tensors {args.scheme} checkpoint to {args.out}; serve it with "
           f"`kestrel serve --model {args.out}`")

@@ -19,7 +19,7 @@ from kestrel.init_configs import ARCHS, SIZES
 from kestrel.loader.safetensors import INDEX_FILE
 from kestrel.loader.tokenizer_init import BOS_TOKEN, EOS_TOKEN, write_tokenizer
 from kestrel.model import loading
-from kestrel.model.registry import get_draft_head_class, get_model_class
+from kestrel.model.registry import model_skeleton
 
 INIT_STD = 0.02
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -104,12 +104,7 @@ def checkpoint_shapes(config: dict, architecture: str | None = None) -> dict[str
     """HF tensor name -> shape of the model `config` describes (the registered class of `architecture`, default
     the config's, built on the meta device in float32): each module's weight then its bias, modules in the order
     the model declares them."""
-    architecture = architecture or (config.get("architectures") or [""])[0]
-    model_cls = get_draft_head_class(architecture) if architecture == EAGLE_HEAD_ARCHITECTURE \
-        else get_model_class(architecture)
-    with torch.device("meta"):
-        model = model_cls(config, torch.float32)
-    shapes = loading.checkpoint_shapes(model)
+    shapes = loading.checkpoint_shapes(model_skeleton(config, architecture))
     by_module: dict[str, list[str]] = {}
     for name in shapes:
         by_module.setdefault(name.rsplit(".", 1)[0], []).append(name)

@@ -30,6 +30,7 @@ from kestrel.model.layers.linear import process_linear_layers_after_loading
 from kestrel.model.layers.norm import RMSNorm
 from kestrel.model.layers.rotary import RotaryEmbedding
 from kestrel.quant import QuantPlan, get_quant_method
+from kestrel.quant.scheme import KV_SCALE_NAMES
 
 # The quantization a model is built with: the plan, or an online QuantConfig (tests), or none.
 Quantization = QuantPlan | QuantConfig | None
@@ -121,8 +122,7 @@ class DecoderForCausalLM(nn.Module):
     skipped_checkpoint_suffixes: ClassVar[tuple[str, ...]] = (
         "rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
         # FP8 KV cache scales: read by the worker when it sizes the cache, not parameters here.
-        "self_attn.k_scale", "self_attn.v_scale", "attn.k_scale", "attn.v_scale",
-        "k_proj.output_scale", "v_proj.output_scale",
+        *(f"self_attn.{suffix}" for suffix in KV_SCALE_NAMES.suffixes),
     )
     layer_cls: ClassVar[type[nn.Module]] = DecoderLayer
     _LAYER_PREFIX: ClassVar[str] = "model.layers."

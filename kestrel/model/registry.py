@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 
+import torch
 from torch import nn
 
 from kestrel.config import EAGLE_HEAD_ARCHITECTURE, ConfigError
@@ -54,3 +55,13 @@ def get_draft_head_class(architecture: str) -> type[nn.Module]:
         raise ConfigError(f"unsupported draft head architecture {architecture!r} (config.json `architectures`); "
                           f"supported: {', '.join(sorted(_DRAFT_HEADS))}")
     return _import(path)
+
+
+def model_skeleton(hf_config: dict, architecture: str | None = None) -> nn.Module:
+    """The unsharded, unquantized float32 model (or draft head) of `hf_config` as `architecture` (default: the
+    config's) on the meta device: its structure and declarations (what `kestrel quantize` and the checkpoint
+    writer read), no weights and no memory."""
+    architecture = architecture or (hf_config.get("architectures") or [""])[0]
+    model_cls = get_draft_head_class(architecture) if architecture in _DRAFT_HEADS else get_model_class(architecture)
+    with torch.device("meta"):
+        return model_cls(hf_config, torch.float32)

@@ -1,82 +1,93 @@
-"""Per-layer quantization methods, and the plan that hands each linear layer its method by name."""
+"""Quantization: the schemes (registered by `kestrel/quant/schemes/`), their per-layer methods, and the plan that
+picks a model's scheme and hands each layer its method by name."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kestrel.config import QUANTIZATION_CHOICES, ConfigError, QuantConfig
+import kestrel.quant.schemes  # noqa: F401 - the built-in schemes register themselves
+from kestrel.config import ConfigError, QuantConfig
 from kestrel.quant.base import QuantMethod
-from kestrel.quant.checkpoint import CheckpointQuantization, LinearScheme, parse_quantization_config
+from kestrel.quant.scheme import (
+    KV_SCALE_NAMES,
+    LINEAR,
+    SCHEMES,
+    KVScaleNames,
+    LayerKind,
+    QuantScheme,
+    register_scheme,
+    registered_schemes,
+    scheme_from_checkpoint,
+    scheme_from_flag,
+)
 from kestrel.quant.unquantized import UnquantizedLinearMethod
-from kestrel.quant.w8a8 import W8A8LinearMethod
 from kestrel.quant.w8a8_fp8 import Fp8LinearMethod
 from kestrel.quant.w8a8_int8 import Int8LinearMethod
-
-_W8A8: dict[str, type[W8A8LinearMethod]] = {"fp8": Fp8LinearMethod, "int8": Int8LinearMethod}
-# QuantConfig.method -> factory of the online methods (quantize on load). The names are config's one list;
-# "compressed-tensors" names the checkpoint format, whose layers get their methods from the checkpoint.
-QUANT_METHODS: dict[str, Callable[[QuantConfig], QuantMethod]] = {
-    name: _W8A8[name] for name in QUANTIZATION_CHOICES if name in _W8A8}
 
 
 @dataclass(frozen=True)
 class QuantPlan:
-    """Which QuantMethod each linear layer gets: the checkpoint's `quantization_config` when it has one, else
-    the user's `quantization=` flag (quantization at load), else none."""
+    """A model's quantization scheme and each layer's method: the checkpoint's `quantization_config` chooses the
+    scheme when it has one (by its `quant_method`), else the user's `quantization=` flag (quantization at load),
+    else none."""
 
     user: QuantConfig | None = None
-    checkpoint: CheckpointQuantization | None = None
+    # None: derived from `user` (the flag's scheme, or none).
+    scheme: QuantScheme | None = None
     # Random weights (load_format="dummy"): layers quantized at load create their high-precision weight on the
     # meta device, and the loader fills and quantizes one layer at a time (a 70B model is 140 GB in BF16).
     random_weights: bool = False
 
+    def __post_init__(self) -> None:
+        if self.scheme is None and self.user is not None:
+            object.__setattr__(self, "scheme", scheme_from_flag(self.user))
+
     @classmethod
     def build(cls, quant_config: QuantConfig | None, hf_config: dict[str, Any]) -> QuantPlan:
         saved = hf_config.get("quantization_config")
-        checkpoint = parse_quantization_config(saved) if saved else None
-        if checkpoint is not None and quant_config is not None:
-            _check_flags_against(quant_config, checkpoint)
-        return cls(quant_config, checkpoint)
+        if not saved:
+            return cls(quant_config)
+        scheme = scheme_from_checkpoint(saved)
+        if quant_config is not None:
+            _check_flags_against(quant_config, scheme)
+        return cls(quant_config, scheme)
 
-    def method_for(self, layer_name: str, parts: Sequence[str] = ()) -> QuantMethod:
-        if self.checkpoint is not None:
-            scheme = self.checkpoint.scheme_for_parts(layer_name, list(parts) or [layer_name])
-            return UnquantizedLinearMethod() if scheme is None else _prequantized_method(scheme)
-        config = self.user
-        if config is None or config.method is None:
+    @property
+    def checkpoint(self) -> QuantScheme | None:
+        """The checkpoint's own scheme (its weights are stored quantized), or None."""
+        return self.scheme if self.scheme is not None and self.scheme.prequantized else None
+
+    @property
+    def kv_scale_names(self) -> KVScaleNames:
+        """How the checkpoint names its FP8 KV-cache scales (an unquantized checkpoint may carry them too)."""
+        return self.scheme.kv_scale_names if self.scheme is not None else KV_SCALE_NAMES
+
+    @property
+    def declares_kv_cache_scales(self) -> bool:
+        return self.scheme is not None and self.scheme.declares_kv_cache_scales
+
+    def method_for(self, layer_name: str, parts: Sequence[str] = (), kind: LayerKind = LINEAR) -> QuantMethod:
+        method = None if self.scheme is None else self.scheme.get_quant_method(kind, layer_name, parts)
+        if method is None:
             return UnquantizedLinearMethod()
-        factory = QUANT_METHODS.get(config.method)
-        if factory is None:
-            raise ConfigError(f"invalid quantization={config.method!r}: no method of that name quantizes at load "
-                              f"(registered: {sorted(QUANT_METHODS)}); 'compressed-tensors' names a checkpoint "
-                              f"format and needs a checkpoint with a quantization_config; layer {layer_name!r}")
-        method = factory(config)
-        if self.random_weights and isinstance(method, W8A8LinearMethod):
+        if self.random_weights:
             method.defer_weight = True
         return method
 
     def check_unquantized(self, module_name: str) -> None:
         """Modules kestrel always runs in the model dtype (the LM head) must not be quantized in the checkpoint."""
-        if self.checkpoint is not None and self.checkpoint.scheme_for(module_name) is not None:
-            raise ConfigError(f"invalid quantization_config: the checkpoint quantizes {module_name!r}, which kestrel "
-                              "runs unquantized; re-quantize with it in the ignore list")
+        if self.scheme is not None:
+            self.scheme.check_unquantized(module_name)
 
 
-def _prequantized_method(scheme: LinearScheme) -> QuantMethod:
-    config = QuantConfig(method=scheme.method, activation_scheme=scheme.activation_scheme,
-                         symmetric_activations=scheme.symmetric_input)
-    return _W8A8[scheme.method](config, calibrated_inputs=scheme.static_input, prequantized=True,
-                                weight_per_tensor=scheme.weight_per_tensor)
-
-
-def _check_flags_against(config: QuantConfig, checkpoint: CheckpointQuantization) -> None:
-    """Flags that contradict the checkpoint are an error; the checkpoint's own method name is accepted."""
-    if config.method not in (None, checkpoint.quant_method):
+def _check_flags_against(config: QuantConfig, checkpoint: QuantScheme) -> None:
+    """Flags that contradict the checkpoint are an error; the checkpoint's own scheme name is accepted."""
+    if config.method not in (None, checkpoint.name):
         raise ConfigError(f"invalid quantization={config.method!r}: the checkpoint is quantized "
-                          f"(quantization_config.quant_method={checkpoint.quant_method!r}); leave quantization unset "
-                          f"or pass {checkpoint.quant_method!r} to load it as saved")
+                          f"(quantization_config.quant_method={checkpoint.name!r}); leave quantization unset "
+                          f"or pass {checkpoint.name!r} to load it as saved")
     defaults = QuantConfig()
     for field_name in ("activation_scheme", "symmetric_activations"):
         value = getattr(config, field_name)
@@ -93,5 +104,6 @@ def get_quant_method(plan: QuantPlan | QuantConfig | None, layer_name: str, part
     return plan.method_for(layer_name, parts)
 
 
-__all__ = ["QUANT_METHODS", "Fp8LinearMethod", "Int8LinearMethod", "QuantMethod", "QuantPlan",
-           "UnquantizedLinearMethod", "get_quant_method"]
+__all__ = ["KV_SCALE_NAMES", "LINEAR", "SCHEMES", "Fp8LinearMethod", "Int8LinearMethod", "KVScaleNames",
+           "LayerKind", "QuantMethod", "QuantPlan", "QuantScheme", "UnquantizedLinearMethod", "get_quant_method",
+           "register_scheme", "registered_schemes"]

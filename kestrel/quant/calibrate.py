@@ -1,36 +1,52 @@
 """The offline quantizer behind `kestrel quantize`: calibration, SmoothQuant, per-channel weights, static scales,
 written as a compressed-tensors checkpoint that `QuantPlan` (and compressed-tensors itself) loads.
 
+What to quantize comes from the checkpoint's kestrel model (`QuantTargets.of_model`, built on the meta device:
+only its structure is read), never from a family's naming: its linear layers (the modules holding a
+`QuantMethod`), unpacked into checkpoint modules by the model's `packed_modules_mapping`, and its attention
+modules (the parent of the linear layer with the "k" and "v" shards), whose FP8 KV scales are written under the
+names the compressed-tensors scheme reads.
+
 Calibration runs the float model (transformers, float32, CPU or GPU) on token sequences and records, for every
-linear layer, the absolute maximum of each input channel, and for every attention layer the absolute maximum of
-its keys and values. SmoothQuant (alpha in [0, 1]) then moves activation outliers into the weights where an
-RMSNorm feeds the layer: per input channel j, s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) over the layers the
-norm feeds (q, k, v; gate, up); W[:, j] *= s_j and the norm's weight /= s_j, so the float model computes the same
-function. Weights are quantized per output channel (absmax / 448 for FP8, / 127 for INT8); static input scales
-are the calibrated per-tensor absmax (after smoothing) / 448 or / 127; FP8 KV scales are the keys' and values'
-absmax / 448 (the keys' bound taken before RoPE, times sqrt 2, which bounds any rotated pair).
+quantized linear layer, the absolute maximum of each input channel, and for every attention module the absolute
+maximum of its keys and values. SmoothQuant (alpha in [0, 1]) then moves activation outliers into the weights
+where a norm feeds linear layers directly: per input channel j, s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) over
+the layers the norm feeds (q, k, v; gate, up); W[:, j] *= s_j and the norm's weight /= s_j, so the float model
+computes the same function. Which norm feeds which layers is observed in the calibration forward (a linear
+layer's input is the very tensor a module returned), and a module counts as such a norm when scaling its weight
+scales its output exactly (y = normalize(x) * weight; not `1 + weight` norms, not ones with a bias). Weights are
+quantized per output channel (absmax / 448 for FP8, / 127 for INT8); static input scales are the calibrated
+per-tensor absmax (after smoothing) / 448 or / 127; FP8 KV scales are the keys' and values' absmax / 448 (the
+keys' bound taken before RoPE, times sqrt 2, which bounds any rotated pair).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
+import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from kestrel.config import ConfigError
 from kestrel.kernels.quant_act import FP8_MAX, SCALE_FLOOR
+from kestrel.quant.base import QuantMethod
+from kestrel.quant.schemes.compressed_tensors import CompressedTensorsScheme
 from kestrel.quant.w8a8_fp8 import quantize_weight_fp8
 from kestrel.quant.w8a8_int8 import INT8_SYM_MAX, quantize_weight_int8
 
 SCHEMES = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w8a8-int8-static")
-NORM_FEEDS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-               "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
+# Left out of the written config's `Linear` target: the LM head, under the name Hugging Face causal LMs give it
+# (kestrel runs it in the model dtype, and `QuantPlan.check_unquantized` refuses a checkpoint that quantizes it).
+UNQUANTIZED_MODULES = ("lm_head",)
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
            "merges.txt", "generation_config.json", "chat_template.jinja")
 
@@ -67,57 +83,191 @@ class QuantizeOptions:
         return self.static or self.smoothquant is not None or self.kv_cache_fp8
 
 
+@dataclass(frozen=True)
+class AttentionTarget:
+    """An attention module by checkpoint names: the module (its KV scales are named after it) and the linear
+    modules whose outputs are its keys and values (before RoPE)."""
+
+    prefix: str
+    key: str
+    value: str
+
+
+@dataclass(frozen=True)
+class QuantTargets:
+    """The checkpoint modules the quantizer touches."""
+
+    linears: tuple[str, ...]  # quantized linear modules (each has `<name>.weight`)
+    attention: tuple[AttentionTarget, ...]
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> QuantTargets:
+        """From a kestrel model (any device; the meta device costs no memory): every module holding a
+        `quant_method` is a linear layer, its checkpoint modules given by `type(model).packed_modules_mapping`
+        (merged name -> part names in shard order); the linear layer with shards "k" and "v" is its parent
+        attention module's key and value projection."""
+        packed: Mapping[str, Sequence[str]] | None = getattr(type(model), "packed_modules_mapping", None)
+        if packed is None:
+            raise ConfigError(f"invalid model: {type(model).__name__} declares no packed_modules_mapping (merged "
+                              "layer name -> the checkpoint modules it is made of; {} when nothing is merged)")
+        linears: list[str] = []
+        attention: list[AttentionTarget] = []
+        for name, module in model.named_modules():
+            if not isinstance(getattr(module, "quant_method", None), QuantMethod):
+                continue
+            parts = checkpoint_modules(name, packed)
+            linears.extend(parts)
+            shard_ids = list(getattr(module, "shard_ids", ()))
+            if "k" in shard_ids and "v" in shard_ids:
+                if len(parts) != len(shard_ids):
+                    raise ValueError(f"{type(model).__name__}.packed_modules_mapping gives {name} {len(parts)} "
+                                     f"checkpoint modules for its {len(shard_ids)} shards {shard_ids}")
+                attention.append(AttentionTarget(name.rpartition(".")[0], parts[shard_ids.index("k")],
+                                                 parts[shard_ids.index("v")]))
+        return cls(tuple(linears), tuple(attention))
+
+
+def checkpoint_modules(linear_name: str, packed: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
+    """The checkpoint modules a kestrel linear layer is made of: its parts when `packed` maps its name (e.g.
+    "...self_attn.qkv_proj" -> q_proj, k_proj, v_proj under the same parent), else the layer itself."""
+    parent, _, leaf = linear_name.rpartition(".")
+    parts = packed.get(leaf)
+    if not parts:
+        return (linear_name,)
+    return tuple(f"{parent}.{part}" if parent else part for part in parts)
+
+
 @dataclass
 class Calibration:
-    """Per linear layer, each input channel's absmax; per attention layer, key and value absmax."""
+    """Per linear module, each input channel's absmax; per attention module (its prefix), key and value absmax;
+    the norms that feed linear modules directly, with the modules each feeds (SmoothQuant's pairs)."""
 
     input_absmax: dict[str, torch.Tensor]
-    key_absmax: dict[int, float]
-    value_absmax: dict[int, float]
+    key_absmax: dict[str, float]
+    value_absmax: dict[str, float]
+    norm_feeds: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
-def calibrate(model: torch.nn.Module, samples: Iterable[list[int]], device: torch.device) -> Calibration:
+def calibrate(model: nn.Module, samples: Iterable[list[int]], device: torch.device,
+              targets: QuantTargets) -> Calibration:
+    """Run the float model (`model`: transformers, its module names the checkpoint's) over `samples`."""
+    modules = dict(model.named_modules())
+    wanted = [*targets.linears, *(n for a in targets.attention for n in (a.key, a.value))]
+    absent = [name for name in wanted if name not in modules]
+    if absent:
+        raise ConfigError(f"invalid model: the float model has no modules {absent[:5]} that kestrel's model maps "
+                          "to checkpoint modules")
     inputs: dict[str, torch.Tensor] = {}
-    keys: dict[int, float] = defaultdict(float)
-    values: dict[int, float] = defaultdict(float)
+    keys: dict[str, float] = defaultdict(float)
+    values: dict[str, float] = defaultdict(float)
+    feeds = _FeedRecorder(model, targets.linears)
     hooks = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            def record(_m, args, name=name):
-                amax = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
-                inputs[name] = amax if name not in inputs else torch.maximum(inputs[name], amax)
-            hooks.append(module.register_forward_pre_hook(record))
-            for proj, store in (("k_proj", keys), ("v_proj", values)):
-                if name.endswith("self_attn." + proj):
-                    layer = int(name.split(".layers.")[1].split(".")[0])
-
-                    def kv(_m, _args, out, layer=layer, store=store):
-                        store[layer] = max(store[layer], float(out.detach().abs().max()))
-                    hooks.append(module.register_forward_hook(kv))
+    for name in targets.linears:
+        def record(_m, args, name=name):
+            amax = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
+            inputs[name] = amax if name not in inputs else torch.maximum(inputs[name], amax)
+        hooks.append(modules[name].register_forward_pre_hook(record))
+    for target in targets.attention:
+        for proj, store in ((target.key, keys), (target.value, values)):
+            def kv(_m, _args, out, prefix=target.prefix, store=store):
+                store[prefix] = max(store[prefix], float(out.detach().abs().max()))
+            hooks.append(modules[proj].register_forward_hook(kv))
     try:
         with torch.no_grad():
-            for ids in samples:
-                model(torch.tensor([ids], device=device))
+            for i, ids in enumerate(samples):
+                with feeds.recording(i == 0):
+                    model(torch.tensor([ids], device=device))
     finally:
         for h in hooks:
             h.remove()
-    return Calibration(inputs, dict(keys), dict(values))
+    return Calibration(inputs, dict(keys), dict(values), feeds.norm_feeds())
 
 
-def smooth(weights: dict[str, torch.Tensor], calibration: Calibration, alpha: float, num_layers: int) -> None:
+class _FeedRecorder:
+    """Which module's output each linear module (`nn.Linear`) takes as its input, seen in one forward: the module
+    that returned that very tensor (the innermost one, when an outer module returns it too)."""
+
+    def __init__(self, model: nn.Module, targets: Sequence[str]) -> None:
+        self.modules = dict(model.named_modules())
+        self.targets = set(targets)
+        self.fed_by: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def recording(self, active: bool) -> Iterator[None]:
+        if not active:
+            yield
+            return
+        outputs: dict[int, tuple[weakref.ref, str]] = {}
+
+        def produced(_m, _args, out, name):
+            if not isinstance(out, torch.Tensor):
+                return
+            known = outputs.get(id(out))
+            # An id seen before belongs to this tensor only while that tensor lives (ids are reused).
+            if known is None or known[0]() is not out:
+                outputs[id(out)] = (weakref.ref(out), name)
+
+        def consumed(_m, args, name):
+            source = outputs.get(id(args[0])) if args and isinstance(args[0], torch.Tensor) else None
+            if source is not None and source[0]() is args[0]:
+                self.fed_by.setdefault(name, source[1])
+
+        hooks = []
+        for name, module in self.modules.items():
+            if name:
+                hooks.append(module.register_forward_hook(partial(produced, name=name)))
+            if isinstance(module, nn.Linear):
+                hooks.append(module.register_forward_pre_hook(partial(consumed, name=name)))
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def norm_feeds(self) -> dict[str, tuple[str, ...]]:
+        """norm module -> the linear modules it feeds, for each producer whose every linear consumer is quantized
+        and that scales its output exactly with its weight (the norm's output is assumed to feed nothing else, as
+        in a pre-norm block)."""
+        consumers: dict[str, list[str]] = {}
+        for linear, producer in self.fed_by.items():
+            consumers.setdefault(producer, []).append(linear)
+        return {producer: tuple(fed) for producer, fed in consumers.items()
+                if all(name in self.targets for name in fed) and _scales_with_weight(self.modules[producer])}
+
+
+def _scales_with_weight(module: nn.Module) -> bool:
+    """True for a module whose only parameter is a per-channel `weight` that multiplies its output: doubling the
+    weight doubles the output exactly (an RMSNorm; not a `1 + weight` norm, not one with a bias)."""
+    params = list(module.parameters())
+    weight = getattr(module, "weight", None)
+    if len(params) != 1 or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return False
+    x = torch.randn(2, weight.numel(), generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        out = module(x)
+        weight.mul_(2)
+        try:
+            doubled = module(x)
+        finally:
+            weight.div_(2)
+    return isinstance(out, torch.Tensor) and torch.equal(doubled, out * 2)
+
+
+def smooth(weights: dict[str, torch.Tensor], calibration: Calibration, alpha: float) -> None:
     """SmoothQuant in place on the checkpoint tensors; the calibrated input absmax is divided by the same s."""
-    for i in range(num_layers):
-        for norm, fed in NORM_FEEDS.items():
-            names = [f"model.layers.{i}.{f}" for f in fed]
-            act = calibration.input_absmax[names[0]].clamp_min(1e-5)
-            w_max = torch.stack([weights[n + ".weight"].float().abs().amax(0) for n in names]).amax(0).clamp_min(1e-5)
-            s = (act.pow(alpha) / w_max.pow(1.0 - alpha)).clamp_min(1e-5)
-            norm_key = f"model.layers.{i}.{norm}.weight"
-            dtype = weights[norm_key].dtype
-            weights[norm_key] = (weights[norm_key].float() / s).to(dtype)
-            for n in names:
-                weights[n + ".weight"] = (weights[n + ".weight"].float() * s).to(weights[n + ".weight"].dtype)
-                calibration.input_absmax[n] = calibration.input_absmax[n] / s
+    if not calibration.norm_feeds:
+        raise ConfigError("invalid smoothquant: the calibration found no norm feeding linear layers directly, so "
+                          "there is nothing to smooth into")
+    for norm, names in calibration.norm_feeds.items():
+        act = calibration.input_absmax[names[0]].clamp_min(1e-5)
+        w_max = torch.stack([weights[n + ".weight"].float().abs().amax(0) for n in names]).amax(0).clamp_min(1e-5)
+        s = (act.pow(alpha) / w_max.pow(1.0 - alpha)).clamp_min(1e-5)
+        norm_key = f"{norm}.weight"
+        dtype = weights[norm_key].dtype
+        weights[norm_key] = (weights[norm_key].float() / s).to(dtype)
+        for n in names:
+            weights[n + ".weight"] = (weights[n + ".weight"].float() * s).to(weights[n + ".weight"].dtype)
+            calibration.input_absmax[n] = calibration.input_absmax[n] / s
 
 
 def quantize_weight(weight: torch.Tensor, fp8: bool, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +294,7 @@ def quantization_config(options: QuantizeOptions) -> dict:
             "targets": ["Linear"], "format": f"{kind}-quantized", "output_activations": None,
             "weights": args(options.weight_strategy, False),
             "input_activations": args("tensor", False) if options.static else args("token", True)}},
-        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
+        "ignore": list(UNQUANTIZED_MODULES), "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
         "global_compression_ratio": None,
     }
     if options.kv_cache_fp8:
@@ -156,8 +306,9 @@ def quantization_config(options: QuantizeOptions) -> dict:
 
 def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, options: QuantizeOptions,
                         samples: list[list[int]] | None = None, device: str = "cpu",
-                        progress: Callable[[Iterable], Iterable] = lambda x: x) -> dict:
-    """Write `out_dir`; returns a summary of the scales chosen."""
+                        progress: Callable[[Iterable], Iterable] = lambda x: x, *, model: nn.Module) -> dict:
+    """Write `out_dir`; returns a summary of the scales chosen. `model`: the checkpoint's kestrel model, whose
+    structure says what to quantize (`QuantTargets.of_model`; build it on the meta device)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
@@ -170,24 +321,29 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, options: Qua
     if not files:
         raise ConfigError(f"invalid model={str(src)!r}: no *.safetensors weights to quantize")
     weights = {name: t for f in files for name, t in load_file(str(f)).items()}
+    targets = QuantTargets.of_model(model)
+    absent = [name for name in targets.linears if name + ".weight" not in weights]
+    if absent:
+        raise ConfigError(f"invalid model={str(src)!r}: the checkpoint has no weights for the linear modules "
+                          f"{absent[:5]}{' and more' if len(absent) > 5 else ''} of {type(model).__name__}")
     calibration = Calibration({}, {}, {})
     dev = torch.device(device)
     if options.needs_calibration:
         if not samples:
             raise ConfigError(f"invalid calibration: scheme {options.scheme!r} with smoothquant={options.smoothquant} "
                               f"and kv_cache_fp8={options.kv_cache_fp8} needs calibration samples")
-        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).to(dev).eval()
-        calibration = calibrate(model, progress(samples), dev)
-        del model
-    num_layers = int(hf_config["num_hidden_layers"])
+        float_model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).to(dev).eval()
+        calibration = calibrate(float_model, progress(samples), dev, targets)
+        del float_model
     if options.smoothquant is not None:
-        smooth(weights, calibration, options.smoothquant, num_layers)
+        smooth(weights, calibration, options.smoothquant)
     out: dict[str, torch.Tensor] = {}
     qmax = FP8_MAX if options.fp8 else INT8_SYM_MAX
     input_scales = []
+    quantized = set(targets.linears)
     for name, tensor in progress(list(weights.items())):
-        module = name[: -len(".weight")]
-        if name.endswith(".weight") and module.endswith("_proj") and ".layers." in name:
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module in quantized:
             q, scale = quantize_weight(tensor.to(dev), options.fp8, options.weight_strategy == "tensor")
             out[name], out[module + ".weight_scale"] = q.cpu(), scale.cpu()
             if options.static:
@@ -197,11 +353,11 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, options: Qua
         else:
             out[name] = tensor.contiguous()
     if options.kv_cache_fp8:
-        for i in range(num_layers):
-            out[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(
-                max(calibration.key_absmax[i] * math.sqrt(2.0) / FP8_MAX, SCALE_FLOOR))
-            out[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(
-                max(calibration.value_absmax[i] / FP8_MAX, SCALE_FLOOR))
+        for attention in targets.attention:
+            key_name, value_name = CompressedTensorsScheme.kv_scale_names.written(attention.prefix)
+            out[key_name] = torch.tensor(
+                max(calibration.key_absmax[attention.prefix] * math.sqrt(2.0) / FP8_MAX, SCALE_FLOOR))
+            out[value_name] = torch.tensor(max(calibration.value_absmax[attention.prefix] / FP8_MAX, SCALE_FLOOR))
     dst.mkdir(parents=True, exist_ok=True)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     hf_config["quantization_config"] = quantization_config(options)

@@ -16,6 +16,12 @@ ConfigError.
 Output dtype: the GEMM writes bf16 or fp16. A float32 model gets the bf16 result widened back to float32,
 so its quantized linears carry bf16 output precision (at most 2^-8 relative rounding, below the 8-bit
 quantization error); float32 is meant for CPU tests, not for serving.
+
+Row-parallel layers (input features split across the tensor-parallel group) quantize with the scales one
+device would use: the per-token activation extremes and (online) the per-channel weight absmax are
+max-reduced over the group first and appended as an extra column, so the quantizer (kernel or reference)
+computes exactly the single-device scales, and the column is dropped again. Every rank's 8-bit values are
+then the single-device ones; partial sums of a float32 model stay float32 and are rounded once after the sum.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from torch import nn
 from kestrel import ops
 from kestrel.config import ConfigError, QuantConfig
 from kestrel.kernels.quant_act import SCALE_FLOOR, QuantAct
-from kestrel.quant.base import InputQuant, QuantMethod
+from kestrel.quant.base import InputQuant, QuantMethod, TensorParallelGroup
 from kestrel.quant.unquantized import UnquantizedLinearMethod
 
 GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -41,9 +47,6 @@ class W8A8LinearMethod(QuantMethod):
 
     quant_dtype: torch.dtype
     method_name: str
-    # Online mode: create the high-precision weight on the meta device, for a loader that materializes and
-    # quantizes layer by layer (QuantPlan.random_weights).
-    defer_weight: bool = False
 
     def __init__(self, quant_config: QuantConfig, calibrated_inputs: bool = False, prequantized: bool = False,
                  weight_per_tensor: bool = False) -> None:
@@ -152,6 +155,56 @@ class W8A8LinearMethod(QuantMethod):
         x2 = x.reshape(-1, x.shape[-1])
         out = self.apply_quantized(layer, self.quantize_input(layer, x2), x.dtype, bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    # ----------------------------------------------------------------------------------- row parallel
+
+    def needs_global_input_scale(self, layer: nn.Module) -> bool:
+        return not self.static
+
+    def quantize_input_row_parallel(self, layer: nn.Module, x: torch.Tensor, group: TensorParallelGroup) -> QuantAct:
+        """`x [M, K/tp]` with the per-token scale (and zero point) of the whole row: the group's extremes ride
+        along as extra columns."""
+        if not self.needs_global_input_scale(layer):
+            return self.quantize_input(layer, x)
+        if self.symmetric:
+            pads = [group.all_reduce_max(x.abs().amax(dim=-1, keepdim=True))]
+        else:
+            hi = group.all_reduce_max(x.amax(dim=-1, keepdim=True))
+            neg_lo = group.all_reduce_max(-x.amin(dim=-1, keepdim=True))
+            pads = [hi, -neg_lo]
+        act = self.quantize_dynamic(torch.cat([x, *pads], dim=-1))
+        return QuantAct(act.q[:, : x.shape[-1]].contiguous(), act.scale, act.azp)
+
+    def apply_quantized_row_parallel(self, layer: nn.Module, act: QuantAct, out_dtype: torch.dtype,
+                                     bias: torch.Tensor | None, group: TensorParallelGroup) -> torch.Tensor:
+        # Partial sums stay in float32 for a float32 model and are rounded once after the sum, as the one-device
+        # GEMM rounds its (bf16) output once.
+        partial = torch.float32 if out_dtype not in GEMM_OUT_DTYPES else out_dtype
+        out = group.all_reduce(self.apply_quantized(layer, act, partial, bias, gemm_dtype=partial))
+        if out_dtype not in GEMM_OUT_DTYPES:
+            out = out.to(torch.bfloat16).to(out_dtype)
+        return out
+
+    def apply_row_parallel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                           group: TensorParallelGroup) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        act = self.quantize_input_row_parallel(layer, x2, group)
+        out = self.apply_quantized_row_parallel(layer, act, x.dtype, bias, group)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def process_after_loading_row_parallel(self, layer: nn.Module, group: TensorParallelGroup) -> None:
+        if self.prequantized:
+            self.process_after_loading(layer)
+            return
+        # Online quantization scales each output channel by its absmax over the whole row: append the group's
+        # absmax as an extra input column, quantize, and drop the column.
+        weight = layer.weight.detach()
+        row_max = group.all_reduce_max(weight.abs().amax(dim=1, keepdim=True))
+        layer.weight = nn.Parameter(torch.cat([weight, row_max], dim=1), requires_grad=False)
+        self.process_after_loading(layer)
+        layer.weight = nn.Parameter(layer.weight[:, :-1].contiguous(), requires_grad=False)
+        if not self.symmetric:
+            layer.azp_adj = nn.Parameter(layer.weight.sum(dim=1, dtype=torch.int32), requires_grad=False)
 
 
 def _register_per_shard(layer: nn.Module, name: str, init: torch.Tensor) -> None:

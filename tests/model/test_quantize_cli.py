@@ -14,11 +14,25 @@ from test_quantized_checkpoints import PROMPTS, assert_layers_match_fake_quantiz
 
 from kestrel.config import ConfigError
 from kestrel.entrypoints.cli import main
+from kestrel.loader.hf_config import load_hf_config
 from kestrel.loader.model_init import write_tiny_checkpoint
-from kestrel.quant.calibrate import QuantizeOptions, calibrate, quantize_checkpoint, smooth
+from kestrel.model.llama import LlamaForCausalLM
+from kestrel.model.registry import model_skeleton
+from kestrel.quant.calibrate import QuantizeOptions, QuantTargets, calibrate, quantize_checkpoint, smooth
 
 transformers = pytest.importorskip("transformers")
 compressed_tensors = pytest.importorskip("compressed_tensors")
+
+LLAMA_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def test_llama_declares_its_packed_modules():
+    """The quantizer reads the model's `packed_modules_mapping`."""
+    assert LlamaForCausalLM.packed_modules_mapping == LLAMA_PACKED
+
+
+def skeleton(path: Path):
+    return model_skeleton(load_hf_config(path))
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +50,14 @@ def samples(n: int = 8, length: int = 32) -> list[list[int]]:
 def test_smoothquant_keeps_the_float_model(base, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float64).eval()
     weights = {k: v.double() for k, v in load_file(str(base / "model.safetensors")).items()}
-    calibration = calibrate(model, samples(), torch.device("cpu"))
+    calibration = calibrate(model, samples(), torch.device("cpu"), QuantTargets.of_model(skeleton(base)))
+    # the norms that feed linear layers, found in the forward (the final norm feeds the unquantized LM head)
+    layers = [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]
+    assert calibration.norm_feeds == {
+        **{f"{p}.input_layernorm": tuple(f"{p}.self_attn.{x}_proj" for x in "qkv") for p in layers},
+        **{f"{p}.post_attention_layernorm": (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj") for p in layers}}
     before = dict(calibration.input_absmax)
-    smooth(weights, calibration, 0.5, model.config.num_hidden_layers)
+    smooth(weights, calibration, 0.5)
     ids = torch.tensor([PROMPTS[3]])
     with torch.no_grad():
         expected = model(ids).logits
@@ -58,7 +77,8 @@ def test_written_checkpoints_load_and_match_their_fake_quantized_forward(base, t
                                                                          strategy):
     out = tmp_path / "q"
     options = QuantizeOptions(scheme, smoothquant, kv_cache_fp8=scheme == "fp8-static", weight_strategy=strategy)
-    summary = quantize_checkpoint(base, out, options, samples() if options.needs_calibration else None)
+    summary = quantize_checkpoint(base, out, options, samples() if options.needs_calibration else None,
+                                  model=skeleton(base))
     assert summary["linear_layers"] == 7 * 2
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     from compressed_tensors.quantization import QuantizationConfig
@@ -106,7 +126,7 @@ def test_bad_quantize_arguments_are_config_errors(base, tmp_path):
     with pytest.raises(ConfigError, match="smoothquant=1.5"):
         QuantizeOptions("w8a8-int8", smoothquant=1.5)
     with pytest.raises(ConfigError, match="needs calibration samples"):
-        quantize_checkpoint(base, tmp_path / "x", QuantizeOptions("fp8-static"), None)
+        quantize_checkpoint(base, tmp_path / "x", QuantizeOptions("fp8-static"), None, model=skeleton(base))
     assert main(["quantize", str(base), str(tmp_path / "y"), "--scheme", "fp8-static", "--calibration",
                  str(tmp_path / "missing.jsonl")]) == 2
 
@@ -136,7 +156,7 @@ def test_declared_kv_cache_scheme_without_scales_is_an_error(base, tmp_path):
     from kestrel import LLM
 
     out = tmp_path / "kv"
-    quantize_checkpoint(base, out, QuantizeOptions("fp8-dynamic", kv_cache_fp8=True), samples())
+    quantize_checkpoint(base, out, QuantizeOptions("fp8-dynamic", kv_cache_fp8=True), samples(), model=skeleton(base))
     tensors = {k: v for k, v in load_file(str(out / "model.safetensors")).items() if not k.endswith(("k_scale",
                                                                                                     "v_scale"))}
     save_file(tensors, str(out / "model.safetensors"))
@@ -148,7 +168,8 @@ def test_requantized_fused_shards_share_one_scale(base, tmp_path):
     from kestrel.bench.quant_accuracy import requantize_fused_shards
 
     out = tmp_path / "t"
-    quantize_checkpoint(base, out, QuantizeOptions("fp8-static", weight_strategy="tensor"), samples())
+    quantize_checkpoint(base, out, QuantizeOptions("fp8-static", weight_strategy="tensor"), samples(),
+                        model=skeleton(base))
     before = load_file(str(out / "model.safetensors"))
     requantize_fused_shards(out)
     after = load_file(str(out / "model.safetensors"))

@@ -2,20 +2,21 @@
 
 Loading contract (what a QuantMethod may rely on):
 - `create_weights(layer, input_size, output_partition_sizes, params_dtype)` registers parameters on the
-  layer. A parameter tagged `output_dim` (and `input_dim`) is sliced along those dims; one tagged
-  `per_shard=True` has one entry per merged shard along dim 0 (e.g. a per-tensor scale of q, k and v).
+  layer, sized for this rank (`input_size` and the output sizes are this rank's share), and tags them for the
+  loader: `output_dim`, `input_dim`, `packed_dim` + `packed_factor`, `group_size`, `per_shard`,
+  `checkpoint_optional` (each explained in `kestrel.model.layers.weights`).
 - Each parameter's `weight_loader(param, loaded_weight, shard_id=None)` copies a checkpoint tensor in.
   A method can point it at `layer.weight_loader` (the sharding-aware default below) or at its own
-  function; parameters left without one get `layer.weight_loader`. A parameter tagged
-  `checkpoint_optional=True` may be absent from a checkpoint (e.g. a static activation scale).
+  function; parameters left without one get `layer.weight_loader`.
 - After all tensors are loaded the model calls `layer.process_after_loading()`, which hands the layer
   to `quant_method.process_after_loading` (e.g. to quantize the loaded weight).
 
 Tensor parallelism: a column layer splits its outputs across `tp_size` ranks, a row layer its inputs.
-The loaders take this rank's slice of each checkpoint tensor; a row layer sums its partial outputs with one
-all-reduce over the `ParallelContext` it was built with. A W8A8 row layer quantizes with the scales one
-device would use: per-token activation extremes and (online) per-channel weight absmax are max-reduced over
-the group first, so every rank's int8/fp8 values are exactly the single-device ones.
+The loaders take this rank's slice of each checkpoint tensor; a row layer's output is the sum of the ranks'
+partial outputs, over the `ParallelContext` it was built with. How that sum is formed is the method's
+(`QuantMethod.apply_row_parallel` and the other `*_row_parallel` hooks): a plain method all-reduces its
+partial products, a W8A8 method first reduces the quantization scales over the group so that every rank
+quantizes exactly as one device would.
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ import torch
 from torch import nn
 
 from kestrel.distributed.parallel import ParallelContext, single_process
-from kestrel.model.layers.weights import copy_checked
-from kestrel.quant.base import InputQuant, QuantMethod
+from kestrel.model.layers.weights import copy_checked, features_per_element, stored_span
+from kestrel.quant.base import InputQuant, QuantAct, QuantMethod
 from kestrel.quant.unquantized import UnquantizedLinearMethod
-from kestrel.quant.w8a8 import GEMM_OUT_DTYPES, QuantAct, W8A8LinearMethod
 
 ShardId = str | int
 TPSplit = Literal["output", "input"] | None
@@ -123,7 +123,7 @@ class LinearBase(nn.Module):
                 output_dim = getattr(param, "output_dim", None)
                 if output_dim is None:
                     raise ValueError(f"cannot load shard {shard_id!r} into a parameter without output_dim")
-                offset, size = self.shard_range(shard_id)
+                offset, size = stored_span(param, output_dim, *self.shard_range(shard_id))
                 target = target.narrow(output_dim, offset, size)
         elif self.shard_ids and self.tp_size > 1 and hasattr(param, "output_dim"):
             # A pre-merged checkpoint tensor would need per-shard slicing for each rank.
@@ -136,7 +136,12 @@ class LinearBase(nn.Module):
         dim = getattr(param, "output_dim" if self.tp_split == "output" else "input_dim", None)
         if dim is None:
             return loaded
-        size = loaded.shape[dim] // self.tp_size
+        size, cut = divmod(loaded.shape[dim], self.tp_size)
+        factor = features_per_element(param, dim)
+        if cut and factor > 1:
+            raise ValueError(f"cannot split a checkpoint tensor of shape {tuple(loaded.shape)} along dim {dim} over "
+                             f"tp_size={self.tp_size}: a rank's slice would cut a packed element or a group of "
+                             f"{factor} features")
         return loaded.narrow(dim, self.tp_rank * size, size)
 
     def process_after_loading(self) -> None:
@@ -157,7 +162,7 @@ class LinearBase(nn.Module):
         return self.quant_method.apply(self, x, self.bias)
 
     def apply_quantized(self, act: QuantAct, out_dtype: torch.dtype) -> torch.Tensor:
-        """The output from activations a fused producer already quantized (W8A8 methods only)."""
+        """The output from activations a fused producer already quantized (as `input_quant()` asked)."""
         return self.quant_method.apply_quantized(self, act, out_dtype, self.rank_bias())
 
     def quantize_input(self, x: torch.Tensor) -> QuantAct:
@@ -224,8 +229,9 @@ class QKVParallelLinear(LinearBase):
     def _rank_slice(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None) -> torch.Tensor:
         dim = getattr(param, "output_dim", None)
         if shard_id in ("k", "v") and self.tp_size > 1 and dim is not None and not getattr(param, "per_shard", False):
-            size = self.num_kv_heads * self.head_size
-            return loaded.narrow(dim, self.kv_head_start * self.head_size, size)
+            offset, size = stored_span(param, dim, self.kv_head_start * self.head_size,
+                                       self.num_kv_heads * self.head_size)
+            return loaded.narrow(dim, offset, size)
         return super()._rank_slice(param, loaded, shard_id)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,58 +259,28 @@ class RowLinear(LinearBase):
             return self.apply_quantized(x, self.out_dtype)
         if self.tp_size == 1:
             return self.quant_method.apply(self, x, self.bias)
-        if isinstance(self.quant_method, W8A8LinearMethod):
-            x2 = x.reshape(-1, x.shape[-1])
-            out = self.apply_quantized(self.quantize_input(x2), x.dtype)
-            return out.reshape(*x.shape[:-1], out.shape[-1])
-        return self.parallel.all_reduce(self.quant_method.apply(self, x, self.rank_bias()))
+        return self.quant_method.apply_row_parallel(self, x, self.rank_bias(), self.parallel)
 
     @property
     def needs_global_input_scale(self) -> bool:
-        method = self.quant_method
-        return self.tp_size > 1 and isinstance(method, W8A8LinearMethod) and not method.static
+        return self.tp_size > 1 and self.quant_method.needs_global_input_scale(self)
 
     def quantize_input(self, x: torch.Tensor) -> QuantAct:
-        """`x [M, K/tp]` quantized with the per-token scale (and zero point) of the whole row: the group's
-        extremes are appended as extra columns, so the quantizer (kernel or reference) computes exactly the
-        single-device scales; the extra columns are dropped again."""
-        method = self.quant_method
-        if not self.needs_global_input_scale:
-            return method.quantize_input(self, x)
-        if method.symmetric:
-            pads = [self.parallel.all_reduce_max(x.abs().amax(dim=-1, keepdim=True))]
-        else:
-            hi = self.parallel.all_reduce_max(x.amax(dim=-1, keepdim=True))
-            neg_lo = self.parallel.all_reduce_max(-x.amin(dim=-1, keepdim=True))
-            pads = [hi, -neg_lo]
-        act = method.quantize_dynamic(torch.cat([x, *pads], dim=-1))
-        return QuantAct(act.q[:, : x.shape[-1]].contiguous(), act.scale, act.azp)
+        """`x [M, K/tp]` quantized as the method would quantize the whole row (per-token scales over all ranks)."""
+        if self.tp_size == 1:
+            return self.quant_method.quantize_input(self, x)
+        return self.quant_method.quantize_input_row_parallel(self, x, self.parallel)
 
     def apply_quantized(self, act: QuantAct, out_dtype: torch.dtype) -> torch.Tensor:
         if self.tp_size == 1:
             return super().apply_quantized(act, out_dtype)
-        # Partial sums stay in float32 for a float32 model and are rounded once after the sum, as the one-device
-        # GEMM rounds its (bf16) output once.
-        partial = torch.float32 if out_dtype not in GEMM_OUT_DTYPES else out_dtype
-        out = self.parallel.all_reduce(
-            self.quant_method.apply_quantized(self, act, partial, self.rank_bias(), gemm_dtype=partial))
-        if out_dtype not in GEMM_OUT_DTYPES:
-            out = out.to(torch.bfloat16).to(out_dtype)
-        return out
+        return self.quant_method.apply_quantized_row_parallel(self, act, out_dtype, self.rank_bias(), self.parallel)
 
     def process_after_loading(self) -> None:
-        method = self.quant_method
-        if self.tp_size == 1 or not isinstance(method, W8A8LinearMethod) or method.prequantized:
-            return super().process_after_loading()
-        # Online quantization scales each output channel by its absmax over the whole row: append the group's
-        # absmax as an extra input column, quantize, and drop the column.
-        weight = self.weight.detach()
-        row_max = self.parallel.all_reduce_max(weight.abs().amax(dim=1, keepdim=True))
-        self.weight = nn.Parameter(torch.cat([weight, row_max], dim=1), requires_grad=False)
-        method.process_after_loading(self)
-        self.weight = nn.Parameter(self.weight[:, :-1].contiguous(), requires_grad=False)
-        if not method.symmetric:
-            self.azp_adj = nn.Parameter(self.weight.sum(dim=1, dtype=torch.int32), requires_grad=False)
+        if self.tp_size == 1:
+            super().process_after_loading()
+        else:
+            self.quant_method.process_after_loading_row_parallel(self, self.parallel)
 
 
 def process_linear_layer(layer: LinearBase) -> None:

@@ -1,0 +1,91 @@
+"""`quant_method: "compressed-tensors"` checkpoints, as llm-compressor writes them: `float-quantized` FP8 and
+`int-quantized` INT8 W8A8 (per-channel or per-tensor weights; dynamic per-token or static per-tensor inputs,
+asymmetric INT8 inputs with a zero point), and per-tensor FP8 KV-cache scales (`kv_cache_scheme`).
+
+Everything else (group or block quantization, weight-only and 4-bit schemes, asymmetric weights, sparsity,
+transforms) is a ConfigError naming the scheme and the config group, raised before any weight is read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kestrel.config import ConfigError, QuantConfig
+from kestrel.quant.checkpoint import LinearScheme, TargetGroup, W8A8Scheme
+from kestrel.quant.scheme import register_scheme
+
+_SUPPORTED_FORMATS = ("float-quantized", "int-quantized")
+
+
+@register_scheme("compressed-tensors")
+class CompressedTensorsScheme(W8A8Scheme):
+    loads_checkpoints = True
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any] | QuantConfig) -> CompressedTensorsScheme:
+        if isinstance(config, QuantConfig):
+            raise ConfigError("invalid quantization='compressed-tensors': it names a checkpoint format, which "
+                              "needs a checkpoint with a quantization_config; quantize at load with "
+                              "quantization='fp8' or 'int8'")
+        if config.get("sparsity_config"):
+            raise ConfigError("invalid quantization_config.sparsity_config: sparse compressed-tensors checkpoints "
+                              "are not supported; dense W8A8 FP8 and INT8 ones load")
+        if config.get("transform_config"):
+            raise ConfigError("invalid quantization_config.transform_config: checkpoints with weight transforms are "
+                              "not supported")
+        groups = []
+        for name, group in (config.get("config_groups") or {}).items():
+            targets = tuple(group.get("targets") or ())
+            fmt = group.get("format") or config.get("format")
+            groups.append(TargetGroup(targets, _group_scheme(name, group, fmt, targets)))
+        if not groups:
+            raise ConfigError("invalid quantization_config: compressed-tensors config without config_groups")
+        kv_cache_scheme = config.get("kv_cache_scheme")
+        _check_kv_cache_scheme(kv_cache_scheme)
+        return cls(groups, tuple(config.get("ignore") or ()), prequantized=True,
+                   kv_cache_scales=bool(kv_cache_scheme))
+
+
+def _group_scheme(name: str, group: dict[str, Any], fmt: str | None, targets: tuple[str, ...]) -> LinearScheme:
+    where = f"config group {name!r} (targets {list(targets)})"
+    if fmt not in _SUPPORTED_FORMATS:
+        raise ConfigError(f"invalid quantization_config format {fmt!r} in {where}: kestrel loads "
+                          f"{list(_SUPPORTED_FORMATS)} (W8A8 FP8 / INT8); packed, weight-only and sparse "
+                          "formats are not supported")
+    weights = group.get("weights") or {}
+    inputs = group.get("input_activations")
+    if group.get("output_activations"):
+        raise ConfigError(f"invalid quantization_config in {where}: output activation quantization is not supported")
+    kind = weights.get("type")
+    if weights.get("num_bits") != 8 or kind not in ("float", "int"):
+        raise ConfigError(f"invalid quantization_config weights in {where}: {weights.get('num_bits')}-bit "
+                          f"{kind} weights; only 8-bit float (FP8) and int (INT8) weights are supported")
+    strategy = weights.get("strategy")
+    if strategy not in ("channel", "tensor") or weights.get("group_size") or weights.get("block_structure"):
+        raise ConfigError(f"invalid quantization_config weights strategy={strategy!r} in {where}: per-channel "
+                          "and per-tensor weights are supported, group and block quantization are not")
+    if not weights.get("symmetric", True) or weights.get("dynamic"):
+        raise ConfigError(f"invalid quantization_config weights in {where}: weights must be symmetric and static")
+    if not inputs:
+        raise ConfigError(f"invalid quantization_config in {where}: weight-only quantization (no input_activations) "
+                          "is not supported; W8A8 schemes are")
+    if inputs.get("num_bits") != 8 or inputs.get("type") != kind:
+        raise ConfigError(f"invalid quantization_config input_activations in {where}: expected 8-bit {kind} "
+                          f"inputs like the weights, got {inputs.get('num_bits')}-bit {inputs.get('type')}")
+    in_strategy, dynamic = inputs.get("strategy"), bool(inputs.get("dynamic"))
+    if not ((in_strategy == "token" and dynamic) or (in_strategy == "tensor" and not dynamic)):
+        raise ConfigError(f"invalid quantization_config input_activations in {where}: strategy={in_strategy!r} "
+                          f"with dynamic={dynamic}; dynamic per-token or static per-tensor inputs are supported")
+    symmetric = bool(inputs.get("symmetric", True))
+    if kind == "float" and not symmetric:
+        raise ConfigError(f"invalid quantization_config input_activations in {where}: asymmetric FP8 inputs")
+    return LinearScheme("fp8" if kind == "float" else "int8", weight_per_tensor=strategy == "tensor",
+                        static_input=not dynamic, symmetric_input=symmetric)
+
+
+def _check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:
+    if not scheme:
+        return
+    if scheme.get("num_bits") != 8 or scheme.get("type") != "float" or scheme.get("strategy", "tensor") != "tensor":
+        raise ConfigError(f"invalid quantization_config.kv_cache_scheme={scheme!r}: only per-tensor FP8 KV cache "
+                          "scales are supported")
