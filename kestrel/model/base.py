@@ -122,7 +122,7 @@ class DecoderForCausalLM(nn.Module):
     skipped_checkpoint_suffixes: ClassVar[tuple[str, ...]] = (
         "rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
         # FP8 KV cache scales: read by the worker when it sizes the cache, not parameters here.
-        *(f"self_attn.{suffix}" for suffix in KV_SCALE_NAMES.suffixes),
+        *(f"self_attn{suffix}" for suffix in KV_SCALE_NAMES.suffixes),
     )
     layer_cls: ClassVar[type[nn.Module]] = DecoderLayer
     _LAYER_PREFIX: ClassVar[str] = "model.layers."
