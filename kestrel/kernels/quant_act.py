@@ -15,8 +15,6 @@ activations of `kernels/activation.py` (SiLU, GELU, GELU-tanh). All math is fp32
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +23,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels import activation as _activation
 from kestrel.kernels import common
+from kestrel.kernels.quant_types import QuantAct
 
 FP8_MAX = 448.0
 SCALE_FLOOR = 1e-12
@@ -33,15 +32,6 @@ _IDENTITY, _RMS, _RMS_RESIDUAL, _ACT_MUL, _ACT = 0, 1, 2, 3, 4
 _FP8, _INT8_SYM, _INT8_ASYM = 0, 1, 2
 _MAX_ONE_PASS = 16384  # longest row held in registers (16 warps x 32 lanes x 32 values)
 _LOOP_BLOCK = 4096
-
-
-class QuantAct(NamedTuple):
-    """Quantized activations: q `[M, K]`, scale `[M, 1]` fp32 (or the given per-tensor scale), azp `[M]`
-    int32 (or the given per-tensor zero point) for asymmetric INT8, else None."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    azp: torch.Tensor | None
 
 
 # ----------------------------------------------------------------------------------------- public API

@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from kestrel.kernels.quant_act import QuantAct
+from kestrel.kernels.quant_types import QuantAct
 
 __all__ = ["InputQuant", "QuantAct", "QuantMethod"]
 

@@ -34,7 +34,8 @@ from torch import nn
 
 from kestrel import ops
 from kestrel.config import ConfigError, QuantConfig
-from kestrel.kernels.quant_act import SCALE_FLOOR, QuantAct
+from kestrel.kernels.quant_act import SCALE_FLOOR
+from kestrel.kernels.quant_types import QuantAct
 from kestrel.quant.base import InputQuant, QuantMethod, TensorParallelGroup
 from kestrel.quant.unquantized import UnquantizedLinearMethod
 

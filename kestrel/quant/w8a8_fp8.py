@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from kestrel import ops
-from kestrel.kernels.quant_act import FP8_MAX, QuantAct
+from kestrel.kernels.quant_act import FP8_MAX
+from kestrel.kernels.quant_types import QuantAct
 from kestrel.quant.w8a8 import W8A8LinearMethod, absmax_scales, scaled_copy
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kestrel import ops
-from kestrel.kernels.quant_act import QuantAct
+from kestrel.kernels.quant_types import QuantAct
 from kestrel.quant.w8a8 import W8A8LinearMethod, absmax_scales, scaled_copy
 
 INT8_SYM_MAX = 127
