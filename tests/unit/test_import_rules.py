@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "kestrel"
-CORE = {"config", "sampling_params", "request", "outputs"}
+CORE = {"config", "sampling_params", "request", "outputs", "kv_spec"}
 
 # Which kestrel modules each part may import (prefix match on the dotted name below `kestrel.`).
 ALLOWED: dict[str, set[str]] = {
@@ -14,7 +14,7 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": {"kernels"},
     "ops": {"kernels"},
     "quant": {"quant", "kernels", "ops", "config"},
-    "model": {"model", "quant", "ops", "config", "distributed.parallel"},
+    "model": {"model", "quant", "ops", "config", "kv_spec", "distributed.parallel"},
     "loader": {"loader", "model", "quant", "config", "distributed.parallel"},
     "sample": {"sample", "sampling_params", "outputs"},
     "structured": {"structured", "engine.contracts"} | CORE,
