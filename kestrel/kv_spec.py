@@ -154,11 +154,16 @@ def layer_group_indices(groups: Sequence[KVCacheGroup], num_layers: int) -> list
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """The KV cache as the engine sees it: `num_blocks[g]` blocks of `block_size` tokens for group g."""
+    """The KV cache as the engine sees it: `num_blocks[g]` blocks of `block_size` tokens for group g.
+
+    `keep_all_blocks`: sliding-window groups that keep every block of a request instead of giving back those
+    outside the window (a worker-side draft proposer keeps its K/V in group 0's blocks, and its layers may read
+    further back)."""
 
     block_size: int
     groups: tuple[KVCacheGroup, ...]
     num_blocks: tuple[int, ...]
+    keep_all_blocks: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.groups:

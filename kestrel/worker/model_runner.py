@@ -102,7 +102,9 @@ class ModelRunner:
         self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget(), draft_bytes)
         if parallel is not None:  # every rank holds the same blocks: as many as the tightest rank can
             self.num_blocks = parallel.min_over_world(self.num_blocks, self.device)
-        self.kv_layout = KVCacheLayout(self.block_size, self.kv_groups, (self.num_blocks,) * len(self.kv_groups))
+        # A drafter's K/V lives in group 0's blocks and its layers may read past that group's window.
+        self.kv_layout = KVCacheLayout(self.block_size, self.kv_groups, (self.num_blocks,) * len(self.kv_groups),
+                                       keep_all_blocks=frozenset({0} if self.drafter is not None else ()))
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
         if self.drafter is not None:
             self.drafter.bind(self.num_blocks)

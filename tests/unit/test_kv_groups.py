@@ -31,9 +31,12 @@ FULL = FullAttentionSpec(num_kv_heads=2, head_size=8)
 WINDOW = SlidingWindowSpec(num_kv_heads=2, head_size=8, window=6)
 
 
-def two_groups(full_blocks: int = 32, window_blocks: int = 32, block_size: int = BS) -> KVCacheLayout:
+def two_groups(full_blocks: int = 32, window_blocks: int = 32, block_size: int = BS,
+               release: bool = False) -> KVCacheLayout:
+    """A full-attention group and a window group, which keeps every block unless `release`."""
     groups = (KVCacheGroup(FULL, (0, 2)), KVCacheGroup(WINDOW, (1, 3)))
-    return KVCacheLayout(block_size, groups, (full_blocks, window_blocks))
+    return KVCacheLayout(block_size, groups, (full_blocks, window_blocks),
+                         keep_all_blocks=frozenset() if release else frozenset({1}))
 
 
 def request(rid: str, tokens: list[int], max_tokens: int = 4) -> Request:
@@ -180,8 +183,9 @@ def random_request(rid: str, n_prompt: int, max_tokens: int, seed: int) -> Reque
     return request(rid, [rng.randrange(500) for _ in range(n_prompt)], max_tokens)
 
 
-def test_everything_finishes_and_every_group_is_freed() -> None:
-    layout = two_groups(64, 64, block_size=16)
+@pytest.mark.parametrize("release", [False, True])
+def test_everything_finishes_and_every_group_is_freed(release: bool) -> None:
+    layout = two_groups(64, 64, block_size=16, release=release)
     sched = make_scheduler(layout, budget=32, max_seqs=4)
     for i in range(12):
         sched.add_request(random_request(f"r{i}", 5 + 7 * i, max_tokens=3 + i % 5, seed=i))
@@ -191,8 +195,8 @@ def test_everything_finishes_and_every_group_is_freed() -> None:
 
 
 def test_the_tighter_group_preempts() -> None:
-    """The window group has 6 blocks, the full one plenty: two 40-token sequences fit the full group but not the
-    window group, so one is preempted, recomputed and still finishes."""
+    """The window group has 6 blocks (and keeps them all), the full one plenty: two 40-token sequences fit the full
+    group but not the window group, so one is preempted, recomputed and still finishes."""
     layout = two_groups(64, 6, block_size=16)
     sched = make_scheduler(layout, budget=128, max_seqs=4, max_model_len=96)
     sched.add_request(random_request("a", 40, max_tokens=20, seed=1))
