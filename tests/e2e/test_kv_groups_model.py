@@ -67,6 +67,15 @@ def test_chunking_preemption_and_prefix_caching_keep_outputs(mixed_window_dir: s
     assert cached.stats.num_scheduled_tokens - before <= 3 * (47 - 32) + 3 * 9
 
 
+def test_pipeline_stages_report_every_stages_groups(mixed_window_dir: str, expected) -> None:
+    """With pp = 2 each stage holds one of the two layers, so one group each: both report the model's two groups."""
+    prompts, reference = expected
+    llm = LLM(mixed_window_dir, dtype="float32", max_model_len=64, pipeline_parallel_size=2)
+    layout = llm.engine.scheduler.kv.layout
+    assert [g.spec.kind for g in layout.groups] == ["full", "sliding_window"]
+    assert kestrel_greedy(llm, prompts[:6]) == reference[:6]
+
+
 @pytest.mark.parametrize(("arch", "overrides", "spec"), [
     ("llama", {}, FullAttentionSpec(2, 16)),
     ("mistral", {"sliding_window": WINDOW}, SlidingWindowSpec(2, 16, window=WINDOW)),
