@@ -88,11 +88,13 @@ class KVCacheManager:
         for g in self._token_groups:
             if g in windows:
                 continue
-            pool = self.pools[g]
-            for i in range(num_hits):
-                if pool.lookup(hashes[i]) is None:
-                    num_hits = i
+            pool, found = self.pools[g], hits[g]
+            for block_hash in hashes[:num_hits]:
+                block = pool.lookup(block_hash)
+                if block is None:
                     break
+                found.append(block)
+            num_hits = len(found)
         # A window group needs the blocks in its window at the prefix's end: the longest prefix where all have them.
         while num_hits and not all(
                 all(self.pools[g].lookup(h) is not None for h in hashes[self._first_in_window(num_hits * size, w):
@@ -100,9 +102,11 @@ class KVCacheManager:
                 for g, w in self._windows):
             num_hits -= 1
         for g in self._token_groups:
-            pool = self.pools[g]
-            first = self._first_in_window(num_hits * size, windows[g]) if g in windows else 0
-            hits[g] = [None] * first + [pool.lookup(h) for h in hashes[first:num_hits]]
+            if g in windows:
+                first = self._first_in_window(num_hits * size, windows[g])
+                hits[g] = [None] * first + [self.pools[g].lookup(h) for h in hashes[first:num_hits]]
+            else:
+                del hits[g][num_hits:]
         self.prefix_queries += request.num_tokens
         self.prefix_hits += num_hits * size
         return hits, num_hits * size
