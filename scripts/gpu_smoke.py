@@ -22,12 +22,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kestrel.bench import checks  # noqa: E402
 from kestrel.loader.model_init import write_tiny_checkpoint  # noqa: E402
 
+# Checkpoint variants by name: (arch, config overrides). The mixed-window Qwen2 has two KV-cache groups.
+VARIANTS = {"qwen2-mixed-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 16,
+                                             "max_window_layers": 1})}
+
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--archs", default="llama,mistral,qwen2")
+    parser.add_argument("--archs", default="llama,mistral,qwen2,qwen2-mixed-window")
     args = parser.parse_args()
     device = args.device
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -36,7 +40,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):
             model_dir = f"{tmp}/{arch}"
-            write_tiny_checkpoint(model_dir, arch=arch, seed=1)
+            family, overrides = VARIANTS.get(arch, (arch, {}))
+            write_tiny_checkpoint(model_dir, arch=family, seed=1, **overrides)
             for dtype in ("float32", "bfloat16"):
                 record(results, {"arch": arch, **checks.parity_check(model_dir, arch, device, batch, dtype, 16)},
                        args.out)

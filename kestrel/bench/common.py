@@ -148,7 +148,7 @@ def build_engine(model: str, **engine_args: Any) -> Engine:
         # Random weights have no checkpoint scales; 1.0 would waste FP8 range. Workers each calibrate their own
         # layers and kv heads in one collective prefill.
         runner.calibrate_kv_scales()
-    core = EngineCore(config, runner, runner.num_blocks, tokenizer, eos)
+    core = EngineCore(config, runner, runner.kv_layout, tokenizer, eos)
     synchronize(runner.device)
     return Engine(core, runner, config, time.perf_counter() - started)
 
@@ -199,8 +199,7 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
 def kv_bytes_per_token(runner: Any) -> int:
     if not isinstance(runner, ModelRunner):
         return runner.kv_bytes_per_token
-    spec = runner.kv_spec
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_size * torch.empty((), dtype=spec.dtype).element_size()
+    return runner.kv_spec.bytes_per_token
 
 
 def linear_params(hf_config: dict[str, Any]) -> int:

@@ -116,7 +116,7 @@ class KestrelScorer:
         self.tokenizer = load_tokenizer(self.config.model.tokenizer_path)
         eos = self.tokenizer.eos_token_id
         self.runner = ModelRunner(self.config, eos_token_id=eos)
-        self.engine = EngineCore(self.config, self.runner, self.runner.num_blocks, self.tokenizer, eos)
+        self.engine = EngineCore(self.config, self.runner, self.runner.kv_layout, self.tokenizer, eos)
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.config.model.max_model_len or 0
 

@@ -91,6 +91,7 @@ class Executor(ABC):
         self.vocab_size = info.vocab_size
         self.eos_token_ids = info.eos_token_ids
         self.num_blocks = info.num_blocks
+        self.kv_layout = info.kv_layout
         self.block_size = info.block_size
         self.device = DeviceInfo(info.device_type)
         self.capture_seconds = info.capture_seconds

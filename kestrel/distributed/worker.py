@@ -28,6 +28,7 @@ import torch
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.distributed.parallel import backend_for, init_parallel, shutdown_parallel
 from kestrel.engine.contracts import ModelRunnerOutput
+from kestrel.kv_spec import KVCacheLayout
 from kestrel.worker.model_runner import ModelRunner, resolve_device
 
 
@@ -55,6 +56,7 @@ class WorkerInfo:
     capture_seconds: float
     weight_bytes: dict[str, int]  # this rank's parameters: total, embedding, per_step (the benches' roofline)
     kv_bytes_per_token: int  # this rank's KV cache bytes per token
+    kv_layout: KVCacheLayout  # the KV-cache groups and their blocks, as the engine schedules them
 
 
 # Calls: (op, key, payload). A key names a forwarded / launched step kept on the worker until collected, so
@@ -103,7 +105,7 @@ class Worker:
         kv_per_token = spec.bytes_per_block // spec.block_size
         return WorkerInfo(r.vocab_size, frozenset(r.eos_token_ids), r.num_blocks, r.block_size, r.device.type,
                           r.capture_seconds, {"total": total, "embedding": embed, "per_step": total - embed},
-                          kv_per_token)
+                          kv_per_token, r.kv_layout)
 
     def handle(self, call: tuple[str, int | None, Any]) -> Any:
         """Run one call; the output of `execute` / `collect`, else None. Under pipeline parallelism,

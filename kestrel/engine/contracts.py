@@ -2,6 +2,7 @@
 
 A worker keeps its own per-request state, so each step carries new requests in full and
 running ones as deltas (new block ids). A request resumed after preemption is sent again as new.
+Block ids come one list per KV-cache group, in the order of the worker's `KVCacheLayout.groups`.
 
 A step may carry, per request, draft tokens to verify (speculative decoding) and may constrain the next token
 with a grammar bitmask (structured outputs); the worker returns the accepted tokens per request, one or more, and
@@ -25,7 +26,7 @@ class NewRequestData:
     token_ids: list[int]  # prompt plus any tokens generated before a preemption
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV-cache group
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
 
 
@@ -34,7 +35,7 @@ class CachedRequestData:
     """A request that ran in an earlier step: only what changed."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # per KV-cache group; () when no group gained a block
     num_computed_tokens: int
 
 

@@ -19,6 +19,7 @@ from kestrel.engine.contracts import ModelRunnerOutput, Runner, SchedulerOutput
 from kestrel.engine.detokenizer import IncrementalDetokenizer, TokenizerLookups
 from kestrel.engine.ngram_proposer import propose
 from kestrel.engine.scheduler import Scheduler
+from kestrel.kv_spec import KVCacheLayout, as_layout
 from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kestrel.request import InvalidRequestError, Request, RequestStatus, prompt_too_long
 from kestrel.sampling_params import SamplingParams
@@ -63,16 +64,13 @@ def _needs_latest_tokens(params: SamplingParams) -> bool:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: Runner, num_blocks: int, tokenizer: Any,
+    def __init__(self, config: EngineConfig, runner: Runner, kv_cache: KVCacheLayout | int, tokenizer: Any,
                  eos_token_id: int | None, structured: Any = None) -> None:
-        """`structured`: the grammar backend of structured outputs (kestrel.structured), duck-typed."""
-        block_size = config.cache.block_size
+        """`kv_cache`: the runner's KV cache layout (or its block count, for one group).
+        `structured`: the grammar backend of structured outputs (kestrel.structured), duck-typed."""
         max_model_len = config.model.max_model_len or 0
-        if num_blocks * block_size < max_model_len:
-            raise ConfigError(
-                f"invalid kv_cache_blocks={num_blocks}: {num_blocks} blocks of {block_size} tokens hold "
-                f"{num_blocks * block_size} tokens, fewer than max_model_len={max_model_len}; give more "
-                f"blocks (or memory) or lower max_model_len to <= {num_blocks * block_size}")
+        kv_layout = as_layout(kv_cache, config.cache.block_size)
+        kv_layout.check_holds(max_model_len)
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -84,8 +82,8 @@ class EngineCore:
         # Every id that ends generation: the tokenizer's EOS and generation_config.json's.
         self.eos_token_ids = self._extra_eos | ({eos_token_id} - {None})
         self.max_model_len = max_model_len
-        self.num_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len)
+        self.num_blocks = kv_layout.min_num_blocks
+        self.scheduler = Scheduler(config.scheduler, config.cache, kv_layout, max_model_len)
         self._parents: dict[str, _ParentRequest] = {}
         self._sequence_parent: dict[str, _ParentRequest] = {}
         can_launch = hasattr(runner, "launch") and hasattr(runner, "collect")

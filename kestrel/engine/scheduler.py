@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from kestrel.config import CacheConfig, SchedulerConfig
 from kestrel.engine.contracts import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kestrel.engine.kv_cache_manager import KVCacheManager
+from kestrel.kv_spec import KVCacheLayout, as_layout
 from kestrel.request import Request, RequestStatus
 
 
@@ -42,11 +43,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_cache: KVCacheLayout | int,
                  max_model_len: int) -> None:
+        """`kv_cache`: the worker's KV cache layout (its groups and their blocks), or a block count for a model
+        whose layers share one spec."""
         self.config = scheduler_config
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(as_layout(kv_cache, cache_config.block_size), cache_config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -116,7 +119,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         spec: dict[str, list[int]] = {}
-        new_block_ids: dict[str, list[int]] = {}
+        new_block_ids: dict[str, tuple[list[int], ...]] = {}
         proposing: set[str] = set()  # requests whose drafts the worker proposes after this step
         preempted_now = False
 
@@ -220,7 +223,7 @@ class Scheduler:
         the step samples: up to `draft_lookahead`, within max_model_len."""
         return max(min(draft_lookahead, self.max_model_len - end), 0)
 
-    def _build_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
+    def _build_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, tuple[list[int], ...]],
                       spec: dict[str, list[int]], proposing: set[str], draft_lookahead: int) -> SchedulerOutput:
         cached, new = [], []
         for request_id in num_scheduled:

@@ -33,5 +33,5 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         runner = ModelRunner(config, eos_token_id=eos_token_id)
     gpu_host = isinstance(runner, ModelRunner) and runner.device.type == "cuda"  # executors pickle the masks
     structured = GrammarBackend(tokenizer, runner.vocab_size, runner.eos_token_ids, gpu_host=gpu_host)
-    core = EngineCore(config, runner, runner.num_blocks, tokenizer, eos_token_id, structured)
+    core = EngineCore(config, runner, runner.kv_layout, tokenizer, eos_token_id, structured)
     return BuiltEngine(tokenizer, runner, core)

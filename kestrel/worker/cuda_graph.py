@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kestrel.model.attn_metadata import AttentionMetadata
+from kestrel.model.attn_metadata import AttentionMetadata, GroupTables
 from kestrel.worker.input_batch import ModelInputs
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class GraphBuffers:
     bucket; a graph reads prefixes of them. Tokens and rows past what the latest step loaded are padding."""
 
     def __init__(self, max_tokens: int, max_batch: int, max_blocks_per_seq: int, query_lens: list[int],
-                 device: torch.device) -> None:
+                 device: torch.device, num_groups: int = 1) -> None:
         self.max_tokens = max_tokens
         self.max_batch = max_batch
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -107,6 +107,10 @@ class GraphBuffers:
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # KV-cache groups 1..: their own slots and block tables (`AttentionMetadata.other_groups`).
+        self.other_groups = [GroupTables(torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
+                                         torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device))
+                             for _ in range(num_groups - 1)]
         # Every row of a graph has exactly q tokens, so its query starts are a constant 0, q, 2q, ...
         self.query_start_locs = {
             q: torch.arange(0, (max_batch + 1) * q, q, dtype=torch.int32, device=device) for q in query_lens}
@@ -122,6 +126,8 @@ class GraphBuffers:
             block_tables=self.block_tables[:bucket],
             max_query_len=query_len,
             max_seq_len=0,
+            other_groups=tuple(GroupTables(g.slot_mapping[:num_tokens], g.block_tables[:bucket])
+                               for g in self.other_groups),
         )
 
     def load(self, inputs: ModelInputs, bucket: int, query_len: int = 1,
@@ -140,6 +146,9 @@ class GraphBuffers:
             raise ValueError(f"rows of {counts} tokens do not fit query length {query_len}")
         if width > self.max_blocks_per_seq:
             raise ValueError(f"block table of {width} blocks exceeds max_blocks_per_seq={self.max_blocks_per_seq}")
+        if len(meta.other_groups) < len(self.other_groups):
+            raise ValueError(f"a step of {meta.num_groups} KV-cache group(s) for graphs of "
+                             f"{1 + len(self.other_groups)}")
         num_tokens = n * query_len
         host_index = padded_token_index(counts, query_len)
         index = None
@@ -147,6 +156,8 @@ class GraphBuffers:
             self.input_ids[:num_tokens].copy_(inputs.input_ids, non_blocking=True)
             self.positions[:num_tokens].copy_(inputs.positions, non_blocking=True)
             self.slot_mapping[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)
+            for buffers, step in zip(self.other_groups, meta.other_groups):
+                buffers.slot_mapping[:num_tokens].copy_(step.slot_mapping, non_blocking=True)
         else:
             self._pad_tokens(0, num_tokens)
             pin = self.device.type == "cuda"
@@ -154,9 +165,13 @@ class GraphBuffers:
             self.input_ids.index_copy_(0, index, inputs.input_ids)
             self.positions.index_copy_(0, index, inputs.positions)
             self.slot_mapping.index_copy_(0, index, meta.slot_mapping)
+            for buffers, step in zip(self.other_groups, meta.other_groups):
+                buffers.slot_mapping.index_copy_(0, index, step.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         # Columns past `width` keep stale block ids: a row's attention never reads past its own seq_len.
         self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        for buffers, step in zip(self.other_groups, meta.other_groups):
+            buffers.block_tables[:n, :width].copy_(step.block_tables, non_blocking=True)
         # Only what held data in an earlier step needs resetting: the steady state launches no fills.
         if self.num_loaded_tokens > num_tokens:
             self._pad_tokens(num_tokens, self.num_loaded_tokens)
@@ -170,10 +185,14 @@ class GraphBuffers:
         self.input_ids[start:end].zero_()
         self.positions[start:end].zero_()
         self.slot_mapping[start:end].fill_(-1)
+        for buffers in self.other_groups:
+            buffers.slot_mapping[start:end].fill_(-1)
 
     def _pad_rows(self, start: int, end: int) -> None:
         self.seq_lens[start:end].fill_(1)
         self.block_tables[start:end].zero_()
+        for buffers in self.other_groups:
+            buffers.block_tables[start:end].zero_()
 
     def reset_padding(self) -> None:
         """Every token and row padding: the state graphs are captured in."""
@@ -205,7 +224,8 @@ class GraphRunner:
     `verify_batch` rows."""
 
     def __init__(self, forward: ModelForward, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device,
-                 verify_query_lens: Sequence[int] = (), verify_batch: int = DEFAULT_VERIFY_BATCH) -> None:
+                 verify_query_lens: Sequence[int] = (), verify_batch: int = DEFAULT_VERIFY_BATCH,
+                 num_groups: int = 1) -> None:
         self.device = device
         self.forward = forward
         self.sizes = capture_sizes(min(max_num_seqs, MAX_CAPTURE_BATCH))
@@ -216,7 +236,7 @@ class GraphRunner:
         self.keys = [(1, b) for b in self.sizes] + [(q, b) for q in self.verify_query_lens for b in self.verify_sizes]
         max_tokens = max(q * b for q, b in self.keys)
         self.buffers = GraphBuffers(max_tokens, self.sizes[-1], max_blocks_per_seq, [1, *self.verify_query_lens],
-                                    device)
+                                    device, num_groups)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_seconds = 0.0

@@ -30,7 +30,7 @@ from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.worker import cuda_graph
 from kestrel.worker.cuda_graph import GraphRunner, bucket_for, capture_sizes
 from kestrel.worker.input_batch import BlockTable, CachedRequestState, ModelInputs
-from kestrel.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from kestrel.worker.kv_cache import KVCacheShape, allocate_kv_cache
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -49,8 +49,8 @@ class Drafter:
         self.block_size = config.cache.block_size
         self.max_model_len = config.model.max_model_len or 0
         self.model = self._load(config, dtype, device)
-        num_layers, num_kv_heads, head_size = self.model.kv_cache_spec()
-        self.kv_spec = KVCacheSpec(num_layers, num_kv_heads, head_size, kv_dtype, self.block_size)
+        # Its layers use the target's first KV-cache group (its slots and block table).
+        self.kv_spec = KVCacheShape.of_layers(self.model.attention_layers(), kv_dtype, self.block_size)
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: GraphRunner | None = None
         self.capture_seconds = 0.0

@@ -4,15 +4,20 @@ Host time per step is a throughput limit at large batches (every microsecond per
 hundreds of rows), so the inputs leave the host as three tensors: one int64 (ids, positions, slots, logits
 rows), one int32 (query starts, sequence lengths) and the block table, gathered from `BlockTable`, a
 persistent host copy that changes only when a request gets a new block.
+
+With several KV-cache groups (layers of different specs, `kestrel.kv_spec`) each group has its own block table
+and slot mapping (`BlockTables`, a request on the same row of each); the int64 tensor carries every group's
+slots and the block table every group's rows, so a step still moves three tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from kestrel.model.attn_metadata import AttentionMetadata
+from kestrel.model.attn_metadata import AttentionMetadata, GroupTables
 from kestrel.sampling_params import SamplingParams
 
 
@@ -24,10 +29,10 @@ class CachedRequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV-cache group
     num_computed_tokens: int
     generator: torch.Generator | None = None
-    block_table_row: int = -1  # this request's row in the runner's BlockTable
+    block_table_row: int = -1  # this request's row in the runner's BlockTables (every group's)
     # Async scheduling: tokens sampled by launched steps but not yet collected into `token_ids`, and the row
     # of the latest one in the runner's `last_sampled` device tensor.
     num_pending: int = 0
@@ -86,6 +91,44 @@ class BlockTable:
         return self.table[:, :width].index_select(0, torch.tensor(rows, dtype=torch.int64))
 
 
+class BlockTables:
+    """One `BlockTable` per KV-cache group; a request has the same row in each. `follows_tokens[g]`: whether
+    group g's blocks hold the sequence's tokens (its layers write each step's K/V by slot), which group 0's do."""
+
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, follows_tokens: Sequence[bool] = (True,)) -> None:
+        if not follows_tokens or not follows_tokens[0]:
+            raise ValueError("the first KV-cache group must hold the sequence's tokens (full, window or latent)")
+        self.follows_tokens = tuple(follows_tokens)
+        self.groups = [BlockTable(max_rows, max_blocks_per_seq) for _ in self.follows_tokens]
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, group: int) -> BlockTable:
+        return self.groups[group]
+
+    @property
+    def num_rows_in_use(self) -> int:
+        return self.groups[0].num_rows_in_use
+
+    def add(self, block_ids: Sequence[list[int]]) -> int:
+        """A new request's row, holding `block_ids[g]` in group g's table."""
+        if len(block_ids) != len(self.groups):
+            raise ValueError(f"{len(block_ids)} block lists for {len(self.groups)} KV-cache groups")
+        rows = {table.add(ids) for table, ids in zip(self.groups, block_ids)}
+        if len(rows) != 1:
+            raise RuntimeError(f"the groups' block tables gave one request the rows {sorted(rows)}")
+        return rows.pop()
+
+    def append(self, row: int, new_block_ids: Sequence[list[int]]) -> None:
+        for table, ids in zip(self.groups, new_block_ids, strict=True):
+            table.append(row, ids)
+
+    def free(self, row: int) -> None:
+        for table in self.groups:
+            table.free(row)
+
+
 @dataclass(frozen=True)
 class ModelInputs:
     input_ids: torch.Tensor  # int64 [num_tokens]
@@ -96,7 +139,7 @@ class ModelInputs:
 
 
 def build_model_inputs(states: list[CachedRequestState], num_scheduled: list[int], block_size: int,
-                       device: torch.device, block_table: BlockTable,
+                       device: torch.device, block_tables: BlockTables,
                        last_sampled: torch.Tensor | None = None) -> ModelInputs:
     """Each request contributes its next `num_scheduled` tokens starting at `num_computed_tokens`.
 
@@ -119,7 +162,7 @@ def build_model_inputs(states: list[CachedRequestState], num_scheduled: list[int
         end = start + count
         tokens = state.token_ids
         known = len(tokens)
-        blocks = state.block_ids
+        blocks = state.block_ids[0]
         if count == 1:  # decode: the common case, kept free of per-token comprehensions
             input_ids.append(tokens[start] if start < known else 0)
             positions.append(start)
@@ -144,20 +187,33 @@ def build_model_inputs(states: list[CachedRequestState], num_scheduled: list[int
         rows.append(state.block_table_row)
         if len(blocks) > max_blocks:
             max_blocks = len(blocks)
+    num_groups = len(block_tables)
+    other_slots: list[int] = []
+    if num_groups > 1:
+        other_slots, max_blocks = _other_group_slots(states, num_scheduled, block_size, block_tables, max_blocks)
     pin = device.type == "cuda"
-    longs = torch.tensor(input_ids + positions + slots + logits_indices + fill_dst + fill_src, dtype=torch.int64,
-                         pin_memory=pin)
+    longs = torch.tensor(input_ids + positions + slots + logits_indices + fill_dst + fill_src + other_slots,
+                         dtype=torch.int64, pin_memory=pin)
     ints = torch.tensor(query_start + seq_lens, dtype=torch.int32, pin_memory=pin)
-    table = block_table.gather(rows, max_blocks)
+    if num_groups == 1:
+        table = block_tables[0].gather(rows, max_blocks)
+    else:
+        table = torch.cat([group.gather(rows, max_blocks) for group in block_tables.groups])
     if pin:
         longs = longs.to(device, non_blocking=True)
         ints = ints.to(device, non_blocking=True)
         table = table.pin_memory().to(device, non_blocking=True)
     n, b, s = num_tokens, len(states), len(logits_indices)
+    f = 3 * n + s
     if fill_dst:
-        f = 3 * n + s
-        dst, src = longs[f: f + len(fill_dst)], longs[f + len(fill_dst):]
+        dst, src = longs[f: f + len(fill_dst)], longs[f + len(fill_dst): f + 2 * len(fill_dst)]
         longs[:n].index_copy_(0, dst, last_sampled.index_select(0, src))
+    other_groups: tuple[GroupTables, ...] = ()
+    if num_groups > 1:
+        o = f + 2 * len(fill_dst)
+        other_groups = tuple(GroupTables(longs[o + (g - 1) * n: o + g * n], table[g * b: (g + 1) * b])
+                             for g in range(1, num_groups))
+        table = table[:b]
     metadata = AttentionMetadata(
         slot_mapping=longs[2 * n: 3 * n],
         query_start_loc=ints[: b + 1],
@@ -165,6 +221,7 @@ def build_model_inputs(states: list[CachedRequestState], num_scheduled: list[int
         block_tables=table,
         max_query_len=max(num_scheduled, default=0),
         max_seq_len=max(seq_lens, default=0),
+        other_groups=other_groups,
     )
     return ModelInputs(
         input_ids=longs[:n],
@@ -173,3 +230,23 @@ def build_model_inputs(states: list[CachedRequestState], num_scheduled: list[int
         logits_indices=longs[3 * n: 3 * n + s],
         sampled_rows=sampled_rows,
     )
+
+
+def _other_group_slots(states: list[CachedRequestState], num_scheduled: list[int], block_size: int,
+                       block_tables: BlockTables, max_blocks: int) -> tuple[list[int], int]:
+    """The slots of groups 1.. (one run of num_tokens each, in group order) and the widest block list of any
+    group. A group whose blocks do not hold the tokens (cross-attention) writes nothing from them (slot -1)."""
+    slots: list[int] = []
+    num_tokens = sum(num_scheduled)
+    for g in range(1, len(block_tables)):
+        if not block_tables.follows_tokens[g]:
+            slots.extend([-1] * num_tokens)
+            for state in states:
+                max_blocks = max(max_blocks, len(state.block_ids[g]))
+            continue
+        for state, count in zip(states, num_scheduled):
+            blocks = state.block_ids[g]
+            start = state.num_computed_tokens
+            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + count))
+            max_blocks = max(max_blocks, len(blocks))
+    return slots, max_blocks

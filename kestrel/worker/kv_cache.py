@@ -1,4 +1,5 @@
-"""Size and allocate the per-layer paged KV cache tensors."""
+"""Size and allocate the paged KV cache: one tensor per attention layer, shaped by the layer's KV spec, and the
+model's KV-cache groups (layers with one spec share a block table; `kestrel.kv_spec`)."""
 
 from __future__ import annotations
 
@@ -6,34 +7,79 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 
 from kestrel.config import CacheConfig, ConfigError, EngineConfig
+from kestrel.distributed.parallel import ParallelContext
+from kestrel.kv_spec import (
+    KVCacheGroup,
+    KVCacheSpec,
+    LatentAttentionSpec,
+    NoKVCacheSpec,
+    group_layers,
+    layer_group_indices,
+)
 from kestrel.loader.safetensors import CheckpointNotFoundError, checkpoint_files, iterate_files, weight_format
 
 logger = logging.getLogger(__name__)
 
 FP8_E4M3_MAX = 448.0
-# Per-layer FP8 KV scales as checkpoints name them: `self_attn.k_scale` (compressed-tensors, vLLM),
-# `self_attn.attn.k_scale`, and the older `self_attn.k_proj.output_scale`.
-_KV_SCALE_NAMES = (re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$"),
-                   re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_proj\.output_scale$"))
+# A layer's FP8 KV scales as checkpoints name them under its prefix: `.k_scale` (compressed-tensors, vLLM),
+# `.attn.k_scale`, and the older `.k_proj.output_scale`.
+_KV_SCALE_SUFFIXES = {".k_scale": "k", ".attn.k_scale": "k", ".k_proj.output_scale": "k",
+                      ".v_scale": "v", ".attn.v_scale": "v", ".v_proj.output_scale": "v"}
+# Layers built without a checkpoint prefix: the decoder layout's names.
+_LAYER_KV_SCALE_NAMES = (re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$"),
+                         re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_proj\.output_scale$"))
+
+
+class CachingLayer(Protocol):
+    """What the KV cache reads of an attention module."""
+
+    layer_idx: int
+    prefix: str | None
+
+    @property
+    def cache_spec(self) -> KVCacheSpec: ...
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+                      group: int = 0) -> None: ...
 
 
 @dataclass(frozen=True)
-class KVCacheSpec:
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
+class KVCacheShape:
+    """What one rank's attention layers cache: each layer's spec (in `attention_layers()` order), the cache's
+    element type and the block size. A block id indexes every layer's cache, so a block costs every layer's
+    bytes: the sum over the groups."""
+
+    layer_specs: tuple[KVCacheSpec, ...]
     dtype: torch.dtype
     block_size: int
 
+    @classmethod
+    def of_layers(cls, layers: Sequence[CachingLayer], dtype: torch.dtype, block_size: int) -> KVCacheShape:
+        return cls(tuple(layer.cache_spec for layer in layers), dtype, block_size)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_specs)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        element = self.element_size
+        return sum(spec.bytes_per_token(element) for spec in self.layer_specs)
+
     @property
     def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * element
+        return self.block_size * self.bytes_per_token
 
 
 def kv_cache_dtype(cache_config: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -46,22 +92,24 @@ def gpu_kv_cache_budget(total_bytes: int, peak_bytes: int, utilization: float) -
     return int(total_bytes * utilization) - peak_bytes
 
 
-def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, budget: int | None = None,
+def num_blocks_for(config: EngineConfig, shape: KVCacheShape, budget: int | None = None,
                    extra_bytes_per_block: int = 0) -> int:
-    """Blocks that fit the memory budget, capped at what max_num_seqs full-length sequences could use.
-    `extra_bytes_per_block`: a draft proposer's K/V, which lives in the same blocks.
+    """Blocks that fit the memory budget (every group gets this many), capped at what max_num_seqs full-length
+    sequences could use. `extra_bytes_per_block`: a draft proposer's K/V, which lives in the same blocks.
 
     Budget precedence: `kv_cache_blocks`, then `kv_cache_memory_bytes`, then the given `budget` (the GPU's
     profiled one), then `cpu_kv_cache_bytes`."""
     if config.cache.num_blocks is not None:
         return config.cache.num_blocks
     max_len = config.model.max_model_len or 0
-    useful = config.scheduler.max_num_seqs * -(-max_len // spec.block_size)
+    useful = config.scheduler.max_num_seqs * -(-max_len // shape.block_size)
     if config.cache.kv_cache_memory_bytes is not None:
         budget = config.cache.kv_cache_memory_bytes
     elif budget is None:
         budget = config.cache.cpu_kv_cache_bytes
-    bytes_per_block = spec.bytes_per_block + extra_bytes_per_block
+    bytes_per_block = shape.bytes_per_block + extra_bytes_per_block
+    if bytes_per_block < 1:
+        raise ConfigError("no attention layer of this model caches anything; kestrel needs a KV cache")
     fitting = budget // bytes_per_block
     if fitting < 1:
         raise ConfigError(f"no room for the KV cache: one block needs {bytes_per_block} bytes and the budget is "
@@ -70,27 +118,82 @@ def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, budget: int | None =
     return int(min(fitting, max(useful, 1)))
 
 
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-    """One `[2, num_blocks, block_size, num_kv_heads, head_size]` tensor per layer (K then V)."""
-    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+def layer_cache_shape(spec: KVCacheSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """The cache tensor of one layer: `[2, num_blocks, block_size, num_kv_heads, head_size]` (K then V) for full,
+    sliding-window and cross-attention, `[num_blocks, block_size, width]` for a latent cache, empty for none."""
+    if isinstance(spec, NoKVCacheSpec):
+        return (0,)
+    if isinstance(spec, LatentAttentionSpec):
+        return (num_blocks, block_size, spec.width)
+    return (2, num_blocks, block_size, spec.num_kv_heads, spec.head_size)
 
 
-def checkpoint_kv_scales(model_dir: str, num_layers: int) -> list[tuple[float, float]] | None:
-    """Per-layer (k_scale, v_scale) stored in the checkpoint, or None when it has none. A layer that has
-    only one of the two keeps 1.0 for the other."""
+def allocate_kv_cache(shape: KVCacheShape, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+    """One cache tensor per layer, shaped by its spec (`layer_cache_shape`)."""
+    return [torch.zeros(layer_cache_shape(spec, num_blocks, shape.block_size), dtype=shape.dtype, device=device)
+            for spec in shape.layer_specs]
+
+
+def kv_cache_groups(specs: Sequence[KVCacheSpec],
+                    parallel: ParallelContext | None = None) -> tuple[tuple[KVCacheGroup, ...], list[int | None]]:
+    """The model's KV-cache groups, over every pipeline stage's attention layers in layer order (every rank reports
+    the same ones to the engine), and the group of each of this stage's layers (`specs`)."""
+    every, first = list(specs), 0
+    if parallel is not None and parallel.pp_size > 1:
+        gathered: list[list[KVCacheSpec] | None] = [None] * parallel.world_size
+        dist.all_gather_object(gathered, every, group=parallel.world_group)
+        stages = [gathered[stage * parallel.tp_size] or [] for stage in range(parallel.pp_size)]
+        first = sum(len(stage) for stage in stages[:parallel.pp_rank])
+        every = [spec for stage in stages for spec in stage]
+    groups = group_layers(every)
+    return groups, layer_group_indices(groups, len(every))[first: first + len(specs)]
+
+
+def bind_layer_caches(layers: Sequence[CachingLayer], caches: Sequence[torch.Tensor],
+                   scales: Sequence[tuple[float, float]] | None, groups: Sequence[int | None]) -> None:
+    """Bind each layer's cache, its (k_scale, v_scale) (1.0 when None) and its group."""
+    scales = scales if scales is not None else [(1.0, 1.0)] * len(layers)
+    for layer, cache, (k_scale, v_scale), group in zip(layers, caches, scales, groups, strict=True):
+        if group is None:
+            continue  # caches nothing
+        layer.bind_kv_cache(cache, k_scale, v_scale, group)
+
+
+def kv_scale_key(layer: CachingLayer) -> str | int:
+    """How the checkpoint names a layer's FP8 KV scales: its checkpoint prefix, or (built without one) its
+    decoder layer index."""
+    return layer.prefix if layer.prefix is not None else layer.layer_idx
+
+
+def checkpoint_kv_scales(model_dir: str, layers: int | Sequence[str | int]) -> list[tuple[float, float]] | None:
+    """Per-layer (k_scale, v_scale) stored in the checkpoint, or None when it has none. `layers`: each layer's
+    `kv_scale_key` (a number n: decoder layers 0 .. n-1). A layer that has only one of the two keeps 1.0 for the
+    other."""
+    keys = list(range(layers)) if isinstance(layers, int) else list(layers)
     fmt = weight_format(model_dir)
     try:
         files = checkpoint_files(model_dir, fmt or "safetensors")
     except CheckpointNotFoundError:
         return None
+    by_name: dict[str, tuple[int, str]] = {}  # scale tensor name -> (layer, "k" | "v"), for prefixed layers
+    by_index: dict[int, int] = {}  # decoder layer index -> layer, for the others
+    for position, key in enumerate(keys):
+        if isinstance(key, str):
+            by_name.update({key + suffix: (position, kind) for suffix, kind in _KV_SCALE_SUFFIXES.items()})
+        else:
+            by_index[key] = position
     found: dict[int, dict[str, float]] = {}
 
     def record(name: str, read: Callable[[], torch.Tensor]) -> None:
-        for pattern in _KV_SCALE_NAMES:
-            m = pattern.match(name)
-            if m and int(m.group(1)) < num_layers:
-                found.setdefault(int(m.group(1)), {})[m.group(2)] = float(read().float().max())
+        hit = by_name.get(name)
+        if hit is None and by_index:
+            for pattern in _LAYER_KV_SCALE_NAMES:
+                m = pattern.match(name)
+                if m and int(m.group(1)) in by_index:
+                    hit = by_index[int(m.group(1))], m.group(2)
+                    break
+        if hit is not None:
+            found.setdefault(hit[0], {})[hit[1]] = float(read().float().max())
 
     if fmt == "pt":
         for name, tensor in iterate_files(files, "pt"):
@@ -101,11 +204,11 @@ def checkpoint_kv_scales(model_dir: str, num_layers: int) -> list[tuple[float, f
                 record(name, lambda f=f, name=name: f.get_tensor(name))
     if not found:
         return None
-    return [(found.get(i, {}).get("k", 1.0), found.get(i, {}).get("v", 1.0)) for i in range(num_layers)]
+    return [(found.get(i, {}).get("k", 1.0), found.get(i, {}).get("v", 1.0)) for i in range(len(keys))]
 
 
-def kv_cache_scales(config: EngineConfig, layers: Sequence[int]) -> list[tuple[float, float]]:
-    """(k_scale, v_scale) of each of `layers` (model layer indices: a pipeline stage's own): 1.0 for a 16-bit
+def kv_cache_scales(config: EngineConfig, layers: Sequence[str | int]) -> list[tuple[float, float]]:
+    """(k_scale, v_scale) of each of `layers` (their `kv_scale_key`s: a pipeline stage's own): 1.0 for a 16-bit
     cache; for FP8 the checkpoint's, else 1.0 with a warning (ModelRunner.calibrate_kv_scales measures them)."""
     num_layers = len(layers)
     declared = bool((config.model.hf_config.get("quantization_config") or {}).get("kv_cache_scheme"))
@@ -113,8 +216,7 @@ def kv_cache_scales(config: EngineConfig, layers: Sequence[int]) -> list[tuple[f
         if declared:
             logger.info("the checkpoint carries FP8 KV cache scales (kv_cache_scheme); kv_cache_dtype='fp8' uses them")
         return [(1.0, 1.0)] * num_layers
-    total = max(layers, default=-1) + 1
-    scales = None if config.model.load_format == "dummy" else checkpoint_kv_scales(config.model.model, total)
+    scales = None if config.model.load_format == "dummy" else checkpoint_kv_scales(config.model.model, layers)
     if scales is None and declared:
         raise ConfigError("invalid checkpoint: its quantization_config declares a kv_cache_scheme but no layer has "
                           "k_scale / v_scale tensors; re-export it or drop kv_cache_scheme")
@@ -123,4 +225,4 @@ def kv_cache_scales(config: EngineConfig, layers: Sequence[int]) -> list[tuple[f
                        "= 1.0, so K/V values beyond +-%g saturate; ModelRunner.calibrate_kv_scales() measures "
                        "scales from a calibration run", FP8_E4M3_MAX)
         return [(1.0, 1.0)] * num_layers
-    return [scales[i] for i in layers]
+    return scales

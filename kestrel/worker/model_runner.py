@@ -13,6 +13,7 @@ import torch
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kestrel.kv_spec import KVCacheLayout
 from kestrel.loader import load_model
 from kestrel.loader.hf_config import resolve_dtype
 from kestrel.model.attn_metadata import AttentionMetadata
@@ -30,14 +31,17 @@ from kestrel.sample.sampler import (
 from kestrel.sample.spec_verify import VerifyOutput, verify
 from kestrel.worker.cuda_graph import GraphRunner, verify_batch_limit
 from kestrel.worker.drafter import build_drafter
-from kestrel.worker.input_batch import BlockTable, CachedRequestState, build_model_inputs
+from kestrel.worker.input_batch import BlockTables, CachedRequestState, build_model_inputs
 from kestrel.worker.kv_cache import (
     FP8_E4M3_MAX,
-    KVCacheSpec,
+    KVCacheShape,
     allocate_kv_cache,
+    bind_layer_caches,
     gpu_kv_cache_budget,
     kv_cache_dtype,
+    kv_cache_groups,
     kv_cache_scales,
+    kv_scale_key,
     num_blocks_for,
 )
 from kestrel.worker.launch_count import decoder_layer_launches
@@ -87,9 +91,10 @@ class ModelRunner:
         self.vocab_size: int = int(config.model.hf_config["vocab_size"])
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-(config.model.max_model_len or 1) // self.block_size)
-        num_layers, num_kv_heads, head_size = self.model.kv_cache_spec()
-        self.kv_spec = KVCacheSpec(num_layers, num_kv_heads, head_size,
-                                   kv_cache_dtype(config.cache, self.dtype), self.block_size)
+        layers = self.model.attention_layers()
+        self.kv_spec = KVCacheShape.of_layers(layers, kv_cache_dtype(config.cache, self.dtype), self.block_size)
+        # The groups are every stage's; `layer_groups[i]` is the group of this stage's attention layer i.
+        self.kv_groups, self.layer_groups = kv_cache_groups(self.kv_spec.layer_specs, parallel)
         self.graph_runner: GraphRunner | None = None
         self.capture_seconds = 0.0
         # A draft model or EAGLE head: loaded before the memory profile, its K/V in the target's blocks.
@@ -98,12 +103,13 @@ class ModelRunner:
         self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget(), draft_bytes)
         if parallel is not None:  # every rank holds the same blocks: as many as the tightest rank can
             self.num_blocks = parallel.min_over_world(self.num_blocks, self.device)
+        # A drafter's K/V lives in group 0's blocks and its layers may read past that group's window.
+        self.kv_layout = KVCacheLayout(self.block_size, self.kv_groups, (self.num_blocks,) * len(self.kv_groups),
+                                       keep_all_blocks=frozenset({0} if self.drafter is not None else ()))
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
         if self.drafter is not None:
             self.drafter.bind(self.num_blocks)
-        total_layers = int(config.model.hf_config["num_hidden_layers"])
-        stage = parallel.stage_layers(total_layers) if parallel is not None else range(total_layers)
-        self.bind_kv_caches(kv_cache_scales(config, stage))
+        self.bind_kv_caches(kv_cache_scales(config, [kv_scale_key(layer) for layer in layers]))
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
             self.launches_per_layer = self._count_layer_launches()
@@ -116,7 +122,8 @@ class ModelRunner:
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
         self.requests: dict[str, CachedRequestState] = {}
-        self.block_table = BlockTable(config.scheduler.max_num_seqs, self.max_blocks_per_seq)
+        self.block_table = BlockTables(config.scheduler.max_num_seqs, self.max_blocks_per_seq,
+                                       [group.spec.follows_tokens for group in self.kv_groups])
         self._last_sampled: torch.Tensor | None = None  # sampled ids of the latest launched step, on the device
         if self.device.type == "cuda":
             host_threads_for_gpu_steps()
@@ -124,11 +131,9 @@ class ModelRunner:
     # ----- KV cache scales (FP8 cache) -----------------------------------------------------------------
 
     def bind_kv_caches(self, scales: list[tuple[float, float]]) -> None:
-        """Bind each layer's cache with its (k_scale, v_scale)."""
+        """Bind each layer's cache with its (k_scale, v_scale) and its KV-cache group."""
         self.kv_scales = list(scales)
-        for layer, cache, (k_scale, v_scale) in zip(self.model.attention_layers(), self.kv_caches, self.kv_scales,
-                                                    strict=True):
-            layer.bind_kv_cache(cache, k_scale, v_scale)
+        bind_layer_caches(self.model.attention_layers(), self.kv_caches, self.kv_scales, self.layer_groups)
         if self.graph_runner is not None:
             # The scales are kernel arguments baked into the captured graphs.
             self._capture_graphs()
@@ -156,15 +161,14 @@ class ModelRunner:
         num_rows = min(num_tokens, self.config.scheduler.max_num_seqs)
         spec = self.kv_spec
         scratch = allocate_kv_cache(spec, 1, self.device)
-        for layer, cache in zip(self.model.attention_layers(), scratch, strict=True):
-            layer.bind_kv_cache(cache)
+        bind_layer_caches(self.model.attention_layers(), scratch, None, self.layer_groups)
         meta = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
             block_tables=torch.zeros(1, -(-num_tokens // spec.block_size), dtype=torch.int32, device=self.device),
             max_query_len=num_tokens, max_seq_len=num_tokens,
-        )
+        ).sharing_group_tables(len(self.kv_groups))
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device) % max(self.config.model.max_model_len or 1, 1)
         torch.cuda.synchronize(self.device)
@@ -203,7 +207,7 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         self.graph_runner = None  # release the previous graphs' pool before capturing new ones
         runner = GraphRunner(self.model, self.config.scheduler.max_num_seqs, self.max_blocks_per_seq, self.device,
-                             *self._verify_shapes())
+                             *self._verify_shapes(), num_groups=len(self.kv_groups))
         with torch.inference_mode():
             self.capture_seconds = runner.capture()
         self.graph_runner = runner
@@ -229,7 +233,7 @@ class ModelRunner:
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
             max_query_len=n, max_seq_len=n,
-        )
+        ).sharing_group_tables(len(self.kv_groups))
         layers = self.model.attention_layers()
         seen = torch.zeros(len(layers), 2, device=self.device)  # running max |K|, |V| per layer
 
@@ -262,7 +266,7 @@ class ModelRunner:
             token_ids=list(new.token_ids),
             num_prompt_tokens=new.num_prompt_tokens,
             sampling_params=new.sampling_params,
-            block_ids=list(new.block_ids),
+            block_ids=[list(ids) for ids in new.block_ids],
             num_computed_tokens=new.num_computed_tokens,
             generator=generator,
             block_table_row=self.block_table.add(new.block_ids),
@@ -280,7 +284,8 @@ class ModelRunner:
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
             if cached.new_block_ids:
-                state.block_ids.extend(cached.new_block_ids)
+                for ids, added in zip(state.block_ids, cached.new_block_ids, strict=True):
+                    ids.extend(added)
                 self.block_table.append(state.block_table_row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
         for req_id, drafts in out.scheduled_spec_decode_tokens.items():
@@ -409,7 +414,7 @@ class ModelRunner:
         drafts = self.drafter.propose(
             sources[0] if len(sources) == 1 else torch.cat(sources), token_base,
             accepted[0] if len(accepted) == 1 else torch.cat(accepted), base, draft.hidden, hidden_base,
-            [s.block_table_row for s in states], caps, self.block_table)
+            [s.block_table_row for s in states], caps, self.block_table[0])
         launched.proposal = Proposal(drafts, [s.req_id for s, cap in zip(states, caps) if cap], base,
                                      [i for i, cap in enumerate(caps) if cap], len(plain))
 

@@ -73,12 +73,13 @@ class LaggedRunner:
             if not self.free_rows:
                 raise RuntimeError(f"rows overrun: {self.max_rows} rows in use")
             prompt = tuple(new.token_ids[: new.num_prompt_tokens])
-            self.state[new.req_id] = _State(prompt, list(new.token_ids), list(new.block_ids),
+            self.state[new.req_id] = _State(prompt, list(new.token_ids), list(new.block_ids[0]),
                                             new.num_computed_tokens, self.free_rows.pop())
         self.peak_rows = max(self.peak_rows, self.rows_in_use)
         for cached in out.cached_requests:
             state = self.state[cached.req_id]
-            state.blocks.extend(cached.new_block_ids)
+            if cached.new_block_ids:
+                state.blocks.extend(cached.new_block_ids[0])
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[tuple[_State, int] | None] = []
         for rid in req_ids:

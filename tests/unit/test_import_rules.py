@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "kestrel"
 TRAINING = ROOT / "training"
-CORE = {"config", "sampling_params", "request", "outputs", "init_configs"}
+CORE = {"config", "sampling_params", "request", "outputs", "init_configs", "kv_spec"}
 
 # Which kestrel modules each part may import (prefix match on the dotted name below `kestrel.`).
 ALLOWED: dict[str, set[str]] = {
@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": {"kernels"},
     "ops": {"kernels"},
     "quant": {"quant", "kernels", "ops", "config"},
-    "model": {"model", "quant", "ops", "config", "distributed.parallel"},
+    "model": {"model", "quant", "ops", "config", "kv_spec", "distributed.parallel"},
     "loader": {"loader", "model", "quant", "config", "init_configs", "distributed.parallel"},
     "sample": {"sample", "sampling_params", "outputs"},
     "structured": {"structured", "engine.contracts"} | CORE,

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from kestrel.config import ConfigError, EngineConfig
+from kestrel.kv_spec import FullAttentionSpec
 from kestrel.loader.model_init import write_tiny_checkpoint
-from kestrel.worker.kv_cache import KVCacheSpec, gpu_kv_cache_budget, num_blocks_for
+from kestrel.worker.kv_cache import KVCacheShape, gpu_kv_cache_budget, num_blocks_for
 
-SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, dtype=torch.float32, block_size=16)
+SPEC = KVCacheShape((FullAttentionSpec(num_kv_heads=2, head_size=8),) * 2, dtype=torch.float32, block_size=16)
 
 
 @pytest.fixture(scope="module")

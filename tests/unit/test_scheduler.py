@@ -22,11 +22,12 @@ class FakeRunner:
             self.state.pop(rid, None)
         for new in out.new_requests:
             assert new.req_id not in self.state, "a request the runner knows was sent as new"
-            self.state[new.req_id] = {"tokens": list(new.token_ids), "blocks": list(new.block_ids),
+            self.state[new.req_id] = {"tokens": list(new.token_ids), "blocks": [list(b) for b in new.block_ids],
                                       "computed": new.num_computed_tokens}
         for cached in out.cached_requests:
             st = self.state[cached.req_id]
-            st["blocks"].extend(cached.new_block_ids)
+            for blocks, added in zip(st["blocks"], cached.new_block_ids):
+                blocks.extend(added)
             assert st["computed"] == cached.num_computed_tokens
         req_ids, sampled = [], []
         for rid, n in out.num_scheduled_tokens.items():
@@ -34,7 +35,7 @@ class FakeRunner:
             assert n > 0
             end = st["computed"] + n
             assert end <= len(st["tokens"])
-            assert len(st["blocks"]) * self.block_size >= end, "scheduled tokens without blocks"
+            assert all(len(b) * self.block_size >= end for b in st["blocks"]), "scheduled tokens without blocks"
             st["computed"] = end
             req_ids.append(rid)
             if end == len(st["tokens"]):

@@ -7,19 +7,23 @@ import torch
 from torch import nn
 
 from kestrel import ops
+from kestrel.kv_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
     """Holds one layer's KV cache `[2, num_blocks, block_size, num_kv_heads, head_size]` (K then V),
-    bound by the model runner with `bind_kv_cache`; not a buffer, so it never enters a state dict."""
+    bound by the model runner with `bind_kv_cache`; not a buffer, so it never enters a state dict.
+
+    `cache_spec` declares what the layer caches; the runner groups layers by it and tells each layer its group
+    when binding, and the layer writes and reads through that group's slot mapping and block table. `prefix`:
+    the layer's checkpoint name (e.g. "model.layers.3.self_attn"), under which its FP8 KV scales are stored."""
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
                  sliding_window: int | None = None, layer_idx: int = 0, logit_soft_cap: float | None = None,
                  prefix: str | None = None) -> None:
-        """`prefix`: the checkpoint name of the module this layer attends for (e.g. "model.layers.3.self_attn"),
-        under which checkpoints store its FP8 KV scales. `logit_soft_cap`: scores become cap * tanh(s / cap)."""
+        """`logit_soft_cap`: scores become cap * tanh(s / cap)."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -36,17 +40,34 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.prefix = prefix
         self.kv_cache: torch.Tensor | None = None
+        self.kv_group = 0
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    @property
+    def cache_spec(self) -> KVCacheSpec:
+        if self.sliding_window is not None:
+            return SlidingWindowSpec(self.num_kv_heads, self.head_size, window=self.sliding_window)
+        return FullAttentionSpec(self.num_kv_heads, self.head_size)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+                      group: int = 0) -> None:
+        """Bind the layer's cache, its FP8 scales, and its KV-cache group (whose tables it uses each step)."""
+        spec = self.cache_spec
+        if not isinstance(spec, FullAttentionSpec):
+            raise NotImplementedError(
+                f"layer {self.layer_idx}: a {spec.kind} KV cache ({spec}) is not supported by the attention backend "
+                "yet; only full and sliding-window attention are")
         expected = (2, self.num_kv_heads, self.head_size)
         if kv_cache.dim() != 5 or (kv_cache.shape[0], *kv_cache.shape[3:]) != expected:
             raise ValueError(
                 f"layer {self.layer_idx}: KV cache of shape {tuple(kv_cache.shape)} does not match "
                 f"[2, num_blocks, block_size, {self.num_kv_heads}, {self.head_size}]"
             )
+        if group < 0:
+            raise ValueError(f"layer {self.layer_idx}: KV-cache group {group} must be >= 0")
         self.kv_cache = kv_cache
+        self.kv_group = group
         self.k_scale = float(k_scale)
         self.v_scale = float(v_scale)
 
@@ -61,18 +82,23 @@ class Attention(nn.Module):
             )
         num_tokens = q.shape[0]
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
+        if self.kv_group == 0:
+            slot_mapping, block_tables = attn_metadata.slot_mapping, attn_metadata.block_tables
+        else:
+            tables = attn_metadata.for_group(self.kv_group)
+            slot_mapping, block_tables = tables.slot_mapping, tables.block_tables
         if rotary_emb is None:
             k = k.view(num_tokens, self.num_kv_heads, self.head_size)
             v = v.view(num_tokens, self.num_kv_heads, self.head_size)
-            ops.store_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping, self.k_scale, self.v_scale)
+            ops.store_kv(k, v, k_cache, v_cache, slot_mapping, self.k_scale, self.v_scale)
         else:
             if positions is None:
                 raise ValueError(f"attention layer {self.layer_idx}: rotary_emb given without positions")
-            q = rotary_emb.rotate_and_store_kv(positions, q, k, v, k_cache, v_cache, attn_metadata.slot_mapping,
+            q = rotary_emb.rotate_and_store_kv(positions, q, k, v, k_cache, v_cache, slot_mapping,
                                                self.k_scale, self.v_scale)
         out = ops.paged_attention(
             q.view(num_tokens, self.num_heads, self.head_size), k_cache, v_cache, attn_metadata.query_start_loc,
-            attn_metadata.seq_lens, attn_metadata.block_tables, self.scale, self.sliding_window, self.k_scale,
+            attn_metadata.seq_lens, block_tables, self.scale, self.sliding_window, self.k_scale,
             self.v_scale, max_query_len=attn_metadata.max_query_len, logit_soft_cap=self.logit_soft_cap,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)
