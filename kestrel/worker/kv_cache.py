@@ -4,7 +4,6 @@ model's KV-cache groups (layers with one spec share a block table; `kestrel.kv_s
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,17 +23,11 @@ from kestrel.kv_spec import (
     layer_group_indices,
 )
 from kestrel.loader.safetensors import CheckpointNotFoundError, checkpoint_files, iterate_files, weight_format
+from kestrel.quant.scheme import KV_SCALE_NAMES
 
 logger = logging.getLogger(__name__)
 
 FP8_E4M3_MAX = 448.0
-# A layer's FP8 KV scales as checkpoints name them under its prefix: `.k_scale` (compressed-tensors, vLLM),
-# `.attn.k_scale`, and the older `.k_proj.output_scale`.
-_KV_SCALE_SUFFIXES = {".k_scale": "k", ".attn.k_scale": "k", ".k_proj.output_scale": "k",
-                      ".v_scale": "v", ".attn.v_scale": "v", ".v_proj.output_scale": "v"}
-# Layers built without a checkpoint prefix: the decoder layout's names.
-_LAYER_KV_SCALE_NAMES = (re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$"),
-                         re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_proj\.output_scale$"))
 
 
 class CachingLayer(Protocol):
@@ -159,39 +152,29 @@ def bind_layer_caches(layers: Sequence[CachingLayer], caches: Sequence[torch.Ten
         layer.bind_kv_cache(cache, k_scale, v_scale, group)
 
 
-def kv_scale_key(layer: CachingLayer) -> str | int:
-    """How the checkpoint names a layer's FP8 KV scales: its checkpoint prefix, or (built without one) its
-    decoder layer index."""
-    return layer.prefix if layer.prefix is not None else layer.layer_idx
+def kv_scale_key(layer: CachingLayer) -> str:
+    """The checkpoint prefix under which a layer's FP8 KV scales are stored."""
+    if layer.prefix is None:
+        raise ValueError(f"attention layer {layer.layer_idx} has no checkpoint prefix: its FP8 KV scales cannot be "
+                         "found; the model must build its Attention modules with prefix=")
+    return layer.prefix
 
 
-def checkpoint_kv_scales(model_dir: str, layers: int | Sequence[str | int]) -> list[tuple[float, float]] | None:
-    """Per-layer (k_scale, v_scale) stored in the checkpoint, or None when it has none. `layers`: each layer's
-    `kv_scale_key` (a number n: decoder layers 0 .. n-1). A layer that has only one of the two keeps 1.0 for the
-    other."""
-    keys = list(range(layers)) if isinstance(layers, int) else list(layers)
+def checkpoint_kv_scales(model_dir: str, prefixes: Sequence[str]) -> list[tuple[float, float]] | None:
+    """Per-layer (k_scale, v_scale) stored in the checkpoint under each layer's `kv_scale_key` (the names the
+    quantization schemes read), or None when it has none. A layer that has only one of the two keeps 1.0 for
+    the other."""
     fmt = weight_format(model_dir)
     try:
         files = checkpoint_files(model_dir, fmt or "safetensors")
     except CheckpointNotFoundError:
         return None
-    by_name: dict[str, tuple[int, str]] = {}  # scale tensor name -> (layer, "k" | "v"), for prefixed layers
-    by_index: dict[int, int] = {}  # decoder layer index -> layer, for the others
-    for position, key in enumerate(keys):
-        if isinstance(key, str):
-            by_name.update({key + suffix: (position, kind) for suffix, kind in _KV_SCALE_SUFFIXES.items()})
-        else:
-            by_index[key] = position
+    by_name = {name: (position, kind) for position, prefix in enumerate(prefixes)
+               for kind, names in KV_SCALE_NAMES.names(prefix).items() for name in names}
     found: dict[int, dict[str, float]] = {}
 
     def record(name: str, read: Callable[[], torch.Tensor]) -> None:
         hit = by_name.get(name)
-        if hit is None and by_index:
-            for pattern in _LAYER_KV_SCALE_NAMES:
-                m = pattern.match(name)
-                if m and int(m.group(1)) in by_index:
-                    hit = by_index[int(m.group(1))], m.group(2)
-                    break
         if hit is not None:
             found.setdefault(hit[0], {})[hit[1]] = float(read().float().max())
 
@@ -204,11 +187,11 @@ def checkpoint_kv_scales(model_dir: str, layers: int | Sequence[str | int]) -> l
                 record(name, lambda f=f, name=name: f.get_tensor(name))
     if not found:
         return None
-    return [(found.get(i, {}).get("k", 1.0), found.get(i, {}).get("v", 1.0)) for i in range(len(keys))]
+    return [(found.get(i, {}).get("k", 1.0), found.get(i, {}).get("v", 1.0)) for i in range(len(prefixes))]
 
 
-def kv_cache_scales(config: EngineConfig, layers: Sequence[str | int]) -> list[tuple[float, float]]:
-    """(k_scale, v_scale) of each of `layers` (their `kv_scale_key`s: a pipeline stage's own): 1.0 for a 16-bit
+def kv_cache_scales(config: EngineConfig, layers: Sequence[CachingLayer]) -> list[tuple[float, float]]:
+    """(k_scale, v_scale) of each of `layers` (a pipeline stage's own): 1.0 for a 16-bit
     cache; for FP8 the checkpoint's, else 1.0 with a warning (ModelRunner.calibrate_kv_scales measures them)."""
     num_layers = len(layers)
     declared = bool((config.model.hf_config.get("quantization_config") or {}).get("kv_cache_scheme"))
@@ -216,7 +199,8 @@ def kv_cache_scales(config: EngineConfig, layers: Sequence[str | int]) -> list[t
         if declared:
             logger.info("the checkpoint carries FP8 KV cache scales (kv_cache_scheme); kv_cache_dtype='fp8' uses them")
         return [(1.0, 1.0)] * num_layers
-    scales = None if config.model.load_format == "dummy" else checkpoint_kv_scales(config.model.model, layers)
+    scales = None if config.model.load_format == "dummy" else checkpoint_kv_scales(
+        config.model.model, [kv_scale_key(layer) for layer in layers])
     if scales is None and declared:
         raise ConfigError("invalid checkpoint: its quantization_config declares a kv_cache_scheme but no layer has "
                           "k_scale / v_scale tensors; re-export it or drop kv_cache_scheme")

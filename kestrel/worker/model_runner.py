@@ -41,7 +41,6 @@ from kestrel.worker.kv_cache import (
     kv_cache_dtype,
     kv_cache_groups,
     kv_cache_scales,
-    kv_scale_key,
     num_blocks_for,
 )
 from kestrel.worker.launch_count import decoder_layer_launches
@@ -109,7 +108,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
         if self.drafter is not None:
             self.drafter.bind(self.num_blocks)
-        self.bind_kv_caches(kv_cache_scales(config, [kv_scale_key(layer) for layer in layers]))
+        self.bind_kv_caches(kv_cache_scales(config, layers))
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
             self.launches_per_layer = self._count_layer_launches()

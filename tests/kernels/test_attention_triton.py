@@ -316,5 +316,5 @@ def test_fp8_kv_scales_default_checkpoint_and_calibrated(tmp_path, caplog: pytes
     save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
                "model.layers.1.self_attn.v_proj.output_scale": torch.tensor([0.25])},
               str(tmp_path / "kv_scales.safetensors"))
-    read = checkpoint_kv_scales(str(tmp_path), num_layers)
+    read = checkpoint_kv_scales(str(tmp_path), [layer.prefix for layer in runner.model.attention_layers()])
     assert read is not None and read[0] == (0.5, 1.0) and read[1] == (1.0, 0.25)

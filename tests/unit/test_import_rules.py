@@ -31,7 +31,9 @@ ALLOWED: dict[str, set[str]] = {
     "loader": {"loader", "model", "quant", "config", "init_configs", "distributed.parallel"},
     "sample": {"sample", "sampling_params", "outputs"},
     "structured": {"structured", "engine.contracts"} | CORE,
-    "worker": {"worker", "model", "loader", "sample", "ops", "engine.contracts", "distributed.parallel"} | CORE,
+    # quant.scheme: the checkpoint names of FP8 KV scales, which the worker reads when it builds the cache.
+    "worker": {"worker", "model", "loader", "quant.scheme", "sample", "ops", "engine.contracts",
+               "distributed.parallel"} | CORE,
     # Process groups and collectives (distributed.parallel) are used by the layers; the worker process and the
     # executors run model runners and speak the engine's contracts.
     "distributed": {"distributed", "worker", "engine.contracts"} | CORE,

@@ -161,7 +161,7 @@ def test_a_second_group_layer_reads_its_own_tables() -> None:
     assert cache1[:, 3, :3].abs().sum() > 0 and cache1[:, 1].abs().sum() == 0
 
 
-def test_fp8_scales_are_read_by_prefix_and_by_layer_index(tmp_path) -> None:
+def test_fp8_scales_are_read_by_prefix(tmp_path) -> None:
     write_tiny_checkpoint(str(tmp_path), arch="llama", seed=3)
     save_file({"decoder.blocks.0.attention.k_scale": torch.tensor(0.5),
                "decoder.blocks.1.attention.attn.v_scale": torch.tensor(0.125),
@@ -172,6 +172,7 @@ def test_fp8_scales_are_read_by_prefix_and_by_layer_index(tmp_path) -> None:
              Attention(4, 8, 2, 0.3, layer_idx=1, prefix="decoder.blocks.1.attention")]
     assert [kv_scale_key(layer) for layer in named] == ["decoder.blocks.0.attention", "decoder.blocks.1.attention"]
     assert checkpoint_kv_scales(str(tmp_path), [kv_scale_key(layer) for layer in named]) == [(0.5, 1.0), (1.0, 0.125)]
-    unnamed = [Attention(4, 8, 2, 0.3, layer_idx=1)]
-    assert checkpoint_kv_scales(str(tmp_path), [kv_scale_key(layer) for layer in unnamed]) == [(1.0, 0.25)]
-    assert checkpoint_kv_scales(str(tmp_path), 2) == [(0.75, 1.0), (1.0, 0.25)]
+    llama = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert checkpoint_kv_scales(str(tmp_path), llama) == [(0.75, 1.0), (1.0, 0.25)]
+    with pytest.raises(ValueError, match="no checkpoint prefix"):
+        kv_scale_key(Attention(4, 8, 2, 0.3, layer_idx=1))
