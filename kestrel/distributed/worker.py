@@ -28,7 +28,8 @@ import torch
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.distributed.parallel import backend_for, init_parallel, shutdown_parallel
 from kestrel.engine.contracts import ModelRunnerOutput
-from kestrel.worker.model_runner import ModelRunner, resolve_device
+from kestrel.worker.model_runner import ModelRunner
+from kestrel.worker.runner_setup import resolve_device
 
 
 @dataclass(frozen=True)
