@@ -1,5 +1,5 @@
-"""ModelRunner: a set-up model (`runner_setup`) that runs one step: its inputs (`step_inputs`), the forward, its
-sampling (`step_sampling`)."""
+"""ModelRunner: a set-up model (`runner_setup`) behind the engine's two verbs: `execute_model` (the step's inputs,
+`step_inputs`, and its forward) and `sample_tokens` (its sampling, `step_sampling`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from kestrel.config import EngineConfig
 from kestrel.distributed.parallel import ParallelContext
-from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, Ready, SchedulerOutput
 from kestrel.sample.sampler import Sampler
 from kestrel.worker.runner_setup import RunnerSetup, host_threads_for_gpu_steps
 from kestrel.worker.step_inputs import ScheduledStep, StepInputs
@@ -30,41 +30,47 @@ class ModelRunner(RunnerSetup):
         self.block_table = self.step_inputs.block_table
         self.sampling = StepSampler(self.model, Sampler(generator), self.eos_token_ids, self.device, self.drafter,
                                     self.step_inputs)
+        self._forwarded: ForwardStep | None = None  # executed, not yet sampled
         if self.device.type == "cuda":
             host_threads_for_gpu_steps()
 
-    # ----- the step -----------------------------------------------------------------------------
+    # ----- the two verbs -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
-        return self.collect(self.sample(self.forward(out), grammar))
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Ready | None:
+        """Apply the scheduler output and enqueue the step's forward and the logits of its sampling rows; None
+        (`sample_tokens` follows), or the empty output of a step with nothing to compute. Nothing here waits for
+        the device, so `non_block` only wraps the value in a handle.
 
-    @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> LaunchedStep:
-        """Enqueue one step on the device and return at once; `collect` waits for its sampled ids.
+        A row whose input token was sampled by the step still in flight reads it on the device (`last_sampled`),
+        so the next step can be executed before the host knows that token. A pipeline stage before the last runs
+        its layers only (the model's forward hands its hidden states on); the last stage samples, and
+        `record_sampled` brings its ids here before any later step reads them."""
+        output = self._execute(scheduler_output)
+        return Ready(output) if non_block else output
 
-        A row whose input token was sampled by the step still in flight reads it on the device
-        (`last_sampled`), so the next step can be launched before the host knows that token.
-        """
-        return self.sample(self.forward(out))
-
-    @torch.inference_mode()
-    def forward(self, out: SchedulerOutput) -> ForwardStep:
-        """Enqueue the step's forward and the logits of its sampling rows; `sample` follows (the engine fills
-        the grammar bitmask on the host in between)."""
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self._forwarded is not None:
+            raise RuntimeError("execute_model was called again before the executed step's sample_tokens")
         self.step_inputs.apply(out)
         step = self.step_inputs.prepare(out)
         if step is None:
-            return ForwardStep([], [], [], None, {})
+            return ModelRunnerOutput([], [])
+        if not self.is_last_stage:
+            inputs = step.inputs
+            self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            self.step_inputs.mark_computed(step)
+            return None
         hidden = self._forward_step(step)
         draft = None
         if self.drafter is not None:
             self.drafter.catch_up(step.inputs, step.counts, step.states, hidden)
             if out.draft_request_ids:
                 draft = DraftStep(out.draft_request_ids, hidden, [0, *itertools.accumulate(step.counts)])
-        forwarded = self.sampling.score(step, hidden, draft)
+        self._forwarded = self.sampling.score(step, hidden, draft)
         self.step_inputs.mark_computed(step)
-        return forwarded
+        return None
 
     def _forward_step(self, step: ScheduledStep) -> torch.Tensor:
         """The step's hidden states: a captured graph's replay when one fits, else the eager forward."""
@@ -75,24 +81,37 @@ class ModelRunner(RunnerSetup):
         return self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
 
     @torch.inference_mode()
-    def forward_stage(self, out: SchedulerOutput) -> None:
-        """A pipeline stage before the last: run this stage's layers on the step and hand its hidden states on
-        (the model's forward sends them). Only the last stage samples; `record_sampled` brings its ids here before
-        any later step reads them."""
-        self.step_inputs.apply(out)
-        step = self.step_inputs.prepare(out)
-        if step is None:
-            return
-        inputs = step.inputs
-        self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        self.step_inputs.mark_computed(step)
+    def sample_tokens(self, grammar_output: GrammarBitmask | None,
+                      non_block: bool = False) -> ModelRunnerOutput | SampledStep:
+        """Enqueue the sampling of the executed step, its constrained rows masked by `grammar_output` first (so
+        greedy, top-p/top-k and logprobs all see the masked distribution), its drafts verified, the drafter's
+        proposals and the one host copy; then wait for the ids, or with `non_block` return a handle whose
+        `result()` does."""
+        forwarded, self._forwarded = self._forwarded, None
+        if forwarded is None:
+            raise RuntimeError("sample_tokens was called without a step executed (or on a stage before the last)")
+        sampled = SampledStep(self, self.sampling.sample(forwarded, grammar_output))
+        return sampled if non_block else sampled.result()
+
+    def _collect(self, launched: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a sampled step's ids (its one host synchronization) and record them."""
+        return self.sampling.collect(launched)
 
     def record_sampled(self, req_ids: list[str], sampled_token_ids: list[list[int]]) -> None:
+        """A pipeline stage before the last: the tokens the last stage added in a step."""
         self.step_inputs.record_sampled(req_ids, sampled_token_ids)
 
-    @torch.inference_mode()
-    def sample(self, step: ForwardStep, grammar: GrammarBitmask | None = None) -> LaunchedStep:
-        return self.sampling.sample(step, grammar)
 
-    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
-        return self.sampling.collect(step)
+class SampledStep:
+    """`sample_tokens(non_block=True)`'s handle: `result()` collects the step once."""
+
+    def __init__(self, runner: ModelRunner, launched: LaunchedStep) -> None:
+        self._runner = runner
+        self._launched: LaunchedStep | None = launched
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._launched is not None:
+            self._output = self._runner._collect(self._launched)
+            self._launched = None
+        return self._output
