@@ -20,14 +20,14 @@ def spec_models(tmp_path_factory) -> dict[str, str]:
 def _record_proposals(runner) -> list[tuple[list[int], list[int]]]:
     """(the request's tokens, its drafts) for each proposal the runner returns, from now on."""
     recorded: list[tuple[list[int], list[int]]] = []
-    collect = runner.collect
+    collect = runner._collect
 
     def recording(launched):
         out = collect(launched)
         recorded.extend((list(runner.requests[rid].token_ids), d) for rid, d in out.draft_token_ids.items() if d)
         return out
 
-    runner.collect = recording
+    runner._collect = recording
     return recorded
 
 

@@ -1,15 +1,15 @@
 """`kestrel bench host-step`: the engine's host time per decode step, by phase, without a device.
 
 EngineCore drives B requests (random prompts, `--output-len` tokens, EOS ignored) with a worker whose forward costs
-nothing (`NullRunner`: the SplitRunner and AsyncRunner contracts, tokens picked on the host), unconstrained and
-constrained by the `record` JSON schema of `kestrel bench structured` (the real GrammarBackend, compiled against
-`--tokenizer`, the detokenizer on the same tokenizer). Under async scheduling a constrained step runs
-forward(N+1), collects step N (runner.collect, scheduler update, grammar accept, outputs), fills N+1's bitmask,
-then sample(N+1); so on a device all of this is host work that must fit under one forward.
+nothing (`NullRunner`: the runner's two verbs, tokens picked on the host), unconstrained and constrained by the
+`record` JSON schema of `kestrel bench structured` (the real GrammarBackend, compiled against `--tokenizer`, the
+detokenizer on the same tokenizer). Under async scheduling a constrained step runs execute_model(N+1), collects
+step N (its handle's result, scheduler update, grammar accept, outputs), fills N+1's bitmask, then
+sample_tokens(N+1); so on a device all of this is host work that must fit under one forward.
 
 Reported per mode, the median over `--repeats` runs of the median over the steps in which all B requests decode,
-in ms per step: each phase (schedule, runner forward/launch, fill, sample, collect, scheduler update, grammar
-accept, the rest of collecting outputs: detokenization, RequestOutputs) and the step's total. The NullRunner's
+in ms per step: each phase (schedule, runner execute_model, fill, sample_tokens, collect, scheduler update,
+grammar accept, the rest of collecting outputs: detokenization, RequestOutputs) and the step's total. The NullRunner's
 own work (choosing a token allowed by each row's mask) stands in for the device and is left out of every number.
 
 This measures the host CPU it runs on (a development machine is not the GPU host); compare before/after on the
@@ -30,7 +30,7 @@ from typing import Any
 
 from kestrel.bench import register_suite, standalone_main
 from kestrel.config import ConfigError, EngineConfig
-from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, Ready, SchedulerOutput
 from kestrel.engine.core import EngineCore
 from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.tiny import default_model_path
@@ -54,10 +54,20 @@ class _Step:
     tokens: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Handle:
+    runner: NullRunner
+    step: _Step
+
+    def result(self) -> ModelRunnerOutput:
+        return self.runner.collect(self.step)
+
+
 class NullRunner:
-    """A worker whose device work is free: `forward` records which rows sample, `sample` picks each sampled
-    row's token (a random one its grammar row allows, when constrained), `collect` returns them. The time spent
-    picking tokens (the stand-in for the device) accumulates in `device_seconds`."""
+    """A worker whose device work is free: `execute_model` records which rows sample, `sample_tokens` picks each
+    sampled row's token (a random one its grammar row allows, when constrained), its handle's `result()` returns
+    them (`collect`). The time spent picking tokens (the stand-in for the device) accumulates in
+    `device_seconds`."""
 
     def __init__(self, vocab_size: int, eos_token_id: int | None, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -67,12 +77,20 @@ class NullRunner:
         self.rows: dict[str, _Row] = {}
         self.rng = random.Random(seed)
         self.device_seconds = 0.0
+        self._executed: _Step | None = None
 
-    def execute(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
-        return self.collect(self.sample(self.forward(out), grammar))
+    def execute_model(self, out: SchedulerOutput, non_block: bool = False) -> ModelRunnerOutput | Ready | None:
+        step = self.forward(out)
+        if out.is_empty:  # it only releases requests
+            output = self.collect(step)
+            return Ready(output) if non_block else output
+        self._executed = step
+        return Ready() if non_block else None
 
-    def launch(self, out: SchedulerOutput) -> _Step:
-        return self.sample(self.forward(out))
+    def sample_tokens(self, grammar: GrammarBitmask | None, non_block: bool = False) -> ModelRunnerOutput | _Handle:
+        step, self._executed = self._executed, None
+        handle = _Handle(self, self.sample(step, grammar))
+        return handle if non_block else handle.result()
 
     def forward(self, out: SchedulerOutput) -> _Step:
         for rid in out.finished_req_ids | out.preempted_req_ids:
@@ -219,8 +237,7 @@ def _measure(mode: str, args: argparse.Namespace, tokenizer: Any, vocab_size: in
     phases = _PhaseClock(clock)
     for name, phase in (("schedule", "schedule"), ("update", "update")):
         phases.wrap(core.scheduler, name, phase)
-    for name, phase in (("forward", "forward"), ("launch", "forward"), ("sample", "sample"),
-                        ("collect", "collect")):
+    for name, phase in (("forward", "forward"), ("sample", "sample"), ("collect", "collect")):
         phases.wrap(runner, name, phase)
     # The scheduler update and grammar accept run in _advance (their own phases), the text and outputs in _emit.
     phases.wrap(core, "_advance", "outputs")

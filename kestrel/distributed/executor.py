@@ -1,9 +1,11 @@
-"""Executors: the engine's `Runner` (and `SplitRunner` / `AsyncRunner`) over N worker processes.
+"""Executors: the engine's `Runner` (`execute_model`, `sample_tokens`) over N worker processes.
 
-Each call is broadcast to every worker in order; only rank 0 answers `execute` / `collect` (all ranks hold the
-same outputs). `forward` / `sample` / `launch` return a key at once and the workers keep the step under it, so
-async scheduling still overlaps the host with the device. The engine's process loads no model: torch is not
-imported here.
+Each call is broadcast to every worker in order; only rank 0 answers (all ranks hold the same outputs), and only
+a blocking `sample_tokens` or a handle's `result()`. `execute_model` is never answered, and a step without
+constrained rows is sent with its `sample_tokens` call (one call per step, as no bitmask is filled in between);
+`sample_tokens(non_block=True)` returns a handle at once and the workers keep the step under its key, so async
+scheduling still overlaps the host with the device. The engine's process loads no model: torch is not imported
+here.
 
 Under pipeline parallelism the last stage's first rank answers instead, each step as soon as it has run (the
 engine keeps several batches in flight and collects the oldest); its replies arrive in call order and are kept
@@ -34,19 +36,17 @@ from typing import Any
 from kestrel.config import EngineConfig
 from kestrel.distributed.worker import (
     CALIBRATE_KV,
-    COLLECT,
-    EXECUTE,
-    FORWARD,
-    LAUNCH,
+    EXECUTE_MODEL,
     RECORD,
-    SAMPLE,
+    RESULT,
+    SAMPLE_TOKENS,
     SHUTDOWN,
     WorkerInfo,
     WorkerSpec,
     reply_rank,
     worker_process_main,
 )
-from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, Ready, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class Executor(ABC):
         self.pipelined = config.parallel.pipeline_parallel_size > 1
         self._awaiting: deque[int] = deque()  # pipelined: the steps whose replies are due, in call order
         self._arrived: dict[int, ModelRunnerOutput] = {}  # pipelined: replies read, not yet collected
+        self._unsent: SchedulerOutput | None = None  # executed, sent with its sample_tokens call
 
     def _adopt(self, info: WorkerInfo) -> None:
         self.vocab_size = info.vocab_size
@@ -98,37 +99,44 @@ class Executor(ABC):
         self.weight_bytes = info.weight_bytes
         self.kv_bytes_per_token = info.kv_bytes_per_token
 
-    # ----- Runner, SplitRunner, AsyncRunner ---------------------------------------------------------
+    # ----- the two verbs --------------------------------------------------------------------------------
 
-    def execute(self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
-        if self.pipelined:
-            return self._stage_output(self._send_step(EXECUTE, (scheduler_output, grammar)))
-        self._send((EXECUTE, None, (scheduler_output, grammar)))
-        return self._reply()
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Ready | None:
+        """Send the step to every worker, or keep it for its `sample_tokens` call when it has no constrained rows
+        (nothing is filled in between, and one call per step costs one pickling and one pipe write per worker).
+        No worker answers it, so this never waits and `non_block` only wraps the value."""
+        if self._unsent is not None:
+            raise RuntimeError("execute_model was called again before the executed step's sample_tokens")
+        output = None
+        if scheduler_output.is_empty:  # it only releases requests: they reach every worker, nothing comes back
+            self._send((EXECUTE_MODEL, None, scheduler_output))
+            output = ModelRunnerOutput([], [])
+        elif scheduler_output.structured_output_request_ids:  # the forward runs while the bitmask is filled
+            self._send((EXECUTE_MODEL, None, scheduler_output))
+        else:
+            self._unsent = scheduler_output
+        return Ready(output) if non_block else output
 
-    def forward(self, scheduler_output: SchedulerOutput) -> int:
+    def sample_tokens(self, grammar_output: GrammarBitmask | None,
+                      non_block: bool = False) -> ModelRunnerOutput | _PendingStep:
+        """Sample the executed step on the workers; wait for the reply rank's output, or with `non_block` return
+        a handle that asks for it (pipelined: that reads the last stage's answer, sent unasked)."""
+        scheduler_output, self._unsent = self._unsent, None
         key = next(self._keys)
-        self._send((FORWARD, key, scheduler_output))
-        return key
-
-    def sample(self, forwarded: int, grammar: GrammarBitmask | None = None) -> int:
+        answer_now = not non_block and not self.pipelined
+        self._send((SAMPLE_TOKENS, key, (scheduler_output, grammar_output, answer_now)))
+        if answer_now:
+            return self._reply()
         if self.pipelined:
-            return self._send_step(SAMPLE, (forwarded, grammar))
-        key = next(self._keys)
-        self._send((SAMPLE, key, (forwarded, grammar)))
-        return key
+            self._awaiting.append(key)
+        pending = _PendingStep(self, key)
+        return pending if non_block else pending.result()
 
-    def launch(self, scheduler_output: SchedulerOutput) -> int:
+    def _result(self, key: int) -> ModelRunnerOutput:
         if self.pipelined:
-            return self._send_step(LAUNCH, scheduler_output)
-        key = next(self._keys)
-        self._send((LAUNCH, key, scheduler_output))
-        return key
-
-    def collect(self, launched: int) -> ModelRunnerOutput:
-        if self.pipelined:
-            return self._stage_output(launched)
-        self._send((COLLECT, None, launched))
+            return self._stage_output(key)
+        self._send((RESULT, None, key))
         return self._reply()
 
     def calibrate_kv_scales(self) -> list[tuple[float, float]]:
@@ -137,13 +145,6 @@ class Executor(ABC):
         return self._reply()
 
     # ----- pipeline parallelism -------------------------------------------------------------------------
-
-    def _send_step(self, op: str, payload: Any) -> int:
-        """A call the last stage answers once it has run the step."""
-        key = next(self._keys)
-        self._send((op, key, payload))
-        self._awaiting.append(key)
-        return key
 
     def _stage_output(self, key: int) -> ModelRunnerOutput:
         """Step `key`'s output (reading the replies due before it), after sending its sampled ids to the earlier
@@ -203,6 +204,20 @@ class Executor(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+
+class _PendingStep:
+    """`sample_tokens(non_block=True)`'s handle: `result()` waits for the step's output once."""
+
+    def __init__(self, executor: Executor, key: int) -> None:
+        self._executor = executor
+        self._key = key
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self._executor._result(self._key)
+        return self._output
 
 
 class MultiprocExecutor(Executor):
@@ -306,12 +321,3 @@ def _stop_processes(procs: list[Any], conns: list[Connection]) -> None:
             proc.join(5.0)
     for conn in conns:
         conn.close()
-
-
-def build_executor(config: EngineConfig, eos_token_id: int | None) -> Executor:
-    """The executor `distributed_executor_backend` names (mp when none is named)."""
-    if config.parallel.distributed_executor_backend == "ray":
-        from kestrel.distributed.ray_executor import RayExecutor
-
-        return RayExecutor(config, eos_token_id)
-    return MultiprocExecutor(config, eos_token_id)

@@ -5,10 +5,11 @@ Every rank runs the same runner logic on the same scheduler outputs: the sharded
 collectives, and every rank of a tensor-parallel group ends a step with the same logits (gathered over tp) and
 samples the same tokens (same seeds), so each keeps its own request state and one rank reports back.
 
-Under pipeline parallelism only the last stage samples; its first rank reports each step as soon as the step has
-run (a launched step does not wait for its collect), and the engine sends the sampled ids back to the earlier
-stages (RECORD) before any later step reads them. No collective spans stages except the hidden states each stage
-sends to the next, so a stage never waits on a later one and several batches can be in flight.
+Under pipeline parallelism every stage runs its layers of each executed step and only the last stage samples; its
+first rank reports each step as soon as the step has run (a step sampled without waiting does not wait for its
+result call), and the engine sends the sampled ids back to the earlier stages (RECORD) before any later step reads
+them. No collective spans stages except the hidden states each stage sends to the next, so a stage never waits on
+a later one and several batches can be in flight.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from kestrel.config import ConfigError, EngineConfig
 from kestrel.distributed.parallel import backend_for, init_parallel, shutdown_parallel
 from kestrel.engine.contracts import ModelRunnerOutput
 from kestrel.kv_spec import KVCacheLayout
-from kestrel.worker.model_runner import ModelRunner, resolve_device
+from kestrel.worker.model_runner import ModelRunner
+from kestrel.worker.runner_setup import resolve_device
 
 
 @dataclass(frozen=True)
@@ -59,9 +61,11 @@ class WorkerInfo:
     kv_layout: KVCacheLayout  # the KV-cache groups and their blocks, as the engine schedules them
 
 
-# Calls: (op, key, payload). A key names a forwarded / launched step kept on the worker until collected, so
-# the executor never waits for a reply that only hands back a handle.
-EXECUTE, FORWARD, SAMPLE, LAUNCH, COLLECT, SHUTDOWN = "execute", "forward", "sample", "launch", "collect", "shutdown"
+# Calls: (op, key, payload), the engine's two verbs. EXECUTE_MODEL: a scheduler output, never answered (the
+# workers keep the executed step). SAMPLE_TOKENS: (scheduler output or None, grammar bitmask, answer now); a
+# scheduler output in it is executed first (a step without constrained rows travels as one call), and the sampled
+# step is kept under `key` unless answered now. RESULT: the key of a kept step, answered with its output.
+EXECUTE_MODEL, SAMPLE_TOKENS, RESULT, SHUTDOWN = "execute_model", "sample_tokens", "result", "shutdown"
 # Pipeline parallelism: (req_ids, sampled_token_ids) of a step the last stage ran, for the earlier stages.
 RECORD = "record"
 # FP8 KV scales from one calibration prefill that every rank runs together (its collectives and stage sends meet);
@@ -108,53 +112,42 @@ class Worker:
                           kv_per_token, r.kv_layout)
 
     def handle(self, call: tuple[str, int | None, Any]) -> Any:
-        """Run one call; the output of `execute` / `collect`, else None. Under pipeline parallelism,
-        `(key, output)` of each call that runs a step to its end on the last stage, else None."""
-        if call[0] == CALIBRATE_KV:
-            return self.runner.calibrate_kv_scales()
+        """Run one call; the output of an answered `sample_tokens` or a `result`, else None. Under pipeline
+        parallelism, `(key, output)` of each `sample_tokens` on the last stage (answered once the step has run),
+        else None."""
+        op, key, payload = call
+        runner = self.runner
+        if op == CALIBRATE_KV:
+            return runner.calibrate_kv_scales()
+        if op == EXECUTE_MODEL:
+            runner.execute_model(payload)
+            return None
         if self.parallel.pp_size > 1:
-            return self._handle_stage(call)
-        op, key, payload = call
-        runner = self.runner
-        if op == EXECUTE:
-            scheduler_output, grammar = payload
-            return runner.execute(scheduler_output, grammar)
-        if op == FORWARD:
-            self._steps[key] = runner.forward(payload)
-        elif op == SAMPLE:
-            forwarded, grammar = payload
-            self._steps[key] = runner.sample(self._steps.pop(forwarded), grammar)
-        elif op == LAUNCH:
-            self._steps[key] = runner.launch(payload)
-        elif op == COLLECT:
-            return runner.collect(self._steps.pop(payload))
-        else:
-            raise ValueError(f"unknown worker call {op!r}")
-        return None
+            return self._handle_stage(op, key, payload)
+        if op == SAMPLE_TOKENS:
+            scheduler_output, grammar, answer = payload
+            if scheduler_output is not None:
+                runner.execute_model(scheduler_output)
+            if answer:
+                return runner.sample_tokens(grammar)
+            self._steps[key] = runner.sample_tokens(grammar, non_block=True)
+            return None
+        if op == RESULT:
+            return self._steps.pop(payload).result()
+        raise ValueError(f"unknown worker call {op!r}")
 
-    def _handle_stage(self, call: tuple[str, int | None, Any]) -> tuple[int, ModelRunnerOutput] | None:
-        op, key, payload = call
+    def _handle_stage(self, op: str, key: int | None, payload: Any) -> tuple[int, ModelRunnerOutput] | None:
+        """A pipeline stage: every stage runs its layers of each executed step; the last one samples and answers,
+        the earlier ones record the sampled ids the engine sends back (RECORD)."""
         runner = self.runner
-        if self.parallel.is_last_stage:
-            if op == EXECUTE:
-                return key, runner.execute(*payload)
-            if op == LAUNCH:
-                return key, runner.execute(payload)
-            if op == FORWARD:
-                self._steps[key] = runner.forward(payload)
-                return None
-            if op == SAMPLE:
-                forwarded, grammar = payload
-                return key, runner.collect(runner.sample(self._steps.pop(forwarded), grammar))
-            if op == RECORD:
-                return None  # this stage sampled them
-        elif op in (EXECUTE, LAUNCH, FORWARD):
-            runner.forward_stage(payload[0] if op == EXECUTE else payload)
-            return None
-        elif op == SAMPLE:
-            return None
-        elif op == RECORD:
-            runner.record_sampled(*payload)
+        if op == SAMPLE_TOKENS:
+            scheduler_output, grammar, _ = payload
+            if scheduler_output is not None:
+                runner.execute_model(scheduler_output)
+            return (key, runner.sample_tokens(grammar)) if self.parallel.is_last_stage else None
+        if op == RECORD:
+            if not self.parallel.is_last_stage:  # the last stage sampled them
+                runner.record_sampled(*payload)
             return None
         raise ValueError(f"unknown worker call {op!r} under pipeline parallelism")
 

@@ -12,7 +12,7 @@ with a grammar bitmask (structured outputs); the worker returns the accepted tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kestrel.outputs import Logprob
 from kestrel.sampling_params import SamplingParams
@@ -98,30 +98,47 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
+class StepHandle(Protocol):
+    """What a verb called with `non_block=True` returns: `result()` waits for the value the blocking call returns."""
+
+    def result(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A handle whose value is known already (a runner that has nothing to wait for)."""
+
+    value: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput | None:
+        return self.value
+
+
+@runtime_checkable
 class Runner(Protocol):
-    """What the engine needs from a worker: run one scheduled step (with its grammar bitmask, if any)."""
+    """What the engine needs from a worker: two verbs per step.
 
-    def execute(self, scheduler_output: SchedulerOutput,
-                grammar: GrammarBitmask | None = None) -> ModelRunnerOutput: ...
+    `execute_model(s)` applies the scheduler output (releases, new requests, new blocks) and enqueues the step's
+    forward. It returns None when the step samples, and `sample_tokens` must follow; a step with nothing to sample
+    may return its output at once (one with nothing to compute, which only releases requests, always does).
+    `sample_tokens(g)` samples the step executed last, its constrained rows masked by the grammar bitmask `g` (the
+    engine fills it on the host while the forward runs), verifying the step's drafts and proposing the worker-side
+    drafts, and returns its `ModelRunnerOutput`. With `non_block=True` either returns a handle whose `result()`
+    waits for that value: for `sample_tokens`, the step's one host synchronization.
+
+    A step may be executed while an earlier one's output is not yet collected (async scheduling, pipeline batches):
+    a row whose input token is still in flight reads it on the device, and every step collects normally. An output
+    that only releases requests may be executed at any time between steps: the worker drops their state."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | StepHandle | None: ...
+
+    def sample_tokens(self, grammar_output: GrammarBitmask | None,
+                      non_block: bool = False) -> ModelRunnerOutput | StepHandle: ...
 
 
-class SplitRunner(Runner, Protocol):
-    """A worker whose forward and sampling are separate calls, so the engine can fill the grammar bitmask on
-    the host while the forward runs: `execute(s, g)` is `collect(sample(forward(s), g))`."""
-
-    def forward(self, scheduler_output: SchedulerOutput) -> object: ...
-
-    def sample(self, forwarded: object, grammar: GrammarBitmask | None) -> object: ...
-
-    def collect(self, launched: object) -> ModelRunnerOutput: ...
-
-
-class AsyncRunner(Runner, Protocol):
-    """A worker that can enqueue a step and return before it finishes (async scheduling): `execute(s)` is
-    `collect(launch(s))`, and a step launched while another is in flight reads that one's sampled ids on the
-    device. An output with nothing to compute (it only releases requests) may be executed while a step is in
-    flight: the worker drops those requests' state, and the step in flight still collects normally."""
-
-    def launch(self, scheduler_output: SchedulerOutput) -> object: ...
-
-    def collect(self, launched: object) -> ModelRunnerOutput: ...
+def run_step(runner: Runner, scheduler_output: SchedulerOutput,
+             grammar_output: GrammarBitmask | None = None) -> ModelRunnerOutput:
+    """One step to its output, for callers that need no overlap (the bitmask, if any, is filled already)."""
+    output = runner.execute_model(scheduler_output)
+    return output if output is not None else runner.sample_tokens(grammar_output)

@@ -1,4 +1,5 @@
-"""EngineCore: schedule -> runner.execute -> scheduler.update -> detokenize -> RequestOutputs (pure Python).
+"""EngineCore: schedule -> runner.execute_model -> runner.sample_tokens -> scheduler.update -> detokenize ->
+RequestOutputs (pure Python).
 
 The tokenizer is passed in (duck-typed), so this module never imports torch or transformers.
 A request with `n > 1` is fanned out into n sequences that share the prompt (and its cached blocks)
@@ -14,8 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kestrel.config import ConfigError, EngineConfig
-from kestrel.engine.contracts import ModelRunnerOutput, Runner, SchedulerOutput
+from kestrel.config import EngineConfig
+from kestrel.engine.contracts import ModelRunnerOutput, Ready, Runner, SchedulerOutput, StepHandle, run_step
 from kestrel.engine.detokenizer import IncrementalDetokenizer, TokenizerLookups
 from kestrel.engine.ngram_proposer import propose
 from kestrel.engine.scheduler import Scheduler
@@ -71,6 +72,9 @@ class EngineCore:
         max_model_len = config.model.max_model_len or 0
         kv_layout = as_layout(kv_cache, config.cache.block_size)
         kv_layout.check_holds(max_model_len)
+        if not isinstance(runner, Runner):
+            raise TypeError(f"{type(runner).__name__} is not a Runner: the engine calls its execute_model("
+                            "scheduler_output, non_block) and sample_tokens(grammar_output, non_block)")
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -86,23 +90,20 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, kv_layout, max_model_len)
         self._parents: dict[str, _ParentRequest] = {}
         self._sequence_parent: dict[str, _ParentRequest] = {}
-        can_launch = hasattr(runner, "launch") and hasattr(runner, "collect")
         self.async_scheduling = config.scheduler.async_scheduling
         if self.async_scheduling is None:  # automatic: worth it when a device runs the steps
-            self.async_scheduling = can_launch and getattr(getattr(runner, "device", None), "type", "cpu") != "cpu"
-        if self.async_scheduling and not can_launch:
-            raise ConfigError(f"invalid async_scheduling=True: the runner {type(runner).__name__} cannot launch a "
-                              "step without waiting for it; use async_scheduling=False")
-        self._pending: tuple[SchedulerOutput, Any] | None = None  # the launched step not yet collected
-        # Pipeline parallelism: up to pp launched batches in flight (vLLM's batch queue), oldest first, and the
-        # requests they hold. None: one step at a time (sync or async scheduling).
-        self._batch_queue: deque[tuple[SchedulerOutput, Any]] | None = None
-        self._in_flight_ids: set[str] = set()
-        self.max_batches_in_flight = config.parallel.pipeline_parallel_size
-        if self.max_batches_in_flight > 1 and can_launch and config.scheduler.async_scheduling is not False:
-            self._batch_queue = deque()
+            self.async_scheduling = getattr(getattr(runner, "device", None), "type", "cpu") != "cpu"
+        # Pipeline parallelism: up to pp batches in flight (vLLM's batch queue), each scheduled from the requests
+        # with nothing in flight. Async scheduling: two, the second reading the first's tokens on the device.
+        self.pipelined = config.parallel.pipeline_parallel_size > 1 and config.scheduler.async_scheduling is not False
+        if self.pipelined:
             self.async_scheduling = False
-        self._can_split = hasattr(runner, "forward") and hasattr(runner, "sample") and can_launch
+            self.max_batches_in_flight = config.parallel.pipeline_parallel_size
+        else:
+            self.max_batches_in_flight = 2 if self.async_scheduling else 1
+        # The steps sampled but not yet collected, oldest first, and (pipelined) the requests they hold.
+        self._batch_queue: deque[tuple[SchedulerOutput, StepHandle]] = deque()
+        self._in_flight_ids: set[str] = set()
         # Live requests whose sampling reads their latest tokens on the host (usually none): kept here so a
         # step need not scan every request; finished ones are dropped lazily by `_needs_sync`.
         self._sync_request_ids: set[str] = set()
@@ -139,11 +140,7 @@ class EngineCore:
         self._parents[request_id] = parent
         for sequence in parent.sequences:
             self.scheduler.add_request(sequence.request)
-            # A grammar needs each token before it masks the next: under async scheduling a runner that splits
-            # forward and sampling gets it in between (see _step_async); any other runner steps synchronously.
-            needs_sync = _needs_latest_tokens(params) or (params.structured_outputs is not None
-                                                          and not self._can_split)
-            if needs_sync:
+            if _needs_latest_tokens(params):
                 self._sync_request_ids.add(sequence.request.request_id)
 
     def _add_grammars(self, parent: _ParentRequest, params: SamplingParams) -> None:
@@ -221,7 +218,7 @@ class EngineCore:
             self._release_finished()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._pending is not None or bool(self._batch_queue)
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -233,106 +230,23 @@ class EngineCore:
         """Run one scheduled step; return an output for every request that made progress (for
         `output_kind="final_only"` requests, only once they finish).
 
-        Under async scheduling the step launched here is collected by the next call, so the outputs returned
-        are those of the step before; a batch that needs the host's view of every token (penalties,
-        min_tokens, prompt logprobs) runs synchronously.
+        Every mode is an ordering of the runner's two verbs, `execute_model` then `sample_tokens`. Synchronous
+        (and speculative verification): one step executed, its grammar bitmask filled while the forward runs,
+        sampled and collected. Async scheduling and pipeline batches (`_step_with_batch_queue`): a step is sampled
+        without waiting and collected later, so the outputs returned are those of an earlier step; a batch that
+        needs the host's view of every token (penalties, min_tokens, prompt logprobs, drafts to verify) first
+        collects what is in flight, then runs synchronously.
 
         Every request the scheduler finishes, aborts or preempts reaches the runner's release list with the
         next scheduler output, even one with nothing to compute: the runner's rows then never outnumber the
         scheduler's running requests, whatever finished while a step was in flight. An engine left idle
         releases them at once, so the runner holds no state between bursts."""
-        if self._batch_queue is not None:
-            outputs = self._drain() + self._step_sync() if self._needs_sync() else self._step_pipelined()
-        elif not self.async_scheduling:
-            outputs = self._step_sync()
-        elif self._needs_sync():
-            outputs = self._collect_pending() + self._step_sync()
+        if self.max_batches_in_flight > 1 and not self._needs_sync():
+            outputs = self._step_with_batch_queue()
         else:
-            outputs = self._step_async()
+            outputs = self._drain() + self._step_sync()
         if not self.has_unfinished_requests():
             self._release_finished()
-        return outputs
-
-    def _step_async(self) -> list[RequestOutput]:
-        launched = None
-        if self.scheduler.has_unfinished_requests():
-            # A step launched before the previous one's tokens are known neither verifies nor proposes drafts.
-            scheduler_output = self.scheduler.schedule(verify_drafts=False)
-            constrained = scheduler_output.structured_output_request_ids
-            if not scheduler_output.is_empty and constrained and self.structured is not None:
-                # The forward of step N+1 runs while the host collects step N, feeds its tokens to the grammars
-                # and fills N+1's bitmask; N+1 samples, and only then does N's text and outputs follow (nothing
-                # of N+1 waits on them; a stop string found there ends its request as one finished in flight).
-                runner: Any = self.runner
-                forwarded = runner.forward(scheduler_output)
-                updated: list[Request] = []
-                if self._pending is not None:
-                    collected, launched = self._pending
-                    self._pending = None
-                    updated = self._advance(collected, runner.collect(launched))
-                self._pending = (scheduler_output, runner.sample(forwarded, self._grammar_bitmask(scheduler_output)))
-                outputs = self._emit(updated)
-                if not self.scheduler.has_unfinished_requests():
-                    outputs += self._collect_pending()
-                return outputs
-            if not scheduler_output.is_empty:
-                launched = (scheduler_output, self.runner.launch(scheduler_output))
-            elif self._pending is None:
-                raise RuntimeError(_NOTHING_PLACED)
-            elif scheduler_output.releases_requests:
-                # Every running request waits on its token in flight: nothing to compute, but the releases
-                # must reach the runner before the next step admits into their rows.
-                self.runner.execute(scheduler_output)
-        outputs = self._collect_pending()
-        self._pending = launched
-        if launched is not None and not self.scheduler.has_unfinished_requests():
-            # Every request of the step in flight has finished meanwhile: settle it now, so an idle engine
-            # holds nothing in flight.
-            outputs += self._collect_pending()
-        return outputs
-
-    def _step_pipelined(self) -> list[RequestOutput]:
-        """Pipeline parallelism, as vLLM's batch queue: launch a batch scheduled from the requests with nothing in
-        flight (their tokens are all known, so no placeholder is read on the device and every stage can start it
-        at once), while fewer than pp batches are in flight; collect the oldest only when the queue is full or
-        nothing else can be scheduled. The stages then each work on a different batch."""
-        queue = self._batch_queue
-        if len(queue) < self.max_batches_in_flight and self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule(exclude=self._in_flight_ids, verify_drafts=False)
-            if not scheduler_output.is_empty:
-                queue.append((scheduler_output, self._launch(scheduler_output)))
-                self._in_flight_ids.update(scheduler_output.num_scheduled_tokens)
-                stats = self.scheduler.stats
-                stats.max_batches_in_flight = max(stats.max_batches_in_flight, len(queue))
-                if len(queue) < self.max_batches_in_flight:
-                    return []
-            elif scheduler_output.releases_requests:
-                # Nothing to compute, but the releases must reach the runner before a later batch admits into
-                # their rows (the runner answers once the batches in flight have run).
-                self.runner.execute(scheduler_output)
-        if not queue:
-            if self.scheduler.has_unfinished_requests():
-                raise RuntimeError(_NOTHING_PLACED)
-            return []
-        return self._collect_oldest()
-
-    def _launch(self, scheduler_output: SchedulerOutput) -> Any:
-        """Launch a batch; a constrained one gets its grammar bitmask now (its requests' tokens are all known)."""
-        if scheduler_output.structured_output_request_ids and self.structured is not None:
-            runner: Any = self.runner
-            return runner.sample(runner.forward(scheduler_output), self._grammar_bitmask(scheduler_output))
-        return self.runner.launch(scheduler_output)
-
-    def _collect_oldest(self) -> list[RequestOutput]:
-        scheduler_output, launched = self._batch_queue.popleft()
-        self._in_flight_ids.difference_update(scheduler_output.num_scheduled_tokens)
-        return self._process(scheduler_output, self.runner.collect(launched))
-
-    def _drain(self) -> list[RequestOutput]:
-        """Collect every batch in flight (before a step that must run alone)."""
-        outputs: list[RequestOutput] = []
-        while self._batch_queue:
-            outputs += self._collect_oldest()
         return outputs
 
     def _step_sync(self) -> list[RequestOutput]:
@@ -347,21 +261,95 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule(draft_lookahead=lookahead)
         if scheduler_output.is_empty:
             raise RuntimeError(_NOTHING_PLACED)
-        return self._process(scheduler_output, self._execute(scheduler_output))
+        executed = self.runner.execute_model(scheduler_output, non_block=True)
+        grammar = self._grammar_bitmask(scheduler_output)  # filled on the host while the forward runs
+        output = executed.result()
+        if output is None:
+            output = self.runner.sample_tokens(grammar)
+        return self._process(scheduler_output, output)
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run a step; a step with grammar-constrained requests fills their bitmask on the host while the
-        runner's forward runs (when the runner splits forward and sampling), then samples."""
-        if not scheduler_output.structured_output_request_ids or self.structured is None:
-            return self.runner.execute(scheduler_output)
-        runner: Any = self.runner
-        if hasattr(runner, "forward") and hasattr(runner, "sample"):
-            forwarded = runner.forward(scheduler_output)
-            return runner.collect(runner.sample(forwarded, self._grammar_bitmask(scheduler_output)))
-        return runner.execute(scheduler_output, self._grammar_bitmask(scheduler_output))
+    def _step_with_batch_queue(self) -> list[RequestOutput]:
+        """Async scheduling and pipeline parallelism, as vLLM's batch queue: while fewer than
+        `max_batches_in_flight` steps are in flight, schedule one more, execute it and sample it without waiting;
+        collect the oldest only when the queue is full or nothing else can be scheduled.
+
+        Async scheduling (two in flight): step N+1 is scheduled and launched before step N's tokens reach the host
+        (its rows read them on the device), then N is collected. A constrained N+1 needs N's tokens in its grammars
+        before its bitmask: its forward runs while the host collects N and feeds them, then N+1 is sampled, and
+        only then do N's text and outputs follow (nothing of N+1 waits on them; a stop string found there ends its
+        request as one finished in flight). Pipeline parallelism (pp in flight): each batch is scheduled from the
+        requests with nothing in flight (their tokens are all known, so no placeholder is read on the device and
+        every stage can start it at once; a constrained batch gets its bitmask at launch), and the stages each work
+        on a different batch."""
+        queue = self._batch_queue
+        unsampled: SchedulerOutput | None = None  # executed; sampled once the oldest step is collected
+        if len(queue) < self.max_batches_in_flight and self.scheduler.has_unfinished_requests():
+            # A step launched before the previous one's tokens are known neither verifies nor proposes drafts.
+            exclude = self._in_flight_ids if self.pipelined else ()
+            scheduler_output = self.scheduler.schedule(exclude=exclude, verify_drafts=False)
+            if not scheduler_output.is_empty:
+                output = self.runner.execute_model(scheduler_output)
+                if output is not None:
+                    self._enqueue(scheduler_output, Ready(output))
+                elif queue and not self.pipelined and self._constrained(scheduler_output):
+                    unsampled = scheduler_output
+                else:
+                    self._enqueue(scheduler_output, self._sample(scheduler_output))
+                if unsampled is None and len(queue) < self.max_batches_in_flight:
+                    return []
+            elif scheduler_output.releases_requests:
+                # Nothing to compute (every running request waits on its token in flight), but the releases must
+                # reach the runner before a later step admits into their rows.
+                self.runner.execute_model(scheduler_output)
+        if not queue:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError(_NOTHING_PLACED)
+            return []
+        if unsampled is None:
+            outputs = self._process(*self._collect_oldest())
+        else:
+            updated = self._advance(*self._collect_oldest())
+            self._enqueue(unsampled, self._sample(unsampled))
+            outputs = self._emit(updated)
+        if queue and not self.scheduler.has_unfinished_requests():
+            # Every request of the steps in flight has finished meanwhile: settle them now, so an idle engine
+            # holds nothing in flight.
+            outputs += self._drain()
+        return outputs
+
+    def _sample(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Sample an executed step without waiting for it, its constrained rows masked by their bitmask."""
+        return self.runner.sample_tokens(self._grammar_bitmask(scheduler_output), non_block=True)
+
+    def _enqueue(self, scheduler_output: SchedulerOutput, handle: StepHandle) -> None:
+        self._batch_queue.append((scheduler_output, handle))
+        if self.pipelined:
+            self._in_flight_ids.update(scheduler_output.num_scheduled_tokens)
+            stats = self.scheduler.stats
+            stats.max_batches_in_flight = max(stats.max_batches_in_flight, len(self._batch_queue))
+
+    def _collect_oldest(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """The oldest step in flight and its output (the wait for its ids)."""
+        scheduler_output, handle = self._batch_queue.popleft()
+        if self.pipelined:
+            self._in_flight_ids.difference_update(scheduler_output.num_scheduled_tokens)
+        return scheduler_output, handle.result()
+
+    def _drain(self) -> list[RequestOutput]:
+        """Collect every step in flight, oldest first (before a step that must run alone)."""
+        outputs: list[RequestOutput] = []
+        while self._batch_queue:
+            outputs += self._process(*self._collect_oldest())
+        return outputs
+
+    def _constrained(self, scheduler_output: SchedulerOutput) -> bool:
+        return bool(scheduler_output.structured_output_request_ids) and self.structured is not None
 
     def _grammar_bitmask(self, scheduler_output: SchedulerOutput) -> Any:
-        """The step's constrained rows, in batch order; a request verifying drafts has one per position."""
+        """The step's constrained rows, in batch order (a request verifying drafts has one per position); None
+        when it has none."""
+        if not self._constrained(scheduler_output):
+            return None
         constrained = scheduler_output.structured_output_request_ids
         ids = [rid for rid in scheduler_output.num_scheduled_tokens if rid in constrained]
         return self.structured.bitmask(ids, scheduler_output.scheduled_spec_decode_tokens)
@@ -371,14 +359,7 @@ class EngineCore:
         if self.scheduler.has_pending_releases:
             scheduler_output = self.scheduler.schedule()
             assert scheduler_output.is_empty, "an idle engine scheduled work"
-            self.runner.execute(scheduler_output)
-
-    def _collect_pending(self) -> list[RequestOutput]:
-        if self._pending is None:
-            return []
-        scheduler_output, launched = self._pending
-        self._pending = None
-        return self._process(scheduler_output, self.runner.collect(launched))
+            run_step(self.runner, scheduler_output)
 
     def _speculating(self) -> bool:
         spec = self.config.speculative

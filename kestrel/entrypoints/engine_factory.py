@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kestrel.config import EngineConfig
-from kestrel.distributed.executor import Executor, build_executor
+from kestrel.distributed.executor import Executor
+from kestrel.distributed.factory import build_executor
 from kestrel.engine.core import EngineCore
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.structured.backend import GrammarBackend

@@ -8,7 +8,6 @@ import pytest
 from test_generate import hf_greedy, kestrel_greedy, mixed_prompts
 
 from kestrel import LLM, SamplingParams
-from kestrel.config import ConfigError
 from kestrel.engine.core import EngineCore
 from kestrel.loader.model_init import write_tiny_checkpoint
 from kestrel.tiny import default_model_path
@@ -86,7 +85,7 @@ def test_async_abort_mid_run_frees_everything(tiny_pair):
         engine.add_request(f"abort-{i}", tokenizer.encode(prompt), params)
     for _ in range(5):
         engine.step()
-    assert engine._pending is not None  # a step is in flight while we abort
+    assert engine._batch_queue  # a step is in flight while we abort
     engine.abort_request([f"abort-{i}" for i in range(0, len(PROMPTS), 2)])
     finished = {}
     while engine.has_unfinished_requests():
@@ -98,16 +97,16 @@ def test_async_abort_mid_run_frees_everything(tiny_pair):
     assert all_blocks_free(llm)
 
 
-def test_async_needs_a_runner_that_can_launch():
-    class SyncOnly:
+def test_async_needs_a_runner_with_the_two_verbs():
+    class OneVerb:
         def execute(self, scheduler_output):
             raise AssertionError("not reached")
 
     from kestrel.config import EngineConfig
 
     config = EngineConfig.from_kwargs(str(default_model_path()), async_scheduling=True, max_model_len=64)
-    with pytest.raises(ConfigError, match="async_scheduling"):
-        EngineCore(config, SyncOnly(), 16, tokenizer=None, eos_token_id=None)
+    with pytest.raises(TypeError, match="execute_model"):
+        EngineCore(config, OneVerb(), 16, tokenizer=None, eos_token_id=None)
 
 
 def test_random_greedy_mix_under_async_keeps_max_tokens(llama_dir):

@@ -6,6 +6,8 @@ graph, and a bounded number of eager ops (the launches outside graphs on a GPU).
 decoding without speculation, and EAGLE proposals to a recomputation of the head over the whole context, with
 padded verify rows (two requests, one of them decoding plainly or verifying fewer drafts)."""
 
+import contextlib
+
 import pytest
 import torch
 from test_speculative_models import _recompute_head
@@ -108,20 +110,28 @@ def test_one_host_read_and_one_replay_per_program_per_speculative_step(spec_mode
     for model, name in ((runner.model, "target"), (runner.drafter.model, "drafter")):
         monkeypatch.setattr(model, "forward", counter.inside(counter.forwards, name, model.forward))
     steps = []
-    execute = runner.execute
+    execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
+    counting: list[contextlib.ExitStack] = []  # open from a verify step's forward through its collect
 
-    def counted(out, grammar=None):
-        if not out.scheduled_spec_decode_tokens:
-            return execute(out, grammar)
-        counter.host_reads = counter.ops = 0
-        counter.replays.clear()
-        counter.forwards.clear()
-        with counter.modes[0], counter.modes[1]:
-            result = execute(out, grammar)
-        steps.append((counter.host_reads, sorted(counter.replays), len(counter.forwards), counter.ops))
+    def counted_execute(out, non_block=False):
+        if out.scheduled_spec_decode_tokens:
+            counter.host_reads = counter.ops = 0
+            counter.replays.clear()
+            counter.forwards.clear()
+            modes = contextlib.ExitStack()
+            modes.enter_context(counter.modes[0])
+            modes.enter_context(counter.modes[1])
+            counting.append(modes)
+        return execute_model(out, non_block)
+
+    def counted_sample(grammar, non_block=False):
+        result = sample_tokens(grammar, non_block)  # the engine samples a verify step blocking: collected here
+        if counting:
+            counting.pop().close()
+            steps.append((counter.host_reads, sorted(counter.replays), len(counter.forwards), counter.ops))
         return result
 
-    runner.execute = counted
+    runner.execute_model, runner.sample_tokens = counted_execute, counted_sample
     recorded = record_proposals(runner)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     assert got == plain

@@ -25,7 +25,7 @@ import pytest
 import uvicorn
 
 from kestrel.config import EngineConfig
-from kestrel.engine.contracts import ModelRunnerOutput, SchedulerOutput
+from kestrel.engine.contracts import ModelRunnerOutput, Ready, SchedulerOutput
 from kestrel.engine.core import EngineCore
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
@@ -174,8 +174,20 @@ class ScriptedRunner:
     fail_at_step: int | None = None
     steps: int = 0
     _progress: dict[str, _Progress] = field(default_factory=dict)
+    _executed: ModelRunnerOutput | None = None
 
-    def execute(self, out: SchedulerOutput, grammar: Any = None) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput, non_block: bool = False) -> Any:
+        output = self._run(out)
+        if out.is_empty:  # it only releases requests
+            return Ready(output) if non_block else output
+        self._executed = output
+        return Ready() if non_block else None
+
+    def sample_tokens(self, grammar: Any, non_block: bool = False) -> Any:
+        output, self._executed = self._executed, None
+        return Ready(output) if non_block else output
+
+    def _run(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.steps += 1
         if self.fail_at_step is not None and self.steps >= self.fail_at_step:
             raise RuntimeError("scripted model failure")

@@ -1,5 +1,6 @@
-"""LaggedRunner: a pure-Python worker with the ModelRunner's launch/collect contract, for async scheduling tests (and
-WordTokenizer, a one-word-per-id tokenizer for engines built around it).
+"""LaggedRunner: a pure-Python worker with the ModelRunner's two verbs (`sample_tokens(non_block=True)` hands back a
+step collected later), for async scheduling tests (and WordTokenizer, a one-word-per-id tokenizer for engines built
+around it).
 
 It holds exactly `max_rows` rows (as the runner's block table holds `max_num_seqs`) and fails loudly when a
 step would need more, reads a token still in flight as the device would (at most one per request), and
@@ -12,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from kestrel.engine.contracts import ModelRunnerOutput, SchedulerOutput
+from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, Ready, SchedulerOutput
 
 
 def token_at(prompt: tuple[int, ...], position: int, vocab_size: int, eos_token_id: int, eos_rate: float) -> int:
@@ -40,6 +41,15 @@ class _Launched:
 
 
 @dataclass
+class _Handle:
+    runner: LaggedRunner
+    launched: _Launched
+
+    def result(self) -> ModelRunnerOutput:
+        return self.runner.collect(self.launched)
+
+
+@dataclass
 class LaggedRunner:
     max_rows: int
     vocab_size: int
@@ -51,6 +61,7 @@ class LaggedRunner:
     in_flight: int = 0
     peak_rows: int = 0
     steps: int = 0
+    executed: _Launched | None = None
 
     def __post_init__(self) -> None:
         self.free_rows = list(range(self.max_rows))
@@ -59,8 +70,20 @@ class LaggedRunner:
     def rows_in_use(self) -> int:
         return self.max_rows - len(self.free_rows)
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collect(self.launch(out))
+    def execute_model(self, out: SchedulerOutput, non_block: bool = False):
+        assert self.executed is None, "execute_model twice without sample_tokens"
+        launched = self.launch(out)
+        if launched.req_ids:
+            self.executed = launched
+            return Ready() if non_block else None
+        output = self.collect(launched)
+        return Ready(output) if non_block else output
+
+    def sample_tokens(self, grammar: GrammarBitmask | None, non_block: bool = False):
+        assert self.executed is not None, "sample_tokens without a step executed"
+        handle = _Handle(self, self.executed)
+        self.executed = None
+        return handle if non_block else handle.result()
 
     def launch(self, out: SchedulerOutput) -> _Launched:
         assert self.in_flight <= 1, "a step was launched with two others still in flight"

@@ -38,7 +38,7 @@ def random_prompt(rng: random.Random, length: int) -> list[int]:
 
 def assert_all_released(engine: EngineCore, runner: LaggedRunner) -> None:
     pool = engine.scheduler.kv.pool
-    assert not engine.has_unfinished_requests() and engine._pending is None
+    assert not engine.has_unfinished_requests() and not engine._batch_queue
     assert runner.rows_in_use == 0 and not runner.state and runner.in_flight == 0
     assert pool.num_free_blocks == pool.num_blocks
     assert not engine.scheduler.has_pending_releases

@@ -3,7 +3,7 @@
 import random
 
 from kestrel.config import CacheConfig, SchedulerConfig
-from kestrel.engine.contracts import ModelRunnerOutput, SchedulerOutput
+from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, Ready, SchedulerOutput, run_step
 from kestrel.engine.scheduler import Scheduler
 from kestrel.request import Request, RequestStatus
 from kestrel.sampling_params import SamplingParams
@@ -16,8 +16,20 @@ class FakeRunner:
         self.block_size = block_size
         self.state: dict[str, dict] = {}
         self.computed_per_step: list[int] = []
+        self.executed: ModelRunnerOutput | None = None
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput, non_block: bool = False):
+        output = self._run(out)
+        if out.is_empty:  # it only releases requests
+            return Ready(output) if non_block else output
+        self.executed = output
+        return Ready() if non_block else None
+
+    def sample_tokens(self, grammar: GrammarBitmask | None, non_block: bool = False):
+        output, self.executed = self.executed, None
+        return Ready(output) if non_block else output
+
+    def _run(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.state.pop(rid, None)
         for new in out.new_requests:
@@ -61,7 +73,7 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner, max_steps=10_000):
         out = sched.schedule()
         assert out.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
         assert len(out.num_scheduled_tokens) <= sched.config.max_num_seqs
-        result = runner.execute(out)
+        result = run_step(runner, out)
         for req in sched.update(out, result):
             if req.is_finished:
                 assert req.request_id not in finished, "request finished twice"
@@ -81,7 +93,7 @@ def test_budget_and_chunked_prefill():
     runner = FakeRunner()
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"a": 16}
-    runner.execute(out)
+    run_step(runner, out)
     sched.update(out, ModelRunnerOutput(["a"], [[]]))
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"a": 16}
@@ -93,7 +105,7 @@ def test_decodes_first_then_prefill_chunks_mixed():
     runner = FakeRunner()
     sched.add_request(req("a", 8, max_tokens=10))
     out = sched.schedule()
-    res = runner.execute(out)
+    res = run_step(runner, out)
     sched.update(out, res)
     sched.add_request(req("b", 50, seed=1))
     out = sched.schedule()
@@ -153,7 +165,7 @@ def test_preempted_request_goes_to_front_of_queue():
             preempted = set(out.preempted_req_ids)
             assert sched.waiting[0].request_id in preempted
             break
-        sched.update(out, runner.execute(out))
+        sched.update(out, run_step(runner, out))
     assert preempted == {"new"}  # the most recently admitted one
 
 
@@ -168,7 +180,7 @@ def test_prefix_caching_skips_computation_and_frees():
     out = sched.schedule()
     assert out.new_requests[0].num_computed_tokens == 64
     assert out.num_scheduled_tokens == {"b": 2}
-    sched.update(out, runner.execute(out))
+    sched.update(out, run_step(runner, out))
     run_to_completion(sched, runner)
     assert sched.stats.num_scheduled_tokens - before == 3
     assert sched.kv.pool.num_free_blocks == 64
@@ -180,11 +192,11 @@ def test_abort_frees_blocks_and_tells_runner():
     sched.add_request(req("a", 20))
     sched.add_request(req("b", 20, seed=1))
     out = sched.schedule()
-    sched.update(out, runner.execute(out))
+    sched.update(out, run_step(runner, out))
     sched.finish_requests(["a", "unknown"], RequestStatus.FINISHED_ABORTED)
     out = sched.schedule()
     assert "a" in out.finished_req_ids and "a" not in out.num_scheduled_tokens
-    sched.update(out, runner.execute(out))
+    sched.update(out, run_step(runner, out))
     sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
     assert sched.kv.pool.num_free_blocks == 64
     assert not sched.has_unfinished_requests()
@@ -236,7 +248,7 @@ def test_priority_policy_admits_the_lowest_value_first_then_by_arrival():
     while sched.has_unfinished_requests():
         out = sched.schedule()
         admitted += [n.req_id for n in out.new_requests]
-        sched.update(out, runner.execute(out))
+        sched.update(out, run_step(runner, out))
     assert admitted == ["urgent", "normal-a", "normal-b", "late-low"]
 
 
@@ -249,7 +261,7 @@ def test_priority_policy_preempts_the_least_important_not_the_newest():
     preempted = None
     for _ in range(100):
         out = sched.schedule()
-        sched.update(out, runner.execute(out))
+        sched.update(out, run_step(runner, out))
         if out.preempted_req_ids:
             preempted = set(out.preempted_req_ids)
             break
@@ -264,7 +276,7 @@ def test_update_appends_several_tokens_and_stops_at_the_first_stop_rule():
     request = Request("a", [5, 6, 7], SamplingParams(max_tokens=10, stop_token_ids=[42]), eos_token_id=2)
     sched.add_request(request)
     out = sched.schedule()
-    sched.update(out, runner.execute(out))  # the prompt's step: one token
+    sched.update(out, run_step(runner, out))  # the prompt's step: one token
     computed = request.num_computed_tokens
     # A verify step of 3 drafts: two accepted plus the corrected token = 3 tokens; one draft's slot is given back.
     spec = SchedulerOutput([], [], {"a": 4}, 4, scheduled_spec_decode_tokens={"a": [11, 12, 13]})

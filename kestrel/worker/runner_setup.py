@@ -1,0 +1,246 @@
+"""A model runner's setup: the device and dtype, the model (and a worker-side drafter), the memory plan (a profiling
+forward sizes the KV cache), the KV cache allocated and bound to the attention layers, the decode and verify CUDA
+graphs, FP8 KV-scale calibration and the debug launch count.
+
+Every forward of the target model (profiling, calibration, capture, a step) goes through `RunnerSetup._run_model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from kestrel.config import ConfigError, EngineConfig
+from kestrel.distributed.parallel import ParallelContext
+from kestrel.kv_spec import KVCacheLayout
+from kestrel.loader import load_model
+from kestrel.loader.hf_config import resolve_dtype
+from kestrel.model.attn_metadata import AttentionMetadata
+from kestrel.worker.cuda_graph import GraphRunner, verify_batch_limit
+from kestrel.worker.drafter import build_drafter
+from kestrel.worker.kv_cache import (
+    FP8_E4M3_MAX,
+    KVCacheShape,
+    allocate_kv_cache,
+    bind_layer_caches,
+    gpu_kv_cache_budget,
+    kv_cache_dtype,
+    kv_cache_groups,
+    kv_cache_scales,
+    num_blocks_for,
+)
+from kestrel.worker.launch_count import decoder_layer_launches
+from kestrel.worker.stage_transport import run_model
+
+logger = logging.getLogger(__name__)
+
+
+def host_threads_for_gpu_steps() -> None:
+    """On a GPU the host's tensors are small (ids, block tables, grammar bitmasks): run torch's CPU ops on one
+    thread. With a pool, each op large enough to go parallel left its threads spinning, and they took the cores
+    the engine loop and the grammar matchers need (H200 host, batch 64 constrained by a JSON schema: +51% per
+    step with 16 threads, +8% with one). Called once the model and KV cache are built, so loading keeps them."""
+    if torch.get_num_threads() != 1:
+        logger.info("torch CPU threads %d -> 1: the host side of GPU steps is small, and idle pool threads spin",
+                    torch.get_num_threads())
+        torch.set_num_threads(1)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("invalid device='cuda': no CUDA device is available here; use device='cpu' or 'auto'")
+    return torch.device(name)
+
+
+class RunnerSetup:
+    """The loaded model on its device with its KV cache, scales and graphs (the state a model runner steps on)."""
+
+    def __init__(self, config: EngineConfig, eos_token_id: int | None = None,
+                 parallel: ParallelContext | None = None) -> None:
+        """`parallel`: this rank's place in a tensor/pipeline-parallel group (kestrel.distributed.worker);
+        None runs the whole model in this process."""
+        self.config = config
+        self.parallel = parallel
+        self.device = resolve_device(config.device)
+        model_config = config.model
+        if self.device.type == "cpu" and model_config.dtype == "auto":
+            # Half-precision matmuls are many times slower than float32 on most CPUs.
+            model_config = dataclasses.replace(model_config, dtype="float32")
+        self.dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
+        self.eos_token_id = eos_token_id
+        # min_tokens holds back every EOS id: the tokenizer's and generation_config.json's.
+        own = frozenset() if eos_token_id is None else frozenset({eos_token_id})
+        self.eos_token_ids = own | config.model.generation_defaults.eos_token_ids
+        torch.manual_seed(config.model.seed)
+        self.model = load_model(model_config, config.quant, self.device, parallel)
+        self.vocab_size: int = int(config.model.hf_config["vocab_size"])
+        self.block_size = config.cache.block_size
+        self.max_blocks_per_seq = -(-(config.model.max_model_len or 1) // self.block_size)
+        layers = self.model.attention_layers()
+        self.kv_spec = KVCacheShape.of_layers(layers, kv_cache_dtype(config.cache, self.dtype), self.block_size)
+        # The groups are every stage's; `layer_groups[i]` is the group of this stage's attention layer i.
+        self.kv_groups, self.layer_groups = kv_cache_groups(self.kv_spec.layer_specs, parallel)
+        self.graph_runner: GraphRunner | None = None
+        self.capture_seconds = 0.0
+        # A draft model or EAGLE head: loaded before the memory profile, its K/V in the target's blocks.
+        self.drafter = build_drafter(config, self.model, self.dtype, self.kv_spec.dtype, self.device)
+        draft_bytes = self.drafter.kv_spec.bytes_per_block if self.drafter is not None else 0
+        self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget(), draft_bytes)
+        if parallel is not None:  # every rank holds the same blocks: as many as the tightest rank can
+            self.num_blocks = parallel.min_over_world(self.num_blocks, self.device)
+        # A drafter's K/V lives in group 0's blocks and its layers may read past that group's window.
+        self.kv_layout = KVCacheLayout(self.block_size, self.kv_groups, (self.num_blocks,) * len(self.kv_groups),
+                                       keep_all_blocks=frozenset({0} if self.drafter is not None else ()))
+        self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
+        if self.drafter is not None:
+            self.drafter.bind(self.num_blocks)
+        self.bind_kv_caches(kv_cache_scales(config, layers))
+        self.launches_per_layer: int | None = None
+        if config.debug_launch_count:
+            self.launches_per_layer = self._count_layer_launches()
+        if self.device.type == "cuda" and not config.enforce_eager and (parallel is None or parallel.world_size == 1):
+            self._capture_graphs()
+            if self.drafter is not None:
+                self.drafter.capture_graphs(config.scheduler.max_num_seqs, self.max_blocks_per_seq,
+                                            *self._verify_shapes())
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this runner holds the LM head and samples (always, without pipeline parallelism)."""
+        return self.parallel is None or self.parallel.is_last_stage
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                   transport: bool = True) -> torch.Tensor:
+        """The target model's forward: the one place every forward of it goes through. Pipeline stages receive
+        and send their intermediate tensors here (`transport=False`: a later stage runs on zeros instead)."""
+        return run_model(self.model, self.parallel, input_ids, positions, attn_metadata, transport=transport)
+
+    # ----- KV cache scales (FP8 cache) -----------------------------------------------------------------
+
+    def bind_kv_caches(self, scales: list[tuple[float, float]]) -> None:
+        """Bind each layer's cache with its (k_scale, v_scale) and its KV-cache group."""
+        self.kv_scales = list(scales)
+        bind_layer_caches(self.model.attention_layers(), self.kv_caches, self.kv_scales, self.layer_groups)
+        if self.graph_runner is not None:
+            # The scales are kernel arguments baked into the captured graphs.
+            self._capture_graphs()
+
+    @torch.inference_mode()
+    def calibrate_kv_scales(self, token_ids: list[int] | None = None, num_tokens: int = 512,
+                            passes: int = 2) -> list[tuple[float, float]]:
+        """FP8 KV scales from a calibration prefill (random token ids unless given): per layer,
+        scale = max |K| (resp. |V|) / 448, then rebind. The first pass runs with the current scales, whose
+        saturation perturbs later layers; the next pass repeats with the measured ones. Call before serving:
+        it writes the first blocks of the cache."""
+        if self.kv_spec.dtype != torch.float8_e4m3fn:
+            return self.kv_scales
+        if token_ids is None:
+            g = torch.Generator().manual_seed(self.config.model.seed)
+            token_ids = torch.randint(0, self.vocab_size, (num_tokens,), generator=g).tolist()
+        n = min(len(token_ids), self.num_blocks * self.block_size, self.config.model.max_model_len or len(token_ids))
+        ids = torch.tensor(token_ids[:n], dtype=torch.long, device=self.device)
+        num_blocks = -(-n // self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
+            max_query_len=n, max_seq_len=n,
+        ).sharing_group_tables(len(self.kv_groups))
+        layers = self.model.attention_layers()
+        seen = torch.zeros(len(layers), 2, device=self.device)  # running max |K|, |V| per layer
+
+        def hook(i: int):
+            def record(_module, args) -> None:
+                seen[i, 0] = torch.maximum(seen[i, 0], args[1].abs().max().float())
+                seen[i, 1] = torch.maximum(seen[i, 1], args[2].abs().max().float())
+            return record
+
+        for _ in range(passes):
+            handles = [layer.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
+            try:
+                self._run_model(ids, torch.arange(n, device=self.device), meta)
+            finally:
+                for h in handles:
+                    h.remove()
+            amax = seen.clamp_min(1e-6).tolist()
+            self.bind_kv_caches([(k / FP8_E4M3_MAX, v / FP8_E4M3_MAX) for k, v in amax])
+        return self.kv_scales
+
+    # ----- GPU memory profiling and CUDA graphs --------------------------------------------------------
+
+    def _profiled_kv_budget(self) -> int | None:
+        """On CUDA, the KV budget from a profiling forward pass; None elsewhere or when no profile is needed."""
+        cache = self.config.cache
+        if self.device.type != "cuda" or cache.num_blocks is not None or cache.kv_cache_memory_bytes is not None:
+            return None
+        peak = self._profile_peak_memory()
+        total = torch.cuda.mem_get_info(self.device)[1]
+        budget = gpu_kv_cache_budget(total, peak, cache.gpu_memory_utilization)
+        logger.info("memory profile: peak %.2f GiB of %.2f GiB; KV cache budget %.2f GiB at "
+                    "gpu_memory_utilization=%.2f", peak / 2**30, total / 2**30, max(budget, 0) / 2**30,
+                    cache.gpu_memory_utilization)
+        return budget
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self) -> int:
+        """Peak bytes of a forward pass over `max_num_batched_tokens` tokens (one prefill sequence) plus the
+        logits of `max_num_seqs` rows, with a one-block KV cache that the pass never writes (slot -1)."""
+        num_tokens = self.config.scheduler.max_num_batched_tokens
+        num_rows = min(num_tokens, self.config.scheduler.max_num_seqs)
+        spec = self.kv_spec
+        scratch = allocate_kv_cache(spec, 1, self.device)
+        bind_layer_caches(self.model.attention_layers(), scratch, None, self.layer_groups)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(1, -(-num_tokens // spec.block_size), dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens, max_seq_len=num_tokens,
+        ).sharing_group_tables(len(self.kv_groups))
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % max(self.config.model.max_model_len or 1, 1)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        hidden = self._run_model(ids, positions, meta, transport=False)
+        if self.is_last_stage:  # only the last pipeline stage has an LM head
+            torch.softmax(self.model.compute_logits(hidden[-num_rows:]), dim=-1)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory outside PyTorch's allocator (CUDA context, cuBLAS workspaces) counts against the budget too.
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) + max(non_torch, 0)
+        del hidden, scratch
+        for layer in self.model.attention_layers():
+            layer.kv_cache = None
+        torch.cuda.empty_cache()
+        return peak
+
+    def _count_layer_launches(self) -> int:
+        layer = self.model.decoder_layers()[0]
+        count = decoder_layer_launches(layer, self.model.hidden_size, self.dtype, self.device)
+        kind = "CUDA kernels" if self.device.type == "cuda" else "ATen compute ops (CPU proxy for launches)"
+        logger.info("decode step of one decoder layer: %d %s", count, kind)
+        return count
+
+    def _verify_shapes(self) -> tuple[list[int], int]:
+        """The query lengths and largest batch of the verify-step graphs (the target's and a drafter's catch-up):
+        a row scores its last token and up to k drafts, q = 2 .. k + 1 tokens."""
+        spec = self.config.speculative
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if spec is None:
+            return [], verify_batch_limit(max_num_seqs, None)
+        return list(range(2, spec.num_speculative_tokens + 2)), verify_batch_limit(max_num_seqs,
+                                                                                  spec.disable_by_batch_size)
+
+    def _capture_graphs(self) -> None:
+        self.graph_runner = None  # release the previous graphs' pool before capturing new ones
+        runner = GraphRunner(self._run_model, self.config.scheduler.max_num_seqs, self.max_blocks_per_seq,
+                             self.device, *self._verify_shapes(), num_groups=len(self.kv_groups))
+        with torch.inference_mode():
+            self.capture_seconds = runner.capture()
+        self.graph_runner = runner
