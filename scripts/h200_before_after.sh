@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Default-settings speed of two checkouts on one H200, interleaved in one job so drift hits both alike:
-#   scripts/h200_before_after.sh OUT STAGE BEFORE_DIR AFTER_DIR
+#   scripts/h200_before_after.sh OUT STAGE BEFORE_DIR AFTER_DIR [ROUNDS]
 # STAGE latency: kestrel.bench.latency batch 1 and 32, prompt 128 / 128 out, BF16 and W8A8-FP8 + FP8 KV, each run
-# before, after, before, after; STAGE throughput: kestrel.bench.throughput 1000 x 1000/1000, FP8 + FP8 KV,
+# before then after, ROUNDS times (default 2); STAGE throughput: kestrel.bench.throughput 1000 x 1000/1000, FP8 + FP8 KV,
 # max_num_seqs 512, before then after; STAGE smoke: scripts/gpu_smoke.py of AFTER_DIR. Each run writes
 # OUT/<stage>-<before|after>-<n>.json; OUT/log.txt has everything; scripts/before_after_table.py prints the ratios.
 set -uo pipefail
-out=$(realpath -m "$1"); stage=$2; before=$(realpath "$3"); after=$(realpath "$4")
+out=$(realpath -m "$1"); stage=$2; before=$(realpath "$3"); after=$(realpath "$4"); rounds=${5:-2}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 run() { local dir=$1; shift; echo "== $dir: $*" | tee -a "$out/log.txt"
@@ -15,7 +15,7 @@ latency() { run "$1" python3 -m kestrel.bench.latency --batch 1,32 --input-len 1
               --hf-peer none --no-checks "${@:3}" --result-file "$out/$2.json"; }
 case $stage in
   latency)
-    for n in 1 2; do
+    for n in $(seq "$rounds"); do
       for side in before after; do
         dir=$before; [ $side = after ] && dir=$after
         latency "$dir" "latency-bf16-$side-$n"
