@@ -128,7 +128,8 @@ class Runner(Protocol):
 
     A step may be executed while an earlier one's output is not yet collected (async scheduling, pipeline batches):
     a row whose input token is still in flight reads it on the device, and every step collects normally. An output
-    that only releases requests may be executed at any time between steps: the worker drops their state."""
+    that only releases requests may be executed while steps are in flight (never between a step's two verbs): the
+    worker drops those requests' state, and the steps in flight still collect."""
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       non_block: bool = False) -> ModelRunnerOutput | StepHandle | None: ...
