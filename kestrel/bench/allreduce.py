@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from kestrel.bench import common, register_suite, standalone_main
 from kestrel.config import ConfigError
-from kestrel.distributed.executor import free_port
+from kestrel.executor.base import free_port
 
 ALL_REDUCES_PER_LAYER = 2  # o_proj and down_proj, the row-parallel layers
 LAYERS_BY_HIDDEN = {4096: 32, 8192: 80}  # Llama-3-8B, Llama-3-70B

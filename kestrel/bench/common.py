@@ -27,8 +27,8 @@ from kestrel.bench.hf_peer import median as median
 from kestrel.bench.hf_peer import percentile as percentile
 from kestrel.bench.hf_peer import random_prompts as random_prompts
 from kestrel.config import ConfigError, EngineConfig
-from kestrel.distributed.factory import build_executor
 from kestrel.engine.core import EngineCore
+from kestrel.executor.factory import build_executor
 from kestrel.loader.model_init import _write_weights, checkpoint_shapes, write_tiny_checkpoint
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.worker.model_runner import ModelRunner

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kestrel.config import EngineConfig
-from kestrel.distributed.executor import Executor
-from kestrel.distributed.factory import build_executor
 from kestrel.engine.core import EngineCore
+from kestrel.executor.base import Executor
+from kestrel.executor.factory import build_executor
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.structured.backend import GrammarBackend
 from kestrel.worker.model_runner import ModelRunner

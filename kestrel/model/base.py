@@ -164,7 +164,7 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 logits. Under pipeline parallelism only the last stage has an LM head: it alone samples, and
-        the other stages learn the sampled ids from the engine (kestrel.distributed.worker)."""
+        the other stages learn the sampled ids from the engine (kestrel.executor.worker)."""
         return self.lm_head(hidden_states)
 
     def decoder_layers(self) -> list[nn.Module]:

@@ -19,7 +19,7 @@ from kestrel.worker.step_sampling import DraftStep, ForwardStep, LaunchedStep, S
 class ModelRunner(RunnerSetup):
     def __init__(self, config: EngineConfig, eos_token_id: int | None = None,
                  parallel: ParallelContext | None = None) -> None:
-        """`parallel`: this rank's place in a tensor/pipeline-parallel group (kestrel.distributed.worker);
+        """`parallel`: this rank's place in a tensor/pipeline-parallel group (kestrel.executor.worker);
         None runs the whole model in this process."""
         super().__init__(config, eos_token_id, parallel)
         generator = torch.Generator(self.device)

@@ -61,7 +61,7 @@ class RunnerSetup:
 
     def __init__(self, config: EngineConfig, eos_token_id: int | None = None,
                  parallel: ParallelContext | None = None) -> None:
-        """`parallel`: this rank's place in a tensor/pipeline-parallel group (kestrel.distributed.worker);
+        """`parallel`: this rank's place in a tensor/pipeline-parallel group (kestrel.executor.worker);
         None runs the whole model in this process."""
         self.config = config
         self.parallel = parallel

@@ -13,9 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kestrel import LLM, SamplingParams
-from kestrel.distributed.executor import WorkerError
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
+from kestrel.executor.base import WorkerError
 from kestrel.loader.model_init import write_tiny_checkpoint
 
 # A 40-token step budget chunks the 45-token prompt; 10 blocks of 16 tokens cannot hold the four requests at

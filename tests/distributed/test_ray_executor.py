@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kestrel import LLM, SamplingParams
-from kestrel.distributed.executor import WorkerError
+from kestrel.executor.base import WorkerError
 from kestrel.loader.model_init import write_tiny_checkpoint
 
 ray = pytest.importorskip("ray")

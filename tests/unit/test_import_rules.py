@@ -34,12 +34,13 @@ ALLOWED: dict[str, set[str]] = {
     # quant.scheme: the checkpoint names of FP8 KV scales, which the worker reads when it builds the cache.
     "worker": {"worker", "model", "loader", "quant.scheme", "sample", "ops", "engine.contracts",
                "distributed.parallel"} | CORE,
-    # Process groups and collectives (distributed.parallel) are used by the layers; the worker process and the
-    # executors run model runners and speak the engine's contracts.
-    "distributed": {"distributed", "worker", "engine.contracts"} | CORE,
+    # Process groups and collectives, used by the layers, the loader and the worker.
+    "distributed": {"distributed"} | CORE,
+    # The worker process and the executors run model runners and speak the engine's contracts.
+    "executor": {"executor", "worker", "distributed.parallel", "engine.contracts"} | CORE,
     # Benches drive the engine core, not the entry points.
     "bench": {"bench", "kernels", "ops", "quant", "model", "loader", "worker", "sample", "engine", "tiny",
-              "structured", "distributed"} | CORE,
+              "structured", "distributed", "executor"} | CORE,
     # Where the bundled model lives and the stdlib corpus (quantize's calibration set, the ppl bench's text); its
     # training is the top-level `training` package.
     "tiny": {"tiny"} | CORE,

@@ -4,8 +4,8 @@ imports none of them."""
 from __future__ import annotations
 
 from kestrel.config import EngineConfig
-from kestrel.distributed.executor import Executor, MultiprocExecutor
-from kestrel.distributed.ray_executor import RayExecutor
+from kestrel.executor.base import Executor, MultiprocExecutor
+from kestrel.executor.ray_executor import RayExecutor
 
 
 def build_executor(config: EngineConfig, eos_token_id: int | None) -> Executor:

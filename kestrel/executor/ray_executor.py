@@ -15,8 +15,8 @@ from collections import deque
 from typing import Any
 
 from kestrel.config import ConfigError, EngineConfig
-from kestrel.distributed.executor import Executor, free_port
-from kestrel.distributed.worker import Worker, WorkerInfo, WorkerSpec, reply_rank
+from kestrel.executor.base import Executor, free_port
+from kestrel.executor.worker import Worker, WorkerInfo, WorkerSpec, reply_rank
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from kestrel.config import EngineConfig
-from kestrel.distributed.worker import (
+from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, Ready, SchedulerOutput
+from kestrel.executor.worker import (
     CALIBRATE_KV,
     EXECUTE_MODEL,
     RECORD,
@@ -46,7 +47,6 @@ from kestrel.distributed.worker import (
     reply_rank,
     worker_process_main,
 )
-from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, Ready, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
