@@ -178,20 +178,6 @@ class DecoderForCausalLM(nn.Module):
         """The token embedding (first pipeline stage only)."""
         return self.model.embed_tokens if self.parallel.is_first_stage else None
 
-    def bind_kv_caches(self, kv_caches: list[torch.Tensor], k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-        layers = self.attention_layers()
-        if len(kv_caches) != len(layers):
-            raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} attention layers")
-        for layer, cache in zip(layers, kv_caches):
-            layer.bind_kv_cache(cache, k_scale, v_scale)
-
-    def kv_cache_spec(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_size) of this rank's per-layer KV caches (its stage's layers, its
-        share of the kv heads)."""
-        layers = self.attention_layers()
-        num_kv_heads = layers[0].num_kv_heads if layers else self.config.num_kv_heads
-        return len(layers), num_kv_heads, self.config.head_dim
-
     # ----- checkpoint -------------------------------------------------------------------------------------
 
     def owns_checkpoint_tensor(self, hf_name: str) -> bool:

@@ -71,9 +71,6 @@ class EagleHead(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [self.model.layers[0].self_attn.attn]
 
-    def kv_cache_spec(self) -> tuple[int, int, int]:
-        return 1, self.config.num_kv_heads, self.config.head_dim
-
     def checkpoint_target(self, hf_name: str) -> str | None:
         return hf_name
 

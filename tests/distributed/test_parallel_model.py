@@ -51,8 +51,8 @@ def tokens_for(vocab: int) -> list[list[int]]:
 
 def run_steps(model: torch.nn.Module, vocab: int) -> torch.Tensor:
     """Every step's logits, concatenated; each sequence owns blocks 1-2 / 3-4 of the paged cache."""
-    layers, kv_heads, head = model.kv_cache_spec()
-    model.bind_kv_caches([torch.zeros(2, 5, BLOCK, kv_heads, head) for _ in range(layers)])
+    for layer in model.attention_layers():
+        layer.bind_kv_cache(torch.zeros(2, 5, BLOCK, layer.num_kv_heads, layer.head_size))
     tables = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
     tokens, out = tokens_for(vocab), []
     for ranges in STEPS:

@@ -43,11 +43,9 @@ class PagedBatch:
     """The runner's job in miniature: sequences own blocks; a step schedules a token range of each."""
 
     def __init__(self, model: torch.nn.Module, num_seqs: int) -> None:
-        num_layers, num_kv_heads, head_size = model.kv_cache_spec()
         num_blocks = num_seqs * BLOCKS_PER_SEQ + 1
-        model.bind_kv_caches(
-            [torch.zeros(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size) for _ in range(num_layers)]
-        )
+        for layer in model.attention_layers():
+            layer.bind_kv_cache(torch.zeros(2, num_blocks, BLOCK_SIZE, layer.num_kv_heads, layer.head_size))
         # Block 0 stays unused, so a read of padding entries would show up as a mismatch.
         self.block_tables = torch.arange(1, num_blocks, dtype=torch.int32).view(num_seqs, BLOCKS_PER_SEQ)
         self.model = model

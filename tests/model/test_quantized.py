@@ -230,11 +230,11 @@ def cosine_bound(method: str, num_layers: int) -> float:
 def last_logits(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
     """One flat prefill of every prompt over a paged KV cache; the logits of each prompt's last token."""
     device = model.lm_head.weight.device
-    num_layers, num_kv_heads, head_size = model.kv_cache_spec()
     per_seq = max(-(-len(p) // BLOCK_SIZE) for p in prompts)
     num_blocks = len(prompts) * per_seq + 1
-    model.bind_kv_caches([torch.zeros(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=model.dtype,
-                                      device=device) for _ in range(num_layers)])
+    for layer in model.attention_layers():
+        layer.bind_kv_cache(torch.zeros(2, num_blocks, BLOCK_SIZE, layer.num_kv_heads, layer.head_size,
+                                        dtype=model.dtype, device=device))
     block_tables = torch.arange(1, num_blocks, dtype=torch.int32).view(len(prompts), per_seq)
     input_ids, positions, slots = [], [], []
     for s, prompt in enumerate(prompts):
