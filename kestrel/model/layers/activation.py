@@ -45,7 +45,3 @@ class GatedActivation(nn.Module):
     def extra_repr(self) -> str:
         return self.activation
 
-
-class SiluAndMul(GatedActivation):
-    def __init__(self) -> None:
-        super().__init__("silu")
