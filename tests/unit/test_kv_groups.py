@@ -9,6 +9,7 @@ import pytest
 from test_scheduler import FakeRunner, run_to_completion
 
 from kestrel.config import CacheConfig, ConfigError, SchedulerConfig
+from kestrel.engine.contracts import run_step
 from kestrel.engine.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager
 from kestrel.engine.scheduler import Scheduler
 from kestrel.kv_spec import (
@@ -164,8 +165,8 @@ class GroupCheckingRunner(FakeRunner):
     """FakeRunner's checks (every group covers the scheduled tokens), plus: the groups hold as many blocks as each
     other (they grow in lockstep)."""
 
-    def execute(self, out):
-        result = super().execute(out)
+    def _run(self, out):
+        result = super()._run(out)
         for rid in out.num_scheduled_tokens:
             blocks = self.state[rid]["blocks"]
             assert len(blocks) == 2 and len(blocks[0]) == len(blocks[1])
@@ -241,7 +242,7 @@ def test_cached_requests_carry_new_blocks_per_group() -> None:
     out = sched.schedule()
     first = out.new_requests[0].block_ids
     assert [len(ids) for ids in first] == [1, 1]
-    sched.update(out, runner.execute(out))
+    sched.update(out, run_step(runner, out))
     out = sched.schedule()
     (cached,) = out.cached_requests
     assert [len(ids) for ids in cached.new_block_ids] == [1, 1]
