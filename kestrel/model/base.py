@@ -12,6 +12,7 @@ names its layer class when it differs from the pre-norm `DecoderLayer`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any, ClassVar, Protocol
 
@@ -83,9 +84,8 @@ class DecoderModel(nn.Module):
             self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype, parallel)
         # One cos/sin table for all layers: at 128k positions it is 64 MB, which per layer would be 2 GB for 32.
         rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope)
-
-        def quant_method(name: str, parts: tuple[str, ...]):
-            return get_quant_method(quant_config, name, parts)
+        # Each linear layer's method by its name and the checkpoint modules it merges.
+        quant_method = functools.partial(get_quant_method, quant_config)
 
         self.layers = nn.ModuleList(
             layer_cls(arch, i, dtype, quant_method, f"model.layers.{i}", rotary_emb, parallel, packed_modules)

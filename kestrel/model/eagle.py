@@ -9,6 +9,7 @@ names) and `model.norm.weight`; config.json has the Llama fields with architectu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import ClassVar
 
@@ -29,15 +30,12 @@ from kestrel.model.layers.rotary import RotaryEmbedding
 from kestrel.quant import get_quant_method
 
 
-def _unquantized(name: str, parts: tuple[str, ...]):
-    return get_quant_method(None, name, parts)
-
-
 class _HeadBody(nn.Module):
     def __init__(self, arch: DecoderArch, dtype: torch.dtype, packed: dict[str, tuple[str, ...]]) -> None:
         super().__init__()
         rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope)
-        self.layers = nn.ModuleList([DecoderLayer(arch, 0, dtype, _unquantized, "model.layers.0", rotary_emb,
+        unquantized = functools.partial(get_quant_method, None)
+        self.layers = nn.ModuleList([DecoderLayer(arch, 0, dtype, unquantized, "model.layers.0", rotary_emb,
                                                   single_process(), packed)])
         self.norm = RMSNorm(arch.hidden_size, arch.norm_eps, dtype)
 
