@@ -15,6 +15,7 @@ from kestrel.entrypoints.chat import TOOL_FORMATS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18  # ~7 MB of JSON at the usual ~26 bytes an entry
+DEFAULT_MAX_RESPONSE_BYTES = 16 << 20
 
 
 def _opt(default: Any, help_text: str, **extra: Any) -> Any:
@@ -35,8 +36,30 @@ class ServerConfig:
     max_logprob_entries: int = _opt(DEFAULT_MAX_LOGPROB_ENTRIES,
                                     "most logprob entries one response may carry, n x tokens x (logprobs + 1); "
                                     "400 beyond")
+    max_response_bytes: int = _opt(DEFAULT_MAX_RESPONSE_BYTES,
+                                   "most bytes one response may produce (all choices, logprobs included): refused "
+                                   "with 400 before any work where the size can be bounded, ended with an error "
+                                   "once streamed output passes it")
+    max_stop_sequences: int = _opt(64, "most stop strings (and stop_token_ids) one request may give; 400 beyond")
+    max_bad_words: int = _opt(128, "most bad_words one request may give; 400 beyond")
     tokenizer_workers: int | None = _opt(None, "processes that tokenize prompts and render chat templates off the "
-                                               "event loop (default: half the CPU cores, 1 to 4; 0: a thread)")
+                                               "event loop (default: half the CPU cores, 2 to 4; 0: a thread)")
+    tokenize_timeout: float = _opt(30.0, "a request whose prompt tokenization takes longer gets 400 and its "
+                                         "worker is replaced (s)")
+    max_tokenize_bytes: int = _opt(2 << 20, "largest prompt text /tokenize accepts (UTF-8 bytes; 400 beyond)")
+    grammar_compile_timeout: float = _opt(5.0, "a structured-outputs grammar that takes longer to compile gets "
+                                               "400 and its compile worker is replaced (s)")
+    grammar_compile_workers: int = _opt(1, "processes that compile structured-outputs grammars, off the event "
+                                           "loop and the engine (0: a thread of the serving process)")
+    max_grammar_bytes: int = _opt(64 << 10, "largest structured-outputs grammar (JSON schema, regex, EBNF or "
+                                            "choice list) in bytes; 400 beyond, before compiling")
+    max_grammar_choices: int = _opt(4096, "most options of one JSON-schema enum or of a choice list; 400 beyond, "
+                                          "before compiling")
+    max_schema_properties: int = _opt(1024, "most properties a JSON schema may declare, all objects together; "
+                                            "400 beyond, before compiling")
+    grammar_cache_bytes: int = _opt(256 << 20, "memory the compiled grammars kept for reuse may hold (least "
+                                               "recently used dropped first)")
+    grammar_cache_entries: int = _opt(512, "most compiled grammars kept for reuse")
     chat_template: str | None = _opt(None, "a chat template (Jinja) file, or the template itself, instead of the "
                                            "tokenizer's")
     trust_request_chat_template: bool = _opt(False, "accept a chat_template in chat requests (rendered in a "
@@ -56,6 +79,7 @@ class ServerConfig:
     ssl_keyfile: str | None = _opt(None, "TLS private key file (with --ssl-certfile)")
     ssl_certfile: str | None = _opt(None, "TLS certificate file (with --ssl-keyfile)")
     public_docs: bool = _opt(False, "serve /openapi.json, /docs and /redoc without the API key (default: behind it)")
+    public_metrics: bool = _opt(False, "serve /metrics without the API key (vLLM's behaviour; default: behind it)")
     header_read_timeout: float = _opt(15.0, "close a connection whose request headers take longer (s)")
     body_read_timeout: float = _opt(60.0, "answer 408 when a request body takes longer to arrive (s)")
     shutdown_timeout: float = _opt(30.0, "on SIGTERM, how long running requests may still finish before they are "
@@ -66,18 +90,24 @@ class ServerConfig:
                                          choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
-        for name in ("port", "max_queued_requests", "max_request_bytes", "max_logprob_entries"):
+        for name in ("port", "max_queued_requests", "max_request_bytes", "max_logprob_entries", "max_response_bytes",
+                     "max_stop_sequences", "max_bad_words", "max_tokenize_bytes", "grammar_compile_workers",
+                     "max_grammar_bytes", "max_grammar_choices", "max_schema_properties", "grammar_cache_bytes",
+                     "grammar_cache_entries"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name != "port" else 1):
                 raise ConfigError(f"invalid {name}={value!r}: expected a non-negative integer")
-        for name in ("header_read_timeout", "body_read_timeout", "shutdown_timeout", "request_timeout"):
+        for name in ("header_read_timeout", "body_read_timeout", "shutdown_timeout", "request_timeout",
+                     "tokenize_timeout", "grammar_compile_timeout"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"invalid {name}={value!r}: expected a number of seconds > 0")
         if self.tokenizer_workers is not None and self.tokenizer_workers < 0:
             raise ConfigError(f"invalid tokenizer_workers={self.tokenizer_workers}: expected 0 (a thread) or more")
-        if self.max_logprob_entries < 1:
-            raise ConfigError(f"invalid max_logprob_entries={self.max_logprob_entries}: expected >= 1")
+        for name in ("max_logprob_entries", "max_response_bytes", "max_tokenize_bytes", "max_grammar_bytes",
+                     "max_grammar_choices", "max_schema_properties", "grammar_cache_entries"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"invalid {name}={getattr(self, name)}: expected >= 1")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
             raise ConfigError("invalid TLS settings: give both ssl_keyfile and ssl_certfile, or neither")
         for name in ("ssl_keyfile", "ssl_certfile"):
@@ -105,7 +135,8 @@ class ServerConfig:
 
     @property
     def tokenizer_processes(self) -> int:
-        """tokenizer_workers, its default resolved: half the CPU cores, 1 to 4."""
+        """tokenizer_workers, its default resolved: half the CPU cores, 2 to 4 (two at least, so that a small
+        prompt never waits behind a multi-megabyte one)."""
         if self.tokenizer_workers is not None:
             return self.tokenizer_workers
-        return min(4, max(1, (os.cpu_count() or 2) // 2))
+        return min(4, max(2, (os.cpu_count() or 2) // 2))
