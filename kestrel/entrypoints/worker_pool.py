@@ -1,0 +1,290 @@
+"""Worker processes for the serving process's heavy, bounded work (tokenization, grammar compilation).
+
+Unlike a `ProcessPoolExecutor`, a job here can be taken back: one that passes its deadline, or whose caller is
+cancelled (its client went away), costs its worker, which is killed (its memory goes back to the host) and
+replaced. Jobs are module-level functions, called by name in the worker; each worker runs `initializer` once.
+
+Heavy jobs (a multi-megabyte prompt, say) may hold at most `heavy_limit` workers at once, so with two workers or
+more a light job never waits behind heavy ones; a freed worker goes to the oldest light job first.
+
+`processes=0` runs jobs in threads of the serving process instead (tests, and servers that want no extra
+processes): a deadline still answers the caller, but the thread runs on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+logger = logging.getLogger("kestrel.server")
+
+_PR_SET_PDEATHSIG = 1
+
+
+class WorkTimeoutError(Exception):
+    """A job did not finish within its deadline (its worker, if a process, was replaced)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the work did not finish within {seconds:g} s")
+        self.seconds = seconds
+
+
+class WorkerLostError(Exception):
+    """A worker process died while it ran a job (killed from outside, or out of memory)."""
+
+
+# ----- the worker side ------------------------------------------------------------------------------------
+
+def _end_with_parent() -> None:
+    """A worker dies with the serving process, even a killed one (Linux: PR_SET_PDEATHSIG), rather than finishing
+    work nobody waits for."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(0)
+
+
+def _picklable(error: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any exception that does not survive the trip is sent as its text
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _worker_main(conn: Connection, initializer: Callable[..., None] | None, initargs: tuple[Any, ...],
+                 niceness: int) -> None:
+    _end_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the serving process decides
+    if niceness:
+        os.nice(niceness)
+    try:
+        if initializer is not None:
+            initializer(*initargs)
+    except BaseException as error:  # noqa: BLE001 - reported to the serving process, which names it
+        conn.send(("init_error", _picklable(error)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            work, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply = ("ok", work(*args))
+        except BaseException as error:  # noqa: BLE001 - the caller gets the job's own exception
+            reply = ("error", _picklable(error))
+        conn.send(reply)
+
+
+# ----- the serving side -----------------------------------------------------------------------------------
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+@dataclass(eq=False)
+class _Worker:
+    process: Any
+    conn: Connection
+
+    def call(self, work: Callable[..., Any], args: tuple[Any, ...]) -> tuple[str, Any]:
+        """Runs in one of the pool's threads: the transfer of a large result does not hold the event loop."""
+        try:
+            self.conn.send((work, args))
+            return self.conn.recv()
+        except (EOFError, OSError) as error:
+            raise WorkerLostError(f"a worker process (exit code {self.process.exitcode}) died during the "
+                                  "work") from error
+
+    def kill(self) -> None:
+        with contextlib.suppress(Exception):
+            self.process.kill()
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+
+class WorkerPool:
+    def __init__(self, processes: int, initializer: Callable[..., None] | None = None,
+                 initargs: tuple[Any, ...] = (), *, name: str = "worker", niceness: int = 5,
+                 heavy_limit: int | None = None) -> None:
+        """`niceness`: batch work runs below the serving process's priority, so the event loop and the engine get
+        the cores first. `heavy_limit`: the most workers heavy jobs may hold (default: all but half of them)."""
+        if processes < 0:
+            raise ValueError(f"processes={processes}: expected 0 (threads) or more")
+        self.processes = processes
+        self.name = name
+        self._initializer = initializer
+        self._initargs = initargs
+        self._niceness = niceness
+        self.heavy_limit = heavy_limit if heavy_limit is not None else max(1, processes - processes // 2)
+        self._context = multiprocessing.get_context("spawn")  # the serving process runs threads (and CUDA)
+        # A thread per running job waits on its worker's pipe, another per restarting worker on its start; thread
+        # mode runs the jobs themselves (several at once).
+        self._threads = ThreadPoolExecutor(max(2 * processes + 1, 4), thread_name_prefix=f"kestrel-{name}")
+        self._idle: list[_Worker] = []
+        self._light_waiters: deque[asyncio.Future[_Worker]] = deque()
+        self._heavy_waiters: deque[asyncio.Future[_Worker]] = deque()
+        self._heavy_running = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self.replaced = 0  # workers killed for a deadline or a cancelled caller, and started again
+
+    # ----- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> WorkerPool:
+        """Start every worker and wait until each ran its initializer (an initializer's failure is raised)."""
+        workers = [self._spawn() for _ in range(self.processes)]
+        for worker in workers:
+            self._wait_ready(worker)
+            self._idle.append(worker)
+        return self
+
+    def _spawn(self) -> _Worker:
+        ours, theirs = self._context.Pipe()
+        process = self._context.Process(target=_worker_main, name=f"kestrel-{self.name}", daemon=True,
+                                        args=(theirs, self._initializer, self._initargs, self._niceness))
+        process.start()
+        theirs.close()
+        return _Worker(process, ours)
+
+    @staticmethod
+    def _wait_ready(worker: _Worker) -> None:
+        try:
+            kind, error = worker.conn.recv()
+        except (EOFError, OSError) as lost:
+            raise WorkerLostError(f"a worker process exited while starting (exit code "
+                                  f"{worker.process.exitcode})") from lost
+        if kind == "init_error":
+            worker.kill()
+            raise error
+
+    def close(self) -> None:
+        self._closed = True
+        for worker in self._idle:
+            worker.kill()
+        self._idle.clear()
+        for waiter in (*self._light_waiters, *self._heavy_waiters):
+            waiter.cancel()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    # ----- jobs --------------------------------------------------------------------------------------
+
+    async def run(self, work: Callable[..., Any], *args: Any, timeout: float | None = None,
+                  heavy: bool = False) -> Any:
+        """`work(*args)` in a worker; `timeout` counts from now, the wait for a free worker included."""
+        if self._closed:
+            raise RuntimeError(f"the {self.name} pool is closed")
+        loop = asyncio.get_running_loop()
+        if self.processes == 0:
+            job = loop.run_in_executor(self._threads, work, *args)
+            try:
+                return await asyncio.wait_for(job, timeout)
+            except TimeoutError:
+                raise WorkTimeoutError(timeout or 0.0) from None
+        self._loop = loop
+        deadline = None if timeout is None else loop.time() + timeout
+        try:
+            worker = await asyncio.wait_for(self._acquire(heavy), timeout)
+        except TimeoutError:
+            raise WorkTimeoutError(timeout or 0.0) from None
+        call = loop.run_in_executor(self._threads, worker.call, work, args)
+        call.add_done_callback(_consume)  # a job taken back still ends (its worker killed): nobody reads it
+        try:
+            remaining = None if deadline is None else max(0.0, deadline - loop.time())
+            kind, value = await asyncio.wait_for(asyncio.shield(call), remaining)
+        except TimeoutError:
+            self._replace(worker, heavy)
+            raise WorkTimeoutError(timeout or 0.0) from None
+        except asyncio.CancelledError:
+            self._replace(worker, heavy)
+            raise
+        except WorkerLostError:
+            self._replace(worker, heavy)
+            raise
+        self._release(worker, heavy)
+        if kind == "error":
+            raise value
+        return value
+
+    async def _acquire(self, heavy: bool) -> _Worker:
+        if self._idle and (not heavy or self._heavy_running < self.heavy_limit):
+            if heavy:
+                self._heavy_running += 1
+            return self._idle.pop()
+        waiter: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
+        (self._heavy_waiters if heavy else self._light_waiters).append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # handed a worker just as the caller went away
+                self._release(waiter.result(), heavy)
+            with contextlib.suppress(ValueError):
+                (self._heavy_waiters if heavy else self._light_waiters).remove(waiter)
+            raise
+
+    def _release(self, worker: _Worker, heavy: bool) -> None:
+        if heavy:
+            self._heavy_running -= 1
+        self._hand_over(worker)
+
+    def _hand_over(self, worker: _Worker) -> None:
+        """A free worker goes to the oldest light job, else to the oldest heavy one the limit allows, else idles."""
+        if self._closed:
+            worker.kill()
+            return
+        while self._light_waiters:
+            waiter = self._light_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(worker)
+                return
+        while self._heavy_waiters and self._heavy_running < self.heavy_limit:
+            waiter = self._heavy_waiters.popleft()
+            if not waiter.done():
+                self._heavy_running += 1
+                waiter.set_result(worker)
+                return
+        self._idle.append(worker)
+
+    def _replace(self, worker: _Worker, heavy: bool) -> None:
+        """Kill a worker whose job was taken back and start another; it joins the pool once initialized."""
+        worker.kill()
+        if heavy:
+            self._heavy_running -= 1
+        self.replaced += 1
+        if self._closed:
+            return
+        loop = self._loop
+        assert loop is not None
+        replacement = self._spawn()
+
+        def wait_ready() -> None:
+            try:
+                self._wait_ready(replacement)
+            except BaseException as error:  # noqa: BLE001 - logged; the pool runs on one worker short
+                logger.error("a %s worker could not be restarted: %s", self.name, error)
+                return
+            loop.call_soon_threadsafe(self._hand_over, replacement)
+
+        self._threads.submit(wait_ready)

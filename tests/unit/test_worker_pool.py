@@ -1,0 +1,126 @@
+"""The serving process's worker pool: jobs run in spawned processes, a job past its deadline or whose caller
+went away costs its worker (killed, replaced), and light jobs never wait behind heavy ones."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from kestrel.entrypoints.worker_pool import WorkerLostError, WorkerPool, WorkTimeoutError
+
+
+def _fail_init() -> None:
+    raise ValueError("no tokenizer here")
+
+
+def _raise(message: str) -> None:
+    raise KeyError(message)
+
+
+def _sleep_then_pid(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a killed child stays a zombie until reaped: count it as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = WorkerPool(2, name="test").start()
+    yield pool
+    pool.close()
+
+
+def test_results_and_errors_come_back(pool):
+    async def main():
+        pids = await asyncio.gather(*(pool.run(_sleep_then_pid, 0.05) for _ in range(4)))
+        assert os.getpid() not in pids and len(set(pids)) == 2
+        with pytest.raises(KeyError, match="missing"):
+            await pool.run(_raise, "missing")
+        return await pool.run(_sleep_then_pid, 0)
+
+    assert asyncio.run(main()) > 0
+
+
+def test_a_job_past_its_deadline_costs_its_worker_which_is_replaced(pool):
+    async def main():
+        before = pool.replaced
+        pid = await pool.run(_sleep_then_pid, 0)
+        pids = {pid, await pool.run(_sleep_then_pid, 0)}
+        started = time.monotonic()
+        with pytest.raises(WorkTimeoutError):
+            await pool.run(_sleep_then_pid, 30, timeout=0.3)
+        assert time.monotonic() - started < 2
+        assert pool.replaced == before + 1
+        # Both workers serve again, one of them new; the killed one is gone.
+        after = set(await asyncio.gather(*(pool.run(_sleep_then_pid, 0.2, timeout=60) for _ in range(2))))
+        assert len(after) == 2 and after != pids
+        assert sum(not _alive(p) for p in pids) == 1
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_caller_frees_its_worker(pool):
+    async def main():
+        before = pool.replaced
+        job = asyncio.ensure_future(pool.run(_sleep_then_pid, 30))
+        await asyncio.sleep(0.3)
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        assert pool.replaced == before + 1
+        assert len(set(await asyncio.gather(*(pool.run(_sleep_then_pid, 0.2, timeout=60) for _ in range(2))))) == 2
+
+    asyncio.run(main())
+
+
+def test_light_jobs_never_wait_behind_heavy_ones(pool):
+    async def main():
+        heavy = [asyncio.ensure_future(pool.run(_sleep_then_pid, 1.5, heavy=True)) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        await pool.run(_sleep_then_pid, 0)
+        light_wait = time.monotonic() - started
+        await asyncio.gather(*heavy)
+        return light_wait
+
+    assert asyncio.run(main()) < 1.0  # the heavy jobs hold one worker of two; the light one takes the other
+
+
+def test_a_worker_that_dies_is_reported_and_replaced(pool):
+    async def main():
+        with pytest.raises(WorkerLostError):
+            await pool.run(os._exit, 3)
+        assert len(set(await asyncio.gather(*(pool.run(_sleep_then_pid, 0.2, timeout=60) for _ in range(2))))) == 2
+
+    asyncio.run(main())
+
+
+def test_an_initializer_that_fails_is_raised_at_start():
+    with pytest.raises(ValueError, match="no tokenizer here"):
+        WorkerPool(1, _fail_init).start()
+
+
+def test_thread_mode_answers_the_deadline():
+    pool = WorkerPool(0)
+
+    async def main():
+        assert await pool.run(_sleep_then_pid, 0) == os.getpid()
+        with pytest.raises(WorkTimeoutError):
+            await pool.run(_sleep_then_pid, 1, timeout=0.1)
+
+    asyncio.run(main())
+    pool.close()
