@@ -38,7 +38,7 @@ browser:
 
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check kestrel training tests scripts
-	$(PY) -m pytest -x
+	$(PY) -m pytest -x --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kestrel training tests scripts
