@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from kestrel.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from kestrel.outputs import RequestOutput
 from kestrel.request import InvalidRequestError
 
@@ -37,6 +37,7 @@ TEXT_BYTES_PER_TOKEN = 8
 RESPONSE_FRAMING_BYTES = 1024  # a whole body's id, model, usage and the like
 CHOICE_FRAMING_BYTES = 256  # each choice's index, role, finish_reason and the like
 TOKEN_ID_BYTES = 8  # return_token_ids: one id and its comma
+TOKEN_ID_FLOOR = 2  # a one-digit id and its comma
 PROMPT_LOGPROB_ENTRY_BYTES = 80  # {"id": {"logprob", "rank", "decoded_token"}}
 CHAT_ENTRY_BYTES = EntryBytes(token=120, top=80)  # {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}
 COMPLETION_ENTRY_BYTES = EntryBytes(token=80, top=30)  # tokens, token_logprobs, text_offset, top_logprobs {token: lp}
@@ -70,9 +71,9 @@ class ResponseShape:
     def entry_bytes(self) -> EntryBytes:
         return CHAT_ENTRY_BYTES if self.chat else COMPLETION_ENTRY_BYTES
 
-    def token_bytes(self, entries: EntryBytes, text_bytes: int) -> int:
+    def token_bytes(self, entries: EntryBytes, text_bytes: int, id_bytes: int) -> int:
         """The bytes one generated token adds to the response."""
-        size = text_bytes + (TOKEN_ID_BYTES if self.token_ids else 0)
+        size = text_bytes + (id_bytes if self.token_ids else 0)
         if self.logprobs is not None:
             size += entries.token + self.logprobs * entries.top
         return size
@@ -132,7 +133,7 @@ def estimate(shape: ResponseShape, prompt_lengths: Sequence[int], max_tokens: in
     generated = sum(shape.n * max(max_tokens if max_tokens is not None else context - length, 0)
                     for length in prompt_lengths)
     return ResponseEstimate(shape.fixed_bytes(prompt_lengths), generated,
-                            shape.token_bytes(shape.entry_bytes, TEXT_BYTES_PER_TOKEN), max_tokens)
+                            shape.token_bytes(shape.entry_bytes, TEXT_BYTES_PER_TOKEN, TOKEN_ID_BYTES), max_tokens)
 
 
 def check_estimate(shape: ResponseShape, found: ResponseEstimate, limit: int, num_prompts: int = 1) -> None:
@@ -170,7 +171,7 @@ class ResponseBudget:
         self.used = 0
         self.framing = 0
         floor = CHAT_ENTRY_FLOOR if shape.chat else COMPLETION_ENTRY_FLOOR
-        self._token_floor = shape.token_bytes(floor, 0)
+        self._token_floor = shape.token_bytes(floor, 0, TOKEN_ID_FLOOR)
 
     def charge(self, size: int) -> None:
         self.used += size
@@ -195,7 +196,8 @@ class ResponseBudget:
         self.charge(len(body))
 
 
-def check_stop_and_bad_words(request: Any, max_stop_sequences: int, max_bad_words: int) -> None:
+def check_stop_and_bad_words(request: CompletionRequest | ChatCompletionRequest, max_stop_sequences: int,
+                              max_bad_words: int) -> None:
     """stop and stop_token_ids each hold at most --max-stop-sequences entries, bad_words at most --max-bad-words;
     a stop string or bad word is at most MAX_STOP_STRING_CHARS / MAX_BAD_WORD_CHARS characters."""
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
@@ -204,6 +206,7 @@ def check_stop_and_bad_words(request: Any, max_stop_sequences: int, max_bad_word
               "--max-stop-sequences", None),
              ("bad_words", "bad words", request.bad_words or [], max_bad_words, "--max-bad-words",
               MAX_BAD_WORD_CHARS))
+    one = {"stop": "a stop string", "bad_words": "a bad word"}
     for param, what, items, limit, flag, max_chars in lists:
         if len(items) > limit:
             raise InvalidRequestError(param, f"{param} gives {len(items):,} {what}, more than this server's limit "
@@ -211,5 +214,5 @@ def check_stop_and_bad_words(request: Any, max_stop_sequences: int, max_bad_word
         for i, item in enumerate(items if max_chars is not None else ()):
             if len(item) > max_chars:
                 where = param if isinstance(request.stop, str) and param == "stop" else f"{param}[{i}]"
-                raise InvalidRequestError(where, f"{where} is {len(item):,} characters long; each of the {what} "
-                                          f"is at most {max_chars:,} characters")
+                raise InvalidRequestError(where, f"{where} is {len(item):,} characters long, more than the "
+                                          f"{max_chars:,} characters {one[param]} may have on this server")
