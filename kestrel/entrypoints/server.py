@@ -236,7 +236,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def on_invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return _error(400, str(exc), "invalid_request_error", exc.param, "invalid_value")
+        return _error(400, str(exc), "invalid_request_error", exc.param, getattr(exc, "code", "invalid_value"))
 
     @app.exception_handler(SamplingParamsError)
     async def on_invalid_sampling(_: Request, exc: SamplingParamsError) -> JSONResponse:

@@ -15,7 +15,7 @@ from kestrel.entrypoints.chat import TOOL_FORMATS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18  # ~7 MB of JSON at the usual ~26 bytes an entry
-DEFAULT_MAX_RESPONSE_BYTES = 16 << 20
+DEFAULT_MAX_RESPONSE_BYTES = 8 << 20  # docs/security-budgets.md says why
 
 
 def _opt(default: Any, help_text: str, **extra: Any) -> Any:
@@ -40,7 +40,8 @@ class ServerConfig:
                                    "most bytes one response may produce (all choices, logprobs included): refused "
                                    "with 400 before any work where the size can be bounded, ended with an error "
                                    "once streamed output passes it")
-    max_stop_sequences: int = _opt(64, "most stop strings (and stop_token_ids) one request may give; 400 beyond")
+    max_stop_sequences: int = _opt(64, "most stop strings one request may give, and most stop_token_ids (counted "
+                                        "apart); 400 beyond")
     max_bad_words: int = _opt(128, "most bad_words one request may give; 400 beyond")
     tokenizer_workers: int | None = _opt(None, "processes that tokenize prompts and render chat templates off the "
                                                "event loop (default: half the CPU cores, 2 to 4; 0: a thread)")

@@ -23,6 +23,14 @@ from kestrel.entrypoints.async_engine import (
     ServerShuttingDownError,
 )
 from kestrel.entrypoints.beam_search import search_async
+from kestrel.entrypoints.budgets import (
+    TEXT_BYTES_PER_TOKEN,
+    ResponseBudget,
+    ResponseShape,
+    check_estimate,
+    check_stop_and_bad_words,
+    estimate,
+)
 from kestrel.entrypoints.chat import (
     ContentDelta,
     MarkedToolCallParser,
@@ -97,6 +105,12 @@ class _Submitted:
     request_id: str
     created: int = field(default_factory=lambda: int(time.time()))
     model_name: str = ""
+    budget: ResponseBudget | None = None
+
+    async def abort(self) -> None:
+        """End the engine requests now: their outputs are no longer wanted."""
+        for stream in self.streams:
+            await stream.aclose()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -139,6 +153,7 @@ class OpenAIServing:
     async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(request.model)
+        check_stop_and_bad_words(request, self.config.max_stop_sequences, self.config.max_bad_words)
         beam = request.beam_search_params(request.token_limit)
         if beam is not None:
             return await _until_disconnect(raw, self._beam_completion(request, beam))
@@ -148,7 +163,8 @@ class OpenAIServing:
                                              request.truncate_prompt_tokens)
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
                                  logprobs_param="logprobs", priority=request.priority,
-                                 structured_param=request.structured_outputs_field)
+                                 structured_param=request.structured_outputs_field,
+                                 shape=_completion_shape(request, params, prompts))
         job.model_name = self.response_model_name(request.model)
         if request.echo:
             job.prompts = [_Prompt(self._prompt_text(p, params), p.token_ids) for p in prompts]
@@ -178,7 +194,7 @@ class OpenAIServing:
                                                 token_ids=list(c.token_ids) if ids else None))
         response = CompletionResponse(id=job.request_id, created=job.created, model=job.model_name,
                                       choices=choices, usage=_usage(job, finals))
-        return JSONResponse(response.model_dump())
+        return _within_budget(job, JSONResponse(response.model_dump()))
 
     async def _completion_stream(self, request: CompletionRequest, job: _Submitted) -> AsyncIterator[str]:
         n = job.params.n
@@ -199,9 +215,15 @@ class OpenAIServing:
                 fields["prompt_token_ids"] = list(prompt.token_ids)
             return fields
 
-        def chunk(choice: CompletionChoice) -> str:
+        def render(choices: list[CompletionChoice]) -> str:
             return sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model_name,
-                                                choices=[choice]).model_dump_json(exclude_none=True))
+                                                choices=choices).model_dump_json(exclude_none=True))
+
+        def chunk(choice: CompletionChoice) -> str:
+            return _charged(job, render([choice]))
+
+        if job.budget is not None:
+            job.budget.framing = len(render([CompletionChoice(index=0, text="")]).encode())
 
         # With logprobs the echoed prompt waits for its prompt logprobs, which come with the first output.
         echo_later = set(range(len(job.prompts))) if request.echo and job.params.prompt_logprobs is not None else set()
@@ -242,6 +264,7 @@ class OpenAIServing:
                 yield sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model_name,
                                                    choices=[], usage=usage).model_dump_json())
         except Exception as error:  # the status line is sent: errors can only travel as an event
+            await job.abort()
             yield _stream_error(error)
         yield SSE_DONE
 
@@ -265,6 +288,7 @@ class OpenAIServing:
     async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(request.model)
+        check_stop_and_bad_words(request, self.config.max_stop_sequences, self.config.max_bad_words)
         max_tokens = request.max_completion_tokens or request.max_tokens or self.engine.max_model_len
         beam = request.beam_search_params(max_tokens)
         params = request.to_sampling_params(self.engine.generation_defaults.sampling)
@@ -301,7 +325,7 @@ class OpenAIServing:
             structured_param = "tools"
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs", priority=request.priority,
-                                 structured_param=structured_param)
+                                 structured_param=structured_param, shape=_chat_shape(request, params))
         job.model_name = self.response_model_name(request.model)
         tools = _tool_setup(request, prompt.assistant_prefix, self.config.tool_call_parser or prompt.tool_format)
         if request.stream:
@@ -317,7 +341,7 @@ class OpenAIServing:
         response = ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model_name,
                                           choices=choices, usage=_usage(job, [final]), prompt_logprobs=prompt_logprobs,
                                           prompt_token_ids=list(final.prompt_token_ids) if ids else None)
-        return JSONResponse(response.model_dump())
+        return _within_budget(job, JSONResponse(response.model_dump()))
 
     async def _beam_chat(self, request: ChatCompletionRequest, beam: BeamSearchParams,
                          token_ids: list[int]) -> Response:
@@ -357,10 +381,16 @@ class OpenAIServing:
         fmt = self._formatter(params.logprobs, request.return_tokens_as_token_ids)
         ids = bool(request.return_token_ids)
 
-        def chunk(choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> str:
+        def render(choices: list[ChatStreamChoice], prompt_token_ids: list[int] | None = None) -> str:
             return sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model_name,
-                                           choices=[choice], prompt_token_ids=prompt_token_ids
+                                           choices=choices, prompt_token_ids=prompt_token_ids
                                            ).model_dump_json(exclude_none=True))
+
+        def chunk(choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> str:
+            return _charged(job, render([choice], prompt_token_ids))
+
+        if job.budget is not None:
+            job.budget.framing = len(render([ChatStreamChoice(index=0, delta=DeltaMessage())]).encode())
 
         try:
             echoed = _chat_echo(request)
@@ -389,6 +419,7 @@ class OpenAIServing:
                 yield sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model_name,
                                               choices=[], usage=usage).model_dump_json())
         except Exception as error:  # the status line is sent: errors can only travel as an event
+            await job.abort()
             yield _stream_error(error)
         yield SSE_DONE
 
@@ -467,13 +498,24 @@ class OpenAIServing:
                                       f"{self.max_logprob_entries:,}; lower n, max_tokens or {param}, or start the "
                                       "server with a larger --max-logprob-entries")
 
+    def _response_budget(self, prompts: list[_Prompt], params: SamplingParams,
+                         shape: ResponseShape | None) -> ResponseBudget | None:
+        """Refuse a response whose estimated size passes --max-response-bytes; the budget that counts the rest."""
+        if shape is None:
+            return None
+        limit = self.config.max_response_bytes
+        check_estimate(shape, estimate(shape, [len(p.token_ids) for p in prompts], params.max_tokens,
+                                       self.engine.max_model_len), limit, len(prompts))
+        return ResponseBudget(limit, shape)
+
     async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
                       arrival: float, prompt_param: str, logprobs_param: str, priority: int | None = None,
-                      structured_param: str = "structured_outputs") -> _Submitted:
+                      structured_param: str = "structured_outputs", shape: ResponseShape | None = None) -> _Submitted:
         """Check the response's size, queue one engine request per prompt (all or none) and wait until the engine
         accepted them (the routes checked the number of sequences before their tokenizing). Refusals name the
         request's own fields (`prompt_param`, `logprobs_param`), not the engine's."""
         self._check_logprob_entries(prompts, params, logprobs_param)
+        budget = self._response_budget(prompts, params, shape)
         trackers = [self.metrics.tracker(arrival, params) for _ in prompts]
         self.engine.check_capacity(len(prompts) * params.n)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -496,13 +538,16 @@ class OpenAIServing:
         if self.config.enable_log_requests:
             logger.info("request %s: %d prompt(s), %s prompt tokens, %r", request_id, len(prompts),
                         [len(p.token_ids) for p in prompts], params)
-        return _Submitted(streams, trackers, prompts, params, request_id)
+        return _Submitted(streams, trackers, prompts, params, request_id, budget=budget)
 
     async def _collect(self, job: _Submitted) -> list[RequestOutput]:
         """The final output of every engine request of the job."""
         finals: list[RequestOutput | None] = [None] * len(job.streams)
-        async for i, output in self._merged(job):
-            finals[i] = output
+        async with contextlib.aclosing(self._merged(job)) as outputs:
+            async for i, output in outputs:
+                if job.budget is not None:
+                    job.budget.output(output)  # ends the work once the body would surely pass the budget
+                finals[i] = output
         if any(final is None for final in finals):
             raise EngineDeadError("a request ended without a final output")
         return finals  # type: ignore[return-value]
@@ -523,6 +568,34 @@ class OpenAIServing:
                 await stream.aclose()
             for tracker in job.trackers:
                 tracker.aborted()  # a no-op for the requests that finished
+
+
+def _completion_shape(request: CompletionRequest, params: SamplingParams, prompts: list[_Prompt]) -> ResponseShape:
+    echo_bytes = [len(p.text.encode()) if p.text is not None else len(p.token_ids) * TEXT_BYTES_PER_TOKEN
+                  for p in prompts] if request.echo else []
+    return ResponseShape(chat=False, n=params.n, logprobs=params.logprobs, prompt_logprobs=request.prompt_logprobs,
+                         echo_bytes=echo_bytes, echo_logprobs=bool(request.echo) and params.logprobs is not None,
+                         token_ids=bool(request.return_token_ids))
+
+
+def _chat_shape(request: ChatCompletionRequest, params: SamplingParams) -> ResponseShape:
+    return ResponseShape(chat=True, n=params.n, logprobs=params.logprobs, prompt_logprobs=request.prompt_logprobs,
+                         echo_bytes=[len(_chat_echo(request).encode())], token_ids=bool(request.return_token_ids),
+                         max_tokens_param="max_tokens" if request.max_completion_tokens is None
+                         else "max_completion_tokens",
+                         logprobs_param="top_logprobs" if request.top_logprobs else "logprobs")
+
+
+def _charged(job: _Submitted, event: str) -> str:
+    """A streamed event, counted against the response's budget."""
+    return job.budget.event(event) if job.budget is not None else event
+
+
+def _within_budget(job: _Submitted, response: JSONResponse) -> JSONResponse:
+    """A whole response, refused if its body passes the budget."""
+    if job.budget is not None:
+        job.budget.body(response.body)
+    return response
 
 
 def _chat_echo(request: ChatCompletionRequest) -> str:
@@ -645,6 +718,8 @@ def _stream_error(error: Exception) -> str:
         body = error_body(str(error), "server_error", code="engine_dead")
     elif isinstance(error, ServerShuttingDownError):
         body = error_body(str(error), "server_error", code="server_shutting_down")
+    elif isinstance(error, InvalidRequestError):  # a limit the response passed while it was produced
+        body = error_body(str(error), "invalid_request_error", error.param, getattr(error, "code", "invalid_value"))
     else:
         logger.exception("unexpected error while streaming a response", exc_info=error)
         body = error_body("internal server error; see the server log", "server_error", code="internal_error")

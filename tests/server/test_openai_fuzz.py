@@ -3,14 +3,18 @@ and every response conforms to the document (its status code, content type, head
 
 The server runs the real tiny model with a short context, so even the largest valid requests
 (n = 128, no max_tokens) finish quickly; the engine must survive every sampling setting the
-schema allows.
+schema allows. Its budgets are small (a 12 KiB response, 4 stop strings, 4 bad words), so that fuzzed
+requests also cross them: refused up front or ended mid-stream, each with a well-formed error.
 """
 
+import json
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
@@ -26,14 +30,16 @@ from kestrel.entrypoints.server import build_app
 MAX_EXAMPLES = 120  # per operation and mode (valid / invalid inputs); GETs without parameters run fewer
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance]
+BUDGET_BYTES = 12 << 10  # the fuzzed server's --max-response-bytes
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir: str, live_server_class) -> Iterator:
     engine = AsyncEngine.from_args(tiny_model_dir, max_model_len=48, max_num_seqs=128, max_num_batched_tokens=512,
                                    device="cpu", dtype="float32", max_queued_requests=4096).start()
-    server = live_server_class(build_app(engine, "tiny", api_key="fuzz-key", max_request_bytes=1 << 20), engine,
-                               api_key="fuzz-key")
+    app = build_app(engine, "tiny", api_key="fuzz-key", max_request_bytes=1 << 20, max_response_bytes=BUDGET_BYTES,
+                    max_stop_sequences=4, max_bad_words=4)
+    server = live_server_class(app, engine, api_key="fuzz-key")
     yield server
     server.stop()
 
@@ -84,3 +90,37 @@ def test_the_fuzzing_ran_at_least_1000_cases():
     if len(CALLS) < len(CASES):
         pytest.skip("runs after the whole fuzzing set")
     assert sum(CALLS.values()) >= 1000, CALLS
+
+
+@given(chat=st.booleans(), stream=st.booleans(), n=st.sampled_from([1, 3, 16, 40, 128]),
+       max_tokens=st.none() | st.integers(1, 64), logprobs=st.none() | st.integers(0, 20), echo=st.booleans())
+@example(chat=True, stream=True, n=40, max_tokens=None, logprobs=None, echo=False)  # ends mid-stream
+@settings(max_examples=24, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+def test_responses_stay_within_their_budget(fuzz_server, chat, stream, n, max_tokens, logprobs, echo):
+    """Budget cases: whatever multiplies a response, it is served within --max-response-bytes, refused up front
+    (400 response_too_large or the logprob-entries limit), or ended mid-stream with an error event then [DONE]."""
+    body: dict = {"model": "tiny", "n": n, "stream": stream, "ignore_eos": True}
+    if chat:
+        body["messages"] = [{"role": "assistant" if echo else "user", "content": "def f(x):\n    return"}]
+        body.update(echo=echo, max_completion_tokens=max_tokens)
+        if logprobs is not None:
+            body.update(logprobs=True, top_logprobs=logprobs)
+    else:
+        body.update(prompt="def f(x):\n    return", echo=echo, max_tokens=max_tokens, logprobs=logprobs)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    with httpx.stream("POST", f"{fuzz_server.base_url}{path}", json=body, headers=fuzz_server.headers,
+                      timeout=120) as response:
+        content = response.read()
+    assert response.status_code in (200, 400), content[:500]
+    if response.status_code == 400:
+        error = json.loads(content)["error"]
+        assert error["code"] == "response_too_large" or "--max-logprob-entries" in error["message"], error
+    elif not stream:
+        assert len(content) <= BUDGET_BYTES
+    else:
+        events = [line[len("data: "):] for line in content.decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2]) if len(events) > 1 else {}
+        if "error" in last:
+            assert last["error"]["code"] == "response_too_large", last
+    assert fuzz_server.engine.is_healthy
