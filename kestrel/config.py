@@ -66,7 +66,7 @@ def validate_hf_config(hf: Any, source: str) -> None:
         value = hf[name]
         if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
             raise ConfigError(f"invalid {source}: {name}={value!r}: expected an integer in [{least}, {most}] "
-                              "(kestrel's bound, beyond every real model)")
+                              "(kestrel's sanity bound; every real model lies within it)")
     heads, kv_heads = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
     if heads is not None and kv_heads is not None and heads % kv_heads:
         raise ConfigError(f"invalid {source}: num_attention_heads={heads} is not a multiple of "

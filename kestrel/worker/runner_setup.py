@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -22,6 +23,7 @@ from kestrel.worker.cuda_graph import GraphRunner, verify_batch_limit
 from kestrel.worker.drafter import build_drafter
 from kestrel.worker.kv_cache import (
     FP8_E4M3_MAX,
+    CachingLayer,
     KVCacheShape,
     allocate_kv_cache,
     bind_layer_caches,
@@ -108,7 +110,7 @@ class RunnerSetup:
                 self.drafter.capture_graphs(config.scheduler.max_num_seqs, self.max_blocks_per_seq,
                                             *self._verify_shapes())
 
-    def _planned_kv_cache_bytes(self, layers: list) -> int:
+    def _planned_kv_cache_bytes(self, layers: Sequence[CachingLayer]) -> int:
         """The KV cache this runner allocates after the weights, for the loader's memory plan (`layers`: the
         model's attention layers, on the meta device): as `num_blocks_for` sizes it, with one max_model_len
         sequence in place of the GPU's profiled budget (the least that serves a full-length request)."""
