@@ -32,6 +32,51 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, the value and what is allowed."""
 
 
+class CheckpointError(ConfigError):
+    """A weight file (or its index) is truncated or corrupt; the message names the file and what is wrong."""
+
+
+# Sane bounds of config.json's shape fields: (least, most). Every released model lies well inside them (the
+# largest: vocab 262,144, hidden 16,384 / 53,248 intermediate / 126 layers / 128 heads, head_dim 256, 10M
+# positions); a value outside is a corrupt or hostile config, refused before anything is sized from it.
+HF_CONFIG_BOUNDS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 24),
+    "hidden_size": (1, 1 << 17),
+    "intermediate_size": (1, 1 << 20),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1 << 12),
+    "num_key_value_heads": (1, 1 << 12),
+    "head_dim": (1, 1 << 12),
+    "max_position_embeddings": (1, 1 << 24),
+}
+# Fields that may be null or absent, with a derived value (head_dim from hidden_size, the KV heads from the
+# query heads, a default context).
+_HF_OPTIONAL = frozenset({"num_key_value_heads", "head_dim", "max_position_embeddings"})
+
+
+def validate_hf_config(hf: Any, source: str) -> None:
+    """Refuse a config.json (`source` names it in the message) whose shape fields are not integers within
+    `HF_CONFIG_BOUNDS`, or whose heads do not divide: checked before anything is sized from them. An absent
+    required field is left to the family, whose error names what it needs."""
+    if not isinstance(hf, dict):
+        raise ConfigError(f"invalid {source}: expected a JSON object, got {type(hf).__name__}")
+    for name, (least, most) in HF_CONFIG_BOUNDS.items():
+        if name not in hf or (hf[name] is None and name in _HF_OPTIONAL):
+            continue
+        value = hf[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+            raise ConfigError(f"invalid {source}: {name}={value!r}: expected an integer in [{least}, {most}] "
+                              "(kestrel's sanity bound; every real model lies within it)")
+    heads, kv_heads = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise ConfigError(f"invalid {source}: num_attention_heads={heads} is not a multiple of "
+                          f"num_key_value_heads={kv_heads}; each KV head serves a whole group of query heads")
+    hidden = hf.get("hidden_size")
+    if hf.get("head_dim") is None and heads is not None and hidden is not None and hidden % heads:
+        raise ConfigError(f"invalid {source}: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
+                          "and no head_dim is given; give head_dim or a hidden_size that is a multiple of the heads")
+
+
 DEFAULT_HF_HUB_CACHE = os.path.join("~", ".cache", "huggingface", "hub")
 
 
@@ -152,10 +197,14 @@ class ModelConfig:
                     object.__setattr__(self, "hf_config", json.load(f))
             except json.JSONDecodeError as e:
                 _fail("model", self.model, f"config.json is not valid JSON ({e})")
+        if not isinstance(self.hf_config, dict):
+            _fail("model", self.model, f"config.json holds a JSON {type(self.hf_config).__name__}, not an object")
         if self.hf_overrides is not None:
             if not isinstance(self.hf_overrides, dict):
                 _fail("hf_overrides", self.hf_overrides, "expected a dict of config.json keys and values")
             object.__setattr__(self, "hf_config", {**self.hf_config, **self.hf_overrides})
+        validate_hf_config(self.hf_config, f"config.json of model={self.model!r}"
+                           + (" with hf_overrides" if self.hf_overrides else ""))
         object.__setattr__(self, "generation_defaults",
                            _read_generation_defaults(self.generation_config_path, self.generation_config))
         context = self.hf_config.get("max_position_embeddings")
@@ -350,6 +399,7 @@ class SpeculativeConfig:
                 object.__setattr__(self, "draft_hf_config", json.load(f))
         except json.JSONDecodeError as e:
             _fail("speculative_config.model", self.model, f"config.json is not valid JSON ({e})")
+        validate_hf_config(self.draft_hf_config, f"config.json of speculative_config.model={self.model!r}")
 
     @property
     def _names_a_head(self) -> bool:

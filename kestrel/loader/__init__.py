@@ -10,8 +10,10 @@ from torch import nn
 
 from kestrel.config import EAGLE_HEAD_ARCHITECTURE, ConfigError, ModelConfig, QuantConfig
 from kestrel.distributed.parallel import ParallelContext
+from kestrel.loader.checkpoint_check import check_checkpoint_files
 from kestrel.loader.dummy import initialize_dummy_weights
 from kestrel.loader.hf_config import load_hf_config, resolve_dtype
+from kestrel.loader.memory_plan import KVCacheBytes, check_memory_plan, plan_memory
 from kestrel.loader.model_init import checkpoint_shapes
 from kestrel.loader.safetensors import checkpoint_files, iterate_files, weight_format
 from kestrel.model.registry import get_draft_head_class, get_model_class
@@ -19,9 +21,13 @@ from kestrel.quant import QuantPlan
 
 
 def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = None,
-               device: str | torch.device = "cpu", parallel: ParallelContext | None = None) -> nn.Module:
+               device: str | torch.device = "cpu", parallel: ParallelContext | None = None,
+               kv_cache_bytes: KVCacheBytes | None = None) -> nn.Module:
     """The model of `model_config.architecture` on `device`, weights loaded, in eval mode; with `parallel`,
-    this rank's shard of it (its stage's layers, its slices of each sharded layer)."""
+    this rank's shard of it (its stage's layers, its slices of each sharded layer).
+
+    Before anything is allocated, the weight files are checked (`checkpoint_check`) and the memory plan of the
+    weights and of the KV cache `kv_cache_bytes` sizes (given its attention layers) must fit the device."""
     hf_config = model_config.hf_config or load_hf_config(model_config.model)
     architectures = hf_config.get("architectures") or [""]
     model_cls = get_model_class(architectures[0])
@@ -31,6 +37,7 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
         load_format = weight_format(model_config.model) or "safetensors"
     # Listed before building the model, so that a directory without weights fails at once.
     files = checkpoint_files(model_config.model, load_format) if load_format != "dummy" else []
+    check_checkpoint_files(files, load_format)
     # The checkpoint's quantization_config, when it has one, decides each linear layer's method.
     plan = QuantPlan.build(quant_config, hf_config)
     if plan.checkpoint is not None and load_format == "dummy":
@@ -38,17 +45,25 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
                           "weights exist only for unquantized models, or with quantization='fp8' / 'int8' at load")
     if load_format == "dummy":
         plan = dataclasses.replace(plan, random_weights=True)
+
+    def build() -> nn.Module:
+        return model_cls(hf_config, dtype, plan) if parallel is None else model_cls(hf_config, dtype, plan, parallel)
+
+    check_memory_plan(plan_memory(build, kv_cache_bytes), hf_config, device, parallel, model_config.max_model_len,
+                      dtype)
     try:
         with torch.device(device):
-            model = (model_cls(hf_config, dtype, plan) if parallel is None
-                     else model_cls(hf_config, dtype, plan, parallel))
+            model = build()
         if load_format == "dummy":
             initialize_dummy_weights(model, seed=model_config.seed, device=device)
             model.process_weights_after_loading()
         else:
             # Large checkpoints take a while: show progress when there is more than one file to read.
             model.load_weights(iterate_files(files, load_format, progress=len(files) > 1))
-    except torch.OutOfMemoryError as error:
+    except RuntimeError as error:
+        # The host's allocator fails with a plain RuntimeError; torch.OutOfMemoryError is the device's.
+        if not isinstance(error, torch.OutOfMemoryError) and "can't allocate memory" not in str(error):
+            raise
         raise ConfigError(out_of_memory_message(hf_config, dtype, plan, parallel, device)) from error
     return model.eval()
 
@@ -77,14 +92,21 @@ def load_eagle_head(model_dir: str, dtype: torch.dtype, device: str | torch.devi
     (random ones with load_format='dummy')."""
     hf_config = load_hf_config(model_dir)
     head_cls = get_draft_head_class((hf_config.get("architectures") or [EAGLE_HEAD_ARCHITECTURE])[0])
+    fmt = weight_format(model_dir) or "safetensors"
+    files = checkpoint_files(model_dir, fmt) if load_format != "dummy" else []
+    check_checkpoint_files(files, fmt)
+
+    def build() -> nn.Module:
+        return head_cls(hf_config, dtype)
+
+    check_memory_plan(plan_memory(build), hf_config, device, dtype=dtype)
     with torch.device(device):
-        head = head_cls(hf_config, dtype)
+        head = build()
     if load_format == "dummy":
         initialize_dummy_weights(head, seed=seed)
         head.process_weights_after_loading()
     else:
-        fmt = weight_format(model_dir) or "safetensors"
-        head.load_weights(iterate_files(checkpoint_files(model_dir, fmt), fmt))
+        head.load_weights(iterate_files(files, fmt))
     return head.eval()
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kestrel.config import ConfigError
+from kestrel.config import ConfigError, validate_hf_config
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -23,9 +23,11 @@ def load_hf_config(model_dir: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"invalid model={str(model_dir)!r}: no config.json in that directory")
     try:
-        return json.loads(path.read_text())
+        hf_config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"invalid model={str(model_dir)!r}: config.json is not valid JSON ({e})") from e
+    validate_hf_config(hf_config, f"config.json of model={str(model_dir)!r}")
+    return hf_config
 
 
 def resolve_dtype(dtype: str, hf_config: dict) -> torch.dtype:

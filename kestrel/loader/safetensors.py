@@ -11,13 +11,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kestrel.config import CheckpointError
+from kestrel.loader.checkpoint_check import reading
+
 INDEX_FILE = "model.safetensors.index.json"
 PT_INDEX_FILE = "pytorch_model.bin.index.json"
 FORMATS = {"safetensors": ("*.safetensors", INDEX_FILE), "pt": ("pytorch_model*.bin", PT_INDEX_FILE)}
 
 
-class CheckpointNotFoundError(FileNotFoundError):
-    pass
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The directory has no weight files of the format, or its index names files that are not there."""
 
 
 def weight_format(model_dir: str | Path) -> str | None:
@@ -35,7 +38,14 @@ def checkpoint_files(model_dir: str | Path, fmt: str = "safetensors") -> list[Pa
     pattern, index_name = FORMATS[fmt]
     index = root / index_name
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"invalid checkpoint index {index}: expected a JSON object with a weight_map "
+                                  f"(tensor name -> file) ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"invalid checkpoint index {index}: its weight_map must map tensor names to "
+                                  "file names")
         files = [root / name for name in sorted(set(weight_map.values()))]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
@@ -59,10 +69,14 @@ def iterate_files(files: Sequence[Path], fmt: str, progress: bool = False) -> It
         files = tqdm(files, desc="Loading weights", unit="file", leave=False)
     for path in files:
         if fmt == "pt":
-            state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            with reading(path, fmt):
+                state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            if not isinstance(state, dict):
+                raise CheckpointError(f"invalid checkpoint file {path}: it holds a {type(state).__name__}, not a "
+                                      "dict of tensors")
             yield from state.items()
             del state
             continue
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with reading(path, fmt), safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 yield name, f.get_tensor(name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -22,6 +23,7 @@ from kestrel.worker.cuda_graph import GraphRunner, verify_batch_limit
 from kestrel.worker.drafter import build_drafter
 from kestrel.worker.kv_cache import (
     FP8_E4M3_MAX,
+    CachingLayer,
     KVCacheShape,
     allocate_kv_cache,
     bind_layer_caches,
@@ -76,10 +78,10 @@ class RunnerSetup:
         own = frozenset() if eos_token_id is None else frozenset({eos_token_id})
         self.eos_token_ids = own | config.model.generation_defaults.eos_token_ids
         torch.manual_seed(config.model.seed)
-        self.model = load_model(model_config, config.quant, self.device, parallel)
-        self.vocab_size: int = int(config.model.hf_config["vocab_size"])
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-(config.model.max_model_len or 1) // self.block_size)
+        self.model = load_model(model_config, config.quant, self.device, parallel, self._planned_kv_cache_bytes)
+        self.vocab_size: int = int(config.model.hf_config["vocab_size"])
         layers = self.model.attention_layers()
         self.kv_spec = KVCacheShape.of_layers(layers, kv_cache_dtype(config.cache, self.dtype), self.block_size)
         # The groups are every stage's; `layer_groups[i]` is the group of this stage's attention layer i.
@@ -107,6 +109,16 @@ class RunnerSetup:
             if self.drafter is not None:
                 self.drafter.capture_graphs(config.scheduler.max_num_seqs, self.max_blocks_per_seq,
                                             *self._verify_shapes())
+
+    def _planned_kv_cache_bytes(self, layers: Sequence[CachingLayer]) -> int:
+        """The KV cache this runner allocates after the weights, for the loader's memory plan (`layers`: the
+        model's attention layers, on the meta device): as `num_blocks_for` sizes it, with one max_model_len
+        sequence in place of the GPU's profiled budget (the least that serves a full-length request)."""
+        shape = KVCacheShape.of_layers(layers, kv_cache_dtype(self.config.cache, self.dtype), self.block_size)
+        if shape.bytes_per_block < 1:
+            return 0
+        one_sequence = self.max_blocks_per_seq * shape.bytes_per_block if self.device.type == "cuda" else None
+        return num_blocks_for(self.config, shape, one_sequence) * shape.bytes_per_block
 
     @property
     def is_last_stage(self) -> bool:
