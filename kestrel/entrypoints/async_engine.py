@@ -27,6 +27,11 @@ from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams
 
 DEFAULT_RETRY_AFTER_S = 1
+SHUTTING_DOWN_MESSAGE = ("the server is shutting down and takes no new requests; retry on another replica or after "
+                         "it restarts")
+# What clients are told of an engine failure; the error itself (it may name worker processes, files, devices)
+# goes to the server log.
+ENGINE_FAILED_MESSAGE = "the engine stopped after an error (see the server log); no request can be served"
 logger = logging.getLogger("kestrel.engine")
 
 
@@ -332,12 +337,11 @@ class AsyncEngine:
 
     def _check_alive(self) -> None:
         if self._error is not None:
-            raise EngineDeadError(f"the engine stopped after an error: {self._error!r}")
+            raise EngineDeadError(ENGINE_FAILED_MESSAGE)
         if self._stopping or not self._thread.is_alive():
             raise EngineDeadError("the engine is not running")
         if self._draining:
-            raise ServerShuttingDownError("the server is shutting down and takes no new requests; retry on another "
-                                          "replica or after it restarts")
+            raise ServerShuttingDownError(SHUTTING_DOWN_MESSAGE)
 
     # ----- the engine thread ---------------------------------------------------------------------
 
@@ -370,7 +374,7 @@ class AsyncEngine:
         except BaseException as error:
             self._error = error
             logger.exception("the engine thread stopped after an error; every request fails from now on")
-            self._fail_all(EngineDeadError(f"the engine stopped after an error: {error!r}"))
+            self._fail_all(EngineDeadError(ENGINE_FAILED_MESSAGE))
             return
         self._fail_all(EngineDeadError("the engine was shut down"))
 

@@ -5,17 +5,18 @@ Header timeout: a connection whose request line and headers are not complete `he
 first byte (or after the connection opened) is closed, so clients trickling bytes cannot hold connections. The
 body has its own timeout in the app (`BodyLimitMiddleware`), and idle keep-alive connections uvicorn's.
 
-Drain: on SIGTERM or SIGINT the engine refuses new requests at once (503, and /health turns 503), uvicorn
-stops listening and lets the open connections finish; requests still unfinished `drain_timeout_s` later are
-aborted, each stream ending with an error event and `[DONE]`, each non-streaming request with a 503 body. A
-second signal stops at once.
+Drain: on SIGTERM or SIGINT the engine refuses new requests at once, and the server keeps listening: every new
+request is answered 503 `server_shutting_down` (/health too), so that load balancers see the drain instead of
+refused connections. The server stops when the unfinished requests are done, or `drain_timeout_s` after the
+signal, when the unfinished ones are aborted: each stream ends with an error event and `[DONE]`, each
+non-streaming request with a 503 body. A second signal ends the drain at once.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-import threading
+import time
 from typing import Any
 
 import uvicorn
@@ -26,8 +27,9 @@ from kestrel.entrypoints.server_config import ServerConfig
 
 logger = logging.getLogger("kestrel.server")
 
-# Beyond the drain: time for the last error events and 503 bodies to reach the clients before uvicorn cancels.
-_FLUSH_MARGIN_S = 5.0
+# After the drain: time for the last error events and 503 bodies to reach the clients before uvicorn cancels them
+# (they are written at once; the margin is for slow readers, and it counts against the exit within the timeout).
+_FLUSH_MARGIN_S = 1.0
 
 
 class HeaderTimeoutProtocol(H11Protocol):
@@ -74,25 +76,41 @@ def protocol_with_header_timeout(seconds: float) -> type[HeaderTimeoutProtocol]:
 
 
 class DrainingServer(uvicorn.Server):
+    """uvicorn, but its first SIGTERM / SIGINT starts the engine's drain instead of closing the listening sockets;
+    the server stops once the drain is over."""
+
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout_s = drain_timeout_s
-        self._drain_timer: threading.Timer | None = None
+        self._drain_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._drain_timer is None:
+        # A signal handler: it only sets flags; on_tick, on the event loop, ends the drain.
+        if self._drain_deadline is None:
             self.engine.begin_drain()
-            logger.warning("shutting down: no new requests; %d unfinished get up to %.0f s to finish",
+            self._drain_deadline = time.monotonic() + self.drain_timeout_s
+            logger.warning("shutting down: new requests get 503; %d unfinished get up to %g s to finish",
                            self.engine.num_unfinished, self.drain_timeout_s)
-            self._drain_timer = threading.Timer(self.drain_timeout_s, self._end_unfinished)
-            self._drain_timer.daemon = True
-            self._drain_timer.start()
-        super().handle_exit(sig, frame)
+        else:
+            self._drain_deadline = time.monotonic()
+            logger.warning("second signal: ending the drain now")
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_deadline is not None and not self.should_exit:
+            # Done when no engine request is unfinished and no HTTP request is being served (one may still be
+            # tokenizing: it is answered 503 when it reaches the engine).
+            if self.engine.num_unfinished == 0 and not self.server_state.tasks:
+                logger.info("drain done: every request finished")
+                self.should_exit = True
+            elif time.monotonic() >= self._drain_deadline:
+                self._end_unfinished()
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     def _end_unfinished(self) -> None:
         ended = self.engine.end_unfinished(f"the server shut down before this request finished (drain timeout "
-                                           f"{self.drain_timeout_s:.0f} s)")
+                                           f"{self.drain_timeout_s:g} s)")
         if ended:
             logger.warning("drain timeout: ended %d unfinished requests", ended)
 
@@ -102,11 +120,11 @@ def serve(app: Any, engine: AsyncEngine, config: ServerConfig) -> None:
     uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port,
                                     log_level=config.uvicorn_log_level or config.log_level,
                                     http=protocol_with_header_timeout(config.header_read_timeout),
-                                    timeout_graceful_shutdown=int(drain_timeout_s + _FLUSH_MARGIN_S),
+                                    timeout_graceful_shutdown=_FLUSH_MARGIN_S,  # type: ignore[arg-type]
                                     ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
                                     root_path=config.root_path or "")
-    # uvicorn re-raises the signal that stopped it once it is done; the drain is that signal's whole effect, so
-    # it lands on a no-op handler and the process exits 0 after the engine's own shutdown.
+    # uvicorn re-raises the signals it caught once it is done (none: DrainingServer takes them); should one come
+    # between, the drain is its whole effect, so it lands on a no-op handler and the process exits 0.
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         DrainingServer(uvicorn_config, engine, drain_timeout_s).run()

@@ -122,7 +122,8 @@ class ServerMetrics:
         self.params_n = histogram("request_params_n", "The n of finished requests.", N_BUCKETS)
         self.params_max_tokens = histogram("request_params_max_tokens", "The max_tokens of finished requests.",
                                            TOKEN_COUNT_BUCKETS)
-        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason (one per request, "
+                                "whatever its n; the count of e2e_request_latency_seconds).",
                                 [*LABELS, "finished_reason"], registry=self.registry)
         self._model_name = model_name
 
@@ -169,8 +170,20 @@ def _renamed(text: bytes, old: bytes, new: bytes) -> bytes:
     return b"".join(out)
 
 
+_REASON_PRECEDENCE = ("abort", "length", "stop")
+
+
+def request_finish_reason(output: RequestOutput) -> str:
+    """One finish reason for a request and all its n completions: the first of abort, length, stop that one of
+    them has (a completion without a reason counts as aborted; an unknown reason is kept)."""
+    reasons = {c.finish_reason or "abort" for c in output.outputs} or {"abort"}
+    return next((r for r in _REASON_PRECEDENCE if r in reasons), min(reasons))
+
+
 class RequestTracker:
-    """Latency of one engine request as the server sees it, from `arrival` (time.monotonic())."""
+    """Latency of one engine request as the server sees it, from `arrival` (time.monotonic()). It counts the
+    request once in request_success whatever its n, as in e2e_request_latency_seconds, so the two agree (vLLM
+    counts each of the n sequences, its engine requests, in both)."""
 
     def __init__(self, metrics: ServerMetrics, arrival: float | None = None, params: Any = None) -> None:
         self._metrics = metrics
@@ -194,8 +207,7 @@ class RequestTracker:
             self._done = True
             self._metrics.e2e.observe(now - self._arrival)
             self._metrics.observe_final(output, self._params)
-            for completion in output.outputs:
-                self._metrics.finished(completion.finish_reason or "abort")
+            self._metrics.finished(request_finish_reason(output))
 
     def aborted(self) -> None:
         """The request ended without its final output (the client left, or it timed out): counted as an abort,

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
+import hashlib
 import hmac
 import json
 import logging
+import multiprocessing
 import os
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import kestrel
 from kestrel.config import ConfigError
 from kestrel.entrypoints.async_engine import (
+    SHUTTING_DOWN_MESSAGE,
     AsyncEngine,
     EngineDeadError,
     QueueFullError,
@@ -64,10 +69,12 @@ from kestrel.sampling_params import SamplingParamsError
 
 logger = logging.getLogger("kestrel.server")
 
-# Paths behind the API key; /health, /version and /metrics stay open for probes and scrapers. The API's
-# documentation (OpenAPI document, Swagger UI, ReDoc) too, unless the server exposes it (`--public-docs`).
-# The playground page (/, /static/) stays open: it holds no secret and sends the key its user types.
+# Paths behind the API key; /health and /version stay open for probes. /metrics (model name, traffic, latencies)
+# is behind it unless the server exposes it (`--public-metrics`, vLLM's behaviour), and so is the API's
+# documentation (OpenAPI document, Swagger UI, ReDoc) unless `--public-docs`. The playground page (/, /static/)
+# stays open: it holds no secret and sends the key its user types.
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+METRICS_PATHS = ("/metrics",)
 DOCS_PATHS = ("/openapi.json", "/docs", "/redoc")
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 503, 504)
@@ -112,8 +119,10 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str],
     _standard_limits_in_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout_s=config.body_read_timeout)
     if keys:
-        protected = PROTECTED_PREFIXES if config.public_docs else PROTECTED_PREFIXES + DOCS_PATHS
+        protected = (PROTECTED_PREFIXES + (() if config.public_metrics else METRICS_PATHS)
+                     + (() if config.public_docs else DOCS_PATHS))
         app.add_middleware(ApiKeyMiddleware, api_keys=keys, protected=protected)
+    app.add_middleware(DrainMiddleware, engine=engine)  # outside the key: probes without it see the drain too
     if config.allowed_origins:  # outermost: browsers' preflight requests carry no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
@@ -147,12 +156,12 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
                         503: {"model": ErrorResponse, "description": "The engine stopped, or the server is "
                                                                         "shutting down."}})
     async def health() -> Response:
+        # Open to anyone: a reason code, never the error itself (it may name processes and paths; it is logged).
         if engine.is_healthy:
             return Response(status_code=200)
         if engine.draining:
-            return _error(503, "the server is shutting down", "server_error", code="server_shutting_down")
-        return _error(503, "the engine is not running" + (f": {engine.error!r}" if engine.error else ""),
-                      "server_error", code="engine_dead")
+            return _error(503, SHUTTING_DOWN_MESSAGE, "server_error", code="server_shutting_down")
+        return _error(503, "the engine is not running; see the server log", "server_error", code="engine_dead")
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -160,7 +169,9 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"description": "Prometheus text exposition format.",
-                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
+                              "content": {"text/plain": {"schema": {"type": "string"}}}},
+                        401: {"model": ErrorResponse, "description": "No valid API key (unless --public-metrics)."},
+                        503: {"model": ErrorResponse, "description": "The server is shutting down."}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -289,20 +300,61 @@ async def _send_error(send: Send, status: int, message: str, err_type: str, code
     await send({"type": "http.response.body", "body": body})
 
 
+class DrainMiddleware:
+    """While the server drains before it stops, every new request is answered 503 `server_shutting_down` and its
+    connection closed; the requests already running go on."""
+
+    def __init__(self, app: ASGIApp, engine: AsyncEngine) -> None:
+        self.app = app
+        self._engine = engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self._engine.draining:
+            await _send_error(send, 503, SHUTTING_DOWN_MESSAGE, "server_error", "server_shutting_down",
+                              {"Connection": "close"})
+            return
+        await self.app(scope, receive, send)
+
+
+def bearer_credentials(authorization: bytes) -> bytes | None:
+    """The credentials of an `Authorization: Bearer <credentials>` header; the scheme is case-insensitive
+    (RFC 7235). None for another scheme or none."""
+    scheme, _, credentials = authorization.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return credentials.lstrip(b" ") or None
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes match (Starlette's rule): under a root path, uvicorn's scope["path"] starts with it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
+
+
+def _digest(secret: bytes) -> bytes:
+    return hashlib.sha256(secret).digest()
+
+
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` with one of the server's keys on the API paths, compared in constant time."""
+    """`Authorization: Bearer <key>` with one of the server's keys on the protected paths, compared in constant
+    time."""
 
     def __init__(self, app: ASGIApp, api_keys: Sequence[str],
                  protected: tuple[str, ...] = PROTECTED_PREFIXES) -> None:
         self.app = app
-        self._expected = [f"Bearer {key}".encode() for key in api_keys]
+        # Digests: equal lengths, so the comparison's time tells nothing of a key's length either.
+        self._expected = [_digest(key.encode()) for key in api_keys]
         self._protected = protected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self._protected):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+        # The path the routes see: under --root-path, uvicorn's scope["path"] carries the prefix.
+        if scope["type"] == "http" and route_path(scope).startswith(self._protected):
+            credentials = bearer_credentials(dict(scope["headers"]).get(b"authorization", b""))
+            given = _digest(credentials or b"")
             # Every key is compared (constant time each), so the time does not tell which one matched.
-            if not sum(hmac.compare_digest(given, key) for key in self._expected):
+            if not sum(hmac.compare_digest(given, key) for key in self._expected) or credentials is None:
                 await _send_error(send, 401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
                                   "invalid_request_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
                 return
@@ -432,4 +484,22 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
     finally:
         app.state.text_workers.close()
         engine.shutdown()
+        _end_child_processes()
+        # The interpreter's exit runs the cycle collector over every object torch and the model left: a second
+        # or more on a busy machine, for memory the process returns anyway. Frozen objects are not traversed.
+        gc.freeze()
     return 0
+
+
+def _end_child_processes(grace_s: float = 0.5) -> None:
+    """End the worker processes still running (the tokenizer workers: nothing of theirs is worth waiting for), so
+    that the interpreter's exit does not wait seconds for each to wind down its own imports."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        child.join(max(deadline - time.monotonic(), 0.0))
+        if child.is_alive():
+            child.kill()
+            child.join(grace_s)

@@ -82,7 +82,7 @@ class LiveServer:
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples by name, summed over labels (one model per server; finish reasons add up)."""
-        text = httpx.get(f"{self.base_url}/metrics").text
+        text = httpx.get(f"{self.base_url}/metrics", headers=self.headers).text
         samples: dict[str, float] = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):

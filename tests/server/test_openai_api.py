@@ -161,7 +161,7 @@ def test_health_version_and_metric_names(client, openai_server):
     assert samples["vllm:generation_tokens_total"] >= 3
     assert samples["vllm:request_prefill_time_seconds_count"] >= 1
     assert samples["vllm:iteration_tokens_total_sum"] >= samples["vllm:generation_tokens_total"]
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", headers=openai_server.headers).text
     assert 'vllm:num_requests_running{engine="0",model_name="tiny"}' in text
     assert 'block_size="16"' in text
 

@@ -204,7 +204,7 @@ def test_unknown_route_and_method_keep_the_error_shape(openai_server):
 
 
 def aborted_requests(server) -> float:
-    text = httpx.get(f"{server.base_url}/metrics").text
+    text = httpx.get(f"{server.base_url}/metrics", headers=server.headers).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("kestrel:request_success_total{") and 'finished_reason="abort"' in line)
 

@@ -102,13 +102,25 @@ def test_a_draining_server_refuses_new_requests_with_503(start_scripted_server):
     assert health.status_code == 503 and health.json()["error"]["code"] == "server_shutting_down"
 
 
-def test_kestrel_serve_drains_on_sigterm_and_exits(tiny_model_dir):
-    with serve_process(tiny_model_dir, "--max-model-len", "512", "--shutdown-timeout", "1") as (server, base):
+def test_kestrel_serve_drains_on_sigterm_answers_503_meanwhile_and_exits_in_time(tiny_model_dir):
+    drain_s = 2.0
+    with serve_process(tiny_model_dir, "--max-model-len", "512", "--shutdown-timeout", str(drain_s)) as (server,
+                                                                                                          base):
         streams = [Outcome(base, completion(500, stream=True)) for _ in range(8)]
         plain = [Outcome(base, completion(500, stream=False)) for _ in range(4)]
         for o in streams:
             assert o.started.wait(60)
         server.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        # The listener stays open during the drain: new connections are answered, 503, not refused.
+        while (health := httpx.get(f"{base}/health", timeout=5)).status_code == 200:
+            assert time.monotonic() - signalled < drain_s, "/health never turned 503"
+            time.sleep(0.02)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "server_shutting_down"
+        refused = httpx.post(f"{base}/v1/completions", json=completion(5, False), headers=HEADERS, timeout=5)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+        assert refused.headers["connection"] == "close"
+        assert time.monotonic() - signalled < drain_s  # answered during the drain, not after it
         ended = 0
         for outcome in streams + plain:
             outcome.join(30)
@@ -119,8 +131,9 @@ def test_kestrel_serve_drains_on_sigterm_and_exits(tiny_model_dir):
             else:
                 assert_ended_by_shutdown(outcome)
                 ended += 1
-        assert ended > 0  # the drain timeout (1 s) came before 500 tokens
+        assert ended > 0  # the drain timeout came before 500 tokens of 12 requests
         assert server.wait(30) == 0
+        assert time.monotonic() - signalled < drain_s + 2.0  # the documented bound: --shutdown-timeout + 2 s
 
 
 def test_a_client_trickling_its_headers_is_disconnected(tiny_model_dir):

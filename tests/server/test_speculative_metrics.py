@@ -26,7 +26,7 @@ def test_spec_decode_series_count_drafts_and_acceptance(tiny_model_dir, method):
         accepted = metrics["vllm:spec_decode_num_accepted_tokens_total"]
         assert drafts > 0 and 0 <= accepted <= drafts and metrics["vllm:spec_decode_num_drafts_total"] > 0
         assert method != "draft_model" or accepted == drafts
-        text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        text = httpx.get(f"{server.base_url}/metrics", headers=server.headers, timeout=10).text
         per_position = [line for line in text.splitlines()
                         if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{")]
         assert per_position and sum(float(line.split()[-1]) for line in per_position) == accepted
