@@ -159,8 +159,9 @@ class OpenAIServing:
             return await _until_disconnect(raw, self._beam_completion(request, beam))
         params = request.to_sampling_params(self.engine.generation_defaults.sampling)
         self._check_sequences(len(request.prompts()), params.n, "prompt")  # before any tokenizing
-        prompts = await self._encode_prompts(request.prompts(), request.add_special_tokens is not False,
-                                             request.truncate_prompt_tokens)
+        # A client that goes away takes its tokenization with it (the worker is replaced).
+        prompts = await _until_disconnect(raw, self._encode_prompts(
+            request.prompts(), request.add_special_tokens is not False, request.truncate_prompt_tokens))
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
                                  logprobs_param="logprobs", priority=request.priority,
                                  structured_param=request.structured_outputs_field,
@@ -309,7 +310,8 @@ class OpenAIServing:
                           template_kwargs=request.chat_template_kwargs)
         truncate = request.truncate_prompt_tokens
         self._check_sequences(1, params.n, "messages")  # before any templating
-        prompt, count, ids = await self.text.render_chat(chat, None if truncate else self.engine.max_model_len)
+        prompt, count, ids = await _until_disconnect(
+            raw, self.text.render_chat(chat, None if truncate else self.engine.max_model_len))
         token_ids = self._fit_prompt(count, ids, truncate, "messages")
         if beam is not None:
             return await _until_disconnect(raw, self._beam_chat(request, beam, token_ids))

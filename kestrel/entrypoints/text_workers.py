@@ -1,28 +1,41 @@
 """The server's heavy text work (prompt tokenization, chat templating, /tokenize and /detokenize replies) away from
-the event loop: in worker processes (`processes > 0`), each with its own tokenizer, so that a multi-megabyte prompt
-costs the serving process only the transfer of its result; else in a worker thread of the serving process
-(tests, and servers that want no extra processes).
+the event loop: in a `WorkerPool` of tokenizer processes (`processes > 0`), each with its own tokenizer, so that a
+multi-megabyte prompt costs the serving process only the transfer of its result; else in worker threads of the
+serving process (tests, and servers that want no extra processes).
+
+Fairness: a job of more than HEAVY_TEXT_BYTES of text (or HEAVY_TOKEN_IDS ids to detokenize) is heavy, and heavy
+jobs hold at most part of the workers (the pool's lanes), so a small prompt never waits behind big ones. A big
+prompt is not cut into pieces tokenized in parallel: a tokenizer's pre-tokenization and merges may cross any cut,
+so the ids could differ from one encode of the whole text.
+
+Bounds: every job has the request's deadline (`timeout`, --tokenize-timeout): past it the request gets a 400
+naming its prompt field and the flag, and its worker is killed and replaced; a job whose awaiting task is
+cancelled (its client went away) costs its worker the same way. /tokenize takes at most `max_tokenize_bytes` of
+prompt text (--max-tokenize-bytes).
 
 Results stay small: a prompt that cannot fit the context comes back as its token count alone, and the /tokenize
-and /detokenize replies come back as finished JSON bytes.
+and /detokenize replies come back as finished JSON bytes. A large /tokenize body travels raw (`tokenize_body`):
+the worker parses and validates it, so the serving process never decodes the prompt at all.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import json
-import multiprocessing
-import os
-import signal
-import sys
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from kestrel.entrypoints.chat import ChatPrompt, encode_chat, render_chat
+from kestrel.entrypoints.protocol import TokenizeChatRequest, TokenizeRequest, validation_error_info
+from kestrel.entrypoints.worker_pool import WorkerPool, WorkTimeoutError
+from kestrel.request import InvalidRequestError
+
+HEAVY_TEXT_BYTES = 64 << 10  # ~16k tokens: tens of milliseconds of tokenizing, the most a light job may take
+HEAVY_TOKEN_IDS = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,45 @@ class ChatInput:
     chat_template: str | None = None  # the request's, else the server's --chat-template, else the tokenizer's
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] | None = None
+
+
+class RequestBodyError(Exception):
+    """A raw request body that a worker found invalid, in the words FastAPI's validation gets (picklable)."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple[type, tuple[str | None, str]]:
+        return type(self), (self.param, str(self))
+
+
+class UnservedModelError(Exception):
+    """A raw /tokenize body names a model this server does not serve (the serving process words the 404)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self.model = model
+
+
+def utf8_over(texts: Sequence[str], limit: int) -> bool:
+    """Whether the texts together are more than `limit` bytes of UTF-8, encoding only where the character count
+    cannot tell (a character is one to four bytes)."""
+    chars = sum(len(text) for text in texts)
+    if chars > limit:
+        return True
+    if chars * 4 <= limit or all(text.isascii() for text in texts):
+        return False
+    return utf8_size(texts) > limit
+
+
+def utf8_size(texts: Sequence[str]) -> int:
+    return sum(len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass")) for t in texts)
+
+
+def too_big_to_tokenize(param: str, texts: Sequence[str], limit: int) -> InvalidRequestError:
+    return InvalidRequestError(param, f"{param} is {utf8_size(texts):,} bytes of UTF-8 text; /tokenize accepts at "
+                               f"most {limit:,}: send less, or start the server with a larger --max-tokenize-bytes")
 
 
 # ----- the work (module functions: a worker process runs them by name) -----------------------------------
@@ -72,14 +124,55 @@ def tokenize_reply(tokenizer: Any, specials: Sequence[str], prompt: str | ChatIn
                       separators=(",", ":")).encode()
 
 
+_TOKENIZE_REQUEST: TypeAdapter[Any] = TypeAdapter(TokenizeRequest)
+
+
+def parse_tokenize_body(body: bytes) -> TokenizeRequest:
+    """A /tokenize body parsed and validated as FastAPI does it for the route (the same errors, in the same
+    words); RequestBodyError when it is not a valid request."""
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as error:
+        errors = [{"type": "json_invalid", "loc": ("body", error.pos), "msg": "JSON decode error",
+                   "ctx": {"error": error.msg}}]
+        raise RequestBodyError(*validation_error_info(errors)) from None
+    except (UnicodeDecodeError, RecursionError) as error:
+        raise RequestBodyError(None, f"the request body is not valid JSON: {error}") from None
+    try:
+        return _TOKENIZE_REQUEST.validate_python(data)
+    except ValidationError as error:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False)]
+        raise RequestBodyError(*validation_error_info(errors)) from None
+
+
+def tokenize_body(tokenizer: Any, specials: Sequence[str], chunks: list[bytes], model_names: tuple[str, ...],
+                  chat_template: str | None, max_bytes: int, max_model_len: int) -> bytes:
+    """The /tokenize response body for a raw JSON request body (the chunks it came in)."""
+    request = parse_tokenize_body(b"".join(chunks))
+    if request.model is not None and request.model not in model_names:
+        raise UnservedModelError(request.model)
+    if isinstance(request, TokenizeChatRequest):
+        prompt: str | ChatInput = ChatInput(
+            [m.model_dump(exclude_none=True) for m in request.messages], [m.text() for m in request.messages],
+            request.tool_dicts() or None, add_generation_prompt=request.add_generation_prompt is not False,
+            chat_template=chat_template)
+        param, texts = "messages", prompt.message_texts
+    else:
+        prompt = request.prompt
+        param, texts = "prompt", [prompt]
+    if utf8_over(texts, max_bytes):
+        raise too_big_to_tokenize(param, texts, max_bytes)
+    add_special_tokens = getattr(request, "add_special_tokens", None) is not False
+    return tokenize_reply(tokenizer, specials, prompt, add_special_tokens, max_model_len)
+
+
 def detokenize_reply(tokenizer: Any, specials: Sequence[str], token_ids: list[int]) -> bytes:
     """The /detokenize response body."""
     return json.dumps({"prompt": tokenizer.decode(token_ids)}, ensure_ascii=False).encode()
 
 
-# ----- worker processes -----------------------------------------------------------------------------------
+# ----- worker processes (started, niced and tied to the serving process by the WorkerPool) ----------------
 
-_PR_SET_PDEATHSIG = 1
 _worker_tokenizer: Any = None
 _worker_specials: tuple[str, ...] = ()
 
@@ -88,26 +181,8 @@ def _init_worker(tokenizer_path: str, specials: tuple[str, ...], trust_remote_co
     global _worker_tokenizer, _worker_specials
     from kestrel.loader.tokenizer import load_tokenizer
 
-    _end_with_parent()
-    # Batch work: below the serving process's priority, so its event loop and the engine get the cores first.
-    os.nice(5)
     _worker_tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
     _worker_specials = specials
-
-
-def _end_with_parent() -> None:
-    """A worker dies with the serving process, even a killed one (Linux: PR_SET_PDEATHSIG), rather than finishing
-    a long tokenization nobody waits for."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(0)
 
 
 def _in_worker(work: Callable[..., Any], *args: Any) -> Any:
@@ -116,49 +191,71 @@ def _in_worker(work: Callable[..., Any], *args: Any) -> Any:
 
 class TextWorkers:
     def __init__(self, tokenizer: Any, specials: Sequence[str], *, tokenizer_path: str | None = None,
-                 processes: int = 0, chat_template: str | None = None, trust_remote_code: bool = False) -> None:
+                 processes: int = 0, chat_template: str | None = None, trust_remote_code: bool = False,
+                 timeout: float | None = None, max_tokenize_bytes: int | None = None) -> None:
+        """`timeout`: each request's tokenization deadline (s); `max_tokenize_bytes`: /tokenize's limit."""
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.specials = tuple(specials)
         self.processes = processes
-        self._pool: ProcessPoolExecutor | None = None
-        if processes > 0:
-            if not tokenizer_path:
-                raise ValueError("tokenizer worker processes need the tokenizer's directory")
-            # Spawned, not forked: the serving process runs the engine thread (and CUDA) already.
-            self._pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init_worker,
-                                             initargs=(tokenizer_path, self.specials, trust_remote_code))
+        self.timeout = timeout
+        self.max_tokenize_bytes = max_tokenize_bytes
+        if processes > 0 and not tokenizer_path:
+            raise ValueError("tokenizer worker processes need the tokenizer's directory")
+        self.pool = WorkerPool(processes, _init_worker, (tokenizer_path, self.specials, trust_remote_code),
+                               name="tokenizer")
 
     def start(self) -> TextWorkers:
         """Start every worker and load its tokenizer now, so the first requests do not wait for it."""
-        if self._pool is not None:
-            for future in [self._pool.submit(_in_worker, encode_prompt, "warm up", None)
-                           for _ in range(self.processes)]:
-                future.result()
+        self.pool.start()
         return self
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
 
-    async def _run(self, work: Callable[..., Any], *args: Any) -> Any:
-        if self._pool is None:
-            return await asyncio.to_thread(work, self.tokenizer, self.specials, *args)
-        return await asyncio.wrap_future(self._pool.submit(_in_worker, work, *args))
+    async def _run(self, param: str, heavy: bool, work: Callable[..., Any], *args: Any) -> Any:
+        """`work(tokenizer, specials, *args)` in a worker within the deadline; a timeout is the request's 400."""
+        if self.processes > 0:
+            job: Awaitable[Any] = self.pool.run(_in_worker, work, *args, timeout=self.timeout, heavy=heavy)
+        else:
+            job = self.pool.run(work, self.tokenizer, self.specials, *args, timeout=self.timeout, heavy=heavy)
+        try:
+            return await job
+        except WorkTimeoutError as error:
+            verb = "detokenizing" if param == "tokens" else "tokenizing"
+            raise InvalidRequestError(param, f"{verb} {param} took longer than this server's limit of "
+                                      f"{error.seconds:g} s; send less, or start the server with a larger "
+                                      "--tokenize-timeout") from None
 
-    async def encode_prompts(self, texts: list[str], limit: int | None,
-                             add_special_tokens: bool = True) -> list[tuple[int, list[int] | None]]:
-        return list(await asyncio.gather(*(self._run(encode_prompt, text, limit, add_special_tokens)
-                                           for text in texts)))
+    async def encode_prompts(self, texts: list[str], limit: int | None, add_special_tokens: bool = True,
+                             param: str = "prompt") -> list[tuple[int, list[int] | None]]:
+        return list(await asyncio.gather(*(self._run(param, utf8_over([text], HEAVY_TEXT_BYTES), encode_prompt,
+                                                     text, limit, add_special_tokens) for text in texts)))
 
     async def render_chat(self, chat: ChatInput, limit: int | None) -> tuple[ChatPrompt, int, list[int] | None]:
-        return await self._run(render_and_encode, self._with_template(chat), limit)
+        return await self._run("messages", utf8_over(chat.message_texts, HEAVY_TEXT_BYTES), render_and_encode,
+                               self._with_template(chat), limit)
 
     async def tokenize_reply(self, prompt: str | ChatInput, add_special_tokens: bool, max_model_len: int) -> bytes:
+        """The /tokenize reply for a parsed request: 400 beyond max_tokenize_bytes of prompt text."""
+        param, texts = ("messages", prompt.message_texts) if isinstance(prompt, ChatInput) else ("prompt", [prompt])
+        if self.max_tokenize_bytes is not None and utf8_over(texts, self.max_tokenize_bytes):
+            raise too_big_to_tokenize(param, texts, self.max_tokenize_bytes)
         if isinstance(prompt, ChatInput):
             prompt = self._with_template(prompt)
-        return await self._run(tokenize_reply, prompt, add_special_tokens, max_model_len)
+        return await self._run(param, utf8_over(texts, HEAVY_TEXT_BYTES), tokenize_reply, prompt,
+                               add_special_tokens, max_model_len)
+
+    async def tokenize_body(self, chunks: list[bytes], model_names: tuple[str, ...], max_model_len: int) -> bytes:
+        """The /tokenize reply for a raw JSON body (its chunks, joined in the worker), parsed, validated and
+        checked in the worker, a heavy job: RequestBodyError, UnservedModelError or the InvalidRequestError of a
+        limit when it is refused."""
+        limit = self.max_tokenize_bytes if self.max_tokenize_bytes is not None else sum(map(len, chunks))
+        # Which field a deadline's error names, before anything parsed the body (a string's quotes are escaped).
+        named = [field for field in (b'"messages"', b'"prompt"') if any(field in chunk for chunk in chunks)]
+        param = "messages" if named == [b'"messages"'] else "prompt"
+        return await self._run(param, True, tokenize_body, chunks, model_names, self.chat_template, limit,
+                               max_model_len)
 
     def _with_template(self, chat: ChatInput) -> ChatInput:
         if self.chat_template is None or chat.chat_template is not None:
@@ -166,4 +263,4 @@ class TextWorkers:
         return dataclasses.replace(chat, chat_template=self.chat_template)
 
     async def detokenize_reply(self, token_ids: list[int]) -> bytes:
-        return await self._run(detokenize_reply, token_ids)
+        return await self._run("tokens", len(token_ids) > HEAVY_TOKEN_IDS, detokenize_reply, token_ids)

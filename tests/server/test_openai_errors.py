@@ -310,7 +310,7 @@ def test_big_tokenize_requests_do_not_stall_health(tiny_model_dir, tmp_path):
 
     body_file = tmp_path / "body.json"
     body_file.write_text(json.dumps({"prompt": "hello world, " * 300_000}))
-    with serve_process(tiny_model_dir) as (_, base):
+    with serve_process(tiny_model_dir, "--max-tokenize-bytes", str(8 << 20)) as (_, base):
         clients = [subprocess.Popen([sys.executable, "-c", _TOKENIZE_CLIENT, base, str(body_file), API_KEY],
                                     stdout=subprocess.PIPE, text=True) for _ in range(4)]
         waits: list[tuple[float, float]] = []
