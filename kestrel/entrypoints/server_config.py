@@ -15,7 +15,7 @@ from kestrel.entrypoints.chat import TOOL_FORMATS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18  # ~7 MB of JSON at the usual ~26 bytes an entry
-DEFAULT_MAX_RESPONSE_BYTES = 8 << 20  # docs/security-budgets.md says why
+DEFAULT_MAX_RESPONSE_BYTES = 8 << 20  # docs/security.md says why
 
 
 def _opt(default: Any, help_text: str, **extra: Any) -> Any:
