@@ -47,6 +47,11 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + _NICENESS))
 
 
+def _called(tools: list[dict[str, Any]], tool_choice: str, named_tool: str | None) -> list[dict[str, Any]]:
+    """The tools a forced call may call: the named one, or all."""
+    return [t for t in tools if t["function"]["name"] == named_tool] if tool_choice == "named" else tools
+
+
 class GrammarCompilePool:
     def __init__(self, tokenizer_info: Any, *, processes: int, timeout_s: float, limits: GrammarLimits,
                  cache_bytes: int, cache_entries: int, max_threads: int = 1) -> None:
@@ -87,13 +92,17 @@ class GrammarCompilePool:
         check_structured_outputs(spec, param, self.limits)
         return GrammarSource.of(spec)
 
-    def tool_call_source(self, tools: list[dict[str, Any]], tool_choice: str, named_tool: str | None,
+    def check_tools(self, tools: list[dict[str, Any]], tool_choice: str, named_tool: str | None) -> None:
+        """Refuse (naming `tools`) the tools of a forced call whose schemas are beyond the limits: before the chat
+        template renders them into the prompt."""
+        check_tool_schemas(_called(tools, tool_choice, named_tool), self.limits)
+
+    @staticmethod
+    def tool_call_source(tools: list[dict[str, Any]], tool_choice: str, named_tool: str | None,
                          fmt: str) -> GrammarSource:
-        """The grammar of a forced tool call (built in the compile worker: a tool's schema alone can take seconds
-        to convert); tools beyond the limits are refused (naming `tools`)."""
-        chosen = [t for t in tools if t["function"]["name"] == named_tool] if tool_choice == "named" else tools
-        check_tool_schemas(chosen, self.limits)
-        return GrammarSource.tool_call(chosen, tool_choice, named_tool, fmt)
+        """The grammar of a forced tool call (its tools checked by `check_tools`), built in the compile worker: a
+        tool's schema alone can take seconds to convert."""
+        return GrammarSource.tool_call(_called(tools, tool_choice, named_tool), tool_choice, named_tool, fmt)
 
     async def compile(self, source: GrammarSource, param: str) -> Any:
         """The compiled grammar (an xgrammar CompiledGrammar); a grammar that does not compile, or not within the

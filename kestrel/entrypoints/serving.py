@@ -293,6 +293,8 @@ class OpenAIServing:
         self._check_sequences(1, params.n, "messages")  # before any templating
         structured_param = request.structured_outputs_field
         grammar_source = self._grammar_source(params, structured_param)  # its limits, too
+        if mode in ("required", "named") and self.grammars is not None:
+            self.grammars.check_tools(request.tool_dicts(), mode, request.named_tool)
         prompt, count, ids = await self.text.render_chat(chat, None if truncate else self.engine.max_model_len)
         token_ids = self._fit_prompt(count, ids, truncate, "messages")
         if beam is not None:
