@@ -112,8 +112,10 @@ class EngineCore:
     # ----- requests -----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, priority: int = 0) -> None:
-        """`priority`: under the priority scheduling policy, lower values are served first."""
+                    prompt: str | None = None, priority: int = 0, grammar: Any = None) -> None:
+        """`priority`: under the priority scheduling policy, lower values are served first. `grammar`: the
+        compiled grammar of `params.structured_outputs` (opaque here: the grammar backend's), so that the engine
+        does not compile it; None: the backend compiles it."""
         self._validate(request_id, prompt_token_ids, params)
         self._check_priority(priority)
         if params.bad_words and params.bad_words_token_ids is None:
@@ -134,7 +136,7 @@ class EngineCore:
             sequence = _Sequence(request, detokenizer, index)
             parent.sequences.append(sequence)
         if params.structured_outputs is not None:
-            self._add_grammars(parent, params)
+            self._add_grammars(parent, params, grammar)
         for sequence in parent.sequences:
             self._sequence_parent[sequence.request.request_id] = parent
         self._parents[request_id] = parent
@@ -143,15 +145,15 @@ class EngineCore:
             if _needs_latest_tokens(params):
                 self._sync_request_ids.add(sequence.request.request_id)
 
-    def _add_grammars(self, parent: _ParentRequest, params: SamplingParams) -> None:
-        """A matcher per sequence (compiling the grammar once, cached); all or none."""
+    def _add_grammars(self, parent: _ParentRequest, params: SamplingParams, grammar: Any = None) -> None:
+        """A matcher per sequence on `grammar`, else on the grammar compiled once (cached); all or none."""
         if self.structured is None:
             raise InvalidRequestError("structured_outputs", "this engine has no grammar backend for structured "
                                       "outputs")
         added = []
         try:
             for sequence in parent.sequences:
-                self.structured.add(sequence.request.request_id, params.structured_outputs)
+                self.structured.add(sequence.request.request_id, params.structured_outputs, grammar)
                 added.append(sequence.request.request_id)
         except BaseException:
             for request_id in added:

@@ -90,6 +90,7 @@ class _Add:
     params: SamplingParams
     prompt: str | None
     priority: int = 0
+    grammar: Any = None  # the compiled grammar of params.structured_outputs (the server compiles it)
 
 
 @dataclass(frozen=True)
@@ -301,8 +302,10 @@ class AsyncEngine:
                                  f"{self.max_queued_requests}); retry later")
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               prompt: str | None = None, timeout_s: float | None = None, priority: int = 0) -> RequestStream:
-        """Queue a request without waiting; the stream raises the engine's refusal, if any, when read."""
+               prompt: str | None = None, timeout_s: float | None = None, priority: int = 0,
+               grammar: Any = None) -> RequestStream:
+        """Queue a request without waiting; the stream raises the engine's refusal, if any, when read. `grammar`:
+        params.structured_outputs compiled (the grammar backend's object), so the engine thread does not compile."""
         self._check_alive()
         timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -311,7 +314,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._commands.append(_Add(request_id, list(prompt_token_ids), params, prompt, priority))
+            self._commands.append(_Add(request_id, list(prompt_token_ids), params, prompt, priority, grammar))
             self._num_pending_sequences += params.n
             self._cond.notify()
         return stream
@@ -390,7 +393,7 @@ class AsyncEngine:
                 continue  # aborted before the engine saw it
             try:
                 self.core.add_request(command.request_id, command.prompt_token_ids, command.params, command.prompt,
-                                      command.priority)
+                                      command.priority, command.grammar)
             except ValueError as refusal:  # InvalidRequestError and friends: this request only
                 del self._streams[command.request_id]
                 accepted.append((stream, refusal))

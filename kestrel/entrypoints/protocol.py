@@ -845,6 +845,8 @@ def _schema(param: str, value: dict[str, Any] | str) -> dict[str, Any] | str:
             json.loads(value)
         except json.JSONDecodeError as error:
             _unsupported(param, f"{param} must be a JSON schema (an object or its JSON text): {error}")
+        except RecursionError:
+            _unsupported(param, f"{param} nests too deeply to be a JSON schema")
     return value
 
 

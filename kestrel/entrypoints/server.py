@@ -40,6 +40,7 @@ from kestrel.entrypoints.async_engine import (
     ServerShuttingDownError,
 )
 from kestrel.entrypoints.chat import special_token_texts
+from kestrel.entrypoints.grammar_pool import GrammarCompilePool
 from kestrel.entrypoints.metrics import ServerMetrics
 from kestrel.entrypoints.playground import add_playground_routes
 from kestrel.entrypoints.protocol import (
@@ -69,6 +70,7 @@ from kestrel.entrypoints.serving import (
 from kestrel.entrypoints.text_workers import ChatInput, RequestBodyError, TextWorkers, UnservedModelError
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParamsError
+from kestrel.structured.limits import GrammarLimits
 
 logger = logging.getLogger("kestrel.server")
 
@@ -99,7 +101,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str],
               **settings: Any) -> FastAPI:
     """The app for a started AsyncEngine, with `config`'s settings (`settings`: ServerConfig fields that replace
     its values). Several apps can coexist: each has its own metrics registry."""
-    config = dataclasses.replace(config or ServerConfig(tokenizer_workers=0), **settings)
+    config = dataclasses.replace(config or ServerConfig(tokenizer_workers=0, grammar_compile_workers=0), **settings)
     names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
     keys = () if not api_key else (api_key,) if isinstance(api_key, str) else tuple(api_key)
     metrics = ServerMetrics(engine, names[0])
@@ -109,7 +111,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str],
                        processes=config.tokenizer_processes, chat_template=config.chat_template_text(),
                        trust_remote_code=engine.core.config.model.trust_remote_code,
                        timeout=config.tokenize_timeout, max_tokenize_bytes=config.max_tokenize_bytes).start()
-    serving = OpenAIServing(engine, names, metrics, text, config)
+    grammars = _grammar_pool(engine, config)
+    serving = OpenAIServing(engine, names, metrics, text, config, grammars)
     # No trailing-slash redirects: they are built from the Host header, which the client controls.
     app = FastAPI(title="kestrel", version=kestrel.__version__, redirect_slashes=False,
                   root_path=config.root_path or "", description="OpenAI-compatible API of the kestrel inference "
@@ -117,6 +120,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str],
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.text_workers = text
+    app.state.grammar_pool = grammars
     _add_routes(app, engine, serving, metrics)
     add_playground_routes(app)  # GET /: the browser playground, open like /health (the key is typed into it)
     _add_error_handlers(app)
@@ -132,6 +136,19 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str],
                            allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
                            allow_credentials=config.allow_credentials)
     return app
+
+
+def _grammar_pool(engine: AsyncEngine, config: ServerConfig) -> GrammarCompilePool | None:
+    """The compile pool of the engine's grammar backend (None: the engine has none), started."""
+    backend = engine.core.structured
+    if backend is None:
+        return None
+    limits = GrammarLimits(max_bytes=config.max_grammar_bytes, max_choices=config.max_grammar_choices,
+                           max_properties=config.max_schema_properties)
+    return GrammarCompilePool(backend.tokenizer_info, processes=config.grammar_compile_workers,
+                              timeout_s=config.grammar_compile_timeout, limits=limits,
+                              cache_bytes=config.grammar_cache_bytes, cache_entries=config.grammar_cache_entries,
+                              max_threads=backend.max_threads).start()
 
 
 def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics) -> None:
@@ -623,6 +640,8 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
         serve(app, engine, config)
     finally:
         app.state.text_workers.close()
+        if app.state.grammar_pool is not None:
+            app.state.grammar_pool.close()
         engine.shutdown()
         _end_child_processes()
         # The interpreter's exit runs the cycle collector over every object torch and the model left: a second

@@ -48,6 +48,19 @@ class ServerConfig:
     tokenize_timeout: float = _opt(30.0, "a request whose prompt tokenization takes longer gets 400 and its "
                                          "worker is replaced (s)")
     max_tokenize_bytes: int = _opt(2 << 20, "largest prompt text /tokenize accepts (UTF-8 bytes; 400 beyond)")
+    grammar_compile_timeout: float = _opt(5.0, "a structured-outputs grammar that takes longer to compile gets "
+                                               "400 and its compile worker is replaced (s)")
+    grammar_compile_workers: int = _opt(1, "processes that compile structured-outputs grammars, off the event "
+                                           "loop and the engine (0: a thread of the serving process)")
+    max_grammar_bytes: int = _opt(64 << 10, "largest structured-outputs grammar (JSON schema, regex, EBNF or "
+                                            "choice list) in bytes; 400 beyond, before compiling")
+    max_grammar_choices: int = _opt(4096, "most options of one JSON-schema enum, anyOf / oneOf / allOf, choice list "
+                                          "or set of forced tool calls; 400 beyond, before compiling")
+    max_schema_properties: int = _opt(1024, "most properties a JSON schema may declare, all objects together; "
+                                            "400 beyond, before compiling")
+    grammar_cache_bytes: int = _opt(256 << 20, "memory the compiled grammars kept for reuse may hold (least "
+                                               "recently used dropped first)")
+    grammar_cache_entries: int = _opt(512, "most compiled grammars kept for reuse")
     chat_template: str | None = _opt(None, "a chat template (Jinja) file, or the template itself, instead of the "
                                            "tokenizer's")
     trust_request_chat_template: bool = _opt(False, "accept a chat_template in chat requests (rendered in a "
@@ -79,18 +92,21 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name in ("port", "max_queued_requests", "max_request_bytes", "max_logprob_entries", "max_response_bytes",
-                     "max_stop_sequences", "max_bad_words", "max_tokenize_bytes",):
+                     "max_stop_sequences", "max_bad_words", "max_tokenize_bytes", "grammar_compile_workers",
+                     "max_grammar_bytes", "max_grammar_choices", "max_schema_properties", "grammar_cache_bytes",
+                     "grammar_cache_entries"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name != "port" else 1):
                 raise ConfigError(f"invalid {name}={value!r}: expected a non-negative integer")
         for name in ("header_read_timeout", "body_read_timeout", "shutdown_timeout", "request_timeout",
-                     "tokenize_timeout"):
+                     "tokenize_timeout", "grammar_compile_timeout"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"invalid {name}={value!r}: expected a number of seconds > 0")
         if self.tokenizer_workers is not None and self.tokenizer_workers < 0:
             raise ConfigError(f"invalid tokenizer_workers={self.tokenizer_workers}: expected 0 (a thread) or more")
-        for name in ("max_logprob_entries", "max_response_bytes", "max_tokenize_bytes"):
+        for name in ("max_logprob_entries", "max_response_bytes", "max_tokenize_bytes", "max_grammar_bytes",
+                     "max_grammar_choices", "max_schema_properties", "grammar_cache_entries"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"invalid {name}={getattr(self, name)}: expected >= 1")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):

@@ -41,6 +41,7 @@ from kestrel.entrypoints.chat import (
     make_tool_parser,
     parse_tool_calls,
 )
+from kestrel.entrypoints.grammar_pool import GrammarCompilePool
 from kestrel.entrypoints.logprob_format import LogprobFormatter, join, text_end
 from kestrel.entrypoints.metrics import RequestTracker, ServerMetrics
 from kestrel.entrypoints.protocol import (
@@ -70,7 +71,7 @@ from kestrel.entrypoints.text_workers import ChatInput, TextWorkers
 from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.request import InvalidRequestError, prompt_too_long
 from kestrel.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
-from kestrel.structured.tool_grammar import tool_call_grammar
+from kestrel.structured.compile import GrammarSource
 
 T = TypeVar("T")
 logger = logging.getLogger("kestrel.server")
@@ -130,8 +131,11 @@ SSE_DONE = sse("[DONE]")
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], metrics: ServerMetrics,
-                 text: TextWorkers, config: ServerConfig) -> None:
+                 text: TextWorkers, config: ServerConfig, grammars: GrammarCompilePool | None = None) -> None:
+        """`grammars`: where structured-outputs grammars are checked and compiled (None: the engine has no grammar
+        backend, and refuses them)."""
         self.config = config
+        self.grammars = grammars
         self.max_logprob_entries = config.max_logprob_entries
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -159,13 +163,15 @@ class OpenAIServing:
             return await _until_disconnect(raw, self._beam_completion(request, beam))
         params = request.to_sampling_params(self.engine.generation_defaults.sampling)
         self._check_sequences(len(request.prompts()), params.n, "prompt")  # before any tokenizing
+        grammar_source = self._grammar_source(params, request.structured_outputs_field)  # its limits, too
         # A client that goes away takes its tokenization with it (the worker is replaced).
         prompts = await _until_disconnect(raw, self._encode_prompts(
             request.prompts(), request.add_special_tokens is not False, request.truncate_prompt_tokens))
+        grammar = await self._compile_grammar(grammar_source, raw)
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
                                  logprobs_param="logprobs", priority=request.priority,
                                  structured_param=request.structured_outputs_field,
-                                 shape=_completion_shape(request, params, prompts))
+                                 shape=_completion_shape(request, params, prompts), grammar=grammar)
         job.model_name = self.response_model_name(request.model)
         if request.echo:
             job.prompts = [_Prompt(self._prompt_text(p, params), p.token_ids) for p in prompts]
@@ -310,24 +316,32 @@ class OpenAIServing:
                           template_kwargs=request.chat_template_kwargs)
         truncate = request.truncate_prompt_tokens
         self._check_sequences(1, params.n, "messages")  # before any templating
+        structured_param = request.structured_outputs_field
+        grammar_source = self._grammar_source(params, structured_param)  # its limits, too
+        if mode in ("required", "named") and self.grammars is not None:
+            self.grammars.check_tools(request.tool_dicts(), mode, request.named_tool)
         prompt, count, ids = await _until_disconnect(
             raw, self.text.render_chat(chat, None if truncate else self.engine.max_model_len))
         token_ids = self._fit_prompt(count, ids, truncate, "messages")
         if beam is not None:
             return await _until_disconnect(raw, self._beam_chat(request, beam, token_ids))
-        structured_param = request.structured_outputs_field
         # A forced call is grammar-constrained wherever the engine has a grammar backend (every engine built by
         # build_engine); without one (a test double), the call's opening in the prompt and the parser remain.
-        if mode in ("required", "named") and prompt.assistant_prefix and self.engine.core.structured is not None:
+        if mode in ("required", "named") and prompt.assistant_prefix and self.grammars is not None:
             if params.structured_outputs is not None:
                 raise InvalidRequestError(structured_param, f"tool_choice {request.tool_choice!r} constrains the "
                                           f"answer to a tool call; {structured_param} cannot constrain it too")
-            grammar = tool_call_grammar(request.tool_dicts(), mode, request.named_tool, prompt.tool_format)
-            params = params.replace(structured_outputs=StructuredOutputsParams(grammar=grammar))
+            source = self.grammars.tool_call_source(request.tool_dicts(), mode, request.named_tool,
+                                                    prompt.tool_format)
+            grammar_source = (source, "tools")
             structured_param = "tools"
+        grammar = await self._compile_grammar(grammar_source, raw)
+        if structured_param == "tools" and grammar is not None:
+            params = params.replace(structured_outputs=StructuredOutputsParams(grammar=str(grammar.grammar)))
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs", priority=request.priority,
-                                 structured_param=structured_param, shape=_chat_shape(request, params))
+                                 structured_param=structured_param, shape=_chat_shape(request, params),
+                                 grammar=grammar)
         job.model_name = self.response_model_name(request.model)
         tools = _tool_setup(request, prompt.assistant_prefix, self.config.tool_call_parser or prompt.tool_format)
         if request.stream:
@@ -512,16 +526,18 @@ class OpenAIServing:
 
     async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
                       arrival: float, prompt_param: str, logprobs_param: str, priority: int | None = None,
-                      structured_param: str = "structured_outputs", shape: ResponseShape | None = None) -> _Submitted:
+                      structured_param: str = "structured_outputs", shape: ResponseShape | None = None,
+                      grammar: Any = None) -> _Submitted:
         """Check the response's size, queue one engine request per prompt (all or none) and wait until the engine
         accepted them (the routes checked the number of sequences before their tokenizing). Refusals name the
-        request's own fields (`prompt_param`, `logprobs_param`), not the engine's."""
+        request's own fields (`prompt_param`, `logprobs_param`), not the engine's. `grammar`: the compiled grammar
+        of params.structured_outputs (_compile_grammar), which the engine then does not compile."""
         self._check_logprob_entries(prompts, params, logprobs_param)
         budget = self._response_budget(prompts, params, shape)
         trackers = [self.metrics.tracker(arrival, params) for _ in prompts]
         self.engine.check_capacity(len(prompts) * params.n)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        streams = [self.engine.submit(rid, p.token_ids, params, p.text, priority=priority or 0)
+        streams = [self.engine.submit(rid, p.token_ids, params, p.text, priority=priority or 0, grammar=grammar)
                    for rid, p in zip(ids, prompts)]
         try:
             for stream in streams:
@@ -541,6 +557,23 @@ class OpenAIServing:
             logger.info("request %s: %d prompt(s), %s prompt tokens, %r", request_id, len(prompts),
                         [len(p.token_ids) for p in prompts], params)
         return _Submitted(streams, trackers, prompts, params, request_id, budget=budget)
+
+    def _grammar_source(self, params: SamplingParams, field: str) -> tuple[GrammarSource, str] | None:
+        """The request's grammar and the field it came from (`structured_outputs.json`, `response_format`, ...),
+        checked against the server's grammar limits before any other work; None without one."""
+        spec = params.structured_outputs
+        if spec is None or self.grammars is None:
+            return None
+        param = f"{field}.{spec.kind}" if field == "structured_outputs" else field
+        return self.grammars.source(spec, param), param
+
+    async def _compile_grammar(self, grammar: tuple[GrammarSource, str] | None, raw: Request) -> Any:
+        """The compiled grammar (GrammarCompilePool: off the event loop and the engine, under the compile deadline),
+        before the request enters the engine; a client that goes away meanwhile stops the compile."""
+        if grammar is None or self.grammars is None:
+            return None
+        source, param = grammar
+        return await _until_disconnect(raw, self.grammars.compile(source, param))
 
     async def _collect(self, job: _Submitted) -> list[RequestOutput]:
         """The final output of every engine request of the job."""

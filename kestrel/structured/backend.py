@@ -2,28 +2,40 @@
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import time
 from typing import Any
 
 from kestrel.engine.contracts import GrammarBitmask
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import StructuredOutputsParams
+from kestrel.structured.compile import (
+    JSON_MAX_WHITESPACE,
+    GrammarCompileError,
+    GrammarSource,
+    choice_grammar,
+    compile_source,
+)
+from kestrel.structured.limits import GrammarLimits, check_structured_outputs
 
-# The longest whitespace run allowed between JSON tokens: room for indented, pretty-printed JSON, and a bound on
-# a model that would otherwise pad an object with whitespace until max_tokens.
-JSON_MAX_WHITESPACE = 16
+__all__ = ["GrammarBackend", "JSON_MAX_WHITESPACE", "choice_grammar"]
+DEFAULT_CACHE_BYTES = 256 << 20
 
 
 class GrammarBackend:
     """Per engine: the tokenizer's vocabulary as xgrammar sees it, a compiler with its cache, the matchers."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
-                 max_threads: int | None = None, gpu_host: bool = False) -> None:
-        """`gpu_host`: the runner of this process is on a GPU (masks are pinned and filled in xgrammar's threads)."""
+                 max_threads: int | None = None, gpu_host: bool = False, limits: GrammarLimits | None = None,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        """`gpu_host`: the runner of this process is on a GPU (masks are pinned and filled in xgrammar's threads).
+        `limits`: what a grammar this backend compiles itself may be (the server checks and compiles the grammars
+        of its requests before they reach the engine, under its own flags); `cache_bytes`: the most memory the
+        compiler's cache of grammars may hold."""
         self._tokenizer = tokenizer
+        self.limits = limits or GrammarLimits()
+        self._cache_bytes = cache_bytes
+        self._tokenizer_info: Any = None
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         # Compilation runs in xgrammar's threads (up to 8 of the host's cores), and so does the bitmask fill of a
@@ -46,39 +58,47 @@ class GrammarBackend:
         self.accept_seconds = 0.0  # host time spent advancing matchers (for the benchmarks)
 
     @property
+    def tokenizer_info(self) -> Any:
+        """The vocabulary as xgrammar reads it (xgr.TokenizerInfo), built on first use: reading a large vocabulary
+        takes a moment, and most engines never need it. The server compiles its requests' grammars against it."""
+        if self._tokenizer_info is None:
+            import xgrammar as xgr
+
+            self._tokenizer_info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                                      stop_token_ids=self._eos or None)
+        return self._tokenizer_info
+
+    @property
+    def max_threads(self) -> int:
+        return self._max_threads
+
+    @property
     def compiler(self) -> Any:
-        """Built on first use: reading a large vocabulary takes a moment, and most engines never need it."""
+        """Built on first use, with a cache of compiled grammars bounded by `cache_bytes`."""
         if self._compiler is None:
             import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self._eos or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=True)
+            self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=self._max_threads,
+                                                 cache_enabled=True, cache_limit_bytes=self._cache_bytes)
         return self._compiler
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
-        """The compiled grammar of `spec`; a grammar the compiler rejects is an InvalidRequestError naming it."""
-        kind = spec.kind
+        """The compiled grammar of `spec`, within `limits`; a grammar beyond them, or one the compiler rejects, is
+        an InvalidRequestError naming it. Compiling blocks the caller (the engine's thread): the server hands the
+        engine its grammars compiled."""
+        param = f"structured_outputs.{spec.kind}"
+        check_structured_outputs(spec, param, self.limits)
         try:
-            if kind in ("json", "json_object"):  # json_object: any JSON object (not any JSON value)
-                schema = spec.json if kind == "json" else {"type": "object"}
-                text = schema if isinstance(schema, str) else json.dumps(schema)
-                return self.compiler.compile_json_schema(text, any_whitespace=not spec.disable_any_whitespace,
-                                                         max_whitespace_cnt=JSON_MAX_WHITESPACE)
-            if kind == "regex":
-                return self.compiler.compile_regex(spec.regex)
-            if kind == "choice":
-                return self.compiler.compile_grammar(choice_grammar(spec.choice or []))
-            return self.compiler.compile_grammar(spec.grammar)
-        except (RuntimeError, ValueError, TypeError) as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise InvalidRequestError(f"structured_outputs.{kind}", f"the {kind} grammar could not be compiled: "
-                                      f"{reason[:500]}") from None
+            return compile_source(self.compiler, GrammarSource.of(spec))
+        except GrammarCompileError as error:
+            raise InvalidRequestError(param, str(error)) from None
 
-    def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
+    def add(self, request_id: str, spec: StructuredOutputsParams, compiled: Any = None) -> None:
+        """Start the request's matcher: on `compiled` (an xgrammar CompiledGrammar of `spec`, compiled against
+        `tokenizer_info`) when given, else on the grammar compiled here."""
         import xgrammar as xgr
 
-        self._matchers[request_id] = xgr.GrammarMatcher(self.compile(spec))
+        self._matchers[request_id] = xgr.GrammarMatcher(compiled if compiled is not None else self.compile(spec))
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -191,13 +211,3 @@ class GrammarBackend:
         self.num_fills += 1
         return GrammarBitmask(req_ids, bitmask)
 
-
-def choice_grammar(choices: list[str]) -> str:
-    """An EBNF grammar whose language is exactly the given strings."""
-    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
-
-
-def _ebnf_literal(text: str) -> str:
-    escaped = re.sub(r'["\\]', lambda m: "\\" + m.group(0), text)
-    escaped = escaped.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
-    return f'"{escaped}"'

@@ -123,4 +123,40 @@ def test_responses_stay_within_their_budget(fuzz_server, chat, stream, n, max_to
         last = json.loads(events[-2]) if len(events) > 1 else {}
         if "error" in last:
             assert last["error"]["code"] == "response_too_large", last
+
+
+def _deep_schema_text(levels: int) -> str:
+    return '{"items":' * levels + "{}" + "}" * levels
+
+
+_TOOL_MESSAGES = [{"role": "user", "content": "call it"}]
+# Hostile grammars, each refused before any compiling (or by the compiler itself) with a 400 naming its field.
+GRAMMAR_CASES = [
+    ("/v1/completions", {"structured_outputs": {"json": _deep_schema_text(50_000)}}, "structured_outputs.json"),
+    ("/v1/completions", {"guided_json": {"$defs": {"e": {"enum": list(range(5000))}}, "$ref": "#/$defs/e"}},
+     "guided_json"),
+    ("/v1/completions", {"structured_outputs": {"json": {"anyOf": [{"const": i} for i in range(5000)]}}},
+     "structured_outputs.json"),
+    ("/v1/completions", {"guided_choice": [f"c{i}" for i in range(5000)]}, "guided_choice"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a" * 70_000}}, "structured_outputs.regex"),
+    ("/v1/completions", {"structured_outputs": {"regex": "\ud800+"}}, "structured_outputs.regex"),
+    ("/v1/completions", {"structured_outputs": {"grammar": "root ::= ( | "}}, "structured_outputs.grammar"),
+    ("/v1/completions", {"structured_outputs": {"json": {"type": "string", "pattern": "(["}}},
+     "structured_outputs.json"),
+    ("/v1/chat/completions", {"messages": _TOOL_MESSAGES, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"enum": list(range(5000))}}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": _TOOL_MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "w", "schema": {
+            "type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}}}}},
+     "response_format"),
+]
+
+
+@pytest.mark.parametrize("path, fields, param", GRAMMAR_CASES, ids=[f"{c[2]}-{i}" for i, c in enumerate(GRAMMAR_CASES)])
+def test_hostile_grammars_are_400s(fuzz_server, path, fields, param):
+    body = {"model": "tiny", "max_tokens": 4, **({"prompt": "x"} if path == "/v1/completions" else {}), **fields}
+    reply = httpx.post(f"{fuzz_server.base_url}{path}", content=json.dumps(body).encode(), timeout=30,
+                       headers={**fuzz_server.headers, "Content-Type": "application/json"})
+    assert reply.status_code == 400, reply.text[:300]
+    assert reply.json()["error"]["param"] == param, reply.json()
     assert fuzz_server.engine.is_healthy

@@ -88,7 +88,7 @@ def test_streamed_constrained_answer_is_the_same_json(server):
 
 def test_bad_grammars_and_conflicts_are_400s_naming_the_field(server):
     bad = post(server, "/v1/chat/completions", chat("x", structured_outputs={"regex": "(open"}))
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs.regex"
     schema = post(server, "/v1/chat/completions",
                   chat("x", response_format={"type": "json_schema", "json_schema": {"name": "n"}}))
     assert schema.status_code == 400 and schema.json()["error"]["param"] == "response_format.json_schema"
