@@ -155,11 +155,13 @@ async def _health_poller(client: httpx.AsyncClient, base_url: str, phase: Phase,
         await asyncio.sleep(HEALTH_INTERVAL_S)
 
 
-def _rss_mb(pid: int | None) -> float | None:
-    """The resident memory of a process and its descendants (tokenizer and grammar workers), in MB (Linux)."""
+def _rss_by_process(pid: int | None) -> dict[str, float] | None:
+    """The resident memory of a process and of each descendant (tokenizer and grammar workers), in MB (Linux):
+    "pid command" -> MB."""
     if pid is None:
         return None
-    total, pending, seen = 0, [pid], set()
+    found: dict[str, float] = {}
+    pending, seen = [pid], set()
     while pending:
         current = pending.pop()
         if current in seen:
@@ -167,13 +169,18 @@ def _rss_mb(pid: int | None) -> float | None:
         seen.add(current)
         try:
             with open(f"/proc/{current}/status") as f:
-                total += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            found[f"{current} {fields['Name'].strip()}"] = int(fields.get("VmRSS", "0 kB").split()[0]) / 1024
             for task in Path(f"/proc/{current}/task").iterdir():
                 pending += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, ValueError):
+        except (OSError, ValueError, KeyError):
             if current == pid:
                 return None
-    return total / 1024
+    return found
+
+
+def _rss_mb(by_process: dict[str, float] | None) -> float | None:
+    return None if by_process is None else sum(by_process.values())
 
 
 async def run_phase(target: serve.Target, args: argparse.Namespace, attacks: list[str],
@@ -305,20 +312,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     target = serve.Target(base_url, model, headers)
     bodies = {name: json.dumps(ATTACKS[name].body(model)).encode() for name in attacks}
-    rss_start = _rss_mb(args.server_pid)
+    rss_start = _rss_by_process(args.server_pid)
     phases: dict[str, dict[str, Any]] = {}
     if args.baseline:
         phases["baseline"] = asyncio.run(run_phase(target, args, [], bodies)).summary()
         print(f"baseline: {json.dumps(phases['baseline'])}", flush=True)
     phases["attack"] = asyncio.run(run_phase(target, args, attacks, bodies)).summary()
     print(f"attack: {json.dumps(phases['attack'])}", flush=True)
+    rss_end = _rss_by_process(args.server_pid)
     passed, problems, ratio = verdict(phases, args.max_ttft_ratio)
     doc = {"suite": "soak", "date": datetime.now(UTC).strftime("%Y%m%d-%H%M%S"),
            "environment": serve.environment(None, None),
            "config": {"base_url": base_url, "model": model, "duration_s": args.duration, "clients": args.clients,
                       "attackers": args.attackers, "attacks": attacks, "input_len": args.input_len,
                       "max_tokens": args.max_tokens, "max_ttft_ratio": args.max_ttft_ratio},
-           "phases": phases, "ttft_p99_ratio": ratio, "rss_mb": {"start": rss_start, "end": _rss_mb(args.server_pid)},
+           "phases": phases, "ttft_p99_ratio": ratio, "rss_mb": {"start": _rss_mb(rss_start), "end": _rss_mb(rss_end)},
+           "rss_mb_by_process": {"start": rss_start, "end": rss_end},
            "passed": passed, "problems": problems}
     path = args.result_file or args.result_dir / f"soak-{doc['date']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
