@@ -31,6 +31,7 @@ MAX_EXAMPLES = 120  # per operation and mode (valid / invalid inputs); GETs with
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance]
 BUDGET_BYTES = 12 << 10  # the fuzzed server's --max-response-bytes
+TOKENIZE_BYTES = 4096
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def fuzz_server(tiny_model_dir: str, live_server_class) -> Iterator:
     engine = AsyncEngine.from_args(tiny_model_dir, max_model_len=48, max_num_seqs=128, max_num_batched_tokens=512,
                                    device="cpu", dtype="float32", max_queued_requests=4096).start()
     app = build_app(engine, "tiny", api_key="fuzz-key", max_request_bytes=1 << 20, max_response_bytes=BUDGET_BYTES,
-                    max_stop_sequences=4, max_bad_words=4)
+                    max_stop_sequences=4, max_bad_words=4, max_tokenize_bytes=TOKENIZE_BYTES)
     server = live_server_class(app, engine, api_key="fuzz-key")
     yield server
     server.stop()
@@ -160,3 +161,27 @@ def test_hostile_grammars_are_400s(fuzz_server, path, fields, param):
     assert reply.status_code == 400, reply.text[:300]
     assert reply.json()["error"]["param"] == param, reply.json()
     assert fuzz_server.engine.is_healthy
+
+
+@given(text=st.text(min_size=0, max_size=1600), copies=st.integers(1, 8), chat=st.booleans(),
+       stream=st.booleans())
+@settings(max_examples=30, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+def test_tokenizer_inputs_are_counted_or_refused(fuzz_server, text, copies, chat, stream):
+    """Tokenizer cases: any text, around --max-tokenize-bytes (4 KiB here, UTF-8), is tokenized or refused with a
+    400 naming the limit on /tokenize; as a prompt it is served or refused as too long, never a 5xx."""
+    prompt = text * copies
+    body = ({"model": "tiny", "messages": [{"role": "user", "content": prompt}]} if chat
+            else {"model": "tiny", "prompt": prompt})
+    reply = httpx.post(f"{fuzz_server.base_url}/tokenize", json=body, headers=fuzz_server.headers, timeout=60)
+    size = len(prompt.encode("utf-8", "surrogatepass"))
+    if reply.status_code == 400:
+        error = reply.json()["error"]
+        assert "--max-tokenize-bytes" in error["message"] or "surrogate" in error["message"], error
+        assert size > TOKENIZE_BYTES or "surrogate" in error["message"], (size, error)
+    else:
+        assert reply.status_code == 200, reply.text[:300]
+        assert size <= TOKENIZE_BYTES and reply.json()["count"] == len(reply.json()["tokens"])
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    served = httpx.post(f"{fuzz_server.base_url}{path}", json={**body, "max_tokens": 1, "stream": stream},
+                        headers=fuzz_server.headers, timeout=60)
+    assert served.status_code in (200, 400), served.text[:300]
