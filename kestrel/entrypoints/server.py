@@ -154,14 +154,31 @@ def _grammar_pool(engine: AsyncEngine, config: ServerConfig) -> GrammarCompilePo
 def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics) -> None:
     tokenizer = engine.tokenizer
 
-    @app.post("/v1/completions", responses=_generation_responses(CompletionResponse, "CompletionStreamResponse"))
+    def parsed_in_worker(schema: Any, param: str,
+                         endpoint: Callable[[Any, Request], Awaitable[Response]]) -> type[APIRoute]:
+        """The route class of an endpoint whose large bodies are parsed and validated in a tokenizer worker
+        (megabytes of JSON cost FastAPI up to seconds of the event loop), then served as parsed here."""
+
+        async def handle(raw: Request, chunks: list[bytes]) -> Response:
+            body = await _until_disconnect(raw, serving.text.parse_body(schema, chunks, param))
+            return await endpoint(body, raw)
+
+        return raw_large_bodies(handle, RAW_BODY_BYTES)
+
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await serving.create_completion(body, raw)
 
-    @app.post("/v1/chat/completions",
-              responses=_generation_responses(ChatCompletionResponse, "ChatCompletionChunk"))
+    app.router.add_api_route("/v1/completions", create_completion, methods=["POST"],
+                             responses=_generation_responses(CompletionResponse, "CompletionStreamResponse"),
+                             route_class_override=parsed_in_worker(CompletionRequest, "prompt", create_completion))
+
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.create_chat_completion(body, raw)
+
+    app.router.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"],
+                             responses=_generation_responses(ChatCompletionResponse, "ChatCompletionChunk"),
+                             route_class_override=parsed_in_worker(ChatCompletionRequest, "messages",
+                                                                   create_chat_completion))
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
@@ -202,8 +219,6 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
         try:
             reply = await _until_disconnect(raw, serving.text.tokenize_body(body, serving.model_names,
                                                                              engine.max_model_len))
-        except RequestBodyError as error:
-            return _error(400, str(error), "invalid_request_error", error.param, "invalid_value")
         except UnservedModelError as error:
             serving.check_model(error.model)
             raise
@@ -221,9 +236,8 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
 
     app.router.add_api_route("/tokenize", tokenize, methods=["POST"], response_model=TokenizeResponse,
                              responses=_ERROR_RESPONSES,
-                             route_class_override=raw_large_bodies(tokenize_raw, RAW_TOKENIZE_BODY_BYTES))
+                             route_class_override=raw_large_bodies(tokenize_raw, RAW_BODY_BYTES))
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
         serving.check_model(body.model)
         limit = len(tokenizer)
@@ -232,6 +246,10 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
             raise InvalidRequestError("tokens", f"token id {bad} is out of range: the vocabulary has {limit} tokens")
         reply = await _until_disconnect(raw, serving.text.detokenize_reply(body.tokens))
         return PiecewiseResponse(reply, media_type="application/json")  # type: ignore[return-value]
+
+    app.router.add_api_route("/detokenize", detokenize, methods=["POST"], response_model=DetokenizeResponse,
+                             responses=_ERROR_RESPONSES,
+                             route_class_override=parsed_in_worker(DetokenizeRequest, "tokens", detokenize))
 
 
 _LIMIT_KEYWORDS = (("ge", "minimum"), ("le", "maximum"), ("gt", "exclusiveMinimum"), ("lt", "exclusiveMaximum"))
@@ -271,7 +289,7 @@ def _model_card(name: str, engine: AsyncEngine) -> ModelCard:
 
 # ----- large bodies --------------------------------------------------------------------------------
 
-RAW_TOKENIZE_BODY_BYTES = 256 << 10  # larger /tokenize bodies are parsed in a tokenizer worker
+RAW_BODY_BYTES = 256 << 10  # larger JSON bodies are parsed in a tokenizer worker
 
 
 def raw_large_bodies(handle: Callable[[Request, list[bytes]], Awaitable[Response]],
@@ -347,6 +365,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequestError)
     async def on_invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return _error(400, str(exc), "invalid_request_error", exc.param, getattr(exc, "code", "invalid_value"))
+
+    @app.exception_handler(RequestBodyError)
+    async def on_invalid_body(_: Request, exc: RequestBodyError) -> JSONResponse:  # found so by a worker
+        return _error(400, str(exc), "invalid_request_error", exc.param, "invalid_value")
 
     @app.exception_handler(SamplingParamsError)
     async def on_invalid_sampling(_: Request, exc: SamplingParamsError) -> JSONResponse:

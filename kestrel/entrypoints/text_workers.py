@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -125,12 +126,14 @@ def tokenize_reply(tokenizer: Any, specials: Sequence[str], prompt: str | ChatIn
                       separators=(",", ":")).encode()
 
 
-_TOKENIZE_REQUEST: TypeAdapter[Any] = TypeAdapter(TokenizeRequest)
+@functools.cache
+def _adapter(schema: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(schema)
 
 
-def parse_tokenize_body(body: bytes) -> TokenizeRequest:
-    """A /tokenize body parsed and validated as FastAPI does it for the route (the same errors, in the same
-    words); RequestBodyError when it is not a valid request."""
+def parse_body(schema: Any, body: bytes) -> Any:
+    """A JSON request body parsed and validated as FastAPI does it for a route whose body is `schema` (the same
+    errors, in the same words); RequestBodyError when it is not a valid request."""
     try:
         data = json.loads(body)
     except json.JSONDecodeError as error:
@@ -140,16 +143,20 @@ def parse_tokenize_body(body: bytes) -> TokenizeRequest:
     except (UnicodeDecodeError, RecursionError) as error:
         raise RequestBodyError(None, f"the request body is not valid JSON: {error}") from None
     try:
-        return _TOKENIZE_REQUEST.validate_python(data)
+        return _adapter(schema).validate_python(data)
     except ValidationError as error:
         errors = [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False)]
         raise RequestBodyError(*validation_error_info(errors)) from None
 
 
+def parse_request(tokenizer: Any, specials: Sequence[str], schema: Any, chunks: list[bytes]) -> Any:
+    return parse_body(schema, b"".join(chunks))
+
+
 def tokenize_body(tokenizer: Any, specials: Sequence[str], chunks: list[bytes], model_names: tuple[str, ...],
                   chat_template: str | None, max_bytes: int, max_model_len: int) -> bytes:
     """The /tokenize response body for a raw JSON request body (the chunks it came in)."""
-    request = parse_tokenize_body(b"".join(chunks))
+    request: TokenizeRequest = parse_body(TokenizeRequest, b"".join(chunks))
     if request.model is not None and request.model not in model_names:
         raise UnservedModelError(request.model)
     if isinstance(request, TokenizeChatRequest):
@@ -223,8 +230,9 @@ class TextWorkers:
     def close(self) -> None:
         self.pool.close()
 
-    async def _run(self, param: str, heavy: bool, work: Callable[..., Any], *args: Any) -> Any:
-        """`work(tokenizer, specials, *args)` in a worker within the deadline; a timeout is the request's 400."""
+    async def _run(self, param: str, heavy: bool, work: Callable[..., Any], *args: Any, doing: str = "") -> Any:
+        """`work(tokenizer, specials, *args)` in a worker within the deadline; a timeout is the request's 400
+        naming `param` (`doing`: what took too long, by default tokenizing it)."""
         if self.processes > 0:
             run_in_worker = _in_worker_then_release if heavy else _in_worker
             job: Awaitable[Any] = self.pool.run(run_in_worker, work, *args, timeout=self.timeout, heavy=heavy)
@@ -233,8 +241,8 @@ class TextWorkers:
         try:
             return await job
         except WorkTimeoutError as error:
-            verb = "detokenizing" if param == "tokens" else "tokenizing"
-            raise InvalidRequestError(param, f"{verb} {param} took longer than this server's limit of "
+            doing = doing or f"{'detokenizing' if param == 'tokens' else 'tokenizing'} {param}"
+            raise InvalidRequestError(param, f"{doing} took longer than this server's limit of "
                                       f"{error.seconds:g} s; send less, or start the server with a larger "
                                       "--tokenize-timeout") from None
 
@@ -267,6 +275,11 @@ class TextWorkers:
         param = "messages" if named == [b'"messages"'] else "prompt"
         return await self._run(param, True, tokenize_body, chunks, model_names, self.chat_template, limit,
                                max_model_len)
+
+    async def parse_body(self, schema: Any, chunks: list[bytes], param: str) -> Any:
+        """A large JSON body (its chunks) parsed and validated in a worker, a heavy job, as FastAPI would:
+        RequestBodyError when it is not a valid request; a deadline's 400 names `param`."""
+        return await self._run(param, True, parse_request, schema, chunks, doing="parsing the request body")
 
     def _with_template(self, chat: ChatInput) -> ChatInput:
         if self.chat_template is None or chat.chat_template is not None:

@@ -268,10 +268,10 @@ class WorkerPool:
         self._idle.append(worker)
 
     def _replace(self, worker: _Worker, heavy: bool) -> None:
-        """Kill a worker whose job was taken back and start another; it joins the pool once initialized."""
+        """Kill a worker whose job was taken back and start another; it joins the pool once initialized. A heavy
+        job's worker counts against heavy_limit until its replacement joins: else heavy jobs that keep passing
+        their deadline would take every worker in turn, all of them restarting while light jobs wait."""
         worker.kill()
-        if heavy:
-            self._heavy_running -= 1
         self.replaced += 1
         if self._closed:
             return
@@ -283,8 +283,20 @@ class WorkerPool:
             try:
                 self._wait_ready(replacement)
             except BaseException as error:  # noqa: BLE001 - logged; the pool runs on one worker short
-                logger.error("a %s worker could not be restarted: %s", self.name, error)
+                if not self._closed:
+                    logger.error("a %s worker could not be restarted: %s", self.name, error)
+                loop.call_soon_threadsafe(self._rejoined, None, heavy)
                 return
-            loop.call_soon_threadsafe(self._hand_over, replacement)
+            loop.call_soon_threadsafe(self._rejoined, replacement, heavy)
 
         self._threads.submit(wait_ready)
+
+    def _rejoined(self, replacement: _Worker | None, heavy: bool) -> None:
+        if heavy:
+            self._heavy_running -= 1
+        if replacement is not None:
+            self._hand_over(replacement)
+        elif heavy:  # one worker short: a heavy job waiting may still have room under the limit
+            for worker in list(self._idle):
+                self._idle.remove(worker)
+                self._hand_over(worker)

@@ -100,6 +100,20 @@ def test_light_jobs_never_wait_behind_heavy_ones(pool):
     assert asyncio.run(main()) < 1.0  # the heavy jobs hold one worker of two; the light one takes the other
 
 
+def test_a_heavy_job_past_its_deadline_keeps_its_lane_until_its_worker_is_replaced(pool):
+    """Else heavy jobs that keep passing their deadline take every worker in turn, all of them restarting."""
+    async def main():
+        both = set(await asyncio.gather(*(pool.run(_sleep_then_pid, 0.2) for _ in range(2))))
+        with pytest.raises(WorkTimeoutError):
+            await pool.run(_sleep_then_pid, 30, timeout=0.3, heavy=True)
+        # The killed worker's replacement is still starting: the next heavy job waits for it, a light one runs.
+        heavy, light = await asyncio.gather(pool.run(_sleep_then_pid, 0, heavy=True, timeout=60),
+                                            pool.run(_sleep_then_pid, 0, timeout=60))
+        assert light in both and heavy not in both
+
+    asyncio.run(main())
+
+
 def test_a_worker_that_dies_is_reported_and_replaced(pool):
     async def main():
         with pytest.raises(WorkerLostError):
