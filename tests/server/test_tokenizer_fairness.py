@@ -44,13 +44,13 @@ def test_small_requests_keep_their_latency_beside_a_4_mb_tokenize(tiny_model_dir
         _completion(base)  # warm
         client = subprocess.Popen([sys.executable, "-c", _TOKENIZE_CLIENT, base, str(body), API_KEY])
         try:
-            time.sleep(2.0)  # the body has arrived and a worker is tokenizing it
+            time.sleep(1.0)  # the body has arrived and a worker is tokenizing it
             completions, healths = [], []
-            for _ in range(10):
+            while client.poll() is None and len(completions) < 10:
                 completions.append(_completion(base))
                 healths.append(_health(base))
                 time.sleep(0.2)
-            assert client.poll() is None, "the big tokenization should still run while this is measured"
+            assert len(completions) >= 2, "the big tokenization should still run while this is measured"
         finally:
             client.kill()  # a client that goes away: its tokenization is cancelled, its worker replaced
             client.wait()
