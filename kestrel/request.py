@@ -11,9 +11,11 @@ from kestrel.sampling_params import SamplingParams
 
 
 class InvalidRequestError(ValueError):
-    """A request cannot be served as given; `param` names the offending input."""
+    """A request cannot be served as given; `param` names the offending input, `code` is the error body's code."""
 
-    def __init__(self, param: str, message: str) -> None:
+    code = "invalid_value"
+
+    def __init__(self, param: str | None, message: str) -> None:
         super().__init__(message)
         self.param = param
 

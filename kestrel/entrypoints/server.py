@@ -67,7 +67,7 @@ from kestrel.entrypoints.serving import (
     chat_input,
     error_body,
 )
-from kestrel.entrypoints.text_workers import ChatInput, RequestBodyError, TextWorkers, UnservedModelError
+from kestrel.entrypoints.text_workers import ChatInput, TextWorkers, UnservedModelError
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParamsError
 from kestrel.structured.limits import GrammarLimits
@@ -364,11 +364,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def on_invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return _error(400, str(exc), "invalid_request_error", exc.param, getattr(exc, "code", "invalid_value"))
-
-    @app.exception_handler(RequestBodyError)
-    async def on_invalid_body(_: Request, exc: RequestBodyError) -> JSONResponse:  # found so by a worker
-        return _error(400, str(exc), "invalid_request_error", exc.param, "invalid_value")
+        return _error(400, str(exc), "invalid_request_error", exc.param, exc.code)
 
     @app.exception_handler(SamplingParamsError)
     async def on_invalid_sampling(_: Request, exc: SamplingParamsError) -> JSONResponse:

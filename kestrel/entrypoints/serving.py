@@ -754,7 +754,7 @@ def _stream_error(error: Exception) -> str:
     elif isinstance(error, ServerShuttingDownError):
         body = error_body(str(error), "server_error", code="server_shutting_down")
     elif isinstance(error, InvalidRequestError):  # a limit the response passed while it was produced
-        body = error_body(str(error), "invalid_request_error", error.param, getattr(error, "code", "invalid_value"))
+        body = error_body(str(error), "invalid_request_error", error.param, error.code)
     else:
         logger.exception("unexpected error while streaming a response", exc_info=error)
         body = error_body("internal server error; see the server log", "server_error", code="internal_error")

@@ -55,15 +55,8 @@ class ChatInput:
     template_kwargs: dict[str, Any] | None = None
 
 
-class RequestBodyError(Exception):
-    """A raw request body that a worker found invalid, in the words FastAPI's validation gets (picklable)."""
-
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-    def __reduce__(self) -> tuple[type, tuple[str | None, str]]:
-        return type(self), (self.param, str(self))
+class RequestBodyError(InvalidRequestError):
+    """A raw request body that a worker found invalid, in the words FastAPI's validation gets."""
 
 
 class UnservedModelError(Exception):
