@@ -306,24 +306,23 @@ def raw_large_bodies(handle: Callable[[Request, list[bytes]], Awaitable[Response
                 chunks = [chunk async for chunk in request.stream()]
                 if sum(map(len, chunks)) > threshold and _is_json(request.headers.get("content-type", "")):
                     return await handle(request, chunks)
-                body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                return await parsed(Request(request.scope, _replaying(body, request.receive)))
+                return await parsed(Request(request.scope, _replaying(chunks, request.receive)))
 
             return route
 
     return RawLargeBodyRoute
 
 
-def _replaying(body: bytes, receive: Receive) -> Receive:
-    """`receive` with the body, already read, given once more first."""
-    replayed = False
+def _replaying(chunks: Sequence[bytes], receive: Receive) -> Receive:
+    """`receive` with the body, already read, given once more first, in the chunks it came in (not joined: the
+    app joins them once, Request.body(), or hands them on); each is let go as it is given."""
+    pending = deque(chunks or [b""])
 
     async def replay() -> Message:
-        nonlocal replayed
-        if replayed:
-            return await receive()
-        replayed = True
-        return {"type": "http.request", "body": body, "more_body": False}
+        if pending:
+            chunk = pending.popleft()
+            return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
+        return await receive()
 
     return replay
 
@@ -596,16 +595,8 @@ class BodyLimitMiddleware:
                                   f"{MAX_JSON_DEPTH} are accepted", "invalid_request_error", "json_too_deep")
                 return
             chunks = [body]
-        # Replayed as the chunks came, not joined: the route joins them once (Request.body()), or hands them on.
-        pending = deque(chunks or [b""])
-        del chunks
-
-        async def replay() -> Message:
-            if pending:
-                chunk = pending.popleft()
-                return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
-            return await receive()
-
+        replay = _replaying(chunks, receive)
+        del chunks  # the replay holds them, and lets each go as it is given
         await self.app(scope, replay, send)
 
     async def _too_large(self, send: Send) -> None:
