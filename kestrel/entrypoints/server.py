@@ -53,7 +53,6 @@ from kestrel.entrypoints.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
     validation_error_info,
@@ -64,10 +63,9 @@ from kestrel.entrypoints.serving import (
     ModelNotFoundError,
     OpenAIServing,
     _until_disconnect,
-    chat_input,
     error_body,
 )
-from kestrel.entrypoints.text_workers import ChatInput, TextWorkers, UnservedModelError
+from kestrel.entrypoints.text_workers import TextWorkers, UnservedModelError, tokenize_input
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParamsError
 from kestrel.structured.limits import GrammarLimits
@@ -226,12 +224,10 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
 
     async def tokenize(body: TokenizeRequest, raw: Request) -> TokenizeResponse:
         serving.check_model(body.model)
-        prompt: str | ChatInput = body.prompt if not isinstance(body, TokenizeChatRequest) else chat_input(
-            body.messages, body.message_dicts(), body.tool_dicts() or None,
-            add_generation_prompt=body.add_generation_prompt is not False)
+        prompt, add_special_tokens = tokenize_input(body)
         # Tokenizing and encoding the reply run in TextWorkers: a 4 MB prompt must not stall the event loop.
-        reply = await _until_disconnect(raw, serving.text.tokenize_reply(
-            prompt, getattr(body, "add_special_tokens", None) is not False, engine.max_model_len))
+        reply = await _until_disconnect(raw, serving.text.tokenize_reply(prompt, add_special_tokens,
+                                                                         engine.max_model_len))
         return PiecewiseResponse(reply, media_type="application/json")  # type: ignore[return-value]
 
     app.router.add_api_route("/tokenize", tokenize, methods=["POST"], response_model=TokenizeResponse,

@@ -50,7 +50,6 @@ from kestrel.entrypoints.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
@@ -67,7 +66,7 @@ from kestrel.entrypoints.protocol import (
     UsageInfo,
 )
 from kestrel.entrypoints.server_config import ServerConfig
-from kestrel.entrypoints.text_workers import ChatInput, TextWorkers
+from kestrel.entrypoints.text_workers import TextWorkers, chat_input
 from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.request import InvalidRequestError, prompt_too_long
 from kestrel.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
@@ -638,14 +637,6 @@ def _chat_echo(request: ChatCompletionRequest) -> str:
     model continues); otherwise nothing is echoed."""
     last = request.messages[-1]
     return last.text() if request.echo and last.role == "assistant" else ""
-
-
-def chat_input(messages: Sequence[ChatMessage], message_dicts: list[dict[str, Any]],
-               tools: list[dict[str, Any]] | None, tool_choice: str = "auto", named_tool: str | None = None,
-               add_generation_prompt: bool = True, chat_template: str | None = None,
-               continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> ChatInput:
-    return ChatInput(message_dicts, [m.text() for m in messages], tools, tool_choice, named_tool,
-                     add_generation_prompt, chat_template, continue_final_message, template_kwargs)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from kestrel.entrypoints.chat import ChatPrompt, encode_chat, render_chat
-from kestrel.entrypoints.protocol import TokenizeChatRequest, TokenizeRequest, validation_error_info
+from kestrel.entrypoints.protocol import ChatMessage, TokenizeChatRequest, TokenizeRequest, validation_error_info
 from kestrel.entrypoints.worker_pool import WorkerPool, WorkTimeoutError
 from kestrel.request import InvalidRequestError
 from kestrel.structured.compile import release_memory
@@ -53,6 +53,37 @@ class ChatInput:
     chat_template: str | None = None  # the request's, else the server's --chat-template, else the tokenizer's
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] | None = None
+
+
+def chat_input(messages: Sequence[ChatMessage], message_dicts: list[dict[str, Any]],
+               tools: list[dict[str, Any]] | None, tool_choice: str = "auto", named_tool: str | None = None,
+               add_generation_prompt: bool = True, chat_template: str | None = None,
+               continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> ChatInput:
+    return ChatInput(message_dicts, [m.text() for m in messages], tools, tool_choice, named_tool,
+                     add_generation_prompt, chat_template, continue_final_message, template_kwargs)
+
+
+def tokenize_input(request: TokenizeRequest) -> tuple[str | ChatInput, bool]:
+    """What a /tokenize request tokenizes (its prompt, or its chat as the template renders it), and whether
+    special tokens are added."""
+    if isinstance(request, TokenizeChatRequest):
+        return chat_input(request.messages, request.message_dicts(), request.tool_dicts() or None,
+                          add_generation_prompt=request.add_generation_prompt is not False), True
+    return request.prompt, getattr(request, "add_special_tokens", None) is not False
+
+
+def _prompt_texts(prompt: str | ChatInput) -> tuple[str, list[str]]:
+    """The request field a prompt came from, and its texts."""
+    return ("messages", prompt.message_texts) if isinstance(prompt, ChatInput) else ("prompt", [prompt])
+
+
+def check_tokenize_size(prompt: str | ChatInput, limit: int) -> None:
+    """/tokenize's --max-tokenize-bytes: a prompt (or chat messages) of more UTF-8 text is a 400 naming it."""
+    param, texts = _prompt_texts(prompt)
+    if utf8_over(texts, limit):
+        raise InvalidRequestError(param, f"{param} is {utf8_size(texts):,} bytes of UTF-8 text; /tokenize accepts "
+                                  f"at most {limit:,}: send less, or start the server with a larger "
+                                  "--max-tokenize-bytes")
 
 
 class RequestBodyError(InvalidRequestError):
@@ -80,11 +111,6 @@ def utf8_over(texts: Sequence[str], limit: int) -> bool:
 
 def utf8_size(texts: Sequence[str]) -> int:
     return sum(len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass")) for t in texts)
-
-
-def too_big_to_tokenize(param: str, texts: Sequence[str], limit: int) -> InvalidRequestError:
-    return InvalidRequestError(param, f"{param} is {utf8_size(texts):,} bytes of UTF-8 text; /tokenize accepts at "
-                               f"most {limit:,}: send less, or start the server with a larger --max-tokenize-bytes")
 
 
 # ----- the work (module functions: a worker process runs them by name) -----------------------------------
@@ -152,18 +178,10 @@ def tokenize_body(tokenizer: Any, specials: Sequence[str], chunks: list[bytes], 
     request: TokenizeRequest = parse_body(TokenizeRequest, b"".join(chunks))
     if request.model is not None and request.model not in model_names:
         raise UnservedModelError(request.model)
-    if isinstance(request, TokenizeChatRequest):
-        prompt: str | ChatInput = ChatInput(
-            [m.model_dump(exclude_none=True) for m in request.messages], [m.text() for m in request.messages],
-            request.tool_dicts() or None, add_generation_prompt=request.add_generation_prompt is not False,
-            chat_template=chat_template)
-        param, texts = "messages", prompt.message_texts
-    else:
-        prompt = request.prompt
-        param, texts = "prompt", [prompt]
-    if utf8_over(texts, max_bytes):
-        raise too_big_to_tokenize(param, texts, max_bytes)
-    add_special_tokens = getattr(request, "add_special_tokens", None) is not False
+    prompt, add_special_tokens = tokenize_input(request)
+    check_tokenize_size(prompt, max_bytes)
+    if isinstance(prompt, ChatInput):
+        prompt = dataclasses.replace(prompt, chat_template=chat_template)
     return tokenize_reply(tokenizer, specials, prompt, add_special_tokens, max_model_len)
 
 
@@ -250,9 +268,9 @@ class TextWorkers:
 
     async def tokenize_reply(self, prompt: str | ChatInput, add_special_tokens: bool, max_model_len: int) -> bytes:
         """The /tokenize reply for a parsed request: 400 beyond max_tokenize_bytes of prompt text."""
-        param, texts = ("messages", prompt.message_texts) if isinstance(prompt, ChatInput) else ("prompt", [prompt])
-        if self.max_tokenize_bytes is not None and utf8_over(texts, self.max_tokenize_bytes):
-            raise too_big_to_tokenize(param, texts, self.max_tokenize_bytes)
+        if self.max_tokenize_bytes is not None:
+            check_tokenize_size(prompt, self.max_tokenize_bytes)
+        param, texts = _prompt_texts(prompt)
         if isinstance(prompt, ChatInput):
             prompt = self._with_template(prompt)
         return await self._run(param, utf8_over(texts, HEAVY_TEXT_BYTES), tokenize_reply, prompt,
