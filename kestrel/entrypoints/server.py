@@ -13,9 +13,7 @@ import hashlib
 import hmac
 import json
 import logging
-import multiprocessing
 import os
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any
@@ -648,22 +646,8 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
         if app.state.grammar_pool is not None:
             app.state.grammar_pool.close()
         engine.shutdown()
-        _end_child_processes()
         # The interpreter's exit runs the cycle collector over every object torch and the model left: a second
         # or more on a busy machine, for memory the process returns anyway. Frozen objects are not traversed.
         gc.freeze()
     return 0
 
-
-def _end_child_processes(grace_s: float = 0.5) -> None:
-    """End the worker processes still running (the tokenizer workers: nothing of theirs is worth waiting for), so
-    that the interpreter's exit does not wait seconds for each to wind down its own imports."""
-    children = multiprocessing.active_children()
-    for child in children:
-        child.terminate()
-    deadline = time.monotonic() + grace_s
-    for child in children:
-        child.join(max(deadline - time.monotonic(), 0.0))
-        if child.is_alive():
-            child.kill()
-            child.join(grace_s)

@@ -143,6 +143,7 @@ class WorkerPool:
         # A thread per running job waits on its worker's pipe, another per restarting worker on its start; thread
         # mode runs the jobs themselves (several at once).
         self._threads = ThreadPoolExecutor(max(2 * processes + 1, 4), thread_name_prefix=f"kestrel-{name}")
+        self._workers: set[_Worker] = set()  # every live worker: idle, busy or starting
         self._idle: list[_Worker] = []
         self._light_waiters: deque[asyncio.Future[_Worker]] = deque()
         self._heavy_waiters: deque[asyncio.Future[_Worker]] = deque()
@@ -167,23 +168,29 @@ class WorkerPool:
                                         args=(theirs, self._initializer, self._initargs, self._niceness))
         process.start()
         theirs.close()
-        return _Worker(process, ours)
+        worker = _Worker(process, ours)
+        self._workers.add(worker)
+        return worker
 
-    @staticmethod
-    def _wait_ready(worker: _Worker) -> None:
+    def _kill(self, worker: _Worker) -> None:
+        worker.kill()
+        self._workers.discard(worker)
+
+    def _wait_ready(self, worker: _Worker) -> None:
         try:
             kind, error = worker.conn.recv()
         except (EOFError, OSError) as lost:
             raise WorkerLostError(f"a worker process exited while starting (exit code "
                                   f"{worker.process.exitcode})") from lost
         if kind == "init_error":
-            worker.kill()
+            self._kill(worker)
             raise error
 
     def close(self) -> None:
+        """End every worker now, the busy and starting ones too: nothing they do is awaited any more."""
         self._closed = True
-        for worker in self._idle:
-            worker.kill()
+        for worker in list(self._workers):
+            self._kill(worker)
         self._idle.clear()
         for waiter in (*self._light_waiters, *self._heavy_waiters):
             waiter.cancel()
@@ -252,7 +259,7 @@ class WorkerPool:
     def _hand_over(self, worker: _Worker) -> None:
         """A free worker goes to the oldest light job, else to the oldest heavy one the limit allows, else idles."""
         if self._closed:
-            worker.kill()
+            self._kill(worker)
             return
         while self._light_waiters:
             waiter = self._light_waiters.popleft()
@@ -271,7 +278,7 @@ class WorkerPool:
         """Kill a worker whose job was taken back and start another; it joins the pool once initialized. A heavy
         job's worker counts against heavy_limit until its replacement joins: else heavy jobs that keep passing
         their deadline would take every worker in turn, all of them restarting while light jobs wait."""
-        worker.kill()
+        self._kill(worker)
         self.replaced += 1
         if self._closed:
             return
