@@ -24,7 +24,6 @@ from torch import nn
 from kestrel.config import ConfigError
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.model.layers.linear import LinearBase
-from kestrel.quant.w8a8 import W8A8LinearMethod
 
 # The bytes of the KV cache the worker allocates for a model whose attention layers (on the meta device) these are.
 KVCacheBytes = Callable[[Sequence[nn.Module]], int]
@@ -62,19 +61,14 @@ def plan_memory(build: Callable[[], nn.Module], kv_cache_bytes: KVCacheBytes | N
         model = build()
     parts: dict[str, int] = {}
     loading = kept = 0
-    eight_bit = {id(module.weight): module for module in model.modules()
-                 if isinstance(module, LinearBase) and isinstance(module.quant_method, W8A8LinearMethod)
-                 and not module.quant_method.prequantized}
+    # A weight its quant method changes after loading (quantized at load) is counted as the method plans it.
+    planned = {id(module.weight): module.quant_method.planned_weight_bytes(module.weight)
+               for module in model.modules()
+               if isinstance(module, LinearBase) and isinstance(getattr(module, "weight", None), nn.Parameter)}
     for name, param in model.named_parameters():
         size = param.numel() * param.element_size()
-        layer = eight_bit.get(id(param))
-        if layer is not None:  # quantized at load: 1-byte weight and fp32 scales per output channel afterwards
-            rows = param.shape[0]
-            after = param.numel() + rows * 4 * (1 if layer.quant_method.symmetric else 2)
-            loading += after if layer.quant_method.defer_weight else size
-            size = after
-        else:
-            loading += size
+        while_loading, size = planned.get(id(param)) or (size, size)
+        loading += while_loading
         kept += size
         part = _part_of(name)
         parts[part] = parts.get(part, 0) + size

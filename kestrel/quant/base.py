@@ -66,6 +66,12 @@ class QuantMethod(ABC):
     def process_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 - optional hook
         pass
 
+    def planned_weight_bytes(self, weight: nn.Parameter) -> tuple[int, int] | None:
+        """(bytes while loading, bytes once processed) of the layer's `weight` with what `process_after_loading`
+        adds beside it, for a method that changes them (one that quantizes at load); None: the parameters stay
+        as created. The memory plan reads it from the model built on the meta device."""
+        return None
+
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 

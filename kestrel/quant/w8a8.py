@@ -96,6 +96,16 @@ class W8A8LinearMethod(QuantMethod):
             if not self.symmetric:
                 _register_per_shard(layer, "input_zero_point", torch.zeros(num_shards, dtype=torch.int32))
 
+    def planned_weight_bytes(self, weight: nn.Parameter) -> tuple[int, int] | None:
+        if self.prequantized:
+            return None
+        # The 8-bit weight and fp32 scales per output channel (and, asymmetric, int32 azp_adj) replace it.
+        rows = weight.shape[0]
+        after = weight.numel() * torch.empty((), dtype=self.quant_dtype).element_size()
+        after += rows * 4 * (1 if self.symmetric else 2)
+        # A deferred weight loads one layer at a time: only the quantized form stays.
+        return (after if self.defer_weight else weight.numel() * weight.element_size()), after
+
     def process_after_loading(self, layer: nn.Module) -> None:
         if self.prequantized:
             q, scale = layer.weight.detach(), layer.weight_scale.detach().float()
