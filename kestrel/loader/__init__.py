@@ -16,6 +16,7 @@ from kestrel.loader.hf_config import load_hf_config, resolve_dtype
 from kestrel.loader.memory_plan import KVCacheBytes, check_memory_plan, plan_memory
 from kestrel.loader.model_init import checkpoint_shapes
 from kestrel.loader.safetensors import checkpoint_files, iterate_files, weight_format
+from kestrel.model.base import DecoderForCausalLM
 from kestrel.model.registry import get_draft_head_class, get_model_class
 from kestrel.quant import QuantPlan
 
@@ -46,8 +47,13 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
     if load_format == "dummy":
         plan = dataclasses.replace(plan, random_weights=True)
 
+    # Decoders compute length-dependent RoPE scaling for the context served.
+    served = {"max_model_len": model_config.max_model_len} if issubclass(model_cls, DecoderForCausalLM) else {}
+
     def build() -> nn.Module:
-        return model_cls(hf_config, dtype, plan) if parallel is None else model_cls(hf_config, dtype, plan, parallel)
+        if parallel is None:
+            return model_cls(hf_config, dtype, plan, **served)
+        return model_cls(hf_config, dtype, plan, parallel, **served)
 
     check_memory_plan(plan_memory(build, kv_cache_bytes), hf_config, device, parallel, model_config.max_model_len,
                       dtype)

@@ -12,6 +12,7 @@ names its layer class when it differs from the pre-norm `DecoderLayer`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
 from typing import Any, ClassVar, Protocol
@@ -25,10 +26,9 @@ from kestrel.model import loading
 from kestrel.model.arch import DecoderArch
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.attention import Attention
-from kestrel.model.layers.decoder import DecoderLayer
+from kestrel.model.layers.decoder import DecoderLayer, make_norm
 from kestrel.model.layers.embedding import LMHead, VocabEmbedding
 from kestrel.model.layers.linear import process_linear_layers_after_loading
-from kestrel.model.layers.norm import RMSNorm
 from kestrel.model.layers.rotary import RotaryEmbedding
 from kestrel.quant import QuantPlan, get_quant_method
 from kestrel.quant.scheme import KV_SCALE_NAMES
@@ -82,23 +82,36 @@ class DecoderModel(nn.Module):
         self.stage_layers = parallel.stage_layers(arch.num_layers)
         if parallel.is_first_stage:
             self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype, parallel)
+        self.embedding_scale = arch.embedding_scale
         # One cos/sin table for all layers: at 128k positions it is 64 MB, which per layer would be 2 GB for 32.
+        # Sliding-window layers may have their own (Gemma 3's local base); layers without RoPE get none.
         rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope)
+        local_rotary_emb = (rotary_emb if arch.rope_local is None
+                            else RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope_local))
+
+        def rotary_of(i: int) -> RotaryEmbedding | None:
+            if not arch.has_rope(i):
+                return None
+            return local_rotary_emb if arch.window(i) is not None else rotary_emb
+
         # Each linear layer's method by its name and the checkpoint modules it merges.
         quant_method = functools.partial(get_quant_method, quant_config)
 
         self.layers = nn.ModuleList(
-            layer_cls(arch, i, dtype, quant_method, f"model.layers.{i}", rotary_emb, parallel, packed_modules)
+            layer_cls(arch, i, dtype, quant_method, f"model.layers.{i}", rotary_of(i), parallel, packed_modules)
             if i in self.stage_layers else nn.Identity()
             for i in range(arch.num_layers)
         )
         if parallel.is_last_stage:
-            self.norm = RMSNorm(arch.hidden_size, arch.norm_eps, dtype)
+            self.norm = make_norm(arch, arch.hidden_size, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         if self.parallel.is_first_stage:
             hidden_states, residual = self.embed_tokens(input_ids), None
+            if self.embedding_scale is not None:
+                # Rounded to the model dtype first, as the reference implementations multiply.
+                hidden_states = hidden_states * torch.tensor(self.embedding_scale, dtype=hidden_states.dtype)
         else:
             if intermediate_tensors is None:
                 raise ValueError("a pipeline stage after the first needs the previous stage's intermediate tensors")
@@ -130,12 +143,18 @@ class DecoderForCausalLM(nn.Module):
     _LAST_STAGE_PREFIXES: ClassVar[tuple[str, ...]] = ("model.norm.", "lm_head.")
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype = torch.float32,
-                 quant_config: Quantization = None, parallel: ParallelContext | None = None) -> None:
+                 quant_config: Quantization = None, parallel: ParallelContext | None = None,
+                 max_model_len: int | None = None) -> None:
+        """`max_model_len`: the context the engine serves (default: config.json's max_position_embeddings), for
+        which length-dependent RoPE scaling (dynamic NTK, LongRoPE) is computed."""
         super().__init__()
         self.hf_config = hf_config
         self.dtype = dtype
         self.parallel = parallel or single_process()
-        self.config = self.arch_config(hf_config)
+        config = self.arch_config(hf_config)
+        if max_model_len is not None:
+            config = dataclasses.replace(config, context_len=max_model_len)
+        self.config = config
         self.hidden_size = self.config.hidden_size
         self.vocab_size = self.config.vocab_size
         self.model = DecoderModel(self.config, dtype, quant_config, self.parallel, self.layer_cls,
@@ -165,7 +184,13 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 logits. Under pipeline parallelism only the last stage has an LM head: it alone samples, and
         the other stages learn the sampled ids from the engine (kestrel.executor.worker)."""
-        return self.lm_head(hidden_states)
+        logits = self.lm_head(hidden_states)
+        if self.config.logit_scale != 1.0:
+            logits = logits * self.config.logit_scale
+        cap = self.config.final_logit_soft_cap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def decoder_layers(self) -> list[nn.Module]:
         return [self.model.layers[i] for i in self.model.stage_layers]

@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3, Mistral and Qwen2 share the pre-norm decoder; they differ only in config reading."""
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3 and Granite share the pre-norm decoder; they differ only in
+config reading."""
 
 from __future__ import annotations
 
@@ -22,17 +23,41 @@ class MistralForCausalLM(LlamaForCausalLM):
         return DecoderArch.from_hf(hf, sliding_windows=(window,) * hf["num_hidden_layers"])
 
 
+def qwen_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
+    """Qwen's sliding windows: only where `use_sliding_window` asks, on the layers `layer_types` names or else on
+    those from `max_window_layers` on."""
+    num_layers = hf["num_hidden_layers"]
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        first_windowed = hf.get("max_window_layers", num_layers)
+        layer_types = ["sliding_attention" if window is not None and i >= first_windowed else "full_attention"
+                       for i in range(num_layers)]
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Llama with q/k/v bias (no o_proj bias); sliding window only where `use_sliding_window` asks."""
+    """Llama with q/k/v bias (no o_proj bias)."""
 
     @classmethod
     def arch_config(cls, hf: dict[str, Any]) -> DecoderArch:
-        num_layers = hf["num_hidden_layers"]
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
-        layer_types = hf.get("layer_types")
-        if layer_types is None:
-            first_windowed = hf.get("max_window_layers", num_layers)
-            layer_types = ["sliding_attention" if window is not None and i >= first_windowed else "full_attention"
-                           for i in range(num_layers)]
-        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-        return DecoderArch.from_hf(hf, qkv_bias=True, o_bias=False, sliding_windows=windows)
+        return DecoderArch.from_hf(hf, qkv_bias=True, o_bias=False, sliding_windows=qwen_windows(hf))
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Llama with per-head q/k RMSNorm (and `attention_bias` for q/k/v/o)."""
+
+    @classmethod
+    def arch_config(cls, hf: dict[str, Any]) -> DecoderArch:
+        return DecoderArch.from_hf(hf, qk_norm=True, sliding_windows=qwen_windows(hf))
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """Llama with multipliers: embeddings, attention scores, each residual branch, and logits (divided)."""
+
+    @classmethod
+    def arch_config(cls, hf: dict[str, Any]) -> DecoderArch:
+        return DecoderArch.from_hf(hf, embedding_scale=float(hf.get("embedding_multiplier", 1.0)),
+                                   attention_scale=float(hf.get("attention_multiplier", 1.0)),
+                                   residual_scale=float(hf.get("residual_multiplier", 1.0)),
+                                   logit_scale=1.0 / float(hf.get("logits_scaling", 1.0)))

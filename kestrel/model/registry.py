@@ -17,6 +17,16 @@ _FAMILIES: dict[str, str] = {
     "LlamaForCausalLM": "kestrel.model.llama:LlamaForCausalLM",
     "MistralForCausalLM": "kestrel.model.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "kestrel.model.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "kestrel.model.llama:Qwen3ForCausalLM",
+    "GraniteForCausalLM": "kestrel.model.llama:GraniteForCausalLM",
+    "GemmaForCausalLM": "kestrel.model.gemma:GemmaForCausalLM",
+    "Gemma2ForCausalLM": "kestrel.model.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "kestrel.model.gemma:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "kestrel.model.families:Phi3ForCausalLM",
+    "Olmo2ForCausalLM": "kestrel.model.families:Olmo2ForCausalLM",
+    "Glm4ForCausalLM": "kestrel.model.families:Glm4ForCausalLM",
+    "CohereForCausalLM": "kestrel.model.families:CohereForCausalLM",
+    "Cohere2ForCausalLM": "kestrel.model.families:Cohere2ForCausalLM",
 }
 # Draft heads: loaded beside a target model, never served on their own.
 _DRAFT_HEADS: dict[str, str] = {EAGLE_HEAD_ARCHITECTURE: "kestrel.model.eagle:EagleHead"}

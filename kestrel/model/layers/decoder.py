@@ -1,9 +1,12 @@
-"""The shared blocks of decoder-only families: self-attention, the gated MLP and the pre-norm decoder layer,
-each built from a `DecoderArch` and each linear layer's quantization method.
+"""The shared blocks of decoder-only families: self-attention, the gated MLP and the decoder layer (pre-norm,
+sandwich, post-norm or parallel), each built from a `DecoderArch` and each linear layer's quantization method.
 
 The producers of a linear layer's input (a norm, the gated activation) emit what that layer asks for
 (`LinearBase.input_quant()`): 8-bit activations in the producer's own launch for W8A8 layers, the model dtype
 otherwise. Nothing here knows a quantization method.
+
+A layer takes and returns `(hidden_states, residual)`, the stream being their sum (residual None before the
+first layer), so that each add is fused into the norm that follows it.
 """
 
 from __future__ import annotations
@@ -13,40 +16,90 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kestrel import ops
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.model.arch import DecoderArch
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.activation import GatedActivation
 from kestrel.model.layers.attention import Attention
 from kestrel.model.layers.linear import LinearBase, MergedColumnLinear, QKVParallelLinear, RowLinear
-from kestrel.model.layers.norm import RMSNorm
+from kestrel.model.layers.norm import LayerNorm, RMSNorm
 from kestrel.model.layers.rotary import RotaryEmbedding
+from kestrel.model.layers.weights import copy_checked
 from kestrel.quant.base import QuantMethod
 
 # (layer name, the checkpoint modules it merges) -> that layer's quantization method.
 QuantMethodFor = Callable[[str, tuple[str, ...]], QuantMethod]
+Norm = RMSNorm | LayerNorm
+
+
+def make_norm(arch: DecoderArch, size: int, dtype: torch.dtype) -> Norm:
+    """The norm the family uses everywhere (`arch.norm`), over `size` features."""
+    if arch.norm == "rms":
+        return RMSNorm(size, arch.norm_eps, dtype)
+    if arch.norm == "rms_unit_offset":
+        return RMSNorm(size, arch.norm_eps, dtype, unit_offset=True)
+    return LayerNorm(size, arch.norm_eps, dtype, bias=arch.norm == "layer")
+
+
+class AllHeadsRMSNorm(nn.Module):
+    """RMSNorm over all heads of q (or k) at once (OLMo 2), weight `[heads * head_dim]`. Under tensor parallelism
+    a rank holds `width` of the features starting at `start`; the mean square is summed over the group. Ranks that
+    replicate a kv head each count it once more, which leaves the mean unchanged."""
+
+    def __init__(self, width: int, start: int, eps: float, dtype: torch.dtype, parallel: ParallelContext) -> None:
+        super().__init__()
+        self.eps = eps
+        self.start = start
+        self.parallel = parallel
+        self.weight = nn.Parameter(torch.ones(width, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        width = param.shape[0]
+        if self.parallel.tp_size > 1:
+            loaded = loaded.narrow(0, self.start, width)
+        copy_checked(param.data, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return ops.rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        square_sum = self.parallel.all_reduce(xf.pow(2).sum(-1, keepdim=True))
+        mean_square = square_sum / (x.shape[-1] * self.parallel.tp_size)
+        return (xf * torch.rsqrt(mean_square + self.eps)).to(x.dtype) * self.weight
 
 
 class SelfAttention(nn.Module):
-    """qkv projection, optional per-head q/k RMSNorm, RoPE fused with the KV write, paged attention, o_proj."""
+    """qkv projection, optional q/k norm, RoPE fused with the KV write (none on layers without RoPE), paged
+    attention, o_proj."""
 
     def __init__(self, arch: DecoderArch, layer_idx: int, dtype: torch.dtype, quant_method: QuantMethodFor,
-                 prefix: str, rotary_emb: RotaryEmbedding, parallel: ParallelContext,
+                 prefix: str, rotary_emb: RotaryEmbedding | None, parallel: ParallelContext,
                  qkv_parts: tuple[str, ...] = ()) -> None:
         super().__init__()
+        rotary_dim = rotary_emb.rotary_dim if rotary_emb is not None else 0
         self.qkv_proj = QKVParallelLinear(
             arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, bias=arch.qkv_bias,
             quant_method=quant_method(f"{prefix}.qkv_proj", qkv_parts), params_dtype=dtype, parallel=parallel,
+            interleaved_rotary_dim=rotary_dim if arch.rope_interleaved else 0,
         )
         self.o_proj = RowLinear(
             arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.o_bias,
             quant_method=quant_method(f"{prefix}.o_proj", ()), params_dtype=dtype, parallel=parallel,
         )
         self.head_dim = arch.head_dim
-        if arch.qk_norm:
-            self.q_norm = RMSNorm(arch.head_dim, arch.norm_eps, dtype)
-            self.k_norm = RMSNorm(arch.head_dim, arch.norm_eps, dtype)
         self.qk_norm = arch.qk_norm
+        self.per_head_norm = arch.qk_norm_over == "head"
+        if arch.qk_norm and self.per_head_norm:
+            self.q_norm = make_norm(arch, arch.head_dim, dtype)
+            self.k_norm = make_norm(arch, arch.head_dim, dtype)
+        elif arch.qk_norm:
+            qkv, d = self.qkv_proj, arch.head_dim
+            self.q_norm = AllHeadsRMSNorm(qkv.num_heads * d, parallel.tp_rank * qkv.num_heads * d, arch.norm_eps,
+                                          dtype, parallel)
+            self.k_norm = AllHeadsRMSNorm(qkv.num_kv_heads * d, qkv.kv_head_start * d, arch.norm_eps, dtype,
+                                          parallel)
         self.rotary_emb = rotary_emb
         # This rank's heads (kv heads replicated when tp_size > num_kv_heads).
         self.attn = Attention(self.qkv_proj.num_heads, arch.head_dim, self.qkv_proj.num_kv_heads,
@@ -56,9 +109,11 @@ class SelfAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
-        if self.qk_norm:
+        if self.qk_norm and self.per_head_norm:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        elif self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         return self.o_proj(self.attn(q, k, v, attn_metadata, positions, self.rotary_emb))
 
 
@@ -85,10 +140,11 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm: h += attn(norm(h)); h += mlp(norm(h)), the residual add fused into the next norm."""
+    """Attention then MLP, each with the norms `arch.norms` names around it (pre-norm, sandwich or post-norm),
+    or both from one pre-norm (`arch.parallel_block`); the residual add is fused into the next norm."""
 
     def __init__(self, arch: DecoderArch, layer_idx: int, dtype: torch.dtype, quant_method: QuantMethodFor,
-                 prefix: str, rotary_emb: RotaryEmbedding, parallel: ParallelContext,
+                 prefix: str, rotary_emb: RotaryEmbedding | None, parallel: ParallelContext,
                  packed_modules: dict[str, tuple[str, ...]]) -> None:
         super().__init__()
         attn_prefix, mlp_prefix = f"{prefix}.self_attn", f"{prefix}.mlp"
@@ -96,23 +152,51 @@ class DecoderLayer(nn.Module):
                                        _parts(attn_prefix, "qkv_proj", packed_modules))
         self.mlp = GatedMLP(arch, dtype, quant_method, mlp_prefix, parallel,
                             _parts(mlp_prefix, "gate_up_proj", packed_modules))
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.norm_eps, dtype)
+        self.norm_names = arch.norms
+        for name in (arch.norms.pre_attn, arch.norms.post_attn, arch.norms.pre_mlp, arch.norms.post_mlp):
+            if name is not None:
+                self.add_module(name, make_norm(arch, arch.hidden_size, dtype))
+        self.parallel_block = arch.parallel_block
+        self.residual_scale = arch.residual_scale
         # Producers emit 8-bit input for layers that take it, in their own launch. Can be turned off to compare
-        # against the unfused path.
-        self.fuse_quant_producers = any(linear.input_quant() is not None for linear in self.producer_consumers())
+        # against the unfused path. A parallel block's one norm feeds two layers, which quantize for themselves.
+        self.fuse_quant_producers = not arch.parallel_block and any(
+            linear.input_quant() is not None for linear in self.producer_consumers())
+
+    def _norm(self, name: str | None) -> Norm | None:
+        return None if name is None else getattr(self, name)
 
     def producer_consumers(self) -> tuple[LinearBase, ...]:
         """The linear layers whose input a fused producer makes: qkv and gate_up (norms), down (activation)."""
         return self.self_attn.qkv_proj, self.mlp.gate_up_proj, self.mlp.down_proj
 
+    def _sublayer_output(self, out: torch.Tensor, post_norm: Norm | None) -> torch.Tensor:
+        if post_norm is not None:
+            out = post_norm(out)
+        if self.residual_scale != 1.0:
+            out = out * self.residual_scale
+        return out
+
+    @staticmethod
+    def _into(norm: Norm | None, hidden: torch.Tensor, residual: torch.Tensor | None, consumer: LinearBase,
+              fuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the consumer's input, the new residual): the norm of the stream hidden + residual, or with no norm
+        the stream itself."""
+        if norm is not None:
+            return norm.feed(hidden, residual, consumer, fuse)
+        stream = hidden if residual is None else hidden + residual
+        return stream, stream
+
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         fuse = self.fuse_quant_producers
-        x, residual = self.input_layernorm.feed(hidden_states, residual, self.self_attn.qkv_proj, fuse)
-        hidden_states = self.self_attn(positions, x, attn_metadata)
-        x, residual = self.post_attention_layernorm.feed(hidden_states, residual, self.mlp.gate_up_proj, fuse)
-        return self.mlp(x, fuse), residual
+        names = self.norm_names
+        x, residual = self._into(self._norm(names.pre_attn), hidden_states, residual, self.self_attn.qkv_proj, fuse)
+        attn_out = self._sublayer_output(self.self_attn(positions, x, attn_metadata), self._norm(names.post_attn))
+        if self.parallel_block:
+            return attn_out + self._sublayer_output(self.mlp(x, fuse), None), residual
+        x, residual = self._into(self._norm(names.pre_mlp), attn_out, residual, self.mlp.gate_up_proj, fuse)
+        return self._sublayer_output(self.mlp(x, fuse), self._norm(names.post_mlp)), residual
 
 
 def _parts(prefix: str, merged: str, packed_modules: dict[str, tuple[str, ...]]) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from kestrel.distributed.parallel import ParallelContext, single_process
-from kestrel.model.layers.weights import copy_checked, features_per_element, stored_span
+from kestrel.model.layers.weights import WeightShapeError, copy_checked, features_per_element, stored_span
 from kestrel.quant.base import InputQuant, QuantAct, QuantMethod
 from kestrel.quant.unquantized import UnquantizedLinearMethod
 
@@ -125,10 +125,32 @@ class LinearBase(nn.Module):
                     raise ValueError(f"cannot load shard {shard_id!r} into a parameter without output_dim")
                 offset, size = stored_span(param, output_dim, *self.shard_range(shard_id))
                 target = target.narrow(output_dim, offset, size)
-        elif self.shard_ids and self.tp_size > 1 and hasattr(param, "output_dim"):
-            # A pre-merged checkpoint tensor would need per-shard slicing for each rank.
-            raise NotImplementedError("loading an already merged tensor with tensor parallelism")
+        elif len(self.shard_ids) > 1 and self._loads_merged(param, loaded_weight):
+            # A checkpoint that stores the merged tensor itself (Phi-3's qkv_proj and gate_up_proj): each part
+            # loads as its shard would, so sharding and per-part layouts stay the shards' business.
+            for part_id, part in zip(self.shard_ids, self._split_merged(param, loaded_weight), strict=True):
+                self.weight_loader(param, part, part_id)
+            return
         copy_checked(target, self._rank_slice(param, loaded_weight, shard_id), detail)
+
+    def checkpoint_output_sizes(self) -> list[int]:
+        """Each merged shard's output size in the (unsharded) checkpoint."""
+        return [size * (self.tp_size if self.tp_split == "output" else 1) for size in self.output_partition_sizes]
+
+    def _loads_merged(self, param: nn.Parameter, loaded: torch.Tensor) -> bool:
+        """True when `loaded` is a whole merged checkpoint tensor to split by shard: one laid out along the output
+        dim, or a per-shard parameter's entries (one value for all shards when the checkpoint has one)."""
+        return getattr(param, "per_shard", False) or getattr(param, "output_dim", None) is not None
+
+    def _split_merged(self, param: nn.Parameter, loaded: torch.Tensor) -> list[torch.Tensor]:
+        if getattr(param, "per_shard", False):
+            return [loaded.reshape(-1)[min(i, loaded.numel() - 1)] for i in range(len(self.shard_ids))]
+        dim = param.output_dim
+        factor = features_per_element(param, dim)
+        sizes = self.checkpoint_output_sizes()
+        if loaded.shape[dim] * factor != sum(sizes) or any(size % factor for size in sizes):
+            raise WeightShapeError(tuple(loaded.shape), tuple(param.shape), "a merged checkpoint tensor")
+        return list(loaded.split([size // factor for size in sizes], dim=dim))
 
     def _rank_slice(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None) -> torch.Tensor:
         if self.tp_size == 1 or self.tp_split is None:
@@ -209,7 +231,11 @@ class QKVParallelLinear(LinearBase):
 
     tp_split: TPSplit = "output"
 
-    def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int, **kwargs) -> None:
+    def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int,
+                 interleaved_rotary_dim: int = 0, **kwargs) -> None:
+        """`interleaved_rotary_dim`: the checkpoint's q and k rotate pairs (2i, 2i+1) of each head's first that many
+        features (GLM, Command R); their rows are loaded in the halves order the rotary kernel rotates instead
+        (the same order for q and k leaves every q.k unchanged)."""
         parallel = kwargs.get("parallel")
         tp_size = parallel.tp_size if parallel is not None else kwargs.get("tp_size", 1)
         tp_rank = parallel.tp_rank if parallel is not None else kwargs.get("tp_rank", 0)
@@ -217,6 +243,8 @@ class QKVParallelLinear(LinearBase):
             raise ValueError(f"tp_size={tp_size} must divide num_heads={num_heads} and divide or be a multiple "
                              f"of num_kv_heads={num_kv_heads}")
         self.head_size = head_size
+        self.interleaved_rotary_dim = interleaved_rotary_dim
+        self.total_heads = (num_heads, num_kv_heads)
         self.num_heads = num_heads // tp_size
         # With more ranks than kv heads each kv head is replicated on tp_size / num_kv_heads ranks.
         self.num_kv_heads = max(num_kv_heads // tp_size, 1)
@@ -226,8 +254,24 @@ class QKVParallelLinear(LinearBase):
         kv = self.num_kv_heads * head_size * tp_size
         super().__init__(hidden_size, [num_heads * head_size, kv, kv], shard_ids=("q", "k", "v"), **kwargs)
 
+    def checkpoint_output_sizes(self) -> list[int]:
+        heads, kv_heads = self.total_heads
+        return [heads * self.head_size, kv_heads * self.head_size, kv_heads * self.head_size]
+
+    def _deinterleave(self, param: nn.Parameter, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+        if features_per_element(param, dim) != 1:
+            raise ValueError("interleaved RoPE needs q/k rows one per element; this checkpoint packs them")
+        rotary = self.interleaved_rotary_dim
+        heads = loaded.shape[dim] // self.head_size
+        order = torch.arange(loaded.shape[dim]).view(heads, self.head_size)
+        order[:, :rotary] = torch.cat((order[:, 0:rotary:2], order[:, 1:rotary:2]), dim=1)
+        return loaded.index_select(dim, order.flatten().to(loaded.device))
+
     def _rank_slice(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None) -> torch.Tensor:
         dim = getattr(param, "output_dim", None)
+        if (self.interleaved_rotary_dim and shard_id in ("q", "k") and dim is not None
+                and not getattr(param, "per_shard", False)):
+            loaded = self._deinterleave(param, loaded, dim)
         if shard_id in ("k", "v") and self.tp_size > 1 and dim is not None and not getattr(param, "per_shard", False):
             offset, size = stored_span(param, dim, self.kv_head_start * self.head_size,
                                        self.num_kv_heads * self.head_size)
