@@ -51,7 +51,7 @@ class DecoderArch:
     num_kv_heads: int
     head_dim: int
     norm_eps: float
-    max_position: int  # config.json's max_position_embeddings: the rotary tables' length
+    max_position: int  # config.json's max_position_embeddings
     rope: RopeConfig
     context_len: int | None = None  # the context the engine serves (None: max_position)
     tie_word_embeddings: bool = False
@@ -89,6 +89,11 @@ class DecoderArch:
 
     def has_rope(self, layer_idx: int) -> bool:
         return self.rope_layers[layer_idx] if self.rope_layers else True
+
+    @property
+    def rotary_length(self) -> int:
+        """The rotary tables' length: the context served (length-dependent RoPE scaling is computed for it)."""
+        return self.context_len or self.max_position
 
     @property
     def scale(self) -> float:

@@ -85,9 +85,9 @@ class DecoderModel(nn.Module):
         self.embedding_scale = arch.embedding_scale
         # One cos/sin table for all layers: at 128k positions it is 64 MB, which per layer would be 2 GB for 32.
         # Sliding-window layers may have their own (Gemma 3's local base); layers without RoPE get none.
-        rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope)
+        rotary_emb = RotaryEmbedding(arch.head_dim, arch.rotary_length, arch.rope)
         local_rotary_emb = (rotary_emb if arch.rope_local is None
-                            else RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope_local))
+                            else RotaryEmbedding(arch.head_dim, arch.rotary_length, arch.rope_local))
 
         def rotary_of(i: int) -> RotaryEmbedding | None:
             if not arch.has_rope(i):

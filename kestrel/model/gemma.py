@@ -51,8 +51,9 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         hf = hf.get("text_config", hf)
         per_type = hf.get("rope_parameters") or {}
         if "full_attention" in per_type:
-            rope = RopeConfig.from_hf({"rope_parameters": per_type["full_attention"]})
-            local = RopeConfig.from_hf({"rope_parameters": per_type.get("sliding_attention") or {}})
+            length = {"max_position_embeddings": hf.get("max_position_embeddings")}
+            rope = RopeConfig.from_hf({**length, "rope_parameters": per_type["full_attention"]})
+            local = RopeConfig.from_hf({**length, "rope_parameters": per_type.get("sliding_attention") or {}})
         else:  # transformers 4's names
             rope = RopeConfig.from_hf({"rope_theta": 1_000_000.0, **hf})
             local = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
