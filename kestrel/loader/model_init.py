@@ -40,11 +40,11 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "llama", size: str = "ti
     tokenizer_vocab = write_tokenizer(str(out))
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     config: dict[str, Any] = {
+        "hidden_act": "silu",
         **SIZES[size],
         **ARCHS[arch],
         "vocab_size": tokenizer_vocab,
         "max_position_embeddings": 512,
-        "hidden_act": "silu",
         "initializer_range": INIT_STD,
         "bos_token_id": tokenizer.token_to_id(BOS_TOKEN),
         "eos_token_id": tokenizer.token_to_id(EOS_TOKEN),
