@@ -49,7 +49,24 @@ LLAMA3_70B: dict[str, Any] = {
     **LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
     "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
 }
-ARCHS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+# Qwen3-8B's and Gemma-2-9B's published shapes (config.json of the released checkpoints).
+QWEN3_8B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "attention_bias": False, "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02,
+    "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16", "use_cache": True,
+}
+GEMMA2_9B: dict[str, Any] = {
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336,
+    "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+    "vocab_size": 256000, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+    "initializer_range": 0.02, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "torch_dtype": "bfloat16",
+    "use_cache": True,
+}
+ARCHS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-8b": QWEN3_8B, "gemma2-9b": GEMMA2_9B}
 SMOKE_OVERRIDES: dict[str, Any] = {"max_position_embeddings": 512}
 # Batch-1 decode target of precisions without their own (latency.DECODE_ROOFLINE_FACTORS): x the roofline.
 ROOFLINE_FACTOR = 1.3
