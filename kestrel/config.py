@@ -54,6 +54,17 @@ HF_CONFIG_BOUNDS: dict[str, tuple[int, int]] = {
 _HF_OPTIONAL = frozenset({"num_key_value_heads", "head_dim", "max_position_embeddings"})
 
 
+def text_decoder_config(hf: dict) -> dict:
+    """A multimodal checkpoint's config.json keeps its language model's fields under `text_config`: those fields,
+    with the top level's for what the text config leaves out (architectures, dtype, quantization). Other configs
+    as they are."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict) or "num_hidden_layers" in hf:
+        return hf
+    outer = {key: value for key, value in hf.items() if key not in ("text_config", "vision_config", "audio_config")}
+    return {**outer, **text, "architectures": hf.get("architectures")}
+
+
 def validate_hf_config(hf: Any, source: str) -> None:
     """Refuse a config.json (`source` names it in the message) whose shape fields are not integers within
     `HF_CONFIG_BOUNDS`, or whose heads do not divide: checked before anything is sized from them. An absent
@@ -199,6 +210,7 @@ class ModelConfig:
                 _fail("model", self.model, f"config.json is not valid JSON ({e})")
         if not isinstance(self.hf_config, dict):
             _fail("model", self.model, f"config.json holds a JSON {type(self.hf_config).__name__}, not an object")
+        object.__setattr__(self, "hf_config", text_decoder_config(self.hf_config))
         if self.hf_overrides is not None:
             if not isinstance(self.hf_overrides, dict):
                 _fail("hf_overrides", self.hf_overrides, "expected a dict of config.json keys and values")

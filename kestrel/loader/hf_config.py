@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kestrel.config import ConfigError, validate_hf_config
+from kestrel.config import ConfigError, text_decoder_config, validate_hf_config
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -26,6 +26,8 @@ def load_hf_config(model_dir: str | Path) -> dict:
         hf_config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"invalid model={str(model_dir)!r}: config.json is not valid JSON ({e})") from e
+    if isinstance(hf_config, dict):
+        hf_config = text_decoder_config(hf_config)
     validate_hf_config(hf_config, f"config.json of model={str(model_dir)!r}")
     return hf_config
 

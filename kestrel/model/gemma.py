@@ -48,7 +48,6 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     @classmethod
     def arch_config(cls, hf: dict[str, Any]) -> DecoderArch:
-        hf = hf.get("text_config", hf)
         per_type = hf.get("rope_parameters") or {}
         if "full_attention" in per_type:
             length = {"max_position_embeddings": hf.get("max_position_embeddings")}
@@ -60,3 +59,22 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         return _gemma_arch(hf, **cls._attention(hf), qk_norm=True, rope=rope, rope_local=local,
                            logit_soft_cap=hf.get("attn_logit_softcapping"),
                            final_logit_soft_cap=hf.get("final_logit_softcapping"))
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The language model of Gemma 3's vision-language checkpoints, served on text (their config.json is read
+    through `text_config`); the vision tower's and projector's tensors are left unread."""
+
+    _RENAMED: ClassVar[tuple[tuple[str, str], ...]] = (("language_model.model.", "model."),
+                                                        ("model.language_model.", "model."),
+                                                        ("language_model.lm_head.", "lm_head."))
+    _OTHER_TOWERS: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                                                "model.multi_modal_projector.")
+
+    def checkpoint_target(self, hf_name: str) -> str | None:
+        if hf_name.startswith(self._OTHER_TOWERS):
+            return None
+        for old, new in self._RENAMED:
+            if hf_name.startswith(old):
+                return super().checkpoint_target(new + hf_name[len(old):])
+        return super().checkpoint_target(hf_name)

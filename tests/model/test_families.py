@@ -168,3 +168,25 @@ def test_unsupported_config_fields_are_named(tmp_path: Path, family_name: str, e
     (path / "config.json").write_text(json.dumps({**config, **entries}))
     with pytest.raises(ConfigError, match=field):
         load_model(ModelConfig(model=str(path), dtype="float32"))
+
+
+def test_gemma3_vision_language_checkpoint_serves_its_language_model(tmp_path: Path) -> None:
+    """Gemma3ForConditionalGeneration as transformers writes it (language_model.* names, a vision tower, a
+    config.json whose decoder lives in text_config): kestrel's logits on text match the whole model's."""
+    text = transformers.Gemma3TextConfig(**{**SHAPE, "vocab_size": VOCAB + 8}, head_dim=16, sliding_window=8)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4, boi_token_index=VOCAB + 5, eoi_token_index=VOCAB + 6,
+                                       image_token_index=VOCAB + 7)
+    torch.manual_seed(0)
+    hf_model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    hf_model.save_pretrained(str(tmp_path))
+    model = load_model(ModelConfig(model=str(tmp_path), dtype="float32"))
+    assert model.config.num_layers == 2 and model.config.vocab_size == VOCAB + 8
+    prompts = random_prompts(VOCAB, [6, 21])
+    for tokens, ours in zip(prompts, PagedBatch(model, 2).step(prompts, [(0, len(p)) for p in prompts])):
+        assert_rel_close(ours, hf_logits(hf_model, tokens))
