@@ -88,4 +88,10 @@ ARCHS: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0, "logit_scale": 0.25, "tie_word_embeddings": True, "sliding_window": 16,
         "sliding_window_pattern": 2,
     },
+    "starcoder2": {
+        "architectures": ["Starcoder2ForCausalLM"], "model_type": "starcoder2", "norm_epsilon": 1e-5,
+        "pad_token_id": 0,
+        "hidden_act": "gelu_pytorch_tanh", "rope_theta": 10000.0, "use_bias": True, "tie_word_embeddings": True,
+        "sliding_window": 16,
+    },
 }

@@ -59,7 +59,8 @@ class DecoderArch:
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_windows: tuple[int | None, ...] = ()  # per layer; empty: no window anywhere
-    activation: str = "silu"  # of the gated MLP: a name of kestrel.model.layers.activation.ACTIVATIONS
+    activation: str = "silu"  # of the MLP: a name of kestrel.model.layers.activation.ACTIVATIONS
+    plain_mlp: tuple[str, str] | None = None  # a non-gated MLP's (in, out) checkpoint names; None: gated MLP
     qk_norm: bool = False  # RMSNorm over each head's query and key (or over all heads: qk_norm_over), before RoPE
     qk_norm_over: QKNorm = "head"
     attention_scale: float | None = None  # None: head_dim ** -0.5

@@ -1,4 +1,5 @@
-"""Decoder families that differ from Llama in their blocks' layout: Phi-3, OLMo 2, GLM-4 and Command R."""
+"""Decoder families that differ from Llama in their blocks' layout: Phi-3, OLMo 2, GLM-4, Command R and
+StarCoder2."""
 
 from __future__ import annotations
 
@@ -72,3 +73,17 @@ class Cohere2ForCausalLM(CohereForCausalLM):
         types = layer_types(hf, global_every=4)
         return DecoderArch.from_hf(hf, **cls._common(hf), sliding_windows=windows_of(hf, types),
                                    rope_layers=tuple(t == "sliding_attention" for t in types))
+
+
+class Starcoder2ForCausalLM(DecoderForCausalLM):
+    """StarCoder2: LayerNorms with bias, a plain GELU-tanh MLP (`c_fc`, `c_proj`), bias everywhere when `use_bias`,
+    a window on every layer when `sliding_window` is set, tied embeddings."""
+
+    @classmethod
+    def arch_config(cls, hf: dict[str, Any]) -> DecoderArch:
+        bias = bool(hf.get("use_bias", True))
+        window = hf.get("sliding_window")
+        return DecoderArch.from_hf(hf, norm="layer", norm_eps=float(hf.get("norm_epsilon", 1e-5)),
+                                   plain_mlp=("c_fc", "c_proj"), qkv_bias=bias, o_bias=bias, mlp_bias=bias,
+                                   tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                                   sliding_windows=(window,) * hf["num_hidden_layers"] if window else ())

@@ -28,6 +28,7 @@ _FAMILIES: dict[str, str] = {
     "Glm4ForCausalLM": "kestrel.model.families:Glm4ForCausalLM",
     "CohereForCausalLM": "kestrel.model.families:CohereForCausalLM",
     "Cohere2ForCausalLM": "kestrel.model.families:Cohere2ForCausalLM",
+    "Starcoder2ForCausalLM": "kestrel.model.families:Starcoder2ForCausalLM",
 }
 # Draft heads: loaded beside a target model, never served on their own.
 _DRAFT_HEADS: dict[str, str] = {EAGLE_HEAD_ARCHITECTURE: "kestrel.model.eagle:EagleHead"}

@@ -1,6 +1,6 @@
 """The sharded model against the one-process model: logits of a paged prefill, a chunked continuation and a
-decode step, for tiny random checkpoints of the families whose layers shard differently, float32 and W8A8 (INT8 sym/asym, FP8,
-quantized at load), under TP = 4 (kv heads replicated: 2 kv heads on 4 ranks) and TP = 2 x PP = 2.
+decode step, for tiny random checkpoints of the families whose layers shard differently, float32 and W8A8 (INT8
+sym/asym, FP8, quantized at load), under TP = 4 (kv heads replicated: 2 kv heads on 4 ranks) and TP = 2 x PP = 2.
 
 One group of 4 gloo processes is spawned for the module; each rank writes its logits to a file that the test
 compares with the oracle computed here in one process.
@@ -27,8 +27,9 @@ BLOCK = 16
 LAYOUTS = ((4, 1), (2, 2))  # (tp, pp)
 # The families whose layers shard differently: merged checkpoint tensors split by shard (phi3), interleaved RoPE
 # rows reordered before the rank's slice (glm4), RMSNorms over all q or k heads summed over the group (olmo2),
-# sandwich norms, soft caps and windows (gemma2), a parallel block with RoPE-less global layers (cohere2).
-ARCHS = ("llama", "mistral", "qwen2", "phi3", "glm4", "olmo2", "gemma2", "cohere2")
+# sandwich norms, soft caps and windows (gemma2), a parallel block with RoPE-less global layers (cohere2), a
+# plain MLP under LayerNorms with bias (starcoder2).
+ARCHS = ("llama", "mistral", "qwen2", "phi3", "glm4", "olmo2", "gemma2", "cohere2", "starcoder2")
 QUANTS = {"float32": None, "int8": QuantConfig(method="int8"), "fp8": QuantConfig(method="fp8"),
           "int8-asym": QuantConfig(method="int8", symmetric_activations=False)}
 # Which (arch, quant) pairs run: every arch in float32, every quantization on one arch or another.

@@ -49,6 +49,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.5}),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 8,
                                                         "logit_scale": 0.5}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 8}),
 }
 
 
@@ -182,7 +183,7 @@ def test_gemma3_vision_language_checkpoint_serves_its_language_model(tmp_path: P
     torch.manual_seed(0)
     hf_model = transformers.Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():
-        for name, param in hf_model.named_parameters():
+        for param in hf_model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
     hf_model.save_pretrained(str(tmp_path))
     model = load_model(ModelConfig(model=str(tmp_path), dtype="float32"))

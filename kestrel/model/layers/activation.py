@@ -1,4 +1,4 @@
-"""Gated activations for the MLP, each with its fused quantizing producer.
+"""Activations for the MLP (gated, and plain for non-gated MLPs), each with its fused quantizing producer.
 
 `[..., 2*I]` (gate then up, as gate_up_proj lays them out) -> `act(gate) * up` of `[..., I]`, computed in fp32
 and rounded once, in one `ops` launch. `feed` hands the result to the next linear layer in the form that layer
@@ -45,3 +45,26 @@ class GatedActivation(nn.Module):
     def extra_repr(self) -> str:
         return self.activation
 
+
+
+class Activation(nn.Module):
+    """`act(x)` for a plain (non-gated) MLP, computed in fp32 and rounded once."""
+
+    def __init__(self, activation: str) -> None:
+        super().__init__()
+        if activation not in ops.ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose from {ops.ACTIVATIONS}")
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.act(x, self.activation)
+
+    def feed(self, x: torch.Tensor, consumer: LinearBase, fuse: bool = True) -> torch.Tensor | QuantAct:
+        """`forward(x)` in the form `consumer` takes: quantized in the same launch when it asks for it."""
+        spec = consumer.input_quant() if fuse else None
+        if spec is None:
+            return self(x)
+        return ops.act_quant(x, self.activation, spec.dtype, spec.scale, spec.azp, spec.symmetric)
+
+    def extra_repr(self) -> str:
+        return self.activation

@@ -20,9 +20,9 @@ from kestrel import ops
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.model.arch import DecoderArch
 from kestrel.model.attn_metadata import AttentionMetadata
-from kestrel.model.layers.activation import GatedActivation
+from kestrel.model.layers.activation import Activation, GatedActivation
 from kestrel.model.layers.attention import Attention
-from kestrel.model.layers.linear import LinearBase, MergedColumnLinear, QKVParallelLinear, RowLinear
+from kestrel.model.layers.linear import ColumnLinear, LinearBase, MergedColumnLinear, QKVParallelLinear, RowLinear
 from kestrel.model.layers.norm import LayerNorm, RMSNorm
 from kestrel.model.layers.rotary import RotaryEmbedding
 from kestrel.model.layers.weights import copy_checked
@@ -134,9 +134,45 @@ class GatedMLP(nn.Module):
         )
         self.act_fn = GatedActivation(arch.activation)
 
+    @property
+    def in_proj(self) -> LinearBase:
+        return self.gate_up_proj
+
+    @property
+    def out_proj(self) -> LinearBase:
+        return self.down_proj
+
     def forward(self, x: torch.Tensor, fuse: bool = True) -> torch.Tensor:
         """`x` in the model dtype, or already in the form `gate_up_proj.input_quant()` asks for."""
         return self.down_proj(self.act_fn.feed(self.gate_up_proj(x), self.down_proj, fuse))
+
+
+class PlainMLP(nn.Module):
+    """out(act(in(x))), with the checkpoint's names for in and out (StarCoder2's c_fc and c_proj)."""
+
+    def __init__(self, arch: DecoderArch, dtype: torch.dtype, quant_method: QuantMethodFor, prefix: str,
+                 parallel: ParallelContext) -> None:
+        super().__init__()
+        assert arch.plain_mlp is not None
+        self.in_name, self.out_name = arch.plain_mlp
+        self.add_module(self.in_name, ColumnLinear(
+            arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias,
+            quant_method=quant_method(f"{prefix}.{self.in_name}", ()), params_dtype=dtype, parallel=parallel))
+        self.add_module(self.out_name, RowLinear(
+            arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias,
+            quant_method=quant_method(f"{prefix}.{self.out_name}", ()), params_dtype=dtype, parallel=parallel))
+        self.act_fn = Activation(arch.activation)
+
+    @property
+    def in_proj(self) -> LinearBase:
+        return getattr(self, self.in_name)
+
+    @property
+    def out_proj(self) -> LinearBase:
+        return getattr(self, self.out_name)
+
+    def forward(self, x: torch.Tensor, fuse: bool = True) -> torch.Tensor:
+        return self.out_proj(self.act_fn.feed(self.in_proj(x), self.out_proj, fuse))
 
 
 class DecoderLayer(nn.Module):
@@ -150,8 +186,9 @@ class DecoderLayer(nn.Module):
         attn_prefix, mlp_prefix = f"{prefix}.self_attn", f"{prefix}.mlp"
         self.self_attn = SelfAttention(arch, layer_idx, dtype, quant_method, attn_prefix, rotary_emb, parallel,
                                        _parts(attn_prefix, "qkv_proj", packed_modules))
-        self.mlp = GatedMLP(arch, dtype, quant_method, mlp_prefix, parallel,
-                            _parts(mlp_prefix, "gate_up_proj", packed_modules))
+        self.mlp = (GatedMLP(arch, dtype, quant_method, mlp_prefix, parallel,
+                             _parts(mlp_prefix, "gate_up_proj", packed_modules)) if arch.plain_mlp is None
+                    else PlainMLP(arch, dtype, quant_method, mlp_prefix, parallel))
         self.norm_names = arch.norms
         for name in (arch.norms.pre_attn, arch.norms.post_attn, arch.norms.pre_mlp, arch.norms.post_mlp):
             if name is not None:
@@ -167,8 +204,9 @@ class DecoderLayer(nn.Module):
         return None if name is None else getattr(self, name)
 
     def producer_consumers(self) -> tuple[LinearBase, ...]:
-        """The linear layers whose input a fused producer makes: qkv and gate_up (norms), down (activation)."""
-        return self.self_attn.qkv_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+        """The linear layers whose input a fused producer makes: qkv and the MLP's first (norms), its second
+        (activation)."""
+        return self.self_attn.qkv_proj, self.mlp.in_proj, self.mlp.out_proj
 
     def _sublayer_output(self, out: torch.Tensor, post_norm: Norm | None) -> torch.Tensor:
         if post_norm is not None:
@@ -195,7 +233,7 @@ class DecoderLayer(nn.Module):
         attn_out = self._sublayer_output(self.self_attn(positions, x, attn_metadata), self._norm(names.post_attn))
         if self.parallel_block:
             return attn_out + self._sublayer_output(self.mlp(x, fuse), None), residual
-        x, residual = self._into(self._norm(names.pre_mlp), attn_out, residual, self.mlp.gate_up_proj, fuse)
+        x, residual = self._into(self._norm(names.pre_mlp), attn_out, residual, self.mlp.in_proj, fuse)
         return self._sublayer_output(self.mlp(x, fuse), self._norm(names.post_mlp)), residual
 
 
