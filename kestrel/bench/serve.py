@@ -45,6 +45,13 @@ ERROR_TEXT_LIMIT = 300
 # Past these the client's own delay may show in the latencies it measures (about 50 us of CPU per chunk here).
 CLIENT_CPU_WARN = 0.7
 CLIENT_LAG_WARN_MS = 5.0
+# How long an idle pooled connection is reused. It must end well before the server's own idle timeout: uvicorn's
+# default (vLLM's too, and kestrel's before --keep-alive-timeout) is 5 s, as was httpx's expiry, so a request sent
+# on a connection idle for ~5 s met the server closing it: the request is reset unread (httpx ReadError or
+# RemoteProtocolError, counted lost by `bench soak`) though it never reached the application, and a POST is not
+# retried. The server's clock starts when it writes the response, before the client reads it, and a loaded client
+# sends a request up to ~0.5 s after it took the connection from the pool: hence the margin.
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 # ------------------------------------------------------------------------------------------------ records
@@ -366,7 +373,8 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 
 def make_client(pool_size: int, timeout_s: float) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size)
+    limits = httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     # trust_env=False: a proxy picked up from the environment would sit inside every measured latency
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
                              trust_env=False)

@@ -93,7 +93,12 @@ class Phase:
 
     def summary(self) -> dict[str, Any]:
         server_errors = sum(1 for r in self.records if r.status is not None and r.status >= 500)
-        lost = sum(1 for r in self.records if not r.success and (r.status is None or r.status == 200))
+        lost_records = [r for r in self.records if not r.success and (r.status is None or r.status == 200)]
+        lost_attacks = [a for a in self.attacks if a["status"] is None]
+        # Why each lost request was lost (a transport error, a stream cut before [DONE], an error event in a
+        # stream), so that a failed run says what to look for: clipped error text -> count.
+        lost_errors = Counter(f"status {r.status}: {r.error}" for r in lost_records)
+        lost_errors.update(f"attack {a['name']}: {a['error']}" for a in lost_attacks)
         ttft = [r.chunk_times[0] - r.start for r in self.records if r.success]
         unexpected = [a for a in self.attacks if not a["expected"]]
         return {
@@ -101,9 +106,10 @@ class Phase:
             "requests": len(self.records),
             "completed": sum(1 for r in self.records if r.success),
             "server_errors": server_errors + sum(1 for a in self.attacks if (a["status"] or 0) >= 500),
-            "lost": lost + sum(1 for a in self.attacks if a["status"] is None),
-            "other_failures": dict(Counter(r.error for r in self.records
-                                           if not r.success and r.status is not None and r.status < 500)),
+            "lost": len(lost_records) + len(lost_attacks),
+            "lost_errors": dict(lost_errors.most_common(10)),
+            "other_failures": dict(Counter(r.error for r in self.records  # 4xx: the lost ones are above
+                                           if not r.success and r.status is not None and 200 < r.status < 500)),
             "ttft_ms": serve.summarize_ms(ttft),
             "health_ms": serve.summarize_ms(self.health_s),
             "health_failures": self.health_failures,
@@ -136,10 +142,11 @@ async def _attacker(client: httpx.AsyncClient, target: serve.Target, phase: Phas
         try:
             response = await client.post(f"{target.base_url}{attack.path}", content=bodies[name], headers=headers)
             status = response.status_code
-        except httpx.HTTPError:
-            status = None
+            error = None
+        except httpx.HTTPError as e:
+            status, error = None, f"{type(e).__name__}: {e}"[:serve.ERROR_TEXT_LIMIT]
         phase.attacks.append({"name": name, "status": status, "seconds": time.perf_counter() - started,
-                              "expected": status in attack.expect})
+                              "expected": status in attack.expect, "error": error})
         await asyncio.sleep(ATTACK_PAUSE_S)
 
 
@@ -206,7 +213,9 @@ def verdict(phases: dict[str, dict[str, Any]], max_ttft_ratio: float) -> tuple[b
     for name, summary in phases.items():
         for key in ("server_errors", "lost", "health_failures"):
             if summary[key]:
-                problems.append(f"{name}: {summary[key]} {key.replace('_', ' ')}")
+                problems.append(f"{name}: {summary[key]} {key.replace('_', ' ')}"
+                                + (f" ({summary['lost_errors']})" if key == "lost" and summary.get("lost_errors")
+                                   else ""))
         if summary["unexpected_attack_answers"]:
             problems.append(f"{name}: attacks answered unexpectedly: {summary['unexpected_attack_answers'][:3]}")
         if not summary["completed"]:

@@ -3,7 +3,9 @@ before it stops.
 
 Header timeout: a connection whose request line and headers are not complete `header_timeout_s` after their
 first byte (or after the connection opened) is closed, so clients trickling bytes cannot hold connections. The
-body has its own timeout in the app (`BodyLimitMiddleware`), and idle keep-alive connections uvicorn's.
+body has its own timeout in the app (`BodyLimitMiddleware`), and idle keep-alive connections uvicorn's, set to
+`keep_alive_timeout`: longer than clients keep idle connections (uvicorn's default, 5 s, is httpx's and the OpenAI
+SDK's expiry too, and a request sent on a connection as the server closed it for idleness was reset unanswered).
 
 Drain: on SIGTERM or SIGINT the engine refuses new requests at once, and the server keeps listening: every new
 request is answered 503 `server_shutting_down` (/health too), so that load balancers see the drain instead of
@@ -120,6 +122,7 @@ def serve(app: Any, engine: AsyncEngine, config: ServerConfig) -> None:
     uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port,
                                     log_level=config.uvicorn_log_level or config.log_level,
                                     http=protocol_with_header_timeout(config.header_read_timeout),
+                                    timeout_keep_alive=config.keep_alive_timeout,  # type: ignore[arg-type]
                                     timeout_graceful_shutdown=_FLUSH_MARGIN_S,  # type: ignore[arg-type]
                                     ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
                                     root_path=config.root_path or "")

@@ -82,6 +82,10 @@ class ServerConfig:
     public_docs: bool = _opt(False, "serve /openapi.json, /docs and /redoc without the API key (default: behind it)")
     public_metrics: bool = _opt(False, "serve /metrics without the API key (vLLM's behaviour; default: behind it)")
     header_read_timeout: float = _opt(15.0, "close a connection whose request headers take longer (s)")
+    keep_alive_timeout: float = _opt(20.0, "close a keep-alive connection idle for longer (s); keep it above the "
+                                           "clients' idle expiry (httpx and the OpenAI SDKs: 5 s, aiohttp: 15 s) "
+                                           "and a proxy's idle timeout, or a request sent as the server closes "
+                                           "the connection is reset unanswered")
     body_read_timeout: float = _opt(60.0, "answer 408 when a request body takes longer to arrive (s)")
     shutdown_timeout: float = _opt(30.0, "on SIGTERM, how long running requests may still finish before they are "
                                          "ended with a 503 / an error event (s)")
@@ -98,8 +102,8 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name != "port" else 1):
                 raise ConfigError(f"invalid {name}={value!r}: expected a non-negative integer")
-        for name in ("header_read_timeout", "body_read_timeout", "shutdown_timeout", "request_timeout",
-                     "tokenize_timeout", "grammar_compile_timeout"):
+        for name in ("header_read_timeout", "keep_alive_timeout", "body_read_timeout", "shutdown_timeout",
+                     "request_timeout", "tokenize_timeout", "grammar_compile_timeout"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"invalid {name}={value!r}: expected a number of seconds > 0")

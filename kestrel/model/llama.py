@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kestrel.model.arch import DecoderArch
+from kestrel.model.arch import DecoderArch, layer_types
 from kestrel.model.base import DecoderForCausalLM
 
 
@@ -28,12 +28,13 @@ def qwen_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
     those from `max_window_layers` on."""
     num_layers = hf["num_hidden_layers"]
     window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
-    layer_types = hf.get("layer_types")
-    if layer_types is None:
+    if hf.get("layer_types") is not None:
+        types = layer_types(hf)
+    else:
         first_windowed = hf.get("max_window_layers", num_layers)
-        layer_types = ["sliding_attention" if window is not None and i >= first_windowed else "full_attention"
-                       for i in range(num_layers)]
-    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+        types = ["sliding_attention" if window is not None and i >= first_windowed else "full_attention"
+                 for i in range(num_layers)]
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -160,6 +160,8 @@ def test_w8a8_logits_stay_close(initialized, method: str) -> None:
     ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ("cohere", {"use_qk_norm": True}, "use_qk_norm"),
     ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+    ("qwen3", {"layer_types": ["full_attention", "chunked_attention"]}, "layer_types"),
+    ("phi3", {"rope_scaling": {"rope_type": "proportional", "factor": 2.0}}, "rope"),
 ])
 def test_unsupported_config_fields_are_named(tmp_path: Path, family_name: str, entries: dict, field: str) -> None:
     import json

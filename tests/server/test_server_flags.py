@@ -83,6 +83,7 @@ def test_auto_tool_choice_can_be_switched_off(server):
 @pytest.mark.parametrize("settings, match", [
     ({"ssl_keyfile": "/k.pem"}, "both ssl_keyfile and ssl_certfile"),
     ({"shutdown_timeout": 0}, "shutdown_timeout=0"),
+    ({"keep_alive_timeout": 0}, "keep_alive_timeout=0"),
     ({"tool_call_parser": "xml"}, "tool_call_parser='xml'"),
     ({"chat_template": "not-a-file"}, "chat_template='not-a-file'"),
 ])
