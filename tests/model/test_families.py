@@ -193,3 +193,12 @@ def test_gemma3_vision_language_checkpoint_serves_its_language_model(tmp_path: P
     prompts = random_prompts(VOCAB, [6, 21])
     for tokens, ours in zip(prompts, PagedBatch(model, 2).step(prompts, [(0, len(p)) for p in prompts])):
         assert_rel_close(ours, hf_logits(hf_model, tokens))
+
+
+def test_readme_and_models_doc_list_every_registered_architecture() -> None:
+    from kestrel.model.registry import supported_architectures
+
+    root = Path(__file__).resolve().parents[2]
+    readme, models = (root / "README.md").read_text(), (root / "docs" / "models.md").read_text()
+    for name in supported_architectures():
+        assert f"`{name}`" in readme and f"`{name}`" in models, name
