@@ -1,4 +1,6 @@
-"""W8A8 checkpoints written by llm-compressor (compressed-tensors format) and the `fp8` format load in kestrel.
+"""W8A8 checkpoints written by llm-compressor (compressed-tensors format) and the `fp8` format load in kestrel: Llama
+with every scheme, FP8-dynamic Qwen2, Qwen3, Gemma 2 (tied embeddings, soft caps) and Phi-3 (whose checkpoint
+stores qkv_proj and gate_up_proj merged, so llm-compressor quantizes each as one module).
 
 The oracle is the checkpoint's own fake-quantized forward: transformers with compressed-tensors, which
 decompresses the weights and quantizes each linear layer's input as the scheme says. Per linear layer, kestrel
@@ -69,18 +71,33 @@ def quantize(base: Path, out: Path, scheme) -> Path:
     return out
 
 
+# arch -> config.json entries over `kestrel model-init`'s tiny config of it
+BASES: dict[str, dict] = {
+    "llama": {"tie_word_embeddings": False},
+    "qwen2": {"tie_word_embeddings": False},
+    "qwen3": {},  # q/k norms per head
+    # Tied embeddings, sandwich norms, alternating windows, and soft caps small enough to bite at this weight
+    # scale (each moves the logits by 12-18%)
+    "gemma2": {"attn_logit_softcapping": 0.5, "final_logit_softcapping": 1.0, "query_pre_attn_scalar": 1},
+    "phi3": {},  # q/k/v and gate/up stored merged: llm-compressor quantizes qkv_proj and gate_up_proj whole
+}
+# Every scheme on Llama; FP8-dynamic (as the published Qwen3 FP8 checkpoints) on the other families, and Phi-3's
+# merged modules with one per-tensor weight and input scale each.
+CASES = [("llama", name) for name in SCHEMES] + [(arch, "fp8-dynamic") for arch in ("qwen2", "qwen3", "gemma2", "phi3")]
+CASES.append(("phi3", "fp8-static"))
+
+
 @pytest.fixture(scope="module")
 def base_dirs(tmp_path_factory) -> dict[str, Path]:
     dirs = {}
-    for arch in ("llama", "qwen2"):
+    for arch, overrides in BASES.items():
         path = tmp_path_factory.mktemp(f"base-{arch}")
-        write_tiny_checkpoint(str(path), arch=arch, seed=4, tie_word_embeddings=False)
+        write_tiny_checkpoint(str(path), arch=arch, seed=4, **overrides)
         dirs[arch] = path
     return dirs
 
 
-@pytest.fixture(scope="module", params=[("llama", name) for name in SCHEMES] + [("qwen2", "fp8-dynamic")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
 def checkpoint(request, base_dirs, tmp_path_factory) -> tuple[Path, Path]:
     arch, name = request.param
     out = quantize(base_dirs[arch], tmp_path_factory.mktemp(f"{arch}-{name}"), SCHEMES[name])
@@ -88,7 +105,9 @@ def checkpoint(request, base_dirs, tmp_path_factory) -> tuple[Path, Path]:
 
 
 def oracle(path: Path) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    # Eager attention: the one implementation with Gemma 2's attention soft cap.
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
 
 
 def kestrel_logits(path: Path) -> list[torch.Tensor]:
@@ -107,7 +126,8 @@ def assert_layers_match_fake_quantized_forward(path: Path, prompt: list[int]) ->
     for h in hooks:
         h.remove()
     ours = load_model(ModelConfig(model=str(path), dtype="float32"))
-    merged = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    # kestrel's merged layer -> the checkpoint modules it stacks (none for Phi-3, whose checkpoint stores them merged)
+    merged = ours.packed_modules_mapping
     checked = 0
     for name, module in ours.named_modules():
         if not isinstance(module, LinearBase):
