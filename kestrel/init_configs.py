@@ -94,4 +94,29 @@ ARCHS: dict[str, dict[str, Any]] = {
         "hidden_act": "gelu_pytorch_tanh", "rope_theta": 10000.0, "use_bias": True, "tie_word_embeddings": True,
         "sliding_window": 16,
     },
+    # Mixtures of experts: 4 experts, 2 a token (the sizes' intermediate_size is Mixtral's and OLMoE's expert size).
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "rms_norm_eps": 1e-5,
+        "pad_token_id": 0,
+        "rope_theta": 1000000.0, "num_local_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False,
+    },
+    # The second layer dense (mlp_only_layers), a shared expert.
+    "qwen2_moe": {
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "rms_norm_eps": 1e-6,
+        "pad_token_id": 0,
+        "rope_theta": 1000000.0, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64, "mlp_only_layers": [1], "norm_topk_prob": False,
+        "use_sliding_window": False, "tie_word_embeddings": False,
+    },
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 16, "rms_norm_eps": 1e-6,
+        "pad_token_id": 0,
+        "rope_theta": 1000000.0, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "use_sliding_window": False, "tie_word_embeddings": False,
+    },
+    "olmoe": {
+        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "pad_token_id": 0,
+        "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False, "tie_word_embeddings": False,
+    },
 }

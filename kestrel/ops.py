@@ -11,6 +11,7 @@ import torch
 
 from kestrel.kernels import activation as _activation
 from kestrel.kernels import attention as _attention
+from kestrel.kernels import fused_moe as _fused_moe
 from kestrel.kernels import norm as _norm
 from kestrel.kernels import quant_act as _quant_act
 from kestrel.kernels import rope_kv as _rope_kv
@@ -111,3 +112,10 @@ def act_mul_quant(x, activation, dtype, scale=None, azp=None, symmetric=True):
 def act_quant(x, activation, dtype, scale=None, azp=None, symmetric=True):
     fn = _quant_act.act_quant if use_triton(x) else _quant_act.act_quant_ref
     return fn(x, activation, dtype, scale, azp, symmetric)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, activation="silu"):
+    """Mixture-of-experts MLP: `sum_j topk_weights[:, j] * w2[e] @ (act(w13[e, :I] @ x) * (w13[e, I:] @ x))`,
+    `e = topk_ids[:, j]`; w13 `[E, 2*I, H]` (gate rows, then up), w2 `[E, H, I]`."""
+    fn = _fused_moe.fused_moe if use_triton(x) else _fused_moe.fused_moe_ref
+    return fn(x, w13, w2, topk_weights, topk_ids, activation)

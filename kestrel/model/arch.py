@@ -42,6 +42,32 @@ SANDWICH_NORMS = LayerNorms("input_layernorm", "post_attention_layernorm", "pre_
 
 
 @dataclass(frozen=True)
+class MoEArch:
+    """A mixture-of-experts MLP: a softmax router picks `top_k` of `num_experts` gated MLPs per token (their
+    weights renormalized to sum to 1 when `renormalize`), plus an always-on shared expert scaled by a sigmoid gate
+    where `shared_expert_size` is set (Qwen2-MoE). Names are the checkpoint's: the block (`block_sparse_moe` in
+    Mixtral), its router, and each expert's gate, up and down projections (`w1`, `w3`, `w2` in Mixtral)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    renormalize: bool
+    sparse_layers: tuple[bool, ...]  # per layer: True where the MLP is this block, False where it stays dense
+    shared_expert_size: int = 0
+    module: str = "mlp"
+    router: str = "gate"
+    expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ConfigError(f"invalid config.json: num_experts_per_tok={self.top_k} must be in 1..num_experts="
+                              f"{self.num_experts}")
+        if self.intermediate_size <= 0:
+            raise ConfigError(f"invalid config.json: the experts' intermediate size {self.intermediate_size} must "
+                              "be > 0")
+
+
+@dataclass(frozen=True)
 class DecoderArch:
     vocab_size: int
     hidden_size: int
@@ -75,6 +101,8 @@ class DecoderArch:
     rope_local: RopeConfig | None = None  # the rotary embedding of sliding-window layers, when it differs
     rope_interleaved: bool = False  # RoPE rotates pairs (2i, 2i+1) instead of the two halves (GLM, Command R)
     rope_layers: tuple[bool, ...] = ()  # per layer: False where a layer has no RoPE; empty: every layer has it
+    moe: MoEArch | None = None  # the mixture-of-experts MLP of the layers it names
+    qkv_clip: float | None = None  # q, k and v clamped to +-this after their projection (OLMoE's clip_qkv)
 
     def __post_init__(self) -> None:
         for name in ("sliding_windows", "rope_layers"):
@@ -84,6 +112,13 @@ class DecoderArch:
                                   f"num_hidden_layers={self.num_layers}")
         if self.parallel_block and (self.norms.post_attn or self.norms.post_mlp or self.norms.pre_mlp):
             raise ValueError("a parallel block has one pre-norm only")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise ConfigError(f"invalid config.json: {len(self.moe.sparse_layers)} per-layer MoE entries for "
+                              f"num_hidden_layers={self.num_layers}")
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """True where the layer's MLP is the mixture of experts."""
+        return self.moe is not None and self.moe.sparse_layers[layer_idx]
 
     def window(self, layer_idx: int) -> int | None:
         return self.sliding_windows[layer_idx] if self.sliding_windows else None

@@ -9,7 +9,9 @@ A model declares
 - `checkpoint_target(name)`: the checkpoint name a tensor loads under in this rank's model, or None when it
   belongs elsewhere (another pipeline stage, a tied head).
 Each parameter's own `weight_loader` does the sharding (tensor parallelism, merged shards); parameters tagged
-`checkpoint_optional` may be absent.
+`checkpoint_optional` may be absent. A parameter that stacks many checkpoint tensors under names the mapping
+cannot express (a mixture-of-experts layer's experts, `model.layers.0.mlp.experts.5.up_proj.weight`) declares them
+itself: `checkpoint_shards`, checkpoint name -> (shard id, the tensor's shape in the checkpoint).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def checkpoint_names(param_name: str, param: nn.Parameter, packed: Mapping[str, 
     """The checkpoint tensor names that together fill `param` (three for a qkv weight, two for gate_up)."""
     if getattr(param, "checkpoint_optional", False):
         return []
+    if hasattr(param, "checkpoint_shards"):
+        return list(param.checkpoint_shards)
     for merged, parts in packed.items():
         if f".{merged}." in param_name:
             return [param_name.replace(f".{merged}.", f".{part}.") for part in parts]
@@ -61,6 +65,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     expected = {hf for name, param in params.items() for hf in checkpoint_names(name, param, packed)}
+    declared_shards = {hf: (name, shard) for name, param in params.items()
+                       for hf, (shard, _) in getattr(param, "checkpoint_shards", {}).items()}
     seen: set[str] = set()
     with torch.no_grad():
         for hf_name, tensor in weights:
@@ -69,14 +75,18 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             target = declared.checkpoint_target(hf_name)
             if target is None:
                 continue
-            name, merged, index = to_param_name(target, packed)
-            param = params.get(name)
-            if param is None:
-                raise WeightLoadingError(
-                    f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
-            shard_id = None
-            if merged is not None:
-                shard_id = modules[name.rsplit(".", 1)[0]].shard_ids[index]
+            if target in declared_shards:
+                name, shard_id = declared_shards[target]
+                param = params[name]
+            else:
+                name, merged, index = to_param_name(target, packed)
+                param = params.get(name)
+                if param is None:
+                    raise WeightLoadingError(
+                        f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
+                shard_id = None
+                if merged is not None:
+                    shard_id = modules[name.rsplit(".", 1)[0]].shard_ids[index]
             try:
                 param.weight_loader(param, tensor, shard_id)
             except WeightShapeError as e:
@@ -98,6 +108,9 @@ def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     modules = dict(model.named_modules())
     shapes: dict[str, tuple[int, ...]] = {}
     for name, param in model.named_parameters():
+        if hasattr(param, "checkpoint_shards"):
+            shapes.update({hf: tuple(shape) for hf, (_, shape) in param.checkpoint_shards.items()})
+            continue
         names = checkpoint_names(name, param, packed)
         if len(names) == 1 and names[0] == name:
             shapes[name] = tuple(param.shape)

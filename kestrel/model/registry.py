@@ -29,6 +29,10 @@ _FAMILIES: dict[str, str] = {
     "CohereForCausalLM": "kestrel.model.families:CohereForCausalLM",
     "Cohere2ForCausalLM": "kestrel.model.families:Cohere2ForCausalLM",
     "Starcoder2ForCausalLM": "kestrel.model.families:Starcoder2ForCausalLM",
+    "MixtralForCausalLM": "kestrel.model.moe:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "kestrel.model.moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "kestrel.model.moe:Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM": "kestrel.model.moe:OlmoeForCausalLM",
 }
 # Draft heads: loaded beside a target model, never served on their own.
 _DRAFT_HEADS: dict[str, str] = {EAGLE_HEAD_ARCHITECTURE: "kestrel.model.eagle:EagleHead"}

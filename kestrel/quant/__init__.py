@@ -11,6 +11,7 @@ import kestrel.quant.schemes  # noqa: F401 - the built-in schemes register thems
 from kestrel.config import ConfigError, QuantConfig
 from kestrel.quant.base import QuantMethod
 from kestrel.quant.scheme import (
+    FUSED_MOE,
     KV_SCALE_NAMES,
     LINEAR,
     SCHEMES,
@@ -96,14 +97,16 @@ def _check_flags_against(config: QuantConfig, checkpoint: QuantScheme) -> None:
                               "activation quantization; leave it unset")
 
 
-def get_quant_method(plan: QuantPlan | QuantConfig | None, layer_name: str, parts: Sequence[str] = ()) -> QuantMethod:
-    """A fresh QuantMethod for the linear layer `layer_name` (e.g. "model.layers.0.self_attn.qkv_proj"), made of
-    the checkpoint modules `parts` when it merges several (q_proj, k_proj, v_proj)."""
+def get_quant_method(plan: QuantPlan | QuantConfig | None, layer_name: str, parts: Sequence[str] = (),
+                     kind: LayerKind = LINEAR) -> QuantMethod:
+    """A fresh QuantMethod for the layer `layer_name` (e.g. "model.layers.0.self_attn.qkv_proj") of `kind`, made of
+    the checkpoint modules `parts` when it merges several (q_proj, k_proj, v_proj). A scheme without a method for
+    the kind raises a ConfigError naming the layer."""
     if not isinstance(plan, QuantPlan):
         plan = QuantPlan(plan)
-    return plan.method_for(layer_name, parts)
+    return plan.method_for(layer_name, parts, kind)
 
 
-__all__ = ["KV_SCALE_NAMES", "LINEAR", "SCHEMES", "Fp8LinearMethod", "Int8LinearMethod", "KVScaleNames",
+__all__ = ["FUSED_MOE", "KV_SCALE_NAMES", "LINEAR", "SCHEMES", "Fp8LinearMethod", "Int8LinearMethod", "KVScaleNames",
            "LayerKind", "QuantMethod", "QuantPlan", "QuantScheme", "UnquantizedLinearMethod", "get_quant_method",
            "register_scheme", "registered_schemes"]

@@ -18,8 +18,9 @@ from kestrel.config import ConfigError, QuantConfig
 from kestrel.quant.base import QuantMethod
 
 # The kinds of layers a scheme may be asked about; a scheme that does not know a kind raises a ConfigError.
-LayerKind = Literal["linear"]
+LayerKind = Literal["linear", "fused_moe"]
 LINEAR: LayerKind = "linear"
+FUSED_MOE: LayerKind = "fused_moe"  # a mixture-of-experts layer's experts, all in one weight
 
 
 @dataclass(frozen=True)

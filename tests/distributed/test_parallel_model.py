@@ -28,8 +28,9 @@ LAYOUTS = ((4, 1), (2, 2))  # (tp, pp)
 # The families whose layers shard differently: merged checkpoint tensors split by shard (phi3), interleaved RoPE
 # rows reordered before the rank's slice (glm4), RMSNorms over all q or k heads summed over the group (olmo2),
 # sandwich norms, soft caps and windows (gemma2), a parallel block with RoPE-less global layers (cohere2), a
-# plain MLP under LayerNorms with bias (starcoder2).
-ARCHS = ("llama", "mistral", "qwen2", "phi3", "glm4", "olmo2", "gemma2", "cohere2", "starcoder2")
+# plain MLP under LayerNorms with bias (starcoder2); experts with their intermediate dimension split, a shared
+# expert and a dense layer (qwen2_moe).
+ARCHS = ("llama", "mistral", "qwen2", "phi3", "glm4", "olmo2", "gemma2", "cohere2", "starcoder2", "qwen2_moe")
 QUANTS = {"float32": None, "int8": QuantConfig(method="int8"), "fp8": QuantConfig(method="fp8"),
           "int8-asym": QuantConfig(method="int8", symmetric_activations=False)}
 # Which (arch, quant) pairs run: every arch in float32, every quantization on one arch or another.

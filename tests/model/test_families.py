@@ -50,7 +50,18 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 8,
                                                         "logit_scale": 0.5}),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 8}),
+    # Mixtures of experts: 4 experts, 2 a token.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "mlp_only_layers": [1]}),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                                  "clip_qkv": 0.5}),
 }
+MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe")
 
 
 def write_family(path: Path, family: str, seed: int = 0, spread: float = 0.08) -> Path:
@@ -139,6 +150,8 @@ def test_greedy_matches_transformers_under_chunking_prefix_caching_and_preemptio
 def initialized(family, tmp_path_factory):
     """The family at its initializer's scale (std 0.02), as the W8A8 tests' error bound assumes."""
     name = family[0]
+    if name in MOE_FAMILIES:
+        pytest.skip("W8A8 experts are not implemented: test_w8a8_of_experts_is_refused_naming_the_layer")
     path = write_family(tmp_path_factory.mktemp(f"{name}-init"), name, seed=1, spread=0.02)
     return path, transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
@@ -202,3 +215,9 @@ def test_readme_and_models_doc_list_every_registered_architecture() -> None:
     readme, models = (root / "README.md").read_text(), (root / "docs" / "models.md").read_text()
     for name in supported_architectures():
         assert f"`{name}`" in readme and f"`{name}`" in models, name
+
+
+def test_w8a8_of_experts_is_refused_naming_the_layer(tmp_path: Path) -> None:
+    path = write_family(tmp_path, "qwen3-moe")
+    with pytest.raises(ConfigError, match=r"fused_moe layers \(layer 'model\.layers\.0\.mlp\.experts'\)"):
+        load_model(ModelConfig(model=str(path), dtype="float32"), W8A8_CONFIGS["fp8"])

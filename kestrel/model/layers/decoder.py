@@ -23,6 +23,7 @@ from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.activation import Activation, GatedActivation
 from kestrel.model.layers.attention import Attention
 from kestrel.model.layers.linear import ColumnLinear, LinearBase, MergedColumnLinear, QKVParallelLinear, RowLinear
+from kestrel.model.layers.moe import MoEMLP
 from kestrel.model.layers.norm import LayerNorm, RMSNorm
 from kestrel.model.layers.rotary import RotaryEmbedding
 from kestrel.model.layers.weights import copy_checked
@@ -89,6 +90,7 @@ class SelfAttention(nn.Module):
             quant_method=quant_method(f"{prefix}.o_proj", ()), params_dtype=dtype, parallel=parallel,
         )
         self.head_dim = arch.head_dim
+        self.qkv_clip = arch.qkv_clip
         self.qk_norm = arch.qk_norm
         self.per_head_norm = arch.qk_norm_over == "head"
         if arch.qk_norm and self.per_head_norm:
@@ -114,6 +116,8 @@ class SelfAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         elif self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.qkv_clip is not None:  # after the q/k norms, as OLMoE clips
+            q, k, v = (t.clamp(-self.qkv_clip, self.qkv_clip) for t in (q, k, v))
         return self.o_proj(self.attn(q, k, v, attn_metadata, positions, self.rotary_emb))
 
 
@@ -183,12 +187,12 @@ class DecoderLayer(nn.Module):
                  prefix: str, rotary_emb: RotaryEmbedding | None, parallel: ParallelContext,
                  packed_modules: dict[str, tuple[str, ...]]) -> None:
         super().__init__()
-        attn_prefix, mlp_prefix = f"{prefix}.self_attn", f"{prefix}.mlp"
+        attn_prefix = f"{prefix}.self_attn"
         self.self_attn = SelfAttention(arch, layer_idx, dtype, quant_method, attn_prefix, rotary_emb, parallel,
                                        _parts(attn_prefix, "qkv_proj", packed_modules))
-        self.mlp = (GatedMLP(arch, dtype, quant_method, mlp_prefix, parallel,
-                             _parts(mlp_prefix, "gate_up_proj", packed_modules)) if arch.plain_mlp is None
-                    else PlainMLP(arch, dtype, quant_method, mlp_prefix, parallel))
+        self.mlp_name = arch.moe.module if arch.is_sparse(layer_idx) else "mlp"
+        self.add_module(self.mlp_name, _mlp(arch, layer_idx, dtype, quant_method, f"{prefix}.{self.mlp_name}",
+                                            parallel, packed_modules))
         self.norm_names = arch.norms
         for name in (arch.norms.pre_attn, arch.norms.post_attn, arch.norms.pre_mlp, arch.norms.post_mlp):
             if name is not None:
@@ -200,13 +204,22 @@ class DecoderLayer(nn.Module):
         self.fuse_quant_producers = not arch.parallel_block and any(
             linear.input_quant() is not None for linear in self.producer_consumers())
 
+    @property
+    def mlp(self) -> nn.Module:
+        """The MLP, registered under its checkpoint name (Mixtral's `block_sparse_moe`)."""
+        try:
+            return self._modules[self.__dict__["mlp_name"]]
+        except KeyError:
+            raise AttributeError("mlp") from None
+
     def _norm(self, name: str | None) -> Norm | None:
         return None if name is None else getattr(self, name)
 
     def producer_consumers(self) -> tuple[LinearBase, ...]:
         """The linear layers whose input a fused producer makes: qkv and the MLP's first (norms), its second
-        (activation)."""
-        return self.self_attn.qkv_proj, self.mlp.in_proj, self.mlp.out_proj
+        (activation; a mixture of experts has none outside its kernel)."""
+        out_proj = getattr(self.mlp, "out_proj", None)
+        return self.self_attn.qkv_proj, self.mlp.in_proj, *([out_proj] if out_proj is not None else [])
 
     def _sublayer_output(self, out: torch.Tensor, post_norm: Norm | None) -> torch.Tensor:
         if post_norm is not None:
@@ -235,6 +248,21 @@ class DecoderLayer(nn.Module):
             return attn_out + self._sublayer_output(self.mlp(x, fuse), None), residual
         x, residual = self._into(self._norm(names.pre_mlp), attn_out, residual, self.mlp.in_proj, fuse)
         return self._sublayer_output(self.mlp(x, fuse), self._norm(names.post_mlp)), residual
+
+
+def _mlp(arch: DecoderArch, layer_idx: int, dtype: torch.dtype, quant_method: QuantMethodFor, prefix: str,
+         parallel: ParallelContext, packed_modules: dict[str, tuple[str, ...]]) -> nn.Module:
+    """The layer's MLP: gated, plain, or the mixture of experts where the family makes this layer sparse."""
+
+    def dense(mlp_arch: DecoderArch, mlp_prefix: str) -> nn.Module:
+        if mlp_arch.plain_mlp is not None:
+            return PlainMLP(mlp_arch, dtype, quant_method, mlp_prefix, parallel)
+        return GatedMLP(mlp_arch, dtype, quant_method, mlp_prefix, parallel,
+                        _parts(mlp_prefix, "gate_up_proj", packed_modules))
+
+    if arch.is_sparse(layer_idx):
+        return MoEMLP(arch, dtype, quant_method, prefix, parallel, dense)
+    return dense(arch, prefix)
 
 
 def _parts(prefix: str, merged: str, packed_modules: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
