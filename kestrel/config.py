@@ -311,10 +311,14 @@ class ParallelConfig:
     # How long the engine waits for a worker (process-group setup, a step's reply) before failing; a worker
     # that dies is noticed at once.
     distributed_timeout_s: float = 300.0
+    # Mixture-of-experts layers: each tensor-parallel rank owns whole experts instead of a slice of every one.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             _check_int(name, getattr(self, name), 1)
+        if not isinstance(self.enable_expert_parallel, bool):
+            _fail("enable_expert_parallel", self.enable_expert_parallel, "expected True or False")
         _check_choice("distributed_executor_backend", self.distributed_executor_backend,
                       DISTRIBUTED_EXECUTOR_BACKEND_CHOICES)
         if (isinstance(self.distributed_timeout_s, bool) or not isinstance(self.distributed_timeout_s, int | float)
@@ -622,6 +626,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("distributed_executor_backend", "parallel", "distributed_executor_backend",
               "worker processes: mp (spawned on this machine) or ray (actors on a Ray cluster, multi-node); "
               "default: in-process on one device, mp on several", choices=DISTRIBUTED_EXECUTOR_BACKEND_CHOICES),
+    EngineArg("enable_expert_parallel", "parallel", "enable_expert_parallel",
+              "mixture-of-experts layers: each tensor-parallel rank holds whole experts (E / tp of them) instead of "
+              "a slice of every expert; a model without experts is unaffected"),
     EngineArg("distributed_timeout_s", "parallel", "distributed_timeout_s",
               "seconds to wait for a worker (group setup, one step) before failing; a dead worker fails at once"),
     EngineArg("quantization", "quant", "method",
@@ -644,7 +651,6 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
 _KWARG_TO_FIELD: dict[str, tuple[str, str]] = {arg.name: (arg.group, arg.field) for arg in ENGINE_ARGS}
 _VLLM_SPELLINGS: dict[str, str] = {arg.vllm_name: arg.name for arg in ENGINE_ARGS if arg.vllm_name}
 
-_LATER = "it comes with a later capability"
 # vLLM engine arguments kestrel does not have, with the reason (LLM(**kwargs) and the CLI refuse them by name).
 NOT_SUPPORTED_ENGINE_ARGS: dict[str, str] = {
     "swap_space": "kestrel preempts by recomputation and keeps no CPU swap space",
@@ -652,10 +658,10 @@ NOT_SUPPORTED_ENGINE_ARGS: dict[str, str] = {
     "preemption_mode": "kestrel always preempts by recomputation",
     "enable_lora": "LoRA adapters are not supported; merge the adapter into the weights",
     "max_loras": "LoRA adapters are not supported", "max_lora_rank": "LoRA adapters are not supported",
-    "structured_outputs_config": f"structured outputs are not implemented yet ({_LATER})",
-    "guided_decoding_backend": f"structured outputs are not implemented yet ({_LATER})",
+    "structured_outputs_config": "kestrel compiles every structured output with xgrammar, configured by the "
+                                 "server's grammar limits; remove it",
+    "guided_decoding_backend": "kestrel compiles every structured output with xgrammar; remove it",
     "data_parallel_size": "run one server per replica behind a load balancer",
-    "enable_expert_parallel": "kestrel has no mixture-of-experts models",
     "revision": "kestrel does not download; name the snapshot directory (or the cache's refs/main) instead",
     "tokenizer_revision": "kestrel does not download; pass --tokenizer DIR",
     "code_revision": "kestrel does not download model code",

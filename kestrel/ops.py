@@ -114,8 +114,13 @@ def act_quant(x, activation, dtype, scale=None, azp=None, symmetric=True):
     return fn(x, activation, dtype, scale, azp, symmetric)
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids, activation="silu"):
+def fused_moe(x, w13, w2, topk_weights, topk_ids, activation="silu", *, w13_scale=None, w2_scale=None,
+              block_shape=None):
     """Mixture-of-experts MLP: `sum_j topk_weights[:, j] * w2[e] @ (act(w13[e, :I] @ x) * (w13[e, I:] @ x))`,
-    `e = topk_ids[:, j]`; w13 `[E, 2*I, H]` (gate rows, then up), w2 `[E, H, I]`."""
+    `e = topk_ids[:, j]` (pairs with id -1 skipped); w13 `[E, 2*I, H]` (gate rows, then up), w2 `[E, H, I]`.
+    FP8 experts: float8_e4m3fn w13 / w2 with fp32 `w13_scale` / `w2_scale`, per channel (`[E, 2I]`, `[E, H]`)
+    or, with `block_shape=(bn, bk)`, per block (`[E, 2I/bn, H/bk]`, `[E, H/bn, I/bk]`); activations are
+    quantized per token (per token and bk-column group) inside."""
     fn = _fused_moe.fused_moe if use_triton(x) else _fused_moe.fused_moe_ref
-    return fn(x, w13, w2, topk_weights, topk_ids, activation)
+    return fn(x, w13, w2, topk_weights, topk_ids, activation, w13_scale=w13_scale, w2_scale=w2_scale,
+              block_shape=block_shape)

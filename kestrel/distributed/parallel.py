@@ -27,6 +27,8 @@ class ParallelContext:
     tp_group: Any = None
     pp_group: Any = None
     world_group: Any = None
+    # Mixture-of-experts layers split their experts over the tensor-parallel group, whole experts per rank.
+    expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -112,7 +114,7 @@ def single_process() -> ParallelContext:
 
 
 def init_parallel(rank: int, tp_size: int, pp_size: int, init_method: str, backend: str,
-                  timeout_s: float) -> ParallelContext:
+                  timeout_s: float, expert_parallel: bool = False) -> ParallelContext:
     """Join the process group of `tp_size * pp_size` ranks at `init_method` ("tcp://host:port") and build
     this rank's tensor- and pipeline-parallel groups. Every rank must call this with the same arguments
     (except `rank`): group creation is itself collective."""
@@ -131,7 +133,7 @@ def init_parallel(rank: int, tp_size: int, pp_size: int, init_method: str, backe
         if rank in ranks:
             pp_group = group
     return ParallelContext(rank=rank, tp_size=tp_size, pp_size=pp_size, tp_group=tp_group, pp_group=pp_group,
-                           world_group=dist.group.WORLD)
+                           world_group=dist.group.WORLD, expert_parallel=expert_parallel)
 
 
 def shutdown_parallel() -> None:

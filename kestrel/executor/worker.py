@@ -96,7 +96,7 @@ class Worker:
         self.rank = spec.rank
         self.parallel = init_parallel(spec.rank, parallel_config.tensor_parallel_size,
                                       parallel_config.pipeline_parallel_size, spec.init_method, backend_for(device),
-                                      parallel_config.distributed_timeout_s)
+                                      parallel_config.distributed_timeout_s, parallel_config.enable_expert_parallel)
         self.runner = ModelRunner(config, spec.eos_token_id, self.parallel)
         self._steps: dict[int, Any] = {}
 

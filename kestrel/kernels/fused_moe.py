@@ -1,51 +1,66 @@
 """Fused mixture-of-experts MLP: every token's top-k experts' gated MLPs, weighted and summed, in three launches
-after a device-side routing sort.
+after a device-side routing sort (plus the activation quantization of the FP8 paths).
 
 `out[t] = sum_j topk_weights[t, j] * w2[e] @ (act(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t]))`, `e = topk_ids[t, j]`,
-with `w13` `[E, 2*I, H]` (gate rows, then up rows: the merged gate_up layout) and `w2` `[E, H, I]`.
+with `w13` `[E, 2*I, H]` (gate rows, then up rows: the merged gate_up layout) and `w2` `[E, H, I]`. A pair whose
+expert id is -1 (an expert another expert-parallel rank owns) contributes nothing.
 
 Numerics (the reference and the kernel agree on them): both GEMMs accumulate in fp32; `act(gate) * up` is
 computed in fp32 and rounded once to x's dtype (the intermediate a model-dtype MLP would hold); each expert's
 down output is multiplied by its routing weight in fp32, the k products are summed in fp32 and rounded once.
 
+W8A8-FP8 experts (`w13`, `w2` float8_e4m3fn with fp32 `w13_scale`, `w2_scale`): activations are quantized
+dynamically to e4m3 as `kernels/quant_act.py` does (`s = max(amax / 448, 1e-12)`, `q = rne(sat(y * (1 / s)))`):
+x once per token (shared by its k pairs), the intermediate (after its rounding to x's dtype) once per pair row.
+- per channel (`block_shape=None`): `w13_scale [E, 2I]`, `w2_scale [E, H]` (a trailing 1 is accepted), one
+  activation scale per row; the epilogue is `acc * s_a[row] * s_w[e, n]`. The intermediate is written in x's
+  dtype and quantized by a separate per-token launch (a row's amax spans every column program).
+- block-wise (`block_shape=(bn, bk)`, DeepSeek-V3 / Qwen3-FP8 style): `w13_scale [E, ceil(2I/bn), ceil(H/bk)]`,
+  `w2_scale [E, ceil(H/bn), ceil(I/bk)]` (I a multiple of bn: gate and up rows keep their own scale rows);
+  activations get one scale per row per bk columns. BLOCK_K == bk, and each K step's partial dot is scaled
+  by `s_a[row, kt] * s_w[e, n // bn, kt]` before it joins the fp32 accumulator. The first GEMM runs with
+  BLOCK_N == bk, so each program holds whole quantization groups of the intermediate and quantizes them in
+  its epilogue (no 16-bit intermediate is written).
+
 The Triton path, as vLLM's fused_moe organises it:
-1. `moe_align`: the `T*k` (token, slot) pairs sorted by expert, each expert's run padded to a multiple of
-   BLOCK_M with a sentinel (`T*k`), one expert id per block, and the padded total on the device. Torch ops
-   only, no host sync: it sizes its buffers by the bound `T*k + min(E, T*k) * (BLOCK_M - 1)`, so it can be
-   captured in a CUDA graph; programs of blocks past the real total return at once.
+1. `moe_align`: the valid (token, slot) pairs sorted by expert, each expert's run padded to a multiple of
+   BLOCK_M with a sentinel (`T*k`), one expert id per block, and the padded total on the device; pairs of
+   expert -1 land in no block. Torch ops only, no host sync: it sizes its buffers by the bound
+   `T*k + min(E, T*k) * (BLOCK_M - 1)`, so it can be captured in a CUDA graph; programs of blocks past the
+   real total return at once.
 2. A grouped GEMM, launched twice. Each program takes one BLOCK_M block of sorted pairs (one expert) and a
    BLOCK_N column slice. First `x @ w13[e]^T` with the gate and up tiles of the same columns accumulated side
    by side, so the epilogue writes `act(gate) * up` `[T*k, I]` directly; then `inter @ w2[e]^T` with the
-   routing weight applied in the epilogue, written in fp32 `[T*k, H]` (in x's dtype straight to the output
-   when k == 1).
-3. A small kernel sums the k rows of each token in fp32 and rounds once.
+   routing weight applied in the epilogue, written in fp32 `[T*k, H]` (in x's dtype straight to the output,
+   zero-filled first for the skipped pairs, when k == 1).
+3. A small kernel sums the k rows of each token in fp32 (skipping pairs of expert -1) and rounds once.
 
 Block sizes come from a JSON table chosen offline (`tuning/fused_moe_default.json`, by M = T bucket; a
-per-GPU `tuning/fused_moe_<gpu>.json` keyed by `E,2I,H` overrides it); nothing autotunes at run time.
-
-Quantized follow-ups (W8A8-FP8, block FP8) fit the same kernel: per-channel scales `[E, N]` (and per-token
-activation scales `[T]`, gathered by `pair // top_k` like the x rows) multiply the accumulator in the
-epilogue; block scales `[E, N / bn, K / bk]` with BLOCK_K == bk are loaded per K step and applied to each
-partial dot product before it is added to the accumulator.
+per-GPU `tuning/fused_moe_<gpu>.json` keyed by `E,2I,H` overrides it); nothing autotunes at run time. Block
+FP8 overrides BLOCK_K (both GEMMs) and the first GEMM's BLOCK_N with bk.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kestrel.kernels import activation as _activation
 from kestrel.kernels import common
+from kestrel.kernels import quant_act as _quant_act
 
 TUNING_DIR = Path(__file__).parent / "tuning"
 DEFAULT_TABLE = TUNING_DIR / "fused_moe_default.json"
 _SUM_BLOCK = 1024  # hidden columns per program of the k-sum
+_NONE, _PER_CHANNEL, _BLOCK = 0, 1, 2  # QUANT constexpr: weight quantization of the GEMM
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # ROUND constexpr: the intermediate's dtype
 
 
 @dataclass(frozen=True)
@@ -78,32 +93,81 @@ def fused_moe_ref(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """PyTorch reference and the CPU path: one pair of matmuls per expert over the tokens routed to it."""
-    T, H, E, inter, k = _check_args(x, w13, w2, topk_weights, topk_ids)
+    """PyTorch reference and the CPU path: one pair of matmuls per expert over the tokens routed to it. FP8:
+    weights dequantized by their scales, activations quantized and dequantized as the kernel quantizes them,
+    the matmuls in fp32."""
+    T, H, E, inter, k, fp8 = _check_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
     _activation.activation_code(activation)
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     if T == 0:
         return out.to(x.dtype)
+    group = block_shape[1] if block_shape is not None else None
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=E).tolist()
+    skipped = int((flat < 0).sum())  # expert -1 sorts first
+    counts = torch.bincount(flat[flat >= 0], minlength=E).tolist()
+    order = order[skipped:]
     tokens = order // k
     weights = topk_weights.reshape(-1).float()[order]
+    xs = _fake_quant_ref(x, group) if fp8 else x.float()
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         rows = tokens[start:start + n]
-        gate_up = x.index_select(0, rows).float() @ w13[e].float().T
-        act = _activation.activate_ref(gate_up[:, :inter], activation) * gate_up[:, inter:]
-        down = act.to(x.dtype).float() @ w2[e].float().T
+        if fp8:
+            w13e = _dequant_weight_ref(w13[e], w13_scale[e], block_shape)
+            w2e = _dequant_weight_ref(w2[e], w2_scale[e], block_shape)
+        else:
+            w13e, w2e = w13[e].float(), w2[e].float()
+        gate_up = xs.index_select(0, rows) @ w13e.T
+        act = (_activation.activate_ref(gate_up[:, :inter], activation) * gate_up[:, inter:]).to(x.dtype)
+        down = (_fake_quant_ref(act, group) if fp8 else act.float()) @ w2e.T
         out.index_add_(0, rows, down * weights[start:start + n, None])
         start += n
     return out.to(x.dtype)
 
 
-def _check_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
+def _fake_quant_ref(y: torch.Tensor, group: int | None) -> torch.Tensor:
+    """y quantized to e4m3 per row (per row and group of `group` columns) and dequantized, in fp32."""
+    q, s = _quant_fp8(y, group, _quant_act.quant_fp8_per_token_ref)
+    R, C = y.shape
+    return (q.float().reshape(R, s.shape[1], -1) * s[:, :, None]).reshape(R, -1)[:, :C]
+
+
+def _dequant_weight_ref(w: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int] | None) -> torch.Tensor:
+    """One expert's fp8 `[N, K]` weight times its per-channel `[N]` or block `[ceil(N/bn), ceil(K/bk)]` scales."""
+    N, K = w.shape
+    if block_shape is None:
+        return w.float() * scale.reshape(N, 1).float()
+    bn, bk = block_shape
+    full = scale.float().repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+    return w.float() * full
+
+
+def _quant_fp8(y: torch.Tensor, group: int | None, quantize) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic e4m3 quantization of y `[R, C]` by `quantize` (quant_act's per-token kernel or reference): one
+    scale per row, or per row and group of `group` columns (each group quantized as a row of its own, the
+    columns padded with zeros to a whole group). Returns q `[R, C or G * group]` and scales `[R, 1 or G]`."""
+    if group is None:
+        qa = quantize(y)
+        return qa.q, qa.scale.reshape(-1, 1)
+    R, C = y.shape
+    G = triton.cdiv(C, group)
+    if C % group:
+        y = F.pad(y, (0, G * group - C))
+    qa = quantize(y.contiguous().reshape(R * G, group))
+    return qa.q.reshape(R, G * group), qa.scale.reshape(R, G)
+
+
+def _check_args(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block_shape=None
+                ) -> tuple[int, int, int, int, int, bool]:
+    """(T, H, E, I, k, fp8) after checking shapes, dtypes and the FP8 scales."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"fused_moe: x [T, H], w13 [E, 2I, H], w2 [E, H, I] expected, got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -113,14 +177,49 @@ def _check_args(x, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int,
     if H13 != H or two_i % 2 or tuple(w2.shape) != (E, H, inter):
         raise ValueError(f"fused_moe: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}"
                          f" (w13 [E, 2I, H], w2 [E, H, I])")
-    if x.dtype != w13.dtype or x.dtype != w2.dtype:
-        raise ValueError(f"fused_moe: x, w13, w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    if fp8:
+        if w2.dtype != torch.float8_e4m3fn or x.dtype not in _ROUND:
+            raise ValueError(f"fused_moe: FP8 experts need float8_e4m3fn w13 and w2 and a float32, bfloat16 or "
+                             f"float16 x, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+        _check_scales(w13_scale, w2_scale, block_shape, E, H, inter)
+    else:
+        if x.dtype != w13.dtype or x.dtype != w2.dtype:
+            raise ValueError(f"fused_moe: x, w13, w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+        if w13_scale is not None or w2_scale is not None or block_shape is not None:
+            raise ValueError("fused_moe: w13_scale, w2_scale and block_shape are for float8_e4m3fn experts only")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"fused_moe: topk_weights and topk_ids [T, k] expected with T={T}, got "
                          f"{tuple(topk_weights.shape)}, {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"fused_moe: topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    return T, H, E, inter, topk_ids.shape[1]
+    return T, H, E, inter, topk_ids.shape[1], fp8
+
+
+def _check_scales(w13_scale, w2_scale, block_shape, E: int, H: int, inter: int) -> None:
+    if w13_scale is None or w2_scale is None:
+        raise ValueError("fused_moe: FP8 experts need w13_scale and w2_scale")
+    if w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32:
+        raise ValueError(f"fused_moe: w13_scale and w2_scale must be float32, got {w13_scale.dtype}, "
+                         f"{w2_scale.dtype}")
+    if block_shape is None:
+        want13, want2 = (E, 2 * inter), (E, H)
+        ok = all(tuple(s.shape) in (want, (*want, 1)) for s, want in ((w13_scale, want13), (w2_scale, want2)))
+        what = "per-channel"
+    else:
+        if len(block_shape) != 2 or min(block_shape) < 1:
+            raise ValueError(f"fused_moe: block_shape must be (bn, bk) with positive sizes, got {block_shape}")
+        bn, bk = block_shape
+        if inter % bn:
+            raise ValueError(f"fused_moe: block FP8 needs the intermediate size I={inter} to be a multiple of "
+                             f"bn={bn} (gate and up rows must not share a scale block)")
+        want13 = (E, triton.cdiv(2 * inter, bn), triton.cdiv(H, bk))
+        want2 = (E, triton.cdiv(H, bn), triton.cdiv(inter, bk))
+        ok = tuple(w13_scale.shape) == want13 and tuple(w2_scale.shape) == want2
+        what = f"block {tuple(block_shape)}"
+    if not ok:
+        raise ValueError(f"fused_moe: {what} scales must be w13_scale {want13} and w2_scale {want2}, got "
+                         f"{tuple(w13_scale.shape)} and {tuple(w2_scale.shape)}")
 
 
 # ------------------------------------------------------------------------------------------- routing
@@ -134,41 +233,94 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     int32 `[num_blocks]` (the expert of each block; blocks past the real total repeat the last expert) and
     `num_padded` int32 `[1]` (the real padded total). `num_blocks` bounds the real count from above and
     depends on shapes only. Pairs keep their order within an expert (a stable sort). Ids must lie in
-    [0, num_experts).
+    [-1, num_experts); pairs of expert -1 appear nowhere.
     """
     flat = topk_ids.reshape(-1)
     n = flat.numel()
     device = flat.device
     num_blocks = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m)
-    sorted_e, order = torch.sort(flat, stable=True)
+    sorted_e, order = torch.sort(flat, stable=True)  # expert -1 first
     # Run boundaries by binary search rather than bincount: bincount sizes its output on the host.
     bounds = torch.searchsorted(sorted_e, torch.arange(num_experts + 1, dtype=flat.dtype, device=device))
     counts = bounds[1:] - bounds[:-1]
     padded = (counts + (block_m - 1)) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
-    dest = padded_start[sorted_e] + (torch.arange(n, device=device) - bounds[sorted_e])
-    sorted_ids = torch.full((num_blocks * block_m,), n, dtype=torch.int32, device=device)
+    run = sorted_e.clamp(min=0)
+    dest = padded_start[run] + (torch.arange(n, device=device) - bounds[run])
+    # Skipped pairs go to one slot past the end, cut off below.
+    dest = torch.where(sorted_e >= 0, dest, num_blocks * block_m)
+    sorted_ids = torch.full((num_blocks * block_m + 1,), n, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
     block_starts = torch.arange(0, num_blocks * block_m, block_m, device=device, dtype=padded_end.dtype)
     expert_ids = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_ids, expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
+    return sorted_ids[:-1], expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
 # ------------------------------------------------------------------------------------------- kernels
 
 
+@triton.jit
+def _load(ptrs, mask, MASKED: tl.constexpr, FP8: tl.constexpr):
+    """A tile load, zero-filled where masked; fp8 goes through its bytes (a zero `other` cannot be cast to
+    fp8 in the interpreter, and the bytes are the same on the GPU)."""
+    if FP8:
+        p = ptrs.to(tl.pointer_type(tl.uint8))
+        if MASKED:
+            v = tl.load(p, mask=mask, other=0)
+        else:
+            v = tl.load(p)
+        v = v.to(tl.float8e4nv, bitcast=True)
+    else:
+        if MASKED:
+            v = tl.load(ptrs, mask=mask, other=0.0)
+        else:
+            v = tl.load(ptrs)
+    return v
+
+
+@triton.jit
+def _dot(a, w, acc, DOT_F32: tl.constexpr, PRECISE: tl.constexpr, BLOCK_K: tl.constexpr):
+    if DOT_F32:
+        # fp32 dots: the interpreter multiplies bf16 blocks wrongly (numpy has no bf16); fp32 models want ieee.
+        acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    elif PRECISE:
+        # FP8 on sm_90: promote the tensor cores' reduced-precision sums into fp32 every BLOCK_K.
+        acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
+def _round_to(h, ROUND: tl.constexpr, FAST: tl.constexpr):
+    """fp32 h rounded to the intermediate's dtype (0 fp32, 1 bf16, 2 fp16), as fp32."""
+    if ROUND == 1:
+        h = common.to_dtype(h, tl.bfloat16, FAST).to(tl.float32)
+    elif ROUND == 2:
+        h = h.to(tl.float16).to(tl.float32)
+    return h
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    a_scale_ptr, w_scale_ptr, out_scale_ptr,
     num_pairs, num_blocks, N, K, top_k,
     stride_am, stride_we, stride_wn, stride_wk, stride_om,
+    stride_asm, stride_wse, stride_wsn, stride_osm,
     ACT_MUL: tl.constexpr, ACTIVATION: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, FAST: tl.constexpr,
+    QUANT: tl.constexpr, PRECISE: tl.constexpr, QUANT_OUT: tl.constexpr, ROUND: tl.constexpr,
+    SCALE_BN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """out[p, n] = epilogue(sum_k a[p // top_k, k] * w[e, n, k]) for the BLOCK_M pairs p of one block.
-    ACT_MUL: w holds gate rows [0, N) and up rows [N, 2N); the epilogue is act(gate) * up."""
+    ACT_MUL: w holds gate rows [0, N) and up rows [N, 2N); the epilogue is act(gate) * up.
+    QUANT 1 (per-channel FP8): a and w are fp8, the epilogue multiplies by a_scale[row] * w_scale[e, n].
+    QUANT 2 (block FP8, BLOCK_K == bk): each K step's dot is multiplied by a_scale[row, kt] *
+    w_scale[e, n // SCALE_BN, kt]. QUANT_OUT: the output, rounded to the ROUND dtype, is quantized to fp8 per
+    row over this program's BLOCK_N columns (one group); its scale goes to out_scale[p, pid_n]."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -179,65 +331,92 @@ def _moe_gemm_kernel(
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
 
+    FP8: tl.constexpr = QUANT != 0
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = pairs < num_pairs
+    a_rows = (pairs // top_k).to(tl.int64)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     # Wrapped column indices keep the weight loads in bounds without a mask; their results are not stored.
     w_cols = (cols % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (pairs // top_k).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + w_cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANT != 0:
+        a_scale_ptrs = a_scale_ptr + a_rows * stride_asm
+        if QUANT == 2:
+            w_scale_ptrs = w_scale_ptr + expert * stride_wse + (w_cols // SCALE_BN) * stride_wsn
+        else:
+            w_scale_ptrs = w_scale_ptr + expert * stride_wse + w_cols * stride_wsn
     if ACT_MUL:
         up_ptrs = w_ptrs + N * stride_wn
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if QUANT == 2:
+            up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((w_cols + N) // SCALE_BN) * stride_wsn
+        elif QUANT == 1:
+            up_scale_ptrs = w_scale_ptrs + N * stride_wsn
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs)
+            a = _load(a_ptrs, row_ok[:, None], True, FP8)
+            w = _load(w_ptrs, None, False, FP8)
         else:
             k_ok = offs_k < K - kt * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        if DOT_F32:
-            # fp32 dots: the interpreter multiplies bf16 blocks wrongly (numpy has no bf16); fp32 models want ieee.
-            a = a.to(tl.float32)
-            acc = tl.dot(a, w.to(tl.float32), acc, input_precision="ieee")
+            a = _load(a_ptrs, row_ok[:, None] & k_ok[None, :], True, FP8)
+            w = _load(w_ptrs, k_ok[:, None], True, FP8)
+        if QUANT == 2:
+            a_s = tl.load(a_scale_ptrs + kt, mask=row_ok, other=0.0)
+            part = _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_F32, False, BLOCK_K)
+            acc += part * a_s[:, None] * tl.load(w_scale_ptrs + kt)[None, :]
         else:
-            acc = tl.dot(a, w, acc)
+            acc = _dot(a, w, acc, DOT_F32, PRECISE, BLOCK_K)
         if ACT_MUL:
             if EVEN_K:
-                u = tl.load(up_ptrs)
+                u = _load(up_ptrs, None, False, FP8)
             else:
-                u = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
-            if DOT_F32:
-                acc_up = tl.dot(a, u.to(tl.float32), acc_up, input_precision="ieee")
+                u = _load(up_ptrs, k_ok[:, None], True, FP8)
+            if QUANT == 2:
+                part = _dot(a, u, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_F32, False, BLOCK_K)
+                acc_up += part * a_s[:, None] * tl.load(up_scale_ptrs + kt)[None, :]
             else:
-                acc_up = tl.dot(a, u, acc_up)
+                acc_up = _dot(a, u, acc_up, DOT_F32, PRECISE, BLOCK_K)
             up_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
 
+    if QUANT == 1:
+        a_s = tl.load(a_scale_ptrs, mask=row_ok, other=0.0)[:, None]
+        acc = acc * a_s * tl.load(w_scale_ptrs)[None, :]
+        if ACT_MUL:
+            acc_up = acc_up * a_s * tl.load(up_scale_ptrs)[None, :]
     if ACT_MUL:
         acc = _activation.activate(acc, ACTIVATION) * acc_up
     if MUL_WEIGHT:
         acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
-    out = common.to_dtype(acc, out_ptr.dtype.element_ty, FAST)
-    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :], out,
-             mask=row_ok[:, None] & col_ok[None, :])
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if QUANT_OUT:
+        # The columns past N hold wrapped copies of real ones: zero them out of the group's amax.
+        h = tl.where(col_ok[None, :], _round_to(acc, ROUND, FAST), 0.0)
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(h), axis=1), 448.0), 1e-12)
+        q = _quant_act._quantize(h, tl.math.div_rn(1.0, s)[:, None], 0.0, out_ptr.dtype.element_ty, 0, FAST)
+        tl.store(out_ptrs, q, mask=out_mask)
+        tl.store(out_scale_ptr + pairs.to(tl.int64) * stride_osm + pid_n, s, mask=row_ok)
+    else:
+        tl.store(out_ptrs, common.to_dtype(acc, out_ptr.dtype.element_ty, FAST), mask=out_mask)
 
 
 @triton.jit
-def _moe_sum_kernel(in_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
-    """out[t] = sum_j in[t * TOP_K + j] in fp32 (j in order), rounded once."""
+def _moe_sum_kernel(in_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
+    """out[t] = sum_j in[t * TOP_K + j] in fp32 (j in order, pairs of expert -1 left out), rounded once."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(in_ptr + (t * TOP_K + j) * H + cols, mask=mask, other=0.0)
+        ok = mask & (tl.load(ids_ptr + t * TOP_K + j) >= 0)
+        acc += tl.load(in_ptr + (t * TOP_K + j) * H + cols, mask=ok, other=0.0)
     tl.store(out_ptr + t * H + cols, common.to_dtype(acc, out_ptr.dtype.element_ty, FAST), mask=mask)
 
 
@@ -252,13 +431,17 @@ def fused_moe(
     topk_ids: torch.Tensor,
     activation: str = "silu",
     *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
     config: MoEConfig | None = None,
 ) -> torch.Tensor:
     """Triton `fused_moe_ref`; see the module docstring. `config` overrides the tuning table (tests, tuning).
     No host sync: capturable in a CUDA graph."""
-    T, H, E, inter, k = _check_args(x, w13, w2, topk_weights, topk_ids)
+    T, H, E, inter, k, fp8 = _check_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
     code = _activation.activation_code(activation)
-    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    # k == 1: the down GEMM writes the output directly; the rows of skipped pairs must read 0.
+    out = (torch.zeros if k == 1 else torch.empty)(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
     cfg = config or select_config(E, inter, H, T, x.device)
@@ -268,28 +451,60 @@ def fused_moe(
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, cfg.block_m)
     num_blocks = expert_ids.numel()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    common_args = dict(DOT_F32=not x.is_cuda or x.dtype == torch.float32, FAST=x.is_cuda,
-                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    quant = _NONE if not fp8 else (_PER_CHANNEL if block_shape is None else _BLOCK)
+    cfg1 = cfg2 = cfg
+    if quant == _BLOCK:
+        bk = block_shape[1]
+        # One K step per scale column; the first GEMM's programs each hold one quantization group.
+        cfg1, cfg2 = replace(cfg, block_n=bk, block_k=bk), replace(cfg, block_k=bk)
+    common_args = dict(DOT_F32=not x.is_cuda or (x.dtype == torch.float32 and not fp8), FAST=x.is_cuda,
+                       QUANT=quant, ROUND=_ROUND[x.dtype], SCALE_BN=block_shape[0] if block_shape else 1,
+                       PRECISE=quant == _PER_CHANNEL and x.is_cuda and common.is_hopper_or_newer(x.device),
+                       BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _moe_gemm_kernel[(num_blocks * triton.cdiv(inter, cfg.block_n),)](
-        x, w13, act, weights, sorted_ids, expert_ids, num_padded,
+    group = block_shape[1] if block_shape is not None else None
+    if fp8:
+        a1, a1_scale = _quant_fp8(x, group, _quant_act.quant_fp8_per_token)
+        if quant == _BLOCK:
+            s13, s2 = w13_scale.contiguous(), w2_scale.contiguous()
+        else:
+            s13, s2 = w13_scale.reshape(E, -1).contiguous(), w2_scale.reshape(E, -1).contiguous()
+    else:
+        a1 = a1_scale = s13 = s2 = x  # placeholders the kernel never reads
+    if quant == _BLOCK:
+        act = torch.empty(num_pairs, inter, dtype=torch.float8_e4m3fn, device=x.device)
+        act_scale = torch.empty(num_pairs, triton.cdiv(inter, group), dtype=torch.float32, device=x.device)
+    else:
+        # Rows of skipped pairs stay unwritten; the per-token quantization reads them (and never uses the
+        # result): zeroed off the GPU, where the interpreter's numpy would warn on garbage.
+        act = (torch.empty if x.is_cuda else torch.zeros)(num_pairs, inter, dtype=x.dtype, device=x.device)
+        act_scale = act
+    _moe_gemm_kernel[(num_blocks * triton.cdiv(inter, cfg1.block_n),)](
+        a1, w13, act, weights, sorted_ids, expert_ids, num_padded, a1_scale, s13, act_scale,
         num_pairs, num_blocks, inter, H, k,
-        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
-        ACT_MUL=True, ACTIVATION=code, MUL_WEIGHT=False, EVEN_K=H % cfg.block_k == 0, **common_args,
+        a1.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
+        a1_scale.stride(0), s13.stride(0), s13.stride(1), act_scale.stride(0),
+        ACT_MUL=True, ACTIVATION=code, MUL_WEIGHT=False, EVEN_K=H % cfg1.block_k == 0, QUANT_OUT=quant == _BLOCK,
+        BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k, **common_args,
     )
+    if quant == _PER_CHANNEL:
+        act, act_scale = _quant_fp8(act, None, _quant_act.quant_fp8_per_token)
+    elif quant == _NONE:
+        act_scale = act
     # k == 1: each token's one product is the output, rounded once in the epilogue.
     down = out if k == 1 else torch.empty(num_pairs, H, dtype=torch.float32, device=x.device)
-    _moe_gemm_kernel[(num_blocks * triton.cdiv(H, cfg.block_n),)](
-        act, w2, down, weights, sorted_ids, expert_ids, num_padded,
+    _moe_gemm_kernel[(num_blocks * triton.cdiv(H, cfg2.block_n),)](
+        act, w2, down, weights, sorted_ids, expert_ids, num_padded, act_scale, s2, act_scale,
         num_pairs, num_blocks, H, inter, 1,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), down.stride(0),
-        ACT_MUL=False, ACTIVATION=code, MUL_WEIGHT=True, EVEN_K=inter % cfg.block_k == 0, **common_args,
+        act_scale.stride(0), s2.stride(0), s2.stride(1), 0,
+        ACT_MUL=False, ACTIVATION=code, MUL_WEIGHT=True, EVEN_K=inter % cfg2.block_k == 0, QUANT_OUT=False,
+        BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, **common_args,
     )
     if k > 1:
+        ids = topk_ids.reshape(-1)
         block = min(_SUM_BLOCK, triton.next_power_of_2(H))
-        _moe_sum_kernel[(T, triton.cdiv(H, block))](down, out, H, TOP_K=k, BLOCK=block, FAST=x.is_cuda,
+        _moe_sum_kernel[(T, triton.cdiv(H, block))](down, ids, out, H, TOP_K=k, BLOCK=block, FAST=x.is_cuda,
                                                       num_warps=4 if block >= 512 else 1)
     return out
 

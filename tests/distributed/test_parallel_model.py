@@ -9,6 +9,7 @@ compares with the oracle computed here in one process.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import socket
 import traceback
 from pathlib import Path
@@ -24,7 +25,7 @@ from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.worker.stage_transport import run_model
 
 BLOCK = 16
-LAYOUTS = ((4, 1), (2, 2))  # (tp, pp)
+LAYOUTS = ((4, 1, False), (2, 2, False), (4, 1, True))  # (tp, pp, expert parallel)
 # The families whose layers shard differently: merged checkpoint tensors split by shard (phi3), interleaved RoPE
 # rows reordered before the rank's slice (glm4), RMSNorms over all q or k heads summed over the group (olmo2),
 # sandwich norms, soft caps and windows (gemma2), a parallel block with RoPE-less global layers (cohere2), a
@@ -42,6 +43,16 @@ STEPS = [  # per step, each sequence's (start, end) of its tokens; the prompts a
     [(21, 22), (10, 11)],  # decodes
 ]
 TIMEOUT_S = 120
+MOE_ARCHS = ("qwen2_moe", "mixtral")
+
+
+def cases_of(expert_parallel: bool) -> list[tuple[str, str]]:
+    """Every case, or under expert parallelism the mixtures of experts (4 experts: one a rank)."""
+    return [(arch, "float32") for arch in MOE_ARCHS] if expert_parallel else CASES
+
+
+def layout_name(tp: int, pp: int, ep: bool) -> str:
+    return f"tp{tp}-pp{pp}" + ("-ep" if ep else "")
 
 
 def free_port() -> int:
@@ -87,24 +98,27 @@ def load(path: Path, quant: str, parallel=None) -> torch.nn.Module:
 def rank_main(rank: int, ports: list[int], root: str) -> None:
     torch.set_num_threads(1)
     try:
-        for (tp, pp), port in zip(LAYOUTS, ports):
-            parallel = init_parallel(rank, tp, pp, f"tcp://127.0.0.1:{port}", "gloo", TIMEOUT_S)
+        for (tp, pp, ep), port in zip(LAYOUTS, ports):
+            parallel = init_parallel(rank, tp, pp, f"tcp://127.0.0.1:{port}", "gloo", TIMEOUT_S, ep)
             try:
-                for arch, quant in CASES:
+                for arch, quant in cases_of(ep):
                     model = load(Path(root) / arch, quant, parallel)
                     logits = run_steps(model, model.config.vocab_size)
-                    torch.save(logits, Path(root) / f"{arch}-{quant}-tp{tp}-pp{pp}-rank{rank}.pt")
+                    torch.save(logits, Path(root) / f"{arch}-{quant}-{layout_name(tp, pp, ep)}-rank{rank}.pt")
             finally:
                 shutdown_parallel()
     except BaseException:
         (Path(root) / f"error-rank{rank}.txt").write_text(traceback.format_exc())
         raise
+    # Every result is on disk. Leaving through the interpreter's teardown once aborted a rank in gloo's thread
+    # destructors ("terminate called without an active exception", exit code -6) after its work was done.
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tp-model")
-    for arch in ARCHS:
+    for arch in {*ARCHS, *MOE_ARCHS}:
         write_tiny_checkpoint(root / arch, arch, seed=3)
     ctx = multiprocessing.get_context("spawn")
     ports = [free_port() for _ in LAYOUTS]
@@ -125,14 +139,14 @@ def results(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("tp,pp", LAYOUTS)
-@pytest.mark.parametrize("arch,quant", CASES)
-def test_sharded_logits_match_one_process(results: Path, arch: str, quant: str, tp: int, pp: int) -> None:
+@pytest.mark.parametrize(("arch", "quant", "tp", "pp", "ep"),
+                         [(a, q, tp, pp, ep) for tp, pp, ep in LAYOUTS for a, q in cases_of(ep)])
+def test_sharded_logits_match_one_process(results: Path, arch: str, quant: str, tp: int, pp: int, ep: bool) -> None:
     model = load(results / arch, quant)
     oracle = run_steps(model, model.config.vocab_size)
     for rank in range((pp - 1) * tp, pp * tp):
         # Every rank of the last stage ends with the whole vocabulary's logits (gathered over tp).
-        ours = torch.load(results / f"{arch}-{quant}-tp{tp}-pp{pp}-rank{rank}.pt")
+        ours = torch.load(results / f"{arch}-{quant}-{layout_name(tp, pp, ep)}-rank{rank}.pt")
         assert ours.shape == oracle.shape
         torch.testing.assert_close(ours, oracle, rtol=0, atol=1e-5)
         assert torch.equal(ours.argmax(-1), oracle.argmax(-1))

@@ -6,6 +6,14 @@ dtype (relative error u per element, carried through `|w2| @ |inter|` and the ro
 once (u * |out|); fp32 accumulation adds at most a few (H + I + k) fp32 units of the magnitudes involved.
 Shapes are small and not multiples of the test blocks (so partial row, column and K tiles all occur); routing
 leaves an expert without tokens, repeats experts across tokens and sends more than a block of pairs to one.
+Pairs of expert -1 (another expert-parallel rank's) contribute nothing.
+
+FP8 experts (per channel and block-wise) against a float64 oracle that fake-quantizes as the op specifies: x's
+quantization is the same computation on the same input, so it is shared exactly. The intermediate's is
+shared wherever the oracle can prove it: the kernel's (and the reference's) fp32 intermediate lies within a
+bound `delta` of the float64 one, and an element whose rounding to x's dtype and then to e4m3 (scale
+included) gives one value over the whole interval is quantized identically; the rare others are allowed the
+difference between two roundings. The rest of the bound is fp32 accumulation and the output's rounding.
 """
 
 from __future__ import annotations
@@ -14,13 +22,14 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kestrel import ops
 from kestrel.kernels import fused_moe as fm
 from kestrel.kernels.activation import ACTIVATIONS
 from kestrel.kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align
 
-UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 FP32 = 2.0**-24
 SMALL = MoEConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=1, num_stages=1)
 
@@ -42,7 +51,8 @@ def oracle_act(g: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def oracle(x, w13, w2, topk_weights, topk_ids, activation):
-    """float64, token by token: (exact output, |w| |w2| @ |inter|, |w| |w2| @ (|gate terms| * |up terms|))."""
+    """float64, token by token (pairs of expert -1 skipped): (exact output, |w| |w2| @ |inter|,
+    |w| |w2| @ (|gate terms| * |up terms|))."""
     T, H = x.shape
     inter = w13.shape[1] // 2
     xd, w13d, w2d = x.double(), w13.double(), w2.double()
@@ -52,6 +62,8 @@ def oracle(x, w13, w2, topk_weights, topk_ids, activation):
     for t in range(T):
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
+            if e < 0:
+                continue
             w = float(topk_weights[t, j])
             gate = w13d[e, :inter] @ xd[t]
             up = w13d[e, inter:] @ xd[t]
@@ -81,6 +93,14 @@ def routing(T: int, E: int, k: int, seed: int, ids_dtype: torch.dtype, skip_last
     ids = torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(T)]).to(ids_dtype)
     weights = torch.rand(T, k, generator=g) + 0.05
     return weights, ids
+
+
+def skip_pairs(ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """Marks about a third of the pairs, and all of token 0's, as another rank's (expert -1), in place."""
+    g = torch.Generator().manual_seed(seed + 77)
+    ids[torch.rand(ids.shape, generator=g) < 0.35] = -1
+    ids[0] = -1
+    return ids
 
 
 def make_inputs(T, E, k, H, inter, dtype, seed=0, ids_dtype=torch.int32):
@@ -141,25 +161,239 @@ def test_bf16_rounds_the_intermediate_once(device):
     assert (ref.double() - exact).abs().max() > 0  # a real bf16 path, not an fp32 one
 
 
+@pytest.mark.parametrize("T,k,dtype", [(6, 2, torch.bfloat16), (5, 1, torch.float32), (9, 3, torch.float32)])
+def test_skipped_experts(T, k, dtype, device):
+    """Pairs of expert -1 contribute nothing (token 0 has no expert at all: its output is exactly 0)."""
+    args = make_inputs(T, 4, k, 40, 24, dtype, seed=T + k)
+    skip_pairs(args[4], seed=T)
+    out = fused_moe(*(a.to(device) for a in args), "silu", config=SMALL).cpu()
+    check(out, args, "silu")
+    assert bool((out[0] == 0).all())
+    check(fused_moe_ref(*args, "silu"), args, "silu")
+
+
+# ---------------------------------------------------------------------------------------------- FP8
+
+# (T, E, k, H, I, x dtype, block_shape or None, activation, skip some pairs, config)
+FP8_CASES = [
+    (1, 4, 2, 32, 32, torch.bfloat16, None, "silu", False, SMALL),
+    (5, 4, 2, 48, 40, torch.float32, None, "gelu_tanh", True, SMALL),
+    (17, 4, 2, 64, 64, torch.bfloat16, None, "silu", True, None),
+    (1, 4, 1, 32, 48, torch.float16, (16, 16), "silu", False, SMALL),
+    (5, 4, 2, 40, 32, torch.bfloat16, (16, 16), "gelu", True, SMALL),
+    (17, 4, 2, 64, 48, torch.float32, (16, 16), "silu", True, SMALL),
+    (17, 4, 2, 48, 64, torch.bfloat16, (32, 16), "silu", True, SMALL),
+    (5, 4, 2, 64, 40, torch.bfloat16, (8, 32), "silu", False, SMALL),
+    (5, 4, 2, 192, 128, torch.bfloat16, (128, 128), "silu", True, SMALL),  # the checkpoints' block, K tail
+]
+
+
+def fp8_case_id(case) -> str:
+    T, E, k, H, inter, dtype, block, activation, skip, cfg = case
+    return (f"T{T}-k{k}-H{H}-I{inter}-{str(dtype)[6:]}-{'channel' if block is None else f'block{block[0]}x{block[1]}'}"
+            f"-{activation}{'-skip' if skip else ''}{'-default' if cfg is None else ''}")
+
+
+def quantize_weight(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> e4m3 weights and fp32 scales (amax / 448 per row, or per bn x bk block)."""
+    E, N, K = w.shape
+    if block is None:
+        s = w.abs().amax(-1) / 448.0
+        return (w / s[..., None]).to(torch.float8_e4m3fn), s
+    bn, bk = block
+    nb, kb = -(-N // bn), -(-K // bk)
+    blocks = F.pad(w, (0, kb * bk - K, 0, nb * bn - N)).reshape(E, nb, bn, kb, bk)
+    s = blocks.abs().amax(dim=(2, 4)) / 448.0
+    q = (blocks / s[:, :, None, :, None]).reshape(E, nb * bn, kb * bk)[:, :N, :K]
+    return q.to(torch.float8_e4m3fn), s
+
+
+def dequantize_weight(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    if block is None:
+        return q.double() * s.double()[..., None]
+    N, K = q.shape[1:]
+    return q.double() * s.double().repeat_interleave(block[0], 1)[:, :N].repeat_interleave(block[1], 2)[:, :, :K]
+
+
+def make_fp8_inputs(T, E, k, H, inter, dtype, block, skip, seed):
+    """x, e4m3 w13 / w2 (rows of mixed magnitudes, so scales differ) with their scales, a routing."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, H, generator=g) * torch.exp(torch.randn(T, 1, generator=g))).to(dtype)
+    w13 = torch.randn(E, 2 * inter, H, generator=g) * torch.exp(0.5 * torch.randn(E, 2 * inter, 1, generator=g))
+    w2 = torch.randn(E, H, inter, generator=g) * torch.exp(0.5 * torch.randn(E, H, 1, generator=g))
+    q13, s13 = quantize_weight(w13 / math.sqrt(H), block)
+    q2, s2 = quantize_weight(w2 / math.sqrt(inter), block)
+    weights, ids = routing(T, E, k, seed, torch.int32)
+    if skip:
+        skip_pairs(ids, seed)
+    return (x, q13, q2, weights, ids), dict(w13_scale=s13, w2_scale=s2, block_shape=block)
+
+
+def fake_quant(y: torch.Tensor, group: int | None, scale: torch.Tensor | None = None):
+    """fp32 y [R, C] quantized to e4m3 as specified (s = max(amax / 448, 1e-12) per row or per row and group of
+    columns, q = rne(sat(y * fp32(1 / s)))): q as float64 [R, C] and the fp32 scales [R, G]."""
+    R, C = y.shape
+    width = group or C
+    G = -(-C // width)
+    blocks = F.pad(y, (0, G * width - C)).reshape(R, G, width)
+    s = (blocks.abs().amax(-1) / 448.0).clamp(min=1e-12) if scale is None else scale
+    q = (blocks * (1.0 / s)[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.double().reshape(R, G * width)[:, :C], s
+
+
+def oracle_fp8(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, block_shape,
+               quantize_intermediate=True):
+    """float64 over all kept pairs at once: (output, magnitude for the fp32 terms, allowance for the
+    intermediate's quantization differences, fraction of intermediate elements whose e4m3 value may differ).
+    `quantize_intermediate=False`: the output of an op that forgot to quantize the intermediate."""
+    T, H = x.shape
+    inter = w13.shape[1] // 2
+    group = block_shape[1] if block_shape is not None else None
+    width = group or inter
+    fp32 = x.dtype == torch.float32
+    w13d, w2d = dequantize_weight(w13, w13_scale, block_shape), dequantize_weight(w2, w2_scale, block_shape)
+    xq, xs = fake_quant(x.float(), group)
+    xq = xq * xs.double().repeat_interleave(group or H, 1)[:, :H]
+    t_idx, j_idx = (topk_ids >= 0).nonzero(as_tuple=True)
+    e = topk_ids[t_idx, j_idx].long()
+    w = topk_weights[t_idx, j_idx].double()
+    gate_up = torch.einsum("pnh,ph->pn", w13d[e], xq[t_idx])
+    mags = torch.einsum("pnh,ph->pn", w13d[e].abs(), xq[t_idx].abs())
+    gate, up, g_mag, u_mag = gate_up[:, :inter], gate_up[:, inter:], mags[:, :inter], mags[:, inter:]
+    act = oracle_act(gate, activation)
+    h = act * up
+    # |fp32 intermediate - h|: the GEMMs' fp32 sums (the classical bound, with the dequantization's roundings),
+    # act's slope (< 1.2), the activation's and the product's evaluation in fp32.
+    d_gate, d_up = 1.01 * (H + 4) * FP32 * g_mag, 1.01 * (H + 4) * FP32 * u_mag
+    delta = (1.2 * d_gate * (up.abs() + d_up) + (act.abs() + 1.2 * d_gate) * d_up
+             + 16 * FP32 * (gate.abs() + act.abs()) * (up.abs() + d_up))
+
+    def to_x(y):  # onto x's grid (through fp32, as the kernel rounds), as fp32
+        return y.float() if fp32 else y.float().to(x.dtype).float()
+
+    def per_element(s):
+        return s.double().repeat_interleave(width, 1)[:, :inter]
+
+    mid, lo, hi = to_x(h), to_x(h - delta), to_x(h + delta)
+    q, s = fake_quant(mid, group)
+    dq = q * per_element(s) if quantize_intermediate else mid.double()
+    # Every fp32 intermediate within delta rounds into [lo, hi]; its group's amax, so its scale, lies
+    # between those of the smallest and the largest magnitudes there. The e4m3 value is monotone in the value
+    # and in the scale: equal at the corners means equal over the whole box.
+    m_lo = torch.where(lo * hi > 0, torch.minimum(lo.abs(), hi.abs()), torch.zeros_like(lo))
+    m_hi = torch.maximum(lo.abs(), hi.abs())
+    s_lo, s_hi = fake_quant(m_lo, group)[1], fake_quant(m_hi, group)[1]
+    flip = torch.zeros_like(q, dtype=torch.bool)
+    for y in (lo, hi):
+        for sc in (s_lo, s_hi):
+            flip |= fake_quant(y, group, sc)[0] != q
+    # Same e4m3 value: only the scale may differ. Otherwise two roundings to e4m3 (a step at the largest
+    # scale and value), the interval, fp32 slack.
+    v_max = (m_hi.double() / per_element(s_lo)).clamp(max=448.0) * (1 + 2.0**-20)
+    step = torch.exp2(torch.floor(torch.log2(v_max.clamp(min=2.0**-6))) - 3)
+    allow = torch.where(flip, per_element(s_hi) * step + (hi - lo).double() + 8 * FP32 * m_hi.double(),
+                        q.abs() * per_element(s_hi - s_lo))
+
+    out = torch.zeros(T, H, dtype=torch.float64)
+    mag = torch.zeros(T, H, dtype=torch.float64)
+    slack = torch.zeros(T, H, dtype=torch.float64)
+    out.index_add_(0, t_idx, w[:, None] * torch.einsum("phi,pi->ph", w2d[e], dq))
+    mag.index_add_(0, t_idx, w.abs()[:, None] * torch.einsum("phi,pi->ph", w2d[e].abs(), dq.abs() + allow))
+    slack.index_add_(0, t_idx, w.abs()[:, None] * torch.einsum("phi,pi->ph", w2d[e].abs(), allow))
+    return out, mag, slack, flip.double().mean().item() if flip.numel() else 0.0
+
+
+def check_fp8(out: torch.Tensor, args: tuple, quant: dict, activation: str) -> None:
+    x, w13 = args[0], args[1]
+    exact, mag, slack, flipped = oracle_fp8(*args, activation, **quant)
+    assert out.dtype == x.dtype and out.shape == exact.shape
+    assert flipped < 0.1  # the allowance is the exception (mostly small values): the bound stays tight
+    u = UNIT_ROUNDOFF[x.dtype]
+    inter = w13.shape[1] // 2
+    bound = u * exact.abs() + (1 + u) * (2 * (inter + args[4].shape[1] + 8) * FP32 * mag + slack) + 1e-30
+    err = (out.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item():.3f}"
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=fp8_case_id)
+def test_fp8_reference_matches_oracle(case):
+    T, E, k, H, inter, dtype, block, activation, skip, _ = case
+    args, quant = make_fp8_inputs(T, E, k, H, inter, dtype, block, skip, seed=T + H + inter)
+    check_fp8(fused_moe_ref(*args, activation, **quant), args, quant, activation)
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=fp8_case_id)
+def test_fp8_kernel_matches_oracle(case, device):
+    T, E, k, H, inter, dtype, block, activation, skip, cfg = case
+    args, quant = make_fp8_inputs(T, E, k, H, inter, dtype, block, skip, seed=T + H + inter)
+    on_device = {name: v.to(device) if isinstance(v, torch.Tensor) else v for name, v in quant.items()}
+    out = fused_moe(*(a.to(device) for a in args), activation, config=cfg, **on_device).cpu()
+    check_fp8(out, args, quant, activation)
+    if skip:
+        assert bool((out[0] == 0).all())
+
+
+@pytest.mark.parametrize("block", [None, (16, 16)], ids=["channel", "block"])
+def test_fp8_bound_sees_missing_quantization(block):
+    """The check tells the specified quantization from a near miss: the op without the intermediate's
+    quantization, and dequantized weights with unquantized activations, both land outside the bound."""
+    args, quant = make_fp8_inputs(17, 4, 2, 64, 48, torch.bfloat16, block, True, seed=1)
+    check_fp8(fused_moe_ref(*args, **quant), args, quant, "silu")
+    without = oracle_fp8(*args, "silu", **quant, quantize_intermediate=False)[0].to(torch.bfloat16)
+    with pytest.raises(AssertionError, match="max err/bound"):
+        check_fp8(without, args, quant, "silu")
+    w13 = dequantize_weight(args[1], quant["w13_scale"], block).to(torch.bfloat16)
+    w2 = dequantize_weight(args[2], quant["w2_scale"], block).to(torch.bfloat16)
+    with pytest.raises(AssertionError, match="max err/bound"):
+        check_fp8(fused_moe_ref(args[0], w13, w2, args[3], args[4]), args, quant, "silu")
+
+
+def test_fp8_arguments():
+    args, quant = make_fp8_inputs(3, 4, 2, 32, 32, torch.bfloat16, (16, 16), False, seed=2)
+    assert torch.equal(ops.fused_moe(*args, **quant), fused_moe_ref(*args, **quant))  # CPU: the reference
+    channel_args, channel = make_fp8_inputs(3, 4, 2, 32, 32, torch.bfloat16, None, False, seed=2)
+    trailing = dict(channel, w13_scale=channel["w13_scale"][..., None], w2_scale=channel["w2_scale"][..., None])
+    assert torch.equal(fused_moe_ref(*channel_args, **trailing), fused_moe_ref(*channel_args, **channel))
+    with pytest.raises(ValueError, match="multiple of bn=64"):
+        fused_moe_ref(*args, **dict(quant, block_shape=(64, 16)))
+    with pytest.raises(ValueError, match=r"block \(16, 32\) scales must be"):
+        fused_moe(*args, **dict(quant, block_shape=(16, 32)))
+    with pytest.raises(ValueError, match="per-channel scales must be"):
+        fused_moe_ref(*args, **dict(quant, block_shape=None))
+    with pytest.raises(ValueError, match="need w13_scale and w2_scale"):
+        fused_moe_ref(*args)
+    with pytest.raises(ValueError, match="float32"):
+        fused_moe_ref(*args, **dict(quant, w2_scale=quant["w2_scale"].bfloat16()))
+    plain = make_inputs(3, 4, 2, 32, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="float8_e4m3fn experts only"):
+        fused_moe_ref(*plain, block_shape=(16, 16))
+    with pytest.raises(ValueError, match="float8_e4m3fn w13 and w2"):
+        fused_moe_ref(args[0], args[1], args[2].bfloat16(), *args[3:], **quant)
+
+
 # ------------------------------------------------------------------------------------------------ routing
 
 
+@pytest.mark.parametrize("skip", [False, True], ids=["all", "skip"])
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize("T,E,k,block_m", [(1, 4, 1, 16), (5, 8, 2, 4), (17, 4, 2, 4), (9, 3, 3, 16)])
-def test_align_layout(T, E, k, block_m, ids_dtype):
+def test_align_layout(T, E, k, block_m, ids_dtype, skip):
     _, ids = routing(T, E, k, seed=T + E, ids_dtype=ids_dtype, skip_last=T > 1 and k < E)
+    if skip:
+        skip_pairs(ids, seed=T)
     sorted_ids, expert_ids, num_padded = moe_align(ids, E, block_m)
     n = T * k
     assert sorted_ids.dtype == expert_ids.dtype == num_padded.dtype == torch.int32
     assert sorted_ids.numel() == expert_ids.numel() * block_m
     assert expert_ids.numel() == -(-(n + min(E, n) * (block_m - 1)) // block_m)
     flat = ids.reshape(-1).long()
-    counts = torch.bincount(flat, minlength=E)
+    kept = (flat >= 0).nonzero().reshape(-1).tolist()
+    counts = torch.bincount(flat[flat >= 0], minlength=E)
     padded = int(((counts + block_m - 1) // block_m * block_m).sum())
     assert int(num_padded) == padded
     real = sorted_ids[:padded]
     assert bool((sorted_ids[padded:] == n).all())
-    assert sorted(real[real < n].tolist()) == list(range(n))  # every pair exactly once
+    assert sorted(real[real < n].tolist()) == kept  # every kept pair exactly once, skipped pairs nowhere
     for b in range(padded // block_m):
         block = sorted_ids[b * block_m:(b + 1) * block_m]
         pairs = block[block < n].long()
