@@ -13,7 +13,7 @@ from torch import nn
 from kestrel import ops
 from kestrel.config import ConfigError
 from kestrel.model.layers.linear import LinearBase
-from kestrel.quant.base import QuantAct
+from kestrel.quant.base import InputQuant, QuantAct
 
 
 def activation_from_hf(name: str) -> str:
@@ -25,32 +25,10 @@ def activation_from_hf(name: str) -> str:
                           f"{sorted(ops.HF_ACTIVATIONS)}") from None
 
 
-class GatedActivation(nn.Module):
-    def __init__(self, activation: str = "silu") -> None:
-        super().__init__()
-        if activation not in ops.ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}; choose from {ops.ACTIVATIONS}")
-        self.activation = activation
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.act_mul(x, self.activation)
-
-    def feed(self, x: torch.Tensor, consumer: LinearBase, fuse: bool = True) -> torch.Tensor | QuantAct:
-        """`forward(x)` in the form `consumer` takes: quantized in the same launch when it asks for it."""
-        spec = consumer.input_quant() if fuse else None
-        if spec is None:
-            return self(x)
-        return ops.act_mul_quant(x, self.activation, spec.dtype, spec.scale, spec.azp, spec.symmetric)
-
-    def extra_repr(self) -> str:
-        return self.activation
-
-
-
 class Activation(nn.Module):
     """`act(x)` for a plain (non-gated) MLP, computed in fp32 and rounded once."""
 
-    def __init__(self, activation: str) -> None:
+    def __init__(self, activation: str = "silu") -> None:
         super().__init__()
         if activation not in ops.ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; choose from {ops.ACTIVATIONS}")
@@ -59,12 +37,23 @@ class Activation(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.act(x, self.activation)
 
+    def quantized(self, x: torch.Tensor, spec: InputQuant) -> QuantAct:
+        return ops.act_quant(x, self.activation, spec.dtype, spec.scale, spec.azp, spec.symmetric)
+
     def feed(self, x: torch.Tensor, consumer: LinearBase, fuse: bool = True) -> torch.Tensor | QuantAct:
         """`forward(x)` in the form `consumer` takes: quantized in the same launch when it asks for it."""
         spec = consumer.input_quant() if fuse else None
-        if spec is None:
-            return self(x)
-        return ops.act_quant(x, self.activation, spec.dtype, spec.scale, spec.azp, spec.symmetric)
+        return self(x) if spec is None else self.quantized(x, spec)
 
     def extra_repr(self) -> str:
         return self.activation
+
+
+class GatedActivation(Activation):
+    """`act(gate) * up` of `[..., 2*I]` (gate then up, as gate_up_proj lays them out)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.act_mul(x, self.activation)
+
+    def quantized(self, x: torch.Tensor, spec: InputQuant) -> QuantAct:
+        return ops.act_mul_quant(x, self.activation, spec.dtype, spec.scale, spec.azp, spec.symmetric)
