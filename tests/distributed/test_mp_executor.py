@@ -24,18 +24,20 @@ ENGINE = dict(device="cpu", dtype="float32", max_num_batched_tokens=40, max_num_
               max_model_len=128, enable_prefix_caching=False, disable_log_stats=True, distributed_timeout_s=60)
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * n) % 1000 + 2 for i in range(n)]} for n in (45, 30, 21, 9)]
 PARAMS = SamplingParams(max_tokens=14, temperature=0.0, logprobs=2, ignore_eos=True)
-CASES = {  # name -> (arch, tp, pp, quantization)
+CASES = {  # name -> (arch, tp, pp, quantization[, more engine arguments])
     "llama-tp2": ("llama", 2, 1, None),
     "mistral-pp2": ("mistral", 1, 2, None),
     "qwen2-tp2-pp2-int8": ("qwen2", 2, 2, "int8"),
     "llama-tp2-fp8": ("llama", 2, 1, "fp8"),
+    # Experts split by rank through the executor's flag: two whole experts a rank.
+    "qwen2_moe-tp2-ep": ("qwen2_moe", 2, 1, None, {"enable_expert_parallel": True}),
 }
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mp-models")
-    for arch in ("llama", "mistral", "qwen2"):
+    for arch in ("llama", "mistral", "qwen2", "qwen2_moe"):
         write_tiny_checkpoint(root / arch, arch, seed=5)
     return root
 
@@ -53,9 +55,10 @@ def generate(model: Path, **engine_args):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_workers_match_one_process(models: Path, case: str) -> None:
-    arch, tp, pp, quant = CASES[case]
+    arch, tp, pp, quant, *extra = CASES[case]
     expected, expected_stats = generate(models / arch, quantization=quant)
-    ours, stats = generate(models / arch, quantization=quant, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    ours, stats = generate(models / arch, quantization=quant, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                           **(extra[0] if extra else {}))
     assert expected_stats.num_preemptions > 0 and expected_stats.max_batches_in_flight == 0
     if pp == 1:
         assert stats.num_preemptions == expected_stats.num_preemptions and stats.max_batches_in_flight == 0
