@@ -155,6 +155,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, the usage so far in every chunk
 
 
 class _SamplingRequest(_Request):
@@ -203,6 +204,11 @@ class _SamplingRequest(_Request):
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        """vLLM's continuous usage stats: asked for together with include_usage."""
+        return self.include_usage_in_stream and bool(self.stream_options.continuous_usage_stats)
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:

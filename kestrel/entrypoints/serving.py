@@ -222,8 +222,9 @@ class OpenAIServing:
             return fields
 
         def render(choices: list[CompletionChoice]) -> str:
+            usage = _usage_of(job, completion_tokens) if request.usage_in_every_chunk else None
             return sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model_name,
-                                                choices=choices).model_dump_json(exclude_none=True))
+                                                choices=choices, usage=usage).model_dump_json(exclude_none=True))
 
         def chunk(choice: CompletionChoice) -> str:
             return _charged(job, render([choice]))
@@ -397,8 +398,9 @@ class OpenAIServing:
         ids = bool(request.return_token_ids)
 
         def render(choices: list[ChatStreamChoice], prompt_token_ids: list[int] | None = None) -> str:
+            usage = _usage_of(job, completion_tokens) if request.usage_in_every_chunk else None
             return sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model_name,
-                                           choices=choices, prompt_token_ids=prompt_token_ids
+                                           choices=choices, prompt_token_ids=prompt_token_ids, usage=usage
                                            ).model_dump_json(exclude_none=True))
 
         def chunk(choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> str:

@@ -43,6 +43,23 @@ def test_streamed_completion_equals_the_whole_one(client):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (guidellm's default streaming request), completions and chat."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    args = {"model": MODEL, "max_tokens": 6, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    completion = list(client.completions.create(prompt=PROMPT, stream=True, stream_options=options, **args))
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = list(client.chat.completions.create(messages=messages, stream=True, stream_options=options, **args))
+    for chunks in (completion, chat):
+        assert all(c.usage is not None for c in chunks)
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 6
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+        assert chunks[-1].choices == []  # the usage chunk include_usage asks for still closes the stream
+    plain = list(client.completions.create(prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **args))
+    assert all(c.usage is None for c in plain[:-1])
+
+
 def test_n_samples_and_several_prompts(client):
     response = client.completions.create(model=MODEL, prompt=["Hello", "Once upon a time"], n=3, max_tokens=4,
                                          temperature=1.0, seed=11, extra_body={"ignore_eos": True})
