@@ -389,8 +389,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        if exc.status_code == 404 and exc.detail == "Not Found":
+            # No route: say which endpoint is not served (the path is capped: a client may send anything).
+            path = request.url.path[:80]
+            served = ", ".join(sorted({r.path for r in app.routes if r.path.startswith("/v1/")}))
+            return _error(404, f"{path} is not an endpoint kestrel serves; the OpenAI endpoints served are: "
+                          f"{served}", err_type, None, "unknown_endpoint", headers=exc.headers)
         return _error(exc.status_code, str(exc.detail), err_type, None, None, headers=exc.headers)
 
     @app.exception_handler(Exception)

@@ -127,6 +127,14 @@ def test_openai_client_sees_a_bad_request(openai_server):
     assert info.value.body["param"] == "temperature"
 
 
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses"])
+def test_an_endpoint_not_served_is_a_404_naming_it(openai_server, path):
+    response = post(openai_server, path, {"model": "tiny", "input": "x"})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["code"] == "unknown_endpoint" and path in error["message"] and "/v1/completions" in error["message"]
+
+
 def test_unknown_model_is_404(openai_server):
     error = assert_error(post(openai_server, "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404, "model")
     assert error["code"] == "model_not_found"
