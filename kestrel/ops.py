@@ -17,7 +17,19 @@ from kestrel.kernels import quant_act as _quant_act
 from kestrel.kernels import rope_kv as _rope_kv
 from kestrel.kernels import scaled_mm as _scaled_mm
 from kestrel.kernels import store_kv as _store_kv
+from kestrel.kernels import wna16 as _wna16
 from kestrel.kernels.activation import ACTIVATIONS, HF_ACTIVATIONS  # noqa: F401 - the layers' names
+
+# Weight-only (W4A16 / W8A16) checkpoint repacking, for the loaders: run once at load, on any device.
+from kestrel.kernels.wna16 import (  # noqa: F401
+    WNA16Weight,
+    dequantize_wna16,
+    pack_wna16,
+    repack_awq,
+    repack_compressed_tensors,
+    repack_fp4,
+    repack_gptq,
+)
 
 
 @functools.cache
@@ -115,12 +127,20 @@ def act_quant(x, activation, dtype, scale=None, azp=None, symmetric=True):
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, activation="silu", *, w13_scale=None, w2_scale=None,
-              block_shape=None):
+              block_shape=None, reduce_inter_amax=None):
     """Mixture-of-experts MLP: `sum_j topk_weights[:, j] * w2[e] @ (act(w13[e, :I] @ x) * (w13[e, I:] @ x))`,
     `e = topk_ids[:, j]` (pairs with id -1 skipped); w13 `[E, 2*I, H]` (gate rows, then up), w2 `[E, H, I]`.
     FP8 experts: float8_e4m3fn w13 / w2 with fp32 `w13_scale` / `w2_scale`, per channel (`[E, 2I]`, `[E, H]`)
     or, with `block_shape=(bn, bk)`, per block (`[E, 2I/bn, H/bk]`, `[E, H/bn, I/bk]`); activations are
-    quantized per token (per token and bk-column group) inside."""
+    quantized per token (per token and bk-column group) inside. `reduce_inter_amax`: per-channel FP8 experts
+    whose intermediate dimension is split over ranks quantize it with the row absmax this reduces (the group max)."""
     fn = _fused_moe.fused_moe if use_triton(x) else _fused_moe.fused_moe_ref
     return fn(x, w13, w2, topk_weights, topk_ids, activation, w13_scale=w13_scale, w2_scale=w2_scale,
-              block_shape=block_shape)
+              block_shape=block_shape, reduce_inter_amax=reduce_inter_amax)
+
+
+def wna16_gemm(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias=None):
+    """Weight-only GEMM `x [M, K] @ W^T -> [M, N]` with 4- or 8-bit weights in the layout `repack_*` / `pack_wna16`
+    produce (`kernels/wna16.py`); call it as `wna16_gemm(x, *weight, out_dtype, bias)` with a `WNA16Weight`."""
+    fn = _wna16.wna16_gemm if use_triton(x) else _wna16.wna16_gemm_ref
+    return fn(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)

@@ -13,6 +13,8 @@ reload would still hold the compiled function.
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import torch
 import triton
@@ -97,3 +99,40 @@ def num_sms(device: torch.device, off_cuda: int) -> int:
     if device.type != "cuda":
         return off_cuda
     return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# ------------------------------------------------------------------------------------ tuning tables
+
+TUNING_DIR = Path(__file__).parent / "tuning"
+
+
+@functools.cache
+def read_table(path: Path) -> dict:
+    """The `configs` of a tuning table (JSON), or {} where there is none."""
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text()).get("configs", {})
+
+
+@functools.cache
+def device_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
+
+
+def gpu_table(kernel: str, device: torch.device) -> dict:
+    """The configs tuned for this device's GPU (`tuning/<kernel>_<gpu>.json`); {} off CUDA or untuned."""
+    if device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = "".join(ch if ch.isalnum() else "_" for ch in device_name(index).lower()).strip("_")
+    return read_table(TUNING_DIR / f"{kernel}_{key}.json")
+
+
+def bucket_entry(entries: dict[str, dict], M: int) -> dict | None:
+    """The entry of the smallest M bucket holding M, else of the largest bucket; None for no entries."""
+    if not entries:
+        return None
+    buckets = sorted(int(b) for b in entries)
+    fit = [b for b in buckets if b >= M]
+    return entries[str(fit[0] if fit else buckets[-1])]
+

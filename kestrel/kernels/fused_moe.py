@@ -15,6 +15,10 @@ x once per token (shared by its k pairs), the intermediate (after its rounding t
 - per channel (`block_shape=None`): `w13_scale [E, 2I]`, `w2_scale [E, H]` (a trailing 1 is accepted), one
   activation scale per row; the epilogue is `acc * s_a[row] * s_w[e, n]`. The intermediate is written in x's
   dtype and quantized by a separate per-token launch (a row's amax spans every column program).
+  `reduce_inter_amax` (per channel only): a rank holding a slice of every expert's intermediate dimension
+  passes the max over its tensor-parallel group, applied to each pair row's absmax `[T*k, 1]` fp32 before the
+  intermediate is quantized; the result rides along as an extra column, so every rank quantizes with the scale
+  one device would use (the block-wise path needs none: a rank's slice holds whole groups).
 - block-wise (`block_shape=(bn, bk)`, DeepSeek-V3 / Qwen3-FP8 style): `w13_scale [E, ceil(2I/bn), ceil(H/bk)]`,
   `w2_scale [E, ceil(H/bn), ceil(I/bk)]` (I a multiple of bn: gate and up rows keep their own scale rows);
   activations get one scale per row per bk columns. BLOCK_K == bk, and each K step's partial dot is scaled
@@ -42,10 +46,9 @@ FP8 overrides BLOCK_K (both GEMMs) and the first GEMM's BLOCK_N with bk.
 
 from __future__ import annotations
 
-import functools
-import json
+import itertools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +59,7 @@ from kestrel.kernels import activation as _activation
 from kestrel.kernels import common
 from kestrel.kernels import quant_act as _quant_act
 
-TUNING_DIR = Path(__file__).parent / "tuning"
-DEFAULT_TABLE = TUNING_DIR / "fused_moe_default.json"
+DEFAULT_TABLE = common.TUNING_DIR / "fused_moe_default.json"
 _SUM_BLOCK = 1024  # hidden columns per program of the k-sum
 _NONE, _PER_CHANNEL, _BLOCK = 0, 1, 2  # QUANT constexpr: weight quantization of the GEMM
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # ROUND constexpr: the intermediate's dtype
@@ -97,11 +99,13 @@ def fused_moe_ref(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
+    reduce_inter_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """PyTorch reference and the CPU path: one pair of matmuls per expert over the tokens routed to it. FP8:
     weights dequantized by their scales, activations quantized and dequantized as the kernel quantizes them,
     the matmuls in fp32."""
-    T, H, E, inter, k, fp8 = _check_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
+    T, H, E, inter, k, fp8 = _check_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape,
+                                         reduce_inter_amax)
     _activation.activation_code(activation)
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     if T == 0:
@@ -115,27 +119,27 @@ def fused_moe_ref(
     tokens = order // k
     weights = topk_weights.reshape(-1).float()[order]
     xs = _fake_quant_ref(x, group) if fp8 else x.float()
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = tokens[start:start + n]
-        if fp8:
-            w13e = _dequant_weight_ref(w13[e], w13_scale[e], block_shape)
-            w2e = _dequant_weight_ref(w2[e], w2_scale[e], block_shape)
-        else:
-            w13e, w2e = w13[e].float(), w2[e].float()
-        gate_up = xs.index_select(0, rows) @ w13e.T
-        act = (_activation.activate_ref(gate_up[:, :inter], activation) * gate_up[:, inter:]).to(x.dtype)
-        down = (_fake_quant_ref(act, group) if fp8 else act.float()) @ w2e.T
-        out.index_add_(0, rows, down * weights[start:start + n, None])
-        start += n
+    spans = [(e, start, n) for e, (start, n) in enumerate(zip(itertools.accumulate([0, *counts]), counts)) if n]
+    if not spans:
+        return out.to(x.dtype)
+    acts = []  # each pair's intermediate in x's dtype, in sorted order
+    for e, start, n in spans:
+        w13e = _dequant_weight_ref(w13[e], w13_scale[e], block_shape) if fp8 else w13[e].float()
+        gate_up = xs.index_select(0, tokens[start:start + n]) @ w13e.T
+        acts.append((_activation.activate_ref(gate_up[:, :inter], activation) * gate_up[:, inter:]).to(x.dtype))
+    act = torch.cat(acts)
+    act = _fake_quant_ref(act, group, reduce_inter_amax) if fp8 else act.float()
+    for e, start, n in spans:
+        w2e = _dequant_weight_ref(w2[e], w2_scale[e], block_shape) if fp8 else w2[e].float()
+        down = act[start:start + n] @ w2e.T
+        out.index_add_(0, tokens[start:start + n], down * weights[start:start + n, None])
     return out.to(x.dtype)
 
 
-def _fake_quant_ref(y: torch.Tensor, group: int | None) -> torch.Tensor:
+def _fake_quant_ref(y: torch.Tensor, group: int | None,
+                    reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """y quantized to e4m3 per row (per row and group of `group` columns) and dequantized, in fp32."""
-    q, s = _quant_fp8(y, group, _quant_act.quant_fp8_per_token_ref)
+    q, s = _quant_fp8(y, group, _quant_act.quant_fp8_per_token_ref, reduce_amax)
     R, C = y.shape
     return (q.float().reshape(R, s.shape[1], -1) * s[:, :, None]).reshape(R, -1)[:, :C]
 
@@ -150,11 +154,18 @@ def _dequant_weight_ref(w: torch.Tensor, scale: torch.Tensor, block_shape: tuple
     return w.float() * full
 
 
-def _quant_fp8(y: torch.Tensor, group: int | None, quantize) -> tuple[torch.Tensor, torch.Tensor]:
+def _quant_fp8(y: torch.Tensor, group: int | None, quantize,
+               reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic e4m3 quantization of y `[R, C]` by `quantize` (quant_act's per-token kernel or reference): one
     scale per row, or per row and group of `group` columns (each group quantized as a row of its own, the
-    columns padded with zeros to a whole group). Returns q `[R, C or G * group]` and scales `[R, 1 or G]`."""
+    columns padded with zeros to a whole group). Returns q `[R, C or G * group]` and scales `[R, 1 or G]`.
+    `reduce_amax` (per row only): each row's absmax `[R, 1]` fp32 -> the absmax to quantize with, appended as an
+    extra column that the quantizer sees and the result drops."""
     if group is None:
+        if reduce_amax is not None:
+            amax = reduce_amax(y.abs().amax(dim=1, keepdim=True).float())
+            qa = quantize(torch.cat([y, amax.to(y.dtype)], dim=1))
+            return qa.q[:, :-1], qa.scale.reshape(-1, 1)
         qa = quantize(y)
         return qa.q, qa.scale.reshape(-1, 1)
     R, C = y.shape
@@ -165,8 +176,8 @@ def _quant_fp8(y: torch.Tensor, group: int | None, quantize) -> tuple[torch.Tens
     return qa.q.reshape(R, G * group), qa.scale.reshape(R, G)
 
 
-def _check_args(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block_shape=None
-                ) -> tuple[int, int, int, int, int, bool]:
+def _check_args(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block_shape=None,
+                reduce_inter_amax=None) -> tuple[int, int, int, int, int, bool]:
     """(T, H, E, I, k, fp8) after checking shapes, dtypes and the FP8 scales."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"fused_moe: x [T, H], w13 [E, 2I, H], w2 [E, H, I] expected, got {tuple(x.shape)}, "
@@ -188,6 +199,8 @@ def _check_args(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=Non
             raise ValueError(f"fused_moe: x, w13, w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
         if w13_scale is not None or w2_scale is not None or block_shape is not None:
             raise ValueError("fused_moe: w13_scale, w2_scale and block_shape are for float8_e4m3fn experts only")
+    if reduce_inter_amax is not None and (not fp8 or block_shape is not None):
+        raise ValueError("fused_moe: reduce_inter_amax is for per-channel FP8 experts only")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"fused_moe: topk_weights and topk_ids [T, k] expected with T={T}, got "
                          f"{tuple(topk_weights.shape)}, {tuple(topk_ids.shape)}")
@@ -434,11 +447,13 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
+    reduce_inter_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,
     config: MoEConfig | None = None,
 ) -> torch.Tensor:
     """Triton `fused_moe_ref`; see the module docstring. `config` overrides the tuning table (tests, tuning).
     No host sync: capturable in a CUDA graph."""
-    T, H, E, inter, k, fp8 = _check_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
+    T, H, E, inter, k, fp8 = _check_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape,
+                                         reduce_inter_amax)
     code = _activation.activation_code(activation)
     # k == 1: the down GEMM writes the output directly; the rows of skipped pairs must read 0.
     out = (torch.zeros if k == 1 else torch.empty)(T, H, dtype=x.dtype, device=x.device)
@@ -488,7 +503,7 @@ def fused_moe(
         BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k, **common_args,
     )
     if quant == _PER_CHANNEL:
-        act, act_scale = _quant_fp8(act, None, _quant_act.quant_fp8_per_token)
+        act, act_scale = _quant_fp8(act, None, _quant_act.quant_fp8_per_token, reduce_inter_amax)
     elif quant == _NONE:
         act_scale = act
     # k == 1: each token's one product is the output, rounded once in the epilogue.
@@ -512,39 +527,19 @@ def fused_moe(
 # ------------------------------------------------------------------------------------ tuning table
 
 
-@functools.cache
-def load_table(path: Path) -> dict:
-    if not path.exists():
-        return {}
-    return json.loads(path.read_text()).get("configs", {})
-
-
-def gpu_table_path(gpu_name: str) -> Path:
-    key = "".join(ch if ch.isalnum() else "_" for ch in gpu_name.lower()).strip("_")
-    return TUNING_DIR / f"fused_moe_{key}.json"
-
-
-@functools.cache
-def _device_name(device_index: int) -> str:
-    return torch.cuda.get_device_name(device_index)
+load_table = common.read_table
 
 
 def lookup(entries: dict[str, dict], M: int) -> MoEConfig | None:
     """The entry of the smallest bucket holding M, else of the largest bucket."""
-    if not entries:
-        return None
-    buckets = sorted(int(b) for b in entries)
-    fit = [b for b in buckets if b >= M]
-    return MoEConfig.from_json(entries[str(fit[0] if fit else buckets[-1])])
+    entry = common.bucket_entry(entries, M)
+    return None if entry is None else MoEConfig.from_json(entry)
 
 
 def select_config(num_experts: int, inter: int, hidden: int, M: int, device: torch.device) -> MoEConfig:
     """A tuned entry for (GPU, E, 2I, H) if one was measured, else the default table's entry for M = T."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        tuned = load_table(gpu_table_path(_device_name(index))).get(f"{num_experts},{2 * inter},{hidden}", {})
-        cfg = lookup(tuned, M)
-        if cfg is not None:
-            return cfg
+    cfg = lookup(common.gpu_table("fused_moe", device).get(f"{num_experts},{2 * inter},{hidden}", {}), M)
+    if cfg is not None:
+        return cfg
     cfg = lookup(load_table(DEFAULT_TABLE), M)
     return cfg if cfg is not None else MoEConfig(block_m=64, block_n=64, block_k=64)

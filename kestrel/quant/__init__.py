@@ -9,12 +9,14 @@ from typing import Any
 
 import kestrel.quant.schemes  # noqa: F401 - the built-in schemes register themselves
 from kestrel.config import ConfigError, QuantConfig
-from kestrel.quant.base import QuantMethod
+from kestrel.quant.base import FusedMoEMethod, QuantMethod
+from kestrel.quant.fp8_moe import Fp8FusedMoEMethod
 from kestrel.quant.scheme import (
     FUSED_MOE,
     KV_SCALE_NAMES,
     LINEAR,
     SCHEMES,
+    UNQUANTIZED,
     KVScaleNames,
     LayerKind,
     QuantScheme,
@@ -23,7 +25,7 @@ from kestrel.quant.scheme import (
     scheme_from_checkpoint,
     scheme_from_flag,
 )
-from kestrel.quant.unquantized import UnquantizedLinearMethod
+from kestrel.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 from kestrel.quant.w8a8_fp8 import Fp8LinearMethod
 from kestrel.quant.w8a8_int8 import Int8LinearMethod
 
@@ -69,16 +71,21 @@ class QuantPlan:
     def declares_kv_cache_scales(self) -> bool:
         return self.scheme is not None and self.scheme.declares_kv_cache_scales
 
-    def method_for(self, layer_name: str, parts: Sequence[str] = (), kind: LayerKind = LINEAR) -> QuantMethod:
+    def method_for(self, layer_name: str, parts: Sequence[str] = (),
+                   kind: LayerKind = LINEAR) -> QuantMethod | FusedMoEMethod:
+        if kind == UNQUANTIZED:
+            self.check_unquantized(layer_name)
+            return UnquantizedLinearMethod()
         method = None if self.scheme is None else self.scheme.get_quant_method(kind, layer_name, parts)
         if method is None:
-            return UnquantizedLinearMethod()
+            return UnquantizedFusedMoEMethod() if kind == FUSED_MOE else UnquantizedLinearMethod()
         if self.random_weights:
             method.defer_weight = True
         return method
 
     def check_unquantized(self, module_name: str) -> None:
-        """Modules kestrel always runs in the model dtype (the LM head) must not be quantized in the checkpoint."""
+        """Modules kestrel always runs in the model dtype (the LM head, a mixture of experts' router) must not be
+        quantized in the checkpoint."""
         if self.scheme is not None:
             self.scheme.check_unquantized(module_name)
 
@@ -98,15 +105,19 @@ def _check_flags_against(config: QuantConfig, checkpoint: QuantScheme) -> None:
 
 
 def get_quant_method(plan: QuantPlan | QuantConfig | None, layer_name: str, parts: Sequence[str] = (),
-                     kind: LayerKind = LINEAR) -> QuantMethod:
-    """A fresh QuantMethod for the layer `layer_name` (e.g. "model.layers.0.self_attn.qkv_proj") of `kind`, made of
-    the checkpoint modules `parts` when it merges several (q_proj, k_proj, v_proj). A scheme without a method for
-    the kind raises a ConfigError naming the layer."""
+                     kind: LayerKind = LINEAR) -> QuantMethod | FusedMoEMethod:
+    """A fresh method for the layer `layer_name` (e.g. "model.layers.0.self_attn.qkv_proj") of `kind`, made of
+    the checkpoint modules `parts` when it merges several (q_proj, k_proj, v_proj): a QuantMethod for a linear
+    layer, a FusedMoEMethod for a mixture of experts' experts (`kind=FUSED_MOE`, `parts` every expert's modules),
+    the unquantized method for a layer that always runs in the model dtype (`kind=UNQUANTIZED`; a ConfigError
+    when the checkpoint quantizes it). A scheme without a method for the kind raises a ConfigError naming the
+    layer."""
     if not isinstance(plan, QuantPlan):
         plan = QuantPlan(plan)
     return plan.method_for(layer_name, parts, kind)
 
 
-__all__ = ["FUSED_MOE", "KV_SCALE_NAMES", "LINEAR", "SCHEMES", "Fp8LinearMethod", "Int8LinearMethod", "KVScaleNames",
-           "LayerKind", "QuantMethod", "QuantPlan", "QuantScheme", "UnquantizedLinearMethod", "get_quant_method",
-           "register_scheme", "registered_schemes"]
+__all__ = ["FUSED_MOE", "KV_SCALE_NAMES", "LINEAR", "SCHEMES", "UNQUANTIZED", "Fp8FusedMoEMethod", "Fp8LinearMethod",
+           "FusedMoEMethod", "Int8LinearMethod", "KVScaleNames", "LayerKind", "QuantMethod", "QuantPlan", "QuantScheme",
+           "UnquantizedFusedMoEMethod", "UnquantizedLinearMethod", "get_quant_method", "register_scheme",
+           "registered_schemes"]

@@ -1,17 +1,18 @@
-"""QuantMethod: how one linear layer creates, prepares and applies its weights."""
+"""QuantMethod: how one linear layer creates, prepares and applies its weights; FusedMoEMethod: the same for a
+mixture-of-experts layer's experts."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
 
 from kestrel.kernels.quant_types import QuantAct
 
-__all__ = ["InputQuant", "QuantAct", "QuantMethod"]
+__all__ = ["FusedMoEMethod", "InputQuant", "QuantAct", "QuantMethod", "expert_param"]
 
 
 @dataclass(frozen=True)
@@ -118,3 +119,65 @@ class QuantMethod(ABC):
                                      bias: torch.Tensor | None, group: TensorParallelGroup) -> torch.Tensor:
         """The full output from this rank's slice of an already quantized input, summed over `group`."""
         return group.all_reduce(self.apply_quantized(layer, act, out_dtype, bias))
+
+
+# ------------------------------------------------------------------------------------------- experts
+
+ExpertProj = Literal["w13", "w2"]
+
+
+def expert_param(data: torch.Tensor, proj: ExpertProj, suffix: str, intermediate_dim: int | None, *,
+                 block: int = 1, per_tensor: bool = False) -> nn.Parameter:
+    """A parameter of a fused-experts layer, `[E_rank, ...]` (one slice per expert of this rank), tagged for the
+    layer's loader, which reads every expert's checkpoint tensor `{layer prefix}.{e}.{module}.{suffix}`:
+    - `proj`: "w13" fills each expert's slice from its gate module then its up module, stacked along
+      `intermediate_dim`; "w2" from its down module.
+    - `suffix`: the tensor's name under the module ("weight", "weight_scale", "weight_scale_inv", ...).
+    - `intermediate_dim`: the dim of one expert's slice that runs along the intermediate features (split over
+      tensor-parallel ranks), or None for a tensor without one (a down projection's per-channel scale).
+    - `block`: intermediate features per stored element along that dim (block scales); a rank's share must hold
+      whole blocks.
+    - `per_tensor`: the checkpoint stores one value per module; it fills the module's part of the slice (a
+      per-tensor weight scale expanded to the per-channel scale the kernel applies: exact)."""
+    param = nn.Parameter(data, requires_grad=False)
+    param.expert_proj = proj
+    param.checkpoint_suffix = suffix
+    param.intermediate_dim = intermediate_dim
+    param.intermediate_block = block
+    param.per_tensor = per_tensor
+    return param
+
+
+class FusedMoEMethod(ABC):
+    """One object per mixture-of-experts layer (`kestrel.model.layers.moe.FusedExperts`): how its experts' stacked
+    weights are created, prepared after loading and run. The layer owns and loads the parameters; the method
+    decides them, as a `QuantMethod` does for a linear layer.
+
+    `create_weights` registers this rank's parameters on `layer`, each made by `expert_param` (the layer derives
+    every expert's checkpoint names and its tensor-parallel slice from the tags). `process_after_loading` turns
+    them into what `apply` wants (quantizes a high-precision weight, checks scales). `apply` runs the experts:
+    `x [T, H]`, each token's `topk_weights [T, k]` (float32) and `topk_ids [T, k]` (this rank's expert ids, -1 for
+    another rank's expert) -> this rank's partial output `[T, H]`, summed over the group by the layer.
+
+    What the layer offers the method: `layer.intermediate_group`, the tensor-parallel group over which each
+    expert's intermediate dimension is split (None when this rank holds whole experts), for a method whose
+    quantization needs whole intermediate rows (per-channel scales of the down projection, per-token scales of
+    the intermediate); `layer.prefix`, the layer's checkpoint name, for messages.
+    """
+
+    # Set by the plan for random weights (load_format="dummy"); the expert methods create their weights where the
+    # model is built and ignore it.
+    defer_weight: bool = False
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
+                       params_dtype: torch.dtype) -> None:
+        """Register `num_experts` experts of `hidden_size` and this rank's `intermediate_size` (each expert's
+        intermediate dimension divided by the tensor-parallel size, or whole under expert parallelism)."""
+
+    def process_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 - optional hook
+        pass
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              activation: str) -> torch.Tensor: ...

@@ -38,7 +38,7 @@ from torch import nn
 
 from kestrel.config import ConfigError
 from kestrel.kernels.quant_act import FP8_MAX, SCALE_FLOOR
-from kestrel.quant.base import QuantMethod
+from kestrel.quant.base import FusedMoEMethod, QuantMethod
 from kestrel.quant.schemes.compressed_tensors import CompressedTensorsScheme
 from kestrel.quant.w8a8_fp8 import quantize_weight_fp8
 from kestrel.quant.w8a8_int8 import INT8_SYM_MAX, quantize_weight_int8
@@ -113,6 +113,11 @@ class QuantTargets:
         linears: list[str] = []
         attention: list[AttentionTarget] = []
         for name, module in model.named_modules():
+            if isinstance(getattr(module, "quant_method", None), FusedMoEMethod):
+                raise ConfigError(f"invalid model: {type(model).__name__} has mixture-of-experts layers ({name}), "
+                                  "which `kestrel quantize` does not quantize yet; serve it with quantization='fp8' "
+                                  "(experts and linear layers quantized at load) or load an FP8 checkpoint written by "
+                                  "llm-compressor")
             if not isinstance(getattr(module, "quant_method", None), QuantMethod):
                 continue
             parts = checkpoint_modules(name, packed)

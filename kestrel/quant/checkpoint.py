@@ -4,6 +4,12 @@ list, and the W8A8 method (FP8 or INT8) built from it.
 Module matching follows compressed-tensors: a target or ignore entry is `Linear` (every linear layer), a module
 name, or `re:` and a regular expression matched at the start of the name. A merged layer (qkv, gate_up) needs the
 same scheme for all of its parts. Quantization at load is the same structure with one target, `Linear`.
+
+A mixture of experts' experts are linear modules of the checkpoint too (`...mlp.experts.5.up_proj`): every one of
+a layer's experts must have the same scheme, FP8 with dynamic per-token inputs (what the fused MoE kernel runs:
+`Fp8FusedMoEMethod`); INT8 experts and static input scales are ConfigErrors naming the layer. Block-wise weights
+(`weight_block_size`) load for experts only: the dense W8A8 GEMM applies per-channel scales, so a block-quantized
+dense layer is a ConfigError naming it.
 """
 
 from __future__ import annotations
@@ -14,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from kestrel.config import ConfigError, QuantConfig
-from kestrel.quant.base import QuantMethod
-from kestrel.quant.scheme import LayerKind, QuantScheme, check_layer_kind, scheme_from_checkpoint
+from kestrel.quant.base import FusedMoEMethod, QuantMethod
+from kestrel.quant.fp8_moe import Fp8FusedMoEMethod
+from kestrel.quant.scheme import FUSED_MOE, LayerKind, QuantScheme, check_layer_kind, scheme_from_checkpoint
 from kestrel.quant.w8a8 import W8A8LinearMethod
 from kestrel.quant.w8a8_fp8 import Fp8LinearMethod
 from kestrel.quant.w8a8_int8 import Int8LinearMethod
@@ -32,6 +39,7 @@ class LinearScheme:
     weight_per_tensor: bool  # one weight scale per (shard of the) layer, else one per output channel
     static_input: bool  # a calibrated per-tensor input scale, else dynamic per-token scales
     symmetric_input: bool = True  # False: asymmetric INT8 inputs with a zero point
+    block_shape: tuple[int, int] | None = None  # (bn, bk) block-wise FP8 weights (experts only)
 
     @property
     def activation_scheme(self) -> str:
@@ -91,16 +99,48 @@ class W8A8Scheme(QuantScheme):
                               f"with different schemes ({listed}); kestrel runs them as one GEMM")
         return distinct.pop()
 
-    def get_quant_method(self, kind: LayerKind, prefix: str, parts: Sequence[str] = ()) -> QuantMethod | None:
+    def get_quant_method(self, kind: LayerKind, prefix: str,
+                         parts: Sequence[str] = ()) -> QuantMethod | FusedMoEMethod | None:
+        if kind == FUSED_MOE:
+            return self.experts_method(prefix, parts)
         check_layer_kind(self, kind, prefix)
         scheme = self.scheme_for_parts(prefix, list(parts) or [prefix])
         if scheme is None:
             return None
+        if scheme.block_shape is not None:
+            raise ConfigError(f"invalid quantization_config.weight_block_size={list(scheme.block_shape)}: block-wise "
+                              f"FP8 loads for mixture-of-experts experts only; dense block-FP8 linear layers (here "
+                              f"{prefix!r}) are not supported yet (the W8A8 GEMM applies per-channel scales); list "
+                              "them in the checkpoint's ignored layers or use a per-channel FP8 checkpoint")
         config = QuantConfig(method=scheme.method, activation_scheme=scheme.activation_scheme,
                              symmetric_activations=scheme.symmetric_input)
         # Static input scales exist only where a calibration wrote them: in a checkpoint.
         return W8A8_METHODS[scheme.method](config, calibrated_inputs=scheme.static_input and self.prequantized,
                                            prequantized=self.prequantized, weight_per_tensor=scheme.weight_per_tensor)
+
+    def experts_method(self, prefix: str, parts: Sequence[str]) -> FusedMoEMethod | None:
+        """The method of the experts `prefix`, made of every expert's modules `parts`: one scheme for all of them."""
+        schemes: dict[LinearScheme | None, str] = {}
+        for part in parts or [prefix]:
+            schemes.setdefault(self.scheme_for(part), part)
+        if len(schemes) > 1:
+            listed = ", ".join(f"{part}: {s.method + ' ' + s.activation_scheme if s else 'unquantized'}"
+                               for s, part in schemes.items())
+            raise ConfigError(f"invalid quantization_config: the experts of {prefix} were saved with different schemes "
+                              f"(e.g. {listed}); kestrel runs them in one fused kernel")
+        scheme = next(iter(schemes))
+        if scheme is None:
+            return None
+        if scheme.method != "fp8":
+            raise ConfigError(f"invalid quantization: scheme {self.name!r} quantizes the experts of {prefix!r} to "
+                              f"{scheme.method.upper()}, and kestrel has no {scheme.method.upper()} kernel for "
+                              "mixture-of-experts layers; FP8 experts (quantization='fp8', or an FP8 checkpoint) run")
+        if scheme.static_input:
+            raise ConfigError(f"invalid quantization_config for the experts of {prefix!r}: static input scales; the "
+                              "fused MoE kernel quantizes the experts' inputs dynamically per token (an FP8 checkpoint "
+                              "with dynamic activations loads)")
+        return Fp8FusedMoEMethod(prequantized=self.prequantized, weight_per_tensor=scheme.weight_per_tensor,
+                                 block_shape=scheme.block_shape)
 
     def check_unquantized(self, module_name: str) -> None:
         if self.prequantized and self.scheme_for(module_name) is not None:

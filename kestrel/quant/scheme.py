@@ -15,12 +15,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
 from kestrel.config import ConfigError, QuantConfig
-from kestrel.quant.base import QuantMethod
+from kestrel.quant.base import FusedMoEMethod, QuantMethod
 
 # The kinds of layers a scheme may be asked about; a scheme that does not know a kind raises a ConfigError.
-LayerKind = Literal["linear", "fused_moe"]
+LayerKind = Literal["linear", "fused_moe", "unquantized"]
 LINEAR: LayerKind = "linear"
 FUSED_MOE: LayerKind = "fused_moe"  # a mixture-of-experts layer's experts, all in one weight
+# A linear layer kestrel always runs in the model dtype (a router, a shared expert's gate): the plan answers it
+# without asking the scheme, after `check_unquantized` made sure the checkpoint did not quantize it.
+UNQUANTIZED: LayerKind = "unquantized"
 
 
 @dataclass(frozen=True)
@@ -82,10 +85,12 @@ class QuantScheme(ABC):
         support, is a ConfigError naming it, raised before any weight is read."""
 
     @abstractmethod
-    def get_quant_method(self, kind: LayerKind, prefix: str, parts: Sequence[str] = ()) -> QuantMethod | None:
+    def get_quant_method(self, kind: LayerKind, prefix: str,
+                         parts: Sequence[str] = ()) -> QuantMethod | FusedMoEMethod | None:
         """A fresh method for the layer `prefix` (its checkpoint module name, e.g. "model.layers.0.mlp.down_proj"),
         made of the checkpoint modules `parts` when it merges several (q_proj, k_proj, v_proj); None: the layer
-        stays unquantized."""
+        stays unquantized. Kind `fused_moe` asks for a `FusedMoEMethod` of the experts `prefix`
+        ("model.layers.0.mlp.experts"), whose `parts` are every expert's modules ("...experts.5.up_proj")."""
 
     def check_unquantized(self, module_name: str) -> None:  # noqa: B027 - optional hook
         """Raise a ConfigError when the scheme quantizes `module_name`, a module kestrel always runs in the

@@ -1,4 +1,5 @@
-"""The default linear method: weights kept in the model dtype, `F.linear`."""
+"""The default methods: a linear layer's weight kept in the model dtype (`F.linear`), and a mixture-of-experts
+layer's experts kept in the model dtype (`ops.fused_moe`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.quant.base import QuantMethod
+from kestrel import ops
+from kestrel.quant.base import FusedMoEMethod, QuantMethod, expert_param
 
 
 class UnquantizedLinearMethod(QuantMethod):
@@ -29,3 +31,20 @@ class UnquantizedLinearMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethod):
+    """`w13_weight [E, 2I, H]` (each expert's gate rows, then its up rows) and `w2_weight [E, H, I]` in the model
+    dtype, loaded from the checkpoint's per-expert `weight` tensors."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
+                       params_dtype: torch.dtype) -> None:
+        E, H, inter = num_experts, hidden_size, intermediate_size
+        layer.register_parameter("w13_weight", expert_param(torch.empty(E, 2 * inter, H, dtype=params_dtype),
+                                                            "w13", "weight", 0))
+        layer.register_parameter("w2_weight", expert_param(torch.empty(E, H, inter, dtype=params_dtype),
+                                                           "w2", "weight", 1))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              activation: str) -> torch.Tensor:
+        return ops.fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, activation)

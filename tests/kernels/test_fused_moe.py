@@ -18,6 +18,7 @@ difference between two roundings. The rest of the bound is fp32 accumulation and
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -369,6 +370,36 @@ def test_fp8_arguments():
         fused_moe_ref(*plain, block_shape=(16, 16))
     with pytest.raises(ValueError, match="float8_e4m3fn w13 and w2"):
         fused_moe_ref(args[0], args[1], args[2].bfloat16(), *args[3:], **quant)
+
+
+def test_fp8_intermediate_split_over_ranks_with_the_group_amax(device):
+    """Per-channel FP8 with each expert's intermediate split in two (tensor parallelism): with the halves' row absmax
+    max-reduced (`reduce_inter_amax`), the float32 halves sum to the one-call output; with each half's own scale they
+    do not (by about 2%)."""
+    args, quant = make_fp8_inputs(13, 4, 2, 64, 48, torch.float32, None, False, seed=3)
+    x, q13, q2, weights, ids = (a.to(device) for a in args)
+    s13, s2 = quant["w13_scale"].to(device), quant["w2_scale"].to(device)
+    halves = []
+    for r in range(2):
+        cols = torch.arange(24 * r, 24 * (r + 1))
+        rows = torch.cat([cols, 48 + cols]).to(device)  # this rank's gate rows, then its up rows
+        halves.append((q13[:, rows].contiguous(), s13[:, rows].contiguous(), q2[:, :, cols.to(device)].contiguous()))
+    for fn in (functools.partial(fused_moe, config=SMALL), fused_moe_ref):
+        def run(half, reduce=None, fn=fn):
+            a, sa, b = half
+            return fn(x, a, b, weights, ids, w13_scale=sa, w2_scale=s2, reduce_inter_amax=reduce)
+
+        full = fn(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2).cpu()
+        seen: list[torch.Tensor] = []
+        for half in halves:
+            run(half, lambda m, seen=seen: seen.append(m.clone()) or m)
+        group = torch.maximum(*seen)
+        split = sum(run(half, lambda m, group=group: group.clone()) for half in halves).cpu()
+        local = sum(run(half) for half in halves).cpu()
+        assert (split - full).abs().max() <= 1e-6 * full.abs().max()
+        assert (local - full).abs().max() > 1e-3 * full.abs().max()
+    with pytest.raises(ValueError, match="per-channel FP8 experts only"):
+        fused_moe_ref(*make_inputs(3, 4, 2, 32, 16, torch.float32), reduce_inter_amax=lambda m: m)
 
 
 # ------------------------------------------------------------------------------------------------ routing

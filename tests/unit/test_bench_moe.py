@@ -134,7 +134,7 @@ def test_fp8_runs_through_the_keywords_when_present(monkeypatch, tmp_path):
     original = fm.fused_moe_ref
 
     def ref(x, w13, w2, topk_weights, topk_ids, activation="silu", *, w13_scale=None, w2_scale=None,
-            block_shape=None):
+            block_shape=None, reduce_inter_amax=None):
         if w13_scale is None:
             return original(x, w13, w2, topk_weights, topk_ids, activation)
         layer = moe.Layer(w13.float(), w2.float(), torch.arange(w13.shape[0]), w13, w13_scale, w2, w2_scale)

@@ -336,7 +336,9 @@ def process_linear_layer(layer: LinearBase) -> None:
 
 
 def process_linear_layers_after_loading(model: nn.Module) -> None:
-    """Give every linear layer's quant method its post-loading hook (quantize, transpose, ...)."""
+    """Give every linear layer's quant method its post-loading hook (quantize, transpose, ...), and every other
+    layer that holds a method the same way (a `processed` flag and `process_after_loading()`: fused experts)."""
     for module in model.modules():
-        if isinstance(module, LinearBase):
+        holds_method = hasattr(module, "processed") and hasattr(module, "process_after_loading")
+        if isinstance(module, LinearBase) or holds_method:
             process_linear_layer(module)

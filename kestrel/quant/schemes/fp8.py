@@ -1,9 +1,12 @@
 """FP8 (e4m3) W8A8 under the name "fp8", from either source:
 - a checkpoint with `quant_method: "fp8"` (vLLM's format): per-tensor FP8 weights (`weight_scale`), activations
   static (`input_scale`) or dynamic per token as `activation_scheme` says; `ignored_layers` (or
-  `modules_to_not_convert`) stay unquantized; block-wise weights (`weight_block_size`) are a ConfigError;
-- `quantization="fp8"` on a high-precision checkpoint: every linear layer quantized at load, per-channel
-  weights (absmax / 448), dynamic per-token activations.
+  `modules_to_not_convert`) stay unquantized. Block-wise weights (`weight_block_size: [bn, bk]`,
+  `weight_scale_inv` per module, dynamic activations: DeepSeek-V3, the Qwen3 FP8 releases) load for
+  mixture-of-experts experts; a dense layer they quantize is a ConfigError naming it (no block-scaled dense GEMM
+  yet), so such a checkpoint loads only when its dense layers are all in the ignore list;
+- `quantization="fp8"` on a high-precision checkpoint: every linear layer and every mixture of experts' experts
+  quantized at load, per-channel weights (absmax / 448), dynamic per-token activations.
 """
 
 from __future__ import annotations
@@ -24,13 +27,21 @@ class Fp8Scheme(W8A8Scheme):
     def from_config(cls, config: dict[str, Any] | QuantConfig) -> Fp8Scheme:
         if isinstance(config, QuantConfig):
             return cls.at_load(config, "fp8")
-        if config.get("weight_block_size"):
-            raise ConfigError(f"invalid quantization_config.weight_block_size={config['weight_block_size']!r}: "
-                              "block-wise FP8 weights are not supported; per-tensor FP8 checkpoints load")
         activations = config.get("activation_scheme", "dynamic")
         if activations not in ("static", "dynamic"):
             raise ConfigError(f"invalid quantization_config.activation_scheme={activations!r}: expected 'static' or "
                               "'dynamic'")
-        linear = LinearScheme("fp8", weight_per_tensor=True, static_input=activations == "static")
+        block = config.get("weight_block_size")
+        if block is not None:
+            if (not isinstance(block, (list, tuple)) or len(block) != 2
+                    or not all(isinstance(b, int) and b > 0 for b in block)):
+                raise ConfigError(f"invalid quantization_config.weight_block_size={block!r}: expected [bn, bk], two "
+                                  "positive integers")
+            if activations != "dynamic":
+                raise ConfigError("invalid quantization_config.activation_scheme='static' with weight_block_size: "
+                                  "block-wise FP8 weights take dynamic activations")
+            linear = LinearScheme("fp8", weight_per_tensor=False, static_input=False, block_shape=tuple(block))
+        else:
+            linear = LinearScheme("fp8", weight_per_tensor=True, static_input=activations == "static")
         ignore = tuple(config.get("ignored_layers") or config.get("modules_to_not_convert") or ())
         return cls((TargetGroup(("Linear",), linear),), ignore, prequantized=True)

@@ -1,0 +1,675 @@
+"""Weight-only GEMM with 4- or 8-bit weights and 16-bit (or fp32) activations: W4A16 / W8A16.
+
+`out[m, n] = sum_k x[m, k] * w[n, k] + bias[n]`, where `w[n, k] = s[g(k), n] * (v[k, n] - z[g(k), n])`, computed in
+fp32 and rounded once to `out_dtype`. The weights come from GPTQ, AWQ and compressed-tensors checkpoints; the
+`repack_*` functions below turn each checkpoint layout into the one layout the kernel reads (`WNA16Weight`).
+
+Weight types (`weight_type`): the value `v` of a stored code or element, and the zero point `z`:
+- "int4"      4-bit code c, v = c - 8 (GPTQ symmetric, compressed-tensors symmetric INT4); no zeros.
+- "uint4"     4-bit code c, v = c, z from `zeros` (GPTQ asymmetric, AWQ, compressed-tensors asymmetric INT4).
+- "fp4_e2m1"  4-bit code c: sign bit 3, exponent bits 2-1, mantissa bit 0: v in {0, 0.5, 1, 1.5, 2, 3, 4, 6} with
+              its sign (OCP MX / NVFP4 elements; their block scales folded into `scales` by the loader); no zeros.
+- "int8"      int8 element q, v = q, z from `zeros` if given (else 0) (GPTQ 8-bit: the uint8 code minus 128;
+              compressed-tensors 8-bit pack-quantized or naive int8).
+- "fp8_e4m3"  float8_e4m3fn element (W8A16-FP8, per-channel scales); no zeros.
+
+The packed layout (`WNA16Weight`), K-major with N contiguous (the transpose of the `[N, K]` convention):
+- `qweight`: 4-bit types: int32 `[K // 8, N]`, word `(j, n)` holds the codes of rows k = 8j .. 8j+7 at bits
+  4 * (k - 8j) (GPTQ's own layout). 8-bit types: int8 or float8_e4m3fn `[K, N]`.
+  Why K-packed, N-contiguous: a weight tile `[BLOCK_K, BLOCK_N]` is `BLOCK_K / 8` rows of `4 * BLOCK_N` contiguous
+  bytes (256 B for BLOCK_N = 64): full-sector, coalesced loads with no gather; one word unpacks into eight K rows
+  of one column (shifts only, no shuffles across columns), so the dot's K operand is built in registers; the
+  per-group scale and zero rows are `[BLOCK_N]` contiguous loads; and GPTQ checkpoints (the most common) need no
+  bit shuffling at load. (Marlin-style fragment-ordered layouts are faster still; this is the simple first step.)
+- `scales`: `[K // group, N]` float (bf16 / fp16 / fp32, kept as the checkpoint stores them), row g for the rows
+  k with k // group == g. `group` = K // scales.shape[0]: 16, 32, 64, 128, ... or K (per channel).
+- `zeros`: None or int8 `[K // group, N]` (uint4: 0..15; int8: the zero in the signed domain).
+- `perm`: None or int32 `[K]`: act-order (GPTQ desc_act, compressed-tensors actorder=group). The rows were sorted
+  by group at load, so sorted row k holds checkpoint input column perm[k] and every group is a contiguous run of
+  rows; at run time x's columns are gathered with the same permutation (`x.index_select(1, perm)`, one small
+  launch, capturable) so the main loop only ever sees contiguous groups.
+
+The kernel (one launch, plus the gather for act-order): each program owns a BLOCK_M x BLOCK_N output tile and one
+K range (split-K), and walks it in one flat loop (so Triton software-pipelines the tile loads). BLOCK_K divides the
+group size, so each K step lies in one group: the step's product is formed from exact operands (values minus zero
+points are small integers, fp4 values are doubled into integers, fp8 values are exact: all exact in bf16 / fp16)
+with fp32 accumulation, then multiplied by that group's scales in fp32 and added to the tile accumulator; per
+channel (one group) the scales are applied once after the loop. So the kernel and the fp32 reference differ only by
+summation order. Split-K partials meet in an fp32 workspace; the last program to arrive at a tile (an atomic
+counter) sums them in split order (deterministic, so CUDA-graph replays are bit-exact) and runs the epilogue
+(bias, one rounding).
+
+Block sizes come from `tuning/wna16_default.json` by M bucket (the smallest bucket >= M), overridden by a per-GPU
+`tuning/wna16_<gpu>.json` keyed by "N,K"; nothing autotunes at run time. `split_k = 0` in a table means "from the
+SM count": enough K splits to give the GPU about two programs per SM when the tiles alone are too few.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels import common
+
+DEFAULT_TABLE = common.TUNING_DIR / "wna16_default.json"
+_LOCK_SLOTS = 1 << 16
+
+WEIGHT_TYPES = ("int4", "uint4", "fp4_e2m1", "int8", "fp8_e4m3")
+_CODE = {name: i for i, name in enumerate(WEIGHT_TYPES)}  # WTYPE constexpr of the kernel
+# The kernel's branches on WTYPE: codes <= _FP4 are the 4-bit packed types, then int8, then fp8.
+_FP4 = tl.constexpr(_CODE["fp4_e2m1"])
+_INT8 = tl.constexpr(_CODE["int8"])
+_FOUR_BIT = ("int4", "uint4", "fp4_e2m1")
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The e2m1 code book: code c -> value (sign bit 3).
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: nibble i of a word holds column 8j + AWQ_ORDER[i]
+
+
+class WNA16Weight(NamedTuple):
+    """A weight in the kernel's layout (see the module docstring). Its fields, in order, are the arguments of
+    `wna16_gemm` after x: `wna16_gemm(x, *w, out_dtype)`."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    perm: torch.Tensor | None
+    weight_type: str
+
+
+@dataclass(frozen=True)
+class WNA16Config:
+    """Launch parameters. `block_k` is lowered to the largest power of two dividing the group size; `split_k` 0
+    picks the split from the SM count (see `split_for`)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    group_m: int = 8  # row tiles that sweep the column tiles together (weight tiles reused through L2)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> WNA16Config:
+        return WNA16Config(**d)
+
+
+# ------------------------------------------------------------------------------------- argument checks
+
+
+def weight_shape(qweight: torch.Tensor, weight_type: str) -> tuple[int, int]:
+    """(K, N) of a packed weight."""
+    rows, N = qweight.shape
+    return (rows * 8 if weight_type in _FOUR_BIT else rows), N
+
+
+def _check_weight(qweight, scales, zeros, perm, weight_type) -> tuple[int, int, int]:
+    """(K, N, group) after checking a `WNA16Weight`'s fields against each other."""
+    if weight_type not in _CODE:
+        raise ValueError(f"wna16: weight_type must be one of {WEIGHT_TYPES}, got {weight_type!r}")
+    want = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}.get(weight_type, torch.int32)
+    if qweight.dim() != 2 or qweight.dtype != want:
+        raise ValueError(f"wna16: {weight_type} qweight must be a 2-D {want} tensor, got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
+    K, N = weight_shape(qweight, weight_type)
+    if scales.dim() != 2 or scales.shape[1] != N or scales.shape[0] < 1 or K % scales.shape[0]:
+        raise ValueError(f"wna16: scales must be [K // group, N] with N={N} and K={K} a multiple of its rows, got "
+                         f"{tuple(scales.shape)}")
+    if scales.dtype not in _ACT_DTYPES:
+        raise ValueError(f"wna16: scales must be bfloat16, float16 or float32, got {scales.dtype}")
+    group = K // scales.shape[0]
+    if group % 16:
+        raise ValueError(f"wna16: the group size (K // scales rows = {group}) must be a multiple of 16")
+    if weight_type == "uint4" and zeros is None:
+        raise ValueError("wna16: uint4 weights need zeros (use int4 for the symmetric code - 8)")
+    if zeros is not None:
+        if weight_type not in ("uint4", "int8"):
+            raise ValueError(f"wna16: zero points are for uint4 and int8 weights, not {weight_type}")
+        if zeros.dtype != torch.int8 or tuple(zeros.shape) != tuple(scales.shape):
+            raise ValueError(f"wna16: zeros must be int8 {tuple(scales.shape)}, got {zeros.dtype} "
+                             f"{tuple(zeros.shape)}")
+    if perm is not None and (perm.dim() != 1 or perm.numel() != K or perm.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"wna16: perm must be an int32 or int64 [K={K}] tensor")
+    return K, N, group
+
+
+def _check_args(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias) -> tuple[int, int, int]:
+    K, N, group = _check_weight(qweight, scales, zeros, perm, weight_type)
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"wna16: x must be [M, K={K}], got {tuple(x.shape)}")
+    if x.dtype not in _ACT_DTYPES:
+        raise ValueError(f"wna16: x must be bfloat16, float16 or float32, got {x.dtype}")
+    if out_dtype not in _ACT_DTYPES:
+        raise ValueError(f"wna16: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    if bias is not None and bias.numel() != N:
+        raise ValueError(f"wna16: bias must have N={N} elements, got {bias.numel()}")
+    return K, N, group
+
+
+# ------------------------------------------------------------------------------------------- reference
+
+
+def unpack_values(qweight: torch.Tensor, weight_type: str) -> torch.Tensor:
+    """The stored values `[K, N]` in sorted-K order: int32 codes 0..15 (4-bit types), int32 (int8), float32 (fp8)."""
+    if weight_type in _FOUR_BIT:
+        return _unpack_rows(qweight, 4)
+    if weight_type == "int8":
+        return qweight.to(torch.int32)
+    return qweight.float()
+
+
+def _dequant_kn(qweight, scales, zeros, weight_type, group) -> torch.Tensor:
+    """`[K, N]` float32 weights in sorted-K order: s * (v - z), exact in fp32 for 16-bit scales."""
+    v = unpack_values(qweight, weight_type)
+    if weight_type == "int4":
+        v = v - 8
+    elif weight_type == "fp4_e2m1":
+        v = torch.tensor(FP4_E2M1_VALUES, device=v.device)[v]
+    if zeros is not None:
+        v = v - zeros.to(torch.int32).repeat_interleave(group, 0)
+    return v.float() * scales.float().repeat_interleave(group, 0)
+
+
+def dequantize_wna16(qweight, scales, zeros, perm, weight_type) -> torch.Tensor:
+    """The weight `[N, K]` as float32 in the checkpoint's K order (act-order undone): for tests, debugging and a
+    dense fallback."""
+    K, N, group = _check_weight(qweight, scales, zeros, perm, weight_type)
+    w = _dequant_kn(qweight, scales, zeros, weight_type, group)
+    if perm is not None:
+        w = torch.empty_like(w).index_copy_(0, perm.long(), w)
+    return w.T.contiguous()
+
+
+def wna16_gemm_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    weight_type: str,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PyTorch reference and the CPU path: the weight dequantized once to fp32, an fp32 matmul, the bias added in
+    fp32, one rounding to `out_dtype`."""
+    _, _, group = _check_args(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
+    w = _dequant_kn(qweight, scales, zeros, weight_type, group)
+    xs = x.float()
+    if perm is not None:
+        xs = xs.index_select(1, perm)
+    out = xs @ w
+    if bias is not None:
+        out = out + bias.float().reshape(1, -1)
+    return out.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The `[BLOCK_K, BLOCK_N]` fp32 tile of K step kt: values minus zero points (fp4: twice the value, an
+    integer; the launcher halves its scales). Every value is exact in bf16 and fp16."""
+    if WTYPE <= _FP4:
+        rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :])
+        shifts = tl.arange(0, 8) * 4
+        c = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+        if WTYPE == _FP4:
+            e = (c >> 1) & 3
+            m = c & 1
+            mag = tl.where(e == 0, m, ((2 + m) << e) >> 1)  # 2 * |value|: 0, 1, 2, 3, 4, 6, 8, 12
+            v = tl.where(c >= 8, -mag, mag)
+        elif HAS_ZEROS:
+            v = c - z[None, :]
+        else:
+            v = c - 8
+        w = v.to(tl.float32)
+    else:
+        rows = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+        ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :]
+        if WTYPE == _INT8:
+            v = tl.load(ptrs).to(tl.int32)
+            if HAS_ZEROS:
+                v = v - z[None, :]
+            w = v.to(tl.float32)
+        else:
+            # fp8 arrives as its bytes (the interpreter cannot load fp8 directly).
+            w = tl.load(ptrs).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _dot(x, w, acc, X_DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        # fp32 activations, and the interpreter (whose numpy has no bf16 matmul).
+        acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, w.to(X_DTYPE), acc)
+    return acc
+
+
+@triton.jit
+def _epilogue(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS: tl.constexpr, FAST: tl.constexpr):
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(ptrs, common.to_dtype(acc, out_ptr.dtype.element_ty, FAST), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "k_tiles_per_split", "split_k"])
+def _wna16_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
+    M, N, k_tiles, k_tiles_per_split, split_k, steps_per_group, scale_mult,
+    stride_xm, stride_wk, stride_sg, stride_zg, stride_om,
+    WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    ONE_GROUP: tl.constexpr, DOT_F32: tl.constexpr, FAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % group_size
+    pid_n = (tile % per_group) // group_size
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Wrapped indices keep every main-loop load in bounds without masks; their results are never stored.
+    x_rows = x_ptr + (rows % M).to(tl.int64)[:, None] * stride_xm
+    w_cols = cols % N
+    offs_k = tl.arange(0, BLOCK_K)
+    kt_begin = split * k_tiles_per_split
+    kt_end = tl.minimum(kt_begin + k_tiles_per_split, k_tiles)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ONE_GROUP:
+        # Per channel: one zero row, one scale row, applied after the loop.
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + w_cols).to(tl.int32)
+        else:
+            z = w_cols  # placeholder
+        for kt in range(kt_begin, kt_end):
+            x = tl.load(x_rows + (kt * BLOCK_K + offs_k)[None, :])
+            w = _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N)
+            acc = _dot(x, w, acc, x_ptr.dtype.element_ty, DOT_F32)
+        acc = acc * (tl.load(s_ptr + w_cols).to(tl.float32) * scale_mult)[None, :]
+    else:
+        # One flat loop (software-pipelined by Triton); each K step lies in one group, so its partial product
+        # from exact operands is multiplied by that group's scales in fp32 before it joins the accumulator.
+        for kt in range(kt_begin, kt_end):
+            g = kt // steps_per_group
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + g * stride_zg + w_cols).to(tl.int32)
+            else:
+                z = w_cols  # placeholder
+            x = tl.load(x_rows + (kt * BLOCK_K + offs_k)[None, :])
+            w = _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N)
+            part = _dot(x, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptr.dtype.element_ty, DOT_F32)
+            s = tl.load(s_ptr + g * stride_sg + w_cols).to(tl.float32) * scale_mult
+            acc += part * s[None, :]
+
+    if SPLIT:
+        tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile_base = tile.to(tl.int64) * split_k * (BLOCK_M * BLOCK_N)
+        tl.store(ws_ptr + tile_base + split * (BLOCK_M * BLOCK_N) + tile_offs, acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
+        if arrived == split_k - 1:
+            # The last arrival sums every partial in split order, so results do not depend on timing.
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s_idx in range(0, split_k):
+                total += tl.load(ws_ptr + tile_base + s_idx * (BLOCK_M * BLOCK_N) + tile_offs, cache_modifier=".cg")
+            tl.atomic_xchg(lock_ptr + tile, 0)
+            _epilogue(total, out_ptr, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS, FAST)
+    else:
+        _epilogue(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS, FAST)
+
+
+# ------------------------------------------------------------------------------------------- launcher
+
+
+def wna16_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    weight_type: str,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    *,
+    config: WNA16Config | None = None,
+) -> torch.Tensor:
+    """Triton `wna16_gemm_ref`; see the module docstring. `config` overrides the tuning table (tests, tuning).
+    No host sync: capturable in a CUDA graph."""
+    K, N, group = _check_args(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
+    M = x.shape[0]
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if perm is not None:
+        x = x.index_select(1, perm)
+    elif x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or select_config(N, K, M, x.device)
+    block_k = fit_block_k(cfg.block_k, group)
+    k_tiles = K // block_k
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    split_k = split_for(cfg.split_k, tiles, k_tiles, common.num_sms(x.device, off_cuda=4))
+    if tiles > _LOCK_SLOTS:
+        split_k = 1
+    per_split = triton.cdiv(k_tiles, split_k)
+    split_k = triton.cdiv(k_tiles, per_split)  # no empty splits
+    ws = torch.empty(tiles * split_k * cfg.block_m * cfg.block_n if split_k > 1 else 1, dtype=torch.float32,
+                     device=x.device)
+    w = qweight.view(torch.uint8) if weight_type == "fp8_e4m3" else qweight
+    z = zeros if zeros is not None else scales
+    bias_t = bias.reshape(-1).contiguous() if bias is not None else scales
+    _wna16_kernel[(tiles, split_k)](
+        x, w, scales, z, bias_t, out, ws, _lock_buffer(x.device),
+        M, N, k_tiles, per_split, split_k, group // block_k, 0.5 if weight_type == "fp4_e2m1" else 1.0,
+        x.stride(0), w.stride(0), scales.stride(0), z.stride(0), out.stride(0),
+        WTYPE=_CODE[weight_type], HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
+        ONE_GROUP=scales.shape[0] == 1, DOT_F32=not x.is_cuda or x.dtype == torch.float32, FAST=x.is_cuda,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def fit_block_k(block_k: int, group: int) -> int:
+    """The largest power of two <= block_k dividing the group size (a K step never straddles two groups)."""
+    bk = block_k
+    while group % bk:
+        bk //= 2
+    return bk
+
+
+def split_for(split_k: int, tiles: int, k_tiles: int, num_sms: int) -> int:
+    """The configured split, or for 0 about two programs per SM while each split keeps >= 4 K steps, at most 16."""
+    if split_k > 0:
+        return max(1, min(split_k, k_tiles))
+    if tiles >= num_sms:
+        return 1
+    return max(1, min((2 * num_sms) // tiles, k_tiles // 4, 16))
+
+
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def _lock_buffer(device: torch.device) -> torch.Tensor:
+    """Zeroed split-K arrival counters; every launch leaves them zeroed again, so one buffer per device serves
+    every call (calls on one stream; concurrent streams would need their own)."""
+    buf = _locks.get(device)
+    if buf is None:
+        buf = torch.zeros(_LOCK_SLOTS, dtype=torch.int32, device=device)
+        _locks[device] = buf
+    return buf
+
+
+# ------------------------------------------------------------------------------------ tuning table
+
+
+load_table = common.read_table
+
+
+def lookup(entries: dict[str, dict], M: int) -> WNA16Config | None:
+    """The entry of the smallest bucket holding M, else of the largest bucket."""
+    entry = common.bucket_entry(entries, M)
+    return None if entry is None else WNA16Config.from_json(entry)
+
+
+def select_config(N: int, K: int, M: int, device: torch.device) -> WNA16Config:
+    """A tuned entry for (GPU, N, K) if one was measured, else the default table's entry for M."""
+    cfg = lookup(common.gpu_table("wna16", device).get(f"{N},{K}", {}), M)
+    if cfg is not None:
+        return cfg
+    cfg = lookup(load_table(DEFAULT_TABLE), M)
+    return cfg if cfg is not None else WNA16Config(block_m=16, block_n=64, block_k=128, split_k=0)
+
+
+# ------------------------------------------------------------------------------------ repacking
+# Each checkpoint layout is unpacked to integer codes in torch, then `_from_kn` sorts act-order rows and packs the
+# kernel's layout. All of it runs on the tensors' device, once, at load.
+
+
+def _shifts(bits: int, device) -> torch.Tensor:
+    return torch.arange(0, 32, bits, dtype=torch.int32, device=device)
+
+
+def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 `[R, C]` packed along dim 0 (row pf*j + i at bits bits*i) -> unsigned codes int32 `[R * pf, C]`."""
+    R, C = packed.shape
+    v = (packed.unsqueeze(1) >> _shifts(bits, packed.device).view(1, -1, 1)) & ((1 << bits) - 1)
+    return v.reshape(R * (32 // bits), C)
+
+
+def _unpack_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 `[R, C]` packed along dim 1 (column pf*j + order[i] at bits bits*i; order defaults to i) ->
+    unsigned codes int32 `[R, C * pf]`."""
+    R, C = packed.shape
+    v = (packed.unsqueeze(2) >> _shifts(bits, packed.device).view(1, 1, -1)) & ((1 << bits) - 1)
+    if order is not None:
+        slot_of = [order.index(c) for c in range(len(order))]  # the nibble holding column offset c
+        v = v[:, :, slot_of]
+    return v.reshape(R, C * (32 // bits))
+
+
+def _pack_rows4(codes: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 `[K, N]` -> int32 `[K // 8, N]`, row 8j + i at bits 4i."""
+    K, N = codes.shape
+    c = codes.to(torch.int64).reshape(K // 8, 8, N) << (4 * torch.arange(8, device=codes.device)).view(1, 8, 1)
+    words = c.sum(dim=1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _act_order_perm(g_idx: torch.Tensor | None, K: int, G: int) -> torch.Tensor | None:
+    """The row order that makes groups contiguous, or None when g_idx is absent or already k // group."""
+    if g_idx is None or bool((g_idx < 0).all()):
+        return None
+    g_idx = g_idx.reshape(-1).long()
+    group = K // G
+    if g_idx.numel() != K:
+        raise ValueError(f"wna16: g_idx must have K={K} entries, got {g_idx.numel()}")
+    if bool(torch.equal(g_idx, torch.arange(K, device=g_idx.device) // group)):
+        return None
+    if int(g_idx.min()) < 0 or int(g_idx.max()) >= G:
+        raise ValueError(f"wna16: g_idx entries must lie in [0, {G})")
+    counts = torch.bincount(g_idx, minlength=G)
+    if bool((counts != group).any()):
+        raise ValueError(f"wna16: act-order needs every group to hold group_size={group} rows of K")
+    return torch.argsort(g_idx, stable=True).to(torch.int32)
+
+
+def _scale_dtype(scales: torch.Tensor, scale_dtype: torch.dtype | None) -> torch.dtype:
+    if scale_dtype is not None:
+        return scale_dtype
+    return scales.dtype if scales.dtype in _ACT_DTYPES else torch.float32
+
+
+def _from_kn(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, g_idx: torch.Tensor | None,
+             weight_type: str, scale_dtype: torch.dtype | None) -> WNA16Weight:
+    """codes `[K, N]` in the checkpoint's K order (4-bit: unsigned codes; int8: signed values; fp8: e4m3),
+    scales / zeros `[G, N]` -> the kernel's layout."""
+    K, N = codes.shape
+    if scales.dim() != 2 or scales.shape[1] != N or K % scales.shape[0]:
+        raise ValueError(f"wna16: scales {tuple(scales.shape)} do not fit a weight of K={K}, N={N}")
+    perm = _act_order_perm(g_idx, K, scales.shape[0])
+    if perm is not None:
+        codes = codes.index_select(0, perm.long())
+    if weight_type in _FOUR_BIT:
+        if K % 8:
+            raise ValueError(f"wna16: 4-bit weights need K % 8 == 0, got K={K}")
+        if int(codes.min()) < 0 or int(codes.max()) > 15:
+            raise ValueError("wna16: 4-bit codes must lie in [0, 15]")
+        qweight = _pack_rows4(codes)
+    elif weight_type == "int8":
+        if int(codes.min()) < -128 or int(codes.max()) > 127:
+            raise ValueError("wna16: int8 values must lie in [-128, 127]")
+        qweight = codes.to(torch.int8).contiguous()
+    else:
+        qweight = codes.to(torch.float8_e4m3fn).contiguous()
+    if zeros is not None:
+        zeros = zeros.to(torch.int8).contiguous()
+    out = WNA16Weight(qweight, scales.to(_scale_dtype(scales, scale_dtype)).contiguous(), zeros, perm, weight_type)
+    _check_weight(*out)
+    return out
+
+
+def pack_wna16(
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None = None,
+    g_idx: torch.Tensor | None = None,
+    *,
+    weight_type: str,
+    scale_dtype: torch.dtype | None = None,
+) -> WNA16Weight:
+    """Quantized values in the `[N, K]` convention -> the kernel's layout.
+
+    values: int4: integers in [-8, 7]; uint4: [0, 15] with zeros [0, 15]; fp4_e2m1: codes 0..15 (integer dtype)
+    or e2m1-representable floats; int8: int8 (zeros optional, signed); fp8_e4m3: float8_e4m3fn.
+    scales `[N, K // group]` (or `[N]` / `[N, 1]`: per channel), zeros like scales, g_idx `[K]` (act-order).
+    W8A16 checkpoints (compressed-tensors naive int8 or FP8 with `weight_scale [N, 1]`) load through this."""
+    if weight_type not in _CODE:
+        raise ValueError(f"wna16: weight_type must be one of {WEIGHT_TYPES}, got {weight_type!r}")
+    N = values.shape[0]
+    if weight_type == "int4":
+        codes = values.to(torch.int32) + 8
+    elif weight_type == "fp4_e2m1" and values.is_floating_point():
+        codes = _encode_e2m1(values)
+    elif weight_type == "fp8_e4m3":
+        if values.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"wna16: fp8_e4m3 values must be float8_e4m3fn, got {values.dtype}")
+        codes = values
+    else:
+        codes = values.to(torch.int32)
+    zeros_t = zeros.reshape(N, -1).T.to(torch.int32) if zeros is not None else None
+    return _from_kn(codes.T, scales.reshape(N, -1).T, zeros_t, g_idx, weight_type, scale_dtype)
+
+
+def _encode_e2m1(values: torch.Tensor) -> torch.Tensor:
+    book = torch.tensor(FP4_E2M1_VALUES[:8], device=values.device)
+    mag = values.float().abs()
+    idx = torch.searchsorted(book, mag).clamp(max=7)
+    if not bool((book[idx] == mag).all()):
+        raise ValueError("wna16: fp4_e2m1 values must be exactly representable in e2m1")
+    return idx.to(torch.int32) | (torch.signbit(values).to(torch.int32) << 3)
+
+
+def repack_gptq(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor | None = None,
+    g_idx: torch.Tensor | None = None,
+    *,
+    bits: int = 4,
+    sym: bool = True,
+    zeros_minus_one: bool = True,
+    scale_dtype: torch.dtype | None = None,
+) -> WNA16Weight:
+    """GPTQ (AutoGPTQ / GPTQModel / HF optimum) -> the kernel's layout.
+
+    qweight int32 `[K * bits / 32, N]` packed along K (value i of a word at bits bits*i), unsigned codes;
+    qzeros int32 `[G, N * bits / 32]` packed along N; scales `[G, N]`; g_idx `[K]` (desc_act). sym: the zero is
+    2^(bits-1) and qzeros is ignored (4-bit -> int4, 8-bit -> int8 = code - 128); else 4-bit -> uint4 with zeros,
+    8-bit -> int8 with (code - 128, zero - 128). zeros_minus_one: qzeros holds zero - 1 (checkpoint_format "gptq",
+    the v1 format most checkpoints use); False for "gptq_v2"."""
+    if bits not in (4, 8):
+        raise ValueError(f"wna16: GPTQ bits must be 4 or 8, got {bits}")
+    codes = _unpack_rows(qweight, bits)
+    zeros = None
+    if not sym:
+        if qzeros is None:
+            raise ValueError("wna16: asymmetric GPTQ needs qzeros")
+        zeros = _unpack_cols(qzeros, bits)[:, : codes.shape[1]]
+        if zeros_minus_one:
+            zeros = (zeros + 1) & ((1 << bits) - 1)
+    if bits == 4:
+        return _from_kn(codes, scales, zeros, g_idx, "int4" if sym else "uint4", scale_dtype)
+    return _from_kn(codes - 128, scales, None if zeros is None else zeros - 128, g_idx, "int8", scale_dtype)
+
+
+def repack_awq(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    scale_dtype: torch.dtype | None = None,
+) -> WNA16Weight:
+    """AWQ GEMM (AutoAWQ) -> uint4 with zeros. qweight int32 `[K, N // 8]` and qzeros int32 `[G, N // 8]` packed
+    along N in AWQ's interleaved order (nibble i holds column 8j + AWQ_ORDER[i]); scales `[G, N]`."""
+    codes = _unpack_cols(qweight, 4, AWQ_ORDER)
+    zeros = _unpack_cols(qzeros, 4, AWQ_ORDER)
+    return _from_kn(codes, scales, zeros, None, "uint4", scale_dtype)
+
+
+def repack_compressed_tensors(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None = None,
+    weight_g_idx: torch.Tensor | None = None,
+    *,
+    num_bits: int = 4,
+    weight_shape: tuple[int, int] | torch.Tensor | None = None,
+    scale_dtype: torch.dtype | None = None,
+) -> WNA16Weight:
+    """compressed-tensors "pack-quantized" (INT weights, llm-compressor's W4A16 / W8A16) -> the kernel's layout.
+
+    weight_packed int32 `[N, K * num_bits / 32]` packed along K (value i at bits num_bits*i), each value stored
+    as signed + 2^(num_bits-1); weight_scale `[N, G]`; weight_zero_point (asymmetric) either packed int32
+    `[ceil(N * num_bits / 32), G]` along N with the same offset (as the compressor writes it), or unpacked
+    signed integers `[N, G]`; weight_g_idx `[K]` (actorder "group"). weight_shape `(N, K)` checks the size."""
+    if num_bits not in (4, 8):
+        raise ValueError(f"wna16: compressed-tensors num_bits must be 4 or 8, got {num_bits}")
+    N = weight_packed.shape[0]
+    codes = _unpack_cols(weight_packed, num_bits)
+    if weight_shape is not None:
+        N_s, K_s = (int(v) for v in weight_shape)
+        if N_s != N or K_s != codes.shape[1]:
+            raise ValueError(f"wna16: weight_shape {(N_s, K_s)} needs K a multiple of {32 // num_bits}, and N={N}")
+    offset = 1 << (num_bits - 1)
+    zeros = None
+    if weight_zero_point is not None:
+        zp = weight_zero_point
+        G = weight_scale.reshape(N, -1).shape[1]
+        if zp.dtype == torch.int32 and zp.shape[0] == -(-N * num_bits // 32) and zp.numel() != N * G:
+            zeros = _unpack_rows(zp, num_bits)[:N]
+        else:
+            zeros = zp.reshape(N, -1).to(torch.int32) + offset
+        zeros = zeros.T
+    if num_bits == 4:
+        return _from_kn(codes.T, weight_scale.reshape(N, -1).T, zeros, weight_g_idx,
+                        "int4" if zeros is None else "uint4", scale_dtype)
+    return _from_kn(codes.T - offset, weight_scale.reshape(N, -1).T, None if zeros is None else zeros - offset,
+                    weight_g_idx, "int8", scale_dtype)
+
+
+def repack_fp4(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_g_idx: torch.Tensor | None = None,
+    *,
+    scale_dtype: torch.dtype | None = None,
+) -> WNA16Weight:
+    """FP4-E2M1 weights packed two per byte (uint8 `[N, K // 2]`, element 2j in the low nibble: NVFP4 and OCP MX)
+    with scales `[N, K // group]` (NVFP4's global scale and MX's e8m0 exponents folded in by the loader)."""
+    if weight_packed.dtype != torch.uint8 or weight_packed.dim() != 2:
+        raise ValueError(f"wna16: fp4 weights must be a 2-D uint8 tensor, got {weight_packed.dtype}")
+    N = weight_packed.shape[0]
+    b = weight_packed.to(torch.int32)
+    codes = torch.stack((b & 0xF, b >> 4), dim=2).reshape(N, -1)
+    return _from_kn(codes.T, weight_scale.reshape(N, -1).T, None, weight_g_idx, "fp4_e2m1", scale_dtype)

@@ -1,0 +1,194 @@
+"""GPU-only: the W4A16 / W8A16 kernel at Llama-3-8B shapes against its reference (skipped without CUDA).
+
+Run on the H200: `.venv/bin/python -m pytest -q tests/gpu/test_wna16_gpu.py`; `python tests/gpu/test_wna16_gpu.py
+[--sweep]` times the default configs at the same shapes against torch.mm with BF16 weights (and, with --sweep, a
+small config grid: the starting point of an H200 tuning table).
+
+Both sides accumulate in fp32 from the same exact products (the kernel's bf16 operands are exact: x is bf16, the
+weight operand is a small integer or an fp4 / fp8 value, the group scale is applied in fp32), so they differ only by
+accumulation order: ~1e-6 relative before the single rounding, which may then land one bf16 unit apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import pytest
+import torch
+
+from kestrel.kernels import wna16 as wq
+from kestrel.kernels.wna16 import WNA16Config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (N, K) of Llama-3-8B's linears: qkv, o, gate_up, down.
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+TOKENS = [1, 16, 64, 256]
+GROUP = 128
+BF16_ULP = 2.0**-7  # one bf16 unit, relative
+
+
+def make_weight(N: int, K: int, weight_type: str = "int4", group: int | None = GROUP, act_order: bool = False,
+                seed: int = 0) -> wq.WNA16Weight:
+    """Random values of the type, fp16 scales making the output O(1), built on the GPU through `pack_wna16`."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    group = group or K
+    G = K // group
+    dev = "cuda"
+    if weight_type == "fp8_e4m3":
+        values = (torch.randn(N, K, generator=g, device=dev) * 40).to(torch.float8_e4m3fn)
+        mag = 40.0
+    else:
+        lo, hi = {"int4": (-8, 8), "uint4": (0, 16), "fp4_e2m1": (0, 16), "int8": (-128, 128)}[weight_type]
+        values = torch.randint(lo, hi, (N, K), generator=g, device=dev)
+        mag = {"int4": 5.0, "uint4": 5.0, "fp4_e2m1": 3.0, "int8": 70.0}[weight_type]
+    zeros = torch.randint(0, 16, (N, G), generator=g, device=dev) if weight_type == "uint4" else None
+    scales = ((torch.rand(N, G, generator=g, device=dev) + 0.5) / (mag * K**0.5)).to(torch.float16)
+    g_idx = torch.randperm(K, generator=g, device=dev) // group if act_order else None
+    return wq.pack_wna16(values, scales, zeros, g_idx, weight_type=weight_type)
+
+
+def make_x(M: int, K: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(M, K, generator=g, device="cuda").to(torch.bfloat16)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    diff = (out.float() - ref.float()).abs()
+    bound = BF16_ULP * ref.float().abs() + 1e-3 * ref.float().abs().max()
+    assert bool((diff <= bound).all()), f"max diff {diff.max().item():.3g}"
+    assert (diff.norm() / ref.float().norm()).item() < 1e-3
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """The fp32 reference matmul must stay fp32."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def shape_weight(request):
+    N, K = request.param
+    w = make_weight(N, K)
+    yield N, K, w
+    del w
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("M", TOKENS)
+def test_kernel_matches_reference_8b_shapes(shape_weight, M):
+    N, K, w = shape_weight
+    x = make_x(M, K, seed=M)
+    assert_close(wq.wna16_gemm(x, *w, torch.bfloat16), wq.wna16_gemm_ref(x, *w, torch.bfloat16))
+
+
+@pytest.mark.parametrize("weight_type", ["int4", "uint4", "fp4_e2m1", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("group,act_order", [(GROUP, False), (GROUP, True), (32, False), (None, False)])
+@pytest.mark.parametrize("M", [1, 64])
+def test_every_weight_type_compiles_and_matches(weight_type, group, act_order, M):
+    N, K = 4096, 4096
+    w = make_weight(N, K, weight_type, group, act_order, seed=1)
+    x = make_x(M, K, seed=2)
+    bias = torch.randn(N, device="cuda").to(torch.bfloat16) if M == 64 else None
+    assert_close(wq.wna16_gemm(x, *w, torch.bfloat16, bias), wq.wna16_gemm_ref(x, *w, torch.bfloat16, bias))
+
+
+def test_fp16_and_fp32_activations():
+    w = make_weight(4096, 4096, "uint4", act_order=True, seed=3)
+    for dtype in (torch.float16, torch.float32):
+        x = make_x(16, 4096, seed=4).to(dtype)
+        out = wq.wna16_gemm(x, *w, dtype)
+        ref = wq.wna16_gemm_ref(x, *w, dtype)
+        assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-3
+
+
+@pytest.mark.parametrize("M", [1, 16])
+def test_cuda_graph_capture_with_act_order_and_split_k(M):
+    """Captured once (the act-order gather and the split-K counters inside), replayed on new inputs: the eager
+    output bit for bit (the split partials are summed in a fixed order)."""
+    w = make_weight(4096, 4096, "int4", act_order=True, seed=5)
+    cfg = WNA16Config(block_m=16, block_n=64, block_k=128, split_k=4)
+    x = make_x(M, 4096, seed=6)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        wq.wna16_gemm(x, *w, torch.bfloat16, config=cfg)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = wq.wna16_gemm(x, *w, torch.bfloat16, config=cfg)
+    for seed in (7, 8):
+        x.copy_(make_x(M, 4096, seed=seed))
+        graph.replay()
+        assert torch.equal(static_out, wq.wna16_gemm(x, *w, torch.bfloat16, config=cfg))
+
+
+# --------------------------------------------------------------------------------------------- timing
+
+
+def _time_us(fn) -> float:
+    """Median of replays of a CUDA graph of `fn` (launch overhead as the engine sees it under graphs)."""
+    import triton
+
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3
+
+
+def _grid(M: int) -> list[WNA16Config]:
+    """A small grid around the defaults (one config per line of a future tuning table)."""
+    if M <= 16:
+        space = itertools.product((16,), (32, 64, 128), (64, 128), (0, 1), ((4, 3), (4, 4)))
+    elif M <= 64:
+        space = itertools.product((16, 64), (64, 128), (64, 128), (0, 1), ((4, 4),))
+    else:
+        space = itertools.product((64, 128), (64, 128), (64, 128), (1,), ((4, 3), (8, 3)))
+    return [WNA16Config(bm, bn, bk, split, 1 if M <= 64 else 8, warps, stages)
+            for bm, bn, bk, split, (warps, stages) in space]
+
+
+def bench(sweep: bool, weight_type: str = "int4") -> None:
+    print(f"{weight_type} group {GROUP}: wna16 vs torch.mm BF16 (CUDA-graph replays, median)", flush=True)
+    for N, K in SHAPES:
+        w = make_weight(N, K, weight_type)
+        dense = wq.dequantize_wna16(*w).to(torch.bfloat16)
+        wbytes = sum(t.numel() * t.element_size() for t in w[:3] if t is not None)
+        for M in TOKENS:
+            x = make_x(M, K, seed=M)
+            cfg = wq.select_config(N, K, M, x.device)
+            us = _time_us(lambda: wq.wna16_gemm(x, *w, torch.bfloat16, config=cfg))  # noqa: B023
+            mm = _time_us(lambda: torch.mm(x, dense.T))  # noqa: B023
+            line = (f"N={N:5d} K={K:5d} M={M:3d}: wna16 {us:7.1f} us ({wbytes / us / 1e3:5.0f} GB/s), torch.mm bf16 "
+                    f"{mm:7.1f} us, ratio wna16/mm {us / mm:4.2f}")
+            if sweep:
+                timed = []
+                for c in _grid(M):
+                    try:
+                        timed.append((_time_us(lambda: wq.wna16_gemm(x, *w, torch.bfloat16, config=c)), c))  # noqa: B023
+                    except Exception as exc:  # out of shared memory or registers at this shape
+                        print(f"  skip {c}: {type(exc).__name__}")
+                best_us, best = min(timed, key=lambda t: t[0])
+                line += f"; best {best_us:.1f} us ({best})"
+            print(line, flush=True)
+        w = dense = None  # free before the next shape
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of configs per shape")
+    parser.add_argument("--types", default="int4", help="comma-separated weight types to time")
+    args = parser.parse_args()
+    for weight_type in args.types.split(","):
+        bench(args.sweep, weight_type)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,418 @@
+"""W4A16 / W8A16 weight-only GEMM: the checkpoint repacks, the reference and the Triton kernel (interpreted on CPU).
+
+Every expectation is built here from integer values, independently of the module: the checkpoint tensors are
+packed by the helpers below (bit by bit, with numpy), the expected weight `W[n, k] = s * (v - z)` and the product
+are computed in float64 from the generated values, scales and zero points. The bit layouts are pinned by
+hand-written words. Shapes are small and uneven (N = 40 or 48 against BLOCK_N = 32; M = 17 against BLOCK_M = 16)
+and the kernel configs small, so the interpreter stays quick.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kestrel import ops
+from kestrel.kernels import wna16 as wq
+from kestrel.kernels.wna16 import WNA16Config
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+VARIANTS = ["int4", "uint4", "fp4_e2m1", "int8", "int8_zp", "fp8_e4m3"]
+GROUPS = [32, 64, 128, None]  # None: per channel
+RTOL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 0.0}
+ACC_TOL = 1e-5  # fp32 accumulation, relative to sum |x| |w|
+
+
+def as_i32(words) -> torch.Tensor:
+    """Unsigned 32-bit words written in hex -> the int32 tensor a checkpoint stores."""
+    return torch.from_numpy(np.array(words, dtype=np.uint64).astype(np.uint32).view(np.int32))
+
+
+# ------------------------------------------------------------------------------------ test-side packers
+
+
+def pack(a: np.ndarray, bits: int, axis: int, order=None) -> torch.Tensor:
+    """Unsigned values -> int32 words along `axis`: element pf*j + order[i] at bits bits*i of word j."""
+    pf = 32 // bits
+    order = list(order) if order is not None else list(range(pf))
+    a = np.moveaxis(np.asarray(a, dtype=np.uint64), axis, -1)
+    a = a.reshape(*a.shape[:-1], a.shape[-1] // pf, pf)
+    words = np.zeros(a.shape[:-1], dtype=np.uint64)
+    for i in range(pf):
+        words |= a[..., order[i]] << np.uint64(bits * i)
+    return torch.from_numpy(np.ascontiguousarray(np.moveaxis(words.astype(np.uint32).view(np.int32), -1, axis)))
+
+
+def pack_fp4_bytes(codes: np.ndarray) -> torch.Tensor:
+    """[N, K] codes -> uint8 [N, K // 2], element 2j in the low nibble."""
+    return torch.from_numpy((codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8))
+
+
+# -------------------------------------------------------------------------------------- test weights
+
+
+def make_weight(variant: str, group: int | None, act_order: bool, N: int, K: int, scale_dtype: torch.dtype,
+                seed: int):
+    """(WNA16Weight, W float64 [N, K]) for a variant, built through a checkpoint layout where one exists:
+    int4: GPTQ sym (act-order) / compressed-tensors sym; uint4: GPTQ asym v1 (act-order) / AWQ; fp4: two per
+    byte; int8: GPTQ 8-bit sym / compressed-tensors 8-bit; int8 with zeros: GPTQ 8-bit asym v2 / compressed-tensors
+    8-bit asym; fp8: `pack_wna16`."""
+    rng = np.random.default_rng(seed)
+    group = group or K
+    G = K // group
+    g_idx = rng.permutation(K) // group if act_order else np.arange(K) // group
+    scales = (torch.rand(N, G, generator=torch.Generator().manual_seed(seed)) * 0.02 + 0.004).to(scale_dtype)
+    s64 = scales.double().numpy()
+    gi = torch.from_numpy(g_idx).to(torch.int32)
+    zeros = None
+    if variant in ("int4", "uint4", "fp4_e2m1"):
+        codes = rng.integers(0, 16, (N, K))
+    elif variant == "fp8_e4m3":
+        f8 = (torch.randn(N, K, generator=torch.Generator().manual_seed(seed + 1)) * 40).to(torch.float8_e4m3fn)
+        codes = None
+    else:
+        codes = rng.integers(0, 256, (N, K))  # GPTQ's unsigned 8-bit codes; value = code - 128
+    if variant == "int4":
+        vals = codes - 8
+        if act_order:
+            w = wq.repack_gptq(pack(codes.T, 4, 0), scales.T.contiguous(), pack(np.full((G, N), 7), 4, 1), gi)
+        else:
+            w = wq.repack_compressed_tensors(pack(codes, 4, 1), scales)
+    elif variant == "uint4":
+        zeros = rng.integers(0, 16, (N, G))
+        vals = codes - zeros[:, g_idx]
+        if act_order:
+            stored = (zeros.T - 1) & 15  # GPTQ v1 stores zero - 1 (0 wraps to 15)
+            w = wq.repack_gptq(pack(codes.T, 4, 0), scales.T.contiguous(), pack(stored, 4, 1), gi, sym=False)
+        else:
+            w = wq.repack_awq(pack(codes.T, 4, 1, wq.AWQ_ORDER), pack(zeros.T, 4, 1, wq.AWQ_ORDER),
+                              scales.T.contiguous())
+    elif variant == "fp4_e2m1":
+        vals = 2 * np.array(E2M1)[codes]  # twice the value: integers, exact
+        s64 = s64 / 2
+        w = wq.repack_fp4(pack_fp4_bytes(codes), scales, gi if act_order else None)
+    elif variant == "int8":
+        vals = codes - 128
+        if act_order:
+            w = wq.repack_gptq(pack(codes.T, 8, 0), scales.T.contiguous(), None, gi, bits=8)
+        else:
+            w = wq.repack_compressed_tensors(pack(codes, 8, 1), scales, num_bits=8)
+    elif variant == "int8_zp":
+        zeros = rng.integers(0, 256, (N, G))
+        vals = codes - zeros[:, g_idx]
+        if act_order:
+            w = wq.repack_gptq(pack(codes.T, 8, 0), scales.T.contiguous(), pack(zeros.T, 8, 1), gi, bits=8,
+                               sym=False, zeros_minus_one=False)
+        else:
+            w = wq.repack_compressed_tensors(pack(codes, 8, 1), scales, pack(zeros, 8, 0), num_bits=8)
+    else:
+        vals = f8.double().numpy()
+        w = wq.pack_wna16(f8, scales, g_idx=gi if act_order else None, weight_type="fp8_e4m3")
+    return w, vals * s64[:, g_idx]
+
+
+def make_x(M: int, K: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(M, K, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def assert_matches(out: torch.Tensor, x: torch.Tensor, W: np.ndarray, out_dtype: torch.dtype, bias=None) -> None:
+    x64 = x.double().numpy()
+    exact = x64 @ W.T
+    mag = np.abs(x64) @ np.abs(W).T
+    if bias is not None:
+        exact = exact + bias.double().numpy()
+        mag = mag + np.abs(bias.double().numpy())
+    assert out.dtype == out_dtype and tuple(out.shape) == exact.shape
+    got = out.cpu().double().numpy()
+    bad = np.abs(got - exact) > RTOL[out_dtype] * np.abs(exact) + ACC_TOL * mag
+    assert not bad.any(), f"{bad.sum()} of {bad.size} off, first at {np.argwhere(bad)[0]}"
+
+
+def shape_of(group: int | None) -> tuple[int, int]:
+    """(N, K): K = 128 holds 4 groups of 32 and 2 of 64; K = 256, 2 groups of 128; per channel K = 192."""
+    return (48, 128) if group in (32, 64) else (40, 256) if group == 128 else (48, 192)
+
+
+# --------------------------------------------------------------------------------------- GEMM: reference
+
+CASES = [(v, g) for v in VARIANTS for g in GROUPS]
+
+
+@pytest.mark.parametrize("variant,group", CASES)
+def test_reference_matches_float64_oracle(variant, group):
+    N, K = shape_of(group)
+    for act_order in (False, True):
+        for x_dtype in (torch.bfloat16, torch.float32):
+            w, W = make_weight(variant, group, act_order, N, K, x_dtype, seed=hash((variant, group)) % 1000)
+            assert (w.perm is not None) == (act_order and group is not None)
+            for M in (1, 3, 17):
+                x = make_x(M, K, x_dtype, seed=M)
+                assert_matches(wq.wna16_gemm_ref(x, *w, x_dtype), x, W, x_dtype)
+
+
+# ------------------------------------------------------------------------------------------ GEMM: Triton
+
+# (act_order, M, x dtype, split_k): every pair of values of any two factors appears.
+COMBOS = [
+    (False, 1, torch.bfloat16, 1), (True, 1, torch.float32, 3),
+    (False, 3, torch.float32, 3), (True, 3, torch.bfloat16, 1),
+    (False, 17, torch.bfloat16, 3), (True, 17, torch.float32, 1),
+]
+
+
+@pytest.mark.parametrize("variant,group", CASES)
+def test_triton_matches_float64_oracle(variant, group, device):
+    N, K = shape_of(group)
+    for i, (act_order, M, x_dtype, split_k) in enumerate(COMBOS):
+        # fp16 scales with bf16 activations (GPTQ / AWQ checkpoints store fp16) in every other case.
+        scale_dtype = torch.float16 if x_dtype == torch.bfloat16 and i % 2 else x_dtype
+        w, W = make_weight(variant, group, act_order, N, K, scale_dtype, seed=i)
+        cfg = WNA16Config(block_m=16, block_n=32, block_k=64, split_k=split_k)
+        x = make_x(M, K, x_dtype, seed=M)
+        out = wq.wna16_gemm(x.to(device), *[t.to(device) if torch.is_tensor(t) else t for t in w], x_dtype,
+                            config=cfg)
+        assert_matches(out, x, W, x_dtype)
+
+
+def to_device(w, device):
+    return wq.WNA16Weight(*[t.to(device) if torch.is_tensor(t) else t for t in w])
+
+
+def test_bias_fp16_output_and_default_config(device):
+    """fp16 activations and output, a bias, the tuning table's config (auto split)."""
+    N, K = 40, 256
+    w, W = make_weight("uint4", 128, True, N, K, torch.float16, seed=7)
+    x = make_x(5, K, torch.float16, seed=2)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    for fn in (wq.wna16_gemm_ref, wq.wna16_gemm):
+        out = fn(x.to(device), *to_device(w, device), torch.float16, bias.to(device))
+        assert_matches(out, x, W, torch.float16, bias)
+
+
+def test_split_k_is_deterministic_and_leaves_counters_zeroed(device):
+    N, K = 48, 256
+    w = to_device(make_weight("int4", 32, False, N, K, torch.bfloat16, seed=1)[0], device)
+    x = make_x(3, K, torch.bfloat16, seed=1).to(device)
+    cfg = WNA16Config(block_m=16, block_n=32, block_k=32, split_k=5)
+    first = wq.wna16_gemm(x, *w, torch.bfloat16, config=cfg)
+    assert int(wq._lock_buffer(x.device).abs().sum()) == 0
+    assert torch.equal(first, wq.wna16_gemm(x, *w, torch.bfloat16, config=cfg))
+
+
+def test_strided_activations_and_empty_batch(device):
+    N, K = 48, 128
+    w, W = make_weight("fp8_e4m3", 64, False, N, K, torch.float32, seed=4)
+    wide = make_x(3, K + 16, torch.float32, seed=5)
+    x = wide[:, 8 : 8 + K]
+    cfg = WNA16Config(block_m=16, block_n=32, block_k=64)
+    assert_matches(wq.wna16_gemm(x.to(device), *to_device(w, device), torch.float32, config=cfg), x, W,
+                   torch.float32)
+    empty = wq.wna16_gemm(x[:0].to(device), *to_device(w, device), torch.bfloat16)
+    assert empty.shape == (0, N)
+
+
+def test_ops_dispatch_uses_the_reference_on_cpu():
+    w, W = make_weight("int4", 64, True, 48, 128, torch.bfloat16, seed=9)
+    x = make_x(4, 128, torch.bfloat16, seed=9)
+    out = ops.wna16_gemm(x, *w, torch.bfloat16)
+    assert torch.equal(out, wq.wna16_gemm_ref(x, *w, torch.bfloat16))
+    # The loaders' repack helpers are re-exported by ops (the same functions, up to the interpreter's reload).
+    again = ops.repack_gptq(w.qweight, w.scales)
+    assert again.weight_type == "int4" and torch.equal(again.qweight, w.qweight)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(weight_type="int3"),
+        dict(x_cols=96),  # K mismatch
+        dict(scale_rows=3),  # 128 not a multiple of 3
+        dict(scale_rows=16),  # group 8 < 16
+        dict(weight_type="uint4"),  # uint4 without zeros
+        dict(zeros=True),  # zeros with int4
+        dict(out_dtype=torch.int32),
+        dict(x_dtype=torch.int8),
+        dict(bias_n=7),
+    ],
+)
+def test_invalid_arguments_raise(bad):
+    qweight = torch.zeros(16, 48, dtype=torch.int32)  # K = 128
+    scales = torch.ones(bad.get("scale_rows", 2), 48)
+    zeros = torch.zeros_like(scales, dtype=torch.int8) if bad.get("zeros") else None
+    x = torch.zeros(2, bad.get("x_cols", 128), dtype=bad.get("x_dtype", torch.bfloat16))
+    bias = torch.zeros(bad["bias_n"]) if "bias_n" in bad else None
+    for fn in (wq.wna16_gemm, wq.wna16_gemm_ref):
+        with pytest.raises(ValueError):
+            fn(x, qweight, scales, zeros, None, bad.get("weight_type", "int4"), bad.get("out_dtype", torch.bfloat16),
+               bias)
+
+
+# ------------------------------------------------------------------------------- repack: hand-built bits
+
+
+def test_gptq_4bit_words_and_zeros_by_hand():
+    """Word (j, n) of qweight holds rows 8j..8j+7 of column n at bits 4i; qzeros packs columns the same way."""
+    qweight = torch.zeros(2, 8, dtype=torch.int32)  # K = 16, N = 8
+    qweight[:, 0] = as_i32([0x87654321, 0xFEDCBA90])
+    qweight[:, 3] = as_i32([0x0000000F, 0xF0000000])
+    scales = torch.ones(1, 8, dtype=torch.float16)
+    qzeros = as_i32([[0xF6543210]])  # v1: zero - 1 for columns 0..7; 0xF wraps to zero 0
+    sym = wq.repack_gptq(qweight, scales, qzeros)
+    assert sym.weight_type == "int4" and sym.zeros is None and torch.equal(sym.qweight, qweight)
+    dense = wq.dequantize_wna16(*sym)
+    assert dense[0].tolist() == [c - 8 for c in [1, 2, 3, 4, 5, 6, 7, 8, 0, 9, 10, 11, 12, 13, 14, 15]]
+    assert dense[3].tolist() == [7] + [-8] * 14 + [7]
+    assert dense[1].tolist() == [-8] * 16
+
+    v1 = wq.repack_gptq(qweight, scales, qzeros, sym=False)
+    assert v1.weight_type == "uint4" and v1.zeros.tolist() == [[1, 2, 3, 4, 5, 6, 7, 0]]
+    v2 = wq.repack_gptq(qweight, scales, qzeros, sym=False, zeros_minus_one=False)
+    assert v2.zeros.tolist() == [[0, 1, 2, 3, 4, 5, 6, 15]]
+    assert wq.dequantize_wna16(*v1)[3].tolist() == [11] + [-4] * 14 + [11]  # codes 15 and 0 minus zero 4
+
+
+def test_gptq_8bit_words_by_hand():
+    qweight = torch.zeros(4, 4, dtype=torch.int32)  # K = 16, N = 4
+    qweight[0, 2] = as_i32([0x80FF017F])  # rows 0..3: codes 0x7F, 0x01, 0xFF, 0x80
+    scales = torch.full((1, 4), 0.5, dtype=torch.float16)
+    w = wq.repack_gptq(qweight, scales, None, bits=8)
+    assert w.weight_type == "int8" and w.qweight.dtype == torch.int8
+    assert w.qweight[:4, 2].tolist() == [-1, -127, 127, 0] and w.qweight[4:, 2].tolist() == [-128] * 12
+    qzeros = as_i32([[0x00000000, 0x00000000, 0x00000000, 0x00000000]])  # [1, N // 4] ... only N // 4 = 1 used
+    asym = wq.repack_gptq(qweight, scales, qzeros[:, :1], bits=8, sym=False)  # v1: every zero = 0 + 1
+    assert asym.zeros.tolist() == [[1 - 128] * 4]
+    assert wq.dequantize_wna16(*asym)[2, :4].tolist() == [0.5 * (c - 1) for c in (0x7F, 0x01, 0xFF, 0x80)]
+
+
+def test_awq_interleaved_order_by_hand():
+    """Nibble i of an AWQ word holds column 8j + [0, 2, 4, 6, 1, 3, 5, 7][i]."""
+    qweight = torch.zeros(16, 1, dtype=torch.int32)  # K = 16, N = 8
+    qweight[0, 0] = as_i32([0x76543210])  # nibble i holds i
+    qzeros = as_i32([[0xFEDCBA98]])  # nibble i holds 8 + i
+    w = wq.repack_awq(qweight, qzeros, torch.ones(1, 8, dtype=torch.float16))
+    assert w.weight_type == "uint4"
+    assert w.zeros.tolist() == [[8, 12, 9, 13, 10, 14, 11, 15]]
+    codes_row0 = [0, 4, 1, 5, 2, 6, 3, 7]
+    dense = wq.dequantize_wna16(*w)  # [N, K]
+    assert dense[:, 0].tolist() == [c - z for c, z in zip(codes_row0, w.zeros[0].tolist())]
+    assert dense[:, 1].tolist() == [-z for z in w.zeros[0].tolist()]
+
+
+def test_compressed_tensors_words_by_hand():
+    """Signed values + 8 packed along K in weight_packed [N, K // 8]; zero points packed along N."""
+    packed = torch.zeros(2, 2, dtype=torch.int32)  # N = 2, K = 16
+    packed[0] = as_i32([0x76543210, 0xFEDCBA98])  # stored k for k = 0..15: values k - 8
+    packed[1] = as_i32([0x88888888, 0x8888888F])  # zeros, then value 7 at k = 8
+    scale = torch.tensor([[1.0], [2.0]], dtype=torch.bfloat16)
+    sym = wq.repack_compressed_tensors(packed, scale, weight_shape=torch.tensor([2, 16]))
+    assert sym.weight_type == "int4"
+    dense = wq.dequantize_wna16(*sym)
+    assert dense[0].tolist() == [k - 8 for k in range(16)]
+    assert dense[1].tolist() == [0.0] * 8 + [14.0] + [0.0] * 7
+    zp_packed = as_i32([[0x000000A9]])  # [ceil(N / 8), G]: stored 9, 10 -> zero points 1, 2
+    asym = wq.repack_compressed_tensors(packed, scale, zp_packed)
+    zp_plain = wq.repack_compressed_tensors(packed, scale, torch.tensor([[1], [2]], dtype=torch.int8))
+    assert asym.weight_type == "uint4" and asym.zeros.tolist() == [[9, 10]]
+    assert torch.equal(asym.zeros, zp_plain.zeros)
+    assert wq.dequantize_wna16(*asym)[0].tolist() == [k - 8 - 1 for k in range(16)]
+    eight = torch.zeros(2, 4, dtype=torch.int32)  # 8-bit: N = 2, K = 16
+    eight[1, 0] = as_i32([0xFF807F00])  # values -128, -1, 0, 127
+    w8 = wq.repack_compressed_tensors(eight, scale, num_bits=8)
+    assert w8.weight_type == "int8" and w8.qweight[:4, 1].tolist() == [-128, -1, 0, 127]
+
+
+def test_compressed_tensors_packer_interop():
+    """The layout compressed-tensors' own packer writes (when the library is installed)."""
+    spec = importlib.util.find_spec("compressed_tensors")
+    if spec is None:
+        pytest.skip("compressed-tensors is not installed")
+    # The helpers file alone (torch only): importing the package would pull in transformers, seconds of it.
+    path = Path(spec.origin).parent / "compressors" / "pack_quantized" / "helpers.py"
+    if not path.exists():
+        pytest.skip(f"no {path} in this compressed-tensors version")
+    helpers_spec = importlib.util.spec_from_file_location("_ct_pack_helpers", path)
+    helpers = importlib.util.module_from_spec(helpers_spec)
+    helpers_spec.loader.exec_module(helpers)
+    rng = np.random.default_rng(0)
+    for bits in (4, 8):
+        lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
+        q = torch.from_numpy(rng.integers(lo, hi, (24, 64))).to(torch.int8)
+        zp = torch.from_numpy(rng.integers(lo, hi, (24, 2))).to(torch.int8)
+        scale = (torch.rand(24, 2) + 0.5).to(torch.float16)  # 11-bit scales: s * (q - z) exact in fp32
+        w = wq.repack_compressed_tensors(helpers.pack_to_int32(q, bits), scale,
+                                         helpers.pack_to_int32(zp, bits, packed_dim=0), num_bits=bits)
+        expected = (q.double() - zp.double().repeat_interleave(32, 1)) * scale.double().repeat_interleave(32, 1)
+        assert torch.equal(wq.dequantize_wna16(*w).double(), expected)
+
+
+def test_fp4_nibbles_by_hand():
+    packed = torch.zeros(1, 8, dtype=torch.uint8)  # N = 1, K = 16
+    packed[0, :3] = torch.tensor([0x71, 0xF8, 0x2A], dtype=torch.uint8)
+    w = wq.repack_fp4(packed, torch.ones(1, 1, dtype=torch.bfloat16))
+    assert w.weight_type == "fp4_e2m1"
+    assert wq.dequantize_wna16(*w)[0, :6].tolist() == [0.5, 6.0, -0.0, -6.0, -1.0, 1.0]
+    from_floats = wq.pack_wna16(torch.tensor([E2M1]), torch.ones(1, 1), weight_type="fp4_e2m1")
+    assert wq.dequantize_wna16(*from_floats)[0].tolist() == E2M1
+    with pytest.raises(ValueError):
+        wq.pack_wna16(torch.full((1, 16), 2.5), torch.ones(1, 1), weight_type="fp4_e2m1")
+
+
+def test_act_order_sorts_rows_by_group():
+    K, group = 32, 16
+    g_idx = torch.tensor([1, 0] * 16, dtype=torch.int32)  # odd rows group 0, even rows group 1
+    values = torch.arange(K).remainder(16).reshape(1, K) - 8
+    w = wq.pack_wna16(values, torch.tensor([[1.0, 10.0]]), g_idx=g_idx, weight_type="int4")
+    assert w.perm.tolist() == list(range(1, K, 2)) + list(range(0, K, 2))
+    assert wq.dequantize_wna16(*w)[0].tolist() == [(k % 16 - 8) * (10.0 if k % 2 == 0 else 1.0) for k in range(K)]
+    trivial = wq.pack_wna16(values, torch.tensor([[1.0, 10.0]]), g_idx=torch.arange(K) // group, weight_type="int4")
+    assert trivial.perm is None
+    with pytest.raises(ValueError):  # groups of unequal size
+        wq.pack_wna16(values, torch.tensor([[1.0, 1.0]]), g_idx=torch.tensor([0] * 20 + [1] * 12), weight_type="int4")
+
+
+# ----------------------------------------------------------------------------- repack: random round trips
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_repack_round_trip_is_exact(variant, act_order):
+    """Checkpoint tensors packed bit by bit here -> repack -> dequantize gives s * (v - z) exactly (fp16 scales:
+    every product is exact in fp32)."""
+    for group in GROUPS:
+        N, K = shape_of(group)
+        w, W = make_weight(variant, group, act_order, N, K, torch.float16, seed=3)
+        assert w.weight_type == variant.removesuffix("_zp")
+        assert torch.equal(wq.dequantize_wna16(*w).double(), torch.from_numpy(W))
+
+
+# ------------------------------------------------------------------------------------- tuning table
+
+
+def test_default_table_parses_and_buckets():
+    table = wq.load_table(wq.DEFAULT_TABLE)
+    assert table
+    for bucket, entry in table.items():
+        cfg = wq.WNA16Config.from_json(entry)
+        assert int(bucket) >= 1 and cfg.block_k >= 16 and cfg.split_k >= 0
+    cfg1 = wq.select_config(4096, 4096, 1, torch.device("cpu"))
+    assert cfg1 == wq.lookup(table, 16) and cfg1.split_k == 0
+    assert wq.select_config(4096, 4096, 100000, torch.device("cpu")) == wq.lookup(table, 4096)
+    assert wq.lookup({}, 3) is None
+
+
+def test_block_k_and_split_choices():
+    assert [wq.fit_block_k(128, g) for g in (32, 64, 128, 192, 4096)] == [32, 64, 128, 64, 128]
+    assert wq.split_for(3, tiles=10, k_tiles=2, num_sms=132) == 2
+    assert wq.split_for(0, tiles=64, k_tiles=32, num_sms=132) == 4  # N = 4096 / 64 at M = 1, K = 4096
+    assert wq.split_for(0, tiles=448, k_tiles=32, num_sms=132) == 1
+    assert wq.split_for(0, tiles=64, k_tiles=2, num_sms=132) == 1
+
+
+def test_kernels_really_run_in_the_interpreter():
+    if torch.cuda.is_available():
+        pytest.skip("compiled kernels on a GPU machine")
+    assert type(wq._wna16_kernel).__name__ == "InterpretedFunction"
