@@ -8,14 +8,11 @@ compares with the oracle computed here in one process.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import socket
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 
 from kestrel.config import ModelConfig, QuantConfig
 from kestrel.distributed.parallel import init_parallel, shutdown_parallel
@@ -55,11 +52,6 @@ def layout_name(tp: int, pp: int, ep: bool) -> str:
     return f"tp{tp}-pp{pp}" + ("-ep" if ep else "")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def tokens_for(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
@@ -97,22 +89,15 @@ def load(path: Path, quant: str, parallel=None) -> torch.nn.Module:
 
 def rank_main(rank: int, ports: list[int], root: str) -> None:
     torch.set_num_threads(1)
-    try:
-        for (tp, pp, ep), port in zip(LAYOUTS, ports):
-            parallel = init_parallel(rank, tp, pp, f"tcp://127.0.0.1:{port}", "gloo", TIMEOUT_S, ep)
-            try:
-                for arch, quant in cases_of(ep):
-                    model = load(Path(root) / arch, quant, parallel)
-                    logits = run_steps(model, model.config.vocab_size)
-                    torch.save(logits, Path(root) / f"{arch}-{quant}-{layout_name(tp, pp, ep)}-rank{rank}.pt")
-            finally:
-                shutdown_parallel()
-    except BaseException:
-        (Path(root) / f"error-rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-    # Every result is on disk. Leaving through the interpreter's teardown once aborted a rank in gloo's thread
-    # destructors ("terminate called without an active exception", exit code -6) after its work was done.
-    os._exit(0)
+    for (tp, pp, ep), port in zip(LAYOUTS, ports):
+        parallel = init_parallel(rank, tp, pp, f"tcp://127.0.0.1:{port}", "gloo", TIMEOUT_S, ep)
+        try:
+            for arch, quant in cases_of(ep):
+                model = load(Path(root) / arch, quant, parallel)
+                logits = run_steps(model, model.config.vocab_size)
+                torch.save(logits, Path(root) / f"{arch}-{quant}-{layout_name(tp, pp, ep)}-rank{rank}.pt")
+        finally:
+            shutdown_parallel()
 
 
 @pytest.fixture(scope="module")
@@ -120,22 +105,7 @@ def results(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tp-model")
     for arch in {*ARCHS, *MOE_ARCHS}:
         write_tiny_checkpoint(root / arch, arch, seed=3)
-    ctx = multiprocessing.get_context("spawn")
-    ports = [free_port() for _ in LAYOUTS]
-    procs = [ctx.Process(target=rank_main, args=(rank, ports, str(root)), daemon=True) for rank in range(4)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    errors = sorted(root.glob("error-rank*.txt"))
-    assert not errors, errors[0].read_text()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(rank_main, 4, len(LAYOUTS), root, TIMEOUT_S)
     return root
 
 

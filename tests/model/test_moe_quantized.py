@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
-import os
 import shutil
-import socket
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from gloo_ranks import run_ranks
 from safetensors.torch import load_file, save_file
 from test_quantized import GEMMS_PER_LAYER, cosine_bound, last_logits
 
@@ -554,27 +551,17 @@ def run_case(root: Path, arch: str, source: str, parallel: ParallelContext | Non
     return last_logits(model, prompts_for(model.config.vocab_size, seed=6))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def rank_main(rank: int, ports: list[int], root: str) -> None:
     torch.set_num_threads(1)
-    try:
-        for (layout, ep), port in zip(LAYOUTS, ports):
-            parallel = init_parallel(rank, 2, 1, f"tcp://127.0.0.1:{port}", "gloo", TIMEOUT_S, ep)
-            try:
-                for arch, source in TP_CASES:
-                    logits = run_case(Path(root), arch, source, parallel)
-                    torch.save(logits, Path(root) / f"{arch}-{source}-{layout}-rank{rank}.pt")
-            finally:
-                shutdown_parallel()
-    except BaseException:
-        (Path(root) / f"error-rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-    os._exit(0)  # as tests/distributed/test_parallel_model.py: skip gloo's teardown in the interpreter's
+    for (layout, ep), port in zip(LAYOUTS, ports):
+        parallel = init_parallel(rank, 2, 1, f"tcp://127.0.0.1:{port}", "gloo", TIMEOUT_S, ep)
+        try:
+            for arch, source in TP_CASES:
+                logits = run_case(Path(root), arch, source, parallel)
+                torch.save(logits, Path(root) / f"{arch}-{source}-{layout}-rank{rank}.pt")
+        finally:
+            shutdown_parallel()
 
 
 @pytest.fixture(scope="module")
@@ -585,22 +572,7 @@ def sharded(tmp_path_factory) -> Path:
     for arch, source in TP_CASES:
         if source != "fp8-at-load":
             write_fp8_checkpoint(root / arch, case_path(root, arch, source), source)
-    ctx = multiprocessing.get_context("spawn")
-    ports = [free_port() for _ in LAYOUTS]
-    procs = [ctx.Process(target=rank_main, args=(rank, ports, str(root)), daemon=True) for rank in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    errors = sorted(root.glob("error-rank*.txt"))
-    assert not errors, errors[0].read_text()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(rank_main, 2, len(LAYOUTS), root, TIMEOUT_S)
     return root
 
 

@@ -1,0 +1,52 @@
+"""Spawned gloo ranks for the tests that compare a sharded model with one process: each rank writes its results
+under a shared directory, and a rank that fails writes its traceback there too."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_entry(work: Callable[[int, list[int], str], None], rank: int, ports: list[int], root: str) -> None:
+    """A rank's process: `work`, its traceback saved on failure. Every result is on disk when it returns, and the
+    rank then leaves without the interpreter's teardown, which once aborted a rank in gloo's thread destructors
+    ("terminate called without an active exception", exit code -6) after its work was done."""
+    try:
+        work(rank, ports, root)
+    except BaseException:
+        (Path(root) / f"error-rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    os._exit(0)
+
+
+def run_ranks(work: Callable[[int, list[int], str], None], world: int, num_groups: int, root: Path,
+              timeout_s: float) -> None:
+    """`world` spawned ranks running `work(rank, ports, root)`, with a free port for each of `num_groups`
+    successive process groups; fails with the first rank's traceback, or the exit codes."""
+    ctx = multiprocessing.get_context("spawn")
+    ports = [free_port() for _ in range(num_groups)]
+    procs = [ctx.Process(target=rank_entry, args=(work, rank, ports, str(root)), daemon=True)
+             for rank in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    errors = sorted(root.glob("error-rank*.txt"))
+    assert not errors, errors[0].read_text()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
