@@ -20,7 +20,9 @@ DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "pt", "dummy")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8")
 # The one list of quantization names: quantize at load ("fp8", "int8") or load a checkpoint saved in a format.
-QUANTIZATION_CHOICES = (None, "fp8", "int8", "compressed-tensors")
+QUANTIZATION_CHOICES = (None, "fp8", "int8", "compressed-tensors", "gptq", "awq")
+# Names of checkpoint formats only: a checkpoint saved in them loads as saved; nothing is quantized to them at load.
+CHECKPOINT_ONLY_QUANTIZATION = ("compressed-tensors", "gptq", "awq")
 ACTIVATION_SCHEME_CHOICES = ("dynamic", "static")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICY_CHOICES = ("fcfs", "priority")
@@ -496,7 +498,7 @@ class EngineConfig:
         if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs:
             _fail("max_num_batched_tokens", self.scheduler.max_num_batched_tokens,
                   f"must be >= max_num_seqs={self.scheduler.max_num_seqs} so every running request can decode")
-        if self.quant.method == "compressed-tensors" and not self.model.hf_config.get("quantization_config"):
+        if self.quant.method in CHECKPOINT_ONLY_QUANTIZATION and not self.model.hf_config.get("quantization_config"):
             _fail("quantization", self.quant.method, "it names a checkpoint format, and this checkpoint has no "
                   "quantization_config in its config.json; use 'fp8' or 'int8' to quantize at load")
         self._check_parallel()
@@ -632,8 +634,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("distributed_timeout_s", "parallel", "distributed_timeout_s",
               "seconds to wait for a worker (group setup, one step) before failing; a dead worker fails at once"),
     EngineArg("quantization", "quant", "method",
-              "fp8 or int8: W8A8 quantized at load; a quantized checkpoint (compressed-tensors, fp8) loads as saved "
-              "without it", aliases=("-q",), choices=QUANTIZATION_CHOICES),
+              "fp8 or int8: W8A8 quantized at load; a quantized checkpoint (compressed-tensors, fp8, gptq, awq) loads "
+              "as saved without it", aliases=("-q",), choices=QUANTIZATION_CHOICES),
     EngineArg("activation_scheme", "quant", "activation_scheme", "W8A8 activation scales",
               choices=ACTIVATION_SCHEME_CHOICES),
     EngineArg("symmetric_activations", "quant", "symmetric_activations", "INT8 activations without a zero point"),

@@ -28,6 +28,7 @@ from kestrel.quant.scheme import (
 from kestrel.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 from kestrel.quant.w8a8_fp8 import Fp8LinearMethod
 from kestrel.quant.w8a8_int8 import Int8LinearMethod
+from kestrel.quant.wna16 import WNA16LinearMethod
 
 
 @dataclass(frozen=True)
@@ -119,5 +120,5 @@ def get_quant_method(plan: QuantPlan | QuantConfig | None, layer_name: str, part
 
 __all__ = ["FUSED_MOE", "KV_SCALE_NAMES", "LINEAR", "SCHEMES", "UNQUANTIZED", "Fp8FusedMoEMethod", "Fp8LinearMethod",
            "FusedMoEMethod", "Int8LinearMethod", "KVScaleNames", "LayerKind", "QuantMethod", "QuantPlan", "QuantScheme",
-           "UnquantizedFusedMoEMethod", "UnquantizedLinearMethod", "get_quant_method", "register_scheme",
-           "registered_schemes"]
+           "UnquantizedFusedMoEMethod", "UnquantizedLinearMethod", "WNA16LinearMethod", "get_quant_method",
+           "register_scheme", "registered_schemes"]

@@ -7,7 +7,9 @@ same scheme for all of its parts. Quantization at load is the same structure wit
 
 A mixture of experts' experts are linear modules of the checkpoint too (`...mlp.experts.5.up_proj`): every one of
 a layer's experts must have the same scheme, FP8 with dynamic per-token inputs (what the fused MoE kernel runs:
-`Fp8FusedMoEMethod`); INT8 experts and static input scales are ConfigErrors naming the layer. Block-wise weights
+`Fp8FusedMoEMethod`); INT8 experts and static input scales are ConfigErrors naming the layer.
+Weight-only groups (`LinearScheme.weight_only`, compressed-tensors W4A16 / W8A16) get the weight-only method
+(`kestrel.quant.wna16`) for dense layers and are refused for experts. Block-wise weights
 (`weight_block_size`) load for experts only: the dense W8A8 GEMM applies per-channel scales, so a block-quantized
 dense layer is a ConfigError naming it.
 """
@@ -26,6 +28,7 @@ from kestrel.quant.scheme import FUSED_MOE, LayerKind, QuantScheme, check_layer_
 from kestrel.quant.w8a8 import W8A8LinearMethod
 from kestrel.quant.w8a8_fp8 import Fp8LinearMethod
 from kestrel.quant.w8a8_int8 import Int8LinearMethod
+from kestrel.quant.wna16 import WNA16LinearMethod, WNA16Spec
 
 # LinearScheme.method -> the W8A8 method class that runs it.
 W8A8_METHODS: dict[str, type[W8A8LinearMethod]] = {"fp8": Fp8LinearMethod, "int8": Int8LinearMethod}
@@ -40,10 +43,16 @@ class LinearScheme:
     static_input: bool  # a calibrated per-tensor input scale, else dynamic per-token scales
     symmetric_input: bool = True  # False: asymmetric INT8 inputs with a zero point
     block_shape: tuple[int, int] | None = None  # (bn, bk) block-wise FP8 weights (experts only)
+    weight_only: WNA16Spec | None = None  # weight-only (method "w4a16" / "w8a16"): no input quantization
 
     @property
     def activation_scheme(self) -> str:
         return "static" if self.static_input else "dynamic"
+
+    @property
+    def label(self) -> str:
+        """For messages: "fp8 dynamic", "int8 static", "w4a16"."""
+        return self.method if self.weight_only is not None else f"{self.method} {self.activation_scheme}"
 
 
 @dataclass(frozen=True)
@@ -93,7 +102,7 @@ class W8A8Scheme(QuantScheme):
         schemes = {part: self.scheme_for(part) for part in parts}
         distinct = set(schemes.values())
         if len(distinct) > 1:
-            listed = ", ".join(f"{p}: {s.method + ' ' + s.activation_scheme if s else 'unquantized'}"
+            listed = ", ".join(f"{p}: {s.label if s else 'unquantized'}"
                                for p, s in schemes.items())
             raise ConfigError(f"invalid quantization_config: the modules merged into {layer_name} were saved "
                               f"with different schemes ({listed}); kestrel runs them as one GEMM")
@@ -107,6 +116,8 @@ class W8A8Scheme(QuantScheme):
         scheme = self.scheme_for_parts(prefix, list(parts) or [prefix])
         if scheme is None:
             return None
+        if scheme.weight_only is not None:
+            return WNA16LinearMethod(scheme.weight_only, prefix)
         if scheme.block_shape is not None:
             raise ConfigError(f"invalid quantization_config.weight_block_size={list(scheme.block_shape)}: block-wise "
                               f"FP8 loads for mixture-of-experts experts only; dense block-FP8 linear layers (here "
@@ -124,7 +135,7 @@ class W8A8Scheme(QuantScheme):
         for part in parts or [prefix]:
             schemes.setdefault(self.scheme_for(part), part)
         if len(schemes) > 1:
-            listed = ", ".join(f"{part}: {s.method + ' ' + s.activation_scheme if s else 'unquantized'}"
+            listed = ", ".join(f"{part}: {s.label if s else 'unquantized'}"
                                for s, part in schemes.items())
             raise ConfigError(f"invalid quantization_config: the experts of {prefix} were saved with different schemes "
                               f"(e.g. {listed}); kestrel runs them in one fused kernel")

@@ -1,9 +1,12 @@
 """`quant_method: "compressed-tensors"` checkpoints, as llm-compressor writes them: `float-quantized` FP8 and
 `int-quantized` INT8 W8A8 (per-channel or per-tensor weights; dynamic per-token or static per-tensor inputs,
-asymmetric INT8 inputs with a zero point), and per-tensor FP8 KV-cache scales (`kv_cache_scheme`).
+asymmetric INT8 inputs with a zero point), per-tensor FP8 KV-cache scales (`kv_cache_scheme`), and weight-only
+INT4 / INT8 groups (no `input_activations`: llm-compressor's W4A16, W4A16_ASYM, W8A16) in `pack-quantized` or
+`int-quantized` format, per group or per channel, symmetric or with zero points, optionally act-ordered
+(`actorder: "group"`, `weight_g_idx`), run by the weight-only method (`kestrel.quant.wna16`).
 
-Everything else (group or block quantization, weight-only and 4-bit schemes, asymmetric weights, sparsity,
-transforms) is a ConfigError naming the scheme and the config group, raised before any weight is read.
+Everything else (block quantization, FP8 weight-only, other bit widths, asymmetric or group-wise W8A8 weights,
+sparsity, transforms) is a ConfigError naming the scheme and the config group, raised before any weight is read.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ from typing import Any
 from kestrel.config import ConfigError, QuantConfig
 from kestrel.quant.checkpoint import LinearScheme, TargetGroup, W8A8Scheme
 from kestrel.quant.scheme import register_scheme
+from kestrel.quant.wna16 import GROUP_MULTIPLE, WNA16Spec
 
 _SUPPORTED_FORMATS = ("float-quantized", "int-quantized")
+_WEIGHT_ONLY_FORMATS = ("pack-quantized", "int-quantized")
+_ACT_ORDER = {None: False, False: False, "weight": False, "static": False, True: True, "group": True, "dynamic": True}
 
 
 @register_scheme("compressed-tensors")
@@ -48,11 +54,14 @@ class CompressedTensorsScheme(W8A8Scheme):
 
 def _group_scheme(name: str, group: dict[str, Any], fmt: str | None, targets: tuple[str, ...]) -> LinearScheme:
     where = f"config group {name!r} (targets {list(targets)})"
+    weights = group.get("weights") or {}
+    if (fmt in _WEIGHT_ONLY_FORMATS and not group.get("input_activations") and not group.get("output_activations")
+            and weights.get("type") == "int"):
+        return _weight_only_scheme(name, weights, fmt, where)
     if fmt not in _SUPPORTED_FORMATS:
         raise ConfigError(f"invalid quantization_config format {fmt!r} in {where}: kestrel loads "
-                          f"{list(_SUPPORTED_FORMATS)} (W8A8 FP8 / INT8); packed, weight-only and sparse "
-                          "formats are not supported")
-    weights = group.get("weights") or {}
+                          f"{list(_SUPPORTED_FORMATS)} (W8A8 FP8 / INT8) and {list(_WEIGHT_ONLY_FORMATS)} "
+                          "(weight-only INT4 / INT8); other packed and sparse formats are not supported")
     inputs = group.get("input_activations")
     if group.get("output_activations"):
         raise ConfigError(f"invalid quantization_config in {where}: output activation quantization is not supported")
@@ -67,8 +76,9 @@ def _group_scheme(name: str, group: dict[str, Any], fmt: str | None, targets: tu
     if not weights.get("symmetric", True) or weights.get("dynamic"):
         raise ConfigError(f"invalid quantization_config weights in {where}: weights must be symmetric and static")
     if not inputs:
-        raise ConfigError(f"invalid quantization_config in {where}: weight-only quantization (no input_activations) "
-                          "is not supported; W8A8 schemes are")
+        raise ConfigError(f"invalid quantization_config in {where}: {kind} weight-only quantization (no "
+                          f"input_activations) in format {fmt!r} is not supported; W8A8 schemes and INT4 / INT8 "
+                          f"weight-only ones in {list(_WEIGHT_ONLY_FORMATS)} are")
     if inputs.get("num_bits") != 8 or inputs.get("type") != kind:
         raise ConfigError(f"invalid quantization_config input_activations in {where}: expected 8-bit {kind} "
                           f"inputs like the weights, got {inputs.get('num_bits')}-bit {inputs.get('type')}")
@@ -81,6 +91,33 @@ def _group_scheme(name: str, group: dict[str, Any], fmt: str | None, targets: tu
         raise ConfigError(f"invalid quantization_config input_activations in {where}: asymmetric FP8 inputs")
     return LinearScheme("fp8" if kind == "float" else "int8", weight_per_tensor=strategy == "tensor",
                         static_input=not dynamic, symmetric_input=symmetric)
+
+
+def _weight_only_scheme(name: str, weights: dict[str, Any], fmt: str, where: str) -> LinearScheme:
+    """An INT4 / INT8 weight-only group: W4A16 / W8A16 on the weight-only kernel."""
+    bits, strategy, group_size = weights.get("num_bits"), weights.get("strategy"), weights.get("group_size")
+    if bits not in (4, 8):
+        raise ConfigError(f"invalid quantization_config weights.num_bits={bits!r} in {where} ({fmt}): weight-only "
+                          "INT weights load with 4 or 8 bits")
+    if strategy not in ("group", "channel") or weights.get("block_structure"):
+        raise ConfigError(f"invalid quantization_config weights.strategy={strategy!r} in {where} ({fmt}): weight-only "
+                          "INT weights load per group or per channel")
+    if strategy == "group" and (not isinstance(group_size, int) or group_size <= 0 or group_size % GROUP_MULTIPLE):
+        raise ConfigError(f"invalid quantization_config weights.group_size={group_size!r} in {where} ({fmt}): "
+                          f"expected a positive multiple of {GROUP_MULTIPLE} (the weight-only kernel's K step)")
+    if weights.get("dynamic"):
+        raise ConfigError(f"invalid quantization_config weights.dynamic={weights.get('dynamic')!r} in {where} "
+                          f"({fmt}): weights must be static")
+    actorder = weights.get("actorder")
+    if actorder not in _ACT_ORDER:
+        raise ConfigError(f"invalid quantization_config weights.actorder={actorder!r} in {where} ({fmt}): expected "
+                          "one of 'group', 'weight' or none")
+    grouped = strategy == "group"
+    # Per channel (one group), act-order reorders nothing the kernel sees.
+    spec = WNA16Spec(fmt, bits, group_size if grouped else -1, bool(weights.get("symmetric", True)),
+                     _ACT_ORDER[actorder] and grouped, source=f"compressed-tensors {fmt}, config group {name!r}",
+                     group_field="quantization_config weights.group_size", act_order_field="weights.actorder='group'")
+    return LinearScheme(spec.name, weight_per_tensor=False, static_input=False, weight_only=spec)
 
 
 def _check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:
