@@ -11,8 +11,6 @@ first layer), so that each add is fused into the norm that follows it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -23,14 +21,11 @@ from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.activation import Activation, GatedActivation
 from kestrel.model.layers.attention import Attention
 from kestrel.model.layers.linear import ColumnLinear, LinearBase, MergedColumnLinear, QKVParallelLinear, RowLinear
-from kestrel.model.layers.moe import MoEMLP
+from kestrel.model.layers.moe import MoEMLP, QuantMethodFor
 from kestrel.model.layers.norm import LayerNorm, RMSNorm
 from kestrel.model.layers.rotary import RotaryEmbedding
 from kestrel.model.layers.weights import copy_checked
-from kestrel.quant.base import QuantMethod
 
-# (layer name, the checkpoint modules it merges) -> that layer's quantization method.
-QuantMethodFor = Callable[[str, tuple[str, ...]], QuantMethod]
 Norm = RMSNorm | LayerNorm
 
 

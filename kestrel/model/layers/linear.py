@@ -125,9 +125,11 @@ class LinearBase(nn.Module):
                     raise ValueError(f"cannot load shard {shard_id!r} into a parameter without output_dim")
                 offset, size = stored_span(param, output_dim, *self.shard_range(shard_id))
                 target = target.narrow(output_dim, offset, size)
-        elif len(self.shard_ids) > 1 and self._loads_merged(param, loaded_weight):
+        elif len(self.shard_ids) > 1 and (getattr(param, "per_shard", False)
+                                          or getattr(param, "output_dim", None) is not None):
             # A checkpoint that stores the merged tensor itself (Phi-3's qkv_proj and gate_up_proj): each part
-            # loads as its shard would, so sharding and per-part layouts stay the shards' business.
+            # loads as its shard would, so sharding and per-part layouts stay the shards' business. A per-shard
+            # parameter takes its entries (one value for all shards when the checkpoint has one).
             for part_id, part in zip(self.shard_ids, self._split_merged(param, loaded_weight), strict=True):
                 self.weight_loader(param, part, part_id)
             return
@@ -136,11 +138,6 @@ class LinearBase(nn.Module):
     def checkpoint_output_sizes(self) -> list[int]:
         """Each merged shard's output size in the (unsharded) checkpoint."""
         return [size * (self.tp_size if self.tp_split == "output" else 1) for size in self.output_partition_sizes]
-
-    def _loads_merged(self, param: nn.Parameter, loaded: torch.Tensor) -> bool:
-        """True when `loaded` is a whole merged checkpoint tensor to split by shard: one laid out along the output
-        dim, or a per-shard parameter's entries (one value for all shards when the checkpoint has one)."""
-        return getattr(param, "per_shard", False) or getattr(param, "output_dim", None) is not None
 
     def _split_merged(self, param: nn.Parameter, loaded: torch.Tensor) -> list[torch.Tensor]:
         if getattr(param, "per_shard", False):
@@ -339,6 +336,5 @@ def process_linear_layers_after_loading(model: nn.Module) -> None:
     """Give every linear layer's quant method its post-loading hook (quantize, transpose, ...), and every other
     layer that holds a method the same way (a `processed` flag and `process_after_loading()`: fused experts)."""
     for module in model.modules():
-        holds_method = hasattr(module, "processed") and hasattr(module, "process_after_loading")
-        if isinstance(module, LinearBase) or holds_method:
+        if hasattr(module, "processed") and hasattr(module, "process_after_loading"):  # linear layers among them
             process_linear_layer(module)

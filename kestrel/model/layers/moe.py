@@ -27,6 +27,8 @@ from kestrel.quant import FUSED_MOE, UNQUANTIZED
 from kestrel.quant.base import FusedMoEMethod, QuantMethod
 from kestrel.quant.unquantized import UnquantizedFusedMoEMethod
 
+# (layer name, the checkpoint modules it merges, kind=...) -> that layer's quantization method (the decoder's
+# blocks get it as `functools.partial(get_quant_method, plan)`).
 QuantMethodFor = Callable[..., QuantMethod | FusedMoEMethod]
 
 
