@@ -82,7 +82,9 @@ class DecoderModel(nn.Module):
         self.stage_layers = parallel.stage_layers(arch.num_layers)
         if parallel.is_first_stage:
             self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype, parallel)
-        self.embedding_scale = arch.embedding_scale
+        # Rounded to the model dtype once, as the reference implementations multiply by it.
+        self.embedding_scale = (None if arch.embedding_scale is None
+                                else float(torch.tensor(arch.embedding_scale, dtype=dtype, device="cpu")))
         # One cos/sin table for all layers: at 128k positions it is 64 MB, which per layer would be 2 GB for 32.
         # Sliding-window layers may have their own (Gemma 3's local base); layers without RoPE get none.
         rotary_emb = RotaryEmbedding(arch.head_dim, arch.rotary_length, arch.rope)
@@ -110,8 +112,7 @@ class DecoderModel(nn.Module):
         if self.parallel.is_first_stage:
             hidden_states, residual = self.embed_tokens(input_ids), None
             if self.embedding_scale is not None:
-                # Rounded to the model dtype first, as the reference implementations multiply.
-                hidden_states = hidden_states * torch.tensor(self.embedding_scale, dtype=hidden_states.dtype)
+                hidden_states = hidden_states * self.embedding_scale
         else:
             if intermediate_tensors is None:
                 raise ValueError("a pipeline stage after the first needs the previous stage's intermediate tensors")
