@@ -66,7 +66,26 @@ GEMMA2_9B: dict[str, Any] = {
     "initializer_range": 0.02, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "torch_dtype": "bfloat16",
     "use_cache": True,
 }
-ARCHS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-8b": QWEN3_8B, "gemma2-9b": GEMMA2_9B}
+# Qwen3-30B-A3B's and Mixtral-8x7B's published shapes: 128 experts choose 8 (3.3B active parameters of 30.5B), and
+# 8 choose 2 (12.9B of 46.7B).
+QWEN3_30B_A3B: dict[str, Any] = {
+    **QWEN3_8B, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "output_router_logits": False,
+}
+MIXTRAL_8X7B: dict[str, Any] = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32000,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "sliding_window": None,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "output_router_logits": False,
+    "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02, "bos_token_id": 1,
+    "eos_token_id": 2, "torch_dtype": "bfloat16", "use_cache": True,
+}
+ARCHS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-8b": QWEN3_8B, "gemma2-9b": GEMMA2_9B,
+         "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B}
+# Random weight-only checkpoints (--weight-only): compressed-tensors pack-quantized, symmetric integer codes.
+WEIGHT_ONLY_BITS = {"w4a16": 4, "w8a16": 8}
 SMOKE_OVERRIDES: dict[str, Any] = {"max_position_embeddings": 512}
 # Batch-1 decode target of precisions without their own (latency.DECODE_ROOFLINE_FACTORS): x the roofline.
 ROOFLINE_FACTOR = 1.3
@@ -97,6 +116,50 @@ def write_random_checkpoint(path: Path, config: dict[str, Any], device: torch.de
     release(None)  # the engine sizes its KV cache from free device memory
 
 
+def write_random_weight_only_checkpoint(path: Path, config: dict[str, Any], bits: int, group_size: int,
+                                        device: torch.device, seed: int = 0) -> dict[str, Any]:
+    """`write_random_checkpoint` with every `*_proj` linear layer as compressed-tensors `pack-quantized` symmetric
+    `bits`-bit codes (uniform random words), per-group BF16 scales sized so that the weights' std is about 0.02;
+    returns the config written (with its quantization_config)."""
+    grouped = group_size > 0
+    weights = {"num_bits": bits, "type": "int", "symmetric": True, "dynamic": False,
+               "strategy": "group" if grouped else "channel", "group_size": group_size if grouped else None,
+               "actorder": None}
+    quantized = {**config, "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+        "quantization_status": "compressed", "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": weights, "input_activations": None, "format": "pack-quantized"}}}}
+    if has_checkpoint(path, quantized):
+        return quantized
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device).manual_seed(seed)
+    dtype = getattr(torch, config["torch_dtype"])
+    code_std = (((1 << bits) ** 2 - 1) / 12) ** 0.5  # of codes uniform over [-2^(b-1), 2^(b-1))
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in checkpoint_shapes(config).items():
+        module = name.removesuffix(".weight")
+        if name.endswith("_proj.weight") and len(shape) == 2:
+            n, k = shape
+            words = torch.randint(-(1 << 31), 1 << 31, (n, k * bits // 32), generator=gen, device=device,
+                                  dtype=torch.int64).to(torch.int32)
+            groups = k // group_size if grouped else 1
+            scale = torch.rand((n, groups), generator=gen, device=device).add_(0.5).mul_(0.02 / code_std)
+            tensors[f"{module}.weight_packed"] = words.cpu()
+            tensors[f"{module}.weight_scale"] = scale.to(dtype).cpu()
+            tensors[f"{module}.weight_shape"] = torch.tensor([n, k])
+            continue
+        values = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(config["initializer_range"])
+        if name.endswith("norm.weight"):
+            values += 1.0
+        tensors[name] = values.to(dtype).cpu()
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_weights(path, tensors, num_shards=max(1, total // (4 << 30)))
+    (path / "config.json").write_text(json.dumps(quantized, indent=2) + "\n")
+    del tensors
+    release(None)
+    return quantized
+
+
 def has_checkpoint(path: Path, config: dict[str, Any]) -> bool:
     marker = path / "config.json"
     return marker.is_file() and json.loads(marker.read_text()) == config and any(path.glob("*.safetensors"))
@@ -109,10 +172,19 @@ def default_weights_dir(arch: str) -> Path:
 
 
 def prepare_model(model: str | None, arch: str, smoke: bool, weights_dir: Path | None, with_checkpoint: bool,
-                  device: torch.device) -> tuple[str, str]:
-    """(model directory, load_format). `--model` wins; `--smoke` writes a tiny checkpoint; otherwise the
-    architecture's random checkpoint when the HF peer needs it or an earlier run left it (loading it is
-    faster than drawing dummy weights on the CPU), else its config.json alone with load_format="dummy"."""
+                  device: torch.device, weight_only: str | None = None, group_size: int = 128) -> tuple[str, str]:
+    """(model directory, load_format). `--model` wins; `--smoke` writes a tiny checkpoint; `weight_only` a random
+    weight-only checkpoint of the architecture; otherwise the architecture's random checkpoint when the HF peer
+    needs it or an earlier run left it (loading it is faster than drawing dummy weights on the CPU), else its
+    config.json alone with load_format="dummy"."""
+    if weight_only is not None and (model or smoke):
+        raise ConfigError(f"invalid --weight-only={weight_only}: it writes random weights of --arch, so it goes "
+                          "without --model and --smoke")
+    if weight_only is not None:
+        weights_dir = weights_dir or default_weights_dir(f"{arch}-{weight_only}-g{group_size}")
+        write_random_weight_only_checkpoint(weights_dir, ARCHS[arch], WEIGHT_ONLY_BITS[weight_only], group_size,
+                                            device)
+        return str(weights_dir), "auto"
     weights_dir = weights_dir or default_weights_dir(arch)
     if model:
         return model, "auto"
@@ -203,14 +275,32 @@ def runner_weight_bytes(runner: Any) -> dict[str, int]:
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of the parameters (weights, their scales, norms; not buffers such as rope tables, of which a
-    step reads only its positions' rows); `per_step` also leaves out the embedding table, for the same reason."""
-    total = embed = 0
+    step reads only its positions' rows); `per_step` also leaves out the embedding table, for the same reason.
+    A mixture of experts adds `experts` (the bytes of every expert, a part of `per_step`), and its `num_experts`
+    and `top_k`, from which `step_weight_bytes` counts what a batch reads."""
+    total = embed = experts = 0
     for name, t in model.named_parameters():
         size = t.numel() * t.element_size()
         total += size
         if "embed_tokens" in name:
             embed += size
-    return {"total": total, "embedding": embed, "per_step": total - embed}
+        if hasattr(t, "expert_proj"):
+            experts += size
+    out = {"total": total, "embedding": embed, "per_step": total - embed}
+    routers = [m for m in model.modules() if hasattr(m, "top_k") and hasattr(m, "experts")]
+    if experts and routers:
+        out.update(experts=experts, num_experts=routers[0].experts.num_experts, top_k=routers[0].top_k)
+    return out
+
+
+def step_weight_bytes(weights: dict[str, int], batch: int) -> float:
+    """Weight bytes one decode step of `batch` tokens reads: every dense parameter, and of the experts those chosen
+    at least once, in expectation under uniform routing, `E (1 - (1 - k / E)^batch)` of the E experts (random
+    router weights route about uniformly; a trained router's hot experts read fewer)."""
+    if "experts" not in weights:
+        return float(weights["per_step"])
+    chosen_fraction = 1.0 - (1.0 - weights["top_k"] / weights["num_experts"]) ** batch
+    return weights["per_step"] - weights["experts"] * (1.0 - chosen_fraction)
 
 
 def kv_bytes_per_token(runner: Any) -> int:
@@ -330,6 +420,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "default /tmp/kestrel-bench-ARCH)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default=None, choices=["fp8", "int8"])
+    p.add_argument("--weight-only", default=None, choices=sorted(WEIGHT_ONLY_BITS),
+                   help="random weights of --arch in a compressed-tensors weight-only checkpoint (W4A16 / W8A16 "
+                        "kernel), written to --weights-dir")
+    p.add_argument("--group-size", type=int, default=128, help="the --weight-only checkpoint's group (-1: channel)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the previous one's tokens reach the host (default: on for a GPU)")
@@ -385,6 +479,7 @@ def engine_config_block(args: argparse.Namespace, engine: Engine, model_dir: str
     """The model, precision and engine settings a result was measured with (the suite adds its workload)."""
     return {"model": model_dir, "arch": None if args.model or args.smoke else args.arch,
             "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
+            "weight_only": args.weight_only, "group_size": args.group_size if args.weight_only else None,
             "precision": precision(args, model_dir), "kv_cache_dtype": args.kv_cache_dtype,
             "enforce_eager": args.enforce_eager, "tensor_parallel_size": args.tensor_parallel_size,
             "pipeline_parallel_size": args.pipeline_parallel_size,

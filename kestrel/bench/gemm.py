@@ -1,4 +1,5 @@
-"""`kestrel bench gemm`: W8A8 GEMMs against cuBLAS anchors on Llama-3-8B shapes (BENCHMARKS.md "gemm").
+"""`kestrel bench gemm`: W8A8 GEMMs and the weight-only W4A16 / W8A16 GEMM against cuBLAS anchors on Llama-3-8B
+shapes (BENCHMARKS.md "gemm").
 
 Every variant is checked against a float64 reference on its first input set before it is timed. Timing
 captures one CUDA graph that calls the variant once per rotated input set (enough sets to overflow L2),
@@ -26,10 +27,12 @@ from pathlib import Path
 
 import torch
 
+from kestrel import ops
 from kestrel.bench import register_suite
 from kestrel.bench.timing import time_calls, time_eager
 from kestrel.kernels import quant_act as qa
 from kestrel.kernels import scaled_mm as smm
+from kestrel.kernels import wna16 as wq
 from kestrel.kernels.scaled_mm import MMConfig
 
 SHAPES: dict[str, tuple[int, int]] = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -43,6 +46,7 @@ MAX_SETS = 12
 # Measured ceilings from BENCHMARKS.md, used when the run cannot measure its own (e.g. on the CPU).
 FALLBACK_CEILINGS = {"bw": 4.26e12, "bf16": 760e12, "eight_bit": 1315e12}
 ERR_LIMIT = 1e-2
+WEIGHT_ONLY_GROUP = 128
 # Promoting FP8 accumulation every BLOCK_K doubles the accumulator registers: a tile that does not spill.
 PRECISE_LARGE = MMConfig(swap=False, block_r=256, block_c=128, block_k=128, num_warps=8, num_stages=3,
                          persistent=True, precise_acc=True)
@@ -60,6 +64,8 @@ class Weights:
     si: torch.Tensor  # [N, 1]
     adj: torch.Tensor  # int32 [N], colsum of wi
     bias: torch.Tensor  # bf16 [N]
+    w4: wq.WNA16Weight  # int4 symmetric, group WEIGHT_ONLY_GROUP (per channel when K is not a multiple)
+    w8o: wq.WNA16Weight  # wi / si in the weight-only kernel's layout (W8A16)
     wi_t: torch.Tensor | None = None  # [K, N] copy, only if torch._int_mm refuses the transposed view
 
 
@@ -84,8 +90,19 @@ def make_weights(N: int, K: int, count: int, device: torch.device, gen: torch.Ge
         si = amax / 127.0
         wi = torch.round(wf / si).clamp(-127, 127).to(torch.int8)
         bias = (torch.randn(N, generator=gen, device=device) * 0.1).to(torch.bfloat16)
-        sets.append(Weights(w, w8, s8, wi, si, wi.int().sum(dim=1, dtype=torch.int32), bias))
+        sets.append(Weights(w, w8, s8, wi, si, wi.int().sum(dim=1, dtype=torch.int32), bias, int4_groups(wf),
+                            wq.pack_wna16(wi, si.to(torch.bfloat16), weight_type="int8")))
     return sets
+
+
+def int4_groups(w: torch.Tensor) -> wq.WNA16Weight:
+    """Round-to-nearest symmetric int4 of `w [N, K]` with a BF16 scale per group of WEIGHT_ONLY_GROUP inputs."""
+    N, K = w.shape
+    group = WEIGHT_ONLY_GROUP if K % WEIGHT_ONLY_GROUP == 0 else K
+    blocks = w.reshape(N, K // group, group)
+    scales = (blocks.abs().amax(dim=2) / 7.0).clamp(min=1e-8).to(torch.bfloat16)
+    codes = torch.round(blocks / scales.float().unsqueeze(2)).clamp(-8, 7).reshape(N, K)
+    return wq.pack_wna16(codes, scales, weight_type="int4")
 
 
 def make_acts(M: int, K: int, count: int, device: torch.device, gen: torch.Generator) -> list[Acts]:
@@ -114,11 +131,12 @@ def make_acts(M: int, K: int, count: int, device: torch.device, gen: torch.Gener
 class Variant:
     name: str
     family: str  # anchor or ours; groups points in the plot
-    bits: int  # operand width: 16 or 8
+    bits: int  # activation operand width: 16 or 8
     quant_included: bool
     call: Callable[[Weights, Acts], torch.Tensor]
     ref: Callable[[Weights, Acts, dict], torch.Tensor]  # float64 expectation
     min_m: int = 1
+    weight_bits: int | None = None  # weight-only variants: the stored weight's width (else `bits`)
 
 
 def precise_config(N: int, K: int, M: int, device: torch.device) -> MMConfig:
@@ -186,6 +204,10 @@ def build_variants() -> list[Variant]:
     def ref_i8_t(W, A, c):
         return _epi_ref(_acc(c, "i8s", A.i8_static.q, W.wi), A.i8_static.scale, _t_scale(W.si))
 
+    def ref_weight_only(W, A, c, key):
+        weight = getattr(W, key)
+        return (A.x.double() @ wq.dequantize_wna16(*weight).double().T).float()
+
     return [
         Variant("bf16_mm", "anchor", 16, False, lambda W, A: torch.nn.functional.linear(A.x, W.w),
                 lambda W, A, c: _acc(c, "bf16", A.x, W.w)),
@@ -217,6 +239,10 @@ def build_variants() -> list[Variant]:
                 lambda W, A, c: ref_i8(W, A, c, bias=True)),
         Variant("int8_asym", "ours", 8, False, ours_i8a, ref_i8a),
         Variant("int8_asym+quant", "ours", 8, True, lambda W, A: ours_i8a(W, A, quant=True), ref_i8a),
+        Variant("w4a16_g128", "ours", 16, False, lambda W, A: ops.wna16_gemm(A.x, *W.w4, bf16),
+                lambda W, A, c: ref_weight_only(W, A, c, "w4"), weight_bits=4),
+        Variant("w8a16_int8", "ours", 16, False, lambda W, A: ops.wna16_gemm(A.x, *W.w8o, bf16),
+                lambda W, A, c: ref_weight_only(W, A, c, "w8o"), weight_bits=8),
     ]
 
 
@@ -262,17 +288,18 @@ def measure_ceilings(device: torch.device) -> dict:
             "note": "copy of 1 GiB (read+write); 8192^3 bf16 torch.mm; 8192^3 fp8 torch._scaled_mm tensorwise"}
 
 
-def gemm_bytes(M: int, N: int, K: int, bits: int, quant_included: bool) -> int:
-    elt = bits // 8
-    total = (M * K + N * K) * elt + M * N * 2
+def gemm_bytes(M: int, N: int, K: int, bits: int, quant_included: bool, weight_bits: int | None = None) -> int:
+    """Activations at `bits`, weights at `weight_bits` (default `bits`; group scales left out), BF16 output."""
+    total = M * K * bits // 8 + N * K * (weight_bits or bits) // 8 + M * N * 2
     if quant_included:
         total += M * K * 2 + M * K  # read bf16 activations, write the 8-bit copy
     return total
 
 
-def speed_of_light_us(M: int, N: int, K: int, bits: int, quant_included: bool, ceil: dict) -> float:
+def speed_of_light_us(M: int, N: int, K: int, bits: int, quant_included: bool, ceil: dict,
+                      weight_bits: int | None = None) -> float:
     peak = ceil["bf16"] if bits == 16 else ceil["eight_bit"]
-    return max(2 * M * N * K / peak, gemm_bytes(M, N, K, bits, quant_included) / ceil["bw"]) * 1e6
+    return max(2 * M * N * K / peak, gemm_bytes(M, N, K, bits, quant_included, weight_bits) / ceil["bw"]) * 1e6
 
 
 # ------------------------------------------------------------------------------------------- benchmark
@@ -315,7 +342,8 @@ def run_point(ctx: Ctx, shape: str, M: int, variants: list[Variant]) -> list[dic
     rows = []
     for v in variants:
         row = {"shape": shape, "N": N, "K": K, "M": M, "variant": v.name, "family": v.family,
-               "bits": v.bits, "quant_included": v.quant_included, "sets": count}
+               "bits": v.bits, "weight_bits": v.weight_bits or v.bits, "quant_included": v.quant_included,
+               "sets": count}
         if v.min_m > M:
             rows.append(dict(row, status="skipped", reason=f"needs M >= {v.min_m}"))
             continue
@@ -350,8 +378,8 @@ def measure_variant(ctx: Ctx, v: Variant, weights: list[Weights], acts: list[Act
     except Exception as exc:  # one failing variant must not sink the whole run
         return {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:300]}"}
     flops = 2 * M * N * K
-    sol = speed_of_light_us(M, N, K, v.bits, v.quant_included, ctx.ceilings)
-    byts = gemm_bytes(M, N, K, v.bits, v.quant_included)
+    sol = speed_of_light_us(M, N, K, v.bits, v.quant_included, ctx.ceilings, v.weight_bits)
+    byts = gemm_bytes(M, N, K, v.bits, v.quant_included, v.weight_bits)
     return {"status": "ok", "err": err, "us": us, "tflops": flops / us * 1e-6, "sol_us": sol,
             "sol_frac": sol / us, "intensity": flops / byts, "graph": graphed}
 
@@ -445,6 +473,9 @@ TARGETS = [
     ("INT8 asym within 10% of sym (all M)", "int8_asym", "int8_tok_ch", lambda m: True, 1 / 1.1),
     ("INT8 asym incl. quant within 10% of sym incl. quant", "int8_asym+quant", "int8_tok_ch+quant",
      lambda m: True, 1 / 1.1),
+    ("W4A16 g128 >= 2.5x BF16 (M <= 16)", "w4a16_g128", "bf16_mm", lambda m: m <= 16, 2.5),
+    ("W4A16 g128 >= 1.5x BF16 (M = 64)", "w4a16_g128", "bf16_mm", lambda m: m == 64, 1.5),
+    ("W4A16 g128 >= 1.0x BF16 (M = 256)", "w4a16_g128", "bf16_mm", lambda m: m == 256, 1.0),
 ]
 # Like-for-like views reported beside the targets (not targets themselves).
 EXTRA_RATIOS = [
@@ -456,6 +487,8 @@ EXTRA_RATIOS = [
     ("FP8 tensor vs torch tensorwise", "fp8_tensor", "torch_fp8_tensorwise"),
     ("INT8 tok x ch GEMM only vs BF16", "int8_tok_ch", "bf16_mm"),
     ("INT8 tok x ch incl. quant vs torch._int_mm", "int8_tok_ch+quant", "torch_int_mm"),
+    ("W8A16 INT8 vs BF16", "w8a16_int8", "bf16_mm"),
+    ("W4A16 g128 vs FP8 tok x ch incl. quant", "w4a16_g128", "fp8_tok_ch+quant"),
 ]
 
 
@@ -678,15 +711,18 @@ def _git_sha() -> str:
 def summary_table(rows: list[dict], shapes: list[str], m_values: tuple[int, ...]) -> str:
     cols = [("bf16", "bf16_mm"), ("fp8row", "torch_fp8_rowwise"), ("int_mm", "torch_int_mm"),
             ("fp8", "fp8_tok_ch"), ("fp8+q", "fp8_tok_ch+quant"), ("i8", "int8_tok_ch"),
-            ("i8+q", "int8_tok_ch+quant"), ("i8asym", "int8_asym")]
-    lines = ["shape    M     " + "".join(f"{c:>9}" for c, _ in cols) + "  fp8+q/bf16 fp8+q/row i8/int_mm"]
+            ("i8+q", "int8_tok_ch+quant"), ("i8asym", "int8_asym"), ("w4a16", "w4a16_g128"),
+            ("w8a16", "w8a16_int8")]
+    lines = ["shape    M     " + "".join(f"{c:>9}" for c, _ in cols)
+             + "  fp8+q/bf16 fp8+q/row i8/int_mm w4/bf16"]
     for shape in shapes:
         for M in m_values:
             us = {c: _us(rows, shape, M, v) for c, v in cols}
             cells = "".join(f"{us[c]:9.1f}" if us[c] else f"{'-':>9}" for c, _ in cols)
 
-            ratios = [_ratio(us, "bf16", "fp8+q"), _ratio(us, "fp8row", "fp8+q"), _ratio(us, "int_mm", "i8")]
-            lines.append(f"{shape:8} {M:<5} {cells}  {ratios[0]:>10} {ratios[1]:>9} {ratios[2]:>9}")
+            ratios = [_ratio(us, "bf16", "fp8+q"), _ratio(us, "fp8row", "fp8+q"), _ratio(us, "int_mm", "i8"),
+                      _ratio(us, "bf16", "w4a16")]
+            lines.append(f"{shape:8} {M:<5} {cells}  {ratios[0]:>10} {ratios[1]:>9} {ratios[2]:>9} {ratios[3]:>8}")
     lines.append("(median us per call; ratios = anchor time / ours)")
     return "\n".join(lines)
 

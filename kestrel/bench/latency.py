@@ -115,7 +115,7 @@ def add_roofline(row: dict[str, Any], engine: Engine, ceilings: dict[str, Any], 
     hf_config = engine.config.model.hf_config
     bandwidth = ceilings["copy_TBps"] * 1e12
     peak = (ceilings["eight_bit_TFLOPs"] if eight_bit else ceilings["bf16_TFLOPs"]) * 1e12
-    weights = common.runner_weight_bytes(engine.runner)["per_step"]
+    weights = common.step_weight_bytes(common.runner_weight_bytes(engine.runner), row["batch"])
     per_token_kv = common.kv_bytes_per_token(engine.runner)
     b, n, out = row["batch"], row["input_len"], row["output_len"]
     mean_context = n + out / 2
@@ -304,7 +304,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         common.release(None)
     ceilings = common.measure_ceilings(device)
     model_dir, load_format = common.prepare_model(args.model, args.arch, args.smoke, args.weights_dir,
-                                                  bool(hf_modes), device)
+                                                  bool(hf_modes), device, args.weight_only, args.group_size)
     hf: dict[str, Any] = {}
     if args.hf_result:
         hf = common.load_hf_result(args.hf_result, "latency", args.output_len)

@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, device: torch.device) -> int:
     run_peer = args.hf_peer_prompts > 0 and args.hf_result is None
     model_dir, load_format = common.prepare_model(args.model, args.arch, args.smoke, args.weights_dir,
-                                                  run_peer, device)
+                                                  run_peer, device, args.weight_only, args.group_size)
     vocab = common.prompt_vocab(model_dir)
     hf: dict[str, Any] = {}
     if args.hf_result is not None:

@@ -111,3 +111,46 @@ def test_structured_smoke(tmp_path: Path) -> None:
     for row in result["rows"]:
         for name in ("record", "digit-array"):
             assert row[f"{name}_ms_per_step"] > 0 and row[f"{name}_mask_fill_ms_per_step"] > 0
+
+
+def test_random_weight_only_checkpoint_loads_on_the_weight_only_kernel(tmp_path: Path) -> None:
+    """`--weight-only`: random pack-quantized codes whose dequantized weights have about the dense std (0.02)."""
+    import torch
+
+    from kestrel.bench import common
+    from kestrel.config import ModelConfig
+    from kestrel.loader import load_model
+    from kestrel.loader.model_init import write_tiny_checkpoint
+    from kestrel.quant import WNA16LinearMethod
+
+    config = write_tiny_checkpoint(tmp_path / "dense", "llama", "tiny")
+    for bits, group in ((4, 32), (8, -1)):
+        out = tmp_path / f"w{bits}"
+        saved = common.write_random_weight_only_checkpoint(out, config, bits, group, torch.device("cpu"))
+        weights = saved["quantization_config"]["config_groups"]["group_0"]["weights"]
+        assert weights["num_bits"] == bits and weights["group_size"] == (group if group > 0 else None)
+        model = load_model(ModelConfig(str(out), dtype="float32"))
+        layers = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), WNA16LinearMethod)]
+        assert layers, "the random checkpoint should load onto the weight-only method"
+        eye = torch.eye(layers[0].input_size)
+        dense = layers[0](eye)
+        assert 0.01 < float(dense.std()) < 0.04, float(dense.std())
+
+
+def test_moe_step_bytes_count_the_experts_a_batch_chooses(tmp_path: Path) -> None:
+    from kestrel.bench import common
+    from kestrel.config import ModelConfig
+    from kestrel.loader import load_model
+    from kestrel.loader.model_init import write_tiny_checkpoint
+
+    config = write_tiny_checkpoint(tmp_path, "qwen3_moe", "tiny")
+    model = load_model(ModelConfig(str(tmp_path), dtype="float32"))
+    weights = common.weight_bytes(model)
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    assert weights["experts"] == experts > 0
+    assert (weights["num_experts"], weights["top_k"]) == (config["num_experts"], config["num_experts_per_tok"])
+    dense = weights["per_step"] - experts
+    k_over_e = config["num_experts_per_tok"] / config["num_experts"]
+    assert abs(common.step_weight_bytes(weights, 1) - (dense + experts * k_over_e)) < 1e-6 * experts
+    assert common.step_weight_bytes(weights, 1) < common.step_weight_bytes(weights, 8) < weights["per_step"]
+    assert abs(common.step_weight_bytes(weights, 10_000) - weights["per_step"]) < 1e-6 * experts
