@@ -326,10 +326,23 @@ PromptInput = (str | Annotated[list[str], Field(min_length=1)] | TokenIds
                | Annotated[list[TokenIds], Field(min_length=1)])
 
 
+def _max_tokens_or_zero(value: Any) -> Any:
+    """max_tokens 0 (score the prompt with echo, checked in to_sampling_params) or SamplingParams' range."""
+    if value == 0:
+        return value
+    try:
+        check_bound("max_tokens", value)
+    except SamplingParamsError as error:
+        raise PydanticCustomError(_BOUND_ERROR, "{message}", {"message": str(error).replace(">= 1", ">= 0")}
+                                  ) from None
+    return value
+
+
 class CompletionRequest(_SamplingRequest):
     prompt: PromptInput
-    # OpenAI's completions default, which is SamplingParams' too.
-    max_tokens: _bounded(Int, "max_tokens") | None = _sampling_default("max_tokens")
+    # OpenAI's completions default, which is SamplingParams' too; 0 with echo scores the prompt (vLLM's).
+    max_tokens: Annotated[Int, AfterValidator(_max_tokens_or_zero), Field(json_schema_extra={"minimum": 0})] | None = (
+        _sampling_default("max_tokens"))
     logprobs: _bounded(Int, "logprobs") | None = _sampling_default("logprobs")
     echo: bool | None = False
     add_special_tokens: bool | None = True  # vLLM's: the tokenizer's BOS (and the like) around a text prompt
@@ -341,6 +354,24 @@ class CompletionRequest(_SamplingRequest):
         """max_tokens, SamplingParams' default when sent as null."""
         return _default(self.max_tokens, _sampling_default("max_tokens"))
 
+    @property
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0: the prompt comes back (with its logprobs when logprobs is set), nothing is
+        generated. The engine computes the prompt's logprobs in a one-token run whose token the response drops
+        (vLLM does the same)."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def _check_max_tokens(self) -> None:
+        if self.max_tokens != 0:
+            return
+        if not self.echo:
+            _unsupported("max_tokens", "max_tokens 0 generates nothing: it only scores the prompt, which needs "
+                         "echo true (with logprobs for the prompt's logprobs); otherwise ask for at least 1 token")
+        if self.use_beam_search:
+            _unsupported("max_tokens", "beam search needs max_tokens >= 1")
+        if self.min_tokens:
+            _unsupported("min_tokens", f"min_tokens={self.min_tokens} cannot be met with max_tokens 0")
+
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""
         prompt = self.prompt
@@ -350,13 +381,19 @@ class CompletionRequest(_SamplingRequest):
             return [list(prompt)]  # type: ignore[arg-type]
         return list(prompt)  # type: ignore[arg-type]
 
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
+        self._check_max_tokens()
+        return super().beam_search_params(max_tokens)
+
     def to_sampling_params(self, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         self._check_common()
+        self._check_max_tokens()
         if self.suffix is not None:
             _unsupported("suffix", "suffix (insertion) is not supported by this server")
         if self.best_of is not None and self.best_of != _default(self.n, _sampling_default("n")):
             _unsupported("best_of", "best_of other than n is not supported; use n")
-        params = self._sampling_params(self.token_limit, self.logprobs, model_defaults or {})
+        params = self._sampling_params(1 if self.scores_only else self.token_limit, self.logprobs,
+                                       model_defaults or {})
         if self.echo and self.logprobs is not None:  # the echoed prompt carries its logprobs
             params = params.replace(prompt_logprobs=max(self.logprobs, _default(self.prompt_logprobs, 0)))
         return params

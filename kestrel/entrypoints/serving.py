@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -177,6 +178,8 @@ class OpenAIServing:
         if request.stream:
             return EventStreamResponse(self._completion_stream(request, job))
         finals = await _until_disconnect(raw, self._collect(job))
+        if request.scores_only:
+            finals = [_without_generation(final) for final in finals]
         fmt = self._formatter(params.logprobs, request.return_tokens_as_token_ids)
         ids = bool(request.return_token_ids)
         choices = []
@@ -242,6 +245,8 @@ class OpenAIServing:
                         yield chunk(CompletionChoice(index=i * n + j, text=prompt.text or "",
                                                      **token_ids(i * n + j, prompt, [])))
             async for i, output in self._merged(job):
+                if request.scores_only:
+                    output = _without_generation(output)
                 if i in echo_later:
                     echo_later.discard(i)
                     prompt = job.prompts[i]
@@ -604,6 +609,17 @@ class OpenAIServing:
                 await stream.aclose()
             for tracker in job.trackers:
                 tracker.aborted()  # a no-op for the requests that finished
+
+
+def _without_generation(output: RequestOutput) -> RequestOutput:
+    """An echo-only completion (max_tokens 0): the one token the engine sampled to finish the prompt's run is
+    dropped; the choice ends at its limit of 0 tokens."""
+    def nothing(c: CompletionOutput) -> CompletionOutput:
+        empty = [] if c.logprobs is not None else None
+        return CompletionOutput(index=c.index, text="", token_ids=[], logprobs=empty,
+                                finish_reason="length" if c.finished else None, delta_logprobs=empty)
+
+    return dataclasses.replace(output, outputs=[nothing(c) for c in output.outputs])
 
 
 def _completion_shape(request: CompletionRequest, params: SamplingParams, prompts: list[_Prompt]) -> ResponseShape:

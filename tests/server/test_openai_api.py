@@ -220,3 +220,27 @@ def test_echo_with_logprobs_matches_hf_prompt_logprobs(client, hf_tokenizer, tin
     streamed = [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs]
     assert "".join(c.text for c in chunks) == whole.text
     assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_only(client, hf_tokenizer):
+    """lm-eval's loglikelihood request (vLLM accepts it): the prompt and its logprobs, nothing generated."""
+    prompt_ids = hf_tokenizer.encode(PROMPT)
+    args = {"model": MODEL, "prompt": PROMPT, "temperature": 0.0, "echo": True, "logprobs": 2}
+    scored = client.completions.create(max_tokens=0, **args)
+    generated = client.completions.create(max_tokens=3, extra_body={"ignore_eos": True}, **args).choices[0]
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == generated.logprobs.tokens[: len(prompt_ids)]
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+        generated.logprobs.token_logprobs[1: len(prompt_ids)], abs=1e-6)
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(prompt_ids)
+    chunks = [c for c in client.completions.create(max_tokens=0, stream=True, **args) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == choice.logprobs.tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+    plain = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello"], max_tokens=0, echo=True)
+    assert [c.text for c in plain.choices] == [PROMPT, "Hello"] and all(c.logprobs is None for c in plain.choices)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    assert refused.value.body["param"] == "max_tokens" and "echo" in refused.value.body["message"]
