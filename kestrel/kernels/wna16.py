@@ -9,6 +9,10 @@ Weight types (`weight_type`): the value `v` of a stored code or element, and the
 - "uint4"     4-bit code c, v = c, z from `zeros` (GPTQ asymmetric, AWQ, compressed-tensors asymmetric INT4).
 - "fp4_e2m1"  4-bit code c: sign bit 3, exponent bits 2-1, mantissa bit 0: v in {0, 0.5, 1, 1.5, 2, 3, 4, 6} with
               its sign (OCP MX / NVFP4 elements; their block scales folded into `scales` by the loader); no zeros.
+- "nf4"       4-bit code c, v = NF4_VALUES[c]: bitsandbytes' NormalFloat4 code book (normal quantiles in [-1, 1],
+              not an affine code); no zeros.
+- "fp4_bnb"   4-bit code c, v = FP4_BNB_VALUES[c]: bitsandbytes' FP4 (sign bit 3, exponent bits 2-1 with bias 2,
+              mantissa bit 0; values up to 12 normalized to 1, so unlike e2m1); no zeros.
 - "int8"      int8 element q, v = q, z from `zeros` if given (else 0) (GPTQ 8-bit: the uint8 code minus 128;
               compressed-tensors 8-bit pack-quantized or naive int8).
 - "fp8_e4m3"  float8_e4m3fn element (W8A16-FP8, per-channel scales); no zeros.
@@ -35,7 +39,12 @@ group size, so each K step lies in one group: the step's product is formed from 
 points are small integers, fp4 values are doubled into integers, fp8 values are exact: all exact in bf16 / fp16)
 with fp32 accumulation, then multiplied by that group's scales in fp32 and added to the tile accumulator; per
 channel (one group) the scales are applied once after the loop. So the kernel and the fp32 reference differ only by
-summation order. Split-K partials meet in an fp32 workspace; the last program to arrive at a tile (an atomic
+summation order. The one exception is nf4 with 16-bit activations: its code values are not exact in 16 bits, so the
+tensor-core dot takes them rounded to the activation dtype (relative 2^-9 in bf16), as bitsandbytes' own
+dequantization to the model dtype does; fp32 activations (and the interpreter) keep them exact. fp4_bnb values are
+integers / 192, exact like e2m1's.
+
+Split-K partials meet in an fp32 workspace; the last program to arrive at a tile (an atomic
 counter) sums them in split order (deterministic, so CUDA-graph replays are bit-exact) and runs the epilogue
 (bias, one rounding).
 
@@ -58,15 +67,30 @@ from kestrel.kernels import common
 DEFAULT_TABLE = common.TUNING_DIR / "wna16_default.json"
 _LOCK_SLOTS = 1 << 16
 
-WEIGHT_TYPES = ("int4", "uint4", "fp4_e2m1", "int8", "fp8_e4m3")
+WEIGHT_TYPES = ("int4", "uint4", "fp4_e2m1", "nf4", "fp4_bnb", "int8", "fp8_e4m3")
 _CODE = {name: i for i, name in enumerate(WEIGHT_TYPES)}  # WTYPE constexpr of the kernel
-# The kernel's branches on WTYPE: codes <= _FP4 are the 4-bit packed types, then int8, then fp8.
+# The kernel's branches on WTYPE: codes <= _FP4_BNB are the 4-bit packed types, then int8, then fp8.
 _FP4 = tl.constexpr(_CODE["fp4_e2m1"])
+_NF4 = tl.constexpr(_CODE["nf4"])
+_FP4_BNB = tl.constexpr(_CODE["fp4_bnb"])
 _INT8 = tl.constexpr(_CODE["int8"])
-_FOUR_BIT = ("int4", "uint4", "fp4_e2m1")
+_FOUR_BIT = ("int4", "uint4", "fp4_e2m1", "nf4", "fp4_bnb")
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The e2m1 code book: code c -> value (sign bit 3).
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# bitsandbytes' NF4 code book (QLoRA's NormalFloat4, as float32 values), code c -> value; `_nf4_value` in the
+# kernel holds the same numbers.
+NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+              0.7229568362236023, 1.0)
+# bitsandbytes' FP4 code book, code c -> value: magnitudes m / 192 with m = 0, 1, 128, 192, 64, 96, 32, 48 for
+# codes 0-7 (its table 0, 0.0625, 8, 12, 4, 6, 2, 3 divided by 12), code 8 + c the negative.
+_FP4_BNB_M = (0, 1, 128, 192, 64, 96, 32, 48)
+FP4_BNB_VALUES = tuple(m / 192 for m in _FP4_BNB_M) + tuple(-m / 192 for m in _FP4_BNB_M)
+# The kernel's integer stand-ins for code values, and the factor its scales take back (fp4_e2m1: twice the value).
+_SCALE_MULT = {"fp4_e2m1": 0.5, "fp4_bnb": 1.0 / 192}
+_CODE_BOOKS = {"fp4_e2m1": FP4_E2M1_VALUES, "nf4": NF4_VALUES, "fp4_bnb": FP4_BNB_VALUES}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: nibble i of a word holds column 8j + AWQ_ORDER[i]
 
 
@@ -171,8 +195,8 @@ def _dequant_kn(qweight, scales, zeros, weight_type, group) -> torch.Tensor:
     v = unpack_values(qweight, weight_type)
     if weight_type == "int4":
         v = v - 8
-    elif weight_type == "fp4_e2m1":
-        v = torch.tensor(FP4_E2M1_VALUES, device=v.device)[v]
+    elif weight_type in _CODE_BOOKS:
+        v = torch.tensor(_CODE_BOOKS[weight_type], dtype=torch.float32, device=v.device)[v]
     if zeros is not None:
         v = v - zeros.to(torch.int32).repeat_interleave(group, 0)
     return v.float() * scales.float().repeat_interleave(group, 0)
@@ -219,21 +243,29 @@ def _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE: tl.constexpr, HAS_ZEROS
                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The `[BLOCK_K, BLOCK_N]` fp32 tile of K step kt: values minus zero points (fp4: twice the value, an
     integer; the launcher halves its scales). Every value is exact in bf16 and fp16."""
-    if WTYPE <= _FP4:
+    if WTYPE <= _FP4_BNB:
         rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :])
         shifts = tl.arange(0, 8) * 4
         c = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-        if WTYPE == _FP4:
-            e = (c >> 1) & 3
-            m = c & 1
-            mag = tl.where(e == 0, m, ((2 + m) << e) >> 1)  # 2 * |value|: 0, 1, 2, 3, 4, 6, 8, 12
-            v = tl.where(c >= 8, -mag, mag)
-        elif HAS_ZEROS:
-            v = c - z[None, :]
+        if WTYPE == _NF4:
+            w = _nf4_value(c)
         else:
-            v = c - 8
-        w = v.to(tl.float32)
+            if WTYPE == _FP4:
+                e = (c >> 1) & 3
+                m = c & 1
+                mag = tl.where(e == 0, m, ((2 + m) << e) >> 1)  # 2 * |value|: 0, 1, 2, 3, 4, 6, 8, 12
+                v = tl.where(c >= 8, -mag, mag)
+            elif WTYPE == _FP4_BNB:
+                e = (c >> 1) & 3
+                m = c & 1
+                mag = tl.where(e == 0, m, (2 + m) << (7 - e))  # 192 * |value|: 0, 1, 128, 192, 64, 96, 32, 48
+                v = tl.where(c >= 8, -mag, mag)
+            elif HAS_ZEROS:
+                v = c - z[None, :]
+            else:
+                v = c - 8
+            w = v.to(tl.float32)
     else:
         rows = kt * BLOCK_K + tl.arange(0, BLOCK_K)
         ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :]
@@ -246,6 +278,25 @@ def _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE: tl.constexpr, HAS_ZEROS
             # fp8 arrives as its bytes (the interpreter cannot load fp8 directly).
             w = tl.load(ptrs).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     return w
+
+
+@triton.jit
+def _nf4_value(c):
+    """NF4_VALUES[c] as fp32, by a select tree on the code's bits (a 16-entry table in registers)."""
+    b0 = (c & 1) != 0
+    b1 = (c & 2) != 0
+    b2 = (c & 4) != 0
+    lo = tl.where(b2,
+                  tl.where(b1, tl.where(b0, 0.0, -0.09105003625154495), tl.where(b0, -0.18477343022823334,
+                                                                                 -0.28444138169288635)),
+                  tl.where(b1, tl.where(b0, -0.39491748809814453, -0.5250730514526367),
+                           tl.where(b0, -0.6961928009986877, -1.0)))
+    hi = tl.where(b2,
+                  tl.where(b1, tl.where(b0, 1.0, 0.7229568362236023), tl.where(b0, 0.5626170039176941,
+                                                                               0.44070982933044434)),
+                  tl.where(b1, tl.where(b0, 0.33791524171829224, 0.24611230194568634),
+                           tl.where(b0, 0.16093020141124725, 0.07958029955625534)))
+    return tl.where((c & 8) != 0, hi, lo).to(tl.float32)
 
 
 @triton.jit
@@ -380,7 +431,7 @@ def wna16_gemm(
     bias_t = bias.reshape(-1).contiguous() if bias is not None else scales
     _wna16_kernel[(tiles, split_k)](
         x, w, scales, z, bias_t, out, ws, _lock_buffer(x.device),
-        M, N, k_tiles, per_split, split_k, group // block_k, 0.5 if weight_type == "fp4_e2m1" else 1.0,
+        M, N, k_tiles, per_split, split_k, group // block_k, _SCALE_MULT.get(weight_type, 1.0),
         x.stride(0), w.stride(0), scales.stride(0), z.stride(0), out.stride(0),
         WTYPE=_CODE[weight_type], HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         ONE_GROUP=scales.shape[0] == 1, DOT_F32=not x.is_cuda or x.dtype == torch.float32, FAST=x.is_cuda,
@@ -541,7 +592,8 @@ def pack_wna16(
     """Quantized values in the `[N, K]` convention -> the kernel's layout.
 
     values: int4: integers in [-8, 7]; uint4: [0, 15] with zeros [0, 15]; fp4_e2m1: codes 0..15 (integer dtype)
-    or e2m1-representable floats; int8: int8 (zeros optional, signed); fp8_e4m3: float8_e4m3fn.
+    or e2m1-representable floats; nf4, fp4_bnb: codes 0..15 (integer dtype); int8: int8 (zeros optional, signed);
+    fp8_e4m3: float8_e4m3fn.
     scales `[N, K // group]` (or `[N]` / `[N, 1]`: per channel), zeros like scales, g_idx `[K]` (act-order).
     W8A16 checkpoints (compressed-tensors naive int8 or FP8 with `weight_scale [N, 1]`) load through this."""
     if weight_type not in _CODE:

@@ -21,7 +21,14 @@ from kestrel.kernels import wna16 as wq
 from kestrel.kernels.wna16 import WNA16Config
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-VARIANTS = ["int4", "uint4", "fp4_e2m1", "int8", "int8_zp", "fp8_e4m3"]
+# bitsandbytes' 4-bit code books as it builds them: float32 tables divided by their largest magnitude.
+NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                0.7229568362236023, 1.0], dtype=np.float32)
+FP4_BNB = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, -0.0, -0.0625, -8, -12, -4, -6, -2, -3], dtype=np.float32) / 12
+CODE_BOOKS = {"nf4": NF4, "fp4_bnb": FP4_BNB}
+VARIANTS = ["int4", "uint4", "fp4_e2m1", "nf4", "fp4_bnb", "int8", "int8_zp", "fp8_e4m3"]
 GROUPS = [32, 64, 128, None]  # None: per channel
 RTOL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 0.0}
 ACC_TOL = 1e-5  # fp32 accumulation, relative to sum |x| |w|
@@ -60,7 +67,7 @@ def make_weight(variant: str, group: int | None, act_order: bool, N: int, K: int
     """(WNA16Weight, W float64 [N, K]) for a variant, built through a checkpoint layout where one exists:
     int4: GPTQ sym (act-order) / compressed-tensors sym; uint4: GPTQ asym v1 (act-order) / AWQ; fp4: two per
     byte; int8: GPTQ 8-bit sym / compressed-tensors 8-bit; int8 with zeros: GPTQ 8-bit asym v2 / compressed-tensors
-    8-bit asym; fp8: `pack_wna16`."""
+    8-bit asym; nf4 / fp4_bnb (bitsandbytes' code books): codes through `pack_wna16`; fp8: `pack_wna16`."""
     rng = np.random.default_rng(seed)
     group = group or K
     G = K // group
@@ -69,7 +76,7 @@ def make_weight(variant: str, group: int | None, act_order: bool, N: int, K: int
     s64 = scales.double().numpy()
     gi = torch.from_numpy(g_idx).to(torch.int32)
     zeros = None
-    if variant in ("int4", "uint4", "fp4_e2m1"):
+    if variant in ("int4", "uint4", "fp4_e2m1", "nf4", "fp4_bnb"):
         codes = rng.integers(0, 16, (N, K))
     elif variant == "fp8_e4m3":
         f8 = (torch.randn(N, K, generator=torch.Generator().manual_seed(seed + 1)) * 40).to(torch.float8_e4m3fn)
@@ -95,6 +102,9 @@ def make_weight(variant: str, group: int | None, act_order: bool, N: int, K: int
         vals = 2 * np.array(E2M1)[codes]  # twice the value: integers, exact
         s64 = s64 / 2
         w = wq.repack_fp4(pack_fp4_bytes(codes), scales, gi if act_order else None)
+    elif variant in CODE_BOOKS:
+        vals = CODE_BOOKS[variant].astype(np.float64)[codes]
+        w = wq.pack_wna16(torch.from_numpy(codes), scales, g_idx=gi if act_order else None, weight_type=variant)
     elif variant == "int8":
         vals = codes - 128
         if act_order:
@@ -119,7 +129,9 @@ def make_x(M: int, K: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(M, K, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def assert_matches(out: torch.Tensor, x: torch.Tensor, W: np.ndarray, out_dtype: torch.dtype, bias=None) -> None:
+def assert_matches(out: torch.Tensor, x: torch.Tensor, W: np.ndarray, out_dtype: torch.dtype, bias=None,
+                   w_rounding: float = 0.0) -> None:
+    """`w_rounding`: the relative error of weights that enter the dot rounded (nf4 in a 16-bit dot)."""
     x64 = x.double().numpy()
     exact = x64 @ W.T
     mag = np.abs(x64) @ np.abs(W).T
@@ -128,7 +140,7 @@ def assert_matches(out: torch.Tensor, x: torch.Tensor, W: np.ndarray, out_dtype:
         mag = mag + np.abs(bias.double().numpy())
     assert out.dtype == out_dtype and tuple(out.shape) == exact.shape
     got = out.cpu().double().numpy()
-    bad = np.abs(got - exact) > RTOL[out_dtype] * np.abs(exact) + ACC_TOL * mag
+    bad = np.abs(got - exact) > RTOL[out_dtype] * np.abs(exact) + (ACC_TOL + w_rounding) * mag
     assert not bad.any(), f"{bad.sum()} of {bad.size} off, first at {np.argwhere(bad)[0]}"
 
 
@@ -175,7 +187,9 @@ def test_triton_matches_float64_oracle(variant, group, device):
         x = make_x(M, K, x_dtype, seed=M)
         out = wq.wna16_gemm(x.to(device), *[t.to(device) if torch.is_tensor(t) else t for t in w], x_dtype,
                             config=cfg)
-        assert_matches(out, x, W, x_dtype)
+        # nf4's code values are not exact in 16 bits: a compiled 16-bit dot takes them rounded to x's dtype.
+        rounded = variant == "nf4" and device.type == "cuda" and x_dtype != torch.float32
+        assert_matches(out, x, W, x_dtype, w_rounding=2.0**-9 if rounded else 0.0)
 
 
 def to_device(w, device):
@@ -361,6 +375,22 @@ def test_fp4_nibbles_by_hand():
         wq.pack_wna16(torch.full((1, 16), 2.5), torch.ones(1, 1), weight_type="fp4_e2m1")
 
 
+def test_bitsandbytes_code_books_by_hand(device):
+    """nf4 and fp4_bnb codes 0..15 with scale 1 give bitsandbytes' tables exactly (float32), in the kernel too."""
+    codes = torch.arange(16, dtype=torch.int32).repeat(2).reshape(1, 32)  # K = 32, one group
+    for weight_type, book in CODE_BOOKS.items():
+        w = wq.pack_wna16(codes, torch.ones(1, 1), weight_type=weight_type)
+        assert w.weight_type == weight_type
+        assert wq.dequantize_wna16(*w)[0, :16].numpy().tolist() == book.tolist()
+        x = torch.eye(32)  # row i picks weight column i
+        out = wq.wna16_gemm(x.to(device), *to_device(w, device), torch.float32,
+                            config=WNA16Config(block_m=16, block_n=16, block_k=32)).cpu()
+        # fp4_bnb runs as integers m times 1 / 192 in float32: exact at these scales too.
+        assert out[:16, 0].numpy().tolist() == book.tolist(), weight_type
+    # bnb's fp4 is not e2m1: its codes 1..7 hold 1/192, 2/3, 1, 1/3, 1/2, 1/6, 1/4 of the block's absmax.
+    assert FP4_BNB[:8].tolist() != (np.array(E2M1[:8]) / 6).astype(np.float32).tolist()
+
+
 def test_act_order_sorts_rows_by_group():
     K, group = 32, 16
     g_idx = torch.tensor([1, 0] * 16, dtype=torch.int32)  # odd rows group 0, even rows group 1
@@ -386,7 +416,10 @@ def test_repack_round_trip_is_exact(variant, act_order):
         N, K = shape_of(group)
         w, W = make_weight(variant, group, act_order, N, K, torch.float16, seed=3)
         assert w.weight_type == variant.removesuffix("_zp")
-        assert torch.equal(wq.dequantize_wna16(*w).double(), torch.from_numpy(W))
+        if variant in CODE_BOOKS:  # code values times fp16 scales: one float32 rounding
+            assert np.allclose(wq.dequantize_wna16(*w).double().numpy(), W, rtol=2.0**-24, atol=0)
+        else:
+            assert torch.equal(wq.dequantize_wna16(*w).double(), torch.from_numpy(W))
 
 
 # ------------------------------------------------------------------------------------- tuning table
