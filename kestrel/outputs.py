@@ -65,3 +65,5 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # A pooling request's pooled final hidden state (vLLM's PoolingRequestOutput data); None for generation.
+    pooled: list[float] | None = field(default=None, repr=False)

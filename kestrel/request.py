@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from kestrel.outputs import Logprob
+from kestrel.pooling_params import PoolingParams
 from kestrel.sampling_params import SamplingParams
 
 
@@ -83,6 +84,9 @@ class Request:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # A pooling request: its prompt's pooled final hidden state, set by the step that completes the prompt.
+    pooling_params: PoolingParams | None = None
+    pooled_output: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

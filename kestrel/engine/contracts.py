@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from kestrel.outputs import Logprob
+from kestrel.pooling_params import PoolingParams
 from kestrel.sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]  # per KV-cache group
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+    pooling_params: PoolingParams | None = None  # a pooling request: the worker returns its pooled hidden state
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
     # Draft tokens proposed on the worker for the next step, per request of the step's `draft_request_ids`.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Per pooling request whose prompt this step completed: its pooled final hidden state.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 class StepHandle(Protocol):

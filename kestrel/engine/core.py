@@ -22,6 +22,7 @@ from kestrel.engine.ngram_proposer import propose
 from kestrel.engine.scheduler import Scheduler
 from kestrel.kv_spec import KVCacheLayout, as_layout
 from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kestrel.pooling_params import PoolingParams
 from kestrel.request import InvalidRequestError, Request, RequestStatus, prompt_too_long
 from kestrel.sampling_params import SamplingParams
 
@@ -111,11 +112,15 @@ class EngineCore:
 
     # ----- requests -----------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     prompt: str | None = None, priority: int = 0, grammar: Any = None) -> None:
         """`priority`: under the priority scheduling policy, lower values are served first. `grammar`: the
         compiled grammar of `params.structured_outputs` (opaque here: the grammar backend's), so that the engine
-        does not compile it; None: the backend compiles it."""
+        does not compile it; None: the backend compiles it. PoolingParams instead of SamplingParams: the request
+        runs its prompt and its output carries the pooled final hidden state (`RequestOutput.pooled`)."""
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            params = pooling.run_params()
         self._validate(request_id, prompt_token_ids, params)
         self._check_priority(priority)
         if params.bad_words and params.bad_words_token_ids is None:
@@ -130,7 +135,7 @@ class EngineCore:
                 child_params = params.replace(n=1, seed=seed)
             request = Request(child_id, list(prompt_token_ids), child_params, eos_token_id=self.eos_token_id,
                               max_model_len=self.max_model_len, extra_eos_token_ids=self._extra_eos,
-                              priority=priority)
+                              priority=priority, pooling_params=pooling)
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child_params,
                                                  TokenizerLookups.of(self.tokenizer))
             sequence = _Sequence(request, detokenizer, index)
@@ -543,6 +548,7 @@ class EngineCore:
             prompt_logprobs=first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=metrics,
+            pooled=first.pooled_output,
         )
 
     @staticmethod

@@ -239,6 +239,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=self.kv.block_ids(request_id),
                     num_computed_tokens=request.num_computed_tokens,
+                    pooling_params=request.pooling_params,
                 ))
                 self._known_to_runner.add(request_id)
         # Cached requests come first in the batch, then new ones, matching num_scheduled's order.
@@ -293,6 +294,8 @@ class Scheduler:
             tokens = runner_output.sampled_token_ids[i]
             if request is None or not tokens:
                 continue
+            if request_id in runner_output.pooled:
+                request.pooled_output = runner_output.pooled[request_id]
             request.num_pending_tokens = max(request.num_pending_tokens - 1, 0)
             verified = drafts.get(request_id, ())
             num_rejected = len(verified) + 1 - len(tokens)

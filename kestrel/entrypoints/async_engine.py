@@ -24,6 +24,7 @@ from kestrel.config import GenerationDefaults
 from kestrel.engine.core import EngineCore
 from kestrel.engine.stats_logger import StatsLogger
 from kestrel.outputs import RequestOutput
+from kestrel.pooling_params import PoolingParams
 from kestrel.sampling_params import SamplingParams
 
 DEFAULT_RETRY_AFTER_S = 1
@@ -87,7 +88,7 @@ _ACCEPTED = object()  # first queue item of a request the engine took
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     prompt: str | None
     priority: int = 0
     grammar: Any = None  # the compiled grammar of params.structured_outputs (the server compiles it)
@@ -301,7 +302,7 @@ class AsyncEngine:
             raise QueueFullError(f"the server has {queued} queued sequences (limit max_queued_requests="
                                  f"{self.max_queued_requests}); retry later")
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                prompt: str | None = None, timeout_s: float | None = None, priority: int = 0,
                grammar: Any = None) -> RequestStream:
         """Queue a request without waiting; the stream raises the engine's refusal, if any, when read. `grammar`:

@@ -575,6 +575,46 @@ class ChatCompletionRequest(_SamplingRequest):
             _unsupported("tool_choice", "tool_choice 'required' needs at least one tool in tools")
 
 
+# ----- /v1/embeddings -------------------------------------------------------------------------------
+
+class EmbeddingRequest(_Request):
+    """OpenAI's embeddings request plus vLLM's extensions; the served decoder pools its last token's final hidden
+    state (PoolingParams)."""
+
+    model: str | None = None
+    input: PromptInput
+    encoding_format: Literal["float", "base64"] | None = "float"
+    dimensions: Annotated[Int, Field(ge=1)] | None = None  # Matryoshka truncation, where the model supports it
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None  # vLLM's: keep the input's last N tokens
+    add_special_tokens: bool | None = True  # vLLM's
+    priority: Int | None = None  # vLLM's: lower first, under --scheduling-policy priority
+
+    def inputs(self) -> list[str | list[int]]:
+        """One entry per input: text or token ids."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if all(isinstance(p, int) for p in value):
+            return [list(value)]  # type: ignore[arg-type]
+        return list(value)  # type: ignore[arg-type]
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # base64: the little-endian float32 bytes
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+
+
 # ----- /tokenize and /detokenize -------------------------------------------------------------------
 
 class TokenizeCompletionRequest(_Request):
@@ -786,6 +826,7 @@ class ErrorResponse(BaseModel):
 
 _UNION_HINTS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "input": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of {'type': 'text', 'text': ...} parts",
     "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",

@@ -48,6 +48,8 @@ from kestrel.entrypoints.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -63,6 +65,7 @@ from kestrel.entrypoints.serving import (
     _until_disconnect,
     error_body,
 )
+from kestrel.entrypoints.serving_embeddings import OpenAIServingEmbeddings
 from kestrel.entrypoints.text_workers import TextWorkers, UnservedModelError, tokenize_input
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParamsError
@@ -175,6 +178,15 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
                              responses=_generation_responses(ChatCompletionResponse, "ChatCompletionChunk"),
                              route_class_override=parsed_in_worker(ChatCompletionRequest, "messages",
                                                                    create_chat_completion))
+
+    embeddings = OpenAIServingEmbeddings(serving)
+
+    async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
+        return await embeddings.create_embedding(body, raw)
+
+    app.router.add_api_route("/v1/embeddings", create_embedding, methods=["POST"],
+                             responses={200: {"model": EmbeddingResponse}, **_ERROR_RESPONSES},
+                             route_class_override=parsed_in_worker(EmbeddingRequest, "input", create_embedding))
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
@@ -621,8 +633,8 @@ def startup_summary(engine: AsyncEngine) -> list[str]:
     capture = getattr(runner, "capture_seconds", None)
     if capture:
         lines.append(f"CUDA graphs captured in {capture:.1f} s")
-    lines.append("routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
-                 "/version, /metrics, /docs; the playground at /")
+    lines.append("routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /tokenize, /detokenize, "
+                 "/health, /version, /metrics, /docs; the playground at /")
     return lines
 
 

@@ -466,18 +466,20 @@ class OpenAIServing:
         return LogprobFormatter(self.engine.core.token_text, num_top, bool(tokens_as_ids))
 
     async def _encode_prompts(self, prompts: Sequence[str | list[int]], add_special_tokens: bool = True,
-                              truncate: int | None = None) -> list[_Prompt]:
+                              truncate: int | None = None, param: str = "prompt") -> list[_Prompt]:
         """Text prompts are tokenized off the event loop (TextWorkers); one that cannot fit is refused by count.
-        `truncate`: keep each prompt's last `truncate` tokens (vLLM's truncate_prompt_tokens)."""
+        `truncate`: keep each prompt's last `truncate` tokens (vLLM's truncate_prompt_tokens); `param`: the
+        request field of the prompts, for errors."""
         limit = self.engine.max_model_len
         texts = [p for p in prompts if isinstance(p, str)]
-        encoded = iter(await self.text.encode_prompts(texts, None if truncate else limit, add_special_tokens))
+        encoded = iter(await self.text.encode_prompts(texts, None if truncate else limit, add_special_tokens,
+                                                      param))
         out = []
         for prompt in prompts:
             count, ids = next(encoded) if isinstance(prompt, str) else (len(prompt), list(prompt))
             # A truncated prompt's text is no longer the prompt: echo and detokenization use the ids.
             out.append(_Prompt(prompt if isinstance(prompt, str) and not truncate else None,
-                               self._fit_prompt(count, ids, truncate, "prompt")))
+                               self._fit_prompt(count, ids, truncate, param)))
         return out
 
     def _fit_prompt(self, count: int, ids: list[int] | None, truncate: int | None, param: str) -> list[int]:

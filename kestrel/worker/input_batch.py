@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kestrel.model.attn_metadata import AttentionMetadata, GroupTables
+from kestrel.pooling_params import PoolingParams
 from kestrel.sampling_params import SamplingParams
 
 
@@ -39,6 +40,7 @@ class CachedRequestState:
     pending_row: int = -1
     # Speculative decoding: the draft tokens this step verifies, appended to `token_ids` until it is collected.
     drafts: list[int] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None  # a pooling request: its sampling row also pools
 
     @property
     def prompt_token_ids(self) -> list[int]:

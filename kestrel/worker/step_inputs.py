@@ -73,6 +73,7 @@ class StepInputs:
             num_computed_tokens=new.num_computed_tokens,
             generator=generator,
             block_table_row=self.block_table.add(new.block_ids),
+            pooling_params=new.pooling_params,
         )
         if self.drafter is not None:
             self.drafter.reset_row(self.requests[new.req_id].block_table_row)

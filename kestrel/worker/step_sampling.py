@@ -45,6 +45,16 @@ class ForwardStep:
     # The positions of the verifying rows' drafts, k per such row in row order; None without drafts.
     spec_logits: torch.Tensor | None = None
     draft: DraftStep | None = None
+    pooled: Pooled | None = None
+
+
+@dataclass
+class Pooled:
+    """The pooled final hidden states of the pooling requests whose prompt a step completed, on the device."""
+
+    req_ids: list[str]
+    vectors: torch.Tensor  # float32, the requests' vectors one after the other
+    sizes: list[int]
 
 
 @dataclass
@@ -81,6 +91,7 @@ class LaunchedStep:
     # Every id the host reads, packed by `_copy_to_host` (pinned on CUDA, the device tensor on the CPU).
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None  # recorded after that copy on CUDA
+    pooled: Pooled | None = None
 
 
 @dataclass
@@ -123,7 +134,8 @@ class StepSampler:
         prompt_logprobs = self._prompt_logprobs(states, counts, inputs.attn_metadata.query_start_loc, hidden)
         if not inputs.sampled_rows:
             return ForwardStep(step.req_ids, [], [], None, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        last = hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(last)
         rows = [states[i] for i in inputs.sampled_rows]
         spec_logits = None
         if any(state.drafts for state in rows):
@@ -133,7 +145,8 @@ class StepSampler:
                          for p in range(ends[i] - 1 - len(states[i].drafts), ends[i] - 1)]
             index = to_device(torch.tensor(positions, dtype=torch.long), self.device)
             spec_logits = self.model.compute_logits(hidden[index])
-        return ForwardStep(step.req_ids, inputs.sampled_rows, rows, logits, prompt_logprobs, spec_logits, draft)
+        return ForwardStep(step.req_ids, inputs.sampled_rows, rows, logits, prompt_logprobs, spec_logits, draft,
+                           _pool(rows, last))
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], query_start_loc: torch.Tensor,
                          hidden: torch.Tensor) -> dict[str, list[dict[int, Logprob] | None]]:
@@ -171,6 +184,7 @@ class StepSampler:
         """Enqueue the sampling of a forwarded step, its constrained rows masked by `grammar` first (so greedy,
         top-p/top-k and logprobs all see the masked distribution), the drafter's proposals and the host copy."""
         launched = self._sample(step, grammar)
+        launched.pooled = step.pooled
         if step.draft is not None:
             self._propose(step.draft, launched)
         self._copy_to_host(launched)
@@ -368,7 +382,28 @@ class StepSampler:
                 num_accepted = accepted[i - proposal.num_plain] if i >= proposal.num_plain else 0
                 row = values[offset + i * k: offset + (i + 1) * k]
                 drafts[req_id] = row[: self.drafter.num_steps(proposal.base[i] + num_accepted)]
-        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs, drafts)
+        pooled = {}
+        if step.pooled is not None:
+            flat = step.pooled.vectors.cpu().tolist()
+            starts = [0, *itertools.accumulate(step.pooled.sizes)]
+            pooled = {rid: flat[a:b] for rid, a, b in zip(step.pooled.req_ids, starts, starts[1:])}
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs, drafts, pooled)
+
+
+def _pool(rows: list[CachedRequestState], last: torch.Tensor) -> Pooled | None:
+    """Last-token pooling: a pooling request's sampling row is its prompt's last position (it samples once, when
+    its prompt completes), and the model's hidden states come after its final norm."""
+    vectors, req_ids = [], []
+    for i, state in enumerate(rows):
+        params = state.pooling_params
+        if params is None:
+            continue
+        vector = last[i, : params.dimensions].float()
+        vectors.append(torch.nn.functional.normalize(vector, dim=-1) if params.normalize else vector)
+        req_ids.append(state.req_id)
+    if not vectors:
+        return None
+    return Pooled(req_ids, torch.cat(vectors), [v.numel() for v in vectors])
 
 
 class _DraftOutputs(Sequence[list[int]]):

@@ -1,0 +1,125 @@
+"""/v1/embeddings: a decoder served for generation also embeds, by last-token pooling of its final hidden state
+(PoolingParams), as vLLM pools a decoder model asked for embeddings."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kestrel.entrypoints.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse
+from kestrel.entrypoints.serving import (
+    OpenAIServing,
+    _merge,
+    _until_disconnect,
+    _usage_info,
+)
+from kestrel.outputs import RequestOutput
+from kestrel.pooling_params import PoolingParams
+from kestrel.request import InvalidRequestError
+
+# Bytes a float takes in a JSON embedding at most ("-0.012345678901234567,"), and in base64 (4/3 of 4 bytes).
+_FLOAT_JSON_BYTES = 24
+_FLOAT_BASE64_BYTES = 6
+
+
+def matryoshka_dimensions(hf_config: dict[str, Any]) -> tuple[bool, tuple[int, ...] | None]:
+    """Whether the checkpoint was trained for Matryoshka truncation (config.json's `is_matryoshka` or
+    `matryoshka_dimensions`, vLLM's keys), and the sizes it names (None: any size)."""
+    sizes = hf_config.get("matryoshka_dimensions")
+    if sizes:
+        return True, tuple(int(s) for s in sizes)
+    return bool(hf_config.get("is_matryoshka")), None
+
+
+class OpenAIServingEmbeddings:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+        self.engine = serving.engine
+        hf_config = self.engine.core.config.model.hf_config
+        self.hidden_size = int(hf_config.get("hidden_size") or 0)
+        self.matryoshka, self.matryoshka_sizes = matryoshka_dimensions(hf_config)
+
+    async def create_embedding(self, request: EmbeddingRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
+        serving = self.serving
+        serving.check_model(request.model)
+        pooling = PoolingParams(dimensions=self._dimensions(request.dimensions))
+        inputs = request.inputs()
+        serving._check_sequences(len(inputs), 1, "input")
+        self._check_size(len(inputs), pooling, request.encoding_format)
+        prompts = await _until_disconnect(raw, serving._encode_prompts(
+            inputs, request.add_special_tokens is not False, request.truncate_prompt_tokens, "input"))
+        request_id = f"embd-{uuid.uuid4().hex}"
+        outputs = await _until_disconnect(raw, self._run(request_id, [p.token_ids for p in prompts], pooling,
+                                                         request.priority or 0, arrival))
+        data = [EmbeddingData(index=i, embedding=_encoded(output.pooled, request.encoding_format))
+                for i, output in enumerate(outputs)]
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        response = EmbeddingResponse(id=request_id, model=serving.response_model_name(request.model), data=data,
+                                     usage=_usage_info(prompt_tokens, 0))
+        return JSONResponse(response.model_dump())
+
+    def _dimensions(self, dimensions: int | None) -> int | None:
+        """`dimensions` where the model was trained for it; None (the whole vector) when it asks for all of it."""
+        if dimensions is None:
+            return None
+        if not self.matryoshka:
+            raise InvalidRequestError("dimensions", "this model does not support Matryoshka truncation, so its "
+                                      "embeddings cannot be shortened: leave dimensions out")
+        if self.matryoshka_sizes is not None and dimensions not in self.matryoshka_sizes:
+            raise InvalidRequestError("dimensions", f"dimensions={dimensions} is not one this model was trained "
+                                      f"for: {list(self.matryoshka_sizes)}")
+        if self.hidden_size and dimensions > self.hidden_size:
+            raise InvalidRequestError("dimensions", f"dimensions={dimensions} is more than the model's "
+                                      f"{self.hidden_size}")
+        return None if dimensions == self.hidden_size else dimensions
+
+    def _check_size(self, num_inputs: int, pooling: PoolingParams, encoding: str | None) -> None:
+        """Refuse, before any work, a response larger than --max-response-bytes."""
+        limit = self.serving.config.max_response_bytes
+        per_float = _FLOAT_BASE64_BYTES if encoding == "base64" else _FLOAT_JSON_BYTES
+        size = num_inputs * (pooling.dimensions or self.hidden_size) * per_float
+        if limit and size > limit:
+            raise InvalidRequestError("input", f"{num_inputs} embeddings would make a response of up to {size:,} "
+                                      f"bytes, more than this server's limit of {limit:,} (--max-response-bytes); "
+                                      "send fewer inputs per request")
+
+    async def _run(self, request_id: str, prompts: list[list[int]], pooling: PoolingParams, priority: int,
+                   arrival: float) -> list[RequestOutput]:
+        """One engine request per input (all or none queued), each to its final output."""
+        engine = self.engine
+        engine.check_capacity(len(prompts))
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        streams = [engine.submit(rid, ids_, pooling, priority=priority) for rid, ids_ in zip(ids, prompts)]
+        trackers = [self.serving.metrics.tracker(arrival) for _ in streams]
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            for stream in streams:
+                await stream.accepted()
+            async for i, output in _merge(streams):
+                trackers[i].observe(output)
+                finals[i] = output
+        except InvalidRequestError as error:
+            if error.param in ("prompt", "prompt_token_ids"):
+                raise InvalidRequestError("input", str(error)) from None
+            raise
+        finally:
+            for stream in streams:
+                await stream.aclose()
+            for tracker in trackers:
+                tracker.aborted()  # a no-op for the requests that finished
+        if any(final is None or final.pooled is None for final in finals):
+            raise RuntimeError("an embedding request ended without its pooled output")
+        return finals  # type: ignore[return-value]
+
+
+def _encoded(vector: list[float] | None, encoding: str | None) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return list(vector or [])
