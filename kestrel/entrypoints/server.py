@@ -57,6 +57,7 @@ from kestrel.entrypoints.protocol import (
     TokenizeResponse,
     validation_error_info,
 )
+from kestrel.entrypoints.protocol_responses import ResponsesRequest
 from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.entrypoints.serving import (
     ClientDisconnectedError,
@@ -66,6 +67,7 @@ from kestrel.entrypoints.serving import (
     error_body,
 )
 from kestrel.entrypoints.serving_embeddings import OpenAIServingEmbeddings
+from kestrel.entrypoints.serving_responses import OpenAIServingResponses
 from kestrel.entrypoints.text_workers import TextWorkers, UnservedModelError, tokenize_input
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParamsError
@@ -178,6 +180,18 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
                              responses=_generation_responses(ChatCompletionResponse, "ChatCompletionChunk"),
                              route_class_override=parsed_in_worker(ChatCompletionRequest, "messages",
                                                                    create_chat_completion))
+
+    responses = OpenAIServingResponses(serving)
+
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        return await responses.create_response(body, raw)
+
+    app.router.add_api_route("/v1/responses", create_response, methods=["POST"],
+                             responses={200: {"description": "The Response object; with `stream: true`, a "
+                                              "`text/event-stream` of the Responses API's events (`event: <type>` "
+                                              "and `data: <event JSON>`), response.completed last."},
+                                        **_ERROR_RESPONSES},
+                             route_class_override=parsed_in_worker(ResponsesRequest, "input", create_response))
 
     embeddings = OpenAIServingEmbeddings(serving)
 
@@ -633,8 +647,8 @@ def startup_summary(engine: AsyncEngine) -> list[str]:
     capture = getattr(runner, "capture_seconds", None)
     if capture:
         lines.append(f"CUDA graphs captured in {capture:.1f} s")
-    lines.append("routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /tokenize, /detokenize, "
-                 "/health, /version, /metrics, /docs; the playground at /")
+    lines.append("routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, "
+                 "/tokenize, /detokenize, /health, /version, /metrics, /docs; the playground at /")
     return lines
 
 

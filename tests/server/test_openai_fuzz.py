@@ -45,7 +45,8 @@ def fuzz_server(tiny_model_dir: str, live_server_class) -> Iterator:
     server.stop()
 
 
-OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
+              ("POST", "/v1/embeddings"), ("POST", "/tokenize"),
               ("POST", "/detokenize"), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"),
               ("GET", "/version"), ("GET", "/metrics")]
 
