@@ -20,9 +20,9 @@ DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "pt", "dummy")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8")
 # The one list of quantization names: quantize at load ("fp8", "int8") or load a checkpoint saved in a format.
-QUANTIZATION_CHOICES = (None, "fp8", "int8", "compressed-tensors", "gptq", "awq")
+QUANTIZATION_CHOICES = (None, "fp8", "int8", "compressed-tensors", "gptq", "awq", "bitsandbytes")
 # Names of checkpoint formats only: a checkpoint saved in them loads as saved; nothing is quantized to them at load.
-CHECKPOINT_ONLY_QUANTIZATION = ("compressed-tensors", "gptq", "awq")
+CHECKPOINT_ONLY_QUANTIZATION = ("compressed-tensors", "gptq", "awq", "bitsandbytes")
 ACTIVATION_SCHEME_CHOICES = ("dynamic", "static")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICY_CHOICES = ("fcfs", "priority")
@@ -634,8 +634,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("distributed_timeout_s", "parallel", "distributed_timeout_s",
               "seconds to wait for a worker (group setup, one step) before failing; a dead worker fails at once"),
     EngineArg("quantization", "quant", "method",
-              "fp8 or int8: W8A8 quantized at load; a quantized checkpoint (compressed-tensors, fp8, gptq, awq) loads "
-              "as saved without it", aliases=("-q",), choices=QUANTIZATION_CHOICES),
+              "fp8 or int8: W8A8 quantized at load; a quantized checkpoint (compressed-tensors, fp8, gptq, awq, "
+              "bitsandbytes) loads as saved without it", aliases=("-q",), choices=QUANTIZATION_CHOICES),
     EngineArg("activation_scheme", "quant", "activation_scheme", "W8A8 activation scales",
               choices=ACTIVATION_SCHEME_CHOICES),
     EngineArg("symmetric_activations", "quant", "symmetric_activations", "INT8 activations without a zero point"),

@@ -80,8 +80,8 @@ def test_the_flag_chooses_a_scheme_that_quantizes_at_load():
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"quant_method": "gguf"},
-     r"quant_method='gguf'.*registered: \['awq', 'compressed-tensors', 'fp8', 'gptq', 'int8'\]"),
+    ({"quant_method": "hqq"},
+     r"quant_method='hqq'.*registered: \['awq', 'bitsandbytes', 'compressed-tensors', 'fp8', .*'gptq', 'int8'\]"),
     ({"quant_method": "int8"}, "no checkpoint format of that name"),
 ])
 def test_unknown_checkpoint_schemes_are_config_errors(config, message):
