@@ -97,7 +97,7 @@ def resolve_model_path(model: str, download_dir: str | None = None) -> str:
     """A model directory as given, or a Hugging Face model id ("org/name") found in a local hub cache
     (`download_dir`, default ~/.cache/huggingface/hub): the snapshot that refs/main names, else the newest one.
     Nothing is downloaded."""
-    if os.path.isdir(model) or model.count("/") != 1 or model.startswith(("/", ".", "~")):
+    if os.path.exists(model) or model.count("/") != 1 or model.startswith(("/", ".", "~")):
         return model
     cache = os.path.expanduser(download_dir or DEFAULT_HF_HUB_CACHE)
     repo = os.path.join(cache, "models--" + model.replace("/", "--"))
@@ -117,6 +117,18 @@ def resolve_model_path(model: str, download_dir: str | None = None) -> str:
           f"cache {cache} (kestrel does not download: fetch it with `huggingface-cli download {model}` or pass a "
           "directory; download_dir / HF_HUB_CACHE name another cache)")
     return model
+
+
+GGUF_SUFFIX = ".gguf"
+
+
+def is_gguf_model(model: str) -> bool:
+    """True for a llama.cpp GGUF model: a .gguf file, or a directory without config.json holding .gguf files
+    (one model, possibly split; `kestrel.loader.gguf_files` finds them)."""
+    if os.path.isfile(model):
+        return model.endswith(GGUF_SUFFIX)
+    return (os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json"))
+            and any(name.endswith(GGUF_SUFFIX) for name in os.listdir(model)))
 
 
 def _fail(field_name: str, value: Any, allowed: str) -> None:
@@ -195,11 +207,16 @@ class ModelConfig:
             _fail("model", self.model, "expected the path of a Hugging Face model directory")
         object.__setattr__(self, "model", resolve_model_path(self.model, self.download_dir))
         config_path = os.path.join(self.model, "config.json")
-        if not os.path.isdir(self.model):
+        gguf = is_gguf_model(self.model)
+        if gguf and not self.hf_config:
+            _fail("model", self.model, "a GGUF model's config is read from its metadata (kestrel.loader.gguf_config; "
+                  "LLM(...) and `kestrel serve` do it): pass it as hf_config")
+        if not gguf and not os.path.isdir(self.model):
             _fail("model", self.model, "no such directory; pass the path of a Hugging Face model directory "
                   "(create a small one with `kestrel model-init --arch llama --size tiny DIR`)")
-        if not os.path.isfile(config_path):
-            _fail("model", self.model, "the directory has no config.json; it must be a Hugging Face model directory")
+        elif not gguf and not os.path.isfile(config_path):
+            _fail("model", self.model, "the directory has no config.json; it must be a Hugging Face model directory "
+                  "(or hold a GGUF model)")
         if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
                 os.path.join(str(self.generation_config), "generation_config.json")):
             _fail("generation_config", self.generation_config, "expected 'auto' (the model's generation_config.json), "
@@ -534,8 +551,9 @@ class EngineConfig:
                   "tensor/pipeline parallelism or distributed_executor_backend")
 
     @classmethod
-    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
-        """Build from the flat keyword arguments of `LLM(...)` or the CLI; unknown names are an error."""
+    def from_kwargs(cls, model: str, hf_config: dict | None = None, **kwargs: Any) -> EngineConfig:
+        """Build from the flat keyword arguments of `LLM(...)` or the CLI; unknown names are an error. `hf_config`:
+        the model's config when it is not a config.json (a GGUF file's metadata)."""
         groups: dict[str, dict[str, Any]] = {name: {} for name in ("model", "cache", "scheduler", "parallel", "quant",
                                                                    "engine")}
         for vllm_name, name in _VLLM_SPELLINGS.items():
@@ -557,7 +575,7 @@ class EngineConfig:
             group, name = _KWARG_TO_FIELD[key]
             groups[group][name] = value
         return cls(
-            model=ModelConfig(model=model, **groups["model"]),
+            model=ModelConfig(model=model, hf_config=hf_config or {}, **groups["model"]),
             cache=CacheConfig(**groups["cache"]),
             scheduler=SchedulerConfig(**groups["scheduler"]),
             parallel=ParallelConfig(**groups["parallel"]),

@@ -202,10 +202,9 @@ class AsyncEngine:
     def from_args(cls, model: str, *, max_queued_requests: int | None = None,
                   request_timeout_s: float | None = None, **engine_args: Any) -> AsyncEngine:
         """Load the model as `LLM(model, **engine_args)` does, and wrap its engine."""
-        from kestrel.config import EngineConfig
-        from kestrel.entrypoints.engine_factory import build_engine
+        from kestrel.entrypoints.engine_factory import build_engine, engine_config
 
-        built = build_engine(EngineConfig.from_kwargs(model, **engine_args))
+        built = build_engine(engine_config(model, **engine_args))
         return cls(built.core, built.tokenizer, model_path=model, max_queued_requests=max_queued_requests,
                    request_timeout_s=request_timeout_s)
 

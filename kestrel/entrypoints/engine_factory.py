@@ -9,6 +9,7 @@ from kestrel.config import EngineConfig
 from kestrel.engine.core import EngineCore
 from kestrel.executor.base import Executor
 from kestrel.executor.factory import build_executor
+from kestrel.loader.gguf_config import model_hf_config
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.structured.backend import GrammarBackend
 from kestrel.worker.model_runner import ModelRunner
@@ -19,6 +20,11 @@ class BuiltEngine:
     tokenizer: Any
     runner: ModelRunner | Executor
     core: EngineCore
+
+
+def engine_config(model: str, **engine_args: Any) -> EngineConfig:
+    """The EngineConfig of `LLM(model, **engine_args)`: a GGUF model's config comes from its metadata."""
+    return EngineConfig.from_kwargs(model, hf_config=model_hf_config(model), **engine_args)
 
 
 def build_engine(config: EngineConfig) -> BuiltEngine:

@@ -9,11 +9,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kestrel.config import EngineConfig
 from kestrel.engine.stats_logger import StatsLogger
 from kestrel.entrypoints.beam_search import BeamSearch, BeamSearchOutput, advance_round, check_beam_width, next_round
 from kestrel.entrypoints.chat import apply_chat_template
-from kestrel.entrypoints.engine_factory import build_engine
+from kestrel.entrypoints.engine_factory import build_engine, engine_config
 from kestrel.outputs import RequestOutput
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import BeamSearchParams, SamplingParams
@@ -44,7 +43,7 @@ class LLM:
         if model is None:
             model = str(default_model_path())
         engine_args.setdefault("disable_log_stats", True)  # as vLLM's LLM: the progress bar reports instead
-        self.config = EngineConfig.from_kwargs(str(model), **engine_args)
+        self.config = engine_config(str(model), **engine_args)
         built = build_engine(self.config)
         self.tokenizer, self.runner, self.engine = built.tokenizer, built.runner, built.core
         self._counter = itertools.count()

@@ -8,10 +8,12 @@ import math
 import torch
 from torch import nn
 
-from kestrel.config import EAGLE_HEAD_ARCHITECTURE, ConfigError, ModelConfig, QuantConfig
+from kestrel.config import EAGLE_HEAD_ARCHITECTURE, ConfigError, ModelConfig, QuantConfig, is_gguf_model
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.loader.checkpoint_check import check_checkpoint_files
 from kestrel.loader.dummy import initialize_dummy_weights
+from kestrel.loader.gguf_files import find_gguf
+from kestrel.loader.gguf_weights import iterate_gguf
 from kestrel.loader.hf_config import load_hf_config, resolve_dtype
 from kestrel.loader.memory_plan import KVCacheBytes, check_memory_plan, plan_memory
 from kestrel.loader.model_init import checkpoint_shapes
@@ -19,6 +21,7 @@ from kestrel.loader.safetensors import checkpoint_files, iterate_files, weight_f
 from kestrel.model.base import DecoderForCausalLM
 from kestrel.model.registry import get_draft_head_class, get_model_class
 from kestrel.quant import QuantPlan
+from kestrel.quant.schemes.gguf import kernel_modules
 
 
 def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = None,
@@ -34,10 +37,13 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
     model_cls = get_model_class(architectures[0])
     dtype = resolve_dtype(model_config.dtype, hf_config)
     load_format = model_config.load_format
+    gguf = find_gguf(model_config.model) if is_gguf_model(model_config.model) else None
+    if gguf is not None and load_format not in ("auto", "dummy"):
+        raise ConfigError(f"invalid load_format={load_format!r}: the model is a GGUF file; use 'auto'")
     if load_format == "auto":
-        load_format = weight_format(model_config.model) or "safetensors"
+        load_format = "gguf" if gguf is not None else weight_format(model_config.model) or "safetensors"
     # Listed before building the model, so that a directory without weights fails at once.
-    files = checkpoint_files(model_config.model, load_format) if load_format != "dummy" else []
+    files = checkpoint_files(model_config.model, load_format) if load_format not in ("dummy", "gguf") else []
     check_checkpoint_files(files, load_format)
     # The checkpoint's quantization_config, when it has one, decides each linear layer's method.
     plan = QuantPlan.build(quant_config, hf_config)
@@ -63,6 +69,8 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
         if load_format == "dummy":
             initialize_dummy_weights(model, seed=model_config.seed, device=device)
             model.process_weights_after_loading()
+        elif gguf is not None:
+            model.load_weights(iterate_gguf(gguf, hf_config, kernel_modules(model), dtype))
         else:
             # Large checkpoints take a while: show progress when there is more than one file to read.
             model.load_weights(iterate_files(files, load_format, progress=len(files) > 1))

@@ -1,0 +1,225 @@
+"""GGUF models (llama.cpp's format) against transformers: tiny files written by gguf's own writer from a kestrel tiny
+checkpoint's config and tokenizer, in F32 / F16, Q8_0 and Q4_0 (the weight-only kernel), K-quants (dequantized at
+load) and mixes; kestrel's float32 logits match a transformers model holding gguf's own dequantization of the same
+file within 1e-4, greedy tokens are identical through `LLM`; the tokenizer and chat template come from the
+metadata; split files load; unsupported types and architectures are ConfigErrors naming them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from gguf_files import oracle_state_dict, write_gguf
+from test_families import hf_greedy
+from test_hf_parity import PagedBatch, assert_rel_close, hf_logits, random_prompts
+
+from kestrel import LLM, SamplingParams
+from kestrel.config import CheckpointError, ConfigError, ModelConfig
+from kestrel.loader import load_model
+from kestrel.loader.gguf_config import model_hf_config
+from kestrel.loader.gguf_weights import unpack_blocks
+from kestrel.loader.model_init import write_tiny_checkpoint
+from kestrel.loader.tokenizer import load_tokenizer
+from kestrel.quant.schemes.gguf import GGUFLinearMethod
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+# Every K of the tiny model a multiple of 256, the K-quants' super-block.
+SHAPE = {"hidden_size": 256, "intermediate_size": 512}
+ARCH_OVERRIDES = {"llama": {"rope_scaling": None}, "qwen2": {}, "qwen3": {"head_dim": 64}}
+# case -> (architecture, GGML type by GGUF module, what runs on the kernel)
+CASES = {
+    "llama-f32": ("llama", {"default": "F32"}, set()),
+    "llama-q8_0": ("llama", {"default": "Q8_0"}, {"Q8_0"}),
+    # llama.cpp's Q4_0 files keep the output layer in Q6_K.
+    "llama-q4_0": ("llama", {"default": "Q4_0", "output": "Q6_K"}, {"Q4_0"}),
+    # Q4_K_M's mix: V and down projections in Q6_K (q, k, v are merged: the whole qkv is dequantized).
+    "llama-q4_k_m": ("llama", {"default": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K"}, set()),
+    "llama-q5_k": ("llama", {"default": "Q5_K", "token_embd": "Q8_0"}, set()),
+    # Q8_0 with V in F16: qkv dequantized, the MLP and o_proj on the kernel.
+    "qwen2-q8_0-mixed": ("qwen2", {"default": "Q8_0", "attn_v": "F16"}, {"Q8_0"}),
+    "qwen3-q4_0": ("qwen3", {"default": "Q4_0"}, {"Q4_0"}),
+}
+
+
+def tiny_hf(path: Path, arch: str, **overrides) -> tuple[Path, dict]:
+    config = write_tiny_checkpoint(path, arch, **SHAPE, **{**ARCH_OVERRIDES[arch], **overrides})
+    return path, config
+
+
+def oracle(hf_dir: Path, files: list[Path], config: dict):
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(hf_dir)),
+                                                          dtype=torch.float32, attn_implementation="eager").eval()
+    model.load_state_dict(oracle_state_dict(files, config), strict=not config.get("tie_word_embeddings"))
+    return model
+
+
+def load_gguf(path: Path, **kwargs) -> torch.nn.Module:
+    return load_model(ModelConfig(model=str(path), dtype="float32", hf_config=model_hf_config(str(path)), **kwargs))
+
+
+def assert_matches(model, hf_model, vocab: int) -> None:
+    prompts = random_prompts(vocab, [5, 23, 1])
+    for tokens, ours in zip(prompts, PagedBatch(model, len(prompts)).step(prompts, [(0, len(p)) for p in prompts])):
+        assert_rel_close(ours, hf_logits(hf_model, tokens))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> tuple[Path, dict]:
+    return tiny_hf(tmp_path_factory.mktemp("llama-hf"), "llama")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers_on_gguf_dequantization(case, tmp_path, caplog) -> None:
+    arch, types, on_kernel = CASES[case]
+    hf_dir, config = tiny_hf(tmp_path / "hf", arch)
+    path = write_gguf(tmp_path / f"{case}.gguf", hf_dir, types)
+    with caplog.at_level(logging.INFO, logger="kestrel.loader.gguf_weights"):
+        model = load_gguf(path)
+    methods = [m.quant_method for m in model.modules() if isinstance(getattr(m, "quant_method", None),
+                                                                     GGUFLinearMethod)]
+    assert {m.ggml_type for m in methods} == on_kernel
+    if "attn_v" in types:  # q, k, v merged into one GEMM: a part in another type dequantizes the whole layer
+        assert not any(m.layer_name.endswith("qkv_proj") for m in methods)
+    dequantized = {t for t in types.values() if t not in on_kernel and t not in ("F32", "F16")}
+    logged = [r.getMessage() for r in caplog.records if r.name == "kestrel.loader.gguf_weights"]
+    assert len(logged) == (1 if dequantized or on_kernel else 0)
+    for type_name in dequantized:
+        assert type_name in logged[0] and "dequantized at load" in logged[0]
+    assert_matches(model, oracle(hf_dir, [path], config), config["vocab_size"])
+
+
+def test_llama3_rope_factors_match_transformers_llama3_scaling(tmp_path) -> None:
+    """llama.cpp stores Llama 3.1's RoPE scaling as per-frequency divisors (rope_freqs); the oracle runs the
+    original config's llama3 rope_scaling."""
+    hf_dir, config = tiny_hf(tmp_path / "hf", "llama", rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})
+    path = write_gguf(tmp_path / "model.gguf", hf_dir, {"default": "Q8_0"})
+    assert model_hf_config(str(path))["rope_parameters"]["rope_type"] == "longrope"
+    assert_matches(load_gguf(path), oracle(hf_dir, [path], config), config["vocab_size"])
+
+
+def test_kernel_blocks_unpack_to_gguf_dequantization(tmp_path, llama_dir) -> None:
+    hf_dir, _ = llama_dir
+    for type_name in ("Q8_0", "Q4_0"):
+        path = write_gguf(tmp_path / f"{type_name}.gguf", hf_dir, {"default": type_name})
+        tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.0.ffn_down.weight")
+        values, scales = unpack_blocks(tensor)
+        ours = (values.float().view(values.shape[0], -1, 32) * scales[..., None]).reshape(values.shape)
+        torch.testing.assert_close(ours, torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type)),
+                                   rtol=0, atol=0)
+
+
+def test_split_files_load_from_the_directory_or_the_first_file(tmp_path, llama_dir) -> None:
+    hf_dir, config = llama_dir
+    out = tmp_path / "split"
+    out.mkdir()
+    write_gguf(out / "model.gguf", hf_dir, {"default": "Q8_0"}, split_max_tensors=8)
+    files = sorted(out.glob("*.gguf"))
+    assert [f.name for f in files] == [f"model-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    hf_model = oracle(hf_dir, files, config)
+    for path in (out, files[0]):
+        assert_matches(load_gguf(path), hf_model, config["vocab_size"])
+    files[2].unlink()
+    with pytest.raises(CheckpointError, match="model-00003-of-00003.gguf"):
+        model_hf_config(str(out))
+
+
+def test_llm_greedy_matches_transformers_and_reads_tokenizer_and_chat_template(tmp_path, llama_dir) -> None:
+    hf_dir, config = llama_dir
+    path = write_gguf(tmp_path / "model.gguf", hf_dir, {"default": "Q4_0"})
+    llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_blocks=32, block_size=16)
+    prompts = random_prompts(config["vocab_size"], [4, 11], seed=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    expected = hf_greedy(oracle(hf_dir, [path], config), prompts, 8)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    reference = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    assert llm.tokenizer.chat_template == reference.chat_template
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert (llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bpe_tokenizer_round_trips_and_special_tokens(tmp_path, arch) -> None:
+    hf_dir, config = tiny_hf(tmp_path / "hf", arch)
+    path = write_gguf(tmp_path / "model.gguf", hf_dir, {"default": "F32"})
+    ours, reference = load_tokenizer(str(path)), transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    assert (ours.bos_token_id, ours.eos_token_id) == (config["bos_token_id"], config["eos_token_id"])
+    for text in ("The quick brown fox jumps over the lazy dog.", "café naïve 日本語 and code: x = [1, 2]\n\tdone",
+                 "<|end_of_text|> special"):
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ours.decode(ids) == text
+        if arch == "llama":  # the file's pre-tokenizer ("gpt-2") is the tiny tokenizer's own
+            assert ids == reference.encode(text, add_special_tokens=False)
+        assert ours.encode(text)[0] == config["bos_token_id"]  # tokenizer.ggml.add_bos_token
+
+
+def test_llama3_pre_tokenizer_splits_digits_in_threes(tmp_path, llama_dir) -> None:
+    hf_dir, _ = llama_dir
+    path = write_gguf(tmp_path / "model.gguf", hf_dir, {"default": "F32"}, pre="llama-bpe")
+    tokenizer = load_tokenizer(str(path))
+    pieces = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("year 20251 ok")
+    assert [p for p, _ in pieces] == ["year", "Ġ", "202", "51", "Ġok"]
+    assert tokenizer.decode(tokenizer.encode("year 20251 ok", add_special_tokens=False)) == "year 20251 ok"
+
+
+def test_sentencepiece_vocabulary_round_trips(tmp_path, llama_dir) -> None:
+    """A "llama" (SentencePiece) vocabulary: pieces with scores, byte fallback, BOS added by default."""
+    hf_dir, _ = llama_dir
+    pieces = ["▁", "t", "h", "e", "a", "▁t", "he", "▁the", "▁a", "o", "g", "og"]
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *pieces]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL,
+             *[gguf.TokenType.BYTE] * 256, *[gguf.TokenType.NORMAL] * len(pieces)]
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    config = json.loads((hf_dir / "config.json").read_text())
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    # SentencePiece BPE merges the best-scored pair first: longer pieces score higher here.
+    writer.add_token_scores([0.0] * 259 + [len(p) - i * 0.01 for i, p in enumerate(pieces)])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_tensor("token_embd.weight", torch.zeros(len(tokens), 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tokenizer = load_tokenizer(str(path))
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.unk_token) == ("<s>", "</s>", "<unk>")
+    ids = tokenizer.encode("the dog ate 日")
+    assert ids[0] == 1
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "the dog ate 日"
+    assert tokens.index("▁the") in ids and tokens.index("<0xE6>") in ids  # a whole piece; UTF-8 bytes
+
+
+def test_unsupported_type_architecture_and_layouts_are_config_errors(tmp_path, llama_dir) -> None:
+    hf_dir, _ = llama_dir
+    bad_type = write_gguf(tmp_path / "iq4.gguf", hf_dir, {"default": "Q8_0", "ffn_up": "IQ4_NL"})
+    with pytest.raises(ConfigError, match=r"IQ4_NL \(e\.g\. blk\.0\.ffn_up\.weight\).*Q4_K"):
+        model_hf_config(str(bad_type))
+    other = tmp_path / "other"
+    other.mkdir()
+    bad_arch = write_gguf(other / "phi.gguf", hf_dir, {"default": "F32"}, architecture="phi2")
+    with pytest.raises(ConfigError, match=r"'phi2'.*\['llama', 'qwen2', 'qwen3'\]"):
+        model_hf_config(str(bad_arch))
+    shutil.copy(bad_type, other / "second.gguf")
+    with pytest.raises(ConfigError, match="holds 2 GGUF models"):
+        model_hf_config(str(other))
+    with pytest.raises(ConfigError, match="metadata"):
+        ModelConfig(model=str(bad_arch))
+    good = write_gguf(tmp_path / "good.gguf", hf_dir, {"default": "Q8_0"})
+    with pytest.raises(ConfigError, match="load_format='safetensors'"):
+        load_gguf(good, load_format="safetensors")
+    with pytest.raises(ConfigError, match="quantization_config.quant_method='gguf'"):
+        LLM(str(good), dtype="float32", quantization="fp8")
