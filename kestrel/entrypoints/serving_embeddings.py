@@ -12,6 +12,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kestrel.entrypoints.budgets import ResponseTooLargeError
 from kestrel.entrypoints.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse
 from kestrel.entrypoints.serving import (
     OpenAIServing,
@@ -86,7 +87,7 @@ class OpenAIServingEmbeddings:
         per_float = _FLOAT_BASE64_BYTES if encoding == "base64" else _FLOAT_JSON_BYTES
         size = num_inputs * (pooling.dimensions or self.hidden_size) * per_float
         if limit and size > limit:
-            raise InvalidRequestError("input", f"{num_inputs} embeddings would make a response of up to {size:,} "
+            raise ResponseTooLargeError("input", f"{num_inputs} embeddings would make a response of up to {size:,} "
                                       f"bytes, more than this server's limit of {limit:,} (--max-response-bytes); "
                                       "send fewer inputs per request")
 
