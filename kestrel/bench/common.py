@@ -278,17 +278,18 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     step reads only its positions' rows); `per_step` also leaves out the embedding table, for the same reason.
     A mixture of experts adds `experts` (the bytes of every expert, a part of `per_step`), and its `num_experts`
     and `top_k`, from which `step_weight_bytes` counts what a batch reads."""
-    total = embed = experts = 0
+    total = embed = 0
     for name, t in model.named_parameters():
         size = t.numel() * t.element_size()
         total += size
         if "embed_tokens" in name:
             embed += size
-        if hasattr(t, "expert_proj"):
-            experts += size
     out = {"total": total, "embedding": embed, "per_step": total - embed}
+    # The stacked experts (FusedExperts: every parameter of the module, whatever its quantization made of them).
+    stacks = [m for m in model.modules() if hasattr(m, "local_experts") and hasattr(m, "local_ids")]
     routers = [m for m in model.modules() if hasattr(m, "top_k") and hasattr(m, "experts")]
-    if experts and routers:
+    if stacks and routers:
+        experts = sum(t.numel() * t.element_size() for m in stacks for t in m.parameters(recurse=False))
         out.update(experts=experts, num_experts=routers[0].experts.num_experts, top_k=routers[0].top_k)
     return out
 

@@ -117,6 +117,10 @@ class WNA16Config:
     group_m: int = 8  # row tiles that sweep the column tiles together (weight tiles reused through L2)
     num_warps: int = 4
     num_stages: int = 3
+    # 4-bit types with block_k >= 128: eight dots per K step, one per nibble of the packed words, against x's
+    # columns k = 8j + s (strided loads of a few activation rows), instead of unpacking the words into a
+    # [BLOCK_K, BLOCK_N] tile through a register shuffle.
+    nibble_dots: bool = False
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -248,24 +252,7 @@ def _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE: tl.constexpr, HAS_ZEROS
         words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :])
         shifts = tl.arange(0, 8) * 4
         c = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-        if WTYPE == _NF4:
-            w = _nf4_value(c)
-        else:
-            if WTYPE == _FP4:
-                e = (c >> 1) & 3
-                m = c & 1
-                mag = tl.where(e == 0, m, ((2 + m) << e) >> 1)  # 2 * |value|: 0, 1, 2, 3, 4, 6, 8, 12
-                v = tl.where(c >= 8, -mag, mag)
-            elif WTYPE == _FP4_BNB:
-                e = (c >> 1) & 3
-                m = c & 1
-                mag = tl.where(e == 0, m, (2 + m) << (7 - e))  # 192 * |value|: 0, 1, 128, 192, 64, 96, 32, 48
-                v = tl.where(c >= 8, -mag, mag)
-            elif HAS_ZEROS:
-                v = c - z[None, :]
-            else:
-                v = c - 8
-            w = v.to(tl.float32)
+        w = _decode4(c, z, WTYPE, HAS_ZEROS)
     else:
         rows = kt * BLOCK_K + tl.arange(0, BLOCK_K)
         ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :]
@@ -278,6 +265,46 @@ def _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE: tl.constexpr, HAS_ZEROS
             # fp8 arrives as its bytes (the interpreter cannot load fp8 directly).
             w = tl.load(ptrs).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     return w
+
+
+@triton.jit
+def _decode4(c, z, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """4-bit codes -> fp32 values minus zero points (fp4: the launcher's scale multiplier undoes the integer
+    stand-ins), any tile shape whose last dimension is BLOCK_N."""
+    if WTYPE == _NF4:
+        w = _nf4_value(c)
+    else:
+        if WTYPE == _FP4:
+            e = (c >> 1) & 3
+            m = c & 1
+            mag = tl.where(e == 0, m, ((2 + m) << e) >> 1)  # 2 * |value|: 0, 1, 2, 3, 4, 6, 8, 12
+            v = tl.where(c >= 8, -mag, mag)
+        elif WTYPE == _FP4_BNB:
+            e = (c >> 1) & 3
+            m = c & 1
+            mag = tl.where(e == 0, m, (2 + m) << (7 - e))  # 192 * |value|: 0, 1, 128, 192, 64, 96, 32, 48
+            v = tl.where(c >= 8, -mag, mag)
+        elif HAS_ZEROS:
+            v = c - z[None, :]
+        else:
+            v = c - 8
+        w = v.to(tl.float32)
+    return w
+
+
+@triton.jit
+def _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, acc, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 X_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`acc` plus the product of K step kt for the 4-bit types: nibble s of word row j holds k = 8j + s, so the
+    step is eight dots of K = BLOCK_K / 8, each against x's columns 8j + s."""
+    rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :])
+    k8 = kt * BLOCK_K + tl.arange(0, BLOCK_K // 8) * 8
+    for s in tl.static_range(8):
+        w = _decode4((words >> (4 * s)) & 0xF, z, WTYPE, HAS_ZEROS)
+        x = tl.load(x_rows + (k8 + s)[None, :])
+        acc = _dot(x, w, acc, X_DTYPE, DOT_F32)
+    return acc
 
 
 @triton.jit
@@ -323,7 +350,7 @@ def _wna16_kernel(
     M, N, k_tiles, k_tiles_per_split, split_k, steps_per_group, scale_mult,
     stride_xm, stride_wk, stride_sg, stride_zg, stride_om,
     WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    ONE_GROUP: tl.constexpr, DOT_F32: tl.constexpr, FAST: tl.constexpr,
+    ONE_GROUP: tl.constexpr, DOT_F32: tl.constexpr, FAST: tl.constexpr, NIBBLES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -353,9 +380,13 @@ def _wna16_kernel(
         else:
             z = w_cols  # placeholder
         for kt in range(kt_begin, kt_end):
-            x = tl.load(x_rows + (kt * BLOCK_K + offs_k)[None, :])
-            w = _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N)
-            acc = _dot(x, w, acc, x_ptr.dtype.element_ty, DOT_F32)
+            if NIBBLES:
+                acc = _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, acc, WTYPE, HAS_ZEROS,
+                                   x_ptr.dtype.element_ty, DOT_F32, BLOCK_K)
+            else:
+                x = tl.load(x_rows + (kt * BLOCK_K + offs_k)[None, :])
+                w = _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N)
+                acc = _dot(x, w, acc, x_ptr.dtype.element_ty, DOT_F32)
         acc = acc * (tl.load(s_ptr + w_cols).to(tl.float32) * scale_mult)[None, :]
     else:
         # One flat loop (software-pipelined by Triton); each K step lies in one group, so its partial product
@@ -366,9 +397,14 @@ def _wna16_kernel(
                 z = tl.load(z_ptr + g * stride_zg + w_cols).to(tl.int32)
             else:
                 z = w_cols  # placeholder
-            x = tl.load(x_rows + (kt * BLOCK_K + offs_k)[None, :])
-            w = _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N)
-            part = _dot(x, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptr.dtype.element_ty, DOT_F32)
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if NIBBLES:
+                part = _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, part, WTYPE, HAS_ZEROS,
+                                    x_ptr.dtype.element_ty, DOT_F32, BLOCK_K)
+            else:
+                x = tl.load(x_rows + (kt * BLOCK_K + offs_k)[None, :])
+                w = _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N)
+                part = _dot(x, w, part, x_ptr.dtype.element_ty, DOT_F32)
             s = tl.load(s_ptr + g * stride_sg + w_cols).to(tl.float32) * scale_mult
             acc += part * s[None, :]
 
@@ -435,6 +471,7 @@ def wna16_gemm(
         x.stride(0), w.stride(0), scales.stride(0), z.stride(0), out.stride(0),
         WTYPE=_CODE[weight_type], HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         ONE_GROUP=scales.shape[0] == 1, DOT_F32=not x.is_cuda or x.dtype == torch.float32, FAST=x.is_cuda,
+        NIBBLES=cfg.nibble_dots and _CODE[weight_type] <= _FP4_BNB and block_k >= 128,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

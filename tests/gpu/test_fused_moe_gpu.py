@@ -23,8 +23,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
 TOKENS = [1, 8, 64, 512]
 # Both sides hold the intermediate and the output in bf16 from fp32 values that differ only in accumulation
-# order: they disagree by one bf16 unit where a value lies near a rounding tie, rarely.
-NORM_RTOL = 2.0**-10
+# order: they disagree by one bf16 unit where a value lies near a rounding tie, rarely. One token (T = 1) has few
+# output values to average over: the H200 measured 1.18e-3 for Mixtral's shape there, 2^-9.7.
+NORM_RTOL = 2.0**-9
 ELEM_RTOL = 2.0**-7
 # FP8: x's quantization is the same on both sides; the intermediate's e4m3 value differs (by one e4m3 step,
 # up to 2^-3 relative) where accumulation-order differences, and the tensor cores' reduced-precision fp8 sums

@@ -192,6 +192,23 @@ def test_triton_matches_float64_oracle(variant, group, device):
         assert_matches(out, x, W, x_dtype, w_rounding=2.0**-9 if rounded else 0.0)
 
 
+FOUR_BIT = [v for v in VARIANTS if v not in ("int8", "int8_zp", "fp8_e4m3")]
+
+
+@pytest.mark.parametrize("variant", FOUR_BIT)
+def test_nibble_dots_match_float64_oracle(variant, device):
+    """The eight-dots-per-step path of the 4-bit types (block_k 128, group 128 and per channel of K = 256)."""
+    N, K = 40, 256
+    for i, (group, act_order, M, split_k) in enumerate([(128, False, 1, 2), (128, True, 17, 1), (None, False, 3, 1)]):
+        x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
+        w, W = make_weight(variant, group, act_order, N, K, x_dtype, seed=10 + i)
+        cfg = WNA16Config(block_m=16, block_n=32, block_k=128, split_k=split_k, nibble_dots=True)
+        x = make_x(M, K, x_dtype, seed=M)
+        out = wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, config=cfg)
+        rounded = variant == "nf4" and device.type == "cuda" and x_dtype != torch.float32
+        assert_matches(out, x, W, x_dtype, w_rounding=2.0**-9 if rounded else 0.0)
+
+
 def to_device(w, device):
     return wq.WNA16Weight(*[t.to(device) if torch.is_tensor(t) else t for t in w])
 
