@@ -40,9 +40,9 @@ def make_weight(N: int, K: int, weight_type: str = "int4", group: int | None = G
         values = (torch.randn(N, K, generator=g, device=dev) * 40).to(torch.float8_e4m3fn)
         mag = 40.0
     else:
-        lo, hi = {"int4": (-8, 8), "uint4": (0, 16), "fp4_e2m1": (0, 16), "int8": (-128, 128)}[weight_type]
+        lo, hi = {"int4": (-8, 8), "uint4": (0, 16), "int8": (-128, 128)}.get(weight_type, (0, 16))  # 4-bit codes
         values = torch.randint(lo, hi, (N, K), generator=g, device=dev)
-        mag = {"int4": 5.0, "uint4": 5.0, "fp4_e2m1": 3.0, "int8": 70.0}[weight_type]
+        mag = {"int4": 5.0, "uint4": 5.0, "fp4_e2m1": 3.0, "int8": 70.0, "nf4": 0.5, "fp4_bnb": 0.5}[weight_type]
     zeros = torch.randint(0, 16, (N, G), generator=g, device=dev) if weight_type == "uint4" else None
     scales = ((torch.rand(N, G, generator=g, device=dev) + 0.5) / (mag * K**0.5)).to(torch.float16)
     g_idx = torch.randperm(K, generator=g, device=dev) // group if act_order else None
@@ -96,6 +96,26 @@ def test_every_weight_type_compiles_and_matches(weight_type, group, act_order, M
     x = make_x(M, K, seed=2)
     bias = torch.randn(N, device="cuda").to(torch.bfloat16) if M == 64 else None
     assert_close(wq.wna16_gemm(x, *w, torch.bfloat16, bias), wq.wna16_gemm_ref(x, *w, torch.bfloat16, bias))
+
+
+@pytest.mark.parametrize("weight_type", ["nf4", "fp4_bnb"])
+@pytest.mark.parametrize("M", [1, 64])
+def test_bitsandbytes_code_books(weight_type, M):
+    """bitsandbytes' blocks of 64 as groups. fp4_bnb enters the dot exactly (integers / 192); nf4's code values enter
+    it rounded to bf16, as the module says: the reference here takes the code book rounded the same way."""
+    N, K, group = 4096, 4096, 64
+    w = make_weight(N, K, weight_type, group, seed=9)
+    x = make_x(M, K, seed=10)
+    out = wq.wna16_gemm(x, *w, torch.bfloat16)
+    if weight_type == "fp4_bnb":
+        assert_close(out, wq.wna16_gemm_ref(x, *w, torch.bfloat16))
+        return
+    book = torch.tensor(wq.NF4_VALUES, device="cuda").to(torch.bfloat16).float()
+    codes = wq.unpack_values(w.qweight, weight_type).long()
+    dense = book[codes] * w.scales.float().repeat_interleave(group, 0)  # [K, N]
+    assert_close(out, (x.float() @ dense).to(torch.bfloat16))
+    exact = wq.wna16_gemm_ref(x, *w, torch.bfloat16).float()
+    assert ((out.float() - exact).norm() / exact.norm()).item() < 4e-3  # bf16 rounding of the code values
 
 
 def test_fp16_and_fp32_activations():
