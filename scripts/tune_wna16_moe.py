@@ -27,7 +27,7 @@ from kestrel.kernels.fused_moe import MoEConfig, fused_moe, select_config  # noq
 
 # (N, K) of Llama-3-8B's linears (qkv, o, gate_up, down), W4A16 group 128.
 WNA16_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
-WNA16_M = [1, 16, 64, 256]
+WNA16_M = [1, 4, 16, 64, 256]
 # (E, k, H, I): Qwen3-30B-A3B and Mixtral-8x7B.
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
 MOE_T = [1, 8, 32, 128, 512]
@@ -48,14 +48,19 @@ def time_us(calls: list) -> float:
 
 
 def wna16_grid(M: int) -> list[wq.WNA16Config]:
+    """Tensor-core tiles at every M; up to M = 16 also the FMA path (block_m 1: one program per activation row)."""
     if M <= 16:
-        space = itertools.product((16,), (64, 128), (128, 256), (0,), (False, True), ((4, 4), (8, 3)))
+        gemv = [wq.WNA16Config(1, bn, bk, 0, 1, warps, stages)
+                for bn, bk, warps, stages in itertools.product((64, 128, 256), (128, 256), (4, 8), (3, 4))]
+        space = itertools.product((16,), (64, 128), (128, 256), (0,), (False, True), ((4, 4),))
     elif M <= 64:
+        gemv = []
         space = itertools.product((64,), (64, 128), (64, 128), (0,), (False, True), ((4, 4),))
     else:
-        space = itertools.product((64,), (128, 256), (64, 128), (1,), (False, True), ((8, 3),))
-    return [wq.WNA16Config(bm, bn, bk, split, 1 if M <= 64 else 8, warps, stages, nibbles)
-            for bm, bn, bk, split, nibbles, (warps, stages) in space]
+        gemv = []
+        space = itertools.product((64,), (128, 256), (64, 128), (1,), (False,), ((8, 3),))
+    return gemv + [wq.WNA16Config(bm, bn, bk, split, 1 if M <= 64 else 8, warps, stages, nibbles)
+                   for bm, bn, bk, split, nibbles, (warps, stages) in space]
 
 
 def int4_weight(N: int, K: int, seed: int) -> wq.WNA16Weight:

@@ -273,22 +273,24 @@ def _decode4(c, z, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr):
     stand-ins), any tile shape whose last dimension is BLOCK_N."""
     if WTYPE == _NF4:
         w = _nf4_value(c)
+    elif WTYPE == _FP4:
+        e = (c >> 1) & 3
+        m = c & 1
+        mag = tl.where(e == 0, m, ((2 + m) << e) >> 1)  # 2 * |value|: 0, 1, 2, 3, 4, 6, 8, 12
+        w = tl.where(c >= 8, -mag, mag).to(tl.float32)
+    elif WTYPE == _FP4_BNB:
+        e = (c >> 1) & 3
+        m = c & 1
+        mag = tl.where(e == 0, m, (2 + m) << (7 - e))  # 192 * |value|: 0, 1, 128, 192, 64, 96, 32, 48
+        w = tl.where(c >= 8, -mag, mag).to(tl.float32)
     else:
-        if WTYPE == _FP4:
-            e = (c >> 1) & 3
-            m = c & 1
-            mag = tl.where(e == 0, m, ((2 + m) << e) >> 1)  # 2 * |value|: 0, 1, 2, 3, 4, 6, 8, 12
-            v = tl.where(c >= 8, -mag, mag)
-        elif WTYPE == _FP4_BNB:
-            e = (c >> 1) & 3
-            m = c & 1
-            mag = tl.where(e == 0, m, (2 + m) << (7 - e))  # 192 * |value|: 0, 1, 128, 192, 64, 96, 32, 48
-            v = tl.where(c >= 8, -mag, mag)
-        elif HAS_ZEROS:
-            v = c - z[None, :]
+        # 2^23 + c as fp32 bits, minus 2^23 and the zero point: exact, and no int-to-float conversion (a
+        # reduced-rate instruction that bounds a decode-sized GEMM).
+        w = (c | 0x4B000000).to(tl.float32, bitcast=True)
+        if HAS_ZEROS:
+            w = w - (z.to(tl.float32) + 8388608.0)[None, :]
         else:
-            v = c - 8
-        w = v.to(tl.float32)
+            w = w - 8388616.0
     return w
 
 
@@ -305,6 +307,53 @@ def _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, acc, WTYPE: tl.constex
         x = tl.load(x_rows + (k8 + s)[None, :])
         acc = _dot(x, w, acc, X_DTYPE, DOT_F32)
     return acc
+
+
+@triton.jit
+def _gemv_range(x_row, w_ptr, s_ptr, z_ptr, w_cols, kt_begin, kt_end, steps_per_group, scale_mult, stride_wk,
+                stride_sg, stride_zg, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, ONE_GROUP: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One activation row times K steps [kt_begin, kt_end) of a column tile, on the FMA units (BLOCK_M = 1): each
+    step's exact products join a `[BLOCK_K (/ 8), BLOCK_N]` fp32 accumulator elementwise, so nothing crosses
+    threads until one sum over K after the loop, and no tile is laid out again for a tensor-core dot. The
+    `[1, BLOCK_N]` result has its scales applied."""
+    if WTYPE <= _FP4_BNB:
+        acc2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        for kt in range(kt_begin, kt_end):
+            g = kt // steps_per_group
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + g * stride_zg + w_cols).to(tl.int32)
+            else:
+                z = w_cols  # placeholder
+            rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+            words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :])
+            k8 = kt * BLOCK_K + tl.arange(0, BLOCK_K // 8) * 8
+            step = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+            for sh in tl.static_range(8):
+                xs = tl.load(x_row + k8 + sh).to(tl.float32)
+                step += xs[:, None] * _decode4((words >> (4 * sh)) & 0xF, z, WTYPE, HAS_ZEROS)
+            if ONE_GROUP:
+                acc2 += step
+            else:
+                acc2 += step * tl.load(s_ptr + g * stride_sg + w_cols).to(tl.float32)[None, :]
+    else:
+        acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        for kt in range(kt_begin, kt_end):
+            g = kt // steps_per_group
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + g * stride_zg + w_cols).to(tl.int32)
+            else:
+                z = w_cols  # placeholder
+            w = _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N)
+            xs = tl.load(x_row + kt * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.float32)
+            if ONE_GROUP:
+                acc2 += xs[:, None] * w
+            else:
+                acc2 += (xs[:, None] * w) * tl.load(s_ptr + g * stride_sg + w_cols).to(tl.float32)[None, :]
+    acc = tl.sum(acc2, axis=0)
+    if ONE_GROUP:
+        acc = acc * tl.load(s_ptr + w_cols).to(tl.float32)
+    return (acc * scale_mult)[None, :]
 
 
 @triton.jit
@@ -373,7 +422,11 @@ def _wna16_kernel(
     kt_end = tl.minimum(kt_begin + k_tiles_per_split, k_tiles)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if ONE_GROUP:
+    if BLOCK_M == 1:
+        acc = _gemv_range(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, s_ptr, z_ptr, w_cols, kt_begin, kt_end,
+                          steps_per_group, scale_mult, stride_wk, stride_sg, stride_zg, WTYPE, HAS_ZEROS, ONE_GROUP,
+                          BLOCK_K, BLOCK_N)
+    elif ONE_GROUP:
         # Per channel: one zero row, one scale row, applied after the loop.
         if HAS_ZEROS:
             z = tl.load(z_ptr + w_cols).to(tl.int32)

@@ -209,6 +209,19 @@ def test_nibble_dots_match_float64_oracle(variant, device):
         assert_matches(out, x, W, x_dtype, w_rounding=2.0**-9 if rounded else 0.0)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gemv_path_matches_float64_oracle(variant, device):
+    """block_m = 1: one activation row per program on the FMA units, grouped, per channel and act-order, split-K."""
+    N, K = 40, 256
+    for i, (group, act_order, M, split_k) in enumerate([(128, False, 1, 2), (64, True, 3, 1), (None, False, 2, 3)]):
+        x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
+        w, W = make_weight(variant, group, act_order, N, K, x_dtype, seed=20 + i)
+        cfg = WNA16Config(block_m=1, block_n=32, block_k=64, split_k=split_k, group_m=1)
+        x = make_x(M, K, x_dtype, seed=M)
+        out = wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, config=cfg)
+        assert_matches(out, x, W, x_dtype)
+
+
 def to_device(w, device):
     return wq.WNA16Weight(*[t.to(device) if torch.is_tensor(t) else t for t in w])
 
