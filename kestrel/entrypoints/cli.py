@@ -231,10 +231,11 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     from kestrel.loader.hf_config import load_hf_config
     from kestrel.model.registry import model_skeleton
-    from kestrel.quant.calibrate import QuantizeOptions, quantize_checkpoint
+    from kestrel.quant.calibrate import WEIGHT_ONLY_FIELDS, QuantizeOptions, quantize_checkpoint
 
+    weight_only = {name: getattr(args, name) for name in WEIGHT_ONLY_FIELDS if hasattr(args, name)}
     options = QuantizeOptions(args.scheme, args.smoothquant, args.kv_cache == "fp8", args.num_samples, args.seq_len,
-                              args.weight_strategy)
+                              args.weight_strategy, **weight_only)
     samples = _calibration_samples(args) if options.needs_calibration else None
     summary = quantize_checkpoint(args.model, args.out, options, samples, device=args.device,
                                   progress=lambda items: tqdm(items, desc="quantize", leave=False),
@@ -312,12 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(func=_cmd_model_init)
 
-    quantize = commands.add_parser("quantize", help="write a W8A8 compressed-tensors checkpoint (calibrated, "
-                                   "optionally smoothed)")
+    from kestrel.quant.calibrate import SCHEMES, WEIGHT_ONLY_FIELDS, QuantizeOptions
+
+    quantize = commands.add_parser("quantize", help="write a compressed-tensors checkpoint: W8A8 (calibrated, "
+                                   "optionally smoothed) or weight-only W4A16 / W8A16 (RTN, AWQ or GPTQ)")
     quantize.add_argument("model", help="Hugging Face model directory with float weights")
     quantize.add_argument("out", help="output directory")
-    quantize.add_argument("--scheme", required=True,
-                          choices=["fp8-dynamic", "fp8-static", "w8a8-int8", "w8a8-int8-static"])
+    quantize.add_argument("--scheme", required=True, choices=list(SCHEMES))
     quantize.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA",
                           help="migrate activation outliers into the weights (alpha in [0, 1], e.g. 0.5)")
     quantize.add_argument("--kv-cache", default=None, choices=["fp8"], help="calibrate FP8 KV cache scales")
@@ -328,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--weight-strategy", default="channel", choices=["channel", "tensor"],
                           help="one weight scale per output channel (default) or per linear module")
     quantize.add_argument("--device", default="cpu", help="where the calibration forward runs")
+    weight_only = quantize.add_argument_group("weight-only schemes (w4a16, w8a16)")
+    fields = {f.name: f for f in dataclasses.fields(QuantizeOptions)}
+    for name in WEIGHT_ONLY_FIELDS:
+        _add_flag(weight_only, ["--" + name.replace("_", "-")], name, field_kind(QuantizeOptions, name), None,
+                  fields[name].metadata["help"], fields[name].metadata.get("choices"))
     quantize.set_defaults(func=_cmd_quantize)
 
     bench = commands.add_parser("bench", help="benchmark suites (GPU)")

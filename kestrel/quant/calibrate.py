@@ -18,6 +18,11 @@ scales its output exactly (y = normalize(x) * weight; not `1 + weight` norms, no
 quantized per output channel (absmax / 448 for FP8, / 127 for INT8); static input scales are the calibrated
 per-tensor absmax (after smoothing) / 448 or / 127; FP8 KV scales are the keys' and values' absmax / 448 (the
 keys' bound taken before RoPE, times sqrt 2, which bounds any rotated pair).
+
+The weight-only schemes (w4a16, w8a16: `kestrel.quant.weight_only`) quantize the same targets to 4- or 8-bit
+integer groups by RTN, AWQ-style scaling or GPTQ; the last two calibrate one decoder layer at a time on this
+float model (`calibrate(..., hessians=True)`: each linear module's x x^T and mean |x|), its earlier layers replaced
+by their quantized weights.
 """
 
 from __future__ import annotations
@@ -32,18 +37,36 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from kestrel.config import ConfigError
 from kestrel.kernels.quant_act import FP8_MAX, SCALE_FLOOR
+from kestrel.quant.awq_search import foldable_linear_pairs
 from kestrel.quant.base import FusedMoEMethod, QuantMethod
 from kestrel.quant.schemes.compressed_tensors import CompressedTensorsScheme
 from kestrel.quant.w8a8_fp8 import quantize_weight_fp8
 from kestrel.quant.w8a8_int8 import INT8_SYM_MAX, quantize_weight_int8
+from kestrel.quant.weight_only import (
+    ALGORITHMS,
+    DEFAULT_DAMPENING,
+    DEFAULT_GROUP_SIZE,
+    LayerStats,
+    WeightOnlyPlan,
+    quantize_weights,
+)
 
-SCHEMES = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w8a8-int8-static")
+SCHEMES = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w8a8-int8-static", "w4a16", "w8a16")
+# Weight-only schemes -> bits (`kestrel.quant.weight_only`).
+WEIGHT_ONLY_BITS = {"w4a16": 4, "w8a16": 8}
+# The settings of the weight-only schemes, None when not given (the command line's flags are these fields).
+WEIGHT_ONLY_FIELDS = ("group_size", "algorithm", "symmetric", "act_order", "dampening")
+
+
+def _weight_only_field(help_text: str, **extra: Any) -> Any:
+    return field(default=None, metadata={"help": help_text, **extra})
 # Left out of the written config's `Linear` target: the LM head, under the name Hugging Face causal LMs give it
 # (kestrel runs it in the model dtype, and `QuantPlan.check_unquantized` refuses a checkpoint that quantizes it).
 UNQUANTIZED_MODULES = ("lm_head",)
@@ -59,10 +82,39 @@ class QuantizeOptions:
     num_samples: int = 64
     seq_len: int = 256
     weight_strategy: str = "channel"  # or "tensor": one weight scale per linear module
+    group_size: int | None = _weight_only_field(
+        f"w4a16 / w8a16: input features per weight scale, -1 for one per output channel (default "
+        f"{DEFAULT_GROUP_SIZE})")
+    algorithm: str | None = _weight_only_field(
+        "w4a16 / w8a16: rtn (round to nearest, default), awq (activation-aware scales folded into the norm or "
+        "linear layer before) or gptq (Hessian-based error compensation); awq and gptq calibrate", choices=ALGORITHMS)
+    symmetric: bool | None = _weight_only_field("w4a16 / w8a16: symmetric integers (default), or zero points")
+    act_order: bool | None = _weight_only_field("gptq: quantize columns by decreasing input energy, the groups "
+                                                "staying contiguous (no g_idx; default on, as llm-compressor's "
+                                                "actorder 'static')")
+    dampening: float | None = _weight_only_field(f"gptq: fraction of the Hessian's mean diagonal added to it "
+                                                 f"(default {DEFAULT_DAMPENING})")
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise ConfigError(f"invalid scheme={self.scheme!r}: expected one of {list(SCHEMES)}")
+        given = [name for name in WEIGHT_ONLY_FIELDS if getattr(self, name) is not None]
+        if self.scheme in WEIGHT_ONLY_BITS:
+            if self.smoothquant is not None:
+                raise ConfigError(f"invalid smoothquant={self.smoothquant} with scheme={self.scheme!r}: SmoothQuant "
+                                  "moves outliers for 8-bit activations; a weight-only scheme quantizes none (use "
+                                  "algorithm='awq' for activation-aware weight scales)")
+            if self.weight_strategy != "channel":
+                raise ConfigError(f"invalid weight_strategy={self.weight_strategy!r} with scheme={self.scheme!r}: "
+                                  "weight-only schemes take group_size (-1: per channel)")
+            if self.algorithm != "gptq" and self.dampening is not None:
+                raise ConfigError(f"invalid dampening={self.dampening} with algorithm={self.algorithm or 'rtn'!r}: "
+                                  "dampening is GPTQ's; use algorithm='gptq'")
+            self.weight_only  # noqa: B018 - validates the plan
+        elif given:
+            raise ConfigError(f"invalid {', '.join(f'{n}={getattr(self, n)!r}' for n in given)} with "
+                              f"scheme={self.scheme!r}: these settings are the weight-only schemes' "
+                              f"({list(WEIGHT_ONLY_BITS)})")
         if self.weight_strategy not in ("channel", "tensor"):
             raise ConfigError(f"invalid weight_strategy={self.weight_strategy!r}: expected 'channel' or 'tensor'")
         if self.smoothquant is not None and not 0.0 <= self.smoothquant <= 1.0:
@@ -79,8 +131,21 @@ class QuantizeOptions:
         return self.scheme in ("fp8-static", "w8a8-int8-static")
 
     @property
+    def weight_only(self) -> WeightOnlyPlan | None:
+        """The weight-only settings (their defaults filled in), or None for a W8A8 scheme."""
+        if self.scheme not in WEIGHT_ONLY_BITS:
+            return None
+        return WeightOnlyPlan(WEIGHT_ONLY_BITS[self.scheme],
+                              DEFAULT_GROUP_SIZE if self.group_size is None else self.group_size,
+                              True if self.symmetric is None else self.symmetric, self.algorithm or "rtn",
+                              self.algorithm == "gptq" if self.act_order is None else self.act_order,
+                              DEFAULT_DAMPENING if self.dampening is None else self.dampening)
+
+    @property
     def needs_calibration(self) -> bool:
-        return self.static or self.smoothquant is not None or self.kv_cache_fp8
+        plan = self.weight_only
+        return (self.static or self.smoothquant is not None or self.kv_cache_fp8
+                or (plan is not None and plan.needs_calibration))
 
 
 @dataclass(frozen=True)
@@ -151,11 +216,48 @@ class Calibration:
     key_absmax: dict[str, float]
     value_absmax: dict[str, float]
     norm_feeds: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # With `hessians`: per linear module, sum of x x^T over its inputs `[K, K]` and each input channel's mean |x|;
+    # the modules reading one tensor (q, k, v) share these objects.
+    hessians: dict[str, torch.Tensor] = field(default_factory=dict)
+    input_absmean: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class _InputStats:
+    """x x^T and |x| sums per distinct linear input: the first module to read a tensor in a forward owns its sums,
+    the others reading the very same tensor share them."""
+
+    def __init__(self) -> None:
+        self.owner: dict[str, str] = {}
+        self.xtx: dict[str, torch.Tensor] = {}
+        self.abs_sum: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, int] = defaultdict(int)
+        self.seen: dict[int, tuple[weakref.ref, str]] = {}
+
+    def add(self, name: str, x: torch.Tensor) -> None:
+        known = self.seen.get(id(x))
+        if known is not None and known[0]() is x:
+            self.owner[name] = known[1]
+            return
+        self.seen[id(x)] = (weakref.ref(x), name)
+        self.owner[name] = name
+        x2 = x.detach().reshape(-1, x.shape[-1]).float()
+        if name not in self.xtx:
+            self.xtx[name] = torch.zeros(x2.shape[1], x2.shape[1], dtype=torch.float32, device=x2.device)
+            self.abs_sum[name] = torch.zeros(x2.shape[1], dtype=torch.float32, device=x2.device)
+        self.xtx[name].addmm_(x2.T, x2)
+        self.abs_sum[name] += x2.abs().sum(0)
+        self.rows[name] += x2.shape[0]
+
+    def results(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        means = {name: self.abs_sum[name] / max(self.rows[name], 1) for name in self.xtx}
+        return ({name: self.xtx[owner] for name, owner in self.owner.items()},
+                {name: means[owner] for name, owner in self.owner.items()})
 
 
 def calibrate(model: nn.Module, samples: Iterable[list[int]], device: torch.device,
-              targets: QuantTargets) -> Calibration:
-    """Run the float model (`model`: transformers, its module names the checkpoint's) over `samples`."""
+              targets: QuantTargets, hessians: bool = False) -> Calibration:
+    """Run the float model (`model`: transformers, its module names the checkpoint's) over `samples`; with
+    `hessians`, also each linear module's input statistics (GPTQ's Hessian, AWQ's mean magnitudes)."""
     modules = dict(model.named_modules())
     wanted = [*targets.linears, *(n for a in targets.attention for n in (a.key, a.value))]
     absent = [name for name in wanted if name not in modules]
@@ -166,11 +268,14 @@ def calibrate(model: nn.Module, samples: Iterable[list[int]], device: torch.devi
     keys: dict[str, float] = defaultdict(float)
     values: dict[str, float] = defaultdict(float)
     feeds = _FeedRecorder(model, targets.linears)
+    stats = _InputStats() if hessians else None
     hooks = []
     for name in targets.linears:
         def record(_m, args, name=name):
             amax = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
             inputs[name] = amax if name not in inputs else torch.maximum(inputs[name], amax)
+            if stats is not None:
+                stats.add(name, args[0])
         hooks.append(modules[name].register_forward_pre_hook(record))
     for target in targets.attention:
         for proj, store in ((target.key, keys), (target.value, values)):
@@ -185,7 +290,8 @@ def calibrate(model: nn.Module, samples: Iterable[list[int]], device: torch.devi
     finally:
         for h in hooks:
             h.remove()
-    return Calibration(inputs, dict(keys), dict(values), feeds.norm_feeds())
+    xtx, absmean = stats.results() if stats is not None else ({}, {})
+    return Calibration(inputs, dict(keys), dict(values), feeds.norm_feeds(), xtx, absmean)
 
 
 class _FeedRecorder:
@@ -275,6 +381,29 @@ def smooth(weights: dict[str, torch.Tensor], calibration: Calibration, alpha: fl
             calibration.input_absmax[n] = calibration.input_absmax[n] / s
 
 
+def _layer_calibration(model: nn.Module, samples: list[list[int]], device: torch.device, awq: bool,
+                       linears: Sequence[str]) -> tuple[Callable, Callable]:
+    """The weight-only quantizer's callbacks on the float model (`kestrel.quant.weight_only.quantize_weights`):
+    statistics of some linear modules from a calibration forward, and tensors put back into the model."""
+    pairs: dict[str, str] = {}
+    if awq:  # found on the float model, before any weight changes
+        pairs = foldable_linear_pairs(model, linears, torch.tensor([samples[0][:32]], device=device),
+                                      lambda ids: model(ids).logits)
+
+    def collect(names: Sequence[str]) -> LayerStats:
+        found = calibrate(model, samples, device, QuantTargets(tuple(names), ()), hessians=True)
+        local = {p: c for p, c in pairs.items() if p in names and c in names}
+        return LayerStats(found.hessians, found.input_absmean, found.norm_feeds, local)
+
+    def update(tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                param = model.get_parameter(name)
+                param.copy_(tensor.to(param.device, param.dtype))
+
+    return collect, update
+
+
 def quantize_weight(weight: torch.Tensor, fp8: bool, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """8-bit weight and its fp32 scale: `[N, 1]` per output channel (the quantizers of quantization at load), or
     `[1]` for the whole tensor (the same quantizer over the tensor as one row)."""
@@ -286,6 +415,7 @@ def quantize_weight(weight: torch.Tensor, fp8: bool, per_tensor: bool = False) -
 
 
 def quantization_config(options: QuantizeOptions) -> dict:
+    plan = options.weight_only
     kind = "float" if options.fp8 else "int"
 
     def args(strategy: str, dynamic: bool) -> dict:
@@ -302,6 +432,9 @@ def quantization_config(options: QuantizeOptions) -> dict:
         "ignore": list(UNQUANTIZED_MODULES), "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
         "global_compression_ratio": None,
     }
+    if plan is not None:
+        config["format"] = "pack-quantized"
+        config["config_groups"] = {"group_0": plan.quantization_config()}
     if options.kv_cache_fp8:
         config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                                      "symmetric": True, "group_size": None, "block_structure": None,
@@ -333,20 +466,30 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, options: Qua
                           f"{absent[:5]}{' and more' if len(absent) > 5 else ''} of {type(model).__name__}")
     calibration = Calibration({}, {}, {})
     dev = torch.device(device)
+    plan = options.weight_only
+    float_model = None
     if options.needs_calibration:
         if not samples:
-            raise ConfigError(f"invalid calibration: scheme {options.scheme!r} with smoothquant={options.smoothquant} "
-                              f"and kv_cache_fp8={options.kv_cache_fp8} needs calibration samples")
+            algorithm = f", algorithm={plan.algorithm!r}" if plan is not None else ""
+            raise ConfigError(f"invalid calibration: scheme {options.scheme!r} with smoothquant={options.smoothquant}"
+                              f"{algorithm} and kv_cache_fp8={options.kv_cache_fp8} needs calibration samples")
         float_model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).to(dev).eval()
-        calibration = calibrate(float_model, progress(samples), dev, targets)
-        del float_model
+        if plan is None or options.kv_cache_fp8:
+            calibration = calibrate(float_model, progress(samples), dev, targets)
     if options.smoothquant is not None:
         smooth(weights, calibration, options.smoothquant)
     out: dict[str, torch.Tensor] = {}
     qmax = FP8_MAX if options.fp8 else INT8_SYM_MAX
     input_scales = []
     quantized = set(targets.linears)
-    for name, tensor in progress(list(weights.items())):
+    summary: dict[str, Any] = {}
+    if plan is not None:
+        collect = update = None
+        if plan.needs_calibration:
+            collect, update = _layer_calibration(float_model, samples, dev, plan.algorithm == "awq", targets.linears)
+        out, summary = quantize_weights(weights, targets.linears, plan, dev, collect, update)
+    del float_model
+    for name, tensor in progress(list(weights.items()) if plan is None else []):
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module in quantized:
             q, scale = quantize_weight(tensor.to(dev), options.fp8, options.weight_strategy == "tensor")
@@ -370,7 +513,11 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, options: Qua
     for name in _COPIED:
         if (src / name).is_file():
             shutil.copy(src / name, dst / name)
-    return {"scheme": options.scheme, "smoothquant": options.smoothquant, "kv_cache_fp8": options.kv_cache_fp8,
-            "calibration_samples": len(samples or []), "linear_layers": sum(1 for k in out if k.endswith("_scale")
-                                                                            and "weight_scale" in k),
-            "input_scale_range": [min(input_scales), max(input_scales)] if input_scales else None}
+    result = {"scheme": options.scheme, "smoothquant": options.smoothquant, "kv_cache_fp8": options.kv_cache_fp8,
+              "calibration_samples": len(samples or []), "linear_layers": sum(1 for k in out if k.endswith("_scale")
+                                                                              and "weight_scale" in k),
+              "input_scale_range": [min(input_scales), max(input_scales)] if input_scales else None}
+    if plan is not None:
+        result.update(algorithm=plan.algorithm, group_size=plan.group_size, symmetric=plan.symmetric,
+                      act_order=plan.act_order, **summary)
+    return result

@@ -121,8 +121,8 @@ def test_token_id_calibration_needs_no_tokenizer(base, tmp_path, capsys):
 
 
 def test_bad_quantize_arguments_are_config_errors(base, tmp_path):
-    with pytest.raises(ConfigError, match="scheme='w4a16'"):
-        QuantizeOptions("w4a16")
+    with pytest.raises(ConfigError, match="scheme='w3a16'"):
+        QuantizeOptions("w3a16")
     with pytest.raises(ConfigError, match="smoothquant=1.5"):
         QuantizeOptions("w8a8-int8", smoothquant=1.5)
     with pytest.raises(ConfigError, match="needs calibration samples"):
