@@ -39,10 +39,16 @@ group size, so each K step lies in one group: the step's product is formed from 
 points are small integers, fp4 values are doubled into integers, fp8 values are exact: all exact in bf16 / fp16)
 with fp32 accumulation, then multiplied by that group's scales in fp32 and added to the tile accumulator; per
 channel (one group) the scales are applied once after the loop. So the kernel and the fp32 reference differ only by
-summation order. The one exception is nf4 with 16-bit activations: its code values are not exact in 16 bits, so the
-tensor-core dot takes them rounded to the activation dtype (relative 2^-9 in bf16), as bitsandbytes' own
-dequantization to the model dtype does; fp32 activations (and the interpreter) keep them exact. fp4_bnb values are
-integers / 192, exact like e2m1's.
+summation order. The one exception is nf4 with 16-bit activations on the tensor cores: its code values are not exact
+in 16 bits, so the tensor-core dot takes them rounded to the activation dtype (relative 2^-9 in bf16), as
+bitsandbytes' own dequantization to the model dtype does; fp32 activations, the FMA path and the interpreter keep
+them exact. fp4_bnb values are integers / 192, exact like e2m1's.
+
+`block_m = 1` selects the FMA path (decode-sized M, one activation row per program): no tensor-core dot, so no
+register relayout of each weight tile; each K step's products join a `[BLOCK_K, BLOCK_N]` fp32 accumulator
+elementwise and are summed over K once after the loop. 4-bit codes become fp32 through their exponent bits
+(2^23 + c, minus 2^23 + zero), not a conversion instruction. On the H200 at M = 1 it runs the Llama-3-8B shapes at
+1.44-1.76x cuBLAS BF16 where the tensor-core tiles ran at 1.09-1.28x (benchmarks/results/issue28/).
 
 Split-K partials meet in an fp32 workspace; the last program to arrive at a tile (an atomic
 counter) sums them in split order (deterministic, so CUDA-graph replays are bit-exact) and runs the epilogue
