@@ -90,6 +90,20 @@ class ClientDisconnectedError(Exception):
 
 
 @dataclass(frozen=True)
+class _OutputRoom:
+    """The output tokens a request asks for (0: none named) and the field that asked."""
+
+    tokens: int
+    param: str
+
+
+def _chat_output_room(request: ChatCompletionRequest) -> _OutputRoom:
+    if request.max_completion_tokens is not None:
+        return _OutputRoom(request.max_completion_tokens, "max_completion_tokens")
+    return _OutputRoom(request.max_tokens or 0, "max_tokens")
+
+
+@dataclass(frozen=True)
 class _Prompt:
     text: str | None
     token_ids: list[int]
@@ -165,8 +179,12 @@ class OpenAIServing:
         self._check_sequences(len(request.prompts()), params.n, "prompt")  # before any tokenizing
         grammar_source = self._grammar_source(params, request.structured_outputs_field)  # its limits, too
         # A client that goes away takes its tokenization with it (the worker is replaced).
+        # vLLM's rule: the requested output must fit the context beside each prompt (0 with echo: none asked).
+        room = _OutputRoom(0 if request.scores_only else request.token_limit, "max_tokens")
+        self._check_output_room(room)
         prompts = await _until_disconnect(raw, self._encode_prompts(
-            request.prompts(), request.add_special_tokens is not False, request.truncate_prompt_tokens))
+            request.prompts(), request.add_special_tokens is not False, request.truncate_prompt_tokens,
+            room=room))
         grammar = await self._compile_grammar(grammar_source, raw)
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
                                  logprobs_param="logprobs", priority=request.priority,
@@ -282,8 +300,10 @@ class OpenAIServing:
 
     async def _beam_completion(self, request: CompletionRequest, beam: BeamSearchParams) -> Response:
         self._check_sequences(len(request.prompts()), beam.beam_width, "prompt")
+        room = _OutputRoom(beam.max_tokens, "max_tokens")
+        self._check_output_room(room)
         prompts = await self._encode_prompts(request.prompts(), request.add_special_tokens is not False,
-                                             request.truncate_prompt_tokens)
+                                             request.truncate_prompt_tokens, room=room)
         results = await search_async(self.engine, [p.token_ids for p in prompts], beam, request.priority or 0)
         choices = []
         for i, (prompt, result) in enumerate(zip(prompts, results)):
@@ -320,6 +340,8 @@ class OpenAIServing:
                           continue_final_message=bool(request.continue_final_message),
                           template_kwargs=request.chat_template_kwargs)
         truncate = request.truncate_prompt_tokens
+        room = _chat_output_room(request)
+        self._check_output_room(room)
         self._check_sequences(1, params.n, "messages")  # before any templating
         structured_param = request.structured_outputs_field
         grammar_source = self._grammar_source(params, structured_param)  # its limits, too
@@ -327,7 +349,7 @@ class OpenAIServing:
             self.grammars.check_tools(request.tool_dicts(), mode, request.named_tool)
         prompt, count, ids = await _until_disconnect(
             raw, self.text.render_chat(chat, None if truncate else self.engine.max_model_len))
-        token_ids = self._fit_prompt(count, ids, truncate, "messages")
+        token_ids = self._fit_prompt(count, ids, truncate, "messages", room)
         if beam is not None:
             return await _until_disconnect(raw, self._beam_chat(request, beam, token_ids))
         # A forced call is grammar-constrained wherever the engine has a grammar backend (every engine built by
@@ -466,10 +488,11 @@ class OpenAIServing:
         return LogprobFormatter(self.engine.core.token_text, num_top, bool(tokens_as_ids))
 
     async def _encode_prompts(self, prompts: Sequence[str | list[int]], add_special_tokens: bool = True,
-                              truncate: int | None = None, param: str = "prompt") -> list[_Prompt]:
+                              truncate: int | None = None, param: str = "prompt",
+                              room: _OutputRoom | None = None) -> list[_Prompt]:
         """Text prompts are tokenized off the event loop (TextWorkers); one that cannot fit is refused by count.
         `truncate`: keep each prompt's last `truncate` tokens (vLLM's truncate_prompt_tokens); `param`: the
-        request field of the prompts, for errors."""
+        request field of the prompts, for errors; `room`: the output each prompt must leave room for."""
         limit = self.engine.max_model_len
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(await self.text.encode_prompts(texts, None if truncate else limit, add_special_tokens,
@@ -479,18 +502,32 @@ class OpenAIServing:
             count, ids = next(encoded) if isinstance(prompt, str) else (len(prompt), list(prompt))
             # A truncated prompt's text is no longer the prompt: echo and detokenization use the ids.
             out.append(_Prompt(prompt if isinstance(prompt, str) and not truncate else None,
-                               self._fit_prompt(count, ids, truncate, param)))
+                               self._fit_prompt(count, ids, truncate, param, room)))
         return out
 
-    def _fit_prompt(self, count: int, ids: list[int] | None, truncate: int | None, param: str) -> list[int]:
+    def _fit_prompt(self, count: int, ids: list[int] | None, truncate: int | None, param: str,
+                    room: _OutputRoom | None = None) -> list[int]:
         """The prompt's ids, its last `truncate` when asked; a prompt the context cannot hold is refused (`ids`
-        None: the tokenizer reported only its `count`)."""
+        None: the tokenizer reported only its `count`), and so is one that leaves no room for `room`'s tokens."""
         limit = self.engine.max_model_len
         if ids is not None and truncate:
             ids = ids[-truncate:]
         if ids is None or len(ids) >= limit:
             raise prompt_too_long(count if ids is None else len(ids), limit, param)
+        if room is not None and len(ids) + room.tokens > limit:
+            raise InvalidRequestError(room.param, f"the prompt has {len(ids)} tokens and {room.param}="
+                                      f"{room.tokens} output tokens were requested, {len(ids) + room.tokens} in "
+                                      f"all, but the model's context is max_model_len={limit} tokens, which "
+                                      f"leaves room for a prompt of at most {limit - room.tokens} tokens; shorten "
+                                      f"the prompt or lower {room.param}")
         return ids
+
+    def _check_output_room(self, room: _OutputRoom) -> None:
+        """An output longer than the whole context is refused before any tokenizing."""
+        limit = self.engine.max_model_len
+        if room.tokens > limit:
+            raise InvalidRequestError(room.param, f"{room.param}={room.tokens} cannot be greater than "
+                                      f"max_model_len={limit}; request fewer output tokens")
 
     def _prompt_text(self, prompt: _Prompt, params: SamplingParams) -> str:
         if prompt.text is not None:

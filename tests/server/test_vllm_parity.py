@@ -1,0 +1,54 @@
+"""Where a vLLM user would notice kestrel differs (issue 30): each difference fixed here is checked against vLLM's
+behaviour, through the official openai client where a client sees it."""
+
+import httpx
+import openai
+import pytest
+from conftest import MAX_MODEL_LEN, MODEL
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, headers=server.headers, timeout=60)
+
+
+# ----- max_tokens beyond the context (vLLM's TokenizeParams rule) -------------------------------------------
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100000},
+     "max_completion_tokens"),
+])
+def test_max_tokens_above_the_context_is_a_400_naming_it(openai_server, path, body, param):
+    client = openai_server.client()
+    create = client.completions.create if "prompt" in body else client.chat.completions.create
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(model=MODEL, **body)
+    error = caught.value.body
+    assert error["param"] == param
+    assert f"{param}=100000 cannot be greater than max_model_len={MAX_MODEL_LEN}" in error["message"]
+
+
+def test_prompt_plus_max_tokens_past_the_context_is_a_400_naming_both(openai_server):
+    prompt = list(range(10, 10 + 200))
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=100)
+    error = caught.value.body
+    assert error["param"] == "max_tokens"
+    assert "200 tokens" in error["message"] and "max_tokens=100" in error["message"]
+    assert f"max_model_len={MAX_MODEL_LEN}" in error["message"] and f"{MAX_MODEL_LEN - 100} tokens" in error["message"]
+    # exactly the context: accepted, as in vLLM
+    ok = openai_server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_MODEL_LEN - 200)
+    assert ok.usage.prompt_tokens == 200
+    # chat names max_completion_tokens when that is the field sent
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello " * 20}], max_completion_tokens=250)
+    assert caught.value.body["param"] == "max_completion_tokens"
+
+
+def test_chat_without_max_tokens_is_bounded_by_the_context_only(openai_server):
+    """vLLM checks only a max_tokens the request names; without one the answer runs to the context."""
+    reply = post(openai_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 20}],
+                                                          "max_tokens": None, "stop": ["hello"]})
+    assert reply.status_code == 200, reply.text
