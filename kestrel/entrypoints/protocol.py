@@ -621,6 +621,7 @@ class TokenizeCompletionRequest(_Request):
     model: str | None = None
     prompt: str
     add_special_tokens: bool | None = True
+    return_token_strs: bool | None = False  # vLLM's: each token's string (the tokenizer's own piece) too
 
 
 class TokenizeChatRequest(_Request):
@@ -628,6 +629,7 @@ class TokenizeChatRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool | None = True
     tools: list[Tool] | None = None
+    return_token_strs: bool | None = False
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [message.model_dump(exclude_none=True) for message in self.messages]
@@ -648,6 +650,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
 
 
 class DetokenizeResponse(BaseModel):

@@ -251,7 +251,8 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
         prompt, add_special_tokens = tokenize_input(body)
         # Tokenizing and encoding the reply run in TextWorkers: a 4 MB prompt must not stall the event loop.
         reply = await _until_disconnect(raw, serving.text.tokenize_reply(prompt, add_special_tokens,
-                                                                         engine.max_model_len))
+                                                                         engine.max_model_len,
+                                                                         bool(body.return_token_strs)))
         return PiecewiseResponse(reply, media_type="application/json")  # type: ignore[return-value]
 
     app.router.add_api_route("/tokenize", tokenize, methods=["POST"], response_model=TokenizeResponse,

@@ -135,14 +135,16 @@ def render_and_encode(tokenizer: Any, specials: Sequence[str], chat: ChatInput,
 
 
 def tokenize_reply(tokenizer: Any, specials: Sequence[str], prompt: str | ChatInput, add_special_tokens: bool,
-                   max_model_len: int) -> bytes:
-    """The /tokenize response body."""
+                   max_model_len: int, token_strs: bool = False) -> bytes:
+    """The /tokenize response body; `token_strs`: each token's string too (vLLM's return_token_strs)."""
     if isinstance(prompt, ChatInput):
         ids = render_and_encode(tokenizer, specials, prompt, None)[2] or []
     else:
         ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-    return json.dumps({"count": len(ids), "max_model_len": max_model_len, "tokens": ids},
-                      separators=(",", ":")).encode()
+    reply: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+    if token_strs:
+        reply["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    return json.dumps(reply, separators=(",", ":")).encode()
 
 
 @functools.cache
@@ -182,7 +184,8 @@ def tokenize_body(tokenizer: Any, specials: Sequence[str], chunks: list[bytes], 
     check_tokenize_size(prompt, max_bytes)
     if isinstance(prompt, ChatInput):
         prompt = dataclasses.replace(prompt, chat_template=chat_template)
-    return tokenize_reply(tokenizer, specials, prompt, add_special_tokens, max_model_len)
+    return tokenize_reply(tokenizer, specials, prompt, add_special_tokens, max_model_len,
+                          bool(request.return_token_strs))
 
 
 def detokenize_reply(tokenizer: Any, specials: Sequence[str], token_ids: list[int]) -> bytes:
@@ -266,7 +269,8 @@ class TextWorkers:
         return await self._run("messages", utf8_over(chat.message_texts, HEAVY_TEXT_BYTES), render_and_encode,
                                self._with_template(chat), limit)
 
-    async def tokenize_reply(self, prompt: str | ChatInput, add_special_tokens: bool, max_model_len: int) -> bytes:
+    async def tokenize_reply(self, prompt: str | ChatInput, add_special_tokens: bool, max_model_len: int,
+                             token_strs: bool = False) -> bytes:
         """The /tokenize reply for a parsed request: 400 beyond max_tokenize_bytes of prompt text."""
         if self.max_tokenize_bytes is not None:
             check_tokenize_size(prompt, self.max_tokenize_bytes)
@@ -274,7 +278,7 @@ class TextWorkers:
         if isinstance(prompt, ChatInput):
             prompt = self._with_template(prompt)
         return await self._run(param, utf8_over(texts, HEAVY_TEXT_BYTES), tokenize_reply, prompt,
-                               add_special_tokens, max_model_len)
+                               add_special_tokens, max_model_len, token_strs)
 
     async def tokenize_body(self, chunks: list[bytes], model_names: tuple[str, ...], max_model_len: int) -> bytes:
         """The /tokenize reply for a raw JSON body (its chunks, joined in the worker), parsed, validated and

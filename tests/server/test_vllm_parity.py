@@ -52,3 +52,26 @@ def test_chat_without_max_tokens_is_bounded_by_the_context_only(openai_server):
     reply = post(openai_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 20}],
                                                           "max_tokens": None, "stop": ["hello"]})
     assert reply.status_code == 200, reply.text
+
+
+# ----- /tokenize return_token_strs ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body", [{"prompt": "Hello there, world"},
+                                  {"messages": [{"role": "user", "content": "Hello there"}]}])
+def test_tokenize_returns_token_strings_when_asked(openai_server, body):
+    tokenizer = openai_server.engine.tokenizer
+    plain = post(openai_server, "/tokenize", body).json()
+    assert "token_strs" not in plain
+    reply = post(openai_server, "/tokenize", {**body, "return_token_strs": True}).json()
+    assert reply["tokens"] == plain["tokens"]
+    assert reply["token_strs"] == tokenizer.convert_ids_to_tokens(reply["tokens"])
+    assert len(reply["token_strs"]) == reply["count"]
+
+
+def test_a_large_tokenize_body_returns_token_strings_too(openai_server):
+    """Bodies past 256 KiB are parsed in a tokenizer worker: the field travels that way too."""
+    reply = post(openai_server, "/tokenize", {"prompt": "ab " * 100_000, "return_token_strs": True,
+                                              "add_special_tokens": False})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert len(body["token_strs"]) == body["count"] and body["token_strs"][0].endswith("ab")
