@@ -25,6 +25,8 @@ QUANTIZATION_CHOICES = (None, "fp8", "int8", "compressed-tensors", "gptq", "awq"
 CHECKPOINT_ONLY_QUANTIZATION = ("compressed-tensors", "gptq", "awq", "bitsandbytes")
 ACTIVATION_SCHEME_CHOICES = ("dynamic", "static")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+# Steps between the expert-load counts' reports (each one a host copy and a conversion of [layers, experts] ints).
+EXPERT_LOAD_INTERVAL = 32
 SCHEDULING_POLICY_CHOICES = ("fcfs", "priority")
 # None: the model runs in the engine's process on one device, in "mp" worker processes on several.
 DISTRIBUTED_EXECUTOR_BACKEND_CHOICES = (None, "mp", "ray")
@@ -500,6 +502,8 @@ class EngineConfig:
     enforce_eager: bool = False
     debug_launch_count: bool = False  # log the kernel launches of one decoder layer's decode step at startup
     disable_log_stats: bool = False  # no periodic throughput / queue / KV cache line in the log
+    expert_load_metrics: bool = False  # count the tokens routed to each expert of every MoE layer
+    expert_load_interval: int = EXPERT_LOAD_INTERVAL  # steps between the counts' reports to the engine
     speculative_config: dict | None = None  # vLLM's dict; parsed into `speculative`
     speculative: SpeculativeConfig | None = field(default=None, init=False, compare=False)
 
@@ -509,9 +513,10 @@ class EngineConfig:
             self.speculative.check_target(self.model.hf_config, self.model.max_model_len or 0,
                                           self.cache.kv_cache_dtype)
         _check_choice("device", self.device, DEVICE_CHOICES)
-        for name in ("enforce_eager", "debug_launch_count", "disable_log_stats"):
+        for name in ("enforce_eager", "debug_launch_count", "disable_log_stats", "expert_load_metrics"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "expected True or False")
+        self._check_expert_load()
         if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs:
             _fail("max_num_batched_tokens", self.scheduler.max_num_batched_tokens,
                   f"must be >= max_num_seqs={self.scheduler.max_num_seqs} so every running request can decode")
@@ -549,6 +554,23 @@ class EngineConfig:
         if self.parallel.uses_workers and self.debug_launch_count:
             _fail("debug_launch_count", True, "launch counting runs in the engine's own process; use it without "
                   "tensor/pipeline parallelism or distributed_executor_backend")
+
+    def _check_expert_load(self) -> None:
+        interval = self.expert_load_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            _fail("expert_load_interval", interval, "expected an integer >= 1")
+        if not self.expert_load_metrics:
+            if interval != EXPERT_LOAD_INTERVAL:
+                _fail("expert_load_interval", interval, "it paces expert_load_metrics, which is off; set "
+                      "expert_load_metrics=True or leave the interval out")
+            return
+        hf = self.model.hf_config
+        if not (hf.get("num_local_experts") or hf.get("num_experts")):
+            _fail("expert_load_metrics", True, "expert_load_metrics needs a mixture-of-experts model; "
+                  f"{(hf.get('architectures') or ['this model'])[0]} has no experts")
+        if self.parallel.pipeline_parallel_size > 1:
+            _fail("expert_load_metrics", True, "the counts come from the last pipeline stage, which holds only its "
+                  "own layers; use it with pipeline_parallel_size=1")
 
     @classmethod
     def from_kwargs(cls, model: str, hf_config: dict | None = None, **kwargs: Any) -> EngineConfig:
@@ -667,6 +689,11 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "{\"method\": \"draft_model\" | \"eagle\", \"model\": PATH, \"num_speculative_tokens\": 4}"),
     EngineArg("disable_log_stats", "engine", "disable_log_stats",
               "no periodic log line of throughput, running / waiting requests and KV cache usage"),
+    EngineArg("expert_load_metrics", "engine", "expert_load_metrics",
+              "mixture-of-experts models: count the tokens routed to each expert of each layer (the "
+              "kestrel:moe_expert_tokens_total series, LLM.get_expert_load())"),
+    EngineArg("expert_load_interval", "engine", "expert_load_interval",
+              "with expert_load_metrics: steps between the counts' copies to the engine (the metrics' staleness)"),
 )
 _KWARG_TO_FIELD: dict[str, tuple[str, str]] = {arg.name: (arg.group, arg.field) for arg in ENGINE_ARGS}
 _VLLM_SPELLINGS: dict[str, str] = {arg.vllm_name: arg.name for arg in ENGINE_ARGS if arg.vllm_name}

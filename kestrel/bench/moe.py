@@ -163,6 +163,14 @@ def expert_load(topk_ids: torch.Tensor, E: int) -> list[int]:
     return torch.bincount(topk_ids.reshape(-1).long().cpu(), minlength=E).tolist()
 
 
+def load_per_layer(batches: list[Batch], E: int) -> dict[str, list[int]]:
+    """{weight layer: tokens per expert} over every input set the point routes to that layer (JSON keys)."""
+    per_layer: dict[int, list[int]] = {}
+    for b in batches:
+        per_layer[b.layer] = [a + c for a, c in zip(per_layer.get(b.layer, [0] * E), b.load)]
+    return {str(layer): per_layer[layer] for layer in sorted(per_layer)}
+
+
 def moe_bytes(topk_ids: torch.Tensor, shape: Shape, weight_elt: float = 2, act_elt: int = 2,
               scale_bytes_per_expert: int = 0) -> dict[str, int]:
     """The bytes one call must move at least: the weights (and weight scales) of each distinct expert the routing
@@ -518,7 +526,8 @@ def run_point(ctx: Ctx, shape: Shape, layers: list[Layer], routing: str, T: int)
         "dtype": ctx.dtype, "sets": len(batches), "weight_layers": len(layers),
         "distinct_experts": sum(b.counted["distinct_experts"] for b in batches) / len(batches),
         "distinct_experts_per_set": [b.counted["distinct_experts"] for b in batches],
-        "expert_load": loads, "load_max": max(loads), "load_mean": T * shape.k / shape.E,
+        "expert_load": loads, "expert_load_per_layer": load_per_layer(batches, shape.E),
+        "load_max": max(loads), "load_mean": T * shape.k / shape.E,
         "load_imbalance": max(loads) / (T * shape.k / shape.E),
         "bytes": byts, "weight_bytes": sum(b.counted["weight_bytes"] for b in batches) / len(batches),
         "act_bytes": b0.counted["act_bytes"], "flops": flops, "intensity": flops / byts,

@@ -100,6 +100,9 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Per pooling request whose prompt this step completed: its pooled final hidden state.
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # With expert_load_metrics, every expert_load_interval steps: the (token, expert) assignments of each
+    # mixture-of-experts layer since start, {layer index: count per expert} (totals, not this step's).
+    expert_load: dict[int, list[int]] | None = None
 
 
 class StepHandle(Protocol):

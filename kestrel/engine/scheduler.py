@@ -40,6 +40,9 @@ class SchedulerStats:
     num_generation_tokens: int = 0
     # Pipeline parallelism's batch queue: the most launched batches that were in flight at once.
     max_batches_in_flight: int = 0
+    # expert_load_metrics: the runner's latest report, {MoE layer index: tokens routed to each expert since start}
+    # (replaced, never changed in place, so a reader may keep a reference as its snapshot).
+    expert_load: dict[int, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -274,6 +277,8 @@ class Scheduler:
         updated = []
         now = time.monotonic()
         drafts = scheduler_output.scheduled_spec_decode_tokens
+        if runner_output.expert_load is not None:
+            self.stats.expert_load = runner_output.expert_load
         scheduled = self._scheduled.pop(scheduler_output.step_id, None)
 
         def live(request_id: str) -> Request | None:

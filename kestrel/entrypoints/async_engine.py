@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kestrel.config import GenerationDefaults
@@ -77,6 +77,8 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # expert_load_metrics: {MoE layer index: tokens routed to each expert}, as of the runner's latest report.
+    expert_load: dict[int, list[int]] = field(default_factory=dict)
 
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -450,6 +452,7 @@ class AsyncEngine:
             spec_num_draft_tokens=scheduler.stats.num_spec_draft_tokens,
             spec_num_accepted_tokens=scheduler.stats.num_spec_accepted_tokens,
             spec_accepted_per_position=tuple(scheduler.stats.spec_accepted_per_position),
+            expert_load=scheduler.stats.expert_load,
         )
 
     def _fail_all(self, error: EngineDeadError) -> None:

@@ -187,3 +187,12 @@ class LLM:
     @property
     def stats(self):
         return self.engine.scheduler.stats
+
+    def get_expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert since start, by mixture-of-experts layer index: `{layer: [count per
+        expert]}`, one count per (token, expert) assignment of every token the model computed (prompt tokens
+        found in the prefix cache are not computed; a preempted request's are computed again). Read from the
+        device now, so exact after `generate` returns; needs `LLM(..., expert_load_metrics=True)`."""
+        if not self.config.expert_load_metrics:
+            raise RuntimeError("the expert load is counted only with LLM(..., expert_load_metrics=True)")
+        return self.runner.expert_load()

@@ -81,6 +81,8 @@ class _EngineCollector(Collector):
         iterations.add_metric(self._labels, [*buckets, ("+Inf", stats.iteration_count)],
                               sum_value=stats.iteration_sum)
         yield iterations
+        if self._engine.core.config.expert_load_metrics:
+            yield self._expert_load(stats.expert_load)
         cache = self._engine.core.config.cache
         info = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration (value 1).",
                                  labels=[*LABELS, "block_size", "cache_dtype", "num_gpu_blocks",
@@ -89,6 +91,16 @@ class _EngineCollector(Collector):
                          str(self._engine.core.num_blocks), str(cache.enable_prefix_caching),
                          str(cache.gpu_memory_utilization)], 1)
         yield info
+
+    def _expert_load(self, load: dict[int, list[int]]) -> Metric:
+        """One sample per (MoE layer, expert): empty until the runner's first report."""
+        family = CounterMetricFamily(PREFIX + "moe_expert_tokens", "Tokens routed to each expert of each "
+                                     "mixture-of-experts layer (one per token and chosen expert; reported every "
+                                     "expert_load_interval steps).", labels=[*LABELS, "layer", "expert"])
+        for layer, counts in sorted(load.items()):
+            for expert, count in enumerate(counts):
+                family.add_metric([*self._labels, str(layer), str(expert)], count)
+        return family
 
 
 LABELS = ["model_name", "engine"]

@@ -38,6 +38,7 @@ from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, Ready, S
 from kestrel.executor.worker import (
     CALIBRATE_KV,
     EXECUTE_MODEL,
+    EXPERT_LOAD,
     RECORD,
     RESULT,
     SAMPLE_TOKENS,
@@ -142,6 +143,11 @@ class Executor(ABC):
     def calibrate_kv_scales(self) -> list[tuple[float, float]]:
         """`ModelRunner.calibrate_kv_scales` on every rank at once (before any step); the reply rank's scales."""
         self._send((CALIBRATE_KV, None, None))
+        return self._reply()
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """`ModelRunner.expert_load` of the reply rank (every rank counts every token); between steps."""
+        self._send((EXPERT_LOAD, None, None))
         return self._reply()
 
     # ----- pipeline parallelism -------------------------------------------------------------------------

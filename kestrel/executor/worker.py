@@ -71,6 +71,8 @@ RECORD = "record"
 # FP8 KV scales from one calibration prefill that every rank runs together (its collectives and stage sends meet);
 # each rank measures its own layers and kv heads. Answered with the reply rank's scales.
 CALIBRATE_KV = "calibrate_kv"
+# The expert-load counts now (`expert_load_metrics`; every rank routes every token): the reply rank's.
+EXPERT_LOAD = "expert_load"
 
 
 def reply_rank(config: EngineConfig) -> int:
@@ -119,6 +121,8 @@ class Worker:
         runner = self.runner
         if op == CALIBRATE_KV:
             return runner.calibrate_kv_scales()
+        if op == EXPERT_LOAD:
+            return runner.expert_load()
         if op == EXECUTE_MODEL:
             runner.execute_model(payload)
             return None

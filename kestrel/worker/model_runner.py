@@ -30,7 +30,7 @@ class ModelRunner(RunnerSetup):
         self.requests = self.step_inputs.requests
         self.block_table = self.step_inputs.block_table
         self.sampling = StepSampler(self.model, Sampler(generator), self.eos_token_ids, self.device, self.drafter,
-                                    self.step_inputs)
+                                    self.step_inputs, self.expert_counts, config.expert_load_interval)
         self._forwarded: ForwardStep | None = None  # executed, not yet sampled
         if self.device.type == "cuda":
             host_threads_for_gpu_steps()
@@ -97,6 +97,12 @@ class ModelRunner(RunnerSetup):
     def _collect(self, launched: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a sampled step's ids (its one host synchronization) and record them."""
         return self.sampling.collect(launched)
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert so far, by MoE layer index (`expert_load_metrics`); waits for the device."""
+        if self.expert_counts is None:
+            raise RuntimeError("the expert load is counted only with expert_load_metrics=True")
+        return self.expert_counts.read()
 
     def record_sampled(self, req_ids: list[str], sampled_token_ids: list[list[int]]) -> None:
         """A pipeline stage before the last: the tokens the last stage added in a step."""

@@ -19,6 +19,7 @@ from kestrel.kv_spec import KVCacheLayout
 from kestrel.loader import load_model
 from kestrel.loader.hf_config import resolve_dtype
 from kestrel.model.attn_metadata import AttentionMetadata
+from kestrel.model.expert_load import ExpertLoad
 from kestrel.worker.cuda_graph import GraphRunner, verify_batch_limit
 from kestrel.worker.drafter import build_drafter
 from kestrel.worker.kv_cache import (
@@ -82,6 +83,8 @@ class RunnerSetup:
         self.max_blocks_per_seq = -(-(config.model.max_model_len or 1) // self.block_size)
         self.model = load_model(model_config, config.quant, self.device, parallel, self._planned_kv_cache_bytes)
         self.vocab_size: int = int(config.model.hf_config["vocab_size"])
+        # Bound before any forward, so the captured graphs count too.
+        self.expert_counts = ExpertLoad.attach(self.model) if config.expert_load_metrics else None
         layers = self.model.attention_layers()
         self.kv_spec = KVCacheShape.of_layers(layers, kv_cache_dtype(config.cache, self.dtype), self.block_size)
         # The groups are every stage's; `layer_groups[i]` is the group of this stage's attention layer i.
@@ -109,6 +112,8 @@ class RunnerSetup:
             if self.drafter is not None:
                 self.drafter.capture_graphs(config.scheduler.max_num_seqs, self.max_blocks_per_seq,
                                             *self._verify_shapes())
+        if self.expert_counts is not None:
+            self.expert_counts.reset()
 
     def _planned_kv_cache_bytes(self, layers: Sequence[CachingLayer]) -> int:
         """The KV cache this runner allocates after the weights, for the loader's memory plan (`layers`: the
@@ -181,6 +186,8 @@ class RunnerSetup:
                     h.remove()
             amax = seen.clamp_min(1e-6).tolist()
             self.bind_kv_caches([(k / FP8_E4M3_MAX, v / FP8_E4M3_MAX) for k, v in amax])
+        if self.expert_counts is not None:
+            self.expert_counts.reset()
         return self.kv_scales
 
     # ----- GPU memory profiling and CUDA graphs --------------------------------------------------------

@@ -1,6 +1,7 @@
 """A step's sampling on the worker: the logits of its sampling rows (and of the drafts it verifies), grammar masks,
 sampling or verification of drafts, the worker-side drafter's proposals, logprobs and prompt logprobs, and the one
-host copy of every id the engine reads, collected into a `ModelRunnerOutput`.
+host copy of every id the engine reads, collected into a `ModelRunnerOutput` (every `expert_load_interval` steps
+with the expert-load counts in the same copy).
 
 Nothing here waits for the device until `collect`: the sampled ids stay on the device (a step launched before they
 reach the host reads them there), and every id the host needs travels in one pinned copy.
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput
+from kestrel.model.expert_load import ExpertLoad
 from kestrel.outputs import Logprob
 from kestrel.sample.grammar_mask import apply_token_bitmask
 from kestrel.sample.sampler import (
@@ -92,6 +94,7 @@ class LaunchedStep:
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None  # recorded after that copy on CUDA
     pooled: Pooled | None = None
+    expert_load: bool = False  # `host` ends with the expert-load counts
 
 
 @dataclass
@@ -117,8 +120,12 @@ class StepSampler:
     """Scores, samples and collects the steps of one model runner."""
 
     def __init__(self, model: nn.Module, sampler: Sampler, eos_token_ids: frozenset[int], device: torch.device,
-                 drafter: Drafter | None, inputs: StepInputs) -> None:
+                 drafter: Drafter | None, inputs: StepInputs, expert_load: ExpertLoad | None = None,
+                 expert_load_interval: int = 1) -> None:
         self.model = model
+        self.expert_load = expert_load
+        self.expert_load_interval = expert_load_interval
+        self._steps = 0  # steps sampled, which pace the expert-load reports
         self.sampler = sampler
         self.eos_token_ids = eos_token_ids
         self.device = device
@@ -323,6 +330,12 @@ class StepSampler:
             pieces += [launched.spec.verified.tokens, launched.spec.verified.num_accepted]
         if launched.proposal is not None:
             pieces.append(launched.proposal.drafts.reshape(-1))
+        if self.expert_load is not None:
+            self._steps += 1
+            if self._steps % self.expert_load_interval == 1 % self.expert_load_interval:
+                # A copy: the live counts keep growing with the steps enqueued before this one is collected.
+                pieces.append(self.expert_load.counts.reshape(-1).clone())
+                launched.expert_load = True
         if not pieces:
             return
         packed = pieces[0] if len(pieces) == 1 else torch.cat([p.to(torch.int64) for p in pieces])
@@ -387,7 +400,11 @@ class StepSampler:
             flat = step.pooled.vectors.cpu().tolist()
             starts = [0, *itertools.accumulate(step.pooled.sizes)]
             pooled = {rid: flat[a:b] for rid, a, b in zip(step.pooled.req_ids, starts, starts[1:])}
-        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs, drafts, pooled)
+        expert_load = None
+        if step.expert_load:
+            expert_load = self.expert_load.to_dict(values[len(values) - self.expert_load.counts.numel():])
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, step.prompt_logprobs, drafts, pooled,
+                                 expert_load)
 
 
 def _pool(rows: list[CachedRequestState], last: torch.Tensor) -> Pooled | None:

@@ -186,6 +186,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(arch, layer_idx, dtype, quant_method, attn_prefix, rotary_emb, parallel,
                                        _parts(attn_prefix, "qkv_proj", packed_modules))
         self.mlp_name = arch.moe.module if arch.is_sparse(layer_idx) else "mlp"
+        self.mlp_reads_metadata = arch.is_sparse(layer_idx)  # a mixture of experts may count its real tokens
         self.add_module(self.mlp_name, _mlp(arch, layer_idx, dtype, quant_method, f"{prefix}.{self.mlp_name}",
                                             parallel, packed_modules))
         self.norm_names = arch.norms
@@ -240,9 +241,14 @@ class DecoderLayer(nn.Module):
         x, residual = self._into(self._norm(names.pre_attn), hidden_states, residual, self.self_attn.qkv_proj, fuse)
         attn_out = self._sublayer_output(self.self_attn(positions, x, attn_metadata), self._norm(names.post_attn))
         if self.parallel_block:
-            return attn_out + self._sublayer_output(self.mlp(x, fuse), None), residual
+            return attn_out + self._sublayer_output(self._mlp_out(x, fuse, attn_metadata), None), residual
         x, residual = self._into(self._norm(names.pre_mlp), attn_out, residual, self.mlp.in_proj, fuse)
-        return self._sublayer_output(self.mlp(x, fuse), self._norm(names.post_mlp)), residual
+        return self._sublayer_output(self._mlp_out(x, fuse, attn_metadata), self._norm(names.post_mlp)), residual
+
+    def _mlp_out(self, x: torch.Tensor, fuse: bool, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        if self.mlp_reads_metadata:
+            return self.mlp(x, fuse, attn_metadata)
+        return self.mlp(x, fuse)
 
 
 def _mlp(arch: DecoderArch, layer_idx: int, dtype: torch.dtype, quant_method: QuantMethodFor, prefix: str,

@@ -21,6 +21,7 @@ from torch import nn
 from kestrel.config import ConfigError
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.model.arch import DecoderArch, MoEArch
+from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.linear import LinearBase, ReplicatedLinear
 from kestrel.model.layers.weights import WeightShapeError, copy_checked
 from kestrel.quant import FUSED_MOE, UNQUANTIZED
@@ -171,6 +172,9 @@ class MoEMLP(nn.Module):
             gate = quant_method(f"{prefix}.shared_expert_gate", (), kind=UNQUANTIZED)
             self.shared_expert_gate = ReplicatedLinear(arch.hidden_size, 1, bias=False, quant_method=gate,
                                                        params_dtype=dtype)
+        # int64 [E]: (token, expert) assignments so far, when the engine counts them (`kestrel.model.expert_load`
+        # binds a row of its buffer here); None costs nothing.
+        self.expert_load: torch.Tensor | None = None
 
     @property
     def in_proj(self) -> LinearBase:
@@ -185,11 +189,24 @@ class MoEMLP(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
-    def forward(self, x: torch.Tensor, fuse: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fuse: bool = True,
+                attn_metadata: AttentionMetadata | None = None) -> torch.Tensor:
+        """`attn_metadata`: the step's, which tells real tokens from a CUDA graph's padding (slot -1) when the
+        expert load is counted."""
         weights, ids = self.route(x)
+        if self.expert_load is not None:
+            self._count(ids, attn_metadata)
         out = self.experts(x, weights, ids, self.activation)
         if self.parallel.tp_size > 1:
             out = self.parallel.all_reduce(out)
         if self.has_shared_expert:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def _count(self, ids: torch.Tensor, attn_metadata: AttentionMetadata | None) -> None:
+        """Add each real token's chosen experts to `expert_load` on the device (no host sync, capturable). The ids
+        are global: every rank routes every token, so each rank's counts are the whole layer's."""
+        if attn_metadata is None:
+            raise ValueError("counting the expert load needs the step's attention metadata (its padding rows)")
+        real = (attn_metadata.slot_mapping >= 0).to(torch.int64)
+        self.expert_load.index_add_(0, ids.reshape(-1), real.unsqueeze(1).expand(ids.shape).reshape(-1))
