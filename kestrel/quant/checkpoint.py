@@ -9,9 +9,11 @@ A mixture of experts' experts are linear modules of the checkpoint too (`...mlp.
 a layer's experts must have the same scheme, FP8 with dynamic per-token inputs (what the fused MoE kernel runs:
 `Fp8FusedMoEMethod`); INT8 experts and static input scales are ConfigErrors naming the layer.
 Weight-only groups (`LinearScheme.weight_only`, compressed-tensors W4A16 / W8A16) get the weight-only method
-(`kestrel.quant.wna16`) for dense layers and are refused for experts. Block-wise weights
-(`weight_block_size`) load for experts only: the dense W8A8 GEMM applies per-channel scales, so a block-quantized
-dense layer is a ConfigError naming it.
+(`kestrel.quant.wna16`) for dense layers and are refused for experts. FP8 weights that the W8A8 GEMM's per-channel
+scales cannot express (`LinearScheme.fp8_weights`: block-wise, as `weight_block_size` and compressed-tensors
+`FP8_BLOCK` store them) and compressed-tensors FP8 weight-only groups run their dense layers weight-only
+(`kestrel.quant.fp8_weight_only`); block experts with dynamic inputs run the fused MoE kernel's block path, FP8
+weight-only experts are refused.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Self
 from kestrel.config import ConfigError, QuantConfig
 from kestrel.quant.base import FusedMoEMethod, QuantMethod
 from kestrel.quant.fp8_moe import Fp8FusedMoEMethod
+from kestrel.quant.fp8_weight_only import Fp8WeightOnlyLinearMethod, Fp8WeightSpec
 from kestrel.quant.scheme import FUSED_MOE, LayerKind, QuantScheme, check_layer_kind, scheme_from_checkpoint
 from kestrel.quant.w8a8 import W8A8LinearMethod
 from kestrel.quant.w8a8_fp8 import Fp8LinearMethod
@@ -42,8 +45,10 @@ class LinearScheme:
     weight_per_tensor: bool  # one weight scale per (shard of the) layer, else one per output channel
     static_input: bool  # a calibrated per-tensor input scale, else dynamic per-token scales
     symmetric_input: bool = True  # False: asymmetric INT8 inputs with a zero point
-    block_shape: tuple[int, int] | None = None  # (bn, bk) block-wise FP8 weights (experts only)
+    block_shape: tuple[int, int] | None = None  # (bn, bk) block-wise FP8 weights
     weight_only: WNA16Spec | None = None  # weight-only (method "w4a16" / "w8a16"): no input quantization
+    # FP8 weights whose dense layers run weight-only (block-wise, or a weight-only checkpoint): their scales.
+    fp8_weights: Fp8WeightSpec | None = None
 
     @property
     def activation_scheme(self) -> str:
@@ -51,7 +56,9 @@ class LinearScheme:
 
     @property
     def label(self) -> str:
-        """For messages: "fp8 dynamic", "int8 static", "w4a16"."""
+        """For messages: "fp8 dynamic", "int8 static", "w4a16", "w8a16-fp8"."""
+        if self.fp8_weights is not None and not self.fp8_weights.quantized_inputs:
+            return self.fp8_weights.name
         return self.method if self.weight_only is not None else f"{self.method} {self.activation_scheme}"
 
 
@@ -118,11 +125,8 @@ class W8A8Scheme(QuantScheme):
             return None
         if scheme.weight_only is not None:
             return WNA16LinearMethod(scheme.weight_only, prefix)
-        if scheme.block_shape is not None:
-            raise ConfigError(f"invalid quantization_config.weight_block_size={list(scheme.block_shape)}: block-wise "
-                              f"FP8 loads for mixture-of-experts experts only; dense block-FP8 linear layers (here "
-                              f"{prefix!r}) are not supported yet (the W8A8 GEMM applies per-channel scales); list "
-                              "them in the checkpoint's ignored layers or use a per-channel FP8 checkpoint")
+        if scheme.fp8_weights is not None:
+            return Fp8WeightOnlyLinearMethod(scheme.fp8_weights, prefix)
         config = QuantConfig(method=scheme.method, activation_scheme=scheme.activation_scheme,
                              symmetric_activations=scheme.symmetric_input)
         # Static input scales exist only where a calibration wrote them: in a checkpoint.
@@ -146,12 +150,18 @@ class W8A8Scheme(QuantScheme):
             raise ConfigError(f"invalid quantization: scheme {self.name!r} quantizes the experts of {prefix!r} to "
                               f"{scheme.method.upper()}, and kestrel has no {scheme.method.upper()} kernel for "
                               "mixture-of-experts layers; FP8 experts (quantization='fp8', or an FP8 checkpoint) run")
+        if scheme.fp8_weights is not None and not scheme.fp8_weights.quantized_inputs:
+            raise ConfigError(f"invalid quantization_config for the experts of {prefix!r}: FP8 weight-only "
+                              f"({scheme.fp8_weights.source}); the fused MoE kernel runs FP8 experts with FP8 inputs "
+                              "(W8A8), which this checkpoint does not ask for; FP8 checkpoints with dynamic "
+                              "activations load")
         if scheme.static_input:
             raise ConfigError(f"invalid quantization_config for the experts of {prefix!r}: static input scales; the "
                               "fused MoE kernel quantizes the experts' inputs dynamically per token (an FP8 checkpoint "
                               "with dynamic activations loads)")
+        block_scale = "weight_scale_inv" if scheme.fp8_weights is None else scheme.fp8_weights.scale_name
         return Fp8FusedMoEMethod(prequantized=self.prequantized, weight_per_tensor=scheme.weight_per_tensor,
-                                 block_shape=scheme.block_shape)
+                                 block_shape=scheme.block_shape, block_scale_name=block_scale)
 
     def check_unquantized(self, module_name: str) -> None:
         if self.prequantized and self.scheme_for(module_name) is not None:

@@ -10,7 +10,8 @@ Weights, by source:
 - a per-channel checkpoint (compressed-tensors `channel` strategy: `weight_scale [N, 1]` per expert module): the
   same parameters, loaded as stored; per-tensor weights (`weight_scale [1]`) fill their module's rows.
 - a block checkpoint (`weight_block_size: [bn, bk]`, `weight_scale_inv [ceil(N/bn), ceil(K/bk)]` per module, as
-  DeepSeek-V3 and the Qwen3 FP8 releases): `w13_weight_scale [E, 2I/bn, ceil(H/bk)]`,
+  DeepSeek-V3 and the Qwen3 FP8 releases; compressed-tensors `FP8_BLOCK` names them `weight_scale`):
+  `w13_weight_scale [E, 2I/bn, ceil(H/bk)]`,
   `w2_weight_scale [E, ceil(H/bn), ceil(I/bk)]`; each rank's share of the intermediate dimension must hold whole
   blocks (gate and up rows may not share a block either), and activations are quantized per token and bk
   columns.
@@ -43,12 +44,14 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
     per block with `block_shape=(bn, bk)`); else the high-precision experts are quantized per channel at load."""
 
     def __init__(self, prequantized: bool = False, weight_per_tensor: bool = False,
-                 block_shape: tuple[int, int] | None = None) -> None:
+                 block_shape: tuple[int, int] | None = None, block_scale_name: str = "weight_scale_inv") -> None:
         if block_shape is not None and (not prequantized or weight_per_tensor):
             raise ValueError("block FP8 experts come from a checkpoint with block scales")
         self.prequantized = prequantized
         self.weight_per_tensor = weight_per_tensor and prequantized
         self.block_shape = None if block_shape is None else (int(block_shape[0]), int(block_shape[1]))
+        # The block scales' name under each expert module: vLLM's format, or compressed-tensors' "weight_scale".
+        self.block_scale_name = block_scale_name
 
     # ---------------------------------------------------------------------------------------- loading
 
@@ -74,10 +77,9 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
                                   f"each rank's share {inter} of the experts' intermediate size is not a multiple of "
                                   f"{bn} (gate and up rows would share a scale block); use a tensor_parallel_size "
                                   "that keeps whole blocks, or enable_expert_parallel")
-            w13_scale = expert_param(torch.ones(E, 2 * inter // bn, math.ceil(H / bk)), "w13", "weight_scale_inv", 0,
-                                     block=bn)
-            w2_scale = expert_param(torch.ones(E, math.ceil(H / bn), math.ceil(inter / bk)), "w2", "weight_scale_inv",
-                                    1, block=bk)
+            name = self.block_scale_name
+            w13_scale = expert_param(torch.ones(E, 2 * inter // bn, math.ceil(H / bk)), "w13", name, 0, block=bn)
+            w2_scale = expert_param(torch.ones(E, math.ceil(H / bn), math.ceil(inter / bk)), "w2", name, 1, block=bk)
         layer.register_parameter("w13_weight_scale", w13_scale)
         layer.register_parameter("w2_weight_scale", w2_scale)
 

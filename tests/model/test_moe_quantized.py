@@ -10,7 +10,8 @@
   per-token FP8 inputs); vLLM's block-FP8 format (`weight_block_size`, `weight_scale_inv`) for experts, written
   here, against the float64 oracle;
 - what is refused, naming the layer: INT8 experts, static expert input scales, experts of mixed schemes, a
-  quantized router, dense block-FP8 layers, a tensor-parallel share that cuts a scale block;
+  quantized router, static inputs with block weights, a tensor-parallel share that cuts a scale block (dense
+  block-FP8 layers load weight-only: tests/model/test_block_fp8.py);
 - tensor parallelism (intermediate split) and expert parallelism over 2 gloo processes within 1e-5 of one process,
   for FP8 at load, a per-channel checkpoint and a block checkpoint.
 """
@@ -41,6 +42,7 @@ from kestrel.quant import (
     UnquantizedFusedMoEMethod,
     UnquantizedLinearMethod,
 )
+from kestrel.quant.fp8_weight_only import Fp8WeightOnlyLinearMethod
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -313,8 +315,7 @@ def test_the_plan_hands_experts_and_routers_their_methods() -> None:
     assert isinstance(block.method_for("model.layers.0.mlp.gate", (), UNQUANTIZED), UnquantizedLinearMethod)
     with pytest.raises(ConfigError, match=r"quantizes 'model\.layers\.1\.mlp\.gate'"):
         block.method_for("model.layers.1.mlp.gate", (), UNQUANTIZED)
-    with pytest.raises(ConfigError, match=r"dense block-FP8 linear layers \(here 'model\.layers\.0\.mlp\.down_proj'"):
-        block.method_for("model.layers.0.mlp.down_proj")
+    assert isinstance(block.method_for("model.layers.0.mlp.down_proj"), Fp8WeightOnlyLinearMethod)
     with pytest.raises(ConfigError, match="weight_block_size=.*two positive integers"):
         QuantPlan.build(None, {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}})
     # quantization at load has nothing saved to refuse: the router just stays in the model dtype
@@ -351,11 +352,7 @@ def test_unsupported_expert_checkpoints_are_refused_naming_the_layer(tiny_moe, t
             load(path)
 
 
-def test_block_fp8_dense_layers_are_refused(tiny_moe, tmp_path) -> None:
-    """The published block-FP8 checkpoints also quantize their attention: no block-scaled dense GEMM yet."""
-    path = with_quantization_config(tiny_moe["block"], tmp_path / "dense", modules_to_not_convert=["lm_head"])
-    with pytest.raises(ConfigError, match=r"dense block-FP8 linear layers \(here 'model\.layers\.0\.self_attn"):
-        load(path)
+def test_block_fp8_static_activations_are_refused(tiny_moe, tmp_path) -> None:
     path = with_quantization_config(tiny_moe["block"], tmp_path / "static", activation_scheme="static")
     with pytest.raises(ConfigError, match="block-wise FP8 weights take dynamic activations"):
         load(path)

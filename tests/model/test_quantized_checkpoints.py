@@ -229,13 +229,15 @@ def write_config(path: Path, quantization_config: dict) -> Path:
 
 @pytest.mark.parametrize("quantization_config, message", [
     ({"quant_method": "awq", "bits": 4, "version": "gemv", "group_size": 32, "zero_point": True}, "version"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "weight_block_size"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 3, "type": "int", "strategy": "group", "group_size": 32}}}},
      "num_bits"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
-        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
-     "weight-only"),
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                           "block_structure": [128, 128]},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}},
+     "static input scales with block weights"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 32},
         "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}}},

@@ -458,8 +458,9 @@ def _ct(weights: dict, fmt: str = "pack-quantized", inputs: dict | None = None) 
     (_ct({"dynamic": True}), "weights.dynamic=True"),
     (_ct({}, inputs={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}),
      "format 'pack-quantized' in config group 'group_0'"),  # W4A8: no kernel
-    (_ct({"type": "float", "num_bits": 8, "strategy": "channel", "group_size": None}, fmt="float-quantized"),
-     "float weight-only"),
+    # FP8 weight-only loads (tests/model/test_block_fp8.py); asymmetric FP8 weights do not
+    (_ct({"type": "float", "num_bits": 8, "strategy": "channel", "group_size": None, "symmetric": False},
+         fmt="float-quantized"), "weights must be symmetric"),
 ])
 def test_unsupported_variants_are_config_errors_naming_the_setting(config, message) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -4,9 +4,15 @@ asymmetric INT8 inputs with a zero point), per-tensor FP8 KV-cache scales (`kv_c
 INT4 / INT8 groups (no `input_activations`: llm-compressor's W4A16, W4A16_ASYM, W8A16) in `pack-quantized` or
 `int-quantized` format, per group or per channel, symmetric or with zero points, optionally act-ordered
 (`actorder: "group"`, `weight_g_idx`), run by the weight-only method (`kestrel.quant.wna16`).
+FP8 weights the W8A8 GEMM cannot run (`float-quantized` or `naive-quantized`, 8-bit float): weight-only groups
+(W8A16-FP8: no `input_activations`; per channel, group, block or tensor) and block-wise W8A8 (llm-compressor's
+`FP8_BLOCK`: `block_structure [bn, bk]`, inputs dynamic per group of bk) run their dense layers weight-only
+(`kestrel.quant.fp8_weight_only`: activations in the model dtype); `FP8_BLOCK` experts run the fused MoE kernel's
+block path.
 
-Everything else (block quantization, FP8 weight-only, other bit widths, asymmetric or group-wise W8A8 weights,
-sparsity, transforms) is a ConfigError naming the scheme and the config group, raised before any weight is read.
+Everything else (INT block quantization, other bit widths, asymmetric or group-wise W8A8 weights, static inputs
+with block weights, sparsity, transforms) is a ConfigError naming the scheme and the config group, raised before
+any weight is read.
 """
 
 from __future__ import annotations
@@ -15,11 +21,14 @@ from typing import Any
 
 from kestrel.config import ConfigError, QuantConfig
 from kestrel.quant.checkpoint import LinearScheme, TargetGroup, W8A8Scheme
+from kestrel.quant.fp8_weight_only import Fp8WeightSpec
 from kestrel.quant.scheme import register_scheme
 from kestrel.quant.wna16 import GROUP_MULTIPLE, WNA16Spec
 
 _SUPPORTED_FORMATS = ("float-quantized", "int-quantized")
 _WEIGHT_ONLY_FORMATS = ("pack-quantized", "int-quantized")
+# llm-compressor writes FP8 weight-only groups as naive-quantized, W8A8 ones as float-quantized: e4m3 `weight` both.
+_FP8_WEIGHT_FORMATS = ("float-quantized", "naive-quantized")
 _ACT_ORDER = {None: False, False: False, "weight": False, "static": False, True: True, "group": True, "dynamic": True}
 
 
@@ -58,11 +67,14 @@ def _group_scheme(name: str, group: dict[str, Any], fmt: str | None, targets: tu
     if (fmt in _WEIGHT_ONLY_FORMATS and not group.get("input_activations") and not group.get("output_activations")
             and weights.get("type") == "int"):
         return _weight_only_scheme(name, weights, fmt, where)
+    inputs = group.get("input_activations")
+    if (fmt in _FP8_WEIGHT_FORMATS and weights.get("type") == "float" and weights.get("num_bits") == 8
+            and not group.get("output_activations") and (not inputs or weights.get("strategy") == "block")):
+        return _fp8_weights_scheme(name, weights, inputs, where)
     if fmt not in _SUPPORTED_FORMATS:
         raise ConfigError(f"invalid quantization_config format {fmt!r} in {where}: kestrel loads "
                           f"{list(_SUPPORTED_FORMATS)} (W8A8 FP8 / INT8) and {list(_WEIGHT_ONLY_FORMATS)} "
                           "(weight-only INT4 / INT8); other packed and sparse formats are not supported")
-    inputs = group.get("input_activations")
     if group.get("output_activations"):
         raise ConfigError(f"invalid quantization_config in {where}: output activation quantization is not supported")
     kind = weights.get("type")
@@ -118,6 +130,47 @@ def _weight_only_scheme(name: str, weights: dict[str, Any], fmt: str, where: str
                      _ACT_ORDER[actorder] and grouped, source=f"compressed-tensors {fmt}, config group {name!r}",
                      group_field="quantization_config weights.group_size", act_order_field="weights.actorder='group'")
     return LinearScheme(spec.name, weight_per_tensor=False, static_input=False, weight_only=spec)
+
+
+def _fp8_weights_scheme(name: str, weights: dict[str, Any], inputs: dict[str, Any] | None,
+                        where: str) -> LinearScheme:
+    """8-bit float weights whose dense layers run weight-only: a weight-only group, or block weights with inputs
+    quantized dynamically per group of the block's columns (FP8_BLOCK)."""
+    strategy = weights.get("strategy")
+    if strategy not in ("block", "group", "channel", "tensor"):
+        raise ConfigError(f"invalid quantization_config weights.strategy={strategy!r} in {where}: FP8 weights load "
+                          "per block, group, channel or tensor")
+    if not weights.get("symmetric", True) or weights.get("dynamic"):
+        raise ConfigError(f"invalid quantization_config weights in {where}: weights must be symmetric and static")
+    block, field_name = None, "weights.block_structure"
+    if strategy == "block":
+        block = weights.get("block_structure")
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and b > 0 for b in block)):
+            raise ConfigError(f"invalid quantization_config weights.block_structure={block!r} in {where}: expected "
+                              "[bn, bk], two positive integers")
+        block = (block[0], block[1])
+    elif strategy == "group":
+        size, field_name = weights.get("group_size"), "weights.group_size"
+        if not isinstance(size, int) or size <= 0:
+            raise ConfigError(f"invalid quantization_config weights.group_size={size!r} in {where}: expected a "
+                              "positive integer")
+        block = (1, size)
+    if inputs:
+        in_strategy, dynamic = inputs.get("strategy"), bool(inputs.get("dynamic"))
+        if not dynamic:
+            raise ConfigError(f"invalid quantization_config input_activations in {where}: static input scales with "
+                              f"block weights (block_structure={list(block)}); block-wise FP8 takes dynamic inputs")
+        if (inputs.get("num_bits") != 8 or inputs.get("type") != "float" or not inputs.get("symmetric", True)
+                or in_strategy != "group" or inputs.get("group_size") != block[1]):
+            raise ConfigError(f"invalid quantization_config input_activations in {where}: strategy={in_strategy!r}, "
+                              f"group_size={inputs.get('group_size')!r}; block weights (block_structure="
+                              f"{list(block)}) load with symmetric 8-bit float inputs per group of {block[1]}")
+    spec = Fp8WeightSpec(strategy, "weight_scale", block, quantized_inputs=bool(inputs),
+                         source=f"compressed-tensors FP8, config group {name!r}",
+                         block_field=f"quantization_config {field_name}")
+    return LinearScheme("fp8", weight_per_tensor=strategy == "tensor", static_input=False,
+                        block_shape=block if strategy == "block" else None, fp8_weights=spec)
 
 
 def _check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:
