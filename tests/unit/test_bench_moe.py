@@ -36,7 +36,8 @@ def test_smoke_writes_result(tmp_path, capsys):
         assert r["flops"] == 2 * T * k * (2 * inter * H + inter * H)
         assert len(r["expert_load"]) == E and sum(r["expert_load"]) == T * k and r["load_max"] == max(r["expert_load"])
         per_layer = r["expert_load_per_layer"]  # every set's load, by the weight layer it ran on
-        assert all(len(v) == E for v in per_layer.values()) and {int(i) for i in per_layer} <= set(range(r["weight_layers"]))
+        assert all(len(v) == E for v in per_layer.values())
+        assert {int(i) for i in per_layer} <= set(range(r["weight_layers"]))
         assert sum(map(sum, per_layer.values())) == r["sets"] * T * k
         assert k <= r["distinct_experts"] <= min(E, T * k)
         assert len(r["distinct_experts_per_set"]) == r["sets"] >= 2  # rotated input sets
