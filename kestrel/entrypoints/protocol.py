@@ -418,7 +418,9 @@ class ToolCallIn(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles (developer is rendered as system) or any other the chat template renders, as in vLLM: a template
+    # that does not know a role refuses it when rendering.
+    role: Annotated[str, Field(min_length=1, examples=["system", "developer", "user", "assistant", "tool"])]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None

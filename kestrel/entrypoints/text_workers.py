@@ -45,7 +45,9 @@ class ChatInput:
     """What a chat request's template needs, picklable for a worker process."""
 
     messages: list[dict[str, Any]]
-    message_texts: list[str]  # each message's own text: special-token text in it stays plain text
+    # each message's role and own text, in the order a template renders them: special-token text in them stays
+    # plain text (a role is any string the template renders, as in vLLM, so it is the client's text too)
+    message_texts: list[str]
     tools: list[dict[str, Any]] | None = None
     tool_choice: str = "auto"
     named_tool: str | None = None
@@ -59,8 +61,8 @@ def chat_input(messages: Sequence[ChatMessage], message_dicts: list[dict[str, An
                tools: list[dict[str, Any]] | None, tool_choice: str = "auto", named_tool: str | None = None,
                add_generation_prompt: bool = True, chat_template: str | None = None,
                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> ChatInput:
-    return ChatInput(message_dicts, [m.text() for m in messages], tools, tool_choice, named_tool,
-                     add_generation_prompt, chat_template, continue_final_message, template_kwargs)
+    return ChatInput(message_dicts, [text for m in messages for text in (m.role, m.text())], tools, tool_choice,
+                     named_tool, add_generation_prompt, chat_template, continue_final_message, template_kwargs)
 
 
 def tokenize_input(request: TokenizeRequest) -> tuple[str | ChatInput, bool]:

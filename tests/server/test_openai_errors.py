@@ -73,7 +73,8 @@ def test_invalid_completion_parameters(openai_server, body, param):
     ({}, "messages"),
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "", "content": "hi"}]}, "messages[0].role"),  # any other role goes to the template
+    ({"messages": [{"role": 3, "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
