@@ -219,16 +219,17 @@ def test_cli_quantizes_w4a16_with_gptq(base, tmp_path, capsys):
     out = tmp_path / "cli"
     assert main(["quantize", str(base), str(out), "--scheme", "w4a16", "--algorithm", "gptq", "--group-size", "32",
                  "--no-symmetric", "--dampening", "0.05", "--calibration", str(calib), "--num-samples", "4",
-                 "--seq-len", "32"]) == 0
+                 "--seq-len", "32", "--kv-cache", "fp8"]) == 0
     assert "compressed-tensors w4a16" in capsys.readouterr().out
     weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
         "weights"]
     assert (weights["group_size"], weights["symmetric"], weights["actorder"]) == (32, False, "static")
     from kestrel import LLM, SamplingParams
 
-    llm = LLM(str(out), dtype="float32", max_model_len=128)
+    llm = LLM(str(out), dtype="float32", max_model_len=128, kv_cache_dtype="fp8")
     result = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=4), use_tqdm=False)
     assert len(result[0].outputs[0].token_ids) == 4
+    assert llm.runner.kv_scales[0] != (1.0, 1.0)  # the calibrated KV scales beside the weight-only layers
 
 
 @pytest.mark.parametrize("settings, message", [

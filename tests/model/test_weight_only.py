@@ -239,6 +239,8 @@ LLM_COMPRESSOR = {
     "llama-W8A16-asym-channel": ("llama", {}, "asym-channel-8bit"),
     "phi3-W4A16-g32": ("phi3", {}, "sym-g32"),
     "llama-GPTQ-W4A16-asym-g32": ("llama", {}, "gptq-asym-g32"),
+    # GPTQModifier with the W4A16 preset (groups of 128, its default static act-order)
+    "llama-GPTQ-W4A16": ("llama", {"hidden_size": 128, "intermediate_size": 256}, "gptq-W4A16"),
 }
 
 
@@ -258,8 +260,9 @@ def llm_compressor_checkpoint(base: Path, out: Path, how: str) -> Path:
         recipe = QuantizationModifier(config_groups={"group_0": _int_weights(8, "channel", None, False)},
                                       ignore=["lm_head"])
     else:
-        recipe = GPTQModifier(config_groups={"group_0": _int_weights(4, "group", 32, False, "weight")},
-                              ignore=["lm_head"])
+        recipe = (GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]) if how == "gptq-W4A16" else
+                  GPTQModifier(config_groups={"group_0": _int_weights(4, "group", 32, False, "weight")},
+                               ignore=["lm_head"]))
         g = torch.Generator().manual_seed(0)
         ids = [torch.randint(3, 1000, (32,), generator=g).tolist() for _ in range(16)]
         kwargs = {"dataset": Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 32 for _ in ids]}),
