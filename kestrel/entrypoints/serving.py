@@ -40,6 +40,7 @@ from kestrel.entrypoints.chat import (
     ToolCallParser,
     ToolCallStart,
     make_tool_parser,
+    new_tool_call_id,
     parse_tool_calls,
 )
 from kestrel.entrypoints.grammar_pool import GrammarCompilePool
@@ -408,6 +409,11 @@ class OpenAIServing:
                 for call in calls])
             if calls:
                 finish_reason = "tool_calls"
+            elif tools.named is not None and finish_reason == "length" and tools.prefix:
+                # vLLM's answer to a named call cut off by max_tokens: the call, its arguments as far as they
+                # got (the server wrote the call's opening, so all the model wrote is arguments), finish "length".
+                message = ChatResponseMessage(content=echoed or None, tool_calls=[ToolCall(
+                    id=new_tool_call_id(), function=FunctionCall(name=tools.named, arguments=c.text))])
         logprobs = None
         if params.logprobs is not None:
             logprobs = ChatChoiceLogProbs(content=fmt.chat(c.token_ids, c.logprobs))
@@ -703,13 +709,15 @@ class _ToolSetup:
     prefix: str
     parallel: bool
     format: str = "llama3_json"
+    named: str | None = None  # the function tool_choice names
 
 
 def _tool_setup(request: ChatCompletionRequest, prefix: str, fmt: str = "llama3_json") -> _ToolSetup:
     mode = request.tool_choice_mode
     names = [request.named_tool or ""] if mode == "named" else [t.function.name for t in request.tools or []]
     return _ToolSetup(active=mode != "none", names=frozenset(names), prefix=prefix,
-                      parallel=request.parallel_tool_calls is not False, format=fmt)
+                      parallel=request.parallel_tool_calls is not False, format=fmt,
+                      named=request.named_tool if mode == "named" else None)
 
 
 def _delta_from_events(events: list[ParserEvent], parallel: bool) -> tuple[str | None, list[DeltaToolCall] | None]:

@@ -111,3 +111,34 @@ def test_special_token_text_in_a_role_stays_text(openai_server):
     reply = post(openai_server, "/v1/chat/completions", {"messages": [{"role": forged, "content": "hi"}],
                                                          "max_tokens": 2})
     assert reply.status_code == 200, reply.text
+
+
+# ----- a named tool call cut off by max_tokens ---------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_named_call_cut_off_by_max_tokens_keeps_its_partial_arguments(scripted):
+    """vLLM: the named call with the arguments as far as they got, finish_reason "length"; no content, and no
+    `tool_calls: []` beside the call's text in content."""
+    server, runner = scripted
+    runner.script = '{"city": "Oslo, the capital of Norway"}}'  # the server opened the call: only arguments follow
+    try:
+        client = server.client()
+        choice = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                tools=[WEATHER], tool_choice=NAMED, max_tokens=5).choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        assert call.function.arguments and '{"city": "Oslo, the capital of Norway"}'.startswith(call.function.arguments)
+        streamed, finish = "", []
+        for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                    tools=[WEATHER], tool_choice=NAMED, max_tokens=5, stream=True):
+            for c in chunk.choices:
+                finish += [c.finish_reason] if c.finish_reason else []
+                streamed += "".join(d.function.arguments or "" for d in c.delta.tool_calls or [] if d.function)
+        assert streamed == call.function.arguments and finish == ["length"]
+    finally:
+        runner.script = "Hello!"
