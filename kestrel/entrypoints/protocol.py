@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -661,10 +662,15 @@ class DetokenizeResponse(BaseModel):
 
 # ----- responses ------------------------------------------------------------------------------------
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens the prefix cache served
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details, as in vLLM
 
 
 class CompletionLogProbs(BaseModel):
@@ -702,6 +708,7 @@ class CompletionResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
+    system_fingerprint: str | None = None  # sent as null, as vLLM and OpenAI's schema have it
     usage: UsageInfo | None = None
 
 
@@ -733,7 +740,13 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    # OpenAI's message fields this server never fills, sent as null as vLLM sends them
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: FunctionCall | None = None
+    # left out when there are none, as vLLM does
+    tool_calls: list[ToolCall] = Field(default_factory=list, exclude_if=lambda calls: not calls)
 
 
 class ChatChoice(BaseModel):
@@ -751,6 +764,7 @@ class ChatCompletionResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
@@ -802,13 +816,32 @@ class CompletionStreamResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class ModelPermission(BaseModel):
+    """vLLM's permission entry of a model card: what a client may do with the served model here."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kestrel"
     root: str | None = None
+    parent: str | None = None  # a fine-tune's base model: none here (no LoRA adapters are served)
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

@@ -69,6 +69,8 @@ class ServerConfig:
                                               "template)", choices=TOOL_FORMATS)
     enable_auto_tool_choice: bool = _opt(True, "let the model decide whether to call a tool (tool_choice 'auto'); "
                                                "off: such requests are refused")
+    enable_prompt_tokens_details: bool = _opt(False, "report usage.prompt_tokens_details.cached_tokens, the prompt "
+                                                     "tokens the prefix cache served (vLLM's flag; off: null)")
     special_tokens_in_content: bool = _opt(False, "let special-token text in chat messages become control tokens "
                                                   "(vLLM's behaviour; off: it is tokenized as plain text)")
     allowed_origins: tuple[str, ...] = _opt((), "origins allowed to call the API from a browser (CORS; '*' for "

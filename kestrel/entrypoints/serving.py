@@ -64,6 +64,7 @@ from kestrel.entrypoints.protocol import (
     ErrorInfo,
     ErrorResponse,
     FunctionCall,
+    PromptTokensDetails,
     ToolCall,
     UsageInfo,
 )
@@ -122,6 +123,8 @@ class _Submitted:
     created: int = field(default_factory=lambda: int(time.time()))
     model_name: str = ""
     budget: ResponseBudget | None = None
+    report_cached: bool = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # per prompt: tokens the prefix cache served
 
     async def abort(self) -> None:
         """End the engine requests now: their outputs are no longer wanted."""
@@ -204,8 +207,8 @@ class OpenAIServing:
         choices = []
         for i, (prompt, final) in enumerate(zip(job.prompts, finals)):
             prompt_logprobs = None
-            if request.prompt_logprobs is not None:
-                prompt_logprobs = fmt.prompt_logprobs(final.prompt_logprobs, request.prompt_logprobs)
+            if _reported_prompt_logprobs(request) is not None:
+                prompt_logprobs = fmt.prompt_logprobs(final.prompt_logprobs, _reported_prompt_logprobs(request))
             for c in final.outputs:
                 prefix = (prompt.text or "") if request.echo else ""
                 logprobs = None
@@ -607,7 +610,8 @@ class OpenAIServing:
         if self.config.enable_log_requests:
             logger.info("request %s: %d prompt(s), %s prompt tokens, %r", request_id, len(prompts),
                         [len(p.token_ids) for p in prompts], params)
-        return _Submitted(streams, trackers, prompts, params, request_id, budget=budget)
+        return _Submitted(streams, trackers, prompts, params, request_id, budget=budget,
+                          report_cached=self.config.enable_prompt_tokens_details)
 
     def _grammar_source(self, params: SamplingParams, field: str) -> tuple[GrammarSource, str] | None:
         """The request's grammar and the field it came from (`structured_outputs.json`, `response_format`, ...),
@@ -644,10 +648,12 @@ class OpenAIServing:
             if len(job.streams) == 1:
                 async for output in job.streams[0]:
                     job.trackers[0].observe(output)
+                    job.cached_tokens[0] = output.num_cached_tokens
                     yield 0, output
                 return
             async for i, output in _merge(job.streams):
                 job.trackers[i].observe(output)
+                job.cached_tokens[i] = output.num_cached_tokens
                 yield i, output
         finally:
             for stream in job.streams:
@@ -667,10 +673,19 @@ def _without_generation(output: RequestOutput) -> RequestOutput:
     return dataclasses.replace(output, outputs=[nothing(c) for c in output.outputs])
 
 
+def _reported_prompt_logprobs(request: CompletionRequest) -> int | None:
+    """The top-N of a completion's choices[].prompt_logprobs: the request's prompt_logprobs, else with echo its
+    logprobs (vLLM's rule), else none."""
+    if request.prompt_logprobs is not None:
+        return request.prompt_logprobs
+    return request.logprobs if request.echo else None
+
+
 def _completion_shape(request: CompletionRequest, params: SamplingParams, prompts: list[_Prompt]) -> ResponseShape:
     echo_bytes = [len(p.text.encode()) if p.text is not None else len(p.token_ids) * TEXT_BYTES_PER_TOKEN
                   for p in prompts] if request.echo else []
-    return ResponseShape(chat=False, n=params.n, logprobs=params.logprobs, prompt_logprobs=request.prompt_logprobs,
+    return ResponseShape(chat=False, n=params.n, logprobs=params.logprobs,
+                         prompt_logprobs=_reported_prompt_logprobs(request),
                          echo_bytes=echo_bytes, echo_logprobs=bool(request.echo) and params.logprobs is not None,
                          token_ids=bool(request.return_token_ids))
 
@@ -794,7 +809,10 @@ def _usage(job: _Submitted, finals: list[RequestOutput]) -> UsageInfo:
 
 
 def _usage_of(job: _Submitted, completion_tokens: int) -> UsageInfo:
-    return _usage_info(job.num_prompt_tokens, completion_tokens)
+    usage = _usage_info(job.num_prompt_tokens, completion_tokens)
+    if job.report_cached:
+        usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=sum(job.cached_tokens.values()))
+    return usage
 
 
 def _usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:

@@ -6,7 +6,9 @@ import openai
 import pytest
 from conftest import MAX_MODEL_LEN, MODEL
 
+from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.chat import render_chat
+from kestrel.entrypoints.server import build_app
 from kestrel.request import InvalidRequestError
 
 
@@ -142,3 +144,72 @@ def test_a_named_call_cut_off_by_max_tokens_keeps_its_partial_arguments(scripted
         assert streamed == call.function.arguments and finish == ["length"]
     finally:
         runner.script = "Hello!"
+
+
+# ----- the response keys vLLM always sends -------------------------------------------------------------------
+
+def test_chat_response_keys_match_vllms(openai_server):
+    body = post(openai_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 2}).json()
+    assert body["system_fingerprint"] is None
+    assert body["usage"]["prompt_tokens_details"] is None  # without --enable-prompt-tokens-details, as vLLM
+    message = body["choices"][0]["message"]
+    assert message["refusal"] is None and message["annotations"] is None
+    assert message["audio"] is None and message["function_call"] is None
+    assert "tool_calls" not in message  # none: left out, as vLLM does, never `[]`
+    reply = openai_server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                           max_tokens=2)
+    assert reply.system_fingerprint is None and reply.choices[0].message.tool_calls is None
+
+
+def test_completion_response_keys_match_vllms(openai_server):
+    body = post(openai_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).json()
+    assert body["system_fingerprint"] is None and body["usage"]["prompt_tokens_details"] is None
+    assert body["choices"][0]["prompt_logprobs"] is None
+
+
+def test_echo_with_logprobs_sends_prompt_logprobs_as_vllm(openai_server):
+    """vLLM: echo with logprobs asks for prompt logprobs (top-`logprobs`), and each choice carries them."""
+    prompt = [10, 11, 12, 13]
+    body = post(openai_server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 2,
+                                                   "n": 2, "temperature": 0}).json()
+    for choice in body["choices"]:
+        entries = choice["prompt_logprobs"]
+        assert len(entries) == len(prompt) and entries[0] is None
+        for token, entry in zip(prompt[1:], entries[1:]):
+            assert str(token) in entry and 2 <= len(entry) <= 3  # the prompt's token and the top 2
+        echoed = choice["logprobs"]["token_logprobs"][1:len(prompt)]
+        assert echoed == pytest.approx([entry[str(t)]["logprob"] for t, entry in zip(prompt[1:], entries[1:])],
+                                       abs=1e-5)
+    client = openai_server.client()
+    parsed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=2)
+    assert parsed.choices[0].model_extra["prompt_logprobs"][0] is None
+
+
+def test_model_cards_carry_parent_and_permission(openai_server):
+    (card,) = httpx.get(f"{openai_server.base_url}/v1/models", headers=openai_server.headers).json()["data"]
+    assert card["parent"] is None
+    (permission,) = card["permission"]
+    assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
+    assert permission["allow_sampling"] and permission["allow_logprobs"] and not permission["allow_fine_tuning"]
+    assert openai_server.client().models.retrieve(MODEL).model_extra["permission"][0]["organization"] == "*"
+
+
+def test_prompt_tokens_details_count_the_prefix_cache(tiny_model_dir, live_server_class):
+    engine = AsyncEngine.from_args(tiny_model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, device="cpu",
+                                   dtype="float32", enable_prefix_caching=True).start()
+    server = live_server_class(build_app(engine, MODEL, api_key=None, enable_prompt_tokens_details=True), engine,
+                               api_key=None)
+    try:
+        client = server.client()
+        prompt = list(range(10, 80))  # 70 tokens: four full blocks of 16 can be served from the cache
+        first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert again.usage.prompt_tokens_details.cached_tokens == 64
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=1, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    finally:
+        server.stop()
