@@ -32,6 +32,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                10.0, 20.0, 40.0, 80.0)
+PREEMPTION_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20)
 E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 
@@ -131,6 +132,17 @@ class ServerMetrics:
                                        TOKEN_COUNT_BUCKETS)
         self.generation_tokens = histogram("request_generation_tokens", "Generated tokens of finished requests.",
                                            TOKEN_COUNT_BUCKETS)
+        self.request_tpot = histogram("request_time_per_output_token_seconds", "Per finished request: its decode "
+                                      "time over its output tokens after the first (of its longest completion).",
+                                      ITL_BUCKETS)
+        self.prefill_kv_computed = histogram("request_prefill_kv_computed_tokens", "Prompt tokens a finished "
+                                             "request's prefill computed (the prefix cache served the rest).",
+                                             TOKEN_COUNT_BUCKETS)
+        self.request_preemptions = histogram("request_num_preemptions", "Preemptions a finished request went "
+                                             "through (all its n sequences).", PREEMPTION_BUCKETS)
+        self.prompt_tokens_cached = Counter(PREFIX + "prompt_tokens_cached", "Prompt tokens the prefix cache "
+                                            "served, counted as each request's first output arrives.", LABELS,
+                                            registry=self.registry).labels(model_name, ENGINE_INDEX)
         self.params_n = histogram("request_params_n", "The n of finished requests.", N_BUCKETS)
         self.params_max_tokens = histogram("request_params_max_tokens", "The max_tokens of finished requests.",
                                            TOKEN_COUNT_BUCKETS)
@@ -161,6 +173,12 @@ class ServerMetrics:
                 self.inference.observe(m.finished_time - m.first_scheduled_time)
                 if m.first_token_time is not None:
                     self.decode.observe(m.finished_time - m.first_token_time)
+                    longest = max((len(c.token_ids) for c in output.outputs), default=0)
+                    if longest > 1:
+                        self.request_tpot.observe((m.finished_time - m.first_token_time) / (longest - 1))
+        if m is not None:
+            self.request_preemptions.observe(m.num_preemptions)
+        self.prefill_kv_computed.observe(len(output.prompt_token_ids) - output.num_cached_tokens)
         self.prompt_tokens.observe(len(output.prompt_token_ids))
         self.generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
         if params is not None:
@@ -203,11 +221,15 @@ class RequestTracker:
         self._arrival = time.monotonic() if arrival is None else arrival
         self._last_token: float | None = None
         self._done = False
+        self._cache_counted = False
 
     def observe(self, output: RequestOutput) -> None:
         if self._done:
             return
         now = time.monotonic()
+        if not self._cache_counted:  # the first output comes once the prompt ran: its cache hit is known
+            self._cache_counted = True
+            self._metrics.prompt_tokens_cached.inc(output.num_cached_tokens)
         if any(c.delta_token_ids for c in output.outputs):
             if self._last_token is None:
                 self._metrics.ttft.observe(now - self._arrival)

@@ -211,5 +211,24 @@ def test_prompt_tokens_details_count_the_prefix_cache(tiny_model_dir, live_serve
                                                      max_tokens=1, stream=True,
                                                      stream_options={"include_usage": True}))
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+        samples = server.wait_idle()
+        # vLLM's series of the prefix cache's part: the 64 cached tokens, and 70 + 6 computed by the two prefills
+        # of the prompt (70, then the 6 past its cached blocks) plus the chat prompt's
+        assert samples["vllm:prompt_tokens_cached_total"] == 64 + chunks[-1].usage.prompt_tokens_details.cached_tokens
+        chat_prompt = chunks[-1].usage.prompt_tokens
+        assert samples["vllm:request_prefill_kv_computed_tokens_sum"] == (
+            70 + 6 + chat_prompt - chunks[-1].usage.prompt_tokens_details.cached_tokens)
+        assert samples["vllm:request_prefill_kv_computed_tokens_count"] == 3
     finally:
         server.stop()
+
+
+def test_the_added_vllm_series_are_exported_under_both_prefixes(openai_server):
+    openai_server.client().completions.create(model=MODEL, prompt="hi", max_tokens=4,
+                                              extra_body={"ignore_eos": True})
+    samples = openai_server.wait_idle()
+    for name in ("request_time_per_output_token_seconds_count", "request_prefill_kv_computed_tokens_count",
+                 "request_num_preemptions_count", "prompt_tokens_cached_total"):
+        assert f"kestrel:{name}" in samples and samples[f"kestrel:{name}"] == samples[f"vllm:{name}"], name
+    assert samples["vllm:request_time_per_output_token_seconds_count"] >= 1
+    assert samples["vllm:request_num_preemptions_sum"] == 0  # nothing ran out of KV blocks here
