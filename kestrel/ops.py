@@ -5,7 +5,9 @@ Callers never test the device themselves; they call `kestrel.ops.<op>` with the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -19,6 +21,7 @@ from kestrel.kernels import scaled_mm as _scaled_mm
 from kestrel.kernels import store_kv as _store_kv
 from kestrel.kernels import wna16 as _wna16
 from kestrel.kernels.activation import ACTIVATIONS, HF_ACTIVATIONS  # noqa: F401 - the layers' names
+from kestrel.kernels.cpu import attention as _cpu_attention
 
 # Weight-only (W4A16 / W8A16) checkpoint repacking, for the loaders: run once at load, on any device.
 from kestrel.kernels.wna16 import (  # noqa: F401
@@ -45,6 +48,25 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and triton_available()
 
 
+_cpu_references = False  # set only by `cpu_references()`
+
+
+@contextlib.contextmanager
+def cpu_references() -> Iterator[None]:
+    """Within it, CPU tensors take the plain references instead of the fast CPU paths (`kernels/cpu/`): the
+    baseline of the CPU benchmarks. Not for serving threads: the switch is process-wide."""
+    global _cpu_references
+    previous, _cpu_references = _cpu_references, True
+    try:
+        yield
+    finally:
+        _cpu_references = previous
+
+
+def use_cpu_fast_path(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and not _cpu_references
+
+
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window=None,
                     k_scale=1.0, v_scale=1.0, out=None, max_query_len=None, logit_soft_cap=None):
     """`max_query_len` (a host int bounding every sequence's query length, AttentionMetadata's) lets the
@@ -54,6 +76,9 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         return _attention.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                           sliding_window, k_scale, v_scale, out, logit_soft_cap,
                                           max_query_len=max_query_len)
+    if use_cpu_fast_path(q):
+        return _cpu_attention.paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                                                  scale, sliding_window, k_scale, v_scale, out, logit_soft_cap)
     return _attention.paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                           sliding_window, k_scale, v_scale, out, logit_soft_cap)
 

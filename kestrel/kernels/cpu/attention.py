@@ -1,0 +1,118 @@
+"""Paged attention on the CPU: `paged_attention_ref`'s semantics with the per-sequence loop replaced by two batched
+calls, one over the decode rows (query length 1) and one over the prefill chunks.
+
+Each group gathers its sequences' blocks with one index into the cache (`[S, blocks, block_size, H_kv, D]`), pads
+queries to the group's longest and keys to its longest context, and runs one masked attention: PyTorch's fused
+`scaled_dot_product_attention` (its CPU flash kernel), or, with a logit soft cap, which SDPA cannot apply, matmul,
+tanh, softmax and matmul. GQA folds the query heads that share a KV head into the query rows (`[S, H_kv, G*Lq, D]`),
+so K and V are never repeated. Computed in float32 like the reference; float64 queries go to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kestrel.kernels.attention import _check_soft_cap, paged_attention_ref
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    logit_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """`paged_attention_ref` (same arguments, same result up to float32 summation order)."""
+    if q.dtype == torch.float64:
+        return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                   sliding_window, k_scale, v_scale, out, logit_soft_cap)
+    _check_soft_cap(logit_soft_cap)
+    if out is None:
+        out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decodes: list[int] = []
+    prefills: list[int] = []
+    for s in range(len(lens)):
+        query_len = starts[s + 1] - starts[s]
+        if query_len == 1:
+            decodes.append(s)
+        elif query_len > 1:
+            prefills.append(s)
+    for seqs in (decodes, prefills):
+        if seqs:
+            _attend(q, k_cache, v_cache, starts, lens, block_tables, seqs, scale, sliding_window, k_scale, v_scale,
+                    out, logit_soft_cap)
+    return out
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: list[int], lens: list[int],
+            block_tables: torch.Tensor, seqs: list[int], scale: float, sliding_window: int | None, k_scale: float,
+            v_scale: float, out: torch.Tensor, logit_soft_cap: float | None) -> None:
+    """Attention of the sequences `seqs` (indices into the batch), written into their rows of `out`."""
+    _, num_heads, head_size = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    device = q.device
+    q_lens = [starts[s + 1] - starts[s] for s in seqs]
+    ctx = [lens[s] for s in seqs]
+    num_seqs, max_q, max_k = len(seqs), max(q_lens), max(ctx)
+    num_blocks = -(-max_k // block_size)
+    seq_index = torch.tensor(seqs, dtype=torch.long, device=device)
+    # Rows past a sequence's blocks may hold anything (-1 included): clamped, then masked off as keys.
+    blocks = block_tables.index_select(0, seq_index)[:, :num_blocks].long().clamp_(min=0)
+    k = _gather(k_cache, blocks, max_k, k_scale)  # [S, H_kv, Lk, D]
+    v = _gather(v_cache, blocks, max_k, v_scale)
+
+    q_len_t = torch.tensor(q_lens, dtype=torch.long, device=device).unsqueeze(1)  # [S, 1]
+    ctx_t = torch.tensor(ctx, dtype=torch.long, device=device).unsqueeze(1)
+    start_t = torch.tensor([starts[s] for s in seqs], dtype=torch.long, device=device).unsqueeze(1)
+    offs = torch.arange(max_q, device=device).unsqueeze(0)  # [1, Lq]
+    valid_q = offs < q_len_t  # [S, Lq]
+    rows = torch.where(valid_q, start_t + offs, start_t)  # padded rows repeat the sequence's first query row
+    qs = q[rows.flatten()].to(torch.float32)  # [S*Lq, H, D]
+    # [S, Lq, H_kv, G, D] -> [S, H_kv, G*Lq, D]: each KV head's query heads become rows of one attention.
+    qs = qs.view(num_seqs, max_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
+    qs = qs.reshape(num_seqs, num_kv_heads, group * max_q, head_size)
+
+    q_pos = (ctx_t - q_len_t + offs).unsqueeze(2)  # [S, Lq, 1]
+    k_pos = torch.arange(max_k, device=device).view(1, 1, max_k)
+    allowed = (k_pos <= q_pos) & (k_pos < ctx_t.unsqueeze(2))
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+    # Padded query rows may see no key at all; give them key 0 so nothing divides by zero (they are dropped).
+    allowed[:, :, 0] |= ~valid_q
+    mask = allowed.unsqueeze(1).expand(num_seqs, group, max_q, max_k).reshape(num_seqs, 1, group * max_q, max_k)
+
+    if logit_soft_cap is None:
+        res = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+    else:
+        scores = torch.matmul(qs, k.transpose(-1, -2)).mul_(scale / logit_soft_cap).tanh_().mul_(logit_soft_cap)
+        scores.masked_fill_(~mask, float("-inf"))
+        res = torch.matmul(torch.softmax(scores, dim=-1), v)
+    # [S, H_kv, G*Lq, D] -> [S, Lq, H, D]
+    res = res.view(num_seqs, num_kv_heads, group, max_q, head_size).permute(0, 3, 1, 2, 4)
+    res = res.reshape(num_seqs, max_q, num_heads, head_size)
+    if num_seqs * max_q == out.shape[0] and sum(q_lens) == out.shape[0]:
+        out.copy_(res.reshape(-1, num_heads, head_size))  # every row, in order: no scatter
+    else:
+        out[rows[valid_q]] = res[valid_q].to(out.dtype)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, max_k: int, cache_scale: float) -> torch.Tensor:
+    """The blocks' keys or values as float32 `[S, H_kv, Lk, D]`, times the FP8 scale."""
+    num_seqs, num_blocks = blocks.shape
+    block_size, num_kv_heads, head_size = cache.shape[1:]
+    x = cache.index_select(0, blocks.flatten()).view(num_seqs, num_blocks * block_size, num_kv_heads, head_size)
+    x = x[:, :max_k].to(torch.float32)
+    if cache_scale != 1.0:
+        x = x * cache_scale
+    return x.transpose(1, 2)
