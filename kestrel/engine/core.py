@@ -30,7 +30,7 @@ from kestrel.sampling_params import SamplingParams
 @dataclass
 class _Sequence:
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: the engine's client detokenizes (detokenize=False)
     index: int
     status: RequestStatus = RequestStatus.WAITING
     finished_time: float | None = None
@@ -59,6 +59,17 @@ _NOTHING_PLACED = ("the scheduler could not place any request; the KV cache is t
 
 
 
+def bad_word_sequences(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each word's token ids as the model would write it mid-text (after a space) and at the start."""
+    sequences: list[list[int]] = []
+    for word in words:
+        for variant in (word, " " + word.lstrip()):
+            ids = list(tokenizer.encode(variant, add_special_tokens=False))
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
 def _needs_latest_tokens(params: SamplingParams) -> bool:
     """Sampling that reads the request's tokens on the host each step cannot lag one step behind."""
     return (params.has_penalties or params.min_tokens > 0 or params.prompt_logprobs is not None
@@ -67,9 +78,11 @@ def _needs_latest_tokens(params: SamplingParams) -> bool:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner, kv_cache: KVCacheLayout | int, tokenizer: Any,
-                 eos_token_id: int | None, structured: Any = None) -> None:
+                 eos_token_id: int | None, structured: Any = None, detokenize: bool = True) -> None:
         """`kv_cache`: the runner's KV cache layout (or its block count, for one group).
-        `structured`: the grammar backend of structured outputs (kestrel.structured), duck-typed."""
+        `structured`: the grammar backend of structured outputs (kestrel.structured), duck-typed.
+        `detokenize=False`: outputs carry token ids only (no text, no stop strings, no logprob token texts): an
+        engine core in its own process, whose client detokenizes."""
         max_model_len = config.model.max_model_len or 0
         kv_layout = as_layout(kv_cache, config.cache.block_size)
         kv_layout.check_holds(max_model_len)
@@ -80,6 +93,7 @@ class EngineCore:
         self.runner = runner
         self.tokenizer = tokenizer
         self.structured = structured
+        self.detokenize = detokenize
         self.eos_token_id = eos_token_id
         # The model's generation_config.json: more EOS ids, and default sampling settings (for the entrypoints).
         self.generation_defaults = config.model.generation_defaults
@@ -136,8 +150,8 @@ class EngineCore:
             request = Request(child_id, list(prompt_token_ids), child_params, eos_token_id=self.eos_token_id,
                               max_model_len=self.max_model_len, extra_eos_token_ids=self._extra_eos,
                               priority=priority, pooling_params=pooling)
-            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child_params,
-                                                 TokenizerLookups.of(self.tokenizer))
+            detokenizer = (IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child_params,
+                                                  TokenizerLookups.of(self.tokenizer)) if self.detokenize else None)
             sequence = _Sequence(request, detokenizer, index)
             parent.sequences.append(sequence)
         if params.structured_outputs is not None:
@@ -166,16 +180,9 @@ class EngineCore:
             raise
 
     def _bad_word_sequences(self, words: list[str]) -> list[list[int]]:
-        """Each word's token ids as the model would write it mid-text (after a space) and at the start."""
         if self.tokenizer is None:
             raise InvalidRequestError("bad_words", "bad_words needs the model's tokenizer")
-        sequences: list[list[int]] = []
-        for word in words:
-            for variant in (word, " " + word.lstrip()):
-                ids = list(self.tokenizer.encode(variant, add_special_tokens=False))
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return sequences
+        return bad_word_sequences(self.tokenizer, words)
 
     def _check_priority(self, priority: int) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -425,6 +432,7 @@ class EngineCore:
         now = time.monotonic()
         sequence_parent = self._sequence_parent
         structured = self.structured
+        detokenize = self.detokenize
         for request in updated:
             request_id = request.request_id
             parent = sequence_parent.get(request_id)
@@ -433,10 +441,10 @@ class EngineCore:
             sequences = parent.sequences
             sequence = sequences[0] if len(sequences) == 1 else next(s for s in sequences if s.request is request)
             params = request.sampling_params
-            if params.logprobs is not None or params.prompt_logprobs is not None:
+            if detokenize and (params.logprobs is not None or params.prompt_logprobs is not None):
                 self._name_logprob_tokens(sequence)
             # Final-only requests without stop strings need their text only once, at the end.
-            if not params.final_only or params.stop or request.status.finished:
+            if detokenize and (not params.final_only or params.stop or request.status.finished):
                 self._detokenize(sequence)
             status = sequence.status = request.status  # a stop string may have ended it just now
             if status.finished:
@@ -559,14 +567,15 @@ class EngineCore:
         start = seq.num_emitted_tokens
         seq.num_emitted_tokens = len(output_token_ids)
         status = seq.status
+        detokenizer = seq.detokenizer
         return CompletionOutput(
             index=seq.index,
-            text=seq.detokenizer.output_text,
+            text=detokenizer.output_text if detokenizer is not None else "",
             token_ids=list(output_token_ids),
             logprobs=list(request.output_logprobs) if wants_logprobs else None,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
-            delta_text=seq.detokenizer.get_delta(status.finished),
+            delta_text=detokenizer.get_delta(status.finished) if detokenizer is not None else "",
             delta_token_ids=output_token_ids[start:],
             delta_logprobs=request.output_logprobs[start:] if wants_logprobs else None,
         )

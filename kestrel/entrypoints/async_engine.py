@@ -17,12 +17,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kestrel.config import GenerationDefaults
 from kestrel.engine.core import EngineCore
 from kestrel.engine.stats_logger import StatsLogger
+from kestrel.entrypoints.engine_stats import ITERATION_TOKEN_BUCKETS, EngineStats, StatsTracker  # noqa: F401 - re-exported
 from kestrel.outputs import RequestOutput
 from kestrel.pooling_params import PoolingParams
 from kestrel.sampling_params import SamplingParams
@@ -55,33 +56,6 @@ class ServerShuttingDownError(RuntimeError):
 class RequestTimeoutError(TimeoutError):
     """A request ran past its deadline and was aborted."""
 
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot published by the engine thread; counters are totals since start."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    # Tokens per engine step (vLLM's iteration_tokens_total): cumulative counts at ITERATION_TOKEN_BUCKETS.
-    iteration_buckets: tuple[int, ...] = ()
-    iteration_count: int = 0
-    iteration_sum: int = 0
-    # Speculative decoding (vLLM's spec_decode series): verify steps, draft tokens, accepted ones (by position).
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_position: tuple[int, ...] = ()
-    # expert_load_metrics: {MoE layer index: tokens routed to each expert}, as of the runner's latest report.
-    expert_load: dict[int, list[int]] = field(default_factory=dict)
-
-
-ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 _ACCEPTED = object()  # first queue item of a request the engine took
 
@@ -174,6 +148,10 @@ class RequestStream:
 class AsyncEngine:
     """Runs an EngineCore in a daemon thread; `generate` streams a request's outputs to asyncio."""
 
+    # The server hands this engine its requests' grammars compiled (an engine core in its own process compiles them
+    # itself, from their source).
+    compiles_grammars = False
+
     def __init__(self, core: EngineCore, tokenizer: Any, *, model_path: str = "",
                  max_queued_requests: int | None = None, request_timeout_s: float | None = None) -> None:
         if max_queued_requests is not None and max_queued_requests < 0:
@@ -196,9 +174,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kestrel-engine", daemon=True)
         self._stats_logger = None if core.config.disable_log_stats else StatsLogger()
-        self._iteration_buckets = [0] * len(ITERATION_TOKEN_BUCKETS)
-        self._iteration_count = self._iteration_sum = 0
-        self._scheduled_before = 0
+        self._stats_tracker = StatsTracker()
 
     @classmethod
     def from_args(cls, model: str, *, max_queued_requests: int | None = None,
@@ -370,7 +346,7 @@ class AsyncEngine:
                 if not self.core.has_unfinished_requests():
                     continue
                 outputs = self.core.step()
-                self._count_iteration_tokens()
+                self._stats_tracker.count_step(self.core.scheduler)
                 if self._stats_logger is not None:
                     self._stats_logger.maybe_log(self.core.scheduler)
                 with self._cond:
@@ -423,37 +399,8 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_put_all, batch)
 
-    def _count_iteration_tokens(self) -> None:
-        total = self.core.scheduler.stats.num_scheduled_tokens
-        tokens, self._scheduled_before = total - self._scheduled_before, total
-        if tokens <= 0:
-            return
-        self._iteration_count += 1
-        self._iteration_sum += tokens
-        for i, bound in enumerate(ITERATION_TOKEN_BUCKETS):
-            if tokens <= bound:
-                self._iteration_buckets[i] += 1
-
     def _publish_stats(self) -> None:
-        scheduler = self.core.scheduler
-        self._stats = EngineStats(
-            num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting,
-            kv_cache_usage=scheduler.kv.usage,
-            prefix_cache_queries=scheduler.kv.prefix_queries,
-            prefix_cache_hits=scheduler.kv.prefix_hits,
-            num_preemptions=scheduler.stats.num_preemptions,
-            num_prompt_tokens=scheduler.stats.num_prompt_tokens,
-            num_generation_tokens=scheduler.stats.num_generation_tokens,
-            iteration_buckets=tuple(self._iteration_buckets),
-            iteration_count=self._iteration_count,
-            iteration_sum=self._iteration_sum,
-            spec_num_drafts=scheduler.stats.num_spec_drafts,
-            spec_num_draft_tokens=scheduler.stats.num_spec_draft_tokens,
-            spec_num_accepted_tokens=scheduler.stats.num_spec_accepted_tokens,
-            spec_accepted_per_position=tuple(scheduler.stats.spec_accepted_per_position),
-            expert_load=scheduler.stats.expert_load,
-        )
+        self._stats = self._stats_tracker.snapshot(self.core.scheduler)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._cond:

@@ -32,7 +32,13 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     tensor/pipeline parallelism (or a named executor backend) the runner is an executor over worker processes
     and this process holds no model."""
     tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
-    eos_token_id = tokenizer.eos_token_id
+    return build_engine_core(config, tokenizer, tokenizer.eos_token_id)
+
+
+def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | None) -> BuiltEngine:
+    """`build_engine` with the tokenizer given. None: an engine core in its own process, whose client tokenizes
+    and detokenizes: its outputs carry token ids only, and its grammar backend gets the vocabulary from the
+    client (GrammarBackend.use_tokenizer_info)."""
     runner: ModelRunner | Executor
     if config.parallel.uses_workers:
         runner = build_executor(config, eos_token_id)
@@ -40,5 +46,6 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         runner = ModelRunner(config, eos_token_id=eos_token_id)
     gpu_host = isinstance(runner, ModelRunner) and runner.device.type == "cuda"  # executors pickle the masks
     structured = GrammarBackend(tokenizer, runner.vocab_size, runner.eos_token_ids, gpu_host=gpu_host)
-    core = EngineCore(config, runner, runner.kv_layout, tokenizer, eos_token_id, structured)
+    core = EngineCore(config, runner, runner.kv_layout, tokenizer, eos_token_id, structured,
+                      detokenize=tokenizer is not None)
     return BuiltEngine(tokenizer, runner, core)

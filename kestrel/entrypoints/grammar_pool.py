@@ -54,11 +54,16 @@ def _called(tools: list[dict[str, Any]], tool_choice: str, named_tool: str | Non
 
 class GrammarCompilePool:
     def __init__(self, tokenizer_info: Any, *, processes: int, timeout_s: float, limits: GrammarLimits,
-                 cache_bytes: int, cache_entries: int, max_threads: int = 1) -> None:
+                 cache_bytes: int, cache_entries: int, max_threads: int = 1, engine_compiles: bool = False) -> None:
         """`tokenizer_info`: the engine's xgrammar TokenizerInfo (GrammarBackend.tokenizer_info): grammars compiled
         here are the engine's. `processes`: compile workers (0: threads only); `timeout_s`: each request's compile
-        deadline, the wait for a free worker included; `max_threads`: xgrammar's threads per compile."""
+        deadline, the wait for a free worker included; `max_threads`: xgrammar's threads per compile.
+        `engine_compiles`: the engine is an engine core in its own process, where a compiled grammar cannot travel;
+        `compile` then proves the grammar compiles in time (a worker, or a thread here) and returns its source,
+        which the core compiles off its loop."""
         import xgrammar as xgr
+
+        self.engine_compiles = engine_compiles
 
         self.timeout_s = timeout_s
         self.limits = limits
@@ -105,17 +110,23 @@ class GrammarCompilePool:
         return GrammarSource.tool_call(_called(tools, tool_choice, named_tool), tool_choice, named_tool, fmt)
 
     async def compile(self, source: GrammarSource, param: str) -> Any:
-        """The compiled grammar (an xgrammar CompiledGrammar); a grammar that does not compile, or not within the
-        deadline, is an InvalidRequestError naming `param`. Cancelling the caller (its client went away) stops a
-        compile in a worker: the worker is killed and replaced."""
+        """The compiled grammar (an xgrammar CompiledGrammar; its source with `engine_compiles`); a grammar that
+        does not compile, or not within the deadline, is an InvalidRequestError naming `param`. Cancelling the
+        caller (its client went away) stops a compile in a worker: the worker is killed and replaced."""
         cached = self.cache.get(source)
         if cached is not None:
-            return cached
+            return source if self.engine_compiles else cached
         loop = asyncio.get_running_loop()
         try:
             if self._workers is not None:
-                await self._workers.run(trial_compile, source, timeout=self.timeout_s)
+                size = await self._workers.run(trial_compile, source, timeout=self.timeout_s)
+                if self.engine_compiles:
+                    self.cache.put(source, source, size)  # proven: a repeat skips the trial
+                    return source
                 return await asyncio.shield(self._compile_here(source, loop))
+            if self.engine_compiles:
+                await asyncio.wait_for(asyncio.shield(self._compile_here(source, loop)), self.timeout_s)
+                return source
             return await asyncio.wait_for(asyncio.shield(self._compile_here(source, loop)), self.timeout_s)
         except GrammarCompileError as error:
             raise InvalidRequestError(param, str(error)) from None

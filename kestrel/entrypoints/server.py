@@ -38,6 +38,7 @@ from kestrel.entrypoints.async_engine import (
     ServerShuttingDownError,
 )
 from kestrel.entrypoints.chat import special_token_texts
+from kestrel.entrypoints.core_client import CoreClient
 from kestrel.entrypoints.grammar_pool import GrammarCompilePool
 from kestrel.entrypoints.metrics import ServerMetrics
 from kestrel.entrypoints.playground import add_playground_routes
@@ -149,7 +150,7 @@ def _grammar_pool(engine: AsyncEngine, config: ServerConfig) -> GrammarCompilePo
     return GrammarCompilePool(backend.tokenizer_info, processes=config.grammar_compile_workers,
                               timeout_s=config.grammar_compile_timeout, limits=limits,
                               cache_bytes=config.grammar_cache_bytes, cache_entries=config.grammar_cache_entries,
-                              max_threads=backend.max_threads).start()
+                              max_threads=backend.max_threads, engine_compiles=engine.compiles_grammars).start()
 
 
 def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics) -> None:
@@ -660,8 +661,13 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
     logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = AsyncEngine.from_args(model, max_queued_requests=config.max_queued_requests,
-                                       request_timeout_s=config.request_timeout, **(engine_args or {}))
+        if config.engine_core_process:
+            engine = CoreClient.from_args(model, max_queued_requests=config.max_queued_requests,
+                                          request_timeout_s=config.request_timeout,
+                                          log_level=logging.getLogger().getEffectiveLevel(), **(engine_args or {}))
+        else:
+            engine = AsyncEngine.from_args(model, max_queued_requests=config.max_queued_requests,
+                                           request_timeout_s=config.request_timeout, **(engine_args or {}))
     except ValueError as e:
         raise ConfigError(str(e)) from e
     engine.start()

@@ -91,6 +91,8 @@ class ServerConfig:
     body_read_timeout: float = _opt(60.0, "answer 408 when a request body takes longer to arrive (s)")
     shutdown_timeout: float = _opt(30.0, "on SIGTERM, how long running requests may still finish before they are "
                                          "ended with a 503 / an error event (s)")
+    engine_core_process: bool = _opt(False, "run the engine core (scheduler, model runner, grammar matchers) in its "
+                                            "own process; this one tokenizes, detokenizes and serves HTTP")
     enable_log_requests: bool = _opt(False, "log each request's id, size and sampling settings")
     log_level: str = _opt("info", "kestrel's log level", choices=LOG_LEVELS)
     uvicorn_log_level: str | None = _opt(None, "the HTTP server's own log level (default: --log-level)",

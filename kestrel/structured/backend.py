@@ -68,6 +68,13 @@ class GrammarBackend:
                                                                       stop_token_ids=self._eos or None)
         return self._tokenizer_info
 
+    def use_tokenizer_info(self, serialized: str) -> None:
+        """The vocabulary as another process read it (TokenizerInfo.serialize_json): the grammar backend of an
+        engine core in its own process, which holds no tokenizer."""
+        import xgrammar as xgr
+
+        self._tokenizer_info = xgr.TokenizerInfo.deserialize_json(serialized)
+
     @property
     def max_threads(self) -> int:
         return self._max_threads

@@ -28,6 +28,7 @@ from kestrel.config import EngineConfig
 from kestrel.engine.contracts import ModelRunnerOutput, Ready, SchedulerOutput
 from kestrel.engine.core import EngineCore
 from kestrel.entrypoints.async_engine import AsyncEngine
+from kestrel.entrypoints.core_client import CoreClient
 from kestrel.entrypoints.server import build_app
 from kestrel.loader.model_init import write_tiny_checkpoint
 from kestrel.loader.tokenizer import load_tokenizer
@@ -131,6 +132,23 @@ def openai_server(tiny_model_dir: str) -> Iterator[LiveServer]:
                                    max_num_batched_tokens=512, device="cpu", dtype="float32",
                                    async_scheduling=True).start()
     server = LiveServer(build_app(engine, MODEL, api_key=API_KEY, max_request_bytes=1 << 20), engine)
+    yield server
+    server.stop()
+
+
+def start_core_process_server(model_dir: str, **engine_args: Any) -> LiveServer:
+    """A live server whose engine core runs in its own process (`--engine-core-process`), with openai_server's
+    settings unless `engine_args` says otherwise."""
+    args = {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 32, "max_num_batched_tokens": 512, "device": "cpu",
+            "dtype": "float32", "async_scheduling": True, **engine_args}
+    engine = CoreClient.from_args(model_dir, **args).start()
+    return LiveServer(build_app(engine, MODEL, api_key=API_KEY, max_request_bytes=1 << 20), engine)
+
+
+@pytest.fixture(scope="session")
+def core_process_server(tiny_model_dir: str) -> Iterator[LiveServer]:
+    """openai_server with the engine core in its own process."""
+    server = start_core_process_server(tiny_model_dir)
     yield server
     server.stop()
 

@@ -9,9 +9,15 @@ PROMPT = "The quick brown fox"
 MODEL = "tiny"
 
 
+@pytest.fixture(scope="module", params=["engine_thread", "engine_core_process"])
+def served(request, openai_server):
+    """Every test here runs on both engines: the engine core on a thread, and in its own process."""
+    return openai_server if request.param == "engine_thread" else request.getfixturevalue("core_process_server")
+
+
 @pytest.fixture(scope="module")
-def client(openai_server) -> openai.OpenAI:
-    return openai_server.client()
+def client(served) -> openai.OpenAI:
+    return served.client()
 
 
 @pytest.fixture(scope="module")
@@ -143,11 +149,11 @@ def test_chat_logprobs_and_content_parts(client):
         assert bytes(item.bytes).decode("utf-8") == item.token
 
 
-def test_models_tokenize_detokenize(client, openai_server, hf_tokenizer):
+def test_models_tokenize_detokenize(client, served, hf_tokenizer):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
-    url, headers = openai_server.base_url, openai_server.headers
+    url, headers = served.base_url, served.headers
     tokens = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": PROMPT}, headers=headers).json()
     assert tokens["tokens"] == hf_tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
     assert tokens["max_model_len"] == 256
@@ -157,12 +163,12 @@ def test_models_tokenize_detokenize(client, openai_server, hf_tokenizer):
     assert text["prompt"] == PROMPT
 
 
-def test_health_version_and_metric_names(client, openai_server):
+def test_health_version_and_metric_names(client, served):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
-    url = openai_server.base_url
+    url = served.base_url
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/version").json()["version"]
-    samples = openai_server.metrics()
+    samples = served.metrics()
     # vLLM's series (vllm/v1/metrics/loggers.py), under both prefixes, with the same values.
     names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
              "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
@@ -178,7 +184,7 @@ def test_health_version_and_metric_names(client, openai_server):
     assert samples["vllm:generation_tokens_total"] >= 3
     assert samples["vllm:request_prefill_time_seconds_count"] >= 1
     assert samples["vllm:iteration_tokens_total_sum"] >= samples["vllm:generation_tokens_total"]
-    text = httpx.get(f"{url}/metrics", headers=openai_server.headers).text
+    text = httpx.get(f"{url}/metrics", headers=served.headers).text
     assert 'vllm:num_requests_running{engine="0",model_name="tiny"}' in text
     assert 'block_size="16"' in text
 

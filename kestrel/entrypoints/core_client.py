@@ -1,0 +1,443 @@
+"""CoreClient: the server's engine when the engine core runs in its own process (`--engine-core-process`).
+
+It offers what the server uses of AsyncEngine (submit, abort, stats, health, drain), over a spawned core process
+(kestrel.entrypoints.core_process). Requests go to the core as they are submitted; a reader thread takes each
+step's token ids, detokenizes them (kestrel.entrypoints.core_outputs) and hands the outputs to the requests'
+streams, so the core's loop never runs tokenizer code and never waits on this process.
+
+A core that dies or fails (killed, out of memory, a step's error) fails every request in flight and every later
+one with EngineDeadError, and /health turns 503. The core never outlives this process: it exits when its pipe
+closes and the kernel kills it when this process dies; `shutdown` stops it and reaps it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from multiprocessing import get_context
+from multiprocessing.connection import wait
+from typing import Any
+
+from kestrel.config import EngineConfig, GenerationDefaults
+from kestrel.engine.core import bad_word_sequences
+from kestrel.entrypoints.async_engine import (
+    _ACCEPTED,
+    SHUTTING_DOWN_MESSAGE,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+    ServerShuttingDownError,
+    _put_all,
+)
+from kestrel.entrypoints.core_outputs import ClientRequest, child_id, child_params
+from kestrel.entrypoints.core_process import CoreProcessSpec, core_process_main
+from kestrel.entrypoints.core_protocol import (
+    ABORT,
+    ADD,
+    ERROR,
+    READY,
+    SHUTDOWN,
+    START,
+    STEP,
+    TOKENIZER_INFO,
+    delta_from_wire,
+    pack,
+    params_to_wire,
+    refusal_from_wire,
+    startup_error_from_wire,
+    unpack,
+)
+from kestrel.entrypoints.engine_stats import EngineStats
+from kestrel.loader.tokenizer import load_tokenizer
+from kestrel.outputs import RequestOutput
+from kestrel.pooling_params import PoolingParams
+from kestrel.sampling_params import SamplingParams
+from kestrel.structured.backend import GrammarBackend
+from kestrel.structured.compile import GrammarSource
+
+logger = logging.getLogger("kestrel.engine")
+# What clients are told; the cause (exit code, the core's error) goes to the server log.
+CORE_FAILED_MESSAGE = ("the engine core process stopped (see the server log); this request and every later one "
+                       "fail until the server is restarted")
+
+
+@dataclass(frozen=True)
+class CoreRunnerInfo:
+    """What the server reports of the core's model runner (startup summary)."""
+
+    dtype: str
+    device: str
+    capture_seconds: float | None
+    vocab_size: int
+
+
+class CoreView:
+    """The engine facts the server reads from `engine.core` (config, KV blocks, grammar vocabulary, token texts),
+    held in this process."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any, info: dict[str, Any]) -> None:
+        self.config = config
+        self.num_blocks: int = info["num_blocks"]
+        self.runner = CoreRunnerInfo(info["dtype"], info["device"], info["capture_seconds"], info["vocab_size"])
+        # The grammar pool compiles its trial grammars against the core's vocabulary, read here.
+        self.structured = GrammarBackend(tokenizer, info["vocab_size"], frozenset(info["eos_token_ids"]))
+        self._tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str | None:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+class CoreClient:
+    compiles_grammars = True  # the server hands over each grammar's source (see GrammarCompilePool)
+
+    def __init__(self, config: EngineConfig, *, model_path: str = "", max_queued_requests: int | None = None,
+                 request_timeout_s: float | None = None, log_level: int | str = "WARNING") -> None:
+        if max_queued_requests is not None and max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0 or None, got {max_queued_requests}")
+        if request_timeout_s is not None and not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s}")
+        self.config = config
+        self.model_path = model_path
+        self.max_queued_requests = max_queued_requests
+        self.request_timeout_s = request_timeout_s
+        ctx = get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        # Not a daemon: the core may start worker processes of its own (an executor).
+        self._process = ctx.Process(target=core_process_main, name="kestrel-engine-core",
+                                    args=(CoreProcessSpec(config, os.getpid(), log_level), child))
+        self._process.start()
+        child.close()
+        try:
+            self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
+            eos = self.tokenizer.eos_token_id
+            self._conn.send_bytes(pack([START, eos]))
+            info = self._wait_ready()
+        except BaseException:
+            self._reap(0.0)
+            raise
+        self.max_model_len: int = config.model.max_model_len or 0
+        self.generation_defaults: GenerationDefaults = config.model.generation_defaults
+        self.eos_token_ids = frozenset(self.generation_defaults.eos_token_ids | ({eos} - {None}))
+        self.core = CoreView(config, self.tokenizer, info)
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}
+        self._requests: dict[str, ClientRequest] = {}
+        self._child_parent: dict[str, str] = {}
+        self._unaccepted: set[str] = set()  # requests none of whose sequences the core has taken yet
+        self._vocabulary_sent = False
+        self._num_pending_sequences = 0
+        self._stats = EngineStats()
+        self._error: str | None = None
+        self._stopping = False
+        self._draining = False
+        self._reader = threading.Thread(target=self._run, name="kestrel-core-client", daemon=True)
+
+    @classmethod
+    def from_args(cls, model: str, *, max_queued_requests: int | None = None, request_timeout_s: float | None = None,
+                  log_level: int | str = "WARNING", **engine_args: Any) -> CoreClient:
+        """The engine of `kestrel serve --engine-core-process`: the config as `LLM(model, **engine_args)` reads it,
+        the model loaded in the core process."""
+        from kestrel.entrypoints.engine_factory import engine_config
+
+        return cls(engine_config(model, **engine_args), model_path=model, max_queued_requests=max_queued_requests,
+                   request_timeout_s=request_timeout_s, log_level=log_level)
+
+    @property
+    def pid(self) -> int | None:
+        """The core process's id."""
+        return self._process.pid
+
+    def _wait_ready(self) -> dict[str, Any]:
+        while True:
+            ready = wait([self._conn, self._process.sentinel])
+            if self._conn in ready:
+                try:
+                    message = unpack(self._conn.recv_bytes())
+                except (EOFError, OSError):
+                    message = None
+                if message is not None and message[0] == READY:
+                    return message[1]
+                if message is not None and message[0] == ERROR:
+                    raise startup_error_from_wire(message[1])
+            if self._process.sentinel in ready or not self._process.is_alive():
+                self._process.join(5.0)
+                raise RuntimeError(f"the engine core process (pid {self._process.pid}) exited with code "
+                                   f"{self._process.exitcode} while starting; see the log above")
+
+    # ----- life cycle -----------------------------------------------------------------------------------
+
+    def start(self) -> CoreClient:
+        self._reader.start()
+        return self
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the core process (its in-flight requests end with EngineDeadError) and reap it."""
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._send([SHUTDOWN])
+        self._reap(timeout_s)
+        if self._reader.is_alive():
+            self._reader.join(timeout_s)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _reap(self, timeout_s: float) -> None:
+        self._process.join(timeout_s)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5.0)
+        self._conn.close()
+
+    def begin_drain(self) -> None:
+        self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def end_unfinished(self, reason: str) -> int:
+        """Abort every unfinished request and end its stream with ServerShuttingDownError(reason); how many."""
+        with self._lock:
+            streams = list(self._streams.values())
+            children = [c for s in streams for c in self._forget(s.request_id)]
+        self._send_abort(children)
+        _deliver([(stream, ServerShuttingDownError(reason)) for stream in streams])
+        return len(streams)
+
+    @property
+    def is_healthy(self) -> bool:
+        return (self._error is None and not self._stopping and not self._draining and self._process.is_alive()
+                and self._reader.is_alive())
+
+    @property
+    def error(self) -> BaseException | None:
+        return None if self._error is None else EngineDeadError(self._error)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.config.model.tokenizer_path
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.core.runner.vocab_size
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ----- submission (event-loop side) ---------------------------------------------------------------
+
+    @property
+    def max_sequences_per_request(self) -> int | None:
+        if self.max_queued_requests is None:
+            return None
+        return self.max_queued_requests + self.config.scheduler.max_num_seqs
+
+    def check_capacity(self, num_sequences: int = 1) -> None:
+        self._check_alive()
+        if self.max_queued_requests is None:
+            return
+        stats = self._stats
+        queued = self._num_pending_sequences + stats.num_waiting
+        room = max(0, self.config.scheduler.max_num_seqs - stats.num_running)
+        if queued + num_sequences - room > self.max_queued_requests:
+            raise QueueFullError(f"the server has {queued} queued sequences (limit max_queued_requests="
+                                 f"{self.max_queued_requests}); retry later")
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
+               prompt: str | None = None, timeout_s: float | None = None, priority: int = 0,
+               grammar: GrammarSource | None = None) -> RequestStream:
+        """Send the request's sequences to the core without waiting; the stream raises the core's refusal, if any,
+        when read. `grammar`: the source of params.structured_outputs (the grammar pool proved it compiles); the
+        core compiles it off its loop."""
+        if grammar is not None and not isinstance(grammar, GrammarSource):
+            raise TypeError(f"the engine core process compiles grammars itself and takes their GrammarSource, got "
+                            f"{type(grammar).__name__}")
+        self._check_alive()
+        if isinstance(params, SamplingParams) and params.bad_words and params.bad_words_token_ids is None:
+            params = params.replace(bad_words_token_ids=bad_word_sequences(self.tokenizer, params.bad_words))
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            self._send_vocabulary()
+        timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        stream = RequestStream(self, request_id, deadline)
+        prompt_token_ids = list(prompt_token_ids)
+        request = ClientRequest(request_id, prompt, prompt_token_ids, params, self.tokenizer, self.core.token_text)
+        grammar_wire = None if grammar is None else [grammar.kind, grammar.text, grammar.any_whitespace]
+        messages = []
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._requests[request_id] = request
+            self._unaccepted.add(request_id)
+            for index, sequence_params in child_params(params):
+                cid = child_id(request_id, index, params.n)
+                self._child_parent[cid] = request_id
+                messages.append([ADD, cid, prompt_token_ids, params_to_wire(sequence_params), priority, grammar_wire])
+            self._num_pending_sequences += params.n
+        for message in messages:
+            self._send(message)
+        return stream
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt: str | None = None, timeout_s: float | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        stream = self.submit(request_id, prompt_token_ids, params, prompt, timeout_s, priority)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if request_id not in self._streams:
+                return
+            children = self._forget(request_id)
+        self._send_abort(children)
+
+    def _forget(self, request_id: str) -> list[str]:
+        """Drop a request's state (under the lock); its sequences' ids, for the core's abort."""
+        self._streams.pop(request_id, None)
+        request = self._requests.pop(request_id, None)
+        if request_id in self._unaccepted:
+            self._unaccepted.discard(request_id)
+            self._num_pending_sequences -= request.params.n if request is not None else 0
+        children = list(request.sequences) if request is not None else []
+        for cid in children:
+            self._child_parent.pop(cid, None)
+        return children
+
+    def _send_vocabulary(self) -> None:
+        with self._lock:
+            if self._vocabulary_sent:
+                return
+            self._vocabulary_sent = True
+        self._send([TOKENIZER_INFO, self.core.structured.tokenizer_info.serialize_json()])
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(CORE_FAILED_MESSAGE)
+        if self._stopping:
+            raise EngineDeadError("the engine is not running")
+        if self._draining:
+            raise ServerShuttingDownError(SHUTTING_DOWN_MESSAGE)
+
+    def _send(self, message: list[Any]) -> None:
+        payload = pack(message)
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(payload)
+        except (OSError, ValueError):  # the core is gone (a closed pipe); the reader reports it
+            if not self._stopping:
+                logger.debug("a message to the engine core process was not delivered")
+
+    def _send_abort(self, children: list[str]) -> None:
+        if children and not self._stopping:
+            self._send([ABORT, children])
+
+    # ----- the reader thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        reason = None
+        try:
+            while reason is None:
+                ready = wait([self._conn, self._process.sentinel])
+                if self._conn in ready:
+                    try:
+                        message = unpack(self._conn.recv_bytes())
+                    except (EOFError, OSError):
+                        reason = self._exit_reason()
+                        break
+                    if message[0] == STEP:
+                        self._on_step(*message[1:])
+                    elif message[0] == ERROR:
+                        name, text = message[1][0], message[1][1]
+                        reason = f"the engine core process failed: {name}: {text}"
+                elif self._process.sentinel in ready:
+                    reason = self._exit_reason()
+        except Exception as error:  # noqa: BLE001 - a bug here must still fail the requests, not hang them
+            logger.exception("the engine core client stopped after an error")
+            reason = f"the engine core client failed: {type(error).__name__}: {error}"
+        if self._stopping:
+            return
+        self._error = reason
+        logger.error("%s; every request fails from now on", reason)
+        self._fail_all(EngineDeadError(CORE_FAILED_MESSAGE))
+
+    def _exit_reason(self) -> str:
+        self._process.join(1.0)
+        return f"the engine core process (pid {self._process.pid}) exited with code {self._process.exitcode}"
+
+    def _on_step(self, accepted: list[str], refused: list[list[Any]], records: list[list[Any]],
+                 stats: list[Any]) -> None:
+        items: list[tuple[RequestStream, Any]] = []
+        aborts: list[str] = []
+        touched: dict[str, ClientRequest] = {}
+        with self._lock:
+            self._stats = EngineStats.from_wire(stats)
+            for cid in accepted:
+                parent = self._child_parent.get(cid)
+                if parent is not None and parent in self._unaccepted:  # a request is taken with its first sequence
+                    self._unaccepted.discard(parent)
+                    self._num_pending_sequences -= self._requests[parent].params.n
+                    items.append((self._streams[parent], _ACCEPTED))
+            for cid, error in refused:
+                parent = self._child_parent.get(cid)
+                if parent is not None:
+                    stream = self._streams[parent]
+                    aborts += [c for c in self._forget(parent) if c != cid]
+                    items.append((stream, refusal_from_wire(error)))
+            requests = [(delta_from_wire(r), self._requests.get(self._child_parent.get(r[0], ""))) for r in records]
+        # Detokenizing runs outside the lock: only this thread touches a request's sequences.
+        for delta, request in requests:
+            if request is None:
+                continue  # aborted meanwhile
+            if request.apply(delta):
+                aborts.append(delta.request_id)
+            touched[request.request_id] = request
+        outputs = [(request, request.output()) for request in touched.values()]
+        with self._lock:
+            for request, output in outputs:
+                stream = self._streams.get(request.request_id)
+                if output is None or stream is None:
+                    continue
+                if output.finished:
+                    self._forget(request.request_id)
+                items.append((stream, output))
+        self._send_abort(aborts)
+        _deliver(items)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._requests.clear()
+            self._child_parent.clear()
+            self._unaccepted.clear()
+            self._num_pending_sequences = 0
+        _deliver([(stream, error) for stream in streams])
+
+
+def _deliver(items: list[tuple[RequestStream, Any]]) -> None:
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
+            loop.call_soon_threadsafe(_put_all, batch)

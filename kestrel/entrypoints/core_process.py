@@ -1,0 +1,226 @@
+"""The engine core in its own process (`kestrel serve --engine-core-process`): scheduler, model runner and grammar
+matchers, fed by the API server over a pipe (kestrel.entrypoints.core_protocol).
+
+Three threads, so the step loop never waits on the client: a reader puts each incoming message on the inbox as it
+arrives, the loop takes what is there between steps (and sleeps on the inbox only when it has nothing to run), and
+a writer sends each step's outputs while the next step runs. Grammars arrive as their source and compile in a
+thread of their own; the request joins the scheduler once its grammar is ready.
+
+The process ends with its server: the reader sees the pipe close when the server process dies, however it died,
+and exits at once (an executor's worker processes then see their own pipes close).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import queue
+import signal
+import threading
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kestrel.config import EngineConfig
+from kestrel.entrypoints.core_protocol import (
+    ABORT,
+    ADD,
+    COMPILED,
+    ERROR,
+    READY,
+    SHUTDOWN,
+    STEP,
+    TOKENIZER_INFO,
+    error_to_wire,
+    output_to_wire,
+    pack,
+    params_from_wire,
+    unpack,
+)
+from kestrel.entrypoints.engine_factory import build_engine_core
+from kestrel.entrypoints.engine_stats import StatsTracker
+from kestrel.request import InvalidRequestError
+from kestrel.structured.compile import GrammarCompileError, GrammarSource, compile_source
+
+logger = logging.getLogger("kestrel.engine_core")
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class CoreProcessSpec:
+    """What the core process needs to start; handed over once, at spawn."""
+
+    config: EngineConfig
+    parent_pid: int
+    log_level: int | str = "WARNING"
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this process when its server does, even while a step holds the interpreter (the
+    reader's end-of-pipe exit needs it free)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the server died before the request above took effect
+        os._exit(0)
+
+
+def core_process_main(spec: CoreProcessSpec, conn: Connection) -> None:
+    _die_with_parent(spec.parent_pid)
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        # The tokenizer's EOS id (the core loads no tokenizer), sent once the client has loaded it: the two loads
+        # overlap.
+        eos_token_id = unpack(conn.recv_bytes())[1]
+        built = build_engine_core(spec.config, None, eos_token_id)
+    except BaseException as error:  # noqa: BLE001 - reported to the server, which raises it to the user
+        logger.debug("engine core start-up failed: %s", traceback.format_exc())
+        with contextlib.suppress(OSError):
+            conn.send_bytes(pack([ERROR, error_to_wire(error)]))
+        os._exit(1)
+    runner = built.runner
+    conn.send_bytes(pack([READY, {
+        "vocab_size": runner.vocab_size, "eos_token_ids": sorted(runner.eos_token_ids),
+        "num_blocks": built.core.num_blocks, "dtype": str(getattr(runner, "dtype", "?")),
+        "device": str(getattr(runner, "device", spec.config.device)),
+        "capture_seconds": getattr(runner, "capture_seconds", None),
+    }]))
+    code = 0
+    try:
+        _CoreLoop(built.core, conn).run()
+    except BaseException as error:  # noqa: BLE001 - reported to the server, which fails every request
+        logger.exception("the engine core stopped after an error")
+        with contextlib.suppress(OSError):
+            conn.send_bytes(pack([ERROR, error_to_wire(error)]))
+        code = 1
+    stop_workers = getattr(runner, "shutdown", None)
+    if stop_workers is not None:
+        stop_workers()
+    os._exit(code)
+
+
+class _CoreLoop:
+    def __init__(self, core: Any, conn: Connection) -> None:
+        self.core = core
+        self.conn = conn
+        self.inbox: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.stats = StatsTracker()
+        self._compiles = ThreadPoolExecutor(1, thread_name_prefix="kestrel-core-grammar")
+        self._compiling: dict[str, list[Any]] = {}  # request id -> its ADD message, until the grammar is ready
+        self._accepted: list[str] = []
+        self._refused: list[list[Any]] = []
+        self._prompt_logprobs_sent: dict[str, int] = {}
+        threading.Thread(target=self._read, name="kestrel-core-reader", daemon=True).start()
+        self._writer = threading.Thread(target=self._write, name="kestrel-core-writer", daemon=True)
+        self._writer.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = unpack(self.conn.recv_bytes())
+                self.inbox.put(message)
+                if message[0] == SHUTDOWN:
+                    return
+        except (EOFError, OSError):
+            os._exit(0)  # the server is gone: nobody is left to serve
+
+    def _write(self) -> None:
+        with contextlib.suppress(OSError):
+            while (payload := self.outbox.get()) is not None:
+                self.conn.send_bytes(payload)
+
+    def run(self) -> None:
+        core = self.core
+        while True:
+            busy = core.has_unfinished_requests()
+            messages = [] if busy else [self.inbox.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    messages.append(self.inbox.get_nowait())
+            if any(m[0] == SHUTDOWN for m in messages):
+                break
+            for message in messages:
+                self._handle(message)
+            outputs = []
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                self.stats.count_step(core.scheduler)
+            if outputs or self._accepted or self._refused or busy:
+                self._send_step(outputs)
+        self._compiles.shutdown(wait=False, cancel_futures=True)
+        self.outbox.put(None)
+        self._writer.join(5.0)
+
+    def _handle(self, message: list[Any]) -> None:
+        kind = message[0]
+        if kind == ABORT:
+            ids = message[1]
+            for request_id in ids:
+                self._compiling.pop(request_id, None)
+                self._prompt_logprobs_sent.pop(request_id, None)
+            self.core.abort_request(ids)
+        elif kind == ADD:
+            _, request_id, _, params, _, grammar = message
+            if grammar is None and params[0] == "sampling" and params[1].get("structured_outputs") is not None:
+                grammar = "spec"  # the backend checks the spec's limits and compiles it, in the compile thread
+            if grammar is not None:
+                self._compiling[request_id] = message
+                self._compiles.submit(self._compile, request_id, message)
+            else:
+                self._add(message, None)
+        elif kind == TOKENIZER_INFO:
+            self.core.structured.use_tokenizer_info(message[1])
+        elif kind == COMPILED:
+            _, request_id, compiled, error = message
+            add = self._compiling.pop(request_id, None)
+            if add is None:
+                return  # aborted while compiling
+            if error is not None:
+                self._refused.append([request_id, error_to_wire(error)])
+            else:
+                self._add(add, compiled)
+
+    def _compile(self, request_id: str, message: list[Any]) -> None:
+        """In the compile thread: the grammar of an ADD, handed back to the loop through the inbox."""
+        params, grammar = params_from_wire(message[3]), message[5]
+        try:
+            backend = self.core.structured
+            if backend is None:
+                raise ValueError("this engine has no grammar backend for structured outputs")
+            if grammar == "spec":
+                compiled = backend.compile(params.structured_outputs)
+            else:
+                compiled = compile_source(backend.compiler, GrammarSource(*grammar))
+            self.inbox.put([COMPILED, request_id, compiled, None])
+        except GrammarCompileError as error:
+            self.inbox.put([COMPILED, request_id, None, InvalidRequestError("structured_outputs", str(error))])
+        except Exception as error:  # noqa: BLE001 - the request's refusal
+            self.inbox.put([COMPILED, request_id, None, error])
+
+    def _add(self, message: list[Any], compiled: Any) -> None:
+        _, request_id, prompt_token_ids, params, priority, _ = message
+        try:
+            self.core.add_request(request_id, prompt_token_ids, params_from_wire(params), None, priority, compiled)
+        except ValueError as refusal:  # InvalidRequestError and friends: this request only
+            self._refused.append([request_id, error_to_wire(refusal)])
+            return
+        self._accepted.append(request_id)
+
+    def _send_step(self, outputs: list[Any]) -> None:
+        records = []
+        sent = self._prompt_logprobs_sent
+        for output in outputs:
+            prompt_logprobs = output.prompt_logprobs
+            changed = prompt_logprobs is not None and len(prompt_logprobs) != sent.get(output.request_id, 0)
+            if changed:
+                sent[output.request_id] = len(prompt_logprobs)
+            if output.finished:
+                sent.pop(output.request_id, None)
+            records.append(output_to_wire(output, changed))
+        stats = self.stats.snapshot(self.core.scheduler).to_wire()
+        self.outbox.put(pack([STEP, self._accepted, self._refused, records, stats]))
+        self._accepted, self._refused = [], []

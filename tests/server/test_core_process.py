@@ -1,0 +1,159 @@
+"""The engine core in its own process (`--engine-core-process`): the server's behaviour is unchanged (the OpenAI
+suite of test_openai_api.py runs on it too), structured outputs, abort and metrics cross the process boundary, and
+the core's failures are clean: a killed core fails every request with an engine error and /health turns 503, a core
+that cannot start reports the same ConfigError as the in-process engine, and no core outlives its server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+from conftest import API_KEY, MODEL, serve_process, start_core_process_server
+
+from kestrel.config import ConfigError
+from kestrel.entrypoints.core_client import CORE_FAILED_MESSAGE, CoreClient
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+SCHEMA = {"type": "object", "properties": {"language": {"enum": ["python", "c", "rust"]}, "typed": {"type": "boolean"}},
+          "required": ["language", "typed"], "additionalProperties": False}
+
+
+def post(server, body: dict, path: str = "/v1/completions") -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json={"model": MODEL, **body}, headers=HEADERS, timeout=60)
+
+
+def exited(pid: int, within_s: float = 10.0) -> bool:
+    """The process has ended (gone, or a zombie waiting for whoever adopted it to reap it)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_structured_outputs_are_compiled_and_matched_in_the_core(core_process_server):
+    choice = post(core_process_server, {"prompt": "Pick:", "max_tokens": 20, "temperature": 1.0, "seed": 3,
+                                        "structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    assert choice.status_code == 200, choice.text
+    assert choice.json()["choices"][0]["text"] in ("yes", "no", "maybe")
+    regex = post(core_process_server, {"prompt": "Code:", "max_tokens": 20, "temperature": 1.0, "seed": 5,
+                                       "structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}})
+    assert regex.status_code == 200 and re.fullmatch("[A-Z]{3}-[0-9]{2}", regex.json()["choices"][0]["text"])
+    fmt = {"type": "json_schema", "json_schema": {"name": "language", "schema": SCHEMA, "strict": True}}
+    body = {"messages": [{"role": "user", "content": "Describe a language."}], "max_tokens": 120, "seed": 1,
+            "response_format": fmt, "n": 2, "temperature": 1.0}
+    answer = post(core_process_server, body, "/v1/chat/completions")
+    assert answer.status_code == 200, answer.text
+    for c in answer.json()["choices"]:
+        assert c["finish_reason"] == "stop", c
+        jsonschema.validate(json.loads(c["message"]["content"]), SCHEMA)
+    bad = post(core_process_server, {"prompt": "x", "max_tokens": 5, "structured_outputs": {"regex": "(unclosed"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("structured_outputs")
+
+
+def test_a_client_that_goes_away_aborts_its_request_in_the_core(core_process_server):
+    before = core_process_server.wait_idle()
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{core_process_server.base_url}/v1/completions", json=body, headers=HEADERS,
+                      timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and "choices" in line:
+                break
+    samples = core_process_server.wait_idle()
+    assert samples["kestrel:num_requests_running"] == 0 and samples["kestrel:kv_cache_usage_perc"] == 0
+    assert core_process_server.engine.num_unfinished == 0
+    assert samples["kestrel:generation_tokens_total"] - before["kestrel:generation_tokens_total"] < 200
+
+
+def test_metrics_are_the_cores_stats(core_process_server):
+    before = core_process_server.metrics()
+    reply = post(core_process_server, {"prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": True})
+    assert reply.status_code == 200
+    after = core_process_server.wait_idle()
+    usage = reply.json()["usage"]
+    assert after["kestrel:prompt_tokens_total"] - before["kestrel:prompt_tokens_total"] == usage["prompt_tokens"]
+    assert after["kestrel:generation_tokens_total"] - before["kestrel:generation_tokens_total"] == 6
+    assert after["kestrel:iteration_tokens_total_count"] > before["kestrel:iteration_tokens_total_count"]
+    assert after["kestrel:engine_healthy"] == 1
+
+
+def test_a_killed_core_fails_every_request_and_health_turns_503(tiny_model_dir):
+    server = start_core_process_server(tiny_model_dir)
+    try:
+        events: list[str] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=HEADERS,
+                              timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first.set()
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert first.wait(30)
+        os.kill(server.engine.pid, signal.SIGKILL)
+        reader.join(30)
+        assert not reader.is_alive(), "the stream hung after its engine died"
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "engine_dead" and error["message"] == CORE_FAILED_MESSAGE
+        later = post(server, {"prompt": "hi", "max_tokens": 4})
+        assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
+        assert "engine core process" in later.json()["error"]["message"]
+        health = httpx.get(f"{server.base_url}/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert server.metrics()["kestrel:engine_healthy"] == 0
+    finally:
+        server.stop()
+
+
+def test_shutdown_reaps_the_core(tiny_model_dir):
+    server = start_core_process_server(tiny_model_dir)
+    pid = server.engine.pid
+    assert post(server, {"prompt": "hi", "max_tokens": 3}).status_code == 200
+    server.stop()
+    assert not Path(f"/proc/{pid}").exists(), "the core was not reaped"
+
+
+def test_a_core_that_cannot_start_reports_the_config_error(tiny_model_dir):
+    with pytest.raises(ConfigError, match="kv_cache_blocks"):
+        CoreClient.from_args(tiny_model_dir, max_model_len=256, kv_cache_blocks=2, device="cpu", dtype="float32")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def test_the_core_dies_with_its_server(tiny_model_dir):
+    """`kestrel serve --engine-core-process` killed outright (no drain, no clean-up): its core exits too."""
+    with serve_process(tiny_model_dir, "--engine-core-process", "--tokenizer-workers", "0",
+                       "--grammar-compile-workers", "0", "--max-model-len", "256") as (process, base):
+        reply = httpx.post(f"{base}/v1/completions", headers=HEADERS, timeout=60,
+                           json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        assert reply.status_code == 200
+        children = _children(process.pid)  # the core (and multiprocessing's resource tracker)
+        assert children, "no engine core process under the server"
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+        for pid in children:
+            assert exited(pid), f"process {pid} outlived its server"
