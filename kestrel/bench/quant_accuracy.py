@@ -6,8 +6,9 @@ feed (q, k, v; gate, up) down by 1/s. The float model computes the same function
 large outlier channels that real LLMs have and that per-token INT8 handles worst. For each base, every variant
 is written by `kestrel quantize` (compressed-tensors) and scored by the same perplexity evaluation: FP8 dynamic,
 FP8 static (per-channel weights; per-tensor weights with each merged shard's scale kept, and re-quantized to
-one scale per merged GEMM), INT8 (dynamic per-token) without smoothing and with SmoothQuant, and the float model
-with an FP8 KV cache under calibrated and under unit scales. JSON + a bar chart of each variant's perplexity
+one scale per merged GEMM), INT8 (dynamic per-token) without smoothing and with SmoothQuant, weight-only W4A16
+(groups of 128, symmetric) by RTN, AWQ-style scaling and GPTQ, and the float model with an FP8 KV cache under
+calibrated and under unit scales. JSON + a bar chart of each variant's perplexity
 relative to its base's float model.
 """
 
@@ -45,11 +46,20 @@ VARIANTS: dict[str, tuple[str | None, float | None, str]] = {
     "fp8-static-tensor-requantized": ("fp8-static", None, "auto"),
     "int8": ("w8a8-int8", None, "auto"),
     "int8-smoothquant": ("w8a8-int8", 0.5, "auto"),
+    "w4a16-rtn": ("w4a16", None, "auto"),
+    "w4a16-awq": ("w4a16", None, "auto"),
+    "w4a16-gptq": ("w4a16", None, "auto"),
     "fp8-kv-calibrated": (None, None, "fp8-calibrated"),
     "fp8-kv-unit": (None, None, "fp8-unit"),
 }
+# The weight-only variants' algorithm (`kestrel quantize --scheme w4a16 --algorithm A --group-size 128`).
+W4A16_ALGORITHMS = {"w4a16-rtn": "rtn", "w4a16-awq": "awq", "w4a16-gptq": "gptq"}
+W4A16_GROUP = 128
 # Issue targets: perplexity within these fractions of the float model's.
-TARGETS = {"fp8-dynamic": 0.01, "fp8-static": 0.01, "int8-smoothquant": 0.02, "fp8-kv-calibrated": 0.005}
+TARGETS = {"fp8-dynamic": 0.01, "fp8-static": 0.01, "int8-smoothquant": 0.02, "fp8-kv-calibrated": 0.005,
+           "w4a16-awq": 0.03, "w4a16-gptq": 0.03}
+# Targets set on one base only (the others hold on both).
+TARGET_BASES = {"int8-smoothquant": "kestrel-tiny-outliers", "w4a16-awq": "kestrel-tiny", "w4a16-gptq": "kestrel-tiny"}
 
 
 def inject_outliers(src: Path, dst: Path, channels: tuple[int, ...] = OUTLIER_CHANNELS,
@@ -103,13 +113,17 @@ def run_sweep(args: Any, score: Any, tokenizer: Any) -> dict[str, Any]:
                 if scheme is not None:
                     model_dir = Path(tmp) / f"{base_name}-{variant}"
                     strategy = "tensor" if "-tensor" in variant else "channel"
-                    quantize_checkpoint(base, model_dir, QuantizeOptions(scheme, alpha, weight_strategy=strategy),
-                                        samples, model=model_skeleton(load_hf_config(base)))
+                    algorithm = W4A16_ALGORITHMS.get(variant)
+                    options = (QuantizeOptions(scheme, algorithm=algorithm, group_size=W4A16_GROUP) if algorithm
+                               else QuantizeOptions(scheme, alpha, weight_strategy=strategy))
+                    quantize_checkpoint(base, model_dir, options, samples, model=model_skeleton(load_hf_config(base)))
                     if variant.endswith("-requantized"):
                         requantize_fused_shards(model_dir)
                 kv_args = {} if kv == "auto" else {"kv_cache_dtype": "fp8"}
                 result = score(str(model_dir), calibrate_kv=samples if kv == "fp8-calibrated" else None, **kv_args)
                 rows.append({"base": base_name, "variant": variant, "scheme": scheme, "smoothquant": alpha,
+                             "algorithm": W4A16_ALGORITHMS.get(variant),
+                             "group_size": W4A16_GROUP if variant in W4A16_ALGORITHMS else None,
                              "kv_cache": kv, "perplexity": result["model"]["perplexity"],
                              "bits_per_byte": result["model"]["bits_per_byte"], "tokens": result["tokens"],
                              "files": result["files"], "kv_scales": result.get("kv_scales")})
@@ -120,7 +134,7 @@ def run_sweep(args: Any, score: Any, tokenizer: Any) -> dict[str, Any]:
     targets = []
     for row in rows:
         limit = TARGETS.get(row["variant"])
-        if limit is None or (row["variant"] == "int8-smoothquant" and row["base"] != "kestrel-tiny-outliers"):
+        if limit is None or TARGET_BASES.get(row["variant"], row["base"]) != row["base"]:
             continue
         targets.append({"target": f"{row['variant']} on {row['base']}: perplexity within +{limit:.1%} of float",
                         "limit": limit, "measured": row["vs_float"], "pass": row["vs_float"] <= limit})
@@ -142,7 +156,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     variants = [v for v in VARIANTS if v != "float"]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = plt.subplots(figsize=(12.5, 4.5))
     width = 0.38
     for k, base in enumerate(("kestrel-tiny", "kestrel-tiny-outliers")):
         values = [100 * next(r["vs_float"] for r in result["rows"] if r["base"] == base and r["variant"] == v)
