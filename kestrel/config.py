@@ -504,6 +504,7 @@ class EngineConfig:
     disable_log_stats: bool = False  # no periodic throughput / queue / KV cache line in the log
     expert_load_metrics: bool = False  # count the tokens routed to each expert of every MoE layer
     expert_load_interval: int = EXPERT_LOAD_INTERVAL  # steps between the counts' reports to the engine
+    cpu_threads: int | None = None  # torch threads of a CPU engine; None: its usable cores less one
     speculative_config: dict | None = None  # vLLM's dict; parsed into `speculative`
     speculative: SpeculativeConfig | None = field(default=None, init=False, compare=False)
 
@@ -513,6 +514,9 @@ class EngineConfig:
             self.speculative.check_target(self.model.hf_config, self.model.max_model_len or 0,
                                           self.cache.kv_cache_dtype)
         _check_choice("device", self.device, DEVICE_CHOICES)
+        _check_int("cpu_threads", self.cpu_threads, 1, allow_none=True)
+        if self.cpu_threads is not None and self.device == "cuda":
+            _fail("cpu_threads", self.cpu_threads, "it sets a CPU engine's threads; leave it unset with device='cuda'")
         for name in ("enforce_eager", "debug_launch_count", "disable_log_stats", "expert_load_metrics"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "expected True or False")
@@ -681,6 +685,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("symmetric_activations", "quant", "symmetric_activations", "INT8 activations without a zero point"),
     EngineArg("device", "engine", "device", "where the model runs", choices=DEVICE_CHOICES),
     EngineArg("enforce_eager", "engine", "enforce_eager", "no CUDA graphs"),
+    EngineArg("cpu_threads", "engine", "cpu_threads", "torch threads of a CPU engine (default: the cores it may "
+              "use, less one for the engine loop)"),
     EngineArg("debug_launch_count", "engine", "debug_launch_count",
               "log the kernel launches of one decoder layer's decode step"),
     EngineArg("speculative_config", "engine", "speculative_config",

@@ -346,16 +346,32 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
+# Defaults of the flags whose CPU defaults differ (kestrel.bench.cpu_step_budget.CPU_DEFAULTS).
+GPU_DEFAULTS = {"batch": "256,512", "context": 1500, "prefill_tokens": "8192", "prefill_prompt_len": 1024,
+                "steps": 20, "dtype": "bfloat16"}
+# Flags the CPU budget has no use for (it times op families with and without the fast CPU paths).
+GPU_ONLY = {"precisions": None, "profile_steps": None, "layers": None, "quantization": None, "weight_only": None,
+            "kv_cache_dtype": "auto", "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+            "distributed_executor_backend": None}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     common.add_model_arguments(p)
-    p.add_argument("--precisions", default="fp8,bf16", help="comma-separated: " + ", ".join(PRECISIONS))
-    p.add_argument("--batch", default="256,512", help="comma-separated decode batch sizes")
-    p.add_argument("--context", type=int, default=1500, help="prompt tokens of each decoding request")
-    p.add_argument("--prefill-tokens", default="8192", help="comma-separated prompt tokens per prefill step")
-    p.add_argument("--prefill-prompt-len", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--profile-steps", type=int, default=3)
+    p.set_defaults(dtype=None)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: kestrel-tiny (or --model) by op family, fast CPU paths against the references")
+    p.add_argument("--precisions", default=None, help="comma-separated: " + ", ".join(PRECISIONS) +
+                   " (default fp8,bf16)")
+    p.add_argument("--batch", default=None, help="comma-separated decode batch sizes (default 256,512; CPU 1,16,64)")
+    p.add_argument("--context", type=int, default=None, help="prompt tokens of each decoding request (1500; CPU 100)")
+    p.add_argument("--prefill-tokens", default=None, help="comma-separated prompt tokens per prefill step "
+                   "(8192; CPU 1600)")
+    p.add_argument("--prefill-prompt-len", type=int, default=None, help="(1024; CPU 100)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per point (20; CPU: per round, 6)")
+    p.add_argument("--profile-steps", type=int, default=None, help="(default 3)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the architecture's)")
+    p.add_argument("--threads", type=int, default=None, help="CPU only: torch threads (default: torch's)")
+    p.add_argument("--rounds", type=int, default=None, help="CPU only: interleaved rounds of each variant (5)")
     common.add_report_arguments(p)
 
 
@@ -370,6 +386,19 @@ def run(args: argparse.Namespace) -> int:
 
     from kestrel.config import ConfigError
 
+    if args.device == "cpu":
+        from kestrel.bench import cpu_step_budget
+
+        given = [name for name, default in GPU_ONLY.items() if getattr(args, name) != default]
+        if given:
+            raise ConfigError("invalid flags for --device cpu: " + ", ".join("--" + n.replace("_", "-")
+                                                                            for n in given) + " apply to CUDA only")
+        return cpu_step_budget.run(args)
+    if args.threads is not None or args.rounds is not None:
+        raise ConfigError("invalid flags: --threads and --rounds apply to --device cpu only")
+    for name, value in {**GPU_DEFAULTS, "precisions": "fp8,bf16", "profile_steps": 3}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.smoke:
         args.batch, args.context, args.prefill_tokens, args.prefill_prompt_len = "3", 20, "32", 16
         args.steps, args.profile_steps, args.dtype, args.max_num_batched_tokens = 3, 2, "float32", 32

@@ -23,7 +23,7 @@ from kestrel.sampling_params import SamplingParams, SamplingParamsError
 # Benchmark suites live in kestrel.bench.<name>; each module exposes register(subparsers).
 BENCH_SUITES: tuple[str, ...] = ("gemm", "attention", "serve", "ppl", "latency", "throughput",
                                    "step_budget", "quant_checkpoint", "structured",
-                                   "spec_decode", "host_step", "allreduce", "soak", "moe")
+                                   "spec_decode", "host_step", "allreduce", "soak", "moe", "cpu_throughput")
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -111,7 +111,9 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, max_k: int, cache_scale: 
     """The blocks' keys or values as float32 `[S, H_kv, Lk, D]`, times the FP8 scale."""
     num_seqs, num_blocks = blocks.shape
     block_size, num_kv_heads, head_size = cache.shape[1:]
-    x = cache.index_select(0, blocks.flatten()).view(num_seqs, num_blocks * block_size, num_kv_heads, head_size)
+    # Rows of whole blocks: index_select copies a 2-D tensor's rows with memcpy, a 4-D one element-wise.
+    rows = cache.view(cache.shape[0], -1).index_select(0, blocks.flatten())
+    x = rows.view(num_seqs, num_blocks * block_size, num_kv_heads, head_size)
     x = x[:, :max_k].to(torch.float32)
     if cache_scale != 1.0:
         x = x * cache_scale
