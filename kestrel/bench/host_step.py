@@ -182,6 +182,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="wall: elapsed time; cpu: the engine thread's CPU time, steadier on a shared machine "
                    "(the grammar's mask fill runs on that thread here)")
+    p.add_argument("--split", action="store_true", help="the engine core in its own process, as `kestrel serve "
+                   "--engine-core-process` runs it: the core loop's and the client's time per step "
+                   "(kestrel/bench/host_step_split.py)")
     p.add_argument("--smoke", action="store_true", help="a tiny run, a check of the script")
 
 
@@ -191,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     from kestrel.structured.backend import GrammarBackend
 
     if args.smoke:
-        args.batch, args.input_len, args.output_len, args.repeats = 4, 8, 8, 1
+        args.batch, args.input_len, args.output_len, args.repeats = 4, 8, 32 if args.split else 8, 1
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         raise ConfigError(f"invalid --modes={args.modes!r}; use names of {list(MODES)}")
@@ -212,6 +215,16 @@ def run(args: argparse.Namespace) -> int:
           f"tokenizer {tokenizer_dir} ({vocab_size} tokens), {args.repeats} repeats, {args.clock} clock",
           file=sys.stderr)
     results: dict[str, dict[str, float]] = {}
+    if args.split:
+        from kestrel.bench.host_step_split import measure_split, split_summary
+
+        for mode in modes:
+            config = _config(mode, args, tokenizer_dir)
+            samples = [measure_split(mode, args, config, vocab_size, eos, _num_blocks(args, config), schema, r)
+                       for r in range(args.repeats)]  # each run is a fresh core process
+            results[mode] = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+        print(split_summary(results))
+        return 0
     for mode in modes:
         samples = [_measure(mode, args, tokenizer, vocab_size, eos, backend, schema,
                             profiler if r > 0 else None, r)
@@ -225,14 +238,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure(mode: str, args: argparse.Namespace, tokenizer: Any, vocab_size: int, eos: int | None,
              backend: Any, schema: StructuredOutputsParams, profiler: Any, repeat: int) -> dict[str, float]:
-    config = EngineConfig.from_kwargs(str(default_model_path()), max_model_len=args.input_len + args.output_len + 16,
-                                      max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch),
-                                      async_scheduling=mode != "unconstrained_sync", device="cpu",
-                                      enable_prefix_caching=False, generation_config="vllm")
-    blocks_per_seq = -(-(args.input_len + args.output_len + 16) // config.cache.block_size)
+    config = _config(mode, args)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     runner = NullRunner(vocab_size, eos, seed=repeat, clock=clock)
-    core = EngineCore(config, runner, args.batch * blocks_per_seq + 16, tokenizer, eos,
+    core = EngineCore(config, runner, _num_blocks(args, config), tokenizer, eos,
                       structured=backend if mode == "constrained" else None)
     phases = _PhaseClock(clock)
     for name, phase in (("schedule", "schedule"), ("update", "update")):
@@ -281,6 +290,17 @@ def _measure(mode: str, args: argparse.Namespace, tokenizer: Any, vocab_size: in
     if not per_step["step"]:
         raise RuntimeError("no step had every request decoding; raise --output-len")
     return {k: statistics.median(v) for k, v in per_step.items()}
+
+
+def _config(mode: str, args: argparse.Namespace, tokenizer_dir: str | None = None) -> EngineConfig:
+    return EngineConfig.from_kwargs(str(default_model_path()), max_model_len=args.input_len + args.output_len + 16,
+                                    max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch),
+                                    async_scheduling=mode != "unconstrained_sync", device="cpu",
+                                    enable_prefix_caching=False, generation_config="vllm", tokenizer=tokenizer_dir)
+
+
+def _num_blocks(args: argparse.Namespace, config: EngineConfig) -> int:
+    return args.batch * -(-(args.input_len + args.output_len + 16) // config.cache.block_size) + 16
 
 
 def summary(results: dict[str, dict[str, float]]) -> str:

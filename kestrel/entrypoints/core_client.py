@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from multiprocessing import get_context
 from multiprocessing.connection import wait
@@ -36,7 +36,7 @@ from kestrel.entrypoints.async_engine import (
     _put_all,
 )
 from kestrel.entrypoints.core_outputs import ClientRequest, child_id, child_params
-from kestrel.entrypoints.core_process import CoreProcessSpec, core_process_main
+from kestrel.entrypoints.core_process import CoreProcessSpec, build_model_core, core_process_main
 from kestrel.entrypoints.core_protocol import (
     ABORT,
     ADD,
@@ -101,7 +101,9 @@ class CoreClient:
     compiles_grammars = True  # the server hands over each grammar's source (see GrammarCompilePool)
 
     def __init__(self, config: EngineConfig, *, model_path: str = "", max_queued_requests: int | None = None,
-                 request_timeout_s: float | None = None, log_level: int | str = "WARNING") -> None:
+                 request_timeout_s: float | None = None, log_level: int | str = "WARNING",
+                 build_core: Callable[[EngineConfig, int | None], Any] = build_model_core) -> None:
+        """`build_core`: how the core process builds its engine core (core_process.CoreProcessSpec.build)."""
         if max_queued_requests is not None and max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0 or None, got {max_queued_requests}")
         if request_timeout_s is not None and not request_timeout_s > 0:
@@ -114,7 +116,7 @@ class CoreClient:
         self._conn, child = ctx.Pipe()
         # Not a daemon: the core may start worker processes of its own (an executor).
         self._process = ctx.Process(target=core_process_main, name="kestrel-engine-core",
-                                    args=(CoreProcessSpec(config, os.getpid(), log_level), child))
+                                    args=(CoreProcessSpec(config, os.getpid(), log_level, build_core), child))
         self._process.start()
         child.close()
         try:

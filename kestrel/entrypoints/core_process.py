@@ -1,13 +1,13 @@
 """The engine core in its own process (`kestrel serve --engine-core-process`): scheduler, model runner and grammar
 matchers, fed by the API server over a pipe (kestrel.entrypoints.core_protocol).
 
-Three threads, so the step loop never waits on the client: a reader puts each incoming message on the inbox as it
-arrives, the loop takes what is there between steps (and sleeps on the inbox only when it has nothing to run), and
-a writer sends each step's outputs while the next step runs. Grammars arrive as their source and compile in a
-thread of their own; the request joins the scheduler once its grammar is ready.
+The step loop never waits on the client: it takes what has arrived on the pipe between steps (and sleeps on it only
+when it has nothing to run), and a writer thread sends each step's outputs while the next step runs. Grammars
+arrive as their source and compile in a thread of their own; the request joins the scheduler once its grammar is
+ready.
 
-The process ends with its server: the reader sees the pipe close when the server process dies, however it died,
-and exits at once (an executor's worker processes then see their own pipes close).
+The process ends with its server: the kernel kills it when the server process dies (PR_SET_PDEATHSIG), and the
+loop exits when it finds the pipe closed (an executor's worker processes then see their own pipes close).
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import queue
 import signal
 import threading
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from kestrel.config import EngineConfig
@@ -41,7 +43,7 @@ from kestrel.entrypoints.core_protocol import (
     params_from_wire,
     unpack,
 )
-from kestrel.entrypoints.engine_factory import build_engine_core
+from kestrel.entrypoints.engine_factory import BuiltEngine, build_engine_core
 from kestrel.entrypoints.engine_stats import StatsTracker
 from kestrel.request import InvalidRequestError
 from kestrel.structured.compile import GrammarCompileError, GrammarSource, compile_source
@@ -50,13 +52,21 @@ logger = logging.getLogger("kestrel.engine_core")
 _PR_SET_PDEATHSIG = 1
 
 
+def build_model_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEngine:
+    """The core of `kestrel serve`: the model's runner, no tokenizer."""
+    return build_engine_core(config, None, eos_token_id)
+
+
 @dataclass(frozen=True)
 class CoreProcessSpec:
-    """What the core process needs to start; handed over once, at spawn."""
+    """What the core process needs to start; handed over once, at spawn. `build`: a module-level function (it is
+    pickled by name) that builds the engine core from the config and the EOS id; `kestrel bench host-step --split`
+    gives one whose runner costs nothing."""
 
     config: EngineConfig
     parent_pid: int
     log_level: int | str = "WARNING"
+    build: Callable[[EngineConfig, int | None], BuiltEngine] = build_model_core
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -75,7 +85,7 @@ def core_process_main(spec: CoreProcessSpec, conn: Connection) -> None:
         # The tokenizer's EOS id (the core loads no tokenizer), sent once the client has loaded it: the two loads
         # overlap.
         eos_token_id = unpack(conn.recv_bytes())[1]
-        built = build_engine_core(spec.config, None, eos_token_id)
+        built = spec.build(spec.config, eos_token_id)
     except BaseException as error:  # noqa: BLE001 - reported to the server, which raises it to the user
         logger.debug("engine core start-up failed: %s", traceback.format_exc())
         with contextlib.suppress(OSError):
@@ -106,41 +116,47 @@ class _CoreLoop:
     def __init__(self, core: Any, conn: Connection) -> None:
         self.core = core
         self.conn = conn
-        self.inbox: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
         self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self.stats = StatsTracker()
         self._compiles = ThreadPoolExecutor(1, thread_name_prefix="kestrel-core-grammar")
         self._compiling: dict[str, list[Any]] = {}  # request id -> its ADD message, until the grammar is ready
+        self._compiled: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
+        self._wake, self._wake_writer = Pipe(duplex=False)  # a compile finished: wakes an idle loop
         self._accepted: list[str] = []
         self._refused: list[list[Any]] = []
         self._prompt_logprobs_sent: dict[str, int] = {}
-        threading.Thread(target=self._read, name="kestrel-core-reader", daemon=True).start()
         self._writer = threading.Thread(target=self._write, name="kestrel-core-writer", daemon=True)
         self._writer.start()
-
-    def _read(self) -> None:
-        try:
-            while True:
-                message = unpack(self.conn.recv_bytes())
-                self.inbox.put(message)
-                if message[0] == SHUTDOWN:
-                    return
-        except (EOFError, OSError):
-            os._exit(0)  # the server is gone: nobody is left to serve
 
     def _write(self) -> None:
         with contextlib.suppress(OSError):
             while (payload := self.outbox.get()) is not None:
                 self.conn.send_bytes(payload)
 
+    def _receive(self, block: bool) -> list[list[Any]]:
+        """What arrived since the last step: the client's messages and the grammars compiled meanwhile; with
+        `block` (nothing to run), wait for one first. The loop reads the pipe itself: a reader thread would hand
+        each message over only when the loop next yields the interpreter."""
+        if block:
+            wait([self.conn, self._wake])
+        messages = []
+        while self._wake.poll():
+            self._wake.recv_bytes()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                messages.append(self._compiled.get_nowait())
+        try:
+            while self.conn.poll():
+                messages.append(unpack(self.conn.recv_bytes()))
+        except (EOFError, OSError):
+            os._exit(0)  # the server is gone: nobody is left to serve
+        return messages
+
     def run(self) -> None:
         core = self.core
         while True:
             busy = core.has_unfinished_requests()
-            messages = [] if busy else [self.inbox.get()]
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    messages.append(self.inbox.get_nowait())
+            messages = self._receive(block=not busy)
             if any(m[0] == SHUTDOWN for m in messages):
                 break
             for message in messages:
@@ -185,7 +201,7 @@ class _CoreLoop:
                 self._add(add, compiled)
 
     def _compile(self, request_id: str, message: list[Any]) -> None:
-        """In the compile thread: the grammar of an ADD, handed back to the loop through the inbox."""
+        """In the compile thread: the grammar of an ADD, handed back to the loop (`_receive`)."""
         params, grammar = params_from_wire(message[3]), message[5]
         try:
             backend = self.core.structured
@@ -195,11 +211,13 @@ class _CoreLoop:
                 compiled = backend.compile(params.structured_outputs)
             else:
                 compiled = compile_source(backend.compiler, GrammarSource(*grammar))
-            self.inbox.put([COMPILED, request_id, compiled, None])
+            result = [COMPILED, request_id, compiled, None]
         except GrammarCompileError as error:
-            self.inbox.put([COMPILED, request_id, None, InvalidRequestError("structured_outputs", str(error))])
+            result = [COMPILED, request_id, None, InvalidRequestError("structured_outputs", str(error))]
         except Exception as error:  # noqa: BLE001 - the request's refusal
-            self.inbox.put([COMPILED, request_id, None, error])
+            result = [COMPILED, request_id, None, error]
+        self._compiled.put(result)
+        self._wake_writer.send_bytes(b"")
 
     def _add(self, message: list[Any], compiled: Any) -> None:
         _, request_id, prompt_token_ids, params, priority, _ = message
