@@ -10,6 +10,7 @@ import functools
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from kestrel.kernels import activation as _activation
 from kestrel.kernels import attention as _attention
@@ -22,6 +23,8 @@ from kestrel.kernels import store_kv as _store_kv
 from kestrel.kernels import wna16 as _wna16
 from kestrel.kernels.activation import ACTIVATIONS, HF_ACTIVATIONS  # noqa: F401 - the layers' names
 from kestrel.kernels.cpu import attention as _cpu_attention
+from kestrel.kernels.cpu import linear as _cpu_linear
+from kestrel.kernels.cpu import rope_kv as _cpu_rope_kv
 
 # Weight-only (W4A16 / W8A16) checkpoint repacking, for the loaders: run once at load, on any device.
 from kestrel.kernels.wna16 import (  # noqa: F401
@@ -83,14 +86,27 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
                                           sliding_window, k_scale, v_scale, out, logit_soft_cap)
 
 
+def linear(x, weight, bias=None):
+    """`F.linear` of the model dtype's layers (unquantized linears, the LM head); oneDNN for float32 on the CPU."""
+    if use_cpu_fast_path(x):
+        return _cpu_linear.linear_cpu(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
-    fn = _store_kv.store_kv if use_triton(key) else _store_kv.store_kv_ref
+    if use_triton(key):
+        fn = _store_kv.store_kv
+    else:
+        fn = _cpu_rope_kv.store_kv_cpu if use_cpu_fast_path(key) else _store_kv.store_kv_ref
     fn(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def rope_store_kv(positions, q, k, v, cos_cache, sin_cache, rotary_dim, k_cache, v_cache, slot_mapping, k_scale=1.0,
                   v_scale=1.0):
-    fn = _rope_kv.rope_store_kv if use_triton(q) else _rope_kv.rope_store_kv_ref
+    if use_triton(q):
+        fn = _rope_kv.rope_store_kv
+    else:
+        fn = _cpu_rope_kv.rope_store_kv_cpu if use_cpu_fast_path(q) else _rope_kv.rope_store_kv_ref
     return fn(positions, q, k, v, cos_cache, sin_cache, rotary_dim, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 

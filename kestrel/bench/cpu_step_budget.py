@@ -34,7 +34,7 @@ VARIANTS = ("fast", "reference")
 OPS_FAMILIES = {"attention": ("paged_attention",), "rope_kv_store": ("rope_store_kv", "store_kv"),
                 "norm": ("rms_norm", "layer_norm", "rms_norm_quant"),
                 "activation": ("act_mul", "act", "act_mul_quant", "act_quant"),
-                "gemm": ("scaled_mm", "wna16_gemm", "fused_moe")}
+                "gemm": ("linear", "scaled_mm", "wna16_gemm", "fused_moe")}
 CPU_DEFAULTS = {"batch": "1,16,64", "context": 100, "prefill_tokens": "1600", "prefill_prompt_len": 100,
                 "steps": 6, "dtype": "float32", "rounds": 5}
 

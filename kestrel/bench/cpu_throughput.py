@@ -1,5 +1,6 @@
-"""`kestrel bench cpu-throughput`: offline `LLM.generate` throughput on the CPU, the fast CPU paths (`kernels/cpu/`)
-against the references they replace (`ops.cpu_references()`), in one process, interleaved.
+"""`kestrel bench cpu-throughput`: offline throughput on the CPU (`LLM.generate`'s loop on the engine core), the
+fast CPU paths (`kernels/cpu/`) against the references they replace (`ops.cpu_references()`), in one process,
+interleaved.
 
 The issue's setup (issue 33): kestrel-tiny (or `--model`), float32, `--num-prompts` prompts of `--input-len`
 token ids cut from the standard library's source (the tokenizer's ids of consecutive held-out files), `--output-len`
@@ -40,18 +41,30 @@ def stdlib_prompts(tokenizer: Any, count: int, length: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(count)]
 
 
-def generate_once(llm: Any, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
-    from kestrel import SamplingParams
+def generate_once(engine: common.Engine, prompts: list[list[int]], output_len: int,
+                  tag: str) -> tuple[float, list[list[int]]]:
+    """What `LLM.generate` does with token-id prompts (final-only outputs), on the engine core: every prompt
+    added, steps until all finish; seconds and each prompt's output ids."""
+    from kestrel.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    core = engine.core
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, output_kind="final_only")
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outputs]
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        core.add_request(rid, prompt, params)
+    outputs: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+    return time.perf_counter() - start, [outputs[rid] for rid in ids]
 
 
 def run(args: argparse.Namespace) -> int:
-    from kestrel import LLM, ops
+    from kestrel import ops
     from kestrel.config import ConfigError
+    from kestrel.loader.tokenizer import load_tokenizer
     from kestrel.tiny import default_model_path
 
     if args.smoke:
@@ -60,22 +73,23 @@ def run(args: argparse.Namespace) -> int:
     if any(t < 1 for t in threads):
         raise ConfigError(f"invalid --threads {args.threads!r}: expected positive counts")
     model = args.model or str(default_model_path())
-    llm = LLM(model, dtype=args.dtype, device="cpu", enable_prefix_caching=False,
-              max_model_len=args.input_len + args.output_len + 1)
+    # LLM(model)'s engine: the default scheduler limits, prefix caching off (the runs repeat the prompts).
+    engine = common.build_engine(model, dtype=args.dtype, device="cpu", enable_prefix_caching=False,
+                                 max_model_len=args.input_len + args.output_len + 1)
     threads = threads or [torch.get_num_threads()]  # the engine's default (`cpu_threads`)
-    prompts = stdlib_prompts(llm.tokenizer, args.num_prompts, args.input_len)
+    prompts = stdlib_prompts(load_tokenizer(engine.config.model.tokenizer_path), args.num_prompts, args.input_len)
     variants = [(path, t) for t in threads for path in args.paths.split(",")]
     for path, _ in variants:
         if path not in PATHS:
             raise ConfigError(f"invalid --paths entry {path!r}: use " + ", ".join(PATHS))
-    generate_once(llm, prompts[:2], 4)  # warm-up
+    generate_once(engine, prompts[:2], 4, "warm-up")
     seconds: dict[str, list[float]] = {}
     tokens: dict[str, list[list[int]]] = {}
     for r in range(args.rounds):
         for path, count in (variants if r % 2 == 0 else variants[::-1]):
             torch.set_num_threads(count)
             with ops.cpu_references() if path == "reference" else nullcontext():
-                elapsed, out = generate_once(llm, prompts, args.output_len)
+                elapsed, out = generate_once(engine, prompts, args.output_len, f"{path}-{count}-{r}")
             key = f"{path}/{count}t"
             seconds.setdefault(key, []).append(elapsed)
             tokens.setdefault(key, out)

@@ -1,10 +1,9 @@
-"""The default methods: a linear layer's weight kept in the model dtype (`F.linear`), and a mixture-of-experts
+"""The default methods: a linear layer's weight kept in the model dtype (`ops.linear`), and a mixture-of-experts
 layer's experts kept in the model dtype (`ops.fused_moe`)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kestrel import ops
@@ -30,7 +29,7 @@ class UnquantizedLinearMethod(QuantMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return ops.linear(x, layer.weight, bias)
 
 
 class UnquantizedFusedMoEMethod(FusedMoEMethod):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel import ops
 from kestrel.distributed.parallel import ParallelContext, single_process
 from kestrel.model.layers.weights import copy_checked
 
@@ -83,7 +84,7 @@ class LMHead(_VocabShard):
             self.weight = self._new_weight(params_dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight).float()
+        logits = ops.linear(hidden_states, self.weight).float()
         if self.parallel.tp_size == 1:
             return logits
         return self.parallel.all_gather(logits, dim=-1)[..., : self.num_embeddings]
