@@ -67,6 +67,9 @@ def build_null_core(config: EngineConfig, eos_token_id: int | None, *, vocab_siz
                     out_path: str) -> BuiltEngine:
     """In the core process: an engine core over the timed NullRunner; the grammar vocabulary comes from the
     client, as in the server."""
+    import torch
+
+    torch.set_num_threads(1)  # as a GPU host's runner sets it (runner_setup): no idle pool spinning on the cores
     runner = _TimedNullRunner(vocab_size, eos_token_id, out_path)
     structured = GrammarBackend(None, vocab_size, runner.eos_token_ids)
     core = EngineCore(config, runner, num_blocks, None, eos_token_id, structured, detokenize=False)

@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from kestrel.config import EngineConfig
+from kestrel.engine.stats_logger import StatsLogger
 from kestrel.entrypoints.core_protocol import (
     ABORT,
     ADD,
@@ -118,6 +119,7 @@ class _CoreLoop:
         self.conn = conn
         self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self.stats = StatsTracker()
+        self._stats_logger = None if core.config.disable_log_stats else StatsLogger()
         self._compiles = ThreadPoolExecutor(1, thread_name_prefix="kestrel-core-grammar")
         self._compiling: dict[str, list[Any]] = {}  # request id -> its ADD message, until the grammar is ready
         self._compiled: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
@@ -156,6 +158,8 @@ class _CoreLoop:
         core = self.core
         while True:
             busy = core.has_unfinished_requests()
+            if not busy and self._stats_logger is not None:
+                self._stats_logger.maybe_log(core.scheduler, force=True)  # the last line of a busy spell
             messages = self._receive(block=not busy)
             if any(m[0] == SHUTDOWN for m in messages):
                 break
@@ -165,6 +169,8 @@ class _CoreLoop:
             if core.has_unfinished_requests():
                 outputs = core.step()
                 self.stats.count_step(core.scheduler)
+                if self._stats_logger is not None:
+                    self._stats_logger.maybe_log(core.scheduler)
             if outputs or self._accepted or self._refused or busy:
                 self._send_step(outputs)
         self._compiles.shutdown(wait=False, cancel_futures=True)

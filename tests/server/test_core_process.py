@@ -157,3 +157,17 @@ def test_the_core_dies_with_its_server(tiny_model_dir):
         process.wait(10)
         for pid in children:
             assert exited(pid), f"process {pid} outlived its server"
+
+
+def test_embeddings_and_prompt_logprobs_are_the_in_process_engines(openai_server, core_process_server):
+    texts = ["The quick brown fox", "a"]
+    body = {"input": texts, "encoding_format": "float"}
+    here, there = (post(s, body, "/v1/embeddings").json()["data"] for s in (openai_server, core_process_server))
+    for a, b in zip(here, there):
+        assert max(abs(x - y) for x, y in zip(a["embedding"], b["embedding"])) < 1e-5
+    scored = {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0.0, "echo": True, "logprobs": 2,
+              "n": 2, "stop": ["zzz"], "ignore_eos": True}
+    here, there = (post(s, scored).json()["choices"] for s in (openai_server, core_process_server))
+    for a, b in zip(here, there):
+        assert a["text"] == b["text"] and a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+        assert a["logprobs"]["token_logprobs"][1:] == pytest.approx(b["logprobs"]["token_logprobs"][1:], abs=1e-4)
