@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +20,7 @@ from kestrel.loader import load_model
 from kestrel.loader.hf_config import resolve_dtype
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.expert_load import ExpertLoad
+from kestrel.worker.cpu_runtime import configure_cpu_process
 from kestrel.worker.cuda_graph import GraphRunner, verify_batch_limit
 from kestrel.worker.drafter import build_drafter
 from kestrel.worker.kv_cache import (
@@ -52,17 +52,6 @@ def host_threads_for_gpu_steps() -> None:
         torch.set_num_threads(1)
 
 
-def threads_for_cpu_steps(requested: int | None) -> None:
-    """A CPU engine's torch threads: `requested`, else the cores this process may use less one, left to the engine
-    loop, tokenizer and whatever else shares the machine. Each op of a step waits for its slowest thread, so one
-    thread descheduled by other work stalls them all: on the 2-core development machine under load, kestrel-tiny
-    decoded 6x faster on one thread than on two (docs/benchmarks.md, "CPU backend")."""
-    threads = requested if requested is not None else max(1, len(os.sched_getaffinity(0)) - 1)
-    if torch.get_num_threads() != threads:
-        logger.info("torch CPU threads %d -> %d", torch.get_num_threads(), threads)
-        torch.set_num_threads(threads)
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -84,8 +73,8 @@ class RunnerSetup:
         if self.device.type != "cpu" and config.cpu_threads is not None:
             raise ConfigError(f"invalid cpu_threads={config.cpu_threads}: the engine runs on {self.device.type}; "
                               "leave it unset")
-        if self.device.type == "cpu" and (parallel is None or config.cpu_threads is not None):
-            threads_for_cpu_steps(config.cpu_threads)  # ranks of an executor get their share of the cores from it
+        if self.device.type == "cpu":  # ranks of an executor get their share of the cores from it
+            configure_cpu_process(config.cpu_threads, parallel is None or config.cpu_threads is not None)
         model_config = config.model
         if self.device.type == "cpu" and model_config.dtype == "auto":
             # Half-precision matmuls are many times slower than float32 on most CPUs.

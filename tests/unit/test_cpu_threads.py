@@ -1,5 +1,5 @@
-"""`cpu_threads`: a CPU engine's torch threads, one config field with its generated `--cpu-threads` flag; the
-default leaves one usable core to the engine loop."""
+"""worker/cpu_runtime.py: `cpu_threads`, a CPU engine's torch threads (one config field with its generated
+`--cpu-threads` flag; the default leaves one usable core to the engine loop), and the malloc thresholds."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kestrel import LLM
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.entrypoints.cli import build_parser
 from kestrel.loader.model_init import write_tiny_checkpoint
-from kestrel.worker.runner_setup import threads_for_cpu_steps
+from kestrel.worker.cpu_runtime import keep_freed_memory_in_heap, threads_for_cpu_steps
 
 
 @pytest.fixture
@@ -52,3 +52,9 @@ def test_refused_with_a_cuda_device(tmp_path) -> None:
 def test_cli_flag_is_generated() -> None:
     args = build_parser().parse_args(["generate", "--cpu-threads", "3", "--prompt", "x"])
     assert args.cpu_threads == 3
+
+
+def test_malloc_thresholds_are_raised_once() -> None:
+    """glibc (this machine's C library) accepts both; a second call changes nothing."""
+    assert keep_freed_memory_in_heap() is True
+    assert keep_freed_memory_in_heap() is True
