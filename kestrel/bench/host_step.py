@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
 
         for mode in modes:
             config = _config(mode, args, tokenizer_dir)
-            samples = [measure_split(mode, args, config, vocab_size, eos, _num_blocks(args, config), schema, r)
+            samples = [measure_split(mode, args, config, NullRunner, vocab_size, _num_blocks(args, config), schema, r)
                        for r in range(args.repeats)]  # each run is a fresh core process
             results[mode] = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
         print(split_summary(results))

@@ -20,14 +20,13 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kestrel.bench.host_step import NullRunner
 from kestrel.config import EngineConfig
 from kestrel.engine.core import EngineCore
 from kestrel.entrypoints.core_client import CoreClient
-from kestrel.entrypoints.engine_factory import BuiltEngine
 from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.structured.backend import GrammarBackend
 from kestrel.structured.compile import GrammarSource
@@ -35,52 +34,67 @@ from kestrel.structured.compile import GrammarSource
 _SETTLE_S = 0.5
 
 
-class _TimedNullRunner(NullRunner):
-    """The NullRunner timing the core loop's turns: from one step's execute_model to the next, its own picks
-    taken out; written to `out_path` when the core process stops."""
+class _TimedRunner:
+    """host_step's NullRunner (`runner`), timing the core loop's turns: from one step's execute_model to the next,
+    the runner's picks taken out; written to `out_path` when the core process stops."""
 
-    def __init__(self, vocab_size: int, eos_token_id: int | None, out_path: str) -> None:
-        super().__init__(vocab_size, eos_token_id)
-        self.eos_token_ids = frozenset({eos_token_id} - {None})
+    def __init__(self, runner: Any, out_path: str) -> None:
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self.eos_token_ids = frozenset({runner.eos_token_id} - {None})
         self.out_path = out_path
         self.turns: list[list[float]] = []  # [seconds, rows decoding]
         self._last: tuple[float, float] | None = None
 
     def execute_model(self, out: Any, non_block: bool = False) -> Any:
+        runner = self.runner
         if self._last is None and not out.is_empty:
             # The core's steps take microseconds here: the first request would finish before the client has sent
             # the rest of the batch.
             time.sleep(_SETTLE_S)
-        now = self.clock()
+        now = runner.clock()
         if self._last is not None and not out.is_empty:
             started, device = self._last
-            self.turns.append([now - started - (self.device_seconds - device), len(out.num_scheduled_tokens)])
+            self.turns.append([now - started - (runner.device_seconds - device), len(out.num_scheduled_tokens)])
         if not out.is_empty:
-            self._last = (now, self.device_seconds)
-        return super().execute_model(out, non_block)
+            self._last = (now, runner.device_seconds)
+        return runner.execute_model(out, non_block)
+
+    def sample_tokens(self, grammar: Any, non_block: bool = False) -> Any:
+        return self.runner.sample_tokens(grammar, non_block)
 
     def shutdown(self) -> None:
         Path(self.out_path).write_text(json.dumps(self.turns))
 
 
-def build_null_core(config: EngineConfig, eos_token_id: int | None, *, vocab_size: int, num_blocks: int,
-                    out_path: str) -> BuiltEngine:
-    """In the core process: an engine core over the timed NullRunner; the grammar vocabulary comes from the
-    client, as in the server."""
+@dataclass
+class _Built:
+    """What the core process needs of a built engine (engine_factory.BuiltEngine's fields)."""
+
+    tokenizer: None
+    runner: _TimedRunner
+    core: EngineCore
+
+
+def build_null_core(config: EngineConfig, eos_token_id: int | None, *, runner_class: type, vocab_size: int,
+                    num_blocks: int, out_path: str) -> _Built:
+    """In the core process: an engine core over the timed NullRunner (`runner_class`); the grammar vocabulary comes
+    from the client, as in the server."""
     import torch
 
     torch.set_num_threads(1)  # as a GPU host's runner sets it (runner_setup): no idle pool spinning on the cores
-    runner = _TimedNullRunner(vocab_size, eos_token_id, out_path)
+    runner = _TimedRunner(runner_class(vocab_size, eos_token_id), out_path)
     structured = GrammarBackend(None, vocab_size, runner.eos_token_ids)
     core = EngineCore(config, runner, num_blocks, None, eos_token_id, structured, detokenize=False)
-    return BuiltEngine(None, runner, core)
+    return _Built(None, runner, core)
 
 
-def measure_split(mode: str, args: argparse.Namespace, config: EngineConfig, vocab_size: int, eos: int | None,
+def measure_split(mode: str, args: argparse.Namespace, config: EngineConfig, runner_class: type, vocab_size: int,
                   num_blocks: int, schema: StructuredOutputsParams, repeat: int) -> dict[str, float]:
     fd, out_path = tempfile.mkstemp(prefix="kestrel-host-step-", suffix=".json")
     os.close(fd)
-    build = functools.partial(build_null_core, vocab_size=vocab_size, num_blocks=num_blocks, out_path=out_path)
+    build = functools.partial(build_null_core, runner_class=runner_class, vocab_size=vocab_size,
+                              num_blocks=num_blocks, out_path=out_path)
     client = CoreClient(config, build_core=build)
     arrivals: list[tuple[float, int]] = []  # (time, sequences in the message) of each step message
     handling: list[float] = []

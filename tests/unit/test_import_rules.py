@@ -38,9 +38,10 @@ ALLOWED: dict[str, set[str]] = {
     "distributed": {"distributed"} | CORE,
     # The worker process and the executors run model runners and speak the engine's contracts.
     "executor": {"executor", "worker", "distributed.parallel", "engine.contracts"} | CORE,
-    # Benches drive the engine core, not the entry points.
+    # Benches drive the engine core, not the entry points; `host-step --split` drives an engine core process through
+    # the server's client of it, as `kestrel serve --engine-core-process` does.
     "bench": {"bench", "kernels", "ops", "quant", "model", "loader", "worker", "sample", "engine", "tiny",
-              "structured", "distributed", "executor"} | CORE,
+              "structured", "distributed", "executor", "entrypoints.core_client"} | CORE,
     # Where the bundled model lives and the stdlib corpus (quantize's calibration set, the ppl bench's text); its
     # training is the top-level `training` package.
     "tiny": {"tiny"} | CORE,
