@@ -203,10 +203,10 @@ def plot(result: dict[str, Any], path: Path) -> bool:
                                                                 "prefill" else ""), fontsize=9)
         ax.set_ylabel("ms per step")
         ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=7, loc="upper left")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=len(FAMILIES), fontsize=7)
     fig.suptitle(f"CPU step budget by op family: {result['config']['model']}, {result['config']['dtype']}, "
                  f"{result['config']['threads']} threads, {result['environment']['cpu']}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
