@@ -74,9 +74,11 @@ def test_fp8_cache_with_scales() -> None:
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_writes_only_the_query_rows_of_out() -> None:
-    """`out` longer than the batch's tokens: rows past them keep their values, as with the reference."""
-    q, kc, vc, qsl, lens, tables = _case([1, 3], [10, 3], 4, 2, 16)
+@pytest.mark.parametrize("query_lens", [[1, 3], [1, 1], [3, 3]])
+def test_writes_only_the_query_rows_of_out(query_lens: list[int]) -> None:
+    """`out` longer than the batch's tokens: rows past them keep their values, as with the reference (mixed
+    query lengths scatter their rows; one length for every sequence copies them)."""
+    q, kc, vc, qsl, lens, tables = _case(query_lens, [10, 3], 4, 2, 16)
     out = torch.full((q.shape[0] + 2, 4, 16), 7.0)
     result = paged_attention_cpu(q, kc, vc, qsl, lens, tables, 0.25, out=out[: q.shape[0]])
     assert result.data_ptr() == out.data_ptr()

@@ -66,30 +66,42 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start
     ctx = [lens[s] for s in seqs]
     num_seqs, max_q, max_k = len(seqs), max(q_lens), max(ctx)
     num_blocks = -(-max_k // block_size)
-    seq_index = torch.tensor(seqs, dtype=torch.long, device=device)
+    # Every sequence of the batch with one query length (all decodes, or equal prefill chunks): the rows of q and
+    # of the block table are used as they are, with no index and no padded query rows.
+    uniform = num_seqs == len(lens) and min(q_lens) == max_q and starts[0] == 0
+    if uniform:
+        blocks = block_tables[:num_seqs, :num_blocks]
+    else:
+        blocks = block_tables.index_select(0, torch.tensor(seqs, dtype=torch.long, device=device))[:, :num_blocks]
     # Rows past a sequence's blocks may hold anything (-1 included): clamped, then masked off as keys.
-    blocks = block_tables.index_select(0, seq_index)[:, :num_blocks].long().clamp_(min=0)
+    blocks = blocks.long().clamp_(min=0)
     k = _gather(k_cache, blocks, max_k, k_scale)  # [S, H_kv, Lk, D]
     v = _gather(v_cache, blocks, max_k, v_scale)
 
-    q_len_t = torch.tensor(q_lens, dtype=torch.long, device=device).unsqueeze(1)  # [S, 1]
-    ctx_t = torch.tensor(ctx, dtype=torch.long, device=device).unsqueeze(1)
-    start_t = torch.tensor([starts[s] for s in seqs], dtype=torch.long, device=device).unsqueeze(1)
+    ctx_t = torch.tensor(ctx, dtype=torch.long, device=device).unsqueeze(1)  # [S, 1]
     offs = torch.arange(max_q, device=device).unsqueeze(0)  # [1, Lq]
-    valid_q = offs < q_len_t  # [S, Lq]
-    rows = torch.where(valid_q, start_t + offs, start_t)  # padded rows repeat the sequence's first query row
-    qs = q[rows.flatten()].to(torch.float32)  # [S*Lq, H, D]
+    if uniform:
+        rows = valid_q = None
+        qs = q[: num_seqs * max_q].to(torch.float32)
+        q_pos = (ctx_t - max_q + offs).unsqueeze(2)  # [S, Lq, 1]
+    else:
+        q_len_t = torch.tensor(q_lens, dtype=torch.long, device=device).unsqueeze(1)
+        start_t = torch.tensor([starts[s] for s in seqs], dtype=torch.long, device=device).unsqueeze(1)
+        valid_q = offs < q_len_t  # [S, Lq]
+        rows = torch.where(valid_q, start_t + offs, start_t)  # padded rows repeat the sequence's first query row
+        qs = q[rows.flatten()].to(torch.float32)  # [S*Lq, H, D]
+        q_pos = (ctx_t - q_len_t + offs).unsqueeze(2)
     # [S, Lq, H_kv, G, D] -> [S, H_kv, G*Lq, D]: each KV head's query heads become rows of one attention.
     qs = qs.view(num_seqs, max_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
     qs = qs.reshape(num_seqs, num_kv_heads, group * max_q, head_size)
 
-    q_pos = (ctx_t - q_len_t + offs).unsqueeze(2)  # [S, Lq, 1]
     k_pos = torch.arange(max_k, device=device).view(1, 1, max_k)
     allowed = (k_pos <= q_pos) & (k_pos < ctx_t.unsqueeze(2))
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
-    # Padded query rows may see no key at all; give them key 0 so nothing divides by zero (they are dropped).
-    allowed[:, :, 0] |= ~valid_q
+    if valid_q is not None:
+        # Padded query rows may see no key at all; give them key 0 so nothing divides by zero (they are dropped).
+        allowed[:, :, 0] |= ~valid_q
     mask = allowed.unsqueeze(1).expand(num_seqs, group, max_q, max_k).reshape(num_seqs, 1, group * max_q, max_k)
 
     if logit_soft_cap is None:
@@ -101,8 +113,8 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start
     # [S, H_kv, G*Lq, D] -> [S, Lq, H, D]
     res = res.view(num_seqs, num_kv_heads, group, max_q, head_size).permute(0, 3, 1, 2, 4)
     res = res.reshape(num_seqs, max_q, num_heads, head_size)
-    if num_seqs * max_q == out.shape[0] and sum(q_lens) == out.shape[0]:
-        out.copy_(res.reshape(-1, num_heads, head_size))  # every row, in order: no scatter
+    if rows is None:
+        out[: num_seqs * max_q].copy_(res.reshape(-1, num_heads, head_size))  # every row, in order: no scatter
     else:
         out[rows[valid_q]] = res[valid_q].to(out.dtype)
 
