@@ -17,8 +17,9 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # Request fields that differ from SamplingParams' field of the same name on purpose: chat's max_tokens is
 # unlimited (vLLM's: the model's remaining length), chat's logprobs is OpenAI's on/off switch (top_logprobs the
-# count).
-DIFFERENT_BY_DESIGN = {(ChatCompletionRequest, "max_tokens"), (ChatCompletionRequest, "logprobs")}
+# count), completions' max_tokens also takes 0 (with echo: score the prompt; tested below).
+DIFFERENT_BY_DESIGN = {(ChatCompletionRequest, "max_tokens"), (ChatCompletionRequest, "logprobs"),
+                       (CompletionRequest, "max_tokens")}
 # Request fields that set a SamplingParams field under another name.
 RENAMED = {(ChatCompletionRequest, "max_completion_tokens"): "max_tokens",
            (ChatCompletionRequest, "top_logprobs"): "logprobs"}
@@ -126,3 +127,11 @@ def test_the_cli_help_names_each_override_and_sampling_params_default():
 def test_one_tuple_of_tool_formats():
     tool_call_parser = next(f for f in dataclasses.fields(ServerConfig) if f.name == "tool_call_parser")
     assert tool_call_parser.metadata["choices"] is TOOL_FORMATS
+
+
+def test_completion_max_tokens_takes_zero_and_otherwise_sampling_params_range():
+    parse_model(CompletionRequest, {**minimal(CompletionRequest), "max_tokens": 0})
+    for value in (-1, 2.5, True):
+        with pytest.raises(InvalidRequestError) as refused:
+            parse_model(CompletionRequest, {**minimal(CompletionRequest), "max_tokens": value})
+        assert refused.value.param == "max_tokens"
