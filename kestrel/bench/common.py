@@ -99,20 +99,28 @@ def write_random_checkpoint(path: Path, config: dict[str, Any], device: torch.de
     Reused when `path` already holds a checkpoint of the same config."""
     if has_checkpoint(path, config):
         return
-    marker = path / "config.json"
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device).manual_seed(seed)
     dtype = getattr(torch, config["torch_dtype"])
-    tensors: dict[str, torch.Tensor] = {}
-    for name, shape in checkpoint_shapes(config).items():
-        values = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(config["initializer_range"])
-        if name.endswith("norm.weight"):
-            values += 1.0
-        tensors[name] = values.to(dtype).cpu()
+    tensors = {name: random_dense(name, shape, config, gen, device, dtype)
+               for name, shape in checkpoint_shapes(config).items()}
+    save_random_checkpoint(path, tensors, config)
+
+
+def random_dense(name: str, shape: Sequence[int], config: dict[str, Any], gen: torch.Generator,
+                 device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One HF tensor of a random checkpoint, on the host: std `initializer_range`, norms 1 + that."""
+    values = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(config["initializer_range"])
+    if name.endswith("norm.weight"):
+        values += 1.0
+    return values.to(dtype).cpu()
+
+
+def save_random_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     _write_weights(path, tensors, num_shards=max(1, total // (4 << 30)))
-    marker.write_text(json.dumps(config, indent=2) + "\n")
-    del tensors
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors.clear()
     release(None)  # the engine sizes its KV cache from free device memory
 
 
@@ -148,15 +156,8 @@ def write_random_weight_only_checkpoint(path: Path, config: dict[str, Any], bits
             tensors[f"{module}.weight_scale"] = scale.to(dtype).cpu()
             tensors[f"{module}.weight_shape"] = torch.tensor([n, k])
             continue
-        values = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(config["initializer_range"])
-        if name.endswith("norm.weight"):
-            values += 1.0
-        tensors[name] = values.to(dtype).cpu()
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    _write_weights(path, tensors, num_shards=max(1, total // (4 << 30)))
-    (path / "config.json").write_text(json.dumps(quantized, indent=2) + "\n")
-    del tensors
-    release(None)
+        tensors[name] = random_dense(name, shape, config, gen, device, dtype)
+    save_random_checkpoint(path, tensors, quantized)
     return quantized
 
 
