@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kestrel import LLM, SamplingParams
+from kestrel.ops import cpu_references
 from kestrel.worker import cuda_graph
 
 K = 3
@@ -133,7 +134,9 @@ def test_one_host_read_and_one_replay_per_program_per_speculative_step(spec_mode
 
     runner.execute_model, runner.sample_tokens = counted_execute, counted_sample
     recorded = record_proposals(runner)
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    # The ops a GPU launches: the CPU's fast paths (kernels/cpu) lay out their operands in ops of their own.
+    with cpu_references():
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     assert got == plain
     assert len(steps) >= 4 and llm.stats.num_spec_draft_tokens > 0
     for host_reads, replays, forwards, ops in steps:
