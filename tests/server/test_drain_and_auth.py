@@ -127,7 +127,7 @@ class Stream:
     def __init__(self, base_url: str) -> None:
         self.events: list[str] = []
         self.started = threading.Event()
-        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 480, "ignore_eos": True, "stream": True}
         self._thread = threading.Thread(target=self._read, args=(base_url, body), daemon=True)
         self._thread.start()
 

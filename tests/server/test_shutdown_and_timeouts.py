@@ -74,7 +74,7 @@ def draining_server(tiny_model_dir):
 
 def test_sigterm_refuses_new_work_lets_short_requests_finish_and_ends_the_rest(draining_server):
     base = draining_server.base_url
-    long_ones = [Outcome(base, completion(2000, stream=s)) for s in (True, True, False, False)]
+    long_ones = [Outcome(base, completion(480, stream=s)) for s in (True, True, False, False)]
     short = Outcome(base, completion(30, stream=False))  # 0.6 s of steps: ends within the drain
     for o in long_ones + [short]:
         assert o.started.wait(10)
