@@ -27,7 +27,8 @@ ACTIVATION_SCHEME_CHOICES = ("dynamic", "static")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 # Steps between the expert-load counts' reports (each one a host copy and a conversion of [layers, experts] ints).
 EXPERT_LOAD_INTERVAL = 32
-SCHEDULING_POLICY_CHOICES = ("fcfs", "priority")
+SCHEDULING_POLICY_CHOICES = ("fcfs", "priority", "shortest_prefill")
+DEFAULT_STARVATION_BOUND = 64
 # None: the model runs in the engine's process on one device, in "mp" worker processes on several.
 DISTRIBUTED_EXECUTOR_BACKEND_CHOICES = (None, "mp", "ray")
 
@@ -309,11 +310,23 @@ class SchedulerConfig:
     # overlap there).
     async_scheduling: bool | None = None
     # "fcfs": first come, first served; "priority": lowest `priority` value first (then arrival), and the
-    # lowest-priority running request is the one preempted (vLLM's --scheduling-policy).
+    # lowest-priority running request is the one preempted (vLLM's --scheduling-policy); "shortest_prefill":
+    # within a priority, the shortest prompt first, bounded by `starvation_bound`.
     policy: str = "fcfs"
+    # shortest_prefill only: once this many requests were admitted since a request arrived, it goes before every
+    # later arrival of its priority. None: 64 under shortest_prefill.
+    starvation_bound: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("scheduling_policy", self.policy, SCHEDULING_POLICY_CHOICES)
+        if self.policy == "shortest_prefill":
+            if self.starvation_bound is None:
+                object.__setattr__(self, "starvation_bound", DEFAULT_STARVATION_BOUND)
+            _check_int("scheduling_starvation_bound", self.starvation_bound, 1)
+        elif self.starvation_bound is not None:
+            _fail("scheduling_starvation_bound", self.starvation_bound, "it bounds the shortest_prefill policy's "
+                  f"reordering, and the policy is {self.policy!r}; use --scheduling-policy shortest_prefill or "
+                  "leave it unset")
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
@@ -666,7 +679,12 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "overlap the host side of each step with the device work of the previous one (default: on for a GPU)"),
     EngineArg("scheduling_policy", "scheduler", "policy",
               "fcfs: first come, first served; priority: requests with a lower priority value first, and the "
-              "lowest-priority running request is preempted first", choices=SCHEDULING_POLICY_CHOICES),
+              "lowest-priority running request is preempted first; shortest_prefill: within a priority, the "
+              "shortest prompt is admitted first (lower TTFT tail under a mix of prompt lengths), bounded by "
+              "--scheduling-starvation-bound", choices=SCHEDULING_POLICY_CHOICES),
+    EngineArg("scheduling_starvation_bound", "scheduler", "starvation_bound",
+              "shortest_prefill only: once this many requests were admitted since a request arrived, it goes "
+              "before every later arrival of its priority (default 64)"),
     EngineArg("tensor_parallel_size", "parallel", "tensor_parallel_size", "GPUs per model replica", aliases=("-tp",)),
     EngineArg("pipeline_parallel_size", "parallel", "pipeline_parallel_size", "pipeline stages", aliases=("-pp",)),
     EngineArg("distributed_executor_backend", "parallel", "distributed_executor_backend",

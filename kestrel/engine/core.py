@@ -187,10 +187,11 @@ class EngineCore:
     def _check_priority(self, priority: int) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError("priority", f"priority must be an integer, got {priority!r}")
-        if priority != 0 and self.config.scheduler.policy != "priority":
+        if priority != 0 and self.config.scheduler.policy == "fcfs":
             raise InvalidRequestError("priority", f"priority={priority} needs priority scheduling, and this engine "
                                       "schedules first come, first served; start it with scheduling_policy="
-                                      "'priority' (--scheduling-policy priority) or leave priority at 0")
+                                      "'priority' (--scheduling-policy priority, or shortest_prefill) or leave "
+                                      "priority at 0")
 
     def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._parents:

@@ -7,7 +7,8 @@ back to the front of the waiting queue to be recomputed (its cached blocks usual
 
 Under the priority policy both queues stay sorted by (priority, arrival): the budget goes to the most important
 running requests first, waiting ones are admitted in that order, and the preempted request, the last running one,
-is the least important.
+is the least important. Under shortest_prefill the running batch is kept the same way and waiting requests are
+admitted shortest prompt first within a priority, with a starvation bound (waiting_queue.py).
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kestrel.config import CacheConfig, SchedulerConfig
 from kestrel.engine.contracts import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kestrel.engine.kv_cache_manager import KVCacheManager
+from kestrel.engine.waiting_queue import WaitingQueue
 from kestrel.kv_spec import KVCacheLayout, as_layout
 from kestrel.request import Request, RequestStatus
 
@@ -53,7 +54,7 @@ class Scheduler:
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(as_layout(kv_cache, cache_config.block_size), cache_config.enable_prefix_caching)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(scheduler_config.policy, scheduler_config.starvation_bound)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # Requests whose runner state must be dropped at the next step.
@@ -62,7 +63,9 @@ class Scheduler:
         # Requests the runner has seen since its last (re)admission.
         self._known_to_runner: set[str] = set()
         self.stats = SchedulerStats()
-        self._by_priority = scheduler_config.policy == "priority"
+        # Both policies that read `priority` keep the running batch in (priority, arrival) order, so the budget
+        # goes to the most important first and the preempted request is the least important, latest arrival.
+        self._by_priority = scheduler_config.policy in ("priority", "shortest_prefill")
         # Per step in flight, the requests it scheduled (by id): a step's tokens go to those objects only.
         self._scheduled: dict[int, dict[str, Request]] = {}
         self._step_ids = itertools.count(1)
@@ -73,10 +76,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        if self._by_priority:
-            bisect.insort(self.waiting, request, key=_priority_key)
-        else:
-            self.waiting.append(request)
+        self.waiting.add(request)
         self.stats.num_prompt_tokens += request.num_prompt_tokens
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
@@ -185,7 +185,7 @@ class Scheduler:
                 break
             if lookahead:
                 proposing.add(request.request_id)
-            self.waiting.popleft()
+            self.waiting.pop_head()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
@@ -357,10 +357,7 @@ class Scheduler:
         request.prompt_logprobs = []  # recomputation produces them again
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        if self._by_priority:
-            bisect.insort(self.waiting, request, key=_priority_key)
-        else:
-            self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
         if request.request_id in self._known_to_runner:
             self._known_to_runner.discard(request.request_id)
             self._preempted_ids.add(request.request_id)

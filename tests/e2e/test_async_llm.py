@@ -153,3 +153,17 @@ def test_async_llm_takes_a_priority(model_dir):
 
     finished = asyncio.run(app())
     assert finished.index("high") < finished.index("low")
+
+
+def test_shortest_prefill_serves_short_prompts_first_with_the_same_answers(model_dir):
+    from kestrel import LLM
+
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (40, 5, 20)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, max_num_seqs=1, scheduling_policy="shortest_prefill")
+    outputs = llm.generate(prompts, params, priority=[0, 0, 0], use_tqdm=False)
+    order = sorted(range(3), key=lambda i: outputs[i].metrics.first_scheduled_time)
+    assert order == [1, 2, 0]
+    fcfs = LLM(model_dir, dtype="float32", max_model_len=64, max_num_seqs=1).generate(prompts, params,
+                                                                                      use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in fcfs]
