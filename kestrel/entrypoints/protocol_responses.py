@@ -1,12 +1,14 @@
 """The OpenAI Responses API's request schema (its text subset) and its translation into a chat completion request.
 
 Parsed as strictly as protocol.py's models (the same base): an unknown field is a 400 naming it. What has no
-counterpart here is refused by name: `store: true` and `previous_response_id` (no response is stored),
-`truncation: "auto"`, `reasoning`, `include` and every other field of OpenAI's that this server does not know.
+counterpart here is refused by name: `background: true`, `truncation: "auto"`, `reasoning`, `include` and every
+other field of OpenAI's that this server does not know. `store` and `previous_response_id` are the serving layer's
+to judge (they need the response store, which is off by default).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
@@ -98,22 +100,24 @@ class ResponsesRequest(_Request):
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     previous_response_id: str | None = None
+    background: bool | None = None
     truncation: Literal["disabled"] | None = None
     user: str | None = None
 
-    def check_unsupported(self) -> None:
-        if self.store:
-            raise InvalidRequestError("store", "this server stores no responses: send store false or leave it out, "
-                                      "and send the conversation so far as input items")
-        if self.previous_response_id is not None:
-            raise InvalidRequestError("previous_response_id", "this server stores no responses, so it cannot "
-                                      "continue one: send the conversation so far as input items instead")
+    def input_items(self) -> list[InputItem]:
+        """The input as items: a string is one user message."""
+        if isinstance(self.input, str):
+            return [MessageItem(type="message", role="user", content=self.input)]
+        return list(self.input)
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The equivalent chat completion request: instructions as a leading system message, input items as
-        messages (function calls as an assistant's tool_calls, their outputs as tool messages)."""
-        self.check_unsupported()
-        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream}
+    def to_chat(self, history: Sequence[InputItem] = ()) -> ChatCompletionRequest:
+        """The equivalent chat completion request: instructions as a leading system message, then `history` (the
+        stored conversation that previous_response_id continues) and the input items as messages (function calls
+        as an assistant's tool_calls, their outputs as tool messages)."""
+        if self.background:
+            raise InvalidRequestError("background", "background responses are not supported: leave background out "
+                                      "or false, and the answer comes in the reply (or its stream)")
+        body: dict[str, Any] = {"model": self.model, "messages": self._messages(history), "stream": self.stream}
         for ours, theirs in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
                              ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user")):
             if getattr(self, ours) is not None:
@@ -139,13 +143,11 @@ class ResponsesRequest(_Request):
             param, message = validation_error_info(error.errors(include_url=False))
             raise InvalidRequestError(chat_param(param or "input"), message) from None
 
-    def _messages(self) -> list[dict[str, Any]]:
+    def _messages(self, history: Sequence[InputItem]) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
-        if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
-        for item in self.input:
+        for item in [*history, *self.input_items()]:
             if isinstance(item, MessageItem):
                 messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):

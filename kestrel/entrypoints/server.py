@@ -194,6 +194,18 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
                                         **_ERROR_RESPONSES},
                              route_class_override=parsed_in_worker(ResponsesRequest, "input", create_response))
 
+    @app.get("/v1/responses/{response_id}", responses=_ERROR_RESPONSES)
+    async def retrieve_response(response_id: str, raw: Request) -> Response:
+        return responses.retrieve_response(response_id, raw.query_params)
+
+    @app.delete("/v1/responses/{response_id}", responses=_ERROR_RESPONSES)
+    async def delete_response(response_id: str) -> Response:
+        return responses.delete_response(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel", responses=_ERROR_RESPONSES)
+    async def cancel_response(response_id: str) -> Response:
+        return responses.cancel_response(response_id)
+
     embeddings = OpenAIServingEmbeddings(serving)
 
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:

@@ -73,6 +73,12 @@ class ServerConfig:
                                                      "tokens the prefix cache served (vLLM's flag; off: null)")
     special_tokens_in_content: bool = _opt(False, "let special-token text in chat messages become control tokens "
                                                   "(vLLM's behaviour; off: it is tokenized as plain text)")
+    enable_response_store: bool = _opt(False, "keep /v1/responses answers in memory so that `previous_response_id` "
+                                              "can continue them and GET / DELETE /v1/responses/{id} can read and "
+                                              "delete them (store true, OpenAI's default, then applies); off: "
+                                              "`store: true` and `previous_response_id` are refused")
+    response_store_max_entries: int = _opt(1024, "most responses the response store keeps; the least recently "
+                                                 "used is dropped first")
     allowed_origins: tuple[str, ...] = _opt((), "origins allowed to call the API from a browser (CORS; '*' for "
                                                 "any; default: no CORS headers)")
     allowed_methods: tuple[str, ...] = _opt(("*",), "CORS: allowed methods")
@@ -102,7 +108,7 @@ class ServerConfig:
         for name in ("port", "max_queued_requests", "max_request_bytes", "max_logprob_entries", "max_response_bytes",
                      "max_stop_sequences", "max_bad_words", "max_tokenize_bytes", "grammar_compile_workers",
                      "max_grammar_bytes", "max_grammar_choices", "max_schema_properties", "grammar_cache_bytes",
-                     "grammar_cache_entries"):
+                     "grammar_cache_entries", "response_store_max_entries"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name != "port" else 1):
                 raise ConfigError(f"invalid {name}={value!r}: expected a non-negative integer")
@@ -114,7 +120,8 @@ class ServerConfig:
         if self.tokenizer_workers is not None and self.tokenizer_workers < 0:
             raise ConfigError(f"invalid tokenizer_workers={self.tokenizer_workers}: expected 0 (a thread) or more")
         for name in ("max_logprob_entries", "max_response_bytes", "max_tokenize_bytes", "max_grammar_bytes",
-                     "max_grammar_choices", "max_schema_properties", "grammar_cache_entries"):
+                     "max_grammar_choices", "max_schema_properties", "grammar_cache_entries",
+                     "response_store_max_entries"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"invalid {name}={getattr(self, name)}: expected >= 1")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):

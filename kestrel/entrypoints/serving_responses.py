@@ -2,7 +2,9 @@
 
 A request becomes the equivalent chat completion request (protocol_responses), which runs as any other (template,
 tools, structured outputs, budgets); its answer, whole or streamed, is rewritten as a Response object or as the
-Responses API's stream of events. Nothing is stored: `store: true` and `previous_response_id` are refused.
+Responses API's stream of events. With `--enable-response-store` the answers are kept (response_store.py): stored
+ones can be read back and deleted, and `previous_response_id` continues one; without it, `store: true` and
+`previous_response_id` are refused.
 """
 
 from __future__ import annotations
@@ -10,30 +12,50 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kestrel.entrypoints.protocol_responses import ResponsesRequest, chat_param
-from kestrel.entrypoints.serving import EventStreamResponse, OpenAIServing
+from kestrel.entrypoints.protocol_responses import InputItem, ResponsesRequest, chat_param
+from kestrel.entrypoints.response_store import ResponseStore, StoredResponse, output_as_input
+from kestrel.entrypoints.serving import EventStreamResponse, OpenAIServing, error_body
 from kestrel.request import InvalidRequestError
+
+_STORE_OFF = "this server keeps no responses unless it is started with --enable-response-store"
 
 
 class OpenAIServingResponses:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
+        config = serving.config
+        self.store = ResponseStore(config.response_store_max_entries) if config.enable_response_store else None
 
     async def create_response(self, request: ResponsesRequest, raw: Request) -> Response:
+        keep = self._keeps(request)
+        history: tuple[InputItem, ...] = ()
+        if request.previous_response_id is not None:
+            assert self.store is not None  # _keeps refused it otherwise
+            previous = self.store.get(request.previous_response_id)
+            if previous is None:
+                return _not_found(request.previous_response_id, "previous_response_id")
+            history = previous.conversation  # its instructions are not carried over, as in OpenAI's API
         try:
-            chat = request.to_chat()
+            chat = request.to_chat(history)
             answer = await self.serving.create_chat_completion(chat, raw)
         except InvalidRequestError as error:
             raise InvalidRequestError(chat_param(error.param or "input"), str(error)) from None
-        shell = _ResponseShell(request, self.serving.response_model_name(request.model))
+        shell = _ResponseShell(request, self.serving.response_model_name(request.model), keep)
+        asked = (*history, *request.input_items())
+
+        def save(response: dict[str, Any], output: list[dict[str, Any]]) -> None:
+            if keep and self.store is not None:
+                conversation = (*asked, *(output_as_input(item) for item in output))
+                self.store.put(StoredResponse(response, conversation))
+
         if isinstance(answer, EventStreamResponse):
-            return EventStreamResponse(_events(shell, answer.body_iterator))
+            return EventStreamResponse(_events(shell, answer.body_iterator, save))
         if answer.status_code != 200:
             return answer
         body = json.loads(answer.body)
@@ -44,13 +66,61 @@ class OpenAIServingResponses:
             output.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "", "completed"))
         output += [_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
                               call["function"]["arguments"], "completed") for call in message.get("tool_calls") or []]
-        return JSONResponse(shell.response(output, choice["finish_reason"], body["usage"]))
+        response = shell.response(output, choice["finish_reason"], body["usage"])
+        save(response, output)
+        return JSONResponse(response)
+
+    def retrieve_response(self, response_id: str, query: Mapping[str, str]) -> Response:
+        """GET /v1/responses/{id}: a stored Response object, as it was answered. Replaying its events (`stream`
+        true, `starting_after`) and `include` are refused by name."""
+        for name, value in query.items():
+            if name != "stream" or value.lower() not in ("false", "0"):
+                return JSONResponse(error_body(f"{name} is not supported when retrieving a response: this server "
+                                               "returns the stored Response object only", "invalid_request_error",
+                                               name, "unsupported_parameter"), status_code=400)
+        stored = self.store.get(response_id) if self.store is not None else None
+        return JSONResponse(stored.body) if stored is not None else _not_found(response_id, "response_id",
+                                                                                self.store is None)
+
+    def delete_response(self, response_id: str) -> Response:
+        if self.store is None or not self.store.delete(response_id):
+            return _not_found(response_id, "response_id", self.store is None)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    def cancel_response(self, response_id: str) -> Response:
+        """Only background responses can be cancelled, and this server runs none (`background: true` is
+        refused): a stored response has finished, anything else is unknown."""
+        if self.store is None or self.store.get(response_id) is None:
+            return _not_found(response_id, "response_id", self.store is None)
+        return JSONResponse(error_body(f"response {response_id!r} cannot be cancelled: only background responses "
+                                       "can be, and this server runs none (this one has finished)",
+                                       "invalid_request_error", "response_id", "not_cancellable"), status_code=400)
+
+    def _keeps(self, request: ResponsesRequest) -> bool:
+        """Whether the response is to be stored: `store` as asked, true by default as in OpenAI's API, when the
+        store is on; never when it is off, and then asking for it is refused."""
+        if self.store is not None:
+            return request.store is not False
+        if request.store:
+            raise InvalidRequestError("store", f"{_STORE_OFF}: send store false or leave it out, and send the "
+                                      "conversation so far as input items")
+        if request.previous_response_id is not None:
+            raise InvalidRequestError("previous_response_id", f"{_STORE_OFF}, so it cannot continue one: send the "
+                                      "conversation so far as input items instead")
+        return False
+
+
+def _not_found(response_id: str, param: str, store_off: bool = False) -> JSONResponse:
+    shown = response_id[:80]  # the client chooses the id: its echo is capped
+    why = f" ({_STORE_OFF})" if store_off else " (never stored, deleted, or dropped from the full store)"
+    return JSONResponse(error_body(f"no response with id {shown!r}{why}", "invalid_request_error", param,
+                                   "response_not_found"), status_code=404)
 
 
 class _ResponseShell:
     """A Response object's fields other than its output: what the request asked for."""
 
-    def __init__(self, request: ResponsesRequest, model: str) -> None:
+    def __init__(self, request: ResponsesRequest, model: str, stored: bool) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         fmt = request.text.format if request.text is not None and request.text.format is not None else None
@@ -58,7 +128,8 @@ class _ResponseShell:
         self.fields = {
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "model": model, "parallel_tool_calls": request.parallel_tool_calls is not False,
-            "previous_response_id": None, "store": False, "temperature": request.temperature,
+            "previous_response_id": request.previous_response_id, "store": stored,
+            "temperature": request.temperature,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": (tool_choice.model_dump() if hasattr(tool_choice, "model_dump")
                             else tool_choice or "auto"),
@@ -176,10 +247,12 @@ class _EventWriter:
         return len(self.output) + (self.text is not None) + len(self.calls)
 
 
-async def _events(shell: _ResponseShell, chunks: AsyncIterator[Any]) -> AsyncIterator[str]:
+async def _events(shell: _ResponseShell, chunks: AsyncIterator[Any],
+                  save: Callable[[dict[str, Any], list[dict[str, Any]]], None]) -> AsyncIterator[str]:
     """The chat completion's SSE chunks rewritten as the Responses stream: response.created, in_progress, each
     output item added, its deltas and done, then response.completed with the whole response (status
-    `incomplete` when max_output_tokens ended it, as its incomplete_details say)."""
+    `incomplete` when max_output_tokens ended it, as its incomplete_details say), which is then `save`d with its
+    output items; a stream that fails or is cut off saves nothing."""
     writer = _EventWriter(shell)
     finish_reason: str | None = None
     try:
@@ -211,6 +284,8 @@ async def _events(shell: _ResponseShell, chunks: AsyncIterator[Any]) -> AsyncIte
                 status = "incomplete" if finish_reason == "length" else "completed"
                 for event in writer.close_text(status) + writer.close_calls():
                     yield event
-                yield writer.lifecycle("response.completed", finish_reason, body["usage"])
+                response = writer.shell.response(list(writer.output), finish_reason, body["usage"])
+                save(response, writer.output)
+                yield writer.event("response.completed", response=response)
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
