@@ -31,6 +31,12 @@ SCHEDULING_POLICY_CHOICES = ("fcfs", "priority", "shortest_prefill")
 DEFAULT_STARVATION_BOUND = 64
 # None: the model runs in the engine's process on one device, in "mp" worker processes on several.
 DISTRIBUTED_EXECUTOR_BACKEND_CHOICES = (None, "mp", "ray")
+# vLLM's runners: "generate" (text), "pooling" (embeddings, classification, scores); "auto" picks by architecture.
+RUNNER_CHOICES = ("auto", "generate", "pooling")
+# A checkpoint whose architecture ends so is a decoder with a classification head (`score`), served by the pooler.
+SEQUENCE_CLASSIFICATION_SUFFIX = "ForSequenceClassification"
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+POOLER_CONFIG_KEYS = ("pooling_type", "normalize")
 
 
 class ConfigError(ValueError):
@@ -182,6 +188,105 @@ def _read_generation_defaults(path: str | None, setting: str) -> GenerationDefau
     return GenerationDefaults(frozenset(eos_ids), sampling)
 
 
+# sentence-transformers' Pooling config keys -> our pooling types (the ones a decoder can pool with).
+_SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+                                "pooling_mode_cls_token": "CLS"}
+_SENTENCE_TRANSFORMERS_MODULE = "sentence_transformers.models."
+
+
+@dataclass(frozen=True)
+class PoolerSettings:
+    """What the pooling runner does with a prompt's final hidden states: `task` "embed" (the pooled vector,
+    L2-normalized when `normalize`) or "classify" (the classification head's `num_labels` logits of it);
+    `source` says where the settings came from, for errors and the log."""
+
+    task: str
+    pooling_type: str
+    normalize: bool
+    num_labels: int = 0
+    source: str = "default"
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"invalid {what} {path!r}: {e}; fix the file or override it with --pooler-config") from e
+
+
+def sentence_transformers_pooling(model_dir: str, type_overridden: bool = False) -> tuple[str, bool] | None:
+    """(pooling type, normalize) as a sentence-transformers checkpoint declares them (`modules.json`, its Pooling
+    module's `config.json`, a `Normalize` module), or None without a modules.json. `type_overridden`: the pooling
+    type comes from --pooler-config, so a pooling mode kestrel lacks is no error."""
+    modules_path = os.path.join(model_dir, "modules.json")
+    if not os.path.isfile(modules_path):
+        return None
+    modules = _read_json(modules_path, "modules.json")
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ConfigError(f"invalid modules.json {modules_path!r}: expected a list of module objects")
+    pooling_type, normalize = "LAST", False
+    for module in modules:
+        kind = str(module.get("type", "")).removeprefix(_SENTENCE_TRANSFORMERS_MODULE)
+        if kind == "Transformer":
+            continue
+        if kind == "Normalize":
+            normalize = True
+        elif kind == "Pooling":
+            config = _read_json(os.path.join(model_dir, str(module.get("path", "")), "config.json"),
+                                "sentence-transformers Pooling config")
+            modes = [key for key, value in config.items() if key.startswith("pooling_mode_") and value is True]
+            if type_overridden:
+                continue
+            if len(modes) != 1 or modes[0] not in _SENTENCE_TRANSFORMERS_MODES:
+                raise ConfigError(f"unsupported sentence-transformers pooling {modes} in {module.get('path')!r}/"
+                                  f"config.json: kestrel pools with one of {sorted(_SENTENCE_TRANSFORMERS_MODES)}; "
+                                  "override it with --pooler-config '{\"pooling_type\": \"LAST\"}' (or MEAN, CLS)")
+            pooling_type = _SENTENCE_TRANSFORMERS_MODES[modes[0]]
+        else:
+            raise ConfigError(f"unsupported sentence-transformers module {module.get('type')!r} in modules.json: "
+                              "kestrel runs the transformer, its pooling and normalization only (no Dense or other "
+                              "layers after the pooling)")
+    return pooling_type, normalize
+
+
+def num_labels(hf: dict) -> int:
+    """A classification checkpoint's label count, as transformers reads it (`id2label`, else 2)."""
+    labels = hf.get("id2label")
+    count = len(labels) if isinstance(labels, dict) and labels else hf.get("num_labels", 2)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        _fail("num_labels", count, "config.json's id2label / num_labels must name at least one label")
+    return count
+
+
+def resolve_pooler(model_dir: str, hf: dict, architecture: str, overrides: dict | None) -> PoolerSettings:
+    """The pooling runner's settings: a classification checkpoint pools its last token into its head; an
+    embedding model pools as its sentence-transformers files say, else last token + normalization (decoder
+    embedding models such as Qwen3-Embedding); `overrides` (--pooler-config) replace either."""
+    if architecture.endswith(SEQUENCE_CLASSIFICATION_SUFFIX):
+        settings = PoolerSettings("classify", "LAST", False, num_labels(hf), "classification head")
+    else:
+        declared = sentence_transformers_pooling(model_dir, isinstance(overrides, dict) and "pooling_type" in overrides)
+        settings = (PoolerSettings("embed", "LAST", True) if declared is None
+                    else PoolerSettings("embed", declared[0], declared[1], source="modules.json"))
+    if not overrides:
+        return settings
+    if not isinstance(overrides, dict):
+        _fail("pooler_config", overrides, f"expected a JSON object with keys among {list(POOLER_CONFIG_KEYS)}")
+    for key, value in overrides.items():
+        if key not in POOLER_CONFIG_KEYS:
+            _fail(f"pooler_config.{key}", value, f"not a setting kestrel's pooler has; use {list(POOLER_CONFIG_KEYS)}")
+    pooling_type = overrides.get("pooling_type", settings.pooling_type)
+    _check_choice("pooler_config.pooling_type", pooling_type, POOLING_TYPES)
+    normalize = overrides.get("normalize", settings.normalize)
+    if not isinstance(normalize, bool):
+        _fail("pooler_config.normalize", normalize, "expected true or false")
+    if normalize and settings.task == "classify":
+        _fail("pooler_config.normalize", normalize, f"{architecture} classifies: its head's logits are not "
+              "normalized; leave normalize out")
+    return dataclasses.replace(settings, pooling_type=pooling_type, normalize=normalize, source="pooler_config")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load. `hf_config` is the parsed config.json of the checkpoint."""
@@ -197,8 +302,11 @@ class ModelConfig:
     trust_remote_code: bool = False  # let the tokenizer run the Python code its directory ships
     hf_overrides: dict | None = None  # config.json keys replaced after reading it (vLLM's hf_overrides)
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1: the whole vocabulary
+    runner: str = "auto"  # resolved to "generate" or "pooling" ("pooling" for a classification architecture)
+    pooler_config: dict | None = None  # the pooling runner's overrides: {"pooling_type": ..., "normalize": ...}
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults, compare=False, repr=False)
+    pooler: PoolerSettings | None = field(default=None, init=False, compare=False, repr=False)  # with "pooling"
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPE_CHOICES)
@@ -247,6 +355,23 @@ class ModelConfig:
         elif context and self.max_model_len > int(context):
             _fail("max_model_len", self.max_model_len,
                   f"the model's context is max_position_embeddings={context}; use a value <= {context}")
+        self._resolve_runner()
+
+    def _resolve_runner(self) -> None:
+        _check_choice("runner", self.runner, RUNNER_CHOICES)
+        classifier = self.architecture.endswith(SEQUENCE_CLASSIFICATION_SUFFIX)
+        if self.runner == "auto":
+            object.__setattr__(self, "runner", "pooling" if classifier else "generate")
+        elif self.runner == "generate" and classifier:
+            _fail("runner", self.runner, f"{self.architecture} has a classification head and no language-model "
+                  "head, so it cannot generate; use runner='pooling' (--runner pooling)")
+        if self.runner != "pooling":
+            if self.pooler_config is not None:
+                _fail("pooler_config", self.pooler_config, "it configures the pooling runner; add "
+                      "runner='pooling' (--runner pooling) or leave it out")
+            return
+        object.__setattr__(self, "pooler", resolve_pooler(self.model, self.hf_config, self.architecture,
+                                                          self.pooler_config))
 
     @property
     def architecture(self) -> str:
@@ -730,6 +855,14 @@ NOT_SUPPORTED_ENGINE_ARGS: dict[str, str] = {
     "enable_lora": "LoRA adapters are not supported; merge the adapter into the weights",
     "max_loras": "LoRA adapters are not supported", "max_lora_rank": "LoRA adapters are not supported",
     "structured_outputs_config": "kestrel compiles every structured output with xgrammar, configured by the "
+    EngineArg("runner", "model", "runner",
+              "generate: text generation; pooling: embeddings (/v1/embeddings, /pooling, /score by cosine) or, for a "
+              "*ForSequenceClassification checkpoint, scores (/score, /rerank, /classify, /pooling); auto: pooling "
+              "for a classification checkpoint, else generate", choices=RUNNER_CHOICES),
+    EngineArg("pooler_config", "model", "pooler_config",
+              "the pooling runner's pooling, overriding the checkpoint's (modules.json), as JSON: "
+              "'{\"pooling_type\": \"MEAN\", \"normalize\": true}' (pooling_type LAST, MEAN or CLS)",
+              vllm_name="override_pooler_config"),
                                  "server's grammar limits; remove it",
     "guided_decoding_backend": "kestrel compiles every structured output with xgrammar; remove it",
     "data_parallel_size": "run one server per replica behind a load balancer",
@@ -745,9 +878,8 @@ NOT_SUPPORTED_ENGINE_ARGS: dict[str, str] = {
                           "off); there is no torch.compile configuration",
     "limit_mm_per_prompt": "kestrel serves text-only models", "mm_processor_kwargs": "kestrel serves text-only models",
     "enable_prompt_embeds": "prompt embeddings are not supported",
-    "task": "kestrel generates text; there is no pooling / embedding runner",
-    "runner": "kestrel generates text; there is no pooling / embedding runner",
-    "override_pooler_config": "kestrel has no pooling runner",
+    "task": "vLLM's older spelling; use runner='pooling' (--runner pooling), and the checkpoint's architecture "
+            "decides between embeddings and classification",
     "kv_transfer_config": "KV transfer (disaggregated prefill) is not implemented",
     "enable_sleep_mode": "sleep mode is not implemented",
     "calculate_kv_scales": "FP8 KV scales come from the checkpoint or `kestrel quantize`",
@@ -760,7 +892,7 @@ NOT_SUPPORTED_ENGINE_ARGS: dict[str, str] = {
 # vLLM engine arguments at a value that asks for what kestrel does anyway: accepted, since nothing is ignored.
 _ENGINE_ARG_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "swap_space": (0,), "cpu_offload_gb": (0,), "enable_lora": (False,), "skip_tokenizer_init": (False,),
-    "tokenizer_mode": ("auto",), "task": ("auto", "generate"), "runner": ("auto", "generate"),
+    "tokenizer_mode": ("auto",), "task": ("auto", "generate"),
     "preemption_mode": (None, "recompute"), "logprobs_mode": ("raw_logprobs",), "revision": (None, "main"),
     "enable_prompt_embeds": (False,),
     "calculate_kv_scales": (False,), "enable_sleep_mode": (False,), "data_parallel_size": (1,),

@@ -6,26 +6,40 @@ from dataclasses import dataclass
 
 from kestrel.sampling_params import SamplingParams
 
+# How a prompt's final hidden states become one vector: its last token's, the mean over its tokens, its first's.
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """Last-token pooling of the final hidden state (after the model's final norm), as vLLM pools a decoder model
-    asked for embeddings; `dimensions`: its first N features only (Matryoshka truncation, for models trained for
-    it; the caller checks that), before `normalize` scales it to unit L2 norm (vLLM's embedding default).
+    """Pooling of the final hidden states (after the model's final norm): `pooling_type` LAST (the last token's,
+    as vLLM pools a decoder model asked for embeddings), MEAN (over every prompt token) or CLS (the first
+    token's); a model with a classification head then applies it. `dimensions`: the first N features only
+    (Matryoshka truncation, for models trained for it; the caller checks that), before `normalize` scales the
+    vector to unit L2 norm (vLLM's embedding default).
 
     Such a request runs its prompt and ends: the step that completes the prompt samples one greedy token (so it
-    rides the step contract like any other request), which nobody reads."""
+    rides the step contract like any other request), which nobody reads. MEAN and CLS need the hidden state of
+    every prompt token (the first, for CLS), so such a request computes its whole prompt: it reads no cached
+    prefix, whose tokens have KV but no hidden states (`needs_every_token`)."""
 
     normalize: bool = True
     dimensions: int | None = None
+    pooling_type: str = "LAST"
     n = 1  # one sequence, as the engine's queue counts them
 
     def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}, got {self.pooling_type!r}")
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a bool, got {self.normalize!r}")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise ValueError(f"dimensions must be an integer >= 1 or None, got {self.dimensions!r}")
+
+    @property
+    def needs_every_token(self) -> bool:
+        return self.pooling_type != "LAST"
 
     @staticmethod
     def run_params() -> SamplingParams:

@@ -133,6 +133,10 @@ class EngineCore:
         does not compile it; None: the backend compiles it. PoolingParams instead of SamplingParams: the request
         runs its prompt and its output carries the pooled final hidden state (`RequestOutput.pooled`)."""
         pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is None and self.config.model.runner == "pooling":
+            raise InvalidRequestError(None, "this engine runs the pooling runner (runner='pooling', --runner "
+                                      "pooling): it embeds, scores and classifies but does not generate; serve "
+                                      "the model with --runner generate to generate text")
         if pooling is not None:
             params = pooling.run_params()
         self._validate(request_id, prompt_token_ids, params)

@@ -76,9 +76,12 @@ class KVCacheManager:
         At least one token is always left to compute, so the step that follows has a row to sample.
         """
         hits: list[list[KVBlock | None]] = [[] for _ in self.pools]
+        pooling = request.pooling_params
         if (not self.enable_prefix_caching or not self._token_groups
-                or request.sampling_params.prompt_logprobs is not None):
-            # Prompt logprobs need every prompt position computed.
+                or request.sampling_params.prompt_logprobs is not None
+                or (pooling is not None and pooling.needs_every_token)):
+            # Prompt logprobs and mean / first-token pooling need every prompt position computed: a cached
+            # prefix has its KV but no hidden states. (Its blocks are still published for later requests.)
             return hits, 0
         hashes = self._update_hashes(request)
         size = self.block_size

@@ -46,7 +46,8 @@ def unpack(payload: bytes) -> list[Any]:
 
 def params_to_wire(params: SamplingParams | PoolingParams) -> list[Any]:
     if isinstance(params, PoolingParams):
-        return ["pooling", {"normalize": params.normalize, "dimensions": params.dimensions}]
+        return ["pooling", {"normalize": params.normalize, "dimensions": params.dimensions,
+                            "pooling_type": params.pooling_type}]
     fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
     spec = params.structured_outputs
     if spec is not None:

@@ -20,7 +20,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from kestrel.config import QuantConfig
+from kestrel import ops
+from kestrel.config import QuantConfig, num_labels
 from kestrel.distributed.parallel import ParallelContext, single_process
 from kestrel.model import loading
 from kestrel.model.arch import DecoderArch
@@ -30,6 +31,7 @@ from kestrel.model.layers.decoder import DecoderLayer, make_norm
 from kestrel.model.layers.embedding import LMHead, VocabEmbedding
 from kestrel.model.layers.linear import process_linear_layers_after_loading
 from kestrel.model.layers.rotary import RotaryEmbedding
+from kestrel.model.layers.weights import default_weight_loader
 from kestrel.quant import QuantPlan, get_quant_method
 from kestrel.quant.scheme import KV_SCALE_NAMES
 
@@ -56,6 +58,10 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 logits `[R, vocab]` (last pipeline stage only)."""
+
+    def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Float32 pooled hidden states `[R, hidden]` -> what a pooling request returns: the vectors themselves
+        (embeddings), or a classifier's `[R, num_labels]` logits."""
 
     def attention_layers(self) -> list[Attention]: ...
 
@@ -139,6 +145,7 @@ class DecoderForCausalLM(nn.Module):
         *(f"self_attn{suffix}" for suffix in KV_SCALE_NAMES.suffixes),
     )
     layer_cls: ClassVar[type[nn.Module]] = DecoderLayer
+    has_lm_head: ClassVar[bool] = True  # False: a classifier, whose last stage holds its own head instead
     _LAYER_PREFIX: ClassVar[str] = "model.layers."
     _EMBEDDING: ClassVar[str] = "model.embed_tokens.weight"
     _LAST_STAGE_PREFIXES: ClassVar[tuple[str, ...]] = ("model.norm.", "lm_head.")
@@ -162,7 +169,7 @@ class DecoderForCausalLM(nn.Module):
                                   self.packed_modules_mapping)
         if isinstance(quant_config, QuantPlan):
             quant_config.check_unquantized("lm_head")
-        if self.parallel.is_last_stage:
+        if self.parallel.is_last_stage and self.has_lm_head:
             # A last stage that is not the first has no embedding to tie to: it loads the embedding's tensor.
             tie = self.model.embed_tokens if self.config.tie_word_embeddings and self.parallel.is_first_stage else None
             self.lm_head = LMHead(self.config.vocab_size, self.config.hidden_size, dtype, tie_to=tie,
@@ -193,6 +200,10 @@ class DecoderForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """An embedding is the pooled hidden state itself."""
+        return pooled
+
     def decoder_layers(self) -> list[nn.Module]:
         return [self.model.layers[i] for i in self.model.stage_layers]
 
@@ -213,7 +224,7 @@ class DecoderForCausalLM(nn.Module):
         if hf_name.startswith(self._LAYER_PREFIX):
             return int(hf_name[len(self._LAYER_PREFIX):].split(".", 1)[0]) in self.model.stage_layers
         if hf_name == self._EMBEDDING:
-            tied_here = self.config.tie_word_embeddings and self.parallel.is_last_stage
+            tied_here = self.config.tie_word_embeddings and self.parallel.is_last_stage and self.has_lm_head
             return self.parallel.is_first_stage or tied_here
         if hf_name.startswith(self._LAST_STAGE_PREFIXES):
             return self.parallel.is_last_stage
@@ -224,7 +235,7 @@ class DecoderForCausalLM(nn.Module):
             return None
         if not self.owns_checkpoint_tensor(hf_name):
             return None
-        if hf_name == self._EMBEDDING and not self.parallel.is_first_stage:
+        if hf_name == self._EMBEDDING and not self.parallel.is_first_stage and self.has_lm_head:
             return "lm_head.weight"  # the tied head of a last stage without the embedding
         return hf_name
 
@@ -236,3 +247,48 @@ class DecoderForCausalLM(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         process_linear_layers_after_loading(self)
+
+
+class ClassificationHead(nn.Module):
+    """A sequence classifier's `score`: `Linear(hidden, num_labels, bias=False)`, replicated on every rank and kept
+    unquantized (it is tiny); float32 logits."""
+
+    def __init__(self, hidden_size: int, num_labels: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_labels, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return ops.linear(hidden_states.to(self.weight.dtype), self.weight).float()
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[1]}, num_labels={self.weight.shape[0]}"
+
+
+class SequenceClassifier:
+    """Mixed into a family's causal LM class: transformers' `<Family>ForSequenceClassification`, the decoder and a
+    `score` head (checkpoint `score.weight`) in place of the LM head, pooled at the last token by the pooling
+    runner (`pooler_head`). A pooling request still samples one unread greedy token, over the labels'
+    logits (`compute_logits`)."""
+
+    has_lm_head: ClassVar[bool] = False
+    _LAST_STAGE_PREFIXES: ClassVar[tuple[str, ...]] = ("model.norm.", "score.")
+
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype = torch.float32,
+                 quant_config: Quantization = None, parallel: ParallelContext | None = None,
+                 max_model_len: int | None = None) -> None:
+        super().__init__(hf_config, dtype, quant_config, parallel, max_model_len)  # type: ignore[call-arg]
+        self.num_labels = num_labels(hf_config)
+        if self.parallel.is_last_stage:
+            self.score = ClassificationHead(self.hidden_size, self.num_labels, dtype)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.score(hidden_states)
+
+    def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.score(pooled)
+
+    def checkpoint_target(self, hf_name: str) -> str | None:
+        if hf_name.startswith("lm_head."):
+            return None  # a checkpoint converted from a causal LM may keep it; the classifier never reads it
+        return super().checkpoint_target(hf_name)  # type: ignore[misc]

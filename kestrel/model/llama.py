@@ -1,12 +1,12 @@
 """The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3 and Granite share the pre-norm decoder; they differ only in
-config reading."""
+config reading. Llama, Qwen2 and Qwen3 also come as sequence classifiers (cross-encoders, reward models)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kestrel.model.arch import DecoderArch, layer_types
-from kestrel.model.base import DecoderForCausalLM
+from kestrel.model.base import DecoderForCausalLM, SequenceClassifier
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
@@ -62,3 +62,15 @@ class GraniteForCausalLM(LlamaForCausalLM):
                                    attention_scale=float(hf.get("attention_multiplier", 1.0)),
                                    residual_scale=float(hf.get("residual_multiplier", 1.0)),
                                    logit_scale=1.0 / float(hf.get("logits_scaling", 1.0)))
+
+
+class LlamaForSequenceClassification(SequenceClassifier, LlamaForCausalLM):
+    """Llama with a `score` head over the last token."""
+
+
+class Qwen2ForSequenceClassification(SequenceClassifier, Qwen2ForCausalLM):
+    """Qwen2 with a `score` head over the last token."""
+
+
+class Qwen3ForSequenceClassification(SequenceClassifier, Qwen3ForCausalLM):
+    """Qwen3 with a `score` head over the last token (Qwen3-Reranker-style cross-encoders converted to one)."""

@@ -41,6 +41,8 @@ class CachedRequestState:
     # Speculative decoding: the draft tokens this step verifies, appended to `token_ids` until it is collected.
     drafts: list[int] = field(default_factory=list)
     pooling_params: PoolingParams | None = None  # a pooling request: its sampling row also pools
+    # MEAN pooling: the float32 sum of its prompt's hidden states so far; CLS: its first token's hidden state.
+    pooled_partial: torch.Tensor | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

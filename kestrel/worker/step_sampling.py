@@ -139,6 +139,7 @@ class StepSampler:
         its requests' computed counts advance."""
         states, counts, inputs = step.states, step.counts, step.inputs
         prompt_logprobs = self._prompt_logprobs(states, counts, inputs.attn_metadata.query_start_loc, hidden)
+        _gather_pooled_prompt(states, counts, hidden)
         if not inputs.sampled_rows:
             return ForwardStep(step.req_ids, [], [], None, prompt_logprobs)
         last = hidden[inputs.logits_indices]
@@ -153,7 +154,7 @@ class StepSampler:
             index = to_device(torch.tensor(positions, dtype=torch.long), self.device)
             spec_logits = self.model.compute_logits(hidden[index])
         return ForwardStep(step.req_ids, inputs.sampled_rows, rows, logits, prompt_logprobs, spec_logits, draft,
-                           _pool(rows, last))
+                           _pool(rows, last, self.model))
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], query_start_loc: torch.Tensor,
                          hidden: torch.Tensor) -> dict[str, list[dict[int, Logprob] | None]]:
@@ -407,19 +408,51 @@ class StepSampler:
                                  expert_load)
 
 
-def _pool(rows: list[CachedRequestState], last: torch.Tensor) -> Pooled | None:
-    """Last-token pooling: a pooling request's sampling row is its prompt's last position (it samples once, when
-    its prompt completes), and the model's hidden states come after its final norm."""
-    vectors, req_ids = [], []
+def _gather_pooled_prompt(states: list[CachedRequestState], counts: list[int], hidden: torch.Tensor) -> None:
+    """MEAN and CLS pooling read more than the last position: each step adds its prompt rows' hidden states to
+    the request's running sum (MEAN), or keeps its first token's (CLS), so chunked prefill pools the whole prompt.
+    Such a request never starts from a cached prefix (`PoolingParams.needs_every_token`)."""
+    start = 0
+    for state, count in zip(states, counts):
+        params = state.pooling_params
+        first = state.num_computed_tokens
+        in_prompt = min(count, state.num_prompt_tokens - first)
+        if params is not None and params.needs_every_token and in_prompt > 0:
+            if params.pooling_type == "MEAN":
+                chunk = hidden[start: start + in_prompt].float().sum(dim=0)
+                partial = state.pooled_partial
+                state.pooled_partial = chunk if first == 0 or partial is None else partial + chunk
+            elif first == 0:
+                state.pooled_partial = hidden[start].float()
+        start += count
+
+
+def _pool(rows: list[CachedRequestState], last: torch.Tensor, model: nn.Module) -> Pooled | None:
+    """The pooled vectors of the pooling requests among a step's sampling rows: a pooling request samples once,
+    at its prompt's last position, the step its prompt completes; the model's hidden states come after its final
+    norm. LAST pools that row, MEAN and CLS what `_gather_pooled_prompt` kept; the model's pooler head (a
+    classifier's labels, else the vector itself) follows, then Matryoshka truncation and normalization."""
+    pooled, req_ids, kept = [], [], []
     for i, state in enumerate(rows):
         params = state.pooling_params
         if params is None:
             continue
-        vector = last[i, : params.dimensions].float()
-        vectors.append(torch.nn.functional.normalize(vector, dim=-1) if params.normalize else vector)
+        if params.pooling_type == "LAST":
+            pooled.append(last[i].float())
+        elif params.pooling_type == "MEAN":
+            pooled.append(state.pooled_partial / state.num_prompt_tokens)
+        else:
+            pooled.append(state.pooled_partial)
+        state.pooled_partial = None
         req_ids.append(state.req_id)
-    if not vectors:
+        kept.append(params)
+    if not pooled:
         return None
+    heads = model.pooler_head(torch.stack(pooled))
+    vectors = []
+    for head, params in zip(heads, kept):
+        vector = head[: params.dimensions].float()
+        vectors.append(torch.nn.functional.normalize(vector, dim=-1) if params.normalize else vector)
     return Pooled(req_ids, torch.cat(vectors), [v.numel() for v in vectors])
 
 

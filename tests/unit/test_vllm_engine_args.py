@@ -26,11 +26,13 @@ VLLM_ENGINE_ARGS = {
     "structured_outputs_config": {"backend": "xgrammar"}, "scheduling_policy": "priority",
     "compilation_config": 3, "kv_transfer_config": {"kv_connector": "x"}, "generation_config": "vllm",
     "enable_sleep_mode": True, "calculate_kv_scales": True, "async_scheduling": False, "task": "embed",
-    "runner": "pooling", "override_pooler_config": {"a": 1}, "enable_prompt_embeds": True,
+    "runner": "pooling", "override_pooler_config": {"pooling_type": "MEAN"}, "enable_prompt_embeds": True,
     "override_generation_config": {"temperature": 0.5}, "served_model_name": "mine",
 }
 # vLLM arguments kestrel spells differently, accepted under vLLM's name too: the kestrel argument each sets.
-VLLM_SPELLINGS = {"num_gpu_blocks_override": "kv_cache_blocks"}
+VLLM_SPELLINGS = {"num_gpu_blocks_override": "kv_cache_blocks", "override_pooler_config": "pooler_config"}
+# What an argument needs beside it to be accepted: the pooler's settings configure the pooling runner.
+COMPANIONS = {"override_pooler_config": {"runner": "pooling"}}
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +49,10 @@ def test_each_vllm_engine_argument_is_honoured_or_refused_by_name(model_dir, nam
     if name in ours:
         if name == "download_dir":
             value = model_dir  # a model directory given as such never consults the cache
-        config = EngineConfig.from_kwargs(model_dir, **{name: value})
+        companions = COMPANIONS.get(name, {})
+        config = EngineConfig.from_kwargs(model_dir, **{name: value}, **companions)
         if name in VLLM_SPELLINGS:
-            assert config == EngineConfig.from_kwargs(model_dir, **{VLLM_SPELLINGS[name]: value})
+            assert config == EngineConfig.from_kwargs(model_dir, **{VLLM_SPELLINGS[name]: value}, **companions)
         return
     with pytest.raises(ConfigError) as refused:
         EngineConfig.from_kwargs(model_dir, **{name: value})
