@@ -786,6 +786,14 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "'{\"rope_theta\": 1000000}')"),
     EngineArg("max_logprobs", "model", "max_logprobs",
               "most logprobs (and prompt_logprobs) a request may ask for; -1: the whole vocabulary"),
+    EngineArg("runner", "model", "runner",
+              "generate: text generation; pooling: embeddings (/v1/embeddings, /pooling, /score by cosine) or, for a "
+              "*ForSequenceClassification checkpoint, scores (/score, /rerank, /classify, /pooling); auto: pooling "
+              "for a classification checkpoint, else generate", choices=RUNNER_CHOICES),
+    EngineArg("pooler_config", "model", "pooler_config",
+              "the pooling runner's pooling, overriding the checkpoint's (modules.json), as JSON: "
+              "'{\"pooling_type\": \"MEAN\", \"normalize\": true}' (pooling_type LAST, MEAN or CLS)",
+              vllm_name="override_pooler_config"),
     EngineArg("block_size", "cache", "block_size", "tokens per KV cache block", choices=BLOCK_SIZE_CHOICES),
     EngineArg("kv_cache_blocks", "cache", "kv_cache_blocks", "number of KV cache blocks (instead of the profiled "
               "one)", vllm_name="num_gpu_blocks_override"),
@@ -855,14 +863,6 @@ NOT_SUPPORTED_ENGINE_ARGS: dict[str, str] = {
     "enable_lora": "LoRA adapters are not supported; merge the adapter into the weights",
     "max_loras": "LoRA adapters are not supported", "max_lora_rank": "LoRA adapters are not supported",
     "structured_outputs_config": "kestrel compiles every structured output with xgrammar, configured by the "
-    EngineArg("runner", "model", "runner",
-              "generate: text generation; pooling: embeddings (/v1/embeddings, /pooling, /score by cosine) or, for a "
-              "*ForSequenceClassification checkpoint, scores (/score, /rerank, /classify, /pooling); auto: pooling "
-              "for a classification checkpoint, else generate", choices=RUNNER_CHOICES),
-    EngineArg("pooler_config", "model", "pooler_config",
-              "the pooling runner's pooling, overriding the checkpoint's (modules.json), as JSON: "
-              "'{\"pooling_type\": \"MEAN\", \"normalize\": true}' (pooling_type LAST, MEAN or CLS)",
-              vllm_name="override_pooler_config"),
                                  "server's grammar limits; remove it",
     "guided_decoding_backend": "kestrel compiles every structured output with xgrammar; remove it",
     "data_parallel_size": "run one server per replica behind a load balancer",
