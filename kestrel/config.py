@@ -629,6 +629,57 @@ class SpeculativeConfig:
         return config
 
 
+SPARSE_DECODE_METHODS = ("quest",)
+
+
+@dataclass(frozen=True)
+class SparseDecodeConfig:
+    """Query-aware sparse decoding (Quest): each decode step, each full-attention layer and KV head attends to
+    `token_budget // block_size` cache blocks: the first `sink_blocks`, the last `recent_blocks` (the block being
+    written is the last one) and the blocks whose upper bound of q.k, from per-block elementwise key minima and
+    maxima, is largest. A step whose every context fits the budget runs dense attention; so does any step that
+    holds a prefill chunk or several query tokens of one sequence (speculative verification)."""
+
+    method: str = "quest"
+    token_budget: int = 2048
+    sink_blocks: int = 1
+    recent_blocks: int = 2
+
+    def check(self, block_size: int) -> None:
+        """Refuse a budget that is not whole blocks, or that leaves no block to choose after sinks and recent ones
+        (rounding the budget would silently change what the caller measured)."""
+        _check_choice("sparse_decode.method", self.method, SPARSE_DECODE_METHODS)
+        _check_int("sparse_decode.sink_blocks", self.sink_blocks, 0)
+        _check_int("sparse_decode.recent_blocks", self.recent_blocks, 1)
+        _check_int("sparse_decode.token_budget", self.token_budget, 1)
+        if self.token_budget % block_size:
+            _fail("sparse_decode.token_budget", self.token_budget, f"expected a multiple of block_size={block_size} "
+                  f"(whole blocks are selected); use {max(1, self.token_budget // block_size) * block_size} or "
+                  f"{-(-self.token_budget // block_size) * block_size}")
+        fixed = self.sink_blocks + self.recent_blocks
+        if self.token_budget // block_size <= fixed:
+            _fail("sparse_decode.token_budget", self.token_budget, f"it must exceed the sink_blocks={self.sink_blocks} "
+                  f"+ recent_blocks={self.recent_blocks} blocks it always keeps ({fixed * block_size} tokens), so some "
+                  f"blocks are chosen by the query; use >= {(fixed + 1) * block_size} or keep fewer blocks")
+
+    def num_selected_blocks(self, block_size: int) -> int:
+        return self.token_budget // block_size
+
+    @classmethod
+    def from_dict(cls, value: Any, block_size: int) -> SparseDecodeConfig:
+        if not isinstance(value, dict):
+            _fail("sparse_decode", value, "expected a dict such as {'method': 'quest', 'token_budget': 2048}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            _fail("sparse_decode", value, f"unknown keys {unknown}; known: {known}")
+        if "method" not in value:
+            _fail("sparse_decode.method", None, f"name the method: one of {list(SPARSE_DECODE_METHODS)}")
+        config = cls(**value)
+        config.check(block_size)
+        return config
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -645,12 +696,18 @@ class EngineConfig:
     cpu_threads: int | None = None  # torch threads of a CPU engine; None: its usable cores less one
     speculative_config: dict | None = None  # vLLM's dict; parsed into `speculative`
     speculative: SpeculativeConfig | None = field(default=None, init=False, compare=False)
+    sparse_decode: dict | None = None  # {"method": "quest", "token_budget": ...}; parsed into `sparse`
+    sparse: SparseDecodeConfig | None = field(default=None, init=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative", SpeculativeConfig.from_dict(self.speculative_config))
             self.speculative.check_target(self.model.hf_config, self.model.max_model_len or 0,
                                           self.cache.kv_cache_dtype)
+        if self.sparse_decode is not None:
+            object.__setattr__(self, "sparse", SparseDecodeConfig.from_dict(self.sparse_decode,
+                                                                            self.cache.block_size))
+            self._check_sparse_decode()
         _check_choice("device", self.device, DEVICE_CHOICES)
         _check_int("cpu_threads", self.cpu_threads, 1, allow_none=True)
         if self.cpu_threads is not None and self.device == "cuda":
@@ -696,6 +753,18 @@ class EngineConfig:
         if self.parallel.uses_workers and self.debug_launch_count:
             _fail("debug_launch_count", True, "launch counting runs in the engine's own process; use it without "
                   "tensor/pipeline parallelism or distributed_executor_backend")
+
+    def _check_sparse_decode(self) -> None:
+        """Quest bounds keys per head dimension; latent (MLA) layers cache one compressed vector per token, which
+        those bounds do not describe."""
+        hf = self.model.hf_config
+        if hf.get("kv_lora_rank") is not None:
+            _fail("sparse_decode", self.sparse_decode, f"{self.model.architecture or 'this model'} uses latent (MLA) "
+                  "attention, whose compressed KV cache Quest cannot bound; drop sparse_decode")
+        context = self.model.max_model_len or 0
+        if context and self.sparse is not None and self.sparse.token_budget >= context:
+            _fail("sparse_decode.token_budget", self.sparse.token_budget, f"it covers max_model_len={context}, so "
+                  f"every step would run dense attention; use a budget below {context} or drop sparse_decode")
 
     def _check_expert_load(self) -> None:
         interval = self.expert_load_interval
@@ -844,6 +913,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5, \"disable_by_batch_size\": 16}, or "
               "{\"method\": \"draft_model\" | \"eagle\", \"model\": PATH, \"num_speculative_tokens\": 4}"),
+    EngineArg("sparse_decode", "engine", "sparse_decode",
+              "query-aware sparse decoding, as JSON: {\"method\": \"quest\", \"token_budget\": 2048, "
+              "\"sink_blocks\": 1, \"recent_blocks\": 2}; each decode step reads token_budget tokens of the KV "
+              "cache per layer and KV head (docs/long-context.md)"),
     EngineArg("disable_log_stats", "engine", "disable_log_stats",
               "no periodic log line of throughput, running / waiting requests and KV cache usage"),
     EngineArg("expert_load_metrics", "engine", "expert_load_metrics",

@@ -19,6 +19,7 @@ from kestrel.kernels import norm as _norm
 from kestrel.kernels import quant_act as _quant_act
 from kestrel.kernels import rope_kv as _rope_kv
 from kestrel.kernels import scaled_mm as _scaled_mm
+from kestrel.kernels import sparse_decode as _sparse_decode
 from kestrel.kernels import store_kv as _store_kv
 from kestrel.kernels import wna16 as _wna16
 from kestrel.kernels.activation import ACTIVATIONS, HF_ACTIVATIONS  # noqa: F401 - the layers' names
@@ -83,6 +84,25 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
                                                   scale, sliding_window, k_scale, v_scale, out, logit_soft_cap)
     return _attention.paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                           sliding_window, k_scale, v_scale, out, logit_soft_cap)
+
+
+def update_key_bounds(k_cache, slot_mapping, key_bounds, k_scale=1.0) -> None:
+    """Quest's per-block key minima and maxima of the blocks this step wrote (kernels/sparse_decode.py)."""
+    fn = _sparse_decode.update_key_bounds if use_triton(k_cache) else _sparse_decode.update_key_bounds_ref
+    fn(k_cache, slot_mapping, key_bounds, k_scale)
+
+
+def quest_select(q, key_bounds, seq_lens, block_tables, scale, block_size, num_selected, sink_blocks, recent_blocks):
+    """Selected logical blocks `[num_seqs, num_kv_heads, num_selected]` (ascending, -1 unused) of a decode batch."""
+    fn = _sparse_decode.quest_select if use_triton(q) else _sparse_decode.quest_select_ref
+    return fn(q, key_bounds, seq_lens, block_tables, scale, block_size, num_selected, sink_blocks, recent_blocks)
+
+
+def sparse_paged_decode(q, k_cache, v_cache, seq_lens, block_tables, selected, scale, k_scale=1.0, v_scale=1.0,
+                        out=None):
+    """Decode attention (one query token per sequence) over each (sequence, KV head)'s selected blocks."""
+    fn = _sparse_decode.sparse_paged_decode if use_triton(q) else _sparse_decode.sparse_paged_decode_ref
+    return fn(q, k_cache, v_cache, seq_lens, block_tables, selected, scale, k_scale, v_scale, out)
 
 
 def linear(x, weight, bias=None):

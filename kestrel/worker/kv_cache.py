@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from kestrel.config import CacheConfig, ConfigError, EngineConfig
+from kestrel.config import CacheConfig, ConfigError, EngineConfig, SparseDecodeConfig
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.kv_spec import (
+    FullAttentionSpec,
     KVCacheGroup,
     KVCacheSpec,
     LatentAttentionSpec,
@@ -150,6 +151,52 @@ def bind_layer_caches(layers: Sequence[CachingLayer], caches: Sequence[torch.Ten
         if group is None:
             continue  # caches nothing
         layer.bind_kv_cache(cache, k_scale, v_scale, group)
+
+
+KEY_BOUND_BYTES = 4  # float32 minima and maxima
+
+
+def quest_layer_indices(layers: Sequence[CachingLayer], sparse: SparseDecodeConfig | None) -> list[int]:
+    """The attention layers Quest runs on: those of full attention (windowed layers already read a bounded span;
+    their blocks keep no bounds). A soft-capped or latent layer is refused by name, as is a model without one
+    full-attention layer."""
+    if sparse is None:
+        return []
+    chosen = []
+    for i, layer in enumerate(layers):
+        spec = layer.cache_spec
+        if isinstance(spec, LatentAttentionSpec):
+            raise ConfigError(f"invalid sparse_decode: layer {layer.layer_idx} caches latent (MLA) vectors, which "
+                              "Quest's per-dimension key bounds do not describe; drop sparse_decode")
+        if type(spec) is not FullAttentionSpec:
+            continue
+        if getattr(layer, "logit_soft_cap", None) is not None:
+            raise ConfigError(f"invalid sparse_decode: layer {layer.layer_idx} soft-caps its attention logits, which "
+                              "the sparse decode kernels do not apply; drop sparse_decode for this model")
+        chosen.append(i)
+    if not chosen:
+        raise ConfigError("invalid sparse_decode: this model has no full-attention layer (every layer attends "
+                          "within a sliding window, which already bounds its reads); drop sparse_decode")
+    return chosen
+
+
+def key_bounds_bytes_per_block(layers: Sequence[CachingLayer], sparse: SparseDecodeConfig | None) -> int:
+    """Quest's key bounds of one block over the layers it runs on: min and max per KV head and head dimension
+    (2 x head_size float32 per KV head, against block_size x 2 x head_size cache elements)."""
+    specs = [layers[i].cache_spec for i in quest_layer_indices(layers, sparse)]
+    return sum(2 * spec.num_kv_heads * spec.head_size * KEY_BOUND_BYTES for spec in specs)
+
+
+def bind_key_bounds(layers: Sequence[CachingLayer], sparse: SparseDecodeConfig | None, num_blocks: int,
+                    device: torch.device) -> list[torch.Tensor]:
+    """Allocate and bind each Quest layer's key bounds (zeros: a block is only read once written)."""
+    bounds = []
+    for i in quest_layer_indices(layers, sparse):
+        spec = layers[i].cache_spec
+        tensor = torch.zeros(num_blocks, 2, spec.num_kv_heads, spec.head_size, dtype=torch.float32, device=device)
+        layers[i].bind_sparse_decode(tensor, sparse)  # type: ignore[attr-defined]
+        bounds.append(tensor)
+    return bounds
 
 
 def kv_scale_key(layer: CachingLayer) -> str:

@@ -28,8 +28,10 @@ from kestrel.worker.kv_cache import (
     CachingLayer,
     KVCacheShape,
     allocate_kv_cache,
+    bind_key_bounds,
     bind_layer_caches,
     gpu_kv_cache_budget,
+    key_bounds_bytes_per_block,
     kv_cache_dtype,
     kv_cache_groups,
     kv_cache_scales,
@@ -100,7 +102,8 @@ class RunnerSetup:
         # A draft model or EAGLE head: loaded before the memory profile, its K/V in the target's blocks.
         self.drafter = build_drafter(config, self.model, self.dtype, self.kv_spec.dtype, self.device)
         draft_bytes = self.drafter.kv_spec.bytes_per_block if self.drafter is not None else 0
-        self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget(), draft_bytes)
+        bounds_bytes = key_bounds_bytes_per_block(layers, config.sparse)
+        self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget(), draft_bytes + bounds_bytes)
         if parallel is not None:  # every rank holds the same blocks: as many as the tightest rank can
             self.num_blocks = parallel.min_over_world(self.num_blocks, self.device)
         # A drafter's K/V lives in group 0's blocks and its layers may read past that group's window.
@@ -110,6 +113,8 @@ class RunnerSetup:
         if self.drafter is not None:
             self.drafter.bind(self.num_blocks)
         self.bind_kv_caches(kv_cache_scales(config, layers))
+        # Quest's key bounds, bound before the graphs are captured (they are kernel arguments there).
+        self.key_bounds = bind_key_bounds(layers, config.sparse, self.num_blocks, self.device)
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
             self.launches_per_layer = self._count_layer_launches()
@@ -128,8 +133,9 @@ class RunnerSetup:
         shape = KVCacheShape.of_layers(layers, kv_cache_dtype(self.config.cache, self.dtype), self.block_size)
         if shape.bytes_per_block < 1:
             return 0
-        one_sequence = self.max_blocks_per_seq * shape.bytes_per_block if self.device.type == "cuda" else None
-        return num_blocks_for(self.config, shape, one_sequence) * shape.bytes_per_block
+        per_block = shape.bytes_per_block + key_bounds_bytes_per_block(layers, self.config.sparse)
+        one_sequence = self.max_blocks_per_seq * per_block if self.device.type == "cuda" else None
+        return num_blocks_for(self.config, shape, one_sequence, per_block - shape.bytes_per_block) * per_block
 
     @property
     def is_last_stage(self) -> bool:

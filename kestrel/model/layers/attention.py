@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from kestrel import ops
+from kestrel.config import SparseDecodeConfig
 from kestrel.kv_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.rotary import RotaryEmbedding
@@ -43,6 +44,10 @@ class Attention(nn.Module):
         self.kv_group = 0
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # Quest (sparse decoding), bound by the runner on full-attention layers: per-block key bounds
+        # `[num_blocks, 2, num_kv_heads, head_size]` kept as keys are written, and the selection settings.
+        self.key_bounds: torch.Tensor | None = None
+        self.sparse_decode: SparseDecodeConfig | None = None
 
     @property
     def cache_spec(self) -> KVCacheSpec:
@@ -71,6 +76,28 @@ class Attention(nn.Module):
         self.k_scale = float(k_scale)
         self.v_scale = float(v_scale)
 
+    def bind_sparse_decode(self, key_bounds: torch.Tensor, settings: SparseDecodeConfig) -> None:
+        """Turn on Quest for this layer: keep `key_bounds` (float32 `[num_blocks, 2, kv_heads, head_size]`, the
+        cache's block count) as keys are written, and decode over the selected blocks."""
+        if type(self.cache_spec) is not FullAttentionSpec:
+            raise ValueError(f"layer {self.layer_idx}: Quest applies to full-attention layers, not {self.cache_spec}")
+        if self.logit_soft_cap is not None:
+            raise ValueError(f"layer {self.layer_idx}: Quest's kernels do not apply a logit soft cap")
+        if self.kv_cache is None or key_bounds.shape != (self.kv_cache.shape[1], 2, self.num_kv_heads,
+                                                         self.head_size):
+            raise ValueError(f"layer {self.layer_idx}: key bounds {tuple(key_bounds.shape)} do not fit the bound "
+                             "KV cache (bind the cache first)")
+        self.key_bounds = key_bounds
+        self.sparse_decode = settings
+
+    def _runs_sparse(self, attn_metadata: AttentionMetadata) -> bool:
+        """Quest runs for a step of one query token per sequence whose longest context exceeds the budget;
+        `max_seq_len` 0 means the host does not know it (a captured decode graph), and the selection then keeps
+        every block of a context within the budget."""
+        settings = self.sparse_decode
+        return (settings is not None and attn_metadata.max_query_len == 1
+                and (attn_metadata.max_seq_len == 0 or attn_metadata.max_seq_len > settings.token_budget))
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata,
                 positions: torch.Tensor | None = None, rotary_emb: RotaryEmbedding | None = None) -> torch.Tensor:
         """q `[T, H*D]`, k and v `[T, H_kv*D]` -> `[T, H*D]`. With `rotary_emb` (and `positions`), q and k are
@@ -96,12 +123,30 @@ class Attention(nn.Module):
                 raise ValueError(f"attention layer {self.layer_idx}: rotary_emb given without positions")
             q = rotary_emb.rotate_and_store_kv(positions, q, k, v, k_cache, v_cache, slot_mapping,
                                                self.k_scale, self.v_scale)
+        if self.key_bounds is not None:
+            ops.update_key_bounds(k_cache, slot_mapping, self.key_bounds, self.k_scale)
+            if self._runs_sparse(attn_metadata):
+                return self._sparse_decode(q.view(num_tokens, self.num_heads, self.head_size), k_cache, v_cache,
+                                           attn_metadata, block_tables).view(num_tokens, -1)
         out = ops.paged_attention(
             q.view(num_tokens, self.num_heads, self.head_size), k_cache, v_cache, attn_metadata.query_start_loc,
             attn_metadata.seq_lens, block_tables, self.scale, self.sliding_window, self.k_scale,
             self.v_scale, max_query_len=attn_metadata.max_query_len, logit_soft_cap=self.logit_soft_cap,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def _sparse_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       attn_metadata: AttentionMetadata, block_tables: torch.Tensor) -> torch.Tensor:
+        """A decode batch: row s is sequence s's one query token (a padded graph row has seq_len 0 and gets
+        zeros). Selection, then attention over the selected blocks."""
+        settings, block_size = self.sparse_decode, k_cache.shape[1]
+        assert settings is not None and self.key_bounds is not None
+        seq_lens = attn_metadata.seq_lens
+        selected = ops.quest_select(q, self.key_bounds, seq_lens, block_tables, self.scale, block_size,
+                                    settings.num_selected_blocks(block_size), settings.sink_blocks,
+                                    settings.recent_blocks)
+        return ops.sparse_paged_decode(q, k_cache, v_cache, seq_lens, block_tables, selected, self.scale,
+                                       self.k_scale, self.v_scale)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "

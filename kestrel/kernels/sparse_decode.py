@@ -1,0 +1,386 @@
+"""Query-aware sparse decoding (Quest) over the paged KV cache: per-block key bounds, block selection, and decode
+attention over the selected blocks.
+
+Three operations, each a Triton kernel with a PyTorch reference of the same signature:
+- `update_key_bounds`: after a step's K/V are written, each block written this step gets the elementwise min and
+  max of its filled slots' keys, per KV head, as stored (dequantized by `k_scale` for an FP8 cache), so the bounds
+  hold exactly for the keys attention reads. The last token a step writes into a block recomputes that block's
+  bounds from slot 0 through its own slot: a block whose first slot is written starts fresh (a reused block keeps
+  nothing of its previous owner), and a block the step does not write (a prefix-cache hit) keeps its bounds.
+- `quest_select`: per (sequence, KV head), an upper bound of each block's attention score,
+  `scale * max over the group's query heads of sum_d max(q_d * min_d, q_d * max_d)`; the first `sink_blocks`
+  and last `recent_blocks` blocks are always kept, the highest-bounded of the rest fill the `num_selected` slots.
+  Out: logical block indices `[num_seqs, num_kv_heads, num_selected]`, ascending, -1 for unused slots; a
+  sequence of at most `num_selected` blocks selects them all.
+- `sparse_paged_decode`: one query token per sequence attends to its selected blocks only (the last block masked
+  by the sequence length), with split-KV partials for small batches.
+
+Shapes are static (the selection width is fixed, grids depend on shapes only) and nothing reads a tensor back to
+the host, so a decode step stays capturable in a CUDA graph.
+
+Layouts: caches `[num_blocks, block_size, num_kv_heads, head_size]`; key bounds float32
+`[num_blocks, 2, num_kv_heads, head_size]` (min, then max).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels import common
+
+_LOG2E = 1.4426950408889634
+_DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def key_bounds_shape(num_blocks: int, num_kv_heads: int, head_size: int) -> tuple[int, int, int, int]:
+    return (num_blocks, 2, num_kv_heads, head_size)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# ------------------------------------------------------------------------------------------------ key bounds
+
+
+def _last_writers(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
+    """True for each token that is the last one this step writes into its block: the next token does not write
+    the next slot of the same block. A sequence's tokens are consecutive in the batch and fill consecutive slots."""
+    slots = slot_mapping.long()
+    following = torch.cat([slots[1:], slots.new_full((1,), -1)])
+    continues = (following == slots + 1) & ((slots + 1) % block_size != 0)
+    return (slots >= 0) & ~continues
+
+
+def update_key_bounds_ref(k_cache: torch.Tensor, slot_mapping: torch.Tensor, key_bounds: torch.Tensor,
+                          k_scale: float = 1.0) -> None:
+    """Recompute the bounds of every block this step wrote (see the module docstring); slot -1 writes nothing."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.long()[_last_writers(slot_mapping, block_size)]
+    if slots.numel() == 0:
+        return
+    blocks, last_offset = slots // block_size, slots % block_size
+    keys = k_cache[blocks].float() * k_scale  # [W, block_size, H_kv, D]
+    filled = (torch.arange(block_size, device=slots.device)[None, :] <= last_offset[:, None])[:, :, None, None]
+    key_bounds[blocks, 0] = torch.where(filled, keys, float("inf")).amin(dim=1).to(key_bounds.dtype)
+    key_bounds[blocks, 1] = torch.where(filled, keys, float("-inf")).amax(dim=1).to(key_bounds.dtype)
+
+
+@triton.jit
+def _update_key_bounds_kernel(k_ptr, slot_ptr, bounds_ptr, num_tokens, k_scale, stride_kb, stride_kt,
+                              stride_bb, BLOCK_SIZE: tl.constexpr, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr):
+    """One program per written token; only a block's last writer of the step computes, over the block's filled
+    slots and every KV head at once (a slot's heads x dims are contiguous: WIDTH of them)."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    following = tl.load(slot_ptr + t + 1, mask=t + 1 < num_tokens, other=-1)
+    continues = (following == slot + 1) & ((slot + 1) % BLOCK_SIZE != 0)
+    if (slot < 0) | continues:
+        return
+    block = slot // BLOCK_SIZE
+    last_offset = slot % BLOCK_SIZE
+    rows = tl.arange(0, BLOCK_SIZE)
+    cols = tl.arange(0, WIDTH_PAD)
+    ok = (rows[:, None] <= last_offset) & (cols[None, :] < WIDTH)
+    keys = tl.load(k_ptr + block * stride_kb + rows[:, None] * stride_kt + cols[None, :], mask=ok, other=0.0)
+    keys = keys.to(tl.float32) * k_scale
+    lowest = tl.min(tl.where(ok, keys, float("inf")), axis=0)
+    highest = tl.max(tl.where(ok, keys, float("-inf")), axis=0)
+    base = bounds_ptr + block * stride_bb
+    tl.store(base + cols, lowest, mask=cols < WIDTH)
+    tl.store(base + WIDTH + cols, highest, mask=cols < WIDTH)
+
+
+def update_key_bounds(k_cache: torch.Tensor, slot_mapping: torch.Tensor, key_bounds: torch.Tensor,
+                      k_scale: float = 1.0) -> None:
+    num_tokens = slot_mapping.shape[0]
+    _, block_size, num_kv_heads, head_size = k_cache.shape
+    if key_bounds.shape[1:] != (2, num_kv_heads, head_size) or key_bounds.dtype != torch.float32:
+        raise ValueError(f"key bounds {tuple(key_bounds.shape)} {key_bounds.dtype} do not fit the cache "
+                         f"{tuple(k_cache.shape)}: expected float32 [num_blocks, 2, {num_kv_heads}, {head_size}]")
+    if k_cache.stride(3) != 1 or k_cache.stride(2) != head_size or not key_bounds.is_contiguous():
+        raise ValueError("update_key_bounds needs each slot's heads x dims contiguous and contiguous bounds")
+    if num_tokens == 0:
+        return
+    width = num_kv_heads * head_size
+    _update_key_bounds_kernel[(num_tokens,)](
+        k_cache, slot_mapping, key_bounds, num_tokens, float(k_scale), k_cache.stride(0), k_cache.stride(1),
+        key_bounds.stride(0), BLOCK_SIZE=block_size, WIDTH=width, WIDTH_PAD=_next_pow2(width))
+
+
+# ------------------------------------------------------------------------------------------------ selection
+
+
+def quest_block_scores_ref(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tensor,
+                           block_tables: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+    """Upper bound of the scaled q.k of each of a sequence's blocks per KV head, `[S, H_kv, width]` (float32;
+    float64 for float64 queries), -inf past the sequence's blocks."""
+    num_seqs, num_heads, head_size = q.shape
+    num_kv_heads, width = key_bounds.shape[2], block_tables.shape[1]
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    bounds = key_bounds[block_tables.long()].to(compute)  # [S, width, 2, H_kv, D]
+    qg = q.to(compute).view(num_seqs, num_kv_heads, num_heads // num_kv_heads, 1, head_size)
+    lowest = bounds[:, :, 0].permute(0, 2, 1, 3)[:, :, None]  # [S, H_kv, 1, width, D]
+    highest = bounds[:, :, 1].permute(0, 2, 1, 3)[:, :, None]
+    scores = torch.maximum(qg * lowest, qg * highest).sum(-1).amax(dim=2) * scale  # [S, H_kv, width]
+    num_blocks = (seq_lens.long() + block_size - 1) // block_size
+    inside = torch.arange(width, device=q.device)[None, :] < num_blocks[:, None]
+    return scores.masked_fill(~inside[:, None, :], float("-inf"))
+
+
+@triton.jit
+def _quest_scores_kernel(q_ptr, bounds_ptr, bt_ptr, seq_lens_ptr, scores_ptr, width, scale, stride_qs, stride_qh,
+                         stride_bb, stride_bt, stride_ss, stride_sh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                         HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, WIDTH_KV: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Grid (num_seqs, num_kv_heads, cdiv(width, BLOCK_B)): BLOCK_B blocks' bounds against the group's queries.
+    A block's bounds row holds the minima of every KV head (WIDTH_KV = heads x dims), then the maxima."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    offs_b = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD
+    num_blocks = tl.cdiv(tl.load(seq_lens_ptr + seq), BLOCK_SIZE)
+    b_ok = (offs_b < width) & (offs_b < num_blocks)
+    q = tl.load(q_ptr + seq * stride_qs + (kv_head * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_g[:, None] < GROUP) & d_ok[None, :], other=0.0).to(tl.float32)
+    physical = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + offs_b, mask=b_ok, other=0).to(tl.int64)
+    base = bounds_ptr + physical[:, None] * stride_bb + kv_head * HEAD + offs_d[None, :]
+    lowest = tl.load(base, mask=b_ok[:, None] & d_ok[None, :], other=0.0)
+    highest = tl.load(base + WIDTH_KV, mask=b_ok[:, None] & d_ok[None, :], other=0.0)
+    qe = q[:, None, :]
+    bound = tl.sum(tl.maximum(qe * lowest[None, :, :], qe * highest[None, :, :]), axis=2)  # [GROUP_PAD, BLOCK_B]
+    bound = tl.where(offs_g[:, None] < GROUP, bound, float("-inf"))
+    score = tl.where(b_ok, tl.max(bound, axis=0) * scale, float("-inf"))
+    tl.store(scores_ptr + seq * stride_ss + kv_head * stride_sh + offs_b, score, mask=offs_b < width)
+
+
+def quest_block_scores(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tensor,
+                       block_tables: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+    num_seqs, num_heads, head_size = q.shape
+    num_kv_heads, width = key_bounds.shape[2], block_tables.shape[1]
+    if not key_bounds.is_contiguous() or q.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("quest_block_scores needs contiguous key bounds and a contiguous last dimension of q and "
+                         "block_tables")
+    scores = torch.empty(num_seqs, num_kv_heads, width, dtype=torch.float32, device=q.device)
+    if num_seqs == 0 or width == 0:
+        return scores
+    group = num_heads // num_kv_heads
+    block_b = 16
+    _quest_scores_kernel[(num_seqs, num_kv_heads, triton.cdiv(width, block_b))](
+        q, key_bounds, block_tables, seq_lens, scores, width, float(scale), q.stride(0), q.stride(1),
+        key_bounds.stride(0), block_tables.stride(0), scores.stride(0), scores.stride(1),
+        GROUP=group, GROUP_PAD=max(2, _next_pow2(group)), HEAD=head_size, HEAD_PAD=max(16, _next_pow2(head_size)),
+        WIDTH_KV=num_kv_heads * head_size, BLOCK_SIZE=block_size, BLOCK_B=block_b)
+    return scores
+
+
+def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_selected: int,
+                  sink_blocks: int, recent_blocks: int) -> torch.Tensor:
+    """The selected logical blocks `[S, H_kv, num_selected]` int32 from block scores `[S, H_kv, width]`: the
+    sinks, the `num_selected - sink_blocks - recent_blocks` best-scored blocks between them and the recent ones,
+    and the recent ones; ascending, -1 in unused slots. Static shapes (topk over the table width), no host sync."""
+    num_seqs, num_kv_heads, width = scores.shape
+    device = scores.device
+    num_blocks = ((seq_lens.long() + block_size - 1) // block_size)[:, None, None]  # [S, 1, 1]
+    positions = torch.arange(width, device=device)
+    between = (positions >= sink_blocks) & (positions < num_blocks - recent_blocks)  # [S, 1, width]
+    candidates = scores.masked_fill(~between, float("-inf"))
+    num_chosen = num_selected - sink_blocks - recent_blocks
+    take = min(num_chosen, width)
+    values, chosen = candidates.topk(take, dim=-1)
+    chosen = torch.where(values > float("-inf"), chosen, -1)
+    if take < num_chosen:
+        chosen = torch.cat([chosen, chosen.new_full((num_seqs, num_kv_heads, num_chosen - take), -1)], dim=-1)
+    sinks = torch.arange(sink_blocks, device=device).expand(num_seqs, num_kv_heads, sink_blocks)
+    sinks = torch.where(sinks < num_blocks, sinks, -1)
+    recent = num_blocks - recent_blocks + torch.arange(recent_blocks, device=device)  # [S, 1, recent]
+    recent = torch.where(recent >= sink_blocks, recent, -1).expand(num_seqs, num_kv_heads, recent_blocks)
+    selected = torch.cat([sinks, chosen, recent], dim=-1)
+    unused = selected < 0
+    ordered = selected.masked_fill(unused, width + num_selected).sort(dim=-1).values
+    return ordered.masked_fill(ordered >= width + num_selected, -1).to(torch.int32)
+
+
+def quest_select_ref(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                     scale: float, block_size: int, num_selected: int, sink_blocks: int,
+                     recent_blocks: int) -> torch.Tensor:
+    """q `[S, H, D]` (one decode token per sequence) -> selected logical blocks `[S, H_kv, num_selected]`."""
+    scores = quest_block_scores_ref(q, key_bounds, seq_lens, block_tables, scale, block_size)
+    return select_blocks(scores, seq_lens, block_size, num_selected, sink_blocks, recent_blocks)
+
+
+def quest_select(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                 scale: float, block_size: int, num_selected: int, sink_blocks: int,
+                 recent_blocks: int) -> torch.Tensor:
+    """`quest_select_ref` with the scores from the Triton kernel; the top-k is torch's (static width)."""
+    scores = quest_block_scores(q, key_bounds, seq_lens, block_tables, scale, block_size)
+    return select_blocks(scores, seq_lens, block_size, num_selected, sink_blocks, recent_blocks)
+
+
+# ------------------------------------------------------------------------------------------------ attention
+
+
+def sparse_paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                            block_tables: torch.Tensor, selected: torch.Tensor, scale: float, k_scale: float = 1.0,
+                            v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q `[S, H, D]`, one query token per sequence at position seq_len - 1, attending to the keys of its KV head's
+    selected logical blocks (`selected[s, h]`, -1 unused) below seq_len. Float32 math (float64 for float64 q)."""
+    num_seqs, num_heads, head_size = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    used = selected >= 0
+    logical = selected.long().clamp_min(0)  # [S, H_kv, K]
+    physical = block_tables.long().gather(1, logical.view(num_seqs, -1)).view_as(logical)
+    heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
+    keys = k_cache.permute(0, 2, 1, 3)[physical, heads].to(compute) * k_scale  # [S, H_kv, K, block, D]
+    values = v_cache.permute(0, 2, 1, 3)[physical, heads].to(compute) * v_scale
+    token = logical[..., None] * block_size + torch.arange(block_size, device=q.device)  # [S, H_kv, K, block]
+    visible = used[..., None] & (token < seq_lens.long()[:, None, None, None])
+    values = values.masked_fill(~visible[..., None], 0.0)  # unwritten slots may hold NaN; 0 * NaN is NaN
+    qg = q.to(compute).view(num_seqs, num_kv_heads, group, head_size)
+    scores = torch.einsum("shgd,shktd->shgkt", qg, keys) * scale
+    scores = scores.masked_fill(~visible[:, :, None], float("-inf")).flatten(3)  # [S, H_kv, G, K * block]
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a sequence with nothing visible gives zeros
+    result = torch.einsum("shgn,shnd->shgd", probs, values.flatten(2, 3))
+    out.copy_(result.reshape(num_seqs, num_heads, head_size).to(out.dtype))
+    return out
+
+
+@triton.jit
+def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, out_ptr, po_ptr, plse_ptr, num_selected,
+                          qk_scale, v_scale, stride_qs, stride_qh, stride_os, stride_oh, stride_kb, stride_kt,
+                          stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_ss, stride_sh,
+                          GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_CLAMP: tl.constexpr,
+                          SPLIT: tl.constexpr):
+    """Grid (num_seqs, num_kv_heads, num_splits). Rows of the tile are the group's query heads; each selected
+    block is one key tile (BLOCK_SIZE keys), online softmax in the log2 domain. With SPLIT, each program covers a
+    slice of the selection and writes a normalized partial and its log-sum-exp."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_SIZE)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD
+    row_ok = offs_m < GROUP
+    head = kv_head * GROUP + offs_m
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q = tl.load(q_ptr + seq * stride_qs + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if Q_CLAMP:  # bf16 queries into fp16 dots (FP8 cache): keep them finite
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0)
+    q = q.to(DOT_DTYPE)
+    per_split = tl.cdiv(num_selected, tl.num_programs(2))
+    first = split * per_split
+    last = tl.minimum(first + per_split, num_selected)
+    sel_row = sel_ptr + seq.to(tl.int64) * stride_ss + kv_head * stride_sh
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    for j in range(first, last):
+        logical = tl.load(sel_row + j)
+        physical = tl.load(bt_row + tl.maximum(logical, 0)).to(tl.int64)
+        token = logical * BLOCK_SIZE + offs_n
+        key_ok = (logical >= 0) & (token < seq_len)
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + physical * stride_kb + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), out_dtype=tl.float32) * qk_scale
+        qk = tl.where(key_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + physical * stride_vb + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), out_dtype=tl.float32)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc * (v_scale / l_safe)[:, None]
+    if SPLIT:
+        row = ((split * tl.num_programs(0) + seq) * tl.num_programs(1) + kv_head).to(tl.int64) * BLOCK_M + offs_m
+        tl.store(plse_ptr + row, tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe)))
+        tl.store(po_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], o)
+    else:
+        tl.store(out_ptr + seq * stride_os + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def sparse_decode_splits(num_seqs: int, num_kv_heads: int, num_selected: int, device: torch.device) -> int:
+    """Splits of each (sequence, KV head)'s selection: double while the launch stays within 4 programs per SM
+    (the dense decode's BF16 rule), keeping >= 4 blocks (64 keys) per split. From shapes only."""
+    sms = common.num_sms(device, off_cuda=16)
+    splits = 1
+    while num_seqs * num_kv_heads * splits * 2 <= 4 * sms and splits * 2 * 4 <= num_selected:
+        splits *= 2
+    return splits
+
+
+def sparse_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                        block_tables: torch.Tensor, selected: torch.Tensor, scale: float, k_scale: float = 1.0,
+                        v_scale: float = 1.0, out: torch.Tensor | None = None, *,
+                        num_splits: int | None = None) -> torch.Tensor:
+    """Triton `sparse_paged_decode_ref`; `num_splits` overrides the shape rule (tests)."""
+    num_seqs, num_heads, head_size = q.shape
+    _, block_size, num_kv_heads, kv_head_size = k_cache.shape
+    if num_heads % num_kv_heads or kv_head_size != head_size or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if selected.shape[:2] != (num_seqs, num_kv_heads):
+        raise ValueError(f"selected blocks {tuple(selected.shape)} are not [num_seqs={num_seqs}, "
+                         f"num_kv_heads={num_kv_heads}, num_selected]")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or selected.stride(-1) != 1:
+        raise ValueError("q, the caches and the selection must have a contiguous last dimension")
+    if out is None:
+        out = torch.empty_like(q)
+    num_selected = selected.shape[2]
+    if num_seqs == 0 or num_selected == 0:
+        return out.zero_()
+    group = num_heads // num_kv_heads
+    head_pad = max(16, _next_pow2(head_size))
+    block_m = max(16, _next_pow2(group))
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    # Off the GPU the interpreter's bf16 dots are wrong, so they run in fp32 there; an FP8 cache dots in fp16.
+    if not q.is_cuda or q.dtype not in _DOT_DTYPES:
+        dot_dtype = tl.float32
+    else:
+        dot_dtype = tl.float16 if fp8 else _DOT_DTYPES[q.dtype]
+    splits = num_splits or sparse_decode_splits(num_seqs, num_kv_heads, num_selected, q.device)
+    if splits > 1:
+        partial = torch.empty(splits, num_seqs, num_kv_heads, block_m, head_pad, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, num_seqs, num_kv_heads, block_m, dtype=torch.float32, device=q.device)
+    else:
+        partial = lse = out
+    _sparse_decode_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, seq_lens, block_tables, selected, out, partial, lse, num_selected,
+        float(scale) * float(k_scale) * _LOG2E, float(v_scale), q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), block_tables.stride(0), selected.stride(0), selected.stride(1),
+        GROUP=group, HEAD=head_size, HEAD_PAD=head_pad, BLOCK_M=block_m, BLOCK_SIZE=block_size,
+        DOT_DTYPE=dot_dtype, Q_CLAMP=fp8 and q.dtype == torch.bfloat16, SPLIT=splits > 1, num_warps=4)
+    if splits > 1:
+        _merge_partials(partial, lse, out, group, head_size)
+    return out
+
+
+def _merge_partials(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, group: int, head_size: int) -> None:
+    """Combine the splits' normalized partials by their log2-sum-exp weights (empty splits weigh nothing)."""
+    top = lse.amax(dim=0)
+    weight = torch.exp2(lse - torch.where(top == float("-inf"), 0.0, top))  # [splits, S, H_kv, BLOCK_M]
+    total = weight.sum(dim=0)
+    merged = (weight[..., None] * partial).sum(dim=0) / torch.where(total == 0.0, 1.0, total)[..., None]
+    num_seqs, num_kv_heads = merged.shape[:2]
+    out.copy_(merged[:, :, :group, :head_size].reshape(num_seqs, num_kv_heads * group, head_size).to(out.dtype))

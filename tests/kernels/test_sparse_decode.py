@@ -1,0 +1,244 @@
+"""Quest (query-aware sparse decoding) kernels against float64 references: per-block key bounds kept as keys are
+written, block selection, and decode attention over the selected blocks. Triton runs interpreted on the CPU
+(tests/kernels/conftest.py), compiled on a GPU; each Triton launcher is checked beside its torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.kernels.attention import paged_attention_ref
+from kestrel.kernels.sparse_decode import (
+    quest_block_scores,
+    quest_block_scores_ref,
+    quest_select,
+    quest_select_ref,
+    select_blocks,
+    sparse_paged_decode,
+    sparse_paged_decode_ref,
+    update_key_bounds,
+    update_key_bounds_ref,
+)
+from kestrel.kernels.store_kv import store_kv_ref
+
+BLOCK = 16
+FP8 = torch.float8_e4m3fn
+
+
+def bounds_oracle(k_cache: torch.Tensor, block: int, filled: int, k_scale: float = 1.0) -> torch.Tensor:
+    """[2, H_kv, D] min / max of the first `filled` keys of a block, dequantized in float32 as the kernels do (min
+    and max are exact, so the results must match bit for bit)."""
+    keys = k_cache[block, :filled].float() * k_scale
+    return torch.stack([keys.amin(0), keys.amax(0)])
+
+
+def update_both(k_cache, slots, bounds_triton, bounds_ref, k_scale=1.0) -> None:
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=k_cache.device)
+    update_key_bounds(k_cache, slot_mapping, bounds_triton, k_scale)
+    update_key_bounds_ref(k_cache, slot_mapping, bounds_ref, k_scale)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8])
+def test_key_bounds_follow_writes(device, cache_dtype) -> None:
+    """Chunked prefill (full and partial blocks, two sequences in one step), decode appends, padded rows, a block
+    freed and reused (its stale keys must not survive), and a prefix-cache block that is never rewritten."""
+    torch.manual_seed(0)
+    num_blocks, heads, dim = 8, 2, 24
+    k_scale = 0.05 if cache_dtype == FP8 else 1.0
+    k_cache = torch.zeros(num_blocks, BLOCK, heads, dim, dtype=cache_dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    bounds = torch.zeros(num_blocks, 2, heads, dim, device=device)
+    bounds_ref = torch.zeros_like(bounds)
+
+    def write(slots: list[int]) -> None:
+        n = len(slots)
+        key = torch.randn(n, heads, dim, device=device) * 3
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        store_kv_ref(key, torch.randn_like(key), k_cache, v_cache, slot_mapping, k_scale, 1.0)
+        update_both(k_cache, slots, bounds, bounds_ref, k_scale)
+
+    def check(block: int, filled: int) -> None:
+        want = bounds_oracle(k_cache, block, filled, k_scale).float()
+        torch.testing.assert_close(bounds[block].cpu(), want.cpu(), rtol=0, atol=0)
+        torch.testing.assert_close(bounds_ref[block].cpu(), want.cpu(), rtol=0, atol=0)
+
+    # Step 1: sequence A prefills 20 tokens into blocks 3, 5; sequence B its first 7 into block 1; a padded row.
+    write([3 * BLOCK + i for i in range(16)] + [5 * BLOCK + i for i in range(4)]
+          + [BLOCK + i for i in range(7)] + [-1])
+    check(3, 16), check(5, 4), check(1, 7)
+    # Step 2: a chunk continues B's block 1 mid-block; A decodes one token.
+    write([BLOCK + i for i in range(7, 12)] + [5 * BLOCK + 4])
+    check(1, 12), check(5, 5)
+    # Step 3: block 5 is freed and reused from offset 0 by another sequence: the old keys must not count.
+    before = bounds[3].clone()
+    write([5 * BLOCK, 5 * BLOCK + 1])
+    check(5, 2)
+    # Block 3 (a full block found in the prefix cache, read but not written) keeps its bounds.
+    assert torch.equal(bounds[3], before)
+
+
+def random_bounds_case(device, num_seqs=3, heads=8, kv_heads=2, dim=32, seq_lens=(150, 37, 1), width=12):
+    g = torch.Generator().manual_seed(1)
+    num_blocks = 48
+    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g)
+    bounds = torch.zeros(num_blocks, 2, kv_heads, dim)
+    for b in range(num_blocks):
+        bounds[b] = torch.stack([k_cache[b].amin(0), k_cache[b].amax(0)])
+    perm = torch.randperm(num_blocks, generator=g)[: num_seqs * width].view(num_seqs, width).to(torch.int32)
+    q = torch.randn(num_seqs, heads, dim, generator=g)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return (q.to(device), k_cache.to(device), bounds.to(device), lens.to(device), perm.to(device))
+
+
+def test_block_scores_bound_every_key_and_match_float64(device) -> None:
+    q, k_cache, bounds, seq_lens, tables = random_bounds_case(device)
+    scale = 0.3
+    scores = quest_block_scores(q, bounds, seq_lens, tables, scale, BLOCK).cpu().double()
+    want = quest_block_scores_ref(q.double(), bounds, seq_lens, tables, scale, BLOCK).cpu()
+    torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(quest_block_scores_ref(q, bounds, seq_lens, tables, scale, BLOCK).cpu().double(),
+                               want, rtol=1e-5, atol=1e-4)
+    # The score is an upper bound of every real scaled q.k in the block, for every head of the group.
+    group = q.shape[1] // k_cache.shape[2]
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        for lb in range(-(-seq_len // BLOCK)):
+            keys = k_cache[tables[s, lb].long()].cpu().double()  # [BLOCK, H_kv, D]
+            for h in range(q.shape[1]):
+                real = (keys[:, h // group] @ q[s, h].cpu().double()) * scale
+                assert real.max() <= want[s, h // group, lb] + 1e-9
+        assert torch.isinf(want[s, :, -(-seq_len // BLOCK):]).all()
+
+
+def selection_oracle(scores: torch.Tensor, seq_len: int, num_selected: int, sinks: int, recent: int) -> list[int]:
+    n = -(-seq_len // BLOCK)
+    if n <= num_selected:
+        return list(range(n))
+    fixed = set(range(min(sinks, n))) | set(range(max(n - recent, 0), n))
+    middle = sorted((i for i in range(n) if i not in fixed), key=lambda i: -float(scores[i]))
+    return sorted(fixed | set(middle[: num_selected - sinks - recent]))
+
+
+@pytest.mark.parametrize("num_selected, sinks, recent", [(6, 1, 2), (4, 0, 1), (12, 2, 2), (20, 1, 1)])
+def test_selection_matches_oracle(device, num_selected, sinks, recent) -> None:
+    q, _, bounds, seq_lens, tables = random_bounds_case(device, seq_lens=(150, 37, 1))
+    scores64 = quest_block_scores_ref(q.double(), bounds, seq_lens, tables, 0.2, BLOCK)
+    chosen64 = select_blocks(scores64, seq_lens, BLOCK, num_selected, sinks, recent).cpu()
+    triton_chosen = quest_select(q, bounds, seq_lens, tables, 0.2, BLOCK, num_selected, sinks, recent).cpu()
+    ref_chosen = quest_select_ref(q, bounds, seq_lens, tables, 0.2, BLOCK, num_selected, sinks, recent).cpu()
+    assert chosen64.shape == (3, 2, num_selected) and chosen64.dtype == torch.int32
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        for h in range(2):
+            want = selection_oracle(scores64[s, h].cpu(), seq_len, num_selected, sinks, recent)
+            padded = want + [-1] * (num_selected - len(want))
+            assert chosen64[s, h].tolist() == padded
+            # fp32 scores may order near-ties differently: every chosen block must score within rounding of the
+            # oracle's worst chosen one.
+            for got in (triton_chosen[s, h], ref_chosen[s, h]):
+                picked = [b for b in got.tolist() if b >= 0]
+                assert len(picked) == len(want) and sorted(picked) == picked
+                worst = min(float(scores64[s, h, b]) for b in want)
+                assert all(b in want or float(scores64[s, h, b]) >= worst - 1e-4 for b in picked)
+
+
+def sparse_oracle(q, k_cache, v_cache, seq_lens, tables, selected, scale, k_scale=1.0, v_scale=1.0):
+    """float64 dense attention of each decode token over all its context, with unselected blocks masked."""
+    num_seqs, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    out = torch.zeros(num_seqs, heads, dim, dtype=torch.float64)
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        n = -(-seq_len // BLOCK)
+        blocks = tables[s, :n].long().cpu()
+        keys = k_cache.cpu()[blocks].reshape(-1, kv_heads, dim)[:seq_len].double() * k_scale
+        vals = v_cache.cpu()[blocks].reshape(-1, kv_heads, dim)[:seq_len].double() * v_scale
+        for h in range(heads):
+            keep = torch.zeros(seq_len, dtype=torch.bool)
+            for lb in selected[s, h // group].tolist():
+                if lb >= 0:
+                    keep[lb * BLOCK: (lb + 1) * BLOCK] = True
+            if not keep.any():
+                continue
+            scores = (keys[:, h // group] @ q[s, h].cpu().double()) * scale
+            probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), 0)
+            out[s, h] = probs @ vals[:, h // group]
+    return out
+
+
+def sparse_case(device, heads, kv_heads, dim, seq_lens, cache_dtype=torch.float32, q_dtype=torch.float32,
+                num_selected=5):
+    g = torch.Generator().manual_seed(2)
+    num_blocks = 64
+    width = max(-(-s // BLOCK) for s in seq_lens) + 2
+    k = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g)
+    v = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g)
+    k_scale = v_scale = 1.0
+    if cache_dtype == FP8:
+        k_scale, v_scale = 0.01, 0.02
+        k, v = (k / k_scale).to(FP8), (v / v_scale).to(FP8)
+    else:
+        k, v = k.to(cache_dtype), v.to(cache_dtype)
+    tables = torch.randperm(num_blocks - 4, generator=g)[: len(seq_lens) * width].view(len(seq_lens), width)
+    tables = tables.to(torch.int32)
+    # Slots past a sequence's end and the blocks its table is padded with hold NaN: no stray read may reach the
+    # output.
+    for s, seq_len in enumerate(seq_lens):
+        n = -(-seq_len // BLOCK)
+        k[tables[s, n - 1].long(), seq_len - (n - 1) * BLOCK:] = float("nan")
+        v[tables[s, n - 1].long(), seq_len - (n - 1) * BLOCK:] = float("nan")
+        tables[s, n:] = num_blocks - 1 - torch.arange(width - n, dtype=torch.int32) % 4
+    k[num_blocks - 4:] = float("nan")
+    v[num_blocks - 4:] = float("nan")
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), heads, dim, generator=g).to(q_dtype)
+    selected = torch.full((len(seq_lens), kv_heads, num_selected), -1, dtype=torch.int32)
+    for s, seq_len in enumerate(seq_lens):
+        n = -(-seq_len // BLOCK)
+        for h in range(kv_heads):
+            # The last (partial) block is always chosen, as the recent blocks are, so the length mask is exercised;
+            # odd heads leave a slot unused.
+            pick = sorted(torch.randperm(n - 1, generator=g)[: num_selected - 1 - (h % 2)].tolist()) + [n - 1]
+            selected[s, h, : len(pick)] = torch.tensor(pick, dtype=torch.int32)
+    to = {"device": device}
+    return (q.to(**to), k.to(**to), v.to(**to), lens.to(**to), tables.to(**to), selected.to(**to), k_scale, v_scale)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 4, 32), (8, 2, 64), (8, 1, 24)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sparse_attention_matches_masked_oracle(device, heads, kv_heads, dim, splits) -> None:
+    q, k, v, lens, tables, selected, ks, vs = sparse_case(device, heads, kv_heads, dim, (150, 37, 9, 70))
+    want = sparse_oracle(q, k, v, lens, tables, selected, 0.25)
+    got = sparse_paged_decode(q, k, v, lens, tables, selected, 0.25, num_splits=splits).cpu().double()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    ref = sparse_paged_decode_ref(q, k, v, lens, tables, selected, 0.25).cpu().double()
+    torch.testing.assert_close(ref, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype, q_dtype", [(FP8, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_sparse_attention_fp8_and_bf16_caches(device, cache_dtype, q_dtype) -> None:
+    q, k, v, lens, tables, selected, ks, vs = sparse_case(device, 8, 2, 32, (100, 33), cache_dtype, q_dtype)
+    want = sparse_oracle(q, k, v, lens, tables, selected, 0.2, ks, vs)
+    tol = 2e-2 if q_dtype == torch.bfloat16 else 1e-4
+    for splits in (1, 2):
+        got = sparse_paged_decode(q, k, v, lens, tables, selected, 0.2, ks, vs, num_splits=splits)
+        torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
+    ref = sparse_paged_decode_ref(q, k, v, lens, tables, selected, 0.2, ks, vs)
+    torch.testing.assert_close(ref.cpu().double(), want, rtol=tol, atol=tol)
+
+
+def test_selection_of_every_block_equals_dense_attention(device) -> None:
+    """A context within the budget selects every block: the sparse output is the dense one."""
+    seq_lens = (70, 16, 3)
+    q, k, v, lens, tables, _, _, _ = sparse_case(device, 8, 2, 32, seq_lens)
+    bounds = torch.zeros(k.shape[0], 2, 2, 32, device=device)
+    slots = torch.cat([tables[s, : -(-n // BLOCK)].long().repeat_interleave(BLOCK) * BLOCK
+                       + torch.arange(-(-n // BLOCK) * BLOCK, device=device) % BLOCK
+                       for s, n in enumerate(seq_lens)])
+    update_key_bounds(k, slots, bounds)
+    selected = quest_select(q, bounds, lens, tables, 0.2, BLOCK, 6, 1, 2)
+    n_blocks = [-(-n // BLOCK) for n in seq_lens]
+    for s, n in enumerate(n_blocks):
+        assert selected[s, :, :n].tolist() == [list(range(n))] * 2 and (selected[s, :, n:] == -1).all()
+    query_start = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=device)
+    dense = paged_attention_ref(q.double(), k, v, query_start, lens, tables, 0.2)
+    got = sparse_paged_decode(q, k, v, lens, tables, selected, 0.2).double()
+    torch.testing.assert_close(got.cpu(), dense.cpu(), rtol=1e-5, atol=1e-5)
