@@ -134,7 +134,7 @@ class EngineCore:
         runs its prompt and its output carries the pooled final hidden state (`RequestOutput.pooled`)."""
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is None and self.config.model.runner == "pooling":
-            raise InvalidRequestError(None, "this engine runs the pooling runner (runner='pooling', --runner "
+            raise InvalidRequestError("model", "this engine runs the pooling runner (runner='pooling', --runner "
                                       "pooling): it embeds, scores and classifies but does not generate; serve "
                                       "the model with --runner generate to generate text")
         if pooling is not None:

@@ -68,6 +68,7 @@ from kestrel.entrypoints.serving import (
     error_body,
 )
 from kestrel.entrypoints.serving_embeddings import OpenAIServingEmbeddings
+from kestrel.entrypoints.serving_pooling import OpenAIServingPooling
 from kestrel.entrypoints.serving_responses import OpenAIServingResponses
 from kestrel.entrypoints.text_workers import TextWorkers, UnservedModelError, tokenize_input
 from kestrel.request import InvalidRequestError
@@ -214,6 +215,13 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
     app.router.add_api_route("/v1/embeddings", create_embedding, methods=["POST"],
                              responses={200: {"model": EmbeddingResponse}, **_ERROR_RESPONSES},
                              route_class_override=parsed_in_worker(EmbeddingRequest, "input", create_embedding))
+
+    for route in OpenAIServingPooling(serving).routes():
+        for path in route.paths:
+            app.router.add_api_route(path, route.endpoint, methods=["POST"],
+                                     responses={200: {"model": route.response}, **_ERROR_RESPONSES},
+                                     route_class_override=parsed_in_worker(route.schema, route.param,
+                                                                           route.endpoint))
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
@@ -661,8 +669,14 @@ def startup_summary(engine: AsyncEngine) -> list[str]:
     capture = getattr(runner, "capture_seconds", None)
     if capture:
         lines.append(f"CUDA graphs captured in {capture:.1f} s")
-    lines.append("routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, "
-                 "/tokenize, /detokenize, /health, /version, /metrics, /docs; the playground at /")
+    pooler = config.model.pooler
+    if pooler is not None:
+        lines.append(f"pooling runner ({pooler.task}): {pooler.pooling_type} pooling"
+                     f"{', normalized' if pooler.normalize else ''} (from the {pooler.source}); routes: "
+                     "/v1/embeddings, /pooling, /score, /rerank, /classify; generation is refused")
+    lines.append("routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /pooling, /score, "
+                 "/rerank, /classify, /v1/models, /tokenize, /detokenize, /health, /version, /metrics, /docs; "
+                 "the playground at /")
     return lines
 
 

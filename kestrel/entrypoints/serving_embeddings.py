@@ -1,5 +1,7 @@
 """/v1/embeddings: a decoder served for generation also embeds, by last-token pooling of its final hidden state
-(PoolingParams), as vLLM pools a decoder model asked for embeddings."""
+(PoolingParams), as vLLM pools a decoder model asked for embeddings; under the pooling runner the checkpoint's
+pooling (`ModelConfig.pooler`: last, mean or first token, normalized or not) applies. `run_pooling` runs the
+pooling requests of every pooling endpoint."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kestrel.config import ModelConfig
 from kestrel.entrypoints.budgets import ResponseTooLargeError
 from kestrel.entrypoints.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse
 from kestrel.entrypoints.serving import (
@@ -38,11 +41,27 @@ def matryoshka_dimensions(hf_config: dict[str, Any]) -> tuple[bool, tuple[int, .
     return bool(hf_config.get("is_matryoshka")), None
 
 
+def embedding_params(model: ModelConfig, dimensions: int | None = None) -> PoolingParams:
+    """How this server embeds: the pooling runner's settings, else (a generation model) last token, normalized."""
+    pooler = model.pooler
+    if pooler is None:
+        return PoolingParams(dimensions=dimensions)
+    return PoolingParams(normalize=pooler.normalize, dimensions=dimensions, pooling_type=pooler.pooling_type)
+
+
+def refuse_classifier(model: ModelConfig, endpoint: str) -> None:
+    """A classification model has no embeddings: its pooled output is its labels' logits."""
+    if model.pooler is not None and model.pooler.task == "classify":
+        raise InvalidRequestError("model", f"{model.architecture} is a classifier: it has no embeddings for "
+                                  f"{endpoint}; use /score, /rerank, /classify or /pooling")
+
+
 class OpenAIServingEmbeddings:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
         self.engine = serving.engine
-        hf_config = self.engine.core.config.model.hf_config
+        self.model_config = self.engine.core.config.model
+        hf_config = self.model_config.hf_config
         self.hidden_size = int(hf_config.get("hidden_size") or 0)
         self.matryoshka, self.matryoshka_sizes = matryoshka_dimensions(hf_config)
 
@@ -50,16 +69,17 @@ class OpenAIServingEmbeddings:
         arrival = time.monotonic()
         serving = self.serving
         serving.check_model(request.model)
-        pooling = PoolingParams(dimensions=self._dimensions(request.dimensions))
+        refuse_classifier(self.model_config, "/v1/embeddings")
+        pooling = embedding_params(self.model_config, self._dimensions(request.dimensions))
         inputs = request.inputs()
         serving._check_sequences(len(inputs), 1, "input")
         self._check_size(len(inputs), pooling, request.encoding_format)
         prompts = await _until_disconnect(raw, serving._encode_prompts(
             inputs, request.add_special_tokens is not False, request.truncate_prompt_tokens, "input"))
         request_id = f"embd-{uuid.uuid4().hex}"
-        outputs = await _until_disconnect(raw, self._run(request_id, [p.token_ids for p in prompts], pooling,
-                                                         request.priority or 0, arrival))
-        data = [EmbeddingData(index=i, embedding=_encoded(output.pooled, request.encoding_format))
+        outputs = await _until_disconnect(raw, run_pooling(serving, request_id, [p.token_ids for p in prompts],
+                                                           pooling, request.priority or 0, arrival, "input"))
+        data = [EmbeddingData(index=i, embedding=encoded(output.pooled, request.encoding_format))
                 for i, output in enumerate(outputs)]
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         response = EmbeddingResponse(id=request_id, model=serving.response_model_name(request.model), data=data,
@@ -91,36 +111,38 @@ class OpenAIServingEmbeddings:
                                       f"bytes, more than this server's limit of {limit:,} (--max-response-bytes); "
                                       "send fewer inputs per request")
 
-    async def _run(self, request_id: str, prompts: list[list[int]], pooling: PoolingParams, priority: int,
-                   arrival: float) -> list[RequestOutput]:
-        """One engine request per input (all or none queued), each to its final output."""
-        engine = self.engine
-        engine.check_capacity(len(prompts))
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        streams = [engine.submit(rid, ids_, pooling, priority=priority) for rid, ids_ in zip(ids, prompts)]
-        trackers = [self.serving.metrics.tracker(arrival) for _ in streams]
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        try:
-            for stream in streams:
-                await stream.accepted()
-            async for i, output in _merge(streams):
-                trackers[i].observe(output)
-                finals[i] = output
-        except InvalidRequestError as error:
-            if error.param in ("prompt", "prompt_token_ids"):
-                raise InvalidRequestError("input", str(error)) from None
-            raise
-        finally:
-            for stream in streams:
-                await stream.aclose()
-            for tracker in trackers:
-                tracker.aborted()  # a no-op for the requests that finished
-        if any(final is None or final.pooled is None for final in finals):
-            raise RuntimeError("an embedding request ended without its pooled output")
-        return finals  # type: ignore[return-value]
+
+async def run_pooling(serving: OpenAIServing, request_id: str, prompts: list[list[int]], pooling: PoolingParams,
+                      priority: int, arrival: float, param: str) -> list[RequestOutput]:
+    """One engine request per prompt (all or none queued), each to its final output; a refused prompt is an
+    error naming `param`, the request field the prompts came from."""
+    engine = serving.engine
+    engine.check_capacity(len(prompts))
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    streams = [engine.submit(rid, ids_, pooling, priority=priority) for rid, ids_ in zip(ids, prompts)]
+    trackers = [serving.metrics.tracker(arrival) for _ in streams]
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        for stream in streams:
+            await stream.accepted()
+        async for i, output in _merge(streams):
+            trackers[i].observe(output)
+            finals[i] = output
+    except InvalidRequestError as error:
+        if error.param in ("prompt", "prompt_token_ids"):
+            raise InvalidRequestError(param, str(error)) from None
+        raise
+    finally:
+        for stream in streams:
+            await stream.aclose()
+        for tracker in trackers:
+            tracker.aborted()  # a no-op for the requests that finished
+    if any(final is None or final.pooled is None for final in finals):
+        raise RuntimeError("a pooling request ended without its pooled output")
+    return finals  # type: ignore[return-value]
 
 
-def _encoded(vector: list[float] | None, encoding: str | None) -> list[float] | str:
+def encoded(vector: list[float] | None, encoding: str | None) -> list[float] | str:
     if encoding == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
     return list(vector or [])

@@ -123,6 +123,12 @@ def encode_prompt(tokenizer: Any, specials: Sequence[str], text: str, limit: int
     return _within(tokenizer.encode(text, add_special_tokens=add_special_tokens), limit)
 
 
+def encode_pair(tokenizer: Any, specials: Sequence[str], text: str, text_pair: str,
+                limit: int | None) -> tuple[int, list[int] | None]:
+    """A cross-encoder's input: the two texts as one sequence by the tokenizer's pair template."""
+    return _within(list(tokenizer.encode(text, text_pair, add_special_tokens=True)), limit)
+
+
 def _within(ids: list[int], limit: int | None) -> tuple[int, list[int] | None]:
     return len(ids), (ids if limit is None or len(ids) < limit else None)
 
@@ -266,6 +272,11 @@ class TextWorkers:
                              param: str = "prompt") -> list[tuple[int, list[int] | None]]:
         return list(await asyncio.gather(*(self._run(param, utf8_over([text], HEAVY_TEXT_BYTES), encode_prompt,
                                                      text, limit, add_special_tokens) for text in texts)))
+
+    async def encode_pairs(self, pairs: list[tuple[str, str]], limit: int | None,
+                           param: str) -> list[tuple[int, list[int] | None]]:
+        return list(await asyncio.gather(*(self._run(param, utf8_over(pair, HEAVY_TEXT_BYTES), encode_pair, *pair,
+                                                     limit) for pair in pairs)))
 
     async def render_chat(self, chat: ChatInput, limit: int | None) -> tuple[ChatPrompt, int, list[int] | None]:
         return await self._run("messages", utf8_over(chat.message_texts, HEAVY_TEXT_BYTES), render_and_encode,
