@@ -638,12 +638,16 @@ class SparseDecodeConfig:
     `token_budget // block_size` cache blocks: the first `sink_blocks`, the last `recent_blocks` (the block being
     written is the last one) and the blocks whose upper bound of q.k, from per-block elementwise key minima and
     maxima, is largest. A step whose every context fits the budget runs dense attention; so does any step that
-    holds a prefill chunk or several query tokens of one sequence (speculative verification)."""
+    holds a prefill chunk or several query tokens of one sequence (speculative verification), and so do the first
+    `dense_layers` decoder layers."""
 
     method: str = "quest"
     token_budget: int = 2048
     sink_blocks: int = 1
     recent_blocks: int = 2
+    # Decoder layers below this index stay dense: early layers spread their attention widely, so their outputs
+    # lose the most when blocks are dropped.
+    dense_layers: int = 0
 
     def check(self, block_size: int) -> None:
         """Refuse a budget that is not whole blocks, or that leaves no block to choose after sinks and recent ones
@@ -651,6 +655,7 @@ class SparseDecodeConfig:
         _check_choice("sparse_decode.method", self.method, SPARSE_DECODE_METHODS)
         _check_int("sparse_decode.sink_blocks", self.sink_blocks, 0)
         _check_int("sparse_decode.recent_blocks", self.recent_blocks, 1)
+        _check_int("sparse_decode.dense_layers", self.dense_layers, 0)
         _check_int("sparse_decode.token_budget", self.token_budget, 1)
         if self.token_budget % block_size:
             _fail("sparse_decode.token_budget", self.token_budget, f"expected a multiple of block_size={block_size} "
@@ -915,8 +920,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "{\"method\": \"draft_model\" | \"eagle\", \"model\": PATH, \"num_speculative_tokens\": 4}"),
     EngineArg("sparse_decode", "engine", "sparse_decode",
               "query-aware sparse decoding, as JSON: {\"method\": \"quest\", \"token_budget\": 2048, "
-              "\"sink_blocks\": 1, \"recent_blocks\": 2}; each decode step reads token_budget tokens of the KV "
-              "cache per layer and KV head (docs/long-context.md)"),
+              "\"sink_blocks\": 1, \"recent_blocks\": 2, \"dense_layers\": 0}; each decode step reads token_budget "
+              "tokens of the KV cache per layer and KV head (docs/long-context.md)"),
     EngineArg("disable_log_stats", "engine", "disable_log_stats",
               "no periodic log line of throughput, running / waiting requests and KV cache usage"),
     EngineArg("expert_load_metrics", "engine", "expert_load_metrics",

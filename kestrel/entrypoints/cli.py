@@ -23,7 +23,8 @@ from kestrel.sampling_params import SamplingParams, SamplingParamsError
 # Benchmark suites live in kestrel.bench.<name>; each module exposes register(subparsers).
 BENCH_SUITES: tuple[str, ...] = ("gemm", "attention", "serve", "serve_plot", "ppl", "latency", "throughput",
                                    "step_budget", "quant_checkpoint", "structured",
-                                   "spec_decode", "host_step", "allreduce", "soak", "moe", "cpu_throughput")
+                                   "spec_decode", "host_step", "allreduce", "soak", "moe", "cpu_throughput",
+                                   "sparse_attention")
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -158,8 +158,8 @@ KEY_BOUND_BYTES = 4  # float32 minima and maxima
 
 def quest_layer_indices(layers: Sequence[CachingLayer], sparse: SparseDecodeConfig | None) -> list[int]:
     """The attention layers Quest runs on: those of full attention (windowed layers already read a bounded span;
-    their blocks keep no bounds). A soft-capped or latent layer is refused by name, as is a model without one
-    full-attention layer."""
+    their blocks keep no bounds) from decoder layer `dense_layers` on. A soft-capped or latent layer is refused by
+    name, as is a model without one full-attention layer."""
     if sparse is None:
         return []
     chosen = []
@@ -168,12 +168,15 @@ def quest_layer_indices(layers: Sequence[CachingLayer], sparse: SparseDecodeConf
         if isinstance(spec, LatentAttentionSpec):
             raise ConfigError(f"invalid sparse_decode: layer {layer.layer_idx} caches latent (MLA) vectors, which "
                               "Quest's per-dimension key bounds do not describe; drop sparse_decode")
-        if type(spec) is not FullAttentionSpec:
+        if type(spec) is not FullAttentionSpec or layer.layer_idx < sparse.dense_layers:
             continue
         if getattr(layer, "logit_soft_cap", None) is not None:
             raise ConfigError(f"invalid sparse_decode: layer {layer.layer_idx} soft-caps its attention logits, which "
                               "the sparse decode kernels do not apply; drop sparse_decode for this model")
         chosen.append(i)
+    if not chosen and sparse.dense_layers and any(type(layer.cache_spec) is FullAttentionSpec for layer in layers):
+        raise ConfigError(f"invalid sparse_decode.dense_layers={sparse.dense_layers}: it keeps every full-attention "
+                          "layer dense; lower it below the number of decoder layers")
     if not chosen:
         raise ConfigError("invalid sparse_decode: this model has no full-attention layer (every layer attends "
                           "within a sliding window, which already bounds its reads); drop sparse_decode")
