@@ -172,3 +172,21 @@ def test_small_budget_runs_sparse_and_stays_close(tiny, held_out_ids, monkeypatc
     assert gaps[0] < 1e-4  # prefill: dense in both
     assert sum(gaps) / len(gaps) < 0.2, gaps  # measured: mean 0.055 nats, max 0.29
     assert max(gaps) > 1e-6  # the sparse path changed something
+
+
+def test_dense_layers_and_the_memory_plan(tiny) -> None:
+    """dense_layers leaves the first layers without bounds; the bounds' bytes come out of the KV budget (float32
+    kestrel-tiny: K/V 7 x 2 x 16 x 2 x 64 x 4 = 114,688 bytes a block, bounds 7 x 2 x 2 x 64 x 4 = 7,168)."""
+    with pytest.raises(ConfigError, match=r"sparse_decode.dense_layers=-1"):
+        EngineConfig.from_kwargs(tiny, sparse_decode=quest(128, dense_layers=-1))
+    with pytest.raises(ConfigError, match=r"dense_layers=7: it keeps every full-attention layer dense"):
+        LLM(tiny, device="cpu", max_model_len=512, sparse_decode=quest(128, dense_layers=7))
+    budget = 100 * (114_688 + 7_168)
+    dense = LLM(tiny, device="cpu", max_model_len=512, kv_cache_memory_bytes=budget)
+    assert dense.runner.num_blocks == budget // 114_688 and dense.runner.key_bounds == []
+    sparse = LLM(tiny, device="cpu", max_model_len=512, kv_cache_memory_bytes=budget,
+                 sparse_decode=quest(128, dense_layers=2))
+    layers = [m for m in sparse.runner.model.modules() if isinstance(m, Attention)]
+    assert [m.key_bounds is not None for m in layers] == [False, False, True, True, True, True, True]
+    assert sparse.runner.num_blocks == budget // (114_688 + 5 * 2 * 2 * 64 * 4)
+    assert all(b.shape == (sparse.runner.num_blocks, 2, 2, 64) for b in sparse.runner.key_bounds)
