@@ -14,12 +14,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kestrel.config import ENGINE_ARGS, ConfigError, engine_arg_default, engine_arg_type, field_kind
+from kestrel.config import (
+    ENGINE_ARGS,
+    NOT_SUPPORTED_ENGINE_ARGS,
+    ConfigError,
+    engine_arg_default,
+    engine_arg_type,
+    field_kind,
+)
 from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.init_configs import ARCHS, SIZES
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams, SamplingParamsError
 
+# Where the vLLM-only flags given are collected (flag name -> value), to reach the engine config with the rest.
+VLLM_ONLY_DEST = "vllm_only_engine_args"
 # Benchmark suites live in kestrel.bench.<name>; each module exposes register(subparsers).
 BENCH_SUITES: tuple[str, ...] = ("gemm", "attention", "serve", "serve_plot", "ppl", "latency", "throughput",
                                    "step_budget", "quant_checkpoint", "structured",
@@ -37,6 +46,28 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         vllm_flags = ["--" + arg.vllm_name.replace("_", "-")] if arg.vllm_name else []
         _add_flag(group, ["--" + arg.name.replace("_", "-"), *vllm_flags, *arg.aliases], arg.name,
                   engine_arg_type(arg), engine_arg_default(arg), arg.help, arg.choices)
+    # vLLM's flags that kestrel lacks reach the engine config like LLM(...)'s keywords, which accepts one at a value
+    # that asks for nothing and refuses any other by name with the reason (not argparse's bare "unrecognized").
+    server_fields = {f.name for f in dataclasses.fields(ServerConfig)}  # e.g. served_model_name: a server flag
+    for name in NOT_SUPPORTED_ENGINE_ARGS.keys() - server_fields:
+        group.add_argument("--" + name.replace("_", "-"), dest=name, nargs="?", const=True, type=_flag_value,
+                           action=_VllmOnlyFlag, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+class _VllmOnlyFlag(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = dict(getattr(namespace, VLLM_ONLY_DEST, {}))
+        given[self.dest] = values
+        setattr(namespace, VLLM_ONLY_DEST, given)
+
+
+def _flag_value(text: str) -> Any:
+    """A vLLM-only flag's value as LLM(...) would get it: JSON where it parses (0, false, null, {...}), else text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def _add_flag(group: argparse._ArgumentGroup, flags: list[str], dest: str, kind: Any, default: Any,
@@ -67,6 +98,7 @@ def _json_object(text: str) -> dict:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {arg.name: getattr(args, arg.name) for arg in ENGINE_ARGS if hasattr(args, arg.name)}
+    kwargs.update(getattr(args, VLLM_ONLY_DEST, {}))
     if "download_dir" not in kwargs:  # the Hugging Face cache variables, as huggingface_hub reads them
         hub = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub")
                                                   if os.environ.get("HF_HOME") else None)

@@ -73,3 +73,22 @@ def test_hf_overrides_replace_config_json_keys(tiny_model_dir, capsys):
     with pytest.raises(SystemExit):
         serve_args(tiny_model_dir, "--hf-overrides", "[1]")
     assert "expected a JSON object" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, refused, reason", [
+    (["--task", "embed"], "task='embed'", "--runner pooling"),
+    (["--enable-lora"], "enable_lora=True", "LoRA"),
+    (["--swap-space", "4"], "swap_space=4", "recomputation"),
+    (["--compilation-config", '{"level": 3}'], "compilation_config={'level': 3}", "torch.compile"),
+])
+def test_vllm_only_flags_are_refused_by_name_with_the_reason(tiny_model_dir, capsys, flags, refused, reason):
+    assert main(["serve", tiny_model_dir, *flags]) == 2
+    err = capsys.readouterr().err
+    assert refused in err and reason in err and "unrecognized" not in err
+
+
+@pytest.mark.parametrize("flags", [["--task", "generate"], ["--swap-space", "0"], ["--enable-prompt-embeds",
+                                                                                     "false"]])
+def test_vllm_only_flags_at_a_value_that_asks_nothing_are_accepted(tiny_model_dir, flags):
+    kwargs = _engine_kwargs(serve_args(tiny_model_dir, *flags))
+    assert EngineConfig.from_kwargs(tiny_model_dir, **kwargs) == EngineConfig.from_kwargs(tiny_model_dir)
