@@ -580,14 +580,12 @@ class ChatCompletionRequest(_SamplingRequest):
 
 # ----- /v1/embeddings -------------------------------------------------------------------------------
 
-class EmbeddingRequest(_Request):
-    """OpenAI's embeddings request plus vLLM's extensions; the served decoder pools its last token's final hidden
-    state (PoolingParams)."""
+class PoolingInputRequest(_Request):
+    """What every request of a pooled input shares (/v1/embeddings, /pooling, /classify): the input, text or token
+    ids, one or many, and vLLM's extensions."""
 
     model: str | None = None
     input: PromptInput
-    encoding_format: Literal["float", "base64"] | None = "float"
-    dimensions: Annotated[Int, Field(ge=1)] | None = None  # Matryoshka truncation, where the model supports it
     user: str | None = None
     truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None  # vLLM's: keep the input's last N tokens
     add_special_tokens: bool | None = True  # vLLM's
@@ -603,19 +601,18 @@ class EmbeddingRequest(_Request):
         return list(value)  # type: ignore[arg-type]
 
 
+class EmbeddingRequest(PoolingInputRequest):
+    """OpenAI's embeddings request plus vLLM's extensions; the served model pools its final hidden states
+    (PoolingParams)."""
+
+    encoding_format: Literal["float", "base64"] | None = "float"
+    dimensions: Annotated[Int, Field(ge=1)] | None = None  # Matryoshka truncation, where the model supports it
+
+
 class EmbeddingData(BaseModel):
     index: int
     object: Literal["embedding"] = "embedding"
     embedding: list[float] | str  # base64: the little-endian float32 bytes
-
-
-class EmbeddingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[EmbeddingData]
-    usage: UsageInfo
 
 
 # ----- /tokenize and /detokenize -------------------------------------------------------------------
@@ -671,6 +668,20 @@ class UsageInfo(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details, as in vLLM
+
+
+class ListResponse(BaseModel):
+    """The envelope of the pooling endpoints' answers (vLLM's): each subclass adds its `data` list."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: UsageInfo
+
+
+class EmbeddingResponse(ListResponse):
+    data: list[EmbeddingData]
 
 
 class CompletionLogProbs(BaseModel):

@@ -4,37 +4,18 @@
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from kestrel.entrypoints.protocol import Int, PromptInput, UsageInfo, _Request
+from kestrel.entrypoints.protocol import Int, ListResponse, PoolingInputRequest, _Request
 
 Texts = str | Annotated[list[str], Field(min_length=1)]
 
 
-class _PoolingInputRequest(_Request):
-    model: str | None = None
-    input: PromptInput
-    truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None  # vLLM's: keep the input's last N tokens
-    add_special_tokens: bool | None = True
-    priority: Int | None = None  # lower first, under --scheduling-policy priority
-    user: str | None = None
-
-    def inputs(self) -> list[str | list[int]]:
-        """One entry per input: text or token ids."""
-        value = self.input
-        if isinstance(value, str):
-            return [value]
-        if all(isinstance(p, int) for p in value):
-            return [list(value)]  # type: ignore[arg-type]
-        return list(value)  # type: ignore[arg-type]
-
-
 # ----- /pooling -----------------------------------------------------------------------------------------
 
-class PoolingRequest(_PoolingInputRequest):
+class PoolingRequest(PoolingInputRequest):
     """vLLM's /pooling: each input's pooled output as the model's pooler makes it (an embedding, or a
     classifier's label logits)."""
 
@@ -47,18 +28,13 @@ class PoolingData(BaseModel):
     data: list[float] | str  # base64: the little-endian float32 bytes
 
 
-class PoolingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class PoolingResponse(ListResponse):
     data: list[PoolingData]
-    usage: UsageInfo
 
 
 # ----- /classify ----------------------------------------------------------------------------------------
 
-class ClassificationRequest(_PoolingInputRequest):
+class ClassificationRequest(PoolingInputRequest):
     """vLLM's /classify: each input's label probabilities (softmax over the labels; sigmoid for one label)."""
 
 
@@ -69,13 +45,8 @@ class ClassificationData(BaseModel):
     num_classes: int
 
 
-class ClassificationResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ClassificationResponse(ListResponse):
     data: list[ClassificationData]
-    usage: UsageInfo
 
 
 # ----- /score -------------------------------------------------------------------------------------------
@@ -98,13 +69,8 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ScoreResponse(ListResponse):
     data: list[ScoreData]
-    usage: UsageInfo
 
 
 # ----- /rerank ------------------------------------------------------------------------------------------
