@@ -148,11 +148,21 @@ def count_sparse_calls(monkeypatch) -> list[int]:
 
 def test_budget_covering_the_context_is_greedy_identical(tiny, held_out_ids, monkeypatch) -> None:
     calls = count_sparse_calls(monkeypatch)
+    bound_updates = [0]
+    update = kestrel_ops.update_key_bounds
+
+    def counted_update(*args, **kwargs):
+        bound_updates[0] += 1
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(kestrel_ops, "update_key_bounds", counted_update)
     prompt = held_out_ids[:150]
     dense = generate(LLM(tiny, device="cpu", max_model_len=512), prompt, 40)
+    assert bound_updates[0] == 0  # off: no bounds kept, the dense code path
     sparse = generate(LLM(tiny, device="cpu", max_model_len=512, sparse_decode=quest(256)), prompt, 40)
     assert sparse[0] == dense[0] and sparse[1] == dense[1]
     assert calls[0] == 0  # contexts of 151..190 tokens fit the 256-token budget: dense attention, bit for bit
+    assert bound_updates[0] == 7 * 40  # the bounds are kept all the same: one prefill and 39 decode steps
 
 
 def test_small_budget_runs_sparse_and_stays_close(tiny, held_out_ids, monkeypatch) -> None:
