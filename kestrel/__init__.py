@@ -3,10 +3,25 @@
 from typing import Any
 
 from kestrel.config import ConfigError
-from kestrel.outputs import CompletionOutput, RequestOutput
+from kestrel.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from kestrel.pooling_params import PoolingParams
 from kestrel.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "ConfigError"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput",
+           "CompletionOutput", "PoolingRequestOutput", "PoolingOutput", "EmbeddingRequestOutput", "EmbeddingOutput",
+           "ClassificationRequestOutput", "ClassificationOutput", "ScoringRequestOutput", "ScoringOutput",
+           "ConfigError"]
 __version__ = "0.1.0"
 
 

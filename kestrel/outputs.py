@@ -1,8 +1,10 @@
-"""What the engine hands back to callers: RequestOutput with one CompletionOutput per sample."""
+"""What the engine hands back to callers: RequestOutput with one CompletionOutput per sample; the offline pooling
+API's PoolingRequestOutput and its embedding, classification and scoring forms (vLLM's shapes)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 
 @dataclass(frozen=True)
@@ -67,3 +69,68 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # A pooling request's pooled final hidden state (vLLM's PoolingRequestOutput data); None for generation.
     pooled: list[float] | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class PoolingOutput:
+    """What the model's pooler made of a prompt: an embedding, or a classifier's raw label logits."""
+
+    data: list[float]
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(frozen=True)
+class ClassificationOutput:
+    """Label probabilities: softmax over the labels, the sigmoid of a single label's logit."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(frozen=True)
+class ScoringOutput:
+    """A pair's score: a cross-encoder's sigmoid of its one logit, or an embedding model's cosine similarity."""
+
+    score: float
+
+
+PooledT = TypeVar("PooledT", PoolingOutput, EmbeddingOutput, ClassificationOutput, ScoringOutput)
+
+
+@dataclass(frozen=True)
+class PoolingRequestOutput(Generic[PooledT]):
+    """One prompt's (or, for a score, one pair's) result of `LLM.encode` / `embed` / `classify` / `score`, in
+    vLLM's field order. A bi-encoder score's `prompt_token_ids` are both sides' ids, one after the other, and its
+    `num_cached_tokens` the sum of theirs."""
+
+    request_id: str
+    outputs: PooledT
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    finished: bool
+
+
+@dataclass(frozen=True)
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    pass
+
+
+@dataclass(frozen=True)
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    pass
+
+
+@dataclass(frozen=True)
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    pass

@@ -131,13 +131,18 @@ class EngineCore:
         """`priority`: under the priority scheduling policy, lower values are served first. `grammar`: the
         compiled grammar of `params.structured_outputs` (opaque here: the grammar backend's), so that the engine
         does not compile it; None: the backend compiles it. PoolingParams instead of SamplingParams: the request
-        runs its prompt and its output carries the pooled final hidden state (`RequestOutput.pooled`)."""
+        runs its prompt and its output carries the pooled final hidden state (`RequestOutput.pooled`); its
+        fields left None take the model's pooler settings."""
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is None and self.config.model.runner == "pooling":
             raise InvalidRequestError("model", "this engine runs the pooling runner (runner='pooling', --runner "
                                       "pooling): it embeds, scores and classifies but does not generate; serve "
                                       "the model with --runner generate to generate text")
         if pooling is not None:
+            # A generation model embeds as vLLM pools a decoder asked for embeddings: last token, normalized.
+            pooler = self.config.model.pooler
+            pooling = (pooling.with_defaults(pooler.pooling_type, pooler.normalize) if pooler is not None
+                       else pooling.with_defaults("LAST", True))
             params = pooling.run_params()
         self._validate(request_id, prompt_token_ids, params)
         self._check_priority(priority)

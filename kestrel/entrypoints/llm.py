@@ -1,11 +1,14 @@
-"""LLM: the offline API. `LLM(model=DIR).generate(prompts, SamplingParams(...))`; `LLM()` runs kestrel-tiny."""
+"""LLM: the offline API. `LLM(model=DIR).generate(prompts, SamplingParams(...))`; `LLM()` runs kestrel-tiny. The
+pooling API (`embed`, `classify`, `score`, `encode`) answers as the server's pooling endpoints do, through the same
+`pooling_tasks` helpers."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from tqdm.auto import tqdm
 
@@ -13,12 +16,39 @@ from kestrel.engine.stats_logger import StatsLogger
 from kestrel.entrypoints.beam_search import BeamSearch, BeamSearchOutput, advance_round, check_beam_width, next_round
 from kestrel.entrypoints.chat import apply_chat_template
 from kestrel.entrypoints.engine_factory import build_engine, engine_config
-from kestrel.outputs import RequestOutput
+from kestrel.entrypoints.pooling_tasks import (
+    checked_dimensions,
+    classifier_params,
+    cosine,
+    embedding_params,
+    is_classifier,
+    label_probs,
+    refuse_classifier,
+    require_classifier,
+    require_cross_encoder,
+    score_pairs,
+    sigmoid,
+)
+from kestrel.entrypoints.text_workers import encode_pair
+from kestrel.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from kestrel.pooling_params import PoolingParams
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import BeamSearchParams, SamplingParams
 from kestrel.tiny import default_model_path
 
 PromptType = str | dict[str, Any]
+PoolingTask = Literal["embed", "classify"]
+POOLING_TASKS: tuple[PoolingTask, ...] = ("embed", "classify")
 
 
 def tokenize_prompt(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -147,6 +177,219 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ----- pooling: embed, classify, score, encode --------------------------------------------------
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, pooled as the model says (its pooler settings; a generation model: last
+        token, normalized, as /v1/embeddings embeds with it). `pooling_params` (one, or one per prompt):
+        `dimensions` (Matryoshka truncation, where config.json allows it), `normalize` and `pooling_type` (None:
+        the model's). `truncate_prompt_tokens`: keep each prompt's last N tokens."""
+        self._refuse_lora(lora_request)
+        refuse_classifier(self.config.model, "LLM.embed", "LLM.classify, LLM.score or LLM.encode")
+        prompts = self._prompt_list(prompts)
+        params = self._pooling_params(pooling_params, len(prompts), "embed")
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(list(o.pooled or [])), o.prompt_token_ids,
+                                       o.num_cached_tokens, o.finished)
+                for o in self._pool(prompts, params, truncate_prompt_tokens, use_tqdm)]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities from a `*ForSequenceClassification` checkpoint (runner='pooling'):
+        softmax over the labels, the sigmoid of a single label's logit, as /classify answers."""
+        self._refuse_lora(lora_request)
+        require_classifier(self.config.model, "LLM.classify")
+        prompts = self._prompt_list(prompts)
+        params = self._pooling_params(pooling_params, len(prompts), "classify")
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(label_probs(o.pooled or [])),
+                                            o.prompt_token_ids, o.num_cached_tokens, o.finished)
+                for o in self._pool(prompts, params, truncate_prompt_tokens, use_tqdm)]
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: Any = None,
+    ) -> list[ScoringRequestOutput]:
+        """A score per pair, paired as /score pairs `text_1` and `text_2`: one against one, one against many, or
+        two lists of equal length by position. A cross-encoder (a classifier with one label) reads each pair as
+        one sequence by the tokenizer's pair template and scores it by the sigmoid of its logit; an embedding
+        (or generation) model embeds each side and scores by cosine similarity."""
+        self._refuse_lora(lora_request)
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise InvalidRequestError("pooling_params", f"pooling_params of LLM.score must be one PoolingParams "
+                                      f"(every pair is pooled alike), got {type(pooling_params).__name__}")
+        pairs = score_pairs(data_1, data_2, ("data_1", "data_2"))
+        if is_classifier(self.config.model):
+            require_cross_encoder(self.config.model, "LLM.classify")
+            return self._cross_encoder_scores(pairs, pooling_params, truncate_prompt_tokens, use_tqdm)
+        return self._bi_encoder_scores(pairs, pooling_params, truncate_prompt_tokens, use_tqdm)
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
+        pooling_task: PoolingTask | None = None,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """The pooled output as data. `pooling_task` None: what /pooling returns (an embedding, or a classifier's
+        raw label logits); "embed" / "classify": what `embed` / `classify` return."""
+        if pooling_task is not None and pooling_task not in POOLING_TASKS:
+            raise InvalidRequestError("pooling_task", f"pooling_task={pooling_task!r} is not supported: kestrel "
+                                      f"pools one vector per prompt, for {list(POOLING_TASKS)} or None (the "
+                                      "model's own output); token-level pooling is not implemented")
+        args = {"truncate_prompt_tokens": truncate_prompt_tokens, "use_tqdm": use_tqdm, "lora_request": lora_request}
+        if pooling_task == "embed":
+            return [PoolingRequestOutput(o.request_id, PoolingOutput(o.outputs.embedding), o.prompt_token_ids,
+                                         o.num_cached_tokens, o.finished)
+                    for o in self.embed(prompts, pooling_params, **args)]
+        if pooling_task == "classify":
+            return [PoolingRequestOutput(o.request_id, PoolingOutput(o.outputs.probs), o.prompt_token_ids,
+                                         o.num_cached_tokens, o.finished)
+                    for o in self.classify(prompts, pooling_params, **args)]
+        self._refuse_lora(lora_request)
+        prompts = self._prompt_list(prompts)
+        task = "classify" if is_classifier(self.config.model) else "embed"
+        params = self._pooling_params(pooling_params, len(prompts), task)
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(list(o.pooled or [])), o.prompt_token_ids,
+                                     o.num_cached_tokens, o.finished)
+                for o in self._pool(prompts, params, truncate_prompt_tokens, use_tqdm)]
+
+    def _cross_encoder_scores(self, pairs: list[tuple[PromptType, PromptType]], pooling_params: PoolingParams | None,
+                              truncate: int | None, use_tqdm: bool | Callable[..., Any]) -> list[ScoringRequestOutput]:
+        texts = [(self._pair_text(first, "data_1"), self._pair_text(second, "data_2")) for first, second in pairs]
+        prompts: list[PromptType] = [{"prompt_token_ids": encode_pair(self.tokenizer, (), first, second, None)[1]}
+                                     for first, second in texts]
+        params = self._pooling_params(pooling_params, len(prompts), "classify")
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(sigmoid((o.pooled or [0.0])[0])),
+                                     o.prompt_token_ids, o.num_cached_tokens, o.finished)
+                for o in self._pool(prompts, params, truncate, use_tqdm)]
+
+    def _bi_encoder_scores(self, pairs: list[tuple[PromptType, PromptType]], pooling_params: PoolingParams | None,
+                           truncate: int | None, use_tqdm: bool | Callable[..., Any]) -> list[ScoringRequestOutput]:
+        """Both sides embedded, each distinct prompt once, as /score does with an embedding model."""
+        tokenized = [(self._tokenize(first), self._tokenize(second)) for first, second in pairs]
+        distinct = list(dict.fromkeys(tuple(ids) for side in tokenized for _, ids in side))
+        params = self._pooling_params(pooling_params, len(distinct), "embed")
+        outputs = self._pool([{"prompt_token_ids": list(ids)} for ids in distinct], params, truncate, use_tqdm)
+        by_ids = dict(zip(distinct, outputs))
+        scores = []
+        for (_, first), (_, second) in tokenized:
+            a, b = by_ids[tuple(first)], by_ids[tuple(second)]
+            scores.append(ScoringRequestOutput(
+                f"{a.request_id}+{b.request_id}", ScoringOutput(cosine(a.pooled or [], b.pooled or [])),
+                a.prompt_token_ids + b.prompt_token_ids, a.num_cached_tokens + b.num_cached_tokens,
+                a.finished and b.finished))
+        return scores
+
+    def _pair_text(self, prompt: PromptType, param: str) -> str:
+        """A cross-encoder's side of a pair: text, which the tokenizer's pair template joins."""
+        if isinstance(prompt, dict) and set(prompt) == {"prompt"}:
+            prompt = prompt["prompt"]
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(param, f"{param}: a cross-encoder scores text pairs (the tokenizer's pair "
+                                      f"template joins them), so each item must be a string or {{'prompt': text}}, "
+                                      f"got {type(prompt).__name__}"
+                                      f"{' with prompt_token_ids' if isinstance(prompt, dict) else ''}")
+        return prompt
+
+    def _pooling_params(self, pooling_params: PoolingParams | Sequence[PoolingParams] | None, count: int,
+                        task: PoolingTask) -> list[PoolingParams]:
+        """One checked PoolingParams per prompt; None: the model's settings for `task`."""
+        model = self.config.model
+        if pooling_params is None:
+            default = embedding_params(model) if task == "embed" else classifier_params(model)
+            return [default] * count
+        if isinstance(pooling_params, PoolingParams):
+            items = [pooling_params] * count
+        else:
+            items = list(pooling_params) if isinstance(pooling_params, Sequence) else [pooling_params]
+        if not all(isinstance(p, PoolingParams) for p in items):
+            raise InvalidRequestError("pooling_params", "pooling_params must be a PoolingParams or a sequence of "
+                                      f"them, one per prompt, got {type(pooling_params).__name__}")
+        if len(items) != count:
+            raise InvalidRequestError("pooling_params", f"got {len(items)} pooling_params for {count} prompts; "
+                                      "give one or one per prompt")
+        checked = {}
+        for params in items:
+            if id(params) not in checked:
+                checked[id(params)] = self._checked_params(params, task)
+        return [checked[id(p)] for p in items]
+
+    def _checked_params(self, params: PoolingParams, task: PoolingTask) -> PoolingParams:
+        model = self.config.model
+        if task == "embed":
+            dimensions = checked_dimensions(model.hf_config, params.dimensions, "pooling_params.dimensions")
+            return dataclasses.replace(params, dimensions=dimensions)
+        labels = model.pooler.num_labels if model.pooler is not None else 0
+        if params.dimensions is not None:
+            raise InvalidRequestError("pooling_params.dimensions", f"pooling_params.dimensions={params.dimensions}: "
+                                      f"a classifier's output is its {labels} label logits, which cannot be "
+                                      "truncated; leave dimensions out")
+        if params.normalize:
+            raise InvalidRequestError("pooling_params.normalize", "pooling_params.normalize=True: a classifier's "
+                                      "label logits are turned into probabilities (softmax, or the sigmoid of one "
+                                      "label), not L2-normalized; leave normalize out")
+        return dataclasses.replace(params, normalize=False)
+
+    def _pool(self, prompts: Sequence[PromptType], params: list[PoolingParams], truncate: int | None,
+              use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
+        """Every prompt as a pooling request (all or none queued), run to its pooled output, in input order."""
+        if truncate is not None and (isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < 1
+                                     or truncate >= self.engine.max_model_len):
+            raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens={truncate!r}: give an "
+                                      f"integer from 1 to {self.engine.max_model_len - 1} (below max_model_len="
+                                      f"{self.engine.max_model_len}), or None to keep every prompt token")
+        ids: list[str] = []
+        try:
+            for prompt, pooling in zip(prompts, params):
+                text, token_ids = self._tokenize(prompt)
+                if truncate is not None and len(token_ids) > truncate:
+                    # A truncated prompt's text is no longer the prompt.
+                    text, token_ids = None, token_ids[-truncate:]
+                request_id = str(next(self._counter))
+                self.engine.add_request(request_id, token_ids, pooling, prompt=text)
+                ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        outputs = self._run(ids, use_tqdm)
+        if any(output.pooled is None for output in outputs):
+            raise RuntimeError("a pooling request ended without its pooled output")
+        return outputs
+
+    @staticmethod
+    def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        return [prompts] if isinstance(prompts, str | dict) else list(prompts)
+
+    @staticmethod
+    def _refuse_lora(lora_request: Any) -> None:
+        if lora_request is not None:
+            raise InvalidRequestError("lora_request", "lora_request: LoRA adapters are not supported; merge the "
+                                      "adapter into the model's weights and load that checkpoint")
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)

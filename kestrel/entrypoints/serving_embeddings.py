@@ -8,14 +8,13 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import Any
 
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kestrel.config import ModelConfig
 from kestrel.entrypoints.budgets import ResponseTooLargeError
+from kestrel.entrypoints.pooling_tasks import checked_dimensions, embedding_params, refuse_classifier
 from kestrel.entrypoints.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse
 from kestrel.entrypoints.serving import (
     OpenAIServing,
@@ -32,45 +31,20 @@ _FLOAT_JSON_BYTES = 24
 _FLOAT_BASE64_BYTES = 6
 
 
-def matryoshka_dimensions(hf_config: dict[str, Any]) -> tuple[bool, tuple[int, ...] | None]:
-    """Whether the checkpoint was trained for Matryoshka truncation (config.json's `is_matryoshka` or
-    `matryoshka_dimensions`, vLLM's keys), and the sizes it names (None: any size)."""
-    sizes = hf_config.get("matryoshka_dimensions")
-    if sizes:
-        return True, tuple(int(s) for s in sizes)
-    return bool(hf_config.get("is_matryoshka")), None
-
-
-def embedding_params(model: ModelConfig, dimensions: int | None = None) -> PoolingParams:
-    """How this server embeds: the pooling runner's settings, else (a generation model) last token, normalized."""
-    pooler = model.pooler
-    if pooler is None:
-        return PoolingParams(dimensions=dimensions)
-    return PoolingParams(normalize=pooler.normalize, dimensions=dimensions, pooling_type=pooler.pooling_type)
-
-
-def refuse_classifier(model: ModelConfig, endpoint: str) -> None:
-    """A classification model has no embeddings: its pooled output is its labels' logits."""
-    if model.pooler is not None and model.pooler.task == "classify":
-        raise InvalidRequestError("model", f"{model.architecture} is a classifier: it has no embeddings for "
-                                  f"{endpoint}; use /score, /rerank, /classify or /pooling")
-
-
 class OpenAIServingEmbeddings:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
         self.engine = serving.engine
         self.model_config = self.engine.core.config.model
-        hf_config = self.model_config.hf_config
-        self.hidden_size = int(hf_config.get("hidden_size") or 0)
-        self.matryoshka, self.matryoshka_sizes = matryoshka_dimensions(hf_config)
+        self.hidden_size = int(self.model_config.hf_config.get("hidden_size") or 0)
 
     async def create_embedding(self, request: EmbeddingRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         serving = self.serving
         serving.check_model(request.model)
-        refuse_classifier(self.model_config, "/v1/embeddings")
-        pooling = embedding_params(self.model_config, self._dimensions(request.dimensions))
+        refuse_classifier(self.model_config, "/v1/embeddings", "/score, /rerank, /classify or /pooling")
+        pooling = embedding_params(self.model_config,
+                                   checked_dimensions(self.model_config.hf_config, request.dimensions))
         inputs = request.inputs()
         serving._check_sequences(len(inputs), 1, "input")
         self._check_size(len(inputs), pooling, request.encoding_format)
@@ -85,21 +59,6 @@ class OpenAIServingEmbeddings:
         response = EmbeddingResponse(id=request_id, model=serving.response_model_name(request.model), data=data,
                                      usage=_usage_info(prompt_tokens, 0))
         return JSONResponse(response.model_dump())
-
-    def _dimensions(self, dimensions: int | None) -> int | None:
-        """`dimensions` where the model was trained for it; None (the whole vector) when it asks for all of it."""
-        if dimensions is None:
-            return None
-        if not self.matryoshka:
-            raise InvalidRequestError("dimensions", "this model does not support Matryoshka truncation, so its "
-                                      "embeddings cannot be shortened: leave dimensions out")
-        if self.matryoshka_sizes is not None and dimensions not in self.matryoshka_sizes:
-            raise InvalidRequestError("dimensions", f"dimensions={dimensions} is not one this model was trained "
-                                      f"for: {list(self.matryoshka_sizes)}")
-        if self.hidden_size and dimensions > self.hidden_size:
-            raise InvalidRequestError("dimensions", f"dimensions={dimensions} is more than the model's "
-                                      f"{self.hidden_size}")
-        return None if dimensions == self.hidden_size else dimensions
 
     def _check_size(self, num_inputs: int, pooling: PoolingParams, encoding: str | None) -> None:
         """Refuse, before any work, a response larger than --max-response-bytes."""

@@ -10,7 +10,6 @@ pooler makes (an embedding, or a classifier's raw logits); /classify a classifie
 from __future__ import annotations
 
 import inspect
-import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -22,6 +21,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kestrel.entrypoints.budgets import ResponseTooLargeError
+from kestrel.entrypoints.pooling_tasks import (
+    classifier_params,
+    cosine,
+    embedding_params,
+    is_classifier,
+    label_probs,
+    require_classifier,
+    require_cross_encoder,
+    score_pairs,
+    sigmoid,
+)
 from kestrel.entrypoints.protocol_pooling import (
     ClassificationData,
     ClassificationRequest,
@@ -39,9 +49,8 @@ from kestrel.entrypoints.protocol_pooling import (
     ScoreResponse,
 )
 from kestrel.entrypoints.serving import OpenAIServing, _until_disconnect, _usage_info
-from kestrel.entrypoints.serving_embeddings import embedding_params, encoded, run_pooling
+from kestrel.entrypoints.serving_embeddings import encoded, run_pooling
 from kestrel.pooling_params import PoolingParams
-from kestrel.request import InvalidRequestError
 
 # Bytes a float takes in a JSON vector at most, and in base64 (4/3 of 4 bytes).
 _FLOAT_JSON_BYTES = 24
@@ -74,29 +83,13 @@ def _typed(schema: type[BaseModel], handler: Callable[[Any, Request], Awaitable[
     return endpoint
 
 
-def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
-    """vLLM's pairing: one text_1 against every text_2, or two lists of equal length by position."""
-    firsts = [text_1] if isinstance(text_1, str) else list(text_1)
-    seconds = [text_2] if isinstance(text_2, str) else list(text_2)
-    if len(firsts) == 1:
-        firsts = firsts * len(seconds)
-    elif len(firsts) != len(seconds):
-        raise InvalidRequestError("text_2", f"text_1 has {len(firsts)} texts and text_2 has {len(seconds)}: give "
-                                  "one text_1 to score against every text_2, or as many text_1 as text_2")
-    return list(zip(firsts, seconds))
-
-
-def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
-
-
 class OpenAIServingPooling:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
         self.engine = serving.engine
         self.model_config = self.engine.core.config.model
         self.pooler = self.model_config.pooler
-        self.classifier = self.pooler is not None and self.pooler.task == "classify"
+        self.classifier = is_classifier(self.model_config)
         hf = self.model_config.hf_config
         self.width = self.pooler.num_labels if self.classifier else int(hf.get("hidden_size") or 0)
         labels = hf.get("id2label") if isinstance(hf.get("id2label"), dict) else {}
@@ -118,9 +111,7 @@ class OpenAIServingPooling:
     # ----- /pooling and /classify ---------------------------------------------------------------------
 
     def _pooled_params(self) -> PoolingParams:
-        if self.classifier:
-            return PoolingParams(normalize=False, pooling_type=self.pooler.pooling_type)
-        return embedding_params(self.model_config)
+        return classifier_params(self.model_config) if self.classifier else embedding_params(self.model_config)
 
     async def _pool_inputs(self, request: PoolingRequest | ClassificationRequest, raw: Request, prefix: str,
                            pooling: PoolingParams) -> tuple[str, list[list[float]], int]:
@@ -155,18 +146,11 @@ class OpenAIServingPooling:
 
     async def create_classify(self, request: ClassificationRequest, raw: Request) -> Response:
         self.serving.check_model(request.model)
-        if not self.classifier:
-            raise InvalidRequestError("model", f"{self.model_config.architecture} is not a classifier: /classify "
-                                      "needs a *ForSequenceClassification checkpoint served with --runner pooling")
+        require_classifier(self.model_config, "/classify")
         request_id, logits, tokens = await self._pool_inputs(request, raw, "classify", self._pooled_params())
         data = []
         for i, row in enumerate(logits):
-            if len(row) == 1:
-                probs = [_sigmoid(row[0])]
-            else:
-                top = max(row)
-                exps = [math.exp(x - top) for x in row]
-                probs = [e / sum(exps) for e in exps]
+            probs = label_probs(row)
             best = max(range(len(probs)), key=probs.__getitem__)
             data.append(ClassificationData(index=i, label=self.labels.get(best), probs=probs,
                                            num_classes=len(probs)))
@@ -181,17 +165,14 @@ class OpenAIServingPooling:
         """Each pair's score and the prompt tokens spent; `params`: the request fields of the two sides."""
         serving = self.serving
         if self.classifier:
-            if self.pooler.num_labels != 1:
-                raise InvalidRequestError("model", f"{self.model_config.architecture} has "
-                                          f"{self.pooler.num_labels} labels; scoring needs a cross-encoder with one "
-                                          "(use /classify for its label probabilities)")
+            require_cross_encoder(self.model_config, "/classify")
             serving._check_sequences(len(pairs), 1, params[1])
             limit = None if truncate else self.engine.max_model_len
             counted = await _until_disconnect(raw, serving.text.encode_pairs(pairs, limit, params[1]))
             prompts = [serving._fit_prompt(count, ids, truncate, params[1]) for count, ids in counted]
             outputs = await _until_disconnect(raw, run_pooling(serving, request_id, prompts, self._pooled_params(),
                                                                priority, time.monotonic(), params[1]))
-            return [_sigmoid(o.pooled[0]) for o in outputs], sum(map(len, prompts))
+            return [sigmoid(o.pooled[0]) for o in outputs], sum(map(len, prompts))
         # A bi-encoder: both sides embedded (each distinct text once), scored by cosine similarity.
         texts = list(dict.fromkeys(text for pair in pairs for text in pair))
         serving._check_sequences(len(texts), 1, params[1])
@@ -200,7 +181,7 @@ class OpenAIServingPooling:
         outputs = await _until_disconnect(raw, run_pooling(serving, request_id, [p.token_ids for p in prompts],
                                                            pooling, priority, time.monotonic(), params[1]))
         vectors = {text: output.pooled for text, output in zip(texts, outputs)}
-        scores = [sum(a * b for a, b in zip(vectors[first], vectors[second])) for first, second in pairs]
+        scores = [cosine(vectors[first], vectors[second]) for first, second in pairs]
         return scores, sum(len(p.token_ids) for p in prompts)
 
     async def create_score(self, request: ScoreRequest, raw: Request) -> Response:
