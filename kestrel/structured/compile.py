@@ -18,6 +18,7 @@ from typing import Any
 
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import StructuredOutputsParams
+from kestrel.structured.json_strings import json_schema_grammar
 from kestrel.structured.tool_grammar import tool_call_grammar
 
 # The longest whitespace run allowed between JSON tokens: room for indented, pretty-printed JSON, and a bound on
@@ -61,8 +62,8 @@ def compile_source(compiler: Any, source: GrammarSource) -> Any:
     """The xgrammar CompiledGrammar of `source`; a grammar the compiler refuses is a GrammarCompileError."""
     try:
         if source.kind == "json":
-            return compiler.compile_json_schema(source.text, any_whitespace=source.any_whitespace,
-                                                max_whitespace_cnt=JSON_MAX_WHITESPACE)
+            return compiler.compile_grammar(json_schema_grammar(source.text, any_whitespace=source.any_whitespace,
+                                                                max_whitespace_cnt=JSON_MAX_WHITESPACE))
         if source.kind == "regex":
             return compiler.compile_regex(source.text)
         if source.kind == "tool_call":

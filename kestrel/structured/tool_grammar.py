@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from kestrel.request import InvalidRequestError
+from kestrel.structured.json_strings import json_schema_grammar
 
 # What closes one call after its arguments object, per tool-call format.
 _CLOSING = {"llama3_json": "}", "hermes": "}\n</tool_call>", "mistral": "}]"}
@@ -25,7 +26,7 @@ def tool_call_grammar(tools: list[dict[str, Any]], tool_choice: str, named_tool:
         function = tool["function"]
         schema = function.get("parameters") or {"type": "object"}
         try:
-            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+            return json_schema_grammar(json.dumps(schema), any_whitespace=False)
         except (RuntimeError, ValueError) as error:
             raise InvalidRequestError("tools", f"the parameters schema of tool {function['name']!r} could not be "
                                       f"compiled: {str(error).strip().splitlines()[0][:300]}") from None

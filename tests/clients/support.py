@@ -36,15 +36,17 @@ class Served:
         return reply.json()
 
 
-# Every field is bounded, so a random model finishes the object in a few tokens. No field is a string with a
-# maxLength: xgrammar 0.2.9 compiles one to a character class that admits raw control characters, invalid JSON
-# that every client's parser refuses. The docstring is short because langchain sends it as the tool's description.
+# Every field is bounded, so a random model finishes the object in a few tokens; `tag`, a string with a maxLength,
+# is one a random model fills with any characters, control ones included, which must come out escaped for the
+# clients' JSON parsers (kestrel.structured.json_strings). The docstring is short because langchain sends it as the
+# tool's description.
 class Pick(pydantic.BaseModel):
     """A pick."""
 
     colour: Literal["red", "green", "blue"]
     count: int = pydantic.Field(ge=0, le=99)
     sure: bool
+    tag: str = pydantic.Field(max_length=6)
 
 
 WEATHER_PARAMETERS: dict[str, Any] = {

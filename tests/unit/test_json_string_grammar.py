@@ -1,0 +1,64 @@
+"""Length-bounded JSON strings in structured outputs stay JSON: the grammar a schema compiles to accepts an
+object exactly when a JSON parser reads it and jsonschema validates it (the oracle), for contents that mix plain
+characters, raw control characters, escapes, quotes and backslashes."""
+
+import json
+import random
+
+import jsonschema
+import pytest
+import xgrammar as xgr
+
+from kestrel.structured.compile import GrammarSource, compile_source
+from kestrel.structured.json_strings import json_schema_grammar
+
+PIECES = ["a", "z", "é", " ", "\x06", "\x1a", "\x00", "\n", "\t", '"', "\\", "\\n", "\\t", '\\"', "\\\\", "\\u00e9",
+          "\\x", "\\u12"]
+SCHEMAS = [
+    {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}}, "required": ["s"]},
+    {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 3}}, "required": ["s"]},
+    {"type": "object", "properties": {"s": {"type": "array", "items": {"type": "string", "minLength": 1}}},
+     "required": ["s"]},
+    {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]},  # unbounded: unchanged
+]
+
+
+def oracle(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def candidates(schema: dict, count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        content = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 5)))
+        value = f'"{content}"'
+        out.append('{"s": ' + (f"[{value}]" if schema["properties"]["s"]["type"] == "array" else value) + "}")
+    return out
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_the_grammar_accepts_exactly_what_a_json_parser_and_the_schema_accept(index):
+    schema = SCHEMAS[index]
+    grammar = json_schema_grammar(json.dumps(schema), any_whitespace=True)
+    texts = candidates(schema, 400, seed=index)
+    verdicts = [(text, xgr.testing._is_grammar_accept_string(grammar, text), oracle(text, schema)) for text in texts]
+    wrong = [(text, accepted) for text, accepted, valid in verdicts if accepted != valid]
+    assert not wrong, wrong[:5]
+    assert sum(valid for _, _, valid in verdicts) >= 20  # the candidates reach both verdicts
+    assert sum(not valid for _, _, valid in verdicts) >= 20
+
+
+def test_a_request_schema_compiles_through_the_corrected_grammar():
+    schema = SCHEMAS[0]
+    source = GrammarSource("json", json.dumps(schema), any_whitespace=True)
+    tokenizer_info = xgr.TokenizerInfo(["a", "\x06", '"', "{", "}", ":", " ", "s"])
+    compiled = compile_source(xgr.GrammarCompiler(tokenizer_info), source)
+    matcher = xgr.GrammarMatcher(compiled)
+    for piece in ['{', '"', 's', '"', ':', ' ', '"', 'a']:
+        assert matcher.accept_string(piece)
+    assert not matcher.accept_string("\x06")  # the raw control character the uncorrected grammar let through
