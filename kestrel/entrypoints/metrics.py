@@ -132,6 +132,9 @@ class ServerMetrics:
                                        TOKEN_COUNT_BUCKETS)
         self.generation_tokens = histogram("request_generation_tokens", "Generated tokens of finished requests.",
                                            TOKEN_COUNT_BUCKETS)
+        self.max_generation_tokens = histogram("request_max_num_generation_tokens", "Per finished request, the "
+                                               "generated tokens of its longest completion (of its n).",
+                                               TOKEN_COUNT_BUCKETS)
         self.request_tpot = histogram("request_time_per_output_token_seconds", "Per finished request: its decode "
                                       "time over its output tokens after the first (of its longest completion).",
                                       ITL_BUCKETS)
@@ -181,6 +184,7 @@ class ServerMetrics:
         self.prefill_kv_computed.observe(len(output.prompt_token_ids) - output.num_cached_tokens)
         self.prompt_tokens.observe(len(output.prompt_token_ids))
         self.generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
+        self.max_generation_tokens.observe(max((len(c.token_ids) for c in output.outputs), default=0))
         if params is not None:
             self.params_n.observe(params.n)
             if params.max_tokens is not None:

@@ -224,11 +224,21 @@ def test_prompt_tokens_details_count_the_prefix_cache(tiny_model_dir, live_serve
 
 
 def test_the_added_vllm_series_are_exported_under_both_prefixes(openai_server):
-    openai_server.client().completions.create(model=MODEL, prompt="hi", max_tokens=4,
+    before = openai_server.wait_idle()
+    openai_server.client().completions.create(model=MODEL, prompt="hi", max_tokens=4, n=3, seed=0,
+                                              extra_body={"ignore_eos": True})
+    openai_server.client().completions.create(model=MODEL, prompt="hi", max_tokens=2,
                                               extra_body={"ignore_eos": True})
     samples = openai_server.wait_idle()
     for name in ("request_time_per_output_token_seconds_count", "request_prefill_kv_computed_tokens_count",
-                 "request_num_preemptions_count", "prompt_tokens_cached_total"):
+                 "request_num_preemptions_count", "prompt_tokens_cached_total",
+                 "request_max_num_generation_tokens_sum"):
         assert f"kestrel:{name}" in samples and samples[f"kestrel:{name}"] == samples[f"vllm:{name}"], name
     assert samples["vllm:request_time_per_output_token_seconds_count"] >= 1
     assert samples["vllm:request_num_preemptions_sum"] == 0  # nothing ran out of KV blocks here
+    # The longest of each request's completions: 4 (of three 4-token ones), then 2.
+    added = {key: samples[key] - before.get(key, 0) for key in ("vllm:request_max_num_generation_tokens_sum",
+                                                               "vllm:request_max_num_generation_tokens_count",
+                                                               "vllm:request_generation_tokens_sum")}
+    assert added == {"vllm:request_max_num_generation_tokens_sum": 6, "vllm:request_max_num_generation_tokens_count": 2,
+                     "vllm:request_generation_tokens_sum": 14}
