@@ -13,6 +13,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 BLOCK_SIZE_CHOICES = (16,)
@@ -629,6 +630,54 @@ class SpeculativeConfig:
         return config
 
 
+# The name `prompt_compressor` takes for the bundled kestrel-tiny model (kestrel/models/kestrel-tiny).
+BUNDLED_COMPRESSOR_NAME = "kestrel-tiny"
+_BUNDLED_COMPRESSOR_DIR = Path(__file__).resolve().parent / "models" / BUNDLED_COMPRESSOR_NAME
+
+
+@dataclass(frozen=True)
+class PromptCompressorConfig:
+    """The small causal LM that scores prompt tokens for prompt compression (`prompt_compressor`): a Hugging Face
+    model directory kestrel can load, or "kestrel-tiny" for the bundled model. It runs in the serving process on
+    the engine's device, with its own small KV cache; its tokenizer may differ from the served model's.
+    `window`: the most tokens scored in one forward (its context, at most 2048); `batch`: windows per forward."""
+
+    model: str
+    window: int = 0  # 0: min(the compressor's context, 2048)
+    batch: int = 8
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            _fail("prompt_compressor", self.model, f"expected a model directory or {BUNDLED_COMPRESSOR_NAME!r}")
+        if self.model == BUNDLED_COMPRESSOR_NAME:
+            object.__setattr__(self, "model", str(_BUNDLED_COMPRESSOR_DIR))
+        config_file = os.path.join(self.model, "config.json")
+        if not os.path.isfile(config_file):
+            _fail("prompt_compressor", self.model, f"expected a model directory holding a config.json (or "
+                  f"{BUNDLED_COMPRESSOR_NAME!r} for the bundled model)")
+        try:
+            with open(config_file) as f:
+                hf = json.load(f)
+        except json.JSONDecodeError as e:
+            _fail("prompt_compressor", self.model, f"config.json is not valid JSON ({e})")
+        validate_hf_config(hf, f"config.json of prompt_compressor={self.model!r}")
+        architectures = hf.get("architectures") or []
+        if not any(str(name).endswith("ForCausalLM") for name in architectures):
+            _fail("prompt_compressor", self.model, f"the compressor must be a causal LM (a *ForCausalLM "
+                  f"architecture); config.json says {architectures}")
+        if not any(os.path.isfile(os.path.join(self.model, name)) for name in ("tokenizer.json",
+                                                                             "tokenizer_config.json")):
+            _fail("prompt_compressor", self.model, "the directory has no tokenizer (tokenizer.json); the compressor "
+                  "scores text with its own tokenizer")
+        context = int(hf.get("max_position_embeddings") or 2048)
+        if self.window == 0:
+            object.__setattr__(self, "window", min(context, 2048))
+        _check_int("prompt_compressor window", self.window, 32)
+        if self.window > context:
+            _fail("prompt_compressor window", self.window, f"the compressor's context is {context} tokens")
+        _check_int("prompt_compressor batch", self.batch, 1)
+
+
 SPARSE_DECODE_METHODS = ("quest",)
 
 
@@ -703,8 +752,12 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = field(default=None, init=False, compare=False)
     sparse_decode: dict | None = None  # {"method": "quest", "token_budget": ...}; parsed into `sparse`
     sparse: SparseDecodeConfig | None = field(default=None, init=False, compare=False)
+    prompt_compressor: str | None = None  # a model directory or "kestrel-tiny"; parsed into `compressor`
+    compressor: PromptCompressorConfig | None = field(default=None, init=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.prompt_compressor is not None:
+            object.__setattr__(self, "compressor", PromptCompressorConfig(self.prompt_compressor))
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative", SpeculativeConfig.from_dict(self.speculative_config))
             self.speculative.check_target(self.model.hf_config, self.model.max_model_len or 0,
@@ -922,6 +975,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "query-aware sparse decoding, as JSON: {\"method\": \"quest\", \"token_budget\": 2048, "
               "\"sink_blocks\": 1, \"recent_blocks\": 2, \"dense_layers\": 0}; each decode step reads token_budget "
               "tokens of the KV cache per layer and KV head (docs/long-context.md)"),
+    EngineArg("prompt_compressor", "engine", "prompt_compressor",
+              "prompt compression (requests' prompt_compression option, off unless this is given): the small "
+              "causal LM that scores prompt tokens, a model directory or 'kestrel-tiny' for the bundled one; it "
+              "runs beside the served model on its device (docs/long-context.md)"),
     EngineArg("disable_log_stats", "engine", "disable_log_stats",
               "no periodic log line of throughput, running / waiting requests and KV cache usage"),
     EngineArg("expert_load_metrics", "engine", "expert_load_metrics",

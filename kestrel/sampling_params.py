@@ -116,6 +116,61 @@ class StructuredOutputsParams:
         return next(kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False))
 
 
+# The marker pair a caller puts around text that prompt compression must keep verbatim; the markers themselves are
+# removed from the prompt whenever prompt_compression is asked for.
+KEEP_MARKERS: tuple[str, str] = ("<kestrel:keep>", "</kestrel:keep>")
+
+
+@dataclass(frozen=True)
+class PromptCompression:
+    """Prompt compression (a kestrel extension, docs/long-context.md "Prompt compression"): the engine's compressor
+    model drops the prompt's least informative tokens until about `rate` of them are left. Kept verbatim: the chat
+    template's own text (special tokens, role markers), the system messages (`keep_system`) and the last user
+    message (`keep_last_user_turn`) of a chat, fenced code blocks when `keep_code_blocks`, the character spans of
+    `keep_spans` (offsets into a text prompt as sent) and text between KEEP_MARKERS. `keep_system` and
+    `keep_last_user_turn` are None when not given: True for a chat, and a text prompt has no roles to keep."""
+
+    rate: float
+    keep_last_user_turn: bool | None = None
+    keep_system: bool | None = None
+    keep_code_blocks: bool = False
+    keep_spans: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.rate) or math.isnan(self.rate) or not 0.0 < self.rate <= 1.0:
+            raise SamplingParamsError("prompt_compression.rate", f"prompt_compression.rate must be in (0, 1] (the "
+                                      f"share of the prompt's tokens kept), got {self.rate!r}")
+        for name in ("keep_last_user_turn", "keep_system"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(f"prompt_compression.{name}", f"prompt_compression.{name} must be true or "
+                                          f"false, got {getattr(self, name)!r}")
+        if not isinstance(self.keep_code_blocks, bool):
+            raise SamplingParamsError("prompt_compression.keep_code_blocks", "prompt_compression.keep_code_blocks "
+                                      f"must be true or false, got {self.keep_code_blocks!r}")
+        spans = self.keep_spans
+        if not isinstance(spans, list | tuple) or any(
+                not isinstance(span, list | tuple) or len(span) != 2 or not all(_is_int(v) for v in span)
+                or not 0 <= span[0] < span[1] for span in spans):
+            raise SamplingParamsError("prompt_compression.keep_spans", "prompt_compression.keep_spans must be a list "
+                                      f"of [start, end] character offsets with 0 <= start < end, got {spans!r}")
+        object.__setattr__(self, "keep_spans", tuple((int(a), int(b)) for a, b in spans))
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, Any]) -> PromptCompression:
+        """The request's dict, strictly: unknown keys and a missing rate are errors naming the field."""
+        if not isinstance(value, Mapping):
+            raise SamplingParamsError("prompt_compression", "prompt_compression must be an object such as "
+                                      f'{{"rate": 0.5}}, got {value!r}')
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise SamplingParamsError(f"prompt_compression.{unknown[0]}", f"prompt_compression has unknown keys "
+                                      f"{unknown}; known: {known}")
+        if "rate" not in value:
+            raise SamplingParamsError("prompt_compression.rate", "prompt_compression needs a rate in (0, 1]")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     # The temperature of greedy decoding, for callers whose default is greedy on purpose (beam search, the
@@ -155,8 +210,13 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     # Constrained decoding (vLLM's structured_outputs): every token is one the grammar allows.
     structured_outputs: StructuredOutputsParams | None = None
+    # A kestrel extension: shorten the prompt before it reaches the engine (the LLM and the server do it, then hand
+    # the engine the compressed prompt with this field cleared). A dict is read by PromptCompression.from_dict.
+    prompt_compression: PromptCompression | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.prompt_compression, Mapping):
+            object.__setattr__(self, "prompt_compression", PromptCompression.from_dict(self.prompt_compression))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
         object.__setattr__(self, "stop", list(self.stop or []))
@@ -206,6 +266,8 @@ class SamplingParams:
                         "come, and when the output ends)")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"one of {list(OUTPUT_KINDS)}")
+        if self.prompt_compression is not None and not isinstance(self.prompt_compression, PromptCompression):
+            bad("prompt_compression", "a PromptCompression or a dict such as {'rate': 0.5}")
 
     @classmethod
     def default(cls, name: str) -> Any:
