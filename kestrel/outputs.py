@@ -69,6 +69,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # A pooling request's pooled final hidden state (vLLM's PoolingRequestOutput data); None for generation.
     pooled: list[float] | None = field(default=None, repr=False)
+    # A kestrel extension: the prompt's token count before prompt compression (prompt_token_ids is the compressed
+    # prompt's); None when the request asked for no compression.
+    original_num_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)

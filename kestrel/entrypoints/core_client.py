@@ -109,6 +109,7 @@ class CoreClient:
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s}")
         self.config = config
+        self.prompt_compressor: Any = None  # the server's prompt compressor (from_args builds it)
         self.model_path = model_path
         self.max_queued_requests = max_queued_requests
         self.request_timeout_s = request_timeout_s
@@ -151,9 +152,15 @@ class CoreClient:
         """The engine of `kestrel serve --engine-core-process`: the config as `LLM(model, **engine_args)` reads it,
         the model loaded in the core process."""
         from kestrel.entrypoints.engine_factory import engine_config
+        from kestrel.entrypoints.prompt_compression import build_prompt_compressor
 
-        return cls(engine_config(model, **engine_args), model_path=model, max_queued_requests=max_queued_requests,
-                   request_timeout_s=request_timeout_s, log_level=log_level)
+        config = engine_config(model, **engine_args)
+        # The compressor runs in this (the API) process, loaded before the core's memory plan measures the device.
+        compressor = build_prompt_compressor(config)
+        client = cls(config, model_path=model, max_queued_requests=max_queued_requests,
+                     request_timeout_s=request_timeout_s, log_level=log_level)
+        client.prompt_compressor = compressor
+        return client
 
     @property
     def pid(self) -> int | None:

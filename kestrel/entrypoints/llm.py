@@ -14,8 +14,9 @@ from tqdm.auto import tqdm
 
 from kestrel.engine.stats_logger import StatsLogger
 from kestrel.entrypoints.beam_search import BeamSearch, BeamSearchOutput, advance_round, check_beam_width, next_round
-from kestrel.entrypoints.chat import apply_chat_template
+from kestrel.entrypoints.chat import apply_chat_template, special_token_texts
 from kestrel.entrypoints.engine_factory import build_engine, engine_config
+from kestrel.entrypoints.media import MediaLimits, chat_images, images_of, text_only_refusal
 from kestrel.entrypoints.pooling_tasks import (
     checked_dimensions,
     classifier_params,
@@ -29,6 +30,8 @@ from kestrel.entrypoints.pooling_tasks import (
     score_pairs,
     sigmoid,
 )
+from kestrel.entrypoints.prompt_compression import PARAM as COMPRESSION_PARAM
+from kestrel.entrypoints.prompt_compression import PromptCompressor, build_prompt_compressor
 from kestrel.entrypoints.text_workers import encode_pair
 from kestrel.outputs import (
     ClassificationOutput,
@@ -42,7 +45,7 @@ from kestrel.outputs import (
     ScoringRequestOutput,
 )
 from kestrel.pooling_params import PoolingParams
-from kestrel.request import InvalidRequestError
+from kestrel.request import InvalidRequestError, MediaItem
 from kestrel.sampling_params import BeamSearchParams, SamplingParams
 from kestrel.tiny import default_model_path
 
@@ -74,8 +77,13 @@ class LLM:
             model = str(default_model_path())
         engine_args.setdefault("disable_log_stats", True)  # as vLLM's LLM: the progress bar reports instead
         self.config = engine_config(str(model), **engine_args)
+        # Before the served model, so that its memory plan sees the compressor's memory as taken.
+        self.prompt_compressor: PromptCompressor | None = build_prompt_compressor(self.config)
         built = build_engine(self.config)
         self.tokenizer, self.runner, self.engine = built.tokenizer, built.runner, built.core
+        self.media = built.media  # a multimodal model's processor; None: text only
+        model = self.config.model
+        self.media_limits = MediaLimits(model.allowed_local_media_path, model.allowed_media_domains)
         self._counter = itertools.count()
         self._stats_logger = None if self.config.disable_log_stats else StatsLogger()
 
@@ -112,20 +120,64 @@ class LLM:
         if len(priorities) != len(prompts):
             raise InvalidRequestError("priority", f"got {len(priorities)} priorities for {len(prompts)} prompts; "
                                       "give one per prompt")
+        return self._generate(prompts, params_list, priorities, use_tqdm)
+
+    def _generate(self, prompts: list[PromptType], params_list: list[SamplingParams], priorities: list[int],
+                  use_tqdm: bool | Callable[..., Any], original_counts: Sequence[int | None] | None = None,
+                  ) -> list[RequestOutput]:
+        """`original_counts`: per prompt, its token count before a compression already done (LLM.chat)."""
         # generate() returns finished outputs only, so the engine need not build one every step.
         final = {id(p): p.replace(output_kind="final_only") for p in params_list}
         params_list = [final[id(p)] for p in params_list]
         ids = []
+        originals: dict[str, int | None] = {}
         try:
-            for prompt, params, rank in zip(prompts, params_list, priorities):
+            for k, (prompt, params, rank) in enumerate(zip(prompts, params_list, priorities)):
+                original = original_counts[k] if original_counts is not None else None
+                if params.prompt_compression is not None:
+                    prompt, original = self._compressed_prompt(prompt, params)
+                    params = params.replace(prompt_compression=None)
                 text, token_ids = self._tokenize(prompt)
+                token_ids, media = self._with_media(prompt, token_ids)
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, token_ids, params, prompt=text, priority=rank)
+                self.engine.add_request(request_id, token_ids, params, prompt=text, priority=rank, media=media)
                 ids.append(request_id)
+                originals[request_id] = original
         except Exception:
             self.engine.abort_request(ids)
             raise
-        return self._run(ids, use_tqdm)
+        outputs = self._run(ids, use_tqdm)
+        for output in outputs:
+            output.original_num_prompt_tokens = originals.get(output.request_id)
+        return outputs
+
+    def _with_media(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], tuple[MediaItem, ...]]:
+        """A prompt's `multi_modal_data` (vLLM's {"image": PIL image or list}): its placeholders expanded and its
+        media items; a prompt without one as it is."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is None:
+            return token_ids, ()
+        images = images_of(data, "multi_modal_data")
+        if self.media is None:
+            raise text_only_refusal("multi_modal_data")
+        return self.media.expand(token_ids, images, "multi_modal_data")
+
+    def _require_compressor(self) -> PromptCompressor:
+        if self.prompt_compressor is None:
+            raise InvalidRequestError(COMPRESSION_PARAM, "prompt_compression needs a compressor model: build the "
+                                      "LLM with prompt_compressor='kestrel-tiny' (the bundled model) or a model "
+                                      "directory (the --prompt-compressor flag of kestrel serve)")
+        return self.prompt_compressor
+
+    def _compressed_prompt(self, prompt: PromptType, params: SamplingParams) -> tuple[str, int]:
+        """The prompt's compressed text and the original's token count."""
+        compressor = self._require_compressor()
+        text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
+        if not isinstance(text, str):
+            raise InvalidRequestError(COMPRESSION_PARAM, "prompt_compression compresses text: give the prompt as "
+                                      "text, not prompt_token_ids")
+        compressed = compressor.compress_text(text, params.prompt_compression, special_token_texts(self.tokenizer))
+        return compressed.text or "", len(self.tokenizer.encode(text))
 
     def beam_search(
         self,
@@ -171,12 +223,34 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {"prompt_token_ids": apply_chat_template(self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
-                                                     chat_template=chat_template, tools=tools)}
-            for conv in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
+                       else [sampling_params] * len(conversations))
+        if len(params_list) != len(conversations):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(conversations)} conversations; give "
+                             "one or one per conversation")
+
+        def template(conv: list[dict[str, Any]]) -> list[int]:
+            return apply_chat_template(self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
+                                       chat_template=chat_template, tools=tools, content_parts=self.media is not None)
+
+        prompts: list[PromptType] = []
+        original_counts: list[int | None] = []
+        for k, (conv, params) in enumerate(zip(conversations, params_list)):
+            original = None
+            if params.prompt_compression is not None:
+                compressed = self._require_compressor().compress_messages(conv, params.prompt_compression)
+                original = len(template(conv))
+                conv = compressed.messages or conv
+                params_list[k] = params.replace(prompt_compression=None)
+            conv, images = chat_images(conv, self.media, self.media_limits)
+            prompt: dict[str, Any] = {"prompt_token_ids": template(conv)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
+            original_counts.append(original)
+        return self._generate(prompts, params_list, [0] * len(prompts), use_tqdm, original_counts)
 
     # ----- pooling: embed, classify, score, encode --------------------------------------------------
 

@@ -152,7 +152,17 @@ class ServerMetrics:
         self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason (one per request, "
                                 "whatever its n; the count of e2e_request_latency_seconds).",
                                 [*LABELS, "finished_reason"], registry=self.registry)
+        self.compression_saved_tokens = Counter(
+            PREFIX + "prompt_compression_saved_tokens", "Prompt tokens prompt compression removed (the served "
+            "model's tokens, before minus after).", LABELS, registry=self.registry).labels(model_name, ENGINE_INDEX)
+        self.compression_seconds = histogram("prompt_compression_seconds", "Time the compressor took per request "
+                                             "(scoring and selection, its queue not included).",
+                                             REQUEST_LATENCY_BUCKETS)
         self._model_name = model_name
+
+    def observe_compression(self, saved_tokens: int, seconds: float) -> None:
+        self.compression_saved_tokens.inc(max(saved_tokens, 0))
+        self.compression_seconds.observe(seconds)
 
     def tracker(self, arrival: float | None = None, params: Any = None) -> RequestTracker:
         return RequestTracker(self, arrival, params)

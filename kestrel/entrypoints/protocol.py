@@ -24,6 +24,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -32,6 +33,7 @@ from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import (
     SAMPLING_BOUNDS,
     BeamSearchParams,
+    PromptCompression,
     SamplingParams,
     SamplingParamsError,
     StructuredOutputsParams,
@@ -159,6 +161,21 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, the usage so far in every chunk
 
 
+class PromptCompressionRequest(_Request):
+    """A kestrel extension (docs/long-context.md, "Prompt compression"): PromptCompression's fields."""
+
+    rate: Annotated[float, Field(gt=0.0, le=1.0)]
+    keep_last_user_turn: bool | None = None
+    keep_system: bool | None = None
+    keep_code_blocks: bool | None = None
+    keep_spans: list[Annotated[list[Annotated[Int, Field(ge=0)]], Field(min_length=2, max_length=2)]] | None = None
+
+    def params(self) -> PromptCompression:
+        return PromptCompression(rate=self.rate, keep_last_user_turn=self.keep_last_user_turn,
+                                 keep_system=self.keep_system, keep_code_blocks=bool(self.keep_code_blocks),
+                                 keep_spans=tuple((a, b) for a, b in self.keep_spans or ()))
+
+
 class _SamplingRequest(_Request):
     """Fields shared by completions and chat: OpenAI's sampling fields plus vLLM's extensions."""
 
@@ -201,6 +218,7 @@ class _SamplingRequest(_Request):
     length_penalty: float | None = None  # beam scores: cum_logprob / length ** length_penalty
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    prompt_compression: PromptCompressionRequest | None = None  # kestrel's: shorten the prompt first
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -235,6 +253,7 @@ class _SamplingRequest(_Request):
             logit_bias=self._token_bias(),
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids else None,
             bad_words=list(self.bad_words) if self.bad_words else None,
+            prompt_compression=self.prompt_compression.params() if self.prompt_compression is not None else None,
         )
 
     @property
@@ -668,6 +687,16 @@ class UsageInfo(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details, as in vLLM
+    # A kestrel extension: with prompt_compression, the prompt tokens before compression (prompt_tokens counts
+    # the compressed prompt); left out of the body otherwise.
+    original_prompt_tokens: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unasked_extension(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("original_prompt_tokens") is None:
+            data.pop("original_prompt_tokens", None)
+        return data
 
 
 class ListResponse(BaseModel):

@@ -42,16 +42,20 @@ from kestrel.entrypoints.chat import (
     make_tool_parser,
     new_tool_call_id,
     parse_tool_calls,
+    special_token_texts,
 )
 from kestrel.entrypoints.grammar_pool import GrammarCompilePool
 from kestrel.entrypoints.logprob_format import LogprobFormatter, join, text_end
 from kestrel.entrypoints.metrics import RequestTracker, ServerMetrics
+from kestrel.entrypoints.prompt_compression import PARAM as COMPRESSION_PARAM
+from kestrel.entrypoints.prompt_compression import PromptCompressor
 from kestrel.entrypoints.protocol import (
     ChatChoice,
     ChatChoiceLogProbs,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
@@ -69,10 +73,10 @@ from kestrel.entrypoints.protocol import (
     UsageInfo,
 )
 from kestrel.entrypoints.server_config import ServerConfig
-from kestrel.entrypoints.text_workers import TextWorkers, chat_input
+from kestrel.entrypoints.text_workers import ChatInput, TextWorkers, chat_input
 from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.request import InvalidRequestError, prompt_too_long
-from kestrel.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from kestrel.sampling_params import BeamSearchParams, PromptCompression, SamplingParams, StructuredOutputsParams
 from kestrel.structured.compile import GrammarSource
 
 T = TypeVar("T")
@@ -124,6 +128,7 @@ class _Submitted:
     model_name: str = ""
     budget: ResponseBudget | None = None
     report_cached: bool = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
+    original_prompt_tokens: int | None = None  # before prompt compression (usage.original_prompt_tokens)
     cached_tokens: dict[int, int] = field(default_factory=dict)  # per prompt: tokens the prefix cache served
 
     async def abort(self) -> None:
@@ -161,6 +166,9 @@ class OpenAIServing:
         self.model_names = tuple(served_model_names)
         self.model_name = self.model_names[0]
         self.metrics = metrics
+        self.compressor: PromptCompressor | None = getattr(engine, "prompt_compressor", None)
+        # A text prompt's special-token texts stay whole when it is compressed.
+        self.special_texts = tuple(special_token_texts(self.tokenizer)) if self.compressor is not None else ()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
@@ -186,8 +194,13 @@ class OpenAIServing:
         # vLLM's rule: the requested output must fit the context beside each prompt (0 with echo: none asked).
         room = _OutputRoom(0 if request.scores_only else request.token_limit, "max_tokens")
         self._check_output_room(room)
+        prompt_inputs, original_tokens = request.prompts(), None
+        if params.prompt_compression is not None:
+            prompt_inputs, original_tokens = await _until_disconnect(raw, self._compress_prompts(
+                prompt_inputs, params.prompt_compression, request.add_special_tokens is not False))
+            params = params.replace(prompt_compression=None)
         prompts = await _until_disconnect(raw, self._encode_prompts(
-            request.prompts(), request.add_special_tokens is not False, request.truncate_prompt_tokens,
+            prompt_inputs, request.add_special_tokens is not False, request.truncate_prompt_tokens,
             room=room))
         grammar = await self._compile_grammar(grammar_source, raw)
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
@@ -195,6 +208,7 @@ class OpenAIServing:
                                  structured_param=request.structured_outputs_field,
                                  shape=_completion_shape(request, params, prompts), grammar=grammar)
         job.model_name = self.response_model_name(request.model)
+        job.original_prompt_tokens = original_tokens
         if request.echo:
             job.prompts = [_Prompt(self._prompt_text(p, params), p.token_ids) for p in prompts]
         if request.stream:
@@ -351,6 +365,11 @@ class OpenAIServing:
         grammar_source = self._grammar_source(params, structured_param)  # its limits, too
         if mode in ("required", "named") and self.grammars is not None:
             self.grammars.check_tools(request.tool_dicts(), mode, request.named_tool)
+        original_tokens = None
+        if params.prompt_compression is not None:
+            chat, original_tokens = await _until_disconnect(raw, self._compress_chat(
+                chat, request.messages, params.prompt_compression))
+            params = params.replace(prompt_compression=None)
         prompt, count, ids = await _until_disconnect(
             raw, self.text.render_chat(chat, None if truncate else self.engine.max_model_len))
         token_ids = self._fit_prompt(count, ids, truncate, "messages", room)
@@ -374,6 +393,7 @@ class OpenAIServing:
                                  structured_param=structured_param, shape=_chat_shape(request, params),
                                  grammar=grammar)
         job.model_name = self.response_model_name(request.model)
+        job.original_prompt_tokens = original_tokens
         tools = _tool_setup(request, prompt.assistant_prefix, self.config.tool_call_parser or prompt.tool_format)
         if request.stream:
             return EventStreamResponse(self._chat_stream(request, job, tools))
@@ -491,6 +511,50 @@ class OpenAIServing:
         return DeltaMessage(content=content, tool_calls=tool_calls), finish_reason
 
     # ----- shared --------------------------------------------------------------------------------
+
+    # ----- prompt compression (docs/long-context.md) ----------------------------------------------------
+
+    def _require_compressor(self) -> PromptCompressor:
+        if self.compressor is None:
+            raise InvalidRequestError(COMPRESSION_PARAM, "this server has no prompt compressor; start it with "
+                                      "--prompt-compressor MODEL_DIR ('kestrel-tiny' for the bundled model) to use "
+                                      "prompt_compression")
+        return self.compressor
+
+    async def _compress_prompts(self, prompts: Sequence[str | list[int]], options: PromptCompression,
+                                add_special_tokens: bool) -> tuple[list[str], int]:
+        """Each text prompt compressed (in the compressor's thread), and the original prompts' token count."""
+        compressor = self._require_compressor()
+        if any(not isinstance(p, str) for p in prompts):
+            raise InvalidRequestError(COMPRESSION_PARAM, "prompt_compression compresses text; send the prompt as "
+                                      "text, not token ids")
+        if options.keep_spans and len(prompts) > 1:
+            raise InvalidRequestError(f"{COMPRESSION_PARAM}.keep_spans", "keep_spans index one prompt's "
+                                      "characters; send one prompt per request, or mark the spans with the keep "
+                                      "markers")
+        texts = [p for p in prompts if isinstance(p, str)]
+        compressed = [await compressor.compress_text_async(t, options, self.special_texts) for t in texts]
+        counts = await self.text.encode_prompts(texts, 0, add_special_tokens, "prompt")
+        outs = [c.text or "" for c in compressed]
+        kept = await self.text.encode_prompts(outs, 0, add_special_tokens, "prompt")
+        original = sum(count for count, _ in counts)
+        self.metrics.observe_compression(original - sum(count for count, _ in kept),
+                                         sum(c.seconds for c in compressed))
+        return outs, original
+
+    async def _compress_chat(self, chat: ChatInput, messages: Sequence[ChatMessage],
+                             options: PromptCompression) -> tuple[ChatInput, int]:
+        """The chat with its messages compressed (in the compressor's thread), and the original's token count."""
+        compressor = self._require_compressor()
+        compressed = await compressor.compress_messages_async(chat.messages, options)
+        new_messages = compressed.messages or chat.messages
+        texts = [text for m, new in zip(messages, new_messages)
+                 for text in (m.role, new["content"] if isinstance(new.get("content"), str) else m.text())]
+        shorter = dataclasses.replace(chat, messages=new_messages, message_texts=texts)
+        _, original, _ = await self.text.render_chat(chat, 0)
+        _, kept, _ = await self.text.render_chat(shorter, 0)
+        self.metrics.observe_compression(original - kept, compressed.seconds)
+        return shorter, original
 
     def _formatter(self, num_top: int | None, tokens_as_ids: bool | None) -> LogprobFormatter:
         # One token's text, decoded alone and cached by the engine (its logprobs' decoded_token too).
@@ -810,6 +874,7 @@ def _usage(job: _Submitted, finals: list[RequestOutput]) -> UsageInfo:
 
 def _usage_of(job: _Submitted, completion_tokens: int) -> UsageInfo:
     usage = _usage_info(job.num_prompt_tokens, completion_tokens)
+    usage.original_prompt_tokens = job.original_prompt_tokens
     if job.report_cached:
         usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=sum(job.cached_tokens.values()))
     return usage

@@ -1,0 +1,125 @@
+"""Prompt compression's selection (pure Python): the target rate, protected spans, the coarse stage, markers."""
+
+import math
+
+import pytest
+
+from kestrel.entrypoints.compression_plan import (
+    KeepMarkerError,
+    ScoredToken,
+    code_block_spans,
+    literal_spans,
+    segment_spans,
+    select,
+    strip_keep_markers,
+    text_of,
+)
+from kestrel.sampling_params import KEEP_MARKERS, PromptCompression, SamplingParams, SamplingParamsError
+
+
+def words(text: str, surprisal: dict[str, float] | None = None) -> list[ScoredToken]:
+    """One token per space-led word, scored by `surprisal` (default: its length)."""
+    tokens, start = [], 0
+    for i, ch in enumerate(text + " "):
+        if (ch == " " or ch == "\n" or i == len(text)) and i > start:
+            word = text[start:i].strip()
+            tokens.append(ScoredToken(start, (surprisal or {}).get(word, float(len(word)))))
+            start = i
+    return tokens
+
+
+TEXT = "the cat sat on the mat and then the dog barked loudly at the strange visitor outside"
+
+
+@pytest.mark.parametrize("rate", [0.8, 0.5, 0.33, 0.1])
+def test_rate_is_reached(rate):
+    tokens = words(TEXT)
+    selection = select(TEXT, tokens, rate, [])
+    assert selection.num_tokens == len(tokens)
+    assert selection.num_kept == math.ceil(rate * len(tokens))
+    assert sum(selection.kept) == selection.num_kept
+
+
+def test_fine_stage_drops_the_least_surprising_tokens():
+    scores = {"the": 0.1, "on": 0.2, "and": 0.3}
+    selection = select(TEXT, words(TEXT, scores), 0.7, [])
+    kept = text_of(TEXT, selection.kept_spans)
+    assert not {"the", "on"} & set(kept.split()) and "strange visitor" in kept
+
+
+def test_protected_spans_stay_verbatim_and_limit_what_can_drop():
+    start = TEXT.index("the dog")
+    protected = [(start, start + len("the dog barked"))]
+    selection = select(TEXT, words(TEXT), 0.2, protected)
+    kept = text_of(TEXT, selection.kept_spans)
+    assert "the dog barked" in kept
+    assert selection.num_kept >= math.ceil(0.2 * len(words(TEXT)))
+
+
+def test_everything_protected_drops_nothing():
+    selection = select(TEXT, words(TEXT), 0.3, [(0, len(TEXT))])
+    assert text_of(TEXT, selection.kept_spans) == TEXT and selection.num_kept == selection.num_tokens
+
+
+def test_unscored_tokens_stay():
+    tokens = [ScoredToken(0, math.inf), *words(TEXT)[1:]]
+    kept = text_of(TEXT, select(TEXT, tokens, 0.2, []).kept_spans)
+    assert kept.startswith("the")
+
+
+def test_coarse_stage_drops_whole_dull_lines_first():
+    text = "alpha beta gamma\nfiller filler filler filler\ndelta epsilon zeta\n"
+    scores = {"filler": 0.01}
+    tokens = words(text, scores)
+    selection = select(text, tokens, 0.5, [])
+    kept = text_of(text, selection.kept_spans)
+    assert "filler" not in kept  # the whole line went in the coarse stage
+    assert selection.num_kept == math.ceil(0.5 * len(tokens))
+
+
+def test_the_same_input_gives_the_same_selection():
+    tokens = words(TEXT, {"the": 1.0, "cat": 1.0, "sat": 1.0})  # ties broken by position
+    assert select(TEXT, tokens, 0.5, []) == select(TEXT, list(tokens), 0.5, [])
+
+
+def test_keep_markers_are_removed_and_their_spans_reported():
+    opening, closing = KEEP_MARKERS
+    text = f"drop this {opening}keep this{closing} and more"
+    stripped, spans, offsets = strip_keep_markers(text)
+    assert stripped == "drop this keep this and more"
+    assert [stripped[a:b] for a, b in spans] == ["keep this"]
+    assert offsets[text.index("and")] == stripped.index("and") and offsets[len(text)] == len(stripped)
+
+
+@pytest.mark.parametrize("text", [f"{KEEP_MARKERS[0]} a", f"a {KEEP_MARKERS[1]}",
+                                  f"{KEEP_MARKERS[0]}a{KEEP_MARKERS[0]}b{KEEP_MARKERS[1]}{KEEP_MARKERS[1]}"])
+def test_unpaired_keep_markers_are_refused(text):
+    with pytest.raises(KeepMarkerError):
+        strip_keep_markers(text)
+
+
+def test_code_blocks_literals_and_segments():
+    text = "intro\n```py\nx = 1\n```\nafter ```open"
+    blocks = code_block_spans(text)
+    assert [text[a:b] for a, b in blocks] == ["```py\nx = 1\n```", "```open"]
+    assert literal_spans("a<s>b<s>", ["<s>"]) == [(1, 4), (5, 8)]
+    sentences = "One. Two\nthree"
+    assert [sentences[a:b] for a, b in segment_spans(sentences)] == ["One. ", "Two\n", "three"]
+
+
+@pytest.mark.parametrize("value, param", [
+    ({"rate": 0}, "prompt_compression.rate"), ({"rate": 1.01}, "prompt_compression.rate"),
+    ({"rate": float("nan")}, "prompt_compression.rate"), ({}, "prompt_compression.rate"),
+    ({"rate": 0.5, "ratio": 2}, "prompt_compression.ratio"),
+    ({"rate": 0.5, "keep_spans": [[4, 2]]}, "prompt_compression.keep_spans"),
+    ({"rate": 0.5, "keep_system": "yes"}, "prompt_compression.keep_system"),
+])
+def test_sampling_params_refuse_bad_options_by_name(value, param):
+    with pytest.raises(SamplingParamsError) as error:
+        SamplingParams(prompt_compression=value)
+    assert error.value.param == param
+
+
+def test_sampling_params_read_a_dict():
+    params = SamplingParams(prompt_compression={"rate": 1, "keep_spans": [[0, 3]]})
+    assert params.prompt_compression == PromptCompression(rate=1, keep_spans=((0, 3),))
