@@ -26,6 +26,8 @@ QUANTIZATION_CHOICES = (None, "fp8", "int8", "compressed-tensors", "gptq", "awq"
 CHECKPOINT_ONLY_QUANTIZATION = ("compressed-tensors", "gptq", "awq", "bitsandbytes")
 ACTIVATION_SCHEME_CHOICES = ("dynamic", "static")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+MEDIA_MODALITIES = ("image", "audio", "video")
+DEFAULT_MM_PER_PROMPT = 999  # vLLM's default per modality: the context length is the real bound
 # Steps between the expert-load counts' reports (each one a host copy and a conversion of [layers, experts] ints).
 EXPERT_LOAD_INTERVAL = 32
 SCHEDULING_POLICY_CHOICES = ("fcfs", "priority", "shortest_prefill")
@@ -68,12 +70,13 @@ _HF_OPTIONAL = frozenset({"num_key_value_heads", "head_dim", "max_position_embed
 
 def text_decoder_config(hf: dict) -> dict:
     """A multimodal checkpoint's config.json keeps its language model's fields under `text_config`: those fields,
-    with the top level's for what the text config leaves out (architectures, dtype, quantization). Other configs
+    with the top level's for what the text config leaves out (architectures, dtype, quantization), and the
+    encoders' configs (`vision_config`, `audio_config`) as they are, for the multimodal families. Other configs
     as they are."""
     text = hf.get("text_config")
     if not isinstance(text, dict) or "num_hidden_layers" in hf:
         return hf
-    outer = {key: value for key, value in hf.items() if key not in ("text_config", "vision_config", "audio_config")}
+    outer = {key: value for key, value in hf.items() if key != "text_config"}
     return {**outer, **text, "architectures": hf.get("architectures")}
 
 
@@ -305,6 +308,12 @@ class ModelConfig:
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1: the whole vocabulary
     runner: str = "auto"  # resolved to "generate" or "pooling" ("pooling" for a classification architecture)
     pooler_config: dict | None = None  # the pooling runner's overrides: {"pooling_type": ..., "normalize": ...}
+    # Multimodal models (docs/multimodal.md): most items per prompt by modality ({"image": 2}; default
+    # DEFAULT_MM_PER_PROMPT each), the image processor's settings, and where images may come from besides data: URLs.
+    limit_mm_per_prompt: dict | None = None
+    mm_processor_kwargs: dict | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] | None = None
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults, compare=False, repr=False)
     pooler: PoolerSettings | None = field(default=None, init=False, compare=False, repr=False)  # with "pooling"
@@ -346,6 +355,7 @@ class ModelConfig:
             if not isinstance(self.hf_overrides, dict):
                 _fail("hf_overrides", self.hf_overrides, "expected a dict of config.json keys and values")
             object.__setattr__(self, "hf_config", {**self.hf_config, **self.hf_overrides})
+        self._check_media_fields()
         validate_hf_config(self.hf_config, f"config.json of model={self.model!r}"
                            + (" with hf_overrides" if self.hf_overrides else ""))
         object.__setattr__(self, "generation_defaults",
@@ -373,6 +383,31 @@ class ModelConfig:
             return
         object.__setattr__(self, "pooler", resolve_pooler(self.model, self.hf_config, self.architecture,
                                                           self.pooler_config))
+
+    def _check_media_fields(self) -> None:
+        limits = self.limit_mm_per_prompt
+        if limits is not None:
+            if not isinstance(limits, dict):
+                _fail("limit_mm_per_prompt", limits, 'expected a JSON object of modality -> count, e.g. {"image": 2}')
+            for modality, count in limits.items():
+                if modality not in MEDIA_MODALITIES:
+                    _fail(f"limit_mm_per_prompt.{modality}", count, f"unknown modality; kestrel knows "
+                          f"{', '.join(MEDIA_MODALITIES)}")
+                _check_int(f"limit_mm_per_prompt.{modality}", count, 0)
+        if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
+            _fail("mm_processor_kwargs", self.mm_processor_kwargs, "expected a JSON object of the image processor's "
+                  "settings")
+        path = self.allowed_local_media_path
+        if path is not None and (not isinstance(path, str) or not os.path.isdir(path)):
+            _fail("allowed_local_media_path", path, "expected an existing directory: file:// images are read "
+                  "only from under it")
+        domains = self.allowed_media_domains
+        if domains is not None:
+            if isinstance(domains, str):
+                domains = (domains,)
+            if not isinstance(domains, (tuple, list)) or not all(isinstance(d, str) and d for d in domains):
+                _fail("allowed_media_domains", domains, "expected one or more domain names")
+            object.__setattr__(self, "allowed_media_domains", tuple(d.lower() for d in domains))
 
     @property
     def architecture(self) -> str:
@@ -405,6 +440,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 1 << 30
     kv_cache_memory_bytes: int | None = None  # absolute KV budget on any device; overrides the fraction
+    # Multimodal models: the encoder cache's bound in embedding rows (an image's placeholder count each).
+    encoder_cache_size: int = 16384
 
     def __post_init__(self) -> None:
         _check_choice("block_size", self.block_size, BLOCK_SIZE_CHOICES)
@@ -416,6 +453,7 @@ class CacheConfig:
             _fail("gpu_memory_utilization", self.gpu_memory_utilization, "expected a fraction in (0, 1]")
         _check_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, 1)
         _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, allow_none=True)
+        _check_int("encoder_cache_size", self.encoder_cache_size, 1)
 
     @property
     def num_blocks(self) -> int | None:
@@ -921,6 +959,17 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "the pooling runner's pooling, overriding the checkpoint's (modules.json), as JSON: "
               "'{\"pooling_type\": \"MEAN\", \"normalize\": true}' (pooling_type LAST, MEAN or CLS)",
               vllm_name="override_pooler_config"),
+    EngineArg("limit_mm_per_prompt", "model", "limit_mm_per_prompt",
+              "multimodal models: most items of each modality per prompt, as JSON: '{\"image\": 2}' (default "
+              f"{DEFAULT_MM_PER_PROMPT}); a prompt with more is refused"),
+    EngineArg("mm_processor_kwargs", "model", "mm_processor_kwargs",
+              "multimodal models: settings of the checkpoint's image processor, as JSON (e.g. '{\"do_center_crop\": "
+              "false}'); a key the processor does not have is refused"),
+    EngineArg("allowed_local_media_path", "model", "allowed_local_media_path",
+              "multimodal models: a directory whose files requests may name as file:// image URLs (default: none)"),
+    EngineArg("allowed_media_domains", "model", "allowed_media_domains",
+              "multimodal models: domains whose http(s) image URLs are fetched (default: none; remote fetching is "
+              "off)"),
     EngineArg("block_size", "cache", "block_size", "tokens per KV cache block", choices=BLOCK_SIZE_CHOICES),
     EngineArg("kv_cache_blocks", "cache", "kv_cache_blocks", "number of KV cache blocks (instead of the profiled "
               "one)", vllm_name="num_gpu_blocks_override"),
@@ -931,6 +980,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("cpu_kv_cache_bytes", "cache", "cpu_kv_cache_bytes", "KV cache bytes on the CPU"),
     EngineArg("kv_cache_memory_bytes", "cache", "kv_cache_memory_bytes",
               "absolute KV cache budget in bytes (instead of the fraction)"),
+    EngineArg("encoder_cache_size", "cache", "encoder_cache_size",
+              "multimodal models: the encoder cache's bound in embedding rows (an image's placeholder tokens each)"),
     EngineArg("max_num_batched_tokens", "scheduler", "max_num_batched_tokens", "token budget of one step"),
     EngineArg("max_num_seqs", "scheduler", "max_num_seqs", "most sequences in the running batch"),
     EngineArg("enable_chunked_prefill", "scheduler", "enable_chunked_prefill",
@@ -1011,7 +1062,6 @@ NOT_SUPPORTED_ENGINE_ARGS: dict[str, str] = {
                               "them off",
     "compilation_config": "kestrel's kernels are its own Triton kernels, with CUDA graphs (enforce_eager turns them "
                           "off); there is no torch.compile configuration",
-    "limit_mm_per_prompt": "kestrel serves text-only models", "mm_processor_kwargs": "kestrel serves text-only models",
     "enable_prompt_embeds": "prompt embeddings are not supported",
     "task": "vLLM's older spelling; use runner='pooling' (--runner pooling), and the checkpoint's architecture "
             "decides between embeddings and classification",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kestrel.outputs import Logprob
 from kestrel.pooling_params import PoolingParams
@@ -28,6 +29,55 @@ def prompt_too_long(num_tokens: int, max_model_len: int, param: str = "prompt") 
     return InvalidRequestError(
         param, f"the prompt has {num_tokens} tokens but the model's context is max_model_len={max_model_len}, "
         f"which must also fit at least one generated token; shorten the prompt to at most {max_model_len - 1} tokens")
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One image (or other media) of a prompt, as the engine sees it: its modality, a hash of its content (the
+    encoder cache's key, and part of the prefix-cache hash of every block its placeholders touch), and where its
+    embeddings go in the prompt: `ranges`, (start, length) runs of positions filled in order by the encoder's output
+    rows. `data` is the processor's output (tensors), opaque to the engine and read only by the worker's model."""
+
+    modality: str
+    content_hash: str
+    ranges: tuple[tuple[int, int], ...]
+    data: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_embeds(self) -> int:
+        return sum(length for _, length in self.ranges)
+
+    @property
+    def start(self) -> int:
+        return self.ranges[0][0]
+
+    @property
+    def end(self) -> int:
+        """One past the item's last placeholder position."""
+        start, length = self.ranges[-1]
+        return start + length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return any(s < end and start < s + n for s, n in self.ranges)
+
+
+def check_media(media: tuple[MediaItem, ...], num_prompt_tokens: int) -> None:
+    """A request's media items must name non-empty, ordered, non-overlapping placeholder runs inside its prompt."""
+    previous_end = 0
+    for index, item in enumerate(media):
+        param = f"multi_modal_data[{index}]"
+        if not isinstance(item, MediaItem):
+            raise InvalidRequestError(param, f"expected a MediaItem, got {type(item).__name__}")
+        if not item.ranges or not isinstance(item.content_hash, str) or not item.content_hash:
+            raise InvalidRequestError(param, "a media item needs a content hash and at least one placeholder range")
+        for start, length in item.ranges:
+            if isinstance(start, bool) or not isinstance(start, int) or not isinstance(length, int) or length < 1:
+                raise InvalidRequestError(param, f"placeholder range ({start!r}, {length!r}) is not (start >= 0, "
+                                          "length >= 1)")
+            if start < previous_end or start + length > num_prompt_tokens:
+                raise InvalidRequestError(param, f"placeholder range ({start}, {length}) overlaps an earlier one or "
+                                          f"runs past the prompt's {num_prompt_tokens} tokens")
+            previous_end = start + length
 
 
 class RequestStatus(enum.IntEnum):
@@ -87,6 +137,8 @@ class Request:
     # A pooling request: its prompt's pooled final hidden state, set by the step that completes the prompt.
     pooling_params: PoolingParams | None = None
     pooled_output: list[float] | None = None
+    # Images (media) of the prompt, ordered by position: their placeholder tokens take the encoder's embeddings.
+    media: tuple[MediaItem, ...] = ()
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

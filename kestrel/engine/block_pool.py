@@ -21,10 +21,15 @@ class BlockHash(NamedTuple):
 
     value: int
     token_ids: tuple[int, ...]
+    extra_keys: tuple[str, ...] = ()  # the content hashes of the media whose placeholders the block holds
 
 
-def hash_block(parent: BlockHash | None, token_ids: tuple[int, ...]) -> BlockHash:
-    return BlockHash(hash((parent.value if parent else None, token_ids)), token_ids)
+def hash_block(parent: BlockHash | None, token_ids: tuple[int, ...], extra_keys: tuple[str, ...] = ()) -> BlockHash:
+    """`extra_keys`: what the tokens do not say about the block's KV, e.g. the content hashes of the images whose
+    placeholders it holds (the placeholder ids are the same for every image)."""
+    key = (parent.value if parent else None, token_ids, extra_keys) if extra_keys else (
+        parent.value if parent else None, token_ids)
+    return BlockHash(hash(key), token_ids, extra_keys)
 
 
 @dataclass(eq=False)

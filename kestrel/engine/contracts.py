@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from kestrel.outputs import Logprob
 from kestrel.pooling_params import PoolingParams
+from kestrel.request import MediaItem
 from kestrel.sampling_params import SamplingParams
 
 
@@ -30,6 +31,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]  # per KV-cache group
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
     pooling_params: PoolingParams | None = None  # a pooling request: the worker returns its pooled hidden state
+    media: tuple[MediaItem, ...] = ()  # the prompt's media items: the worker encodes them and fills their positions
 
 
 @dataclass(frozen=True)

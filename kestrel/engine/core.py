@@ -23,7 +23,7 @@ from kestrel.engine.scheduler import Scheduler
 from kestrel.kv_spec import KVCacheLayout, as_layout
 from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kestrel.pooling_params import PoolingParams
-from kestrel.request import InvalidRequestError, Request, RequestStatus, prompt_too_long
+from kestrel.request import InvalidRequestError, MediaItem, Request, RequestStatus, check_media, prompt_too_long
 from kestrel.sampling_params import SamplingParams
 
 
@@ -127,12 +127,14 @@ class EngineCore:
     # ----- requests -----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
-                    prompt: str | None = None, priority: int = 0, grammar: Any = None) -> None:
+                    prompt: str | None = None, priority: int = 0, grammar: Any = None,
+                    media: tuple[MediaItem, ...] = ()) -> None:
         """`priority`: under the priority scheduling policy, lower values are served first. `grammar`: the
         compiled grammar of `params.structured_outputs` (opaque here: the grammar backend's), so that the engine
         does not compile it; None: the backend compiles it. PoolingParams instead of SamplingParams: the request
         runs its prompt and its output carries the pooled final hidden state (`RequestOutput.pooled`); its
-        fields left None take the model's pooler settings."""
+        fields left None take the model's pooler settings. `media`: the prompt's images, each with the placeholder
+        positions its embeddings fill (the entry points' processor expanded them)."""
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is None and self.config.model.runner == "pooling":
             raise InvalidRequestError("model", "this engine runs the pooling runner (runner='pooling', --runner "
@@ -145,6 +147,11 @@ class EngineCore:
                        else pooling.with_defaults("LAST", True))
             params = pooling.run_params()
         self._validate(request_id, prompt_token_ids, params)
+        media = tuple(media)
+        check_media(media, len(prompt_token_ids))
+        if media and not getattr(self.runner, "supported_modalities", frozenset()):
+            raise InvalidRequestError("multi_modal_data", "this model takes text only; send the prompt without "
+                                      "images")
         self._check_priority(priority)
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.replace(bad_words_token_ids=self._bad_word_sequences(params.bad_words))
@@ -158,7 +165,7 @@ class EngineCore:
                 child_params = params.replace(n=1, seed=seed)
             request = Request(child_id, list(prompt_token_ids), child_params, eos_token_id=self.eos_token_id,
                               max_model_len=self.max_model_len, extra_eos_token_ids=self._extra_eos,
-                              priority=priority, pooling_params=pooling)
+                              priority=priority, pooling_params=pooling, media=media)
             detokenizer = (IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child_params,
                                                   TokenizerLookups.of(self.tokenizer)) if self.detokenize else None)
             sequence = _Sequence(request, detokenizer, index)

@@ -214,7 +214,9 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         size = self.block_size
+        media = request.media
         while (len(hashes) + 1) * size <= len(tokens):
             start = len(hashes) * size
-            hashes.append(hash_block(hashes[-1] if hashes else None, tuple(tokens[start:start + size])))
+            extra = tuple(item.content_hash for item in media if item.overlaps(start, start + size)) if media else ()
+            hashes.append(hash_block(hashes[-1] if hashes else None, tuple(tokens[start:start + size]), extra))
         return hashes

@@ -243,6 +243,7 @@ class Scheduler:
                     block_ids=self.kv.block_ids(request_id),
                     num_computed_tokens=request.num_computed_tokens,
                     pooling_params=request.pooling_params,
+                    media=request.media,
                 ))
                 self._known_to_runner.add(request_id)
         # Cached requests come first in the batch, then new ones, matching num_scheduled's order.

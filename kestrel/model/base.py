@@ -59,11 +59,22 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 logits `[R, vocab]` (last pipeline stage only)."""
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`[T]` -> the first layer's input embeddings `[T, hidden]` (scaled as `forward` scales them); `forward`
+        takes them, edited, as `inputs_embeds` in place of `input_ids` (first pipeline stage)."""
+
     def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
         """Float32 pooled hidden states `[R, hidden]` -> what a pooling request returns: the vectors themselves
         (embeddings), or a classifier's `[R, num_labels]` logits."""
 
     def attention_layers(self) -> list[Attention]: ...
+
+    # Multimodal models only (`supported_modalities` not empty): each item's `data` (the processor's tensors) ->
+    # its embeddings `[item's placeholder count, hidden]` in the model dtype, one encoder pass for the whole list.
+    # The runner writes them into `embed_input_ids`'s output at the item's placeholder positions.
+    supported_modalities: frozenset[str]
+
+    def embed_multimodal(self, modality: str, items: list[Any]) -> list[torch.Tensor]: ...
 
     def decoder_layers(self) -> list[nn.Module]: ...
 
@@ -113,12 +124,18 @@ class DecoderModel(nn.Module):
         if parallel.is_last_stage:
             self.norm = make_norm(arch, arch.hidden_size, dtype)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        if self.embedding_scale is not None:
+            hidden_states = hidden_states * self.embedding_scale
+        return hidden_states
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         if self.parallel.is_first_stage:
-            hidden_states, residual = self.embed_tokens(input_ids), None
-            if self.embedding_scale is not None:
-                hidden_states = hidden_states * self.embedding_scale
+            hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             if intermediate_tensors is None:
                 raise ValueError("a pipeline stage after the first needs the previous stage's intermediate tensors")
@@ -181,9 +198,15 @@ class DecoderForCausalLM(nn.Module):
 
     # ----- the step ---------------------------------------------------------------------------------------
 
+    supported_modalities: ClassVar[frozenset[str]] = frozenset()  # a text-only model takes no media
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, attn_metadata, intermediate_tensors)
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, attn_metadata, intermediate_tensors, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
 
     def intermediate_specs(self, num_tokens: int) -> dict[str, TensorSpec]:
         spec = ((num_tokens, self.hidden_size), self.dtype)

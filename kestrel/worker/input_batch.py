@@ -19,6 +19,7 @@ import torch
 
 from kestrel.model.attn_metadata import AttentionMetadata, GroupTables
 from kestrel.pooling_params import PoolingParams
+from kestrel.request import MediaItem
 from kestrel.sampling_params import SamplingParams
 
 
@@ -43,6 +44,7 @@ class CachedRequestState:
     pooling_params: PoolingParams | None = None  # a pooling request: its sampling row also pools
     # MEAN pooling: the float32 sum of its prompt's hidden states so far; CLS: its first token's hidden state.
     pooled_partial: torch.Tensor | None = None
+    media: tuple[MediaItem, ...] = ()  # the prompt's media items (their encoder output fills their positions)
 
     @property
     def prompt_token_ids(self) -> list[int]:

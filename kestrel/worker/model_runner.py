@@ -58,12 +58,13 @@ class ModelRunner(RunnerSetup):
         step = self.step_inputs.prepare(out)
         if step is None:
             return ModelRunnerOutput([], [])
+        embeds = self._media_embeds(step)
         if not self.is_last_stage:
             inputs = step.inputs
-            self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata, inputs_embeds=embeds)
             self.step_inputs.mark_computed(step)
             return None
-        hidden = self._forward_step(step)
+        hidden = self._forward_step(step, embeds)
         draft = None
         if self.drafter is not None:
             self.drafter.catch_up(step.inputs, step.counts, step.states, hidden)
@@ -73,13 +74,23 @@ class ModelRunner(RunnerSetup):
         self.step_inputs.mark_computed(step)
         return None
 
-    def _forward_step(self, step: ScheduledStep) -> torch.Tensor:
-        """The step's hidden states: a captured graph's replay when one fits, else the eager forward."""
+    def _media_embeds(self, step: ScheduledStep) -> torch.Tensor | None:
+        """The encoder step: input embeddings with the media rows the step computes, or None (no media in it, or
+        a pipeline stage after the first, which reads hidden states)."""
+        if self.media_encoder is None or (self.parallel is not None and not self.parallel.is_first_stage):
+            return None
+        return self.media_encoder.input_embeds(step.states, step.counts, step.inputs.input_ids)
+
+    def _forward_step(self, step: ScheduledStep, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's hidden states: a captured graph's replay when one fits, else the eager forward (always for a
+        step that writes media rows into its input embeddings)."""
         inputs = step.inputs
         width = inputs.attn_metadata.block_tables.shape[1]
-        if self.graph_runner is not None and self.graph_runner.can_run(step.counts, width):
+        if (inputs_embeds is None and self.graph_runner is not None
+                and self.graph_runner.can_run(step.counts, width)):
             return self.graph_runner.run(inputs, step.counts)
-        return self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        return self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata,
+                               inputs_embeds=inputs_embeds)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarBitmask | None,

@@ -38,6 +38,7 @@ from kestrel.worker.kv_cache import (
     num_blocks_for,
 )
 from kestrel.worker.launch_count import decoder_layer_launches
+from kestrel.worker.media_encoder import MediaEncoder
 from kestrel.worker.stage_transport import run_model
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,10 @@ class RunnerSetup:
         self.max_blocks_per_seq = -(-(config.model.max_model_len or 1) // self.block_size)
         self.model = load_model(model_config, config.quant, self.device, parallel, self._planned_kv_cache_bytes)
         self.vocab_size: int = int(config.model.hf_config["vocab_size"])
+        # A multimodal model's media reach its first pipeline stage's input embeddings through the encoder step.
+        self.supported_modalities: frozenset[str] = frozenset(getattr(self.model, "supported_modalities", ()))
+        self.media_encoder = (MediaEncoder(self.model, config.cache.encoder_cache_size)
+                              if self.supported_modalities else None)
         # Bound before any forward, so the captured graphs count too.
         self.expert_counts = ExpertLoad.attach(self.model) if config.expert_load_metrics else None
         layers = self.model.attention_layers()
@@ -143,10 +148,11 @@ class RunnerSetup:
         return self.parallel is None or self.parallel.is_last_stage
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                   transport: bool = True) -> torch.Tensor:
+                   transport: bool = True, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The target model's forward: the one place every forward of it goes through. Pipeline stages receive
         and send their intermediate tensors here (`transport=False`: a later stage runs on zeros instead)."""
-        return run_model(self.model, self.parallel, input_ids, positions, attn_metadata, transport=transport)
+        return run_model(self.model, self.parallel, input_ids, positions, attn_metadata, transport=transport,
+                         inputs_embeds=inputs_embeds)
 
     # ----- KV cache scales (FP8 cache) -----------------------------------------------------------------
 

@@ -11,9 +11,11 @@ from kestrel.model.attn_metadata import AttentionMetadata
 
 
 def run_model(model: nn.Module, parallel: ParallelContext | None, input_ids: torch.Tensor, positions: torch.Tensor,
-              attn_metadata: AttentionMetadata, *, transport: bool = True) -> torch.Tensor:
+              attn_metadata: AttentionMetadata, *, transport: bool = True,
+              inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
     """The last stage's hidden states `[T, hidden]`; an earlier stage returns its outgoing hidden states, which
-    nothing reads. `transport=False` (memory profiling) feeds a later stage zeros instead of receiving."""
+    nothing reads. `transport=False` (memory profiling) feeds a later stage zeros instead of receiving.
+    `inputs_embeds`: the first stage's input embeddings with the media's rows written in (multimodal steps)."""
     intermediate = None
     if parallel is not None and not parallel.is_first_stage:
         specs = model.intermediate_specs(input_ids.shape[0])
@@ -22,7 +24,10 @@ def run_model(model: nn.Module, parallel: ParallelContext | None, input_ids: tor
         else:
             received = [torch.zeros(shape, dtype=dtype, device=input_ids.device) for shape, dtype in specs.values()]
         intermediate = dict(zip(specs, received, strict=True))
-    out = model(input_ids, positions, attn_metadata, intermediate)
+    if inputs_embeds is None:
+        out = model(input_ids, positions, attn_metadata, intermediate)
+    else:
+        out = model(input_ids, positions, attn_metadata, intermediate, inputs_embeds=inputs_embeds)
     if isinstance(out, dict):
         if transport:
             parallel.send_to_next_stage(list(out.values()))

@@ -74,6 +74,7 @@ class StepInputs:
             generator=generator,
             block_table_row=self.block_table.add(new.block_ids),
             pooling_params=new.pooling_params,
+            media=new.media,
         )
         if self.drafter is not None:
             self.drafter.reset_row(self.requests[new.req_id].block_table_row)
