@@ -36,6 +36,7 @@ _FAMILIES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "kestrel.model.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "kestrel.model.moe:Qwen3MoeForCausalLM",
     "OlmoeForCausalLM": "kestrel.model.moe:OlmoeForCausalLM",
+    "LlavaForConditionalGeneration": "kestrel.model.llava:LlavaForConditionalGeneration",
 }
 # Draft heads: loaded beside a target model, never served on their own.
 _DRAFT_HEADS: dict[str, str] = {EAGLE_HEAD_ARCHITECTURE: "kestrel.model.eagle:EagleHead"}

@@ -1,0 +1,234 @@
+"""Vision encoders and projectors shared by the vision-language families: the CLIP vision transformer (LLaVA-1.5 and
+LLaVA-NeXT's tower) and the two-layer MLP projector onto a decoder's hidden size.
+
+The towers run on the whole image batch at once (bidirectional attention, no KV cache) in the model dtype and stay
+unquantized; their parameters load with the plain checked copy, replicated on every tensor-parallel rank. A tower is
+built only up to the deepest layer its model reads (LLaVA reads the second to last layer's output, so the last layer
+and the final norm are never built, and their checkpoint tensors are skipped).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.config import ConfigError
+from kestrel.model.layers.weights import copy_checked, default_weight_loader
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# config.json's hidden_act / projector_hidden_act -> the activation
+VISION_ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": F.gelu, "gelu_pytorch_tanh": _gelu_tanh,
+                      "gelu_new": _gelu_tanh, "relu": F.relu, "silu": F.silu}
+
+
+def activation(name: str, field: str) -> Any:
+    fn = VISION_ACTIVATIONS.get(name)
+    if fn is None:
+        raise ConfigError(f"invalid {field}={name!r}: kestrel's vision layers know {', '.join(VISION_ACTIVATIONS)}")
+    return fn
+
+
+def loadable(module: nn.Module) -> nn.Module:
+    """Give every parameter of a plain torch module the checked copy as its loader (no sharding, no quantization)."""
+    for param in module.parameters():
+        param.requires_grad_(False)
+        if not hasattr(param, "weight_loader"):
+            param.weight_loader = default_weight_loader
+    return module
+
+
+def stacked_linear(in_features: int, out_sizes: tuple[int, ...], shard_ids: tuple[str, ...],
+                   dtype: torch.dtype) -> nn.Linear:
+    """A linear layer whose output rows stack several checkpoint layers (shard i -> rows of `out_sizes[i]`)."""
+    layer = nn.Linear(in_features, sum(out_sizes), dtype=dtype)
+    layer.shard_ids = shard_ids
+    offsets = dict(zip(shard_ids, itertools.accumulate((0, *out_sizes))))
+    sizes = dict(zip(shard_ids, out_sizes))
+
+    def load_shard(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id not in offsets:
+            raise ValueError(f"this layer stacks the shards {shard_ids}; got shard id {shard_id!r}")
+        copy_checked(param.data.narrow(0, offsets[shard_id], sizes[shard_id]), loaded)
+
+    for param in layer.parameters():
+        param.requires_grad_(False)
+        param.weight_loader = load_shard
+    return layer
+
+
+@dataclass(frozen=True)
+class CLIPVisionArch:
+    """A CLIP vision tower's shapes (config.json's `vision_config`, with CLIPVisionConfig's defaults)."""
+
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_layers: int = 12
+    num_heads: int = 12
+    image_size: int = 224
+    patch_size: int = 32
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-5
+    hidden_act: str = "quick_gelu"
+
+    @classmethod
+    def from_hf(cls, vision: dict[str, Any]) -> CLIPVisionArch:
+        model_type = vision.get("model_type", "clip_vision_model")
+        if model_type != "clip_vision_model":
+            raise ConfigError(f"invalid vision_config.model_type={model_type!r}: kestrel's LLaVA runs a CLIP vision "
+                              "tower (clip_vision_model); SigLIP and other towers are not built yet")
+        defaults = cls()
+        arch = cls(
+            hidden_size=int(vision.get("hidden_size", defaults.hidden_size)),
+            intermediate_size=int(vision.get("intermediate_size", defaults.intermediate_size)),
+            num_layers=int(vision.get("num_hidden_layers", defaults.num_layers)),
+            num_heads=int(vision.get("num_attention_heads", defaults.num_heads)),
+            image_size=int(vision.get("image_size", defaults.image_size)),
+            patch_size=int(vision.get("patch_size", defaults.patch_size)),
+            num_channels=int(vision.get("num_channels", defaults.num_channels)),
+            layer_norm_eps=float(vision.get("layer_norm_eps", defaults.layer_norm_eps)),
+            hidden_act=str(vision.get("hidden_act", defaults.hidden_act)),
+        )
+        if arch.hidden_size % arch.num_heads:
+            raise ConfigError(f"invalid vision_config: hidden_size={arch.hidden_size} is not divisible by "
+                              f"num_attention_heads={arch.num_heads}")
+        activation(arch.hidden_act, "vision_config.hidden_act")
+        return arch
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+class CLIPAttention(nn.Module):
+    def __init__(self, arch: CLIPVisionArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.head_dim = arch.hidden_size // arch.num_heads
+        hidden = arch.hidden_size
+        # q, k and v in one GEMM; the checkpoint's q_proj / k_proj / v_proj load into their thirds (the decoders'
+        # packed_modules_mapping names this module's parts too).
+        self.qkv_proj = stacked_linear(hidden, (hidden, hidden, hidden), ("q", "k", "v"), dtype)
+        self.out_proj = nn.Linear(hidden, hidden, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, hidden = x.shape
+        qkv = self.qkv_proj(x).view(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], scale=1.0 / math.sqrt(self.head_dim))
+        return self.out_proj(out.transpose(1, 2).reshape(batch, length, hidden))
+
+
+class CLIPMLP(nn.Module):
+    def __init__(self, arch: CLIPVisionArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.act = activation(arch.hidden_act, "vision_config.hidden_act")
+        self.fc1 = nn.Linear(arch.hidden_size, arch.intermediate_size, dtype=dtype)
+        self.fc2 = nn.Linear(arch.intermediate_size, arch.hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class CLIPEncoderLayer(nn.Module):
+    def __init__(self, arch: CLIPVisionArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps, dtype=dtype)
+        self.self_attn = CLIPAttention(arch, dtype)
+        self.layer_norm2 = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps, dtype=dtype)
+        self.mlp = CLIPMLP(arch, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class CLIPEmbeddings(nn.Module):
+    def __init__(self, arch: CLIPVisionArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.patch_size = arch.patch_size
+        self.image_size = arch.image_size
+        self.class_embedding = nn.Parameter(torch.empty(arch.hidden_size, dtype=dtype))
+        self.patch_embedding = nn.Conv2d(arch.num_channels, arch.hidden_size, kernel_size=arch.patch_size,
+                                         stride=arch.patch_size, bias=False, dtype=dtype)
+        self.position_embedding = nn.Embedding(arch.num_patches + 1, arch.hidden_size, dtype=dtype)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        if pixel_values.shape[-2:] != (self.image_size, self.image_size):
+            raise ValueError(f"pixel_values of {tuple(pixel_values.shape[-2:])} pixels; this CLIP tower takes "
+                             f"{self.image_size}x{self.image_size}")
+        patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
+        patches = patches.flatten(2).transpose(1, 2)
+        cls = self.class_embedding.expand(patches.shape[0], 1, -1)
+        return torch.cat([cls, patches], dim=1) + self.position_embedding.weight
+
+
+class CLIPVisionEncoder(nn.Module):
+    """CLIP's vision transformer up to hidden state `depth` (0: the embeddings after the pre-norm; i: after layer
+    i), with transformers' parameter names (`embeddings.*`, `pre_layrnorm.*`, `encoder.layers.N.*`)."""
+
+    def __init__(self, arch: CLIPVisionArch, depth: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch = arch
+        self.depth = depth
+        self.embeddings = CLIPEmbeddings(arch, dtype)
+        self.pre_layrnorm = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps, dtype=dtype)
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList(CLIPEncoderLayer(arch, dtype) for _ in range(depth))
+        loadable(self)
+
+    def reads(self, name: str) -> bool:
+        """Whether a checkpoint tensor (a name inside the tower) is one of the built parameters."""
+        if name.startswith("post_layernorm."):
+            return False
+        if name.startswith("encoder.layers."):
+            return int(name[len("encoder.layers."):].split(".", 1)[0]) < self.depth
+        return True
+
+    def hidden_states(self, pixel_values: torch.Tensor, indices: list[int]) -> list[torch.Tensor]:
+        """The hidden states at `indices` (each in 0..depth, as transformers' `hidden_states` tuple counts)."""
+        x = self.pre_layrnorm(self.embeddings(pixel_values))
+        states = {0: x}
+        for i, layer in enumerate(self.encoder.layers, start=1):
+            x = layer(x)
+            states[i] = x
+        return [states[i] for i in indices]
+
+
+def hidden_state_indices(feature_layer: int | list[int], num_layers: int, field: str) -> list[int]:
+    """transformers' `hidden_states[layer]` indices (negative from the end of num_layers + 1 states) as
+    non-negative ones."""
+    layers = [feature_layer] if isinstance(feature_layer, int) else list(feature_layer)
+    indices = []
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not -(num_layers + 1) <= layer <= num_layers:
+            raise ConfigError(f"invalid {field}={feature_layer!r}: expected hidden-state indices in "
+                              f"[-{num_layers + 1}, {num_layers}] of a {num_layers}-layer tower")
+        indices.append(layer % (num_layers + 1))
+    return indices
+
+
+class MultiModalProjector(nn.Module):
+    """`linear_1`, activation, `linear_2`: encoder features -> the decoder's hidden size."""
+
+    def __init__(self, in_features: int, hidden_size: int, act: str, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.act = activation(act, "projector_hidden_act")
+        self.linear_1 = nn.Linear(in_features, hidden_size, bias=bias, dtype=dtype)
+        self.linear_2 = nn.Linear(hidden_size, hidden_size, bias=bias, dtype=dtype)
+        loadable(self)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(features)))

@@ -1,0 +1,87 @@
+"""LLaVA-1.5 (`LlavaForConditionalGeneration`): a CLIP vision tower, a two-layer MLP projector and a Llama-family
+decoder read from `text_config`. An image becomes `(image_size / patch_size)^2` embeddings (plus the class token
+under `vision_feature_select_strategy="full"`) that replace its `<image>` placeholders in the prompt."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from kestrel.config import ConfigError
+from kestrel.distributed.parallel import ParallelContext
+from kestrel.model.base import DecoderForCausalLM, Quantization
+from kestrel.model.layers.vision import CLIPVisionArch, CLIPVisionEncoder, MultiModalProjector, hidden_state_indices
+
+
+class LlavaForConditionalGeneration(DecoderForCausalLM):
+    supported_modalities: ClassVar[frozenset[str]] = frozenset({"image"})
+    # transformers 5 (`model.language_model.*`) and the published checkpoints' layout (`language_model.model.*`,
+    # `vision_tower.vision_model.*`) -> our names; the first matching prefix applies.
+    _RENAMED: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("model.vision_tower.vision_model.", "vision_tower."),
+        ("vision_tower.vision_model.", "vision_tower."),
+        ("model.vision_tower.", "vision_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+    )
+
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype = torch.float32,
+                 quant_config: Quantization = None, parallel: ParallelContext | None = None,
+                 max_model_len: int | None = None) -> None:
+        super().__init__(hf_config, dtype, quant_config, parallel, max_model_len)
+        vision = hf_config.get("vision_config")
+        if not isinstance(vision, dict):
+            raise ConfigError("invalid config.json: a LLaVA checkpoint needs its vision_config")
+        strategy = hf_config.get("vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise ConfigError(f"invalid vision_feature_select_strategy={strategy!r}: expected 'default' (the class "
+                              "token dropped) or 'full'")
+        self.drops_class_token = strategy == "default"
+        arch = CLIPVisionArch.from_hf(vision)
+        self.feature_indices = hidden_state_indices(hf_config.get("vision_feature_layer", -2), arch.num_layers,
+                                                    "vision_feature_layer")
+        self.image_token_id = hf_config.get("image_token_index", hf_config.get("image_token_id"))
+        if self.parallel.is_first_stage:  # the encoder step feeds the first stage's input embeddings
+            self.vision_tower = CLIPVisionEncoder(arch, max(self.feature_indices), dtype)
+            self.multi_modal_projector = MultiModalProjector(
+                arch.hidden_size * len(self.feature_indices), self.hidden_size,
+                hf_config.get("projector_hidden_act", "gelu"), bool(hf_config.get("multimodal_projector_bias", True)),
+                dtype)
+
+    def checkpoint_target(self, hf_name: str) -> str | None:
+        for old, new in self._RENAMED:
+            if hf_name.startswith(old):
+                hf_name = new + hf_name[len(old):]
+                break
+        for tower in ("vision_tower.", "multi_modal_projector."):
+            if hf_name.startswith(tower):
+                if not self.parallel.is_first_stage:
+                    return None
+                if tower == "vision_tower." and not self.vision_tower.reads(hf_name[len(tower):]):
+                    return None  # a layer after the deepest one read, or the final norm
+                return hf_name
+        return super().checkpoint_target(hf_name)
+
+    def embed_multimodal(self, modality: str, items: list[Any]) -> list[torch.Tensor]:
+        """Each image's `pixel_values [1, 3, H, W]` -> its projected features `[placeholders, hidden]`; images of
+        one size run as one batch."""
+        if modality != "image":
+            raise ValueError(f"LLaVA takes images, not {modality}")
+        device = self.multi_modal_projector.linear_1.weight.device
+        pixels = [item["pixel_values"] for item in items]
+        outputs: list[torch.Tensor | None] = [None] * len(pixels)
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(pixels):
+            by_shape.setdefault(tuple(p.shape[1:]), []).append(i)
+        for indices in by_shape.values():
+            batch = torch.cat([pixels[i] for i in indices]).to(device=device, dtype=self.dtype)
+            states = self.vision_tower.hidden_states(batch, self.feature_indices)
+            if self.drops_class_token:
+                states = [s[:, 1:] for s in states]
+            features = self.multi_modal_projector(torch.cat(states, dim=-1))
+            for row, i in enumerate(indices):
+                outputs[i] = features[row]
+        return outputs  # type: ignore[return-value]
