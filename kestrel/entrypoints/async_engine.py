@@ -24,9 +24,10 @@ from kestrel.config import GenerationDefaults
 from kestrel.engine.core import EngineCore
 from kestrel.engine.stats_logger import StatsLogger
 from kestrel.entrypoints.engine_stats import ITERATION_TOKEN_BUCKETS, EngineStats, StatsTracker  # noqa: F401 - re-exported
+from kestrel.entrypoints.media import MediaProcessor
 from kestrel.outputs import RequestOutput
 from kestrel.pooling_params import PoolingParams
-from kestrel.request import InvalidRequestError
+from kestrel.request import InvalidRequestError, MediaItem
 from kestrel.sampling_params import SamplingParams
 
 DEFAULT_RETRY_AFTER_S = 1
@@ -69,6 +70,7 @@ class _Add:
     prompt: str | None
     priority: int = 0
     grammar: Any = None  # the compiled grammar of params.structured_outputs (the server compiles it)
+    media: tuple[MediaItem, ...] = ()  # the prompt's images, their placeholders expanded (entrypoints.media)
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,8 @@ class AsyncEngine:
         self.core = core
         self.tokenizer = tokenizer
         self.model_path = model_path
+        # A multimodal model's processor (images -> media items); None: the model takes text only.
+        self.media: MediaProcessor | None = None
         # The server's prompt compressor (`prompt_compressor`); the engine takes prompts compressed already.
         self.prompt_compressor: Any = None
         self.max_model_len: int = core.max_model_len
@@ -192,6 +196,7 @@ class AsyncEngine:
         engine = cls(built.core, built.tokenizer, model_path=model, max_queued_requests=max_queued_requests,
                      request_timeout_s=request_timeout_s)
         engine.prompt_compressor = compressor
+        engine.media = built.media
         return engine
 
     # ----- life cycle -----------------------------------------------------------------------------
@@ -289,9 +294,10 @@ class AsyncEngine:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                prompt: str | None = None, timeout_s: float | None = None, priority: int = 0,
-               grammar: Any = None) -> RequestStream:
+               grammar: Any = None, media: tuple[MediaItem, ...] = ()) -> RequestStream:
         """Queue a request without waiting; the stream raises the engine's refusal, if any, when read. `grammar`:
-        params.structured_outputs compiled (the grammar backend's object), so the engine thread does not compile."""
+        params.structured_outputs compiled (the grammar backend's object), so the engine thread does not compile.
+        `media`: the prompt's images as the media processor (`self.media`) made them."""
         self._check_alive()
         if getattr(params, "prompt_compression", None) is not None:
             raise InvalidRequestError("prompt_compression", "the engine takes prompts already compressed; "
@@ -303,7 +309,8 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._commands.append(_Add(request_id, list(prompt_token_ids), params, prompt, priority, grammar))
+            self._commands.append(_Add(request_id, list(prompt_token_ids), params, prompt, priority, grammar,
+                                       tuple(media)))
             self._num_pending_sequences += params.n
             self._cond.notify()
         return stream
@@ -382,7 +389,7 @@ class AsyncEngine:
                 continue  # aborted before the engine saw it
             try:
                 self.core.add_request(command.request_id, command.prompt_token_ids, command.params, command.prompt,
-                                      command.priority, command.grammar)
+                                      command.priority, command.grammar, command.media)
             except ValueError as refusal:  # InvalidRequestError and friends: this request only
                 del self._streams[command.request_id]
                 accepted.append((stream, refusal))

@@ -36,9 +36,11 @@ NAMED_INSTRUCTION = "\nYou must call the function {name}."
 # ----- templates ------------------------------------------------------------------------------------
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                        chat_template: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                        chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
+                        content_parts: bool = False) -> list[int]:
     text = render_chat(tokenizer, messages, tools=tools, tool_choice="auto" if tools else "none",
-                       add_generation_prompt=add_generation_prompt, chat_template=chat_template).text
+                       add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                       content_parts=content_parts).text
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -58,10 +60,12 @@ class ChatPrompt:
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                 tool_choice: str = "auto", named_tool: str | None = None, add_generation_prompt: bool = True,
                 chat_template: str | None = None, continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
+                template_kwargs: dict[str, Any] | None = None, content_parts: bool = False) -> ChatPrompt:
     """Render messages through the tokenizer's template. `tool_choice`: none, auto, required or named;
     `continue_final_message`: leave the last (assistant) message open for the model to go on with;
-    `template_kwargs`: more variables for the template (e.g. enable_thinking)."""
+    `template_kwargs`: more variables for the template (e.g. enable_thinking); `content_parts`: hand each
+    message's content to the template as a list of parts (`{"type": "text", "text": ...}`, `{"type": "image"}`),
+    as multimodal processors' templates read it, instead of one string."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequestError("messages", "this model's tokenizer has no chat template; use a completion "
@@ -70,7 +74,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
         raise InvalidRequestError("messages", "messages must be a list of {'role': ..., 'content': ...} dicts")
     use_tools = bool(tools) and tool_choice != "none"
     native = use_tools and template_renders_tools(template)
-    conversation = [_normalize_message(m, native) for m in messages]
+    conversation = [_normalize_message(m, native, content_parts) for m in messages]
     if use_tools and not native:
         conversation = _with_tool_instruction(conversation, tools or [], tool_choice, named_tool)
     try:
@@ -150,9 +154,11 @@ def forced_prefix(tool_choice: str, named_tool: str | None, fmt: str = "llama3_j
     return call
 
 
-def _normalize_message(message: dict[str, Any], native_tools: bool) -> dict[str, Any]:
+def _normalize_message(message: dict[str, Any], native_tools: bool, content_parts: bool = False) -> dict[str, Any]:
     role = "system" if message["role"] == "developer" else message["role"]
     content = message.get("content")
+    if content_parts:
+        return _message_with_parts(message, role, native_tools)
     if isinstance(content, list):
         content = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
     out: dict[str, Any] = {"role": role, "content": content or ""}
@@ -169,6 +175,20 @@ def _normalize_message(message: dict[str, Any], native_tools: bool) -> dict[str,
         text = json.dumps(rendered[0] if len(rendered) == 1 else rendered)
         out["content"] = f"{out['content']}\n{text}" if out["content"] else text
     return out
+
+
+def _message_with_parts(message: dict[str, Any], role: str, native_tools: bool) -> dict[str, Any]:
+    """A message whose content is a list of text and image parts (a string becomes one text part)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = [{"type": "image"} if isinstance(p, dict) and p.get("type") == "image"
+                 else {"type": "text", "text": p.get("text", "") if isinstance(p, dict) else str(p)} for p in content]
+    else:
+        parts = [{"type": "text", "text": content}] if content else []
+    text_only = _normalize_message({**message, "content": ""}, native_tools)
+    if text_only["content"]:  # tool calls rendered as text
+        parts.append({"type": "text", "text": text_only["content"]})
+    return {**text_only, "role": role, "content": parts}
 
 
 def _native_call(call: dict[str, Any]) -> dict[str, Any]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kestrel.config import EngineConfig
+from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.core import EngineCore
+from kestrel.entrypoints.media import MediaProcessor, media_processor
 from kestrel.executor.base import Executor
 from kestrel.executor.factory import build_executor
 from kestrel.loader.gguf_config import model_hf_config
 from kestrel.loader.tokenizer import load_tokenizer
+from kestrel.model.registry import get_model_class
 from kestrel.structured.backend import GrammarBackend
 from kestrel.worker.model_runner import ModelRunner
 
@@ -20,6 +22,7 @@ class BuiltEngine:
     tokenizer: Any
     runner: ModelRunner | Executor
     core: EngineCore
+    media: MediaProcessor | None = None  # a multimodal model's processor; None: text only
 
 
 def engine_config(model: str, **engine_args: Any) -> EngineConfig:
@@ -32,7 +35,18 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     tensor/pipeline parallelism (or a named executor backend) the runner is an executor over worker processes
     and this process holds no model."""
     tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
-    return build_engine_core(config, tokenizer, tokenizer.eos_token_id)
+    built = build_engine_core(config, tokenizer, tokenizer.eos_token_id)
+    built.media = media_processor(config.model, model_modalities(config), tokenizer)
+    return built
+
+
+def model_modalities(config: EngineConfig) -> frozenset[str]:
+    """The media the configured architecture takes (its class's declaration; empty for a text-only model)."""
+    architecture = (config.model.hf_config.get("architectures") or [""])[0]
+    try:
+        return frozenset(getattr(get_model_class(architecture), "supported_modalities", ()))
+    except ConfigError:
+        return frozenset()  # the loader names the unknown architecture
 
 
 def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | None) -> BuiltEngine:
@@ -40,6 +54,9 @@ def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | 
     and detokenizes: its outputs carry token ids only, and its grammar backend gets the vocabulary from the
     client (GrammarBackend.use_tokenizer_info)."""
     runner: ModelRunner | Executor
+    if model_modalities(config) and (config.parallel.uses_workers or tokenizer is None):
+        raise ConfigError("a multimodal model's images reach its runner in this process: run it without "
+                          "tensor/pipeline parallelism, distributed_executor_backend or --engine-core-process")
     if config.parallel.uses_workers:
         runner = build_executor(config, eos_token_id)
     else:

@@ -16,6 +16,7 @@ from kestrel.engine.stats_logger import StatsLogger
 from kestrel.entrypoints.beam_search import BeamSearch, BeamSearchOutput, advance_round, check_beam_width, next_round
 from kestrel.entrypoints.chat import apply_chat_template, special_token_texts
 from kestrel.entrypoints.engine_factory import build_engine, engine_config
+from kestrel.entrypoints.media import MediaLimits, chat_images, images_of, text_only_refusal
 from kestrel.entrypoints.pooling_tasks import (
     checked_dimensions,
     classifier_params,
@@ -44,7 +45,7 @@ from kestrel.outputs import (
     ScoringRequestOutput,
 )
 from kestrel.pooling_params import PoolingParams
-from kestrel.request import InvalidRequestError
+from kestrel.request import InvalidRequestError, MediaItem
 from kestrel.sampling_params import BeamSearchParams, SamplingParams
 from kestrel.tiny import default_model_path
 
@@ -80,6 +81,9 @@ class LLM:
         self.prompt_compressor: PromptCompressor | None = build_prompt_compressor(self.config)
         built = build_engine(self.config)
         self.tokenizer, self.runner, self.engine = built.tokenizer, built.runner, built.core
+        self.media = built.media  # a multimodal model's processor; None: text only
+        model = self.config.model
+        self.media_limits = MediaLimits(model.allowed_local_media_path, model.allowed_media_domains)
         self._counter = itertools.count()
         self._stats_logger = None if self.config.disable_log_stats else StatsLogger()
 
@@ -134,8 +138,9 @@ class LLM:
                     prompt, original = self._compressed_prompt(prompt, params)
                     params = params.replace(prompt_compression=None)
                 text, token_ids = self._tokenize(prompt)
+                token_ids, media = self._with_media(prompt, token_ids)
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, token_ids, params, prompt=text, priority=rank)
+                self.engine.add_request(request_id, token_ids, params, prompt=text, priority=rank, media=media)
                 ids.append(request_id)
                 originals[request_id] = original
         except Exception:
@@ -145,6 +150,17 @@ class LLM:
         for output in outputs:
             output.original_num_prompt_tokens = originals.get(output.request_id)
         return outputs
+
+    def _with_media(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], tuple[MediaItem, ...]]:
+        """A prompt's `multi_modal_data` (vLLM's {"image": PIL image or list}): its placeholders expanded and its
+        media items; a prompt without one as it is."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is None:
+            return token_ids, ()
+        images = images_of(data, "multi_modal_data")
+        if self.media is None:
+            raise text_only_refusal("multi_modal_data")
+        return self.media.expand(token_ids, images, "multi_modal_data")
 
     def _require_compressor(self) -> PromptCompressor:
         if self.prompt_compressor is None:
@@ -217,7 +233,7 @@ class LLM:
 
         def template(conv: list[dict[str, Any]]) -> list[int]:
             return apply_chat_template(self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
-                                       chat_template=chat_template, tools=tools)
+                                       chat_template=chat_template, tools=tools, content_parts=self.media is not None)
 
         prompts: list[PromptType] = []
         original_counts: list[int | None] = []
@@ -228,7 +244,11 @@ class LLM:
                 original = len(template(conv))
                 conv = compressed.messages or conv
                 params_list[k] = params.replace(prompt_compression=None)
-            prompts.append({"prompt_token_ids": template(conv)})
+            conv, images = chat_images(conv, self.media, self.media_limits)
+            prompt: dict[str, Any] = {"prompt_token_ids": template(conv)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
             original_counts.append(original)
         return self._generate(prompts, params_list, [0] * len(prompts), use_tqdm, original_counts)
 

@@ -108,7 +108,8 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
     "best_of": "best_of is not supported on chat completions; use n",
     "add_special_tokens": "on chat completions the template places the special tokens (add_special_tokens false)",
     "documents": "documents for retrieval templates are not implemented",
-    "mm_processor_kwargs": "this server serves text-only models",
+    "mm_processor_kwargs": "per-request processor settings are not supported; the server's --mm-processor-kwargs "
+                           "applies to every request",
     "logits_processors": "custom logits processors are not implemented",
     "cache_salt": "prefix-cache salting is not implemented yet",
     "kv_transfer_params": "KV transfer is not implemented",
@@ -426,6 +427,21 @@ class TextContentPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: str  # data:image/...;base64,..., file:// (--allowed-local-media-path) or http(s):// (--allowed-media-domains)
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; the model's processor decides the resolution
+
+
+class ImageContentPart(_Request):
+    """An image for a multimodal model (docs/multimodal.md); a text-only model refuses it, naming the part."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = TextContentPart | ImageContentPart
+
+
 class FunctionCallIn(_Request):
     name: str
     arguments: str = ""
@@ -441,7 +457,7 @@ class ChatMessage(_Request):
     # OpenAI's roles (developer is rendered as system) or any other the chat template renders, as in vLLM: a template
     # that does not know a role refuses it when rendering.
     role: Annotated[str, Field(min_length=1, examples=["system", "developer", "user", "assistant", "tool"])]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -457,7 +473,11 @@ class ChatMessage(_Request):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if isinstance(part, TextContentPart))
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(p, ImageContentPart) for p in self.content)
 
 
 class FunctionDefinition(_Request):
@@ -906,7 +926,8 @@ _UNION_HINTS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "input": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
-    "content": "a string or a list of {'type': 'text', 'text': ...} parts",
+    "content": "a string or a list of {'type': 'text', 'text': ...} and {'type': 'image_url', 'image_url': "
+               "{'url': ...}} parts",
     "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
 }
 
@@ -942,7 +963,8 @@ def validation_error_info(errors: list[dict[str, Any]]) -> tuple[str | None, str
         if (error.get("type") == "literal_error" and error_loc[-1:] == ["type"] and "content" in error_loc
                 and error_loc[:len(loc)] == loc):
             return param, (f"invalid {param}: content parts of type {error.get('input')!r} are not supported; "
-                           "this server serves text-only models: use {'type': 'text', 'text': ...}")
+                           "use {'type': 'text', 'text': ...} or, for a multimodal model, {'type': 'image_url', "
+                           "'image_url': {'url': ...}}")
     same_field = [e for e in errors if _field_loc(e)[:len(loc)] == loc]
     name = next((part for part in reversed(loc) if isinstance(part, str)), "")
     if len(same_field) > 1 and name in _UNION_HINTS:

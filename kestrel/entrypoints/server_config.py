@@ -12,6 +12,7 @@ from typing import Any
 
 from kestrel.config import ConfigError
 from kestrel.entrypoints.chat import TOOL_FORMATS
+from kestrel.entrypoints.media import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MEDIA_FETCH_TIMEOUT_S
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18  # ~7 MB of JSON at the usual ~26 bytes an entry
@@ -97,6 +98,12 @@ class ServerConfig:
     body_read_timeout: float = _opt(60.0, "answer 408 when a request body takes longer to arrive (s)")
     shutdown_timeout: float = _opt(30.0, "on SIGTERM, how long running requests may still finish before they are "
                                          "ended with a 503 / an error event (s)")
+    media_fetch_timeout: float = _opt(DEFAULT_MEDIA_FETCH_TIMEOUT_S, "multimodal models: an image URL "
+                                      "(--allowed-media-domains) that takes longer to fetch gets 400 (s)")
+    max_media_bytes: int = _opt(DEFAULT_MAX_MEDIA_BYTES, "multimodal models: largest image file (data: URL, local "
+                                                         "or fetched) in bytes; 400 beyond")
+    max_image_pixels: int = _opt(DEFAULT_MAX_IMAGE_PIXELS, "multimodal models: most pixels (width x height) of one "
+                                                           "image, read from its header before decoding; 400 beyond")
     engine_core_process: bool = _opt(False, "run the engine core (scheduler, model runner, grammar matchers) in its "
                                             "own process; this one tokenizes, detokenizes and serves HTTP")
     enable_log_requests: bool = _opt(False, "log each request's id, size and sampling settings")
@@ -108,12 +115,12 @@ class ServerConfig:
         for name in ("port", "max_queued_requests", "max_request_bytes", "max_logprob_entries", "max_response_bytes",
                      "max_stop_sequences", "max_bad_words", "max_tokenize_bytes", "grammar_compile_workers",
                      "max_grammar_bytes", "max_grammar_choices", "max_schema_properties", "grammar_cache_bytes",
-                     "grammar_cache_entries", "response_store_max_entries"):
+                     "grammar_cache_entries", "response_store_max_entries", "max_media_bytes", "max_image_pixels"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name != "port" else 1):
                 raise ConfigError(f"invalid {name}={value!r}: expected a non-negative integer")
         for name in ("header_read_timeout", "keep_alive_timeout", "body_read_timeout", "shutdown_timeout",
-                     "request_timeout", "tokenize_timeout", "grammar_compile_timeout"):
+                     "request_timeout", "tokenize_timeout", "grammar_compile_timeout", "media_fetch_timeout"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"invalid {name}={value!r}: expected a number of seconds > 0")
@@ -121,7 +128,7 @@ class ServerConfig:
             raise ConfigError(f"invalid tokenizer_workers={self.tokenizer_workers}: expected 0 (a thread) or more")
         for name in ("max_logprob_entries", "max_response_bytes", "max_tokenize_bytes", "max_grammar_bytes",
                      "max_grammar_choices", "max_schema_properties", "grammar_cache_entries",
-                     "response_store_max_entries"):
+                     "response_store_max_entries", "max_media_bytes", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"invalid {name}={getattr(self, name)}: expected >= 1")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):

@@ -46,6 +46,7 @@ from kestrel.entrypoints.chat import (
 )
 from kestrel.entrypoints.grammar_pool import GrammarCompilePool
 from kestrel.entrypoints.logprob_format import LogprobFormatter, join, text_end
+from kestrel.entrypoints.media import MediaLimits, MediaProcessor, chat_images
 from kestrel.entrypoints.metrics import RequestTracker, ServerMetrics
 from kestrel.entrypoints.prompt_compression import PARAM as COMPRESSION_PARAM
 from kestrel.entrypoints.prompt_compression import PromptCompressor
@@ -75,7 +76,7 @@ from kestrel.entrypoints.protocol import (
 from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.entrypoints.text_workers import ChatInput, TextWorkers, chat_input
 from kestrel.outputs import CompletionOutput, RequestOutput
-from kestrel.request import InvalidRequestError, prompt_too_long
+from kestrel.request import InvalidRequestError, MediaItem, prompt_too_long
 from kestrel.sampling_params import BeamSearchParams, PromptCompression, SamplingParams, StructuredOutputsParams
 from kestrel.structured.compile import GrammarSource
 
@@ -167,6 +168,13 @@ class OpenAIServing:
         self.model_name = self.model_names[0]
         self.metrics = metrics
         self.compressor: PromptCompressor | None = getattr(engine, "prompt_compressor", None)
+        # A multimodal model's processor (None: text only, and image parts are refused) and where images may come
+        # from: the engine's allowed path and domains, the server's size, time and pixel limits.
+        self.media: MediaProcessor | None = getattr(engine, "media", None)
+        model_config = getattr(getattr(getattr(engine, "core", None), "config", None), "model", None)
+        self.media_limits = MediaLimits(getattr(model_config, "allowed_local_media_path", None),
+                                        getattr(model_config, "allowed_media_domains", None),
+                                        config.media_fetch_timeout, config.max_media_bytes, config.max_image_pixels)
         # A text prompt's special-token texts stay whole when it is compressed.
         self.special_texts = tuple(special_token_texts(self.tokenizer)) if self.compressor is not None else ()
 
@@ -352,11 +360,15 @@ class OpenAIServing:
             raise InvalidRequestError("chat_template", "this server does not take chat templates from requests; "
                                       "start it with --trust-request-chat-template, or give the server one with "
                                       "--chat-template")
-        chat = chat_input(request.messages, request.message_dicts(), request.tool_dicts() or None, mode,
+        message_dicts, images = request.message_dicts(), []
+        if any(message.has_images for message in request.messages):
+            message_dicts, images = await _until_disconnect(
+                raw, asyncio.to_thread(chat_images, message_dicts, self.media, self.media_limits))
+        chat = chat_input(request.messages, message_dicts, request.tool_dicts() or None, mode,
                           request.named_tool, add_generation_prompt=request.add_generation_prompt is not False,
                           chat_template=request.chat_template,
                           continue_final_message=bool(request.continue_final_message),
-                          template_kwargs=request.chat_template_kwargs)
+                          template_kwargs=request.chat_template_kwargs, content_parts=self.media is not None)
         truncate = request.truncate_prompt_tokens
         room = _chat_output_room(request)
         self._check_output_room(room)
@@ -373,6 +385,12 @@ class OpenAIServing:
         prompt, count, ids = await _until_disconnect(
             raw, self.text.render_chat(chat, None if truncate else self.engine.max_model_len))
         token_ids = self._fit_prompt(count, ids, truncate, "messages", room)
+        media: tuple[MediaItem, ...] = ()
+        if self.media is not None:
+            token_ids, media = await _until_disconnect(
+                raw, asyncio.to_thread(self.media.expand, token_ids, images, "messages"))
+        if beam is not None and media:
+            raise InvalidRequestError("use_beam_search", "beam search does not take images")
         if beam is not None:
             return await _until_disconnect(raw, self._beam_chat(request, beam, token_ids))
         # A forced call is grammar-constrained wherever the engine has a grammar backend (every engine built by
@@ -391,7 +409,7 @@ class OpenAIServing:
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs", priority=request.priority,
                                  structured_param=structured_param, shape=_chat_shape(request, params),
-                                 grammar=grammar)
+                                 grammar=grammar, media=media)
         job.model_name = self.response_model_name(request.model)
         job.original_prompt_tokens = original_tokens
         tools = _tool_setup(request, prompt.assistant_prefix, self.config.tool_call_parser or prompt.tool_format)
@@ -645,7 +663,7 @@ class OpenAIServing:
     async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
                       arrival: float, prompt_param: str, logprobs_param: str, priority: int | None = None,
                       structured_param: str = "structured_outputs", shape: ResponseShape | None = None,
-                      grammar: Any = None) -> _Submitted:
+                      grammar: Any = None, media: tuple[MediaItem, ...] = ()) -> _Submitted:
         """Check the response's size, queue one engine request per prompt (all or none) and wait until the engine
         accepted them (the routes checked the number of sequences before their tokenizing). Refusals name the
         request's own fields (`prompt_param`, `logprobs_param`), not the engine's. `grammar`: the compiled grammar
@@ -655,7 +673,9 @@ class OpenAIServing:
         trackers = [self.metrics.tracker(arrival, params) for _ in prompts]
         self.engine.check_capacity(len(prompts) * params.n)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        streams = [self.engine.submit(rid, p.token_ids, params, p.text, priority=priority or 0, grammar=grammar)
+        with_media = {"media": media} if media else {}  # only a multimodal engine (in-process) takes media
+        streams = [self.engine.submit(rid, p.token_ids, params, p.text, priority=priority or 0, grammar=grammar,
+                                      **with_media)
                    for rid, p in zip(ids, prompts)]
         try:
             for stream in streams:

@@ -55,20 +55,27 @@ class ChatInput:
     chat_template: str | None = None  # the request's, else the server's --chat-template, else the tokenizer's
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] | None = None
+    content_parts: bool = False  # a multimodal model's template reads content as text and image parts
 
 
 def chat_input(messages: Sequence[ChatMessage], message_dicts: list[dict[str, Any]],
                tools: list[dict[str, Any]] | None, tool_choice: str = "auto", named_tool: str | None = None,
                add_generation_prompt: bool = True, chat_template: str | None = None,
-               continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> ChatInput:
+               continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+               content_parts: bool = False) -> ChatInput:
     return ChatInput(message_dicts, [text for m in messages for text in (m.role, m.text())], tools, tool_choice,
-                     named_tool, add_generation_prompt, chat_template, continue_final_message, template_kwargs)
+                     named_tool, add_generation_prompt, chat_template, continue_final_message, template_kwargs,
+                     content_parts)
 
 
 def tokenize_input(request: TokenizeRequest) -> tuple[str | ChatInput, bool]:
     """What a /tokenize request tokenizes (its prompt, or its chat as the template renders it), and whether
     special tokens are added."""
     if isinstance(request, TokenizeChatRequest):
+        for i, message in enumerate(request.messages):
+            if message.has_images:
+                raise InvalidRequestError(f"messages[{i}].content", "/tokenize does not take image parts; an "
+                                          "image's placeholder count comes from its pixels")
         return chat_input(request.messages, request.message_dicts(), request.tool_dicts() or None,
                           add_generation_prompt=request.add_generation_prompt is not False), True
     return request.prompt, getattr(request, "add_special_tokens", None) is not False
@@ -138,7 +145,7 @@ def render_and_encode(tokenizer: Any, specials: Sequence[str], chat: ChatInput,
     prompt = render_chat(tokenizer, chat.messages, tools=chat.tools, tool_choice=chat.tool_choice,
                          named_tool=chat.named_tool, add_generation_prompt=chat.add_generation_prompt,
                          chat_template=chat.chat_template, continue_final_message=chat.continue_final_message,
-                         template_kwargs=chat.template_kwargs)
+                         template_kwargs=chat.template_kwargs, content_parts=chat.content_parts)
     return (prompt, *_within(encode_chat(tokenizer, prompt.text, chat.message_texts, specials), limit))
 
 

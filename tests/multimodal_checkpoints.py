@@ -1,0 +1,64 @@
+"""A tiny random LLaVA-1.5 checkpoint written by transformers itself for the multimodal tests: a 3-layer CLIP
+vision tower on 28x28 images (4x4 patches of 7 pixels: 16 image tokens), a 2-layer Llama decoder, the built-in
+tokenizer with an `<image>` special token, and a LlavaProcessor (a CLIP image processor and a chat template that
+renders image parts as `<image>`) saved beside them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+
+from kestrel.loader.tokenizer_init import write_tokenizer
+
+IMAGE_TOKEN = "<image>"
+IMAGE_SIZE = 28
+PATCH_SIZE = 7
+TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH_SIZE) ** 2  # the class token is dropped ("default" strategy)
+# LLaVA-1.5's template shape: a message's images first (each "<image>\n"), then its text.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] + ' ' }}"
+    "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def write_llava(path: Path, seed: int = 0) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(str(path))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                           num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
+                                           projection_dim=16)
+    text = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+                                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text,
+                                      image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                                      tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # weights large enough that every layer (and every image) matters
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    model.eval().save_pretrained(str(path))
+    image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                                      crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = transformers.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                            patch_size=PATCH_SIZE, vision_feature_select_strategy="default",
+                                            num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(str(path))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+def random_image(seed: int, width: int = 40, height: int = 34) -> Image.Image:
+    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
