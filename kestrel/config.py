@@ -773,6 +773,47 @@ class SparseDecodeConfig:
 
 
 @dataclass(frozen=True)
+class StreamingWindowConfig:
+    """Attention sinks + a sliding window (StreamingLLM) on every attention layer: each query attends to the first
+    `sink_tokens` tokens of its sequence and the last `window` ones (its own included), with rotary positions
+    counted inside that cache, so a sequence may run past max_model_len while its KV stays bounded (the blocks
+    that leave the window are freed; the first ceil(sink_tokens / block_size) blocks stay)."""
+
+    sink_tokens: int = 4
+    window: int = 1024
+
+    def check(self, max_model_len: int) -> None:
+        _check_int("streaming_window.sink_tokens", self.sink_tokens, 0)
+        _check_int("streaming_window.window", self.window, 1)
+        if max_model_len and self.sink_tokens + self.window > max_model_len:
+            _fail("streaming_window.window", self.window, f"sink_tokens + window = {self.sink_tokens + self.window} "
+                  f"cache positions exceed max_model_len={max_model_len}, the positions the model is run at; use "
+                  f"window <= {max_model_len - self.sink_tokens}")
+
+    @property
+    def num_kept_tokens(self) -> int:
+        """The most tokens a query attends to; a prompt longer than this is refused."""
+        return self.sink_tokens + self.window
+
+    def sink_blocks(self, block_size: int) -> int:
+        return -(-self.sink_tokens // block_size)
+
+    @classmethod
+    def from_dict(cls, value: Any, max_model_len: int) -> StreamingWindowConfig:
+        if not isinstance(value, dict):
+            _fail("streaming_window", value, "expected a dict such as {'sink_tokens': 4, 'window': 1024}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            _fail("streaming_window", value, f"unknown keys {unknown}; known: {known}")
+        if "window" not in value:
+            _fail("streaming_window.window", None, "give the window (tokens attended after the sinks)")
+        config = cls(**value)
+        config.check(max_model_len)
+        return config
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -790,6 +831,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = field(default=None, init=False, compare=False)
     sparse_decode: dict | None = None  # {"method": "quest", "token_budget": ...}; parsed into `sparse`
     sparse: SparseDecodeConfig | None = field(default=None, init=False, compare=False)
+    streaming_window: dict | None = None  # {"sink_tokens": 4, "window": 1024}; parsed into `streaming`
+    streaming: StreamingWindowConfig | None = field(default=None, init=False, compare=False)
     prompt_compressor: str | None = None  # a model directory or "kestrel-tiny"; parsed into `compressor`
     compressor: PromptCompressorConfig | None = field(default=None, init=False, compare=False)
 
@@ -804,6 +847,10 @@ class EngineConfig:
             object.__setattr__(self, "sparse", SparseDecodeConfig.from_dict(self.sparse_decode,
                                                                             self.cache.block_size))
             self._check_sparse_decode()
+        if self.streaming_window is not None:
+            object.__setattr__(self, "streaming", StreamingWindowConfig.from_dict(self.streaming_window,
+                                                                                  self.model.max_model_len or 0))
+            self._check_streaming_window()
         _check_choice("device", self.device, DEVICE_CHOICES)
         _check_int("cpu_threads", self.cpu_threads, 1, allow_none=True)
         if self.cpu_threads is not None and self.device == "cuda":
@@ -861,6 +908,20 @@ class EngineConfig:
         if context and self.sparse is not None and self.sparse.token_budget >= context:
             _fail("sparse_decode.token_budget", self.sparse.token_budget, f"it covers max_model_len={context}, so "
                   f"every step would run dense attention; use a budget below {context} or drop sparse_decode")
+
+    def _check_streaming_window(self) -> None:
+        """What a stream cannot be combined with: the options that read the whole context or run positions past
+        the cache (each refused by name, never silently dropped)."""
+        others = {"sparse_decode": self.sparse_decode, "speculative_config": self.speculative_config}
+        for name, value in others.items():
+            if value is not None:
+                _fail(name, value, "it is not built for attention sinks + window (streaming_window); use one of them")
+        if self.model.hf_config.get("kv_lora_rank") is not None:
+            _fail("streaming_window", self.streaming_window, f"{self.model.architecture or 'this model'} uses latent "
+                  "(MLA) attention, whose cache the sink + window attention does not read; drop streaming_window")
+        if self.model.runner == "pooling":
+            _fail("streaming_window", self.streaming_window, "the pooling runner reads whole prompts; use it with "
+                  "runner='generate'")
 
     def _check_expert_load(self) -> None:
         interval = self.expert_load_interval
@@ -1026,6 +1087,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "query-aware sparse decoding, as JSON: {\"method\": \"quest\", \"token_budget\": 2048, "
               "\"sink_blocks\": 1, \"recent_blocks\": 2, \"dense_layers\": 0}; each decode step reads token_budget "
               "tokens of the KV cache per layer and KV head (docs/long-context.md)"),
+    EngineArg("streaming_window", "engine", "streaming_window",
+              "attention sinks + sliding window (StreamingLLM) on every layer, as JSON: {\"sink_tokens\": 4, "
+              "\"window\": 1024}; sequences may run past max_model_len with bounded KV, each query attending to the "
+              "first sink_tokens and last window tokens at positions inside that cache (docs/long-context.md)"),
     EngineArg("prompt_compressor", "engine", "prompt_compressor",
               "prompt compression (requests' prompt_compression option, off unless this is given): the small "
               "causal LM that scores prompt tokens, a model directory or 'kestrel-tiny' for the bundled one; it "

@@ -59,6 +59,31 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
+class SinkWindowSpec(SlidingWindowSpec):
+    """Attention sinks + a window (StreamingLLM, the engine's `streaming_window`): a query reads the first
+    `sink_tokens` positions and the last `window` ones. K is cached un-rotated (rotary positions are indices inside
+    the cache, rotated as attention reads them). The group keeps a sequence's first `sink_blocks` blocks; each
+    block that falls wholly below the window after them is dropped from the sequence, whose later positions then
+    move down by a block, so a stream of any length holds at most `max_blocks_per_request` blocks."""
+
+    sink_tokens: int = 0
+
+    kind: ClassVar[str] = "sink_window"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(f"SinkWindowSpec: sink_tokens={self.sink_tokens!r} must be an int >= 0")
+
+    def sink_blocks(self, block_size: int) -> int:
+        return -(-self.sink_tokens // block_size)
+
+    def max_blocks_per_request(self, block_size: int) -> int:
+        """Sink blocks, the window's (it may start and end mid-block) and the step's new token."""
+        return self.sink_blocks(block_size) + -(-self.window // block_size) + 2
+
+
+@dataclass(frozen=True)
 class LatentAttentionSpec:
     """One latent vector of `width` elements per token (MLA: the compressed KV and the rotary key together)."""
 
@@ -117,7 +142,8 @@ class NoKVCacheSpec:
         return 0
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | LatentAttentionSpec | CrossAttentionSpec | NoKVCacheSpec
+KVCacheSpec = (FullAttentionSpec | SlidingWindowSpec | SinkWindowSpec | LatentAttentionSpec | CrossAttentionSpec
+               | NoKVCacheSpec)
 
 
 @dataclass(frozen=True)
@@ -201,6 +227,13 @@ class KVCacheLayout:
                     raise ConfigError(
                         f"invalid kv_cache_blocks={blocks}: the cross-attention group needs {need} blocks of {size} "
                         f"tokens for max_encoder_len={spec.max_encoder_len}; give more blocks (or memory)")
+            elif isinstance(spec, SinkWindowSpec):
+                need = spec.max_blocks_per_request(size)
+                if blocks < need:
+                    raise ConfigError(
+                        f"invalid kv_cache_blocks={blocks}: one stream with sink_tokens={spec.sink_tokens} and "
+                        f"window={spec.window} holds up to {need} blocks of {size} tokens; give more blocks (or "
+                        "memory) or a smaller streaming_window.window")
             elif blocks * size < max_model_len:
                 raise ConfigError(
                     f"invalid kv_cache_blocks={blocks}: {blocks} blocks of {size} tokens hold {blocks * size} "

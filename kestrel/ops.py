@@ -21,6 +21,7 @@ from kestrel.kernels import rope_kv as _rope_kv
 from kestrel.kernels import scaled_mm as _scaled_mm
 from kestrel.kernels import sparse_decode as _sparse_decode
 from kestrel.kernels import store_kv as _store_kv
+from kestrel.kernels import streaming_attention as _streaming_attention
 from kestrel.kernels import wna16 as _wna16
 from kestrel.kernels.activation import ACTIVATIONS, HF_ACTIVATIONS  # noqa: F401 - the layers' names
 from kestrel.kernels.cpu import attention as _cpu_attention
@@ -84,6 +85,17 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
                                                   scale, sliding_window, k_scale, v_scale, out, logit_soft_cap)
     return _attention.paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                           sliding_window, k_scale, v_scale, out, logit_soft_cap)
+
+
+def streaming_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sink_tokens, window,
+                        cos_cache, sin_cache, rotary_dim, k_scale=1.0, v_scale=1.0, out=None, logit_soft_cap=None):
+    """Attention sinks + window with positions inside the cache over un-rotated cached keys
+    (kernels/streaming_attention.py). No Triton kernel: every device runs the batched PyTorch version (it reads the
+    batch's lengths on the host, so it is not captured in CUDA graphs); float64 and `cpu_references` the reference."""
+    reference = q.dtype == torch.float64 or (q.device.type == "cpu" and not use_cpu_fast_path(q))
+    fn = _streaming_attention.streaming_attention_ref if reference else _streaming_attention.streaming_attention
+    return fn(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sink_tokens, window, cos_cache,
+              sin_cache, rotary_dim, k_scale, v_scale, out, logit_soft_cap)
 
 
 def update_key_bounds(k_cache, slot_mapping, key_bounds, k_scale=1.0) -> None:

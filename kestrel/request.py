@@ -122,6 +122,9 @@ class Request:
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Attention sinks + window (streaming_window): tokens dropped out of the window, in whole blocks, right after
+    # the sink blocks. The KV cache holds the other tokens, and `num_computed_tokens` counts among those.
+    num_dropped_tokens: int = 0
     # Tokens already scheduled to be sampled whose ids the host does not know yet (async scheduling: at most
     # the one of the step in flight once the step before it is collected).
     num_pending_tokens: int = 0
@@ -151,6 +154,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """The tokens the KV cache holds once computed: all but those dropped out of a streaming window."""
+        return len(self.all_token_ids) - self.num_dropped_tokens
 
     @property
     def num_output_tokens(self) -> int:

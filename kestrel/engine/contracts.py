@@ -31,6 +31,9 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]  # per KV-cache group
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
     pooling_params: PoolingParams | None = None  # a pooling request: the worker returns its pooled hidden state
+    # Attention sinks + window: tokens dropped out of the window right after the sink blocks (whole blocks); the
+    # computed count and the block lists leave them out.
+    num_dropped_tokens: int = 0
     media: tuple[MediaItem, ...] = ()  # the prompt's media items: the worker encodes them and fills their positions
 
 
@@ -41,6 +44,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: tuple[list[int], ...]  # per KV-cache group; () when no group gained a block
     num_computed_tokens: int
+    # Attention sinks + window: the request's dropped tokens so far; the blocks dropped since the last step are
+    # removed from every group's list after the sink blocks, before `new_block_ids` are appended.
+    num_dropped_tokens: int = 0
 
 
 @dataclass(frozen=True)

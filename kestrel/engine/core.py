@@ -164,7 +164,8 @@ class EngineCore:
                 seed = None if params.seed is None else params.seed + index
                 child_params = params.replace(n=1, seed=seed)
             request = Request(child_id, list(prompt_token_ids), child_params, eos_token_id=self.eos_token_id,
-                              max_model_len=self.max_model_len, extra_eos_token_ids=self._extra_eos,
+                              max_model_len=None if self.config.streaming else self.max_model_len,
+                              extra_eos_token_ids=self._extra_eos,
                               priority=priority, pooling_params=pooling, media=media)
             detokenizer = (IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child_params,
                                                   TokenizerLookups.of(self.tokenizer)) if self.detokenize else None)
@@ -214,7 +215,14 @@ class EngineCore:
             raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "the prompt is empty; give at least one token")
-        if len(prompt_token_ids) >= self.max_model_len:
+        streaming = self.config.streaming
+        if streaming is not None:
+            if len(prompt_token_ids) > streaming.num_kept_tokens:
+                raise InvalidRequestError("prompt", f"the prompt has {len(prompt_token_ids)} tokens but the engine "
+                                          f"streams with streaming_window sink_tokens={streaming.sink_tokens} + "
+                                          f"window={streaming.window} = {streaming.num_kept_tokens} tokens attended; "
+                                          f"shorten the prompt to at most {streaming.num_kept_tokens} tokens")
+        elif len(prompt_token_ids) >= self.max_model_len:
             raise prompt_too_long(len(prompt_token_ids), self.max_model_len)
         vocab_size = getattr(self.runner, "vocab_size", None)
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):

@@ -7,6 +7,12 @@ lockstep, one block per `block_size` tokens, so their lists always have the same
 takes its blocks once, when the request is admitted. Block hashes are per token chunk, so the same chained hashes
 publish and find blocks in every token group; a prefix hit counts only the blocks every such group has.
 
+Attention sinks + window (`SinkWindowSpec`, every token group): each step, the blocks after the sink blocks that lie
+wholly below the window of the step's first query are freed and dropped from the request's lists, and its computed
+count moves down by their tokens (`Request.num_dropped_tokens`), so a stream holds a bounded number of blocks. Such
+groups publish nothing to the prefix cache and find nothing in it: a block's KV depends on how far the window had
+slid when it was computed (and on a recomputation after preemption), not on its token prefix alone.
+
 A sliding-window group of window W gives back, each step, the blocks that hold no position the step or any later
 one reads (every position below `first computed position - W + 1`): the list keeps a placeholder (None) there, so
 block j still holds positions j*B .. j*B + B - 1, and the worker, which keeps the old id, never reads it (attention
@@ -16,7 +22,7 @@ masks it, or skips it). A prefix hit in such a group needs only the blocks still
 from __future__ import annotations
 
 from kestrel.engine.block_pool import BlockHash, BlockPool, KVBlock, hash_block
-from kestrel.kv_spec import CrossAttentionSpec, KVCacheLayout, SlidingWindowSpec
+from kestrel.kv_spec import CrossAttentionSpec, KVCacheLayout, SinkWindowSpec, SlidingWindowSpec
 from kestrel.request import Request
 
 # What `allocate` returns when no group gained a block (the usual decode step).
@@ -29,6 +35,8 @@ class KVCacheManager:
     def __init__(self, layout: KVCacheLayout, enable_prefix_caching: bool = True) -> None:
         self.layout = layout
         self.block_size = layout.block_size
+        self.streaming = _streaming_spec(layout)
+        enable_prefix_caching = enable_prefix_caching and self.streaming is None
         self.enable_prefix_caching = enable_prefix_caching
         self.num_groups = layout.num_groups
         self.pools = [BlockPool(n, enable_caching=enable_prefix_caching and group.spec.follows_tokens)
@@ -41,7 +49,8 @@ class KVCacheManager:
         self._lead = self._token_groups[0] if self._token_groups else 0
         # Sliding-window groups that give back blocks outside their window: (group, window).
         self._windows = [(g, group.spec.window) for g, group in enumerate(layout.groups)
-                         if isinstance(group.spec, SlidingWindowSpec) and g not in layout.keep_all_blocks]
+                         if isinstance(group.spec, SlidingWindowSpec) and not isinstance(group.spec, SinkWindowSpec)
+                         and g not in layout.keep_all_blocks]
         self._blocks: dict[str, list[list[KVBlock | None]]] = {}
         self._num_released: dict[str, list[int]] = {}  # per request, per window group: leading blocks given back
         self._num_published: dict[str, int] = {}  # leading blocks of each request already published
@@ -127,6 +136,8 @@ class KVCacheManager:
         """
         request_id = request.request_id
         held = self._blocks.get(request_id)
+        if held is not None and self.streaming is not None:
+            self._drop_below_window(request, held)
         num_prefix = len(cached_prefix[self._lead]) if cached_prefix else 0
         num_total = request.num_computed_tokens + num_prefix * self.block_size + num_new_tokens
         num_held = len(held[self._lead]) if held is not None else 0
@@ -172,6 +183,23 @@ class KVCacheManager:
             for pool, blocks in zip(self.pools, held):
                 if blocks:
                     pool.free([b for b in reversed(blocks) if b is not None])
+
+    def _drop_below_window(self, request: Request, held: list[list[KVBlock | None]]) -> None:
+        """Free and drop, in every group, the blocks after the sink blocks that lie wholly below the window of the
+        step's first query; the request's later positions move down by their tokens."""
+        spec, size = self.streaming, self.block_size
+        assert spec is not None
+        sinks = spec.sink_blocks(size)
+        window_start = max(spec.sink_tokens, request.num_computed_tokens - spec.window + 1)
+        count = min(window_start // size, len(held[self._lead])) - sinks
+        if count <= 0:
+            return
+        for g in self._token_groups:
+            blocks = held[g]
+            self.pools[g].free([b for b in reversed(blocks[sinks:sinks + count]) if b is not None])
+            del blocks[sinks:sinks + count]
+        request.num_dropped_tokens += count * size
+        request.num_computed_tokens -= count * size
 
     def _first_in_window(self, position: int, window: int) -> int:
         """The first block a query at `position` (or later) reads under a window of `window` tokens."""
@@ -220,3 +248,17 @@ class KVCacheManager:
             extra = tuple(item.content_hash for item in media if item.overlaps(start, start + size)) if media else ()
             hashes.append(hash_block(hashes[-1] if hashes else None, tuple(tokens[start:start + size]), extra))
         return hashes
+
+
+def _streaming_spec(layout: KVCacheLayout) -> SinkWindowSpec | None:
+    """The sink + window spec when the layout streams: then it is every token group's spec, so the groups drop
+    the same blocks at the same steps."""
+    specs = {group.spec for group in layout.groups if group.spec.follows_tokens}
+    streaming = [spec for spec in specs if isinstance(spec, SinkWindowSpec)]
+    if not streaming:
+        return None
+    if len({(s.sink_tokens, s.window) for s in specs if isinstance(s, SinkWindowSpec)}) != 1 or any(
+            not isinstance(s, SinkWindowSpec) for s in specs):
+        raise ValueError(f"attention sinks + window must be every token group's spec, with one sink_tokens and "
+                         f"window; got {sorted(str(s) for s in specs)}")
+    return streaming[0]

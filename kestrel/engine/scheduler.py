@@ -136,9 +136,9 @@ class Scheduler:
                     request.num_output_tokens + request.num_pending_tokens >= request.max_tokens):
                 index += 1  # its token in flight is its last: it finishes when that token arrives
                 continue
-            num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_kv_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts_to_verify(request, num_new, budget) if verify_drafts else []
-            samples = request.num_computed_tokens + num_new == request.num_tokens + request.num_pending_tokens
+            samples = request.num_computed_tokens + num_new == request.num_kv_tokens + request.num_pending_tokens
             end = request.num_computed_tokens + num_new + len(drafts)
             lookahead = self._lookahead(draft_lookahead, end) if samples else 0
             block_ids = self.kv.allocate(request, num_new + len(drafts), lookahead=lookahead)
@@ -171,12 +171,12 @@ class Scheduler:
             if request.num_pending_tokens or request.request_id in exclude:
                 break  # preempted with a token in flight: readmitted once that token is known
             cached_prefix, num_cached = self.kv.find_cached_prefix(request)
-            num_new = request.num_tokens - num_cached
+            num_new = request.num_kv_tokens - num_cached
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
             end = num_cached + num_new
-            lookahead = self._lookahead(draft_lookahead, end) if end == request.num_tokens else 0
+            lookahead = self._lookahead(draft_lookahead, end) if end == request.num_kv_tokens else 0
             block_ids = self.kv.allocate(request, num_new, cached_prefix, lookahead=lookahead)
             if block_ids is None and lookahead:
                 lookahead = 0
@@ -204,7 +204,7 @@ class Scheduler:
             request = self.requests[request_id]
             request.num_computed_tokens += num_new
             request.spec_token_ids = []
-            if request.num_computed_tokens == (request.num_tokens + request.num_pending_tokens
+            if request.num_computed_tokens == (request.num_kv_tokens + request.num_pending_tokens
                                                + len(spec.get(request_id, ()))):
                 request.num_pending_tokens += 1  # this step samples the request's next token(s)
         if not output.is_empty:
@@ -233,7 +233,7 @@ class Scheduler:
             request = self.requests[request_id]
             if request_id in self._known_to_runner:
                 cached.append(CachedRequestData(request_id, new_block_ids[request_id],
-                                                request.num_computed_tokens))
+                                                request.num_computed_tokens, request.num_dropped_tokens))
             else:
                 new.append(NewRequestData(
                     req_id=request_id,
@@ -243,6 +243,7 @@ class Scheduler:
                     block_ids=self.kv.block_ids(request_id),
                     num_computed_tokens=request.num_computed_tokens,
                     pooling_params=request.pooling_params,
+                    num_dropped_tokens=request.num_dropped_tokens,
                     media=request.media,
                 ))
                 self._known_to_runner.add(request_id)
@@ -346,7 +347,9 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        # A stream (attention sinks + window) holds a bounded cache and may run past max_model_len.
+        if request.num_output_tokens >= request.max_tokens or (request.num_tokens >= self.max_model_len
+                                                               and self.kv.streaming is None):
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -44,6 +44,10 @@ class CachedRequestState:
     pooling_params: PoolingParams | None = None  # a pooling request: its sampling row also pools
     # MEAN pooling: the float32 sum of its prompt's hidden states so far; CLS: its first token's hidden state.
     pooled_partial: torch.Tensor | None = None
+    # Attention sinks + window: tokens dropped out of the window, which sat after the first `sink_end` positions;
+    # positions (and `num_computed_tokens`, `block_ids`) count the cache's tokens, without them.
+    num_dropped_tokens: int = 0
+    sink_end: int = 0
     media: tuple[MediaItem, ...] = ()  # the prompt's media items (their encoder output fills their positions)
 
     @property
@@ -92,6 +96,12 @@ class BlockTable:
     def free(self, row: int) -> None:
         self._free_rows.append(row)
 
+    def drop(self, row: int, start: int, count: int) -> None:
+        """Remove `count` block ids from `start` on, the later ones moving down (a stream's window slid)."""
+        end = self._lengths[row]
+        self.table[row, start:end - count] = self.table[row, start + count:end].clone()
+        self._lengths[row] = end - count
+
     def gather(self, rows: list[int], width: int) -> torch.Tensor:
         """`[len(rows), width]`: entries past a row's own blocks are stale, never read by attention."""
         return self.table[:, :width].index_select(0, torch.tensor(rows, dtype=torch.int64))
@@ -134,6 +144,10 @@ class BlockTables:
         for table in self.groups:
             table.free(row)
 
+    def drop(self, row: int, start: int, count: int) -> None:
+        for table in self.groups:
+            table.drop(row, start, count)
+
 
 @dataclass(frozen=True)
 class ModelInputs:
@@ -168,6 +182,9 @@ def build_model_inputs(states: list[CachedRequestState], num_scheduled: list[int
         end = start + count
         tokens = state.token_ids
         known = len(tokens)
+        if state.num_dropped_tokens:
+            tokens = _CacheTokens(tokens, state.sink_end, state.num_dropped_tokens)
+            known -= state.num_dropped_tokens
         blocks = state.block_ids[0]
         if count == 1:  # decode: the common case, kept free of per-token comprehensions
             input_ids.append(tokens[start] if start < known else 0)
@@ -236,6 +253,23 @@ def build_model_inputs(states: list[CachedRequestState], num_scheduled: list[int
         logits_indices=longs[3 * n: 3 * n + s],
         sampled_rows=sampled_rows,
     )
+
+
+class _CacheTokens:
+    """A stream's token ids by cache position: past the sink blocks they sit `dropped` ids further on."""
+
+    def __init__(self, token_ids: list[int], sink_end: int, dropped: int) -> None:
+        self.token_ids, self.sink_end, self.dropped = token_ids, sink_end, dropped
+
+    def _index(self, position: int) -> int:
+        return position if position < self.sink_end else position + self.dropped
+
+    def __getitem__(self, key: int | slice) -> int | list[int]:
+        if isinstance(key, int):
+            return self.token_ids[self._index(key)]
+        start, stop = key.start or 0, key.stop
+        head = self.token_ids[start:min(stop, self.sink_end)] if start < self.sink_end else []
+        return head + self.token_ids[self._index(max(start, self.sink_end)):self._index(stop)]
 
 
 def _other_group_slots(states: list[CachedRequestState], num_scheduled: list[int], block_size: int,

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from kestrel.config import CacheConfig, ConfigError, EngineConfig, SparseDecodeConfig
+from kestrel.config import CacheConfig, ConfigError, EngineConfig, SparseDecodeConfig, StreamingWindowConfig
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.kv_spec import (
     FullAttentionSpec,
@@ -154,6 +154,18 @@ def bind_layer_caches(layers: Sequence[CachingLayer], caches: Sequence[torch.Ten
 
 
 KEY_BOUND_BYTES = 4  # float32 minima and maxima
+
+
+def bind_streaming_window(layers: Sequence[CachingLayer], streaming: StreamingWindowConfig | None) -> None:
+    """Attention sinks + window on every attention layer, before the KV cache is sized from their specs."""
+    if streaming is None:
+        return
+    for layer in layers:
+        bind = getattr(layer, "bind_streaming", None)
+        if bind is None:
+            raise ConfigError(f"invalid streaming_window: layer {layer.layer_idx} ({type(layer).__name__}) has no "
+                              "sink + window attention; drop streaming_window for this model")
+        bind(streaming)
 
 
 def quest_layer_indices(layers: Sequence[CachingLayer], sparse: SparseDecodeConfig | None) -> list[int]:

@@ -26,7 +26,8 @@ class ModelRunner(RunnerSetup):
         generator.manual_seed(config.model.seed)
         self.step_inputs = StepInputs(config.scheduler.max_num_seqs, self.max_blocks_per_seq, self.block_size,
                                       self.device, self.drafter,
-                                      [group.spec.follows_tokens for group in self.kv_groups])
+                                      [group.spec.follows_tokens for group in self.kv_groups],
+                                      self.streaming_sink_blocks)
         self.requests = self.step_inputs.requests
         self.block_table = self.step_inputs.block_table
         self.sampling = StepSampler(self.model, Sampler(generator), self.eos_token_ids, self.device, self.drafter,

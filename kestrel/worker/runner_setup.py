@@ -15,7 +15,7 @@ import torch
 
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.distributed.parallel import ParallelContext
-from kestrel.kv_spec import KVCacheLayout
+from kestrel.kv_spec import KVCacheLayout, SinkWindowSpec
 from kestrel.loader import load_model
 from kestrel.loader.hf_config import resolve_dtype
 from kestrel.model.attn_metadata import AttentionMetadata
@@ -30,6 +30,7 @@ from kestrel.worker.kv_cache import (
     allocate_kv_cache,
     bind_key_bounds,
     bind_layer_caches,
+    bind_streaming_window,
     gpu_kv_cache_budget,
     key_bounds_bytes_per_block,
     kv_cache_dtype,
@@ -90,6 +91,8 @@ class RunnerSetup:
         torch.manual_seed(config.model.seed)
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-(config.model.max_model_len or 1) // self.block_size)
+        # Attention sinks + window: each request keeps its sink blocks; the blocks after them leave with the window.
+        self.streaming_sink_blocks = config.streaming.sink_blocks(self.block_size) if config.streaming else None
         self.model = load_model(model_config, config.quant, self.device, parallel, self._planned_kv_cache_bytes)
         self.vocab_size: int = int(config.model.hf_config["vocab_size"])
         # A multimodal model's media reach its first pipeline stage's input embeddings through the encoder step.
@@ -99,6 +102,14 @@ class RunnerSetup:
         # Bound before any forward, so the captured graphs count too.
         self.expert_counts = ExpertLoad.attach(self.model) if config.expert_load_metrics else None
         layers = self.model.attention_layers()
+        bind_streaming_window(layers, config.streaming)
+        if config.streaming is not None:
+            streamed = SinkWindowSpec(1, 1, window=config.streaming.window, sink_tokens=config.streaming.sink_tokens)
+            self.max_blocks_per_seq = max(self.max_blocks_per_seq, streamed.max_blocks_per_request(self.block_size))
+            if self.device.type == "cuda" and not config.enforce_eager:
+                raise ConfigError("invalid enforce_eager=False with streaming_window: the sink + window attention "
+                                  "reads each step's lengths on the host and cannot run in CUDA graphs; set "
+                                  "enforce_eager=True (--enforce-eager)")
         self.kv_spec = KVCacheShape.of_layers(layers, kv_cache_dtype(config.cache, self.dtype), self.block_size)
         # The groups are every stage's; `layer_groups[i]` is the group of this stage's attention layer i.
         self.kv_groups, self.layer_groups = kv_cache_groups(self.kv_spec.layer_specs, parallel)

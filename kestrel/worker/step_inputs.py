@@ -28,10 +28,12 @@ class StepInputs:
     for the positions still in flight."""
 
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device,
-                 drafter: Drafter | None, groups_follow_tokens: list[bool]) -> None:
+                 drafter: Drafter | None, groups_follow_tokens: list[bool], sink_blocks: int | None = None) -> None:
         """`groups_follow_tokens`: per KV-cache group, whether its blocks follow the request's tokens (one block
-        table each)."""
+        table each). `sink_blocks`: with attention sinks + window, the blocks kept at the start of each request;
+        the blocks dropped out of its window are removed after them."""
         self.block_size = block_size
+        self.sink_blocks = sink_blocks
         self.device = device
         self.drafter = drafter
         self.requests: dict[str, CachedRequestState] = {}
@@ -49,6 +51,8 @@ class StepInputs:
             self._add(new)
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
+            if cached.num_dropped_tokens != state.num_dropped_tokens:
+                self._drop(state, cached.num_dropped_tokens)
             if cached.new_block_ids:
                 for ids, added in zip(state.block_ids, cached.new_block_ids, strict=True):
                     ids.extend(added)
@@ -58,6 +62,16 @@ class StepInputs:
             state = self.requests[req_id]
             state.drafts = list(drafts)
             state.token_ids.extend(drafts)  # the step's inputs; replaced by the accepted tokens on collect
+
+    def _drop(self, state: CachedRequestState, num_dropped_tokens: int) -> None:
+        """The blocks the scheduler dropped out of a stream's window since the last step, after its sink blocks."""
+        if self.sink_blocks is None:
+            raise RuntimeError(f"request {state.req_id}: tokens dropped, but the runner does not stream")
+        count = (num_dropped_tokens - state.num_dropped_tokens) // self.block_size
+        for ids in state.block_ids:
+            del ids[self.sink_blocks:self.sink_blocks + count]
+        self.block_table.drop(state.block_table_row, self.sink_blocks, count)
+        state.num_dropped_tokens = num_dropped_tokens
 
     def _add(self, new: NewRequestData) -> None:
         generator = None
@@ -74,6 +88,8 @@ class StepInputs:
             generator=generator,
             block_table_row=self.block_table.add(new.block_ids),
             pooling_params=new.pooling_params,
+            num_dropped_tokens=new.num_dropped_tokens,
+            sink_end=(self.sink_blocks or 0) * self.block_size,
             media=new.media,
         )
         if self.drafter is not None:

@@ -167,6 +167,10 @@ class StepSampler:
         for row, (state, count) in enumerate(zip(states, counts)):
             k = state.sampling_params.prompt_logprobs
             first = state.num_computed_tokens
+            if state.num_dropped_tokens:  # a stream: past its sink blocks, cache positions skip the dropped tokens
+                if first < state.sink_end:
+                    continue  # recomputing a preempted stream's cache: the dropped tokens' logprobs are gone
+                first += state.num_dropped_tokens
             last = min(first + count, state.num_prompt_tokens - 1)  # exclusive: positions with a next prompt token
             if k is None or first >= state.num_prompt_tokens:
                 continue

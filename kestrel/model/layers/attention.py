@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from kestrel import ops
-from kestrel.config import SparseDecodeConfig
-from kestrel.kv_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kestrel.config import ConfigError, SparseDecodeConfig, StreamingWindowConfig
+from kestrel.kv_spec import FullAttentionSpec, KVCacheSpec, SinkWindowSpec, SlidingWindowSpec
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.rotary import RotaryEmbedding
 
@@ -48,9 +48,15 @@ class Attention(nn.Module):
         # `[num_blocks, 2, num_kv_heads, head_size]` kept as keys are written, and the selection settings.
         self.key_bounds: torch.Tensor | None = None
         self.sparse_decode: SparseDecodeConfig | None = None
+        # Attention sinks + window (streaming_window), bound by the runner before the cache is sized: K is cached
+        # un-rotated and q and k are rotated as attention reads them, by their positions inside the cache.
+        self.streaming: StreamingWindowConfig | None = None
 
     @property
     def cache_spec(self) -> KVCacheSpec:
+        if self.streaming is not None:
+            return SinkWindowSpec(self.num_kv_heads, self.head_size, window=self.streaming.window,
+                                  sink_tokens=self.streaming.sink_tokens)
         if self.sliding_window is not None:
             return SlidingWindowSpec(self.num_kv_heads, self.head_size, window=self.sliding_window)
         return FullAttentionSpec(self.num_kv_heads, self.head_size)
@@ -75,6 +81,17 @@ class Attention(nn.Module):
         self.kv_group = group
         self.k_scale = float(k_scale)
         self.v_scale = float(v_scale)
+
+    def bind_streaming(self, settings: StreamingWindowConfig) -> None:
+        """Attend to the first `sink_tokens` and last `window` tokens with positions inside the cache; called before
+        the KV cache is sized (the layer's spec changes)."""
+        if self.sliding_window is not None:
+            raise ConfigError(f"invalid streaming_window: layer {self.layer_idx} has its own sliding window of "
+                              f"{self.sliding_window} tokens, which the sink + window attention does not combine "
+                              "with; drop streaming_window for this model")
+        if self.kv_cache is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: bind streaming before the KV cache (its spec sizes the cache)")
+        self.streaming = settings
 
     def bind_sparse_decode(self, key_bounds: torch.Tensor, settings: SparseDecodeConfig) -> None:
         """Turn on Quest for this layer: keep `key_bounds` (float32 `[num_blocks, 2, kv_heads, head_size]`, the
@@ -114,6 +131,8 @@ class Attention(nn.Module):
         else:
             tables = attn_metadata.for_group(self.kv_group)
             slot_mapping, block_tables = tables.slot_mapping, tables.block_tables
+        if self.streaming is not None:
+            return self._stream(q, k, v, k_cache, v_cache, slot_mapping, block_tables, attn_metadata, rotary_emb)
         if rotary_emb is None:
             k = k.view(num_tokens, self.num_kv_heads, self.head_size)
             v = v.view(num_tokens, self.num_kv_heads, self.head_size)
@@ -133,6 +152,24 @@ class Attention(nn.Module):
             attn_metadata.seq_lens, block_tables, self.scale, self.sliding_window, self.k_scale,
             self.v_scale, max_query_len=attn_metadata.max_query_len, logit_soft_cap=self.logit_soft_cap,
         )
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def _stream(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, attn_metadata: AttentionMetadata,
+                rotary_emb: RotaryEmbedding | None) -> torch.Tensor:
+        """Sinks + window: K and V written as they are (a key's rotary position, its index in the cache, changes as
+        the window slides), attention rotating q and the keys it reads."""
+        assert self.streaming is not None
+        num_tokens = q.shape[0]
+        ops.store_kv(k.view(num_tokens, self.num_kv_heads, self.head_size),
+                     v.view(num_tokens, self.num_kv_heads, self.head_size), k_cache, v_cache, slot_mapping,
+                     self.k_scale, self.v_scale)
+        cos, sin, rotary_dim = ((rotary_emb.cos_cache, rotary_emb.sin_cache, rotary_emb.rotary_dim)
+                                if rotary_emb is not None else (None, None, 0))
+        out = ops.streaming_attention(
+            q.reshape(num_tokens, self.num_heads, self.head_size), k_cache, v_cache, attn_metadata.query_start_loc,
+            attn_metadata.seq_lens, block_tables, self.scale, self.streaming.sink_tokens, self.streaming.window, cos,
+            sin, rotary_dim, self.k_scale, self.v_scale, logit_soft_cap=self.logit_soft_cap)
         return out.view(num_tokens, self.num_heads * self.head_size)
 
     def _sparse_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
