@@ -117,7 +117,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                       "in_use_per_step": blocks_in_use[:: max(1, len(blocks_in_use) // 2000)],
                       "step_stride": max(1, len(blocks_in_use) // 2000), "steps": len(blocks_in_use)},
         "dense_reference": {"perplexity": math.exp(dense_nll), "scored_tokens": dense_scored,
-                            "windows_of": args.context, "stream_prefix_tokens": min(args.dense_tokens, len(tokens))},
+                            "windows_of": args.context - 1, "stream_prefix_tokens": min(args.dense_tokens, len(tokens))},
     }
 
 
@@ -130,7 +130,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     ax1.plot([s["first_token"] + s["tokens"] / 2 for s in seg], [s["perplexity"] for s in seg], marker="o",
              label=f"sinks {result['sink_tokens']} + window {result['window']}")
     ax1.axhline(result["dense_reference"]["perplexity"], color="gray", linestyle="--",
-                label=f"dense, {result['context']}-token windows")
+                label=f"dense, {result['context'] - 1}-token windows")
     ax1.set_xlabel("stream position (tokens)")
     ax1.set_ylabel(f"perplexity per {seg[0]['tokens']} tokens")
     ax1.legend()
