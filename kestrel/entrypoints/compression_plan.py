@@ -6,7 +6,7 @@ token's start (so whitespace a tokenizer leaves out of its offsets goes with the
 touches a protected span (kept verbatim) is never dropped. Of the N tokens, about `rate * N` stay:
 
 1. coarse: whole segments (lines, and sentences within long lines) with no protected token go first, lowest mean
-   surprisal first, until they make up `COARSE_SHARE` of the tokens to drop (a segment that would pass it is
+   surprisal first, while they fit in `COARSE_SHARE` of the tokens to drop (a segment that would pass it is
    skipped for a smaller one);
 2. fine: the remaining unprotected tokens, lowest surprisal first (position breaks ties), until the target.
 
@@ -25,7 +25,10 @@ from kestrel.sampling_params import KEEP_MARKERS
 
 Span = tuple[int, int]  # [start, end) character offsets
 
-COARSE_SHARE = 0.5
+# The share of the tokens to drop that whole segments may make up. Chosen on train-split samples (32 contexts of
+# 384 tokens, kestrel-tiny; continuation perplexity at rates 0.8 / 0.5 / 0.33 for shares 0.5, 0.75, 0.9, 1.0): the
+# whole budget did best at 0.5 and 0.33 and within 2% of the best at 0.8. The held-out split was not used.
+COARSE_SHARE = 1.0
 _SEGMENT_END = re.compile(r"\n|(?<=[.!?;])[ \t]+")
 _CODE_FENCE = re.compile(r"```")
 

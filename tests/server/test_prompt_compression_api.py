@@ -6,7 +6,7 @@ import json
 
 import httpx
 import pytest
-from conftest import API_KEY, MODEL, LiveServer
+from conftest import API_KEY, MODEL, LiveServer, start_core_process_server
 
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
@@ -110,3 +110,19 @@ def test_metrics_count_saved_tokens_and_time_under_both_prefixes(server):
         assert after[count] - before.get(count, 0.0) == 1
         assert after[prefix + "prompt_compression_seconds_sum"] > before.get(prefix + "prompt_compression_seconds_sum",
                                                                              0.0)
+
+
+def test_engine_core_process_server_compresses_with_another_tokenizer(tiny_model_dir):
+    """The compressor (kestrel-tiny's tokenizer) beside a served model with a tokenizer of its own, in the API
+    process of a server whose engine core is a process of its own."""
+    live = start_core_process_server(tiny_model_dir, prompt_compressor="kestrel-tiny", max_model_len=512)
+    try:
+        assert live.engine.prompt_compressor.tokenizer.vocab_size != live.engine.tokenizer.vocab_size
+        reply = httpx.post(f"{live.base_url}/v1/completions", headers=live.headers, timeout=120,
+                           json={"model": MODEL, "prompt": SOURCE[:800], "max_tokens": 2,
+                                 "prompt_compression": {"rate": 0.5}})
+        assert reply.status_code == 200, reply.text
+        usage = reply.json()["usage"]
+        assert 0.3 < usage["prompt_tokens"] / usage["original_prompt_tokens"] < 0.7
+    finally:
+        live.stop()

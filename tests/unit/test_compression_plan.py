@@ -1,6 +1,7 @@
 """Prompt compression's selection (pure Python): the target rate, protected spans, the coarse stage, markers."""
 
 import math
+import re
 
 import pytest
 
@@ -68,13 +69,15 @@ def test_unscored_tokens_stay():
 
 
 def test_coarse_stage_drops_whole_dull_lines_first():
-    text = "alpha beta gamma\nfiller filler filler filler\ndelta epsilon zeta\n"
-    scores = {"filler": 0.01}
-    tokens = words(text, scores)
-    selection = select(text, tokens, 0.5, [])
+    text = "alpha beta gamma\nfiller filler filler KEYWORD\ndelta epsilon zeta\n"
+    scores = {"filler": 0.01, "KEYWORD": 3.0, "beta": 2.0}
+    # word-led tokens, each with its trailing whitespace, so every line is whole tokens
+    tokens = [ScoredToken(m.start(), scores.get(m.group().strip(), 5.0)) for m in re.finditer(r"\S+\s*", text)]
+    selection = select(text, tokens, 0.6, [])
     kept = text_of(text, selection.kept_spans)
-    assert "filler" not in kept  # the whole line went in the coarse stage
-    assert selection.num_kept == math.ceil(0.5 * len(tokens))
+    # token by token, beta (2.0) would go before KEYWORD (3.0); the dull line goes whole instead
+    assert kept == "alpha beta gamma\ndelta epsilon zeta\n"
+    assert selection.num_kept == math.ceil(0.6 * len(tokens))
 
 
 def test_the_same_input_gives_the_same_selection():
