@@ -8,6 +8,7 @@ import pytest
 
 from kestrel import LLM, SamplingParams
 from kestrel.config import ConfigError
+from kestrel.engine.contracts import run_step
 from kestrel.kv_spec import SinkWindowSpec
 from kestrel.loader.model_init import write_tiny_checkpoint
 from kestrel.request import InvalidRequestError, RequestStatus
@@ -70,29 +71,35 @@ def test_long_generation_runs_in_bounded_kv(tiny_dir: str) -> None:
 
 
 def test_preemption_recomputes_only_the_cache(tiny_dir: str) -> None:
-    """Preempted when its cache holds exactly sinks + window tokens, a stream continues as a fresh request whose
-    prompt is those tokens would."""
+    """Preempted after its window slid, a stream is recomputed from its cache's tokens alone (the sink blocks' and the
+    window's, at their cache positions), and runs on to its last token in bounded KV."""
     streaming = {"sink_tokens": 16, "window": 64}
     llm = LLM(tiny_dir, dtype="float32", max_model_len=128, kv_cache_blocks=40, streaming_window=streaming)
     engine, scheduler = llm.engine, llm.engine.scheduler
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    engine.add_request("stream", _prompt(20, 9), params)
+    engine.add_request("stream", _prompt(20, 9), SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
     request = scheduler.requests["stream"]
-    while not (request.num_dropped_tokens and request.num_kv_tokens == 80 and request.num_pending_tokens == 0
-               and request.num_computed_tokens == 79):
+    for _ in range(200):
         engine.step()
-    cache_tokens = request.all_token_ids[:16] + request.all_token_ids[16 + request.num_dropped_tokens:]
-    generated_before = request.num_output_tokens
+        if request.num_dropped_tokens:
+            break
+    assert request.num_dropped_tokens and request.num_tokens > 80
+    kept = request.num_kv_tokens
     victim = scheduler.running.pop()
     assert victim is request
     scheduler._preempt(victim)
-    assert request.num_computed_tokens == 0 and request.num_kv_tokens == 80
+    output = scheduler.schedule()
+    assert [n.req_id for n in output.new_requests] == ["stream"]
+    new = output.new_requests[0]
+    # the recomputation covers the cache's tokens only, from cache position 0
+    assert output.num_scheduled_tokens["stream"] == kept and new.num_computed_tokens == 0
+    assert new.num_dropped_tokens == request.num_dropped_tokens and len(new.block_ids[0]) == -(-kept // BLOCK)
+    scheduler.update(output, run_step(llm.runner, output))
+    bound = SinkWindowSpec(1, 1, window=64, sink_tokens=16).max_blocks_per_request(BLOCK)
     while engine.has_unfinished_requests():
         engine.step()
-    assert request.status == RequestStatus.FINISHED_LENGTH and request.num_preemptions == 1
-    after = request.output_token_ids[generated_before:]
-    fresh = _greedy(llm, [cache_tokens], len(after))[0]
-    assert after == fresh
+        assert len(scheduler.kv.block_ids("stream")[0]) <= bound
+    assert request.status == RequestStatus.FINISHED_LENGTH and request.num_output_tokens == 200
+    assert request.num_preemptions == 1
 
 
 def test_config_errors(tiny_dir: str) -> None:
