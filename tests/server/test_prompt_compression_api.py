@@ -1,8 +1,10 @@
 """prompt_compression on /v1/completions and /v1/chat/completions through the openai client: kestrel-tiny serves
 and compresses in one in-process server. Usage before and after, the prefix cache, the 400s, the metrics."""
 
+import concurrent.futures
 import inspect
 import json
+import threading
 
 import httpx
 import pytest
@@ -126,3 +128,26 @@ def test_engine_core_process_server_compresses_with_another_tokenizer(tiny_model
         assert 0.3 < usage["prompt_tokens"] / usage["original_prompt_tokens"] < 0.7
     finally:
         live.stop()
+
+
+def test_a_compression_in_progress_holds_up_neither_the_loop_nor_other_requests(server, monkeypatch):
+    compressor = server.engine.prompt_compressor
+    started, release = threading.Event(), threading.Event()
+    real = compressor.compress_text
+
+    def slow(*args, **kwargs):
+        started.set()
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compressor, "compress_text", slow)
+    body = {"model": MODEL, "prompt": SOURCE, "max_tokens": 1, "prompt_compression": {"rate": 0.5}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        compressed = pool.submit(httpx.post, f"{server.base_url}/v1/completions", headers=server.headers, json=body,
+                                 timeout=60)
+        assert started.wait(30)
+        plain = httpx.post(f"{server.base_url}/v1/completions", headers=server.headers, timeout=30,
+                           json={"model": MODEL, "prompt": "def f(x):", "max_tokens": 4, "temperature": 0})
+        assert plain.status_code == 200 and not compressed.done()
+        release.set()
+        assert compressed.result().status_code == 200
