@@ -117,7 +117,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                       "in_use_per_step": blocks_in_use[:: max(1, len(blocks_in_use) // 2000)],
                       "step_stride": max(1, len(blocks_in_use) // 2000), "steps": len(blocks_in_use)},
         "dense_reference": {"perplexity": math.exp(dense_nll), "scored_tokens": dense_scored,
-                            "windows_of": args.context - 1, "stream_prefix_tokens": min(args.dense_tokens, len(tokens))},
+                            "windows_of": args.context - 1,
+                            "stream_prefix_tokens": min(args.dense_tokens, len(tokens))},
     }
 
 
