@@ -30,14 +30,12 @@ from typing import Any
 
 from kestrel.bench import register_suite, standalone_main
 from kestrel.bench.common import pyplot, report, save_figure
-from kestrel.config import ConfigError, EngineConfig, PromptCompressorConfig
-from kestrel.engine.core import EngineCore
+from kestrel.bench.ppl import KestrelScorer
+from kestrel.config import ConfigError, PromptCompressorConfig
 from kestrel.entrypoints.compression_plan import ScoredToken, select, text_of
 from kestrel.entrypoints.prompt_compression import PromptCompressor
-from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.sampling_params import PromptCompression, SamplingParams
 from kestrel.tiny import corpus, default_model_path
-from kestrel.worker.model_runner import ModelRunner
 
 METHODS = ("compressor", "random", "truncate")
 NEXT_LINE_TOKENS = 48
@@ -58,18 +56,13 @@ class Shortened:
     compressor_tokens: int
 
 
-class ServedModel:
-    """The served model's engine core: prompt logprobs and greedy next lines."""
+class ServedModel(KestrelScorer):
+    """The served model's engine core (ppl's scorer): prompt logprobs and greedy next lines."""
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        self.config = EngineConfig.from_kwargs(model, **engine_args)
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer_path)
+        super().__init__(model, **engine_args)
         eos = self.tokenizer.eos_token_id
-        self.runner = ModelRunner(self.config, eos_token_id=eos)
-        self.engine = EngineCore(self.config, self.runner, self.runner.kv_layout, self.tokenizer, eos)
-        start = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else eos
-        self.start = [int(start)]
-        self.max_model_len = self.config.model.max_model_len or 0
+        self.start = [int(self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else eos)]
 
     def run(self, prompts: list[list[int]], params: SamplingParams) -> list[Any]:
         """The final output of each prompt, in order (at most max_num_seqs in flight)."""
