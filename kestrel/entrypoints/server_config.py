@@ -41,6 +41,8 @@ class ServerConfig:
                                    "most bytes one response may produce (all choices, logprobs included): refused "
                                    "with 400 before any work where the size can be bounded, ended with an error "
                                    "once streamed output passes it")
+    max_streaming_tokens: int = _opt(1 << 20, "with --streaming-window: most output tokens one request may ask "
+                                               "for (max_tokens may pass max_model_len up to this); 400 beyond")
     max_stop_sequences: int = _opt(64, "most stop strings one request may give, and most stop_token_ids (counted "
                                         "apart); 400 beyond")
     max_bad_words: int = _opt(128, "most bad_words one request may give; 400 beyond")
@@ -113,7 +115,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name in ("port", "max_queued_requests", "max_request_bytes", "max_logprob_entries", "max_response_bytes",
-                     "max_stop_sequences", "max_bad_words", "max_tokenize_bytes", "grammar_compile_workers",
+                     "max_streaming_tokens", "max_stop_sequences", "max_bad_words", "max_tokenize_bytes",
+                     "grammar_compile_workers",
                      "max_grammar_bytes", "max_grammar_choices", "max_schema_properties", "grammar_cache_bytes",
                      "grammar_cache_entries", "response_store_max_entries", "max_media_bytes", "max_image_pixels"):
             value = getattr(self, name)
@@ -126,8 +129,8 @@ class ServerConfig:
                 raise ConfigError(f"invalid {name}={value!r}: expected a number of seconds > 0")
         if self.tokenizer_workers is not None and self.tokenizer_workers < 0:
             raise ConfigError(f"invalid tokenizer_workers={self.tokenizer_workers}: expected 0 (a thread) or more")
-        for name in ("max_logprob_entries", "max_response_bytes", "max_tokenize_bytes", "max_grammar_bytes",
-                     "max_grammar_choices", "max_schema_properties", "grammar_cache_entries",
+        for name in ("max_logprob_entries", "max_response_bytes", "max_streaming_tokens", "max_tokenize_bytes",
+                     "max_grammar_bytes", "max_grammar_choices", "max_schema_properties", "grammar_cache_entries",
                      "response_store_max_entries", "max_media_bytes", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"invalid {name}={getattr(self, name)}: expected >= 1")

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kestrel.config import StreamingWindowConfig
 from kestrel.entrypoints.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -98,16 +99,18 @@ class ClientDisconnectedError(Exception):
 
 @dataclass(frozen=True)
 class _OutputRoom:
-    """The output tokens a request asks for (0: none named) and the field that asked."""
+    """The output tokens a request asks for (0: none named) and the field that asked; `beam`: for a beam search,
+    which never runs past the context (nor, with a streaming window, past sinks + window)."""
 
     tokens: int
     param: str
+    beam: bool = False
 
 
-def _chat_output_room(request: ChatCompletionRequest) -> _OutputRoom:
+def _chat_output_room(request: ChatCompletionRequest, beam: bool) -> _OutputRoom:
     if request.max_completion_tokens is not None:
-        return _OutputRoom(request.max_completion_tokens, "max_completion_tokens")
-    return _OutputRoom(request.max_tokens or 0, "max_tokens")
+        return _OutputRoom(request.max_completion_tokens, "max_completion_tokens", beam)
+    return _OutputRoom(request.max_tokens or 0, "max_tokens", beam)
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,11 @@ class OpenAIServing:
         # A multimodal model's processor (None: text only, and image parts are refused) and where images may come
         # from: the engine's allowed path and domains, the server's size, time and pixel limits.
         self.media: MediaProcessor | None = getattr(engine, "media", None)
-        model_config = getattr(getattr(getattr(engine, "core", None), "config", None), "model", None)
+        engine_config = getattr(getattr(engine, "core", None), "config", None)
+        model_config = getattr(engine_config, "model", None)
+        # With attention sinks + window the engine runs a sequence past max_model_len: the prompt must fit sinks +
+        # window instead, and max_tokens is bounded by --max-streaming-tokens instead of the context.
+        self.streaming: StreamingWindowConfig | None = getattr(engine_config, "streaming", None)
         self.media_limits = MediaLimits(getattr(model_config, "allowed_local_media_path", None),
                                         getattr(model_config, "allowed_media_domains", None),
                                         config.media_fetch_timeout, config.max_media_bytes, config.max_image_pixels)
@@ -326,7 +333,7 @@ class OpenAIServing:
 
     async def _beam_completion(self, request: CompletionRequest, beam: BeamSearchParams) -> Response:
         self._check_sequences(len(request.prompts()), beam.beam_width, "prompt")
-        room = _OutputRoom(beam.max_tokens, "max_tokens")
+        room = _OutputRoom(beam.max_tokens, "max_tokens", beam=True)
         self._check_output_room(room)
         prompts = await self._encode_prompts(request.prompts(), request.add_special_tokens is not False,
                                              request.truncate_prompt_tokens, room=room)
@@ -370,7 +377,7 @@ class OpenAIServing:
                           continue_final_message=bool(request.continue_final_message),
                           template_kwargs=request.chat_template_kwargs, content_parts=self.media is not None)
         truncate = request.truncate_prompt_tokens
-        room = _chat_output_room(request)
+        room = _chat_output_room(request, beam is not None)
         self._check_output_room(room)
         self._check_sequences(1, params.n, "messages")  # before any templating
         structured_param = request.structured_outputs_field
@@ -383,7 +390,7 @@ class OpenAIServing:
                 chat, request.messages, params.prompt_compression))
             params = params.replace(prompt_compression=None)
         prompt, count, ids = await _until_disconnect(
-            raw, self.text.render_chat(chat, None if truncate else self.engine.max_model_len))
+            raw, self.text.render_chat(chat, None if truncate else self._prompt_bound))
         token_ids = self._fit_prompt(count, ids, truncate, "messages", room)
         media: tuple[MediaItem, ...] = ()
         if self.media is not None:
@@ -391,8 +398,16 @@ class OpenAIServing:
                 raw, asyncio.to_thread(self.media.expand, token_ids, images, "messages"))
         if beam is not None and media:
             raise InvalidRequestError("use_beam_search", "beam search does not take images")
+        if beam is not None and self.streaming is not None:
+            # Each beam step's prompt (the prompt and the beam so far) must fit sinks + window.
+            room_left = max(self.streaming.num_kept_tokens - len(token_ids), 1)
+            beam = dataclasses.replace(beam, max_tokens=min(beam.max_tokens, room_left))
         if beam is not None:
             return await _until_disconnect(raw, self._beam_chat(request, beam, token_ids))
+        if self.streaming is not None and params.max_tokens is None:
+            # The engine does not stop a streamed sequence at the context, so a request that names no limit
+            # stops where the context would have ended; past it, max_tokens must say how far.
+            params = params.replace(max_tokens=max(self.engine.max_model_len - len(token_ids), 1))
         # A forced call is grammar-constrained wherever the engine has a grammar backend (every engine built by
         # build_engine); without one (a test double), the call's opening in the prompt and the parser remain.
         if mode in ("required", "named") and prompt.assistant_prefix and self.grammars is not None:
@@ -584,7 +599,7 @@ class OpenAIServing:
         """Text prompts are tokenized off the event loop (TextWorkers); one that cannot fit is refused by count.
         `truncate`: keep each prompt's last `truncate` tokens (vLLM's truncate_prompt_tokens); `param`: the
         request field of the prompts, for errors; `room`: the output each prompt must leave room for."""
-        limit = self.engine.max_model_len
+        limit = self._prompt_bound
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(await self.text.encode_prompts(texts, None if truncate else limit, add_special_tokens,
                                                       param))
@@ -603,8 +618,17 @@ class OpenAIServing:
         limit = self.engine.max_model_len
         if ids is not None and truncate:
             ids = ids[-truncate:]
-        if ids is None or len(ids) >= limit:
-            raise prompt_too_long(count if ids is None else len(ids), limit, param)
+        if ids is None or len(ids) >= self._prompt_bound:
+            raise self._prompt_too_long(count if ids is None else len(ids), param)
+        if self.streaming is not None:
+            kept = self.streaming.num_kept_tokens
+            if room is not None and room.beam and len(ids) + room.tokens > kept:
+                raise InvalidRequestError(room.param, f"the prompt has {len(ids)} tokens and {room.param}="
+                                          f"{room.tokens} output tokens were requested, {len(ids) + room.tokens} in "
+                                          f"all, but a beam search does not slide the streaming window: it runs "
+                                          f"within --streaming-window sink_tokens + window = {kept} tokens; shorten "
+                                          f"the prompt or lower {room.param}")
+            return ids
         if room is not None and len(ids) + room.tokens > limit:
             raise InvalidRequestError(room.param, f"the prompt has {len(ids)} tokens and {room.param}="
                                       f"{room.tokens} output tokens were requested, {len(ids) + room.tokens} in "
@@ -613,8 +637,34 @@ class OpenAIServing:
                                       f"the prompt or lower {room.param}")
         return ids
 
+    @property
+    def _prompt_bound(self) -> int:
+        """Prompts of this many tokens or more are refused: the context less one generated token, or with a
+        streaming window one more than sinks + window (the engine streams on past the context)."""
+        if self.streaming is not None:
+            return self.streaming.num_kept_tokens + 1
+        return self.engine.max_model_len
+
+    def _prompt_too_long(self, num_tokens: int, param: str) -> InvalidRequestError:
+        if self.streaming is None:
+            return prompt_too_long(num_tokens, self.engine.max_model_len, param)
+        kept = self.streaming.num_kept_tokens
+        return InvalidRequestError(param, f"the prompt has {num_tokens} tokens but this server streams with "
+                                   f"--streaming-window sink_tokens={self.streaming.sink_tokens} + window="
+                                   f"{self.streaming.window} = {kept} tokens attended, which the prompt must fit; "
+                                   f"shorten the prompt to at most {kept} tokens")
+
     def _check_output_room(self, room: _OutputRoom) -> None:
-        """An output longer than the whole context is refused before any tokenizing."""
+        """An output longer than the whole context (with a streaming window: than --max-streaming-tokens, or for a
+        beam search than sinks + window) is refused before any tokenizing."""
+        if self.streaming is not None:
+            cap, flag = ((self.streaming.num_kept_tokens, "--streaming-window sink_tokens + window") if room.beam
+                         else (self.config.max_streaming_tokens, "--max-streaming-tokens"))
+            if room.tokens > cap:
+                raise InvalidRequestError(room.param, f"{room.param}={room.tokens} is more than this server's limit "
+                                          f"of {cap:,} output tokens a request ({flag}); request fewer output "
+                                          "tokens")
+            return
         limit = self.engine.max_model_len
         if room.tokens > limit:
             raise InvalidRequestError(room.param, f"{room.param}={room.tokens} cannot be greater than "
