@@ -62,3 +62,42 @@ def write_llava(path: Path, seed: int = 0) -> Path:
 def random_image(seed: int, width: int = 40, height: int = 34) -> Image.Image:
     pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
+
+
+# LLaVA-NeXT's tiles are the tower's 28x28 images: a 1x2, 2x1 or 2x2 grid of them, chosen per image by its size.
+GRID_PINPOINTS = [[IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE], [2 * IMAGE_SIZE, 2 * IMAGE_SIZE]]
+
+
+def write_llava_next(path: Path, seed: int = 0) -> Path:
+    """The LLaVA-1.5 checkpoint's shapes as a LlavaNextForConditionalGeneration (an `image_newline` embedding and
+    anyres tiling on GRID_PINPOINTS) with a LlavaNextProcessor."""
+    path.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(str(path))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                           num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
+                                           projection_dim=16)
+    text = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+                                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = transformers.LlavaNextConfig(vision_config=vision, text_config=text,
+                                          image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                                          image_grid_pinpoints=GRID_PINPOINTS, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.LlavaNextForConditionalGeneration(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    model.eval().save_pretrained(str(path))
+    image_processor = transformers.LlavaNextImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        image_grid_pinpoints=GRID_PINPOINTS)
+    processor = transformers.LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                                patch_size=PATCH_SIZE, vision_feature_select_strategy="default",
+                                                num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(str(path))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    return path

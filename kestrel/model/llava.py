@@ -77,11 +77,14 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
         for i, p in enumerate(pixels):
             by_shape.setdefault(tuple(p.shape[1:]), []).append(i)
         for indices in by_shape.values():
-            batch = torch.cat([pixels[i] for i in indices]).to(device=device, dtype=self.dtype)
-            states = self.vision_tower.hidden_states(batch, self.feature_indices)
-            if self.drops_class_token:
-                states = [s[:, 1:] for s in states]
-            features = self.multi_modal_projector(torch.cat(states, dim=-1))
+            features = self.image_features(torch.cat([pixels[i] for i in indices]).to(device))
             for row, i in enumerate(indices):
                 outputs[i] = features[row]
         return outputs  # type: ignore[return-value]
+
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Tower images `[N, 3, size, size]` -> their projected features `[N, tokens, hidden]`."""
+        states = self.vision_tower.hidden_states(pixel_values.to(self.dtype), self.feature_indices)
+        if self.drops_class_token:
+            states = [s[:, 1:] for s in states]
+        return self.multi_modal_projector(torch.cat(states, dim=-1))

@@ -37,6 +37,7 @@ _FAMILIES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "kestrel.model.moe:Qwen3MoeForCausalLM",
     "OlmoeForCausalLM": "kestrel.model.moe:OlmoeForCausalLM",
     "LlavaForConditionalGeneration": "kestrel.model.llava:LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration": "kestrel.model.llava_next:LlavaNextForConditionalGeneration",
 }
 # Draft heads: loaded beside a target model, never served on their own.
 _DRAFT_HEADS: dict[str, str] = {EAGLE_HEAD_ARCHITECTURE: "kestrel.model.eagle:EagleHead"}

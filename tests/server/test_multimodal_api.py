@@ -1,7 +1,8 @@
 """Images through the OpenAI API on a tiny random LLaVA-1.5 (tests/multimodal_checkpoints.py): the openai client's
 image_url data URL gets LLM's greedy text; local files only under --allowed-local-media-path; remote URLs only from
 --allowed-media-domains (a loopback HTTP server here); every bad image part a 400 naming it; a bad image beside a
-good request leaves the good one whole."""
+good request leaves the good one whole. A LLaVA-NeXT checkpoint serves images of different aspect ratios the same
+way."""
 
 from __future__ import annotations
 
@@ -25,14 +26,14 @@ from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from multimodal_checkpoints import random_image, write_llava  # noqa: E402
+from multimodal_checkpoints import random_image, write_llava, write_llava_next  # noqa: E402
 
 MAX_NEW = 6
 
 
-def png_bytes(seed: int, width: int = 40) -> bytes:
+def png_bytes(seed: int, width: int = 40, height: int = 34) -> bytes:
     buffer = io.BytesIO()
-    random_image(seed, width=width).save(buffer, format="PNG")
+    random_image(seed, width=width, height=height).save(buffer, format="PNG")
     return buffer.getvalue()
 
 
@@ -181,3 +182,25 @@ def test_multimodal_model_refuses_the_engine_core_process(llava_dir) -> None:
 
     with pytest.raises(ConfigError, match="engine-core-process"):
         CoreClient.from_args(str(llava_dir), max_model_len=256, device="cpu", dtype="float32")
+
+
+def test_llava_next_images_of_two_aspect_ratios_match_llm_offline(tmp_path) -> None:
+    """The prompt's length follows each image's tile grid, as the checkpoint's processor expands it."""
+    checkpoint = write_llava_next(tmp_path / "llava-next", seed=6)
+    engine = AsyncEngine.from_args(str(checkpoint), max_model_len=256, device="cpu", dtype="float32").start()
+    live = LiveServer(build_app(engine, MODEL, api_key=API_KEY), engine)
+    llm = LLM(str(checkpoint), dtype="float32", max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    try:
+        prompt_tokens = set()
+        for width, height in ((90, 20), (20, 90)):
+            messages = user(image_part(data_url(png_bytes(3, width=width, height=height))))
+            reply = live.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_NEW,
+                                                          temperature=0)
+            (offline,) = llm.chat(messages, params, use_tqdm=False)
+            assert reply.choices[0].message.content == offline.outputs[0].text
+            assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)
+            prompt_tokens.add(reply.usage.prompt_tokens)
+        assert len(prompt_tokens) == 2
+    finally:
+        live.stop()
