@@ -64,8 +64,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
     """Render messages through the tokenizer's template. `tool_choice`: none, auto, required or named;
     `continue_final_message`: leave the last (assistant) message open for the model to go on with;
     `template_kwargs`: more variables for the template (e.g. enable_thinking); `content_parts`: hand each
-    message's content to the template as a list of parts (`{"type": "text", "text": ...}`, `{"type": "image"}`),
-    as multimodal processors' templates read it, instead of one string."""
+    message's content to the template as a list of parts (`{"type": "text", "text": ...}`, `{"type": "image"}`,
+    `{"type": "audio"}`), as multimodal processors' templates read it, instead of one string."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequestError("messages", "this model's tokenizer has no chat template; use a completion "
@@ -178,10 +178,10 @@ def _normalize_message(message: dict[str, Any], native_tools: bool, content_part
 
 
 def _message_with_parts(message: dict[str, Any], role: str, native_tools: bool) -> dict[str, Any]:
-    """A message whose content is a list of text and image parts (a string becomes one text part)."""
+    """A message whose content is a list of text, image and audio parts (a string becomes one text part)."""
     content = message.get("content")
     if isinstance(content, list):
-        parts = [{"type": "image"} if isinstance(p, dict) and p.get("type") == "image"
+        parts = [{"type": p["type"]} if isinstance(p, dict) and p.get("type") in ("image", "audio")
                  else {"type": "text", "text": p.get("text", "") if isinstance(p, dict) else str(p)} for p in content]
     else:
         parts = [{"type": "text", "text": content}] if content else []

@@ -16,7 +16,7 @@ from kestrel.engine.stats_logger import StatsLogger
 from kestrel.entrypoints.beam_search import BeamSearch, BeamSearchOutput, advance_round, check_beam_width, next_round
 from kestrel.entrypoints.chat import apply_chat_template, special_token_texts
 from kestrel.entrypoints.engine_factory import build_engine, engine_config
-from kestrel.entrypoints.media import MediaLimits, chat_images, images_of, text_only_refusal
+from kestrel.entrypoints.media import MediaLimits, chat_images, images_of, multi_modal_data, text_only_refusal
 from kestrel.entrypoints.pooling_tasks import (
     checked_dimensions,
     classifier_params,
@@ -247,7 +247,7 @@ class LLM:
             conv, images = chat_images(conv, self.media, self.media_limits)
             prompt: dict[str, Any] = {"prompt_token_ids": template(conv)}
             if images:
-                prompt["multi_modal_data"] = {"image": images}
+                prompt["multi_modal_data"] = multi_modal_data(images)
             prompts.append(prompt)
             original_counts.append(original)
         return self._generate(prompts, params_list, [0] * len(prompts), use_tqdm, original_counts)

@@ -439,7 +439,31 @@ class ImageContentPart(_Request):
     image_url: ImageURL
 
 
-ContentPart = TextContentPart | ImageContentPart
+class InputAudio(_Request):
+    data: str  # base64
+    format: str  # "wav", "mp3" or "flac"; another is refused naming the part
+
+
+class InputAudioContentPart(_Request):
+    """OpenAI's audio input part, for an audio-language model (docs/multimodal.md)."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class AudioURL(_Request):
+    url: str  # data:audio/...;base64,..., file:// or http(s)://, as image URLs
+
+
+class AudioURLContentPart(_Request):
+    """vLLM's audio part: a clip by URL."""
+
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+
+ContentPart = TextContentPart | ImageContentPart | InputAudioContentPart | AudioURLContentPart
+_MEDIA_PARTS = (ImageContentPart, InputAudioContentPart, AudioURLContentPart)
 
 
 class FunctionCallIn(_Request):
@@ -477,7 +501,8 @@ class ChatMessage(_Request):
 
     @property
     def has_images(self) -> bool:
-        return isinstance(self.content, list) and any(isinstance(p, ImageContentPart) for p in self.content)
+        """Whether the message has media parts (images or audio)."""
+        return isinstance(self.content, list) and any(isinstance(p, _MEDIA_PARTS) for p in self.content)
 
 
 class FunctionDefinition(_Request):
@@ -926,8 +951,8 @@ _UNION_HINTS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "input": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
-    "content": "a string or a list of {'type': 'text', 'text': ...} and {'type': 'image_url', 'image_url': "
-               "{'url': ...}} parts",
+    "content": "a string or a list of {'type': 'text', 'text': ...}, {'type': 'image_url', 'image_url': "
+               "{'url': ...}} and {'type': 'input_audio', 'input_audio': {'data': ..., 'format': ...}} parts",
     "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
 }
 
@@ -964,7 +989,7 @@ def validation_error_info(errors: list[dict[str, Any]]) -> tuple[str | None, str
                 and error_loc[:len(loc)] == loc):
             return param, (f"invalid {param}: content parts of type {error.get('input')!r} are not supported; "
                            "use {'type': 'text', 'text': ...} or, for a multimodal model, {'type': 'image_url', "
-                           "'image_url': {'url': ...}}")
+                           "'image_url': {'url': ...}} or {'type': 'input_audio', 'input_audio': {...}}")
     same_field = [e for e in errors if _field_loc(e)[:len(loc)] == loc]
     name = next((part for part in reversed(loc) if isinstance(part, str)), "")
     if len(same_field) > 1 and name in _UNION_HINTS:

@@ -12,7 +12,12 @@ from typing import Any
 
 from kestrel.config import ConfigError
 from kestrel.entrypoints.chat import TOOL_FORMATS
-from kestrel.entrypoints.media import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MEDIA_FETCH_TIMEOUT_S
+from kestrel.entrypoints.media import (
+    DEFAULT_MAX_AUDIO_SECONDS,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_MEDIA_BYTES,
+    DEFAULT_MEDIA_FETCH_TIMEOUT_S,
+)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18  # ~7 MB of JSON at the usual ~26 bytes an entry
@@ -106,6 +111,8 @@ class ServerConfig:
                                                          "or fetched) in bytes; 400 beyond")
     max_image_pixels: int = _opt(DEFAULT_MAX_IMAGE_PIXELS, "multimodal models: most pixels (width x height) of one "
                                                            "image, read from its header before decoding; 400 beyond")
+    max_audio_seconds: float = _opt(DEFAULT_MAX_AUDIO_SECONDS, "audio-language models: longest audio clip in "
+                                    "seconds, read from its header before decoding; 400 beyond")
     engine_core_process: bool = _opt(False, "run the engine core (scheduler, model runner, grammar matchers) in its "
                                             "own process; this one tokenizes, detokenizes and serves HTTP")
     enable_log_requests: bool = _opt(False, "log each request's id, size and sampling settings")
@@ -123,7 +130,8 @@ class ServerConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name != "port" else 1):
                 raise ConfigError(f"invalid {name}={value!r}: expected a non-negative integer")
         for name in ("header_read_timeout", "keep_alive_timeout", "body_read_timeout", "shutdown_timeout",
-                     "request_timeout", "tokenize_timeout", "grammar_compile_timeout", "media_fetch_timeout"):
+                     "request_timeout", "tokenize_timeout", "grammar_compile_timeout", "media_fetch_timeout",
+                     "max_audio_seconds"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"invalid {name}={value!r}: expected a number of seconds > 0")

@@ -181,7 +181,8 @@ class OpenAIServing:
         self.streaming: StreamingWindowConfig | None = getattr(engine_config, "streaming", None)
         self.media_limits = MediaLimits(getattr(model_config, "allowed_local_media_path", None),
                                         getattr(model_config, "allowed_media_domains", None),
-                                        config.media_fetch_timeout, config.max_media_bytes, config.max_image_pixels)
+                                        config.media_fetch_timeout, config.max_media_bytes, config.max_image_pixels,
+                                        config.max_audio_seconds)
         # A text prompt's special-token texts stay whole when it is compressed.
         self.special_texts = tuple(special_token_texts(self.tokenizer)) if self.compressor is not None else ()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -230,7 +231,10 @@ def test_a_malformed_media_item_is_refused_alone(llm) -> None:
     with pytest.raises(InvalidRequestError, match="PIL image"):
         llm.generate({"prompt": f"{IMAGE_TOKEN}", "multi_modal_data": {"image": ["not an image"]}}, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="not supported"):
-        llm.generate({"prompt": "x", "multi_modal_data": {"audio": [b"x"]}}, use_tqdm=False)
+        llm.generate({"prompt": "x", "multi_modal_data": {"video": [b"x"]}}, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="does not take audio"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"audio": [(np.zeros(1600, np.float32), 16000)]}},
+                     use_tqdm=False)
     assert kestrel_greedy(llm, [0]) == [hf_greedy_cached(llm, 0)]
 
 
