@@ -5,6 +5,7 @@ renders image parts as `<image>`) saved beside them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -99,5 +100,57 @@ def write_llava_next(path: Path, seed: int = 0) -> Path:
                                                 num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(str(path))
     tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+# Qwen2-VL: 4-pixel patches merged 2x2, so the processor resizes each image to multiples of 8 pixels and an image
+# of h x w pixels becomes (h / 8) * (w / 8) placeholders; min/max pixels keep the grids small but different.
+QWEN_PATCH = 4
+QWEN_MERGE = 2
+QWEN_IMAGE_PAD = "<|image_pad|>"
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def write_qwen2_vl(path: Path, seed: int = 0) -> Path:
+    """A Qwen2VLForConditionalGeneration: a 2-block vision transformer (embed dim 32, 4 heads) merging 2x2
+    patches onto a 2-layer Qwen2 decoder with M-RoPE sections (2, 3, 3) of its 8 rotary frequencies, and a
+    Qwen2VLProcessor with small min/max pixels."""
+    path.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(str(path))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", QWEN_IMAGE_PAD,
+                                                                "<|vision_end|>", "<|im_start|>", "<|im_end|>"]})
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in ("<|vision_start|>", QWEN_IMAGE_PAD,
+                                                                    "<|vision_end|>")}
+    vision = dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=2, hidden_size=64, patch_size=QWEN_PATCH,
+                  temporal_patch_size=2, spatial_merge_size=QWEN_MERGE, in_channels=3)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = transformers.Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=ids[QWEN_IMAGE_PAD],
+                                        vision_start_token_id=ids["<|vision_start|>"],
+                                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2VLForConditionalGeneration(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    model.eval().save_pretrained(str(path))
+    factor = QWEN_PATCH * QWEN_MERGE
+    image_processor = transformers.Qwen2VLImageProcessor(
+        size={"shortest_edge": 4 * factor * factor, "longest_edge": 40 * factor * factor}, patch_size=QWEN_PATCH,
+        merge_size=QWEN_MERGE, temporal_patch_size=2)
+    # Saved as its parts: Qwen2VLProcessor also holds a video processor, which needs torchvision.
+    image_processor.save_pretrained(str(path))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(path))
     return path

@@ -15,6 +15,7 @@ import base64
 import binascii
 import hashlib
 import io
+import json
 import os
 import urllib.parse
 import urllib.request
@@ -217,8 +218,6 @@ class MediaProcessor:
     """A multimodal checkpoint's transformers processor, and the per-prompt limits."""
 
     def __init__(self, model_config: ModelConfig, modalities: frozenset[str], tokenizer: Any) -> None:
-        import transformers
-
         if len(modalities) != 1:
             # each modality's items are expanded on their own, so one model takes one of them
             raise ConfigError(f"kestrel serves models of one media modality; this one takes {sorted(modalities)}")
@@ -231,7 +230,7 @@ class MediaProcessor:
                                   f"{', '.join(sorted(modalities))}; give 0 or leave it out")
         self.limits = {modality: limits.get(modality, DEFAULT_MM_PER_PROMPT) for modality in modalities}
         try:
-            self.processor = transformers.AutoProcessor.from_pretrained(model_config.model)
+            self.processor = load_processor(model_config.model)
         except Exception as e:
             raise ConfigError(f"invalid model={model_config.model!r}: the multimodal checkpoint's processor "
                               f"(processor_config.json / preprocessor_config.json) could not be loaded: {e}") from None
@@ -345,11 +344,67 @@ class MediaProcessor:
             ranges = _runs(expanded, self.image_token_id, len(ids))
             ids += expanded
             previous = at + 1
-            data = {key: value[index: index + 1] for key, value in processed.items()
-                    if hasattr(value, "shape") and value.shape[0] == len(images)}
+            data = _item_tensors(processed, index, len(images))
             media.append(MediaItem("image", image_content_hash(images[index], self.processor_kwargs), ranges, data))
         ids += token_ids[previous:]
         return ids, tuple(media)
+
+
+def load_processor(model: str) -> Any:
+    """The checkpoint's transformers processor. A processor that also takes video (Qwen2-VL's) needs torchvision
+    for its video processor; without it, the processor is built with none, as kestrel takes no video."""
+    import transformers
+
+    try:
+        return transformers.AutoProcessor.from_pretrained(model)
+    except ImportError:
+        processor_cls = getattr(transformers, _preprocessor_field(model, "processor_class") or "", None)
+        image_processor_cls = getattr(transformers, _preprocessor_field(model, "image_processor_type") or "", None)
+        if (processor_cls is None or image_processor_cls is None
+                or "video_processor" not in processor_cls.get_attributes()):
+            raise
+
+        class WithoutVideo(processor_cls):  # type: ignore[misc, valid-type]
+            def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+                if argument_name == "video_processor" and argument is None:
+                    return None
+                return super().check_argument_for_proper_class(argument_name, argument)
+
+        return WithoutVideo(image_processor=image_processor_cls.from_pretrained(model),
+                            tokenizer=transformers.AutoTokenizer.from_pretrained(model), video_processor=None)
+
+
+def _preprocessor_field(model: str, key: str) -> str | None:
+    """`key` of the checkpoint's processor_config.json or preprocessor_config.json."""
+    import transformers
+
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        try:
+            path = transformers.utils.cached_file(model, name)
+        except OSError:
+            continue
+        if path is not None:
+            with open(path) as f:
+                value = json.load(f).get(key)
+            if value:
+                return value
+    return None
+
+
+def _item_tensors(processed: Any, index: int, count: int) -> dict[str, Any]:
+    """The processor's tensors of image `index` of `count`: one row of each per-image tensor, and of patch-flattened
+    `pixel_values` (`[all images' patches, ...]` beside `image_grid_thw`) the image's own patches."""
+    grids = processed.get("image_grid_thw")
+    data = {key: value[index: index + 1] for key, value in processed.items()
+            if hasattr(value, "shape") and value.shape[0] == count and key != "pixel_values"}
+    pixels = processed["pixel_values"]
+    if grids is None:
+        data["pixel_values"] = pixels[index: index + 1]
+    else:
+        sizes = [int(n) for n in grids.prod(-1)]
+        start = sum(sizes[:index])
+        data["pixel_values"] = pixels[start: start + sizes[index]]
+    return data
 
 
 def _runs(ids: list[int], token_id: int, offset: int) -> tuple[tuple[int, int], ...]:

@@ -38,6 +38,7 @@ _FAMILIES: dict[str, str] = {
     "OlmoeForCausalLM": "kestrel.model.moe:OlmoeForCausalLM",
     "LlavaForConditionalGeneration": "kestrel.model.llava:LlavaForConditionalGeneration",
     "LlavaNextForConditionalGeneration": "kestrel.model.llava_next:LlavaNextForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "kestrel.model.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2AudioForConditionalGeneration": "kestrel.model.qwen2_audio:Qwen2AudioForConditionalGeneration",
 }
 # Draft heads: loaded beside a target model, never served on their own.

@@ -49,6 +49,10 @@ class CachedRequestState:
     num_dropped_tokens: int = 0
     sink_end: int = 0
     media: tuple[MediaItem, ...] = ()  # the prompt's media items (their encoder output fills their positions)
+    # M-RoPE models: the prompt's positions [3, prompt length] and the offset of the positions after it
+    # (`kestrel.worker.mrope`), computed on the request's first step.
+    mrope_prompt: torch.Tensor | None = None
+    mrope_offset: int = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -11,6 +11,7 @@ from kestrel.config import EngineConfig
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, Ready, SchedulerOutput
 from kestrel.sample.sampler import Sampler
+from kestrel.worker.mrope import with_mrope_positions
 from kestrel.worker.runner_setup import RunnerSetup, host_threads_for_gpu_steps
 from kestrel.worker.step_inputs import ScheduledStep, StepInputs
 from kestrel.worker.step_sampling import DraftStep, ForwardStep, LaunchedStep, StepSampler
@@ -59,6 +60,8 @@ class ModelRunner(RunnerSetup):
         step = self.step_inputs.prepare(out)
         if step is None:
             return ModelRunnerOutput([], [])
+        if self.mrope:
+            step = with_mrope_positions(self.model, step)
         embeds = self._media_embeds(step)
         if not self.is_last_stage:
             inputs = step.inputs

@@ -40,6 +40,7 @@ from kestrel.worker.kv_cache import (
 )
 from kestrel.worker.launch_count import decoder_layer_launches
 from kestrel.worker.media_encoder import MediaEncoder
+from kestrel.worker.mrope import uses_mrope
 from kestrel.worker.stage_transport import run_model
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,12 @@ class RunnerSetup:
         self.supported_modalities: frozenset[str] = frozenset(getattr(self.model, "supported_modalities", ()))
         self.media_encoder = (MediaEncoder(self.model, config.cache.encoder_cache_size)
                               if self.supported_modalities else None)
+        # M-RoPE models take [3, T] positions (`kestrel.worker.mrope`), which the captured graphs and the drafters'
+        # one-row positions do not carry: such a model runs eagerly and without speculative decoding.
+        self.mrope = uses_mrope(self.model)
+        if self.mrope and config.speculative is not None:
+            raise ConfigError("invalid speculative_config: this model rotates by M-RoPE (three position rows), "
+                              "which kestrel's drafters do not carry")
         # Bound before any forward, so the captured graphs count too.
         self.expert_counts = ExpertLoad.attach(self.model) if config.expert_load_metrics else None
         layers = self.model.attention_layers()
@@ -134,7 +141,8 @@ class RunnerSetup:
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
             self.launches_per_layer = self._count_layer_launches()
-        if self.device.type == "cuda" and not config.enforce_eager and (parallel is None or parallel.world_size == 1):
+        if (self.device.type == "cuda" and not config.enforce_eager and not self.mrope
+                and (parallel is None or parallel.world_size == 1)):
             self._capture_graphs()
             if self.drafter is not None:
                 self.drafter.capture_graphs(config.scheduler.max_num_seqs, self.max_blocks_per_seq,

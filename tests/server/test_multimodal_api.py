@@ -2,7 +2,7 @@
 image_url data URL gets LLM's greedy text; local files only under --allowed-local-media-path; remote URLs only from
 --allowed-media-domains (a loopback HTTP server here); every bad image part a 400 naming it; a bad image beside a
 good request leaves the good one whole. A LLaVA-NeXT checkpoint serves images of different aspect ratios the same
-way."""
+way, and a Qwen2-VL one images of two sizes in one message (M-RoPE positions)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from multimodal_checkpoints import random_image, write_llava, write_llava_next  # noqa: E402
+from multimodal_checkpoints import random_image, write_llava, write_llava_next, write_qwen2_vl  # noqa: E402
 
 MAX_NEW = 6
 
@@ -202,5 +202,26 @@ def test_llava_next_images_of_two_aspect_ratios_match_llm_offline(tmp_path) -> N
             assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)
             prompt_tokens.add(reply.usage.prompt_tokens)
         assert len(prompt_tokens) == 2
+    finally:
+        live.stop()
+
+
+def test_qwen2_vl_two_image_sizes_in_one_message_match_llm_offline(tmp_path) -> None:
+    """Each image's placeholder count follows its own grid; the decoder's M-RoPE positions come from them."""
+    checkpoint = write_qwen2_vl(tmp_path / "qwen2-vl", seed=7)
+    engine = AsyncEngine.from_args(str(checkpoint), max_model_len=256, device="cpu", dtype="float32").start()
+    live = LiveServer(build_app(engine, MODEL, api_key=API_KEY), engine)
+    llm = LLM(str(checkpoint), dtype="float32", max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    try:
+        messages = user(image_part(data_url(png_bytes(3, width=60, height=24))),
+                        image_part(data_url(png_bytes(4, width=30, height=50))))
+        reply = live.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_NEW,
+                                                      temperature=0)
+        (offline,) = llm.chat(messages, params, use_tqdm=False)
+        assert reply.choices[0].message.content == offline.outputs[0].text
+        assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)
+        pad = llm.media.image_token_id
+        assert offline.prompt_token_ids.count(pad) == (24 // 8) * (64 // 8) + (32 // 8) * (48 // 8)
     finally:
         live.stop()

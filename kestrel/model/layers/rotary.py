@@ -74,6 +74,8 @@ class RopeConfig:
         rope_type = scaling.get(type_key, "default")
         if isinstance(rope_type, str):
             rope_type = _ALIASES.get(rope_type, rope_type)
+        if rope_type == "mrope":  # Qwen2-VL's old configs: the default frequencies, rotated by `mrope_section`
+            rope_type = "default"
         if rope_type == "yarn" and hf_config.get("model_type") in _YARN_MEANS_LONGROPE:
             rope_type = "longrope"
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -270,13 +272,37 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         self.register_buffer("cos_cache", cos, persistent=False)  # [max_position, rotary_dim // 2]
         self.register_buffer("sin_cache", sin, persistent=False)
+        # M-RoPE (Qwen2-VL): positions `[3, T]` (temporal, height, width); frequency j turns by the row its section
+        # of `mrope_section` names (the sections cycle through the three rows).
+        section = rope.params.get("mrope_section")
+        rows: list[int] | None = None
+        if section is not None:
+            if not all(isinstance(n, int) and n > 0 for n in section) or sum(section) != self.rotary_dim // 2:
+                raise ConfigError(f"invalid config.json {rope.source}.mrope_section={section!r}: expected positive "
+                                  f"sizes summing to {self.rotary_dim // 2}, the rotary dim's half")
+            rows = [i % 3 for i, n in enumerate(section) for _ in range(n)]
+        self.register_buffer("mrope_rows", None if rows is None else torch.tensor(rows, dtype=torch.long),
+                             persistent=False)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim // 2]
-        sin = self.sin_cache[positions].unsqueeze(1)
+        positions, cos_cache, sin_cache = self._tables(positions)
+        cos = cos_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim // 2]
+        sin = sin_cache[positions].unsqueeze(1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions `[T]`, cos table, sin table): the cached tables, or for M-RoPE positions `[3, T]` each
+        token's own row of the tables (its frequencies at their sections' positions), read at `0..T-1`."""
+        if positions.dim() == 1:
+            return positions, self.cos_cache, self.sin_cache
+        if self.mrope_rows is None:
+            raise ValueError(f"positions of shape {tuple(positions.shape)} for a rotary embedding without "
+                             "mrope_section")
+        index = positions.index_select(0, self.mrope_rows).t()  # [T, rotary_dim // 2]
+        own = torch.arange(positions.shape[1], device=positions.device)
+        return own, self.cos_cache.gather(0, index), self.sin_cache.gather(0, index)
 
     def rotate_and_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -286,7 +312,8 @@ class RotaryEmbedding(nn.Module):
         `forward`, which rotates in the activations' dtype as HF does, this rotates in fp32 and rounds once."""
         if k_cache.shape[-1] != self.head_size:
             raise ValueError(f"KV cache head size {k_cache.shape[-1]} != rotary head size {self.head_size}")
-        return ops.rope_store_kv(positions, q, k, v, self.cos_cache, self.sin_cache, self.rotary_dim, k_cache,
+        positions, cos_cache, sin_cache = self._tables(positions)
+        return ops.rope_store_kv(positions, q, k, v, cos_cache, sin_cache, self.rotary_dim, k_cache,
                                  v_cache, slot_mapping, k_scale, v_scale)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

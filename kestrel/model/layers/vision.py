@@ -232,3 +232,140 @@ class MultiModalProjector(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(features)))
+
+
+@dataclass(frozen=True)
+class Qwen2VisionArch:
+    """Qwen2-VL's vision transformer (config.json's `vision_config`, with Qwen2VLVisionConfig's defaults)."""
+
+    embed_dim: int = 1280
+    depth: int = 32
+    num_heads: int = 16
+    mlp_ratio: float = 4.0
+    out_hidden_size: int = 3584  # the decoder's hidden size, what the merger projects onto
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    hidden_act: str = "quick_gelu"
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_hf(cls, vision: dict[str, Any]) -> Qwen2VisionArch:
+        defaults = cls()
+        rope = vision.get("rope_parameters") or {}
+        arch = cls(
+            embed_dim=int(vision.get("embed_dim", defaults.embed_dim)),
+            depth=int(vision.get("depth", defaults.depth)),
+            num_heads=int(vision.get("num_heads", defaults.num_heads)),
+            mlp_ratio=float(vision.get("mlp_ratio", defaults.mlp_ratio)),
+            out_hidden_size=int(vision.get("hidden_size", defaults.out_hidden_size)),
+            patch_size=int(vision.get("patch_size", defaults.patch_size)),
+            temporal_patch_size=int(vision.get("temporal_patch_size", defaults.temporal_patch_size)),
+            spatial_merge_size=int(vision.get("spatial_merge_size", defaults.spatial_merge_size)),
+            in_channels=int(vision.get("in_channels", defaults.in_channels)),
+            hidden_act=str(vision.get("hidden_act", defaults.hidden_act)),
+            rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", defaults.rope_theta))),
+        )
+        if arch.embed_dim % arch.num_heads or (arch.embed_dim // arch.num_heads) % 4:
+            raise ConfigError(f"invalid vision_config: embed_dim={arch.embed_dim} over num_heads={arch.num_heads} "
+                              "must give a head dim divisible by 4 (its halves rotate by height and by width)")
+        activation(arch.hidden_act, "vision_config.hidden_act")
+        return arch
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding over the whole last dim (its two halves paired), in float32; `cos`, `sin` `[..., D / 2]`."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Qwen2VisionAttention(nn.Module):
+    def __init__(self, arch: Qwen2VisionArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.head_dim = arch.head_dim
+        self.qkv = nn.Linear(arch.embed_dim, 3 * arch.embed_dim, dtype=dtype)
+        self.proj = nn.Linear(arch.embed_dim, arch.embed_dim, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """`x [patches, embed_dim]` of several frames; each frame's `lengths` patches attend to one another."""
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
+        out = [F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in parts), scale=self.head_dim ** -0.5)
+               for parts in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
+        return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(x.shape[0], -1))
+
+
+class Qwen2VisionBlock(nn.Module):
+    def __init__(self, arch: Qwen2VisionArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden = int(arch.embed_dim * arch.mlp_ratio)
+        self.norm1 = nn.LayerNorm(arch.embed_dim, eps=1e-6, dtype=dtype)
+        self.norm2 = nn.LayerNorm(arch.embed_dim, eps=1e-6, dtype=dtype)
+        self.attn = Qwen2VisionAttention(arch, dtype)
+        self.mlp = nn.Module()
+        self.mlp.fc1 = nn.Linear(arch.embed_dim, hidden, dtype=dtype)
+        self.mlp.fc2 = nn.Linear(hidden, arch.embed_dim, dtype=dtype)
+        self.act = activation(arch.hidden_act, "vision_config.hidden_act")
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+        return x + self.mlp.fc2(self.act(self.mlp.fc1(self.norm2(x))))
+
+
+class Qwen2VisionTransformer(nn.Module):
+    """Qwen2-VL's vision tower with transformers' parameter names (`patch_embed.proj`, `blocks.N.*`,
+    `merger.*`): patches of `temporal_patch_size` frames x `patch_size`^2 pixels (the processor flattens them, every
+    `spatial_merge_size`^2 consecutive patches one merge window), 2D rotary attention within each frame, and the
+    merger (LayerNorm, each window's patches concatenated, a two-layer GELU MLP onto the decoder's hidden size)."""
+
+    def __init__(self, arch: Qwen2VisionArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch = arch
+        self.patch_embed = nn.Module()
+        kernel = (arch.temporal_patch_size, arch.patch_size, arch.patch_size)
+        self.patch_embed.proj = nn.Conv3d(arch.in_channels, arch.embed_dim, kernel_size=kernel, stride=kernel,
+                                          bias=False, dtype=dtype)
+        self.blocks = nn.ModuleList(Qwen2VisionBlock(arch, dtype) for _ in range(arch.depth))
+        merged = arch.embed_dim * arch.spatial_merge_size ** 2
+        self.merger = nn.Module()
+        self.merger.ln_q = nn.LayerNorm(arch.embed_dim, eps=1e-6, dtype=dtype)
+        self.merger.mlp = nn.Sequential(nn.Linear(merged, merged, dtype=dtype), nn.GELU(),
+                                        nn.Linear(merged, arch.out_hidden_size, dtype=dtype))
+        spatial = arch.head_dim // 2
+        self.register_buffer("inv_freq", 1.0 / arch.rope_theta ** (
+            torch.arange(0, spatial, 2, dtype=torch.float32) / spatial), persistent=False)
+        loadable(self)
+
+    def patch_positions(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """(row, column) of every patch `[patches, 2]`, in the processor's order: frame, merge window row by row,
+        then the window's patches row by row."""
+        m = self.arch.spatial_merge_size
+        out = []
+        for t, h, w in grids:
+            rows = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
+            cols = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
+            frame = torch.stack([rows.transpose(1, 2).flatten(), cols.transpose(1, 2).flatten()], dim=1)
+            out.append(frame.repeat(t, 1))
+        return torch.cat(out)
+
+    def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Flattened patches `[patches, channels * temporal * patch^2]` of images with (frames, rows, columns)
+        `grids` -> merged features `[patches / merge^2, out_hidden_size]`."""
+        arch = self.arch
+        proj = self.patch_embed.proj
+        x = proj(pixel_values.to(proj.weight.dtype).view(-1, arch.in_channels, arch.temporal_patch_size,
+                                                          arch.patch_size, arch.patch_size)).view(-1, arch.embed_dim)
+        positions = self.patch_positions(grids).to(x.device)
+        freqs = (positions[:, :, None].float() * self.inv_freq).flatten(1)  # [patches, head_dim / 2]: rows, columns
+        cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]
+        lengths = [h * w for t, h, w in grids for _ in range(t)]
+        for block in self.blocks:
+            x = block(x, cos, sin, lengths)
+        x = self.merger.ln_q(x).view(-1, arch.embed_dim * arch.spatial_merge_size ** 2)
+        return self.merger.mlp(x)
