@@ -117,10 +117,11 @@ QWEN_CHAT_TEMPLATE = (
 )
 
 
-def write_qwen2_vl(path: Path, seed: int = 0) -> Path:
+def write_qwen2_vl(path: Path, seed: int = 0, version: str = "2") -> Path:
     """A Qwen2VLForConditionalGeneration: a 2-block vision transformer (embed dim 32, 4 heads) merging 2x2
     patches onto a 2-layer Qwen2 decoder with M-RoPE sections (2, 3, 3) of its 8 rotary frequencies, and a
-    Qwen2VLProcessor with small min/max pixels."""
+    Qwen2VLProcessor with small min/max pixels. `version="2.5"`: a Qwen2_5_VLForConditionalGeneration, its
+    3-block tower attending within 16-pixel windows (2x2 merge windows) in all but its last block."""
     path.mkdir(parents=True, exist_ok=True)
     write_tokenizer(str(path))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
@@ -134,11 +135,19 @@ def write_qwen2_vl(path: Path, seed: int = 0) -> Path:
                 num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    config = transformers.Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=ids[QWEN_IMAGE_PAD],
-                                        vision_start_token_id=ids["<|vision_start|>"],
-                                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    config_cls, model_cls, processor_class = (
+        transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration, "Qwen2VLProcessor")
+    if version == "2.5":
+        vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64,
+                      patch_size=QWEN_PATCH, temporal_patch_size=2, spatial_merge_size=QWEN_MERGE, in_channels=3,
+                      window_size=16, fullatt_block_indexes=[2])
+        config_cls, model_cls, processor_class = (
+            transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration, "Qwen2_5_VLProcessor")
+    config = config_cls(vision_config=vision, text_config=text, image_token_id=ids[QWEN_IMAGE_PAD],
+                        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                        tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = transformers.Qwen2VLForConditionalGeneration(config)
+    model = model_cls(config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
@@ -150,7 +159,7 @@ def write_qwen2_vl(path: Path, seed: int = 0) -> Path:
         merge_size=QWEN_MERGE, temporal_patch_size=2)
     # Saved as its parts: Qwen2VLProcessor also holds a video processor, which needs torchvision.
     image_processor.save_pretrained(str(path))
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}))
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(path))
     return path

@@ -1,4 +1,5 @@
-"""Qwen2-VL (`Qwen2VLForConditionalGeneration`): a vision transformer over dynamic-resolution patch grids (the
+"""Qwen2-VL (`Qwen2VLForConditionalGeneration`) and Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`, its tower
+with window attention): a vision transformer over dynamic-resolution patch grids (the
 processor picks each image's grid, `image_grid_thw`, and so its placeholder count), 2x2 patch windows merged onto a
 Qwen2 decoder that rotates by M-RoPE: every token has three positions (temporal, height, width), the same for text
 and an image's grid coordinates for its placeholders, and `mrope_section` splits the rotary frequencies into three
@@ -36,13 +37,17 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         if self.model.layers[self.model.stage_layers[0]].self_attn.rotary_emb.mrope_rows is None:
             raise ConfigError("invalid config.json: Qwen2-VL's rope_parameters (or rope_scaling) need "
                               "mrope_section")
-        self.vision_arch = Qwen2VisionArch.from_hf(vision)
+        self.vision_arch = self.vision_arch_of(vision)
         if self.vision_arch.out_hidden_size != self.hidden_size:
             raise ConfigError(f"invalid vision_config.hidden_size={self.vision_arch.out_hidden_size}: the merger "
                               f"projects onto the decoder's hidden size, {self.hidden_size}")
         self.image_token_id = hf_config.get("image_token_id")
         if self.parallel.is_first_stage:
             self.visual = Qwen2VisionTransformer(self.vision_arch, dtype)
+
+    @classmethod
+    def vision_arch_of(cls, vision: dict[str, Any]) -> Qwen2VisionArch:
+        return Qwen2VisionArch.from_hf(vision)
 
     def checkpoint_target(self, hf_name: str) -> str | None:
         for old, new in self._RENAMED:
@@ -97,3 +102,12 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         pieces.append(torch.arange(len(prompt_ids) - cursor).expand(3, -1) + next_position)
         next_position += len(prompt_ids) - cursor
         return torch.cat(pieces, dim=1), next_position - len(prompt_ids)
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2.5-VL: Qwen2-VL's decoder, M-RoPE and processor; its tower has RMS norms, gated MLPs, and attends within
+    windows of `window_size` pixels except in its `fullatt_block_indexes` blocks."""
+
+    @classmethod
+    def vision_arch_of(cls, vision: dict[str, Any]) -> Qwen2VisionArch:
+        return Qwen2VisionArch.from_hf_qwen2_5(vision)

@@ -39,6 +39,7 @@ _FAMILIES: dict[str, str] = {
     "LlavaForConditionalGeneration": "kestrel.model.llava:LlavaForConditionalGeneration",
     "LlavaNextForConditionalGeneration": "kestrel.model.llava_next:LlavaNextForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "kestrel.model.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "kestrel.model.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen2AudioForConditionalGeneration": "kestrel.model.qwen2_audio:Qwen2AudioForConditionalGeneration",
 }
 # Draft heads: loaded beside a target model, never served on their own.

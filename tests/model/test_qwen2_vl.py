@@ -1,4 +1,5 @@
-"""Qwen2-VL against transformers on a tiny random checkpoint it writes (float32): the processor's expansion (each
+"""Qwen2-VL and Qwen2.5-VL (window attention in its tower) against transformers on tiny random checkpoints it
+writes (float32): the processor's expansion (each
 image's placeholder count from its own grid), the M-RoPE positions against transformers' `get_rope_index`, logits
 of a flat batch of two images of different sizes and a text-only prompt within 1e-4 (also with prefill chunks that
 split an image's placeholder run), and greedy generation through LLM identical (batched, chunked, and decode
@@ -6,6 +7,7 @@ steps continuing from the prompt's M-RoPE offset)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -40,14 +42,15 @@ def case(index: int) -> tuple[str, list]:
     return text, [random_image(10 * index + k, width=w, height=h) for k, (w, h) in enumerate(sizes)]
 
 
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory) -> Path:
-    return write_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl"), seed=5)
+@pytest.fixture(scope="module", params=["2", "2.5"])
+def qwen_dir(tmp_path_factory, request) -> Path:
+    return write_qwen2_vl(tmp_path_factory.mktemp(f"qwen{request.param}-vl"), seed=5, version=request.param)
 
 
 @pytest.fixture(scope="module")
 def hf(qwen_dir):
-    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(str(qwen_dir), dtype=torch.float32).eval()
+    architecture = json.loads((qwen_dir / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, architecture).from_pretrained(str(qwen_dir), dtype=torch.float32).eval()
     return model, load_processor(str(qwen_dir))
 
 

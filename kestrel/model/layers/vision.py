@@ -1,5 +1,6 @@
 """Vision encoders and projectors shared by the vision-language families: the CLIP vision transformer (LLaVA-1.5 and
-LLaVA-NeXT's tower) and the two-layer MLP projector onto a decoder's hidden size.
+LLaVA-NeXT's tower), the two-layer MLP projector onto a decoder's hidden size, and the Qwen2-VL / Qwen2.5-VL vision
+transformer (2D rotary attention over dynamic-resolution patch grids, with its own merger).
 
 The towers run on the whole image batch at once (bidirectional attention, no KV cache) in the model dtype and stay
 unquantized; their parameters load with the plain checked copy, replicated on every tensor-parallel rank. A tower is
@@ -9,6 +10,7 @@ and the final norm are never built, and their checkpoint tensors are skipped).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -249,6 +251,29 @@ class Qwen2VisionArch:
     in_channels: int = 3
     hidden_act: str = "quick_gelu"
     rope_theta: float = 10000.0
+    # Qwen2.5-VL: RMS norms, a gated MLP of `intermediate_size`, and attention within windows of `window_size`
+    # pixels (merge windows grouped) except in the `full_attention_blocks`.
+    rms_norm: bool = False
+    intermediate_size: int | None = None
+    window_size: int | None = None
+    full_attention_blocks: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_qwen2_5(cls, vision: dict[str, Any]) -> Qwen2VisionArch:
+        """Qwen2_5_VLVisionConfig's names and defaults: `hidden_size` is the tower's, `out_hidden_size` the
+        decoder's."""
+        renamed = {**vision, "embed_dim": vision.get("hidden_size", 1280), "hidden_size": vision.get(
+            "out_hidden_size", 3584), "hidden_act": vision.get("hidden_act", "silu"),
+            "depth": vision.get("depth", 32)}
+        base = cls.from_hf(renamed)
+        arch = dataclasses.replace(
+            base, rms_norm=True, intermediate_size=int(vision.get("intermediate_size", 3420)),
+            window_size=int(vision.get("window_size", 112)),
+            full_attention_blocks=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31))))
+        if arch.window_size % (arch.patch_size * arch.spatial_merge_size):
+            raise ConfigError(f"invalid vision_config.window_size={arch.window_size}: expected a multiple of "
+                              "patch_size * spatial_merge_size")
+        return arch
 
     @classmethod
     def from_hf(cls, vision: dict[str, Any]) -> Qwen2VisionArch:
@@ -284,6 +309,23 @@ def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+class VisionRMSNorm(nn.Module):
+    """RMS norm in float32, scaled after the cast back (Qwen2.5-VL's tower)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def vision_norm(arch: Qwen2VisionArch, size: int, dtype: torch.dtype) -> nn.Module:
+    return VisionRMSNorm(size, 1e-6, dtype) if arch.rms_norm else nn.LayerNorm(size, eps=1e-6, dtype=dtype)
+
+
 class Qwen2VisionAttention(nn.Module):
     def __init__(self, arch: Qwen2VisionArch, dtype: torch.dtype) -> None:
         super().__init__()
@@ -292,30 +334,47 @@ class Qwen2VisionAttention(nn.Module):
         self.qkv = nn.Linear(arch.embed_dim, 3 * arch.embed_dim, dtype=dtype)
         self.proj = nn.Linear(arch.embed_dim, arch.embed_dim, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """`x [patches, embed_dim]` of several frames; each frame's `lengths` patches attend to one another."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int],
+                groups: list[torch.Tensor | None]) -> torch.Tensor:
+        """`x [patches, embed_dim]` of several frames; each frame's `lengths` patches attend to one another, or,
+        where the frame's `groups` entry is given, only to the patches of their own group (a window)."""
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         q, k = rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
-        out = [F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in parts), scale=self.head_dim ** -0.5)
-               for parts in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
+        out = []
+        for q_f, k_f, v_f, group in zip(q.split(lengths), k.split(lengths), v.split(lengths), groups):
+            mask = None if group is None else group[:, None] == group[None, :]
+            out.append(F.scaled_dot_product_attention(q_f.transpose(0, 1), k_f.transpose(0, 1), v_f.transpose(0, 1),
+                                                      attn_mask=mask, scale=self.head_dim ** -0.5))
         return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(x.shape[0], -1))
 
 
 class Qwen2VisionBlock(nn.Module):
     def __init__(self, arch: Qwen2VisionArch, dtype: torch.dtype) -> None:
         super().__init__()
-        hidden = int(arch.embed_dim * arch.mlp_ratio)
-        self.norm1 = nn.LayerNorm(arch.embed_dim, eps=1e-6, dtype=dtype)
-        self.norm2 = nn.LayerNorm(arch.embed_dim, eps=1e-6, dtype=dtype)
+        self.norm1 = vision_norm(arch, arch.embed_dim, dtype)
+        self.norm2 = vision_norm(arch, arch.embed_dim, dtype)
         self.attn = Qwen2VisionAttention(arch, dtype)
         self.mlp = nn.Module()
-        self.mlp.fc1 = nn.Linear(arch.embed_dim, hidden, dtype=dtype)
-        self.mlp.fc2 = nn.Linear(hidden, arch.embed_dim, dtype=dtype)
+        self.gated = arch.intermediate_size is not None
+        if self.gated:
+            hidden = arch.intermediate_size
+            # the checkpoint's gate_proj / up_proj load into their halves (the decoders' packing names them)
+            self.mlp.gate_up_proj = stacked_linear(arch.embed_dim, (hidden, hidden), ("gate", "up"), dtype)
+            self.mlp.down_proj = nn.Linear(hidden, arch.embed_dim, dtype=dtype)
+        else:
+            hidden = int(arch.embed_dim * arch.mlp_ratio)
+            self.mlp.fc1 = nn.Linear(arch.embed_dim, hidden, dtype=dtype)
+            self.mlp.fc2 = nn.Linear(hidden, arch.embed_dim, dtype=dtype)
         self.act = activation(arch.hidden_act, "vision_config.hidden_act")
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, lengths)
-        return x + self.mlp.fc2(self.act(self.mlp.fc1(self.norm2(x))))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int],
+                groups: list[torch.Tensor | None]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, lengths, groups)
+        h = self.norm2(x)
+        if self.gated:
+            gate, up = self.mlp.gate_up_proj(h).chunk(2, dim=-1)
+            return x + self.mlp.down_proj(self.act(gate) * up)
+        return x + self.mlp.fc2(self.act(self.mlp.fc1(h)))
 
 
 class Qwen2VisionTransformer(nn.Module):
@@ -334,7 +393,7 @@ class Qwen2VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(Qwen2VisionBlock(arch, dtype) for _ in range(arch.depth))
         merged = arch.embed_dim * arch.spatial_merge_size ** 2
         self.merger = nn.Module()
-        self.merger.ln_q = nn.LayerNorm(arch.embed_dim, eps=1e-6, dtype=dtype)
+        self.merger.ln_q = vision_norm(arch, arch.embed_dim, dtype)
         self.merger.mlp = nn.Sequential(nn.Linear(merged, merged, dtype=dtype), nn.GELU(),
                                         nn.Linear(merged, arch.out_hidden_size, dtype=dtype))
         spatial = arch.head_dim // 2
@@ -354,6 +413,19 @@ class Qwen2VisionTransformer(nn.Module):
             out.append(frame.repeat(t, 1))
         return torch.cat(out)
 
+    def window_ids(self, grids: list[tuple[int, int, int]], device: torch.device) -> list[torch.Tensor | None]:
+        """Each frame's window of every patch (in the processor's order): squares of `window_size` pixels over
+        the frame's merge windows, counted from its top left corner."""
+        m = self.arch.spatial_merge_size
+        side = self.arch.window_size // (m * self.arch.patch_size)  # merge windows along a window's side
+        out: list[torch.Tensor | None] = []
+        for t, h, w in grids:
+            rows = torch.arange(h // m).view(-1, 1) // side
+            cols = torch.arange(w // m).view(1, -1) // side
+            ids = (rows * (-(-(w // m) // side)) + cols).flatten().repeat_interleave(m * m).to(device)
+            out += [ids] * t
+        return out
+
     def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """Flattened patches `[patches, channels * temporal * patch^2]` of images with (frames, rows, columns)
         `grids` -> merged features `[patches / merge^2, out_hidden_size]`."""
@@ -365,7 +437,9 @@ class Qwen2VisionTransformer(nn.Module):
         freqs = (positions[:, :, None].float() * self.inv_freq).flatten(1)  # [patches, head_dim / 2]: rows, columns
         cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]
         lengths = [h * w for t, h, w in grids for _ in range(t)]
-        for block in self.blocks:
-            x = block(x, cos, sin, lengths)
+        frames: list[torch.Tensor | None] = [None] * len(lengths)
+        windows = frames if self.arch.window_size is None else self.window_ids(grids, x.device)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, lengths, frames if i in self.arch.full_attention_blocks else windows)
         x = self.merger.ln_q(x).view(-1, arch.embed_dim * arch.spatial_merge_size ** 2)
         return self.merger.mlp(x)
