@@ -10,10 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import soundfile
-import torch
 import transformers
-
-from kestrel.loader.tokenizer_init import write_tokenizer
+from multimodal_checkpoints import save_random_model, tiny_text_config, tokenizer_with
 
 AUDIO_TOKEN = "<|AUDIO|>"
 SAMPLE_RATE = 16000
@@ -22,27 +20,15 @@ MEL_BINS = 16
 
 
 def write_qwen2_audio(path: Path, seed: int = 0) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(str(path))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    tokenizer.add_special_tokens({"additional_special_tokens": [AUDIO_TOKEN, "<|audio_bos|>", "<|audio_eos|>",
-                                                                "<|im_start|>", "<|im_end|>"]})
+    tokenizer = tokenizer_with(path, [AUDIO_TOKEN, "<|audio_bos|>", "<|audio_eos|>", "<|im_start|>", "<|im_end|>"])
     frames = CHUNK_SECONDS * SAMPLE_RATE // 160
     audio = transformers.Qwen2AudioEncoderConfig(num_mel_bins=MEL_BINS, encoder_layers=2, encoder_attention_heads=4,
                                                  encoder_ffn_dim=64, d_model=32, max_source_positions=frames // 2)
-    text = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
-                                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    text = tiny_text_config(transformers.Qwen2Config, tokenizer)
     config = transformers.Qwen2AudioConfig(audio_config=audio, text_config=text,
                                            audio_token_index=tokenizer.convert_tokens_to_ids(AUDIO_TOKEN),
                                            tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = transformers.Qwen2AudioForConditionalGeneration(config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # weights large enough that every layer (and every clip) matters
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    model.eval().save_pretrained(str(path))
+    save_random_model(transformers.Qwen2AudioForConditionalGeneration, config, path, seed)
     extractor = transformers.WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=SAMPLE_RATE,
                                                      chunk_length=CHUNK_SECONDS)
     processor = transformers.Qwen2AudioProcessor(feature_extractor=extractor, tokenizer=tokenizer)

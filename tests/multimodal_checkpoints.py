@@ -28,27 +28,49 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_llava(path: Path, seed: int = 0) -> Path:
+
+def tokenizer_with(path: Path, special_tokens: list[str]) -> transformers.PreTrainedTokenizerBase:
+    """The test word-level tokenizer written into `path`, with the model's special tokens added."""
     path.mkdir(parents=True, exist_ok=True)
     write_tokenizer(str(path))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                           num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
-                                           projection_dim=16)
-    text = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
-                                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    config = transformers.LlavaConfig(vision_config=vision, text_config=text,
-                                      image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-                                      tie_word_embeddings=False)
+    tokenizer.add_special_tokens({"additional_special_tokens": special_tokens})
+    return tokenizer
+
+
+def tiny_clip_config() -> transformers.CLIPVisionConfig:
+    return transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
+                                         projection_dim=16)
+
+
+def tiny_text_config(config_class: type,
+                     tokenizer: transformers.PreTrainedTokenizerBase) -> transformers.PretrainedConfig:
+    """The 2-layer decoder every tiny multimodal checkpoint puts behind its encoder."""
+    return config_class(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+
+
+def save_random_model(model_class: type, config: transformers.PretrainedConfig, path: Path, seed: int) -> None:
+    """A model of `config` from `seed`, its weights then pushed far enough from their init that every layer (and
+    every image or clip) matters, saved into `path`."""
     torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config)
+    model = model_class(config)
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # weights large enough that every layer (and every image) matters
+    with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
     model.eval().save_pretrained(str(path))
+
+def write_llava(path: Path, seed: int = 0) -> Path:
+    tokenizer = tokenizer_with(path, [IMAGE_TOKEN])
+    vision = tiny_clip_config()
+    text = tiny_text_config(transformers.LlamaConfig, tokenizer)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text,
+                                      image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                                      tie_word_embeddings=False)
+    save_random_model(transformers.LlavaForConditionalGeneration, config, path, seed)
     image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
                                                       crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = transformers.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
@@ -72,26 +94,13 @@ GRID_PINPOINTS = [[IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE], [2
 def write_llava_next(path: Path, seed: int = 0) -> Path:
     """The LLaVA-1.5 checkpoint's shapes as a LlavaNextForConditionalGeneration (an `image_newline` embedding and
     anyres tiling on GRID_PINPOINTS) with a LlavaNextProcessor."""
-    path.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(str(path))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                           num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
-                                           projection_dim=16)
-    text = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
-                                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    tokenizer = tokenizer_with(path, [IMAGE_TOKEN])
+    vision = tiny_clip_config()
+    text = tiny_text_config(transformers.LlamaConfig, tokenizer)
     config = transformers.LlavaNextConfig(vision_config=vision, text_config=text,
                                           image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
                                           image_grid_pinpoints=GRID_PINPOINTS, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = transformers.LlavaNextForConditionalGeneration(config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    model.eval().save_pretrained(str(path))
+    save_random_model(transformers.LlavaNextForConditionalGeneration, config, path, seed)
     image_processor = transformers.LlavaNextImageProcessor(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
         image_grid_pinpoints=GRID_PINPOINTS)
@@ -122,11 +131,8 @@ def write_qwen2_vl(path: Path, seed: int = 0, version: str = "2") -> Path:
     patches onto a 2-layer Qwen2 decoder with M-RoPE sections (2, 3, 3) of its 8 rotary frequencies, and a
     Qwen2VLProcessor with small min/max pixels. `version="2.5"`: a Qwen2_5_VLForConditionalGeneration, its
     3-block tower attending within 16-pixel windows (2x2 merge windows) in all but its last block."""
-    path.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(str(path))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", QWEN_IMAGE_PAD,
-                                                                "<|vision_end|>", "<|im_start|>", "<|im_end|>"]})
+    tokenizer = tokenizer_with(path, ["<|vision_start|>", QWEN_IMAGE_PAD, "<|vision_end|>", "<|im_start|>",
+                                      "<|im_end|>"])
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in ("<|vision_start|>", QWEN_IMAGE_PAD,
                                                                     "<|vision_end|>")}
     vision = dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=2, hidden_size=64, patch_size=QWEN_PATCH,
@@ -146,13 +152,7 @@ def write_qwen2_vl(path: Path, seed: int = 0, version: str = "2") -> Path:
     config = config_cls(vision_config=vision, text_config=text, image_token_id=ids[QWEN_IMAGE_PAD],
                         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
                         tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = model_cls(config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    model.eval().save_pretrained(str(path))
+    save_random_model(model_cls, config, path, seed)
     factor = QWEN_PATCH * QWEN_MERGE
     image_processor = transformers.Qwen2VLImageProcessor(
         size={"shortest_edge": 4 * factor * factor, "longest_edge": 40 * factor * factor}, patch_size=QWEN_PATCH,
