@@ -104,11 +104,15 @@ class PagedBatch:
         return list(logits.split(counts))
 
 
+def request_state(llm: LLM, request_id: str, text: str, items: list) -> CachedRequestState:
+    """A request's runner state as LLM builds it: the prompt's placeholders expanded for its media items (shared
+    by every multimodal model's tests)."""
+    ids, media = llm.media.expand(llm.tokenizer.encode(text), items, "multi_modal_data")
+    return CachedRequestState(request_id, ids, len(ids), Params(), [[]], 0, media=media)
+
+
 def kestrel_state(llm: LLM, index: int) -> CachedRequestState:
-    text, images = case(index)
-    ids = llm.tokenizer.encode(text)
-    ids, media = llm.media.expand(ids, images, "multi_modal_data")
-    return CachedRequestState(str(index), ids, len(ids), Params(), [[]], 0, media=media)
+    return request_state(llm, str(index), *case(index))
 
 
 def test_placeholder_expansion_matches_the_processor(llm, hf) -> None:
@@ -150,22 +154,28 @@ def test_logits_match_transformers_in_a_mixed_batch(llm, hf, llava_dir, chunk) -
         assert rel < REL_TOL, f"prompt {index}: relative error {rel:.2e}"
 
 
-def hf_greedy(hf, index: int) -> list[int]:
-    model, processor = hf
-    inputs = hf_inputs(processor, *case(index))
+def hf_greedy_ids(model, inputs: dict[str, torch.Tensor]) -> list[int]:
+    """transformers' greedy continuation of one processed prompt: MAX_NEW tokens, EOS ignored."""
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
-                             eos_token_id=None)
+        out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-def kestrel_greedy(llm: LLM, indices: list[int]) -> list[list[int]]:
+def llm_greedy_ids(llm: LLM, prompts: list[tuple[str, list]], modality: str) -> list[list[int]]:
+    """LLM.generate's greedy continuations (MAX_NEW tokens, EOS ignored) of (text, media items) prompts, the items
+    as multi_modal_data[modality]."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    prompts = []
-    for index in indices:
-        text, images = case(index)
-        prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    inputs = [{"prompt": text, "multi_modal_data": {modality: items}} if items else text for text, items in prompts]
+    return [o.outputs[0].token_ids for o in llm.generate(inputs, params, use_tqdm=False)]
+
+
+def hf_greedy(hf, index: int) -> list[int]:
+    model, processor = hf
+    return hf_greedy_ids(model, hf_inputs(processor, *case(index)))
+
+
+def kestrel_greedy(llm: LLM, indices: list[int]) -> list[list[int]]:
+    return llm_greedy_ids(llm, [case(i) for i in indices], "image")
 
 
 def test_greedy_matches_transformers_batched_chunked_and_cached(llm, hf, llava_dir) -> None:

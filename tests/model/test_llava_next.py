@@ -14,18 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_llava import REL_TOL, PagedBatch, hf_logits
+from test_llava import REL_TOL, PagedBatch, hf_greedy_ids, hf_logits, llm_greedy_ids, request_state
 
-from kestrel import LLM, SamplingParams
+from kestrel import LLM
 from kestrel.config import ConfigError, ModelConfig
 from kestrel.loader import load_model
-from kestrel.sampling_params import SamplingParams as Params
 from kestrel.worker.input_batch import CachedRequestState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from multimodal_checkpoints import IMAGE_TOKEN, random_image, write_llava_next  # noqa: E402
 
-MAX_NEW = 8
 WIDE, TALL, SQUARISH = (90, 20), (20, 90), (40, 34)  # (width, height): 1x2, 2x1 and 2x2 tile grids
 PROMPTS = [  # (text, image sizes)
     (f"USER: {IMAGE_TOKEN}\nwhat is in the picture? ASSISTANT:", [SQUARISH]),
@@ -61,9 +59,7 @@ def hf_inputs(processor, index: int) -> dict[str, torch.Tensor]:
 
 
 def kestrel_state(llm: LLM, index: int) -> CachedRequestState:
-    text, images = case(index)
-    ids, media = llm.media.expand(llm.tokenizer.encode(text), images, "multi_modal_data")
-    return CachedRequestState(str(index), ids, len(ids), Params(), [[]], 0, media=media)
+    return request_state(llm, str(index), *case(index))
 
 
 def test_placeholder_expansion_matches_the_processor_and_depends_on_the_image_size(llm, hf) -> None:
@@ -115,23 +111,12 @@ def test_logits_match_transformers_in_a_mixed_batch(llm, hf, checkpoint, chunk) 
 
 
 def kestrel_greedy(llm: LLM, indices: list[int]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    prompts = []
-    for index in indices:
-        text, images = case(index)
-        prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return llm_greedy_ids(llm, [case(i) for i in indices], "image")
 
 
 def test_greedy_matches_transformers_batched_and_chunked(llm, hf, checkpoint) -> None:
     model_hf, processor = hf
-    expected = []
-    for index in range(len(PROMPTS)):
-        inputs = hf_inputs(processor, index)
-        with torch.no_grad():
-            out = model_hf.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
-                                    eos_token_id=None)
-        expected.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+    expected = [hf_greedy_ids(model_hf, hf_inputs(processor, index)) for index in range(len(PROMPTS))]
     assert kestrel_greedy(llm, [0, 1, 2]) == expected
     chunked = LLM(str(checkpoint), dtype="float32", max_model_len=512, max_num_batched_tokens=8, max_num_seqs=4,
                   enable_prefix_caching=False)

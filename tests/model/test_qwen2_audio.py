@@ -13,19 +13,17 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_llava import REL_TOL, PagedBatch, hf_logits
+from test_llava import REL_TOL, PagedBatch, hf_greedy_ids, hf_logits, llm_greedy_ids, request_state
 
-from kestrel import LLM, SamplingParams
+from kestrel import LLM
 from kestrel.config import ModelConfig
 from kestrel.entrypoints.media import Audio, MediaLimits, decode_audio, resample
 from kestrel.loader import load_model
-from kestrel.sampling_params import SamplingParams as Params
 from kestrel.worker.input_batch import CachedRequestState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from audio_checkpoints import SAMPLE_RATE, clip, wav_bytes, write_qwen2_audio  # noqa: E402
 
-MAX_NEW = 8
 SLOT = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 PROMPTS = [  # (text, the clips' (seed, seconds, sampling rate))
     (f"<|im_start|>user\n{SLOT}\nwhat is this sound?<|im_end|>\n<|im_start|>assistant\n", [(1, 0.43, SAMPLE_RATE)]),
@@ -68,9 +66,7 @@ def hf_inputs(processor, text: str, clips: list[Audio]) -> dict[str, torch.Tenso
 
 
 def kestrel_state(llm: LLM, index: int) -> CachedRequestState:
-    text, clips = case(index)
-    ids, media = llm.media.expand(llm.tokenizer.encode(text), clips, "multi_modal_data")
-    return CachedRequestState(str(index), ids, len(ids), Params(), [[]], 0, media=media)
+    return request_state(llm, str(index), *case(index))
 
 
 def test_placeholder_expansion_matches_the_processor(llm, hf) -> None:
@@ -111,20 +107,12 @@ def test_logits_match_transformers_in_a_mixed_batch(llm, hf, checkpoint, chunk) 
 
 def hf_greedy(hf, index: int) -> list[int]:
     model, processor = hf
-    inputs = hf_inputs(processor, *case(index))
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return hf_greedy_ids(model, hf_inputs(processor, *case(index)))
 
 
 def kestrel_greedy(llm: LLM, indices: list[int]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    prompts = []
-    for index in indices:
-        text, clips = case(index)
-        audio = [(c.samples, c.rate) for c in clips]
-        prompts.append({"prompt": text, "multi_modal_data": {"audio": audio}} if clips else text)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    prompts = [(text, [(c.samples, c.rate) for c in clips]) for text, clips in map(case, indices)]
+    return llm_greedy_ids(llm, prompts, "audio")
 
 
 def test_greedy_matches_transformers_batched_and_chunked(llm, hf, checkpoint) -> None:

@@ -15,20 +15,18 @@ import pytest
 import torch
 import transformers
 
-from kestrel import LLM, SamplingParams
+from kestrel import LLM
 from kestrel.config import ConfigError, ModelConfig
 from kestrel.entrypoints.media import load_processor
 from kestrel.loader import load_model
 from kestrel.model.layers.rotary import RopeConfig, RotaryEmbedding
-from kestrel.sampling_params import SamplingParams as Params
 from kestrel.worker.input_batch import CachedRequestState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from multimodal_checkpoints import QWEN_IMAGE_PAD, random_image, write_qwen2_vl  # noqa: E402
-from test_llava import BLOCKS_PER_SEQ, PagedBatch  # noqa: E402
+from test_llava import BLOCKS_PER_SEQ, PagedBatch, hf_greedy_ids, llm_greedy_ids, request_state  # noqa: E402
 
 REL_TOL = 1e-4
-MAX_NEW = 8
 IMAGE = f"<|vision_start|>{QWEN_IMAGE_PAD}<|vision_end|>"
 PROMPTS = [  # (text, (width, height) of each image)
     (f"<|im_start|>user\n{IMAGE}what is this?<|im_end|>\n<|im_start|>assistant\n", [(40, 34)]),
@@ -65,9 +63,7 @@ def hf_inputs(processor, index: int) -> dict[str, torch.Tensor]:
 
 
 def kestrel_state(llm: LLM, index: int) -> CachedRequestState:
-    text, images = case(index)
-    ids, media = llm.media.expand(llm.tokenizer.encode(text), images, "multi_modal_data")
-    return CachedRequestState(str(index), ids, len(ids), Params(), [[]], 0, media=media)
+    return request_state(llm, str(index), *case(index))
 
 
 class MRopeBatch(PagedBatch):
@@ -141,19 +137,11 @@ def test_logits_match_transformers_in_a_mixed_batch(llm, hf, qwen_dir, chunk) ->
 
 def hf_greedy(hf, index: int) -> list[int]:
     model, processor = hf
-    inputs = hf_inputs(processor, index)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return hf_greedy_ids(model, hf_inputs(processor, index))
 
 
 def kestrel_greedy(llm: LLM, indices: list[int]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    prompts = []
-    for index in indices:
-        text, images = case(index)
-        prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return llm_greedy_ids(llm, [case(i) for i in indices], "image")
 
 
 def test_greedy_matches_transformers_batched_and_chunked(llm, hf, qwen_dir) -> None:
