@@ -153,6 +153,15 @@ def _check_choice(field_name: str, value: Any, choices: tuple) -> None:
         _fail(field_name, value, f"expected one of {list(choices)}")
 
 
+def _check_config_dict(field_name: str, value: Any, example: str, known: list[str]) -> None:
+    """A JSON-valued setting: a dict whose keys are among `known`."""
+    if not isinstance(value, dict):
+        _fail(field_name, value, f"expected a dict such as {example}")
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        _fail(field_name, value, f"unknown keys {unknown}; known: {known}")
+
+
 def _check_int(field_name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -653,13 +662,8 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, value: dict) -> SpeculativeConfig:
-        if not isinstance(value, dict):
-            _fail("speculative_config", value, "expected a dict such as {'method': 'ngram', "
-                  "'num_speculative_tokens': 4}")
-        known = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            _fail("speculative_config", value, f"unknown keys {unknown}; known: {sorted(known)}")
+        _check_config_dict("speculative_config", value, "{'method': 'ngram', 'num_speculative_tokens': 4}",
+                           sorted(f.name for f in dataclasses.fields(cls) if f.init))
         config = cls(**value)
         lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(value))
         if lookup and config.method != "ngram":
@@ -759,12 +763,8 @@ class SparseDecodeConfig:
 
     @classmethod
     def from_dict(cls, value: Any, block_size: int) -> SparseDecodeConfig:
-        if not isinstance(value, dict):
-            _fail("sparse_decode", value, "expected a dict such as {'method': 'quest', 'token_budget': 2048}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            _fail("sparse_decode", value, f"unknown keys {unknown}; known: {known}")
+        _check_config_dict("sparse_decode", value, "{'method': 'quest', 'token_budget': 2048}",
+                           [f.name for f in dataclasses.fields(cls)])
         if "method" not in value:
             _fail("sparse_decode.method", None, f"name the method: one of {list(SPARSE_DECODE_METHODS)}")
         config = cls(**value)
@@ -800,12 +800,8 @@ class StreamingWindowConfig:
 
     @classmethod
     def from_dict(cls, value: Any, max_model_len: int) -> StreamingWindowConfig:
-        if not isinstance(value, dict):
-            _fail("streaming_window", value, "expected a dict such as {'sink_tokens': 4, 'window': 1024}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            _fail("streaming_window", value, f"unknown keys {unknown}; known: {known}")
+        _check_config_dict("streaming_window", value, "{'sink_tokens': 4, 'window': 1024}",
+                           [f.name for f in dataclasses.fields(cls)])
         if "window" not in value:
             _fail("streaming_window.window", None, "give the window (tokens attended after the sinks)")
         config = cls(**value)
