@@ -212,7 +212,7 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
     longest = max(args.prompt_lengths)
     served = ServedModel(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len or longest + 16,
                          max_num_seqs=1, max_num_batched_tokens=args.max_num_batched_tokens,
-                         enable_prefix_caching=False)
+                         enable_prefix_caching=False, tokenizer=args.tokenizer, load_format=args.load_format)
     compressor = PromptCompressor(PromptCompressorConfig(args.compressor), device=args.device, dtype=args.dtype)
     text = "".join(corpus.texts(corpus.select_evenly(corpus.eval_files(), 400)))
     ids = served.tokenizer.encode(text, add_special_tokens=False)
@@ -242,7 +242,8 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
     for row in rows:
         base = next(r for r in rows if r["prompt_tokens"] == row["prompt_tokens"] and r["rate"] == 1.0)
         row["speedup"] = base["ttft_s"] / row["ttft_s"]
-    return {"suite": "compression", "mode": "ttft", "model_dir": model, "compressor": compressor.config.model,
+    return {"suite": "compression", "mode": "ttft", "model_dir": model, "tokenizer": args.tokenizer,
+            "load_format": args.load_format, "compressor": compressor.config.model,
             "device": str(served.runner.device), "dtype": args.dtype, "repeats": args.repeats, "rows": rows,
             "target": "TTFT >= 1.7x faster at rate 0.5 on an 8k prompt, compressor included",
             "seconds": round(time.perf_counter() - started, 1)}
@@ -327,6 +328,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="the served model's context (default: the "
                    "model's; ttft: the longest prompt + 16)")
     p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--tokenizer", default=None, help="ttft: the served model's tokenizer directory (default: the "
+                   "model's own), for random-weight checkpoints that ship none")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="ttft: dummy draws random weights for a directory holding config.json alone")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--result-file", type=Path, default=None, help="write the JSON here (and the PNG beside it)")
 

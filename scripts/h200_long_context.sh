@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Long-context runs on one H200 (issue 31), by stage: `scripts/h200_long_context.sh OUT STAGE...`.
+# Every stage writes its JSON (+ PNG) under OUT and appends to OUT/log.txt, each step under its own time limit.
+# Stages:
+#   kernels      the Quest selection / sparse attention and the streaming kernels' tests, compiled on the GPU
+#   quest-speed  kestrel bench sparse-attention --mode speed: one decode step's attention, dense vs Quest budget 2048,
+#                contexts 32k and 100k, batch 1, 8, 32 (CUDA graphs)
+#   quest-e2e    whole decode steps of the Llama-3-8B shape at a 32k prompt, batch 1 and 8, BF16: dense, then Quest
+#                budget 2048 (kestrel bench latency)
+#   compress     kestrel bench compression --mode ttft: TTFT of 8k and 32k prompts on the Llama-3-8B shape (random
+#                weights, kestrel-tiny's tokenizer), uncompressed and at rates 0.5 and 0.33, compressor included
+set -uo pipefail
+out=$(realpath -m "$1"); shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+run() { local limit=$1; shift; echo "== [$limit s] $*" | tee -a "$out/log.txt"
+  timeout "$limit" "$@" 2>&1 | grep -v '^USDT\|Loading weights' | tee -a "$out/log.txt"; }
+e2e() { local name=$1; shift
+  run 200 python3 -m kestrel.bench.latency --arch llama3-8b --batch 1,8 --input-len 32768 --output-len 64 --repeats 1 \
+    --warmups 0 --hf-peer none --no-checks --max-num-batched-tokens 16384 "$@" \
+    --result-file "$out/latency-llama3-8b-32k-$name-h200.json"; }
+for stage in "$@"; do
+  case $stage in
+    kernels) run 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sparse_decode.py \
+               tests/kernels/test_streaming_attention.py ;;
+    quest-speed) run 200 python3 -m kestrel.bench.sparse_attention --mode speed --device cuda \
+                   --contexts 32768,100000 --batches 1,8,32 --budgets 2048 \
+                   --result-file "$out/sparse-attention-speed-h200.json" ;;
+    quest-e2e) e2e dense
+               e2e quest2048 --sparse-decode '{"method": "quest", "token_budget": 2048}' ;;
+    compress) mkdir -p /tmp/kestrel-bench-llama3-8b
+              python3 -c "import json; from kestrel.bench.common import ARCHS; \
+print(json.dumps(ARCHS['llama3-8b']))" > /tmp/kestrel-bench-llama3-8b/config.json
+              run 240 python3 -m kestrel.bench.compression --mode ttft --device cuda --dtype bfloat16 \
+                --model /tmp/kestrel-bench-llama3-8b --load-format dummy --tokenizer kestrel/models/kestrel-tiny \
+                --prompt-lengths 8192,32768 --rates 0.5,0.33 --repeats 3 \
+                --result-file "$out/compression-ttft-h200.json" ;;
+    *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
+  esac
+done
