@@ -30,11 +30,29 @@ def rank_entry(work: Callable[[int, list[int], str], None], rank: int, ports: li
 
 
 def run_ranks(work: Callable[[int, list[int], str], None], world: int, num_groups: int, root: Path,
-              timeout_s: float) -> None:
+              timeout_s: float, attempts: int = 3) -> None:
     """`world` spawned ranks running `work(rank, ports, root)`, with a free port for each of `num_groups`
-    successive process groups; fails with the first rank's traceback, or the exit codes."""
+    successive process groups; fails with the first rank's traceback, or the exit codes. A port found free can
+    be taken by another process before rank 0's store binds it; such a run is repeated on fresh ports."""
+    for attempt in range(attempts):
+        procs = _spawn_and_join(work, world, [free_port() for _ in range(num_groups)], root, timeout_s)
+        errors = sorted(root.glob("error-rank*.txt"))
+        if attempt + 1 < attempts and any(_lost_port_race(e.read_text()) for e in errors):
+            for error in errors:
+                error.unlink()
+            continue
+        assert not errors, errors[0].read_text()
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        return
+
+
+def _lost_port_race(traceback_text: str) -> bool:
+    return "EADDRINUSE" in traceback_text or "Address already in use" in traceback_text
+
+
+def _spawn_and_join(work: Callable[[int, list[int], str], None], world: int, ports: list[int], root: Path,
+                    timeout_s: float) -> list[multiprocessing.process.BaseProcess]:
     ctx = multiprocessing.get_context("spawn")
-    ports = [free_port() for _ in range(num_groups)]
     procs = [ctx.Process(target=rank_entry, args=(work, rank, ports, str(root)), daemon=True)
              for rank in range(world)]
     try:
@@ -47,6 +65,4 @@ def run_ranks(work: Callable[[int, list[int], str], None], world: int, num_group
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    errors = sorted(root.glob("error-rank*.txt"))
-    assert not errors, errors[0].read_text()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return procs
