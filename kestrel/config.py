@@ -73,6 +73,8 @@ def text_decoder_config(hf: dict) -> dict:
     with the top level's for what the text config leaves out (architectures, dtype, quantization), and the
     encoders' configs (`vision_config`, `audio_config`) as they are, for the multimodal families. Other configs
     as they are."""
+    if hf.get("model_type") == "whisper":
+        return whisper_decoder_config(hf)
     text = hf.get("text_config")
     if not isinstance(text, dict) or "num_hidden_layers" in hf:
         return hf
@@ -101,6 +103,15 @@ def validate_hf_config(hf: Any, source: str) -> None:
     if hf.get("head_dim") is None and heads is not None and hidden is not None and hidden % heads:
         raise ConfigError(f"invalid {source}: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
                           "and no head_dim is given; give head_dim or a hidden_size that is a multiple of the heads")
+
+
+def whisper_decoder_config(hf: dict) -> dict:
+    """An encoder-decoder Whisper config.json with its decoder's shape under the decoder-only names the engine
+    sizes from (hidden_size, layers, heads, context = max_target_positions); its own fields stay as they are."""
+    names = {"hidden_size": "d_model", "num_hidden_layers": "decoder_layers",
+             "num_attention_heads": "decoder_attention_heads", "intermediate_size": "decoder_ffn_dim",
+             "max_position_embeddings": "max_target_positions"}
+    return {**hf, **{ours: hf[theirs] for ours, theirs in names.items() if theirs in hf}}
 
 
 DEFAULT_HF_HUB_CACHE = os.path.join("~", ".cache", "huggingface", "hub")

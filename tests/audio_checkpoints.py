@@ -50,3 +50,42 @@ def wav_bytes(samples: np.ndarray, rate: int = SAMPLE_RATE, fmt: str = "WAV") ->
     buffer = io.BytesIO()
     soundfile.write(buffer, samples, rate, format=fmt)
     return buffer.getvalue()
+
+
+# Whisper's special tokens, in the published vocabularies' order after the text tokens; the timestamp tokens
+# `<|0.00|>` .. `<|30.00|>` (steps of 20 ms) come last.
+WHISPER_LANGUAGES = ("en", "de", "fr")
+WHISPER_SPECIALS = ("<|endoftext|>", "<|startoftranscript|>", *(f"<|{lang}|>" for lang in WHISPER_LANGUAGES),
+                    "<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
+                    "<|notimestamps|>")
+WHISPER_TIMESTAMPS = tuple(f"<|{i * 0.02:.2f}|>" for i in range(1501))
+WHISPER_MAX_TARGET = 64
+
+
+def write_whisper(path: Path, seed: int = 0) -> Path:
+    """A tiny random WhisperForConditionalGeneration: a 2-layer encoder and a 2-layer decoder (d_model 32) on
+    1-second windows of 16 mel bins (50 encoder positions), the test tokenizer with Whisper's special and timestamp
+    tokens, a WhisperFeatureExtractor and a generation_config.json with the language and task tables."""
+    tokenizer = tokenizer_with(path, [*WHISPER_SPECIALS, *WHISPER_TIMESTAMPS])
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in WHISPER_SPECIALS}
+    frames = CHUNK_SECONDS * SAMPLE_RATE // 160
+    config = transformers.WhisperConfig(
+        vocab_size=len(tokenizer), num_mel_bins=MEL_BINS, encoder_layers=2, encoder_attention_heads=4,
+        decoder_layers=2, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, d_model=32,
+        max_source_positions=frames // 2, max_target_positions=WHISPER_MAX_TARGET,
+        pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|endoftext|>"],
+        decoder_start_token_id=ids["<|startoftranscript|>"], suppress_tokens=[], begin_suppress_tokens=[],
+        init_std=0.1)  # large enough weights that each clip leads the greedy text its own way
+    save_random_model(transformers.WhisperForConditionalGeneration, config, path, seed)
+    generation = transformers.GenerationConfig(
+        decoder_start_token_id=ids["<|startoftranscript|>"], eos_token_id=ids["<|endoftext|>"],
+        pad_token_id=ids["<|endoftext|>"], no_timestamps_token_id=ids["<|notimestamps|>"],
+        lang_to_id={f"<|{lang}|>": ids[f"<|{lang}|>"] for lang in WHISPER_LANGUAGES},
+        task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
+        is_multilingual=True, max_length=WHISPER_MAX_TARGET)
+    generation.save_pretrained(str(path))
+    extractor = transformers.WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=SAMPLE_RATE,
+                                                     chunk_length=CHUNK_SECONDS)
+    extractor.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return path

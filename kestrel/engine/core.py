@@ -152,6 +152,9 @@ class EngineCore:
         if media and not getattr(self.runner, "supported_modalities", frozenset()):
             raise InvalidRequestError("multi_modal_data", "this model takes text only; send the prompt without "
                                       "images")
+        if getattr(self.runner, "encoder_decoder", False) and len(media) != 1:
+            raise InvalidRequestError("multi_modal_data", f"this model is an encoder-decoder (Whisper): a request "
+                                      f"is one audio clip and its decoder prompt, got {len(media)} media items")
         self._check_priority(priority)
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.replace(bad_words_token_ids=self._bad_word_sequences(params.bad_words))

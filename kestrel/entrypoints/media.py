@@ -230,6 +230,12 @@ class MediaProcessor:
                                   f"{', '.join(sorted(modalities))}; give 0 or leave it out")
         self.limits = {modality: limits.get(modality, DEFAULT_MM_PER_PROMPT) for modality in modalities}
         try:
+        # An encoder-decoder model (Whisper) hears one clip a request through cross-attention: its prompt is the
+        # decoder's, with no placeholder; its checkpoint has a feature extractor and no processor class.
+        self.encoder_decoder = bool(model_config.hf_config.get("is_encoder_decoder"))
+        if self.encoder_decoder:
+            self._init_encoder_decoder(model_config)
+            return
             self.processor = load_processor(model_config.model)
         except Exception as e:
             raise ConfigError(f"invalid model={model_config.model!r}: the multimodal checkpoint's processor "
@@ -264,6 +270,26 @@ class MediaProcessor:
                                       f"{', '.join(sorted(self.modalities))}")
         limit = self.limits[modality]
         if count > limit:
+    def _init_encoder_decoder(self, model_config: ModelConfig) -> None:
+        import transformers
+
+        if self.modalities != frozenset({"audio"}):
+            raise ConfigError(f"kestrel's encoder-decoder models take audio; this one takes {sorted(self.modalities)}")
+        try:
+            self.feature_extractor = transformers.AutoFeatureExtractor.from_pretrained(model_config.model)
+        except Exception as e:
+            raise ConfigError(f"invalid model={model_config.model!r}: the checkpoint's feature extractor "
+                              f"(preprocessor_config.json) could not be loaded: {e}") from None
+        self.placeholder_ids = {}
+        self.image_token_id = None
+        self.processor_kwargs = dict(model_config.mm_processor_kwargs or {})
+        for key in self.processor_kwargs:
+            if not hasattr(self.feature_extractor, key):
+                raise ConfigError(f"invalid mm_processor_kwargs.{key}: {type(self.feature_extractor).__name__} has "
+                                  "no such setting")
+        self.sampling_rate = int(self.feature_extractor.sampling_rate)
+        self.max_audio_samples = int(self.feature_extractor.n_samples)
+
             raise InvalidRequestError(param, f"{count} {modality} items in one prompt; this server takes at most "
                                       f"{limit} (--limit-mm-per-prompt)")
 
@@ -278,6 +304,8 @@ class MediaProcessor:
             self.check_count("audio", len(clips), param)
         if "audio" in self.modalities:
             return self._expand_audio(token_ids, clips, param)
+        if self.encoder_decoder:
+            return self._encoder_input(token_ids, images, clips, param)
         return self._expand_images(token_ids, images, param)
 
     def check_clip(self, clip: Audio, param: str, name: str = "the audio") -> np.ndarray:
@@ -296,6 +324,25 @@ class MediaProcessor:
         placeholders = [i for i, t in enumerate(token_ids) if t == token_id]
         if len(placeholders) != len(clips):
             raise InvalidRequestError(param, f"the prompt has {len(placeholders)} audio placeholder(s) for "
+    def _encoder_input(self, token_ids: list[int], images: list[Any], clips: list[Audio], param: str
+                       ) -> tuple[list[int], tuple[MediaItem, ...]]:
+        """An encoder-decoder request: the decoder prompt as given and its one clip's log-mel features, the item's
+        range spanning the prompt (every prompt block's prefix-cache hash then carries the clip)."""
+        if images or len(clips) != 1:
+            raise InvalidRequestError(param, f"this model (an encoder-decoder: Whisper) takes exactly one audio clip "
+                                      f"a request, got {len(clips)} clip(s) and {len(images)} image(s)")
+        if not token_ids:
+            raise InvalidRequestError(param, "the decoder prompt is empty; it starts with <|startoftranscript|>")
+        samples = self.check_clip(clips[0], param)
+        try:
+            features = self.feature_extractor(samples, sampling_rate=self.sampling_rate, return_tensors="pt",
+                                              **self.processor_kwargs)["input_features"]
+        except Exception as e:  # the extractor's own checks
+            raise InvalidRequestError(param, f"the feature extractor refused the clip: {e}") from None
+        item = MediaItem("audio", audio_content_hash(samples, self.processor_kwargs), ((0, len(token_ids)),),
+                         {"input_features": features})
+        return list(token_ids), (item,)
+
                                       f"{len(clips)} clip(s); put one {self.processor.audio_token} where each clip "
                                       "goes (a chat template does it for audio parts)")
         ids: list[int] = []

@@ -41,6 +41,7 @@ _FAMILIES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "kestrel.model.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "kestrel.model.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen2AudioForConditionalGeneration": "kestrel.model.qwen2_audio:Qwen2AudioForConditionalGeneration",
+    "WhisperForConditionalGeneration": "kestrel.model.whisper:WhisperForConditionalGeneration",
 }
 # Draft heads: loaded beside a target model, never served on their own.
 _DRAFT_HEADS: dict[str, str] = {EAGLE_HEAD_ARCHITECTURE: "kestrel.model.eagle:EagleHead"}

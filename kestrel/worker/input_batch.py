@@ -49,6 +49,8 @@ class CachedRequestState:
     num_dropped_tokens: int = 0
     sink_end: int = 0
     media: tuple[MediaItem, ...] = ()  # the prompt's media items (their encoder output fills their positions)
+    # Encoder-decoder models: whether this request's cross-attention K/V are in its blocks (its first step).
+    cross_kv_written: bool = False
     # M-RoPE models: the prompt's positions [3, prompt length] and the offset of the positions after it
     # (`kestrel.worker.mrope`), computed on the request's first step.
     mrope_prompt: torch.Tensor | None = None

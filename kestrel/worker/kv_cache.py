@@ -15,6 +15,7 @@ from safetensors import safe_open
 from kestrel.config import CacheConfig, ConfigError, EngineConfig, SparseDecodeConfig, StreamingWindowConfig
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.kv_spec import (
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheGroup,
     KVCacheSpec,
@@ -75,6 +76,13 @@ class KVCacheShape:
     def bytes_per_block(self) -> int:
         return self.block_size * self.bytes_per_token
 
+    def blocks_per_request(self, max_model_len: int) -> int:
+        """The most blocks one request holds in any group: a sequence of `max_model_len` tokens, or a
+        cross-attention group's encoder output."""
+        cross = [spec.num_blocks_per_request(self.block_size) for spec in self.layer_specs
+                 if isinstance(spec, CrossAttentionSpec)]
+        return max([-(-max_model_len // self.block_size), *cross])
+
 
 def kv_cache_dtype(cache_config: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
     return torch.float8_e4m3fn if cache_config.kv_cache_dtype == "fp8" else model_dtype
@@ -96,7 +104,7 @@ def num_blocks_for(config: EngineConfig, shape: KVCacheShape, budget: int | None
     if config.cache.num_blocks is not None:
         return config.cache.num_blocks
     max_len = config.model.max_model_len or 0
-    useful = config.scheduler.max_num_seqs * -(-max_len // shape.block_size)
+    useful = config.scheduler.max_num_seqs * shape.blocks_per_request(max_len)
     if config.cache.kv_cache_memory_bytes is not None:
         budget = config.cache.kv_cache_memory_bytes
     elif budget is None:

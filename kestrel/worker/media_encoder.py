@@ -90,8 +90,27 @@ class MediaEncoder:
         index = torch.tensor(dst, dtype=torch.long, device=embeds.device)
         return embeds.index_copy(0, index, torch.cat(src).to(embeds.dtype))
 
-    def _encode(self, items: dict[str, MediaItem]) -> dict[str, torch.Tensor]:
-        """Each item's encoder output, from the cache or from one encoder pass per modality for the rest."""
+    def write_cross_kv(self, states: Sequence[CachedRequestState]) -> None:
+        """An encoder-decoder model: the cross-attention K/V of the step's requests that have none in their blocks
+        yet (their first step since they were added, or re-added after preemption), from their one item's encoder
+        output (cached by content hash like any other)."""
+        pending = [state for state in states if not state.cross_kv_written]
+        if not pending:
+            return
+        for state in pending:
+            if len(state.media) != 1:
+                raise RuntimeError(f"request {state.req_id}: an encoder-decoder request needs exactly one media "
+                                   f"item, got {len(state.media)}")
+        outputs = self._encode({state.media[0].content_hash: state.media[0] for state in pending},
+                               check_rows=False)
+        self.model.write_cross_kv([outputs[state.media[0].content_hash] for state in pending],
+                                  [state.block_ids for state in pending])
+        for state in pending:
+            state.cross_kv_written = True
+
+    def _encode(self, items: dict[str, MediaItem], check_rows: bool = True) -> dict[str, torch.Tensor]:
+        """Each item's encoder output, from the cache or from one encoder pass per modality for the rest
+        (`check_rows`: each output has a row per placeholder position)."""
         outputs: dict[str, torch.Tensor] = {}
         missing: dict[str, list[MediaItem]] = {}
         for content_hash, item in items.items():
@@ -106,7 +125,7 @@ class MediaEncoder:
             self.num_encoder_calls += 1
             self.num_items_encoded += len(batch)
             for item, rows in zip(batch, encoded, strict=True):
-                if rows.shape[0] != item.num_embeds:
+                if check_rows and rows.shape[0] != item.num_embeds:
                     raise RuntimeError(f"the {modality} encoder gave {rows.shape[0]} rows for an item with "
                                        f"{item.num_embeds} placeholder positions")
                 outputs[item.content_hash] = rows

@@ -62,7 +62,11 @@ class ModelRunner(RunnerSetup):
             return ModelRunnerOutput([], [])
         if self.mrope:
             step = with_mrope_positions(self.model, step)
-        embeds = self._media_embeds(step)
+        if self.encoder_decoder:
+            self.media_encoder.write_cross_kv(step.states)
+            embeds = None
+        else:
+            embeds = self._media_embeds(step)
         if not self.is_last_stage:
             inputs = step.inputs
             self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata, inputs_embeds=embeds)

@@ -103,6 +103,12 @@ class RunnerSetup:
         # M-RoPE models take [3, T] positions (`kestrel.worker.mrope`), which the captured graphs and the drafters'
         # one-row positions do not carry: such a model runs eagerly and without speculative decoding.
         self.mrope = uses_mrope(self.model)
+        # Encoder-decoder models (Whisper): the encoder step writes each request's cross-attention K/V once; they
+        # run eagerly (the cross-attention reads are not captured) and without speculative decoding.
+        self.encoder_decoder = bool(getattr(self.model, "is_encoder_decoder", False))
+        if self.encoder_decoder and config.speculative is not None:
+            raise ConfigError("invalid speculative_config: this model is an encoder-decoder (Whisper), which "
+                              "kestrel's drafters do not serve")
         if self.mrope and config.speculative is not None:
             raise ConfigError("invalid speculative_config: this model rotates by M-RoPE (three position rows), "
                               "which kestrel's drafters do not carry")
@@ -118,6 +124,8 @@ class RunnerSetup:
                                   "reads each step's lengths on the host and cannot run in CUDA graphs; set "
                                   "enforce_eager=True (--enforce-eager)")
         self.kv_spec = KVCacheShape.of_layers(layers, kv_cache_dtype(config.cache, self.dtype), self.block_size)
+        # A cross-attention group's block list holds the encoder's positions, which may outnumber the decoder's.
+        self.max_blocks_per_seq = max(self.max_blocks_per_seq, self.kv_spec.blocks_per_request(0))
         # The groups are every stage's; `layer_groups[i]` is the group of this stage's attention layer i.
         self.kv_groups, self.layer_groups = kv_cache_groups(self.kv_spec.layer_specs, parallel)
         self.graph_runner: GraphRunner | None = None
@@ -141,7 +149,7 @@ class RunnerSetup:
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
             self.launches_per_layer = self._count_layer_launches()
-        if (self.device.type == "cuda" and not config.enforce_eager and not self.mrope
+        if (self.device.type == "cuda" and not config.enforce_eager and not self.mrope and not self.encoder_decoder
                 and (parallel is None or parallel.world_size == 1)):
             self._capture_graphs()
             if self.drafter is not None:
