@@ -260,8 +260,8 @@ def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, ou
                           qk_scale, v_scale, stride_qs, stride_qh, stride_os, stride_oh, stride_kb, stride_kt,
                           stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_ss, stride_sh,
                           GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_CLAMP: tl.constexpr,
-                          SPLIT: tl.constexpr):
+                          BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+                          Q_CLAMP: tl.constexpr, SPLIT: tl.constexpr):
     """Grid (num_seqs, num_kv_heads, num_splits). Rows of the tile are the group's query heads; each selected
     block is one key tile (BLOCK_SIZE keys), online softmax in the log2 domain. With SPLIT, each program covers a
     slice of the selection and writes a normalized partial and its log-sum-exp."""
@@ -298,7 +298,7 @@ def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, ou
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + physical * stride_kb + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask,
                     other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), out_dtype=tl.float32) * qk_scale
+        qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), out_dtype=tl.float32, input_precision=DOT_PREC) * qk_scale
         qk = tl.where(key_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -307,7 +307,8 @@ def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, ou
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + physical * stride_vb + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask,
                     other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), out_dtype=tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), out_dtype=tl.float32,
+                                             input_precision=DOT_PREC)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc * (v_scale / l_safe)[:, None]
@@ -370,7 +371,8 @@ def sparse_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), selected.stride(0), selected.stride(1),
         GROUP=group, HEAD=head_size, HEAD_PAD=head_pad, BLOCK_M=block_m, BLOCK_SIZE=block_size,
-        DOT_DTYPE=dot_dtype, Q_CLAMP=fp8 and q.dtype == torch.bfloat16, SPLIT=splits > 1, num_warps=4)
+        DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else "tf32",
+        Q_CLAMP=fp8 and q.dtype == torch.bfloat16, SPLIT=splits > 1, num_warps=4)
     if splits > 1:
         _merge_partials(partial, lse, out, group, head_size)
     return out
