@@ -73,14 +73,19 @@ class TokenizerLookups:
             token_id = ids[0]
             if token_id in cache:
                 return [cache[token_id]]
-            tokens = self._tokenizer_ref().convert_ids_to_tokens(ids)
+            tokens = self._known_tokens(ids)
             cache[token_id] = tokens[0]
             return tokens
         missing = [i for i in ids if i not in cache]
         if missing:
             missing = list(dict.fromkeys(missing))
-            cache.update(zip(missing, self._tokenizer_ref().convert_ids_to_tokens(missing)))
+            cache.update(zip(missing, self._known_tokens(missing)))
         return [cache[i] for i in ids]
+
+    def _known_tokens(self, ids: list[int]) -> list[str]:
+        """The token strings of `ids`; "" for an id past the tokenizer's vocabulary, which a model whose
+        embedding is padded beyond it (a vocab_size rounded up) can sample: it decodes to no text."""
+        return [token or "" for token in self._tokenizer_ref().convert_ids_to_tokens(ids)]
 
     def decode_tokens(self, tokens: list[str]) -> str:
         if len(tokens) != 1:

@@ -72,6 +72,20 @@ def test_incremental_text_equals_decode(tokenizer, seed: int) -> None:
     assert detok.token_ids == ids
 
 
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_ids_past_the_vocabulary_decode_to_no_text(tokenizer, chunk: int) -> None:
+    """A model whose embedding is padded past its tokenizer's vocabulary can sample such an id: it adds no text
+    (as decode drops it) and the stream goes on."""
+    ids = encode(tokenizer, "héllo wörld")
+    past = len(tokenizer) + 7
+    stream = ids[:2] + [past] + ids[2:] + [past]
+    detok = IncrementalDetokenizer(tokenizer, [], SP())
+    for start in range(0, len(stream), chunk):
+        detok.update(stream[start: start + chunk])
+    assert detok.output_text == tokenizer.decode(ids) == "héllo wörld"
+    assert detok.token_ids == stream
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("skip", [True, False])
 @pytest.mark.parametrize("spaces", [True, False])
