@@ -30,6 +30,8 @@ MEDIA_MODALITIES = ("image", "audio", "video")
 DEFAULT_MM_PER_PROMPT = 999  # vLLM's default per modality: the context length is the real bound
 # Steps between the expert-load counts' reports (each one a host copy and a conversion of [layers, experts] ints).
 EXPERT_LOAD_INTERVAL = 32
+# max_prefill_graph_tokens: 0 or a power of two in this range (the token buckets double from its low end).
+PREFILL_GRAPH_TOKEN_RANGE = (16, 8192)
 SCHEDULING_POLICY_CHOICES = ("fcfs", "priority", "shortest_prefill")
 DEFAULT_STARVATION_BOUND = 64
 # None: the model runs in the engine's process on one device, in "mp" worker processes on several.
@@ -829,6 +831,8 @@ class EngineConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     device: str = "auto"
     enforce_eager: bool = False
+    # Largest token bucket of the prefill / mixed-step CUDA graphs (kestrel.worker.prefill_graph); 0: off.
+    max_prefill_graph_tokens: int = 0
     debug_launch_count: bool = False  # log the kernel launches of one decoder layer's decode step at startup
     disable_log_stats: bool = False  # no periodic throughput / queue / KV cache line in the log
     expert_load_metrics: bool = False  # count the tokens routed to each expert of every MoE layer
@@ -866,6 +870,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "expected True or False")
         self._check_expert_load()
+        self._check_prefill_graphs()
         if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs:
             _fail("max_num_batched_tokens", self.scheduler.max_num_batched_tokens,
                   f"must be >= max_num_seqs={self.scheduler.max_num_seqs} so every running request can decode")
@@ -929,6 +934,22 @@ class EngineConfig:
         if self.model.runner == "pooling":
             _fail("streaming_window", self.streaming_window, "the pooling runner reads whole prompts; use it with "
                   "runner='generate'")
+
+    def _check_prefill_graphs(self) -> None:
+        """The prefill graphs' token limit: 0 (off) or a power of two of PREFILL_GRAPH_TOKEN_RANGE, and only where
+        CUDA graphs are captured at all (what needs the device or the model is checked by the runner)."""
+        limit = self.max_prefill_graph_tokens
+        low, high = PREFILL_GRAPH_TOKEN_RANGE
+        if isinstance(limit, bool) or not isinstance(limit, int) or not (
+                limit == 0 or (low <= limit <= high and limit & (limit - 1) == 0)):
+            _fail("max_prefill_graph_tokens", limit, f"expected 0 (off) or a power of two from {low} to {high}")
+        if limit == 0:
+            return
+        if self.enforce_eager:
+            _fail("max_prefill_graph_tokens", limit, "enforce_eager=True turns every CUDA graph off; drop one of them")
+        if self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size > 1:
+            _fail("max_prefill_graph_tokens", limit, "CUDA graphs are captured on one device only; use it with "
+                  "tensor_parallel_size=1 and pipeline_parallel_size=1")
 
     def _check_expert_load(self) -> None:
         interval = self.expert_load_interval
@@ -1082,6 +1103,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("symmetric_activations", "quant", "symmetric_activations", "INT8 activations without a zero point"),
     EngineArg("device", "engine", "device", "where the model runs", choices=DEVICE_CHOICES),
     EngineArg("enforce_eager", "engine", "enforce_eager", "no CUDA graphs"),
+    EngineArg("max_prefill_graph_tokens", "engine", "max_prefill_graph_tokens",
+              "CUDA graphs for prefill and mixed steps of up to this many tokens (power-of-two token buckets from "
+              "16; 0: off, prefills run eagerly); a GPU with CUDA graphs on only (docs/kernels-attention.md)"),
     EngineArg("cpu_threads", "engine", "cpu_threads", "torch threads of a CPU engine (default: the cores it may "
               "use, less one for the engine loop)"),
     EngineArg("debug_launch_count", "engine", "debug_launch_count",

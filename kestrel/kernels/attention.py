@@ -475,11 +475,11 @@ def paged_attention(
     """Triton paged attention with `paged_attention_ref`'s semantics; no host synchronization.
 
     `max_query_len` / `max_seq_len` are optional host-side hints (AttentionMetadata has them):
-    `max_query_len` must bound every sequence's query length (a decode CUDA graph can pass 1); with it a
-    pure decode batch skips the prefill launch, and a batch whose tokens all belong to one prefilling
-    sequence skips the decode launch. `max_seq_len` only tunes the split count: leave it out when capturing
-    a graph replayed at other context lengths. `num_splits`, `decode_cfg`, `prefill_cfg` override the tuned
-    choices (tests, benchmarks).
+    `max_query_len` must bound every sequence's query length (a decode CUDA graph can pass 1, a prefill graph
+    its token bucket); with it a pure decode batch skips the prefill launch, and a batch of one sequence holding
+    more than the decode launch's tokens skips the decode launch. `max_seq_len` only tunes the split count:
+    leave it out when capturing a graph replayed at other context lengths. `num_splits`, `decode_cfg`,
+    `prefill_cfg` override the tuned choices (tests, benchmarks).
     """
     num_tokens, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, kv_head_size = k_cache.shape
@@ -545,8 +545,11 @@ def paged_attention(
             num_warps=pre.num_warps, num_stages=pre.num_stages,
         )
 
-    if max_query_len is not None and max_query_len > dec_q and num_tokens == max_query_len:
-        return out  # one sequence holds every token and it is not a decode: nothing for the decode launch
+    if num_seqs == 1 and max_query_len is not None and max_query_len > dec_q and num_tokens == max_query_len:
+        # One sequence holds every token and it is not a decode: nothing for the decode launch. With several
+        # sequences max_query_len is only a bound (a prefill CUDA graph passes its token bucket), so a row short
+        # enough for the decode launch may be among them.
+        return out
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, q.device, max_seq_len, fp8)
     split = num_splits > 1

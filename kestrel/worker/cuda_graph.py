@@ -28,6 +28,7 @@ import torch
 
 from kestrel.model.attn_metadata import AttentionMetadata, GroupTables
 from kestrel.worker.input_batch import ModelInputs
+from kestrel.worker.prefill_graph import PrefillBuckets, PrefillBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -221,11 +222,14 @@ def capture_graph(fn: Callable[[], torch.Tensor], pool: object) -> tuple[torch.c
 class GraphRunner:
     """Captures `forward` once per (query length, bucket), the largest first in one memory pool, and replays it:
     decode graphs (q = 1) up to `max_num_seqs` rows, verify graphs (each q of `verify_query_lens`) up to
-    `verify_batch` rows."""
+    `verify_batch` rows, and with `prefill` the prefill / mixed-step graphs of `kestrel.worker.prefill_graph`
+    (one per (token bucket, row bucket), their own static inputs, the same pool)."""
 
     def __init__(self, forward: ModelForward, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device,
                  verify_query_lens: Sequence[int] = (), verify_batch: int = DEFAULT_VERIFY_BATCH,
-                 num_groups: int = 1) -> None:
+                 num_groups: int = 1, prefill: PrefillBuckets | None = None, block_size: int = 16) -> None:
+        """`block_size`: tokens per KV-cache block, which sizes the prefill graphs' block tables (their pad row
+        reads up to the largest token bucket's keys)."""
         self.device = device
         self.forward = forward
         self.sizes = capture_sizes(min(max_num_seqs, MAX_CAPTURE_BATCH))
@@ -239,28 +243,57 @@ class GraphRunner:
                                     device, num_groups)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.prefill = prefill
+        self.prefill_keys = prefill.keys() if prefill is not None else []
+        self.prefill_buffers = None if prefill is None else PrefillBuffers(
+            prefill, max(max_blocks_per_seq, -(-prefill.max_tokens // block_size)), device, num_groups)
+        self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.prefill_outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_seconds = 0.0
+        self.prefill_capture_seconds = 0.0
 
     @property
     def max_batch(self) -> int:
         return self.sizes[-1]
 
     def capture(self) -> float:
-        """Capture every graph; returns (and keeps) the wall time it took."""
+        """Capture every graph, the largest token count first (decode, verify and prefill graphs in one pool);
+        returns (and keeps) the wall time it took."""
         start = time.perf_counter()
         self.graphs.clear()
         self.outputs.clear()
+        self.prefill_graphs.clear()
+        self.prefill_outputs.clear()
         self.buffers.reset_padding()
+        if self.prefill_buffers is not None:
+            self.prefill_buffers.reset_padding()
         pool = graph_pool(self.device)
-        for key in sorted(self.keys, key=lambda k: (k[0] * k[1], k), reverse=True):
-            ids, pos, meta = self._inputs(key)
-            self.graphs[key], self.outputs[key] = capture_graph(
-                lambda ids=ids, pos=pos, meta=meta: self.forward(ids, pos, meta), pool)
+        jobs = [(q * b, False, (q, b)) for q, b in self.keys] + [(t, True, (t, r)) for t, r in self.prefill_keys]
+        prefill_seconds = 0.0
+        for _, is_prefill, key in sorted(jobs, reverse=True):
+            began = time.perf_counter()
+            ids, pos, meta = self._prefill_inputs(key) if is_prefill else self._inputs(key)
+            graph, out = capture_graph(lambda ids=ids, pos=pos, meta=meta: self.forward(ids, pos, meta), pool)
+            if is_prefill:
+                self.prefill_graphs[key], self.prefill_outputs[key] = graph, out
+                prefill_seconds += time.perf_counter() - began
+            else:
+                self.graphs[key], self.outputs[key] = graph, out
         self.capture_seconds = time.perf_counter() - start
+        self.prefill_capture_seconds = prefill_seconds
         logger.info("captured %d CUDA graphs (decode batch sizes %s; verify query lengths %s at batch sizes %s) in "
                     "%.2f s", len(self.keys), self.sizes, self.verify_query_lens, self.verify_sizes,
-                    self.capture_seconds)
+                    self.capture_seconds - prefill_seconds)
+        if self.prefill is not None:
+            logger.info("captured %d prefill CUDA graphs (token buckets %s x row buckets %s) in %.2f s",
+                        len(self.prefill_keys), list(self.prefill.tokens), list(self.prefill.rows), prefill_seconds)
         return self.capture_seconds
+
+    def _prefill_inputs(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        assert self.prefill_buffers is not None
+        tokens, rows = key
+        buffers = self.prefill_buffers
+        return buffers.input_ids[:tokens], buffers.positions[:tokens], buffers.metadata(tokens, rows)
 
     def _inputs(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         q, bucket = key
@@ -268,7 +301,7 @@ class GraphRunner:
         return self.buffers.input_ids[:n], self.buffers.positions[:n], self.buffers.metadata(bucket, q)
 
     def key_for(self, num_scheduled: list[int], block_table_width: int) -> tuple[int, int] | None:
-        """The graph a step replays in, or None when it runs eagerly."""
+        """The decode or verify graph a step replays in, or None (then maybe a prefill graph: `prefill_key_for`)."""
         if not self.graphs or not num_scheduled or block_table_width > self.buffers.max_blocks_per_seq:
             return None
         q = max(num_scheduled)
@@ -276,18 +309,35 @@ class GraphRunner:
         bucket = bucket_for(len(num_scheduled), sizes)
         return None if bucket is None else (q, bucket)
 
+    def prefill_key_for(self, num_scheduled: list[int], block_table_width: int) -> tuple[int, int] | None:
+        """The (token bucket, row bucket) prefill graph of a step no decode or verify graph takes, or None."""
+        if (self.prefill is None or not self.prefill_graphs or self.prefill_buffers is None
+                or block_table_width > self.prefill_buffers.block_table_width):
+            return None
+        key = self.prefill.key_for(num_scheduled)
+        return key if key in self.prefill_graphs else None
+
     def can_run(self, num_scheduled: list[int], block_table_width: int) -> bool:
-        return self.key_for(num_scheduled, block_table_width) is not None
+        return (self.key_for(num_scheduled, block_table_width) is not None
+                or self.prefill_key_for(num_scheduled, block_table_width) is not None)
 
     def run(self, inputs: ModelInputs, num_scheduled: list[int] | None = None,
             load_more: Callable[[torch.Tensor | None, int, int], None] | None = None) -> torch.Tensor:
         """Hidden states `[num_tokens, hidden]` of one step, in its own token order: a view of (or a gather from)
         the graph's static output, valid until the next replay. `load_more(index, bucket, q)` fills a forward's
-        own static inputs before the replay (`index`: as `GraphBuffers.load` returns it)."""
+        own static inputs before the replay (`index`: as `GraphBuffers.load` returns it); decode and verify graphs
+        only (a step needing it never takes a prefill graph)."""
         counts = num_scheduled if num_scheduled is not None else [1] * inputs.input_ids.shape[0]
-        key = self.key_for(counts, inputs.attn_metadata.block_tables.shape[1])
+        width = inputs.attn_metadata.block_tables.shape[1]
+        key = self.key_for(counts, width)
         if key is None:
-            raise ValueError(f"no captured graph for a step of {len(counts)} rows of up to {max(counts)} tokens")
+            prefill_key = None if load_more is not None else self.prefill_key_for(counts, width)
+            if prefill_key is None:
+                raise ValueError(f"no captured graph for a step of {len(counts)} rows of up to {max(counts)} tokens")
+            assert self.prefill_buffers is not None
+            self.prefill_buffers.load(inputs, *prefill_key)
+            self._replay_prefill(prefill_key)
+            return self.prefill_outputs[prefill_key][: inputs.input_ids.shape[0]]
         q, bucket = key
         index = self.buffers.load(inputs, bucket, q, counts)
         if load_more is not None:
@@ -298,3 +348,6 @@ class GraphRunner:
 
     def _replay(self, key: tuple[int, int]) -> None:
         self.graphs[key].replay()
+
+    def _replay_prefill(self, key: tuple[int, int]) -> None:
+        self.prefill_graphs[key].replay()

@@ -90,8 +90,9 @@ class ModelRunner(RunnerSetup):
         return self.media_encoder.input_embeds(step.states, step.counts, step.inputs.input_ids)
 
     def _forward_step(self, step: ScheduledStep, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's hidden states: a captured graph's replay when one fits, else the eager forward (always for a
-        step that writes media rows into its input embeddings)."""
+        """The step's hidden states: a captured graph's replay when one fits (a decode or verify graph, else a
+        prefill / mixed-step graph when max_prefill_graph_tokens is on), else the eager forward (always for a step
+        that writes media rows into its input embeddings)."""
         inputs = step.inputs
         width = inputs.attn_metadata.block_tables.shape[1]
         if (inputs_embeds is None and self.graph_runner is not None

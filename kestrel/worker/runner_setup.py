@@ -1,6 +1,7 @@
 """A model runner's setup: the device and dtype, the model (and a worker-side drafter), the memory plan (a profiling
 forward sizes the KV cache), the KV cache allocated and bound to the attention layers, the decode and verify CUDA
-graphs, FP8 KV-scale calibration and the debug launch count.
+graphs (with max_prefill_graph_tokens, the prefill / mixed-step graphs too), FP8 KV-scale calibration and the debug
+launch count.
 
 Every forward of the target model (profiling, calibration, capture, a step) goes through `RunnerSetup._run_model`.
 """
@@ -41,6 +42,7 @@ from kestrel.worker.kv_cache import (
 from kestrel.worker.launch_count import decoder_layer_launches
 from kestrel.worker.media_encoder import MediaEncoder
 from kestrel.worker.mrope import uses_mrope
+from kestrel.worker.prefill_graph import PrefillBuckets
 from kestrel.worker.stage_transport import run_model
 
 logger = logging.getLogger(__name__)
@@ -149,6 +151,7 @@ class RunnerSetup:
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
             self.launches_per_layer = self._count_layer_launches()
+        self._check_prefill_graphs()
         if (self.device.type == "cuda" and not config.enforce_eager and not self.mrope and not self.encoder_decoder
                 and (parallel is None or parallel.world_size == 1)):
             self._capture_graphs()
@@ -158,6 +161,9 @@ class RunnerSetup:
         if self.expert_counts is not None:
             self.expert_counts.reset()
 
+        if config.max_prefill_graph_tokens and self.graph_runner is None:
+            raise ConfigError(f"invalid max_prefill_graph_tokens={config.max_prefill_graph_tokens}: this model runs "
+                              "every step eagerly (no CUDA graphs are captured for it); leave it 0")
     def _planned_kv_cache_bytes(self, layers: Sequence[CachingLayer]) -> int:
         """The KV cache this runner allocates after the weights, for the loader's memory plan (`layers`: the
         model's attention layers, on the meta device): as `num_blocks_for` sizes it, with one max_model_len
@@ -304,7 +310,30 @@ class RunnerSetup:
     def _capture_graphs(self) -> None:
         self.graph_runner = None  # release the previous graphs' pool before capturing new ones
         runner = GraphRunner(self._run_model, self.config.scheduler.max_num_seqs, self.max_blocks_per_seq,
-                             self.device, *self._verify_shapes(), num_groups=len(self.kv_groups))
+    def _check_prefill_graphs(self) -> None:
+        """max_prefill_graph_tokens asks for graphs this runner would not capture: refused by name (the config
+        checked what it could without the device and the model)."""
+        limit = self.config.max_prefill_graph_tokens
+        if not limit:
+            return
+        if self.device.type != "cuda":
+            raise ConfigError(f"invalid max_prefill_graph_tokens={limit}: CUDA graphs need a CUDA device and this "
+                              f"engine runs on {self.device.type}; leave it 0")
+        if self.mrope:
+            raise ConfigError(f"invalid max_prefill_graph_tokens={limit}: this model rotates by M-RoPE (three "
+                              "position rows), which the captured graphs do not carry, so it runs eagerly; leave "
+                              "it 0")
+        if self.parallel is not None and self.parallel.world_size > 1:
+            raise ConfigError(f"invalid max_prefill_graph_tokens={limit}: CUDA graphs are captured on one device "
+                              "only; leave it 0 with tensor or pipeline parallelism")
+
+    def _prefill_buckets(self) -> PrefillBuckets | None:
+        scheduler = self.config.scheduler
+        return PrefillBuckets.for_engine(self.config.max_prefill_graph_tokens, scheduler.max_num_batched_tokens,
+                                         scheduler.max_num_seqs)
+
+                             self.device, *self._verify_shapes(), num_groups=len(self.kv_groups),
+                             prefill=self._prefill_buckets(), block_size=self.block_size)
         with torch.inference_mode():
             self.capture_seconds = runner.capture()
         self.graph_runner = runner
