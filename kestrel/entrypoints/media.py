@@ -229,13 +229,13 @@ class MediaProcessor:
                 raise ConfigError(f"invalid limit_mm_per_prompt.{modality}={count}: the model takes "
                                   f"{', '.join(sorted(modalities))}; give 0 or leave it out")
         self.limits = {modality: limits.get(modality, DEFAULT_MM_PER_PROMPT) for modality in modalities}
-        try:
         # An encoder-decoder model (Whisper) hears one clip a request through cross-attention: its prompt is the
         # decoder's, with no placeholder; its checkpoint has a feature extractor and no processor class.
         self.encoder_decoder = bool(model_config.hf_config.get("is_encoder_decoder"))
         if self.encoder_decoder:
             self._init_encoder_decoder(model_config)
             return
+        try:
             self.processor = load_processor(model_config.model)
         except Exception as e:
             raise ConfigError(f"invalid model={model_config.model!r}: the multimodal checkpoint's processor "
@@ -264,12 +264,6 @@ class MediaProcessor:
             # The extractor cuts a clip at its window: a longer one would be heard only in part, so it is refused.
             self.max_audio_samples = int(extractor.n_samples)
 
-    def check_count(self, modality: str, count: int, param: str) -> None:
-        if modality not in self.modalities:
-            raise InvalidRequestError(param, f"this model does not take {modality} input; it takes "
-                                      f"{', '.join(sorted(self.modalities))}")
-        limit = self.limits[modality]
-        if count > limit:
     def _init_encoder_decoder(self, model_config: ModelConfig) -> None:
         import transformers
 
@@ -290,6 +284,12 @@ class MediaProcessor:
         self.sampling_rate = int(self.feature_extractor.sampling_rate)
         self.max_audio_samples = int(self.feature_extractor.n_samples)
 
+    def check_count(self, modality: str, count: int, param: str) -> None:
+        if modality not in self.modalities:
+            raise InvalidRequestError(param, f"this model does not take {modality} input; it takes "
+                                      f"{', '.join(sorted(self.modalities))}")
+        limit = self.limits[modality]
+        if count > limit:
             raise InvalidRequestError(param, f"{count} {modality} items in one prompt; this server takes at most "
                                       f"{limit} (--limit-mm-per-prompt)")
 
@@ -302,10 +302,10 @@ class MediaProcessor:
             self.check_count("image", len(images), param)
         if clips:
             self.check_count("audio", len(clips), param)
-        if "audio" in self.modalities:
-            return self._expand_audio(token_ids, clips, param)
         if self.encoder_decoder:
             return self._encoder_input(token_ids, images, clips, param)
+        if "audio" in self.modalities:
+            return self._expand_audio(token_ids, clips, param)
         return self._expand_images(token_ids, images, param)
 
     def check_clip(self, clip: Audio, param: str, name: str = "the audio") -> np.ndarray:
@@ -318,12 +318,6 @@ class MediaProcessor:
                                       "a clip")
         return samples
 
-    def _expand_audio(self, token_ids: list[int], clips: list[Audio], param: str
-                      ) -> tuple[list[int], tuple[MediaItem, ...]]:
-        token_id = self.placeholder_ids["audio"]
-        placeholders = [i for i, t in enumerate(token_ids) if t == token_id]
-        if len(placeholders) != len(clips):
-            raise InvalidRequestError(param, f"the prompt has {len(placeholders)} audio placeholder(s) for "
     def _encoder_input(self, token_ids: list[int], images: list[Any], clips: list[Audio], param: str
                        ) -> tuple[list[int], tuple[MediaItem, ...]]:
         """An encoder-decoder request: the decoder prompt as given and its one clip's log-mel features, the item's
@@ -343,6 +337,12 @@ class MediaProcessor:
                          {"input_features": features})
         return list(token_ids), (item,)
 
+    def _expand_audio(self, token_ids: list[int], clips: list[Audio], param: str
+                      ) -> tuple[list[int], tuple[MediaItem, ...]]:
+        token_id = self.placeholder_ids["audio"]
+        placeholders = [i for i, t in enumerate(token_ids) if t == token_id]
+        if len(placeholders) != len(clips):
+            raise InvalidRequestError(param, f"the prompt has {len(placeholders)} audio placeholder(s) for "
                                       f"{len(clips)} clip(s); put one {self.processor.audio_token} where each clip "
                                       "goes (a chat template does it for audio parts)")
         ids: list[int] = []

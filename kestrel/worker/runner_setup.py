@@ -148,22 +148,22 @@ class RunnerSetup:
         self.bind_kv_caches(kv_cache_scales(config, layers))
         # Quest's key bounds, bound before the graphs are captured (they are kernel arguments there).
         self.key_bounds = bind_key_bounds(layers, config.sparse, self.num_blocks, self.device)
+        self._check_prefill_graphs()
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
             self.launches_per_layer = self._count_layer_launches()
-        self._check_prefill_graphs()
         if (self.device.type == "cuda" and not config.enforce_eager and not self.mrope and not self.encoder_decoder
                 and (parallel is None or parallel.world_size == 1)):
             self._capture_graphs()
             if self.drafter is not None:
                 self.drafter.capture_graphs(config.scheduler.max_num_seqs, self.max_blocks_per_seq,
                                             *self._verify_shapes())
-        if self.expert_counts is not None:
-            self.expert_counts.reset()
-
         if config.max_prefill_graph_tokens and self.graph_runner is None:
             raise ConfigError(f"invalid max_prefill_graph_tokens={config.max_prefill_graph_tokens}: this model runs "
                               "every step eagerly (no CUDA graphs are captured for it); leave it 0")
+        if self.expert_counts is not None:
+            self.expert_counts.reset()
+
     def _planned_kv_cache_bytes(self, layers: Sequence[CachingLayer]) -> int:
         """The KV cache this runner allocates after the weights, for the loader's memory plan (`layers`: the
         model's attention layers, on the meta device): as `num_blocks_for` sizes it, with one max_model_len
@@ -307,9 +307,6 @@ class RunnerSetup:
         return list(range(2, spec.num_speculative_tokens + 2)), verify_batch_limit(max_num_seqs,
                                                                                   spec.disable_by_batch_size)
 
-    def _capture_graphs(self) -> None:
-        self.graph_runner = None  # release the previous graphs' pool before capturing new ones
-        runner = GraphRunner(self._run_model, self.config.scheduler.max_num_seqs, self.max_blocks_per_seq,
     def _check_prefill_graphs(self) -> None:
         """max_prefill_graph_tokens asks for graphs this runner would not capture: refused by name (the config
         checked what it could without the device and the model)."""
@@ -332,6 +329,9 @@ class RunnerSetup:
         return PrefillBuckets.for_engine(self.config.max_prefill_graph_tokens, scheduler.max_num_batched_tokens,
                                          scheduler.max_num_seqs)
 
+    def _capture_graphs(self) -> None:
+        self.graph_runner = None  # release the previous graphs' pool before capturing new ones
+        runner = GraphRunner(self._run_model, self.config.scheduler.max_num_seqs, self.max_blocks_per_seq,
                              self.device, *self._verify_shapes(), num_groups=len(self.kv_groups),
                              prefill=self._prefill_buckets(), block_size=self.block_size)
         with torch.inference_mode():
