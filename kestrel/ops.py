@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kestrel.kernels import activation as _activation
 from kestrel.kernels import attention as _attention
 from kestrel.kernels import fused_moe as _fused_moe
+from kestrel.kernels import moe_routing as _moe_routing
 from kestrel.kernels import norm as _norm
 from kestrel.kernels import quant_act as _quant_act
 from kestrel.kernels import rope_kv as _rope_kv
@@ -72,19 +73,21 @@ def use_cpu_fast_path(tensor: torch.Tensor) -> bool:
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window=None,
-                    k_scale=1.0, v_scale=1.0, out=None, max_query_len=None, logit_soft_cap=None):
+                    k_scale=1.0, v_scale=1.0, out=None, max_query_len=None, logit_soft_cap=None, causal_ends=None):
     """`max_query_len` (a host int bounding every sequence's query length, AttentionMetadata's) lets the
     Triton path skip launches a batch cannot need; the reference ignores it. `logit_soft_cap` (Gemma 2):
-    scaled scores become `cap * tanh(scores / cap)` before masking."""
+    scaled scores become `cap * tanh(scores / cap)` before masking. `causal_ends` (AttentionMetadata's): each
+    query row's end of visible keys, past its own position inside an image that attends to itself both ways."""
     if use_triton(q):
         return _attention.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                           sliding_window, k_scale, v_scale, out, logit_soft_cap,
-                                          max_query_len=max_query_len)
+                                          max_query_len=max_query_len, causal_ends=causal_ends)
     if use_cpu_fast_path(q):
         return _cpu_attention.paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                                                  scale, sliding_window, k_scale, v_scale, out, logit_soft_cap)
+                                                  scale, sliding_window, k_scale, v_scale, out, logit_soft_cap,
+                                                  causal_ends)
     return _attention.paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                          sliding_window, k_scale, v_scale, out, logit_soft_cap)
+                                          sliding_window, k_scale, v_scale, out, logit_soft_cap, causal_ends)
 
 
 def streaming_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sink_tokens, window,
@@ -209,6 +212,13 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, activation="silu", *, w13_scal
     fn = _fused_moe.fused_moe if use_triton(x) else _fused_moe.fused_moe_ref
     return fn(x, w13, w2, topk_weights, topk_ids, activation, w13_scale=w13_scale, w2_scale=w2_scale,
               block_shape=block_shape, reduce_inter_amax=reduce_inter_amax)
+
+
+def moe_route(logits, top_k, renormalize):
+    """(weights fp32 [T, k], expert ids int64 [T, k]): each token's `top_k` experts by the softmax of its router
+    logits `[T, E]`, in descending weight order, the weights renormalised to sum to 1 when `renormalize`."""
+    fn = _moe_routing.route_topk if use_triton(logits) else _moe_routing.route_topk_ref
+    return fn(logits, top_k, renormalize)
 
 
 def wna16_gemm(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias=None):

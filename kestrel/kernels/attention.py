@@ -30,13 +30,16 @@ def paged_attention_ref(
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
     logit_soft_cap: float | None = None,
+    causal_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: q `[num_tokens, num_heads, head_size]` -> out of the same shape and dtype.
 
     Query row i of a sequence with context length L and query length Lq sits at position
     L - Lq + i and attends to keys at positions p with p <= its position (and, with a sliding
-    window W, p > position - W). Scores are `q . k * scale`, then `cap * tanh(score / cap)` with a
-    `logit_soft_cap`. Computed in float32 (float64 if q is float64).
+    window W, p > position - W). With `causal_ends` (int32 `[num_tokens]`, each > the row's position and
+    <= L), row t attends to keys p < causal_ends[t] instead: the keys after it up to that end too (an image's
+    placeholders seeing their whole image), the window's lower bound unchanged. Scores are `q . k * scale`,
+    then `cap * tanh(score / cap)` with a `logit_soft_cap`. Computed in float32 (float64 if q is float64).
     """
     _check_soft_cap(logit_soft_cap)
     num_tokens, num_heads, head_size = q.shape
@@ -64,7 +67,10 @@ def paged_attention_ref(
             scores = torch.tanh(scores / logit_soft_cap) * logit_soft_cap
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-        allowed = k_pos <= q_pos
+        if causal_ends is None:
+            allowed = k_pos <= q_pos
+        else:
+            allowed = k_pos < causal_ends[q_start:q_end].to(q.device).long().unsqueeze(1)
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
@@ -130,12 +136,13 @@ def _e4m3_pairs_to_f16(w, ASM: tl.constexpr):
 
 @triton.jit
 def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt,
-                  offs_n, offs_d, offs_w, d_ok, row_pos, start, num_tiles, seg_hi, window, qk_scale,
+                  offs_n, offs_d, offs_w, d_ok, row_pos, row_end, start, num_tiles, seg_hi, window, qk_scale,
                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
                   USE_WINDOW: tl.constexpr, HEAD_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr,
                   DOT_PREC: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Online-softmax over `num_tiles` key tiles from `start`; MASKED tiles apply the sequence end
-    (`seg_hi`), causality and the window, the others are known to be fully visible to every row.
+    (`seg_hi`), each row's end of visible keys (`row_end`: its position + 1, or past it inside an image that
+    attends to itself both ways) and the window, the others are known to be fully visible to every row.
 
     V_PAIRS (FP8 cache): V is read as int16 words of two e4m3 values and P @ V runs as two dots, over the even
     and the odd head dims (`acc`, `acc_odd`). Read as bytes, the PV operand needs a transposed 8-bit load,
@@ -164,7 +171,7 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
         if SOFT_CAP > 0:
             qk = SOFT_CAP - (2.0 * SOFT_CAP) / (tl.math.exp2(qk) + 1.0)
         if MASKED:
-            visible = tok_ok[None, :] & (tok[None, :] <= row_pos[:, None])
+            visible = tok_ok[None, :] & (tok[None, :] < row_end[:, None])
             if USE_WINDOW:
                 visible = visible & (tok[None, :] > row_pos[:, None] - window)
             qk = tl.where(visible, qk, float("-inf"))
@@ -202,7 +209,7 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
 
 @triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi", "window"])
 def _paged_attn_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, ends_ptr,
     qk_scale, v_scale, window, num_seqs, q_len_lo, q_len_hi,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
@@ -210,7 +217,7 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr, Q_CLAMP: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr,
-    ACC_W: tl.constexpr, ODD_W: tl.constexpr, SOFT_CAP: tl.constexpr,
+    ACC_W: tl.constexpr, ODD_W: tl.constexpr, SOFT_CAP: tl.constexpr, USE_ENDS: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     if PER_SEQ:
@@ -250,6 +257,11 @@ def _paged_attn_kernel(
     row_ok = (offs_m < BLOCK_Q * GROUP) & (tok_in < q_len)
     head = kv_head * GROUP + offs_m % GROUP
     row_pos = ctx + tok_in
+    if USE_ENDS:
+        row_end = tl.load(ends_ptr + q_start + tok_in, mask=row_ok, other=0)
+        row_end = tl.where(row_ok, row_end, row_pos + 1)
+    else:
+        row_end = row_pos + 1
 
     q_ptrs = q_ptr + (q_start + tok_in)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -260,6 +272,8 @@ def _paged_attn_kernel(
     # Keys [lo, hi) can matter to this tile; those below full_hi are visible to every row.
     last_tok = tl.minimum(q_tok0 + BLOCK_Q, q_len) - 1
     hi = ctx + last_tok + 1
+    if USE_ENDS:  # a row may see keys after the tile's last row, never past the context
+        hi = tl.minimum(tl.maximum(hi, tl.max(row_end, 0)), seq_len)
     full_hi = ctx + q_tok0 + 1
     if USE_WINDOW:
         lo = tl.maximum(ctx + q_tok0 - window + 1, 0)
@@ -293,11 +307,11 @@ def _paged_attn_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     acc, acc_odd, m_i, l_i = _attend_tiles(
         acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
-        offs_d, offs_w, d_ok, row_pos, seg_lo, num_full, seg_hi, window, qk_scale, BLOCK_N, BLOCK_SIZE,
+        offs_d, offs_w, d_ok, row_pos, row_end, seg_lo, num_full, seg_hi, window, qk_scale, BLOCK_N, BLOCK_SIZE,
         False, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
     acc, acc_odd, m_i, l_i = _attend_tiles(
         acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
-        offs_d, offs_w, d_ok, row_pos, seg_lo + num_full * BLOCK_N, num_tiles - num_full, seg_hi, window,
+        offs_d, offs_w, d_ok, row_pos, row_end, seg_lo + num_full * BLOCK_N, num_tiles - num_full, seg_hi, window,
         qk_scale, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS,
         V_ASM, SOFT_CAP)
     if V_PAIRS:
@@ -471,8 +485,10 @@ def paged_attention(
     num_splits: int | None = None,
     decode_cfg: AttnConfig | None = None,
     prefill_cfg: AttnConfig | None = None,
+    causal_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton paged attention with `paged_attention_ref`'s semantics; no host synchronization.
+    """Triton paged attention with `paged_attention_ref`'s semantics (`causal_ends` included); no host
+    synchronization.
 
     `max_query_len` / `max_seq_len` are optional host-side hints (AttentionMetadata has them):
     `max_query_len` must bound every sequence's query length (a decode CUDA graph can pass 1, a prefill graph
@@ -522,7 +538,9 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None, DOT_DTYPE=dot_dtype,
         DOT_PREC="ieee" if dot_dtype == tl.float32 else "tf32",
         Q_CLAMP=dot_dtype == tl.float16 and q.dtype != torch.float16,
+        USE_ENDS=causal_ends is not None,
     )
+    ends = seq_lens if causal_ends is None else causal_ends
     wide = dot_dtype == tl.float32 and q.is_cuda
     # FP8 (e4m3) V read as int16 pairs, see _attend_tiles; the dots then run in fp16 off the GPU too.
     v_pairs = (v_cache.dtype == torch.float8_e4m3fn and head_size == head_pad and v_cache.stride(-1) == 1
@@ -539,7 +557,7 @@ def paged_attention(
         pre_q = max(1, pre.block_m // group)
         grid = (num_tokens // pre_q + num_seqs, num_kv_heads)
         _paged_attn_kernel[grid](
-            q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables,
+            q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends,
             q_len_lo=dec_q, q_len_hi=_NO_LIMIT, **common, **pairs,
             BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False,
             num_warps=pre.num_warps, num_stages=pre.num_stages,
@@ -560,7 +578,7 @@ def paged_attention(
     else:
         part_o = part_lse = out
     _paged_attn_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_arg, out, part_o, part_lse, query_start_loc, seq_lens, block_tables,
+        q, k_cache, v_arg, out, part_o, part_lse, query_start_loc, seq_lens, block_tables, ends,
         q_len_lo=0, q_len_hi=dec_q, **common, **pairs,
         BLOCK_M=dec.block_m, BLOCK_Q=dec_q, BLOCK_N=dec.block_n, PER_SEQ=True, SPLIT=split,
         num_warps=dec.num_warps, num_stages=dec.num_stages,

@@ -29,11 +29,12 @@ def paged_attention_cpu(
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
     logit_soft_cap: float | None = None,
+    causal_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention_ref` (same arguments, same result up to float32 summation order)."""
     if q.dtype == torch.float64:
         return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                   sliding_window, k_scale, v_scale, out, logit_soft_cap)
+                                   sliding_window, k_scale, v_scale, out, logit_soft_cap, causal_ends)
     _check_soft_cap(logit_soft_cap)
     if out is None:
         out = torch.empty_like(q)
@@ -50,13 +51,14 @@ def paged_attention_cpu(
     for seqs in (decodes, prefills):
         if seqs:
             _attend(q, k_cache, v_cache, starts, lens, block_tables, seqs, scale, sliding_window, k_scale, v_scale,
-                    out, logit_soft_cap)
+                    out, logit_soft_cap, causal_ends)
     return out
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: list[int], lens: list[int],
             block_tables: torch.Tensor, seqs: list[int], scale: float, sliding_window: int | None, k_scale: float,
-            v_scale: float, out: torch.Tensor, logit_soft_cap: float | None) -> None:
+            v_scale: float, out: torch.Tensor, logit_soft_cap: float | None,
+            causal_ends: torch.Tensor | None = None) -> None:
     """Attention of the sequences `seqs` (indices into the batch), written into their rows of `out`."""
     _, num_heads, head_size = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -96,7 +98,13 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start
     qs = qs.reshape(num_seqs, num_kv_heads, group * max_q, head_size)
 
     k_pos = torch.arange(max_k, device=device).view(1, 1, max_k)
-    allowed = (k_pos <= q_pos) & (k_pos < ctx_t.unsqueeze(2))
+    if causal_ends is None:
+        allowed = (k_pos <= q_pos) & (k_pos < ctx_t.unsqueeze(2))
+    else:
+        # each row's own end (its image's last placeholder + 1), read at the row's index; padded rows read row 0's
+        ends = causal_ends.to(device).long()
+        ends = ends[: num_seqs * max_q].view(num_seqs, max_q) if rows is None else ends[rows]
+        allowed = (k_pos < ends.unsqueeze(2)) & (k_pos < ctx_t.unsqueeze(2))
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
     if valid_q is not None:
