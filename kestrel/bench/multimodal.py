@@ -29,6 +29,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -220,9 +221,14 @@ def run_requests(h: Harness, prompts: list[tuple[list[int], tuple[Any, ...]]], o
             "prompt_tokens": sum(len(ids) for ids, _ in prompts)}
 
 
+def measured(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The models that ran to the end (a failed one holds its error alone)."""
+    return [m for m in models if "error" not in m]
+
+
 def evaluate_targets(models: list[dict[str, Any]], smoke: bool) -> list[dict[str, Any]]:
     targets = []
-    for m in models:
+    for m in measured(models):
         row = next((r for r in m["rows"] if r["image_size"] == TARGET_IMAGE_SIZE
                     and r["text_tokens"] == TARGET_TEXT_TOKENS), None)
         if row is None or smoke:
@@ -238,12 +244,15 @@ def summary(result: dict[str, Any]) -> str:
              "decoder prefill = TTFT with the encoder output cached",
              f"{'model':15}{'image':>6}{'tokens':>7}{'TTFT':>8}{'preproc':>8}{'engine':>8}{'encoder':>8}"
              f"{'dec.prefill':>12}{'enc.diff':>9}"]
-    for m in result["models"]:
+    for m in measured(result["models"]):
         for r in m["rows"]:
             lines.append(f"{m['arch']:15}{r['image_size']:>6}{r['prompt_tokens']:>7}{r['ttft_ms']:8.2f}"
                          f"{r['preprocess_ms']:8.2f}{r['engine_ttft_ms']:8.2f}{r['encoder_ms']:8.2f}"
                          f"{r['decoder_prefill_ms']:12.2f}{r['encoder_by_difference_ms']:9.2f}")
     for m in result["models"]:
+        if "error" in m:
+            lines.append(f"{m['arch']:15} FAILED: {m['error']}")
+            continue
         t = m["throughput"]
         lines.append(f"{m['arch']:15} throughput {t['num_requests']} x ({t['image_size']}px image + {t['text_tokens']} "
                      f"text / {t['output_len']} out): {t['output_tok_per_s']:.1f} out tok/s, "
@@ -255,7 +264,10 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     plt = common.pyplot()
     if plt is None:
         return False
-    rows = [(m["arch"], r) for m in result["models"] for r in m["rows"]]
+    models = measured(result["models"])
+    if not models:
+        return False
+    rows = [(m["arch"], r) for m in models for r in m["rows"]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(max(9, 1.4 * len(rows) + 5), 4.5),
                                       gridspec_kw={"width_ratios": [2, 1]})
     x = list(range(len(rows)))
@@ -270,13 +282,13 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     left.set_ylabel("ms")
     left.set_title("one request, one image + text, to the first token", fontsize=9)
     left.legend(fontsize=7)
-    names = [m["arch"] for m in result["models"]]
-    right.bar(names, [m["throughput"]["output_tok_per_s"] for m in result["models"]], color="tab:blue")
-    for i, m in enumerate(result["models"]):
+    names = [m["arch"] for m in models]
+    right.bar(names, [m["throughput"]["output_tok_per_s"] for m in models], color="tab:blue")
+    for i, m in enumerate(models):
         right.annotate(f"{m['throughput']['requests_per_s']:.2f} req/s", (i, m["throughput"]["output_tok_per_s"]),
                        ha="center", va="bottom", fontsize=8)
     right.set_ylabel("output tokens / s")
-    t0 = result["models"][0]["throughput"]
+    t0 = models[0]["throughput"]
     right.set_title(f"{t0['num_requests']} requests, 1 image each, {t0['output_len']} out", fontsize=9)
     right.tick_params(axis="x", labelsize=7)
     smoke = ", tiny smoke checkpoints" if result["config"]["smoke"] else ""
@@ -348,26 +360,29 @@ def run(args: argparse.Namespace) -> int:
     return _run(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+def measure_model(arch: str, args: argparse.Namespace, sizes: list[int], device: torch.device) -> dict[str, Any]:
+    started = time.perf_counter()
+    path = (args.weights_dir / arch) if args.weights_dir else common.default_weights_dir(arch)
+    vl_checkpoints.write_checkpoint(path, arch, device, getattr(torch, args.dtype), tiny=args.smoke)
+    checkpoint_s = time.perf_counter() - started
+    common.log(f"{arch}: checkpoint {path} ready in {checkpoint_s:.1f} s")
+    h = Harness(str(path), args, device)
+    try:
+        common.log(f"{arch}: engine built in {h.build_s:.1f} s; KV cache {h.runner.num_blocks} blocks")
+        rows = []
+        for size in sizes:
+            rows.append(measure_ttft(h, size, args.text_tokens, args.repeats, args.warmups))
+            common.log(f"{arch} {size} px: TTFT {rows[-1]['ttft_ms']:.2f} ms (encoder {rows[-1]['encoder_ms']:.2f})")
+        throughput = measure_throughput(h, args)
+        return {"arch": arch, "model": str(path), "checkpoint_s": checkpoint_s, "engine_build_s": h.build_s,
+                "kv_cache_blocks": h.runner.num_blocks, "async_scheduling": h.core.async_scheduling,
+                "weight_bytes": common.weight_bytes(h.runner.model)["total"], "rows": rows, "throughput": throughput}
+    finally:
+        h.release()
+
+
 def _run(args: argparse.Namespace, device: torch.device) -> int:
     archs, sizes = check_arguments(args)
-    models = []
-    for arch in archs:
-        started = time.perf_counter()
-        path = (args.weights_dir / arch) if args.weights_dir else common.default_weights_dir(arch)
-        vl_checkpoints.write_checkpoint(path, arch, device, getattr(torch, args.dtype), tiny=args.smoke)
-        checkpoint_s = time.perf_counter() - started
-        common.log(f"{arch}: checkpoint {path} ready in {checkpoint_s:.1f} s")
-        h = Harness(str(path), args, device)
-        common.log(f"{arch}: engine built in {h.build_s:.1f} s; KV cache {h.runner.num_blocks} blocks")
-        rows = [measure_ttft(h, size, args.text_tokens, args.repeats, args.warmups) for size in sizes]
-        for row in rows:
-            common.log(f"{arch} {row['image_size']} px: TTFT {row['ttft_ms']:.2f} ms (encoder {row['encoder_ms']:.2f})")
-        throughput = measure_throughput(h, args)
-        models.append({"arch": arch, "model": str(path), "checkpoint_s": checkpoint_s, "engine_build_s": h.build_s,
-                       "kv_cache_blocks": h.runner.num_blocks, "async_scheduling": h.core.async_scheduling,
-                       "weight_bytes": common.weight_bytes(h.runner.model)["total"], "rows": rows,
-                       "throughput": throughput})
-        h.release()
     result: dict[str, Any] = {
         "suite": "multimodal",
         "config": {"archs": archs, "image_sizes": sizes, "text_tokens": args.text_tokens, "repeats": args.repeats,
@@ -377,11 +392,21 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
                    "enforce_eager": args.enforce_eager, "smoke": args.smoke,
                    "ttft_method": "encoder: embed_multimodal timed alone (CUDA events); decoder prefill: TTFT of the "
                                   "same image again, its encoder output from the encoder cache"},
-        "environment": common.environment(device), "models": models,
+        "environment": common.environment(device), "models": [],
     }
-    result["targets"] = evaluate_targets(models, args.smoke)
+    for arch in archs:
+        try:
+            result["models"].append(measure_model(arch, args, sizes, device))
+        except Exception as e:  # recorded, and the next architecture still runs (one device job measures both)
+            common.log(f"{arch} failed:\n{traceback.format_exc()}")
+            result["models"].append({"arch": arch, "error": f"{type(e).__name__}: {e}"})
+            common.release(None)
+        # written after each model, so a job killed in the second keeps the first
+        common.write_result({**result, "targets": evaluate_targets(result["models"], args.smoke)}, args.result_file,
+                            quiet=True)
+    result["targets"] = evaluate_targets(result["models"], args.smoke)
     common.report(result, summary(result), args.result_file, plot)
-    return 0
+    return 1 if any("error" in m for m in result["models"]) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,3 +70,20 @@ def test_targets_and_arguments() -> None:
     assert multimodal.main(["--arch", "llava-9b"]) == 2
     assert multimodal.main(["--image-sizes", "big"]) == 2
     assert multimodal.main(["--repeats", "0"]) == 2
+
+
+def test_a_failed_model_is_recorded_and_the_next_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    measure = multimodal.measure_model
+
+    def first_fails(arch, *args):
+        if arch == "llava-1.5-7b":
+            raise RuntimeError("out of memory")
+        return measure(arch, *args)
+
+    monkeypatch.setattr(multimodal, "measure_model", first_fails)
+    out = tmp_path / "multimodal.json"
+    assert multimodal.main(["--smoke", "--result-file", str(out)]) == 1
+    llava, qwen = json.loads(out.read_text())["models"]
+    assert llava == {"arch": "llava-1.5-7b", "error": "RuntimeError: out of memory"}
+    assert qwen["arch"] == "qwen2.5-vl-7b" and qwen["throughput"]["output_tokens"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
