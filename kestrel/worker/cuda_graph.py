@@ -244,7 +244,7 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.prefill = prefill
-        self.prefill_keys = prefill.keys() if prefill is not None else []
+        self.prefill_keys = prefill.graph_shapes() if prefill is not None else []
         self.prefill_buffers = None if prefill is None else PrefillBuffers(
             prefill, max(max_blocks_per_seq, -(-prefill.max_tokens // block_size)), device, num_groups)
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}

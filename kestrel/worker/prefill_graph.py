@@ -76,7 +76,8 @@ class PrefillBuckets:
     def max_rows(self) -> int:
         return self.rows[-1]
 
-    def keys(self) -> list[tuple[int, int]]:
+    def graph_shapes(self) -> list[tuple[int, int]]:
+        """Every captured (T, R): each token bucket with the row buckets not above it."""
         return [(t, r) for t in self.tokens for r in self.rows if r <= t]
 
     def key_for(self, num_scheduled: Sequence[int]) -> tuple[int, int] | None:
