@@ -36,12 +36,15 @@ class MediaItem:
     """One image (or other media) of a prompt, as the engine sees it: its modality, a hash of its content (the
     encoder cache's key, and part of the prefix-cache hash of every block its placeholders touch), and where its
     embeddings go in the prompt: `ranges`, (start, length) runs of positions filled in order by the encoder's output
-    rows. `data` is the processor's output (tensors), opaque to the engine and read only by the worker's model."""
+    rows. `data` is the processor's output (tensors), opaque to the engine and read only by the worker's model.
+    `bidirectional`: each run's positions attend to the whole run (Gemma 3's images), so the scheduler computes a
+    run within one step and the runner widens its rows' causal ends; the engine sets it from the model."""
 
     modality: str
     content_hash: str
     ranges: tuple[tuple[int, int], ...]
     data: Any = field(default=None, compare=False, repr=False)
+    bidirectional: bool = False
 
     @property
     def num_embeds(self) -> int:
@@ -59,6 +62,19 @@ class MediaItem:
 
     def overlaps(self, start: int, end: int) -> bool:
         return any(s < end and start < s + n for s, n in self.ranges)
+
+
+def end_outside_runs(media: tuple[MediaItem, ...], start: int, end: int) -> int:
+    """The furthest end <= `end` of a step computing positions `start..end` that cuts no bidirectional run: a run
+    the step would end inside is left for a later step whole, or, when the step starts inside it (or at its start,
+    with no room for it), the step computes nothing (`start` is returned)."""
+    for item in media:
+        if not item.bidirectional:
+            continue
+        for run_start, length in item.ranges:
+            if run_start < end < run_start + length:
+                end = run_start if run_start > start else start
+    return end
 
 
 def check_media(media: tuple[MediaItem, ...], num_prompt_tokens: int) -> None:

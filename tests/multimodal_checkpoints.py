@@ -163,3 +163,53 @@ def write_qwen2_vl(path: Path, seed: int = 0, version: str = "2") -> Path:
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(path))
     return path
+
+
+# Gemma 3: a 2-layer SigLIP tower on 32x32 images (8x8 patches of 4 pixels) average-pooled 2x2 onto 16 image tokens,
+# and a 2-layer Gemma 3 decoder with one sliding-window layer (window 8: shorter than an image's 16 placeholders, so
+# the window cuts into an image's bidirectional run) and one global layer.
+GEMMA3_BOI = "<start_of_image>"
+GEMMA3_IMAGE = "<image_soft_token>"
+GEMMA3_EOI = "<end_of_image>"
+GEMMA3_IMAGE_SIZE = 32
+GEMMA3_TOKENS_PER_IMAGE = 16
+GEMMA3_WINDOW = 8
+GEMMA3_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\n' }}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{{ '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def write_gemma3(path: Path, seed: int = 0) -> Path:
+    """A Gemma3ForConditionalGeneration (SigLIP tower, Gemma 3 projector, Gemma 3 decoder) with a Gemma3Processor:
+    each `<start_of_image>` of a prompt becomes `\\n\\n<start_of_image>`, 16 `<image_soft_token>`s,
+    `<end_of_image>\\n\\n`."""
+    names = {"boi_token": GEMMA3_BOI, "image_token": GEMMA3_IMAGE, "eoi_token": GEMMA3_EOI}
+    tokenizer_with(path, [GEMMA3_BOI, GEMMA3_IMAGE, GEMMA3_EOI, "<start_of_turn>", "<end_of_turn>"]).save_pretrained(
+        str(path))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), extra_special_tokens=names)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, image_size=GEMMA3_IMAGE_SIZE, patch_size=4,
+                                             vision_use_head=False)
+    text = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, query_pre_attn_scalar=16, vocab_size=len(tokenizer), max_position_embeddings=512,
+        sliding_window=GEMMA3_WINDOW, layer_types=["sliding_attention", "full_attention"],
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = transformers.Gemma3Config(
+        vision_config=vision, text_config=text, mm_tokens_per_image=GEMMA3_TOKENS_PER_IMAGE,
+        boi_token_index=tokenizer.convert_tokens_to_ids(GEMMA3_BOI),
+        eoi_token_index=tokenizer.convert_tokens_to_ids(GEMMA3_EOI),
+        image_token_index=tokenizer.convert_tokens_to_ids(GEMMA3_IMAGE))
+    save_random_model(transformers.Gemma3ForConditionalGeneration, config, path, seed)
+    image_processor = transformers.Gemma3ImageProcessorPil(
+        size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE})
+    processor = transformers.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                             image_seq_length=GEMMA3_TOKENS_PER_IMAGE,
+                                             chat_template=GEMMA3_CHAT_TEMPLATE)
+    processor.save_pretrained(str(path))
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    return path

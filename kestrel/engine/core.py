@@ -152,6 +152,8 @@ class EngineCore:
         if media and not getattr(self.runner, "supported_modalities", frozenset()):
             raise InvalidRequestError("multi_modal_data", "this model takes text only; send the prompt without "
                                       "images")
+        if media and getattr(self.runner, "bidirectional_media", False):
+            media = self._bidirectional(media)
         if getattr(self.runner, "encoder_decoder", False) and len(media) != 1:
             raise InvalidRequestError("multi_modal_data", f"this model is an encoder-decoder (Whisper): a request "
                                       f"is one audio clip and its decoder prompt, got {len(media)} media items")
@@ -183,6 +185,19 @@ class EngineCore:
             self.scheduler.add_request(sequence.request)
             if _needs_latest_tokens(params):
                 self._sync_request_ids.add(sequence.request.request_id)
+
+    def _bidirectional(self, media: tuple[MediaItem, ...]) -> tuple[MediaItem, ...]:
+        """The items of a model whose placeholder runs attend to themselves both ways: each run is computed in one
+        step, so one longer than the step's token budget could never be, and is refused."""
+        budget = self.config.scheduler.max_num_batched_tokens
+        for index, item in enumerate(media):
+            longest = max(length for _, length in item.ranges)
+            if longest > budget:
+                raise InvalidRequestError(f"multi_modal_data[{index}]", f"an image of {longest} placeholder tokens "
+                                          "attends to itself both ways and is computed in one step, which takes at "
+                                          f"most max_num_batched_tokens={budget} tokens; raise "
+                                          "--max-num-batched-tokens")
+        return tuple(dataclasses.replace(item, bidirectional=True) for item in media)
 
     def _add_grammars(self, parent: _ParentRequest, params: SamplingParams, grammar: Any = None) -> None:
         """A matcher per sequence on `grammar`, else on the grammar compiled once (cached); all or none."""

@@ -24,7 +24,7 @@ from kestrel.engine.contracts import CachedRequestData, ModelRunnerOutput, NewRe
 from kestrel.engine.kv_cache_manager import KVCacheManager
 from kestrel.engine.waiting_queue import WaitingQueue
 from kestrel.kv_spec import KVCacheLayout, as_layout
-from kestrel.request import Request, RequestStatus
+from kestrel.request import Request, RequestStatus, end_outside_runs
 
 
 @dataclass
@@ -137,6 +137,12 @@ class Scheduler:
                 index += 1  # its token in flight is its last: it finishes when that token arrives
                 continue
             num_new = min(request.num_kv_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
+            if request.media:
+                start = request.num_computed_tokens
+                num_new = end_outside_runs(request.media, start, start + num_new) - start
+                if not num_new:
+                    index += 1  # the rest of a bidirectional image does not fit this step's budget
+                    continue
             drafts = self._drafts_to_verify(request, num_new, budget) if verify_drafts else []
             samples = request.num_computed_tokens + num_new == request.num_kv_tokens + request.num_pending_tokens
             end = request.num_computed_tokens + num_new + len(drafts)
@@ -175,6 +181,10 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            if request.media:
+                num_new = end_outside_runs(request.media, num_cached, num_cached + num_new) - num_cached
+                if not num_new:
+                    break  # its first chunk would cut an image computed both ways: admitted when the budget allows
             end = num_cached + num_new
             lookahead = self._lookahead(draft_lookahead, end) if end == request.num_kv_tokens else 0
             block_ids = self.kv.allocate(request, num_new, cached_prefix, lookahead=lookahead)

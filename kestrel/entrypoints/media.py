@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import json
@@ -253,6 +254,11 @@ class MediaProcessor:
             self.placeholder_ids[modality] = token_id
             subprocessors.append(sub)
         self.image_token_id = self.placeholder_ids.get("image")
+        # The token whose runs take an image's embeddings: the placeholder itself, or the one token the processor
+        # marks as image tokens in what a placeholder expands to (Gemma 3: `<start_of_image>` in the prompt,
+        # `<image_soft_token>`s in its expansion).
+        marked = [i for i in getattr(self.processor, "image_token_ids", ()) or () if i is not None]
+        self.image_embed_token_id = marked[0] if len(marked) == 1 else self.image_token_id
         self.processor_kwargs = dict(model_config.mm_processor_kwargs or {})
         for key in self.processor_kwargs:
             if not any(hasattr(sub, key) for sub in subprocessors):
@@ -383,18 +389,46 @@ class MediaProcessor:
         except Exception as e:  # the processor's own checks (an image it cannot resize, a bad channel count)
             raise InvalidRequestError(param, f"the image processor refused the image(s): {e}") from None
         ids: list[int] = []
-        media: list[MediaItem] = []
+        runs_per_image: list[int] = []
         previous = 0
-        for index, (at, replacement) in enumerate(zip(placeholders, replacements)):
-            ids += token_ids[previous:at]
+        for at, replacement in zip(placeholders, replacements):
+            ids = self._joined(ids, token_ids[previous:at])
             expanded = self.tokenizer.encode(replacement, add_special_tokens=False)
-            ranges = _runs(expanded, self.image_token_id, len(ids))
-            ids += expanded
+            runs_per_image.append(len(_runs(expanded, self.image_embed_token_id, 0)))
+            ids = self._joined(ids, expanded)
             previous = at + 1
+        ids = self._joined(ids, token_ids[previous:])
+        runs = _runs(ids, self.image_embed_token_id, 0)
+        if len(runs) != sum(runs_per_image):
+            raise InvalidRequestError(param, "the prompt holds image tokens of its own; put only "
+                                      f"{self.processor.image_token} where each image goes")
+        media: list[MediaItem] = []
+        for index, count in enumerate(runs_per_image):
+            ranges, runs = runs[:count], runs[count:]
             data = _item_tensors(processed, index, len(images))
             media.append(MediaItem("image", image_content_hash(images[index], self.processor_kwargs), ranges, data))
-        ids += token_ids[previous:]
         return ids, tuple(media)
+
+    def _joined(self, ids: list[int], more: list[int]) -> list[int]:
+        """`ids` then `more`, tokenized as the processor tokenizes the expanded text: where text meets text at the
+        seam (Gemma 3's expansion starts and ends with "\n\n"), the text between the special tokens on either side
+        is encoded again as one piece ("\n" + "\n\n" may be one token, or split otherwise)."""
+        special = self._special_ids
+        if not ids or not more or ids[-1] in special or more[0] in special:
+            return ids + more
+        start = len(ids)
+        while start > 0 and ids[start - 1] not in special:
+            start -= 1
+        end = 0
+        while end < len(more) and more[end] not in special:
+            end += 1
+        text = self.tokenizer.decode(ids[start:] + more[:end], clean_up_tokenization_spaces=False)
+        return ids[:start] + self.tokenizer.encode(text, add_special_tokens=False) + more[end:]
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.all_special_ids) | frozenset(
+            i for i, token in self.tokenizer.added_tokens_decoder.items() if token.special)
 
 
 def load_processor(model: str) -> Any:
@@ -440,17 +474,21 @@ def _preprocessor_field(model: str, key: str) -> str | None:
 
 def _item_tensors(processed: Any, index: int, count: int) -> dict[str, Any]:
     """The processor's tensors of image `index` of `count`: one row of each per-image tensor, and of patch-flattened
-    `pixel_values` (`[all images' patches, ...]` beside `image_grid_thw`) the image's own patches."""
+    `pixel_values` (`[all images' patches, ...]` beside `image_grid_thw`) the image's own patches, of per-crop
+    `pixel_values` (beside Gemma 3's `num_crops`) the image's own and its crops' rows."""
     grids = processed.get("image_grid_thw")
+    crops = processed.get("num_crops")
     data = {key: value[index: index + 1] for key, value in processed.items()
             if hasattr(value, "shape") and value.shape[0] == count and key != "pixel_values"}
     pixels = processed["pixel_values"]
-    if grids is None:
-        data["pixel_values"] = pixels[index: index + 1]
-    else:
+    if grids is not None:
         sizes = [int(n) for n in grids.prod(-1)]
-        start = sum(sizes[:index])
-        data["pixel_values"] = pixels[start: start + sizes[index]]
+    elif crops is not None:
+        sizes = [1 + int(n) for n in crops]
+    else:
+        sizes = [1] * count
+    start = sum(sizes[:index])
+    data["pixel_values"] = pixels[start: start + sizes[index]]
     return data
 
 

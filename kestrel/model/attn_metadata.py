@@ -28,6 +28,11 @@ class AttentionMetadata:
 
     Those two are KV-cache group 0's (every layer's, in a model whose layers share one spec); group g > 0 has
     its own in `other_groups[g - 1]` (`for_group`).
+
+    `causal_ends` (None: causal everywhere): query token t sees the keys at positions < causal_ends[t] of its
+    sequence instead of those up to its own position, a window still counted back from its position. A row of an
+    image that attends to itself both ways (Gemma 3) has its image run's end there; every other row its position
+    + 1. Set only for steps that compute such an image (eager steps: they write encoder rows).
     """
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]
@@ -37,6 +42,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     other_groups: tuple[GroupTables, ...] = ()
+    causal_ends: torch.Tensor | None = None  # int32 [num_tokens]
 
     @property
     def num_seqs(self) -> int:

@@ -1,6 +1,7 @@
 """Gemma, Gemma 2 and Gemma 3 (text): GELU-tanh gated MLP, `(1 + weight)` RMSNorms, embeddings times
 sqrt(hidden); Gemma 2 adds the sandwich norms, attention and final logit soft-capping and alternating sliding
-windows; Gemma 3 adds q/k norms and a local RoPE base on its sliding layers (five local to one global)."""
+windows; Gemma 3 adds q/k norms and a local RoPE base on its sliding layers (five local to one global). Gemma 3 with
+images is `kestrel.model.gemma3_vl`."""
 
 from __future__ import annotations
 
@@ -60,21 +61,3 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
                            logit_soft_cap=hf.get("attn_logit_softcapping"),
                            final_logit_soft_cap=hf.get("final_logit_softcapping"))
 
-
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """The language model of Gemma 3's vision-language checkpoints, served on text (their config.json is read
-    through `text_config`); the vision tower's and projector's tensors are left unread."""
-
-    _RENAMED: ClassVar[tuple[tuple[str, str], ...]] = (("language_model.model.", "model."),
-                                                        ("model.language_model.", "model."),
-                                                        ("language_model.lm_head.", "lm_head."))
-    _OTHER_TOWERS: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                                                "model.multi_modal_projector.")
-
-    def checkpoint_target(self, hf_name: str) -> str | None:
-        if hf_name.startswith(self._OTHER_TOWERS):
-            return None
-        for old, new in self._RENAMED:
-            if hf_name.startswith(old):
-                return super().checkpoint_target(new + hf_name[len(old):])
-        return super().checkpoint_target(hf_name)

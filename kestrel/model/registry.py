@@ -25,7 +25,7 @@ _FAMILIES: dict[str, str] = {
     "GemmaForCausalLM": "kestrel.model.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "kestrel.model.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "kestrel.model.gemma:Gemma3ForCausalLM",
-    "Gemma3ForConditionalGeneration": "kestrel.model.gemma:Gemma3ForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": "kestrel.model.gemma3_vl:Gemma3ForConditionalGeneration",
     "Phi3ForCausalLM": "kestrel.model.families:Phi3ForCausalLM",
     "Olmo2ForCausalLM": "kestrel.model.families:Olmo2ForCausalLM",
     "Glm4ForCausalLM": "kestrel.model.families:Glm4ForCausalLM",

@@ -11,6 +11,7 @@ from kestrel.config import EngineConfig
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, Ready, SchedulerOutput
 from kestrel.sample.sampler import Sampler
+from kestrel.worker.media_attention import with_causal_ends
 from kestrel.worker.mrope import with_mrope_positions
 from kestrel.worker.runner_setup import RunnerSetup, host_threads_for_gpu_steps
 from kestrel.worker.step_inputs import ScheduledStep, StepInputs
@@ -62,6 +63,8 @@ class ModelRunner(RunnerSetup):
             return ModelRunnerOutput([], [])
         if self.mrope:
             step = with_mrope_positions(self.model, step)
+        if self.bidirectional_media:
+            step = with_causal_ends(step)
         if self.encoder_decoder:
             self.media_encoder.write_cross_kv(step.states)
             embeds = None

@@ -105,6 +105,9 @@ class RunnerSetup:
         # M-RoPE models take [3, T] positions (`kestrel.worker.mrope`), which the captured graphs and the drafters'
         # one-row positions do not carry: such a model runs eagerly and without speculative decoding.
         self.mrope = uses_mrope(self.model)
+        # Images that attend to themselves both ways (Gemma 3): the engine marks their items, the scheduler keeps
+        # each run in one step and the step's rows get their causal ends (`kestrel.worker.media_attention`).
+        self.bidirectional_media = bool(getattr(self.model, "bidirectional_media", False))
         # Encoder-decoder models (Whisper): the encoder step writes each request's cross-attention K/V once; they
         # run eagerly (the cross-attention reads are not captured) and without speculative decoding.
         self.encoder_decoder = bool(getattr(self.model, "is_encoder_decoder", False))

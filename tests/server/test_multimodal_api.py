@@ -2,7 +2,8 @@
 image_url data URL gets LLM's greedy text; local files only under --allowed-local-media-path; remote URLs only from
 --allowed-media-domains (a loopback HTTP server here); every bad image part a 400 naming it; a bad image beside a
 good request leaves the good one whole. A LLaVA-NeXT checkpoint serves images of different aspect ratios the same
-way, and a Qwen2-VL one images of two sizes in one message (M-RoPE positions)."""
+way, a Qwen2-VL one images of two sizes in one message (M-RoPE positions), and a Gemma 3 one images that attend to
+themselves both ways."""
 
 from __future__ import annotations
 
@@ -26,7 +27,14 @@ from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from multimodal_checkpoints import random_image, write_llava, write_llava_next, write_qwen2_vl  # noqa: E402
+from multimodal_checkpoints import (  # noqa: E402
+    GEMMA3_TOKENS_PER_IMAGE,
+    random_image,
+    write_gemma3,
+    write_llava,
+    write_llava_next,
+    write_qwen2_vl,
+)
 
 MAX_NEW = 6
 
@@ -223,5 +231,26 @@ def test_qwen2_vl_two_image_sizes_in_one_message_match_llm_offline(tmp_path) -> 
         assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)
         pad = llm.media.image_token_id
         assert offline.prompt_token_ids.count(pad) == (24 // 8) * (64 // 8) + (32 // 8) * (48 // 8)
+    finally:
+        live.stop()
+
+
+def test_gemma3_images_match_llm_offline(tmp_path) -> None:
+    """Gemma 3: each image_url data URL becomes the processor's 16 soft tokens between <start_of_image> and
+    <end_of_image>, attending to one another both ways; the served text is LLM's."""
+    checkpoint = write_gemma3(tmp_path / "gemma3", seed=8)
+    engine = AsyncEngine.from_args(str(checkpoint), max_model_len=256, device="cpu", dtype="float32").start()
+    live = LiveServer(build_app(engine, MODEL, api_key=API_KEY), engine)
+    llm = LLM(str(checkpoint), dtype="float32", max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    try:
+        messages = user(image_part(data_url(png_bytes(5))), image_part(data_url(png_bytes(6, width=50))))
+        reply = live.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_NEW,
+                                                      temperature=0)
+        (offline,) = llm.chat(messages, params, use_tqdm=False)
+        assert reply.choices[0].message.content == offline.outputs[0].text
+        assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)
+        soft = llm.media.image_embed_token_id
+        assert offline.prompt_token_ids.count(soft) == 2 * GEMMA3_TOKENS_PER_IMAGE
     finally:
         live.stop()

@@ -151,6 +151,7 @@ class Attention(nn.Module):
             q.view(num_tokens, self.num_heads, self.head_size), k_cache, v_cache, attn_metadata.query_start_loc,
             attn_metadata.seq_lens, block_tables, self.scale, self.sliding_window, self.k_scale,
             self.v_scale, max_query_len=attn_metadata.max_query_len, logit_soft_cap=self.logit_soft_cap,
+            causal_ends=attn_metadata.causal_ends,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)
 

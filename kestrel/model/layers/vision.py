@@ -1,5 +1,6 @@
 """Vision encoders and projectors shared by the vision-language families: the CLIP vision transformer (LLaVA-1.5 and
-LLaVA-NeXT's tower), the two-layer MLP projector onto a decoder's hidden size, and the Qwen2-VL / Qwen2.5-VL vision
+LLaVA-NeXT's tower), SigLIP's (Gemma 3's: CLIP's blocks, no class token, a biased patch embedding, its final
+norm), the two-layer MLP projector onto a decoder's hidden size, and the Qwen2-VL / Qwen2.5-VL vision
 transformer (2D rotary attention over dynamic-resolution patch grids, with its own merger).
 
 The towers run on the whole image batch at once (bidirectional attention, no KV cache) in the model dtype and stay
@@ -110,6 +111,16 @@ class CLIPVisionArch:
         activation(arch.hidden_act, "vision_config.hidden_act")
         return arch
 
+    @classmethod
+    def from_hf_siglip(cls, vision: dict[str, Any]) -> CLIPVisionArch:
+        """A SigLIP vision tower (`siglip_vision_model`), with SiglipVisionConfig's defaults: the same blocks."""
+        model_type = vision.get("model_type", "siglip_vision_model")
+        if model_type != "siglip_vision_model":
+            raise ConfigError(f"invalid vision_config.model_type={model_type!r}: expected a SigLIP vision tower "
+                              "(siglip_vision_model)")
+        siglip = {"patch_size": 16, "layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh"}
+        return cls.from_hf({**siglip, **vision, "model_type": "clip_vision_model"})
+
     @property
     def num_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
@@ -207,6 +218,42 @@ class CLIPVisionEncoder(nn.Module):
             x = layer(x)
             states[i] = x
         return [states[i] for i in indices]
+
+
+class SiglipVisionEncoder(nn.Module):
+    """SigLIP's vision transformer with transformers' parameter names (`embeddings.patch_embedding`,
+    `embeddings.position_embedding`, `encoder.layers.N.*`, `post_layernorm`): patches of `image_size` images, no
+    class token, every layer, the final norm; its attention-pooling head (`head.*`) is not built."""
+
+    def __init__(self, arch: CLIPVisionArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embeddings = nn.Module()
+        self.embeddings.patch_embedding = nn.Conv2d(arch.num_channels, arch.hidden_size, kernel_size=arch.patch_size,
+                                                    stride=arch.patch_size, dtype=dtype)
+        self.embeddings.position_embedding = nn.Embedding(arch.num_patches, arch.hidden_size, dtype=dtype)
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList(CLIPEncoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.post_layernorm = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps, dtype=dtype)
+        loadable(self)
+
+    @staticmethod
+    def reads(name: str) -> bool:
+        """Whether a checkpoint tensor (a name inside the tower) is one of the built parameters."""
+        return not name.startswith("head.")
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Images `[N, 3, size, size]` -> the last hidden state after the final norm `[N, patches, hidden]`."""
+        size = self.arch.image_size
+        if pixel_values.shape[-2:] != (size, size):
+            raise ValueError(f"pixel_values of {tuple(pixel_values.shape[-2:])} pixels; this SigLIP tower takes "
+                             f"{size}x{size}")
+        conv = self.embeddings.patch_embedding
+        x = conv(pixel_values.to(conv.weight.dtype)).flatten(2).transpose(1, 2)
+        x = x + self.embeddings.position_embedding.weight
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
 
 
 def hidden_state_indices(feature_layer: int | list[int], num_layers: int, field: str) -> list[int]:
