@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kestrel.kernels import activation as _activation
 from kestrel.kernels import attention as _attention
 from kestrel.kernels import fused_moe as _fused_moe
+from kestrel.kernels import moe_routing as _moe_routing
 from kestrel.kernels import norm as _norm
 from kestrel.kernels import quant_act as _quant_act
 from kestrel.kernels import rope_kv as _rope_kv
@@ -211,6 +212,13 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, activation="silu", *, w13_scal
     fn = _fused_moe.fused_moe if use_triton(x) else _fused_moe.fused_moe_ref
     return fn(x, w13, w2, topk_weights, topk_ids, activation, w13_scale=w13_scale, w2_scale=w2_scale,
               block_shape=block_shape, reduce_inter_amax=reduce_inter_amax)
+
+
+def moe_route(logits, top_k, renormalize):
+    """(weights fp32 [T, k], expert ids int64 [T, k]): each token's `top_k` experts by the softmax of its router
+    logits `[T, E]`, in descending weight order, the weights renormalised to sum to 1 when `renormalize`."""
+    fn = _moe_routing.route_topk if use_triton(logits) else _moe_routing.route_topk_ref
+    return fn(logits, top_k, renormalize)
 
 
 def wna16_gemm(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias=None):

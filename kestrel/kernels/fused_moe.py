@@ -29,9 +29,9 @@ x once per token (shared by its k pairs), the intermediate (after its rounding t
 The Triton path, as vLLM's fused_moe organises it:
 1. `moe_align`: the valid (token, slot) pairs sorted by expert, each expert's run padded to a multiple of
    BLOCK_M with a sentinel (`T*k`), one expert id per block, and the padded total on the device; pairs of
-   expert -1 land in no block. Torch ops only, no host sync: it sizes its buffers by the bound
-   `T*k + min(E, T*k) * (BLOCK_M - 1)`, so it can be captured in a CUDA graph; programs of blocks past the
-   real total return at once.
+   expert -1 land in no block. No host sync: buffers are sized by the bound `T*k + min(E, T*k) * (BLOCK_M - 1)`,
+   so it can be captured in a CUDA graph; programs of blocks past the real total return at once. Decode-sized
+   steps take one launch (`moe_routing.moe_align_single`), larger ones a stable torch sort.
 2. A grouped GEMM, launched twice. Each program takes one BLOCK_M block of sorted pairs (one expert) and a
    BLOCK_N column slice. First `x @ w13[e]^T` with the gate and up tiles of the same columns accumulated side
    by side, so the epilogue writes `act(gate) * up` `[T*k, I]` directly; then `inter @ w2[e]^T` with the
@@ -57,6 +57,7 @@ import triton.language as tl
 
 from kestrel.kernels import activation as _activation
 from kestrel.kernels import common
+from kestrel.kernels import moe_routing as _routing
 from kestrel.kernels import quant_act as _quant_act
 
 DEFAULT_TABLE = common.TUNING_DIR / "fused_moe_default.json"
@@ -463,7 +464,8 @@ def fused_moe(
     if x.stride(1) != 1:
         x = x.contiguous()
     num_pairs = T * k
-    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, cfg.block_m)
+    align = _routing.moe_align_single if num_pairs <= _routing.ALIGN_SINGLE_MAX_PAIRS else moe_align
+    sorted_ids, expert_ids, num_padded = align(topk_ids, E, cfg.block_m)
     num_blocks = expert_ids.numel()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     quant = _NONE if not fp8 else (_PER_CHANNEL if block_shape is None else _BLOCK)

@@ -29,6 +29,7 @@ from kestrel import ops
 from kestrel.kernels import fused_moe as fm
 from kestrel.kernels.activation import ACTIVATIONS
 from kestrel.kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align
+from kestrel.kernels.moe_routing import moe_align_single, route_topk, route_topk_ref
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 FP32 = 2.0**-24
@@ -405,14 +406,19 @@ def test_fp8_intermediate_split_over_ranks_with_the_group_amax(device):
 # ------------------------------------------------------------------------------------------------ routing
 
 
+ALIGNS = {"torch_sort": moe_align, "single_program": moe_align_single}
+
+
 @pytest.mark.parametrize("skip", [False, True], ids=["all", "skip"])
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=str)
-@pytest.mark.parametrize("T,E,k,block_m", [(1, 4, 1, 16), (5, 8, 2, 4), (17, 4, 2, 4), (9, 3, 3, 16)])
-def test_align_layout(T, E, k, block_m, ids_dtype, skip):
+@pytest.mark.parametrize("T,E,k,block_m", [(1, 4, 1, 16), (5, 8, 2, 4), (17, 4, 2, 4), (9, 3, 3, 16),
+                                           (70, 128, 8, 16)])
+@pytest.mark.parametrize("align", list(ALIGNS), ids=str)
+def test_align_layout(T, E, k, block_m, ids_dtype, skip, align, device):
     _, ids = routing(T, E, k, seed=T + E, ids_dtype=ids_dtype, skip_last=T > 1 and k < E)
     if skip:
         skip_pairs(ids, seed=T)
-    sorted_ids, expert_ids, num_padded = moe_align(ids, E, block_m)
+    sorted_ids, expert_ids, num_padded = (t.cpu() for t in ALIGNS[align](ids.to(device), E, block_m))
     n = T * k
     assert sorted_ids.dtype == expert_ids.dtype == num_padded.dtype == torch.int32
     assert sorted_ids.numel() == expert_ids.numel() * block_m
@@ -431,6 +437,50 @@ def test_align_layout(T, E, k, block_m, ids_dtype, skip):
         assert pairs.numel() > 0 and bool((flat[pairs] == int(expert_ids[b])).all())
         assert bool((pairs.diff() > 0).all())  # stable: token order kept within an expert
     assert list(expert_ids[:padded // block_m]) == sorted(expert_ids[:padded // block_m].tolist())
+
+
+@pytest.mark.parametrize("T,E,k,block_m", [(1, 128, 8, 16), (6, 4, 2, 4), (40, 60, 6, 32), (128, 128, 8, 64)])
+def test_single_program_align_equals_torch_sort(T, E, k, block_m, device):
+    """The one-launch alignment gives the torch sort's outputs exactly, padding blocks' experts included."""
+    _, ids = routing(T, E, k, seed=3 * T + E, ids_dtype=torch.int64)
+    skip_pairs(ids, seed=E)
+    want = moe_align(ids, E, block_m)
+    got = moe_align_single(ids.to(device), E, block_m)
+    for w, g in zip(want, got):
+        assert g.dtype == w.dtype and g.cpu().tolist() == w.tolist()
+
+
+def route_oracle(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 softmax; the k largest by value, the lowest index first among equals."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    ids = torch.stack([torch.tensor(sorted(range(row.numel()), key=lambda e, r=row: (-float(r[e]), e))[:k])
+                       for row in probs])
+    weights = probs.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "raw"])
+@pytest.mark.parametrize("T,E,k,dtype", [(1, 128, 8, torch.bfloat16), (5, 8, 2, torch.float32),
+                                         (9, 60, 4, torch.float32), (3, 3, 3, torch.bfloat16)])
+def test_route_topk_matches_float64(T, E, k, dtype, renormalize, device):
+    g = torch.Generator().manual_seed(T * E + k)
+    logits = (torch.randn(T, E, generator=g) * 2).to(dtype)
+    want_w, want_ids = route_oracle(logits, k, renormalize)
+    for fn in (route_topk, route_topk_ref):
+        weights, ids = fn(logits.to(device), k, renormalize)
+        assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and weights.shape == (T, k)
+        assert ids.cpu().tolist() == want_ids.tolist()
+        torch.testing.assert_close(weights.cpu().double(), want_w, rtol=4 * FP32, atol=4 * FP32)
+
+
+def test_route_topk_ties_take_the_lowest_index(device):
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0, 2.0, 0.5]])
+    weights, ids = route_topk(logits.to(device), 4, renormalize=False)
+    assert ids.cpu().tolist() == [[1, 2, 4, 0]]
+    want, _ = route_oracle(logits, 4, False)
+    torch.testing.assert_close(weights.cpu().double(), want, rtol=4 * FP32, atol=4 * FP32)
 
 
 # ------------------------------------------------------------------------------------ config and dispatch

@@ -15,9 +15,9 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kestrel import ops
 from kestrel.config import ConfigError
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.model.arch import DecoderArch, MoEArch
@@ -183,11 +183,7 @@ class MoEMLP(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]) of each token's chosen experts."""
-        probs = F.softmax(self.in_proj(x).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
+        return ops.moe_route(self.in_proj(x), self.top_k, self.renormalize)
 
     def forward(self, x: torch.Tensor, fuse: bool = True,
                 attn_metadata: AttentionMetadata | None = None) -> torch.Tensor:

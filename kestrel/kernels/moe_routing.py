@@ -1,0 +1,142 @@
+"""Mixture-of-experts routing in two launches for decode-sized steps: the router's softmax top-k, and the
+alignment of the (token, slot) pairs by expert that the fused MoE GEMMs read (`fused_moe.moe_align`'s layout).
+
+The torch versions take about twenty small launches per layer (softmax, top-k, renormalisation; a sort, two
+binary searches, cumulative sums, a scatter), which at batch 1 cost more than reading the chosen experts' weights.
+
+- `route_topk`: one program per token; the softmax in fp32 over the padded expert row, then `top_k` rounds of
+  arg-max (the lowest index wins a tie), the weights renormalised to sum to 1 when asked. Weights fp32 `[T, k]`,
+  ids int64 `[T, k]` in descending weight order, as `torch.topk` gives them.
+- `moe_align_single`: one program for the whole step. Per-expert counts from one-hot rows of each chunk of pairs,
+  each expert's run padded to a multiple of BLOCK_M, their starts by a cumulative sum; each pair's place is its
+  expert's start plus the pairs of that expert before it (earlier chunks: a running count; its own chunk: a
+  pairwise comparison), so the order within an expert is the pairs' order, as the stable torch sort gives it.
+  Its cost grows with the pair count (the chunks run one after another), so it serves steps of at most
+  `ALIGN_SINGLE_MAX_PAIRS` pairs; larger ones take the torch sort.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# The single-program alignment's chunks run in sequence: beyond this many pairs the torch sort's launches cost less.
+ALIGN_SINGLE_MAX_PAIRS = 1024
+# One chunk's one-hot rows hold CHUNK x E_PAD counters; this bounds them (registers of one program).
+_ONE_HOT_ELEMENTS = 8192
+
+
+# ------------------------------------------------------------------------------------------------ router
+
+
+def route_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, k], expert ids int64 [T, k]) of each token's `top_k` experts by softmax probability."""
+    probs = F.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@triton.jit
+def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                       K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+    token = tl.program_id(0)
+    offs = tl.arange(0, E_PAD)
+    valid = offs < num_experts
+    logits = tl.load(logits_ptr + token * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+    probs = exps / tl.sum(exps, axis=0)
+    remaining = tl.where(valid, probs, -1.0)  # probabilities are >= 0: -1 marks what is taken or padding
+    slots = tl.arange(0, K_PAD)
+    weights = tl.zeros([K_PAD], dtype=tl.float32)
+    ids = tl.zeros([K_PAD], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        chosen = tl.min(tl.where(remaining == best, offs, E_PAD), axis=0)
+        weights = tl.where(slots == j, best, weights)
+        ids = tl.where(slots == j, chosen.to(tl.int64), ids)
+        remaining = tl.where(offs == chosen, -1.0, remaining)
+    if RENORMALIZE:
+        weights = weights / tl.sum(tl.where(slots < TOP_K, weights, 0.0), axis=0)
+    tl.store(weights_ptr + token * TOP_K + slots, weights, mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, ids, mask=slots < TOP_K)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `route_topk_ref`: one launch."""
+    num_tokens, num_experts = logits.shape
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in 1..{num_experts} (the router's experts)")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    if num_tokens:
+        e_pad = triton.next_power_of_2(num_experts)
+        _route_topk_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
+                                          K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad,
+                                          RENORMALIZE=renormalize, num_warps=4 if e_pad >= 512 else 1)
+    return weights, ids
+
+
+# ------------------------------------------------------------------------------------------------ alignment
+
+
+@triton.jit
+def _align_single_kernel(ids_ptr, num_pairs, sorted_ptr, expert_ids_ptr, num_padded_ptr, num_blocks,
+                         num_experts, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                         FILL: tl.constexpr):
+    experts = tl.arange(0, E_PAD)
+    rows = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        ids = tl.load(ids_ptr + start + rows, mask=start + rows < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    # A block's expert: how many experts' padded runs end at or before its first row (the last one for blocks
+    # past the real total).
+    ends_of_real = tl.where(experts < num_experts, ends, 2147483647)
+    for first in range(0, num_blocks, FILL):
+        blocks = first + tl.arange(0, FILL)
+        owner = tl.sum((ends_of_real[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blocks, tl.minimum(owner, num_experts - 1), mask=blocks < num_blocks)
+    for first in range(0, num_blocks * BLOCK_M, FILL):
+        slots = first + tl.arange(0, FILL)
+        tl.store(sorted_ptr + slots, tl.zeros([FILL], dtype=tl.int32) + num_pairs, mask=slots < num_blocks * BLOCK_M)
+    tl.debug_barrier()  # the padding sentinels land before any pair overwrites its slot
+    before = tl.zeros([E_PAD], dtype=tl.int32)  # pairs of each expert in earlier chunks
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + rows
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        one_hot = ids[:, None] == experts[None, :]
+        base = tl.sum(tl.where(one_hot, (starts + before)[None, :], 0), axis=1)
+        earlier_same = (ids[:, None] == ids[None, :]) & (rows[None, :] < rows[:, None])
+        dest = base + tl.sum(earlier_same.to(tl.int32), axis=1)
+        tl.store(sorted_ptr + dest, pairs, mask=(pairs < num_pairs) & (ids >= 0))
+        before += tl.sum(one_hot.to(tl.int32), axis=0)
+
+
+def moe_align_single(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`fused_moe.moe_align` in one launch (same outputs, same shapes); for at most `ALIGN_SINGLE_MAX_PAIRS`
+    pairs (any count works; more only take longer)."""
+    flat = topk_ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n = flat.numel()
+    num_blocks = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m)
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat.device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
+    e_pad = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(128, _ONE_HOT_ELEMENTS // e_pad, triton.next_power_of_2(max(n, 1))))
+    _align_single_kernel[(1,)](flat, n, sorted_ids, expert_ids, num_padded, num_blocks, num_experts,
+                               BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, FILL=max(16, _ONE_HOT_ELEMENTS // e_pad),
+                               num_warps=4)
+    return sorted_ids, expert_ids, num_padded
