@@ -430,6 +430,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the previous one's tokens reach the host (default: on for a GPU)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--max-prefill-graph-tokens", type=int, default=0,
+                   help="the engine's max_prefill_graph_tokens: CUDA graphs for prefill and mixed steps of up to "
+                        "this many tokens (0: off, prefills run eagerly)")
     p.add_argument("--sparse-decode", type=json.loads, default=None,
                    help="the engine's sparse_decode as JSON, e.g. '{\"method\": \"quest\", \"token_budget\": 2048}'")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -453,6 +456,7 @@ def build_suite_engine(args: argparse.Namespace, model_dir: str, load_format: st
     return build_engine(
         model_dir, dtype=args.dtype, device=device.type, load_format=load_format, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, enable_prefix_caching=False,
+        max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         async_scheduling=args.async_scheduling, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs), max_model_len=max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
@@ -485,7 +489,8 @@ def engine_config_block(args: argparse.Namespace, engine: Engine, model_dir: str
             "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
             "weight_only": args.weight_only, "group_size": args.group_size if args.weight_only else None,
             "precision": precision(args, model_dir), "kv_cache_dtype": args.kv_cache_dtype,
-            "enforce_eager": args.enforce_eager, "sparse_decode": args.sparse_decode,
+            "enforce_eager": args.enforce_eager, "max_prefill_graph_tokens": args.max_prefill_graph_tokens,
+            "sparse_decode": args.sparse_decode,
             "tensor_parallel_size": args.tensor_parallel_size,
             "pipeline_parallel_size": args.pipeline_parallel_size,
             "distributed_executor_backend": args.distributed_executor_backend,
