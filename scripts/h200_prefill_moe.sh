@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Prefill graphs and MoE routing on one H200, by stage: `scripts/h200_prefill_moe.sh OUT STAGE...`.
+# Every stage writes its JSON (+ PNG) under OUT and appends to OUT/log.txt, each step under its own time limit.
+# Stages:
+#   tests        tests/gpu, then the kernel tests of the newest kernels compiled on the GPU (MoE routing,
+#                Quest, prefill-graph and image attention, paged attention with causal ends)
+#   ttft         TTFT of a 128-token prompt at batch 1 (Llama-3-8B shape), BF16 and FP8 + FP8 KV, eager prefill
+#                vs prefill graphs (max_prefill_graph_tokens 512)
+#   moe-latency  batch 1, 8, 32, 128 decode (prompt 128) of the Qwen3-30B-A3B shape, BF16 and FP8 + FP8 KV
+set -uo pipefail
+out=$(realpath -m "$1"); shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+run() { local limit=$1; shift; echo "== [$limit s] $*" | tee -a "$out/log.txt"
+  timeout "$limit" "$@" 2>&1 | grep -v '^USDT\|Loading weights' | tee -a "$out/log.txt"; }
+latency() { local limit=$1 name=$2; shift 2
+  run "$limit" python3 -m kestrel.bench.latency --hf-peer none --no-checks "$@" \
+    --result-file "$out/latency-$name-h200.json"; }
+for stage in "$@"; do
+  case $stage in
+    tests) run 200 python3 -m pytest -q -p no:cacheprovider tests/gpu
+           run 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sparse_decode.py \
+             tests/kernels/test_prefill_graph_attention.py tests/kernels/test_image_attention.py \
+             "tests/kernels/test_fused_moe.py::test_single_program_align_equals_torch_sort" \
+             "tests/kernels/test_fused_moe.py::test_route_topk_matches_float64" \
+             "tests/kernels/test_fused_moe.py::test_route_topk_ties_take_the_lowest_index" \
+             tests/kernels/test_attention_triton.py ;;
+    ttft) for p in bf16 fp8; do
+            q=(); [ $p = fp8 ] && q=(--quantization fp8 --kv-cache-dtype fp8)
+            latency 120 ttft128-$p-eager --batch 1 --input-len 128 --output-len 16 --repeats 5 "${q[@]}"
+            latency 150 ttft128-$p-graphs --batch 1 --input-len 128 --output-len 16 --repeats 5 "${q[@]}" \
+              --max-prefill-graph-tokens 512
+          done ;;
+    moe-latency) latency 200 qwen3-30b-a3b-bf16-routing --arch qwen3-30b-a3b --batch 1,8,32,128 --input-len 128 \
+                   --output-len 128 --repeats 2
+                 latency 200 qwen3-30b-a3b-fp8-routing --arch qwen3-30b-a3b --batch 1,8,32,128 --input-len 128 \
+                   --output-len 128 --repeats 2 --quantization fp8 --kv-cache-dtype fp8 ;;
+    *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
+  esac
+done
