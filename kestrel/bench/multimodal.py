@@ -19,7 +19,8 @@ Throughput: `--num-requests` requests, each with its own image (`--throughput-im
 tokens and `--output-len` greedy output tokens (ignore_eos), all added at once after a short warm-up; output tokens /
 s and requests / s over the timed run. The images are preprocessed before the clock starts (reported apart).
 Target (issue 32): image TTFT (336x336 + 64 tokens, 7B) <= 60 ms, for each model, on `ttft_ms` (processor included).
-`--smoke` runs the same path on the CPU with tiny checkpoints of the same architectures.
+`--smoke` runs the same path on the CPU with tiny checkpoints of every architecture here (`--arch` also takes
+`qwen2-vl-7b`, Qwen2-VL-7B's shape).
 """
 
 from __future__ import annotations

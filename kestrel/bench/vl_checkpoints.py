@@ -1,7 +1,8 @@
 """Random-weight vision-language checkpoints for `kestrel bench multimodal`: a LLaVA-1.5-7B shape (CLIP ViT-L/14 at 336
 pixels, a 2-layer MLP projector, a Llama-2-7B decoder with a 32,064-token vocabulary) and a Qwen2.5-VL-7B shape (its
 32-block windowed vision transformer, a Qwen2 7B decoder with M-RoPE), each with the processor and tokenizer files the
-engine loads; `tiny=True` gives the same architectures at test sizes, for the CPU smoke run.
+engine loads (and, for the CPU smoke run beside them, a Qwen2-VL-7B shape: its 32-block tower of full attention);
+`tiny=True` gives the same architectures at test sizes.
 
 The weights are drawn on the given device in the checkpoint's dtype (normal, std 0.02; norm weights 1 + that) by
 walking the parameter names and shapes of the transformers model built on the meta device, so a 7B checkpoint takes
@@ -63,7 +64,27 @@ SHAPES: dict[str, dict[str, Any]] = {
                           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                               "mrope_section": [2, 3, 3]}}},
     },
+    "qwen2-vl-7b": {
+        "family": "qwen2-vl", "base_vocab": 151643, "vocab_size": 152064,
+        "vision": {"depth": 32, "embed_dim": 1280, "hidden_size": 3584, "mlp_ratio": 4, "num_heads": 16,
+                   "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "hidden_act": "quick_gelu",
+                   "in_channels": 3},
+        "text": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                 "num_key_value_heads": 4, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}},
+        "pixels": [3136, 12845056],
+        "tiny": {"base_vocab": 500, "vocab_size": 520, "pixels": [256, 2560],
+                 "vision": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 4,
+                            "patch_size": 4},
+                 "text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+                          "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                              "mrope_section": [2, 3, 3]}}},
+    },
 }
+# family -> (config class, model class, processor class), by name in transformers
+QWEN_CLASSES = {"qwen2-vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
+                "qwen2.5-vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor")}
 
 
 def shape_of(arch: str, tiny: bool) -> dict[str, Any]:
@@ -96,7 +117,8 @@ def write_checkpoint(path: Path, arch: str, device: torch.device, dtype: torch.d
     else:
         tokenizer = filler_tokenizer(shape["base_vocab"], shape["vocab_size"], [], QWEN_SPECIAL_TOKENS, bos=None,
                                      eos="<|im_end|>", unk=None, pad="<|endoftext|>")
-        config, model_class = qwen25_vl_config(shape, tokenizer), transformers.Qwen2_5_VLForConditionalGeneration
+        config = qwen_vl_config(shape, tokenizer)
+        model_class = getattr(transformers, QWEN_CLASSES[shape["family"]][1])
     config.dtype = dtype
     config.architectures = [model_class.__name__]
     tensors = random_tensors(model_class, config, device, dtype, seed)
@@ -161,20 +183,21 @@ def llava_config(shape: dict[str, Any], tokenizer: Any) -> Any:
                                     vision_feature_select_strategy="default", tie_word_embeddings=False)
 
 
-def qwen25_vl_config(shape: dict[str, Any], tokenizer: Any) -> Any:
+def qwen_vl_config(shape: dict[str, Any], tokenizer: Any) -> Any:
+    """Qwen2-VL's or Qwen2.5-VL's config (the same decoder and special tokens; their towers differ)."""
     import transformers
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     text = dict(shape["text"], vocab_size=shape["vocab_size"], bos_token_id=ids["<|endoftext|>"],
                 eos_token_id=ids["<|im_end|>"])
-    return transformers.Qwen2_5_VLConfig(
+    return getattr(transformers, QWEN_CLASSES[shape["family"]][0])(
         vision_config=shape["vision"], text_config=text, image_token_id=ids[QWEN_IMAGE_TOKEN],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
 
 
 def save_processor(path: Path, shape: dict[str, Any], tokenizer: Any) -> None:
-    """The checkpoint's processor files: LLaVA's processor (CLIP image processor at the tower's size), or Qwen2.5-VL's
+    """The checkpoint's processor files: LLaVA's processor (CLIP image processor at the tower's size), or Qwen2(.5)-VL's
     image processor and processor class (saved as parts: its processor also holds a video processor, which needs
     torchvision) beside the tokenizer."""
     import transformers
@@ -195,5 +218,6 @@ def save_processor(path: Path, shape: dict[str, Any], tokenizer: Any) -> None:
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, patch_size=vision["patch_size"],
         merge_size=vision["spatial_merge_size"], temporal_patch_size=vision["temporal_patch_size"])
     image_processor.save_pretrained(str(path))
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}) + "\n")
+    processor_class = QWEN_CLASSES[shape["family"]][2]
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}) + "\n")
     tokenizer.save_pretrained(str(path))
