@@ -222,3 +222,20 @@ def test_a_budget_smaller_than_an_image_is_refused_naming_it(gemma3_dir) -> None
         small.generate({"prompt": text, "multi_modal_data": {"image": images}}, use_tqdm=False)
     assert error.value.param == "multi_modal_data[0]"
     assert small.generate(case(1)[0], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_pan_and_scan_crops_match_transformers(hf, gemma3_dir) -> None:
+    """With pan-and-scan on, a wide image brings its crops: each crop its own run of soft tokens after the
+    original's (each attending to itself both ways), all encoded with the image; greedy identical."""
+    model, processor = hf
+    settings = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8, "pan_and_scan_max_num_crops": 3,
+                "pan_and_scan_min_ratio_to_activate": 1.2}
+    text, image = PROMPTS[0][0], random_image(4, width=120, height=30)
+    inputs = processor(text=text, images=[image], return_tensors="pt", **settings)
+    assert inputs["pixel_values"].shape[0] > 1
+    expected = hf_greedy_ids(model, {key: value for key, value in inputs.items() if key != "num_crops"})
+    llm = LLM(str(gemma3_dir), dtype="float32", max_model_len=512, mm_processor_kwargs=settings)
+    (out,) = llm.generate({"prompt": text, "multi_modal_data": {"image": image}},
+                          SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == expected
