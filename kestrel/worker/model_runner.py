@@ -98,7 +98,7 @@ class ModelRunner(RunnerSetup):
         that writes media rows into its input embeddings)."""
         inputs = step.inputs
         width = inputs.attn_metadata.block_tables.shape[1]
-        if (inputs_embeds is None and self.graph_runner is not None
+        if (inputs_embeds is None and inputs.attn_metadata.causal_ends is None and self.graph_runner is not None
                 and self.graph_runner.can_run(step.counts, width)):
             return self.graph_runner.run(inputs, step.counts)
         return self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata,
