@@ -40,6 +40,7 @@ from PIL import Image
 
 from kestrel.bench import common, register_suite, standalone_main, vl_checkpoints
 from kestrel.config import ConfigError
+from kestrel.entrypoints.media import MediaProcessor
 from kestrel.sampling_params import SamplingParams
 
 TTFT_LIMIT_MS = 60.0
@@ -62,21 +63,21 @@ class Harness:
     first, then the text tokens."""
 
     def __init__(self, model_dir: str, args: argparse.Namespace, device: torch.device) -> None:
-        from kestrel.entrypoints.engine_factory import build_engine, engine_config
-
         started = time.perf_counter()
-        config = engine_config(
+        engine = common.build_engine(
             model_dir, dtype=args.dtype, device=device.type, enable_prefix_caching=False,
             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-            max_model_len=min(MAX_MODEL_LEN, model_max_len(model_dir)), disable_log_stats=True)
-        built = build_engine(config)
-        if built.media is None:
-            raise ConfigError(f"invalid model={model_dir!r}: not a multimodal model (no image processor)")
-        self.core, self.runner, self.media, self.config = built.core, built.runner, built.media, config
+            max_model_len=min(MAX_MODEL_LEN, model_max_len(model_dir)))
+        modalities = frozenset(getattr(engine.runner, "supported_modalities", ()))
+        if "image" not in modalities:
+            raise ConfigError(f"invalid model={model_dir!r}: not a model that takes images")
+        # The server's processor: the same pixel tensors, placeholder expansion and content hashes as a served request.
+        self.media = MediaProcessor(engine.config.model, modalities, engine.core.tokenizer)
+        self.core, self.runner, self.config = engine.core, engine.runner, engine.config
         self.device = device
         self.build_s = time.perf_counter() - started
-        hf = config.model.hf_config
+        hf = self.config.model.hf_config
         image = self.media.image_token_id
         start, end = hf.get("vision_start_token_id"), hf.get("vision_end_token_id")
         self.image_prefix = [start, image, end] if start is not None and end is not None else [image]

@@ -40,10 +40,10 @@ ALLOWED: dict[str, set[str]] = {
     "executor": {"executor", "worker", "distributed.parallel", "engine.contracts"} | CORE,
     # Benches drive the engine core, not the entry points; `host-step --split` drives an engine core process through
     # the server's client of it, as `kestrel serve --engine-core-process` does; `compression` measures the prompt
-    # compressor the server runs.
+    # compressor the server runs; `multimodal` expands its image prompts with the server's media processor.
     "bench": {"bench", "kernels", "ops", "quant", "model", "loader", "worker", "sample", "engine", "tiny",
               "structured", "distributed", "executor", "entrypoints.core_client", "entrypoints.prompt_compression",
-              "entrypoints.compression_plan"} | CORE,
+              "entrypoints.compression_plan", "entrypoints.media"} | CORE,
     # Where the bundled model lives and the stdlib corpus (quantize's calibration set, the ppl bench's text); its
     # training is the top-level `training` package.
     "tiny": {"tiny"} | CORE,
