@@ -53,12 +53,12 @@ def wav_bytes(samples: np.ndarray, rate: int = SAMPLE_RATE, fmt: str = "WAV") ->
 
 
 # Whisper's special tokens, in the published vocabularies' order after the text tokens; the timestamp tokens
-# `<|0.00|>` .. `<|30.00|>` (steps of 20 ms) come last.
+# `<|0.00|>` .. `<|1.00|>` (steps of 20 ms over the tiny model's 1 s window) come last.
 WHISPER_LANGUAGES = ("en", "de", "fr")
 WHISPER_SPECIALS = ("<|endoftext|>", "<|startoftranscript|>", *(f"<|{lang}|>" for lang in WHISPER_LANGUAGES),
                     "<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
                     "<|notimestamps|>")
-WHISPER_TIMESTAMPS = tuple(f"<|{i * 0.02:.2f}|>" for i in range(1501))
+WHISPER_TIMESTAMPS = tuple(f"<|{i * 0.02:.2f}|>" for i in range(51))
 WHISPER_MAX_TARGET = 64
 
 

@@ -67,6 +67,7 @@ from kestrel.entrypoints.serving import (
     _until_disconnect,
     error_body,
 )
+from kestrel.entrypoints.serving_audio import OpenAIServingAudio
 from kestrel.entrypoints.serving_embeddings import OpenAIServingEmbeddings
 from kestrel.entrypoints.serving_pooling import OpenAIServingPooling
 from kestrel.entrypoints.serving_responses import OpenAIServingResponses
@@ -206,6 +207,23 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
     @app.post("/v1/responses/{response_id}/cancel", responses=_ERROR_RESPONSES)
     async def cancel_response(response_id: str) -> Response:
         return responses.cancel_response(response_id)
+
+    audio = OpenAIServingAudio(serving)
+
+    async def create_transcription(raw: Request) -> Response:
+        return await audio.create("transcription", raw)
+
+    async def create_translation(raw: Request) -> Response:
+        return await audio.create("translation", raw)
+
+    for path, endpoint in (("/v1/audio/transcriptions", create_transcription),
+                           ("/v1/audio/translations", create_translation)):
+        app.router.add_api_route(path, endpoint, methods=["POST"],
+                                 responses={200: {"description": "The transcript: JSON ({'text': ...}, or "
+                                                  "verbose_json's segments), plain text, SRT or WebVTT; with "
+                                                  "stream=true (transcriptions) an SSE stream of "
+                                                  "transcript.text.delta events and transcript.text.done"},
+                                            **_ERROR_RESPONSES})
 
     embeddings = OpenAIServingEmbeddings(serving)
 

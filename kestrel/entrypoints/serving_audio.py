@@ -1,0 +1,334 @@
+"""/v1/audio/transcriptions and /v1/audio/translations (OpenAI's multipart form) for an encoder-decoder speech model
+(Whisper).
+
+The uploaded file is decoded with libsndfile, mixed to mono and resampled to the feature extractor's rate, and cut
+into windows of the extractor's length (30 s for the published checkpoints); each window is one engine request whose
+decoder prompt is Whisper's forced tokens from the checkpoint's generation_config.json (`<|startofprev|>` and the
+`prompt` text first when given, `<|startoftranscript|>`, the language, `<|transcribe|>` or `<|translate|>`, and
+`<|notimestamps|>` unless segment timestamps are asked for). The windows' texts are joined in order; segment times
+are the timestamp tokens the model wrote, offset by their window's start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from kestrel.entrypoints.media import Audio, decode_audio, resample
+from kestrel.entrypoints.serving import OpenAIServing, _until_disconnect
+from kestrel.request import InvalidRequestError
+from kestrel.sampling_params import SamplingParams
+
+RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+TIMESTAMPED_FORMATS = ("verbose_json", "srt", "vtt")
+GRANULARITIES = ("segment",)  # word timestamps are not supported
+TIMESTAMP_SECONDS = 0.02  # Whisper's timestamp tokens count in steps of 20 ms
+COMMON_FIELDS = ("file", "model", "prompt", "response_format", "temperature", "language")
+FIELDS = {"transcription": (*COMMON_FIELDS, "timestamp_granularities[]", "stream"),
+          "translation": COMMON_FIELDS}
+
+
+@dataclass(frozen=True)
+class AudioRequest:
+    """The form's fields, checked."""
+
+    audio: Audio
+    model: str | None
+    language: str
+    prompt: str | None
+    response_format: str
+    temperature: float
+    segments: bool  # segment timestamps: asked for, or needed by the response format
+    stream: bool
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: float
+    end: float
+    text: str
+    token_ids: list[int]
+
+
+class OpenAIServingAudio:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+        self.engine = serving.engine
+        self.tokenizer = serving.tokenizer
+        media = serving.media
+        self.media = media if media is not None and getattr(media, "encoder_decoder", False) else None
+        self.generation: dict[str, Any] = {}
+        if self.media is not None:
+            self.generation = _generation_config(self.engine.core.config.model.generation_config_path)
+        self._timestamp_begin = self.tokenizer.convert_tokens_to_ids("<|0.00|>")
+
+    async def create(self, task: str, raw: Request) -> Response:
+        endpoint = f"/v1/audio/{task}s"
+        arrival = time.monotonic()
+        form = await raw.form()
+        if self.media is None:
+            raise InvalidRequestError("model", f"{endpoint} needs a speech-to-text (encoder-decoder, Whisper) model; "
+                                      f"the served model {self.serving.model_name!r} is not one")
+        request = await asyncio.to_thread(self._parse, task, form)
+        self.serving.check_model(request.model)
+        samples = resample(request.audio.samples, request.audio.rate, self.media.sampling_rate)
+        window = self.media.max_audio_samples
+        chunks = [samples[start: start + window] for start in range(0, samples.shape[0], window)]
+        prompt_ids = self._decoder_prompt(task, request)
+        max_tokens = self.engine.max_model_len - len(prompt_ids)
+        if max_tokens < 1:
+            raise InvalidRequestError("prompt", f"the prompt takes {len(prompt_ids)} of the decoder's "
+                                      f"{self.engine.max_model_len} positions; shorten it")
+        params = SamplingParams(temperature=request.temperature, max_tokens=max_tokens,
+                                skip_special_tokens=True)
+        items = [await asyncio.to_thread(self.media.expand, prompt_ids, [Audio(chunk, self.media.sampling_rate)],
+                                         "file") for chunk in chunks]
+        duration = samples.shape[0] / self.media.sampling_rate
+        request_id = f"trsc-{uuid.uuid4().hex}"
+        if request.stream:
+            return StreamingResponse(self._stream(request_id, items, params, arrival, duration),
+                                     media_type="text/event-stream")
+        outputs = await _until_disconnect(raw, self._run(request_id, items, params, arrival))
+        return self._response(task, request, outputs, duration, window / self.media.sampling_rate)
+
+    # ----- the form -------------------------------------------------------------------------------------
+
+    def _parse(self, task: str, form: Any) -> AudioRequest:
+        allowed = FIELDS[task]
+        for key in form.keys():  # noqa: SIM118 - a multidict
+            if key not in allowed:
+                raise InvalidRequestError(key, f"unsupported field {key!r} for /v1/audio/{task}s; it takes "
+                                          f"{', '.join(allowed)}")
+        for key in allowed:
+            if key != "timestamp_granularities[]" and len(form.getlist(key)) > 1:
+                raise InvalidRequestError(key, f"{key} was given {len(form.getlist(key))} times; give it once")
+        upload = form.get("file")
+        if not isinstance(upload, UploadFile):
+            raise InvalidRequestError("file", "the audio file is missing: send it as the multipart field 'file'")
+        data = upload.file.read(self.serving.media_limits.max_bytes + 1)
+        if len(data) > self.serving.media_limits.max_bytes:
+            raise InvalidRequestError("file", f"the file is larger than this server's "
+                                      f"{self.serving.media_limits.max_bytes:,} bytes (--max-media-bytes)")
+        audio = decode_audio(data, "file", self.serving.media_limits)
+        response_format = _text(form, "response_format") or "json"
+        if response_format not in RESPONSE_FORMATS:
+            raise InvalidRequestError("response_format", f"unsupported response_format {response_format!r}; use "
+                                      f"one of {', '.join(RESPONSE_FORMATS)}")
+        granularities = [_as_text(g, "timestamp_granularities[]") for g in form.getlist("timestamp_granularities[]")]
+        for granularity in granularities:
+            if granularity not in GRANULARITIES:
+                raise InvalidRequestError("timestamp_granularities", f"unsupported timestamp granularity "
+                                          f"{granularity!r}: kestrel gives segment timestamps only (from Whisper's "
+                                          "timestamp tokens), not word timestamps")
+        if granularities and response_format != "verbose_json":
+            raise InvalidRequestError("timestamp_granularities", "timestamp_granularities needs "
+                                      "response_format='verbose_json'")
+        stream = _boolean(form, "stream")
+        if stream and response_format not in ("json", "text"):
+            raise InvalidRequestError("stream", f"stream=true gives the text as it is written; response_format "
+                                      f"{response_format!r} is not streamed (use json or text)")
+        return AudioRequest(audio=audio, model=_text(form, "model"), language=self._language(_text(form, "language")),
+                            prompt=_text(form, "prompt"), response_format=response_format,
+                            temperature=_temperature(form), stream=stream,
+                            segments=response_format in TIMESTAMPED_FORMATS or bool(granularities))
+
+    def _language(self, language: str | None) -> str:
+        table: dict[str, int] = self.generation.get("lang_to_id") or {}
+        known = sorted(token[2:-2] for token in table)
+        if language is None:
+            if not table:
+                return ""
+            if "en" not in known:
+                raise InvalidRequestError("language", f"this model needs the audio's language; give one of "
+                                          f"{', '.join(known)}")
+            return "en"
+        if f"<|{language}|>" not in table:
+            raise InvalidRequestError("language", f"unsupported language {language!r}: this model knows "
+                                      f"{', '.join(known) or 'no language tokens'} (ISO-639-1 codes)")
+        return language
+
+    def _decoder_prompt(self, task: str, request: AudioRequest) -> list[int]:
+        """Whisper's forced decoder tokens from generation_config.json (the previous-text prompt first)."""
+        generation = self.generation
+        ids: list[int] = []
+        if request.prompt:
+            previous = self.tokenizer.convert_tokens_to_ids("<|startofprev|>")
+            ids += [previous, *self.tokenizer.encode(" " + request.prompt.strip(), add_special_tokens=False)]
+        ids.append(int(generation.get("decoder_start_token_id")
+                       or self.engine.core.config.model.hf_config["decoder_start_token_id"]))
+        if request.language:
+            ids.append(int(generation["lang_to_id"][f"<|{request.language}|>"]))
+        tasks: dict[str, int] = generation.get("task_to_id") or {}
+        if task in tasks:
+            ids.append(int(tasks[task]))
+        elif task == "translation":
+            raise InvalidRequestError("model", "this model's generation_config.json has no translate task; it "
+                                      "transcribes only (use /v1/audio/transcriptions)")
+        no_timestamps = generation.get("no_timestamps_token_id")
+        if not request.segments and no_timestamps is not None:
+            ids.append(int(no_timestamps))
+        return ids
+
+    # ----- running -------------------------------------------------------------------------------------
+
+    async def _run(self, request_id: str, items: list[Any], params: SamplingParams, arrival: float) -> list[Any]:
+        """Each window's final output, in order (all windows queued at once)."""
+        outputs = []
+        async for index, output in self._outputs(request_id, items, params, arrival):
+            if output.finished:
+                outputs.append((index, output))
+        return [output for _, output in sorted(outputs, key=lambda pair: pair[0])]
+
+    async def _outputs(self, request_id: str, items: list[Any], params: SamplingParams,
+                       arrival: float) -> AsyncIterator[tuple[int, Any]]:
+        """The windows' outputs, one window after the other (a stream's deltas come out in order)."""
+        engine = self.engine
+        engine.check_capacity(len(items))
+        streams = [engine.submit(f"{request_id}-{i}", ids, params, media=media)
+                   for i, (ids, media) in enumerate(items)]
+        trackers = [self.serving.metrics.tracker(arrival) for _ in streams]
+        try:
+            for i, stream in enumerate(streams):
+                await stream.accepted()
+                async for output in stream:
+                    trackers[i].observe(output)
+                    yield i, output
+        finally:
+            for stream, tracker in zip(streams, trackers):
+                await stream.aclose()
+                tracker.aborted()
+
+    async def _stream(self, request_id: str, items: list[Any], params: SamplingParams, arrival: float,
+                      duration: float) -> AsyncIterator[str]:
+        text = ""
+        async for _, output in self._outputs(request_id, items, params, arrival):
+            piece = output.outputs[0].delta_text
+            if piece:
+                text += piece
+                yield _sse({"type": "transcript.text.delta", "delta": piece})
+        yield _sse({"type": "transcript.text.done", "text": text, "usage": _usage(duration)})
+        yield "data: [DONE]\n\n"
+
+    def _response(self, task: str, request: AudioRequest, outputs: list[Any], duration: float,
+                  window_seconds: float) -> Response:
+        text = "".join(output.outputs[0].text for output in outputs)
+        if request.response_format == "text":
+            return PlainTextResponse(text)
+        if request.response_format == "json":
+            return JSONResponse({"text": text, "usage": _usage(duration)})
+        segments = [segment for index, output in enumerate(outputs)
+                    for segment in self._segments(list(output.outputs[0].token_ids), index * window_seconds,
+                                                  min(duration, (index + 1) * window_seconds))]
+        if request.response_format == "srt":
+            return PlainTextResponse(_srt(segments))
+        if request.response_format == "vtt":
+            return PlainTextResponse(_vtt(segments))
+        body = {"task": "transcribe" if task == "transcription" else "translate",
+                "language": request.language, "duration": round(duration, 3), "text": text,
+                "segments": [{"id": i, "seek": 0, "start": s.start, "end": s.end, "text": s.text,
+                              "tokens": s.token_ids, "temperature": request.temperature, "avg_logprob": 0.0,
+                              "compression_ratio": 0.0, "no_speech_prob": 0.0} for i, s in enumerate(segments)],
+                "usage": _usage(duration)}
+        return JSONResponse(body)
+
+    def _segments(self, token_ids: list[int], offset: float, end: float) -> list[Segment]:
+        """The output's segments: runs of text tokens between timestamp tokens (a run with no timestamp before it
+        starts at the window's start, one with none after it ends at the window's end)."""
+        begin = self._timestamp_begin
+        segments: list[Segment] = []
+        start, run = offset, []
+        for token in token_ids:
+            if begin is not None and token >= begin:
+                at = min(offset + (token - begin) * TIMESTAMP_SECONDS, end)
+                if run:
+                    segments.append(Segment(round(start, 2), round(at, 2), self._decode(run), run))
+                    run = []
+                start = at
+            else:
+                run.append(token)
+        if run:
+            segments.append(Segment(round(start, 2), round(end, 2), self._decode(run), run))
+        return segments
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _generation_config(path: str | None) -> dict[str, Any]:
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError:
+        return {}
+
+
+def _as_text(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequestError(field, f"{field} must be a text field, not a file")
+    return value
+
+
+def _text(form: Any, field: str) -> str | None:
+    value = form.get(field)
+    return None if value is None else _as_text(value, field)
+
+
+def _boolean(form: Any, field: str) -> bool:
+    value = _text(form, field)
+    if value is None:
+        return False
+    if value.lower() not in ("true", "false"):
+        raise InvalidRequestError(field, f"{field} must be true or false, got {value!r}")
+    return value.lower() == "true"
+
+
+def _temperature(form: Any) -> float:
+    value = _text(form, "temperature")
+    if value is None:
+        return 0.0
+    try:
+        temperature = float(value)
+    except ValueError:
+        raise InvalidRequestError("temperature", f"temperature must be a number, got {value!r}") from None
+    if not math.isfinite(temperature) or not 0.0 <= temperature <= 1.0:
+        raise InvalidRequestError("temperature", f"temperature must be between 0 and 1, got {value!r}")
+    return temperature
+
+
+def _usage(duration: float) -> dict[str, Any]:
+    return {"type": "duration", "seconds": math.ceil(duration)}
+
+
+def _sse(event: dict[str, Any]) -> str:
+    return f"data: {json.dumps(event)}\n\n"
+
+
+def _clock(seconds: float, separator: str) -> str:
+    millis = round(seconds * 1000)
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    secs, millis = divmod(millis, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{separator}{millis:03d}"
+
+
+def _srt(segments: list[Segment]) -> str:
+    return "".join(f"{i + 1}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text.strip()}\n\n"
+                   for i, s in enumerate(segments))
+
+
+def _vtt(segments: list[Segment]) -> str:
+    return "WEBVTT\n\n" + "".join(f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text.strip()}\n\n"
+                                  for s in segments)
+
