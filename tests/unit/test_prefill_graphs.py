@@ -209,3 +209,52 @@ def test_cli_flag_comes_from_the_config_field() -> None:
 
     args = build_parser().parse_args(["serve", "--max-prefill-graph-tokens", "256"])
     assert args.max_prefill_graph_tokens == 256
+
+
+class ReplayedForward:
+    """A stand-in for a captured CUDA graph on CPU: its output is one static tensor, and each replay runs the
+    captured function again on the static inputs' current contents and writes into that tensor, as a replay does."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.output = fn()
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.output.copy_(self.fn())
+
+
+def test_capture_and_replay_paths_with_decode_and_prefill_graphs(checkpoint: str, monkeypatch, caplog) -> None:
+    """GraphRunner.capture and run as on a GPU (graph capture swapped for `ReplayedForward`): decode steps replay
+    decode graphs, prefill and mixed steps prefill graphs, capture time is logged, and greedy tokens equal the
+    plain engine's."""
+    import logging
+
+    from kestrel import LLM, SamplingParams
+    from kestrel.worker import cuda_graph
+
+    def capture(fn, pool):
+        graph = ReplayedForward(fn)
+        return graph, graph.output
+
+    monkeypatch.setattr(cuda_graph, "graph_pool", lambda device: None)
+    monkeypatch.setattr(cuda_graph, "capture_graph", capture)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    g = torch.Generator().manual_seed(5)
+    batch = [{"prompt_token_ids": torch.randint(3, 200, (n,), generator=g).tolist()} for n in (3, 30, 50, 12)]
+    kwargs = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=40, device="cpu")
+    expected = [o.outputs[0].token_ids for o in LLM(checkpoint, **kwargs).generate(batch, params, use_tqdm=False)]
+    llm = LLM(checkpoint, **kwargs)
+    runner = llm.runner
+    graphs = GraphRunner(runner._run_model, 4, runner.max_blocks_per_seq, runner.device,
+                         prefill=PrefillBuckets.for_engine(512, 40, 4), block_size=runner.block_size)
+    with caplog.at_level(logging.INFO, logger="kestrel.worker.cuda_graph"):
+        graphs.capture()
+    assert "captured 6 prefill CUDA graphs (token buckets [16, 32, 64] x row buckets [2, 8])" in caplog.text
+    assert graphs.prefill_capture_seconds > 0 and graphs.capture_seconds >= graphs.prefill_capture_seconds
+    runner.graph_runner = graphs
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    assert got == expected
+    assert sum(g.replays for g in graphs.graphs.values()) >= params.max_tokens - 2  # decode steps
+    assert sum(g.replays for g in graphs.prefill_graphs.values()) >= 3  # prompts and mixed steps
