@@ -323,6 +323,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
                    "warmups": args.warmups},
         "environment": common.environment(device), "ceilings": ceilings, "startup_s": engine.build_s,
         "graph_capture_s": getattr(engine.runner, "capture_seconds", None),
+        "prefill_graph_capture_s": getattr(getattr(engine.runner, "graph_runner", None), "prefill_capture_seconds",
+                                           None),
         "weight_bytes": common.runner_weight_bytes(engine.runner),
         "kv_bytes_per_token": common.kv_bytes_per_token(engine.runner),
         "rows": rows, "hf_peer": hf, "targets": [], "checks": checks, "complete": False,
