@@ -150,7 +150,10 @@ def test_default_configs_head128(device: torch.device) -> None:
 
 
 def test_single_prefill_with_hint_skips_decode_launch(device: torch.device) -> None:
-    """All tokens in one prefilling sequence (others idle): with max_query_len the decode launch is skipped."""
+    """One prefilling sequence: with max_query_len the decode launch is skipped. All tokens in one sequence among
+    idle ones: max_query_len is only a bound there, so both launches run (the idle rows' programs exit)."""
+    alone = Case([(60, 30)], 8, 2, 64, device, seed=10)
+    assert rel_err(alone.run(max_query_len=30, max_seq_len=60, prefill_cfg=SMALL_PREFILL), alone.expected()) < 1e-5
     case = Case([(40, 0), (60, 30), (10, 0)], 8, 2, 64, device, seed=10)
     out = case.run(max_query_len=30, max_seq_len=60, prefill_cfg=SMALL_PREFILL)
     assert rel_err(out, case.expected()) < 1e-5
