@@ -739,11 +739,11 @@ SPARSE_DECODE_METHODS = ("quest",)
 @dataclass(frozen=True)
 class SparseDecodeConfig:
     """Query-aware sparse decoding (Quest): each decode step, each full-attention layer and KV head attends to
-    `token_budget // block_size` cache blocks: the first `sink_blocks`, the last `recent_blocks` (the block being
-    written is the last one) and the blocks whose upper bound of q.k, from per-block elementwise key minima and
-    maxima, is largest. A step whose every context fits the budget runs dense attention; so does any step that
-    holds a prefill chunk or several query tokens of one sequence (speculative verification), and so do the first
-    `dense_layers` decoder layers."""
+    `token_budget // page_size` pages of `page_size` tokens (a cache block, or an equal part of one): those of the
+    first `sink_blocks` blocks, of the last `recent_blocks * block_size` tokens (the query's own page among them)
+    and the pages whose upper bound of q.k, from per-page elementwise key minima and maxima, is largest. A step
+    whose every context fits the budget runs dense attention; so does any step that holds a prefill chunk or several
+    query tokens of one sequence (speculative verification), and so do the first `dense_layers` decoder layers."""
 
     method: str = "quest"
     token_budget: int = 2048
@@ -752,27 +752,42 @@ class SparseDecodeConfig:
     # Decoder layers below this index stay dense: early layers spread their attention widely, so their outputs
     # lose the most when blocks are dropped.
     dense_layers: int = 0
+    # Tokens bounded and selected together; None: the KV block. Smaller pages bound their keys more tightly and
+    # waste less of the budget, for block_size // page_size times the bounds' memory and selection reads.
+    page_size: int | None = None
 
     def check(self, block_size: int) -> None:
-        """Refuse a budget that is not whole blocks, or that leaves no block to choose after sinks and recent ones
-        (rounding the budget would silently change what the caller measured)."""
+        """Refuse a page that does not split a block evenly, a budget that is not whole pages, or one that leaves
+        no page to choose after sinks and recent ones (rounding the budget would silently change what the caller
+        measured)."""
         _check_choice("sparse_decode.method", self.method, SPARSE_DECODE_METHODS)
         _check_int("sparse_decode.sink_blocks", self.sink_blocks, 0)
         _check_int("sparse_decode.recent_blocks", self.recent_blocks, 1)
         _check_int("sparse_decode.dense_layers", self.dense_layers, 0)
+        _check_int("sparse_decode.page_size", self.page_size, 2, allow_none=True)
+        page = self.page_tokens(block_size)
+        if block_size % page or page & (page - 1):
+            powers = [1 << i for i in range(1, block_size.bit_length()) if block_size % (1 << i) == 0]
+            _fail("sparse_decode.page_size", self.page_size, f"expected a power of two dividing block_size="
+                  f"{block_size}: one of {powers}")
         _check_int("sparse_decode.token_budget", self.token_budget, 1)
-        if self.token_budget % block_size:
-            _fail("sparse_decode.token_budget", self.token_budget, f"expected a multiple of block_size={block_size} "
-                  f"(whole blocks are selected); use {max(1, self.token_budget // block_size) * block_size} or "
-                  f"{-(-self.token_budget // block_size) * block_size}")
-        fixed = self.sink_blocks + self.recent_blocks
-        if self.token_budget // block_size <= fixed:
+        unit = "block_size" if self.page_size is None else "page_size"
+        if self.token_budget % page:
+            _fail("sparse_decode.token_budget", self.token_budget, f"expected a multiple of {unit}={page} "
+                  f"(whole pages are selected); use {max(1, self.token_budget // page) * page} or "
+                  f"{-(-self.token_budget // page) * page}")
+        fixed = (self.sink_blocks + self.recent_blocks) * block_size
+        if self.token_budget <= fixed:
             _fail("sparse_decode.token_budget", self.token_budget, f"it must exceed the sink_blocks={self.sink_blocks} "
-                  f"+ recent_blocks={self.recent_blocks} blocks it always keeps ({fixed * block_size} tokens), so some "
-                  f"blocks are chosen by the query; use >= {(fixed + 1) * block_size} or keep fewer blocks")
+                  f"+ recent_blocks={self.recent_blocks} blocks it always keeps ({fixed} tokens), so some "
+                  f"pages are chosen by the query; use >= {fixed + page} or keep fewer blocks")
 
-    def num_selected_blocks(self, block_size: int) -> int:
-        return self.token_budget // block_size
+    def page_tokens(self, block_size: int) -> int:
+        """The page size in tokens."""
+        return block_size if self.page_size is None else self.page_size
+
+    def num_selected_pages(self, block_size: int) -> int:
+        return self.token_budget // self.page_tokens(block_size)
 
     @classmethod
     def from_dict(cls, value: Any, block_size: int) -> SparseDecodeConfig:
@@ -1116,8 +1131,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "{\"method\": \"draft_model\" | \"eagle\", \"model\": PATH, \"num_speculative_tokens\": 4}"),
     EngineArg("sparse_decode", "engine", "sparse_decode",
               "query-aware sparse decoding, as JSON: {\"method\": \"quest\", \"token_budget\": 2048, "
-              "\"sink_blocks\": 1, \"recent_blocks\": 2, \"dense_layers\": 0}; each decode step reads token_budget "
-              "tokens of the KV cache per layer and KV head (docs/long-context.md)"),
+              "\"sink_blocks\": 1, \"recent_blocks\": 2, \"dense_layers\": 0, \"page_size\": null}; each decode step "
+              "reads token_budget tokens of the KV cache per layer and KV head (docs/long-context.md)"),
     EngineArg("streaming_window", "engine", "streaming_window",
               "attention sinks + sliding window (StreamingLLM) on every layer, as JSON: {\"sink_tokens\": 4, "
               "\"window\": 1024}; sequences may run past max_model_len with bounded KV, each query attending to the "

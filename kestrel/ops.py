@@ -102,22 +102,24 @@ def streaming_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
 
 
 def update_key_bounds(k_cache, slot_mapping, key_bounds, k_scale=1.0) -> None:
-    """Quest's per-block key minima and maxima of the blocks this step wrote (kernels/sparse_decode.py)."""
+    """Quest's per-page key minima and maxima of the blocks this step wrote (kernels/sparse_decode.py)."""
     fn = _sparse_decode.update_key_bounds if use_triton(k_cache) else _sparse_decode.update_key_bounds_ref
     fn(k_cache, slot_mapping, key_bounds, k_scale)
 
 
 def quest_select(q, key_bounds, seq_lens, block_tables, scale, block_size, num_selected, sink_blocks, recent_blocks):
-    """Selected logical blocks `[num_seqs, num_kv_heads, num_selected]` (ascending, -1 unused) of a decode batch."""
+    """Selected logical pages `[num_seqs, num_kv_heads, num_selected]` (ascending, -1 unused) of a decode batch; the
+    page size is the key bounds' (block_size // key_bounds.shape[1])."""
     fn = _sparse_decode.quest_select if use_triton(q) else _sparse_decode.quest_select_ref
     return fn(q, key_bounds, seq_lens, block_tables, scale, block_size, num_selected, sink_blocks, recent_blocks)
 
 
 def sparse_paged_decode(q, k_cache, v_cache, seq_lens, block_tables, selected, scale, k_scale=1.0, v_scale=1.0,
-                        out=None):
-    """Decode attention (one query token per sequence) over each (sequence, KV head)'s selected blocks."""
+                        out=None, page_size=None):
+    """Decode attention (one query token per sequence) over each (sequence, KV head)'s selected pages (of
+    `page_size` tokens; None: whole blocks)."""
     fn = _sparse_decode.sparse_paged_decode if use_triton(q) else _sparse_decode.sparse_paged_decode_ref
-    return fn(q, k_cache, v_cache, seq_lens, block_tables, selected, scale, k_scale, v_scale, out)
+    return fn(q, k_cache, v_cache, seq_lens, block_tables, selected, scale, k_scale, v_scale, out, page_size=page_size)
 
 
 def linear(x, weight, bias=None):

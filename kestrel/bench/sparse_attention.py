@@ -7,7 +7,11 @@ files (the ppl bench's split) are cut into windows of `--context` tokens (bos fi
 (teacher-forced), so every scored token goes through the decode path that Quest replaces, for dense attention and
 for each budget in `--budgets`, over the same windows:
 - perplexity of the scored tokens (each scored given all tokens before it in its window) and its relative
-  change against dense, `ppl_quest / ppl_dense - 1`; the target: at most +1% with a budget of 25% of the context;
+  change against dense, `ppl_quest / ppl_dense - 1`; the target: at most +1% with a budget of 25% of the context.
+  The budget is a fixed token count, as `sparse_decode.token_budget` is: a step at context t reads
+  min(budget, t) tokens, so 25% of `--context` is 25% of the context only at the window's end and a larger share
+  before it. `ppl_delta_tail` is therefore also reported over the last quarter of each window (contexts of at
+  least 3/4 of `--context`, where the budget is 25-33% of the context);
 - the attention output's relative error against dense on the same activations: in the Quest run, each layer's
   decode attention output is compared with dense attention over the same query and cache
   (`||o_quest - o_dense|| / ||o_dense||` per token over all heads), mean and 95th percentile per budget and per
@@ -176,15 +180,20 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     dense_logprobs = score(dense_setup)
     dense_nll = -dense_logprobs.double().mean().item()
     del dense_setup
+    # The last quarter of each window: scored positions whose context (position + 1) is >= 3/4 of the window.
+    tail = slice(max(0, (3 * context) // 4 - 1 - prefill), None)
+    dense_tail_nll = -dense_logprobs[:, tail].double().mean().item()
     rows = []
-    for dense_layers in args.dense_layers:
-        # One Quest engine per dense_layers value, its layers rebound to each budget in turn.
+    for dense_layers, page_size in [(d, p) for d in args.dense_layers for p in args.page_sizes]:
+        # One Quest engine per (dense_layers, page_size), its layers rebound to each budget in turn.
         quest_setup = RunnerSetup(EngineConfig.from_kwargs(
             model, sparse_decode={"method": "quest", "token_budget": budgets[0], "sink_blocks": args.sink_blocks,
-                                  "recent_blocks": args.recent_blocks, "dense_layers": dense_layers}, **engine))
+                                  "recent_blocks": args.recent_blocks, "dense_layers": dense_layers,
+                                  "page_size": page_size}, **engine))
         quest_layers = [m for m in quest_setup.model.modules() if isinstance(m, Attention) and m.key_bounds is not None]
         for budget in budgets:
-            settings = SparseDecodeConfig("quest", budget, args.sink_blocks, args.recent_blocks, dense_layers)
+            settings = SparseDecodeConfig("quest", budget, args.sink_blocks, args.recent_blocks, dense_layers,
+                                          page_size)
             settings.check(BLOCK_SIZE)
             for layer in quest_layers:
                 layer.bind_sparse_decode(layer.key_bounds, settings)
@@ -197,10 +206,13 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
             num_batches = -(-len(windows) // args.batch)
             expected_calls = len(quest_layers) * num_batches * (context - 1 - max(prefill, budget))
             nll = -quest_logprobs.double().mean().item()
+            tail_nll = -quest_logprobs[:, tail].double().mean().item()
             every_error = [e for errors in probe.errors.values() for e in errors]
             rows.append({
-                "token_budget": budget, "dense_layers": dense_layers, "budget_fraction_of_context": budget / context,
+                "token_budget": budget, "dense_layers": dense_layers, "page_size": page_size,
+                "budget_fraction_of_context": budget / context,
                 "perplexity": math.exp(nll), "ppl_delta": math.exp(nll - dense_nll) - 1.0,
+                "ppl_delta_tail": math.exp(tail_nll - dense_tail_nll) - 1.0,
                 "mean_abs_logprob_gap": (quest_logprobs - dense_logprobs).abs().mean().item(),
                 "sparse_layer_calls": probe.sparse_calls, "expected_sparse_layer_calls": expected_calls,
                 "attention_rel_error_mean": statistics.fmean(every_error) if every_error else 0.0,
@@ -208,31 +220,35 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
                 "attention_rel_error_mean_per_layer": {str(k): statistics.fmean(v) for k, v in sorted(
                     probe.errors.items())},
             })
-            print(f"dense_layers {dense_layers}, budget {budget:5d} ({budget / context:.0%} of {context}): ppl "
-                  f"{math.exp(nll):.4f} (dense {math.exp(dense_nll):.4f}, delta {rows[-1]['ppl_delta']:+.3%}), "
+            print(f"dense_layers {dense_layers}, page_size {page_size}, budget {budget:5d} ({budget / context:.0%} of "
+                  f"{context}): ppl {math.exp(nll):.4f} (dense {math.exp(dense_nll):.4f}, delta "
+                  f"{rows[-1]['ppl_delta']:+.3%}, last quarter {rows[-1]['ppl_delta_tail']:+.3%}), "
                   f"attention rel. error mean {rows[-1]['attention_rel_error_mean']:.4f} p95 "
                   f"{rows[-1]['attention_rel_error_p95']:.4f}", file=sys.stderr)
         del quest_setup
     target_budget = int(TARGET_BUDGET_FRACTION * context)
     targets = []
-    for dense_layers in args.dense_layers:
-        at_target = next((r for r in rows if r["token_budget"] == target_budget and r["dense_layers"] == dense_layers),
-                         None)
+    for dense_layers, page_size in [(d, p) for d in args.dense_layers for p in args.page_sizes]:
+        at_target = next((r for r in rows if r["token_budget"] == target_budget and r["dense_layers"] == dense_layers
+                          and r["page_size"] == page_size), None)
         targets.append({
             "target": f"perplexity delta <= {TARGET_PPL_DELTA:.0%} at a budget of 25% of the context "
-                      f"({target_budget} of {context} tokens), dense_layers={dense_layers}",
+                      f"({target_budget} of {context} tokens), dense_layers={dense_layers}, "
+                      f"page_size={page_size or BLOCK_SIZE}",
             "measured": None if at_target is None else at_target["ppl_delta"] * 100,
             "limit": TARGET_PPL_DELTA * 100, "unit": "percent",
             "pass": at_target is not None and at_target["ppl_delta"] <= TARGET_PPL_DELTA,
         })
     return {
         "suite": "sparse-attention", "mode": "quality", "model_dir": model, "dtype": args.dtype,
-        "device": args.device, "dense_layers": args.dense_layers, "python": platform.python_version(),
+        "device": args.device, "dense_layers": args.dense_layers, "page_sizes": args.page_sizes,
+        "python": platform.python_version(),
         "stdlib": str(corpus.stdlib_root()),
         "context": context, "prefill": prefill, "scored_tokens_per_window": context - 1 - prefill,
         "windows": len(windows), "scored_tokens": int(dense_logprobs.numel()), "batch": args.batch,
         "sink_blocks": args.sink_blocks, "recent_blocks": args.recent_blocks, "block_size": BLOCK_SIZE,
-        "dense": {"perplexity": math.exp(dense_nll)}, "rows": rows, "targets": targets,
+        "dense": {"perplexity": math.exp(dense_nll), "perplexity_tail": math.exp(dense_tail_nll)},
+        "tail_first_context": (3 * context) // 4, "rows": rows, "targets": targets,
         "seconds": round(time.perf_counter() - started, 1),
     }
 
@@ -241,7 +257,8 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def speed_case(batch: int, context: int, budget: int, heads: int, kv_heads: int, head_size: int,
-               dtype: torch.dtype, device: torch.device, sink_blocks: int, recent_blocks: int) -> dict[str, Any]:
+               dtype: torch.dtype, device: torch.device, sink_blocks: int, recent_blocks: int,
+               page_size: int = BLOCK_SIZE) -> dict[str, Any]:
     """Time one decode step's attention, dense vs Quest (selection + sparse attention), on random K/V."""
     g = torch.Generator(device="cpu").manual_seed(0)
     blocks_per_seq = -(-context // BLOCK_SIZE)
@@ -252,10 +269,11 @@ def speed_case(batch: int, context: int, budget: int, heads: int, kv_heads: int,
     tables = torch.randperm(num_blocks, generator=g).view(batch, blocks_per_seq).to(device=device, dtype=torch.int32)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query_start = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    bounds = torch.zeros(num_blocks, 2, kv_heads, head_size, dtype=torch.float32, device=device)
+    pages = BLOCK_SIZE // page_size
+    bounds = torch.zeros(num_blocks, pages, 2, kv_heads, head_size, dtype=torch.float32, device=device)
     ops.update_key_bounds(k_cache, torch.arange(num_blocks * BLOCK_SIZE, device=device), bounds)
     scale = head_size ** -0.5
-    num_selected = budget // BLOCK_SIZE
+    num_selected = budget // page_size
     out = torch.empty_like(q)
 
     def dense() -> object:
@@ -267,20 +285,23 @@ def speed_case(batch: int, context: int, budget: int, heads: int, kv_heads: int,
                                 recent_blocks)
 
     def quest() -> object:
-        return ops.sparse_paged_decode(q, k_cache, v_cache, seq_lens, tables, select(), scale, out=out)
+        return ops.sparse_paged_decode(q, k_cache, v_cache, seq_lens, tables, select(), scale, out=out,
+                                       page_size=page_size)
 
     selected = select()
-    sparse_out = ops.sparse_paged_decode(q, k_cache, v_cache, seq_lens, tables, selected, scale).float()
+    sparse_out = ops.sparse_paged_decode(q, k_cache, v_cache, seq_lens, tables, selected, scale,
+                                         page_size=page_size).float()
     runs = 20
     dense_us, graphed = time_calls([dense], runs, device)
     select_us, _ = time_calls([select], runs, device)
     quest_us, _ = time_calls([quest], runs, device)
     kv_bytes = 2 * batch * context * kv_heads * head_size * k_cache.element_size()
     return {
-        "batch": batch, "context": context, "token_budget": budget, "dense_us": dense_us, "quest_us": quest_us,
+        "batch": batch, "context": context, "token_budget": budget, "page_size": page_size, "dense_us": dense_us,
+        "quest_us": quest_us,
         "selection_us": select_us, "attention_speedup": dense_us / quest_us, "cuda_graphs": graphed,
         "dense_kv_bytes": kv_bytes, "quest_kv_bytes": kv_bytes * min(1.0, budget / context),
-        "bounds_bytes": 2 * batch * blocks_per_seq * kv_heads * head_size * 4,
+        "bounds_bytes": 2 * batch * blocks_per_seq * pages * kv_heads * head_size * 4,
         "output_finite": bool(torch.isfinite(sparse_out).all()),
     }
 
@@ -289,17 +310,18 @@ def run_speed(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     rows = []
-    for budget in args.budgets:
+    for budget, page in [(b, p) for b in args.budgets for p in args.page_sizes]:
         for context in args.contexts:
             for batch in args.batches:
                 row = speed_case(batch, context, budget, args.heads, args.kv_heads, args.head_size, dtype, device,
-                                 args.sink_blocks, args.recent_blocks)
+                                 args.sink_blocks, args.recent_blocks, page or BLOCK_SIZE)
                 rows.append(row)
-                print(f"batch {batch:3d} x {context:6d}, budget {budget}: dense {row['dense_us']:9.1f} us, quest "
+                print(f"batch {batch:3d} x {context:6d}, budget {budget}, page {page or BLOCK_SIZE}: dense "
+                      f"{row['dense_us']:9.1f} us, quest "
                       f"{row['quest_us']:9.1f} us (selection {row['selection_us']:.1f}) -> "
                       f"{row['attention_speedup']:.2f}x", file=sys.stderr)
     targets = [{"target": f"decode attention >= {TARGET_ATTENTION_SPEEDUP:g}x dense at batch {r['batch']}, context "
-                          f"{r['context']}, budget {r['token_budget']}",
+                          f"{r['context']}, budget {r['token_budget']}, page_size {r['page_size']}",
                 "measured": r["attention_speedup"], "limit": TARGET_ATTENTION_SPEEDUP,
                 "pass": device.type == "cuda" and r["attention_speedup"] >= TARGET_ATTENTION_SPEEDUP}
                for r in rows if r["context"] >= 32768 and r["token_budget"] == 2048]
@@ -321,14 +343,15 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     if result["mode"] == "quality":
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
         budgets = sorted({r["token_budget"] for r in rows})
-        for dense_layers in sorted({r["dense_layers"] for r in rows}):
-            sub = [r for r in rows if r["dense_layers"] == dense_layers]
+        for dense_layers, page in sorted({(r["dense_layers"], r.get("page_size") or BLOCK_SIZE) for r in rows}):
+            sub = [r for r in rows if r["dense_layers"] == dense_layers and (r.get("page_size") or BLOCK_SIZE) == page]
+            name = f"dense_layers={dense_layers}, page {page}"
             left.plot([r["token_budget"] for r in sub], [100 * r["ppl_delta"] for r in sub], "o-",
-                      label=f"Quest, dense_layers={dense_layers}")
+                      label=f"Quest, {name}")
             right.plot([r["token_budget"] for r in sub], [r["attention_rel_error_mean"] for r in sub], "o-",
-                       label=f"mean, dense_layers={dense_layers}")
+                       label=f"mean, {name}")
             right.plot([r["token_budget"] for r in sub], [r["attention_rel_error_p95"] for r in sub], "s--",
-                       label=f"p95, dense_layers={dense_layers}")
+                       label=f"p95, {name}")
         left.axhline(100 * TARGET_PPL_DELTA, color="gray", linestyle="--", label="target (+1%)")
         left.axvline(TARGET_BUDGET_FRACTION * result["context"], color="gray", linestyle=":",
                      label="25% of the context")
@@ -336,12 +359,12 @@ def plot(result: dict[str, Any], path: Path) -> bool:
                  title=f"kestrel-tiny, {result['windows']} windows of {result['context']} tokens")
         left.set_xticks(budgets, [str(b) for b in budgets])
         left.minorticks_off()
-        left.legend()
+        left.legend(fontsize=7)
         right.set(xscale="log", yscale="log", xlabel="token budget", ylabel="relative error",
                   title="attention output vs dense (same activations)")
         right.set_xticks(budgets, [str(b) for b in budgets])
         right.xaxis.set_minor_locator(plt.NullLocator())
-        right.legend(fontsize=8)
+        right.legend(fontsize=6)
     else:
         fig, ax = plt.subplots(figsize=(6, 4))
         for context in sorted({r["context"] for r in rows}):
@@ -358,8 +381,9 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(f"{result['windows']} windows x {result['scored_tokens_per_window']} scored decode tokens "
                      f"(context {result['context']}); dense perplexity {result['dense']['perplexity']:.4f}")
         for r in result["rows"]:
-            lines.append(f"  dense_layers {r['dense_layers']}, budget {r['token_budget']:5d}: ppl "
-                         f"{r['perplexity']:.4f} ({r['ppl_delta']:+.3%}), "
+            lines.append(f"  dense_layers {r['dense_layers']}, page_size {r['page_size'] or BLOCK_SIZE}, budget "
+                         f"{r['token_budget']:5d}: ppl {r['perplexity']:.4f} ({r['ppl_delta']:+.3%}; last quarter "
+                         f"{r['ppl_delta_tail']:+.3%}), "
                          f"attention rel. error mean {r['attention_rel_error_mean']:.4f}, "
                          f"p95 {r['attention_rel_error_p95']:.4f}")
     lines.extend(target_lines(result["targets"], ".3f"))
@@ -378,6 +402,10 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _page_list(text: str) -> list[int | None]:
+    return [None if p == BLOCK_SIZE else p for p in _int_list(text)]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("quality", "speed"), default="quality")
     p.add_argument("--model", default=None, help="quality: model directory (default: the bundled kestrel-tiny)")
@@ -389,6 +417,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recent-blocks", type=int, default=2)
     p.add_argument("--dense-layers", type=_int_list, default=[0],
                    help="quality: sparse_decode.dense_layers values to compare (e.g. 0,2)")
+    p.add_argument("--page-sizes", type=_page_list, default=[None],
+                   help="sparse_decode.page_size values to compare (e.g. 16,8; default: the block)")
     p.add_argument("--context", type=int, default=512, help="quality: tokens per window (<= the model's context)")
     p.add_argument("--prefill", type=int, default=128, help="quality: tokens prefilled; the rest are decoded")
     p.add_argument("--windows", type=int, default=32, help="quality: held-out windows scored")
@@ -410,8 +440,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         args.dtype = args.dtype or "bfloat16"
         args.budgets = args.budgets or [2048]
-        for budget in args.budgets:
-            SparseDecodeConfig("quest", budget, args.sink_blocks, args.recent_blocks).check(BLOCK_SIZE)
+        for budget, page in [(b, p) for b in args.budgets for p in args.page_sizes]:
+            SparseDecodeConfig("quest", budget, args.sink_blocks, args.recent_blocks, page_size=page).check(BLOCK_SIZE)
         result = run_speed(args)
     report(result, summary(result), args.result_file, plot)
     return 0

@@ -1,25 +1,31 @@
-"""Query-aware sparse decoding (Quest) over the paged KV cache: per-block key bounds, block selection, and decode
-attention over the selected blocks.
+"""Query-aware sparse decoding (Quest) over the paged KV cache: per-page key bounds, page selection, and decode
+attention over the selected pages.
+
+A page is `page_size` consecutive tokens of one cache block (the block itself when `page_size == block_size`, or
+one of its `block_size // page_size` equal parts): the unit that is bounded, selected and read. Finer pages bound
+their keys more tightly and spend the token budget on fewer unneeded tokens, at the cost of more bounds.
 
 Three operations, each a Triton kernel with a PyTorch reference of the same signature:
-- `update_key_bounds`: after a step's K/V are written, each block written this step gets the elementwise min and
-  max of its filled slots' keys, per KV head, as stored (dequantized by `k_scale` for an FP8 cache), so the bounds
-  hold exactly for the keys attention reads. The last token a step writes into a block recomputes that block's
-  bounds from slot 0 through its own slot: a block whose first slot is written starts fresh (a reused block keeps
-  nothing of its previous owner), and a block the step does not write (a prefix-cache hit) keeps its bounds.
-- `quest_select`: per (sequence, KV head), an upper bound of each block's attention score,
-  `scale * max over the group's query heads of sum_d max(q_d * min_d, q_d * max_d)`; the first `sink_blocks`
-  and last `recent_blocks` blocks are always kept, the highest-bounded of the rest fill the `num_selected` slots.
-  Out: logical block indices `[num_seqs, num_kv_heads, num_selected]`, ascending, -1 for unused slots; a
-  sequence of at most `num_selected` blocks selects them all.
-- `sparse_paged_decode`: one query token per sequence attends to its selected blocks only (the last block masked
-  by the sequence length), with split-KV partials for small batches.
+- `update_key_bounds`: after a step's K/V are written, each block written this step gets, per page, the
+  elementwise min and max of the page's filled slots' keys, per KV head, as stored (dequantized by `k_scale` for
+  an FP8 cache), so the bounds hold exactly for the keys attention reads. The last token a step writes into a
+  block recomputes that block's bounds from slot 0 through its own slot (pages past that slot get +inf / -inf,
+  the bounds of no key): a block whose first slot is written starts fresh (a reused block keeps nothing of its
+  previous owner), and a block the step does not write (a prefix-cache hit) keeps its bounds.
+- `quest_select`: per (sequence, KV head), an upper bound of each page's attention score,
+  `scale * max over the group's query heads of sum_d max(q_d * min_d, q_d * max_d)`; the pages of the first
+  `sink_blocks` blocks' tokens and of the last `recent_blocks * block_size` tokens are always kept, the
+  highest-bounded of the rest fill the `num_selected` slots. Out: logical page indices (token // page_size)
+  `[num_seqs, num_kv_heads, num_selected]`, ascending, -1 for unused slots; a sequence of at most `num_selected`
+  pages selects them all.
+- `sparse_paged_decode`: one query token per sequence attends to its selected pages only (the last one masked by
+  the sequence length), with split-KV partials for small batches.
 
 Shapes are static (the selection width is fixed, grids depend on shapes only) and nothing reads a tensor back to
 the host, so a decode step stays capturable in a CUDA graph.
 
 Layouts: caches `[num_blocks, block_size, num_kv_heads, head_size]`; key bounds float32
-`[num_blocks, 2, num_kv_heads, head_size]` (min, then max).
+`[num_blocks, block_size // page_size, 2, num_kv_heads, head_size]` (per page: min, then max).
 """
 
 from __future__ import annotations
@@ -34,8 +40,19 @@ _LOG2E = 1.4426950408889634
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def key_bounds_shape(num_blocks: int, num_kv_heads: int, head_size: int) -> tuple[int, int, int, int]:
-    return (num_blocks, 2, num_kv_heads, head_size)
+def key_bounds_shape(num_blocks: int, pages_per_block: int, num_kv_heads: int,
+                     head_size: int) -> tuple[int, int, int, int, int]:
+    return (num_blocks, pages_per_block, 2, num_kv_heads, head_size)
+
+
+def _page_size(k_cache_or_block_size: torch.Tensor | int, key_bounds: torch.Tensor) -> int:
+    block_size = (k_cache_or_block_size if isinstance(k_cache_or_block_size, int)
+                  else k_cache_or_block_size.shape[1])
+    pages = key_bounds.shape[1]
+    if key_bounds.dim() != 5 or block_size % pages:
+        raise ValueError(f"key bounds {tuple(key_bounds.shape)} are not [num_blocks, pages_per_block, 2, "
+                         f"num_kv_heads, head_size] with pages_per_block dividing block_size={block_size}")
+    return block_size // pages
 
 
 def _next_pow2(n: int) -> int:
@@ -58,21 +75,25 @@ def update_key_bounds_ref(k_cache: torch.Tensor, slot_mapping: torch.Tensor, key
                           k_scale: float = 1.0) -> None:
     """Recompute the bounds of every block this step wrote (see the module docstring); slot -1 writes nothing."""
     block_size = k_cache.shape[1]
+    page_size = _page_size(k_cache, key_bounds)
     slots = slot_mapping.long()[_last_writers(slot_mapping, block_size)]
     if slots.numel() == 0:
         return
     blocks, last_offset = slots // block_size, slots % block_size
     keys = k_cache[blocks].float() * k_scale  # [W, block_size, H_kv, D]
-    filled = (torch.arange(block_size, device=slots.device)[None, :] <= last_offset[:, None])[:, :, None, None]
-    key_bounds[blocks, 0] = torch.where(filled, keys, float("inf")).amin(dim=1).to(key_bounds.dtype)
-    key_bounds[blocks, 1] = torch.where(filled, keys, float("-inf")).amax(dim=1).to(key_bounds.dtype)
+    keys = keys.view(len(blocks), block_size // page_size, page_size, *keys.shape[2:])
+    filled = torch.arange(block_size, device=slots.device)[None, :] <= last_offset[:, None]
+    filled = filled.view(len(blocks), block_size // page_size, page_size, 1, 1)
+    key_bounds[blocks, :, 0] = torch.where(filled, keys, float("inf")).amin(dim=2).to(key_bounds.dtype)
+    key_bounds[blocks, :, 1] = torch.where(filled, keys, float("-inf")).amax(dim=2).to(key_bounds.dtype)
 
 
 @triton.jit
 def _update_key_bounds_kernel(k_ptr, slot_ptr, bounds_ptr, num_tokens, k_scale, stride_kb, stride_kt,
-                              stride_bb, BLOCK_SIZE: tl.constexpr, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr):
-    """One program per written token; only a block's last writer of the step computes, over the block's filled
-    slots and every KV head at once (a slot's heads x dims are contiguous: WIDTH of them)."""
+                              stride_bb, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
+                              WIDTH_PAD: tl.constexpr):
+    """One program per written token; only a block's last writer of the step computes, page by page over the
+    block's filled slots and every KV head at once (a slot's heads x dims are contiguous: WIDTH of them)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     following = tl.load(slot_ptr + t + 1, mask=t + 1 < num_tokens, other=-1)
@@ -81,25 +102,28 @@ def _update_key_bounds_kernel(k_ptr, slot_ptr, bounds_ptr, num_tokens, k_scale, 
         return
     block = slot // BLOCK_SIZE
     last_offset = slot % BLOCK_SIZE
-    rows = tl.arange(0, BLOCK_SIZE)
     cols = tl.arange(0, WIDTH_PAD)
-    ok = (rows[:, None] <= last_offset) & (cols[None, :] < WIDTH)
-    keys = tl.load(k_ptr + block * stride_kb + rows[:, None] * stride_kt + cols[None, :], mask=ok, other=0.0)
-    keys = keys.to(tl.float32) * k_scale
-    lowest = tl.min(tl.where(ok, keys, float("inf")), axis=0)
-    highest = tl.max(tl.where(ok, keys, float("-inf")), axis=0)
-    base = bounds_ptr + block * stride_bb
-    tl.store(base + cols, lowest, mask=cols < WIDTH)
-    tl.store(base + WIDTH + cols, highest, mask=cols < WIDTH)
+    for page in tl.static_range(BLOCK_SIZE // PAGE):
+        rows = page * PAGE + tl.arange(0, PAGE)
+        ok = (rows[:, None] <= last_offset) & (cols[None, :] < WIDTH)
+        keys = tl.load(k_ptr + block * stride_kb + rows[:, None] * stride_kt + cols[None, :], mask=ok, other=0.0)
+        keys = keys.to(tl.float32) * k_scale
+        lowest = tl.min(tl.where(ok, keys, float("inf")), axis=0)
+        highest = tl.max(tl.where(ok, keys, float("-inf")), axis=0)
+        base = bounds_ptr + block * stride_bb + page * 2 * WIDTH
+        tl.store(base + cols, lowest, mask=cols < WIDTH)
+        tl.store(base + WIDTH + cols, highest, mask=cols < WIDTH)
 
 
 def update_key_bounds(k_cache: torch.Tensor, slot_mapping: torch.Tensor, key_bounds: torch.Tensor,
                       k_scale: float = 1.0) -> None:
     num_tokens = slot_mapping.shape[0]
     _, block_size, num_kv_heads, head_size = k_cache.shape
-    if key_bounds.shape[1:] != (2, num_kv_heads, head_size) or key_bounds.dtype != torch.float32:
+    page_size = _page_size(k_cache, key_bounds)
+    if key_bounds.shape[2:] != (2, num_kv_heads, head_size) or key_bounds.dtype != torch.float32:
         raise ValueError(f"key bounds {tuple(key_bounds.shape)} {key_bounds.dtype} do not fit the cache "
-                         f"{tuple(k_cache.shape)}: expected float32 [num_blocks, 2, {num_kv_heads}, {head_size}]")
+                         f"{tuple(k_cache.shape)}: expected float32 [num_blocks, pages_per_block, 2, {num_kv_heads}, "
+                         f"{head_size}]")
     if k_cache.stride(3) != 1 or k_cache.stride(2) != head_size or not key_bounds.is_contiguous():
         raise ValueError("update_key_bounds needs each slot's heads x dims contiguous and contiguous bounds")
     if num_tokens == 0:
@@ -107,7 +131,7 @@ def update_key_bounds(k_cache: torch.Tensor, slot_mapping: torch.Tensor, key_bou
     width = num_kv_heads * head_size
     _update_key_bounds_kernel[(num_tokens,)](
         k_cache, slot_mapping, key_bounds, num_tokens, float(k_scale), k_cache.stride(0), k_cache.stride(1),
-        key_bounds.stride(0), BLOCK_SIZE=block_size, WIDTH=width, WIDTH_PAD=_next_pow2(width))
+        key_bounds.stride(0), BLOCK_SIZE=block_size, PAGE=page_size, WIDTH=width, WIDTH_PAD=_next_pow2(width))
 
 
 # ------------------------------------------------------------------------------------------------ selection
@@ -115,40 +139,45 @@ def update_key_bounds(k_cache: torch.Tensor, slot_mapping: torch.Tensor, key_bou
 
 def quest_block_scores_ref(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
-    """Upper bound of the scaled q.k of each of a sequence's blocks per KV head, `[S, H_kv, width]` (float32;
-    float64 for float64 queries), -inf past the sequence's blocks."""
+    """Upper bound of the scaled q.k of each of a sequence's pages per KV head, `[S, H_kv, width]` (width: the
+    table's blocks x pages per block; float32, float64 for float64 queries), -inf past the sequence's pages."""
     num_seqs, num_heads, head_size = q.shape
-    num_kv_heads, width = key_bounds.shape[2], block_tables.shape[1]
+    page_size = _page_size(block_size, key_bounds)
+    num_kv_heads = key_bounds.shape[3]
+    bounds = key_bounds[block_tables.long()].flatten(1, 2)  # [S, width, 2, H_kv, D]
+    width = bounds.shape[1]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    bounds = key_bounds[block_tables.long()].to(compute)  # [S, width, 2, H_kv, D]
+    bounds = bounds.to(compute)
     qg = q.to(compute).view(num_seqs, num_kv_heads, num_heads // num_kv_heads, 1, head_size)
     lowest = bounds[:, :, 0].permute(0, 2, 1, 3)[:, :, None]  # [S, H_kv, 1, width, D]
     highest = bounds[:, :, 1].permute(0, 2, 1, 3)[:, :, None]
     scores = torch.maximum(qg * lowest, qg * highest).sum(-1).amax(dim=2) * scale  # [S, H_kv, width]
-    num_blocks = (seq_lens.long() + block_size - 1) // block_size
-    inside = torch.arange(width, device=q.device)[None, :] < num_blocks[:, None]
+    num_pages = (seq_lens.long() + page_size - 1) // page_size
+    inside = torch.arange(width, device=q.device)[None, :] < num_pages[:, None]
     return scores.masked_fill(~inside[:, None, :], float("-inf"))
 
 
 @triton.jit
 def _quest_scores_kernel(q_ptr, bounds_ptr, bt_ptr, seq_lens_ptr, scores_ptr, width, scale, stride_qs, stride_qh,
                          stride_bb, stride_bt, stride_ss, stride_sh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                         HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, WIDTH_KV: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Grid (num_seqs, num_kv_heads, cdiv(width, BLOCK_B)): BLOCK_B blocks' bounds against the group's queries.
-    A block's bounds row holds the minima of every KV head (WIDTH_KV = heads x dims), then the maxima."""
+                         HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, WIDTH_KV: tl.constexpr, PAGE: tl.constexpr,
+                         PAGES_PER_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Grid (num_seqs, num_kv_heads, cdiv(width, BLOCK_B)): BLOCK_B pages' bounds against the group's queries.
+    A page's bounds row holds the minima of every KV head (WIDTH_KV = heads x dims), then the maxima."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     offs_b = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD
-    num_blocks = tl.cdiv(tl.load(seq_lens_ptr + seq), BLOCK_SIZE)
-    b_ok = (offs_b < width) & (offs_b < num_blocks)
+    num_pages = tl.cdiv(tl.load(seq_lens_ptr + seq), PAGE)
+    b_ok = (offs_b < width) & (offs_b < num_pages)
     q = tl.load(q_ptr + seq * stride_qs + (kv_head * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
                 mask=(offs_g[:, None] < GROUP) & d_ok[None, :], other=0.0).to(tl.float32)
-    physical = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + offs_b, mask=b_ok, other=0).to(tl.int64)
-    base = bounds_ptr + physical[:, None] * stride_bb + kv_head * HEAD + offs_d[None, :]
+    physical = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + offs_b // PAGES_PER_BLOCK, mask=b_ok,
+                       other=0).to(tl.int64)
+    page_row = physical * stride_bb + (offs_b % PAGES_PER_BLOCK) * (2 * WIDTH_KV)
+    base = bounds_ptr + page_row[:, None] + kv_head * HEAD + offs_d[None, :]
     lowest = tl.load(base, mask=b_ok[:, None] & d_ok[None, :], other=0.0)
     highest = tl.load(base + WIDTH_KV, mask=b_ok[:, None] & d_ok[None, :], other=0.0)
     qe = q[:, None, :]
@@ -161,7 +190,9 @@ def _quest_scores_kernel(q_ptr, bounds_ptr, bt_ptr, seq_lens_ptr, scores_ptr, wi
 def quest_block_scores(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tensor,
                        block_tables: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
     num_seqs, num_heads, head_size = q.shape
-    num_kv_heads, width = key_bounds.shape[2], block_tables.shape[1]
+    page_size = _page_size(block_size, key_bounds)
+    pages_per_block, num_kv_heads = key_bounds.shape[1], key_bounds.shape[3]
+    width = block_tables.shape[1] * pages_per_block
     if not key_bounds.is_contiguous() or q.stride(-1) != 1 or block_tables.stride(-1) != 1:
         raise ValueError("quest_block_scores needs contiguous key bounds and a contiguous last dimension of q and "
                          "block_tables")
@@ -174,31 +205,32 @@ def quest_block_scores(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torc
         q, key_bounds, block_tables, seq_lens, scores, width, float(scale), q.stride(0), q.stride(1),
         key_bounds.stride(0), block_tables.stride(0), scores.stride(0), scores.stride(1),
         GROUP=group, GROUP_PAD=max(2, _next_pow2(group)), HEAD=head_size, HEAD_PAD=max(16, _next_pow2(head_size)),
-        WIDTH_KV=num_kv_heads * head_size, BLOCK_SIZE=block_size, BLOCK_B=block_b)
+        WIDTH_KV=num_kv_heads * head_size, PAGE=page_size, PAGES_PER_BLOCK=pages_per_block, BLOCK_B=block_b)
     return scores
 
 
-def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_selected: int,
-                  sink_blocks: int, recent_blocks: int) -> torch.Tensor:
-    """The selected logical blocks `[S, H_kv, num_selected]` int32 from block scores `[S, H_kv, width]`: the
-    sinks, the `num_selected - sink_blocks - recent_blocks` best-scored blocks between them and the recent ones,
-    and the recent ones; ascending, -1 in unused slots. Static shapes (topk over the table width), no host sync."""
+def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_selected: int,
+                 sink_pages: int, recent_pages: int) -> torch.Tensor:
+    """The selected logical pages `[S, H_kv, num_selected]` int32 from page scores `[S, H_kv, width]`: the first
+    `sink_pages`, the `num_selected - sink_pages - recent_pages` best-scored pages between them and the recent
+    ones, and the last `recent_pages` (the page being written is the last); ascending, -1 in unused slots. Static
+    shapes (topk over the table width), no host sync."""
     num_seqs, num_kv_heads, width = scores.shape
     device = scores.device
-    num_blocks = ((seq_lens.long() + block_size - 1) // block_size)[:, None, None]  # [S, 1, 1]
+    num_pages = ((seq_lens.long() + page_size - 1) // page_size)[:, None, None]  # [S, 1, 1]
     positions = torch.arange(width, device=device)
-    between = (positions >= sink_blocks) & (positions < num_blocks - recent_blocks)  # [S, 1, width]
+    between = (positions >= sink_pages) & (positions < num_pages - recent_pages)  # [S, 1, width]
     candidates = scores.masked_fill(~between, float("-inf"))
-    num_chosen = num_selected - sink_blocks - recent_blocks
+    num_chosen = num_selected - sink_pages - recent_pages
     take = min(num_chosen, width)
     values, chosen = candidates.topk(take, dim=-1)
     chosen = torch.where(values > float("-inf"), chosen, -1)
     if take < num_chosen:
         chosen = torch.cat([chosen, chosen.new_full((num_seqs, num_kv_heads, num_chosen - take), -1)], dim=-1)
-    sinks = torch.arange(sink_blocks, device=device).expand(num_seqs, num_kv_heads, sink_blocks)
-    sinks = torch.where(sinks < num_blocks, sinks, -1)
-    recent = num_blocks - recent_blocks + torch.arange(recent_blocks, device=device)  # [S, 1, recent]
-    recent = torch.where(recent >= sink_blocks, recent, -1).expand(num_seqs, num_kv_heads, recent_blocks)
+    sinks = torch.arange(sink_pages, device=device).expand(num_seqs, num_kv_heads, sink_pages)
+    sinks = torch.where(sinks < num_pages, sinks, -1)
+    recent = num_pages - recent_pages + torch.arange(recent_pages, device=device)  # [S, 1, recent]
+    recent = torch.where(recent >= sink_pages, recent, -1).expand(num_seqs, num_kv_heads, recent_pages)
     selected = torch.cat([sinks, chosen, recent], dim=-1)
     unused = selected < 0
     ordered = selected.masked_fill(unused, width + num_selected).sort(dim=-1).values
@@ -208,9 +240,12 @@ def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
 def quest_select_ref(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                      scale: float, block_size: int, num_selected: int, sink_blocks: int,
                      recent_blocks: int) -> torch.Tensor:
-    """q `[S, H, D]` (one decode token per sequence) -> selected logical blocks `[S, H_kv, num_selected]`."""
+    """q `[S, H, D]` (one decode token per sequence) -> selected logical pages `[S, H_kv, num_selected]`; the
+    sinks and recent tokens are counted in blocks and kept as the pages that hold them."""
     scores = quest_block_scores_ref(q, key_bounds, seq_lens, block_tables, scale, block_size)
-    return select_blocks(scores, seq_lens, block_size, num_selected, sink_blocks, recent_blocks)
+    pages = key_bounds.shape[1]
+    return select_pages(scores, seq_lens, block_size // pages, num_selected, sink_blocks * pages,
+                        recent_blocks * pages)
 
 
 def quest_select(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -218,7 +253,9 @@ def quest_select(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tens
                  recent_blocks: int) -> torch.Tensor:
     """`quest_select_ref` with the scores from the Triton kernel; the top-k is torch's (static width)."""
     scores = quest_block_scores(q, key_bounds, seq_lens, block_tables, scale, block_size)
-    return select_blocks(scores, seq_lens, block_size, num_selected, sink_blocks, recent_blocks)
+    pages = key_bounds.shape[1]
+    return select_pages(scores, seq_lens, block_size // pages, num_selected, sink_blocks * pages,
+                        recent_blocks * pages)
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -226,11 +263,14 @@ def quest_select(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tens
 
 def sparse_paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                             block_tables: torch.Tensor, selected: torch.Tensor, scale: float, k_scale: float = 1.0,
-                            v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: float = 1.0, out: torch.Tensor | None = None, *,
+                            page_size: int | None = None) -> torch.Tensor:
     """q `[S, H, D]`, one query token per sequence at position seq_len - 1, attending to the keys of its KV head's
-    selected logical blocks (`selected[s, h]`, -1 unused) below seq_len. Float32 math (float64 for float64 q)."""
+    selected logical pages (`selected[s, h]`, -1 unused; pages of `page_size` tokens, default the block size)
+    below seq_len. Float32 math (float64 for float64 q)."""
     num_seqs, num_heads, head_size = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    page_size = _check_page_size(page_size, block_size)
     group = num_heads // num_kv_heads
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     if out is None:
@@ -239,11 +279,11 @@ def sparse_paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     used = selected >= 0
     logical = selected.long().clamp_min(0)  # [S, H_kv, K]
-    physical = block_tables.long().gather(1, logical.view(num_seqs, -1)).view_as(logical)
-    heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
-    keys = k_cache.permute(0, 2, 1, 3)[physical, heads].to(compute) * k_scale  # [S, H_kv, K, block, D]
-    values = v_cache.permute(0, 2, 1, 3)[physical, heads].to(compute) * v_scale
-    token = logical[..., None] * block_size + torch.arange(block_size, device=q.device)  # [S, H_kv, K, block]
+    token = logical[..., None] * page_size + torch.arange(page_size, device=q.device)  # [S, H_kv, K, page]
+    physical = block_tables.long().gather(1, (token // block_size).view(num_seqs, -1)).view_as(token)
+    heads = torch.arange(num_kv_heads, device=q.device)[None, :, None, None]
+    keys = k_cache[physical, token % block_size, heads].to(compute) * k_scale  # [S, H_kv, K, page, D]
+    values = v_cache[physical, token % block_size, heads].to(compute) * v_scale
     visible = used[..., None] & (token < seq_lens.long()[:, None, None, None])
     values = values.masked_fill(~visible[..., None], 0.0)  # unwritten slots may hold NaN; 0 * NaN is NaN
     qg = q.to(compute).view(num_seqs, num_kv_heads, group, head_size)
@@ -260,16 +300,20 @@ def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, ou
                           qk_scale, v_scale, stride_qs, stride_qh, stride_os, stride_oh, stride_kb, stride_kt,
                           stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_ss, stride_sh,
                           GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                          Q_CLAMP: tl.constexpr, SPLIT: tl.constexpr):
-    """Grid (num_seqs, num_kv_heads, num_splits). Rows of the tile are the group's query heads; each selected
-    block is one key tile (BLOCK_SIZE keys), online softmax in the log2 domain. With SPLIT, each program covers a
-    slice of the selection and writes a normalized partial and its log-sum-exp."""
+                          BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
+                          DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, Q_CLAMP: tl.constexpr,
+                          SPLIT: tl.constexpr):
+    """Grid (num_seqs, num_kv_heads, num_splits). Rows of the tile are the group's query heads; a key tile is
+    PAGES_PER_TILE consecutive selected pages (PAGE keys each: at least 16 keys a tile, what a dot needs), online
+    softmax in the log2 domain. With SPLIT, each program covers a slice of the tiles and writes a normalized
+    partial and its log-sum-exp."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_SIZE)
+    offs_n = tl.arange(0, PAGE * PAGES_PER_TILE)
+    entry_of_key = offs_n // PAGE
+    within_page = offs_n % PAGE
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD
     row_ok = offs_m < GROUP
@@ -280,9 +324,10 @@ def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, ou
     if Q_CLAMP:  # bf16 queries into fp16 dots (FP8 cache): keep them finite
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0)
     q = q.to(DOT_DTYPE)
-    per_split = tl.cdiv(num_selected, tl.num_programs(2))
+    num_tiles = tl.cdiv(num_selected, PAGES_PER_TILE)
+    per_split = tl.cdiv(num_tiles, tl.num_programs(2))
     first = split * per_split
-    last = tl.minimum(first + per_split, num_selected)
+    last = tl.minimum(first + per_split, num_tiles)
     sel_row = sel_ptr + seq.to(tl.int64) * stride_ss + kv_head * stride_sh
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head * stride_kh
@@ -291,13 +336,15 @@ def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, ou
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     for j in range(first, last):
-        logical = tl.load(sel_row + j)
-        physical = tl.load(bt_row + tl.maximum(logical, 0)).to(tl.int64)
-        token = logical * BLOCK_SIZE + offs_n
+        entry = j * PAGES_PER_TILE + entry_of_key
+        logical = tl.load(sel_row + entry, mask=entry < num_selected, other=-1)
+        token = tl.maximum(logical, 0) * PAGE + within_page
         key_ok = (logical >= 0) & (token < seq_len)
+        physical = tl.load(bt_row + token // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        key_row = physical * stride_kb + (token % BLOCK_SIZE) * stride_kt
+        value_row = physical * stride_vb + (token % BLOCK_SIZE) * stride_vt
         kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + physical * stride_kb + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
+        k = tl.load(k_base + key_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), out_dtype=tl.float32, input_precision=DOT_PREC) * qk_scale
         qk = tl.where(key_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -305,8 +352,7 @@ def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, ou
         p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + physical * stride_vb + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
+        v = tl.load(v_base + value_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), out_dtype=tl.float32,
                                              input_precision=DOT_PREC)
         m_i = m_new
@@ -321,23 +367,32 @@ def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, ou
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def sparse_decode_splits(num_seqs: int, num_kv_heads: int, num_selected: int, device: torch.device) -> int:
+def sparse_decode_splits(num_seqs: int, num_kv_heads: int, num_tiles: int, device: torch.device) -> int:
     """Splits of each (sequence, KV head)'s selection: double while the launch stays within 4 programs per SM
-    (the dense decode's BF16 rule), keeping >= 4 blocks (64 keys) per split. From shapes only."""
+    (the dense decode's BF16 rule), keeping >= 4 key tiles (64 keys) per split. From shapes only."""
     sms = common.num_sms(device, off_cuda=16)
     splits = 1
-    while num_seqs * num_kv_heads * splits * 2 <= 4 * sms and splits * 2 * 4 <= num_selected:
+    while num_seqs * num_kv_heads * splits * 2 <= 4 * sms and splits * 2 * 4 <= num_tiles:
         splits *= 2
     return splits
 
 
+def _check_page_size(page_size: int | None, block_size: int) -> int:
+    if page_size is None:
+        return block_size
+    if page_size < 1 or block_size % page_size or page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size} must be a power of two dividing block_size={block_size}")
+    return page_size
+
+
 def sparse_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                         block_tables: torch.Tensor, selected: torch.Tensor, scale: float, k_scale: float = 1.0,
-                        v_scale: float = 1.0, out: torch.Tensor | None = None, *,
+                        v_scale: float = 1.0, out: torch.Tensor | None = None, *, page_size: int | None = None,
                         num_splits: int | None = None) -> torch.Tensor:
     """Triton `sparse_paged_decode_ref`; `num_splits` overrides the shape rule (tests)."""
     num_seqs, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, kv_head_size = k_cache.shape
+    page_size = _check_page_size(page_size, block_size)
     if num_heads % num_kv_heads or kv_head_size != head_size or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
     if selected.shape[:2] != (num_seqs, num_kv_heads):
@@ -359,7 +414,9 @@ def sparse_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         dot_dtype = tl.float32
     else:
         dot_dtype = tl.float16 if fp8 else _DOT_DTYPES[q.dtype]
-    splits = num_splits or sparse_decode_splits(num_seqs, num_kv_heads, num_selected, q.device)
+    pages_per_tile = max(1, 16 // page_size)
+    num_tiles = -(-num_selected // pages_per_tile)
+    splits = num_splits or sparse_decode_splits(num_seqs, num_kv_heads, num_tiles, q.device)
     if splits > 1:
         partial = torch.empty(splits, num_seqs, num_kv_heads, block_m, head_pad, dtype=torch.float32, device=q.device)
         lse = torch.empty(splits, num_seqs, num_kv_heads, block_m, dtype=torch.float32, device=q.device)
@@ -370,8 +427,8 @@ def sparse_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         float(scale) * float(k_scale) * _LOG2E, float(v_scale), q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), selected.stride(0), selected.stride(1),
-        GROUP=group, HEAD=head_size, HEAD_PAD=head_pad, BLOCK_M=block_m, BLOCK_SIZE=block_size,
-        DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else "tf32",
+        GROUP=group, HEAD=head_size, HEAD_PAD=head_pad, BLOCK_M=block_m, BLOCK_SIZE=block_size, PAGE=page_size,
+        PAGES_PER_TILE=pages_per_tile, DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else "tf32",
         Q_CLAMP=fp8 and q.dtype == torch.bfloat16, SPLIT=splits > 1, num_warps=4)
     if splits > 1:
         _merge_partials(partial, lse, out, group, head_size)

@@ -203,20 +203,28 @@ def quest_layer_indices(layers: Sequence[CachingLayer], sparse: SparseDecodeConf
     return chosen
 
 
-def key_bounds_bytes_per_block(layers: Sequence[CachingLayer], sparse: SparseDecodeConfig | None) -> int:
-    """Quest's key bounds of one block over the layers it runs on: min and max per KV head and head dimension
-    (2 x head_size float32 per KV head, against block_size x 2 x head_size cache elements)."""
+def key_bounds_bytes_per_block(layers: Sequence[CachingLayer], sparse: SparseDecodeConfig | None,
+                               block_size: int) -> int:
+    """Quest's key bounds of one block over the layers it runs on: min and max per page, KV head and head
+    dimension (pages x 2 x head_size float32 per KV head, against block_size x 2 x head_size cache elements)."""
+    if sparse is None:
+        return 0
+    pages = block_size // sparse.page_tokens(block_size)
     specs = [layers[i].cache_spec for i in quest_layer_indices(layers, sparse)]
-    return sum(2 * spec.num_kv_heads * spec.head_size * KEY_BOUND_BYTES for spec in specs)
+    return sum(pages * 2 * spec.num_kv_heads * spec.head_size * KEY_BOUND_BYTES for spec in specs)
 
 
 def bind_key_bounds(layers: Sequence[CachingLayer], sparse: SparseDecodeConfig | None, num_blocks: int,
                     device: torch.device) -> list[torch.Tensor]:
-    """Allocate and bind each Quest layer's key bounds (zeros: a block is only read once written)."""
+    """Allocate and bind each Quest layer's key bounds (zeros: a page is only read once written), after the KV
+    cache (whose block size gives the pages per block)."""
     bounds = []
     for i in quest_layer_indices(layers, sparse):
-        spec = layers[i].cache_spec
-        tensor = torch.zeros(num_blocks, 2, spec.num_kv_heads, spec.head_size, dtype=torch.float32, device=device)
+        assert sparse is not None
+        spec, block_size = layers[i].cache_spec, layers[i].kv_cache.shape[2]  # type: ignore[attr-defined]
+        pages = block_size // sparse.page_tokens(block_size)
+        tensor = torch.zeros(num_blocks, pages, 2, spec.num_kv_heads, spec.head_size, dtype=torch.float32,
+                             device=device)
         layers[i].bind_sparse_decode(tensor, sparse)  # type: ignore[attr-defined]
         bounds.append(tensor)
     return bounds

@@ -1,5 +1,6 @@
-"""Quest (query-aware sparse decoding) kernels against float64 references: per-block key bounds kept as keys are
-written, block selection, and decode attention over the selected blocks. Triton runs interpreted on the CPU
+"""Quest (query-aware sparse decoding) kernels against float64 references: per-page key bounds kept as keys are
+written, page selection, and decode attention over the selected pages, with pages of a whole block and of parts of
+one. Triton runs interpreted on the CPU
 (tests/kernels/conftest.py), compiled on a GPU; each Triton launcher is checked beside its torch reference."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from kestrel.kernels.sparse_decode import (
     quest_block_scores_ref,
     quest_select,
     quest_select_ref,
-    select_blocks,
+    select_pages,
     sparse_paged_decode,
     sparse_paged_decode_ref,
     update_key_bounds,
@@ -25,11 +26,18 @@ BLOCK = 16
 FP8 = torch.float8_e4m3fn
 
 
-def bounds_oracle(k_cache: torch.Tensor, block: int, filled: int, k_scale: float = 1.0) -> torch.Tensor:
-    """[2, H_kv, D] min / max of the first `filled` keys of a block, dequantized in float32 as the kernels do (min
-    and max are exact, so the results must match bit for bit)."""
-    keys = k_cache[block, :filled].float() * k_scale
-    return torch.stack([keys.amin(0), keys.amax(0)])
+def bounds_oracle(k_cache: torch.Tensor, block: int, filled: int, page: int, k_scale: float = 1.0) -> torch.Tensor:
+    """[pages, 2, H_kv, D] min / max of each page's keys among the first `filled` of a block (+inf / -inf for a
+    page with none), dequantized in float32 as the kernels do (min and max are exact: bit for bit)."""
+    out = []
+    for start in range(0, k_cache.shape[1], page):
+        keys = k_cache[block, start: min(start + page, filled)].float() * k_scale
+        if keys.shape[0] == 0:
+            empty = torch.full(k_cache.shape[2:], float("inf"), device=k_cache.device)
+            out.append(torch.stack([empty, -empty]))
+        else:
+            out.append(torch.stack([keys.amin(0), keys.amax(0)]))
+    return torch.stack(out)
 
 
 def update_both(k_cache, slots, bounds_triton, bounds_ref, k_scale=1.0) -> None:
@@ -38,8 +46,9 @@ def update_both(k_cache, slots, bounds_triton, bounds_ref, k_scale=1.0) -> None:
     update_key_bounds_ref(k_cache, slot_mapping, bounds_ref, k_scale)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8])
-def test_key_bounds_follow_writes(device, cache_dtype) -> None:
+@pytest.mark.parametrize("cache_dtype, page", [(torch.float32, 16), (torch.bfloat16, 16), (FP8, 16),
+                                               (torch.float32, 8), (FP8, 4)])
+def test_key_bounds_follow_writes(device, cache_dtype, page) -> None:
     """Chunked prefill (full and partial blocks, two sequences in one step), decode appends, padded rows, a block
     freed and reused (its stale keys must not survive), and a prefix-cache block that is never rewritten."""
     torch.manual_seed(0)
@@ -47,7 +56,7 @@ def test_key_bounds_follow_writes(device, cache_dtype) -> None:
     k_scale = 0.05 if cache_dtype == FP8 else 1.0
     k_cache = torch.zeros(num_blocks, BLOCK, heads, dim, dtype=cache_dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
-    bounds = torch.zeros(num_blocks, 2, heads, dim, device=device)
+    bounds = torch.zeros(num_blocks, BLOCK // page, 2, heads, dim, device=device)
     bounds_ref = torch.zeros_like(bounds)
 
     def write(slots: list[int]) -> None:
@@ -58,7 +67,7 @@ def test_key_bounds_follow_writes(device, cache_dtype) -> None:
         update_both(k_cache, slots, bounds, bounds_ref, k_scale)
 
     def check(block: int, filled: int) -> None:
-        want = bounds_oracle(k_cache, block, filled, k_scale).float()
+        want = bounds_oracle(k_cache, block, filled, page, k_scale).float()
         torch.testing.assert_close(bounds[block].cpu(), want.cpu(), rtol=0, atol=0)
         torch.testing.assert_close(bounds_ref[block].cpu(), want.cpu(), rtol=0, atol=0)
 
@@ -77,40 +86,44 @@ def test_key_bounds_follow_writes(device, cache_dtype) -> None:
     assert torch.equal(bounds[3], before)
 
 
-def random_bounds_case(device, num_seqs=3, heads=8, kv_heads=2, dim=32, seq_lens=(150, 37, 1), width=12):
+def random_bounds_case(device, num_seqs=3, heads=8, kv_heads=2, dim=32, seq_lens=(150, 37, 1), width=12, page=BLOCK):
     g = torch.Generator().manual_seed(1)
     num_blocks = 48
     k_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g)
-    bounds = torch.zeros(num_blocks, 2, kv_heads, dim)
-    for b in range(num_blocks):
-        bounds[b] = torch.stack([k_cache[b].amin(0), k_cache[b].amax(0)])
+    bounds = torch.stack([bounds_oracle(k_cache, b, BLOCK, page) for b in range(num_blocks)])
     perm = torch.randperm(num_blocks, generator=g)[: num_seqs * width].view(num_seqs, width).to(torch.int32)
     q = torch.randn(num_seqs, heads, dim, generator=g)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     return (q.to(device), k_cache.to(device), bounds.to(device), lens.to(device), perm.to(device))
 
 
-def test_block_scores_bound_every_key_and_match_float64(device) -> None:
-    q, k_cache, bounds, seq_lens, tables = random_bounds_case(device)
+@pytest.mark.parametrize("page", [16, 8, 4])
+def test_page_scores_bound_every_key_and_match_float64(device, page) -> None:
+    q, k_cache, bounds, seq_lens, tables = random_bounds_case(device, page=page)
     scale = 0.3
     scores = quest_block_scores(q, bounds, seq_lens, tables, scale, BLOCK).cpu().double()
     want = quest_block_scores_ref(q.double(), bounds, seq_lens, tables, scale, BLOCK).cpu()
     torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(quest_block_scores_ref(q, bounds, seq_lens, tables, scale, BLOCK).cpu().double(),
                                want, rtol=1e-5, atol=1e-4)
-    # The score is an upper bound of every real scaled q.k in the block, for every head of the group.
+    # The score is an upper bound of every real scaled q.k in the page, for every head of the group.
     group = q.shape[1] // k_cache.shape[2]
+    assert want.shape == (3, 2, tables.shape[1] * BLOCK // page)
     for s, seq_len in enumerate(seq_lens.tolist()):
-        for lb in range(-(-seq_len // BLOCK)):
-            keys = k_cache[tables[s, lb].long()].cpu().double()  # [BLOCK, H_kv, D]
+        num_pages = -(-seq_len // page)
+        for lp in range(num_pages):
+            block, start = tables[s, lp * page // BLOCK].long(), lp * page % BLOCK
+            keys = k_cache[block, start: start + page].cpu().double()  # [page, H_kv, D]
             for h in range(q.shape[1]):
                 real = (keys[:, h // group] @ q[s, h].cpu().double()) * scale
-                assert real.max() <= want[s, h // group, lb] + 1e-9
-        assert torch.isinf(want[s, :, -(-seq_len // BLOCK):]).all()
+                assert real.max() <= want[s, h // group, lp] + 1e-9
+        assert torch.isinf(want[s, :, num_pages:]).all()
 
 
-def selection_oracle(scores: torch.Tensor, seq_len: int, num_selected: int, sinks: int, recent: int) -> list[int]:
-    n = -(-seq_len // BLOCK)
+def selection_oracle(scores: torch.Tensor, seq_len: int, num_selected: int, sinks: int, recent: int,
+                     page: int = BLOCK) -> list[int]:
+    """Pages: `sinks` and `recent` counted in pages."""
+    n = -(-seq_len // page)
     if n <= num_selected:
         return list(range(n))
     fixed = set(range(min(sinks, n))) | set(range(max(n - recent, 0), n))
@@ -118,17 +131,21 @@ def selection_oracle(scores: torch.Tensor, seq_len: int, num_selected: int, sink
     return sorted(fixed | set(middle[: num_selected - sinks - recent]))
 
 
-@pytest.mark.parametrize("num_selected, sinks, recent", [(6, 1, 2), (4, 0, 1), (12, 2, 2), (20, 1, 1)])
-def test_selection_matches_oracle(device, num_selected, sinks, recent) -> None:
-    q, _, bounds, seq_lens, tables = random_bounds_case(device, seq_lens=(150, 37, 1))
+@pytest.mark.parametrize("num_selected, sinks, recent, page", [(6, 1, 2, 16), (4, 0, 1, 16), (12, 2, 2, 16),
+                                                                (20, 1, 1, 16), (12, 1, 2, 8), (9, 0, 1, 4)])
+def test_selection_matches_oracle(device, num_selected, sinks, recent, page) -> None:
+    """`sinks` and `recent` are blocks; with pages of part of a block they keep every page of those blocks."""
+    q, _, bounds, seq_lens, tables = random_bounds_case(device, seq_lens=(150, 37, 1), page=page)
+    pages = BLOCK // page
     scores64 = quest_block_scores_ref(q.double(), bounds, seq_lens, tables, 0.2, BLOCK)
-    chosen64 = select_blocks(scores64, seq_lens, BLOCK, num_selected, sinks, recent).cpu()
+    chosen64 = select_pages(scores64, seq_lens, page, num_selected, sinks * pages, recent * pages).cpu()
     triton_chosen = quest_select(q, bounds, seq_lens, tables, 0.2, BLOCK, num_selected, sinks, recent).cpu()
     ref_chosen = quest_select_ref(q, bounds, seq_lens, tables, 0.2, BLOCK, num_selected, sinks, recent).cpu()
     assert chosen64.shape == (3, 2, num_selected) and chosen64.dtype == torch.int32
     for s, seq_len in enumerate(seq_lens.tolist()):
         for h in range(2):
-            want = selection_oracle(scores64[s, h].cpu(), seq_len, num_selected, sinks, recent)
+            want = selection_oracle(scores64[s, h].cpu(), seq_len, num_selected, sinks * pages, recent * pages,
+                                    page)
             padded = want + [-1] * (num_selected - len(want))
             assert chosen64[s, h].tolist() == padded
             # fp32 scores may order near-ties differently: every chosen block must score within rounding of the
@@ -140,8 +157,8 @@ def test_selection_matches_oracle(device, num_selected, sinks, recent) -> None:
                 assert all(b in want or float(scores64[s, h, b]) >= worst - 1e-4 for b in picked)
 
 
-def sparse_oracle(q, k_cache, v_cache, seq_lens, tables, selected, scale, k_scale=1.0, v_scale=1.0):
-    """float64 dense attention of each decode token over all its context, with unselected blocks masked."""
+def sparse_oracle(q, k_cache, v_cache, seq_lens, tables, selected, scale, k_scale=1.0, v_scale=1.0, page=BLOCK):
+    """float64 dense attention of each decode token over all its context, with unselected pages masked."""
     num_seqs, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -153,9 +170,9 @@ def sparse_oracle(q, k_cache, v_cache, seq_lens, tables, selected, scale, k_scal
         vals = v_cache.cpu()[blocks].reshape(-1, kv_heads, dim)[:seq_len].double() * v_scale
         for h in range(heads):
             keep = torch.zeros(seq_len, dtype=torch.bool)
-            for lb in selected[s, h // group].tolist():
-                if lb >= 0:
-                    keep[lb * BLOCK: (lb + 1) * BLOCK] = True
+            for lp in selected[s, h // group].tolist():
+                if lp >= 0:
+                    keep[lp * page: (lp + 1) * page] = True
             if not keep.any():
                 continue
             scores = (keys[:, h // group] @ q[s, h].cpu().double()) * scale
@@ -165,7 +182,7 @@ def sparse_oracle(q, k_cache, v_cache, seq_lens, tables, selected, scale, k_scal
 
 
 def sparse_case(device, heads, kv_heads, dim, seq_lens, cache_dtype=torch.float32, q_dtype=torch.float32,
-                num_selected=5):
+                num_selected=5, page=BLOCK):
     g = torch.Generator().manual_seed(2)
     num_blocks = 64
     width = max(-(-s // BLOCK) for s in seq_lens) + 2
@@ -192,9 +209,9 @@ def sparse_case(device, heads, kv_heads, dim, seq_lens, cache_dtype=torch.float3
     q = torch.randn(len(seq_lens), heads, dim, generator=g).to(q_dtype)
     selected = torch.full((len(seq_lens), kv_heads, num_selected), -1, dtype=torch.int32)
     for s, seq_len in enumerate(seq_lens):
-        n = -(-seq_len // BLOCK)
+        n = -(-seq_len // page)
         for h in range(kv_heads):
-            # The last (partial) block is always chosen, as the recent blocks are, so the length mask is exercised;
+            # The last (partial) page is always chosen, as the recent ones are, so the length mask is exercised;
             # odd heads leave a slot unused.
             pick = sorted(torch.randperm(n - 1, generator=g)[: num_selected - 1 - (h % 2)].tolist()) + [n - 1]
             selected[s, h, : len(pick)] = torch.tensor(pick, dtype=torch.int32)
@@ -202,43 +219,52 @@ def sparse_case(device, heads, kv_heads, dim, seq_lens, cache_dtype=torch.float3
     return (q.to(**to), k.to(**to), v.to(**to), lens.to(**to), tables.to(**to), selected.to(**to), k_scale, v_scale)
 
 
-@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 4, 32), (8, 2, 64), (8, 1, 24)])
+@pytest.mark.parametrize("heads, kv_heads, dim, page", [(4, 4, 32, 16), (8, 2, 64, 16), (8, 1, 24, 16),
+                                                         (8, 2, 64, 8), (4, 1, 24, 4)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_sparse_attention_matches_masked_oracle(device, heads, kv_heads, dim, splits) -> None:
-    q, k, v, lens, tables, selected, ks, vs = sparse_case(device, heads, kv_heads, dim, (150, 37, 9, 70))
-    want = sparse_oracle(q, k, v, lens, tables, selected, 0.25)
-    got = sparse_paged_decode(q, k, v, lens, tables, selected, 0.25, num_splits=splits).cpu().double()
+def test_sparse_attention_matches_masked_oracle(device, heads, kv_heads, dim, page, splits) -> None:
+    """Pages of part of a block: a key tile gathers several selected pages (an odd count leaves one empty)."""
+    num_selected = 5 if page == BLOCK else 9
+    q, k, v, lens, tables, selected, ks, vs = sparse_case(device, heads, kv_heads, dim, (150, 37, 9, 70),
+                                                          num_selected=num_selected, page=page)
+    want = sparse_oracle(q, k, v, lens, tables, selected, 0.25, page=page)
+    got = sparse_paged_decode(q, k, v, lens, tables, selected, 0.25, page_size=page,
+                              num_splits=splits).cpu().double()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    ref = sparse_paged_decode_ref(q, k, v, lens, tables, selected, 0.25).cpu().double()
+    ref = sparse_paged_decode_ref(q, k, v, lens, tables, selected, 0.25, page_size=page).cpu().double()
     torch.testing.assert_close(ref, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("cache_dtype, q_dtype", [(FP8, torch.float32), (torch.bfloat16, torch.bfloat16)])
-def test_sparse_attention_fp8_and_bf16_caches(device, cache_dtype, q_dtype) -> None:
-    q, k, v, lens, tables, selected, ks, vs = sparse_case(device, 8, 2, 32, (100, 33), cache_dtype, q_dtype)
-    want = sparse_oracle(q, k, v, lens, tables, selected, 0.2, ks, vs)
+@pytest.mark.parametrize("cache_dtype, q_dtype, page", [(FP8, torch.float32, 16), (torch.bfloat16, torch.bfloat16, 16),
+                                                        (FP8, torch.float32, 8)])
+def test_sparse_attention_fp8_and_bf16_caches(device, cache_dtype, q_dtype, page) -> None:
+    q, k, v, lens, tables, selected, ks, vs = sparse_case(device, 8, 2, 32, (100, 33), cache_dtype, q_dtype,
+                                                          num_selected=5 * BLOCK // page, page=page)
+    want = sparse_oracle(q, k, v, lens, tables, selected, 0.2, ks, vs, page=page)
     tol = 2e-2 if q_dtype == torch.bfloat16 else 1e-4
     for splits in (1, 2):
-        got = sparse_paged_decode(q, k, v, lens, tables, selected, 0.2, ks, vs, num_splits=splits)
+        got = sparse_paged_decode(q, k, v, lens, tables, selected, 0.2, ks, vs, page_size=page, num_splits=splits)
         torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
-    ref = sparse_paged_decode_ref(q, k, v, lens, tables, selected, 0.2, ks, vs)
+    ref = sparse_paged_decode_ref(q, k, v, lens, tables, selected, 0.2, ks, vs, page_size=page)
     torch.testing.assert_close(ref.cpu().double(), want, rtol=tol, atol=tol)
 
 
-def test_selection_of_every_block_equals_dense_attention(device) -> None:
-    """A context within the budget selects every block: the sparse output is the dense one."""
+@pytest.mark.parametrize("page", [16, 8])
+def test_selection_of_every_page_equals_dense_attention(device, page) -> None:
+    """A context within the budget selects every page: the sparse output is the dense one."""
     seq_lens = (70, 16, 3)
     q, k, v, lens, tables, _, _, _ = sparse_case(device, 8, 2, 32, seq_lens)
-    bounds = torch.zeros(k.shape[0], 2, 2, 32, device=device)
+    pages = BLOCK // page
+    bounds = torch.zeros(k.shape[0], pages, 2, 2, 32, device=device)
     slots = torch.cat([tables[s, : -(-n // BLOCK)].long().repeat_interleave(BLOCK) * BLOCK
                        + torch.arange(-(-n // BLOCK) * BLOCK, device=device) % BLOCK
                        for s, n in enumerate(seq_lens)])
     update_key_bounds(k, slots, bounds)
-    selected = quest_select(q, bounds, lens, tables, 0.2, BLOCK, 6, 1, 2)
-    n_blocks = [-(-n // BLOCK) for n in seq_lens]
-    for s, n in enumerate(n_blocks):
+    selected = quest_select(q, bounds, lens, tables, 0.2, BLOCK, 6 * pages, 1, 2)
+    n_pages = [-(-n // page) for n in seq_lens]
+    for s, n in enumerate(n_pages):
         assert selected[s, :, :n].tolist() == [list(range(n))] * 2 and (selected[s, :, n:] == -1).all()
     query_start = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=device)
     dense = paged_attention_ref(q.double(), k, v, query_start, lens, tables, 0.2)
-    got = sparse_paged_decode(q, k, v, lens, tables, selected, 0.2).double()
+    got = sparse_paged_decode(q, k, v, lens, tables, selected, 0.2, page_size=page).double()
     torch.testing.assert_close(got.cpu(), dense.cpu(), rtol=1e-5, atol=1e-5)

@@ -44,8 +44,8 @@ class Attention(nn.Module):
         self.kv_group = 0
         self.k_scale = 1.0
         self.v_scale = 1.0
-        # Quest (sparse decoding), bound by the runner on full-attention layers: per-block key bounds
-        # `[num_blocks, 2, num_kv_heads, head_size]` kept as keys are written, and the selection settings.
+        # Quest (sparse decoding), bound by the runner on full-attention layers: per-page key bounds
+        # `[num_blocks, pages_per_block, 2, num_kv_heads, head_size]` kept as keys are written, and the settings.
         self.key_bounds: torch.Tensor | None = None
         self.sparse_decode: SparseDecodeConfig | None = None
         # Attention sinks + window (streaming_window), bound by the runner before the cache is sized: K is cached
@@ -94,14 +94,15 @@ class Attention(nn.Module):
         self.streaming = settings
 
     def bind_sparse_decode(self, key_bounds: torch.Tensor, settings: SparseDecodeConfig) -> None:
-        """Turn on Quest for this layer: keep `key_bounds` (float32 `[num_blocks, 2, kv_heads, head_size]`, the
-        cache's block count) as keys are written, and decode over the selected blocks."""
+        """Turn on Quest for this layer: keep `key_bounds` (float32 `[num_blocks, pages_per_block, 2, kv_heads,
+        head_size]`, the cache's block count) as keys are written, and decode over the selected pages."""
         if type(self.cache_spec) is not FullAttentionSpec:
             raise ValueError(f"layer {self.layer_idx}: Quest applies to full-attention layers, not {self.cache_spec}")
         if self.logit_soft_cap is not None:
             raise ValueError(f"layer {self.layer_idx}: Quest's kernels do not apply a logit soft cap")
-        if self.kv_cache is None or key_bounds.shape != (self.kv_cache.shape[1], 2, self.num_kv_heads,
-                                                         self.head_size):
+        if self.kv_cache is None or key_bounds.shape != (
+                self.kv_cache.shape[1], self.kv_cache.shape[2] // settings.page_tokens(self.kv_cache.shape[2]), 2,
+                self.num_kv_heads, self.head_size):
             raise ValueError(f"layer {self.layer_idx}: key bounds {tuple(key_bounds.shape)} do not fit the bound "
                              "KV cache (bind the cache first)")
         self.key_bounds = key_bounds
@@ -181,10 +182,10 @@ class Attention(nn.Module):
         assert settings is not None and self.key_bounds is not None
         seq_lens = attn_metadata.seq_lens
         selected = ops.quest_select(q, self.key_bounds, seq_lens, block_tables, self.scale, block_size,
-                                    settings.num_selected_blocks(block_size), settings.sink_blocks,
+                                    settings.num_selected_pages(block_size), settings.sink_blocks,
                                     settings.recent_blocks)
         return ops.sparse_paged_decode(q, k_cache, v_cache, seq_lens, block_tables, selected, self.scale,
-                                       self.k_scale, self.v_scale)
+                                       self.k_scale, self.v_scale, page_size=settings.page_tokens(block_size))
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
