@@ -33,6 +33,7 @@ RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 TIMESTAMPED_FORMATS = ("verbose_json", "srt", "vtt")
 GRANULARITIES = ("segment",)  # word timestamps are not supported
 TIMESTAMP_SECONDS = 0.02  # Whisper's timestamp tokens count in steps of 20 ms
+WHISPER_TASKS = {"transcription": "transcribe", "translation": "translate"}  # endpoint -> task_to_id key
 COMMON_FIELDS = ("file", "model", "prompt", "response_format", "temperature", "language")
 FIELDS = {"transcription": (*COMMON_FIELDS, "timestamp_granularities[]", "stream"),
           "translation": COMMON_FIELDS}
@@ -169,8 +170,8 @@ class OpenAIServingAudio:
         if request.language:
             ids.append(int(generation["lang_to_id"][f"<|{request.language}|>"]))
         tasks: dict[str, int] = generation.get("task_to_id") or {}
-        if task in tasks:
-            ids.append(int(tasks[task]))
+        if WHISPER_TASKS[task] in tasks:
+            ids.append(int(tasks[WHISPER_TASKS[task]]))
         elif task == "translation":
             raise InvalidRequestError("model", "this model's generation_config.json has no translate task; it "
                                       "transcribes only (use /v1/audio/transcriptions)")
@@ -233,7 +234,7 @@ class OpenAIServingAudio:
             return PlainTextResponse(_srt(segments))
         if request.response_format == "vtt":
             return PlainTextResponse(_vtt(segments))
-        body = {"task": "transcribe" if task == "transcription" else "translate",
+        body = {"task": WHISPER_TASKS[task],
                 "language": request.language, "duration": round(duration, 3), "text": text,
                 "segments": [{"id": i, "seek": 0, "start": s.start, "end": s.end, "text": s.text,
                               "tokens": s.token_ids, "temperature": request.temperature, "avg_logprob": 0.0,

@@ -66,8 +66,6 @@ def post(server: LiveServer, path: str, data: dict, file: tuple[str, bytes] | No
                       timeout=60)
 
 
-@pytest.mark.xfail(strict=True, reason="the served text carries one character more than LLM's for the same tokens "
-                   "(a detokenization difference between the served and offline paths, not yet traced)")
 def test_transcription_and_translation_match_offline_greedy(server, llm) -> None:
     client = server.client()
     samples = clip(11, 0.7)
@@ -90,8 +88,6 @@ def test_transcription_and_translation_match_offline_greedy(server, llm) -> None
     assert client.audio.transcriptions.create(model=MODEL, file=upload(samples), prompt="the cat").text == prompted
 
 
-@pytest.mark.xfail(strict=True, reason="the served text carries one character more than LLM's for the same tokens "
-                   "(a detokenization difference between the served and offline paths, not yet traced)")
 def test_a_clip_longer_than_the_window_is_transcribed_in_windows(server, llm) -> None:
     samples = clip(13, 2.4)  # windows of 1 s, 1 s and 0.4 s
     prompt = forced(llm, "<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>")
@@ -101,8 +97,6 @@ def test_a_clip_longer_than_the_window_is_transcribed_in_windows(server, llm) ->
     assert text == expected
 
 
-@pytest.mark.xfail(strict=True, reason="the served text carries one character more than LLM's for the same tokens "
-                   "(a detokenization difference between the served and offline paths, not yet traced)")
 def test_response_formats_and_segments(server, llm) -> None:
     client = server.client()
     samples = clip(14, 0.9)
@@ -126,8 +120,6 @@ def test_response_formats_and_segments(server, llm) -> None:
                                              "<|notimestamps|>"), samples).text
 
 
-@pytest.mark.xfail(strict=True, reason="the served text carries one character more than LLM's for the same tokens "
-                   "(a detokenization difference between the served and offline paths, not yet traced)")
 def test_streaming_sends_text_deltas_then_done(server, llm) -> None:
     samples = clip(15, 0.6)
     expected = offline(llm, forced(llm, "<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"),
