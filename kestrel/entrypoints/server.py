@@ -67,7 +67,7 @@ from kestrel.entrypoints.serving import (
     _until_disconnect,
     error_body,
 )
-from kestrel.entrypoints.serving_audio import OpenAIServingAudio
+from kestrel.entrypoints.serving_audio import RESPONSE_CONTENT, OpenAIServingAudio, openapi_form
 from kestrel.entrypoints.serving_embeddings import OpenAIServingEmbeddings
 from kestrel.entrypoints.serving_pooling import OpenAIServingPooling
 from kestrel.entrypoints.serving_responses import OpenAIServingResponses
@@ -216,13 +216,14 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
     async def create_translation(raw: Request) -> Response:
         return await audio.create("translation", raw)
 
-    for path, endpoint in (("/v1/audio/transcriptions", create_transcription),
-                           ("/v1/audio/translations", create_translation)):
-        app.router.add_api_route(path, endpoint, methods=["POST"],
+    for path, task, endpoint in (("/v1/audio/transcriptions", "transcription", create_transcription),
+                                 ("/v1/audio/translations", "translation", create_translation)):
+        app.router.add_api_route(path, endpoint, methods=["POST"], openapi_extra=openapi_form(task),
                                  responses={200: {"description": "The transcript: JSON ({'text': ...}, or "
                                                   "verbose_json's segments), plain text, SRT or WebVTT; with "
                                                   "stream=true (transcriptions) an SSE stream of "
-                                                  "transcript.text.delta events and transcript.text.done"},
+                                                  "transcript.text.delta events and transcript.text.done",
+                                                  "content": RESPONSE_CONTENT},
                                             **_ERROR_RESPONSES})
 
     embeddings = OpenAIServingEmbeddings(serving)

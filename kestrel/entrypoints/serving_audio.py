@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
@@ -37,6 +38,27 @@ WHISPER_TASKS = {"transcription": "transcribe", "translation": "translate"}  # e
 COMMON_FIELDS = ("file", "model", "prompt", "response_format", "temperature", "language")
 FIELDS = {"transcription": (*COMMON_FIELDS, "timestamp_granularities[]", "stream"),
           "translation": COMMON_FIELDS}
+
+
+def openapi_form(task: str) -> dict[str, Any]:
+    """The endpoint's multipart form as the OpenAPI document describes it (the handler reads the form itself, so
+    that every unknown or malformed field is refused by name)."""
+    properties: dict[str, Any] = {
+        "file": {"type": "string", "format": "binary"}, "model": {"type": "string"},
+        "language": {"type": "string"}, "prompt": {"type": "string"},
+        "response_format": {"type": "string", "enum": list(RESPONSE_FORMATS)},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1}}
+    if task == "transcription":
+        properties["timestamp_granularities[]"] = {"type": "array", "items": {"type": "string",
+                                                                              "enum": ["segment", "word"]}}
+        properties["stream"] = {"type": "boolean"}
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["file", "model"], "properties": properties,
+        "additionalProperties": False}}}}}
+
+
+RESPONSE_CONTENT = {"application/json": {"schema": {"type": "object"}}, "text/plain": {"schema": {"type": "string"}},
+                    "text/event-stream": {"schema": {"type": "string"}}}
 
 
 @dataclass(frozen=True)
@@ -76,7 +98,11 @@ class OpenAIServingAudio:
     async def create(self, task: str, raw: Request) -> Response:
         endpoint = f"/v1/audio/{task}s"
         arrival = time.monotonic()
-        form = await raw.form()
+        try:
+            form = await raw.form()
+        except HTTPException as e:  # a body that is no multipart (or urlencoded) form
+            raise InvalidRequestError("form", f"{endpoint} takes a multipart form (file, model, ...): "
+                                      f"{e.detail}") from None
         if self.media is None:
             raise InvalidRequestError("model", f"{endpoint} needs a speech-to-text (encoder-decoder, Whisper) model; "
                                       f"the served model {self.serving.model_name!r} is not one")
@@ -107,6 +133,8 @@ class OpenAIServingAudio:
     def _parse(self, task: str, form: Any) -> AudioRequest:
         allowed = FIELDS[task]
         for key in form.keys():  # noqa: SIM118 - a multidict
+            if not key:
+                raise InvalidRequestError("form", "the form has a field without a name")
             if key not in allowed:
                 raise InvalidRequestError(key, f"unsupported field {key!r} for /v1/audio/{task}s; it takes "
                                           f"{', '.join(allowed)}")

@@ -54,6 +54,7 @@ OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("P
               ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
               ("POST", "/v1/responses/{response_id}/cancel"),
               ("POST", "/v1/embeddings"), *POOLING_OPERATIONS, ("POST", "/tokenize"),
+              ("POST", "/v1/audio/transcriptions"), ("POST", "/v1/audio/translations"),
               ("POST", "/detokenize"), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"),
               ("GET", "/version"), ("GET", "/metrics")]
 

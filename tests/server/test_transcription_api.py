@@ -13,7 +13,17 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import schemathesis
 from conftest import API_KEY, MODEL, LiveServer
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from kestrel import LLM, SamplingParams
 from kestrel.entrypoints.async_engine import AsyncEngine
@@ -169,3 +179,35 @@ def test_a_text_model_refuses_the_audio_endpoints(openai_server) -> None:
         assert error["param"] == "model" and f"/v1/audio/{path}" in error["message"]
 
 
+
+
+AUDIO_OPERATIONS = [("POST", "/v1/audio/transcriptions"), ("POST", "/v1/audio/translations")]
+FUZZ_CASES = [(m, p, mode) for m, p in AUDIO_OPERATIONS for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
+
+
+@pytest.mark.parametrize("method, path, mode", FUZZ_CASES, ids=[f"{p} {g.value}" for _, p, g in FUZZ_CASES])
+def test_fuzzed_forms_never_fail_the_server(server, method, path, mode) -> None:
+    """Schemathesis' forms of the documented fields (half of them with a real clip and the served model's name in
+    place of the generated file bytes and name, so they reach the model): never a 5xx, every response as documented, every error naming its field."""
+    schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json", headers=server.headers)
+    operation = schema[path][method]
+    clip_bytes = wav_bytes(clip(19, 0.2))
+
+    @given(case=operation.as_strategy(generation_mode=mode), real_clip=st.booleans())
+    @settings(max_examples=25, deadline=None, derandomize=True, database=None,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    def check(case, real_clip: bool) -> None:
+        if real_clip and isinstance(case.body, dict) and "file" in case.body:
+            case.body.update(file=clip_bytes, model=MODEL)
+            if "language" in case.body:
+                case.body["language"] = "en"
+        response = case.call(headers=server.headers, timeout=120)
+        assert response.status_code < 500, f"{case.path} -> {response.status_code}: {response.text[:500]}"
+        case.validate_response(response, checks=[not_a_server_error, status_code_conformance,
+                                                 content_type_conformance, response_schema_conformance])
+        if response.status_code >= 400:
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["param"], error
+        assert server.engine.is_healthy
+
+    check()
