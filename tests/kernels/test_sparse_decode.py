@@ -256,9 +256,8 @@ def test_selection_of_every_page_equals_dense_attention(device, page) -> None:
     q, k, v, lens, tables, _, _, _ = sparse_case(device, 8, 2, 32, seq_lens)
     pages = BLOCK // page
     bounds = torch.zeros(k.shape[0], pages, 2, 2, 32, device=device)
-    slots = torch.cat([tables[s, : -(-n // BLOCK)].long().repeat_interleave(BLOCK) * BLOCK
-                       + torch.arange(-(-n // BLOCK) * BLOCK, device=device) % BLOCK
-                       for s, n in enumerate(seq_lens)])
+    slots = torch.cat([tables[s, torch.arange(n, device=device) // BLOCK].long() * BLOCK
+                       + torch.arange(n, device=device) % BLOCK for s, n in enumerate(seq_lens)])
     update_key_bounds(k, slots, bounds)
     selected = quest_select(q, bounds, lens, tables, 0.2, BLOCK, 6 * pages, 1, 2)
     n_pages = [-(-n // page) for n in seq_lens]
