@@ -63,15 +63,16 @@ WHISPER_MAX_TARGET = 64
 
 
 def write_whisper(path: Path, seed: int = 0) -> Path:
-    """A tiny random WhisperForConditionalGeneration: a 2-layer encoder and a 2-layer decoder (d_model 32) on
-    1-second windows of 16 mel bins (50 encoder positions), the test tokenizer with Whisper's special and timestamp
-    tokens, a WhisperFeatureExtractor and a generation_config.json with the language and task tables."""
+    """A tiny random WhisperForConditionalGeneration: a 2-layer encoder and a 2-layer decoder (d_model 64, heads of
+    16, the Triton attention kernel's smallest) on 1-second windows of 16 mel bins (50 encoder positions), the test
+    tokenizer with Whisper's special and timestamp tokens, a WhisperFeatureExtractor and a generation_config.json with
+    the language and task tables."""
     tokenizer = tokenizer_with(path, [*WHISPER_SPECIALS, *WHISPER_TIMESTAMPS])
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in WHISPER_SPECIALS}
     frames = CHUNK_SECONDS * SAMPLE_RATE // 160
     config = transformers.WhisperConfig(
         vocab_size=len(tokenizer), num_mel_bins=MEL_BINS, encoder_layers=2, encoder_attention_heads=4,
-        decoder_layers=2, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, d_model=32,
+        decoder_layers=2, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, d_model=64,
         max_source_positions=frames // 2, max_target_positions=WHISPER_MAX_TARGET,
         pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|endoftext|>"],
         decoder_start_token_id=ids["<|startoftranscript|>"], suppress_tokens=[], begin_suppress_tokens=[],

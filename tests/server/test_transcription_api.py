@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import schemathesis
-from conftest import API_KEY, MODEL, LiveServer
+from conftest import API_KEY, MODEL, LiveServer, serve_process
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
@@ -170,6 +170,17 @@ def test_translations_take_no_stream_and_unknown_models_are_404s(server) -> None
         server.client().audio.transcriptions.create(model="other", file=upload(clip(17, 0.3)))
 
 
+def test_kestrel_serve_transcribes(checkpoint, llm) -> None:
+    """The same through `kestrel serve` in its own process (tokenizer workers, the CLI's flags)."""
+    samples = clip(20, 0.8)
+    expected = offline(llm, forced(llm, "<|startoftranscript|>", "<|fr|>", "<|transcribe|>", "<|notimestamps|>"),
+                       samples).text
+    with serve_process(str(checkpoint), "--device", "cpu", "--tokenizer-workers", "0") as (_, base):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY)
+        reply = client.audio.transcriptions.create(model=MODEL, file=upload(samples), language="fr")
+    assert reply.text == expected
+
+
 def test_a_text_model_refuses_the_audio_endpoints(openai_server) -> None:
     for path in ("transcriptions", "translations"):
         response = httpx.post(f"{openai_server.base_url}/v1/audio/{path}", data={"model": MODEL},
@@ -188,7 +199,8 @@ FUZZ_CASES = [(m, p, mode) for m, p in AUDIO_OPERATIONS for mode in (GenerationM
 @pytest.mark.parametrize("method, path, mode", FUZZ_CASES, ids=[f"{p} {g.value}" for _, p, g in FUZZ_CASES])
 def test_fuzzed_forms_never_fail_the_server(server, method, path, mode) -> None:
     """Schemathesis' forms of the documented fields (half of them with a real clip and the served model's name in
-    place of the generated file bytes and name, so they reach the model): never a 5xx, every response as documented, every error naming its field."""
+    place of the generated file bytes and name, so they reach the model): never a 5xx, every response as
+    documented, every error naming its field."""
     schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json", headers=server.headers)
     operation = schema[path][method]
     clip_bytes = wav_bytes(clip(19, 0.2))
