@@ -163,7 +163,10 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"invalid --prefill={prefill}: expected 0 < prefill < context - 1 = {context - 1}")
     budgets = sorted(args.budgets)
     tokenizer = load_tokenizer(model)
-    eval_set = corpus.select_evenly([f for f in corpus.eval_files() if f.path.stat().st_size > 0], args.max_files)
+    # The training split is for choosing settings (page size, dense layers) without looking at the held-out files.
+    files = corpus.eval_files() if args.split == "held-out" else corpus.train_files()
+    max_files = args.max_files if args.max_files is not None or args.split == "held-out" else 400
+    eval_set = corpus.select_evenly([f for f in files if f.path.stat().st_size > 0], max_files)
     documents = load_documents(tokenizer, eval_set)
     windows = quality_windows(documents, context, args.windows)
     if not windows:
@@ -243,7 +246,7 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
         "suite": "sparse-attention", "mode": "quality", "model_dir": model, "dtype": args.dtype,
         "device": args.device, "dense_layers": args.dense_layers, "page_sizes": args.page_sizes,
         "python": platform.python_version(),
-        "stdlib": str(corpus.stdlib_root()),
+        "stdlib": str(corpus.stdlib_root()), "split": args.split,
         "context": context, "prefill": prefill, "scored_tokens_per_window": context - 1 - prefill,
         "windows": len(windows), "scored_tokens": int(dense_logprobs.numel()), "batch": args.batch,
         "sink_blocks": args.sink_blocks, "recent_blocks": args.recent_blocks, "block_size": BLOCK_SIZE,
@@ -422,7 +425,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=512, help="quality: tokens per window (<= the model's context)")
     p.add_argument("--prefill", type=int, default=128, help="quality: tokens prefilled; the rest are decoded")
     p.add_argument("--windows", type=int, default=32, help="quality: held-out windows scored")
-    p.add_argument("--max-files", type=int, default=None, help="quality: held-out files read (evenly spread)")
+    p.add_argument("--max-files", type=int, default=None,
+                   help="quality: files read, evenly spread (default: every held-out file; 400 training files)")
+    p.add_argument("--split", choices=("held-out", "train"), default="held-out",
+                   help="quality: the corpus split scored; train is for choosing settings, held-out for reporting")
     p.add_argument("--batch", type=int, default=16, help="quality: windows decoded together")
     p.add_argument("--contexts", type=_int_list, default=[32768, 100000], help="speed: context lengths")
     p.add_argument("--batches", type=_int_list, default=[1, 8, 32], help="speed: batch sizes")
