@@ -33,7 +33,7 @@ VLLM_ONLY_DEST = "vllm_only_engine_args"
 BENCH_SUITES: tuple[str, ...] = ("gemm", "attention", "serve", "serve_plot", "ppl", "latency", "throughput",
                                    "step_budget", "quant_checkpoint", "structured",
                                    "spec_decode", "host_step", "allreduce", "soak", "moe", "cpu_throughput",
-                                   "sparse_attention", "compression", "streaming", "multimodal")
+                                   "sparse_attention", "compression", "streaming", "multimodal", "whisper")
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -71,12 +71,13 @@ class WhisperAttention(nn.Module):
         self.v = nn.Linear(arch.d_model, arch.d_model, dtype=dtype)
         self.out_proj = nn.Linear(arch.d_model, arch.d_model, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        """`x [B, T, d]`, `key_mask [B, T]` (True: a frame of the clip) -> `[B, T, d]`."""
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """`x [B, T, d]`, `key_mask [B, T]` (True: a frame of the clip; None: every frame) -> `[B, T, d]`."""
         b, t, d = x.shape
         q, k, v = (proj(x).view(b, t, self.num_heads, -1).transpose(1, 2)
                    for proj in (self.q, self.k, self.v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :])
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, d))
 
 
@@ -90,7 +91,7 @@ class WhisperEncoderLayer(nn.Module):
         self.fc2 = nn.Linear(arch.ffn_dim, arch.d_model, dtype=dtype)
         self.act = activation(arch.activation, "audio_config.activation_function")
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.self_attn_layer_norm(x), key_mask)
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
@@ -136,8 +137,10 @@ class WhisperEncoder(nn.Module):
         x = F.gelu(self.conv1(features))
         x = F.gelu(self.conv2(x)).transpose(1, 2)
         x = x + self.embed_positions.weight[: x.shape[1]]
-        positions = (num_frames.to(x.device) - 1) // 2 + 1
-        key_mask = torch.arange(x.shape[1], device=x.device)[None, :] < positions[:, None]
+        key_mask = None  # every clip fills the window (Whisper's): no mask, so SDPA may take its fused kernels
+        if bool((num_frames < features.shape[-1]).any()):
+            positions = (num_frames.to(x.device) - 1) // 2 + 1
+            key_mask = torch.arange(x.shape[1], device=x.device)[None, :] < positions[:, None]
         for layer in self.layers:
             x = layer(x, key_mask)
         if self.pool > 1:
