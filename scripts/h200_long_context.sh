@@ -24,7 +24,7 @@ for stage in "$@"; do
     kernels) run 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sparse_decode.py \
                tests/kernels/test_streaming_attention.py ;;
     quest-speed) run 200 python3 -m kestrel.bench.sparse_attention --mode speed --device cuda \
-                   --contexts 32768,100000 --batches 1,8,32 --budgets 2048 \
+                   --contexts 32768,100000 --batches 1,8,32 --budgets 2048 --page-sizes 16,8 \
                    --result-file "$out/sparse-attention-speed-h200.json" ;;
     quest-e2e) e2e dense
                e2e quest2048 --sparse-decode '{"method": "quest", "token_budget": 2048}' ;;

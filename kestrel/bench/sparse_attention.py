@@ -43,6 +43,7 @@ from kestrel.bench.common import pyplot, report, save_figure, target_lines
 from kestrel.bench.ppl import load_documents
 from kestrel.bench.timing import time_calls
 from kestrel.config import ConfigError, EngineConfig, SparseDecodeConfig
+from kestrel.kernels.sparse_decode import quest_block_scores
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.attention import Attention
@@ -287,6 +288,9 @@ def speed_case(batch: int, context: int, budget: int, heads: int, kv_heads: int,
         return ops.quest_select(q, bounds, seq_lens, tables, scale, BLOCK_SIZE, num_selected, sink_blocks,
                                 recent_blocks)
 
+    def scores() -> torch.Tensor:
+        return quest_block_scores(q, bounds, seq_lens, tables, scale, BLOCK_SIZE)
+
     def quest() -> object:
         return ops.sparse_paged_decode(q, k_cache, v_cache, seq_lens, tables, select(), scale, out=out,
                                        page_size=page_size)
@@ -297,14 +301,16 @@ def speed_case(batch: int, context: int, budget: int, heads: int, kv_heads: int,
     runs = 20
     dense_us, graphed = time_calls([dense], runs, device)
     select_us, _ = time_calls([select], runs, device)
+    scores_us = time_calls([scores], runs, device)[0] if device.type == "cuda" else None
     quest_us, _ = time_calls([quest], runs, device)
     kv_bytes = 2 * batch * context * kv_heads * head_size * k_cache.element_size()
     return {
         "batch": batch, "context": context, "token_budget": budget, "page_size": page_size, "dense_us": dense_us,
         "quest_us": quest_us,
-        "selection_us": select_us, "attention_speedup": dense_us / quest_us, "cuda_graphs": graphed,
+        "selection_us": select_us, "selection_scores_us": scores_us, "attention_speedup": dense_us / quest_us,
+        "cuda_graphs": graphed,
         "dense_kv_bytes": kv_bytes, "quest_kv_bytes": kv_bytes * min(1.0, budget / context),
-        "bounds_bytes": 2 * batch * blocks_per_seq * pages * kv_heads * head_size * 4,
+        "bounds_bytes": 2 * batch * blocks_per_seq * pages * kv_heads * head_size * bounds.element_size(),
         "output_finite": bool(torch.isfinite(sparse_out).all()),
     }
 
@@ -321,7 +327,8 @@ def run_speed(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append(row)
                 print(f"batch {batch:3d} x {context:6d}, budget {budget}, page {page or BLOCK_SIZE}: dense "
                       f"{row['dense_us']:9.1f} us, quest "
-                      f"{row['quest_us']:9.1f} us (selection {row['selection_us']:.1f}) -> "
+                      f"{row['quest_us']:9.1f} us (selection {row['selection_us']:.1f}, of it scores "
+                      f"{row['selection_scores_us'] or 0:.1f}) -> "
                       f"{row['attention_speedup']:.2f}x", file=sys.stderr)
     targets = [{"target": f"decode attention >= {TARGET_ATTENTION_SPEEDUP:g}x dense at batch {r['batch']}, context "
                           f"{r['context']}, budget {r['token_budget']}, page_size {r['page_size']}",
