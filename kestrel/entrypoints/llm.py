@@ -54,17 +54,19 @@ PoolingTask = Literal["embed", "classify"]
 POOLING_TASKS: tuple[PoolingTask, ...] = ("embed", "classify")
 
 
-def tokenize_prompt(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]:
+def tokenize_prompt(tokenizer: Any, prompt: PromptType,
+                    add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
     """(text, token ids) of a prompt given as text, {"prompt": text} or {"prompt_token_ids": [...]}."""
     if isinstance(prompt, str):
-        return prompt, tokenizer.encode(prompt)
+        return prompt, (tokenizer.encode(prompt) if add_special_tokens
+                        else tokenizer.encode(prompt, add_special_tokens=False))
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         token_ids = prompt["prompt_token_ids"]
         if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
             raise InvalidRequestError("prompt_token_ids", "prompt_token_ids must be a list of integers")
         return prompt.get("prompt"), list(token_ids)
     if isinstance(prompt, dict) and "prompt" in prompt:
-        return tokenize_prompt(tokenizer, prompt["prompt"])
+        return tokenize_prompt(tokenizer, prompt["prompt"], add_special_tokens)
     raise InvalidRequestError("prompt", f"a prompt must be a string or a dict with 'prompt' or "
                               f"'prompt_token_ids', got {type(prompt).__name__}")
 
@@ -466,7 +468,10 @@ class LLM:
                                       "adapter into the model's weights and load that checkpoint")
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self.tokenizer, prompt)
+        # An encoder-decoder model's text prompt is its decoder prompt with the special tokens written out
+        # ("<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"): the tokenizer adds none of its own.
+        decoder_prompt = self.media is not None and getattr(self.media, "encoder_decoder", False)
+        return tokenize_prompt(self.tokenizer, prompt, add_special_tokens=not decoder_prompt)
 
     def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

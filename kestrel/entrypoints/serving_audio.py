@@ -93,7 +93,9 @@ class OpenAIServingAudio:
         self.generation: dict[str, Any] = {}
         if self.media is not None:
             self.generation = _generation_config(self.engine.core.config.model.generation_config_path)
-        self._timestamp_begin = self.tokenizer.convert_tokens_to_ids("<|0.00|>")
+        # Whisper's timestamp tokens follow <|notimestamps|> (`<|0.00|>` first), as transformers counts them.
+        no_timestamps = self.generation.get("no_timestamps_token_id")
+        self._timestamp_begin = None if no_timestamps is None else int(no_timestamps) + 1
 
     async def create(self, task: str, raw: Request) -> Response:
         endpoint = f"/v1/audio/{task}s"

@@ -152,6 +152,10 @@ def test_greedy_matches_transformers_generate_batched_and_chunked(llm, hf, check
     before = encoder.num_items_encoded
     assert kestrel_greedy(llm, [cases[2], cases[0], cases[0]]) == [expected[2], expected[0], expected[0]]
     assert encoder.num_items_encoded == before
+    # A text prompt is the decoder prompt with its special tokens written out; the tokenizer adds none.
+    text = {"prompt": "".join(CASES[1][1]), "multi_modal_data": {"audio": (cases[1][1].samples, cases[1][1].rate)}}
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    assert list(llm.generate(text, params, use_tqdm=False)[0].outputs[0].token_ids) == expected[1]
     chunked = LLM(str(checkpoint), dtype="float32", max_num_seqs=2, max_num_batched_tokens=3,
                   enable_prefix_caching=False)
     assert kestrel_greedy(chunked, cases) == expected
