@@ -27,7 +27,7 @@ from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.base import Quantization, TensorSpec
 from kestrel.model.layers.attention import Attention
 from kestrel.model.layers.audio import WhisperEncoder, WhisperEncoderArch
-from kestrel.model.layers.cross_attention import CrossAttention
+from kestrel.model.layers.cross_attention import CrossAttention, CrossReads
 from kestrel.model.layers.vision import activation, loadable
 from kestrel.quant import QuantPlan
 
@@ -90,12 +90,12 @@ class WhisperDecoderLayer(nn.Module):
         self.fc2 = nn.Linear(arch.ffn_dim, d, dtype=dtype)
         self.act = activation(arch.activation, "activation_function")
 
-    def forward(self, x: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_metadata: AttentionMetadata, cross_reads: CrossReads) -> torch.Tensor:
         h = self.self_attn_layer_norm(x)
         s = self.self_attn
         x = x + s.out_proj(s.attn(s.q_proj(h), s.k_proj(h), s.v_proj(h), attn_metadata))
         c = self.encoder_attn
-        x = x + c.out_proj(c.attn(c.q_proj(self.encoder_attn_layer_norm(x)), attn_metadata))
+        x = x + c.out_proj(c.attn(c.q_proj(self.encoder_attn_layer_norm(x)), cross_reads))
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
     def write_cross_kv(self, encoder_states: torch.Tensor, slots: torch.Tensor) -> None:
@@ -155,8 +155,9 @@ class WhisperForConditionalGeneration(nn.Module):
         decoder = self.model.decoder
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         x = x + decoder.embed_positions(positions)
+        cross_reads = decoder.layers[0].encoder_attn.attn.read_tables(attn_metadata, x.shape[0])
         for layer in decoder.layers:
-            x = layer(x, attn_metadata)
+            x = layer(x, attn_metadata, cross_reads)
         return decoder.layer_norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

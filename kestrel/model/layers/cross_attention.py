@@ -7,6 +7,8 @@ encoder output (block table row of its request, length `max_encoder_len`), so no
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,15 @@ from torch import nn
 from kestrel import ops
 from kestrel.kv_spec import CrossAttentionSpec
 from kestrel.model.attn_metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class CrossReads:
+    """A step's cross-attention reads, one sequence per query token (`CrossAttention.read_tables`)."""
+
+    block_tables: torch.Tensor  # int32 [T, blocks of the encoder output]
+    query_start_loc: torch.Tensor  # int32 [T + 1]: 0, 1, .., T
+    seq_lens: torch.Tensor  # int32 [T]: max_encoder_len each
 
 
 class CrossAttention(nn.Module):
@@ -68,23 +79,29 @@ class CrossAttention(nn.Module):
         shape = (k.shape[0], self.num_kv_heads, self.head_size)
         ops.store_kv(k.reshape(shape), v.reshape(shape), cache[0], cache[1], slots, self.k_scale, self.v_scale)
 
-    def forward(self, q: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def read_tables(self, attn_metadata: AttentionMetadata, num_tokens: int) -> CrossReads:
+        """The step's reads as one-token sequences: each query token's block table row (its request's), query
+        starts 0..T and lengths `max_encoder_len`. The same for every layer of the group: computed once a step."""
+        tables = attn_metadata.for_group(self.kv_group).block_tables
+        device = tables.device
+        starts = attn_metadata.query_start_loc
+        lengths = (starts[1:] - starts[:-1]).long()
+        token_seq = torch.repeat_interleave(torch.arange(lengths.shape[0], device=device), lengths,
+                                            output_size=num_tokens)
+        needed = -(-self.max_encoder_len // self._cache().shape[2])
+        if tables.shape[1] < needed:  # a step whose widest group is narrower (the memory profile's tables)
+            tables = F.pad(tables, (0, needed - tables.shape[1]))
+        return CrossReads(tables.index_select(0, token_seq),
+                          torch.arange(num_tokens + 1, dtype=torch.int32, device=device),
+                          torch.full((num_tokens,), self.max_encoder_len, dtype=torch.int32, device=device))
+
+    def forward(self, q: torch.Tensor, reads: CrossReads) -> torch.Tensor:
         """q `[T, H*D]` -> `[T, H*D]`: every query token attends to all of its request's encoder positions."""
         cache = self._cache()
         num_tokens = q.shape[0]
-        tables = attn_metadata.for_group(self.kv_group).block_tables
-        starts = attn_metadata.query_start_loc
-        lengths = (starts[1:] - starts[:-1]).long()
-        token_seq = torch.repeat_interleave(torch.arange(lengths.shape[0], device=q.device), lengths,
-                                            output_size=num_tokens)
-        needed = -(-self.max_encoder_len // cache.shape[2])
-        if tables.shape[1] < needed:  # a step whose widest group is narrower (the memory profile's tables)
-            tables = F.pad(tables, (0, needed - tables.shape[1]))
-        tables = tables.index_select(0, token_seq)
-        one = torch.arange(num_tokens + 1, dtype=torch.int32, device=q.device)
-        seq_lens = torch.full((num_tokens,), self.max_encoder_len, dtype=torch.int32, device=q.device)
-        out = ops.paged_attention(q.view(num_tokens, self.num_heads, self.head_size), cache[0], cache[1], one,
-                                  seq_lens, tables, self.scale, None, self.k_scale, self.v_scale, max_query_len=1)
+        out = ops.paged_attention(q.view(num_tokens, self.num_heads, self.head_size), cache[0], cache[1],
+                                  reads.query_start_loc, reads.seq_lens, reads.block_tables, self.scale, None,
+                                  self.k_scale, self.v_scale, max_query_len=1)
         return out.view(num_tokens, self.num_heads * self.head_size)
 
     def extra_repr(self) -> str:
