@@ -114,6 +114,10 @@ class RunnerSetup:
         if self.encoder_decoder and config.speculative is not None:
             raise ConfigError("invalid speculative_config: this model is an encoder-decoder (Whisper), which "
                               "kestrel's drafters do not serve")
+        if self.encoder_decoder and config.debug_launch_count:
+            raise ConfigError("invalid debug_launch_count=True: the launch count runs a decoder-only layer alone, "
+                              "and an encoder-decoder (Whisper) layer also reads the encoder's cross-attention "
+                              "K/V; leave it off")
         if self.mrope and config.speculative is not None:
             raise ConfigError("invalid speculative_config: this model rotates by M-RoPE (three position rows), "
                               "which kestrel's drafters do not carry")

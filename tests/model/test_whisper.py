@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from kestrel import LLM, SamplingParams
-from kestrel.config import ModelConfig
+from kestrel.config import ConfigError, ModelConfig
 from kestrel.entrypoints.media import Audio, MediaLimits, decode_audio, resample
 from kestrel.kv_spec import CrossAttentionSpec, FullAttentionSpec
 from kestrel.loader import load_model
@@ -175,3 +175,9 @@ def test_a_request_needs_exactly_one_clip(llm) -> None:
                                                                        SAMPLE_RATE)}}
     with pytest.raises(InvalidRequestError, match="at most 1 s"):
         llm.generate(long, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("flag, value", [("debug_launch_count", True), ("quantization", "fp8")])
+def test_unsupported_engine_settings_are_refused(checkpoint, flag, value) -> None:
+    with pytest.raises(ConfigError, match=flag.split("_")[0]):
+        LLM(str(checkpoint), dtype="float32", **{flag: value})
