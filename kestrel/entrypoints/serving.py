@@ -190,6 +190,13 @@ class OpenAIServing:
         if name is not None and name not in self.model_names:
             raise ModelNotFoundError(name, self.model_name)
 
+    def refuse_speech_to_text(self, endpoint: str) -> None:
+        """An encoder-decoder speech model (Whisper) transcribes audio files; it has no text or chat prompts."""
+        if self.media is not None and getattr(self.media, "encoder_decoder", False):
+            raise InvalidRequestError("model", f"the served model {self.model_name!r} is a speech-to-text model "
+                                      f"(Whisper): it does not serve {endpoint}; use /v1/audio/transcriptions or "
+                                      "/v1/audio/translations")
+
     def response_model_name(self, requested: str | None) -> str:
         """The name a response reports: the one the client asked for (one of ours), else the first."""
         return requested if requested is not None else self.model_name
@@ -199,6 +206,7 @@ class OpenAIServing:
     async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(request.model)
+        self.refuse_speech_to_text("/v1/completions")
         check_stop_and_bad_words(request, self.config.max_stop_sequences, self.config.max_bad_words)
         beam = request.beam_search_params(request.token_limit)
         if beam is not None:
@@ -354,6 +362,7 @@ class OpenAIServing:
     async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(request.model)
+        self.refuse_speech_to_text("/v1/chat/completions")
         check_stop_and_bad_words(request, self.config.max_stop_sequences, self.config.max_bad_words)
         max_tokens = request.max_completion_tokens or request.max_tokens or self.engine.max_model_len
         beam = request.beam_search_params(max_tokens)

@@ -223,3 +223,13 @@ def test_fuzzed_forms_never_fail_the_server(server, method, path, mode) -> None:
         assert server.engine.is_healthy
 
     check()
+
+
+def test_text_and_chat_endpoints_refuse_a_speech_model(server) -> None:
+    for path, body in (("completions", {"prompt": "hello"}),
+                       ("chat/completions", {"messages": [{"role": "user", "content": "hello"}]})):
+        response = httpx.post(f"{server.base_url}/v1/{path}", json={"model": MODEL, "max_tokens": 2, **body},
+                              headers=server.headers, timeout=30)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "model" and f"/v1/{path}" in error["message"]
