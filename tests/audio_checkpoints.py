@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import soundfile
+import torch
 import transformers
 from multimodal_checkpoints import save_random_model, tiny_text_config, tokenizer_with
 
@@ -89,4 +90,23 @@ def write_whisper(path: Path, seed: int = 0) -> Path:
                                                      chunk_length=CHUNK_SECONDS)
     extractor.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
+    return path
+
+
+def separate_languages(path: Path, clips: list[np.ndarray]) -> Path:
+    """Rewrite a tiny Whisper's language-token embeddings (tied to its LM head) so that language detection tells
+    clips apart: the row of WHISPER_LANGUAGES[i] becomes clip i's decoder state after <|startoftranscript|> less
+    the clips' mean, scaled to norm 20 (a random model otherwise reads every clip as one language)."""
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(str(path)).eval()
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(str(path))
+    start = torch.tensor([[model.generation_config.decoder_start_token_id]])
+    with torch.no_grad():
+        states = torch.stack([model.model(input_features=extractor(c, sampling_rate=SAMPLE_RATE,
+                                                                   return_tensors="pt")["input_features"],
+                                          decoder_input_ids=start).last_hidden_state[0, -1] for c in clips])
+        centered = states - states.mean(0)
+        weight = model.model.decoder.embed_tokens.weight
+        for language, row in zip(WHISPER_LANGUAGES, centered):
+            weight[model.generation_config.lang_to_id[f"<|{language}|>"]] = 20 * row / row.norm()
+    model.save_pretrained(str(path))
     return path

@@ -4,14 +4,16 @@
 The uploaded file is decoded with libsndfile, mixed to mono and resampled to the feature extractor's rate, and cut
 into windows of the extractor's length (30 s for the published checkpoints); each window is one engine request whose
 decoder prompt is Whisper's forced tokens from the checkpoint's generation_config.json (`<|startofprev|>` and the
-`prompt` text first when given, `<|startoftranscript|>`, the language, `<|transcribe|>` or `<|translate|>`, and
-`<|notimestamps|>` unless segment timestamps are asked for). The windows' texts are joined in order; segment times
+`prompt` text first when given, `<|startoftranscript|>`, the language (given, or detected by one greedy step over the
+language tokens), `<|transcribe|>` or `<|translate|>`, and `<|notimestamps|>` unless segment timestamps are asked
+for). The windows' texts are joined in order; segment times
 are the timestamp tokens the model wrote, offset by their window's start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -67,7 +69,7 @@ class AudioRequest:
 
     audio: Audio
     model: str | None
-    language: str
+    language: str | None  # None: detected from the first window
     prompt: str | None
     response_format: str
     temperature: float
@@ -113,6 +115,11 @@ class OpenAIServingAudio:
         samples = resample(request.audio.samples, request.audio.rate, self.media.sampling_rate)
         window = self.media.max_audio_samples
         chunks = [samples[start: start + window] for start in range(0, samples.shape[0], window)]
+        request_id = f"trsc-{uuid.uuid4().hex}"
+        if request.language is None:
+            language = await _until_disconnect(raw, self._detect_language(f"{request_id}-language", chunks[0],
+                                                                          arrival))
+            request = dataclasses.replace(request, language=language)
         prompt_ids = self._decoder_prompt(task, request)
         max_tokens = self.engine.max_model_len - len(prompt_ids)
         if max_tokens < 1:
@@ -123,7 +130,6 @@ class OpenAIServingAudio:
         items = [await asyncio.to_thread(self.media.expand, prompt_ids, [Audio(chunk, self.media.sampling_rate)],
                                          "file") for chunk in chunks]
         duration = samples.shape[0] / self.media.sampling_rate
-        request_id = f"trsc-{uuid.uuid4().hex}"
         if request.stream:
             return StreamingResponse(self._stream(request_id, items, params, arrival, duration),
                                      media_type="text/event-stream")
@@ -173,20 +179,20 @@ class OpenAIServingAudio:
                             temperature=_temperature(form), stream=stream,
                             segments=response_format in TIMESTAMPED_FORMATS or bool(granularities))
 
-    def _language(self, language: str | None) -> str:
+    def _language(self, language: str | None) -> str | None:
+        """The language code given, "" for a model without language tokens, or None: detect it."""
         table: dict[str, int] = self.generation.get("lang_to_id") or {}
         known = sorted(token[2:-2] for token in table)
         if language is None:
-            if not table:
-                return ""
-            if "en" not in known:
-                raise InvalidRequestError("language", f"this model needs the audio's language; give one of "
-                                          f"{', '.join(known)}")
-            return "en"
+            return "" if not table else None
         if f"<|{language}|>" not in table:
             raise InvalidRequestError("language", f"unsupported language {language!r}: this model knows "
                                       f"{', '.join(known) or 'no language tokens'} (ISO-639-1 codes)")
         return language
+
+    def _start_token(self) -> int:
+        return int(self.generation.get("decoder_start_token_id")
+                   or self.engine.core.config.model.hf_config["decoder_start_token_id"])
 
     def _decoder_prompt(self, task: str, request: AudioRequest) -> list[int]:
         """Whisper's forced decoder tokens from generation_config.json (the previous-text prompt first)."""
@@ -195,8 +201,7 @@ class OpenAIServingAudio:
         if request.prompt:
             previous = self.tokenizer.convert_tokens_to_ids("<|startofprev|>")
             ids += [previous, *self.tokenizer.encode(" " + request.prompt.strip(), add_special_tokens=False)]
-        ids.append(int(generation.get("decoder_start_token_id")
-                       or self.engine.core.config.model.hf_config["decoder_start_token_id"]))
+        ids.append(self._start_token())
         if request.language:
             ids.append(int(generation["lang_to_id"][f"<|{request.language}|>"]))
         tasks: dict[str, int] = generation.get("task_to_id") or {}
@@ -211,6 +216,18 @@ class OpenAIServingAudio:
         return ids
 
     # ----- running -------------------------------------------------------------------------------------
+
+    async def _detect_language(self, request_id: str, chunk: Any, arrival: float) -> str:
+        """The language Whisper reads in the window: one greedy step after <|startoftranscript|> over the
+        checkpoint's language tokens only, as transformers' `detect_language` (the encoder output is cached, so
+        the transcription that follows does not encode the window again)."""
+        table: dict[str, int] = self.generation["lang_to_id"]
+        by_id = {int(token_id): token[2:-2] for token, token_id in table.items()}
+        prompt = [self._start_token()]
+        item = await asyncio.to_thread(self.media.expand, prompt, [Audio(chunk, self.media.sampling_rate)], "file")
+        params = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=sorted(by_id))
+        outputs = await self._run(request_id, [item], params, arrival)
+        return by_id[outputs[0].outputs[0].token_ids[0]]
 
     async def _run(self, request_id: str, items: list[Any], params: SamplingParams, arrival: float) -> list[Any]:
         """Each window's final output, in order (all windows queued at once)."""

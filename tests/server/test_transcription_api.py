@@ -14,6 +14,8 @@ import httpx
 import openai
 import pytest
 import schemathesis
+import torch
+import transformers
 from conftest import API_KEY, MODEL, LiveServer, serve_process
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -31,14 +33,15 @@ from kestrel.entrypoints.media import MediaLimits, decode_audio
 from kestrel.entrypoints.server import build_app
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from audio_checkpoints import SAMPLE_RATE, clip, wav_bytes, write_whisper  # noqa: E402
+from audio_checkpoints import SAMPLE_RATE, clip, separate_languages, wav_bytes, write_whisper  # noqa: E402
 
 MAX_TOKENS = 60  # max_target_positions 64 less the forced tokens
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    return write_whisper(tmp_path_factory.mktemp("whisper-api"), seed=3)
+    path = write_whisper(tmp_path_factory.mktemp("whisper-api"), seed=3)
+    return separate_languages(path, [clip(seed, 0.5) for seed in (21, 22, 23)])
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,7 @@ def test_transcription_and_translation_match_offline_greedy(server, llm) -> None
     samples = clip(11, 0.7)
     expected = offline(llm, forced(llm, "<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"),
                        samples).text
-    reply = client.audio.transcriptions.create(model=MODEL, file=upload(samples), temperature=0)
+    reply = client.audio.transcriptions.create(model=MODEL, file=upload(samples), language="en", temperature=0)
     assert reply.text == expected
     # The language and the task change the forced tokens; an 8 kHz FLAC is resampled first.
     low = clip(12, 0.5, 8000)
@@ -95,7 +98,30 @@ def test_transcription_and_translation_match_offline_greedy(server, llm) -> None
                                                                                    add_special_tokens=False),
                              *forced(llm, "<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>")],
                        samples).text
-    assert client.audio.transcriptions.create(model=MODEL, file=upload(samples), prompt="the cat").text == prompted
+    reply = client.audio.transcriptions.create(model=MODEL, file=upload(samples), language="en", prompt="the cat")
+    assert reply.text == prompted
+
+
+def test_the_language_is_detected_as_transformers_detects_it(server, llm, checkpoint) -> None:
+    """Without `language`: one greedy step after <|startoftranscript|> over the language tokens, as transformers'
+    detect_language; the transcript then uses that language's token."""
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32)
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(str(checkpoint))
+    codes = {llm.tokenizer.convert_tokens_to_ids(f"<|{c}|>"): c for c in ("en", "de", "fr")}
+    seen = set()
+    for seed in range(21, 29):
+        samples = clip(seed, 0.5)
+        audio = decode_audio(wav_bytes(samples), "file", MediaLimits())
+        features = extractor(audio.samples, sampling_rate=SAMPLE_RATE, return_tensors="pt")["input_features"]
+        with torch.no_grad():
+            language = codes[int(model.eval().detect_language(input_features=features)[0])]
+        seen.add(language)
+        reply = server.client().audio.transcriptions.create(model=MODEL, file=upload(samples),
+                                                            response_format="verbose_json")
+        assert reply.language == language
+        assert reply.text == offline(llm, forced(llm, "<|startoftranscript|>", f"<|{language}|>", "<|transcribe|>"),
+                                     samples).text
+    assert len(seen) > 1  # the clips are heard in different languages
 
 
 def test_a_clip_longer_than_the_window_is_transcribed_in_windows(server, llm) -> None:
@@ -103,7 +129,8 @@ def test_a_clip_longer_than_the_window_is_transcribed_in_windows(server, llm) ->
     prompt = forced(llm, "<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>")
     expected = "".join(offline(llm, prompt, samples[start: start + SAMPLE_RATE]).text
                        for start in range(0, samples.size, SAMPLE_RATE))
-    text = server.client().audio.transcriptions.create(model=MODEL, file=upload(samples), response_format="text")
+    text = server.client().audio.transcriptions.create(model=MODEL, file=upload(samples), language="en",
+                                                       response_format="text")
     assert text == expected
 
 
@@ -112,20 +139,20 @@ def test_response_formats_and_segments(server, llm) -> None:
     samples = clip(14, 0.9)
     timed = offline(llm, forced(llm, "<|startoftranscript|>", "<|en|>", "<|transcribe|>"), samples)
     begin = llm.tokenizer.convert_tokens_to_ids("<|0.00|>")
-    verbose = client.audio.transcriptions.create(model=MODEL, file=upload(samples), response_format="verbose_json",
-                                                 timestamp_granularities=["segment"])
+    verbose = client.audio.transcriptions.create(model=MODEL, file=upload(samples), language="en",
+                                                 response_format="verbose_json", timestamp_granularities=["segment"])
     assert verbose.text == timed.text and verbose.language == "en"
     assert abs(verbose.duration - 0.9) < 1e-3
     tokens = [t for s in verbose.segments for t in s.tokens]
     assert tokens == [t for t in timed.token_ids if t < begin and t != llm.tokenizer.convert_tokens_to_ids(
         "<|endoftext|>")][: len(tokens)]
     assert verbose.segments and all(0 <= s.start <= s.end <= 0.9 for s in verbose.segments)
-    srt = client.audio.transcriptions.create(model=MODEL, file=upload(samples), response_format="srt")
-    vtt = client.audio.transcriptions.create(model=MODEL, file=upload(samples), response_format="vtt")
+    srt = client.audio.transcriptions.create(model=MODEL, file=upload(samples), language="en", response_format="srt")
+    vtt = client.audio.transcriptions.create(model=MODEL, file=upload(samples), language="en", response_format="vtt")
     assert srt.startswith("1\n00:00:") and " --> " in srt
     assert vtt.startswith("WEBVTT\n\n00:00:")
     assert len(srt.strip().split("\n\n")) == len(verbose.segments) == len(vtt.strip().split("\n\n")) - 1
-    plain = client.audio.transcriptions.create(model=MODEL, file=upload(samples), response_format="json")
+    plain = client.audio.transcriptions.create(model=MODEL, file=upload(samples), language="en", response_format="json")
     assert plain.text == offline(llm, forced(llm, "<|startoftranscript|>", "<|en|>", "<|transcribe|>",
                                              "<|notimestamps|>"), samples).text
 
@@ -134,7 +161,8 @@ def test_streaming_sends_text_deltas_then_done(server, llm) -> None:
     samples = clip(15, 0.6)
     expected = offline(llm, forced(llm, "<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"),
                        samples).text
-    events = list(server.client().audio.transcriptions.create(model=MODEL, file=upload(samples), stream=True))
+    events = list(server.client().audio.transcriptions.create(model=MODEL, file=upload(samples), language="en",
+                                                              stream=True))
     assert [e.type for e in events[:-1]] == ["transcript.text.delta"] * (len(events) - 1)
     assert events[-1].type == "transcript.text.done" and events[-1].text == expected
     assert "".join(e.delta for e in events[:-1]) == expected
