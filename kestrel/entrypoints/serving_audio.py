@@ -2,12 +2,12 @@
 (Whisper).
 
 The uploaded file is decoded with libsndfile, mixed to mono and resampled to the feature extractor's rate, and cut
-into windows of the extractor's length (30 s for the published checkpoints); each window is one engine request whose
-decoder prompt is Whisper's forced tokens from the checkpoint's generation_config.json (`<|startofprev|>` and the
-`prompt` text first when given, `<|startoftranscript|>`, the language (given, or detected by one greedy step over the
-language tokens), `<|transcribe|>` or `<|translate|>`, and `<|notimestamps|>` unless segment timestamps are asked
-for). The windows' texts are joined in order; segment times
-are the timestamp tokens the model wrote, offset by their window's start.
+into windows of at most the extractor's length (30 s for the published checkpoints), each cut at the quietest 20 ms
+near the window's end (`window_bounds`). Each window is one engine request whose decoder prompt is Whisper's forced
+tokens from the checkpoint's generation_config.json (`<|startofprev|>` and the `prompt` text first when given,
+`<|startoftranscript|>`, the language (given, or detected by one greedy step over the language tokens),
+`<|transcribe|>` or `<|translate|>`, and `<|notimestamps|>` unless segment timestamps are asked for). The windows'
+texts are joined in order; segment times are the timestamp tokens the model wrote, offset by their window's start.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -113,8 +114,8 @@ class OpenAIServingAudio:
         request = await asyncio.to_thread(self._parse, task, form)
         self.serving.check_model(request.model)
         samples = resample(request.audio.samples, request.audio.rate, self.media.sampling_rate)
-        window = self.media.max_audio_samples
-        chunks = [samples[start: start + window] for start in range(0, samples.shape[0], window)]
+        bounds = window_bounds(samples, self.media.max_audio_samples, self.media.sampling_rate)
+        chunks = [samples[start:end] for start, end in bounds]
         request_id = f"trsc-{uuid.uuid4().hex}"
         if request.language is None:
             language = await _until_disconnect(raw, self._detect_language(f"{request_id}-language", chunks[0],
@@ -134,7 +135,8 @@ class OpenAIServingAudio:
             return StreamingResponse(self._stream(request_id, items, params, arrival, duration),
                                      media_type="text/event-stream")
         outputs = await _until_disconnect(raw, self._run(request_id, items, params, arrival))
-        return self._response(task, request, outputs, duration, window / self.media.sampling_rate)
+        rate = self.media.sampling_rate
+        return self._response(task, request, outputs, [(start / rate, end / rate) for start, end in bounds])
 
     # ----- the form -------------------------------------------------------------------------------------
 
@@ -267,16 +269,17 @@ class OpenAIServingAudio:
         yield _sse({"type": "transcript.text.done", "text": text, "usage": _usage(duration)})
         yield "data: [DONE]\n\n"
 
-    def _response(self, task: str, request: AudioRequest, outputs: list[Any], duration: float,
-                  window_seconds: float) -> Response:
+    def _response(self, task: str, request: AudioRequest, outputs: list[Any],
+                  spans: list[tuple[float, float]]) -> Response:
+        """`spans`: each window's (start, end) in seconds of the file."""
+        duration = spans[-1][1]
         text = "".join(output.outputs[0].text for output in outputs)
         if request.response_format == "text":
             return PlainTextResponse(text)
         if request.response_format == "json":
             return JSONResponse({"text": text, "usage": _usage(duration)})
-        segments = [segment for index, output in enumerate(outputs)
-                    for segment in self._segments(list(output.outputs[0].token_ids), index * window_seconds,
-                                                  min(duration, (index + 1) * window_seconds))]
+        segments = [segment for output, (start, end) in zip(outputs, spans)
+                    for segment in self._segments(list(output.outputs[0].token_ids), start, end)]
         if request.response_format == "srt":
             return PlainTextResponse(_srt(segments))
         if request.response_format == "vtt":
@@ -310,6 +313,28 @@ class OpenAIServingAudio:
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def window_bounds(samples: np.ndarray, window: int, rate: int) -> list[tuple[int, int]]:
+    """(start, end) sample indices of the windows a file is transcribed in: each at most `window` samples, cut at
+    the quietest 20 ms (least mean square) within the last tenth of the window (at most 1 s) before its end, so a cut
+    falls in a pause rather than a word where there is one."""
+    frame = max(1, rate // 50)
+    search = min(rate, window // 10)
+    bounds: list[tuple[int, int]] = []
+    start, total = 0, samples.shape[0]
+    while total - start > window:
+        low = start + window - search
+        frames = (search - frame) // frame + 1
+        if frames < 1:  # a window too short to search in
+            end = start + window
+        else:
+            energy = np.square(samples[low: low + frames * frame].astype(np.float64)).reshape(frames, frame).mean(1)
+            end = low + int(np.argmin(energy)) * frame + frame // 2
+        bounds.append((start, end))
+        start = end
+    bounds.append((start, total))
+    return bounds
 
 
 def _generation_config(path: str | None) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from kestrel import LLM, SamplingParams
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.media import MediaLimits, decode_audio
 from kestrel.entrypoints.server import build_app
+from kestrel.entrypoints.serving_audio import window_bounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from audio_checkpoints import SAMPLE_RATE, clip, separate_languages, wav_bytes, write_whisper  # noqa: E402
@@ -124,11 +125,30 @@ def test_the_language_is_detected_as_transformers_detects_it(server, llm, checkp
     assert len(seen) > 1  # the clips are heard in different languages
 
 
+def test_windows_are_cut_in_the_quietest_place_near_their_end() -> None:
+    rate, window = 16000, 16000
+    samples = clip(30, 3.5)
+    samples[int(0.95 * rate): int(0.97 * rate)] = 0.0  # a pause 50 ms before the first window's end
+    bounds = window_bounds(samples, window, rate)
+    assert bounds[0] == (0, bounds[1][0]) and int(0.95 * rate) <= bounds[0][1] <= int(0.97 * rate)
+    assert all(end - start <= window and end > start for start, end in bounds)
+    assert [b[0] for b in bounds[1:]] == [b[1] for b in bounds[:-1]] and bounds[-1][1] == samples.size
+    # Without a pause the cut still lies within the last tenth of the window.
+    noise = clip(31, 2.5)
+    assert all(window - window // 10 <= end - start <= window for start, end in window_bounds(noise, window, rate)[:-1])
+    assert window_bounds(noise[:window], window, rate) == [(0, window)]
+
+
 def test_a_clip_longer_than_the_window_is_transcribed_in_windows(server, llm) -> None:
-    samples = clip(13, 2.4)  # windows of 1 s, 1 s and 0.4 s
+    samples = clip(13, 2.4)  # 2.4 s through a 1 s window: three windows
+    heard = decode_audio(wav_bytes(samples), "file", MediaLimits()).samples
+    bounds = window_bounds(heard, SAMPLE_RATE, SAMPLE_RATE)
+    assert len(bounds) == 3
     prompt = forced(llm, "<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>")
-    expected = "".join(offline(llm, prompt, samples[start: start + SAMPLE_RATE]).text
-                       for start in range(0, samples.size, SAMPLE_RATE))
+    params = SamplingParams(temperature=0.0, max_tokens=64 - len(prompt))
+    windows = [{"prompt_token_ids": prompt, "multi_modal_data": {"audio": (heard[a:b], SAMPLE_RATE)}}
+               for a, b in bounds]
+    expected = "".join(o.outputs[0].text for o in llm.generate(windows, params, use_tqdm=False))
     text = server.client().audio.transcriptions.create(model=MODEL, file=upload(samples), language="en",
                                                        response_format="text")
     assert text == expected
