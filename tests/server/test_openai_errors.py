@@ -128,7 +128,7 @@ def test_openai_client_sees_a_bad_request(openai_server):
     assert info.value.body["param"] == "temperature"
 
 
-@pytest.mark.parametrize("path", ["/v1/audio/speech", "/v1/images/generations", "/v1/audio/transcriptions"])
+@pytest.mark.parametrize("path", ["/v1/audio/speech", "/v1/images/generations", "/v1/moderations"])
 def test_an_endpoint_not_served_is_a_404_naming_it(openai_server, path):
     response = post(openai_server, path, {"model": "tiny", "input": "x"})
     assert response.status_code == 404
