@@ -32,7 +32,7 @@ from kestrel.entrypoints.pooling_tasks import (
 )
 from kestrel.entrypoints.prompt_compression import PARAM as COMPRESSION_PARAM
 from kestrel.entrypoints.prompt_compression import PromptCompressor, build_prompt_compressor
-from kestrel.entrypoints.text_workers import encode_pair
+from kestrel.entrypoints.token_encoding import encode_pair
 from kestrel.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,

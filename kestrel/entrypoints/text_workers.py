@@ -32,6 +32,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from kestrel.entrypoints.chat import ChatPrompt, encode_chat, render_chat
 from kestrel.entrypoints.protocol import ChatMessage, TokenizeChatRequest, TokenizeRequest, validation_error_info
+from kestrel.entrypoints.token_encoding import encode_pair, encode_prompt, within_limit
 from kestrel.entrypoints.worker_pool import WorkerPool, WorkTimeoutError
 from kestrel.request import InvalidRequestError
 from kestrel.structured.compile import release_memory
@@ -124,29 +125,13 @@ def utf8_size(texts: Sequence[str]) -> int:
 
 # ----- the work (module functions: a worker process runs them by name) -----------------------------------
 
-def encode_prompt(tokenizer: Any, specials: Sequence[str], text: str, limit: int | None,
-                  add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
-    """(token count, ids), the ids None when there are `limit` or more (the caller only reports the count)."""
-    return _within(tokenizer.encode(text, add_special_tokens=add_special_tokens), limit)
-
-
-def encode_pair(tokenizer: Any, specials: Sequence[str], text: str, text_pair: str,
-                limit: int | None) -> tuple[int, list[int] | None]:
-    """A cross-encoder's input: the two texts as one sequence by the tokenizer's pair template."""
-    return _within(list(tokenizer.encode(text, text_pair, add_special_tokens=True)), limit)
-
-
-def _within(ids: list[int], limit: int | None) -> tuple[int, list[int] | None]:
-    return len(ids), (ids if limit is None or len(ids) < limit else None)
-
-
 def render_and_encode(tokenizer: Any, specials: Sequence[str], chat: ChatInput,
                       limit: int | None) -> tuple[ChatPrompt, int, list[int] | None]:
     prompt = render_chat(tokenizer, chat.messages, tools=chat.tools, tool_choice=chat.tool_choice,
                          named_tool=chat.named_tool, add_generation_prompt=chat.add_generation_prompt,
                          chat_template=chat.chat_template, continue_final_message=chat.continue_final_message,
                          template_kwargs=chat.template_kwargs, content_parts=chat.content_parts)
-    return (prompt, *_within(encode_chat(tokenizer, prompt.text, chat.message_texts, specials), limit))
+    return (prompt, *within_limit(encode_chat(tokenizer, prompt.text, chat.message_texts, specials), limit))
 
 
 def tokenize_reply(tokenizer: Any, specials: Sequence[str], prompt: str | ChatInput, add_special_tokens: bool,

@@ -335,3 +335,28 @@ def test_family_rule_catches_an_import():
     graph = {"kestrel.worker.model_runner": {"kestrel.model.gemma", "kestrel.model.registry"},
              "kestrel.model.registry": {"kestrel.model.gemma"}}
     assert family_imports(graph, families) == {("kestrel.worker.model_runner", "kestrel.model.gemma")}
+
+
+SERVER_ONLY_PACKAGES = ("pydantic", "fastapi", "starlette", "uvicorn", "python_multipart", "multipart")
+
+
+def test_offline_paths_import_without_the_server_packages():
+    """A GPU host may carry torch and transformers alone: `LLM`, the engine and the benches must import without the
+    server's packages (a test run there once failed to collect because `LLM` reached pydantic)."""
+    import subprocess
+
+    blocker = (
+        "import importlib, importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        f"        if name.split('.')[0] in {SERVER_ONLY_PACKAGES!r}:\n"
+        "            raise ModuleNotFoundError(f'no module named {name!r} (blocked)')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from kestrel import LLM, SamplingParams\n"
+        "for m in ('kestrel.entrypoints.llm', 'kestrel.bench.latency', 'kestrel.bench.throughput',\n"
+        "          'kestrel.bench.multimodal', 'kestrel.bench.sparse_attention', 'kestrel.bench.compression'):\n"
+        "    importlib.import_module(m)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
