@@ -27,6 +27,7 @@ from kestrel.kernels import wna16 as _wna16
 from kestrel.kernels.activation import ACTIVATIONS, HF_ACTIVATIONS  # noqa: F401 - the layers' names
 from kestrel.kernels.cpu import attention as _cpu_attention
 from kestrel.kernels.cpu import rope_kv as _cpu_rope_kv
+from kestrel.kernels.sparse_decode import KEY_BOUNDS_DTYPE  # noqa: F401 - what the KV cache allocates
 
 # Weight-only (W4A16 / W8A16) checkpoint repacking, for the loaders: run once at load, on any device.
 from kestrel.kernels.wna16 import (  # noqa: F401

@@ -222,18 +222,19 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
         if len(ids) < length:
             raise ConfigError(f"the held-out text has {len(ids)} tokens, fewer than --prompt-lengths {length}")
         prompt = served.tokenizer.decode(ids[:length])
-        served.run([served.start + ids[: min(length, 64)]], params)  # warm-up
         for rate in [1.0, *args.rates]:
             times, compress_times, served_tokens = [], [], 0
-            for _ in range(args.repeats):
+            # the first run of each point is a warm-up: it compiles the kernels of the new prompt lengths
+            for repeat in range(args.repeats + 1):
                 t0 = time.perf_counter()
                 shortened = prompt if rate >= 1.0 else compressor.compress_text(prompt, PromptCompression(rate)).text
                 t1 = time.perf_counter()
                 prompt_ids = served.start + served.tokenizer.encode(shortened or "", add_special_tokens=False)
                 served.run([prompt_ids], params)
-                times.append(time.perf_counter() - t0)
-                compress_times.append(t1 - t0)
                 served_tokens = len(prompt_ids)
+                if repeat:
+                    times.append(time.perf_counter() - t0)
+                    compress_times.append(t1 - t0)
             ttft, compressing = _median(times), _median(compress_times)
             rows.append({"prompt_tokens": length, "rate": rate, "served_tokens": served_tokens, "ttft_s": ttft,
                          "compressor_s": compressing})
@@ -324,7 +325,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="quality: sample choice and the random baseline")
     p.add_argument("--prompt-lengths", type=lambda s: [int(v) for v in s.split(",")], default=[8192, 32768],
                    help="ttft: prompt lengths in served tokens")
-    p.add_argument("--repeats", type=int, default=3, help="ttft: runs per point (median)")
+    p.add_argument("--repeats", type=int, default=3, help="ttft: timed runs per point (median), after one warm-up run")
     p.add_argument("--max-model-len", type=int, default=None, help="the served model's context (default: the "
                    "model's; ttft: the longest prompt + 16)")
     p.add_argument("--max-num-seqs", type=int, default=32)

@@ -274,7 +274,7 @@ def speed_case(batch: int, context: int, budget: int, heads: int, kv_heads: int,
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query_start = torch.arange(batch + 1, dtype=torch.int32, device=device)
     pages = BLOCK_SIZE // page_size
-    bounds = torch.zeros(num_blocks, pages, 2, kv_heads, head_size, dtype=torch.float32, device=device)
+    bounds = torch.zeros(num_blocks, pages, 2, kv_heads, head_size, dtype=ops.KEY_BOUNDS_DTYPE, device=device)
     ops.update_key_bounds(k_cache, torch.arange(num_blocks * BLOCK_SIZE, device=device), bounds)
     scale = head_size ** -0.5
     num_selected = budget // page_size

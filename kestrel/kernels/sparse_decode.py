@@ -24,8 +24,13 @@ Three operations, each a Triton kernel with a PyTorch reference of the same sign
 Shapes are static (the selection width is fixed, grids depend on shapes only) and nothing reads a tensor back to
 the host, so a decode step stays capturable in a CUDA graph.
 
-Layouts: caches `[num_blocks, block_size, num_kv_heads, head_size]`; key bounds float32
-`[num_blocks, block_size // page_size, 2, num_kv_heads, head_size]` (per page: min, then max).
+Layouts: caches `[num_blocks, block_size, num_kv_heads, head_size]`; key bounds bfloat16
+`[num_blocks, block_size // page_size, 2, num_kv_heads, head_size]` (per page: min, then max). Every step reads
+every page's bounds, so their bytes are the selection's cost: in bfloat16 they are half a float32 copy's. Each is
+widened by 2^-6 of its magnitude in float32 and then rounded toward zero to bfloat16 (which loses less than 2^-7
+of it), so a stored minimum never exceeds the true one and a stored maximum never falls short: the scores stay
+upper bounds. Rounding toward zero is a truncation of the float32 bits, the same in the kernel, its reference and
+Triton's interpreter, so all three store the same bits.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ import triton.language as tl
 from kestrel.kernels import common
 
 _LOG2E = 1.4426950408889634
+KEY_BOUNDS_DTYPE = torch.bfloat16
+_BOUND_WIDENING = 2.0**-6  # twice a bfloat16's relative spacing: truncation to bfloat16 cannot cross back
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -84,14 +91,25 @@ def update_key_bounds_ref(k_cache: torch.Tensor, slot_mapping: torch.Tensor, key
     keys = keys.view(len(blocks), block_size // page_size, page_size, *keys.shape[2:])
     filled = torch.arange(block_size, device=slots.device)[None, :] <= last_offset[:, None]
     filled = filled.view(len(blocks), block_size // page_size, page_size, 1, 1)
-    key_bounds[blocks, :, 0] = torch.where(filled, keys, float("inf")).amin(dim=2).to(key_bounds.dtype)
-    key_bounds[blocks, :, 1] = torch.where(filled, keys, float("-inf")).amax(dim=2).to(key_bounds.dtype)
+    lowest = torch.where(filled, keys, float("inf")).amin(dim=2)
+    highest = torch.where(filled, keys, float("-inf")).amax(dim=2)
+    key_bounds[blocks, :, 0] = stored_bound(lowest, -1.0)
+    key_bounds[blocks, :, 1] = stored_bound(highest, 1.0)
+
+
+def stored_bound(bound: torch.Tensor, direction: float) -> torch.Tensor:
+    """The bfloat16 stored for a float32 bound: moved outward (`direction` -1: down, +1: up) by
+    `_BOUND_WIDENING` of its magnitude, then truncated to bfloat16 (rounded toward zero); the infinities of empty
+    pages stay."""
+    moved = torch.where(torch.isinf(bound), bound, bound + direction * bound.abs() * _BOUND_WIDENING)
+    truncated = moved.contiguous().view(torch.int32) & -65536  # keep the sign, exponent and top 7 mantissa bits
+    return truncated.view(torch.float32).to(KEY_BOUNDS_DTYPE)
 
 
 @triton.jit
 def _update_key_bounds_kernel(k_ptr, slot_ptr, bounds_ptr, num_tokens, k_scale, stride_kb, stride_kt,
-                              stride_bb, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr, WIDTH: tl.constexpr,
-                              WIDTH_PAD: tl.constexpr):
+                              stride_bb, WIDENING, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr,
+                              WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr):
     """One program per written token; only a block's last writer of the step computes, page by page over the
     block's filled slots and every KV head at once (a slot's heads x dims are contiguous: WIDTH of them)."""
     t = tl.program_id(0)
@@ -110,9 +128,11 @@ def _update_key_bounds_kernel(k_ptr, slot_ptr, bounds_ptr, num_tokens, k_scale, 
         keys = keys.to(tl.float32) * k_scale
         lowest = tl.min(tl.where(ok, keys, float("inf")), axis=0)
         highest = tl.max(tl.where(ok, keys, float("-inf")), axis=0)
+        lowest = tl.where(lowest == float("inf"), lowest, lowest - tl.abs(lowest) * WIDENING)
+        highest = tl.where(highest == float("-inf"), highest, highest + tl.abs(highest) * WIDENING)
         base = bounds_ptr + block * stride_bb + page * 2 * WIDTH
-        tl.store(base + cols, lowest, mask=cols < WIDTH)
-        tl.store(base + WIDTH + cols, highest, mask=cols < WIDTH)
+        tl.store(base + cols, lowest.to(tl.bfloat16, fp_downcast_rounding="rtz"), mask=cols < WIDTH)
+        tl.store(base + WIDTH + cols, highest.to(tl.bfloat16, fp_downcast_rounding="rtz"), mask=cols < WIDTH)
 
 
 def update_key_bounds(k_cache: torch.Tensor, slot_mapping: torch.Tensor, key_bounds: torch.Tensor,
@@ -120,10 +140,10 @@ def update_key_bounds(k_cache: torch.Tensor, slot_mapping: torch.Tensor, key_bou
     num_tokens = slot_mapping.shape[0]
     _, block_size, num_kv_heads, head_size = k_cache.shape
     page_size = _page_size(k_cache, key_bounds)
-    if key_bounds.shape[2:] != (2, num_kv_heads, head_size) or key_bounds.dtype != torch.float32:
+    if key_bounds.shape[2:] != (2, num_kv_heads, head_size) or key_bounds.dtype != KEY_BOUNDS_DTYPE:
         raise ValueError(f"key bounds {tuple(key_bounds.shape)} {key_bounds.dtype} do not fit the cache "
-                         f"{tuple(k_cache.shape)}: expected float32 [num_blocks, pages_per_block, 2, {num_kv_heads}, "
-                         f"{head_size}]")
+                         f"{tuple(k_cache.shape)}: expected {KEY_BOUNDS_DTYPE} [num_blocks, pages_per_block, 2, "
+                         f"{num_kv_heads}, {head_size}]")
     if k_cache.stride(3) != 1 or k_cache.stride(2) != head_size or not key_bounds.is_contiguous():
         raise ValueError("update_key_bounds needs each slot's heads x dims contiguous and contiguous bounds")
     if num_tokens == 0:
@@ -131,7 +151,8 @@ def update_key_bounds(k_cache: torch.Tensor, slot_mapping: torch.Tensor, key_bou
     width = num_kv_heads * head_size
     _update_key_bounds_kernel[(num_tokens,)](
         k_cache, slot_mapping, key_bounds, num_tokens, float(k_scale), k_cache.stride(0), k_cache.stride(1),
-        key_bounds.stride(0), BLOCK_SIZE=block_size, PAGE=page_size, WIDTH=width, WIDTH_PAD=_next_pow2(width))
+        key_bounds.stride(0), _BOUND_WIDENING, BLOCK_SIZE=block_size, PAGE=page_size, WIDTH=width,
+        WIDTH_PAD=_next_pow2(width))
 
 
 # ------------------------------------------------------------------------------------------------ selection
@@ -178,8 +199,8 @@ def _quest_scores_kernel(q_ptr, bounds_ptr, bt_ptr, seq_lens_ptr, scores_ptr, wi
                        other=0).to(tl.int64)
     page_row = physical * stride_bb + (offs_b % PAGES_PER_BLOCK) * (2 * WIDTH_KV)
     base = bounds_ptr + page_row[:, None] + kv_head * HEAD + offs_d[None, :]
-    lowest = tl.load(base, mask=b_ok[:, None] & d_ok[None, :], other=0.0)
-    highest = tl.load(base + WIDTH_KV, mask=b_ok[:, None] & d_ok[None, :], other=0.0)
+    lowest = tl.load(base, mask=b_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    highest = tl.load(base + WIDTH_KV, mask=b_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     qe = q[:, None, :]
     bound = tl.sum(tl.maximum(qe * lowest[None, :, :], qe * highest[None, :, :]), axis=2)  # [GROUP_PAD, BLOCK_B]
     bound = tl.where(offs_g[:, None] < GROUP, bound, float("-inf"))

@@ -25,6 +25,7 @@ from kestrel.kv_spec import (
     layer_group_indices,
 )
 from kestrel.loader.safetensors import CheckpointNotFoundError, checkpoint_files, iterate_files, weight_format
+from kestrel.ops import KEY_BOUNDS_DTYPE
 from kestrel.quant.scheme import KV_SCALE_NAMES
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ def bind_layer_caches(layers: Sequence[CachingLayer], caches: Sequence[torch.Ten
         layer.bind_kv_cache(cache, k_scale, v_scale, group)
 
 
-KEY_BOUND_BYTES = 4  # float32 minima and maxima
+KEY_BOUND_BYTES = KEY_BOUNDS_DTYPE.itemsize  # bfloat16 minima and maxima
 
 
 def bind_streaming_window(layers: Sequence[CachingLayer], streaming: StreamingWindowConfig | None) -> None:
@@ -206,7 +207,7 @@ def quest_layer_indices(layers: Sequence[CachingLayer], sparse: SparseDecodeConf
 def key_bounds_bytes_per_block(layers: Sequence[CachingLayer], sparse: SparseDecodeConfig | None,
                                block_size: int) -> int:
     """Quest's key bounds of one block over the layers it runs on: min and max per page, KV head and head
-    dimension (pages x 2 x head_size float32 per KV head, against block_size x 2 x head_size cache elements)."""
+    dimension (pages x 2 x head_size bfloat16 per KV head, against block_size x 2 x head_size cache elements)."""
     if sparse is None:
         return 0
     pages = block_size // sparse.page_tokens(block_size)
@@ -223,7 +224,7 @@ def bind_key_bounds(layers: Sequence[CachingLayer], sparse: SparseDecodeConfig |
         assert sparse is not None
         spec, block_size = layers[i].cache_spec, layers[i].kv_cache.shape[2]  # type: ignore[attr-defined]
         pages = block_size // sparse.page_tokens(block_size)
-        tensor = torch.zeros(num_blocks, pages, 2, spec.num_kv_heads, spec.head_size, dtype=torch.float32,
+        tensor = torch.zeros(num_blocks, pages, 2, spec.num_kv_heads, spec.head_size, dtype=KEY_BOUNDS_DTYPE,
                              device=device)
         layers[i].bind_sparse_decode(tensor, sparse)  # type: ignore[attr-defined]
         bounds.append(tensor)

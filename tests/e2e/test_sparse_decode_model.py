@@ -11,6 +11,7 @@ from kestrel import LLM, SamplingParams
 from kestrel import ops as kestrel_ops
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.entrypoints.cli import _engine_kwargs, build_parser
+from kestrel.kernels.sparse_decode import stored_bound
 from kestrel.loader.model_init import write_tiny_checkpoint
 from kestrel.model.layers.attention import Attention
 from kestrel.tiny import corpus, default_model_path
@@ -108,7 +109,7 @@ class BoundsAudit:
                 block, start = int(tables[s, lp * page // BLOCK]), lp * page % BLOCK
                 filled = min(page, seq_len - lp * page)
                 keys = k_cache[block, start: start + filled].float() * layer.k_scale
-                want = torch.stack([keys.amin(0), keys.amax(0)])
+                want = torch.stack([stored_bound(keys.amin(0), -1.0), stored_bound(keys.amax(0), 1.0)])
                 assert torch.equal(layer.key_bounds[block, start // page], want), (layer.layer_idx, s, lp, block)
                 self.checked += 1
 
@@ -197,22 +198,22 @@ def test_small_budget_runs_sparse_and_stays_close(tiny, held_out_ids, monkeypatc
 
 def test_dense_layers_and_the_memory_plan(tiny) -> None:
     """dense_layers leaves the first layers without bounds; the bounds' bytes come out of the KV budget (float32
-    kestrel-tiny: K/V 7 x 2 x 16 x 2 x 64 x 4 = 114,688 bytes a block, bounds 7 x 2 x 2 x 64 x 4 = 7,168, twice
+    kestrel-tiny: K/V 7 x 2 x 16 x 2 x 64 x 4 = 114,688 bytes a block, bfloat16 bounds 7 x 2 x 2 x 64 x 2 = 3,584, twice
     that with pages of 8 tokens)."""
     with pytest.raises(ConfigError, match=r"sparse_decode.dense_layers=-1"):
         EngineConfig.from_kwargs(tiny, sparse_decode=quest(128, dense_layers=-1))
     with pytest.raises(ConfigError, match=r"dense_layers=7: it keeps every full-attention layer dense"):
         LLM(tiny, device="cpu", max_model_len=512, sparse_decode=quest(128, dense_layers=7))
-    budget = 100 * (114_688 + 7_168)
+    budget = 100 * (114_688 + 3_584)
     dense = LLM(tiny, device="cpu", max_model_len=512, kv_cache_memory_bytes=budget)
     assert dense.runner.num_blocks == budget // 114_688 and dense.runner.key_bounds == []
     sparse = LLM(tiny, device="cpu", max_model_len=512, kv_cache_memory_bytes=budget,
                  sparse_decode=quest(128, dense_layers=2))
     layers = [m for m in sparse.runner.model.modules() if isinstance(m, Attention)]
     assert [m.key_bounds is not None for m in layers] == [False, False, True, True, True, True, True]
-    assert sparse.runner.num_blocks == budget // (114_688 + 5 * 2 * 2 * 64 * 4)
+    assert sparse.runner.num_blocks == budget // (114_688 + 5 * 2 * 2 * 64 * 2)
     assert all(b.shape == (sparse.runner.num_blocks, 1, 2, 2, 64) for b in sparse.runner.key_bounds)
     paged = LLM(tiny, device="cpu", max_model_len=512, kv_cache_memory_bytes=budget,
                 sparse_decode=quest(128, dense_layers=2, page_size=8))
-    assert paged.runner.num_blocks == budget // (114_688 + 5 * 2 * 2 * 2 * 64 * 4)
+    assert paged.runner.num_blocks == budget // (114_688 + 5 * 2 * 2 * 2 * 64 * 2)
     assert all(b.shape == (paged.runner.num_blocks, 2, 2, 2, 64) for b in paged.runner.key_bounds)

@@ -10,6 +10,7 @@ import torch
 
 from kestrel.kernels.attention import paged_attention_ref
 from kestrel.kernels.sparse_decode import (
+    KEY_BOUNDS_DTYPE,
     quest_block_scores,
     quest_block_scores_ref,
     quest_select,
@@ -17,6 +18,7 @@ from kestrel.kernels.sparse_decode import (
     select_pages,
     sparse_paged_decode,
     sparse_paged_decode_ref,
+    stored_bound,
     update_key_bounds,
     update_key_bounds_ref,
 )
@@ -26,9 +28,9 @@ BLOCK = 16
 FP8 = torch.float8_e4m3fn
 
 
-def bounds_oracle(k_cache: torch.Tensor, block: int, filled: int, page: int, k_scale: float = 1.0) -> torch.Tensor:
-    """[pages, 2, H_kv, D] min / max of each page's keys among the first `filled` of a block (+inf / -inf for a
-    page with none), dequantized in float32 as the kernels do (min and max are exact: bit for bit)."""
+def exact_bounds(k_cache: torch.Tensor, block: int, filled: int, page: int, k_scale: float = 1.0) -> torch.Tensor:
+    """[pages, 2, H_kv, D] float32 min / max of each page's keys among the first `filled` of a block (+inf / -inf
+    for a page with none), dequantized in float32 as the kernels do."""
     out = []
     for start in range(0, k_cache.shape[1], page):
         keys = k_cache[block, start: min(start + page, filled)].float() * k_scale
@@ -38,6 +40,13 @@ def bounds_oracle(k_cache: torch.Tensor, block: int, filled: int, page: int, k_s
         else:
             out.append(torch.stack([keys.amin(0), keys.amax(0)]))
     return torch.stack(out)
+
+
+def bounds_oracle(k_cache: torch.Tensor, block: int, filled: int, page: int, k_scale: float = 1.0) -> torch.Tensor:
+    """The stored bounds: the exact ones widened outward by 2^-6 of their magnitude in float32, then truncated to
+    bfloat16 (bit for bit what the kernels store)."""
+    exact = exact_bounds(k_cache, block, filled, page, k_scale)
+    return torch.stack([stored_bound(exact[:, 0], -1.0), stored_bound(exact[:, 1], 1.0)], dim=1)
 
 
 def update_both(k_cache, slots, bounds_triton, bounds_ref, k_scale=1.0) -> None:
@@ -56,7 +65,7 @@ def test_key_bounds_follow_writes(device, cache_dtype, page) -> None:
     k_scale = 0.05 if cache_dtype == FP8 else 1.0
     k_cache = torch.zeros(num_blocks, BLOCK, heads, dim, dtype=cache_dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
-    bounds = torch.zeros(num_blocks, BLOCK // page, 2, heads, dim, device=device)
+    bounds = torch.zeros(num_blocks, BLOCK // page, 2, heads, dim, dtype=KEY_BOUNDS_DTYPE, device=device)
     bounds_ref = torch.zeros_like(bounds)
 
     def write(slots: list[int]) -> None:
@@ -67,9 +76,14 @@ def test_key_bounds_follow_writes(device, cache_dtype, page) -> None:
         update_both(k_cache, slots, bounds, bounds_ref, k_scale)
 
     def check(block: int, filled: int) -> None:
-        want = bounds_oracle(k_cache, block, filled, page, k_scale).float()
+        want = bounds_oracle(k_cache, block, filled, page, k_scale)
         torch.testing.assert_close(bounds[block].cpu(), want.cpu(), rtol=0, atol=0)
         torch.testing.assert_close(bounds_ref[block].cpu(), want.cpu(), rtol=0, atol=0)
+        # stored in bfloat16, still bounds: below every key's minimum, above its maximum, within 2^-5 of them
+        exact, stored = exact_bounds(k_cache, block, filled, page, k_scale).cpu(), bounds[block].cpu().float()
+        assert (stored[:, 0] <= exact[:, 0]).all() and (stored[:, 1] >= exact[:, 1]).all()
+        finite = torch.isfinite(exact)
+        assert ((stored - exact).abs()[finite] <= exact.abs()[finite] * 2.0**-5 + 1e-30).all()
 
     # Step 1: sequence A prefills 20 tokens into blocks 3, 5; sequence B its first 7 into block 1; a padded row.
     write([3 * BLOCK + i for i in range(16)] + [5 * BLOCK + i for i in range(4)]
@@ -255,7 +269,7 @@ def test_selection_of_every_page_equals_dense_attention(device, page) -> None:
     seq_lens = (70, 16, 3)
     q, k, v, lens, tables, _, _, _ = sparse_case(device, 8, 2, 32, seq_lens)
     pages = BLOCK // page
-    bounds = torch.zeros(k.shape[0], pages, 2, 2, 32, device=device)
+    bounds = torch.zeros(k.shape[0], pages, 2, 2, 32, dtype=KEY_BOUNDS_DTYPE, device=device)
     slots = torch.cat([tables[s, torch.arange(n, device=device) // BLOCK].long() * BLOCK
                        + torch.arange(n, device=device) % BLOCK for s, n in enumerate(seq_lens)])
     update_key_bounds(k, slots, bounds)

@@ -94,7 +94,7 @@ class Attention(nn.Module):
         self.streaming = settings
 
     def bind_sparse_decode(self, key_bounds: torch.Tensor, settings: SparseDecodeConfig) -> None:
-        """Turn on Quest for this layer: keep `key_bounds` (float32 `[num_blocks, pages_per_block, 2, kv_heads,
+        """Turn on Quest for this layer: keep `key_bounds` (bfloat16 `[num_blocks, pages_per_block, 2, kv_heads,
         head_size]`, the cache's block count) as keys are written, and decode over the selected pages."""
         if type(self.cache_spec) is not FullAttentionSpec:
             raise ValueError(f"layer {self.layer_idx}: Quest applies to full-attention layers, not {self.cache_spec}")
