@@ -337,7 +337,7 @@ def test_family_rule_catches_an_import():
     assert family_imports(graph, families) == {("kestrel.worker.model_runner", "kestrel.model.gemma")}
 
 
-SERVER_ONLY_PACKAGES = ("pydantic", "fastapi", "starlette", "uvicorn", "python_multipart", "multipart")
+SERVER_ONLY_PACKAGES = ("pydantic", "fastapi", "starlette", "uvicorn", "python_multipart", "multipart", "soundfile")
 
 
 def test_offline_paths_import_without_the_server_packages():
