@@ -18,6 +18,7 @@ import json
 import math
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,7 @@ class Segment:
     end: float
     text: str
     token_ids: list[int]
+    logprobs: list[float]  # each token's log probability (verbose_json's avg_logprob); empty when not asked for
 
 
 class OpenAIServingAudio:
@@ -99,6 +101,7 @@ class OpenAIServingAudio:
         # Whisper's timestamp tokens follow <|notimestamps|> (`<|0.00|>` first), as transformers counts them.
         no_timestamps = self.generation.get("no_timestamps_token_id")
         self._timestamp_begin = None if no_timestamps is None else int(no_timestamps) + 1
+        self._no_speech_token = _special_token_id(self.tokenizer, NO_SPEECH_TOKENS)
 
     async def create(self, task: str, raw: Request) -> Response:
         endpoint = f"/v1/audio/{task}s"
@@ -126,8 +129,9 @@ class OpenAIServingAudio:
         if max_tokens < 1:
             raise InvalidRequestError("prompt", f"the prompt takes {len(prompt_ids)} of the decoder's "
                                       f"{self.engine.max_model_len} positions; shorten it")
+        verbose = request.response_format == "verbose_json"
         params = SamplingParams(temperature=request.temperature, max_tokens=max_tokens,
-                                skip_special_tokens=True)
+                                skip_special_tokens=True, logprobs=0 if verbose else None)
         items = [await asyncio.to_thread(self.media.expand, prompt_ids, [Audio(chunk, self.media.sampling_rate)],
                                          "file") for chunk in chunks]
         duration = samples.shape[0] / self.media.sampling_rate
@@ -135,8 +139,11 @@ class OpenAIServingAudio:
             return StreamingResponse(self._stream(request_id, items, params, arrival, duration),
                                      media_type="text/event-stream")
         outputs = await _until_disconnect(raw, self._run(request_id, items, params, arrival))
+        no_speech = (await _until_disconnect(raw, self._no_speech_probs(f"{request_id}-no-speech", chunks, arrival))
+                     if verbose else [])
         rate = self.media.sampling_rate
-        return self._response(task, request, outputs, [(start / rate, end / rate) for start, end in bounds])
+        return self._response(task, request, outputs, [(start / rate, end / rate) for start, end in bounds],
+                              no_speech)
 
     # ----- the form -------------------------------------------------------------------------------------
 
@@ -270,45 +277,67 @@ class OpenAIServingAudio:
         yield "data: [DONE]\n\n"
 
     def _response(self, task: str, request: AudioRequest, outputs: list[Any],
-                  spans: list[tuple[float, float]]) -> Response:
-        """`spans`: each window's (start, end) in seconds of the file."""
+                  spans: list[tuple[float, float]], no_speech: list[float | None]) -> Response:
+        """`spans`: each window's (start, end) in seconds of the file; `no_speech`: each window's probability of
+        Whisper's no-speech token (verbose_json)."""
         duration = spans[-1][1]
         text = "".join(output.outputs[0].text for output in outputs)
         if request.response_format == "text":
             return PlainTextResponse(text)
         if request.response_format == "json":
             return JSONResponse({"text": text, "usage": _usage(duration)})
-        segments = [segment for output, (start, end) in zip(outputs, spans)
-                    for segment in self._segments(list(output.outputs[0].token_ids), start, end)]
+        windows = [(window, self._segments(list(output.outputs[0].token_ids), start, end,
+                                           _token_logprobs(output.outputs[0])))
+                   for window, (output, (start, end)) in enumerate(zip(outputs, spans))]
+        segments = [segment for _, window_segments in windows for segment in window_segments]
         if request.response_format == "srt":
             return PlainTextResponse(_srt(segments))
         if request.response_format == "vtt":
             return PlainTextResponse(_vtt(segments))
-        body = {"task": WHISPER_TASKS[task],
-                "language": request.language, "duration": round(duration, 3), "text": text,
-                "segments": [{"id": i, "seek": 0, "start": s.start, "end": s.end, "text": s.text,
-                              "tokens": s.token_ids, "temperature": request.temperature, "avg_logprob": 0.0,
-                              "compression_ratio": 0.0, "no_speech_prob": 0.0} for i, s in enumerate(segments)],
+        rows = [(window, segment) for window, window_segments in windows for segment in window_segments]
+        body = {"task": WHISPER_TASKS[task], "language": _language_name(request.language),
+                "duration": round(duration, 3), "text": text,
+                "segments": [{"id": i, "seek": round(spans[window][0] * 100), "start": seg.start, "end": seg.end,
+                              "text": seg.text, "tokens": seg.token_ids, "temperature": request.temperature,
+                              "avg_logprob": _mean(seg.logprobs), "compression_ratio": compression_ratio(seg.text),
+                              "no_speech_prob": no_speech[window]} for i, (window, seg) in enumerate(rows)],
                 "usage": _usage(duration)}
         return JSONResponse(body)
 
-    def _segments(self, token_ids: list[int], offset: float, end: float) -> list[Segment]:
+    async def _no_speech_probs(self, request_id: str, chunks: list[Any], arrival: float) -> list[float | None]:
+        """Each window's probability of the no-speech token right after <|startoftranscript|> (what Whisper
+        reports as no_speech_prob): one step whose sampled token is forced to it, its raw log probability taken
+        over the whole vocabulary (the encoder outputs are cached). None for a checkpoint without that token."""
+        token = self._no_speech_token
+        if token is None:
+            return [None] * len(chunks)
+        params = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=[token], logprobs=0)
+        items = [await asyncio.to_thread(self.media.expand, [self._start_token()],
+                                         [Audio(chunk, self.media.sampling_rate)], "file") for chunk in chunks]
+        outputs = await self._run(request_id, items, params, arrival)
+        return [round(math.exp(_token_logprobs(o.outputs[0])[0]), 6) for o in outputs]
+
+    def _segments(self, token_ids: list[int], offset: float, end: float,
+                  logprobs: list[float] | None = None) -> list[Segment]:
         """The output's segments: runs of text tokens between timestamp tokens (a run with no timestamp before it
-        starts at the window's start, one with none after it ends at the window's end)."""
+        starts at the window's start, one with none after it ends at the window's end); `logprobs`: each token's,
+        kept with its segment's tokens."""
         begin = self._timestamp_begin
         segments: list[Segment] = []
-        start, run = offset, []
-        for token in token_ids:
+        start, run, run_logprobs = offset, [], []
+        for position, token in enumerate(token_ids):
             if begin is not None and token >= begin:
                 at = min(offset + (token - begin) * TIMESTAMP_SECONDS, end)
                 if run:
-                    segments.append(Segment(round(start, 2), round(at, 2), self._decode(run), run))
-                    run = []
+                    segments.append(Segment(round(start, 2), round(at, 2), self._decode(run), run, run_logprobs))
+                    run, run_logprobs = [], []
                 start = at
             else:
                 run.append(token)
+                if logprobs:
+                    run_logprobs.append(logprobs[position])
         if run:
-            segments.append(Segment(round(start, 2), round(end, 2), self._decode(run), run))
+            segments.append(Segment(round(start, 2), round(end, 2), self._decode(run), run, run_logprobs))
         return segments
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -405,3 +434,37 @@ def _vtt(segments: list[Segment]) -> str:
     return "WEBVTT\n\n" + "".join(f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text.strip()}\n\n"
                                   for s in segments)
 
+
+# Whisper's no-speech token: <|nospeech|> in large-v3, <|nocaptions|> before it.
+NO_SPEECH_TOKENS = ("<|nospeech|>", "<|nocaptions|>")
+
+
+def _special_token_id(tokenizer: Any, tokens: tuple[str, ...]) -> int | None:
+    vocab = tokenizer.get_vocab()
+    return next((int(vocab[t]) for t in tokens if t in vocab), None)
+
+
+def _token_logprobs(completion: Any) -> list[float]:
+    """The sampled tokens' log probabilities of a completion asked with logprobs=0 (empty without them)."""
+    if completion.logprobs is None:
+        return []
+    return [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 6) if values else None
+
+
+def compression_ratio(text: str) -> float:
+    """The text's UTF-8 bytes over its zlib-compressed bytes (Whisper's repetition measure)."""
+    data = text.encode("utf-8")
+    return round(len(data) / len(zlib.compress(data)), 6)
+
+
+def _language_name(code: str | None) -> str | None:
+    """The language as OpenAI's verbose_json names it ("english"), from Whisper's code ("en")."""
+    if not code:
+        return code
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    return LANGUAGES.get(code, code)

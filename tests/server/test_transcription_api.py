@@ -7,6 +7,7 @@ that does not transcribe refuses the endpoints by name."""
 from __future__ import annotations
 
 import sys
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
 from kestrel import LLM, SamplingParams
 from kestrel.entrypoints.async_engine import AsyncEngine
@@ -62,10 +64,11 @@ def forced(llm: LLM, *tokens: str) -> list[int]:
     return llm.tokenizer.convert_tokens_to_ids(list(tokens))
 
 
-def offline(llm: LLM, prompt_ids: list[int], samples, rate: int = SAMPLE_RATE, fmt: str = "WAV"):
+def offline(llm: LLM, prompt_ids: list[int], samples, rate: int = SAMPLE_RATE, fmt: str = "WAV",
+            logprobs: int | None = None):
     """LLM's greedy output for the clip as the server hears it (written as a 16-bit file, decoded again)."""
     audio = decode_audio(wav_bytes(samples, rate, fmt=fmt), "file", MediaLimits())
-    params = SamplingParams(temperature=0.0, max_tokens=64 - len(prompt_ids))
+    params = SamplingParams(temperature=0.0, max_tokens=64 - len(prompt_ids), logprobs=logprobs)
     prompt = {"prompt_token_ids": prompt_ids, "multi_modal_data": {"audio": (audio.samples, audio.rate)}}
     return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
 
@@ -119,7 +122,7 @@ def test_the_language_is_detected_as_transformers_detects_it(server, llm, checkp
         seen.add(language)
         reply = server.client().audio.transcriptions.create(model=MODEL, file=upload(samples),
                                                             response_format="verbose_json")
-        assert reply.language == language
+        assert reply.language == LANGUAGES[language]
         assert reply.text == offline(llm, forced(llm, "<|startoftranscript|>", f"<|{language}|>", "<|transcribe|>"),
                                      samples).text
     assert len(seen) > 1  # the clips are heard in different languages
@@ -154,19 +157,37 @@ def test_a_clip_longer_than_the_window_is_transcribed_in_windows(server, llm) ->
     assert text == expected
 
 
-def test_response_formats_and_segments(server, llm) -> None:
+def test_response_formats_and_segments(server, llm, checkpoint) -> None:
     client = server.client()
     samples = clip(14, 0.9)
-    timed = offline(llm, forced(llm, "<|startoftranscript|>", "<|en|>", "<|transcribe|>"), samples)
+    timed = offline(llm, forced(llm, "<|startoftranscript|>", "<|en|>", "<|transcribe|>"), samples, logprobs=0)
     begin = llm.tokenizer.convert_tokens_to_ids("<|0.00|>")
     verbose = client.audio.transcriptions.create(model=MODEL, file=upload(samples), language="en",
                                                  response_format="verbose_json", timestamp_granularities=["segment"])
-    assert verbose.text == timed.text and verbose.language == "en"
+    assert verbose.text == timed.text and verbose.language == "english"
     assert abs(verbose.duration - 0.9) < 1e-3
     tokens = [t for s in verbose.segments for t in s.tokens]
     assert tokens == [t for t in timed.token_ids if t < begin and t != llm.tokenizer.convert_tokens_to_ids(
         "<|endoftext|>")][: len(tokens)]
     assert verbose.segments and all(0 <= s.start <= s.end <= 0.9 for s in verbose.segments)
+    # avg_logprob: the mean of the segment's tokens' log probabilities offline; compression_ratio: zlib's
+    text_logprobs = [step[t].logprob for t, step in zip(timed.token_ids, timed.logprobs) if t < begin]
+    for segment in verbose.segments:
+        mine = text_logprobs[: len(segment.tokens)]
+        text_logprobs = text_logprobs[len(segment.tokens):]
+        assert segment.avg_logprob == pytest.approx(sum(mine) / len(mine), abs=1e-5)
+        data = segment.text.encode()
+        assert segment.compression_ratio == pytest.approx(len(data) / len(zlib.compress(data)), abs=1e-5)
+    # no_speech_prob: transformers' probability of <|nospeech|> after <|startoftranscript|>, on the clip as heard
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32)
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(str(checkpoint))
+    audio = decode_audio(wav_bytes(samples), "file", MediaLimits())
+    features = extractor(audio.samples, sampling_rate=SAMPLE_RATE, return_tensors="pt")["input_features"]
+    with torch.no_grad():
+        logits = model.eval()(input_features=features,
+                              decoder_input_ids=torch.tensor([forced(llm, "<|startoftranscript|>")])).logits
+    want = torch.softmax(logits[0, -1].double(), -1)[llm.tokenizer.convert_tokens_to_ids("<|nospeech|>")]
+    assert all(s.no_speech_prob == pytest.approx(float(want), rel=1e-3, abs=1e-6) for s in verbose.segments)
     srt = client.audio.transcriptions.create(model=MODEL, file=upload(samples), language="en", response_format="srt")
     vtt = client.audio.transcriptions.create(model=MODEL, file=upload(samples), language="en", response_format="vtt")
     assert srt.startswith("1\n00:00:") and " --> " in srt
