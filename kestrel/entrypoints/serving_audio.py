@@ -102,6 +102,11 @@ class OpenAIServingAudio:
         no_timestamps = self.generation.get("no_timestamps_token_id")
         self._timestamp_begin = None if no_timestamps is None else int(no_timestamps) + 1
         self._no_speech_token = _special_token_id(self.tokenizer, NO_SPEECH_TOKENS)
+        # generation_config's suppress_tokens never come out (each a one-token bad word); begin_suppress_tokens'
+        # end-of-text is held back from the first position (min_tokens 1), its other tokens are not applied
+        self._suppressed = [[int(t)] for t in self.generation.get("suppress_tokens") or []]
+        end = self.generation.get("eos_token_id")
+        self._end_suppressed_first = end is not None and end in (self.generation.get("begin_suppress_tokens") or [])
 
     async def create(self, task: str, raw: Request) -> Response:
         endpoint = f"/v1/audio/{task}s"
@@ -131,7 +136,9 @@ class OpenAIServingAudio:
                                       f"{self.engine.max_model_len} positions; shorten it")
         verbose = request.response_format == "verbose_json"
         params = SamplingParams(temperature=request.temperature, max_tokens=max_tokens,
-                                skip_special_tokens=True, logprobs=0 if verbose else None)
+                                skip_special_tokens=True, logprobs=0 if verbose else None,
+                                bad_words_token_ids=self._suppressed or None,
+                                min_tokens=1 if self._end_suppressed_first else 0)
         items = [await asyncio.to_thread(self.media.expand, prompt_ids, [Audio(chunk, self.media.sampling_rate)],
                                          "file") for chunk in chunks]
         duration = samples.shape[0] / self.media.sampling_rate

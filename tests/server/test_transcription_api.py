@@ -6,6 +6,8 @@ that does not transcribe refuses the endpoints by name."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 import zlib
 from collections.abc import Iterator
@@ -302,3 +304,38 @@ def test_text_and_chat_endpoints_refuse_a_speech_model(server) -> None:
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == "model" and f"/v1/{path}" in error["message"]
+
+
+def test_generation_config_suppress_tokens_are_honoured(checkpoint, llm, tmp_path) -> None:
+    """A checkpoint whose generation_config.json suppresses tokens (as the published ones do): the endpoint never
+    emits them and holds end-of-text back from the first position, giving transformers' generate's text (whose
+    SuppressTokens and SuppressTokensAtBegin processors apply the same lists)."""
+    samples = clip(16, 0.8)
+    prompt = forced(llm, "<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>")
+    free = offline(llm, prompt, samples).token_ids
+    end = llm.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    suppressed = sorted({t for t in free if t != end})[:3]
+    assert suppressed, "the unconstrained transcript has no text token to suppress"
+    shutil.copytree(checkpoint, tmp_path / "m")
+    for name in ("generation_config.json", "config.json"):  # transformers reads the model config's lists too
+        config = json.loads((tmp_path / "m" / name).read_text())
+        config.update(suppress_tokens=suppressed, begin_suppress_tokens=[end])
+        (tmp_path / "m" / name).write_text(json.dumps(config))
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(str(tmp_path / "m"), dtype=torch.float32)
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(str(tmp_path / "m"))
+    audio = decode_audio(wav_bytes(samples), "file", MediaLimits())
+    features = extractor(audio.samples, sampling_rate=SAMPLE_RATE, return_tensors="pt")["input_features"]
+    with torch.no_grad():
+        out = model.eval().generate(input_features=features, language="en", task="transcribe",
+                                    return_timestamps=False, do_sample=False, max_new_tokens=64 - len(prompt))
+    sequence = out[0].tolist()
+    sequence = sequence[len(prompt):] if sequence[: len(prompt)] == prompt else sequence  # with or without it
+    generated = [t for t in sequence if t != end]
+    assert not set(generated) & set(suppressed) and generated != [t for t in free if t != end]
+    engine = AsyncEngine.from_args(str(tmp_path / "m"), max_num_seqs=2, device="cpu", dtype="float32").start()
+    live = LiveServer(build_app(engine, MODEL, api_key=API_KEY), engine)
+    try:
+        reply = live.client().audio.transcriptions.create(model=MODEL, file=upload(samples), language="en")
+    finally:
+        live.stop()
+    assert reply.text == llm.tokenizer.decode(generated, skip_special_tokens=True)
