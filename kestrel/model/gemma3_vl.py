@@ -17,7 +17,7 @@ from kestrel.config import ConfigError
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.model.base import Quantization
 from kestrel.model.gemma import Gemma3ForCausalLM
-from kestrel.model.layers.vision import CLIPVisionArch, SiglipVisionEncoder, loadable
+from kestrel.model.layers.vision import TOWER_PROJECTOR_RENAMES, CLIPVisionArch, SiglipVisionEncoder, loadable
 
 
 class Gemma3MultiModalProjector(nn.Module):
@@ -53,17 +53,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     # An image's placeholder run attends to itself both ways (the runner widens its rows' causal ends; the
     # scheduler keeps each run inside one prefill chunk).
     bidirectional_media: ClassVar[bool] = True
-    # transformers 5 (`model.language_model.*`, `model.vision_tower.*`; saved as `language_model.model.*` and
-    # `vision_tower.*`) and the published checkpoints (`vision_tower.vision_model.*`) -> our names.
-    _RENAMED: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
-        ("model.vision_tower.vision_model.", "vision_tower."),
-        ("vision_tower.vision_model.", "vision_tower."),
-        ("model.vision_tower.", "vision_tower."),
-        ("model.multi_modal_projector.", "multi_modal_projector."),
-    )
+    _RENAMED: ClassVar[tuple[tuple[str, str], ...]] = TOWER_PROJECTOR_RENAMES
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype = torch.float32,
                  quant_config: Quantization = None, parallel: ParallelContext | None = None,

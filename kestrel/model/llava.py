@@ -11,22 +11,18 @@ import torch
 from kestrel.config import ConfigError
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.model.base import DecoderForCausalLM, Quantization
-from kestrel.model.layers.vision import CLIPVisionArch, CLIPVisionEncoder, MultiModalProjector, hidden_state_indices
+from kestrel.model.layers.vision import (
+    TOWER_PROJECTOR_RENAMES,
+    CLIPVisionArch,
+    CLIPVisionEncoder,
+    MultiModalProjector,
+    hidden_state_indices,
+)
 
 
 class LlavaForConditionalGeneration(DecoderForCausalLM):
     supported_modalities: ClassVar[frozenset[str]] = frozenset({"image"})
-    # transformers 5 (`model.language_model.*`) and the published checkpoints' layout (`language_model.model.*`,
-    # `vision_tower.vision_model.*`) -> our names; the first matching prefix applies.
-    _RENAMED: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
-        ("model.vision_tower.vision_model.", "vision_tower."),
-        ("vision_tower.vision_model.", "vision_tower."),
-        ("model.vision_tower.", "vision_tower."),
-        ("model.multi_modal_projector.", "multi_modal_projector."),
-    )
+    _RENAMED: ClassVar[tuple[tuple[str, str], ...]] = TOWER_PROJECTOR_RENAMES
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype = torch.float32,
                  quant_config: Quantization = None, parallel: ParallelContext | None = None,

@@ -34,6 +34,18 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 # config.json's hidden_act / projector_hidden_act -> the activation
+# A tower + projector + language model checkpoint (LLaVA's layout, which Gemma 3 shares): transformers 5 names
+# (`model.language_model.*`, `model.vision_tower.*`) and the published ones (`language_model.model.*`,
+# `vision_tower.vision_model.*`) -> ours; the first matching prefix applies.
+TOWER_PROJECTOR_RENAMES: tuple[tuple[str, str], ...] = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.vision_model.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
 VISION_ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": F.gelu, "gelu_pytorch_tanh": _gelu_tanh,
                       "gelu_new": _gelu_tanh, "relu": F.relu, "silu": F.silu}
 
