@@ -28,7 +28,7 @@ import torch
 
 from kestrel.model.attn_metadata import AttentionMetadata, GroupTables
 from kestrel.worker.input_batch import ModelInputs
-from kestrel.worker.prefill_graph import PrefillBuckets, PrefillBuffers
+from kestrel.worker.prefill_graph import PrefillBuckets, PrefillBuffers, StepBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -93,25 +93,16 @@ def padded_token_index(num_scheduled: list[int], query_len: int) -> list[int] | 
     return index
 
 
-class GraphBuffers:
+class GraphBuffers(StepBuffers):
     """Static inputs of every graph: token buffers for the largest (bucket x q) and row buffers for the largest
     bucket; a graph reads prefixes of them. Tokens and rows past what the latest step loaded are padding."""
 
     def __init__(self, max_tokens: int, max_batch: int, max_blocks_per_seq: int, query_lens: list[int],
                  device: torch.device, num_groups: int = 1) -> None:
+        super().__init__(max_tokens, max_batch, max_blocks_per_seq, device, num_groups)
         self.max_tokens = max_tokens
         self.max_batch = max_batch
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.device = device
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
-        # KV-cache groups 1..: their own slots and block tables (`AttentionMetadata.other_groups`).
-        self.other_groups = [GroupTables(torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
-                                         torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device))
-                             for _ in range(num_groups - 1)]
         # Every row of a graph has exactly q tokens, so its query starts are a constant 0, q, 2q, ...
         self.query_start_locs = {
             q: torch.arange(0, (max_batch + 1) * q, q, dtype=torch.int32, device=device) for q in query_lens}
@@ -181,19 +172,6 @@ class GraphBuffers:
             self._pad_rows(n, self.num_loaded)
         self.num_loaded = n
         return index
-
-    def _pad_tokens(self, start: int, end: int) -> None:
-        self.input_ids[start:end].zero_()
-        self.positions[start:end].zero_()
-        self.slot_mapping[start:end].fill_(-1)
-        for buffers in self.other_groups:
-            buffers.slot_mapping[start:end].fill_(-1)
-
-    def _pad_rows(self, start: int, end: int) -> None:
-        self.seq_lens[start:end].fill_(1)
-        self.block_tables[start:end].zero_()
-        for buffers in self.other_groups:
-            buffers.block_tables[start:end].zero_()
 
     def reset_padding(self) -> None:
         """Every token and row padding: the state graphs are captured in."""

@@ -110,7 +110,39 @@ def _first_holding(buckets: Sequence[int], needed: int) -> tuple[int, ...]:
     return tuple(kept)
 
 
-class PrefillBuffers:
+class StepBuffers:
+    """The static per-token and per-row inputs every kind of CUDA graph reads (prefixes of them): token ids,
+    positions and slots for `max_tokens` tokens, seq_lens and block-table rows for `max_rows` rows, and the slots
+    and block tables of KV-cache groups 1.. (`AttentionMetadata.other_groups`). Padding is id 0, position 0,
+    slot -1 for a token and seq_len 1 with a zero block-table row for a row."""
+
+    def __init__(self, max_tokens: int, max_rows: int, block_table_width: int, device: torch.device,
+                 num_groups: int = 1) -> None:
+        self.device = device
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_rows, block_table_width, dtype=torch.int32, device=device)
+        self.other_groups = [GroupTables(torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
+                                         torch.zeros(max_rows, block_table_width, dtype=torch.int32, device=device))
+                             for _ in range(num_groups - 1)]
+
+    def _pad_tokens(self, start: int, end: int) -> None:
+        self.input_ids[start:end].zero_()
+        self.positions[start:end].zero_()
+        self.slot_mapping[start:end].fill_(-1)
+        for buffers in self.other_groups:
+            buffers.slot_mapping[start:end].fill_(-1)
+
+    def _pad_rows(self, start: int, end: int) -> None:
+        self.seq_lens[start:end].fill_(1)
+        self.block_tables[start:end].zero_()
+        for buffers in self.other_groups:
+            buffers.block_tables[start:end].zero_()
+
+
+class PrefillBuffers(StepBuffers):
     """Static inputs of the prefill graphs: tokens for the largest T, rows for the largest R; a graph reads
     prefixes. Tokens and rows past what the latest step loaded hold padding (id 0, position 0, slot -1; seq_len 1,
     a zero block-table row), so a step resets only what an earlier, larger one left."""
@@ -119,19 +151,10 @@ class PrefillBuffers:
                  num_groups: int = 1) -> None:
         """`block_table_width`: columns per row, at least the widest step's and enough blocks for the pad row's
         seq_len (up to the largest T)."""
+        super().__init__(buckets.max_tokens, buckets.max_rows, block_table_width, device, num_groups)
         self.buckets = buckets
-        self.device = device
         self.block_table_width = block_table_width
-        max_tokens, max_rows = buckets.max_tokens, buckets.max_rows
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_rows, block_table_width, dtype=torch.int32, device=device)
-        self.other_groups = [GroupTables(torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
-                                         torch.zeros(max_rows, block_table_width, dtype=torch.int32, device=device))
-                             for _ in range(num_groups - 1)]
+        self.query_start_loc = torch.zeros(buckets.max_rows + 1, dtype=torch.int32, device=device)
         self.num_loaded_tokens = 0
         self.num_loaded_rows = 0  # rows holding step data or the pad row
 
@@ -185,19 +208,6 @@ class PrefillBuffers:
         if pad_tokens:
             self.seq_lens[n: n + 1].fill_(pad_tokens)
         self.num_loaded_rows = used_rows
-
-    def _pad_tokens(self, start: int, end: int) -> None:
-        self.input_ids[start:end].zero_()
-        self.positions[start:end].zero_()
-        self.slot_mapping[start:end].fill_(-1)
-        for buffers in self.other_groups:
-            buffers.slot_mapping[start:end].fill_(-1)
-
-    def _pad_rows(self, start: int, end: int) -> None:
-        self.seq_lens[start:end].fill_(1)
-        self.block_tables[start:end].zero_()
-        for buffers in self.other_groups:
-            buffers.block_tables[start:end].zero_()
 
     def reset_padding(self) -> None:
         """Every token and row padding, every row empty: the state graphs are captured in."""
