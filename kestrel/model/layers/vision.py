@@ -394,14 +394,13 @@ class Qwen2VisionAttention(nn.Module):
         self.proj = nn.Linear(arch.embed_dim, arch.embed_dim, dtype=dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int],
-                groups: list[torch.Tensor | None]) -> torch.Tensor:
+                masks: list[torch.Tensor | None]) -> torch.Tensor:
         """`x [patches, embed_dim]` of several frames; each frame's `lengths` patches attend to one another, or,
-        where the frame's `groups` entry is given, only to the patches of their own group (a window)."""
+        where the frame's `masks` entry is given, only where it is True (the patches of their own window)."""
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         q, k = rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
         out = []
-        for q_f, k_f, v_f, group in zip(q.split(lengths), k.split(lengths), v.split(lengths), groups):
-            mask = None if group is None else group[:, None] == group[None, :]
+        for q_f, k_f, v_f, mask in zip(q.split(lengths), k.split(lengths), v.split(lengths), masks):
             out.append(F.scaled_dot_product_attention(q_f.transpose(0, 1), k_f.transpose(0, 1), v_f.transpose(0, 1),
                                                       attn_mask=mask, scale=self.head_dim ** -0.5))
         return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(x.shape[0], -1))
@@ -427,8 +426,8 @@ class Qwen2VisionBlock(nn.Module):
         self.act = activation(arch.hidden_act, "vision_config.hidden_act")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int],
-                groups: list[torch.Tensor | None]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, lengths, groups)
+                masks: list[torch.Tensor | None]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, lengths, masks)
         h = self.norm2(x)
         if self.gated:
             gate, up = self.mlp.gate_up_proj(h).chunk(2, dim=-1)
@@ -497,7 +496,9 @@ class Qwen2VisionTransformer(nn.Module):
         cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]
         lengths = [h * w for t, h, w in grids for _ in range(t)]
         frames: list[torch.Tensor | None] = [None] * len(lengths)
-        windows = frames if self.arch.window_size is None else self.window_ids(grids, x.device)
+        # each frame's window mask, built once for every windowed block (a frame's patches squared)
+        windows = frames if self.arch.window_size is None else [
+            ids[:, None] == ids[None, :] for ids in self.window_ids(grids, x.device)]
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, lengths, frames if i in self.arch.full_attention_blocks else windows)
         x = self.merger.ln_q(x).view(-1, arch.embed_dim * arch.spatial_merge_size ** 2)
