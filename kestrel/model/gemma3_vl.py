@@ -17,7 +17,7 @@ from kestrel.config import ConfigError
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.model.base import Quantization
 from kestrel.model.gemma import Gemma3ForCausalLM
-from kestrel.model.layers.vision import TOWER_PROJECTOR_RENAMES, CLIPVisionArch, SiglipVisionEncoder, loadable
+from kestrel.model.layers.vision import CLIPVisionArch, SiglipVisionEncoder, TowerProjectorNames, loadable
 
 
 class Gemma3MultiModalProjector(nn.Module):
@@ -48,12 +48,11 @@ class Gemma3MultiModalProjector(nn.Module):
         return torch.matmul(x.to(features.dtype), self.mm_input_projection_weight)
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(TowerProjectorNames, Gemma3ForCausalLM):
     supported_modalities: ClassVar[frozenset[str]] = frozenset({"image"})
     # An image's placeholder run attends to itself both ways (the runner widens its rows' causal ends; the
     # scheduler keeps each run inside one prefill chunk).
     bidirectional_media: ClassVar[bool] = True
-    _RENAMED: ClassVar[tuple[tuple[str, str], ...]] = TOWER_PROJECTOR_RENAMES
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype = torch.float32,
                  quant_config: Quantization = None, parallel: ParallelContext | None = None,
@@ -68,20 +67,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
             self.vision_tower = SiglipVisionEncoder(arch, dtype)
             self.multi_modal_projector = Gemma3MultiModalProjector(arch, self.hidden_size, self.tokens_per_image,
                                                                    dtype)
-
-    def checkpoint_target(self, hf_name: str) -> str | None:
-        for old, new in self._RENAMED:
-            if hf_name.startswith(old):
-                hf_name = new + hf_name[len(old):]
-                break
-        for tower in ("vision_tower.", "multi_modal_projector."):
-            if hf_name.startswith(tower):
-                if not self.parallel.is_first_stage:
-                    return None
-                if tower == "vision_tower." and not self.vision_tower.reads(hf_name[len(tower):]):
-                    return None  # the attention-pooling head, which Gemma 3 does not use
-                return hf_name
-        return super().checkpoint_target(hf_name)
 
     def embed_multimodal(self, modality: str, items: list[Any]) -> list[torch.Tensor]:
         """Each image's `pixel_values [crops, 3, size, size]` (the image, then its pan-and-scan crops) -> its

@@ -12,17 +12,16 @@ from kestrel.config import ConfigError
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.model.base import DecoderForCausalLM, Quantization
 from kestrel.model.layers.vision import (
-    TOWER_PROJECTOR_RENAMES,
     CLIPVisionArch,
     CLIPVisionEncoder,
     MultiModalProjector,
+    TowerProjectorNames,
     hidden_state_indices,
 )
 
 
-class LlavaForConditionalGeneration(DecoderForCausalLM):
+class LlavaForConditionalGeneration(TowerProjectorNames, DecoderForCausalLM):
     supported_modalities: ClassVar[frozenset[str]] = frozenset({"image"})
-    _RENAMED: ClassVar[tuple[tuple[str, str], ...]] = TOWER_PROJECTOR_RENAMES
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype = torch.float32,
                  quant_config: Quantization = None, parallel: ParallelContext | None = None,
@@ -46,20 +45,6 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
                 arch.hidden_size * len(self.feature_indices), self.hidden_size,
                 hf_config.get("projector_hidden_act", "gelu"), bool(hf_config.get("multimodal_projector_bias", True)),
                 dtype)
-
-    def checkpoint_target(self, hf_name: str) -> str | None:
-        for old, new in self._RENAMED:
-            if hf_name.startswith(old):
-                hf_name = new + hf_name[len(old):]
-                break
-        for tower in ("vision_tower.", "multi_modal_projector."):
-            if hf_name.startswith(tower):
-                if not self.parallel.is_first_stage:
-                    return None
-                if tower == "vision_tower." and not self.vision_tower.reads(hf_name[len(tower):]):
-                    return None  # a layer after the deepest one read, or the final norm
-                return hf_name
-        return super().checkpoint_target(hf_name)
 
     def embed_multimodal(self, modality: str, items: list[Any]) -> list[torch.Tensor]:
         """Each image's `pixel_values [1, 3, H, W]` -> its projected features `[placeholders, hidden]`; images of

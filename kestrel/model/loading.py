@@ -36,6 +36,15 @@ class DeclaresCheckpoint(Protocol):
     def checkpoint_target(self, hf_name: str) -> str | None: ...
 
 
+def renamed_by_prefix(hf_name: str, renames: Iterable[tuple[str, str]]) -> str:
+    """`hf_name` with the first of `renames`' (old prefix, new prefix) pairs it starts with replaced; unchanged
+    when none matches (a checkpoint layout mapped onto kestrel's names)."""
+    for old, new in renames:
+        if hf_name.startswith(old):
+            return new + hf_name[len(old):]
+    return hf_name
+
+
 def to_param_name(hf_name: str, packed: Mapping[str, tuple[str, ...]]) -> tuple[str, str | None, int | None]:
     """(our parameter name, the merged module it goes into or None, the part's index among the merged ones)."""
     for merged, parts in packed.items():

@@ -16,6 +16,7 @@ from kestrel.model.base import Quantization
 from kestrel.model.layers.audio import WhisperEncoder, WhisperEncoderArch
 from kestrel.model.layers.vision import loadable
 from kestrel.model.llama import Qwen2ForCausalLM
+from kestrel.model.loading import renamed_by_prefix
 
 
 class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
@@ -48,10 +49,7 @@ class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
                                                                    dtype=dtype))
 
     def checkpoint_target(self, hf_name: str) -> str | None:
-        for old, new in self._RENAMED:
-            if hf_name.startswith(old):
-                hf_name = new + hf_name[len(old):]
-                break
+        hf_name = renamed_by_prefix(hf_name, self._RENAMED)
         if hf_name.startswith(("audio_tower.", "multi_modal_projector.")):
             if not self.parallel.is_first_stage:
                 return None

@@ -17,6 +17,7 @@ from kestrel.distributed.parallel import ParallelContext
 from kestrel.model.base import Quantization
 from kestrel.model.layers.vision import Qwen2VisionArch, Qwen2VisionTransformer
 from kestrel.model.llama import Qwen2ForCausalLM
+from kestrel.model.loading import renamed_by_prefix
 
 
 class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
@@ -50,10 +51,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         return Qwen2VisionArch.from_hf(vision)
 
     def checkpoint_target(self, hf_name: str) -> str | None:
-        for old, new in self._RENAMED:
-            if hf_name.startswith(old):
-                hf_name = new + hf_name[len(old):]
-                break
+        hf_name = renamed_by_prefix(hf_name, self._RENAMED)
         if hf_name.startswith("visual."):
             return hf_name if self.parallel.is_first_stage else None
         return super().checkpoint_target(hf_name)

@@ -23,6 +23,7 @@ from torch import nn
 
 from kestrel.config import ConfigError
 from kestrel.model.layers.weights import copy_checked, default_weight_loader
+from kestrel.model.loading import renamed_by_prefix
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -46,6 +47,25 @@ TOWER_PROJECTOR_RENAMES: tuple[tuple[str, str], ...] = (
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
 )
+class TowerProjectorNames:
+    """`checkpoint_target` of a tower + projector + language model (before the model class in its bases): names
+    mapped by `TOWER_PROJECTOR_RENAMES`; the `vision_tower.*` and `multi_modal_projector.*` tensors belong to the
+    first pipeline stage, which runs the encoder step, and a tower tensor the tower does not read (layers past the
+    deepest one read, a head the model does not use) is skipped; the rest is the language model's."""
+
+    def checkpoint_target(self, hf_name: str) -> str | None:
+        hf_name = renamed_by_prefix(hf_name, TOWER_PROJECTOR_RENAMES)
+        for tower in ("vision_tower.", "multi_modal_projector."):
+            if hf_name.startswith(tower):
+                if not self.parallel.is_first_stage:  # type: ignore[attr-defined]
+                    return None
+                if tower == "vision_tower." and not self.vision_tower.reads(  # type: ignore[attr-defined]
+                        hf_name[len(tower):]):
+                    return None
+                return hf_name
+        return super().checkpoint_target(hf_name)  # type: ignore[misc]
+
+
 VISION_ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": F.gelu, "gelu_pytorch_tanh": _gelu_tanh,
                       "gelu_new": _gelu_tanh, "relu": F.relu, "silu": F.silu}
 
