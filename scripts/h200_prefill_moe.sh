@@ -7,6 +7,8 @@
 #   ttft         TTFT of a 128-token prompt at batch 1 (Llama-3-8B shape), BF16 and FP8 + FP8 KV, eager prefill
 #                vs prefill graphs (max_prefill_graph_tokens 512)
 #   moe-latency  batch 1, 8, 32, 128 decode (prompt 128) of the Qwen3-30B-A3B shape, BF16 and FP8 + FP8 KV
+#   tput-graphs  full load: 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, eager prefill vs prefill
+#                graphs (max_prefill_graph_tokens 512), one job (the check a default change needs)
 set -uo pipefail
 out=$(realpath -m "$1"); shift
 mkdir -p "$out"
@@ -35,6 +37,11 @@ for stage in "$@"; do
                    --output-len 128 --repeats 2
                  latency 200 qwen3-30b-a3b-fp8-routing --arch qwen3-30b-a3b --batch 1,8,32,128 --input-len 128 \
                    --output-len 128 --repeats 2 --quantization fp8 --kv-cache-dtype fp8 ;;
+    tput-graphs) for g in 0 512; do
+                   run 240 python3 -m kestrel.bench.throughput --quantization fp8 --kv-cache-dtype fp8 \
+                     --max-num-seqs 512 --hf-peer-prompts 0 --max-seconds 150 --max-prefill-graph-tokens $g \
+                     --result-file "$out/throughput-fp8-1000x1000-prefill-graphs-$g-h200.json"
+                 done ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac
 done
