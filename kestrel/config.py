@@ -32,6 +32,10 @@ DEFAULT_MM_PER_PROMPT = 999  # vLLM's default per modality: the context length i
 EXPERT_LOAD_INTERVAL = 32
 # max_prefill_graph_tokens: 0 or a power of two in this range (the token buckets double from its low end).
 PREFILL_GRAPH_TOKEN_RANGE = (16, 8192)
+# max_prefill_graph_tokens left unset (None) means this limit wherever the runner captures CUDA graphs at all (one
+# CUDA device, not enforce_eager, no M-RoPE, not encoder-decoder), else off: FP8 1000 x 1000/1000 at max_num_seqs
+# 512 on the H200 ran 16,391 output tok/s with it against 15,912 eager, capture +1.0 s (docs/benchmarks.md).
+DEFAULT_PREFILL_GRAPH_TOKENS = 512
 SCHEDULING_POLICY_CHOICES = ("fcfs", "priority", "shortest_prefill")
 DEFAULT_STARVATION_BOUND = 64
 # None: the model runs in the engine's process on one device, in "mp" worker processes on several.
@@ -846,8 +850,9 @@ class EngineConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     device: str = "auto"
     enforce_eager: bool = False
-    # Largest token bucket of the prefill / mixed-step CUDA graphs (kestrel.worker.prefill_graph); 0: off.
-    max_prefill_graph_tokens: int = 0
+    # Largest token bucket of the prefill / mixed-step CUDA graphs (kestrel.worker.prefill_graph); 0: off;
+    # None: DEFAULT_PREFILL_GRAPH_TOKENS where the runner captures CUDA graphs, else off.
+    max_prefill_graph_tokens: int | None = None
     debug_launch_count: bool = False  # log the kernel launches of one decoder layer's decode step at startup
     disable_log_stats: bool = False  # no periodic throughput / queue / KV cache line in the log
     expert_load_metrics: bool = False  # count the tokens routed to each expert of every MoE layer
@@ -954,6 +959,8 @@ class EngineConfig:
         """The prefill graphs' token limit: 0 (off) or a power of two of PREFILL_GRAPH_TOKEN_RANGE, and only where
         CUDA graphs are captured at all (what needs the device or the model is checked by the runner)."""
         limit = self.max_prefill_graph_tokens
+        if limit is None:
+            return
         low, high = PREFILL_GRAPH_TOKEN_RANGE
         if isinstance(limit, bool) or not isinstance(limit, int) or not (
                 limit == 0 or (low <= limit <= high and limit & (limit - 1) == 0)):
@@ -1120,7 +1127,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("enforce_eager", "engine", "enforce_eager", "no CUDA graphs"),
     EngineArg("max_prefill_graph_tokens", "engine", "max_prefill_graph_tokens",
               "CUDA graphs for prefill and mixed steps of up to this many tokens (power-of-two token buckets from "
-              "16; 0: off, prefills run eagerly); a GPU with CUDA graphs on only (docs/kernels-attention.md)"),
+              "16; 0: off, prefills run eagerly; default: 512 where the engine captures CUDA graphs, else off); a GPU "
+              "with CUDA graphs on only (docs/kernels-attention.md)"),
     EngineArg("cpu_threads", "engine", "cpu_threads", "torch threads of a CPU engine (default: the cores it may "
               "use, less one for the engine loop)"),
     EngineArg("debug_launch_count", "engine", "debug_launch_count",

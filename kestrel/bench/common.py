@@ -430,9 +430,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the previous one's tokens reach the host (default: on for a GPU)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--max-prefill-graph-tokens", type=int, default=0,
+    p.add_argument("--max-prefill-graph-tokens", type=int, default=None,
                    help="the engine's max_prefill_graph_tokens: CUDA graphs for prefill and mixed steps of up to "
-                        "this many tokens (0: off, prefills run eagerly)")
+                        "this many tokens (0: off, prefills run eagerly; default: the engine's, 512 where it "
+                        "captures CUDA graphs)")
     p.add_argument("--sparse-decode", type=json.loads, default=None,
                    help="the engine's sparse_decode as JSON, e.g. '{\"method\": \"quest\", \"token_budget\": 2048}'")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)

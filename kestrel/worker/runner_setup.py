@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kestrel.config import ConfigError, EngineConfig
+from kestrel.config import DEFAULT_PREFILL_GRAPH_TOKENS, ConfigError, EngineConfig
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.kv_spec import KVCacheLayout, SinkWindowSpec
 from kestrel.loader import load_model
@@ -155,7 +155,7 @@ class RunnerSetup:
         self.bind_kv_caches(kv_cache_scales(config, layers))
         # Quest's key bounds, bound before the graphs are captured (they are kernel arguments there).
         self.key_bounds = bind_key_bounds(layers, config.sparse, self.num_blocks, self.device)
-        self._check_prefill_graphs()
+        self.prefill_graph_tokens = self._resolve_prefill_graph_tokens()
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
             self.launches_per_layer = self._count_layer_launches()
@@ -165,8 +165,8 @@ class RunnerSetup:
             if self.drafter is not None:
                 self.drafter.capture_graphs(config.scheduler.max_num_seqs, self.max_blocks_per_seq,
                                             *self._verify_shapes())
-        if config.max_prefill_graph_tokens and self.graph_runner is None:
-            raise ConfigError(f"invalid max_prefill_graph_tokens={config.max_prefill_graph_tokens}: this model runs "
+        if self.prefill_graph_tokens and self.graph_runner is None:
+            raise ConfigError(f"invalid max_prefill_graph_tokens={self.prefill_graph_tokens}: this model runs "
                               "every step eagerly (no CUDA graphs are captured for it); leave it 0")
         if self.expert_counts is not None:
             self.expert_counts.reset()
@@ -314,12 +314,18 @@ class RunnerSetup:
         return list(range(2, spec.num_speculative_tokens + 2)), verify_batch_limit(max_num_seqs,
                                                                                   spec.disable_by_batch_size)
 
-    def _check_prefill_graphs(self) -> None:
-        """max_prefill_graph_tokens asks for graphs this runner would not capture: refused by name (the config
-        checked what it could without the device and the model)."""
+    def _resolve_prefill_graph_tokens(self) -> int:
+        """The prefill graphs' token limit: DEFAULT_PREFILL_GRAPH_TOKENS where this runner captures CUDA graphs when
+        max_prefill_graph_tokens is unset, else 0. An explicit limit asking for graphs this runner would not capture
+        is refused by name (the config checked what it could without the device and the model)."""
         limit = self.config.max_prefill_graph_tokens
+        single_device = self.parallel is None or self.parallel.world_size == 1
+        if limit is None:
+            captures = (self.device.type == "cuda" and not self.config.enforce_eager and not self.mrope
+                        and not self.encoder_decoder and single_device)
+            return DEFAULT_PREFILL_GRAPH_TOKENS if captures else 0
         if not limit:
-            return
+            return 0
         if self.device.type != "cuda":
             raise ConfigError(f"invalid max_prefill_graph_tokens={limit}: CUDA graphs need a CUDA device and this "
                               f"engine runs on {self.device.type}; leave it 0")
@@ -327,13 +333,14 @@ class RunnerSetup:
             raise ConfigError(f"invalid max_prefill_graph_tokens={limit}: this model rotates by M-RoPE (three "
                               "position rows), which the captured graphs do not carry, so it runs eagerly; leave "
                               "it 0")
-        if self.parallel is not None and self.parallel.world_size > 1:
+        if not single_device:
             raise ConfigError(f"invalid max_prefill_graph_tokens={limit}: CUDA graphs are captured on one device "
                               "only; leave it 0 with tensor or pipeline parallelism")
+        return limit
 
     def _prefill_buckets(self) -> PrefillBuckets | None:
         scheduler = self.config.scheduler
-        return PrefillBuckets.for_engine(self.config.max_prefill_graph_tokens, scheduler.max_num_batched_tokens,
+        return PrefillBuckets.for_engine(self.prefill_graph_tokens, scheduler.max_num_batched_tokens,
                                          scheduler.max_num_seqs)
 
     def _capture_graphs(self) -> None:

@@ -43,6 +43,19 @@ def _step(counts: list[int], seq_lens: list[int], block_size: int) -> ModelInput
                        torch.tensor([s - 1 for s in starts[1:]], device="cuda"), list(range(len(counts))))
 
 
+def test_prefill_graphs_are_on_by_default_where_graphs_are_captured(checkpoint: Path) -> None:
+    from kestrel.config import DEFAULT_PREFILL_GRAPH_TOKENS
+
+    llm = LLM(str(checkpoint), dtype="bfloat16", max_model_len=128, max_num_seqs=8, device="cuda", kv_cache_blocks=64)
+    graphs = llm.runner.graph_runner
+    assert llm.runner.prefill_graph_tokens == DEFAULT_PREFILL_GRAPH_TOKENS
+    assert graphs is not None and graphs.prefill is not None
+    assert graphs.prefill.max_tokens <= DEFAULT_PREFILL_GRAPH_TOKENS
+    eager = LLM(str(checkpoint), dtype="bfloat16", max_model_len=128, max_num_seqs=8, device="cuda",
+                kv_cache_blocks=64, enforce_eager=True)
+    assert eager.runner.prefill_graph_tokens == 0 and eager.runner.graph_runner is None
+
+
 @pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("bfloat16", "fp8")])
 def test_prefill_graph_logits_match_eager(checkpoint: Path, dtype: str, quantization: str | None) -> None:
     llm = LLM(str(checkpoint), dtype=dtype, quantization=quantization, max_model_len=128, max_num_seqs=8,

@@ -194,7 +194,8 @@ def test_max_prefill_graph_tokens_is_validated(checkpoint: str) -> None:
     with pytest.raises(ConfigError, match="max_prefill_graph_tokens=512: CUDA graphs are captured on one device"):
         EngineConfig.from_kwargs(checkpoint, max_prefill_graph_tokens=512, tensor_parallel_size=2)
     assert EngineConfig.from_kwargs(checkpoint, max_prefill_graph_tokens=512).max_prefill_graph_tokens == 512
-    assert EngineConfig.from_kwargs(checkpoint).max_prefill_graph_tokens == 0
+    assert EngineConfig.from_kwargs(checkpoint).max_prefill_graph_tokens is None  # the runner decides
+    assert EngineConfig.from_kwargs(checkpoint, max_prefill_graph_tokens=0).max_prefill_graph_tokens == 0
 
 
 def test_max_prefill_graph_tokens_needs_a_cuda_device(checkpoint: str) -> None:
@@ -202,6 +203,8 @@ def test_max_prefill_graph_tokens_needs_a_cuda_device(checkpoint: str) -> None:
 
     with pytest.raises(ConfigError, match="max_prefill_graph_tokens=256: CUDA graphs need a CUDA device"):
         LLM(checkpoint, dtype="float32", max_model_len=64, device="cpu", max_prefill_graph_tokens=256)
+    # Unset, the limit follows the runner: a CPU engine captures no graphs, so it has none (and no error).
+    assert LLM(checkpoint, dtype="float32", max_model_len=64, device="cpu").runner.prefill_graph_tokens == 0
 
 
 def test_cli_flag_comes_from_the_config_field() -> None:
