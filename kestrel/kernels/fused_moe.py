@@ -39,6 +39,9 @@ The Triton path, as vLLM's fused_moe organises it:
    zero-filled first for the skipped pairs, when k == 1).
 3. A small kernel sums the k rows of each token in fp32 (skipping pairs of expert -1) and rounds once.
 
+Decode-sized steps may instead take `moe_small_t` (two GEMV-style launches straight from `topk_ids`, FP8 weights
+dequantized in registers with unquantized activations), chosen by T in `fused_moe` (`small_t`).
+
 Block sizes come from a JSON table chosen offline (`tuning/fused_moe_default.json`, by M = T bucket; a
 per-GPU `tuning/fused_moe_<gpu>.json` keyed by `E,2I,H` overrides it); nothing autotunes at run time. Block
 FP8 overrides BLOCK_K (both GEMMs) and the first GEMM's BLOCK_N with bk.
@@ -49,6 +52,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +63,9 @@ from kestrel.kernels import activation as _activation
 from kestrel.kernels import common
 from kestrel.kernels import moe_routing as _routing
 from kestrel.kernels import quant_act as _quant_act
+
+if TYPE_CHECKING:
+    from kestrel.kernels.moe_small_t import SmallTConfig
 
 DEFAULT_TABLE = common.TUNING_DIR / "fused_moe_default.json"
 _SUM_BLOCK = 1024  # hidden columns per program of the k-sum
@@ -450,11 +457,22 @@ def fused_moe(
     block_shape: tuple[int, int] | None = None,
     reduce_inter_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,
     config: MoEConfig | None = None,
+    small_t: SmallTConfig | bool | None = None,
 ) -> torch.Tensor:
     """Triton `fused_moe_ref`; see the module docstring. `config` overrides the tuning table (tests, tuning).
-    No host sync: capturable in a CUDA graph."""
+    No host sync: capturable in a CUDA graph.
+
+    `small_t` (`moe_small_t.select_small_t`: None by T, False never, True or a `SmallTConfig` always): decode-sized
+    steps may take `moe_small_t.fused_moe_small_t` instead, two GEMV launches whose FP8 path keeps the activations
+    unquantized (so `reduce_inter_amax` has nothing to do there)."""
     T, H, E, inter, k, fp8 = _check_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape,
                                          reduce_inter_amax)
+    from kestrel.kernels import moe_small_t  # it builds on this module's helpers
+
+    small = moe_small_t.select_small_t(T, small_t)
+    if small is not None:
+        return moe_small_t.fused_moe_small_t(x, w13, w2, topk_weights, topk_ids, activation, w13_scale=w13_scale,
+                                             w2_scale=w2_scale, block_shape=block_shape, config=small)
     code = _activation.activation_code(activation)
     # k == 1: the down GEMM writes the output directly; the rows of skipped pairs must read 0.
     out = (torch.zeros if k == 1 else torch.empty)(T, H, dtype=x.dtype, device=x.device)
