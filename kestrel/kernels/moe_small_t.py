@@ -49,7 +49,8 @@ class SmallTConfig:
     block_k13: int = 256
     block_n2: int = 16
     block_k2: int = 256
-    num_warps: int = 4
+    num_warps: int = 4  # of the gate_up launch
+    num_warps2: int = 4  # of the down launch
     # K steps (times k for the down launch) unrolled into straight-line loads at most; more take a loop.
     max_unroll: int = 32
 
@@ -316,6 +317,6 @@ def fused_moe_small_t(
         out.stride(0),
         TOP_K=k, QUANT=quant, SCALE_BN=scale_bn, SCALE_BK=scale_bk, FAST=fast, EVEN_K=inter % bk2 == 0,
         K_STEPS=triton.cdiv(inter, bk2), STATIC_K=k * triton.cdiv(inter, bk2) <= cfg.max_unroll,
-        BLOCK_N=cfg.block_n2, BLOCK_K=bk2, SUB=sub2, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n2, BLOCK_K=bk2, SUB=sub2, num_warps=cfg.num_warps2,
     )
     return out

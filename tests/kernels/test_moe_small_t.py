@@ -14,9 +14,11 @@ from test_fused_moe import check, dequantize_weight, make_fp8_inputs, make_input
 from kestrel.kernels import fused_moe as fm
 from kestrel.kernels import moe_small_t as st
 
-TILES = st.SmallTConfig(max_tokens=8, block_n13=16, block_k13=32, block_n2=8, block_k2=16, num_warps=1)
+TILES = st.SmallTConfig(max_tokens=8, block_n13=16, block_k13=32, block_n2=8, block_k2=16, num_warps=1,
+                        num_warps2=1)
 # The same tiles with the K steps in a loop rather than unrolled.
-LOOPED = st.SmallTConfig(max_tokens=8, block_n13=16, block_k13=32, block_n2=8, block_k2=16, num_warps=1, max_unroll=1)
+LOOPED = st.SmallTConfig(max_tokens=8, block_n13=16, block_k13=32, block_n2=8, block_k2=16, num_warps=1,
+                         num_warps2=1, max_unroll=1)
 
 # (T, E, k, H, I)
 SHAPES = [(1, 4, 2, 48, 24), (2, 8, 2, 64, 40), (3, 4, 1, 40, 20), (8, 8, 3, 32, 16)]
@@ -92,7 +94,7 @@ def test_fused_moe_selects_the_path_by_t(device, monkeypatch):
     monkeypatch.setattr(st, "DEFAULT", TILES)
     assert torch.equal(fm.fused_moe(*dev_args, "silu", **dev_quant), small)
     monkeypatch.setattr(st, "DEFAULT", st.SmallTConfig(max_tokens=1, block_n13=16, block_k13=32, block_n2=8,
-                                                       block_k2=16, num_warps=1))
+                                                       block_k2=16, num_warps=1, num_warps2=1))
     assert st.select_small_t(1) is st.DEFAULT and st.select_small_t(2) is None and st.select_small_t(0) is None
     assert st.select_small_t(64, True) is st.DEFAULT and st.select_small_t(1, False) is None
 
