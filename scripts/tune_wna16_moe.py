@@ -34,8 +34,8 @@ MOE_T = [1, 8, 32, 128, 512]
 L2_BYTES = 3 * 60 * 2**20
 
 
-def time_us(calls: list) -> float:
-    """Median per call of replays of one CUDA graph calling each of `calls` once."""
+def time_us(calls: list, rep_ms: int = 40) -> float:
+    """Median per call of replays of one CUDA graph calling each of `calls` once, over about `rep_ms` of replays."""
     import triton
 
     for c in calls:
@@ -44,7 +44,7 @@ def time_us(calls: list) -> float:
     with torch.cuda.graph(graph):
         for c in calls:
             c()
-    return triton.testing.do_bench(graph.replay, warmup=5, rep=40, return_mode="median") * 1e3 / len(calls)
+    return triton.testing.do_bench(graph.replay, warmup=5, rep=rep_ms, return_mode="median") * 1e3 / len(calls)
 
 
 def wna16_grid(M: int) -> list[wq.WNA16Config]:
@@ -63,10 +63,10 @@ def wna16_grid(M: int) -> list[wq.WNA16Config]:
                    for bm, bn, bk, split, nibbles, (warps, stages) in space]
 
 
-def int4_weight(N: int, K: int, seed: int) -> wq.WNA16Weight:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    values = torch.randint(-8, 8, (N, K), generator=g, device="cuda")
-    scales = ((torch.rand(N, K // 128, generator=g, device="cuda") + 0.5) / (5.0 * K**0.5)).to(torch.bfloat16)
+def int4_weight(N: int, K: int, seed: int, device: str = "cuda") -> wq.WNA16Weight:
+    g = torch.Generator(device=device).manual_seed(seed)
+    values = torch.randint(-8, 8, (N, K), generator=g, device=device)
+    scales = ((torch.rand(N, K // 128, generator=g, device=device) + 0.5) / (5.0 * K**0.5)).to(torch.bfloat16)
     return wq.pack_wna16(values, scales, weight_type="int4")
 
 

@@ -50,6 +50,18 @@ elementwise and are summed over K once after the loop. 4-bit codes become fp32 t
 (2^23 + c, minus 2^23 + zero), not a conversion instruction. On the H200 at M = 1 it runs the Llama-3-8B shapes at
 1.44-1.76x cuBLAS BF16 where the tensor-core tiles ran at 1.09-1.28x (benchmarks/results/issue28/).
 
+Variants for decode-sized M, each a `WNA16Config` switch (off by default; `scripts/h200_wna16_sweep.py` measures
+them and writes a candidate table): `fast_convert` (nibble dots, int4 / uint4 with 16-bit activations, compiled):
+whole words become bf16 / fp16 operands in PTX, two nibbles per lop3 into a magic number's mantissa and one paired
+fma subtracting magic + zero point, about 1.4 instructions per value instead of about 4 through fp32; the values
+(c - z, integers of magnitude <= 15) are exact, so nothing about the rounding changes, and the interpreter and the
+other types take the portable conversion. `swap_ab` (nibble dots): out^T = W^T x^T, so the weights fill the tensor
+cores' 64-row side straight from registers (Hopper's wgmma takes its first operand there) and x, padded to block_m,
+is the small second operand; the same exact products, summed in fp32. `fma_pipeline` (FMA path, 4-bit): Triton
+pipelines the loads of loops that feed a dot, and this loop has none, so each step's words arrived only when asked
+for; 1 loads the next step's words into registers before the current step's arithmetic, 2 asks `tl.range` for
+num_stages. Same arithmetic.
+
 Split-K partials meet in an fp32 workspace; the last program to arrive at a tile (an atomic
 counter) sums them in split order (deterministic, so CUDA-graph replays are bit-exact) and runs the epilogue
 (bias, one rounding).
@@ -127,6 +139,15 @@ class WNA16Config:
     # columns k = 8j + s (strided loads of a few activation rows), instead of unpacking the words into a
     # [BLOCK_K, BLOCK_N] tile through a register shuffle.
     nibble_dots: bool = False
+    # With nibble_dots: int4 / uint4 codes become bf16 / fp16 operands by bit tricks on whole words
+    # (`_nibble_asm`: about 1.4 instructions per value instead of about 4 through fp32); exact, as before.
+    fast_convert: bool = False
+    # With nibble_dots and block_m >= 16: out^T = W^T x^T, the weights as the dot's first operand (the 64-row side
+    # of the tensor cores), x padded to block_m as the second.
+    swap_ab: bool = False
+    # block_m = 1 (the FMA path), 4-bit types: 0 a plain loop, 1 register prefetch of the next step's words,
+    # 2 the loop pipelined by Triton with num_stages (see `_gemv_range`).
+    fma_pipeline: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -258,7 +279,7 @@ def _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE: tl.constexpr, HAS_ZEROS
         words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :])
         shifts = tl.arange(0, 8) * 4
         c = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-        w = _decode4(c, z, WTYPE, HAS_ZEROS)
+        w = _decode4(c, z[None, :], WTYPE, HAS_ZEROS)
     else:
         rows = kt * BLOCK_K + tl.arange(0, BLOCK_K)
         ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :]
@@ -274,9 +295,9 @@ def _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE: tl.constexpr, HAS_ZEROS
 
 
 @triton.jit
-def _decode4(c, z, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """4-bit codes -> fp32 values minus zero points (fp4: the launcher's scale multiplier undoes the integer
-    stand-ins), any tile shape whose last dimension is BLOCK_N."""
+def _decode4(c, zz, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """4-bit codes -> fp32 values minus zero points `zz` (broadcast against c; fp4: the launcher's scale
+    multiplier undoes the integer stand-ins)."""
     if WTYPE == _NF4:
         w = _nf4_value(c)
     elif WTYPE == _FP4:
@@ -294,54 +315,171 @@ def _decode4(c, z, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr):
         # reduced-rate instruction that bounds a decode-sized GEMM).
         w = (c | 0x4B000000).to(tl.float32, bitcast=True)
         if HAS_ZEROS:
-            w = w - (z.to(tl.float32) + 8388608.0)[None, :]
+            w = w - (zz.to(tl.float32) + 8388608.0)
         else:
             w = w - 8388616.0
     return w
 
 
+def _nibble_asm(kind: str) -> str:
+    """PTX turning one int32 word ($8) into its eight nibbles minus a zero point, as 16-bit floats ($0..$7, nibble
+    s in $s). Two nibbles at a time (bits 4i and 4i + 16) are masked into the mantissas of a pair of magic numbers
+    whose unit in the last place is 1 (128 in bf16, 1024 in fp16) by one lop3, then one paired fma subtracts the
+    magic plus the zero point ($9: that pair's bit pattern, so 128 + z in bf16): c - z, an integer of magnitude
+    <= 15, exact. Four lop3, three shifts and four paired fmas per eight values, where the fp32 path spends about
+    four instructions per value."""
+    magic, one, op = {"bf16": ("0x43004300", "0x3f803f80", "fma.rn.bf16x2"),
+                      "fp16": ("0x64006400", "0x3c003c00", "fma.rn.f16x2")}[kind]
+    lines = ["{", ".reg .b32 t0, t1, t2, t3, s1, s2, s3, one, neg;", f"mov.b32 one, {one};",
+             "or.b32 neg, $9, 0x80008000;", "shr.u32 s1, $8, 4;", "shr.u32 s2, $8, 8;", "shr.u32 s3, $8, 12;",
+             f"lop3.b32 t0, $8, 0x000f000f, {magic}, 0xea;"]
+    lines += [f"lop3.b32 t{i}, s{i}, 0x000f000f, {magic}, 0xea;" for i in (1, 2, 3)]
+    lines += [f"{op} t{i}, t{i}, one, neg;" for i in range(4)]
+    lines += [f"mov.b32 {{${i}, ${i + 4}}}, t{i};" for i in range(4)]
+    return "\n".join(lines + ["}"])
+
+
+_ASM_BF16 = tl.constexpr(_nibble_asm("bf16"))
+_ASM_FP16 = tl.constexpr(_nibble_asm("fp16"))
+
+
 @triton.jit
-def _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, acc, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                 X_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`acc` plus the product of K step kt for the 4-bit types: nibble s of word row j holds k = 8j + s, so the
-    step is eight dots of K = BLOCK_K / 8, each against x's columns 8j + s."""
-    rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :])
-    k8 = kt * BLOCK_K + tl.arange(0, BLOCK_K // 8) * 8
-    for s in tl.static_range(8):
-        w = _decode4((words >> (4 * s)) & 0xF, z, WTYPE, HAS_ZEROS)
-        x = tl.load(x_rows + (k8 + s)[None, :])
+def _nibbles16_asm(words, zz, HAS_ZEROS: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr):
+    if HAS_ZEROS:
+        zw = zz.to(tl.int32)
+        pat = tl.zeros_like(words) + (MAGIC | zw | (zw << 16))
+    else:
+        pat = tl.zeros_like(words) + (MAGIC | 0x80008)
+    return tl.inline_asm_elementwise(
+        ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pat],
+        dtype=(tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16),
+        is_pure=True, pack=1)
+
+
+@triton.jit
+def _nibbles16(words, zz, HAS_ZEROS: tl.constexpr, X_DTYPE: tl.constexpr):
+    """int4 / uint4 words -> eight X_DTYPE (bf16 / fp16) tensors of the words' shape, nibble s minus the zero
+    point (8 for int4, `zz` broadcast against the words for uint4); compiled only (see `_nibble_asm`)."""
+    if X_DTYPE == tl.bfloat16:  # noqa: SIM300 (X_DTYPE is a constexpr argument, not a constant)
+        w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles16_asm(words, zz, HAS_ZEROS, 0x43004300, _ASM_BF16)
+    else:
+        w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles16_asm(words, zz, HAS_ZEROS, 0x64006400, _ASM_FP16)
+    return (w0.to(X_DTYPE, bitcast=True), w1.to(X_DTYPE, bitcast=True), w2.to(X_DTYPE, bitcast=True),
+            w3.to(X_DTYPE, bitcast=True), w4.to(X_DTYPE, bitcast=True), w5.to(X_DTYPE, bitcast=True),
+            w6.to(X_DTYPE, bitcast=True), w7.to(X_DTYPE, bitcast=True))
+
+
+@triton.jit
+def _nibble_dot(x_rows, k8, s: tl.constexpr, w, acc, X_DTYPE: tl.constexpr, DOT_F32: tl.constexpr,
+                SWAP: tl.constexpr):
+    """`acc` plus nibble s's weights `w` times x's columns 8j + s (SWAP: transposed, see `_nibble_dots`)."""
+    x = tl.load(x_rows + (k8 + s)[None, :])
+    if SWAP:
+        if DOT_F32:
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(X_DTYPE), tl.trans(x), acc)
+    else:
         acc = _dot(x, w, acc, X_DTYPE, DOT_F32)
     return acc
 
 
 @triton.jit
+def _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, acc, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 X_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+                 SWAP: tl.constexpr):
+    """`acc` plus the product of K step kt for the 4-bit types: nibble s of word row j holds k = 8j + s, so the
+    step is eight dots of K = BLOCK_K / 8, each against x's columns 8j + s.
+
+    SWAP: the weights are the dots' first operand (`[BLOCK_N, BLOCK_K / 8]` against x's columns transposed) and
+    `acc` is the transposed tile `[BLOCK_N, BLOCK_M]`: for a few rows the weights fill the tensor cores' 64-row
+    side and stay in registers, x (the small operand) goes through shared memory. ASM (int4 / uint4 with 16-bit
+    activations, compiled): the nibbles become 16-bit operands through `_nibbles16`, no fp32 step."""
+    rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    k8 = kt * BLOCK_K + tl.arange(0, BLOCK_K // 8) * 8
+    if SWAP:
+        words = tl.load(w_ptr + rows.to(tl.int64)[None, :] * stride_wk + w_cols[:, None])
+        zz = z[:, None]
+    else:
+        words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :])
+        zz = z[None, :]
+    if ASM:
+        w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles16(words, zz, HAS_ZEROS, X_DTYPE)
+        acc = _nibble_dot(x_rows, k8, 0, w0, acc, X_DTYPE, DOT_F32, SWAP)
+        acc = _nibble_dot(x_rows, k8, 1, w1, acc, X_DTYPE, DOT_F32, SWAP)
+        acc = _nibble_dot(x_rows, k8, 2, w2, acc, X_DTYPE, DOT_F32, SWAP)
+        acc = _nibble_dot(x_rows, k8, 3, w3, acc, X_DTYPE, DOT_F32, SWAP)
+        acc = _nibble_dot(x_rows, k8, 4, w4, acc, X_DTYPE, DOT_F32, SWAP)
+        acc = _nibble_dot(x_rows, k8, 5, w5, acc, X_DTYPE, DOT_F32, SWAP)
+        acc = _nibble_dot(x_rows, k8, 6, w6, acc, X_DTYPE, DOT_F32, SWAP)
+        acc = _nibble_dot(x_rows, k8, 7, w7, acc, X_DTYPE, DOT_F32, SWAP)
+    else:
+        for s in tl.static_range(8):
+            w = _decode4((words >> (4 * s)) & 0xF, zz, WTYPE, HAS_ZEROS)
+            acc = _nibble_dot(x_rows, k8, s, w, acc, X_DTYPE, DOT_F32, SWAP)
+    return acc
+
+
+@triton.jit
+def _word_rows(w_ptr, kt, w_cols, stride_wk, BLOCK_K: tl.constexpr):
+    """The `[BLOCK_K / 8, BLOCK_N]` packed words of K step kt."""
+    rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :])
+
+
+@triton.jit
+def _gemv_step4(acc2, words, x_row, s_ptr, z_ptr, w_cols, kt, steps_per_group, stride_sg, stride_zg,
+                WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, ONE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`acc2` plus K step kt of one activation row against its packed `words` (4-bit types, FMA path)."""
+    g = kt // steps_per_group
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + g * stride_zg + w_cols).to(tl.int32)
+    else:
+        z = w_cols  # placeholder
+    k8 = kt * BLOCK_K + tl.arange(0, BLOCK_K // 8) * 8
+    step = tl.zeros(acc2.shape, dtype=tl.float32)
+    for sh in tl.static_range(8):
+        xs = tl.load(x_row + k8 + sh).to(tl.float32)
+        step += xs[:, None] * _decode4((words >> (4 * sh)) & 0xF, z[None, :], WTYPE, HAS_ZEROS)
+    if ONE_GROUP:
+        acc2 += step
+    else:
+        acc2 += step * tl.load(s_ptr + g * stride_sg + w_cols).to(tl.float32)[None, :]
+    return acc2
+
+
+@triton.jit
 def _gemv_range(x_row, w_ptr, s_ptr, z_ptr, w_cols, kt_begin, kt_end, steps_per_group, scale_mult, stride_wk,
                 stride_sg, stride_zg, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, ONE_GROUP: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PIPE: tl.constexpr, STAGES: tl.constexpr):
     """One activation row times K steps [kt_begin, kt_end) of a column tile, on the FMA units (BLOCK_M = 1): each
     step's exact products join a `[BLOCK_K (/ 8), BLOCK_N]` fp32 accumulator elementwise, so nothing crosses
     threads until one sum over K after the loop, and no tile is laid out again for a tensor-core dot. The
-    `[1, BLOCK_N]` result has its scales applied."""
+    `[1, BLOCK_N]` result has its scales applied.
+
+    PIPE (4-bit types; the loop has no dot, which is what Triton's pipeliner looks for): 0 a plain loop; 1 the
+    next step's words are loaded into registers before this step's arithmetic (one tile in flight behind the
+    one being used); 2 the loop is `tl.range(num_stages=STAGES)`, asking Triton to pipeline its loads through
+    shared memory."""
     if WTYPE <= _FP4_BNB:
         acc2 = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
-        for kt in range(kt_begin, kt_end):
-            g = kt // steps_per_group
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + g * stride_zg + w_cols).to(tl.int32)
-            else:
-                z = w_cols  # placeholder
-            rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-            words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :])
-            k8 = kt * BLOCK_K + tl.arange(0, BLOCK_K // 8) * 8
-            step = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
-            for sh in tl.static_range(8):
-                xs = tl.load(x_row + k8 + sh).to(tl.float32)
-                step += xs[:, None] * _decode4((words >> (4 * sh)) & 0xF, z, WTYPE, HAS_ZEROS)
-            if ONE_GROUP:
-                acc2 += step
-            else:
-                acc2 += step * tl.load(s_ptr + g * stride_sg + w_cols).to(tl.float32)[None, :]
+        if PIPE == 2:
+            for kt in tl.range(kt_begin, kt_end, num_stages=STAGES):
+                words = _word_rows(w_ptr, kt, w_cols, stride_wk, BLOCK_K)
+                acc2 = _gemv_step4(acc2, words, x_row, s_ptr, z_ptr, w_cols, kt, steps_per_group, stride_sg,
+                                   stride_zg, WTYPE, HAS_ZEROS, ONE_GROUP, BLOCK_K)
+        elif PIPE == 1:
+            words = _word_rows(w_ptr, kt_begin, w_cols, stride_wk, BLOCK_K)
+            for kt in range(kt_begin, kt_end):
+                ahead = _word_rows(w_ptr, tl.minimum(kt + 1, kt_end - 1), w_cols, stride_wk, BLOCK_K)
+                acc2 = _gemv_step4(acc2, words, x_row, s_ptr, z_ptr, w_cols, kt, steps_per_group, stride_sg,
+                                   stride_zg, WTYPE, HAS_ZEROS, ONE_GROUP, BLOCK_K)
+                words = ahead
+        else:
+            for kt in range(kt_begin, kt_end):
+                words = _word_rows(w_ptr, kt, w_cols, stride_wk, BLOCK_K)
+                acc2 = _gemv_step4(acc2, words, x_row, s_ptr, z_ptr, w_cols, kt, steps_per_group, stride_sg,
+                                   stride_zg, WTYPE, HAS_ZEROS, ONE_GROUP, BLOCK_K)
     else:
         acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         for kt in range(kt_begin, kt_end):
@@ -406,6 +544,7 @@ def _wna16_kernel(
     stride_xm, stride_wk, stride_sg, stride_zg, stride_om,
     WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     ONE_GROUP: tl.constexpr, DOT_F32: tl.constexpr, FAST: tl.constexpr, NIBBLES: tl.constexpr,
+    ASM: tl.constexpr, SWAP: tl.constexpr, PIPE: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -431,7 +570,23 @@ def _wna16_kernel(
     if BLOCK_M == 1:
         acc = _gemv_range(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, s_ptr, z_ptr, w_cols, kt_begin, kt_end,
                           steps_per_group, scale_mult, stride_wk, stride_sg, stride_zg, WTYPE, HAS_ZEROS, ONE_GROUP,
-                          BLOCK_K, BLOCK_N)
+                          BLOCK_K, BLOCK_N, PIPE, STAGES)
+    elif SWAP:
+        # Nibble dots with the weights as the first operand: the accumulator is the transposed tile until the
+        # end. Per channel (one group) g stays 0 and the one scale row multiplies every step.
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for kt in range(kt_begin, kt_end):
+            g = kt // steps_per_group
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + g * stride_zg + w_cols).to(tl.int32)
+            else:
+                z = w_cols  # placeholder
+            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            part = _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, part, WTYPE, HAS_ZEROS,
+                                x_ptr.dtype.element_ty, DOT_F32, BLOCK_K, ASM, True)
+            s = tl.load(s_ptr + g * stride_sg + w_cols).to(tl.float32) * scale_mult
+            acc_t += part * s[:, None]
+        acc = tl.trans(acc_t)
     elif ONE_GROUP:
         # Per channel: one zero row, one scale row, applied after the loop.
         if HAS_ZEROS:
@@ -441,7 +596,7 @@ def _wna16_kernel(
         for kt in range(kt_begin, kt_end):
             if NIBBLES:
                 acc = _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, acc, WTYPE, HAS_ZEROS,
-                                   x_ptr.dtype.element_ty, DOT_F32, BLOCK_K)
+                                   x_ptr.dtype.element_ty, DOT_F32, BLOCK_K, ASM, False)
             else:
                 x = tl.load(x_rows + (kt * BLOCK_K + offs_k)[None, :])
                 w = _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N)
@@ -459,7 +614,7 @@ def _wna16_kernel(
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if NIBBLES:
                 part = _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, part, WTYPE, HAS_ZEROS,
-                                    x_ptr.dtype.element_ty, DOT_F32, BLOCK_K)
+                                    x_ptr.dtype.element_ty, DOT_F32, BLOCK_K, ASM, False)
             else:
                 x = tl.load(x_rows + (kt * BLOCK_K + offs_k)[None, :])
                 w = _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N)
@@ -524,17 +679,26 @@ def wna16_gemm(
     w = qweight.view(torch.uint8) if weight_type == "fp8_e4m3" else qweight
     z = zeros if zeros is not None else scales
     bias_t = bias.reshape(-1).contiguous() if bias is not None else scales
+    four_bit = weight_type in _FOUR_BIT
+    nibbles = cfg.nibble_dots and four_bit and block_k >= 128 and cfg.block_m >= 16
     _wna16_kernel[(tiles, split_k)](
         x, w, scales, z, bias_t, out, ws, _lock_buffer(x.device),
         M, N, k_tiles, per_split, split_k, group // block_k, _SCALE_MULT.get(weight_type, 1.0),
         x.stride(0), w.stride(0), scales.stride(0), z.stride(0), out.stride(0),
         WTYPE=_CODE[weight_type], HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         ONE_GROUP=scales.shape[0] == 1, DOT_F32=not x.is_cuda or x.dtype == torch.float32, FAST=x.is_cuda,
-        NIBBLES=cfg.nibble_dots and _CODE[weight_type] <= _FP4_BNB and block_k >= 128,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+        NIBBLES=nibbles, ASM=cfg.fast_convert and nibbles and _asm_ok(x, weight_type),
+        SWAP=cfg.swap_ab and nibbles and cfg.block_m >= 16, PIPE=cfg.fma_pipeline if four_bit else 0,
+        STAGES=cfg.num_stages, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def _asm_ok(x: torch.Tensor, weight_type: str) -> bool:
+    """Whether `fast_convert` applies: int4 / uint4 codes, 16-bit activations, a compiled (CUDA) launch; the
+    interpreter cannot run inline PTX, and there the same configs take the portable conversion."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight_type in ("int4", "uint4")
 
 
 def fit_block_k(block_k: int, group: int) -> int:

@@ -149,6 +149,59 @@ def test_cuda_graph_capture_with_act_order_and_split_k(M):
         assert torch.equal(static_out, wq.wna16_gemm(x, *w, torch.bfloat16, config=cfg))
 
 
+# Every kernel variant (the WNA16Config switches) on the 8B shapes, against the float64 product.
+VARIANT_CONFIGS = {
+    "nibbles": WNA16Config(16, 64, 128, 0, 1, nibble_dots=True),
+    "nibbles+fast": WNA16Config(16, 64, 256, 0, 1, nibble_dots=True, fast_convert=True),
+    "swap": WNA16Config(16, 64, 128, 0, 1, nibble_dots=True, swap_ab=True),
+    "swap+fast": WNA16Config(16, 128, 128, 0, 1, 8, 4, nibble_dots=True, swap_ab=True, fast_convert=True),
+    "swap+fast-m64": WNA16Config(64, 128, 128, 0, 1, nibble_dots=True, swap_ab=True, fast_convert=True),
+    "fma-prefetch": WNA16Config(1, 256, 128, 0, 1, 4, 4, fma_pipeline=1),
+    "fma-stages": WNA16Config(1, 128, 256, 0, 1, 4, 4, fma_pipeline=2),
+}
+
+
+def float64_product(x: torch.Tensor, w: wq.WNA16Weight) -> torch.Tensor:
+    return x.double() @ wq.dequantize_wna16(*w).double().T
+
+
+def assert_close_f64(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """One bf16 rounding (at most 2^-8 relative) of a value that differs from the float64 product by fp32
+    summation order only; a wrong nibble order or zero point is off by O(1)."""
+    diff = (out.double() - ref).abs()
+    bound = BF16_ULP * ref.abs() + 1e-3 * ref.abs().max()
+    assert bool((diff <= bound).all()), f"max diff {diff.max().item():.3g}"
+    assert (diff.norm() / ref.norm()).item() < 5e-3
+
+
+@pytest.mark.parametrize("name", list(VARIANT_CONFIGS))
+@pytest.mark.parametrize("M", [1, 5, 16, 64])
+def test_variants_match_float64_8b_shapes(shape_weight, name, M):
+    N, K, w = shape_weight
+    x = make_x(M, K, seed=100 + M)
+    out = wq.wna16_gemm(x, *w, torch.bfloat16, config=VARIANT_CONFIGS[name])
+    assert_close_f64(out, float64_product(x, w))
+
+
+@pytest.mark.parametrize("weight_type", ["int4", "uint4"])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("swap", [False, True])
+def test_fast_convert_types_and_activation_dtypes(weight_type, x_dtype, swap):
+    """The PTX conversion's two magic numbers (bf16, fp16) with the int4 zero (8) and per-column uint4 zeros, an
+    act-order gather and a bias; fp16 results compared at fp16's unit (2^-10)."""
+    N, K = 4096, 4096
+    w = make_weight(N, K, weight_type, act_order=weight_type == "uint4", seed=11)
+    for M in (1, 16):
+        x = make_x(M, K, seed=12 + M).to(x_dtype)
+        bias = torch.randn(N, device="cuda").to(x_dtype)
+        cfg = WNA16Config(16, 128, 128, 0, 1, nibble_dots=True, swap_ab=swap, fast_convert=True)
+        out = wq.wna16_gemm(x, *w, x_dtype, bias, config=cfg)
+        ref = float64_product(x, w) + bias.double()
+        diff = (out.double() - ref).abs()
+        ulp = BF16_ULP if x_dtype == torch.bfloat16 else 2.0**-10
+        assert bool((diff <= ulp * ref.abs() + 1e-3 * ref.abs().max()).all()), f"max diff {diff.max().item():.3g}"
+
+
 # --------------------------------------------------------------------------------------------- timing
 
 

@@ -222,6 +222,60 @@ def test_gemv_path_matches_float64_oracle(variant, device):
         assert_matches(out, x, W, x_dtype)
 
 
+@pytest.mark.parametrize("variant", FOUR_BIT)
+def test_swap_ab_and_fast_convert_match_float64_oracle(variant, device):
+    """The nibble dots transposed (swap_ab: out^T = W^T x^T) and with fast_convert (int4 / uint4 with 16-bit
+    activations take the PTX word-to-bf16 conversion when compiled, the portable one in the interpreter; other
+    types and fp32 activations ignore the flag). Both are exact: the same tolerance as the other paths."""
+    N, K = 40, 256
+    cases = [(128, False, 1, 2, True, True), (128, True, 17, 1, True, False), (None, False, 3, 1, False, True),
+             (128, False, 5, 3, True, False)]
+    for i, (group, act_order, M, split_k, swap, fast) in enumerate(cases):
+        x_dtype = torch.bfloat16 if i != 1 else torch.float32
+        w, W = make_weight(variant, group, act_order, N, K, x_dtype, seed=30 + i)
+        cfg = WNA16Config(block_m=16, block_n=32, block_k=128, split_k=split_k, nibble_dots=True, swap_ab=swap,
+                          fast_convert=fast)
+        x = make_x(M, K, x_dtype, seed=M)
+        out = wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, config=cfg)
+        rounded = variant == "nf4" and device.type == "cuda" and x_dtype != torch.float32
+        assert_matches(out, x, W, x_dtype, w_rounding=2.0**-9 if rounded else 0.0)
+
+
+@pytest.mark.parametrize("variant", ["int4", "uint4", "fp4_e2m1", "int8"])
+def test_fma_pipelines_match_float64_oracle(variant, device):
+    """block_m = 1 with the next step's words prefetched into registers (1) or the loop pipelined by Triton (2);
+    8-bit types ignore the field."""
+    N, K = 40, 256
+    for i, (pipe, group, act_order, M, split_k) in enumerate([(1, 64, False, 1, 2), (2, 64, True, 2, 1),
+                                                              (1, None, False, 1, 3), (2, 128, False, 3, 2)]):
+        x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
+        w, W = make_weight(variant, group, act_order, N, K, x_dtype, seed=40 + i)
+        cfg = WNA16Config(block_m=1, block_n=32, block_k=64, split_k=split_k, group_m=1, fma_pipeline=pipe)
+        x = make_x(M, K, x_dtype, seed=M)
+        out = wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, config=cfg)
+        assert_matches(out, x, W, x_dtype)
+
+
+def test_nibble_asm_text():
+    """The PTX of the word conversion: four lop3 into the magic number's mantissas, four paired fmas, each output
+    register written once (nibble s in $s: bits 4s of the word, s < 4 from the low halves)."""
+    for kind, magic, fma in (("bf16", "0x43004300", "fma.rn.bf16x2"), ("fp16", "0x64006400", "fma.rn.f16x2")):
+        text = wq._nibble_asm(kind)
+        assert text.count(f"0x000f000f, {magic}, 0xea;") == 4 and text.count(fma) == 4
+        assert [f"${i}" in text for i in range(10)] == [True] * 10
+        assert "mov.b32 {$0, $4}, t0;" in text and "mov.b32 {$3, $7}, t3;" in text
+    # What the PTX computes, emulated on the bits: nibble pairs in magic mantissas minus (magic + z).
+    word = 0x8F3A61C5
+    for z in (8, 0, 15):
+        got = []
+        for s in range(4):
+            pair = ((word >> (4 * s)) & 0x000F000F) | 0x43004300
+            lo, hi = pair & 0xFFFF, pair >> 16
+            base = 0x4300 | z
+            got.append((lo - base, hi - base))  # bf16 with unit ulp: the mantissa difference is the value
+        assert [g[0] for g in got] + [g[1] for g in got] == [((word >> (4 * s)) & 0xF) - z for s in range(8)]
+
+
 def to_device(w, device):
     return wq.WNA16Weight(*[t.to(device) if torch.is_tensor(t) else t for t in w])
 
