@@ -625,14 +625,17 @@ def _wna16_kernel(
     if SPLIT:
         tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         tile_base = tile.to(tl.int64) * split_k * (BLOCK_M * BLOCK_N)
-        tl.store(ws_ptr + tile_base + split * (BLOCK_M * BLOCK_N) + tile_offs, acc)
+        # Only the tile's real rows travel (at M = 1 one of block_m = 16); the padding rows are never stored.
+        live = (rows < M)[:, None]
+        tl.store(ws_ptr + tile_base + split * (BLOCK_M * BLOCK_N) + tile_offs, acc, mask=live)
         tl.debug_barrier()
         arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
         if arrived == split_k - 1:
             # The last arrival sums every partial in split order, so results do not depend on timing.
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s_idx in range(0, split_k):
-                total += tl.load(ws_ptr + tile_base + s_idx * (BLOCK_M * BLOCK_N) + tile_offs, cache_modifier=".cg")
+                total += tl.load(ws_ptr + tile_base + s_idx * (BLOCK_M * BLOCK_N) + tile_offs, mask=live, other=0.0,
+                                 cache_modifier=".cg")
             tl.atomic_xchg(lock_ptr + tile, 0)
             _epilogue(total, out_ptr, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS, FAST)
     else:
