@@ -10,7 +10,8 @@ between calls. The small-T path is timed at every candidate tile config; the bes
 (shape, variant) the single config with the least summed time over T <= 8. Then the whole MoE layer as the model
 runs it (router linear, `ops.moe_route`, the experts) with either path, and at T = 1 the launches per layer (torch
 profiler). Everything is set against the time to read the chosen experts (+ router) once at the measured copy
-bandwidth. Writes OUT/moe-small-t-h200.json and prints a table.
+bandwidth. Writes OUT/moe-small-t-h200.json, OUT/moe_small_t_<gpu>.json (the tuning table that turns the path on
+where it won: copy it to kestrel/kernels/tuning/) and prints a table.
 
     PYTHONPATH=. python scripts/h200_moe_small_t.py --out OUT            # the H200 run, about 3-5 minutes
     TRITON_INTERPRET=1 PYTHONPATH=. python scripts/h200_moe_small_t.py --out OUT --smoke   # CPU check of this script
@@ -35,6 +36,7 @@ from kestrel import ops  # noqa: E402
 from kestrel.bench import gemm as gemm_bench  # noqa: E402
 from kestrel.bench import moe as bm  # noqa: E402
 from kestrel.bench.timing import time_calls  # noqa: E402
+from kestrel.kernels import common  # noqa: E402
 from kestrel.kernels import fused_moe as fm  # noqa: E402
 from kestrel.kernels import moe_small_t as st  # noqa: E402
 
@@ -136,7 +138,8 @@ def run_point(ctx: bm.Ctx, shape: bm.Shape, layers: list[bm.Layer], routers: lis
     args = (first.x, w13, w2, first.topk_weights, first.topk_ids, "silu")
     ref_new = st.fused_moe_small_t_ref(*args, **kw)
     ref_old = fm.fused_moe_ref(*args, **kw)
-    row: dict = {"shape": shape.name, "variant": variant, "T": T, "sets": sets, "weight_copies": len(layers),
+    row: dict = {"shape": shape.name, "dims": [shape.E, shape.k, shape.H, shape.I], "variant": variant, "T": T,
+                 "sets": sets, "weight_copies": len(layers),
                  "distinct_experts": counted["distinct_experts"], "bytes": byts, "read_once_us": read_us}
     old = checked(lambda: experts(first, False), ref_old, ERR_LIMIT["fp8_old" if fp8 else "bf16"])
     row["old"] = timed(old, [lambda b=b: experts(b, False) for b in batches], ctx.runs, ctx.device)
@@ -227,6 +230,28 @@ def proposal(rows: list[dict], candidates: list[st.SmallTConfig]) -> dict:
     return out
 
 
+def small_t_table(rows: list[dict], prop: dict, candidates: list[st.SmallTConfig]) -> dict:
+    """`tuning/moe_small_t_<gpu>.json`'s configs: per (shape, weight kind) where the small-T path won, its tiles with
+    max_tokens = the largest T up to which it was faster at every measured T."""
+    dims = {r["shape"]: r["dims"] for r in rows}
+    configs = {}
+    for key, p in prop.items():
+        shape, variant = key.split("/")
+        if p.get("config") is None or not p.get("faster_up_to_T"):
+            continue
+        E, _, H, inter = dims[shape]
+        kind = st.weight_kind(variant != "bf16", None if variant in ("bf16", "fp8-channel") else BLOCK)
+        tiles = candidates[p["config"]].to_json()
+        configs[st.table_key(E, inter, H, kind)] = dict(tiles, max_tokens=p["faster_up_to_T"])
+    return configs
+
+
+def gpu_key(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    return "".join(ch if ch.isalnum() else "_" for ch in common.device_name(0).lower()).strip("_")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -277,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     result["proposal"] = proposal(result["rows"], candidates)
+    table_path = args.out / f"{st.TABLE}_{gpu_key(device)}.json"
+    result["table"] = {"gpu": gpu_key(device), "configs": small_t_table(result["rows"], result["proposal"], candidates),
+                       "note": "Measured by scripts/h200_moe_small_t.py: per layer shape (E,2I,H) and weight kind, the "
+                               "small-T tiles with the least time over T <= 8 and the largest T up to which they beat "
+                               "the grouped GEMM (CUDA-graph replays over weights rotated past L2)."}
+    table_path.write_text(json.dumps(result["table"], indent=1) + "\n")
     result["seconds"] = time.time() - started
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result["rows"]))
@@ -285,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, prop in result["proposal"].items():
         print(f"proposal {key}: candidate {prop['config']} faster than the grouped GEMM up to "
               f"T = {prop.get('faster_up_to_T', '-')}  {prop.get('tiles', '')}")
-    print(f"wrote {path} in {result['seconds']:.0f} s")
+    print(f"wrote {path} and {table_path} (copy it to kestrel/kernels/tuning/ to turn the path on where it won) "
+          f"in {result['seconds']:.0f} s")
     return 0
 
 

@@ -462,14 +462,15 @@ def fused_moe(
     """Triton `fused_moe_ref`; see the module docstring. `config` overrides the tuning table (tests, tuning).
     No host sync: capturable in a CUDA graph.
 
-    `small_t` (`moe_small_t.select_small_t`: None by T, False never, True or a `SmallTConfig` always): decode-sized
-    steps may take `moe_small_t.fused_moe_small_t` instead, two GEMV launches whose FP8 path keeps the activations
-    unquantized (so `reduce_inter_amax` has nothing to do there)."""
+    `small_t` (`moe_small_t.select_small_t`: None by T and the GPU's table, False never, True or a `SmallTConfig`
+    always): decode-sized steps may take `moe_small_t.fused_moe_small_t` instead, two GEMV launches whose FP8
+    path keeps the activations unquantized (so `reduce_inter_amax` has nothing to do there)."""
     T, H, E, inter, k, fp8 = _check_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape,
                                          reduce_inter_amax)
     from kestrel.kernels import moe_small_t  # it builds on this module's helpers
 
-    small = moe_small_t.select_small_t(T, small_t)
+    small = moe_small_t.select_small_t(T, small_t, moe_small_t.table_key(E, inter, H, moe_small_t.weight_kind(
+        fp8, block_shape)), x.device)
     if small is not None:
         return moe_small_t.fused_moe_small_t(x, w13, w2, topk_weights, topk_ids, activation, w13_scale=w13_scale,
                                              w2_scale=w2_scale, block_shape=block_shape, config=small)

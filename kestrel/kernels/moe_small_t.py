@@ -23,7 +23,7 @@ fp32 rounded once to x's dtype; each expert's down output times its weight in fp
 order, rounded once.
 
 Launch sizes come from `SmallTConfig` (`select_small_t`); `max_tokens` decides up to which T `fused_moe` takes this
-path (0: never, the default until the H200 measures it).
+path: 0 (never) by default, a per-GPU table entry per layer shape and weight kind where one was measured.
 """
 
 from __future__ import annotations
@@ -58,15 +58,34 @@ class SmallTConfig:
         return asdict(self)
 
 
-# Off until measured on the H200 (scripts/h200_moe_small_t.py); the tiles are its first candidates' best guess.
+# Off until measured: a per-GPU table `tuning/moe_small_t_<gpu>.json` (written by scripts/h200_moe_small_t.py) turns
+# the path on per layer shape and weight kind, up to the T where it was measured faster than the grouped GEMM.
 DEFAULT = SmallTConfig()
+TABLE = "moe_small_t"
 
 
-def select_small_t(T: int, choice: SmallTConfig | bool | None = None) -> SmallTConfig | None:
+def table_key(num_experts: int, inter: int, hidden: int, kind: str) -> str:
+    """The tuning table's key of a layer shape and weight kind (`bf16` for unquantized experts of any dtype,
+    `fp8_channel`, `fp8_block`)."""
+    return f"{num_experts},{2 * inter},{hidden},{kind}"
+
+
+def weight_kind(fp8: bool, block_shape: tuple[int, int] | None) -> str:
+    return "bf16" if not fp8 else ("fp8_channel" if block_shape is None else "fp8_block")
+
+
+def select_small_t(T: int, choice: SmallTConfig | bool | None = None, key: str | None = None,
+                   device: torch.device | None = None) -> SmallTConfig | None:
     """The config to run T tokens with on this path, or None for the grouped GEMM. `choice`: None picks by T
-    (`DEFAULT.max_tokens`), False never, True always with `DEFAULT`'s tiles, a config always with its tiles."""
+    (the GPU's table entry for `key` if there is one, else `DEFAULT`, up to its `max_tokens`), False never, True
+    always with `DEFAULT`'s tiles, a config always with its tiles."""
     if choice is None:
-        return DEFAULT if 1 <= T <= DEFAULT.max_tokens else None
+        cfg = DEFAULT
+        if key is not None and device is not None:
+            entry = common.gpu_table(TABLE, device).get(key)
+            if entry is not None:
+                cfg = SmallTConfig(**entry)
+        return cfg if 1 <= T <= cfg.max_tokens else None
     if choice is False:
         return None
     return DEFAULT if choice is True else choice

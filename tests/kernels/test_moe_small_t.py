@@ -101,3 +101,16 @@ def test_fused_moe_selects_the_path_by_t(device, monkeypatch):
 
 def test_default_is_off_until_measured():
     assert st.DEFAULT.max_tokens == 0 and st.select_small_t(1) is None
+
+
+def test_gpu_table_turns_the_path_on_per_shape_and_kind(monkeypatch):
+    """A table entry for (E, 2I, H, kind) sets the tiles and the largest T; other shapes and kinds keep DEFAULT."""
+    key = st.table_key(4, 16, 32, st.weight_kind(True, (16, 16)))
+    assert key == "4,32,32,fp8_block" and st.weight_kind(False, None) == "bf16"
+    entry = dict(TILES.to_json(), max_tokens=4)
+    monkeypatch.setattr(st.common, "gpu_table", lambda kernel, device: {key: entry} if kernel == st.TABLE else {})
+    device = torch.device("cpu")
+    assert st.select_small_t(4, None, key, device) == st.SmallTConfig(**entry)
+    assert st.select_small_t(5, None, key, device) is None
+    assert st.select_small_t(1, None, st.table_key(4, 16, 32, "bf16"), device) is None
+    assert st.select_small_t(1, False, key, device) is None
