@@ -55,8 +55,9 @@ def grid(M: int, wq) -> list:
     C = wq.WNA16Config
     out = []
     if M <= 4:  # FMA path: one program per activation row
-        for (bn, bk), pipe in itertools.product(((128, 128), (256, 128), (128, 256)), (0, 1, 2)):
-            out.append(C(1, bn, bk, 0, 1, 4, 4, fma_pipeline=pipe))
+        for (bn, bk, warps), pipe in itertools.product(((128, 128, 4), (256, 128, 4), (128, 256, 4), (256, 128, 8)),
+                                                       (0, 1, 2)):
+            out.append(C(1, bn, bk, 0, 1, warps, 4, fma_pipeline=pipe))
     if M <= 16:
         bm = 16
         tiles = [(64, 128, 4), (64, 256, 4), (128, 128, 4), (128, 256, 4)]
@@ -78,7 +79,8 @@ def grid(M: int, wq) -> list:
             for fast in (False, True):
                 out.append(C(bm, bn, 128, 1, 8, 8, 3, nibble_dots=True, fast_convert=fast))
             out.append(C(bm, bn, 128, 1, 8, 8, 3))
-        out.append(C(64, 128, 128, 1, 8, 8, 3, nibble_dots=True, swap_ab=True, fast_convert=True))
+        for bm, bn in ((64, 128), (128, 128), (64, 256)):
+            out.append(C(bm, bn, 128, 1, 8, 8, 3, nibble_dots=True, swap_ab=True, fast_convert=True))
     return out
 
 
