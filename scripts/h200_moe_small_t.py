@@ -48,7 +48,7 @@ CANDIDATES = [
     st.SmallTConfig(8, block_n13=16, block_k13=256, block_n2=16, block_k2=256, num_warps=4, num_warps2=4),
     st.SmallTConfig(8, block_n13=8, block_k13=512, block_n2=8, block_k2=256, num_warps=4, num_warps2=2),
     st.SmallTConfig(8, block_n13=32, block_k13=256, block_n2=32, block_k2=256, num_warps=8, num_warps2=8),
-    st.SmallTConfig(8, block_n13=16, block_k13=512, block_n2=8, block_k2=512, num_warps=4, num_warps2=4),
+    st.SmallTConfig(8, block_n13=16, block_k13=512, block_n2=8, block_k2=512, num_warps=8, num_warps2=4),
     st.SmallTConfig(8, block_n13=4, block_k13=512, block_n2=4, block_k2=256, num_warps=2, num_warps2=1),
 ]
 SMOKE_CANDIDATES = [st.SmallTConfig(8, block_n13=16, block_k13=32, block_n2=16, block_k2=16, num_warps=1, num_warps2=1),
