@@ -57,7 +57,7 @@ def test_kernel_matches_reference(layer, T):
     assert torch.equal(fm.fused_moe(x, w13, w2, weights, ids, small_t=True, **quant), out)
     grouped = fm.fused_moe(x, w13, w2, weights, ids, small_t=False, **quant)
     rel = ((grouped.float() - out.float()).norm() / out.float().norm()).item()
-    assert rel <= (W8A8_NORM_RTOL if quant else NORM_RTOL)
+    assert rel <= (W8A8_NORM_RTOL if quant else 2 * NORM_RTOL)  # BF16: two kernels, each within NORM_RTOL
 
 
 def test_skipped_pairs(layer):
