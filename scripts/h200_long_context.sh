@@ -7,6 +7,8 @@
 #                contexts 32k and 100k, batch 1, 8, 32 (CUDA graphs)
 #   quest-e2e    whole decode steps of the Llama-3-8B shape at a 32k prompt, batch 1 and 8, BF16: dense, then Quest
 #                budget 2048 (kestrel bench latency)
+#   quest-kernels  scripts/h200_quest_kernels.py: Quest's earlier selection path against the streamed one (scores,
+#                selection, attention, whole step vs dense), 8k/32k/100k x batch 1/8/32 x pages 16/8, with checks
 #   compress     kestrel bench compression --mode ttft: TTFT of 8k and 32k prompts on the Llama-3-8B shape (random
 #                weights, kestrel-tiny's tokenizer), uncompressed and at rates 0.5 and 0.33, compressor included
 set -uo pipefail
@@ -22,10 +24,11 @@ e2e() { local name=$1; shift
 for stage in "$@"; do
   case $stage in
     kernels) run 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sparse_decode.py \
-               tests/kernels/test_streaming_attention.py ;;
+               tests/kernels/test_streaming_attention.py tests/gpu/test_quest_select_gpu.py ;;
     quest-speed) run 200 python3 -m kestrel.bench.sparse_attention --mode speed --device cuda \
                    --contexts 32768,100000 --batches 1,8,32 --budgets 2048 --page-sizes 16,8 \
                    --result-file "$out/sparse-attention-speed-h200.json" ;;
+    quest-kernels) run 360 python3 scripts/h200_quest_kernels.py --out "$out" ;;
     quest-e2e) e2e dense
                e2e quest2048 --sparse-decode '{"method": "quest", "token_budget": 2048}' ;;
     compress) mkdir -p /tmp/kestrel-bench-llama3-8b

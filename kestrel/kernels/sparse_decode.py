@@ -18,8 +18,15 @@ Three operations, each a Triton kernel with a PyTorch reference of the same sign
   highest-bounded of the rest fill the `num_selected` slots. Out: logical page indices (token // page_size)
   `[num_seqs, num_kv_heads, num_selected]`, ascending, -1 for unused slots; a sequence of at most `num_selected`
   pages selects them all.
+  Two Triton paths (`impl`): "stream" (default) streams many pages per program through tensor-core dots (the
+  bound is linear in the bounds: `max(q*lo, q*hi) = max(q, 0)*hi + min(q, 0)*lo` for lo <= hi) and selects in
+  Triton (a radix select of the k-th score per (sequence, KV head), then one ordered pass that writes the pages
+  ascending); "topk" is the earlier path (16 pages a program, torch top-k and sort). Ties at the k-th score go to
+  the lower page index in the reference and in "stream" (a stable descending sort there, an ordered scan here),
+  so both select the same set from the same scores; "topk" breaks ties as torch.topk does.
 - `sparse_paged_decode`: one query token per sequence attends to its selected pages only (the last one masked by
-  the sequence length), with split-KV partials for small batches.
+  the sequence length), with split-KV partials for small batches, merged by a Triton kernel ("triton") or torch
+  ops ("torch", the earlier path).
 
 Shapes are static (the selection width is fixed, grids depend on shapes only) and nothing reads a tensor back to
 the host, so a decode step stays capturable in a CUDA graph.
@@ -35,6 +42,8 @@ Triton's interpreter, so all three store the same bits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -45,6 +54,26 @@ _LOG2E = 1.4426950408889634
 KEY_BOUNDS_DTYPE = torch.bfloat16
 _BOUND_WIDENING = 2.0**-6  # twice a bfloat16's relative spacing: truncation to bfloat16 cannot cross back
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+SELECT_IMPLS = ("stream", "topk")
+MERGE_IMPLS = ("triton", "torch")
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Launch shape of the "stream" selection. Scores: `block_b` pages a tile, tiles of one (sequence, KV head)
+    split over programs so the launch holds about `programs_per_sm` programs per SM (fewer, longer programs keep
+    more bytes in flight than one tile each), `num_stages` tiles in flight per program. Selection: `select_chunk`
+    scores a step, `select_warps` warps, one program per (sequence, KV head)."""
+
+    block_b: int = 32
+    programs_per_sm: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    select_chunk: int = 1024
+    select_warps: int = 8
+
+
+STREAM_DEFAULT = StreamConfig()
 
 
 def key_bounds_shape(num_blocks: int, pages_per_block: int, num_kv_heads: int,
@@ -208,8 +237,92 @@ def _quest_scores_kernel(q_ptr, bounds_ptr, bt_ptr, seq_lens_ptr, scores_ptr, wi
     tl.store(scores_ptr + seq * stride_ss + kv_head * stride_sh + offs_b, score, mask=offs_b < width)
 
 
+@triton.jit
+def _quest_scores_stream_kernel(q_ptr, bounds_ptr, bt_ptr, seq_lens_ptr, scores_ptr, width, tiles_per_program, scale,
+                                stride_qs, stride_qh, stride_bb, stride_bt, stride_ss, stride_sh,
+                                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD: tl.constexpr,
+                                HEAD_PAD: tl.constexpr, WIDTH_KV: tl.constexpr, PAGE: tl.constexpr,
+                                PAGES_PER_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                                DOT_PREC: tl.constexpr, FILL_TAIL: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Grid (programs per row, num_kv_heads, num_seqs): `tiles_per_program` tiles of BLOCK_B consecutive pages of
+    one (sequence, KV head), each scored by two dots of the group's queries split by sign against the pages'
+    minima and maxima (exact: their products are exact in fp32 for bf16 operands, fp32 ones use "ieee" dots).
+    Without FILL_TAIL a program stops at the sequence's last page (the selection reads no further)."""
+    chunk = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    num_pages = tl.minimum(tl.cdiv(tl.load(seq_lens_ptr + seq), PAGE), width)
+    end = width if FILL_TAIL else num_pages
+    first = chunk * tiles_per_program
+    last = tl.minimum(first + tiles_per_program, tl.cdiv(end, BLOCK_B))
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD
+    g_ok = offs_g < GROUP
+    q = tl.load(q_ptr + seq * stride_qs + (kv_head * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q_pos = tl.maximum(q, 0.0).to(DOT_DTYPE)
+    q_neg = tl.minimum(q, 0.0).to(DOT_DTYPE)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    out_row = scores_ptr + seq.to(tl.int64) * stride_ss + kv_head * stride_sh
+    for t in tl.range(first, last, num_stages=NUM_STAGES):
+        offs_b = t * BLOCK_B + tl.arange(0, BLOCK_B)
+        b_ok = offs_b < num_pages
+        physical = tl.load(bt_row + offs_b // PAGES_PER_BLOCK, mask=b_ok, other=0).to(tl.int64)
+        page_row = physical * stride_bb + (offs_b % PAGES_PER_BLOCK) * (2 * WIDTH_KV)
+        # loaded as [dims, pages], the dots' B operand as it is (no transpose), so the loads pipeline
+        base = bounds_ptr + page_row[None, :] + kv_head * HEAD + offs_d[:, None]
+        if HEAD == HEAD_PAD:  # no mask along the contiguous dims: vector loads, which pipeline
+            ok = b_ok[None, :]
+        else:
+            ok = d_ok[:, None] & b_ok[None, :]
+        lowest = tl.load(base, mask=ok, other=0.0).to(DOT_DTYPE)
+        highest = tl.load(base + WIDTH_KV, mask=ok, other=0.0).to(DOT_DTYPE)
+        bound = tl.dot(q_neg, lowest, out_dtype=tl.float32, input_precision=DOT_PREC)
+        bound = tl.dot(q_pos, highest, acc=bound, out_dtype=tl.float32, input_precision=DOT_PREC)
+        bound = tl.where(g_ok[:, None], bound, float("-inf"))
+        score = tl.where(b_ok, tl.max(bound, axis=0) * scale, float("-inf"))
+        tl.store(out_row + offs_b, score, mask=offs_b < width)
+
+
+def _stream_scores(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                   scale: float, page_size: int, fill_tail: bool, config: StreamConfig) -> torch.Tensor:
+    num_seqs, num_heads, head_size = q.shape
+    pages_per_block, num_kv_heads = key_bounds.shape[1], key_bounds.shape[3]
+    width = block_tables.shape[1] * pages_per_block
+    scores = torch.empty(num_seqs, num_kv_heads, width, dtype=torch.float32, device=q.device)
+    if num_seqs == 0 or width == 0:
+        return scores
+    group = num_heads // num_kv_heads
+    # bf16 queries dot bf16 bounds exactly; other dtypes (and the interpreter, whose bf16 dots are wrong) in fp32
+    bf16 = q.is_cuda and q.dtype == torch.bfloat16
+    tiles = triton.cdiv(width, config.block_b)
+    rows = num_seqs * num_kv_heads
+    per_row = max(1, min(tiles, -(-config.programs_per_sm * common.num_sms(q.device, off_cuda=16) // rows)))
+    tiles_per_program = -(-tiles // per_row)
+    _quest_scores_stream_kernel[(triton.cdiv(tiles, tiles_per_program), num_kv_heads, num_seqs)](
+        q, key_bounds, block_tables, seq_lens, scores, width, tiles_per_program, float(scale), q.stride(0),
+        q.stride(1), key_bounds.stride(0), block_tables.stride(0), scores.stride(0), scores.stride(1),
+        GROUP=group, BLOCK_G=max(16, _next_pow2(group)), HEAD=head_size, HEAD_PAD=max(16, _next_pow2(head_size)),
+        WIDTH_KV=num_kv_heads * head_size, PAGE=page_size, PAGES_PER_BLOCK=pages_per_block,
+        BLOCK_B=config.block_b, DOT_DTYPE=tl.bfloat16 if bf16 else tl.float32,
+        DOT_PREC="tf32" if bf16 else "ieee", FILL_TAIL=fill_tail, NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps if bf16 else max(8, config.num_warps))  # fp32 tiles spill at 4 warps
+    return scores
+
+
 def quest_block_scores(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tensor,
-                       block_tables: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+                       block_tables: torch.Tensor, scale: float, block_size: int, *, impl: str = "stream",
+                       config: StreamConfig = STREAM_DEFAULT) -> torch.Tensor:
+    """Triton `quest_block_scores_ref`: "stream" (many pages a program, tensor-core dots) or "topk" (the earlier
+    kernel: 16 pages a program)."""
+    _check_impl(impl)
+    if impl == "stream":
+        if not key_bounds.is_contiguous() or q.stride(-1) != 1 or block_tables.stride(-1) != 1:
+            raise ValueError("quest_block_scores needs contiguous key bounds and a contiguous last dimension of q "
+                             "and block_tables")
+        return _stream_scores(q, key_bounds, seq_lens, block_tables, scale, _page_size(block_size, key_bounds),
+                              True, config)
     num_seqs, num_heads, head_size = q.shape
     page_size = _page_size(block_size, key_bounds)
     pages_per_block, num_kv_heads = key_bounds.shape[1], key_bounds.shape[3]
@@ -231,11 +344,12 @@ def quest_block_scores(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torc
 
 
 def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_selected: int,
-                 sink_pages: int, recent_pages: int) -> torch.Tensor:
+                 sink_pages: int, recent_pages: int, *, stable_ties: bool = True) -> torch.Tensor:
     """The selected logical pages `[S, H_kv, num_selected]` int32 from page scores `[S, H_kv, width]`: the first
     `sink_pages`, the `num_selected - sink_pages - recent_pages` best-scored pages between them and the recent
-    ones, and the last `recent_pages` (the page being written is the last); ascending, -1 in unused slots. Static
-    shapes (topk over the table width), no host sync."""
+    ones (-inf scores never; equal scores: the lower page first, or torch.topk's order without `stable_ties`),
+    and the last `recent_pages` (the page being written is the last); ascending, -1 in unused slots. Static
+    shapes (over the table width), no host sync."""
     num_seqs, num_kv_heads, width = scores.shape
     device = scores.device
     num_pages = ((seq_lens.long() + page_size - 1) // page_size)[:, None, None]  # [S, 1, 1]
@@ -244,7 +358,11 @@ def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, page_size: int, n
     candidates = scores.masked_fill(~between, float("-inf"))
     num_chosen = num_selected - sink_pages - recent_pages
     take = min(num_chosen, width)
-    values, chosen = candidates.topk(take, dim=-1)
+    if stable_ties:
+        values, order = candidates.sort(dim=-1, descending=True, stable=True)
+        values, chosen = values[..., :take], order[..., :take]
+    else:
+        values, chosen = candidates.topk(take, dim=-1)
     chosen = torch.where(values > float("-inf"), chosen, -1)
     if take < num_chosen:
         chosen = torch.cat([chosen, chosen.new_full((num_seqs, num_kv_heads, num_chosen - take), -1)], dim=-1)
@@ -260,9 +378,12 @@ def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, page_size: int, n
 
 def quest_select_ref(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                      scale: float, block_size: int, num_selected: int, sink_blocks: int,
-                     recent_blocks: int) -> torch.Tensor:
+                     recent_blocks: int, *, impl: str = "stream",
+                     config: StreamConfig = STREAM_DEFAULT) -> torch.Tensor:
     """q `[S, H, D]` (one decode token per sequence) -> selected logical pages `[S, H_kv, num_selected]`; the
-    sinks and recent tokens are counted in blocks and kept as the pages that hold them."""
+    sinks and recent tokens are counted in blocks and kept as the pages that hold them. Ties: the lower page
+    (`impl` and `config` name the Triton path and are not used here)."""
+    _check_impl(impl)
     scores = quest_block_scores_ref(q, key_bounds, seq_lens, block_tables, scale, block_size)
     pages = key_bounds.shape[1]
     return select_pages(scores, seq_lens, block_size // pages, num_selected, sink_blocks * pages,
@@ -271,12 +392,131 @@ def quest_select_ref(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.
 
 def quest_select(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                  scale: float, block_size: int, num_selected: int, sink_blocks: int,
-                 recent_blocks: int) -> torch.Tensor:
-    """`quest_select_ref` with the scores from the Triton kernel; the top-k is torch's (static width)."""
-    scores = quest_block_scores(q, key_bounds, seq_lens, block_tables, scale, block_size)
+                 recent_blocks: int, *, impl: str = "stream", config: StreamConfig = STREAM_DEFAULT) -> torch.Tensor:
+    """Triton `quest_select_ref`. "stream": two Triton launches (streamed scores up to each sequence's last page,
+    then `select_pages_triton`); "topk": the earlier scores kernel, then torch's top-k and sort (static width)."""
+    _check_impl(impl)
     pages = key_bounds.shape[1]
-    return select_pages(scores, seq_lens, block_size // pages, num_selected, sink_blocks * pages,
-                        recent_blocks * pages)
+    page_size = block_size // pages
+    if impl == "topk":
+        scores = quest_block_scores(q, key_bounds, seq_lens, block_tables, scale, block_size, impl="topk")
+        return select_pages(scores, seq_lens, page_size, num_selected, sink_blocks * pages, recent_blocks * pages,
+                            stable_ties=False)
+    _page_size(block_size, key_bounds)
+    if not key_bounds.is_contiguous() or q.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("quest_select needs contiguous key bounds and a contiguous last dimension of q and "
+                         "block_tables")
+    scores = _stream_scores(q, key_bounds, seq_lens, block_tables, scale, page_size, False, config)
+    return select_pages_triton(scores, seq_lens, page_size, num_selected, sink_blocks * pages,
+                               recent_blocks * pages, config=config)
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in SELECT_IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {SELECT_IMPLS}")
+
+
+@triton.jit
+def _ordered_key(x):
+    """int32 keys ordered as the float32 scores are (-0.0 as +0.0, as torch compares them): negative floats get
+    their magnitude bits flipped."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(x == 0.0, 0, bits)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _select_pages_kernel(scores_ptr, seq_lens_ptr, out_ptr, width, num_selected, stride_ss, stride_sh, stride_os,
+                         stride_oh, PAGE: tl.constexpr, SINKS: tl.constexpr, RECENT: tl.constexpr,
+                         TAKE: tl.constexpr, CHUNK: tl.constexpr):
+    """Grid (num_kv_heads, num_seqs). Candidates are the pages in [SINKS, num_pages - RECENT) with a score above
+    -inf. A radix select over their keys, 4 bits a pass from the top (16 cumulative counts per pass), finds the
+    TAKE-th largest key T and how many keys equal to T to take; it stops early once the digit's bin is taken
+    whole. One ordered pass then writes sinks, the candidates above T, the first ones equal to T (lower pages
+    first) and the recent pages at their ascending positions (prefix sums), and -1 after them."""
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    num_pages = tl.minimum(tl.cdiv(tl.load(seq_lens_ptr + seq), PAGE), width)
+    lo = SINKS
+    hi = num_pages - RECENT
+    row = scores_ptr + seq.to(tl.int64) * stride_ss + kv_head * stride_sh
+    bins = tl.arange(0, 16)
+    lanes = tl.arange(0, CHUNK)
+    sign = tl.full([], -2147483648, tl.int32)  # flips signed-order keys to unsigned order and back
+    prefix = tl.zeros([], tl.int32)  # high digits found so far, on keys in unsigned order
+    remaining = tl.zeros([], tl.int32) + TAKE
+    need = tl.full([], 2147483647, tl.int32)  # keys equal to T still to take (all, after an early stop)
+    done = tl.zeros([], tl.int32)
+    for p in tl.static_range(8):
+        SHIFT = 28 - 4 * p
+        if done == 0:
+            at_least = tl.zeros([16], tl.int32)  # candidates matching the prefix whose digit is >= each bin
+            for start in range(lo, hi, CHUNK):
+                offs = start + lanes
+                ok = offs < hi
+                x = tl.load(row + offs, mask=ok, other=float("-inf"))
+                ok = ok & (x > float("-inf"))
+                ukey = _ordered_key(x) ^ sign
+                if p > 0:
+                    ok = ok & ((ukey >> (SHIFT + 4)) == (prefix >> (SHIFT + 4)))
+                digit = (ukey >> SHIFT) & 15
+                hit = (digit[:, None] >= bins[None, :]) & ok[:, None]
+                at_least += tl.sum(hit.to(tl.int32), axis=0)
+            if p == 0:
+                remaining = tl.minimum(remaining, tl.sum(tl.where(bins == 0, at_least, 0)))
+            b = tl.max(tl.where(at_least >= remaining, bins, 0))
+            above = tl.sum(tl.where(bins == b + 1, at_least, 0))
+            in_bin = tl.sum(tl.where(bins == b, at_least, 0)) - above
+            remaining -= above
+            prefix = prefix | (b << SHIFT)
+            if in_bin == remaining:
+                done = done + 1
+            elif p == 7:
+                need = remaining
+    threshold = prefix ^ sign  # back to the signed order of _ordered_key
+    written = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for start in range(0, num_pages, CHUNK):
+        offs = start + lanes
+        inside = offs < num_pages
+        middle = inside & (offs >= lo) & (offs < hi)
+        x = tl.load(row + offs, mask=middle, other=float("-inf"))
+        middle = middle & (x > float("-inf"))
+        key = _ordered_key(x)
+        tie = middle & (key == threshold)
+        tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+        picked = (middle & (key > threshold)) | (tie & (tie_rank < need))
+        picked = picked | (inside & ((offs < SINKS) | (offs >= hi)))
+        position = written + tl.cumsum(picked.to(tl.int32), axis=0) - 1
+        out_row = out_ptr + seq.to(tl.int64) * stride_os + kv_head * stride_oh
+        tl.store(out_row + position, offs, mask=picked)
+        written += tl.sum(picked.to(tl.int32))
+        ties += tl.sum(tie.to(tl.int32))
+    out_row = out_ptr + seq.to(tl.int64) * stride_os + kv_head * stride_oh
+    for start in range(0, num_selected, CHUNK):
+        offs = start + lanes
+        tl.store(out_row + offs, tl.full([CHUNK], -1, tl.int32), mask=(offs >= written) & (offs < num_selected))
+
+
+def select_pages_triton(scores: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_selected: int,
+                        sink_pages: int, recent_pages: int, *, config: StreamConfig = STREAM_DEFAULT) -> torch.Tensor:
+    """Triton `select_pages` (ties: the lower page first; NaN scores are never chosen). One program per (sequence,
+    KV head); the page count must fit the scores' width (`seq_len <= width * page_size`)."""
+    num_seqs, num_kv_heads, width = scores.shape
+    num_chosen = num_selected - sink_pages - recent_pages
+    if num_chosen < 0 or sink_pages < 0 or recent_pages < 0:
+        raise ValueError(f"num_selected={num_selected} must cover sink_pages={sink_pages} + "
+                         f"recent_pages={recent_pages}")
+    if scores.stride(-1) != 1:
+        raise ValueError("select_pages_triton needs scores with a contiguous last dimension")
+    out = torch.empty(num_seqs, num_kv_heads, num_selected, dtype=torch.int32, device=scores.device)
+    if num_seqs == 0 or num_selected == 0:
+        return out
+    _select_pages_kernel[(num_kv_heads, num_seqs)](
+        scores, seq_lens, out, width, num_selected, scores.stride(0), scores.stride(1), out.stride(0),
+        out.stride(1), PAGE=page_size, SINKS=sink_pages, RECENT=recent_pages, TAKE=num_chosen,
+        CHUNK=config.select_chunk, num_warps=config.select_warps)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -285,10 +525,11 @@ def quest_select(q: torch.Tensor, key_bounds: torch.Tensor, seq_lens: torch.Tens
 def sparse_paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                             block_tables: torch.Tensor, selected: torch.Tensor, scale: float, k_scale: float = 1.0,
                             v_scale: float = 1.0, out: torch.Tensor | None = None, *,
-                            page_size: int | None = None) -> torch.Tensor:
+                            page_size: int | None = None, num_splits: int | None = None,
+                            merge: str = "triton") -> torch.Tensor:
     """q `[S, H, D]`, one query token per sequence at position seq_len - 1, attending to the keys of its KV head's
     selected logical pages (`selected[s, h]`, -1 unused; pages of `page_size` tokens, default the block size)
-    below seq_len. Float32 math (float64 for float64 q)."""
+    below seq_len. Float32 math (float64 for float64 q); `num_splits` and `merge` shape the Triton launch only."""
     num_seqs, num_heads, head_size = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     page_size = _check_page_size(page_size, block_size)
@@ -409,8 +650,11 @@ def _check_page_size(page_size: int | None, block_size: int) -> int:
 def sparse_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                         block_tables: torch.Tensor, selected: torch.Tensor, scale: float, k_scale: float = 1.0,
                         v_scale: float = 1.0, out: torch.Tensor | None = None, *, page_size: int | None = None,
-                        num_splits: int | None = None) -> torch.Tensor:
-    """Triton `sparse_paged_decode_ref`; `num_splits` overrides the shape rule (tests)."""
+                        num_splits: int | None = None, merge: str = "triton") -> torch.Tensor:
+    """Triton `sparse_paged_decode_ref`; `num_splits` overrides the shape rule (tests); `merge` combines the
+    splits in one Triton launch ("triton") or in torch ops ("torch", the earlier path)."""
+    if merge not in MERGE_IMPLS:
+        raise ValueError(f"merge={merge!r}: expected one of {MERGE_IMPLS}")
     num_seqs, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, kv_head_size = k_cache.shape
     page_size = _check_page_size(page_size, block_size)
@@ -452,7 +696,7 @@ def sparse_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         PAGES_PER_TILE=pages_per_tile, DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else "tf32",
         Q_CLAMP=fp8 and q.dtype == torch.bfloat16, SPLIT=splits > 1, num_warps=4)
     if splits > 1:
-        _merge_partials(partial, lse, out, group, head_size)
+        (_merge_partials_triton if merge == "triton" else _merge_partials)(partial, lse, out, group, head_size)
     return out
 
 
@@ -464,3 +708,34 @@ def _merge_partials(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
     merged = (weight[..., None] * partial).sum(dim=0) / torch.where(total == 0.0, 1.0, total)[..., None]
     num_seqs, num_kv_heads = merged.shape[:2]
     out.copy_(merged[:, :, :group, :head_size].reshape(num_seqs, num_kv_heads * group, head_size).to(out.dtype))
+
+
+@triton.jit
+def _merge_partials_kernel(out_ptr, po_ptr, plse_ptr, num_splits, stride_os, stride_oh, GROUP: tl.constexpr,
+                           HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                           SPLITS_PAD: tl.constexpr):
+    """Grid (num_seqs, num_kv_heads, GROUP): one query head's partials of every split in one tile."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    r = tl.program_id(2)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    s_ok = offs_s < num_splits
+    row = ((offs_s * tl.num_programs(0) + seq) * tl.num_programs(1) + kv_head).to(tl.int64) * BLOCK_M + r
+    lse = tl.load(plse_ptr + row, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    partial = tl.load(po_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    total = tl.sum(weight, 0)
+    merged = tl.sum(weight[:, None] * partial, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_os + (kv_head * GROUP + r) * stride_oh + offs_d,
+             merged.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD)
+
+
+def _merge_partials_triton(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, group: int,
+                           head_size: int) -> None:
+    """Triton `_merge_partials`: one launch instead of a chain of torch ops."""
+    splits, num_seqs, num_kv_heads, block_m, head_pad = partial.shape
+    _merge_partials_kernel[(num_seqs, num_kv_heads, group)](
+        out, partial, lse, splits, out.stride(0), out.stride(1), GROUP=group, HEAD=head_size, HEAD_PAD=head_pad,
+        BLOCK_M=block_m, SPLITS_PAD=max(2, _next_pow2(splits)), num_warps=4)

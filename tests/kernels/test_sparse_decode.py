@@ -11,11 +11,13 @@ import torch
 from kestrel.kernels.attention import paged_attention_ref
 from kestrel.kernels.sparse_decode import (
     KEY_BOUNDS_DTYPE,
+    StreamConfig,
     quest_block_scores,
     quest_block_scores_ref,
     quest_select,
     quest_select_ref,
     select_pages,
+    select_pages_triton,
     sparse_paged_decode,
     sparse_paged_decode_ref,
     stored_bound,
@@ -111,11 +113,11 @@ def random_bounds_case(device, num_seqs=3, heads=8, kv_heads=2, dim=32, seq_lens
     return (q.to(device), k_cache.to(device), bounds.to(device), lens.to(device), perm.to(device))
 
 
-@pytest.mark.parametrize("page", [16, 8, 4])
-def test_page_scores_bound_every_key_and_match_float64(device, page) -> None:
+@pytest.mark.parametrize("page, impl", [(16, "topk"), (8, "topk"), (4, "topk"), (16, "stream"), (4, "stream")])
+def test_page_scores_bound_every_key_and_match_float64(device, page, impl) -> None:
     q, k_cache, bounds, seq_lens, tables = random_bounds_case(device, page=page)
     scale = 0.3
-    scores = quest_block_scores(q, bounds, seq_lens, tables, scale, BLOCK).cpu().double()
+    scores = quest_block_scores(q, bounds, seq_lens, tables, scale, BLOCK, impl=impl).cpu().double()
     want = quest_block_scores_ref(q.double(), bounds, seq_lens, tables, scale, BLOCK).cpu()
     torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(quest_block_scores_ref(q, bounds, seq_lens, tables, scale, BLOCK).cpu().double(),
@@ -154,6 +156,8 @@ def test_selection_matches_oracle(device, num_selected, sinks, recent, page) -> 
     scores64 = quest_block_scores_ref(q.double(), bounds, seq_lens, tables, 0.2, BLOCK)
     chosen64 = select_pages(scores64, seq_lens, page, num_selected, sinks * pages, recent * pages).cpu()
     triton_chosen = quest_select(q, bounds, seq_lens, tables, 0.2, BLOCK, num_selected, sinks, recent).cpu()
+    topk_chosen = quest_select(q, bounds, seq_lens, tables, 0.2, BLOCK, num_selected, sinks, recent,
+                               impl="topk").cpu()
     ref_chosen = quest_select_ref(q, bounds, seq_lens, tables, 0.2, BLOCK, num_selected, sinks, recent).cpu()
     assert chosen64.shape == (3, 2, num_selected) and chosen64.dtype == torch.int32
     for s, seq_len in enumerate(seq_lens.tolist()):
@@ -164,11 +168,62 @@ def test_selection_matches_oracle(device, num_selected, sinks, recent, page) -> 
             assert chosen64[s, h].tolist() == padded
             # fp32 scores may order near-ties differently: every chosen block must score within rounding of the
             # oracle's worst chosen one.
-            for got in (triton_chosen[s, h], ref_chosen[s, h]):
+            for got in (triton_chosen[s, h], topk_chosen[s, h], ref_chosen[s, h]):
                 picked = [b for b in got.tolist() if b >= 0]
                 assert len(picked) == len(want) and sorted(picked) == picked
                 worst = min(float(scores64[s, h, b]) for b in want)
                 assert all(b in want or float(scores64[s, h, b]) >= worst - 1e-4 for b in picked)
+
+
+def tied_scores(num_seqs: int, kv_heads: int, width: int, seed: int) -> torch.Tensor:
+    """Scores with many exact ties (a few values only), signed zeros, -inf (never chosen) and +inf."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-3, 4, (num_seqs, kv_heads, width), generator=g).float() * 0.75
+    scores[0, 0, : width // 4] = -0.0
+    scores[0, -1, ::7] = float("-inf")
+    scores[-1, 0, ::11] = float("inf")
+    return scores
+
+
+@pytest.mark.parametrize("num_selected, sinks, recent, page, chunk", [(40, 2, 4, 8, 64), (12, 0, 1, 16, 32),
+                                                                      (300, 1, 1, 4, 64), (9, 2, 6, 8, 128)])
+def test_triton_selection_equals_reference(device, num_selected, sinks, recent, page, chunk) -> None:
+    """From the same scores the Triton selection is the reference's, tie for tie (ties: the lower page), for
+    continuous scores, heavy ties, +-inf, and sequences of a full table, a partial page, one token, none."""
+    width = 300
+    lens = torch.tensor([width * page, 37 * page - 3, 1, 0], dtype=torch.int32, device=device)
+    config = StreamConfig(select_chunk=chunk)
+    for scores in (tied_scores(4, 2, width, 0), torch.randn(4, 2, width, generator=torch.Generator().manual_seed(3)),
+                   -torch.rand(4, 2, width, generator=torch.Generator().manual_seed(4)) * 1e-30):
+        scores = scores.to(device)
+        got = select_pages_triton(scores, lens, page, num_selected, sinks, recent, config=config)
+        want = select_pages(scores, lens, page, num_selected, sinks, recent)
+        assert torch.equal(got.cpu(), want.cpu())
+
+
+def exact_bounds_case(device, page: int, seq_lens=(300, 123, 16, 0), kv_heads=2, heads=8, dim=16, width=24):
+    """Integer queries and bounds: every product and sum is exact in fp32 whatever the order, so the Triton scores
+    are the reference's bit for bit, and the few distinct values make many ties."""
+    g = torch.Generator().manual_seed(5)
+    num_blocks = len(seq_lens) * width
+    lowest = torch.randint(-4, 4, (num_blocks, BLOCK // page, kv_heads, dim), generator=g).float()
+    highest = lowest + torch.randint(0, 3, lowest.shape, generator=g).float()
+    bounds = torch.stack([lowest, highest], dim=2).to(KEY_BOUNDS_DTYPE)
+    q = torch.randint(-2, 3, (len(seq_lens), heads, dim), generator=g).float()
+    tables = torch.randperm(num_blocks, generator=g).view(len(seq_lens), width).to(torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return q.to(device), bounds.to(device), lens.to(device), tables.to(device)
+
+
+@pytest.mark.parametrize("page, num_selected, sinks, recent", [(16, 8, 1, 2), (8, 20, 1, 1), (4, 33, 0, 1)])
+def test_stream_selection_equals_reference_exactly(device, page, num_selected, sinks, recent) -> None:
+    q, bounds, lens, tables = exact_bounds_case(device, page)
+    got = quest_select(q, bounds, lens, tables, 0.25, BLOCK, num_selected, sinks, recent, impl="stream")
+    want = quest_select_ref(q, bounds, lens, tables, 0.25, BLOCK, num_selected, sinks, recent)
+    assert torch.equal(got.cpu(), want.cpu())
+    scores = quest_block_scores(q, bounds, lens, tables, 0.25, BLOCK, impl="stream")
+    torch.testing.assert_close(scores.cpu(), quest_block_scores_ref(q, bounds, lens, tables, 0.25, BLOCK).cpu(),
+                               rtol=0, atol=0)
 
 
 def sparse_oracle(q, k_cache, v_cache, seq_lens, tables, selected, scale, k_scale=1.0, v_scale=1.0, page=BLOCK):
@@ -247,6 +302,14 @@ def test_sparse_attention_matches_masked_oracle(device, heads, kv_heads, dim, pa
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     ref = sparse_paged_decode_ref(q, k, v, lens, tables, selected, 0.25, page_size=page).cpu().double()
     torch.testing.assert_close(ref, want, rtol=1e-4, atol=1e-4)
+
+
+def test_split_merges_agree(device) -> None:
+    """The Triton merge of split partials is the torch one's."""
+    q, k, v, lens, tables, selected, _, _ = sparse_case(device, 8, 2, 32, (150, 37, 9), num_selected=5)
+    fused = sparse_paged_decode(q, k, v, lens, tables, selected, 0.25, num_splits=3, merge="triton")
+    chained = sparse_paged_decode(q, k, v, lens, tables, selected, 0.25, num_splits=3, merge="torch")
+    torch.testing.assert_close(fused.cpu(), chained.cpu(), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("cache_dtype, q_dtype, page", [(FP8, torch.float32, 16), (torch.bfloat16, torch.bfloat16, 16),
