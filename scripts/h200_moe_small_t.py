@@ -84,7 +84,8 @@ def read_once_bytes(ids: torch.Tensor, shape: bm.Shape, variant: str, block: tup
 
 
 def count_launches(fn: Callable[[], object]) -> dict | None:
-    """Kernels (and memsets / copies) one eager call runs on the GPU, by name."""
+    """Kernels (and memsets / copies) one eager call runs on the GPU, by name, with each one's device time (an eager
+    call: a diagnosis of where the time goes, not the measurement)."""
     if not torch.cuda.is_available():
         return None
     try:
@@ -95,10 +96,11 @@ def count_launches(fn: Callable[[], object]) -> dict | None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = [(e.name[:80], e.time_range.elapsed_us()) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
     except Exception as exc:  # the profiler is a nicety: its failure must not sink the run
         return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-    return {"count": len(names), "names": [n[:80] for n in names]}
+    return {"count": len(kernels), "names": [n for n, _ in kernels], "us": [round(t, 2) for _, t in kernels]}
 
 
 def checked(fn: Callable[[], torch.Tensor], ref: torch.Tensor, limit: float) -> dict:
