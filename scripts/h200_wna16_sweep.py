@@ -42,11 +42,13 @@ class Candidate:
 
 
 def variant_of(cfg) -> str:
+    """fma-p0/1/2: the FMA path and its load pipeline; tc: one dot per K step; nib: eight nibble dots; swap:
+    nibble dots with the weights as the first operand; swap1: one transposed dot per step; +fast: PTX conversion."""
     if cfg.block_m == 1:
         return f"fma-p{cfg.fma_pipeline}"
-    if not cfg.nibble_dots:
-        return "tc"
-    return ("swap" if cfg.swap_ab else "nib") + ("+fast" if cfg.fast_convert else "")
+    base = {(False, False): "tc", (True, False): "nib", (False, True): "swap1", (True, True): "swap"}
+    fast = cfg.fast_convert and (cfg.nibble_dots or cfg.swap_ab)
+    return base[(cfg.nibble_dots, cfg.swap_ab)] + ("+fast" if fast else "")
 
 
 def grid(M: int, wq) -> list:
@@ -67,6 +69,9 @@ def grid(M: int, wq) -> list:
                 out.append(C(bm, bn, bk, 0, 1, warps, 4, nibble_dots=True, swap_ab=swap, fast_convert=fast))
         for bn, warps in ((64, 4), (128, 8), (256, 8)):  # deeper pipelines: more weight bytes in flight per SM
             out.append(C(bm, bn, 128, 0, 1, warps, 6, nibble_dots=True, swap_ab=True, fast_convert=True))
+        for (bn, bk, warps), fast in itertools.product(((64, 128, 4), (128, 128, 8), (64, 256, 4), (128, 256, 8)),
+                                                       (False, True)):
+            out.append(C(bm, bn, bk, 0, 1, warps, 4, swap_ab=True, fast_convert=fast))
         out += [C(16, 128, 128, 0, 1, 4, 4), C(16, 128, 256, 0, 1, 4, 4)]
     elif M <= 64:
         bm = 32 if M <= 32 else 64
@@ -74,6 +79,7 @@ def grid(M: int, wq) -> list:
             for bn, warps in ((64, 4), (128, 4), (128, 8)):
                 out.append(C(bm, bn, 128, 0, 1, warps, 4, nibble_dots=True, swap_ab=swap, fast_convert=fast))
         out += [C(bm, 128, 64, 0, 1, 4, 4), C(bm, 128, 128, 0, 1, 4, 4)]
+        out += [C(bm, bn, 128, 0, 1, warps, 4, swap_ab=True, fast_convert=True) for bn, warps in ((64, 4), (128, 8))]
     else:
         for bm, bn in ((64, 128), (64, 256), (128, 128)):
             for fast in (False, True):
@@ -81,6 +87,8 @@ def grid(M: int, wq) -> list:
             out.append(C(bm, bn, 128, 1, 8, 8, 3))
         for bm, bn in ((64, 128), (128, 128), (64, 256)):
             out.append(C(bm, bn, 128, 1, 8, 8, 3, nibble_dots=True, swap_ab=True, fast_convert=True))
+        for bm, bn in ((64, 128), (128, 128)):
+            out.append(C(bm, bn, 128, 1, 8, 8, 3, swap_ab=True, fast_convert=True))
     return out
 
 
@@ -213,12 +221,12 @@ def summary(result: dict) -> str:
     shapes = result["shapes"]
     lines = ["speedup of the best config over torch.mm BF16 (rotated weights) and its variant, per shape and M"]
     ms = sorted({int(m) for e in result["best"].values() for m in e})
-    lines.append(f"{'shape':8s} " + " ".join(f"{m:>13d}" for m in ms))
+    lines.append(f"{'shape':8s} " + " ".join(f"{m:>16d}" for m in ms))
     for name, (N, K) in shapes.items():
         cells = []
         for m in ms:
             e = result["best"].get(f"{N},{K}", {}).get(str(m))
-            cells.append(f"{e['speedup_vs_bf16']:5.2f}x {e['variant'][:7]:7s}" if e else f"{'-':>13s}")
+            cells.append(f"{e['speedup_vs_bf16']:5.2f}x {e['variant']:10s}" if e else f"{'-':>16s}")
         lines.append(f"{name:8s} " + " ".join(cells))
     lines.append("targets: " + ", ".join(f"M={m}: {t}x" for m, t in TARGETS.items()))
     variants = sorted({r["variant"] for r in result["rows"]})

@@ -51,16 +51,17 @@ elementwise and are summed over K once after the loop. 4-bit codes become fp32 t
 1.44-1.76x cuBLAS BF16 where the tensor-core tiles ran at 1.09-1.28x (benchmarks/results/issue28/).
 
 Variants for decode-sized M, each a `WNA16Config` switch (off by default; `scripts/h200_wna16_sweep.py` measures
-them and writes a candidate table): `fast_convert` (nibble dots, int4 / uint4 with 16-bit activations, compiled):
-whole words become bf16 / fp16 operands in PTX, two nibbles per lop3 into a magic number's mantissa and one paired
-fma subtracting magic + zero point, about 1.4 instructions per value instead of about 4 through fp32; the values
-(c - z, integers of magnitude <= 15) are exact, so nothing about the rounding changes, and the interpreter and the
-other types take the portable conversion. `swap_ab` (nibble dots): out^T = W^T x^T, so the weights fill the tensor
-cores' 64-row side straight from registers (Hopper's wgmma takes its first operand there) and x, padded to block_m,
-is the small second operand; the same exact products, summed in fp32. `fma_pipeline` (FMA path, 4-bit): Triton
-pipelines the loads of loops that feed a dot, and this loop has none, so each step's words arrived only when asked
-for; 1 loads the next step's words into registers before the current step's arithmetic, 2 asks `tl.range` for
-num_stages. Same arithmetic.
+them and writes a candidate table): `fast_convert` (nibble dots or swap_ab, int4 / uint4 with 16-bit activations,
+compiled): whole words become bf16 / fp16 operands in PTX, two nibbles per lop3 into a magic number's mantissa and
+one paired fma subtracting magic + zero point, about 1.4 instructions per value instead of about 4 through fp32; the
+values (c - z, integers of magnitude <= 15) are exact, so nothing about the rounding changes, and the interpreter
+and the other types take the portable conversion. `swap_ab` (block_m >= 16): out^T = W^T x^T, so the weights fill
+the tensor cores' 64-row side (Hopper's wgmma can take that operand from registers) and x, padded to
+block_m, is the small second operand; with nibble_dots eight dots per K step, else one over the transposed tile
+(fast_convert's eight outputs interleaved back into K order); the same exact products, summed in fp32.
+`fma_pipeline` (FMA path, 4-bit): Triton pipelines the loads of loops that feed a dot, and this loop has none, so
+each step's words arrived only when asked for; 1 loads the next step's words into registers before the current
+step's arithmetic, 2 asks `tl.range` for num_stages. Same arithmetic.
 
 Split-K partials meet in an fp32 workspace; the last program to arrive at a tile (an atomic
 counter) sums them in split order (deterministic, so CUDA-graph replays are bit-exact) and runs the epilogue
@@ -139,11 +140,12 @@ class WNA16Config:
     # columns k = 8j + s (strided loads of a few activation rows), instead of unpacking the words into a
     # [BLOCK_K, BLOCK_N] tile through a register shuffle.
     nibble_dots: bool = False
-    # With nibble_dots: int4 / uint4 codes become bf16 / fp16 operands by bit tricks on whole words
+    # With nibble_dots or swap_ab: int4 / uint4 codes become bf16 / fp16 operands by bit tricks on whole words
     # (`_nibble_asm`: about 1.4 instructions per value instead of about 4 through fp32); exact, as before.
     fast_convert: bool = False
-    # With nibble_dots and block_m >= 16: out^T = W^T x^T, the weights as the dot's first operand (the 64-row side
-    # of the tensor cores), x padded to block_m as the second.
+    # block_m >= 16: out^T = W^T x^T, the weights as the dots' first operand (the 64-row side of the tensor
+    # cores), x padded to block_m as the second; with nibble_dots eight dots per step, else one over the
+    # transposed tile.
     swap_ab: bool = False
     # block_m = 1 (the FMA path), 4-bit types: 0 a plain loop, 1 register prefetch of the next step's words,
     # 2 the loop pipelined by Triton with num_stages (see `_gemv_range`).
@@ -375,13 +377,45 @@ def _nibble_dot(x_rows, k8, s: tl.constexpr, w, acc, X_DTYPE: tl.constexpr, DOT_
     """`acc` plus nibble s's weights `w` times x's columns 8j + s (SWAP: transposed, see `_nibble_dots`)."""
     x = tl.load(x_rows + (k8 + s)[None, :])
     if SWAP:
-        if DOT_F32:
-            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w.to(X_DTYPE), tl.trans(x), acc)
+        acc = _dot_t(w, x, acc, X_DTYPE, DOT_F32)
     else:
         acc = _dot(x, w, acc, X_DTYPE, DOT_F32)
     return acc
+
+
+@triton.jit
+def _dot_t(w, x, acc, X_DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
+    """`acc` (`[BLOCK_N, BLOCK_M]`) plus w `[BLOCK_N, k]` times x `[BLOCK_M, k]` transposed."""
+    if DOT_F32:
+        acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w.to(X_DTYPE), tl.trans(x), acc)
+    return acc
+
+
+@triton.jit
+def _interleave(a, b):
+    """`[R, C]` and `[R, C]` -> `[R, 2C]` with column 2i + t from (a, b)[t] column i."""
+    return tl.reshape(tl.join(a, b), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _weight_tile_t(w_ptr, kt, w_cols, stride_wk, z, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                   X_DTYPE: tl.constexpr, ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The transposed tile `[BLOCK_N, BLOCK_K]` of K step kt in natural K order (swap_ab without nibble dots).
+    ASM: the eight `_nibbles16` outputs, nibble s of word j at column 8j + s, put together by three rounds of
+    pairwise interleaving (s with s + 4, then s with s + 2, then even with odd s: each round doubles the column
+    index and adds the next lower bit of s); else `_weight_tile` transposed (fp32)."""
+    if ASM:
+        rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + rows.to(tl.int64)[None, :] * stride_wk + w_cols[:, None])
+        w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles16(words, z[:, None], HAS_ZEROS, X_DTYPE)
+        even = _interleave(_interleave(w0, w4), _interleave(w2, w6))
+        odd = _interleave(_interleave(w1, w5), _interleave(w3, w7))
+        w = _interleave(even, odd)
+    else:
+        w = tl.trans(_weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N))
+    return w
 
 
 @triton.jit
@@ -572,8 +606,9 @@ def _wna16_kernel(
                           steps_per_group, scale_mult, stride_wk, stride_sg, stride_zg, WTYPE, HAS_ZEROS, ONE_GROUP,
                           BLOCK_K, BLOCK_N, PIPE, STAGES)
     elif SWAP:
-        # Nibble dots with the weights as the first operand: the accumulator is the transposed tile until the
-        # end. Per channel (one group) g stays 0 and the one scale row multiplies every step.
+        # The weights as the dots' first operand (nibble dots, or one dot over the transposed tile): the
+        # accumulator is the transposed tile until the end. Per channel (one group) g stays 0 and the one scale
+        # row multiplies every step.
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kt in range(kt_begin, kt_end):
             g = kt // steps_per_group
@@ -582,8 +617,14 @@ def _wna16_kernel(
             else:
                 z = w_cols  # placeholder
             part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            part = _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, part, WTYPE, HAS_ZEROS,
-                                x_ptr.dtype.element_ty, DOT_F32, BLOCK_K, ASM, True)
+            if NIBBLES:
+                part = _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, part, WTYPE, HAS_ZEROS,
+                                    x_ptr.dtype.element_ty, DOT_F32, BLOCK_K, ASM, True)
+            else:
+                x = tl.load(x_rows + (kt * BLOCK_K + offs_k)[None, :])
+                w = _weight_tile_t(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, x_ptr.dtype.element_ty, ASM,
+                                   BLOCK_K, BLOCK_N)
+                part = _dot_t(w, x, part, x_ptr.dtype.element_ty, DOT_F32)
             s = tl.load(s_ptr + g * stride_sg + w_cols).to(tl.float32) * scale_mult
             acc_t += part * s[:, None]
         acc = tl.trans(acc_t)
@@ -684,14 +725,15 @@ def wna16_gemm(
     bias_t = bias.reshape(-1).contiguous() if bias is not None else scales
     four_bit = weight_type in _FOUR_BIT
     nibbles = cfg.nibble_dots and four_bit and block_k >= 128 and cfg.block_m >= 16
+    swap = cfg.swap_ab and cfg.block_m >= 16
     _wna16_kernel[(tiles, split_k)](
         x, w, scales, z, bias_t, out, ws, _lock_buffer(x.device),
         M, N, k_tiles, per_split, split_k, group // block_k, _SCALE_MULT.get(weight_type, 1.0),
         x.stride(0), w.stride(0), scales.stride(0), z.stride(0), out.stride(0),
         WTYPE=_CODE[weight_type], HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         ONE_GROUP=scales.shape[0] == 1, DOT_F32=not x.is_cuda or x.dtype == torch.float32, FAST=x.is_cuda,
-        NIBBLES=nibbles, ASM=cfg.fast_convert and nibbles and _asm_ok(x, weight_type),
-        SWAP=cfg.swap_ab and nibbles and cfg.block_m >= 16, PIPE=cfg.fma_pipeline if four_bit else 0,
+        NIBBLES=nibbles, ASM=cfg.fast_convert and (nibbles or swap) and _asm_ok(x, weight_type),
+        SWAP=swap, PIPE=cfg.fma_pipeline if four_bit else 0,
         STAGES=cfg.num_stages, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -156,6 +156,8 @@ VARIANT_CONFIGS = {
     "swap": WNA16Config(16, 64, 128, 0, 1, nibble_dots=True, swap_ab=True),
     "swap+fast": WNA16Config(16, 128, 128, 0, 1, 8, 4, nibble_dots=True, swap_ab=True, fast_convert=True),
     "swap+fast-m64": WNA16Config(64, 128, 128, 0, 1, nibble_dots=True, swap_ab=True, fast_convert=True),
+    "swap-one-dot": WNA16Config(16, 64, 128, 0, 1, swap_ab=True),
+    "swap-one-dot+fast": WNA16Config(16, 128, 128, 0, 1, 8, 4, swap_ab=True, fast_convert=True),
     "fma-prefetch": WNA16Config(1, 256, 128, 0, 1, 4, 4, fma_pipeline=1),
     "fma-stages": WNA16Config(1, 128, 256, 0, 1, 4, 4, fma_pipeline=2),
 }
@@ -185,8 +187,8 @@ def test_variants_match_float64_8b_shapes(shape_weight, name, M):
 
 @pytest.mark.parametrize("weight_type", ["int4", "uint4"])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("swap", [False, True])
-def test_fast_convert_types_and_activation_dtypes(weight_type, x_dtype, swap):
+@pytest.mark.parametrize("swap,nibbles", [(False, True), (True, True), (True, False)])
+def test_fast_convert_types_and_activation_dtypes(weight_type, x_dtype, swap, nibbles):
     """The PTX conversion's two magic numbers (bf16, fp16) with the int4 zero (8) and per-column uint4 zeros, an
     act-order gather and a bias; fp16 results compared at fp16's unit (2^-10)."""
     N, K = 4096, 4096
@@ -194,7 +196,7 @@ def test_fast_convert_types_and_activation_dtypes(weight_type, x_dtype, swap):
     for M in (1, 16):
         x = make_x(M, K, seed=12 + M).to(x_dtype)
         bias = torch.randn(N, device="cuda").to(x_dtype)
-        cfg = WNA16Config(16, 128, 128, 0, 1, nibble_dots=True, swap_ab=swap, fast_convert=True)
+        cfg = WNA16Config(16, 128, 128, 0, 1, nibble_dots=nibbles, swap_ab=swap, fast_convert=True)
         out = wq.wna16_gemm(x, *w, x_dtype, bias, config=cfg)
         ref = float64_product(x, w) + bias.double()
         diff = (out.double() - ref).abs()

@@ -241,6 +241,22 @@ def test_swap_ab_and_fast_convert_match_float64_oracle(variant, device):
         assert_matches(out, x, W, x_dtype, w_rounding=2.0**-9 if rounded else 0.0)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_swap_ab_one_dot_matches_float64_oracle(variant, device):
+    """swap_ab without nibble dots: one dot per K step over the transposed tile, every weight type (fast_convert
+    interleaves the PTX outputs back into K order for int4 / uint4 when compiled)."""
+    N, K = 40, 256
+    for i, (group, act_order, M, split_k, block_k) in enumerate([(128, False, 1, 2, 128), (64, True, 17, 1, 64),
+                                                                 (None, False, 3, 3, 64)]):
+        x_dtype = torch.bfloat16 if i != 1 else torch.float32
+        w, W = make_weight(variant, group, act_order, N, K, x_dtype, seed=50 + i)
+        cfg = WNA16Config(block_m=16, block_n=32, block_k=block_k, split_k=split_k, swap_ab=True, fast_convert=True)
+        x = make_x(M, K, x_dtype, seed=M)
+        out = wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, config=cfg)
+        rounded = variant == "nf4" and device.type == "cuda" and x_dtype != torch.float32
+        assert_matches(out, x, W, x_dtype, w_rounding=2.0**-9 if rounded else 0.0)
+
+
 @pytest.mark.parametrize("variant", ["int4", "uint4", "fp4_e2m1", "int8"])
 def test_fma_pipelines_match_float64_oracle(variant, device):
     """block_m = 1 with the next step's words prefetched into registers (1) or the loop pipelined by Triton (2);
