@@ -8,7 +8,7 @@ Writes OUT/wna16-sweep-h200.json (every timing, the best config per (shape, M) a
 best per variant) and OUT/wna16_nvidia_h200.json (a candidate tuning table in the package's format: copy it to
 kestrel/kernels/tuning/ once its numbers are read), and prints a summary table.
 
-    python scripts/h200_wna16_sweep.py --out OUT            # on the H200, about 4-5 minutes
+    python scripts/h200_wna16_sweep.py --out OUT            # on the H200, about 4-5 minutes (--max-seconds)
     python scripts/h200_wna16_sweep.py --out OUT --dry-run  # CPU, Triton interpreter, tiny shapes: logic check
 """
 
@@ -270,7 +270,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="token counts (comma-separated)")
-    parser.add_argument("--max-seconds", type=float, default=330.0, help="stop starting new (shape, M) after this")
+    parser.add_argument("--max-seconds", type=float, default=300.0, help="stop starting new (shape, M) after this")
     args = parser.parse_args()
     args.ms = [int(m) for m in args.ms.split(",")]
     if args.dry_run:
