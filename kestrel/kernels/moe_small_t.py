@@ -10,7 +10,8 @@ outweigh reading the chosen experts' weights. Here every program reads its exper
    to `inter [T*k, I]`.
 2. down: one program per (token t, BLOCK_N columns of the output). It loops over the token's k experts in slot
    order, each `w2[e] @ inter[p]` in fp32, times its routing weight, summed in fp32 and rounded once to the output:
-   no atomics, no zero fill, no separate k-sum.
+   no atomics, no zero fill, no separate k-sum. (`split_down`: one program per pair and a k-sum launch instead,
+   the same fp32 operations in the same order, for k times the programs where one token's columns are too few.)
 
 Pairs of expert -1 (another expert-parallel rank's) are skipped. FP8 experts (float8_e4m3fn weights, per-channel
 `[E, N]` / `[E, N, 1]` or block `[E, ceil(N/bn), ceil(K/bk)]` fp32 scales) are dequantized in registers and the
@@ -53,6 +54,8 @@ class SmallTConfig:
     num_warps2: int = 4  # of the down launch
     # K steps (times k for the down launch) unrolled into straight-line loads at most; more take a loop.
     max_unroll: int = 32
+    # The down launch per pair rather than per token, plus a k-sum launch: k times the programs for one more launch.
+    split_down: bool = False
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -231,16 +234,17 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, N, K,
                  stride_im, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                  TOP_K: tl.constexpr, QUANT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                  FAST: tl.constexpr, EVEN_K: tl.constexpr, K_STEPS: tl.constexpr, STATIC_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+                 SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
     """out[t, n] = round(sum_j weights[t, j] * (w[e_j, n] . inter[t * TOP_K + j])) over the kept slots j. A skipped
-    slot's loads are predicated off rather than branched around, so with STATIC_K the k experts' loads form one
-    straight line."""
+    slot's loads are predicated off rather than branched around (it adds 0), so with STATIC_K the k experts' loads
+    form one straight line. SPLIT: one program per pair instead of per token (k times the programs), each writing its
+    fp32 product to out[p] for a k-sum launch: the same fp32 operations in the same order."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (cols % N).to(tl.int64)
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        p = t * TOP_K + j
+    for j in tl.static_range(1 if SPLIT else TOP_K):
+        p = t if SPLIT else t * TOP_K + j
         expert = tl.load(ids_ptr + p).to(tl.int64)
         ok = expert >= 0
         expert = tl.maximum(expert, 0)
@@ -264,7 +268,10 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, N, K,
         if QUANT == 1:
             part = part * tl.load(s_base + rows * stride_sn, mask=ok & (rows >= 0), other=0.0)
         out += part * tl.where(ok, tl.load(weights_ptr + p), 0.0)
-    tl.store(out_ptr + t * stride_om + cols, common.to_dtype(out, out_ptr.dtype.element_ty, FAST), mask=cols < N)
+    if SPLIT:
+        tl.store(out_ptr + t * stride_om + cols, out, mask=cols < N)
+    else:
+        tl.store(out_ptr + t * stride_om + cols, common.to_dtype(out, out_ptr.dtype.element_ty, FAST), mask=cols < N)
 
 
 # ----------------------------------------------------------------------------------------- launcher
@@ -330,12 +337,19 @@ def fused_moe_small_t(
     )
     bk2 = min(cfg.block_k2, triton.next_power_of_2(inter))
     sub2 = _sub_width(bk2, block_shape)
-    _down_kernel[(T, triton.cdiv(H, cfg.block_n2))](
-        inter_t, w2, s2, ids, weights, out, H, inter,
+    # split_down: one program per pair, fp32 products summed over k by one more launch (k times the programs).
+    split = cfg.split_down and k > 1
+    down = torch.empty(T * k, H, dtype=torch.float32, device=x.device) if split else out
+    _down_kernel[(T * k if split else T, triton.cdiv(H, cfg.block_n2))](
+        inter_t, w2, s2, ids, weights, down, H, inter,
         inter_t.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1) if s2.dim() > 1 else 0,
-        out.stride(0),
+        down.stride(0),
         TOP_K=k, QUANT=quant, SCALE_BN=scale_bn, SCALE_BK=scale_bk, FAST=fast, EVEN_K=inter % bk2 == 0,
-        K_STEPS=triton.cdiv(inter, bk2), STATIC_K=k * triton.cdiv(inter, bk2) <= cfg.max_unroll,
-        BLOCK_N=cfg.block_n2, BLOCK_K=bk2, SUB=sub2, num_warps=cfg.num_warps2,
+        K_STEPS=triton.cdiv(inter, bk2), STATIC_K=(1 if split else k) * triton.cdiv(inter, bk2) <= cfg.max_unroll,
+        SPLIT=split, BLOCK_N=cfg.block_n2, BLOCK_K=bk2, SUB=sub2, num_warps=cfg.num_warps2,
     )
+    if split:
+        block = min(_fm._SUM_BLOCK, triton.next_power_of_2(H))
+        _fm._moe_sum_kernel[(T, triton.cdiv(H, block))](down, ids, out, H, TOP_K=k, BLOCK=block, FAST=fast,
+                                                         num_warps=4 if block >= 512 else 1)
     return out

@@ -6,6 +6,8 @@ its reference, captured in a CUDA graph, and selected by `fused_moe`. Run on the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_fused_moe_gpu import MODELS, make_batch, make_weights, quantize_weight
@@ -53,6 +55,8 @@ def test_kernel_matches_reference(layer, T):
     x, weights, ids = make_batch(name, T, seed=T)
     out = st.fused_moe_small_t(x, w13, w2, weights, ids, **quant)
     assert_close(out, st.fused_moe_small_t_ref(x, w13, w2, weights, ids, **quant))
+    split = dataclasses.replace(st.DEFAULT, split_down=True)  # the same operations in the same order
+    assert torch.equal(st.fused_moe_small_t(x, w13, w2, weights, ids, config=split, **quant), out)
     # The selection in fused_moe runs the same kernel; its grouped GEMM is the other numerics (W8A8 for FP8).
     assert torch.equal(fm.fused_moe(x, w13, w2, weights, ids, small_t=True, **quant), out)
     grouped = fm.fused_moe(x, w13, w2, weights, ids, small_t=False, **quant)

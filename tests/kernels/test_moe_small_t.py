@@ -7,6 +7,8 @@ tails occur); routing repeats experts across tokens, and some pairs belong to an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_fused_moe import check, dequantize_weight, make_fp8_inputs, make_inputs, skip_pairs
@@ -19,6 +21,8 @@ TILES = st.SmallTConfig(max_tokens=8, block_n13=16, block_k13=32, block_n2=8, bl
 # The same tiles with the K steps in a loop rather than unrolled.
 LOOPED = st.SmallTConfig(max_tokens=8, block_n13=16, block_k13=32, block_n2=8, block_k2=16, num_warps=1,
                          num_warps2=1, max_unroll=1)
+# The down launch per pair plus a k-sum: the same operations in the same order, so the same bits.
+SPLIT = dataclasses.replace(TILES, split_down=True)
 
 # (T, E, k, H, I)
 SHAPES = [(1, 4, 2, 48, 24), (2, 8, 2, 64, 40), (3, 4, 1, 40, 20), (8, 8, 3, 32, 16)]
@@ -43,6 +47,7 @@ def test_kernel_and_reference_match_oracle(shape, dtype, device):
     check(out, args, activation)
     looped = st.fused_moe_small_t(*(a.to(device) for a in args), activation, config=LOOPED).cpu()
     check(looped, args, activation)
+    assert torch.equal(st.fused_moe_small_t(*(a.to(device) for a in args), activation, config=SPLIT).cpu(), out)
     check(st.fused_moe_small_t_ref(*args, activation), args, activation)
     if T == 8:
         assert bool((out[0] == 0).all())
@@ -65,11 +70,13 @@ def test_fp8_weights_dequantized_in_registers(case, device):
     args, quant = make_fp8_inputs(T, E, k, H, inter, dtype, block, skip, seed=T + H + inter)
     on_device = {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in quant.items()}
     oracle_args = dequantized(args, quant)
-    for cfg in (TILES, LOOPED):
-        out = st.fused_moe_small_t(*(a.to(device) for a in args), activation, config=cfg, **on_device).cpu()
-        check(out, oracle_args, activation)
+    outs = []
+    for cfg in (TILES, LOOPED, SPLIT):
+        outs.append(st.fused_moe_small_t(*(a.to(device) for a in args), activation, config=cfg, **on_device).cpu())
+        check(outs[-1], oracle_args, activation)
         if skip:
-            assert bool((out[0] == 0).all())
+            assert bool((outs[-1][0] == 0).all())
+    assert torch.equal(outs[2], outs[0])
     check(st.fused_moe_small_t_ref(*args, activation, **quant), oracle_args, activation)
 
 
