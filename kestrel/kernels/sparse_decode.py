@@ -62,15 +62,17 @@ MERGE_IMPLS = ("triton", "torch")
 class StreamConfig:
     """Launch shape of the "stream" selection. Scores: `block_b` pages a tile, tiles of one (sequence, KV head)
     split over programs so the launch holds about `programs_per_sm` programs per SM (fewer, longer programs keep
-    more bytes in flight than one tile each), `num_stages` tiles in flight per program. Selection: `select_chunk`
-    scores a step, `select_warps` warps, one program per (sequence, KV head)."""
+    more bytes in flight than one tile each), `num_stages` tiles in flight per program. Selection: one program per
+    (sequence, KV head) reads up to `select_chunk` scores a step (the table width rounded up to a power of two
+    when smaller: a row that fits is read once and kept in registers), with `select_warps` warps (None: one per
+    512 scores of a step, 4 to 16)."""
 
     block_b: int = 32
     programs_per_sm: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    select_chunk: int = 1024
-    select_warps: int = 8
+    select_chunk: int = 8192
+    select_warps: int | None = None
 
 
 STREAM_DEFAULT = StreamConfig()
@@ -426,23 +428,38 @@ def _ordered_key(x):
 
 
 @triton.jit
+def _digit_counts(x, ok, prefix, sign, SHIFT: tl.constexpr, FIRST: tl.constexpr):
+    """Per 4-bit digit at SHIFT, the candidates (`ok`, score above -inf) whose higher digits are `prefix`'s."""
+    ok = ok & (x > float("-inf"))
+    ukey = _ordered_key(x) ^ sign
+    if not FIRST:
+        ok = ok & ((ukey >> (SHIFT + 4)) == (prefix >> (SHIFT + 4)))
+    return tl.histogram((ukey >> SHIFT) & 15, 16, mask=ok)
+
+
+@triton.jit
 def _select_pages_kernel(scores_ptr, seq_lens_ptr, out_ptr, width, num_selected, stride_ss, stride_sh, stride_os,
                          stride_oh, PAGE: tl.constexpr, SINKS: tl.constexpr, RECENT: tl.constexpr,
-                         TAKE: tl.constexpr, CHUNK: tl.constexpr):
+                         TAKE: tl.constexpr, CHUNK: tl.constexpr, SINGLE: tl.constexpr):
     """Grid (num_kv_heads, num_seqs). Candidates are the pages in [SINKS, num_pages - RECENT) with a score above
-    -inf. A radix select over their keys, 4 bits a pass from the top (16 cumulative counts per pass), finds the
+    -inf. A radix select over their keys, 4 bits a pass from the top (a 16-bin histogram per pass), finds the
     TAKE-th largest key T and how many keys equal to T to take; it stops early once the digit's bin is taken
     whole. One ordered pass then writes sinks, the candidates above T, the first ones equal to T (lower pages
-    first) and the recent pages at their ascending positions (prefix sums), and -1 after them."""
+    first) and the recent pages at their ascending positions (prefix sums), and -1 after them. SINGLE (the row
+    fits one CHUNK): the row is loaded once and every pass works on registers."""
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     num_pages = tl.minimum(tl.cdiv(tl.load(seq_lens_ptr + seq), PAGE), width)
     lo = SINKS
     hi = num_pages - RECENT
     row = scores_ptr + seq.to(tl.int64) * stride_ss + kv_head * stride_sh
+    out_row = out_ptr + seq.to(tl.int64) * stride_os + kv_head * stride_oh
     bins = tl.arange(0, 16)
     lanes = tl.arange(0, CHUNK)
     sign = tl.full([], -2147483648, tl.int32)  # flips signed-order keys to unsigned order and back
+    if SINGLE:
+        row_ok = (lanes >= lo) & (lanes < hi)
+        row_x = tl.load(row + lanes, mask=row_ok, other=float("-inf"))
     prefix = tl.zeros([], tl.int32)  # high digits found so far, on keys in unsigned order
     remaining = tl.zeros([], tl.int32) + TAKE
     need = tl.full([], 2147483647, tl.int32)  # keys equal to T still to take (all, after an early stop)
@@ -450,23 +467,22 @@ def _select_pages_kernel(scores_ptr, seq_lens_ptr, out_ptr, width, num_selected,
     for p in tl.static_range(8):
         SHIFT = 28 - 4 * p
         if done == 0:
-            at_least = tl.zeros([16], tl.int32)  # candidates matching the prefix whose digit is >= each bin
-            for start in range(lo, hi, CHUNK):
-                offs = start + lanes
-                ok = offs < hi
-                x = tl.load(row + offs, mask=ok, other=float("-inf"))
-                ok = ok & (x > float("-inf"))
-                ukey = _ordered_key(x) ^ sign
-                if p > 0:
-                    ok = ok & ((ukey >> (SHIFT + 4)) == (prefix >> (SHIFT + 4)))
-                digit = (ukey >> SHIFT) & 15
-                hit = (digit[:, None] >= bins[None, :]) & ok[:, None]
-                at_least += tl.sum(hit.to(tl.int32), axis=0)
+            if SINGLE:
+                counts = _digit_counts(row_x, row_ok, prefix, sign, SHIFT, p == 0)
+            else:
+                counts = tl.zeros([16], tl.int32)
+                for start in range(lo, hi, CHUNK):
+                    offs = start + lanes
+                    ok = offs < hi
+                    x = tl.load(row + offs, mask=ok, other=float("-inf"))
+                    counts += _digit_counts(x, ok, prefix, sign, SHIFT, p == 0)
+            # candidates whose digit is >= each bin
+            at_least = tl.sum(tl.where(bins[None, :] >= bins[:, None], counts[None, :], 0), axis=1)
             if p == 0:
-                remaining = tl.minimum(remaining, tl.sum(tl.where(bins == 0, at_least, 0)))
+                remaining = tl.minimum(remaining, tl.sum(counts))
             b = tl.max(tl.where(at_least >= remaining, bins, 0))
-            above = tl.sum(tl.where(bins == b + 1, at_least, 0))
-            in_bin = tl.sum(tl.where(bins == b, at_least, 0)) - above
+            above = tl.sum(tl.where(bins > b, counts, 0))
+            in_bin = tl.sum(tl.where(bins == b, counts, 0))
             remaining -= above
             prefix = prefix | (b << SHIFT)
             if in_bin == remaining:
@@ -480,7 +496,10 @@ def _select_pages_kernel(scores_ptr, seq_lens_ptr, out_ptr, width, num_selected,
         offs = start + lanes
         inside = offs < num_pages
         middle = inside & (offs >= lo) & (offs < hi)
-        x = tl.load(row + offs, mask=middle, other=float("-inf"))
+        if SINGLE:
+            x = row_x
+        else:
+            x = tl.load(row + offs, mask=middle, other=float("-inf"))
         middle = middle & (x > float("-inf"))
         key = _ordered_key(x)
         tie = middle & (key == threshold)
@@ -488,11 +507,9 @@ def _select_pages_kernel(scores_ptr, seq_lens_ptr, out_ptr, width, num_selected,
         picked = (middle & (key > threshold)) | (tie & (tie_rank < need))
         picked = picked | (inside & ((offs < SINKS) | (offs >= hi)))
         position = written + tl.cumsum(picked.to(tl.int32), axis=0) - 1
-        out_row = out_ptr + seq.to(tl.int64) * stride_os + kv_head * stride_oh
         tl.store(out_row + position, offs, mask=picked)
         written += tl.sum(picked.to(tl.int32))
         ties += tl.sum(tie.to(tl.int32))
-    out_row = out_ptr + seq.to(tl.int64) * stride_os + kv_head * stride_oh
     for start in range(0, num_selected, CHUNK):
         offs = start + lanes
         tl.store(out_row + offs, tl.full([CHUNK], -1, tl.int32), mask=(offs >= written) & (offs < num_selected))
@@ -512,10 +529,11 @@ def select_pages_triton(scores: torch.Tensor, seq_lens: torch.Tensor, page_size:
     out = torch.empty(num_seqs, num_kv_heads, num_selected, dtype=torch.int32, device=scores.device)
     if num_seqs == 0 or num_selected == 0:
         return out
+    chunk = min(config.select_chunk, max(16, _next_pow2(width)))
     _select_pages_kernel[(num_kv_heads, num_seqs)](
         scores, seq_lens, out, width, num_selected, scores.stride(0), scores.stride(1), out.stride(0),
         out.stride(1), PAGE=page_size, SINKS=sink_pages, RECENT=recent_pages, TAKE=num_chosen,
-        CHUNK=config.select_chunk, num_warps=config.select_warps)
+        CHUNK=chunk, SINGLE=width <= chunk, num_warps=config.select_warps or min(16, max(4, chunk // 512)))
     return out
 
 

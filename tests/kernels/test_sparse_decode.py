@@ -186,10 +186,12 @@ def tied_scores(num_seqs: int, kv_heads: int, width: int, seed: int) -> torch.Te
 
 
 @pytest.mark.parametrize("num_selected, sinks, recent, page, chunk", [(40, 2, 4, 8, 64), (12, 0, 1, 16, 32),
-                                                                      (300, 1, 1, 4, 64), (9, 2, 6, 8, 128)])
+                                                                      (300, 1, 1, 4, 64), (9, 2, 6, 8, 128),
+                                                                      (40, 2, 4, 8, 512), (9, 0, 1, 16, 512)])
 def test_triton_selection_equals_reference(device, num_selected, sinks, recent, page, chunk) -> None:
     """From the same scores the Triton selection is the reference's, tie for tie (ties: the lower page), for
-    continuous scores, heavy ties, +-inf, and sequences of a full table, a partial page, one token, none."""
+    continuous scores, heavy ties, +-inf, and sequences of a full table, a partial page, one token, none; rows
+    read in chunks and (chunk 512) once into registers."""
     width = 300
     lens = torch.tensor([width * page, 37 * page - 3, 1, 0], dtype=torch.int32, device=device)
     config = StreamConfig(select_chunk=chunk)
