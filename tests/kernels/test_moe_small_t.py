@@ -121,3 +121,88 @@ def test_gpu_table_turns_the_path_on_per_shape_and_kind(monkeypatch):
     assert st.select_small_t(5, None, key, device) is None
     assert st.select_small_t(1, None, st.table_key(4, 16, 32, "bf16"), device) is None
     assert st.select_small_t(1, False, key, device) is None
+
+
+# ------------------------------------------------------------------------------ compiled for the H200, on the CPU
+
+_QUANTS = {0: ("*bf16", (1, 1)), 1: ("*fp8e4nv", (1, 1)), 2: ("*fp8e4nv", (128, 128))}
+# Arguments the launcher's values make multiples of 16 at the Qwen3-30B-A3B shape (Triton's launch-time alignment
+# specialization, which lets the weight loads vectorize).
+_ALIGNED = {"x_ptr", "w_ptr", "s_ptr", "ids_ptr", "inter_ptr", "weights_ptr", "out_ptr", "N", "K", "stride_xm",
+            "stride_we", "stride_wn", "stride_im", "stride_om"}
+
+
+def _compile_sm90(fn, pointers: dict[str, str], ints: list[str], constexprs: dict, num_warps: int) -> tuple[str, str]:
+    """(PTX, ptxas -v report) of `fn` compiled for sm_90 without a GPU."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**pointers, **{n: "i32" for n in ints}, **{n: "constexpr" for n in constexprs}}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in signature if n in _ALIGNED}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    ptx = kernel.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                                text=True, check=True).stderr
+    return ptx, report
+
+
+def _sm90_reports(quant: int) -> list[tuple[str, str]]:
+    """(PTX, ptxas report) of both launches with DEFAULT's tiles at the Qwen3-30B-A3B shape (E 128, k 8, H 2048,
+    I 768). Run in a process without TRITON_INTERPRET (see the test)."""
+    cfg, (wdt, (bn, bk)) = st.DEFAULT, _QUANTS[quant]
+    H, inter, k = 2048, 768, 8
+    block = None if quant != 2 else (bn, bk)
+    common = dict(QUANT=quant, SCALE_BN=bn, SCALE_BK=bk, FAST=True)
+    gate_up = dict(ACTIVATION=0, EVEN_K=True, K_STEPS=H // cfg.block_k13, STATIC_K=True, BLOCK_N=cfg.block_n13,
+                   BLOCK_K=cfg.block_k13, SUB=st._sub_width(cfg.block_k13, block), **common)
+    steps = -(-inter // cfg.block_k2)
+    down = dict(TOP_K=k, EVEN_K=inter % cfg.block_k2 == 0, K_STEPS=steps, STATIC_K=k * steps <= cfg.max_unroll,
+                SPLIT=False, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, SUB=st._sub_width(cfg.block_k2, block),
+                **common)
+    return [
+        _compile_sm90(st._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": wdt, "s_ptr": "*fp32", "ids_ptr": "*i64",
+                                           "inter_ptr": "*bf16"},
+                      ["N", "K", "top_k", "stride_xm", "stride_we", "stride_wn", "stride_se", "stride_sn",
+                       "stride_im"], gate_up, cfg.num_warps),
+        _compile_sm90(st._down_kernel, {"inter_ptr": "*bf16", "w_ptr": wdt, "s_ptr": "*fp32", "ids_ptr": "*i64",
+                                        "weights_ptr": "*fp32", "out_ptr": "*bf16"},
+                      ["N", "K", "stride_im", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_om"], down,
+                      cfg.num_warps2),
+    ]
+
+
+@pytest.mark.parametrize("quant", list(_QUANTS), ids=["bf16", "fp8_channel", "fp8_block"])
+def test_default_tiles_compile_for_sm90_with_wide_loads_and_no_spills(quant):
+    """The interpreter runs what the GPU compiler may still refuse: both launches compiled for the H200 (ptxas ships
+    with Triton), in a process of their own since this one's kernels are interpreted."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if torch.cuda.is_available():
+        pytest.skip("compiled and run for real on this GPU by the other tests")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this Triton has no NVIDIA backend")
+    here = Path(__file__).resolve().parent
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    code = (f"import json, sys; sys.path.insert(0, {str(here)!r}); import test_moe_small_t as t; "
+            f"print(json.dumps(t._sm90_reports({quant})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=here.parents[1],
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for ptx, report in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert "ld.global.v4" in ptx and " 0 bytes spill stores" in report, report
