@@ -37,7 +37,7 @@ import triton.language as tl
 
 from kestrel.kernels import activation as _activation
 from kestrel.kernels import common
-from kestrel.kernels import fused_moe as _fm
+from kestrel.kernels import moe_common as _fm
 
 
 @dataclass(frozen=True)
