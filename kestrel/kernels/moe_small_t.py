@@ -11,7 +11,9 @@ outweigh reading the chosen experts' weights. Here every program reads its exper
 2. down: one program per (token t, BLOCK_N columns of the output). It loops over the token's k experts in slot
    order, each `w2[e] @ inter[p]` in fp32, times its routing weight, summed in fp32 and rounded once to the output:
    no atomics, no zero fill, no separate k-sum. (`split_down`: one program per pair and a k-sum launch instead,
-   the same fp32 operations in the same order, for k times the programs where one token's columns are too few.)
+   the same fp32 operations in the same order, for k times the programs where one token's columns are too few;
+   bit-identical in the interpreter, while on the GPU the fused loop's weighting may compile to an FMA, so the two
+   can differ by the last bit of a rounding.)
 
 Pairs of expert -1 (another expert-parallel rank's) are skipped. FP8 experts (float8_e4m3fn weights, per-channel
 `[E, N]` / `[E, N, 1]` or block `[E, ceil(N/bn), ceil(K/bk)]` fp32 scales) are dequantized in registers and the

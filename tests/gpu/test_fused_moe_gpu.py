@@ -168,8 +168,9 @@ def test_fp8_cuda_graph_capture_with_skipped_experts(fp8_model, T):
         graph.replay()
         assert torch.equal(static_out, fused_moe(new_x, w13, w2, new_weights, new_ids, **quant))
         assert bool((static_out[0] == 0).all())
-        ref = fused_moe_ref(new_x, w13, w2, new_weights, new_ids, **quant)
-        assert ((static_out.float() - ref.float()).norm() / ref.float().norm()).item() <= FP8_NORM_RTOL
+        if T > 1:  # at T = 1 the one token is the all-skipped one, checked above (a norm ratio would be 0/0)
+            ref = fused_moe_ref(new_x, w13, w2, new_weights, new_ids, **quant)
+            assert ((static_out.float() - ref.float()).norm() / ref.float().norm()).item() <= FP8_NORM_RTOL
 
 
 # --------------------------------------------------------------------------------------------- timing

@@ -30,7 +30,7 @@ def test_greedy_on_cuda_matches_transformers(tmp_path) -> None:
     hf = (model, transformers.WhisperFeatureExtractor.from_pretrained(str(checkpoint)))
     llm = LLM(str(checkpoint), dtype="float32", max_num_seqs=8)
     assert llm.runner.device.type == "cuda" and llm.runner.graph_runner is None
-    cases = [case(llm, i) for i in range(len(CASES))]
+    cases = [case(llm, i, through_file=False) for i in range(len(CASES))]  # the H200 host has no soundfile
     expected = [hf_greedy(hf, *c) for c in cases]
     assert kestrel_greedy(llm, cases) == expected
     chunked = LLM(str(checkpoint), dtype="float32", max_num_seqs=2, max_num_batched_tokens=3,

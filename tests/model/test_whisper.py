@@ -59,10 +59,12 @@ def llm(checkpoint) -> LLM:
     return LLM(str(checkpoint), dtype="float32", max_num_seqs=8)
 
 
-def case(llm: LLM, index: int) -> tuple[list[int], Audio]:
-    """The forced tokens (special tokens and text) and the clip as the server gets it: a file, decoded again."""
+def case(llm: LLM, index: int, through_file: bool = True) -> tuple[list[int], Audio]:
+    """The forced tokens (special tokens and text) and the clip as the server gets it: a file, decoded again
+    (`through_file=False`: the samples themselves, for hosts without the server's audio decoder)."""
     (seed, seconds, rate), tokens = CASES[index]
-    audio = decode_audio(wav_bytes(clip(seed, seconds, rate), rate), "file", MediaLimits())
+    samples = clip(seed, seconds, rate)
+    audio = decode_audio(wav_bytes(samples, rate), "file", MediaLimits()) if through_file else Audio(samples, rate)
     tokenizer = llm.tokenizer
     ids = [i for token in tokens for i in ([tokenizer.convert_tokens_to_ids(token)] if token.startswith("<|")
                                            else tokenizer.encode(token, add_special_tokens=False))]
