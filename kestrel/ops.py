@@ -26,6 +26,7 @@ from kestrel.kernels import streaming_attention as _streaming_attention
 from kestrel.kernels import wna16 as _wna16
 from kestrel.kernels.activation import ACTIVATIONS, HF_ACTIVATIONS  # noqa: F401 - the layers' names
 from kestrel.kernels.cpu import attention as _cpu_attention
+from kestrel.kernels.cpu import linear as _cpu_linear
 from kestrel.kernels.cpu import rope_kv as _cpu_rope_kv
 from kestrel.kernels.sparse_decode import KEY_BOUNDS_DTYPE  # noqa: F401 - what the KV cache allocates
 
@@ -124,9 +125,10 @@ def sparse_paged_decode(q, k_cache, v_cache, seq_lens, block_tables, selected, s
 
 
 def linear(x, weight, bias=None):
-    """`F.linear` of the model dtype's layers (unquantized linears, the LM head), on every device. (A oneDNN path
-    for float32 on the CPU ran 1.3-2.5x faster but grew a server's memory by ~400 MB in the soak test: oneDNN keeps
-    a primitive per batch shape.)"""
+    """`F.linear` of the model dtype's layers (unquantized linears, the LM head); on the CPU float32 goes through
+    oneDNN with rows padded to a few buckets (kernels/cpu/linear.py)."""
+    if use_cpu_fast_path(x):
+        return _cpu_linear.linear_cpu(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
