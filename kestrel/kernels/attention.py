@@ -350,12 +350,7 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     s_ok = offs_s < num_splits
     row = ((offs_s * num_seqs + seq) * tl.num_programs(1) + kv_head).to(tl.int64) * BLOCK_M + r
-    lse = tl.load(plse_ptr + row, mask=s_ok, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    w = tl.math.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-    o = tl.load(po_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    total = tl.sum(w, 0)
-    o = tl.sum(w[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
+    o = common.merge_splits(plse_ptr, po_ptr, row, s_ok, offs_d, HEAD_PAD)
     head = kv_head * GROUP + r % GROUP
     tl.store(out_ptr + (q_start + tok) * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD)

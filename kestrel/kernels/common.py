@@ -1,5 +1,5 @@
-"""Helpers shared by the elementwise kernels: nearest-even rounding that Triton's interpreter gets right, and
-the programmatic-dependent-launch options.
+"""Helpers shared by the elementwise kernels: nearest-even rounding that Triton's interpreter gets right, the
+merge of split attention partials, and the programmatic-dependent-launch options.
 
 On the GPU (`FAST`) the hardware conversions round to nearest even. Triton's CPU interpreter truncates
 fp32 -> bf16 and drops the mantissa carry in fp32 -> e4m3, so off the GPU the kernels round by hand to an
@@ -67,6 +67,19 @@ def to_cache(x, scale, dtype: tl.constexpr, FP8: tl.constexpr, FAST: tl.constexp
             y = round_e4m3(y)
         return y.to(dtype)
     return to_dtype(x, dtype, FAST)
+
+
+@triton.jit
+def merge_splits(plse_ptr, po_ptr, row, s_ok, offs_d, HEAD_PAD: tl.constexpr):
+    """One output row from the partials of its splits (`row` the splits' packed rows, `s_ok` the real ones):
+    each `[HEAD_PAD]` partial weighted by 2^(its base-2 log-sum-exp - the largest), in fp32. A split that saw no
+    key (lse -inf) weighs 0; a row whose splits saw none merges to 0."""
+    lse = tl.load(plse_ptr + row, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    partial = tl.load(po_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    total = tl.sum(weight, 0)
+    return tl.sum(weight[:, None] * partial, 0) / tl.where(total == 0.0, 1.0, total)
 
 
 def launch_options(x: torch.Tensor) -> dict:

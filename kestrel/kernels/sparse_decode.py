@@ -740,12 +740,7 @@ def _merge_partials_kernel(out_ptr, po_ptr, plse_ptr, num_splits, stride_os, str
     offs_d = tl.arange(0, HEAD_PAD)
     s_ok = offs_s < num_splits
     row = ((offs_s * tl.num_programs(0) + seq) * tl.num_programs(1) + kv_head).to(tl.int64) * BLOCK_M + r
-    lse = tl.load(plse_ptr + row, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
-    weight = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
-    partial = tl.load(po_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    total = tl.sum(weight, 0)
-    merged = tl.sum(weight[:, None] * partial, 0) / tl.where(total == 0.0, 1.0, total)
+    merged = common.merge_splits(plse_ptr, po_ptr, row, s_ok, offs_d, HEAD_PAD)
     tl.store(out_ptr + seq * stride_os + (kv_head * GROUP + r) * stride_oh + offs_d,
              merged.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD)
 
