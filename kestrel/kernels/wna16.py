@@ -462,14 +462,27 @@ def _word_rows(w_ptr, kt, w_cols, stride_wk, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _group_zeros(z_ptr, g, stride_zg, w_cols, HAS_ZEROS: tl.constexpr):
+    """Group g's zero points of the tile's columns as int32 (without zeros, `w_cols` as a placeholder)."""
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + g * stride_zg + w_cols).to(tl.int32)
+    else:
+        z = w_cols
+    return z
+
+
+@triton.jit
+def _group_scales(s_ptr, g, stride_sg, w_cols):
+    """Group g's scales of the tile's columns in fp32."""
+    return tl.load(s_ptr + g * stride_sg + w_cols).to(tl.float32)
+
+
+@triton.jit
 def _gemv_step4(acc2, words, x_row, s_ptr, z_ptr, w_cols, kt, steps_per_group, stride_sg, stride_zg,
                 WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, ONE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """`acc2` plus K step kt of one activation row against its packed `words` (4-bit types, FMA path)."""
     g = kt // steps_per_group
-    if HAS_ZEROS:
-        z = tl.load(z_ptr + g * stride_zg + w_cols).to(tl.int32)
-    else:
-        z = w_cols  # placeholder
+    z = _group_zeros(z_ptr, g, stride_zg, w_cols, HAS_ZEROS)
     k8 = kt * BLOCK_K + tl.arange(0, BLOCK_K // 8) * 8
     step = tl.zeros(acc2.shape, dtype=tl.float32)
     for sh in tl.static_range(8):
@@ -478,7 +491,7 @@ def _gemv_step4(acc2, words, x_row, s_ptr, z_ptr, w_cols, kt, steps_per_group, s
     if ONE_GROUP:
         acc2 += step
     else:
-        acc2 += step * tl.load(s_ptr + g * stride_sg + w_cols).to(tl.float32)[None, :]
+        acc2 += step * _group_scales(s_ptr, g, stride_sg, w_cols)[None, :]
     return acc2
 
 
@@ -518,19 +531,16 @@ def _gemv_range(x_row, w_ptr, s_ptr, z_ptr, w_cols, kt_begin, kt_end, steps_per_
         acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         for kt in range(kt_begin, kt_end):
             g = kt // steps_per_group
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + g * stride_zg + w_cols).to(tl.int32)
-            else:
-                z = w_cols  # placeholder
+            z = _group_zeros(z_ptr, g, stride_zg, w_cols, HAS_ZEROS)
             w = _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N)
             xs = tl.load(x_row + kt * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.float32)
             if ONE_GROUP:
                 acc2 += xs[:, None] * w
             else:
-                acc2 += (xs[:, None] * w) * tl.load(s_ptr + g * stride_sg + w_cols).to(tl.float32)[None, :]
+                acc2 += (xs[:, None] * w) * _group_scales(s_ptr, g, stride_sg, w_cols)[None, :]
     acc = tl.sum(acc2, axis=0)
     if ONE_GROUP:
-        acc = acc * tl.load(s_ptr + w_cols).to(tl.float32)
+        acc = acc * _group_scales(s_ptr, 0, stride_sg, w_cols)
     return (acc * scale_mult)[None, :]
 
 
@@ -560,6 +570,44 @@ def _dot(x, w, acc, X_DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
         acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
     else:
         acc = tl.dot(x, w.to(X_DTYPE), acc)
+    return acc
+
+
+@triton.jit
+def _step_dot(x_rows, offs_k, w_ptr, kt, w_cols, stride_wk, z, acc, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr,
+              X_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, NIBBLES: tl.constexpr, ASM: tl.constexpr,
+              SWAP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`acc` plus the unscaled product of K step kt (`[BLOCK_N, BLOCK_M]`, the transposed tile, with SWAP)."""
+    if NIBBLES:
+        acc = _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, acc, WTYPE, HAS_ZEROS, X_DTYPE, DOT_F32, BLOCK_K,
+                           ASM, SWAP)
+    else:
+        x = tl.load(x_rows + (kt * BLOCK_K + offs_k)[None, :])
+        if SWAP:
+            w = _weight_tile_t(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, X_DTYPE, ASM, BLOCK_K, BLOCK_N)
+            acc = _dot_t(w, x, acc, X_DTYPE, DOT_F32)
+        else:
+            w = _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N)
+            acc = _dot(x, w, acc, X_DTYPE, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _group_scaled_step(acc, x_rows, offs_k, w_ptr, s_ptr, z_ptr, kt, w_cols, steps_per_group, scale_mult, stride_wk,
+                       stride_sg, stride_zg, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, X_DTYPE: tl.constexpr,
+                       DOT_F32: tl.constexpr, NIBBLES: tl.constexpr, ASM: tl.constexpr, SWAP: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`acc` plus K step kt's product from exact operands times its group's scales in fp32 (each K step lies in
+    one group; `acc` is the transposed tile with SWAP)."""
+    g = kt // steps_per_group
+    z = _group_zeros(z_ptr, g, stride_zg, w_cols, HAS_ZEROS)
+    part = _step_dot(x_rows, offs_k, w_ptr, kt, w_cols, stride_wk, z, tl.zeros(acc.shape, dtype=tl.float32), WTYPE,
+                     HAS_ZEROS, X_DTYPE, DOT_F32, NIBBLES, ASM, SWAP, BLOCK_K, BLOCK_N)
+    s = _group_scales(s_ptr, g, stride_sg, w_cols) * scale_mult
+    if SWAP:
+        acc += part * s[:, None]
+    else:
+        acc += part * s[None, :]
     return acc
 
 
@@ -611,57 +659,23 @@ def _wna16_kernel(
         # row multiplies every step.
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kt in range(kt_begin, kt_end):
-            g = kt // steps_per_group
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + g * stride_zg + w_cols).to(tl.int32)
-            else:
-                z = w_cols  # placeholder
-            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            if NIBBLES:
-                part = _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, part, WTYPE, HAS_ZEROS,
-                                    x_ptr.dtype.element_ty, DOT_F32, BLOCK_K, ASM, True)
-            else:
-                x = tl.load(x_rows + (kt * BLOCK_K + offs_k)[None, :])
-                w = _weight_tile_t(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, x_ptr.dtype.element_ty, ASM,
-                                   BLOCK_K, BLOCK_N)
-                part = _dot_t(w, x, part, x_ptr.dtype.element_ty, DOT_F32)
-            s = tl.load(s_ptr + g * stride_sg + w_cols).to(tl.float32) * scale_mult
-            acc_t += part * s[:, None]
+            acc_t = _group_scaled_step(acc_t, x_rows, offs_k, w_ptr, s_ptr, z_ptr, kt, w_cols, steps_per_group,
+                                       scale_mult, stride_wk, stride_sg, stride_zg, WTYPE, HAS_ZEROS,
+                                       x_ptr.dtype.element_ty, DOT_F32, NIBBLES, ASM, True, BLOCK_K, BLOCK_N)
         acc = tl.trans(acc_t)
     elif ONE_GROUP:
         # Per channel: one zero row, one scale row, applied after the loop.
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + w_cols).to(tl.int32)
-        else:
-            z = w_cols  # placeholder
+        z = _group_zeros(z_ptr, 0, stride_zg, w_cols, HAS_ZEROS)
         for kt in range(kt_begin, kt_end):
-            if NIBBLES:
-                acc = _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, acc, WTYPE, HAS_ZEROS,
-                                   x_ptr.dtype.element_ty, DOT_F32, BLOCK_K, ASM, False)
-            else:
-                x = tl.load(x_rows + (kt * BLOCK_K + offs_k)[None, :])
-                w = _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N)
-                acc = _dot(x, w, acc, x_ptr.dtype.element_ty, DOT_F32)
-        acc = acc * (tl.load(s_ptr + w_cols).to(tl.float32) * scale_mult)[None, :]
+            acc = _step_dot(x_rows, offs_k, w_ptr, kt, w_cols, stride_wk, z, acc, WTYPE, HAS_ZEROS,
+                            x_ptr.dtype.element_ty, DOT_F32, NIBBLES, ASM, False, BLOCK_K, BLOCK_N)
+        acc = acc * (_group_scales(s_ptr, 0, stride_sg, w_cols) * scale_mult)[None, :]
     else:
-        # One flat loop (software-pipelined by Triton); each K step lies in one group, so its partial product
-        # from exact operands is multiplied by that group's scales in fp32 before it joins the accumulator.
+        # One flat loop (software-pipelined by Triton), each step's product scaled before it joins the accumulator.
         for kt in range(kt_begin, kt_end):
-            g = kt // steps_per_group
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + g * stride_zg + w_cols).to(tl.int32)
-            else:
-                z = w_cols  # placeholder
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if NIBBLES:
-                part = _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, part, WTYPE, HAS_ZEROS,
-                                    x_ptr.dtype.element_ty, DOT_F32, BLOCK_K, ASM, False)
-            else:
-                x = tl.load(x_rows + (kt * BLOCK_K + offs_k)[None, :])
-                w = _weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N)
-                part = _dot(x, w, part, x_ptr.dtype.element_ty, DOT_F32)
-            s = tl.load(s_ptr + g * stride_sg + w_cols).to(tl.float32) * scale_mult
-            acc += part * s[None, :]
+            acc = _group_scaled_step(acc, x_rows, offs_k, w_ptr, s_ptr, z_ptr, kt, w_cols, steps_per_group,
+                                     scale_mult, stride_wk, stride_sg, stride_zg, WTYPE, HAS_ZEROS,
+                                     x_ptr.dtype.element_ty, DOT_F32, NIBBLES, ASM, False, BLOCK_K, BLOCK_N)
 
     if SPLIT:
         tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]

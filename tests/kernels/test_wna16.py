@@ -144,6 +144,23 @@ def assert_matches(out: torch.Tensor, x: torch.Tensor, W: np.ndarray, out_dtype:
     assert not bad.any(), f"{bad.sum()} of {bad.size} off, first at {np.argwhere(bad)[0]}"
 
 
+def to_device(w, device):
+    return wq.WNA16Weight(*[t.to(device) if torch.is_tensor(t) else t for t in w])
+
+
+def check_triton_case(variant: str, group: int | None, act_order: bool, M: int, N: int, K: int,
+                      x_dtype: torch.dtype, seed: int, cfg: WNA16Config, device: torch.device,
+                      scale_dtype: torch.dtype | None = None, fma_path: bool = False) -> None:
+    """`wna16_gemm` under `cfg` on a random weight (scales in `scale_dtype`, default x's) and M activation rows
+    against the float64 oracle. nf4's code values are not exact in 16 bits: a compiled 16-bit dot takes them
+    rounded to x's dtype, the fp32 FMA path (`fma_path`, block_m = 1) exactly."""
+    w, W = make_weight(variant, group, act_order, N, K, scale_dtype or x_dtype, seed=seed)
+    x = make_x(M, K, x_dtype, seed=M)
+    out = wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, config=cfg)
+    rounded = not fma_path and variant == "nf4" and device.type == "cuda" and x_dtype != torch.float32
+    assert_matches(out, x, W, x_dtype, w_rounding=2.0**-9 if rounded else 0.0)
+
+
 def shape_of(group: int | None) -> tuple[int, int]:
     """(N, K): K = 128 holds 4 groups of 32 and 2 of 64; K = 256, 2 groups of 128; per channel K = 192."""
     return (48, 128) if group in (32, 64) else (40, 256) if group == 128 else (48, 192)
@@ -182,14 +199,8 @@ def test_triton_matches_float64_oracle(variant, group, device):
     for i, (act_order, M, x_dtype, split_k) in enumerate(COMBOS):
         # fp16 scales with bf16 activations (GPTQ / AWQ checkpoints store fp16) in every other case.
         scale_dtype = torch.float16 if x_dtype == torch.bfloat16 and i % 2 else x_dtype
-        w, W = make_weight(variant, group, act_order, N, K, scale_dtype, seed=i)
         cfg = WNA16Config(block_m=16, block_n=32, block_k=64, split_k=split_k)
-        x = make_x(M, K, x_dtype, seed=M)
-        out = wq.wna16_gemm(x.to(device), *[t.to(device) if torch.is_tensor(t) else t for t in w], x_dtype,
-                            config=cfg)
-        # nf4's code values are not exact in 16 bits: a compiled 16-bit dot takes them rounded to x's dtype.
-        rounded = variant == "nf4" and device.type == "cuda" and x_dtype != torch.float32
-        assert_matches(out, x, W, x_dtype, w_rounding=2.0**-9 if rounded else 0.0)
+        check_triton_case(variant, group, act_order, M, N, K, x_dtype, i, cfg, device, scale_dtype=scale_dtype)
 
 
 FOUR_BIT = [v for v in VARIANTS if v not in ("int8", "int8_zp", "fp8_e4m3")]
@@ -201,12 +212,8 @@ def test_nibble_dots_match_float64_oracle(variant, device):
     N, K = 40, 256
     for i, (group, act_order, M, split_k) in enumerate([(128, False, 1, 2), (128, True, 17, 1), (None, False, 3, 1)]):
         x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
-        w, W = make_weight(variant, group, act_order, N, K, x_dtype, seed=10 + i)
         cfg = WNA16Config(block_m=16, block_n=32, block_k=128, split_k=split_k, nibble_dots=True)
-        x = make_x(M, K, x_dtype, seed=M)
-        out = wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, config=cfg)
-        rounded = variant == "nf4" and device.type == "cuda" and x_dtype != torch.float32
-        assert_matches(out, x, W, x_dtype, w_rounding=2.0**-9 if rounded else 0.0)
+        check_triton_case(variant, group, act_order, M, N, K, x_dtype, 10 + i, cfg, device)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -215,11 +222,8 @@ def test_gemv_path_matches_float64_oracle(variant, device):
     N, K = 40, 256
     for i, (group, act_order, M, split_k) in enumerate([(128, False, 1, 2), (64, True, 3, 1), (None, False, 2, 3)]):
         x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
-        w, W = make_weight(variant, group, act_order, N, K, x_dtype, seed=20 + i)
         cfg = WNA16Config(block_m=1, block_n=32, block_k=64, split_k=split_k, group_m=1)
-        x = make_x(M, K, x_dtype, seed=M)
-        out = wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, config=cfg)
-        assert_matches(out, x, W, x_dtype)
+        check_triton_case(variant, group, act_order, M, N, K, x_dtype, 20 + i, cfg, device, fma_path=True)
 
 
 @pytest.mark.parametrize("variant", FOUR_BIT)
@@ -232,13 +236,9 @@ def test_swap_ab_and_fast_convert_match_float64_oracle(variant, device):
              (128, False, 5, 3, True, False)]
     for i, (group, act_order, M, split_k, swap, fast) in enumerate(cases):
         x_dtype = torch.bfloat16 if i != 1 else torch.float32
-        w, W = make_weight(variant, group, act_order, N, K, x_dtype, seed=30 + i)
         cfg = WNA16Config(block_m=16, block_n=32, block_k=128, split_k=split_k, nibble_dots=True, swap_ab=swap,
                           fast_convert=fast)
-        x = make_x(M, K, x_dtype, seed=M)
-        out = wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, config=cfg)
-        rounded = variant == "nf4" and device.type == "cuda" and x_dtype != torch.float32
-        assert_matches(out, x, W, x_dtype, w_rounding=2.0**-9 if rounded else 0.0)
+        check_triton_case(variant, group, act_order, M, N, K, x_dtype, 30 + i, cfg, device)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -249,12 +249,8 @@ def test_swap_ab_one_dot_matches_float64_oracle(variant, device):
     for i, (group, act_order, M, split_k, block_k) in enumerate([(128, False, 1, 2, 128), (64, True, 17, 1, 64),
                                                                  (None, False, 3, 3, 64)]):
         x_dtype = torch.bfloat16 if i != 1 else torch.float32
-        w, W = make_weight(variant, group, act_order, N, K, x_dtype, seed=50 + i)
         cfg = WNA16Config(block_m=16, block_n=32, block_k=block_k, split_k=split_k, swap_ab=True, fast_convert=True)
-        x = make_x(M, K, x_dtype, seed=M)
-        out = wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, config=cfg)
-        rounded = variant == "nf4" and device.type == "cuda" and x_dtype != torch.float32
-        assert_matches(out, x, W, x_dtype, w_rounding=2.0**-9 if rounded else 0.0)
+        check_triton_case(variant, group, act_order, M, N, K, x_dtype, 50 + i, cfg, device)
 
 
 @pytest.mark.parametrize("variant", ["int4", "uint4", "fp4_e2m1", "int8"])
@@ -265,11 +261,8 @@ def test_fma_pipelines_match_float64_oracle(variant, device):
     for i, (pipe, group, act_order, M, split_k) in enumerate([(1, 64, False, 1, 2), (2, 64, True, 2, 1),
                                                               (1, None, False, 1, 3), (2, 128, False, 3, 2)]):
         x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
-        w, W = make_weight(variant, group, act_order, N, K, x_dtype, seed=40 + i)
         cfg = WNA16Config(block_m=1, block_n=32, block_k=64, split_k=split_k, group_m=1, fma_pipeline=pipe)
-        x = make_x(M, K, x_dtype, seed=M)
-        out = wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, config=cfg)
-        assert_matches(out, x, W, x_dtype)
+        check_triton_case(variant, group, act_order, M, N, K, x_dtype, 40 + i, cfg, device, fma_path=True)
 
 
 def test_nibble_asm_text():
@@ -290,10 +283,6 @@ def test_nibble_asm_text():
             base = 0x4300 | z
             got.append((lo - base, hi - base))  # bf16 with unit ulp: the mantissa difference is the value
         assert [g[0] for g in got] + [g[1] for g in got] == [((word >> (4 * s)) & 0xF) - z for s in range(8)]
-
-
-def to_device(w, device):
-    return wq.WNA16Weight(*[t.to(device) if torch.is_tensor(t) else t for t in w])
 
 
 def test_bias_fp16_output_and_default_config(device):
