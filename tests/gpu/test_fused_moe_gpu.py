@@ -64,16 +64,21 @@ def model(request) -> tuple[str, torch.Tensor, torch.Tensor]:
     torch.cuda.empty_cache()
 
 
+def assert_close(out: torch.Tensor, ref: torch.Tensor, norm_rtol: float, elem_rtol: float) -> None:
+    """bf16 `out` within `norm_rtol` of `ref` in norm, and each value within `elem_rtol` of its reference value's
+    magnitude plus of the largest one's."""
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    diff = (out.float() - ref.float()).abs()
+    assert (diff.norm() / ref.float().norm()).item() <= norm_rtol
+    assert bool((diff <= elem_rtol * ref.float().abs() + elem_rtol * ref.float().abs().max()).all())
+
+
 @pytest.mark.parametrize("T", TOKENS)
 def test_kernel_matches_reference(model, T):
     name, w13, w2 = model
     x, weights, ids = make_batch(name, T, seed=T)
     out = fused_moe(x, w13, w2, weights, ids)
-    ref = fused_moe_ref(x, w13, w2, weights, ids)
-    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
-    diff = (out.float() - ref.float()).abs()
-    assert (diff.norm() / ref.float().norm()).item() <= NORM_RTOL
-    assert bool((diff <= ELEM_RTOL * ref.float().abs() + ELEM_RTOL * ref.float().abs().max()).all())
+    assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), NORM_RTOL, ELEM_RTOL)
 
 
 @pytest.mark.parametrize("T", TOKENS)
@@ -131,11 +136,7 @@ def test_fp8_kernel_matches_reference(fp8_model, T):
     w13, w2, quant = fp8_model
     x, weights, ids = make_batch(FP8_MODEL, T, seed=T)
     out = fused_moe(x, w13, w2, weights, ids, **quant)
-    ref = fused_moe_ref(x, w13, w2, weights, ids, **quant)
-    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
-    diff = (out.float() - ref.float()).abs()
-    assert (diff.norm() / ref.float().norm()).item() <= FP8_NORM_RTOL
-    assert bool((diff <= FP8_ELEM_RTOL * ref.float().abs() + FP8_ELEM_RTOL * ref.float().abs().max()).all())
+    assert_close(out, fused_moe_ref(x, w13, w2, weights, ids, **quant), FP8_NORM_RTOL, FP8_ELEM_RTOL)
 
 
 @pytest.mark.parametrize("T", [1, 64])

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_fused_moe_gpu import MODELS, make_batch, make_weights, quantize_weight
+from test_fused_moe_gpu import MODELS, assert_close, make_batch, make_weights, quantize_weight
 
 from kestrel.kernels import fused_moe as fm
 from kestrel.kernels import moe_small_t as st
@@ -42,19 +42,12 @@ def layer(request):
     torch.cuda.empty_cache()
 
 
-def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
-    diff = (out.float() - ref.float()).abs()
-    assert (diff.norm() / ref.float().norm()).item() <= NORM_RTOL
-    assert bool((diff <= ELEM_RTOL * ref.float().abs() + ELEM_RTOL * ref.float().abs().max()).all())
-
-
 @pytest.mark.parametrize("T", TOKENS)
 def test_kernel_matches_reference(layer, T):
     name, w13, w2, quant = layer
     x, weights, ids = make_batch(name, T, seed=T)
     out = st.fused_moe_small_t(x, w13, w2, weights, ids, **quant)
-    assert_close(out, st.fused_moe_small_t_ref(x, w13, w2, weights, ids, **quant))
+    assert_close(out, st.fused_moe_small_t_ref(x, w13, w2, weights, ids, **quant), NORM_RTOL, ELEM_RTOL)
     split = dataclasses.replace(st.DEFAULT, split_down=True)  # the same operations in the same order, but the
     # fused loop's weighting may compile to an FMA: a last-bit rounding apart (bf16's 2^-8 relative step)
     torch.testing.assert_close(st.fused_moe_small_t(x, w13, w2, weights, ids, config=split, **quant).float(),
@@ -73,7 +66,7 @@ def test_skipped_pairs(layer):
     ids[2, 0] = -1
     out = st.fused_moe_small_t(x, w13, w2, weights, ids, **quant)
     assert bool((out[0] == 0).all())
-    assert_close(out, st.fused_moe_small_t_ref(x, w13, w2, weights, ids, **quant))
+    assert_close(out, st.fused_moe_small_t_ref(x, w13, w2, weights, ids, **quant), NORM_RTOL, ELEM_RTOL)
 
 
 @pytest.mark.parametrize("T", [1, 8])
