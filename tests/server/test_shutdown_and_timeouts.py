@@ -104,12 +104,13 @@ def test_a_draining_server_refuses_new_requests_with_503(start_scripted_server):
 
 def test_kestrel_serve_drains_on_sigterm_answers_503_meanwhile_and_exits_in_time(tiny_model_dir):
     drain_s = 2.0
-    # 8 streams fill the batch and 24 more requests wait: all 32 would need 4 x 500 decode steps, far more than the
-    # drain allows on any machine, so some requests must be ended by the shutdown, whatever the machine's speed.
+    # 8 streams fill the batch and 88 more requests wait: all 96 would need 12 x 500 decode steps, far more than the
+    # drain allows on any machine (kestrel-tiny's batch-8 step can take ~1 ms on a CPU), so some requests must be
+    # ended by the shutdown, whatever the machine's speed.
     with serve_process(tiny_model_dir, "--max-model-len", "512", "--max-num-seqs", "8", "--shutdown-timeout",
                        str(drain_s)) as (server, base):
         streams = [Outcome(base, completion(500, stream=True)) for _ in range(8)]
-        plain = [Outcome(base, completion(500, stream=False)) for _ in range(24)]
+        plain = [Outcome(base, completion(500, stream=False)) for _ in range(88)]
         for o in streams:
             assert o.started.wait(60)
         server.send_signal(signal.SIGTERM)
@@ -133,7 +134,7 @@ def test_kestrel_serve_drains_on_sigterm_answers_503_meanwhile_and_exits_in_time
             else:
                 assert_ended_by_shutdown(outcome)
                 ended += 1
-        assert ended > 0  # the drain timeout came before 4 rounds of 500 tokens
+        assert ended > 0  # the drain timeout came before 12 rounds of 500 tokens
         assert server.wait(30) == 0
         assert time.monotonic() - signalled < drain_s + 2.0  # the documented bound: --shutdown-timeout + 2 s
 
