@@ -3,9 +3,9 @@ CPU backend emits) in place of `F.linear`'s MKL sgemm: on the development machin
 kestrel-tiny's shapes about 2x faster from 16 rows up (thread CPU time, docs/benchmarks.md "CPU backend").
 
 oneDNN keeps a compiled primitive (about 0.5-2.5 MB) per distinct (rows, N, K), so an engine whose batch size
-changes every step would grow without bound. Rows are therefore padded up to a few buckets (16, 24, 32, 48, ...
-2048: two per octave, under 1.5x the rows) and a larger input runs in 2048-row slices: at most
-len(ROW_BUCKETS) primitives per weight shape. Fewer than 16 rows take `F.linear` (no primitive). Sums are
+changes every step would grow without bound. Rows are therefore padded up to the next power of two (16, 32, ...
+2048) and a larger input runs in 2048-row slices: at most len(ROW_BUCKETS) = 8 primitives per weight shape. (Two
+buckets per octave ran a server soak ~5% past its 100 MB growth bound; the large-row primitives cost the most.) Fewer than 16 rows take `F.linear` (no primitive). Sums are
 reordered, so results differ from `F.linear` by float32 rounding; padded rows are zeros and are dropped.
 Anything else (other dtypes, autograd, a torch without oneDNN) takes `F.linear`.
 """
@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 MIN_ROWS = 16
 MAX_ROWS = 2048
-ROW_BUCKETS: tuple[int, ...] = tuple(sorted({b for p in range(4, 12) for b in (1 << p, 3 << (p - 1))
-                                             if MIN_ROWS <= b <= MAX_ROWS}))
+ROW_BUCKETS: tuple[int, ...] = tuple(1 << p for p in range(MIN_ROWS.bit_length() - 1, MAX_ROWS.bit_length()))
 
 
 @functools.cache
