@@ -1,13 +1,14 @@
-"""Dense float32 linear layers on the CPU through oneDNN (`torch.ops.mkldnn._linear_pointwise`, the op inductor's
-CPU backend emits) in place of `F.linear`'s MKL sgemm: on the development machine's AMD EPYC (AVX-512) it ran
-kestrel-tiny's shapes about 2x faster from 16 rows up (thread CPU time, docs/benchmarks.md "CPU backend").
+"""Dense float32 linear layers on the CPU through oneDNN (`torch.ops.mkldnn._linear_pointwise`, the op inductor's CPU
+backend emits) in place of `F.linear`'s MKL sgemm: on the development machine's AMD EPYC (AVX-512) it ran kestrel-
+tiny's shapes about 2x faster from 16 rows up (thread CPU time, docs/benchmarks.md "CPU backend").
 
 oneDNN keeps a compiled primitive (about 0.5-2.5 MB) per distinct (rows, N, K), so an engine whose batch size
 changes every step would grow without bound. Rows are therefore padded up to the next power of two (16, 32, ...
 2048) and a larger input runs in 2048-row slices: at most len(ROW_BUCKETS) = 8 primitives per weight shape. (Two
-buckets per octave ran a server soak ~5% past its 100 MB growth bound; the large-row primitives cost the most.) Fewer than 16 rows take `F.linear` (no primitive). Sums are
-reordered, so results differ from `F.linear` by float32 rounding; padded rows are zeros and are dropped.
-Anything else (other dtypes, autograd, a torch without oneDNN) takes `F.linear`.
+buckets per octave ran a server soak ~5% past its 100 MB growth bound; the large-row primitives cost the most.)
+Fewer than 16 rows take `F.linear` (no primitive). Sums are reordered, so results differ from `F.linear` by float32
+rounding; padded rows are zeros and are dropped. Anything else (other dtypes, autograd, a torch without oneDNN)
+takes `F.linear`.
 """
 
 from __future__ import annotations
