@@ -159,8 +159,7 @@ class RunnerSetup:
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
             self.launches_per_layer = self._count_layer_launches()
-        if (self.device.type == "cuda" and not config.enforce_eager and not self.mrope and not self.encoder_decoder
-                and (parallel is None or parallel.world_size == 1)):
+        if self._captures_graphs():
             self._capture_graphs()
             if self.drafter is not None:
                 self.drafter.capture_graphs(config.scheduler.max_num_seqs, self.max_blocks_per_seq,
@@ -314,16 +313,19 @@ class RunnerSetup:
         return list(range(2, spec.num_speculative_tokens + 2)), verify_batch_limit(max_num_seqs,
                                                                                   spec.disable_by_batch_size)
 
+    def _captures_graphs(self) -> bool:
+        """Whether this runner captures CUDA graphs at all: one CUDA device, not enforce_eager, no M-RoPE (its
+        [3, T] positions are not carried), not encoder-decoder."""
+        return (self.device.type == "cuda" and not self.config.enforce_eager and not self.mrope
+                and not self.encoder_decoder and (self.parallel is None or self.parallel.world_size == 1))
+
     def _resolve_prefill_graph_tokens(self) -> int:
         """The prefill graphs' token limit: DEFAULT_PREFILL_GRAPH_TOKENS where this runner captures CUDA graphs when
         max_prefill_graph_tokens is unset, else 0. An explicit limit asking for graphs this runner would not capture
         is refused by name (the config checked what it could without the device and the model)."""
         limit = self.config.max_prefill_graph_tokens
-        single_device = self.parallel is None or self.parallel.world_size == 1
         if limit is None:
-            captures = (self.device.type == "cuda" and not self.config.enforce_eager and not self.mrope
-                        and not self.encoder_decoder and single_device)
-            return DEFAULT_PREFILL_GRAPH_TOKENS if captures else 0
+            return DEFAULT_PREFILL_GRAPH_TOKENS if self._captures_graphs() else 0
         if not limit:
             return 0
         if self.device.type != "cuda":
@@ -333,7 +335,7 @@ class RunnerSetup:
             raise ConfigError(f"invalid max_prefill_graph_tokens={limit}: this model rotates by M-RoPE (three "
                               "position rows), which the captured graphs do not carry, so it runs eagerly; leave "
                               "it 0")
-        if not single_device:
+        if self.parallel is not None and self.parallel.world_size > 1:
             raise ConfigError(f"invalid max_prefill_graph_tokens={limit}: CUDA graphs are captured on one device "
                               "only; leave it 0 with tensor or pipeline parallelism")
         return limit
