@@ -81,9 +81,9 @@ def stdlib_prompt_ids(num: int, length: int) -> list[list[int]]:
     return stdlib_prompts(AutoTokenizer.from_pretrained(default_model_path()), num, length)
 
 
-def run_child(python: str, code: str, model: str, prompts_file: Path, out_len: int, env: dict[str, str],
+def run_child(name: str, python: str, code: str, model: str, prompts_file: Path, out_len: int, env: dict[str, str],
               workdir: Path) -> dict:
-    script = workdir / ("vllm_child.py" if "vllm" in code else "kestrel_child.py")
+    script = workdir / f"{name}_child.py"
     script.write_text(code)
     proc = subprocess.run([python, str(script), model, str(prompts_file), str(out_len)], cwd=workdir,
                           capture_output=True, text=True, env=env)
@@ -137,7 +137,8 @@ def main() -> int:
         for r in range(args.rounds):
             for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
                 python, code, side_env = sides[name]
-                runs[name].append(run_child(python, code, model, prompts_file, args.output_len, side_env, workdir))
+                runs[name].append(run_child(name, python, code, model, prompts_file, args.output_len,
+                                             side_env, workdir))
                 rate = args.num_prompts * args.output_len / runs[name][-1]["elapsed_s"]
                 print(f"round {r}: {name}: {rate:.1f} out tok/s", flush=True)
     out_tokens = args.num_prompts * args.output_len
