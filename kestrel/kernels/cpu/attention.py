@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.kernels.attention import _check_soft_cap, paged_attention_ref
+from kestrel.kernels.cpu import native
+
+_NATIVE_CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def paged_attention_cpu(
@@ -38,6 +41,9 @@ def paged_attention_cpu(
     _check_soft_cap(logit_soft_cap)
     if out is None:
         out = torch.empty_like(q)
+    if _native(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window, k_scale, v_scale,
+               out, logit_soft_cap, causal_ends):
+        return out
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decodes: list[int] = []
@@ -53,6 +59,47 @@ def paged_attention_cpu(
             _attend(q, k_cache, v_cache, starts, lens, block_tables, seqs, scale, sliding_window, k_scale, v_scale,
                     out, logit_soft_cap, causal_ends)
     return out
+
+
+def native_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                   sliding_window: int | None, causal_ends: torch.Tensor | None) -> bool:
+    """Whether `paged_attention.c` computes this call: float32 queries and output, a float32 or bf16 cache, all
+    contiguous CPU tensors, no `causal_ends`, a window of at least one key."""
+    return (causal_ends is None and q.dtype == torch.float32 and out.dtype == torch.float32
+            and k_cache.dtype in _NATIVE_CACHE_DTYPES and v_cache.dtype == k_cache.dtype
+            and q.device.type == "cpu" and q.dim() == 3 and k_cache.dim() == 4 and out.shape == q.shape
+            and v_cache.shape == k_cache.shape and k_cache.shape[3] == q.shape[2]
+            and q.shape[1] % k_cache.shape[2] == 0 and (sliding_window is None or sliding_window >= 1)
+            and q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def _native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+            seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, sliding_window: int | None,
+            k_scale: float, v_scale: float, out: torch.Tensor, logit_soft_cap: float | None,
+            causal_ends: torch.Tensor | None) -> bool:
+    """Runs the C kernel into `out` when it applies and is built; False leaves the call to the PyTorch path (also
+    when the kernel rejects the block table: a sequence longer than its row, a block id outside the cache)."""
+    if not native_applies(q, k_cache, v_cache, out, sliding_window, causal_ends):
+        return False
+    fn = native.paged_attention_fn()
+    if fn is None:
+        return False
+    qsl, lens, tables = _int32(query_start_loc), _int32(seq_lens), block_tables
+    if tables.dtype != torch.int32 or tables.dim() != 2 or tables.stride(1) != 1:
+        tables = tables.to(torch.int32).contiguous()
+    if lens.numel() == 0 or q.shape[0] == 0:
+        return True
+    num_blocks, block_size, num_kv_heads, head_size = k_cache.shape
+    status = fn(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                int(k_cache.dtype == torch.bfloat16), num_blocks, block_size, q.shape[1], num_kv_heads, head_size,
+                qsl.data_ptr(), lens.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1],
+                lens.numel(), scale, sliding_window or 0, k_scale, v_scale, logit_soft_cap or 0.0,
+                torch.get_num_threads())
+    return status == 0
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: list[int], lens: list[int],

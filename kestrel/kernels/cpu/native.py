@@ -1,0 +1,147 @@
+"""Builds and loads the C kernels of `kernels/cpu/` (today `paged_attention.c`) with the system C compiler.
+
+The shared library goes to a per-user directory (mode 0700) under `tempfile.gettempdir()`, named by a hash of the
+source, the flags, the compiler (path, size, mtime) and the CPU's model and flags (`-march=native` code must not run
+on another CPU): a second process, or a later run, loads the same file without compiling. Each build writes a
+temporary name and `os.replace`s it into place, so processes compiling at the same time never load a half-written
+file.
+
+OpenMP: the library is linked against libgomp by soname; torch's wheel has loaded its own libgomp.so.1 by then, so
+the loader binds ours to that same runtime and the kernel's parallel regions reuse torch's thread pool instead of
+starting a second one. Without OpenMP support the build is retried without it (one thread).
+
+Anything failing (no compiler, a compile error, a load error) gives None, logged once at debug level: the callers
+keep their PyTorch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+BASE_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-shared", "-fPIC")
+OPENMP_FLAGS: tuple[str, ...] = ("-fopenmp",)
+COMPILERS: tuple[str, ...] = ("cc", "gcc")
+
+
+def find_compiler() -> str | None:
+    for name in COMPILERS:
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _cpu_identity() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(keep))  # one copy per distinct line, not one per core
+
+
+def build_key(source: bytes, flags: tuple[str, ...], compiler: str) -> str:
+    st = os.stat(compiler)
+    ident = "\0".join([compiler, str(st.st_size), str(st.st_mtime_ns), " ".join(flags), _cpu_identity()])
+    return hashlib.sha256(source + b"\0" + ident.encode()).hexdigest()[:24]
+
+
+def _private(directory: Path) -> bool:
+    """Ours and writable by nobody else (the system temp directory is shared: a library there is run as code)."""
+    st = directory.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def build(source: Path, compiler: str | None, cache_dir: Path | None = None) -> Path | None:
+    """The compiled shared library of `source` (compiled now unless cached), or None if it cannot be built."""
+    if compiler is None:
+        return None
+    cache_dir = cache_dir or Path(tempfile.gettempdir()) / f"kestrel-native-{os.getuid()}"
+    try:
+        text = source.read_bytes()
+        cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not _private(cache_dir):
+            logger.debug("native kernels: %s is writable by others, not loading code from it", cache_dir)
+            return None
+        targets = [(flags, cache_dir / f"{source.stem}-{build_key(text, flags, compiler)}.so")
+                   for flags in (BASE_FLAGS + OPENMP_FLAGS, BASE_FLAGS)]
+    except OSError as err:
+        logger.debug("native kernels: %s", err)
+        return None
+    for _, target in targets:
+        if target.exists():
+            return target
+    for flags, target in targets:
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=cache_dir)
+            os.close(fd)
+            done = subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"], capture_output=True,
+                                  timeout=120)
+            if done.returncode == 0:
+                os.replace(tmp, target)
+                return target
+            logger.debug("native kernels: %s %s failed: %s", compiler, " ".join(flags),
+                         done.stderr.decode(errors="replace")[-2000:])
+        except (OSError, subprocess.SubprocessError) as err:
+            logger.debug("native kernels: %s", err)
+        finally:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+    return None
+
+
+def load(source: Path = SOURCE, compiler: str | None = None, cache_dir: Path | None = None,
+         find: bool = True) -> ctypes.CDLL | None:
+    """Build (if needed) and load `source`; `compiler` None with `find` looks for cc / gcc on PATH."""
+    if compiler is None and find:
+        compiler = find_compiler()
+    path = build(source, compiler, cache_dir)
+    if path is None:
+        logger.debug("native kernels: no library for %s, using the PyTorch paths", source.name)
+        return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as err:
+        logger.debug("native kernels: cannot load %s: %s", path, err)
+        return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """This process's library of `paged_attention.c` (built once; None when it cannot be)."""
+    return load()
+
+
+_PAGED_ATTENTION_ARGS = (
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # q, out, k, v, bf16 cache
+    ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # blocks, block size, H, H_kv, D
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # query_start_loc, seq_lens, block_tables
+    ctypes.c_long, ctypes.c_int, ctypes.c_int,  # table stride, table width, sequences
+    ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_float,  # scale, window, k/v scale, cap
+    ctypes.c_int,  # threads
+)
+
+
+@functools.cache
+def paged_attention_fn() -> ctypes._CFuncPtr | None:
+    """`kestrel_paged_attention` of this process's library with its argument types set, or None."""
+    lib = library()
+    if lib is None:
+        return None
+    fn = lib.kestrel_paged_attention
+    fn.argtypes = _PAGED_ATTENTION_ARGS
+    fn.restype = ctypes.c_int
+    return fn

@@ -1,0 +1,444 @@
+/* Paged attention on the CPU, read straight from the block cache: `paged_attention_ref`'s semantics
+ * (kestrel/kernels/attention.py) for float32 queries and output and a float32 or bfloat16 cache.
+ *
+ * Work item: one sequence, one KV head, up to ROWS_PER_ITEM consecutive query rows of that sequence, together with
+ * every query head of the KV head's group. The item walks its keys in tiles (at most TILE keys, never crossing a
+ * block); each tile is read from the cache once (bf16 widened to float once) and used by all the item's rows while
+ * it is in L1. Each (row, head) keeps an online softmax: running max, running sum and a D-float accumulator. A row
+ * only visits the keys it may see (its causal end, the window's start), so no mask and no -inf scores exist.
+ *
+ * Loops over D run innermost with restrict pointers so the compiler vectorizes them; dot products keep LANES
+ * independent partial sums (no reassociation is needed to vectorize them, so the result does not depend on
+ * fast-math flags). exp is a range-reduced polynomial written as plain arithmetic, so the score loops vectorize
+ * too (libm's expf is a scalar call).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define TILE 16     /* keys per step */
+#define ROW_TILE 32 /* packed rows (query rows x group heads) per work item */
+#define LANES 16
+#define MAX_D 512
+
+/* exp(x) for x <= 88, within ~2 ulp; inputs below -87 give ~1e-38 (only soft-cap's tanh and the max-subtracted
+ * scores use it, where such values are zeros to float32 rounding). */
+static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    /* round to nearest by adding and removing 1.5 * 2^23 (|x * log2 e| < 2^22) */
+    const float fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const int n = (int)fn;
+    float r = x - fn * 0.693145751953125f;
+    r = r - fn * 1.428606765330187045e-06f;
+    /* |r| <= ln2/2: Taylor to degree 7 (relative error < 2e-9 before rounding) */
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = (int32_t)((uint32_t)(n + 127) << 23);
+    float scale_f;
+    memcpy(&scale_f, &bits, sizeof scale_f);
+    return p * scale_f;
+}
+
+/* q . k over d floats: LANES independent partial sums, so the loop vectorizes without reassociating a sum. */
+static inline float dot(const float *restrict a, const float *restrict b, int d) {
+    float part[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= d; i += LANES)
+        for (int l = 0; l < LANES; l++)
+            part[l] += a[i + l] * b[i + l];
+    float s = 0.0f;
+    for (; i < d; i++)
+        s += a[i] * b[i];
+    for (int l = 0; l < LANES; l++)
+        s += part[l];
+    return s;
+}
+
+/* cap * tanh(x / cap): an odd Taylor polynomial near 0, where 1 - 2 / (exp(2y) + 1) would cancel, that form
+ * elsewhere (saturating to +-cap, never NaN). Both are computed so the loop vectorizes with a select. */
+static inline float soft_cap_score(float x, float cap, float inv_cap) {
+    const float y = x * inv_cap;
+    const float y2 = y * y;
+    float p = -929569.0f / 638512875.0f;
+    p = p * y2 + 21844.0f / 6081075.0f;
+    p = p * y2 - 1382.0f / 155925.0f;
+    p = p * y2 + 62.0f / 2835.0f;
+    p = p * y2 - 17.0f / 315.0f;
+    p = p * y2 + 2.0f / 15.0f;
+    p = p * y2 - 1.0f / 3.0f;
+    const float near = y + y * y2 * p;
+    const float far = 1.0f - 2.0f / (exp_poly(2.0f * y) + 1.0f);
+    return cap * (y2 < 0.16f ? near : far);
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static void widen_bf16(float *restrict dst, const uint16_t *restrict src, int n_tok, long tok_stride, int d) {
+    for (int j = 0; j < n_tok; j++)
+        for (int i = 0; i < d; i++)
+            dst[(long)j * d + i] = bf16_to_float(src[j * tok_stride + i]);
+}
+
+typedef struct {
+    const float *q;
+    float *out;
+    const void *k_cache;
+    const void *v_cache;
+    int cache_bf16;
+    long stride_block; /* elements */
+    long stride_tok;
+    const int32_t *query_start_loc;
+    const int32_t *seq_lens;
+    const int32_t *block_tables;
+    long table_stride;
+    int num_heads;
+    int num_kv_heads;
+    int head_size;
+    int block_size;
+    float scale; /* times k_scale */
+    float v_scale;
+    int window;    /* 0: none */
+    float soft_cap; /* 0: none */
+} Args;
+
+typedef struct {
+    int seq;
+    int kv_head;
+    int row0;
+    int row1;
+} Item;
+
+/* Scratch of one thread: the item's accumulators and softmax state, its transposed queries, one tile's scores and
+ * one tile of widened keys and values. */
+typedef struct {
+    float *acc;        /* [ROW_TILE][d] */
+    float *m;          /* [ROW_TILE] */
+    float *l;          /* [ROW_TILE] */
+    float *qt;         /* [d][ROW_TILE] */
+    float *scores;     /* [TILE][ROW_TILE] */
+    float *row_scores; /* [TILE] */
+    float *k_tile;     /* [TILE][d] */
+    float *v_tile;     /* [TILE][d] */
+    int pos[ROW_TILE];
+} Scratch;
+
+/* Starts a row's online softmax over a tile: the new running max from the tile's scores `s` (n of them, all
+ * visible), the scores turned into probabilities in place, and the factor the old sum and accumulator take. */
+static inline float softmax_step(float *restrict s, int n, float *m, float *l) {
+    float mx = s[0];
+    for (int j = 1; j < n; j++)
+        mx = s[j] > mx ? s[j] : mx;
+    const float m_old = *m;
+    const float m_new = mx > m_old ? mx : m_old;
+    for (int j = 0; j < n; j++)
+        s[j] = exp_poly(s[j] - m_new);
+    float sum = 0.0f;
+    for (int j = 0; j < n; j++)
+        sum += s[j];
+    const float alpha = m_old == -INFINITY ? 0.0f : exp_poly(m_old - m_new);
+    *m = m_new;
+    *l = *l * alpha + sum;
+    return alpha;
+}
+
+/* acc = acc * alpha + sum_j p[j * p_stride] * v[j]: the row's accumulator is read and written once per tile. */
+static inline __attribute__((always_inline)) void accumulate(float *restrict acc, float alpha, const float *restrict p,
+                                                             long p_stride, const float *restrict v_rows,
+                                                             long v_stride, int n, const int d) {
+    float t[MAX_D];
+    for (int i = 0; i < d; i++)
+        t[i] = acc[i] * alpha;
+    for (int j = 0; j < n; j++) {
+        const float pj = p[j * p_stride];
+        const float *restrict vv = v_rows + j * v_stride;
+        for (int i = 0; i < d; i++)
+            t[i] += pj * vv[i];
+    }
+    for (int i = 0; i < d; i++)
+        acc[i] = t[i];
+}
+
+/* Scores of the ROW_TILE packed rows against n keys: s[j * ROW_TILE + r] = k_j . qt[:, r], with the queries
+ * transposed (`qt[i * ROW_TILE + r]`) so the rows are the vector lanes and no sum runs across lanes. Four keys at a
+ * time keep eight independent vector accumulators. */
+static inline __attribute__((always_inline)) void scores_by_rows(float *restrict s, const float *restrict qt,
+                                                                 const float *restrict k_rows, long k_stride, int n,
+                                                                 const int d) {
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        float a0[ROW_TILE] = {0}, a1[ROW_TILE] = {0}, a2[ROW_TILE] = {0}, a3[ROW_TILE] = {0};
+        const float *restrict k0 = k_rows + j * k_stride;
+        const float *restrict k1 = k0 + k_stride;
+        const float *restrict k2 = k1 + k_stride;
+        const float *restrict k3 = k2 + k_stride;
+        for (int i = 0; i < d; i++) {
+            const float *restrict qi = qt + i * ROW_TILE;
+            for (int r = 0; r < ROW_TILE; r++) {
+                a0[r] += k0[i] * qi[r];
+                a1[r] += k1[i] * qi[r];
+                a2[r] += k2[i] * qi[r];
+                a3[r] += k3[i] * qi[r];
+            }
+        }
+        for (int r = 0; r < ROW_TILE; r++) {
+            s[(j + 0) * ROW_TILE + r] = a0[r];
+            s[(j + 1) * ROW_TILE + r] = a1[r];
+            s[(j + 2) * ROW_TILE + r] = a2[r];
+            s[(j + 3) * ROW_TILE + r] = a3[r];
+        }
+    }
+    for (; j < n; j++) {
+        float a0[ROW_TILE] = {0};
+        const float *restrict k0 = k_rows + j * k_stride;
+        for (int i = 0; i < d; i++)
+            for (int r = 0; r < ROW_TILE; r++)
+                a0[r] += k0[i] * qt[i * ROW_TILE + r];
+        for (int r = 0; r < ROW_TILE; r++)
+            s[j * ROW_TILE + r] = a0[r];
+    }
+}
+
+/* Inlined into one copy per common head size, where d is a constant and the loops over it unroll. */
+static inline __attribute__((always_inline)) void run_item_d(const Args *a, const Item *it, Scratch *sc, const int d) {
+    const int group = a->num_heads / a->num_kv_heads;
+    const int q_start = a->query_start_loc[it->seq];
+    const int q_len = a->query_start_loc[it->seq + 1] - q_start;
+    const int seq_len = a->seq_lens[it->seq];
+    const int n_rows = (it->row1 - it->row0) * group;
+    const int32_t *table = a->block_tables + (long)it->seq * a->table_stride;
+    const long head_off = (long)it->kv_head * d;
+    /* Packed rows as vector lanes pay off once they fill most of a ROW_TILE; decodes (a group's heads, one token)
+     * take one row at a time. */
+    const int by_rows = n_rows * 3 >= ROW_TILE && n_rows <= ROW_TILE;
+
+    for (int r = 0; r < n_rows; r++) {
+        sc->m[r] = -INFINITY;
+        sc->l[r] = 0.0f;
+    }
+    memset(sc->acc, 0, sizeof(float) * (size_t)n_rows * d);
+    if (by_rows) {
+        /* queries times the scale, transposed; padded lanes are zeros and never read back */
+        memset(sc->qt, 0, sizeof(float) * (size_t)ROW_TILE * d);
+        for (int r = 0; r < n_rows; r++) {
+            const int qr = it->row0 + r / group;
+            const float *restrict qv = a->q + ((long)(q_start + qr) * a->num_heads + (long)it->kv_head * group + r % group) * d;
+            for (int i = 0; i < d; i++)
+                sc->qt[i * ROW_TILE + r] = qv[i] * a->scale;
+            sc->pos[r] = seq_len - q_len + qr;
+        }
+        for (int r = n_rows; r < ROW_TILE; r++)
+            sc->pos[r] = -1;
+    }
+
+    const int first_pos = seq_len - q_len + it->row0;
+    const int last_pos = seq_len - q_len + it->row1 - 1;
+    int key_lo = 0;
+    if (a->window > 0 && first_pos - a->window + 1 > 0)
+        key_lo = first_pos - a->window + 1;
+    const int key_hi = last_pos + 1; /* exclusive */
+
+    for (int t0 = key_lo; t0 < key_hi;) {
+        const int blk_idx = t0 / a->block_size;
+        int t1 = (blk_idx + 1) * a->block_size;
+        if (t1 > key_hi)
+            t1 = key_hi;
+        if (t1 > t0 + TILE)
+            t1 = t0 + TILE;
+        const int n_tok = t1 - t0;
+        const long base = (long)table[blk_idx] * a->stride_block + (long)(t0 % a->block_size) * a->stride_tok + head_off;
+        const float *k_rows;
+        const float *v_rows;
+        long kv_stride;
+        if (a->cache_bf16) {
+            widen_bf16(sc->k_tile, (const uint16_t *)a->k_cache + base, n_tok, a->stride_tok, d);
+            widen_bf16(sc->v_tile, (const uint16_t *)a->v_cache + base, n_tok, a->stride_tok, d);
+            k_rows = sc->k_tile;
+            v_rows = sc->v_tile;
+            kv_stride = d;
+        } else {
+            k_rows = (const float *)a->k_cache + base;
+            v_rows = (const float *)a->v_cache + base;
+            kv_stride = a->stride_tok;
+        }
+
+        if (by_rows) {
+            float *restrict s = sc->scores; /* [TILE][ROW_TILE] */
+            scores_by_rows(s, sc->qt, k_rows, kv_stride, n_tok, d);
+            for (int r = 0; r < n_rows; r++) {
+                const int pos = sc->pos[r];
+                int lo = t0;
+                if (a->window > 0 && pos - a->window + 1 > lo)
+                    lo = pos - a->window + 1;
+                const int hi = pos + 1 < t1 ? pos + 1 : t1;
+                if (lo >= hi)
+                    continue;
+                const int j0 = lo - t0, n = hi - lo;
+                float *restrict p = sc->row_scores;
+                for (int j = 0; j < n; j++)
+                    p[j] = s[(j0 + j) * ROW_TILE + r];
+                if (a->soft_cap > 0.0f) {
+                    const float cap = a->soft_cap, inv_cap = 1.0f / a->soft_cap;
+                    for (int j = 0; j < n; j++)
+                        p[j] = soft_cap_score(p[j], cap, inv_cap);
+                }
+                const float alpha = softmax_step(p, n, &sc->m[r], &sc->l[r]);
+                accumulate(sc->acc + (long)r * d, alpha, p, 1, v_rows + j0 * kv_stride, kv_stride, n, d);
+            }
+        } else {
+            for (int qr = it->row0; qr < it->row1; qr++) {
+                const int pos = seq_len - q_len + qr;
+                int lo = t0;
+                if (a->window > 0 && pos - a->window + 1 > lo)
+                    lo = pos - a->window + 1;
+                const int hi = pos + 1 < t1 ? pos + 1 : t1;
+                if (lo >= hi)
+                    continue;
+                const int j0 = lo - t0, n = hi - lo;
+                for (int g = 0; g < group; g++) {
+                    const int row = (qr - it->row0) * group + g;
+                    const float *restrict qv = a->q + ((long)(q_start + qr) * a->num_heads + (long)it->kv_head * group + g) * d;
+                    float *restrict p = sc->row_scores;
+                    for (int j = 0; j < n; j++)
+                        p[j] = dot(qv, k_rows + (long)(j0 + j) * kv_stride, d) * a->scale;
+                    if (a->soft_cap > 0.0f) {
+                        const float cap = a->soft_cap, inv_cap = 1.0f / a->soft_cap;
+                        for (int j = 0; j < n; j++)
+                            p[j] = soft_cap_score(p[j], cap, inv_cap);
+                    }
+                    const float alpha = softmax_step(p, n, &sc->m[row], &sc->l[row]);
+                    accumulate(sc->acc + (long)row * d, alpha, p, 1, v_rows + j0 * kv_stride, kv_stride, n, d);
+                }
+            }
+        }
+        t0 = t1;
+    }
+
+    for (int r = 0; r < n_rows; r++) {
+        const int qr = it->row0 + r / group, g = r % group;
+        float *restrict o = a->out + ((long)(q_start + qr) * a->num_heads + (long)it->kv_head * group + g) * d;
+        const float *restrict acc = sc->acc + (long)r * d;
+        const float f = a->v_scale / sc->l[r]; /* every row sees at least its own key: l > 0 */
+        for (int i = 0; i < d; i++)
+            o[i] = acc[i] * f;
+    }
+}
+
+static void run_item_64(const Args *a, const Item *it, Scratch *sc) { run_item_d(a, it, sc, 64); }
+static void run_item_128(const Args *a, const Item *it, Scratch *sc) { run_item_d(a, it, sc, 128); }
+static void run_item_any(const Args *a, const Item *it, Scratch *sc) { run_item_d(a, it, sc, a->head_size); }
+
+/* Returns 0, or -1 when scratch memory cannot be had, -2 when a sequence needs more blocks than its table row holds
+ * or a block id is outside the cache, -3 on inconsistent lengths. Nothing is written on -2 / -3. */
+int kestrel_paged_attention(const float *q, float *out, const void *k_cache, const void *v_cache, int cache_bf16,
+                            long num_cache_blocks, int block_size, int num_heads, int num_kv_heads, int head_size,
+                            const int32_t *query_start_loc, const int32_t *seq_lens, const int32_t *block_tables,
+                            long table_stride, int table_width, int num_seqs, float scale, int window,
+                            float k_scale, float v_scale, float soft_cap, int num_threads) {
+    Args a = {q, out, k_cache, v_cache, cache_bf16, (long)block_size * num_kv_heads * head_size,
+              (long)num_kv_heads * head_size, query_start_loc, seq_lens, block_tables, table_stride,
+              num_heads, num_kv_heads, head_size, block_size, scale * k_scale, v_scale, window, soft_cap};
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_size <= 0 || head_size > MAX_D || block_size <= 0)
+        return -3;
+    const int group = num_heads / num_kv_heads;
+    /* a work item's query rows: as many as fill ROW_TILE packed rows (one if a group alone is wider) */
+    const int rows_per_item = group <= ROW_TILE ? ROW_TILE / group : 1;
+    if (group > ROW_TILE)
+        return -3;
+
+    long n_items = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = query_start_loc[s + 1] - query_start_loc[s];
+        const int seq_len = seq_lens[s];
+        if (q_len <= 0)
+            continue;
+        if (q_len > seq_len)
+            return -3;
+        const int n_blocks = (seq_len + block_size - 1) / block_size;
+        if (n_blocks > table_width)
+            return -2;
+        const int32_t *table = block_tables + (long)s * table_stride;
+        for (int b = 0; b < n_blocks; b++)
+            if (table[b] < 0 || table[b] >= num_cache_blocks)
+                return -2;
+        n_items += (long)num_kv_heads * ((q_len + rows_per_item - 1) / rows_per_item);
+    }
+    if (n_items == 0)
+        return 0;
+    Item *items = malloc(sizeof(Item) * (size_t)n_items);
+    if (!items)
+        return -1;
+    /* Longest items first (prefill chunks' last rows see the most keys): dynamic scheduling then ends evenly. */
+    long k = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = query_start_loc[s + 1] - query_start_loc[s];
+        for (int r0 = (q_len - 1) / rows_per_item * rows_per_item; q_len > 0 && r0 >= 0; r0 -= rows_per_item) {
+            const int r1 = r0 + rows_per_item < q_len ? r0 + rows_per_item : q_len;
+            for (int h = 0; h < num_kv_heads; h++)
+                items[k++] = (Item){s, h, r0, r1};
+        }
+    }
+
+    const size_t d = (size_t)head_size;
+    const size_t per_thread = ROW_TILE * d + 2 * ROW_TILE + d * ROW_TILE + TILE * ROW_TILE + TILE + 2 * TILE * d;
+    int n_threads = num_threads > 1 ? num_threads : 1;
+    if (n_threads > n_items)
+        n_threads = (int)n_items;
+    float *scratch = malloc(sizeof(float) * per_thread * (size_t)n_threads);
+    if (!scratch) {
+        free(items);
+        return -1;
+    }
+    void (*run_item)(const Args *, const Item *, Scratch *) =
+        head_size == 64 ? run_item_64 : (head_size == 128 ? run_item_128 : run_item_any);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(n_threads) if (n_threads > 1)
+#endif
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        Scratch sc;
+        float *p = scratch + per_thread * (size_t)tid;
+        sc.acc = p;
+        p += ROW_TILE * d;
+        sc.m = p;
+        p += ROW_TILE;
+        sc.l = p;
+        p += ROW_TILE;
+        sc.qt = p;
+        p += d * ROW_TILE;
+        sc.scores = p;
+        p += TILE * ROW_TILE;
+        sc.row_scores = p;
+        p += TILE;
+        sc.k_tile = p;
+        p += TILE * d;
+        sc.v_tile = p;
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (long i = 0; i < n_items; i++)
+            run_item(&a, &items[i], &sc);
+    }
+    free(scratch);
+    free(items);
+    return 0;
+}
