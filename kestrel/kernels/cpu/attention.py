@@ -1,11 +1,20 @@
-"""Paged attention on the CPU: `paged_attention_ref`'s semantics with the per-sequence loop replaced by two batched
-calls, one over the decode rows (query length 1) and one over the prefill chunks.
+"""Paged attention on the CPU: `paged_attention_ref`'s semantics without its per-sequence Python loop.
 
-Each group gathers its sequences' blocks with one index into the cache (`[S, blocks, block_size, H_kv, D]`), pads
-queries to the group's longest and keys to its longest context, and runs one masked attention: PyTorch's fused
+Float32 queries and output over a float32 or bf16 cache (contiguous, no `causal_ends`) go to the C kernel
+`paged_attention.c` (built and loaded by `native.py`): it reads each sequence's blocks where they lie in the cache
+and keeps an online softmax per query row, so there is no gathered K/V copy, no padding and no mask tensor; a row
+visits only the keys it may see. Decode rows take one (row, key) dot at a time; prefill chunks pack up to 32
+(query row x group head) rows as vector lanes, so each key tile is read once per group of rows. Work items
+(sequence, KV head, rows) run on torch's OpenMP threads (`torch.get_num_threads()`); each item is one thread's, so
+the result does not depend on the thread count.
+
+Everything else (FP8 caches, bf16 / fp16 queries, `causal_ends`, or no C compiler) takes the PyTorch path: two
+batched calls, one over the decode rows (query length 1) and one over the prefill chunks. Each group gathers its
+sequences' blocks with one index into the cache (`[S, blocks, block_size, H_kv, D]`), pads queries to the group's
+longest and keys to its longest context, and runs one masked attention: PyTorch's fused
 `scaled_dot_product_attention` (its CPU flash kernel), or, with a logit soft cap, which SDPA cannot apply, matmul,
 tanh, softmax and matmul. GQA folds the query heads that share a KV head into the query rows (`[S, H_kv, G*Lq, D]`),
-so K and V are never repeated. Computed in float32 like the reference; float64 queries go to the reference.
+so K and V are never repeated. Both compute in float32 like the reference; float64 queries go to the reference.
 """
 
 from __future__ import annotations
