@@ -1,16 +1,22 @@
 /* Paged attention on the CPU, read straight from the block cache: `paged_attention_ref`'s semantics
  * (kestrel/kernels/attention.py) for float32 queries and output and a float32 or bfloat16 cache.
  *
- * Work item: one sequence, one KV head, up to ROWS_PER_ITEM consecutive query rows of that sequence, together with
- * every query head of the KV head's group. The item walks its keys in tiles (at most TILE keys, never crossing a
- * block); each tile is read from the cache once (bf16 widened to float once) and used by all the item's rows while
- * it is in L1. Each (row, head) keeps an online softmax: running max, running sum and a D-float accumulator. A row
- * only visits the keys it may see (its causal end, the window's start), so no mask and no -inf scores exist.
+ * Work item: one sequence, one KV head, the query heads of its group and up to ROW_TILE / group consecutive query
+ * rows of the sequence. The item walks its keys in tiles (at most TILE keys, never crossing a block); each tile is
+ * read from the cache once (bf16 widened to float once) and used by all the item's rows while it is in L1. Each
+ * packed row (query row, head) keeps an online softmax: running max, running sum and a D-float accumulator.
  *
- * Loops over D run innermost with restrict pointers so the compiler vectorizes them; dot products keep LANES
- * independent partial sums (no reassociation is needed to vectorize them, so the result does not depend on
- * fast-math flags). exp is a range-reduced polynomial written as plain arithmetic, so the score loops vectorize
- * too (libm's expf is a scalar call).
+ * Two ways through a tile:
+ * - few packed rows (decodes, short chunks): one row at a time, one dot per visible key; a row visits only the keys
+ *   it may see (its causal end, the window's start), so nothing is masked;
+ * - prefill chunks (at least a third of ROW_TILE packed rows): the rows are the vector lanes. The item's queries are
+ *   transposed once (`qt[dim][row]`), a tile's scores are 32-lane multiply-adds with no sum across lanes, and the
+ *   softmax runs across rows too, invisible keys getting probability 0 through a select.
+ *
+ * Loops run over D or over rows innermost, with restrict pointers or GNU C vector types (the accumulators that must
+ * stay in registers), so they vectorize without reassociating any sum: the result does not depend on fast-math
+ * flags, nor on the thread count (an item is one thread's). exp is a range-reduced polynomial written as plain
+ * arithmetic, so the score loops vectorize too (libm's expf is a scalar call).
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,15 +28,22 @@
 #endif
 
 #define TILE 16     /* keys per step */
-#define ROW_TILE 32 /* packed rows (query rows x group heads) per work item */
+#define ROW_TILE 32 /* packed rows (query rows x group heads) per work item: two vf16 */
 #define LANES 16
 #define MAX_D 512
+
+/* GNU C vectors of 16 floats (one AVX-512 register; split by the compiler on narrower targets). Accumulators that
+ * are plain arrays stay in memory, each update a store and a reload; these stay in registers. The unaligned variant
+ * loads and stores at any float address. */
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf16u __attribute__((vector_size(64), aligned(4)));
+#define VMAX_D 256 /* head sizes up to this, multiples of 16, take the vector paths */
 
 /* exp(x) for x <= 88, within ~2 ulp; inputs below -87 give ~1e-38 (only soft-cap's tanh and the max-subtracted
  * scores use it, where such values are zeros to float32 rounding). */
 static inline float exp_poly(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
+    x = x > -87.0f ? x : -87.0f; /* written so that NaN (a masked lane's -inf - -inf) also becomes finite */
+    x = x < 88.0f ? x : 88.0f;
     /* round to nearest by adding and removing 1.5 * 2^23 (|x * log2 e| < 2^22) */
     const float fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     const int n = (int)fn;
@@ -53,6 +66,17 @@ static inline float exp_poly(float x) {
 
 /* q . k over d floats: LANES independent partial sums, so the loop vectorizes without reassociating a sum. */
 static inline float dot(const float *restrict a, const float *restrict b, int d) {
+    if (d % 16 == 0 && d <= VMAX_D) {
+        vf16 acc = *(const vf16u *)a * *(const vf16u *)b;
+        for (int c = 1; c < d / 16; c++)
+            acc += *(const vf16u *)(a + 16 * c) * *(const vf16u *)(b + 16 * c);
+        float lanes[16];
+        memcpy(lanes, &acc, sizeof lanes);
+        for (int w = 8; w >= 1; w /= 2)
+            for (int l = 0; l < w; l++)
+                lanes[l] += lanes[l + w];
+        return lanes[0];
+    }
     float part[LANES] = {0};
     int i = 0;
     for (; i + LANES <= d; i += LANES)
@@ -136,7 +160,9 @@ typedef struct {
     float *row_scores; /* [TILE] */
     float *k_tile;     /* [TILE][d] */
     float *v_tile;     /* [TILE][d] */
-    int pos[ROW_TILE];
+    float alpha[ROW_TILE];
+    int pos[ROW_TILE];    /* packed row r's position: it sees keys <= pos[r] ... */
+    int pos_lo[ROW_TILE]; /* ... and > pos_lo[r] (its window's start - 1, or -1) */
 } Scratch;
 
 /* Starts a row's online softmax over a tile: the new running max from the tile's scores `s` (n of them, all
@@ -158,10 +184,25 @@ static inline float softmax_step(float *restrict s, int n, float *m, float *l) {
     return alpha;
 }
 
-/* acc = acc * alpha + sum_j p[j * p_stride] * v[j]: the row's accumulator is read and written once per tile. */
+/* acc = acc * alpha + sum_j p[j * p_stride] * v[j]: the row's accumulator is read and written once per tile, and
+ * held in registers in between (d a multiple of 16 up to VMAX_D; the compiler unrolls the loops over d / 16). */
 static inline __attribute__((always_inline)) void accumulate(float *restrict acc, float alpha, const float *restrict p,
                                                              long p_stride, const float *restrict v_rows,
                                                              long v_stride, int n, const int d) {
+    if (d % 16 == 0 && d <= VMAX_D) {
+        vf16 t[VMAX_D / 16];
+        for (int c = 0; c < d / 16; c++)
+            t[c] = *(const vf16u *)(acc + 16 * c) * alpha;
+        for (int j = 0; j < n; j++) {
+            const float pj = p[j * p_stride];
+            const float *restrict vv = v_rows + j * v_stride;
+            for (int c = 0; c < d / 16; c++)
+                t[c] += pj * *(const vf16u *)(vv + 16 * c);
+        }
+        for (int c = 0; c < d / 16; c++)
+            *(vf16u *)(acc + 16 * c) = t[c];
+        return;
+    }
     float t[MAX_D];
     for (int i = 0; i < d; i++)
         t[i] = acc[i] * alpha;
@@ -175,43 +216,91 @@ static inline __attribute__((always_inline)) void accumulate(float *restrict acc
         acc[i] = t[i];
 }
 
-/* Scores of the ROW_TILE packed rows against n keys: s[j * ROW_TILE + r] = k_j . qt[:, r], with the queries
+/* Scores of the ROW_TILE (32) packed rows against n keys: s[j * ROW_TILE + r] = k_j . qt[:, r], with the queries
  * transposed (`qt[i * ROW_TILE + r]`) so the rows are the vector lanes and no sum runs across lanes. Four keys at a
- * time keep eight independent vector accumulators. */
+ * time keep eight independent vector accumulators in registers. */
 static inline __attribute__((always_inline)) void scores_by_rows(float *restrict s, const float *restrict qt,
                                                                  const float *restrict k_rows, long k_stride, int n,
                                                                  const int d) {
     int j = 0;
     for (; j + 4 <= n; j += 4) {
-        float a0[ROW_TILE] = {0}, a1[ROW_TILE] = {0}, a2[ROW_TILE] = {0}, a3[ROW_TILE] = {0};
         const float *restrict k0 = k_rows + j * k_stride;
         const float *restrict k1 = k0 + k_stride;
         const float *restrict k2 = k1 + k_stride;
         const float *restrict k3 = k2 + k_stride;
+        vf16 a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0}, a3 = {0}, b3 = {0};
         for (int i = 0; i < d; i++) {
-            const float *restrict qi = qt + i * ROW_TILE;
-            for (int r = 0; r < ROW_TILE; r++) {
-                a0[r] += k0[i] * qi[r];
-                a1[r] += k1[i] * qi[r];
-                a2[r] += k2[i] * qi[r];
-                a3[r] += k3[i] * qi[r];
-            }
+            const vf16 lo = *(const vf16u *)(qt + i * ROW_TILE), hi = *(const vf16u *)(qt + i * ROW_TILE + 16);
+            a0 += k0[i] * lo;
+            b0 += k0[i] * hi;
+            a1 += k1[i] * lo;
+            b1 += k1[i] * hi;
+            a2 += k2[i] * lo;
+            b2 += k2[i] * hi;
+            a3 += k3[i] * lo;
+            b3 += k3[i] * hi;
         }
-        for (int r = 0; r < ROW_TILE; r++) {
-            s[(j + 0) * ROW_TILE + r] = a0[r];
-            s[(j + 1) * ROW_TILE + r] = a1[r];
-            s[(j + 2) * ROW_TILE + r] = a2[r];
-            s[(j + 3) * ROW_TILE + r] = a3[r];
-        }
+        *(vf16u *)(s + (j + 0) * ROW_TILE) = a0;
+        *(vf16u *)(s + (j + 0) * ROW_TILE + 16) = b0;
+        *(vf16u *)(s + (j + 1) * ROW_TILE) = a1;
+        *(vf16u *)(s + (j + 1) * ROW_TILE + 16) = b1;
+        *(vf16u *)(s + (j + 2) * ROW_TILE) = a2;
+        *(vf16u *)(s + (j + 2) * ROW_TILE + 16) = b2;
+        *(vf16u *)(s + (j + 3) * ROW_TILE) = a3;
+        *(vf16u *)(s + (j + 3) * ROW_TILE + 16) = b3;
     }
     for (; j < n; j++) {
-        float a0[ROW_TILE] = {0};
         const float *restrict k0 = k_rows + j * k_stride;
-        for (int i = 0; i < d; i++)
-            for (int r = 0; r < ROW_TILE; r++)
-                a0[r] += k0[i] * qt[i * ROW_TILE + r];
-        for (int r = 0; r < ROW_TILE; r++)
-            s[j * ROW_TILE + r] = a0[r];
+        vf16 a0 = {0}, b0 = {0};
+        for (int i = 0; i < d; i++) {
+            a0 += k0[i] * *(const vf16u *)(qt + i * ROW_TILE);
+            b0 += k0[i] * *(const vf16u *)(qt + i * ROW_TILE + 16);
+        }
+        *(vf16u *)(s + j * ROW_TILE) = a0;
+        *(vf16u *)(s + j * ROW_TILE + 16) = b0;
+    }
+}
+
+/* The online-softmax step of ROW_TILE packed rows over one tile's scores s[j * ROW_TILE + r] (n keys from t0), with
+ * the rows as vector lanes: key t0 + j is visible to row r when pos_lo[r] < t0 + j <= pos[r]; invisible scores
+ * become probability 0 (padded rows have pos -1: they see nothing and stay at m = -inf, l = 0). Scores turn into
+ * probabilities in place; alpha[r] is what the row's sum and accumulator are multiplied by first. */
+static inline void softmax_by_rows(float *restrict s, int n, int t0, const int *restrict pos,
+                                   const int *restrict pos_lo, float *restrict m, float *restrict l,
+                                   float *restrict alpha, float soft_cap) {
+    if (soft_cap > 0.0f) {
+        const float inv_cap = 1.0f / soft_cap;
+        for (int i = 0; i < n * ROW_TILE; i++)
+            s[i] = soft_cap_score(s[i], soft_cap, inv_cap);
+    }
+    float mx[ROW_TILE];
+    for (int r = 0; r < ROW_TILE; r++)
+        mx[r] = -INFINITY;
+    for (int j = 0; j < n; j++) {
+        const int key = t0 + j;
+        for (int r = 0; r < ROW_TILE; r++) {
+            const float x = s[j * ROW_TILE + r];
+            const float v = (key <= pos[r]) & (key > pos_lo[r]) ? x : -INFINITY;
+            s[j * ROW_TILE + r] = v;
+            mx[r] = v > mx[r] ? v : mx[r];
+        }
+    }
+    float m_new[ROW_TILE], sum[ROW_TILE];
+    for (int r = 0; r < ROW_TILE; r++) {
+        m_new[r] = mx[r] > m[r] ? mx[r] : m[r];
+        alpha[r] = m[r] == -INFINITY ? 0.0f : exp_poly(m[r] - m_new[r]);
+        sum[r] = 0.0f;
+    }
+    for (int j = 0; j < n; j++)
+        for (int r = 0; r < ROW_TILE; r++) {
+            const float v = s[j * ROW_TILE + r];
+            const float p = v == -INFINITY ? 0.0f : exp_poly(v - m_new[r]);
+            s[j * ROW_TILE + r] = p;
+            sum[r] += p;
+        }
+    for (int r = 0; r < ROW_TILE; r++) {
+        l[r] = l[r] * alpha[r] + sum[r];
+        m[r] = m_new[r];
     }
 }
 
@@ -242,9 +331,14 @@ static inline __attribute__((always_inline)) void run_item_d(const Args *a, cons
             for (int i = 0; i < d; i++)
                 sc->qt[i * ROW_TILE + r] = qv[i] * a->scale;
             sc->pos[r] = seq_len - q_len + qr;
+            sc->pos_lo[r] = a->window > 0 ? sc->pos[r] - a->window : -1;
         }
-        for (int r = n_rows; r < ROW_TILE; r++)
+        for (int r = n_rows; r < ROW_TILE; r++) {
             sc->pos[r] = -1;
+            sc->pos_lo[r] = -1;
+            sc->m[r] = -INFINITY;
+            sc->l[r] = 0.0f;
+        }
     }
 
     const int first_pos = seq_len - q_len + it->row0;
@@ -281,26 +375,9 @@ static inline __attribute__((always_inline)) void run_item_d(const Args *a, cons
         if (by_rows) {
             float *restrict s = sc->scores; /* [TILE][ROW_TILE] */
             scores_by_rows(s, sc->qt, k_rows, kv_stride, n_tok, d);
-            for (int r = 0; r < n_rows; r++) {
-                const int pos = sc->pos[r];
-                int lo = t0;
-                if (a->window > 0 && pos - a->window + 1 > lo)
-                    lo = pos - a->window + 1;
-                const int hi = pos + 1 < t1 ? pos + 1 : t1;
-                if (lo >= hi)
-                    continue;
-                const int j0 = lo - t0, n = hi - lo;
-                float *restrict p = sc->row_scores;
-                for (int j = 0; j < n; j++)
-                    p[j] = s[(j0 + j) * ROW_TILE + r];
-                if (a->soft_cap > 0.0f) {
-                    const float cap = a->soft_cap, inv_cap = 1.0f / a->soft_cap;
-                    for (int j = 0; j < n; j++)
-                        p[j] = soft_cap_score(p[j], cap, inv_cap);
-                }
-                const float alpha = softmax_step(p, n, &sc->m[r], &sc->l[r]);
-                accumulate(sc->acc + (long)r * d, alpha, p, 1, v_rows + j0 * kv_stride, kv_stride, n, d);
-            }
+            softmax_by_rows(s, n_tok, t0, sc->pos, sc->pos_lo, sc->m, sc->l, sc->alpha, a->soft_cap);
+            for (int r = 0; r < n_rows; r++)
+                accumulate(sc->acc + (long)r * d, sc->alpha[r], s + r, ROW_TILE, v_rows, kv_stride, n_tok, d);
         } else {
             for (int qr = it->row0; qr < it->row1; qr++) {
                 const int pos = seq_len - q_len + qr;
