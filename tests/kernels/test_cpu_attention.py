@@ -171,6 +171,16 @@ def test_native_bf16_cache_and_scales(case: str) -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("case", ["decode", "long_chunk"])
+def test_native_group_wider_than_a_row_tile(case: str) -> None:
+    """40 query heads on one KV head: each work item is one query row of the group (more than 32 packed rows)."""
+    q, kc, vc, qsl, lens, tables = _case(*NATIVE_CASES[case], 40, 1, 32, seed=8)
+    got = _run_native(q, kc, vc, qsl, lens, tables, 0.2, 50)
+    torch.testing.assert_close(got.double(), _oracle(q, kc, vc, qsl, lens, tables, 0.2, sliding_window=50),
+                               atol=3e-6, rtol=3e-6)
+
+
+@needs_compiler
 def test_native_block_size_32_and_int64_metadata() -> None:
     q, kc, vc, qsl, lens, tables = _case(*MIXED, 4, 2, 64, seed=6)
     # the same keys regrouped as 32-token blocks: pairs of 16-token blocks laid out together
@@ -247,3 +257,17 @@ def test_the_library_is_built_once_and_reused(tmp_path) -> None:
     assert native.build(native.SOURCE, native.find_compiler(), tmp_path) == first
     assert first.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+
+@needs_compiler
+def test_native_declines_a_table_that_does_not_cover_its_sequences() -> None:
+    """A table row shorter than its sequence's blocks, or a block id outside the cache: the kernel writes nothing and
+    the call is left to the PyTorch path."""
+    q, kc, vc, qsl, lens, tables = _case([1, 1], [40, 5], 4, 2, 16)
+    out = torch.full_like(q, 7.0)
+    assert not cpu_attention._native(q, kc, vc, qsl, lens, tables[:, :2].contiguous(), 0.3, None, 1.0, 1.0, out,
+                                      None, None)
+    bad = tables.clone()
+    bad[1, 0] = kc.shape[0]
+    assert not cpu_attention._native(q, kc, vc, qsl, lens, bad, 0.3, None, 1.0, 1.0, out, None, None)
+    assert torch.equal(out, torch.full_like(q, 7.0))

@@ -152,9 +152,9 @@ typedef struct {
 /* Scratch of one thread: the item's accumulators and softmax state, its transposed queries, one tile's scores and
  * one tile of widened keys and values. */
 typedef struct {
-    float *acc;        /* [ROW_TILE][d] */
-    float *m;          /* [ROW_TILE] */
-    float *l;          /* [ROW_TILE] */
+    float *acc;        /* [max(ROW_TILE, group)][d] */
+    float *m;          /* [max(ROW_TILE, group)] */
+    float *l;          /* [max(ROW_TILE, group)] */
     float *qt;         /* [d][ROW_TILE] */
     float *scores;     /* [TILE][ROW_TILE] */
     float *row_scores; /* [TILE] */
@@ -436,8 +436,6 @@ int kestrel_paged_attention(const float *q, float *out, const void *k_cache, con
     const int group = num_heads / num_kv_heads;
     /* a work item's query rows: as many as fill ROW_TILE packed rows (one if a group alone is wider) */
     const int rows_per_item = group <= ROW_TILE ? ROW_TILE / group : 1;
-    if (group > ROW_TILE)
-        return -3;
 
     long n_items = 0;
     for (int s = 0; s < num_seqs; s++) {
@@ -473,7 +471,9 @@ int kestrel_paged_attention(const float *q, float *out, const void *k_cache, con
     }
 
     const size_t d = (size_t)head_size;
-    const size_t per_thread = ROW_TILE * d + 2 * ROW_TILE + d * ROW_TILE + TILE * ROW_TILE + TILE + 2 * TILE * d;
+    /* an item's packed rows: at most ROW_TILE, or one query row of a group wider than that */
+    const size_t max_rows = group > ROW_TILE ? (size_t)group : ROW_TILE;
+    const size_t per_thread = max_rows * d + 2 * max_rows + d * ROW_TILE + TILE * ROW_TILE + TILE + 2 * TILE * d;
     int n_threads = num_threads > 1 ? num_threads : 1;
     if (n_threads > n_items)
         n_threads = (int)n_items;
@@ -495,11 +495,11 @@ int kestrel_paged_attention(const float *q, float *out, const void *k_cache, con
         Scratch sc;
         float *p = scratch + per_thread * (size_t)tid;
         sc.acc = p;
-        p += ROW_TILE * d;
+        p += max_rows * d;
         sc.m = p;
-        p += ROW_TILE;
+        p += max_rows;
         sc.l = p;
-        p += ROW_TILE;
+        p += max_rows;
         sc.qt = p;
         p += d * ROW_TILE;
         sc.scores = p;
