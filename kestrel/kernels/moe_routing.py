@@ -49,7 +49,9 @@ def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, 
     logits = tl.load(logits_ptr + token * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
     exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
     probs = exps / tl.sum(exps, axis=0)
-    remaining = tl.where(valid, probs, -1.0)  # probabilities are >= 0: -1 marks what is taken or padding
+    # Probabilities are >= 0: -1 marks what is taken or padding. A NaN (a NaN logit, or stale memory) counts as
+    # 0, so every pick is a real expert: an id past the experts would make the alignment index out of bounds.
+    remaining = tl.where(valid, tl.where(probs == probs, probs, 0.0), -1.0)
     slots = tl.arange(0, K_PAD)
     weights = tl.zeros([K_PAD], dtype=tl.float32)
     ids = tl.zeros([K_PAD], dtype=tl.int64)

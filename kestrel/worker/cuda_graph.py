@@ -250,6 +250,8 @@ class GraphRunner:
         prefill_seconds = 0.0
         for _, is_prefill, key in sorted(jobs, reverse=True):
             began = time.perf_counter()
+            if is_prefill:
+                self.prefill_buffers.load_padding(*key)
             ids, pos, meta = self._prefill_inputs(key) if is_prefill else self._inputs(key)
             graph, out = capture_graph(lambda ids=ids, pos=pos, meta=meta: self.forward(ids, pos, meta), pool)
             if is_prefill:

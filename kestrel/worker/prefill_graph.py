@@ -210,8 +210,17 @@ class PrefillBuffers(StepBuffers):
         self.num_loaded_rows = used_rows
 
     def reset_padding(self) -> None:
-        """Every token and row padding, every row empty: the state graphs are captured in."""
+        """Every token and row padding, every row empty: the state before the graphs are captured."""
         self._pad_tokens(0, self.buckets.max_tokens)
         self._pad_rows(0, self.buckets.max_rows)
         self.query_start_loc.zero_()
         self.num_loaded_tokens = self.num_loaded_rows = 0
+
+    def load_padding(self, tokens: int, rows: int) -> None:
+        """The graph of `tokens` x `rows` captured over a step of padding alone: row 0 is the pad row holding all
+        `tokens`, as `load` pads a real step. Every token then belongs to a row, so attention writes each one and
+        what the capture-time run feeds on (MoE routing indexes experts by it) is defined, not stale memory."""
+        self.query_start_loc[0].zero_()
+        self.query_start_loc[1: rows + 1].fill_(tokens)
+        self.seq_lens[:1].fill_(tokens)
+        self.num_loaded_rows = max(self.num_loaded_rows, 1)

@@ -25,6 +25,13 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prefill-graphs-moe")
+    write_tiny_checkpoint(path, arch="qwen3_moe", seed=4)
+    return path
+
+
 def _step(counts: list[int], seq_lens: list[int], block_size: int) -> ModelInputs:
     """Rows r own blocks 8r .. 8r + 7; each computes its last counts[r] positions."""
     g = torch.Generator().manual_seed(sum(seq_lens) + len(counts))
@@ -118,3 +125,17 @@ def test_greedy_with_prefill_graphs_equals_enforce_eager(checkpoint: Path, quant
     assert ([o.outputs[0].token_ids for o in graphs.generate(single, params, use_tqdm=False)]
             == [o.outputs[0].token_ids for o in eager.generate(single, params, use_tqdm=False)])
     assert replayed == [(64, 2)]
+
+
+def test_moe_model_captures_and_replays_prefill_graphs_by_default(moe_checkpoint: Path) -> None:
+    """An MoE model with the default graphs: capture runs route real values (every token of the capture-time step
+    belongs to the pad row, so no expert id comes from stale memory), and greedy equals enforce_eager."""
+    kwargs = dict(dtype="bfloat16", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, device="cuda")
+    g = torch.Generator().manual_seed(9)
+    batch = [{"prompt_token_ids": torch.randint(3, 200, (n,), generator=g).tolist()} for n in (5, 40, 110)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    eager = LLM(str(moe_checkpoint), enforce_eager=True, **kwargs)
+    expected = [o.outputs[0].token_ids for o in eager.generate(batch, params, use_tqdm=False)]
+    graphs = LLM(str(moe_checkpoint), **kwargs)
+    assert graphs.runner.graph_runner is not None and graphs.runner.graph_runner.prefill_graphs
+    assert [o.outputs[0].token_ids for o in graphs.generate(batch, params, use_tqdm=False)] == expected

@@ -483,6 +483,18 @@ def test_route_topk_ties_take_the_lowest_index(device):
     torch.testing.assert_close(weights.cpu().double(), want, rtol=4 * FP32, atol=4 * FP32)
 
 
+def test_route_topk_picks_real_experts_for_nan_logits(device):
+    """A row with a NaN logit (its softmax is all NaN) still picks k distinct real experts, so the alignment never
+    indexes past the experts (a device-side assert on the GPU); other rows are unaffected."""
+    logits = torch.tensor([[0.5, float("nan"), 2.0, -1.0, 1.0, 0.5],
+                           [float("nan")] * 6,
+                           [0.5, 3.0, 2.0, -1.0, 1.0, 0.5]])
+    _, ids = route_topk(logits.to(device), 3, renormalize=True)
+    for row in ids.cpu().tolist()[:2]:
+        assert len(set(row)) == 3 and all(0 <= i < 6 for i in row)
+    assert ids.cpu().tolist()[2] == [1, 2, 4]
+
+
 # ------------------------------------------------------------------------------------ config and dispatch
 
 

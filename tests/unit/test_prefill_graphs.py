@@ -94,6 +94,28 @@ def test_load_keeps_the_step_order_and_adds_the_pad_row() -> None:
         buffers.load(_step([3], [3], 5), 16, 2)  # a block table wider than the buffers
 
 
+def test_a_graph_is_captured_over_one_pad_row_holding_every_token_and_real_steps_load_after_it() -> None:
+    """Capture-time runs see a step of padding alone: attention writes every token (an MoE router then routes real
+    values, not stale memory), and the next real step loads as after a reset."""
+    buckets = PrefillBuckets((16, 32), (2, 8))
+    buffers = PrefillBuffers(buckets, 4, CPU)
+    buffers.reset_padding()
+    for tokens, rows in ((32, 8), (16, 2)):
+        buffers.load_padding(tokens, rows)
+        meta = buffers.metadata(tokens, rows)
+        assert meta.query_start_loc.tolist() == [0] + [tokens] * rows
+        assert meta.seq_lens.tolist() == [tokens] + [1] * (rows - 1)
+        assert meta.slot_mapping.tolist() == [-1] * tokens and buffers.input_ids[:tokens].abs().sum() == 0
+        q = torch.randn(tokens, 2, 8)
+        cache = torch.randn(4, 16, 1, 8)
+        out = paged_attention_ref(q, cache, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.5)
+        assert torch.isfinite(out).all()
+    step = _step([3, 1, 6], [3, 17, 30], 2)
+    buffers.load(step, 16, 8)
+    assert buffers.metadata(16, 8).query_start_loc.tolist() == [0, 3, 4, 10, 16, 16, 16, 16, 16]
+    assert buffers.seq_lens.tolist() == [3, 17, 30, 6, 1, 1, 1, 1]
+
+
 @pytest.mark.parametrize("counts,seq_lens", [([3, 1, 6, 1, 2], [3, 17, 30, 40, 2]), ([16], [16]), ([9], [31])])
 def test_padded_attention_equals_the_unpadded_step(counts: list[int], seq_lens: list[int]) -> None:
     """Real query tokens attend exactly as in the unpadded step; the pad row's outputs are finite (they read
