@@ -19,6 +19,9 @@ from kestrel.kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, selec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+# The grouped GEMM itself: `small_t=False` keeps decode-sized T off the small-T path that the GPU's tuning table may
+# turn on (tests/gpu/test_moe_small_t_gpu.py checks that path and the choice between the two).
+
 # name: (E, k, H, I)
 MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
 TOKENS = [1, 8, 64, 512]
@@ -77,7 +80,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, norm_rtol: float, elem_rt
 def test_kernel_matches_reference(model, T):
     name, w13, w2 = model
     x, weights, ids = make_batch(name, T, seed=T)
-    out = fused_moe(x, w13, w2, weights, ids)
+    out = fused_moe(x, w13, w2, weights, ids, small_t=False)
     assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), NORM_RTOL, ELEM_RTOL)
 
 
@@ -89,18 +92,18 @@ def test_cuda_graph_capture(model, T):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_moe(x, w13, w2, weights, ids)  # compiles outside the capture
+        fused_moe(x, w13, w2, weights, ids, small_t=False)  # compiles outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = fused_moe(x, w13, w2, weights, ids)
+        static_out = fused_moe(x, w13, w2, weights, ids, small_t=False)
     for seed in (3, 5):
         new_x, new_weights, new_ids = make_batch(name, T, seed=seed)
         x.copy_(new_x)
         weights.copy_(new_weights)
         ids.copy_(new_ids)
         graph.replay()
-        assert torch.equal(static_out, fused_moe(new_x, w13, w2, new_weights, new_ids))
+        assert torch.equal(static_out, fused_moe(new_x, w13, w2, new_weights, new_ids, small_t=False))
 
 
 # ---------------------------------------------------------------------------------------------- FP8
@@ -135,7 +138,7 @@ def fp8_model(request) -> tuple[torch.Tensor, torch.Tensor, dict]:
 def test_fp8_kernel_matches_reference(fp8_model, T):
     w13, w2, quant = fp8_model
     x, weights, ids = make_batch(FP8_MODEL, T, seed=T)
-    out = fused_moe(x, w13, w2, weights, ids, **quant)
+    out = fused_moe(x, w13, w2, weights, ids, **quant, small_t=False)
     assert_close(out, fused_moe_ref(x, w13, w2, weights, ids, **quant), FP8_NORM_RTOL, FP8_ELEM_RTOL)
 
 
@@ -156,18 +159,18 @@ def test_fp8_cuda_graph_capture_with_skipped_experts(fp8_model, T):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_moe(x, w13, w2, weights, ids, **quant)  # compiles outside the capture
+        fused_moe(x, w13, w2, weights, ids, **quant, small_t=False)  # compiles outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = fused_moe(x, w13, w2, weights, ids, **quant)
+        static_out = fused_moe(x, w13, w2, weights, ids, **quant, small_t=False)
     for seed in (3, 5):
         new_x, new_weights, new_ids = batch(seed)
         x.copy_(new_x)
         weights.copy_(new_weights)
         ids.copy_(new_ids)
         graph.replay()
-        assert torch.equal(static_out, fused_moe(new_x, w13, w2, new_weights, new_ids, **quant))
+        assert torch.equal(static_out, fused_moe(new_x, w13, w2, new_weights, new_ids, **quant, small_t=False))
         assert bool((static_out[0] == 0).all())
         if T > 1:  # at T = 1 the one token is the all-skipped one, checked above (a norm ratio would be 0/0)
             ref = fused_moe_ref(new_x, w13, w2, new_weights, new_ids, **quant)
