@@ -64,7 +64,8 @@ class SmallTConfig:
 
 
 # Off until measured: a per-GPU table `tuning/moe_small_t_<gpu>.json` (written by scripts/h200_moe_small_t.py) turns
-# the path on per layer shape and weight kind, up to the T where it was measured faster than the grouped GEMM.
+# the path on per layer shape and weight kind, up to the T where it was measured faster than the grouped GEMM. The
+# H200's (Qwen3-30B-A3B's experts) passed the full-load MoE run under it (docs/benchmarks.md).
 DEFAULT = SmallTConfig()
 TABLE = "moe_small_t"
 
