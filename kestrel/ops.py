@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kestrel.kernels import activation as _activation
 from kestrel.kernels import attention as _attention
+from kestrel.kernels import fp8_gemv as _fp8_gemv
 from kestrel.kernels import fused_moe as _fused_moe
 from kestrel.kernels import moe_routing as _moe_routing
 from kestrel.kernels import norm as _norm
@@ -174,6 +175,13 @@ def act(x, activation):
 def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None, azp_adj=None, azp=None):
     fn = _scaled_mm.scaled_mm if use_triton(a) else _scaled_mm.scaled_mm_ref
     return fn(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp)
+
+
+def fp8_gemv(x, weight, weight_scale, out_dtype, bias=None, *, config=None):
+    """`x [M, K] @ (weight * weight_scale).T + bias` for a float8_e4m3fn weight `[N, K]` and model-dtype x (W8A16,
+    fp32 accumulation, rounded once): the decode-sized GEMV of FP8 linears (kernels/fp8_gemv.py)."""
+    fn = _fp8_gemv.fp8_gemv if use_triton(x) else _fp8_gemv.fp8_gemv_ref
+    return fn(x, weight, weight_scale, out_dtype, bias, config=config)
 
 
 def quant_fp8_per_token(x):

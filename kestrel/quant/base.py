@@ -78,9 +78,11 @@ class QuantMethod(ABC):
 
     # ----------------------------------------------------------------------------------- quantized input
 
-    def input_quant(self, layer: nn.Module) -> InputQuant | None:
+    def input_quant(self, layer: nn.Module, num_tokens: int | None = None) -> InputQuant | None:
         """What a fused producer (norm, activation) must emit for this layer's input, or None: the layer takes
-        its input in the model dtype. The producers ask the layer, never test the method's type."""
+        its input in the model dtype. The producers ask the layer, never test the method's type. `num_tokens`:
+        the rows the producer is about to emit (a method may take model-dtype input at some sizes only); None
+        asks about no size in particular."""
         return None
 
     def quantize_input(self, layer: nn.Module, x: torch.Tensor) -> QuantAct:

@@ -2,7 +2,7 @@
 
 `[..., 2*I]` (gate then up, as gate_up_proj lays them out) -> `act(gate) * up` of `[..., I]`, computed in fp32
 and rounded once, in one `ops` launch. `feed` hands the result to the next linear layer in the form that layer
-asks for (`LinearBase.input_quant()`): quantized in the same launch when it takes 8-bit input.
+asks for (`LinearBase.input_quant(num_tokens)`): quantized in the same launch when it takes 8-bit input.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Activation(nn.Module):
 
     def feed(self, x: torch.Tensor, consumer: LinearBase, fuse: bool = True) -> torch.Tensor | QuantAct:
         """`forward(x)` in the form `consumer` takes: quantized in the same launch when it asks for it."""
-        spec = consumer.input_quant() if fuse else None
+        spec = consumer.input_quant(x.numel() // x.shape[-1]) if fuse else None
         return self(x) if spec is None else self.quantized(x, spec)
 
     def extra_repr(self) -> str:

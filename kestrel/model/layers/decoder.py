@@ -2,8 +2,9 @@
 sandwich, post-norm or parallel), each built from a `DecoderArch` and each linear layer's quantization method.
 
 The producers of a linear layer's input (a norm, the gated activation) emit what that layer asks for
-(`LinearBase.input_quant()`): 8-bit activations in the producer's own launch for W8A8 layers, the model dtype
-otherwise. Nothing here knows a quantization method.
+(`LinearBase.input_quant(num_tokens)`, asked with the rows they emit): 8-bit activations in the producer's own
+launch for W8A8 layers, the model dtype otherwise (also for an FP8 layer at the decode sizes its GEMV takes).
+Nothing here knows a quantization method.
 
 A layer takes and returns `(hidden_states, residual)`, the stream being their sum (residual None before the
 first layer), so that each add is fused into the norm that follows it.
@@ -197,6 +198,7 @@ class DecoderLayer(nn.Module):
         self.residual_scale = arch.residual_scale
         # Producers emit 8-bit input for layers that take it, in their own launch. Can be turned off to compare
         # against the unfused path. A parallel block's one norm feeds two layers, which quantize for themselves.
+        # Asked with no size: whether a layer ever takes 8-bit input (the producers ask again per step, by size).
         self.fuse_quant_producers = not arch.parallel_block and any(
             linear.input_quant() is not None for linear in self.producer_consumers())
 

@@ -170,9 +170,10 @@ class LinearBase(nn.Module):
         """The bias this rank adds (its own slice for a column layer)."""
         return self.bias
 
-    def input_quant(self) -> InputQuant | None:
-        """What a fused producer (norm, activation) must emit for this layer, or None: model-dtype input."""
-        return self.quant_method.input_quant(self)
+    def input_quant(self, num_tokens: int | None = None) -> InputQuant | None:
+        """What a fused producer (norm, activation) must emit for this layer, or None: model-dtype input.
+        `num_tokens`: the rows the producer emits (the method's choice may depend on it)."""
+        return self.quant_method.input_quant(self, num_tokens)
 
     def forward(self, x: torch.Tensor | QuantAct) -> torch.Tensor:
         """`x` in the model dtype, or already quantized by a fused producer as `input_quant()` asked."""
@@ -291,9 +292,9 @@ class RowLinear(LinearBase):
         # With TP only rank 0 adds the bias, so the sum over ranks adds it once.
         return self.bias if self.tp_rank == 0 else None
 
-    def input_quant(self) -> InputQuant | None:
+    def input_quant(self, num_tokens: int | None = None) -> InputQuant | None:
         # A producer sees only this rank's slice of the row, not the per-token scale over all of it.
-        return None if self.needs_global_input_scale else super().input_quant()
+        return None if self.needs_global_input_scale else super().input_quant(num_tokens)
 
     def forward(self, x: torch.Tensor | QuantAct) -> torch.Tensor:
         if isinstance(x, QuantAct):

@@ -3,7 +3,7 @@
 `RMSNorm` follows Hugging Face Llama (normalized in fp32, cast back to the input dtype, then scaled by the
 weight); with `unit_offset` it follows Gemma (scaled by `1 + weight` in fp32, cast once). `LayerNorm` has a
 weight and a bias. `feed` hands the result to the next linear layer in the form that layer asks for
-(`LinearBase.input_quant()`).
+(`LinearBase.input_quant(num_tokens)`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
              fuse: bool = True) -> tuple[torch.Tensor | QuantAct, torch.Tensor]:
         """(the norm of `x` (+ `residual`) in the form `consumer` takes, the new residual); with no residual
         given, `x` itself is the residual."""
-        spec = consumer.input_quant() if fuse else None
+        spec = consumer.input_quant(x.numel() // x.shape[-1]) if fuse else None
         if spec is None:
             if residual is None:
                 return self(x), x

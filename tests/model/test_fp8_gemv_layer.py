@@ -1,0 +1,96 @@
+"""FP8 linear layers on the decode GEMV (`kernels/fp8_gemv.py`, W8A16): with a tuning table entry for the layer's
+weight shape (a fake table here, injected for the CPU device) the layer runs the GEMV up to the entry's `max_m`
+rows, its output is the dequantized weights against the unquantized activations, and the fused producers (norm,
+gated activation) emit model-dtype activations for those M and 8-bit ones above. Without a table nothing changes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kestrel.config import QuantConfig
+from kestrel.kernels import common
+from kestrel.kernels import fp8_gemv as fg
+from kestrel.model.layers.activation import GatedActivation
+from kestrel.model.layers.norm import RMSNorm
+from kestrel.quant.base import QuantAct
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_quantized import BF16_REL, make_layer, oracle  # noqa: E402
+
+N, K, MAX_M = 24, 40, 4
+
+
+@pytest.fixture
+def table(monkeypatch):
+    """A GPU table for every device: the GEMV on for weights [N, K] up to MAX_M rows."""
+    configs = {fg.table_key(N, K): fg.FP8GemvConfig(block_n=8, block_k=16, max_m=MAX_M).to_json()}
+    monkeypatch.setattr(common, "gpu_table", lambda kernel, device: configs if kernel == fg.TABLE else {})
+    return configs
+
+
+def w8a16_oracle(layer, x: torch.Tensor) -> torch.Tensor:
+    w = layer.weight.double() * layer.weight_scale.double()
+    return x.double() @ w.T + layer.bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+def test_gemv_up_to_max_m_then_w8a8(table, dtype):
+    layer, weight, bias = make_layer(QuantConfig(method="fp8"), n=N, k=K, dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    for M in (1, 2, MAX_M):
+        x = torch.randn(M, K, generator=g).to(dtype)
+        assert layer.input_quant(M) is None
+        out = layer(x)
+        ref = w8a16_oracle(layer, x)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        else:
+            err = (out.double() - ref).abs()
+            assert bool((err <= BF16_REL * ref.abs() + 1e-6 * ref.abs().max()).all())
+        # W8A16 against the unquantized layer: only the weights' e4m3 error.
+        exact = x.double() @ weight.double().T + bias.double()
+        assert (out.double() - exact).norm() / exact.norm() < 2.0**-4
+    x = torch.randn(MAX_M + 1, K, generator=g).to(dtype)
+    assert layer.input_quant(MAX_M + 1) is not None
+    out = layer(x)
+    ref = oracle(layer, x)  # W8A8: the method's own activation quantizer
+    err = (out.double() - ref).abs()
+    assert bool((err <= BF16_REL * ref.abs() + 1e-6 * ref.abs().max()).all())
+
+
+def test_off_without_table_or_for_other_shapes_and_int8(table):
+    layer, _, _ = make_layer(QuantConfig(method="fp8"), n=N, k=K + 8)
+    assert layer.input_quant(1) is not None  # no entry for [N, K + 8]
+    int8, _, _ = make_layer(QuantConfig(method="int8"), n=N, k=K)
+    assert int8.input_quant(1) is not None
+    fp8, _, _ = make_layer(QuantConfig(method="fp8"), n=N, k=K)
+    assert fp8.input_quant() is not None  # no size asked: the producer's usual 8-bit input
+    table.clear()
+    fresh, _, _ = make_layer(QuantConfig(method="fp8"), n=N, k=K)
+    assert fresh.input_quant(1) is not None
+
+
+def test_off_by_default_on_cpu():
+    layer, _, _ = make_layer(QuantConfig(method="fp8"), n=N, k=K)
+    assert layer.input_quant(1) is not None
+
+
+def test_producers_emit_model_dtype_for_gemv_sizes(table):
+    layer, _, _ = make_layer(QuantConfig(method="fp8"), n=N, k=K)
+    norm = RMSNorm(K)
+    g = torch.Generator().manual_seed(5)
+    for M, quantized in ((1, False), (MAX_M, False), (MAX_M + 1, True)):
+        x = torch.randn(M, K, generator=g)
+        act, residual = norm.feed(x, None, layer)
+        assert isinstance(act, QuantAct) == quantized
+        assert torch.equal(residual, x)
+        if not quantized:
+            torch.testing.assert_close(layer(act), layer(norm(x)))
+        gated = GatedActivation("silu")
+        h = torch.randn(M, 2 * K, generator=g)
+        assert isinstance(gated.feed(h, layer), QuantAct) == quantized
