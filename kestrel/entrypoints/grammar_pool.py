@@ -72,7 +72,7 @@ class GrammarCompilePool:
         self._threads = ThreadPoolExecutor(max(1, processes), thread_name_prefix="kestrel-grammar",
                                            initializer=_lower_priority)
         self._workers = (WorkerPool(processes, start_compile_worker, (tokenizer_info.serialize_json(), max_threads),
-                                    name="grammar") if processes else None)
+                                    name="grammar", preload=("xgrammar",)) if processes else None)
 
     def start(self) -> GrammarCompilePool:
         if self._workers is not None:

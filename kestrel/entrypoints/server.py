@@ -114,8 +114,12 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str],
     text = TextWorkers(engine.tokenizer, specials, tokenizer_path=engine.tokenizer_path,
                        processes=config.tokenizer_processes, chat_template=config.chat_template_text(),
                        trust_remote_code=engine.core.config.model.trust_remote_code,
-                       timeout=config.tokenize_timeout, max_tokenize_bytes=config.max_tokenize_bytes).start()
+                       timeout=config.tokenize_timeout, max_tokenize_bytes=config.max_tokenize_bytes)
     grammars = _grammar_pool(engine, config)
+    # Both pools exist before either starts: their workers' fork server then imports what each pool preloads.
+    text.start()
+    if grammars is not None:
+        grammars.start()
     serving = OpenAIServing(engine, names, metrics, text, config, grammars)
     # No trailing-slash redirects: they are built from the Host header, which the client controls.
     app = FastAPI(title="kestrel", version=kestrel.__version__, redirect_slashes=False,
@@ -143,7 +147,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str],
 
 
 def _grammar_pool(engine: AsyncEngine, config: ServerConfig) -> GrammarCompilePool | None:
-    """The compile pool of the engine's grammar backend (None: the engine has none), started."""
+    """The compile pool of the engine's grammar backend (None: the engine has none), not started yet."""
     backend = engine.core.structured
     if backend is None:
         return None
@@ -152,7 +156,7 @@ def _grammar_pool(engine: AsyncEngine, config: ServerConfig) -> GrammarCompilePo
     return GrammarCompilePool(backend.tokenizer_info, processes=config.grammar_compile_workers,
                               timeout_s=config.grammar_compile_timeout, limits=limits,
                               cache_bytes=config.grammar_cache_bytes, cache_entries=config.grammar_cache_entries,
-                              max_threads=backend.max_threads, engine_compiles=engine.compiles_grammars).start()
+                              max_threads=backend.max_threads, engine_compiles=engine.compiles_grammars)
 
 
 def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics) -> None:

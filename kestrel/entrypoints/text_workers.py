@@ -195,6 +195,9 @@ def detokenize_reply(tokenizer: Any, specials: Sequence[str], token_ids: list[in
 
 # ----- worker processes (started, niced and tied to the serving process by the WorkerPool) ----------------
 
+# What `load_tokenizer` imports: the fork server imports it once for every tokenizer worker.
+TOKENIZER_MODULES = ("kestrel.loader.tokenizer", "transformers.models.auto.tokenization_auto")
+
 _worker_tokenizer: Any = None
 _worker_specials: tuple[str, ...] = ()
 
@@ -234,7 +237,7 @@ class TextWorkers:
         if processes > 0 and not tokenizer_path:
             raise ValueError("tokenizer worker processes need the tokenizer's directory")
         self.pool = WorkerPool(processes, _init_worker, (tokenizer_path, self.specials, trust_remote_code),
-                               name="tokenizer")
+                               name="tokenizer", preload=TOKENIZER_MODULES)
 
     def start(self) -> TextWorkers:
         """Start every worker and load its tokenizer now, so the first requests do not wait for it."""

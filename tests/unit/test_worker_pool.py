@@ -1,10 +1,14 @@
-"""The serving process's worker pool: jobs run in spawned processes, a job past its deadline or whose caller
-went away costs its worker (killed, replaced), and light jobs never wait behind heavy ones."""
+"""The serving process's worker pool: jobs run in worker processes (forked by the fork server), a job past its
+deadline or whose caller went away costs its worker (killed, replaced), light jobs never wait behind heavy ones,
+and workers end with a killed serving process."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -138,3 +142,38 @@ def test_thread_mode_answers_the_deadline():
 
     asyncio.run(main())
     pool.close()
+
+
+_SERVING = """
+import asyncio, os, sys
+from kestrel.entrypoints.worker_pool import WorkerPool
+
+def pid():
+    return os.getpid()
+
+if __name__ == "__main__":
+    pool = WorkerPool(2, name="orphans").start()
+    async def main():
+        return sorted(set(await asyncio.gather(*(pool.run(pid) for _ in range(8)))))
+    print(" ".join(map(str, asyncio.run(main()))), flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_workers_end_with_a_killed_serving_process(tmp_path):
+    """SIGKILL gives the serving process no chance to close its pool: its workers (children of the fork server)
+    must still go, with the fork server."""
+    script = tmp_path / "serving.py"
+    script.write_text(_SERVING)
+    serving = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        workers = [int(p) for p in serving.stdout.readline().split()]
+        assert workers and all(_alive(p) for p in workers)
+    finally:
+        serving.send_signal(signal.SIGKILL)
+        serving.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in workers)
