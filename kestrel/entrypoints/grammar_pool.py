@@ -37,6 +37,8 @@ from kestrel.structured.compile import (
 )
 from kestrel.structured.limits import GrammarLimits, check_structured_outputs, check_tool_schemas
 
+# What a compile worker imports (its initializer's module and xgrammar): the fork server imports it once for all.
+COMPILE_WORKER_MODULES = ("kestrel.structured.compile", "xgrammar")
 _NICENESS = 5  # the serving process's compile threads yield the cores to the event loop and the engine
 
 
@@ -72,7 +74,7 @@ class GrammarCompilePool:
         self._threads = ThreadPoolExecutor(max(1, processes), thread_name_prefix="kestrel-grammar",
                                            initializer=_lower_priority)
         self._workers = (WorkerPool(processes, start_compile_worker, (tokenizer_info.serialize_json(), max_threads),
-                                    name="grammar", preload=("xgrammar",)) if processes else None)
+                                    name="grammar", preload=COMPILE_WORKER_MODULES) if processes else None)
 
     def start(self) -> GrammarCompilePool:
         if self._workers is not None:

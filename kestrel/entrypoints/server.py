@@ -39,7 +39,7 @@ from kestrel.entrypoints.async_engine import (
 )
 from kestrel.entrypoints.chat import special_token_texts
 from kestrel.entrypoints.core_client import CoreClient
-from kestrel.entrypoints.grammar_pool import GrammarCompilePool
+from kestrel.entrypoints.grammar_pool import COMPILE_WORKER_MODULES, GrammarCompilePool
 from kestrel.entrypoints.metrics import ServerMetrics
 from kestrel.entrypoints.playground import add_playground_routes
 from kestrel.entrypoints.protocol import (
@@ -71,7 +71,8 @@ from kestrel.entrypoints.serving_audio import RESPONSE_CONTENT, OpenAIServingAud
 from kestrel.entrypoints.serving_embeddings import OpenAIServingEmbeddings
 from kestrel.entrypoints.serving_pooling import OpenAIServingPooling
 from kestrel.entrypoints.serving_responses import OpenAIServingResponses
-from kestrel.entrypoints.text_workers import TextWorkers, UnservedModelError, tokenize_input
+from kestrel.entrypoints.text_workers import TOKENIZER_MODULES, TextWorkers, UnservedModelError, tokenize_input
+from kestrel.entrypoints.worker_pool import start_fork_server
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParamsError
 from kestrel.structured.limits import GrammarLimits
@@ -709,6 +710,11 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
 
     logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The tokenizer and grammar workers' fork server imports their libraries while the model loads.
+    preload = ((TOKENIZER_MODULES if config.tokenizer_processes else ())
+               + (COMPILE_WORKER_MODULES if config.grammar_compile_workers else ()))
+    if preload:
+        start_fork_server(preload)
     try:
         if config.engine_core_process:
             engine = CoreClient.from_args(model, max_queued_requests=config.max_queued_requests,

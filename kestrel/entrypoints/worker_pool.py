@@ -42,6 +42,15 @@ _CONTEXT = multiprocessing.get_context("forkserver")
 _preloaded: set[str] = set()
 
 
+def start_fork_server(preload: tuple[str, ...]) -> None:
+    """Start the fork server now, importing `preload` (the modules of the pools to come): a serving process calls
+    it before it loads its model, so those imports run beside the load instead of after it."""
+    from multiprocessing import forkserver
+
+    _preload(preload)
+    forkserver.ensure_running()
+
+
 def _preload(modules: tuple[str, ...]) -> None:
     """Ask the fork server to import `modules` before it forks workers. Only the modules asked for before the fork
     server starts (the first worker of any pool) are imported there; a later pool's workers import theirs after
