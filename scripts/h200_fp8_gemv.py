@@ -226,9 +226,7 @@ def tuning_table(rows: list[dict], candidates: list[fg.FP8GemvConfig]) -> tuple[
 
 
 def gpu_key(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "cpu"
-    return "".join(ch if ch.isalnum() else "_" for ch in common.device_name(0).lower()).strip("_")
+    return common.gpu_key(common.device_name(0)) if device.type == "cuda" else "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:

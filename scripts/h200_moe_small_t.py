@@ -250,9 +250,7 @@ def small_t_table(rows: list[dict], prop: dict, candidates: list[st.SmallTConfig
 
 
 def gpu_key(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "cpu"
-    return "".join(ch if ch.isalnum() else "_" for ch in common.device_name(0).lower()).strip("_")
+    return common.gpu_key(common.device_name(0)) if device.type == "cuda" else "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:

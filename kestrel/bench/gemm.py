@@ -30,6 +30,7 @@ import torch
 from kestrel import ops
 from kestrel.bench import register_suite
 from kestrel.bench.timing import time_calls, time_eager
+from kestrel.kernels import common as kernel_common
 from kestrel.kernels import quant_act as qa
 from kestrel.kernels import scaled_mm as smm
 from kestrel.kernels import wna16 as wq
@@ -812,7 +813,7 @@ def run(args: argparse.Namespace) -> int:
         jobs = 1
     env = environment(args.git_sha)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or f"gemm-{smm.gpu_key(env['gpu']).removeprefix('nvidia_')}"
+    stem = args.name or f"gemm-{kernel_common.gpu_key(env['gpu']).removeprefix('nvidia_')}"
     log = lambda msg: print(msg, flush=True)
     log(f"env: {env}")
     ceilings = measure_ceilings(device)

@@ -132,13 +132,17 @@ def device_name(device_index: int) -> str:
     return torch.cuda.get_device_name(device_index)
 
 
+def gpu_key(name: str) -> str:
+    """A GPU's name as the tuning tables' file names spell it ("NVIDIA H200" -> "nvidia_h200")."""
+    return "".join(ch if ch.isalnum() else "_" for ch in name.lower()).strip("_")
+
+
 def gpu_table(kernel: str, device: torch.device) -> dict:
     """The configs tuned for this device's GPU (`tuning/<kernel>_<gpu>.json`); {} off CUDA or untuned."""
     if device.type != "cuda":
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = "".join(ch if ch.isalnum() else "_" for ch in device_name(index).lower()).strip("_")
-    return read_table(TUNING_DIR / f"{kernel}_{key}.json")
+    return read_table(TUNING_DIR / f"{kernel}_{gpu_key(device_name(index))}.json")
 
 
 def bucket_entry(entries: dict[str, dict], M: int) -> dict | None:

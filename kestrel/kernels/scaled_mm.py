@@ -388,12 +388,8 @@ def dtype_key(dtype: torch.dtype) -> str:
     return "int8" if dtype == torch.int8 else "fp8"
 
 
-def gpu_key(name: str) -> str:
-    return "".join(ch if ch.isalnum() else "_" for ch in name.lower()).strip("_")
-
-
 def table_path(gpu_name: str) -> Path:
-    return TUNING_DIR / f"scaled_mm_{gpu_key(gpu_name)}.json"
+    return TUNING_DIR / f"scaled_mm_{common.gpu_key(gpu_name)}.json"
 
 
 @functools.cache
