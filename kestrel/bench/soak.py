@@ -276,7 +276,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fail when the TTFT p99 under attack exceeds the baseline's by more")
     p.add_argument("--timeout", type=float, default=120.0, help="per request (s): beyond, the request is lost")
     p.add_argument("--server-pid", type=int, default=None,
-                   help="the server's pid on this machine: its RSS (workers included) is recorded")
+                   help="the server's pid on this machine: its RSS (workers included) is recorded idle, after "
+                        "the baseline phase (the start of the growth counted) and at the end")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-dir", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--result-file", type=Path, default=None)
@@ -321,11 +322,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     target = serve.Target(base_url, model, headers)
     bodies = {name: json.dumps(ATTACKS[name].body(model)).encode() for name in attacks}
-    rss_start = _rss_by_process(args.server_pid)
+    rss_idle = rss_start = _rss_by_process(args.server_pid)
     phases: dict[str, dict[str, Any]] = {}
     if args.baseline:
         phases["baseline"] = asyncio.run(run_phase(target, args, [], bodies)).summary()
         print(f"baseline: {json.dumps(phases['baseline'])}", flush=True)
+        # Growth is counted from the server warmed by the same clients: what the attacks add, not the heap's
+        # first high-water mark under load (a CPU engine keeps freed heap for reuse: worker/cpu_runtime.py).
+        rss_start = _rss_by_process(args.server_pid)
     phases["attack"] = asyncio.run(run_phase(target, args, attacks, bodies)).summary()
     print(f"attack: {json.dumps(phases['attack'])}", flush=True)
     rss_end = _rss_by_process(args.server_pid)
@@ -335,8 +339,9 @@ def run(args: argparse.Namespace) -> int:
            "config": {"base_url": base_url, "model": model, "duration_s": args.duration, "clients": args.clients,
                       "attackers": args.attackers, "attacks": attacks, "input_len": args.input_len,
                       "max_tokens": args.max_tokens, "max_ttft_ratio": args.max_ttft_ratio},
-           "phases": phases, "ttft_p99_ratio": ratio, "rss_mb": {"start": _rss_mb(rss_start), "end": _rss_mb(rss_end)},
-           "rss_mb_by_process": {"start": rss_start, "end": rss_end},
+           "phases": phases, "ttft_p99_ratio": ratio,
+           "rss_mb": {"idle": _rss_mb(rss_idle), "start": _rss_mb(rss_start), "end": _rss_mb(rss_end)},
+           "rss_mb_by_process": {"idle": rss_idle, "start": rss_start, "end": rss_end},
            "passed": passed, "problems": problems}
     path = args.result_file or args.result_dir / f"soak-{doc['date']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -33,5 +33,7 @@ def test_attacks_beside_normal_clients_lose_nothing_and_keep_their_latency(tiny_
     assert health["median"] <= 2 * idle_health["median"] + 20, (health, idle_health)
     assert health["p99"] <= 1000, (health, idle_health)
     assert doc["ttft_p99_ratio"] <= 2.0
+    # Growth under attack, from the server warmed by the baseline's clients (a fresh server's first load raises its
+    # heap's high-water mark by 75-100 MB on this machine, which is reuse, not a leak).
     rss = doc["rss_mb"]
     assert rss["end"] - rss["start"] <= 100, doc["rss_mb_by_process"]
