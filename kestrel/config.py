@@ -703,7 +703,7 @@ class PromptCompressorConfig:
 
     model: str
     window: int = 0  # 0: min(the compressor's context, 2048)
-    batch: int = 8
+    batch: int = 32
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

@@ -1,5 +1,5 @@
-"""What prompt compression keeps, given each compressor token's surprisal (pure Python; the scoring is
-`prompt_compression.py`'s).
+"""What prompt compression keeps, given each compressor token's surprisal (numpy, vectorized: a long prompt's
+plan costs milliseconds; the scoring is `prompt_compression.py`'s).
 
 The text is partitioned into its compressor tokens: token i owns the characters from its start to the next
 token's start (so whitespace a tokenizer leaves out of its offsets goes with the token after it). A token that
@@ -20,6 +20,8 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from kestrel.sampling_params import KEEP_MARKERS
 
@@ -48,9 +50,42 @@ class ScoredToken:
     tokens: int = 1
 
 
+@dataclass(frozen=True, eq=False)
+class ScoredTokens:
+    """ScoredTokens as arrays, in text order: `starts` (int64, non-decreasing), `surprisal` (float64), `counts`
+    (int64, the compressor tokens each stands for)."""
+
+    starts: np.ndarray
+    surprisal: np.ndarray
+    counts: np.ndarray
+
+    @staticmethod
+    def of(tokens: Sequence[ScoredToken]) -> ScoredTokens:
+        return ScoredTokens(np.array([t.start for t in tokens], dtype=np.int64),
+                            np.array([t.surprisal for t in tokens], dtype=np.float64),
+                            np.array([t.tokens for t in tokens], dtype=np.int64))
+
+    @staticmethod
+    def merged(starts: np.ndarray, ends: np.ndarray, surprisal: np.ndarray) -> ScoredTokens:
+        """Tokens from a tokenizer's character offsets ([start, end) each) and surprisals: a token that starts
+        inside the characters already covered, or covers none, is merged into the one before it (the bytes of one
+        UTF-8 character, say), summing their surprisals."""
+        starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        covered = np.maximum.accumulate(ends)
+        joins = np.zeros(len(starts), dtype=bool)
+        joins[1:] = (starts[1:] < covered[:-1]) | (ends[1:] <= starts[1:])
+        group = np.cumsum(~joins) - 1
+        heads = np.flatnonzero(~joins)
+        return ScoredTokens(starts[heads], np.bincount(group, weights=np.asarray(surprisal, dtype=np.float64)),
+                            np.bincount(group).astype(np.int64))
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+
 @dataclass(frozen=True)
 class Selection:
-    kept: tuple[bool, ...]  # per ScoredToken
+    kept: tuple[bool, ...]  # per scored token
     kept_spans: tuple[Span, ...]  # the characters of the kept tokens, merged
     num_tokens: int
     num_kept: int
@@ -131,74 +166,74 @@ def merge_spans(spans: Sequence[Span]) -> list[Span]:
     return [(a, b) for a, b in merged]
 
 
-def token_cells(tokens: Sequence[ScoredToken], text_len: int) -> list[Span]:
-    """The characters each token owns: from its start (the first from 0) to the next token's start."""
-    cells = []
-    for i, token in enumerate(tokens):
-        start = 0 if i == 0 else token.start
-        end = tokens[i + 1].start if i + 1 < len(tokens) else text_len
-        cells.append((start, end))
-    return cells
-
-
-def _touches(cells: Sequence[Span], spans: Sequence[Span]) -> list[bool]:
-    """Per cell: whether it overlaps one of the merged, sorted spans (an empty cell never does)."""
-    out, j = [], 0
-    for start, end in cells:
-        while j < len(spans) and spans[j][1] <= start:
-            j += 1
-        out.append(j < len(spans) and spans[j][0] < end and start < end)
-    return out
-
-
-def select(text: str, tokens: Sequence[ScoredToken], rate: float, protected: Sequence[Span]) -> Selection:
+def select(text: str, tokens: ScoredTokens | Sequence[ScoredToken], rate: float,
+           protected: Sequence[Span]) -> Selection:
     """Which tokens stay so that about `rate` of the compressor tokens are left (fewer are dropped when the
     protected ones leave too few to drop)."""
-    cells = token_cells(tokens, len(text))
-    protected_spans = merge_spans(protected)
-    fixed = [touch or math.isinf(t.surprisal) for touch, t in zip(_touches(cells, protected_spans), tokens)]
-    total = sum(t.tokens for t in tokens)
+    if not isinstance(tokens, ScoredTokens):
+        tokens = ScoredTokens.of(tokens)
+    n = len(tokens)
+    if n == 0:
+        return Selection((), (), 0, 0)
+    cell_starts = tokens.starts.copy()
+    cell_starts[0] = 0
+    cell_ends = np.append(tokens.starts[1:], len(text)).astype(np.int64)
+    fixed = _touches(cell_starts, cell_ends, merge_spans(protected)) | np.isinf(tokens.surprisal)
+    total = int(tokens.counts.sum())
     to_drop = total - math.ceil(rate * total)
-    dropped = [False] * len(tokens)
+    dropped = np.zeros(n, dtype=bool)
     count = 0
     if to_drop > 0:
-        count = _drop_segments(text, tokens, cells, fixed, dropped, COARSE_SHARE * to_drop)
-        order = sorted((i for i, t in enumerate(tokens) if not fixed[i] and not dropped[i]),
-                       key=lambda i: (tokens[i].surprisal / tokens[i].tokens, i))
-        for i in order:
-            if count >= to_drop:
-                break
-            dropped[i] = True
-            count += tokens[i].tokens
-    kept = tuple(not d for d in dropped)
-    spans = merge_spans([cell for cell, keep in zip(cells, kept) if keep and cell[1] > cell[0]])
-    return Selection(kept, tuple(spans), total, total - count)
+        count = _drop_segments(text, tokens, cell_starts, fixed, dropped, COARSE_SHARE * to_drop)
+        free = np.flatnonzero(~fixed & ~dropped)
+        per_token = tokens.surprisal[free] / tokens.counts[free]
+        order = free[np.lexsort((free, per_token))]  # lowest surprisal per token first, position breaks ties
+        before = count + np.cumsum(tokens.counts[order]) - tokens.counts[order]
+        chosen = order[before < to_drop]
+        dropped[chosen] = True
+        count += int(tokens.counts[chosen].sum())
+    kept = ~dropped & (cell_ends > cell_starts)
+    # the cells tile the text, so kept cells merge into one span exactly when nothing but empty cells lies between
+    run_starts, run_ends = cell_starts[kept], cell_ends[kept]
+    breaks = np.flatnonzero(run_starts[1:] != run_ends[:-1]) + 1
+    first, last = np.append(0, breaks), np.append(breaks, len(run_starts)) - 1
+    spans = tuple(zip(run_starts[first].tolist(), run_ends[last].tolist())) if len(run_starts) else ()
+    return Selection(tuple((~dropped).tolist()), spans, total, total - count)
 
 
-def _drop_segments(text: str, tokens: Sequence[ScoredToken], cells: Sequence[Span], fixed: Sequence[bool],
-                   dropped: list[bool], budget: float) -> int:
+def _touches(cell_starts: np.ndarray, cell_ends: np.ndarray, spans: Sequence[Span]) -> np.ndarray:
+    """Per cell: whether it overlaps one of the merged, sorted spans (an empty cell never does)."""
+    if not spans:
+        return np.zeros(len(cell_starts), dtype=bool)
+    span_starts = np.array([a for a, _ in spans], dtype=np.int64)
+    span_ends = np.array([b for _, b in spans], dtype=np.int64)
+    j = np.searchsorted(span_ends, cell_starts, side="right")  # the first span ending after the cell starts
+    inside = j < len(spans)
+    return inside & (span_starts[np.minimum(j, len(spans) - 1)] < cell_ends) & (cell_starts < cell_ends)
+
+
+def _drop_segments(text: str, tokens: ScoredTokens, cell_starts: np.ndarray, fixed: np.ndarray, dropped: np.ndarray,
+                   budget: float) -> int:
     """The coarse stage: drops whole unprotected segments, lowest mean surprisal first, within `budget` tokens."""
-    members: dict[int, list[int]] = {}
     segments = segment_spans(text)
-    j = 0
-    for i, (start, _) in enumerate(cells):
-        while j + 1 < len(segments) and segments[j][1] <= start:
-            j += 1
-        members.setdefault(j, []).append(i)
-    candidates = []
-    for segment, indices in members.items():
-        if any(fixed[i] for i in indices):
-            continue
-        size = sum(tokens[i].tokens for i in indices)
-        mean = sum(tokens[i].surprisal for i in indices) / size
-        candidates.append((mean, segment, size, indices))
+    segment_ends = np.array([b for _, b in segments], dtype=np.int64)
+    member_of = np.minimum(np.searchsorted(segment_ends, cell_starts, side="right"), max(len(segments) - 1, 0))
+    groups = max(len(segments), 1)
+    has_fixed = np.bincount(member_of, weights=fixed, minlength=groups) > 0
+    sizes = np.bincount(member_of, weights=tokens.counts, minlength=groups)
+    sums = np.bincount(member_of, weights=np.where(fixed, 0.0, tokens.surprisal), minlength=groups)
+    candidates = np.flatnonzero(~has_fixed & (sizes > 0))
+    means = sums[candidates] / sizes[candidates]
+    order = candidates[np.lexsort((candidates, means))]
     count = 0
-    for _, _, size, indices in sorted(candidates, key=lambda c: (c[0], c[1])):
+    chosen = []
+    for segment, size in zip(order.tolist(), sizes[order].astype(np.int64).tolist()):
         if count + size > budget:
             continue
-        for i in indices:
-            dropped[i] = True
+        chosen.append(segment)
         count += size
+    if chosen:
+        dropped |= np.isin(member_of, chosen)
     return count
 
 

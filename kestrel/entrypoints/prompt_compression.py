@@ -2,12 +2,12 @@
 its surprisal given the text before it, and `compression_plan` drops the least informative ones down to the
 request's rate, keeping verbatim what must stay (docs/long-context.md, "Prompt compression").
 
-The compressor is a second model loaded by the same loader and run by its own engine core (a small KV cache of
-`batch` windows, prefix caching off, no CUDA graphs) on the served engine's device. Its scores come from prompt
-logprobs: a prompt longer than its window is scored in overlapping windows (each token once, after the first
-window with at least half a window of context), all windows of one prompt batched, one prefill each. Prompts
-are compressed one at a time (a lock), so the batch, and so every score, depends on the prompt alone: the same
-prompt and rate give the same compressed prompt.
+The compressor is a second model loaded by the same loader, on the served engine's device, with a KV cache of
+`batch` windows; no scheduler runs it: `worker.prompt_scoring` prefills up to `batch` windows in one forward and
+brings back one float per scored token. A prompt longer than its window is scored in overlapping windows (each
+token once, after the first window with at least half a window of context). Prompts are compressed one at a time
+(a lock), so the batches, and so every score, depend on the prompt alone: the same prompt and rate give the same
+compressed prompt.
 
 The compressor's tokenizer need not be the served model's: tokens are scored on the compressor's tokens, the kept
 ones are mapped back to the prompt's characters (their offsets), and the served model tokenizes the kept text
@@ -28,10 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kestrel.config import PromptCompressorConfig
 from kestrel.entrypoints.compression_plan import (
     KeepMarkerError,
-    ScoredToken,
+    ScoredTokens,
     Span,
     code_block_spans,
     literal_spans,
@@ -41,7 +43,7 @@ from kestrel.entrypoints.compression_plan import (
 )
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.request import InvalidRequestError
-from kestrel.sampling_params import PromptCompression, SamplingParams
+from kestrel.sampling_params import PromptCompression
 
 PARAM = "prompt_compression"
 SYSTEM_ROLES = ("system", "developer")
@@ -72,7 +74,6 @@ class PromptCompressor:
 
     def __init__(self, config: PromptCompressorConfig, device: str = "auto", dtype: str = "auto",
                  cpu_threads: int | None = None) -> None:
-        from kestrel.engine.core import EngineCore
         from kestrel.entrypoints.engine_factory import engine_config
         from kestrel.worker.model_runner import ModelRunner
 
@@ -89,63 +90,39 @@ class PromptCompressor:
             async_scheduling=False, disable_log_stats=True)
         eos = self.tokenizer.eos_token_id
         self.runner = ModelRunner(self.engine_config, eos_token_id=eos)
-        self._core = EngineCore(self.engine_config, self.runner, self.runner.kv_layout, None, eos, detokenize=False)
         start = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else eos
         self._start_token = [int(start)] if start is not None else []
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kestrel-compressor")
-        self._requests = 0
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     # ----- scoring -------------------------------------------------------------------------------------
 
-    def score(self, text: str) -> list[ScoredToken]:
+    def score(self, text: str) -> ScoredTokens:
         """Each compressor token of `text` (tokens sharing characters merged) and its surprisal in nats."""
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(encoding["input_ids"]), list(encoding["offset_mapping"])
+        ids, offsets = list(encoding["input_ids"]), np.array(encoding["offset_mapping"], dtype=np.int64)
         if not ids:
-            return []
-        surprisal = self._surprisal(ids)
-        merged: list[ScoredToken] = []
-        covered = 0
-        for (start, end), value in zip(offsets, surprisal):
-            if merged and (start < covered or end <= start):
-                last = merged[-1]
-                merged[-1] = ScoredToken(last.start, last.surprisal + value, last.tokens + 1)
-            else:
-                merged.append(ScoredToken(start, value))
-            covered = max(covered, end)
-        return merged
+            return ScoredTokens.of([])
+        return ScoredTokens.merged(offsets[:, 0], offsets[:, 1], self._surprisal(ids))
 
     def _surprisal(self, ids: list[int]) -> list[float]:
-        """-ln p(token | the tokens before it), from the compressor's prompt logprobs; the first token is scored
-        after the start token (inf without one)."""
+        """-ln p(token | the tokens before it), `batch` windows per forward; the first token is scored after the
+        start token (inf without one)."""
+        from kestrel.worker.prompt_scoring import token_surprisal
+
         sequence = self._start_token + ids
         windows = _windows(len(sequence), self.config.window - 1)
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, ignore_eos=True,
-                                output_kind="final_only")
         values = [math.inf] * len(sequence)
         with self._lock:
-            pending = list(enumerate(windows))
-            in_flight = 0
-            while pending or in_flight:
-                while pending and in_flight < self.config.batch:
-                    index, window = pending.pop(0)
-                    self._requests += 1
-                    self._core.add_request(f"c{self._requests}-{index}", sequence[window.begin: window.end], params)
-                    in_flight += 1
-                for output in self._core.step():
-                    if not output.finished:
-                        continue
-                    in_flight -= 1
-                    window = windows[int(output.request_id.rsplit("-", 1)[1])]
-                    logprobs = output.prompt_logprobs or []
-                    for position in range(window.score_from, window.end):
-                        entry = logprobs[position - window.begin]
-                        if entry is not None:
-                            values[position] = -entry[sequence[position]].logprob
+            for first in range(0, len(windows), self.config.batch):
+                batch = windows[first: first + self.config.batch]
+                scored = token_surprisal(self.runner, [sequence[w.begin: w.end] for w in batch],
+                                         [w.score_from - w.begin for w in batch])
+                for window, window_values in zip(batch, scored):
+                    values[window.score_from: window.end] = window_values
         return values[len(self._start_token):]
 
     # ----- compression ---------------------------------------------------------------------------------

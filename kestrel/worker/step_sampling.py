@@ -110,6 +110,9 @@ class Proposal:
     num_plain: int
 
 
+PROMPT_LOGPROB_PIECE_ELEMENTS = 1 << 27  # logits scored at once (512 MiB of float32): bounds a long prompt's memory
+
+
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return tensor
@@ -160,10 +163,13 @@ class StepSampler:
                          hidden: torch.Tensor) -> dict[str, list[dict[int, Logprob] | None]]:
         """Logprobs of each prompt token given the ones before it, for the prompt rows of this step.
 
-        Row p of a chunk predicts token p + 1; the first prompt token has no logprob (None).
+        Row p of a chunk predicts token p + 1; the first prompt token has no logprob (None). Every request's rows
+        are scored in one batch: one logits GEMM, one log-softmax, one host copy per step.
         """
         result: dict[str, list[dict[int, Logprob] | None]] = {}
         starts = None
+        spans: list[tuple[str, int, int, int]] = []  # request id, first hidden row, rows, top-k
+        targets: list[int] = []
         for row, (state, count) in enumerate(zip(states, counts)):
             k = state.sampling_params.prompt_logprobs
             first = state.num_computed_tokens
@@ -176,18 +182,39 @@ class StepSampler:
                 continue
             if starts is None:
                 starts = query_start_loc.tolist()
-            entries: list[dict[int, Logprob] | None] = [None] if first == 0 else []
+            result[state.req_id] = [None] if first == 0 else []
             if last > first:
-                rows = hidden[starts[row]: starts[row] + (last - first)]
-                logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
-                targets = torch.tensor(state.token_ids[first + 1: last + 1], device=logprobs.device)
-                chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
-                ranks = token_ranks(logprobs, chosen).tolist()
-                top_lp, top_ids = logprobs.topk(k, dim=-1)
-                top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-                for i, (token_id, lp) in enumerate(zip(targets.tolist(), chosen.tolist())):
-                    entries.append(logprob_entry(token_id, lp, ranks[i], top_ids[i], top_lp[i]))
-            result[state.req_id] = entries
+                spans.append((state.req_id, starts[row], last - first, k))
+                targets.extend(state.token_ids[first + 1: last + 1])
+        if not spans:
+            return result
+        index = to_device(torch.cat([torch.arange(start, start + rows) for _, start, rows, _ in spans]), self.device)
+        target_ids = to_device(torch.tensor(targets, dtype=torch.long), self.device)
+        top_k = max(k for *_, k in spans)
+        pieces = []
+        begin, rows_per_piece = 0, 1024
+        while begin < len(targets):
+            end = begin + rows_per_piece
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[index[begin:end]]), dim=-1)
+            chosen = logprobs.gather(1, target_ids[begin:end, None])
+            top_lp, top_ids = logprobs.topk(top_k, dim=-1)
+            ranks = token_ranks(logprobs, chosen.squeeze(1))[:, None]
+            pieces.append(torch.cat([chosen.double(), ranks.double(), top_lp.double(), top_ids.double()], dim=1))
+            begin, rows_per_piece = end, max(1, PROMPT_LOGPROB_PIECE_ELEMENTS // logprobs.shape[1])
+        host = torch.cat(pieces).cpu().tolist()
+        at = 0
+        for req_id, _, rows, k in spans:
+            entries = result[req_id]
+            if k == 0:  # the chosen token alone (a scorer's request): no candidates to merge in
+                entries.extend({token_id: Logprob(row[0], int(row[1]))}
+                               for token_id, row in zip(targets[at: at + rows], host[at: at + rows]))
+                at += rows
+                continue
+            for i in range(at, at + rows):
+                lp, rank, *top = host[i]
+                entries.append(logprob_entry(targets[i], lp, int(rank), [int(t) for t in top[top_k: top_k + k]],
+                                             top[:k]))
+            at += rows
         return result
 
     # ----- sampling -----------------------------------------------------------------------------------

@@ -142,3 +142,29 @@ def test_a_bad_compressor_is_a_config_error(compressor, words):
     with pytest.raises(ConfigError, match="prompt_compressor") as error:
         EngineConfig.from_kwargs(str(BUNDLED_MODEL_DIR), prompt_compressor=compressor)
     assert words in str(error.value)
+
+
+def test_scorer_matches_transformers_window_by_window(llm):
+    """The compressor's one-forward scorer against transformers' log-softmax of each window on its own."""
+    import torch
+    import transformers
+
+    from kestrel.worker.prompt_scoring import token_surprisal
+
+    compressor = llm.prompt_compressor
+    ids = compressor.tokenizer.encode(DOC, add_special_tokens=False)
+    windows = [ids[:300], ids[100:111], ids[250:500], ids[7:8] + ids[40:42]]
+    score_from = [1, 5, 125, 2]
+    got = token_surprisal(compressor.runner, windows, score_from)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(BUNDLED_MODEL_DIR, dtype=torch.float32).eval()
+    for window, first, values in zip(windows, score_from, got):
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(torch.tensor([window])).logits[0].double(), dim=-1)
+        expected = [-logprobs[p - 1, window[p]].item() for p in range(first, len(window))]
+        assert len(values) == len(expected)
+        torch.testing.assert_close(torch.tensor(values, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64),
+                                   rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="score_from"):
+        token_surprisal(compressor.runner, [ids[:10]], [0])
+    with pytest.raises(ValueError, match="cache blocks"):
+        token_surprisal(compressor.runner, [ids[:400]] * 100, [1] * 100)

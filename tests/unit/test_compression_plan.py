@@ -1,15 +1,19 @@
 """Prompt compression's selection (pure Python): the target rate, protected spans, the coarse stage, markers."""
 
 import math
+import random
 import re
 
+import numpy as np
 import pytest
 
 from kestrel.entrypoints.compression_plan import (
     KeepMarkerError,
     ScoredToken,
+    ScoredTokens,
     code_block_spans,
     literal_spans,
+    merge_spans,
     segment_spans,
     select,
     strip_keep_markers,
@@ -126,3 +130,88 @@ def test_sampling_params_refuse_bad_options_by_name(value, param):
 def test_sampling_params_read_a_dict():
     params = SamplingParams(prompt_compression={"rate": 1, "keep_spans": [[0, 3]]})
     assert params.prompt_compression == PromptCompression(rate=1, keep_spans=((0, 3),))
+
+
+# ----- the vectorized plan against a token-by-token one ----------------------------------------------------------
+
+def _reference_select(text, tokens, rate, protected):
+    """The plan the module docstring describes, one token at a time (the oracle for the numpy one)."""
+    cells = [(0 if i == 0 else t.start, tokens[i + 1].start if i + 1 < len(tokens) else len(text))
+             for i, t in enumerate(tokens)]
+    spans, j, fixed = merge_spans(protected), 0, []
+    for (start, end), token in zip(cells, tokens):
+        while j < len(spans) and spans[j][1] <= start:
+            j += 1
+        fixed.append((j < len(spans) and spans[j][0] < end and start < end) or math.isinf(token.surprisal))
+    total = sum(t.tokens for t in tokens)
+    to_drop = total - math.ceil(rate * total)
+    dropped, count = [False] * len(tokens), 0
+    if to_drop > 0:
+        segments, members, j = segment_spans(text), {}, 0
+        for i, (start, _) in enumerate(cells):
+            while j + 1 < len(segments) and segments[j][1] <= start:
+                j += 1
+            members.setdefault(j, []).append(i)
+        candidates = []
+        for segment, indices in members.items():
+            if not any(fixed[i] for i in indices):
+                size = sum(tokens[i].tokens for i in indices)
+                candidates.append((sum(tokens[i].surprisal for i in indices) / size, segment, size, indices))
+        for _, _, size, indices in sorted(candidates, key=lambda c: (c[0], c[1])):
+            if count + size <= to_drop:
+                for i in indices:
+                    dropped[i] = True
+                count += size
+        order = sorted((i for i in range(len(tokens)) if not fixed[i] and not dropped[i]),
+                       key=lambda i: (tokens[i].surprisal / tokens[i].tokens, i))
+        for i in order:
+            if count >= to_drop:
+                break
+            dropped[i] = True
+            count += tokens[i].tokens
+    kept = tuple(not d for d in dropped)
+    kept_spans = merge_spans([cell for cell, keep in zip(cells, kept) if keep and cell[1] > cell[0]])
+    return kept, tuple(kept_spans), total, total - count
+
+
+def _reference_merge(offsets, values):
+    merged, covered = [], 0
+    for (start, end), value in zip(offsets, values):
+        if merged and (start < covered or end <= start):
+            last = merged[-1]
+            merged[-1] = ScoredToken(last.start, last.surprisal + value, last.tokens + 1)
+        else:
+            merged.append(ScoredToken(start, value))
+        covered = max(covered, end)
+    return merged
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_vectorized_plan_matches_the_token_by_token_one(seed):
+    rng = random.Random(seed)
+    lines = [" ".join(rng.choice(["ab", "c.", "def", "g!", "hij"]) for _ in range(rng.randint(0, 6)))
+             for _ in range(rng.randint(1, 12))]
+    text = "\n".join(lines) + rng.choice(["", "\n"])
+    if not text:
+        text = "x"
+    offsets, position = [], 0
+    while position < len(text):  # tokens of 1-4 characters, some sharing characters or empty (merged)
+        end = min(len(text), position + rng.randint(1, 4))
+        offsets.append((position, end))
+        if rng.random() < 0.15:
+            offsets.append((rng.randint(max(0, position - 1), end), end))
+        if rng.random() < 0.05:
+            offsets.append((end, end))
+        position = end
+    values = [rng.choice([math.inf, 0.5, 1.0, rng.random() * 6]) if i == 0 or rng.random() < 0.05
+              else rng.choice([0.5, 1.0, rng.random() * 6]) for i in range(len(offsets))]
+    reference_tokens = _reference_merge(offsets, values)
+    tokens = ScoredTokens.merged(np.array([a for a, _ in offsets]), np.array([b for _, b in offsets]),
+                                 np.array(values))
+    assert [ScoredToken(*t) for t in zip(tokens.starts.tolist(), tokens.surprisal.tolist(),
+                                          tokens.counts.tolist())] == reference_tokens
+    protected = [tuple(sorted(rng.sample(range(len(text) + 1), 2))) for _ in range(rng.randint(0, 3))]
+    for rate in (0.9, 0.5, 0.2):
+        got = select(text, tokens, rate, protected)
+        assert (got.kept, got.kept_spans, got.num_tokens, got.num_kept) == _reference_select(
+            text, reference_tokens, rate, protected)
