@@ -125,12 +125,19 @@ def sparse_paged_decode(q, k_cache, v_cache, seq_lens, block_tables, selected, s
     return fn(q, k_cache, v_cache, seq_lens, block_tables, selected, scale, k_scale, v_scale, out, page_size=page_size)
 
 
-def linear(x, weight, bias=None):
+def linear(x, weight, bias=None, packed=None):
     """`F.linear` of the model dtype's layers (unquantized linears, the LM head); on the CPU float32 goes through
-    oneDNN with rows padded to a few buckets (kernels/cpu/linear.py)."""
+    oneDNN on a few row buckets (kernels/cpu/linear.py), from the layer's packed weight when it keeps one
+    (`pack_linear_weight`)."""
     if use_cpu_fast_path(x):
-        return _cpu_linear.linear_cpu(x, weight, bias)
+        return _cpu_linear.linear_cpu(x, weight, bias, packed)
     return F.linear(x, weight, bias)
+
+
+def pack_linear_weight(weight):
+    """A CPU float32 weight in oneDNN's blocked layout for `linear(packed=...)` (which the CPU references, when
+    selected, leave unused); None on other devices and dtypes."""
+    return _cpu_linear.pack_weight(weight) if weight.device.type == "cpu" else None
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:

@@ -27,9 +27,15 @@ class UnquantizedLinearMethod(QuantMethod):
         weight.input_dim = 1
         weight.weight_loader = layer.weight_loader
         layer.register_parameter("weight", weight)
+        layer.cpu_packed_weight = None
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        """On the CPU, a float32 weight is also kept in oneDNN's blocked layout (`ops.pack_linear_weight`): it costs
+        the weight's size again in memory and saves oneDNN re-creating that layout on every call."""
+        layer.cpu_packed_weight = ops.pack_linear_weight(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return ops.linear(x, layer.weight, bias)
+        return ops.linear(x, layer.weight, bias, packed=layer.cpu_packed_weight)
 
 
 class UnquantizedFusedMoEMethod(FusedMoEMethod):

@@ -162,8 +162,8 @@ def test_scorer_matches_transformers_window_by_window(llm):
             logprobs = torch.log_softmax(hf(torch.tensor([window])).logits[0].double(), dim=-1)
         expected = [-logprobs[p - 1, window[p]].item() for p in range(first, len(window))]
         assert len(values) == len(expected)
-        torch.testing.assert_close(torch.tensor(values, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64),
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(values, dtype=torch.float64),
+                                   torch.tensor(expected, dtype=torch.float64), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="score_from"):
         token_surprisal(compressor.runner, [ids[:10]], [0])
     with pytest.raises(ValueError, match="cache blocks"):
