@@ -27,6 +27,7 @@ from kestrel.kernels import streaming_attention as _streaming_attention
 from kestrel.kernels import wna16 as _wna16
 from kestrel.kernels.activation import ACTIVATIONS, HF_ACTIVATIONS  # noqa: F401 - the layers' names
 from kestrel.kernels.cpu import attention as _cpu_attention
+from kestrel.kernels.cpu import elementwise as _cpu_elementwise
 from kestrel.kernels.cpu import linear as _cpu_linear
 from kestrel.kernels.cpu import rope_kv as _cpu_rope_kv
 from kestrel.kernels.sparse_decode import KEY_BOUNDS_DTYPE  # noqa: F401 - what the KV cache allocates
@@ -159,7 +160,10 @@ def rope_store_kv(positions, q, k, v, cos_cache, sin_cache, rotary_dim, k_cache,
 
 def rms_norm(x, weight, eps, residual=None, unit_offset=False):
     """`unit_offset`: Gemma's `norm(x) * (1 + weight)` in fp32, rounded once to x's dtype."""
-    fn = _norm.rms_norm if use_triton(x) else _norm.rms_norm_ref
+    if use_triton(x):
+        fn = _norm.rms_norm
+    else:
+        fn = _cpu_elementwise.rms_norm_cpu if use_cpu_fast_path(x) else _norm.rms_norm_ref
     return fn(x, weight, eps, residual, unit_offset)
 
 
@@ -170,7 +174,10 @@ def layer_norm(x, weight, bias, eps, residual=None):
 
 def act_mul(x, activation):
     """`act(gate) * up` for x `[..., 2*I]`; activation in `kernels.activation.ACTIVATIONS`."""
-    fn = _activation.act_mul if use_triton(x) else _activation.act_mul_ref
+    if use_triton(x):
+        fn = _activation.act_mul
+    else:
+        fn = _cpu_elementwise.act_mul_cpu if use_cpu_fast_path(x) else _activation.act_mul_ref
     return fn(x, activation)
 
 

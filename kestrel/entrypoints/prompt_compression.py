@@ -48,6 +48,7 @@ from kestrel.sampling_params import PromptCompression
 PARAM = "prompt_compression"
 SYSTEM_ROLES = ("system", "developer")
 MESSAGE_SEPARATOR = "\n\n"  # between messages' texts when a chat is scored as one text
+TOKENIZE_PIECE_CHARS = 4096  # a long prompt is tokenized in pieces of about this many characters, in parallel
 
 
 @dataclass(frozen=True)
@@ -101,11 +102,17 @@ class PromptCompressor:
     # ----- scoring -------------------------------------------------------------------------------------
 
     def score(self, text: str) -> ScoredTokens:
-        """Each compressor token of `text` (tokens sharing characters merged) and its surprisal in nats."""
-        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(encoding["input_ids"]), np.array(encoding["offset_mapping"], dtype=np.int64)
+        """Each compressor token of `text` (tokens sharing characters merged) and its surprisal in nats. The text
+        is tokenized in pieces cut at line ends (`line_pieces`), which the tokenizer's batch call runs in
+        parallel: no token spans a cut, and the cuts depend on the text alone."""
+        pieces = line_pieces(text, TOKENIZE_PIECE_CHARS)
+        encoding = self.tokenizer(pieces, add_special_tokens=False, return_offsets_mapping=True)
+        ids = [token for piece_ids in encoding["input_ids"] for token in piece_ids]
         if not ids:
             return ScoredTokens.of([])
+        starts = np.cumsum([0, *(len(piece) for piece in pieces[:-1])])
+        offsets = np.concatenate([np.asarray(piece_offsets, dtype=np.int64).reshape(-1, 2) + start
+                                  for piece_offsets, start in zip(encoding["offset_mapping"], starts)])
         return ScoredTokens.merged(offsets[:, 0], offsets[:, 1], self._surprisal(ids))
 
     def _surprisal(self, ids: list[int]) -> list[float]:
@@ -225,6 +232,17 @@ def _stripped(text: str, param: str) -> tuple[str, list[Span], list[int]]:
         return strip_keep_markers(text)
     except KeepMarkerError as error:
         raise InvalidRequestError(param, f"{param}: {error} (prompt_compression's keep markers)") from None
+
+
+def line_pieces(text: str, size: int) -> list[str]:
+    """`text` cut into consecutive pieces of about `size` characters or more, each cut just after a line end."""
+    pieces, start = [], 0
+    while start < len(text):
+        cut = text.find("\n", start + size - 1)
+        end = len(text) if cut < 0 else cut + 1
+        pieces.append(text[start:end])
+        start = end
+    return pieces or [text]
 
 
 def _windows(num_tokens: int, window: int) -> list[_Window]:

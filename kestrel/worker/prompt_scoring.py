@@ -11,7 +11,11 @@ import torch
 
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.worker.runner_setup import RunnerSetup
-from kestrel.worker.step_sampling import PROMPT_LOGPROB_PIECE_ELEMENTS, to_device
+from kestrel.worker.step_sampling import to_device
+
+# Logits scored at once (64 MiB of float32): the scorer runs beside a served model that holds most of the device's
+# memory, so its temporaries stay small.
+LOGIT_PIECE_ELEMENTS = 1 << 24
 
 
 @torch.inference_mode()
@@ -61,7 +65,7 @@ def token_surprisal(runner: RunnerSetup, sequences: Sequence[Sequence[int]],
         logits = runner.model.compute_logits(hidden[rows[begin:end]])
         chosen = logits.gather(1, targets[begin:end, None]).squeeze(1)
         out[begin:end] = torch.logsumexp(logits, dim=-1) - chosen
-        begin, piece = end, max(1, PROMPT_LOGPROB_PIECE_ELEMENTS // logits.shape[1])
+        begin, piece = end, max(1, LOGIT_PIECE_ELEMENTS // logits.shape[1])
     values = out.tolist()
     scored = [n - s for s, n in zip(score_from, lengths)]
     offsets = [0, *itertools.accumulate(scored)]

@@ -215,3 +215,13 @@ def test_vectorized_plan_matches_the_token_by_token_one(seed):
         got = select(text, tokens, rate, protected)
         assert (got.kept, got.kept_spans, got.num_tokens, got.num_kept) == _reference_select(
             text, reference_tokens, rate, protected)
+
+
+@pytest.mark.parametrize("text", ["", "one line", "a\nb\nc\n", "x" * 50 + "\n" + "y" * 10, "\n\n\n" * 20])
+def test_line_pieces_cut_after_line_ends_and_cover_the_text(text):
+    from kestrel.entrypoints.prompt_compression import line_pieces
+
+    pieces = line_pieces(text, 8)
+    assert "".join(pieces) == text
+    assert all(p.endswith("\n") or i == len(pieces) - 1 for i, p in enumerate(pieces))
+    assert all(len(p) >= 8 for p in pieces[:-1])

@@ -1,4 +1,5 @@
-"""Builds and loads the C kernels of `kernels/cpu/` (today `paged_attention.c`) with the system C compiler.
+"""Builds and loads the C kernels of `kernels/cpu/` (`paged_attention.c`, `elementwise.c`) with the system C
+compiler, one shared library per source.
 
 The shared library goes to a per-user directory (mode 0700) under `tempfile.gettempdir()`, named by a hash of the
 source, the flags, the compiler (path, size, mtime) and the CPU's model and flags (`-march=native` code must not run
@@ -30,6 +31,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
+ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.c")
 BASE_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-shared", "-fPIC")
 OPENMP_FLAGS: tuple[str, ...] = ("-fopenmp",)
 COMPILERS: tuple[str, ...] = ("cc", "gcc")
@@ -120,9 +122,9 @@ def load(source: Path = SOURCE, compiler: str | None = None, cache_dir: Path | N
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """This process's library of `paged_attention.c` (built once; None when it cannot be)."""
-    return load()
+def library(source: Path = SOURCE) -> ctypes.CDLL | None:
+    """This process's library of `source` (built once; None when it cannot be)."""
+    return load(source)
 
 
 _PAGED_ATTENTION_ARGS = (
@@ -145,3 +147,28 @@ def paged_attention_fn() -> ctypes._CFuncPtr | None:
     fn.argtypes = _PAGED_ATTENTION_ARGS
     fn.restype = ctypes.c_int
     return fn
+
+
+def _function(source: Path, name: str, argtypes: tuple, restype=ctypes.c_int) -> ctypes._CFuncPtr | None:
+    lib = library(source)
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes = argtypes
+    fn.restype = restype
+    return fn
+
+
+@functools.cache
+def rms_norm_fn() -> ctypes._CFuncPtr | None:
+    """`kestrel_rms_norm` (x, residual, weight, out, residual_out, rows, dim, eps, unit_offset, threads), or None."""
+    return _function(ELEMENTWISE_SOURCE, "kestrel_rms_norm", (
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int))
+
+
+@functools.cache
+def silu_mul_fn() -> ctypes._CFuncPtr | None:
+    """`kestrel_silu_mul` (x, out, rows, inter, threads), or None."""
+    return _function(ELEMENTWISE_SOURCE, "kestrel_silu_mul", (
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int))

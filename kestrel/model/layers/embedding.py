@@ -82,9 +82,15 @@ class LMHead(_VocabShard):
             self.weight = tie_to.weight  # the same Parameter: loaded once, under the embedding's name
         else:
             self.weight = self._new_weight(params_dtype)
+        self.cpu_packed_weight: torch.Tensor | None = None
+        self.processed = False  # process_after_loading has run (model.layers.linear.process_linear_layer)
+
+    def process_after_loading(self) -> None:
+        """On the CPU, a float32 head also keeps its weight in oneDNN's layout, as unquantized linears do."""
+        self.cpu_packed_weight = ops.pack_linear_weight(self.weight)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = ops.linear(hidden_states, self.weight).float()
+        logits = ops.linear(hidden_states, self.weight, packed=self.cpu_packed_weight).float()
         if self.parallel.tp_size == 1:
             return logits
         return self.parallel.all_gather(logits, dim=-1)[..., : self.num_embeddings]
