@@ -53,7 +53,8 @@ def row_bucket(rows: int) -> int:
     return next(b for b in ROW_BUCKETS if b >= rows)
 
 
-def row_pieces(rows: int) -> list[tuple[int, int, int]]:
+@functools.lru_cache(maxsize=4096)
+def row_pieces(rows: int) -> tuple[tuple[int, int, int], ...]:
     """(start, rows, bucket) of each oneDNN call for an input of `rows` rows: full MAX_ROWS pieces, then the rest
     padded to its bucket or cut in two as the module docstring says."""
     pieces, start = [], 0
@@ -69,7 +70,7 @@ def row_pieces(rows: int) -> list[tuple[int, int, int]]:
                 count = bucket = bucket // 2
         pieces.append((start, count, bucket))
         start += count
-    return pieces
+    return tuple(pieces)
 
 
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

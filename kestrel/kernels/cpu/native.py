@@ -172,3 +172,14 @@ def silu_mul_fn() -> ctypes._CFuncPtr | None:
     """`kestrel_silu_mul` (x, out, rows, inter, threads), or None."""
     return _function(ELEMENTWISE_SOURCE, "kestrel_silu_mul", (
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int))
+
+
+@functools.cache
+def rope_store_kv_fn() -> ctypes._CFuncPtr | None:
+    """`kestrel_rope_store_kv` (see elementwise.c for the arguments), or None."""
+    p, i, lng = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    return _function(ELEMENTWISE_SOURCE, "kestrel_rope_store_kv", (
+        p, lng, p, lng, p, lng,  # q, k, v and their row strides
+        p, p, p, lng,  # positions, cos and sin tables, table rows
+        p, p, p, i,  # q_out, k_cache, v_cache, bf16 cache
+        p, lng, lng, i, i, i, i, i))  # slots, slot count, tokens, heads, kv heads, head size, rotary dim, threads
