@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.sample.sampler import Sampler, SamplingMetadata, exponential_race, sampling_probs
+from kestrel.sample.sampler import Sampler, SamplingMetadata, draw_from_probs, sampling_probs
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def verify(logits: torch.Tensor, meta: SamplingMetadata, draft_ids: torch.Tensor
         # The residual: p without the draft (nothing to remove on the last position), renormalized by the race.
         residual = probs.scatter(1, drafts.unsqueeze(1), 0.0).where(has_draft.unsqueeze(1), probs)
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
-        drawn = exponential_race(residual, meta.generators, sampler.generator)
+        drawn = draw_from_probs(residual, meta.generators, sampler.generator)
         accept = torch.where(meta.greedy_mask, has_draft & (drafts == greedy_ids), accept_random)
         emitted = torch.where(meta.greedy_mask, greedy_ids, drawn)
     # Per request: the number of leading accepted drafts.

@@ -372,3 +372,15 @@ def test_bad_words_ban_the_last_token_after_the_words_prefix() -> None:
     logits[:, 8] = 9.0
     out = Sampler()(logits, build(params, outputs=[[3, 7], [7, 3]])).sampled_token_ids.tolist()
     assert out == [0, 8]  # row 0 just wrote 7: 8 is banned too; row 1 did not, so 8 may follow
+
+
+def test_cpu_draws_skip_zero_probability_tokens_and_follow_the_distribution() -> None:
+    from kestrel.sample.sampler import draw_from_probs
+
+    probs = torch.zeros(4000, 6)
+    probs[:, 1], probs[:, 3], probs[:, 5] = 0.2, 0.3, 0.5  # the first and last tokens are not zero-free either
+    probs[:2000, 5], probs[:2000, 0] = 0.0, 0.5
+    drawn = draw_from_probs(probs, {}, torch.Generator().manual_seed(0))
+    assert set(drawn[:2000].tolist()) <= {0, 1, 3} and set(drawn[2000:].tolist()) <= {1, 3, 5}
+    counts = torch.bincount(drawn[2000:], minlength=6).double() / 2000
+    assert torch.allclose(counts[[1, 3, 5]], torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64), atol=0.04)
