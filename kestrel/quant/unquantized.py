@@ -35,7 +35,7 @@ class UnquantizedLinearMethod(QuantMethod):
         layer.cpu_packed_weight = ops.pack_linear_weight(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return ops.linear(x, layer.weight, bias, packed=layer.cpu_packed_weight)
+        return ops.linear(x, layer.weight, bias, packed=getattr(layer, "cpu_packed_weight", None))
 
 
 class UnquantizedFusedMoEMethod(FusedMoEMethod):
