@@ -8,11 +8,13 @@
  *
  * Rows run in parallel on torch's OpenMP pool (see native.py); a row is one thread's, and its sum of squares uses 16
  * independent partial sums combined in a fixed order, so results depend neither on the thread count nor on
- * fast-math flags. exp is the same range-reduced polynomial as paged_attention.c's (within ~2 ulp).
+ * fast-math flags. exp is cpu_math.h's range-reduced polynomial (within ~2 ulp).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_math.h"
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -26,27 +28,6 @@
 
 #define LANES 16
 #define PARALLEL_FROM 32768 /* elements: smaller calls stay on the calling thread */
-
-static inline float exp_poly(float x) {
-    x = x > -87.0f ? x : -87.0f;
-    x = x < 88.0f ? x : 88.0f;
-    const float fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const int n = (int)fn;
-    float r = x - fn * 0.693145751953125f;
-    r = r - fn * 1.428606765330187045e-06f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = (int32_t)((uint32_t)(n + 127) << 23);
-    float scale_f;
-    memcpy(&scale_f, &bits, sizeof scale_f);
-    return p * scale_f;
-}
 
 static void rms_norm_row(const float *restrict x, const float *restrict residual, const float *restrict weight,
                          float *restrict out, float *restrict residual_out, int dim, float eps, int unit_offset) {

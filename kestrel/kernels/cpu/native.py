@@ -2,8 +2,9 @@
 compiler, one shared library per source.
 
 The shared library goes to a per-user directory (mode 0700) under `tempfile.gettempdir()`, named by a hash of the
-source, the flags, the compiler (path, size, mtime) and the CPU's model and flags (`-march=native` code must not run
-on another CPU): a second process, or a later run, loads the same file without compiling. Each build writes a
+source and the headers beside it (`cpu_math.h`), the flags, the compiler (path, size, mtime) and the CPU's model
+and flags (`-march=native` code must not run on another CPU): a second process, or a later run, loads the same
+file without compiling. Each build writes a
 temporary name and `os.replace`s it into place, so processes compiling at the same time never load a half-written
 file.
 
@@ -72,7 +73,8 @@ def build(source: Path, compiler: str | None, cache_dir: Path | None = None) -> 
         return None
     cache_dir = cache_dir or Path(tempfile.gettempdir()) / f"kestrel-native-{os.getuid()}"
     try:
-        text = source.read_bytes()
+        # the headers beside the source (cpu_math.h) are part of what is compiled, so part of the key
+        text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
         cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not _private(cache_dir):
             logger.debug("native kernels: %s is writable by others, not loading code from it", cache_dir)
