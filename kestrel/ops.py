@@ -30,7 +30,7 @@ from kestrel.kernels.cpu import attention as _cpu_attention
 from kestrel.kernels.cpu import elementwise as _cpu_elementwise
 from kestrel.kernels.cpu import linear as _cpu_linear
 from kestrel.kernels.cpu import rope_kv as _cpu_rope_kv
-from kestrel.kernels.sparse_decode import KEY_BOUNDS_DTYPE  # noqa: F401 - what the KV cache allocates
+from kestrel.kernels.sparse_decode import key_bounds_dtype, score_scale  # noqa: F401 - the KV cache's, the layers'
 
 # Weight-only (W4A16 / W8A16) checkpoint repacking, for the loaders: run once at load, on any device.
 from kestrel.kernels.wna16 import (  # noqa: F401

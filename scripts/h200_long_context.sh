@@ -9,6 +9,8 @@
 #                budget 2048 (kestrel bench latency)
 #   quest-kernels  scripts/h200_quest_kernels.py: Quest's earlier selection path against the streamed one (scores,
 #                selection, attention, whole step vs dense), 8k/32k/100k x batch 1/8/32 x pages 16/8, with checks
+#   quest-fp8    FP8 KV: one decode step's attention, dense vs Quest budget 2048 (kernels, 32k, batch 1, 8, 32), then
+#                whole decode steps of the Llama-3-8B shape at a 32k prompt, batch 32: dense, then Quest budget 2048
 #   compress     kestrel bench compression --mode ttft: TTFT of 8k and 32k prompts on the Llama-3-8B shape (random
 #                weights, kestrel-tiny's tokenizer), uncompressed and at rates 0.5 and 0.33, compressor included
 set -uo pipefail
@@ -21,6 +23,10 @@ e2e() { local name=$1; shift
   run 200 python3 -m kestrel.bench.latency --arch llama3-8b --batch 1,8 --input-len 32768 --output-len 64 --repeats 1 \
     --warmups 0 --hf-peer none --no-checks --max-num-batched-tokens 16384 "$@" \
     --result-file "$out/latency-llama3-8b-32k-$name-h200.json"; }
+b32fp8() { local name=$1; shift
+  run 240 python3 -m kestrel.bench.latency --arch llama3-8b --batch 32 --input-len 32768 --output-len 64 --repeats 1 \
+    --warmups 0 --hf-peer none --no-checks --max-num-batched-tokens 16384 --kv-cache-dtype fp8 "$@" \
+    --result-file "$out/latency-llama3-8b-32k-b32-fp8kv-$name-h200.json"; }
 for stage in "$@"; do
   case $stage in
     kernels) run 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sparse_decode.py \
@@ -31,6 +37,11 @@ for stage in "$@"; do
     quest-kernels) run 360 python3 scripts/h200_quest_kernels.py --out "$out" ;;
     quest-e2e) e2e dense
                e2e quest2048 --sparse-decode '{"method": "quest", "token_budget": 2048}' ;;
+    quest-fp8) run 150 python3 -m kestrel.bench.sparse_attention --mode speed --device cuda --kv-cache-dtype fp8 \
+                 --contexts 32768 --batches 1,8,32 --budgets 2048 --page-sizes 16 \
+                 --result-file "$out/sparse-attention-speed-fp8kv-h200.json"
+               b32fp8 dense
+               b32fp8 quest2048 --sparse-decode '{"method": "quest", "token_budget": 2048}' ;;
     compress) mkdir -p /tmp/kestrel-bench-llama3-8b
               python3 -c "import json; from kestrel.bench.common import ARCHS; \
 print(json.dumps(ARCHS['llama3-8b']))" > /tmp/kestrel-bench-llama3-8b/config.json

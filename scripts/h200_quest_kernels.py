@@ -56,7 +56,7 @@ class Pool:
         self.v = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
         self.bounds = {}
         for page in pages:
-            bounds = torch.zeros(num_blocks, BLOCK // page, 2, kv_heads, dim, dtype=sd.KEY_BOUNDS_DTYPE,
+            bounds = torch.zeros(num_blocks, BLOCK // page, 2, kv_heads, dim, dtype=sd.key_bounds_dtype(torch.bfloat16),
                                  device=device)
             slots = torch.arange(num_blocks * BLOCK, device=device)
             for chunk in slots.split(1 << 22):  # the bound kernel's grid is one program per slot
@@ -124,7 +124,7 @@ def point(pool: Pool, batch: int, context: int, page: int, budget: int, heads: i
         qi = torch.randint(-2, 3, q.shape, generator=g, device=device).to(q.dtype)
         lo = torch.randint(-4, 4, (batch * blocks_per_seq, pages, kv_heads, dim), generator=g, device=device).float()
         ib = torch.stack([lo, lo + torch.randint(0, 3, lo.shape, generator=g, device=device).float()], 2)
-        ib = ib.to(sd.KEY_BOUNDS_DTYPE)
+        ib = ib.to(torch.bfloat16)
         it = torch.randperm(batch * blocks_per_seq, generator=g, device=device).view(batch, blocks_per_seq).int()
         args = (qi, ib, seq_lens, it, 0.25, BLOCK, num_selected, SINK_BLOCKS, RECENT_BLOCKS)
         exact = bool(torch.equal(sd.quest_select(*args), sd.quest_select_ref(*args)))

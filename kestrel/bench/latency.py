@@ -99,6 +99,7 @@ def measure_point(engine: Engine, batch: int, input_len: int, output_len: int, r
         ttft_ms=1e3 * common.median([r["ttft_s"] for r in runs]),
         first_request_ttft_ms=1e3 * common.median([r["first_ttft_s"] for r in runs]),
         decode_ms_per_token=1e3 * common.median(steps) if steps else None,
+        decode_mean_ms=1e3 * sum(steps) / len(steps) if steps else None,
         decode_p10_ms=1e3 * common.percentile(steps, 0.1) if steps else None,
         decode_p90_ms=1e3 * common.percentile(steps, 0.9) if steps else None,
         decode_steps_timed=len(steps), repeats=repeats,

@@ -42,7 +42,7 @@ from kestrel.bench import register_suite, standalone_main
 from kestrel.bench.common import pyplot, report, save_figure, target_lines
 from kestrel.bench.ppl import load_documents
 from kestrel.bench.timing import time_calls
-from kestrel.config import ConfigError, EngineConfig, SparseDecodeConfig
+from kestrel.config import KV_CACHE_DTYPE_CHOICES, ConfigError, EngineConfig, SparseDecodeConfig
 from kestrel.kernels.sparse_decode import quest_block_scores
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.model.attn_metadata import AttentionMetadata
@@ -172,7 +172,8 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     windows = quality_windows(documents, context, args.windows)
     if not windows:
         raise ConfigError(f"no held-out file has {context} tokens; lower --context")
-    engine = dict(dtype=args.dtype, device=args.device, max_model_len=context, enable_prefix_caching=False,
+    engine = dict(dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype, max_model_len=context,
+                  enable_prefix_caching=False,
                   kv_cache_blocks=args.batch * -(-context // BLOCK_SIZE), max_num_seqs=args.batch,
                   max_num_batched_tokens=max(args.batch, context))
     dense_setup = RunnerSetup(EngineConfig.from_kwargs(model, **engine))
@@ -245,6 +246,7 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
         })
     return {
         "suite": "sparse-attention", "mode": "quality", "model_dir": model, "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "device": args.device, "dense_layers": args.dense_layers, "page_sizes": args.page_sizes,
         "python": platform.python_version(),
         "stdlib": str(corpus.stdlib_root()), "split": args.split,
@@ -262,41 +264,48 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
 
 def speed_case(batch: int, context: int, budget: int, heads: int, kv_heads: int, head_size: int,
                dtype: torch.dtype, device: torch.device, sink_blocks: int, recent_blocks: int,
-               page_size: int = BLOCK_SIZE) -> dict[str, Any]:
-    """Time one decode step's attention, dense vs Quest (selection + sparse attention), on random K/V."""
+               page_size: int = BLOCK_SIZE, fp8_cache: bool = False) -> dict[str, Any]:
+    """Time one decode step's attention, dense vs Quest (selection + sparse attention), on random K/V (stored in
+    FP8 e4m3 with per-tensor scales for `fp8_cache`)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_size, generator=g).to(device=device, dtype=dtype)
-    v_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_size, generator=g).to(device=device, dtype=dtype)
+    cache_dtype = torch.float8_e4m3fn if fp8_cache else dtype
+    k_scale, v_scale = (1 / 64, 1 / 64) if fp8_cache else (1.0, 1.0)
+    k_cache = (torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_size, generator=g) / k_scale).to(
+        device=device, dtype=cache_dtype)
+    v_cache = (torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_size, generator=g) / v_scale).to(
+        device=device, dtype=cache_dtype)
     q = torch.randn(batch, heads, head_size, generator=g).to(device=device, dtype=dtype)
     tables = torch.randperm(num_blocks, generator=g).view(batch, blocks_per_seq).to(device=device, dtype=torch.int32)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query_start = torch.arange(batch + 1, dtype=torch.int32, device=device)
     pages = BLOCK_SIZE // page_size
-    bounds = torch.zeros(num_blocks, pages, 2, kv_heads, head_size, dtype=ops.KEY_BOUNDS_DTYPE, device=device)
-    ops.update_key_bounds(k_cache, torch.arange(num_blocks * BLOCK_SIZE, device=device), bounds)
+    bounds = torch.zeros(num_blocks, pages, 2, kv_heads, head_size, dtype=ops.key_bounds_dtype(cache_dtype),
+                         device=device)
+    ops.update_key_bounds(k_cache, torch.arange(num_blocks * BLOCK_SIZE, device=device), bounds, k_scale)
     scale = head_size ** -0.5
+    bound_scale = ops.score_scale(bounds, scale, k_scale)
     num_selected = budget // page_size
     out = torch.empty_like(q)
 
     def dense() -> object:
-        return ops.paged_attention(q, k_cache, v_cache, query_start, seq_lens, tables, scale, out=out,
-                                   max_query_len=1)
+        return ops.paged_attention(q, k_cache, v_cache, query_start, seq_lens, tables, scale, None, k_scale,
+                                   v_scale, out=out, max_query_len=1)
 
     def select() -> torch.Tensor:
-        return ops.quest_select(q, bounds, seq_lens, tables, scale, BLOCK_SIZE, num_selected, sink_blocks,
+        return ops.quest_select(q, bounds, seq_lens, tables, bound_scale, BLOCK_SIZE, num_selected, sink_blocks,
                                 recent_blocks)
 
     def scores() -> torch.Tensor:
-        return quest_block_scores(q, bounds, seq_lens, tables, scale, BLOCK_SIZE)
+        return quest_block_scores(q, bounds, seq_lens, tables, bound_scale, BLOCK_SIZE)
 
     def quest() -> object:
-        return ops.sparse_paged_decode(q, k_cache, v_cache, seq_lens, tables, select(), scale, out=out,
-                                       page_size=page_size)
+        return ops.sparse_paged_decode(q, k_cache, v_cache, seq_lens, tables, select(), scale, k_scale, v_scale,
+                                       out=out, page_size=page_size)
 
     selected = select()
-    sparse_out = ops.sparse_paged_decode(q, k_cache, v_cache, seq_lens, tables, selected, scale,
+    sparse_out = ops.sparse_paged_decode(q, k_cache, v_cache, seq_lens, tables, selected, scale, k_scale, v_scale,
                                          page_size=page_size).float()
     runs = 20
     dense_us, graphed = time_calls([dense], runs, device)
@@ -305,7 +314,8 @@ def speed_case(batch: int, context: int, budget: int, heads: int, kv_heads: int,
     quest_us, _ = time_calls([quest], runs, device)
     kv_bytes = 2 * batch * context * kv_heads * head_size * k_cache.element_size()
     return {
-        "batch": batch, "context": context, "token_budget": budget, "page_size": page_size, "dense_us": dense_us,
+        "batch": batch, "context": context, "token_budget": budget, "page_size": page_size,
+        "kv_cache_dtype": "fp8" if fp8_cache else "auto", "dense_us": dense_us,
         "quest_us": quest_us,
         "selection_us": select_us, "selection_scores_us": scores_us, "attention_speedup": dense_us / quest_us,
         "cuda_graphs": graphed,
@@ -323,7 +333,8 @@ def run_speed(args: argparse.Namespace) -> dict[str, Any]:
         for context in args.contexts:
             for batch in args.batches:
                 row = speed_case(batch, context, budget, args.heads, args.kv_heads, args.head_size, dtype, device,
-                                 args.sink_blocks, args.recent_blocks, page or BLOCK_SIZE)
+                                 args.sink_blocks, args.recent_blocks, page or BLOCK_SIZE,
+                                 fp8_cache=args.kv_cache_dtype == "fp8")
                 rows.append(row)
                 print(f"batch {batch:3d} x {context:6d}, budget {budget}, page {page or BLOCK_SIZE}: dense "
                       f"{row['dense_us']:9.1f} us, quest "
@@ -336,6 +347,7 @@ def run_speed(args: argparse.Namespace) -> dict[str, Any]:
                 "pass": device.type == "cuda" and r["attention_speedup"] >= TARGET_ATTENTION_SPEEDUP}
                for r in rows if r["context"] >= 32768 and r["token_budget"] == 2048]
     return {"suite": "sparse-attention", "mode": "speed", "device": str(device), "dtype": args.dtype,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "heads": args.heads, "kv_heads": args.kv_heads, "head_size": args.head_size,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "note": None if device.type == "cuda" else "CPU references: a functional check, not a speed measurement",
@@ -442,6 +454,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=32, help="speed: query heads (default: the 8B shape)")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
+                   help="fp8: K/V (and Quest's key bounds) in FP8 e4m3, in both modes")
     p.add_argument("--result-file", type=Path, default=None, help="write the JSON here (and the PNG beside it)")
 
 

@@ -31,13 +31,18 @@ Three operations, each a Triton kernel with a PyTorch reference of the same sign
 Shapes are static (the selection width is fixed, grids depend on shapes only) and nothing reads a tensor back to
 the host, so a decode step stays capturable in a CUDA graph.
 
-Layouts: caches `[num_blocks, block_size, num_kv_heads, head_size]`; key bounds bfloat16
-`[num_blocks, block_size // page_size, 2, num_kv_heads, head_size]` (per page: min, then max). Every step reads
-every page's bounds, so their bytes are the selection's cost: in bfloat16 they are half a float32 copy's. Each is
-widened by 2^-6 of its magnitude in float32 and then rounded toward zero to bfloat16 (which loses less than 2^-7
-of it), so a stored minimum never exceeds the true one and a stored maximum never falls short: the scores stay
-upper bounds. Rounding toward zero is a truncation of the float32 bits, the same in the kernel, its reference and
-Triton's interpreter, so all three store the same bits.
+Layouts: caches `[num_blocks, block_size, num_kv_heads, head_size]`; key bounds
+`[num_blocks, block_size // page_size, 2, num_kv_heads, head_size]` (per page: min, then max), of
+`key_bounds_dtype(cache dtype)`. Every step reads every page's bounds, so their bytes are the selection's cost:
+- An FP8 cache keeps its bounds in its own dtype and units (stored values, before `k_scale`): the min and max of
+  FP8 keys are FP8 keys, so they are exact, and half bfloat16's bytes. The selection then scales its scores by
+  `k_scale` (`score_scale`). A page with no key holds 0 (FP8 has no infinity; such a page lies past its
+  sequence's length, and the scores never read it).
+- Other caches keep bfloat16 bounds, half a float32 copy's bytes. Each is widened by 2^-6 of its magnitude in
+  float32 and then rounded toward zero to bfloat16 (which loses less than 2^-7 of it), so a stored minimum never
+  exceeds the true one and a stored maximum never falls short: the scores stay upper bounds. Rounding toward zero
+  is a truncation of the float32 bits, the same in the kernel, its reference and Triton's interpreter, so all
+  three store the same bits. A page with no key holds +inf / -inf.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ import triton.language as tl
 from kestrel.kernels import common
 
 _LOG2E = 1.4426950408889634
-KEY_BOUNDS_DTYPE = torch.bfloat16
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _BOUND_WIDENING = 2.0**-6  # twice a bfloat16's relative spacing: truncation to bfloat16 cannot cross back
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 SELECT_IMPLS = ("stream", "topk")
@@ -81,6 +86,22 @@ STREAM_DEFAULT = StreamConfig()
 def key_bounds_shape(num_blocks: int, pages_per_block: int, num_kv_heads: int,
                      head_size: int) -> tuple[int, int, int, int, int]:
     return (num_blocks, pages_per_block, 2, num_kv_heads, head_size)
+
+
+def key_bounds_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a cache's key bounds: an FP8 cache's own (exact, in stored units), bfloat16 for the others."""
+    return cache_dtype if cache_dtype in FP8_CACHE_DTYPES else torch.bfloat16
+
+
+def bounds_in_cache_units(key_bounds: torch.Tensor) -> bool:
+    """True for an FP8 cache's bounds, which hold stored key values (before `k_scale`)."""
+    return key_bounds.dtype in FP8_CACHE_DTYPES
+
+
+def score_scale(key_bounds: torch.Tensor, scale: float, k_scale: float) -> float:
+    """The scale the selection gives its bound scores: the attention scale, times `k_scale` for bounds in cache
+    units."""
+    return scale * k_scale if bounds_in_cache_units(key_bounds) else scale
 
 
 def _page_size(k_cache_or_block_size: torch.Tensor | int, key_bounds: torch.Tensor) -> int:
@@ -118,14 +139,19 @@ def update_key_bounds_ref(k_cache: torch.Tensor, slot_mapping: torch.Tensor, key
     if slots.numel() == 0:
         return
     blocks, last_offset = slots // block_size, slots % block_size
-    keys = k_cache[blocks].float() * k_scale  # [W, block_size, H_kv, D]
+    raw = bounds_in_cache_units(key_bounds)
+    keys = k_cache[blocks].float() * (1.0 if raw else k_scale)  # [W, block_size, H_kv, D]
     keys = keys.view(len(blocks), block_size // page_size, page_size, *keys.shape[2:])
     filled = torch.arange(block_size, device=slots.device)[None, :] <= last_offset[:, None]
     filled = filled.view(len(blocks), block_size // page_size, page_size, 1, 1)
     lowest = torch.where(filled, keys, float("inf")).amin(dim=2)
     highest = torch.where(filled, keys, float("-inf")).amax(dim=2)
-    key_bounds[blocks, :, 0] = stored_bound(lowest, -1.0)
-    key_bounds[blocks, :, 1] = stored_bound(highest, 1.0)
+    if raw:  # minima and maxima of stored values are stored values: exact in the cache's dtype
+        key_bounds[blocks, :, 0] = lowest.masked_fill(torch.isinf(lowest), 0.0).to(key_bounds.dtype)
+        key_bounds[blocks, :, 1] = highest.masked_fill(torch.isinf(highest), 0.0).to(key_bounds.dtype)
+    else:
+        key_bounds[blocks, :, 0] = stored_bound(lowest, -1.0)
+        key_bounds[blocks, :, 1] = stored_bound(highest, 1.0)
 
 
 def stored_bound(bound: torch.Tensor, direction: float) -> torch.Tensor:
@@ -134,15 +160,16 @@ def stored_bound(bound: torch.Tensor, direction: float) -> torch.Tensor:
     pages stay."""
     moved = torch.where(torch.isinf(bound), bound, bound + direction * bound.abs() * _BOUND_WIDENING)
     truncated = moved.contiguous().view(torch.int32) & -65536  # keep the sign, exponent and top 7 mantissa bits
-    return truncated.view(torch.float32).to(KEY_BOUNDS_DTYPE)
+    return truncated.view(torch.float32).to(torch.bfloat16)
 
 
 @triton.jit
 def _update_key_bounds_kernel(k_ptr, slot_ptr, bounds_ptr, num_tokens, k_scale, stride_kb, stride_kt,
                               stride_bb, WIDENING, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr,
-                              WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr):
+                              WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr, RAW: tl.constexpr):
     """One program per written token; only a block's last writer of the step computes, page by page over the
-    block's filled slots and every KV head at once (a slot's heads x dims are contiguous: WIDTH of them)."""
+    block's filled slots and every KV head at once (a slot's heads x dims are contiguous: WIDTH of them). RAW:
+    bounds in the cache's dtype and units, exact."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     following = tl.load(slot_ptr + t + 1, mask=t + 1 < num_tokens, other=-1)
@@ -156,14 +183,22 @@ def _update_key_bounds_kernel(k_ptr, slot_ptr, bounds_ptr, num_tokens, k_scale, 
         rows = page * PAGE + tl.arange(0, PAGE)
         ok = (rows[:, None] <= last_offset) & (cols[None, :] < WIDTH)
         keys = tl.load(k_ptr + block * stride_kb + rows[:, None] * stride_kt + cols[None, :], mask=ok, other=0.0)
-        keys = keys.to(tl.float32) * k_scale
+        keys = keys.to(tl.float32)
+        if not RAW:
+            keys = keys * k_scale
         lowest = tl.min(tl.where(ok, keys, float("inf")), axis=0)
         highest = tl.max(tl.where(ok, keys, float("-inf")), axis=0)
-        lowest = tl.where(lowest == float("inf"), lowest, lowest - tl.abs(lowest) * WIDENING)
-        highest = tl.where(highest == float("-inf"), highest, highest + tl.abs(highest) * WIDENING)
         base = bounds_ptr + block * stride_bb + page * 2 * WIDTH
-        tl.store(base + cols, lowest.to(tl.bfloat16, fp_downcast_rounding="rtz"), mask=cols < WIDTH)
-        tl.store(base + WIDTH + cols, highest.to(tl.bfloat16, fp_downcast_rounding="rtz"), mask=cols < WIDTH)
+        if RAW:
+            lowest = tl.where(lowest == float("inf"), 0.0, lowest)
+            highest = tl.where(highest == float("-inf"), 0.0, highest)
+            tl.store(base + cols, lowest.to(bounds_ptr.dtype.element_ty), mask=cols < WIDTH)
+            tl.store(base + WIDTH + cols, highest.to(bounds_ptr.dtype.element_ty), mask=cols < WIDTH)
+        else:
+            lowest = tl.where(lowest == float("inf"), lowest, lowest - tl.abs(lowest) * WIDENING)
+            highest = tl.where(highest == float("-inf"), highest, highest + tl.abs(highest) * WIDENING)
+            tl.store(base + cols, lowest.to(tl.bfloat16, fp_downcast_rounding="rtz"), mask=cols < WIDTH)
+            tl.store(base + WIDTH + cols, highest.to(tl.bfloat16, fp_downcast_rounding="rtz"), mask=cols < WIDTH)
 
 
 def update_key_bounds(k_cache: torch.Tensor, slot_mapping: torch.Tensor, key_bounds: torch.Tensor,
@@ -171,9 +206,10 @@ def update_key_bounds(k_cache: torch.Tensor, slot_mapping: torch.Tensor, key_bou
     num_tokens = slot_mapping.shape[0]
     _, block_size, num_kv_heads, head_size = k_cache.shape
     page_size = _page_size(k_cache, key_bounds)
-    if key_bounds.shape[2:] != (2, num_kv_heads, head_size) or key_bounds.dtype != KEY_BOUNDS_DTYPE:
+    want = key_bounds_dtype(k_cache.dtype)
+    if key_bounds.shape[2:] != (2, num_kv_heads, head_size) or key_bounds.dtype != want:
         raise ValueError(f"key bounds {tuple(key_bounds.shape)} {key_bounds.dtype} do not fit the cache "
-                         f"{tuple(k_cache.shape)}: expected {KEY_BOUNDS_DTYPE} [num_blocks, pages_per_block, 2, "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype}: expected {want} [num_blocks, pages_per_block, 2, "
                          f"{num_kv_heads}, {head_size}]")
     if k_cache.stride(3) != 1 or k_cache.stride(2) != head_size or not key_bounds.is_contiguous():
         raise ValueError("update_key_bounds needs each slot's heads x dims contiguous and contiguous bounds")
@@ -183,7 +219,7 @@ def update_key_bounds(k_cache: torch.Tensor, slot_mapping: torch.Tensor, key_bou
     _update_key_bounds_kernel[(num_tokens,)](
         k_cache, slot_mapping, key_bounds, num_tokens, float(k_scale), k_cache.stride(0), k_cache.stride(1),
         key_bounds.stride(0), _BOUND_WIDENING, BLOCK_SIZE=block_size, PAGE=page_size, WIDTH=width,
-        WIDTH_PAD=_next_pow2(width))
+        WIDTH_PAD=_next_pow2(width), RAW=bounds_in_cache_units(key_bounds))
 
 
 # ------------------------------------------------------------------------------------------------ selection

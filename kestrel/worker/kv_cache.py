@@ -25,7 +25,7 @@ from kestrel.kv_spec import (
     layer_group_indices,
 )
 from kestrel.loader.safetensors import CheckpointNotFoundError, checkpoint_files, iterate_files, weight_format
-from kestrel.ops import KEY_BOUNDS_DTYPE
+from kestrel.ops import key_bounds_dtype
 from kestrel.quant.scheme import KV_SCALE_NAMES
 
 logger = logging.getLogger(__name__)
@@ -162,9 +162,6 @@ def bind_layer_caches(layers: Sequence[CachingLayer], caches: Sequence[torch.Ten
         layer.bind_kv_cache(cache, k_scale, v_scale, group)
 
 
-KEY_BOUND_BYTES = KEY_BOUNDS_DTYPE.itemsize  # bfloat16 minima and maxima
-
-
 def bind_streaming_window(layers: Sequence[CachingLayer], streaming: StreamingWindowConfig | None) -> None:
     """Attention sinks + window on every attention layer, before the KV cache is sized from their specs."""
     if streaming is None:
@@ -205,14 +202,16 @@ def quest_layer_indices(layers: Sequence[CachingLayer], sparse: SparseDecodeConf
 
 
 def key_bounds_bytes_per_block(layers: Sequence[CachingLayer], sparse: SparseDecodeConfig | None,
-                               block_size: int) -> int:
+                               block_size: int, cache_dtype: torch.dtype) -> int:
     """Quest's key bounds of one block over the layers it runs on: min and max per page, KV head and head
-    dimension (pages x 2 x head_size bfloat16 per KV head, against block_size x 2 x head_size cache elements)."""
+    dimension (pages x 2 x head_size bounds per KV head, against block_size x 2 x head_size cache elements;
+    bfloat16, or an FP8 cache's own dtype)."""
     if sparse is None:
         return 0
     pages = block_size // sparse.page_tokens(block_size)
     specs = [layers[i].cache_spec for i in quest_layer_indices(layers, sparse)]
-    return sum(pages * 2 * spec.num_kv_heads * spec.head_size * KEY_BOUND_BYTES for spec in specs)
+    size = key_bounds_dtype(cache_dtype).itemsize
+    return sum(pages * 2 * spec.num_kv_heads * spec.head_size * size for spec in specs)
 
 
 def bind_key_bounds(layers: Sequence[CachingLayer], sparse: SparseDecodeConfig | None, num_blocks: int,
@@ -222,10 +221,11 @@ def bind_key_bounds(layers: Sequence[CachingLayer], sparse: SparseDecodeConfig |
     bounds = []
     for i in quest_layer_indices(layers, sparse):
         assert sparse is not None
-        spec, block_size = layers[i].cache_spec, layers[i].kv_cache.shape[2]  # type: ignore[attr-defined]
+        spec, cache = layers[i].cache_spec, layers[i].kv_cache  # type: ignore[attr-defined]
+        block_size = cache.shape[2]
         pages = block_size // sparse.page_tokens(block_size)
-        tensor = torch.zeros(num_blocks, pages, 2, spec.num_kv_heads, spec.head_size, dtype=KEY_BOUNDS_DTYPE,
-                             device=device)
+        tensor = torch.zeros(num_blocks, pages, 2, spec.num_kv_heads, spec.head_size,
+                             dtype=key_bounds_dtype(cache.dtype), device=device)
         layers[i].bind_sparse_decode(tensor, sparse)  # type: ignore[attr-defined]
         bounds.append(tensor)
     return bounds

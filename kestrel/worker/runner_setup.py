@@ -142,7 +142,7 @@ class RunnerSetup:
         # A draft model or EAGLE head: loaded before the memory profile, its K/V in the target's blocks.
         self.drafter = build_drafter(config, self.model, self.dtype, self.kv_spec.dtype, self.device)
         draft_bytes = self.drafter.kv_spec.bytes_per_block if self.drafter is not None else 0
-        bounds_bytes = key_bounds_bytes_per_block(layers, config.sparse, self.block_size)
+        bounds_bytes = key_bounds_bytes_per_block(layers, config.sparse, self.block_size, self.kv_spec.dtype)
         self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget(), draft_bytes + bounds_bytes)
         if parallel is not None:  # every rank holds the same blocks: as many as the tightest rank can
             self.num_blocks = parallel.min_over_world(self.num_blocks, self.device)
@@ -177,7 +177,8 @@ class RunnerSetup:
         shape = KVCacheShape.of_layers(layers, kv_cache_dtype(self.config.cache, self.dtype), self.block_size)
         if shape.bytes_per_block < 1:
             return 0
-        per_block = shape.bytes_per_block + key_bounds_bytes_per_block(layers, self.config.sparse, self.block_size)
+        per_block = shape.bytes_per_block + key_bounds_bytes_per_block(layers, self.config.sparse, self.block_size,
+                                                                       shape.dtype)
         one_sequence = self.max_blocks_per_seq * per_block if self.device.type == "cuda" else None
         return num_blocks_for(self.config, shape, one_sequence, per_block - shape.bytes_per_block) * per_block
 

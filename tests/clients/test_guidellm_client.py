@@ -62,5 +62,8 @@ def test_every_request_succeeds_with_streamed_latencies(served: Served, tmp_path
     for name, count in (("time_to_first_token_ms", REQUESTS), ("request_latency", REQUESTS),
                         ("inter_token_latency_ms", REQUESTS * (OUTPUT_TOKENS - 1))):
         successful = metrics[name]["successful"]
-        assert successful["count"] == count and 0 < successful["min"] <= successful["max"], name
+        # a stream whose consumer falls behind gets several tokens in one event, whose gaps are zero
+        may_be_zero = name == "inter_token_latency_ms"
+        assert successful["count"] == count and 0 <= successful["min"] <= successful["max"], name
+        assert successful["max"] > 0 and (may_be_zero or successful["min"] > 0), name
     assert metrics["request_totals"]["successful"] == REQUESTS and metrics["request_totals"]["errored"] == 0

@@ -91,8 +91,8 @@ def test_models_without_full_attention_or_with_soft_caps_are_refused(tmp_path) -
 
 class BoundsAudit:
     """After every attention layer's forward, the key bounds of every page the step's sequences read must be
-    the min / max of the keys those pages hold (the filled slots of the last one), dequantized as attention
-    reads them. Counts the blocks checked."""
+    the min / max of the keys those pages hold (the filled slots of the last one): dequantized as attention reads
+    them and kept outward in bfloat16, or exact in an FP8 cache's stored units. Counts the blocks checked."""
 
     def __init__(self, llm: LLM) -> None:
         self.checked = 0
@@ -108,9 +108,15 @@ class BoundsAudit:
             for lp in range(-(-seq_len // page)):
                 block, start = int(tables[s, lp * page // BLOCK]), lp * page % BLOCK
                 filled = min(page, seq_len - lp * page)
-                keys = k_cache[block, start: start + filled].float() * layer.k_scale
-                want = torch.stack([stored_bound(keys.amin(0), -1.0), stored_bound(keys.amax(0), 1.0)])
-                assert torch.equal(layer.key_bounds[block, start // page], want), (layer.layer_idx, s, lp, block)
+                keys = k_cache[block, start: start + filled]
+                if k_cache.dtype == torch.float8_e4m3fn:  # an FP8 cache's bounds: its own values
+                    want = torch.stack([keys.float().amin(0), keys.float().amax(0)])
+                    got = layer.key_bounds[block, start // page].float()
+                else:
+                    keys = keys.float() * layer.k_scale
+                    want = torch.stack([stored_bound(keys.amin(0), -1.0), stored_bound(keys.amax(0), 1.0)])
+                    got = layer.key_bounds[block, start // page]
+                assert torch.equal(got, want), (layer.layer_idx, s, lp, block)
                 self.checked += 1
 
     def close(self) -> None:

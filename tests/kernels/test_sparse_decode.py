@@ -10,12 +10,13 @@ import torch
 
 from kestrel.kernels.attention import paged_attention_ref
 from kestrel.kernels.sparse_decode import (
-    KEY_BOUNDS_DTYPE,
     StreamConfig,
+    key_bounds_dtype,
     quest_block_scores,
     quest_block_scores_ref,
     quest_select,
     quest_select_ref,
+    score_scale,
     select_pages,
     select_pages_triton,
     sparse_paged_decode,
@@ -45,8 +46,12 @@ def exact_bounds(k_cache: torch.Tensor, block: int, filled: int, page: int, k_sc
 
 
 def bounds_oracle(k_cache: torch.Tensor, block: int, filled: int, page: int, k_scale: float = 1.0) -> torch.Tensor:
-    """The stored bounds: the exact ones widened outward by 2^-6 of their magnitude in float32, then truncated to
-    bfloat16 (bit for bit what the kernels store)."""
+    """The stored bounds. bfloat16: the exact ones widened outward by 2^-6 of their magnitude in float32, then
+    truncated (bit for bit what the kernels store). An FP8 cache's: the exact minima and maxima of its stored values
+    (before k_scale), 0 for a page with no key."""
+    if k_cache.dtype == FP8:
+        exact = exact_bounds(k_cache, block, filled, page)
+        return exact.masked_fill(torch.isinf(exact), 0.0).to(k_cache.dtype)
     exact = exact_bounds(k_cache, block, filled, page, k_scale)
     return torch.stack([stored_bound(exact[:, 0], -1.0), stored_bound(exact[:, 1], 1.0)], dim=1)
 
@@ -67,7 +72,8 @@ def test_key_bounds_follow_writes(device, cache_dtype, page) -> None:
     k_scale = 0.05 if cache_dtype == FP8 else 1.0
     k_cache = torch.zeros(num_blocks, BLOCK, heads, dim, dtype=cache_dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
-    bounds = torch.zeros(num_blocks, BLOCK // page, 2, heads, dim, dtype=KEY_BOUNDS_DTYPE, device=device)
+    bounds = torch.zeros(num_blocks, BLOCK // page, 2, heads, dim, dtype=key_bounds_dtype(cache_dtype),
+                         device=device)
     bounds_ref = torch.zeros_like(bounds)
 
     def write(slots: list[int]) -> None:
@@ -79,12 +85,16 @@ def test_key_bounds_follow_writes(device, cache_dtype, page) -> None:
 
     def check(block: int, filled: int) -> None:
         want = bounds_oracle(k_cache, block, filled, page, k_scale)
-        torch.testing.assert_close(bounds[block].cpu(), want.cpu(), rtol=0, atol=0)
-        torch.testing.assert_close(bounds_ref[block].cpu(), want.cpu(), rtol=0, atol=0)
-        # stored in bfloat16, still bounds: below every key's minimum, above its maximum, within 2^-5 of them
-        exact, stored = exact_bounds(k_cache, block, filled, page, k_scale).cpu(), bounds[block].cpu().float()
-        assert (stored[:, 0] <= exact[:, 0]).all() and (stored[:, 1] >= exact[:, 1]).all()
+        torch.testing.assert_close(bounds[block].cpu().float(), want.cpu().float(), rtol=0, atol=0)
+        torch.testing.assert_close(bounds_ref[block].cpu().float(), want.cpu().float(), rtol=0, atol=0)
+        exact = exact_bounds(k_cache, block, filled, page, k_scale).cpu()
         finite = torch.isfinite(exact)
+        if cache_dtype == FP8:  # in stored units, exact: k_scale times them is the dequantized keys' bounds
+            assert torch.equal((bounds[block].cpu().float() * k_scale)[finite], exact[finite])
+            return
+        # stored in bfloat16, still bounds: below every key's minimum, above its maximum, within 2^-5 of them
+        stored = bounds[block].cpu().float()
+        assert (stored[:, 0] <= exact[:, 0]).all() and (stored[:, 1] >= exact[:, 1]).all()
         assert ((stored - exact).abs()[finite] <= exact.abs()[finite] * 2.0**-5 + 1e-30).all()
 
     # Step 1: sequence A prefills 20 tokens into blocks 3, 5; sequence B its first 7 into block 1; a padded row.
@@ -203,23 +213,27 @@ def test_triton_selection_equals_reference(device, num_selected, sinks, recent, 
         assert torch.equal(got.cpu(), want.cpu())
 
 
-def exact_bounds_case(device, page: int, seq_lens=(300, 123, 16, 0), kv_heads=2, heads=8, dim=16, width=24):
+def exact_bounds_case(device, page: int, seq_lens=(300, 123, 16, 0), kv_heads=2, heads=8, dim=16, width=24,
+                      bounds_dtype=torch.bfloat16):
     """Integer queries and bounds: every product and sum is exact in fp32 whatever the order, so the Triton scores
     are the reference's bit for bit, and the few distinct values make many ties."""
     g = torch.Generator().manual_seed(5)
     num_blocks = len(seq_lens) * width
     lowest = torch.randint(-4, 4, (num_blocks, BLOCK // page, kv_heads, dim), generator=g).float()
     highest = lowest + torch.randint(0, 3, lowest.shape, generator=g).float()
-    bounds = torch.stack([lowest, highest], dim=2).to(KEY_BOUNDS_DTYPE)
+    bounds = torch.stack([lowest, highest], dim=2).to(bounds_dtype)
     q = torch.randint(-2, 3, (len(seq_lens), heads, dim), generator=g).float()
     tables = torch.randperm(num_blocks, generator=g).view(len(seq_lens), width).to(torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     return q.to(device), bounds.to(device), lens.to(device), tables.to(device)
 
 
-@pytest.mark.parametrize("page, num_selected, sinks, recent", [(16, 8, 1, 2), (8, 20, 1, 1), (4, 33, 0, 1)])
-def test_stream_selection_equals_reference_exactly(device, page, num_selected, sinks, recent) -> None:
-    q, bounds, lens, tables = exact_bounds_case(device, page)
+@pytest.mark.parametrize("page, num_selected, sinks, recent, bounds_dtype", [
+    (16, 8, 1, 2, torch.bfloat16), (8, 20, 1, 1, torch.bfloat16), (4, 33, 0, 1, torch.bfloat16),
+    (16, 8, 1, 2, FP8), (4, 33, 0, 1, FP8)])
+def test_stream_selection_equals_reference_exactly(device, page, num_selected, sinks, recent, bounds_dtype) -> None:
+    """bfloat16 bounds and an FP8 cache's (read as stored values)."""
+    q, bounds, lens, tables = exact_bounds_case(device, page, bounds_dtype=bounds_dtype)
     got = quest_select(q, bounds, lens, tables, 0.25, BLOCK, num_selected, sinks, recent, impl="stream")
     want = quest_select_ref(q, bounds, lens, tables, 0.25, BLOCK, num_selected, sinks, recent)
     assert torch.equal(got.cpu(), want.cpu())
@@ -334,7 +348,7 @@ def test_selection_of_every_page_equals_dense_attention(device, page) -> None:
     seq_lens = (70, 16, 3)
     q, k, v, lens, tables, _, _, _ = sparse_case(device, 8, 2, 32, seq_lens)
     pages = BLOCK // page
-    bounds = torch.zeros(k.shape[0], pages, 2, 2, 32, dtype=KEY_BOUNDS_DTYPE, device=device)
+    bounds = torch.zeros(k.shape[0], pages, 2, 2, 32, dtype=key_bounds_dtype(k.dtype), device=device)
     slots = torch.cat([tables[s, torch.arange(n, device=device) // BLOCK].long() * BLOCK
                        + torch.arange(n, device=device) % BLOCK for s, n in enumerate(seq_lens)])
     update_key_bounds(k, slots, bounds)
@@ -346,3 +360,35 @@ def test_selection_of_every_page_equals_dense_attention(device, page) -> None:
     dense = paged_attention_ref(q.double(), k, v, query_start, lens, tables, 0.2)
     got = sparse_paged_decode(q, k, v, lens, tables, selected, 0.2, page_size=page).double()
     torch.testing.assert_close(got.cpu(), dense.cpu(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page", [16, 4])
+def test_fp8_cache_selection_bounds_every_dequantized_key(device, page) -> None:
+    """An FP8 cache: bounds kept as stored values, scores scaled by k_scale (score_scale) bound every real scaled
+    q.k of their page, in the Triton paths and the reference alike, and select the reference's pages."""
+    g = torch.Generator().manual_seed(7)
+    num_blocks, kv_heads, heads, dim, k_scale = 20, 2, 8, 32, 0.02
+    k_cache = (torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g) / k_scale).to(FP8).to(device)
+    tables = torch.randperm(num_blocks, generator=g)[:18].view(2, 9).to(torch.int32).to(device)
+    lens = torch.tensor([140, 57], dtype=torch.int32, device=device)
+    q = torch.randn(2, heads, dim, generator=g).to(device)
+    bounds = torch.zeros(num_blocks, BLOCK // page, 2, kv_heads, dim, dtype=FP8, device=device)
+    update_key_bounds(k_cache, torch.arange(num_blocks * BLOCK, device=device), bounds, k_scale)
+    scale = dim ** -0.5
+    bound_scale = score_scale(bounds, scale, k_scale)
+    assert bound_scale == scale * k_scale
+    want = quest_block_scores_ref(q.double(), bounds, lens, tables, bound_scale, BLOCK).cpu()
+    for impl in ("stream", "topk"):
+        got = quest_block_scores(q, bounds, lens, tables, bound_scale, BLOCK, impl=impl).cpu().double()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    keys = k_cache.cpu().double() * k_scale
+    for s, seq_len in enumerate(lens.tolist()):
+        for lp in range(-(-seq_len // page)):
+            block, start = tables[s, lp * page // BLOCK].long().cpu(), lp * page % BLOCK
+            page_keys = keys[block, start: min(start + page, start + seq_len - lp * page)]
+            for h in range(heads):
+                real = page_keys[:, h // (heads // kv_heads)] @ q[s, h].cpu().double() * scale
+                assert real.max() <= want[s, h // (heads // kv_heads), lp] + 1e-9
+    got = quest_select(q, bounds, lens, tables, bound_scale, BLOCK, 24 // page * 4, 1, 1)
+    ref = quest_select_ref(q, bounds, lens, tables, bound_scale, BLOCK, 24 // page * 4, 1, 1)
+    assert torch.equal(got.cpu(), ref.cpu())

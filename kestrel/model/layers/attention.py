@@ -94,8 +94,9 @@ class Attention(nn.Module):
         self.streaming = settings
 
     def bind_sparse_decode(self, key_bounds: torch.Tensor, settings: SparseDecodeConfig) -> None:
-        """Turn on Quest for this layer: keep `key_bounds` (bfloat16 `[num_blocks, pages_per_block, 2, kv_heads,
-        head_size]`, the cache's block count) as keys are written, and decode over the selected pages."""
+        """Turn on Quest for this layer: keep `key_bounds` (`[num_blocks, pages_per_block, 2, kv_heads, head_size]`,
+        the cache's block count, of `ops.key_bounds_dtype(cache dtype)`) as keys are written, and decode over the
+        selected pages."""
         if type(self.cache_spec) is not FullAttentionSpec:
             raise ValueError(f"layer {self.layer_idx}: Quest applies to full-attention layers, not {self.cache_spec}")
         if self.logit_soft_cap is not None:
@@ -181,7 +182,8 @@ class Attention(nn.Module):
         settings, block_size = self.sparse_decode, k_cache.shape[1]
         assert settings is not None and self.key_bounds is not None
         seq_lens = attn_metadata.seq_lens
-        selected = ops.quest_select(q, self.key_bounds, seq_lens, block_tables, self.scale, block_size,
+        scale = ops.score_scale(self.key_bounds, self.scale, self.k_scale)
+        selected = ops.quest_select(q, self.key_bounds, seq_lens, block_tables, scale, block_size,
                                     settings.num_selected_pages(block_size), settings.sink_blocks,
                                     settings.recent_blocks)
         return ops.sparse_paged_decode(q, k_cache, v_cache, seq_lens, block_tables, selected, self.scale,
