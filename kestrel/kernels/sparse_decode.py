@@ -83,6 +83,30 @@ class StreamConfig:
 STREAM_DEFAULT = StreamConfig()
 
 
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch shape of `sparse_paged_decode`: `keys_per_tile` keys a step (whole pages, at least 16: what a dot
+    needs), `num_stages` steps of the key loop in flight (its selection, block-table and K/V loads of later steps
+    issued while one is computed; None: Triton's default pipelining), `num_warps` per program, and splits of a
+    selection while the launch stays within `programs_per_sm` programs per SM."""
+
+    keys_per_tile: int = 16
+    num_stages: int | None = None
+    num_warps: int = 4
+    programs_per_sm: int = 4
+
+
+# Swept on the H200 at the 8B shape, 32k contexts, budget 2048, batch 1-32 (scripts/h200_sparse_attention_sweep.py):
+# 32 keys a step beat 16 by up to 1.4x at batch 32; FP8 caches want two steps in flight, BF16 Triton's default.
+ATTENTION_DEFAULT = AttentionConfig(keys_per_tile=32)
+ATTENTION_DEFAULT_FP8 = AttentionConfig(keys_per_tile=32, num_stages=2)
+
+
+def attention_config(cache_dtype: torch.dtype) -> AttentionConfig:
+    """The default launch shape of `sparse_paged_decode` for a cache of `cache_dtype`."""
+    return ATTENTION_DEFAULT_FP8 if cache_dtype in FP8_CACHE_DTYPES else ATTENTION_DEFAULT
+
+
 def key_bounds_shape(num_blocks: int, pages_per_block: int, num_kv_heads: int,
                      head_size: int) -> tuple[int, int, int, int, int]:
     return (num_blocks, pages_per_block, 2, num_kv_heads, head_size)
@@ -618,7 +642,7 @@ def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, ou
                           GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
                           DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, Q_CLAMP: tl.constexpr,
-                          SPLIT: tl.constexpr):
+                          SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Grid (num_seqs, num_kv_heads, num_splits). Rows of the tile are the group's query heads; a key tile is
     PAGES_PER_TILE consecutive selected pages (PAGE keys each: at least 16 keys a tile, what a dot needs), online
     softmax in the log2 domain. With SPLIT, each program covers a slice of the tiles and writes a normalized
@@ -651,7 +675,7 @@ def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, ou
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    for j in range(first, last):
+    for j in tl.range(first, last, num_stages=NUM_STAGES):
         entry = j * PAGES_PER_TILE + entry_of_key
         logical = tl.load(sel_row + entry, mask=entry < num_selected, other=-1)
         token = tl.maximum(logical, 0) * PAGE + within_page
@@ -683,12 +707,13 @@ def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, ou
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def sparse_decode_splits(num_seqs: int, num_kv_heads: int, num_tiles: int, device: torch.device) -> int:
-    """Splits of each (sequence, KV head)'s selection: double while the launch stays within 4 programs per SM
-    (the dense decode's BF16 rule), keeping >= 4 key tiles (64 keys) per split. From shapes only."""
+def sparse_decode_splits(num_seqs: int, num_kv_heads: int, num_tiles: int, device: torch.device,
+                         programs_per_sm: int = 4) -> int:
+    """Splits of each (sequence, KV head)'s selection: double while the launch stays within `programs_per_sm`
+    programs per SM (4: the dense decode's BF16 rule), keeping >= 4 key tiles per split. From shapes only."""
     sms = common.num_sms(device, off_cuda=16)
     splits = 1
-    while num_seqs * num_kv_heads * splits * 2 <= 4 * sms and splits * 2 * 4 <= num_tiles:
+    while num_seqs * num_kv_heads * splits * 2 <= programs_per_sm * sms and splits * 2 * 4 <= num_tiles:
         splits *= 2
     return splits
 
@@ -704,9 +729,11 @@ def _check_page_size(page_size: int | None, block_size: int) -> int:
 def sparse_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                         block_tables: torch.Tensor, selected: torch.Tensor, scale: float, k_scale: float = 1.0,
                         v_scale: float = 1.0, out: torch.Tensor | None = None, *, page_size: int | None = None,
-                        num_splits: int | None = None, merge: str = "triton") -> torch.Tensor:
+                        num_splits: int | None = None, merge: str = "triton",
+                        config: AttentionConfig | None = None) -> torch.Tensor:
     """Triton `sparse_paged_decode_ref`; `num_splits` overrides the shape rule (tests); `merge` combines the
-    splits in one Triton launch ("triton") or in torch ops ("torch", the earlier path)."""
+    splits in one Triton launch ("triton") or in torch ops ("torch", the earlier path); `config` the launch
+    shape (None: `attention_config` of the cache's dtype)."""
     if merge not in MERGE_IMPLS:
         raise ValueError(f"merge={merge!r}: expected one of {MERGE_IMPLS}")
     num_seqs, num_heads, head_size = q.shape
@@ -733,9 +760,10 @@ def sparse_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         dot_dtype = tl.float32
     else:
         dot_dtype = tl.float16 if fp8 else _DOT_DTYPES[q.dtype]
-    pages_per_tile = max(1, 16 // page_size)
+    config = config or attention_config(k_cache.dtype)
+    pages_per_tile = max(1, max(16, config.keys_per_tile) // page_size)
     num_tiles = -(-num_selected // pages_per_tile)
-    splits = num_splits or sparse_decode_splits(num_seqs, num_kv_heads, num_tiles, q.device)
+    splits = num_splits or sparse_decode_splits(num_seqs, num_kv_heads, num_tiles, q.device, config.programs_per_sm)
     if splits > 1:
         partial = torch.empty(splits, num_seqs, num_kv_heads, block_m, head_pad, dtype=torch.float32, device=q.device)
         lse = torch.empty(splits, num_seqs, num_kv_heads, block_m, dtype=torch.float32, device=q.device)
@@ -748,7 +776,8 @@ def sparse_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v_cache.stride(2), block_tables.stride(0), selected.stride(0), selected.stride(1),
         GROUP=group, HEAD=head_size, HEAD_PAD=head_pad, BLOCK_M=block_m, BLOCK_SIZE=block_size, PAGE=page_size,
         PAGES_PER_TILE=pages_per_tile, DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else "tf32",
-        Q_CLAMP=fp8 and q.dtype == torch.bfloat16, SPLIT=splits > 1, num_warps=4)
+        Q_CLAMP=fp8 and q.dtype == torch.bfloat16, SPLIT=splits > 1, NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps)
     if splits > 1:
         (_merge_partials_triton if merge == "triton" else _merge_partials)(partial, lse, out, group, head_size)
     return out

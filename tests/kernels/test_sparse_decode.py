@@ -10,6 +10,7 @@ import torch
 
 from kestrel.kernels.attention import paged_attention_ref
 from kestrel.kernels.sparse_decode import (
+    AttentionConfig,
     StreamConfig,
     key_bounds_dtype,
     quest_block_scores,
@@ -392,3 +393,16 @@ def test_fp8_cache_selection_bounds_every_dequantized_key(device, page) -> None:
     got = quest_select(q, bounds, lens, tables, bound_scale, BLOCK, 24 // page * 4, 1, 1)
     ref = quest_select_ref(q, bounds, lens, tables, bound_scale, BLOCK, 24 // page * 4, 1, 1)
     assert torch.equal(got.cpu(), ref.cpu())
+
+
+@pytest.mark.parametrize("config", [AttentionConfig(keys_per_tile=32), AttentionConfig(num_stages=2, num_warps=8),
+                                    AttentionConfig(keys_per_tile=64, num_stages=3, programs_per_sm=8)])
+@pytest.mark.parametrize("page", [16, 8])
+def test_sparse_attention_launch_shapes_match_the_oracle(device, config, page) -> None:
+    """Wider key tiles (several pages a step, an odd selection leaving part of the last tile empty), deeper
+    pipelines and more splits compute the same attention."""
+    q, k, v, lens, tables, selected, _, _ = sparse_case(device, 8, 2, 32, (150, 37, 9, 70), num_selected=7,
+                                                        page=page)
+    want = sparse_oracle(q, k, v, lens, tables, selected, 0.25, page=page)
+    got = sparse_paged_decode(q, k, v, lens, tables, selected, 0.25, page_size=page, config=config)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
