@@ -45,7 +45,10 @@ def int_list(text: str) -> list[int]:
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], output_len: int, tag: str) -> dict[str, Any]:
-    """Add every prompt at once, step to completion; TTFTs and the pure-decode step times (seconds)."""
+    """Add every prompt at once, step to completion; TTFTs and the pure-decode step times (seconds): every step
+    after each request has its first token, and of those the steps with the whole batch still decoding. Long
+    prompts are prefilled a chunk a step, so the first requests decode while the last prefill and finish first:
+    only the full-batch steps are steps of `len(prompts)` sequences."""
     core, device = engine.core, engine.runner.device
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     common.synchronize(device)
@@ -55,24 +58,31 @@ def run_batch(engine: Engine, prompts: list[list[int]], output_len: int, tag: st
     first: dict[str, float] = {}
     tokens: dict[str, int] = {}
     steps: list[float] = []
+    full_batch_steps: list[float] = []
+    finished = 0
     # A step returns once its sampled ids are on the host, so the time between two returns is one step's
     # time; no extra device synchronization, which would also defeat async scheduling's overlap.
     before = start
     while core.has_unfinished_requests():
         decoding_only = len(first) == len(prompts)
+        full_batch = decoding_only and finished == 0
         outputs = core.step()
         after = time.perf_counter()
         if decoding_only:
             steps.append(after - before)
+        if full_batch and not any(out.finished for out in outputs):
+            full_batch_steps.append(after - before)
         before = after
         for out in outputs:
+            finished += out.finished
             tokens[out.request_id] = len(out.outputs[0].token_ids)
             if tokens[out.request_id] and out.request_id not in first:
                 first[out.request_id] = after
     produced = sum(tokens.values())
     if produced != len(prompts) * output_len:
         raise RuntimeError(f"{tag}: expected {len(prompts) * output_len} output tokens, got {produced}")
-    return {"ttft_s": max(first.values()) - start, "first_ttft_s": min(first.values()) - start, "steps": steps}
+    return {"ttft_s": max(first.values()) - start, "first_ttft_s": min(first.values()) - start, "steps": steps,
+            "full_batch_steps": full_batch_steps}
 
 
 def fits(engine: Engine, batch: int, total_len: int) -> bool:
@@ -95,11 +105,15 @@ def measure_point(engine: Engine, batch: int, input_len: int, output_len: int, r
     runs = [run_batch(engine, common.random_prompts(batch, input_len, vocab, seed + 1000 + r), output_len,
                       f"run{batch}x{input_len}-{r}") for r in range(repeats)]
     steps = [s for run in runs for s in run["steps"]]
+    full = [s for run in runs for s in run["full_batch_steps"]]
     row.update(
         ttft_ms=1e3 * common.median([r["ttft_s"] for r in runs]),
         first_request_ttft_ms=1e3 * common.median([r["first_ttft_s"] for r in runs]),
         decode_ms_per_token=1e3 * common.median(steps) if steps else None,
         decode_mean_ms=1e3 * sum(steps) / len(steps) if steps else None,
+        decode_full_batch_ms=1e3 * common.median(full) if full else None,
+        decode_full_batch_mean_ms=1e3 * sum(full) / len(full) if full else None,
+        full_batch_steps_timed=len(full),
         decode_p10_ms=1e3 * common.percentile(steps, 0.1) if steps else None,
         decode_p90_ms=1e3 * common.percentile(steps, 0.9) if steps else None,
         decode_steps_timed=len(steps), repeats=repeats,

@@ -20,6 +20,13 @@ def test_latency_smoke(tmp_path: Path) -> None:
         assert row["ttft_ms"] > 0 and row["first_request_ttft_ms"] <= row["ttft_ms"]
         assert row["decode_ms_per_token"] > 0 and row["decode_steps_timed"] == row["repeats"] * (output_len - 1)
         assert row["decode_p10_ms"] <= row["decode_ms_per_token"] <= row["decode_p90_ms"]
+        # prompts prefilled in one step: every decode step but the last (which finishes them) is full-batch; a
+        # batch prefilled over several steps finishes over several, and has fewer
+        full_batch_most = row["repeats"] * (output_len - 2)
+        if row["batch"] == 1:
+            assert row["full_batch_steps_timed"] == full_batch_most
+        assert 1 <= row["full_batch_steps_timed"] <= full_batch_most
+        assert row["decode_full_batch_ms"] > 0 and row["decode_full_batch_mean_ms"] > 0
         assert row["decode_roofline_ms"] > 0 and row["ttft_roofline_ms"] > 0
         assert abs(row["decode_x_roofline"] * row["decode_roofline_ms"] - row["decode_ms_per_token"]) < 1e-6
     weights = result["weight_bytes"]
