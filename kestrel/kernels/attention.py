@@ -89,9 +89,8 @@ def _check_soft_cap(logit_soft_cap: float | None) -> None:
 # Two launches of one kernel cover a flat batch:
 # - "decode" launch, grid (num_seqs, num_kv_heads, num_splits): one program per sequence whose query is at
 #   most BLOCK_Q tokens (decodes, short speculative chunks). With num_splits > 1 (flash-decoding) each
-#   program covers one slice of the context and writes a partial (output, log-sum-exp); the split of each
-#   (sequence, KV head) that finishes last merges them (`common.last_to_arrive`), which saves the launch
-#   of `_merge_splits_kernel`, kept for `split_merge="launch"`.
+#   program covers one slice of the context and writes a partial (output, log-sum-exp) that
+#   `_merge_splits_kernel` combines.
 # - "prefill" launch, grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads): an upper bound on the number
 #   of BLOCK_Q-token query tiles; each program finds its sequence by binary search over query_start_loc,
 #   so the grid depends on tensor shapes only and nothing is read back to the host.
@@ -100,7 +99,6 @@ def _check_soft_cap(logit_soft_cap: float | None) -> None:
 
 _LOG2E = 1.4426950408889634
 _NO_LIMIT = 2**31 - 1  # the prefill launch takes every query length above the decode launch's
-SPLIT_MERGES = ("fused", "launch")
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -211,7 +209,7 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
 
 @triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi", "window"])
 def _paged_attn_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, ends_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, ends_ptr,
     qk_scale, v_scale, window, num_seqs, q_len_lo, q_len_hi,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
@@ -220,7 +218,6 @@ def _paged_attn_kernel(
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr, Q_CLAMP: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr,
     ACC_W: tl.constexpr, ODD_W: tl.constexpr, SOFT_CAP: tl.constexpr, USE_ENDS: tl.constexpr,
-    MERGE: tl.constexpr, FENCE: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     if PER_SEQ:
@@ -328,18 +325,6 @@ def _paged_attn_kernel(
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(plse_ptr + row, lse)
         tl.store(po_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], o)
-        if MERGE:  # the split that finishes last merges them all: no merge launch
-            pair = seq * tl.num_programs(1) + kv_head
-            if common.last_to_arrive(count_ptr, pair, num_splits, offs_m, FENCE):
-                offs_s = tl.arange(0, SPLITS_PAD)
-                s_ok = offs_s < num_splits
-                for r in tl.static_range(BLOCK_Q * GROUP):
-                    tok = q_tok0 + r // GROUP
-                    split_rows = ((offs_s * num_seqs + seq) * tl.num_programs(1) + kv_head).to(tl.int64) * BLOCK_M + r
-                    merged = common.merge_splits(plse_ptr, po_ptr, split_rows, s_ok & (tok < q_len), offs_d,
-                                                 HEAD_PAD, ".cg")
-                    tl.store(out_ptr + (q_start + tok) * stride_ot + (kv_head * GROUP + r % GROUP) * stride_oh
-                             + offs_d, merged.to(out_ptr.dtype.element_ty), mask=d_ok & (tok < q_len))
     else:
         o_ptrs = out_ptr + (q_start + tok_in)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -365,7 +350,7 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     s_ok = offs_s < num_splits
     row = ((offs_s * num_seqs + seq) * tl.num_programs(1) + kv_head).to(tl.int64) * BLOCK_M + r
-    o = common.merge_splits(plse_ptr, po_ptr, row, s_ok, offs_d, HEAD_PAD, "")
+    o = common.merge_splits(plse_ptr, po_ptr, row, s_ok, offs_d, HEAD_PAD)
     head = kv_head * GROUP + r % GROUP
     tl.store(out_ptr + (q_start + tok) * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD)
@@ -496,7 +481,6 @@ def paged_attention(
     decode_cfg: AttnConfig | None = None,
     prefill_cfg: AttnConfig | None = None,
     causal_ends: torch.Tensor | None = None,
-    split_merge: str = "fused",
 ) -> torch.Tensor:
     """Triton paged attention with `paged_attention_ref`'s semantics (`causal_ends` included); no host
     synchronization.
@@ -506,12 +490,8 @@ def paged_attention(
     its token bucket); with it a pure decode batch skips the prefill launch, and a batch of one sequence holding
     more than the decode launch's tokens skips the decode launch. `max_seq_len` only tunes the split count:
     leave it out when capturing a graph replayed at other context lengths. `num_splits`, `decode_cfg`,
-    `prefill_cfg` override the tuned choices (tests, benchmarks). `split_merge`: the decode launch's splits are
-    merged by the split of each (sequence, KV head) that finishes last ("fused") or by a launch of their own
-    ("launch"; also where `common.split_counters` has no buffer to give).
+    `prefill_cfg` override the tuned choices (tests, benchmarks).
     """
-    if split_merge not in SPLIT_MERGES:
-        raise ValueError(f"split_merge={split_merge!r}: expected one of {SPLIT_MERGES}")
     num_tokens, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, kv_head_size = k_cache.shape
     if num_heads % num_kv_heads or kv_head_size != head_size or v_cache.shape != k_cache.shape:
@@ -541,7 +521,7 @@ def paged_attention(
     # path compiles to exactly the uncapped kernel, with no extra parameter.
     qk_scale = float(scale) * float(k_scale) * _LOG2E
     capped = logit_soft_cap is not None
-    launch_args = dict(
+    common = dict(
         qk_scale=qk_scale * 2.0 / float(logit_soft_cap) if capped else qk_scale, v_scale=float(v_scale),
         SOFT_CAP=float(logit_soft_cap) * _LOG2E if capped else 0.0,
         window=int(sliding_window or 0), num_seqs=num_seqs,
@@ -563,7 +543,7 @@ def paged_attention(
     v_arg = v_cache.view(torch.int16) if v_pairs else v_cache
     pairs = dict(V_PAIRS=v_pairs, V_ASM=v_pairs and q.is_cuda, ACC_W=head_pad // 2 if v_pairs else head_pad,
                  ODD_W=head_pad // 2 if v_pairs else 1)
-    launch_args.update(stride_vb=v_arg.stride(0), stride_vt=v_arg.stride(1), stride_vh=v_arg.stride(2))
+    common.update(stride_vb=v_arg.stride(0), stride_vt=v_arg.stride(1), stride_vh=v_arg.stride(2))
     dec = decode_cfg or decode_config(head_size, group, fp8, wide)
     dec_q = max(1, dec.block_m // group)
 
@@ -572,10 +552,9 @@ def paged_attention(
         pre_q = max(1, pre.block_m // group)
         grid = (num_tokens // pre_q + num_seqs, num_kv_heads)
         _paged_attn_kernel[grid](
-            q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends, seq_lens,
-            q_len_lo=dec_q, q_len_hi=_NO_LIMIT, **launch_args, **pairs,
+            q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends,
+            q_len_lo=dec_q, q_len_hi=_NO_LIMIT, **common, **pairs,
             BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False,
-            MERGE=False, FENCE=False, SPLITS_PAD=1,
             num_warps=pre.num_warps, num_stages=pre.num_stages,
         )
 
@@ -587,24 +566,19 @@ def paged_attention(
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, q.device, max_seq_len, fp8)
     split = num_splits > 1
-    counts = None
     if split:
         part_o = torch.empty((num_splits, num_seqs, num_kv_heads, dec.block_m, head_pad), dtype=torch.float32,
                              device=q.device)
         part_lse = torch.empty(part_o.shape[:-1], dtype=torch.float32, device=q.device)
-        if split_merge == "fused":
-            counts = common.split_counters(q.device, num_seqs * num_kv_heads)
     else:
         part_o = part_lse = out
     _paged_attn_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_arg, out, part_o, part_lse, query_start_loc, seq_lens, block_tables, ends,
-        seq_lens if counts is None else counts,
-        q_len_lo=0, q_len_hi=dec_q, **launch_args, **pairs,
+        q_len_lo=0, q_len_hi=dec_q, **common, **pairs,
         BLOCK_M=dec.block_m, BLOCK_Q=dec_q, BLOCK_N=dec.block_n, PER_SEQ=True, SPLIT=split,
-        MERGE=counts is not None, FENCE=q.is_cuda, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         num_warps=dec.num_warps, num_stages=dec.num_stages,
     )
-    if split and counts is None:
+    if split:
         _merge_splits_kernel[(num_seqs, num_kv_heads, dec_q * group)](
             out, part_o, part_lse, query_start_loc, num_seqs, num_splits, dec_q, out.stride(0), out.stride(1),
             GROUP=group, HEAD=head_size, HEAD_PAD=head_pad, BLOCK_M=dec.block_m, BLOCK_Q=dec_q,

@@ -1,6 +1,5 @@
 """Helpers shared by the elementwise kernels: nearest-even rounding that Triton's interpreter gets right, the
-merge of split attention partials (in a launch of its own, or by the split that finishes last), and the
-programmatic-dependent-launch options.
+merge of split attention partials, and the programmatic-dependent-launch options.
 
 On the GPU (`FAST`) the hardware conversions round to nearest even. Triton's CPU interpreter truncates
 fp32 -> bf16 and drops the mantissa carry in fp32 -> e4m3, so off the GPU the kernels round by hand to an
@@ -71,67 +70,16 @@ def to_cache(x, scale, dtype: tl.constexpr, FP8: tl.constexpr, FAST: tl.constexp
 
 
 @triton.jit
-def merge_splits(plse_ptr, po_ptr, row, s_ok, offs_d, HEAD_PAD: tl.constexpr, CACHE: tl.constexpr):
+def merge_splits(plse_ptr, po_ptr, row, s_ok, offs_d, HEAD_PAD: tl.constexpr):
     """One output row from the partials of its splits (`row` the splits' packed rows, `s_ok` the real ones):
     each `[HEAD_PAD]` partial weighted by 2^(its base-2 log-sum-exp - the largest), in fp32. A split that saw no
-    key (lse -inf) weighs 0; a row whose splits saw none merges to 0. `CACHE`: the loads' cache modifier (".cg"
-    when other programs of the same launch wrote the partials: read through L2, never a stale L1 line)."""
-    lse = tl.load(plse_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)
+    key (lse -inf) weighs 0; a row whose splits saw none merges to 0."""
+    lse = tl.load(plse_ptr + row, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     weight = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
-    partial = tl.load(po_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0,
-                      cache_modifier=CACHE)
+    partial = tl.load(po_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     total = tl.sum(weight, 0)
     return tl.sum(weight[:, None] * partial, 0) / tl.where(total == 0.0, 1.0, total)
-
-
-@triton.jit
-def gpu_fence(x, FENCE: tl.constexpr):
-    """A GPU-scope acquire-release fence in every thread that holds part of `x` (any int32 tensor), returned
-    unchanged. Off the GPU (FENCE false) nothing: the interpreter runs one program at a time."""
-    if FENCE:
-        x = tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-    return x
-
-
-@triton.jit
-def last_to_arrive(count_ptr, index, total, x, FENCE: tl.constexpr):
-    """Count this program in at `count_ptr[index]` once its stores are issued; true for the last of the `total`
-    programs sharing the index, which may then read what the others stored (their stores are fenced before
-    their count, its loads after it) and which resets the count to 0 for the next launch on the stream. `x`: any
-    int32 tensor of the program, for the fences."""
-    x = gpu_fence(x, FENCE)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + index, 1, sem="acq_rel", scope="gpu")
-    last = arrived == total - 1
-    if last:
-        tl.atomic_xchg(count_ptr + index, 0, sem="relaxed", scope="gpu")
-        x = gpu_fence(x, FENCE)
-    return last
-
-
-_SPLIT_COUNTERS: dict[str, torch.Tensor] = {}
-SPLIT_COUNTER_SLOTS = 1 << 16
-
-
-def split_counters(device: torch.device, slots: int) -> torch.Tensor | None:
-    """Zeroed int32 arrival counts for a launch whose programs merge their own splits (`last_to_arrive`): one
-    buffer per device, allocated once (`SPLIT_COUNTER_SLOTS`) and left at zero by every launch that uses it, so
-    capturing or replaying a CUDA graph writes no memset. The launches that share it must be ordered (one
-    stream, as the engine runs its steps). None when `slots` exceed it, or when the buffer would first be
-    allocated inside a graph capture: the caller then merges in a launch of its own."""
-    if device.type != "cuda":
-        return torch.zeros(slots, dtype=torch.int32, device=device)
-    if slots > SPLIT_COUNTER_SLOTS:
-        return None
-    key = str(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
-    counts = _SPLIT_COUNTERS.get(key)
-    if counts is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _SPLIT_COUNTERS[key] = torch.zeros(SPLIT_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return counts
 
 
 def launch_options(x: torch.Tensor) -> dict:

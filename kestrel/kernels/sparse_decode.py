@@ -60,7 +60,7 @@ FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _BOUND_WIDENING = 2.0**-6  # twice a bfloat16's relative spacing: truncation to bfloat16 cannot cross back
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 SELECT_IMPLS = ("stream", "topk")
-MERGE_IMPLS = ("fused", "triton", "torch")
+MERGE_IMPLS = ("triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,17 @@ class StreamConfig:
     512 scores of a step, 4 to 16)."""
 
     block_b: int = 32
-    programs_per_sm: int = 8
+    programs_per_sm: int = 16
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
     select_chunk: int = 8192
     select_warps: int | None = None
 
 
+# Swept on the H200 at the 8B shape, 32k contexts, budget 2048, batch 1 / 8 / 32, BF16 and FP8 caches (39 shapes,
+# scripts/h200_quest_select_sweep.py): 16 programs per SM and two tiles in flight took the selection from
+# 16.8 / 36.7 / 100.4 us to 16.1 / 34.3 / 87.1 (BF16) and 19.9 / 29.3 / 73.9 to 16.9 / 28.9 / 68.1 (FP8), the
+# best single shape but for 128 pages a tile (0.4% less in total, slower at batch 8).
 STREAM_DEFAULT = StreamConfig()
 
 
@@ -604,7 +608,7 @@ def sparse_paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, selected: torch.Tensor, scale: float, k_scale: float = 1.0,
                             v_scale: float = 1.0, out: torch.Tensor | None = None, *,
                             page_size: int | None = None, num_splits: int | None = None,
-                            merge: str = "fused") -> torch.Tensor:
+                            merge: str = "triton") -> torch.Tensor:
     """q `[S, H, D]`, one query token per sequence at position seq_len - 1, attending to the keys of its KV head's
     selected logical pages (`selected[s, h]`, -1 unused; pages of `page_size` tokens, default the block size)
     below seq_len. Float32 math (float64 for float64 q); `num_splits` and `merge` shape the Triton launch only."""
@@ -636,19 +640,17 @@ def sparse_paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 @triton.jit
-def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, out_ptr, po_ptr, plse_ptr, count_ptr,
-                          num_selected,
+def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, out_ptr, po_ptr, plse_ptr, num_selected,
                           qk_scale, v_scale, stride_qs, stride_qh, stride_os, stride_oh, stride_kb, stride_kt,
                           stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_ss, stride_sh,
                           GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
                           DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, Q_CLAMP: tl.constexpr,
-                          SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, MERGE: tl.constexpr,
-                          FENCE: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                          SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Grid (num_seqs, num_kv_heads, num_splits). Rows of the tile are the group's query heads; a key tile is
     PAGES_PER_TILE consecutive selected pages (PAGE keys each: at least 16 keys a tile, what a dot needs), online
     softmax in the log2 domain. With SPLIT, each program covers a slice of the tiles and writes a normalized
-    partial and its log-sum-exp; with MERGE the split that finishes last merges them into the output."""
+    partial and its log-sum-exp."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -704,17 +706,6 @@ def _sparse_decode_kernel(q_ptr, k_ptr, v_ptr, seq_lens_ptr, bt_ptr, sel_ptr, ou
         row = ((split * tl.num_programs(0) + seq) * tl.num_programs(1) + kv_head).to(tl.int64) * BLOCK_M + offs_m
         tl.store(plse_ptr + row, tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe)))
         tl.store(po_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], o)
-        if MERGE:
-            pair = seq * tl.num_programs(1) + kv_head
-            if common.last_to_arrive(count_ptr, pair, tl.num_programs(2), offs_m, FENCE):
-                offs_s = tl.arange(0, SPLITS_PAD)
-                s_ok = offs_s < tl.num_programs(2)
-                for r in tl.static_range(GROUP):
-                    split_rows = ((offs_s * tl.num_programs(0) + seq) * tl.num_programs(1)
-                                  + kv_head).to(tl.int64) * BLOCK_M + r
-                    merged = common.merge_splits(plse_ptr, po_ptr, split_rows, s_ok, offs_d, HEAD_PAD, ".cg")
-                    tl.store(out_ptr + seq * stride_os + (kv_head * GROUP + r) * stride_oh + offs_d,
-                             merged.to(out_ptr.dtype.element_ty), mask=d_ok)
     else:
         tl.store(out_ptr + seq * stride_os + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -742,12 +733,11 @@ def _check_page_size(page_size: int | None, block_size: int) -> int:
 def sparse_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                         block_tables: torch.Tensor, selected: torch.Tensor, scale: float, k_scale: float = 1.0,
                         v_scale: float = 1.0, out: torch.Tensor | None = None, *, page_size: int | None = None,
-                        num_splits: int | None = None, merge: str = "fused",
+                        num_splits: int | None = None, merge: str = "triton",
                         config: AttentionConfig | None = None) -> torch.Tensor:
     """Triton `sparse_paged_decode_ref`; `num_splits` overrides the shape rule (tests); `merge` combines the
-    splits by the split of each (sequence, KV head) that finishes last ("fused"; "triton" where
-    `common.split_counters` has no buffer to give), in one Triton launch of their own ("triton") or in torch ops
-    ("torch", the earliest path); `config` the launch shape (None: `attention_config` of the cache's dtype)."""
+    splits in one Triton launch ("triton") or in torch ops ("torch", the earlier path); `config` the launch
+    shape (None: `attention_config` of the cache's dtype)."""
     if merge not in MERGE_IMPLS:
         raise ValueError(f"merge={merge!r}: expected one of {MERGE_IMPLS}")
     num_seqs, num_heads, head_size = q.shape
@@ -778,27 +768,22 @@ def sparse_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     pages_per_tile = max(1, max(16, config.keys_per_tile) // page_size)
     num_tiles = -(-num_selected // pages_per_tile)
     splits = num_splits or sparse_decode_splits(num_seqs, num_kv_heads, num_tiles, q.device, config.programs_per_sm)
-    counts = None
     if splits > 1:
         partial = torch.empty(splits, num_seqs, num_kv_heads, block_m, head_pad, dtype=torch.float32, device=q.device)
         lse = torch.empty(splits, num_seqs, num_kv_heads, block_m, dtype=torch.float32, device=q.device)
-        if merge == "fused":
-            counts = common.split_counters(q.device, num_seqs * num_kv_heads)
     else:
         partial = lse = out
     _sparse_decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, seq_lens, block_tables, selected, out, partial, lse,
-        seq_lens if counts is None else counts, num_selected,
+        q, k_cache, v_cache, seq_lens, block_tables, selected, out, partial, lse, num_selected,
         float(scale) * float(k_scale) * _LOG2E, float(v_scale), q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), selected.stride(0), selected.stride(1),
         GROUP=group, HEAD=head_size, HEAD_PAD=head_pad, BLOCK_M=block_m, BLOCK_SIZE=block_size, PAGE=page_size,
         PAGES_PER_TILE=pages_per_tile, DOT_DTYPE=dot_dtype, DOT_PREC="ieee" if dot_dtype == tl.float32 else "tf32",
         Q_CLAMP=fp8 and q.dtype == torch.bfloat16, SPLIT=splits > 1, NUM_STAGES=config.num_stages,
-        MERGE=counts is not None, FENCE=q.is_cuda, SPLITS_PAD=max(2, _next_pow2(splits)),
         num_warps=config.num_warps)
-    if splits > 1 and counts is None:
-        (_merge_partials_triton if merge != "torch" else _merge_partials)(partial, lse, out, group, head_size)
+    if splits > 1:
+        (_merge_partials_triton if merge == "triton" else _merge_partials)(partial, lse, out, group, head_size)
     return out
 
 
@@ -824,7 +809,7 @@ def _merge_partials_kernel(out_ptr, po_ptr, plse_ptr, num_splits, stride_os, str
     offs_d = tl.arange(0, HEAD_PAD)
     s_ok = offs_s < num_splits
     row = ((offs_s * tl.num_programs(0) + seq) * tl.num_programs(1) + kv_head).to(tl.int64) * BLOCK_M + r
-    merged = common.merge_splits(plse_ptr, po_ptr, row, s_ok, offs_d, HEAD_PAD, "")
+    merged = common.merge_splits(plse_ptr, po_ptr, row, s_ok, offs_d, HEAD_PAD)
     tl.store(out_ptr + seq * stride_os + (kv_head * GROUP + r) * stride_oh + offs_d,
              merged.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD)
 
