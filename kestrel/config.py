@@ -858,6 +858,9 @@ class EngineConfig:
     expert_load_metrics: bool = False  # count the tokens routed to each expert of every MoE layer
     expert_load_interval: int = EXPERT_LOAD_INTERVAL  # steps between the counts' reports to the engine
     cpu_threads: int | None = None  # torch threads of a CPU engine; None: its usable cores less one
+    # Processes compiling Triton kernels ahead of the profile run and the graph capture; 0: off (each kernel
+    # compiles when it first launches); None: the usable cores less one on a CUDA device that captures graphs.
+    compile_workers: int | None = None
     speculative_config: dict | None = None  # vLLM's dict; parsed into `speculative`
     speculative: SpeculativeConfig | None = field(default=None, init=False, compare=False)
     sparse_decode: dict | None = None  # {"method": "quest", "token_budget": ...}; parsed into `sparse`
@@ -884,6 +887,10 @@ class EngineConfig:
             self._check_streaming_window()
         _check_choice("device", self.device, DEVICE_CHOICES)
         _check_int("cpu_threads", self.cpu_threads, 1, allow_none=True)
+        _check_int("compile_workers", self.compile_workers, 0, allow_none=True)
+        if self.compile_workers and self.device == "cpu":
+            _fail("compile_workers", self.compile_workers, "it compiles a GPU's Triton kernels; a CPU engine runs "
+                  "none, leave it unset or 0")
         if self.cpu_threads is not None and self.device == "cuda":
             _fail("cpu_threads", self.cpu_threads, "it sets a CPU engine's threads; leave it unset with device='cuda'")
         for name in ("enforce_eager", "debug_launch_count", "disable_log_stats", "expert_load_metrics"):
@@ -1131,6 +1138,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "with CUDA graphs on only (docs/kernels-attention.md)"),
     EngineArg("cpu_threads", "engine", "cpu_threads", "torch threads of a CPU engine (default: the cores it may "
               "use, less one for the engine loop)"),
+    EngineArg("compile_workers", "engine", "compile_workers",
+              "processes that compile the GPU's Triton kernels in parallel before the memory profile and the CUDA "
+              "graph capture, each kernel's launch recorded on a dry forward first (0: off, each kernel compiles "
+              "when it first launches; default: the usable cores less one where graphs are captured)"),
     EngineArg("debug_launch_count", "engine", "debug_launch_count",
               "log the kernel launches of one decoder layer's decode step"),
     EngineArg("speculative_config", "engine", "speculative_config",

@@ -234,6 +234,25 @@ class GraphRunner:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
+    def _jobs(self) -> list[tuple[int, bool, tuple[int, int]]]:
+        """Every graph to capture as (tokens, is_prefill, key), the largest token count first."""
+        jobs = [(q * b, False, (q, b)) for q, b in self.keys] + [(t, True, (t, r)) for t, r in self.prefill_keys]
+        return sorted(jobs, reverse=True)
+
+    def _job_inputs(self, is_prefill: bool, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                          AttentionMetadata]:
+        if is_prefill:
+            self.prefill_buffers.load_padding(*key)
+            return self._prefill_inputs(key)
+        return self._inputs(key)
+
+    def capture_forwards(self) -> list[Callable[[], torch.Tensor]]:
+        """The forward of every graph `capture` records, on its own inputs, uncaptured (for compiling ahead)."""
+        def run(is_prefill: bool, key: tuple[int, int]) -> torch.Tensor:
+            return self.forward(*self._job_inputs(is_prefill, key))
+
+        return [lambda p=is_prefill, k=key: run(p, k) for _, is_prefill, key in self._jobs()]
+
     def capture(self) -> float:
         """Capture every graph, the largest token count first (decode, verify and prefill graphs in one pool);
         returns (and keeps) the wall time it took."""
@@ -246,13 +265,10 @@ class GraphRunner:
         if self.prefill_buffers is not None:
             self.prefill_buffers.reset_padding()
         pool = graph_pool(self.device)
-        jobs = [(q * b, False, (q, b)) for q, b in self.keys] + [(t, True, (t, r)) for t, r in self.prefill_keys]
         prefill_seconds = 0.0
-        for _, is_prefill, key in sorted(jobs, reverse=True):
+        for _, is_prefill, key in self._jobs():
             began = time.perf_counter()
-            if is_prefill:
-                self.prefill_buffers.load_padding(*key)
-            ids, pos, meta = self._prefill_inputs(key) if is_prefill else self._inputs(key)
+            ids, pos, meta = self._job_inputs(is_prefill, key)
             graph, out = capture_graph(lambda ids=ids, pos=pos, meta=meta: self.forward(ids, pos, meta), pool)
             if is_prefill:
                 self.prefill_graphs[key], self.prefill_outputs[key] = graph, out

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from kestrel import ops
 from kestrel.config import DEFAULT_PREFILL_GRAPH_TOKENS, ConfigError, EngineConfig
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.kv_spec import KVCacheLayout, SinkWindowSpec
@@ -96,6 +97,10 @@ class RunnerSetup:
         self.max_blocks_per_seq = -(-(config.model.max_model_len or 1) // self.block_size)
         # Attention sinks + window: each request keeps its sink blocks; the blocks after them leave with the window.
         self.streaming_sink_blocks = config.streaming.sink_blocks(self.block_size) if config.streaming else None
+        # Triton compiles ahead of the profile and the graph capture run in these processes, started now so that
+        # their imports overlap the weights' loading (kestrel.kernels.compile_ahead).
+        self._compile_pool = ops.start_pool(self._compile_workers())
+        self.compile_ahead_stats: list[dict[str, float]] = []
         self.model = load_model(model_config, config.quant, self.device, parallel, self._planned_kv_cache_bytes)
         self.vocab_size: int = int(config.model.hf_config["vocab_size"])
         # A multimodal model's media reach its first pipeline stage's input embeddings through the encoder step.
@@ -167,8 +172,37 @@ class RunnerSetup:
         if self.prefill_graph_tokens and self.graph_runner is None:
             raise ConfigError(f"invalid max_prefill_graph_tokens={self.prefill_graph_tokens}: this model runs "
                               "every step eagerly (no CUDA graphs are captured for it); leave it 0")
+        self._stop_compile_pool()
         if self.expert_counts is not None:
             self.expert_counts.reset()
+
+    def _compile_workers(self) -> int:
+        """Processes compiling Triton kernels ahead of the profile and the capture: `compile_workers`, or where
+        unset the usable cores less one on a CUDA device whose runner may capture graphs (else 0)."""
+        workers = self.config.compile_workers
+        if workers and self.device.type != "cuda":
+            raise ConfigError(f"invalid compile_workers={workers}: it compiles a GPU's Triton kernels and this "
+                              f"engine runs on {self.device.type}; leave it unset or 0")
+        if workers is not None:
+            return workers
+        single = self.parallel is None or self.parallel.world_size == 1
+        return ops.default_workers() if self.device.type == "cuda" and not self.config.enforce_eager and single else 0
+
+    def _compile_ahead(self, forwards: list[Callable[[], object]]) -> None:
+        """Run `forwards` dry and compile the Triton kernels they would launch on the compile pool (a no-op
+        without one). A forward that fails dry is logged and left: its kernels compile when they launch."""
+        if self._compile_pool is None:
+            return
+        try:
+            self.compile_ahead_stats.append(ops.compile_ahead(self._compile_pool, forwards))
+        except Exception as e:  # nothing ran for real; the real forward raises what is wrong, if anything
+            logger.warning("compiling ahead stopped: %s; the rest compiles as it launches", e)
+        torch.cuda.synchronize(self.device)
+
+    def _stop_compile_pool(self) -> None:
+        if self._compile_pool is not None:
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
+            self._compile_pool = None
 
     def _planned_kv_cache_bytes(self, layers: Sequence[CachingLayer]) -> int:
         """The KV cache this runner allocates after the weights, for the loader's memory plan (`layers`: the
@@ -281,6 +315,7 @@ class RunnerSetup:
         ).sharing_group_tables(len(self.kv_groups))
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device) % max(self.config.model.max_model_len or 1, 1)
+        self._compile_ahead([lambda: self._run_model(ids, positions, meta, transport=False)])
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         hidden = self._run_model(ids, positions, meta, transport=False)
@@ -352,5 +387,6 @@ class RunnerSetup:
                              self.device, *self._verify_shapes(), num_groups=len(self.kv_groups),
                              prefill=self._prefill_buckets(), block_size=self.block_size)
         with torch.inference_mode():
+            self._compile_ahead(runner.capture_forwards())
             self.capture_seconds = runner.capture()
         self.graph_runner = runner

@@ -1,0 +1,170 @@
+"""Compile the Triton kernels a set of forwards will launch in parallel processes, before running them.
+
+A cold start spends most of its extra time compiling Triton kernels one after another as the CUDA graphs are
+captured (each compile holds this process: the frontend and LLVM run under the GIL, ptxas in a subprocess it
+waits for). `CompileAhead` runs the forwards once "dry" first: Triton calls its cache hook before compiling a
+kernel this process has not compiled yet, and the hook records the kernel's specialization and skips the
+launch. The records are compiled by a pool of worker processes, which need no GPU (the target is given: a compile
+is pure CPU work) and write Triton's on-disk cache; the real capture then finds every kernel there. Kernels
+already compiled in this process launch as usual, and so do the modules in `LAUNCHED_MODULES`, whose outputs
+(expert ids) later ops index with: a dry forward computes on garbage elsewhere, which no index reads.
+
+The dry forwards must not synchronize with the host on values their kernels produce; the forwards captured in
+CUDA graphs cannot, which is where the engine uses this.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Kernels that run for real in a dry forward: their outputs are indices that torch ops read.
+LAUNCHED_MODULES = frozenset({"kestrel.kernels.moe_routing"})
+MAX_WORKERS = 16
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel specialization to compile: where its JITFunction lives and Triton's own serialized
+    specialization (signature, constexprs, attributes, options)."""
+
+    module: str
+    name: str
+    specialization: str
+
+
+def default_workers() -> int:
+    """Worker processes for a machine: its usable cores less one (the engine's), at most MAX_WORKERS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(MAX_WORKERS, cores - 1))
+
+
+def start_pool(workers: int) -> ProcessPoolExecutor | None:
+    """A pool of `workers` spawned compile processes (None for 0), each importing Triton at once so that their
+    start-up overlaps whatever this process does next (loading weights)."""
+    if workers < 1:
+        return None
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    for _ in range(workers):
+        pool.submit(_import_triton)
+    return pool
+
+
+def _import_triton() -> None:
+    """A worker's first task: Triton's compiler and kestrel's kernel modules, which every compile imports."""
+    from triton.compiler import compiler  # noqa: F401
+
+    import kestrel.ops  # noqa: F401
+
+
+def compile_spec(spec: KernelSpec, target: tuple[str, int | str, int]) -> float:
+    """Compile one specialization for `target` (backend, arch, warp size) into Triton's on-disk cache, as
+    `JITFunction.preload` does but without a device; returns the seconds it took. Runs in a worker process."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import convert_to_tuple_if_list
+
+    began = time.perf_counter()
+    fn = getattr(importlib.import_module(spec.module), spec.name)
+    data = json.loads(spec.specialization)
+    constexprs = {
+        tuple(key): tl.dtype(value) if tl.dtype.is_dtype(value) else
+        tl.constexpr(value["constexpr"]) if isinstance(value, dict) and "constexpr" in value else value
+        for key, value in zip(data["constant_keys"], data["constant_vals"])
+    }
+    attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"]))
+    signature = {key: convert_to_tuple_if_list(value) for key, value in data["signature"].items()}
+    gpu_target = GPUTarget(*target)
+    backend = make_backend(gpu_target)
+    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
+    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu_target, options=options.__dict__)
+    return time.perf_counter() - began
+
+
+@dataclass
+class CompileAhead:
+    """Context for dry forwards (see the module docstring): `with CompileAhead(pool, target): forward(...)`, then
+    `wait()` compiles what they recorded. Without a pool it records nothing and every kernel launches as usual."""
+
+    pool: Executor | None
+    target: tuple[str, int | str, int]
+    specs: dict[tuple[str, str, str], KernelSpec] = field(default_factory=dict)
+    skipped_launches: int = 0
+    _futures: list[Future] = field(default_factory=list)
+    _previous_hook: Any = None
+
+    def __enter__(self) -> CompileAhead:
+        from triton import knobs
+
+        self._previous_hook = knobs.runtime.jit_cache_hook
+        if self.pool is not None:
+            knobs.runtime.jit_cache_hook = self._record
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from triton import knobs
+
+        knobs.runtime.jit_cache_hook = self._previous_hook
+
+    def _record(self, *, key: Any, repr: str, fn: Any, compile: dict, is_manual_warmup: bool,
+                already_compiled: bool) -> bool:
+        """Triton's cache hook: True skips the compile and the launch."""
+        module = fn.module
+        if module in LAUNCHED_MODULES or is_manual_warmup:
+            return False
+        self.skipped_launches += 1
+        spec = KernelSpec(module, fn.name, compile["specialization_data"])
+        ident = (module, fn.name, spec.specialization)
+        if ident not in self.specs:
+            self.specs[ident] = spec
+            self._futures.append(self.pool.submit(compile_spec, spec, self.target))
+        return True
+
+    def wait(self) -> float:
+        """Wait for every recorded compile; the summed compile seconds of the workers. A failed one is logged
+        and left to compile where it is launched."""
+        total = 0.0
+        for future in self._futures:
+            try:
+                total += future.result()
+            except Exception as e:  # the launch compiles it in this process, and raises there if it must
+                logger.warning("ahead-of-capture compile failed (%s); it compiles at its launch", e)
+        return total
+
+
+def current_target() -> tuple[str, int | str, int]:
+    """This process's Triton target (its active GPU), as `compile_spec` takes it."""
+    from triton.runtime.driver import driver
+
+    target = driver.active.get_current_target()
+    return target.backend, target.arch, target.warp_size
+
+
+def compile_ahead(pool: Executor | None, forwards: list[Callable[[], object]]) -> dict[str, float]:
+    """Run `forwards` dry, compile what they would have compiled on `pool`, wait: the timing of each phase."""
+    began = time.perf_counter()
+    ahead = CompileAhead(pool, current_target())
+    with ahead:
+        for forward in forwards:
+            forward()
+    dry = time.perf_counter() - began
+    worker_seconds = ahead.wait()
+    stats = {"kernels": float(len(ahead.specs)), "dry_s": dry, "wall_s": time.perf_counter() - began,
+             "worker_s": worker_seconds}
+    logger.info("compiled %d kernel specializations ahead of capture in %.2f s (%.1f s of compile on %s workers)",
+                len(ahead.specs), stats["wall_s"], worker_seconds,
+                getattr(pool, "_max_workers", "?"))
+    return stats
