@@ -859,7 +859,8 @@ class EngineConfig:
     expert_load_interval: int = EXPERT_LOAD_INTERVAL  # steps between the counts' reports to the engine
     cpu_threads: int | None = None  # torch threads of a CPU engine; None: its usable cores less one
     # Processes compiling Triton kernels ahead of the profile run and the graph capture; 0: off (each kernel
-    # compiles when it first launches); None: the usable cores less one on a CUDA device that captures graphs.
+    # compiles when it first launches); None: the usable cores less one, at most 8, on a CUDA device that
+    # captures graphs.
     compile_workers: int | None = None
     speculative_config: dict | None = None  # vLLM's dict; parsed into `speculative`
     speculative: SpeculativeConfig | None = field(default=None, init=False, compare=False)
@@ -1141,7 +1142,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("compile_workers", "engine", "compile_workers",
               "processes that compile the GPU's Triton kernels in parallel before the memory profile and the CUDA "
               "graph capture, each kernel's launch recorded on a dry forward first (0: off, each kernel compiles "
-              "when it first launches; default: the usable cores less one where graphs are captured)"),
+              "when it first launches; default: the usable cores less one, at most 8, where graphs are captured)"),
     EngineArg("debug_launch_count", "engine", "debug_launch_count",
               "log the kernel launches of one decoder layer's decode step"),
     EngineArg("speculative_config", "engine", "speculative_config",

@@ -437,6 +437,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparse-decode", type=json.loads, default=None,
                    help="the engine's sparse_decode as JSON, e.g. '{\"method\": \"quest\", \"token_budget\": 2048}'")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--compile-workers", type=int, default=None,
+                   help="the engine's compile_workers: processes compiling Triton kernels ahead of the memory profile "
+                        "and the graph capture (0: off; default: the engine's, the usable cores less one, at most 8)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
@@ -462,7 +465,8 @@ def build_suite_engine(args: argparse.Namespace, model_dir: str, load_format: st
         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs), max_model_len=max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend, sparse_decode=args.sparse_decode, **extra)
+        distributed_executor_backend=args.distributed_executor_backend, sparse_decode=args.sparse_decode,
+        compile_workers=args.compile_workers, **extra)
 
 
 def precision(args: argparse.Namespace, model_dir: str | None = None) -> str:

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 # Kernels that run for real in a dry forward: their outputs are indices that torch ops read.
 LAUNCHED_MODULES = frozenset({"kestrel.kernels.moe_routing"})
-MAX_WORKERS = 16
+MAX_WORKERS = 8
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,7 @@ class RunnerSetup:
 
     def _compile_workers(self) -> int:
         """Processes compiling Triton kernels ahead of the profile and the capture: `compile_workers`, or where
-        unset the usable cores less one on a CUDA device whose runner may capture graphs (else 0)."""
+        unset the usable cores less one (at most 8) on a CUDA device whose runner may capture graphs (else 0)."""
         workers = self.config.compile_workers
         if workers and self.device.type != "cuda":
             raise ConfigError(f"invalid compile_workers={workers}: it compiles a GPU's Triton kernels and this "

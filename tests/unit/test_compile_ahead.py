@@ -54,7 +54,7 @@ def test_a_worker_compiles_into_the_cache_and_a_second_one_finds_it(tmp_path, mo
 
 def test_no_workers_no_pool_and_cpu_refusal() -> None:
     assert start_pool(0) is None
-    assert 0 <= default_workers() <= 16
+    assert 0 <= default_workers() <= 8
     from kestrel import LLM
     from kestrel.tiny import BUNDLED_MODEL_DIR
 
