@@ -11,7 +11,6 @@ OUT/quest-select-sweep-h200.json after every point.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kestrel.bench.timing import time_calls  # noqa: E402
+from kestrel.bench.timing import sweep_script_args, time_calls  # noqa: E402
 from kestrel.kernels import sparse_decode as sd  # noqa: E402
 
 BLOCK = 16
@@ -90,12 +89,7 @@ def quest_point(batch: int, context: int, cache_dtype: torch.dtype, device: torc
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (a check of this script)")
-    args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cpu" if args.smoke else "cuda")
+    args, device = sweep_script_args(__doc__)
     batches, context, runs = ([1], 256, 2) if args.smoke else ([1, 8, 32], 32768, 30)
     result: dict[str, Any] = {"suite": "quest-select-sweep", "device": str(device),
                               "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,

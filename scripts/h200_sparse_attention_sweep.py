@@ -12,7 +12,6 @@ default shape (`attention_config`) and with the point's fastest one, against den
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -25,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kestrel import ops  # noqa: E402
-from kestrel.bench.timing import time_calls  # noqa: E402
+from kestrel.bench.timing import sweep_script_args, time_calls  # noqa: E402
 from kestrel.kernels import sparse_decode as sd  # noqa: E402
 
 BLOCK = 16
@@ -111,12 +110,7 @@ def point(batch: int, context: int, cache_dtype: torch.dtype, device: torch.devi
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (a check of this script)")
-    args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cpu" if args.smoke else "cuda")
+    args, device = sweep_script_args(__doc__)
     context, batches, runs = (4096, [1, 2], 2) if args.smoke else (32768, [1, 8, 32], 30)
     shapes = SHAPES[:3] if args.smoke else SHAPES
     result: dict[str, Any] = {"suite": "sparse-attention-sweep", "device": str(device),

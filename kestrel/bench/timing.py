@@ -1,12 +1,25 @@
-"""CUDA-event timing shared by the kernel benchmark suites."""
+"""CUDA-event timing shared by the kernel benchmark suites, and the command line of the GPU sweep scripts."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+
+def sweep_script_args(doc: str) -> tuple[argparse.Namespace, torch.device]:
+    """The arguments of a scripts/h200_*_sweep.py: `--out DIR` (created) and `--smoke` (tiny shapes on the CPU,
+    a check of the script); the device its kernels run on."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (a check of this script)")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args, torch.device("cpu" if args.smoke else "cuda")
 
 
 def time_eager(calls: list[Callable[[], object]], runs: int) -> float:
