@@ -61,10 +61,16 @@ def start_pool(workers: int) -> ProcessPoolExecutor | None:
 
 
 def _import_triton() -> None:
-    """A worker's first task: Triton's compiler and kestrel's kernel modules, which every compile imports."""
+    """A worker's first task: Triton's compiler and kestrel's Triton kernel modules, which the compiles import."""
+    import pkgutil
+
     from triton.compiler import compiler  # noqa: F401
 
-    import kestrel.ops  # noqa: F401
+    import kestrel.kernels
+
+    for module in pkgutil.iter_modules(kestrel.kernels.__path__):
+        if not module.ispkg:
+            importlib.import_module(f"kestrel.kernels.{module.name}")
 
 
 def compile_spec(spec: KernelSpec, target: tuple[str, int | str, int]) -> float:
