@@ -71,8 +71,9 @@ from kestrel.entrypoints.serving_audio import RESPONSE_CONTENT, OpenAIServingAud
 from kestrel.entrypoints.serving_embeddings import OpenAIServingEmbeddings
 from kestrel.entrypoints.serving_pooling import OpenAIServingPooling
 from kestrel.entrypoints.serving_responses import OpenAIServingResponses
-from kestrel.entrypoints.text_workers import TOKENIZER_MODULES, TextWorkers, UnservedModelError, tokenize_input
+from kestrel.entrypoints.text_workers import TextWorkers, UnservedModelError, tokenize_input
 from kestrel.entrypoints.worker_pool import start_fork_server
+from kestrel.loader.tokenizer import tokenizer_modules
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParamsError
 from kestrel.structured.limits import GrammarLimits
@@ -711,7 +712,8 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
     logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The tokenizer and grammar workers' fork server imports their libraries while the model loads.
-    preload = ((TOKENIZER_MODULES if config.tokenizer_processes else ())
+    tokenizer_path = str((engine_args or {}).get("tokenizer") or model)
+    preload = ((tokenizer_modules(tokenizer_path) if config.tokenizer_processes else ())
                + (COMPILE_WORKER_MODULES if config.grammar_compile_workers else ()))
     if preload:
         start_fork_server(preload)

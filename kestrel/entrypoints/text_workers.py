@@ -34,6 +34,7 @@ from kestrel.entrypoints.chat import ChatPrompt, encode_chat, render_chat
 from kestrel.entrypoints.protocol import ChatMessage, TokenizeChatRequest, TokenizeRequest, validation_error_info
 from kestrel.entrypoints.token_encoding import encode_pair, encode_prompt, within_limit
 from kestrel.entrypoints.worker_pool import WorkerPool, WorkTimeoutError
+from kestrel.loader.tokenizer import tokenizer_modules
 from kestrel.request import InvalidRequestError
 from kestrel.structured.compile import release_memory
 
@@ -195,8 +196,6 @@ def detokenize_reply(tokenizer: Any, specials: Sequence[str], token_ids: list[in
 
 # ----- worker processes (started, niced and tied to the serving process by the WorkerPool) ----------------
 
-# What `load_tokenizer` imports: the fork server imports it once for every tokenizer worker.
-TOKENIZER_MODULES = ("kestrel.loader.tokenizer", "transformers.models.auto.tokenization_auto")
 
 _worker_tokenizer: Any = None
 _worker_specials: tuple[str, ...] = ()
@@ -237,7 +236,7 @@ class TextWorkers:
         if processes > 0 and not tokenizer_path:
             raise ValueError("tokenizer worker processes need the tokenizer's directory")
         self.pool = WorkerPool(processes, _init_worker, (tokenizer_path, self.specials, trust_remote_code),
-                               name="tokenizer", preload=TOKENIZER_MODULES)
+                               name="tokenizer", preload=tokenizer_modules(tokenizer_path) if processes else ())
 
     def start(self) -> TextWorkers:
         """Start every worker and load its tokenizer now, so the first requests do not wait for it."""

@@ -35,6 +35,14 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
         raise ConfigError(f"invalid tokenizer={path!r}: it could not be loaded ({e})") from e
 
 
+def tokenizer_modules(path: str) -> tuple[str, ...]:
+    """The modules `load_tokenizer(path)` imports, for a process that imports them before it forks its
+    tokenizer workers."""
+    if not is_gguf_model(path) and _generic_fast(path):
+        return ("kestrel.loader.tokenizer", "transformers.tokenization_utils_tokenizers")
+    return ("kestrel.loader.tokenizer", "transformers.models.auto.tokenization_auto")
+
+
 def _generic_fast(path: str) -> bool:
     """Whether AutoTokenizer would build the generic fast tokenizer here: tokenizer_config.json names one of
     GENERIC_FAST_CLASSES, tokenizer.json is present, and no auto_map points at remote code."""

@@ -73,3 +73,12 @@ def test_a_broken_tokenizer_config_is_a_config_error(tmp_path: Path) -> None:
     (path / "tokenizer.json").write_text("{not json")
     with pytest.raises(loader.ConfigError, match="tokenizer"):
         loader.load_tokenizer(str(path))
+
+
+def test_the_modules_preloaded_for_tokenizer_workers_follow_the_path(tmp_path: Path) -> None:
+    """The generic fast tokenizer's module where load_tokenizer takes that path, AutoTokenizer's elsewhere."""
+    generic = loader.tokenizer_modules(str(BUNDLED_MODEL_DIR))
+    assert "transformers.tokenization_utils_tokenizers" in generic
+    assert not any("auto" in m for m in generic)
+    family = loader.tokenizer_modules(str(tokenizer_dir(tmp_path, tokenizer_class="GPT2TokenizerFast")))
+    assert "transformers.models.auto.tokenization_auto" in family
