@@ -55,8 +55,13 @@ def start_pool(workers: int) -> ProcessPoolExecutor | None:
     if workers < 1:
         return None
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
-    for _ in range(workers):
-        pool.submit(_import_triton)
+    try:
+        for _ in range(workers):
+            pool.submit(_import_triton)
+    except Exception as e:  # a host that cannot start processes compiles each kernel at its launch instead
+        logger.warning("no compile workers (%s): Triton kernels compile when they first launch", e)
+        pool.shutdown(wait=False, cancel_futures=True)
+        return None
     return pool
 
 

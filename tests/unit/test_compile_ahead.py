@@ -63,3 +63,14 @@ def test_no_workers_no_pool_and_cpu_refusal() -> None:
         LLM(tiny_model_dir, device="cpu", compile_workers=2)
     with pytest.raises(ConfigError, match="compile_workers"):
         LLM(tiny_model_dir, compile_workers=-1)
+
+
+def test_a_host_that_cannot_start_workers_gets_no_pool(monkeypatch) -> None:
+    """Spawning refused (a restricted container): no pool, and the engine compiles each kernel at its launch."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    def refuse(self, *args, **kwargs):
+        raise OSError("cannot start a process here")
+
+    monkeypatch.setattr(ProcessPoolExecutor, "submit", refuse)
+    assert start_pool(2) is None
