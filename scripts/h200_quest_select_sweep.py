@@ -44,7 +44,6 @@ def cache(batch: int, context: int, cache_dtype: torch.dtype, device: torch.devi
         "q": torch.randn(batch, HEADS, DIM, generator=g, device=device).to(dtype),
         "tables": torch.randperm(num_blocks, generator=g, device=device).view(batch, blocks_per_seq).int(),
         "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
-        "query_start": torch.arange(batch + 1, dtype=torch.int32, device=device),
         "scale": scale,
     }
 

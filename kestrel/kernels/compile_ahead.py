@@ -113,7 +113,6 @@ class CompileAhead:
     pool: Executor | None
     target: tuple[str, int | str, int]
     specs: dict[tuple[str, str, str], KernelSpec] = field(default_factory=dict)
-    skipped_launches: int = 0
     _futures: list[Future] = field(default_factory=list)
     _previous_hook: Any = None
 
@@ -136,7 +135,6 @@ class CompileAhead:
         module = fn.module
         if module in LAUNCHED_MODULES or is_manual_warmup:
             return False
-        self.skipped_launches += 1
         spec = KernelSpec(module, fn.name, compile["specialization_data"])
         ident = (module, fn.name, spec.specialization)
         if ident not in self.specs:

@@ -38,7 +38,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
 def tokenizer_modules(path: str) -> tuple[str, ...]:
     """The modules `load_tokenizer(path)` imports, for a process that imports them before it forks its
     tokenizer workers."""
-    if not is_gguf_model(path) and _generic_fast(path):
+    if _generic_fast(path):  # never a GGUF file: it has no tokenizer_config.json beside it
         return ("kestrel.loader.tokenizer", "transformers.tokenization_utils_tokenizers")
     return ("kestrel.loader.tokenizer", "transformers.models.auto.tokenization_auto")
 
