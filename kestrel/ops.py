@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from kestrel.kernels import activation as _activation
 from kestrel.kernels import attention as _attention
-from kestrel.kernels import fp8_gemv as _fp8_gemv
 from kestrel.kernels import fused_moe as _fused_moe
+from kestrel.kernels import gemv as _gemv
 from kestrel.kernels import moe_routing as _moe_routing
 from kestrel.kernels import norm as _norm
 from kestrel.kernels import quant_act as _quant_act
@@ -192,10 +192,11 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None, azp_adj=None, azp=No
     return fn(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp)
 
 
-def fp8_gemv(x, weight, weight_scale, out_dtype, bias=None, *, config=None):
-    """`x [M, K] @ (weight * weight_scale).T + bias` for a float8_e4m3fn weight `[N, K]` and model-dtype x (W8A16,
-    fp32 accumulation, rounded once): the decode-sized GEMV of FP8 linears (kernels/fp8_gemv.py)."""
-    fn = _fp8_gemv.fp8_gemv if use_triton(x) else _fp8_gemv.fp8_gemv_ref
+def gemv(x, weight, weight_scale, out_dtype, bias=None, *, config=None):
+    """`x [M, K] @ (weight * weight_scale).T + bias` for a 16-bit weight `[N, K]` (no scale) or a float8_e4m3fn one
+    with its scale, model-dtype x (W8A16 for FP8), fp32 accumulation rounded once: the decode-sized GEMV of linear
+    layers (kernels/gemv.py)."""
+    fn = _gemv.gemv if use_triton(x) else _gemv.gemv_ref
     return fn(x, weight, weight_scale, out_dtype, bias, config=config)
 
 

@@ -10,9 +10,10 @@ from typing import Literal, Protocol
 import torch
 from torch import nn
 
+from kestrel.kernels import gemv as _gemv
 from kestrel.kernels.quant_types import QuantAct
 
-__all__ = ["FusedMoEMethod", "InputQuant", "QuantAct", "QuantMethod", "expert_param"]
+__all__ = ["FusedMoEMethod", "InputQuant", "QuantAct", "QuantMethod", "decode_gemv", "expert_param"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,21 @@ class InputQuant:
     symmetric: bool = True
     scale: torch.Tensor | None = None  # static per-tensor scale; None = dynamic per token
     azp: torch.Tensor | None = None  # static per-tensor zero point (asymmetric INT8)
+
+
+def decode_gemv(layer: nn.Module, num_tokens: int | None) -> _gemv.GemvConfig | None:
+    """The decode GEMV's config (`kernels/gemv.py`) when it runs `num_tokens` rows of this layer's 2-D weight,
+    or None: the layer's GEMM. The GPU table is looked up once per layer (host work every eager step would
+    repeat), after the weight has its final dtype and shape."""
+    if num_tokens is None:
+        return None
+    if "decode_gemv_config" not in layer.__dict__:
+        weight = layer.weight
+        if _gemv.weight_kind(weight.dtype) is None or weight.dim() != 2 or weight.device.type == "meta":
+            return None  # not processed yet, or nothing the GEMV reads: nothing to look up
+        layer.decode_gemv_config = _gemv.table_config(weight)
+    cfg = layer.decode_gemv_config
+    return cfg if _gemv.takes_rows(cfg, num_tokens) else None
 
 
 class TensorParallelGroup(Protocol):

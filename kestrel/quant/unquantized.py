@@ -1,5 +1,6 @@
-"""The default methods: a linear layer's weight kept in the model dtype (`ops.linear`), and a mixture-of-experts
-layer's experts kept in the model dtype (`ops.fused_moe`)."""
+"""The default methods: a linear layer's weight kept in the model dtype (`ops.linear`; at decode sizes the GEMV,
+`ops.gemv`, where the GPU's table lists the weight's shape), and a mixture-of-experts layer's experts kept in the
+model dtype (`ops.fused_moe`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from torch import nn
 
 from kestrel import ops
-from kestrel.quant.base import FusedMoEMethod, QuantMethod, expert_param
+from kestrel.quant.base import FusedMoEMethod, QuantMethod, decode_gemv, expert_param
 
 
 class UnquantizedLinearMethod(QuantMethod):
@@ -35,6 +36,10 @@ class UnquantizedLinearMethod(QuantMethod):
         layer.cpu_packed_weight = ops.pack_linear_weight(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        gemv = decode_gemv(layer, x2.shape[0])
+        if gemv is not None and x.dtype == layer.weight.dtype:
+            return ops.gemv(x2, layer.weight, None, x.dtype, bias, config=gemv).reshape(*x.shape[:-1], -1)
         return ops.linear(x, layer.weight, bias, packed=getattr(layer, "cpu_packed_weight", None))
 
 

@@ -18,8 +18,8 @@ so its quantized linears carry bf16 output precision (at most 2^-8 relative roun
 quantization error); float32 is meant for CPU tests, not for serving.
 
 Decode-sized FP8 GEMV (W8A16): a dynamic symmetric FP8 layer (per-channel or per-tensor weight scales; not INT8,
-not static input scales) whose weight shape `(N, K)` has an entry in the GPU's `fp8_gemv` tuning table runs
-`ops.fp8_gemv` for M <= the entry's `max_m` rows instead: the e4m3 weights dequantized in registers against the
+not static input scales) whose weight shape `(N, K)` has an "fp8" entry in the GPU's `gemv` tuning table runs
+`ops.gemv` for M <= the entry's `max_m` rows instead: the e4m3 weights dequantized in registers against the
 model-dtype activations, no activation-quantizer launch. For those M, `input_quant(layer, M)` is None, so the fused
 producers emit model-dtype activations. Without a table entry (any CPU, an unmeasured GPU) nothing changes. The
 row-parallel (tensor-parallel input split) path always stays W8A8.
@@ -41,10 +41,10 @@ from torch import nn
 
 from kestrel import ops
 from kestrel.config import ConfigError, QuantConfig
-from kestrel.kernels.fp8_gemv import FP8GemvConfig, table_config, takes_rows
+from kestrel.kernels.gemv import GemvConfig
 from kestrel.kernels.quant_act import SCALE_FLOOR
 from kestrel.kernels.quant_types import QuantAct
-from kestrel.quant.base import InputQuant, QuantMethod, TensorParallelGroup
+from kestrel.quant.base import InputQuant, QuantMethod, TensorParallelGroup, decode_gemv
 from kestrel.quant.unquantized import UnquantizedLinearMethod
 
 GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -146,19 +146,14 @@ class W8A8LinearMethod(QuantMethod):
 
     # -------------------------------------------------------------------------------------- inference
 
-    def gemv_config(self, layer: nn.Module, num_tokens: int | None) -> FP8GemvConfig | None:
-        """The FP8 GEMV's config when it runs `num_tokens` rows of this layer (W8A16, model-dtype input), or None:
-        W8A8. Only dynamic symmetric FP8 layers whose weight shape the GPU's table lists, up to its `max_m`."""
-        if num_tokens is None or self.quant_dtype != torch.float8_e4m3fn or self.static or not self.symmetric:
+    def gemv_config(self, layer: nn.Module, num_tokens: int | None) -> GemvConfig | None:
+        """The decode GEMV's config when it runs `num_tokens` rows of this layer (W8A16, model-dtype input), or None:
+        W8A8. Only dynamic symmetric FP8 layers whose weight the GPU's table lists, up to its `max_m`."""
+        if self.quant_dtype != torch.float8_e4m3fn or self.static or not self.symmetric:
             return None
-        if "fp8_gemv_config" not in layer.__dict__:
-            weight = layer.weight
-            if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-                return None  # not processed yet: nothing to look up
-            # Looked up once per layer (the table lookup is host work every eager step would repeat).
-            layer.fp8_gemv_config = table_config(weight.shape[0], weight.shape[1], weight.device)
-        cfg = layer.fp8_gemv_config
-        return cfg if takes_rows(cfg, num_tokens) else None
+        if layer.weight.dtype != torch.float8_e4m3fn:
+            return None  # not processed yet
+        return decode_gemv(layer, num_tokens)
 
     def input_quant(self, layer: nn.Module, num_tokens: int | None = None) -> InputQuant | None:
         if self.gemv_config(layer, num_tokens) is not None:
@@ -190,7 +185,7 @@ class W8A8LinearMethod(QuantMethod):
         x2 = x.reshape(-1, x.shape[-1])
         gemv = self.gemv_config(layer, x2.shape[0])
         if gemv is not None:
-            out = ops.fp8_gemv(x2, layer.weight, layer.weight_scale, x.dtype, bias, config=gemv)
+            out = ops.gemv(x2, layer.weight, layer.weight_scale, x.dtype, bias, config=gemv)
         else:
             out = self.apply_quantized(layer, self.quantize_input(layer, x2), x.dtype, bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -1,23 +1,24 @@
-"""The FP8 weight GEMV (`kernels/fp8_gemv.py`, W8A16) against the W8A8 path the FP8 linears run today (the per-token
-activation quantizer `ops.quant_fp8_per_token` + `ops.scaled_mm`) on one GPU, at the linear shapes of Llama-3-8B
-(qkv, o, gate_up, down; its bf16 lm_head is not FP8) and Qwen3-30B-A3B's attention (qkv, o), M = 1, 2, 4, 8 rows.
+"""The decode GEMV (`kernels/gemv.py`) against what each linear runs without it, on one GPU: for FP8 weights the W8A8
+path (the per-token activation quantizer `ops.quant_fp8_per_token` + `ops.scaled_mm`), for bf16 weights cuBLAS
+(`F.linear`), at the linear shapes of Llama-3-8B (qkv, o, gate_up, down) and Qwen3-30B-A3B's attention (qkv, o) and
+router (bf16 only: the router stays in the model dtype), M = 1, 2, 4, 8 rows.
 
-For every (shape, M): each candidate config is checked against `fp8_gemv_ref` (relative Frobenius error <= 2^-8)
+For every (kind, shape, M): each candidate config is checked against `gemv_ref` (relative Frobenius error <= 2^-8)
 and timed as CUDA-graph replays of one call per weight copy (`kestrel.bench.timing.time_calls`), the copies
-together larger than L2 so that every call reads its weights from HBM; the W8A8 path is timed the same way, with
-and without its quantizer launch. Everything is set against the bytes read once at the measured copy bandwidth.
+together larger than L2 so that every call reads its weights from HBM; the baseline is timed the same way.
+Everything is set against the bytes read once at the measured copy bandwidth.
 
-The baseline a layer must beat is what the model runs: qkv, gate_up and down get their 8-bit input from a fused
-producer (the norm's or the activation's own launch, which runs anyway), so the GEMV must beat `scaled_mm` alone;
-o_proj quantizes its own input, so the GEMV must beat quantizer + `scaled_mm`. Per weight shape the table gets the
-candidate with the least summed time over the measured M, and `max_m` = the largest M up to which it beats that
-baseline by >= 3% at every measured M (shapes where it never does are left out: the path stays off for them).
+The FP8 baseline is what the model runs: qkv, gate_up and down get their 8-bit input from a fused producer (the
+norm's or the activation's own launch, which runs anyway), so the GEMV must beat `scaled_mm` alone; o_proj
+quantizes its own input, so the GEMV must beat quantizer + `scaled_mm`. Per (kind, weight shape) the table gets
+the candidate with the least summed time over the measured M, and `max_m` = the largest M up to which it beats
+that baseline by >= 3% at every measured M (shapes where it never does are left out: the path stays off for them).
 
-Writes OUT/fp8-gemv-h200.json (every timing) and OUT/fp8_gemv_<gpu>.json (the tuning table: copy it to
+Writes OUT/gemv-h200.json (every timing) and OUT/gemv_<gpu>.json (the tuning table: copy it to
 kestrel/kernels/tuning/ to turn the path on where it won), and prints a table.
 
-    PYTHONPATH=. python3 scripts/h200_fp8_gemv.py --out OUT            # the H200 run, under 200 s
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 scripts/h200_fp8_gemv.py --out OUT --smoke   # CPU check of this script
+    PYTHONPATH=. python3 scripts/h200_gemv.py --out OUT            # the H200 run, about 4 minutes
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 scripts/h200_gemv.py --out OUT --smoke   # CPU check of this script
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,44 +41,50 @@ from kestrel.bench import gemm as gemm_bench  # noqa: E402
 from kestrel.bench.common import ARCHS  # noqa: E402
 from kestrel.bench.timing import time_calls  # noqa: E402
 from kestrel.kernels import common  # noqa: E402
-from kestrel.kernels import fp8_gemv as fg  # noqa: E402
+from kestrel.kernels import gemv as gv  # noqa: E402
 from kestrel.quant.w8a8_fp8 import quantize_weight_fp8  # noqa: E402
 
-C = fg.FP8GemvConfig
+C = gv.GemvConfig
 CANDIDATES = [
-    C(block_n=16, block_k=256, num_warps=4, num_stages=2),
-    C(block_n=8, block_k=512, num_warps=4, num_stages=2),
-    C(block_n=32, block_k=128, num_warps=4, num_stages=3),
-    C(block_n=16, block_k=256, num_warps=4, num_stages=2, dot_from_m=2),
-    C(block_n=16, block_k=512, num_warps=8, num_stages=3, dot_from_m=2),
-    C(block_n=32, block_k=256, num_warps=4, num_stages=3, dot_from_m=2),
-    C(block_n=64, block_k=128, num_warps=4, num_stages=3, dot_from_m=2),
-    C(block_n=16, block_k=256, split_k=4, num_warps=4, num_stages=2, dot_from_m=2),
-    C(block_n=8, block_k=512, split_k=4, num_warps=4, num_stages=2),
+    C(block_n=4, block_k=1024, num_warps=4),
+    C(block_n=8, block_k=512, num_warps=4),
+    C(block_n=8, block_k=1024, num_warps=4),
+    C(block_n=16, block_k=512, num_warps=4),
+    C(block_n=16, block_k=1024, num_warps=8),
+    C(block_n=32, block_k=256, num_warps=4),
+    C(block_n=32, block_k=512, num_warps=8),
+    C(block_n=2, block_k=2048, num_warps=4),
+    C(block_n=4, block_k=2048, num_warps=8),
+    C(block_n=16, block_k=256, num_warps=2),
+    C(block_n=64, block_k=256, num_warps=8),
+    C(block_n=8, block_k=2048, num_warps=8),
 ]
-SMOKE_CANDIDATES = [C(block_n=8, block_k=32, num_warps=1), C(block_n=16, block_k=32, split_k=2, num_warps=1,
-                                                                dot_from_m=2)]
+SMOKE_CANDIDATES = [C(block_n=8, block_k=32, num_warps=1), C(block_n=16, block_k=16, num_warps=1)]
 TOKENS, SMOKE_TOKENS = (1, 2, 4, 8), (1, 2)
+KINDS = ("fp8", "w16")
 ERR_LIMIT = 2.0**-8
 WIN = 0.97  # the GEMV must take at most 97% of the baseline's time
 ROTATE_BYTES = 256 << 20  # weight copies per shape: together well past the 50 MB L2
 MAX_COPIES = 32
 GPU_RUNS, CPU_RUNS = 30, 1
-TIME_BUDGET_S = 170.0  # past it, the remaining points are checked but not timed
+TIME_BUDGET_S = 330.0  # past it, the remaining points are checked but not timed
 
 
 def shapes_of(smoke: bool) -> list[dict]:
-    """(name, N, K, whether the model's producer quantizes the input in its own launch)."""
+    """(kind, name, N, K, whether the model's producer quantizes an FP8 layer's input in its own launch)."""
     if smoke:
-        return [dict(name="smoke/qkv", N=48, K=64, fused=True), dict(name="smoke/o", N=40, K=96, fused=False)]
+        return [dict(kind=k, name=f"smoke/{p}", N=n, K=kk, fused=p != "o")
+                for k in KINDS for p, n, kk in (("qkv", 48, 64), ("o", 40, 96))]
     out = []
-    for arch, parts in (("llama3-8b", ("qkv", "o", "gate_up", "down")), ("qwen3-30b-a3b", ("qkv", "o"))):
+    for arch, parts in (("llama3-8b", ("qkv", "o", "gate_up", "down")), ("qwen3-30b-a3b", ("qkv", "o", "router"))):
         a = ARCHS[arch]
         H, hd = a["hidden_size"], a.get("head_dim") or a["hidden_size"] // a["num_attention_heads"]
         q, kv = a["num_attention_heads"] * hd, a["num_key_value_heads"] * hd
-        dims = {"qkv": (q + 2 * kv, H), "o": (H, q), "gate_up": (2 * a["intermediate_size"], H),
-                "down": (H, a["intermediate_size"])}
-        out += [dict(name=f"{arch}/{p}", N=dims[p][0], K=dims[p][1], fused=p != "o") for p in parts]
+        dims = {"qkv": (q + 2 * kv, H), "o": (H, q), "gate_up": (2 * a.get("intermediate_size", 0), H),
+                "down": (H, a.get("intermediate_size", 0)), "router": (a.get("num_experts", 0), H)}
+        for kind in KINDS:
+            out += [dict(kind=kind, name=f"{arch}/{p}", N=dims[p][0], K=dims[p][1], fused=p != "o")
+                    for p in parts if kind == "w16" or p != "router"]
     return out
 
 
@@ -115,47 +123,49 @@ def w8a8_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, quant: bool) ->
     return lambda: ops.scaled_mm(a.q, q, a.scale, s, torch.bfloat16)
 
 
-def gemv_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, cfg: fg.FP8GemvConfig) -> Callable[[], object]:
-    return lambda: fg.fp8_gemv(x, q, s, torch.bfloat16, config=cfg)
-
-
-def run_shape(shape: dict, tokens: tuple[int, ...], candidates: list[fg.FP8GemvConfig], device: torch.device,
+def run_shape(shape: dict, tokens: tuple[int, ...], candidates: list[gv.GemvConfig], device: torch.device,
               bw: float, runs: int, started: float) -> list[dict]:
-    N, K = shape["N"], shape["K"]
-    copies = 2 if device.type != "cuda" else max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / (N * K))))
+    kind, N, K = shape["kind"], shape["N"], shape["K"]
+    wbytes = 1 if kind == "fp8" else 2
+    copies = 2 if device.type != "cuda" else max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / (N * K * wbytes))))
     g = torch.Generator(device=device).manual_seed(N * 7 + K)
     weights = []
     for _ in range(copies):
         w = (torch.randn(N, K, generator=g, device=device) / math.sqrt(K)).to(torch.bfloat16)
-        weights.append(quantize_weight_fp8(w))  # (e4m3 [N, K], fp32 [N, 1])
+        weights.append(quantize_weight_fp8(w) if kind == "fp8" else (w, None))  # (weight, scale or None)
         del w
     rows = []
     for M in tokens:
         t0 = time.time()
         x = torch.randn(M, K, generator=g, device=device).to(torch.bfloat16)
-        q0, s0 = weights[0]
-        ref = fg.fp8_gemv_ref(x, q0, s0, torch.bfloat16)
-        byts = N * K + N * 4 + M * K * 2 + M * N * 2
+        w0, s0 = weights[0]
+        ref = gv.gemv_ref(x, w0, s0, torch.bfloat16)
+        byts = N * K * wbytes + (N * 4 if kind == "fp8" else 0) + M * K * 2 + M * N * 2
         read_us = byts / bw * 1e6
         skip = time.time() - started > TIME_BUDGET_S
-        row: dict = {"shape": shape["name"], "N": N, "K": K, "M": M, "fused_producer": shape["fused"],
+        row: dict = {"kind": kind, "shape": shape["name"], "N": N, "K": K, "M": M, "fused_producer": shape["fused"],
                      "copies": copies, "bytes": byts, "read_once_us": read_us}
-
-        act = ops.quant_fp8_per_token(x)
-        row["w8a8_err_vs_w8a16"] = rel_err(ops.scaled_mm(act.q, q0, act.scale, s0, torch.bfloat16), ref)
-        row["w8a8_gemm"] = timed(lambda i, x=x: w8a8_call(x, *weights[i], False), copies, runs, device, skip)
-        row["w8a8_quant_gemm"] = timed(lambda i, x=x: w8a8_call(x, *weights[i], True), copies, runs, device, skip)
+        if kind == "fp8":
+            act = ops.quant_fp8_per_token(x)
+            row["w8a8_err_vs_w8a16"] = rel_err(ops.scaled_mm(act.q, w0, act.scale, s0, torch.bfloat16), ref)
+            row["w8a8_gemm"] = timed(lambda i, x=x: w8a8_call(x, *weights[i], False), copies, runs, device, skip)
+            row["w8a8_quant_gemm"] = timed(lambda i, x=x: w8a8_call(x, *weights[i], True), copies, runs, device,
+                                           skip)
+        else:
+            row["cublas"] = timed(lambda i, x=x: (lambda w=weights[i][0]: F.linear(x, w)), copies, runs, device,
+                                  skip)
         row["candidates"] = []
         for cfg in candidates:
             try:
-                err = rel_err(fg.fp8_gemv(x, q0, s0, torch.bfloat16, config=cfg), ref)
+                err = rel_err(gv.gemv(x, w0, s0, torch.bfloat16, config=cfg), ref)
             except Exception as exc:
                 row["candidates"].append({"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 continue
             if err > ERR_LIMIT:
                 row["candidates"].append({"status": "wrong", "err": err})
                 continue
-            res = timed(lambda i, x=x, c=cfg: gemv_call(x, *weights[i], c), copies, runs, device, skip)
+            res = timed(lambda i, x=x, c=cfg: (lambda w=weights[i]: gv.gemv(x, *w, torch.bfloat16, config=c)),
+                        copies, runs, device, skip)
             res["err"] = err
             if res.get("us"):
                 res["gb_s"] = byts / res["us"] * 1e-3
@@ -170,6 +180,8 @@ def run_shape(shape: dict, tokens: tuple[int, ...], candidates: list[fg.FP8GemvC
 
 
 def baseline_us(row: dict) -> float | None:
+    if row["kind"] == "w16":
+        return row["cublas"].get("us")
     return row["w8a8_gemm" if row["fused_producer"] else "w8a8_quant_gemm"].get("us")
 
 
@@ -178,7 +190,7 @@ def _fmt(us: float | None, width: int = 8) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'shape':22} {'N':>6} {'K':>6} {'M':>2} {'read us':>8} {'w8a8 mm':>8} {'+quant':>8} {'gemv':>8} "
+    lines = [f"{'kind':4} {'shape':22} {'N':>6} {'K':>6} {'M':>2} {'read us':>8} {'base':>8} {'gemv':>8} "
              f"{'cfg':>3} {'GB/s':>6} {'x read':>6} {'vs base':>7}"]
     for r in rows:
         best = r["candidates"][r["best"]] if r.get("best") is not None else {}
@@ -186,20 +198,21 @@ def table(rows: list[dict]) -> str:
         speed = f"{base / best['us']:7.2f}" if base and best.get("us") else f"{'-':>7}"
         gbs = f"{best['gb_s']:6.0f}" if best.get("gb_s") else f"{'-':>6}"
         xr = f"{best['x_read_once']:6.2f}" if best.get("x_read_once") else f"{'-':>6}"
-        lines.append(f"{r['shape']:22} {r['N']:6d} {r['K']:6d} {r['M']:2d} {r['read_once_us']:8.1f} "
-                     f"{_fmt(r['w8a8_gemm'].get('us'))} {_fmt(r['w8a8_quant_gemm'].get('us'))} "
+        lines.append(f"{r['kind']:4} {r['shape']:22} {r['N']:6d} {r['K']:6d} {r['M']:2d} {r['read_once_us']:8.1f} "
+                     f"{_fmt(base)} "
                      f"{_fmt(best.get('us'))} {r.get('best') if r.get('best') is not None else '-'!s:>3} {gbs} {xr} "
                      f"{speed}")
     return "\n".join(lines)
 
 
-def tuning_table(rows: list[dict], candidates: list[fg.FP8GemvConfig]) -> tuple[dict, dict]:
-    """(table configs keyed "N,K", the per-shape proposal): the candidate with the least summed time over the
+def tuning_table(rows: list[dict], candidates: list[gv.GemvConfig]) -> tuple[dict, dict]:
+    """(table configs keyed "kind:N,K", the per-shape proposal): the candidate with the least summed time over the
     measured M, with max_m = the largest M up to which it beats the baseline by >= 3% at every measured M."""
     configs: dict[str, dict] = {}
     proposal: dict[str, dict] = {}
-    for name in dict.fromkeys(r["shape"] for r in rows):
-        mine = sorted((r for r in rows if r["shape"] == name), key=lambda r: r["M"])
+    for kind, shape in dict.fromkeys((r["kind"], r["shape"]) for r in rows):
+        name = f"{kind}:{shape}"
+        mine = sorted((r for r in rows if (r["kind"], r["shape"]) == (kind, shape)), key=lambda r: r["M"])
         totals = []
         for i in range(len(candidates)):
             us = [r["candidates"][i].get("us") for r in mine]
@@ -217,7 +230,7 @@ def tuning_table(rows: list[dict], candidates: list[fg.FP8GemvConfig]) -> tuple[
             max_m = r["M"]
         proposal[name] = {"config": i, "max_m": max_m}
         if max_m:
-            key = fg.table_key(mine[0]["N"], mine[0]["K"])
+            key = gv.table_key(kind, mine[0]["N"], mine[0]["K"])
             entry = dict(candidates[i].to_json(), max_m=max_m)
             if key in configs:  # two shapes of one weight size: the smaller win holds for both
                 entry = min(configs[key], entry, key=lambda e: e["max_m"])
@@ -240,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     candidates = SMOKE_CANDIDATES if args.smoke else CANDIDATES
     runs = GPU_RUNS if device.type == "cuda" else CPU_RUNS
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "fp8-gemv-h200.json"
+    path = args.out / "gemv-h200.json"
     ceilings = gemm_bench.measure_ceilings(device)
     bw = ceilings["bw"]
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s ({'measured' if ceilings.get('measured') else 'fallback'})")
@@ -256,17 +269,18 @@ def main(argv: list[str] | None = None) -> int:
     configs, proposal = tuning_table(result["rows"], candidates)
     result["proposal"] = proposal
     result["table"] = {"gpu": gpu_key(device), "configs": configs,
-                       "note": "Measured by scripts/h200_fp8_gemv.py: per FP8 weight shape (N,K), the GEMV config with "
-                               "the least time over M = 1..8 and the largest M up to which it beat the W8A8 path "
-                               "the model runs by >= 3% (CUDA-graph replays over weights rotated past L2)."}
-    table_path = args.out / f"{fg.TABLE}_{gpu_key(device)}.json"
+                       "note": "Measured by scripts/h200_gemv.py: per weight kind and shape (kind:N,K), the GEMV "
+                               "config with the least time over M = 1..8 and the largest M up to which it beat what "
+                               "the layer runs without it (FP8: W8A8; bf16: cuBLAS) by >= 3% (CUDA-graph replays "
+                               "over weights rotated past L2)."}
+    table_path = args.out / f"{gv.TABLE}_{gpu_key(device)}.json"
     table_path.write_text(json.dumps(result["table"], indent=1) + "\n")
     result["seconds"] = time.time() - started
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result["rows"]))
-    print("read us = bytes (weights, scales, x, out) once at the copy bandwidth; w8a8 mm = scaled_mm alone, +quant = "
-          "with the per-token quantizer; gemv = best candidate (cfg); vs base = baseline / gemv, the baseline being "
-          "w8a8 mm where a fused producer quantizes (qkv, gate_up, down), +quant for o")
+    print("read us = bytes (weights, scales, x, out) once at the copy bandwidth; base = what the layer runs without "
+          "the GEMV (w16: cuBLAS; fp8: scaled_mm alone where a fused producer quantizes (qkv, gate_up, down), "
+          "quantizer + scaled_mm for o); gemv = best candidate (cfg); vs base = base / gemv")
     for name, prop in proposal.items():
         cfg = candidates[prop["config"]].to_json() if prop["config"] is not None else None
         print(f"proposal {name}: candidate {prop['config']} max_m {prop['max_m']} {cfg or ''}")

@@ -1,7 +1,8 @@
-"""FP8 linear layers on the decode GEMV (`kernels/fp8_gemv.py`, W8A16): with a tuning table entry for the layer's
-weight shape (a fake table here, injected for the CPU device) the layer runs the GEMV up to the entry's `max_m`
+"""Linear layers on the decode GEMV (`kernels/gemv.py`): with a tuning table entry for the layer's weight kind and
+shape (a fake table here, injected for the CPU device) an FP8 layer runs the GEMV (W8A16) up to the entry's `max_m`
 rows, its output is the dequantized weights against the unquantized activations, and the fused producers (norm,
-gated activation) emit model-dtype activations for those M and 8-bit ones above. Without a table nothing changes.
+gated activation) emit model-dtype activations for those M and 8-bit ones above; a 16-bit layer runs it up to
+`max_m` and `F.linear` above. Without a table nothing changes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from kestrel.config import QuantConfig
 from kestrel.kernels import common
-from kestrel.kernels import fp8_gemv as fg
+from kestrel.kernels import gemv as gv
 from kestrel.model.layers.activation import GatedActivation
 from kestrel.model.layers.norm import RMSNorm
 from kestrel.quant.base import QuantAct
@@ -28,8 +29,9 @@ N, K, MAX_M = 24, 40, 4
 @pytest.fixture
 def table(monkeypatch):
     """A GPU table for every device: the GEMV on for weights [N, K] up to MAX_M rows."""
-    configs = {fg.table_key(N, K): fg.FP8GemvConfig(block_n=8, block_k=16, max_m=MAX_M).to_json()}
-    monkeypatch.setattr(common, "gpu_table", lambda kernel, device: configs if kernel == fg.TABLE else {})
+    tiles = gv.GemvConfig(block_n=8, block_k=16, max_m=MAX_M).to_json()
+    configs = {gv.table_key("fp8", N, K): tiles, gv.table_key("w16", N, K): tiles}
+    monkeypatch.setattr(common, "gpu_table", lambda kernel, device: configs if kernel == gv.TABLE else {})
     return configs
 
 
@@ -94,3 +96,22 @@ def test_producers_emit_model_dtype_for_gemv_sizes(table):
         gated = GatedActivation("silu")
         h = torch.randn(M, 2 * K, generator=g)
         assert isinstance(gated.feed(h, layer), QuantAct) == quantized
+
+
+def test_16_bit_layer_runs_the_gemv_up_to_max_m(table, monkeypatch):
+    layer, weight, bias = make_layer(QuantConfig(), n=N, k=K, dtype=torch.bfloat16)
+    calls = []
+    real = gv.gemv_ref
+    monkeypatch.setattr(gv, "gemv_ref", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    g = torch.Generator().manual_seed(4)
+    for M in (1, MAX_M, MAX_M + 1):
+        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+        out = layer(x)
+        exact = x.double() @ weight.double().T + bias.double()
+        err = (out.double() - exact).abs()
+        assert bool((err <= BF16_REL * exact.abs() + 1e-6 * exact.abs().max()).all())
+    assert calls == [1, MAX_M]  # M = MAX_M + 1 went to F.linear
+    table.clear()
+    fresh, _, _ = make_layer(QuantConfig(), n=N, k=K, dtype=torch.bfloat16)
+    fresh(torch.randn(1, K, generator=g).to(torch.bfloat16))
+    assert calls == [1, MAX_M]

@@ -1,0 +1,160 @@
+"""The decode GEMV (`kernels/gemv.py`) for FP8 and 16-bit weights: the kernel (interpreted on CPU) and its reference
+against a float64 oracle on the dequantized weights and unquantized activations (W8A16 for FP8), one K slice and
+several (the last-arrival split sum), and the table-driven selection. Shapes are small and off the slices'
+multiples (partial N blocks, K tails)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.kernels import common
+from kestrel.kernels import gemv as gv
+
+ONE_SLICE = gv.GemvConfig(block_n=8, block_k=64, num_warps=1, max_m=8)
+SPLIT = gv.GemvConfig(block_n=16, block_k=16, num_warps=1, max_m=8)  # K / 16 slices summed by the last arrival
+NARROW = gv.GemvConfig(block_n=2, block_k=32, num_warps=1, max_m=8)
+
+
+def make(M: int, N: int, K: int, dtype: torch.dtype, weight: str, per_tensor: bool, bias: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    if weight != "fp8":
+        return x, w.to(getattr(torch, weight)), None, b
+    if per_tensor:
+        scale = (w.abs().amax() / 448.0).reshape(1)
+    else:
+        scale = w.abs().amax(dim=1, keepdim=True) / 448.0
+    q = (w / scale.reshape(-1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return x, q, scale.float(), b
+
+
+def oracle(x, w, scale, b) -> torch.Tensor:
+    w64 = w.double() if scale is None else w.double() * scale.double().reshape(-1, 1)
+    out = x.double() @ w64.T
+    return out + b.double() if b is not None else out
+
+
+def check(out: torch.Tensor, ref64: torch.Tensor, out_dtype: torch.dtype, K: int) -> None:
+    assert out.dtype == out_dtype
+    # One rounding to the output plus fp32 accumulation over K terms.
+    eps = 2.0**-8 if out_dtype in (torch.bfloat16, torch.float16) else 2.0**-24 * K * 4
+    bound = eps * ref64.abs() + 2.0**-20 * K * ref64.abs().max()
+    assert bool(((out.double() - ref64).abs() <= bound + 1e-30).all()), (out.double() - ref64).abs().max()
+
+
+CASES = [  # (M, N, K, x dtype, weight, out dtype, per_tensor, bias)
+    (1, 24, 40, torch.bfloat16, "fp8", torch.bfloat16, False, False),
+    (2, 17, 64, torch.bfloat16, "fp8", torch.float32, True, True),
+    (3, 40, 50, torch.float16, "fp8", torch.bfloat16, False, True),
+    (5, 9, 33, torch.float32, "fp8", torch.float32, False, False),
+    (8, 32, 48, torch.bfloat16, "fp8", torch.bfloat16, True, False),
+    (11, 16, 24, torch.bfloat16, "fp8", torch.float32, False, True),  # past MAX_M: chunks of 8 rows
+    (1, 24, 40, torch.bfloat16, "bfloat16", torch.bfloat16, False, True),
+    (3, 19, 72, torch.bfloat16, "bfloat16", torch.float32, False, False),
+    (2, 33, 48, torch.float16, "float16", torch.float16, False, True),
+    (9, 8, 20, torch.float32, "bfloat16", torch.float32, False, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kernel_and_reference_match_oracle(case, device):
+    M, N, K, dtype, weight, out_dtype, per_tensor, bias = case
+    x, w, scale, b = make(M, N, K, dtype, weight, per_tensor, bias, seed=M * 100 + N + K)
+    ref64 = oracle(x, w, scale, b)
+    on = [t.to(device) if t is not None else None for t in (x, w, scale, b)]
+    for cfg in (ONE_SLICE, SPLIT, NARROW):
+        check(gv.gemv(*on[:3], out_dtype, on[3], config=cfg).cpu(), ref64, out_dtype, K)
+    check(gv.gemv_ref(x, w, scale, out_dtype, b), ref64, out_dtype, K)
+
+
+def test_all_m_one_to_eight_and_the_counters_left_zeroed(device):
+    x, q, scale, b = make(8, 20, 36, torch.bfloat16, "fp8", False, True, seed=7)
+    on = [t.to(device) for t in (x, q, scale, b)]
+    for M in range(1, 9):
+        for cfg in (ONE_SLICE, SPLIT):
+            out = gv.gemv(on[0][:M], *on[1:3], torch.float32, on[3], config=cfg).cpu()
+            check(out, oracle(x[:M], q, scale, b), torch.float32, 36)
+    assert int(gv._lock_buffer(torch.device(device)).count_nonzero()) == 0
+
+
+def test_split_sum_is_deterministic(device):
+    x, w, _, _ = make(2, 40, 200, torch.bfloat16, "bfloat16", False, False, seed=9)
+    x, w = x.to(device), w.to(device)
+    first = gv.gemv(x, w, None, torch.float32, config=SPLIT)
+    for _ in range(3):
+        assert torch.equal(gv.gemv(x, w, None, torch.float32, config=SPLIT), first)
+
+
+def test_rejects_bad_arguments():
+    x, q, scale, _ = make(1, 8, 16, torch.bfloat16, "fp8", False, False, seed=1)
+    with pytest.raises(ValueError, match="float8_e4m3fn, bfloat16 or float16"):
+        gv.gemv_ref(x, q.float(), scale, torch.bfloat16)
+    with pytest.raises(ValueError, match="weight_scale"):
+        gv.gemv_ref(x, q, scale[:3], torch.bfloat16)
+    with pytest.raises(ValueError, match="needs its weight_scale"):
+        gv.gemv_ref(x, q, None, torch.bfloat16)
+    with pytest.raises(ValueError, match="takes none"):
+        gv.gemv_ref(x, q.to(torch.bfloat16), scale, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        gv.gemv_ref(x[:, :8], q, scale, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------ selection
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def fake_table(monkeypatch):
+    """The GPU table reader returning a given table for the GEMV (and {} for other kernels)."""
+    tables: dict[str, dict] = {}
+
+    def gpu_table(kernel: str, device: torch.device) -> dict:
+        return tables.get(kernel, {}) if device.type == "cuda" else {}
+
+    monkeypatch.setattr(common, "gpu_table", gpu_table)
+    return tables
+
+
+class _Weight:
+    """Enough of a tensor for `table_config`: shape, dtype, device (no CUDA tensor on the CPU machine)."""
+
+    def __init__(self, N: int, K: int, dtype: torch.dtype, device: torch.device = CUDA):
+        self.shape, self.dtype, self.device = (N, K), dtype, device
+
+    def dim(self) -> int:
+        return 2
+
+
+def select(M: int, N: int, K: int, dtype: torch.dtype = torch.float8_e4m3fn, device=CUDA):
+    cfg = gv.table_config(_Weight(N, K, dtype, device))
+    return cfg if gv.takes_rows(cfg, M) else None
+
+
+def test_selection_off_without_a_table(fake_table):
+    assert select(1, 64, 32) is None
+    assert select(1, 64, 32, device=torch.device("cpu")) is None
+
+
+def test_selection_by_kind_table_and_max_m(fake_table):
+    fake_table[gv.TABLE] = {gv.table_key("fp8", 64, 32): dict(ONE_SLICE.to_json(), max_m=4)}
+    assert select(1, 64, 32) == gv.GemvConfig(**dict(ONE_SLICE.to_json(), max_m=4))
+    assert select(4, 64, 32) is not None
+    assert select(5, 64, 32) is None
+    assert select(0, 64, 32) is None
+    assert select(1, 32, 64) is None  # another shape
+    assert select(1, 64, 32, torch.bfloat16) is None  # another kind
+    fake_table[gv.TABLE][gv.table_key("w16", 64, 32)] = dict(SPLIT.to_json(), max_m=2)
+    assert select(2, 64, 32, torch.bfloat16) == gv.GemvConfig(**dict(SPLIT.to_json(), max_m=2))
+    assert select(2, 64, 32, torch.float16) is not None
+    assert select(1, 64, 32, torch.float32) is None  # no fp32 weights on this path
+    fake_table[gv.TABLE] = {gv.table_key("fp8", 64, 32): dict(ONE_SLICE.to_json(), max_m=0)}
+    assert select(1, 64, 32) is None
+
+
+def test_real_table_reader_off_cuda():
+    assert common.gpu_table(gv.TABLE, torch.device("cpu")) == {}
+    assert select(1, 4096, 4096, device=torch.device("cpu")) is None
