@@ -206,35 +206,34 @@ def table(rows: list[dict]) -> str:
 
 
 def tuning_table(rows: list[dict], candidates: list[gv.GemvConfig]) -> tuple[dict, dict]:
-    """(table configs keyed "kind:N,K", the per-shape proposal): the candidate with the least summed time over the
-    measured M, with max_m = the largest M up to which it beats the baseline by >= 3% at every measured M."""
+    """(table configs keyed "kind:N,K", the per-shape proposal): `max_m` = the largest measured M such that one
+    candidate beats the baseline by >= 3% at every measured M up to it, and of the candidates that do, the one
+    with the least summed time over those M."""
     configs: dict[str, dict] = {}
     proposal: dict[str, dict] = {}
     for kind, shape in dict.fromkeys((r["kind"], r["shape"]) for r in rows):
         name = f"{kind}:{shape}"
         mine = sorted((r for r in rows if (r["kind"], r["shape"]) == (kind, shape)), key=lambda r: r["M"])
-        totals = []
+        best: tuple[int, float, int] | None = None  # (max_m, -summed us, candidate)
         for i in range(len(candidates)):
-            us = [r["candidates"][i].get("us") for r in mine]
-            if us and all(u is not None for u in us):
-                totals.append((sum(us), i))
-        if not totals:
+            max_m, total = 0, 0.0
+            for r in mine:
+                us, base = r["candidates"][i].get("us"), baseline_us(r)
+                if us is None or base is None or us > WIN * base:
+                    break
+                max_m, total = r["M"], total + us
+            if max_m and (best is None or (max_m, -total) > best[:2]):
+                best = (max_m, -total, i)
+        if best is None:
             proposal[name] = {"config": None, "max_m": 0}
             continue
-        i = min(totals)[1]
-        max_m = 0
-        for r in mine:
-            us, base = r["candidates"][i].get("us"), baseline_us(r)
-            if us is None or base is None or us > WIN * base:
-                break
-            max_m = r["M"]
+        max_m, _, i = best
         proposal[name] = {"config": i, "max_m": max_m}
-        if max_m:
-            key = gv.table_key(kind, mine[0]["N"], mine[0]["K"])
-            entry = dict(candidates[i].to_json(), max_m=max_m)
-            if key in configs:  # two shapes of one weight size: the smaller win holds for both
-                entry = min(configs[key], entry, key=lambda e: e["max_m"])
-            configs[key] = entry
+        key = gv.table_key(kind, mine[0]["N"], mine[0]["K"])
+        entry = dict(candidates[i].to_json(), max_m=max_m)
+        if key in configs:  # two shapes of one weight size: the smaller win holds for both
+            entry = min(configs[key], entry, key=lambda e: e["max_m"])
+        configs[key] = entry
     return configs, proposal
 
 
