@@ -9,7 +9,10 @@
 #   table    the sweep's OUT/gemv_nvidia_h200.json, else the committed table set aside by `before`, put in
 #            kestrel/kernels/tuning/ (the path on where it won)
 #   after    the `before` runs again (tag `after`)
-#   tput     full load: 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512 (the check a default needs)
+#   moe      the Qwen3-30B-A3B shape alone, BF16 and FP8 + FP8 KV, batch 1 and 8: without the table, then with it
+#   tput     full load: 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, Qwen3-30B-A3B and Llama-3-8B
+#            shapes, with the table (the check a default needs)
+#   gputests tests/gpu: the GEMV's, CUDA graphs' and prefill graphs' (drain and refill) GPU tests
 set -uo pipefail
 out=$(realpath -m "$1"); shift
 mkdir -p "$out"
@@ -34,8 +37,21 @@ for stage in "$@"; do
     table) src="$out/gemv_nvidia_h200.json"; [ -f "$src" ] || src="$out/committed-table.json"
            cp "$src" kestrel/kernels/tuning/gemv_nvidia_h200.json && echo "table in place: $src" | tee -a "$out/log.txt" ;;
     after) decode_runs after ;;
-    tput) run 300 python3 -m kestrel.bench.throughput --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 512 \
-            --hf-peer-prompts 0 --max-seconds 200 --result-file "$out/throughput-fp8-1000x1000-gemv-h200.json" ;;
+    moe) mv -f kestrel/kernels/tuning/gemv_nvidia_h200.json "$out/committed-table.json"
+         for tag in before after; do
+           [ $tag = after ] && cp "$out/committed-table.json" kestrel/kernels/tuning/gemv_nvidia_h200.json
+           latency 200 qwen3-30b-a3b-bf16-$tag --arch qwen3-30b-a3b --batch 1,8 --input-len 128 --output-len 64 \
+             --repeats 2
+           latency 200 qwen3-30b-a3b-fp8-$tag --arch qwen3-30b-a3b --batch 1,8 --input-len 128 --output-len 64 \
+             --repeats 2 --quantization fp8 --kv-cache-dtype fp8
+         done ;;
+    tput) for arch in qwen3-30b-a3b llama3-8b; do
+            run 280 python3 -m kestrel.bench.throughput --arch $arch --quantization fp8 --kv-cache-dtype fp8 \
+              --max-num-seqs 512 --hf-peer-prompts 0 --max-seconds 200 \
+              --result-file "$out/throughput-$arch-fp8-1000x1000-gemv-h200.json"
+          done ;;
+    gputests) run 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv_gpu.py \
+                tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_prefill_graphs_gpu.py ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac
 done
