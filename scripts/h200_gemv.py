@@ -23,7 +23,6 @@ kestrel/kernels/tuning/ to turn the path on where it won), and prints a table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -39,26 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kestrel import ops  # noqa: E402
 from kestrel.bench import gemm as gemm_bench  # noqa: E402
 from kestrel.bench.common import ARCHS  # noqa: E402
-from kestrel.bench.timing import time_calls  # noqa: E402
+from kestrel.bench.timing import sweep_script_args, time_calls  # noqa: E402
 from kestrel.kernels import common  # noqa: E402
 from kestrel.kernels import gemv as gv  # noqa: E402
 from kestrel.quant.w8a8_fp8 import quantize_weight_fp8  # noqa: E402
 
 C = gv.GemvConfig
-CANDIDATES = [
-    C(block_n=4, block_k=1024, num_warps=4),
-    C(block_n=8, block_k=512, num_warps=4),
-    C(block_n=8, block_k=1024, num_warps=4),
-    C(block_n=16, block_k=512, num_warps=4),
-    C(block_n=16, block_k=1024, num_warps=8),
-    C(block_n=32, block_k=256, num_warps=4),
-    C(block_n=32, block_k=512, num_warps=8),
-    C(block_n=2, block_k=2048, num_warps=4),
-    C(block_n=4, block_k=2048, num_warps=8),
-    C(block_n=16, block_k=256, num_warps=2),
-    C(block_n=64, block_k=256, num_warps=8),
-    C(block_n=8, block_k=2048, num_warps=8),
-]
+CANDIDATES = [C(block_n=n, block_k=k, num_warps=w) for n, k, w in (
+    (4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4), (32, 512, 8), (2, 2048, 4),
+    (4, 2048, 8), (16, 256, 2), (64, 256, 8), (8, 2048, 8))]
 SMOKE_CANDIDATES = [C(block_n=8, block_k=32, num_warps=1), C(block_n=16, block_k=16, num_warps=1)]
 TOKENS, SMOKE_TOKENS = (1, 2, 4, 8), (1, 2)
 KINDS = ("fp8", "w16")
@@ -237,21 +225,13 @@ def tuning_table(rows: list[dict], candidates: list[gv.GemvConfig]) -> tuple[dic
     return configs, proposal
 
 
-def gpu_key(device: torch.device) -> str:
-    return common.gpu_key(common.device_name(0)) if device.type == "cuda" else "cpu"
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (run under TRITON_INTERPRET=1)")
-    args = p.parse_args(argv)
+def main() -> int:
+    args, device = sweep_script_args(__doc__)
     started = time.time()
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    gpu = common.gpu_key(common.device_name(0)) if device.type == "cuda" else "cpu"
     tokens = SMOKE_TOKENS if args.smoke else TOKENS
     candidates = SMOKE_CANDIDATES if args.smoke else CANDIDATES
     runs = GPU_RUNS if device.type == "cuda" else CPU_RUNS
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gemv-h200.json"
     ceilings = gemm_bench.measure_ceilings(device)
     bw = ceilings["bw"]
@@ -267,12 +247,12 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     configs, proposal = tuning_table(result["rows"], candidates)
     result["proposal"] = proposal
-    result["table"] = {"gpu": gpu_key(device), "configs": configs,
+    result["table"] = {"gpu": gpu, "configs": configs,
                        "note": "Measured by scripts/h200_gemv.py: per weight kind and shape (kind:N,K), the GEMV "
                                "config with the least time over M = 1..8 and the largest M up to which it beat what "
                                "the layer runs without it (FP8: W8A8; bf16: cuBLAS) by >= 3% (CUDA-graph replays "
                                "over weights rotated past L2)."}
-    table_path = args.out / f"{gv.TABLE}_{gpu_key(device)}.json"
+    table_path = args.out / f"{gv.TABLE}_{gpu}.json"
     table_path.write_text(json.dumps(result["table"], indent=1) + "\n")
     result["seconds"] = time.time() - started
     path.write_text(json.dumps(result, indent=1) + "\n")

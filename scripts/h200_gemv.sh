@@ -13,15 +13,7 @@
 #   tput     full load: 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, Qwen3-30B-A3B and Llama-3-8B
 #            shapes, with the table (the check a default needs)
 #   gputests tests/gpu: the GEMV's, CUDA graphs' and prefill graphs' (drain and refill) GPU tests
-set -uo pipefail
-out=$(realpath -m "$1"); shift
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-run() { local limit=$1; shift; echo "== [$limit s] $*" | tee -a "$out/log.txt"
-  timeout "$limit" "$@" 2>&1 | grep -v '^USDT\|Loading weights' | tee -a "$out/log.txt"; }
-latency() { local limit=$1 name=$2; shift 2
-  run "$limit" python3 -m kestrel.bench.latency --hf-peer none --no-checks "$@" \
-    --result-file "$out/latency-$name-h200.json"; }
+source "$(dirname "$0")/h200_job.sh" "$1"; shift
 decode_runs() { local tag=$1
   latency 150 llama3-8b-bf16-$tag --batch 1,8 --input-len 128 --output-len 64 --repeats 2
   latency 150 llama3-8b-fp8-$tag --batch 1,8 --input-len 128 --output-len 64 --repeats 2 \

@@ -13,12 +13,7 @@
 #                whole decode steps of the Llama-3-8B shape at a 32k prompt, batch 32: dense, then Quest budget 2048
 #   compress     kestrel bench compression --mode ttft: TTFT of 8k and 32k prompts on the Llama-3-8B shape (random
 #                weights, kestrel-tiny's tokenizer), uncompressed and at rates 0.5 and 0.33, compressor included
-set -uo pipefail
-out=$(realpath -m "$1"); shift
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-run() { local limit=$1; shift; echo "== [$limit s] $*" | tee -a "$out/log.txt"
-  timeout "$limit" "$@" 2>&1 | grep -v '^USDT\|Loading weights' | tee -a "$out/log.txt"; }
+source "$(dirname "$0")/h200_job.sh" "$1"; shift
 e2e() { local name=$1; shift
   run 200 python3 -m kestrel.bench.latency --arch llama3-8b --batch 1,8 --input-len 32768 --output-len 64 --repeats 1 \
     --warmups 0 --hf-peer none --no-checks --max-num-batched-tokens 16384 "$@" \

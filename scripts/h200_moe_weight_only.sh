@@ -11,13 +11,8 @@
 #   mixtral     batch 1 and 32 decode of the Mixtral-8x7B shape, FP8 + FP8 KV
 #   moe-tput    throughput 1000 x 1000/1000, FP8 + FP8 KV: Qwen3-30B-A3B shape, then Llama-3-8B
 #   wo-tput     throughput 1000 x 1000/1000 of the Llama-3-8B shape in W4A16 g128
-set -uo pipefail
-out=$(realpath -m "$1"); shift
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-run() { local limit=$1; shift; echo "== [$limit s] $*" | tee -a "$out/log.txt"
-  timeout "$limit" "$@" 2>&1 | grep -v '^USDT\|Loading weights' | tee -a "$out/log.txt"; }
-latency() { local limit=$1 name=$2; shift 2
+source "$(dirname "$0")/h200_job.sh" "$1"; shift
+latency() { local limit=$1 name=$2; shift 2  # defaults of this job before the caller's
   run "$limit" python3 -m kestrel.bench.latency --input-len 128 --output-len 128 --repeats 2 --hf-peer none \
     --no-checks "$@" --result-file "$out/latency-$name-h200.json"; }
 tput() { local limit=$1 name=$2; shift 2

@@ -9,15 +9,7 @@
 #   moe-latency  batch 1, 8, 32, 128 decode (prompt 128) of the Qwen3-30B-A3B shape, BF16 and FP8 + FP8 KV
 #   tput-graphs  full load: 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, eager prefill vs prefill
 #                graphs (max_prefill_graph_tokens 512), one job (the check a default change needs)
-set -uo pipefail
-out=$(realpath -m "$1"); shift
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-run() { local limit=$1; shift; echo "== [$limit s] $*" | tee -a "$out/log.txt"
-  timeout "$limit" "$@" 2>&1 | grep -v '^USDT\|Loading weights' | tee -a "$out/log.txt"; }
-latency() { local limit=$1 name=$2; shift 2
-  run "$limit" python3 -m kestrel.bench.latency --hf-peer none --no-checks "$@" \
-    --result-file "$out/latency-$name-h200.json"; }
+source "$(dirname "$0")/h200_job.sh" "$1"; shift
 for stage in "$@"; do
   case $stage in
     tests) run 200 python3 -m pytest -q -p no:cacheprovider tests/gpu
