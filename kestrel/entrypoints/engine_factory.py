@@ -15,6 +15,7 @@ from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.model.registry import get_model_class
 from kestrel.structured.backend import GrammarBackend
 from kestrel.worker.model_runner import ModelRunner
+from kestrel.worker.runner_setup import resolve_device
 
 
 @dataclass
@@ -47,6 +48,15 @@ def model_modalities(config: EngineConfig) -> frozenset[str]:
         return frozenset(getattr(get_model_class(architecture), "supported_modalities", ()))
     except ConfigError:
         return frozenset()  # the loader names the unknown architecture
+
+
+def core_process_by_default(config: EngineConfig) -> bool:
+    """Whether `kestrel serve` runs the engine core in its own process when not told either way: for a text model
+    on the CPU without worker processes, where the split served faster (the engine loop and the HTTP thread no
+    longer share one interpreter; docs/benchmarks.md, "CPU backend"). A GPU keeps the core in the server's
+    process until served runs there have measured the split."""
+    return (resolve_device(config.device).type == "cpu" and not model_modalities(config)
+            and not config.parallel.uses_workers)
 
 
 def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | None) -> BuiltEngine:

@@ -39,6 +39,7 @@ from kestrel.entrypoints.async_engine import (
 )
 from kestrel.entrypoints.chat import special_token_texts
 from kestrel.entrypoints.core_client import CoreClient
+from kestrel.entrypoints.engine_factory import core_process_by_default, engine_config
 from kestrel.entrypoints.grammar_pool import COMPILE_WORKER_MODULES, GrammarCompilePool
 from kestrel.entrypoints.metrics import ServerMetrics
 from kestrel.entrypoints.playground import add_playground_routes
@@ -718,7 +719,11 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
     if preload:
         start_fork_server(preload)
     try:
-        if config.engine_core_process:
+        core_process = config.engine_core_process
+        if core_process is None:
+            core_process = core_process_by_default(engine_config(model, **(engine_args or {})))
+        logger.info("engine core: %s", "in its own process" if core_process else "in the server's process")
+        if core_process:
             engine = CoreClient.from_args(model, max_queued_requests=config.max_queued_requests,
                                           request_timeout_s=config.request_timeout,
                                           log_level=logging.getLogger().getEffectiveLevel(), **(engine_args or {}))

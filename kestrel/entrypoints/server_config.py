@@ -113,8 +113,10 @@ class ServerConfig:
                                                            "image, read from its header before decoding; 400 beyond")
     max_audio_seconds: float = _opt(DEFAULT_MAX_AUDIO_SECONDS, "audio-language models: longest audio clip in "
                                     "seconds, read from its header before decoding; 400 beyond")
-    engine_core_process: bool = _opt(False, "run the engine core (scheduler, model runner, grammar matchers) in its "
-                                            "own process; this one tokenizes, detokenizes and serves HTTP")
+    engine_core_process: bool | None = _opt(None, "run the engine core (scheduler, model runner, grammar matchers) "
+                                                   "in its own process; this one tokenizes, detokenizes and serves "
+                                                   "HTTP (default: on for a text model on the CPU without tensor/"
+                                                   "pipeline workers, off elsewhere)")
     enable_log_requests: bool = _opt(False, "log each request's id, size and sampling settings")
     log_level: str = _opt("info", "kestrel's log level", choices=LOG_LEVELS)
     uvicorn_log_level: str | None = _opt(None, "the HTTP server's own log level (default: --log-level)",

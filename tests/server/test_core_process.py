@@ -171,3 +171,27 @@ def test_embeddings_and_prompt_logprobs_are_the_in_process_engines(openai_server
     for a, b in zip(here, there):
         assert a["text"] == b["text"] and a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
         assert a["logprobs"]["token_logprobs"][1:] == pytest.approx(b["logprobs"]["token_logprobs"][1:], abs=1e-4)
+
+
+def test_core_process_by_default_only_for_a_cpu_text_model_in_one_process(tiny_model_dir, monkeypatch):
+    from kestrel.entrypoints import engine_factory
+
+    config = engine_factory.engine_config(tiny_model_dir, device="cpu", dtype="float32", max_model_len=256)
+    assert engine_factory.core_process_by_default(config)
+    parallel = engine_factory.engine_config(tiny_model_dir, device="cpu", dtype="float32", max_model_len=256,
+                                            tensor_parallel_size=2)
+    assert not engine_factory.core_process_by_default(parallel)
+    monkeypatch.setattr(engine_factory, "model_modalities", lambda config: frozenset({"image"}))
+    assert not engine_factory.core_process_by_default(config)
+
+
+@pytest.mark.parametrize("flag", [(), ("--no-engine-core-process",)], ids=["default", "off"])
+def test_kestrel_serve_on_the_cpu_splits_the_core_unless_told_not_to(tiny_model_dir, flag):
+    with serve_process(tiny_model_dir, *flag, "--device", "cpu", "--tokenizer-workers", "0",
+                       "--grammar-compile-workers", "0", "--max-model-len", "256") as (process, base):
+        reply = httpx.post(f"{base}/v1/completions", headers=HEADERS, timeout=60,
+                           json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        assert reply.status_code == 200
+        cores = [pid for pid in _children(process.pid)  # multiprocessing's spawned children (not its tracker)
+                 if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert bool(cores) == (not flag), cores
