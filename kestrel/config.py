@@ -1102,7 +1102,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("encoder_cache_size", "cache", "encoder_cache_size",
               "multimodal models: the encoder cache's bound in embedding rows (an image's placeholder tokens each)"),
     EngineArg("max_num_batched_tokens", "scheduler", "max_num_batched_tokens", "token budget of one step (a CPU "
-              "engine with chunked prefill: 512 unless given)"),
+              "engine of a text model with chunked prefill: 512 unless given)"),
     EngineArg("max_num_seqs", "scheduler", "max_num_seqs", "most sequences in the running batch"),
     EngineArg("enable_chunked_prefill", "scheduler", "enable_chunked_prefill",
               "split long prefills across steps within the token budget"),

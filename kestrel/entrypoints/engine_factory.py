@@ -29,7 +29,7 @@ class BuiltEngine:
     media: MediaProcessor | None = None  # a multimodal model's processor; None: text only
 
 
-# A CPU engine's token budget per step when none is given: prefill chunks of 512 rows keep the MLP's [rows, 2 x
+# A CPU text engine's token budget per step when none is given: prefill chunks of 512 rows keep the MLP's [rows, 2 x
 # intermediate] activations near the caches, where the 2048 of a GPU stream them through memory (the 0.5B-class
 # model's offline run: 41.3 s against 45.2 s, docs/benchmarks.md "CPU backend"); the GEMMs lose nothing at 512 rows.
 CPU_MAX_NUM_BATCHED_TOKENS = 512
@@ -37,13 +37,13 @@ CPU_MAX_NUM_BATCHED_TOKENS = 512
 
 def engine_config(model: str, **engine_args: Any) -> EngineConfig:
     """The EngineConfig of `LLM(model, **engine_args)`: a GGUF model's config comes from its metadata; a CPU engine
-    with chunked prefill and no `max_num_batched_tokens` given gets CPU_MAX_NUM_BATCHED_TOKENS (at least
-    max_num_seqs)."""
+    of a text model with chunked prefill and no `max_num_batched_tokens` given gets CPU_MAX_NUM_BATCHED_TOKENS (at
+    least max_num_seqs; a multimodal model keeps the larger budget its images' placeholder runs may need)."""
     config = EngineConfig.from_kwargs(model, hf_config=model_hf_config(model), **engine_args)
     scheduler = config.scheduler
     if ("max_num_batched_tokens" in engine_args or not scheduler.enable_chunked_prefill
             or scheduler.max_num_batched_tokens <= CPU_MAX_NUM_BATCHED_TOKENS
-            or not _runs_on_cpu(config.device)):
+            or not _runs_on_cpu(config.device) or model_modalities(config)):
         return config
     budget = max(CPU_MAX_NUM_BATCHED_TOKENS, scheduler.max_num_seqs)
     return config.replace(scheduler=dataclasses.replace(scheduler, max_num_batched_tokens=budget))
