@@ -430,7 +430,10 @@ class OpenAIServing:
             structured_param = "tools"
         grammar = await self._compile_grammar(grammar_source, raw)
         if structured_param == "tools" and grammar is not None:
-            params = params.replace(structured_outputs=StructuredOutputsParams(grammar=str(grammar.grammar)))
+            # Marks the sequence as constrained; the engine never compiles this spec: it takes the compiled call
+            # grammar, or (an engine core in its own process) compiles the call's source sent beside it.
+            text = grammar.text if isinstance(grammar, GrammarSource) else str(grammar.grammar)
+            params = params.replace(structured_outputs=StructuredOutputsParams(grammar=text))
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs", priority=request.priority,
                                  structured_param=structured_param, shape=_chat_shape(request, params),

@@ -195,3 +195,20 @@ def test_kestrel_serve_on_the_cpu_splits_the_core_unless_told_not_to(tiny_model_
         cores = [pid for pid in _children(process.pid)  # multiprocessing's spawned children (not its tracker)
                  if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert bool(cores) == (not flag), cores
+
+
+def test_a_forced_tool_call_is_compiled_in_the_core(core_process_server):
+    """tool_choice "required": the call's grammar travels as its source and the core compiles it (the API process
+    holds no compiled grammar to hand over)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    reply = post(core_process_server, {"messages": [{"role": "user", "content": "Hi"}], "tools": [tool],
+                                       "tool_choice": "required", "max_tokens": 40, "temperature": 0.0},
+                 "/v1/chat/completions")
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    if choice["finish_reason"] == "tool_calls":
+        call = choice["message"]["tool_calls"][0]["function"]
+        assert call["name"] == "f"
+        assert isinstance(json.loads(call["arguments"]), dict)
+    else:  # out of tokens mid-call: the constrained text so far is the start of the call
+        assert choice["finish_reason"] == "length"
