@@ -114,6 +114,24 @@ def num_sms(device: torch.device, off_cuda: int) -> int:
     return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# ------------------------------------------------------------------------- split-K arrival counters
+
+# Counters one launch can use: its tiles (or row blocks) whose K splits meet in the last program to arrive.
+ARRIVAL_SLOTS = 1 << 16
+_arrival_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 split-K arrival counters (ARRIVAL_SLOTS of them), one buffer per device shared by every
+    kernel that counts arrivals (scaled_mm, wna16, gemv): each launch leaves the counters it used zeroed again,
+    so consecutive launches on one stream can all use it (concurrent streams would need their own)."""
+    buf = _arrival_counters.get(device)
+    if buf is None:
+        buf = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
+        _arrival_counters[device] = buf
+    return buf
+
+
 # ------------------------------------------------------------------------------------ tuning tables
 
 TUNING_DIR = Path(__file__).parent / "tuning"

@@ -33,7 +33,6 @@ from kestrel.kernels import moe_common as _mc
 
 TABLE = "gemv"
 MAX_M = 8
-_LOCK_SLOTS = 1 << 16
 _WEIGHT_KINDS = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "w16", torch.float16: "w16"}
 
 
@@ -127,8 +126,8 @@ def _epilogue(dot, m, cols, rows, n_ok, s_ptr, b_ptr, out_ptr, stride_om,
 @triton.jit(do_not_specialize=["stride_xm", "stride_om"])
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, N, K, stride_xm, stride_wn, stride_om,
                  SPLIT_K: tl.constexpr, ROWS: tl.constexpr, W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 PER_TENSOR: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, MASK_K: tl.constexpr,
-                 FAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 PER_TENSOR: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = round(scale[n] * sum_k x[m, k] * w[n, k] + bias[n]) for the ROWS rows of x; this program
     reads the weight slice [BLOCK_N rows, K slice `program_id % SPLIT_K`]."""
     pid = tl.program_id(0)
@@ -141,7 +140,10 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, N, K, st
     ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = ks < K
     w_ptrs = w_ptr + rows[:, None] * stride_wn + ks[None, :]
-    w = _mc._load(w_ptrs, k_ok[None, :], MASK_K, W_FP8).to(tl.float32)
+    if EVEN_K:
+        w = _mc._load(w_ptrs, None, False, W_FP8).to(tl.float32)
+    else:
+        w = _mc._load(w_ptrs, k_ok[None, :], True, W_FP8).to(tl.float32)
     part = ws_ptr + pid.to(tl.int64) * (ROWS * BLOCK_N) + tl.arange(0, BLOCK_N)
     for m in tl.static_range(ROWS):
         if EVEN_K:
@@ -172,18 +174,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, N, K, st
 # ----------------------------------------------------------------------------------------- launcher
 
 
-_locks: dict[torch.device, torch.Tensor] = {}
-
-
-def _lock_buffer(device: torch.device) -> torch.Tensor:
-    """Zeroed arrival counters, one per `BLOCK_N` rows; every launch leaves them zeroed again."""
-    buf = _locks.get(device)
-    if buf is None:
-        buf = torch.zeros(_LOCK_SLOTS, dtype=torch.int32, device=device)
-        _locks[device] = buf
-    return buf
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, out_dtype: torch.dtype,
          bias: torch.Tensor | None = None, *, config: GemvConfig | None = None) -> torch.Tensor:
     """Triton `gemv_ref`; see the module docstring. Any M works (the slices are sized for a few rows; more than
@@ -199,24 +189,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
         raise ValueError("gemv: weight must be contiguous along K")
     x = x if x.stride(1) == 1 else x.contiguous()
     scale = weight_scale.reshape(-1).float().contiguous() if weight_scale is not None else None
-    placeholder = scale if scale is not None else weight  # a pointer the kernel never reads
-    b = bias.contiguous() if bias is not None else placeholder
+    # The scale, or for a 16-bit weight any pointer: the kernel never reads it, nor the other unused arguments'.
+    scale_arg = scale if scale is not None else weight
+    b = bias.contiguous() if bias is not None else scale_arg
     block_k = min(cfg.block_k, triton.next_power_of_2(K))
     split_k = triton.cdiv(K, block_k)
     n_blocks = triton.cdiv(N, cfg.block_n)
-    if split_k > 1 and n_blocks > _LOCK_SLOTS:
+    if split_k > 1 and n_blocks > common.ARRIVAL_SLOTS:
         block_k, split_k = triton.next_power_of_2(K), 1
-    locks = _lock_buffer(x.device) if split_k > 1 else placeholder
+    locks = common.arrival_counters(x.device) if split_k > 1 else scale_arg
     for m0 in range(0, M, MAX_M):
         xm, om = x[m0:m0 + MAX_M], out[m0:m0 + MAX_M]
         rows = xm.shape[0]
         ws = (torch.empty(n_blocks * split_k * rows * cfg.block_n, dtype=torch.float32, device=x.device)
-              if split_k > 1 else placeholder)
+              if split_k > 1 else scale_arg)
         _gemv_kernel[(n_blocks * split_k,)](
-            xm, weight, placeholder if scale is None else scale, b, om, ws, locks, N, K,
+            xm, weight, scale_arg, b, om, ws, locks, N, K,
             xm.stride(0), weight.stride(0), om.stride(0),
             SPLIT_K=split_k, ROWS=rows, W_FP8=weight.dtype == torch.float8_e4m3fn, HAS_SCALE=scale is not None,
             PER_TENSOR=scale is not None and scale.numel() == 1, HAS_BIAS=bias is not None,
-            EVEN_K=K % block_k == 0, MASK_K=K % block_k != 0, FAST=x.is_cuda, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+            EVEN_K=K % block_k == 0, FAST=x.is_cuda, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
             num_warps=cfg.num_warps)
     return out

@@ -30,7 +30,6 @@ from kestrel.kernels import common
 
 SMALL_M = 64
 TUNING_DIR = Path(__file__).parent / "tuning"
-_LOCK_SLOTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -314,7 +313,7 @@ def scaled_mm(
     R, C = (N, M) if cfg.swap else (M, N)
     num_rc = triton.cdiv(R, cfg.block_r) * triton.cdiv(C, cfg.block_c)
     split_k = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
-    if split_k > 1 and num_rc > _LOCK_SLOTS:
+    if split_k > 1 and num_rc > common.ARRIVAL_SLOTS:
         split_k = 1
     num_tiles = num_rc * split_k
     num_progs = min(num_tiles, _num_sms(a.device)) if cfg.persistent else num_tiles
@@ -332,7 +331,7 @@ def scaled_mm(
     adj = azp_adj.reshape(-1).to(torch.int32).contiguous() if azp_adj is not None else sa
     bias_t = bias.reshape(-1).contiguous() if bias is not None else sa
     _scaled_mm_kernel[(num_progs,)](
-        a, b, out, sa, sb, bias_t, adj, azp_t, ws, _lock_buffer(a.device),
+        a, b, out, sa, sb, bias_t, adj, azp_t, ws, common.arrival_counters(a.device),
         M, N, K, a.stride(0), b.stride(0), out.stride(0), stride_sa, stride_sb, stride_azp,
         num_progs, cfg.group, split_k,
         IS_INT8=a.dtype == torch.int8, SWAP=cfg.swap, HAS_BIAS=bias is not None, HAS_AZP=azp is not None,
@@ -361,19 +360,6 @@ def _triton_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor
 def _num_sms(device: torch.device) -> int:
     # Off CUDA (the interpreter) a small count keeps the persistent loop exercised by tests.
     return common.num_sms(device, off_cuda=4)
-
-
-_locks: dict[torch.device, torch.Tensor] = {}
-
-
-def _lock_buffer(device: torch.device) -> torch.Tensor:
-    """Zeroed split-K arrival counters; every kernel leaves them zeroed again, so one buffer per device
-    serves every call (calls on one stream; concurrent streams would need their own)."""
-    buf = _locks.get(device)
-    if buf is None:
-        buf = torch.zeros(_LOCK_SLOTS, dtype=torch.int32, device=device)
-        _locks[device] = buf
-    return buf
 
 
 # ------------------------------------------------------------------------------------ tuning table

@@ -84,7 +84,6 @@ import triton.language as tl
 from kestrel.kernels import common
 
 DEFAULT_TABLE = common.TUNING_DIR / "wna16_default.json"
-_LOCK_SLOTS = 1 << 16
 
 WEIGHT_TYPES = ("int4", "uint4", "fp4_e2m1", "nf4", "fp4_bnb", "int8", "fp8_e4m3")
 _CODE = {name: i for i, name in enumerate(WEIGHT_TYPES)}  # WTYPE constexpr of the kernel
@@ -728,7 +727,7 @@ def wna16_gemm(
     k_tiles = K // block_k
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     split_k = split_for(cfg.split_k, tiles, k_tiles, common.num_sms(x.device, off_cuda=4))
-    if tiles > _LOCK_SLOTS:
+    if tiles > common.ARRIVAL_SLOTS:
         split_k = 1
     per_split = triton.cdiv(k_tiles, split_k)
     split_k = triton.cdiv(k_tiles, per_split)  # no empty splits
@@ -741,7 +740,7 @@ def wna16_gemm(
     nibbles = cfg.nibble_dots and four_bit and block_k >= 128 and cfg.block_m >= 16
     swap = cfg.swap_ab and cfg.block_m >= 16
     _wna16_kernel[(tiles, split_k)](
-        x, w, scales, z, bias_t, out, ws, _lock_buffer(x.device),
+        x, w, scales, z, bias_t, out, ws, common.arrival_counters(x.device),
         M, N, k_tiles, per_split, split_k, group // block_k, _SCALE_MULT.get(weight_type, 1.0),
         x.stride(0), w.stride(0), scales.stride(0), z.stride(0), out.stride(0),
         WTYPE=_CODE[weight_type], HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
@@ -775,19 +774,6 @@ def split_for(split_k: int, tiles: int, k_tiles: int, num_sms: int) -> int:
     if tiles >= num_sms:
         return 1
     return max(1, min((2 * num_sms) // tiles, k_tiles // 4, 16))
-
-
-_locks: dict[torch.device, torch.Tensor] = {}
-
-
-def _lock_buffer(device: torch.device) -> torch.Tensor:
-    """Zeroed split-K arrival counters; every launch leaves them zeroed again, so one buffer per device serves
-    every call (calls on one stream; concurrent streams would need their own)."""
-    buf = _locks.get(device)
-    if buf is None:
-        buf = torch.zeros(_LOCK_SLOTS, dtype=torch.int32, device=device)
-        _locks[device] = buf
-    return buf
 
 
 # ------------------------------------------------------------------------------------ tuning table

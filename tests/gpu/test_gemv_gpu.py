@@ -49,7 +49,7 @@ def test_table_configs_match_the_oracle_at_their_shapes(M):
         ref = _oracle(x, w, scale)
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         assert rel <= 2.0**-8, (kind, N, K, cfg, rel)
-    assert int(gv._lock_buffer(torch.device("cuda")).count_nonzero()) == 0
+    assert int(common.arrival_counters(torch.device("cuda")).count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("entry", range(2))

@@ -77,7 +77,7 @@ def test_all_m_one_to_eight_and_the_counters_left_zeroed(device):
         for cfg in (ONE_SLICE, SPLIT):
             out = gv.gemv(on[0][:M], *on[1:3], torch.float32, on[3], config=cfg).cpu()
             check(out, oracle(x[:M], q, scale, b), torch.float32, 36)
-    assert int(gv._lock_buffer(torch.device(device)).count_nonzero()) == 0
+    assert int(common.arrival_counters(torch.device(device)).count_nonzero()) == 0
 
 
 def test_split_sum_is_deterministic(device):
