@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kestrel.config import GenerationDefaults
+from kestrel.config import EngineConfig, GenerationDefaults
 from kestrel.engine.core import EngineCore
 from kestrel.engine.stats_logger import StatsLogger
 from kestrel.entrypoints.engine_stats import ITERATION_TOKEN_BUCKETS, EngineStats, StatsTracker  # noqa: F401 - re-exported
@@ -187,10 +187,18 @@ class AsyncEngine:
     def from_args(cls, model: str, *, max_queued_requests: int | None = None,
                   request_timeout_s: float | None = None, **engine_args: Any) -> AsyncEngine:
         """Load the model as `LLM(model, **engine_args)` does, and wrap its engine."""
-        from kestrel.entrypoints.engine_factory import build_engine, engine_config
+        from kestrel.entrypoints.engine_factory import engine_config
+
+        return cls.from_config(engine_config(model, **engine_args), model, max_queued_requests=max_queued_requests,
+                               request_timeout_s=request_timeout_s)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model: str, *, max_queued_requests: int | None = None,
+                    request_timeout_s: float | None = None) -> AsyncEngine:
+        """`from_args` on a config already read (`engine_factory.engine_config`) of the model at `model`."""
+        from kestrel.entrypoints.engine_factory import build_engine
         from kestrel.entrypoints.prompt_compression import build_prompt_compressor
 
-        config = engine_config(model, **engine_args)
         compressor = build_prompt_compressor(config)  # first: the served model's memory plan then counts it
         built = build_engine(config)
         engine = cls(built.core, built.tokenizer, model_path=model, max_queued_requests=max_queued_requests,

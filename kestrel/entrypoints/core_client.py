@@ -152,9 +152,16 @@ class CoreClient:
         """The engine of `kestrel serve --engine-core-process`: the config as `LLM(model, **engine_args)` reads it,
         the model loaded in the core process."""
         from kestrel.entrypoints.engine_factory import engine_config
+
+        return cls.from_config(engine_config(model, **engine_args), model, max_queued_requests=max_queued_requests,
+                               request_timeout_s=request_timeout_s, log_level=log_level)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model: str, *, max_queued_requests: int | None = None,
+                    request_timeout_s: float | None = None, log_level: int | str = "WARNING") -> CoreClient:
+        """`from_args` on a config already read (`engine_factory.engine_config`) of the model at `model`."""
         from kestrel.entrypoints.prompt_compression import build_prompt_compressor
 
-        config = engine_config(model, **engine_args)
         # The compressor runs in this (the API) process, loaded before the core's memory plan measures the device.
         compressor = build_prompt_compressor(config)
         client = cls(config, model_path=model, max_queued_requests=max_queued_requests,

@@ -6,8 +6,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.core import EngineCore
 from kestrel.entrypoints.media import MediaProcessor, media_processor
@@ -50,7 +48,8 @@ def engine_config(model: str, **engine_args: Any) -> EngineConfig:
 
 
 def _runs_on_cpu(device: str) -> bool:
-    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    """Where `device` resolves to the CPU ("cuda" never does; without CUDA it is refused when the runner starts)."""
+    return device != "cuda" and resolve_device(device).type == "cpu"
 
 
 def build_engine(config: EngineConfig) -> BuiltEngine:
@@ -77,8 +76,7 @@ def core_process_by_default(config: EngineConfig) -> bool:
     on the CPU without worker processes, where the split served faster (the engine loop and the HTTP thread no
     longer share one interpreter; docs/benchmarks.md, "CPU backend"). A GPU keeps the core in the server's
     process until served runs there have measured the split."""
-    return (resolve_device(config.device).type == "cpu" and not model_modalities(config)
-            and not config.parallel.uses_workers)
+    return _runs_on_cpu(config.device) and not model_modalities(config) and not config.parallel.uses_workers
 
 
 def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | None) -> BuiltEngine:

@@ -719,17 +719,18 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
     if preload:
         start_fork_server(preload)
     try:
+        built_config = engine_config(model, **(engine_args or {}))
         core_process = config.engine_core_process
         if core_process is None:
-            core_process = core_process_by_default(engine_config(model, **(engine_args or {})))
+            core_process = core_process_by_default(built_config)
         logger.info("engine core: %s", "in its own process" if core_process else "in the server's process")
         if core_process:
-            engine = CoreClient.from_args(model, max_queued_requests=config.max_queued_requests,
-                                          request_timeout_s=config.request_timeout,
-                                          log_level=logging.getLogger().getEffectiveLevel(), **(engine_args or {}))
+            engine = CoreClient.from_config(built_config, model, max_queued_requests=config.max_queued_requests,
+                                            request_timeout_s=config.request_timeout,
+                                            log_level=logging.getLogger().getEffectiveLevel())
         else:
-            engine = AsyncEngine.from_args(model, max_queued_requests=config.max_queued_requests,
-                                           request_timeout_s=config.request_timeout, **(engine_args or {}))
+            engine = AsyncEngine.from_config(built_config, model, max_queued_requests=config.max_queued_requests,
+                                             request_timeout_s=config.request_timeout)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     engine.start()
