@@ -81,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels import common
+from kestrel.kernels import common, wna16_gemv
 
 DEFAULT_TABLE = common.TUNING_DIR / "wna16_default.json"
 
@@ -149,6 +149,9 @@ class WNA16Config:
     # block_m = 1 (the FMA path), 4-bit types: 0 a plain loop, 1 register prefetch of the next step's words,
     # 2 the loop pipelined by Triton with num_stages (see `_gemv_range`).
     fma_pipeline: int = 0
+    # block_m = 1, int4 / uint4: the one-shot decode GEMV (`kernels/wna16_gemv.py`) instead of the FMA path: one
+    # [block_k / 8, block_n] word slice per program, codes turned to fp32 by one mask-or each.
+    oneshot: bool = False
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -723,6 +726,10 @@ def wna16_gemm(
     elif x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or select_config(N, K, M, x.device)
+    if cfg.oneshot and cfg.block_m == 1 and weight_type in wna16_gemv.WEIGHT_TYPES:
+        wna16_gemv.w4_gemv(x, qweight, scales, zeros, out, bias, block_n=cfg.block_n, block_k=cfg.block_k,
+                           num_warps=cfg.num_warps)
+        return out
     block_k = fit_block_k(cfg.block_k, group)
     k_tiles = K // block_k
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)

@@ -98,6 +98,22 @@ def test_every_weight_type_compiles_and_matches(weight_type, group, act_order, M
     assert_close(wq.wna16_gemm(x, *w, torch.bfloat16, bias), wq.wna16_gemm_ref(x, *w, torch.bfloat16, bias))
 
 
+@pytest.mark.parametrize("weight_type", ["int4", "uint4"])
+@pytest.mark.parametrize("group,act_order", [(GROUP, False), (GROUP, True), (32, False), (None, False)])
+@pytest.mark.parametrize("bn,bk,warps", [(128, 128, 4), (64, 512, 8), (32, 256, 2)])
+def test_oneshot_gemv_compiles_and_matches(weight_type, group, act_order, bn, bk, warps):
+    """The one-shot decode GEMV (`oneshot`), compiled: slices inside a group, holding several, per channel,
+    act-order; one row, a few, and more than one launch holds (chunks of MAX_ROWS)."""
+    N, K = 4096, 4096
+    w = make_weight(N, K, weight_type, group, act_order, seed=11)
+    cfg = WNA16Config(block_m=1, block_n=bn, block_k=bk, num_warps=warps, oneshot=True)
+    for M in (1, 2, 5, 9):
+        x = make_x(M, K, seed=12 + M)
+        bias = torch.randn(N, device="cuda").to(torch.bfloat16) if M == 5 else None
+        assert_close(wq.wna16_gemm(x, *w, torch.bfloat16, bias, config=cfg),
+                     wq.wna16_gemm_ref(x, *w, torch.bfloat16, bias))
+
+
 @pytest.mark.parametrize("weight_type", ["nf4", "fp4_bnb"])
 @pytest.mark.parametrize("M", [1, 64])
 def test_bitsandbytes_code_books(weight_type, M):

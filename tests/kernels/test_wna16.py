@@ -266,6 +266,45 @@ def test_fma_pipelines_match_float64_oracle(variant, device):
         check_triton_case(variant, group, act_order, M, N, K, x_dtype, 40 + i, cfg, device, fma_path=True)
 
 
+@pytest.mark.parametrize("variant", ["int4", "uint4"])
+def test_oneshot_gemv_matches_float64_oracle(variant, device):
+    """The one-shot decode GEMV (`oneshot`, block_m = 1): slices inside one group (split over K), holding several
+    groups (summed per group before their scales), per channel, act-order, fp32 and bf16 rows, M past MAX_ROWS
+    (chunked), N not a multiple of block_n."""
+    from kestrel.kernels import wna16_gemv
+
+    N, K = 40, 256
+    cases = [(128, False, 1, 64), (32, True, 3, 128), (None, False, 5, 64), (64, False, wna16_gemv.MAX_ROWS + 1, 256),
+             (128, True, 2, 512)]
+    for i, (group, act_order, M, block_k) in enumerate(cases):
+        x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
+        cfg = WNA16Config(block_m=1, block_n=32, block_k=block_k, num_warps=2, oneshot=True)
+        check_triton_case(variant, group, act_order, M, N, K, x_dtype, 60 + i, cfg, device, fma_path=True)
+
+
+def test_oneshot_gemv_bias_determinism_and_other_types(device):
+    """A bias and fp16 output; split-K replays bit-identical with the arrival counters left zeroed; weight types
+    the one-shot kernel does not read (fp4, int8) keep the FMA path under the same config."""
+    from kestrel.kernels import wna16_gemv
+
+    N, K = 40, 256
+    cfg = WNA16Config(block_m=1, block_n=16, block_k=32, num_warps=1, oneshot=True)
+    w, W = make_weight("uint4", 64, False, N, K, torch.float16, seed=70)
+    x = make_x(2, K, torch.float16, seed=71)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(72)).to(torch.float16)
+    wd = to_device(w, device)
+    first = wq.wna16_gemm(x.to(device), *wd, torch.float16, bias.to(device), config=cfg)
+    assert_matches(first, x, W, torch.float16, bias)
+    again = wq.wna16_gemm(x.to(device), *wd, torch.float16, bias.to(device), config=cfg)
+    assert torch.equal(first, again)
+    assert int(common.arrival_counters(torch.device(device)).abs().sum()) == 0
+    for variant in ("fp4_e2m1", "int8"):
+        check_triton_case(variant, 64, False, 2, N, K, torch.float32, 73, cfg, device, fma_path=True)
+    assert [wna16_gemv.fit_block_k(bk, g, k) for bk, g, k in
+            ((512, 128, 4096), (512, 4096, 4096), (512, 14336, 14336), (64, 128, 256), (256, 32, 96))] == \
+        [512, 512, 512, 64, 32]
+
+
 def test_nibble_asm_text():
     """The PTX of the word conversion: four lop3 into the magic number's mantissas, four paired fmas, each output
     register written once (nibble s in $s: bits 4s of the word, s < 4 from the low halves)."""

@@ -1,0 +1,182 @@
+"""Decode GEMV for 4-bit integer weights (int4 / uint4, the `wna16` layout): one launch, each weight word read once.
+
+The `wna16` FMA path (`block_m = 1`) walks K in a loop per program and spends about two integer instructions per
+4-bit value taking the code out of its word (a shift, then a mask and the magic number's exponent), so at M = 1 it
+runs near 1.5 TB/s, bound by the integer units, not the bytes. Here:
+
+- Each program owns one `[BLOCK_K / 8 words, BLOCK_N columns]` slice of the packed weight and loads it whole in one
+  wide load (every byte in flight at once, many programs per SM), as `kernels/gemv.py` does for 16-bit and FP8
+  weights; partial sums over K slices meet as in that kernel (an fp32 workspace, summed in split order by the last
+  program to arrive, counters left zeroed: deterministic and graph-safe).
+- A code becomes fp32 in one integer instruction: nibble s of a word sits at bits 4s..4s+3; masked in place and
+  or-ed with the exponent of 2^(23-4s) it is the float 2^(23-4s) + c exactly (the mantissa's unit in the last place
+  at that exponent is 1), and one subtraction of 2^(23-4s) + z gives c - z. Nibbles 4-7 are read the same way
+  from the word shifted right by 16: one shift per eight values. So about 1.1 integer and 2 float instructions
+  per value and row (mask-or, subtract, fma), the subtraction shared by every row.
+- The products (c - z) * x are exact in fp32 and summed in fp32 per group, then multiplied by the group's scale:
+  the same numbers as `wna16_gemm_ref`, differing only in the order of the sums.
+
+Which layers take it: a `WNA16Config` with `block_m = 1` and `oneshot` set (the per-GPU table chooses it per M
+bucket); int4 and uint4 only (the other types keep the FMA path). Up to `MAX_ROWS` rows per launch; more run in
+chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels import common
+
+MAX_ROWS = 8
+WEIGHT_TYPES = ("int4", "uint4")
+
+
+def fit_block_k(block_k: int, group: int, K: int) -> int:
+    """The largest power of two <= block_k that divides K and either divides the group size or is a multiple of it
+    (a slice holds whole groups or lies inside one). At least one word (8 rows)."""
+    bk = max(8, block_k)
+    while bk > 8 and (K % bk or (bk < group and group % bk) or (bk > group and bk % group)):
+        bk //= 2
+    return bk
+
+
+@triton.jit(do_not_specialize=["stride_xm", "stride_om"])
+def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, N, group,
+                    stride_xm, stride_wk, stride_sg, stride_zg, stride_om,
+                    SPLIT_K: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """out[m, n] = sum_g s[g, n] * sum_{k in g} x[m, k] * (c[k, n] - z[g, n]) + bias[n] for the ROWS rows of x;
+    this program reads word rows [split * BLOCK_K / 8, +BLOCK_K / 8) of BLOCK_N columns. GROUPS: the groups one
+    slice holds (1 when the slice lies inside one group)."""
+    KW: tl.constexpr = BLOCK_K // 8
+    pid = tl.program_id(0)
+    nb = pid // SPLIT_K
+    split = pid % SPLIT_K
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    if EVEN_N:
+        wc = cols
+    else:
+        # Wrapped columns keep every load in bounds without an N mask; their results are not stored. (Only when
+        # N needs it: the wrap hides the columns' contiguity from the compiler, which then loads word by word.)
+        wc = cols % N
+    wrows = split * KW + tl.arange(0, KW)
+    words = tl.load(w_ptr + wrows.to(tl.int64)[:, None] * stride_wk + wc[None, :])
+    upper = words >> 16
+    if HAS_ZEROS:
+        g_of_word = (wrows * 8) // group
+        zf = tl.load(z_ptr + g_of_word[:, None] * stride_zg + wc[None, :]).to(tl.float32)
+    else:
+        zf = tl.full((KW, BLOCK_N), 8.0, tl.float32)
+    first_g = (split * BLOCK_K) // group
+    if GROUPS == 1:
+        sc = tl.load(s_ptr + first_g * stride_sg + wc).to(tl.float32)
+    else:
+        gs = first_g + tl.arange(0, GROUPS)
+        sc = tl.load(s_ptr + gs[:, None] * stride_sg + wc[None, :]).to(tl.float32)
+    part = ws_ptr + pid.to(tl.int64) * (ROWS * BLOCK_N) + tl.arange(0, BLOCK_N)
+    # One row at a time, each in a 2-D tile laid out like the words (a third dimension for the rows would make
+    # the compiler give each thread one column and many K rows: a load of x per value instead of per word row).
+    # Rows after the first decode the words again: two instructions a value, cheaper than x's loads.
+    for m in tl.static_range(ROWS):
+        acc = tl.zeros((KW, BLOCK_N), dtype=tl.float32)
+        x_row = x_ptr + m * stride_xm + wrows * 8
+        for s in tl.static_range(8):
+            if s < 4:
+                w = _nibble_minus_zero(words, zf, 4 * s, FAST)
+            else:
+                w = _nibble_minus_zero(upper, zf, 4 * (s - 4), FAST)
+            acc += w * tl.load(x_row + s).to(tl.float32)[:, None]
+        if GROUPS == 1:
+            dot = tl.sum(acc, axis=0) * sc
+        else:
+            dot = tl.sum(tl.sum(tl.reshape(acc, (GROUPS, KW // GROUPS, BLOCK_N)), axis=1) * sc, axis=0)
+        if SPLIT_K == 1:
+            _store(dot, m, out_ptr, b_ptr, cols, wc, n_ok, stride_om, HAS_BIAS, FAST)
+        else:
+            tl.store(part + m * BLOCK_N, dot)
+    if SPLIT_K > 1:
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + nb, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            # The last arrival sums every partial in split order, so results do not depend on timing.
+            first = ws_ptr + (nb * SPLIT_K).to(tl.int64) * (ROWS * BLOCK_N) + tl.arange(0, BLOCK_N)
+            for m in tl.static_range(ROWS):
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for sp in range(SPLIT_K):
+                    total += tl.load(first + (sp * ROWS + m) * BLOCK_N, cache_modifier=".cg")
+                _store(total, m, out_ptr, b_ptr, cols, wc, n_ok, stride_om, HAS_BIAS, FAST)
+            tl.atomic_xchg(lock_ptr + nb, 0)
+
+
+def _lop3(sh: int) -> str:
+    """PTX of one lop3 computing (word & (15 << sh)) | exponent bits of 2^(23 - sh) (lut 0xEA: (a & b) | c)."""
+    return f"lop3.b32 $0, $1, {15 << sh}, {(150 - sh) << 23}, 0xEA;"
+
+
+_LOP3_0 = tl.constexpr(_lop3(0))
+_LOP3_4 = tl.constexpr(_lop3(4))
+_LOP3_8 = tl.constexpr(_lop3(8))
+_LOP3_12 = tl.constexpr(_lop3(12))
+
+
+@triton.jit
+def _nibble_minus_zero(src, zf, SH: tl.constexpr, ASM: tl.constexpr):
+    """c - z in fp32 for the nibble at bits SH..SH+3 of `src`: masked in place into the mantissa of 2^(23 - SH), the
+    float 2^(23 - SH) + c exactly, minus 2^(23 - SH) + z. ASM: the mask and the exponent in one lop3 (the compiler
+    spends two instructions on the same expression)."""
+    if ASM:
+        if SH == 0:
+            asm: tl.constexpr = _LOP3_0
+        elif SH == 4:
+            asm: tl.constexpr = _LOP3_4
+        elif SH == 8:
+            asm: tl.constexpr = _LOP3_8
+        else:
+            asm: tl.constexpr = _LOP3_12
+        bits = tl.inline_asm_elementwise(asm, "=r,r", [src], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        bits = (src & (15 << SH)) | ((150 - SH) << 23)
+    return bits.to(tl.float32, bitcast=True) - (zf + (1 << (23 - SH)))
+
+
+@triton.jit
+def _store(y, m, out_ptr, b_ptr, cols, wc, n_ok, stride_om, HAS_BIAS: tl.constexpr, FAST: tl.constexpr):
+    if HAS_BIAS:
+        y += tl.load(b_ptr + wc).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + cols, common.to_dtype(y, out_ptr.dtype.element_ty, FAST), mask=n_ok)
+
+
+def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+            out: torch.Tensor, bias: torch.Tensor | None, *, block_n: int, block_k: int, num_warps: int) -> None:
+    """Write `x @ dequant(qweight).T + bias` into `out` ([M, N]). `x` is [M, K] with its act-order permutation
+    already applied (what `wna16.wna16_gemm` hands over after checking every argument); `qweight` int32
+    [K / 8, N] of int4 (zeros None: the codes minus 8) or uint4 (zeros [K / group, N]) codes."""
+    M, K = x.shape
+    N = qweight.shape[1]
+    group = K // scales.shape[0]
+    bk = fit_block_k(block_k, group, K)
+    if bk < 8 or K % bk:
+        raise ValueError(f"w4_gemv: no slice of K = {K} fits group {group}")
+    split_k = K // bk
+    n_blocks = triton.cdiv(N, block_n)
+    if split_k > 1 and n_blocks > common.ARRIVAL_SLOTS:
+        raise ValueError(f"w4_gemv: {n_blocks} column blocks exceed the {common.ARRIVAL_SLOTS} arrival counters")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    groups = bk // group if bk > group else 1
+    z = zeros if zeros is not None else scales
+    b = bias.reshape(-1).contiguous() if bias is not None else scales
+    locks = common.arrival_counters(x.device) if split_k > 1 else scales
+    for m0 in range(0, M, MAX_ROWS):
+        xm, om = x[m0:m0 + MAX_ROWS], out[m0:m0 + MAX_ROWS]
+        rows = xm.shape[0]
+        ws = (torch.empty(n_blocks * split_k * rows * block_n, dtype=torch.float32, device=x.device)
+              if split_k > 1 else scales)
+        _w4_gemv_kernel[(n_blocks * split_k,)](
+            xm, qweight, scales, z, b, om, ws, locks, N, group,
+            xm.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), om.stride(0),
+            SPLIT_K=split_k, ROWS=rows, GROUPS=groups, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
+            FAST=x.is_cuda, EVEN_N=N % block_n == 0, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps)
