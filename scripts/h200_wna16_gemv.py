@@ -143,7 +143,7 @@ def merged_table(rows: list[dict], candidates, gpu: str, current: dict) -> dict:
         mine = {r["type"]: r for r in rows if (r["N"], r["K"], r["M"]) == key}
         entry = next(iter(mine.values()))["table_config"]
         best = None
-        for i, cand in enumerate(candidates):
+        for i in range(len(candidates)):
             times = {t: (r["candidates"][i].get("us"), _us(r["table"])) for t, r in mine.items()}
             if not all(us and base for us, base in times.values()):
                 continue

@@ -63,6 +63,9 @@ block_m, is the small second operand; with nibble_dots eight dots per K step, el
 each step's words arrived only when asked for; 1 loads the next step's words into registers before the current
 step's arithmetic, 2 asks `tl.range` for num_stages. Same arithmetic.
 
+`oneshot` (block_m = 1, int4 / uint4): `kernels/wna16_gemv.py`, one word slice per program loaded whole and each
+nibble turned into fp32 by one lop3; the H200 table takes it for one row.
+
 Split-K partials meet in an fp32 workspace; the last program to arrive at a tile (an atomic
 counter) sums them in split order (deterministic, so CUDA-graph replays are bit-exact) and runs the epilogue
 (bias, one rounding).
