@@ -66,12 +66,15 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr
     wrows = split * KW + tl.arange(0, KW)
     words = tl.load(w_ptr + wrows.to(tl.int64)[:, None] * stride_wk + wc[None, :])
     upper = words >> 16
-    if HAS_ZEROS:
+    first_g = (split * BLOCK_K) // group
+    if not HAS_ZEROS:
+        zf = tl.full((1, BLOCK_N), 8.0, tl.float32)
+    elif GROUPS == 1:
+        # One zero row for the whole slice: broadcast, so its sums with the magic numbers are per column, not per word.
+        zf = tl.load(z_ptr + first_g * stride_zg + wc).to(tl.float32)[None, :]
+    else:
         g_of_word = (wrows * 8) // group
         zf = tl.load(z_ptr + g_of_word[:, None] * stride_zg + wc[None, :]).to(tl.float32)
-    else:
-        zf = tl.full((KW, BLOCK_N), 8.0, tl.float32)
-    first_g = (split * BLOCK_K) // group
     if GROUPS == 1:
         sc = tl.load(s_ptr + first_g * stride_sg + wc).to(tl.float32)
     else:
