@@ -117,6 +117,25 @@ def num_sms(device: torch.device, off_cuda: int) -> int:
 # ------------------------------------------------------------------------- split-K arrival counters
 
 # Counters one launch can use: its tiles (or row blocks) whose K splits meet in the last program to arrive.
+@triton.jit
+def last_arrival(lock, SPLIT_K: tl.constexpr):
+    """After this program stored its split-K partials: whether it is the last of the SPLIT_K to arrive at `lock`
+    (acq_rel, so it sees every other program's partials)."""
+    tl.debug_barrier()
+    return tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT_K - 1
+
+
+@triton.jit
+def split_row_sum(ws_ptr, nb, m, SPLIT_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row m of column block nb summed over its SPLIT_K fp32 partials in split order (deterministic), from a
+    workspace laid out [column block, split, row, BLOCK_N]."""
+    first = ws_ptr + (nb * SPLIT_K).to(tl.int64) * (ROWS * BLOCK_N) + m * BLOCK_N + tl.arange(0, BLOCK_N)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        total += tl.load(first + s * (ROWS * BLOCK_N), cache_modifier=".cg")
+    return total
+
+
 ARRIVAL_SLOTS = 1 << 16
 _arrival_counters: dict[torch.device, torch.Tensor] = {}
 

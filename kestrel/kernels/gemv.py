@@ -157,17 +157,11 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, N, K, st
         else:
             tl.store(part + m * BLOCK_N, dot)
     if SPLIT_K > 1:
-        tl.debug_barrier()
-        arrived = tl.atomic_add(lock_ptr + nb, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            # The last arrival sums every partial in split order, so results do not depend on timing.
-            first = ws_ptr + (nb * SPLIT_K).to(tl.int64) * (ROWS * BLOCK_N) + tl.arange(0, BLOCK_N)
+        is_last = common.last_arrival(lock_ptr + nb, SPLIT_K)
+        if is_last:
             for m in tl.static_range(ROWS):
-                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for s in range(SPLIT_K):
-                    total += tl.load(first + (s * ROWS + m) * BLOCK_N, cache_modifier=".cg")
-                _epilogue(total, m, cols, rows, n_ok, s_ptr, b_ptr, out_ptr, stride_om,
-                          HAS_SCALE, PER_TENSOR, HAS_BIAS, FAST)
+                _epilogue(common.split_row_sum(ws_ptr, nb, m, SPLIT_K, ROWS, BLOCK_N), m, cols, rows, n_ok, s_ptr,
+                          b_ptr, out_ptr, stride_om, HAS_SCALE, PER_TENSOR, HAS_BIAS, FAST)
             tl.atomic_xchg(lock_ptr + nb, 0)
 
 
