@@ -99,6 +99,25 @@ def timed(fn_of: Callable[[int], Callable[[], object]], copies: int, runs: int, 
     return {"status": "ok", "us": us, "graph": graphed}
 
 
+def checked_and_timed(once: Callable[[], torch.Tensor], ref: torch.Tensor, fn_of: Callable[[int], Callable[[], object]],
+                      copies: int, runs: int, device: torch.device, skip: bool) -> dict:
+    """One candidate: run once and compared with `ref` (status "error" / "wrong" past ERR_LIMIT), then timed over
+    the weight copies (`timed`); the result carries its error."""
+    try:
+        err = rel_err(once(), ref)
+    except Exception as exc:  # one failing variant must not sink the whole run
+        return {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    if err > ERR_LIMIT:
+        return {"status": "wrong", "err": err}
+    return dict(timed(fn_of, copies, runs, device, skip), err=err)
+
+
+def fastest(results: list[dict]) -> int | None:
+    """Index of the fastest timed result, or None."""
+    ok = [(r["us"], i) for i, r in enumerate(results) if r.get("us")]
+    return min(ok)[1] if ok else None
+
+
 def w8a8_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, quant: bool) -> Callable[[], object]:
     """One W8A8 call as Fp8LinearMethod runs it: with its quantizer launch, or on x quantized beforehand (what a
     fused producer hands it)."""
@@ -144,23 +163,15 @@ def run_shape(shape: dict, tokens: tuple[int, ...], candidates: list[gv.GemvConf
                                   skip)
         row["candidates"] = []
         for cfg in candidates:
-            try:
-                err = rel_err(gv.gemv(x, w0, s0, torch.bfloat16, config=cfg), ref)
-            except Exception as exc:
-                row["candidates"].append({"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:300]}"})
-                continue
-            if err > ERR_LIMIT:
-                row["candidates"].append({"status": "wrong", "err": err})
-                continue
-            res = timed(lambda i, x=x, c=cfg: (lambda w=weights[i]: gv.gemv(x, *w, torch.bfloat16, config=c)),
-                        copies, runs, device, skip)
-            res["err"] = err
+            res = checked_and_timed(
+                lambda c=cfg, x=x, w=weights[0]: gv.gemv(x, *w, torch.bfloat16, config=c), ref,
+                lambda i, x=x, c=cfg: (lambda w=weights[i]: gv.gemv(x, *w, torch.bfloat16, config=c)),
+                copies, runs, device, skip)
             if res.get("us"):
                 res["gb_s"] = byts / res["us"] * 1e-3
                 res["x_read_once"] = res["us"] / read_us
             row["candidates"].append(res)
-        ok = [(r["us"], i) for i, r in enumerate(row["candidates"]) if r.get("us")]
-        row["best"] = min(ok)[1] if ok else None
+        row["best"] = fastest(row["candidates"])
         row["seconds"] = time.time() - t0
         rows.append(row)
         log(table([row]).splitlines()[1] + f"   [{row['seconds']:.1f} s]")

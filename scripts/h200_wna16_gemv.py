@@ -3,8 +3,9 @@
 Llama-3-8B's linear shapes (qkv, o, gate_up, down), int4 group 128 (GPTQ symmetric) and uint4 group 128 with zero
 points (AWQ), one row (decode batch 1; `TOKENS`).
 
-Every candidate is checked against `wna16_gemm_ref` (relative Frobenius error <= 2^-8) and timed as CUDA-graph
-replays of one call per weight copy (`kestrel.bench.timing.time_calls`), the copies together past L2.
+Every candidate is checked against `wna16_gemm_ref` (relative Frobenius error <= 2^-8, h200_gemv.ERR_LIMIT) and
+timed as CUDA-graph replays of one call per weight copy (`kestrel.bench.timing.time_calls`), the copies together
+past L2.
 For each (shape, M) the table gets the fastest one-shot config where it beats the current entry by >= 3% and keeps
 the current entry elsewhere; every measured M gets its own bucket (the other buckets stay as they are).
 
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from h200_gemv import log, rel_err, timed  # noqa: E402
+from h200_gemv import ERR_LIMIT, checked_and_timed, fastest, log, timed  # noqa: E402
 
 from kestrel.bench import gemm as gemm_bench  # noqa: E402
 from kestrel.bench.timing import sweep_script_args  # noqa: E402
@@ -45,7 +46,6 @@ GROUP = 128
 # lost to the table's entry at every shape, so the table takes it for one row only.
 ONESHOT = [(128, 128, 2), (256, 128, 4), (512, 128, 4), (64, 128, 2), (256, 256, 4), (512, 128, 8)]
 SMOKE_ONESHOT = [(16, 64, 1), (32, 128, 2)]
-ERR_LIMIT = 2.0**-8
 WIN = 0.97
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
@@ -93,22 +93,14 @@ def run_case(name: str, N: int, K: int, weight_type: str, tokens, candidates, de
         row["candidates"] = []
         for bn, bk, warps in candidates:
             cfg = config(bn, bk, warps)
-            try:
-                err = rel_err(wq.wna16_gemm(x, *weights[0], torch.bfloat16, config=cfg), ref)
-            except Exception as exc:
-                row["candidates"].append({"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:300]}"})
-                continue
-            if err > ERR_LIMIT:
-                row["candidates"].append({"status": "wrong", "err": err})
-                continue
-            res = timed(lambda i, x=x, c=cfg: (lambda w=weights[i]: wq.wna16_gemm(x, *w, torch.bfloat16, config=c)),
-                        copies, runs, device, skip)
-            res["err"] = err
+            res = checked_and_timed(
+                lambda c=cfg, x=x: wq.wna16_gemm(x, *weights[0], torch.bfloat16, config=c), ref,
+                lambda i, x=x, c=cfg: (lambda w=weights[i]: wq.wna16_gemm(x, *w, torch.bfloat16, config=c)),
+                copies, runs, device, skip)
             if res.get("us"):
                 res["tb_s"] = byts / res["us"] * 1e-6
             row["candidates"].append(res)
-        ok = [(r["us"], i) for i, r in enumerate(row["candidates"]) if r.get("us")]
-        row["best"] = min(ok)[1] if ok else None
+        row["best"] = fastest(row["candidates"])
         row["seconds"] = time.time() - t0
         rows.append(row)
         log(table([row], candidates).splitlines()[1] + f"   [{row['seconds']:.1f} s]")
