@@ -184,7 +184,7 @@ def baseline_us(row: dict) -> float | None:
     return row["w8a8_gemm" if row["fused_producer"] else "w8a8_quant_gemm"].get("us")
 
 
-def _fmt(us: float | None, width: int = 8) -> str:
+def fmt_us(us: float | None, width: int = 8) -> str:
     return f"{us:{width}.1f}" if us is not None else f"{'-':>{width}}"
 
 
@@ -198,8 +198,8 @@ def table(rows: list[dict]) -> str:
         gbs = f"{best['gb_s']:6.0f}" if best.get("gb_s") else f"{'-':>6}"
         xr = f"{best['x_read_once']:6.2f}" if best.get("x_read_once") else f"{'-':>6}"
         lines.append(f"{r['kind']:4} {r['shape']:22} {r['N']:6d} {r['K']:6d} {r['M']:2d} {r['read_once_us']:8.1f} "
-                     f"{_fmt(base)} "
-                     f"{_fmt(best.get('us'))} {r.get('best') if r.get('best') is not None else '-'!s:>3} {gbs} {xr} "
+                     f"{fmt_us(base)} "
+                     f"{fmt_us(best.get('us'))} {r.get('best') if r.get('best') is not None else '-'!s:>3} {gbs} {xr} "
                      f"{speed}")
     return "\n".join(lines)
 

@@ -23,8 +23,8 @@ for stage in "$@"; do
     tput) run 240 python3 -m kestrel.bench.throughput --weight-only w4a16 --hf-peer-prompts 0 --num-prompts 384 \
             --input-len 1000 --output-len 1000 --max-seconds 150 \
             --result-file "$out/throughput-llama3-8b-w4a16-oneshot-h200.json" ;;
-    gputests) run 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_wna16_gpu.py -k oneshot \
-                tests/gpu/test_cuda_graph_gpu.py ;;
+    gputests) run 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_wna16_gpu.py -k oneshot
+              run 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graph_gpu.py ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac
 done

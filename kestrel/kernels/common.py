@@ -116,7 +116,6 @@ def num_sms(device: torch.device, off_cuda: int) -> int:
 
 # ------------------------------------------------------------------------- split-K arrival counters
 
-# Counters one launch can use: its tiles (or row blocks) whose K splits meet in the last program to arrive.
 @triton.jit
 def last_arrival(lock, SPLIT_K: tl.constexpr):
     """After this program stored its split-K partials: whether it is the last of the SPLIT_K to arrive at `lock`
@@ -136,14 +135,15 @@ def split_row_sum(ws_ptr, nb, m, SPLIT_K: tl.constexpr, ROWS: tl.constexpr, BLOC
     return total
 
 
+# Counters one launch can use: its tiles (or row blocks) whose K splits meet in the last program to arrive.
 ARRIVAL_SLOTS = 1 << 16
 _arrival_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def arrival_counters(device: torch.device) -> torch.Tensor:
     """Zeroed int32 split-K arrival counters (ARRIVAL_SLOTS of them), one buffer per device shared by every
-    kernel that counts arrivals (scaled_mm, wna16, gemv): each launch leaves the counters it used zeroed again,
-    so consecutive launches on one stream can all use it (concurrent streams would need their own)."""
+    kernel that counts arrivals (scaled_mm, wna16, gemv, wna16_gemv): each launch leaves the counters it used
+    zeroed again, so consecutive launches on one stream can all use it (concurrent streams would need their own)."""
     buf = _arrival_counters.get(device)
     if buf is None:
         buf = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)

@@ -128,8 +128,8 @@ class WNA16Weight(NamedTuple):
 
 @dataclass(frozen=True)
 class WNA16Config:
-    """Launch parameters. `block_k` is lowered to the largest power of two dividing the group size; `split_k` 0
-    picks the split from the SM count (see `split_for`)."""
+    """Launch parameters. `block_k` is lowered to the largest power of two dividing the group size (under `oneshot`:
+    see there); `split_k` 0 picks the split from the SM count (see `split_for`)."""
 
     block_m: int
     block_n: int
@@ -153,8 +153,13 @@ class WNA16Config:
     # 2 the loop pipelined by Triton with num_stages (see `_gemv_range`).
     fma_pipeline: int = 0
     # block_m = 1, int4 / uint4: the one-shot decode GEMV (`kernels/wna16_gemv.py`) instead of the FMA path: one
-    # [block_k / 8, block_n] word slice per program, codes turned to fp32 by one mask-or each.
+    # [block_k / 8, block_n] word slice per program, codes turned to fp32 by one mask-or each. It reads block_n,
+    # block_k (which may then span whole groups; the split is K / block_k) and num_warps only.
     oneshot: bool = False
+
+    def __post_init__(self) -> None:
+        if self.oneshot and self.block_m != 1:
+            raise ValueError(f"WNA16Config: oneshot is a one-row path and needs block_m = 1, got {self.block_m}")
 
     def to_json(self) -> dict:
         return asdict(self)

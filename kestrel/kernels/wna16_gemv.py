@@ -12,13 +12,16 @@ runs near 1.5 TB/s, bound by the integer units, not the bytes. Here:
   or-ed with the exponent of 2^(23-4s) it is the float 2^(23-4s) + c exactly (the mantissa's unit in the last place
   at that exponent is 1), and one subtraction of 2^(23-4s) + z gives c - z. Nibbles 4-7 are read the same way
   from the word shifted right by 16: one shift per eight values. So about 1.1 integer and 2 float instructions
-  per value and row (mask-or, subtract, fma), the subtraction shared by every row.
-- The products (c - z) * x are exact in fp32 and summed in fp32 per group, then multiplied by the group's scale:
-  the same numbers as `wna16_gemm_ref`, differing only in the order of the sums.
+  per value at one row (mask-or, subtract, fma); each further row adds its fma (the compiler may share the
+  decoded values across rows or decode again).
+- The products (c - z) * x are summed in fp32 per group, then multiplied by the group's scale: `wna16_gemm_ref`'s
+  numbers up to the order of the sums (the products are exact for 16-bit x; fp32 x rounds them as the reference
+  does).
 
 Which layers take it: a `WNA16Config` with `block_m = 1` and `oneshot` set (the per-GPU table chooses it per M
-bucket); int4 and uint4 only (the other types keep the FMA path). Up to `MAX_ROWS` rows per launch; more run in
-chunks.
+bucket); int4 and uint4 only (the other types keep the FMA path). It reads the config's `block_n`, `block_k` and
+`num_warps` (powers of two; the split is K / block_k); the other fields belong to the looped paths. Up to
+`MAX_ROWS` rows per launch; more run in chunks.
 """
 
 from __future__ import annotations
@@ -34,9 +37,12 @@ WEIGHT_TYPES = ("int4", "uint4")
 
 
 def fit_block_k(block_k: int, group: int, K: int) -> int:
-    """The largest power of two <= block_k that divides K and either divides the group size or is a multiple of it
-    (a slice holds whole groups or lies inside one). At least one word (8 rows)."""
-    bk = max(8, block_k)
+    """The largest power of two <= block_k (itself a power of two >= 8) that divides K and either divides the group
+    size or is a multiple of it (a slice holds whole groups or lies inside one); 8 (one word) at least, which a
+    caller must still check divides K."""
+    if block_k < 8 or block_k & (block_k - 1):
+        raise ValueError(f"w4_gemv: block_k must be a power of two >= 8, got {block_k}")
+    bk = block_k
     while bk > 8 and (K % bk or (bk < group and group % bk) or (bk > group and bk % group)):
         bk //= 2
     return bk
@@ -156,9 +162,11 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     M, K = x.shape
     N = qweight.shape[1]
     group = K // scales.shape[0]
+    if block_n < 1 or block_n & (block_n - 1):
+        raise ValueError(f"w4_gemv: block_n must be a power of two, got {block_n}")
     bk = fit_block_k(block_k, group, K)
-    if bk < 8 or K % bk:
-        raise ValueError(f"w4_gemv: no slice of K = {K} fits group {group}")
+    if K % bk or (bk < group and group % bk) or (bk > group and bk % group):
+        raise ValueError(f"w4_gemv: no slice of whole words fits K = {K} with group {group}")
     split_k = K // bk
     n_blocks = triton.cdiv(N, block_n)
     if split_k > 1 and n_blocks > common.ARRIVAL_SLOTS:

@@ -114,6 +114,19 @@ def test_oneshot_gemv_compiles_and_matches(weight_type, group, act_order, bn, bk
                      wq.wna16_gemm_ref(x, *w, torch.bfloat16, bias))
 
 
+@pytest.mark.parametrize("weight_type", ["int4", "uint4"])
+def test_oneshot_gemv_whole_k_wrapped_columns_and_bias(weight_type):
+    """One slice holding all of K (no split), N not a multiple of block_n (wrapped columns), a bias."""
+    N, K = 4096 + 16, 4096
+    w = make_weight(N, K, weight_type, GROUP, seed=13)
+    cfg = WNA16Config(block_m=1, block_n=64, block_k=K, num_warps=8, oneshot=True)
+    for M in (1, 3):
+        x = make_x(M, K, seed=14 + M)
+        bias = torch.randn(N, device="cuda").to(torch.bfloat16)
+        assert_close(wq.wna16_gemm(x, *w, torch.bfloat16, bias, config=cfg),
+                     wq.wna16_gemm_ref(x, *w, torch.bfloat16, bias))
+
+
 @pytest.mark.parametrize("weight_type", ["nf4", "fp4_bnb"])
 @pytest.mark.parametrize("M", [1, 64])
 def test_bitsandbytes_code_books(weight_type, M):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kestrel import ops
-from kestrel.kernels import common
+from kestrel.kernels import common, wna16_gemv
 from kestrel.kernels import wna16 as wq
 from kestrel.kernels.wna16 import WNA16Config
 
@@ -266,43 +266,67 @@ def test_fma_pipelines_match_float64_oracle(variant, device):
         check_triton_case(variant, group, act_order, M, N, K, x_dtype, 40 + i, cfg, device, fma_path=True)
 
 
-@pytest.mark.parametrize("variant", ["int4", "uint4"])
-def test_oneshot_gemv_matches_float64_oracle(variant, device):
-    """The one-shot decode GEMV (`oneshot`, block_m = 1): slices inside one group (split over K), holding several
-    groups (summed per group before their scales), per channel, act-order, fp32 and bf16 rows, M past MAX_ROWS
-    (chunked), N not a multiple of block_n."""
-    from kestrel.kernels import wna16_gemv
+@pytest.fixture
+def oneshot_calls(monkeypatch):
+    """Counts the launches of the one-shot kernel, so a test knows the config took it (the FMA path would give
+    the same numbers)."""
+    calls = []
+    real = wna16_gemv.w4_gemv
 
-    N, K = 40, 256
-    cases = [(128, False, 1, 64), (32, True, 3, 128), (None, False, 5, 64), (64, False, wna16_gemv.MAX_ROWS + 1, 256),
-             (128, True, 2, 512)]
-    for i, (group, act_order, M, block_k) in enumerate(cases):
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wna16_gemv, "w4_gemv", spy)
+    return calls
+
+
+@pytest.mark.parametrize("variant", ["int4", "uint4"])
+def test_oneshot_gemv_matches_float64_oracle(variant, device, oneshot_calls):
+    """The one-shot decode GEMV (`oneshot`, block_m = 1): slices inside one group (split over K), holding several
+    (summed per group before their scales), the whole of K (no split), per channel, act-order, fp32 and bf16 rows,
+    M past MAX_ROWS (chunked), N a multiple of block_n (contiguous column loads) or not (wrapped columns)."""
+    cases = [(128, False, 1, 64, 40), (32, True, 3, 128, 64), (None, False, 5, 64, 40),
+             (64, False, wna16_gemv.MAX_ROWS + 1, 256, 64), (128, True, 2, 512, 40)]
+    for i, (group, act_order, M, block_k, N) in enumerate(cases):
         x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
         cfg = WNA16Config(block_m=1, block_n=32, block_k=block_k, num_warps=2, oneshot=True)
-        check_triton_case(variant, group, act_order, M, N, K, x_dtype, 60 + i, cfg, device, fma_path=True)
+        check_triton_case(variant, group, act_order, M, N, 256, x_dtype, 60 + i, cfg, device, fma_path=True)
+    assert len(oneshot_calls) == len(cases)
 
 
-def test_oneshot_gemv_bias_determinism_and_other_types(device):
-    """A bias and fp16 output; split-K replays bit-identical with the arrival counters left zeroed; weight types
-    the one-shot kernel does not read (fp4, int8) keep the FMA path under the same config."""
-    from kestrel.kernels import wna16_gemv
-
+def test_oneshot_gemv_bias_determinism_and_other_types(device, oneshot_calls):
+    """A bias and fp16 output, split over K and not; split-K replays bit-identical with the arrival counters left
+    zeroed; weight types the one-shot kernel does not read (fp4, int8) keep the FMA path under the same config;
+    block sizes that are no powers of two, and oneshot beside more than one row a program, are refused."""
     N, K = 40, 256
-    cfg = WNA16Config(block_m=1, block_n=16, block_k=32, num_warps=1, oneshot=True)
     w, W = make_weight("uint4", 64, False, N, K, torch.float16, seed=70)
     x = make_x(2, K, torch.float16, seed=71)
     bias = torch.randn(N, generator=torch.Generator().manual_seed(72)).to(torch.float16)
     wd = to_device(w, device)
-    first = wq.wna16_gemm(x.to(device), *wd, torch.float16, bias.to(device), config=cfg)
-    assert_matches(first, x, W, torch.float16, bias)
-    again = wq.wna16_gemm(x.to(device), *wd, torch.float16, bias.to(device), config=cfg)
-    assert torch.equal(first, again)
-    assert int(common.arrival_counters(torch.device(device)).abs().sum()) == 0
+    for block_k in (32, K):
+        cfg = WNA16Config(block_m=1, block_n=16, block_k=block_k, num_warps=1, oneshot=True)
+        first = wq.wna16_gemm(x.to(device), *wd, torch.float16, bias.to(device), config=cfg)
+        assert_matches(first, x, W, torch.float16, bias)
+        again = wq.wna16_gemm(x.to(device), *wd, torch.float16, bias.to(device), config=cfg)
+        assert torch.equal(first, again)
+    assert int(common.arrival_counters(wd.qweight.device).abs().sum()) == 0
+    assert len(oneshot_calls) == 4
     for variant in ("fp4_e2m1", "int8"):
         check_triton_case(variant, 64, False, 2, N, K, torch.float32, 73, cfg, device, fma_path=True)
+    assert len(oneshot_calls) == 4
     assert [wna16_gemv.fit_block_k(bk, g, k) for bk, g, k in
             ((512, 128, 4096), (512, 4096, 4096), (512, 14336, 14336), (64, 128, 256), (256, 32, 96))] == \
         [512, 512, 512, 64, 32]
+    for bad in (12, 4, 0):
+        with pytest.raises(ValueError, match="block_k must be a power of two"):
+            wq.wna16_gemm(x.to(device), *wd, torch.float16,
+                          config=WNA16Config(block_m=1, block_n=16, block_k=bad, oneshot=True))
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        wq.wna16_gemm(x.to(device), *wd, torch.float16, config=WNA16Config(block_m=1, block_n=24, block_k=32,
+                                                                             oneshot=True))
+    with pytest.raises(ValueError, match="needs block_m = 1"):
+        WNA16Config(block_m=16, block_n=32, block_k=64, oneshot=True)
 
 
 def test_nibble_asm_text():
