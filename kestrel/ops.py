@@ -31,6 +31,7 @@ from kestrel.kernels.cpu import attention as _cpu_attention
 from kestrel.kernels.cpu import elementwise as _cpu_elementwise
 from kestrel.kernels.cpu import linear as _cpu_linear
 from kestrel.kernels.cpu import rope_kv as _cpu_rope_kv
+from kestrel.kernels.cpu import wna16 as _cpu_wna16
 from kestrel.kernels.sparse_decode import key_bounds_dtype, score_scale  # noqa: F401 - the KV cache's, the layers'
 
 # Weight-only (W4A16 / W8A16) checkpoint repacking, for the loaders: run once at load, on any device.
@@ -253,5 +254,10 @@ def moe_route(logits, top_k, renormalize):
 def wna16_gemm(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias=None):
     """Weight-only GEMM `x [M, K] @ W^T -> [M, N]` with 4- or 8-bit weights in the layout `repack_*` / `pack_wna16`
     produce (`kernels/wna16.py`); call it as `wna16_gemm(x, *weight, out_dtype, bias)` with a `WNA16Weight`."""
-    fn = _wna16.wna16_gemm if use_triton(x) else _wna16.wna16_gemm_ref
+    if use_triton(x):
+        fn = _wna16.wna16_gemm
+    elif use_cpu_fast_path(x):
+        fn = _cpu_wna16.wna16_gemm_cpu
+    else:
+        fn = _wna16.wna16_gemm_ref
     return fn(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)

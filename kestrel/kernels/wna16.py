@@ -208,7 +208,7 @@ def _check_weight(qweight, scales, zeros, perm, weight_type) -> tuple[int, int, 
     return K, N, group
 
 
-def _check_args(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias) -> tuple[int, int, int]:
+def check_args(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias) -> tuple[int, int, int]:
     K, N, group = _check_weight(qweight, scales, zeros, perm, weight_type)
     if x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"wna16: x must be [M, K={K}], got {tuple(x.shape)}")
@@ -267,7 +267,7 @@ def wna16_gemm_ref(
 ) -> torch.Tensor:
     """PyTorch reference and the CPU path: the weight dequantized once to fp32, an fp32 matmul, the bias added in
     fp32, one rounding to `out_dtype`."""
-    _, _, group = _check_args(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
+    _, _, group = check_args(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
     w = _dequant_kn(qweight, scales, zeros, weight_type, group)
     xs = x.float()
     if perm is not None:
@@ -724,7 +724,7 @@ def wna16_gemm(
 ) -> torch.Tensor:
     """Triton `wna16_gemm_ref`; see the module docstring. `config` overrides the tuning table (tests, tuning).
     No host sync: capturable in a CUDA graph."""
-    K, N, group = _check_args(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
+    K, N, group = check_args(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
     M = x.shape[0]
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:

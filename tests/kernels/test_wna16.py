@@ -382,11 +382,13 @@ def test_strided_activations_and_empty_batch(device):
     assert empty.shape == (0, N)
 
 
-def test_ops_dispatch_uses_the_reference_on_cpu():
+def test_ops_dispatch_on_cpu():
+    """The C path (int4 here) against the oracle, the reference exactly within `ops.cpu_references()`."""
     w, W = make_weight("int4", 64, True, 48, 128, torch.bfloat16, seed=9)
     x = make_x(4, 128, torch.bfloat16, seed=9)
-    out = ops.wna16_gemm(x, *w, torch.bfloat16)
-    assert torch.equal(out, wq.wna16_gemm_ref(x, *w, torch.bfloat16))
+    assert_matches(ops.wna16_gemm(x, *w, torch.bfloat16), x, W, torch.bfloat16)
+    with ops.cpu_references():
+        assert torch.equal(ops.wna16_gemm(x, *w, torch.bfloat16), wq.wna16_gemm_ref(x, *w, torch.bfloat16))
     # The loaders' repack helpers are re-exported by ops (the same functions, up to the interpreter's reload).
     again = ops.repack_gptq(w.qweight, w.scales)
     assert again.weight_type == "int4" and torch.equal(again.qweight, w.qweight)
@@ -602,3 +604,51 @@ def test_kernels_really_run_in_the_interpreter():
     if torch.cuda.is_available():
         pytest.skip("compiled kernels on a GPU machine")
     assert type(wq._wna16_kernel).__name__ == "InterpretedFunction"
+
+
+# ------------------------------------------------------------------------------------------ the CPU path
+
+
+def test_cpu_path_matches_float64_oracle(monkeypatch):
+    """`kernels/cpu/wna16.py` (C): few rows (one pass over the words) and more (column chunks of the dequantized
+    weight, made small here so several chunks and a remainder run), int4 / uint4 with and without zero points,
+    grouped / per channel / act-order, N not a multiple of the C block, a bias, three activation dtypes."""
+    from kestrel.kernels.cpu import wna16 as cpu_wna16
+
+    if native_w4() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(cpu_wna16, "CHUNK_COLUMNS", 48)
+    cases = [("int4", 128, False), ("uint4", 32, True), ("int4", None, False), ("uint4", 64, False)]
+    for i, (variant, group, act_order) in enumerate(cases):
+        N, K = (100, 256) if i % 2 == 0 else (64, 128)
+        w, W = make_weight(variant, group, act_order, N, K, torch.float16 if i % 2 else torch.bfloat16, seed=80 + i)
+        bias = torch.randn(N, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        for M, x_dtype in ((1, torch.bfloat16), (3, torch.float32), (cpu_wna16.GEMV_ROWS + 1, torch.float16),
+                           (40, torch.bfloat16)):
+            x = make_x(M, K, x_dtype, seed=M)
+            out = cpu_wna16.wna16_gemm_cpu(x, *w, x_dtype, bias if M == 3 else None)
+            assert_matches(out, x, W, x_dtype, bias if M == 3 else None)
+
+
+def test_ops_on_the_cpu_take_the_c_path_unless_references_are_asked(monkeypatch):
+    """`ops.wna16_gemm` on CPU tensors runs the C path for int4 / uint4 (and the reference for other types, inside
+    it), and the plain reference within `ops.cpu_references()`."""
+    from kestrel.kernels.cpu import wna16 as cpu_wna16
+
+    calls = []
+    real = cpu_wna16.wna16_gemm_cpu
+    monkeypatch.setattr(cpu_wna16, "wna16_gemm_cpu", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
+    N, K = 48, 128
+    for variant in ("int4", "fp4_e2m1"):
+        w, W = make_weight(variant, 64, False, N, K, torch.float32, seed=5)
+        x = make_x(2, K, torch.float32, seed=6)
+        assert_matches(ops.wna16_gemm(x, *w, torch.float32), x, W, torch.float32)
+        with ops.cpu_references():
+            assert torch.equal(ops.wna16_gemm(x, *w, torch.float32), wq.wna16_gemm_ref(x, *w, torch.float32))
+    assert calls == ["int4", "fp4_e2m1"]
+
+
+def native_w4():
+    from kestrel.kernels.cpu import native
+
+    return native.w4_gemv_fn()

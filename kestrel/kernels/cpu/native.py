@@ -1,4 +1,4 @@
-"""Builds and loads the C kernels of `kernels/cpu/` (`paged_attention.c`, `elementwise.c`) with the system C
+"""Builds and loads the C kernels of `kernels/cpu/` (`paged_attention.c`, `elementwise.c`, `wna16.c`) with the system C
 compiler, one shared library per source.
 
 The shared library goes to a per-user directory (mode 0700) under `tempfile.gettempdir()`, named by a hash of the
@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
 ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.c")
+WNA16_SOURCE = Path(__file__).with_name("wna16.c")
 BASE_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-shared", "-fPIC")
 OPENMP_FLAGS: tuple[str, ...] = ("-fopenmp",)
 COMPILERS: tuple[str, ...] = ("cc", "gcc")
@@ -185,3 +186,20 @@ def rope_store_kv_fn() -> ctypes._CFuncPtr | None:
         p, p, p, lng,  # positions, cos and sin tables, table rows
         p, p, p, i,  # q_out, k_cache, v_cache, bf16 cache
         p, lng, lng, i, i, i, i, i))  # slots, slot count, tokens, heads, kv heads, head size, rotary dim, threads
+
+
+@functools.cache
+def w4_gemv_fn() -> ctypes._CFuncPtr | None:
+    """`kestrel_w4_gemv` (x, qweight, scales, zeros, default zero, out, M, K, N, group, threads), or None."""
+    p, lng = ctypes.c_void_p, ctypes.c_long
+    return _function(WNA16_SOURCE, "kestrel_w4_gemv", (p, p, p, p, ctypes.c_float, p, lng, lng, lng, lng,
+                                                       ctypes.c_int))
+
+
+@functools.cache
+def w4_dequant_fn() -> ctypes._CFuncPtr | None:
+    """`kestrel_w4_dequant` (qweight, scales, zeros, default zero, out, K, N, group, first column, columns, threads),
+    or None."""
+    p, lng = ctypes.c_void_p, ctypes.c_long
+    return _function(WNA16_SOURCE, "kestrel_w4_dequant", (p, p, p, ctypes.c_float, p, lng, lng, lng, lng, lng,
+                                                          ctypes.c_int))

@@ -1,0 +1,60 @@
+"""The weight-only GEMM with int4 / uint4 weights on the CPU (`wna16.c`, built by `native.py`): one pass over the
+packed words for a few rows (decode); for more, the float32 weight dequantized one column chunk at a time into a
+buffer that fits the caches, each chunk's matmul writing its columns (the whole weight, as `wna16_gemm_ref` makes it,
+would be a fresh allocation of K x N floats a call). Other weight types, gradients or no C compiler take
+`wna16_gemm_ref`, which stays the tests' oracle: both paths compute its float32 products and differ only in the
+order of the sums."""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.kernels import wna16 as _wna16
+from kestrel.kernels.cpu import native
+
+# Rows up to which one pass over the packed words beats dequantizing the weight for a matmul (2-core development
+# machine, Qwen2-0.5B's linear shapes).
+GEMV_ROWS = 16
+CHUNK_COLUMNS = 512  # of the dequantized weight at a time: K x 512 floats, ~2 MB at K = 1024
+WEIGHT_TYPES = ("int4", "uint4")  # uint4 always comes with its zero points; int4 is the codes minus 8
+_INT4_ZERO = 8.0
+
+
+def wna16_gemm_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                   perm: torch.Tensor | None, weight_type: str, out_dtype: torch.dtype,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`wna16_gemm_ref`'s result; see the module docstring."""
+    K, N, group = _wna16.check_args(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
+    M = x.shape[0]
+    few = M <= GEMV_ROWS
+    fn = (native.w4_gemv_fn() if few else native.w4_dequant_fn()) if weight_type in WEIGHT_TYPES else None
+    if fn is None or M == 0 or (torch.is_grad_enabled() and x.requires_grad):
+        return _wna16.wna16_gemm_ref(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
+    xs = x.float()
+    if perm is not None:
+        xs = xs.index_select(1, perm)
+    xs = xs.contiguous()
+    words = qweight.contiguous()
+    sc = scales.float().contiguous()
+    zs = zeros.to(torch.int8).contiguous() if zeros is not None else None
+    z_ptr = zs.data_ptr() if zs is not None else None
+    threads = torch.get_num_threads()
+    if few:
+        out = torch.empty(M, N, dtype=torch.float32)
+        status = fn(xs.data_ptr(), words.data_ptr(), sc.data_ptr(), z_ptr, _INT4_ZERO,
+                    out.data_ptr(), M, K, N, group, threads)
+    else:
+        out = torch.empty(M, N, dtype=torch.float32)
+        buffer = torch.empty(K * min(N, CHUNK_COLUMNS), dtype=torch.float32)
+        status = 0
+        for n0 in range(0, N, CHUNK_COLUMNS):
+            width = min(CHUNK_COLUMNS, N - n0)
+            w = buffer[:K * width].view(K, width)
+            status = status or fn(words.data_ptr(), sc.data_ptr(), z_ptr, _INT4_ZERO,
+                                  w.data_ptr(), K, N, group, n0, width, threads)
+            out[:, n0:n0 + width] = xs @ w
+    if status != 0:
+        return _wna16.wna16_gemm_ref(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
+    if bias is not None:
+        out = out + bias.float().reshape(1, -1)
+    return out.to(out_dtype)
