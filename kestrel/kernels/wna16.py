@@ -265,8 +265,8 @@ def wna16_gemm_ref(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """PyTorch reference and the CPU path: the weight dequantized once to fp32, an fp32 matmul, the bias added in
-    fp32, one rounding to `out_dtype`."""
+    """PyTorch reference (the tests' oracle, and the CPU path of the types `kernels/cpu/wna16.c` does not take): the
+    weight dequantized once to fp32, an fp32 matmul, the bias added in fp32, one rounding to `out_dtype`."""
     _, _, group = check_args(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
     w = _dequant_kn(qweight, scales, zeros, weight_type, group)
     xs = x.float()

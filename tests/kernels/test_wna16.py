@@ -609,46 +609,74 @@ def test_kernels_really_run_in_the_interpreter():
 # ------------------------------------------------------------------------------------------ the CPU path
 
 
-def test_cpu_path_matches_float64_oracle(monkeypatch):
-    """`kernels/cpu/wna16.py` (C): few rows (one pass over the words) and more (column chunks of the dequantized
-    weight, made small here so several chunks and a remainder run), int4 / uint4 with and without zero points,
-    grouped / per channel / act-order, N not a multiple of the C block, a bias, three activation dtypes."""
+@pytest.fixture
+def c_path_only(monkeypatch):
+    """The C path or a failure: the reference it falls back to raises, and the library must have been built."""
+    from kestrel.kernels.cpu import native
     from kestrel.kernels.cpu import wna16 as cpu_wna16
 
-    if native_w4() is None:
+    if native.find_compiler() is None:
         pytest.skip("no C compiler")
-    monkeypatch.setattr(cpu_wna16, "CHUNK_COLUMNS", 48)
-    cases = [("int4", 128, False), ("uint4", 32, True), ("int4", None, False), ("uint4", 64, False)]
-    for i, (variant, group, act_order) in enumerate(cases):
-        N, K = (100, 256) if i % 2 == 0 else (64, 128)
+    assert native.w4_gemv_fn() is not None and native.w4_dequant_fn() is not None, "wna16.c did not build"
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the CPU path fell back to the reference")
+
+    monkeypatch.setattr(cpu_wna16._wna16, "wna16_gemm_ref", no_reference)
+    return cpu_wna16
+
+
+def test_cpu_path_matches_float64_oracle(c_path_only, monkeypatch):
+    """`kernels/cpu/wna16.py` (C): few rows (one pass over the words) and more (column chunks of the dequantized
+    weight, made small here so several chunks, a full C block plus a remainder inside one, and a short last chunk
+    run), int4 / uint4, grouped / per channel / act-order, N not a multiple of the C block, a bias, three activation
+    dtypes; and a weight large enough for the C loops' parallel regions."""
+    cpu_wna16 = c_path_only
+    monkeypatch.setattr(cpu_wna16, "CHUNK_COLUMNS", 80)
+    cases = [("int4", 128, False, 100, 256), ("uint4", 32, True, 64, 128), ("int4", None, False, 100, 256),
+             ("uint4", 64, False, 64, 128), ("int4", 128, False, 1024, 1024)]
+    for i, (variant, group, act_order, N, K) in enumerate(cases):
         w, W = make_weight(variant, group, act_order, N, K, torch.float16 if i % 2 else torch.bfloat16, seed=80 + i)
         bias = torch.randn(N, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
-        for M, x_dtype in ((1, torch.bfloat16), (3, torch.float32), (cpu_wna16.GEMV_ROWS + 1, torch.float16),
-                           (40, torch.bfloat16)):
+        rows = ((1, torch.bfloat16), (17, torch.float32)) if N == 1024 else (
+            (1, torch.bfloat16), (3, torch.float32), (cpu_wna16.GEMV_ROWS + 1, torch.float16), (40, torch.bfloat16))
+        for M, x_dtype in rows:
             x = make_x(M, K, x_dtype, seed=M)
             out = cpu_wna16.wna16_gemm_cpu(x, *w, x_dtype, bias if M == 3 else None)
             assert_matches(out, x, W, x_dtype, bias if M == 3 else None)
 
 
-def test_ops_on_the_cpu_take_the_c_path_unless_references_are_asked(monkeypatch):
-    """`ops.wna16_gemm` on CPU tensors runs the C path for int4 / uint4 (and the reference for other types, inside
-    it), and the plain reference within `ops.cpu_references()`."""
+def test_ops_on_the_cpu_take_the_c_path_unless_references_are_asked(c_path_only, monkeypatch):
+    """`ops.wna16_gemm` on CPU tensors runs the C path for int4 (the reference raises here), and the plain reference
+    within `ops.cpu_references()`; other weight types take the reference inside the CPU wrapper."""
+    from kestrel.kernels import wna16 as fresh_wq
+
+    N, K = 48, 128
+    w, W = make_weight("int4", 64, True, N, K, torch.bfloat16, seed=9)
+    x = make_x(4, K, torch.bfloat16, seed=9)
+    assert_matches(ops.wna16_gemm(x, *w, torch.bfloat16), x, W, torch.bfloat16)
+    monkeypatch.undo()
+    with ops.cpu_references():
+        assert torch.equal(ops.wna16_gemm(x, *w, torch.bfloat16), fresh_wq.wna16_gemm_ref(x, *w, torch.bfloat16))
+    w4, W4 = make_weight("fp4_e2m1", 64, False, N, K, torch.float32, seed=5)
+    x4 = make_x(2, K, torch.float32, seed=6)
+    assert torch.equal(ops.wna16_gemm(x4, *w4, torch.float32), fresh_wq.wna16_gemm_ref(x4, *w4, torch.float32))
+
+
+def test_cpu_path_falls_back_for_gradients_and_weights_off_the_cpu(monkeypatch):
+    """A weight whose scales need a gradient keeps the reference (its autograd graph), as does a weight on the meta
+    device (the C code would read its pointers)."""
     from kestrel.kernels.cpu import wna16 as cpu_wna16
 
     calls = []
-    real = cpu_wna16.wna16_gemm_cpu
-    monkeypatch.setattr(cpu_wna16, "wna16_gemm_cpu", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
+    real = cpu_wna16._wna16.wna16_gemm_ref
+    monkeypatch.setattr(cpu_wna16._wna16, "wna16_gemm_ref", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
     N, K = 48, 128
-    for variant in ("int4", "fp4_e2m1"):
-        w, W = make_weight(variant, 64, False, N, K, torch.float32, seed=5)
-        x = make_x(2, K, torch.float32, seed=6)
-        assert_matches(ops.wna16_gemm(x, *w, torch.float32), x, W, torch.float32)
-        with ops.cpu_references():
-            assert torch.equal(ops.wna16_gemm(x, *w, torch.float32), wq.wna16_gemm_ref(x, *w, torch.float32))
-    assert calls == ["int4", "fp4_e2m1"]
-
-
-def native_w4():
-    from kestrel.kernels.cpu import native
-
-    return native.w4_gemv_fn()
+    w, W = make_weight("int4", 64, False, N, K, torch.float32, seed=11)
+    scales = w.scales.clone().requires_grad_(True)
+    x = make_x(2, K, torch.float32, seed=12)
+    out = cpu_wna16.wna16_gemm_cpu(x, w.qweight, scales, w.zeros, w.perm, w.weight_type, torch.float32)
+    out.sum().backward()
+    assert scales.grad is not None and scales.grad.abs().sum() > 0
+    cpu_wna16.wna16_gemm_cpu(x, w.qweight.to("meta"), w.scales.to("meta"), None, None, "int4", torch.float32)
+    assert calls == ["int4", "int4"]

@@ -1,8 +1,8 @@
 /* The weight-only GEMM with 4-bit integer weights (int4 / uint4, kestrel/kernels/wna16.py's layout) on the CPU.
  *
  * `wna16_gemm_ref`, the PyTorch path, unpacks and scales the whole weight into a float32 copy on every call (eight
- * shifts and masks over the int32 words, a gather of the group scales): at one activation row it took 20-170x the
- * time of a bfloat16 `F.linear` of the same shape. Here:
+ * shifts and masks over the int32 words, a gather of the group scales): at one activation row it took 11-92x the
+ * time of a bfloat16 `F.linear` of Qwen2-0.5B's linear shapes (benchmarks/results/cpu-w4a16/). Here:
  *
  * - `kestrel_w4_gemv` (a few rows, decode): reads the packed words, BLOCK_N columns at a time, and multiplies each
  *   nibble's value `c - z` by the row's x in float32, summing a group's products before its scale; rows one after
@@ -14,9 +14,9 @@
  * 4 (k - 8j); `scales` float32 `[K / group, N]`; `zeros` int8 `[K / group, N]` or NULL (int4: the codes minus 8).
  * `x` float32 `[M, K]`, already gathered by the act-order permutation; `out` float32 `[M, N]`.
  *
- * Numerics: every product (c - z) * x is exact in float32 when x came from a 16-bit dtype; the sums run in float32,
- * per group then scaled, so results differ from the reference (which scales first and sums in its matmul's order)
- * by the order of the sums only.
+ * Numerics: every product (c - z) * x is exact in float32 when x came from a 16-bit dtype; the gemv sums them in
+ * float32 per group and scales each group's sum once, where the reference rounds every x * s * (c - z): both
+ * float32-accurate, not bit-identical. The dequantized weight is the reference's, value for value.
  */
 #include <stdint.h>
 #include <string.h>
@@ -26,8 +26,7 @@
 #endif
 
 #define BLOCK_N 64
-/* A code goes through int32 on its way to float: AVX2 converts signed integers only. */
-#define PARALLEL_FROM (1 << 20) /* weight values: smaller calls stay on the calling thread */
+#define PARALLEL_FROM (1 << 20) /* values of the whole weight: smaller weights stay on the calling thread */
 
 /* Every row of x times columns [n0, n0 + width), one row at a time: the row's sums stay in registers (a shared
  * decode across rows measured slower here, its accumulators spilled to the stack). */
@@ -48,6 +47,7 @@ static void gemv_block(const float *restrict x, const int32_t *restrict qweight,
                 const float *xs = xm + 8 * j;
                 for (int s = 0; s < 8; s++) {
                     const float xv = xs[s];
+                    /* the code goes through int32 on its way to float: AVX2 converts signed integers only */
                     for (int i = 0; i < width; i++)
                         acc[i] += xv * ((float)(int32_t)(((uint32_t)row[i] >> (4 * s)) & 15u) - zero[i]);
                 }
@@ -81,7 +81,7 @@ int kestrel_w4_dequant(const int32_t *qweight, const float *scales, const int8_t
                        float *out, long K, long N, long group, long n0, long width, int threads) {
     if (K <= 0 || N <= 0 || group <= 0 || group % 8 || K % group || n0 < 0 || width <= 0 || n0 + width > N)
         return 1;
-    const int parallel = K * width >= PARALLEL_FROM && threads > 1;
+    const int parallel = K * N >= PARALLEL_FROM && threads > 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
     for (long j = 0; j < K / 8; j++) {
         const long g = (8 * j) / group;

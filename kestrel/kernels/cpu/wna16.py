@@ -1,9 +1,10 @@
 """The weight-only GEMM with int4 / uint4 weights on the CPU (`wna16.c`, built by `native.py`): one pass over the
-packed words for a few rows (decode); for more, the float32 weight dequantized one column chunk at a time into a
-buffer that fits the caches, each chunk's matmul writing its columns (the whole weight, as `wna16_gemm_ref` makes it,
-would be a fresh allocation of K x N floats a call). Other weight types, gradients or no C compiler take
-`wna16_gemm_ref`, which stays the tests' oracle: both paths compute its float32 products and differ only in the
-order of the sums."""
+packed words for a few rows (decode); for more, the float32 weight dequantized one column chunk at a time into one
+reused buffer, each chunk's matmul writing its columns (the whole weight, as `wna16_gemm_ref` makes it, is a fresh
+allocation of K x N floats a call, its pages faulted in each time). Other weight types, gradients, tensors off the
+CPU or no C compiler take `wna16_gemm_ref`, which stays the tests' oracle. The many-row path multiplies the
+reference's float32 weight; the few-row path sums the exact products (c - z) * x per group and scales each group's
+sum once, where the reference rounds every x * s * (c - z): both float32-accurate, not bit-identical."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kestrel.kernels.cpu import native
 # Rows up to which one pass over the packed words beats dequantizing the weight for a matmul (2-core development
 # machine, Qwen2-0.5B's linear shapes).
 GEMV_ROWS = 16
-CHUNK_COLUMNS = 512  # of the dequantized weight at a time: K x 512 floats, ~2 MB at K = 1024
+CHUNK_COLUMNS = 512  # of the dequantized weight at a time: K x 512 floats (2 MB at K = 1024, 10 MB at K = 4864)
 WEIGHT_TYPES = ("int4", "uint4")  # uint4 always comes with its zero points; int4 is the codes minus 8
 _INT4_ZERO = 8.0
 
@@ -28,7 +29,9 @@ def wna16_gemm_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     M = x.shape[0]
     few = M <= GEMV_ROWS
     fn = (native.w4_gemv_fn() if few else native.w4_dequant_fn()) if weight_type in WEIGHT_TYPES else None
-    if fn is None or M == 0 or (torch.is_grad_enabled() and x.requires_grad):
+    tensors = [t for t in (x, qweight, scales, zeros, perm, bias) if t is not None]
+    if (fn is None or M == 0 or any(t.device.type != "cpu" for t in tensors)
+            or (torch.is_grad_enabled() and (x.requires_grad or scales.requires_grad))):
         return _wna16.wna16_gemm_ref(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
     xs = x.float()
     if perm is not None:
@@ -50,10 +53,12 @@ def wna16_gemm_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         for n0 in range(0, N, CHUNK_COLUMNS):
             width = min(CHUNK_COLUMNS, N - n0)
             w = buffer[:K * width].view(K, width)
-            status = status or fn(words.data_ptr(), sc.data_ptr(), z_ptr, _INT4_ZERO,
-                                  w.data_ptr(), K, N, group, n0, width, threads)
+            status = fn(words.data_ptr(), sc.data_ptr(), z_ptr, _INT4_ZERO, w.data_ptr(), K, N, group, n0, width,
+                        threads)
+            if status != 0:
+                break
             out[:, n0:n0 + width] = xs @ w
-    if status != 0:
+    if status != 0:  # arguments the C side refuses (check_args leaves none): the reference
         return _wna16.wna16_gemm_ref(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
     if bias is not None:
         out = out + bias.float().reshape(1, -1)
