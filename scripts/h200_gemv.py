@@ -99,6 +99,14 @@ def timed(fn_of: Callable[[int], Callable[[], object]], copies: int, runs: int, 
     return {"status": "ok", "us": us, "graph": graphed}
 
 
+def rotated_copies(weight_bytes: int, device: torch.device) -> int:
+    """How many copies of a weight the timed calls rotate through: together past L2 (ROTATE_BYTES) on a GPU, at
+    least 2 and at most MAX_COPIES; 2 elsewhere."""
+    if device.type != "cuda":
+        return 2
+    return max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / weight_bytes)))
+
+
 def checked_and_timed(once: Callable[[], torch.Tensor], ref: torch.Tensor, fn_of: Callable[[int], Callable[[], object]],
                       copies: int, runs: int, device: torch.device, skip: bool) -> dict:
     """One candidate: run once and compared with `ref` (status "error" / "wrong" past ERR_LIMIT), then timed over
@@ -134,7 +142,7 @@ def run_shape(shape: dict, tokens: tuple[int, ...], candidates: list[gv.GemvConf
               bw: float, runs: int, started: float) -> list[dict]:
     kind, N, K = shape["kind"], shape["N"], shape["K"]
     wbytes = 1 if kind == "fp8" else 2
-    copies = 2 if device.type != "cuda" else max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / (N * K * wbytes))))
+    copies = rotated_copies(N * K * wbytes, device)
     g = torch.Generator(device=device).manual_seed(N * 7 + K)
     weights = []
     for _ in range(copies):

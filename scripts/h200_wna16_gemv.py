@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from h200_gemv import ERR_LIMIT, checked_and_timed, fastest, fmt_us, log, timed  # noqa: E402
+from h200_gemv import ERR_LIMIT, checked_and_timed, fastest, fmt_us, log, rotated_copies, timed  # noqa: E402
 
 from kestrel.bench import gemm as gemm_bench  # noqa: E402
 from kestrel.bench.timing import sweep_script_args  # noqa: E402
@@ -47,8 +46,6 @@ GROUP = 128
 ONESHOT = [(128, 128, 2), (256, 128, 4), (512, 128, 4), (64, 128, 2), (256, 256, 4), (512, 128, 8)]
 SMOKE_ONESHOT = [(16, 64, 1), (32, 128, 2)]
 WIN = 0.97
-ROTATE_BYTES = 256 << 20
-MAX_COPIES = 32
 GPU_RUNS, CPU_RUNS = 30, 1
 TIME_BUDGET_S = 230.0
 
@@ -70,9 +67,9 @@ def make_weight(N: int, K: int, weight_type: str, seed: int, device: torch.devic
 def run_case(name: str, N: int, K: int, weight_type: str, tokens: tuple[int, ...],
              candidates: list[tuple[int, int, int]], device: torch.device, bw: float, runs: int,
              started: float) -> list[dict]:
-    copies = 2 if device.type != "cuda" else max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / (N * K // 2))))
+    copies = rotated_copies(N * K // 2, device)
     weights = [make_weight(N, K, weight_type, N + K + i, device) for i in range(copies)]
-    dense_copies = 2 if device.type != "cuda" else max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / (N * K * 2))))
+    dense_copies = rotated_copies(N * K * 2, device)
     dense = [wq.dequantize_wna16(*weights[i % copies]).to(torch.bfloat16) for i in range(dense_copies)]
     byts = N * K // 2 + (N * K // GROUP) * (2 + (1 if weight_type == "uint4" else 0))
     rows = []
@@ -171,8 +168,7 @@ def main() -> int:
             path.write_text(json.dumps(result, indent=1) + "\n")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    current = {} if args.smoke else json.loads((common.TUNING_DIR / f"wna16_{gpu}.json").read_text())["configs"]
-    result["table"] = merged_table(result["rows"], candidates, gpu, current)
+    result["table"] = merged_table(result["rows"], candidates, gpu, common.gpu_table("wna16", device))
     table_path = args.out / f"wna16_{gpu}.json"
     table_path.write_text(json.dumps(result["table"], indent=1) + "\n")
     result["seconds"] = time.time() - started

@@ -38,13 +38,19 @@ WEIGHT_TYPES = ("int4", "uint4")
 
 def fit_block_k(block_k: int, group: int, K: int) -> int:
     """The largest power of two <= block_k (itself a power of two >= 8) that divides K and either divides the group
-    size or is a multiple of it (a slice holds whole groups or lies inside one); 8 (one word) at least, which a
-    caller must still check divides K."""
+    size or is a multiple of it (a slice holds whole groups or lies inside one), at least one word (8 rows);
+    ValueError where none does."""
     if block_k < 8 or block_k & (block_k - 1):
         raise ValueError(f"w4_gemv: block_k must be a power of two >= 8, got {block_k}")
+
+    def fits(bk: int) -> bool:
+        return K % bk == 0 and (group % bk == 0 if bk <= group else bk % group == 0)
+
     bk = block_k
-    while bk > 8 and (K % bk or (bk < group and group % bk) or (bk > group and bk % group)):
+    while bk > 8 and not fits(bk):
         bk //= 2
+    if not fits(bk):
+        raise ValueError(f"w4_gemv: no slice of whole words fits K = {K} with group {group}")
     return bk
 
 
@@ -89,7 +95,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr
     part = ws_ptr + pid.to(tl.int64) * (ROWS * BLOCK_N) + tl.arange(0, BLOCK_N)
     # One row at a time, each in a 2-D tile laid out like the words (a third dimension for the rows would make
     # the compiler give each thread one column and many K rows: a load of x per value instead of per word row).
-    # Rows after the first decode the words again: two instructions a value, cheaper than x's loads.
+    # The decode is written per row; the compiler may share it across rows (as it did for sm_90) or redo it.
     for m in tl.static_range(ROWS):
         acc = tl.zeros((KW, BLOCK_N), dtype=tl.float32)
         x_row = x_ptr + m * stride_xm + wrows * 8
@@ -165,8 +171,6 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"w4_gemv: block_n must be a power of two, got {block_n}")
     bk = fit_block_k(block_k, group, K)
-    if K % bk or (bk < group and group % bk) or (bk > group and bk % group):
-        raise ValueError(f"w4_gemv: no slice of whole words fits K = {K} with group {group}")
     split_k = K // bk
     n_blocks = triton.cdiv(N, block_n)
     if split_k > 1 and n_blocks > common.ARRIVAL_SLOTS:

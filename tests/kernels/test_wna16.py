@@ -266,19 +266,24 @@ def test_fma_pipelines_match_float64_oracle(variant, device):
         check_triton_case(variant, group, act_order, M, N, K, x_dtype, 40 + i, cfg, device, fma_path=True)
 
 
-@pytest.fixture
-def oneshot_calls(monkeypatch):
-    """Counts the launches of the one-shot kernel, so a test knows the config took it (the FMA path would give
-    the same numbers)."""
+def record_calls(monkeypatch, owner, name: str) -> list[tuple[tuple, dict]]:
+    """`owner.name` still runs, and each call's (args, kwargs) is appended to the returned list."""
     calls = []
-    real = wna16_gemv.w4_gemv
+    real = getattr(owner, name)
 
     def spy(*args, **kwargs):
-        calls.append(kwargs)
+        calls.append((args, kwargs))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(wna16_gemv, "w4_gemv", spy)
+    monkeypatch.setattr(owner, name, spy)
     return calls
+
+
+@pytest.fixture
+def oneshot_calls(monkeypatch):
+    """The launches of the one-shot kernel, so a test knows the config took it (the FMA path would give the same
+    numbers)."""
+    return record_calls(monkeypatch, wna16_gemv, "w4_gemv")
 
 
 @pytest.mark.parametrize("variant", ["int4", "uint4"])
@@ -382,14 +387,10 @@ def test_strided_activations_and_empty_batch(device):
     assert empty.shape == (0, N)
 
 
-def test_ops_dispatch_on_cpu():
-    """The C path (int4 here) against the oracle, the reference exactly within `ops.cpu_references()`."""
-    w, W = make_weight("int4", 64, True, 48, 128, torch.bfloat16, seed=9)
-    x = make_x(4, 128, torch.bfloat16, seed=9)
-    assert_matches(ops.wna16_gemm(x, *w, torch.bfloat16), x, W, torch.bfloat16)
-    with ops.cpu_references():
-        assert torch.equal(ops.wna16_gemm(x, *w, torch.bfloat16), wq.wna16_gemm_ref(x, *w, torch.bfloat16))
-    # The loaders' repack helpers are re-exported by ops (the same functions, up to the interpreter's reload).
+def test_ops_reexports_the_repack_helpers():
+    """The loaders' repack helpers are re-exported by ops (the same functions, up to the interpreter's reload).
+    (`ops.wna16_gemm` on the CPU: `test_ops_on_the_cpu_take_the_c_path_unless_references_are_asked`.)"""
+    w, _ = make_weight("int4", 64, True, 48, 128, torch.bfloat16, seed=9)
     again = ops.repack_gptq(w.qweight, w.scales)
     assert again.weight_type == "int4" and torch.equal(again.qweight, w.qweight)
 
@@ -668,9 +669,7 @@ def test_cpu_path_falls_back_for_gradients_and_weights_off_the_cpu(monkeypatch):
     device (the C code would read its pointers)."""
     from kestrel.kernels.cpu import wna16 as cpu_wna16
 
-    calls = []
-    real = cpu_wna16._wna16.wna16_gemm_ref
-    monkeypatch.setattr(cpu_wna16._wna16, "wna16_gemm_ref", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
+    calls = record_calls(monkeypatch, cpu_wna16._wna16, "wna16_gemm_ref")
     N, K = 48, 128
     w, W = make_weight("int4", 64, False, N, K, torch.float32, seed=11)
     scales = w.scales.clone().requires_grad_(True)
@@ -679,4 +678,4 @@ def test_cpu_path_falls_back_for_gradients_and_weights_off_the_cpu(monkeypatch):
     out.sum().backward()
     assert scales.grad is not None and scales.grad.abs().sum() > 0
     cpu_wna16.wna16_gemm_cpu(x, w.qweight.to("meta"), w.scales.to("meta"), None, None, "int4", torch.float32)
-    assert calls == ["int4", "int4"]
+    assert [args[5] for args, _ in calls] == ["int4", "int4"]

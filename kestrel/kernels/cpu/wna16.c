@@ -28,8 +28,21 @@
 #define BLOCK_N 64
 #define PARALLEL_FROM (1 << 20) /* values of the whole weight: smaller weights stay on the calling thread */
 
-/* Every row of x times columns [n0, n0 + width), one row at a time: the row's sums stay in registers (a shared
- * decode across rows measured slower here, its accumulators spilled to the stack). */
+/* Nibble s of `word` minus its zero point: c - z, exact in float32. The code goes through int32 on its way to
+ * float: AVX2 converts signed integers only. */
+static inline float nibble_value(int32_t word, int s, float zero) {
+    return (float)(int32_t)(((uint32_t)word >> (4 * s)) & 15u) - zero;
+}
+
+/* The zero points of group g for columns [col, col + width): the checkpoint's, or `default_zero` for all. */
+static inline void group_zeros(float *restrict zero, const int8_t *restrict zeros, float default_zero, long g,
+                               long N, long col, int width) {
+    for (int i = 0; i < width; i++)
+        zero[i] = zeros != NULL ? (float)zeros[g * N + col + i] : default_zero;
+}
+
+/* Every row of x times columns [n0, n0 + width), one row at a time (a version sharing each decode across up to
+ * eight rows measured slower here). */
 static void gemv_block(const float *restrict x, const int32_t *restrict qweight, const float *restrict scales,
                        const int8_t *restrict zeros, float default_zero, float *restrict out, long M, long K,
                        long N, long group, long n0, int width) {
@@ -39,17 +52,15 @@ static void gemv_block(const float *restrict x, const int32_t *restrict qweight,
         float total[BLOCK_N] = {0};
         for (long g = 0; g < K / group; g++) {
             float zero[BLOCK_N];
-            for (int i = 0; i < width; i++)
-                zero[i] = zeros != NULL ? (float)zeros[g * N + n0 + i] : default_zero;
+            group_zeros(zero, zeros, default_zero, g, N, n0, width);
             float acc[BLOCK_N] = {0};
             for (long j = g * words_per_group; j < (g + 1) * words_per_group; j++) {
                 const int32_t *row = qweight + j * N + n0;
                 const float *xs = xm + 8 * j;
                 for (int s = 0; s < 8; s++) {
                     const float xv = xs[s];
-                    /* the code goes through int32 on its way to float: AVX2 converts signed integers only */
                     for (int i = 0; i < width; i++)
-                        acc[i] += xv * ((float)(int32_t)(((uint32_t)row[i] >> (4 * s)) & 15u) - zero[i]);
+                        acc[i] += xv * nibble_value(row[i], s, zero[i]);
                 }
             }
             const float *sc = scales + g * N + n0;
@@ -90,12 +101,11 @@ int kestrel_w4_dequant(const int32_t *qweight, const float *scales, const int8_t
         float zero[BLOCK_N];
         for (long c0 = 0; c0 < width; c0 += BLOCK_N) {
             const int w = (int)(width - c0 < BLOCK_N ? width - c0 : BLOCK_N);
-            for (int i = 0; i < w; i++)
-                zero[i] = zeros != NULL ? (float)zeros[g * N + n0 + c0 + i] : default_zero;
+            group_zeros(zero, zeros, default_zero, g, N, n0 + c0, w);
             for (int s = 0; s < 8; s++) {
                 float *dst = out + (8 * j + s) * width + c0;
                 for (int i = 0; i < w; i++)
-                    dst[i] = sc[c0 + i] * ((float)(int32_t)(((uint32_t)row[c0 + i] >> (4 * s)) & 15u) - zero[i]);
+                    dst[i] = sc[c0 + i] * nibble_value(row[c0 + i], s, zero[i]);
             }
         }
     }

@@ -42,12 +42,11 @@ def wna16_gemm_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     zs = zeros.to(torch.int8).contiguous() if zeros is not None else None
     z_ptr = zs.data_ptr() if zs is not None else None
     threads = torch.get_num_threads()
+    out = torch.empty(M, N, dtype=torch.float32)
     if few:
-        out = torch.empty(M, N, dtype=torch.float32)
         status = fn(xs.data_ptr(), words.data_ptr(), sc.data_ptr(), z_ptr, _INT4_ZERO,
                     out.data_ptr(), M, K, N, group, threads)
     else:
-        out = torch.empty(M, N, dtype=torch.float32)
         buffer = torch.empty(K * min(N, CHUNK_COLUMNS), dtype=torch.float32)
         status = 0
         for n0 in range(0, N, CHUNK_COLUMNS):
