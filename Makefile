@@ -36,9 +36,13 @@ browser:
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium chromium-driver; \
 	fi
 
+# One pytest process per usable core, at most 4 (pytest-xdist); idle workers take tests from busy ones' queues.
+# TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check kestrel training tests scripts
-	$(PY) -m pytest -x --durations=25
+	$(PY) -m pytest -x --durations=25 -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kestrel training tests scripts

@@ -10,10 +10,13 @@ kestrel sizes its KV cache from free memory.
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -172,6 +175,13 @@ def default_weights_dir(arch: str) -> Path:
     return Path(f"/tmp/kestrel-bench-{arch}")
 
 
+def _temporary_dir(prefix: str) -> Path:
+    """A fresh directory removed when the process exits."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def prepare_model(model: str | None, arch: str, smoke: bool, weights_dir: Path | None, with_checkpoint: bool,
                   device: torch.device, weight_only: str | None = None, group_size: int = 128) -> tuple[str, str]:
     """(model directory, load_format). `--model` wins; `--smoke` writes a tiny checkpoint; `weight_only` a random
@@ -186,12 +196,15 @@ def prepare_model(model: str | None, arch: str, smoke: bool, weights_dir: Path |
         write_random_weight_only_checkpoint(weights_dir, ARCHS[arch], WEIGHT_ONLY_BITS[weight_only], group_size,
                                             device)
         return str(weights_dir), "auto"
-    weights_dir = weights_dir or default_weights_dir(arch)
     if model:
         return model, "auto"
     if smoke:
+        # a directory of the run's own unless given: the architecture's default holds its real random checkpoint,
+        # and concurrent smoke runs would write one tiny checkpoint over another's
+        weights_dir = weights_dir or _temporary_dir("kestrel-bench-smoke-")
         write_tiny_checkpoint(weights_dir, "llama", "tiny", **SMOKE_OVERRIDES)
         return str(weights_dir), "auto"
+    weights_dir = weights_dir or default_weights_dir(arch)
     config = ARCHS[arch]
     if with_checkpoint or has_checkpoint(weights_dir, config):
         write_random_checkpoint(weights_dir, config, device)
