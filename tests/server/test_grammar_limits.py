@@ -18,6 +18,9 @@ from conftest import API_KEY, LiveServer
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
 
+# Latency bounds: run alone, not beside other tests (`make test` runs the `serial` ones after the rest).
+pytestmark = pytest.mark.serial
+
 MODEL = "kestrel-tiny"
 COMPILE_TIMEOUT_S = 2.0
 # Under every limit (40 bytes), yet its pattern's repetition takes xgrammar ~20 s to compile (quadratic in the

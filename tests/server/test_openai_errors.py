@@ -314,6 +314,7 @@ print(r.status_code, count.group(1).decode() if count else r.text[:200])
 """
 
 
+@pytest.mark.serial  # a latency bound: run alone, after the rest (`make test`)
 def test_big_tokenize_requests_do_not_stall_health(tiny_model_dir, tmp_path):
     """Four ~3.9 MB /tokenize requests at once against `kestrel serve` (its own process; the /tokenize limit
     raised to take them, three tokenizer workers so that two heavy lanes share the work): the bodies are parsed,

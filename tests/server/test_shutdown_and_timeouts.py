@@ -16,6 +16,9 @@ from conftest import API_KEY, MODEL, LiveServer, scripted_engine, serve_process
 from kestrel.entrypoints.http_server import DrainingServer, protocol_with_header_timeout
 from kestrel.entrypoints.server import build_app
 
+# Latency bounds: run alone, not beside other tests (`make test` runs the `serial` ones after the rest).
+pytestmark = pytest.mark.serial
+
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 

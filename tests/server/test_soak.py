@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import API_KEY, serve_process
 
 from kestrel.bench import soak
+
+# Latency bounds: run alone, not beside other tests (`make test` runs the `serial` ones after the rest).
+pytestmark = pytest.mark.serial
 
 PHASE_S = 20
 

@@ -10,7 +10,11 @@ import sys
 import time
 
 import httpx
+import pytest
 from conftest import API_KEY, MODEL, assert_no_stall, serve_process
+
+# Latency bounds: run alone, not beside other tests (`make test` runs the `serial` ones after the rest).
+pytestmark = pytest.mark.serial
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 BIG_LIMIT = str(8 << 20)

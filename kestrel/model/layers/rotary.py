@@ -21,6 +21,7 @@ rotated with the old frequencies), so here:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -264,12 +265,20 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rotary dim {self.rotary_dim} must be even")
         self.max_position = max_position
         self.rope_type = rope.rope_type
-        inv_freq = compute_inv_freq(self.rotary_dim, rope, max_position)
+        # A memory plan's model (`plan_memory`, on the meta device) reads the tables' sizes only: its frequencies
+        # are computed on the CPU (for the rope config's checks) and its tables left empty. Computed on the meta
+        # device, the first `arange` of a process imports sympy and torch's symbolic shapes: seconds of a cold start.
+        on_meta = torch.get_default_device().type == "meta"
+        with torch.device("cpu") if on_meta else contextlib.nullcontext():
+            inv_freq = compute_inv_freq(self.rotary_dim, rope, max_position)
         self.attention_factor = compute_attention_factor(rope)
-        freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
-        cos, sin = freqs.cos(), freqs.sin()
-        if self.attention_factor != 1.0:
-            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        if on_meta:
+            cos = sin = torch.empty(max_position, self.rotary_dim // 2, dtype=torch.float32)
+        else:
+            freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
+            cos, sin = freqs.cos(), freqs.sin()
+            if self.attention_factor != 1.0:
+                cos, sin = cos * self.attention_factor, sin * self.attention_factor
         self.register_buffer("cos_cache", cos, persistent=False)  # [max_position, rotary_dim // 2]
         self.register_buffer("sin_cache", sin, persistent=False)
         # M-RoPE (Qwen2-VL): positions `[3, T]` (temporal, height, width); frequency j turns by the row its section

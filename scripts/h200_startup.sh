@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Where the start-up of the Llama-3-8B shape goes on one H200: `scripts/h200_startup.sh OUT STAGE...`.
+# Each run builds the engine in a fresh process (`kestrel bench latency`, batch 1, prompt 128) from an empty Triton
+# cache of its own unless said otherwise. Stages:
+#   profile  FP8 + FP8 KV cold, then cold under cProfile, then warm (the profiled run's cache) under cProfile:
+#            cProfile's statistics in OUT/*.prof, functions by cumulative time in OUT/*-prof.txt; then BF16 cold
+#   cold     FP8 + FP8 KV and BF16, two cold runs each (tag: $TAG, default `cold`)
+#   pyc      `cold` again with Python's bytecode cached under PYTHONPYCACHEPREFIX (filled by a first run), as a
+#            pip-installed environment has it: the device's read-only environment ships without .pyc files
+source "$(dirname "$0")/h200_job.sh" "$1"; shift
+args=(--batch 1 --input-len 128 --output-len 16 --hf-peer none --no-checks)
+fp8=(--quantization fp8 --kv-cache-dtype fp8)
+tag=${TAG:-cold}
+# bench LIMIT NAME CACHE PROF ARGS...: PROF 1 runs it under cProfile
+bench() { local limit=$1 name=$2 cache=$3 prof=$4; shift 4
+  local py=(python3); [ "$prof" = 1 ] && py=(python3 -m cProfile -o "$out/$name.prof")
+  run "$limit" env TRITON_CACHE_DIR="$cache" "${py[@]}" -m kestrel.bench.latency "${args[@]}" "$@" \
+    --result-file "$out/latency-$name-h200.json"
+  [ "$prof" = 1 ] && python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(80)" \
+    "$out/$name.prof" > "$out/$name-prof.txt"; }
+cold_runs() { local tag=$1
+  for i in 1 2; do
+    bench 150 "fp8-$tag-$i" "$(mktemp -d)" 0 "${fp8[@]}"
+    bench 150 "bf16-$tag-$i" "$(mktemp -d)" 0
+  done; }
+for stage in "$@"; do
+  case $stage in
+    profile) bench 150 fp8-cold "$(mktemp -d)" 0 "${fp8[@]}"
+             cache=$(mktemp -d)
+             bench 200 fp8-cold-profiled "$cache" 1 "${fp8[@]}"
+             bench 150 fp8-warm-profiled "$cache" 1 "${fp8[@]}"
+             bench 150 bf16-cold "$(mktemp -d)" 0 ;;
+    cold) cold_runs "$tag" ;;
+    pyc) export PYTHONPYCACHEPREFIX; PYTHONPYCACHEPREFIX=$(mktemp -d)
+         bench 150 "fill-pyc-$tag" "$(mktemp -d)" 0 "${fp8[@]}"
+         cold_runs "$tag-pyc" ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
