@@ -36,14 +36,15 @@ browser:
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium chromium-driver; \
 	fi
 
-# One pytest process per usable core, at most 4 (pytest-xdist); idle workers take tests from busy ones' queues.
-# The tests marked `serial` hold latency bounds that other tests on the same cores would break: they run after
-# the rest, alone. TEST_WORKERS=0 runs the first part in this process too.
+# One pytest process per usable core, at most 4 (pytest-xdist). Each file runs whole on one worker, in its order,
+# so a module's shared server sees the requests it would in one process. The tests marked `serial` hold latency
+# bounds that other tests on the same cores would break: they run after the rest, alone. TEST_WORKERS=0 runs the
+# first part in this process too.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check kestrel training tests scripts
-	$(PY) -m pytest -x --durations=25 -n $(TEST_WORKERS) --dist worksteal -m "not serial"
+	$(PY) -m pytest -x --durations=25 -n $(TEST_WORKERS) --dist loadfile -m "not serial"
 	$(PY) -m pytest -x --durations=10 -m serial
 
 lint: $(STAMP)

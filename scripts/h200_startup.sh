@@ -6,7 +6,8 @@
 #            cProfile's statistics in OUT/*.prof, functions by cumulative time in OUT/*-prof.txt; then BF16 cold
 #   cold     FP8 + FP8 KV and BF16, two cold runs each (tag: $TAG, default `cold`)
 #   pyc      `cold` again with Python's bytecode cached under PYTHONPYCACHEPREFIX (filled by a first run), as a
-#            pip-installed environment has it: the device's read-only environment ships without .pyc files
+#            pip-installed environment has it: the device's environment has no .pyc files and sets
+#            PYTHONDONTWRITEBYTECODE, so each of its processes compiles every module it imports
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 args=(--batch 1 --input-len 128 --output-len 16 --hf-peer none --no-checks)
 fp8=(--quantization fp8 --kv-cache-dtype fp8)
@@ -31,7 +32,7 @@ for stage in "$@"; do
              bench 150 fp8-warm-profiled "$cache" 1 "${fp8[@]}"
              bench 150 bf16-cold "$(mktemp -d)" 0 ;;
     cold) cold_runs "$tag" ;;
-    pyc) export PYTHONPYCACHEPREFIX; PYTHONPYCACHEPREFIX=$(mktemp -d)
+    pyc) unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX; PYTHONPYCACHEPREFIX=$(mktemp -d)
          bench 150 "fill-pyc-$tag" "$(mktemp -d)" 0 "${fp8[@]}"
          cold_runs "$tag-pyc" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
