@@ -273,7 +273,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq = compute_inv_freq(self.rotary_dim, rope, max_position)
         self.attention_factor = compute_attention_factor(rope)
         if on_meta:
-            cos = sin = torch.empty(max_position, self.rotary_dim // 2, dtype=torch.float32)
+            cos, sin = (torch.empty(max_position, self.rotary_dim // 2, dtype=torch.float32) for _ in range(2))
         else:
             freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
             cos, sin = freqs.cos(), freqs.sin()
