@@ -139,15 +139,19 @@ def test_async_llm_takes_a_priority(model_dir):
         async with AsyncLLM(model_dir, dtype="float32", max_model_len=64, max_num_seqs=1,
                             scheduling_policy="priority") as engine:
             finished: list[str] = []
+            seated = asyncio.Event()
 
-            async def run(name: str, priority: int) -> None:
-                async for out in engine.generate("x y", SamplingParams(max_tokens=4, ignore_eos=True), name,
-                                                 priority=priority):
+            async def run(name: str, priority: int, max_tokens: int = 4) -> None:
+                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+                async for out in engine.generate("x y", params, name, priority=priority):
+                    seated.set()
                     if out.finished:
                         finished.append(name)
 
-            first = asyncio.create_task(run("first", 0))  # takes the one seat
-            await asyncio.sleep(0)
+            # "first" holds the one seat, with tokens enough left that both others wait behind it however slow
+            # the machine: their order is then the policy's, not their arrival's
+            first = asyncio.create_task(run("first", 0, max_tokens=48))
+            await seated.wait()
             await asyncio.gather(first, run("low", 9), run("high", -5))
             return finished
 
