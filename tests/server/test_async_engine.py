@@ -75,8 +75,10 @@ def test_timeout_aborts(make_scripted_engine):
 
     with pytest.raises(RequestTimeoutError):
         asyncio.run(run())
-    time.sleep(0.1)
-    assert engine.stats().kv_cache_usage == 0
+    deadline = time.monotonic() + 2
+    while engine.stats().kv_cache_usage > 0:
+        assert time.monotonic() < deadline, "the timed-out request kept its blocks"
+        time.sleep(0.01)
 
 
 def test_queue_limit_counts_waiting_sequences(make_scripted_engine):
@@ -87,7 +89,10 @@ def test_queue_limit_counts_waiting_sequences(make_scripted_engine):
     async def run():
         streams = [engine.submit("a", prompt(engine), SamplingParams(max_tokens=100))]
         await streams[0].accepted()
-        await asyncio.sleep(0.05)  # "a" runs; two more may wait
+        deadline = time.monotonic() + 5
+        while not engine.stats().num_running:  # "a" runs; two more may wait
+            assert time.monotonic() < deadline, "the first request was never scheduled"
+            await asyncio.sleep(0.01)
         engine.check_capacity(2)
         streams.append(engine.submit("b", prompt(engine), SamplingParams(max_tokens=100, n=2)))
         with pytest.raises(QueueFullError):
