@@ -17,8 +17,10 @@ bench() { local limit=$1 name=$2 cache=$3 prof=$4; shift 4
   local py=(python3); [ "$prof" = 1 ] && py=(python3 -m cProfile -o "$out/$name.prof")
   run "$limit" env TRITON_CACHE_DIR="$cache" "${py[@]}" -m kestrel.bench.latency "${args[@]}" "$@" \
     --result-file "$out/latency-$name-h200.json"
-  [ "$prof" = 1 ] && python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(80)" \
-    "$out/$name.prof" > "$out/$name-prof.txt"; }
+  if [ "$prof" = 1 ] && [ -f "$out/$name.prof" ]; then
+    python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(80)" \
+      "$out/$name.prof" > "$out/$name-prof.txt"
+  fi; }
 cold_runs() { local tag=$1
   for i in 1 2; do
     bench 150 "fp8-$tag-$i" "$(mktemp -d)" 0 "${fp8[@]}"
@@ -32,9 +34,9 @@ for stage in "$@"; do
              bench 150 fp8-warm-profiled "$cache" 1 "${fp8[@]}"
              bench 150 bf16-cold "$(mktemp -d)" 0 ;;
     cold) cold_runs "$tag" ;;
-    pyc) unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX; PYTHONPYCACHEPREFIX=$(mktemp -d)
-         bench 150 "fill-pyc-$tag" "$(mktemp -d)" 0 "${fp8[@]}"
-         cold_runs "$tag-pyc" ;;
+    pyc) (unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX; PYTHONPYCACHEPREFIX=$(mktemp -d)
+          bench 150 "fill-pyc-$tag" "$(mktemp -d)" 0 "${fp8[@]}"
+          cold_runs "$tag-pyc") ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

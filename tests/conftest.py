@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from kestrel.loader.model_init import write_eagle_head, write_tiny_checkpoint
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's workers share the cores: each gets its share of torch's threads, so that their pools do not
+    # oversubscribe them (an engine built in a test still sets its own count)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 @pytest.fixture(scope="session")

@@ -432,7 +432,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default="llama3-8b", choices=sorted(ARCHS))
     p.add_argument("--weights-dir", type=Path, default=None,
                    help="where the random checkpoint shared with the HF peer is written (reused if present; "
-                        "default /tmp/kestrel-bench-ARCH)")
+                        "default /tmp/kestrel-bench-ARCH; with --smoke, a temporary directory)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default=None, choices=["fp8", "int8"])
     p.add_argument("--weight-only", default=None, choices=sorted(WEIGHT_ONLY_BITS),

@@ -151,7 +151,7 @@ def test_async_llm_takes_a_priority(model_dir):
             # "first" holds the one seat, with tokens enough left that both others wait behind it however slow
             # the machine: their order is then the policy's, not their arrival's
             first = asyncio.create_task(run("first", 0, max_tokens=48))
-            await seated.wait()
+            await asyncio.wait_for(seated.wait(), 60)
             await asyncio.gather(first, run("low", 9), run("high", -5))
             return finished
 

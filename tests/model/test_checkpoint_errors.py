@@ -100,6 +100,7 @@ def three_bytes(path: Path) -> None:
     (trailing_bytes, "100 bytes after its last tensor"),
     (three_bytes, "it is 3 bytes, shorter than the 8-byte header length"),
 ])
+@pytest.mark.serial  # a time bound: run alone, after the rest (`make test`)
 def test_a_corrupt_safetensors_shard_is_named_before_any_tensor_is_read(model, monkeypatch, corrupt, problem):
     corrupt(model / LAST_SHARD)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,3 +307,36 @@ def test_dynamic_ntk_past_max_position_embeddings_matches_hf(tmp_path: Path) -> 
     for ours, tokens in zip(flat_batch_logits(model, prompts), prompts):
         assert_rel_close(ours, hf_logits(hf_model, tokens))
     assert not torch.allclose(served.cos_cache[:48], RotaryEmbedding(rotary.head_size, 48, rope).cos_cache)
+
+
+def test_tables_on_the_meta_device_are_sized_but_not_computed() -> None:
+    """A memory plan's model (built on the meta device) gets cos and sin tables of the real ones' size, as two
+    tensors (the plan counts each), while the rope config is still checked."""
+    rope = RopeConfig.from_hf({**TINY, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 32}})
+    real = RotaryEmbedding(16, 64, rope)
+    with torch.device("meta"):
+        meta = RotaryEmbedding(16, 64, rope)
+    for name in ("cos_cache", "sin_cache"):
+        ours, theirs = getattr(meta, name), getattr(real, name)
+        assert ours.device.type == "meta" and (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype)
+    assert len(dict(meta.named_buffers())) == 2
+    bad = RopeConfig.from_hf({"max_position_embeddings": 64, "original_max_position_embeddings": 16,
+                              "rope_parameters": {"rope_type": "longrope", "short_factor": SHORT[:7],
+                                                  "long_factor": LONG[:7]}})
+    with torch.device("meta"), pytest.raises(ConfigError, match="needs 8"):
+        RotaryEmbedding(16, 64, bad)
+
+
+def test_a_meta_device_model_imports_no_symbolic_shapes() -> None:
+    """Computed on the meta device, the tables' first `arange` imported sympy and torch's symbolic shapes: seconds
+    of every engine's start-up. A fresh process, since this one may have imported them already."""
+    code = ("import sys, torch\n"
+            "from kestrel.model.layers.rotary import RopeConfig, RotaryEmbedding\n"
+            "with torch.device('meta'):\n"
+            "    RotaryEmbedding(64, 4096, RopeConfig())\n"
+            "print(sorted(m for m in ('sympy', 'torch._dynamo') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

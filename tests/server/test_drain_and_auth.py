@@ -143,6 +143,7 @@ class Stream:
         assert not self._thread.is_alive(), "the stream never ended"
 
 
+@pytest.mark.serial  # a time bound: run alone, after the rest (`make test`)
 def test_new_connections_during_the_drain_get_503_then_the_server_stops(servers):
     server = servers(drain_timeout_s=1.5)
     stream = Stream(server.base_url)

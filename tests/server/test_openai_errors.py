@@ -282,6 +282,7 @@ def test_request_timeout_aborts(start_scripted_server):
     assert samples["kestrel:kv_cache_usage_perc"] == 0
 
 
+@pytest.mark.serial  # a time bound: run alone, after the rest (`make test`)
 def test_engine_death_turns_health_503_and_fails_streams(start_scripted_server):
     server, runner = start_scripted_server(step_delay_s=0.02, script="word " * 100)
     client = server.client()

@@ -42,6 +42,7 @@ def with_config(tiny_dir: Path, out: Path, weights: bool = True, **changes) -> P
 
 # ----- absurd values -------------------------------------------------------------------------------------------
 
+@pytest.mark.serial  # a time bound: run alone, after the rest (`make test`)
 def test_a_million_layers_is_refused_at_once_naming_the_field_and_its_range(tiny_dir, tmp_path):
     model = with_config(tiny_dir, tmp_path / "m", num_hidden_layers=1_000_000)
     refusal = r"num_hidden_layers=1000000: expected an integer in \[1, 1024\]"

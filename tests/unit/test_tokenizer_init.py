@@ -19,6 +19,10 @@ TEXTS = [
 ]
 
 
+# The tokenizer is written under a time bound: run alone, after the rest (`make test`).
+pytestmark = pytest.mark.serial
+
+
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tok")

@@ -59,6 +59,7 @@ def test_results_and_errors_come_back(pool):
     assert asyncio.run(main()) > 0
 
 
+@pytest.mark.serial  # a time bound: run alone, after the rest (`make test`)
 def test_a_job_past_its_deadline_costs_its_worker_which_is_replaced(pool):
     async def main():
         before = pool.replaced
