@@ -175,7 +175,7 @@ def default_weights_dir(arch: str) -> Path:
     return Path(f"/tmp/kestrel-bench-{arch}")
 
 
-def _temporary_dir(prefix: str) -> Path:
+def temporary_dir(prefix: str) -> Path:
     """A fresh directory removed when the process exits."""
     path = Path(tempfile.mkdtemp(prefix=prefix))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
@@ -201,7 +201,7 @@ def prepare_model(model: str | None, arch: str, smoke: bool, weights_dir: Path |
     if smoke:
         # a directory of the run's own unless given: the architecture's default holds its real random checkpoint,
         # and concurrent smoke runs would write one tiny checkpoint over another's
-        weights_dir = weights_dir or _temporary_dir("kestrel-bench-smoke-")
+        weights_dir = weights_dir or temporary_dir("kestrel-bench-smoke-")
         write_tiny_checkpoint(weights_dir, "llama", "tiny", **SMOKE_OVERRIDES)
         return str(weights_dir), "auto"
     weights_dir = weights_dir or default_weights_dir(arch)

@@ -118,7 +118,6 @@ def ngram_part(args: argparse.Namespace, device: torch.device, result: dict[str,
 def smoke_proposers(args: argparse.Namespace) -> None:
     """Proposers for a CPU check of part 1b when none are given: kestrel-tiny as its own draft, a random head."""
     import json
-    import tempfile
 
     from kestrel.loader.model_init import write_eagle_head
 
@@ -126,7 +125,7 @@ def smoke_proposers(args: argparse.Namespace) -> None:
     if args.draft_model is None:
         args.draft_model = tiny
     if args.eagle_head is None:
-        head = Path(tempfile.mkdtemp(prefix="kestrel-smoke-eagle-"))
+        head = common.temporary_dir("kestrel-smoke-eagle-")
         write_eagle_head(head, json.loads((tiny / "config.json").read_text()), seed=0)
         args.eagle_head = head
 

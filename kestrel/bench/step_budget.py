@@ -410,7 +410,7 @@ def run(args: argparse.Namespace) -> int:
     config = dict(common.ARCHS[args.arch])
     if args.layers:
         config["num_hidden_layers"] = args.layers
-    workdir = Path(tempfile.mkdtemp(prefix="kestrel-step-budget-"))
+    workdir = common.temporary_dir("kestrel-step-budget-")
     (workdir / "config.json").write_text(json.dumps(config))
     return _run(args, torch.device("cuda"), str(workdir), "dummy")
 
