@@ -187,18 +187,19 @@ def per_token_127_oracle(base: Path, path: Path) -> torch.nn.Module:
     return model
 
 
-def _input_args(path: Path) -> dict:
-    return json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
-        "input_activations"]
+def _scheme(path: Path) -> dict:
+    """The checkpoint's one quantization group (weights and input_activations)."""
+    return json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
 
 
 def dynamic_int8(path: Path) -> bool:
-    group = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    group = _scheme(path)
     return group["weights"]["type"] == "int" and group["input_activations"]["dynamic"]
 
 
 def static_int8(path: Path) -> bool:
-    return _input_args(path)["type"] == "int" and not _input_args(path)["dynamic"]
+    inputs = _scheme(path)["input_activations"]
+    return inputs["type"] == "int" and not inputs["dynamic"]
 
 
 def test_logits_and_greedy_tokens_follow_the_checkpoint(checkpoint):
