@@ -42,8 +42,11 @@ browser:
 # engine's threads against each other are not all marked yet, so CI runs the default, 0: one process.
 TEST_WORKERS ?= 0
 
+# The suite starts dozens of Python processes (servers, engine cores, workers), each importing kestrel: its
+# bytecode is compiled once here, since an environment with PYTHONDONTWRITEBYTECODE set would compile it in each.
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check kestrel training tests scripts
+	$(PY) -m compileall -q kestrel training
 	$(PY) -m pytest -x --durations=25 -n $(TEST_WORKERS) --dist loadfile -m "not serial"
 	$(PY) -m pytest -x --durations=10 -m serial || [ $$? -eq 5 ]
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
 import torch
 
+from kestrel.fork_server import fork_context
 from kestrel.loader.model_init import write_eagle_head, write_tiny_checkpoint
 
 
@@ -16,6 +18,16 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+    # Whichever test first starts this process's fork server (a worker pool or a CPU `mp` executor), it imports the
+    # executor's worker modules too: the CPU engines of later tests then fork their ranks without importing torch.
+    fork_context(("kestrel.executor.worker",))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # After collection this process holds ~800k long-lived objects (torch, transformers, hypothesis, every test
+    # module), which each full collection would walk again: ~0.5-0.9 s per gc.collect() on the 2-core machine, and
+    # the benchmarks' release() calls it after every engine. Frozen objects are left out of every collection.
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

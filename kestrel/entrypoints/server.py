@@ -73,7 +73,7 @@ from kestrel.entrypoints.serving_embeddings import OpenAIServingEmbeddings
 from kestrel.entrypoints.serving_pooling import OpenAIServingPooling
 from kestrel.entrypoints.serving_responses import OpenAIServingResponses
 from kestrel.entrypoints.text_workers import TextWorkers, UnservedModelError, tokenize_input
-from kestrel.entrypoints.worker_pool import start_fork_server
+from kestrel.fork_server import start_fork_server
 from kestrel.loader.tokenizer import tokenizer_modules
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParamsError

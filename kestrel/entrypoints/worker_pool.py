@@ -10,11 +10,10 @@ more a light job never waits behind heavy ones; a freed worker goes to the oldes
 `processes=0` runs jobs in threads of the serving process instead (tests, and servers that want no extra
 processes): a deadline still answers the caller, but the thread runs on.
 
-Workers are forked by multiprocessing's fork server, not spawned: a clean single-threaded process (the serving
-process runs threads and maybe CUDA, so it never forks itself) that imports each pool's `preload` modules once when
-the first worker starts. A worker, and the replacement of a killed one, then starts in milliseconds instead of
-importing the tokenizer's libraries again (about 5 s of CPU each with transformers). A worker still dies with the
-serving process: its parent, the fork server, exits when the serving process does.
+Workers are forked by the process's fork server (`kestrel.fork_server`), not spawned: it imports each pool's
+`preload` modules once, so a worker, and the replacement of a killed one, starts in milliseconds instead of importing
+the tokenizer's libraries again (about 5 s of CPU each with transformers). A worker still dies with the serving
+process: its parent, the fork server, exits when the serving process does.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import asyncio
 import contextlib
 import ctypes
 import logging
-import multiprocessing
 import os
 import signal
 import sys
@@ -34,31 +32,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kestrel.fork_server import fork_context
+
 logger = logging.getLogger("kestrel.server")
 
 _PR_SET_PDEATHSIG = 1
-
-_CONTEXT = multiprocessing.get_context("forkserver")
-_preloaded: set[str] = set()
-
-
-def start_fork_server(preload: tuple[str, ...]) -> None:
-    """Start the fork server now, importing `preload` (the modules of the pools to come): a serving process calls
-    it before it loads its model, so those imports run beside the load instead of after it."""
-    from multiprocessing import forkserver
-
-    _preload(preload)
-    forkserver.ensure_running()
-
-
-def _preload(modules: tuple[str, ...]) -> None:
-    """Ask the fork server to import `modules` before it forks workers. Only the modules asked for before the fork
-    server starts (the first worker of any pool) are imported there; a later pool's workers import theirs after
-    the fork, as they would have when spawned."""
-    if not set(modules) <= _preloaded:
-        _preloaded.update(modules)
-        _CONTEXT.set_forkserver_preload(sorted(_preloaded))
-
 
 class WorkTimeoutError(Exception):
     """A job did not finish within its deadline (its worker, if a process, was replaced)."""
@@ -167,9 +145,8 @@ class WorkerPool:
         self._initargs = initargs
         self._niceness = niceness
         self.heavy_limit = heavy_limit if heavy_limit is not None else max(1, processes - processes // 2)
-        if processes:
-            _preload((initializer.__module__, *preload) if initializer is not None else preload)
-        self._context = _CONTEXT
+        self._context = fork_context(((initializer.__module__, *preload) if initializer is not None else preload)
+                                     if processes else ())
         # A thread per running job waits on its worker's pipe, another per restarting worker on its start; thread
         # mode runs the jobs themselves (several at once).
         self._threads = ThreadPoolExecutor(max(2 * processes + 1, 4), thread_name_prefix=f"kestrel-{name}")

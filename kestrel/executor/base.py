@@ -48,6 +48,8 @@ from kestrel.executor.worker import (
     reply_rank,
     worker_process_main,
 )
+from kestrel.fork_server import fork_context
+from kestrel.worker.runner_setup import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -227,11 +229,13 @@ class _PendingStep:
 
 
 class MultiprocExecutor(Executor):
-    """`mp`: one spawned process per rank on this machine (rank r on GPU r), pipes to each."""
+    """`mp`: one process per rank on this machine (rank r on GPU r), pipes to each. GPU ranks are spawned; CPU
+    ranks are forked by the fork server, which imports the worker's modules once for every engine of the process."""
 
     def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
         super().__init__(config)
-        ctx = get_context("spawn")
+        on_cpu = resolve_device(config.device).type == "cpu"
+        ctx = fork_context((worker_process_main.__module__,)) if on_cpu else get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         threads = threads_per_rank(self.world_size) if config.device != "cuda" else None
         self._procs: list[Any] = []

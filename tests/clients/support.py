@@ -7,10 +7,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import httpx
 import jsonschema
 import pydantic
 import transformers
+from http_client import HTTP
 
 HFModel = tuple[transformers.PreTrainedTokenizerBase, transformers.PreTrainedModel]
 
@@ -30,8 +30,8 @@ class Served:
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """The server's own JSON answer, with no client library in between."""
-        reply = httpx.post(f"{self.v1}/{path}", json={"model": self.model, **body}, timeout=60,
-                           headers={"Authorization": f"Bearer {self.api_key}"})
+        reply = HTTP.post(f"{self.v1}/{path}", json={"model": self.model, **body}, timeout=60,
+                          headers={"Authorization": f"Bearer {self.api_key}"})
         assert reply.status_code == 200, reply.text
         return reply.json()
 

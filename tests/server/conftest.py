@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from http_client import HTTP
 
 from kestrel.config import EngineConfig
 from kestrel.engine.contracts import ModelRunnerOutput, Ready, SchedulerOutput
@@ -83,7 +84,7 @@ class LiveServer:
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples by name, summed over labels (one model per server; finish reasons add up)."""
-        text = httpx.get(f"{self.base_url}/metrics", headers=self.headers).text
+        text = HTTP.get(f"{self.base_url}/metrics", headers=self.headers).text
         samples: dict[str, float] = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -170,7 +171,7 @@ def serve_process(model_dir: str, *flags: str) -> Iterator[tuple[subprocess.Pope
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"kestrel serve did not become ready (exit code {process.poll()})")
             try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                if HTTP.get(f"{base}/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)

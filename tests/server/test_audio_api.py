@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import API_KEY, MODEL, LiveServer
+from http_client import HTTP
 
 from kestrel import LLM, SamplingParams
 from kestrel.entrypoints.async_engine import AsyncEngine
@@ -53,7 +54,7 @@ def llm(checkpoint) -> LLM:
 
 def chat(server: LiveServer, messages: list[dict]) -> httpx.Response:
     body = {"model": MODEL, "messages": messages, "max_tokens": MAX_NEW, "temperature": 0}
-    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=server.headers, timeout=60)
+    return HTTP.post(f"{server.base_url}/v1/chat/completions", json=body, headers=server.headers, timeout=60)
 
 
 def offline(llm: LLM, messages: list[dict]):

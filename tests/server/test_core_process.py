@@ -17,6 +17,7 @@ import httpx
 import jsonschema
 import pytest
 from conftest import API_KEY, MODEL, serve_process, start_core_process_server
+from http_client import HTTP
 
 from kestrel.config import ConfigError
 from kestrel.entrypoints.core_client import CORE_FAILED_MESSAGE, CoreClient
@@ -27,7 +28,7 @@ SCHEMA = {"type": "object", "properties": {"language": {"enum": ["python", "c", 
 
 
 def post(server, body: dict, path: str = "/v1/completions") -> httpx.Response:
-    return httpx.post(f"{server.base_url}{path}", json={"model": MODEL, **body}, headers=HEADERS, timeout=60)
+    return HTTP.post(f"{server.base_url}{path}", json={"model": MODEL, **body}, headers=HEADERS, timeout=60)
 
 
 def exited(pid: int, within_s: float = 10.0) -> bool:
@@ -67,8 +68,8 @@ def test_structured_outputs_are_compiled_and_matched_in_the_core(core_process_se
 def test_a_client_that_goes_away_aborts_its_request_in_the_core(core_process_server):
     before = core_process_server.wait_idle()
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{core_process_server.base_url}/v1/completions", json=body, headers=HEADERS,
-                      timeout=60) as response:
+    with HTTP.stream("POST", f"{core_process_server.base_url}/v1/completions", json=body, headers=HEADERS,
+                     timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and "choices" in line:
                 break
@@ -98,8 +99,8 @@ def test_a_killed_core_fails_every_request_and_health_turns_503(tiny_model_dir):
 
         def stream() -> None:
             body = {"model": MODEL, "prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=HEADERS,
-                              timeout=60) as response:
+            with HTTP.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=HEADERS,
+                             timeout=60) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
@@ -117,7 +118,7 @@ def test_a_killed_core_fails_every_request_and_health_turns_503(tiny_model_dir):
         later = post(server, {"prompt": "hi", "max_tokens": 4})
         assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
         assert "engine core process" in later.json()["error"]["message"]
-        health = httpx.get(f"{server.base_url}/health")
+        health = HTTP.get(f"{server.base_url}/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
         assert server.metrics()["kestrel:engine_healthy"] == 0
     finally:
@@ -148,8 +149,8 @@ def test_the_core_dies_with_its_server(tiny_model_dir):
     """`kestrel serve --engine-core-process` killed outright (no drain, no clean-up): its core exits too."""
     with serve_process(tiny_model_dir, "--engine-core-process", "--tokenizer-workers", "0",
                        "--grammar-compile-workers", "0", "--max-model-len", "256") as (process, base):
-        reply = httpx.post(f"{base}/v1/completions", headers=HEADERS, timeout=60,
-                           json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        reply = HTTP.post(f"{base}/v1/completions", headers=HEADERS, timeout=60,
+                          json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
         assert reply.status_code == 200
         children = _children(process.pid)  # the core (and multiprocessing's resource tracker)
         assert children, "no engine core process under the server"
@@ -189,7 +190,7 @@ def test_core_process_by_default_only_for_a_cpu_text_model_in_one_process(tiny_m
 def test_kestrel_serve_on_the_cpu_splits_the_core_unless_told_not_to(tiny_model_dir, flag):
     with serve_process(tiny_model_dir, *flag, "--device", "cpu", "--tokenizer-workers", "0",
                        "--grammar-compile-workers", "0", "--max-model-len", "256") as (process, base):
-        reply = httpx.post(f"{base}/v1/completions", headers=HEADERS, timeout=60,
+        reply = HTTP.post(f"{base}/v1/completions", headers=HEADERS, timeout=60,
                            json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
         assert reply.status_code == 200
         cores = [pid for pid in _children(process.pid)  # multiprocessing's spawned children (not its tracker)

@@ -7,9 +7,9 @@ import signal
 import threading
 import time
 
-import httpx
 import pytest
 from conftest import API_KEY, MODEL, LiveServer, scripted_engine
+from http_client import HTTP
 
 from kestrel.entrypoints.http_server import DrainingServer
 from kestrel.entrypoints.server import build_app
@@ -51,20 +51,20 @@ def guarded(tiny_model_dir):
 
 def test_metrics_need_the_key_unless_public(servers):
     guarded = servers()
-    anonymous = httpx.get(f"{guarded.base_url}/metrics", timeout=10)
+    anonymous = HTTP.get(f"{guarded.base_url}/metrics", timeout=10)
     assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key"
     assert "tiny" not in anonymous.text  # not even the model's name
-    assert httpx.get(f"{guarded.base_url}/metrics", headers=HEADERS, timeout=10).status_code == 200
+    assert HTTP.get(f"{guarded.base_url}/metrics", headers=HEADERS, timeout=10).status_code == 200
     public = servers(public_metrics=True)
-    assert "vllm:num_requests_running" in httpx.get(f"{public.base_url}/metrics", timeout=10).text
+    assert "vllm:num_requests_running" in HTTP.get(f"{public.base_url}/metrics", timeout=10).text
     for path in ("/health", "/version", "/"):  # open either way
-        assert httpx.get(f"{guarded.base_url}{path}", timeout=10).status_code == 200, path
+        assert HTTP.get(f"{guarded.base_url}{path}", timeout=10).status_code == 200, path
 
 
 @pytest.mark.parametrize("authorization", [f"Bearer {API_KEY}", f"bearer {API_KEY}", f"BEARER {API_KEY}",
                                            f"bEaReR   {API_KEY}"])
 def test_the_bearer_scheme_is_case_insensitive(guarded, authorization):
-    reply = httpx.get(f"{guarded.base_url}/v1/models", headers={"Authorization": authorization}, timeout=10)
+    reply = HTTP.get(f"{guarded.base_url}/v1/models", headers={"Authorization": authorization}, timeout=10)
     assert reply.status_code == 200 and reply.json()["data"][0]["id"] == MODEL
 
 
@@ -74,7 +74,7 @@ def test_the_bearer_scheme_is_case_insensitive(guarded, authorization):
 def test_anything_but_the_key_is_401(guarded, authorization):
     headers = {} if authorization is None else {"Authorization": authorization}
     for path in ("/v1/models", "/metrics"):
-        reply = httpx.get(f"{guarded.base_url}{path}", headers=headers, timeout=10)
+        reply = HTTP.get(f"{guarded.base_url}{path}", headers=headers, timeout=10)
         assert reply.status_code == 401 and reply.headers["www-authenticate"] == "Bearer", (path, authorization)
 
 
@@ -83,8 +83,8 @@ def test_the_key_guards_the_api_under_a_root_path(servers):
     # the routes strip it again.
     server = servers(root_path="/api", uvicorn_root_path="/api")
     for path in ("/v1/models", "/metrics"):
-        assert httpx.get(f"{server.base_url}{path}", timeout=10).status_code == 401, path
-        reply = httpx.get(f"{server.base_url}{path}", headers=HEADERS, timeout=10)
+        assert HTTP.get(f"{server.base_url}{path}", timeout=10).status_code == 401, path
+        reply = HTTP.get(f"{server.base_url}{path}", headers=HEADERS, timeout=10)
         assert reply.status_code == 200, path
 
 
@@ -95,7 +95,7 @@ def test_health_names_no_internals_of_a_dead_worker(servers):
     runner = server.engine.core.runner
     internals = "distributed executor failed: worker rank 1 (pid 48213) exited with code -9 (/dev/shm/kestrel-7)"
     runner.healthy, runner.error = False, WorkerError(internals)  # what a distributed executor reports
-    reply = httpx.get(f"{server.base_url}/health", timeout=10)
+    reply = HTTP.get(f"{server.base_url}/health", timeout=10)
     assert reply.status_code == 503 and reply.json()["error"]["code"] == "engine_dead"
     assert "48213" not in reply.text and "pid" not in reply.text and "/dev/shm" not in reply.text, reply.text
 
@@ -106,13 +106,13 @@ def test_a_crashed_engine_keeps_its_error_in_the_log(servers, caplog):
     runner.fail_at_step = 1
     runner.script = "x"
     with caplog.at_level("ERROR", logger="kestrel.engine"):
-        failed = httpx.post(f"{server.base_url}/v1/completions", headers=HEADERS, timeout=10,
-                            json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        failed = HTTP.post(f"{server.base_url}/v1/completions", headers=HEADERS, timeout=10,
+                           json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
         deadline = time.monotonic() + 5
         while server.engine.is_healthy and time.monotonic() < deadline:
             time.sleep(0.01)
     assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_dead"
-    health = httpx.get(f"{server.base_url}/health", timeout=10)
+    health = HTTP.get(f"{server.base_url}/health", timeout=10)
     assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
     for reply in (failed, health):
         assert "scripted model failure" not in reply.text and "RuntimeError" not in reply.text, reply.text
@@ -132,7 +132,7 @@ class Stream:
         self._thread.start()
 
     def _read(self, base_url: str, body: dict) -> None:
-        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=HEADERS, timeout=60) as reply:
+        with HTTP.stream("POST", f"{base_url}/v1/completions", json=body, headers=HEADERS, timeout=60) as reply:
             for line in reply.iter_lines():
                 if line.startswith("data: "):
                     self.events.append(line[6:])
@@ -152,8 +152,8 @@ def test_new_connections_during_the_drain_get_503_then_the_server_stops(servers)
     signalled = time.monotonic()
     for method, path, headers in (("POST", "/v1/completions", HEADERS), ("GET", "/v1/models", HEADERS),
                                   ("GET", "/health", {}), ("GET", "/metrics", HEADERS), ("GET", "/v1/models", {})):
-        reply = httpx.request(method, f"{server.base_url}{path}", headers=headers, timeout=5,
-                              json={"model": MODEL, "prompt": "x"} if method == "POST" else None)
+        reply = HTTP.request(method, f"{server.base_url}{path}", headers=headers, timeout=5,
+                             json={"model": MODEL, "prompt": "x"} if method == "POST" else None)
         error = reply.json()["error"]
         assert reply.status_code == 503 and error["code"] == "server_shutting_down", (path, reply.text)
         assert set(error) == {"message", "type", "param", "code"}

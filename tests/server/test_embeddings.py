@@ -3,12 +3,12 @@ L2-normalized, against transformers, through the official `openai` client."""
 
 import base64
 
-import httpx
 import numpy as np
 import openai
 import pytest
 import torch
 import transformers
+from http_client import HTTP
 
 MODEL = "tiny"
 TEXTS = ["The quick brown fox", "Hello there, how are you today?", "a"]
@@ -59,8 +59,8 @@ def test_base64_round_trip(client, openai_server):
     decoded = client.embeddings.create(model=MODEL, input=TEXTS)  # the client asks for base64 and decodes it
     assert all(np.array_equal(np.float32(a.embedding), np.float32(b.embedding))
                for a, b in zip(floats.data, decoded.data))
-    raw = httpx.post(f"{openai_server.base_url}/v1/embeddings", headers=openai_server.headers,
-                     json={"model": MODEL, "input": TEXTS, "encoding_format": "base64"}).json()
+    raw = HTTP.post(f"{openai_server.base_url}/v1/embeddings", headers=openai_server.headers,
+                    json={"model": MODEL, "input": TEXTS, "encoding_format": "base64"}).json()
     vector = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
     assert np.array_equal(vector, np.float32(floats.data[0].embedding))
 
@@ -74,8 +74,8 @@ def test_base64_round_trip(client, openai_server):
     ({"input": [[1, 2], "text"]}, "input"),
 ])
 def test_refusals_name_the_field(openai_server, body, param):
-    reply = httpx.post(f"{openai_server.base_url}/v1/embeddings", headers=openai_server.headers,
-                       json={"model": MODEL, **body})
+    reply = HTTP.post(f"{openai_server.base_url}/v1/embeddings", headers=openai_server.headers,
+                      json={"model": MODEL, **body})
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
 

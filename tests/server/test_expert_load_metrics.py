@@ -1,8 +1,8 @@
 """The opt-in expert-load series: `kestrel:moe_expert_tokens_total{layer, expert}` (and its `vllm:` copy) on
 /metrics of a server whose engine counts, absent otherwise."""
 
-import httpx
 from conftest import API_KEY, MODEL, LiveServer
+from http_client import HTTP
 
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
@@ -18,7 +18,7 @@ def serve(model_dir: str, **engine_args) -> LiveServer:
 
 
 def samples(server: LiveServer) -> dict[str, float]:
-    text = httpx.get(f"{server.base_url}/metrics", headers=server.headers, timeout=10).text
+    text = HTTP.get(f"{server.base_url}/metrics", headers=server.headers, timeout=10).text
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.startswith((SERIES, "vllm:moe_expert_tokens_total{"))}
 
@@ -27,8 +27,8 @@ def test_expert_series_count_every_routed_token(tmp_path):
     write_tiny_checkpoint(tmp_path, "qwen3_moe", seed=1)
     server = serve(str(tmp_path), expert_load_metrics=True, expert_load_interval=1)
     try:
-        reply = httpx.post(f"{server.base_url}/v1/completions", headers=server.headers, timeout=60,
-                           json={"model": MODEL, "prompt": "a b c d e", "max_tokens": 5, "temperature": 0.0,
+        reply = HTTP.post(f"{server.base_url}/v1/completions", headers=server.headers, timeout=60,
+                          json={"model": MODEL, "prompt": "a b c d e", "max_tokens": 5, "temperature": 0.0,
                                  "ignore_eos": True})
         assert reply.status_code == 200
         prompt_tokens = reply.json()["usage"]["prompt_tokens"]

@@ -14,6 +14,7 @@ import httpx
 import jsonschema
 import pytest
 from conftest import API_KEY, LiveServer
+from http_client import HTTP
 
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
@@ -49,8 +50,8 @@ def server():
 
 
 def post(server, path, body, timeout=60.0):
-    return httpx.post(f"{server.base_url}{path}", json={"model": MODEL, **body}, headers=server.headers,
-                      timeout=timeout)
+    return HTTP.post(f"{server.base_url}{path}", json={"model": MODEL, **body}, headers=server.headers,
+                     timeout=timeout)
 
 
 def completion(**fields):
@@ -199,7 +200,7 @@ def test_a_grammar_past_the_compile_deadline_is_a_400_and_its_worker_is_replaced
     health = []
     while thread.is_alive():
         probe = time.monotonic()
-        assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+        assert HTTP.get(f"{server.base_url}/health", timeout=10).status_code == 200
         health.append(time.monotonic() - probe)
         # Waiting for its grammar, the request is not in the engine: no batch slot, no KV block.
         metrics = server.metrics()

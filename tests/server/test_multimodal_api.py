@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import API_KEY, MODEL, LiveServer
+from http_client import HTTP
 
 from kestrel import LLM, SamplingParams
 from kestrel.config import ConfigError
@@ -96,7 +97,7 @@ def server(llava_dir, media_root) -> Iterator[LiveServer]:
 
 def chat(server: LiveServer, messages: list[dict], **extra) -> httpx.Response:
     body = {"model": MODEL, "messages": messages, "max_tokens": MAX_NEW, "temperature": 0, **extra}
-    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=server.headers, timeout=60)
+    return HTTP.post(f"{server.base_url}/v1/chat/completions", json=body, headers=server.headers, timeout=60)
 
 
 def offline_text(llava_dir: Path, messages: list[dict], **engine_args) -> str:

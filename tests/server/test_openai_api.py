@@ -1,8 +1,8 @@
 """The real server on the tiny random Llama, driven by the official `openai` client."""
 
-import httpx
 import openai
 import pytest
+from http_client import HTTP
 from transformers import AutoTokenizer
 
 PROMPT = "The quick brown fox"
@@ -154,20 +154,20 @@ def test_models_tokenize_detokenize(client, served, hf_tokenizer):
     assert [m.id for m in models.data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     url, headers = served.base_url, served.headers
-    tokens = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": PROMPT}, headers=headers).json()
+    tokens = HTTP.post(f"{url}/tokenize", json={"model": MODEL, "prompt": PROMPT}, headers=headers).json()
     assert tokens["tokens"] == hf_tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
     assert tokens["max_model_len"] == 256
-    chat = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}, headers=headers)
+    chat = HTTP.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}, headers=headers)
     assert chat.status_code == 200 and chat.json()["count"] > 3
-    text = httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"][1:]}, headers=headers).json()
+    text = HTTP.post(f"{url}/detokenize", json={"tokens": tokens["tokens"][1:]}, headers=headers).json()
     assert text["prompt"] == PROMPT
 
 
 def test_health_version_and_metric_names(client, served):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
     url = served.base_url
-    assert httpx.get(f"{url}/health").status_code == 200
-    assert httpx.get(f"{url}/version").json()["version"]
+    assert HTTP.get(f"{url}/health").status_code == 200
+    assert HTTP.get(f"{url}/version").json()["version"]
     samples = served.metrics()
     # vLLM's series (vllm/v1/metrics/loggers.py), under both prefixes, with the same values.
     names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
@@ -184,7 +184,7 @@ def test_health_version_and_metric_names(client, served):
     assert samples["vllm:generation_tokens_total"] >= 3
     assert samples["vllm:request_prefill_time_seconds_count"] >= 1
     assert samples["vllm:iteration_tokens_total_sum"] >= samples["vllm:generation_tokens_total"]
-    text = httpx.get(f"{url}/metrics", headers=served.headers).text
+    text = HTTP.get(f"{url}/metrics", headers=served.headers).text
     assert 'vllm:num_requests_running{engine="0",model_name="tiny"}' in text
     assert 'block_size="16"' in text
 

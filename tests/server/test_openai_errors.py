@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 from conftest import API_KEY, assert_no_stall, serve_process
+from http_client import HTTP
 
 MODEL = "tiny"
 
@@ -15,8 +16,8 @@ MODEL = "tiny"
 def post(server, path: str, body=None, *, content: bytes | None = None, headers: dict | None = None) -> httpx.Response:
     headers = {**server.headers, **(headers or {})}
     if content is not None:
-        return httpx.post(f"{server.base_url}{path}", content=content, headers=headers, timeout=30)
-    return httpx.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=30)
+        return HTTP.post(f"{server.base_url}{path}", content=content, headers=headers, timeout=30)
+    return HTTP.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=30)
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -142,7 +143,7 @@ def test_unknown_model_is_404(openai_server):
     assert error["code"] == "model_not_found"
     with pytest.raises(openai.NotFoundError):
         openai_server.client().chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
-    assert httpx.get(f"{openai_server.base_url}/v1/models/gpt-9", headers=openai_server.headers).status_code == 404
+    assert HTTP.get(f"{openai_server.base_url}/v1/models/gpt-9", headers=openai_server.headers).status_code == 404
     huge = post(openai_server, "/v1/completions", {"model": "m" * 1_000_000, "prompt": "x"})
     assert huge.status_code == 404 and len(huge.content) < 1_000  # the unknown name is not echoed whole
 
@@ -158,25 +159,25 @@ def test_deeply_nested_json_has_its_own_error(openai_server):
 
 
 def test_no_redirect_built_from_the_host_header(openai_server):
-    response = httpx.get(f"{openai_server.base_url}/health/", headers={"Host": "evil.example"},
-                         follow_redirects=False)
+    response = HTTP.get(f"{openai_server.base_url}/health/", headers={"Host": "evil.example"},
+                        follow_redirects=False)
     assert response.status_code == 404 and "location" not in response.headers
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_model_list_shows_no_server_paths(openai_server):
-    models = httpx.get(f"{openai_server.base_url}/v1/models", headers=openai_server.headers).json()["data"]
+    models = HTTP.get(f"{openai_server.base_url}/v1/models", headers=openai_server.headers).json()["data"]
     assert models and all("/" not in (m.get("root") or "") for m in models)
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "test-key"}])
 def test_api_key_is_required(openai_server, headers):
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
-        response = httpx.post(f"{openai_server.base_url}{path}", json={"prompt": "x"}, headers=headers)
+        response = HTTP.post(f"{openai_server.base_url}{path}", json={"prompt": "x"}, headers=headers)
         error = assert_error(response, 401)
         assert error["code"] == "invalid_api_key"
-    assert httpx.get(f"{openai_server.base_url}/v1/models", headers=headers).status_code == 401
-    assert httpx.get(f"{openai_server.base_url}/health").status_code == 200  # probes stay open
+    assert HTTP.get(f"{openai_server.base_url}/v1/models", headers=headers).status_code == 401
+    assert HTTP.get(f"{openai_server.base_url}/health").status_code == 200  # probes stay open
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{openai_server.base_url}/v1", api_key="wrong", max_retries=0).models.list()
 
@@ -196,7 +197,7 @@ def test_body_size_limit(openai_server):
         for _ in range(40):
             yield b" " * 65536
 
-    response = httpx.post(f"{openai_server.base_url}/v1/completions", content=chunks(), headers=openai_server.headers)
+    response = HTTP.post(f"{openai_server.base_url}/v1/completions", content=chunks(), headers=openai_server.headers)
     assert_error(response, 413)
 
 
@@ -208,13 +209,13 @@ def test_malformed_bodies_are_400(openai_server, content):
 
 
 def test_unknown_route_and_method_keep_the_error_shape(openai_server):
-    assert_error(httpx.get(f"{openai_server.base_url}/v1/nothing", headers=openai_server.headers), 404)
-    assert_error(httpx.get(f"{openai_server.base_url}/v1/completions", headers=openai_server.headers), 405)
+    assert_error(HTTP.get(f"{openai_server.base_url}/v1/nothing", headers=openai_server.headers), 404)
+    assert_error(HTTP.get(f"{openai_server.base_url}/v1/completions", headers=openai_server.headers), 405)
     assert_error(post(openai_server, "/detokenize", {"tokens": [10**6]}), 400, "tokens")
 
 
 def aborted_requests(server) -> float:
-    text = httpx.get(f"{server.base_url}/metrics", headers=server.headers).text
+    text = HTTP.get(f"{server.base_url}/metrics", headers=server.headers).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("kestrel:request_success_total{") and 'finished_reason="abort"' in line)
 
@@ -222,8 +223,8 @@ def aborted_requests(server) -> float:
 def test_client_disconnect_mid_stream_frees_its_blocks(openai_server):
     aborts = aborted_requests(openai_server)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{openai_server.base_url}/v1/completions", json=body, headers=openai_server.headers,
-                      timeout=30) as response:
+    with HTTP.stream("POST", f"{openai_server.base_url}/v1/completions", json=body, headers=openai_server.headers,
+                     timeout=30) as response:
         lines = response.iter_lines()
         received = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
         assert len(received) >= 2
@@ -244,7 +245,7 @@ def test_non_streaming_disconnect_aborts_too(start_scripted_server):
     aborts = aborted_requests(server)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.base_url}/v1/completions", json=body, headers=server.headers, timeout=0.5)
+        HTTP.post(f"{server.base_url}/v1/completions", json=body, headers=server.headers, timeout=0.5)
     samples = server.wait_idle(timeout_s=5)
     assert samples["kestrel:kv_cache_usage_perc"] == 0 and samples["kestrel:num_requests_running"] == 0
     assert aborted_requests(server) == aborts + 1  # ended as an abort, not finished
@@ -294,10 +295,10 @@ def test_engine_death_turns_health_503_and_fails_streams(start_scripted_server):
     with pytest.raises(openai.APIError, match="engine"):
         for _ in stream:
             pass
-    while httpx.get(f"{server.base_url}/health").status_code != 503:
+    while HTTP.get(f"{server.base_url}/health").status_code != 503:
         assert time.monotonic() - died < 1.0, "/health must turn 503 within a second"
         time.sleep(0.02)
-    assert assert_error(httpx.get(f"{server.base_url}/health"), 503)["code"] == "engine_dead"
+    assert assert_error(HTTP.get(f"{server.base_url}/health"), 503)["code"] == "engine_dead"
     assert_error(post(server, "/v1/completions", {"prompt": "hi"}), 503)
     assert_error(post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}), 503)
     assert server.metrics()["kestrel:engine_healthy"] == 0
@@ -351,7 +352,7 @@ def test_big_tokenize_requests_do_not_stall_health(tiny_model_dir, tmp_path):
 
 
 def test_openapi_states_limits_as_json_schema(openai_server):
-    doc = httpx.get(f"{openai_server.base_url}/openapi.json", headers=openai_server.headers).json()
+    doc = HTTP.get(f"{openai_server.base_url}/openapi.json", headers=openai_server.headers).json()
     text = json.dumps(doc)
     assert '"ge":' not in text and '"le":' not in text
     props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
@@ -398,7 +399,7 @@ def test_special_tokens_in_content_flag_restores_the_permissive_behaviour(tiny_m
 
 
 def test_openapi_documents_generation_responses_and_errors(openai_server):
-    doc = httpx.get(f"{openai_server.base_url}/openapi.json", headers=openai_server.headers).json()
+    doc = HTTP.get(f"{openai_server.base_url}/openapi.json", headers=openai_server.headers).json()
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = doc["paths"][path]["post"]["responses"]
         assert {"200", "400", "408", "413", "429", "503", "504"} <= set(responses)
@@ -413,8 +414,8 @@ def test_openapi_documents_generation_responses_and_errors(openai_server):
 
 def test_api_docs_are_behind_the_key_unless_public(openai_server, start_scripted_server):
     for path in ("/openapi.json", "/docs", "/redoc"):
-        assert httpx.get(f"{openai_server.base_url}{path}").status_code == 401
-        assert httpx.get(f"{openai_server.base_url}{path}", headers=openai_server.headers).status_code == 200
+        assert HTTP.get(f"{openai_server.base_url}{path}").status_code == 401
+        assert HTTP.get(f"{openai_server.base_url}{path}", headers=openai_server.headers).status_code == 200
     public, _ = start_scripted_server(public_docs=True)
-    assert httpx.get(f"{public.base_url}/openapi.json").status_code == 200
-    assert httpx.get(f"{public.base_url}/v1/models").status_code == 401
+    assert HTTP.get(f"{public.base_url}/openapi.json").status_code == 200
+    assert HTTP.get(f"{public.base_url}/v1/models").status_code == 401

@@ -10,9 +10,9 @@ requests also cross them: refused up front or ended mid-stream, each with a well
 import json
 from collections.abc import Iterator
 
-import httpx
 import pytest
 import schemathesis
+from http_client import HTTP
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
@@ -121,8 +121,8 @@ def test_responses_stay_within_their_budget(fuzz_server, chat, stream, n, max_to
     else:
         body.update(prompt="def f(x):\n    return", echo=echo, max_tokens=max_tokens, logprobs=logprobs)
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    with httpx.stream("POST", f"{fuzz_server.base_url}{path}", json=body, headers=fuzz_server.headers,
-                      timeout=120) as response:
+    with HTTP.stream("POST", f"{fuzz_server.base_url}{path}", json=body, headers=fuzz_server.headers,
+                     timeout=120) as response:
         content = response.read()
     assert response.status_code in (200, 400), content[:500]
     if response.status_code == 400:
@@ -170,8 +170,8 @@ GRAMMAR_CASES = [
 @pytest.mark.parametrize("path, fields, param", GRAMMAR_CASES, ids=[f"{c[2]}-{i}" for i, c in enumerate(GRAMMAR_CASES)])
 def test_hostile_grammars_are_400s(fuzz_server, path, fields, param):
     body = {"model": "tiny", "max_tokens": 4, **({"prompt": "x"} if path == "/v1/completions" else {}), **fields}
-    reply = httpx.post(f"{fuzz_server.base_url}{path}", content=json.dumps(body).encode(), timeout=30,
-                       headers={**fuzz_server.headers, "Content-Type": "application/json"})
+    reply = HTTP.post(f"{fuzz_server.base_url}{path}", content=json.dumps(body).encode(), timeout=30,
+                      headers={**fuzz_server.headers, "Content-Type": "application/json"})
     assert reply.status_code == 400, reply.text[:300]
     assert reply.json()["error"]["param"] == param, reply.json()
     assert fuzz_server.engine.is_healthy
@@ -186,7 +186,7 @@ def test_tokenizer_inputs_are_counted_or_refused(fuzz_server, text, copies, chat
     prompt = text * copies
     body = ({"model": "tiny", "messages": [{"role": "user", "content": prompt}]} if chat
             else {"model": "tiny", "prompt": prompt})
-    reply = httpx.post(f"{fuzz_server.base_url}/tokenize", json=body, headers=fuzz_server.headers, timeout=60)
+    reply = HTTP.post(f"{fuzz_server.base_url}/tokenize", json=body, headers=fuzz_server.headers, timeout=60)
     size = len(prompt.encode("utf-8", "surrogatepass"))
     if reply.status_code == 400:
         error = reply.json()["error"]
@@ -196,6 +196,6 @@ def test_tokenizer_inputs_are_counted_or_refused(fuzz_server, text, copies, chat
         assert reply.status_code == 200, reply.text[:300]
         assert size <= TOKENIZE_BYTES and reply.json()["count"] == len(reply.json()["tokens"])
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    served = httpx.post(f"{fuzz_server.base_url}{path}", json={**body, "max_tokens": 1, "stream": stream},
-                        headers=fuzz_server.headers, timeout=60)
+    served = HTTP.post(f"{fuzz_server.base_url}{path}", json={**body, "max_tokens": 1, "stream": stream},
+                       headers=fuzz_server.headers, timeout=60)
     assert served.status_code in (200, 400), served.text[:300]

@@ -2,8 +2,8 @@
 
 import json
 
-import httpx
 import pytest
+from http_client import HTTP
 
 MODEL = "tiny"
 WEATHER = {
@@ -132,11 +132,11 @@ def test_malformed_forced_call_falls_back_to_content(tools_server):
 def test_tools_reach_the_prompt(tools_server):
     server, _ = tools_server
     body = {"messages": USER, "tools": [WEATHER]}
-    with_tools = httpx.post(f"{server.base_url}/tokenize", json=body, headers=server.headers).json()
-    without = httpx.post(f"{server.base_url}/tokenize", json={"messages": USER}, headers=server.headers).json()
+    with_tools = HTTP.post(f"{server.base_url}/tokenize", json=body, headers=server.headers).json()
+    without = HTTP.post(f"{server.base_url}/tokenize", json={"messages": USER}, headers=server.headers).json()
     assert with_tools["count"] > without["count"] + 20
-    text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": with_tools["tokens"]},
-                      headers=server.headers).json()["prompt"]
+    text = HTTP.post(f"{server.base_url}/detokenize", json={"tokens": with_tools["tokens"]},
+                     headers=server.headers).json()["prompt"]
     assert "get_weather" in text and '"arguments"' in text
 
 
@@ -161,8 +161,8 @@ def test_tool_history_renders(tools_server):
 ])
 def test_bad_tool_requests(tools_server, body, param):
     server, _ = tools_server
-    response = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": USER, **body},
-                          headers=server.headers)
+    response = HTTP.post(f"{server.base_url}/v1/chat/completions", json={"messages": USER, **body},
+                         headers=server.headers)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
 
@@ -172,8 +172,8 @@ def test_model_without_chat_template_is_a_400(tools_server):
     tokenizer = server.engine.tokenizer
     template, tokenizer.chat_template = tokenizer.chat_template, None
     try:
-        response = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": USER},
-                              headers=server.headers)
+        response = HTTP.post(f"{server.base_url}/v1/chat/completions", json={"messages": USER},
+                             headers=server.headers)
     finally:
         tokenizer.chat_template = template
     assert response.status_code == 400

@@ -12,9 +12,9 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 from conftest import API_KEY, MODEL, LiveServer
+from http_client import HTTP
 
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
@@ -150,16 +150,16 @@ def test_playground_streams_a_chat_answer_and_charts_the_metrics(tiny_server, br
 
 def test_playground_page_is_open_and_outside_the_api(scripted):
     server, _ = scripted
-    page = httpx.get(f"{server.base_url}/")
+    page = HTTP.get(f"{server.base_url}/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "script-src 'self'" in page.headers["content-security-policy"]
     for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
         assert f'"static/{name}"' in page.text  # relative: the page works under --root-path too
-        response = httpx.get(f"{server.base_url}/static/{name}")
+        response = HTTP.get(f"{server.base_url}/static/{name}")
         assert response.status_code == 200 and response.headers["content-type"].startswith(kind)
     for path in ("/static/nope.js", "/static/..%2Fserver.py", "/static/"):
-        response = httpx.get(f"{server.base_url}{path}")
+        response = HTTP.get(f"{server.base_url}{path}")
         assert response.status_code == 404 and set(response.json()["error"]) == {"message", "type", "param", "code"}
-    assert httpx.get(f"{server.base_url}/v1/models").status_code == 401  # the API stays behind the key
-    paths = httpx.get(f"{server.base_url}/openapi.json", headers=server.headers).json()["paths"]
+    assert HTTP.get(f"{server.base_url}/v1/models").status_code == 401  # the API stays behind the key
+    paths = HTTP.get(f"{server.base_url}/openapi.json", headers=server.headers).json()["paths"]
     assert "/" not in paths and not any(p.startswith("/static") for p in paths)

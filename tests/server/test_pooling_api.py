@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from conftest import API_KEY, MODEL, LiveServer
+from http_client import HTTP
 
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
@@ -65,7 +66,7 @@ def embedder(tmp_path_factory):
 
 
 def _post(server: LiveServer, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.base_url}{path}", headers=server.headers, json={"model": MODEL, **body}, timeout=60)
+    return HTTP.post(f"{server.base_url}{path}", headers=server.headers, json={"model": MODEL, **body}, timeout=60)
 
 
 def _sigmoid(x: float) -> float:

@@ -9,6 +9,7 @@ import threading
 import httpx
 import pytest
 from conftest import API_KEY, MODEL, LiveServer, start_core_process_server
+from http_client import HTTP
 
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
@@ -77,7 +78,7 @@ def test_streamed_chat_keeps_the_last_turn_and_reports_usage(server):
 def test_bad_options_are_400s_naming_the_field(server, path, extra, param):
     body = {"model": MODEL, "max_tokens": 1, **({"messages": [{"role": "user", "content": SOURCE}]}
                                                 if path.startswith("chat") else {"prompt": SOURCE}), **extra}
-    reply = httpx.post(f"{server.base_url}/v1/{path}", headers=server.headers, json=body, timeout=60)
+    reply = HTTP.post(f"{server.base_url}/v1/{path}", headers=server.headers, json=body, timeout=60)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
 
@@ -87,7 +88,7 @@ def test_a_server_without_compressor_answers_400_naming_the_flag(scripted, path)
     live, _ = scripted
     body = {"model": MODEL, "max_tokens": 1, "prompt_compression": {"rate": 0.5},
             **({"messages": [{"role": "user", "content": "hi"}]} if path.startswith("chat") else {"prompt": "hi"})}
-    reply = httpx.post(f"{live.base_url}/v1/{path}", headers=live.headers, json=body, timeout=30)
+    reply = HTTP.post(f"{live.base_url}/v1/{path}", headers=live.headers, json=body, timeout=30)
     assert reply.status_code == 400
     error = reply.json()["error"]
     assert error["param"] == "prompt_compression" and "--prompt-compressor" in error["message"]
@@ -100,8 +101,8 @@ def test_the_engine_refuses_a_request_still_asking_for_compression(server):
 
 def test_metrics_count_saved_tokens_and_time_under_both_prefixes(server):
     before = server.metrics()
-    reply = httpx.post(f"{server.base_url}/v1/completions", headers=server.headers, timeout=60,
-                       json={"model": MODEL, "prompt": SOURCE, "max_tokens": 1, "prompt_compression": {"rate": 0.5}})
+    reply = HTTP.post(f"{server.base_url}/v1/completions", headers=server.headers, timeout=60,
+                      json={"model": MODEL, "prompt": SOURCE, "max_tokens": 1, "prompt_compression": {"rate": 0.5}})
     usage = reply.json()["usage"]
     after = server.metrics()
     saved = usage["original_prompt_tokens"] - usage["prompt_tokens"]
@@ -120,8 +121,8 @@ def test_engine_core_process_server_compresses_with_another_tokenizer(tiny_model
     live = start_core_process_server(tiny_model_dir, prompt_compressor="kestrel-tiny", max_model_len=512)
     try:
         assert live.engine.prompt_compressor.tokenizer.vocab_size != live.engine.tokenizer.vocab_size
-        reply = httpx.post(f"{live.base_url}/v1/completions", headers=live.headers, timeout=120,
-                           json={"model": MODEL, "prompt": SOURCE[:800], "max_tokens": 2,
+        reply = HTTP.post(f"{live.base_url}/v1/completions", headers=live.headers, timeout=120,
+                          json={"model": MODEL, "prompt": SOURCE[:800], "max_tokens": 2,
                                  "prompt_compression": {"rate": 0.5}})
         assert reply.status_code == 200, reply.text
         usage = reply.json()["usage"]
@@ -146,8 +147,8 @@ def test_a_compression_in_progress_holds_up_neither_the_loop_nor_other_requests(
         compressed = pool.submit(httpx.post, f"{server.base_url}/v1/completions", headers=server.headers, json=body,
                                  timeout=60)
         assert started.wait(30)
-        plain = httpx.post(f"{server.base_url}/v1/completions", headers=server.headers, timeout=30,
-                           json={"model": MODEL, "prompt": "def f(x):", "max_tokens": 4, "temperature": 0})
+        plain = HTTP.post(f"{server.base_url}/v1/completions", headers=server.headers, timeout=30,
+                          json={"model": MODEL, "prompt": "def f(x):", "max_tokens": 4, "temperature": 0})
         assert plain.status_code == 200 and not compressed.done()
         release.set()
         assert compressed.result().status_code == 200

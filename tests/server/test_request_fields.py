@@ -2,9 +2,9 @@
 yet are a 400 that names the field and says why; any other unknown field is a 400 too; unknown fields sent as
 null or empty (as clients replaying OpenAI responses do) ask for nothing and are accepted."""
 
-import httpx
 import pytest
 from conftest import MODEL
+from http_client import HTTP
 
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.entrypoints.protocol import NOT_SUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
@@ -23,8 +23,8 @@ CHAT_ONLY = {"add_special_tokens": True}
 
 @pytest.mark.parametrize("field", sorted(CHAT_ONLY))
 def test_chat_fields_kestrel_has_only_for_completions_are_refused(openai_server, field):
-    response = httpx.post(f"{openai_server.base_url}/v1/chat/completions", json={**CHAT, field: CHAT_ONLY[field]},
-                          headers=openai_server.headers, timeout=30)
+    response = HTTP.post(f"{openai_server.base_url}/v1/chat/completions", json={**CHAT, field: CHAT_ONLY[field]},
+                         headers=openai_server.headers, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == field
 
 
@@ -70,7 +70,7 @@ def test_every_vllm_request_field_is_honoured_or_refused(openai_server, path, fi
 
 
 def post(server, path, body):
-    return httpx.post(f"{server.base_url}{path}", json=body, headers=server.headers, timeout=30)
+    return HTTP.post(f"{server.base_url}{path}", json=body, headers=server.headers, timeout=30)
 
 
 @pytest.mark.parametrize("path, base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
@@ -163,8 +163,8 @@ def test_request_chat_templates_need_the_servers_trust(openai_server, start_scri
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokens = httpx.post(f"{trusting.base_url}/v1/chat/completions", json=body, headers=trusting.headers,
-                        timeout=30).json()["usage"]["prompt_tokens"]
+    tokens = HTTP.post(f"{trusting.base_url}/v1/chat/completions", json=body, headers=trusting.headers,
+                       timeout=30).json()["usage"]["prompt_tokens"]
     assert tokens == len(tokenizer.encode("[hi|hello there]", add_special_tokens=False))
 
 
@@ -205,8 +205,8 @@ def test_chat_echo_leads_with_the_assistants_own_last_message(openai_server, str
     if not stream:
         content = post(openai_server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
     else:
-        with httpx.stream("POST", f"{openai_server.base_url}/v1/chat/completions", json=body,
-                          headers=openai_server.headers, timeout=30) as reply:
+        with HTTP.stream("POST", f"{openai_server.base_url}/v1/chat/completions", json=body,
+                         headers=openai_server.headers, timeout=30) as reply:
             lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
         import json
 
@@ -251,8 +251,8 @@ def test_token_ids_and_tokens_as_token_ids(openai_server):
     choice = post(openai_server, "/v1/completions", body).json()["choices"][0]
     assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
     assert all(all(key.startswith("token_id:") for key in top) for top in choice["logprobs"]["top_logprobs"])
-    text = httpx.post(f"{openai_server.base_url}/detokenize", json={"model": MODEL, "tokens": choice["token_ids"]},
-                      headers=openai_server.headers, timeout=30).json()["prompt"]
+    text = HTTP.post(f"{openai_server.base_url}/detokenize", json={"model": MODEL, "tokens": choice["token_ids"]},
+                     headers=openai_server.headers, timeout=30).json()["prompt"]
     assert text == choice["text"]
     chat = post(openai_server, "/v1/chat/completions", {**CHAT, "max_tokens": 4, "ignore_eos": True, "logprobs": True,
                                                          "return_tokens_as_token_ids": True,
@@ -266,8 +266,8 @@ def test_return_token_ids_when_streaming(openai_server):
     import json
 
     body = {**CHAT, "max_tokens": 5, "ignore_eos": True, "stream": True, "return_token_ids": True}
-    with httpx.stream("POST", f"{openai_server.base_url}/v1/chat/completions", json=body,
-                      headers=openai_server.headers, timeout=30) as reply:
+    with HTTP.stream("POST", f"{openai_server.base_url}/v1/chat/completions", json=body,
+                     headers=openai_server.headers, timeout=30) as reply:
         chunks = [json.loads(line[6:]) for line in reply.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     assert chunks[0]["prompt_token_ids"][0] == 0
@@ -320,8 +320,8 @@ def test_streamed_completion_token_ids_add_up_to_the_whole(openai_server):
 
     body = {**COMPLETION, "max_tokens": 12, "ignore_eos": True, "temperature": 0.0, "return_token_ids": True}
     whole = post(openai_server, "/v1/completions", body).json()["choices"][0]["token_ids"]
-    with httpx.stream("POST", f"{openai_server.base_url}/v1/completions", json={**body, "stream": True},
-                      headers=openai_server.headers, timeout=30) as reply:
+    with HTTP.stream("POST", f"{openai_server.base_url}/v1/completions", json={**body, "stream": True},
+                     headers=openai_server.headers, timeout=30) as reply:
         chunks = [json.loads(line[6:]) for line in reply.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     # Tokens whose text is held back (a split character) still send their ids.

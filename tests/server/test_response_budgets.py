@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 from conftest import API_KEY, MAX_MODEL_LEN, MODEL, LiveServer
+from http_client import HTTP
 
 from kestrel.entrypoints.budgets import (
     CHAT_ENTRY_FLOOR,
@@ -48,7 +49,7 @@ def small_budget(openai_server: LiveServer) -> Iterator[LiveServer]:
 
 
 def post(server: LiveServer, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.base_url}{path}", json={"model": MODEL, **body}, headers=server.headers, timeout=120)
+    return HTTP.post(f"{server.base_url}{path}", json={"model": MODEL, **body}, headers=server.headers, timeout=120)
 
 
 def generated_tokens(server: LiveServer) -> float:
@@ -100,8 +101,8 @@ def test_the_prompts_part_counts_too(small_budget):
 def test_a_stream_past_the_budget_ends_with_an_error_event(small_budget):
     """No max_tokens: only the context bounds the answer, so the request is admitted and counted as it streams."""
     body = {"messages": MESSAGES, "stream": True, "ignore_eos": True, "n": 2}
-    with httpx.stream("POST", f"{small_budget.base_url}/v1/chat/completions", json={"model": MODEL, **body},
-                      headers=small_budget.headers, timeout=120) as reply:
+    with HTTP.stream("POST", f"{small_budget.base_url}/v1/chat/completions", json={"model": MODEL, **body},
+                     headers=small_budget.headers, timeout=120) as reply:
         assert reply.status_code == 200
         events = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"

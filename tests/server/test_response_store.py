@@ -5,10 +5,10 @@ dropped at the bound; with the store off (the default), asking for it is refused
 
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
 from conftest import API_KEY, MODEL, LiveServer
+from http_client import HTTP
 
 from kestrel.config import ConfigError
 from kestrel.entrypoints.cli import _server_config, build_parser
@@ -176,8 +176,8 @@ def test_retrieving_refuses_what_it_cannot_do_by_name(stored):
 @pytest.mark.parametrize(("body", "param"), [({"store": True}, "store"),
                                              ({"previous_response_id": "resp_1"}, "previous_response_id")])
 def test_with_the_store_off_asking_for_it_is_refused_by_name(openai_server, body, param):
-    reply = httpx.post(f"{openai_server.base_url}/v1/responses", headers=openai_server.headers,
-                       json={"model": MODEL, "input": "Hi", **body})
+    reply = HTTP.post(f"{openai_server.base_url}/v1/responses", headers=openai_server.headers,
+                      json={"model": MODEL, "input": "Hi", **body})
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and "--enable-response-store" in error["message"]

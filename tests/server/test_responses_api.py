@@ -4,8 +4,8 @@ scripted model for tool calls, and the refusals by name."""
 
 import json
 
-import httpx
 import pytest
+from http_client import HTTP
 
 MODEL = "tiny"
 INSTRUCTIONS = "Be brief."
@@ -143,7 +143,7 @@ def test_tool_round_trip_on_the_scripted_model(scripted):
     ({"tool_choice": "required"}, "tool_choice"),
 ])
 def test_unsupported_fields_are_refused_by_name(openai_server, body, param):
-    reply = httpx.post(f"{openai_server.base_url}/v1/responses", headers=openai_server.headers,
-                       json={"model": MODEL, "input": "Hi", **body})
+    reply = HTTP.post(f"{openai_server.base_url}/v1/responses", headers=openai_server.headers,
+                      json={"model": MODEL, "input": "Hi", **body})
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"].startswith(param), reply.json()

@@ -1,9 +1,9 @@
 """`kestrel serve`'s vLLM-style server settings: several API keys and served names, CORS, a chat template given
 to the server, auto tool choice switched off, and the settings' own validation."""
 
-import httpx
 import pytest
 from conftest import LiveServer, scripted_engine
+from http_client import HTTP
 
 from kestrel.config import ConfigError
 from kestrel.entrypoints.server import build_app
@@ -30,20 +30,20 @@ def server(tiny_model_dir, request):
 def test_every_api_key_is_accepted_and_others_are_not(server):
     live = server(keys=("k1", "k2"))
     for key, status in (("k1", 200), ("k2", 200), ("k3", 401)):
-        response = httpx.get(f"{live.base_url}/v1/models", headers={"Authorization": f"Bearer {key}"})
+        response = HTTP.get(f"{live.base_url}/v1/models", headers={"Authorization": f"Bearer {key}"})
         assert response.status_code == status
 
 
 def test_every_served_name_is_listed_accepted_and_echoed(server):
     live = server(names=("main", "alias"))
-    models = httpx.get(f"{live.base_url}/v1/models", headers=live.headers).json()["data"]
+    models = HTTP.get(f"{live.base_url}/v1/models", headers=live.headers).json()["data"]
     assert [m["id"] for m in models] == ["main", "alias"]
     body = {"prompt": "hi", "max_tokens": 2}
     for asked, reported in ((None, "main"), ("alias", "alias"), ("main", "main")):
-        reply = httpx.post(f"{live.base_url}/v1/completions", headers=live.headers,
-                           json={**body, **({"model": asked} if asked else {})}).json()
+        reply = HTTP.post(f"{live.base_url}/v1/completions", headers=live.headers,
+                          json={**body, **({"model": asked} if asked else {})}).json()
         assert reply["model"] == reported
-    missing = httpx.post(f"{live.base_url}/v1/completions", headers=live.headers, json={**body, "model": "other"})
+    missing = HTTP.post(f"{live.base_url}/v1/completions", headers=live.headers, json={**body, "model": "other"})
     assert missing.status_code == 404
 
 
@@ -51,17 +51,17 @@ def test_cors_headers_only_when_origins_are_allowed(server):
     preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization,content-type"}
     plain = server()
-    assert "access-control-allow-origin" not in httpx.options(f"{plain.base_url}/v1/completions",
+    assert "access-control-allow-origin" not in HTTP.options(f"{plain.base_url}/v1/completions",
                                                                headers=preflight).headers
     cors = server(allowed_origins=("https://app.example",))
-    reply = httpx.options(f"{cors.base_url}/v1/completions", headers=preflight)
+    reply = HTTP.options(f"{cors.base_url}/v1/completions", headers=preflight)
     assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "https://app.example"
 
 
 def test_a_server_chat_template_replaces_the_tokenizers(server, tiny_model_dir):
     template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if add_generation_prompt %}=>{% endif %}"
     live = server(chat_template=template)
-    reply = httpx.post(f"{live.base_url}/tokenize", headers=live.headers, json={"messages": MESSAGES}).json()
+    reply = HTTP.post(f"{live.base_url}/tokenize", headers=live.headers, json={"messages": MESSAGES}).json()
     from kestrel.loader.tokenizer import load_tokenizer
 
     expected = load_tokenizer(tiny_model_dir).encode("<<hi>>=>", add_special_tokens=False)
@@ -71,11 +71,11 @@ def test_a_server_chat_template_replaces_the_tokenizers(server, tiny_model_dir):
 def test_auto_tool_choice_can_be_switched_off(server):
     live = server(enable_auto_tool_choice=False)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    reply = httpx.post(f"{live.base_url}/v1/chat/completions", headers=live.headers,
-                       json={"messages": MESSAGES, "tools": tools, "max_tokens": 2})
+    reply = HTTP.post(f"{live.base_url}/v1/chat/completions", headers=live.headers,
+                      json={"messages": MESSAGES, "tools": tools, "max_tokens": 2})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "tool_choice"
-    named = httpx.post(f"{live.base_url}/v1/chat/completions", headers=live.headers,
-                       json={"messages": MESSAGES, "tools": tools, "max_tokens": 2,
+    named = HTTP.post(f"{live.base_url}/v1/chat/completions", headers=live.headers,
+                      json={"messages": MESSAGES, "tools": tools, "max_tokens": 2,
                              "tool_choice": {"type": "function", "function": {"name": "f"}}})
     assert named.status_code == 200
 

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 from conftest import API_KEY, MODEL, LiveServer, scripted_engine, serve_process
+from http_client import HTTP
 
 from kestrel.entrypoints.http_server import DrainingServer, protocol_with_header_timeout
 from kestrel.entrypoints.server import build_app
@@ -97,11 +98,11 @@ def test_sigterm_refuses_new_work_lets_short_requests_finish_and_ends_the_rest(d
 def test_a_draining_server_refuses_new_requests_with_503(start_scripted_server):
     server, _ = start_scripted_server()
     server.engine.begin_drain()
-    refused = httpx.post(f"{server.base_url}/v1/completions", json=completion(5, False), headers=HEADERS, timeout=10)
+    refused = HTTP.post(f"{server.base_url}/v1/completions", json=completion(5, False), headers=HEADERS, timeout=10)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
-    streamed = httpx.post(f"{server.base_url}/v1/completions", json=completion(5, True), headers=HEADERS, timeout=10)
+    streamed = HTTP.post(f"{server.base_url}/v1/completions", json=completion(5, True), headers=HEADERS, timeout=10)
     assert streamed.status_code == 503  # refused before the stream starts
-    health = httpx.get(f"{server.base_url}/health", timeout=10)
+    health = HTTP.get(f"{server.base_url}/health", timeout=10)
     assert health.status_code == 503 and health.json()["error"]["code"] == "server_shutting_down"
 
 
@@ -119,11 +120,11 @@ def test_kestrel_serve_drains_on_sigterm_answers_503_meanwhile_and_exits_in_time
         server.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         # The listener stays open during the drain: new connections are answered, 503, not refused.
-        while (health := httpx.get(f"{base}/health", timeout=5)).status_code == 200:
+        while (health := HTTP.get(f"{base}/health", timeout=5)).status_code == 200:
             assert time.monotonic() - signalled < drain_s, "/health never turned 503"
             time.sleep(0.02)
         assert health.status_code == 503 and health.json()["error"]["code"] == "server_shutting_down"
-        refused = httpx.post(f"{base}/v1/completions", json=completion(5, False), headers=HEADERS, timeout=5)
+        refused = HTTP.post(f"{base}/v1/completions", json=completion(5, False), headers=HEADERS, timeout=5)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
         assert refused.headers["connection"] == "close"
         assert time.monotonic() - signalled < drain_s  # answered during the drain, not after it
@@ -171,7 +172,7 @@ def test_a_client_trickling_its_headers_is_disconnected(tiny_model_dir):
                     closed.add(k)
         assert len(closed) == len(sockets) and time.monotonic() - started < 4
         # A normal client is not affected.
-        assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+        assert HTTP.get(f"{server.base_url}/health", timeout=5).status_code == 200
     finally:
         for sock in sockets:
             sock.close()

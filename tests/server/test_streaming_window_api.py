@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
 from conftest import API_KEY, MODEL, LiveServer
+from http_client import HTTP
 
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
@@ -60,7 +60,7 @@ def test_streamed_completion_three_times_the_context(streaming_server: LiveServe
     assert 0 < peak <= BOUND_BLOCKS / NUM_BLOCKS < 1
     samples = streaming_server.wait_idle()
     assert samples["kestrel:kv_cache_usage_perc"] == 0
-    health = httpx.get(f"{streaming_server.base_url}/health", headers=streaming_server.headers)
+    health = HTTP.get(f"{streaming_server.base_url}/health", headers=streaming_server.headers)
     assert health.status_code == 200
 
 

@@ -6,11 +6,11 @@ import json
 import re
 from typing import Literal
 
-import httpx
 import jsonschema
 import pydantic
 import pytest
 from conftest import API_KEY, LiveServer
+from http_client import HTTP
 
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
@@ -41,7 +41,7 @@ def _bundled():
 
 
 def post(server, path, body):
-    return httpx.post(f"{server.base_url}{path}", json={"model": MODEL, **body}, headers=server.headers, timeout=120)
+    return HTTP.post(f"{server.base_url}{path}", json={"model": MODEL, **body}, headers=server.headers, timeout=120)
 
 
 def chat(content: str, **fields):
@@ -77,8 +77,8 @@ def test_json_object_and_structured_outputs_on_completions(server):
 def test_streamed_constrained_answer_is_the_same_json(server):
     body = chat("A language.", temperature=0.0, structured_outputs={"json": LANGUAGE})
     whole = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
-    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json={"model": MODEL, **body, "stream": True},
-                      headers=server.headers, timeout=120) as reply:
+    with HTTP.stream("POST", f"{server.base_url}/v1/chat/completions", json={"model": MODEL, **body, "stream": True},
+                     headers=server.headers, timeout=120) as reply:
         chunks = [json.loads(line[6:]) for line in reply.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])

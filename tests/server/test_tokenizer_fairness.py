@@ -9,9 +9,9 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 from conftest import API_KEY, MODEL, assert_no_stall, serve_process
+from http_client import HTTP
 
 # Latency bounds: run alone, not beside other tests (`make test` runs the `serial` ones after the rest).
 pytestmark = pytest.mark.serial
@@ -27,15 +27,15 @@ httpx.post(sys.argv[1] + "/tokenize", content=open(sys.argv[2], "rb").read(), ti
 
 def _completion(base: str) -> float:
     started = time.perf_counter()
-    reply = httpx.post(f"{base}/v1/completions", headers=HEADERS, timeout=60,
-                       json={"model": MODEL, "prompt": "hello there", "max_tokens": 1})
+    reply = HTTP.post(f"{base}/v1/completions", headers=HEADERS, timeout=60,
+                      json={"model": MODEL, "prompt": "hello there", "max_tokens": 1})
     assert reply.status_code == 200, reply.text
     return time.perf_counter() - started
 
 
 def _health(base: str) -> float:
     started = time.perf_counter()
-    assert httpx.get(f"{base}/health", timeout=60).status_code == 200
+    assert HTTP.get(f"{base}/health", timeout=60).status_code == 200
     return time.perf_counter() - started
 
 
@@ -67,8 +67,8 @@ def test_small_requests_keep_their_latency_beside_a_4_mb_tokenize(tiny_model_dir
 def test_a_tokenization_past_its_deadline_is_a_400_and_the_server_goes_on(tiny_model_dir):
     with serve_process(tiny_model_dir, "--tokenize-timeout", "0.5", "--max-tokenize-bytes", BIG_LIMIT) as (_, base):
         started = time.perf_counter()
-        reply = httpx.post(f"{base}/v1/completions", headers=HEADERS, timeout=60,
-                           json={"model": MODEL, "prompt": "def foo(x): return x\n" * 60_000, "max_tokens": 1})
+        reply = HTTP.post(f"{base}/v1/completions", headers=HEADERS, timeout=60,
+                          json={"model": MODEL, "prompt": "def foo(x): return x\n" * 60_000, "max_tokens": 1})
         assert time.perf_counter() - started < 5
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
@@ -82,9 +82,9 @@ def test_tokenize_refuses_more_than_max_tokenize_bytes(tiny_model_dir):
     with serve_process(tiny_model_dir, "--max-tokenize-bytes", "100000") as (_, base):
         for body in ({"model": MODEL, "prompt": "y" * 100_001},
                      {"model": MODEL, "messages": [{"role": "user", "content": "y" * 100_001}]}):
-            reply = httpx.post(f"{base}/tokenize", headers=HEADERS, timeout=60, json=body)
+            reply = HTTP.post(f"{base}/tokenize", headers=HEADERS, timeout=60, json=body)
             assert reply.status_code == 400, reply.text
             assert "--max-tokenize-bytes" in reply.json()["error"]["message"]
-        reply = httpx.post(f"{base}/tokenize", headers=HEADERS, timeout=60,
-                           json={"model": MODEL, "prompt": "y" * 99_000})
+        reply = HTTP.post(f"{base}/tokenize", headers=HEADERS, timeout=60,
+                          json={"model": MODEL, "prompt": "y" * 99_000})
         assert reply.status_code == 200 and reply.json()["count"] > 0

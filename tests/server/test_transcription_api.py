@@ -20,6 +20,7 @@ import schemathesis
 import torch
 import transformers
 from conftest import API_KEY, MODEL, LiveServer, serve_process
+from http_client import HTTP
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
@@ -81,8 +82,8 @@ def upload(samples, rate: int = SAMPLE_RATE, fmt: str = "WAV") -> tuple[str, byt
 
 def post(server: LiveServer, path: str, data: dict, file: tuple[str, bytes] | None) -> httpx.Response:
     files = {"file": file} if file is not None else None
-    return httpx.post(f"{server.base_url}/v1/audio/{path}", data=data, files=files, headers=server.headers,
-                      timeout=60)
+    return HTTP.post(f"{server.base_url}/v1/audio/{path}", data=data, files=files, headers=server.headers,
+                     timeout=60)
 
 
 def test_transcription_and_translation_match_offline_greedy(server, llm) -> None:
@@ -254,8 +255,8 @@ def test_kestrel_serve_transcribes(checkpoint, llm) -> None:
 
 def test_a_text_model_refuses_the_audio_endpoints(openai_server) -> None:
     for path in ("transcriptions", "translations"):
-        response = httpx.post(f"{openai_server.base_url}/v1/audio/{path}", data={"model": MODEL},
-                              files={"file": upload(clip(18, 0.3))}, headers=openai_server.headers, timeout=30)
+        response = HTTP.post(f"{openai_server.base_url}/v1/audio/{path}", data={"model": MODEL},
+                             files={"file": upload(clip(18, 0.3))}, headers=openai_server.headers, timeout=30)
         assert response.status_code == 400
         error = response.json()["error"]
         assert error["param"] == "model" and f"/v1/audio/{path}" in error["message"]
@@ -299,8 +300,8 @@ def test_fuzzed_forms_never_fail_the_server(server, method, path, mode) -> None:
 def test_text_and_chat_endpoints_refuse_a_speech_model(server) -> None:
     for path, body in (("completions", {"prompt": "hello"}),
                        ("chat/completions", {"messages": [{"role": "user", "content": "hello"}]})):
-        response = httpx.post(f"{server.base_url}/v1/{path}", json={"model": MODEL, "max_tokens": 2, **body},
-                              headers=server.headers, timeout=30)
+        response = HTTP.post(f"{server.base_url}/v1/{path}", json={"model": MODEL, "max_tokens": 2, **body},
+                             headers=server.headers, timeout=30)
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == "model" and f"/v1/{path}" in error["message"]

@@ -5,6 +5,7 @@ import httpx
 import openai
 import pytest
 from conftest import MAX_MODEL_LEN, MODEL
+from http_client import HTTP
 
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.chat import render_chat
@@ -13,7 +14,7 @@ from kestrel.request import InvalidRequestError
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.base_url}{path}", json=body, headers=server.headers, timeout=60)
+    return HTTP.post(f"{server.base_url}{path}", json=body, headers=server.headers, timeout=60)
 
 
 # ----- max_tokens beyond the context (vLLM's TokenizeParams rule) -------------------------------------------
@@ -187,7 +188,7 @@ def test_echo_with_logprobs_sends_prompt_logprobs_as_vllm(openai_server):
 
 
 def test_model_cards_carry_parent_and_permission(openai_server):
-    (card,) = httpx.get(f"{openai_server.base_url}/v1/models", headers=openai_server.headers).json()["data"]
+    (card,) = HTTP.get(f"{openai_server.base_url}/v1/models", headers=openai_server.headers).json()["data"]
     assert card["parent"] is None
     (permission,) = card["permission"]
     assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
