@@ -37,10 +37,10 @@ browser:
 	fi
 
 # The tests marked `serial` hold time bounds that other work on the same cores would break: they run after the
-# rest, alone (pytest's exit status 5 is "none selected"). TEST_WORKERS=N runs the rest in N pytest processes
-# (pytest-xdist, each file whole on one worker and in its order; times in docs/benchmarks.md). Tests that time the
-# engine's threads against each other are not all marked yet, so CI runs the default, 0: one process.
-TEST_WORKERS ?= 0
+# rest, alone (pytest's exit status 5 is "none selected"). The rest run in TEST_WORKERS pytest processes
+# (pytest-xdist, each file whole on one worker and in its order; times in docs/benchmarks.md); TEST_WORKERS=0 runs
+# them in make's own pytest process.
+TEST_WORKERS ?= 2
 
 # The suite starts dozens of Python processes (servers, engine cores, workers), each importing kestrel: its
 # bytecode is compiled once here, since an environment with PYTHONDONTWRITEBYTECODE set would compile it in each.

@@ -23,6 +23,25 @@ def pytest_configure(config: pytest.Config) -> None:
     fork_context(("kestrel.executor.worker",))
 
 
+# The client suite's modules share one package-scoped `kestrel serve`, which pytest stops whenever a worker turns to
+# another package: under xdist they run on one worker, one after another.
+PACKAGE_SCOPED = "tests/clients/"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` (each file whole on one worker, in its order), with the package of PACKAGE_SCOPED whole."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileOrPackageScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return PACKAGE_SCOPED if nodeid.startswith(PACKAGE_SCOPED) else super()._split_scope(nodeid)
+
+    return FileOrPackageScheduling(config, log)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     # After collection this process holds ~800k long-lived objects (torch, transformers, hypothesis, every test
     # module), which each full collection would walk again: ~0.5-0.9 s per gc.collect() on the 2-core machine, and

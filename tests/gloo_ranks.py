@@ -1,5 +1,7 @@
-"""Spawned gloo ranks for the tests that compare a sharded model with one process: each rank writes its results
-under a shared directory, and a rank that fails writes its traceback there too."""
+"""Gloo ranks for the tests that compare a sharded model with one process: each rank writes its results under a
+shared directory, and a rank that fails writes its traceback there too. The ranks fork from the test process's fork
+server (`kestrel.fork_server`, which tests/conftest.py asks to import torch and kestrel's worker), not spawned: each
+would import them again."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+
+from kestrel.fork_server import fork_context
 
 
 def free_port() -> int:
@@ -31,11 +35,11 @@ def rank_entry(work: Callable[[int, list[int], str], None], rank: int, ports: li
 
 def run_ranks(work: Callable[[int, list[int], str], None], world: int, num_groups: int, root: Path,
               timeout_s: float, attempts: int = 3) -> None:
-    """`world` spawned ranks running `work(rank, ports, root)`, with a free port for each of `num_groups`
+    """`world` ranks running `work(rank, ports, root)`, with a free port for each of `num_groups`
     successive process groups; fails with the first rank's traceback, or the exit codes. A port found free can
     be taken by another process before rank 0's store binds it; such a run is repeated on fresh ports."""
     for attempt in range(attempts):
-        procs = _spawn_and_join(work, world, [free_port() for _ in range(num_groups)], root, timeout_s)
+        procs = _start_and_join(work, world, [free_port() for _ in range(num_groups)], root, timeout_s)
         errors = sorted(root.glob("error-rank*.txt"))
         if attempt + 1 < attempts and any(_lost_port_race(e.read_text()) for e in errors):
             for error in errors:
@@ -50,9 +54,9 @@ def _lost_port_race(traceback_text: str) -> bool:
     return "EADDRINUSE" in traceback_text or "Address already in use" in traceback_text
 
 
-def _spawn_and_join(work: Callable[[int, list[int], str], None], world: int, ports: list[int], root: Path,
+def _start_and_join(work: Callable[[int, list[int], str], None], world: int, ports: list[int], root: Path,
                     timeout_s: float) -> list[multiprocessing.process.BaseProcess]:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fork_context()
     procs = [ctx.Process(target=rank_entry, args=(work, rank, ports, str(root)), daemon=True)
              for rank in range(world)]
     try:
