@@ -37,9 +37,10 @@ browser:
 	fi
 
 # The tests marked `serial` hold time bounds that other work on the same cores would break: they run after the
-# rest, alone (pytest's exit status 5 is "none selected"). The rest run in TEST_WORKERS pytest processes
-# (pytest-xdist, each file whole on one worker and in its order; times in docs/benchmarks.md); TEST_WORKERS=0 runs
-# them in make's own pytest process.
+# rest, alone (pytest's exit status 5 is "none selected"), collected from the files that spell out
+# `pytest.mark.serial` only (tests/conftest.py refuses a serial test elsewhere). The rest run in TEST_WORKERS pytest
+# processes (pytest-xdist, each file whole on one worker and in its order; times in docs/benchmarks.md);
+# TEST_WORKERS=0 runs them in make's own pytest process.
 TEST_WORKERS ?= 2
 
 # The suite starts dozens of Python processes (servers, engine cores, workers), each importing kestrel: its
@@ -48,7 +49,8 @@ test: $(STAMP) browser
 	$(VENV)/bin/ruff check kestrel training tests scripts
 	$(PY) -m compileall -q kestrel training
 	$(PY) -m pytest -x --durations=25 -n $(TEST_WORKERS) --dist loadfile -m "not serial"
-	$(PY) -m pytest -x --durations=10 -m serial || [ $$? -eq 5 ]
+	$(PY) -m pytest -x --durations=10 -m serial $$(grep -rl --include='test_*.py' 'pytest.mark.serial' tests) \
+		|| [ $$? -eq 5 ]
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kestrel training tests scripts

@@ -42,6 +42,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return FileOrPackageScheduling(config, log)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test` collects its serial tests from the files whose text says `pytest.mark.serial`: a test marked
+    serial any other way would run in neither of its two pytest runs."""
+    spelled: dict[str, bool] = {}
+    for item in items:
+        if item.get_closest_marker("serial") is not None:
+            path = str(item.path)
+            if path not in spelled:
+                spelled[path] = "pytest.mark.serial" in item.path.read_text()
+            if not spelled[path]:
+                raise pytest.UsageError(f"{item.nodeid} is marked serial without the text `pytest.mark.serial` in "
+                                        "its file, where `make test` looks for the serial tests")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     # After collection this process holds ~800k long-lived objects (torch, transformers, hypothesis, every test
     # module), which each full collection would walk again: ~0.5-0.9 s per gc.collect() on the 2-core machine, and
