@@ -51,6 +51,8 @@ from kestrel.structured.compile import GrammarCompileError, GrammarSource, compi
 
 logger = logging.getLogger("kestrel.engine_core")
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+PROCESS_NAME = b"kestrel-core"  # what `ps` and /proc/<pid>/comm show for the core process
 
 
 def build_model_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEngine:
@@ -72,9 +74,11 @@ class CoreProcessSpec:
 
 def _die_with_parent(parent_pid: int) -> None:
     """Linux: the kernel kills this process when its server does, even while a step holds the interpreter (the
-    reader's end-of-pipe exit needs it free)."""
+    reader's end-of-pipe exit needs it free). The process takes the name PROCESS_NAME."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(PROCESS_NAME))
     if os.getppid() != parent_pid:  # the server died before the request above took effect
         os._exit(0)
 
