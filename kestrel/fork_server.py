@@ -1,9 +1,9 @@
 """The process's multiprocessing fork server, shared by every pool of worker processes forked from it.
 
-A fork server is a clean single-threaded process, started once, that imports the `preload` modules asked for before
-it starts and then forks each worker: a worker starts in milliseconds instead of importing its libraries again
-(torch and kestrel: ~2.5 s of CPU each on a 2-core machine; transformers' tokenizers: more). A process that runs
-threads, or CUDA, never forks itself; its fork server never touches a device.
+A fork server is a clean process, started once (none of its parent's threads, no device), that imports the
+`preload` modules asked for before it starts and then forks each worker: a worker starts in milliseconds instead of
+importing its libraries again (torch and kestrel: ~2.5 s of CPU each on a 2-core machine; transformers' tokenizers:
+more). A process that runs threads, or CUDA, never forks itself.
 
 multiprocessing keeps one fork server per process, so the modules asked for after it started are not preloaded:
 those workers import them after the fork, as spawned ones would.
