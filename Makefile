@@ -8,13 +8,9 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch comes from pip (its configuration may point at a local CPU build); the rest from uv, with that torch pinned:
-# 30 s against pip's 55 s on the 2-core machine, bytecode compiled as pip does (each test process would compile it
-# again under PYTHONDONTWRITEBYTECODE). uv does not read pip's configuration: where it cannot install, pip does.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	-$(PY) -m pip install -q uv
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 		echo "CUDA found: installing torch from the default index"; \
 		$(PY) -m pip install -q "torch>=2.11"; \
@@ -22,9 +18,7 @@ $(STAMP): pyproject.toml
 		echo "no CUDA: installing the CPU build torch==2.13.0"; \
 		$(PY) -m pip install -q torch==2.13.0; \
 	fi
-	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-pin.txt
-	$(VENV)/bin/uv pip install --python $(PY) -q --compile-bytecode -c $(VENV)/torch-pin.txt -e ".[dev]" \
-		|| $(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 # The demo runs the bundled kestrel-tiny model: offline generation, then one chat request through `kestrel serve`.
