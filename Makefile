@@ -49,7 +49,7 @@ test: $(STAMP) browser
 	$(VENV)/bin/ruff check kestrel training tests scripts
 	$(PY) -m compileall -q kestrel training
 	$(PY) -m pytest -x --durations=25 -n $(TEST_WORKERS) --dist loadfile -m "not serial"
-	$(PY) -m pytest -x --durations=10 -m serial $$(grep -rl --include='test_*.py' 'pytest.mark.serial' tests) \
+	$(PY) -m pytest -x --durations=10 -m serial $$(grep -rl --include='test_*.py' --include='*_test.py' 'pytest.mark.serial' tests) \
 		|| [ $$? -eq 5 ]
 
 lint: $(STAMP)

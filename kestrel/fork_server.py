@@ -6,7 +6,8 @@ importing its libraries again (torch and kestrel: ~2.5 s of CPU each on a 2-core
 more). A process that runs threads, or CUDA, never forks itself.
 
 multiprocessing keeps one fork server per process, so the modules asked for after it started are not preloaded:
-those workers import them after the fork, as spawned ones would.
+those workers import them after the fork, as spawned ones would. Its workers also get the environment (os.environ)
+that the process had when the fork server started, not the one it has when each worker starts.
 """
 
 from __future__ import annotations

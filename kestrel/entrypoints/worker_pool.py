@@ -12,8 +12,8 @@ processes): a deadline still answers the caller, but the thread runs on.
 
 Workers are forked by the process's fork server (`kestrel.fork_server`), not spawned: it imports each pool's
 `preload` modules once, so a worker, and the replacement of a killed one, starts in milliseconds instead of importing
-the tokenizer's libraries again (about 5 s of CPU each with transformers). A worker still dies with the serving
-process: its parent, the fork server, exits when the serving process does.
+the tokenizer's libraries again (about 5 s of CPU each with transformers). A worker still ends with the serving
+process: an idle one at once, a busy one after its job, when it finds its pipe closed.
 """
 
 from __future__ import annotations

@@ -230,7 +230,9 @@ class _PendingStep:
 
 class MultiprocExecutor(Executor):
     """`mp`: one process per rank on this machine (rank r on GPU r), pipes to each. GPU ranks are spawned; CPU
-    ranks are forked by the fork server, which imports the worker's modules once for every engine of the process."""
+    ranks are forked by the fork server, which imports the worker's modules once for every engine of the process
+    when the executor is first to start it (`LLM`; in `kestrel serve` the worker pools start it first, and the
+    ranks import them after the fork, as spawned ones do)."""
 
     def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
         super().__init__(config)

@@ -5,6 +5,7 @@ that cannot start reports the same ConfigError as the in-process engine, and no 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -140,16 +141,26 @@ def test_a_core_that_cannot_start_reports_the_config_error(tiny_model_dir):
 
 
 def _descendants(pid: int) -> list[int]:
-    """Children, grandchildren, ...: an executor's ranks run under the core."""
+    """Children, grandchildren, ...: an executor's ranks run under the core. A process or thread that ends during
+    the walk is passed over."""
     found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (int(c) for c in (task / "children").read_text().split()):
-            found += [child, *_descendants(child)]
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                for child in (int(c) for c in (task / "children").read_text().split()):
+                    found += [child, *_descendants(child)]
     return found
 
 
+def _name(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/comm").read_bytes().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
+
+
 def _cores(pid: int) -> list[int]:
-    return [p for p in _descendants(pid) if Path(f"/proc/{p}/comm").read_bytes().strip() == PROCESS_NAME]
+    return [p for p in _descendants(pid) if _name(p) == PROCESS_NAME]
 
 
 def test_the_core_dies_with_its_server(tiny_model_dir):
