@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from kestrel.executor.base import CPU_RANK_MODULES
 from kestrel.fork_server import fork_context
 from kestrel.loader.model_init import write_eagle_head, write_tiny_checkpoint
 
@@ -20,7 +21,7 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
     # Whichever test first starts this process's fork server (a worker pool or a CPU `mp` executor), it imports the
     # executor's worker modules too: the CPU engines of later tests then fork their ranks without importing torch.
-    fork_context(("kestrel.executor.worker",))
+    fork_context(CPU_RANK_MODULES)
 
 
 # The client suite's modules share one package-scoped `kestrel serve`, which pytest stops whenever a worker turns to

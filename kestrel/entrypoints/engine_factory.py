@@ -16,7 +16,7 @@ from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.model.registry import get_model_class
 from kestrel.structured.backend import GrammarBackend
 from kestrel.worker.model_runner import ModelRunner
-from kestrel.worker.runner_setup import resolve_device
+from kestrel.worker.runner_setup import runs_on_cpu
 
 
 @dataclass
@@ -41,15 +41,10 @@ def engine_config(model: str, **engine_args: Any) -> EngineConfig:
     scheduler = config.scheduler
     if ("max_num_batched_tokens" in engine_args or not scheduler.enable_chunked_prefill
             or scheduler.max_num_batched_tokens <= CPU_MAX_NUM_BATCHED_TOKENS
-            or not _runs_on_cpu(config.device) or model_modalities(config)):
+            or not runs_on_cpu(config.device) or model_modalities(config)):
         return config
     budget = max(CPU_MAX_NUM_BATCHED_TOKENS, scheduler.max_num_seqs)
     return config.replace(scheduler=dataclasses.replace(scheduler, max_num_batched_tokens=budget))
-
-
-def _runs_on_cpu(device: str) -> bool:
-    """Where `device` resolves to the CPU ("cuda" never does; without CUDA it is refused when the runner starts)."""
-    return device != "cuda" and resolve_device(device).type == "cpu"
 
 
 def build_engine(config: EngineConfig) -> BuiltEngine:
@@ -76,7 +71,7 @@ def core_process_by_default(config: EngineConfig) -> bool:
     on the CPU without worker processes, where the split served faster (the engine loop and the HTTP thread no
     longer share one interpreter; docs/benchmarks.md, "CPU backend"). A GPU keeps the core in the server's
     process until served runs there have measured the split."""
-    return _runs_on_cpu(config.device) and not model_modalities(config) and not config.parallel.uses_workers
+    return runs_on_cpu(config.device) and not model_modalities(config) and not config.parallel.uses_workers
 
 
 def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | None) -> BuiltEngine:

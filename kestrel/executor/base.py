@@ -49,9 +49,11 @@ from kestrel.executor.worker import (
     worker_process_main,
 )
 from kestrel.fork_server import fork_context
-from kestrel.worker.runner_setup import resolve_device
+from kestrel.worker.runner_setup import runs_on_cpu
 
 logger = logging.getLogger(__name__)
+# What a CPU rank imports before it starts: a fork server that forks ranks imports these for them.
+CPU_RANK_MODULES = (worker_process_main.__module__,)
 
 
 class WorkerError(RuntimeError):
@@ -236,8 +238,7 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
         super().__init__(config)
-        on_cpu = resolve_device(config.device).type == "cpu"
-        ctx = fork_context((worker_process_main.__module__,)) if on_cpu else get_context("spawn")
+        ctx = fork_context(CPU_RANK_MODULES) if runs_on_cpu(config.device) else get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         threads = threads_per_rank(self.world_size) if config.device != "cuda" else None
         self._procs: list[Any] = []

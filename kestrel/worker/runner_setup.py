@@ -68,6 +68,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def runs_on_cpu(device: str) -> bool:
+    """Where `device` resolves to the CPU ("cuda" never does; without CUDA it is refused when the runner starts)."""
+    return device != "cuda" and resolve_device(device).type == "cpu"
+
+
 class RunnerSetup:
     """The loaded model on its device with its KV cache, scales and graphs (the state a model runner steps on)."""
 
