@@ -162,24 +162,36 @@ async def _health_poller(client: httpx.AsyncClient, base_url: str, phase: Phase,
         await asyncio.sleep(HEALTH_INTERVAL_S)
 
 
-def _rss_by_process(pid: int | None) -> dict[str, float] | None:
-    """The resident memory of a process and of each descendant (tokenizer and grammar workers), in MB (Linux):
-    "pid command" -> MB."""
-    if pid is None:
-        return None
-    found: dict[str, float] = {}
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants, parents first (Linux /proc); a process that ends during the walk is passed over
+    with what it had started."""
+    found: list[int] = []
     pending, seen = [pid], set()
     while pending:
         current = pending.pop()
         if current in seen:
             continue
         seen.add(current)
+        found.append(current)
+        try:
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def _rss_by_process(pid: int | None) -> dict[str, float] | None:
+    """The resident memory of a process and of each descendant (tokenizer and grammar workers), in MB (Linux):
+    "pid command" -> MB."""
+    if pid is None:
+        return None
+    found: dict[str, float] = {}
+    for current in process_tree(pid):
         try:
             with open(f"/proc/{current}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
             found[f"{current} {fields['Name'].strip()}"] = int(fields.get("VmRSS", "0 kB").split()[0]) / 1024
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, ValueError, KeyError):
             if current == pid:
                 return None

@@ -5,7 +5,6 @@ that cannot start reports the same ConfigError as the in-process engine, and no 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -20,6 +19,7 @@ import pytest
 from conftest import API_KEY, MODEL, serve_process, start_core_process_server
 from http_client import HTTP
 
+from kestrel.bench.soak import process_tree
 from kestrel.config import ConfigError
 from kestrel.entrypoints.core_client import CORE_FAILED_MESSAGE, CoreClient
 from kestrel.entrypoints.core_process import PROCESS_NAME
@@ -141,15 +141,8 @@ def test_a_core_that_cannot_start_reports_the_config_error(tiny_model_dir):
 
 
 def _descendants(pid: int) -> list[int]:
-    """Children, grandchildren, ...: an executor's ranks run under the core. A process or thread that ends during
-    the walk is passed over."""
-    found = []
-    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                for child in (int(c) for c in (task / "children").read_text().split()):
-                    found += [child, *_descendants(child)]
-    return found
+    """Children, grandchildren, ...: an executor's ranks run under the core."""
+    return process_tree(pid)[1:]
 
 
 def _name(pid: int) -> bytes:
