@@ -54,6 +54,7 @@ from kestrel.worker.runner_setup import runs_on_cpu
 logger = logging.getLogger(__name__)
 # What a CPU rank imports before it starts: a fork server that forks ranks imports these for them.
 CPU_RANK_MODULES = (worker_process_main.__module__,)
+PEER_EXIT_GRACE_S = 1.0
 
 
 class WorkerError(RuntimeError):
@@ -279,11 +280,21 @@ class MultiprocExecutor(Executor):
                 except (EOFError, OSError):
                     raise self._fail(self._describe(rank)) from None
                 if status == "error":
-                    raise self._fail(f"rank {rank} failed: {value}")
+                    raise self._fail(self._root_cause(rank, value))
                 return value
             for i, proc in enumerate(self._procs):
                 if proc.sentinel in ready:
                     raise self._fail(self._describe(i))
+
+    def _root_cause(self, rank: int, error: str) -> str:
+        """`rank`'s reported error, or first the exit of a peer whose death it reports: a killed rank's sockets
+        can close (and its peer report the reset) before its pipe does, so its exit is waited for a moment."""
+        peers = [proc for i, proc in enumerate(self._procs) if i != rank]
+        wait([proc.sentinel for proc in peers], timeout=PEER_EXIT_GRACE_S)
+        for i, proc in enumerate(self._procs):
+            if i != rank and not proc.is_alive():
+                return f"{self._describe(i)} (then rank {rank} failed: {error})"
+        return f"rank {rank} failed: {error}"
 
     def _describe(self, rank: int) -> str:
         """Why `rank` stopped: its reported error, else its exit."""

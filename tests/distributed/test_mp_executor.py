@@ -5,7 +5,9 @@ architectures, float32 and W8A8 (with pp = 2, two batches in flight); then a kil
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from fastapi.testclient import TestClient
 from kestrel import LLM, SamplingParams
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
-from kestrel.executor.base import WorkerError
+from kestrel.executor.base import MultiprocExecutor, WorkerError
 from kestrel.loader.model_init import write_tiny_checkpoint
 
 # A 40-token step budget chunks the 45-token prompt; 10 blocks of 16 tokens cannot hold the four requests at
@@ -124,3 +126,31 @@ def test_killed_worker_mid_run_is_a_clean_error(models: Path) -> None:
             llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
     finally:
         llm.runner.shutdown()
+
+
+def _sleep_forever() -> None:
+    signal.pause()
+
+
+def test_a_rank_reporting_its_peers_death_names_the_dead_peer() -> None:
+    """A killed rank's sockets can close, and its peer report the reset, before its own pipe does: the report
+    names the dead rank first, and keeps the peer's error; with every peer alive, the error is the rank's own."""
+    ctx = multiprocessing.get_context("fork")
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor._procs = [ctx.Process(target=_sleep_forever, daemon=True) for _ in range(2)]
+    executor._conns = []
+    for proc in executor._procs:
+        parent, child = ctx.Pipe()
+        proc.start()
+        child.close()
+        executor._conns.append(parent)
+    try:
+        assert executor._root_cause(1, "Connection reset") == "rank 1 failed: Connection reset"
+        os.kill(executor._procs[0].pid, signal.SIGKILL)
+        cause = executor._root_cause(1, "Connection reset by peer")
+        assert re.fullmatch(rf"worker rank 0 \(pid {executor._procs[0].pid}\) exited with code -9 "
+                            r"\(then rank 1 failed: Connection reset by peer\)", cause), cause
+    finally:
+        for proc in executor._procs:
+            proc.kill()
+            proc.join()
