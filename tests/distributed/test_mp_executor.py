@@ -5,10 +5,10 @@ architectures, float32 and W8A8 (with pp = 2, two batches in flight); then a kil
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from kestrel import LLM, SamplingParams
 from kestrel.entrypoints.async_engine import AsyncEngine
 from kestrel.entrypoints.server import build_app
 from kestrel.executor.base import MultiprocExecutor, WorkerError
+from kestrel.fork_server import fork_context
 from kestrel.loader.model_init import write_tiny_checkpoint
 
 # A 40-token step budget chunks the 45-token prompt; 10 blocks of 16 tokens cannot hold the four requests at
@@ -128,16 +129,12 @@ def test_killed_worker_mid_run_is_a_clean_error(models: Path) -> None:
         llm.runner.shutdown()
 
 
-def _sleep_forever() -> None:
-    signal.pause()
-
-
 def test_a_rank_reporting_its_peers_death_names_the_dead_peer() -> None:
     """A killed rank's sockets can close, and its peer report the reset, before its own pipe does: the report
     names the dead rank first, and keeps the peer's error; with every peer alive, the error is the rank's own."""
-    ctx = multiprocessing.get_context("fork")
+    ctx = fork_context()  # as the executor's CPU ranks: each one's exit is reported by the fork server
     executor = MultiprocExecutor.__new__(MultiprocExecutor)
-    executor._procs = [ctx.Process(target=_sleep_forever, daemon=True) for _ in range(2)]
+    executor._procs = [ctx.Process(target=time.sleep, args=(600,), daemon=True) for _ in range(2)]
     executor._conns = []
     for proc in executor._procs:
         parent, child = ctx.Pipe()
