@@ -25,10 +25,11 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -111,23 +112,48 @@ def _consume(future: asyncio.Future[Any]) -> None:
 
 @dataclass(eq=False)
 class _Worker:
+    """A worker process and the pipe to it. The pipe is read by one of the pool's threads (a job's reply, a
+    start's "ready") while the event loop may kill the worker: its pipe is then closed by whichever of the two
+    finishes last, never under a thread still reading it (a closed descriptor's number goes to the next pipe
+    opened, a replacement worker's, whose replies that thread would then read)."""
+
     process: Any
     conn: Connection
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _readers: int = 0
+    _killed: bool = False
 
-    def call(self, work: Callable[..., Any], args: tuple[Any, ...]) -> tuple[str, Any]:
-        """Runs in one of the pool's threads: the transfer of a large result does not hold the event loop."""
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Connection]:
+        """The pipe, for a thread that talks to the worker; WorkerLostError once the worker is killed or gone."""
+        with self._lock:
+            if self._killed:
+                raise WorkerLostError("the worker process was killed")
+            self._readers += 1
         try:
-            self.conn.send((work, args))
-            return self.conn.recv()
+            yield self.conn
         except (EOFError, OSError) as error:
             raise WorkerLostError(f"a worker process (exit code {self.process.exitcode}) died during the "
                                   "work") from error
+        finally:
+            with self._lock:
+                self._readers -= 1
+                if self._killed and not self._readers:
+                    self.conn.close()
+
+    def call(self, work: Callable[..., Any], args: tuple[Any, ...]) -> tuple[str, Any]:
+        """Runs in one of the pool's threads: the transfer of a large result does not hold the event loop."""
+        with self.reading() as conn:
+            conn.send((work, args))
+            return conn.recv()
 
     def kill(self) -> None:
         with contextlib.suppress(Exception):
             self.process.kill()
-        with contextlib.suppress(Exception):
-            self.conn.close()
+        with self._lock:
+            self._killed = True
+            if not self._readers:
+                self.conn.close()
 
 
 class WorkerPool:
@@ -185,8 +211,9 @@ class WorkerPool:
 
     def _wait_ready(self, worker: _Worker) -> None:
         try:
-            kind, error = worker.conn.recv()
-        except (EOFError, OSError) as lost:
+            with worker.reading() as conn:
+                kind, error = conn.recv()
+        except WorkerLostError as lost:
             raise WorkerLostError(f"a worker process exited while starting (exit code "
                                   f"{worker.process.exitcode})") from lost
         if kind == "init_error":

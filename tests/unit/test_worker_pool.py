@@ -178,3 +178,27 @@ def test_workers_end_with_a_killed_serving_process(tmp_path):
     while any(_alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in workers)
+
+
+def test_a_killed_workers_pipe_stays_open_until_its_reader_is_done(pool):
+    """The event loop kills a worker while a pool thread still reads its pipe: closing the pipe then would give
+    its descriptor's number to the next pipe opened (the replacement's), which that thread would read."""
+    async def main():
+        replacement_started = pool.replaced
+        job = asyncio.ensure_future(pool.run(_sleep_then_pid, 30))
+        await asyncio.sleep(0.3)
+        (busy,) = [w for w in pool._workers if w not in pool._idle]
+        with busy.reading() as conn:  # a second reader, held across the kill
+            job.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await job
+            assert pool.replaced == replacement_started + 1 and not conn.closed
+        deadline = time.monotonic() + 10  # the job's own reader ends when it finds the killed worker's pipe at EOF
+        while not conn.closed and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert conn.closed
+        with pytest.raises(WorkerLostError), busy.reading():
+            pass
+        assert len(set(await asyncio.gather(*(pool.run(_sleep_then_pid, 0.2, timeout=60) for _ in range(2))))) == 2
+
+    asyncio.run(main())
