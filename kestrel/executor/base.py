@@ -293,19 +293,22 @@ class MultiprocExecutor(Executor):
         wait([proc.sentinel for proc in peers], timeout=PEER_EXIT_GRACE_S)
         for i, proc in enumerate(self._procs):
             if i != rank and not proc.is_alive():
-                return f"{self._describe(i)} (then rank {rank} failed: {error})"
+                return f"{self._exit_of(i)} (then rank {rank} failed: {error})"
         return f"rank {rank} failed: {error}"
 
     def _describe(self, rank: int) -> str:
-        """Why `rank` stopped: its reported error, else its exit."""
+        """Why `rank` stopped: its reported error (or the peer's death behind it), else its exit."""
         conn = self._conns[rank]
         try:
             while conn.poll():
                 status, value = conn.recv()
                 if status == "error":
-                    return f"rank {rank} failed: {value}"
+                    return self._root_cause(rank, value)
         except (EOFError, OSError):
             pass
+        return self._exit_of(rank)
+
+    def _exit_of(self, rank: int) -> str:
         proc = self._procs[rank]
         proc.join(1.0)
         return f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"

@@ -117,8 +117,11 @@ def test_killed_worker_fails_requests_and_health(models: Path) -> None:
         engine.shutdown()
 
 
-def test_killed_worker_mid_run_is_a_clean_error(models: Path) -> None:
-    llm = LLM(str(models / "llama"), **ENGINE, pipeline_parallel_size=2)
+# Rank 0 killed: with pp = 2 the reply rank (the last stage) reports the reset and is waited on; with tp = 2 the
+# killed rank is the one waited on, and its peer's report of the reset may arrive first.
+@pytest.mark.parametrize("layout", [{"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}], ids=["pp2", "tp2"])
+def test_killed_worker_mid_run_is_a_clean_error(models: Path, layout: dict) -> None:
+    llm = LLM(str(models / "llama"), **ENGINE, **layout)
     try:
         os.kill(llm.runner._procs[0].pid, signal.SIGKILL)
         with pytest.raises(WorkerError, match=r"rank 0 .* exited with code -9"):
