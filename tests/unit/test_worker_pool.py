@@ -202,3 +202,27 @@ def test_a_killed_workers_pipe_stays_open_until_its_reader_is_done(pool):
         assert len(set(await asyncio.gather(*(pool.run(_sleep_then_pid, 0.2, timeout=60) for _ in range(2))))) == 2
 
     asyncio.run(main())
+
+
+def test_a_caller_that_leaves_as_it_is_handed_a_worker_gives_the_worker_back():
+    """The pool hands its one worker to a waiting caller, and in the same turn the caller is cancelled (its client
+    went away): the worker goes back to the pool instead of being lost with the caller."""
+    pool = WorkerPool(1, name="test-handover").start()
+
+    async def main():
+        held = await pool._acquire(False)
+        waiting = asyncio.ensure_future(pool.run(_sleep_then_pid, 0, timeout=60))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert pool._light_waiters  # the caller waits for the one worker
+        pool._release(held, False)  # handed to the waiting caller...
+        waiting.cancel()  # ...which leaves before it can run
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return await pool.run(_sleep_then_pid, 0, timeout=10)
+
+    try:
+        assert asyncio.run(main()) > 0
+        assert pool._idle and not pool._light_waiters
+    finally:
+        pool.close()
