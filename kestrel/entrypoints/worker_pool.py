@@ -246,10 +246,15 @@ class WorkerPool:
                 raise WorkTimeoutError(timeout or 0.0) from None
         self._loop = loop
         deadline = None if timeout is None else loop.time() + timeout
+        acquiring = asyncio.ensure_future(self._acquire(heavy))
         try:
-            worker = await asyncio.wait_for(self._acquire(heavy), timeout)
+            worker = await asyncio.wait_for(asyncio.shield(acquiring), timeout)
         except TimeoutError:
+            self._abandon(acquiring, heavy)
             raise WorkTimeoutError(timeout or 0.0) from None
+        except asyncio.CancelledError:
+            self._abandon(acquiring, heavy)
+            raise
         call = loop.run_in_executor(self._threads, worker.call, work, args)
         call.add_done_callback(_consume)  # a job taken back still ends (its worker killed): nobody reads it
         try:
@@ -284,6 +289,17 @@ class WorkerPool:
             with contextlib.suppress(ValueError):
                 (self._heavy_waiters if heavy else self._light_waiters).remove(waiter)
             raise
+
+    def _abandon(self, acquiring: asyncio.Future[_Worker], heavy: bool) -> None:
+        """The caller left (its deadline, or cancelled) while it waited for a worker; a worker handed to it in
+        that same turn goes back to the pool. (The acquisition is a task of its own, shielded: Python 3.11's
+        `wait_for` returns a result that arrives with the cancellation and swallows the cancellation.)"""
+        def give_back(task: asyncio.Future[_Worker]) -> None:
+            if not task.cancelled() and task.exception() is None:
+                self._release(task.result(), heavy)
+
+        acquiring.cancel()
+        acquiring.add_done_callback(give_back)
 
     def _release(self, worker: _Worker, heavy: bool) -> None:
         if heavy:

@@ -206,7 +206,8 @@ def test_a_killed_workers_pipe_stays_open_until_its_reader_is_done(pool):
 
 def test_a_caller_that_leaves_as_it_is_handed_a_worker_gives_the_worker_back():
     """The pool hands its one worker to a waiting caller, and in the same turn the caller is cancelled (its client
-    went away): the worker goes back to the pool instead of being lost with the caller."""
+    went away): the caller ends cancelled (Python 3.11's `wait_for` would run the job anyway, swallowing the
+    cancellation), and the worker goes back to the pool."""
     pool = WorkerPool(1, name="test-handover").start()
 
     async def main():
