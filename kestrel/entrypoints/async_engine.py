@@ -177,6 +177,7 @@ class AsyncEngine:
         self._num_pending_sequences = 0  # submitted, not yet handed to the scheduler
         self._stats = EngineStats()
         self._stopping = False
+        self._failed: EngineDeadError | None = None  # what every request got when the engine stopped
         self._draining = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kestrel-engine", daemon=True)
@@ -314,6 +315,8 @@ class AsyncEngine:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         stream = RequestStream(self, request_id, deadline)
         with self._cond:
+            if self._failed is not None:
+                raise EngineDeadError(str(self._failed))
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
@@ -430,6 +433,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._cond:
+            self._failed = error  # a submit that passed _check_alive meanwhile finds it under the lock
             streams = list(self._streams.values())
             self._streams.clear()
             self._commands = []

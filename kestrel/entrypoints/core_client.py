@@ -143,6 +143,7 @@ class CoreClient:
         self._stats = EngineStats()
         self._error: str | None = None
         self._stopping = False
+        self._failed: EngineDeadError | None = None  # what every request got when the engine stopped
         self._draining = False
         self._reader = threading.Thread(target=self._run, name="kestrel-core-client", daemon=True)
 
@@ -296,6 +297,8 @@ class CoreClient:
         grammar_wire = None if grammar is None else [grammar.kind, grammar.text, grammar.any_whitespace]
         messages = []
         with self._lock:
+            if self._failed is not None:
+                raise EngineDeadError(str(self._failed))
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
@@ -441,6 +444,7 @@ class CoreClient:
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._lock:
+            self._failed = error  # a submit that passed _check_alive meanwhile finds it under the lock
             streams = list(self._streams.values())
             self._streams.clear()
             self._requests.clear()

@@ -5,6 +5,7 @@ that cannot start reports the same ConfigError as the in-process engine, and no 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -16,11 +17,13 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
-from conftest import API_KEY, MODEL, serve_process, start_core_process_server
+from conftest import API_KEY, MODEL, scripted_engine, serve_process, start_core_process_server
 from http_client import HTTP
 
+from kestrel import SamplingParams
 from kestrel.bench.soak import process_tree
 from kestrel.config import ConfigError
+from kestrel.entrypoints.async_engine import EngineDeadError
 from kestrel.entrypoints.core_client import CORE_FAILED_MESSAGE, CoreClient
 from kestrel.entrypoints.core_process import PROCESS_NAME
 
@@ -125,6 +128,26 @@ def test_a_killed_core_fails_every_request_and_health_turns_503(tiny_model_dir):
         assert server.metrics()["kestrel:engine_healthy"] == 0
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("where", ["engine_core_process", "in_process"])
+def test_a_submit_racing_the_engines_death_is_refused_not_left_waiting(tiny_model_dir, where):
+    """The engine stops (every request failed) between a submit's liveness check and its registration: the submit
+    is refused under the same lock, where its stream would otherwise wait for a reply nobody sends."""
+    if where == "in_process":
+        engine, _ = scripted_engine(tiny_model_dir)
+    else:
+        engine = CoreClient.from_args(tiny_model_dir, max_model_len=256, device="cpu", dtype="float32")
+    try:
+        engine._check_alive()  # the submit's check passes...
+        engine._fail_all(EngineDeadError("the engine was shut down"))  # ...then the engine fails every request
+        async def late_request() -> list:
+            return [output async for output in engine.generate("late", [5, 6, 7], SamplingParams(max_tokens=2))]
+
+        with pytest.raises(EngineDeadError, match="shut down"):
+            asyncio.run(asyncio.wait_for(late_request(), 10))
+    finally:
+        engine.shutdown()
 
 
 def test_shutdown_reaps_the_core(tiny_model_dir):
