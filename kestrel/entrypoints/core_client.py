@@ -127,6 +127,7 @@ class CoreClient:
             info = self._wait_ready()
         except BaseException:
             self._reap(0.0)
+            self._conn.close()
             raise
         self.max_model_len: int = config.model.max_model_len or 0
         self.generation_defaults: GenerationDefaults = config.model.generation_defaults
@@ -204,8 +205,11 @@ class CoreClient:
         with contextlib.suppress(OSError):
             self._send([SHUTDOWN])
         self._reap(timeout_s)
-        if self._reader.is_alive():
+        if self._reader.is_alive():  # it ends at the pipe's EOF, the core being gone
             self._reader.join(timeout_s)
+        if not self._reader.is_alive():  # closed under a reader, the pipe's number could go to another file
+            with self._send_lock:
+                self._conn.close()
         self._fail_all(EngineDeadError("the engine was shut down"))
 
     def _reap(self, timeout_s: float) -> None:
@@ -213,7 +217,6 @@ class CoreClient:
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5.0)
-        self._conn.close()
 
     def begin_drain(self) -> None:
         self._draining = True

@@ -106,10 +106,8 @@ def core_process_main(spec: CoreProcessSpec, conn: Connection) -> None:
     code = 0
     try:
         _CoreLoop(built.core, conn).run()
-    except BaseException as error:  # noqa: BLE001 - reported to the server, which fails every request
+    except BaseException:  # noqa: BLE001 - reported to the server (by the loop's writer), which fails every request
         logger.exception("the engine core stopped after an error")
-        with contextlib.suppress(OSError):
-            conn.send_bytes(pack([ERROR, error_to_wire(error)]))
         code = 1
     stop_workers = getattr(runner, "shutdown", None)
     if stop_workers is not None:
@@ -159,6 +157,23 @@ class _CoreLoop:
         return messages
 
     def run(self) -> None:
+        """Serve until SHUTDOWN; an error ends the loop too, reported to the client as the last message the writer
+        sends (after the steps queued before it: the pipe has one writer)."""
+        try:
+            self._serve()
+        except BaseException as error:
+            self._stop_writer(pack([ERROR, error_to_wire(error)]))
+            raise
+        self._stop_writer(None)
+
+    def _stop_writer(self, last: bytes | None) -> None:
+        self._compiles.shutdown(wait=False, cancel_futures=True)
+        if last is not None:
+            self.outbox.put(last)
+        self.outbox.put(None)
+        self._writer.join(5.0)
+
+    def _serve(self) -> None:
         core = self.core
         while True:
             busy = core.has_unfinished_requests()
@@ -177,9 +192,6 @@ class _CoreLoop:
                     self._stats_logger.maybe_log(core.scheduler)
             if outputs or self._accepted or self._refused or busy:
                 self._send_step(outputs)
-        self._compiles.shutdown(wait=False, cancel_futures=True)
-        self.outbox.put(None)
-        self._writer.join(5.0)
 
     def _handle(self, message: list[Any]) -> None:
         kind = message[0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -17,15 +18,26 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
-from conftest import API_KEY, MODEL, scripted_engine, serve_process, start_core_process_server
+from conftest import (
+    API_KEY,
+    MODEL,
+    SCRIPTED_BLOCKS,
+    ScriptedRunner,
+    scripted_engine,
+    serve_process,
+    start_core_process_server,
+)
 from http_client import HTTP
 
 from kestrel import SamplingParams
 from kestrel.bench.soak import process_tree
-from kestrel.config import ConfigError
+from kestrel.config import ConfigError, EngineConfig
+from kestrel.engine.core import EngineCore
 from kestrel.entrypoints.async_engine import EngineDeadError
 from kestrel.entrypoints.core_client import CORE_FAILED_MESSAGE, CoreClient
-from kestrel.entrypoints.core_process import PROCESS_NAME
+from kestrel.entrypoints.core_process import PROCESS_NAME, _CoreLoop
+from kestrel.entrypoints.core_protocol import ERROR, STEP, unpack
+from kestrel.loader.tokenizer import load_tokenizer
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 SCHEMA = {"type": "object", "properties": {"language": {"enum": ["python", "c", "rust"]}, "typed": {"type": "boolean"}},
@@ -148,6 +160,34 @@ def test_a_submit_racing_the_engines_death_is_refused_not_left_waiting(tiny_mode
             asyncio.run(asyncio.wait_for(late_request(), 10))
     finally:
         engine.shutdown()
+
+
+def test_a_core_that_fails_mid_run_reports_its_error_after_the_steps_before_it(tiny_model_dir):
+    """The pipe has one writer: the error goes out after the steps queued before it, whole (two writers could
+    interleave a long step's bytes with the error's)."""
+    config = EngineConfig.from_kwargs(tiny_model_dir, max_model_len=256, kv_cache_blocks=SCRIPTED_BLOCKS,
+                                      device="cpu")
+    tokenizer = load_tokenizer(tiny_model_dir)
+    runner = ScriptedRunner(tokenizer, int(config.model.hf_config["vocab_size"]))
+    core = EngineCore(config, runner, SCRIPTED_BLOCKS, tokenizer, tokenizer.eos_token_id)
+    steps = 0
+
+    def step() -> list:
+        nonlocal steps
+        steps += 1
+        if steps == 4:
+            raise RuntimeError("the device fell off the bus")
+        return []
+
+    core.step, core.has_unfinished_requests = step, lambda: True
+    ours, theirs = multiprocessing.Pipe()
+    with pytest.raises(RuntimeError, match="fell off the bus"):
+        _CoreLoop(core, theirs).run()
+    messages = []
+    while ours.poll(1.0):
+        messages.append(unpack(ours.recv_bytes()))
+    assert [m[0] for m in messages] == [STEP, STEP, STEP, ERROR]
+    assert messages[-1][1][:2] == ["RuntimeError", "the device fell off the bus"]
 
 
 def test_shutdown_reaps_the_core(tiny_model_dir):
