@@ -24,6 +24,7 @@ import logging
 import os
 import pickle
 import socket
+import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -93,6 +94,10 @@ class Executor(ABC):
         self._awaiting: deque[int] = deque()  # pipelined: the steps whose replies are due, in call order
         self._arrived: dict[int, ModelRunnerOutput] = {}  # pipelined: replies read, not yet collected
         self._unsent: SchedulerOutput | None = None  # executed, sent with its sample_tokens call
+        # The workers' pipes (or refs) and processes are used by the engine thread's calls and by a health check
+        # from another thread (the server's /health): one at a time, so no message is read by the wrong one and no
+        # pipe is closed under the other.
+        self._io = threading.RLock()
 
     def _adopt(self, info: WorkerInfo) -> None:
         self.vocab_size = info.vocab_size
@@ -176,10 +181,15 @@ class Executor(ABC):
 
     @property
     def healthy(self) -> bool:
-        if self._error is None:
-            dead = self._dead_worker()
-            if dead is not None:
-                self._fail(dead)
+        """False once a worker failed. While the engine thread is inside a call, that call finds a failure itself
+        (it watches every worker), so the check does not wait for it."""
+        if self._error is None and self._io.acquire(blocking=False):
+            try:
+                dead = self._dead_worker()
+                if dead is not None:
+                    self._fail(dead)
+            finally:
+                self._io.release()
         return self._error is None
 
     @property
@@ -199,15 +209,22 @@ class Executor(ABC):
         return WorkerError(self._error)
 
     def _send(self, call: tuple) -> None:
-        self._check()
-        self._broadcast(pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL))
+        payload = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._io:
+            self._check()
+            self._broadcast(payload)
+
+    def _reply(self) -> Any:
+        """The reply rank's next reply, in call order: an output (or `(key, output)` when pipelined)."""
+        with self._io:
+            return self._await_reply()
 
     @abstractmethod
     def _broadcast(self, payload: bytes) -> None: ...
 
     @abstractmethod
-    def _reply(self) -> Any:
-        """The reply rank's next reply, in call order: an output (or `(key, output)` when pipelined)."""
+    def _await_reply(self) -> Any:
+        """`_reply`'s wait, under the executor's I/O lock."""
 
     @abstractmethod
     def _dead_worker(self) -> str | None:
@@ -320,7 +337,7 @@ class MultiprocExecutor(Executor):
             except OSError:
                 raise self._fail(self._describe(rank)) from None
 
-    def _reply(self) -> Any:
+    def _await_reply(self) -> Any:
         return self._receive(self.reply_rank, "step")
 
     def _dead_worker(self) -> str | None:

@@ -111,7 +111,7 @@ class RayExecutor(Executor):
         self._reply_refs.append(refs[self.reply_rank])
         self._pending.extend(refs)
 
-    def _reply(self) -> Any:
+    def _await_reply(self) -> Any:
         """The reply rank's next result that is an answer (calls that answer nothing return None)."""
         while self._reply_refs:
             ref = self._reply_refs.popleft()

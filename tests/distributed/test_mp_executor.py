@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -154,3 +155,33 @@ def test_a_rank_reporting_its_peers_death_names_the_dead_peer() -> None:
         for proc in executor._procs:
             proc.kill()
             proc.join()
+
+
+def test_a_health_check_leaves_the_pipes_to_a_call_in_flight(models: Path) -> None:
+    """/health runs on the server's thread while the engine thread may be inside a call, reading the workers'
+    pipes: the check then leaves them alone (the call watches every worker itself), and after the call it finds
+    the dead worker and stops the others."""
+    llm = LLM(str(models / "llama"), **ENGINE, tensor_parallel_size=2)
+    executor = llm.runner
+    try:
+        in_call, leave = threading.Event(), threading.Event()
+
+        def a_call_in_flight() -> None:
+            with executor._io:
+                in_call.set()
+                leave.wait(30)
+
+        engine_thread = threading.Thread(target=a_call_in_flight)
+        engine_thread.start()
+        assert in_call.wait(10)
+        os.kill(executor._procs[1].pid, signal.SIGKILL)
+        executor._procs[1].join(10)
+        started = time.monotonic()
+        assert executor.healthy and time.monotonic() - started < 0.5  # no wait, no read, no close
+        leave.set()
+        engine_thread.join(10)
+        assert not executor.healthy
+        assert re.search(r"rank 1 .* exited with code -9", str(executor.error))
+        assert not any(p.is_alive() for p in executor._procs)
+    finally:
+        executor.shutdown()
