@@ -173,6 +173,9 @@ class AsyncEngine:
         self.request_timeout_s = request_timeout_s
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort] = []
+        # Aborted ids whose abort the engine thread has not applied: a step in flight may still answer for them,
+        # so a new request may not take the id before then.
+        self._aborting: set[str] = set()
         self._streams: dict[str, RequestStream] = {}
         self._num_pending_sequences = 0  # submitted, not yet handed to the scheduler
         self._stats = EngineStats()
@@ -244,6 +247,7 @@ class AsyncEngine:
             streams = list(self._streams.values())
             self._streams.clear()
             self._commands.extend(_Abort(stream.request_id) for stream in streams)
+            self._aborting.update(stream.request_id for stream in streams)
             self._cond.notify()
         self._deliver([(stream, ServerShuttingDownError(reason)) for stream in streams])
         return len(streams)
@@ -319,6 +323,9 @@ class AsyncEngine:
                 raise EngineDeadError(str(self._failed))
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
+            if request_id in self._aborting:
+                raise ValueError(f"request id {request_id!r} is still in use: its abort takes effect before the "
+                                 "engine's next step; retry then, or use another id")
             self._streams[request_id] = stream
             self._commands.append(_Add(request_id, list(prompt_token_ids), params, prompt, priority, grammar,
                                        tuple(media)))
@@ -343,6 +350,7 @@ class AsyncEngine:
             if self._streams.pop(request_id, None) is None:
                 return
             self._commands.append(_Abort(request_id))
+            self._aborting.add(request_id)
             self._cond.notify()
 
     def _check_alive(self) -> None:
@@ -394,6 +402,7 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, _Abort):
                 self.core.abort_request([command.request_id])
+                self._aborting.discard(command.request_id)
                 continue
             stream = self._streams.get(command.request_id)
             if stream is None:
@@ -437,6 +446,7 @@ class AsyncEngine:
             streams = list(self._streams.values())
             self._streams.clear()
             self._commands = []
+            self._aborting.clear()
             self._num_pending_sequences = 0
         self._deliver([(stream, error) for stream in streams])
 

@@ -162,6 +162,30 @@ def test_a_submit_racing_the_engines_death_is_refused_not_left_waiting(tiny_mode
         engine.shutdown()
 
 
+def test_an_aborted_id_is_free_again_only_once_the_abort_is_applied(tiny_model_dir):
+    """A step in flight may still answer for an aborted request: until the engine thread applies the abort, a new
+    request may not take its id (its stream would get the old request's outputs)."""
+    engine, _ = scripted_engine(tiny_model_dir)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    async def main() -> list:
+        engine.submit("r1", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+        with engine._cond:  # the engine thread cannot apply the abort meanwhile
+            engine.abort("r1")
+            with pytest.raises(ValueError, match="'r1' is still in use"):
+                engine.submit("r1", [5, 6, 7], params)
+        deadline = time.monotonic() + 10
+        while "r1" in engine._aborting and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return [output async for output in engine.generate("r1", [5, 6, 7], params)]
+
+    try:
+        outputs = asyncio.run(asyncio.wait_for(main(), 30))
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
+    finally:
+        engine.shutdown()
+
+
 def test_a_core_that_fails_mid_run_reports_its_error_after_the_steps_before_it(tiny_model_dir):
     """The pipe has one writer: the error goes out after the steps queued before it, whole (two writers could
     interleave a long step's bytes with the error's)."""
