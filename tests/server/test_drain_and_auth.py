@@ -203,3 +203,28 @@ def test_request_success_counts_requests_as_e2e_latency_does(openai_server, stre
     client.completions.create(model=MODEL, prompt=["a b", "c d"], max_tokens=2, n=2)  # two engine requests
     after_success, after_e2e = success_and_e2e(openai_server)
     assert after_e2e - e2e == 3 and after_success - success == 3
+
+
+def test_a_request_whose_second_prompt_is_refused_ends_its_first(servers):
+    """A completion of two prompts is two engine requests: when the engine refuses the second (the drain began
+    between the two submits), the first is aborted with it, not left to run out its 500 tokens."""
+    server = servers()
+    engine = server.engine
+    submitted: list[str] = []
+    submit = engine.submit
+
+    def submit_then_drain(request_id, *args, **kwargs):
+        stream = submit(request_id, *args, **kwargs)
+        submitted.append(request_id)
+        engine.begin_drain()
+        return stream
+
+    engine.submit = submit_then_drain
+    reply = HTTP.post(f"{server.base_url}/v1/completions", headers=HEADERS, timeout=10,
+                      json={"model": MODEL, "prompt": ["def a", "def b"], "max_tokens": 500, "ignore_eos": True})
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "server_shutting_down"
+    assert len(submitted) == 1
+    deadline = time.monotonic() + 3  # 500 scripted steps of 20 ms would take 10 s
+    while engine.core.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not engine.core.has_unfinished_requests()
