@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 # What a CPU rank imports before it starts: a fork server that forks ranks imports these for them.
 CPU_RANK_MODULES = (worker_process_main.__module__,)
 PEER_EXIT_GRACE_S = 1.0
+SHUTDOWN_WAIT_S = 5.0  # for a call in flight to leave the workers' pipes
 
 
 class WorkerError(RuntimeError):
@@ -94,9 +95,10 @@ class Executor(ABC):
         self._awaiting: deque[int] = deque()  # pipelined: the steps whose replies are due, in call order
         self._arrived: dict[int, ModelRunnerOutput] = {}  # pipelined: replies read, not yet collected
         self._unsent: SchedulerOutput | None = None  # executed, sent with its sample_tokens call
-        # The workers' pipes (or refs) and processes are used by the engine thread's calls and by a health check
-        # from another thread (the server's /health): one at a time, so no message is read by the wrong one and no
-        # pipe is closed under the other.
+        # The workers' pipes (or refs) and processes are used by the engine thread's calls and by a health check or
+        # a shutdown from another thread (the server's): one at a time, so that no pipe is written by two threads
+        # at once or closed under a reader, and no exit status is read by two. (A health check reads only the pipe
+        # of a rank that is gone.)
         self._io = threading.RLock()
 
     def _adopt(self, info: WorkerInfo) -> None:
@@ -303,24 +305,32 @@ class MultiprocExecutor(Executor):
                 if proc.sentinel in ready:
                     raise self._fail(self._describe(i))
 
-    def _root_cause(self, rank: int, error: str) -> str:
-        """`rank`'s reported error, or first the exit of a peer whose death it reports: a killed rank's sockets
-        can close (and its peer report the reset) before its pipe does, so its exit is waited for a moment."""
-        peers = [proc for i, proc in enumerate(self._procs) if i != rank]
-        wait([proc.sentinel for proc in peers], timeout=PEER_EXIT_GRACE_S)
-        for i, proc in enumerate(self._procs):
-            if i != rank and not proc.is_alive():
-                return f"{self._exit_of(i)} (then rank {rank} failed: {error})"
-        return f"rank {rank} failed: {error}"
+    def _root_cause(self, rank: int, error: str, grace_s: float = PEER_EXIT_GRACE_S) -> str:
+        """`rank`'s reported error, or first the death of a peer that it reports: a killed rank's sockets can
+        close (and its peer report the reset) before its pipe does, so a peer's exit is waited for a moment. Only a
+        peer ended by a signal (killed, or crashed) is blamed: one that failed on its own reported its error and
+        exited with code 1, as do the peers that fail on a rank's error in turn."""
+        deadline = time.monotonic() + grace_s
+        live = {i: proc for i, proc in enumerate(self._procs) if i != rank}
+        while True:
+            for i, proc in list(live.items()):
+                if not proc.is_alive():
+                    if (proc.exitcode or 0) < 0:
+                        return f"{self._exit_of(i)} (then rank {rank} failed: {error})"
+                    del live[i]
+            remaining = deadline - time.monotonic()
+            if not live or remaining <= 0:
+                return f"rank {rank} failed: {error}"
+            wait([proc.sentinel for proc in live.values()], timeout=remaining)
 
-    def _describe(self, rank: int) -> str:
+    def _describe(self, rank: int, grace_s: float = PEER_EXIT_GRACE_S) -> str:
         """Why `rank` stopped: its reported error (or the peer's death behind it), else its exit."""
         conn = self._conns[rank]
         try:
             while conn.poll():
                 status, value = conn.recv()
                 if status == "error":
-                    return self._root_cause(rank, value)
+                    return self._root_cause(rank, value, grace_s)
         except (EOFError, OSError):
             pass
         return self._exit_of(rank)
@@ -342,12 +352,22 @@ class MultiprocExecutor(Executor):
 
     def _dead_worker(self) -> str | None:
         for rank, proc in enumerate(self._procs):
-            if not proc.is_alive():
-                return self._describe(rank)
+            if not proc.is_alive():  # a health check: no waiting for the other ranks' exits
+                return self._describe(rank, grace_s=0.0)
         return None
 
     def shutdown(self) -> None:
-        self._finalizer()
+        """Stop every worker and close the pipes; while a call in flight holds them (the engine thread past its
+        join), only end the workers: that call finds them gone and closes the pipes itself."""
+        if self._io.acquire(timeout=SHUTDOWN_WAIT_S):
+            try:
+                self._finalizer()
+            finally:
+                self._io.release()
+            return
+        for proc in self._procs:
+            with contextlib.suppress(Exception):
+                proc.kill()
 
 
 def _stop_processes(procs: list[Any], conns: list[Connection]) -> None:

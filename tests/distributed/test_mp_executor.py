@@ -135,10 +135,13 @@ def test_killed_worker_mid_run_is_a_clean_error(models: Path, layout: dict) -> N
 
 def test_a_rank_reporting_its_peers_death_names_the_dead_peer() -> None:
     """A killed rank's sockets can close, and its peer report the reset, before its own pipe does: the report
-    names the dead rank first, and keeps the peer's error; with every peer alive, the error is the rank's own."""
+    names the killed rank first, and keeps the peer's error. A peer that exited with code 1 (a rank that failed on
+    its own error, or on another's) is not blamed; with no peer killed, the error is the rank's own."""
     ctx = fork_context()  # as the executor's CPU ranks: each one's exit is reported by the fork server
     executor = MultiprocExecutor.__new__(MultiprocExecutor)
-    executor._procs = [ctx.Process(target=time.sleep, args=(600,), daemon=True) for _ in range(2)]
+    executor._procs = [ctx.Process(target=time.sleep, args=(600,), daemon=True),
+                       ctx.Process(target=time.sleep, args=(600,), daemon=True),
+                       ctx.Process(target=os._exit, args=(1,), daemon=True)]
     executor._conns = []
     for proc in executor._procs:
         parent, child = ctx.Pipe()
@@ -146,15 +149,19 @@ def test_a_rank_reporting_its_peers_death_names_the_dead_peer() -> None:
         child.close()
         executor._conns.append(parent)
     try:
+        executor._procs[2].join(30)
         assert executor._root_cause(1, "Connection reset") == "rank 1 failed: Connection reset"
         os.kill(executor._procs[0].pid, signal.SIGKILL)
-        cause = executor._root_cause(1, "Connection reset by peer")
+        # The wait ends at the exit's report: a long grace costs nothing, and a loaded machine may be slow to send it.
+        cause = executor._root_cause(1, "Connection reset by peer", 30.0)
         assert re.fullmatch(rf"worker rank 0 \(pid {executor._procs[0].pid}\) exited with code -9 "
                             r"\(then rank 1 failed: Connection reset by peer\)", cause), cause
     finally:
         for proc in executor._procs:
             proc.kill()
             proc.join()
+        for conn in executor._conns:
+            conn.close()
 
 
 def test_a_health_check_leaves_the_pipes_to_a_call_in_flight(models: Path) -> None:
@@ -185,3 +192,32 @@ def test_a_health_check_leaves_the_pipes_to_a_call_in_flight(models: Path) -> No
         assert not any(p.is_alive() for p in executor._procs)
     finally:
         executor.shutdown()
+
+
+def test_a_shutdown_beside_a_call_in_flight_ends_the_workers_and_leaves_the_pipes(models: Path, monkeypatch) -> None:
+    """The server's shutdown gave up waiting for the engine thread, still inside a call: the workers end, but their
+    pipes stay open until that call has left them (closed under it, their numbers could go to other files)."""
+    monkeypatch.setattr("kestrel.executor.base.SHUTDOWN_WAIT_S", 0.2)
+    llm = LLM(str(models / "llama"), **ENGINE, tensor_parallel_size=2)
+    executor = llm.runner
+    in_call, leave = threading.Event(), threading.Event()
+
+    def a_call_in_flight() -> None:
+        with executor._io:
+            in_call.set()
+            leave.wait(30)
+
+    engine_thread = threading.Thread(target=a_call_in_flight)
+    engine_thread.start()
+    try:
+        assert in_call.wait(10)
+        executor.shutdown()
+        for proc in executor._procs:
+            proc.join(10)
+            assert proc.exitcode == -signal.SIGKILL
+        assert not any(conn.closed for conn in executor._conns)
+    finally:
+        leave.set()
+        engine_thread.join(10)
+        executor.shutdown()
+    assert all(conn.closed for conn in executor._conns)
