@@ -105,10 +105,18 @@ def core_process_main(spec: CoreProcessSpec, conn: Connection) -> None:
     }]))
     code = 0
     try:
-        _CoreLoop(built.core, conn).run()
-    except BaseException:  # noqa: BLE001 - reported to the server (by the loop's writer), which fails every request
-        logger.exception("the engine core stopped after an error")
+        loop = _CoreLoop(built.core, conn)
+    except BaseException as error:  # noqa: BLE001 - reported to the server, which fails every request
+        logger.exception("the engine core could not start its loop")
+        with contextlib.suppress(OSError):
+            conn.send_bytes(pack([ERROR, error_to_wire(error)]))  # no writer thread yet: this one is the only one
         code = 1
+    else:
+        try:
+            loop.run()
+        except BaseException:  # noqa: BLE001 - reported to the server (by the loop's writer), which fails every request
+            logger.exception("the engine core stopped after an error")
+            code = 1
     stop_workers = getattr(runner, "shutdown", None)
     if stop_workers is not None:
         stop_workers()

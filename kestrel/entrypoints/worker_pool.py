@@ -248,7 +248,8 @@ class WorkerPool:
         deadline = None if timeout is None else loop.time() + timeout
         acquiring = asyncio.ensure_future(self._acquire(heavy))
         try:
-            worker = await asyncio.wait_for(asyncio.shield(acquiring), timeout)
+            async with asyncio.timeout(timeout):
+                worker = await asyncio.shield(acquiring)
         except TimeoutError:
             self._abandon(acquiring, heavy)
             raise WorkTimeoutError(timeout or 0.0) from None
@@ -292,8 +293,9 @@ class WorkerPool:
 
     def _abandon(self, acquiring: asyncio.Future[_Worker], heavy: bool) -> None:
         """The caller left (its deadline, or cancelled) while it waited for a worker; a worker handed to it in
-        that same turn goes back to the pool. (The acquisition is a task of its own, shielded: Python 3.11's
-        `wait_for` returns a result that arrives with the cancellation and swallows the cancellation.)"""
+        that same turn goes back to the pool. (The acquisition is a task of its own, shielded, under
+        `asyncio.timeout`: Python 3.11's `wait_for` returns a result that arrives with the cancellation, and
+        swallows the cancellation.)"""
         def give_back(task: asyncio.Future[_Worker]) -> None:
             if not task.cancelled() and task.exception() is None:
                 self._release(task.result(), heavy)

@@ -205,11 +205,14 @@ def test_a_core_that_fails_mid_run_reports_its_error_after_the_steps_before_it(t
 
     core.step, core.has_unfinished_requests = step, lambda: True
     ours, theirs = multiprocessing.Pipe()
+    loop = _CoreLoop(core, theirs)
     with pytest.raises(RuntimeError, match="fell off the bus"):
-        _CoreLoop(core, theirs).run()
+        loop.run()
     messages = []
     while ours.poll(1.0):
         messages.append(unpack(ours.recv_bytes()))
+    for conn in (ours, theirs, loop._wake, loop._wake_writer):
+        conn.close()
     assert [m[0] for m in messages] == [STEP, STEP, STEP, ERROR]
     assert messages[-1][1][:2] == ["RuntimeError", "the device fell off the bus"]
 
