@@ -145,6 +145,7 @@ class CoreClient:
         self._error: str | None = None
         self._stopping = False
         self._failed: EngineDeadError | None = None  # what every request got when the engine stopped
+        self._aborting: dict[str, str] = {}  # sequence id -> its request's id, while the core has not applied the abort
         self._draining = False
         self._reader = threading.Thread(target=self._run, name="kestrel-core-client", daemon=True)
 
@@ -234,7 +235,7 @@ class CoreClient:
         """Abort every unfinished request and end its stream with ServerShuttingDownError(reason); how many."""
         with self._lock:
             streams = list(self._streams.values())
-            children = [c for s in streams for c in self._forget(s.request_id)]
+            children = [(c, s.request_id) for s in streams for c in self._forget(s.request_id)]
         self._send_abort(children)
         _deliver([(stream, ServerShuttingDownError(reason)) for stream in streams])
         return len(streams)
@@ -304,6 +305,9 @@ class CoreClient:
                 raise EngineDeadError(str(self._failed))
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
+            if request_id in self._aborting.values():
+                raise ValueError(f"request id {request_id!r} is still in use: its abort takes effect in the engine "
+                                 "core's next step; retry then, or use another id")
             self._streams[request_id] = stream
             self._requests[request_id] = request
             self._unaccepted.add(request_id)
@@ -330,7 +334,7 @@ class CoreClient:
         with self._lock:
             if request_id not in self._streams:
                 return
-            children = self._forget(request_id)
+            children = [(cid, request_id) for cid in self._forget(request_id)]
         self._send_abort(children)
 
     def _forget(self, request_id: str) -> list[str]:
@@ -369,9 +373,15 @@ class CoreClient:
             if not self._stopping:
                 logger.debug("a message to the engine core process was not delivered")
 
-    def _send_abort(self, children: list[str]) -> None:
-        if children and not self._stopping:
-            self._send([ABORT, children])
+    def _send_abort(self, children: list[tuple[str, str]]) -> None:
+        """Abort sequences in the core: (sequence id, its request's id) pairs. Until the core says it applied the
+        abort (a later STEP lists the ids), a step in flight may still carry those sequences, so a new request may
+        not take their request's id."""
+        if not children or self._stopping:
+            return
+        with self._lock:
+            self._aborting.update(children)
+        self._send([ABORT, [cid for cid, _ in children]])
 
     # ----- the reader thread -----------------------------------------------------------------------------
 
@@ -407,9 +417,9 @@ class CoreClient:
         return f"the engine core process (pid {self._process.pid}) exited with code {self._process.exitcode}"
 
     def _on_step(self, accepted: list[str], refused: list[list[Any]], records: list[list[Any]],
-                 stats: list[Any]) -> None:
+                 stats: list[Any], aborted: list[str]) -> None:
         items: list[tuple[RequestStream, Any]] = []
-        aborts: list[str] = []
+        aborts: list[tuple[str, str]] = []
         touched: dict[str, ClientRequest] = {}
         with self._lock:
             self._stats = EngineStats.from_wire(stats)
@@ -423,7 +433,7 @@ class CoreClient:
                 parent = self._child_parent.get(cid)
                 if parent is not None:
                     stream = self._streams[parent]
-                    aborts += [c for c in self._forget(parent) if c != cid]
+                    aborts += [(c, parent) for c in self._forget(parent) if c != cid]
                     items.append((stream, refusal_from_wire(error)))
             requests = [(delta_from_wire(r), self._requests.get(self._child_parent.get(r[0], ""))) for r in records]
         # Detokenizing runs outside the lock: only this thread touches a request's sequences.
@@ -431,7 +441,7 @@ class CoreClient:
             if request is None:
                 continue  # aborted meanwhile
             if request.apply(delta):
-                aborts.append(delta.request_id)
+                aborts.append((delta.request_id, request.request_id))
             touched[request.request_id] = request
         outputs = [(request, request.output()) for request in touched.values()]
         with self._lock:
@@ -442,6 +452,8 @@ class CoreClient:
                 if output.finished:
                     self._forget(request.request_id)
                 items.append((stream, output))
+            for cid in aborted:  # this step came after the core applied these aborts: no later one names them
+                self._aborting.pop(cid, None)
         self._send_abort(aborts)
         _deliver(items)
 
@@ -453,6 +465,7 @@ class CoreClient:
             self._requests.clear()
             self._child_parent.clear()
             self._unaccepted.clear()
+            self._aborting.clear()
             self._num_pending_sequences = 0
         _deliver([(stream, error) for stream in streams])
 

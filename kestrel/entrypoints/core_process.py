@@ -136,6 +136,7 @@ class _CoreLoop:
         self._wake, self._wake_writer = Pipe(duplex=False)  # a compile finished: wakes an idle loop
         self._accepted: list[str] = []
         self._refused: list[list[Any]] = []
+        self._aborted: list[str] = []  # aborts applied since the last STEP, which says so to the client
         self._prompt_logprobs_sent: dict[str, int] = {}
         self._writer = threading.Thread(target=self._write, name="kestrel-core-writer", daemon=True)
         self._writer.start()
@@ -198,7 +199,7 @@ class _CoreLoop:
                 self.stats.count_step(core.scheduler)
                 if self._stats_logger is not None:
                     self._stats_logger.maybe_log(core.scheduler)
-            if outputs or self._accepted or self._refused or busy:
+            if outputs or self._accepted or self._refused or self._aborted or busy:
                 self._send_step(outputs)
 
     def _handle(self, message: list[Any]) -> None:
@@ -209,6 +210,7 @@ class _CoreLoop:
                 self._compiling.pop(request_id, None)
                 self._prompt_logprobs_sent.pop(request_id, None)
             self.core.abort_request(ids)
+            self._aborted.extend(ids)
         elif kind == ADD:
             _, request_id, _, params, _, grammar = message
             if grammar is None and params[0] == "sampling" and params[1].get("structured_outputs") is not None:
@@ -270,5 +272,5 @@ class _CoreLoop:
                 sent.pop(output.request_id, None)
             records.append(output_to_wire(output, changed))
         stats = self.stats.snapshot(self.core.scheduler).to_wire()
-        self.outbox.put(pack([STEP, self._accepted, self._refused, records, stats]))
-        self._accepted, self._refused = [], []
+        self.outbox.put(pack([STEP, self._accepted, self._refused, records, stats, self._aborted]))
+        self._accepted, self._refused, self._aborted = [], [], []

@@ -186,6 +186,35 @@ def test_an_aborted_id_is_free_again_only_once_the_abort_is_applied(tiny_model_d
         engine.shutdown()
 
 
+def test_the_core_clients_aborted_id_is_free_again_once_the_core_applied_the_abort(tiny_model_dir):
+    """The core process answers for a sequence until it reads the abort: until a step says it applied it, a new
+    request may not take the aborted request's id (the old sequence's tokens would be taken for the new one's)."""
+    client = CoreClient.from_args(tiny_model_dir, max_model_len=256, device="cpu", dtype="float32").start()
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    async def main() -> list:
+        stream = client.submit("r1", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+        await stream.accepted()
+        with client._send_lock:  # the abort cannot reach the core meanwhile
+            aborting = threading.Thread(target=client.abort, args=("r1",))
+            aborting.start()
+            deadline = time.monotonic() + 10
+            while "r1" not in client._aborting.values() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            with pytest.raises(ValueError, match="'r1' is still in use"):
+                client.submit("r1", [5, 6, 7], params)
+        aborting.join(10)
+        while client._aborting and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return [output async for output in client.generate("r1", [5, 6, 7], params)]
+
+    try:
+        outputs = asyncio.run(asyncio.wait_for(main(), 30))
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
+    finally:
+        client.shutdown()
+
+
 def test_a_core_that_fails_mid_run_reports_its_error_after_the_steps_before_it(tiny_model_dir):
     """The pipe has one writer: the error goes out after the steps queued before it, whole (two writers could
     interleave a long step's bytes with the error's)."""
