@@ -5,11 +5,13 @@ architectures, float32 and W8A8 (with pp = 2, two batches in flight); then a kil
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -164,6 +166,26 @@ def test_a_rank_reporting_its_peers_death_names_the_dead_peer() -> None:
             conn.close()
 
 
+@contextlib.contextmanager
+def call_in_flight(executor: MultiprocExecutor) -> Iterator[None]:
+    """The engine thread inside a call (holding the executor's I/O lock) for the block's duration."""
+    in_call, leave = threading.Event(), threading.Event()
+
+    def call() -> None:
+        with executor._io:
+            in_call.set()
+            leave.wait(30)
+
+    engine_thread = threading.Thread(target=call)
+    engine_thread.start()
+    try:
+        assert in_call.wait(10)
+        yield
+    finally:
+        leave.set()
+        engine_thread.join(10)
+
+
 def test_a_health_check_leaves_the_pipes_to_a_call_in_flight(models: Path) -> None:
     """/health runs on the server's thread while the engine thread may be inside a call, reading the workers'
     pipes: the check then leaves them alone (the call watches every worker itself), and after the call it finds
@@ -171,22 +193,11 @@ def test_a_health_check_leaves_the_pipes_to_a_call_in_flight(models: Path) -> No
     llm = LLM(str(models / "llama"), **ENGINE, tensor_parallel_size=2)
     executor = llm.runner
     try:
-        in_call, leave = threading.Event(), threading.Event()
-
-        def a_call_in_flight() -> None:
-            with executor._io:
-                in_call.set()
-                leave.wait(30)
-
-        engine_thread = threading.Thread(target=a_call_in_flight)
-        engine_thread.start()
-        assert in_call.wait(10)
-        os.kill(executor._procs[1].pid, signal.SIGKILL)
-        executor._procs[1].join(10)
-        started = time.monotonic()
-        assert executor.healthy and time.monotonic() - started < 0.5  # no wait, no read, no close
-        leave.set()
-        engine_thread.join(10)
+        with call_in_flight(executor):
+            os.kill(executor._procs[1].pid, signal.SIGKILL)
+            executor._procs[1].join(10)
+            started = time.monotonic()
+            assert executor.healthy and time.monotonic() - started < 0.5  # no wait, no read, no close
         assert not executor.healthy
         assert re.search(r"rank 1 .* exited with code -9", str(executor.error))
         assert not any(p.is_alive() for p in executor._procs)
@@ -200,24 +211,13 @@ def test_a_shutdown_beside_a_call_in_flight_ends_the_workers_and_leaves_the_pipe
     monkeypatch.setattr("kestrel.executor.base.SHUTDOWN_WAIT_S", 0.2)
     llm = LLM(str(models / "llama"), **ENGINE, tensor_parallel_size=2)
     executor = llm.runner
-    in_call, leave = threading.Event(), threading.Event()
-
-    def a_call_in_flight() -> None:
-        with executor._io:
-            in_call.set()
-            leave.wait(30)
-
-    engine_thread = threading.Thread(target=a_call_in_flight)
-    engine_thread.start()
     try:
-        assert in_call.wait(10)
-        executor.shutdown()
-        for proc in executor._procs:
-            proc.join(10)
-            assert proc.exitcode == -signal.SIGKILL
-        assert not any(conn.closed for conn in executor._conns)
+        with call_in_flight(executor):
+            executor.shutdown()
+            for proc in executor._procs:
+                proc.join(10)
+                assert proc.exitcode == -signal.SIGKILL
+            assert not any(conn.closed for conn in executor._conns)
     finally:
-        leave.set()
-        engine_thread.join(10)
         executor.shutdown()
     assert all(conn.closed for conn in executor._conns)

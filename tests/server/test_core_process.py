@@ -13,7 +13,9 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -162,6 +164,22 @@ def test_a_submit_racing_the_engines_death_is_refused_not_left_waiting(tiny_mode
         engine.shutdown()
 
 
+async def generate_once_free(engine: Any, free: Callable[[], bool], params: SamplingParams) -> list:
+    """Request "r1" again once `free()` says its abort was applied (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while not free() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return [output async for output in engine.generate("r1", [5, 6, 7], params)]
+
+
+def three_tokens_for_r1(engine: Any, main: Callable[[], Coroutine[Any, Any, list]]) -> None:
+    try:
+        outputs = asyncio.run(asyncio.wait_for(main(), 30))
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
+    finally:
+        engine.shutdown()
+
+
 def test_an_aborted_id_is_free_again_only_once_the_abort_is_applied(tiny_model_dir):
     """A step in flight may still answer for an aborted request: until the engine thread applies the abort, a new
     request may not take its id (its stream would get the old request's outputs)."""
@@ -174,16 +192,9 @@ def test_an_aborted_id_is_free_again_only_once_the_abort_is_applied(tiny_model_d
             engine.abort("r1")
             with pytest.raises(ValueError, match="'r1' is still in use"):
                 engine.submit("r1", [5, 6, 7], params)
-        deadline = time.monotonic() + 10
-        while "r1" in engine._aborting and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        return [output async for output in engine.generate("r1", [5, 6, 7], params)]
+        return await generate_once_free(engine, lambda: "r1" not in engine._aborting, params)
 
-    try:
-        outputs = asyncio.run(asyncio.wait_for(main(), 30))
-        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
-    finally:
-        engine.shutdown()
+    three_tokens_for_r1(engine, main)
 
 
 def test_the_core_clients_aborted_id_is_free_again_once_the_core_applied_the_abort(tiny_model_dir):
@@ -204,15 +215,9 @@ def test_the_core_clients_aborted_id_is_free_again_once_the_core_applied_the_abo
             with pytest.raises(ValueError, match="'r1' is still in use"):
                 client.submit("r1", [5, 6, 7], params)
         aborting.join(10)
-        while client._aborting and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        return [output async for output in client.generate("r1", [5, 6, 7], params)]
+        return await generate_once_free(client, lambda: not client._aborting, params)
 
-    try:
-        outputs = asyncio.run(asyncio.wait_for(main(), 30))
-        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
-    finally:
-        client.shutdown()
+    three_tokens_for_r1(client, main)
 
 
 def test_a_core_that_fails_mid_run_reports_its_error_after_the_steps_before_it(tiny_model_dir):
