@@ -100,7 +100,8 @@ def test_the_prompts_part_counts_too(small_budget):
 
 def test_a_stream_past_the_budget_ends_with_an_error_event(small_budget):
     """No max_tokens: only the context bounds the answer, so the request is admitted and counted as it streams."""
-    body = {"messages": MESSAGES, "stream": True, "ignore_eos": True, "n": 2}
+    # Six choices run to the context: their text alone passes the budget, however the reader's events are merged.
+    body = {"messages": MESSAGES, "stream": True, "ignore_eos": True, "n": 6}
     with HTTP.stream("POST", f"{small_budget.base_url}/v1/chat/completions", json={"model": MODEL, **body},
                      headers=small_budget.headers, timeout=120) as reply:
         assert reply.status_code == 200
@@ -114,7 +115,7 @@ def test_a_stream_past_the_budget_ends_with_an_error_event(small_budget):
     assert not any(c["choices"][0].get("finish_reason") for c in chunks)  # it was cut, not finished
     assert small_budget.wait_idle()["kestrel:num_requests_running"] == 0  # the engine request was aborted
 
-    stream = small_budget.client().chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, n=3,
+    stream = small_budget.client().chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, n=6,
                                                             extra_body={"ignore_eos": True})
     with pytest.raises(openai.APIError, match="--max-response-bytes"):
         for _ in stream:
