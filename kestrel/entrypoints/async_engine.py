@@ -123,16 +123,26 @@ class RequestStream:
         return item
 
     async def _get(self) -> Any:
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for returns an item that arrives in the turn the reader
+        # is cancelled (its client went away) and swallows the cancellation, so the request would run on.
         while not self._items:
             self._ready.clear()
-            if self._deadline is None:
-                await self._ready.wait()
-                continue
+            remaining = None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
             try:
-                await asyncio.wait_for(self._ready.wait(), max(self._deadline - time.monotonic(), 0.0))
+                async with asyncio.timeout(remaining):
+                    await self._ready.wait()
             except TimeoutError:
-                raise RequestTimeoutError(f"request {self.request_id} ran past its timeout and was aborted") from None
+                raise self._timed_out() from None
+        item = self._items[0]
+        # A reader slower than the engine always finds an item waiting: the deadline is checked here too, short
+        # of the request's last output.
+        if (self._deadline is not None and time.monotonic() > self._deadline and isinstance(item, RequestOutput)
+                and not item.finished):
+            raise self._timed_out()
         return self._items.popleft()
+
+    def _timed_out(self) -> RequestTimeoutError:
+        return RequestTimeoutError(f"request {self.request_id} ran past its timeout and was aborted")
 
     def put(self, item: Any) -> None:
         """Called on the stream's event loop by the engine thread's delivery."""
@@ -238,8 +248,9 @@ class AsyncEngine:
 
     @property
     def num_unfinished(self) -> int:
-        with self._cond:
-            return len(self._streams)
+        # Without the lock (a dict's length is read whole): the server's signal handler asks, on the thread that
+        # may be holding it.
+        return len(self._streams)
 
     def end_unfinished(self, reason: str) -> int:
         """Abort every unfinished request and end its stream with ServerShuttingDownError(reason); how many."""
@@ -449,6 +460,21 @@ class AsyncEngine:
             self._aborting.clear()
             self._num_pending_sequences = 0
         self._deliver([(stream, error) for stream in streams])
+
+
+def submit_all(engine: Any, requests: list[tuple[str, list[int], dict[str, Any]]]) -> list[RequestStream]:
+    """`engine.submit(request_id, prompt_token_ids, **rest)` for each request, all or none: one refused (the drain
+    began, the engine stopped) aborts those submitted before it, then is raised. AsyncEngine or CoreClient."""
+    streams: list[RequestStream] = []
+    try:
+        for request_id, prompt_token_ids, rest in requests:
+            streams.append(engine.submit(request_id, prompt_token_ids, **rest))
+    except BaseException:
+        for stream in streams:
+            stream.finished = True
+            engine.abort(stream.request_id)
+        raise
+    return streams
 
 
 def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:

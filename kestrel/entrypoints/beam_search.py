@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kestrel.entrypoints.async_engine import submit_all
 from kestrel.outputs import Logprob
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import BeamSearchParams
@@ -145,8 +146,8 @@ async def search_async(engine: Any, prompts: list[list[int]], params: BeamSearch
     step = params.step_params()
     while beams := next_round(searches):
         engine.check_capacity(len(beams))
-        streams = [engine.submit(f"beam-{uuid.uuid4().hex}", beam.tokens, step, priority=priority)
-                   for _, beam in beams]
+        streams = submit_all(engine, [(f"beam-{uuid.uuid4().hex}", beam.tokens, {"params": step, "priority": priority})
+                                      for _, beam in beams])
         try:
             finals = [await _final(stream) for stream in streams]
         finally:

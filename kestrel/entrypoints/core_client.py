@@ -228,8 +228,9 @@ class CoreClient:
 
     @property
     def num_unfinished(self) -> int:
-        with self._lock:
-            return len(self._streams)
+        # Without the lock (a dict's length is read whole): the server's signal handler asks, on the thread that
+        # may be holding it.
+        return len(self._streams)
 
     def end_unfinished(self, reason: str) -> int:
         """Abort every unfinished request and end its stream with ServerShuttingDownError(reason); how many."""

@@ -23,6 +23,7 @@ from kestrel.entrypoints.async_engine import (
     RequestStream,
     RequestTimeoutError,
     ServerShuttingDownError,
+    submit_all,
 )
 from kestrel.entrypoints.beam_search import search_async
 from kestrel.entrypoints.budgets import (
@@ -737,11 +738,10 @@ class OpenAIServing:
         self.engine.check_capacity(len(prompts) * params.n)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         with_media = {"media": media} if media else {}  # only a multimodal engine (in-process) takes media
-        streams = []
+        rest = {"params": params, "priority": priority or 0, "grammar": grammar, **with_media}
+        streams = submit_all(self.engine, [(rid, p.token_ids, {**rest, "prompt": p.text})
+                                           for rid, p in zip(ids, prompts)])
         try:
-            for rid, p in zip(ids, prompts):  # a later one refused (the server began to drain): the earlier end too
-                streams.append(self.engine.submit(rid, p.token_ids, params, p.text, priority=priority or 0,
-                                                  grammar=grammar, **with_media))
             for stream in streams:
                 await stream.accepted()
         except BaseException as error:

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from kestrel.entrypoints.async_engine import submit_all
 from kestrel.entrypoints.media import Audio, decode_audio, resample
 from kestrel.entrypoints.serving import OpenAIServing, _until_disconnect
 from kestrel.request import InvalidRequestError
@@ -258,8 +259,8 @@ class OpenAIServingAudio:
         """The windows' outputs, one window after the other (a stream's deltas come out in order)."""
         engine = self.engine
         engine.check_capacity(len(items))
-        streams = [engine.submit(f"{request_id}-{i}", ids, params, media=media)
-                   for i, (ids, media) in enumerate(items)]
+        streams = submit_all(engine, [(f"{request_id}-{i}", ids, {"params": params, "media": media})
+                                      for i, (ids, media) in enumerate(items)])
         trackers = [self.serving.metrics.tracker(arrival) for _ in streams]
         try:
             for i, stream in enumerate(streams):

@@ -13,6 +13,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kestrel.entrypoints.async_engine import submit_all
 from kestrel.entrypoints.budgets import ResponseTooLargeError
 from kestrel.entrypoints.pooling_tasks import checked_dimensions, embedding_params, refuse_classifier
 from kestrel.entrypoints.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse
@@ -78,7 +79,8 @@ async def run_pooling(serving: OpenAIServing, request_id: str, prompts: list[lis
     engine = serving.engine
     engine.check_capacity(len(prompts))
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    streams = [engine.submit(rid, ids_, pooling, priority=priority) for rid, ids_ in zip(ids, prompts)]
+    streams = submit_all(engine, [(rid, ids_, {"params": pooling, "priority": priority})
+                                  for rid, ids_ in zip(ids, prompts)])
     trackers = [serving.metrics.tracker(arrival) for _ in streams]
     finals: list[RequestOutput | None] = [None] * len(streams)
     try:

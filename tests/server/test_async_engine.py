@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from kestrel.entrypoints.async_engine import EngineDeadError, QueueFullError, RequestTimeoutError
+from kestrel.entrypoints.async_engine import EngineDeadError, QueueFullError, RequestStream, RequestTimeoutError
+from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams
 
@@ -136,3 +137,54 @@ def test_a_slow_reader_gets_merged_deltas(make_scripted_engine):
     for completion in output.outputs:
         assert completion.text == "a b c d e f g h"
         assert completion.delta_text == completion.text and completion.delta_token_ids == completion.token_ids
+
+
+class _AbortLog:
+    """The engine side of a RequestStream, as far as the stream calls it."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def test_a_reader_cancelled_as_its_output_arrives_ends_cancelled_and_aborts():
+    """Its client went away (the reader is cancelled) in the turn an output arrives, with a request timeout set: the
+    reader ends cancelled and the request is aborted (Python 3.11's wait_for returned the output and swallowed the
+    cancellation, so the request ran on)."""
+    engine = _AbortLog()
+
+    async def main() -> None:
+        stream = RequestStream(engine, "r1", deadline=time.monotonic() + 60)
+        reader = asyncio.ensure_future(stream._next_item())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        stream.put(object())
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+
+    asyncio.run(main())
+    assert engine.aborted == ["r1"]
+
+
+def test_a_reader_slower_than_the_engine_still_times_out_short_of_the_last_output():
+    """A slow reader always finds an output waiting; past the deadline it gets the timeout (and the request is
+    aborted) instead of the next partial output, while a finished one is still handed over."""
+    engine = _AbortLog()
+
+    def output(finished: bool) -> RequestOutput:
+        return RequestOutput("r1", None, [1], [CompletionOutput(0, "a", [5], None, None)], finished)
+
+    async def main() -> None:
+        stream = RequestStream(engine, "r1", deadline=time.monotonic() - 1)
+        stream.put(output(finished=False))
+        with pytest.raises(RequestTimeoutError):
+            await stream._next_item()
+        done = RequestStream(engine, "r2", deadline=time.monotonic() - 1)
+        done.put(output(finished=True))
+        assert (await done._next_item()).finished
+
+    asyncio.run(main())
+    assert engine.aborted == ["r1"]
