@@ -126,10 +126,9 @@ class GrammarCompilePool:
                     self.cache.put(source, source, size)  # proven: a repeat skips the trial
                     return source
                 return await asyncio.shield(self._compile_here(source, loop))
-            if self.engine_compiles:
-                await asyncio.wait_for(asyncio.shield(self._compile_here(source, loop)), self.timeout_s)
-                return source
-            return await asyncio.wait_for(asyncio.shield(self._compile_here(source, loop)), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # (wait_for would swallow a cancellation that came with it)
+                compiled = await asyncio.shield(self._compile_here(source, loop))
+            return source if self.engine_compiles else compiled
         except GrammarCompileError as error:
             raise InvalidRequestError(param, str(error)) from None
         except (WorkTimeoutError, TimeoutError):

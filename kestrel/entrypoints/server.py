@@ -642,7 +642,8 @@ class BodyLimitMiddleware:
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         while True:
             try:
-                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
             except TimeoutError:
                 await _send_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s (raise "
                                   "--body-read-timeout for slow clients)", "invalid_request_error", "body_timeout",

@@ -241,7 +241,8 @@ class WorkerPool:
         if self.processes == 0:
             job = loop.run_in_executor(self._threads, work, *args)
             try:
-                return await asyncio.wait_for(job, timeout)
+                async with asyncio.timeout(timeout):
+                    return await job
             except TimeoutError:
                 raise WorkTimeoutError(timeout or 0.0) from None
         self._loop = loop
@@ -260,7 +261,8 @@ class WorkerPool:
         call.add_done_callback(_consume)  # a job taken back still ends (its worker killed): nobody reads it
         try:
             remaining = None if deadline is None else max(0.0, deadline - loop.time())
-            kind, value = await asyncio.wait_for(asyncio.shield(call), remaining)
+            async with asyncio.timeout(remaining):
+                kind, value = await asyncio.shield(call)
         except TimeoutError:
             self._replace(worker, heavy)
             raise WorkTimeoutError(timeout or 0.0) from None
