@@ -13,6 +13,7 @@ the server through the async engine.
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,10 +145,14 @@ async def search_async(engine: Any, prompts: list[list[int]], params: BeamSearch
     check_beam_width(params, engine.core.config.model.max_logprobs, "n")
     searches = [BeamSearch(ids, params, engine.eos_token_ids, engine.max_model_len) for ids in prompts]
     step = params.step_params()
+    # The server's request timeout bounds the whole search, not each round's one-token requests.
+    timeout_s = getattr(engine, "request_timeout_s", None)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while beams := next_round(searches):
         engine.check_capacity(len(beams))
-        streams = submit_all(engine, [(f"beam-{uuid.uuid4().hex}", beam.tokens, {"params": step, "priority": priority})
-                                      for _, beam in beams])
+        rest = {"params": step, "priority": priority,
+                "timeout_s": None if deadline is None else max(deadline - time.monotonic(), 0.0)}
+        streams = submit_all(engine, [(f"beam-{uuid.uuid4().hex}", beam.tokens, rest) for _, beam in beams])
         try:
             finals = [await _final(stream) for stream in streams]
         finally:

@@ -5,10 +5,17 @@ import time
 
 import pytest
 
-from kestrel.entrypoints.async_engine import EngineDeadError, QueueFullError, RequestStream, RequestTimeoutError
+from kestrel.entrypoints.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+    RequestTimeoutError,
+)
+from kestrel.entrypoints.beam_search import search_async
 from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.request import InvalidRequestError
-from kestrel.sampling_params import SamplingParams
+from kestrel.sampling_params import BeamSearchParams, SamplingParams
 
 
 def prompt(engine) -> list[int]:
@@ -188,3 +195,26 @@ def test_a_reader_slower_than_the_engine_still_times_out_short_of_the_last_outpu
 
     asyncio.run(main())
     assert engine.aborted == ["r1"]
+
+
+def test_the_request_timeout_bounds_a_whole_beam_search(tiny_model_dir):
+    """A beam search runs one round of one-token requests per token: the server's request timeout bounds the whole
+    search, not each round (which would let it run rounds x timeout)."""
+    params = BeamSearchParams(beam_width=2, max_tokens=120, ignore_eos=True)
+    untimed = AsyncEngine.from_args(tiny_model_dir, device="cpu", dtype="float32", max_model_len=256).start()
+    try:
+        started = time.monotonic()
+        asyncio.run(search_async(untimed, [[5, 6, 7]], params))
+        whole_s = time.monotonic() - started
+    finally:
+        untimed.shutdown()
+    timeout_s = whole_s / 4  # each round takes far less: 120 of them
+    engine = AsyncEngine.from_args(tiny_model_dir, device="cpu", dtype="float32", max_model_len=256,
+                                   request_timeout_s=timeout_s).start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(RequestTimeoutError):
+            asyncio.run(search_async(engine, [[5, 6, 7]], params))
+        assert time.monotonic() - started < whole_s
+    finally:
+        engine.shutdown()
