@@ -13,6 +13,7 @@ texts are joined in order; segment times are the timestamp tokens the model wrot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -27,11 +28,11 @@ import numpy as np
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from kestrel.entrypoints.async_engine import submit_all
 from kestrel.entrypoints.media import Audio, decode_audio, resample
-from kestrel.entrypoints.serving import OpenAIServing, _until_disconnect
+from kestrel.entrypoints.serving import EventStreamResponse, OpenAIServing, _stream_error, _until_disconnect
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams
 
@@ -144,8 +145,7 @@ class OpenAIServingAudio:
                                          "file") for chunk in chunks]
         duration = samples.shape[0] / self.media.sampling_rate
         if request.stream:
-            return StreamingResponse(self._stream(request_id, items, params, arrival, duration),
-                                     media_type="text/event-stream")
+            return EventStreamResponse(self._stream(request_id, items, params, arrival, duration))
         outputs = await _until_disconnect(raw, self._run(request_id, items, params, arrival))
         no_speech = (await _until_disconnect(raw, self._no_speech_probs(f"{request_id}-no-speech", chunks, arrival))
                      if verbose else [])
@@ -249,9 +249,10 @@ class OpenAIServingAudio:
     async def _run(self, request_id: str, items: list[Any], params: SamplingParams, arrival: float) -> list[Any]:
         """Each window's final output, in order (all windows queued at once)."""
         outputs = []
-        async for index, output in self._outputs(request_id, items, params, arrival):
-            if output.finished:
-                outputs.append((index, output))
+        async with contextlib.aclosing(self._outputs(request_id, items, params, arrival)) as stream:
+            async for index, output in stream:
+                if output.finished:
+                    outputs.append((index, output))
         return [output for _, output in sorted(outputs, key=lambda pair: pair[0])]
 
     async def _outputs(self, request_id: str, items: list[Any], params: SamplingParams,
@@ -276,12 +277,16 @@ class OpenAIServingAudio:
     async def _stream(self, request_id: str, items: list[Any], params: SamplingParams, arrival: float,
                       duration: float) -> AsyncIterator[str]:
         text = ""
-        async for _, output in self._outputs(request_id, items, params, arrival):
-            piece = output.outputs[0].delta_text
-            if piece:
-                text += piece
-                yield _sse({"type": "transcript.text.delta", "delta": piece})
-        yield _sse({"type": "transcript.text.done", "text": text, "usage": _usage(duration)})
+        try:
+            async with contextlib.aclosing(self._outputs(request_id, items, params, arrival)) as outputs:
+                async for _, output in outputs:
+                    piece = output.outputs[0].delta_text
+                    if piece:
+                        text += piece
+                        yield _sse({"type": "transcript.text.delta", "delta": piece})
+            yield _sse({"type": "transcript.text.done", "text": text, "usage": _usage(duration)})
+        except Exception as error:  # the status line is sent: errors can only travel as an event
+            yield _stream_error(error)
         yield "data: [DONE]\n\n"
 
     def _response(self, task: str, request: AudioRequest, outputs: list[Any],

@@ -340,3 +340,22 @@ def test_generation_config_suppress_tokens_are_honoured(checkpoint, llm, tmp_pat
     finally:
         live.stop()
     assert reply.text == llm.tokenizer.decode(generated, skip_special_tokens=True)
+
+
+def test_a_stream_that_fails_after_its_headers_ends_with_an_error_event(checkpoint) -> None:
+    """The status line is sent before the first window runs: a failure after it (here the request timeout) travels
+    as an error event, then [DONE], as on the other streaming endpoints."""
+    engine = AsyncEngine.from_args(str(checkpoint), max_num_seqs=2, device="cpu", dtype="float32",
+                                   request_timeout_s=1e-3).start()
+    live = LiveServer(build_app(engine, MODEL, api_key=API_KEY), engine)
+    try:
+        with HTTP.stream("POST", f"{live.base_url}/v1/audio/transcriptions", headers=live.headers, timeout=60,
+                         data={"model": MODEL, "language": "en", "stream": "true"},
+                         files={"file": ("clip.wav", wav_bytes(clip(15, 0.6)), "audio/wav")}) as reply:
+            assert reply.status_code == 200
+            events = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "request_timeout"
+        assert live.wait_idle()["kestrel:num_requests_running"] == 0
+    finally:
+        live.stop()
