@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -237,7 +237,7 @@ class OpenAIServing:
         if request.echo:
             job.prompts = [_Prompt(self._prompt_text(p, params), p.token_ids) for p in prompts]
         if request.stream:
-            return EventStreamResponse(self._completion_stream(request, job))
+            return EventStreamResponse(self._completion_stream(request, job), on_close=job.abort)
         finals = await _until_disconnect(raw, self._collect(job))
         if request.scores_only:
             finals = [_without_generation(final) for final in finals]
@@ -298,6 +298,7 @@ class OpenAIServing:
 
         # With logprobs the echoed prompt waits for its prompt logprobs, which come with the first output.
         echo_later = set(range(len(job.prompts))) if request.echo and job.params.prompt_logprobs is not None else set()
+        merged = self._merged(job)  # closed here, not by the interpreter's finalizer, whichever way this ends
         try:
             if request.echo and not echo_later:
                 for i, prompt in enumerate(job.prompts):
@@ -305,7 +306,7 @@ class OpenAIServing:
                         offsets[i * n + j] = len(prompt.text or "")
                         yield chunk(CompletionChoice(index=i * n + j, text=prompt.text or "",
                                                      **token_ids(i * n + j, prompt, [])))
-            async for i, output in self._merged(job):
+            async for i, output in merged:
                 if request.scores_only:
                     output = _without_generation(output)
                 if i in echo_later:
@@ -339,6 +340,8 @@ class OpenAIServing:
         except Exception as error:  # the status line is sent: errors can only travel as an event
             await job.abort()
             yield _stream_error(error)
+        finally:
+            await merged.aclose()
         yield SSE_DONE
 
     async def _beam_completion(self, request: CompletionRequest, beam: BeamSearchParams) -> Response:
@@ -443,7 +446,7 @@ class OpenAIServing:
         job.original_prompt_tokens = original_tokens
         tools = _tool_setup(request, prompt.assistant_prefix, self.config.tool_call_parser or prompt.tool_format)
         if request.stream:
-            return EventStreamResponse(self._chat_stream(request, job, tools))
+            return EventStreamResponse(self._chat_stream(request, job, tools), on_close=job.abort)
         (final,) = await _until_disconnect(raw, self._collect(job))
         echoed = _chat_echo(request)
         fmt = self._formatter(params.logprobs, request.return_tokens_as_token_ids)
@@ -512,12 +515,13 @@ class OpenAIServing:
         if job.budget is not None:
             job.budget.framing = len(render([ChatStreamChoice(index=0, delta=DeltaMessage())]).encode())
 
+        merged = self._merged(job)  # closed here, not by the interpreter's finalizer, whichever way this ends
         try:
             echoed = _chat_echo(request)
             for i in range(params.n):
                 yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echoed)),
                             list(job.prompts[0].token_ids) if ids else None)
-            async for _, output in self._merged(job):
+            async for _, output in merged:
                 for c in output.outputs:
                     if c.index in finished or not (c.delta_text or c.delta_token_ids or c.finished):
                         continue
@@ -541,6 +545,8 @@ class OpenAIServing:
         except Exception as error:  # the status line is sent: errors can only travel as an event
             await job.abort()
             yield _stream_error(error)
+        finally:
+            await merged.aclose()
         yield SSE_DONE
 
     def _chat_delta(self, c: CompletionOutput, parser: ToolCallParser | MarkedToolCallParser | None,
@@ -799,10 +805,11 @@ class OpenAIServing:
                     job.cached_tokens[0] = output.num_cached_tokens
                     yield 0, output
                 return
-            async for i, output in _merge(job.streams):
-                job.trackers[i].observe(output)
-                job.cached_tokens[i] = output.num_cached_tokens
-                yield i, output
+            async with contextlib.aclosing(_merge(job.streams)) as outputs:
+                async for i, output in outputs:
+                    job.trackers[i].observe(output)
+                    job.cached_tokens[i] = output.num_cached_tokens
+                    yield i, output
         finally:
             for stream in job.streams:
                 await stream.aclose()
@@ -985,12 +992,15 @@ def _stream_error(error: Exception) -> str:
 
 
 class EventStreamResponse(StreamingResponse):
-    """Server-sent events; a client disconnect cancels the stream, and the generator is always closed."""
+    """Server-sent events; a client disconnect cancels the stream, and the generator is always closed. `on_close`
+    runs after it too: closing a generator that never started runs none of its cleanup (a client gone before the
+    first event), so the work behind the stream is ended there."""
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]] | None = None) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
+        self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         streamer = asyncio.ensure_future(self.stream_response(send))
@@ -1002,6 +1012,8 @@ class EventStreamResponse(StreamingResponse):
                 task.cancel()
             await asyncio.gather(streamer, watcher, return_exceptions=True)
             await self._events.aclose()  # type: ignore[attr-defined]
+            if self.on_close is not None:
+                await self.on_close()
         error = None if streamer.cancelled() else streamer.exception()
         if error is not None and not isinstance(error, OSError):
             raise error  # a bug, not a client going away: let the server log it

@@ -6,6 +6,7 @@ pooling requests of every pooling endpoint."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import time
 import uuid
 
@@ -86,9 +87,10 @@ async def run_pooling(serving: OpenAIServing, request_id: str, prompts: list[lis
     try:
         for stream in streams:
             await stream.accepted()
-        async for i, output in _merge(streams):
-            trackers[i].observe(output)
-            finals[i] = output
+        async with contextlib.aclosing(_merge(streams)) as outputs:
+            async for i, output in outputs:
+                trackers[i].observe(output)
+                finals[i] = output
     except InvalidRequestError as error:
         if error.param in ("prompt", "prompt_token_ids"):
             raise InvalidRequestError(param, str(error)) from None

@@ -55,7 +55,7 @@ class OpenAIServingResponses:
                 self.store.put(StoredResponse(response, conversation))
 
         if isinstance(answer, EventStreamResponse):
-            return EventStreamResponse(_events(shell, answer.body_iterator, save))
+            return EventStreamResponse(_events(shell, answer.body_iterator, save), on_close=answer.on_close)
         if answer.status_code != 200:
             return answer
         body = json.loads(answer.body)

@@ -13,6 +13,7 @@ from kestrel.entrypoints.async_engine import (
     RequestTimeoutError,
 )
 from kestrel.entrypoints.beam_search import search_async
+from kestrel.entrypoints.serving import EventStreamResponse
 from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import BeamSearchParams, SamplingParams
@@ -218,3 +219,25 @@ def test_the_request_timeout_bounds_a_whole_beam_search(tiny_model_dir):
         assert time.monotonic() - started < whole_s
     finally:
         engine.shutdown()
+
+
+def test_an_event_stream_whose_client_left_before_the_first_event_still_ends_its_work():
+    """The client is gone before the status line could even be sent: the events' generator never started, so
+    closing it runs none of its cleanup; the response's on_close ends the work behind it."""
+    closed: list[str] = []
+
+    async def events():
+        yield "data: never\n\n"
+
+    async def ended() -> None:
+        closed.append("work ended")
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await asyncio.sleep(3600)  # a connection whose writes never complete
+
+    response = EventStreamResponse(events(), on_close=ended)
+    asyncio.run(asyncio.wait_for(response({"type": "http"}, receive, send), 10))
+    assert closed == ["work ended"]
