@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -148,6 +149,10 @@ class CoreClient:
         self._aborting: dict[str, str] = {}  # sequence id -> its request's id, while the core has not applied the abort
         self._draining = False
         self._reader = threading.Thread(target=self._run, name="kestrel-core-client", daemon=True)
+        # Messages to the core go out from a thread of their own, in order: a core that stops reading (alive but
+        # stuck) fills the pipe, and only that thread then waits, not the server's event loop.
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="kestrel-core-client-writer", daemon=True)
 
     @classmethod
     def from_args(cls, model: str, *, max_queued_requests: int | None = None, request_timeout_s: float | None = None,
@@ -198,18 +203,20 @@ class CoreClient:
 
     def start(self) -> CoreClient:
         self._reader.start()
+        self._writer.start()
         return self
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core process (its in-flight requests end with EngineDeadError) and reap it."""
         self._stopping = True
-        with contextlib.suppress(OSError):
-            self._send([SHUTDOWN])
+        self._send([SHUTDOWN])
+        self._outbox.put(None)
         self._reap(timeout_s)
-        if self._reader.is_alive():  # it ends at the pipe's EOF, the core being gone
-            self._reader.join(timeout_s)
-        if not self._reader.is_alive():  # closed under a reader, the pipe's number could go to another file
-            with self._send_lock:
+        for thread in (self._writer, self._reader):  # they end at the pipe's EOF (or error), the core being gone
+            if thread.is_alive():
+                thread.join(timeout_s)
+        if not (self._reader.is_alive() or self._writer.is_alive()):  # closed under either, the pipe's number
+            with self._send_lock:                                       # could go to another file
                 self._conn.close()
         self._fail_all(EngineDeadError("the engine was shut down"))
 
@@ -367,6 +374,16 @@ class CoreClient:
 
     def _send(self, message: list[Any]) -> None:
         payload = pack(message)
+        if self._writer.is_alive():
+            self._outbox.put(payload)
+        else:  # not started (a client that only checks its start-up), or stopped: this thread sends
+            self._write_now(payload)
+
+    def _write(self) -> None:
+        while (payload := self._outbox.get()) is not None:
+            self._write_now(payload)
+
+    def _write_now(self, payload: bytes) -> None:
         try:
             with self._send_lock:
                 self._conn.send_bytes(payload)

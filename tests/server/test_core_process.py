@@ -220,6 +220,35 @@ def test_the_core_clients_aborted_id_is_free_again_once_the_core_applied_the_abo
     three_tokens_for_r1(client, main)
 
 
+def test_a_core_that_stops_reading_does_not_hold_the_servers_event_loop(tiny_model_dir):
+    """A live core that stops reading (stopped here) lets its pipe fill: the submits that would fill it past its
+    buffer still return at once (a writer thread waits, not the event loop), and the core serves them all once
+    it reads again."""
+    client = CoreClient.from_args(tiny_model_dir, max_model_len=256, device="cpu", dtype="float32").start()
+    params = SamplingParams(max_tokens=1)
+    prompt = [5 + i % 50 for i in range(200)]
+
+    async def main() -> float:
+        os.kill(client.pid, signal.SIGSTOP)
+        resume = threading.Timer(10, os.kill, (client.pid, signal.SIGCONT))  # a submit that blocks fails, not hangs
+        resume.start()
+        try:
+            started = time.monotonic()
+            streams = [client.submit(f"r{i}", prompt, params) for i in range(2000)]  # megabytes of ADD messages
+            submitted_s = time.monotonic() - started
+        finally:
+            resume.cancel()
+            os.kill(client.pid, signal.SIGCONT)
+        for stream in streams:
+            assert [output async for output in stream][-1].finished
+        return submitted_s
+
+    try:
+        assert asyncio.run(asyncio.wait_for(main(), 120)) < 10
+    finally:
+        client.shutdown()
+
+
 def test_a_core_that_fails_mid_run_reports_its_error_after_the_steps_before_it(tiny_model_dir):
     """The pipe has one writer: the error goes out after the steps queued before it, whole (two writers could
     interleave a long step's bytes with the error's)."""
