@@ -32,7 +32,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from kestrel.entrypoints.async_engine import submit_all
 from kestrel.entrypoints.media import Audio, decode_audio, resample
-from kestrel.entrypoints.serving import EventStreamResponse, OpenAIServing, _stream_error, _until_disconnect
+from kestrel.entrypoints.serving import (
+    SSE_DONE,
+    EventStreamResponse,
+    OpenAIServing,
+    _stream_error,
+    _until_disconnect,
+    sse,
+)
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams
 
@@ -287,7 +294,7 @@ class OpenAIServingAudio:
             yield _sse({"type": "transcript.text.done", "text": text, "usage": _usage(duration)})
         except Exception as error:  # the status line is sent: errors can only travel as an event
             yield _stream_error(error)
-        yield "data: [DONE]\n\n"
+        yield SSE_DONE
 
     def _response(self, task: str, request: AudioRequest, outputs: list[Any],
                   spans: list[tuple[float, float]], no_speech: list[float | None]) -> Response:
@@ -427,7 +434,7 @@ def _usage(duration: float) -> dict[str, Any]:
 
 
 def _sse(event: dict[str, Any]) -> str:
-    return f"data: {json.dumps(event)}\n\n"
+    return sse(json.dumps(event))
 
 
 def _clock(seconds: float, separator: str) -> str:
