@@ -24,6 +24,7 @@ from kestrel.kernels import scaled_mm as _scaled_mm
 from kestrel.kernels import sparse_decode as _sparse_decode
 from kestrel.kernels import store_kv as _store_kv
 from kestrel.kernels import streaming_attention as _streaming_attention
+from kestrel.kernels import token_bitmask as _token_bitmask
 from kestrel.kernels import wna16 as _wna16
 from kestrel.kernels.activation import ACTIVATIONS, HF_ACTIVATIONS  # noqa: F401 - the layers' names
 from kestrel.kernels.compile_ahead import compile_ahead, default_workers, start_pool  # noqa: F401 - the runner's
@@ -249,6 +250,13 @@ def moe_route(logits, top_k, renormalize):
     logits `[T, E]`, in descending weight order, the weights renormalised to sum to 1 when `renormalize`."""
     fn = _moe_routing.route_topk if use_triton(logits) else _moe_routing.route_topk_ref
     return fn(logits, top_k, renormalize)
+
+
+def apply_token_bitmask(logits, bitmask, rows):
+    """Mask `logits[rows[i]]` in place by the grammar bitmask `bitmask[i]` (xgrammar's int32 layout): disallowed
+    tokens, and tokens past the mask, get -inf. Returns `logits`."""
+    fn = _token_bitmask.apply_token_bitmask if use_triton(logits) else _token_bitmask.apply_token_bitmask_ref
+    return fn(logits, bitmask, rows)
 
 
 def wna16_gemm(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias=None):

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kestrel import ops
 from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput
 from kestrel.model.expert_load import ExpertLoad
 from kestrel.outputs import Logprob
-from kestrel.sample.grammar_mask import apply_token_bitmask
 from kestrel.sample.sampler import (
     Sampler,
     SamplerOutput,
@@ -316,7 +316,7 @@ class StepSampler:
         every_row = mask_rows == list(range(grammar.bitmask.shape[0]))
         # The usual step masks with every row in order: the (pinned) mask goes to the device without a gather.
         masks = to_device(grammar.bitmask if every_row else grammar.bitmask[mask_rows], self.device)
-        return apply_token_bitmask(logits, masks, to_device(torch.tensor(targets, dtype=torch.long), self.device))
+        return ops.apply_token_bitmask(logits, masks, to_device(torch.tensor(targets, dtype=torch.long), self.device))
 
     def _propose(self, draft: DraftStep, launched: LaunchedStep) -> None:
         """Enqueue the drafter's proposals from the step's sampled rows (plain rows, then verifying ones), fed on

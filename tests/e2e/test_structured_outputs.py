@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kestrel import SamplingParams
+from kestrel.ops import apply_token_bitmask
 from kestrel.request import InvalidRequestError
-from kestrel.sample.grammar_mask import apply_token_bitmask
 from kestrel.sample.sampler import Sampler, SamplingMetadata, to_logprob_dicts
 from kestrel.sampling_params import SamplingParamsError, StructuredOutputsParams
 
