@@ -59,8 +59,25 @@ def instrument(core: Any) -> None:
         return result
 
     core._collect_oldest = collect
-    if core.structured is not None:
-        timed(core.structured, "accept_many", "accept")
+    timed(core.structured, "accept_many", "accept")
+
+
+class FreeGrammars(GrammarBackend):
+    """The grammar host work at no cost: every token accepted without advancing a matcher, every mask filled
+    once with all tokens allowed (the device still copies and applies it). Its step time against a real
+    backend's is the part of the overhead the host's grammar work causes."""
+
+    def accept_many(self, new_tokens: dict[str, list[int]]) -> dict[str, int]:
+        return {rid: len(tokens) for rid, tokens in new_tokens.items()}
+
+    def bitmask(self, request_ids: list[str], drafts: dict[str, list[int]] | None = None) -> Any:
+        from kestrel.engine.contracts import GrammarBitmask
+
+        rows = [rid for rid in request_ids if rid in self._matchers]
+        if getattr(self, "_all_allowed", None) is None or self._all_allowed.shape[0] < len(rows):
+            self._all_allowed = self._buffer(max(1, len(rows)))
+            self._all_allowed.fill_(-1)
+        return GrammarBitmask(rows, self._all_allowed[:len(rows)])
 
 
 def run_mode(engine: Any, backend: GrammarBackend, mode: str, batch: int, args: argparse.Namespace, vocab: int,
@@ -129,8 +146,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=96)
-    p.add_argument("--modes", default="unconstrained,record,record+ref,digit-array",
-                   help="unconstrained or schemas of kestrel bench structured; SCHEMA+ref masks with the reference")
+    p.add_argument("--modes", default="unconstrained,record,record+ref,record+free,digit-array",
+                   help="unconstrained or schemas of kestrel bench structured; SCHEMA+ref masks with the "
+                   "reference, SCHEMA+free skips the grammar's host work")
     args = p.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
@@ -141,8 +159,12 @@ def main() -> None:
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
     backend = GrammarBackend(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids,
                              gpu_host=device.type == "cuda")
+    free = FreeGrammars(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids,
+                        gpu_host=device.type == "cuda")
+    free._tokenizer_info = backend.tokenizer_info
     engine.core.structured = backend
     instrument(engine.core)
+    timed(free, "accept_many", "accept")
     vocab = min(common.prompt_vocab(model_dir), tokenizer.vocab_size)
     results = []
     from kestrel import ops
@@ -151,8 +173,10 @@ def main() -> None:
     kernel = ops.apply_token_bitmask
     for name in args.modes.split(","):
         # "SCHEMA+ref": the grammar mask applied by the PyTorch reference instead of the Triton kernel
+        # "SCHEMA+free": the grammar's host work at no cost (FreeGrammars)
         mode, _, variant = name.partition("+")
         ops.apply_token_bitmask = token_bitmask.apply_token_bitmask_ref if variant == "ref" else kernel
+        engine.core.structured = free if variant == "free" else backend
         run_mode(engine, backend, mode, args.batch, args, vocab, f"{mode}-warm", profile=False)
         for repeat in range(2):
             profile = repeat == 0 and device.type == "cuda"
