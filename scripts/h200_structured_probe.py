@@ -148,7 +148,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--modes", default="unconstrained,record,record+ref,record+free,digit-array",
                    help="unconstrained or schemas of kestrel bench structured; SCHEMA+ref masks with the "
-                   "reference, SCHEMA+free skips the grammar's host work")
+                   "reference, SCHEMA+free skips the grammar's host work, SCHEMA+tN fills in N threads")
     args = p.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
@@ -163,6 +163,7 @@ def main() -> None:
                         gpu_host=device.type == "cuda")
     free._tokenizer_info = backend.tokenizer_info
     engine.core.structured = backend
+    default_threads = backend._fill_threads
     instrument(engine.core)
     timed(free, "accept_many", "accept")
     vocab = min(common.prompt_vocab(model_dir), tokenizer.vocab_size)
@@ -177,6 +178,9 @@ def main() -> None:
         mode, _, variant = name.partition("+")
         ops.apply_token_bitmask = token_bitmask.apply_token_bitmask_ref if variant == "ref" else kernel
         engine.core.structured = free if variant == "free" else backend
+        # "SCHEMA+tN": the mask filled in N of xgrammar's threads (default: the backend's own choice)
+        backend._fill_threads = int(variant[1:]) if variant.startswith("t") else default_threads
+        backend._batch = None
         run_mode(engine, backend, mode, args.batch, args, vocab, f"{mode}-warm", profile=False)
         for repeat in range(2):
             profile = repeat == 0 and device.type == "cuda"
