@@ -862,6 +862,9 @@ class EngineConfig:
     # compiles when it first launches); None: the usable cores less one, at most 8, on a CUDA device that
     # captures graphs.
     compile_workers: int | None = None
+    # Processes holding the grammar matchers of structured outputs, each a shard of the constrained requests
+    # (kestrel.structured.shards); 0: the engine's own thread advances and fills them.
+    grammar_workers: int = 0
     speculative_config: dict | None = None  # vLLM's dict; parsed into `speculative`
     speculative: SpeculativeConfig | None = field(default=None, init=False, compare=False)
     sparse_decode: dict | None = None  # {"method": "quest", "token_budget": ...}; parsed into `sparse`
@@ -889,6 +892,7 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICE_CHOICES)
         _check_int("cpu_threads", self.cpu_threads, 1, allow_none=True)
         _check_int("compile_workers", self.compile_workers, 0, allow_none=True)
+        _check_int("grammar_workers", self.grammar_workers, 0)
         if self.compile_workers and self.device == "cpu":
             _fail("compile_workers", self.compile_workers, "it compiles a GPU's Triton kernels; a CPU engine runs "
                   "none, leave it unset or 0")
@@ -1144,6 +1148,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "processes that compile the GPU's Triton kernels in parallel before the memory profile and the CUDA "
               "graph capture, each kernel's launch recorded on a dry forward first (0: off, each kernel compiles "
               "when it first launches; default: the usable cores less one, at most 8, where graphs are captured)"),
+    EngineArg("grammar_workers", "engine", "grammar_workers",
+              "processes that hold the grammar matchers of structured outputs, each a shard of the constrained "
+              "requests, advancing them and filling their token masks beside each other instead of on the engine's "
+              "thread (0: on the engine's thread)"),
     EngineArg("debug_launch_count", "engine", "debug_launch_count",
               "log the kernel launches of one decoder layer's decode step"),
     EngineArg("speculative_config", "engine", "speculative_config",

@@ -24,6 +24,7 @@ from kestrel.bench.structured import SCHEMAS
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.structured.backend import GrammarBackend
+from kestrel.structured.shards import GrammarShards
 
 PHASES: dict[str, list[tuple[float, float]]] = defaultdict(list)
 
@@ -148,7 +149,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--modes", default="unconstrained,record,record+ref,record+free,digit-array",
                    help="unconstrained or schemas of kestrel bench structured; SCHEMA+ref masks with the "
-                   "reference, SCHEMA+free skips the grammar's host work, SCHEMA+tN fills in N threads")
+                   "reference, SCHEMA+free skips the grammar's host work, SCHEMA+tN fills in N threads, "
+                   "SCHEMA+wN runs N grammar workers")
     args = p.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
@@ -164,6 +166,7 @@ def main() -> None:
     free._tokenizer_info = backend.tokenizer_info
     engine.core.structured = backend
     default_threads = backend._fill_threads
+    sharded: dict[int, GrammarShards] = {}
     instrument(engine.core)
     timed(free, "accept_many", "accept")
     vocab = min(common.prompt_vocab(model_dir), tokenizer.vocab_size)
@@ -177,7 +180,17 @@ def main() -> None:
         # "SCHEMA+free": the grammar's host work at no cost (FreeGrammars)
         mode, _, variant = name.partition("+")
         ops.apply_token_bitmask = token_bitmask.apply_token_bitmask_ref if variant == "ref" else kernel
-        engine.core.structured = free if variant == "free" else backend
+        # "SCHEMA+wN": the matchers in N grammar worker processes (GrammarShards)
+        if variant.startswith("w"):
+            workers = int(variant[1:])
+            if workers not in sharded:
+                sharded[workers] = GrammarShards(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids,
+                                                 workers, args.batch, gpu_host=device.type == "cuda")
+                sharded[workers]._tokenizer_info = backend.tokenizer_info
+                timed(sharded[workers], "accept_many", "accept")
+            engine.core.structured = sharded[workers]
+        else:
+            engine.core.structured = free if variant == "free" else backend
         # "SCHEMA+tN": the mask filled in N of xgrammar's threads (default: the backend's own choice)
         backend._fill_threads = int(variant[1:]) if variant.startswith("t") else default_threads
         backend._batch = None

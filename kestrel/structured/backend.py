@@ -113,32 +113,15 @@ class GrammarBackend:
     def accept_many(self, new_tokens: dict[str, list[int]]) -> dict[str, int]:
         """Advance each request's matcher with its new tokens; per request, how many the grammar accepted (in
         order). The usual step, one token per request, goes to xgrammar in one batched call."""
-        import xgrammar as xgr
-
         started = time.perf_counter()
-        counts = {rid: 0 for rid in new_tokens}
-        singles = [(rid, tokens[0]) for rid, tokens in new_tokens.items()
-                   if len(tokens) == 1 and rid in self._matchers and not self._matchers[rid].is_terminated()]
-        if singles:
-            results = xgr.BatchGrammarMatcher.batch_accept_token([self._matchers[rid] for rid, _ in singles],
-                                                                 [token for _, token in singles])
-            counts.update({rid: int(ok) for (rid, _), ok in zip(singles, results)})
-        done = {rid for rid, _ in singles}
-        for rid, tokens in new_tokens.items():
-            if rid not in done:
-                counts[rid] = self.accept(rid, tokens)
+        counts = advance_matchers(self._matchers, new_tokens)
         self.accept_seconds += time.perf_counter() - started
         return counts
 
     def accept(self, request_id: str, token_ids: list[int]) -> int:
         """Advance the request's matcher; returns how many of the tokens the grammar accepted (in order)."""
         matcher = self._matchers.get(request_id)
-        if matcher is None:
-            return len(token_ids)
-        for count, token_id in enumerate(token_ids):
-            if matcher.is_terminated() or not matcher.accept_token(token_id):
-                return count
-        return len(token_ids)
+        return len(token_ids) if matcher is None else accept_tokens(matcher, token_ids)
 
     def is_terminated(self, request_id: str) -> bool:
         """The grammar is complete and its stop token accepted: nothing more may follow."""
@@ -148,19 +131,7 @@ class GrammarBackend:
     def valid_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
         """The longest prefix of proposed tokens the request's grammar accepts (its matcher left as it was)."""
         matcher = self._matchers.get(request_id)
-        if matcher is None or matcher.is_terminated():
-            return []
-        count = 0
-        for token_id in drafts:
-            if not matcher.accept_token(token_id):
-                break
-            if matcher.is_terminated():  # the draft ends the grammar: the request decides that itself
-                matcher.rollback(1)
-                break
-            count += 1
-        if count:
-            matcher.rollback(count)
-        return drafts[:count]
+        return [] if matcher is None else valid_draft_prefix(matcher, drafts)
 
     def bitmask(self, request_ids: list[str], drafts: dict[str, list[int]] | None = None) -> GrammarBitmask:
         """The next-token bitmask of each request (int32 rows on the host). A request verifying drafts gets
@@ -202,19 +173,69 @@ class GrammarBackend:
         bitmask = self._buffer(len(req_ids))
         row = 0
         for rid in rows:
-            matcher = self._matchers[rid]
-            accepted, valid = 0, True
-            for token_id in drafts.get(rid, ()):
-                matcher.fill_next_token_bitmask(bitmask, row)
-                row += 1
-                # After a draft the grammar rejects, the rows repeat its state (verification stops there anyway).
-                valid = valid and not matcher.is_terminated() and matcher.accept_token(token_id)
-                accepted += valid
-            matcher.fill_next_token_bitmask(bitmask, row)
-            row += 1
-            if accepted:
-                matcher.rollback(accepted)
+            row = fill_draft_rows(self._matchers[rid], drafts.get(rid, []), bitmask, row)
         self.fill_seconds += time.perf_counter() - started
         self.num_fills += 1
         return GrammarBitmask(req_ids, bitmask)
 
+
+# ----- matcher operations, shared with the grammar workers (structured/shards.py) ------------------------
+
+
+def advance_matchers(matchers: dict[str, Any], new_tokens: dict[str, list[int]]) -> dict[str, int]:
+    """Per request of `new_tokens`, how many of its tokens its matcher accepted, in order (a request without a
+    matcher: all of them). One token per request goes to xgrammar in one batched call."""
+    import xgrammar as xgr
+
+    counts = {rid: len(tokens) for rid, tokens in new_tokens.items() if rid not in matchers}
+    singles = [(rid, tokens[0]) for rid, tokens in new_tokens.items()
+               if len(tokens) == 1 and rid in matchers and not matchers[rid].is_terminated()]
+    if singles:
+        results = xgr.BatchGrammarMatcher.batch_accept_token([matchers[rid] for rid, _ in singles],
+                                                             [token for _, token in singles])
+        counts.update({rid: int(ok) for (rid, _), ok in zip(singles, results)})
+    for rid, tokens in new_tokens.items():
+        if rid not in counts:
+            counts[rid] = accept_tokens(matchers[rid], tokens)
+    return counts
+
+
+def accept_tokens(matcher: Any, token_ids: list[int]) -> int:
+    """Advance `matcher`; how many of the tokens the grammar accepted (in order)."""
+    for count, token_id in enumerate(token_ids):
+        if matcher.is_terminated() or not matcher.accept_token(token_id):
+            return count
+    return len(token_ids)
+
+
+def valid_draft_prefix(matcher: Any, drafts: list[int]) -> list[int]:
+    """The longest prefix of `drafts` the grammar accepts, `matcher` left as it was."""
+    if matcher.is_terminated():
+        return []
+    count = 0
+    for token_id in drafts:
+        if not matcher.accept_token(token_id):
+            break
+        if matcher.is_terminated():  # the draft ends the grammar: the request decides that itself
+            matcher.rollback(1)
+            break
+        count += 1
+    if count:
+        matcher.rollback(count)
+    return drafts[:count]
+
+
+def fill_draft_rows(matcher: Any, drafts: list[int], bitmask: Any, row: int) -> int:
+    """The rows of a request verifying `drafts`, from `row` on: the grammar's state after each draft (drafts the
+    grammar accepts, as the proposals were checked with `valid_draft_prefix`), then after all of them; after a
+    draft the grammar rejects, the rows repeat its state (verification stops there anyway). Returns the next row."""
+    accepted, valid = 0, True
+    for token_id in drafts:
+        matcher.fill_next_token_bitmask(bitmask, row)
+        row += 1
+        valid = valid and not matcher.is_terminated() and matcher.accept_token(token_id)
+        accepted += valid
+    matcher.fill_next_token_bitmask(bitmask, row)
+    if accepted:
+        matcher.rollback(accepted)
+    return row + 1

@@ -1,0 +1,253 @@
+"""Grammar matchers in processes of their own (`grammar_workers`): each worker holds the matchers of a shard of the
+constrained requests and writes their bitmask rows into shared memory, so a step's matcher advance and mask fill
+run beside each other in the workers instead of one after the other on the engine's thread. xgrammar holds the GIL
+in both calls, so threads of the engine's process cannot do this.
+
+`GrammarShards` has the backend's contract (`structured/backend.py`); the engine cannot tell the two apart. Each
+worker compiles the grammars of its own requests from their `GrammarSource` (a compiled grammar does not cross
+processes cheaply: a 100-field schema serializes to 6.9 MB in 0.5 s), with its compiler's cache; the engine's
+process compiles a grammar it was not handed compiled first, so an invalid grammar is refused at `add` as before.
+A worker that dies takes the engine's step with it (a RuntimeError naming it), never a request silently.
+
+Messages are tuples over a pipe, in order; a reply comes only for the calls that wait for one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import time
+import weakref
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+from kestrel.engine.contracts import GrammarBitmask
+from kestrel.sampling_params import StructuredOutputsParams
+from kestrel.structured.backend import GrammarBackend, advance_matchers, fill_draft_rows, valid_draft_prefix
+from kestrel.structured.compile import GrammarSource, compile_source
+
+__all__ = ["GrammarShards"]
+
+
+class GrammarShards(GrammarBackend):
+    """The backend with its matchers in `workers` processes. `max_rows`: the most bitmask rows one step fills
+    (max_num_seqs x (1 + speculative tokens)); a step with more fails loudly."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], workers: int,
+                 max_rows: int, gpu_host: bool = False, **backend_options: Any) -> None:
+        super().__init__(tokenizer, vocab_size, eos_token_ids, gpu_host=gpu_host, **backend_options)
+        self._workers = workers
+        self._max_rows = max_rows
+        self._words = (vocab_size + 31) // 32
+        self._gpu_host = gpu_host
+        self._conns: list[Connection] = []
+        self._shard_of: dict[str, int] = {}
+        self._terminated: set[str] = set()
+        self._next_shard = itertools.cycle(range(workers))
+        self._memory: SharedMemory | None = None
+        self._masks: Any = None  # int32 [2, max_rows, words] over the shared memory
+
+    def _start(self) -> None:
+        """The workers and the shared masks, on the first constrained request (most engines never need them)."""
+        import torch
+
+        size = 2 * self._max_rows * self._words * 4
+        self._memory = SharedMemory(create=True, size=size)
+        masks = torch.frombuffer(self._memory.buf, dtype=torch.int32).view(2, self._max_rows, self._words)
+        if self._gpu_host:  # registered with the driver: the copies to the device stay asynchronous
+            torch.cuda.cudart().cudaHostRegister(masks.data_ptr(), size, 0)
+        self._masks = masks
+        context = multiprocessing.get_context("spawn")
+        info = self.tokenizer_info.serialize_json()
+        processes = []
+        for index in range(self._workers):
+            parent, child = context.Pipe()
+            process = context.Process(target=_worker_main, name=f"kestrel-grammar-{index}", daemon=True,
+                                      args=(child, info, self.vocab_size, self._memory.name, self._max_rows,
+                                            self._words, self._fill_threads_per_worker(), self._cache_bytes))
+            process.start()
+            child.close()
+            self._conns.append(parent)
+            processes.append(process)
+        for index in range(self._workers):
+            self._receive(index)  # each worker's "ready"
+        self._finalizer = weakref.finalize(self, _shut_down, self._conns, processes, self._memory, masks,
+                                           self._gpu_host)
+
+    def close(self) -> None:
+        """Stop the workers and free the shared memory (also done when the backend is collected)."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+
+    def _fill_threads_per_worker(self) -> int:
+        return max(1, self._fill_threads // self._workers)
+
+    # ----- requests ------------------------------------------------------------------------------
+
+    def add(self, request_id: str, spec: StructuredOutputsParams, compiled: Any = None) -> None:
+        if compiled is None:
+            compiled = self.compile(spec)  # an invalid grammar is refused here, in the caller's thread
+        if not self._conns:
+            self._start()
+        shard = next(self._next_shard)
+        self._shard_of[request_id] = shard
+        # The worker compiles the grammar's text (a forced tool call's spec holds only its marker).
+        source = compiled if isinstance(compiled, GrammarSource) else GrammarSource("grammar", str(compiled.grammar))
+        self._send(shard, ("add", request_id, source))
+
+    def remove(self, request_id: str) -> None:
+        shard = self._shard_of.pop(request_id, None)
+        self._terminated.discard(request_id)
+        if shard is not None:
+            self._send(shard, ("remove", request_id))
+
+    def accept_many(self, new_tokens: dict[str, list[int]]) -> dict[str, int]:
+        started = time.perf_counter()
+        counts = {rid: len(tokens) for rid, tokens in new_tokens.items() if rid not in self._shard_of}
+        for shard, part in self._by_shard(new_tokens.items()).items():
+            self._send(shard, ("accept", dict(part)))
+        for shard in self._by_shard(new_tokens.items()):
+            shard_counts, terminated = self._receive(shard)
+            counts.update(shard_counts)
+            self._terminated.update(terminated)
+        self.accept_seconds += time.perf_counter() - started
+        return counts
+
+    def accept(self, request_id: str, token_ids: list[int]) -> int:
+        return self.accept_many({request_id: token_ids})[request_id]
+
+    def is_terminated(self, request_id: str) -> bool:
+        return request_id in self._terminated
+
+    def valid_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
+        shard = self._shard_of.get(request_id)
+        if shard is None or request_id in self._terminated:
+            return []
+        self._send(shard, ("drafts", request_id, drafts))
+        return self._receive(shard)
+
+    def bitmask(self, request_ids: list[str], drafts: dict[str, list[int]] | None = None) -> GrammarBitmask:
+        started = time.perf_counter()
+        drafts = drafts or {}
+        rows = [rid for rid in request_ids if rid in self._shard_of]
+        req_ids = [rid for rid in rows for _ in range(len(drafts.get(rid, ())) + 1)]
+        if len(req_ids) > self._max_rows:
+            raise RuntimeError(f"a step needs {len(req_ids)} grammar bitmask rows; the workers' shared masks hold "
+                               f"{self._max_rows}")
+        self._turn ^= 1
+        placed, row = [], 0
+        for rid in rows:
+            placed.append((rid, row, drafts.get(rid, [])))
+            row += len(drafts.get(rid, ())) + 1
+        parts = self._by_shard((rid, (rid, first, d)) for rid, first, d in placed)
+        for shard, part in parts.items():
+            self._send(shard, ("fill", self._turn, [entry for _, entry in part]))
+        for shard in parts:
+            self._receive(shard)
+        self.fill_seconds += time.perf_counter() - started
+        self.num_fills += 1
+        return GrammarBitmask(req_ids, self._masks[self._turn, :len(req_ids)])
+
+    # ----- plumbing ------------------------------------------------------------------------------
+
+    def _by_shard(self, items: Any) -> dict[int, list[tuple[str, Any]]]:
+        parts: dict[int, list[tuple[str, Any]]] = {}
+        for rid, value in items:
+            shard = self._shard_of.get(rid)
+            if shard is not None:
+                parts.setdefault(shard, []).append((rid, value))
+        return parts
+
+    def _send(self, shard: int, message: tuple) -> None:
+        try:
+            self._conns[shard].send(message)
+        except OSError:  # a broken pipe: the worker is gone
+            raise RuntimeError(f"grammar worker {shard} exited; the engine cannot constrain its requests") from None
+
+    def _receive(self, shard: int) -> Any:
+        try:
+            status, value = self._conns[shard].recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"grammar worker {shard} exited; the engine cannot constrain its requests") from None
+        if status != "ok":
+            raise RuntimeError(f"grammar worker {shard} failed: {value}")
+        return value
+
+
+def _shut_down(conns: list[Connection], processes: list[Any], memory: SharedMemory, masks: Any,
+               registered: bool) -> None:
+    for conn in conns:
+        conn.close()  # each worker ends at the end of its pipe
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+    if registered:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(masks.data_ptr())
+    del masks
+    memory.close()
+    memory.unlink()
+
+
+# ----- the worker process --------------------------------------------------------------------------------
+
+
+def _worker_main(conn: Connection, tokenizer_info: str, vocab_size: int, memory_name: str, max_rows: int,
+                 words: int, fill_threads: int, cache_bytes: int) -> None:
+    import torch
+    import xgrammar as xgr
+
+    torch.set_num_threads(1)
+    memory = SharedMemory(name=memory_name)
+    masks = torch.frombuffer(memory.buf, dtype=torch.int32).view(2, max_rows, words)
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info), max_threads=fill_threads,
+                                   cache_enabled=True, cache_limit_bytes=cache_bytes)
+    batch = xgr.BatchGrammarMatcher(max_threads=fill_threads)
+    matchers: dict[str, Any] = {}
+    conn.send(("ok", None))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        try:
+            reply = _handle(message, matchers, compiler, batch, masks, xgr)
+        except Exception as error:  # noqa: BLE001 - reported to the engine, which raises it
+            reply = ("error", f"{type(error).__name__}: {error}")
+        if reply is not None:
+            conn.send(reply)
+    del masks
+    memory.close()
+
+
+def _handle(message: tuple, matchers: dict[str, Any], compiler: Any, batch: Any, masks: Any, xgr: Any) -> Any:
+    kind = message[0]
+    if kind == "add":
+        _, rid, source = message
+        matchers[rid] = xgr.GrammarMatcher(compile_source(compiler, source))
+        return None
+    if kind == "remove":
+        matchers.pop(message[1], None)
+        return None
+    if kind == "accept":
+        new_tokens = message[1]
+        counts = advance_matchers(matchers, new_tokens)
+        return "ok", (counts, [rid for rid in new_tokens if rid in matchers and matchers[rid].is_terminated()])
+    if kind == "drafts":
+        _, rid, drafts = message
+        return "ok", valid_draft_prefix(matchers[rid], drafts)
+    if kind == "fill":
+        _, turn, entries = message
+        plain = [(rid, first) for rid, first, drafts in entries if not drafts]
+        if plain:
+            batch.batch_fill_next_token_bitmask([matchers[rid] for rid, _ in plain], masks[turn],
+                                                [first for _, first in plain])
+        for rid, first, drafts in entries:
+            if drafts:
+                fill_draft_rows(matchers[rid], drafts, masks[turn], first)
+        return "ok", None
+    raise ValueError(f"unknown grammar worker message {kind!r}")
