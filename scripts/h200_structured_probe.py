@@ -20,9 +20,8 @@ from typing import Any
 import torch
 
 from kestrel.bench import common
-from kestrel.bench.structured import SCHEMAS
+from kestrel.bench.structured import add_requests
 from kestrel.loader.tokenizer import load_tokenizer
-from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.structured.backend import GrammarBackend
 from kestrel.structured.shards import GrammarShards
 
@@ -84,11 +83,7 @@ class FreeGrammars(GrammarBackend):
 def run_mode(engine: Any, backend: GrammarBackend, mode: str, batch: int, args: argparse.Namespace, vocab: int,
              tag: str, profile: bool) -> dict[str, Any]:
     core = engine.core
-    spec = StructuredOutputsParams(json=SCHEMAS[mode], disable_any_whitespace=True) if mode in SCHEMAS else None
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, structured_outputs=spec)
-    g = torch.Generator().manual_seed(hash(tag) % (1 << 31))
-    for i in range(batch):
-        core.add_request(f"{tag}-{i}", torch.randint(1, vocab, (args.input_len,), generator=g).tolist(), params)
+    add_requests(core, mode, batch, args, vocab, tag)
     first: set[str] = set()
     steps: list[tuple[float, float]] = []
     prof = None

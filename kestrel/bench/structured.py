@@ -124,14 +124,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure(engine: common.Engine, backend: GrammarBackend, batch: int, args: argparse.Namespace, vocab: int,
-            mode: str, tag: str) -> dict[str, float]:
-    core = engine.core
+def add_requests(core: Any, mode: str, batch: int, args: argparse.Namespace, vocab: int, tag: str) -> None:
+    """`batch` greedy requests of random prompts, constrained by the schema `mode` names (else unconstrained), their
+    ids `{tag}-{i}`, each decoding `--output-len` tokens."""
     spec = StructuredOutputsParams(json=SCHEMAS[mode], disable_any_whitespace=True) if mode in SCHEMAS else None
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, structured_outputs=spec)
     g = torch.Generator().manual_seed(hash(tag) % (1 << 31))
     for i in range(batch):
         core.add_request(f"{tag}-{i}", torch.randint(1, vocab, (args.input_len,), generator=g).tolist(), params)
+
+
+def measure(engine: common.Engine, backend: GrammarBackend, batch: int, args: argparse.Namespace, vocab: int,
+            mode: str, tag: str) -> dict[str, float]:
+    core = engine.core
+    add_requests(core, mode, batch, args, vocab, tag)
     fills_before = backend.num_fills
     steps: list[float] = []
     first: set[str] = set()
