@@ -65,6 +65,31 @@ def exited(pid: int, within_s: float = 10.0) -> bool:
 
 
 def test_structured_outputs_are_compiled_and_matched_in_the_core(core_process_server):
+    check_structured_outputs(core_process_server)
+
+
+def test_structured_outputs_and_forced_tool_calls_with_grammar_workers_in_the_core(tiny_model_dir):
+    """The core's matchers in two grammar worker processes (`--grammar-workers 2`): the same checks, and a forced
+    tool call, whose grammar reaches the core as its source and the workers as the compiled grammar's text."""
+    server = start_core_process_server(tiny_model_dir, grammar_workers=2, max_model_len=512)
+    try:
+        check_structured_outputs(server)
+        tool = {"type": "function", "function": {"name": "set_level", "parameters": {
+            "type": "object", "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["level"], "additionalProperties": False}}}
+        body = {"messages": [{"role": "user", "content": "Set a level."}], "max_tokens": 60, "seed": 2,
+                "tools": [tool], "tool_choice": "required", "temperature": 1.0}
+        answer = post(server, body, "/v1/chat/completions")
+        assert answer.status_code == 200, answer.text
+        calls = answer.json()["choices"][0]["message"]["tool_calls"]
+        assert calls and calls[0]["function"]["name"] == "set_level"
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), tool["function"]["parameters"])
+    finally:
+        server.stop()
+
+
+def check_structured_outputs(server) -> None:
+    core_process_server = server
     choice = post(core_process_server, {"prompt": "Pick:", "max_tokens": 20, "temperature": 1.0, "seed": 3,
                                         "structured_outputs": {"choice": ["yes", "no", "maybe"]}})
     assert choice.status_code == 200, choice.text
