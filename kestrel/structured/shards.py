@@ -40,7 +40,6 @@ class GrammarShards(GrammarBackend):
         self._workers = workers
         self._max_rows = max_rows
         self._words = (vocab_size + 31) // 32
-        self._gpu_host = gpu_host
         self._conns: list[Connection] = []
         self._shard_of: dict[str, int] = {}
         self._terminated: set[str] = set()
@@ -55,7 +54,7 @@ class GrammarShards(GrammarBackend):
         size = 2 * self._max_rows * self._words * 4
         self._memory = SharedMemory(create=True, size=size)
         masks = torch.frombuffer(self._memory.buf, dtype=torch.int32).view(2, self._max_rows, self._words)
-        if self._gpu_host:  # registered with the driver: the copies to the device stay asynchronous
+        if self._pin_memory:  # registered with the driver: the copies to the device stay asynchronous
             torch.cuda.cudart().cudaHostRegister(masks.data_ptr(), size, 0)
         self._masks = masks
         context = multiprocessing.get_context("spawn")
@@ -73,7 +72,7 @@ class GrammarShards(GrammarBackend):
         for index in range(self._workers):
             self._receive(index)  # each worker's "ready"
         self._finalizer = weakref.finalize(self, _shut_down, self._conns, processes, self._memory, masks,
-                                           self._gpu_host)
+                                           self._pin_memory)
 
     def close(self) -> None:
         """Stop the workers and free the shared memory (also done when the backend is collected)."""
@@ -106,9 +105,10 @@ class GrammarShards(GrammarBackend):
     def accept_many(self, new_tokens: dict[str, list[int]]) -> dict[str, int]:
         started = time.perf_counter()
         counts = {rid: len(tokens) for rid, tokens in new_tokens.items() if rid not in self._shard_of}
-        for shard, part in self._by_shard(new_tokens.items()).items():
+        parts = self._by_shard(new_tokens.items())
+        for shard, part in parts.items():
             self._send(shard, ("accept", dict(part)))
-        for shard in self._by_shard(new_tokens.items()):
+        for shard in parts:
             shard_counts, terminated = self._receive(shard)
             counts.update(shard_counts)
             self._terminated.update(terminated)
@@ -131,17 +131,18 @@ class GrammarShards(GrammarBackend):
     def bitmask(self, request_ids: list[str], drafts: dict[str, list[int]] | None = None) -> GrammarBitmask:
         started = time.perf_counter()
         drafts = drafts or {}
-        rows = [rid for rid in request_ids if rid in self._shard_of]
-        req_ids = [rid for rid in rows for _ in range(len(drafts.get(rid, ())) + 1)]
+        req_ids: list[str] = []  # a request verifying drafts has one row per verified position, in order
+        placed = []  # (rid, (rid, its first row, its drafts))
+        for rid in request_ids:
+            if rid in self._shard_of:
+                own = drafts.get(rid, [])
+                placed.append((rid, (rid, len(req_ids), own)))
+                req_ids += [rid] * (len(own) + 1)
         if len(req_ids) > self._max_rows:
             raise RuntimeError(f"a step needs {len(req_ids)} grammar bitmask rows; the workers' shared masks hold "
                                f"{self._max_rows}")
         self._turn ^= 1
-        placed, row = [], 0
-        for rid in rows:
-            placed.append((rid, row, drafts.get(rid, [])))
-            row += len(drafts.get(rid, ())) + 1
-        parts = self._by_shard((rid, (rid, first, d)) for rid, first, d in placed)
+        parts = self._by_shard(placed)
         for shard, part in parts.items():
             self._send(shard, ("fill", self._turn, [entry for _, entry in part]))
         for shard in parts:
