@@ -9,13 +9,17 @@ processes cheaply: a 100-field schema serializes to 6.9 MB in 0.5 s), with its c
 process compiles a grammar it was not handed compiled first, so an invalid grammar is refused at `add` as before.
 A worker that dies takes the engine's step with it (a RuntimeError naming it), never a request silently.
 
+The workers are forked from the process's fork server (`kestrel/fork_server.py`), which imports torch and xgrammar
+once for all of them, when the backend is built: they start beside the model's load, not in the step of the first
+constrained request. The vocabulary reaches them with that first request (an engine core in its own process gets it
+from its client only then).
+
 Messages are tuples over a pipe, in order; a reply comes only for the calls that wait for one.
 """
 
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import time
 import weakref
 from multiprocessing.connection import Connection
@@ -23,6 +27,7 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 from kestrel.engine.contracts import GrammarBitmask
+from kestrel.fork_server import fork_context
 from kestrel.sampling_params import StructuredOutputsParams
 from kestrel.structured.backend import GrammarBackend, advance_matchers, fill_draft_rows, valid_draft_prefix
 from kestrel.structured.compile import GrammarSource, compile_source
@@ -46,9 +51,11 @@ class GrammarShards(GrammarBackend):
         self._next_shard = itertools.cycle(range(workers))
         self._memory: SharedMemory | None = None
         self._masks: Any = None  # int32 [2, max_rows, words] over the shared memory
+        self._initialized = False
+        self._launch()
 
-    def _start(self) -> None:
-        """The workers and the shared masks, on the first constrained request (most engines never need them)."""
+    def _launch(self) -> None:
+        """The workers and the shared masks, started now; each waits for the vocabulary (`_ready`)."""
         import torch
 
         size = 2 * self._max_rows * self._words * 4
@@ -57,22 +64,29 @@ class GrammarShards(GrammarBackend):
         if self._pin_memory:  # registered with the driver: the copies to the device stay asynchronous
             torch.cuda.cudart().cudaHostRegister(masks.data_ptr(), size, 0)
         self._masks = masks
-        context = multiprocessing.get_context("spawn")
-        info = self.tokenizer_info.serialize_json()
+        context = fork_context(WORKER_MODULES)
         processes = []
+        try:
+            for index in range(self._workers):
+                parent, child = context.Pipe()
+                process = context.Process(target=_worker_main, name=f"kestrel-grammar-{index}", daemon=True,
+                                          args=(child, self._memory.name, self._max_rows, self._words))
+                process.start()
+                child.close()
+                self._conns.append(parent)
+                processes.append(process)
+        finally:
+            self._finalizer = weakref.finalize(self, _shut_down, self._conns, processes, self._memory, masks,
+                                               self._pin_memory)
+
+    def _ready(self) -> None:
+        """Hand each worker the vocabulary and its fill threads, once, before its first request."""
+        info = self.tokenizer_info.serialize_json()
         for index in range(self._workers):
-            parent, child = context.Pipe()
-            process = context.Process(target=_worker_main, name=f"kestrel-grammar-{index}", daemon=True,
-                                      args=(child, info, self.vocab_size, self._memory.name, self._max_rows,
-                                            self._words, self._fill_threads_per_worker(), self._cache_bytes))
-            process.start()
-            child.close()
-            self._conns.append(parent)
-            processes.append(process)
+            self._send(index, ("init", info, self._fill_threads_per_worker(), self._cache_bytes))
         for index in range(self._workers):
-            self._receive(index)  # each worker's "ready"
-        self._finalizer = weakref.finalize(self, _shut_down, self._conns, processes, self._memory, masks,
-                                           self._pin_memory)
+            self._receive(index)
+        self._initialized = True
 
     def close(self) -> None:
         """Stop the workers and free the shared memory (also done when the backend is collected)."""
@@ -88,8 +102,8 @@ class GrammarShards(GrammarBackend):
     def add(self, request_id: str, spec: StructuredOutputsParams, compiled: Any = None) -> None:
         if compiled is None:
             compiled = self.compile(spec)  # an invalid grammar is refused here, in the caller's thread
-        if not self._conns:
-            self._start()
+        if not self._initialized:
+            self._ready()
         shard = next(self._next_shard)
         self._shard_of[request_id] = shard
         # The worker compiles the grammar's text (a forced tool call's spec holds only its marker).
@@ -197,30 +211,38 @@ def _shut_down(conns: list[Connection], processes: list[Any], memory: SharedMemo
 # ----- the worker process --------------------------------------------------------------------------------
 
 
-def _worker_main(conn: Connection, tokenizer_info: str, vocab_size: int, memory_name: str, max_rows: int,
-                 words: int, fill_threads: int, cache_bytes: int) -> None:
+WORKER_MODULES = ("torch", "xgrammar", __name__)  # what the fork server imports for the workers
+
+
+def _worker_main(conn: Connection, memory_name: str, max_rows: int, words: int) -> None:
     import torch
     import xgrammar as xgr
 
     torch.set_num_threads(1)
     memory = SharedMemory(name=memory_name)
     masks = torch.frombuffer(memory.buf, dtype=torch.int32).view(2, max_rows, words)
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info), max_threads=fill_threads,
-                                   cache_enabled=True, cache_limit_bytes=cache_bytes)
-    batch = xgr.BatchGrammarMatcher(max_threads=fill_threads)
-    matchers: dict[str, Any] = {}
-    conn.send(("ok", None))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            break
-        try:
-            reply = _handle(message, matchers, compiler, batch, masks, xgr)
-        except Exception as error:  # noqa: BLE001 - reported to the engine, which raises it
-            reply = ("error", f"{type(error).__name__}: {error}")
-        if reply is not None:
-            conn.send(reply)
+    try:
+        message = conn.recv()
+    except (EOFError, OSError):  # the engine closed before its first constrained request
+        message = None
+    if message is not None:
+        _, tokenizer_info, fill_threads, cache_bytes = message
+        compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info),
+                                       max_threads=fill_threads, cache_enabled=True, cache_limit_bytes=cache_bytes)
+        batch = xgr.BatchGrammarMatcher(max_threads=fill_threads)
+        matchers: dict[str, Any] = {}
+        conn.send(("ok", None))
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                reply = _handle(message, matchers, compiler, batch, masks, xgr)
+            except Exception as error:  # noqa: BLE001 - reported to the engine, which raises it
+                reply = ("error", f"{type(error).__name__}: {error}")
+            if reply is not None:
+                conn.send(reply)
     del masks
     memory.close()
 

@@ -117,6 +117,25 @@ def test_a_worker_that_dies_fails_the_step_naming_it_and_closing_frees_everythin
         SharedMemory(name=name)
 
 
+def test_workers_start_with_the_engine_and_close_before_any_constrained_request():
+    """The workers are forked when the engine is built (beside its load), wait for the vocabulary of the first
+    constrained request, and exit at close without one."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    llm = LLM(max_model_len=128, grammar_workers=2)
+    backend = llm.engine.structured
+    processes = list(backend._finalizer.peek()[2][1])
+    name = backend._memory.name
+    assert len(processes) == 2 and all(p.is_alive() for p in processes)
+    out = llm.generate("x", SamplingParams(max_tokens=3), use_tqdm=False)  # unconstrained: the workers idle
+    assert len(out[0].outputs[0].token_ids) == 3
+    backend.close()
+    assert not any(p.is_alive() for p in processes)
+    assert all(p.exitcode == 0 for p in processes)
+    with pytest.raises(FileNotFoundError):
+        SharedMemory(name=name)
+
+
 def test_a_negative_worker_count_is_refused():
     with pytest.raises(ConfigError, match="grammar_workers"):
         LLM(max_model_len=128, grammar_workers=-1)
