@@ -39,8 +39,43 @@ def _reload_compiled_kernel_modules() -> None:
             importlib.reload(module)
 
 
+def _patch_the_language_once_per_launch() -> None:
+    """Triton's interpreter patches triton.language for a launch, walking every member of tl, tl.tensor and
+    tl.math, and then again at every call of a @triton.jit helper inside it, though the launch has patched the
+    same modules already (a fifth of these tests' interpreter time). A helper whose language modules are patched
+    now runs without that walk; the launch still patches them first and restores them at its end."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    walk = interpreter._patch_lang
+
+    def patch_lang(fn):
+        langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
+        if langs and not any(tl.core.is_builtin(lang.program_id) for lang in langs):
+            return interpreter._LangPatchScope()  # patched by the launch: nothing to restore
+        return walk(fn)
+
+    interpreter._patch_lang = patch_lang
+
+
+def _unwrap_shapes_without_rebuilding_them() -> None:
+    """Every block type the interpreter makes unwraps its shape; a shape held as a triton.language tuple was
+    rebuilt into a new tuple (and a type for it) only to be read as a list: read its values directly, the same list."""
+    from triton.language import core
+
+    unwrap = core._unwrap_if_constexpr
+
+    def unwrap_shape(shape):
+        values = shape.values if isinstance(shape, core.tuple) else unwrap(shape)
+        return [unwrap(s) for s in values]
+
+    core._unwrap_shape = unwrap_shape
+
+
 if INTERPRET:
     _reload_compiled_kernel_modules()
+    _patch_the_language_once_per_launch()
+    _unwrap_shapes_without_rebuilding_them()
 
 
 @pytest.fixture(scope="session")
