@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,26 @@ def pytest_configure(config: pytest.Config) -> None:
     # Whichever test first starts this process's fork server (a worker pool or a CPU `mp` executor), it imports the
     # executor's worker modules too: the CPU engines of later tests then fork their ranks without importing torch.
     fork_context(CPU_RANK_MODULES)
+    _one_ssl_context_for_every_client()
+
+
+def _one_ssl_context_for_every_client() -> None:
+    """Every httpx client (the openai, LangChain and litellm clients' too) loads the CA bundle into an SSL context
+    of its own when it is built: ~38 ms of CPU on the 2-core machine, even for an http:// URL. The tests' servers
+    speak plain HTTP, so the clients built with the default verification share one context, built once."""
+    from httpx._transports import default
+
+    create = default.create_ssl_context
+    shared: dict[bool, Any] = {}
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is not True or cert is not None:
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        if trust_env not in shared:
+            shared[trust_env] = create(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[trust_env]
+
+    default.create_ssl_context = create_ssl_context
 
 
 # The client suite's modules share one package-scoped `kestrel serve`, which pytest stops whenever a worker turns to
