@@ -72,10 +72,27 @@ def _unwrap_shapes_without_rebuilding_them() -> None:
     core._unwrap_shape = unwrap_shape
 
 
+def _name_tuple_types_when_asked() -> None:
+    """Each tuple the interpreter makes (every block shape) formats its type's name at once, a string that the
+    interpreter then never reads: the name is formatted when asked for instead, the same string."""
+    from triton.language import core
+
+    def __init__(self, types, fields=None) -> None:
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    def name(self) -> str:
+        return "[" + ",".join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + "]"
+
+    core.tuple_type.__init__ = __init__
+    core.tuple_type.name = property(name)
+
+
 if INTERPRET:
     _reload_compiled_kernel_modules()
     _patch_the_language_once_per_launch()
     _unwrap_shapes_without_rebuilding_them()
+    _name_tuple_types_when_asked()
 
 
 @pytest.fixture(scope="session")
