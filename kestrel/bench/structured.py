@@ -36,7 +36,7 @@ from kestrel.config import ConfigError
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.structured.backend import GrammarBackend
-from kestrel.structured.shards import GrammarShards
+from kestrel.structured.shards import grammar_backend
 
 RECORD_FIELDS = 100
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -82,12 +82,8 @@ def run(args: argparse.Namespace) -> int:
     if args.grammar_workers < 0:
         raise ConfigError(f"invalid --grammar-workers={args.grammar_workers}: expected 0 (the engine's thread) or "
                           "a number of processes")
-    if args.grammar_workers:
-        backend = GrammarShards(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids,
-                                args.grammar_workers, max(batches), gpu_host=device.type == "cuda")
-    else:
-        backend = GrammarBackend(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids,
-                                 gpu_host=device.type == "cuda")
+    backend = grammar_backend(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids, args.grammar_workers,
+                              max(batches), device.type == "cuda")
     engine.core.structured = backend
     default_async = engine.core.async_scheduling
     vocab = min(common.prompt_vocab(model_dir), tokenizer.vocab_size)

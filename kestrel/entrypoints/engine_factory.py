@@ -14,8 +14,7 @@ from kestrel.executor.factory import build_executor
 from kestrel.loader.gguf_config import model_hf_config
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.model.registry import get_model_class
-from kestrel.structured.backend import GrammarBackend
-from kestrel.structured.shards import GrammarShards
+from kestrel.structured.shards import grammar_backend
 from kestrel.worker.model_runner import ModelRunner
 from kestrel.worker.runner_setup import runs_on_cpu
 
@@ -88,13 +87,10 @@ def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | 
     else:
         runner = ModelRunner(config, eos_token_id=eos_token_id)
     gpu_host = isinstance(runner, ModelRunner) and runner.device.type == "cuda"  # executors pickle the masks
-    if config.grammar_workers:
-        spec = config.speculative
-        max_rows = config.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
-        structured = GrammarShards(tokenizer, runner.vocab_size, runner.eos_token_ids, config.grammar_workers,
-                                   max_rows, gpu_host=gpu_host)
-    else:
-        structured = GrammarBackend(tokenizer, runner.vocab_size, runner.eos_token_ids, gpu_host=gpu_host)
+    spec = config.speculative
+    max_rows = config.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+    structured = grammar_backend(tokenizer, runner.vocab_size, runner.eos_token_ids, config.grammar_workers,
+                                 max_rows, gpu_host)
     core = EngineCore(config, runner, runner.kv_layout, tokenizer, eos_token_id, structured,
                       detokenize=tokenizer is not None)
     return BuiltEngine(tokenizer, runner, core)

@@ -32,7 +32,16 @@ from kestrel.sampling_params import StructuredOutputsParams
 from kestrel.structured.backend import GrammarBackend, advance_matchers, fill_draft_rows, valid_draft_prefix
 from kestrel.structured.compile import GrammarSource, compile_source
 
-__all__ = ["GrammarShards"]
+__all__ = ["GrammarShards", "grammar_backend"]
+
+
+def grammar_backend(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], workers: int, max_rows: int,
+                    gpu_host: bool) -> GrammarBackend:
+    """The engine's structured-outputs backend: the matchers in `workers` processes (`GrammarShards`, masks for
+    up to `max_rows` rows a step), or on the engine's thread when `workers` is 0."""
+    if workers:
+        return GrammarShards(tokenizer, vocab_size, eos_token_ids, workers, max_rows, gpu_host=gpu_host)
+    return GrammarBackend(tokenizer, vocab_size, eos_token_ids, gpu_host=gpu_host)
 
 
 class GrammarShards(GrammarBackend):
@@ -222,29 +231,34 @@ def _worker_main(conn: Connection, memory_name: str, max_rows: int, words: int) 
     memory = SharedMemory(name=memory_name)
     masks = torch.frombuffer(memory.buf, dtype=torch.int32).view(2, max_rows, words)
     try:
-        message = conn.recv()
+        init = conn.recv()
     except (EOFError, OSError):  # the engine closed before its first constrained request
-        message = None
-    if message is not None:
-        _, tokenizer_info, fill_threads, cache_bytes = message
-        compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info),
-                                       max_threads=fill_threads, cache_enabled=True, cache_limit_bytes=cache_bytes)
-        batch = xgr.BatchGrammarMatcher(max_threads=fill_threads)
-        matchers: dict[str, Any] = {}
-        conn.send(("ok", None))
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                break
-            try:
-                reply = _handle(message, matchers, compiler, batch, masks, xgr)
-            except Exception as error:  # noqa: BLE001 - reported to the engine, which raises it
-                reply = ("error", f"{type(error).__name__}: {error}")
-            if reply is not None:
-                conn.send(reply)
+        init = None
+    if init is not None:
+        _serve(conn, init, masks, xgr)
     del masks
     memory.close()
+
+
+def _serve(conn: Connection, init: tuple, masks: Any, xgr: Any) -> None:
+    """Answer the engine's messages until it closes the pipe, on the vocabulary and fill threads of `init`."""
+    _, tokenizer_info, fill_threads, cache_bytes = init
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info), max_threads=fill_threads,
+                                   cache_enabled=True, cache_limit_bytes=cache_bytes)
+    batch = xgr.BatchGrammarMatcher(max_threads=fill_threads)
+    matchers: dict[str, Any] = {}
+    conn.send(("ok", None))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply = _handle(message, matchers, compiler, batch, masks, xgr)
+        except Exception as error:  # noqa: BLE001 - reported to the engine, which raises it
+            reply = ("error", f"{type(error).__name__}: {error}")
+        if reply is not None:
+            conn.send(reply)
 
 
 def _handle(message: tuple, matchers: dict[str, Any], compiler: Any, batch: Any, masks: Any, xgr: Any) -> Any:
