@@ -100,9 +100,9 @@ def measure_split(mode: str, args: argparse.Namespace, config: EngineConfig, run
     handling: list[float] = []
     on_step = client._on_step
 
-    def timed(accepted: list[str], refused: list[Any], records: list[Any], stats: list[Any]) -> None:
+    def timed(accepted: list[str], refused: list[Any], records: list[Any], *rest: Any) -> None:
         started = time.perf_counter()
-        on_step(accepted, refused, records, stats)
+        on_step(accepted, refused, records, *rest)
         handling.append(time.perf_counter() - started)
         arrivals.append((started, len(records)))
 

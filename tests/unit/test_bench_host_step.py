@@ -8,3 +8,11 @@ def test_host_step_smoke(capsys):
     out = capsys.readouterr().out
     for mode in host_step.MODES:
         assert mode in out
+
+
+def test_host_step_split_smoke(capsys):
+    """The split runs an engine core process driven by the server's CoreClient: the bench follows the client's
+    step messages, whatever they carry."""
+    assert host_step.main(["--smoke", "--split", "--modes", "unconstrained"]) == 0
+    out = capsys.readouterr().out
+    assert "engine core in its own process" in out and "unconstrained" in out
