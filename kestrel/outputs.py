@@ -1,5 +1,6 @@
 """What the engine hands back to callers: RequestOutput with one CompletionOutput per sample; the offline pooling
-API's PoolingRequestOutput and its embedding, classification and scoring forms (vLLM's shapes)."""
+API's PoolingRequestOutput and its embedding, classification and scoring forms (vLLM's shapes); SequenceDelta, a
+step's tokens of one sequence for a client that builds the outputs itself."""
 
 from __future__ import annotations
 
@@ -55,6 +56,22 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+
+
+@dataclass
+class SequenceDelta:
+    """What one step added to one sequence (a request with n = 1): an engine core whose client detokenizes and
+    builds the RequestOutputs (`EngineCore(deltas=True)`, the engine core process) hands these over instead."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, Logprob] | None] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    prompt_logprobs: list[dict[int, Logprob] | None] | None  # the whole list so far, when asked for
+    metrics: RequestMetrics | None  # with the first tokens, and when finished
+    pooled: list[float] | None
 
 
 @dataclass

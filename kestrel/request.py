@@ -162,6 +162,7 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self._max_tokens: int | None = None
+        self._stop_token_ids: frozenset[int] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -193,6 +194,20 @@ class Request:
         if limit is None:
             return room if room is not None else 1 << 62
         return limit if room is None else min(limit, room)
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The token ids whose sampling can end the request: its EOS ids (unless ignored) and its stop tokens
+        (min_tokens still decides whether they do)."""
+        if self._stop_token_ids is None:
+            params = self.sampling_params
+            ids = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                ids |= self.extra_eos_token_ids
+                if self.eos_token_id is not None:
+                    ids.add(self.eos_token_id)
+            self._stop_token_ids = frozenset(ids)
+        return self._stop_token_ids
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -85,7 +85,7 @@ def build_null_core(config: EngineConfig, eos_token_id: int | None, *, runner_cl
     torch.set_num_threads(1)  # as a GPU host's runner sets it (runner_setup): no idle pool spinning on the cores
     runner = _TimedRunner(runner_class(vocab_size, eos_token_id), out_path)
     structured = GrammarBackend(None, vocab_size, runner.eos_token_ids)
-    core = EngineCore(config, runner, num_blocks, None, eos_token_id, structured, detokenize=False)
+    core = EngineCore(config, runner, num_blocks, None, eos_token_id, structured, detokenize=False, deltas=True)
     return _Built(None, runner, core)
 
 

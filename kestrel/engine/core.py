@@ -21,7 +21,7 @@ from kestrel.engine.detokenizer import IncrementalDetokenizer, TokenizerLookups
 from kestrel.engine.ngram_proposer import propose
 from kestrel.engine.scheduler import Scheduler
 from kestrel.kv_spec import KVCacheLayout, as_layout
-from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput, SequenceDelta
 from kestrel.pooling_params import PoolingParams
 from kestrel.request import InvalidRequestError, MediaItem, Request, RequestStatus, check_media, prompt_too_long
 from kestrel.sampling_params import SamplingParams
@@ -54,6 +54,9 @@ class _ParentRequest:
 
 logger = logging.getLogger(__name__)
 
+# What a step returns: RequestOutputs, or SequenceDeltas for an engine built with deltas=True.
+EngineOutput = RequestOutput | SequenceDelta
+
 _NOTHING_PLACED = ("the scheduler could not place any request; the KV cache is too small for the waiting "
                    "prompts")
 
@@ -78,11 +81,16 @@ def _needs_latest_tokens(params: SamplingParams) -> bool:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner, kv_cache: KVCacheLayout | int, tokenizer: Any,
-                 eos_token_id: int | None, structured: Any = None, detokenize: bool = True) -> None:
+                 eos_token_id: int | None, structured: Any = None, detokenize: bool = True,
+                 deltas: bool = False) -> None:
         """`kv_cache`: the runner's KV cache layout (or its block count, for one group).
         `structured`: the grammar backend of structured outputs (kestrel.structured), duck-typed.
-        `detokenize=False`: outputs carry token ids only (no text, no stop strings, no logprob token texts): an
-        engine core in its own process, whose client detokenizes."""
+        `detokenize=False`: outputs carry token ids only (no text, no stop strings, no logprob token texts).
+        `deltas=True` (with detokenize=False): a step returns SequenceDeltas, each sequence's new tokens, instead of
+        RequestOutputs; requests have one sequence (n = 1). The engine core in its own process, whose client
+        fans out n, detokenizes and builds the outputs."""
+        if deltas and detokenize:
+            raise ValueError("deltas=True carries token ids only: it needs detokenize=False")
         max_model_len = config.model.max_model_len or 0
         kv_layout = as_layout(kv_cache, config.cache.block_size)
         kv_layout.check_holds(max_model_len)
@@ -94,6 +102,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.structured = structured
         self.detokenize = detokenize
+        self.deltas = deltas
         self.eos_token_id = eos_token_id
         # The model's generation_config.json: more EOS ids, and default sampling settings (for the entrypoints).
         self.generation_defaults = config.model.generation_defaults
@@ -158,6 +167,9 @@ class EngineCore:
             raise InvalidRequestError("multi_modal_data", f"this model is an encoder-decoder (Whisper): a request "
                                       f"is one audio clip and its decoder prompt, got {len(media)} media items")
         self._check_priority(priority)
+        if self.deltas and params.n != 1:
+            raise InvalidRequestError("n", f"this engine core takes one sequence per request (its client fans out "
+                                      f"n), got n={params.n}")
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.replace(bad_words_token_ids=self._bad_word_sequences(params.bad_words))
         parent = _ParentRequest(request_id, prompt, list(prompt_token_ids))
@@ -283,7 +295,7 @@ class EngineCore:
 
     # ----- the step -----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Run one scheduled step; return an output for every request that made progress (for
         `output_kind="final_only"` requests, only once they finish).
 
@@ -306,7 +318,7 @@ class EngineCore:
             self._release_finished()
         return outputs
 
-    def _step_sync(self) -> list[RequestOutput]:
+    def _step_sync(self) -> list[EngineOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
         spec = self.config.speculative
@@ -325,7 +337,7 @@ class EngineCore:
             output = self.runner.sample_tokens(grammar)
         return self._process(scheduler_output, output)
 
-    def _step_with_batch_queue(self) -> list[RequestOutput]:
+    def _step_with_batch_queue(self) -> list[EngineOutput]:
         """Async scheduling and pipeline parallelism, as vLLM's batch queue: while fewer than
         `max_batches_in_flight` steps are in flight, schedule one more, execute it and sample it without waiting;
         collect the oldest only when the queue is full or nothing else can be scheduled.
@@ -392,9 +404,9 @@ class EngineCore:
             self._in_flight_ids.difference_update(scheduler_output.num_scheduled_tokens)
         return scheduler_output, handle.result()
 
-    def _drain(self) -> list[RequestOutput]:
+    def _drain(self) -> list[EngineOutput]:
         """Collect every step in flight, oldest first (before a step that must run alone)."""
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineOutput] = []
         while self._batch_queue:
             outputs += self._process(*self._collect_oldest())
         return outputs
@@ -456,7 +468,7 @@ class EngineCore:
             self._sync_request_ids = {rid for rid in self._sync_request_ids if rid in live}
         return bool(self._sync_request_ids)
 
-    def _process(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+    def _process(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineOutput]:
         return self._emit(self._advance(scheduler_output, runner_output))
 
     def _advance(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
@@ -469,7 +481,7 @@ class EngineCore:
             self._take_worker_drafts(runner_output, updated)
         return updated
 
-    def _emit(self, updated: list[Request]) -> list[RequestOutput]:
+    def _emit(self, updated: list[Request]) -> list[EngineOutput]:
         """Text, stop strings and RequestOutputs of the requests a step advanced (`_advance`)."""
         touched: dict[str, _ParentRequest] = {}
         now = time.monotonic()
@@ -497,7 +509,7 @@ class EngineCore:
                 sequence_parent.pop(request_id, None)
             touched[parent.request_id] = parent
         outputs = []
-        make_output = self._make_output
+        make_output = self._make_delta if self.deltas else self._make_output
         for parent in touched.values():
             sequences = parent.sequences
             finished = sequences[0].status.finished if len(sequences) == 1 else parent.finished
@@ -600,6 +612,31 @@ class EngineCore:
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=metrics,
             pooled=first.pooled_output,
+        )
+
+    @staticmethod
+    def _make_delta(parent: _ParentRequest, finished: bool) -> SequenceDelta:
+        """The tokens the request's one sequence gained since its last delta (`deltas=True`)."""
+        sequence = parent.sequences[0]
+        request = sequence.request
+        tokens = request.output_token_ids
+        start = sequence.num_emitted_tokens
+        sequence.num_emitted_tokens = len(tokens)
+        params = request.sampling_params
+        metrics = None
+        if finished or not start:  # the request's timestamps with its first tokens and at its end
+            metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
+                                     (sequence.finished_time or 0.0) if finished else None, request.num_preemptions)
+        return SequenceDelta(
+            request_id=parent.request_id,
+            new_token_ids=tokens[start:],
+            new_logprobs=request.output_logprobs[start:] if params.logprobs is not None else None,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            prompt_logprobs=request.prompt_logprobs if params.prompt_logprobs is not None else None,
+            metrics=metrics,
+            pooled=request.pooled_output,
         )
 
     @staticmethod

@@ -121,52 +121,61 @@ class Scheduler:
         step's tokens a worker-side proposer writes (k, or 0)."""
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        scheduled: list[Request] = []  # the requests of num_scheduled, in its order
         spec: dict[str, list[int]] = {}
         new_block_ids: dict[str, tuple[list[int], ...]] = {}
         proposing: set[str] = set()  # requests whose drafts the worker proposes after this step
         preempted_now = False
+        running = self.running
+        allocate = self.kv.allocate
 
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            if request.request_id in exclude:
+        while index < len(running) and budget > 0:
+            request = running[index]
+            request_id = request.request_id
+            if exclude and request_id in exclude:
                 index += 1
                 continue
-            if request.num_pending_tokens and (
-                    request.num_output_tokens + request.num_pending_tokens >= request.max_tokens):
+            pending = request.num_pending_tokens
+            if pending and len(request.output_token_ids) + pending >= request.max_tokens:
                 index += 1  # its token in flight is its last: it finishes when that token arrives
                 continue
-            num_new = min(request.num_kv_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
+            remaining = len(request.all_token_ids) - request.num_dropped_tokens + pending - request.num_computed_tokens
+            num_new = remaining if remaining < budget else budget
             if request.media:
                 start = request.num_computed_tokens
                 num_new = end_outside_runs(request.media, start, start + num_new) - start
                 if not num_new:
                     index += 1  # the rest of a bidirectional image does not fit this step's budget
                     continue
-            drafts = self._drafts_to_verify(request, num_new, budget) if verify_drafts else []
-            samples = request.num_computed_tokens + num_new == request.num_kv_tokens + request.num_pending_tokens
-            end = request.num_computed_tokens + num_new + len(drafts)
-            lookahead = self._lookahead(draft_lookahead, end) if samples else 0
-            block_ids = self.kv.allocate(request, num_new + len(drafts), lookahead=lookahead)
-            if block_ids is None and (drafts or lookahead):
-                drafts, lookahead = [], 0  # drafts and the proposer's lookahead are optional: never preempt for them
-                block_ids = self.kv.allocate(request, num_new)
-            num_new += len(drafts)
+            drafts = (self._drafts_to_verify(request, num_new, budget)
+                      if verify_drafts and request.spec_token_ids else [])
+            lookahead = (self._lookahead(draft_lookahead, request.num_computed_tokens + num_new + len(drafts))
+                         if draft_lookahead and num_new == remaining else 0)
+            if drafts or lookahead:
+                block_ids = allocate(request, num_new + len(drafts), None, lookahead)
+                if block_ids is None:
+                    drafts, lookahead = [], 0  # drafts and the proposer's lookahead are optional: no preemption
+                    block_ids = allocate(request, num_new)
+                num_new += len(drafts)
+            else:
+                block_ids = allocate(request, num_new)
             while block_ids is None:
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted_now = True
                 if victim is request:
                     break
-                block_ids = self.kv.allocate(request, num_new)
+                block_ids = allocate(request, num_new)
             if block_ids is None:
                 break
-            num_scheduled[request.request_id] = num_new
-            new_block_ids[request.request_id] = block_ids
+            num_scheduled[request_id] = num_new
+            scheduled.append(request)
+            new_block_ids[request_id] = block_ids
             if drafts:
-                spec[request.request_id] = drafts
+                spec[request_id] = drafts
             if lookahead:
-                proposing.add(request.request_id)
+                proposing.add(request_id)
             budget -= num_new
             index += 1
 
@@ -207,15 +216,17 @@ class Scheduler:
             else:
                 self.running.append(request)
             num_scheduled[request.request_id] = num_new
+            scheduled.append(request)
             budget -= num_new
 
-        output = self._build_output(num_scheduled, new_block_ids, spec, proposing, draft_lookahead)
-        for request_id, num_new in num_scheduled.items():
-            request = self.requests[request_id]
-            request.num_computed_tokens += num_new
-            request.spec_token_ids = []
-            if request.num_computed_tokens == (request.num_kv_tokens + request.num_pending_tokens
-                                               + len(spec.get(request_id, ()))):
+        output = self._build_output(num_scheduled, scheduled, new_block_ids, spec, proposing, draft_lookahead)
+        for request in scheduled:
+            request.num_computed_tokens += num_scheduled[request.request_id]
+            if request.spec_token_ids:
+                request.spec_token_ids = []
+            if request.num_computed_tokens == (len(request.all_token_ids) - request.num_dropped_tokens
+                                               + request.num_pending_tokens
+                                               + (len(spec.get(request.request_id, ())) if spec else 0)):
                 request.num_pending_tokens += 1  # this step samples the request's next token(s)
         if not output.is_empty:
             self.stats.num_steps += 1
@@ -236,12 +247,19 @@ class Scheduler:
         the step samples: up to `draft_lookahead`, within max_model_len."""
         return max(min(draft_lookahead, self.max_model_len - end), 0)
 
-    def _build_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, tuple[list[int], ...]],
-                      spec: dict[str, list[int]], proposing: set[str], draft_lookahead: int) -> SchedulerOutput:
+    def _build_output(self, num_scheduled: dict[str, int], scheduled: list[Request],
+                      new_block_ids: dict[str, tuple[list[int], ...]], spec: dict[str, list[int]],
+                      proposing: set[str], draft_lookahead: int) -> SchedulerOutput:
         cached, new = [], []
-        for request_id in num_scheduled:
-            request = self.requests[request_id]
-            if request_id in self._known_to_runner:
+        known = self._known_to_runner
+        structured = []
+        in_order = True  # every cached request comes before every new one in `scheduled`
+        for request in scheduled:
+            request_id = request.request_id
+            if request.sampling_params.structured_outputs is not None:
+                structured.append(request_id)
+            if request_id in known:
+                in_order = in_order and not new
                 cached.append(CachedRequestData(request_id, new_block_ids[request_id],
                                                 request.num_computed_tokens, request.num_dropped_tokens))
             else:
@@ -256,25 +274,29 @@ class Scheduler:
                     num_dropped_tokens=request.num_dropped_tokens,
                     media=request.media,
                 ))
-                self._known_to_runner.add(request_id)
-        # Cached requests come first in the batch, then new ones, matching num_scheduled's order.
-        order = [c.req_id for c in cached] + [n.req_id for n in new]
+                known.add(request_id)
+        # Cached requests come first in the batch, then new ones, matching num_scheduled's order (the running
+        # requests a step continues are known to the runner and come before those it admits).
+        if not in_order:
+            order = [c.req_id for c in cached] + [n.req_id for n in new]
+            num_scheduled = {rid: num_scheduled[rid] for rid in order}
+            by_id = {request.request_id: request for request in scheduled}
+            scheduled = [by_id[rid] for rid in order]
         output = SchedulerOutput(
             new_requests=new,
             cached_requests=cached,
-            num_scheduled_tokens={rid: num_scheduled[rid] for rid in order},
+            num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=frozenset(self._finished_ids),
             preempted_req_ids=frozenset(self._preempted_ids),
             scheduled_spec_decode_tokens=spec,
-            structured_output_request_ids=frozenset(
-                rid for rid in order if self.requests[rid].sampling_params.structured_outputs is not None),
+            structured_output_request_ids=frozenset(structured),
             draft_request_ids=frozenset(proposing),
             draft_lookahead=draft_lookahead if proposing else 0,
             step_id=next(self._step_ids),
         )
-        if order:
-            self._scheduled[output.step_id] = {rid: self.requests[rid] for rid in order}
+        if scheduled:
+            self._scheduled[output.step_id] = {request.request_id: request for request in scheduled}
         self._finished_ids.clear()
         self._preempted_ids.clear()
         return output
@@ -292,51 +314,55 @@ class Scheduler:
         if runner_output.expert_load is not None:
             self.stats.expert_load = runner_output.expert_load
         scheduled = self._scheduled.pop(scheduler_output.step_id, None)
-
-        def live(request_id: str) -> Request | None:
-            """The request this step scheduled under that id, if it is still here (an id may be reused by a new
-            request once the old one was aborted, even while this step was in flight)."""
-            request = self.requests.get(request_id)
-            if scheduled is not None and scheduled.get(request_id) is not request:
-                return None
-            return request
+        # The request this step scheduled under an id, if it is still here (an id may be reused by a new request
+        # once the old one was aborted, even while this step was in flight).
+        requests = self.requests if scheduled is None else scheduled
+        live = self.requests
 
         # Before the tokens: the step that ends a prompt can also finish its request.
         for request_id, logprobs in runner_output.prompt_logprobs.items():
-            request = live(request_id)
-            if request is not None:
+            request = requests.get(request_id)
+            if request is not None and live.get(request_id) is request:
                 request.prompt_logprobs.extend(logprobs)
-        for i, request_id in enumerate(runner_output.req_ids):
-            request = live(request_id)
-            tokens = runner_output.sampled_token_ids[i]
-            if request is None or not tokens:
+        pooled = runner_output.pooled
+        all_logprobs = runner_output.logprobs
+        stop_status = self._stop_status
+        num_generated = 0
+        for i, (request_id, tokens) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+            if not tokens:
                 continue
-            if request_id in runner_output.pooled:
-                request.pooled_output = runner_output.pooled[request_id]
-            request.num_pending_tokens = max(request.num_pending_tokens - 1, 0)
-            verified = drafts.get(request_id, ())
-            num_rejected = len(verified) + 1 - len(tokens)
-            if verified:
-                self._count_acceptance(len(verified), len(tokens) - 1)
-            if num_rejected > 0 and request.status == RequestStatus.RUNNING:
-                request.num_computed_tokens -= num_rejected
-            if request.is_finished:
+            request = requests.get(request_id)
+            if request is None or live.get(request_id) is not request:
                 continue
-            logprobs = runner_output.logprobs[i] if runner_output.logprobs else None
+            if pooled and request_id in pooled:
+                request.pooled_output = pooled[request_id]
+            if request.num_pending_tokens:
+                request.num_pending_tokens -= 1
+            if drafts:
+                verified = drafts.get(request_id, ())
+                num_rejected = len(verified) + 1 - len(tokens)
+                if verified:
+                    self._count_acceptance(len(verified), len(tokens) - 1)
+                if num_rejected > 0 and request.status == RequestStatus.RUNNING:
+                    request.num_computed_tokens -= num_rejected
+            if request.status.finished:
+                continue
+            logprobs = all_logprobs[i] if all_logprobs else None
             if request.first_token_time is None:
                 request.first_token_time = now
             for j, token_id in enumerate(tokens):
                 request.append_output_token(token_id)
                 if logprobs is not None and logprobs[j] is not None:
                     request.output_logprobs.append(logprobs[j])
-                self.stats.num_generation_tokens += 1
-                status = self._stop_status(request, token_id)
+                num_generated += 1
+                status = stop_status(request, token_id)
                 if status is not None:
                     # Under async scheduling the request may have been preempted while its token was in flight.
                     (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
                     self._finish(request, status)
                     break
             updated.append(request)
+        self.stats.num_generation_tokens += num_generated
         return updated
 
     def _count_acceptance(self, num_drafts: int, num_accepted: int) -> None:
@@ -350,18 +376,23 @@ class Scheduler:
             per_position[position] += 1
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        num_output = len(request.output_token_ids)
+        # A stream (attention sinks + window) holds a bounded cache and may run past max_model_len.
+        if num_output >= request.max_tokens or (len(request.all_token_ids) >= self.max_model_len
+                                                and self.kv.streaming is None):
+            length_status = RequestStatus.FINISHED_LENGTH
+        else:
+            length_status = None
+            if token_id not in request.stop_token_ids:
+                return None  # the usual token: no stop rule can apply
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and (token_id == request.eos_token_id or token_id in request.extra_eos_token_ids):
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        # A stream (attention sinks + window) holds a bounded cache and may run past max_model_len.
-        if request.num_output_tokens >= request.max_tokens or (request.num_tokens >= self.max_model_len
-                                                               and self.kv.streaming is None):
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        return length_status
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kestrel.engine.detokenizer import IncrementalDetokenizer, TokenizerLookups
-from kestrel.entrypoints.core_protocol import SequenceDelta
-from kestrel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kestrel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SequenceDelta
 from kestrel.pooling_params import PoolingParams
 from kestrel.sampling_params import SamplingParams
 

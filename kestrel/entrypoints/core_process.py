@@ -38,14 +38,15 @@ from kestrel.entrypoints.core_protocol import (
     SHUTDOWN,
     STEP,
     TOKENIZER_INFO,
+    delta_to_wire,
     error_to_wire,
-    output_to_wire,
     pack,
     params_from_wire,
     unpack,
 )
 from kestrel.entrypoints.engine_factory import BuiltEngine, build_engine_core
 from kestrel.entrypoints.engine_stats import StatsTracker
+from kestrel.outputs import SequenceDelta
 from kestrel.request import InvalidRequestError
 from kestrel.structured.compile import GrammarCompileError, GrammarSource, compile_source
 
@@ -57,7 +58,7 @@ PROCESS_NAME = b"kestrel-core"  # what `ps` and /proc/<pid>/comm show for the co
 
 def build_model_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEngine:
     """The core of `kestrel serve`: the model's runner, no tokenizer."""
-    return build_engine_core(config, None, eos_token_id)
+    return build_engine_core(config, None, eos_token_id, deltas=True)
 
 
 @dataclass(frozen=True)
@@ -260,17 +261,17 @@ class _CoreLoop:
             return
         self._accepted.append(request_id)
 
-    def _send_step(self, outputs: list[Any]) -> None:
+    def _send_step(self, deltas: list[SequenceDelta]) -> None:
         records = []
         sent = self._prompt_logprobs_sent
-        for output in outputs:
-            prompt_logprobs = output.prompt_logprobs
-            changed = prompt_logprobs is not None and len(prompt_logprobs) != sent.get(output.request_id, 0)
+        for delta in deltas:
+            prompt_logprobs = delta.prompt_logprobs
+            changed = prompt_logprobs is not None and len(prompt_logprobs) != sent.get(delta.request_id, 0)
             if changed:
-                sent[output.request_id] = len(prompt_logprobs)
-            if output.finished:
-                sent.pop(output.request_id, None)
-            records.append(output_to_wire(output, changed))
+                sent[delta.request_id] = len(prompt_logprobs)
+            if delta.finish_reason is not None:
+                sent.pop(delta.request_id, None)
+            records.append(delta_to_wire(delta, changed))
         stats = self.stats.snapshot(self.core.scheduler).to_wire()
         self.outbox.put(pack([STEP, self._accepted, self._refused, records, stats, self._aborted]))
         self._accepted, self._refused, self._aborted = [], [], []

@@ -11,13 +11,12 @@ stats, and the sequences whose abort was applied since the last message).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
 from kestrel.config import ConfigError
-from kestrel.outputs import Logprob, RequestMetrics, RequestOutput
+from kestrel.outputs import Logprob, RequestMetrics, SequenceDelta
 from kestrel.pooling_params import PoolingParams
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
@@ -107,33 +106,14 @@ def logprobs_from_wire(wire: list[Any] | None) -> list[dict[int, Logprob] | None
     return [None if e is None else {t: Logprob(v[0], v[1]) for t, v in e.items()} for e in wire]
 
 
-@dataclass
-class SequenceDelta:
-    """What one step added to one sequence (an engine request with n = 1), as the client receives it."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, Logprob] | None] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
-    prompt_logprobs: list[dict[int, Logprob] | None] | None  # the whole list, when it changed
-    metrics: RequestMetrics | None  # with the first tokens, and when finished
-    pooled: list[float] | None
-
-
-def output_to_wire(output: RequestOutput, send_prompt_logprobs: bool) -> list[Any]:
-    """A core RequestOutput (one sequence, detokenize=False) as a compact record: only the step's delta."""
-    completion = output.outputs[0]
-    m = output.metrics
-    metrics = None
-    # The request's timestamps with its first tokens and at its end (a stop string may end it in the client).
-    if m is not None and (output.finished or len(completion.token_ids) == len(completion.delta_token_ids)):
-        metrics = [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions]
-    prompt_logprobs = _logprobs_to_wire(output.prompt_logprobs) if send_prompt_logprobs else None
-    return [output.request_id, completion.delta_token_ids, _logprobs_to_wire(completion.delta_logprobs),
-            completion.finish_reason, completion.stop_reason, output.num_cached_tokens, prompt_logprobs, metrics,
-            output.pooled]
+def delta_to_wire(delta: SequenceDelta, send_prompt_logprobs: bool) -> list[Any]:
+    """A core's SequenceDelta as a compact record; its prompt logprobs only when `send_prompt_logprobs`."""
+    m = delta.metrics
+    metrics = None if m is None else [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
+                                      m.num_preemptions]
+    prompt_logprobs = _logprobs_to_wire(delta.prompt_logprobs) if send_prompt_logprobs else None
+    return [delta.request_id, delta.new_token_ids, _logprobs_to_wire(delta.new_logprobs), delta.finish_reason,
+            delta.stop_reason, delta.num_cached_tokens, prompt_logprobs, metrics, delta.pooled]
 
 
 def delta_from_wire(wire: list[Any]) -> SequenceDelta:

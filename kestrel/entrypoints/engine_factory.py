@@ -74,10 +74,11 @@ def core_process_by_default(config: EngineConfig) -> bool:
     return runs_on_cpu(config.device) and not model_modalities(config) and not config.parallel.uses_workers
 
 
-def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | None) -> BuiltEngine:
-    """`build_engine` with the tokenizer given. None: an engine core in its own process, whose client tokenizes
-    and detokenizes: its outputs carry token ids only, and its grammar backend gets the vocabulary from the
-    client (GrammarBackend.use_tokenizer_info)."""
+def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | None,
+                      deltas: bool = False) -> BuiltEngine:
+    """`build_engine` with the tokenizer given. None: its outputs carry token ids only, and its grammar backend
+    gets the vocabulary from its client (GrammarBackend.use_tokenizer_info). `deltas`: an engine core in its own
+    process, whose client tokenizes, detokenizes and builds the outputs from each step's SequenceDeltas."""
     runner: ModelRunner | Executor
     if model_modalities(config) and (config.parallel.uses_workers or tokenizer is None):
         raise ConfigError("a multimodal model's images reach its runner in this process: run it without "
@@ -92,5 +93,5 @@ def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | 
     structured = grammar_backend(tokenizer, runner.vocab_size, runner.eos_token_ids, config.grammar_workers,
                                  max_rows, gpu_host)
     core = EngineCore(config, runner, runner.kv_layout, tokenizer, eos_token_id, structured,
-                      detokenize=tokenizer is not None)
+                      detokenize=tokenizer is not None, deltas=deltas)
     return BuiltEngine(tokenizer, runner, core)
