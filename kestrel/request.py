@@ -106,13 +106,14 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self._value_ >= _FIRST_FINISHED  # a plain int comparison: asked several times per request and step
 
     @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
 
+_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED.value
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",

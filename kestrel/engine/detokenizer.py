@@ -70,11 +70,11 @@ class TokenizerLookups:
     def ids_to_tokens(self, ids: list[int]) -> list[str]:
         cache = self._token_strings
         if len(ids) == 1:  # one token per sequence per step is the common case
-            token_id = ids[0]
-            if token_id in cache:
-                return [cache[token_id]]
+            token = cache.get(ids[0])
+            if token is not None:
+                return [token]
             tokens = self._known_tokens(ids)
-            cache[token_id] = tokens[0]
+            cache[ids[0]] = tokens[0]
             return tokens
         missing = [i for i in ids if i not in cache]
         if missing:
@@ -108,6 +108,7 @@ class IncrementalDetokenizer:
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = []
         self._special_ids = lookups.special_ids
+        self._skip_special = params.skip_special_tokens
         # Without spaces between special tokens, each special token is a literal boundary between
         # separately decoded runs (Hugging Face's slow-tokenizer rule); with them, the tokenizer's own
         # decoding of the whole sequence is kept.
@@ -147,7 +148,7 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens; return the stop string if one now matches (text is then final)."""
-        if self.stopped:
+        if self.stop_reason is not None:
             raise RuntimeError("update() after a stop string matched")
         self.token_ids.extend(new_token_ids)
         self._append_tokens(new_token_ids)
@@ -167,12 +168,13 @@ class IncrementalDetokenizer:
         return delta
 
     def _append_tokens(self, token_ids: list[int]) -> None:
-        skip = self._params.skip_special_tokens
-        kept = [t for t in token_ids if not (skip and t in self._special_ids)]
+        special_ids = self._special_ids
+        no_special = special_ids.isdisjoint(token_ids)
+        kept = token_ids if no_special or not self._skip_special else [t for t in token_ids if t not in special_ids]
         if not kept:
             return
         tokens = self._lookups.ids_to_tokens(kept)
-        if not self._split_at_special:
+        if no_special or not self._split_at_special:
             self._tokens.extend(tokens)
             self._decode_window()
             return
