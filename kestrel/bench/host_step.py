@@ -9,7 +9,9 @@ sample_tokens(N+1); so on a device all of this is host work that must fit under 
 
 Reported per mode, the median over `--repeats` runs of the median over the steps in which all B requests decode,
 in ms per step: each phase (schedule, runner execute_model, fill, sample_tokens, collect, scheduler update,
-grammar accept, the rest of collecting outputs: detokenization, RequestOutputs) and the step's total. The NullRunner's
+grammar accept, the rest of collecting outputs: detokenization, RequestOutputs) and the step's total, and the
+tail of the step's total (its 99th percentile and maximum over the steps, medians over the runs): the full garbage
+collections a median hides. `--serving-gc` sets the garbage collector as `kestrel serve` does. The NullRunner's
 own work (choosing a token allowed by each row's mask) stands in for the device and is left out of every number.
 
 This measures the host CPU it runs on (a development machine is not the GPU host); compare before/after on the
@@ -32,6 +34,7 @@ from kestrel.bench import register_suite, standalone_main
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, Ready, SchedulerOutput
 from kestrel.engine.core import EngineCore
+from kestrel.engine.serving_gc import tune_for_serving
 from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.tiny import default_model_path
 
@@ -185,6 +188,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", action="store_true", help="the engine core in its own process, as `kestrel serve "
                    "--engine-core-process` runs it: the core loop's and the client's time per step "
                    "(kestrel/bench/host_step_split.py)")
+    p.add_argument("--serving-gc", action="store_true",
+                   help="the garbage collector set after set-up as `kestrel serve` sets it once its engine is built "
+                   "(kestrel/engine/serving_gc.py); the tail columns show the full collections it avoids")
     p.add_argument("--smoke", action="store_true", help="a tiny run, a check of the script")
 
 
@@ -214,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"host-step: batch {args.batch}, input {args.input_len}, output {args.output_len}, "
           f"tokenizer {tokenizer_dir} ({vocab_size} tokens), {args.repeats} repeats, {args.clock} clock",
           file=sys.stderr)
+    if args.serving_gc:
+        tune_for_serving()
     results: dict[str, dict[str, float]] = {}
     if args.split:
         from kestrel.bench.host_step_split import measure_split, split_summary
@@ -289,7 +297,9 @@ def _measure(mode: str, args: argparse.Namespace, tokenizer: Any, vocab_size: in
         phases.unwrap()
     if not per_step["step"]:
         raise RuntimeError("no step had every request decoding; raise --output-len")
-    return {k: statistics.median(v) for k, v in per_step.items()}
+    steps = sorted(per_step["step"])
+    return {**{k: statistics.median(v) for k, v in per_step.items()},
+            "step_p99": steps[min(len(steps) - 1, int(0.99 * len(steps)))], "step_max": steps[-1]}
 
 
 def _config(mode: str, args: argparse.Namespace, tokenizer_dir: str | None = None) -> EngineConfig:
@@ -304,8 +314,9 @@ def _num_blocks(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def summary(results: dict[str, dict[str, float]]) -> str:
-    columns = (*PHASES, "other", "step")
-    lines = ["host ms per decode step (medians)", f"{'mode':<20}" + "".join(f"{c:>15}" for c in columns)]
+    columns = (*PHASES, "other", "step", "step_p99", "step_max")
+    lines = ["host ms per decode step (medians over the steps; step_p99 and step_max: the tail of the step's "
+             "total, garbage collections included)", f"{'mode':<20}" + "".join(f"{c:>15}" for c in columns)]
     for mode, row in results.items():
         lines.append(f"{mode:<20}" + "".join(f"{row[c]:>15.3f}" for c in columns))
     return "\n".join(lines)

@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from kestrel.config import EngineConfig
+from kestrel.engine.serving_gc import tune_for_serving
 from kestrel.engine.stats_logger import StatsLogger
 from kestrel.entrypoints.core_protocol import (
     ABORT,
@@ -98,6 +99,7 @@ def core_process_main(spec: CoreProcessSpec, conn: Connection) -> None:
             conn.send_bytes(pack([ERROR, error_to_wire(error)]))
         os._exit(1)
     runner = built.runner
+    tune_for_serving()
     conn.send_bytes(pack([READY, {
         "vocab_size": runner.vocab_size, "eos_token_ids": sorted(runner.eos_token_ids),
         "num_blocks": built.core.num_blocks, "dtype": str(getattr(runner, "dtype", "?")),

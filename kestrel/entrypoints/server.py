@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kestrel
 from kestrel.config import ConfigError
+from kestrel.engine.serving_gc import tune_for_serving
 from kestrel.entrypoints.async_engine import (
     SHUTTING_DOWN_MESSAGE,
     AsyncEngine,
@@ -739,6 +740,7 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
         logger.info(line)
     names = config.served_model_name or (model,)
     app = build_app(engine, names, config.api_key, config=config)
+    logger.info("garbage collector set for serving: %d start-up objects frozen", tune_for_serving())
     scheme = "https" if config.ssl_certfile else "http"
     print(f"kestrel: serving {names[0]!r} at {scheme}://{config.host}:{config.port}{config.root_path or ''}/v1",
           flush=True)
