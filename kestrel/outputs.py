@@ -5,7 +5,7 @@ step's tokens of one sequence for a client that builds the outputs itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,10 @@ class RequestMetrics:
     num_preemptions: int = 0
 
 
-@dataclass
-class SequenceDelta:
+class SequenceDelta(NamedTuple):
     """What one step added to one sequence (a request with n = 1): an engine core whose client detokenizes and
-    builds the RequestOutputs (`EngineCore(deltas=True)`, the engine core process) hands these over instead."""
+    builds the RequestOutputs (`EngineCore(deltas=True)`, the engine core process) hands these over instead. (A
+    named tuple: one is built per sequence and step on each side of the pipe.)"""
 
     request_id: str
     new_token_ids: list[int]
