@@ -1,7 +1,9 @@
 """The only types that cross between the engine (scheduler) and a worker (model runner).
 
 A worker keeps its own per-request state, so each step carries new requests in full and
-running ones as deltas (new block ids). A request resumed after preemption is sent again as new.
+running ones as deltas (new block ids, a computed count set back), only for those with one: a decode step of
+requests whose last block has room carries nothing per request but its token count. A request resumed after
+preemption is sent again as new.
 Block ids come one list per KV-cache group, in the order of the worker's `KVCacheLayout.groups`.
 
 A step may carry, per request, draft tokens to verify (speculative decoding) and may constrain the next token
@@ -38,8 +40,10 @@ class NewRequestData:
 
 
 class CachedRequestData(NamedTuple):
-    """A request that ran in an earlier step: only what changed. (A named tuple: one is built per running request
-    and step, at less than half a frozen dataclass's cost.)"""
+    """A request that ran in an earlier step, when more changed than its scheduled tokens: it gained blocks, its
+    computed count moved back (drafts rejected), or it streams (attention sinks + window). A scheduled request the
+    runner knows without one computes from its own count, which each step advances by the step's tokens. (A named
+    tuple: cheap to build.)"""
 
     req_id: str
     new_block_ids: tuple[list[int], ...]  # per KV-cache group; () when no group gained a block

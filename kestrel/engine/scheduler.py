@@ -62,6 +62,9 @@ class Scheduler:
         self._preempted_ids: set[str] = set()
         # Requests the runner has seen since its last (re)admission.
         self._known_to_runner: set[str] = set()
+        # Known requests whose computed count moved other than by their scheduled tokens (drafts rejected): their
+        # next step carries a CachedRequestData even without new blocks.
+        self._runner_count_stale: set[str] = set()
         self.stats = SchedulerStats()
         # Both policies that read `priority` keep the running batch in (priority, arrival) order, so the budget
         # goes to the most important first and the preempted request is the least important, latest arrival.
@@ -252,16 +255,21 @@ class Scheduler:
                       proposing: set[str], draft_lookahead: int) -> SchedulerOutput:
         cached, new = [], []
         known = self._known_to_runner
+        stale = self._runner_count_stale
+        every_known = self.kv.streaming is not None  # a stream's dropped blocks reach the runner with its record
         structured = []
-        in_order = True  # every cached request comes before every new one in `scheduled`
+        in_order = True  # every request the runner knows comes before every new one in `scheduled`
         for request in scheduled:
             request_id = request.request_id
             if request.sampling_params.structured_outputs is not None:
                 structured.append(request_id)
             if request_id in known:
                 in_order = in_order and not new
-                cached.append(CachedRequestData(request_id, new_block_ids[request_id],
-                                                request.num_computed_tokens, request.num_dropped_tokens))
+                block_ids = new_block_ids[request_id]
+                if block_ids or every_known or request_id in stale:
+                    stale.discard(request_id)
+                    cached.append(CachedRequestData(request_id, block_ids, request.num_computed_tokens,
+                                                    request.num_dropped_tokens))
             else:
                 new.append(NewRequestData(
                     req_id=request_id,
@@ -275,10 +283,11 @@ class Scheduler:
                     media=request.media,
                 ))
                 known.add(request_id)
-        # Cached requests come first in the batch, then new ones, matching num_scheduled's order (the running
-        # requests a step continues are known to the runner and come before those it admits).
+        # Requests the runner knows come first in the batch, then new ones, matching num_scheduled's order (the
+        # running requests a step continues are known to the runner and come before those it admits).
         if not in_order:
-            order = [c.req_id for c in cached] + [n.req_id for n in new]
+            new_ids = {n.req_id for n in new}
+            order = [r.request_id for r in scheduled if r.request_id not in new_ids] + [n.req_id for n in new]
             num_scheduled = {rid: num_scheduled[rid] for rid in order}
             by_id = {request.request_id: request for request in scheduled}
             scheduled = [by_id[rid] for rid in order]
@@ -345,6 +354,7 @@ class Scheduler:
                     self._count_acceptance(len(verified), len(tokens) - 1)
                 if num_rejected > 0 and request.status == RequestStatus.RUNNING:
                     request.num_computed_tokens -= num_rejected
+                    self._runner_count_stale.add(request_id)
             if request.status.finished:
                 continue
             logprobs = all_logprobs[i] if all_logprobs else None
@@ -403,6 +413,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.add_preempted(request)
+        self._runner_count_stale.discard(request.request_id)
         if request.request_id in self._known_to_runner:
             self._known_to_runner.discard(request.request_id)
             self._preempted_ids.add(request.request_id)
@@ -411,6 +422,7 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
+        self._runner_count_stale.discard(request.request_id)
         if request.request_id in self._known_to_runner:
             self._known_to_runner.discard(request.request_id)
             self._finished_ids.add(request.request_id)

@@ -101,6 +101,7 @@ class LaggedRunner:
         self.peak_rows = max(self.peak_rows, self.rows_in_use)
         for cached in out.cached_requests:
             state = self.state[cached.req_id]
+            assert state.computed == cached.num_computed_tokens, f"{cached.req_id}: the runner's count disagrees"
             if cached.new_block_ids:
                 state.blocks.extend(cached.new_block_ids[0])
         req_ids = list(out.num_scheduled_tokens)

@@ -41,11 +41,15 @@ class StagedRunner(LaggedRunner):
         ids = set(out.num_scheduled_tokens)
         assert not ids & self.busy, f"{sorted(ids & self.busy)} scheduled while in flight"
         released = out.finished_req_ids | out.preempted_req_ids
-        for cached in out.cached_requests:
-            state = self.state[cached.req_id]
-            assert cached.req_id not in released and state.pending == 0
-            end = cached.num_computed_tokens + out.num_scheduled_tokens[cached.req_id]
-            assert end <= len(state.tokens), f"{cached.req_id}: an input token is not known yet"
+        sent = {cached.req_id: cached for cached in out.cached_requests}
+        new = {n.req_id for n in out.new_requests}
+        for rid, count in out.num_scheduled_tokens.items():
+            if rid in new:
+                continue
+            state = self.state[rid]  # known to the runner: its record (if any) or its own count
+            assert rid not in released and state.pending == 0
+            computed = sent[rid].num_computed_tokens if rid in sent else state.computed
+            assert computed + count <= len(state.tokens), f"{rid}: an input token is not known yet"
         launched = super().launch(out)
         if out.num_scheduled_tokens:
             self.busy |= ids

@@ -288,3 +288,28 @@ def test_update_appends_several_tokens_and_stops_at_the_first_stop_rule():
                  ModelRunnerOutput(["a"], [[8, 42, 9]]))
     assert request.output_token_ids[-2:] == [8, 42] and request.stop_reason == 42
     assert request.status == RequestStatus.FINISHED_STOPPED and sched.kv.pool.num_free_blocks == 64
+
+
+def test_a_decode_step_sends_records_only_for_requests_whose_runner_state_changed():
+    """A request whose last block has room decodes without a CachedRequestData (the runner advances its own count);
+    one that gains a block, or whose count moved back because drafts were rejected, gets one with the count."""
+    sched = make_scheduler(budget=64)
+    sched.add_request(req("a", 15, max_tokens=20))
+    sched.add_request(req("b", 5, max_tokens=20))
+    out = sched.schedule()
+    assert [n.req_id for n in out.new_requests] == ["a", "b"]
+    sched.update(out, ModelRunnerOutput(["a", "b"], [[7], [7]]))
+    out = sched.schedule()  # a computes its 16th position, the last of its first block; b its 6th
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1} and out.cached_requests == []
+    sched.update(out, ModelRunnerOutput(["a", "b"], [[7], [7]]))
+    sched.requests["b"].spec_token_ids = [8, 9, 10]
+    out = sched.schedule()  # a: its 17th position needs a second block; b verifies three drafts
+    assert [(c.req_id, c.num_computed_tokens) for c in out.cached_requests] == [("a", 16)]
+    assert out.num_scheduled_tokens == {"a": 1, "b": 4} and out.scheduled_spec_decode_tokens == {"b": [8, 9, 10]}
+    sched.update(out, ModelRunnerOutput(["a", "b"], [[7], [8, 11]]))  # b: one draft accepted, two rejected
+    assert sched.requests["b"].num_computed_tokens == 8
+    out = sched.schedule()
+    assert [(c.req_id, c.num_computed_tokens, c.new_block_ids) for c in out.cached_requests] == [("b", 8, ())]
+    sched.update(out, ModelRunnerOutput(["a", "b"], [[7], [7]]))
+    out = sched.schedule()
+    assert out.cached_requests == []
