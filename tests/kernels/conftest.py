@@ -88,11 +88,61 @@ def _name_tuple_types_when_asked() -> None:
     core.tuple_type.name = property(name)
 
 
+def _name_block_types_when_asked() -> None:
+    """Each block type the interpreter makes (every tensor of every op) formats its name, shape and element type, at
+    once, and the shape is a triton.language tuple whose string is built value by value: the name is formatted when
+    asked for instead, the same string. (Block types compare by element type and shape, never by name.)"""
+    from triton.language import core
+
+    def __init__(self, element_ty, shape) -> None:
+        self.element_ty = element_ty
+        assert isinstance(shape, (list, core.tuple))
+        self.shape = core.tuple(core._unwrap_shape(shape))
+        if not self.shape:
+            raise TypeError("0d block_type is forbidden")
+        self.numel = core.validate_block_shape(self.shape)
+
+    def name(self) -> str:
+        return f"<{self.shape}, {self.element_ty}>"
+
+    core.block_type.__init__ = __init__
+    core.block_type.name = property(name)
+
+
+def _type_tuples_when_asked() -> None:
+    """Each triton.language tuple (every block shape) builds its type, a tuple type of one constexpr type per value,
+    at once, and the interpreter rarely reads it: the type is built from the values when first asked for (a tuple
+    that changes a value sets its type anew, as before)."""
+    from triton.language import core
+
+    def __init__(self, args, type=None) -> None:
+        self.values = [i for i in args]
+        if isinstance(type, core.tuple_type):
+            self._type = type
+        elif type is not None:  # a list or tuple of types
+            self._type = core.tuple_type(type)
+        else:
+            self._type = None
+
+    def get_type(self):
+        if self._type is None:
+            self._type = core._type_for_tuple_values(self.values)
+        return self._type
+
+    def set_type(self, value) -> None:
+        self._type = value
+
+    core.tuple.__init__ = __init__
+    core.tuple.type = property(get_type, set_type)
+
+
 if INTERPRET:
     _reload_compiled_kernel_modules()
     _patch_the_language_once_per_launch()
     _unwrap_shapes_without_rebuilding_them()
     _name_tuple_types_when_asked()
+    _name_block_types_when_asked()
+    _type_tuples_when_asked()
 
 
 @pytest.fixture(scope="session")
