@@ -16,3 +16,15 @@ def test_host_step_split_smoke(capsys):
     assert host_step.main(["--smoke", "--split", "--modes", "unconstrained"]) == 0
     out = capsys.readouterr().out
     assert "engine core in its own process" in out and "unconstrained" in out
+
+
+def test_host_step_serving_gc_smoke():
+    """`--serving-gc` sets the collector as `kestrel serve` does (in its own interpreter here: it freezes the heap)
+    and the tail columns are printed."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "kestrel.bench.host_step", "--smoke", "--serving-gc", "--modes",
+                             "unconstrained"], capture_output=True, text=True, check=True)
+    header = next(line for line in result.stdout.splitlines() if line.startswith("mode"))
+    assert "step_p99" in header and "step_max" in header
