@@ -163,7 +163,7 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self._max_tokens: int | None = None
-        self._stop_token_ids: frozenset[int] | None = None
+        self._ending_eos_ids: frozenset[int] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -197,18 +197,13 @@ class Request:
         return limit if room is None else min(limit, room)
 
     @property
-    def stop_token_ids(self) -> frozenset[int]:
-        """The token ids whose sampling can end the request: its EOS ids (unless ignored) and its stop tokens
-        (min_tokens still decides whether they do)."""
-        if self._stop_token_ids is None:
-            params = self.sampling_params
-            ids = set(params.stop_token_ids)
-            if not params.ignore_eos:
-                ids |= self.extra_eos_token_ids
-                if self.eos_token_id is not None:
-                    ids.add(self.eos_token_id)
-            self._stop_token_ids = frozenset(ids)
-        return self._stop_token_ids
+    def ending_eos_ids(self) -> frozenset[int]:
+        """The EOS ids whose sampling ends the request (past min_tokens): the tokenizer's and generation_config.json's,
+        none under ignore_eos."""
+        if self._ending_eos_ids is None:
+            eos = set() if self.sampling_params.ignore_eos else self.extra_eos_token_ids | {self.eos_token_id}
+            self._ending_eos_ids = frozenset(eos - {None})
+        return self._ending_eos_ids
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -19,6 +19,7 @@ import random
 import time
 
 import kestrel.entrypoints.server  # noqa: F401 - the server's modules on the heap
+from kestrel.bench.common import percentile
 from kestrel.bench.host_step import NullRunner, _config, _num_blocks
 from kestrel.engine.core import EngineCore
 from kestrel.engine.serving_gc import tune_for_serving
@@ -60,11 +61,9 @@ def main() -> None:
             outputs = core.step()
             times.append(1e3 * (time.perf_counter() - started))
             held = [*held[-3:], outputs]
-    times.sort()
-    n = len(times)
     print(json.dumps({"gc": args.gc, "batch": args.batch, "output_len": args.output_len,
-                      "output_kind": args.output_kind, "steps": n, "p50_ms": round(times[n // 2], 3),
-                      "p99_ms": round(times[int(n * 0.99)], 3), "max_ms": round(times[-1], 3),
+                      "output_kind": args.output_kind, "steps": len(times), "p50_ms": round(percentile(times, 0.5), 3),
+                      "p99_ms": round(percentile(times, 0.99), 3), "max_ms": round(max(times), 3),
                       "tracked_objects": len(gc.get_objects()), "frozen_objects": gc.get_freeze_count(),
                       "threshold": gc.get_threshold(), "collections": [g["collections"] for g in gc.get_stats()],
                       "engine_held": held_engine is not None}))

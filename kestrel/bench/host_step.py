@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kestrel.bench import register_suite, standalone_main
+from kestrel.bench.common import percentile
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.contracts import GrammarBitmask, ModelRunnerOutput, Ready, SchedulerOutput
 from kestrel.engine.core import EngineCore
@@ -297,9 +298,8 @@ def _measure(mode: str, args: argparse.Namespace, tokenizer: Any, vocab_size: in
         phases.unwrap()
     if not per_step["step"]:
         raise RuntimeError("no step had every request decoding; raise --output-len")
-    steps = sorted(per_step["step"])
     return {**{k: statistics.median(v) for k, v in per_step.items()},
-            "step_p99": steps[min(len(steps) - 1, int(0.99 * len(steps)))], "step_max": steps[-1]}
+            "step_p99": percentile(per_step["step"], 0.99), "step_max": max(per_step["step"])}
 
 
 def _config(mode: str, args: argparse.Namespace, tokenizer_dir: str | None = None) -> EngineConfig:

@@ -584,24 +584,8 @@ class EngineCore:
     def _make_output(self, parent: _ParentRequest, finished: bool) -> RequestOutput:
         sequences = parent.sequences
         completion = self._completion
-        if len(sequences) == 1:
-            sequence = sequences[0]
-            completions = [completion(sequence)]
-            first = sequence.request
-            finished_time = (sequence.finished_time or 0.0) if finished else None
-            num_preemptions = first.num_preemptions
-        else:
-            completions = [completion(seq) for seq in sequences]
-            first = sequences[0].request
-            finished_time = max((s.finished_time or 0.0) for s in sequences) if finished else None
-            num_preemptions = sum(s.request.num_preemptions for s in sequences)
-        metrics = RequestMetrics(
-            arrival_time=first.arrival_time,
-            first_scheduled_time=first.first_scheduled_time,
-            first_token_time=first.first_token_time,
-            finished_time=finished_time,
-            num_preemptions=num_preemptions,
-        )
+        completions = [completion(sequences[0])] if len(sequences) == 1 else [completion(seq) for seq in sequences]
+        first = sequences[0].request
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -610,23 +594,38 @@ class EngineCore:
             finished=finished,
             prompt_logprobs=first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None,
             num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics=metrics,
+            metrics=self._metrics(parent, finished),
             pooled=first.pooled_output,
         )
 
     @staticmethod
-    def _make_delta(parent: _ParentRequest, finished: bool) -> SequenceDelta:
-        """The tokens the request's one sequence gained since its last delta (`deltas=True`)."""
+    def _metrics(parent: _ParentRequest, finished: bool) -> RequestMetrics:
+        """The request's timestamps and preemptions over its sequences; its finish time once every one ended."""
+        sequences = parent.sequences
+        first = sequences[0].request
+        if len(sequences) == 1:
+            finished_time = (sequences[0].finished_time or 0.0) if finished else None
+            num_preemptions = first.num_preemptions
+        else:
+            finished_time = max((s.finished_time or 0.0) for s in sequences) if finished else None
+            num_preemptions = sum(s.request.num_preemptions for s in sequences)
+        return RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            finished_time=finished_time,
+            num_preemptions=num_preemptions,
+        )
+
+    def _make_delta(self, parent: _ParentRequest, finished: bool) -> SequenceDelta:
+        """The tokens the request's one sequence gained since its last delta (`deltas=True`), with its metrics
+        when they are news: with its first tokens and at its end."""
         sequence = parent.sequences[0]
         request = sequence.request
         tokens = request.output_token_ids
         start = sequence.num_emitted_tokens
         sequence.num_emitted_tokens = len(tokens)
         params = request.sampling_params
-        metrics = None
-        if finished or not start:  # the request's timestamps with its first tokens and at its end
-            metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
-                                     (sequence.finished_time or 0.0) if finished else None, request.num_preemptions)
         return SequenceDelta(
             request_id=parent.request_id,
             new_token_ids=tokens[start:],
@@ -635,7 +634,7 @@ class EngineCore:
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             prompt_logprobs=request.prompt_logprobs if params.prompt_logprobs is not None else None,
-            metrics=metrics,
+            metrics=self._metrics(parent, finished) if finished or not start else None,
             pooled=request.pooled_output,
         )
 

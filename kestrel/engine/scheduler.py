@@ -386,23 +386,19 @@ class Scheduler:
             per_position[position] += 1
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        num_output = len(request.output_token_ids)
-        # A stream (attention sinks + window) holds a bounded cache and may run past max_model_len.
-        if num_output >= request.max_tokens or (len(request.all_token_ids) >= self.max_model_len
-                                                and self.kv.streaming is None):
-            length_status = RequestStatus.FINISHED_LENGTH
-        else:
-            length_status = None
-            if token_id not in request.stop_token_ids:
-                return None  # the usual token: no stop rule can apply
         params = request.sampling_params
+        num_output = len(request.output_token_ids)
         if num_output >= params.min_tokens:
-            if not params.ignore_eos and (token_id == request.eos_token_id or token_id in request.extra_eos_token_ids):
+            if token_id in request.ending_eos_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        return length_status
+        # A stream (attention sinks + window) holds a bounded cache and may run past max_model_len.
+        if num_output >= request.max_tokens or (len(request.all_token_ids) >= self.max_model_len
+                                                and self.kv.streaming is None):
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -129,23 +129,20 @@ class ClientRequest:
         params = self._sampling
         if params is not None and params.final_only and not finished:
             return None
-        ordered = self._ordered
-        m = ordered[0].metrics
+        first = self._ordered[0]
+        m = first.metrics
         metrics = None
-        if m is not None and len(ordered) == 1:
-            metrics = RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
-                                     (m.finished_time or 0.0) if finished else None, m.num_preemptions)
-        elif m is not None:
-            finished_times = [s.metrics.finished_time or 0.0 for s in ordered if s.metrics is not None]
+        if m is not None:
+            finished_times = [s.metrics.finished_time or 0.0 for s in self._ordered if s.metrics is not None]
             metrics = RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
                                      max(finished_times, default=0.0) if finished else None,
-                                     sum(s.metrics.num_preemptions for s in ordered if s.metrics is not None))
+                                     sum(s.metrics.num_preemptions for s in self._ordered if s.metrics is not None))
         wants_prompt_logprobs = params is not None and params.prompt_logprobs is not None
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[self._completion(ordered[0])] if len(ordered) == 1 else [self._completion(s) for s in ordered],
+            outputs=[self._completion(s) for s in self._ordered],
             finished=finished,
             prompt_logprobs=(self.prompt_logprobs or []) if wants_prompt_logprobs else None,
             num_cached_tokens=self.num_cached_tokens,

@@ -118,6 +118,6 @@ def delta_to_wire(delta: SequenceDelta, send_prompt_logprobs: bool) -> list[Any]
 
 def delta_from_wire(wire: list[Any]) -> SequenceDelta:
     rid, tokens, logprobs, finish, stop, cached, prompt_logprobs, metrics, pooled = wire
-    return SequenceDelta(rid, tokens, None if logprobs is None else logprobs_from_wire(logprobs), finish, stop,
-                         cached, None if prompt_logprobs is None else logprobs_from_wire(prompt_logprobs),
-                         None if metrics is None else RequestMetrics(*metrics), pooled)
+    return SequenceDelta(rid, tokens, logprobs_from_wire(logprobs), finish, stop, cached,
+                         logprobs_from_wire(prompt_logprobs), None if metrics is None else RequestMetrics(*metrics),
+                         pooled)

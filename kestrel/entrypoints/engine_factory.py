@@ -95,4 +95,3 @@ def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | 
     core = EngineCore(config, runner, runner.kv_layout, tokenizer, eos_token_id, structured,
                       detokenize=tokenizer is not None, deltas=deltas)
     return BuiltEngine(tokenizer, runner, core)
-
