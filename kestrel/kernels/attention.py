@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels import common
 
@@ -218,7 +219,11 @@ def _paged_attn_kernel(
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr, Q_CLAMP: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr,
     ACC_W: tl.constexpr, ODD_W: tl.constexpr, SOFT_CAP: tl.constexpr, USE_ENDS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     kv_head = tl.program_id(1)
     if PER_SEQ:
         seq = tl.program_id(0)
@@ -334,10 +339,13 @@ def _paged_attn_kernel(
 def _merge_splits_kernel(
     out_ptr, po_ptr, plse_ptr, qsl_ptr, num_seqs, num_splits, q_len_hi, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per packed row (sequence, KV head, row): every split's partial is loaded in one
     [SPLITS_PAD, HEAD_PAD] tile, so the merge costs one memory round trip rather than one per split."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     r = tl.program_id(2)
@@ -521,7 +529,7 @@ def paged_attention(
     # path compiles to exactly the uncapped kernel, with no extra parameter.
     qk_scale = float(scale) * float(k_scale) * _LOG2E
     capped = logit_soft_cap is not None
-    common = dict(
+    shared = dict(
         qk_scale=qk_scale * 2.0 / float(logit_soft_cap) if capped else qk_scale, v_scale=float(v_scale),
         SOFT_CAP=float(logit_soft_cap) * _LOG2E if capped else 0.0,
         window=int(sliding_window or 0), num_seqs=num_seqs,
@@ -535,6 +543,7 @@ def paged_attention(
         Q_CLAMP=dot_dtype == tl.float16 and q.dtype != torch.float16,
         USE_ENDS=causal_ends is not None,
     )
+    pdl = common.pdl_options(q)
     ends = seq_lens if causal_ends is None else causal_ends
     wide = dot_dtype == tl.float32 and q.is_cuda
     # FP8 (e4m3) V read as int16 pairs, see _attend_tiles; the dots then run in fp16 off the GPU too.
@@ -543,7 +552,7 @@ def paged_attention(
     v_arg = v_cache.view(torch.int16) if v_pairs else v_cache
     pairs = dict(V_PAIRS=v_pairs, V_ASM=v_pairs and q.is_cuda, ACC_W=head_pad // 2 if v_pairs else head_pad,
                  ODD_W=head_pad // 2 if v_pairs else 1)
-    common.update(stride_vb=v_arg.stride(0), stride_vt=v_arg.stride(1), stride_vh=v_arg.stride(2))
+    shared.update(stride_vb=v_arg.stride(0), stride_vt=v_arg.stride(1), stride_vh=v_arg.stride(2))
     dec = decode_cfg or decode_config(head_size, group, fp8, wide)
     dec_q = max(1, dec.block_m // group)
 
@@ -553,9 +562,9 @@ def paged_attention(
         grid = (num_tokens // pre_q + num_seqs, num_kv_heads)
         _paged_attn_kernel[grid](
             q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends,
-            q_len_lo=dec_q, q_len_hi=_NO_LIMIT, **common, **pairs,
+            q_len_lo=dec_q, q_len_hi=_NO_LIMIT, **shared, **pairs,
             BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False,
-            num_warps=pre.num_warps, num_stages=pre.num_stages,
+            num_warps=pre.num_warps, num_stages=pre.num_stages, **pdl,
         )
 
     if num_seqs == 1 and max_query_len is not None and max_query_len > dec_q and num_tokens == max_query_len:
@@ -574,14 +583,14 @@ def paged_attention(
         part_o = part_lse = out
     _paged_attn_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_arg, out, part_o, part_lse, query_start_loc, seq_lens, block_tables, ends,
-        q_len_lo=0, q_len_hi=dec_q, **common, **pairs,
+        q_len_lo=0, q_len_hi=dec_q, **shared, **pairs,
         BLOCK_M=dec.block_m, BLOCK_Q=dec_q, BLOCK_N=dec.block_n, PER_SEQ=True, SPLIT=split,
-        num_warps=dec.num_warps, num_stages=dec.num_stages,
+        num_warps=dec.num_warps, num_stages=dec.num_stages, **pdl,
     )
     if split:
         _merge_splits_kernel[(num_seqs, num_kv_heads, dec_q * group)](
             out, part_o, part_lse, query_start_loc, num_seqs, num_splits, dec_q, out.stride(0), out.stride(1),
             GROUP=group, HEAD=head_size, HEAD_PAD=head_pad, BLOCK_M=dec.block_m, BLOCK_Q=dec_q,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=8 if num_splits > 16 else 4,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=8 if num_splits > 16 else 4, **pdl,
         )
     return out

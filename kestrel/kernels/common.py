@@ -82,13 +82,17 @@ def merge_splits(plse_ptr, po_ptr, row, s_ok, offs_d, HEAD_PAD: tl.constexpr):
     return tl.sum(weight[:, None] * partial, 0) / tl.where(total == 0.0, 1.0, total)
 
 
-def launch_options(x: torch.Tensor) -> dict:
-    """`FAST` and `USE_PDL` constexprs plus the launch's PDL flag: overlap with the previous kernel's tail."""
+def pdl_options(x: torch.Tensor) -> dict:
+    """The `USE_PDL` constexpr plus the launch's PDL flag: overlap with the previous kernel's tail. A kernel
+    launched so calls `gdc_wait` before it reads what an earlier kernel wrote or writes any memory, on every path
+    (an earlier kernel's completion is only guaranteed to the kernels after it through those waits)."""
     pdl = x.is_cuda and is_hopper_or_newer(x.device)
-    opts: dict = {"FAST": x.is_cuda, "USE_PDL": pdl}
-    if x.is_cuda:
-        opts["launch_pdl"] = pdl
-    return opts
+    return {"USE_PDL": pdl, "launch_pdl": pdl} if x.is_cuda else {"USE_PDL": False}
+
+
+def launch_options(x: torch.Tensor) -> dict:
+    """`pdl_options` plus the `FAST` constexpr (the GPU's own roundings and conversions)."""
+    return {"FAST": x.is_cuda, **pdl_options(x)}
 
 
 @functools.cache

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels import activation as _activation
 from kestrel.kernels import common, moe_small_t
@@ -252,6 +253,7 @@ def _moe_gemm_kernel(
     QUANT: tl.constexpr, PRECISE: tl.constexpr, QUANT_OUT: tl.constexpr, ROUND: tl.constexpr,
     SCALE_BN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[p, n] = epilogue(sum_k a[p // top_k, k] * w[e, n, k]) for the BLOCK_M pairs p of one block.
     ACT_MUL: w holds gate rows [0, N) and up rows [N, 2N); the epilogue is act(gate) * up.
@@ -259,6 +261,9 @@ def _moe_gemm_kernel(
     QUANT 2 (block FP8, BLOCK_K == bk): each K step's dot is multiplied by a_scale[row, kt] *
     w_scale[e, n // SCALE_BN, kt]. QUANT_OUT: the output, rounded to the ROUND dtype, is quantized to fp8 per
     row over this program's BLOCK_N columns (one group); its scale goes to out_scale[p, pid_n]."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -395,7 +400,7 @@ def fused_moe(
         bk = block_shape[1]
         # One K step per scale column; the first GEMM's programs each hold one quantization group.
         cfg1, cfg2 = replace(cfg, block_n=bk, block_k=bk), replace(cfg, block_k=bk)
-    common_args = dict(DOT_F32=not x.is_cuda or (x.dtype == torch.float32 and not fp8), FAST=x.is_cuda,
+    common_args = dict(DOT_F32=not x.is_cuda or (x.dtype == torch.float32 and not fp8), **common.launch_options(x),
                        QUANT=quant, ROUND=_ROUND[x.dtype], SCALE_BN=block_shape[0] if block_shape else 1,
                        PRECISE=quant == _PER_CHANNEL and x.is_cuda and common.is_hopper_or_newer(x.device),
                        BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -442,8 +447,8 @@ def fused_moe(
     if k > 1:
         ids = topk_ids.reshape(-1)
         block = min(_SUM_BLOCK, triton.next_power_of_2(H))
-        _moe_sum_kernel[(T, triton.cdiv(H, block))](down, ids, out, H, TOP_K=k, BLOCK=block, FAST=x.is_cuda,
-                                                      num_warps=4 if block >= 512 else 1)
+        _moe_sum_kernel[(T, triton.cdiv(H, block))](down, ids, out, H, TOP_K=k, BLOCK=block,
+                                                      num_warps=4 if block >= 512 else 1, **common.launch_options(x))
     return out
 
 

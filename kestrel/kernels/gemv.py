@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels import common
 from kestrel.kernels import moe_common as _mc
@@ -126,10 +127,14 @@ def _epilogue(dot, m, cols, rows, n_ok, s_ptr, b_ptr, out_ptr, stride_om,
 @triton.jit(do_not_specialize=["stride_xm", "stride_om"])
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, N, K, stride_xm, stride_wn, stride_om,
                  SPLIT_K: tl.constexpr, ROWS: tl.constexpr, W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 PER_TENSOR: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 PER_TENSOR: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                 FAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = round(scale[n] * sum_k x[m, k] * w[n, k] + bias[n]) for the ROWS rows of x; this program
-    reads the weight slice [BLOCK_N rows, K slice `program_id % SPLIT_K`]."""
+    reads the weight slice [BLOCK_N rows, K slice `program_id % SPLIT_K`]. Under PDL the slice is loaded before
+    waiting for the previous kernel (weights never depend on it); x, the workspace, the counters and the output
+    after."""
+    if USE_PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     nb = pid // SPLIT_K
     split = pid % SPLIT_K
@@ -144,6 +149,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, N, K, st
         w = _mc._load(w_ptrs, None, False, W_FP8).to(tl.float32)
     else:
         w = _mc._load(w_ptrs, k_ok[None, :], True, W_FP8).to(tl.float32)
+    if USE_PDL:
+        gdc_wait()
     part = ws_ptr + pid.to(tl.int64) * (ROWS * BLOCK_N) + tl.arange(0, BLOCK_N)
     for m in tl.static_range(ROWS):
         if EVEN_K:
@@ -202,6 +209,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
             xm.stride(0), weight.stride(0), om.stride(0),
             SPLIT_K=split_k, ROWS=rows, W_FP8=weight.dtype == torch.float8_e4m3fn, HAS_SCALE=scale is not None,
             PER_TENSOR=scale is not None and scale.numel() == 1, HAS_BIAS=bias is not None,
-            EVEN_K=K % block_k == 0, FAST=x.is_cuda, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-            num_warps=cfg.num_warps)
+            EVEN_K=K % block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps,
+            **common.launch_options(x))
     return out

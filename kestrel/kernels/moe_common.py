@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels import common
 
@@ -103,8 +104,12 @@ def _load(ptrs, mask, MASKED: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
-def _moe_sum_kernel(in_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
+def _moe_sum_kernel(in_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     """out[t] = sum_j in[t * TOP_K + j] in fp32 (j in order, pairs of expert -1 left out), rounded once."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H

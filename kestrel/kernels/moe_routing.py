@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kestrel.kernels import common
 
 # The single-program alignment's chunks run in sequence: beyond this many pairs the torch sort's launches cost less.
 ALIGN_SINGLE_MAX_PAIRS = 1024
@@ -42,7 +45,10 @@ def route_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple
 
 @triton.jit
 def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
-                       K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+                       K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0)
     offs = tl.arange(0, E_PAD)
     valid = offs < num_experts
@@ -80,7 +86,8 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
         e_pad = triton.next_power_of_2(num_experts)
         _route_topk_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                                           K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad,
-                                          RENORMALIZE=renormalize, num_warps=4 if e_pad >= 512 else 1)
+                                          RENORMALIZE=renormalize, num_warps=4 if e_pad >= 512 else 1,
+                                          **common.pdl_options(logits))
     return weights, ids
 
 
@@ -90,7 +97,10 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
 @triton.jit
 def _align_single_kernel(ids_ptr, num_pairs, sorted_ptr, expert_ids_ptr, num_padded_ptr, num_blocks,
                          num_experts, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                         FILL: tl.constexpr):
+                         FILL: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     experts = tl.arange(0, E_PAD)
     rows = tl.arange(0, CHUNK)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
@@ -140,5 +150,5 @@ def moe_align_single(topk_ids: torch.Tensor, num_experts: int, block_m: int
     chunk = max(16, min(128, _ONE_HOT_ELEMENTS // e_pad, triton.next_power_of_2(max(n, 1))))
     _align_single_kernel[(1,)](flat, n, sorted_ids, expert_ids, num_padded, num_blocks, num_experts,
                                BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, FILL=max(16, _ONE_HOT_ELEMENTS // e_pad),
-                               num_warps=4)
+                               num_warps=4, **common.pdl_options(flat))
     return sorted_ids, expert_ids, num_padded

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels import activation as _activation
 from kestrel.kernels import common
@@ -190,9 +191,12 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, N, K, top_k,
                     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_im,
                     ACTIVATION: tl.constexpr, QUANT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                     FAST: tl.constexpr, EVEN_K: tl.constexpr, K_STEPS: tl.constexpr, STATIC_K: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, USE_PDL: tl.constexpr):
     """inter[p, n] = round(act(w[e, n] . x[t]) * (w[e, N + n] . x[t])), e = ids[p], t = p // top_k.
     STATIC_K: the K_STEPS steps unrolled (straight-line loads the compiler can issue ahead)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     p = tl.program_id(0)
     expert = tl.load(ids_ptr + p).to(tl.int64)
     if expert < 0:
@@ -237,11 +241,15 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, N, K,
                  stride_im, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                  TOP_K: tl.constexpr, QUANT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                  FAST: tl.constexpr, EVEN_K: tl.constexpr, K_STEPS: tl.constexpr, STATIC_K: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+                 SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """out[t, n] = round(sum_j weights[t, j] * (w[e_j, n] . inter[t * TOP_K + j])) over the kept slots j. A skipped
     slot's loads are predicated off rather than branched around (it adds 0), so with STATIC_K the k experts' loads
     form one straight line. SPLIT: one program per pair instead of per token (k times the programs), each writing its
     fp32 product to out[p] for a k-sum launch: the same fp32 operations in the same order."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (cols % N).to(tl.int64)
@@ -336,7 +344,7 @@ def fused_moe_small_t(
         inter_t.stride(0),
         ACTIVATION=code, QUANT=quant, SCALE_BN=scale_bn, SCALE_BK=scale_bk, FAST=fast,
         EVEN_K=H % bk13 == 0, K_STEPS=triton.cdiv(H, bk13), STATIC_K=triton.cdiv(H, bk13) <= cfg.max_unroll,
-        BLOCK_N=cfg.block_n13, BLOCK_K=bk13, SUB=sub13, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n13, BLOCK_K=bk13, SUB=sub13, num_warps=cfg.num_warps, **common.pdl_options(x),
     )
     bk2 = min(cfg.block_k2, triton.next_power_of_2(inter))
     sub2 = _sub_width(bk2, block_shape)
@@ -349,10 +357,10 @@ def fused_moe_small_t(
         down.stride(0),
         TOP_K=k, QUANT=quant, SCALE_BN=scale_bn, SCALE_BK=scale_bk, FAST=fast, EVEN_K=inter % bk2 == 0,
         K_STEPS=triton.cdiv(inter, bk2), STATIC_K=(1 if split else k) * triton.cdiv(inter, bk2) <= cfg.max_unroll,
-        SPLIT=split, BLOCK_N=cfg.block_n2, BLOCK_K=bk2, SUB=sub2, num_warps=cfg.num_warps2,
+        SPLIT=split, BLOCK_N=cfg.block_n2, BLOCK_K=bk2, SUB=sub2, num_warps=cfg.num_warps2, **common.pdl_options(x),
     )
     if split:
         block = min(_fm._SUM_BLOCK, triton.next_power_of_2(H))
         _fm._moe_sum_kernel[(T, triton.cdiv(H, block))](down, ids, out, H, TOP_K=k, BLOCK=block, FAST=fast,
-                                                         num_warps=4 if block >= 512 else 1)
+                                                         num_warps=4 if block >= 512 else 1, **common.pdl_options(x))
     return out

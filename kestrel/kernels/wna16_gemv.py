@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels import common
 
@@ -58,11 +59,14 @@ def fit_block_k(block_k: int, group: int, K: int) -> int:
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, N, group,
                     stride_xm, stride_wk, stride_sg, stride_zg, stride_om,
                     SPLIT_K: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = sum_g s[g, n] * sum_{k in g} x[m, k] * (c[k, n] - z[g, n]) + bias[n] for the ROWS rows of x;
     this program reads word rows [split * BLOCK_K / 8, +BLOCK_K / 8) of BLOCK_N columns. GROUPS: the groups one
-    slice holds (1 when the slice lies inside one group)."""
+    slice holds (1 when the slice lies inside one group). Under PDL the words, zeros and scales are loaded before
+    waiting for the previous kernel; x, the workspace, the counters and the output after."""
+    if USE_PDL:
+        gdc_launch_dependents()
     KW: tl.constexpr = BLOCK_K // 8
     pid = tl.program_id(0)
     nb = pid // SPLIT_K
@@ -92,6 +96,8 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr
     else:
         gs = first_g + tl.arange(0, GROUPS)
         sc = tl.load(s_ptr + gs[:, None] * stride_sg + wc[None, :]).to(tl.float32)
+    if USE_PDL:
+        gdc_wait()
     part = ws_ptr + pid.to(tl.int64) * (ROWS * BLOCK_N) + tl.arange(0, BLOCK_N)
     # One row at a time, each in a 2-D tile laid out like the words (a third dimension for the rows would make
     # the compiler give each thread one column and many K rows: a load of x per value instead of per word row).
@@ -189,4 +195,4 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
             xm, qweight, scales, z, b, om, ws, locks, N, group,
             xm.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), om.stride(0),
             SPLIT_K=split_k, ROWS=rows, GROUPS=groups, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
-            FAST=x.is_cuda, EVEN_N=N % block_n == 0, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps)
+            EVEN_N=N % block_n == 0, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps, **common.launch_options(x))

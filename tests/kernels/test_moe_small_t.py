@@ -162,7 +162,7 @@ def _sm90_reports(quant: int) -> list[tuple[str, str]]:
     cfg, (wdt, (bn, bk)) = st.DEFAULT, _QUANTS[quant]
     H, inter, k = 2048, 768, 8
     block = None if quant != 2 else (bn, bk)
-    common = dict(QUANT=quant, SCALE_BN=bn, SCALE_BK=bk, FAST=True)
+    common = dict(QUANT=quant, SCALE_BN=bn, SCALE_BK=bk, FAST=True, USE_PDL=True)
     gate_up = dict(ACTIVATION=0, EVEN_K=True, K_STEPS=H // cfg.block_k13, STATIC_K=True, BLOCK_N=cfg.block_n13,
                    BLOCK_K=cfg.block_k13, SUB=st._sub_width(cfg.block_k13, block), **common)
     steps = -(-inter // cfg.block_k2)
