@@ -4,7 +4,7 @@
 # core in its own process (`--engine-core-process`, collector tuned in both processes). Llama-3-8B shape, random
 # weights, FP8 + FP8 KV, max_num_seqs 128, 32 streams of 1000 in / 200 out twice after 64 warm-up requests.
 # Then `kestrel bench host-step` on this host, in process and split, at batch 64 and 256.
-# Usage: scripts/h200_serve_gc_split.sh OUT serve|host-step   (the wheels of the server's packages set up by the caller)
+# Usage: scripts/h200_serve_gc_split.sh OUT serve [ROUND...]|host-step   (the wheels of the server's packages set up by the caller)
 set -uo pipefail
 out=$1
 mkdir -p "$out"
@@ -30,8 +30,10 @@ cli=(python3 -m kestrel.entrypoints.cli serve)
 untuned=(python3 -c "import sys; import kestrel.entrypoints.server as s; s.tune_for_serving = lambda: 0
 from kestrel.entrypoints.cli import main; sys.argv = ['kestrel', 'serve'] + sys.argv[1:]; sys.exit(main())")
 if [ "$2" = serve ]; then
-python3 scripts/write_serve_model.py $model >/dev/null
-for round in 1 2; do
+[ -d $model ] || python3 scripts/write_serve_model.py $model >/dev/null
+shift 2
+rounds=${*:-1 2}
+for round in $rounds; do
   one "default-gc-r$round" "${untuned[@]}"
   one "serving-gc-r$round" "${cli[@]}"
   one "split-serving-gc-r$round" "${cli[@]}" --engine-core-process
