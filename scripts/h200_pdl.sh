@@ -19,3 +19,4 @@ cd "$here"
 run 300 python3 -m pytest -q -p no:cacheprovider -x tests/gpu/test_gemv_gpu.py tests/gpu/test_moe_small_t_gpu.py \
   tests/gpu/test_fused_moe_gpu.py tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_prefill_graphs_gpu.py \
   tests/gpu/test_wna16_gpu.py
+run 150 python3 scripts/h200_decode_profile.py --out "$out" --arch qwen3-30b-a3b --tag pdl --precisions fp8
