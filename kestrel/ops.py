@@ -153,12 +153,23 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.
 
 
 def rope_store_kv(positions, q, k, v, cos_cache, sin_cache, rotary_dim, k_cache, v_cache, slot_mapping, k_scale=1.0,
-                  v_scale=1.0):
+                  v_scale=1.0, head_norms=None):
+    """`head_norms` (`HeadNorms`): q's and k's per-head RMSNorms, applied first (in the same launch on the GPU)."""
     if use_triton(q):
-        fn = _rope_kv.rope_store_kv
-    else:
-        fn = _cpu_rope_kv.rope_store_kv_cpu if use_cpu_fast_path(q) else _rope_kv.rope_store_kv_ref
+        return _rope_kv.rope_store_kv(positions, q, k, v, cos_cache, sin_cache, rotary_dim, k_cache, v_cache,
+                                      slot_mapping, k_scale, v_scale, head_norms)
+    if head_norms is not None:
+        q, k = apply_head_norms(q, k, head_norms, k_cache.shape[-1])
+    fn = _cpu_rope_kv.rope_store_kv_cpu if use_cpu_fast_path(q) else _rope_kv.rope_store_kv_ref
     return fn(positions, q, k, v, cos_cache, sin_cache, rotary_dim, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+HeadNorms = _rope_kv.HeadNorms
+
+
+def apply_head_norms(q, k, head_norms, head_size):
+    """q and k (`[T, heads * head_size]`) with each head RMS-normalised by `head_norms` (`HeadNorms`)."""
+    return _rope_kv.head_norms_ref(q, k, head_norms, head_size, rms_norm=rms_norm)
 
 
 def rms_norm(x, weight, eps, residual=None, unit_offset=False):

@@ -6,9 +6,16 @@ The rotation is done in fp32 with the fp32 cos/sin tables and rounded once: rota
 contiguous tensor), rotated k straight into the K cache (rounded to the cache's dtype, or stored as
 k / k_scale saturated to +-448 in an FP8 cache, like `store_kv`). V is written as `store_kv` writes it. Rows
 whose slot is -1 write nothing into either cache; their q is still rotated.
+
+With `head_norms` each head of q and of k is first RMS-normalised over its dims (Qwen3's and Gemma 3's q/k norms),
+with the numerics of `norm.rms_norm` on rows of one head (its output rounded to q's dtype, then rotated): the
+fused launch replaces two norm launches, and differs from them at most where a sum of squares adds in another
+order.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -16,9 +23,27 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels import common
+from kestrel.kernels.norm import rms_norm_ref
 from kestrel.kernels.store_kv import store_kv_ref
 
 _GROUP_ELEMENTS = 1024  # (head, dim) elements per program
+
+
+class HeadNorms(NamedTuple):
+    """Per-head RMSNorm weights `[head_size]` of q and k, applied before the rotation; `unit_offset`: Gemma's
+    `norm(x) * (1 + weight)`."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+    unit_offset: bool = False
+
+
+def head_norms_ref(q: torch.Tensor, k: torch.Tensor, norms: HeadNorms, head_size: int,
+                   rms_norm=rms_norm_ref) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k with each head normalised by `rms_norm` (its rows one head each), in their shapes."""
+    return tuple(rms_norm(x.reshape(-1, head_size), w, norms.eps, unit_offset=norms.unit_offset).view(x.shape)
+                 for x, w in ((q, norms.q_weight), (k, norms.k_weight)))
 
 
 def rope_store_kv_ref(
@@ -34,9 +59,12 @@ def rope_store_kv_ref(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    head_norms: HeadNorms | None = None,
 ) -> torch.Tensor:
     """q `[T, H*D]`, k and v `[T, H_kv*D]`, caches `[num_blocks, block_size, H_kv, D]` -> rotated q `[T, H*D]`."""
     num_tokens, head_size = q.shape[0], k_cache.shape[-1]
+    if head_norms is not None:
+        q, k = head_norms_ref(q, k, head_norms, head_size)
     cos = cos_cache[positions].float().unsqueeze(1)  # [T, 1, rotary_dim // 2]
     sin = sin_cache[positions].float().unsqueeze(1)
     k_rot = _rotate_ref(k, cos, sin, rotary_dim, head_size)
@@ -57,13 +85,31 @@ def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_di
 
 
 @triton.jit
-def _rotated(row_ptr, h, d, mask, cos, sin, HALF: tl.constexpr, HEAD: tl.constexpr):
-    """fp32 rotated `[GROUP, HEAD_PAD]` tile of heads `h` of one token row (0 where masked)."""
+def _normed(x, rstd, w_ptr, cols, UNIT_OFFSET: tl.constexpr, FAST: tl.constexpr, dtype: tl.constexpr):
+    """`norm.rms_norm`'s output for the values `x` of columns `cols` of their rows, back in fp32."""
+    w = tl.load(w_ptr + cols).to(tl.float32)[None, :]
+    if UNIT_OFFSET:
+        y = common.to_dtype(x * rstd[:, None] * (1.0 + w), dtype, FAST)
+    else:
+        y = common.to_dtype(common.to_dtype(x * rstd[:, None], dtype, FAST).to(tl.float32) * w, dtype, FAST)
+    return y.to(tl.float32)
+
+
+@triton.jit
+def _rotated(row_ptr, h, d, mask, cos, sin, norm_w_ptr, eps, HALF: tl.constexpr, HEAD: tl.constexpr,
+             NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, FAST: tl.constexpr):
+    """fp32 rotated `[GROUP, HEAD_PAD]` tile of heads `h` of one token row (0 where masked), each head first
+    RMS-normalised by the weights at `norm_w_ptr` when NORM."""
     first = d < HALF
     rot = d < 2 * HALF
     partner = tl.where(first, d + HALF, d - HALF)
     x = tl.load(row_ptr + h[:, None] * HEAD + d[None, :], mask=mask, other=0.0).to(tl.float32)
     p = tl.load(row_ptr + h[:, None] * HEAD + partner[None, :], mask=mask & rot[None, :], other=0.0).to(tl.float32)
+    if NORM:
+        dtype: tl.constexpr = row_ptr.dtype.element_ty
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD + eps)
+        x = _normed(x, rstd, norm_w_ptr, tl.minimum(d, HEAD - 1), UNIT_OFFSET, FAST, dtype)
+        p = _normed(p, rstd, norm_w_ptr, tl.minimum(partner, HEAD - 1), UNIT_OFFSET, FAST, dtype)
     y = tl.where(first[None, :], x * cos[None, :] - p * sin[None, :], x * cos[None, :] + p * sin[None, :])
     return tl.where(rot[None, :], y, x)
 
@@ -71,13 +117,13 @@ def _rotated(row_ptr, h, d, mask, cos, sin, HALF: tl.constexpr, HEAD: tl.constex
 @triton.jit
 def _rope_store_kv_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    k_scale, v_scale,
+    q_norm_ptr, k_norm_ptr, k_scale, v_scale, norm_eps,
     stride_q, stride_k, stride_v, stride_qo, stride_cos, stride_sin,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     HALF: tl.constexpr, GROUP: tl.constexpr, Q_GROUPS: tl.constexpr, KV_GROUPS: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
-    USE_PDL: tl.constexpr, FAST: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr, NORM: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr, USE_PDL: tl.constexpr, FAST: tl.constexpr,
 ):
     """Program (token, group): groups of GROUP heads, first those of q, then k, then v."""
     if USE_PDL:
@@ -95,14 +141,16 @@ def _rope_store_kv_kernel(
         if g < Q_GROUPS:
             h = g * GROUP + tl.arange(0, GROUP)
             mask = (h < NUM_HEADS)[:, None] & (d < HEAD)[None, :]
-            y = _rotated(q_ptr + t * stride_q, h, d, mask, cos, sin, HALF, HEAD)
+            y = _rotated(q_ptr + t * stride_q, h, d, mask, cos, sin, q_norm_ptr, norm_eps, HALF, HEAD, NORM,
+                         UNIT_OFFSET, FAST)
             tl.store(q_out_ptr + t * stride_qo + h[:, None] * HEAD + d[None, :],
                      common.to_dtype(y, q_out_ptr.dtype.element_ty, FAST), mask=mask)
         else:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             h = (g - Q_GROUPS) * GROUP + tl.arange(0, GROUP)
             mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD)[None, :]
-            y = _rotated(k_ptr + t * stride_k, h, d, mask, cos, sin, HALF, HEAD)
+            y = _rotated(k_ptr + t * stride_k, h, d, mask, cos, sin, k_norm_ptr, norm_eps, HALF, HEAD, NORM,
+                         UNIT_OFFSET, FAST)
             dst = (k_cache_ptr + (slot // BLOCK_SIZE) * stride_kcb + (slot % BLOCK_SIZE) * stride_kct
                    + h[:, None] * stride_kch + d[None, :])
             tl.store(dst, common.to_cache(y, k_scale, k_cache_ptr.dtype.element_ty, K_FP8, FAST),
@@ -130,6 +178,7 @@ def rope_store_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    head_norms: HeadNorms | None = None,
 ) -> torch.Tensor:
     """Triton `rope_store_kv_ref`. q, k and v may be column slices of one qkv tensor (strided rows)."""
     num_tokens = q.shape[0]
@@ -145,6 +194,8 @@ def rope_store_kv(
                          f"{cos_cache.shape[-1]} / {sin_cache.shape[-1]} columns")
     if any(x.stride(-1) != 1 for x in (cos_cache, sin_cache, k_cache, v_cache)):
         raise ValueError("the cos/sin tables and the caches must have a contiguous last dimension")
+    if head_norms is not None:
+        _check_head_norms(head_norms, q, k, head_size)
     q_out = torch.empty((num_tokens, num_heads * head_size), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out
@@ -154,15 +205,24 @@ def rope_store_kv(
     fp8 = torch.float8_e4m3fn
     _rope_store_kv_kernel[(num_tokens, q_groups + 2 * kv_groups)](
         positions, q, k, v, cos_cache, sin_cache, q_out, k_cache, v_cache, slot_mapping,
-        float(k_scale), float(v_scale),
+        head_norms.q_weight if head_norms else q, head_norms.k_weight if head_norms else k,
+        float(k_scale), float(v_scale), float(head_norms.eps) if head_norms else 0.0,
         q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), cos_cache.stride(0), sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD=head_size, HEAD_PAD=head_pad, HALF=half,
         GROUP=group, Q_GROUPS=q_groups, KV_GROUPS=kv_groups, BLOCK_SIZE=block_size,
-        K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, num_warps=4, **common.launch_options(q),
+        K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, NORM=head_norms is not None,
+        UNIT_OFFSET=bool(head_norms and head_norms.unit_offset), num_warps=4, **common.launch_options(q),
     )
     return q_out
+
+
+def _check_head_norms(norms: HeadNorms, q: torch.Tensor, k: torch.Tensor, head_size: int) -> None:
+    for name, w, x in (("q", norms.q_weight, q), ("k", norms.k_weight, k)):
+        if w.shape != (head_size,) or w.dtype != x.dtype or not w.is_contiguous():
+            raise ValueError(f"head_norms: the {name} weight must be a contiguous [{head_size}] tensor of "
+                             f"{x.dtype}, got {tuple(w.shape)} {w.dtype}")
 
 
 def _rows(x: torch.Tensor, num_tokens: int) -> torch.Tensor:

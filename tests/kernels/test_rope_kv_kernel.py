@@ -13,11 +13,12 @@ Cache slots not named by the slot mapping (slot -1 rows, other slots) keep their
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
 
-from kestrel.kernels.rope_kv import rope_store_kv, rope_store_kv_ref
+from kestrel.kernels.rope_kv import HeadNorms, head_norms_ref, rope_store_kv, rope_store_kv_ref
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 FP32 = 2.0**-24
@@ -116,17 +117,22 @@ def check_cache(got: torch.Tensor, expected: torch.Tensor, mag: torch.Tensor, ca
         assert_within(got, expected, UNIT_ROUNDOFF[cache_dtype] * expected.abs() + 3 * FP32 * mag + slack, what)
 
 
-def check(inputs: Inputs, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check(inputs: Inputs, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+          input_ulps: int = 0) -> None:
+    """`input_ulps`: q and k as the op read them may differ from the inputs' by this many roundings of their dtype
+    (normalised by another implementation of the same norm)."""
     c = inputs.case
     q, k, v = inputs.split(torch.device("cpu"))
     q_exp, q_mag = rotate_oracle(q, inputs.positions, inputs.cos, inputs.sin, c.rotary_dim, c.head_size)
     k_exp, k_mag = rotate_oracle(k, inputs.positions, inputs.cos, inputs.sin, c.rotary_dim, c.head_size)
+    q_mag, k_mag = (mag * (1 + input_ulps * 2 * UNIT_ROUNDOFF[c.dtype] / (3 * FP32)) for mag in (q_mag, k_mag))
 
     assert q_out.shape == q.shape and q_out.dtype == c.dtype and q_out.is_contiguous()
     q_got = q_out.view(c.num_tokens, c.num_heads, c.head_size)
     slack = torch.finfo(c.dtype).smallest_normal * UNIT_ROUNDOFF[c.dtype]
     assert_within(q_got, q_exp, UNIT_ROUNDOFF[c.dtype] * q_exp.abs() + 3 * FP32 * q_mag + slack, "q")
-    assert torch.equal(q_got[..., c.rotary_dim:], q.reshape(q_got.shape)[..., c.rotary_dim:])
+    if not input_ulps:
+        assert torch.equal(q_got[..., c.rotary_dim:], q.reshape(q_got.shape)[..., c.rotary_dim:])
 
     valid = inputs.slots >= 0
     slots = inputs.slots[valid]
@@ -171,6 +177,35 @@ def test_rope_store_kv_matches_oracle(device: torch.device, shape: tuple, dtype:
         assert torch.equal(kernel[2].float(), reference[2].float())  # as values: the interpreter drops -0's sign
 
 
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[4]], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES[:2])
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["weight", "unit_offset"])
+def test_head_norms_in_the_launch_are_the_norms_then_the_rotation(device: torch.device, shape: tuple,
+                                                                   dtype: torch.dtype, unit_offset: bool) -> None:
+    """Each head of q and k RMS-normalised first (Qwen3's and Gemma 3's q/k norms): the oracle rotates the heads
+    as the RMSNorm reference leaves them, so the fused launch must normalise with its numerics."""
+    case = Case(*shape, dtype=dtype, cache_dtype=dtype)
+    g = torch.Generator().manual_seed(5)
+    weights = [(torch.randn(case.head_size, generator=g) * 0.5 + (0.0 if unit_offset else 1.0)).to(dtype)
+               for _ in range(2)]
+
+    def norms(on: torch.device) -> HeadNorms:
+        return HeadNorms(weights[0].to(on), weights[1].to(on), 1e-6, unit_offset)
+
+    inputs = Inputs(case, seed=sum(shape) + 1)
+    kernel = inputs.run(partial(rope_store_kv, head_norms=norms(device)), device)
+    reference = inputs.run(partial(rope_store_kv_ref, head_norms=norms(torch.device("cpu"))), torch.device("cpu"))
+    normed = Inputs(case, seed=sum(shape) + 1)
+    q, k, _ = (x.clone() for x in normed.split(torch.device("cpu")))
+    q_n, k_n = head_norms_ref(q, k, norms(torch.device("cpu")), case.head_size)
+    assert not torch.equal(q_n, q), "the norms changed nothing: the case would check nothing"
+    widths = normed.widths
+    normed.qkv[:, :widths[0]] = q_n
+    normed.qkv[:, widths[0]:widths[0] + widths[1]] = k_n
+    check(normed, *kernel, input_ulps=1)
+    check(normed, *reference)
+
+
 def test_all_padding_rows_write_nothing(device: torch.device) -> None:
     case = Case(4, 4, 2, 64, 64, torch.bfloat16, torch.bfloat16)
     inputs = Inputs(case, seed=11)
@@ -194,3 +229,7 @@ def test_empty_batch_and_bad_shapes(device: torch.device) -> None:
         rope_store_kv(pos, q, k, v, *args, 64, k_cache, v_cache, slots)  # tables are for 32
     with pytest.raises(ValueError, match="KV heads"):
         rope_store_kv(pos, q, k[:, :64], v[:, :64], *args, 32, k_cache, v_cache, slots)
+    ones = torch.ones(64, device=device)
+    with pytest.raises(ValueError, match="head_norms: the k weight"):
+        rope_store_kv(pos, q, k, v, *args, 32, k_cache, v_cache, slots,
+                      head_norms=HeadNorms(ones, ones[:32], 1e-6))

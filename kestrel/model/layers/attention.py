@@ -118,9 +118,11 @@ class Attention(nn.Module):
                 and (attn_metadata.max_seq_len == 0 or attn_metadata.max_seq_len > settings.token_budget))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata,
-                positions: torch.Tensor | None = None, rotary_emb: RotaryEmbedding | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, rotary_emb: RotaryEmbedding | None = None,
+                head_norms: ops.HeadNorms | None = None) -> torch.Tensor:
         """q `[T, H*D]`, k and v `[T, H_kv*D]` -> `[T, H*D]`. With `rotary_emb` (and `positions`), q and k are
-        rotated first, in the same launch as the KV write (`ops.rope_store_kv`)."""
+        rotated first, in the same launch as the KV write (`ops.rope_store_kv`). `head_norms`: q's and k's
+        per-head RMSNorms, applied before anything else (in that same launch where there is one)."""
         if self.kv_cache is None:
             raise RuntimeError(
                 f"attention layer {self.layer_idx} has no KV cache; the model runner must call "
@@ -133,6 +135,9 @@ class Attention(nn.Module):
         else:
             tables = attn_metadata.for_group(self.kv_group)
             slot_mapping, block_tables = tables.slot_mapping, tables.block_tables
+        if head_norms is not None and (self.streaming is not None or rotary_emb is None):
+            q, k = ops.apply_head_norms(q, k, head_norms, self.head_size)
+            head_norms = None
         if self.streaming is not None:
             return self._stream(q, k, v, k_cache, v_cache, slot_mapping, block_tables, attn_metadata, rotary_emb)
         if rotary_emb is None:
@@ -143,7 +148,7 @@ class Attention(nn.Module):
             if positions is None:
                 raise ValueError(f"attention layer {self.layer_idx}: rotary_emb given without positions")
             q = rotary_emb.rotate_and_store_kv(positions, q, k, v, k_cache, v_cache, slot_mapping,
-                                               self.k_scale, self.v_scale)
+                                               self.k_scale, self.v_scale, head_norms)
         if self.key_bounds is not None:
             ops.update_key_bounds(k_cache, slot_mapping, self.key_bounds, self.k_scale)
             if self._runs_sparse(attn_metadata):

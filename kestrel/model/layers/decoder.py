@@ -107,14 +107,24 @@ class SelfAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden_states))
+        head_norms = None
         if self.qk_norm and self.per_head_norm:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+            if self._head_norms_fuse(q):
+                head_norms = ops.HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                           self.q_norm.unit_offset)
+            else:
+                q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+                k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         elif self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.qkv_clip is not None:  # after the q/k norms, as OLMoE clips
             q, k, v = (t.clamp(-self.qkv_clip, self.qkv_clip) for t in (q, k, v))
-        return self.o_proj(self.attn(q, k, v, attn_metadata, positions, self.rotary_emb))
+        return self.o_proj(self.attn(q, k, v, attn_metadata, positions, self.rotary_emb, head_norms))
+
+    def _head_norms_fuse(self, q: torch.Tensor) -> bool:
+        """Whether the attention applies the per-head q/k RMSNorms itself (with the rotation and KV write)."""
+        return (self.qkv_clip is None and isinstance(self.q_norm, RMSNorm) and isinstance(self.k_norm, RMSNorm)
+                and self.q_norm.weight.dtype == q.dtype == self.k_norm.weight.dtype)
 
 
 class GatedMLP(nn.Module):
