@@ -90,8 +90,9 @@ def _check_soft_cap(logit_soft_cap: float | None) -> None:
 # Two launches of one kernel cover a flat batch:
 # - "decode" launch, grid (num_seqs, num_kv_heads, num_splits): one program per sequence whose query is at
 #   most BLOCK_Q tokens (decodes, short speculative chunks). With num_splits > 1 (flash-decoding) each
-#   program covers one slice of the context and writes a partial (output, log-sum-exp) that
-#   `_merge_splits_kernel` combines.
+#   program covers one slice of the context and writes a partial (output, log-sum-exp); the last split of a
+#   (sequence, KV head) to finish merges them (a launch with more pairs than arrival counters leaves that to
+#   `_merge_splits_kernel`). A chosen split count is a ceiling: a sequence uses the splits its keys fill.
 # - "prefill" launch, grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads): an upper bound on the number
 #   of BLOCK_Q-token query tiles; each program finds its sequence by binary search over query_start_loc,
 #   so the grid depends on tensor shapes only and nothing is read back to the host.
@@ -208,10 +209,10 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
     return acc, acc_odd, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi", "window"])
+@triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi", "window", "min_keys"])
 def _paged_attn_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, ends_ptr,
-    qk_scale, v_scale, window, num_seqs, q_len_lo, q_len_hi,
+    q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, ends_ptr, lock_ptr,
+    qk_scale, v_scale, window, num_seqs, q_len_lo, q_len_hi, min_keys,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -219,8 +220,12 @@ def _paged_attn_kernel(
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr, Q_CLAMP: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr,
     ACC_W: tl.constexpr, ODD_W: tl.constexpr, SOFT_CAP: tl.constexpr, USE_ENDS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    """SPLIT with FUSED_MERGE: a (sequence, KV head) uses as many of the launch's splits as its keys fill at
+    `min_keys` each (the rest return at once); one split writes the output itself, several write partials and
+    the last to arrive at the pair's counter merges them (acq_rel, so it sees every partial) and zeroes the
+    counter."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -287,6 +292,10 @@ def _paged_attn_kernel(
     if SPLIT:
         split = tl.program_id(2)
         num_splits = tl.num_programs(2)
+        if FUSED_MERGE:
+            num_splits = tl.minimum(tl.maximum(tl.cdiv(hi - lo, min_keys), 1), num_splits)
+            if split >= num_splits:
+                return
         per_split = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
         seg_lo = lo + split * per_split
         seg_hi = tl.minimum(seg_lo + per_split, hi)
@@ -324,15 +333,48 @@ def _paged_attn_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc * (v_scale / l_safe)[:, None]
+    o_ptrs = out_ptr + (q_start + tok_in)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    o_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
-        # partials [num_splits, num_seqs, num_kv_heads, BLOCK_M, HEAD_PAD] and lse [..., BLOCK_M]
-        row = ((split * num_seqs + seq) * tl.num_programs(1) + kv_head).to(tl.int64) * BLOCK_M + offs_m
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-        tl.store(plse_ptr + row, lse)
-        tl.store(po_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], o)
+        if FUSED_MERGE and num_splits == 1:
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            # partials [launch splits, num_seqs, num_kv_heads, BLOCK_M, HEAD_PAD] and lse [..., BLOCK_M]
+            pair = seq * tl.num_programs(1) + kv_head
+            rows = (split * num_seqs * tl.num_programs(1) + pair).to(tl.int64) * BLOCK_M + offs_m
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+            tl.store(plse_ptr + rows, lse)
+            tl.store(po_ptr + rows[:, None] * HEAD_PAD + offs_d[None, :], o)
+            if FUSED_MERGE:
+                tl.debug_barrier()
+                if tl.atomic_add(lock_ptr + pair, 1, sem="acq_rel") == num_splits - 1:
+                    merged = _merge_pair(po_ptr, plse_ptr, pair, num_seqs * tl.num_programs(1), num_splits,
+                                         offs_m, offs_d, BLOCK_M, HEAD_PAD)
+                    tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=o_mask)
+                    tl.atomic_xchg(lock_ptr + pair, 0)
     else:
-        o_ptrs = out_ptr + (q_start + tok_in)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _merge_pair(po_ptr, plse_ptr, pair, pairs, num_splits, offs_m, offs_d, BLOCK_M: tl.constexpr,
+                HEAD_PAD: tl.constexpr):
+    """A (sequence, KV head) pair's `[BLOCK_M, HEAD_PAD]` output from its `num_splits` partials, as
+    `common.merge_splits` weighs them (2^(lse - the largest); no key anywhere: 0). Loads bypass L1: the
+    partials were written by other programs."""
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        rows = (s * pairs + pair).to(tl.int64) * BLOCK_M + offs_m
+        top = tl.maximum(top, tl.load(plse_ptr + rows, cache_modifier=".cg"))
+    base = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    for s in range(num_splits):
+        rows = (s * pairs + pair).to(tl.int64) * BLOCK_M + offs_m
+        weight = tl.math.exp2(tl.load(plse_ptr + rows, cache_modifier=".cg") - base)
+        total += weight
+        acc += weight[:, None] * tl.load(po_ptr + rows[:, None] * HEAD_PAD + offs_d[None, :], cache_modifier=".cg")
+    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "q_len_hi"])
@@ -561,9 +603,9 @@ def paged_attention(
         pre_q = max(1, pre.block_m // group)
         grid = (num_tokens // pre_q + num_seqs, num_kv_heads)
         _paged_attn_kernel[grid](
-            q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends,
-            q_len_lo=dec_q, q_len_hi=_NO_LIMIT, **shared, **pairs,
-            BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False,
+            q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends, out,
+            q_len_lo=dec_q, q_len_hi=_NO_LIMIT, min_keys=1, **shared, **pairs,
+            BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False, FUSED_MERGE=False,
             num_warps=pre.num_warps, num_stages=pre.num_stages, **pdl,
         )
 
@@ -572,9 +614,13 @@ def paged_attention(
         # sequences max_query_len is only a bound (a prefill CUDA graph passes its token bucket), so a row short
         # enough for the decode launch may be among them.
         return out
+    # An explicit split count is used as given; a chosen one is a ceiling, each sequence using what its keys fill.
+    min_keys = 1
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, q.device, max_seq_len, fp8)
+        min_keys = _SPLIT_RULES[fp8].min_keys
     split = num_splits > 1
+    fused_merge = split and num_seqs * num_kv_heads <= common.ARRIVAL_SLOTS
     if split:
         part_o = torch.empty((num_splits, num_seqs, num_kv_heads, dec.block_m, head_pad), dtype=torch.float32,
                              device=q.device)
@@ -583,11 +629,12 @@ def paged_attention(
         part_o = part_lse = out
     _paged_attn_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_arg, out, part_o, part_lse, query_start_loc, seq_lens, block_tables, ends,
-        q_len_lo=0, q_len_hi=dec_q, **shared, **pairs,
-        BLOCK_M=dec.block_m, BLOCK_Q=dec_q, BLOCK_N=dec.block_n, PER_SEQ=True, SPLIT=split,
+        common.arrival_counters(q.device) if fused_merge else out,
+        q_len_lo=0, q_len_hi=dec_q, min_keys=min_keys, **shared, **pairs,
+        BLOCK_M=dec.block_m, BLOCK_Q=dec_q, BLOCK_N=dec.block_n, PER_SEQ=True, SPLIT=split, FUSED_MERGE=fused_merge,
         num_warps=dec.num_warps, num_stages=dec.num_stages, **pdl,
     )
-    if split:
+    if split and not fused_merge:
         _merge_splits_kernel[(num_seqs, num_kv_heads, dec_q * group)](
             out, part_o, part_lse, query_start_loc, num_seqs, num_splits, dec_q, out.stride(0), out.stride(1),
             GROUP=group, HEAD=head_size, HEAD_PAD=head_pad, BLOCK_M=dec.block_m, BLOCK_Q=dec_q,

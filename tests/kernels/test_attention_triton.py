@@ -175,6 +175,20 @@ def test_split_kv(device: torch.device, num_splits: int) -> None:
     assert rel_err(out, case.expected()) < 1e-5
 
 
+def test_chosen_splits_fill_per_sequence_and_merge_by_last_arrival(device: torch.device) -> None:
+    """Splits chosen by the launcher are a ceiling: each sequence uses what its keys fill (64 keys a split:
+    5, 2, 1 and 3 of the launch's 8 here), the last split to finish merges, and the counters are left zeroed for
+    the next launch (a second run gives the same bytes)."""
+    from kestrel.kernels import common
+
+    seqs = [(300, 1), (70, 1), (9, 1), (129, 2)]
+    case = Case(seqs, 8, 2, 64, device, seed=13)
+    out = case.run(decode_cfg=SMALL_DECODE)
+    assert rel_err(out, case.expected()) < 1e-5
+    assert not common.arrival_counters(case.q.device).any()
+    assert torch.equal(case.run(decode_cfg=SMALL_DECODE), out)
+
+
 def test_split_kv_mixed_batch(device: torch.device) -> None:
     """Split decode launch next to the prefill launch in one batch: each writes only its own rows."""
     case = Case(MIXED, 8, 2, 64, device, seed=4)
