@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Programmatic dependent launch and the q/k norms in the RoPE launch, on the decode path, in one job:
-# `scripts/h200_pdl.sh OUT`. Earlier code lies in abtree/<tag>/kestrel (`git archive COMMIT kestrel`, written by the
-# caller, models' weights left out): abtree/before (before both), abtree/pdl (PDL only); this tree has both.
+# Programmatic dependent launch, the q/k norms in the RoPE launch and the split-KV merge by last arrival, on the
+# decode path, in one job: `scripts/h200_pdl.sh OUT`. Earlier code lies in abtree/<tag>/kestrel (`git archive
+# COMMIT kestrel`, written by the caller, models' weights left out): abtree/before (before all three),
+# abtree/pdl (PDL only), abtree/qknorm (PDL and the q/k norms); this tree has all three.
 # Batch-1 and batch-8 decode (prompt 128) of the Qwen3-30B-A3B shape (FP8 + FP8 KV, BF16), the GPU tests of the
 # kernels touched, Qwen3 and Gemma 3 parity with transformers, then batch 1 of the Llama-3-8B shape (W4A16 group
 # 128, FP8 + FP8 KV) and a kernel profile of the FP8 MoE step.
@@ -20,11 +21,11 @@ arm() { local tree=$1 limit=$2 name=$3; shift 3
   if [ "$tree" = after ]; then latency "$limit" "$name-after" "$@"
   else (cd "abtree/$tree" && PYTHONPATH=$PWD:${PYTHONPATH:-} latency "$limit" "$name-$tree" "$@"); fi; }
 qwen=(--arch qwen3-30b-a3b --batch 1,8 --input-len 128 --output-len 64 --repeats 2)
-for tree in after pdl before; do arm $tree 150 qwen3-30b-a3b-fp8 "${qwen[@]}" --quantization fp8 --kv-cache-dtype fp8; done
+for tree in after qknorm pdl before; do arm $tree 150 qwen3-30b-a3b-fp8 "${qwen[@]}" --quantization fp8 --kv-cache-dtype fp8; done
 for tree in after before; do arm $tree 150 qwen3-30b-a3b-bf16 "${qwen[@]}"; done
 run 200 python3 -m pytest -q -p no:cacheprovider -x tests/gpu/test_gemv_gpu.py tests/gpu/test_moe_small_t_gpu.py \
   tests/gpu/test_fused_moe_gpu.py tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_prefill_graphs_gpu.py \
-  tests/gpu/test_wna16_gpu.py tests/kernels/test_rope_kv_kernel.py
+  tests/gpu/test_wna16_gpu.py tests/kernels/test_rope_kv_kernel.py tests/kernels/test_attention_triton.py
 run 120 python3 scripts/gpu_smoke.py --out "$out/smoke" --archs qwen3,qwen3_moe,gemma3 --methods fp8 --skip-engine-checks
 for tree in after before; do arm $tree 120 llama3-8b-w4a16 --batch 1 --input-len 128 --output-len 64 --repeats 2 \
   --weight-only w4a16; done
