@@ -10,10 +10,11 @@ outweigh reading the chosen experts' weights. Here every program reads its exper
    to `inter [T*k, I]`.
 2. down: one program per (token t, BLOCK_N columns of the output). It loops over the token's k experts in slot
    order, each `w2[e] @ inter[p]` in fp32, times its routing weight, summed in fp32 and rounded once to the output:
-   no atomics, no zero fill, no separate k-sum. (`split_down`: one program per pair and a k-sum launch instead,
-   the same fp32 operations in the same order, for k times the programs where one token's columns are too few;
-   bit-identical in the interpreter, while on the GPU the fused loop's weighting may compile to an FMA, so the two
-   can differ by the last bit of a rounding.)
+   no atomics, no zero fill, no separate k-sum. (`split_down`: one program per pair instead, for k times the
+   programs where one token's columns are too few; each writes its fp32 product and the last of a token's k
+   programs of a column block to arrive at its counter sums them in slot order: the same fp32 operations in the
+   same order, bit-identical in the interpreter, while on the GPU the fused loop's weighting may compile to an
+   FMA, so the two can differ by the last bit of a rounding.)
 
 Pairs of expert -1 (another expert-parallel rank's) are skipped. FP8 experts (float8_e4m3fn weights, per-channel
 `[E, N]` / `[E, N, 1]` or block `[E, ceil(N/bn), ceil(K/bk)]` fp32 scales) are dequantized in registers and the
@@ -57,7 +58,7 @@ class SmallTConfig:
     num_warps2: int = 4  # of the down launch
     # K steps (times k for the down launch) unrolled into straight-line loads at most; more take a loop.
     max_unroll: int = 32
-    # The down launch per pair rather than per token, plus a k-sum launch: k times the programs for one more launch.
+    # The down launch per pair rather than per token (k times the programs), its k-sum by the last to arrive.
     split_down: bool = False
 
     def to_json(self) -> dict:
@@ -237,16 +238,18 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, N, K, top_k,
 
 
 @triton.jit
-def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, N, K,
-                 stride_im, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, sum_ptr, lock_ptr, N, K,
+                 stride_im, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_sm,
                  TOP_K: tl.constexpr, QUANT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                  FAST: tl.constexpr, EVEN_K: tl.constexpr, K_STEPS: tl.constexpr, STATIC_K: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 SPLIT: tl.constexpr, FUSED_SUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SUB: tl.constexpr, USE_PDL: tl.constexpr):
     """out[t, n] = round(sum_j weights[t, j] * (w[e_j, n] . inter[t * TOP_K + j])) over the kept slots j. A skipped
     slot's loads are predicated off rather than branched around (it adds 0), so with STATIC_K the k experts' loads
     form one straight line. SPLIT: one program per pair instead of per token (k times the programs), each writing its
-    fp32 product to out[p] for a k-sum launch: the same fp32 operations in the same order."""
+    fp32 product to out[p] for a k-sum: the same fp32 operations in the same order. FUSED_SUM: that k-sum is done by
+    the last of a token's k programs of a column block to arrive at its counter (acq_rel), into sum_ptr, as
+    `_moe_sum_kernel` does it, and the counter zeroed again."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -281,6 +284,19 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, N, K,
         out += part * tl.where(ok, tl.load(weights_ptr + p), 0.0)
     if SPLIT:
         tl.store(out_ptr + t * stride_om + cols, out, mask=cols < N)
+        if FUSED_SUM:
+            token = t // TOP_K
+            slot = lock_ptr + token * tl.num_programs(1) + tl.program_id(1)
+            tl.debug_barrier()
+            if tl.atomic_add(slot, 1, sem="acq_rel") == TOP_K - 1:
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for j in tl.static_range(TOP_K):
+                    kept = (cols < N) & (tl.load(ids_ptr + token * TOP_K + j) >= 0)
+                    total += tl.load(out_ptr + (token * TOP_K + j) * stride_om + cols, mask=kept, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(sum_ptr + token * stride_sm + cols, common.to_dtype(total, sum_ptr.dtype.element_ty, FAST),
+                         mask=cols < N)
+                tl.atomic_xchg(slot, 0)
     else:
         tl.store(out_ptr + t * stride_om + cols, common.to_dtype(out, out_ptr.dtype.element_ty, FAST), mask=cols < N)
 
@@ -348,18 +364,22 @@ def fused_moe_small_t(
     )
     bk2 = min(cfg.block_k2, triton.next_power_of_2(inter))
     sub2 = _sub_width(bk2, block_shape)
-    # split_down: one program per pair, fp32 products summed over k by one more launch (k times the programs).
+    # split_down: one program per pair, fp32 products summed over k (k times the programs).
     split = cfg.split_down and k > 1
     down = torch.empty(T * k, H, dtype=torch.float32, device=x.device) if split else out
-    _down_kernel[(T * k if split else T, triton.cdiv(H, cfg.block_n2))](
-        inter_t, w2, s2, ids, weights, down, H, inter,
+    n_blocks2 = triton.cdiv(H, cfg.block_n2)
+    # The k-sum by the last program of each (token, column block) to arrive, where the counters suffice.
+    fused_sum = split and T * n_blocks2 <= common.ARRIVAL_SLOTS
+    _down_kernel[(T * k if split else T, n_blocks2)](
+        inter_t, w2, s2, ids, weights, down, out, common.arrival_counters(x.device) if fused_sum else out, H, inter,
         inter_t.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1) if s2.dim() > 1 else 0,
-        down.stride(0),
+        down.stride(0), out.stride(0),
         TOP_K=k, QUANT=quant, SCALE_BN=scale_bn, SCALE_BK=scale_bk, FAST=fast, EVEN_K=inter % bk2 == 0,
         K_STEPS=triton.cdiv(inter, bk2), STATIC_K=(1 if split else k) * triton.cdiv(inter, bk2) <= cfg.max_unroll,
-        SPLIT=split, BLOCK_N=cfg.block_n2, BLOCK_K=bk2, SUB=sub2, num_warps=cfg.num_warps2, **common.pdl_options(x),
+        SPLIT=split, FUSED_SUM=fused_sum, BLOCK_N=cfg.block_n2, BLOCK_K=bk2, SUB=sub2, num_warps=cfg.num_warps2,
+        **common.pdl_options(x),
     )
-    if split:
+    if split and not fused_sum:
         block = min(_fm._SUM_BLOCK, triton.next_power_of_2(H))
         _fm._moe_sum_kernel[(T, triton.cdiv(H, block))](down, ids, out, H, TOP_K=k, BLOCK=block, FAST=fast,
                                                          num_warps=4 if block >= 512 else 1, **common.pdl_options(x))

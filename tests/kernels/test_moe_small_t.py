@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_fused_moe import check, dequantize_weight, make_fp8_inputs, make_inputs, skip_pairs
 
+from kestrel.kernels import common
 from kestrel.kernels import fused_moe as fm
 from kestrel.kernels import moe_small_t as st
 
@@ -21,7 +22,7 @@ TILES = st.SmallTConfig(max_tokens=8, block_n13=16, block_k13=32, block_n2=8, bl
 # The same tiles with the K steps in a loop rather than unrolled.
 LOOPED = st.SmallTConfig(max_tokens=8, block_n13=16, block_k13=32, block_n2=8, block_k2=16, num_warps=1,
                          num_warps2=1, max_unroll=1)
-# The down launch per pair plus a k-sum: the same operations in the same order, so the same bits.
+# The down launch per pair, its k-sum by the last to arrive: the same operations in the same order, so the same bits.
 SPLIT = dataclasses.replace(TILES, split_down=True)
 
 # (T, E, k, H, I)
@@ -48,6 +49,7 @@ def test_kernel_and_reference_match_oracle(shape, dtype, device):
     looped = st.fused_moe_small_t(*(a.to(device) for a in args), activation, config=LOOPED).cpu()
     check(looped, args, activation)
     assert torch.equal(st.fused_moe_small_t(*(a.to(device) for a in args), activation, config=SPLIT).cpu(), out)
+    assert not common.arrival_counters(torch.device(device)).any(), "the k-sum's counters were left set"
     check(st.fused_moe_small_t_ref(*args, activation), args, activation)
     if T == 8:
         assert bool((out[0] == 0).all())
@@ -167,17 +169,20 @@ def _sm90_reports(quant: int) -> list[tuple[str, str]]:
                    BLOCK_K=cfg.block_k13, SUB=st._sub_width(cfg.block_k13, block), **common)
     steps = -(-inter // cfg.block_k2)
     down = dict(TOP_K=k, EVEN_K=inter % cfg.block_k2 == 0, K_STEPS=steps, STATIC_K=k * steps <= cfg.max_unroll,
-                SPLIT=False, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, SUB=st._sub_width(cfg.block_k2, block),
-                **common)
+                SPLIT=False, FUSED_SUM=False, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
+                SUB=st._sub_width(cfg.block_k2, block), **common)
+    down_ints = ["N", "K", "stride_im", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_om", "stride_sm"]
+    down_pointers = {"inter_ptr": "*bf16", "w_ptr": wdt, "s_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32",
+                     "out_ptr": "*bf16", "sum_ptr": "*bf16", "lock_ptr": "*i32"}
+    # the split form with its k-sum by last arrival, as the H200 table runs it
+    split = dict(down, SPLIT=True, FUSED_SUM=True, STATIC_K=steps <= cfg.max_unroll)
     return [
         _compile_sm90(st._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": wdt, "s_ptr": "*fp32", "ids_ptr": "*i64",
                                            "inter_ptr": "*bf16"},
                       ["N", "K", "top_k", "stride_xm", "stride_we", "stride_wn", "stride_se", "stride_sn",
                        "stride_im"], gate_up, cfg.num_warps),
-        _compile_sm90(st._down_kernel, {"inter_ptr": "*bf16", "w_ptr": wdt, "s_ptr": "*fp32", "ids_ptr": "*i64",
-                                        "weights_ptr": "*fp32", "out_ptr": "*bf16"},
-                      ["N", "K", "stride_im", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_om"], down,
-                      cfg.num_warps2),
+        _compile_sm90(st._down_kernel, down_pointers, down_ints, down, cfg.num_warps2),
+        _compile_sm90(st._down_kernel, dict(down_pointers, out_ptr="*fp32"), down_ints, split, cfg.num_warps2),
     ]
 
 
