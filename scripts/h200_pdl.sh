@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Programmatic dependent launch, the q/k norms in the RoPE launch and the split-KV merge by last arrival, on the
-# decode path, in one job: `scripts/h200_pdl.sh OUT`. Earlier code lies in abtree/<tag>/kestrel (`git archive
-# COMMIT kestrel`, written by the caller, models' weights left out): abtree/before (before all three),
-# abtree/pdl (PDL only), abtree/qknorm (PDL and the q/k norms); this tree has all three.
+# Fewer and overlapped launches on the decode path, in one job: `scripts/h200_pdl.sh OUT`. Programmatic dependent
+# launch, the q/k norms in the RoPE launch, the split-KV merge and the MoE k-sum by last arrival. Earlier code lies
+# in abtree/<tag>/kestrel (`git archive COMMIT kestrel`, written by the caller, models' weights left out):
+# abtree/before (before all of them), abtree/pdl (PDL only), abtree/qknorm (PDL and the q/k norms); this tree has
+# all of them.
 # Batch-1 and batch-8 decode (prompt 128) of the Qwen3-30B-A3B shape (FP8 + FP8 KV, BF16), the GPU tests of the
 # kernels touched, Qwen3 and Gemma 3 parity with transformers, then batch 1 of the Llama-3-8B shape (W4A16 group
 # 128, FP8 + FP8 KV) and a kernel profile of the FP8 MoE step.
