@@ -90,9 +90,10 @@ def _check_soft_cap(logit_soft_cap: float | None) -> None:
 # Two launches of one kernel cover a flat batch:
 # - "decode" launch, grid (num_seqs, num_kv_heads, num_splits): one program per sequence whose query is at
 #   most BLOCK_Q tokens (decodes, short speculative chunks). With num_splits > 1 (flash-decoding) each
-#   program covers one slice of the context and writes a partial (output, log-sum-exp); the last split of a
-#   (sequence, KV head) to finish merges them (a launch with more pairs than arrival counters leaves that to
-#   `_merge_splits_kernel`). A chosen split count is a ceiling: a sequence uses the splits its keys fill.
+#   program covers one slice of the context and writes a partial (output, log-sum-exp) that
+#   `_merge_splits_kernel` combines; with the launch feature `attention_split_merge`, the last split of a
+#   (sequence, KV head) to finish merges them instead, and a chosen split count is a ceiling: a sequence uses the
+#   splits its keys fill.
 # - "prefill" launch, grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads): an upper bound on the number
 #   of BLOCK_Q-token query tiles; each program finds its sequence by binary search over query_start_loc,
 #   so the grid depends on tensor shapes only and nothing is read back to the host.
@@ -585,7 +586,7 @@ def paged_attention(
         Q_CLAMP=dot_dtype == tl.float16 and q.dtype != torch.float16,
         USE_ENDS=causal_ends is not None,
     )
-    pdl = common.pdl_options(q)
+    pdl = common.pdl_options(q, "pdl_decode")
     ends = seq_lens if causal_ends is None else causal_ends
     wide = dot_dtype == tl.float32 and q.is_cuda
     # FP8 (e4m3) V read as int16 pairs, see _attend_tiles; the dots then run in fp16 off the GPU too.
@@ -620,7 +621,8 @@ def paged_attention(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, q.device, max_seq_len, fp8)
         min_keys = _SPLIT_RULES[fp8].min_keys
     split = num_splits > 1
-    fused_merge = split and num_seqs * num_kv_heads <= common.ARRIVAL_SLOTS
+    fused_merge = (split and num_seqs * num_kv_heads <= common.ARRIVAL_SLOTS
+                   and common.launch_feature("attention_split_merge", q.device))
     if split:
         part_o = torch.empty((num_splits, num_seqs, num_kv_heads, dec.block_m, head_pad), dtype=torch.float32,
                              device=q.device)

@@ -82,17 +82,18 @@ def merge_splits(plse_ptr, po_ptr, row, s_ok, offs_d, HEAD_PAD: tl.constexpr):
     return tl.sum(weight[:, None] * partial, 0) / tl.where(total == 0.0, 1.0, total)
 
 
-def pdl_options(x: torch.Tensor) -> dict:
+def pdl_options(x: torch.Tensor, feature: str | None = None) -> dict:
     """The `USE_PDL` constexpr plus the launch's PDL flag: overlap with the previous kernel's tail. A kernel
     launched so calls `gdc_wait` before it reads what an earlier kernel wrote or writes any memory, on every path
-    (an earlier kernel's completion is only guaranteed to the kernels after it through those waits)."""
-    pdl = x.is_cuda and is_hopper_or_newer(x.device)
+    (an earlier kernel's completion is only guaranteed to the kernels after it through those waits). `feature`:
+    the `launch_feature` that must be on as well."""
+    pdl = x.is_cuda and is_hopper_or_newer(x.device) and (feature is None or launch_feature(feature, x.device))
     return {"USE_PDL": pdl, "launch_pdl": pdl} if x.is_cuda else {"USE_PDL": False}
 
 
-def launch_options(x: torch.Tensor) -> dict:
+def launch_options(x: torch.Tensor, feature: str | None = None) -> dict:
     """`pdl_options` plus the `FAST` constexpr (the GPU's own roundings and conversions)."""
-    return {"FAST": x.is_cuda, **pdl_options(x)}
+    return {"FAST": x.is_cuda, **pdl_options(x, feature)}
 
 
 @functools.cache
@@ -184,6 +185,24 @@ def gpu_table(kernel: str, device: torch.device) -> dict:
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
     return read_table(TUNING_DIR / f"{kernel}_{gpu_key(device_name(index))}.json")
+
+
+# Launch-shape changes of the decode path, each off on a GPU until measured there (the full-load run under it
+# included): `tuning/decode_launches_<gpu>.json` names those that are on. Off CUDA (the interpreter, which only the
+# tests run) every one is on, so the tests cover them.
+LAUNCH_FEATURES = (
+    "pdl_decode",  # PDL for the decode GEMVs, attention, MoE routing, small-T and grouped MoE GEMMs, the k-sum
+    "attention_split_merge",  # the split-KV merge in the last split to arrive; chosen splits a ceiling
+    "rope_head_norms",  # per-head q/k RMSNorms inside rope_store_kv
+    "moe_k_sum",  # the small-T split down launch's k-sum in its last program to arrive
+)
+
+
+def launch_feature(name: str, device: torch.device) -> bool:
+    """Whether the decode-path launch change `name` (one of LAUNCH_FEATURES) is on for this device."""
+    if name not in LAUNCH_FEATURES:
+        raise ValueError(f"unknown launch feature {name!r}; known: {', '.join(LAUNCH_FEATURES)}")
+    return device.type != "cuda" or bool(gpu_table("decode_launches", device).get(name, False))
 
 
 def bucket_entry(entries: dict[str, dict], M: int) -> dict | None:

@@ -400,7 +400,8 @@ def fused_moe(
         bk = block_shape[1]
         # One K step per scale column; the first GEMM's programs each hold one quantization group.
         cfg1, cfg2 = replace(cfg, block_n=bk, block_k=bk), replace(cfg, block_k=bk)
-    common_args = dict(DOT_F32=not x.is_cuda or (x.dtype == torch.float32 and not fp8), **common.launch_options(x),
+    launch = common.launch_options(x, "pdl_decode")
+    common_args = dict(DOT_F32=not x.is_cuda or (x.dtype == torch.float32 and not fp8), **launch,
                        QUANT=quant, ROUND=_ROUND[x.dtype], SCALE_BN=block_shape[0] if block_shape else 1,
                        PRECISE=quant == _PER_CHANNEL and x.is_cuda and common.is_hopper_or_newer(x.device),
                        BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -448,7 +449,7 @@ def fused_moe(
         ids = topk_ids.reshape(-1)
         block = min(_SUM_BLOCK, triton.next_power_of_2(H))
         _moe_sum_kernel[(T, triton.cdiv(H, block))](down, ids, out, H, TOP_K=k, BLOCK=block,
-                                                      num_warps=4 if block >= 512 else 1, **common.launch_options(x))
+                                                      num_warps=4 if block >= 512 else 1, **launch)
     return out
 
 

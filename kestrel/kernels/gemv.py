@@ -210,5 +210,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
             SPLIT_K=split_k, ROWS=rows, W_FP8=weight.dtype == torch.float8_e4m3fn, HAS_SCALE=scale is not None,
             PER_TENSOR=scale is not None and scale.numel() == 1, HAS_BIAS=bias is not None,
             EVEN_K=K % block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps,
-            **common.launch_options(x))
+            **common.launch_options(x, "pdl_decode"))
     return out

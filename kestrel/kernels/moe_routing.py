@@ -87,7 +87,7 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
         _route_topk_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                                           K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad,
                                           RENORMALIZE=renormalize, num_warps=4 if e_pad >= 512 else 1,
-                                          **common.pdl_options(logits))
+                                          **common.pdl_options(logits, "pdl_decode"))
     return weights, ids
 
 
@@ -150,5 +150,5 @@ def moe_align_single(topk_ids: torch.Tensor, num_experts: int, block_m: int
     chunk = max(16, min(128, _ONE_HOT_ELEMENTS // e_pad, triton.next_power_of_2(max(n, 1))))
     _align_single_kernel[(1,)](flat, n, sorted_ids, expert_ids, num_padded, num_blocks, num_experts,
                                BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, FILL=max(16, _ONE_HOT_ELEMENTS // e_pad),
-                               num_warps=4, **common.pdl_options(flat))
+                               num_warps=4, **common.pdl_options(flat, "pdl_decode"))
     return sorted_ids, expert_ids, num_padded

@@ -11,8 +11,9 @@ outweigh reading the chosen experts' weights. Here every program reads its exper
 2. down: one program per (token t, BLOCK_N columns of the output). It loops over the token's k experts in slot
    order, each `w2[e] @ inter[p]` in fp32, times its routing weight, summed in fp32 and rounded once to the output:
    no atomics, no zero fill, no separate k-sum. (`split_down`: one program per pair instead, for k times the
-   programs where one token's columns are too few; each writes its fp32 product and the last of a token's k
-   programs of a column block to arrive at its counter sums them in slot order: the same fp32 operations in the
+   programs where one token's columns are too few; each writes its fp32 product and a k-sum launch (or, with the
+   launch feature `moe_k_sum`, the last of a token's k programs of a column block to arrive at its counter) sums
+   them in slot order: the same fp32 operations in the
    same order, bit-identical in the interpreter, while on the GPU the fused loop's weighting may compile to an
    FMA, so the two can differ by the last bit of a rounding.)
 
@@ -351,6 +352,7 @@ def fused_moe_small_t(
         s13 = s2 = weights  # placeholders the kernels never read
         scale_bn = scale_bk = 1
     fast = x.is_cuda
+    pdl = common.pdl_options(x, "pdl_decode")
     inter_t = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
     bk13 = min(cfg.block_k13, triton.next_power_of_2(H))
     sub13 = _sub_width(bk13, block_shape)
@@ -360,7 +362,7 @@ def fused_moe_small_t(
         inter_t.stride(0),
         ACTIVATION=code, QUANT=quant, SCALE_BN=scale_bn, SCALE_BK=scale_bk, FAST=fast,
         EVEN_K=H % bk13 == 0, K_STEPS=triton.cdiv(H, bk13), STATIC_K=triton.cdiv(H, bk13) <= cfg.max_unroll,
-        BLOCK_N=cfg.block_n13, BLOCK_K=bk13, SUB=sub13, num_warps=cfg.num_warps, **common.pdl_options(x),
+        BLOCK_N=cfg.block_n13, BLOCK_K=bk13, SUB=sub13, num_warps=cfg.num_warps, **pdl,
     )
     bk2 = min(cfg.block_k2, triton.next_power_of_2(inter))
     sub2 = _sub_width(bk2, block_shape)
@@ -369,7 +371,7 @@ def fused_moe_small_t(
     down = torch.empty(T * k, H, dtype=torch.float32, device=x.device) if split else out
     n_blocks2 = triton.cdiv(H, cfg.block_n2)
     # The k-sum by the last program of each (token, column block) to arrive, where the counters suffice.
-    fused_sum = split and T * n_blocks2 <= common.ARRIVAL_SLOTS
+    fused_sum = split and T * n_blocks2 <= common.ARRIVAL_SLOTS and common.launch_feature("moe_k_sum", x.device)
     _down_kernel[(T * k if split else T, n_blocks2)](
         inter_t, w2, s2, ids, weights, down, out, common.arrival_counters(x.device) if fused_sum else out, H, inter,
         inter_t.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1) if s2.dim() > 1 else 0,
@@ -377,10 +379,10 @@ def fused_moe_small_t(
         TOP_K=k, QUANT=quant, SCALE_BN=scale_bn, SCALE_BK=scale_bk, FAST=fast, EVEN_K=inter % bk2 == 0,
         K_STEPS=triton.cdiv(inter, bk2), STATIC_K=(1 if split else k) * triton.cdiv(inter, bk2) <= cfg.max_unroll,
         SPLIT=split, FUSED_SUM=fused_sum, BLOCK_N=cfg.block_n2, BLOCK_K=bk2, SUB=sub2, num_warps=cfg.num_warps2,
-        **common.pdl_options(x),
+        **pdl,
     )
     if split and not fused_sum:
         block = min(_fm._SUM_BLOCK, triton.next_power_of_2(H))
         _fm._moe_sum_kernel[(T, triton.cdiv(H, block))](down, ids, out, H, TOP_K=k, BLOCK=block, FAST=fast,
-                                                         num_warps=4 if block >= 512 else 1, **common.pdl_options(x))
+                                                         num_warps=4 if block >= 512 else 1, **pdl)
     return out

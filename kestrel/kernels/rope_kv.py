@@ -9,8 +9,8 @@ whose slot is -1 write nothing into either cache; their q is still rotated.
 
 With `head_norms` each head of q and of k is first RMS-normalised over its dims (Qwen3's and Gemma 3's q/k norms),
 with the numerics of `norm.rms_norm` on rows of one head (its output rounded to q's dtype, then rotated): the
-fused launch replaces two norm launches, and differs from them at most where a sum of squares adds in another
-order.
+fused launch (launch feature `rope_head_norms`; off, the launcher runs the two norm launches first) replaces two
+norm launches, and differs from them at most where a sum of squares adds in another order.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels import common
-from kestrel.kernels.norm import rms_norm_ref
+from kestrel.kernels.norm import rms_norm, rms_norm_ref
 from kestrel.kernels.store_kv import store_kv_ref
 
 _GROUP_ELEMENTS = 1024  # (head, dim) elements per program
@@ -196,6 +196,9 @@ def rope_store_kv(
         raise ValueError("the cos/sin tables and the caches must have a contiguous last dimension")
     if head_norms is not None:
         _check_head_norms(head_norms, q, k, head_size)
+        if not common.launch_feature("rope_head_norms", q.device):  # the norms' own launches, as measured before
+            q, k = head_norms_ref(q, k, head_norms, head_size, rms_norm=rms_norm)
+            head_norms = None
     q_out = torch.empty((num_tokens, num_heads * head_size), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out

@@ -195,4 +195,5 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
             xm, qweight, scales, z, b, om, ws, locks, N, group,
             xm.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), om.stride(0),
             SPLIT_K=split_k, ROWS=rows, GROUPS=groups, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
-            EVEN_N=N % block_n == 0, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps, **common.launch_options(x))
+            EVEN_N=N % block_n == 0, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps,
+            **common.launch_options(x, "pdl_decode"))
