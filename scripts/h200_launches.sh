@@ -28,11 +28,11 @@ llama=(--batch 1 --input-len 128 --output-len 64 --repeats 2)
 for stage in "$@"; do
   case $stage in
     tests) features on
-           run 200 python3 -m pytest -q -p no:cacheprovider -x tests/gpu/test_gemv_gpu.py \
+           run 150 python3 -m pytest -q -p no:cacheprovider -x tests/gpu/test_gemv_gpu.py \
              tests/gpu/test_moe_small_t_gpu.py tests/gpu/test_fused_moe_gpu.py tests/gpu/test_cuda_graph_gpu.py \
              tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_wna16_gpu.py tests/kernels/test_rope_kv_kernel.py \
              tests/kernels/test_attention_triton.py tests/kernels/test_moe_small_t.py
-           run 120 python3 scripts/gpu_smoke.py --out "$out/smoke" --archs qwen3,qwen3_moe,gemma3 --methods fp8 \
+           run 90 python3 scripts/gpu_smoke.py --out "$out/smoke" --archs qwen3,qwen3_moe,gemma3 --methods fp8 \
              --skip-engine-checks ;;
     moe) for f in off on; do features $f
            latency 150 qwen3-30b-a3b-fp8-$f "${qwen[@]}" --quantization fp8 --kv-cache-dtype fp8; done ;;
