@@ -202,7 +202,16 @@ def launch_feature(name: str, device: torch.device) -> bool:
     """Whether the decode-path launch change `name` (one of LAUNCH_FEATURES) is on for this device."""
     if name not in LAUNCH_FEATURES:
         raise ValueError(f"unknown launch feature {name!r}; known: {', '.join(LAUNCH_FEATURES)}")
-    return device.type != "cuda" or bool(gpu_table("decode_launches", device).get(name, False))
+    if device.type != "cuda":
+        return True
+    return name in _features_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _features_on(device_index: int) -> frozenset[str]:
+    """The launch features a GPU's table turns on (read once: eager steps ask at every launch)."""
+    table = gpu_table("decode_launches", torch.device("cuda", device_index))
+    return frozenset(name for name in LAUNCH_FEATURES if table.get(name))
 
 
 def bucket_entry(entries: dict[str, dict], M: int) -> dict | None:

@@ -8,18 +8,25 @@ import torch
 from kestrel.kernels import common
 
 
+@pytest.fixture(autouse=True)
+def fresh_feature_cache():
+    common._features_on.cache_clear()
+    yield
+    common._features_on.cache_clear()
+
+
 def test_every_feature_is_on_off_cuda_and_off_on_an_untuned_gpu(monkeypatch):
     for name in common.LAUNCH_FEATURES:
         assert common.launch_feature(name, torch.device("cpu"))
     monkeypatch.setattr(common, "gpu_table", lambda kernel, device: {})
     for name in common.LAUNCH_FEATURES:
-        assert not common.launch_feature(name, torch.device("cuda"))
+        assert not common.launch_feature(name, torch.device("cuda", 0))
 
 
 def test_a_gpu_table_turns_on_only_what_it_names(monkeypatch):
     tables = {"decode_launches": {"pdl_decode": True, "moe_k_sum": False}}
     monkeypatch.setattr(common, "gpu_table", lambda kernel, device: tables.get(kernel, {}))
-    cuda = torch.device("cuda")
+    cuda = torch.device("cuda", 0)
     on = {name for name in common.LAUNCH_FEATURES if common.launch_feature(name, cuda)}
     assert on == {"pdl_decode"}
 
