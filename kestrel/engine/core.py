@@ -626,16 +626,17 @@ class EngineCore:
         start = sequence.num_emitted_tokens
         sequence.num_emitted_tokens = len(tokens)
         params = request.sampling_params
+        # Positional: one is built per sequence and step (the fields in SequenceDelta's order).
         return SequenceDelta(
-            request_id=parent.request_id,
-            new_token_ids=tokens[start:],
-            new_logprobs=request.output_logprobs[start:] if params.logprobs is not None else None,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            prompt_logprobs=request.prompt_logprobs if params.prompt_logprobs is not None else None,
-            metrics=self._metrics(parent, finished) if finished or not start else None,
-            pooled=request.pooled_output,
+            parent.request_id,
+            tokens[start:],
+            request.output_logprobs[start:] if params.logprobs is not None else None,
+            request.status.finish_reason,
+            request.stop_reason,
+            max(request.num_cached_tokens, 0),
+            request.prompt_logprobs if params.prompt_logprobs is not None else None,
+            self._metrics(parent, finished) if finished or not start else None,
+            request.pooled_output,
         )
 
     @staticmethod

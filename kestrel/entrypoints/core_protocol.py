@@ -108,16 +108,19 @@ def logprobs_from_wire(wire: list[Any] | None) -> list[dict[int, Logprob] | None
 
 def delta_to_wire(delta: SequenceDelta, send_prompt_logprobs: bool) -> list[Any]:
     """A core's SequenceDelta as a compact record; its prompt logprobs only when `send_prompt_logprobs`."""
-    m = delta.metrics
+    rid, tokens, logprobs, finish, stop, cached, _, m, pooled = delta
+    if m is None and logprobs is None and not send_prompt_logprobs:  # a plain decode step's record
+        return [rid, tokens, None, finish, stop, cached, None, None, pooled]
     metrics = None if m is None else [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
                                       m.num_preemptions]
     prompt_logprobs = _logprobs_to_wire(delta.prompt_logprobs) if send_prompt_logprobs else None
-    return [delta.request_id, delta.new_token_ids, _logprobs_to_wire(delta.new_logprobs), delta.finish_reason,
-            delta.stop_reason, delta.num_cached_tokens, prompt_logprobs, metrics, delta.pooled]
+    return [rid, tokens, _logprobs_to_wire(logprobs), finish, stop, cached, prompt_logprobs, metrics, pooled]
 
 
 def delta_from_wire(wire: list[Any]) -> SequenceDelta:
     rid, tokens, logprobs, finish, stop, cached, prompt_logprobs, metrics, pooled = wire
+    if logprobs is None and prompt_logprobs is None and metrics is None:  # a plain decode step's record
+        return SequenceDelta(rid, tokens, None, finish, stop, cached, None, None, pooled)
     return SequenceDelta(rid, tokens, logprobs_from_wire(logprobs), finish, stop, cached,
                          logprobs_from_wire(prompt_logprobs), None if metrics is None else RequestMetrics(*metrics),
                          pooled)
