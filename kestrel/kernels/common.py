@@ -211,7 +211,7 @@ def launch_feature(name: str, device: torch.device) -> bool:
 def _features_on(device_index: int) -> frozenset[str]:
     """The launch features a GPU's table turns on (read once: eager steps ask at every launch)."""
     table = gpu_table("decode_launches", torch.device("cuda", device_index))
-    return frozenset(name for name in LAUNCH_FEATURES if table.get(name))
+    return frozenset(name for name in LAUNCH_FEATURES if table.get(name) is True)
 
 
 def bucket_entry(entries: dict[str, dict], M: int) -> dict | None:

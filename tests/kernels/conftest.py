@@ -151,6 +151,16 @@ def device() -> torch.device:
     return torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
 
 
+@pytest.fixture(params=[True, False], ids=["features_on", "features_off"])
+def launch_features(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Runs a test with the decode-path launch features (kernels/common.py) on, as the tests' default, and off, as a
+    GPU without a decode_launches table runs its launchers."""
+    from kestrel.kernels import common
+
+    monkeypatch.setattr(common, "launch_feature", lambda name, device: request.param)
+    return request.param
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # The interpreter turns 0-d numpy arrays into Python ints the way numpy now deprecates; noise only.
     config.addinivalue_line("filterwarnings", "ignore:Conversion of an array with ndim > 0:DeprecationWarning")

@@ -167,7 +167,7 @@ def test_sliding_window(device: torch.device, window: int) -> None:
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])
-def test_split_kv(device: torch.device, num_splits: int) -> None:
+def test_split_kv(device: torch.device, num_splits: int, launch_features: bool) -> None:
     """Flash-decoding partials + merge, including splits left empty by short contexts and a 2-token query."""
     seqs = [(130, 1), (77, 1), (9, 1), (64, 2), (1, 1)]
     case = Case(seqs, 16, 2, 64, device, seed=3)
@@ -175,10 +175,12 @@ def test_split_kv(device: torch.device, num_splits: int) -> None:
     assert rel_err(out, case.expected()) < 1e-5
 
 
-def test_chosen_splits_fill_per_sequence_and_merge_by_last_arrival(device: torch.device) -> None:
+def test_chosen_splits_fill_per_sequence_and_merge_by_last_arrival(device: torch.device,
+                                                                   launch_features: bool) -> None:
     """Splits chosen by the launcher are a ceiling: each sequence uses what its keys fill (64 keys a split:
     5, 2, 1 and 3 of the launch's 8 here), the last split to finish merges, and the counters are left zeroed for
-    the next launch (a second run gives the same bytes)."""
+    the next launch (a second run gives the same bytes). Without the feature every split runs and the merge launch
+    combines them."""
     from kestrel.kernels import common
 
     seqs = [(300, 1), (70, 1), (9, 1), (129, 2)]
@@ -189,7 +191,7 @@ def test_chosen_splits_fill_per_sequence_and_merge_by_last_arrival(device: torch
     assert torch.equal(case.run(decode_cfg=SMALL_DECODE), out)
 
 
-def test_split_kv_mixed_batch(device: torch.device) -> None:
+def test_split_kv_mixed_batch(device: torch.device, launch_features: bool) -> None:
     """Split decode launch next to the prefill launch in one batch: each writes only its own rows."""
     case = Case(MIXED, 8, 2, 64, device, seed=4)
     out = case.run(decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL, num_splits=3)

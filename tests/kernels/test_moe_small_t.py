@@ -38,7 +38,7 @@ def dequantized(args: tuple, quant: dict) -> tuple:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_kernel_and_reference_match_oracle(shape, dtype, device):
+def test_kernel_and_reference_match_oracle(shape, dtype, device, launch_features):
     T = shape[0]
     args = make_inputs(*shape, dtype, seed=sum(shape), ids_dtype=torch.int64 if T % 2 else torch.int32)
     activation = "silu" if T != 3 else "gelu_tanh"

@@ -181,9 +181,11 @@ def test_rope_store_kv_matches_oracle(device: torch.device, shape: tuple, dtype:
 @pytest.mark.parametrize("dtype", DTYPES[:2])
 @pytest.mark.parametrize("unit_offset", [False, True], ids=["weight", "unit_offset"])
 def test_head_norms_in_the_launch_are_the_norms_then_the_rotation(device: torch.device, shape: tuple,
-                                                                   dtype: torch.dtype, unit_offset: bool) -> None:
+                                                                   dtype: torch.dtype, unit_offset: bool,
+                                                                   launch_features: bool) -> None:
     """Each head of q and k RMS-normalised first (Qwen3's and Gemma 3's q/k norms): the oracle rotates the heads
-    as the RMSNorm reference leaves them, so the fused launch must normalise with its numerics."""
+    as the RMSNorm reference leaves them, so the fused launch must normalise with its numerics (and without the
+    launch feature, the norm launches before the rotation give them)."""
     case = Case(*shape, dtype=dtype, cache_dtype=dtype)
     g = torch.Generator().manual_seed(5)
     weights = [(torch.randn(case.head_size, generator=g) * 0.5 + (0.0 if unit_offset else 1.0)).to(dtype)

@@ -123,8 +123,10 @@ class SelfAttention(nn.Module):
 
     def _head_norms_fuse(self, q: torch.Tensor) -> bool:
         """Whether the attention applies the per-head q/k RMSNorms itself (with the rotation and KV write)."""
-        return (self.qkv_clip is None and isinstance(self.q_norm, RMSNorm) and isinstance(self.k_norm, RMSNorm)
-                and self.q_norm.weight.dtype == q.dtype == self.k_norm.weight.dtype)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        return (self.qkv_clip is None and isinstance(q_norm, RMSNorm) and isinstance(k_norm, RMSNorm)
+                and q_norm.weight.dtype == q.dtype == k_norm.weight.dtype
+                and q_norm.eps == k_norm.eps and q_norm.unit_offset == k_norm.unit_offset)
 
 
 class GatedMLP(nn.Module):
