@@ -23,8 +23,8 @@ def test_every_feature_is_on_off_cuda_and_off_on_an_untuned_gpu(monkeypatch):
         assert not common.launch_feature(name, torch.device("cuda", 0))
 
 
-def test_a_gpu_table_turns_on_only_what_it_names(monkeypatch):
-    tables = {"decode_launches": {"pdl_decode": True, "moe_k_sum": False}}
+def test_a_gpu_table_turns_on_only_what_it_names_true(monkeypatch):
+    tables = {"decode_launches": {"pdl_decode": True, "moe_k_sum": False, "rope_head_norms": "true"}}
     monkeypatch.setattr(common, "gpu_table", lambda kernel, device: tables.get(kernel, {}))
     cuda = torch.device("cuda", 0)
     on = {name for name in common.LAUNCH_FEATURES if common.launch_feature(name, cuda)}
