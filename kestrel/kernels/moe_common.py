@@ -104,6 +104,17 @@ def _load(ptrs, mask, MASKED: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
+def k_sum(in_ptr, ids_ptr, t, cols, mask, stride, TOP_K: tl.constexpr, BLOCK: tl.constexpr, CACHE: tl.constexpr):
+    """fp32 sum over j of in[t * TOP_K + j, cols] (rows `stride` apart), j in order, pairs of expert -1 left out.
+    CACHE: the loads' cache modifier ("" or ".cg" for rows other programs just wrote)."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        ok = mask & (tl.load(ids_ptr + t * TOP_K + j) >= 0)
+        acc += tl.load(in_ptr + (t * TOP_K + j) * stride + cols, mask=ok, other=0.0, cache_modifier=CACHE)
+    return acc
+
+
+@triton.jit
 def _moe_sum_kernel(in_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
                     USE_PDL: tl.constexpr):
     """out[t] = sum_j in[t * TOP_K + j] in fp32 (j in order, pairs of expert -1 left out), rounded once."""
@@ -113,8 +124,5 @@ def _moe_sum_kernel(in_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        ok = mask & (tl.load(ids_ptr + t * TOP_K + j) >= 0)
-        acc += tl.load(in_ptr + (t * TOP_K + j) * H + cols, mask=ok, other=0.0)
+    acc = k_sum(in_ptr, ids_ptr, t, cols, mask, H, TOP_K, BLOCK, "")
     tl.store(out_ptr + t * H + cols, common.to_dtype(acc, out_ptr.dtype.element_ty, FAST), mask=mask)

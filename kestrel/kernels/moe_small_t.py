@@ -13,9 +13,9 @@ outweigh reading the chosen experts' weights. Here every program reads its exper
    no atomics, no zero fill, no separate k-sum. (`split_down`: one program per pair instead, for k times the
    programs where one token's columns are too few; each writes its fp32 product and a k-sum launch (or, with the
    launch feature `moe_k_sum`, the last of a token's k programs of a column block to arrive at its counter) sums
-   them in slot order: the same fp32 operations in the
-   same order, bit-identical in the interpreter, while on the GPU the fused loop's weighting may compile to an
-   FMA, so the two can differ by the last bit of a rounding.)
+   them in slot order (`moe_common.k_sum` either way): the same fp32 operations in the same order, bit-identical
+   in the interpreter, while on the GPU the fused loop's weighting may compile to an FMA, so the two can differ by
+   the last bit of a rounding.)
 
 Pairs of expert -1 (another expert-parallel rank's) are skipped. FP8 experts (float8_e4m3fn weights, per-channel
 `[E, N]` / `[E, N, 1]` or block `[E, ceil(N/bn), ceil(K/bk)]` fp32 scales) are dequantized in registers and the
@@ -290,11 +290,7 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, sum_ptr
             slot = lock_ptr + token * tl.num_programs(1) + tl.program_id(1)
             tl.debug_barrier()
             if tl.atomic_add(slot, 1, sem="acq_rel") == TOP_K - 1:
-                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for j in tl.static_range(TOP_K):
-                    kept = (cols < N) & (tl.load(ids_ptr + token * TOP_K + j) >= 0)
-                    total += tl.load(out_ptr + (token * TOP_K + j) * stride_om + cols, mask=kept, other=0.0,
-                                     cache_modifier=".cg")
+                total = _fm.k_sum(out_ptr, ids_ptr, token, cols, cols < N, stride_om, TOP_K, BLOCK_N, ".cg")
                 tl.store(sum_ptr + token * stride_sm + cols, common.to_dtype(total, sum_ptr.dtype.element_ty, FAST),
                          mask=cols < N)
                 tl.atomic_xchg(slot, 0)
