@@ -119,6 +119,24 @@ def num_sms(device: torch.device, off_cuda: int) -> int:
     return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _max_shared_bytes(device_index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def stages_that_fit(num_stages: int, stage_bytes: int, device: torch.device) -> int:
+    """The most pipeline stages, up to `num_stages`, whose operand tiles (`stage_bytes` a stage) fit the device's
+    shared memory. A table tuned for 16-bit operands can ask more than a GPU has for 32-bit ones; off CUDA
+    (the interpreter) `num_stages` as asked."""
+    if device.type != "cuda":
+        return num_stages
+    # The epilogue's scratch reuses the pipeline's buffers, so the operand tiles alone must fit.
+    budget = _max_shared_bytes(device.index if device.index is not None else torch.cuda.current_device())
+    while num_stages > 1 and num_stages * stage_bytes > budget:
+        num_stages -= 1
+    return num_stages
+
+
 # ------------------------------------------------------------------------- split-K arrival counters
 
 @triton.jit

@@ -404,7 +404,7 @@ def fused_moe(
     common_args = dict(DOT_F32=not x.is_cuda or (x.dtype == torch.float32 and not fp8), **launch,
                        QUANT=quant, ROUND=_ROUND[x.dtype], SCALE_BN=block_shape[0] if block_shape else 1,
                        PRECISE=quant == _PER_CHANNEL and x.is_cuda and common.is_hopper_or_newer(x.device),
-                       BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                       BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, num_warps=cfg.num_warps)
 
     group = block_shape[1] if block_shape is not None else None
     if fp8:
@@ -429,7 +429,7 @@ def fused_moe(
         a1.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
         a1_scale.stride(0), s13.stride(0), s13.stride(1), act_scale.stride(0),
         ACT_MUL=True, ACTIVATION=code, MUL_WEIGHT=False, EVEN_K=H % cfg1.block_k == 0, QUANT_OUT=quant == _BLOCK,
-        BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k, **common_args,
+        BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k, num_stages=_stages(cfg1, a1, w13, 2), **common_args,
     )
     if quant == _PER_CHANNEL:
         act, act_scale = _quant_fp8(act, None, _quant_act.quant_fp8_per_token, reduce_inter_amax)
@@ -443,7 +443,7 @@ def fused_moe(
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), down.stride(0),
         act_scale.stride(0), s2.stride(0), s2.stride(1), 0,
         ACT_MUL=False, ACTIVATION=code, MUL_WEIGHT=True, EVEN_K=inter % cfg2.block_k == 0, QUANT_OUT=False,
-        BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, **common_args,
+        BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, num_stages=_stages(cfg2, act, w2, 1), **common_args,
     )
     if k > 1:
         ids = topk_ids.reshape(-1)
@@ -451,6 +451,13 @@ def fused_moe(
         _moe_sum_kernel[(T, triton.cdiv(H, block))](down, ids, out, H, TOP_K=k, BLOCK=block,
                                                       num_warps=4 if block >= 512 else 1, **launch)
     return out
+
+
+def _stages(cfg: MoEConfig, a: torch.Tensor, w: torch.Tensor, weight_tiles: int) -> int:
+    """The config's pipeline depth, lowered where its tiles of these operands (`weight_tiles` weight tiles a K
+    step: gate and up, or down) would overflow shared memory, as float32 ones do under a 16-bit table's entry."""
+    stage_bytes = cfg.block_k * (cfg.block_m * a.element_size() + weight_tiles * cfg.block_n * w.element_size())
+    return common.stages_that_fit(cfg.num_stages, stage_bytes, a.device)
 
 
 # ------------------------------------------------------------------------------------ tuning table

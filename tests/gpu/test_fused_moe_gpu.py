@@ -84,6 +84,21 @@ def test_kernel_matches_reference(model, T):
     assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), NORM_RTOL, ELEM_RTOL)
 
 
+def test_float32_under_a_16_bit_config_fits_shared_memory():
+    """A 16-bit table entry (3 stages of 64 x 128 x 64 tiles: 240 KiB of float32 gate, up and x tiles) runs on
+    float32 operands with fewer stages, not an out-of-resources error, and matches the reference."""
+    E, k, H, inter = 8, 2, 256, 384
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w13 = torch.randn(E, 2 * inter, H, generator=g, device="cuda") / math.sqrt(H)
+    w2 = torch.randn(E, H, inter, generator=g, device="cuda") / math.sqrt(inter)
+    x = torch.randn(512, H, generator=g, device="cuda")
+    weights, ids = torch.topk(torch.randn(512, E, generator=g, device="cuda").softmax(dim=-1), k, dim=-1)
+    config = MoEConfig(block_m=64, block_n=128, block_k=64, num_stages=3)
+    out = fused_moe(x, w13, w2, weights, ids, config=config, small_t=False)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-4
+
+
 @pytest.mark.parametrize("T", TOKENS)
 def test_cuda_graph_capture(model, T):
     """Captured once, replayed on new inputs and routing: the eager output of those inputs, bit for bit."""
