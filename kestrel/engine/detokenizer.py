@@ -12,10 +12,16 @@ The tokenizer is duck-typed as a Hugging Face tokenizer: `convert_ids_to_tokens`
 `convert_tokens_to_string`, `decode` and `all_special_ids`. `TokenizerLookups` holds what the detokenizers of
 one tokenizer share: each id's token string and each token's text decoded alone, both pure functions of their
 key, so every step costs one tokenizer call per sequence instead of three.
+
+For a Hugging Face fast tokenizer the same window runs inside the `tokenizers` library (its `DecodeStream`: one
+call per token, no token strings in Python), except where special tokens split the text into separately decoded
+runs. The ids since its last piece are mirrored here, so that a character still split across tokens shows in
+the text as the window decodes it (decoded here only while one is split).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -27,15 +33,26 @@ _PROMPT_CONTEXT_TOKENS = 5
 _FAST_TOKENIZER_MODULE = "transformers.tokenization_utils_tokenizers"
 
 
-def _fast_decoder(tokenizer: Any) -> Callable[[list[str]], str] | None:
-    """For a Hugging Face fast tokenizer that does not override `convert_tokens_to_string`, the body it runs
-    (its Rust decoder), without the two Python calls around it per step."""
+def _fast_backend(tokenizer: Any) -> Any | None:
+    """The `tokenizers.Tokenizer` of a Hugging Face fast tokenizer that does not override
+    `convert_tokens_to_string` (so decoding it is decoding the backend), when it has a decoder."""
     method = getattr(type(tokenizer), "convert_tokens_to_string", None)
     if getattr(method, "__module__", None) == _FAST_TOKENIZER_MODULE:
-        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        if decoder is not None:
-            return decoder.decode
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if getattr(backend, "decoder", None) is not None:
+            return backend
     return None
+
+
+@functools.cache
+def _decode_stream_type() -> type | None:
+    """`tokenizers.decoders.DecodeStream` where the installed `tokenizers` has it with prompt ids (0.21+)."""
+    try:
+        from tokenizers.decoders import DecodeStream
+        DecodeStream(ids=[], skip_special_tokens=False)
+    except (ImportError, TypeError):
+        return None
+    return DecodeStream
 
 
 class TokenizerLookups:
@@ -60,7 +77,13 @@ class TokenizerLookups:
         """`tokenizer_ref`: how to reach the tokenizer later (a strong reference when not given)."""
         self._tokenizer_ref = tokenizer_ref if tokenizer_ref is not None else lambda: tokenizer
         self.special_ids = frozenset(tokenizer.all_special_ids)
-        self.tokens_to_string: Callable[[list[str]], str] = _fast_decoder(tokenizer) or self._tokens_to_string
+        backend = _fast_backend(tokenizer)
+        self.tokens_to_string: Callable[[list[str]], str] = (
+            backend.decoder.decode if backend is not None else self._tokens_to_string)
+        # The Rust window of a fast tokenizer (None: the window runs here), and the ids it can decode.
+        self.stream_backend = backend
+        self.decode_stream = _decode_stream_type() if backend is not None else None
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True) if backend is not None else 0
         self._token_strings: dict[int, str] = {}
         self._single_texts: dict[str, str] = {}
 
@@ -116,6 +139,15 @@ class IncrementalDetokenizer:
         self._tokens: list[str] = self._prompt_context(prompt_token_ids)
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
+        self._stream: Any = None
+        if lookups.decode_stream is not None and not self._split_at_special:
+            # The window in the tokenizers library: `_piece_ids` mirror its last piece's ids (the context of the
+            # next one) and `_unread_ids` those it has not turned into text yet.
+            self._piece_ids = self._context_ids
+            self._unread_ids: list[int] = []
+            self._stream = lookups.decode_stream(ids=self._piece_ids, skip_special_tokens=False)
+            self._stream_step = functools.partial(self._stream.step, lookups.stream_backend)
+            self._vocab_size = lookups.vocab_size
         self._committed = ""
         self._pending = ""
         self._stops = list(params.stop)
@@ -129,12 +161,16 @@ class IncrementalDetokenizer:
         """The prompt's last few tokens, decoded before the output so that a decoder that drops a
         leading space at the start of a text (SentencePiece) keeps the output's first space.
         Byte-level tokenizers decode the same either way."""
+        self._context_ids: list[int] = []
         ids = [t for t in prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:] if t not in self._special_ids]
         if not ids:
             return []
         tokens = self._lookups.ids_to_tokens(ids)
         # A prompt ending inside a multi-byte character would shift every later offset.
-        return [] if self._lookups.decode_tokens(tokens).endswith(_REPLACEMENT) else tokens
+        if self._lookups.decode_tokens(tokens).endswith(_REPLACEMENT):
+            return []
+        self._context_ids = ids
+        return tokens
 
     @property
     def output_text(self) -> str:
@@ -173,6 +209,9 @@ class IncrementalDetokenizer:
         kept = token_ids if no_special or not self._skip_special else [t for t in token_ids if t not in special_ids]
         if not kept:
             return
+        if self._stream is not None:
+            self._stream_tokens(kept)
+            return
         tokens = self._lookups.ids_to_tokens(kept)
         if no_special or not self._split_at_special:
             self._tokens.extend(tokens)
@@ -191,6 +230,27 @@ class IncrementalDetokenizer:
         self._committed += self._pending + token
         self._pending = ""
         self._prefix_offset = self._read_offset = len(self._tokens)
+
+    def _stream_tokens(self, token_ids: list[int]) -> None:
+        step, unread = self._stream_step, self._unread_ids
+        for token_id in token_ids:
+            if token_id >= self._vocab_size:
+                continue  # past the vocabulary (a padded embedding): no text, as decode drops it
+            piece = step(token_id)
+            unread.append(token_id)
+            if piece is not None:
+                self._committed += piece
+                self._piece_ids, self._unread_ids = unread, []
+                unread = self._unread_ids
+        self._pending = self._pending_piece() if unread else ""
+
+    def _pending_piece(self) -> str:
+        """The text of the ids the stream holds back (a character still split across tokens), as the window
+        decodes it: shown in `output_text`, held back from deltas until complete."""
+        lookups = self._lookups
+        context = lookups.ids_to_tokens(self._piece_ids) if self._piece_ids else []
+        window = context + lookups.ids_to_tokens(self._unread_ids)
+        return lookups.decode_tokens(window)[len(lookups.decode_tokens(context)) if context else 0:]
 
     def _decode_window(self) -> None:
         decode = self._lookups.decode_tokens

@@ -231,6 +231,30 @@ def test_shared_lookups_equal_private_ones(tokenizer) -> None:
         assert shared.output_text == private.output_text == tokenizer.decode(ids, skip_special_tokens=False)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_the_tokenizers_librarys_window_gives_the_pythons_texts_and_deltas(tokenizer, seed: int) -> None:
+    """A fast tokenizer's window runs in `tokenizers` (DecodeStream); each step's text and delta equal the window
+    run in Python (and, through the other tests, the full decode), split characters and specials included."""
+    rng = random.Random(seed)
+    python_window = TokenizerLookups(tokenizer)
+    python_window.decode_stream = None
+    ids = encode(tokenizer, random_text(rng, 50)) + [rng.randrange(len(tokenizer)) for _ in range(30)]
+    ids.insert(rng.randrange(len(ids)), len(tokenizer) + 3)  # past the vocabulary
+    params = SP(skip_special_tokens=rng.random() < 0.5, stop=["é"] if seed % 2 else [])
+    stream = IncrementalDetokenizer(tokenizer, [0, 5, 6], params, TokenizerLookups(tokenizer))
+    window = IncrementalDetokenizer(tokenizer, [0, 5, 6], params, python_window)
+    assert stream._stream is not None and window._stream is None
+    for chunk in chunks(rng, ids, 3):
+        stops = stream.update(chunk), window.update(chunk)
+        assert stops[0] == stops[1]
+        finished = stops[0] is not None
+        assert stream.output_text == window.output_text
+        assert stream.get_delta(finished) == window.get_delta(finished)
+        if finished:
+            break
+    assert stream.get_delta(True) == window.get_delta(True)
+
+
 def test_lookups_are_shared_per_tokenizer(tokenizer) -> None:
     assert TokenizerLookups.of(tokenizer) is TokenizerLookups.of(tokenizer)
 
