@@ -22,6 +22,7 @@ the text as the window decodes it (decoded here only while one is split).
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -44,15 +45,18 @@ def _fast_backend(tokenizer: Any) -> Any | None:
     return None
 
 
-@functools.cache
-def _decode_stream_type() -> type | None:
-    """`tokenizers.decoders.DecodeStream` where the installed `tokenizers` has it with prompt ids (0.21+)."""
-    try:
-        from tokenizers.decoders import DecodeStream
-        DecodeStream(ids=[], skip_special_tokens=False)
-    except (ImportError, TypeError):
+def _decode_stream_type(backend: Any) -> type | None:
+    """The `DecodeStream` of the library that made `backend`, read from its decoders' module, which is loaded
+    already (the engine imports only the standard library), where it takes prompt ids (tokenizers 0.21+)."""
+    module = sys.modules.get(type(backend.decoder).__module__)
+    stream_type = getattr(module, "DecodeStream", None)
+    if stream_type is None:
         return None
-    return DecodeStream
+    try:
+        stream_type(ids=[], skip_special_tokens=False)
+    except TypeError:
+        return None
+    return stream_type
 
 
 class TokenizerLookups:
@@ -82,7 +86,7 @@ class TokenizerLookups:
             backend.decoder.decode if backend is not None else self._tokens_to_string)
         # The Rust window of a fast tokenizer (None: the window runs here), and the ids it can decode.
         self.stream_backend = backend
-        self.decode_stream = _decode_stream_type() if backend is not None else None
+        self.decode_stream = _decode_stream_type(backend) if backend is not None else None
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True) if backend is not None else 0
         self._token_strings: dict[int, str] = {}
         self._single_texts: dict[str, str] = {}
