@@ -56,7 +56,7 @@ def exited(pid: int, within_s: float = 10.0) -> bool:
     while time.monotonic() < deadline:
         try:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped before the read, or during it
             return True
         if state == "Z":
             return True

@@ -37,7 +37,7 @@ def _alive(pid: int) -> bool:
     try:  # a killed child stays a zombie until reaped: count it as gone
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between the open and the read
         return False
 
 
