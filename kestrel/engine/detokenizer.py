@@ -13,10 +13,10 @@ The tokenizer is duck-typed as a Hugging Face tokenizer: `convert_ids_to_tokens`
 one tokenizer share: each id's token string and each token's text decoded alone, both pure functions of their
 key, so every step costs one tokenizer call per sequence instead of three.
 
-For a Hugging Face fast tokenizer the same window runs inside the `tokenizers` library (its `DecodeStream`: one
-call per token, no token strings in Python), except where special tokens split the text into separately decoded
-runs. The ids since its last piece are mirrored here, so that a character still split across tokens shows in
-the text as the window decodes it (decoded here only while one is split).
+For a Hugging Face fast tokenizer with a byte-level decoder the same window runs inside the `tokenizers` library
+(its `DecodeStream`: one call per token, no token strings in Python), except where special tokens split the text
+into separately decoded runs. The ids since its last piece are mirrored here, so that a character still split
+across tokens shows in the text as the window decodes it (decoded here only while one is split).
 """
 
 from __future__ import annotations
@@ -43,6 +43,14 @@ def _fast_backend(tokenizer: Any) -> Any | None:
         if getattr(backend, "decoder", None) is not None:
             return backend
     return None
+
+
+def _byte_level(backend: Any) -> bool:
+    """Whether `backend` decodes byte-level tokens (GPT-2's scheme: Llama 3, Qwen, ...). Its text is the lossy UTF-8
+    of the tokens' bytes, so a window's text always starts with its last piece's and `DecodeStream` gives the
+    Python window's text at every step, invalid bytes included; other decoders (SentencePiece's byte fallback,
+    with its space stripping) keep the Python window, whose text for invalid bytes `DecodeStream` does not match."""
+    return type(backend.decoder).__name__ == "ByteLevel"
 
 
 def _decode_stream_type(backend: Any) -> type | None:
@@ -86,7 +94,7 @@ class TokenizerLookups:
             backend.decoder.decode if backend is not None else self._tokens_to_string)
         # The Rust window of a fast tokenizer (None: the window runs here), and the ids it can decode.
         self.stream_backend = backend
-        self.decode_stream = _decode_stream_type(backend) if backend is not None else None
+        self.decode_stream = _decode_stream_type(backend) if backend is not None and _byte_level(backend) else None
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True) if backend is not None else 0
         self._token_strings: dict[int, str] = {}
         self._single_texts: dict[str, str] = {}
@@ -237,16 +245,29 @@ class IncrementalDetokenizer:
 
     def _stream_tokens(self, token_ids: list[int]) -> None:
         step, unread = self._stream_step, self._unread_ids
-        for token_id in token_ids:
+        for i, token_id in enumerate(token_ids):
             if token_id >= self._vocab_size:
                 continue  # past the vocabulary (a padded embedding): no text, as decode drops it
-            piece = step(token_id)
+            try:
+                piece = step(token_id)
+            except Exception:  # noqa: BLE001 - the library's only error type; its window refused this text
+                self._leave_stream(token_ids[i:])
+                return
             unread.append(token_id)
             if piece is not None:
                 self._committed += piece
                 self._piece_ids, self._unread_ids = unread, []
                 unread = self._unread_ids
         self._pending = self._pending_piece() if unread else ""
+
+    def _leave_stream(self, rest: list[int]) -> None:
+        """Go on in the Python window from the stream's state, should `DecodeStream` refuse a token (it raises
+        where a window's text stops starting with its last piece's, which a byte-level decoder never does; the
+        Python window takes any text as it comes)."""
+        self._stream = None
+        self._tokens = self._lookups.ids_to_tokens(self._piece_ids + self._unread_ids + rest)
+        self._prefix_offset, self._read_offset = 0, len(self._piece_ids)
+        self._decode_window()
 
     def _pending_piece(self) -> str:
         """The text of the ids the stream holds back (a character still split across tokens), as the window

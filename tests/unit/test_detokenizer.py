@@ -255,6 +255,59 @@ def test_the_tokenizers_librarys_window_gives_the_pythons_texts_and_deltas(token
     assert stream.get_delta(True) == window.get_delta(True)
 
 
+def test_a_token_the_library_refuses_continues_in_the_python_window(tokenizer) -> None:
+    """Should `DecodeStream` raise on a token, the sequence goes on in the Python window from the stream's state:
+    the same texts and deltas as a window that ran in Python throughout."""
+    rng = random.Random(3)
+    python_window = TokenizerLookups(tokenizer)
+    python_window.decode_stream = None
+    ids = encode(tokenizer, random_text(rng, 60))
+    stream = IncrementalDetokenizer(tokenizer, [0, 5, 6], SP(), TokenizerLookups(tokenizer))
+    window = IncrementalDetokenizer(tokenizer, [0, 5, 6], SP(), python_window)
+    step, refused = stream._stream_step, []
+
+    def refusing(token_id: int) -> str | None:
+        if stream._unread_ids and not refused:  # refused inside a split character: the mirrored ids carry over
+            refused.append(token_id)
+            raise Exception("Invalid prefix encountered while decoding stream")  # noqa: TRY002 - the library's type
+        return step(token_id)
+
+    stream._stream_step = refusing
+    for chunk in chunks(rng, ids, 3):
+        stream.update(chunk)
+        window.update(chunk)
+        assert stream.output_text == window.output_text
+        assert stream.get_delta(False) == window.get_delta(False)
+    assert stream._stream is None and refused
+    assert stream.get_delta(True) == window.get_delta(True)
+    assert stream.output_text == tokenizer.decode(ids)
+
+
+def test_sentencepiece_byte_fallback_keeps_the_python_window() -> None:
+    """A byte-fallback decoder (SentencePiece's, with its space stripping) decodes invalid bytes otherwise than
+    `DecodeStream` would: its sequences keep the Python window, and valid text equals the full decode."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["▁", "▁the", "▁cat", "at", "é"]
+    backend = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>")
+    text = "the cat é 日本 🙂 cat"
+    ids = encode(tokenizer, text)
+    detokenizer = IncrementalDetokenizer(tokenizer, [], SP(), TokenizerLookups(tokenizer))
+    assert detokenizer._stream is None
+    deltas = []
+    for token in ids:
+        detokenizer.update([token])
+        deltas.append(detokenizer.get_delta(False))
+    deltas.append(detokenizer.get_delta(True))
+    assert "".join(deltas) == detokenizer.output_text == tokenizer.decode(ids) == text
+
+
 def test_lookups_are_shared_per_tokenizer(tokenizer) -> None:
     assert TokenizerLookups.of(tokenizer) is TokenizerLookups.of(tokenizer)
 
