@@ -263,6 +263,14 @@ def moe_route(logits, top_k, renormalize):
     return fn(logits, top_k, renormalize)
 
 
+def moe_route_gemv(x, router_weight, top_k, renormalize, *, config):
+    """`moe_route(x @ router_weight.T, ...)` for a 16-bit router whose decode GEMV (kernels/gemv.py, `config`) runs
+    these rows: the logits rounded to x's dtype, then each row's top-k, in the GEMV's own launch where the GPU
+    runs the `router_topk` launch feature."""
+    fn = _gemv.gemv_route if use_triton(x) else _gemv.gemv_route_ref
+    return fn(x, router_weight, top_k, renormalize, config=config)
+
+
 def apply_token_bitmask(logits, bitmask, rows):
     """Mask `logits[rows[i]]` in place by the grammar bitmask `bitmask[i]` (xgrammar's int32 layout): disallowed
     tokens, and tokens past the mask, get -inf. Returns `logits`."""

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The decode path's launch features (kernels/common.py LAUNCH_FEATURES) on one GPU, by stage:
-# `scripts/h200_launches.sh OUT STAGE...`. Each measurement runs with the features off (no decode_launches table)
-# and on (a table naming every one), in that order unless said. Stages:
+# `scripts/h200_launches.sh OUT STAGE...`. Each measurement runs with the features off (no decode_launches table),
+# as committed (the GPU's table in the tree) or on (a table naming every one). Stages:
 #   tests    (features on) the GPU tests of the kernels touched
 #   smoke    (features on) Qwen3 / Qwen3-MoE / Gemma 3 greedy parity
-#   moe      batch-1 and batch-8 decode (prompt 128) of the Qwen3-30B-A3B shape, FP8 + FP8 KV: off, on
-#   moe-bf16 the same in BF16
+#   moe      batch-1 and batch-8 decode (prompt 128) of the Qwen3-30B-A3B shape, FP8 + FP8 KV: committed, on
+#            (what the features the table leaves off add)
+#   moe-off  the same: off, on
+#   moe-bf16 the same in BF16: committed, on
 #   dense    batch-1 decode of the Llama-3-8B shape, FP8 + FP8 KV and W4A16 group 128: off, on
 #   tput     (features on) full load, 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, Llama-3-8B
 #   tput-moe (features on) the same for the Qwen3-30B-A3B shape
@@ -19,8 +21,11 @@ if [ "$key" != nvidia_h200 ]; then  # another Hopper GPU runs the H200's tables,
   for f in $tuning/*_nvidia_h200.json; do cp "$f" "${f%_nvidia_h200.json}_$key.json"; done
   echo "the H200 tables copied as $key" | tee -a "$out/log.txt"
 fi
-features() {  # features off | on
+committed=$(mktemp)
+cp $tuning/decode_launches_$key.json "$committed" 2>/dev/null || echo '{"configs": {}}' > "$committed"
+features() {  # features off | committed | on
   rm -f $tuning/decode_launches_$key.json
+  [ "$1" = committed ] && cp "$committed" $tuning/decode_launches_$key.json
   [ "$1" = on ] && python3 -c "
 import json; from kestrel.kernels.common import LAUNCH_FEATURES
 json.dump({'gpu': '$key', 'configs': {n: True for n in LAUNCH_FEATURES}}, open('$tuning/decode_launches_$key.json', 'w'))"
@@ -37,9 +42,10 @@ for stage in "$@"; do
     smoke) features on
            run 150 python3 scripts/gpu_smoke.py --out "$out/smoke" --archs qwen3,qwen3_moe,gemma3 --methods fp8 \
              --skip-engine-checks ;;
-    moe) for f in off on; do features $f
+    moe|moe-off) first=committed; [ $stage = moe-off ] && first=off
+         for f in $first on; do features $f
            latency 150 qwen3-30b-a3b-fp8-$f "${qwen[@]}" --quantization fp8 --kv-cache-dtype fp8; done ;;
-    moe-bf16) for f in off on; do features $f; latency 150 qwen3-30b-a3b-bf16-$f "${qwen[@]}"; done ;;
+    moe-bf16) for f in committed on; do features $f; latency 150 qwen3-30b-a3b-bf16-$f "${qwen[@]}"; done ;;
     dense) for f in off on; do features $f
              latency 100 llama3-8b-fp8-$f "${llama[@]}" --quantization fp8 --kv-cache-dtype fp8
              latency 120 llama3-8b-w4a16-$f "${llama[@]}" --weight-only w4a16; done ;;

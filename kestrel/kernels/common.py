@@ -213,6 +213,7 @@ LAUNCH_FEATURES = (
     "attention_split_merge",  # the split-KV merge in the last split to arrive; chosen splits a ceiling
     "rope_head_norms",  # per-head q/k RMSNorms inside rope_store_kv
     "moe_k_sum",  # the small-T split down launch's k-sum in its last program to arrive
+    "router_topk",  # the MoE router's softmax top-k in its GEMV's last column block to be stored
 )
 
 

@@ -31,6 +31,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels import common
 from kestrel.kernels import moe_common as _mc
+from kestrel.kernels import moe_routing as _routing
 
 TABLE = "gemv"
 MAX_M = 8
@@ -124,15 +125,35 @@ def _epilogue(dot, m, cols, rows, n_ok, s_ptr, b_ptr, out_ptr, stride_om,
     tl.store(out_ptr + m * stride_om + cols, common.to_dtype(y, out_ptr.dtype.element_ty, FAST), mask=n_ok)
 
 
+@triton.jit
+def _route_when_last(out_ptr, stride_om, N, done_ptr, route_w_ptr, route_id_ptr, ROWS: tl.constexpr,
+                     NUM_BLOCKS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                     RENORMALIZE: tl.constexpr):
+    """After this program stored its column block of every row: the last of the NUM_BLOCKS to arrive routes each
+    row from the stored logits (rounded to the output dtype, as the routing launch reads them) and zeroes the
+    counter again."""
+    if common.last_arrival(done_ptr, NUM_BLOCKS):
+        offs = tl.arange(0, E_PAD)
+        valid = offs < N
+        for m in tl.static_range(ROWS):
+            logits = tl.load(out_ptr + m * stride_om + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
+            _routing.topk_of_row(logits.to(tl.float32), offs, valid, route_w_ptr + m * TOP_K,
+                                 route_id_ptr + m * TOP_K, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+        tl.atomic_xchg(done_ptr, 0)
+
+
 @triton.jit(do_not_specialize=["stride_xm", "stride_om"])
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, N, K, stride_xm, stride_wn, stride_om,
-                 SPLIT_K: tl.constexpr, ROWS: tl.constexpr, W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 PER_TENSOR: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                 FAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, route_w_ptr, route_id_ptr, N, K, stride_xm,
+                 stride_wn, stride_om, SPLIT_K: tl.constexpr, ROWS: tl.constexpr, W_FP8: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, PER_TENSOR: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                 USE_PDL: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_BLOCKS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                 RENORMALIZE: tl.constexpr):
     """out[m, n] = round(scale[n] * sum_k x[m, k] * w[n, k] + bias[n]) for the ROWS rows of x; this program
     reads the weight slice [BLOCK_N rows, K slice `program_id % SPLIT_K`]. Under PDL the slice is loaded before
     waiting for the previous kernel (weights never depend on it); x, the workspace, the counters and the output
-    after."""
+    after. TOP_K > 0 (a router): the last of the NUM_BLOCKS column blocks to be stored also routes each row (its
+    counter is the one after the column blocks' own)."""
     if USE_PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -163,6 +184,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, N, K, st
                       HAS_SCALE, PER_TENSOR, HAS_BIAS, FAST)
         else:
             tl.store(part + m * BLOCK_N, dot)
+    if SPLIT_K == 1 and TOP_K > 0:
+        _route_when_last(out_ptr, stride_om, N, lock_ptr + NUM_BLOCKS, route_w_ptr, route_id_ptr, ROWS, NUM_BLOCKS,
+                         TOP_K, K_PAD, E_PAD, RENORMALIZE)
     if SPLIT_K > 1:
         is_last = common.last_arrival(lock_ptr + nb, SPLIT_K)
         if is_last:
@@ -170,6 +194,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, N, K, st
                 _epilogue(common.split_row_sum(ws_ptr, nb, m, SPLIT_K, ROWS, BLOCK_N), m, cols, rows, n_ok, s_ptr,
                           b_ptr, out_ptr, stride_om, HAS_SCALE, PER_TENSOR, HAS_BIAS, FAST)
             tl.atomic_xchg(lock_ptr + nb, 0)
+            if TOP_K > 0:
+                _route_when_last(out_ptr, stride_om, N, lock_ptr + NUM_BLOCKS, route_w_ptr, route_id_ptr, ROWS,
+                                 NUM_BLOCKS, TOP_K, K_PAD, E_PAD, RENORMALIZE)
 
 
 # ----------------------------------------------------------------------------------------- launcher
@@ -180,12 +207,51 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     """Triton `gemv_ref`; see the module docstring. Any M works (the slices are sized for a few rows; more than
     `MAX_M` run in chunks). No host sync: capturable in a CUDA graph."""
     M, N, K = _check(x, weight, weight_scale, bias)
-    cfg = config or DEFAULT
     out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     if K == 0:
         return out.copy_(gemv_ref(x, weight, weight_scale, out_dtype, bias))
+    _launch(x, weight, weight_scale, bias, out, config or DEFAULT, None)
+    return out
+
+
+def gemv_route_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, *,
+                   config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [M, k], expert ids int64 [M, k]): the softmax top-k of a router's logits, `x @ weight.T`
+    rounded to x's dtype (`gemv_ref`, then `moe_routing.route_topk_ref`). `config` is unused."""
+    return _routing.route_topk_ref(gemv_ref(x, weight, None, x.dtype), top_k, renormalize)
+
+
+def gemv_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, *,
+               config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `gemv_route_ref` in one launch (per `MAX_M` rows) for a 16-bit router weight: the GEMV's last
+    column block to be stored routes every row (`moe_routing.topk_of_row`, the routing launch's code), in place
+    of the routing launch after it. Where the `router_topk` launch feature is off: the GEMV, then that launch."""
+    if weight.dtype == torch.float8_e4m3fn:
+        raise ValueError("gemv_route: the router weight must be 16-bit (routing stays in the model dtype)")
+    M, N, K = _check(x, weight, None, None)
+    if not 0 < top_k <= N:
+        raise ValueError(f"top_k={top_k} must be in 1..{N} (the router's experts)")
+    logits = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(M, top_k, dtype=torch.int64, device=x.device)
+    if M == 0:
+        return weights, ids
+    cfg = config or DEFAULT
+    # Off (the launch feature, until measured on this GPU), or no counter left for the router's: two launches.
+    if (not common.launch_feature("router_topk", x.device) or K == 0
+            or triton.cdiv(N, cfg.block_n) >= common.ARRIVAL_SLOTS):
+        return _routing.route_topk(gemv(x, weight, None, x.dtype, config=cfg), top_k, renormalize)
+    _launch(x, weight, None, None, logits, cfg, (weights, ids, renormalize))
+    return weights, ids
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
+            out: torch.Tensor, cfg: GemvConfig, route: tuple[torch.Tensor, torch.Tensor, bool] | None) -> None:
+    """The GEMV launches into `out`; `route` (weights, ids, renormalize): each row's top-k too."""
+    M, N = out.shape
+    K = x.shape[1]
     if weight.stride(1) != 1:
         raise ValueError("gemv: weight must be contiguous along K")
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -196,19 +262,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     block_k = min(cfg.block_k, triton.next_power_of_2(K))
     split_k = triton.cdiv(K, block_k)
     n_blocks = triton.cdiv(N, cfg.block_n)
-    if split_k > 1 and n_blocks > common.ARRIVAL_SLOTS:
+    # Each column block's split-K counter, and after them the router's (`gemv_route` checked that it fits).
+    if split_k > 1 and n_blocks + (route is not None) > common.ARRIVAL_SLOTS:
         block_k, split_k = triton.next_power_of_2(K), 1
-    locks = common.arrival_counters(x.device) if split_k > 1 else scale_arg
+    locks = common.arrival_counters(x.device) if split_k > 1 or route is not None else scale_arg
+    weights, ids, renormalize = route if route is not None else (scale_arg, scale_arg, False)
+    top_k = weights.shape[1] if route is not None else 0
     for m0 in range(0, M, MAX_M):
         xm, om = x[m0:m0 + MAX_M], out[m0:m0 + MAX_M]
         rows = xm.shape[0]
         ws = (torch.empty(n_blocks * split_k * rows * cfg.block_n, dtype=torch.float32, device=x.device)
               if split_k > 1 else scale_arg)
         _gemv_kernel[(n_blocks * split_k,)](
-            xm, weight, scale_arg, b, om, ws, locks, N, K,
-            xm.stride(0), weight.stride(0), om.stride(0),
+            xm, weight, scale_arg, b, om, ws, locks, weights[m0:m0 + MAX_M] if top_k else weights,
+            ids[m0:m0 + MAX_M] if top_k else ids, N, K, xm.stride(0), weight.stride(0), om.stride(0),
             SPLIT_K=split_k, ROWS=rows, W_FP8=weight.dtype == torch.float8_e4m3fn, HAS_SCALE=scale is not None,
             PER_TENSOR=scale is not None and scale.numel() == 1, HAS_BIAS=bias is not None,
             EVEN_K=K % block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps,
+            NUM_BLOCKS=n_blocks, TOP_K=top_k, K_PAD=triton.next_power_of_2(max(top_k, 1)),
+            E_PAD=triton.next_power_of_2(N) if top_k else 1, RENORMALIZE=renormalize,
             **common.launch_options(x, "pdl_decode"))
-    return out

@@ -44,15 +44,11 @@ def route_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple
 
 
 @triton.jit
-def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
-                       K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    token = tl.program_id(0)
-    offs = tl.arange(0, E_PAD)
-    valid = offs < num_experts
-    logits = tl.load(logits_ptr + token * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+def topk_of_row(logits, offs, valid, weights_ptr, ids_ptr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token's softmax top-k from its fp32 `logits` over `offs` (E_PAD lanes, `valid` the real experts,
+    -inf elsewhere), stored at `weights_ptr` / `ids_ptr` (TOP_K each). Shared by the routing launch and the router
+    GEMV that routes in its last program (`gemv.gemv_route`)."""
     exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
     probs = exps / tl.sum(exps, axis=0)
     # Probabilities are >= 0: -1 marks what is taken or padding. A NaN (a NaN logit, or stale memory) counts as
@@ -69,8 +65,22 @@ def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, 
         remaining = tl.where(offs == chosen, -1.0, remaining)
     if RENORMALIZE:
         weights = weights / tl.sum(tl.where(slots < TOP_K, weights, 0.0), axis=0)
-    tl.store(weights_ptr + token * TOP_K + slots, weights, mask=slots < TOP_K)
-    tl.store(ids_ptr + token * TOP_K + slots, ids, mask=slots < TOP_K)
+    tl.store(weights_ptr + slots, weights, mask=slots < TOP_K)
+    tl.store(ids_ptr + slots, ids, mask=slots < TOP_K)
+
+
+@triton.jit
+def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                       K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    token = tl.program_id(0)
+    offs = tl.arange(0, E_PAD)
+    valid = offs < num_experts
+    logits = tl.load(logits_ptr + token * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    topk_of_row(logits, offs, valid, weights_ptr + token * TOP_K, ids_ptr + token * TOP_K, TOP_K, K_PAD, E_PAD,
+                RENORMALIZE)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

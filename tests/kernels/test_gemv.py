@@ -102,6 +102,96 @@ def test_rejects_bad_arguments():
         gv.gemv_ref(x[:, :8], q, scale, torch.bfloat16)
 
 
+# ------------------------------------------------------------------------------------------ routing
+
+ROUTE_CASES = [  # (M, experts, K, top_k, renormalize, x dtype)
+    (1, 24, 40, 4, True, torch.bfloat16),
+    (3, 16, 72, 2, False, torch.bfloat16),
+    (2, 33, 48, 8, True, torch.float16),
+    (11, 8, 20, 8, True, torch.bfloat16),  # past MAX_M: each chunk of rows routes in its own launch
+]
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=str)
+def test_routing_in_the_last_column_block_is_the_routing_launch_bit_for_bit(case, device):
+    """`gemv_route` (the router GEMV whose last column block to be stored routes every row) gives the weights and
+    ids of the GEMV followed by the routing launch, bit for bit, on one K slice, on several (the split sum's last
+    arrival then routes) and on many column blocks; the counters are left zeroed; and the reference is the
+    float64 router's softmax top-k."""
+    from kestrel.kernels import moe_routing
+
+    M, E, K, top_k, renormalize, dtype = case
+    g = torch.Generator().manual_seed(M * 1000 + E + K)
+    x = torch.randn(M, K, generator=g).to(dtype).to(device)
+    w = (torch.randn(E, K, generator=g) / K**0.5).to(dtype).to(device)
+    for cfg in (ONE_SLICE, SPLIT, NARROW):
+        weights, ids = gv.gemv_route(x, w, top_k, renormalize, config=cfg)
+        two_launches = moe_routing.route_topk(gv.gemv(x, w, None, dtype, config=cfg), top_k, renormalize)
+        assert torch.equal(weights, two_launches[0]) and torch.equal(ids, two_launches[1])
+    assert int(common.arrival_counters(torch.device(device)).count_nonzero()) == 0
+    ref_weights, ref_ids = gv.gemv_route_ref(x.cpu(), w.cpu(), top_k, renormalize)
+    probs64 = torch.softmax(x.cpu().double() @ w.cpu().double().T, dim=-1)
+    oracle_ids = torch.topk(probs64, top_k, dim=-1).indices
+    # The logits are rounded to x's dtype first: a near tie may swap, so compare the chosen probabilities.
+    assert torch.allclose(probs64.gather(1, ref_ids), probs64.gather(1, oracle_ids), rtol=2.0**-6, atol=1e-6)
+    assert torch.allclose(weights.cpu(), ref_weights, rtol=2.0**-20, atol=1e-7)
+    assert torch.equal(ids.cpu(), ref_ids)
+
+
+def _route_sm90_reports() -> list[tuple[str, str]]:
+    """(PTX, ptxas report) of the routing GEMV at Qwen3-30B-A3B's router (128 experts x 2048, top-8) with the H200
+    table's tiles (one K slice) and with two K slices (the routing inside the split sum's last arrival), 1 and 4
+    rows. Run in a process without TRITON_INTERPRET (see the test)."""
+    from test_moe_small_t import _compile_sm90
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
+                "ws_ptr": "*fp32", "lock_ptr": "*i32", "route_w_ptr": "*fp32", "route_id_ptr": "*i64"}
+    ints = ["N", "K", "stride_xm", "stride_wn", "stride_om"]
+    reports = []
+    for block_k, rows in ((2048, 1), (2048, 4), (1024, 4)):
+        constexprs = dict(SPLIT_K=2048 // block_k, ROWS=rows, W_FP8=False, HAS_SCALE=False, PER_TENSOR=False,
+                          HAS_BIAS=False, EVEN_K=True, USE_PDL=True, FAST=True, BLOCK_N=2, BLOCK_K=block_k,
+                          NUM_BLOCKS=64, TOP_K=8, K_PAD=8, E_PAD=128, RENORMALIZE=True)
+        reports.append(_compile_sm90(gv._gemv_kernel, pointers, ints, constexprs, 4))
+    return reports
+
+
+def test_routing_gemv_compiles_for_sm90_without_spills():
+    """The interpreter runs what the GPU compiler may still refuse: the routing GEMV compiled for the H200 (ptxas
+    ships with Triton), in a process of its own since this one's kernels are interpreted."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if torch.cuda.is_available():
+        pytest.skip("compiled and run for real on this GPU by the GPU tests")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this Triton has no NVIDIA backend")
+    here = Path(__file__).resolve().parent
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    code = (f"import json, sys; sys.path.insert(0, {str(here)!r}); import test_gemv as t; "
+            f"print(json.dumps(t._route_sm90_reports()))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=here.parents[1],
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (ptx, report), rows in zip(json.loads(done.stdout.strip().splitlines()[-1]), (1, 4, 4), strict=True):
+        assert " 0 bytes spill stores" in report, report
+        # the arrival counted with acquire-release order, and one softmax (one ex2) per routed row
+        assert "atom.global.gpu.acq_rel.add" in ptx and ptx.count("ex2") == rows
+
+
+def test_routing_refuses_what_it_cannot_route():
+    x, w = torch.randn(1, 16).bfloat16(), torch.randn(8, 16).bfloat16()
+    with pytest.raises(ValueError, match="top_k=9 must be in 1..8"):
+        gv.gemv_route(x, w, 9, True)
+    with pytest.raises(ValueError, match="16-bit"):
+        gv.gemv_route(x, w.to(torch.float8_e4m3fn), 2, True)
+
+
 # ------------------------------------------------------------------------------------------ selection
 
 CUDA = torch.device("cuda", 0)

@@ -115,3 +115,38 @@ def test_16_bit_layer_runs_the_gemv_up_to_max_m(table, monkeypatch):
     fresh, _, _ = make_layer(QuantConfig(), n=N, k=K, dtype=torch.bfloat16)
     fresh(torch.randn(1, K, generator=g).to(torch.bfloat16))
     assert calls == [1, MAX_M]
+
+
+def test_a_moe_router_on_the_gemv_routes_in_it(tmp_path, monkeypatch):
+    """An MoE block whose router has a GEMV table entry routes through `ops.moe_route_gemv` up to the entry's
+    max_m rows (the router GEMV's logits, then the softmax top-k: on a GPU one launch, with the `router_topk`
+    launch feature), and through the router's own output and `ops.moe_route` above; the same choices either way
+    as the GEMV's logits give."""
+    from kestrel import LLM, ops
+    from kestrel.kernels import moe_routing
+    from kestrel.loader.model_init import write_tiny_checkpoint
+    from kestrel.model.layers.moe import MoEMLP
+
+    write_tiny_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe", seed=5)
+    llm = LLM(str(tmp_path / "qwen3_moe"), device="cpu", dtype="bfloat16", max_model_len=64,
+              enable_prefix_caching=False, disable_log_stats=True)
+    block = next(m for m in llm.runner.model.modules() if isinstance(m, MoEMLP))
+    router = block.in_proj
+    experts, hidden = router.weight.shape
+    tiles = gv.GemvConfig(block_n=8, block_k=16, max_m=MAX_M).to_json()
+    monkeypatch.setattr(common, "gpu_table",
+                        lambda kernel, device: {gv.table_key("w16", experts, hidden): tiles} if kernel == gv.TABLE
+                        else {})
+    router.__dict__.pop("decode_gemv_config", None)  # looked up again under the table
+    fused = []
+    real = ops.moe_route_gemv
+    monkeypatch.setattr(ops, "moe_route_gemv", lambda *a, **k: fused.append(a[0].shape[0]) or real(*a, **k))
+    g = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        for M in (1, MAX_M, MAX_M + 1):
+            x = torch.randn(M, hidden, generator=g).to(torch.bfloat16)
+            weights, ids = block.route(x)
+            expected = moe_routing.route_topk_ref(gv.gemv_ref(x, router.weight, None, x.dtype) if M <= MAX_M
+                                                  else router(x), block.top_k, block.renormalize)
+            assert torch.equal(ids, expected[1]) and torch.equal(weights, expected[0])
+    assert fused == [1, MAX_M]

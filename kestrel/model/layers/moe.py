@@ -25,7 +25,7 @@ from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.linear import LinearBase, ReplicatedLinear
 from kestrel.model.layers.weights import WeightShapeError, copy_checked
 from kestrel.quant import FUSED_MOE, UNQUANTIZED
-from kestrel.quant.base import FusedMoEMethod, QuantMethod
+from kestrel.quant.base import FusedMoEMethod, QuantMethod, decode_gemv
 from kestrel.quant.unquantized import UnquantizedFusedMoEMethod
 
 # (layer name, the checkpoint modules it merges, kind=...) -> that layer's quantization method (the decoder's
@@ -182,8 +182,13 @@ class MoEMLP(nn.Module):
         return getattr(self, self.router_name)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, expert ids [T, k]) of each token's chosen experts."""
-        return ops.moe_route(self.in_proj(x), self.top_k, self.renormalize)
+        """(weights [T, k] float32, expert ids [T, k]) of each token's chosen experts. A router that runs these rows
+        on the decode GEMV routes in it (`ops.moe_route_gemv`: the same logits and choices)."""
+        router = self.in_proj
+        gemv = decode_gemv(router, x.shape[0]) if x.dim() == 2 and x.dtype == router.weight.dtype else None
+        if gemv is not None:
+            return ops.moe_route_gemv(x, router.weight, self.top_k, self.renormalize, config=gemv)
+        return ops.moe_route(router(x), self.top_k, self.renormalize)
 
     def forward(self, x: torch.Tensor, fuse: bool = True,
                 attn_metadata: AttentionMetadata | None = None) -> torch.Tensor:
