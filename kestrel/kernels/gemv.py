@@ -279,6 +279,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | 
             SPLIT_K=split_k, ROWS=rows, W_FP8=weight.dtype == torch.float8_e4m3fn, HAS_SCALE=scale is not None,
             PER_TENSOR=scale is not None and scale.numel() == 1, HAS_BIAS=bias is not None,
             EVEN_K=K % block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps,
-            NUM_BLOCKS=n_blocks, TOP_K=top_k, K_PAD=triton.next_power_of_2(max(top_k, 1)),
+            # Routing's constants only where it routes: a plain GEMV compiles once for every N, as before.
+            NUM_BLOCKS=n_blocks if top_k else 1, TOP_K=top_k, K_PAD=triton.next_power_of_2(max(top_k, 1)),
             E_PAD=triton.next_power_of_2(N) if top_k else 1, RENORMALIZE=renormalize,
             **common.launch_options(x, "pdl_decode"))
