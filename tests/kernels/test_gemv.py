@@ -6,6 +6,7 @@ multiples (partial N blocks, K tails)."""
 from __future__ import annotations
 
 import pytest
+import sm90
 import torch
 
 from kestrel.kernels import common
@@ -142,8 +143,6 @@ def _route_sm90_reports() -> list[tuple[str, str]]:
     """(PTX, ptxas report) of the routing GEMV at Qwen3-30B-A3B's router (128 experts x 2048, top-8) with the H200
     table's tiles (one K slice) and with two K slices (the routing inside the split sum's last arrival), 1 and 4
     rows. Run in a process without TRITON_INTERPRET (see the test)."""
-    from test_moe_small_t import _compile_sm90
-
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
                 "ws_ptr": "*fp32", "lock_ptr": "*i32", "route_w_ptr": "*fp32", "route_id_ptr": "*i64"}
     ints = ["N", "K", "stride_xm", "stride_wn", "stride_om"]
@@ -152,33 +151,14 @@ def _route_sm90_reports() -> list[tuple[str, str]]:
         constexprs = dict(SPLIT_K=2048 // block_k, ROWS=rows, W_FP8=False, HAS_SCALE=False, PER_TENSOR=False,
                           HAS_BIAS=False, EVEN_K=True, USE_PDL=True, FAST=True, BLOCK_N=2, BLOCK_K=block_k,
                           NUM_BLOCKS=64, TOP_K=8, K_PAD=8, E_PAD=128, RENORMALIZE=True)
-        reports.append(_compile_sm90(gv._gemv_kernel, pointers, ints, constexprs, 4))
+        reports.append(sm90.compile_sm90(gv._gemv_kernel, pointers, ints, constexprs, 4))
     return reports
 
 
 def test_routing_gemv_compiles_for_sm90_without_spills():
     """The interpreter runs what the GPU compiler may still refuse: the routing GEMV compiled for the H200 (ptxas
-    ships with Triton), in a process of its own since this one's kernels are interpreted."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-
-    if torch.cuda.is_available():
-        pytest.skip("compiled and run for real on this GPU by the GPU tests")
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("this Triton has no NVIDIA backend")
-    here = Path(__file__).resolve().parent
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    code = (f"import json, sys; sys.path.insert(0, {str(here)!r}); import test_gemv as t; "
-            f"print(json.dumps(t._route_sm90_reports()))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=here.parents[1],
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for (ptx, report), rows in zip(json.loads(done.stdout.strip().splitlines()[-1]), (1, 4, 4), strict=True):
+    ships with Triton), in a process of their own since this one's kernels are interpreted."""
+    for (ptx, report), rows in zip(sm90.reports("test_gemv", "_route_sm90_reports()"), (1, 4, 4), strict=True):
         assert " 0 bytes spill stores" in report, report
         # the arrival counted with acquire-release order, and one softmax (one ex2) per routed row
         assert "atom.global.gpu.acq_rel.add" in ptx and ptx.count("ex2") == rows

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import sm90
 import torch
 from test_fused_moe import check, dequantize_weight, make_fp8_inputs, make_inputs, skip_pairs
 
@@ -128,36 +129,6 @@ def test_gpu_table_turns_the_path_on_per_shape_and_kind(monkeypatch):
 # ------------------------------------------------------------------------------ compiled for the H200, on the CPU
 
 _QUANTS = {0: ("*bf16", (1, 1)), 1: ("*fp8e4nv", (1, 1)), 2: ("*fp8e4nv", (128, 128))}
-# Arguments the launcher's values make multiples of 16 at the Qwen3-30B-A3B shape (Triton's launch-time alignment
-# specialization, which lets the weight loads vectorize).
-_ALIGNED = {"x_ptr", "w_ptr", "s_ptr", "ids_ptr", "inter_ptr", "weights_ptr", "out_ptr", "N", "K", "stride_xm",
-            "stride_we", "stride_wn", "stride_im", "stride_om"}
-
-
-def _compile_sm90(fn, pointers: dict[str, str], ints: list[str], constexprs: dict, num_warps: int) -> tuple[str, str]:
-    """(PTX, ptxas -v report) of `fn` compiled for sm_90 without a GPU."""
-    import os
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {**pointers, **{n: "i32" for n in ints}, **{n: "constexpr" for n in constexprs}}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in signature if n in _ALIGNED}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    ptx = kernel.asm["ptx"]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
-        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
-                                text=True, check=True).stderr
-    return ptx, report
-
-
 def _sm90_reports(quant: int) -> list[tuple[str, str]]:
     """(PTX, ptxas report) of both launches with DEFAULT's tiles at the Qwen3-30B-A3B shape (E 128, k 8, H 2048,
     I 768). Run in a process without TRITON_INTERPRET (see the test)."""
@@ -177,12 +148,12 @@ def _sm90_reports(quant: int) -> list[tuple[str, str]]:
     # the split form with its k-sum by last arrival, as the H200 table runs it
     split = dict(down, SPLIT=True, FUSED_SUM=True, STATIC_K=steps <= cfg.max_unroll)
     return [
-        _compile_sm90(st._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": wdt, "s_ptr": "*fp32", "ids_ptr": "*i64",
+        sm90.compile_sm90(st._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": wdt, "s_ptr": "*fp32", "ids_ptr": "*i64",
                                            "inter_ptr": "*bf16"},
                       ["N", "K", "top_k", "stride_xm", "stride_we", "stride_wn", "stride_se", "stride_sn",
                        "stride_im"], gate_up, cfg.num_warps),
-        _compile_sm90(st._down_kernel, down_pointers, down_ints, down, cfg.num_warps2),
-        _compile_sm90(st._down_kernel, dict(down_pointers, out_ptr="*fp32"), down_ints, split, cfg.num_warps2),
+        sm90.compile_sm90(st._down_kernel, down_pointers, down_ints, down, cfg.num_warps2),
+        sm90.compile_sm90(st._down_kernel, dict(down_pointers, out_ptr="*fp32"), down_ints, split, cfg.num_warps2),
     ]
 
 
@@ -190,24 +161,5 @@ def _sm90_reports(quant: int) -> list[tuple[str, str]]:
 def test_default_tiles_compile_for_sm90_with_wide_loads_and_no_spills(quant):
     """The interpreter runs what the GPU compiler may still refuse: both launches compiled for the H200 (ptxas ships
     with Triton), in a process of their own since this one's kernels are interpreted."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-
-    if torch.cuda.is_available():
-        pytest.skip("compiled and run for real on this GPU by the other tests")
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("this Triton has no NVIDIA backend")
-    here = Path(__file__).resolve().parent
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    code = (f"import json, sys; sys.path.insert(0, {str(here)!r}); import test_moe_small_t as t; "
-            f"print(json.dumps(t._sm90_reports({quant})))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=here.parents[1],
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for ptx, report in json.loads(done.stdout.strip().splitlines()[-1]):
+    for ptx, report in sm90.reports("test_moe_small_t", f"_sm90_reports({quant})"):
         assert "ld.global.v4" in ptx and " 0 bytes spill stores" in report, report
