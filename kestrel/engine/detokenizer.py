@@ -92,10 +92,9 @@ class TokenizerLookups:
         backend = _fast_backend(tokenizer)
         self.tokens_to_string: Callable[[list[str]], str] = (
             backend.decoder.decode if backend is not None else self._tokens_to_string)
-        # The Rust window of a fast tokenizer (None: the window runs here), and the ids it can decode.
+        # The Rust window of a fast tokenizer (None: the window runs here).
         self.stream_backend = backend
         self.decode_stream = _decode_stream_type(backend) if backend is not None and _byte_level(backend) else None
-        self.vocab_size = backend.get_vocab_size(with_added_tokens=True) if backend is not None else 0
         self._token_strings: dict[int, str] = {}
         self._single_texts: dict[str, str] = {}
 
@@ -159,7 +158,6 @@ class IncrementalDetokenizer:
             self._unread_ids: list[int] = []
             self._stream = lookups.decode_stream(ids=self._piece_ids, skip_special_tokens=False)
             self._stream_step = functools.partial(self._stream.step, lookups.stream_backend)
-            self._vocab_size = lookups.vocab_size
         self._committed = ""
         self._pending = ""
         self._stops = list(params.stop)
@@ -246,8 +244,8 @@ class IncrementalDetokenizer:
     def _stream_tokens(self, token_ids: list[int]) -> None:
         step, unread = self._stream_step, self._unread_ids
         for i, token_id in enumerate(token_ids):
-            if token_id >= self._vocab_size:
-                continue  # past the vocabulary (a padded embedding): no text, as decode drops it
+            # An id the vocabulary lacks (past it: a padded embedding; or a gap in its ids) decodes to no text in
+            # the library's window, as in the Python one.
             try:
                 piece = step(token_id)
             except Exception:  # noqa: BLE001 - the library's only error type; its window refused this text

@@ -70,8 +70,9 @@ def test_graph_replay_equals_eager(entry):
 @pytest.mark.parametrize("M", [1, 2, 4, 8])
 def test_routing_gemv_is_the_gemv_then_the_routing_launch(M, monkeypatch):
     """With the `router_topk` launch feature on: the router GEMV that routes in its last column block gives the
-    weights and ids of the GEMV followed by the routing launch, bit for bit, at Qwen3-30B-A3B's router (128 x 2048,
-    top-8) with the table's tiles, eagerly and replayed in a CUDA graph; the counters are left zeroed."""
+    ids of the GEMV followed by the routing launch, and its weights to the last bit or so (the softmax's sum runs
+    with the GEMV's warps, in another order), at Qwen3-30B-A3B's router (128 x 2048, top-8) with the table's
+    tiles, eagerly and replayed in a CUDA graph; the counters are left zeroed."""
     from kestrel.kernels import moe_routing
 
     monkeypatch.setattr(common, "launch_feature", lambda name, device: True)
@@ -79,7 +80,7 @@ def test_routing_gemv_is_the_gemv_then_the_routing_launch(M, monkeypatch):
     x, w, _ = _make("w16", M, 128, 2048, seed=M)
     weights, ids = gv.gemv_route(x, w, 8, True, config=cfg)
     expected = moe_routing.route_topk(gv.gemv(x, w, None, torch.bfloat16, config=cfg), 8, True)
-    assert torch.equal(weights, expected[0]) and torch.equal(ids, expected[1])
+    assert torch.equal(ids, expected[1]) and torch.allclose(weights, expected[0], rtol=2.0**-20, atol=0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = gv.gemv_route(x, w, 8, True, config=cfg)
@@ -88,5 +89,5 @@ def test_routing_gemv_is_the_gemv_then_the_routing_launch(M, monkeypatch):
     for _ in range(3):
         graph.replay()
     expected = moe_routing.route_topk(gv.gemv(new_x, w, None, torch.bfloat16, config=cfg), 8, True)
-    assert torch.equal(static[0], expected[0]) and torch.equal(static[1], expected[1])
+    assert torch.equal(static[1], expected[1]) and torch.allclose(static[0], expected[0], rtol=2.0**-20, atol=0)
     assert int(common.arrival_counters(torch.device("cuda")).count_nonzero()) == 0

@@ -283,6 +283,38 @@ def test_a_token_the_library_refuses_continues_in_the_python_window(tokenizer) -
     assert stream.output_text == tokenizer.decode(ids)
 
 
+def test_a_vocabulary_with_a_gap_in_its_ids_keeps_the_tokens_above_it(tmp_path) -> None:
+    """A BPE vocabulary may skip an id: its largest ids then lie at or past its size, and are still tokens whose
+    text the library's window gives (as the Python window and the full decode do)."""
+    import json
+
+    write_tokenizer(str(tmp_path))
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    gap = next(token for token, i in vocab.items() if i == 500)
+    del vocab[gap]
+    spec["model"]["merges"] = [m for m in spec["model"]["merges"]
+                               if gap not in (m if isinstance(m, list) else m.split(" "))
+                               and gap != "".join(m if isinstance(m, list) else m.split(" "))]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    backend = tok.backend_tokenizer
+    top = max(backend.get_vocab(with_added_tokens=True).values())
+    assert top >= backend.get_vocab_size(with_added_tokens=True) and tok.decode([top])
+    ids = encode(tok, "hello world") + [top, 500] + encode(tok, " again")
+    python_window = TokenizerLookups(tok)
+    python_window.decode_stream = None
+    stream = IncrementalDetokenizer(tok, [], SP(), TokenizerLookups(tok))
+    window = IncrementalDetokenizer(tok, [], SP(), python_window)
+    assert stream._stream is not None
+    for token in ids:
+        stream.update([token])
+        window.update([token])
+        assert stream.output_text == window.output_text
+        assert stream.get_delta(False) == window.get_delta(False)
+    assert stream.output_text == tok.decode(ids)
+
+
 def test_sentencepiece_byte_fallback_keeps_the_python_window() -> None:
     """A byte-fallback decoder (SentencePiece's, with its space stripping) decodes invalid bytes otherwise than
     `DecodeStream` would: its sequences keep the Python window, and valid text equals the full decode."""
