@@ -346,9 +346,8 @@ def _paged_attn_kernel(
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
             tl.store(plse_ptr + rows, lse)
             tl.store(po_ptr + rows[:, None] * HEAD_PAD + offs_d[None, :], o)
-            if FUSED_MERGE:
-                tl.debug_barrier()
-                if tl.atomic_add(lock_ptr + pair, 1, sem="acq_rel") == num_splits - 1:
+            if FUSED_MERGE:  # noqa: SIM102 - a constexpr gate: no arrival counted (an atomic) where it is off
+                if common.last_arrival(lock_ptr + pair, num_splits):
                     merged = _merge_pair(po_ptr, plse_ptr, pair, num_seqs * tl.num_programs(1), num_splits,
                                          offs_m, offs_d, BLOCK_M, HEAD_PAD)
                     tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=o_mask)

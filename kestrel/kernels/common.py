@@ -140,11 +140,12 @@ def stages_that_fit(num_stages: int, stage_bytes: int, device: torch.device) -> 
 # ------------------------------------------------------------------------- split-K arrival counters
 
 @triton.jit
-def last_arrival(lock, SPLIT_K: tl.constexpr):
-    """After this program stored its split-K partials: whether it is the last of the SPLIT_K to arrive at `lock`
-    (acq_rel, so it sees every other program's partials)."""
+def last_arrival(lock, count):
+    """After this program stored what the others will read (split-K partials, split-KV partials, k products):
+    whether it is the last of the `count` programs to arrive at `lock` (acq_rel, so it sees what every other
+    program stored)."""
     tl.debug_barrier()
-    return tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT_K - 1
+    return tl.atomic_add(lock, 1, sem="acq_rel") == count - 1
 
 
 @triton.jit

@@ -288,8 +288,7 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, sum_ptr
         if FUSED_SUM:
             token = t // TOP_K
             slot = lock_ptr + token * tl.num_programs(1) + tl.program_id(1)
-            tl.debug_barrier()
-            if tl.atomic_add(slot, 1, sem="acq_rel") == TOP_K - 1:
+            if common.last_arrival(slot, TOP_K):
                 total = _fm.k_sum(out_ptr, ids_ptr, token, cols, cols < N, stride_om, TOP_K, BLOCK_N, ".cg")
                 tl.store(sum_ptr + token * stride_sm + cols, common.to_dtype(total, sum_ptr.dtype.element_ty, FAST),
                          mask=cols < N)
