@@ -108,12 +108,12 @@ def logprobs_from_wire(wire: list[Any] | None) -> list[dict[int, Logprob] | None
 
 def delta_to_wire(delta: SequenceDelta, send_prompt_logprobs: bool) -> list[Any]:
     """A core's SequenceDelta as a compact record; its prompt logprobs only when `send_prompt_logprobs`."""
-    rid, tokens, logprobs, finish, stop, cached, _, m, pooled = delta
+    rid, tokens, logprobs, finish, stop, cached, prompt, m, pooled = delta
     if m is None and logprobs is None and not send_prompt_logprobs:  # a plain decode step's record
         return [rid, tokens, None, finish, stop, cached, None, None, pooled]
     metrics = None if m is None else [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
                                       m.num_preemptions]
-    prompt_logprobs = _logprobs_to_wire(delta.prompt_logprobs) if send_prompt_logprobs else None
+    prompt_logprobs = _logprobs_to_wire(prompt) if send_prompt_logprobs else None
     return [rid, tokens, _logprobs_to_wire(logprobs), finish, stop, cached, prompt_logprobs, metrics, pooled]
 
 

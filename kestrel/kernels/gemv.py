@@ -233,17 +233,16 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: b
     M, N, K = _check(x, weight, None, None)
     if not 0 < top_k <= N:
         raise ValueError(f"top_k={top_k} must be in 1..{N} (the router's experts)")
-    logits = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(M, top_k, dtype=torch.int64, device=x.device)
-    if M == 0:
-        return weights, ids
     cfg = config or DEFAULT
-    # Off (the launch feature, until measured on this GPU), or no counter left for the router's: two launches.
-    if (not common.launch_feature("router_topk", x.device) or K == 0
+    # Off (the launch feature, until measured on this GPU), nothing to launch, or no counter left for the
+    # router's: the two launches.
+    if (not common.launch_feature("router_topk", x.device) or M == 0 or K == 0
             or triton.cdiv(N, cfg.block_n) >= common.ARRIVAL_SLOTS):
         return _routing.route_topk(gemv(x, weight, None, x.dtype, config=cfg), top_k, renormalize)
-    _launch(x, weight, None, None, logits, cfg, (weights, ids, renormalize))
+    weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(M, top_k, dtype=torch.int64, device=x.device)
+    _launch(x, weight, None, None, torch.empty(M, N, dtype=x.dtype, device=x.device), cfg,
+            (weights, ids, renormalize))
     return weights, ids
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from kestrel import ops
+from kestrel.kernels.gemv import GemvConfig
 from kestrel.quant.base import FusedMoEMethod, QuantMethod, decode_gemv, expert_param
 
 
@@ -35,10 +36,16 @@ class UnquantizedLinearMethod(QuantMethod):
         the weight's size again in memory and saves oneDNN re-creating that layout on every call."""
         layer.cpu_packed_weight = ops.pack_linear_weight(layer.weight)
 
+    @staticmethod
+    def gemv_config(layer: nn.Module, x2: torch.Tensor) -> GemvConfig | None:
+        """The decode GEMV's config where it runs the rows of `x2` `[M, K]` (in the weight's dtype), else None."""
+        gemv = decode_gemv(layer, x2.shape[0])
+        return gemv if gemv is not None and x2.dtype == layer.weight.dtype else None
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        gemv = decode_gemv(layer, x2.shape[0])
-        if gemv is not None and x.dtype == layer.weight.dtype:
+        gemv = self.gemv_config(layer, x2)
+        if gemv is not None:
             return ops.gemv(x2, layer.weight, None, x.dtype, bias, config=gemv).reshape(*x.shape[:-1], -1)
         return ops.linear(x, layer.weight, bias, packed=getattr(layer, "cpu_packed_weight", None))
 

@@ -25,8 +25,8 @@ from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.linear import LinearBase, ReplicatedLinear
 from kestrel.model.layers.weights import WeightShapeError, copy_checked
 from kestrel.quant import FUSED_MOE, UNQUANTIZED
-from kestrel.quant.base import FusedMoEMethod, QuantMethod, decode_gemv
-from kestrel.quant.unquantized import UnquantizedFusedMoEMethod
+from kestrel.quant.base import FusedMoEMethod, QuantMethod
+from kestrel.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 
 # (layer name, the checkpoint modules it merges, kind=...) -> that layer's quantization method (the decoder's
 # blocks get it as `functools.partial(get_quant_method, plan)`).
@@ -185,7 +185,7 @@ class MoEMLP(nn.Module):
         """(weights [T, k] float32, expert ids [T, k]) of each token's chosen experts. A router that runs these rows
         on the decode GEMV routes in it (`ops.moe_route_gemv`: the same logits and choices)."""
         router = self.in_proj
-        gemv = decode_gemv(router, x.shape[0]) if x.dim() == 2 and x.dtype == router.weight.dtype else None
+        gemv = UnquantizedLinearMethod.gemv_config(router, x) if x.dim() == 2 else None  # the router's method
         if gemv is not None:
             return ops.moe_route_gemv(x, router.weight, self.top_k, self.renormalize, config=gemv)
         return ops.moe_route(router(x), self.top_k, self.renormalize)
