@@ -11,7 +11,9 @@ python3 -m kestrel.entrypoints.cli serve --model "$model" --load-format dummy --
   --kv-cache-dtype fp8 --max-num-seqs 128 --max-model-len 2048 --port 8011 --log-level warning $extra \
   > "$out/server.log" 2>&1 &
 server=$!
-for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
+for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8011/health >/dev/null && break
+  kill -0 $server 2>/dev/null || { echo "the server exited"; tail -3 "$out/server.log"; exit 1; }
+  sleep 1; done
 bench() { python3 -m kestrel.bench.serve --base-url http://127.0.0.1:8011 --input-len 1000 --output-len 200 \
             --ignore-eos --warmup-requests 8 "$@" 2>&1 | tail -25; }
 if [ "${3:-full}" = full ]; then

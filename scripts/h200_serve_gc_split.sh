@@ -18,7 +18,9 @@ one() {  # one() TAG LAUNCHER...: a server, the 32-stream level twice, the serve
   local t0=$SECONDS
   "$@" "${serve_flags[@]}" > "$out/server-$tag.log" 2>&1 &
   local server=$!
-  for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
+  for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8011/health >/dev/null && break
+    kill -0 $server 2>/dev/null || { echo "== $tag: the server exited"; tail -3 "$out/server-$tag.log"; return 1; }
+    sleep 1; done
   echo "== $tag: up after $((SECONDS - t0)) s"
   python3 -m kestrel.bench.serve --base-url http://127.0.0.1:8011 --input-len 1000 --output-len 200 \
     --ignore-eos --concurrency 32,32 --num-prompts 256 --warmup-requests 64 --save-requests \
