@@ -16,12 +16,12 @@ from kestrel.outputs import (
     ScoringRequestOutput,
 )
 from kestrel.pooling_params import PoolingParams
-from kestrel.sampling_params import BeamSearchParams, SamplingParams
+from kestrel.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput",
-           "CompletionOutput", "PoolingRequestOutput", "PoolingOutput", "EmbeddingRequestOutput", "EmbeddingOutput",
-           "ClassificationRequestOutput", "ClassificationOutput", "ScoringRequestOutput", "ScoringOutput",
-           "ConfigError"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "BeamSearchParams", "PoolingParams",
+           "RequestOutput", "CompletionOutput", "PoolingRequestOutput", "PoolingOutput", "EmbeddingRequestOutput",
+           "EmbeddingOutput", "ClassificationRequestOutput", "ClassificationOutput", "ScoringRequestOutput",
+           "ScoringOutput", "ConfigError"]
 __version__ = "0.1.0"
 
 

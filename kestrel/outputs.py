@@ -36,6 +36,8 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: SampleLogprobs | None = None
+    # Under output_kind="delta", where `logprobs` holds only the step's: the sum over every token so far.
+    logprob_sum: float | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -46,7 +48,27 @@ class CompletionOutput:
         """The sum of the generated tokens' logprobs (vLLM's field), when logprobs were asked for."""
         if self.logprobs is None:
             return None
+        if self.logprob_sum is not None:
+            return self.logprob_sum
         return sum(step[token].logprob for token, step in zip(self.token_ids, self.logprobs) if step and token in step)
+
+
+def delta_completion(index: int, token_ids: list[int], logprobs: SampleLogprobs | None, start: int, text: str,
+                     finish_reason: str | None, stop_reason: int | str | None,
+                     earlier_logprob_sum: float) -> CompletionOutput:
+    """A sequence's output under output_kind="delta": its tokens from `start` on, their logprobs when asked for
+    (`logprobs`: every token's so far), `text` the text they added; text, token_ids and logprobs are the delta
+    (the delta_ fields the same), and `earlier_logprob_sum` (the tokens' before `start`) makes the cumulative
+    logprob whole."""
+    new_ids = token_ids[start:]
+    new_logprobs = logprob_sum = None
+    if logprobs is not None:
+        new_logprobs = logprobs[start:]
+        logprob_sum = earlier_logprob_sum + sum(step[token].logprob for token, step in zip(new_ids, new_logprobs)
+                                                if step and token in step)
+    return CompletionOutput(index=index, text=text, token_ids=new_ids, logprobs=new_logprobs,
+                            finish_reason=finish_reason, stop_reason=stop_reason, delta_text=text,
+                            delta_token_ids=new_ids, delta_logprobs=new_logprobs, logprob_sum=logprob_sum)
 
 
 @dataclass

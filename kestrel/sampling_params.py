@@ -7,6 +7,7 @@ line's sampling flags read `SamplingParams.default(name)` and `SAMPLING_BOUNDS` 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -77,7 +78,15 @@ def check_bound(name: str, value: Any, param: str | None = None) -> None:
         raise SamplingParamsError(param, f"{param} must be {bound.allowed}, got {value!r}")
 
 
-OUTPUT_KINDS = ("cumulative", "final_only")
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's names for `SamplingParams.output_kind` (its values too); SamplingParams keeps the lower-case name."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -197,8 +206,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # "cumulative": an output at every step (text and token ids so far, plus deltas), for streaming;
-    # "final_only": one output when the request finishes, which spares the per-step detokenization and
-    # output objects of offline runs (the text is identical).
+    # "delta": an output at every step holding only what the step added (text, token_ids and logprobs are the
+    # deltas), which spares copying the whole output each step; "final_only": one output when the request
+    # finishes, which spares the per-step detokenization and output objects of offline runs (the text is
+    # identical). A RequestOutputKind (vLLM's enum) is taken by its name.
     output_kind: str = "cumulative"
     # token id -> value added to its logit before sampling (greedy too), OpenAI's range [-100, 100].
     logit_bias: dict[int, float] | None = None
@@ -215,6 +226,8 @@ class SamplingParams:
     prompt_compression: PromptCompression | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.output_kind, enum.Enum):
+            object.__setattr__(self, "output_kind", self.output_kind.name.lower())
         if isinstance(self.prompt_compression, Mapping):
             object.__setattr__(self, "prompt_compression", PromptCompression.from_dict(self.prompt_compression))
         if isinstance(self.stop, str):
@@ -290,6 +303,10 @@ class SamplingParams:
     @property
     def final_only(self) -> bool:
         return self.output_kind == "final_only"
+
+    @property
+    def delta_outputs(self) -> bool:
+        return self.output_kind == "delta"
 
     def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)

@@ -21,7 +21,7 @@ from kestrel.engine.detokenizer import IncrementalDetokenizer, TokenizerLookups
 from kestrel.engine.ngram_proposer import propose
 from kestrel.engine.scheduler import Scheduler
 from kestrel.kv_spec import KVCacheLayout, as_layout
-from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput, SequenceDelta
+from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput, SequenceDelta, delta_completion
 from kestrel.pooling_params import PoolingParams
 from kestrel.request import InvalidRequestError, MediaItem, Request, RequestStatus, check_media, prompt_too_long
 from kestrel.sampling_params import SamplingParams
@@ -38,6 +38,8 @@ class _Sequence:
     num_named_logprobs: int = 0  # output logprob entries whose tokens carry their text
     num_named_prompt_logprobs: int = 0
     num_grammar_tokens: int = 0  # output tokens its grammar matcher has accepted
+    finish_emitted: bool = False  # output_kind="delta": its finish has been handed out
+    logprob_sum: float = 0.0  # output_kind="delta": the sampled tokens' logprobs emitted so far, summed
 
 
 @dataclass
@@ -46,6 +48,7 @@ class _ParentRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[_Sequence] = field(default_factory=list)
+    prompt_logprobs_emitted: bool = False  # output_kind="delta": they went out with an earlier output
 
     @property
     def finished(self) -> bool:
@@ -583,16 +586,29 @@ class EngineCore:
 
     def _make_output(self, parent: _ParentRequest, finished: bool) -> RequestOutput:
         sequences = parent.sequences
-        completion = self._completion
-        completions = [completion(sequences[0])] if len(sequences) == 1 else [completion(seq) for seq in sequences]
         first = sequences[0].request
+        params = first.sampling_params
+        prompt_logprobs = first.prompt_logprobs if params.prompt_logprobs is not None else None
+        if params.delta_outputs:
+            # Only the sequences the step advanced or ended, each with only what it added; the prompt's logprobs
+            # once, with the first output.
+            completions = [_delta_completion(seq) for seq in sequences
+                           if seq.num_emitted_tokens < seq.request.num_output_tokens
+                           or (seq.status.finished and not seq.finish_emitted)]
+            if prompt_logprobs is not None:
+                prompt_logprobs, parent.prompt_logprobs_emitted = (
+                    None if parent.prompt_logprobs_emitted else prompt_logprobs), True
+        else:
+            completion = self._completion
+            completions = ([completion(sequences[0])] if len(sequences) == 1
+                           else [completion(seq) for seq in sequences])
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=completions,
             finished=finished,
-            prompt_logprobs=first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=self._metrics(parent, finished),
             pooled=first.pooled_output,
@@ -659,3 +675,18 @@ class EngineCore:
             delta_token_ids=output_token_ids[start:],
             delta_logprobs=request.output_logprobs[start:] if wants_logprobs else None,
         )
+
+
+def _delta_completion(seq: _Sequence) -> CompletionOutput:
+    request = seq.request
+    start = seq.num_emitted_tokens
+    seq.num_emitted_tokens = request.num_output_tokens
+    status = seq.status
+    seq.finish_emitted = status.finished
+    detokenizer = seq.detokenizer
+    out = delta_completion(seq.index, request.output_token_ids,
+                           request.output_logprobs if request.sampling_params.logprobs is not None else None, start,
+                           detokenizer.get_delta(status.finished) if detokenizer is not None else "",
+                           status.finish_reason, request.stop_reason, seq.logprob_sum)
+    seq.logprob_sum = out.logprob_sum or 0.0
+    return out

@@ -81,8 +81,9 @@ class _Abort:
 class RequestStream:
     """The outputs of one request, in order; `aclose()` (or leaving an `async for` early) aborts it."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, deadline: float | None) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, deadline: float | None, delta: bool = False) -> None:
         self.request_id = request_id
+        self._delta = delta  # output_kind="delta": outputs waiting to be read merge by joining their deltas
         self.loop = asyncio.get_running_loop()
         self._items: deque[Any] = deque()
         self._ready = asyncio.Event()
@@ -147,7 +148,7 @@ class RequestStream:
     def put(self, item: Any) -> None:
         """Called on the stream's event loop by the engine thread's delivery."""
         if self._items and isinstance(item, RequestOutput) and isinstance(self._items[-1], RequestOutput):
-            self._items[-1] = merge_outputs(self._items[-1], item)
+            self._items[-1] = merge_outputs(self._items[-1], item, self._delta)
         else:
             self._items.append(item)
         self._ready.set()
@@ -328,7 +329,8 @@ class AsyncEngine:
                                       "prompt_compression is done by the server's endpoints and by LLM")
         timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        stream = RequestStream(self, request_id, deadline)
+        stream = RequestStream(self, request_id, deadline,
+                               delta=isinstance(params, SamplingParams) and params.delta_outputs)
         with self._cond:
             if self._failed is not None:
                 raise EngineDeadError(str(self._failed))
@@ -482,19 +484,28 @@ def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
         stream.put(item)
 
 
-def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output equivalent to reading `earlier` then `later`: the later state with both deltas."""
+def merge_outputs(earlier: RequestOutput, later: RequestOutput, delta: bool = False) -> RequestOutput:
+    """One output equivalent to reading `earlier` then `later`: the later state with both deltas. `delta`: the
+    outputs are output_kind="delta" ones (text, token ids and logprobs are deltas too, and a sequence appears only
+    where it changed)."""
     before = {c.index: c for c in earlier.outputs}
     merged = []
     for c in later.outputs:
-        old = before.get(c.index)
+        old = before.pop(c.index, None)
         if old is None:
             merged.append(c)
             continue
         logprobs = None
         if old.delta_logprobs is not None or c.delta_logprobs is not None:
             logprobs = (old.delta_logprobs or []) + (c.delta_logprobs or [])
-        merged.append(dataclasses.replace(c, delta_text=old.delta_text + c.delta_text,
-                                          delta_token_ids=old.delta_token_ids + c.delta_token_ids,
-                                          delta_logprobs=logprobs))
-    return dataclasses.replace(later, outputs=merged)
+        joined = dict(delta_text=old.delta_text + c.delta_text, delta_token_ids=old.delta_token_ids + c.delta_token_ids,
+                      delta_logprobs=logprobs)
+        if delta:
+            joined.update(text=joined["delta_text"], token_ids=joined["delta_token_ids"], logprobs=logprobs)
+        merged.append(dataclasses.replace(c, **joined))
+    if not delta:
+        return dataclasses.replace(later, outputs=merged)
+    # A sequence that changed only in the earlier output keeps its delta.
+    merged = sorted([*merged, *before.values()], key=lambda c: c.index)
+    return dataclasses.replace(later, outputs=merged, prompt_logprobs=(
+        earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs))

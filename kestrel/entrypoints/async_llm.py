@@ -8,7 +8,8 @@
 
 The engine runs in a thread of this process (the same AsyncEngine the OpenAI server runs on); `generate` is an
 async iterator of RequestOutput, one per engine step that produced tokens for the request (`output_kind=
-"final_only"` in the SamplingParams: the finished output alone). Leaving the iteration early, or cancelling the
+"final_only"` in the SamplingParams: the finished output alone; `"delta"`: each output holds only what its step
+added, and outputs a slow reader has not taken yet are joined). Leaving the iteration early, or cancelling the
 task that iterates, aborts the request and frees its KV cache.
 """
 

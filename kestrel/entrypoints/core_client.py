@@ -303,7 +303,8 @@ class CoreClient:
             self._send_vocabulary()
         timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        stream = RequestStream(self, request_id, deadline)
+        stream = RequestStream(self, request_id, deadline,
+                               delta=isinstance(params, SamplingParams) and params.delta_outputs)
         prompt_token_ids = list(prompt_token_ids)
         request = ClientRequest(request_id, prompt, prompt_token_ids, params, self.tokenizer, self.core.token_text)
         grammar_wire = None if grammar is None else [grammar.kind, grammar.text, grammar.any_whitespace]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kestrel.engine.detokenizer import IncrementalDetokenizer, TokenizerLookups
-from kestrel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SequenceDelta
+from kestrel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SequenceDelta, delta_completion
 from kestrel.pooling_params import PoolingParams
 from kestrel.sampling_params import SamplingParams
 
@@ -48,6 +48,8 @@ class _Sequence:
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None
     num_emitted: int = 0
+    finish_emitted: bool = False  # output_kind="delta": its finish has been handed out
+    logprob_sum: float = 0.0  # output_kind="delta": the sampled tokens' logprobs emitted so far, summed
 
     @property
     def finished(self) -> bool:
@@ -77,6 +79,7 @@ class ClientRequest:
             self.sequences[rid] = _Sequence(index, rid, detokenizer)
         self._ordered = sorted(self.sequences.values(), key=lambda s: s.index)
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self._prompt_logprobs_emitted = False  # output_kind="delta": they went out with an earlier output
         self.num_cached_tokens = 0
         self.pooled: list[float] | None = None
 
@@ -137,14 +140,26 @@ class ClientRequest:
             metrics = RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
                                      max(finished_times, default=0.0) if finished else None,
                                      sum(s.metrics.num_preemptions for s in self._ordered if s.metrics is not None))
-        wants_prompt_logprobs = params is not None and params.prompt_logprobs is not None
+        prompt_logprobs = None
+        if params is not None and params.prompt_logprobs is not None:
+            prompt_logprobs = self.prompt_logprobs or []
+        if params is not None and params.delta_outputs:
+            # Only the sequences that gained tokens or ended since the last output, each with only that; the
+            # prompt's logprobs once, with the first output.
+            completions = [self._delta_completion(s) for s in self._ordered
+                           if s.num_emitted < len(s.token_ids) or (s.finished and not s.finish_emitted)]
+            if prompt_logprobs is not None:
+                prompt_logprobs, self._prompt_logprobs_emitted = (
+                    None if self._prompt_logprobs_emitted else prompt_logprobs), True
+        else:
+            completions = [self._completion(s) for s in self._ordered]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[self._completion(s) for s in self._ordered],
+            outputs=completions,
             finished=finished,
-            prompt_logprobs=(self.prompt_logprobs or []) if wants_prompt_logprobs else None,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             metrics=metrics,
             pooled=self.pooled,
@@ -165,3 +180,14 @@ class ClientRequest:
             delta_token_ids=seq.token_ids[start:],
             delta_logprobs=seq.logprobs[start:] if wants_logprobs else None,
         )
+
+    def _delta_completion(self, seq: _Sequence) -> CompletionOutput:
+        start, seq.num_emitted = seq.num_emitted, len(seq.token_ids)
+        seq.finish_emitted = seq.finished
+        wants_logprobs = self._sampling is not None and self._sampling.logprobs is not None
+        detokenizer = seq.detokenizer
+        out = delta_completion(seq.index, seq.token_ids, seq.logprobs if wants_logprobs else None, start,
+                               detokenizer.get_delta(seq.finished) if detokenizer is not None else "",
+                               seq.finish_reason, seq.stop_reason, seq.logprob_sum)
+        seq.logprob_sum = out.logprob_sum or 0.0
+        return out

@@ -1,7 +1,8 @@
 """The engine core in its own process (`--engine-core-process`): the server's behaviour is unchanged (the OpenAI
-suite of test_openai_api.py runs on it too), structured outputs, abort and metrics cross the process boundary, and
-the core's failures are clean: a killed core fails every request with an engine error and /health turns 503, a core
-that cannot start reports the same ConfigError as the in-process engine, and no core outlives its server."""
+suite of test_openai_api.py runs on it too), structured outputs, abort and metrics cross the process boundary,
+delta outputs are rebuilt in the client, and the core's failures are clean: a killed core fails every request with
+an engine error and /health turns 503, a core that cannot start reports the same ConfigError as the in-process
+engine, and no core outlives its server."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from conftest import (
     serve_process,
     start_core_process_server,
 )
+from delta_outputs import check_joined_deltas
 from http_client import HTTP
 
 from kestrel import SamplingParams
@@ -400,3 +402,21 @@ def test_a_forced_tool_call_is_compiled_in_the_core(core_process_server):
         assert isinstance(json.loads(call["arguments"]), dict)
     else:  # out of tokens mid-call: the constrained text so far is the start of the call
         assert choice["finish_reason"] == "length"
+
+
+def test_delta_outputs_from_the_core_join_to_the_cumulative_ones(core_process_server):
+    """output_kind="delta" through the engine core process (the client builds the outputs from the core's token
+    deltas): n = 2 sampled sequences with logprobs, prompt logprobs and a stop string, read as they come."""
+    engine = core_process_server.engine
+    cumulative = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=16, logprobs=2, prompt_logprobs=1,
+                                stop=["\n"])
+
+    async def outputs(params: SamplingParams, request_id: str) -> list:
+        return [out async for out in engine.generate(request_id, [5, 6, 7, 8], params)]
+
+    async def main() -> tuple[list, list]:
+        return await asyncio.gather(outputs(cumulative, "cumulative"),
+                                    outputs(cumulative.replace(output_kind="delta"), "delta"))
+
+    whole, deltas = asyncio.run(asyncio.wait_for(main(), 60))
+    check_joined_deltas(deltas, whole[-1])
