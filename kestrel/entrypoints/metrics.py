@@ -175,8 +175,10 @@ class ServerMetrics:
     def finished(self, reason: str) -> None:
         self._success.labels(self._model_name, ENGINE_INDEX, reason).inc()
 
-    def observe_final(self, output: RequestOutput, params: Any) -> None:
-        """The per-phase latencies and the sizes of a finished engine request (its engine timestamps)."""
+    def observe_final(self, output: RequestOutput, params: Any, generated: list[int]) -> None:
+        """The per-phase latencies and the sizes of a finished engine request (its engine timestamps); `generated`:
+        each sequence's number of tokens (the request's outputs counted them: a delta output holds only its
+        step's)."""
         m = output.metrics
         if m is not None and m.first_scheduled_time is not None:
             self.queue.observe(m.first_scheduled_time - m.arrival_time)
@@ -186,15 +188,15 @@ class ServerMetrics:
                 self.inference.observe(m.finished_time - m.first_scheduled_time)
                 if m.first_token_time is not None:
                     self.decode.observe(m.finished_time - m.first_token_time)
-                    longest = max((len(c.token_ids) for c in output.outputs), default=0)
+                    longest = max(generated, default=0)
                     if longest > 1:
                         self.request_tpot.observe((m.finished_time - m.first_token_time) / (longest - 1))
         if m is not None:
             self.request_preemptions.observe(m.num_preemptions)
         self.prefill_kv_computed.observe(len(output.prompt_token_ids) - output.num_cached_tokens)
         self.prompt_tokens.observe(len(output.prompt_token_ids))
-        self.generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
-        self.max_generation_tokens.observe(max((len(c.token_ids) for c in output.outputs), default=0))
+        self.generation_tokens.observe(sum(generated))
+        self.max_generation_tokens.observe(max(generated, default=0))
         if params is not None:
             self.params_n.observe(params.n)
             if params.max_tokens is not None:
@@ -217,10 +219,10 @@ def _renamed(text: bytes, old: bytes, new: bytes) -> bytes:
 _REASON_PRECEDENCE = ("abort", "length", "stop")
 
 
-def request_finish_reason(output: RequestOutput) -> str:
-    """One finish reason for a request and all its n completions: the first of abort, length, stop that one of
-    them has (a completion without a reason counts as aborted; an unknown reason is kept)."""
-    reasons = {c.finish_reason or "abort" for c in output.outputs} or {"abort"}
+def request_finish_reason(finish_reasons: list[str | None]) -> str:
+    """One finish reason for a request from those of its n completions: the first of abort, length, stop that one
+    of them has (a completion without a reason counts as aborted; an unknown reason is kept)."""
+    reasons = {reason or "abort" for reason in finish_reasons} or {"abort"}
     return next((r for r in _REASON_PRECEDENCE if r in reasons), min(reasons))
 
 
@@ -236,6 +238,10 @@ class RequestTracker:
         self._last_token: float | None = None
         self._done = False
         self._cache_counted = False
+        # Per sequence index, from each output's delta (cumulative and delta outputs alike; a delta output holds
+        # only the sequences its step changed): tokens so far, and how it ended.
+        self._generated: dict[int, int] = {}
+        self._finish_reasons: dict[int, str | None] = {}
 
     def observe(self, output: RequestOutput) -> None:
         if self._done:
@@ -244,7 +250,14 @@ class RequestTracker:
         if not self._cache_counted:  # the first output comes once the prompt ran: its cache hit is known
             self._cache_counted = True
             self._metrics.prompt_tokens_cached.inc(output.num_cached_tokens)
-        if any(c.delta_token_ids for c in output.outputs):
+        generated, new_tokens = self._generated, False
+        for c in output.outputs:
+            if c.delta_token_ids:
+                generated[c.index] = generated.get(c.index, 0) + len(c.delta_token_ids)
+                new_tokens = True
+            if c.finish_reason is not None:
+                self._finish_reasons[c.index] = c.finish_reason
+        if new_tokens:
             if self._last_token is None:
                 self._metrics.ttft.observe(now - self._arrival)
             else:
@@ -254,8 +267,10 @@ class RequestTracker:
         if output.finished:
             self._done = True
             self._metrics.e2e.observe(now - self._arrival)
-            self._metrics.observe_final(output, self._params)
-            self._metrics.finished(request_finish_reason(output))
+            self._metrics.observe_final(output, self._params, list(self._generated.values()))
+            indices = (range(self._params.n) if self._params is not None
+                       else sorted(self._generated.keys() | self._finish_reasons.keys()))
+            self._metrics.finished(request_finish_reason([self._finish_reasons.get(i) for i in indices]))
 
     def aborted(self) -> None:
         """The request ended without its final output (the client left, or it timed out): counted as an abort,

@@ -228,6 +228,8 @@ class OpenAIServing:
             prompt_inputs, request.add_special_tokens is not False, request.truncate_prompt_tokens,
             room=room))
         grammar = await self._compile_grammar(grammar_source, raw)
+        if request.stream:  # the stream sends each step's additions only: the engine need not build the rest
+            params = params.replace(output_kind="delta")
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
                                  logprobs_param="logprobs", priority=request.priority,
                                  structured_param=request.structured_outputs_field,
@@ -438,6 +440,8 @@ class OpenAIServing:
             # grammar, or (an engine core in its own process) compiles the call's source sent beside it.
             text = grammar.text if isinstance(grammar, GrammarSource) else str(grammar.grammar)
             params = params.replace(structured_outputs=StructuredOutputsParams(grammar=text))
+        if request.stream:  # the stream sends each step's additions only: the engine need not build the rest
+            params = params.replace(output_kind="delta")
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs", priority=request.priority,
                                  structured_param=structured_param, shape=_chat_shape(request, params),
