@@ -192,6 +192,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serving-gc", action="store_true",
                    help="the garbage collector set after set-up as `kestrel serve` sets it once its engine is built "
                    "(kestrel/engine/serving_gc.py); the tail columns show the full collections it avoids")
+    p.add_argument("--output-kind", default="cumulative", choices=["cumulative", "delta"],
+                   help="the requests' SamplingParams.output_kind: cumulative (the whole output every step) or "
+                   "delta (each step's additions, as `kestrel serve` asks for streamed requests)")
     p.add_argument("--smoke", action="store_true", help="a tiny run, a check of the script")
 
 
@@ -219,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
 
         profiler = cProfile.Profile()
     print(f"host-step: batch {args.batch}, input {args.input_len}, output {args.output_len}, "
-          f"tokenizer {tokenizer_dir} ({vocab_size} tokens), {args.repeats} repeats, {args.clock} clock",
+          f"tokenizer {tokenizer_dir} ({vocab_size} tokens), {args.repeats} repeats, {args.clock} clock, "
+          f"{args.output_kind} outputs",
           file=sys.stderr)
     if args.serving_gc:
         tune_for_serving()
@@ -264,7 +268,8 @@ def _measure(mode: str, args: argparse.Namespace, tokenizer: Any, vocab_size: in
         phases.wrap(backend, "accept_many", "grammar_accept")
         phases.wrap(backend, "bitmask", "mask_fill")
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True,
-                            structured_outputs=schema if mode == "constrained" else None)
+                            structured_outputs=schema if mode == "constrained" else None,
+                            output_kind=args.output_kind)
     rng = random.Random(repeat)
     for i in range(args.batch):
         core.add_request(f"r{i}", [rng.randrange(1, vocab_size) for _ in range(args.input_len)], params)

@@ -108,7 +108,8 @@ def measure_split(mode: str, args: argparse.Namespace, config: EngineConfig, run
 
     client._on_step = timed  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True,
-                            structured_outputs=schema if mode == "constrained" else None)
+                            structured_outputs=schema if mode == "constrained" else None,
+                            output_kind=args.output_kind)
     grammar = GrammarSource.of(schema) if mode == "constrained" else None
     rng = random.Random(repeat)
     prompts = [[rng.randrange(1, vocab_size) for _ in range(args.input_len)] for _ in range(args.batch)]
