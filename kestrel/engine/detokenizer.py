@@ -196,6 +196,16 @@ class IncrementalDetokenizer:
         """Append tokens; return the stop string if one now matches (text is then final)."""
         if self.stop_reason is not None:
             raise RuntimeError("update() after a stop string matched")
+        short = self._params.min_tokens - len(self.token_ids)
+        if short > 0:
+            # Stop strings wait for min_tokens as EOS does: a match ending in the text of the first min_tokens
+            # tokens never counts, however many tokens a step brings.
+            head, new_token_ids = new_token_ids[:short], new_token_ids[short:]
+            self.token_ids.extend(head)
+            self._append_tokens(head)
+            self._searched = self._stable_len()
+            if not new_token_ids:
+                return None
         self.token_ids.extend(new_token_ids)
         self._append_tokens(new_token_ids)
         return self._check_stop()

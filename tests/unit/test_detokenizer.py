@@ -182,6 +182,20 @@ def test_stop_strings_random(tokenizer, seed: int, include: bool) -> None:
         assert expected_text.startswith(streamed)
 
 
+def test_stop_strings_wait_for_min_tokens(tokenizer) -> None:
+    """As EOS does (vLLM's rule): a stop string ending in the text of the first min_tokens tokens does not count,
+    one ending after it does, however the tokens arrive."""
+    ids = encode(tokenizer, "a.b.c.d.e.f.g.h")
+    assert len(ids) == 15  # a token per character
+    detok, _ = run(tokenizer, [[t] for t in ids], SP(stop=["."]))
+    assert detok.output_text == "a"
+    for ids_chunks in ([[t] for t in ids], [ids[:4], ids[4:]], [ids[:5], ids[5:]]):
+        detok, _ = run(tokenizer, ids_chunks, SP(stop=["."], min_tokens=5))
+        assert (detok.stop_reason, detok.output_text) == (".", "a.b.c")
+    detok, _ = run(tokenizer, [[t] for t in ids], SP(stop=["."], min_tokens=15, max_tokens=15))
+    assert detok.stop_reason is None and detok.output_text == "a.b.c.d.e.f.g.h"
+
+
 def test_holds_back_possible_stop_prefix(tokenizer) -> None:
     detok = IncrementalDetokenizer(tokenizer, [], SP(stop=["STOP"]))
     detok.update(encode(tokenizer, "abc ST"))
