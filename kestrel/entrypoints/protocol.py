@@ -313,8 +313,10 @@ class _SamplingRequest(_Request):
         """vLLM's use_beam_search: BeamSearchParams (n beams), or None for sampling. A field that beam search
         does not use is refused by name rather than dropped."""
         if not self.use_beam_search:
-            if self.length_penalty is not None:
-                _unsupported("length_penalty", "length_penalty scores beams; it needs use_beam_search true")
+            # 1.0 (vLLM's default, which clients send as given) changes nothing without beams.
+            if self.length_penalty is not None and self.length_penalty != 1.0:
+                _unsupported("length_penalty", "length_penalty scores beams; it needs use_beam_search true "
+                             "(without it only the default, 1.0, is taken)")
             return None
         if self.stream:
             _unsupported("use_beam_search", "beam search returns whole beams; it cannot stream (set stream false)")

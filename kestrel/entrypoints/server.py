@@ -259,10 +259,14 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
         serving.check_model(model_id)
         return _model_card(model_id, engine)
 
-    @app.get("/health", response_class=Response,
-             responses={200: {"description": "The engine is running (empty body).", "content": {}},
-                        503: {"model": ErrorResponse, "description": "The engine stopped, or the server is "
-                                                                        "shutting down."}})
+    health_responses: dict[int | str, dict[str, Any]] = {
+        200: {"description": "The engine is running (empty body).", "content": {}},
+        503: {"model": ErrorResponse, "description": "The engine stopped, or the server is shutting down."}}
+
+    # /ping: the same probe under the name SageMaker-style hosts (and vLLM) use, by GET or POST; the API's
+    # documentation lists it once, as /health.
+    @app.api_route("/ping", methods=["GET", "POST"], response_class=Response, include_in_schema=False)
+    @app.get("/health", response_class=Response, responses=health_responses)
     async def health() -> Response:
         # Open to anyone: a reason code, never the error itself (it may name processes and paths; it is logged).
         if engine.is_healthy:
@@ -703,7 +707,7 @@ def startup_summary(engine: AsyncEngine) -> list[str]:
                      f"{', normalized' if pooler.normalize else ''} (from the {pooler.source}); routes: "
                      "/v1/embeddings, /pooling, /score, /rerank, /classify; generation is refused")
     lines.append("routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /pooling, /score, "
-                 "/rerank, /classify, /v1/models, /tokenize, /detokenize, /health, /version, /metrics, /docs; "
+                 "/rerank, /classify, /v1/models, /tokenize, /detokenize, /health, /ping, /version, /metrics, /docs; "
                  "the playground at /")
     return lines
 

@@ -57,8 +57,9 @@ def test_metrics_need_the_key_unless_public(servers):
     assert HTTP.get(f"{guarded.base_url}/metrics", headers=HEADERS, timeout=10).status_code == 200
     public = servers(public_metrics=True)
     assert "vllm:num_requests_running" in HTTP.get(f"{public.base_url}/metrics", timeout=10).text
-    for path in ("/health", "/version", "/"):  # open either way
+    for path in ("/health", "/ping", "/version", "/"):  # open either way
         assert HTTP.get(f"{guarded.base_url}{path}", timeout=10).status_code == 200, path
+    assert HTTP.post(f"{guarded.base_url}/ping", timeout=10).status_code == 200  # vLLM's probe takes POST too
 
 
 @pytest.mark.parametrize("authorization", [f"Bearer {API_KEY}", f"bearer {API_KEY}", f"BEARER {API_KEY}",
@@ -151,7 +152,8 @@ def test_new_connections_during_the_drain_get_503_then_the_server_stops(servers)
     server._server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
     signalled = time.monotonic()
     for method, path, headers in (("POST", "/v1/completions", HEADERS), ("GET", "/v1/models", HEADERS),
-                                  ("GET", "/health", {}), ("GET", "/metrics", HEADERS), ("GET", "/v1/models", {})):
+                                  ("GET", "/health", {}), ("POST", "/ping", {}), ("GET", "/metrics", HEADERS),
+                                  ("GET", "/v1/models", {})):
         reply = HTTP.request(method, f"{server.base_url}{path}", headers=headers, timeout=5,
                              json={"model": MODEL, "prompt": "x"} if method == "POST" else None)
         error = reply.json()["error"]

@@ -313,6 +313,7 @@ def test_use_beam_search_returns_the_n_best_beams(openai_server, tiny_model_dir)
     assert post(openai_server, "/v1/completions", {**body, "top_p": 1.0}).status_code == 200  # a no-op value
     lone = post(openai_server, "/v1/completions", {**COMPLETION, "length_penalty": 0.5})
     assert lone.status_code == 400 and lone.json()["error"]["param"] == "length_penalty"
+    assert post(openai_server, "/v1/completions", {**COMPLETION, "length_penalty": 1.0}).status_code == 200
 
 
 def test_streamed_completion_token_ids_add_up_to_the_whole(openai_server):
