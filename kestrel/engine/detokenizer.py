@@ -67,6 +67,31 @@ def _decode_stream_type(backend: Any) -> type | None:
     return stream_type
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: the printable Latin-1 bytes stand for themselves and the
+    other 68 bytes, in order, for U+0100 onwards."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {byte: chr(byte) for byte in printable}
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = chr(256 + len(chars) - len(printable))
+    return {char: byte for byte, char in chars.items()}
+
+
+_BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+
+
+def _byte_fallback(token: str) -> int | None:
+    """The byte a SentencePiece byte-fallback token ("<0xE2>") stands for, else None."""
+    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        try:
+            return int(token[3:5], 16)
+        except ValueError:
+            return None
+    return None
+
+
 class TokenizerLookups:
     """Per-tokenizer caches shared by all its detokenizers (bounded by the vocabulary). They assume the
     tokenizer's vocabulary and special tokens no longer change."""
@@ -95,8 +120,10 @@ class TokenizerLookups:
         # The Rust window of a fast tokenizer (None: the window runs here).
         self.stream_backend = backend
         self.decode_stream = _decode_stream_type(backend) if backend is not None and _byte_level(backend) else None
+        self._byte_level = backend is not None and _byte_level(backend)
         self._token_strings: dict[int, str] = {}
         self._single_texts: dict[str, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
 
     def _tokens_to_string(self, tokens: list[str]) -> str:
         return self._tokenizer_ref().convert_tokens_to_string(tokens)
@@ -120,6 +147,30 @@ class TokenizerLookups:
         """The token strings of `ids`; "" for an id past the tokenizer's vocabulary, which a model whose
         embedding is padded beyond it (a vocab_size rounded up) can sample: it decodes to no text."""
         return [token or "" for token in self._tokenizer_ref().convert_ids_to_tokens(ids)]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a logprob's `bytes`, which rebuild a character split across tokens): a
+        byte-level token's own bytes, a byte-fallback token's byte, a SentencePiece piece with its spaces, else
+        its text decoded alone, in UTF-8."""
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            cached = self._token_bytes[token_id] = self._bytes_of(token_id)
+        return cached
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        (token,) = self.ids_to_tokens([token_id])
+        if token and token_id not in self.special_ids:
+            if self._byte_level:
+                raw = [_BYTE_LEVEL_ALPHABET.get(char) for char in token]
+                if None not in raw:  # an added token outside the alphabet is plain text
+                    return bytes(raw)  # type: ignore[arg-type]
+            else:
+                byte = _byte_fallback(token)
+                if byte is not None:
+                    return bytes([byte])
+                if "\u2581" in token:  # SentencePiece's word boundary, which decoding a token alone strips
+                    return token.replace("\u2581", " ").encode()
+        return self.decode_tokens([token]).encode()
 
     def decode_tokens(self, tokens: list[str]) -> str:
         if len(tokens) != 1:

@@ -45,8 +45,11 @@ class LogprobFormatter:
     """One request's view: how many top candidates it asked for and how its tokens are labelled."""
 
     def __init__(self, token_text: Callable[[int], str | None], num_top: int | None,
-                 tokens_as_ids: bool = False) -> None:
+                 tokens_as_ids: bool = False, token_bytes: Callable[[int], bytes] | None = None) -> None:
+        """`token_bytes`: the bytes a token stands for (chat's `bytes`, which rebuild a character split across
+        tokens, whose text alone is U+FFFD); without it, the UTF-8 of its label."""
         self._token_text = token_text
+        self._token_bytes = token_bytes
         self.num_top = num_top or 0
         self.tokens_as_ids = tokens_as_ids
 
@@ -97,7 +100,8 @@ class LogprobFormatter:
 
     def _chat_logprob(self, token_id: int, logprob: float | None) -> ChatLogProb:
         text = self.label(token_id)
-        return ChatLogProb(token=text, logprob=finite(logprob), bytes=list(text.encode("utf-8")))
+        raw = self._token_bytes(token_id) if self._token_bytes is not None else text.encode("utf-8")
+        return ChatLogProb(token=text, logprob=finite(logprob), bytes=list(raw))
 
     def prompt_logprobs(self, logprobs: TokenLogprobs | None, num_top: int) -> PromptLogprobs | None:
         """vLLM's prompt_logprobs: per prompt token (None for the first), {token id: {logprob, rank,

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kestrel.config import StreamingWindowConfig
+from kestrel.engine.detokenizer import TokenizerLookups
 from kestrel.entrypoints.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -614,8 +615,11 @@ class OpenAIServing:
         return shorter, original
 
     def _formatter(self, num_top: int | None, tokens_as_ids: bool | None) -> LogprobFormatter:
-        # One token's text, decoded alone and cached by the engine (its logprobs' decoded_token too).
-        return LogprobFormatter(self.engine.core.token_text, num_top, bool(tokens_as_ids))
+        # One token's text, decoded alone and cached by the engine (its logprobs' decoded_token too); its bytes
+        # from the tokenizer's shared lookups.
+        tokenizer = self.engine.tokenizer
+        return LogprobFormatter(self.engine.core.token_text, num_top, bool(tokens_as_ids),
+                                TokenizerLookups.of(tokenizer).token_bytes if tokenizer is not None else None)
 
     async def _encode_prompts(self, prompts: Sequence[str | list[int]], add_special_tokens: bool = True,
                               truncate: int | None = None, param: str = "prompt",

@@ -146,7 +146,21 @@ def test_chat_logprobs_and_content_parts(client):
         assert len(item.top_logprobs) == 2
         assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
         assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)  # greedy
-        assert bytes(item.bytes).decode("utf-8") == item.token
+    joined = b"".join(bytes(item.bytes) for item in content)
+    assert joined.decode("utf-8", errors="replace") == response.choices[0].message.content
+
+
+def test_chat_logprob_bytes_rebuild_characters_split_across_tokens(client):
+    """A token holding part of a character reads as U+FFFD alone; its `bytes` are its own, so the content's bytes
+    are the tokens' bytes joined (OpenAI's reason for the field)."""
+    messages = [{"role": "user", "content": "Write it."}, {"role": "assistant", "content": 'x = "\u00e9\u00e8\u4e2d'}]
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, logprobs=True, temperature=0.0,
+        extra_body={"ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False})
+    content = response.choices[0].logprobs.content
+    assert any(item.token == "\ufffd" for item in content)  # the random model's output splits characters
+    joined = b"".join(bytes(item.bytes) for item in content)
+    assert joined.decode("utf-8", errors="replace") == response.choices[0].message.content
 
 
 def test_models_tokenize_detokenize(client, served, hf_tokenizer):

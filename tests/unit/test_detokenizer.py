@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kestrel.engine.detokenizer import IncrementalDetokenizer, TokenizerLookups
+from kestrel.engine.detokenizer import IncrementalDetokenizer, TokenizerLookups, _byte_fallback
 from kestrel.loader.tokenizer_init import write_tokenizer
 from kestrel.sampling_params import SamplingParams as SP
 
@@ -352,6 +352,20 @@ def test_sentencepiece_byte_fallback_keeps_the_python_window() -> None:
         deltas.append(detokenizer.get_delta(False))
     deltas.append(detokenizer.get_delta(True))
     assert "".join(deltas) == detokenizer.output_text == tokenizer.decode(ids) == text
+    # A logprob's bytes: the pieces with their spaces, the byte-fallback tokens' bytes (the prepended word start too).
+    lookups = TokenizerLookups(tokenizer)
+    assert any(_byte_fallback(t) is not None for t in tokenizer.convert_ids_to_tokens(ids))
+    assert b"".join(lookups.token_bytes(t) for t in ids) == f" {text}".encode()
+
+
+def test_token_bytes_rebuild_characters_split_across_byte_level_tokens(tokenizer) -> None:
+    text = 'x = "\u00e9\u00e8\u4e2d\U0001f642" and  tabs\t\n'
+    ids = encode(tokenizer, text)
+    lookups = TokenizerLookups.of(tokenizer)
+    assert any(tokenizer.decode([t]).endswith("\ufffd") for t in ids)  # some tokens hold part of a character
+    assert b"".join(lookups.token_bytes(t) for t in ids) == text.encode()
+    eos = tokenizer.eos_token_id
+    assert lookups.token_bytes(eos) == tokenizer.decode([eos]).encode()  # a special token: its text
 
 
 def test_lookups_are_shared_per_tokenizer(tokenizer) -> None:
