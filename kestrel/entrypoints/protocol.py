@@ -122,8 +122,9 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
     "function_call": "the deprecated function_call field is not supported; use tool_choice",
 }
 _EMPTY_VALUES: tuple[Any, ...] = (None, [], {})
-# vLLM fields sent with the value that asks for nothing beyond what kestrel does anyway (vLLM's defaults).
-_NO_OP_VALUES: dict[str, Any] = {"add_special_tokens": False}
+# vLLM and OpenAI fields sent with the value that asks for nothing beyond what kestrel does anyway (their defaults):
+# chat completions are never stored, and without reasoning parsing all of the output is the content.
+_NO_OP_VALUES: dict[str, Any] = {"add_special_tokens": False, "store": False, "include_reasoning": True}
 # With use_beam_search, only these fields take effect (n is the beam width); any other one set is refused.
 _BEAM_SEARCH_FIELDS = frozenset({
     "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "ignore_eos",

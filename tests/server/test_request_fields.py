@@ -102,7 +102,7 @@ def test_null_and_empty_unknown_fields_ask_for_nothing(openai_server):
                 "function_call": None}
     body = {**CHAT, "messages": [{"role": "user", "content": "hi"}, replayed, {"role": "user", "content": "more"}],
             "guided_json": None, "metadata": {}, "use_beam_search": False, "priority": 0,
-            "add_generation_prompt": True}
+            "add_generation_prompt": True, "store": False, "include_reasoning": True}
     response = post(openai_server, "/v1/chat/completions", body)
     assert response.status_code == 200, response.text
 
