@@ -63,7 +63,8 @@ class OpenAIServingResponses:
         message = choice["message"]
         output = []
         if message.get("content") or not message.get("tool_calls"):
-            output.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "", "completed"))
+            status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+            output.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status))
         output += [_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
                               call["function"]["arguments"], "completed") for call in message.get("tool_calls") or []]
         response = shell.response(output, choice["finish_reason"], body["usage"])
@@ -286,6 +287,8 @@ async def _events(shell: _ResponseShell, chunks: AsyncIterator[Any],
                     yield event
                 response = writer.shell.response(list(writer.output), finish_reason, body["usage"])
                 save(response, writer.output)
+                # response.completed whatever the status (the response says it): the openai client's stream
+                # helper takes its final response from that event only.
                 yield writer.event("response.completed", response=response)
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]

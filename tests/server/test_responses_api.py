@@ -36,6 +36,7 @@ def test_text_input_equals_the_chat_completion(client):
     assert response.output_text == expected
     (item,) = response.output
     assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert item.status == response.status  # a message cut at max_output_tokens is incomplete too
     assert response.usage.output_tokens <= 8 and response.usage.total_tokens == (
         response.usage.input_tokens + response.usage.output_tokens)
     if response.usage.output_tokens == 8:
@@ -51,6 +52,7 @@ def test_streams_give_the_event_sequence_and_the_same_text(client):
         final = stream.get_final_response()
     kinds = [e.type for e in events]
     assert _collapsed(kinds) == EVENTS
+    assert final.status == whole.status and final.output[0].status == whole.output[0].status
     assert final.output_text == whole.output_text == "".join(e.delta for e in events if e.type.endswith("delta"))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert final.usage.output_tokens == whole.usage.output_tokens
