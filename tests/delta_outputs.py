@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kestrel import RequestOutput
+from kestrel.entrypoints.async_engine import DeltaJoiner
 
 
 def joined_deltas(outputs: list[RequestOutput]) -> dict[int, dict]:
@@ -38,3 +39,12 @@ def check_joined_deltas(deltas: list[RequestOutput], final: RequestOutput) -> No
         assert (seq["text"], seq["token_ids"], seq["logprobs"]) == (c.text, c.token_ids, c.logprobs)
         assert seq["finishes"] == [(c.finish_reason, c.stop_reason)]
         assert seq["cumulative_logprob"] == pytest.approx(c.cumulative_logprob)
+    # The server's join of a non-streamed request's delta outputs: the cumulative output's end.
+    joiner = DeltaJoiner()
+    for out in deltas:
+        joiner.add(out)
+    whole = joiner.joined()
+    assert whole.finished and whole.prompt_logprobs == final.prompt_logprobs
+    assert [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for c in whole.outputs] == [
+        (c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for c in final.outputs]
+    assert [c.cumulative_logprob for c in whole.outputs] == pytest.approx([c.cumulative_logprob for c in final.outputs])

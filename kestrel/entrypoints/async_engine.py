@@ -25,7 +25,7 @@ from kestrel.engine.core import EngineCore
 from kestrel.engine.stats_logger import StatsLogger
 from kestrel.entrypoints.engine_stats import ITERATION_TOKEN_BUCKETS, EngineStats, StatsTracker  # noqa: F401 - re-exported
 from kestrel.entrypoints.media import MediaProcessor
-from kestrel.outputs import RequestOutput
+from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.pooling_params import PoolingParams
 from kestrel.request import InvalidRequestError, MediaItem
 from kestrel.sampling_params import SamplingParams
@@ -509,3 +509,42 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput, delta: bool = Fa
     merged = sorted([*merged, *before.values()], key=lambda c: c.index)
     return dataclasses.replace(later, outputs=merged, prompt_logprobs=(
         earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs))
+
+
+class DeltaJoiner:
+    """A request's output_kind="delta" outputs joined as they come into the output a cumulative request ends with
+    (each sequence's text, token ids and logprobs whole; the prompt's logprobs from the first output): what a
+    caller that needs only the end gets without the engine copying every output whole at every step."""
+
+    def __init__(self) -> None:
+        self._texts: dict[int, list[str]] = {}
+        self._token_ids: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list[Any]] = {}
+        self._last: dict[int, CompletionOutput] = {}
+        self._output: RequestOutput | None = None
+        self._prompt_logprobs: Any = None
+
+    def add(self, output: RequestOutput) -> None:
+        for c in output.outputs:
+            self._texts.setdefault(c.index, []).append(c.text)
+            self._token_ids.setdefault(c.index, []).extend(c.token_ids)
+            if c.logprobs is not None:
+                self._logprobs.setdefault(c.index, []).extend(c.logprobs)
+            self._last[c.index] = c
+        if self._prompt_logprobs is None:
+            self._prompt_logprobs = output.prompt_logprobs
+        self._output = output
+
+    def joined(self) -> RequestOutput | None:
+        """The cumulative output so far (None before the first)."""
+        if self._output is None:
+            return None
+        completions = []
+        for index in sorted(self._last):
+            last = self._last[index]
+            text = "".join(self._texts[index])
+            logprobs = self._logprobs.get(index, []) if last.logprobs is not None else None
+            completions.append(dataclasses.replace(
+                last, text=text, token_ids=self._token_ids[index], logprobs=logprobs, delta_text=text,
+                delta_token_ids=self._token_ids[index], delta_logprobs=logprobs))
+        return dataclasses.replace(self._output, outputs=completions, prompt_logprobs=self._prompt_logprobs)

@@ -20,6 +20,7 @@ from kestrel.config import StreamingWindowConfig
 from kestrel.engine.detokenizer import TokenizerLookups
 from kestrel.entrypoints.async_engine import (
     AsyncEngine,
+    DeltaJoiner,
     EngineDeadError,
     RequestStream,
     RequestTimeoutError,
@@ -229,8 +230,9 @@ class OpenAIServing:
             prompt_inputs, request.add_special_tokens is not False, request.truncate_prompt_tokens,
             room=room))
         grammar = await self._compile_grammar(grammar_source, raw)
-        if request.stream:  # the stream sends each step's additions only: the engine need not build the rest
-            params = params.replace(output_kind="delta")
+        # The response is built from each step's additions (streamed, or joined here): the engine need not copy
+        # each output whole at every step.
+        params = params.replace(output_kind="delta")
         job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
                                  logprobs_param="logprobs", priority=request.priority,
                                  structured_param=request.structured_outputs_field,
@@ -441,8 +443,7 @@ class OpenAIServing:
             # grammar, or (an engine core in its own process) compiles the call's source sent beside it.
             text = grammar.text if isinstance(grammar, GrammarSource) else str(grammar.grammar)
             params = params.replace(structured_outputs=StructuredOutputsParams(grammar=text))
-        if request.stream:  # the stream sends each step's additions only: the engine need not build the rest
-            params = params.replace(output_kind="delta")
+        params = params.replace(output_kind="delta")  # as for completions: streamed, or joined by _collect
         job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs", priority=request.priority,
                                  structured_param=structured_param, shape=_chat_shape(request, params),
@@ -793,16 +794,18 @@ class OpenAIServing:
         return await _until_disconnect(raw, self.grammars.compile(source, param))
 
     async def _collect(self, job: _Submitted) -> list[RequestOutput]:
-        """The final output of every engine request of the job."""
-        finals: list[RequestOutput | None] = [None] * len(job.streams)
+        """The final output of every engine request of the job, whole (delta outputs joined as they come)."""
+        joiners = [DeltaJoiner() for _ in job.streams]
+        finished = [False] * len(job.streams)
         async with contextlib.aclosing(self._merged(job)) as outputs:
             async for i, output in outputs:
                 if job.budget is not None:
                     job.budget.output(output)  # ends the work once the body would surely pass the budget
-                finals[i] = output
-        if any(final is None for final in finals):
+                joiners[i].add(output)
+                finished[i] = output.finished
+        if not all(finished):
             raise EngineDeadError("a request ended without a final output")
-        return finals  # type: ignore[return-value]
+        return [joiner.joined() for joiner in joiners]  # type: ignore[misc]
 
     async def _merged(self, job: _Submitted) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) from all of the job's streams as they come; aborts the rest on exit."""
