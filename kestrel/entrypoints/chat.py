@@ -652,11 +652,13 @@ def make_tool_parser(fmt: str, tool_names: Collection[str], prefix: str = "") ->
 
 
 def parse_tool_calls(text: str, tool_names: Collection[str], prefix: str = "",
-                     fmt: str = "llama3_json") -> ToolParseResult:
-    """Whole-output parsing: the calls if every one is complete valid JSON, else all text as content."""
+                     fmt: str = "llama3_json", cut: bool = False) -> ToolParseResult:
+    """Whole-output parsing: the calls if every one is complete valid JSON, else all text as content. `cut`: the
+    output was cut short (max_tokens), so calls it began are returned as far as they got, as a stream of it
+    would have sent them."""
     parser = make_tool_parser(fmt, tool_names, prefix)
     events = parser.feed(text) + parser.finish()
-    if parser.all_valid:
+    if parser.all_valid or (cut and parser.calls):
         content = "".join(e.text for e in events if isinstance(e, ContentDelta))
         return ToolParseResult(content or None, parser.calls)
     return ToolParseResult(prefix + text, [])

@@ -493,6 +493,13 @@ class OpenAIServing:
                 # got (the server wrote the call's opening, so all the model wrote is arguments), finish "length".
                 message = ChatResponseMessage(content=echoed or None, tool_calls=[ToolCall(
                     id=new_tool_call_id(), function=FunctionCall(name=tools.named, arguments=c.text))])
+            elif finish_reason == "length":
+                # Calls cut off by max_tokens, as far as they got, as the stream of this answer sends them.
+                cut = parse_tool_calls(c.text, tools.names, tools.prefix, tools.format, cut=True)
+                if cut.calls:
+                    message = ChatResponseMessage(content=echoed + (cut.content or "") or None, tool_calls=[
+                        ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                        for call in cut.calls[: None if tools.parallel else 1]])
         logprobs = None
         if params.logprobs is not None:
             logprobs = ChatChoiceLogProbs(content=fmt.chat(c.token_ids, c.logprobs))

@@ -119,6 +119,25 @@ def test_required_forces_a_call(tools_server):
     assert choice.message.tool_calls[0].function.name == "add"
 
 
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_a_call_cut_by_max_tokens_is_the_same_whole_or_streamed(tools_server, tool_choice):
+    """A call begun and cut off by max_tokens: the answer has the call as far as it got, finish "length", as its
+    stream sends it."""
+    server, runner = tools_server
+    runner.script = CALL if tool_choice == "auto" else CALL[len('{"name": "'):]  # required: the opening is given
+    args = {"tools": [WEATHER, ADD], "tool_choice": tool_choice, "max_tokens": 30}
+    choice = server.client().chat.completions.create(model=MODEL, messages=USER, **args).choices[0]
+    calls, content, finish = reassemble(server.client().chat.completions.create(
+        model=MODEL, messages=USER, stream=True, **args))
+    assert choice.finish_reason == "length" and finish == ["length"]
+    assert (choice.message.content or "") == content
+    (call,) = choice.message.tool_calls
+    assert [(call.function.name, call.function.arguments)] == [(c["name"], c["arguments"]) for c in calls.values()]
+    arguments = CALL[CALL.index('{"city"'):-1]
+    assert call.function.name == "get_weather"
+    assert 0 < len(call.function.arguments) < len(arguments) and arguments.startswith(call.function.arguments)
+
+
 def test_malformed_forced_call_falls_back_to_content(tools_server):
     server, runner = tools_server
     runner.script = "sorry, no JSON here"
