@@ -25,7 +25,12 @@ class InvalidRequestError(ValueError):
         return type(self), (self.param, str(self))
 
 
-def prompt_too_long(num_tokens: int, max_model_len: int, param: str = "prompt") -> InvalidRequestError:
+def prompt_too_long(num_tokens: int, max_model_len: int, param: str = "prompt",
+                    generates: bool = True) -> InvalidRequestError:
+    """`generates`: the request generates (its prompt must leave room for a token), else it pools its prompt."""
+    if not generates:
+        return InvalidRequestError(param, f"the prompt has {num_tokens} tokens but the model's context is "
+                                   f"max_model_len={max_model_len}; shorten it to at most {max_model_len} tokens")
     return InvalidRequestError(
         param, f"the prompt has {num_tokens} tokens but the model's context is max_model_len={max_model_len}, "
         f"which must also fit at least one generated token; shorten the prompt to at most {max_model_len - 1} tokens")

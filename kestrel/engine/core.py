@@ -158,7 +158,7 @@ class EngineCore:
             pooling = (pooling.with_defaults(pooler.pooling_type, pooler.normalize) if pooler is not None
                        else pooling.with_defaults("LAST", True))
             params = pooling.run_params()
-        self._validate(request_id, prompt_token_ids, params)
+        self._validate(request_id, prompt_token_ids, params, pooling is not None)
         media = tuple(media)
         check_media(media, len(prompt_token_ids))
         if media and not getattr(self.runner, "supported_modalities", frozenset()):
@@ -243,7 +243,9 @@ class EngineCore:
                                       "'priority' (--scheduling-policy priority, or shortest_prefill) or leave "
                                       "priority at 0")
 
-    def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  pooling: bool = False) -> None:
+        """`pooling`: a pooling request, whose prompt may fill the context (the token it samples is not kept)."""
         if request_id in self._parents:
             raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -255,8 +257,8 @@ class EngineCore:
                                           f"streams with streaming_window sink_tokens={streaming.sink_tokens} + "
                                           f"window={streaming.window} = {streaming.num_kept_tokens} tokens attended; "
                                           f"shorten the prompt to at most {streaming.num_kept_tokens} tokens")
-        elif len(prompt_token_ids) >= self.max_model_len:
-            raise prompt_too_long(len(prompt_token_ids), self.max_model_len)
+        elif len(prompt_token_ids) >= self.max_model_len + pooling:
+            raise prompt_too_long(len(prompt_token_ids), self.max_model_len, generates=not pooling)
         vocab_size = getattr(self.runner, "vocab_size", None)
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab_size})")

@@ -631,11 +631,12 @@ class OpenAIServing:
 
     async def _encode_prompts(self, prompts: Sequence[str | list[int]], add_special_tokens: bool = True,
                               truncate: int | None = None, param: str = "prompt",
-                              room: _OutputRoom | None = None) -> list[_Prompt]:
+                              room: _OutputRoom | None = None, pooling: bool = False) -> list[_Prompt]:
         """Text prompts are tokenized off the event loop (TextWorkers); one that cannot fit is refused by count.
         `truncate`: keep each prompt's last `truncate` tokens (vLLM's truncate_prompt_tokens); `param`: the
-        request field of the prompts, for errors; `room`: the output each prompt must leave room for."""
-        limit = self._prompt_bound
+        request field of the prompts, for errors; `room`: the output each prompt must leave room for; `pooling`:
+        the prompts are pooled, not continued (one may fill the context)."""
+        limit = self.prompt_limit(pooling)
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(await self.text.encode_prompts(texts, None if truncate else limit, add_special_tokens,
                                                       param))
@@ -644,18 +645,18 @@ class OpenAIServing:
             count, ids = next(encoded) if isinstance(prompt, str) else (len(prompt), list(prompt))
             # A truncated prompt's text is no longer the prompt: echo and detokenization use the ids.
             out.append(_Prompt(prompt if isinstance(prompt, str) and not truncate else None,
-                               self._fit_prompt(count, ids, truncate, param, room)))
+                               self._fit_prompt(count, ids, truncate, param, room, pooling)))
         return out
 
     def _fit_prompt(self, count: int, ids: list[int] | None, truncate: int | None, param: str,
-                    room: _OutputRoom | None = None) -> list[int]:
+                    room: _OutputRoom | None = None, pooling: bool = False) -> list[int]:
         """The prompt's ids, its last `truncate` when asked; a prompt the context cannot hold is refused (`ids`
         None: the tokenizer reported only its `count`), and so is one that leaves no room for `room`'s tokens."""
         limit = self.engine.max_model_len
         if ids is not None and truncate:
             ids = ids[-truncate:]
-        if ids is None or len(ids) >= self._prompt_bound:
-            raise self._prompt_too_long(count if ids is None else len(ids), param)
+        if ids is None or len(ids) >= self.prompt_limit(pooling):
+            raise self._prompt_too_long(count if ids is None else len(ids), param, pooling)
         if self.streaming is not None:
             kept = self.streaming.num_kept_tokens
             if room is not None and room.beam and len(ids) + room.tokens > kept:
@@ -681,9 +682,14 @@ class OpenAIServing:
             return self.streaming.num_kept_tokens + 1
         return self.engine.max_model_len
 
-    def _prompt_too_long(self, num_tokens: int, param: str) -> InvalidRequestError:
+    def prompt_limit(self, pooling: bool = False) -> int:
+        """Prompts of this many tokens or more are refused: `_prompt_bound`, or for a pooled prompt (no token
+        generated) one more, without a streaming window."""
+        return self._prompt_bound + (pooling and self.streaming is None)
+
+    def _prompt_too_long(self, num_tokens: int, param: str, pooling: bool = False) -> InvalidRequestError:
         if self.streaming is None:
-            return prompt_too_long(num_tokens, self.engine.max_model_len, param)
+            return prompt_too_long(num_tokens, self.engine.max_model_len, param, generates=not pooling)
         kept = self.streaming.num_kept_tokens
         return InvalidRequestError(param, f"the prompt has {num_tokens} tokens but this server streams with "
                                    f"--streaming-window sink_tokens={self.streaming.sink_tokens} + window="

@@ -51,7 +51,7 @@ class OpenAIServingEmbeddings:
         serving._check_sequences(len(inputs), 1, "input")
         self._check_size(len(inputs), pooling, request.encoding_format)
         prompts = await _until_disconnect(raw, serving._encode_prompts(
-            inputs, request.add_special_tokens is not False, request.truncate_prompt_tokens, "input"))
+            inputs, request.add_special_tokens is not False, request.truncate_prompt_tokens, "input", pooling=True))
         request_id = f"embd-{uuid.uuid4().hex}"
         outputs = await _until_disconnect(raw, run_pooling(serving, request_id, [p.token_ids for p in prompts],
                                                            pooling, request.priority or 0, arrival, "input"))

@@ -120,7 +120,7 @@ class OpenAIServingPooling:
         inputs = request.inputs()
         serving._check_sequences(len(inputs), 1, "input")
         prompts = await _until_disconnect(raw, serving._encode_prompts(
-            inputs, request.add_special_tokens is not False, request.truncate_prompt_tokens, "input"))
+            inputs, request.add_special_tokens is not False, request.truncate_prompt_tokens, "input", pooling=True))
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         outputs = await _until_disconnect(raw, run_pooling(serving, request_id, [p.token_ids for p in prompts],
                                                            pooling, request.priority or 0, time.monotonic(),
@@ -167,16 +167,17 @@ class OpenAIServingPooling:
         if self.classifier:
             require_cross_encoder(self.model_config, "/classify")
             serving._check_sequences(len(pairs), 1, params[1])
-            limit = None if truncate else self.engine.max_model_len
+            limit = None if truncate else serving.prompt_limit(pooling=True)
             counted = await _until_disconnect(raw, serving.text.encode_pairs(pairs, limit, params[1]))
-            prompts = [serving._fit_prompt(count, ids, truncate, params[1]) for count, ids in counted]
+            prompts = [serving._fit_prompt(count, ids, truncate, params[1], pooling=True) for count, ids in counted]
             outputs = await _until_disconnect(raw, run_pooling(serving, request_id, prompts, self._pooled_params(),
                                                                priority, time.monotonic(), params[1]))
             return [sigmoid(o.pooled[0]) for o in outputs], sum(map(len, prompts))
         # A bi-encoder: both sides embedded (each distinct text once), scored by cosine similarity.
         texts = list(dict.fromkeys(text for pair in pairs for text in pair))
         serving._check_sequences(len(texts), 1, params[1])
-        prompts = await _until_disconnect(raw, serving._encode_prompts(texts, True, truncate, params[1]))
+        prompts = await _until_disconnect(raw, serving._encode_prompts(texts, True, truncate, params[1],
+                                                                       pooling=True))
         pooling = PoolingParams(normalize=True, pooling_type=embedding_params(self.model_config).pooling_type)
         outputs = await _until_disconnect(raw, run_pooling(serving, request_id, [p.token_ids for p in prompts],
                                                            pooling, priority, time.monotonic(), params[1]))

@@ -142,6 +142,19 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(last_model):
     assert _close(output.outputs.embedding, torch.nn.functional.normalize(_hidden(path, ids[-5:])[-1], dim=-1))
 
 
+@pytest.mark.parametrize("model", ["last_model", "mean_model"])
+def test_a_prompt_may_fill_the_context(request, model):
+    """A pooled prompt generates nothing, so it may hold max_model_len tokens (a generated one needs one less)."""
+    path, llm = request.getfixturevalue(model)
+    ids = [(7 * i) % 500 + 3 for i in range(ENGINE["max_model_len"])]
+    (output,) = llm.embed([{"prompt_token_ids": ids}], use_tqdm=False)
+    hidden = _hidden(path, ids)
+    want = hidden[-1] if model == "last_model" else hidden.mean(0)
+    assert _close(output.outputs.embedding, torch.nn.functional.normalize(want, dim=-1))
+    with pytest.raises(ValueError, match=f"at most {ENGINE['max_model_len']} tokens"):
+        llm.embed([{"prompt_token_ids": [*ids, 3]}], use_tqdm=False)
+
+
 def test_a_generation_model_embeds_by_last_token_normalized_and_a_pooling_one_does_not_generate(last_model):
     path, pooling_llm = last_model
     llm = LLM(str(path), **ENGINE)  # runner auto: a causal LM generates

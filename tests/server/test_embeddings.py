@@ -80,6 +80,19 @@ def test_refusals_name_the_field(openai_server, body, param):
     assert reply.json()["error"]["param"] == param
 
 
+def test_an_input_may_fill_the_context(client, openai_server, oracle):
+    """An embedded input generates nothing: it may hold max_model_len tokens; one more is a 400."""
+    _, embed = oracle
+    limit = openai_server.engine.max_model_len
+    ids = [(7 * i) % 500 + 3 for i in range(limit)]
+    (data,) = client.embeddings.create(model=MODEL, input=[ids], encoding_format="float").data
+    assert np.allclose(data.embedding, embed(ids), atol=1e-4)
+    reply = HTTP.post(f"{openai_server.base_url}/v1/embeddings", headers=openai_server.headers,
+                      json={"model": MODEL, "input": [[*ids, 3]]})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "input"
+    assert f"at most {limit} tokens" in reply.json()["error"]["message"]
+
+
 def test_engine_pools_unnormalized_and_truncated(openai_server, oracle):
     """PoolingParams on the engine: Matryoshka truncation before the (optional) normalization."""
     import asyncio
