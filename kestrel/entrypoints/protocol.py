@@ -953,7 +953,7 @@ class ErrorResponse(BaseModel):
 _UNION_HINTS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "input": "a string, a list of strings, a list of token ids or a list of token-id lists",
-    "stop": "a string or a list of strings",
+    "stop": "a non-empty string or a list of non-empty strings",
     "content": "a string or a list of {'type': 'text', 'text': ...}, {'type': 'image_url', 'image_url': "
                "{'url': ...}} and {'type': 'input_audio', 'input_audio': {'data': ..., 'format': ...}} parts",
     "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
