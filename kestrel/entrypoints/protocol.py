@@ -104,7 +104,6 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
                                  "disable_any_whitespace",
     "structural_tag": "structural tags are not supported; use structured_outputs (json, regex, choice, grammar)",
     "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
-    "include_reasoning": "reasoning parsing is not implemented",
     "best_of": "best_of is not supported on chat completions; use n",
     "add_special_tokens": "on chat completions the template places the special tokens (add_special_tokens false)",
     "documents": "documents for retrieval templates are not implemented",
@@ -123,8 +122,8 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
 }
 _EMPTY_VALUES: tuple[Any, ...] = (None, [], {})
 # vLLM and OpenAI fields sent with the value that asks for nothing beyond what kestrel does anyway (their defaults):
-# chat completions are never stored, and without reasoning parsing all of the output is the content.
-_NO_OP_VALUES: dict[str, Any] = {"add_special_tokens": False, "store": False, "include_reasoning": True}
+# chat completions are never stored.
+_NO_OP_VALUES: dict[str, Any] = {"add_special_tokens": False, "store": False}
 # With use_beam_search, only these fields take effect (n is the beam width); any other one set is refused.
 _BEAM_SEARCH_FIELDS = frozenset({
     "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "ignore_eos",
@@ -488,11 +487,25 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # An earlier answer's thinking sent back (what --reasoning-parser answers carry, under either name): the chat
+    # template gets it as `reasoning_content`, the name reasoning models' templates read (most drop it from
+    # earlier turns).
+    reasoning: str | None = Field(default=None, exclude=True)
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _tool_result_names_its_call(self) -> ChatMessage:
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a message with role 'tool' needs the tool_call_id of the call it answers")
+        return self
+
+    @model_validator(mode="after")
+    def _reasoning_under_one_name(self) -> ChatMessage:
+        if self.reasoning is not None:
+            if self.reasoning_content is not None and self.reasoning_content != self.reasoning:
+                raise ValueError("reasoning and reasoning_content are two names of one field and differ here; "
+                                 "send one of them")
+            self.reasoning_content = self.reasoning
         return self
 
     def text(self) -> str:
@@ -597,6 +610,8 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool | None = False  # vLLM's: the answer starts with the last message when it is the assistant's
+    # vLLM's: false leaves the thinking a --reasoning-parser separates out of the answer
+    include_reasoning: bool | None = True
 
     @property
     def tool_choice_mode(self) -> str:
@@ -835,6 +850,10 @@ class ChatResponseMessage(BaseModel):
     function_call: FunctionCall | None = None
     # left out when there are none, as vLLM does
     tool_calls: list[ToolCall] = Field(default_factory=list, exclude_if=lambda calls: not calls)
+    # With --reasoning-parser: the model's thinking (vLLM's `reasoning`, and `reasoning_content`, its older name
+    # that clients still read); left out otherwise.
+    reasoning: str | None = Field(default=None, exclude_if=lambda text: text is None)
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda text: text is None)
 
 
 class ChatChoice(BaseModel):
@@ -873,6 +892,8 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # with --reasoning-parser (ChatResponseMessage's two fields)
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -58,7 +58,27 @@ class FunctionCallOutputItem(_Request):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+class ReasoningText(_Request):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(_Request):
+    """An earlier response's reasoning item (a --reasoning-parser server's) sent back: its text reaches the chat
+    template as the following assistant turn's `reasoning_content`."""
+
+    type: Literal["reasoning"]
+    content: list[ReasoningText] = Field(default_factory=list)
+    # This server writes no summaries (a summary is a model's own, not the thinking): an item with one is refused.
+    summary: Annotated[list[Any], Field(max_length=0)] = Field(default_factory=list)
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content)
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
 class TextFormat(_Request):
@@ -147,19 +167,33 @@ class ResponsesRequest(_Request):
         messages: list[dict[str, Any]] = []
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
+        reasoning: str | None = None  # a reasoning item's text, for the assistant turn after it
         for item in [*history, *self.input_items()]:
+            if isinstance(item, ReasoningItem):
+                reasoning = (reasoning or "") + item.text()
+                continue
+            if reasoning is not None and not (isinstance(item, FunctionCallItem)
+                                              or (isinstance(item, MessageItem) and item.role == "assistant")):
+                raise InvalidRequestError("input", "a reasoning item belongs to the assistant message or function "
+                                          "call after it; send it just before that item")
             if isinstance(item, MessageItem):
                 messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
                 last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and not last.get("content"):
+                if last is not None and last["role"] == "assistant" and not last.get("content") and reasoning is None:
                     last.setdefault("tool_calls", []).append(call)  # parallel calls: one assistant turn
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             else:
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            if reasoning is not None:
+                messages[-1]["reasoning_content"] = reasoning
+                reasoning = None
+        if reasoning is not None:
+            raise InvalidRequestError("input", "a reasoning item belongs to the assistant message or function call "
+                                      "after it; the input ends with one")
         return messages
 
 

@@ -12,7 +12,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from kestrel.entrypoints.protocol_responses import FunctionCallItem, InputItem, MessageItem
+from kestrel.entrypoints.protocol_responses import (
+    FunctionCallItem,
+    InputItem,
+    MessageItem,
+    ReasoningItem,
+    ReasoningText,
+)
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,11 @@ class ResponseStore:
 
 
 def output_as_input(item: dict[str, Any]) -> InputItem:
-    """A Response's output item (a message or a function call) as the input item that sends it back."""
+    """A Response's output item (a message, a function call or reasoning) as the input item that sends it back."""
+    if item["type"] == "reasoning":
+        return ReasoningItem(type="reasoning", content=[ReasoningText(type="reasoning_text", text=part["text"])
+                                                        for part in item["content"]], id=item["id"],
+                             status=item["status"])
     if item["type"] == "function_call":
         return FunctionCallItem(type="function_call", call_id=item["call_id"], name=item["name"],
                                 arguments=item["arguments"], id=item["id"], status=item["status"])

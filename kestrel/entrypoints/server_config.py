@@ -18,6 +18,7 @@ from kestrel.entrypoints.media import (
     DEFAULT_MAX_MEDIA_BYTES,
     DEFAULT_MEDIA_FETCH_TIMEOUT_S,
 )
+from kestrel.entrypoints.reasoning import REASONING_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18  # ~7 MB of JSON at the usual ~26 bytes an entry
@@ -75,6 +76,9 @@ class ServerConfig:
                                                     "sandbox); off: such requests are refused")
     tool_call_parser: str | None = _opt(None, "how the model writes tool calls (default: detected from the chat "
                                               "template)", choices=TOOL_FORMATS)
+    reasoning_parser: str | None = _opt(None, "how a reasoning model writes its thinking, which chat answers then "
+                                              "carry as `reasoning` apart from the content (off: all content)",
+                                        choices=REASONING_PARSERS)
     enable_auto_tool_choice: bool = _opt(True, "let the model decide whether to call a tool (tool_choice 'auto'); "
                                                "off: such requests are refused")
     enable_prompt_tokens_details: bool = _opt(False, "report usage.prompt_tokens_details.cached_tokens, the prompt "
@@ -153,6 +157,9 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_FORMATS:
             raise ConfigError(f"invalid tool_call_parser={self.tool_call_parser!r}: expected one of "
                               f"{list(TOOL_FORMATS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"invalid reasoning_parser={self.reasoning_parser!r}: expected one of "
+                              f"{list(REASONING_PARSERS)}")
         for name in ("log_level", "uvicorn_log_level"):
             value = getattr(self, name)
             if value is not None and value not in LOG_LEVELS:

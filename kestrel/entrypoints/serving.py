@@ -77,6 +77,7 @@ from kestrel.entrypoints.protocol import (
     ToolCall,
     UsageInfo,
 )
+from kestrel.entrypoints.reasoning import REASONING_PARSERS, ReasoningSplitter, opened_by_prompt, split_reasoning
 from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.entrypoints.text_workers import ChatInput, TextWorkers, chat_input
 from kestrel.outputs import CompletionOutput, RequestOutput
@@ -451,13 +452,14 @@ class OpenAIServing:
         job.model_name = self.response_model_name(request.model)
         job.original_prompt_tokens = original_tokens
         tools = _tool_setup(request, prompt.assistant_prefix, self.config.tool_call_parser or prompt.tool_format)
+        reasoning = self._reasoning_setup(request, params, prompt.text)
         if request.stream:
-            return EventStreamResponse(self._chat_stream(request, job, tools), on_close=job.abort)
+            return EventStreamResponse(self._chat_stream(request, job, tools, reasoning), on_close=job.abort)
         (final,) = await _until_disconnect(raw, self._collect(job))
         echoed = _chat_echo(request)
         fmt = self._formatter(params.logprobs, request.return_tokens_as_token_ids)
         ids = bool(request.return_token_ids)
-        choices = [self._chat_choice(c, params, tools, fmt, echoed, ids) for c in final.outputs]
+        choices = [self._chat_choice(c, params, tools, fmt, echoed, ids, reasoning) for c in final.outputs]
         prompt_logprobs = None
         if request.prompt_logprobs is not None:
             prompt_logprobs = fmt.prompt_logprobs(final.prompt_logprobs, request.prompt_logprobs)
@@ -476,12 +478,31 @@ class OpenAIServing:
         return JSONResponse(ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex}", choices=choices, usage=usage,
                                                    model=self.response_model_name(request.model)).model_dump())
 
+    def _reasoning_setup(self, request: ChatCompletionRequest, params: SamplingParams,
+                         prompt_text: str) -> _ReasoningSetup | None:
+        """How this answer's thinking is told apart (None: all of it is content). A grammar (structured outputs,
+        a forced tool call) shapes the whole answer, so its answers are not split."""
+        parser = self.config.reasoning_parser
+        if parser is None:
+            if request.include_reasoning is False:
+                raise InvalidRequestError("include_reasoning", "include_reasoning false leaves out the thinking a "
+                                          "reasoning parser separates; this server has none (start it with "
+                                          f"--reasoning-parser, one of {list(REASONING_PARSERS)})")
+            return None
+        if params.structured_outputs is not None:
+            return None
+        return _ReasoningSetup(parser, opened_by_prompt(prompt_text), request.include_reasoning is not False)
+
     def _chat_choice(self, c: CompletionOutput, params: SamplingParams, tools: _ToolSetup, fmt: LogprobFormatter,
-                     echoed: str = "", ids: bool = False) -> ChatChoice:
-        message = ChatResponseMessage(content=echoed + c.text)
+                     echoed: str = "", ids: bool = False, reasoning: _ReasoningSetup | None = None) -> ChatChoice:
+        text, thinking = c.text, None
+        if reasoning is not None:
+            thinking, text = split_reasoning(reasoning.parser, c.text, reasoning.opened)
+            thinking = thinking if reasoning.include else None
+        message = ChatResponseMessage(content=echoed + text)
         finish_reason = c.finish_reason
         if tools.active:
-            parsed = parse_tool_calls(c.text, tools.names, tools.prefix, tools.format)
+            parsed = parse_tool_calls(text, tools.names, tools.prefix, tools.format)
             calls = parsed.calls[: None if tools.parallel else 1]
             message = ChatResponseMessage(content=echoed + (parsed.content or "") or None, tool_calls=[
                 ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
@@ -492,25 +513,28 @@ class OpenAIServing:
                 # vLLM's answer to a named call cut off by max_tokens: the call, its arguments as far as they
                 # got (the server wrote the call's opening, so all the model wrote is arguments), finish "length".
                 message = ChatResponseMessage(content=echoed or None, tool_calls=[ToolCall(
-                    id=new_tool_call_id(), function=FunctionCall(name=tools.named, arguments=c.text))])
+                    id=new_tool_call_id(), function=FunctionCall(name=tools.named, arguments=text))])
             elif finish_reason == "length":
                 # Calls cut off by max_tokens, as far as they got, as the stream of this answer sends them.
-                cut = parse_tool_calls(c.text, tools.names, tools.prefix, tools.format, cut=True)
+                cut = parse_tool_calls(text, tools.names, tools.prefix, tools.format, cut=True)
                 if cut.calls:
                     message = ChatResponseMessage(content=echoed + (cut.content or "") or None, tool_calls=[
                         ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
                         for call in cut.calls[: None if tools.parallel else 1]])
+        if thinking is not None:
+            message.reasoning = message.reasoning_content = thinking
         logprobs = None
         if params.logprobs is not None:
             logprobs = ChatChoiceLogProbs(content=fmt.chat(c.token_ids, c.logprobs))
         return ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
                           stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None)
 
-    async def _chat_stream(self, request: ChatCompletionRequest, job: _Submitted,
-                           tools: _ToolSetup) -> AsyncIterator[str]:
+    async def _chat_stream(self, request: ChatCompletionRequest, job: _Submitted, tools: _ToolSetup,
+                           reasoning: _ReasoningSetup | None = None) -> AsyncIterator[str]:
         params = job.params
         parsers = ({i: make_tool_parser(tools.format, tools.names, tools.prefix) for i in range(params.n)}
                    if tools.active else {})
+        splitters = {i: reasoning.splitter() for i in range(params.n)} if reasoning is not None else {}
         finished: set[int] = set()
         completion_tokens = 0
         fmt = self._formatter(params.logprobs, request.return_tokens_as_token_ids)
@@ -539,14 +563,21 @@ class OpenAIServing:
                     if c.index in finished or not (c.delta_text or c.delta_token_ids or c.finished):
                         continue
                     completion_tokens += len(c.delta_token_ids)
-                    delta, finish_reason = self._chat_delta(c, parsers.get(c.index), tools)
+                    text, thinking = c.delta_text, None
+                    if reasoning is not None:
+                        thinking, text = splitters[c.index].feed(c.delta_text, final=c.finished)
+                        thinking = (thinking or None) if reasoning.include else None
+                    delta, finish_reason = self._chat_delta(c, text, parsers.get(c.index), tools)
+                    if thinking is not None:
+                        delta.reasoning = delta.reasoning_content = thinking
                     logprobs = None
                     if params.logprobs is not None and c.delta_token_ids:
                         logprobs = ChatChoiceLogProbs(
                             content=fmt.chat(c.delta_token_ids, c.delta_logprobs))
                     if c.finished:
                         finished.add(c.index)
-                    if delta.content or delta.tool_calls or logprobs or finish_reason or (ids and c.delta_token_ids):
+                    if (delta.content or delta.reasoning or delta.tool_calls or logprobs or finish_reason
+                            or (ids and c.delta_token_ids)):
                         yield chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
                                                      finish_reason=finish_reason,
                                                      stop_reason=c.stop_reason if finish_reason else None,
@@ -562,12 +593,13 @@ class OpenAIServing:
             await merged.aclose()
         yield SSE_DONE
 
-    def _chat_delta(self, c: CompletionOutput, parser: ToolCallParser | MarkedToolCallParser | None,
+    def _chat_delta(self, c: CompletionOutput, text: str, parser: ToolCallParser | MarkedToolCallParser | None,
                     tools: _ToolSetup) -> tuple[DeltaMessage, str | None]:
+        """The chunk of `c`'s step, whose answer text (its reasoning split off) is `text`."""
         finish_reason = c.finish_reason if c.finished else None
         if parser is None:
-            return DeltaMessage(content=c.delta_text or None), finish_reason
-        events = parser.feed(c.delta_text)
+            return DeltaMessage(content=text or None), finish_reason
+        events = parser.feed(text)
         if c.finished:
             events += parser.finish()
             calls = parser.calls[: None if tools.parallel else 1]
@@ -894,6 +926,19 @@ def _chat_echo(request: ChatCompletionRequest) -> str:
     model continues); otherwise nothing is echoed."""
     last = request.messages[-1]
     return last.text() if request.echo and last.role == "assistant" else ""
+
+
+@dataclass(frozen=True)
+class _ReasoningSetup:
+    """An answer's thinking told apart by `parser`; `opened`: the prompt starts it inside its thinking;
+    `include`: the response carries the thinking (include_reasoning)."""
+
+    parser: str
+    opened: bool
+    include: bool
+
+    def splitter(self) -> ReasoningSplitter:
+        return ReasoningSplitter(self.parser, self.opened)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,8 @@ class OpenAIServingResponses:
         choice = body["choices"][0]
         message = choice["message"]
         output = []
+        if message.get("reasoning") is not None:
+            output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", message["reasoning"], "completed"))
         if message.get("content") or not message.get("tool_calls"):
             status = "incomplete" if choice["finish_reason"] == "length" else "completed"
             output.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status))
@@ -161,6 +163,11 @@ def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
@@ -178,6 +185,7 @@ class _EventWriter:
         self.number = 0
         self.output: list[dict[str, Any]] = []  # items done
         self.text: dict[str, Any] | None = None  # the message item open, with its text so far
+        self.reasoning: dict[str, Any] | None = None  # the reasoning item open, with its text so far
         self.calls: dict[int, dict[str, Any]] = {}  # function call items open, by the chat delta's index
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -188,8 +196,31 @@ class _EventWriter:
     def lifecycle(self, kind: str, finish_reason: str | None = None, usage: dict[str, Any] | None = None) -> str:
         return self.event(kind, response=self.shell.response(list(self.output), finish_reason, usage))
 
-    def text_delta(self, delta: str) -> list[str]:
+    def reasoning_delta(self, delta: str) -> list[str]:
         events = []
+        if self.reasoning is None:
+            self.reasoning = {"item": _reasoning_item(f"rs_{uuid.uuid4().hex}", None, "in_progress"), "text": "",
+                              "index": self._next_index()}
+            events.append(self.event("response.output_item.added", output_index=self.reasoning["index"],
+                                     item=self.reasoning["item"]))
+        self.reasoning["text"] += delta
+        events.append(self.event("response.reasoning_text.delta", item_id=self.reasoning["item"]["id"],
+                                 output_index=self.reasoning["index"], content_index=0, delta=delta))
+        return events
+
+    def close_reasoning(self) -> list[str]:
+        if self.reasoning is None:
+            return []
+        item_id, index, text = self.reasoning["item"]["id"], self.reasoning["index"], self.reasoning["text"]
+        self.reasoning = None
+        item = _reasoning_item(item_id, text, "completed")
+        self.output.append(item)
+        return [self.event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
+                           text=text),
+                self.event("response.output_item.done", output_index=index, item=item)]
+
+    def text_delta(self, delta: str) -> list[str]:
+        events = self.close_reasoning()
         if self.text is None:
             self.text = {"item": _message_item(f"msg_{uuid.uuid4().hex}", None, "in_progress"), "text": "",
                          "index": self._next_index()}
@@ -217,7 +248,7 @@ class _EventWriter:
                 self.event("response.output_item.done", output_index=index, item=item)]
 
     def call_delta(self, call: dict[str, Any]) -> list[str]:
-        events = self.close_text("completed") if self.text is not None else []
+        events = self.close_reasoning() + (self.close_text("completed") if self.text is not None else [])
         function = call.get("function") or {}
         open_call = self.calls.get(call["index"])
         if open_call is None:
@@ -245,7 +276,7 @@ class _EventWriter:
         return events
 
     def _next_index(self) -> int:
-        return len(self.output) + (self.text is not None) + len(self.calls)
+        return len(self.output) + (self.reasoning is not None) + (self.text is not None) + len(self.calls)
 
 
 async def _events(shell: _ResponseShell, chunks: AsyncIterator[Any],
@@ -272,6 +303,8 @@ async def _events(shell: _ResponseShell, chunks: AsyncIterator[Any],
                 return
             for choice in body.get("choices") or []:
                 delta = choice.get("delta") or {}
+                for event in writer.reasoning_delta(delta["reasoning"]) if delta.get("reasoning") else []:
+                    yield event
                 for event in writer.text_delta(delta["content"]) if delta.get("content") else []:
                     yield event
                 for call in delta.get("tool_calls") or []:
@@ -279,11 +312,12 @@ async def _events(shell: _ResponseShell, chunks: AsyncIterator[Any],
                         yield event
                 finish_reason = choice.get("finish_reason") or finish_reason
             if body.get("usage") and not body.get("choices"):
-                if writer.text is None and not writer.output and not writer.calls:
+                if writer.text is None and not writer.calls and not any(
+                        item["type"] == "message" for item in writer.output):
                     for event in writer.text_delta(""):
                         yield event  # an empty answer is still one message, as the whole response has
                 status = "incomplete" if finish_reason == "length" else "completed"
-                for event in writer.close_text(status) + writer.close_calls():
+                for event in writer.close_reasoning() + writer.close_text(status) + writer.close_calls():
                     yield event
                 response = writer.shell.response(list(writer.output), finish_reason, body["usage"])
                 save(response, writer.output)

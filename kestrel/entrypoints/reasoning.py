@@ -1,0 +1,66 @@
+"""A reasoning model's thinking apart from its answer (`--reasoning-parser`, vLLM's names): chat answers carry the
+text between the think tags as `reasoning` (and `reasoning_content`, its older name) and the rest as `content`.
+
+Both parsers read `<think> ... </think>`. An answer is in its thinking from the start when the model opens it
+(`<think>` first, dropped) or the chat template did (the rendered prompt ends with `<think>`); `deepseek_r1`
+always starts there (DeepSeek-R1 may begin its thinking without the tag). Thinking ends at `</think>` (dropped);
+an answer that never closes it is all reasoning. `qwen3` without an opening (thinking turned off with
+`enable_thinking: false`) is all content. A whole answer and its stream split alike: both run `ReasoningSplitter`.
+"""
+
+from __future__ import annotations
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def opened_by_prompt(prompt_text: str) -> bool:
+    """Whether the rendered chat prompt starts the answer inside its thinking (the template wrote `<think>`)."""
+    return prompt_text.rstrip().endswith(THINK_START)
+
+
+def _held_back(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could begin `tag` (kept until the next text says)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ReasoningSplitter:
+    """One answer's text, fed as it comes, split into (reasoning, content) pieces."""
+
+    def __init__(self, parser: str, opened: bool) -> None:
+        if parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {parser!r}; expected one of {list(REASONING_PARSERS)}")
+        self._thinking = parser == "deepseek_r1" or opened
+        self._at_start = True  # a leading <think> may still come
+        self._pending = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """The (reasoning, content) that `text` adds; `final`: the answer ends here (nothing is held back)."""
+        pending = self._pending + text
+        self._pending = ""
+        if self._at_start:
+            if not final and len(pending) < len(THINK_START) and THINK_START.startswith(pending):
+                self._pending = pending
+                return "", ""
+            self._at_start = False
+            if pending.startswith(THINK_START):
+                pending = pending[len(THINK_START):]
+                self._thinking = True
+        if not self._thinking:
+            return "", pending
+        end = pending.find(THINK_END)
+        if end >= 0:
+            self._thinking = False
+            return pending[:end], pending[end + len(THINK_END):]
+        keep = 0 if final else _held_back(pending, THINK_END)
+        self._pending = pending[len(pending) - keep:] if keep else ""
+        return pending[:len(pending) - keep], ""
+
+
+def split_reasoning(parser: str, text: str, opened: bool) -> tuple[str | None, str]:
+    """A whole answer's (reasoning or None, content)."""
+    reasoning, content = ReasoningSplitter(parser, opened).feed(text, final=True)
+    return reasoning or None, content

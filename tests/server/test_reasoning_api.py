@@ -1,0 +1,102 @@
+"""--reasoning-parser end to end: the real server and engine with a scripted model that answers a fixed text; the
+thinking comes as `reasoning` (and `reasoning_content`) apart from the content, whole and streamed, in chat and
+in the Responses API, through the official `openai` client."""
+
+import json
+
+import pytest
+from conftest import MODEL, start_scripted
+from http_client import HTTP
+
+THOUGHT = "The user greets me; 2 < 3, so I answer kindly."
+ANSWER = f"<think>{THOUGHT}</think>Hello! How can I help?"
+USER = [{"role": "user", "content": "Hi"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tiny_model_dir):
+    server, runner = start_scripted(tiny_model_dir, reasoning_parser="qwen3")
+    runner.step_delay_s = 0.0
+    runner.script = ANSWER
+    yield server, runner
+    server.stop()
+
+
+def chat(server, **kwargs):
+    return server.client().chat.completions.create(model=MODEL, messages=USER, max_tokens=200, **kwargs)
+
+
+def streamed(server, **kwargs) -> tuple[str, str, list[str]]:
+    reasoning, content, finish = "", "", []
+    for chunk in chat(server, stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump()
+            assert delta.get("reasoning") == delta.get("reasoning_content")
+            reasoning += delta.get("reasoning") or ""
+            content += delta.get("content") or ""
+            finish += [choice.finish_reason] if choice.finish_reason else []
+    return reasoning, content, finish
+
+
+def test_the_thinking_comes_apart_from_the_content_whole_and_streamed(reasoning_server):
+    server, _ = reasoning_server
+    message = chat(server).choices[0].message
+    assert message.content == "Hello! How can I help?"
+    assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"] == THOUGHT
+    assert streamed(server) == (THOUGHT, "Hello! How can I help?", ["stop"])
+
+
+def test_include_reasoning_false_leaves_the_thinking_out(reasoning_server, scripted):
+    server, _ = reasoning_server
+    message = chat(server, extra_body={"include_reasoning": False}).choices[0].message
+    assert message.content == "Hello! How can I help?" and "reasoning" not in (message.model_extra or {})
+    assert streamed(server, extra_body={"include_reasoning": False}) == ("", "Hello! How can I help?", ["stop"])
+    plain, _ = scripted  # a server without a reasoning parser cannot tell the thinking apart
+    reply = HTTP.post(f"{plain.base_url}/v1/chat/completions", headers=plain.headers,
+                      json={"model": MODEL, "messages": USER, "include_reasoning": False})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "include_reasoning"
+    assert "--reasoning-parser" in reply.json()["error"]["message"]
+
+
+def test_tool_calls_are_read_from_the_content_after_the_thinking(reasoning_server):
+    server, runner = reasoning_server
+    runner.script = '<think>I need the weather.</think>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    try:
+        choice = chat(server, tools=[WEATHER]).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.model_extra["reasoning"] == "I need the weather."
+        assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    finally:
+        runner.script = ANSWER
+
+
+def test_a_replayed_answer_with_its_thinking_is_taken(reasoning_server):
+    server, _ = reasoning_server
+    first = chat(server).choices[0].message
+    history = [*USER, first.model_dump(exclude_none=True), {"role": "user", "content": "And then?"}]
+    assert "reasoning" in history[1]
+    assert server.client().chat.completions.create(model=MODEL, messages=history, max_tokens=8).choices
+    both = {**history[1], "reasoning_content": "something else"}
+    reply = HTTP.post(f"{server.base_url}/v1/chat/completions", headers=server.headers,
+                      json={"model": MODEL, "messages": [*USER, both]})
+    assert reply.status_code == 400 and "reasoning_content" in reply.json()["error"]["message"]
+
+
+def test_responses_carry_a_reasoning_item_whole_and_streamed(reasoning_server):
+    server, _ = reasoning_server
+    client = server.client()
+    whole = client.responses.create(model=MODEL, input="Hi", max_output_tokens=200)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == THOUGHT and whole.output_text == "Hello! How can I help?"
+    with client.responses.stream(model=MODEL, input="Hi", max_output_tokens=200) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THOUGHT
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == THOUGHT and final.output_text == whole.output_text
+    # The client's replay of its output (the reasoning item first) continues the conversation.
+    replay = [{"role": "user", "content": "Hi"}, *[item.model_dump(exclude_none=True) for item in whole.output],
+              {"role": "user", "content": "And then?"}]
+    again = client.responses.create(model=MODEL, input=replay, max_output_tokens=8)  # cut inside its thinking
+    assert again.status == "incomplete" and [item.type for item in again.output] == ["reasoning", "message"]
