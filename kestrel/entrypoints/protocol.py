@@ -745,6 +745,10 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens the prefix cache served
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # with --reasoning-parser: the answers' tokens up to the end of their thinking
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -753,12 +757,15 @@ class UsageInfo(BaseModel):
     # A kestrel extension: with prompt_compression, the prompt tokens before compression (prompt_tokens counts
     # the compressed prompt); left out of the body otherwise.
     original_prompt_tokens: int | None = None
+    # With --reasoning-parser (chat answers): their reasoning tokens; left out otherwise.
+    completion_tokens_details: CompletionTokensDetails | None = None
 
     @model_serializer(mode="wrap")
     def _without_unasked_extension(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        if data.get("original_prompt_tokens") is None:
-            data.pop("original_prompt_tokens", None)
+        for name in ("original_prompt_tokens", "completion_tokens_details"):
+            if data.get(name) is None:
+                data.pop(name, None)
         return data
 
 

@@ -10,6 +10,8 @@ an answer that never closes it is all reasoning. `qwen3` without an opening (thi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -37,6 +39,11 @@ class ReasoningSplitter:
         self._at_start = True  # a leading <think> may still come
         self._pending = ""
 
+    @property
+    def thinking(self) -> bool:
+        """Whether the text so far is inside the thinking (a leading tag not yet complete counts as outside)."""
+        return self._thinking and not (self._at_start and self._pending)
+
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """The (reasoning, content) that `text` adds; `final`: the answer ends here (nothing is held back)."""
         pending = self._pending + text
@@ -58,6 +65,19 @@ class ReasoningSplitter:
         keep = 0 if final else _held_back(pending, THINK_END)
         self._pending = pending[len(pending) - keep:] if keep else ""
         return pending[:len(pending) - keep], ""
+
+
+def count_reasoning_tokens(parser: str, opened: bool, token_texts: Iterable[str]) -> int:
+    """An answer's reasoning tokens, from each token's text: those up to the one that ends its thinking, all of
+    them when it never ends, none when it does not think."""
+    splitter = ReasoningSplitter(parser, opened)
+    count, thought = 0, False
+    for count, text in enumerate(token_texts, 1):
+        reasoning, content = splitter.feed(text)
+        thought = thought or bool(reasoning) or splitter.thinking
+        if thought and not splitter.thinking:
+            return count
+    return count if thought else 0
 
 
 def split_reasoning(parser: str, text: str, opened: bool) -> tuple[str | None, str]:

@@ -67,6 +67,7 @@ from kestrel.entrypoints.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    CompletionTokensDetails,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -77,7 +78,13 @@ from kestrel.entrypoints.protocol import (
     ToolCall,
     UsageInfo,
 )
-from kestrel.entrypoints.reasoning import REASONING_PARSERS, ReasoningSplitter, opened_by_prompt, split_reasoning
+from kestrel.entrypoints.reasoning import (
+    REASONING_PARSERS,
+    ReasoningSplitter,
+    count_reasoning_tokens,
+    opened_by_prompt,
+    split_reasoning,
+)
 from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.entrypoints.text_workers import ChatInput, TextWorkers, chat_input
 from kestrel.outputs import CompletionOutput, RequestOutput
@@ -463,8 +470,11 @@ class OpenAIServing:
         prompt_logprobs = None
         if request.prompt_logprobs is not None:
             prompt_logprobs = fmt.prompt_logprobs(final.prompt_logprobs, request.prompt_logprobs)
+        usage = _usage(job, [final])
+        if reasoning is not None:
+            usage.completion_tokens_details = self._reasoning_tokens(reasoning, [c.token_ids for c in final.outputs])
         response = ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model_name,
-                                          choices=choices, usage=_usage(job, [final]), prompt_logprobs=prompt_logprobs,
+                                          choices=choices, usage=usage, prompt_logprobs=prompt_logprobs,
                                           prompt_token_ids=list(final.prompt_token_ids) if ids else None)
         return _within_budget(job, JSONResponse(response.model_dump()))
 
@@ -492,6 +502,12 @@ class OpenAIServing:
         if params.structured_outputs is not None:
             return None
         return _ReasoningSetup(parser, opened_by_prompt(prompt_text), request.include_reasoning is not False)
+
+    def _reasoning_tokens(self, reasoning: _ReasoningSetup, answers: list[list[int]]) -> CompletionTokensDetails:
+        token_text = self.engine.core.token_text
+        return CompletionTokensDetails(reasoning_tokens=sum(
+            count_reasoning_tokens(reasoning.parser, reasoning.opened, (token_text(t) or "" for t in ids))
+            for ids in answers))
 
     def _chat_choice(self, c: CompletionOutput, params: SamplingParams, tools: _ToolSetup, fmt: LogprobFormatter,
                      echoed: str = "", ids: bool = False, reasoning: _ReasoningSetup | None = None) -> ChatChoice:
@@ -535,6 +551,7 @@ class OpenAIServing:
         parsers = ({i: make_tool_parser(tools.format, tools.names, tools.prefix) for i in range(params.n)}
                    if tools.active else {})
         splitters = {i: reasoning.splitter() for i in range(params.n)} if reasoning is not None else {}
+        answers: dict[int, list[int]] = {i: [] for i in splitters}  # for the usage's reasoning tokens
         finished: set[int] = set()
         completion_tokens = 0
         fmt = self._formatter(params.logprobs, request.return_tokens_as_token_ids)
@@ -565,6 +582,7 @@ class OpenAIServing:
                     completion_tokens += len(c.delta_token_ids)
                     text, thinking = c.delta_text, None
                     if reasoning is not None:
+                        answers[c.index] += c.delta_token_ids
                         thinking, text = splitters[c.index].feed(c.delta_text, final=c.finished)
                         thinking = (thinking or None) if reasoning.include else None
                     delta, finish_reason = self._chat_delta(c, text, parsers.get(c.index), tools)
@@ -584,6 +602,8 @@ class OpenAIServing:
                                                      token_ids=list(c.delta_token_ids) if ids else None))
             if request.include_usage_in_stream:
                 usage = _usage_of(job, completion_tokens)
+                if reasoning is not None:
+                    usage.completion_tokens_details = self._reasoning_tokens(reasoning, list(answers.values()))
                 yield sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model_name,
                                               choices=[], usage=usage).model_dump_json())
         except Exception as error:  # the status line is sent: errors can only travel as an event

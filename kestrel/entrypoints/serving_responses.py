@@ -153,8 +153,11 @@ class _ResponseShell:
 def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if usage is None:
         return None
-    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+    # The chat usage's details where the server reports them (--enable-prompt-tokens-details, --reasoning-parser).
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": usage["total_tokens"]}
 
 

@@ -5,6 +5,7 @@ in the Responses API, through the official `openai` client."""
 import json
 
 import pytest
+import transformers
 from conftest import MODEL, start_scripted
 from http_client import HTTP
 
@@ -13,6 +14,11 @@ ANSWER = f"<think>{THOUGHT}</think>Hello! How can I help?"
 USER = [{"role": "user", "content": "Hi"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_model_dir):
+    return transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +46,18 @@ def streamed(server, **kwargs) -> tuple[str, str, list[str]]:
     return reasoning, content, finish
 
 
-def test_the_thinking_comes_apart_from_the_content_whole_and_streamed(reasoning_server):
+def test_the_thinking_comes_apart_from_the_content_whole_and_streamed(reasoning_server, hf_tokenizer):
     server, _ = reasoning_server
-    message = chat(server).choices[0].message
+    response = chat(server)
+    message = response.choices[0].message
     assert message.content == "Hello! How can I help?"
     assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"] == THOUGHT
+    # Its reasoning tokens: those of the answer up to the end of the thinking.
+    thinking = len(hf_tokenizer.encode(ANSWER[:ANSWER.index("</think>") + len("</think>")], add_special_tokens=False))
+    assert response.usage.completion_tokens_details.reasoning_tokens == thinking
     assert streamed(server) == (THOUGHT, "Hello! How can I help?", ["stop"])
+    usage = [c.usage for c in chat(server, stream=True, stream_options={"include_usage": True}) if c.usage][-1]
+    assert usage.completion_tokens_details.reasoning_tokens == thinking
 
 
 def test_include_reasoning_false_leaves_the_thinking_out(reasoning_server, scripted):
@@ -89,6 +101,7 @@ def test_responses_carry_a_reasoning_item_whole_and_streamed(reasoning_server):
     whole = client.responses.create(model=MODEL, input="Hi", max_output_tokens=200)
     assert [item.type for item in whole.output] == ["reasoning", "message"]
     assert whole.output[0].content[0].text == THOUGHT and whole.output_text == "Hello! How can I help?"
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
     with client.responses.stream(model=MODEL, input="Hi", max_output_tokens=200) as stream:
         events = list(stream)
         final = stream.get_final_response()
