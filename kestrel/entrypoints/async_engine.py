@@ -78,6 +78,10 @@ class _Abort:
     request_id: str
 
 
+class RequestIdInUseError(ValueError):
+    """A request submitted under the id of one still running (or whose abort the engine has not applied yet)."""
+
+
 class RequestStream:
     """The outputs of one request, in order; `aclose()` (or leaving an `async for` early) aborts it."""
 
@@ -335,10 +339,10 @@ class AsyncEngine:
             if self._failed is not None:
                 raise EngineDeadError(str(self._failed))
             if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise RequestIdInUseError(f"request id {request_id!r} is already in use")
             if request_id in self._aborting:
-                raise ValueError(f"request id {request_id!r} is still in use: its abort takes effect before the "
-                                 "engine's next step; retry then, or use another id")
+                raise RequestIdInUseError(f"request id {request_id!r} is still in use: its abort takes effect "
+                                          "before the engine's next step; retry then, or use another id")
             self._streams[request_id] = stream
             self._commands.append(_Add(request_id, list(prompt_token_ids), params, prompt, priority, grammar,
                                        tuple(media)))

@@ -32,6 +32,7 @@ from kestrel.entrypoints.async_engine import (
     SHUTTING_DOWN_MESSAGE,
     EngineDeadError,
     QueueFullError,
+    RequestIdInUseError,
     RequestStream,
     ServerShuttingDownError,
     _put_all,
@@ -313,10 +314,10 @@ class CoreClient:
             if self._failed is not None:
                 raise EngineDeadError(str(self._failed))
             if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise RequestIdInUseError(f"request id {request_id!r} is already in use")
             if request_id in self._aborting.values():
-                raise ValueError(f"request id {request_id!r} is still in use: its abort takes effect in the engine "
-                                 "core's next step; retry then, or use another id")
+                raise RequestIdInUseError(f"request id {request_id!r} is still in use: its abort takes effect in "
+                                          "the engine core's next step; retry then, or use another id")
             self._streams[request_id] = stream
             self._requests[request_id] = request
             self._unaccepted.add(request_id)

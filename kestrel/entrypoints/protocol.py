@@ -113,8 +113,7 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
     "cache_salt": "prefix-cache salting is not implemented yet",
     "kv_transfer_params": "KV transfer is not implemented",
     "vllm_xargs": "vLLM's extension arguments are not implemented",
-    "request_id": "request ids are chosen by the server",
-    **{name: _OPENAI_PLATFORM for name in ("store", "metadata", "service_tier", "reasoning_effort", "modalities",
+    **{name: _OPENAI_PLATFORM for name in ("store", "metadata", "service_tier", "modalities",
                                            "audio", "prediction", "web_search_options", "verbosity",
                                            "safety_identifier", "prompt_cache_key")},
     "functions": "the deprecated functions field is not supported; use tools",
@@ -129,7 +128,7 @@ _BEAM_SEARCH_FIELDS = frozenset({
     "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "ignore_eos",
     "length_penalty", "include_stop_str_in_output", "use_beam_search", "stream", "user", "echo",
     "add_special_tokens", "truncate_prompt_tokens", "priority", "add_generation_prompt", "continue_final_message",
-    "chat_template", "chat_template_kwargs"})
+    "chat_template", "chat_template_kwargs", "request_id"})
 
 
 def _asks_nothing(name: str, value: Any) -> bool:
@@ -207,6 +206,9 @@ class _SamplingRequest(_Request):
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N" (for unprintable ones)
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids in the response
     priority: Int | None = None  # vLLM's: lower first, when the server runs --scheduling-policy priority
+    # vLLM's: the request's id in the engine and the logs, and the response's after its prefix ("chatcmpl-ID");
+    # one in use by a request still running is a 400.
+    request_id: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")] | None = None
     # vLLM's constrained decoding; the guided_* spellings are vLLM's older names for the same.
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -612,6 +614,19 @@ class ChatCompletionRequest(_SamplingRequest):
     echo: bool | None = False  # vLLM's: the answer starts with the last message when it is the assistant's
     # vLLM's: false leaves the thinking a --reasoning-parser separates out of the answer
     include_reasoning: bool | None = True
+    # OpenAI's; as vLLM does, handed to the chat template (its `reasoning_effort` variable), which decides
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs with reasoning_effort among them, when given."""
+        kwargs = self.chat_template_kwargs
+        if self.reasoning_effort is None:
+            return kwargs
+        given = (kwargs or {}).get("reasoning_effort", self.reasoning_effort)
+        if given != self.reasoning_effort:
+            _unsupported("reasoning_effort", f"reasoning_effort={self.reasoning_effort!r} and chat_template_kwargs' "
+                         f"reasoning_effort={given!r} differ; give one")
+        return {**(kwargs or {}), "reasoning_effort": self.reasoning_effort}
 
     @property
     def tool_choice_mode(self) -> str:

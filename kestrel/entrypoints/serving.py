@@ -22,6 +22,7 @@ from kestrel.entrypoints.async_engine import (
     AsyncEngine,
     DeltaJoiner,
     EngineDeadError,
+    RequestIdInUseError,
     RequestStream,
     RequestTimeoutError,
     ServerShuttingDownError,
@@ -241,7 +242,7 @@ class OpenAIServing:
         # The response is built from each step's additions (streamed, or joined here): the engine need not copy
         # each output whole at every step.
         params = params.replace(output_kind="delta")
-        job = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, arrival, prompt_param="prompt",
+        job = await self._submit(f"cmpl-{_request_id(request)}", prompts, params, arrival, prompt_param="prompt",
                                  logprobs_param="logprobs", priority=request.priority,
                                  structured_param=request.structured_outputs_field,
                                  shape=_completion_shape(request, params, prompts), grammar=grammar)
@@ -371,7 +372,7 @@ class OpenAIServing:
                                          finish_reason=seq.finish_reason) for j, seq in enumerate(result.sequences)]
         completion_tokens = sum(len(seq.output_token_ids) for r in results for seq in r.sequences)
         usage = _usage_info(sum(len(p.token_ids) for p in prompts), completion_tokens)
-        return JSONResponse(CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", choices=choices, usage=usage,
+        return JSONResponse(CompletionResponse(id=f"cmpl-{_request_id(request)}", choices=choices, usage=usage,
                                                model=self.response_model_name(request.model)).model_dump())
 
     # ----- /v1/chat/completions ------------------------------------------------------------------
@@ -402,7 +403,7 @@ class OpenAIServing:
                           request.named_tool, add_generation_prompt=request.add_generation_prompt is not False,
                           chat_template=request.chat_template,
                           continue_final_message=bool(request.continue_final_message),
-                          template_kwargs=request.chat_template_kwargs, content_parts=self.media is not None)
+                          template_kwargs=request.template_kwargs(), content_parts=self.media is not None)
         truncate = request.truncate_prompt_tokens
         room = _chat_output_room(request, beam is not None)
         self._check_output_room(room)
@@ -452,7 +453,7 @@ class OpenAIServing:
             text = grammar.text if isinstance(grammar, GrammarSource) else str(grammar.grammar)
             params = params.replace(structured_outputs=StructuredOutputsParams(grammar=text))
         params = params.replace(output_kind="delta")  # as for completions: streamed, or joined by _collect
-        job = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [_Prompt(None, token_ids)], params, arrival,
+        job = await self._submit(f"chatcmpl-{_request_id(request)}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs", priority=request.priority,
                                  structured_param=structured_param, shape=_chat_shape(request, params),
                                  grammar=grammar, media=media)
@@ -485,7 +486,7 @@ class OpenAIServing:
         choices = [ChatChoice(index=j, message=ChatResponseMessage(content=echoed + seq.text),
                               finish_reason=seq.finish_reason) for j, seq in enumerate(result.sequences)]
         usage = _usage_info(len(token_ids), sum(len(seq.output_token_ids) for seq in result.sequences))
-        return JSONResponse(ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex}", choices=choices, usage=usage,
+        return JSONResponse(ChatCompletionResponse(id=f"chatcmpl-{_request_id(request)}", choices=choices, usage=usage,
                                                    model=self.response_model_name(request.model)).model_dump())
 
     def _reasoning_setup(self, request: ChatCompletionRequest, params: SamplingParams,
@@ -819,8 +820,12 @@ class OpenAIServing:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         with_media = {"media": media} if media else {}  # only a multimodal engine (in-process) takes media
         rest = {"params": params, "priority": priority or 0, "grammar": grammar, **with_media}
-        streams = submit_all(self.engine, [(rid, p.token_ids, {**rest, "prompt": p.text})
-                                           for rid, p in zip(ids, prompts)])
+        try:
+            streams = submit_all(self.engine, [(rid, p.token_ids, {**rest, "prompt": p.text})
+                                               for rid, p in zip(ids, prompts)])
+        except RequestIdInUseError as error:  # only a request_id the client chose can be in use already
+            raise InvalidRequestError("request_id", f"{error}; give each running request its own request_id") \
+                from None
         try:
             for stream in streams:
                 await stream.accepted()
@@ -939,6 +944,11 @@ def _within_budget(job: _Submitted, response: JSONResponse) -> JSONResponse:
     if job.budget is not None:
         job.budget.body(response.body)
     return response
+
+
+def _request_id(request: CompletionRequest | ChatCompletionRequest) -> str:
+    """The request's id after its response prefix: the client's request_id (vLLM's field), else a fresh one."""
+    return request.request_id or uuid.uuid4().hex
 
 
 def _chat_echo(request: ChatCompletionRequest) -> str:

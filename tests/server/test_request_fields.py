@@ -16,7 +16,7 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 UNSUPPORTED = {
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "store": True,
     "metadata": {"k": "v"}, "service_tier": "auto",
-    "reasoning_effort": "low", "functions": [{"name": "f"}],
+    "functions": [{"name": "f"}],
 }
 CHAT_ONLY = {"add_special_tokens": True}
 
@@ -327,3 +327,37 @@ def test_streamed_completion_token_ids_add_up_to_the_whole(openai_server):
                   if line.startswith("data: ") and line != "data: [DONE]"]
     # Tokens whose text is held back (a split character) still send their ids.
     assert [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []] == whole
+
+
+def test_a_request_id_names_the_response_and_one_in_use_is_refused(start_scripted_server):
+    """vLLM's request_id: the response's id after its prefix; a second request under the id of one still running
+    is a 400 naming it, and the id is free again once that one ended."""
+    server, runner = start_scripted_server(step_delay_s=0.05, script=" ".join(f"w{i}" for i in range(40)))
+    completion = post(server, "/v1/completions", {**COMPLETION, "request_id": "trace-1"})
+    assert completion.status_code == 200 and completion.json()["id"] == "cmpl-trace-1"
+    chat = post(server, "/v1/chat/completions", {**CHAT, "request_id": "trace-1"})  # the first one ended
+    assert chat.status_code == 200 and chat.json()["id"] == "chatcmpl-trace-1"
+    body = {**COMPLETION, "max_tokens": 40, "request_id": "busy", "stream": True}
+    with HTTP.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=server.headers,
+                     timeout=30) as running:
+        next(running.iter_lines())  # it runs
+        again = post(server, "/v1/completions", {**COMPLETION, "request_id": "busy"})
+        assert again.status_code == 400 and again.json()["error"]["param"] == "request_id"
+        assert "'cmpl-busy' is" in again.json()["error"]["message"] and "in use" in again.json()["error"]["message"]
+    for bad in ("", "has space", "x" * 257):
+        reply = post(server, "/v1/completions", {**COMPLETION, "request_id": bad})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "request_id", bad
+
+
+def test_reasoning_effort_reaches_the_chat_template(start_scripted_server):
+    server, _ = start_scripted_server(trust_request_chat_template=True)
+    template = "{% for m in messages %}{{ m.content }}{% endfor %} effort={{ reasoning_effort }}"
+    body = {**CHAT, "chat_template": template, "return_token_ids": True}
+    tokenizer = server.engine.tokenizer
+    for effort in ("low", "high"):
+        reply = post(server, "/v1/chat/completions", {**body, "reasoning_effort": effort})
+        assert tokenizer.decode(reply.json()["prompt_token_ids"]).endswith(f"effort={effort}")
+    clash = post(server, "/v1/chat/completions", {**body, "reasoning_effort": "low",
+                                                  "chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert clash.status_code == 400 and clash.json()["error"]["param"] == "reasoning_effort"
+    assert post(server, "/v1/chat/completions", {**body, "reasoning_effort": "max"}).status_code == 400
