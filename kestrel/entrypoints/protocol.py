@@ -725,8 +725,17 @@ class TokenizeChatRequest(_Request):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool | None = True
+    # vLLM's, as on chat completions: the prompt a chat request with them would run
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     return_token_strs: bool | None = False
+
+    def check_continuation(self) -> None:
+        if self.continue_final_message and (self.add_generation_prompt is not False
+                                            or self.messages[-1].role != "assistant"):
+            _unsupported("continue_final_message", "continue_final_message continues the last message: it needs "
+                         "add_generation_prompt false and the last message to be the assistant's")
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [message.model_dump(exclude_none=True) for message in self.messages]

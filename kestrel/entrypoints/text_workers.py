@@ -78,8 +78,11 @@ def tokenize_input(request: TokenizeRequest) -> tuple[str | ChatInput, bool]:
             if message.has_images:
                 raise InvalidRequestError(f"messages[{i}].content", "/tokenize does not take image parts; an "
                                           "image's placeholder count comes from its pixels")
+        request.check_continuation()
         return chat_input(request.messages, request.message_dicts(), request.tool_dicts() or None,
-                          add_generation_prompt=request.add_generation_prompt is not False), True
+                          add_generation_prompt=request.add_generation_prompt is not False,
+                          continue_final_message=bool(request.continue_final_message),
+                          template_kwargs=request.chat_template_kwargs), True
     return request.prompt, getattr(request, "add_special_tokens", None) is not False
 
 

@@ -173,6 +173,14 @@ def test_models_tokenize_detokenize(client, served, hf_tokenizer):
     assert tokens["max_model_len"] == 256
     chat = HTTP.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}, headers=headers)
     assert chat.status_code == 200 and chat.json()["count"] > 3
+    # The prompt a chat request continuing the assistant's message runs: the template's, left open.
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello the"}]
+    opened = HTTP.post(f"{url}/tokenize", json={"messages": turns, "add_generation_prompt": False,
+                                                "continue_final_message": True}, headers=headers).json()["tokens"]
+    rendered = hf_tokenizer.apply_chat_template(turns, tokenize=False, continue_final_message=True)
+    assert opened == hf_tokenizer.encode(rendered, add_special_tokens=False)
+    refused = HTTP.post(f"{url}/tokenize", json={"messages": turns, "continue_final_message": True}, headers=headers)
+    assert refused.status_code == 400 and "continue_final_message" in refused.json()["error"]["message"]
     text = HTTP.post(f"{url}/detokenize", json={"tokens": tokens["tokens"][1:]}, headers=headers).json()
     assert text["prompt"] == PROMPT
 
