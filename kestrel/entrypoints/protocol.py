@@ -1012,8 +1012,11 @@ _UNION_HINTS = {
 }
 
 
-def validation_error_info(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
-    """(param, message) for the first of pydantic's errors, in the words a client can act on."""
+def validation_error_info(errors: list[dict[str, Any]],
+                          hints: Mapping[str, str] | None = None) -> tuple[str | None, str]:
+    """(param, message) for the first of pydantic's errors, in the words a client can act on; `hints`: what a
+    route's union fields take, where they differ from `_UNION_HINTS` (the Responses API's `input`)."""
+    union_hints = {**_UNION_HINTS, **(hints or {})}
     if not errors:
         return None, "invalid request"
     first = errors[0]
@@ -1047,12 +1050,12 @@ def validation_error_info(errors: list[dict[str, Any]]) -> tuple[str | None, str
                            "'image_url': {'url': ...}} or {'type': 'input_audio', 'input_audio': {...}}")
     same_field = [e for e in errors if _field_loc(e)[:len(loc)] == loc]
     name = next((part for part in reversed(loc) if isinstance(part, str)), "")
-    if len(same_field) > 1 and name in _UNION_HINTS:
+    if len(same_field) > 1 and name in union_hints:
         # When only one accepted shape got past the top level (e.g. a list), its error is the useful one.
         deeper = [e for e in same_field if len(_field_loc(e)) > len(loc)]
         if deeper and len({_union_member(e) for e in deeper}) == 1:
             return _path(_field_loc(deeper[0])), f"invalid {_path(_field_loc(deeper[0]))}: {deeper[0].get('msg')}"
-        return param, f"invalid {param}: expected {_UNION_HINTS[name]}"
+        return param, f"invalid {param}: expected {union_hints[name]}"
     return param, f"invalid {param}: {first.get('msg')}"
 
 

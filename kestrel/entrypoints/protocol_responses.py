@@ -79,6 +79,9 @@ class ReasoningItem(_Request):
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+# What a Responses request's union fields take, for its validation errors (protocol.validation_error_info).
+RESPONSES_HINTS = {"input": "a string or a non-empty list of input items (messages, function calls, function call "
+                            "outputs, reasoning items)"}
 
 
 class TextFormat(_Request):

@@ -60,7 +60,7 @@ from kestrel.entrypoints.protocol import (
     TokenizeResponse,
     validation_error_info,
 )
-from kestrel.entrypoints.protocol_responses import ResponsesRequest
+from kestrel.entrypoints.protocol_responses import RESPONSES_HINTS, ResponsesRequest
 from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.entrypoints.serving import (
     ClientDisconnectedError,
@@ -430,8 +430,9 @@ def _error(status: int, message: str, err_type: str, param: str | None = None, c
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        param, message = validation_error_info(list(exc.errors()))
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        hints = RESPONSES_HINTS if request.url.path.endswith("/v1/responses") else None
+        param, message = validation_error_info(list(exc.errors()), hints)
         return _error(400, message, "invalid_request_error", param, "invalid_value")
 
     @app.exception_handler(InvalidRequestError)
