@@ -477,6 +477,10 @@ def _add_error_handlers(app: FastAPI) -> None:
             served = ", ".join(sorted({r.path for r in app.routes if r.path.startswith("/v1/")}))
             return _error(404, f"{path} is not an endpoint kestrel serves; the OpenAI endpoints served are: "
                           f"{served}", err_type, None, "unknown_endpoint", headers=exc.headers)
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # FastAPI's words for a body it could not read as JSON, such as one that is not UTF-8.
+            return _error(400, "the request body could not be read: send JSON encoded as UTF-8", err_type, None,
+                          "invalid_body", headers=exc.headers)
         return _error(exc.status_code, str(exc.detail), err_type, None, None, headers=exc.headers)
 
     @app.exception_handler(Exception)

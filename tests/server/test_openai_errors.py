@@ -208,6 +208,13 @@ def test_malformed_bodies_are_400(openai_server, content):
     assert_error(response, 400)
 
 
+def test_a_body_that_is_not_utf8_is_told_so(openai_server):
+    response = post(openai_server, "/v1/completions", content=b'{"model": "tiny", "prompt": "\xff\xfe"}',
+                    headers={"Content-Type": "application/json"})
+    error = assert_error(response, 400)
+    assert error["code"] == "invalid_body" and "UTF-8" in error["message"]
+
+
 def test_unknown_route_and_method_keep_the_error_shape(openai_server):
     assert_error(HTTP.get(f"{openai_server.base_url}/v1/nothing", headers=openai_server.headers), 404)
     assert_error(HTTP.get(f"{openai_server.base_url}/v1/completions", headers=openai_server.headers), 405)
