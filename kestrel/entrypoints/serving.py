@@ -452,6 +452,7 @@ class OpenAIServing:
             # grammar, or (an engine core in its own process) compiles the call's source sent beside it.
             text = grammar.text if isinstance(grammar, GrammarSource) else str(grammar.grammar)
             params = params.replace(structured_outputs=StructuredOutputsParams(grammar=text))
+        reasoning = self._reasoning_setup(request, params, prompt.text)  # before the engine takes the request
         params = params.replace(output_kind="delta")  # as for completions: streamed, or joined by _collect
         job = await self._submit(f"chatcmpl-{_request_id(request)}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs", priority=request.priority,
@@ -460,7 +461,6 @@ class OpenAIServing:
         job.model_name = self.response_model_name(request.model)
         job.original_prompt_tokens = original_tokens
         tools = _tool_setup(request, prompt.assistant_prefix, self.config.tool_call_parser or prompt.tool_format)
-        reasoning = self._reasoning_setup(request, params, prompt.text)
         if request.stream:
             return EventStreamResponse(self._chat_stream(request, job, tools, reasoning), on_close=job.abort)
         (final,) = await _until_disconnect(raw, self._collect(job))
