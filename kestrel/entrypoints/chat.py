@@ -166,6 +166,8 @@ def _normalize_message(message: dict[str, Any], native_tools: bool, content_part
         out["tool_call_id"] = message["tool_call_id"]
     if message.get("name"):
         out["name"] = message["name"]
+    if message.get("reasoning_content") is not None:  # an earlier answer's thinking, for templates that render it
+        out["reasoning_content"] = message["reasoning_content"]
     calls = message.get("tool_calls") or []
     if calls and native_tools:
         out["tool_calls"] = [_native_call(call) for call in calls]

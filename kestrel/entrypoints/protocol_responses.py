@@ -1,7 +1,7 @@
 """The OpenAI Responses API's request schema (its text subset) and its translation into a chat completion request.
 
 Parsed as strictly as protocol.py's models (the same base): an unknown field is a 400 naming it. What has no
-counterpart here is refused by name: `background: true`, `truncation: "auto"`, `reasoning`, `include` and every
+counterpart here is refused by name: `background: true`, `truncation: "auto"`, `reasoning.summary`, `include` and every
 other field of OpenAI's that this server does not know. `store` and `previous_response_id` are the serving layer's
 to judge (they need the response store, which is off by default).
 """
@@ -104,6 +104,12 @@ class FunctionTool(_Request):
     strict: bool | None = None
 
 
+class ReasoningConfig(_Request):
+    # Handed to the chat template as the chat request's reasoning_effort; no summaries are written here.
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: None = None
+
+
 class FunctionToolChoice(_Request):
     type: Literal["function"]
     name: str
@@ -126,6 +132,7 @@ class ResponsesRequest(_Request):
     background: bool | None = None
     truncation: Literal["disabled"] | None = None
     user: str | None = None
+    reasoning: ReasoningConfig | None = None
 
     def input_items(self) -> list[InputItem]:
         """The input as items: a string is one user message."""
@@ -145,6 +152,8 @@ class ResponsesRequest(_Request):
                              ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user")):
             if getattr(self, ours) is not None:
                 body[theirs] = getattr(self, ours)
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
         if self.stream:
             body["stream_options"] = {"include_usage": True}  # response.completed carries the usage
         fmt = self.text.format if self.text is not None else None
@@ -204,7 +213,7 @@ class ResponsesRequest(_Request):
 _CHAT_PARAMS = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
                 ("max_tokens", "max_output_tokens"), ("response_format.json_schema.schema", "text.format.schema"),
                 ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
-                ("tools", "tools"), ("top_logprobs", "top_logprobs"))
+                ("tools", "tools"), ("top_logprobs", "top_logprobs"), ("reasoning_effort", "reasoning.effort"))
 
 
 def chat_param(param: str) -> str:

@@ -2,7 +2,8 @@
 text between the think tags as `reasoning` (and `reasoning_content`, its older name) and the rest as `content`.
 
 Both parsers read `<think> ... </think>`. An answer is in its thinking from the start when the model opens it
-(`<think>` first, dropped) or the chat template did (the rendered prompt ends with `<think>`); `deepseek_r1`
+(`<think>` first, dropped) or the prompt did (its last `<think>` is open: the chat template's, or the one of an
+assistant message the answer continues); `deepseek_r1`
 always starts there (DeepSeek-R1 may begin its thinking without the tag). Thinking ends at `</think>` (dropped);
 an answer that never closes it is all reasoning. `qwen3` without an opening (thinking turned off with
 `enable_thinking: false`) is all content. A whole answer and its stream split alike: both run `ReasoningSplitter`.
@@ -17,8 +18,9 @@ THINK_START, THINK_END = "<think>", "</think>"
 
 
 def opened_by_prompt(prompt_text: str) -> bool:
-    """Whether the rendered chat prompt starts the answer inside its thinking (the template wrote `<think>`)."""
-    return prompt_text.rstrip().endswith(THINK_START)
+    """Whether the rendered chat prompt starts the answer inside its thinking: its last `<think>` is not closed
+    (the template opened it for the answer, or the assistant message the answer continues holds it)."""
+    return prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END)
 
 
 def _held_back(text: str, tag: str) -> int:

@@ -80,7 +80,6 @@ from kestrel.entrypoints.protocol import (
     UsageInfo,
 )
 from kestrel.entrypoints.reasoning import (
-    REASONING_PARSERS,
     ReasoningSplitter,
     count_reasoning_tokens,
     opened_by_prompt,
@@ -494,11 +493,7 @@ class OpenAIServing:
         """How this answer's thinking is told apart (None: all of it is content). A grammar (structured outputs,
         a forced tool call) shapes the whole answer, so its answers are not split."""
         parser = self.config.reasoning_parser
-        if parser is None:
-            if request.include_reasoning is False:
-                raise InvalidRequestError("include_reasoning", "include_reasoning false leaves out the thinking a "
-                                          "reasoning parser separates; this server has none (start it with "
-                                          f"--reasoning-parser, one of {list(REASONING_PARSERS)})")
+        if parser is None:  # no thinking told apart: none to leave out either (include_reasoning asks nothing)
             return None
         if params.structured_outputs is not None:
             return None

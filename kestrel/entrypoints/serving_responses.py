@@ -62,9 +62,12 @@ class OpenAIServingResponses:
         choice = body["choices"][0]
         message = choice["message"]
         output = []
-        if message.get("reasoning") is not None:
-            output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", message["reasoning"], "completed"))
-        if message.get("content") or not message.get("tool_calls"):
+        reasoning = message.get("reasoning")
+        if reasoning is not None:
+            # Cut by max_output_tokens while thinking: the thinking is the incomplete part, and there is no answer.
+            cut = choice["finish_reason"] == "length" and not message.get("content") and not message.get("tool_calls")
+            output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", reasoning, "incomplete" if cut else "completed"))
+        if message.get("content") or not (message.get("tool_calls") or reasoning is not None):
             status = "incomplete" if choice["finish_reason"] == "length" else "completed"
             output.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status))
         output += [_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
@@ -211,12 +214,12 @@ class _EventWriter:
                                  output_index=self.reasoning["index"], content_index=0, delta=delta))
         return events
 
-    def close_reasoning(self) -> list[str]:
+    def close_reasoning(self, status: str = "completed") -> list[str]:
         if self.reasoning is None:
             return []
         item_id, index, text = self.reasoning["item"]["id"], self.reasoning["index"], self.reasoning["text"]
         self.reasoning = None
-        item = _reasoning_item(item_id, text, "completed")
+        item = _reasoning_item(item_id, text, status)
         self.output.append(item)
         return [self.event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
                            text=text),
@@ -315,12 +318,12 @@ async def _events(shell: _ResponseShell, chunks: AsyncIterator[Any],
                         yield event
                 finish_reason = choice.get("finish_reason") or finish_reason
             if body.get("usage") and not body.get("choices"):
-                if writer.text is None and not writer.calls and not any(
-                        item["type"] == "message" for item in writer.output):
+                if writer.text is None and writer.reasoning is None and not writer.calls and not writer.output:
                     for event in writer.text_delta(""):
                         yield event  # an empty answer is still one message, as the whole response has
                 status = "incomplete" if finish_reason == "length" else "completed"
-                for event in writer.close_reasoning() + writer.close_text(status) + writer.close_calls():
+                # Still open at the end: the thinking was all there was (cut while thinking, or no answer after it).
+                for event in writer.close_reasoning(status) + writer.close_text(status) + writer.close_calls():
                     yield event
                 response = writer.shell.response(list(writer.output), finish_reason, body["usage"])
                 save(response, writer.output)

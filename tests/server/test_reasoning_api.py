@@ -65,11 +65,14 @@ def test_include_reasoning_false_leaves_the_thinking_out(reasoning_server, scrip
     message = chat(server, extra_body={"include_reasoning": False}).choices[0].message
     assert message.content == "Hello! How can I help?" and "reasoning" not in (message.model_extra or {})
     assert streamed(server, extra_body={"include_reasoning": False}) == ("", "Hello! How can I help?", ["stop"])
-    plain, _ = scripted  # a server without a reasoning parser cannot tell the thinking apart
-    reply = HTTP.post(f"{plain.base_url}/v1/chat/completions", headers=plain.headers,
-                      json={"model": MODEL, "messages": USER, "include_reasoning": False})
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "include_reasoning"
-    assert "--reasoning-parser" in reply.json()["error"]["message"]
+    plain, runner = scripted  # a server without a reasoning parser tells no thinking apart: none to leave out
+    runner.script = ANSWER
+    try:
+        reply = HTTP.post(f"{plain.base_url}/v1/chat/completions", headers=plain.headers,
+                          json={"model": MODEL, "messages": USER, "include_reasoning": False, "max_tokens": 200})
+    finally:
+        runner.script = "Hello!"
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == ANSWER
 
 
 def test_tool_calls_are_read_from_the_content_after_the_thinking(reasoning_server):
@@ -112,4 +115,37 @@ def test_responses_carry_a_reasoning_item_whole_and_streamed(reasoning_server):
     replay = [{"role": "user", "content": "Hi"}, *[item.model_dump(exclude_none=True) for item in whole.output],
               {"role": "user", "content": "And then?"}]
     again = client.responses.create(model=MODEL, input=replay, max_output_tokens=8)  # cut inside its thinking
-    assert again.status == "incomplete" and [item.type for item in again.output] == ["reasoning", "message"]
+    assert again.status == "incomplete" and [item.type for item in again.output] == ["reasoning"]
+
+
+def test_responses_cut_while_thinking_hold_only_the_incomplete_reasoning(reasoning_server):
+    server, _ = reasoning_server
+    client = server.client()
+    whole = client.responses.create(model=MODEL, input="Hi", max_output_tokens=12)
+    with client.responses.stream(model=MODEL, input="Hi", max_output_tokens=12) as stream:
+        list(stream)
+        final = stream.get_final_response()
+    for response in (whole, final):
+        assert response.status == "incomplete"
+        assert [(item.type, item.status) for item in response.output] == [("reasoning", "incomplete")]
+    assert whole.output[0].content[0].text == final.output[0].content[0].text
+    effort = client.responses.create(model=MODEL, input="Hi", max_output_tokens=12, reasoning={"effort": "low"})
+    assert effort.status == "incomplete"  # taken (the template decides what effort means)
+
+
+def test_thinking_sent_back_reaches_the_template(tiny_model_dir):
+    """An earlier answer's thinking, as a chat message's reasoning or a Responses reasoning item, is the template's
+    reasoning_content."""
+    server, _ = start_scripted(tiny_model_dir, reasoning_parser="qwen3", trust_request_chat_template=True)
+    template = ("{% for m in messages %}[{{ m.role }}]{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                "</think>{% endif %}{{ m.content }}{% endfor %}[assistant]")
+    history = [*USER, {"role": "assistant", "content": "Hello", "reasoning": "be kind"},
+               {"role": "user", "content": "again"}]
+    try:
+        reply = HTTP.post(f"{server.base_url}/v1/chat/completions", headers=server.headers,
+                          json={"model": MODEL, "messages": history, "chat_template": template, "max_tokens": 1,
+                                "return_token_ids": True}).json()
+        prompt = server.engine.tokenizer.decode(reply["prompt_token_ids"])
+        assert "[assistant]<think>be kind</think>Hello[user]again" in prompt
+    finally:
+        server.stop()

@@ -135,7 +135,8 @@ def test_tool_round_trip_on_the_scripted_model(scripted):
 @pytest.mark.parametrize(("body", "param"), [
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"max_output_tokens": 0}, "max_output_tokens"),

@@ -47,5 +47,7 @@ def test_nothing_of_a_tag_leaks_before_it_is_whole() -> None:
 def test_the_prompt_opens_the_thinking_when_it_ends_with_the_tag() -> None:
     assert opened_by_prompt("<|im_start|>assistant\n<think>\n")
     assert not opened_by_prompt("<|im_start|>assistant\n")
+    assert opened_by_prompt("<think>a</think>b<|im_start|>assistant\n<think>\nLet me see")  # a continued thought
+    assert not opened_by_prompt("<|im_start|>assistant\n<think>a</think>b<|im_start|>user\nhi")
     with pytest.raises(ValueError, match="qwen3"):
         ReasoningSplitter("granite", False)
