@@ -214,13 +214,19 @@ class _EventWriter:
                                  output_index=self.reasoning["index"], content_index=0, delta=delta))
         return events
 
+    def _finished(self, opened: dict[str, Any], make: Callable[[str, str, str], dict[str, Any]],
+                  status: str) -> tuple[str, int, str, dict[str, Any]]:
+        """An open item's id, output index and text, and its final form (`make`), now in the output."""
+        item_id, index, text = opened["item"]["id"], opened["index"], opened["text"]
+        item = make(item_id, text, status)
+        self.output.append(item)
+        return item_id, index, text, item
+
     def close_reasoning(self, status: str = "completed") -> list[str]:
         if self.reasoning is None:
             return []
-        item_id, index, text = self.reasoning["item"]["id"], self.reasoning["index"], self.reasoning["text"]
+        item_id, index, text, item = self._finished(self.reasoning, _reasoning_item, status)
         self.reasoning = None
-        item = _reasoning_item(item_id, text, status)
-        self.output.append(item)
         return [self.event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
                            text=text),
                 self.event("response.output_item.done", output_index=index, item=item)]
@@ -243,10 +249,8 @@ class _EventWriter:
     def close_text(self, status: str) -> list[str]:
         if self.text is None:
             return []
-        item_id, index, text = self.text["item"]["id"], self.text["index"], self.text["text"]
+        item_id, index, text, item = self._finished(self.text, _message_item, status)
         self.text = None
-        item = _message_item(item_id, text, status)
-        self.output.append(item)
         return [self.event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
                            text=text, logprobs=[]),
                 self.event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
