@@ -488,6 +488,8 @@ class EngineCore:
 
     def _emit(self, updated: list[Request]) -> list[EngineOutput]:
         """Text, stop strings and RequestOutputs of the requests a step advanced (`_advance`)."""
+        if self.deltas:
+            return self._emit_deltas(updated)
         touched: dict[str, _ParentRequest] = {}
         now = time.monotonic()
         sequence_parent = self._sequence_parent
@@ -522,6 +524,32 @@ class EngineCore:
                 outputs.append(make_output(parent, finished))
             if finished:
                 self._parents.pop(parent.request_id, None)
+        return outputs
+
+    def _emit_deltas(self, updated: list[Request]) -> list[EngineOutput]:
+        """`_emit` of a core whose client builds the outputs (deltas=True): one sequence per request and no text
+        here, so one pass makes each request's SequenceDelta."""
+        outputs: list[EngineOutput] = []
+        now = time.monotonic()
+        sequence_parent = self._sequence_parent
+        structured = self.structured
+        make_delta = self._make_delta
+        for request in updated:
+            request_id = request.request_id
+            parent = sequence_parent.get(request_id)
+            if parent is None:
+                continue
+            sequence = parent.sequences[0]
+            status = sequence.status = request.status
+            if status.finished:
+                if request.sampling_params.structured_outputs is not None and structured is not None:
+                    structured.remove(request_id)
+                sequence.finished_time = now
+                del sequence_parent[request_id]
+                self._parents.pop(request_id, None)
+                outputs.append(make_delta(parent, True))
+            elif not request.sampling_params.final_only:
+                outputs.append(make_delta(parent, False))
         return outputs
 
     def _advance_grammars(self, updated: list[Request]) -> None:
@@ -598,8 +626,11 @@ class EngineCore:
                            if seq.num_emitted_tokens < seq.request.num_output_tokens
                            or (seq.status.finished and not seq.finish_emitted)]
             if prompt_logprobs is not None:
-                prompt_logprobs, parent.prompt_logprobs_emitted = (
-                    None if parent.prompt_logprobs_emitted else prompt_logprobs), True
+                # Once, whole: from the first sequence whose prompt has run (siblings prefill apart).
+                whole = next((seq.request.prompt_logprobs for seq in sequences
+                              if len(seq.request.prompt_logprobs) == len(parent.prompt_token_ids)), None)
+                prompt_logprobs = None if parent.prompt_logprobs_emitted else whole
+                parent.prompt_logprobs_emitted = parent.prompt_logprobs_emitted or whole is not None
         else:
             completion = self._completion
             completions = ([completion(sequences[0])] if len(sequences) == 1

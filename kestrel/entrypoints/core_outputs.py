@@ -101,10 +101,12 @@ class ClientRequest:
             seq.logprobs += [self._named(entry) for entry in delta.new_logprobs]
         if delta.metrics is not None:
             seq.metrics = delta.metrics
+        # The prompt's logprobs are every sequence's (one prompt): from the first to bring them, so that the first
+        # output carries them whichever sequence it comes from (a delta output carries them only once).
+        if delta.prompt_logprobs is not None and (seq.index == 0 or self.prompt_logprobs is None):
+            self.prompt_logprobs = [self._named(entry) for entry in delta.prompt_logprobs]
         if seq.index == 0:
             self.num_cached_tokens = max(delta.num_cached_tokens, 0)
-            if delta.prompt_logprobs is not None:
-                self.prompt_logprobs = [self._named(entry) for entry in delta.prompt_logprobs]
             if delta.pooled is not None:
                 self.pooled = delta.pooled
         stopped = False

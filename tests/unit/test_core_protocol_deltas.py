@@ -26,3 +26,31 @@ def test_every_field_round_trips(send_prompt_logprobs):
     delta = SequenceDelta("r2", [7, 8], logprobs, "stop", "</s>", 0, prompt_logprobs, metrics, [0.25, -1.0])
     got = round_trip(delta, send_prompt_logprobs)
     assert got == delta._replace(prompt_logprobs=prompt_logprobs if send_prompt_logprobs else None)
+
+
+def test_delta_outputs_carry_the_prompts_logprobs_whichever_sequence_comes_first():
+    """n = 2 rebuilt by the core process's client: the first output carries the prompt's logprobs even when the
+    second sequence's step arrives first, and no later output carries them again."""
+    from kestrel.entrypoints.core_outputs import ClientRequest, child_id
+    from kestrel.loader.tokenizer import load_tokenizer
+    from kestrel.sampling_params import SamplingParams
+    from kestrel.tiny import default_model_path
+
+    tokenizer = load_tokenizer(str(default_model_path()))
+    params = SamplingParams(n=2, max_tokens=2, prompt_logprobs=1, output_kind="delta")
+    request = ClientRequest("r", None, [5, 6, 7], params, tokenizer, lambda t: str(t))
+    prompt = [None, {6: Logprob(-1.0, 1)}, {7: Logprob(-2.0, 1)}]
+
+    def step(index: int, token: int, finish: str | None) -> None:
+        request.apply(SequenceDelta(child_id("r", index, 2), [token], None, finish, None, 0, prompt, None, None))
+
+    step(1, 40, None)
+    first = request.output()
+    assert [c.index for c in first.outputs] == [1]
+    assert [list(e or {}) for e in first.prompt_logprobs] == [[], [6], [7]]
+    step(0, 41, None)
+    step(0, 42, "length")
+    step(1, 43, "length")
+    last = request.output()
+    assert last.finished and last.prompt_logprobs is None
+    assert {c.index: c.token_ids for c in last.outputs} == {0: [41, 42], 1: [43]}
