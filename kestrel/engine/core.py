@@ -493,7 +493,6 @@ class EngineCore:
         touched: dict[str, _ParentRequest] = {}
         now = time.monotonic()
         sequence_parent = self._sequence_parent
-        structured = self.structured
         detokenize = self.detokenize
         for request in updated:
             request_id = request.request_id
@@ -510,13 +509,10 @@ class EngineCore:
                 self._detokenize(sequence)
             status = sequence.status = request.status  # a stop string may have ended it just now
             if status.finished:
-                if params.structured_outputs is not None and structured is not None:
-                    structured.remove(request_id)
-                sequence.finished_time = now
-                sequence_parent.pop(request_id, None)
+                self._sequence_ended(request, sequence, now)
             touched[parent.request_id] = parent
         outputs = []
-        make_output = self._make_delta if self.deltas else self._make_output
+        make_output = self._make_output
         for parent in touched.values():
             sequences = parent.sequences
             finished = sequences[0].status.finished if len(sequences) == 1 else parent.finished
@@ -532,25 +528,27 @@ class EngineCore:
         outputs: list[EngineOutput] = []
         now = time.monotonic()
         sequence_parent = self._sequence_parent
-        structured = self.structured
         make_delta = self._make_delta
         for request in updated:
-            request_id = request.request_id
-            parent = sequence_parent.get(request_id)
+            parent = sequence_parent.get(request.request_id)
             if parent is None:
                 continue
             sequence = parent.sequences[0]
             status = sequence.status = request.status
             if status.finished:
-                if request.sampling_params.structured_outputs is not None and structured is not None:
-                    structured.remove(request_id)
-                sequence.finished_time = now
-                del sequence_parent[request_id]
-                self._parents.pop(request_id, None)
+                self._sequence_ended(request, sequence, now)
+                self._parents.pop(parent.request_id, None)
                 outputs.append(make_delta(parent, True))
             elif not request.sampling_params.final_only:
                 outputs.append(make_delta(parent, False))
         return outputs
+
+    def _sequence_ended(self, request: Request, sequence: _Sequence, now: float) -> None:
+        """A sequence whose request finished: its matcher released, its end time kept, its id no longer live."""
+        if request.sampling_params.structured_outputs is not None and self.structured is not None:
+            self.structured.remove(request.request_id)
+        sequence.finished_time = now
+        self._sequence_parent.pop(request.request_id, None)
 
     def _advance_grammars(self, updated: list[Request]) -> None:
         """Feed the step's new tokens to their requests' matchers (one batched call); a grammar complete with its
