@@ -19,6 +19,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kestrel.entrypoints.reasoning import THINK_END, opened_by_prompt
 from kestrel.request import InvalidRequestError
 
 _WS = " \t\r\n"
@@ -60,12 +61,15 @@ class ChatPrompt:
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                 tool_choice: str = "auto", named_tool: str | None = None, add_generation_prompt: bool = True,
                 chat_template: str | None = None, continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None, content_parts: bool = False) -> ChatPrompt:
+                template_kwargs: dict[str, Any] | None = None, content_parts: bool = False,
+                close_thinking: bool = False) -> ChatPrompt:
     """Render messages through the tokenizer's template. `tool_choice`: none, auto, required or named;
     `continue_final_message`: leave the last (assistant) message open for the model to go on with;
     `template_kwargs`: more variables for the template (e.g. enable_thinking); `content_parts`: hand each
     message's content to the template as a list of parts (`{"type": "text", "text": ...}`, `{"type": "image"}`,
-    `{"type": "audio"}`), as multimodal processors' templates read it, instead of one string."""
+    `{"type": "audio"}`), as multimodal processors' templates read it, instead of one string; `close_thinking`: a
+    grammar shapes the whole answer (--reasoning-parser servers), so a thinking the prompt leaves open is closed
+    before it, as a reasoning model's template does with its thinking turned off."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequestError("messages", "this model's tokenizer has no chat template; use a completion "
@@ -84,6 +88,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
     except Exception as e:  # a template raises whatever its author chose (jinja errors, ValueError, ...)
         raise InvalidRequestError("messages", f"the chat template could not render these messages: {e}") from None
     fmt = tool_format(template) if native else "llama3_json"
+    if close_thinking and opened_by_prompt(text):
+        text += f"{THINK_END}\n\n"
     prefix = forced_prefix(tool_choice, named_tool, fmt) if use_tools and add_generation_prompt else ""
     return ChatPrompt(text + prefix, prefix, fmt)
 

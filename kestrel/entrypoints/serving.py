@@ -402,7 +402,10 @@ class OpenAIServing:
                           request.named_tool, add_generation_prompt=request.add_generation_prompt is not False,
                           chat_template=request.chat_template,
                           continue_final_message=bool(request.continue_final_message),
-                          template_kwargs=request.template_kwargs(), content_parts=self.media is not None)
+                          template_kwargs=request.template_kwargs(), content_parts=self.media is not None,
+                          # With a reasoning parser, a grammar-shaped answer skips the thinking a template opens.
+                          close_thinking=self.config.reasoning_parser is not None and (
+                              params.structured_outputs is not None or mode in ("required", "named")))
         truncate = request.truncate_prompt_tokens
         room = _chat_output_room(request, beam is not None)
         self._check_output_room(room)

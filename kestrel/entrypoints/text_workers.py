@@ -58,16 +58,17 @@ class ChatInput:
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] | None = None
     content_parts: bool = False  # a multimodal model's template reads content as text and image parts
+    close_thinking: bool = False  # a grammar shapes the answer: a thinking the template opened is closed first
 
 
 def chat_input(messages: Sequence[ChatMessage], message_dicts: list[dict[str, Any]],
                tools: list[dict[str, Any]] | None, tool_choice: str = "auto", named_tool: str | None = None,
                add_generation_prompt: bool = True, chat_template: str | None = None,
                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-               content_parts: bool = False) -> ChatInput:
+               content_parts: bool = False, close_thinking: bool = False) -> ChatInput:
     return ChatInput(message_dicts, [text for m in messages for text in (m.role, m.text())], tools, tool_choice,
                      named_tool, add_generation_prompt, chat_template, continue_final_message, template_kwargs,
-                     content_parts)
+                     content_parts, close_thinking)
 
 
 def tokenize_input(request: TokenizeRequest) -> tuple[str | ChatInput, bool]:
@@ -134,7 +135,8 @@ def render_and_encode(tokenizer: Any, specials: Sequence[str], chat: ChatInput,
     prompt = render_chat(tokenizer, chat.messages, tools=chat.tools, tool_choice=chat.tool_choice,
                          named_tool=chat.named_tool, add_generation_prompt=chat.add_generation_prompt,
                          chat_template=chat.chat_template, continue_final_message=chat.continue_final_message,
-                         template_kwargs=chat.template_kwargs, content_parts=chat.content_parts)
+                         template_kwargs=chat.template_kwargs, content_parts=chat.content_parts,
+                         close_thinking=chat.close_thinking)
     return (prompt, *within_limit(encode_chat(tokenizer, prompt.text, chat.message_texts, specials), limit))
 
 

@@ -149,3 +149,27 @@ def test_thinking_sent_back_reaches_the_template(tiny_model_dir):
         assert "[assistant]<think>be kind</think>Hello[user]again" in prompt
     finally:
         server.stop()
+
+
+def test_a_grammar_shaped_answer_skips_the_thinking_the_template_opens(tiny_model_dir):
+    """With a reasoning parser, a constrained answer (structured outputs, a forced tool call) comes after the
+    template's open <think> is closed, as the template would with thinking off; others think as the template says."""
+    server, _ = start_scripted(tiny_model_dir, reasoning_parser="qwen3", trust_request_chat_template=True)
+    template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]<think>"
+    body = {"model": MODEL, "messages": USER, "chat_template": template, "max_tokens": 1, "return_token_ids": True}
+
+    def prompt(**fields) -> str:
+        reply = HTTP.post(f"{server.base_url}/v1/chat/completions", headers=server.headers, json={**body, **fields})
+        assert reply.status_code == 200, reply.text
+        return server.engine.tokenizer.decode(reply.json()["prompt_token_ids"])
+
+    try:
+        assert prompt().endswith("[assistant]<think>")
+        assert "[assistant]<think></think>\n\n" in prompt(tools=[WEATHER], tool_choice="required")
+        # (structured outputs take the same rule; this scripted engine has no grammar backend to run them)
+        from kestrel.entrypoints.chat import render_chat
+
+        rendered = render_chat(server.engine.tokenizer, USER, chat_template=template, close_thinking=True)
+        assert rendered.text.endswith("[assistant]<think></think>\n\n")
+    finally:
+        server.stop()
