@@ -651,13 +651,7 @@ class ChatCompletionRequest(_SamplingRequest):
         self._check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             _unsupported("top_logprobs", "top_logprobs needs logprobs set to true")
-        if self.continue_final_message:
-            if self.add_generation_prompt is not False:
-                _unsupported("continue_final_message", "continue_final_message continues the last message, so it "
-                             "needs add_generation_prompt set to false")
-            if self.messages[-1].role != "assistant":
-                _unsupported("continue_final_message", "continue_final_message needs the last message to be the "
-                             "assistant's")
+        _check_continuation(self.continue_final_message, self.add_generation_prompt, self.messages)
         logprobs = _default(self.top_logprobs, 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(max_tokens, logprobs, model_defaults or {})
@@ -732,10 +726,7 @@ class TokenizeChatRequest(_Request):
     return_token_strs: bool | None = False
 
     def check_continuation(self) -> None:
-        if self.continue_final_message and (self.add_generation_prompt is not False
-                                            or self.messages[-1].role != "assistant"):
-            _unsupported("continue_final_message", "continue_final_message continues the last message: it needs "
-                         "add_generation_prompt false and the last message to be the assistant's")
+        _check_continuation(self.continue_final_message, self.add_generation_prompt, self.messages)
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [message.model_dump(exclude_none=True) for message in self.messages]
@@ -1130,6 +1121,19 @@ def _beam_search_ignores(name: str, value: Any, request_default: Any) -> bool:
         return True
     defaults = [request_default, getattr(SamplingParams, name, None)]
     return any(type(value) is type(d) and value == d for d in defaults if d is not None)
+
+
+def _check_continuation(continue_final_message: bool | None, add_generation_prompt: bool | None,
+                        messages: list[ChatMessage]) -> None:
+    """continue_final_message (chat completions and /tokenize chats) goes on with the assistant's last message."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt is not False:
+        _unsupported("continue_final_message", "continue_final_message continues the last message, so it needs "
+                     "add_generation_prompt set to false")
+    if messages[-1].role != "assistant":
+        _unsupported("continue_final_message", "continue_final_message needs the last message to be the "
+                     "assistant's")
 
 
 def _unsupported(param: str, message: str) -> None:
