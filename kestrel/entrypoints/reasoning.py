@@ -4,8 +4,9 @@ text between the think tags as `reasoning` (and `reasoning_content`, its older n
 Both parsers read `<think> ... </think>`. An answer is in its thinking from the start when the model opens it
 (`<think>` first, dropped) or the prompt did (its last `<think>` is open: the chat template's, or the one of an
 assistant message the answer continues); `deepseek_r1` always starts there (DeepSeek-R1 may begin its thinking
-without the tag). Thinking ends at `</think>` (dropped); an answer that never closes it is all reasoning. `qwen3` without an opening (thinking turned off with
-`enable_thinking: false`) is all content. A whole answer and its stream split alike: both run `ReasoningSplitter`.
+without the tag). Thinking ends at `</think>` (dropped); an answer that never closes it is all reasoning. `qwen3`
+without an opening (thinking turned off with `enable_thinking: false`) is all content. A whole answer and its
+stream split alike: both run `ReasoningSplitter`.
 """
 
 from __future__ import annotations
