@@ -91,6 +91,31 @@ STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True)
+class ThinkingTags:
+    """A reasoning model's thinking ahead of a constrained answer (`StructuredOutputsParams.after_thinking`): the
+    grammar waits while the answer thinks and applies from the token after `end_token_id`. `open`: the answer starts
+    inside its thinking (the prompt opened it); otherwise its first token may open it (`start_token_id`, which the
+    grammar's first mask then also allows) and any other first token starts the grammar at once."""
+
+    start_token_id: int
+    end_token_id: int
+    open: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("start_token_id", "end_token_id"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise SamplingParamsError(f"structured_outputs.after_thinking.{name}",
+                                          f"{name} must be a token id (an integer >= 0), got {value!r}")
+        if self.start_token_id == self.end_token_id:
+            raise SamplingParamsError("structured_outputs.after_thinking", "the thinking's start and end tokens "
+                                      f"must differ, got {self.start_token_id} for both")
+        if not isinstance(self.open, bool):
+            raise SamplingParamsError("structured_outputs.after_thinking.open",
+                                      f"open must be true or false, got {self.open!r}")
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """Constrain the output to a grammar (vLLM's names): exactly one of a JSON schema (`json`, a dict or its
     JSON text), any JSON object (`json_object`), a regular expression, a list of choices, or an EBNF grammar
@@ -103,8 +128,14 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     # JSON without whitespace between tokens (vLLM's disable_any_whitespace).
     disable_any_whitespace: bool = False
+    # The grammar applies after the answer's thinking (`kestrel serve --reasoning-parser` sets it for chats);
+    # None: from the first token.
+    after_thinking: ThinkingTags | None = None
 
     def __post_init__(self) -> None:
+        if self.after_thinking is not None and not isinstance(self.after_thinking, ThinkingTags):
+            raise SamplingParamsError("structured_outputs.after_thinking", "after_thinking must be a ThinkingTags "
+                                      f"(the thinking's start and end token ids), got {self.after_thinking!r}")
         given = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise SamplingParamsError("structured_outputs", f"structured_outputs takes exactly one of "

@@ -37,7 +37,8 @@ class _Sequence:
     num_emitted_tokens: int = 0
     num_named_logprobs: int = 0  # output logprob entries whose tokens carry their text
     num_named_prompt_logprobs: int = 0
-    num_grammar_tokens: int = 0  # output tokens its grammar matcher has accepted
+    num_grammar_tokens: int = 0  # output tokens its grammar matcher has accepted (or, thinking, passed over)
+    grammar_state: int = 0  # _GRAMMAR_ON, or where a thinking ahead of it stands (after_thinking)
     finish_emitted: bool = False  # output_kind="delta": its finish has been handed out
     logprob_sum: float = 0.0  # output_kind="delta": the sampled tokens' logprobs emitted so far, summed
 
@@ -56,6 +57,11 @@ class _ParentRequest:
 
 
 logger = logging.getLogger(__name__)
+
+# Where a constrained sequence's grammar stands (StructuredOutputsParams.after_thinking): applied to every token;
+# its first token may open a thinking (the grammar's first mask also allows the start tag); inside the thinking
+# (no mask: the grammar applies from the token after the end tag).
+_GRAMMAR_ON, _MAY_THINK, _THINKING = 0, 1, 2
 
 # What a step returns: RequestOutputs, or SequenceDeltas for an engine built with deltas=True.
 EngineOutput = RequestOutput | SequenceDelta
@@ -135,6 +141,8 @@ class EngineCore:
         # step need not scan every request; finished ones are dropped lazily by `_needs_sync`.
         self._sync_request_ids: set[str] = set()
         self._token_texts: dict[int, str] = {}
+        # Constrained sequences whose grammar waits on a thinking (usually none), by request id.
+        self._thinking: dict[str, _Sequence] = {}
 
     # ----- requests -----------------------------------------------------------------------------
 
@@ -193,6 +201,11 @@ class EngineCore:
             parent.sequences.append(sequence)
         if params.structured_outputs is not None:
             self._add_grammars(parent, params, grammar)
+            tags = params.structured_outputs.after_thinking
+            if tags is not None:
+                for sequence in parent.sequences:
+                    sequence.grammar_state = _THINKING if tags.open else _MAY_THINK
+                    self._thinking[sequence.request.request_id] = sequence
         for sequence in parent.sequences:
             self._sequence_parent[sequence.request.request_id] = parent
         self._parents[request_id] = parent
@@ -286,6 +299,7 @@ class EngineCore:
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             for child_id in child_ids:
                 self._sequence_parent.pop(child_id, None)
+                self._thinking.pop(child_id, None)
                 if self.structured is not None:
                     self.structured.remove(child_id)
         if not self.has_unfinished_requests():
@@ -426,7 +440,21 @@ class EngineCore:
             return None
         constrained = scheduler_output.structured_output_request_ids
         ids = [rid for rid in scheduler_output.num_scheduled_tokens if rid in constrained]
-        return self.structured.bitmask(ids, scheduler_output.scheduled_spec_decode_tokens)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        thinking = self._thinking
+        if not thinking:
+            return self.structured.bitmask(ids, drafts)
+        # A sequence inside its thinking samples unmasked; one whose first token may open it gets the start tag
+        # allowed beside its grammar's first tokens.
+        ids = [rid for rid in ids if rid not in thinking or thinking[rid].grammar_state != _THINKING]
+        mask = self.structured.bitmask(ids, {rid: d for rid, d in drafts.items() if rid in ids} if drafts else drafts)
+        for row, rid in enumerate(mask.req_ids):
+            sequence = thinking.get(rid)
+            if sequence is not None and sequence.grammar_state == _MAY_THINK:
+                start = sequence.request.sampling_params.structured_outputs.after_thinking.start_token_id
+                word, bit = divmod(start, 32)
+                mask.bitmask[row, word] |= (1 << bit) - ((1 << 32) if bit == 31 else 0)  # int32 words
+        return mask
 
     def _release_finished(self) -> None:
         """Tell the runner to drop the state of requests that ended since the last step (engine idle)."""
@@ -462,6 +490,14 @@ class EngineCore:
 
     def _grammar_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         if drafts and request.sampling_params.structured_outputs is not None and self.structured:
+            thinking = self._thinking.get(request.request_id)
+            if thinking is not None:
+                # Drafts inside the thinking are free; its end and what follows wait for the grammar: a step
+                # then ends with the end tag at the latest, and the next one's mask comes after it.
+                if thinking.grammar_state != _THINKING:
+                    return []
+                end = request.sampling_params.structured_outputs.after_thinking.end_token_id
+                return drafts[:drafts.index(end)] if end in drafts else drafts
             return self.structured.valid_drafts(request.request_id, drafts)  # only what the grammar allows
         return drafts
 
@@ -547,6 +583,7 @@ class EngineCore:
         """A sequence whose request finished: its matcher released, its end time kept, its id no longer live."""
         if request.sampling_params.structured_outputs is not None and self.structured is not None:
             self.structured.remove(request.request_id)
+            self._thinking.pop(request.request_id, None)
         sequence.finished_time = now
         self._sequence_parent.pop(request.request_id, None)
 
@@ -565,7 +602,10 @@ class EngineCore:
             siblings = parent.sequences
             sequence = siblings[0] if len(siblings) == 1 else next(s for s in siblings if s.request is request)
             sequences.append(sequence)
-            new[request.request_id] = request.output_token_ids[sequence.num_grammar_tokens:]
+            tokens = request.output_token_ids[sequence.num_grammar_tokens:]
+            if sequence.grammar_state != _GRAMMAR_ON:
+                tokens = self._past_thinking(sequence, tokens)
+            new[request.request_id] = tokens
         accepted = structured.accept_many(new)
         for sequence in sequences:
             request = sequence.request
@@ -579,6 +619,29 @@ class EngineCore:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             if request.is_finished:
                 structured.remove(request.request_id)
+
+    def _past_thinking(self, sequence: _Sequence, tokens: list[int]) -> list[int]:
+        """Of a thinking sequence's new `tokens`, those its grammar reads: the ones after its thinking (those before,
+        tags included, count as passed over)."""
+        if not tokens:
+            return tokens
+        tags = sequence.request.sampling_params.structured_outputs.after_thinking
+        skipped = 0
+        if sequence.grammar_state == _MAY_THINK:
+            if tokens[0] == tags.start_token_id:
+                sequence.grammar_state, skipped = _THINKING, 1
+            else:
+                sequence.grammar_state = _GRAMMAR_ON
+        if sequence.grammar_state == _THINKING:
+            if tags.end_token_id in tokens[skipped:]:
+                skipped = tokens.index(tags.end_token_id, skipped) + 1
+                sequence.grammar_state = _GRAMMAR_ON
+            else:
+                skipped = len(tokens)
+        if sequence.grammar_state == _GRAMMAR_ON:
+            del self._thinking[sequence.request.request_id]
+        sequence.num_grammar_tokens += skipped
+        return tokens[skipped:]
 
     def token_text(self, token_id: int) -> str | None:
         """One token's text decoded alone (a logprob's decoded_token); None without a tokenizer."""

@@ -19,7 +19,7 @@ from kestrel.config import ConfigError
 from kestrel.outputs import Logprob, RequestMetrics, SequenceDelta
 from kestrel.pooling_params import PoolingParams
 from kestrel.request import InvalidRequestError
-from kestrel.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from kestrel.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams, ThinkingTags
 
 ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
 # The tokenizer's EOS id, sent while the core imports: the core loads no tokenizer.
@@ -51,6 +51,8 @@ def params_to_wire(params: SamplingParams | PoolingParams) -> list[Any]:
     spec = params.structured_outputs
     if spec is not None:
         fields["structured_outputs"] = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+        if spec.after_thinking is not None:
+            fields["structured_outputs"]["after_thinking"] = dataclasses.astuple(spec.after_thinking)
     return ["sampling", fields]
 
 
@@ -60,6 +62,9 @@ def params_from_wire(wire: list[Any]) -> SamplingParams | PoolingParams:
         return PoolingParams(**fields)
     spec = fields.get("structured_outputs")
     if spec is not None:
+        tags = spec.get("after_thinking")
+        if tags is not None:
+            spec = {**spec, "after_thinking": ThinkingTags(*tags)}
         fields["structured_outputs"] = StructuredOutputsParams(**spec)
     return SamplingParams(**fields)
 

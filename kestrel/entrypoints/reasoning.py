@@ -6,7 +6,8 @@ Both parsers read `<think> ... </think>`. An answer is in its thinking from the 
 assistant message the answer continues); `deepseek_r1` always starts there (DeepSeek-R1 may begin its thinking
 without the tag). Thinking ends at `</think>` (dropped); an answer that never closes it is all reasoning. `qwen3`
 without an opening (thinking turned off with `enable_thinking: false`) is all content. A whole answer and its
-stream split alike: both run `ReasoningSplitter`.
+stream split alike: both run `ReasoningSplitter`. A structured answer thinks first too: where both tags are single
+tokens, its grammar applies after the thinking (`thinking_at_start`, `StructuredOutputsParams.after_thinking`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ def opened_by_prompt(prompt_text: str) -> bool:
     """Whether the rendered chat prompt starts the answer inside its thinking: its last `<think>` is not closed
     (the template opened it for the answer, or the assistant message the answer continues holds it)."""
     return prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END)
+
+
+def thinking_at_start(parser: str, prompt_text: str) -> bool | None:
+    """Where an answer to the rendered chat prompt starts: inside its thinking (True: the prompt opened it, or
+    `deepseek_r1`, which may think without the tag), free to open it with its first token (False), or past it (None:
+    the prompt ends with its thinking closed, as a template with thinking turned off writes it)."""
+    if opened_by_prompt(prompt_text):
+        return True
+    if prompt_text.rstrip().endswith(THINK_END):
+        return None
+    return parser == "deepseek_r1"
 
 
 def _held_back(text: str, tag: str) -> int:

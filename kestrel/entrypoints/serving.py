@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -80,16 +81,25 @@ from kestrel.entrypoints.protocol import (
     UsageInfo,
 )
 from kestrel.entrypoints.reasoning import (
+    THINK_END,
+    THINK_START,
     ReasoningSplitter,
     count_reasoning_tokens,
     opened_by_prompt,
     split_reasoning,
+    thinking_at_start,
 )
 from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.entrypoints.text_workers import ChatInput, TextWorkers, chat_input
 from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.request import InvalidRequestError, MediaItem, prompt_too_long
-from kestrel.sampling_params import BeamSearchParams, PromptCompression, SamplingParams, StructuredOutputsParams
+from kestrel.sampling_params import (
+    BeamSearchParams,
+    PromptCompression,
+    SamplingParams,
+    StructuredOutputsParams,
+    ThinkingTags,
+)
 from kestrel.structured.compile import GrammarSource
 
 T = TypeVar("T")
@@ -403,9 +413,11 @@ class OpenAIServing:
                           chat_template=request.chat_template,
                           continue_final_message=bool(request.continue_final_message),
                           template_kwargs=request.template_kwargs(), content_parts=self.media is not None,
-                          # With a reasoning parser, a grammar-shaped answer skips the thinking a template opens.
+                          # With a reasoning parser, a forced tool call skips the thinking a template opens, and
+                          # so does a structured answer where the tags are not single tokens to wait on.
                           close_thinking=self.config.reasoning_parser is not None and (
-                              params.structured_outputs is not None or mode in ("required", "named")))
+                              mode in ("required", "named")
+                              or (params.structured_outputs is not None and self._thinking_tag_ids is None)))
         truncate = request.truncate_prompt_tokens
         room = _chat_output_room(request, beam is not None)
         self._check_output_room(room)
@@ -454,6 +466,8 @@ class OpenAIServing:
             # grammar, or (an engine core in its own process) compiles the call's source sent beside it.
             text = grammar.text if isinstance(grammar, GrammarSource) else str(grammar.grammar)
             params = params.replace(structured_outputs=StructuredOutputsParams(grammar=text))
+        if structured_param != "tools":
+            params = self._after_thinking(params, prompt.text)
         reasoning = self._reasoning_setup(request, params, prompt.text)  # before the engine takes the request
         params = params.replace(output_kind="delta")  # as for completions: streamed, or joined by _collect
         job = await self._submit(f"chatcmpl-{_request_id(request)}", [_Prompt(None, token_ids)], params, arrival,
@@ -491,14 +505,34 @@ class OpenAIServing:
         return JSONResponse(ChatCompletionResponse(id=f"chatcmpl-{_request_id(request)}", choices=choices, usage=usage,
                                                    model=self.response_model_name(request.model)).model_dump())
 
+    @functools.cached_property
+    def _thinking_tag_ids(self) -> tuple[int, int] | None:
+        """The token ids of THINK_START and THINK_END where each is one token of the tokenizer (a reasoning model's
+        are), else None."""
+        ids = [self.tokenizer.encode(tag, add_special_tokens=False) for tag in (THINK_START, THINK_END)]
+        return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) and ids[0] != ids[1] else None
+
+    def _after_thinking(self, params: SamplingParams, prompt_text: str) -> SamplingParams:
+        """A structured answer of a reasoning model thinks first (as the model would unconstrained); its grammar
+        applies after the thinking, which the engine waits on by its tags' token ids."""
+        spec, tags = params.structured_outputs, self._thinking_tag_ids
+        if spec is None or self.config.reasoning_parser is None or tags is None:
+            return params
+        start = thinking_at_start(self.config.reasoning_parser, prompt_text)
+        if start is None:  # the prompt closed the thinking: the answer starts with the grammar
+            return params
+        after = ThinkingTags(tags[0], tags[1], open=start)
+        return params.replace(structured_outputs=dataclasses.replace(spec, after_thinking=after))
+
     def _reasoning_setup(self, request: ChatCompletionRequest, params: SamplingParams,
                          prompt_text: str) -> _ReasoningSetup | None:
-        """How this answer's thinking is told apart (None: all of it is content). A grammar (structured outputs,
-        a forced tool call) shapes the whole answer, so its answers are not split."""
+        """How this answer's thinking is told apart (None: all of it is content). A grammar from the first token
+        (a forced tool call, a structured answer that cannot think first) shapes the whole answer, so its answers
+        are not split."""
         parser = self.config.reasoning_parser
         if parser is None:  # no thinking told apart: none to leave out either (include_reasoning asks nothing)
             return None
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None and params.structured_outputs.after_thinking is None:
             return None
         return _ReasoningSetup(parser, opened_by_prompt(prompt_text), request.include_reasoning is not False)
 

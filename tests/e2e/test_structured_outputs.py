@@ -2,6 +2,7 @@
 jsonschema, regexes with `re`, choices by membership), across temperatures and seeds, n > 1, chunked prefill,
 preemption and async scheduling; grammar masking and its logprobs against a float64 reference."""
 
+import dataclasses
 import json
 import re
 
@@ -188,3 +189,33 @@ def test_reused_bitmask_buffers_hold_each_steps_own_masks(llm):
             assert torch.equal(got.bitmask[row], fresh[0]), (batch, row)
         for rid in ids:
             backend.remove(rid)
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"async_scheduling": True},
+                                         {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
+                                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 3}}],
+                         ids=["sync", "async", "ngram"])
+def test_a_grammar_after_thinking_shapes_only_the_answer(engine_args):
+    """after_thinking with the real sampler: the answer starts inside a 'thinking' that ends at the newline token
+    (the model writes its line of code unmasked), and the rest is the schema's (which has no room for a newline:
+    no whitespace between JSON tokens). Greedy, so every engine setup writes the same; drafts of the n-gram
+    proposer stop short of the end tag."""
+    from kestrel import LLM
+    from kestrel.sampling_params import ThinkingTags
+
+    llm = LLM(max_model_len=256, **engine_args)
+    tokenizer = llm.get_tokenizer()
+    (newline,) = tokenizer.encode("\n", add_special_tokens=False)
+    (start,) = tokenizer.encode("<", add_special_tokens=False)
+    tags = ThinkingTags(start, newline, open=True)
+    prompt = "import os\nimport os\nimport os\nimport"  # the n-gram drafts of " os" hold the newline
+    params = constrained(0, 0.0, max_tokens=120, json=PERSON, disable_any_whitespace=True)
+    params = params.replace(structured_outputs=dataclasses.replace(params.structured_outputs, after_thinking=tags))
+    (out,) = llm.generate(prompt, params, use_tqdm=False)[0].outputs
+    thought, answer = out.text.split("\n", 1)
+    assert out.finish_reason == "stop", out.text
+    assert thought.strip() and not thought.lstrip().startswith("{")
+    jsonschema.validate(json.loads(answer), PERSON)
+    assert not llm.engine.structured._matchers and not llm.engine._thinking
+    unconstrained = llm.generate(prompt, params.replace(structured_outputs=None), use_tqdm=False)[0].outputs[0]
+    assert unconstrained.text.startswith(thought + "\n")  # the thinking is what the model writes unmasked

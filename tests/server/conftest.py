@@ -33,6 +33,7 @@ from kestrel.entrypoints.core_client import CoreClient
 from kestrel.entrypoints.server import build_app
 from kestrel.loader.model_init import write_tiny_checkpoint
 from kestrel.loader.tokenizer import load_tokenizer
+from kestrel.structured.backend import GrammarBackend
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
@@ -205,6 +206,8 @@ class ScriptedRunner:
     step_delay_s: float = 0.0
     fail_at_step: int | None = None
     steps: int = 0
+    # Each sampled step's grammar bitmask as the runner got it ((request ids, int32 rows) or None), oldest first.
+    masks: list[tuple[list[str], Any] | None] = field(default_factory=list)
     _progress: dict[str, _Progress] = field(default_factory=dict)
     _executed: ModelRunnerOutput | None = None
 
@@ -217,6 +220,7 @@ class ScriptedRunner:
 
     def sample_tokens(self, grammar: Any, non_block: bool = False) -> Any:
         output, self._executed = self._executed, None
+        self.masks.append(None if grammar is None else (list(grammar.req_ids), grammar.bitmask.clone()))
         return Ready(output) if non_block else output
 
     def _run(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -245,14 +249,18 @@ class ScriptedRunner:
 
 
 def scripted_engine(model_dir: str, *, max_queued_requests: int | None = None, max_num_seqs: int = 16,
-                    request_timeout_s: float | None = None, **runner_args: Any) -> tuple[AsyncEngine, ScriptedRunner]:
-    """A started AsyncEngine over the real EngineCore with a ScriptedRunner as its model."""
+                    request_timeout_s: float | None = None, grammars: bool = False,
+                    **runner_args: Any) -> tuple[AsyncEngine, ScriptedRunner]:
+    """A started AsyncEngine over the real EngineCore with a ScriptedRunner as its model; `grammars`: with the
+    xgrammar backend of structured outputs (the runner records the masks and does not apply them)."""
     # The scripted model computes nothing, so it affords the checkpoint's whole context (tool prompts are long).
     config = EngineConfig.from_kwargs(model_dir, max_model_len=512, max_num_seqs=max_num_seqs,
                                       kv_cache_blocks=SCRIPTED_BLOCKS, device="cpu")
     tokenizer = load_tokenizer(model_dir)
     runner = ScriptedRunner(tokenizer, int(config.model.hf_config["vocab_size"]), **runner_args)
-    core = EngineCore(config, runner, SCRIPTED_BLOCKS, tokenizer, tokenizer.eos_token_id)
+    structured = (GrammarBackend(tokenizer, runner.vocab_size, frozenset({tokenizer.eos_token_id})) if grammars
+                  else None)
+    core = EngineCore(config, runner, SCRIPTED_BLOCKS, tokenizer, tokenizer.eos_token_id, structured=structured)
     engine = AsyncEngine(core, tokenizer, model_path=model_dir, max_queued_requests=max_queued_requests,
                          request_timeout_s=request_timeout_s).start()
     return engine, runner

@@ -3,6 +3,8 @@ thinking comes as `reasoning` (and `reasoning_content`) apart from the content, 
 in the Responses API, through the official `openai` client."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import transformers
@@ -152,8 +154,9 @@ def test_thinking_sent_back_reaches_the_template(tiny_model_dir):
 
 
 def test_a_grammar_shaped_answer_skips_the_thinking_the_template_opens(tiny_model_dir):
-    """With a reasoning parser, a constrained answer (structured outputs, a forced tool call) comes after the
-    template's open <think> is closed, as the template would with thinking off; others think as the template says."""
+    """With a reasoning parser, a forced tool call comes after the template's open <think> is closed, as the
+    template would with thinking off, and so does a structured answer where the tags are not single tokens (this
+    tokenizer's); others think as the template says (a structured answer too where it can: see below)."""
     server, _ = start_scripted(tiny_model_dir, reasoning_parser="qwen3", trust_request_chat_template=True)
     template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]<think>"
     body = {"model": MODEL, "messages": USER, "chat_template": template, "max_tokens": 1, "return_token_ids": True}
@@ -166,10 +169,111 @@ def test_a_grammar_shaped_answer_skips_the_thinking_the_template_opens(tiny_mode
     try:
         assert prompt().endswith("[assistant]<think>")
         assert "[assistant]<think></think>\n\n" in prompt(tools=[WEATHER], tool_choice="required")
-        # (structured outputs take the same rule; this scripted engine has no grammar backend to run them)
+        # (structured outputs over this tokenizer take the same rule; this scripted engine has no grammar backend)
         from kestrel.entrypoints.chat import render_chat
 
         rendered = render_chat(server.engine.tokenizer, USER, chat_template=template, close_thinking=True)
         assert rendered.text.endswith("[assistant]<think></think>\n\n")
     finally:
         server.stop()
+
+
+# ----- a structured answer thinks first ---------------------------------------------------------------------
+
+CITY = {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CITY_JSON = '{"city": "Paris"}'
+
+
+def write_thinking_tokenizer_model(src: str, dst: Path) -> tuple[int, int]:
+    """A copy of the checkpoint at `src` whose tokenizer has `<think>` and `</think>` as single tokens, as a
+    reasoning model's has (two of its highest merged tokens, ones no merge builds on, give up their ids); their
+    ids."""
+    shutil.copytree(src, dst)
+    spec = json.loads((dst / "tokenizer.json").read_text())
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    pieces = [m.split(" ") if isinstance(m, str) else m for m in merges]
+    used = {piece for pair in pieces for piece in pair}
+    by_id = {i: token for token, i in vocab.items()}
+    ids = sorted(i for i in sorted(by_id, reverse=True) if by_id[i] not in used)[-2:]
+    for token_id, tag in zip(ids, ("<think>", "</think>")):
+        old = by_id[token_id]
+        del vocab[old]
+        vocab[tag] = token_id
+        spec["model"]["merges"] = merges = [m for m, pair in zip(merges, pieces) if "".join(pair) != old]
+        pieces = [m.split(" ") if isinstance(m, str) else m for m in merges]
+        spec["added_tokens"].append({"id": token_id, "content": tag, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": False})
+    (dst / "tokenizer.json").write_text(json.dumps(spec))
+    return ids[0], ids[1]
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tiny_model_dir, tmp_path_factory):
+    """A qwen3-parser server over a tokenizer with single-token think tags and the real grammar backend (the
+    scripted runner records each step's mask)."""
+    model_dir = tmp_path_factory.mktemp("thinking") / "model"
+    tags = write_thinking_tokenizer_model(tiny_model_dir, model_dir)
+    server, runner = start_scripted(str(model_dir), reasoning_parser="qwen3", trust_request_chat_template=True,
+                                    grammars=True)
+    yield server, runner, tags
+    server.stop()
+
+
+def allowed(mask, token_id: int) -> bool:
+    return bool((int(mask[token_id // 32]) >> (token_id % 32)) & 1)
+
+
+def constrained_chat(server, runner, script: str, **body):
+    """A chat with a JSON schema answered by `script` (then EOS): the message, and per sampled step its token and
+    its mask row (None: sampled without one)."""
+    runner.script, runner.masks = script, []
+    reply = HTTP.post(f"{server.base_url}/v1/chat/completions", headers=server.headers,
+                      json={"model": MODEL, "messages": USER, "max_tokens": 100, "response_format": CITY, **body})
+    assert reply.status_code == 200, reply.text
+    tokenizer = server.engine.tokenizer
+    tokens = tokenizer.encode(script, add_special_tokens=False) + [tokenizer.eos_token_id]
+    rows = [mask[1][0] if mask is not None and mask[0] else None for mask in runner.masks]
+    return reply.json()["choices"][0], list(zip(tokens, rows))
+
+
+def test_a_structured_answer_thinks_first_and_its_grammar_follows(thinking_server):
+    """qwen3: the answer may open its thinking with its first token (the grammar's first mask allows the tag);
+    inside it nothing is masked, and from the token after `</think>` every token is the grammar's."""
+    server, runner, (start, end) = thinking_server
+    choice, steps = constrained_chat(server, runner, f"<think>Paris, surely.</think>{CITY_JSON}")
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == CITY_JSON and choice["message"]["reasoning"] == "Paris, surely."
+    first_token, first_row = steps[0]
+    assert first_token == start and allowed(first_row, start) and not allowed(first_row, end)
+    closing = [token for token, _ in steps].index(end)
+    assert all(row is None for _, row in steps[1:closing + 1])  # the thinking, its end tag included
+    assert all(row is not None and allowed(row, token) for token, row in steps[closing + 1:])
+    # Streamed alike.
+    runner.masks = []
+    assert streamed(server, response_format=CITY) == ("Paris, surely.", CITY_JSON, ["stop"])
+
+
+def test_an_answer_that_does_not_think_is_the_grammars_from_its_first_token(thinking_server):
+    server, runner, (start, _) = thinking_server
+    choice, steps = constrained_chat(server, runner, CITY_JSON)
+    assert choice["message"]["content"] == CITY_JSON and choice["message"].get("reasoning") is None
+    assert allowed(steps[0][1], start)  # it could have thought
+    assert all(row is not None and allowed(row, token) for token, row in steps)
+
+
+def test_the_template_decides_where_the_answer_starts(thinking_server):
+    """A template that opens the thinking: the answer starts inside it, unmasked. One that closes it (thinking
+    off): the grammar applies from the first token, and the start tag is not allowed."""
+    server, runner, (start, end) = thinking_server
+    opened = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]<think>"
+    choice, steps = constrained_chat(server, runner, f"Paris.</think>{CITY_JSON}", chat_template=opened)
+    assert choice["message"]["content"] == CITY_JSON and choice["message"]["reasoning"] == "Paris."
+    closing = [token for token, _ in steps].index(end)
+    assert all(row is None for _, row in steps[:closing + 1])
+    assert all(row is not None and allowed(row, token) for token, row in steps[closing + 1:])
+    closed = opened + "\n\n</think>\n\n"
+    choice, steps = constrained_chat(server, runner, CITY_JSON, chat_template=closed)
+    assert choice["message"]["content"] == CITY_JSON and choice["message"].get("reasoning") is None
+    assert not allowed(steps[0][1], start)
+    assert all(row is not None and allowed(row, token) for token, row in steps)

@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from kestrel.entrypoints.reasoning import ReasoningSplitter, opened_by_prompt, split_reasoning
+from kestrel.entrypoints.core_protocol import params_from_wire, params_to_wire
+from kestrel.entrypoints.reasoning import ReasoningSplitter, opened_by_prompt, split_reasoning, thinking_at_start
+from kestrel.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams, ThinkingTags
 
 CASES = [  # (parser, opened by the prompt, answer, reasoning, content)
     ("deepseek_r1", False, "<think>add 2 and 3</think>It is 5.", "add 2 and 3", "It is 5."),
@@ -51,3 +53,29 @@ def test_the_prompt_opens_the_thinking_when_it_ends_with_the_tag() -> None:
     assert not opened_by_prompt("<|im_start|>assistant\n<think>a</think>b<|im_start|>user\nhi")
     with pytest.raises(ValueError, match="qwen3"):
         ReasoningSplitter("granite", False)
+
+
+def test_where_a_structured_answer_starts_its_thinking() -> None:
+    """Inside it when the prompt opened it (or deepseek_r1, which may think without the tag); past it when the prompt
+    ends with it closed (thinking turned off); otherwise the first token may open it."""
+    assert thinking_at_start("qwen3", "<|im_start|>assistant\n<think>\n") is True
+    assert thinking_at_start("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None
+    assert thinking_at_start("qwen3", "<|im_start|>assistant\n") is False
+    # an earlier turn's closed thinking (a tool-call loop) does not close this answer's
+    assert thinking_at_start("qwen3", "<think>a</think>call<|im_start|>tool\n42<|im_start|>assistant\n") is False
+    assert thinking_at_start("deepseek_r1", "<｜Assistant｜>") is True
+    assert thinking_at_start("deepseek_r1", "<｜Assistant｜><think>\n\n</think>\n\n") is None
+
+
+def test_after_thinking_crosses_to_the_engine_core_process_and_is_checked() -> None:
+    tags = ThinkingTags(151667, 151668, open=True)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}, after_thinking=tags))
+    assert params_from_wire(params_to_wire(params)) == params
+    plain = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    assert params_from_wire(params_to_wire(plain)) == plain
+    with pytest.raises(SamplingParamsError, match="differ"):
+        ThinkingTags(5, 5)
+    with pytest.raises(SamplingParamsError, match="end_token_id"):
+        ThinkingTags(5, -1)
+    with pytest.raises(SamplingParamsError, match="after_thinking"):
+        StructuredOutputsParams(regex="a+", after_thinking=(1, 2))
