@@ -193,8 +193,9 @@ def test_reused_bitmask_buffers_hold_each_steps_own_masks(llm):
 
 @pytest.mark.parametrize("engine_args", [{}, {"async_scheduling": True},
                                          {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
-                                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 3}}],
-                         ids=["sync", "async", "ngram"])
+                                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 3}},
+                                         {"grammar_workers": 1}],
+                         ids=["sync", "async", "ngram", "grammar-worker"])
 def test_a_grammar_after_thinking_shapes_only_the_answer(engine_args):
     """after_thinking with the real sampler: the answer starts inside a 'thinking' that ends at the newline token
     (the model writes its line of code unmasked), and the rest is the schema's (which has no room for a newline:
@@ -216,6 +217,6 @@ def test_a_grammar_after_thinking_shapes_only_the_answer(engine_args):
     assert out.finish_reason == "stop", out.text
     assert thought.strip() and not thought.lstrip().startswith("{")
     jsonschema.validate(json.loads(answer), PERSON)
-    assert not llm.engine.structured._matchers and not llm.engine._thinking
+    assert not getattr(llm.engine.structured, "_matchers", None) and not llm.engine._thinking
     unconstrained = llm.generate(prompt, params.replace(structured_outputs=None), use_tqdm=False)[0].outputs[0]
     assert unconstrained.text.startswith(thought + "\n")  # the thinking is what the model writes unmasked
