@@ -447,7 +447,10 @@ class EngineCore:
         # A sequence inside its thinking samples unmasked; one whose first token may open it gets the start tag
         # allowed beside its grammar's first tokens.
         ids = [rid for rid in ids if rid not in thinking or thinking[rid].grammar_state != _THINKING]
-        mask = self.structured.bitmask(ids, {rid: d for rid, d in drafts.items() if rid in ids} if drafts else drafts)
+        if drafts:
+            masked = set(ids)
+            drafts = {rid: d for rid, d in drafts.items() if rid in masked}
+        mask = self.structured.bitmask(ids, drafts)
         for row, rid in enumerate(mask.req_ids):
             sequence = thinking.get(rid)
             if sequence is not None and sequence.grammar_state == _MAY_THINK:
