@@ -277,8 +277,8 @@ class SamplingParams:
 
         for name in SAMPLING_BOUNDS:
             check_bound(name, getattr(self, name))
-        if self.seed is not None and not _is_int(self.seed):
-            bad("seed", "an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < (1 << 63)):
+            bad("seed", "a 64-bit signed integer or None")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"<= max_tokens={self.max_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):

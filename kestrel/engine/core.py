@@ -290,7 +290,12 @@ class EngineCore:
         if vocab_size is not None and any(t >= vocab_size for t in params.allowed_token_ids or ()):
             raise InvalidRequestError("allowed_token_ids", f"allowed_token_ids must be in [0, {vocab_size})")
 
-    def abort_request(self, request_ids: list[str]) -> None:
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        """End the requests now; returns each one's final output (finish_reason "abort" for the sequences it cut,
+        its text and tokens so far), for a reader still waiting on it. An engine core whose client builds the
+        outputs (deltas=True) returns none: its client ends its own streams."""
+        finals: list[RequestOutput] = []
+        now = time.monotonic()
         for request_id in request_ids:
             parent = self._parents.pop(request_id, None)
             if parent is None:
@@ -302,8 +307,15 @@ class EngineCore:
                 self._thinking.pop(child_id, None)
                 if self.structured is not None:
                     self.structured.remove(child_id)
+            for sequence in parent.sequences:
+                if not sequence.status.finished:
+                    sequence.status = sequence.request.status
+                    sequence.finished_time = now
+            if not self.deltas:
+                finals.append(self._make_output(parent, True))
         if not self.has_unfinished_requests():
             self._release_finished()
+        return finals
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)

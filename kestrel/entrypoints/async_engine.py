@@ -338,11 +338,11 @@ class AsyncEngine:
         with self._cond:
             if self._failed is not None:
                 raise EngineDeadError(str(self._failed))
-            if request_id in self._streams:
-                raise RequestIdInUseError(f"request id {request_id!r} is already in use")
             if request_id in self._aborting:
                 raise RequestIdInUseError(f"request id {request_id!r} is still in use: its abort takes effect "
                                           "before the engine's next step; retry then, or use another id")
+            if request_id in self._streams:
+                raise RequestIdInUseError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
             self._commands.append(_Add(request_id, list(prompt_token_ids), params, prompt, priority, grammar,
                                        tuple(media)))
@@ -362,9 +362,10 @@ class AsyncEngine:
             await stream.aclose()
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; its KV blocks are freed before the engine's next step."""
+        """Stop a request; its KV blocks are freed before the engine's next step, and a reader still iterating
+        its stream gets its final output (finish_reason "abort", with what it generated so far)."""
         with self._cond:
-            if self._streams.pop(request_id, None) is None:
+            if request_id not in self._streams or request_id in self._aborting:
                 return
             self._commands.append(_Abort(request_id))
             self._aborting.add(request_id)
@@ -418,8 +419,11 @@ class AsyncEngine:
         accepted: list[tuple[RequestStream, Any]] = []
         for command in commands:
             if isinstance(command, _Abort):
-                self.core.abort_request([command.request_id])
+                finals = self.core.abort_request([command.request_id])
                 self._aborting.discard(command.request_id)
+                stream = self._streams.pop(command.request_id, None)
+                if stream is not None and finals:
+                    accepted.append((stream, finals[0]))
                 continue
             stream = self._streams.get(command.request_id)
             if stream is None:

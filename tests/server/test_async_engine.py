@@ -56,6 +56,43 @@ def test_leaving_the_stream_early_aborts_and_frees_blocks(make_scripted_engine):
     assert engine.core.num_unfinished_requests == 0
 
 
+@pytest.mark.parametrize("output_kind", ["cumulative", "delta"])
+def test_an_abort_by_id_ends_the_readers_stream_with_an_abort_output(make_scripted_engine, output_kind):
+    """Another task aborts a request whose stream is being read: the reader's iteration ends with the final output,
+    finish_reason "abort" and what was generated so far (vLLM's AsyncLLM.abort); an abort before the engine took
+    the request ends its stream alike, with nothing generated."""
+    engine, _ = make_scripted_engine(script="word " * 100, step_delay_s=0.005)
+    params = SamplingParams(max_tokens=200, output_kind=output_kind)
+
+    async def run():
+        seen = []
+
+        async def read():
+            async for out in engine.generate("r1", prompt(engine), params):
+                seen.append(out)
+
+        reader = asyncio.create_task(read())
+        while len(seen) < 3:
+            await asyncio.sleep(0.005)
+        engine.abort("r1")
+        await asyncio.wait_for(reader, 5)
+        early = engine.submit("r2", prompt(engine), params)
+        engine.abort("r2")
+        return seen, [out async for out in early]
+
+    seen, early = asyncio.run(run())
+    final = seen[-1]
+    assert final.finished and not any(out.finished for out in seen[:-1])
+    assert final.outputs[0].finish_reason == "abort"
+    tokens = [t for out in seen for t in out.outputs[0].delta_token_ids]
+    assert len(tokens) >= 3 and "".join(out.outputs[0].delta_text for out in seen) == engine.tokenizer.decode(tokens)
+    if output_kind == "cumulative":
+        assert final.outputs[0].token_ids == tokens
+    assert early[-1].finished and early[-1].outputs[0].finish_reason == "abort"
+    assert not any(out.finished for out in early[:-1])
+    assert engine.core.num_unfinished_requests == 0
+
+
 def test_idle_engine_sleeps(make_scripted_engine):
     engine, runner = make_scripted_engine()
     steps = runner.steps

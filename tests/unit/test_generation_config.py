@@ -11,6 +11,7 @@ from kestrel import LLM, SamplingParams
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from kestrel.loader.model_init import write_tiny_checkpoint
+from kestrel.sampling_params import SamplingParamsError
 
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=False)
 
@@ -78,3 +79,12 @@ def test_generation_config_from_another_directory_and_bad_values(model_dir, tmp_
 
 def test_seed_minus_one_means_unseeded_as_in_vllm():
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+
+
+def test_a_seed_outside_64_bits_is_refused_by_name():
+    """torch's generators take 64-bit seeds: a larger one is refused when the params are made, not when a step
+    seeds its generator (which would end the whole batch)."""
+    assert SamplingParams(seed=(1 << 63) - 1).seed == (1 << 63) - 1 and SamplingParams(seed=-(1 << 63)).seed
+    for seed in (1 << 63, 1 << 64, -(1 << 70)):
+        with pytest.raises(SamplingParamsError, match="seed must be a 64-bit signed integer"):
+            SamplingParams(seed=seed)
