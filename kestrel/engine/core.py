@@ -685,7 +685,9 @@ class EngineCore:
         request = sequence.request
         detokenizer = sequence.detokenizer
         new_tokens = request.output_token_ids[len(detokenizer.token_ids):]
-        stop_string = detokenizer.update(new_tokens)
+        # Stopped by its last token (EOS, a stop token id, a grammar's end): a stop string matches later, here.
+        stop_token = request.status == RequestStatus.FINISHED_STOPPED and not isinstance(request.stop_reason, str)
+        stop_string = detokenizer.update(new_tokens, stop_token)
         if stop_string is not None and not request.is_finished:
             request.stop_reason = stop_string
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
@@ -773,14 +775,15 @@ class EngineCore:
         seq.num_emitted_tokens = len(output_token_ids)
         status = seq.status
         detokenizer = seq.detokenizer
+        text, delta_text = detokenizer.text_and_delta(status.finished) if detokenizer is not None else ("", "")
         return CompletionOutput(
             index=seq.index,
-            text=detokenizer.output_text if detokenizer is not None else "",
+            text=text,
             token_ids=list(output_token_ids),
             logprobs=list(request.output_logprobs) if wants_logprobs else None,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
-            delta_text=detokenizer.get_delta(status.finished) if detokenizer is not None else "",
+            delta_text=delta_text,
             delta_token_ids=output_token_ids[start:],
             delta_logprobs=request.output_logprobs[start:] if wants_logprobs else None,
         )

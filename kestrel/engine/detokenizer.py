@@ -243,10 +243,16 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self.stop_reason is not None
 
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens; return the stop string if one now matches (text is then final)."""
+    def update(self, new_token_ids: list[int], stop_token: bool = False) -> str | None:
+        """Append tokens; return the stop string if one now matches (text is then final). `stop_token`: the last
+        of them ended the sequence (an EOS or stop token id); its text is left out unless include_stop_str_in_output
+        asks for it, as the text of a stop string is."""
         if self.stop_reason is not None:
             raise RuntimeError("update() after a stop string matched")
+        if stop_token and new_token_ids and not self._params.include_stop_str_in_output:
+            stop_string = self.update(new_token_ids[:-1])
+            self.token_ids.append(new_token_ids[-1])  # the sequence's token, without its text
+            return stop_string
         short = self._params.min_tokens - len(self.token_ids)
         if short > 0:
             # Stop strings wait for min_tokens as EOS does: a match ending in the text of the first min_tokens
@@ -260,6 +266,13 @@ class IncrementalDetokenizer:
         self.token_ids.extend(new_token_ids)
         self._append_tokens(new_token_ids)
         return self._check_stop()
+
+    def text_and_delta(self, finished: bool) -> tuple[str, str]:
+        """A cumulative output's (text, delta_text): the delta as `get_delta` gives it, and the text given so far,
+        which only ever grows (unlike `output_text`, where a possible stop string's start shows until the match
+        takes it back, and a split character shows as U+FFFD until it completes)."""
+        delta = self.get_delta(finished)
+        return self.output_text[:self._emitted], delta
 
     def get_delta(self, finished: bool) -> str:
         """Text not yet returned, holding back a possible stop-string prefix and split characters."""

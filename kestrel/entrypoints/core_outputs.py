@@ -113,7 +113,9 @@ class ClientRequest:
         # Final-only requests without stop strings need their text only once, at the end.
         if params is not None and (not params.final_only or params.stop or delta.finish_reason is not None):
             detokenizer = seq.detokenizer
-            stop_string = detokenizer.update(seq.token_ids[len(detokenizer.token_ids):])
+            # Stopped by its last token (EOS, a stop token id, a grammar's end): its text is left out by default.
+            stop_token = delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str)
+            stop_string = detokenizer.update(seq.token_ids[len(detokenizer.token_ids):], stop_token)
             if stop_string is not None and delta.finish_reason is None:
                 seq.finish_reason, seq.stop_reason, stopped = "stop", stop_string, True
                 if seq.metrics is not None:
@@ -171,14 +173,15 @@ class ClientRequest:
         wants_logprobs = self._sampling is not None and self._sampling.logprobs is not None
         start, seq.num_emitted = seq.num_emitted, len(seq.token_ids)
         detokenizer = seq.detokenizer
+        text, delta_text = detokenizer.text_and_delta(seq.finished) if detokenizer is not None else ("", "")
         return CompletionOutput(
             index=seq.index,
-            text=detokenizer.output_text if detokenizer is not None else "",
+            text=text,
             token_ids=list(seq.token_ids),
             logprobs=list(seq.logprobs) if wants_logprobs else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
-            delta_text=detokenizer.get_delta(seq.finished) if detokenizer is not None else "",
+            delta_text=delta_text,
             delta_token_ids=seq.token_ids[start:],
             delta_logprobs=seq.logprobs[start:] if wants_logprobs else None,
         )

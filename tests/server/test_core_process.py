@@ -420,3 +420,26 @@ def test_delta_outputs_from_the_core_join_to_the_cumulative_ones(core_process_se
 
     whole, deltas = asyncio.run(asyncio.wait_for(main(), 60))
     check_joined_deltas(deltas, whole[-1])
+
+
+def test_a_stop_tokens_text_is_left_out_through_the_core_process(core_process_server):
+    """The client detokenizes the core's tokens: a sequence ended by a stop token id keeps the token, not its text,
+    unless include_stop_str_in_output; its cumulative text only grows."""
+    engine = core_process_server.engine
+    tokenizer = engine.tokenizer
+    prompt = tokenizer.encode("def __init__(self")
+
+    async def outputs(params: SamplingParams, request_id: str) -> list:
+        return [out async for out in engine.generate(request_id, prompt, params)]
+
+    plain = asyncio.run(outputs(SamplingParams(max_tokens=16, temperature=0), "plain"))[-1].outputs[0]
+    stop = plain.token_ids[3]
+    cut = plain.token_ids.index(stop) + 1
+    for include in (False, True):
+        params = SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop], include_stop_str_in_output=include)
+        steps = asyncio.run(outputs(params, f"stop-token-{include}"))
+        final = steps[-1].outputs[0]
+        assert final.token_ids == plain.token_ids[:cut] and final.stop_reason == stop
+        assert final.text == tokenizer.decode(plain.token_ids[:cut if include else cut - 1])
+        texts = [out.outputs[0].text for out in steps]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))

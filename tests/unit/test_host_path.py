@@ -112,3 +112,46 @@ def test_a_slow_readers_delta_outputs_merge_into_one() -> None:
     assert [(c.index, c.text, c.token_ids, c.delta_token_ids, c.finish_reason) for c in merged.outputs] == [
         (0, "acd", [5, 7, 8], [5, 7, 8], "length"), (1, "b", [6], [6], None)]
     assert merged.prompt_logprobs == earlier.prompt_logprobs
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm: LLM, include: bool) -> None:
+    """A sequence ended by a stop token id or EOS keeps the token in token_ids; its text is left out of the text
+    unless include_stop_str_in_output (vLLM's detokenizer, as for stop strings)."""
+    tokenizer = llm.get_tokenizer()
+    equals = tokenizer.convert_tokens_to_ids("=")
+    prompt = "def __init__(self"
+    plain = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert equals in plain.token_ids
+    cut = plain.token_ids.index(equals) + 1
+    params = SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[equals], include_stop_str_in_output=include)
+    for kind in ("cumulative", "delta"):
+        outputs = []
+        engine = llm.engine
+        engine.add_request(f"stop-token-{kind}-{include}", tokenizer.encode(prompt), params.replace(output_kind=kind))
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        final = outputs[-1].outputs[0]
+        text = final.text if kind == "cumulative" else "".join(out.outputs[0].delta_text for out in outputs)
+        assert final.finish_reason == "stop" and final.stop_reason == equals
+        assert text == tokenizer.decode(plain.token_ids[:cut if include else cut - 1])
+    chat = [{"role": "user", "content": "What does `os.path.join` do?"}]
+    ended = llm.chat(chat, SamplingParams(max_tokens=60, temperature=0, skip_special_tokens=False,
+                                          include_stop_str_in_output=include), use_tqdm=False)[0].outputs[0]
+    assert ended.token_ids[-1] == tokenizer.eos_token_id
+    assert ended.text.endswith(tokenizer.eos_token) == include
+
+
+def test_cumulative_text_only_grows_while_a_stop_string_may_match(llm: LLM) -> None:
+    """A step's cumulative text holds back what a stop string may yet take back (and a character split across
+    tokens), as its delta does: each output's text is the one before plus its delta."""
+    tokenizer = llm.get_tokenizer()
+    engine = llm.engine
+    engine.add_request("grows", tokenizer.encode("def __init__(self"),
+                       SamplingParams(max_tokens=20, temperature=0, stop=["=None, li"]))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    texts = [out.outputs[0].text for out in outputs]
+    assert outputs[-1].outputs[0].stop_reason == "=None, li"
+    assert all(b == a + out.outputs[0].delta_text for a, b, out in zip(["", *texts], texts, outputs))
