@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kestrel.entrypoints.async_engine import AsyncEngine, EngineDeadError
-from kestrel.entrypoints.llm import tokenize_prompt
+from kestrel.entrypoints.llm import prompt_media, tokenize_prompt
 from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams
 
@@ -39,11 +39,14 @@ class AsyncLLM:
 
     async def generate(self, prompt: str | dict[str, Any], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}.
-        `priority`: lower first, under scheduling_policy='priority'."""
+        """Stream one request's outputs; `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}, either
+        dict with "multi_modal_data" for a multimodal model. `priority`: lower first, under
+        scheduling_policy='priority'."""
         text, token_ids = await asyncio.to_thread(tokenize_prompt, self.tokenizer, prompt)
+        token_ids, media = await asyncio.to_thread(prompt_media, self.engine.media, prompt, token_ids)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        stream = self.engine.submit(request_id or uuid.uuid4().hex, token_ids, params, text, priority=priority)
+        stream = self.engine.submit(request_id or uuid.uuid4().hex, token_ids, params, text, priority=priority,
+                                    media=media)
         try:
             async for output in stream:
                 yield output

@@ -16,7 +16,14 @@ from kestrel.engine.stats_logger import StatsLogger
 from kestrel.entrypoints.beam_search import BeamSearch, BeamSearchOutput, advance_round, check_beam_width, next_round
 from kestrel.entrypoints.chat import apply_chat_template, special_token_texts
 from kestrel.entrypoints.engine_factory import build_engine, engine_config
-from kestrel.entrypoints.media import MediaLimits, chat_images, images_of, multi_modal_data, text_only_refusal
+from kestrel.entrypoints.media import (
+    MediaLimits,
+    MediaProcessor,
+    chat_images,
+    images_of,
+    multi_modal_data,
+    text_only_refusal,
+)
 from kestrel.entrypoints.pooling_tasks import (
     checked_dimensions,
     classifier_params,
@@ -54,9 +61,16 @@ PoolingTask = Literal["embed", "classify"]
 POOLING_TASKS: tuple[PoolingTask, ...] = ("embed", "classify")
 
 
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
+
+
 def tokenize_prompt(tokenizer: Any, prompt: PromptType,
                     add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-    """(text, token ids) of a prompt given as text, {"prompt": text} or {"prompt_token_ids": [...]}."""
+    """(text, token ids) of a prompt given as text, {"prompt": text} or {"prompt_token_ids": [...]} (either with
+    "multi_modal_data", which `prompt_media` reads)."""
+    if isinstance(prompt, dict) and (unknown := sorted(set(prompt) - set(PROMPT_KEYS), key=str)):
+        raise InvalidRequestError(str(unknown[0]), f"a prompt dict takes the keys {list(PROMPT_KEYS)}; "
+                                  f"{unknown[0]!r} is not supported")
     if isinstance(prompt, str):
         return prompt, (tokenizer.encode(prompt) if add_special_tokens
                         else tokenizer.encode(prompt, add_special_tokens=False))
@@ -69,6 +83,19 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptType,
         return tokenize_prompt(tokenizer, prompt["prompt"], add_special_tokens)
     raise InvalidRequestError("prompt", f"a prompt must be a string or a dict with 'prompt' or "
                               f"'prompt_token_ids', got {type(prompt).__name__}")
+
+
+def prompt_media(media: MediaProcessor | None, prompt: PromptType,
+                 token_ids: list[int]) -> tuple[list[int], tuple[MediaItem, ...]]:
+    """A prompt's `multi_modal_data` (vLLM's {"image": PIL image or list}) through the model's processor `media`:
+    its placeholders expanded and its media items; a prompt without one as it is."""
+    data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+    if data is None:
+        return token_ids, ()
+    images = images_of(data, "multi_modal_data")
+    if media is None:
+        raise text_only_refusal("multi_modal_data")
+    return media.expand(token_ids, images, "multi_modal_data")
 
 
 class LLM:
@@ -154,15 +181,7 @@ class LLM:
         return outputs
 
     def _with_media(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], tuple[MediaItem, ...]]:
-        """A prompt's `multi_modal_data` (vLLM's {"image": PIL image or list}): its placeholders expanded and its
-        media items; a prompt without one as it is."""
-        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
-        if data is None:
-            return token_ids, ()
-        images = images_of(data, "multi_modal_data")
-        if self.media is None:
-            raise text_only_refusal("multi_modal_data")
-        return self.media.expand(token_ids, images, "multi_modal_data")
+        return prompt_media(self.media, prompt, token_ids)
 
     def _require_compressor(self) -> PromptCompressor:
         if self.prompt_compressor is None:

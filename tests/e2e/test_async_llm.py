@@ -174,3 +174,33 @@ def test_shortest_prefill_serves_short_prompts_first_with_the_same_answers(model
     fcfs = LLM(model_dir, dtype="float32", max_model_len=64, max_num_seqs=1).generate(prompts, params,
                                                                                       use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in fcfs]
+
+
+def test_prompt_dicts_are_read_whole_or_refused(model_dir):
+    """A text model refuses multi_modal_data, and an unknown prompt key is refused by name (LLM and AsyncLLM alike),
+    never dropped."""
+    from PIL import Image
+
+    from kestrel import LLM
+    from kestrel.request import InvalidRequestError
+
+    image = {"prompt": "Describe:", "multi_modal_data": {"image": Image.new("RGB", (8, 8))}}
+    salted = {"prompt": "hi", "mm_processor_kwargs": {}}
+    llm = LLM(model_dir, dtype="float32", max_model_len=128)
+    for prompt, param in ((image, "multi_modal_data"), (salted, "mm_processor_kwargs")):
+        with pytest.raises(InvalidRequestError) as error:
+            llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+        assert error.value.param == param
+
+    async def app() -> None:
+        allm = AsyncLLM(model_dir, dtype="float32", max_model_len=128)
+        try:
+            for prompt, param in ((image, "multi_modal_data"), (salted, "mm_processor_kwargs")):
+                with pytest.raises(InvalidRequestError) as error:
+                    async for _ in allm.generate(prompt, SamplingParams(max_tokens=2)):
+                        pass
+                assert error.value.param == param
+        finally:
+            allm.shutdown()
+
+    asyncio.run(app())

@@ -304,3 +304,23 @@ def test_chat_with_image_url_parts_matches_generate(llm) -> None:
                             use_tqdm=False)
     assert chat.prompt_token_ids == plain.prompt_token_ids
     assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_async_llm_takes_the_prompts_images(llava_dir, hf) -> None:
+    """AsyncLLM.generate expands a prompt's multi_modal_data as LLM.generate does: greedy as transformers."""
+    import asyncio
+
+    from kestrel import AsyncLLM
+
+    async def run() -> list[int]:
+        llm = AsyncLLM(str(llava_dir), dtype="float32", max_model_len=256)
+        try:
+            text, images = case(0)
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+            outputs = [out async for out in llm.generate({"prompt": text, "multi_modal_data": {"image": images}},
+                                                         params, request_id="image")]
+            return outputs[-1].outputs[0].token_ids
+        finally:
+            llm.shutdown()
+
+    assert asyncio.run(run()) == hf_greedy(hf, 0)
