@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from tqdm.auto import tqdm
@@ -137,11 +137,19 @@ class LLM:
                                       "the model's weights and load that checkpoint")
         if isinstance(prompts, str | dict):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise InvalidRequestError("prompts", f"prompts must be a prompt (text, or a dict with 'prompt' or "
+                                      f"'prompt_token_ids') or a list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
-                       else [sampling_params] * len(prompts))
+        params_list = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                       else list(sampling_params) if isinstance(sampling_params, Iterable) else [sampling_params])
+        if not all(isinstance(p, SamplingParams) for p in params_list):
+            wrong = next(p for p in params_list if not isinstance(p, SamplingParams))
+            raise InvalidRequestError("sampling_params", f"sampling_params must be a SamplingParams or a list of "
+                                      f"them (one per prompt), got {type(wrong).__name__}: build "
+                                      "SamplingParams(...) from its fields")
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts; give one or "
                              "one per prompt")

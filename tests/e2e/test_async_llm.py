@@ -204,3 +204,18 @@ def test_prompt_dicts_are_read_whole_or_refused(model_dir):
             allm.shutdown()
 
     asyncio.run(app())
+
+
+def test_generate_names_a_wrong_argument(model_dir):
+    from kestrel import LLM
+    from kestrel.request import InvalidRequestError
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=128)
+    for args, param in (((None,), "prompts"), (("a", {"max_tokens": 3}), "sampling_params"),
+                        ((["a", "b"], [SamplingParams(max_tokens=1), "x"]), "sampling_params")):
+        with pytest.raises(InvalidRequestError) as error:
+            llm.generate(*args, use_tqdm=False)
+        assert error.value.param == param
+    # a generator of SamplingParams is a list of them
+    outs = llm.generate(["a", "b"], (SamplingParams(max_tokens=n, ignore_eos=True) for n in (1, 2)), use_tqdm=False)
+    assert [len(out.outputs[0].token_ids) for out in outs] == [1, 2]
