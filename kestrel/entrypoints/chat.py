@@ -19,7 +19,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kestrel.entrypoints.reasoning import THINK_END, opened_by_prompt
+from kestrel.entrypoints.reasoning import THINK_END, answer_prompt, opened_by_prompt
 from kestrel.request import InvalidRequestError
 
 _WS = " \t\r\n"
@@ -56,6 +56,12 @@ class ChatPrompt:
     text: str  # the rendered conversation, ending with the assistant prefix
     assistant_prefix: str  # what the assistant turn was started with (a forced tool-call opening) or ""
     tool_format: str = "llama3_json"  # how the model writes tool calls (TOOL_FORMATS)
+    answer_start: int = 0  # where the answer's own part of `text` starts (reasoning.answer_prompt)
+
+    @property
+    def answer_text(self) -> str:
+        """The prompt's part that the answer's thinking reads: from `answer_start` on."""
+        return self.text[self.answer_start:]
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
@@ -88,10 +94,11 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
     except Exception as e:  # a template raises whatever its author chose (jinja errors, ValueError, ...)
         raise InvalidRequestError("messages", f"the chat template could not render these messages: {e}") from None
     fmt = tool_format(template) if native else "llama3_json"
-    if close_thinking and opened_by_prompt(text):
+    answer_start = answer_prompt(text, messages)
+    if close_thinking and opened_by_prompt(text[answer_start:]):
         text += f"{THINK_END}\n\n"
     prefix = forced_prefix(tool_choice, named_tool, fmt) if use_tools and add_generation_prompt else ""
-    return ChatPrompt(text + prefix, prefix, fmt)
+    return ChatPrompt(text + prefix, prefix, fmt, answer_start)
 
 
 def special_token_texts(tokenizer: Any) -> list[str]:

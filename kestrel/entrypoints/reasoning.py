@@ -1,18 +1,22 @@
 """A reasoning model's thinking apart from its answer (`--reasoning-parser`, vLLM's names): chat answers carry the
 text between the think tags as `reasoning` (and `reasoning_content`, its older name) and the rest as `content`.
 
-Both parsers read `<think> ... </think>`. An answer is in its thinking from the start when the model opens it
-(`<think>` first, dropped) or the prompt did (its last `<think>` is open: the chat template's, or the one of an
-assistant message the answer continues); `deepseek_r1` always starts there (DeepSeek-R1 may begin its thinking
-without the tag). Thinking ends at `</think>` (dropped); an answer that never closes it is all reasoning. `qwen3`
-without an opening (thinking turned off with `enable_thinking: false`) is all content. A whole answer and its
-stream split alike: both run `ReasoningSplitter`. A structured answer thinks first too: where both tags are single
-tokens, its grammar applies after the thinking (`thinking_at_start`, `StructuredOutputsParams.after_thinking`).
+Both parsers read `<think> ... </think>`, in the answer's part of the prompt (`answer_prompt`: after the last
+message the answer does not continue, so a tag a user merely mentions opens nothing) and in the answer. An answer
+is in its thinking from the start when the model opens it (`<think>` first, dropped) or the prompt did (its last
+`<think>` is open: the chat template's, or the one of an assistant message the answer continues); `deepseek_r1`
+starts there unless the prompt closed it (DeepSeek-R1 may begin its thinking without the tag). Thinking ends at
+`</think>` (dropped); an answer that never closes it is all reasoning. A prompt that ends with its thinking closed
+(a template with thinking turned off) makes the whole answer content, and so does `qwen3` without an opening. A
+whole answer and its stream split alike: both run `ReasoningSplitter`. A structured answer thinks first too: where
+both tags are single tokens, its grammar applies after the thinking (`thinking_at_start`,
+`StructuredOutputsParams.after_thinking`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 THINK_START, THINK_END = "<think>", "</think>"
@@ -43,14 +47,35 @@ def _held_back(text: str, tag: str) -> int:
     return 0
 
 
-class ReasoningSplitter:
-    """One answer's text, fed as it comes, split into (reasoning, content) pieces."""
+def answer_prompt(prompt_text: str, messages: list[dict[str, Any]]) -> int:
+    """Where the answer's own part of a rendered chat prompt starts: after the last message the answer does not
+    continue (the last one not the assistant's), so that a `<think>` a user, system or tool message merely
+    mentions opens nothing; the template's generation prompt and an assistant message the answer continues lie
+    after it. 0 when that message's text is not found as written (a template that rewrites it)."""
+    for message in reversed(messages):
+        if message.get("role") == "assistant":
+            continue
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: the last text part ends the message
+            texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+            content = texts[-1] if texts else None
+        if not isinstance(content, str) or not content:
+            return 0
+        found = prompt_text.rfind(content)
+        return found + len(content) if found >= 0 else 0
+    return 0
 
-    def __init__(self, parser: str, opened: bool) -> None:
+
+class ReasoningSplitter:
+    """One answer's text, fed as it comes, split into (reasoning, content) pieces. `start`: where the answer starts
+    (`thinking_at_start`): inside its thinking, free to open it with a leading `<think>`, or past it (None: all of
+    it is content)."""
+
+    def __init__(self, parser: str, start: bool | None) -> None:
         if parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r}; expected one of {list(REASONING_PARSERS)}")
-        self._thinking = parser == "deepseek_r1" or opened
-        self._at_start = True  # a leading <think> may still come
+        self._thinking = start is True
+        self._at_start = start is not None  # a leading <think> may still come (dropped where already inside)
         self._pending = ""
 
     @property
@@ -81,10 +106,10 @@ class ReasoningSplitter:
         return pending[:len(pending) - keep], ""
 
 
-def count_reasoning_tokens(parser: str, opened: bool, token_texts: Iterable[str]) -> int:
+def count_reasoning_tokens(parser: str, start: bool | None, token_texts: Iterable[str]) -> int:
     """An answer's reasoning tokens, from each token's text: those up to the one that ends its thinking, all of
     them when it never ends, none when it does not think."""
-    splitter = ReasoningSplitter(parser, opened)
+    splitter = ReasoningSplitter(parser, start)
     count, thought = 0, False
     for count, text in enumerate(token_texts, 1):
         reasoning, content = splitter.feed(text)
@@ -94,7 +119,7 @@ def count_reasoning_tokens(parser: str, opened: bool, token_texts: Iterable[str]
     return count if thought else 0
 
 
-def split_reasoning(parser: str, text: str, opened: bool) -> tuple[str | None, str]:
+def split_reasoning(parser: str, text: str, start: bool | None) -> tuple[str | None, str]:
     """A whole answer's (reasoning or None, content)."""
-    reasoning, content = ReasoningSplitter(parser, opened).feed(text, final=True)
+    reasoning, content = ReasoningSplitter(parser, start).feed(text, final=True)
     return reasoning or None, content

@@ -85,7 +85,6 @@ from kestrel.entrypoints.reasoning import (
     THINK_START,
     ReasoningSplitter,
     count_reasoning_tokens,
-    opened_by_prompt,
     split_reasoning,
     thinking_at_start,
 )
@@ -445,7 +444,8 @@ class OpenAIServing:
             room_left = max(self.streaming.num_kept_tokens - len(token_ids), 1)
             beam = dataclasses.replace(beam, max_tokens=min(beam.max_tokens, room_left))
         if beam is not None:
-            return await _until_disconnect(raw, self._beam_chat(request, beam, token_ids))
+            reasoning = self._reasoning_setup(request, params, prompt.answer_text)
+            return await _until_disconnect(raw, self._beam_chat(request, beam, token_ids, reasoning))
         if self.streaming is not None and params.max_tokens is None:
             # The engine does not stop a streamed sequence at the context, so a request that names no limit
             # stops where the context would have ended; past it, max_tokens must say how far.
@@ -467,8 +467,8 @@ class OpenAIServing:
             text = grammar.text if isinstance(grammar, GrammarSource) else str(grammar.grammar)
             params = params.replace(structured_outputs=StructuredOutputsParams(grammar=text))
         if structured_param != "tools":
-            params = self._after_thinking(params, prompt.text)
-        reasoning = self._reasoning_setup(request, params, prompt.text)  # before the engine takes the request
+            params = self._after_thinking(params, prompt.answer_text)
+        reasoning = self._reasoning_setup(request, params, prompt.answer_text)  # before the engine takes it
         params = params.replace(output_kind="delta")  # as for completions: streamed, or joined by _collect
         job = await self._submit(f"chatcmpl-{_request_id(request)}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs", priority=request.priority,
@@ -495,13 +495,23 @@ class OpenAIServing:
                                           prompt_token_ids=list(final.prompt_token_ids) if ids else None)
         return _within_budget(job, JSONResponse(response.model_dump()))
 
-    async def _beam_chat(self, request: ChatCompletionRequest, beam: BeamSearchParams,
-                         token_ids: list[int]) -> Response:
+    async def _beam_chat(self, request: ChatCompletionRequest, beam: BeamSearchParams, token_ids: list[int],
+                         reasoning: _ReasoningSetup | None) -> Response:
         (result,) = await search_async(self.engine, [token_ids], beam, request.priority or 0)
         echoed = _chat_echo(request)
-        choices = [ChatChoice(index=j, message=ChatResponseMessage(content=echoed + seq.text),
-                              finish_reason=seq.finish_reason) for j, seq in enumerate(result.sequences)]
+        choices = []
+        for j, seq in enumerate(result.sequences):
+            text, thinking = seq.text, None
+            if reasoning is not None:
+                thinking, text = split_reasoning(reasoning.parser, seq.text, reasoning.start)
+            message = ChatResponseMessage(content=echoed + text)
+            if thinking is not None and reasoning.include:
+                message.reasoning = message.reasoning_content = thinking
+            choices.append(ChatChoice(index=j, message=message, finish_reason=seq.finish_reason))
         usage = _usage_info(len(token_ids), sum(len(seq.output_token_ids) for seq in result.sequences))
+        if reasoning is not None:
+            usage.completion_tokens_details = self._reasoning_tokens(
+                reasoning, [seq.output_token_ids for seq in result.sequences])
         return JSONResponse(ChatCompletionResponse(id=f"chatcmpl-{_request_id(request)}", choices=choices, usage=usage,
                                                    model=self.response_model_name(request.model)).model_dump())
 
@@ -514,7 +524,8 @@ class OpenAIServing:
 
     def _after_thinking(self, params: SamplingParams, prompt_text: str) -> SamplingParams:
         """A structured answer of a reasoning model thinks first (as the model would unconstrained); its grammar
-        applies after the thinking, which the engine waits on by its tags' token ids."""
+        applies after the thinking, which the engine waits on by its tags' token ids. `prompt_text`: the answer's
+        part of the prompt (ChatPrompt.answer_text)."""
         spec, tags = params.structured_outputs, self._thinking_tag_ids
         if spec is None or self.config.reasoning_parser is None or tags is None:
             return params
@@ -534,19 +545,19 @@ class OpenAIServing:
             return None
         if params.structured_outputs is not None and params.structured_outputs.after_thinking is None:
             return None
-        return _ReasoningSetup(parser, opened_by_prompt(prompt_text), request.include_reasoning is not False)
+        return _ReasoningSetup(parser, thinking_at_start(parser, prompt_text), request.include_reasoning is not False)
 
     def _reasoning_tokens(self, reasoning: _ReasoningSetup, answers: list[list[int]]) -> CompletionTokensDetails:
         token_text = self.engine.core.token_text
         return CompletionTokensDetails(reasoning_tokens=sum(
-            count_reasoning_tokens(reasoning.parser, reasoning.opened, (token_text(t) or "" for t in ids))
+            count_reasoning_tokens(reasoning.parser, reasoning.start, (token_text(t) or "" for t in ids))
             for ids in answers))
 
     def _chat_choice(self, c: CompletionOutput, params: SamplingParams, tools: _ToolSetup, fmt: LogprobFormatter,
                      echoed: str = "", ids: bool = False, reasoning: _ReasoningSetup | None = None) -> ChatChoice:
         text, thinking = c.text, None
         if reasoning is not None:
-            thinking, text = split_reasoning(reasoning.parser, c.text, reasoning.opened)
+            thinking, text = split_reasoning(reasoning.parser, c.text, reasoning.start)
             thinking = thinking if reasoning.include else None
         message = ChatResponseMessage(content=echoed + text)
         finish_reason = c.finish_reason
@@ -992,15 +1003,15 @@ def _chat_echo(request: ChatCompletionRequest) -> str:
 
 @dataclass(frozen=True)
 class _ReasoningSetup:
-    """An answer's thinking told apart by `parser`; `opened`: the prompt starts it inside its thinking;
+    """An answer's thinking told apart by `parser`; `start`: where the answer starts (reasoning.thinking_at_start);
     `include`: the response carries the thinking (include_reasoning)."""
 
     parser: str
-    opened: bool
+    start: bool | None
     include: bool
 
     def splitter(self) -> ReasoningSplitter:
-        return ReasoningSplitter(self.parser, self.opened)
+        return ReasoningSplitter(self.parser, self.start)
 
 
 @dataclass(frozen=True)

@@ -277,3 +277,53 @@ def test_the_template_decides_where_the_answer_starts(thinking_server):
     assert choice["message"]["content"] == CITY_JSON and choice["message"].get("reasoning") is None
     assert not allowed(steps[0][1], start)
     assert all(row is not None and allowed(row, token) for token, row in steps)
+
+
+def test_a_think_tag_the_user_mentions_opens_nothing(thinking_server):
+    """Only the answer's part of the prompt (after the last message it does not continue) says whether it starts
+    inside a thinking: a user's or system's `<think>` is text."""
+    server, runner, (start, _) = thinking_server
+    messages = [{"role": "system", "content": "Think in <think> tags."},
+                {"role": "user", "content": "What does the <think> tag do?"}]
+    choice, steps = constrained_chat(server, runner, CITY_JSON, messages=messages)
+    assert choice["message"]["content"] == CITY_JSON and choice["message"].get("reasoning") is None
+    assert allowed(steps[0][1], start)  # masked from the first token, which may open a thinking
+    runner.script = "Hello!"
+    plain = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=20)
+    assert plain.choices[0].message.content == "Hello!" and not (plain.choices[0].message.model_extra or {}).get(
+        "reasoning")
+
+
+def test_deepseek_r1_after_a_closed_thinking_is_all_content(tiny_model_dir):
+    server, runner = start_scripted(tiny_model_dir, reasoning_parser="deepseek_r1", trust_request_chat_template=True)
+    closed = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]<think>\n\n</think>\n\n"
+    runner.script = "Paris."
+    try:
+        message = server.client().chat.completions.create(model=MODEL, messages=USER, max_tokens=20,
+                                                          extra_body={"chat_template": closed}).choices[0].message
+        assert message.content == "Paris." and not (message.model_extra or {}).get("reasoning")
+        opened = server.client().chat.completions.create(model=MODEL, messages=USER, max_tokens=20).choices[0].message
+        assert opened.content == "" and opened.model_extra["reasoning"] == "Paris."  # R1 thinks without the tag
+    finally:
+        server.stop()
+
+
+def test_beam_search_answers_are_split_too(tiny_model_dir):
+    """Beam search's answers carry their thinking apart as sampled ones do (deepseek_r1: a real model's answer
+    without `</think>` is all thinking), with the reasoning tokens in the usage."""
+    from conftest import MAX_MODEL_LEN, LiveServer
+
+    from kestrel.entrypoints.async_engine import AsyncEngine
+    from kestrel.entrypoints.server import build_app
+
+    engine = AsyncEngine.from_args(tiny_model_dir, max_model_len=MAX_MODEL_LEN, device="cpu",
+                                   dtype="float32").start()
+    server = LiveServer(build_app(engine, MODEL, reasoning_parser="deepseek_r1"), engine, None)
+    try:
+        reply = server.client().chat.completions.create(model=MODEL, messages=USER, max_tokens=6, n=2,
+                                                        extra_body={"use_beam_search": True})
+        for choice in reply.choices:
+            assert choice.message.content == "" and choice.message.model_extra["reasoning"]
+        assert reply.usage.completion_tokens_details.reasoning_tokens == reply.usage.completion_tokens
+    finally:
+        server.stop()

@@ -7,28 +7,36 @@ import random
 import pytest
 
 from kestrel.entrypoints.core_protocol import params_from_wire, params_to_wire
-from kestrel.entrypoints.reasoning import ReasoningSplitter, opened_by_prompt, split_reasoning, thinking_at_start
+from kestrel.entrypoints.reasoning import (
+    ReasoningSplitter,
+    answer_prompt,
+    opened_by_prompt,
+    split_reasoning,
+    thinking_at_start,
+)
 from kestrel.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams, ThinkingTags
 
-CASES = [  # (parser, opened by the prompt, answer, reasoning, content)
-    ("deepseek_r1", False, "<think>add 2 and 3</think>It is 5.", "add 2 and 3", "It is 5."),
-    ("deepseek_r1", False, "add 2 and 3</think>It is 5.", "add 2 and 3", "It is 5."),  # R1 may skip the opening
-    ("deepseek_r1", False, "still thinking when cut", "still thinking when cut", ""),
+CASES = [  # (parser, where the answer starts (thinking_at_start), answer, reasoning, content)
+    ("deepseek_r1", True, "<think>add 2 and 3</think>It is 5.", "add 2 and 3", "It is 5."),
+    ("deepseek_r1", True, "add 2 and 3</think>It is 5.", "add 2 and 3", "It is 5."),  # R1 may skip the opening
+    ("deepseek_r1", True, "still thinking when cut", "still thinking when cut", ""),
     ("deepseek_r1", True, "x < y, so</think>\n\ny", "x < y, so", "\n\ny"),
+    ("deepseek_r1", None, "The answer</think> is 5", None, "The answer</think> is 5"),  # the prompt closed it
     ("qwen3", False, "<think>\nhm\n</think>\n\nHello <b>!", "\nhm\n", "\n\nHello <b>!"),
     ("qwen3", False, "No thinking </think> here", None, "No thinking </think> here"),  # thinking off
     ("qwen3", True, "hm</think>Hi", "hm", "Hi"),  # the template opened it (thinking models)
+    ("qwen3", None, "<think>hm</think>Hi", None, "<think>hm</think>Hi"),  # the template closed it
     ("qwen3", False, "<thin", None, "<thin"),
     ("qwen3", False, "<think></think>", None, ""),
 ]
 
 
-@pytest.mark.parametrize(("parser", "opened", "answer", "reasoning", "content"), CASES)
-def test_a_whole_answer_and_its_stream_split_alike(parser, opened, answer, reasoning, content) -> None:
-    assert split_reasoning(parser, answer, opened) == (reasoning, content)
+@pytest.mark.parametrize(("parser", "start", "answer", "reasoning", "content"), CASES)
+def test_a_whole_answer_and_its_stream_split_alike(parser, start, answer, reasoning, content) -> None:
+    assert split_reasoning(parser, answer, start) == (reasoning, content)
     rng = random.Random(answer)
     for _ in range(30):
-        splitter, pieces, i = ReasoningSplitter(parser, opened), [], 0
+        splitter, pieces, i = ReasoningSplitter(parser, start), [], 0
         while i < len(answer):
             size = rng.randint(0, 4)
             pieces.append(splitter.feed(answer[i:i + size]))
@@ -79,3 +87,22 @@ def test_after_thinking_crosses_to_the_engine_core_process_and_is_checked() -> N
         ThinkingTags(5, -1)
     with pytest.raises(SamplingParamsError, match="after_thinking"):
         StructuredOutputsParams(regex="a+", after_thinking=(1, 2))
+
+
+def test_the_answers_part_of_the_prompt_starts_after_the_last_message_it_does_not_continue() -> None:
+    """A <think> that a user, system or tool message mentions opens nothing; one of the template's generation
+    prompt, or of an assistant message the answer continues, does."""
+    messages = [{"role": "system", "content": "Put your reasoning in <think> tags."},
+                {"role": "user", "content": "What does the <think> tag do?"}]
+    prompt = "[system]Put your reasoning in <think> tags.[user]What does the <think> tag do?[assistant]"
+    start = answer_prompt(prompt, messages)
+    assert prompt[start:] == "[assistant]" and thinking_at_start("qwen3", prompt[start:]) is False
+    assert thinking_at_start("qwen3", prompt) is True  # the whole prompt would have said otherwise
+    opened = prompt + "<think>\n"
+    assert thinking_at_start("qwen3", opened[answer_prompt(opened, messages):]) is True
+    continued = [*messages, {"role": "assistant", "content": "<think>Let me"}]
+    text = prompt + "<think>Let me"
+    assert thinking_at_start("qwen3", text[answer_prompt(text, continued):]) is True
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a <think> b"}, {"type": "image"}]}]
+    assert answer_prompt("[user]a <think> b<image>[assistant]", parts) == len("[user]a <think> b")
+    assert answer_prompt("[user]rewritten[assistant]", [{"role": "user", "content": "hi <think>"}]) == 0
