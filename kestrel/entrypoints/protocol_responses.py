@@ -107,7 +107,7 @@ class FunctionTool(_Request):
 class ReasoningConfig(_Request):
     # Handed to the chat template as the chat request's reasoning_effort; no summaries are written here.
     effort: Literal["minimal", "low", "medium", "high"] | None = None
-    summary: None = None
+    summary: str | None = None
 
 
 class FunctionToolChoice(_Request):
@@ -147,6 +147,10 @@ class ResponsesRequest(_Request):
         if self.background:
             raise InvalidRequestError("background", "background responses are not supported: leave background out "
                                       "or false, and the answer comes in the reply (or its stream)")
+        if self.reasoning is not None and self.reasoning.summary is not None:
+            raise InvalidRequestError("reasoning.summary", "reasoning summaries are not written here: leave "
+                                      "reasoning.summary out (with --reasoning-parser the thinking itself comes as a "
+                                      "reasoning item's content)")
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(history), "stream": self.stream}
         for ours, theirs in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
                              ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user")):

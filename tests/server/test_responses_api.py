@@ -151,3 +151,5 @@ def test_unsupported_fields_are_refused_by_name(openai_server, body, param):
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"].startswith(param), reply.json()
     assert "token ids" not in reply.json()["error"]["message"]  # the words of the completions' prompt
+    if param == "reasoning.summary":
+        assert "leave reasoning.summary out" in reply.json()["error"]["message"]
