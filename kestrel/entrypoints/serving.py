@@ -358,7 +358,7 @@ class OpenAIServing:
             if request.include_usage_in_stream:
                 usage = _usage_of(job, completion_tokens)
                 yield sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model_name,
-                                                   choices=[], usage=usage).model_dump_json())
+                                                   choices=[], usage=usage).model_dump_json(exclude_none=True))
         except Exception as error:  # the status line is sent: errors can only travel as an event
             await job.abort()
             yield _stream_error(error)
@@ -649,7 +649,7 @@ class OpenAIServing:
                 if reasoning is not None:
                     usage.completion_tokens_details = self._reasoning_tokens(reasoning, list(answers.values()))
                 yield sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model_name,
-                                              choices=[], usage=usage).model_dump_json())
+                                              choices=[], usage=usage).model_dump_json(exclude_none=True))
         except Exception as error:  # the status line is sent: errors can only travel as an event
             await job.abort()
             yield _stream_error(error)

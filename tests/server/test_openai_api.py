@@ -49,6 +49,21 @@ def test_streamed_completion_equals_the_whole_one(client):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_usage_chunk_leaves_null_fields_out_as_every_chunk_does(served, path):
+    import json
+
+    body = {"model": MODEL, "max_tokens": 3, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+            **({"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]})}
+    reply = HTTP.post(f"{served.base_url}{path}", headers=served.headers, json=body)
+    chunks = [json.loads(line[len("data: "):]) for line in reply.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    nulls = [key for chunk in chunks for key, value in chunk.items() if value is None]
+    assert not nulls, nulls
+
+
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     """vLLM's stream_options.continuous_usage_stats (guidellm's default streaming request), completions and chat."""
     options = {"include_usage": True, "continuous_usage_stats": True}
