@@ -64,6 +64,20 @@ class ChatPrompt:
         return self.text[self.answer_start:]
 
 
+def check_final_message_continued(continue_final_message: bool | None, add_generation_prompt: bool | None,
+                                  last_role: str | None) -> None:
+    """continue_final_message goes on with the assistant's last message (`last_role`: the conversation's last
+    message's role): it needs that message, and no generation prompt after it."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt is not False:
+        raise InvalidRequestError("continue_final_message", "continue_final_message continues the last message, "
+                                  "so it needs add_generation_prompt set to false")
+    if last_role != "assistant":
+        raise InvalidRequestError("continue_final_message", "continue_final_message needs the last message to be "
+                                  "the assistant's")
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                 tool_choice: str = "auto", named_tool: str | None = None, add_generation_prompt: bool = True,
                 chat_template: str | None = None, continue_final_message: bool = False,

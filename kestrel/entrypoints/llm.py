@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from kestrel.engine.stats_logger import StatsLogger
 from kestrel.entrypoints.beam_search import BeamSearch, BeamSearchOutput, advance_round, check_beam_width, next_round
-from kestrel.entrypoints.chat import apply_chat_template, special_token_texts
+from kestrel.entrypoints.chat import check_final_message_continued, render_chat, special_token_texts
 from kestrel.entrypoints.engine_factory import build_engine, engine_config
 from kestrel.entrypoints.media import (
     MediaLimits,
@@ -249,8 +249,22 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: Literal["auto", "string", "openai"] = "auto",
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate (vLLM's arguments):
+        `continue_final_message` goes on with the assistant's last message (with add_generation_prompt=False);
+        `chat_template_kwargs`: more template variables (e.g. enable_thinking); `chat_template_content_format`:
+        each message's content handed to the template as one string ("string") or a list of parts ("openai");
+        "auto": parts for a multimodal model. Each output's `prompt` is its rendered conversation."""
+        self._refuse_lora(lora_request)
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise InvalidRequestError("chat_template_content_format", "chat_template_content_format must be "
+                                      f"'auto', 'string' or 'openai', got {chat_template_content_format!r}")
+        content_parts = (self.media is not None if chat_template_content_format == "auto"
+                         else chat_template_content_format == "openai")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -260,9 +274,16 @@ class LLM:
             raise ValueError(f"got {len(params_list)} sampling params for {len(conversations)} conversations; give "
                              "one or one per conversation")
 
-        def template(conv: list[dict[str, Any]]) -> list[int]:
-            return apply_chat_template(self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
-                                       chat_template=chat_template, tools=tools, content_parts=self.media is not None)
+        def template(conv: list[dict[str, Any]]) -> str:
+            check_final_message_continued(continue_final_message, add_generation_prompt,
+                                          conv[-1].get("role") if conv and isinstance(conv[-1], dict) else None)
+            return render_chat(self.tokenizer, conv, tools=tools, tool_choice="auto" if tools else "none",
+                               add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                               continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs,
+                               content_parts=content_parts).text
+
+        def token_ids(text: str) -> list[int]:
+            return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
 
         prompts: list[PromptType] = []
         original_counts: list[int | None] = []
@@ -270,11 +291,12 @@ class LLM:
             original = None
             if params.prompt_compression is not None:
                 compressed = self._require_compressor().compress_messages(conv, params.prompt_compression)
-                original = len(template(conv))
+                original = len(token_ids(template(conv)))
                 conv = compressed.messages or conv
                 params_list[k] = params.replace(prompt_compression=None)
             conv, images = chat_images(conv, self.media, self.media_limits)
-            prompt: dict[str, Any] = {"prompt_token_ids": template(conv)}
+            text = template(conv)
+            prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids(text)}
             if images:
                 prompt["multi_modal_data"] = multi_modal_data(images)
             prompts.append(prompt)

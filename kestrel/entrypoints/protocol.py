@@ -29,6 +29,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from kestrel.entrypoints.chat import check_final_message_continued
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import (
     SAMPLING_BOUNDS,
@@ -1126,14 +1127,7 @@ def _beam_search_ignores(name: str, value: Any, request_default: Any) -> bool:
 def _check_continuation(continue_final_message: bool | None, add_generation_prompt: bool | None,
                         messages: list[ChatMessage]) -> None:
     """continue_final_message (chat completions and /tokenize chats) goes on with the assistant's last message."""
-    if not continue_final_message:
-        return
-    if add_generation_prompt is not False:
-        _unsupported("continue_final_message", "continue_final_message continues the last message, so it needs "
-                     "add_generation_prompt set to false")
-    if messages[-1].role != "assistant":
-        _unsupported("continue_final_message", "continue_final_message needs the last message to be the "
-                     "assistant's")
+    check_final_message_continued(continue_final_message, add_generation_prompt, messages[-1].role)
 
 
 def _unsupported(param: str, message: str) -> None:

@@ -219,3 +219,30 @@ def test_generate_names_a_wrong_argument(model_dir):
     # a generator of SamplingParams is a list of them
     outs = llm.generate(["a", "b"], (SamplingParams(max_tokens=n, ignore_eos=True) for n in (1, 2)), use_tqdm=False)
     assert [len(out.outputs[0].token_ids) for out in outs] == [1, 2]
+
+
+def test_llm_chat_takes_vllms_template_arguments(model_dir):
+    """continue_final_message, chat_template_kwargs and chat_template_content_format reach the template; each
+    output's prompt is its rendered conversation, whose tokens are its prompt_token_ids."""
+    from kestrel import LLM
+    from kestrel.request import InvalidRequestError
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=128)
+    template = ("{{ greeting | default('') }}{% for m in messages %}[{{ m.role }}:"
+                "{{ m.content if m.content is string else 'parts' }}]{% endfor %}"
+                "{% if add_generation_prompt %}[assistant:{% endif %}")
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    (out,) = llm.chat(chat, params, use_tqdm=False, chat_template=template, add_generation_prompt=False,
+                      continue_final_message=True, chat_template_kwargs={"greeting": "!"})
+    assert out.prompt == "![user:Hi][assistant:Hello"  # the assistant's message left open
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
+    (parts,) = llm.chat(chat[:1], params, use_tqdm=False, chat_template=template,
+                        chat_template_content_format="openai")
+    assert parts.prompt == "[user:parts][assistant:"
+    with pytest.raises(InvalidRequestError) as error:
+        llm.chat(chat, params, use_tqdm=False, continue_final_message=True)
+    assert error.value.param == "continue_final_message"  # it needs add_generation_prompt=False
+    with pytest.raises(InvalidRequestError) as error:
+        llm.chat(chat, params, use_tqdm=False, chat_template_content_format="xml")
+    assert error.value.param == "chat_template_content_format"
