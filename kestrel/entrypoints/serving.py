@@ -504,7 +504,7 @@ class OpenAIServing:
             text, thinking = seq.text, None
             if reasoning is not None:
                 thinking, text = split_reasoning(reasoning.parser, seq.text, reasoning.start)
-            message = ChatResponseMessage(content=echoed + text)
+            message = ChatResponseMessage(content=echoed + text if echoed or text or thinking is None else None)
             if thinking is not None and reasoning.include:
                 message.reasoning = message.reasoning_content = thinking
             choices.append(ChatChoice(index=j, message=message, finish_reason=seq.finish_reason))
@@ -558,8 +558,9 @@ class OpenAIServing:
         text, thinking = c.text, None
         if reasoning is not None:
             thinking, text = split_reasoning(reasoning.parser, c.text, reasoning.start)
-            thinking = thinking if reasoning.include else None
-        message = ChatResponseMessage(content=echoed + text)
+        # An answer that ended in (or right after) its thinking has no content: null, as vLLM's parsers give it.
+        message = ChatResponseMessage(content=echoed + text if echoed or text or thinking is None else None)
+        thinking = thinking if reasoning is not None and reasoning.include else None
         finish_reason = c.finish_reason
         if tools.active:
             parsed = parse_tool_calls(text, tools.names, tools.prefix, tools.format)
