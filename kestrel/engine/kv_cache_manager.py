@@ -67,6 +67,12 @@ class KVCacheManager:
         """The fullest group's share of blocks in use: the one that runs out first."""
         return max(pool.usage for pool in self.pools)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, in every group; only while no block is in use (False: nothing forgotten)."""
+        if any(pool.num_free_blocks != pool.num_blocks for pool in self.pools):
+            return False
+        return all([pool.reset_prefix_cache() for pool in self.pools])
+
     def block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids, one list per group."""
         held = self._blocks.get(request_id)

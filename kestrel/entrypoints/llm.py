@@ -555,6 +555,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's method, for benchmarks that must not reuse one); only
+        possible between generate calls, while no request holds a block: False otherwise."""
+        return self.engine.scheduler.kv.reset_prefix_cache()
+
     @property
     def stats(self):
         return self.engine.scheduler.stats

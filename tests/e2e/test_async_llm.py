@@ -246,3 +246,17 @@ def test_llm_chat_takes_vllms_template_arguments(model_dir):
     with pytest.raises(InvalidRequestError) as error:
         llm.chat(chat, params, use_tqdm=False, chat_template_content_format="xml")
     assert error.value.param == "chat_template_content_format"
+
+
+def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(model_dir):
+    from kestrel import LLM
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=128, enable_prefix_caching=True)
+    prompt = {"prompt_token_ids": list(range(3, 3 + 40))}
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert llm.reset_prefix_cache()
+    fresh = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0 and fresh.outputs[0].token_ids == first.outputs[0].token_ids
