@@ -78,6 +78,12 @@ def check_bound(name: str, value: Any, param: str | None = None) -> None:
         raise SamplingParamsError(param, f"{param} must be {bound.allowed}, got {value!r}")
 
 
+def sibling_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sequence `index` of a request that asks for n > 1 (distinct seeds keep seeded siblings from
+    sampling identical sequences), wrapped into the 64 bits a seed may have."""
+    return None if seed is None else (seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 

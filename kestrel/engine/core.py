@@ -24,7 +24,7 @@ from kestrel.kv_spec import KVCacheLayout, as_layout
 from kestrel.outputs import CompletionOutput, RequestMetrics, RequestOutput, SequenceDelta, delta_completion
 from kestrel.pooling_params import PoolingParams
 from kestrel.request import InvalidRequestError, MediaItem, Request, RequestStatus, check_media, prompt_too_long
-from kestrel.sampling_params import SamplingParams
+from kestrel.sampling_params import SamplingParams, sibling_seed
 
 
 @dataclass
@@ -189,8 +189,7 @@ class EngineCore:
             child_params = params
             if params.n > 1:
                 # Distinct seeds keep seeded siblings from sampling identical sequences.
-                seed = None if params.seed is None else params.seed + index
-                child_params = params.replace(n=1, seed=seed)
+                child_params = params.replace(n=1, seed=sibling_seed(params.seed, index))
             request = Request(child_id, list(prompt_token_ids), child_params, eos_token_id=self.eos_token_id,
                               max_model_len=None if self.config.streaming else self.max_model_len,
                               extra_eos_token_ids=self._extra_eos,
@@ -289,12 +288,16 @@ class EngineCore:
             raise InvalidRequestError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size})")
         if vocab_size is not None and any(t >= vocab_size for t in params.allowed_token_ids or ()):
             raise InvalidRequestError("allowed_token_ids", f"allowed_token_ids must be in [0, {vocab_size})")
+        tags = params.structured_outputs.after_thinking if params.structured_outputs is not None else None
+        if tags is not None and vocab_size is not None and max(tags.start_token_id, tags.end_token_id) >= vocab_size:
+            raise InvalidRequestError("structured_outputs.after_thinking", f"the thinking's token ids must be in "
+                                      f"[0, {vocab_size}), got {tags.start_token_id} and {tags.end_token_id}")
 
-    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: list[str]) -> list[EngineOutput]:
         """End the requests now; returns each one's final output (finish_reason "abort" for the sequences it cut,
-        its text and tokens so far), for a reader still waiting on it. An engine core whose client builds the
-        outputs (deltas=True) returns none: its client ends its own streams."""
-        finals: list[RequestOutput] = []
+        its text and tokens so far), for a reader still waiting on it: a SequenceDelta with the tokens not yet
+        sent from an engine core whose client builds the outputs (deltas=True)."""
+        finals: list[EngineOutput] = []
         now = time.monotonic()
         for request_id in request_ids:
             parent = self._parents.pop(request_id, None)
@@ -309,10 +312,11 @@ class EngineCore:
                     self.structured.remove(child_id)
             for sequence in parent.sequences:
                 if not sequence.status.finished:
+                    if sequence.detokenizer is not None:
+                        self._detokenize(sequence)  # a final-only request's text is otherwise made at its end
                     sequence.status = sequence.request.status
                     sequence.finished_time = now
-            if not self.deltas:
-                finals.append(self._make_output(parent, True))
+            finals.append(self._make_delta(parent, True) if self.deltas else self._make_output(parent, True))
         if not self.has_unfinished_requests():
             self._release_finished()
         return finals

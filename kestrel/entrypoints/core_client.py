@@ -148,6 +148,9 @@ class CoreClient:
         self._stopping = False
         self._failed: EngineDeadError | None = None  # what every request got when the engine stopped
         self._aborting: dict[str, str] = {}  # sequence id -> its request's id, while the core has not applied the abort
+        # Requests aborted by their id whose reader gets a final output once the core has applied the abort: request
+        # id -> (stream, request, whether the core had taken it yet).
+        self._closing: dict[str, tuple[RequestStream, ClientRequest, bool]] = {}
         self._draining = False
         self._reader = threading.Thread(target=self._run, name="kestrel-core-client", daemon=True)
         # Messages to the core go out from a thread of their own, in order: a core that stops reading (alive but
@@ -341,9 +344,15 @@ class CoreClient:
             await stream.aclose()
 
     def abort(self, request_id: str) -> None:
+        """Stop a request; a reader still iterating its stream gets its final output (finish_reason "abort", with
+        what it generated so far) once the core has applied the abort."""
         with self._lock:
-            if request_id not in self._streams:
+            stream = self._streams.get(request_id)
+            if stream is None:
                 return
+            request = self._requests.get(request_id)
+            if request is not None and not self._stopping:
+                self._closing[request_id] = (stream, request, request_id not in self._unaccepted)
             children = [(cid, request_id) for cid in self._forget(request_id)]
         self._send_abort(children)
 
@@ -455,7 +464,7 @@ class CoreClient:
                     stream = self._streams[parent]
                     aborts += [(c, parent) for c in self._forget(parent) if c != cid]
                     items.append((stream, refusal_from_wire(error)))
-            requests = [(delta_from_wire(r), self._requests.get(self._child_parent.get(r[0], ""))) for r in records]
+            requests = [(delta_from_wire(r), self._request_of(r[0])) for r in records]
         # Detokenizing runs outside the lock: only this thread touches a request's sequences.
         for delta, request in requests:
             if request is None:
@@ -467,21 +476,43 @@ class CoreClient:
         with self._lock:
             for request, output in outputs:
                 stream = self._streams.get(request.request_id)
-                if output is None or stream is None:
-                    continue
-                if output.finished:
+                if stream is None and request.request_id in self._closing:
+                    # Aborted by its id (meanwhile, or the core's last delta of it): its reader still reads.
+                    stream, _, accepted = self._closing[request.request_id]
+                    if not accepted:
+                        items.append((stream, _ACCEPTED))
+                        self._closing[request.request_id] = (stream, request, True)
+                    if output is not None and output.finished:
+                        del self._closing[request.request_id]
+                elif stream is not None and output is not None and output.finished:
                     self._forget(request.request_id)
-                items.append((stream, output))
+                if output is not None and stream is not None:
+                    items.append((stream, output))
+            closing = []
             for cid in aborted:  # this step came after the core applied these aborts: no later one names them
-                self._aborting.pop(cid, None)
+                parent = self._aborting.pop(cid, None)
+                if parent is not None and parent in self._closing:
+                    closing.append(self._closing.pop(parent))
+        for stream, request, accepted in closing:  # the core had none of it: the final output is made here
+            final = request.aborted()
+            items += ([] if accepted else [(stream, _ACCEPTED)]) + ([(stream, final)] if final is not None else [])
         self._send_abort(aborts)
         _deliver(items)
+
+    def _request_of(self, sequence_id: str) -> ClientRequest | None:
+        """(Under the lock) the request a sequence's delta belongs to: a live one, or one aborted by its id whose
+        reader waits for its final output (the core's last delta of the sequence, finish_reason "abort")."""
+        request = self._requests.get(self._child_parent.get(sequence_id, ""))
+        if request is None and (parent := self._aborting.get(sequence_id)) in self._closing:
+            request = self._closing[parent][1]
+        return request
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._lock:
             self._failed = error  # a submit that passed _check_alive meanwhile finds it under the lock
-            streams = list(self._streams.values())
+            streams = list(self._streams.values()) + [stream for stream, _, _ in self._closing.values()]
             self._streams.clear()
+            self._closing.clear()
             self._requests.clear()
             self._child_parent.clear()
             self._unaccepted.clear()

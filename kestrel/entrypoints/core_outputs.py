@@ -17,7 +17,7 @@ from typing import Any
 from kestrel.engine.detokenizer import IncrementalDetokenizer, TokenizerLookups
 from kestrel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SequenceDelta, delta_completion
 from kestrel.pooling_params import PoolingParams
-from kestrel.sampling_params import SamplingParams
+from kestrel.sampling_params import SamplingParams, sibling_seed
 
 
 def child_params(params: SamplingParams | PoolingParams) -> list[tuple[int, SamplingParams | PoolingParams]]:
@@ -30,7 +30,7 @@ def child_params(params: SamplingParams | PoolingParams) -> list[tuple[int, Samp
         params = params.replace(output_kind="cumulative")
     if params.n == 1:
         return [(0, params)]
-    return [(i, params.replace(n=1, seed=None if params.seed is None else params.seed + i)) for i in range(params.n)]
+    return [(i, params.replace(n=1, seed=sibling_seed(params.seed, i))) for i in range(params.n)]
 
 
 def child_id(request_id: str, index: int, n: int) -> str:
@@ -89,6 +89,18 @@ class ClientRequest:
         if len(ordered) == 1:
             return ordered[0].finish_reason is not None
         return all(s.finished for s in ordered)
+
+    def aborted(self) -> RequestOutput | None:
+        """The final output of a request its client aborted: each sequence still going ends with finish_reason
+        "abort", its text brought up to its tokens (a final-only request's is otherwise made at its end)."""
+        for seq in self._ordered:
+            if seq.finished:
+                continue
+            detokenizer = seq.detokenizer
+            if detokenizer is not None and not detokenizer.stopped:
+                detokenizer.update(seq.token_ids[len(detokenizer.token_ids):])
+            seq.finish_reason, seq.stop_reason = "abort", None
+        return self.output()
 
     def apply(self, delta: SequenceDelta) -> bool:
         """Take one sequence's step; True when a stop string ended it here (the core must abort it)."""

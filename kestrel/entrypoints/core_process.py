@@ -140,6 +140,7 @@ class _CoreLoop:
         self._accepted: list[str] = []
         self._refused: list[list[Any]] = []
         self._aborted: list[str] = []  # aborts applied since the last STEP, which says so to the client
+        self._abort_deltas: list[SequenceDelta] = []  # their sequences' last deltas (finish_reason "abort")
         self._prompt_logprobs_sent: dict[str, int] = {}
         self._writer = threading.Thread(target=self._write, name="kestrel-core-writer", daemon=True)
         self._writer.start()
@@ -196,9 +197,9 @@ class _CoreLoop:
                 break
             for message in messages:
                 self._handle(message)
-            outputs = []
+            outputs, self._abort_deltas = self._abort_deltas, []
             if core.has_unfinished_requests():
-                outputs = core.step()
+                outputs += core.step()
                 self.stats.count_step(core.scheduler)
                 if self._stats_logger is not None:
                     self._stats_logger.maybe_log(core.scheduler)
@@ -212,7 +213,7 @@ class _CoreLoop:
             for request_id in ids:
                 self._compiling.pop(request_id, None)
                 self._prompt_logprobs_sent.pop(request_id, None)
-            self.core.abort_request(ids)
+            self._abort_deltas += self.core.abort_request(ids)
             self._aborted.extend(ids)
         elif kind == ADD:
             _, request_id, _, params, _, grammar = message

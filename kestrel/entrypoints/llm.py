@@ -226,8 +226,8 @@ class LLM:
                                       f"{concurrency_limit!r}")
         prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         check_beam_width(params, self.config.model.max_logprobs)
-        searches = [BeamSearch(self._tokenize(p)[1], params, self.engine.eos_token_ids, self.engine.max_model_len)
-                    for p in prompts]
+        searches = [BeamSearch(self._tokenize(p, "LLM.beam_search")[1], params, self.engine.eos_token_ids,
+                               self.engine.max_model_len) for p in prompts]
         step_params = params.step_params()
         group = concurrency_limit or len(searches) or 1
         bar = tqdm(total=len(searches), desc="Beam search", unit="prompt", disable=not use_tqdm)
@@ -416,7 +416,8 @@ class LLM:
     def _bi_encoder_scores(self, pairs: list[tuple[PromptType, PromptType]], pooling_params: PoolingParams | None,
                            truncate: int | None, use_tqdm: bool | Callable[..., Any]) -> list[ScoringRequestOutput]:
         """Both sides embedded, each distinct prompt once, as /score does with an embedding model."""
-        tokenized = [(self._tokenize(first), self._tokenize(second)) for first, second in pairs]
+        tokenized = [(self._tokenize(first, "LLM.score"), self._tokenize(second, "LLM.score"))
+                     for first, second in pairs]
         distinct = list(dict.fromkeys(tuple(ids) for side in tokenized for _, ids in side))
         params = self._pooling_params(pooling_params, len(distinct), "embed")
         outputs = self._pool([{"prompt_token_ids": list(ids)} for ids in distinct], params, truncate, use_tqdm)
@@ -491,7 +492,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, pooling in zip(prompts, params):
-                text, token_ids = self._tokenize(prompt)
+                text, token_ids = self._tokenize(prompt, "pooling (embed, classify, score, encode)")
                 if truncate is not None and len(token_ids) > truncate:
                     # A truncated prompt's text is no longer the prompt.
                     text, token_ids = None, token_ids[-truncate:]
@@ -516,7 +517,11 @@ class LLM:
             raise InvalidRequestError("lora_request", "lora_request: LoRA adapters are not supported; merge the "
                                       "adapter into the model's weights and load that checkpoint")
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType, text_only: str | None = None) -> tuple[str | None, list[int]]:
+        """`text_only`: the method, which takes no multi_modal_data (refused, naming it)."""
+        if text_only is not None and isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            raise InvalidRequestError("multi_modal_data", f"{text_only} takes text prompts only; send the prompt "
+                                      "without multi_modal_data (LLM.generate takes images)")
         # An encoder-decoder model's text prompt is its decoder prompt with the special tokens written out
         # ("<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"): the tokenizer adds none of its own.
         decoder_prompt = self.media is not None and getattr(self.media, "encoder_decoder", False)

@@ -29,12 +29,13 @@ def opened_by_prompt(prompt_text: str) -> bool:
 
 
 def thinking_at_start(parser: str, prompt_text: str) -> bool | None:
-    """Where an answer to the rendered chat prompt starts: inside its thinking (True: the prompt opened it, or
-    `deepseek_r1`, which may think without the tag), free to open it with its first token (False), or past it (None:
-    the prompt ends with its thinking closed, as a template with thinking turned off writes it)."""
+    """Where an answer starts, from the answer's part of the rendered chat prompt (`answer_prompt`): inside its
+    thinking (True: the prompt opened it, or `deepseek_r1`, which may think without the tag), free to open it with its
+    first token (False), or past it (None: the prompt closed it, as a template with thinking turned off writes it, or
+    an assistant message the answer continues)."""
     if opened_by_prompt(prompt_text):
         return True
-    if prompt_text.rstrip().endswith(THINK_END):
+    if THINK_END in prompt_text:  # closed after its last opening: the template's, or a continued message's
         return None
     return parser == "deepseek_r1"
 
@@ -51,19 +52,29 @@ def answer_prompt(prompt_text: str, messages: list[dict[str, Any]]) -> int:
     """Where the answer's own part of a rendered chat prompt starts: after the last message the answer does not
     continue (the last one not the assistant's), so that a `<think>` a user, system or tool message merely
     mentions opens nothing; the template's generation prompt and an assistant message the answer continues lie
-    after it. 0 when that message's text is not found as written (a template that rewrites it)."""
-    for message in reversed(messages):
-        if message.get("role") == "assistant":
-            continue
+    after it. The messages are found in order, each after the one before (a short text is not taken for a piece
+    of a later one); 0 when a message that is not the assistant's is not found as written (a template that
+    rewrites it)."""
+    position, start = 0, 0
+    for message in messages:
         content = message.get("content")
         if isinstance(content, list):  # content parts: the last text part ends the message
             texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
             content = texts[-1] if texts else None
+        own = message.get("role") != "assistant"
         if not isinstance(content, str) or not content:
-            return 0
-        found = prompt_text.rfind(content)
-        return found + len(content) if found >= 0 else 0
-    return 0
+            if own:
+                return 0
+            continue
+        found = prompt_text.find(content, position)
+        if found < 0:
+            if own:
+                return 0
+            continue  # an assistant message the template rewrote (its thinking dropped, say)
+        position = found + len(content)
+        if own:
+            start = position
+    return start
 
 
 class ReasoningSplitter:

@@ -443,3 +443,37 @@ def test_a_stop_tokens_text_is_left_out_through_the_core_process(core_process_se
         assert final.text == tokenizer.decode(plain.token_ids[:cut if include else cut - 1])
         texts = [out.outputs[0].text for out in steps]
         assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+
+
+@pytest.mark.parametrize("output_kind", ["cumulative", "delta", "final_only"])
+def test_an_abort_by_id_ends_the_readers_stream_through_the_core_process(core_process_server, output_kind):
+    """As in process (tests/server/test_async_engine.py): the reader of a request aborted by its id gets the final
+    output, finish_reason "abort", with the text of what was generated so far (a final-only request's too)."""
+    engine = core_process_server.engine
+    tokenizer = engine.tokenizer
+    params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0, output_kind=output_kind)
+
+    async def run() -> list:
+        seen = []
+
+        async def read():
+            async for out in engine.generate(f"abort-{output_kind}", tokenizer.encode("import os"), params):
+                seen.append(out)
+
+        reader = asyncio.create_task(read())
+        for _ in range(500):  # a few tokens out (a final-only request shows none: it runs a while)
+            if len(seen) >= 3 or (output_kind == "final_only" and engine.stats().num_running):
+                break
+            await asyncio.sleep(0.01)
+        if output_kind == "final_only":
+            await asyncio.sleep(0.2)
+        engine.abort(f"abort-{output_kind}")
+        await asyncio.wait_for(reader, 10)
+        return seen
+
+    seen = asyncio.run(run())
+    final = seen[-1].outputs[0]
+    assert seen[-1].finished and final.finish_reason == "abort"
+    tokens = [t for out in seen for t in out.outputs[0].delta_token_ids] if output_kind == "delta" else final.token_ids
+    text = "".join(out.outputs[0].delta_text for out in seen) if output_kind == "delta" else final.text
+    assert tokens and text == tokenizer.decode(tokens)

@@ -88,3 +88,14 @@ def test_a_seed_outside_64_bits_is_refused_by_name():
     for seed in (1 << 63, 1 << 64, -(1 << 70)):
         with pytest.raises(SamplingParamsError, match="seed must be a 64-bit signed integer"):
             SamplingParams(seed=seed)
+
+
+def test_the_siblings_of_the_largest_seed_keep_64_bit_seeds():
+    from kestrel.sampling_params import sibling_seed
+
+    top = (1 << 63) - 1
+    assert [sibling_seed(top, i) for i in range(3)] == [top, -(1 << 63), -(1 << 63) + 1]
+    assert sibling_seed(5, 2) == 7 and sibling_seed(None, 3) is None
+    llm = LLM(dtype="float32", max_model_len=64)
+    outs = llm.generate("a", SamplingParams(seed=top, n=2, max_tokens=4, temperature=1.0), use_tqdm=False)
+    assert len(outs[0].outputs) == 2

@@ -69,8 +69,14 @@ def test_where_a_structured_answer_starts_its_thinking() -> None:
     assert thinking_at_start("qwen3", "<|im_start|>assistant\n<think>\n") is True
     assert thinking_at_start("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None
     assert thinking_at_start("qwen3", "<|im_start|>assistant\n") is False
-    # an earlier turn's closed thinking (a tool-call loop) does not close this answer's
-    assert thinking_at_start("qwen3", "<think>a</think>call<|im_start|>tool\n42<|im_start|>assistant\n") is False
+    # an earlier turn's closed thinking (a tool-call loop) lies before the answer's part of the prompt
+    loop = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "<think>a</think>call"},
+            {"role": "tool", "content": "42"}]
+    text = "<|im_start|>user\nweather?<think>a</think>call<|im_start|>tool\n42<|im_start|>assistant\n"
+    assert thinking_at_start("qwen3", text[answer_prompt(text, loop):]) is False
+    # a continued assistant message that closed its thinking: the answer goes on past it
+    continued = "<|im_start|>assistant\n<think>ok</think>\n\n{\"city\": "
+    assert thinking_at_start("deepseek_r1", continued) is None and thinking_at_start("qwen3", continued) is None
     assert thinking_at_start("deepseek_r1", "<｜Assistant｜>") is True
     assert thinking_at_start("deepseek_r1", "<｜Assistant｜><think>\n\n</think>\n\n") is None
 
@@ -106,3 +112,10 @@ def test_the_answers_part_of_the_prompt_starts_after_the_last_message_it_does_no
     parts = [{"role": "user", "content": [{"type": "text", "text": "a <think> b"}, {"type": "image"}]}]
     assert answer_prompt("[user]a <think> b<image>[assistant]", parts) == len("[user]a <think> b")
     assert answer_prompt("[user]rewritten[assistant]", [{"role": "user", "content": "hi <think>"}]) == 0
+    # a short message is found where it is, not in the generation prompt after it
+    short = "user\nhi\nassistant\n<think>\n"
+    assert short[answer_prompt(short, [{"role": "user", "content": "hi"}]):] == "\nassistant\n<think>\n"
+    both = "[user]a[assistant]b</think>a[user]c[assistant]<think>"
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b</think>a"},
+               {"role": "user", "content": "c"}]
+    assert both[answer_prompt(both, history):] == "[assistant]<think>"
