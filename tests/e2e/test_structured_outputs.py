@@ -220,3 +220,13 @@ def test_a_grammar_after_thinking_shapes_only_the_answer(engine_args):
     assert not getattr(llm.engine.structured, "_matchers", None) and not llm.engine._thinking
     unconstrained = llm.generate(prompt, params.replace(structured_outputs=None), use_tqdm=False)[0].outputs[0]
     assert unconstrained.text.startswith(thought + "\n")  # the thinking is what the model writes unmasked
+
+
+def test_think_tag_ids_past_the_vocabulary_are_refused(llm):
+    from kestrel.sampling_params import ThinkingTags
+
+    spec = StructuredOutputsParams(json=PERSON, after_thinking=ThinkingTags(1, 10 ** 6, open=True))
+    with pytest.raises(InvalidRequestError) as error:
+        llm.generate("x", SamplingParams(max_tokens=4, structured_outputs=spec), use_tqdm=False)
+    assert error.value.param == "structured_outputs.after_thinking"
+    assert llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished  # the engine goes on
