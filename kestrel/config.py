@@ -18,6 +18,9 @@ from typing import Any
 
 BLOCK_SIZE_CHOICES = (16,)
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+# vLLM's other names of the same types (its --dtype and --kv-cache-dtype take them too).
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}  # kestrel's FP8 KV cache is E4M3
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "pt", "dummy")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8")
 # The one list of quantization names: quantize at load ("fp8", "int8") or load a checkpoint saved in a format.
@@ -345,6 +348,7 @@ class ModelConfig:
     pooler: PoolerSettings | None = field(default=None, init=False, compare=False, repr=False)  # with "pooling"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         _check_choice("dtype", self.dtype, DTYPE_CHOICES)
         _check_choice("load_format", self.load_format, LOAD_FORMAT_CHOICES)
         _check_int("seed", self.seed, 0)
@@ -472,6 +476,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _check_choice("block_size", self.block_size, BLOCK_SIZE_CHOICES)
         _check_int("kv_cache_blocks", self.kv_cache_blocks, 1, allow_none=True)
+        object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype))
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
         if not isinstance(self.enable_prefix_caching, bool):
             _fail("enable_prefix_caching", self.enable_prefix_caching, "expected True or False")
@@ -1056,7 +1061,7 @@ class EngineArg:
 ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("tokenizer", "model", "tokenizer", "tokenizer directory (default: the model's)"),
     EngineArg("dtype", "model", "dtype", "weights and activations dtype; auto: the checkpoint's",
-              choices=DTYPE_CHOICES),
+              choices=DTYPE_CHOICES + tuple(DTYPE_ALIASES)),
     EngineArg("load_format", "model", "load_format", "auto: safetensors if present, else pytorch_model*.bin (pt); "
               "dummy: random weights of the checkpoint's shapes",
               choices=LOAD_FORMAT_CHOICES),
@@ -1097,7 +1102,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("kv_cache_blocks", "cache", "kv_cache_blocks", "number of KV cache blocks (instead of the profiled "
               "one)", vllm_name="num_gpu_blocks_override"),
     EngineArg("enable_prefix_caching", "cache", "enable_prefix_caching", "reuse the KV of shared prompt prefixes"),
-    EngineArg("kv_cache_dtype", "cache", "kv_cache_dtype", "KV cache element type", choices=KV_CACHE_DTYPE_CHOICES),
+    EngineArg("kv_cache_dtype", "cache", "kv_cache_dtype", "KV cache element type (fp8: E4M3)",
+              choices=KV_CACHE_DTYPE_CHOICES + tuple(KV_CACHE_DTYPE_ALIASES)),
     EngineArg("gpu_memory_utilization", "cache", "gpu_memory_utilization",
               "fraction of GPU memory for weights, activations and the KV cache"),
     EngineArg("cpu_kv_cache_bytes", "cache", "cpu_kv_cache_bytes", "KV cache bytes on the CPU"),
@@ -1188,9 +1194,10 @@ NOT_SUPPORTED_ENGINE_ARGS: dict[str, str] = {
     "preemption_mode": "kestrel always preempts by recomputation",
     "enable_lora": "LoRA adapters are not supported; merge the adapter into the weights",
     "max_loras": "LoRA adapters are not supported", "max_lora_rank": "LoRA adapters are not supported",
-    "structured_outputs_config": "kestrel compiles every structured output with xgrammar, configured by the "
-                                 "server's grammar limits; remove it",
-    "guided_decoding_backend": "kestrel compiles every structured output with xgrammar; remove it",
+    "structured_outputs_config": "kestrel compiles every structured output with xgrammar (backend 'xgrammar' or "
+                                 "'auto' ask for that), configured by the server's grammar limits",
+    "guided_decoding_backend": "kestrel compiles every structured output with xgrammar ('xgrammar' or 'auto' ask "
+                               "for that)",
     "data_parallel_size": "run one server per replica behind a load balancer",
     "revision": "kestrel does not download; name the snapshot directory (or the cache's refs/main) instead",
     "tokenizer_revision": "kestrel does not download; pass --tokenizer DIR",
@@ -1222,6 +1229,8 @@ _ENGINE_ARG_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "enable_prompt_embeds": (False,),
     "calculate_kv_scales": (False,), "enable_sleep_mode": (False,), "data_parallel_size": (1,),
     "enable_expert_parallel": (False,), "hf_token": (None,), "compilation_config": (None,),
+    "guided_decoding_backend": ("xgrammar", "auto"),
+    "structured_outputs_config": ({"backend": "xgrammar"}, {"backend": "auto"}),
 }
 
 

@@ -426,6 +426,18 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def bench_device(args: argparse.Namespace, suite: str) -> torch.device:
+    """The GPU an end-to-end suite measures on; without one, the CPU only for a model given with --model (--arch's
+    random weights are a GPU-sized model: an 8B one would take minutes and tens of GB to build here)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if args.model is None:
+        raise ConfigError(f"kestrel bench {suite} measures --arch {args.arch} on a GPU, and there is no CUDA device "
+                          f"here: give a model directory with --model to measure it on the CPU, or --smoke to check "
+                          f"the script on a tiny model")
+    return torch.device("cpu")
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The model and precision flags of the end-to-end suites (latency, throughput)."""
     p.add_argument("--model", default=None, help="HF model directory (default: --arch with random weights)")

@@ -717,7 +717,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds prompts and arrival times")
     p.add_argument("--warmup-requests", type=int, default=0, help="requests sent (all at once) before measuring")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may wait for its next byte")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="the server's key (default: the OPENAI_API_KEY environment "
+                   "variable, as vllm bench serve reads it)")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl",
                    help="comma list of ttft, tpot, itl, e2el: the latencies given as flat mean/median/std/pXX keys")
     p.add_argument("--metric-percentiles", default="99", help="comma list of percentiles for those keys")

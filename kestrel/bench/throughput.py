@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             args.weights_dir = Path(tmp)
             return _run(args, torch.device("cpu"))
-    return _run(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    return _run(args, common.bench_device(args, "throughput"))
 
 
 def _run(args: argparse.Namespace, device: torch.device) -> int:

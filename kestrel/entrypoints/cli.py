@@ -310,8 +310,11 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
     for name, value in given.items():
         if typing.get_origin(field_kind(ServerConfig, name)) is tuple:
             given[name] = tuple(value)
-    if "api_key" not in given and os.environ.get("KESTREL_API_KEY"):
-        given["api_key"] = (os.environ["KESTREL_API_KEY"],)
+    # The key from the environment where no --api-key is given: kestrel's variable, else vLLM's (a deployment's
+    # `export VLLM_API_KEY=...` must not leave the migrated server open).
+    key = os.environ.get("KESTREL_API_KEY") or os.environ.get("VLLM_API_KEY")
+    if not given.get("api_key") and key:
+        given["api_key"] = (key,)
     return ServerConfig(**given)
 
 
@@ -377,9 +380,77 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The commands whose flags a --config file may hold (the engine's, the server's, sampling).
+CONFIG_COMMANDS = ("serve", "generate", "chat")
+
+
+def expand_argv(argv: Sequence[str]) -> list[str]:
+    """vLLM's command-line conveniences, read into plain flags: `--flag_name` spelled with underscores, and
+    `--config FILE`, a YAML mapping of flag names (either spelling) to values, whose flags go right after the
+    command so that the ones given on the command line win (true: the flag; false: its --no- form; a list: its
+    values; a mapping: its JSON)."""
+    argv = [("--" + a[2:].split("=", 1)[0].replace("_", "-") + ("=" + a.split("=", 1)[1] if "=" in a else ""))
+            if a.startswith("--") and a != "--" else a for a in argv]
+    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+        return argv
+    command = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if command is None or argv[command] not in CONFIG_COMMANDS:
+        raise ConfigError(f"--config reads flags of {' / '.join(CONFIG_COMMANDS)}; give it after one of them")
+    rest, path = [], None
+    i = command + 1
+    while i < len(argv):
+        if argv[i] == "--config" and i + 1 < len(argv):
+            path, i = argv[i + 1], i + 2
+        elif argv[i].startswith("--config="):
+            path, i = argv[i].split("=", 1)[1], i + 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    if path is None:
+        raise ConfigError("--config needs a file: --config FILE.yaml")
+    return argv[:command + 1] + _config_flags(path) + rest
+
+
+def _config_flags(path: str) -> list[str]:
+    import yaml
+
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f)
+    except OSError as error:
+        raise ConfigError(f"invalid --config={path!r}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"invalid --config={path!r}: not YAML ({error})") from None
+    if values is None:
+        return []
+    if not isinstance(values, dict):
+        raise ConfigError(f"invalid --config={path!r}: expected a mapping of flag names to values")
+    flags: list[str] = []
+    for key, value in values.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is None:
+            continue  # the flag's default
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            flags += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    try:
+        argv = expand_argv(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        print(f"kestrel: error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
+    if args.command == "bench" and getattr(args, "suite", None) == "serve" and not args.api_key:
+        args.api_key = os.environ.get("OPENAI_API_KEY")  # as `vllm bench serve` reads it
     try:
         return int(args.func(args) or 0)
     except (ConfigError, InvalidRequestError, SamplingParamsError) as e:

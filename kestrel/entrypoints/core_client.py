@@ -25,7 +25,7 @@ from multiprocessing import get_context
 from multiprocessing.connection import wait
 from typing import Any
 
-from kestrel.config import EngineConfig, GenerationDefaults
+from kestrel.config import ConfigError, EngineConfig, GenerationDefaults
 from kestrel.engine.core import bad_word_sequences
 from kestrel.entrypoints.async_engine import (
     _ACCEPTED,
@@ -55,7 +55,9 @@ from kestrel.entrypoints.core_protocol import (
     startup_error_from_wire,
     unpack,
 )
+from kestrel.entrypoints.engine_factory import model_modalities
 from kestrel.entrypoints.engine_stats import EngineStats
+from kestrel.entrypoints.media import media_processor
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.outputs import RequestOutput
 from kestrel.pooling_params import PoolingParams
@@ -174,6 +176,10 @@ class CoreClient:
         """`from_args` on a config already read (`engine_factory.engine_config`) of the model at `model`."""
         from kestrel.entrypoints.prompt_compression import build_prompt_compressor
 
+        if model_modalities(config):
+            raise ConfigError("the engine core in its own process serves text models; serve this multimodal model "
+                              "with --no-engine-core-process")
+        media_processor(config.model, frozenset(), None)  # a text model's media settings are refused, by name
         # The compressor runs in this (the API) process, loaded before the core's memory plan measures the device.
         compressor = build_prompt_compressor(config)
         client = cls(config, model_path=model, max_queued_requests=max_queued_requests,

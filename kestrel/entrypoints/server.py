@@ -724,6 +724,7 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
     logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The tokenizer and grammar workers' fork server imports their libraries while the model loads.
+    config.chat_template_text()  # a --chat-template that names no file is refused before the model loads
     tokenizer_path = str((engine_args or {}).get("tokenizer") or model)
     preload = ((tokenizer_modules(tokenizer_path) if config.tokenizer_processes else ())
                + (COMPILE_WORKER_MODULES if config.grammar_compile_workers else ()))
@@ -745,10 +746,14 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
     except ValueError as e:
         raise ConfigError(str(e)) from e
     engine.start()
-    for line in startup_summary(engine):
-        logger.info(line)
-    names = config.served_model_name or (model,)
-    app = build_app(engine, names, config.api_key, config=config)
+    try:
+        for line in startup_summary(engine):
+            logger.info(line)
+        names = config.served_model_name or (model,)
+        app = build_app(engine, names, config.api_key, config=config)
+    except BaseException:
+        engine.shutdown()  # an engine core process, or the engine thread, must not outlive a refusal
+        raise
     logger.info("garbage collector set for serving: %d start-up objects frozen", tune_for_serving())
     scheme = "https" if config.ssl_certfile else "http"
     print(f"kestrel: serving {names[0]!r} at {scheme}://{config.host}:{config.port}{config.root_path or ''}/v1",

@@ -34,7 +34,8 @@ class ServerConfig:
     host: str = _opt("127.0.0.1", "address to bind (0.0.0.0 for every interface)")
     port: int = _opt(8000, "port to listen on")
     api_key: tuple[str, ...] = _opt((), "one or more keys clients send as 'Authorization: Bearer KEY' on /v1 "
-                                        "(default: the KESTREL_API_KEY environment variable; none: open)")
+                                        "(default: the KESTREL_API_KEY environment variable, else vLLM's "
+                                        "VLLM_API_KEY; none: open)")
     served_model_name: tuple[str, ...] = _opt((), "the model's names for clients: the first is reported, all are "
                                                   "accepted (default: the model as given)")
     max_queued_requests: int = _opt(1024, "waiting sequences beyond which new requests get 429 with Retry-After")
@@ -122,18 +123,23 @@ class ServerConfig:
                                                    "HTTP (default: on for a text model on the CPU without tensor/"
                                                    "pipeline workers, off elsewhere)")
     enable_log_requests: bool = _opt(False, "log each request's id, size and sampling settings")
+    disable_log_requests: bool = _opt(False, "vLLM's older flag: requests are not logged (the default here)")
     log_level: str = _opt("info", "kestrel's log level", choices=LOG_LEVELS)
     uvicorn_log_level: str | None = _opt(None, "the HTTP server's own log level (default: --log-level)",
                                          choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
-        for name in ("port", "max_queued_requests", "max_request_bytes", "max_logprob_entries", "max_response_bytes",
+        if self.disable_log_requests and self.enable_log_requests:
+            raise ConfigError("enable_log_requests and disable_log_requests contradict each other; give one")
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 1 <= self.port <= 65535:
+            raise ConfigError(f"invalid port={self.port!r}: expected a TCP port from 1 to 65535")
+        for name in ("max_queued_requests", "max_request_bytes", "max_logprob_entries", "max_response_bytes",
                      "max_streaming_tokens", "max_stop_sequences", "max_bad_words", "max_tokenize_bytes",
                      "grammar_compile_workers",
                      "max_grammar_bytes", "max_grammar_choices", "max_schema_properties", "grammar_cache_bytes",
                      "grammar_cache_entries", "response_store_max_entries", "max_media_bytes", "max_image_pixels"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name != "port" else 1):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"invalid {name}={value!r}: expected a non-negative integer")
         for name in ("header_read_timeout", "keep_alive_timeout", "body_read_timeout", "shutdown_timeout",
                      "request_timeout", "tokenize_timeout", "grammar_compile_timeout", "media_fetch_timeout",

@@ -92,3 +92,58 @@ def test_vllm_only_flags_are_refused_by_name_with_the_reason(tiny_model_dir, cap
 def test_vllm_only_flags_at_a_value_that_asks_nothing_are_accepted(tiny_model_dir, flags):
     kwargs = _engine_kwargs(serve_args(tiny_model_dir, *flags))
     assert EngineConfig.from_kwargs(tiny_model_dir, **kwargs) == EngineConfig.from_kwargs(tiny_model_dir)
+
+
+@pytest.mark.parametrize("flags", [["--guided-decoding-backend", "xgrammar"],
+                                   ["--structured-outputs-config", '{"backend": "xgrammar"}'],
+                                   ["--dtype", "float"], ["--kv-cache-dtype", "fp8_e4m3"]])
+def test_vllm_values_that_name_what_kestrel_does_are_accepted(tiny_model_dir, flags):
+    kwargs = _engine_kwargs(serve_args(tiny_model_dir, *flags))
+    config = EngineConfig.from_kwargs(tiny_model_dir, **kwargs)
+    assert (config.model.dtype, config.cache.kv_cache_dtype) in (("auto", "auto"), ("float32", "auto"),
+                                                                 ("auto", "fp8"))
+
+
+def test_underscore_flags_and_a_yaml_config_file_as_vllm_reads_them(tiny_model_dir, tmp_path, capsys):
+    """`--max_model_len` is `--max-model-len`; `--config FILE` holds flags (either spelling), and the command
+    line's own flags win over the file's."""
+    from kestrel.entrypoints.cli import expand_argv
+
+    assert expand_argv(["serve", "M", "--max_model_len", "64", "--served_model_name=a_b"]) == [
+        "serve", "M", "--max-model-len", "64", "--served-model-name=a_b"]
+    config = tmp_path / "serve.yaml"
+    config.write_text("max_model_len: 96\nenable_prefix_caching: false\nmax-num-seqs: 4\n"
+                      "served_model_name: [a, b]\nhf_overrides: {rope_theta: 10000}\nport: 9001\n")
+    argv = expand_argv(["serve", tiny_model_dir, "--config", str(config), "--max-num-seqs", "8"])
+    args = serve_args(*argv[1:])
+    kwargs = _engine_kwargs(args)
+    assert kwargs["max_model_len"] == 96 and kwargs["enable_prefix_caching"] is False
+    assert kwargs["max_num_seqs"] == 8  # the command line wins
+    assert kwargs["hf_overrides"] == {"rope_theta": 10000}
+    assert args.served_model_name == ["a", "b"] and args.port == 9001
+    (tmp_path / "list.yaml").write_text("- a\n")
+    for bad, words in (("missing.yaml", "No such file"), ("list.yaml", "a mapping")):
+        assert main(["serve", tiny_model_dir, "--config", str(tmp_path / bad)]) == 2
+        assert words in capsys.readouterr().err
+    from kestrel.config import ConfigError
+
+    with pytest.raises(ConfigError, match="after one of them"):
+        expand_argv(["--config", str(config)])  # before any command
+
+
+def test_server_flags_checked_and_vllms_api_key_variable(monkeypatch):
+    from kestrel.config import ConfigError
+    from kestrel.entrypoints.cli import _server_config
+    from kestrel.entrypoints.server_config import ServerConfig
+
+    for port in (0, 65536, 99999):
+        with pytest.raises(ConfigError, match="from 1 to 65535"):
+            ServerConfig(port=port)
+    with pytest.raises(ConfigError, match="contradict"):
+        ServerConfig(enable_log_requests=True, disable_log_requests=True)
+    monkeypatch.delenv("KESTREL_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert _server_config(serve_args()).api_key == ("from-vllm",)
+    monkeypatch.setenv("KESTREL_API_KEY", "ours")
+    assert _server_config(serve_args()).api_key == ("ours",)
+    assert _server_config(serve_args("--api-key", "flag")).api_key == ("flag",)

@@ -164,3 +164,25 @@ def test_the_plan_counts_weights_quantized_at_load_in_8_bits(tiny_dir, monkeypat
     # Loaded from a bf16 checkpoint, each such layer holds its 16-bit weight until it is quantized.
     assert plan.loading_bytes > plan.weight_bytes
     assert any(p.dtype in (torch.float8_e4m3fn, torch.int8) for p in model.parameters())
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--chat-template", "/nonexistent.jinja"], "no such file"),  # refused before the model loads
+    (["--limit-mm-per-prompt", '{"image": 1}'], "this model takes text only"),  # the engine core process's path
+])
+def test_kestrel_serve_refusals_after_the_start_exit_and_leave_no_core_process(tiny_dir, flags, words):
+    """Refused settings end `kestrel serve` (status 2, one line), whichever process the engine core runs in."""
+    result = subprocess.run([sys.executable, "-m", "kestrel.entrypoints.cli", "serve", str(tiny_dir), "--port",
+                             "18932", *flags], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and words in result.stderr
+
+
+def test_the_gpu_benches_refuse_to_build_a_gpu_sized_model_on_the_cpu(capsys):
+    from kestrel.entrypoints.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    for suite in ("latency", "throughput"):
+        assert main(["bench", suite]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
