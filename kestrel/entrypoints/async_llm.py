@@ -10,7 +10,8 @@ The engine runs in a thread of this process (the same AsyncEngine the OpenAI ser
 async iterator of RequestOutput, one per engine step that produced tokens for the request (`output_kind=
 "final_only"` in the SamplingParams: the finished output alone; `"delta"`: each output holds only what its step
 added, and outputs a slow reader has not taken yet are joined). Leaving the iteration early, or cancelling the
-task that iterates, aborts the request and frees its KV cache.
+task that iterates, aborts the request and frees its KV cache; `abort(request_id)` from elsewhere ends the reader's
+iteration with the final output (finish_reason "abort", what was generated so far), as vLLM's does.
 """
 
 from __future__ import annotations
