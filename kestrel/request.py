@@ -36,6 +36,20 @@ def prompt_too_long(num_tokens: int, max_model_len: int, param: str = "prompt",
         f"which must also fit at least one generated token; shorten the prompt to at most {max_model_len - 1} tokens")
 
 
+def truncation_size(truncate: int | None, max_model_len: int) -> int | None:
+    """How many of a prompt's last tokens truncate_prompt_tokens keeps (vLLM's: -1 is max_model_len); None: all."""
+    if truncate is None:
+        return None
+    if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate == 0 or truncate < -1:
+        raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens={truncate!r}: give an integer "
+                                  f"from 1 to max_model_len={max_model_len}, or -1 for max_model_len")
+    if truncate > max_model_len:
+        raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens={truncate} is more than "
+                                  f"max_model_len={max_model_len}; give at most {max_model_len}, or -1 for "
+                                  "max_model_len")
+    return max_model_len if truncate == -1 else truncate
+
+
 @dataclass(frozen=True)
 class MediaItem:
     """One image (or other media) of a prompt, as the engine sees it: its modality, a hash of its content (the

@@ -52,7 +52,7 @@ from kestrel.outputs import (
     ScoringRequestOutput,
 )
 from kestrel.pooling_params import PoolingParams
-from kestrel.request import InvalidRequestError, MediaItem
+from kestrel.request import InvalidRequestError, MediaItem, truncation_size
 from kestrel.sampling_params import BeamSearchParams, SamplingParams
 from kestrel.tiny import default_model_path
 
@@ -484,11 +484,7 @@ class LLM:
     def _pool(self, prompts: Sequence[PromptType], params: list[PoolingParams], truncate: int | None,
               use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         """Every prompt as a pooling request (all or none queued), run to its pooled output, in input order."""
-        if truncate is not None and (isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < 1
-                                     or truncate >= self.engine.max_model_len):
-            raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens={truncate!r}: give an "
-                                      f"integer from 1 to {self.engine.max_model_len - 1} (below max_model_len="
-                                      f"{self.engine.max_model_len}), or None to keep every prompt token")
+        truncate = truncation_size(truncate, self.engine.max_model_len)
         ids: list[str] = []
         try:
             for prompt, pooling in zip(prompts, params):

@@ -202,7 +202,7 @@ class _SamplingRequest(_Request):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     user: str | None = None
-    truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None  # keep the prompt's last N tokens
+    truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None  # keep the prompt's last N tokens
     prompt_logprobs: _bounded(Int, "prompt_logprobs") | None = None  # vLLM's: each prompt token's logprob and top-N
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N" (for unprintable ones)
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids in the response
@@ -679,7 +679,7 @@ class PoolingInputRequest(_Request):
     model: str | None = None
     input: PromptInput
     user: str | None = None
-    truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None  # vLLM's: keep the input's last N tokens
+    truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None  # vLLM's: keep the input's last N tokens
     add_special_tokens: bool | None = True  # vLLM's
     priority: Int | None = None  # vLLM's: lower first, under --scheduling-policy priority
 

@@ -58,7 +58,7 @@ class ScoreRequest(_Request):
     model: str | None = None
     text_1: Texts
     text_2: Texts
-    truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None
+    truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
     priority: Int | None = None
     user: str | None = None
 
@@ -83,7 +83,7 @@ class RerankRequest(_Request):
     documents: Annotated[list[str], Field(min_length=1)]
     top_n: Annotated[Int, Field(ge=0)] | None = None
     return_documents: bool | None = True
-    truncate_prompt_tokens: Annotated[Int, Field(ge=1)] | None = None
+    truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
     priority: Int | None = None
     user: str | None = None
 

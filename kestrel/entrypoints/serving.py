@@ -91,7 +91,7 @@ from kestrel.entrypoints.reasoning import (
 from kestrel.entrypoints.server_config import ServerConfig
 from kestrel.entrypoints.text_workers import ChatInput, TextWorkers, chat_input
 from kestrel.outputs import CompletionOutput, RequestOutput
-from kestrel.request import InvalidRequestError, MediaItem, prompt_too_long
+from kestrel.request import InvalidRequestError, MediaItem, prompt_too_long, truncation_size
 from kestrel.sampling_params import (
     BeamSearchParams,
     PromptCompression,
@@ -750,6 +750,7 @@ class OpenAIServing:
         """The prompt's ids, its last `truncate` when asked; a prompt the context cannot hold is refused (`ids`
         None: the tokenizer reported only its `count`), and so is one that leaves no room for `room`'s tokens."""
         limit = self.engine.max_model_len
+        truncate = truncation_size(truncate, limit)
         if ids is not None and truncate:
             ids = ids[-truncate:]
         if ids is None or len(ids) >= self.prompt_limit(pooling):

@@ -153,6 +153,10 @@ def test_a_prompt_may_fill_the_context(request, model):
     assert _close(output.outputs.embedding, torch.nn.functional.normalize(want, dim=-1))
     with pytest.raises(ValueError, match=f"at most {ENGINE['max_model_len']} tokens"):
         llm.embed([{"prompt_token_ids": [*ids, 3]}], use_tqdm=False)
+    # truncate_prompt_tokens up to max_model_len, and vLLM's -1 (max_model_len), keep the last tokens
+    for truncate in (ENGINE["max_model_len"], -1):
+        (kept,) = llm.embed([{"prompt_token_ids": [3, *ids]}], truncate_prompt_tokens=truncate, use_tqdm=False)
+        assert kept.prompt_token_ids == ids and kept.outputs.embedding == output.outputs.embedding
 
 
 def test_a_generation_model_embeds_by_last_token_normalized_and_a_pooling_one_does_not_generate(last_model):
@@ -244,7 +248,8 @@ def test_each_task_on_the_wrong_model_is_refused_naming_the_model(last_model, cl
 
 @pytest.mark.parametrize(("call", "param", "match"), [
     (lambda e, c: e.embed(TEXTS, truncate_prompt_tokens=0), "truncate_prompt_tokens", "truncate_prompt_tokens=0"),
-    (lambda e, c: e.embed(TEXTS, truncate_prompt_tokens=128), "truncate_prompt_tokens", "from 1 to 127"),
+    (lambda e, c: e.embed(TEXTS, truncate_prompt_tokens=129), "truncate_prompt_tokens", "more than max_model_len"),
+    (lambda e, c: e.embed(TEXTS, truncate_prompt_tokens=-2), "truncate_prompt_tokens", "-1 for max_model_len"),
     (lambda e, c: e.embed(TEXTS, lora_request=object()), "lora_request", "LoRA adapters"),
     (lambda e, c: e.embed(TEXTS, [PoolingParams()] * 2), "pooling_params", "got 2 pooling_params for 4 prompts"),
     (lambda e, c: e.embed(TEXTS, SamplingParams()), "pooling_params", "must be a PoolingParams"),

@@ -152,6 +152,13 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(openai_server):
     assert post(openai_server, "/v1/completions", {**COMPLETION, "prompt": ids}).status_code == 400
     chat = post(openai_server, "/v1/chat/completions", {**CHAT, "truncate_prompt_tokens": 3})
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 3
+    # vLLM's -1 is max_model_len (a pooled input may fill it); more than max_model_len is refused by name
+    embedded = post(openai_server, "/v1/embeddings", {"model": MODEL, "input": ids, "truncate_prompt_tokens": -1})
+    assert embedded.status_code == 200 and embedded.json()["usage"]["prompt_tokens"] == 256
+    for path, body in (("/v1/embeddings", {"model": MODEL, "input": [5, 6]}), ("/v1/completions", COMPLETION)):
+        refused = post(openai_server, path, {**body, "truncate_prompt_tokens": 257})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens"
+        assert "more than max_model_len=256" in refused.json()["error"]["message"]
 
 
 def test_request_chat_templates_need_the_servers_trust(openai_server, start_scripted_server, tiny_model_dir):
