@@ -22,8 +22,8 @@ VLLM_ENGINE_ARGS = {
     "enforce_eager": True, "max_seq_len_to_capture": 4096, "limit_mm_per_prompt": {"image": 1},
     "mm_processor_kwargs": {"a": 1}, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16,
     "num_gpu_blocks_override": 64, "preemption_mode": "swap", "enable_chunked_prefill": False,
-    "speculative_config": {"method": "ngram"}, "guided_decoding_backend": "xgrammar",
-    "structured_outputs_config": {"backend": "xgrammar"}, "scheduling_policy": "priority",
+    "speculative_config": {"method": "ngram"}, "guided_decoding_backend": "outlines",
+    "structured_outputs_config": {"backend": "guidance"}, "scheduling_policy": "priority",
     "compilation_config": 3, "kv_transfer_config": {"kv_connector": "x"}, "generation_config": "vllm",
     "enable_sleep_mode": True, "calculate_kv_scales": True, "async_scheduling": False, "task": "embed",
     "runner": "pooling", "override_pooler_config": {"pooling_type": "MEAN"}, "enable_prompt_embeds": True,
@@ -61,7 +61,9 @@ def test_each_vllm_engine_argument_is_honoured_or_refused_by_name(model_dir, nam
 
 
 @pytest.mark.parametrize("name, value", [("swap_space", 0), ("cpu_offload_gb", 0), ("enable_lora", False),
-                                         ("speculative_config", None), ("preemption_mode", "recompute")])
+                                         ("speculative_config", None), ("preemption_mode", "recompute"),
+                                         ("guided_decoding_backend", "xgrammar"),
+                                         ("structured_outputs_config", {"backend": "auto"})])
 def test_a_vllm_argument_at_its_no_op_value_is_accepted(model_dir, name, value):
     assert EngineConfig.from_kwargs(model_dir, **{name: value}) == EngineConfig.from_kwargs(model_dir)
 
