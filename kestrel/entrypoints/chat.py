@@ -395,6 +395,20 @@ def _match_header(text: str, start: int) -> tuple[int, str] | str:
     return (i, value) if text[i] == "{" else _FAIL
 
 
+def _header_name(text: str, start: int) -> str | None:
+    """The function name of a call header cut short after its name string: `{"name": "<name>"` (and anything of
+    the rest); None where the name itself is not whole."""
+    i = _literal(text, start, ("{",))
+    for expected in (('"name"',), (":",)):
+        if isinstance(i, str):
+            return None
+        i = _literal(text, i, expected)
+    if isinstance(i, str):
+        return None
+    name = _string(text, i)
+    return None if isinstance(name, str) else name[1]
+
+
 @dataclass
 class ToolCallParser:
     """Turns streamed model text into content or tool-call events; `finish()` flushes the rest.
@@ -430,8 +444,16 @@ class ToolCallParser:
             pass
         return events
 
-    def finish(self) -> list[ParserEvent]:
+    def finish(self, cut: bool = False) -> list[ParserEvent]:
+        """`cut`: the output was cut short (max_tokens): a call whose name is whole is begun even where its
+        arguments had not started, as far as it got."""
         events = self.feed("")
+        if cut and self._state == "header":
+            name = _header_name(self._text, self._object_start)
+            if name in self.tool_names:
+                self._start_call(events, name)
+                self._state = "done"
+                return events
         if not self.calls and self._state not in ("content", "done") and self._text:
             events.append(ContentDelta(self._text))
         self._state = "done"
@@ -653,11 +675,11 @@ class MarkedToolCallParser:
         events += self._inner.feed(text[: len(text) - keep])
         return events
 
-    def finish(self) -> list[ParserEvent]:
+    def finish(self, cut: bool = False) -> list[ParserEvent]:
         held, self._held = self._held, ""
         if self._inner is None:
             return self._pending + ([ContentDelta(held)] if held else [])
-        return self.feed("") + self._inner.feed(held) + self._inner.finish()
+        return self.feed("") + self._inner.feed(held) + self._inner.finish(cut)
 
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
@@ -686,7 +708,7 @@ def parse_tool_calls(text: str, tool_names: Collection[str], prefix: str = "",
     output was cut short (max_tokens), so calls it began are returned as far as they got, as a stream of it
     would have sent them."""
     parser = make_tool_parser(fmt, tool_names, prefix)
-    events = parser.feed(text) + parser.finish()
+    events = parser.feed(text) + parser.finish(cut)
     if parser.all_valid or (cut and parser.calls):
         content = "".join(e.text for e in events if isinstance(e, ContentDelta))
         return ToolParseResult(content or None, parser.calls)

@@ -666,7 +666,7 @@ class OpenAIServing:
             return DeltaMessage(content=text or None), finish_reason
         events = parser.feed(text)
         if c.finished:
-            events += parser.finish()
+            events += parser.finish(cut=c.finish_reason == "length")
             calls = parser.calls[: None if tools.parallel else 1]
             if calls and all(call.valid for call in calls):
                 finish_reason = "tool_calls"

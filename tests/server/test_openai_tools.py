@@ -138,6 +138,23 @@ def test_a_call_cut_by_max_tokens_is_the_same_whole_or_streamed(tools_server, to
     assert 0 < len(call.function.arguments) < len(arguments) and arguments.startswith(call.function.arguments)
 
 
+@pytest.mark.parametrize("cut_after", ['get_weather"', 'get_weather", "arguments"'])
+def test_a_required_call_cut_before_its_arguments_is_a_call_whole_or_streamed(tools_server, cut_after):
+    """Cut by max_tokens once the function's name is whole but before its arguments begin: the call with no
+    arguments yet, not the call's JSON as content."""
+    server, runner = tools_server
+    runner.script = cut_after
+    args = {"tools": [WEATHER, ADD], "tool_choice": "required"}
+    tokens = len(server.engine.tokenizer.encode(cut_after, add_special_tokens=False))
+    choice = server.client().chat.completions.create(model=MODEL, messages=USER, max_tokens=tokens, **args).choices[0]
+    calls, content, finish = reassemble(server.client().chat.completions.create(
+        model=MODEL, messages=USER, stream=True, max_tokens=tokens, **args))
+    assert choice.finish_reason == "length" and finish == ["length"] and not choice.message.content and not content
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", "")
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", "")]
+
+
 def test_malformed_forced_call_falls_back_to_content(tools_server):
     server, runner = tools_server
     runner.script = "sorry, no JSON here"
