@@ -372,16 +372,19 @@ def _string(text: str, i: int) -> tuple[int, str] | str:
     return _PARTIAL
 
 
-def _match_header(text: str, start: int) -> tuple[int, str] | str:
-    """`{"name": "<name>", "arguments": ` up to the arguments' opening `{`: (index of that brace, name)."""
+def _match_name(text: str, start: int) -> tuple[int, str] | str:
+    """`{"name": "<name>"`: (index after the name's string, name), or _PARTIAL / _FAIL."""
     i = _literal(text, start, ("{",))
     for expected in (('"name"',), (":",)):
         if isinstance(i, str):
             return i
         i = _literal(text, i, expected)
-    if isinstance(i, str):
-        return i
-    name = _string(text, i)
+    return i if isinstance(i, str) else _string(text, i)
+
+
+def _match_header(text: str, start: int) -> tuple[int, str] | str:
+    """`{"name": "<name>", "arguments": ` up to the arguments' opening `{`: (index of that brace, name)."""
+    name = _match_name(text, start)
     if isinstance(name, str):
         return name
     i, value = name
@@ -398,14 +401,7 @@ def _match_header(text: str, start: int) -> tuple[int, str] | str:
 def _header_name(text: str, start: int) -> str | None:
     """The function name of a call header cut short after its name string: `{"name": "<name>"` (and anything of
     the rest); None where the name itself is not whole."""
-    i = _literal(text, start, ("{",))
-    for expected in (('"name"',), (":",)):
-        if isinstance(i, str):
-            return None
-        i = _literal(text, i, expected)
-    if isinstance(i, str):
-        return None
-    name = _string(text, i)
+    name = _match_name(text, start)
     return None if isinstance(name, str) else name[1]
 
 
