@@ -303,19 +303,14 @@ class EngineCore:
             parent = self._parents.pop(request_id, None)
             if parent is None:
                 continue
-            child_ids = [seq.request.request_id for seq in parent.sequences]
-            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-            for child_id in child_ids:
-                self._sequence_parent.pop(child_id, None)
-                self._thinking.pop(child_id, None)
-                if self.structured is not None:
-                    self.structured.remove(child_id)
+            self.scheduler.finish_requests([seq.request.request_id for seq in parent.sequences],
+                                           RequestStatus.FINISHED_ABORTED)
             for sequence in parent.sequences:
-                if not sequence.status.finished:
+                if not sequence.status.finished:  # (a finished one has ended already)
                     if sequence.detokenizer is not None:
                         self._detokenize(sequence)  # a final-only request's text is otherwise made at its end
                     sequence.status = sequence.request.status
-                    sequence.finished_time = now
+                    self._sequence_ended(sequence.request, sequence, now)
             finals.append(self._make_delta(parent, True) if self.deltas else self._make_output(parent, True))
         if not self.has_unfinished_requests():
             self._release_finished()

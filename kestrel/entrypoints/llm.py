@@ -141,18 +141,7 @@ class LLM:
             raise InvalidRequestError("prompts", f"prompts must be a prompt (text, or a dict with 'prompt' or "
                                       f"'prompt_token_ids') or a list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        params_list = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-                       else list(sampling_params) if isinstance(sampling_params, Iterable) else [sampling_params])
-        if not all(isinstance(p, SamplingParams) for p in params_list):
-            wrong = next(p for p in params_list if not isinstance(p, SamplingParams))
-            raise InvalidRequestError("sampling_params", f"sampling_params must be a SamplingParams or a list of "
-                                      f"them (one per prompt), got {type(wrong).__name__}: build "
-                                      "SamplingParams(...) from its fields")
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts; give one or "
-                             "one per prompt")
+        params_list = self._sampling_params_list(sampling_params, len(prompts), "prompt")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise InvalidRequestError("priority", f"got {len(priorities)} priorities for {len(prompts)} prompts; "
@@ -187,6 +176,24 @@ class LLM:
         for output in outputs:
             output.original_num_prompt_tokens = originals.get(output.request_id)
         return outputs
+
+    def _sampling_params_list(self, sampling_params: SamplingParams | Iterable[SamplingParams] | None, count: int,
+                              what: str) -> list[SamplingParams]:
+        """One SamplingParams per prompt (`what`: "prompt" or "conversation"): one for all, one each, or None for
+        the model's defaults."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params_list = ([sampling_params] * count if isinstance(sampling_params, SamplingParams)
+                       else list(sampling_params) if isinstance(sampling_params, Iterable) else [sampling_params])
+        if not all(isinstance(p, SamplingParams) for p in params_list):
+            wrong = next(p for p in params_list if not isinstance(p, SamplingParams))
+            raise InvalidRequestError("sampling_params", f"sampling_params must be a SamplingParams or a list of "
+                                      f"them (one per {what}), got {type(wrong).__name__}: build "
+                                      "SamplingParams(...) from its fields")
+        if len(params_list) != count:
+            raise ValueError(f"got {len(params_list)} sampling params for {count} {what}s; give one or one per "
+                             f"{what}")
+        return params_list
 
     def _with_media(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], tuple[MediaItem, ...]]:
         return prompt_media(self.media, prompt, token_ids)
@@ -266,13 +273,7 @@ class LLM:
         content_parts = (self.media is not None if chat_template_content_format == "auto"
                          else chat_template_content_format == "openai")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
-                       else [sampling_params] * len(conversations))
-        if len(params_list) != len(conversations):
-            raise ValueError(f"got {len(params_list)} sampling params for {len(conversations)} conversations; give "
-                             "one or one per conversation")
+        params_list = self._sampling_params_list(sampling_params, len(conversations), "conversation")
 
         def template(conv: list[dict[str, Any]]) -> str:
             check_final_message_continued(continue_final_message, add_generation_prompt,

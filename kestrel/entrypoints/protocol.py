@@ -652,7 +652,8 @@ class ChatCompletionRequest(_SamplingRequest):
         self._check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             _unsupported("top_logprobs", "top_logprobs needs logprobs set to true")
-        _check_continuation(self.continue_final_message, self.add_generation_prompt, self.messages)
+        check_final_message_continued(self.continue_final_message, self.add_generation_prompt,
+                                      self.messages[-1].role)
         logprobs = _default(self.top_logprobs, 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(max_tokens, logprobs, model_defaults or {})
@@ -727,7 +728,8 @@ class TokenizeChatRequest(_Request):
     return_token_strs: bool | None = False
 
     def check_continuation(self) -> None:
-        _check_continuation(self.continue_final_message, self.add_generation_prompt, self.messages)
+        check_final_message_continued(self.continue_final_message, self.add_generation_prompt,
+                                      self.messages[-1].role)
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [message.model_dump(exclude_none=True) for message in self.messages]
@@ -1122,12 +1124,6 @@ def _beam_search_ignores(name: str, value: Any, request_default: Any) -> bool:
         return True
     defaults = [request_default, getattr(SamplingParams, name, None)]
     return any(type(value) is type(d) and value == d for d in defaults if d is not None)
-
-
-def _check_continuation(continue_final_message: bool | None, add_generation_prompt: bool | None,
-                        messages: list[ChatMessage]) -> None:
-    """continue_final_message (chat completions and /tokenize chats) goes on with the assistant's last message."""
-    check_final_message_continued(continue_final_message, add_generation_prompt, messages[-1].role)
 
 
 def _unsupported(param: str, message: str) -> None:

@@ -501,11 +501,8 @@ class OpenAIServing:
         echoed = _chat_echo(request)
         choices = []
         for j, seq in enumerate(result.sequences):
-            text, thinking = seq.text, None
-            if reasoning is not None:
-                thinking, text = split_reasoning(reasoning.parser, seq.text, reasoning.start)
-            message = ChatResponseMessage(content=echoed + text if echoed or text or thinking is None else None)
-            if thinking is not None and reasoning.include:
+            _, thinking, message = _answer_message(seq.text, echoed, reasoning)
+            if thinking is not None:
                 message.reasoning = message.reasoning_content = thinking
             choices.append(ChatChoice(index=j, message=message, finish_reason=seq.finish_reason))
         usage = _usage_info(len(token_ids), sum(len(seq.output_token_ids) for seq in result.sequences))
@@ -555,12 +552,7 @@ class OpenAIServing:
 
     def _chat_choice(self, c: CompletionOutput, params: SamplingParams, tools: _ToolSetup, fmt: LogprobFormatter,
                      echoed: str = "", ids: bool = False, reasoning: _ReasoningSetup | None = None) -> ChatChoice:
-        text, thinking = c.text, None
-        if reasoning is not None:
-            thinking, text = split_reasoning(reasoning.parser, c.text, reasoning.start)
-        # An answer that ended in (or right after) its thinking has no content: null, as vLLM's parsers give it.
-        message = ChatResponseMessage(content=echoed + text if echoed or text or thinking is None else None)
-        thinking = thinking if reasoning is not None and reasoning.include else None
+        text, thinking, message = _answer_message(c.text, echoed, reasoning)
         finish_reason = c.finish_reason
         if tools.active:
             parsed = parse_tool_calls(text, tools.names, tools.prefix, tools.format)
@@ -1001,6 +993,18 @@ def _chat_echo(request: ChatCompletionRequest) -> str:
     model continues); otherwise nothing is echoed."""
     last = request.messages[-1]
     return last.text() if request.echo and last.role == "assistant" else ""
+
+
+def _answer_message(answer: str, echoed: str, reasoning: _ReasoningSetup | None,
+                    ) -> tuple[str, str | None, ChatResponseMessage]:
+    """A whole chat answer's content text (its thinking split off, where a reasoning parser reads it), the thinking
+    the response carries (None: none, or include_reasoning false) and its message before any tool calls: an answer
+    that ended in (or right after) its thinking has null content, as vLLM's parsers give it."""
+    text, thinking = answer, None
+    if reasoning is not None:
+        thinking, text = split_reasoning(reasoning.parser, answer, reasoning.start)
+    message = ChatResponseMessage(content=echoed + text if echoed or text or thinking is None else None)
+    return text, thinking if reasoning is not None and reasoning.include else None, message
 
 
 @dataclass(frozen=True)
