@@ -43,7 +43,8 @@ Decode-sized steps may instead take `moe_small_t` (two GEMV-style launches strai
 dequantized in registers with unquantized activations), chosen by T in `fused_moe` (`small_t`).
 
 Block sizes come from a JSON table chosen offline (`tuning/fused_moe_default.json`, by M = T bucket; a
-per-GPU `tuning/fused_moe_<gpu>.json` keyed by `E,2I,H` overrides it); nothing autotunes at run time. Block
+per-GPU `tuning/fused_moe_<gpu>.json` keyed by `E,2I,H,kind` overrides it, kind `bf16`, `fp8_channel` or
+`fp8_block`, FP8 weights falling back to the shape's `bf16` entry); nothing autotunes at run time. Block
 FP8 overrides BLOCK_K (both GEMMs) and the first GEMM's BLOCK_N with bk.
 """
 
@@ -386,7 +387,7 @@ def fused_moe(
     out = (torch.zeros if k == 1 else torch.empty)(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    cfg = config or select_config(E, inter, H, T, x.device)
+    cfg = config or select_config(E, inter, H, T, x.device, moe_small_t.weight_kind(fp8, block_shape))
     if x.stride(1) != 1:
         x = x.contiguous()
     num_pairs = T * k
@@ -472,10 +473,14 @@ def lookup(entries: dict[str, dict], M: int) -> MoEConfig | None:
     return None if entry is None else MoEConfig.from_json(entry)
 
 
-def select_config(num_experts: int, inter: int, hidden: int, M: int, device: torch.device) -> MoEConfig:
-    """A tuned entry for (GPU, E, 2I, H) if one was measured, else the default table's entry for M = T."""
-    cfg = lookup(common.gpu_table("fused_moe", device).get(f"{num_experts},{2 * inter},{hidden}", {}), M)
-    if cfg is not None:
-        return cfg
+def select_config(num_experts: int, inter: int, hidden: int, M: int, device: torch.device,
+                  kind: str = "bf16") -> MoEConfig:
+    """A tuned entry for (GPU, E, 2I, H, weight kind) if one was measured (FP8 weights without one of their own
+    take the shape's 16-bit entry), else the default table's entry for M = T. `kind`: `moe_small_t.weight_kind`."""
+    table = common.gpu_table("fused_moe", device)
+    for key_kind in dict.fromkeys((kind, "bf16")):
+        cfg = lookup(table.get(moe_small_t.table_key(num_experts, inter, hidden, key_kind), {}), M)
+        if cfg is not None:
+            return cfg
     cfg = lookup(load_table(DEFAULT_TABLE), M)
     return cfg if cfg is not None else MoEConfig(block_m=64, block_n=64, block_k=64)

@@ -512,6 +512,28 @@ def test_default_table_and_lookup():
     assert fm.select_config(8, 64, 128, 3, torch.device("cpu")) == fm.lookup(entries, 3)
 
 
+def test_gpu_table_entries_by_weight_kind(monkeypatch):
+    """A tuned table holds entries per weight kind; FP8 weights without their own take the shape's 16-bit entry,
+    a shape without any the default table's."""
+    bf16, fp8 = MoEConfig(16, 64, 128), MoEConfig(16, 128, 256, num_warps=8)
+    table = {"8,64,128,bf16": {"16": bf16.to_json()}, "8,64,128,fp8_channel": {"16": fp8.to_json()}}
+    monkeypatch.setattr(fm.common, "gpu_table", lambda kernel, device: table if kernel == "fused_moe" else {})
+    cpu = torch.device("cpu")
+    assert fm.select_config(8, 32, 128, 3, cpu) == bf16
+    assert fm.select_config(8, 32, 128, 3, cpu, "fp8_channel") == fp8
+    assert fm.select_config(8, 32, 128, 3, cpu, "fp8_block") == bf16
+    assert fm.select_config(8, 16, 128, 3, cpu, "fp8_channel") == fm.lookup(fm.load_table(fm.DEFAULT_TABLE), 3)
+
+
+def test_shipped_gpu_tables_name_a_weight_kind():
+    for path in fm.common.TUNING_DIR.glob("fused_moe_*.json"):
+        if path == fm.DEFAULT_TABLE:
+            continue
+        for key, entries in fm.load_table(path).items():
+            assert key.rsplit(",", 1)[1] in ("bf16", "fp8_channel", "fp8_block"), (path.name, key)
+            assert all(MoEConfig.from_json(cfg).to_json() == cfg for cfg in entries.values())
+
+
 def test_ops_dispatch_and_edge_cases():
     args = make_inputs(3, 4, 2, 32, 16, torch.float32, seed=1)
     assert torch.equal(ops.fused_moe(*args, "gelu_tanh"), fused_moe_ref(*args, "gelu_tanh"))
