@@ -7,7 +7,8 @@
 #            channel, FP8 blocks of [128, 128] (time against reading each chosen expert once), in OUT/moe.tar.gz
 #   tests    the fused MoE and small-T GPU tests
 #   latency  Qwen3-30B-A3B FP8 + FP8 KV decode at batch 8, 32, 128 (prompt 128)
-#   tput-moe full load, 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, Qwen3-30B-A3B
+#   tput-before, tput-moe  full load, 1000 prompts x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, Qwen3-30B-A3B,
+#            under the table before the tuning (benchmarks/results/issue27/moe-tune/fused_moe_before.json) / the tree's
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$out/log.txt"
 key=$(python3 -c "from kestrel.kernels.common import gpu_key, device_name; print(gpu_key(device_name(0)))")
@@ -16,6 +17,8 @@ if [ "$key" != nvidia_h200 ]; then
   for f in $tuning/*_nvidia_h200.json; do cp "$f" "${f%_nvidia_h200.json}_$key.json"; done
   echo "the H200 tables copied as $key" | tee -a "$out/log.txt"
 fi
+tuned=$(mktemp); cp $tuning/fused_moe_$key.json "$tuned"
+moe_table() { cp "$1" $tuning/fused_moe_$key.json; echo "fused MoE table: $1" | tee -a "$out/log.txt"; }
 for stage in "$@"; do
   case $stage in
     tune) run 570 python3 scripts/tune_fused_moe.py --out "$out" --tokens 8,32,128,512 --max-seconds 470 ;;
@@ -30,9 +33,11 @@ for stage in "$@"; do
              tests/gpu/test_moe_small_t_gpu.py ;;
     latency) latency 200 qwen3-30b-a3b-fp8-b8-128 --arch qwen3-30b-a3b --batch 8,32,128 --input-len 128 \
                --output-len 64 --repeats 2 --quantization fp8 --kv-cache-dtype fp8 ;;
-    tput-moe) run 280 python3 -m kestrel.bench.throughput --arch qwen3-30b-a3b --quantization fp8 \
-                --kv-cache-dtype fp8 --max-num-seqs 512 --hf-peer-prompts 0 --max-seconds 200 \
-                --result-file "$out/throughput-qwen3-30b-a3b-fp8-moe-tuned-h200.json" ;;
+    tput-before|tput-moe) tag=moe-tuned; moe_table "$tuned"
+          [ $stage = tput-before ] && tag=moe-before && moe_table benchmarks/results/issue27/moe-tune/fused_moe_before.json
+          run 280 python3 -m kestrel.bench.throughput --arch qwen3-30b-a3b --quantization fp8 \
+            --kv-cache-dtype fp8 --max-num-seqs 512 --num-prompts 1000 --hf-peer-prompts 0 --max-seconds 200 \
+            --result-file "$out/throughput-qwen3-30b-a3b-fp8-$tag-h200.json"; moe_table "$tuned" ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac
 done
