@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import decimal
 import importlib
 import json
 import os
@@ -44,14 +45,38 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="Hugging Face model directory (default: the bundled kestrel-tiny)")
     for arg in ENGINE_ARGS:
         vllm_flags = ["--" + arg.vllm_name.replace("_", "-")] if arg.vllm_name else []
+        kind = token_count if arg.name in TOKEN_COUNT_ARGS else engine_arg_type(arg)
         _add_flag(group, ["--" + arg.name.replace("_", "-"), *vllm_flags, *arg.aliases], arg.name,
-                  engine_arg_type(arg), engine_arg_default(arg), arg.help, arg.choices)
+                  kind, engine_arg_default(arg), arg.help, arg.choices)
     # vLLM's flags that kestrel lacks reach the engine config like LLM(...)'s keywords, which accepts one at a value
     # that asks for nothing and refuses any other by name with the reason (not argparse's bare "unrecognized").
     server_fields = {f.name for f in dataclasses.fields(ServerConfig)}  # e.g. served_model_name: a server flag
     for name in NOT_SUPPORTED_ENGINE_ARGS.keys() - server_fields:
         group.add_argument("--" + name.replace("_", "-"), dest=name, nargs="?", const=True, type=_flag_value,
                            action=_VllmOnlyFlag, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+# Token counts given as vLLM's command line takes them: 32768, 32k (x 1000), 32K (x 1024), 25.6k.
+TOKEN_COUNT_ARGS = frozenset({"max_model_len", "max_num_batched_tokens"})
+_MULTIPLIERS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def token_count(text: str) -> int:
+    """An integer, or a number with a suffix: k / m / g multiply by powers of 1000 (a decimal fraction allowed
+    where the product is whole), K / M / G by powers of 1024."""
+    value = text.strip()
+    suffix = value[-1:] if value[-1:] in _MULTIPLIERS else ""
+    number = value[:len(value) - len(suffix)]
+    try:
+        if suffix in ("", "K", "M", "G"):
+            return int(number) * _MULTIPLIERS[suffix]
+        scaled = decimal.Decimal(number) * _MULTIPLIERS[suffix] if "e" not in number.lower() else None
+    except (ValueError, decimal.InvalidOperation):
+        scaled = None
+    if scaled is not None and scaled.is_finite() and scaled == scaled.to_integral_value():
+        return int(scaled)
+    raise argparse.ArgumentTypeError(f"invalid token count {text!r}: expected an integer, or a number with k, m, "
+                                     "g (x 1000) or K, M, G (x 1024), such as 32768, 32k or 32K")
 
 
 class _VllmOnlyFlag(argparse.Action):

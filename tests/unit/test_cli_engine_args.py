@@ -131,6 +131,19 @@ def test_underscore_flags_and_a_yaml_config_file_as_vllm_reads_them(tiny_model_d
         expand_argv(["--config", str(config)])  # before any command
 
 
+def test_token_counts_take_vllms_suffixes(tiny_model_dir, capsys):
+    """`--max-model-len 1k` is 1000 and `1K` 1024, as vLLM's command line reads them; a count that is no whole
+    number of tokens is refused by the flag's name."""
+    kwargs = _engine_kwargs(serve_args(tiny_model_dir, "--max-model-len", "1K", "--max-num-batched-tokens", "2.5k"))
+    assert kwargs == {"max_model_len": 1024, "max_num_batched_tokens": 2500}
+    assert _engine_kwargs(serve_args(tiny_model_dir, "--max-model-len", "512"))["max_model_len"] == 512
+    for bad in ("1.5K", "1.0001k", "12x", "k", "1e3"):
+        with pytest.raises(SystemExit):
+            serve_args(tiny_model_dir, "--max-model-len", bad)
+        err = capsys.readouterr().err
+        assert "--max-model-len" in err and "32k or 32K" in err
+
+
 def test_server_flags_checked_and_vllms_api_key_variable(monkeypatch):
     from kestrel.config import ConfigError
     from kestrel.entrypoints.cli import _server_config
