@@ -50,6 +50,20 @@ def truncation_size(truncate: int | None, max_model_len: int) -> int | None:
     return max_model_len if truncate == -1 else truncate
 
 
+def truncate_prompt(text: str | None, token_ids: list[int], truncate: int | None, max_model_len: int,
+                    has_media: bool = False) -> tuple[str | None, list[int]]:
+    """A prompt cut to its last `truncate` tokens (`truncation_size`), with its text where nothing was cut (a cut
+    prompt's text is no longer the prompt). A prompt with media is not cut: its placeholders would be."""
+    keep = truncation_size(truncate, max_model_len)
+    if keep is None or len(token_ids) <= keep:
+        return text, token_ids
+    if has_media:
+        raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens={truncate} would cut a prompt "
+                                  f"of {len(token_ids)} tokens that holds images or audio (their placeholders "
+                                  "with it); leave truncate_prompt_tokens out or send a shorter prompt")
+    return None, token_ids[-keep:]
+
+
 @dataclass(frozen=True)
 class MediaItem:
     """One image (or other media) of a prompt, as the engine sees it: its modality, a hash of its content (the

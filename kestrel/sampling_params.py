@@ -261,6 +261,9 @@ class SamplingParams:
     # A kestrel extension: shorten the prompt before it reaches the engine (the LLM and the server do it, then hand
     # the engine the compressed prompt with this field cleared). A dict is read by PromptCompression.from_dict.
     prompt_compression: PromptCompression | None = None
+    # vLLM's: keep the prompt's last N tokens (-1: max_model_len tokens). LLM and AsyncLLM cut the prompt and hand
+    # the engine the rest with this field cleared.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.output_kind, enum.Enum):
@@ -316,6 +319,10 @@ class SamplingParams:
                         "come, and when the output ends)")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"one of {list(OUTPUT_KINDS)}")
+        if self.truncate_prompt_tokens is not None and (
+                not _is_int(self.truncate_prompt_tokens) or not (self.truncate_prompt_tokens >= 1
+                                                                 or self.truncate_prompt_tokens == -1)):
+            bad("truncate_prompt_tokens", "an integer >= 1, -1 (max_model_len tokens) or None")
         if self.prompt_compression is not None and not isinstance(self.prompt_compression, PromptCompression):
             bad("prompt_compression", "a PromptCompression or a dict such as {'rate': 0.5}")
 

@@ -166,6 +166,9 @@ class EngineCore:
             pooling = (pooling.with_defaults(pooler.pooling_type, pooler.normalize) if pooler is not None
                        else pooling.with_defaults("LAST", True))
             params = pooling.run_params()
+        if getattr(params, "truncate_prompt_tokens", None) is not None:
+            raise InvalidRequestError("truncate_prompt_tokens", "the engine takes prompts already cut; "
+                                      "truncate_prompt_tokens is applied by LLM, AsyncLLM and the server")
         self._validate(request_id, prompt_token_ids, params, pooling is not None)
         media = tuple(media)
         check_media(media, len(prompt_token_ids))

@@ -52,7 +52,7 @@ from kestrel.outputs import (
     ScoringRequestOutput,
 )
 from kestrel.pooling_params import PoolingParams
-from kestrel.request import InvalidRequestError, MediaItem, truncation_size
+from kestrel.request import InvalidRequestError, MediaItem, truncate_prompt, truncation_size
 from kestrel.sampling_params import BeamSearchParams, SamplingParams
 from kestrel.tiny import default_model_path
 
@@ -165,6 +165,10 @@ class LLM:
                     params = params.replace(prompt_compression=None)
                 text, token_ids = self._tokenize(prompt)
                 token_ids, media = self._with_media(prompt, token_ids)
+                if params.truncate_prompt_tokens is not None:
+                    text, token_ids = truncate_prompt(text, token_ids, params.truncate_prompt_tokens,
+                                                      self.engine.max_model_len, bool(media))
+                    params = params.replace(truncate_prompt_tokens=None)
                 request_id = str(next(self._counter))
                 self.engine.add_request(request_id, token_ids, params, prompt=text, priority=rank, media=media)
                 ids.append(request_id)
@@ -485,14 +489,12 @@ class LLM:
     def _pool(self, prompts: Sequence[PromptType], params: list[PoolingParams], truncate: int | None,
               use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         """Every prompt as a pooling request (all or none queued), run to its pooled output, in input order."""
-        truncate = truncation_size(truncate, self.engine.max_model_len)
+        truncation_size(truncate, self.engine.max_model_len)  # checked before any prompt is queued
         ids: list[str] = []
         try:
             for prompt, pooling in zip(prompts, params):
                 text, token_ids = self._tokenize(prompt, "pooling (embed, classify, score, encode)")
-                if truncate is not None and len(token_ids) > truncate:
-                    # A truncated prompt's text is no longer the prompt.
-                    text, token_ids = None, token_ids[-truncate:]
+                text, token_ids = truncate_prompt(text, token_ids, truncate, self.engine.max_model_len)
                 request_id = str(next(self._counter))
                 self.engine.add_request(request_id, token_ids, pooling, prompt=text)
                 ids.append(request_id)

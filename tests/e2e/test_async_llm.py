@@ -260,3 +260,42 @@ def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(model_dir):
     assert llm.reset_prefix_cache()
     fresh = llm.generate(prompt, params, use_tqdm=False)[0]
     assert fresh.num_cached_tokens == 0 and fresh.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_truncate_prompt_tokens_in_sampling_params_keeps_the_prompts_last_tokens(model_dir):
+    """vLLM's SamplingParams(truncate_prompt_tokens=N): the request runs on the prompt's last N tokens (-1: as many
+    as max_model_len), exactly as that shorter prompt would; LLM and AsyncLLM alike."""
+    from kestrel import LLM
+    from kestrel.request import InvalidRequestError
+    from kestrel.sampling_params import SamplingParamsError
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=64)
+    prompt = list(range(3, 23))
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    short = llm.generate({"prompt_token_ids": prompt[-6:]}, greedy, use_tqdm=False)[0]
+    cut = llm.generate({"prompt_token_ids": prompt}, greedy.replace(truncate_prompt_tokens=6), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-6:] and cut.outputs[0].token_ids == short.outputs[0].token_ids
+    text = llm.generate("a b c", greedy.replace(truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert text.prompt == "a b c"  # nothing cut: the text is still the prompt
+    assert llm.generate("a b c d e f g", greedy.replace(truncate_prompt_tokens=2), use_tqdm=False)[0].prompt is None
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(SamplingParamsError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    with pytest.raises(InvalidRequestError, match="max_model_len=64") as refused:
+        llm.generate("x", greedy.replace(truncate_prompt_tokens=65), use_tqdm=False)
+    assert refused.value.param == "truncate_prompt_tokens"
+    with pytest.raises(InvalidRequestError, match="already cut"):
+        llm.engine.add_request("direct", prompt, greedy.replace(truncate_prompt_tokens=6))
+    assert not llm.engine.has_unfinished_requests()
+
+    async def app() -> list[int]:
+        allm = AsyncLLM(model_dir, dtype="float32", max_model_len=64)
+        try:
+            outs = [o async for o in allm.generate({"prompt_token_ids": prompt},
+                                                   greedy.replace(truncate_prompt_tokens=6, output_kind="final_only"))]
+            assert outs[-1].prompt_token_ids == prompt[-6:]
+            return outs[-1].outputs[0].token_ids
+        finally:
+            allm.shutdown()
+
+    assert asyncio.run(app()) == short.outputs[0].token_ids
