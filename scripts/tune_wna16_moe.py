@@ -1,10 +1,9 @@
-"""Offline tuning of the weight-only GEMM (`kernels/wna16.py`) and the fused MoE kernel (`kernels/fused_moe.py`)
-on this GPU: every candidate config is checked against the first one's output, timed as CUDA-graph replays over
-weight copies rotated past L2, and the fastest per (shape, M bucket) goes to the per-GPU tables
-`wna16_<gpu>.json` / `fused_moe_<gpu>.json` under OUT (copy them to kestrel/kernels/tuning/), with every timing in
-OUT/tune-<gpu>.json.
+"""Offline tuning of the weight-only GEMM (`kernels/wna16.py`) on this GPU: every candidate config is checked
+against the first one's output, timed as CUDA-graph replays over weight copies rotated past L2, and the fastest per
+(shape, M bucket) goes to the per-GPU table `wna16_<gpu>.json` under OUT (copy it to kestrel/kernels/tuning/), with
+every timing in OUT/tune-<gpu>.json. The fused MoE kernel's table is tuned by scripts/tune_fused_moe.py.
 
-    python scripts/tune_wna16_moe.py --out OUT [--kernels wna16,moe]
+    python scripts/tune_wna16_moe.py --out OUT [--kernels wna16]
 """
 
 from __future__ import annotations
@@ -23,14 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kestrel.kernels import common  # noqa: E402
 from kestrel.kernels import wna16 as wq  # noqa: E402
-from kestrel.kernels.fused_moe import MoEConfig, fused_moe, select_config  # noqa: E402
 
 # (N, K) of Llama-3-8B's linears (qkv, o, gate_up, down), W4A16 group 128.
 WNA16_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 WNA16_M = [1, 4, 16, 64, 256]
-# (E, k, H, I): Qwen3-30B-A3B and Mixtral-8x7B.
-MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
-MOE_T = [1, 8, 32, 128, 512]
 L2_BYTES = 3 * 60 * 2**20
 
 
@@ -107,72 +102,19 @@ def tune_wna16(log: list[dict]) -> dict:
     return table
 
 
-def moe_grid(T: int) -> list[MoEConfig]:
-    if T <= 8:
-        space = itertools.product((16,), (32, 64, 128), (128, 256), ((4, 4), (8, 4)))
-    else:
-        space = itertools.product((16, 32, 64), (64, 128), (64, 128), ((4, 4),))
-    return [MoEConfig(bm, bn, bk, 1 if bm == 16 else 8, warps, stages) for bm, bn, bk, (warps, stages) in space]
-
-
-def tune_moe(log: list[dict]) -> dict:
-    table: dict[str, dict] = {}
-    for name, (E, k, H, inter) in MOE_SHAPES.items():
-        g = torch.Generator(device="cuda").manual_seed(0)
-        w13 = (torch.randn(E, 2 * inter, H, generator=g, device="cuda") / math.sqrt(H)).to(torch.bfloat16)
-        w2 = (torch.randn(E, H, inter, generator=g, device="cuda") / math.sqrt(inter)).to(torch.bfloat16)
-        entries = table.setdefault(f"{E},{2 * inter},{H}", {})
-        for T in MOE_T:
-            # A few routings rotated in the graph: different experts each call, as in consecutive layers.
-            batches = []
-            for _ in range(4):
-                x = torch.randn(T, H, generator=g, device="cuda").to(torch.bfloat16)
-                probs = torch.randn(T, E, generator=g, device="cuda").softmax(dim=-1)
-                weights, ids = torch.topk(probs, k, dim=-1)
-                batches.append((x, weights / weights.sum(dim=-1, keepdim=True), ids.to(torch.int32)))
-            x0, w0, i0 = batches[0]
-            expected = fused_moe(x0, w13, w2, w0, i0, config=select_config(E, inter, H, T, x0.device))
-            default_us = time_us([lambda b=b, a=w13, d=w2: fused_moe(b[0], a, d, b[1], b[2]) for b in batches])
-            best = None
-            for cfg in moe_grid(T):
-                try:
-                    out = fused_moe(x0, w13, w2, w0, i0, config=cfg)
-                    err = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
-                    if not err < 1e-2:
-                        raise ValueError(f"wrong result: relative error {err:.3g}")
-                    us = time_us([lambda b=b, c=cfg, a=w13, d=w2: fused_moe(b[0], a, d, b[1], b[2], config=c)
-                                  for b in batches])
-                except Exception as exc:  # a config this shape cannot run (resources): skipped, logged
-                    log.append({"kernel": "fused_moe", "model": name, "T": T, "config": cfg.to_json(),
-                                "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                    continue
-                log.append({"kernel": "fused_moe", "model": name, "T": T, "config": cfg.to_json(), "us": us,
-                            "default_us": default_us})
-                if best is None or us < best[0]:
-                    best = (us, cfg)
-            if best is not None:
-                entries[str(T)] = best[1].to_json()
-                print(f"moe {name} T={T}: best {best[0]:.1f} us, default {default_us:.1f} us {best[1]}", flush=True)
-        del w13, w2
-        torch.cuda.empty_cache()
-    return table
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--kernels", default="wna16,moe")
+    parser.add_argument("--kernels", default="wna16")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = "".join(ch if ch.isalnum() else "_" for ch in common.device_name(0).lower()).strip("_")
     log: list[dict] = []
     started = time.time()
     for kernel in args.kernels.split(","):
-        tune, note = {"wna16": (tune_wna16, "W4A16 int4 group 128, bf16 activations"),
-                      "moe": (tune_moe, "bf16 experts, softmax top-k routing")}[kernel]
+        tune, note = {"wna16": (tune_wna16, "W4A16 int4 group 128, bf16 activations")}[kernel]
         table = tune(log)
-        file = "wna16" if kernel == "wna16" else "fused_moe"
-        (args.out / f"{file}_{gpu}.json").write_text(json.dumps(
+        (args.out / f"{kernel}_{gpu}.json").write_text(json.dumps(
             {"gpu": gpu, "note": f"Measured by scripts/tune_wna16_moe.py ({note}): the fastest config per shape "
                                  "and M bucket, CUDA-graph replays over weights rotated past L2.",
              "configs": table}, indent=1) + "\n")
