@@ -242,6 +242,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's: False leaves the output's text empty and its logprobs' decoded_token None (token ids only); stop
+    # strings need the text, so they are refused with it.
+    detokenize: bool = True
     # "cumulative": an output at every step (text and token ids so far, plus deltas), for streaming;
     # "delta": an output at every step holding only what the step added (text, token_ids and logprobs are the
     # deltas), which spares copying the whole output each step; "final_only": one output when the request
@@ -317,6 +320,11 @@ class SamplingParams:
                 if getattr(self, name) not in (unset, [], ()):
                     bad(name, f"{unset!r} with structured_outputs (the grammar decides which tokens may "
                         "come, and when the output ends)")
+        if not isinstance(self.detokenize, bool):
+            bad("detokenize", "true or false")
+        if not self.detokenize and self.stop:
+            bad("stop", "empty with detokenize=False (stop strings are matched in the text; stop_token_ids end a "
+                "request by its token ids)")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"one of {list(OUTPUT_KINDS)}")
         if self.truncate_prompt_tokens is not None and (

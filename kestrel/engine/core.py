@@ -198,7 +198,8 @@ class EngineCore:
                               extra_eos_token_ids=self._extra_eos,
                               priority=priority, pooling_params=pooling, media=media)
             detokenizer = (IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child_params,
-                                                  TokenizerLookups.of(self.tokenizer)) if self.detokenize else None)
+                                                  TokenizerLookups.of(self.tokenizer))
+                           if self.detokenize and params.detokenize else None)
             sequence = _Sequence(request, detokenizer, index)
             parent.sequences.append(sequence)
         if params.structured_outputs is not None:
@@ -546,7 +547,6 @@ class EngineCore:
         touched: dict[str, _ParentRequest] = {}
         now = time.monotonic()
         sequence_parent = self._sequence_parent
-        detokenize = self.detokenize
         for request in updated:
             request_id = request.request_id
             parent = sequence_parent.get(request_id)
@@ -555,6 +555,7 @@ class EngineCore:
             sequences = parent.sequences
             sequence = sequences[0] if len(sequences) == 1 else next(s for s in sequences if s.request is request)
             params = request.sampling_params
+            detokenize = sequence.detokenizer is not None  # the engine's and the request's detokenize
             if detokenize and (params.logprobs is not None or params.prompt_logprobs is not None):
                 self._name_logprob_tokens(sequence)
             # Final-only requests without stop strings need their text only once, at the end.

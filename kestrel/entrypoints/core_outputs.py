@@ -72,7 +72,7 @@ class ClientRequest:
         self.sequences: dict[str, _Sequence] = {}
         for index, _ in child_params(params):
             detokenizer = None
-            if self._sampling is not None:
+            if self._sampling is not None and self._sampling.detokenize:
                 detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, self._sampling.replace(n=1),
                                                      TokenizerLookups.of(tokenizer))
             rid = child_id(request_id, index, n)
@@ -123,8 +123,8 @@ class ClientRequest:
                 self.pooled = delta.pooled
         stopped = False
         # Final-only requests without stop strings need their text only once, at the end.
-        if params is not None and (not params.final_only or params.stop or delta.finish_reason is not None):
-            detokenizer = seq.detokenizer
+        detokenizer = seq.detokenizer
+        if detokenizer is not None and (not params.final_only or params.stop or delta.finish_reason is not None):
             # Stopped by its last token (EOS, a stop token id, a grammar's end): its text is left out by default.
             stop_token = delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str)
             stop_string = detokenizer.update(seq.token_ids[len(detokenizer.token_ids):], stop_token)
@@ -137,8 +137,8 @@ class ClientRequest:
         return stopped
 
     def _named(self, entry: dict[int, Logprob] | None) -> dict[int, Logprob] | None:
-        if entry is None:
-            return None
+        if entry is None or (self._sampling is not None and not self._sampling.detokenize):
+            return entry
         return {t: dataclasses.replace(lp, decoded_token=self._token_text(t)) for t, lp in entry.items()}
 
     def output(self) -> RequestOutput | None:

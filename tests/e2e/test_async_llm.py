@@ -299,3 +299,23 @@ def test_truncate_prompt_tokens_in_sampling_params_keeps_the_prompts_last_tokens
             allm.shutdown()
 
     assert asyncio.run(app()) == short.outputs[0].token_ids
+
+
+def test_detokenize_false_gives_token_ids_only(model_dir):
+    """vLLM's SamplingParams(detokenize=False): the same tokens, no text, no logprob token texts; stop strings,
+    which need the text, are refused with it."""
+    from kestrel import LLM
+    from kestrel.sampling_params import SamplingParamsError
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    for kind in ("cumulative", "final_only"):
+        texts = llm.generate("a b c", greedy.replace(output_kind=kind), use_tqdm=False)[0].outputs[0]
+        ids = llm.generate("a b c", greedy.replace(output_kind=kind, detokenize=False), use_tqdm=False)[0].outputs[0]
+        assert ids.token_ids == texts.token_ids and texts.text and ids.text == ""
+        assert all(entry[t].decoded_token is None for t, entry in zip(ids.token_ids, ids.logprobs))
+        assert all(entry[t].decoded_token is not None for t, entry in zip(texts.token_ids, texts.logprobs))
+    with pytest.raises(SamplingParamsError, match="detokenize=False"):
+        SamplingParams(detokenize=False, stop=["x"])
+    with pytest.raises(SamplingParamsError, match="detokenize"):
+        SamplingParams(detokenize="no")

@@ -54,3 +54,23 @@ def test_delta_outputs_carry_the_prompts_logprobs_whichever_sequence_comes_first
     last = request.output()
     assert last.finished and last.prompt_logprobs is None
     assert {c.index: c.token_ids for c in last.outputs} == {0: [41, 42], 1: [43]}
+
+
+def test_a_request_without_detokenization_gets_token_ids_only_from_the_client():
+    """SamplingParams(detokenize=False) through the core process's client: no text, no logprob token texts."""
+    from kestrel.entrypoints.core_outputs import ClientRequest
+    from kestrel.loader.tokenizer import load_tokenizer
+    from kestrel.sampling_params import SamplingParams
+    from kestrel.tiny import default_model_path
+
+    tokenizer = load_tokenizer(str(default_model_path()))
+    for detokenize in (True, False):
+        params = SamplingParams(max_tokens=2, logprobs=1, detokenize=detokenize)
+        request = ClientRequest("r", None, [5, 6, 7], params, tokenizer, lambda t: f"<{t}>")
+        request.apply(SequenceDelta("r", [40], [{40: Logprob(-0.5, 1)}], None, None, 0, None, None, None))
+        request.apply(SequenceDelta("r", [41], [{41: Logprob(-0.7, 1)}], "length", None, 0, None, None, None))
+        out = request.output().outputs[0]
+        assert out.token_ids == [40, 41]
+        assert (out.text == "") is (not detokenize) and (out.text == tokenizer.decode([40, 41])) is detokenize
+        assert [lp[t].decoded_token for t, lp in zip(out.token_ids, out.logprobs)] == (
+            ["<40>", "<41>"] if detokenize else [None, None])
