@@ -376,9 +376,10 @@ class CompletionRequest(_SamplingRequest):
     best_of: Annotated[Int, Field(ge=1)] | None = None
 
     @property
-    def token_limit(self) -> int:
-        """max_tokens, SamplingParams' default when sent as null."""
-        return _default(self.max_tokens, _sampling_default("max_tokens"))
+    def token_limit(self) -> int | None:
+        """max_tokens: SamplingParams' default when left out, None (up to the context, as vLLM reads it) when sent
+        as null."""
+        return self.max_tokens
 
     @property
     def scores_only(self) -> bool:

@@ -102,6 +102,7 @@ from kestrel.sampling_params import (
 from kestrel.structured.compile import GrammarSource
 
 T = TypeVar("T")
+RequestModel = TypeVar("RequestModel", CompletionRequest, ChatCompletionRequest)
 logger = logging.getLogger("kestrel.server")
 
 
@@ -225,10 +226,11 @@ class OpenAIServing:
 
     async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
+        request = _with_header_id(request, raw)
         self.check_model(request.model)
         self.refuse_speech_to_text("/v1/completions")
         check_stop_and_bad_words(request, self.config.max_stop_sequences, self.config.max_bad_words)
-        beam = request.beam_search_params(request.token_limit)
+        beam = request.beam_search_params(request.token_limit or self.engine.max_model_len)
         if beam is not None:
             return await _until_disconnect(raw, self._beam_completion(request, beam))
         params = request.to_sampling_params(self.engine.generation_defaults.sampling)
@@ -236,7 +238,7 @@ class OpenAIServing:
         grammar_source = self._grammar_source(params, request.structured_outputs_field)  # its limits, too
         # A client that goes away takes its tokenization with it (the worker is replaced).
         # vLLM's rule: the requested output must fit the context beside each prompt (0 with echo: none asked).
-        room = _OutputRoom(0 if request.scores_only else request.token_limit, "max_tokens")
+        room = _OutputRoom(0 if request.scores_only else request.token_limit or 0, "max_tokens")
         self._check_output_room(room)
         prompt_inputs, original_tokens = request.prompts(), None
         if params.prompt_compression is not None:
@@ -387,6 +389,7 @@ class OpenAIServing:
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
+        request = _with_header_id(request, raw)
         self.check_model(request.model)
         self.refuse_speech_to_text("/v1/chat/completions")
         check_stop_and_bad_words(request, self.config.max_stop_sequences, self.config.max_bad_words)
@@ -984,8 +987,21 @@ def _within_budget(job: _Submitted, response: JSONResponse) -> JSONResponse:
 
 
 def _request_id(request: CompletionRequest | ChatCompletionRequest) -> str:
-    """The request's id after its response prefix: the client's request_id (vLLM's field), else a fresh one."""
+    """The request's id after its response prefix: the client's request_id (vLLM's field, or its X-Request-Id
+    header: `_with_header_id`), else a fresh one."""
     return request.request_id or uuid.uuid4().hex
+
+
+def _with_header_id(request: RequestModel, raw: Request) -> RequestModel:
+    """The request with its X-Request-Id header as its request_id, as vLLM names a response by the header before
+    the body's field; a header value the body's field would refuse is a 400 naming the header."""
+    header = raw.headers.get("x-request-id")
+    if header is None:
+        return request
+    if not 1 <= len(header) <= 256 or not all("\x21" <= ch <= "\x7e" for ch in header):
+        raise InvalidRequestError("X-Request-Id", "the X-Request-Id header must be 1 to 256 printable ASCII "
+                                  "characters without spaces")
+    return request.model_copy(update={"request_id": header})
 
 
 def _chat_echo(request: ChatCompletionRequest) -> str:

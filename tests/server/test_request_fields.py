@@ -358,6 +358,33 @@ def test_a_request_id_names_the_response_and_one_in_use_is_refused(start_scripte
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "request_id", bad
 
 
+def test_the_x_request_id_header_names_the_response_before_the_body_field(start_scripted_server):
+    """vLLM names a response by its X-Request-Id header first, then by the body's request_id."""
+    server, _ = start_scripted_server()
+    for path, body, prefix in (("/v1/completions", COMPLETION, "cmpl-"), ("/v1/chat/completions", CHAT, "chatcmpl-")):
+        for extra in ({}, {"request_id": "from-body"}):
+            reply = HTTP.post(f"{server.base_url}{path}", json={**body, **extra}, timeout=30,
+                              headers={**server.headers, "X-Request-Id": "trace-7"})
+            assert reply.status_code == 200 and reply.json()["id"] == f"{prefix}trace-7", reply.text
+        bad = HTTP.post(f"{server.base_url}{path}", json=body, timeout=30,
+                        headers={**server.headers, "X-Request-Id": "has space"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
+
+
+def test_a_null_max_tokens_on_completions_runs_to_the_context(start_scripted_server):
+    """vLLM reads completions' "max_tokens": null as the rest of the context (left out, it is 16), so a prompt
+    that leaves less than 16 tokens of room is served, not refused."""
+    server, _ = start_scripted_server(script=" ".join(f"w{i}" for i in range(200)))
+    limit = server.engine.max_model_len
+    prompt = list(range(5, 5 + limit - 4))
+    reply = post(server, "/v1/completions", {**COMPLETION, "prompt": prompt, "max_tokens": None, "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 4 and reply.json()["choices"][0]["finish_reason"] == "length"
+    left_out = {key: value for key, value in COMPLETION.items() if key != "max_tokens"}
+    refused = post(server, "/v1/completions", {**left_out, "prompt": prompt, "ignore_eos": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"  # the default 16
+
+
 def test_reasoning_effort_reaches_the_chat_template(start_scripted_server):
     server, _ = start_scripted_server(trust_request_chat_template=True)
     template = "{% for m in messages %}{{ m.content }}{% endfor %} effort={{ reasoning_effort }}"
