@@ -24,12 +24,18 @@ from kestrel.request import InvalidRequestError
 
 _WS = " \t\r\n"
 
-TOOL_INSTRUCTION = (
-    "You can call these functions:\n{functions}\n\n"
-    "To call a function, answer with only a JSON object of the form "
-    '{{"name": <function name>, "arguments": <object of argument values>}}; for several calls, '
-    "a JSON array of such objects. Do not add any other text to a function call."
-)
+TOOL_INSTRUCTION = "You can call these functions:\n{functions}\n\n{how}"
+# How a call is written, per tool-call format (TOOL_FORMATS): what the instruction teaches a model whose template
+# does not render tools, and what the parser of that format then reads.
+_CALL = '{"name": <function name>, "arguments": <object of argument values>}'
+HOW_TO_CALL = {
+    "llama3_json": f"To call a function, answer with only a JSON object of the form {_CALL}; for several calls, a "
+                   "JSON array of such objects. Do not add any other text to a function call.",
+    "hermes": f"To call a function, answer with <tool_call>\n{_CALL}\n</tool_call>, one such block per call. Do "
+              "not add any other text inside a block.",
+    "mistral": f"To call functions, answer with [TOOL_CALLS] followed by a JSON array of objects of the form "
+               f"{_CALL}. Do not add any other text to the calls.",
+}
 REQUIRED_INSTRUCTION = "\nYou must call at least one of the functions."
 NAMED_INSTRUCTION = "\nYou must call the function {name}."
 
@@ -82,14 +88,16 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
                 tool_choice: str = "auto", named_tool: str | None = None, add_generation_prompt: bool = True,
                 chat_template: str | None = None, continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None, content_parts: bool = False,
-                close_thinking: bool = False) -> ChatPrompt:
+                close_thinking: bool = False, tool_parser: str | None = None) -> ChatPrompt:
     """Render messages through the tokenizer's template. `tool_choice`: none, auto, required or named;
     `continue_final_message`: leave the last (assistant) message open for the model to go on with;
     `template_kwargs`: more variables for the template (e.g. enable_thinking); `content_parts`: hand each
     message's content to the template as a list of parts (`{"type": "text", "text": ...}`, `{"type": "image"}`,
     `{"type": "audio"}`), as multimodal processors' templates read it, instead of one string; `close_thinking`: a
     grammar shapes the whole answer (--reasoning-parser servers), so a thinking the prompt leaves open is closed
-    before it, as a reasoning model's template does with its thinking turned off."""
+    before it, as a reasoning model's template does with its thinking turned off. `tool_parser`: the tool-call
+    format the server was told the model writes (--tool-call-parser), over the one the template shows; the forced
+    call's opening, the instruction a template without tools gets and the prompt's `tool_format` all follow it."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequestError("messages", "this model's tokenizer has no chat template; use a completion "
@@ -98,16 +106,16 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
         raise InvalidRequestError("messages", "messages must be a list of {'role': ..., 'content': ...} dicts")
     use_tools = bool(tools) and tool_choice != "none"
     native = use_tools and template_renders_tools(template)
+    fmt = tool_parser or (tool_format(template) if native else "llama3_json")
     conversation = [_normalize_message(m, native, content_parts) for m in messages]
     if use_tools and not native:
-        conversation = _with_tool_instruction(conversation, tools or [], tool_choice, named_tool)
+        conversation = _with_tool_instruction(conversation, tools or [], tool_choice, named_tool, fmt)
     try:
         extra = {**(template_kwargs or {}), **({"continue_final_message": True} if continue_final_message else {})}
         text = tokenizer.apply_chat_template(conversation, tools=tools if native else None, chat_template=template,
                                              add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
     except Exception as e:  # a template raises whatever its author chose (jinja errors, ValueError, ...)
         raise InvalidRequestError("messages", f"the chat template could not render these messages: {e}") from None
-    fmt = tool_format(template) if native else "llama3_json"
     answer_start = answer_prompt(text, messages)
     if close_thinking and opened_by_prompt(text[answer_start:]):
         text += f"{THINK_END}\n\n"
@@ -238,9 +246,9 @@ def _loads_or_raw(text: str) -> Any:
 
 
 def _with_tool_instruction(conversation: list[dict[str, Any]], tools: list[dict[str, Any]], tool_choice: str,
-                           named_tool: str | None) -> list[dict[str, Any]]:
+                           named_tool: str | None, fmt: str) -> list[dict[str, Any]]:
     functions = "\n".join(json.dumps(tool.get("function", tool)) for tool in tools)
-    instruction = TOOL_INSTRUCTION.format(functions=functions)
+    instruction = TOOL_INSTRUCTION.format(functions=functions, how=HOW_TO_CALL[fmt])
     if tool_choice == "required":
         instruction += REQUIRED_INSTRUCTION
     elif tool_choice == "named" and named_tool:

@@ -479,7 +479,7 @@ class OpenAIServing:
                                  grammar=grammar, media=media)
         job.model_name = self.response_model_name(request.model)
         job.original_prompt_tokens = original_tokens
-        tools = _tool_setup(request, prompt.assistant_prefix, self.config.tool_call_parser or prompt.tool_format)
+        tools = _tool_setup(request, prompt.assistant_prefix, prompt.tool_format)  # --tool-call-parser's, if given
         if request.stream:
             return EventStreamResponse(self._chat_stream(request, job, tools, reasoning), on_close=job.abort)
         (final,) = await _until_disconnect(raw, self._collect(job))

@@ -59,6 +59,7 @@ class ChatInput:
     template_kwargs: dict[str, Any] | None = None
     content_parts: bool = False  # a multimodal model's template reads content as text and image parts
     close_thinking: bool = False  # a grammar shapes the answer: a thinking the template opened is closed first
+    tool_parser: str | None = None  # the server's --tool-call-parser (TextWorkers sets it): calls' format
 
 
 def chat_input(messages: Sequence[ChatMessage], message_dicts: list[dict[str, Any]],
@@ -136,7 +137,7 @@ def render_and_encode(tokenizer: Any, specials: Sequence[str], chat: ChatInput,
                          named_tool=chat.named_tool, add_generation_prompt=chat.add_generation_prompt,
                          chat_template=chat.chat_template, continue_final_message=chat.continue_final_message,
                          template_kwargs=chat.template_kwargs, content_parts=chat.content_parts,
-                         close_thinking=chat.close_thinking)
+                         close_thinking=chat.close_thinking, tool_parser=chat.tool_parser)
     return (prompt, *within_limit(encode_chat(tokenizer, prompt.text, chat.message_texts, specials), limit))
 
 
@@ -181,7 +182,7 @@ def parse_request(tokenizer: Any, specials: Sequence[str], schema: Any, chunks: 
 
 
 def tokenize_body(tokenizer: Any, specials: Sequence[str], chunks: list[bytes], model_names: tuple[str, ...],
-                  chat_template: str | None, max_bytes: int, max_model_len: int) -> bytes:
+                  chat_settings: dict[str, Any], max_bytes: int, max_model_len: int) -> bytes:
     """The /tokenize response body for a raw JSON request body (the chunks it came in)."""
     request: TokenizeRequest = parse_body(TokenizeRequest, b"".join(chunks))
     if request.model is not None and request.model not in model_names:
@@ -189,7 +190,7 @@ def tokenize_body(tokenizer: Any, specials: Sequence[str], chunks: list[bytes], 
     prompt, add_special_tokens = tokenize_input(request)
     check_tokenize_size(prompt, max_bytes)
     if isinstance(prompt, ChatInput):
-        prompt = dataclasses.replace(prompt, chat_template=chat_template)
+        prompt = dataclasses.replace(prompt, **chat_settings)
     return tokenize_reply(tokenizer, specials, prompt, add_special_tokens, max_model_len,
                           bool(request.return_token_strs))
 
@@ -229,11 +230,14 @@ def _in_worker_then_release(work: Callable[..., Any], *args: Any) -> Any:
 
 class TextWorkers:
     def __init__(self, tokenizer: Any, specials: Sequence[str], *, tokenizer_path: str | None = None,
-                 processes: int = 0, chat_template: str | None = None, trust_remote_code: bool = False,
-                 timeout: float | None = None, max_tokenize_bytes: int | None = None) -> None:
-        """`timeout`: each request's tokenization deadline (s); `max_tokenize_bytes`: /tokenize's limit."""
+                 processes: int = 0, chat_template: str | None = None, tool_parser: str | None = None,
+                 trust_remote_code: bool = False, timeout: float | None = None,
+                 max_tokenize_bytes: int | None = None) -> None:
+        """`chat_template`, `tool_parser`: the server's --chat-template text and --tool-call-parser, for every chat
+        it renders; `timeout`: each request's tokenization deadline (s); `max_tokenize_bytes`: /tokenize's limit."""
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.tool_parser = tool_parser
         self.specials = tuple(specials)
         self.processes = processes
         self.timeout = timeout
@@ -300,8 +304,8 @@ class TextWorkers:
         # Which field a deadline's error names, before anything parsed the body (a string's quotes are escaped).
         named = [field for field in (b'"messages"', b'"prompt"') if any(field in chunk for chunk in chunks)]
         param = "messages" if named == [b'"messages"'] else "prompt"
-        return await self._run(param, True, tokenize_body, chunks, model_names, self.chat_template, limit,
-                               max_model_len)
+        settings = {"chat_template": self.chat_template, "tool_parser": self.tool_parser}
+        return await self._run(param, True, tokenize_body, chunks, model_names, settings, limit, max_model_len)
 
     async def parse_body(self, schema: Any, chunks: list[bytes], param: str) -> Any:
         """A large JSON body (its chunks) parsed and validated in a worker, a heavy job, as FastAPI would:
@@ -309,9 +313,11 @@ class TextWorkers:
         return await self._run(param, True, parse_request, schema, chunks, doing="parsing the request body")
 
     def _with_template(self, chat: ChatInput) -> ChatInput:
-        if self.chat_template is None or chat.chat_template is not None:
+        """The chat with the server's template (where the request brings none) and tool-call format."""
+        template = chat.chat_template if chat.chat_template is not None else self.chat_template
+        if template == chat.chat_template and self.tool_parser == chat.tool_parser:
             return chat
-        return dataclasses.replace(chat, chat_template=self.chat_template)
+        return dataclasses.replace(chat, chat_template=template, tool_parser=self.tool_parser)
 
     async def detokenize_reply(self, token_ids: list[int]) -> bytes:
         return await self._run("tokens", len(token_ids) > HEAVY_TOKEN_IDS, detokenize_reply, token_ids)

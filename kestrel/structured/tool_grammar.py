@@ -24,7 +24,8 @@ def tool_call_grammar(tools: list[dict[str, Any]], tool_choice: str, named_tool:
 
     def arguments(tool: dict[str, Any]) -> Any:
         function = tool["function"]
-        schema = function.get("parameters") or {"type": "object"}
+        # No parameters (left out, or {}): OpenAI's function without arguments, whose call's arguments are {}.
+        schema = function.get("parameters") or {"type": "object", "properties": {}}
         try:
             return json_schema_grammar(json.dumps(schema), any_whitespace=False)
         except (RuntimeError, ValueError) as error:

@@ -254,3 +254,34 @@ def test_hermes_tool_calls_after_content(hermes_server):
     calls_streamed, content, finish = reassemble(chat(hermes_server, tools=[WEATHER, ADD], stream=True))
     assert content == "Let me check." and finish == ["tool_calls"]
     assert [(c["name"], json.loads(c["arguments"])) for c in calls_streamed.values()] == calls
+
+
+def test_the_tool_call_parser_flag_sets_the_format_calls_are_forced_taught_and_read_in(start_scripted_server):
+    """`--tool-call-parser hermes` over a template that does not render tools (the tiny model's): the instruction
+    teaches `<tool_call>` blocks, a forced call opens one, and the hermes parser reads it (and /tokenize renders
+    the same prompt)."""
+    server, runner = start_scripted_server(tool_call_parser="hermes")
+    runner.script = 'get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    choice = chat(server, tools=[WEATHER], tool_choice="required").choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Oslo"})]
+    calls, content, finish = reassemble(chat(server, tools=[WEATHER], tool_choice="required", stream=True))
+    assert finish == ["tool_calls"] and not content and json.loads(calls[0]["arguments"]) == {"city": "Oslo"}
+    runner.script = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    auto = chat(server, tools=[WEATHER]).choices[0]
+    assert auto.finish_reason == "tool_calls" and auto.message.content == "Checking."
+    tokens = HTTP.post(f"{server.base_url}/tokenize", json={"messages": USER, "tools": [WEATHER]},
+                       headers=server.headers).json()["tokens"]
+    prompt = HTTP.post(f"{server.base_url}/detokenize", json={"tokens": tokens}, headers=server.headers).json()
+    assert "<tool_call>" in prompt["prompt"]
+
+
+def test_a_function_without_parameters_is_forced_with_empty_arguments(tools_server):
+    """OpenAI's function without `parameters` takes none: a forced call's arguments are {}."""
+    server, runner = tools_server
+    runner.script = "{}}"
+    choice = chat(server, tools=[{"type": "function", "function": {"name": "ping"}}],
+                  tool_choice={"type": "function", "function": {"name": "ping"}}).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.name == "ping" and choice.message.tool_calls[0].function.arguments == "{}"

@@ -125,3 +125,21 @@ def test_render_chat_picks_the_template_format() -> None:
     assert prompt.assistant_prefix == '<tool_call>\n{"name": "'
     plain = render_chat(_TemplateTokenizer(), messages)
     assert plain.tool_format == "llama3_json" and plain.assistant_prefix == ""
+
+
+@pytest.mark.parametrize("function", [{"name": "ping"}, {"name": "ping", "parameters": {}}])
+def test_a_function_without_parameters_is_called_with_no_arguments(function: dict) -> None:
+    """OpenAI's function without parameters takes none: a forced call's arguments are {} (an object schema without
+    properties would let any object through)."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from kestrel.structured.tool_grammar import tool_call_grammar
+
+    tools = [{"type": "function", "function": function}]
+    named = tool_call_grammar(tools, "named", "ping", "llama3_json")
+    assert accepts(named, "{}}") and not accepts(named, '{"a": 1}}')
+    required = tool_call_grammar(tools, "required", None, "hermes")
+    assert accepts(required, 'ping", "arguments": {}}\n</tool_call>')
+    assert not accepts(required, 'ping", "arguments": {"x": "y"}}\n</tool_call>')
+    open_object = [{"type": "function", "function": {"name": "any", "parameters": {"type": "object"}}}]
+    assert accepts(tool_call_grammar(open_object, "named", "any", "llama3_json"), '{"a": 1}}')  # as written
