@@ -641,6 +641,7 @@ class MarkedToolCallParser:
     _inner: ToolCallParser | None = None
     _held: str = ""
     _pending: list[ParserEvent] = field(default_factory=list)
+    _marker_owed: bool = False  # the opening marker, taken out, goes back into content if no call follows it
 
     def __post_init__(self) -> None:
         self._pending = self.feed(self.prefix) if self.prefix else []
@@ -648,6 +649,20 @@ class MarkedToolCallParser:
     @property
     def calls(self) -> list[ParsedToolCall]:
         return self._inner.calls if self._inner is not None else []
+
+    def _from_inner(self, events: list[ParserEvent]) -> list[ParserEvent]:
+        """The inner parser's events, the first marker restored ahead of content its text turned out to be (as the
+        whole output's text keeps it)."""
+        if self._marker_owed:
+            for i, event in enumerate(events):
+                if isinstance(event, ContentDelta):
+                    events[i] = ContentDelta(self.start + event.text)
+                    self._marker_owed = False
+                    break
+                if isinstance(event, ToolCallStart):
+                    self._marker_owed = False
+                    break
+        return events
 
     @property
     def all_valid(self) -> bool:
@@ -669,21 +684,21 @@ class MarkedToolCallParser:
                 return events
             if found and text[:found].strip():
                 events.append(ContentDelta(text[:found].rstrip(_WS)))
-            self._inner = ToolCallParser(self.tool_names)
+            self._inner, self._marker_owed = ToolCallParser(self.tool_names), True
             text = text[found + len(self.start):]
         markers = tuple(m for m in (self.start, self.end) if m)
         for marker in markers:
             text = text.replace(marker, " ")
         keep = _partial_suffix(text, markers)
         self._held = text[len(text) - keep:] if keep else ""
-        events += self._inner.feed(text[: len(text) - keep])
+        events += self._from_inner(self._inner.feed(text[: len(text) - keep]))
         return events
 
     def finish(self, cut: bool = False) -> list[ParserEvent]:
         held, self._held = self._held, ""
         if self._inner is None:
             return self._pending + ([ContentDelta(held)] if held else [])
-        return self.feed("") + self._inner.feed(held) + self._inner.finish(cut)
+        return self.feed("") + self._from_inner(self._inner.feed(held) + self._inner.finish(cut))
 
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:

@@ -284,4 +284,5 @@ def test_a_function_without_parameters_is_forced_with_empty_arguments(tools_serv
     choice = chat(server, tools=[{"type": "function", "function": {"name": "ping"}}],
                   tool_choice={"type": "function", "function": {"name": "ping"}}).choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.tool_calls[0].function.name == "ping" and choice.message.tool_calls[0].function.arguments == "{}"
+    call = choice.message.tool_calls[0].function
+    assert call.name == "ping" and call.arguments == "{}"

@@ -143,3 +143,15 @@ def test_a_function_without_parameters_is_called_with_no_arguments(function: dic
     assert not accepts(required, 'ping", "arguments": {"x": "y"}}\n</tool_call>')
     open_object = [{"type": "function", "function": {"name": "any", "parameters": {"type": "object"}}}]
     assert accepts(tool_call_grammar(open_object, "named", "any", "llama3_json"), '{"a": 1}}')  # as written
+
+
+@pytest.mark.parametrize("answer", ['get_weat', 'zzz", "arguments": {}}', 'get_weather", "arguments": {"city": "x"}}'])
+def test_a_marked_call_that_fails_reads_the_same_streamed_and_whole(answer: str) -> None:
+    """A forced hermes call (its opening in the prompt) that stops before its name is whole, or names no tool: the
+    streamed content is the whole output's, the opening marker included."""
+    prefix = forced_prefix("required", None, "hermes")
+    whole = parse_tool_calls(answer, ["get_weather"], prefix, "hermes", cut=True)
+    parser = make_tool_parser("hermes", ["get_weather"], prefix)
+    events = [e for piece in (answer[:4], answer[4:]) for e in parser.feed(piece)] + parser.finish(cut=True)
+    streamed = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    assert (whole.content or "") == streamed and [c.name for c in whole.calls] == [c.name for c in parser.calls]
