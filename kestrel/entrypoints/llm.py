@@ -324,7 +324,7 @@ class LLM:
         `dimensions` (Matryoshka truncation, where config.json allows it), `normalize` and `pooling_type` (None:
         the model's). `truncate_prompt_tokens`: keep each prompt's last N tokens."""
         self._refuse_lora(lora_request)
-        refuse_classifier(self.config.model, "LLM.embed", "LLM.classify, LLM.score or LLM.encode")
+        refuse_classifier(self.config.model, "LLM.embed", ("LLM.classify", "LLM.encode"), ("LLM.score",))
         prompts = self._prompt_list(prompts)
         params = self._pooling_params(pooling_params, len(prompts), "embed")
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(list(o.pooled or [])), o.prompt_token_ids,

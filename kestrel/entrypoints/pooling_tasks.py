@@ -60,12 +60,16 @@ def classifier_params(model: ModelConfig) -> PoolingParams:
     return PoolingParams(normalize=False, pooling_type=pooling_type)
 
 
-def refuse_classifier(model: ModelConfig, caller: str, instead: str) -> None:
+def refuse_classifier(model: ModelConfig, caller: str, instead: tuple[str, ...], scoring: tuple[str, ...] = ()
+                      ) -> None:
     """A classification model has no embeddings: its pooled output is its labels' logits. `caller`: the endpoint
-    or method refused; `instead`: what serves the model."""
+    or method refused; `instead`: what serves any classifier; `scoring`: what serves one with a single label (a
+    cross-encoder) too."""
     if is_classifier(model):
+        single = model.pooler is None or model.pooler.num_labels == 1
+        serving = (*scoring, *instead) if single else instead
         raise InvalidRequestError("model", f"{model.architecture} is a classifier: it has no embeddings for "
-                                  f"{caller}; use {instead}")
+                                  f"{caller}; use {', '.join(serving[:-1])} or {serving[-1]}")
 
 
 def require_classifier(model: ModelConfig, caller: str) -> None:

@@ -44,7 +44,7 @@ class OpenAIServingEmbeddings:
         arrival = time.monotonic()
         serving = self.serving
         serving.check_model(request.model)
-        refuse_classifier(self.model_config, "/v1/embeddings", "/score, /rerank, /classify or /pooling")
+        refuse_classifier(self.model_config, "/v1/embeddings", ("/classify", "/pooling"), ("/score", "/rerank"))
         pooling = embedding_params(self.model_config,
                                    checked_dimensions(self.model_config.hf_config, request.dimensions))
         inputs = request.inputs()

@@ -239,6 +239,8 @@ def test_each_task_on_the_wrong_model_is_refused_naming_the_model(last_model, cl
                        r"embeddings for LLM\.embed") as error:
         labels.embed("hello")
     assert error.value.param == "model"
+    # Three labels: scoring (one label) is not offered as the way out.
+    assert "LLM.score" not in str(error.value) and "use LLM.classify or LLM.encode" in str(error.value)
     with pytest.raises(InvalidRequestError, match=r"Qwen3ForCausalLM is not a classifier \(an embedding model "
                        r"under the pooling runner\): LLM\.classify needs a \*ForSequenceClassification"):
         embedder.classify("hello")
