@@ -88,7 +88,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
                 tool_choice: str = "auto", named_tool: str | None = None, add_generation_prompt: bool = True,
                 chat_template: str | None = None, continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None, content_parts: bool = False,
-                close_thinking: bool = False, tool_parser: str | None = None) -> ChatPrompt:
+                close_thinking: bool = False, tool_parser: str | None = None,
+                exclude_tools_when_none: bool = False) -> ChatPrompt:
     """Render messages through the tokenizer's template. `tool_choice`: none, auto, required or named;
     `continue_final_message`: leave the last (assistant) message open for the model to go on with;
     `template_kwargs`: more variables for the template (e.g. enable_thinking); `content_parts`: hand each
@@ -97,7 +98,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
     grammar shapes the whole answer (--reasoning-parser servers), so a thinking the prompt leaves open is closed
     before it, as a reasoning model's template does with its thinking turned off. `tool_parser`: the tool-call
     format the server was told the model writes (--tool-call-parser), over the one the template shows; the forced
-    call's opening, the instruction a template without tools gets and the prompt's `tool_format` all follow it."""
+    call's opening, the instruction a template without tools gets and the prompt's `tool_format` all follow it.
+    With tool_choice "none" a template that renders tools still gets them (vLLM's default), unless
+    `exclude_tools_when_none`; nothing else teaches or opens a call then."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequestError("messages", "this model's tokenizer has no chat template; use a completion "
@@ -105,7 +108,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise InvalidRequestError("messages", "messages must be a list of {'role': ..., 'content': ...} dicts")
     use_tools = bool(tools) and tool_choice != "none"
-    native = use_tools and template_renders_tools(template)
+    native = bool(tools) and (use_tools or not exclude_tools_when_none) and template_renders_tools(template)
     fmt = tool_parser or (tool_format(template) if native else "llama3_json")
     conversation = [_normalize_message(m, native, content_parts) for m in messages]
     if use_tools and not native:

@@ -80,6 +80,9 @@ class ServerConfig:
     reasoning_parser: str | None = _opt(None, "how a reasoning model writes its thinking, which chat answers then "
                                               "carry as `reasoning` apart from the content (off: all content)",
                                         choices=REASONING_PARSERS)
+    exclude_tools_when_tool_choice_none: bool = _opt(False, "leave a request's tools out of its prompt when its "
+                                                            "tool_choice is 'none' (by default the template still "
+                                                            "renders them, as in vLLM)")
     enable_auto_tool_choice: bool = _opt(True, "let the model decide whether to call a tool (tool_choice 'auto'); "
                                                "off: such requests are refused")
     enable_prompt_tokens_details: bool = _opt(False, "report usage.prompt_tokens_details.cached_tokens, the prompt "

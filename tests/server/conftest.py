@@ -268,11 +268,13 @@ def scripted_engine(model_dir: str, *, max_queued_requests: int | None = None, m
 
 def start_scripted(model_dir: str, *, api_key: str | None = API_KEY, public_docs: bool = False,
                    trust_request_chat_template: bool = False, reasoning_parser: str | None = None,
-                   tool_call_parser: str | None = None, **kwargs: Any) -> tuple[LiveServer, ScriptedRunner]:
+                   tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False,
+                   **kwargs: Any) -> tuple[LiveServer, ScriptedRunner]:
     engine, runner = scripted_engine(model_dir, **kwargs)
     app = build_app(engine, MODEL, api_key=api_key, public_docs=public_docs,
                     trust_request_chat_template=trust_request_chat_template, reasoning_parser=reasoning_parser,
-                    tool_call_parser=tool_call_parser)
+                    tool_call_parser=tool_call_parser,
+                    exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
     return LiveServer(app, engine, api_key), runner
 
 

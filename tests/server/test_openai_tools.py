@@ -286,3 +286,19 @@ def test_a_function_without_parameters_is_forced_with_empty_arguments(tools_serv
     assert choice.finish_reason == "tool_calls"
     call = choice.message.tool_calls[0].function
     assert call.name == "ping" and call.arguments == "{}"
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_tool_choice_none_renders_the_tools_unless_the_server_excludes_them(start_scripted_server, exclude):
+    """vLLM's default keeps a request's tools in a template that renders them under tool_choice "none";
+    --exclude-tools-when-tool-choice-none leaves them out. No call is parsed either way."""
+    server, runner = start_scripted_server(trust_request_chat_template=True,
+                                           exclude_tools_when_tool_choice_none=exclude)
+    runner.script = CALL
+    reply = HTTP.post(f"{server.base_url}/v1/chat/completions", headers=server.headers, timeout=30, json={
+        "model": MODEL, "messages": USER, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 64,
+        "chat_template": HERMES_TEMPLATE, "return_token_ids": True}).json()
+    assert reply["choices"][0]["finish_reason"] == "stop" and reply["choices"][0]["message"]["content"] == CALL
+    prompt = HTTP.post(f"{server.base_url}/detokenize", json={"tokens": reply["prompt_token_ids"]},
+                       headers=server.headers).json()["prompt"]
+    assert ("Tools:" in prompt and "get_weather" in prompt) is not exclude

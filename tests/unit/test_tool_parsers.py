@@ -127,6 +127,24 @@ def test_render_chat_picks_the_template_format() -> None:
     assert plain.tool_format == "llama3_json" and plain.assistant_prefix == ""
 
 
+def test_tool_choice_none_keeps_the_tools_in_a_template_that_renders_them() -> None:
+    """vLLM's default: with tool_choice "none" the template still renders the tools (nothing opens or teaches a
+    call); --exclude-tools-when-tool-choice-none leaves them out. A template without tools gets no instruction."""
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "1+1?"}]
+    kept = render_chat(_TemplateTokenizer(), messages, tools=[tool], tool_choice="none")
+    assert '<tools>[{"type": "function"' in kept.text and kept.assistant_prefix == ""
+    assert kept.text.endswith("<|assistant|>")
+    left_out = render_chat(_TemplateTokenizer(), messages, tools=[tool], tool_choice="none",
+                           exclude_tools_when_none=True)
+    assert left_out.text == render_chat(_TemplateTokenizer(), messages).text
+
+    class Plain(_TemplateTokenizer):
+        chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+
+    assert render_chat(Plain(), messages, tools=[tool], tool_choice="none").text == "<|user|>1+1?<|assistant|>"
+
+
 @pytest.mark.parametrize("function", [{"name": "ping"}, {"name": "ping", "parameters": {}}])
 def test_a_function_without_parameters_is_called_with_no_arguments(function: dict) -> None:
     """OpenAI's function without parameters takes none: a forced call's arguments are {} (an object schema without
