@@ -21,7 +21,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     field_validator,
     model_serializer,
@@ -695,12 +697,47 @@ class PoolingInputRequest(_Request):
         return list(value)  # type: ignore[arg-type]
 
 
-class EmbeddingRequest(PoolingInputRequest):
+class EmbeddingCompletionRequest(PoolingInputRequest):
     """OpenAI's embeddings request plus vLLM's extensions; the served model pools its final hidden states
     (PoolingParams)."""
 
     encoding_format: Literal["float", "base64"] | None = "float"
     dimensions: Annotated[Int, Field(ge=1)] | None = None  # Matryoshka truncation, where the model supports it
+
+
+class EmbeddingChatRequest(_Request):
+    """vLLM's chat form of /v1/embeddings: the messages, rendered by the chat template, are the one input (no
+    generation prompt unless asked: the conversation itself is embedded)."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    encoding_format: Literal["float", "base64"] | None = "float"
+    dimensions: Annotated[Int, Field(ge=1)] | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
+    priority: Int | None = None
+    add_generation_prompt: bool | None = False
+    continue_final_message: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_continuation(self) -> None:
+        check_final_message_continued(self.continue_final_message, self.add_generation_prompt,
+                                      self.messages[-1].role)
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [message.model_dump(exclude_none=True) for message in self.messages]
+
+
+def _embedding_form(body: Any) -> str:
+    """A body with messages is the chat form; its errors are then the chat form's alone (tagged by class name,
+    which error locations leave out as they do a union member's)."""
+    return "EmbeddingChatRequest" if isinstance(body, dict) and "messages" in body else "EmbeddingCompletionRequest"
+
+
+EmbeddingRequest = Annotated[Annotated[EmbeddingCompletionRequest, Tag("EmbeddingCompletionRequest")]
+                             | Annotated[EmbeddingChatRequest, Tag("EmbeddingChatRequest")],
+                             Discriminator(_embedding_form)]
 
 
 class EmbeddingData(BaseModel):

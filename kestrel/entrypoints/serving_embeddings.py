@@ -1,4 +1,5 @@
-"""/v1/embeddings: a decoder served for generation also embeds, by last-token pooling of its final hidden state
+"""/v1/embeddings (an input, or vLLM's chat form: messages rendered by the chat template): a decoder served for
+generation also embeds, by last-token pooling of its final hidden state
 (PoolingParams), as vLLM pools a decoder model asked for embeddings; under the pooling runner the checkpoint's
 pooling (`ModelConfig.pooler`: last, mean or first token, normalized or not) applies. `run_pooling` runs the
 pooling requests of every pooling endpoint."""
@@ -17,13 +18,15 @@ from starlette.responses import JSONResponse, Response
 from kestrel.entrypoints.async_engine import submit_all
 from kestrel.entrypoints.budgets import ResponseTooLargeError
 from kestrel.entrypoints.pooling_tasks import checked_dimensions, embedding_params, refuse_classifier
-from kestrel.entrypoints.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse
+from kestrel.entrypoints.protocol import EmbeddingChatRequest, EmbeddingData, EmbeddingRequest, EmbeddingResponse
 from kestrel.entrypoints.serving import (
     OpenAIServing,
     _merge,
+    _Prompt,
     _until_disconnect,
     _usage_info,
 )
+from kestrel.entrypoints.text_workers import chat_input
 from kestrel.outputs import RequestOutput
 from kestrel.pooling_params import PoolingParams
 from kestrel.request import InvalidRequestError
@@ -47,11 +50,16 @@ class OpenAIServingEmbeddings:
         refuse_classifier(self.model_config, "/v1/embeddings", ("/classify", "/pooling"), ("/score", "/rerank"))
         pooling = embedding_params(self.model_config,
                                    checked_dimensions(self.model_config.hf_config, request.dimensions))
-        inputs = request.inputs()
-        serving._check_sequences(len(inputs), 1, "input")
-        self._check_size(len(inputs), pooling, request.encoding_format)
-        prompts = await _until_disconnect(raw, serving._encode_prompts(
-            inputs, request.add_special_tokens is not False, request.truncate_prompt_tokens, "input", pooling=True))
+        if isinstance(request, EmbeddingChatRequest):
+            self._check_size(1, pooling, request.encoding_format)
+            prompts = [await _until_disconnect(raw, self._chat_prompt(request))]
+        else:
+            inputs = request.inputs()
+            serving._check_sequences(len(inputs), 1, "input")
+            self._check_size(len(inputs), pooling, request.encoding_format)
+            prompts = await _until_disconnect(raw, serving._encode_prompts(
+                inputs, request.add_special_tokens is not False, request.truncate_prompt_tokens, "input",
+                pooling=True))
         request_id = f"embd-{uuid.uuid4().hex}"
         outputs = await _until_disconnect(raw, run_pooling(serving, request_id, [p.token_ids for p in prompts],
                                                            pooling, request.priority or 0, arrival, "input"))
@@ -61,6 +69,26 @@ class OpenAIServingEmbeddings:
         response = EmbeddingResponse(id=request_id, model=serving.response_model_name(request.model), data=data,
                                      usage=_usage_info(prompt_tokens, 0))
         return JSONResponse(response.model_dump())
+
+    async def _chat_prompt(self, request: EmbeddingChatRequest) -> _Prompt:
+        """The messages rendered by the chat template (the server's, or the request's where the server trusts
+        request templates), as one prompt to pool."""
+        serving = self.serving
+        if request.chat_template is not None and not serving.config.trust_request_chat_template:
+            raise InvalidRequestError("chat_template", "this server does not take chat templates from requests; "
+                                      "start it with --trust-request-chat-template, or give the server one with "
+                                      "--chat-template")
+        if any(message.has_images for message in request.messages):
+            raise InvalidRequestError("messages", "/v1/embeddings takes text messages; image parts are not embedded")
+        request.check_continuation()
+        chat = chat_input(request.messages, request.message_dicts(), None,
+                          add_generation_prompt=request.add_generation_prompt is not False,
+                          chat_template=request.chat_template,
+                          continue_final_message=bool(request.continue_final_message),
+                          template_kwargs=request.chat_template_kwargs)
+        truncate = request.truncate_prompt_tokens
+        _, count, ids = await serving.text.render_chat(chat, None if truncate else serving.prompt_limit(True))
+        return _Prompt(None, serving._fit_prompt(count, ids, truncate, "messages", pooling=True))
 
     def _check_size(self, num_inputs: int, pooling: PoolingParams, encoding: str | None) -> None:
         """Refuse, before any work, a response larger than --max-response-bytes."""

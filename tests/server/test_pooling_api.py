@@ -172,3 +172,27 @@ def test_score_and_rerank_of_an_embedding_model_are_cosine_similarities(embedder
     assert ranked["results"][0]["index"] == int(np.argmax(want))
     refused = _post(server, "/classify", {"input": "x"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+
+
+def test_embeddings_of_chat_messages_pool_the_rendered_conversation(embedder):
+    """vLLM's chat form of /v1/embeddings: the messages rendered by the chat template (no generation prompt by
+    default) are embedded as that token sequence would be."""
+    server, _ = embedder
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "what is a fox"}]
+    for generation_prompt in (False, True):
+        tokens = _post(server, "/tokenize", {"messages": messages,
+                                             "add_generation_prompt": generation_prompt}).json()["tokens"]
+        body = {"messages": messages, **({"add_generation_prompt": True} if generation_prompt else {})}
+        chat = _post(server, "/v1/embeddings", body)
+        assert chat.status_code == 200, chat.text
+        by_ids = _post(server, "/v1/embeddings", {"input": tokens}).json()
+        assert chat.json()["usage"]["prompt_tokens"] == len(tokens)
+        assert np.allclose(chat.json()["data"][0]["embedding"], by_ids["data"][0]["embedding"], atol=1e-6)
+    cut = _post(server, "/v1/embeddings", {"messages": messages, "truncate_prompt_tokens": 3}).json()
+    assert cut["usage"]["prompt_tokens"] == 3
+    for body, param in (({"messages": messages, "chat_template": "{{ messages }}"}, "chat_template"),
+                        ({"messages": []}, "messages"),
+                        ({"messages": messages, "input": "x"}, None)):
+        reply = _post(server, "/v1/embeddings", body)
+        assert reply.status_code == 400, reply.text
+        assert param is None or reply.json()["error"]["param"] == param
