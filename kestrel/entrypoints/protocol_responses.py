@@ -190,8 +190,9 @@ class ResponsesRequest(_Request):
                 continue
             if reasoning is not None and not (isinstance(item, FunctionCallItem)
                                               or (isinstance(item, MessageItem) and item.role == "assistant")):
-                raise InvalidRequestError("input", "a reasoning item belongs to the assistant message or function "
-                                          "call after it; send it just before that item")
+                # A thinking with no answer after it (cut by max_output_tokens, or nothing said): its own turn.
+                messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+                reasoning = None
             if isinstance(item, MessageItem):
                 messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
@@ -208,8 +209,7 @@ class ResponsesRequest(_Request):
                 messages[-1]["reasoning_content"] = reasoning
                 reasoning = None
         if reasoning is not None:
-            raise InvalidRequestError("input", "a reasoning item belongs to the assistant message or function call "
-                                      "after it; the input ends with one")
+            messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
         return messages
 
 

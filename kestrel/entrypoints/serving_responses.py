@@ -70,8 +70,12 @@ class OpenAIServingResponses:
         if message.get("content") or not (message.get("tool_calls") or reasoning is not None):
             status = "incomplete" if choice["finish_reason"] == "length" else "completed"
             output.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status))
+        calls = message.get("tool_calls") or []
+        # Cut by max_output_tokens inside a call: that call (the last) is incomplete, its arguments as far as they got.
+        last_status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         output += [_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
-                              call["function"]["arguments"], "completed") for call in message.get("tool_calls") or []]
+                              call["function"]["arguments"], last_status if i == len(calls) - 1 else "completed")
+                   for i, call in enumerate(calls)]
         response = shell.response(output, choice["finish_reason"], body["usage"])
         save(response, output)
         return JSONResponse(response)
@@ -274,10 +278,12 @@ class _EventWriter:
                                      output_index=open_call["index"], delta=delta))
         return events
 
-    def close_calls(self) -> list[str]:
+    def close_calls(self, last_status: str = "completed") -> list[str]:
+        """Every open call done; the last one with `last_status` (incomplete where max_output_tokens cut it)."""
         events = []
-        for open_call in self.calls.values():
-            item = {**open_call["item"], "status": "completed"}
+        last = max(self.calls, default=None)
+        for key, open_call in self.calls.items():
+            item = {**open_call["item"], "status": last_status if key == last else "completed"}
             self.output.append(item)
             events += [self.event("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=open_call["index"], name=item["name"], arguments=item["arguments"]),
@@ -327,7 +333,7 @@ async def _events(shell: _ResponseShell, chunks: AsyncIterator[Any],
                         yield event  # an empty answer is still one message, as the whole response has
                 status = "incomplete" if finish_reason == "length" else "completed"
                 # Still open at the end: the thinking was all there was (cut while thinking, or no answer after it).
-                for event in writer.close_reasoning(status) + writer.close_text(status) + writer.close_calls():
+                for event in writer.close_reasoning(status) + writer.close_text(status) + writer.close_calls(status):
                     yield event
                 response = writer.shell.response(list(writer.output), finish_reason, body["usage"])
                 save(response, writer.output)

@@ -133,6 +133,13 @@ def test_responses_cut_while_thinking_hold_only_the_incomplete_reasoning(reasoni
     assert whole.output[0].content[0].text == final.output[0].content[0].text
     effort = client.responses.create(model=MODEL, input="Hi", max_output_tokens=12, reasoning={"effort": "low"})
     assert effort.status == "incomplete"  # taken (the template decides what effort means)
+    # Its replay (a thinking with no answer after it) goes on: that thinking is an assistant turn of its own.
+    replay = [{"role": "user", "content": "Hi"}, *[item.model_dump(exclude_none=True) for item in whole.output],
+              {"role": "user", "content": "And then?"}]
+    again = client.responses.create(model=MODEL, input=replay, max_output_tokens=200)
+    assert again.status == "completed" and again.output_text == "Hello! How can I help?"
+    ends_thinking = client.responses.create(model=MODEL, input=replay[:2], max_output_tokens=200)
+    assert ends_thinking.output_text == "Hello! How can I help?"
 
 
 def test_thinking_sent_back_reaches_the_template(tiny_model_dir):

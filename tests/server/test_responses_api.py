@@ -110,6 +110,26 @@ def test_a_named_function_forces_the_call(scripted):
         runner.script = "Hello!"
 
 
+def test_a_call_cut_by_max_output_tokens_is_an_incomplete_item_whole_and_streamed(scripted):
+    """A forced call whose arguments max_output_tokens cut: the response and the call item are incomplete."""
+    server, runner = scripted
+    client = server.client()
+    runner.script = '{"city": "Oslo and more words than fit"}}'
+    try:
+        args = {"model": MODEL, "input": "Weather in Oslo?", "tools": [WEATHER], "max_output_tokens": 4,
+                "tool_choice": {"type": "function", "name": "get_weather"}}
+        whole = client.responses.create(**args)
+        with client.responses.stream(**args) as stream:
+            done = [e.item for e in stream if e.type == "response.output_item.done"]
+            final = stream.get_final_response()
+        for response in (whole, final):
+            assert response.status == "incomplete"
+            assert [(item.type, item.status) for item in response.output] == [("function_call", "incomplete")]
+        assert [item.status for item in done] == ["incomplete"]
+    finally:
+        runner.script = "Hello!"
+
+
 def test_tool_round_trip_on_the_scripted_model(scripted):
     server, runner = scripted
     client = server.client()
