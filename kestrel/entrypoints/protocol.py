@@ -125,7 +125,8 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
 _EMPTY_VALUES: tuple[Any, ...] = (None, [], {})
 # vLLM and OpenAI fields sent with the value that asks for nothing beyond what kestrel does anyway (their defaults):
 # chat completions are never stored.
-_NO_OP_VALUES: dict[str, Any] = {"add_special_tokens": False, "store": False}
+_NO_OP_VALUES: dict[str, Any] = {"add_special_tokens": False, "store": False, "service_tier": ("auto", "default"),
+                                  "modalities": (["text"],)}
 # With use_beam_search, only these fields take effect (n is the beam width); any other one set is refused.
 _BEAM_SEARCH_FIELDS = frozenset({
     "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "ignore_eos",
@@ -135,7 +136,11 @@ _BEAM_SEARCH_FIELDS = frozenset({
 
 
 def _asks_nothing(name: str, value: Any) -> bool:
-    return value in _EMPTY_VALUES or (name in _NO_OP_VALUES and value is _NO_OP_VALUES[name])
+    """Null or empty, or a value naming what the server does anyway (OpenAI's default service tier, text output)."""
+    if value in _EMPTY_VALUES or name not in _NO_OP_VALUES:
+        return value in _EMPTY_VALUES
+    no_op = _NO_OP_VALUES[name]
+    return value is no_op if isinstance(no_op, bool) else value in no_op
 
 
 class _Request(BaseModel):

@@ -8,6 +8,7 @@ to judge (they need the response store, which is off by default).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -221,7 +222,9 @@ _CHAT_PARAMS = (("messages", "input"), ("max_completion_tokens", "max_output_tok
 
 
 def chat_param(param: str) -> str:
-    """The Responses field behind a chat request's field (an error's param)."""
+    """The Responses field behind a chat request's field (an error's param); a chat tool's `function` wrapper is
+    flat in a Responses tool (`tools[0].function.parameters` is `tools[0].parameters`)."""
+    param = re.sub(r"^(tools\[\d+\])\.function(?=\.|$)", r"\1", param)
     for chat, ours in _CHAT_PARAMS:
         if param == chat or param.startswith((chat + ".", chat + "[")):
             return ours + param[len(chat):] if chat != "messages" else "input"

@@ -15,7 +15,7 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 # and OpenAI's newer chat fields that kestrel does not implement yet, with a value that would ask for something.
 UNSUPPORTED = {
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "store": True,
-    "metadata": {"k": "v"}, "service_tier": "auto",
+    "metadata": {"k": "v"}, "service_tier": "flex",
     "functions": [{"name": "f"}],
 }
 CHAT_ONLY = {"add_special_tokens": True}
@@ -102,9 +102,13 @@ def test_null_and_empty_unknown_fields_ask_for_nothing(openai_server):
                 "function_call": None}
     body = {**CHAT, "messages": [{"role": "user", "content": "hi"}, replayed, {"role": "user", "content": "more"}],
             "guided_json": None, "metadata": {}, "use_beam_search": False, "priority": 0,
-            "add_generation_prompt": True, "store": False, "include_reasoning": True}
+            "add_generation_prompt": True, "store": False, "include_reasoning": True,
+            "service_tier": "auto", "modalities": ["text"]}
     response = post(openai_server, "/v1/chat/completions", body)
     assert response.status_code == 200, response.text
+    for name, value in (("service_tier", "flex"), ("modalities", ["text", "audio"])):  # these ask for something
+        refused = post(openai_server, "/v1/chat/completions", {**CHAT, name: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == name
 
 
 def test_openai_client_extra_body_fields_are_checked(openai_server):

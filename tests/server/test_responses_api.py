@@ -164,6 +164,7 @@ def test_tool_round_trip_on_the_scripted_model(scripted):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"text": {"format": {"type": "json_schema"}}}, "text.format"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, "tools[0].parameters"),
 ])
 def test_unsupported_fields_are_refused_by_name(openai_server, body, param):
     reply = HTTP.post(f"{openai_server.base_url}/v1/responses", headers=openai_server.headers,
