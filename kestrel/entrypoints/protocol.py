@@ -1090,7 +1090,7 @@ def validation_error_info(errors: list[dict[str, Any]],
     if len(same_field) > 1 and name in union_hints:
         # When only one accepted shape got past the top level (e.g. a list), its error is the useful one.
         deeper = [e for e in same_field if len(_field_loc(e)) > len(loc)]
-        if deeper and len({_union_member(e) for e in deeper}) == 1:
+        if deeper and len({_union_member(e, loc) for e in deeper}) == 1:
             return _path(_field_loc(deeper[0])), f"invalid {_path(_field_loc(deeper[0]))}: {deeper[0].get('msg')}"
         return param, f"invalid {param}: expected {union_hints[name]}"
     return param, f"invalid {param}: {first.get('msg')}"
@@ -1108,8 +1108,17 @@ def _unknown_field(errors: list[dict[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
-def _union_member(error: dict[str, Any]) -> str:
-    return next((part for part in error.get("loc", ()) if _is_union_tag(part)), "")
+def _union_member(error: dict[str, Any], field: list[Any] | None = None) -> str:
+    """The union member an error is about: the body's (the first tag), or with `field` (a location without tags)
+    the member of that field's own union (the first tag after the field)."""
+    matched = 0
+    for part in error.get("loc", ()):
+        if _is_union_tag(part):
+            if field is None or matched == len(field):
+                return part
+        elif field is not None and matched < len(field) and part == field[matched]:
+            matched += 1
+    return ""
 
 
 def _field_loc(error: dict[str, Any]) -> list[Any]:

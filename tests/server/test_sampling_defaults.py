@@ -49,7 +49,9 @@ def test_an_empty_request_samples_with_sampling_params_defaults():
     assert CompletionRequest(prompt="x").to_sampling_params() == SamplingParams()
     assert ChatCompletionRequest(messages=MESSAGES).to_sampling_params() == SamplingParams(max_tokens=None)
     nulls = {name: None for name in CompletionRequest.model_fields if name in SAMPLING_FIELDS}
-    assert parse_model(CompletionRequest, {"prompt": "x", **nulls}).to_sampling_params() == SamplingParams()
+    # max_tokens null is vLLM's "up to the context" (left out, it is 16).
+    assert parse_model(CompletionRequest, {"prompt": "x", **nulls}).to_sampling_params() == SamplingParams(
+        max_tokens=None)
 
 
 def test_unset_fields_take_the_models_generation_config_then_sampling_params():
