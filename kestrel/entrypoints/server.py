@@ -82,13 +82,13 @@ from kestrel.structured.limits import GrammarLimits
 
 logger = logging.getLogger("kestrel.server")
 
-# Paths behind the API key; /health and /version stay open for probes. /metrics (model name, traffic, latencies)
-# is behind it unless the server exposes it (`--public-metrics`, vLLM's behaviour), and so is the API's
-# documentation (OpenAPI document, Swagger UI, ReDoc) unless `--public-docs`. The playground page (/, /static/)
-# stays open: it holds no secret and sends the key its user types.
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# Every path is behind the API key but these: /health, /ping and /version for probes, and the playground page (/,
+# /static/), which holds no secret and sends the key its user types. /metrics (model name, traffic, latencies)
+# opens with `--public-metrics` (vLLM's behaviour), the API's documentation (OpenAPI document, Swagger UI, ReDoc)
+# with `--public-docs`. A path is open where it equals one of the paths or lies under one that ends in "/".
+OPEN_PATHS = ("/health", "/ping", "/version", "/", "/static/")
 METRICS_PATHS = ("/metrics",)
-DOCS_PATHS = ("/openapi.json", "/docs", "/redoc")
+DOCS_PATHS = ("/openapi.json", "/docs", "/docs/", "/redoc")
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 503, 504)
 }
@@ -141,9 +141,9 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str],
     _standard_limits_in_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout_s=config.body_read_timeout)
     if keys:
-        protected = (PROTECTED_PREFIXES + (() if config.public_metrics else METRICS_PATHS)
-                     + (() if config.public_docs else DOCS_PATHS))
-        app.add_middleware(ApiKeyMiddleware, api_keys=keys, protected=protected)
+        open_paths = (OPEN_PATHS + (METRICS_PATHS if config.public_metrics else ())
+                      + (DOCS_PATHS if config.public_docs else ()))
+        app.add_middleware(ApiKeyMiddleware, api_keys=keys, open_paths=open_paths)
     app.add_middleware(DrainMiddleware, engine=engine)  # outside the key: probes without it see the drain too
     if config.allowed_origins:  # outermost: browsers' preflight requests carry no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
@@ -540,19 +540,22 @@ def _digest(secret: bytes) -> bytes:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` with one of the server's keys on the protected paths, compared in constant
-    time."""
+    """`Authorization: Bearer <key>` with one of the server's keys on every path but the open ones (`OPEN_PATHS`:
+    a path equal to one, or under one that ends in "/"), compared in constant time."""
 
-    def __init__(self, app: ASGIApp, api_keys: Sequence[str],
-                 protected: tuple[str, ...] = PROTECTED_PREFIXES) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str], open_paths: tuple[str, ...] = OPEN_PATHS) -> None:
         self.app = app
         # Digests: equal lengths, so the comparison's time tells nothing of a key's length either.
         self._expected = [_digest(key.encode()) for key in api_keys]
-        self._protected = protected
+        self._open = frozenset(open_paths)
+        self._open_folders = tuple(path for path in open_paths if path.endswith("/") and path != "/")
+
+    def _is_open(self, path: str) -> bool:
+        return path in self._open or path.startswith(self._open_folders)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The path the routes see: under --root-path, uvicorn's scope["path"] carries the prefix.
-        if scope["type"] == "http" and route_path(scope).startswith(self._protected):
+        if scope["type"] == "http" and not self._is_open(route_path(scope)):
             credentials = bearer_credentials(dict(scope["headers"]).get(b"authorization", b""))
             given = _digest(credentials or b"")
             # Every key is compared (constant time each), so the time does not tell which one matched.

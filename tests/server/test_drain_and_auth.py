@@ -79,6 +79,22 @@ def test_anything_but_the_key_is_401(guarded, authorization):
         assert reply.status_code == 401 and reply.headers["www-authenticate"] == "Bearer", (path, authorization)
 
 
+def test_every_route_but_the_probes_and_the_playground_needs_the_key(guarded):
+    """The key guards every route the app has (vLLM's /v2/rerank, /pooling, /score, /rerank, /classify, ... as
+    well as /v1/), whatever its method; only the probes and the playground's static page are open."""
+    from kestrel.entrypoints.server import OPEN_PATHS
+
+    routes = [(route.path, sorted(route.methods or {"GET"})[0]) for route in guarded.app.routes
+              if hasattr(route, "path") and "{" not in route.path]
+    assert any(path == "/v2/rerank" for path, _ in routes)
+    for path, method in routes:
+        reply = HTTP.request(method, f"{guarded.base_url}{path}", json={}, timeout=10)
+        if path in OPEN_PATHS or path.startswith("/static/"):
+            assert reply.status_code != 401, path
+        else:
+            assert reply.status_code == 401, (path, method, reply.status_code)
+
+
 def test_the_key_guards_the_api_under_a_root_path(servers):
     # Behind a proxy that strips the prefix (--root-path /api), uvicorn puts it back into the request's path, and
     # the routes strip it again.
