@@ -326,8 +326,26 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The server flags, one per ServerConfig field (its name with dashes; help and choices from its metadata)."""
     group = parser.add_argument_group("server")
     for f in dataclasses.fields(ServerConfig):
-        _add_flag(group, ["--" + f.name.replace("_", "-")], f.name, field_kind(ServerConfig, f.name), f.default,
-                  f.metadata["help"], f.metadata.get("choices"))
+        flags = ["--" + f.name.replace("_", "-")]
+        if f.metadata.get("json_list"):  # one value a flag (so a model after it stays the model), repeatable
+            group.add_argument(*flags, dest=f.name, type=_json_list_or_one, action="extend",
+                               default=argparse.SUPPRESS, help=f.metadata["help"] + f" (default: {list(f.default)})")
+            continue
+        _add_flag(group, flags, f.name, field_kind(ServerConfig, f.name), f.default, f.metadata["help"],
+                  f.metadata.get("choices"))
+
+
+def _json_list_or_one(text: str) -> list[str]:
+    """vLLM's JSON list of strings ('["a", "b"]'), or one plain value."""
+    if not text.lstrip().startswith("["):
+        return [text]
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON list ({e})") from None
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise argparse.ArgumentTypeError("expected a JSON list of strings")
+    return values
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
@@ -436,6 +454,10 @@ def expand_argv(argv: Sequence[str]) -> list[str]:
     return argv[:command + 1] + _config_flags(path) + rest
 
 
+_JSON_LIST_FLAGS = frozenset("--" + f.name.replace("_", "-") for f in dataclasses.fields(ServerConfig)
+                             if f.metadata.get("json_list"))
+
+
 def _config_flags(path: str) -> list[str]:
     import yaml
 
@@ -457,6 +479,8 @@ def _config_flags(path: str) -> list[str]:
             continue  # the flag's default
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list) and flag in _JSON_LIST_FLAGS:
+            flags += [flag, json.dumps(value)]
         elif isinstance(value, list):
             flags += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
         elif isinstance(value, dict):

@@ -95,10 +95,15 @@ class ServerConfig:
                                               "`store: true` and `previous_response_id` are refused")
     response_store_max_entries: int = _opt(1024, "most responses the response store keeps; the least recently "
                                                  "used is dropped first")
-    allowed_origins: tuple[str, ...] = _opt((), "origins allowed to call the API from a browser (CORS; '*' for "
-                                                "any; default: no CORS headers)")
-    allowed_methods: tuple[str, ...] = _opt(("*",), "CORS: allowed methods")
-    allowed_headers: tuple[str, ...] = _opt(("*",), "CORS: allowed request headers")
+    # The CORS lists take vLLM's form, one JSON list ('["https://a.example", "https://b.example"]'), or one value;
+    # the flag may be repeated (json_list: the command line's parsing).
+    allowed_origins: tuple[str, ...] = _opt((), "origins allowed to call the API from a browser (CORS; a JSON list "
+                                                "or one origin, '*' for any; default: no CORS headers)",
+                                            json_list=True)
+    allowed_methods: tuple[str, ...] = _opt(("*",), "CORS: allowed methods (a JSON list or one method)",
+                                            json_list=True)
+    allowed_headers: tuple[str, ...] = _opt(("*",), "CORS: allowed request headers (a JSON list or one header)",
+                                            json_list=True)
     allow_credentials: bool = _opt(False, "CORS: allow credentials")
     root_path: str | None = _opt(None, "the path prefix a proxy serves the API under")
     ssl_keyfile: str | None = _opt(None, "TLS private key file (with --ssl-certfile)")

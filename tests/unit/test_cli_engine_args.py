@@ -160,3 +160,25 @@ def test_server_flags_checked_and_vllms_api_key_variable(monkeypatch):
     monkeypatch.setenv("KESTREL_API_KEY", "ours")
     assert _server_config(serve_args()).api_key == ("ours",)
     assert _server_config(serve_args("--api-key", "flag")).api_key == ("flag",)
+
+
+def test_cors_lists_take_vllms_json_form_and_leave_the_model_alone(tmp_path):
+    """vLLM parses --allowed-origins / --allowed-methods / --allowed-headers as one JSON list each; one plain value
+    and repeated flags work too, and a model named after them stays the model."""
+    from kestrel.entrypoints.cli import _server_config, expand_argv
+
+    args = serve_args("--allowed-origins", '["https://a.example", "https://b.example"]',
+                      "--allowed-methods", '["GET", "POST"]', "/models/m")
+    config = _server_config(args)
+    assert args.model_tag == "/models/m"
+    assert config.allowed_origins == ("https://a.example", "https://b.example")
+    assert config.allowed_methods == ("GET", "POST") and config.allowed_headers == ("*",)
+    repeated = _server_config(serve_args("--allowed-origins", "*", "--allowed-origins", "https://c.example"))
+    assert repeated.allowed_origins == ("*", "https://c.example")
+    yaml_file = tmp_path / "cors.yaml"
+    yaml_file.write_text("allowed_origins: ['https://a.example', 'https://b.example']\n")
+    from_yaml = _server_config(serve_args(*expand_argv(["serve", "M", "--config", str(yaml_file)])[1:]))
+    assert from_yaml.allowed_origins == ("https://a.example", "https://b.example")
+    for bad in ('["a", 1]', '["a"'):
+        with pytest.raises(SystemExit):
+            serve_args("--allowed-origins", bad)
