@@ -189,8 +189,10 @@ def _check_int(field_name: str, value: Any, minimum: int, allow_none: bool = Fal
         _fail(field_name, value, f"expected an integer >= {minimum}" + (" or None" if allow_none else ""))
 
 
-# generation_config.json keys -> SamplingParams fields (the ones a model's defaults may set).
+# generation_config.json keys -> SamplingParams fields (the ones a model's defaults may set): the same names, and
+# max_new_tokens as max_tokens (which the server also takes as a cap, as vLLM does).
 GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_GENERATION_RENAMED_KEYS = {"max_new_tokens": "max_tokens"}
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,12 @@ def _read_generation_defaults(path: str | None, setting: str) -> GenerationDefau
         raise ConfigError(f"invalid generation_config: eos_token_id={eos!r} in {path} is not a token id or a list "
                           "of them")
     sampling = {key: data[key] for key in GENERATION_SAMPLING_KEYS if data.get(key) is not None}
+    for key, name in _GENERATION_RENAMED_KEYS.items():
+        if data.get(key) is not None:
+            if isinstance(data[key], bool) or not isinstance(data[key], int) or data[key] < 1:
+                raise ConfigError(f"invalid generation_config: {key}={data[key]!r} in {path} is not a token count "
+                                  ">= 1; fix it or pass generation_config='vllm' to ignore the file")
+            sampling[name] = data[key]
     return GenerationDefaults(frozenset(eos_ids), sampling)
 
 

@@ -135,6 +135,13 @@ _BEAM_SEARCH_FIELDS = frozenset({
     "chat_template", "chat_template_kwargs", "request_id"})
 
 
+def capped_max_tokens(max_tokens: int | None, model_limit: int | None) -> int | None:
+    """A request's max_tokens (None: up to the context) under the model's generation_config max_new_tokens."""
+    if model_limit is None:
+        return max_tokens
+    return model_limit if max_tokens is None else min(max_tokens, model_limit)
+
+
 def _asks_nothing(name: str, value: Any) -> bool:
     """Null or empty, or a value naming what the server does anyway (OpenAI's default service tier, text output)."""
     if value in _EMPTY_VALUES or name not in _NO_OP_VALUES:
@@ -249,7 +256,10 @@ class _SamplingRequest(_Request):
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          model_defaults: Mapping[str, Any]) -> SamplingParams:
         """`model_defaults`: the model's generation_config settings, for the fields the request leaves unset (or
-        sets to null); SamplingParams' defaults fill in the rest."""
+        sets to null); SamplingParams' defaults fill in the rest. Its max_tokens (generation_config's
+        max_new_tokens) caps `max_tokens`, as vLLM reads it."""
+        model_defaults = dict(model_defaults)
+        max_tokens = capped_max_tokens(max_tokens, model_defaults.pop("max_tokens", None))
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(

@@ -79,6 +79,7 @@ from kestrel.entrypoints.protocol import (
     PromptTokensDetails,
     ToolCall,
     UsageInfo,
+    capped_max_tokens,
 )
 from kestrel.entrypoints.reasoning import (
     THINK_END,
@@ -230,7 +231,7 @@ class OpenAIServing:
         self.check_model(request.model)
         self.refuse_speech_to_text("/v1/completions")
         check_stop_and_bad_words(request, self.config.max_stop_sequences, self.config.max_bad_words)
-        beam = request.beam_search_params(request.token_limit or self.engine.max_model_len)
+        beam = request.beam_search_params(self._max_tokens(request.token_limit))
         if beam is not None:
             return await _until_disconnect(raw, self._beam_completion(request, beam))
         params = request.to_sampling_params(self.engine.generation_defaults.sampling)
@@ -393,8 +394,7 @@ class OpenAIServing:
         self.check_model(request.model)
         self.refuse_speech_to_text("/v1/chat/completions")
         check_stop_and_bad_words(request, self.config.max_stop_sequences, self.config.max_bad_words)
-        max_tokens = request.max_completion_tokens or request.max_tokens or self.engine.max_model_len
-        beam = request.beam_search_params(max_tokens)
+        beam = request.beam_search_params(self._max_tokens(request.max_completion_tokens or request.max_tokens))
         params = request.to_sampling_params(self.engine.generation_defaults.sampling)
         mode = request.tool_choice_mode
         if mode == "auto" and not self.config.enable_auto_tool_choice:
@@ -739,6 +739,12 @@ class OpenAIServing:
             out.append(_Prompt(prompt if isinstance(prompt, str) and not truncate else None,
                                self._fit_prompt(count, ids, truncate, param, room, pooling)))
         return out
+
+    def _max_tokens(self, asked: int | None) -> int:
+        """A beam search's length: what the request asked (None: the context), under the model's
+        generation_config max_new_tokens."""
+        limit = self.engine.generation_defaults.sampling.get("max_tokens")
+        return capped_max_tokens(asked or self.engine.max_model_len, limit)  # type: ignore[return-value]
 
     def _fit_prompt(self, count: int, ids: list[int] | None, truncate: int | None, param: str,
                     room: _OutputRoom | None = None, pooling: bool = False) -> list[int]:

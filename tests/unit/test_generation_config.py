@@ -64,6 +64,27 @@ def test_sampling_defaults_apply_where_the_request_is_silent(model_dir, tmp_path
     assert vllm.get_default_sampling_params().temperature == SamplingParams().temperature
 
 
+def test_max_new_tokens_is_the_default_and_the_servers_cap(model_dir, tmp_path):
+    """generation_config's max_new_tokens: offline, the default SamplingParams' max_tokens; on the server, the
+    default and a cap of every request's max_tokens (vLLM's min of the two); a value that is no count is refused."""
+    capped = with_generation_config(model_dir, tmp_path, max_new_tokens=4)
+    llm = LLM(str(capped), dtype="float32", max_model_len=64)
+    assert llm.get_default_sampling_params().max_tokens == 4
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) <= 4
+    model_defaults = llm.engine.generation_defaults.sampling
+    messages = [{"role": "user", "content": "hi"}]
+    assert CompletionRequest(prompt="hi").to_sampling_params(model_defaults).max_tokens == 4  # 16 left out
+    assert CompletionRequest(prompt="hi", max_tokens=10).to_sampling_params(model_defaults).max_tokens == 4
+    assert CompletionRequest(prompt="hi", max_tokens=2).to_sampling_params(model_defaults).max_tokens == 2
+    assert ChatCompletionRequest(messages=messages).to_sampling_params(model_defaults).max_tokens == 4
+    assert ChatCompletionRequest(messages=messages).to_sampling_params().max_tokens is None
+    for bad in (0, "8", True):
+        broken = with_generation_config(model_dir, tmp_path / str(bad), max_new_tokens=bad)
+        with pytest.raises(ConfigError, match="max_new_tokens"):
+            LLM(str(broken), dtype="float32", max_model_len=64)
+
+
 def test_generation_config_from_another_directory_and_bad_values(model_dir, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
