@@ -125,9 +125,14 @@ class KVCacheManager:
                 hits[g] = [None] * first + [self.pools[g].lookup(h) for h in hashes[first:num_hits]]
             else:
                 del hits[g][num_hits:]
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += num_hits * size
         return hits, num_hits * size
+
+    def count_prefix_lookup(self, request: Request, num_cached: int) -> None:
+        """The prefix-cache counters of an admitted request's lookup: once per request, as vLLM counts them (a
+        preempted request's lookups on readmission, and an admission that did not fit this step, are left out)."""
+        if request.num_preemptions == 0:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += num_cached
 
     def allocate(self, request: Request, num_new_tokens: int,
                  cached_prefix: list[list[KVBlock | None]] | None = None,

@@ -208,6 +208,7 @@ class Scheduler:
             if lookahead:
                 proposing.add(request.request_id)
             self.waiting.pop_head()
+            self.kv.count_prefix_lookup(request, num_cached)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:

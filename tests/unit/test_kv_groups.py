@@ -223,6 +223,25 @@ def test_prefix_hits_across_groups_in_the_scheduler() -> None:
     assert sched.kv.prefix_hits == 32
 
 
+def test_prefix_cache_counters_count_each_admitted_request_once() -> None:
+    """vLLM's prefix-cache queries and hits: one lookup per request, counted at its admission; a preempted
+    request's readmission (its own blocks found again) is left out."""
+    layout = two_groups(64, 64, block_size=16)
+    sched = make_scheduler(layout)
+    prompt = list(range(40))
+    sched.add_request(request("a", prompt, max_tokens=2))
+    run_to_completion(sched, GroupCheckingRunner(16))
+    assert (sched.kv.prefix_queries, sched.kv.prefix_hits) == (40, 0)
+    readmitted = request("b", prompt + [7], max_tokens=2)
+    readmitted.num_preemptions = 1
+    sched.add_request(readmitted)
+    run_to_completion(sched, GroupCheckingRunner(16))
+    assert (sched.kv.prefix_queries, sched.kv.prefix_hits) == (40, 0)
+    sched.add_request(request("c", prompt + [8], max_tokens=2))
+    run_to_completion(sched, GroupCheckingRunner(16))
+    assert (sched.kv.prefix_queries, sched.kv.prefix_hits) == (81, 32)
+
+
 def test_lookahead_covers_every_group_and_is_dropped_when_tight() -> None:
     sched = make_scheduler(two_groups(64, 64, block_size=16))
     sched.add_request(request("a", list(range(28)), max_tokens=10))
