@@ -14,6 +14,7 @@ and the finish reason is not "tool_calls".
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -89,7 +90,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
                 chat_template: str | None = None, continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None, content_parts: bool = False,
                 close_thinking: bool = False, tool_parser: str | None = None,
-                exclude_tools_when_none: bool = False) -> ChatPrompt:
+                exclude_tools_when_none: bool = False, content_format: str = "auto") -> ChatPrompt:
     """Render messages through the tokenizer's template. `tool_choice`: none, auto, required or named;
     `continue_final_message`: leave the last (assistant) message open for the model to go on with;
     `template_kwargs`: more variables for the template (e.g. enable_thinking); `content_parts`: hand each
@@ -100,13 +101,20 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
     format the server was told the model writes (--tool-call-parser), over the one the template shows; the forced
     call's opening, the instruction a template without tools gets and the prompt's `tool_format` all follow it.
     With tool_choice "none" a template that renders tools still gets them (vLLM's default), unless
-    `exclude_tools_when_none`; nothing else teaches or opens a call then."""
+    `exclude_tools_when_none`; nothing else teaches or opens a call then. `content_format` (vLLM's
+    chat_template_content_format): "openai" hands every message's content over as parts, "string" as text (unless
+    `content_parts`), "auto" as parts where the template loops over a message's content (`reads_content_parts`)."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequestError("messages", "this model's tokenizer has no chat template; use a completion "
                                   "prompt (/v1/completions) instead, or pass chat_template")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise InvalidRequestError("messages", "messages must be a list of {'role': ..., 'content': ...} dicts")
+    if content_format not in CONTENT_FORMATS:
+        raise InvalidRequestError("chat_template_content_format", f"chat_template_content_format must be one of "
+                                  f"{list(CONTENT_FORMATS)}, got {content_format!r}")
+    content_parts = content_parts or content_format == "openai" or (content_format == "auto"
+                                                                     and reads_content_parts(template))
     use_tools = bool(tools) and tool_choice != "none"
     native = bool(tools) and (use_tools or not exclude_tools_when_none) and template_renders_tools(template)
     fmt = tool_parser or (tool_format(template) if native else "llama3_json")
@@ -161,6 +169,17 @@ def encode_chat(tokenizer: Any, text: str, message_texts: list[str], specials: S
         position = at + len(content)
     ids += tokenizer.encode(text[position:], add_special_tokens=False)
     return ids
+
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+# A loop over a message's content (`for part in message['content']`, `for c in m.content`): the template reads the
+# content as a list of parts, as OpenAI sends it.
+_CONTENT_LOOP = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+
+
+def reads_content_parts(template: str | dict[str, str]) -> bool:
+    sources = template.values() if isinstance(template, dict) else [template]
+    return any(_CONTENT_LOOP.search(source) for source in sources)
 
 
 def template_renders_tools(template: str | dict[str, str]) -> bool:

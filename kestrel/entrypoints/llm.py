@@ -269,13 +269,9 @@ class LLM:
         `continue_final_message` goes on with the assistant's last message (with add_generation_prompt=False);
         `chat_template_kwargs`: more template variables (e.g. enable_thinking); `chat_template_content_format`:
         each message's content handed to the template as one string ("string") or a list of parts ("openai");
-        "auto": parts for a multimodal model. Each output's `prompt` is its rendered conversation."""
+        "auto": parts for a multimodal model or a template that loops over a message's content. Each output's
+        `prompt` is its rendered conversation."""
         self._refuse_lora(lora_request)
-        if chat_template_content_format not in ("auto", "string", "openai"):
-            raise InvalidRequestError("chat_template_content_format", "chat_template_content_format must be "
-                                      f"'auto', 'string' or 'openai', got {chat_template_content_format!r}")
-        content_parts = (self.media is not None if chat_template_content_format == "auto"
-                         else chat_template_content_format == "openai")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params_list = self._sampling_params_list(sampling_params, len(conversations), "conversation")
 
@@ -285,7 +281,8 @@ class LLM:
             return render_chat(self.tokenizer, conv, tools=tools, tool_choice="auto" if tools else "none",
                                add_generation_prompt=add_generation_prompt, chat_template=chat_template,
                                continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs,
-                               content_parts=content_parts).text
+                               content_parts=self.media is not None,
+                               content_format=chat_template_content_format).text
 
         def token_ids(text: str) -> list[int]:
             return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens

@@ -119,6 +119,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str],
                        processes=config.tokenizer_processes, chat_template=config.chat_template_text(),
                        tool_parser=config.tool_call_parser,
                        exclude_tools_when_none=config.exclude_tools_when_tool_choice_none,
+                       content_format=config.chat_template_content_format,
                        trust_remote_code=engine.core.config.model.trust_remote_code,
                        timeout=config.tokenize_timeout, max_tokenize_bytes=config.max_tokenize_bytes)
     grammars = _grammar_pool(engine, config)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kestrel.config import ConfigError
-from kestrel.entrypoints.chat import TOOL_FORMATS
+from kestrel.entrypoints.chat import CONTENT_FORMATS, TOOL_FORMATS
 from kestrel.entrypoints.media import (
     DEFAULT_MAX_AUDIO_SECONDS,
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -73,6 +73,10 @@ class ServerConfig:
     grammar_cache_entries: int = _opt(512, "most compiled grammars kept for reuse")
     chat_template: str | None = _opt(None, "a chat template (Jinja) file, or the template itself, instead of the "
                                            "tokenizer's")
+    chat_template_content_format: str = _opt("auto", "how a message's content reaches the chat template: "
+                                                     "'string', 'openai' (a list of parts), or 'auto' (parts where "
+                                                     "the template loops over a message's content, or the model "
+                                                     "takes images)", choices=CONTENT_FORMATS)
     trust_request_chat_template: bool = _opt(False, "accept a chat_template in chat requests (rendered in a "
                                                     "sandbox); off: such requests are refused")
     tool_call_parser: str | None = _opt(None, "how the model writes tool calls (default: detected from the chat "
@@ -168,6 +172,9 @@ class ServerConfig:
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ConfigError(f"invalid {name}={path!r}: no such file")
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ConfigError(f"invalid chat_template_content_format={self.chat_template_content_format!r}: "
+                              f"expected one of {list(CONTENT_FORMATS)}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_FORMATS:
             raise ConfigError(f"invalid tool_call_parser={self.tool_call_parser!r}: expected one of "
                               f"{list(TOOL_FORMATS)}")

@@ -61,6 +61,7 @@ class ChatInput:
     close_thinking: bool = False  # a grammar shapes the answer: a thinking the template opened is closed first
     tool_parser: str | None = None  # the server's --tool-call-parser (TextWorkers sets it): calls' format
     exclude_tools_when_none: bool = False  # the server's --exclude-tools-when-tool-choice-none (TextWorkers too)
+    content_format: str = "auto"  # the server's --chat-template-content-format (TextWorkers too)
 
 
 def chat_input(messages: Sequence[ChatMessage], message_dicts: list[dict[str, Any]],
@@ -139,7 +140,7 @@ def render_and_encode(tokenizer: Any, specials: Sequence[str], chat: ChatInput,
                          chat_template=chat.chat_template, continue_final_message=chat.continue_final_message,
                          template_kwargs=chat.template_kwargs, content_parts=chat.content_parts,
                          close_thinking=chat.close_thinking, tool_parser=chat.tool_parser,
-                         exclude_tools_when_none=chat.exclude_tools_when_none)
+                         exclude_tools_when_none=chat.exclude_tools_when_none, content_format=chat.content_format)
     return (prompt, *within_limit(encode_chat(tokenizer, prompt.text, chat.message_texts, specials), limit))
 
 
@@ -233,14 +234,17 @@ def _in_worker_then_release(work: Callable[..., Any], *args: Any) -> Any:
 class TextWorkers:
     def __init__(self, tokenizer: Any, specials: Sequence[str], *, tokenizer_path: str | None = None,
                  processes: int = 0, chat_template: str | None = None, tool_parser: str | None = None,
-                 exclude_tools_when_none: bool = False, trust_remote_code: bool = False,
-                 timeout: float | None = None, max_tokenize_bytes: int | None = None) -> None:
-        """`chat_template`, `tool_parser`, `exclude_tools_when_none`: the server's --chat-template text,
-        --tool-call-parser and --exclude-tools-when-tool-choice-none, for every chat it renders; `timeout`: each
-        request's tokenization deadline (s); `max_tokenize_bytes`: /tokenize's limit."""
+                 exclude_tools_when_none: bool = False, content_format: str = "auto",
+                 trust_remote_code: bool = False, timeout: float | None = None,
+                 max_tokenize_bytes: int | None = None) -> None:
+        """`chat_template`, `tool_parser`, `exclude_tools_when_none`, `content_format`: the server's
+        --chat-template text, --tool-call-parser, --exclude-tools-when-tool-choice-none and
+        --chat-template-content-format, for every chat it renders; `timeout`: each request's tokenization deadline
+        (s); `max_tokenize_bytes`: /tokenize's limit."""
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self.tool_settings = {"tool_parser": tool_parser, "exclude_tools_when_none": exclude_tools_when_none}
+        self.chat_settings = {"tool_parser": tool_parser, "exclude_tools_when_none": exclude_tools_when_none,
+                              "content_format": content_format}
         self.specials = tuple(specials)
         self.processes = processes
         self.timeout = timeout
@@ -307,7 +311,7 @@ class TextWorkers:
         # Which field a deadline's error names, before anything parsed the body (a string's quotes are escaped).
         named = [field for field in (b'"messages"', b'"prompt"') if any(field in chunk for chunk in chunks)]
         param = "messages" if named == [b'"messages"'] else "prompt"
-        settings = {"chat_template": self.chat_template, **self.tool_settings}
+        settings = {"chat_template": self.chat_template, **self.chat_settings}
         return await self._run(param, True, tokenize_body, chunks, model_names, settings, limit, max_model_len)
 
     async def parse_body(self, schema: Any, chunks: list[bytes], param: str) -> Any:
@@ -316,9 +320,9 @@ class TextWorkers:
         return await self._run(param, True, parse_request, schema, chunks, doing="parsing the request body")
 
     def _with_template(self, chat: ChatInput) -> ChatInput:
-        """The chat with the server's template (where the request brings none) and tool settings."""
+        """The chat with the server's template (where the request brings none) and chat settings."""
         template = chat.chat_template if chat.chat_template is not None else self.chat_template
-        return dataclasses.replace(chat, chat_template=template, **self.tool_settings)
+        return dataclasses.replace(chat, chat_template=template, **self.chat_settings)
 
     async def detokenize_reply(self, token_ids: list[int]) -> bytes:
         return await self._run("tokens", len(token_ids) > HEAVY_TOKEN_IDS, detokenize_reply, token_ids)

@@ -159,9 +159,12 @@ def test_deeply_nested_json_has_its_own_error(openai_server):
 
 
 def test_no_redirect_built_from_the_host_header(openai_server):
-    response = HTTP.get(f"{openai_server.base_url}/health/", headers={"Host": "evil.example"},
+    # With the key (a path the server does not know is behind it, as every path but the probes is).
+    response = HTTP.get(f"{openai_server.base_url}/health/", headers={**openai_server.headers, "Host": "evil.example"},
                         follow_redirects=False)
     assert response.status_code == 404 and "location" not in response.headers
+    unknown = HTTP.get(f"{openai_server.base_url}/health/", follow_redirects=False)
+    assert unknown.status_code == 401 and "location" not in unknown.headers
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 

@@ -173,3 +173,24 @@ def test_a_marked_call_that_fails_reads_the_same_streamed_and_whole(answer: str)
     events = [e for piece in (answer[:4], answer[4:]) for e in parser.feed(piece)] + parser.finish(cut=True)
     streamed = "".join(e.text for e in events if isinstance(e, ContentDelta))
     assert (whole.content or "") == streamed and [c.name for c in whole.calls] == [c.name for c in parser.calls]
+
+
+def test_auto_content_format_hands_parts_to_a_template_that_loops_over_content() -> None:
+    """vLLM's chat_template_content_format: "auto" passes a message's content as parts where the template loops
+    over it (else it would render nothing), "string" as text, "openai" always as parts; a bad value is refused."""
+    from kestrel.entrypoints.chat import reads_content_parts
+    from kestrel.request import InvalidRequestError
+
+    class Looping(_TemplateTokenizer):
+        chat_template = ("{% for m in messages %}<|{{ m.role }}|>{% for p in m['content'] %}"
+                         "{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+    messages = [{"role": "user", "content": "hello world"}]
+    assert render_chat(Looping(), messages).text == "<|user|>hello world<|assistant|>"
+    assert render_chat(Looping(), messages, content_format="string").text == "<|user|><|assistant|>"
+    plain = _TemplateTokenizer()
+    assert not reads_content_parts(plain.chat_template) and reads_content_parts(Looping.chat_template)
+    assert render_chat(plain, messages).text == "<|user|>hello world<|assistant|>"
+    with pytest.raises(InvalidRequestError, match="chat_template_content_format"):
+        render_chat(plain, messages, content_format="text")
