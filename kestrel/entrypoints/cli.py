@@ -23,7 +23,7 @@ from kestrel.config import (
     engine_arg_type,
     field_kind,
 )
-from kestrel.entrypoints.server_config import ServerConfig
+from kestrel.entrypoints.server_config import NOT_SUPPORTED_SERVER_FLAGS, ServerConfig
 from kestrel.init_configs import ARCHS, SIZES
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams, SamplingParamsError
@@ -333,6 +333,21 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
             continue
         _add_flag(group, flags, f.name, field_kind(ServerConfig, f.name), f.default, f.metadata["help"],
                   f.metadata.get("choices"))
+    for name, reason in NOT_SUPPORTED_SERVER_FLAGS.items():
+        group.add_argument("--" + name.replace("_", "-"), nargs="?", action=_RefusedFlag, reason=reason,
+                           help=argparse.SUPPRESS)
+
+
+class _RefusedFlag(argparse.Action):
+    """A `vllm serve` flag kestrel does not have: refused by name, with what to do instead."""
+
+    def __init__(self, *args: Any, reason: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} is not supported: {self.reason}")
 
 
 def _json_list_or_one(text: str) -> list[str]:

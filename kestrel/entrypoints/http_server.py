@@ -125,7 +125,8 @@ def serve(app: Any, engine: AsyncEngine, config: ServerConfig) -> None:
                                     timeout_keep_alive=config.keep_alive_timeout,  # type: ignore[arg-type]
                                     timeout_graceful_shutdown=_FLUSH_MARGIN_S,  # type: ignore[arg-type]
                                     ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
-                                    root_path=config.root_path or "")
+                                    root_path=config.root_path or "",
+                                    access_log=not config.disable_uvicorn_access_log)
     # uvicorn re-raises the signals it caught once it is done (none: DrainingServer takes them); should one come
     # between, the drain is its whole effect, so it lands on a no-op handler and the process exits 0.
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -25,6 +25,25 @@ DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18  # ~7 MB of JSON at the usual ~26 bytes an
 DEFAULT_MAX_RESPONSE_BYTES = 8 << 20  # docs/security.md says why
 
 
+# `vllm serve` flags kestrel does not have, with what to do instead: the command line refuses each by name with
+# this reason (not argparse's bare "unrecognized arguments").
+NOT_SUPPORTED_SERVER_FLAGS: dict[str, str] = {
+    "response_role": "a chat answer's role is always 'assistant'",
+    "middleware": "kestrel loads no ASGI middleware by import path; put a proxy in front of the server",
+    "return_tokens_as_token_ids": "send return_tokens_as_token_ids in the requests that want it (a request field)",
+    "max_log_len": "requests are logged with their id, size and settings only (--enable-log-requests), never their "
+                   "text",
+    "disable_fastapi_docs": "the API documentation is behind the API key unless --public-docs",
+    "enable_request_id_headers": "a response's id is its request's X-Request-Id header (or request_id field)",
+    "enable_force_include_usage": "streams send usage where a request asks with stream_options.include_usage",
+    "ssl_ca_certs": "client certificates are not checked; terminate mutual TLS in a proxy",
+    "ssl_cert_reqs": "client certificates are not checked; terminate mutual TLS in a proxy",
+    "enable_reasoning": "vLLM's older flag: --reasoning-parser NAME turns the reasoning parser on",
+    "lora_modules": "LoRA adapters are not supported; merge the adapter into the weights",
+    "prompt_adapters": "prompt adapters are not supported",
+}
+
+
 def _opt(default: Any, help_text: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help_text, **extra})
 
@@ -139,6 +158,7 @@ class ServerConfig:
     log_level: str = _opt("info", "kestrel's log level", choices=LOG_LEVELS)
     uvicorn_log_level: str | None = _opt(None, "the HTTP server's own log level (default: --log-level)",
                                          choices=LOG_LEVELS)
+    disable_uvicorn_access_log: bool = _opt(False, "leave out the HTTP server's access log line per request")
 
     def __post_init__(self) -> None:
         if self.disable_log_requests and self.enable_log_requests:

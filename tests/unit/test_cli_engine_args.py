@@ -182,3 +182,20 @@ def test_cors_lists_take_vllms_json_form_and_leave_the_model_alone(tmp_path):
     for bad in ('["a", 1]', '["a"'):
         with pytest.raises(SystemExit):
             serve_args("--allowed-origins", bad)
+
+
+def test_vllm_server_flags_kestrel_lacks_are_refused_with_what_to_do(capsys):
+    from kestrel.entrypoints.server_config import NOT_SUPPORTED_SERVER_FLAGS
+
+    for name, reason in NOT_SUPPORTED_SERVER_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        with pytest.raises(SystemExit):
+            serve_args(flag, "x")
+        assert f"{flag} is not supported: {reason}" in capsys.readouterr().err
+
+
+def test_the_access_log_flag_reaches_uvicorn():
+    from kestrel.entrypoints.cli import _server_config
+
+    assert _server_config(serve_args("--disable-uvicorn-access-log")).disable_uvicorn_access_log is True
+    assert _server_config(serve_args()).disable_uvicorn_access_log is False
