@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import os
+import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any
@@ -723,6 +724,19 @@ def startup_summary(engine: AsyncEngine) -> list[str]:
     return lines
 
 
+def check_port_free(host: str, port: int) -> None:
+    """ConfigError if the server could not bind (host, port) now: another process holds it, or the host is no
+    address of this machine."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT does not count
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise ConfigError(f"cannot serve on {host}:{port}: {error.strerror}; stop what holds the port or pass "
+                              "another --port (or --host)") from None
+
+
 def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | None = None) -> int:
     """Load the model, start the engine thread and serve until SIGTERM / SIGINT, then drain (`kestrel serve`)."""
     from kestrel.entrypoints.http_server import serve
@@ -731,6 +745,7 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The tokenizer and grammar workers' fork server imports their libraries while the model loads.
     config.chat_template_text()  # a --chat-template that names no file is refused before the model loads
+    check_port_free(config.host, config.port)  # and an address in use, rather than after minutes of loading
     tokenizer_path = str((engine_args or {}).get("tokenizer") or model)
     preload = ((tokenizer_modules(tokenizer_path) if config.tokenizer_processes else ())
                + (COMPILE_WORKER_MODULES if config.grammar_compile_workers else ()))

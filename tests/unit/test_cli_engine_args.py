@@ -112,12 +112,13 @@ def test_underscore_flags_and_a_yaml_config_file_as_vllm_reads_them(tiny_model_d
     assert expand_argv(["serve", "M", "--max_model_len", "64", "--served_model_name=a_b"]) == [
         "serve", "M", "--max-model-len", "64", "--served-model-name=a_b"]
     config = tmp_path / "serve.yaml"
-    config.write_text("max_model_len: 96\nenable_prefix_caching: false\nmax-num-seqs: 4\n"
+    config.write_text("max_model_len: 96\nenable_prefix_caching: false\nmax-num-seqs: 4\nenable-lora: false\n"
                       "served_model_name: [a, b]\nhf_overrides: {rope_theta: 10000}\nport: 9001\n")
     argv = expand_argv(["serve", tiny_model_dir, "--config", str(config), "--max-num-seqs", "8"])
     args = serve_args(*argv[1:])
     kwargs = _engine_kwargs(args)
     assert kwargs["max_model_len"] == 96 and kwargs["enable_prefix_caching"] is False
+    assert kwargs["enable_lora"] is False  # vLLM-only, at the value that asks for nothing: passed as a value
     assert kwargs["max_num_seqs"] == 8  # the command line wins
     assert kwargs["hf_overrides"] == {"rope_theta": 10000}
     assert args.served_model_name == ["a", "b"] and args.port == 9001
@@ -199,3 +200,18 @@ def test_the_access_log_flag_reaches_uvicorn():
 
     assert _server_config(serve_args("--disable-uvicorn-access-log")).disable_uvicorn_access_log is True
     assert _server_config(serve_args()).disable_uvicorn_access_log is False
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads():
+    import socket
+
+    from kestrel.config import ConfigError
+    from kestrel.entrypoints.server import check_port_free
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"cannot serve on 127.0.0.1:{port}.*--port"):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", port)  # free again
