@@ -215,3 +215,10 @@ def test_a_port_in_use_is_refused_before_the_model_loads():
         with pytest.raises(ConfigError, match=f"cannot serve on 127.0.0.1:{port}.*--port"):
             check_port_free("127.0.0.1", port)
     check_port_free("127.0.0.1", port)  # free again
+
+
+def test_vllms_fit_to_memory_max_model_len_is_refused_with_what_to_do(tiny_model_dir):
+    from kestrel.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_model_len=-1.*leave max_model_len out"):
+        EngineConfig.from_kwargs(tiny_model_dir, **_engine_kwargs(serve_args("--max-model-len", "-1")))
