@@ -152,6 +152,8 @@ class ServerMetrics:
         self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason (one per request, "
                                 "whatever its n; the count of e2e_request_latency_seconds).",
                                 [*LABELS, "finished_reason"], registry=self.registry)
+        for reason in _REASON_PRECEDENCE:  # each reason's series from the start, at 0 (as vLLM's), for dashboards
+            self._success.labels(model_name, ENGINE_INDEX, reason)
         self.compression_saved_tokens = Counter(
             PREFIX + "prompt_compression_saved_tokens", "Prompt tokens prompt compression removed (the served "
             "model's tokens, before minus after).", LABELS, registry=self.registry).labels(model_name, ENGINE_INDEX)

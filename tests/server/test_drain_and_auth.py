@@ -203,7 +203,7 @@ def test_an_idle_server_stops_at_once_and_a_second_signal_ends_the_drain(servers
 
 def success_and_e2e(server: LiveServer) -> tuple[float, float]:
     samples = server.metrics()
-    # No sample before the first request finished: the counter has a series per finish reason.
+    # The counter's series per finish reason, summed (each exists from the start, at 0).
     return (samples.get("kestrel:request_success_total", 0.0),
             samples.get("kestrel:e2e_request_latency_seconds_count", 0.0))
 

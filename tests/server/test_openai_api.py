@@ -223,6 +223,8 @@ def test_health_version_and_metric_names(client, served):
     assert samples["vllm:iteration_tokens_total_sum"] >= samples["vllm:generation_tokens_total"]
     text = HTTP.get(f"{url}/metrics", headers=served.headers).text
     assert 'vllm:num_requests_running{engine="0",model_name="tiny"}' in text
+    for reason in ("stop", "length", "abort"):  # every finish reason's series, as vLLM creates them at start
+        assert f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="tiny"}}' in text
     assert 'block_size="16"' in text
 
 
