@@ -22,6 +22,7 @@ from kestrel.entrypoints.protocol_responses import InputItem, ResponsesRequest, 
 from kestrel.entrypoints.response_store import ResponseStore, StoredResponse, output_as_input
 from kestrel.entrypoints.serving import EventStreamResponse, OpenAIServing, error_body
 from kestrel.request import InvalidRequestError
+from kestrel.sampling_params import SamplingParams
 
 _STORE_OFF = "this server keeps no responses unless it is started with --enable-response-store"
 
@@ -46,7 +47,8 @@ class OpenAIServingResponses:
             answer = await self.serving.create_chat_completion(chat, raw)
         except InvalidRequestError as error:
             raise InvalidRequestError(chat_param(error.param or "input"), str(error)) from None
-        shell = _ResponseShell(request, self.serving.response_model_name(request.model), keep)
+        shell = _ResponseShell(request, self.serving.response_model_name(request.model), keep,
+                               self.serving.engine.generation_defaults.sampling)
         asked = (*history, *request.input_items())
 
         def save(response: dict[str, Any], output: list[dict[str, Any]]) -> None:
@@ -130,8 +132,15 @@ def _not_found(response_id: str, param: str, store_off: bool = False) -> JSONRes
 class _ResponseShell:
     """A Response object's fields other than its output: what the request asked for."""
 
-    def __init__(self, request: ResponsesRequest, model: str, stored: bool) -> None:
+    def __init__(self, request: ResponsesRequest, model: str, stored: bool,
+                 model_defaults: Mapping[str, Any]) -> None:
+        """`model_defaults`: the model's generation_config settings, which the temperature and top_p a request
+        leaves out take (the response reports the values used, as OpenAI's does)."""
         self.id = f"resp_{uuid.uuid4().hex}"
+
+        def used(name: str, given: float | None) -> float:
+            return given if given is not None else model_defaults.get(name, SamplingParams.default(name))
+
         self.created_at = int(time.time())
         fmt = request.text.format if request.text is not None and request.text.format is not None else None
         tool_choice = request.tool_choice
@@ -139,12 +148,14 @@ class _ResponseShell:
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "model": model, "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": request.previous_response_id, "store": stored,
-            "temperature": request.temperature,
+            "temperature": used("temperature", request.temperature),
+            "reasoning": ({"effort": request.reasoning.effort, "summary": None}
+                          if request.reasoning is not None else None),
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": (tool_choice.model_dump() if hasattr(tool_choice, "model_dump")
                             else tool_choice or "auto"),
             "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
-            "top_p": request.top_p, "truncation": "disabled", "user": request.user, "metadata": {},
+            "top_p": used("top_p", request.top_p), "truncation": "disabled", "user": request.user, "metadata": {},
         }
 
     def response(self, output: list[dict[str, Any]], finish_reason: str | None,

@@ -44,6 +44,20 @@ def test_text_input_equals_the_chat_completion(client):
     assert response.instructions == INSTRUCTIONS and response.max_output_tokens == 8
 
 
+def test_the_response_reports_the_sampling_it_used_and_the_reasoning_asked(openai_server, client):
+    """temperature and top_p left out are reported as the values used (the model's generation_config, else
+    SamplingParams' defaults); a reasoning effort asked for is echoed."""
+    from kestrel.sampling_params import SamplingParams
+
+    defaults = openai_server.engine.generation_defaults.sampling
+    plain = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    assert plain.temperature == defaults.get("temperature", SamplingParams.default("temperature"))
+    assert plain.top_p == defaults.get("top_p", SamplingParams.default("top_p")) and plain.reasoning is None
+    asked = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, temperature=0.5, top_p=0.8,
+                                    reasoning={"effort": "low"})
+    assert (asked.temperature, asked.top_p, asked.reasoning.effort) == (0.5, 0.8, "low")
+
+
 def test_streams_give_the_event_sequence_and_the_same_text(client):
     args = {"model": MODEL, "input": "Hello there", "instructions": INSTRUCTIONS, **GREEDY}
     whole = client.responses.create(**args)
