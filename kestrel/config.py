@@ -360,7 +360,7 @@ class ModelConfig:
         _check_choice("dtype", self.dtype, DTYPE_CHOICES)
         _check_choice("load_format", self.load_format, LOAD_FORMAT_CHOICES)
         _check_int("seed", self.seed, 0)
-        if self.max_model_len == -1 and not isinstance(self.max_model_len, bool):
+        if self.max_model_len == -1:
             _fail("max_model_len", -1, "vLLM's -1 (fit the context to memory) is not taken here: leave max_model_len "
                   "out for the model's own context, or give a number of tokens")
         _check_int("max_model_len", self.max_model_len, 1, allow_none=True)

@@ -177,19 +177,22 @@ CONTENT_FORMATS = ("auto", "string", "openai")
 _CONTENT_LOOP = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
 
 
+def _sources(template: str | dict[str, str]) -> list[str]:
+    """A template's Jinja sources: one, or each named template of a tokenizer that has several."""
+    return list(template.values()) if isinstance(template, dict) else [template]
+
+
 def reads_content_parts(template: str | dict[str, str]) -> bool:
-    sources = template.values() if isinstance(template, dict) else [template]
-    return any(_CONTENT_LOOP.search(source) for source in sources)
+    return any(_CONTENT_LOOP.search(source) for source in _sources(template))
 
 
 def template_renders_tools(template: str | dict[str, str]) -> bool:
-    sources = template.values() if isinstance(template, dict) else [template]
-    return any("tools" in source for source in sources)
+    return any("tools" in source for source in _sources(template))
 
 
 def tool_format(template: str | dict[str, str]) -> str:
     """The tool-call format a template teaches its model, recognized by the markers it renders."""
-    source = " ".join(template.values()) if isinstance(template, dict) else template
+    source = " ".join(_sources(template))
     if "<tool_call>" in source:
         return "hermes"
     if "[TOOL_CALLS]" in source:

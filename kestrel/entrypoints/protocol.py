@@ -720,7 +720,19 @@ class EmbeddingCompletionRequest(PoolingInputRequest):
     dimensions: Annotated[Int, Field(ge=1)] | None = None  # Matryoshka truncation, where the model supports it
 
 
-class EmbeddingChatRequest(_Request):
+class _ChatMessagesRequest(_Request):
+    """A request whose input is chat messages the server renders (/tokenize's and /v1/embeddings' chat forms); each
+    subclass declares `messages`, `add_generation_prompt` and `continue_final_message` with its own defaults."""
+
+    def check_continuation(self) -> None:
+        check_final_message_continued(self.continue_final_message, self.add_generation_prompt,
+                                      self.messages[-1].role)
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [message.model_dump(exclude_none=True) for message in self.messages]
+
+
+class EmbeddingChatRequest(_ChatMessagesRequest):
     """vLLM's chat form of /v1/embeddings: the messages, rendered by the chat template, are the one input (no
     generation prompt unless asked: the conversation itself is embedded)."""
 
@@ -735,13 +747,6 @@ class EmbeddingChatRequest(_Request):
     continue_final_message: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-
-    def check_continuation(self) -> None:
-        check_final_message_continued(self.continue_final_message, self.add_generation_prompt,
-                                      self.messages[-1].role)
-
-    def message_dicts(self) -> list[dict[str, Any]]:
-        return [message.model_dump(exclude_none=True) for message in self.messages]
 
 
 def _embedding_form(body: Any) -> str:
@@ -770,7 +775,7 @@ class TokenizeCompletionRequest(_Request):
     return_token_strs: bool | None = False  # vLLM's: each token's string (the tokenizer's own piece) too
 
 
-class TokenizeChatRequest(_Request):
+class TokenizeChatRequest(_ChatMessagesRequest):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool | None = True
@@ -779,13 +784,6 @@ class TokenizeChatRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     return_token_strs: bool | None = False
-
-    def check_continuation(self) -> None:
-        check_final_message_continued(self.continue_final_message, self.add_generation_prompt,
-                                      self.messages[-1].role)
-
-    def message_dicts(self) -> list[dict[str, Any]]:
-        return [message.model_dump(exclude_none=True) for message in self.messages]
 
     def tool_dicts(self) -> list[dict[str, Any]]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools or []]

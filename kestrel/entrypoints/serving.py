@@ -402,10 +402,7 @@ class OpenAIServing:
                                       "server (--no-enable-auto-tool-choice); use 'none', 'required' or a named "
                                       "function")
 
-        if request.chat_template is not None and not self.config.trust_request_chat_template:
-            raise InvalidRequestError("chat_template", "this server does not take chat templates from requests; "
-                                      "start it with --trust-request-chat-template, or give the server one with "
-                                      "--chat-template")
+        self.check_request_chat_template(request.chat_template)
         message_dicts, images = request.message_dicts(), []
         if any(message.has_images for message in request.messages):
             message_dicts, images = await _until_disconnect(
@@ -739,6 +736,13 @@ class OpenAIServing:
             out.append(_Prompt(prompt if isinstance(prompt, str) and not truncate else None,
                                self._fit_prompt(count, ids, truncate, param, room, pooling)))
         return out
+
+    def check_request_chat_template(self, template: str | None) -> None:
+        """A chat template sent with a request is taken only where the server trusts request templates."""
+        if template is not None and not self.config.trust_request_chat_template:
+            raise InvalidRequestError("chat_template", "this server does not take chat templates from requests; "
+                                      "start it with --trust-request-chat-template, or give the server one with "
+                                      "--chat-template")
 
     def _max_tokens(self, asked: int | None) -> int:
         """A beam search's length: what the request asked (None: the context), under the model's

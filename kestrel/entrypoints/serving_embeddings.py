@@ -74,10 +74,7 @@ class OpenAIServingEmbeddings:
         """The messages rendered by the chat template (the server's, or the request's where the server trusts
         request templates), as one prompt to pool."""
         serving = self.serving
-        if request.chat_template is not None and not serving.config.trust_request_chat_template:
-            raise InvalidRequestError("chat_template", "this server does not take chat templates from requests; "
-                                      "start it with --trust-request-chat-template, or give the server one with "
-                                      "--chat-template")
+        serving.check_request_chat_template(request.chat_template)
         if any(message.has_images for message in request.messages):
             raise InvalidRequestError("messages", "/v1/embeddings takes text messages; image parts are not embedded")
         request.check_continuation()

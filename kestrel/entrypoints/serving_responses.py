@@ -64,19 +64,17 @@ class OpenAIServingResponses:
         choice = body["choices"][0]
         message = choice["message"]
         output = []
+        # Cut by max_output_tokens: the last item (the thinking, the message or the last call) is incomplete.
+        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         reasoning = message.get("reasoning")
-        if reasoning is not None:
-            # Cut by max_output_tokens while thinking: the thinking is the incomplete part, and there is no answer.
-            cut = choice["finish_reason"] == "length" and not message.get("content") and not message.get("tool_calls")
-            output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", reasoning, "incomplete" if cut else "completed"))
-        if message.get("content") or not (message.get("tool_calls") or reasoning is not None):
-            status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-            output.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status))
         calls = message.get("tool_calls") or []
-        # Cut by max_output_tokens inside a call: that call (the last) is incomplete, its arguments as far as they got.
-        last_status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        if reasoning is not None:
+            cut = not message.get("content") and not calls  # the thinking is all there is
+            output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", reasoning, status if cut else "completed"))
+        if message.get("content") or not (calls or reasoning is not None):
+            output.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status))
         output += [_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
-                              call["function"]["arguments"], last_status if i == len(calls) - 1 else "completed")
+                              call["function"]["arguments"], status if i == len(calls) - 1 else "completed")
                    for i, call in enumerate(calls)]
         response = shell.response(output, choice["finish_reason"], body["usage"])
         save(response, output)

@@ -184,6 +184,13 @@ def parse_request(tokenizer: Any, specials: Sequence[str], schema: Any, chunks: 
     return parse_body(schema, b"".join(chunks))
 
 
+def with_server_settings(chat: ChatInput, settings: dict[str, Any]) -> ChatInput:
+    """The chat with the server's settings (`TextWorkers.chat_settings`): its template where the request brings
+    none, its tool-call format and content format."""
+    template = chat.chat_template if chat.chat_template is not None else settings["chat_template"]
+    return dataclasses.replace(chat, **{**settings, "chat_template": template})
+
+
 def tokenize_body(tokenizer: Any, specials: Sequence[str], chunks: list[bytes], model_names: tuple[str, ...],
                   chat_settings: dict[str, Any], max_bytes: int, max_model_len: int) -> bytes:
     """The /tokenize response body for a raw JSON request body (the chunks it came in)."""
@@ -193,7 +200,7 @@ def tokenize_body(tokenizer: Any, specials: Sequence[str], chunks: list[bytes], 
     prompt, add_special_tokens = tokenize_input(request)
     check_tokenize_size(prompt, max_bytes)
     if isinstance(prompt, ChatInput):
-        prompt = dataclasses.replace(prompt, **chat_settings)
+        prompt = with_server_settings(prompt, chat_settings)
     return tokenize_reply(tokenizer, specials, prompt, add_special_tokens, max_model_len,
                           bool(request.return_token_strs))
 
@@ -242,9 +249,8 @@ class TextWorkers:
         --chat-template-content-format, for every chat it renders; `timeout`: each request's tokenization deadline
         (s); `max_tokenize_bytes`: /tokenize's limit."""
         self.tokenizer = tokenizer
-        self.chat_template = chat_template
-        self.chat_settings = {"tool_parser": tool_parser, "exclude_tools_when_none": exclude_tools_when_none,
-                              "content_format": content_format}
+        self.chat_settings = {"chat_template": chat_template, "tool_parser": tool_parser,
+                              "exclude_tools_when_none": exclude_tools_when_none, "content_format": content_format}
         self.specials = tuple(specials)
         self.processes = processes
         self.timeout = timeout
@@ -290,7 +296,7 @@ class TextWorkers:
 
     async def render_chat(self, chat: ChatInput, limit: int | None) -> tuple[ChatPrompt, int, list[int] | None]:
         return await self._run("messages", utf8_over(chat.message_texts, HEAVY_TEXT_BYTES), render_and_encode,
-                               self._with_template(chat), limit)
+                               with_server_settings(chat, self.chat_settings), limit)
 
     async def tokenize_reply(self, prompt: str | ChatInput, add_special_tokens: bool, max_model_len: int,
                              token_strs: bool = False) -> bytes:
@@ -299,7 +305,7 @@ class TextWorkers:
             check_tokenize_size(prompt, self.max_tokenize_bytes)
         param, texts = _prompt_texts(prompt)
         if isinstance(prompt, ChatInput):
-            prompt = self._with_template(prompt)
+            prompt = with_server_settings(prompt, self.chat_settings)
         return await self._run(param, utf8_over(texts, HEAVY_TEXT_BYTES), tokenize_reply, prompt,
                                add_special_tokens, max_model_len, token_strs)
 
@@ -311,18 +317,13 @@ class TextWorkers:
         # Which field a deadline's error names, before anything parsed the body (a string's quotes are escaped).
         named = [field for field in (b'"messages"', b'"prompt"') if any(field in chunk for chunk in chunks)]
         param = "messages" if named == [b'"messages"'] else "prompt"
-        settings = {"chat_template": self.chat_template, **self.chat_settings}
-        return await self._run(param, True, tokenize_body, chunks, model_names, settings, limit, max_model_len)
+        return await self._run(param, True, tokenize_body, chunks, model_names, self.chat_settings, limit,
+                               max_model_len)
 
     async def parse_body(self, schema: Any, chunks: list[bytes], param: str) -> Any:
         """A large JSON body (its chunks) parsed and validated in a worker, a heavy job, as FastAPI would:
         RequestBodyError when it is not a valid request; a deadline's 400 names `param`."""
         return await self._run(param, True, parse_request, schema, chunks, doing="parsing the request body")
-
-    def _with_template(self, chat: ChatInput) -> ChatInput:
-        """The chat with the server's template (where the request brings none) and chat settings."""
-        template = chat.chat_template if chat.chat_template is not None else self.chat_template
-        return dataclasses.replace(chat, chat_template=template, **self.chat_settings)
 
     async def detokenize_reply(self, token_ids: list[int]) -> bytes:
         return await self._run("tokens", len(token_ids) > HEAVY_TOKEN_IDS, detokenize_reply, token_ids)
