@@ -22,9 +22,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kestrel.entrypoints.async_engine import AsyncEngine, EngineDeadError
-from kestrel.entrypoints.llm import prompt_media, tokenize_prompt
+from kestrel.entrypoints.llm import cut_to_params, prompt_media, tokenize_prompt
 from kestrel.outputs import RequestOutput
-from kestrel.request import truncate_prompt
 from kestrel.sampling_params import SamplingParams
 
 
@@ -47,10 +46,7 @@ class AsyncLLM:
         text, token_ids = await asyncio.to_thread(tokenize_prompt, self.tokenizer, prompt)
         token_ids, media = await asyncio.to_thread(prompt_media, self.engine.media, prompt, token_ids)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        if params.truncate_prompt_tokens is not None:
-            text, token_ids = truncate_prompt(text, token_ids, params.truncate_prompt_tokens, self.engine.max_model_len,
-                                              bool(media))
-            params = params.replace(truncate_prompt_tokens=None)
+        text, token_ids, params = cut_to_params(text, token_ids, media, params, self.engine.max_model_len)
         stream = self.engine.submit(request_id or uuid.uuid4().hex, token_ids, params, text, priority=priority,
                                     media=media)
         try:

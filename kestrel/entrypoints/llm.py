@@ -98,6 +98,16 @@ def prompt_media(media: MediaProcessor | None, prompt: PromptType,
     return media.expand(token_ids, images, "multi_modal_data")
 
 
+def cut_to_params(text: str | None, token_ids: list[int], media: tuple[MediaItem, ...], params: SamplingParams,
+                  max_model_len: int) -> tuple[str | None, list[int], SamplingParams]:
+    """The prompt cut as its SamplingParams' truncate_prompt_tokens asks (`request.truncate_prompt`), and the
+    params the engine takes, with that field cleared."""
+    if params.truncate_prompt_tokens is None:
+        return text, token_ids, params
+    text, token_ids = truncate_prompt(text, token_ids, params.truncate_prompt_tokens, max_model_len, bool(media))
+    return text, token_ids, params.replace(truncate_prompt_tokens=None)
+
+
 class LLM:
     """An in-process engine. Keyword arguments are the engine arguments of `EngineConfig.from_kwargs`."""
 
@@ -165,10 +175,7 @@ class LLM:
                     params = params.replace(prompt_compression=None)
                 text, token_ids = self._tokenize(prompt)
                 token_ids, media = self._with_media(prompt, token_ids)
-                if params.truncate_prompt_tokens is not None:
-                    text, token_ids = truncate_prompt(text, token_ids, params.truncate_prompt_tokens,
-                                                      self.engine.max_model_len, bool(media))
-                    params = params.replace(truncate_prompt_tokens=None)
+                text, token_ids, params = cut_to_params(text, token_ids, media, params, self.engine.max_model_len)
                 request_id = str(next(self._counter))
                 self.engine.add_request(request_id, token_ids, params, prompt=text, priority=rank, media=media)
                 ids.append(request_id)
