@@ -80,15 +80,19 @@ def use_cpu_fast_path(tensor: torch.Tensor) -> bool:
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window=None,
-                    k_scale=1.0, v_scale=1.0, out=None, max_query_len=None, logit_soft_cap=None, causal_ends=None):
+                    k_scale=1.0, v_scale=1.0, out=None, max_query_len=None, logit_soft_cap=None, causal_ends=None,
+                    new_kv=None):
     """`max_query_len` (a host int bounding every sequence's query length, AttentionMetadata's) lets the
     Triton path skip launches a batch cannot need; the reference ignores it. `logit_soft_cap` (Gemma 2):
     scaled scores become `cap * tanh(scores / cap)` before masking. `causal_ends` (AttentionMetadata's): each
-    query row's end of visible keys, past its own position inside an image that attends to itself both ways."""
+    query row's end of visible keys, past its own position inside an image that attends to itself both ways.
+    `new_kv`: the step's own K/V as written, staged in token order (`rope_store_kv(staged=...)`): the same values
+    as the cache's, which the Triton prefill launch reads whole-tile (`reads_staged_kv`) and the others from the
+    cache."""
     if use_triton(q):
         return _attention.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                           sliding_window, k_scale, v_scale, out, logit_soft_cap,
-                                          max_query_len=max_query_len, causal_ends=causal_ends)
+                                          max_query_len=max_query_len, causal_ends=causal_ends, new_kv=new_kv)
     if use_cpu_fast_path(q):
         return _cpu_attention.paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                                   scale, sliding_window, k_scale, v_scale, out, logit_soft_cap,
@@ -153,15 +157,27 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.
 
 
 def rope_store_kv(positions, q, k, v, cos_cache, sin_cache, rotary_dim, k_cache, v_cache, slot_mapping, k_scale=1.0,
-                  v_scale=1.0, head_norms=None):
-    """`head_norms` (`HeadNorms`): q's and k's per-head RMSNorms, applied first (in the same launch on the GPU)."""
+                  v_scale=1.0, head_norms=None, staged=None):
+    """`head_norms` (`HeadNorms`): q's and k's per-head RMSNorms, applied first (in the same launch on the GPU).
+    `staged` (`new_staged_kv`'s pair): filled with the K/V rows as written, in token order, for `paged_attention`'s
+    `new_kv` (in the same launch on the GPU)."""
     if use_triton(q):
         return _rope_kv.rope_store_kv(positions, q, k, v, cos_cache, sin_cache, rotary_dim, k_cache, v_cache,
-                                      slot_mapping, k_scale, v_scale, head_norms)
+                                      slot_mapping, k_scale, v_scale, head_norms, staged)
     if head_norms is not None:
         q, k = apply_head_norms(q, k, head_norms, k_cache.shape[-1])
     fn = _cpu_rope_kv.rope_store_kv_cpu if use_cpu_fast_path(q) else _rope_kv.rope_store_kv_ref
-    return fn(positions, q, k, v, cos_cache, sin_cache, rotary_dim, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    out = fn(positions, q, k, v, cos_cache, sin_cache, rotary_dim, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    _rope_kv.fill_staged(staged, k_cache, v_cache, slot_mapping)
+    return out
+
+
+def reads_staged_kv(q, k_cache, v_cache):
+    """Whether `paged_attention`'s prefill launch over these caches reads `new_kv` (Triton on a GPU with TMA)."""
+    return use_triton(q) and _attention.reads_staged_kv(q, k_cache, v_cache)
+
+
+new_staged_kv = _attention.new_staged_kv
 
 
 HeadNorms = _rope_kv.HeadNorms

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kestrel.kernels import common
 
@@ -210,10 +211,61 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
     return acc, acc_odd, m_i, l_i
 
 
+@triton.jit
+def _attend_new_tiles(acc, acc_odd, m_i, l_i, q, k_desc, v_desc, row_of_ctx, kv_col, offs_n, row_pos, row_end,
+                      start, num_tiles, seg_hi, window, qk_scale, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
+                      MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                      DOT_PREC: tl.constexpr, V_PAIRS: tl.constexpr, SOFT_CAP: tl.constexpr):
+    """`_attend_tiles` over the step's own keys, read whole-tile through tensor descriptors from the staged K/V
+    (`[tokens, kv_heads * HEAD]`, key position p of the sequence at row `row_of_ctx + p`) instead of through the
+    block table. Rows past the tensor read as zeros; the MASKED tile zeroes V past `seg_hi` (another sequence's
+    rows: 0 * NaN would poison acc). V_PAIRS: the staged V holds each head's even dims, then its odd ones."""
+    for i in range(num_tiles):
+        key0 = start + i * BLOCK_N
+        row = row_of_ctx + key0
+        tok = key0 + offs_n
+        k = k_desc.load([row, kv_col])
+        qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC) * qk_scale
+        if SOFT_CAP > 0:
+            qk = SOFT_CAP - (2.0 * SOFT_CAP) / (tl.math.exp2(qk) + 1.0)
+        if MASKED:
+            tok_ok = tok < seg_hi
+            visible = tok_ok[None, :] & (tok[None, :] < row_end[:, None])
+            if USE_WINDOW:
+                visible = visible & (tok[None, :] > row_pos[:, None] - window)
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if MASKED:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        p_dot = p.to(DOT_DTYPE)
+        if V_PAIRS:
+            acc_odd = acc_odd * alpha[:, None]
+            v_even = v_desc.load([row, kv_col])
+            v_odd = v_desc.load([row, kv_col + HEAD // 2])
+            if MASKED:
+                v_even = tl.where(tok_ok[:, None], v_even, 0.0)
+                v_odd = tl.where(tok_ok[:, None], v_odd, 0.0)
+            acc = tl.dot(p_dot, v_even.to(DOT_DTYPE), acc, input_precision=DOT_PREC)
+            acc_odd = tl.dot(p_dot, v_odd.to(DOT_DTYPE), acc_odd, input_precision=DOT_PREC)
+        else:
+            v = v_desc.load([row, kv_col])
+            if MASKED:
+                v = tl.where(tok_ok[:, None], v, 0.0)
+            acc = tl.dot(p_dot, v.to(DOT_DTYPE), acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, acc_odd, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi", "window", "min_keys"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, ends_ptr, lock_ptr,
-    qk_scale, v_scale, window, num_seqs, q_len_lo, q_len_hi, min_keys,
+    k_new_desc, v_new_desc, qk_scale, v_scale, window, num_seqs, q_len_lo, q_len_hi, min_keys,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -221,9 +273,12 @@ def _paged_attn_kernel(
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr, Q_CLAMP: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr,
     ACC_W: tl.constexpr, ODD_W: tl.constexpr, SOFT_CAP: tl.constexpr, USE_ENDS: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, USE_PDL: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, USE_PDL: tl.constexpr, NEW_KV: tl.constexpr,
 ):
-    """SPLIT with FUSED_MERGE: a (sequence, KV head) uses as many of the launch's splits as its keys fill at
+    """NEW_KV (the prefill launch, not SPLIT): keys at the positions of the step's own tokens are read from the
+    staged K/V descriptors (`_attend_new_tiles`), the sequence's earlier keys from the cache.
+
+    SPLIT with FUSED_MERGE: a (sequence, KV head) uses as many of the launch's splits as its keys fill at
     `min_keys` each (the rest return at once); one split writes the output itself, several write partials and
     the last to arrive at the pair's counter merges them (acq_rel, so it sees every partial) and zeroes the
     counter."""
@@ -320,15 +375,51 @@ def _paged_attn_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    acc, acc_odd, m_i, l_i = _attend_tiles(
-        acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
-        offs_d, offs_w, d_ok, row_pos, row_end, seg_lo, num_full, seg_hi, window, qk_scale, BLOCK_N, BLOCK_SIZE,
-        False, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
-    acc, acc_odd, m_i, l_i = _attend_tiles(
-        acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
-        offs_d, offs_w, d_ok, row_pos, row_end, seg_lo + num_full * BLOCK_N, num_tiles - num_full, seg_hi, window,
-        qk_scale, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS,
-        V_ASM, SOFT_CAP)
+    if NEW_KV:
+        # The cached keys [seg_lo, ctx) first (every row sees them, the window aside; one tile may end inside),
+        # then the step's own [ctx, seg_hi): full tiles below full_hi, masked ones from there.
+        ctx_hi = tl.minimum(ctx, seg_hi)
+        ctx_span = tl.maximum(ctx_hi - seg_lo, 0)
+        ctx_tiles = tl.cdiv(ctx_span, BLOCK_N)
+        if USE_WINDOW:
+            ctx_full = 0
+        else:
+            ctx_full = ctx_span // BLOCK_N
+        acc, acc_odd, m_i, l_i = _attend_tiles(
+            acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
+            offs_d, offs_w, d_ok, row_pos, row_end, seg_lo, ctx_full, ctx_hi, window, qk_scale, BLOCK_N,
+            BLOCK_SIZE, False, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
+        acc, acc_odd, m_i, l_i = _attend_tiles(
+            acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
+            offs_d, offs_w, d_ok, row_pos, row_end, seg_lo + ctx_full * BLOCK_N, ctx_tiles - ctx_full, ctx_hi,
+            window, qk_scale, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS,
+            V_ASM, SOFT_CAP)
+        own_lo = tl.maximum(seg_lo, ctx)
+        own_tiles = tl.cdiv(tl.maximum(seg_hi - own_lo, 0), BLOCK_N)
+        if USE_WINDOW:
+            own_full = 0
+        else:
+            own_full = tl.maximum(full_hi - own_lo, 0) // BLOCK_N
+        row_of_ctx = q_start - ctx
+        kv_col = kv_head * HEAD
+        acc, acc_odd, m_i, l_i = _attend_new_tiles(
+            acc, acc_odd, m_i, l_i, q, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n, row_pos, row_end,
+            own_lo, own_full, seg_hi, window, qk_scale, BLOCK_N, HEAD, False, USE_WINDOW, DOT_DTYPE, DOT_PREC,
+            V_PAIRS, SOFT_CAP)
+        acc, acc_odd, m_i, l_i = _attend_new_tiles(
+            acc, acc_odd, m_i, l_i, q, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n, row_pos, row_end,
+            own_lo + own_full * BLOCK_N, own_tiles - own_full, seg_hi, window, qk_scale, BLOCK_N, HEAD, True,
+            USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS, SOFT_CAP)
+    else:
+        acc, acc_odd, m_i, l_i = _attend_tiles(
+            acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
+            offs_d, offs_w, d_ok, row_pos, row_end, seg_lo, num_full, seg_hi, window, qk_scale, BLOCK_N,
+            BLOCK_SIZE, False, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
+        acc, acc_odd, m_i, l_i = _attend_tiles(
+            acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
+            offs_d, offs_w, d_ok, row_pos, row_end, seg_lo + num_full * BLOCK_N, num_tiles - num_full, seg_hi,
+            window, qk_scale, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS,
+            V_ASM, SOFT_CAP)
     if V_PAIRS:
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
 
@@ -511,6 +602,95 @@ def splits_for(num_seqs: int, num_kv_heads: int, sms: int, max_seq_len: int | No
     return splits
 
 
+def staged_kv_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the step's own keys and values are staged in for the prefill launch (`new_kv`): the cache's own,
+    or fp16 for an FP8 cache (every e4m3 value exactly; its dots run in fp16)."""
+    return torch.float16 if cache_dtype == torch.float8_e4m3fn else cache_dtype
+
+
+def stages_v_in_pairs(cache_dtype: torch.dtype) -> bool:
+    """Whether the staged V holds each head's even dims first, then its odd ones: over an FP8 cache, whose V the
+    kernel accumulates as the even and the odd dims apart (V_PAIRS)."""
+    return cache_dtype == torch.float8_e4m3fn
+
+
+def new_staged_kv(num_tokens: int, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty staged K and V for a step of `num_tokens` over `k_cache` (`[tokens, kv_heads * head]` each), which
+    `rope_store_kv(..., staged=...)` fills."""
+    _, _, num_kv_heads, head_size = k_cache.shape
+    shape = (num_tokens, num_kv_heads * head_size)
+    dtype = staged_kv_dtype(k_cache.dtype)
+    return (torch.empty(shape, dtype=dtype, device=k_cache.device),
+            torch.empty(shape, dtype=dtype, device=k_cache.device))
+
+
+def staged_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's own K/V staged as the cache holds them: row t is what slot `slot_mapping[t]` holds (zeros for
+    -1), in `staged_kv_dtype`, V's dims per head reordered evens first where `stages_v_in_pairs`."""
+    _, _, num_kv_heads, head_size = k_cache.shape
+    dtype = staged_kv_dtype(k_cache.dtype)
+    slots = slot_mapping.to(k_cache.device).long()
+    written = (slots >= 0)[:, None, None]
+    staged = []
+    for cache in (k_cache, v_cache):
+        # gathered through a byte view: index_select has no FP8 kernel on every device
+        rows = cache.view(torch.uint8).reshape(-1, num_kv_heads, head_size * cache.element_size())[slots.clamp(min=0)]
+        x = rows.view(cache.dtype).to(dtype)
+        staged.append(torch.where(written, x, torch.zeros((), dtype=dtype, device=x.device)))
+    k, v = staged
+    if stages_v_in_pairs(k_cache.dtype):
+        v = torch.cat((v[..., 0::2], v[..., 1::2]), dim=-1)
+    return k.reshape(len(slots), -1), v.reshape(len(slots), -1)
+
+
+def check_staged_kv(staged: tuple[torch.Tensor, torch.Tensor], num_tokens: int, k_cache: torch.Tensor) -> None:
+    """Refuse staged K/V that are not the step's `[tokens, kv_heads * head]` rows of `staged_kv_dtype`."""
+    width = k_cache.shape[2] * k_cache.shape[3]
+    expected = staged_kv_dtype(k_cache.dtype)
+    for name, x in zip("kv", staged):
+        if x.shape != (num_tokens, width) or x.stride(-1) != 1 or x.dtype != expected or x.device != k_cache.device:
+            raise ValueError(f"staged {name} {tuple(x.shape)} {x.dtype} on {x.device} (strides {x.stride()}) is not "
+                             f"the step's [{num_tokens}, {width}] {expected} rows on {k_cache.device} with a "
+                             "contiguous last dimension")
+
+
+def reads_staged_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether a prefill launch over these caches reads staged K/V (`new_kv`): a power-of-two head, 16-bit dots
+    (a GPU's float32 activations keep the gathered path), TMA on a GPU (Hopper or newer, with the launch feature
+    `prefill_new_kv` on), and over an FP8 cache its V read in pairs (see `_v_in_pairs`)."""
+    head_size = k_cache.shape[-1]
+    if head_size != _next_pow2(head_size) or head_size < 16:
+        return False
+    if stages_v_in_pairs(k_cache.dtype) and not _v_in_pairs(v_cache, head_size):
+        return False
+    if q.is_cuda:
+        return (q.dtype in _DOT_DTYPES and common.is_hopper_or_newer(q.device)
+                and common.launch_feature("prefill_new_kv", q.device))
+    return True
+
+
+def _v_in_pairs(v_cache: torch.Tensor, head_size: int) -> bool:
+    """An e4m3 V cache read as int16 words of two values (V_PAIRS, see `_attend_tiles`)."""
+    return (v_cache.dtype == torch.float8_e4m3fn and head_size == _next_pow2(head_size) and v_cache.stride(-1) == 1
+            and all(st % 2 == 0 for st in v_cache.stride()[:-1]) and v_cache.storage_offset() % 2 == 0)
+
+
+def _staged_descriptors(new_kv: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, block_n: int) -> tuple[TensorDescriptor | None, ...]:
+    """Tensor descriptors of the staged K and V (`[tokens, kv_heads * head]`) for the prefill launch's key tiles,
+    or (None, None) where it gathers every key from the cache."""
+    if new_kv is None or not reads_staged_kv(q, k_cache, v_cache):
+        return None, None
+    check_staged_kv(new_kv, q.shape[0], k_cache)
+    k_new, v_new = new_kv
+    num_tokens, width = q.shape[0], k_cache.shape[2] * k_cache.shape[3]
+    head_size = k_cache.shape[-1]
+    v_block = head_size // 2 if stages_v_in_pairs(k_cache.dtype) else head_size
+    return (TensorDescriptor(k_new, [num_tokens, width], [k_new.stride(0), 1], [block_n, head_size]),
+            TensorDescriptor(v_new, [num_tokens, width], [v_new.stride(0), 1], [block_n, v_block]))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -531,9 +711,14 @@ def paged_attention(
     decode_cfg: AttnConfig | None = None,
     prefill_cfg: AttnConfig | None = None,
     causal_ends: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Triton paged attention with `paged_attention_ref`'s semantics (`causal_ends` included); no host
     synchronization.
+
+    `new_kv`: the step's own keys and values as the cache holds them, staged in token order (`stage_new_kv`'s
+    layout): the prefill launch reads them whole-tile through tensor descriptors (TMA) instead of gathering them
+    from the cache's blocks. Only a hint: ignored where the launch cannot use it (`reads_staged_kv`).
 
     `max_query_len` / `max_seq_len` are optional host-side hints (AttentionMetadata has them):
     `max_query_len` must bound every sequence's query length (a decode CUDA graph can pass 1, a prefill graph
@@ -589,8 +774,7 @@ def paged_attention(
     ends = seq_lens if causal_ends is None else causal_ends
     wide = dot_dtype == tl.float32 and q.is_cuda
     # FP8 (e4m3) V read as int16 pairs, see _attend_tiles; the dots then run in fp16 off the GPU too.
-    v_pairs = (v_cache.dtype == torch.float8_e4m3fn and head_size == head_pad and v_cache.stride(-1) == 1
-               and all(st % 2 == 0 for st in v_cache.stride()[:-1]) and v_cache.storage_offset() % 2 == 0)
+    v_pairs = _v_in_pairs(v_cache, head_size)
     v_arg = v_cache.view(torch.int16) if v_pairs else v_cache
     pairs = dict(V_PAIRS=v_pairs, V_ASM=v_pairs and q.is_cuda, ACC_W=head_pad // 2 if v_pairs else head_pad,
                  ODD_W=head_pad // 2 if v_pairs else 1)
@@ -602,11 +786,12 @@ def paged_attention(
         pre = prefill_cfg or prefill_config(head_size, group, wide)
         pre_q = max(1, pre.block_m // group)
         grid = (num_tokens // pre_q + num_seqs, num_kv_heads)
+        staged = _staged_descriptors(new_kv, q, k_cache, v_cache, pre.block_n)
         _paged_attn_kernel[grid](
-            q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends, out,
+            q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends, out, *staged,
             q_len_lo=dec_q, q_len_hi=_NO_LIMIT, min_keys=1, **shared, **pairs,
             BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False, FUSED_MERGE=False,
-            num_warps=pre.num_warps, num_stages=pre.num_stages, **pdl,
+            NEW_KV=staged[0] is not None, num_warps=pre.num_warps, num_stages=pre.num_stages, **pdl,
         )
 
     if num_seqs == 1 and max_query_len is not None and max_query_len > dec_q and num_tokens == max_query_len:
@@ -630,10 +815,10 @@ def paged_attention(
         part_o = part_lse = out
     _paged_attn_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_arg, out, part_o, part_lse, query_start_loc, seq_lens, block_tables, ends,
-        common.arrival_counters(q.device) if fused_merge else out,
+        common.arrival_counters(q.device) if fused_merge else out, None, None,
         q_len_lo=0, q_len_hi=dec_q, min_keys=min_keys, **shared, **pairs,
         BLOCK_M=dec.block_m, BLOCK_Q=dec_q, BLOCK_N=dec.block_n, PER_SEQ=True, SPLIT=split, FUSED_MERGE=fused_merge,
-        num_warps=dec.num_warps, num_stages=dec.num_stages, **pdl,
+        NEW_KV=False, num_warps=dec.num_warps, num_stages=dec.num_stages, **pdl,
     )
     if split and not fused_merge:
         _merge_splits_kernel[(num_seqs, num_kv_heads, dec_q * group)](

@@ -215,6 +215,7 @@ LAUNCH_FEATURES = (
     "rope_head_norms",  # per-head q/k RMSNorms inside rope_store_kv
     "moe_k_sum",  # the small-T split down launch's k-sum in its last program to arrive
     "router_topk",  # the MoE router's softmax top-k in its GEMV's last column block to be stored
+    "prefill_new_kv",  # the prefill attention launch reads the step's own K/V staged in token order, through TMA
 )
 
 

@@ -23,6 +23,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels import common
+from kestrel.kernels.attention import check_staged_kv, staged_kv_ref, stages_v_in_pairs
 from kestrel.kernels.norm import rms_norm, rms_norm_ref
 from kestrel.kernels.store_kv import store_kv_ref
 
@@ -60,8 +61,11 @@ def rope_store_kv_ref(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     head_norms: HeadNorms | None = None,
+    staged: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """q `[T, H*D]`, k and v `[T, H_kv*D]`, caches `[num_blocks, block_size, H_kv, D]` -> rotated q `[T, H*D]`."""
+    """q `[T, H*D]`, k and v `[T, H_kv*D]`, caches `[num_blocks, block_size, H_kv, D]` -> rotated q `[T, H*D]`.
+    `staged` (`attention.new_staged_kv`'s pair): filled with the rows as written (`attention.staged_kv_ref`), for
+    the prefill attention launch to read in token order."""
     num_tokens, head_size = q.shape[0], k_cache.shape[-1]
     if head_norms is not None:
         q, k = head_norms_ref(q, k, head_norms, head_size)
@@ -69,7 +73,17 @@ def rope_store_kv_ref(
     sin = sin_cache[positions].float().unsqueeze(1)
     k_rot = _rotate_ref(k, cos, sin, rotary_dim, head_size)
     store_kv_ref(k_rot, v.reshape(num_tokens, -1, head_size), k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    fill_staged(staged, k_cache, v_cache, slot_mapping)
     return _rotate_ref(q, cos, sin, rotary_dim, head_size).to(q.dtype).reshape(num_tokens, -1)
+
+
+def fill_staged(staged: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    """Copy the rows just written (`attention.staged_kv_ref`) into `staged`, where given: the paths without a
+    fused staging write."""
+    if staged is not None:
+        for dst, src in zip(staged, staged_kv_ref(k_cache, v_cache, slot_mapping)):
+            dst.copy_(src)
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
@@ -117,15 +131,18 @@ def _rotated(row_ptr, h, d, mask, cos, sin, norm_w_ptr, eps, HALF: tl.constexpr,
 @triton.jit
 def _rope_store_kv_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    q_norm_ptr, k_norm_ptr, k_scale, v_scale, norm_eps,
+    q_norm_ptr, k_norm_ptr, staged_k_ptr, staged_v_ptr, k_scale, v_scale, norm_eps,
     stride_q, stride_k, stride_v, stride_qo, stride_cos, stride_sin,
-    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_sk, stride_sv,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     HALF: tl.constexpr, GROUP: tl.constexpr, Q_GROUPS: tl.constexpr, KV_GROUPS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr, NORM: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr, USE_PDL: tl.constexpr, FAST: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr, USE_PDL: tl.constexpr, FAST: tl.constexpr, STAGE: tl.constexpr,
+    STAGE_V_PAIRS: tl.constexpr,
 ):
-    """Program (token, group): groups of GROUP heads, first those of q, then k, then v."""
+    """Program (token, group): groups of GROUP heads, first those of q, then k, then v. STAGE: the K and V rows as
+    written also go to the staged rows (zeros where the slot is -1), V's dims per head evens first with
+    STAGE_V_PAIRS."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -153,8 +170,11 @@ def _rope_store_kv_kernel(
                          UNIT_OFFSET, FAST)
             dst = (k_cache_ptr + (slot // BLOCK_SIZE) * stride_kcb + (slot % BLOCK_SIZE) * stride_kct
                    + h[:, None] * stride_kch + d[None, :])
-            tl.store(dst, common.to_cache(y, k_scale, k_cache_ptr.dtype.element_ty, K_FP8, FAST),
-                     mask=mask & (slot >= 0))
+            stored = common.to_cache(y, k_scale, k_cache_ptr.dtype.element_ty, K_FP8, FAST)
+            tl.store(dst, stored, mask=mask & (slot >= 0))
+            if STAGE:
+                staged = tl.where(slot >= 0, stored.to(staged_k_ptr.dtype.element_ty), 0.0)
+                tl.store(staged_k_ptr + t * stride_sk + h[:, None] * HEAD + d[None, :], staged, mask=mask)
     else:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         h = (g - Q_GROUPS - KV_GROUPS) * GROUP + tl.arange(0, GROUP)
@@ -162,7 +182,16 @@ def _rope_store_kv_kernel(
         x = tl.load(v_ptr + t * stride_v + h[:, None] * HEAD + d[None, :], mask=mask, other=0.0).to(tl.float32)
         dst = (v_cache_ptr + (slot // BLOCK_SIZE) * stride_vcb + (slot % BLOCK_SIZE) * stride_vct
                + h[:, None] * stride_vch + d[None, :])
-        tl.store(dst, common.to_cache(x, v_scale, v_cache_ptr.dtype.element_ty, V_FP8, FAST), mask=mask)
+        stored = common.to_cache(x, v_scale, v_cache_ptr.dtype.element_ty, V_FP8, FAST)
+        tl.store(dst, stored, mask=mask)
+        if STAGE:
+            if STAGE_V_PAIRS:
+                col = (d % 2) * (HEAD // 2) + d // 2
+            else:
+                col = d
+            head_mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD)[None, :]
+            tl.store(staged_v_ptr + t * stride_sv + h[:, None] * HEAD + col[None, :],
+                     stored.to(staged_v_ptr.dtype.element_ty), mask=head_mask)
 
 
 def rope_store_kv(
@@ -179,6 +208,7 @@ def rope_store_kv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     head_norms: HeadNorms | None = None,
+    staged: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Triton `rope_store_kv_ref`. q, k and v may be column slices of one qkv tensor (strided rows)."""
     num_tokens = q.shape[0]
@@ -199,6 +229,8 @@ def rope_store_kv(
         if not common.launch_feature("rope_head_norms", q.device):  # the norms' own launches, as measured before
             q, k = head_norms_ref(q, k, head_norms, head_size, rms_norm=rms_norm)
             head_norms = None
+    if staged is not None:
+        check_staged_kv(staged, num_tokens, k_cache)
     q_out = torch.empty((num_tokens, num_heads * head_size), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out
@@ -209,14 +241,17 @@ def rope_store_kv(
     _rope_store_kv_kernel[(num_tokens, q_groups + 2 * kv_groups)](
         positions, q, k, v, cos_cache, sin_cache, q_out, k_cache, v_cache, slot_mapping,
         head_norms.q_weight if head_norms else q, head_norms.k_weight if head_norms else k,
+        staged[0] if staged else q, staged[1] if staged else q,
         float(k_scale), float(v_scale), float(head_norms.eps) if head_norms else 0.0,
         q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), cos_cache.stride(0), sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2),
+        v_cache.stride(2), staged[0].stride(0) if staged else 0, staged[1].stride(0) if staged else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD=head_size, HEAD_PAD=head_pad, HALF=half,
         GROUP=group, Q_GROUPS=q_groups, KV_GROUPS=kv_groups, BLOCK_SIZE=block_size,
         K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, NORM=head_norms is not None,
-        UNIT_OFFSET=bool(head_norms and head_norms.unit_offset), num_warps=4, **common.launch_options(q),
+        UNIT_OFFSET=bool(head_norms and head_norms.unit_offset), STAGE=staged is not None,
+        STAGE_V_PAIRS=staged is not None and stages_v_in_pairs(v_cache.dtype), num_warps=4,
+        **common.launch_options(q),
     )
     return q_out
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.kernels.attention import AttnConfig, paged_attention, paged_attention_ref
+from kestrel.kernels.attention import AttnConfig, paged_attention, paged_attention_ref, staged_kv_ref
 from kestrel.kernels.store_kv import store_kv, store_kv_ref
 
 BLOCK_SIZE = 16
@@ -78,7 +78,8 @@ class Case:
         max_blocks = max(-(-ctx // BLOCK_SIZE) for ctx, _ in seqs) + 2
         self.block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
         self.keys, self.values = [], []
-        for s, (ctx, _) in enumerate(seqs):
+        query_slots: list[torch.Tensor] = []  # the slot of each query row: where the step wrote its K/V
+        for s, (ctx, query_len) in enumerate(seqs):
             k = torch.randn(ctx, num_kv_heads, head_size, generator=g)
             v = torch.randn(ctx, num_kv_heads, head_size, generator=g)
             n_blocks = -(-ctx // BLOCK_SIZE)
@@ -96,6 +97,8 @@ class Case:
             v_stored = read_slots(self.v_cache, slots) * (v_scale if cache_dtype == torch.float8_e4m3fn else 1.0)
             self.keys.append(k_stored)
             self.values.append(v_stored)
+            query_slots.append(slots[ctx - query_len:])
+        self.query_slots = torch.cat(query_slots).to(device)
         query_lens = [n for _, n in seqs]
         self.q = torch.randn(sum(query_lens), num_heads, head_size, generator=g).to(dtype).to(device)
         self.query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -206,6 +209,56 @@ def test_fp8_kv(device: torch.device) -> None:
     out = case.run(k_scale=k_scale, v_scale=v_scale, decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL,
                    num_splits=2)
     assert rel_err(out, case.expected()) < 1e-5
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (7, None), (None, 5.0)], ids=["causal", "window", "cap"])
+def test_prefill_reads_the_steps_own_keys_from_the_staged_rows(device: torch.device, cache_dtype: torch.dtype,
+                                                               window: int | None, soft_cap: float | None,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `new_kv` the prefill launch reads each sequence's own keys from the staged rows and only its earlier
+    ones from the cache: once staged, the cache slots of the prefilled rows are filled with NaN (FP8: its NaN
+    byte), which the launch must not read, and the output still matches the oracle of what the cache held. Decode
+    rows keep reading the cache. Tiles of 16 keys end inside chunks whose context is not a multiple of 16."""
+    from kestrel.kernels import attention, common
+
+    monkeypatch.setattr(common, "launch_feature", lambda name, device: True)  # a GPU's table may not have it yet
+    k_scale, v_scale = (0.011, 0.0073) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    dtype = torch.bfloat16 if cache_dtype in (torch.bfloat16, torch.float8_e4m3fn) and device.type == "cuda" else (
+        torch.bfloat16 if cache_dtype == torch.bfloat16 else torch.float32)
+    case = Case(MIXED, 8, 2, 32, device, dtype=dtype, cache_dtype=cache_dtype, k_scale=k_scale, v_scale=v_scale,
+                seed=21)
+    if not attention.reads_staged_kv(case.q, case.k_cache, case.v_cache):
+        pytest.skip("no TMA on this GPU (or float32 activations on a GPU): the prefill launch gathers every key")
+    expected = case.expected(window, soft_cap)
+    staged = staged_kv_ref(case.k_cache, case.v_cache, case.query_slots)
+    dec_q = SMALL_DECODE.block_m // 4
+    starts = case.query_start_loc.tolist()
+    prefilled = torch.cat([case.query_slots[starts[s]:starts[s + 1]] for s, (_, n) in enumerate(MIXED) if n > dec_q])
+    for cache in (case.k_cache, case.v_cache):
+        rows = cache.view(-1, *cache.shape[2:])
+        if cache_dtype == torch.float8_e4m3fn:
+            rows.view(torch.uint8)[prefilled.long()] = 0x7F
+        else:
+            rows[prefilled.long()] = float("nan")
+    out = case.run(new_kv=staged, k_scale=k_scale, v_scale=v_scale, sliding_window=window, logit_soft_cap=soft_cap,
+                   decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL, num_splits=1)
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert rel_err(out, expected) < tolerance
+
+
+def test_staged_rows_hold_what_the_cache_holds(device: torch.device) -> None:
+    """`staged_kv_ref`: row t is slot t's K and V in the staged dtype (an FP8 cache's values exactly, as fp16, V's
+    even dims first), zeros for a row written nowhere."""
+    cache = torch.randn(3, 4, 2, 8).to(torch.float8_e4m3fn).to(device)
+    values = torch.randn(3, 4, 2, 8).to(torch.float8_e4m3fn).to(device)
+    slots = torch.tensor([5, -1, 0], device=device)
+    k, v = staged_kv_ref(cache, values, slots)
+    assert k.dtype == v.dtype == torch.float16 and k.shape == v.shape == (3, 16)
+    assert torch.equal(k[0].view(2, 8), cache.view(-1, 2, 8)[5].to(torch.float16))
+    assert torch.equal(v[2].view(2, 8), torch.cat((values.view(-1, 2, 8)[0, :, 0::2],
+                                                   values.view(-1, 2, 8)[0, :, 1::2]), -1).to(torch.float16))
+    assert not k[1].any() and not v[1].any()
 
 
 def test_head128_bf16(device: torch.device) -> None:

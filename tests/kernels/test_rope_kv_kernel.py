@@ -235,3 +235,35 @@ def test_empty_batch_and_bad_shapes(device: torch.device) -> None:
     with pytest.raises(ValueError, match="head_norms: the k weight"):
         rope_store_kv(pos, q, k, v, *args, 32, k_cache, v_cache, slots,
                       head_norms=HeadNorms(ones, ones[:32], 1e-6))
+
+
+@pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[3]], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, FP8)], ids=["fp32", "bf16", "fp8"])
+def test_staged_rows_are_the_rows_written(device: torch.device, shape: tuple, dtype: torch.dtype,
+                                          cache_dtype: torch.dtype) -> None:
+    """With `staged`, the launch also writes each token's K and V as the cache now holds them into the staged rows
+    (what the prefill attention reads through TMA): exactly `staged_kv_ref` of the caches after the write, zeros for
+    the rows written nowhere (-1), and the cache and q as without staging."""
+    from kestrel.kernels.attention import new_staged_kv, staged_kv_ref
+
+    scales = (0.5, 0.25) if cache_dtype == FP8 else (1.0, 1.0)
+    case = Case(*shape, dtype=dtype, cache_dtype=cache_dtype, k_scale=scales[0], v_scale=scales[1])
+    inputs = Inputs(case, seed=sum(shape) + 7)
+    k_cache = inputs.caches[0].to(device)
+    staged = new_staged_kv(case.num_tokens, k_cache)
+    for x in staged:
+        x.fill_(float("nan"))
+    q_out, k_after, v_after = inputs.run(partial(rope_store_kv, staged=staged), device)
+    plain = inputs.run(rope_store_kv, device)
+    assert torch.equal(q_out, plain[0])
+    assert torch.equal(k_after.view(torch.uint8), plain[1].view(torch.uint8))
+    assert torch.equal(v_after.view(torch.uint8), plain[2].view(torch.uint8))
+    expected = staged_kv_ref(k_after, v_after, inputs.slots)
+    for got, want in zip(staged, expected):
+        assert torch.equal(got.cpu(), want), (got.cpu() - want).abs().max()
+    assert not staged[0].cpu()[1::3].any() and not staged[1].cpu()[1::3].any()
+    reference = new_staged_kv(case.num_tokens, k_cache.cpu())
+    inputs.run(partial(rope_store_kv_ref, staged=reference), torch.device("cpu"))
+    for got, want in zip(reference, expected):
+        assert torch.equal(got, want)

@@ -12,6 +12,11 @@ from kestrel.kv_spec import FullAttentionSpec, KVCacheSpec, SinkWindowSpec, Slid
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.model.layers.rotary import RotaryEmbedding
 
+# Steps whose longest query has at least this many tokens stage their own K/V in token order for the prefill
+# attention launch (read whole-tile through TMA); shorter ones gather every key from the cache's blocks, where the
+# copy and the descriptors would cost more than they save.
+STAGED_KV_MIN_QUERY = 64
+
 
 class Attention(nn.Module):
     """Holds one layer's KV cache `[2, num_blocks, block_size, num_kv_heads, head_size]` (K then V),
@@ -130,6 +135,7 @@ class Attention(nn.Module):
             )
         num_tokens = q.shape[0]
         k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
+        new_kv = None  # the step's own K/V staged in token order for the prefill launch (long enough prompts)
         if self.kv_group == 0:
             slot_mapping, block_tables = attn_metadata.slot_mapping, attn_metadata.block_tables
         else:
@@ -147,8 +153,10 @@ class Attention(nn.Module):
         else:
             if positions is None:
                 raise ValueError(f"attention layer {self.layer_idx}: rotary_emb given without positions")
+            if attn_metadata.max_query_len >= STAGED_KV_MIN_QUERY and ops.reads_staged_kv(q, k_cache, v_cache):
+                new_kv = ops.new_staged_kv(num_tokens, k_cache)
             q = rotary_emb.rotate_and_store_kv(positions, q, k, v, k_cache, v_cache, slot_mapping,
-                                               self.k_scale, self.v_scale, head_norms)
+                                               self.k_scale, self.v_scale, head_norms, new_kv)
         if self.key_bounds is not None:
             ops.update_key_bounds(k_cache, slot_mapping, self.key_bounds, self.k_scale)
             if self._runs_sparse(attn_metadata):
@@ -158,7 +166,7 @@ class Attention(nn.Module):
             q.view(num_tokens, self.num_heads, self.head_size), k_cache, v_cache, attn_metadata.query_start_loc,
             attn_metadata.seq_lens, block_tables, self.scale, self.sliding_window, self.k_scale,
             self.v_scale, max_query_len=attn_metadata.max_query_len, logit_soft_cap=self.logit_soft_cap,
-            causal_ends=attn_metadata.causal_ends,
+            causal_ends=attn_metadata.causal_ends, new_kv=new_kv,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)
 

@@ -316,16 +316,18 @@ class RotaryEmbedding(nn.Module):
     def rotate_and_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                             k_scale: float = 1.0, v_scale: float = 1.0,
-                            head_norms: ops.HeadNorms | None = None) -> torch.Tensor:
+                            head_norms: ops.HeadNorms | None = None,
+                            staged: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Rotated q `[T, H*D]` (a new tensor); rotated k and v written into the caches
         `[num_blocks, block_size, H_kv, D]` by slot (-1: nowhere), in one `ops.rope_store_kv` launch. Unlike
         `forward`, which rotates in the activations' dtype as HF does, this rotates in fp32 and rounds once.
-        `head_norms`: q's and k's per-head RMSNorms, applied before the rotation."""
+        `head_norms`: q's and k's per-head RMSNorms, applied before the rotation. `staged`: also filled with the
+        rows as written, in token order (`ops.new_staged_kv`)."""
         if k_cache.shape[-1] != self.head_size:
             raise ValueError(f"KV cache head size {k_cache.shape[-1]} != rotary head size {self.head_size}")
         positions, cos_cache, sin_cache = self._tables(positions)
         return ops.rope_store_kv(positions, q, k, v, cos_cache, sin_cache, self.rotary_dim, k_cache,
-                                 v_cache, slot_mapping, k_scale, v_scale, head_norms)
+                                 v_cache, slot_mapping, k_scale, v_scale, head_norms, staged)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape

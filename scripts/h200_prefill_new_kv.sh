@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Prefill attention over the step's own K/V staged in token order (launch feature `prefill_new_kv`), on one GPU:
+# `scripts/h200_prefill_new_kv.sh OUT STAGE...`. Another Hopper GPU runs the H200's tables under its own name.
+#   tests     the attention and rope/KV kernel tests compiled on the GPU, the staged-vs-gathered logits test
+#   kernels   scripts/h200_prefill_attention.py: gathered vs staged (6 tiles) vs SDPA, 1k-16k and chunks over context
+#   ttft-off, ttft-on   `kestrel bench latency` batch 1: 8k prompt (BF16; FP8 + FP8 KV) and 128 prompt, feature off / on
+#   tput-off, tput-on   full load, 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, feature off / on
+source "$(dirname "$0")/h200_job.sh" "$1"; shift
+nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$out/log.txt"
+key=$(python3 -c "from kestrel.kernels.common import gpu_key, device_name; print(gpu_key(device_name(0)))")
+tuning=kestrel/kernels/tuning
+if [ "$key" != nvidia_h200 ]; then
+  for f in $tuning/*_nvidia_h200.json; do cp "$f" "${f%_nvidia_h200.json}_$key.json"; done
+  echo "the H200 tables copied as $key" | tee -a "$out/log.txt"
+fi
+feature() {  # feature on|off: prefill_new_kv in this GPU's decode_launches table
+  python3 - "$tuning/decode_launches_$key.json" "$1" <<'PY'
+import json, sys
+path, state = sys.argv[1], sys.argv[2] == "on"
+table = json.load(open(path))
+table["configs"]["prefill_new_kv"] = state
+json.dump(table, open(path, "w"), indent=1)
+PY
+  echo "prefill_new_kv $1" | tee -a "$out/log.txt"; }
+for stage in "$@"; do
+  case $stage in
+    tests) run 420 python3 -m pytest -q -p no:cacheprovider -x tests/gpu/test_prefill_staged_kv_gpu.py \
+             tests/kernels/test_attention_triton.py tests/kernels/test_rope_kv_kernel.py ;;
+    kernels) run 300 python3 scripts/h200_prefill_attention.py --out "$out" ;;
+    ttft-off|ttft-on) state=${stage#ttft-}; feature "$state"
+          latency 150 ttft8k-bf16-newkv-$state --batch 1 --input-len 8192 --output-len 16 --repeats 3 --warmups 1
+          latency 150 ttft8k-fp8-newkv-$state --batch 1 --input-len 8192 --output-len 16 --repeats 3 --warmups 1 \
+            --quantization fp8 --kv-cache-dtype fp8
+          latency 150 ttft128-fp8-newkv-$state --batch 1 --input-len 128 --output-len 32 --repeats 3 \
+            --quantization fp8 --kv-cache-dtype fp8 ;;
+    tput-off|tput-on) state=${stage#tput-}; feature "$state"
+          run 330 python3 -m kestrel.bench.throughput --num-prompts 1000 --input-len 1000 --output-len 1000 \
+            --hf-peer-prompts 0 --max-seconds 280 --max-num-seqs 512 --quantization fp8 --kv-cache-dtype fp8 \
+            --result-file "$out/throughput-fp8-1000x1000-512-newkv-$state-h200.json" ;;
+    *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
+  esac
+done

@@ -1,0 +1,76 @@
+"""GPU-only: prefill steps that stage their own K/V in token order for the prefill attention launch (read through
+TMA, launch feature `prefill_new_kv`) give the logits of the launch that gathers every key from the cache's blocks:
+fresh prompts, chunks over cached context, and mixed steps with decodes, BF16 and FP8 caches (skipped on CPU).
+Run on the H200: `.venv/bin/python -m pytest -q tests/gpu/test_prefill_staged_kv_gpu.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kestrel import LLM, ops
+from kestrel.kernels import common
+from kestrel.loader.model_init import write_tiny_checkpoint
+from kestrel.model.attn_metadata import AttentionMetadata
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+BLOCKS_PER_ROW = 32
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prefill-staged-kv")
+    write_tiny_checkpoint(path, arch="llama", size="small", seed=5)
+    return path
+
+
+def _step(counts: list[int], seq_lens: list[int], block_size: int):
+    """Rows r own blocks 32r .. 32r + 31 (reversed, so a sequence's blocks are not in order); each computes its
+    last counts[r] positions."""
+    g = torch.Generator().manual_seed(sum(seq_lens) + len(counts))
+    ids, positions, slots, starts = [], [], [], [0]
+    tables = [[BLOCKS_PER_ROW * r + BLOCKS_PER_ROW - 1 - b for b in range(BLOCKS_PER_ROW)] for r in range(len(counts))]
+    for row, (count, seq_len) in enumerate(zip(counts, seq_lens)):
+        for p in range(seq_len - count, seq_len):
+            positions.append(p)
+            slots.append(tables[row][p // block_size] * block_size + p % block_size)
+        ids += torch.randint(3, 200, (count,), generator=g).tolist()
+        starts.append(starts[-1] + count)
+    meta = AttentionMetadata(torch.tensor(slots, device="cuda"), torch.tensor(starts, dtype=torch.int32, device="cuda"),
+                             torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+                             torch.tensor(tables, dtype=torch.int32, device="cuda"), max(counts), max(seq_lens))
+    return torch.tensor(ids, device="cuda"), torch.tensor(positions, device="cuda"), meta
+
+
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [(None, "auto"), ("fp8", "fp8")])
+def test_staged_prefill_logits_match_the_gathered_launch(checkpoint: Path, quantization: str | None,
+                                                         kv_cache_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not common.is_hopper_or_newer(torch.device("cuda")):
+        pytest.skip("the staged K/V are read through TMA (Hopper or newer)")
+    llm = LLM(str(checkpoint), dtype="bfloat16", quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+              max_model_len=512, max_num_seqs=8, device="cuda", kv_cache_blocks=4 * BLOCKS_PER_ROW,
+              enforce_eager=True)
+    model, bs = llm.runner.model, llm.runner.block_size
+    feature = {"on": False}
+    original = common.launch_feature
+    monkeypatch.setattr(common, "launch_feature",
+                        lambda name, device: feature["on"] if name == "prefill_new_kv" else original(name, device))
+    staged_steps = []
+    new_staged = ops.new_staged_kv
+    monkeypatch.setattr(ops, "new_staged_kv", lambda *a: staged_steps.append(a[0]) or new_staged(*a))
+    seq_lens = [400, 300, 90, 200]
+    steps = ([400], [120, 1, 64], [1, 200, 1, 70], [300, 90, 200])  # fresh, chunk over context + decode, mixed
+    with torch.inference_mode():
+        model(*_step(seq_lens, seq_lens, bs))  # every row's context in its blocks
+        for counts in steps:
+            lens = seq_lens[: len(counts)]
+            feature["on"] = False
+            gathered = model.compute_logits(model(*_step(counts, lens, bs)))
+            before = len(staged_steps)
+            feature["on"] = True
+            staged = model.compute_logits(model(*_step(counts, lens, bs)))
+            assert len(staged_steps) > before, "the step did not stage its K/V"
+            torch.testing.assert_close(staged, gathered, rtol=2e-2, atol=2e-2)
