@@ -61,6 +61,8 @@ def test_staged_prefill_logits_match_the_gathered_launch(checkpoint: Path, quant
     staged_steps = []
     new_staged = ops.new_staged_kv
     monkeypatch.setattr(ops, "new_staged_kv", lambda *a: staged_steps.append(a[0]) or new_staged(*a))
+    # bf16 logits; an FP8 cache's dots run in fp16 over e4m3 values, whose sums the two launches order differently
+    tolerance = 2e-2 if kv_cache_dtype == "auto" else 5e-2
     seq_lens = [400, 300, 90, 200]
     steps = ([400], [120, 1, 64], [1, 200, 1, 70], [300, 90, 200])  # fresh, chunk over context + decode, mixed
     with torch.inference_mode():
@@ -73,4 +75,4 @@ def test_staged_prefill_logits_match_the_gathered_launch(checkpoint: Path, quant
             feature["on"] = True
             staged = model.compute_logits(model(*_step(counts, lens, bs)))
             assert len(staged_steps) > before, "the step did not stage its K/V"
-            torch.testing.assert_close(staged, gathered, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(staged, gathered, rtol=tolerance, atol=tolerance)
