@@ -206,9 +206,9 @@ def gpu_table(kernel: str, device: torch.device) -> dict:
     return read_table(TUNING_DIR / f"{kernel}_{gpu_key(device_name(index))}.json")
 
 
-# Launch-shape changes of the decode path, each off on a GPU until measured there (the full-load run under it
-# included): `tuning/decode_launches_<gpu>.json` names those that are on. Off CUDA (the interpreter, which only the
-# tests run) every one is on, so the tests cover them.
+# Launch-shape changes of the decode path (and one of the prefill attention), each off on a GPU until measured there
+# (the full-load run under it included): `tuning/decode_launches_<gpu>.json` names those that are on. Off CUDA (the
+# interpreter, which only the tests run) every one is on, so the tests cover them.
 LAUNCH_FEATURES = (
     "pdl_decode",  # PDL for the decode GEMVs, attention, MoE routing, small-T and grouped MoE GEMMs, the k-sum
     "attention_split_merge",  # the split-KV merge in the last split to arrive; chosen splits a ceiling
