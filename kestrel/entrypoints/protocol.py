@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    SerializerFunctionWrapHandler,
     Tag,
     ValidationError,
     field_validator,
@@ -870,7 +871,19 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-class CompletionChoice(BaseModel):
+class _StreamedChoice(BaseModel):
+    """A choice that streamed chunks carry: its `logprobs` and `finish_reason` are written as null until they have a
+    value, as OpenAI's chunks (and vLLM's) carry them, though a chunk is otherwise written without its null fields."""
+
+    @model_serializer(mode="wrap")
+    def _with_null_finish(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        data.setdefault("logprobs", None)
+        data.setdefault("finish_reason", None)
+        return data
+
+
+class CompletionChoice(_StreamedChoice):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -973,7 +986,7 @@ class DeltaMessage(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_StreamedChoice):
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogProbs | None = None

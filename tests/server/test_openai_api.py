@@ -50,7 +50,9 @@ def test_streamed_completion_equals_the_whole_one(client):
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_the_usage_chunk_leaves_null_fields_out_as_every_chunk_does(served, path):
+def test_chunks_leave_null_fields_out_but_each_choice_has_its_finish_reason_and_logprobs(served, path):
+    """A chunk is written without its null fields (the usage chunk too), except a choice's `finish_reason` and
+    `logprobs`, null until they have a value, as OpenAI's and vLLM's chunks carry them."""
     import json
 
     body = {"model": MODEL, "max_tokens": 3, "ignore_eos": True, "stream": True,
@@ -62,6 +64,12 @@ def test_the_usage_chunk_leaves_null_fields_out_as_every_chunk_does(served, path
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
     nulls = [key for chunk in chunks for key, value in chunk.items() if value is None]
     assert not nulls, nulls
+    choices = [choice for chunk in chunks for choice in chunk["choices"]]
+    assert choices and all("finish_reason" in c and "logprobs" in c for c in choices), choices
+    assert [c["finish_reason"] for c in choices if c["finish_reason"] is not None] == ["length"]
+    assert all(c["logprobs"] is None for c in choices)
+    assert not [key for c in choices for key, value in c.items() if value is None
+                and key not in ("finish_reason", "logprobs")]
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
