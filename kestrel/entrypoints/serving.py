@@ -310,8 +310,13 @@ class OpenAIServing:
                 fields["prompt_token_ids"] = list(prompt.token_ids)
             return fields
 
+        streamed: dict[int, int] = {}  # per choice: the tokens its chunks carried so far
+
         def render(choices: list[CompletionChoice]) -> str:
-            usage = _usage_of(job, completion_tokens) if request.usage_in_every_chunk else None
+            usage = None
+            if request.usage_in_every_chunk:  # the chunk's own choice and prompt so far, as vLLM counts them
+                index = choices[0].index
+                usage = _chunk_usage(job, index // n, streamed.get(index, 0))
             return sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model_name,
                                                 choices=choices, usage=usage).model_dump_json(exclude_none=True))
 
@@ -347,6 +352,7 @@ class OpenAIServing:
                     if index in finished or not (c.delta_text or c.delta_token_ids or c.finished):
                         continue
                     completion_tokens += len(c.delta_token_ids)
+                    streamed[index] = streamed.get(index, 0) + len(c.delta_token_ids)
                     logprobs = None
                     if job.params.logprobs is not None:
                         logprobs = fmt.completion(c.delta_token_ids, c.delta_logprobs, offsets.get(index, 0))
@@ -594,8 +600,11 @@ class OpenAIServing:
         fmt = self._formatter(params.logprobs, request.return_tokens_as_token_ids)
         ids = bool(request.return_token_ids)
 
+        streamed: dict[int, int] = {}  # per choice: the tokens its chunks carried so far
+
         def render(choices: list[ChatStreamChoice], prompt_token_ids: list[int] | None = None) -> str:
-            usage = _usage_of(job, completion_tokens) if request.usage_in_every_chunk else None
+            # with continuous usage, the chunk's own choice so far, as vLLM counts it
+            usage = _chunk_usage(job, 0, streamed.get(choices[0].index, 0)) if request.usage_in_every_chunk else None
             return sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model_name,
                                            choices=choices, prompt_token_ids=prompt_token_ids, usage=usage
                                            ).model_dump_json(exclude_none=True))
@@ -617,6 +626,7 @@ class OpenAIServing:
                     if c.index in finished or not (c.delta_text or c.delta_token_ids or c.finished):
                         continue
                     completion_tokens += len(c.delta_token_ids)
+                    streamed[c.index] = streamed.get(c.index, 0) + len(c.delta_token_ids)
                     text, thinking = c.delta_text, None
                     if reasoning is not None:
                         answers[c.index] += c.delta_token_ids
@@ -1142,6 +1152,17 @@ def _usage_of(job: _Submitted, completion_tokens: int) -> UsageInfo:
     usage.original_prompt_tokens = job.original_prompt_tokens
     if job.report_cached:
         usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=sum(job.cached_tokens.values()))
+    return usage
+
+
+def _chunk_usage(job: _Submitted, prompt_index: int, completion_tokens: int) -> UsageInfo:
+    """The usage a streamed chunk carries with continuous_usage_stats: its prompt's tokens and its choice's so far
+    (the stream's closing usage chunk counts them all)."""
+    usage = _usage_info(len(job.prompts[prompt_index].token_ids), completion_tokens)
+    if len(job.prompts) == 1:
+        usage.original_prompt_tokens = job.original_prompt_tokens
+    if job.report_cached:
+        usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=job.cached_tokens.get(prompt_index, 0))
     return usage
 
 

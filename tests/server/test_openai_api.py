@@ -89,6 +89,28 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     assert all(c.usage is None for c in plain[:-1])
 
 
+def test_continuous_usage_counts_each_chunks_own_choice_and_prompt(client, hf_tokenizer):
+    """With n > 1 and several prompts, a chunk's usage is its own choice's tokens so far and its own prompt's tokens
+    (as vLLM counts them); the closing usage chunk counts every choice."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    args = {"model": MODEL, "max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 3,
+            "extra_body": {"ignore_eos": True}}
+    prompts = ["Hello", "Once upon a time there was"]
+    lengths = [len(hf_tokenizer.encode(p)) for p in prompts]
+    chunks = list(client.completions.create(prompt=prompts, stream=True, stream_options=options, **args))
+    seen: dict[int, int] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        assert chunk.usage.prompt_tokens == lengths[choice.index // 2]
+        assert chunk.usage.completion_tokens >= seen.get(choice.index, 0)
+        seen[choice.index] = chunk.usage.completion_tokens
+    assert seen == {0: 5, 1: 5, 2: 5, 3: 5}
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == sum(lengths)
+    chat = list(client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], stream=True,
+                                               stream_options=options, **args))
+    finals = {c.choices[0].index: c.usage.completion_tokens for c in chat if c.choices and c.choices[0].finish_reason}
+    assert finals == {0: 5, 1: 5} and chat[-1].usage.completion_tokens == 10
+
 def test_n_samples_and_several_prompts(client):
     response = client.completions.create(model=MODEL, prompt=["Hello", "Once upon a time"], n=3, max_tokens=4,
                                          temperature=1.0, seed=11, extra_body={"ignore_eos": True})
