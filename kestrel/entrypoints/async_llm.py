@@ -33,6 +33,9 @@ class AsyncLLM:
         self.engine = AsyncEngine.from_args(str(model), max_queued_requests=max_queued_requests,
                                             request_timeout_s=request_timeout_s, **engine_args).start()
         self.tokenizer = self.engine.tokenizer
+        # Requests whose prompts are being prepared (tokenized) before they reach the engine, by id: True once an
+        # abort asked for them, which then ends them as soon as they are submitted.
+        self._preparing: dict[str, bool] = {}
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json settings, used when `generate` gets none."""
@@ -43,12 +46,20 @@ class AsyncLLM:
         """Stream one request's outputs; `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}, either
         dict with "multi_modal_data" for a multimodal model. `priority`: lower first, under
         scheduling_policy='priority'."""
-        text, token_ids = await asyncio.to_thread(tokenize_prompt, self.tokenizer, prompt)
-        token_ids, media = await asyncio.to_thread(prompt_media, self.engine.media, prompt, token_ids)
+        request_id = request_id or uuid.uuid4().hex
+        preparing = request_id not in self._preparing
+        if preparing:
+            self._preparing[request_id] = False
+        try:
+            text, token_ids = await asyncio.to_thread(tokenize_prompt, self.tokenizer, prompt)
+            token_ids, media = await asyncio.to_thread(prompt_media, self.engine.media, prompt, token_ids)
+        finally:
+            aborted = self._preparing.pop(request_id, False) if preparing else False
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         text, token_ids, params = cut_to_params(text, token_ids, media, params, self.engine.max_model_len)
-        stream = self.engine.submit(request_id or uuid.uuid4().hex, token_ids, params, text, priority=priority,
-                                    media=media)
+        stream = self.engine.submit(request_id, token_ids, params, text, priority=priority, media=media)
+        if aborted:  # asked while its prompt was being prepared: it ends at once, as an abort of a live request does
+            self.engine.abort(request_id)
         try:
             async for output in stream:
                 yield output
@@ -56,7 +67,11 @@ class AsyncLLM:
             await stream.aclose()
 
     async def abort(self, request_id: str | list[str]) -> None:
+        """End the requests: live ones with their final output (finish_reason "abort"), and one whose prompt is still
+        being prepared as soon as it reaches the engine."""
         for rid in [request_id] if isinstance(request_id, str) else request_id:
+            if rid in self._preparing:
+                self._preparing[rid] = True
             self.engine.abort(rid)
 
     async def check_health(self) -> None:

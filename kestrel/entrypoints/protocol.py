@@ -937,12 +937,12 @@ class ChatResponseMessage(BaseModel):
     annotations: list[dict[str, Any]] | None = None
     audio: dict[str, Any] | None = None
     function_call: FunctionCall | None = None
-    # left out when there are none, as vLLM does
-    tool_calls: list[ToolCall] = Field(default_factory=list, exclude_if=lambda calls: not calls)
+    # [] when there are none, as vLLM sends it (clients iterate over it)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
     # With --reasoning-parser: the model's thinking (vLLM's `reasoning`, and `reasoning_content`, its older name
-    # that clients still read); left out otherwise.
-    reasoning: str | None = Field(default=None, exclude_if=lambda text: text is None)
-    reasoning_content: str | None = Field(default=None, exclude_if=lambda text: text is None)
+    # that clients still read); null otherwise, as vLLM sends them.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):

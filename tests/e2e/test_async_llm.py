@@ -162,6 +162,31 @@ def test_async_llm_takes_a_priority(model_dir):
     assert finished.index("high") < finished.index("low")
 
 
+def test_an_abort_while_the_prompt_is_being_prepared_ends_the_request(model_dir):
+    """`abort` right after `generate` starts, while its prompt is still being tokenized (before the engine has the
+    request), ends it as soon as it is submitted: its stream closes with finish_reason "abort", it does not run
+    its 300 tokens."""
+    async def app():
+        async with AsyncLLM(model_dir, dtype="float32", max_model_len=512) as engine:
+            params = SamplingParams(max_tokens=300, ignore_eos=True)
+
+            async def consume():
+                return [out async for out in engine.generate("a long enough prompt", params, "early")]
+
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(0)  # the request is preparing its prompt in a worker thread
+            assert "early" in engine._preparing
+            await engine.abort("early")
+            outputs = await asyncio.wait_for(task, 60)
+            again = [out async for out in engine.generate("a long enough prompt", SamplingParams(max_tokens=3),
+                                                          "early")]
+            return outputs, again
+
+    outputs, again = asyncio.run(app())
+    final = outputs[-1].outputs[0]
+    assert outputs[-1].finished and final.finish_reason == "abort" and len(final.token_ids) < 300
+    assert again[-1].finished and again[-1].outputs[0].finish_reason == "length"  # the id is free again
+
 def test_shortest_prefill_serves_short_prompts_first_with_the_same_answers(model_dir):
     from kestrel import LLM
 

@@ -157,10 +157,11 @@ def test_chat_response_keys_match_vllms(openai_server):
     message = body["choices"][0]["message"]
     assert message["refusal"] is None and message["annotations"] is None
     assert message["audio"] is None and message["function_call"] is None
-    assert "tool_calls" not in message  # none: left out, as vLLM does, never `[]`
+    assert message["tool_calls"] == []  # none: an empty list, as vLLM sends it (clients iterate over it)
+    assert message["reasoning_content"] is None and message["reasoning"] is None  # no reasoning parser
     reply = openai_server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                            max_tokens=2)
-    assert reply.system_fingerprint is None and reply.choices[0].message.tool_calls is None
+    assert reply.system_fingerprint is None and reply.choices[0].message.tool_calls == []
 
 
 def test_completion_response_keys_match_vllms(openai_server):
