@@ -1,4 +1,4 @@
-"""SamplingParams: the same names and defaults as vLLM, validated on construction.
+"""SamplingParams: the same names and defaults as vLLM, validated on construction and on every assignment.
 
 This module is the one source of sampling defaults and bounds: the server's request models and the command
 line's sampling flags read `SamplingParams.default(name)` and `SAMPLING_BOUNDS` rather than restating them.
@@ -6,6 +6,7 @@ line's sampling flags read `SamplingParams.default(name)` and `SAMPLING_BOUNDS` 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import math
@@ -217,8 +218,13 @@ class PromptCompression:
         return cls(**value)
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
+    """vLLM's sampling settings of one request. Like vLLM's, a field may be assigned after construction
+    (`params.max_tokens = 32`); the assignment is checked as a new SamplingParams would be, and a refused value
+    leaves the params as they were. The engines take a copy at submission (`clone`), so a later assignment never
+    reaches a request in flight."""
+
     # The temperature of greedy decoding, for callers whose default is greedy on purpose (beam search, the
     # command line).
     GREEDY_TEMPERATURE: ClassVar[float] = 0.0
@@ -275,13 +281,31 @@ class SamplingParams:
             object.__setattr__(self, "prompt_compression", PromptCompression.from_dict(self.prompt_compression))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
-        object.__setattr__(self, "stop", list(self.stop or []))
-        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        for name, allowed in (("stop", "a string or a list of strings"), ("stop_token_ids", "a list of token ids")):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, Mapping) or not hasattr(value, "__iter__")):
+                raise SamplingParamsError(name, f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
+            object.__setattr__(self, name, list(value or []))
         if self.top_k is None or self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if self.seed == -1 and _is_int(self.seed):  # vLLM's spelling of "no seed": random sampling
             object.__setattr__(self, "seed", None)
         self._validate()
+        object.__setattr__(self, "_checked", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not self.__dict__.get("_checked"):  # the constructor's own assignments, checked by __post_init__
+            object.__setattr__(self, name, value)
+            return
+        if name not in _FIELD_DEFAULTS:
+            raise AttributeError(f"SamplingParams has no field {name!r}")
+        checked = dataclasses.replace(self, **{name: value})  # normalized and checked as a new one would be
+        for field_name in _FIELD_DEFAULTS:
+            object.__setattr__(self, field_name, getattr(checked, field_name))
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's `clone`): what the engines keep of a submitted request's params."""
+        return copy.deepcopy(self)
 
     def _validate(self) -> None:
         def bad(param: str, allowed: str) -> None:

@@ -55,7 +55,8 @@ class AsyncLLM:
             token_ids, media = await asyncio.to_thread(prompt_media, self.engine.media, prompt, token_ids)
         finally:
             aborted = self._preparing.pop(request_id, False) if preparing else False
-        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        # a copy: the caller may assign the fields of its own while this request runs
+        params = sampling_params.clone() if sampling_params is not None else self.get_default_sampling_params()
         text, token_ids, params = cut_to_params(text, token_ids, media, params, self.engine.max_model_len)
         stream = self.engine.submit(request_id, token_ids, params, text, priority=priority, media=media)
         if aborted:  # asked while its prompt was being prepared: it ends at once, as an abort of a live request does

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from tqdm.auto import tqdm
@@ -40,6 +41,7 @@ from kestrel.entrypoints.pooling_tasks import (
 from kestrel.entrypoints.prompt_compression import PARAM as COMPRESSION_PARAM
 from kestrel.entrypoints.prompt_compression import PromptCompressor, build_prompt_compressor
 from kestrel.entrypoints.token_encoding import encode_pair
+from kestrel.inputs import PROMPT_KEYS, PromptType
 from kestrel.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -56,12 +58,8 @@ from kestrel.request import InvalidRequestError, MediaItem, truncate_prompt, tru
 from kestrel.sampling_params import BeamSearchParams, SamplingParams
 from kestrel.tiny import default_model_path
 
-PromptType = str | dict[str, Any]
 PoolingTask = Literal["embed", "classify"]
 POOLING_TASKS: tuple[PoolingTask, ...] = ("embed", "classify")
-
-
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 
 
 def tokenize_prompt(tokenizer: Any, prompt: PromptType,
@@ -75,14 +73,23 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptType,
         return prompt, (tokenizer.encode(prompt) if add_special_tokens
                         else tokenizer.encode(prompt, add_special_tokens=False))
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        token_ids = prompt["prompt_token_ids"]
-        if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
-            raise InvalidRequestError("prompt_token_ids", "prompt_token_ids must be a list of integers")
-        return prompt.get("prompt"), list(token_ids)
+        return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
     if isinstance(prompt, dict) and "prompt" in prompt:
         return tokenize_prompt(tokenizer, prompt["prompt"], add_special_tokens)
     raise InvalidRequestError("prompt", f"a prompt must be a string or a dict with 'prompt' or "
                               f"'prompt_token_ids', got {type(prompt).__name__}")
+
+
+def _token_ids(value: Any) -> list[int]:
+    """A TokensPrompt's ids as a list of ints: any sequence of integers (a list, a tuple, numpy or torch integers)."""
+    if isinstance(value, str | bytes | dict) or not hasattr(value, "__iter__"):
+        raise InvalidRequestError("prompt_token_ids", f"prompt_token_ids must be a sequence of integers, got "
+                                  f"{type(value).__name__}")
+    try:
+        return [operator.index(t) for t in value]
+    except TypeError:
+        raise InvalidRequestError("prompt_token_ids", "prompt_token_ids must be a sequence of integers, got "
+                                  + ", ".join(sorted({type(t).__name__ for t in value}))) from None
 
 
 def prompt_media(media: MediaProcessor | None, prompt: PromptType,
@@ -195,7 +202,8 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = ([sampling_params] * count if isinstance(sampling_params, SamplingParams)
-                       else list(sampling_params) if isinstance(sampling_params, Iterable) else [sampling_params])
+                       else list(sampling_params) if isinstance(sampling_params, Iterable)
+                       and not isinstance(sampling_params, Mapping | str) else [sampling_params])
         if not all(isinstance(p, SamplingParams) for p in params_list):
             wrong = next(p for p in params_list if not isinstance(p, SamplingParams))
             raise InvalidRequestError("sampling_params", f"sampling_params must be a SamplingParams or a list of "

@@ -231,6 +231,29 @@ def test_prompt_dicts_are_read_whole_or_refused(model_dir):
     asyncio.run(app())
 
 
+def test_token_prompts_take_any_sequence_of_integers(model_dir):
+    """vLLM's TokensPrompt form (`kestrel.inputs`): its ids as a list, a tuple or numpy / torch integers give the
+    same output; ids that are not integers are refused by name."""
+    import numpy as np
+    import torch
+
+    from kestrel import LLM
+    from kestrel.inputs import TextPrompt, TokensPrompt
+    from kestrel.request import InvalidRequestError
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=128)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ids = llm.get_tokenizer().encode("once upon a time")
+    forms = [TokensPrompt(prompt_token_ids=ids), TokensPrompt(prompt_token_ids=tuple(ids)),
+             TokensPrompt(prompt_token_ids=np.array(ids)), TokensPrompt(prompt_token_ids=torch.tensor(ids))]
+    outputs = llm.generate(forms + [TextPrompt(prompt="once upon a time")], params, use_tqdm=False)
+    assert all(out.prompt_token_ids == ids for out in outputs)
+    assert len({tuple(out.outputs[0].token_ids) for out in outputs}) == 1
+    for bad in ([1.5, 2.0], "12", 7):
+        with pytest.raises(InvalidRequestError) as error:
+            llm.generate(TokensPrompt(prompt_token_ids=bad), params, use_tqdm=False)
+        assert error.value.param == "prompt_token_ids"
+
 def test_generate_names_a_wrong_argument(model_dir):
     from kestrel import LLM
     from kestrel.request import InvalidRequestError
@@ -241,6 +264,8 @@ def test_generate_names_a_wrong_argument(model_dir):
         with pytest.raises(InvalidRequestError) as error:
             llm.generate(*args, use_tqdm=False)
         assert error.value.param == param
+        if isinstance(args[-1], dict):
+            assert "got dict" in str(error.value)  # the dict named, not one of its keys
     # a generator of SamplingParams is a list of them
     outs = llm.generate(["a", "b"], (SamplingParams(max_tokens=n, ignore_eos=True) for n in (1, 2)), use_tqdm=False)
     assert [len(out.outputs[0].token_ids) for out in outs] == [1, 2]
