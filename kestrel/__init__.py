@@ -18,7 +18,7 @@ from kestrel.outputs import (
 from kestrel.pooling_params import PoolingParams
 from kestrel.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "BeamSearchParams", "PoolingParams",
+__all__ = ["LLM", "AsyncLLM", "AsyncEngineArgs", "SamplingParams", "RequestOutputKind", "BeamSearchParams", "PoolingParams",
            "RequestOutput", "CompletionOutput", "PoolingRequestOutput", "PoolingOutput", "EmbeddingRequestOutput",
            "EmbeddingOutput", "ClassificationRequestOutput", "ClassificationOutput", "ScoringRequestOutput",
            "ScoringOutput", "ConfigError"]
@@ -35,4 +35,8 @@ def __getattr__(name: str) -> Any:
         from kestrel.entrypoints.async_llm import AsyncLLM
 
         return AsyncLLM
+    if name == "AsyncEngineArgs":
+        from kestrel.entrypoints.async_llm import AsyncEngineArgs
+
+        return AsyncEngineArgs
     raise AttributeError(f"module 'kestrel' has no attribute {name!r}")

@@ -1,6 +1,7 @@
 """`kestrel.AsyncLLM`: the engine for asyncio applications, in vLLM's shape.
 
     llm = AsyncLLM("/models/llama", max_model_len=4096)          # the engine arguments of LLM(...)
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs("/models/llama", max_model_len=4096))   # vLLM's spelling
     async for output in llm.generate("Hello", SamplingParams(max_tokens=32), request_id="r1"):
         print(output.outputs[0].delta_text, end="")               # or .text: cumulative
     await llm.abort("r2")
@@ -17,25 +18,54 @@ iteration with the final output (finish_reason "abort", what was generated so fa
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
+from kestrel.config import ConfigError
 from kestrel.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from kestrel.entrypoints.llm import cut_to_params, prompt_media, tokenize_prompt
 from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AsyncEngineArgs:
+    """vLLM's `AsyncEngineArgs`, for `AsyncLLM.from_engine_args`: the model and the engine arguments of
+    `AsyncLLM(model, ...)`, checked when the engine is built (an unknown one is refused by name there)."""
+
+    model: str
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        object.__setattr__(self, "model", str(model))
+        object.__setattr__(self, "engine_args", dict(engine_args))
+
 
 class AsyncLLM:
     def __init__(self, model: str, *, max_queued_requests: int | None = None,
-                 request_timeout_s: float | None = None, **engine_args: Any) -> None:
+                 request_timeout_s: float | None = None, enable_log_requests: bool = False,
+                 disable_log_requests: bool = False, **engine_args: Any) -> None:
+        """`enable_log_requests`: log each request's id, prompt size and sampling settings as it is submitted
+        (`disable_log_requests`, vLLM's older spelling, is the default)."""
+        if enable_log_requests and disable_log_requests:
+            raise ConfigError("enable_log_requests and disable_log_requests contradict each other; give one")
         self.engine = AsyncEngine.from_args(str(model), max_queued_requests=max_queued_requests,
                                             request_timeout_s=request_timeout_s, **engine_args).start()
         self.tokenizer = self.engine.tokenizer
+        self.log_requests = enable_log_requests
         # Requests whose prompts are being prepared (tokenized) before they reach the engine, by id: True once an
         # abort asked for them, which then ends them as soon as they are submitted.
         self._preparing: dict[str, bool] = {}
+
+    @classmethod
+    def from_engine_args(cls, engine_args: AsyncEngineArgs) -> AsyncLLM:
+        """vLLM's constructor: `AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., max_model_len=...))`."""
+        return cls(engine_args.model, **engine_args.engine_args)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json settings, used when `generate` gets none."""
@@ -58,6 +88,8 @@ class AsyncLLM:
         # a copy: the caller may assign the fields of its own while this request runs
         params = sampling_params.clone() if sampling_params is not None else self.get_default_sampling_params()
         text, token_ids, params = cut_to_params(text, token_ids, media, params, self.engine.max_model_len)
+        if self.log_requests:
+            logger.info("request %s: %d prompt tokens, %r", request_id, len(token_ids), params)
         stream = self.engine.submit(request_id, token_ids, params, text, priority=priority, media=media)
         if aborted:  # asked while its prompt was being prepared: it ends at once, as an abort of a live request does
             self.engine.abort(request_id)
@@ -88,7 +120,8 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self.engine.error is not None
 
-    def get_tokenizer(self) -> Any:
+    async def get_tokenizer(self) -> Any:
+        """The engine's tokenizer (a coroutine, as vLLM's AsyncLLM has it)."""
         return self.tokenizer
 
     def shutdown(self) -> None:

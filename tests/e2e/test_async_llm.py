@@ -187,6 +187,29 @@ def test_an_abort_while_the_prompt_is_being_prepared_ends_the_request(model_dir)
     assert outputs[-1].finished and final.finish_reason == "abort" and len(final.token_ids) < 300
     assert again[-1].finished and again[-1].outputs[0].finish_reason == "length"  # the id is free again
 
+def test_async_llm_from_vllms_engine_args_logs_requests_and_awaits_its_tokenizer(model_dir, caplog):
+    """vLLM's spelling: `AsyncLLM.from_engine_args(AsyncEngineArgs(...))`, `enable_log_requests`, and an awaited
+    `get_tokenizer()`; an unknown engine argument is refused by name when the engine is built."""
+    import logging
+
+    from kestrel import AsyncEngineArgs, ConfigError
+
+    async def app() -> tuple[list[int], str]:
+        args = AsyncEngineArgs(model=model_dir, dtype="float32", max_model_len=64, enable_log_requests=True)
+        async with AsyncLLM.from_engine_args(args) as engine:
+            tokenizer = await engine.get_tokenizer()
+            outputs = [out async for out in engine.generate("hello", SamplingParams(max_tokens=2), "logged")]
+            return tokenizer.encode("hello"), outputs[-1].prompt_token_ids
+
+    with caplog.at_level(logging.INFO, logger="kestrel.entrypoints.async_llm"):
+        ids, prompt_ids = asyncio.run(app())
+    assert ids == prompt_ids
+    assert any("request logged" in record.getMessage() for record in caplog.records)
+    with pytest.raises(ConfigError, match="max_model_length"):
+        AsyncLLM.from_engine_args(AsyncEngineArgs(model_dir, max_model_length=64))
+    with pytest.raises(ConfigError, match="contradict"):
+        AsyncLLM(model_dir, enable_log_requests=True, disable_log_requests=True)
+
 def test_shortest_prefill_serves_short_prompts_first_with_the_same_answers(model_dir):
     from kestrel import LLM
 
