@@ -18,10 +18,10 @@ from kestrel.outputs import (
 from kestrel.pooling_params import PoolingParams
 from kestrel.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "AsyncEngineArgs", "SamplingParams", "RequestOutputKind", "BeamSearchParams", "PoolingParams",
-           "RequestOutput", "CompletionOutput", "PoolingRequestOutput", "PoolingOutput", "EmbeddingRequestOutput",
-           "EmbeddingOutput", "ClassificationRequestOutput", "ClassificationOutput", "ScoringRequestOutput",
-           "ScoringOutput", "ConfigError"]
+__all__ = ["LLM", "AsyncLLM", "AsyncEngineArgs", "SamplingParams", "RequestOutputKind", "BeamSearchParams",
+           "PoolingParams", "RequestOutput", "CompletionOutput", "PoolingRequestOutput", "PoolingOutput",
+           "EmbeddingRequestOutput", "EmbeddingOutput", "ClassificationRequestOutput", "ClassificationOutput",
+           "ScoringRequestOutput", "ScoringOutput", "ConfigError"]
 __version__ = "0.1.0"
 
 

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -872,18 +872,22 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class _StreamedChoice(BaseModel):
-    """A choice that streamed chunks carry: its `logprobs` and `finish_reason` are written as null until they have a
-    value, as OpenAI's chunks (and vLLM's) carry them, though a chunk is otherwise written without its null fields."""
+    """A choice that streamed chunks carry: its `ALWAYS_SENT` fields are written as null until they have a value,
+    as OpenAI's chunks (and vLLM's) carry them, though a chunk is otherwise written without its null fields."""
+
+    ALWAYS_SENT: ClassVar[tuple[str, ...]] = ("logprobs", "finish_reason")
 
     @model_serializer(mode="wrap")
     def _with_null_finish(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        data.setdefault("logprobs", None)
-        data.setdefault("finish_reason", None)
+        for name in self.ALWAYS_SENT:
+            data.setdefault(name, None)
         return data
 
 
 class CompletionChoice(_StreamedChoice):
+    ALWAYS_SENT: ClassVar[tuple[str, ...]] = ("logprobs", "finish_reason", "stop_reason")  # vLLM's completion chunks
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None

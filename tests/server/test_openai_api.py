@@ -68,8 +68,9 @@ def test_chunks_leave_null_fields_out_but_each_choice_has_its_finish_reason_and_
     assert choices and all("finish_reason" in c and "logprobs" in c for c in choices), choices
     assert [c["finish_reason"] for c in choices if c["finish_reason"] is not None] == ["length"]
     assert all(c["logprobs"] is None for c in choices)
-    assert not [key for c in choices for key, value in c.items() if value is None
-                and key not in ("finish_reason", "logprobs")]
+    always = ("finish_reason", "logprobs") + (("stop_reason",) if path == "/v1/completions" else ())
+    assert all(key in c for c in choices for key in always)
+    assert not [key for c in choices for key, value in c.items() if value is None and key not in always]
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
