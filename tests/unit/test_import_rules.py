@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "kestrel"
 TRAINING = ROOT / "training"
-CORE = {"config", "sampling_params", "pooling_params", "request", "outputs", "init_configs", "kv_spec", "fork_server"}
+CORE = {"config", "sampling_params", "pooling_params", "request", "outputs", "inputs", "init_configs", "kv_spec",
+        "fork_server"}
 
 # Which kestrel modules each part may import (prefix match on the dotted name below `kestrel.`).
 ALLOWED: dict[str, set[str]] = {
