@@ -11,3 +11,11 @@ run() { local limit=$1; shift; echo "== [$limit s] $*" | tee -a "$out/log.txt"
 latency() { local limit=$1 name=$2; shift 2
   run "$limit" python3 -m kestrel.bench.latency --hf-peer none --no-checks "$@" \
     --result-file "$out/latency-$name-h200.json"; }
+h200_tables() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$out/log.txt"
+  key=$(python3 -c "from kestrel.kernels.common import gpu_key, device_name; print(gpu_key(device_name(0)))")
+  tuning=kestrel/kernels/tuning
+  if [ "$key" != nvidia_h200 ]; then
+    for f in $tuning/*_nvidia_h200.json; do cp "$f" "${f%_nvidia_h200.json}_$key.json"; done
+    echo "the H200 tables copied as $key" | tee -a "$out/log.txt"
+  fi; }

@@ -14,13 +14,7 @@
 #   tput-off (features off) the Llama-3-8B full load again, the baseline of `tput` on the same machine
 #   profile  (features on) the FP8 Qwen3-30B-A3B batch-1 decode step by kernel
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
-nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$out/log.txt"
-key=$(python3 -c "from kestrel.kernels.common import gpu_key, device_name; print(gpu_key(device_name(0)))")
-tuning=kestrel/kernels/tuning
-if [ "$key" != nvidia_h200 ]; then  # another Hopper GPU runs the H200's tables, under its own name, this job only
-  for f in $tuning/*_nvidia_h200.json; do cp "$f" "${f%_nvidia_h200.json}_$key.json"; done
-  echo "the H200 tables copied as $key" | tee -a "$out/log.txt"
-fi
+h200_tables
 committed=$(mktemp)
 cp $tuning/decode_launches_$key.json "$committed" 2>/dev/null || echo '{"configs": {}}' > "$committed"
 features() {  # features off | committed | on

@@ -10,13 +10,7 @@
 #   tput-before, tput-moe  full load, 1000 prompts x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, Qwen3-30B-A3B,
 #            under the table before the tuning (benchmarks/results/issue27/moe-tune/fused_moe_before.json) / the tree's
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
-nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$out/log.txt"
-key=$(python3 -c "from kestrel.kernels.common import gpu_key, device_name; print(gpu_key(device_name(0)))")
-tuning=kestrel/kernels/tuning
-if [ "$key" != nvidia_h200 ]; then
-  for f in $tuning/*_nvidia_h200.json; do cp "$f" "${f%_nvidia_h200.json}_$key.json"; done
-  echo "the H200 tables copied as $key" | tee -a "$out/log.txt"
-fi
+h200_tables
 tuned=$(mktemp); cp $tuning/fused_moe_$key.json "$tuned"
 moe_table() { cp "$1" $tuning/fused_moe_$key.json; echo "fused MoE table: $1" | tee -a "$out/log.txt"; }
 for stage in "$@"; do

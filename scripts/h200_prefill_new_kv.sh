@@ -8,13 +8,7 @@
 #   tput-off, tput-on   full load, 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, feature off / on
 #   pack      everything under OUT in OUT/results.tar.gz
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
-nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$out/log.txt"
-key=$(python3 -c "from kestrel.kernels.common import gpu_key, device_name; print(gpu_key(device_name(0)))")
-tuning=kestrel/kernels/tuning
-if [ "$key" != nvidia_h200 ]; then
-  for f in $tuning/*_nvidia_h200.json; do cp "$f" "${f%_nvidia_h200.json}_$key.json"; done
-  echo "the H200 tables copied as $key" | tee -a "$out/log.txt"
-fi
+h200_tables
 feature() {  # feature on|off: prefill_new_kv in this GPU's decode_launches table
   python3 - "$tuning/decode_launches_$key.json" "$1" <<'PY'
 import json, sys

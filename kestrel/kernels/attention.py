@@ -139,6 +139,35 @@ def _e4m3_pairs_to_f16(w, ASM: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_i, acc, acc_odd,
+                  MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+                  V_PAIRS: tl.constexpr, SOFT_CAP: tl.constexpr):
+    """One key tile's scores (q @ k^T, the soft cap, the masks of a MASKED tile) into the online softmax: the
+    tile's probabilities and the running max, sum and accumulators rescaled to them."""
+    qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC) * qk_scale
+    if SOFT_CAP > 0:
+        qk = SOFT_CAP - (2.0 * SOFT_CAP) / (tl.math.exp2(qk) + 1.0)
+    if MASKED:
+        visible = tok_ok[None, :] & (tok[None, :] < row_end[:, None])
+        if USE_WINDOW:
+            visible = visible & (tok[None, :] > row_pos[:, None] - window)
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if MASKED:
+        # a row that has seen no key yet keeps m = -inf; subtracting 0 keeps exp2 at 0, not NaN
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.math.exp2(qk - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if V_PAIRS:
+        acc_odd = acc_odd * alpha[:, None]
+    return p, m_new, l_i, acc, acc_odd
+
+
+@triton.jit
 def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt,
                   offs_n, offs_d, offs_w, d_ok, row_pos, row_end, start, num_tiles, seg_hi, window, qk_scale,
                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
@@ -157,8 +186,8 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
     SOFT_CAP is the capped score in the log2 domain of the softmax."""
     for i in range(num_tiles):
         tok = start + i * BLOCK_N + offs_n
+        tok_ok = tok < seg_hi  # read by MASKED tiles only
         if MASKED:
-            tok_ok = tok < seg_hi
             blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
             kv_mask = tok_ok[:, None] & d_ok[None, :]
         else:
@@ -171,26 +200,10 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         else:
             k = tl.load(k_ptrs)
-        qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC) * qk_scale
-        if SOFT_CAP > 0:
-            qk = SOFT_CAP - (2.0 * SOFT_CAP) / (tl.math.exp2(qk) + 1.0)
-        if MASKED:
-            visible = tok_ok[None, :] & (tok[None, :] < row_end[:, None])
-            if USE_WINDOW:
-                visible = visible & (tok[None, :] > row_pos[:, None] - window)
-            qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if MASKED:
-            # a row that has seen no key yet keeps m = -inf; subtracting 0 keeps exp2 at 0, not NaN
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new
-        p = tl.math.exp2(qk - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, m_new, l_i, acc, acc_odd = _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_i,
+                                                    acc, acc_odd, MASKED, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS,
+                                                    SOFT_CAP)
         if V_PAIRS:
-            acc_odd = acc_odd * alpha[:, None]
             w_ptrs = v_base + (blk * stride_vb + in_blk * stride_vt)[:, None] + offs_w[None, :]
             if MASKED:
                 w = tl.load(w_ptrs, mask=tok_ok[:, None], other=0)
@@ -225,27 +238,12 @@ def _attend_new_tiles(acc, acc_odd, m_i, l_i, q, k_desc, v_desc, row_of_ctx, kv_
         row = row_of_ctx + key0
         tok = key0 + offs_n
         k = k_desc.load([row, kv_col])
-        qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC) * qk_scale
-        if SOFT_CAP > 0:
-            qk = SOFT_CAP - (2.0 * SOFT_CAP) / (tl.math.exp2(qk) + 1.0)
-        if MASKED:
-            tok_ok = tok < seg_hi
-            visible = tok_ok[None, :] & (tok[None, :] < row_end[:, None])
-            if USE_WINDOW:
-                visible = visible & (tok[None, :] > row_pos[:, None] - window)
-            qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if MASKED:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new
-        p = tl.math.exp2(qk - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        tok_ok = tok < seg_hi  # read by MASKED tiles only
+        p, m_new, l_i, acc, acc_odd = _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_i,
+                                                    acc, acc_odd, MASKED, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS,
+                                                    SOFT_CAP)
         p_dot = p.to(DOT_DTYPE)
         if V_PAIRS:
-            acc_odd = acc_odd * alpha[:, None]
             v_even = v_desc.load([row, kv_col])
             v_odd = v_desc.load([row, kv_col + HEAD // 2])
             if MASKED:
