@@ -260,6 +260,37 @@ def _attend_new_tiles(acc, acc_odd, m_i, l_i, q, k_desc, v_desc, row_of_ctx, kv_
     return acc, acc_odd, m_i, l_i
 
 
+@triton.jit
+def _attend_range(acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n, row_pos,
+                  row_end, lo, hi, full_hi, window, qk_scale, STAGED: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr,
+                  SOFT_CAP: tl.constexpr):
+    """Keys [lo, hi): the tiles below `full_hi`, which every row sees, unmasked (none under a window), then the rest
+    masked; gathered through the block table (`gathered`: `_attend_tiles`' cache arguments), or STAGED from the
+    staged rows (`_attend_new_tiles`)."""
+    num_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    if USE_WINDOW:
+        num_full = 0
+    else:
+        num_full = tl.maximum(tl.minimum(hi, full_hi) - lo, 0) // BLOCK_N
+    for masked in tl.static_range(2):
+        start = lo + masked * num_full * BLOCK_N
+        count = num_tiles - num_full if masked else num_full
+        if STAGED:
+            acc, acc_odd, m_i, l_i = _attend_new_tiles(
+                acc, acc_odd, m_i, l_i, q, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n, row_pos, row_end,
+                start, count, hi, window, qk_scale, BLOCK_N, HEAD, masked == 1, USE_WINDOW, DOT_DTYPE, DOT_PREC,
+                V_PAIRS, SOFT_CAP)
+        else:
+            k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_d, offs_w, d_ok = gathered
+            acc, acc_odd, m_i, l_i = _attend_tiles(
+                acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
+                offs_d, offs_w, d_ok, row_pos, row_end, start, count, hi, window, qk_scale, BLOCK_N, BLOCK_SIZE,
+                masked == 1, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
+    return acc, acc_odd, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi", "window", "min_keys"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, ends_ptr, lock_ptr,
@@ -356,12 +387,6 @@ def _paged_attn_kernel(
     else:
         seg_lo = lo
         seg_hi = hi
-    span = tl.maximum(seg_hi - seg_lo, 0)
-    num_tiles = tl.cdiv(span, BLOCK_N)
-    if USE_WINDOW:
-        num_full = 0
-    else:
-        num_full = tl.maximum(tl.minimum(seg_hi, full_hi) - seg_lo, 0) // BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -373,50 +398,23 @@ def _paged_attn_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    gathered = (k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_d, offs_w, d_ok)
     if NEW_KV:
         # The cached keys [seg_lo, ctx) first (every row sees them, the window aside; one tile may end inside),
-        # then the step's own [ctx, seg_hi): full tiles below full_hi, masked ones from there.
+        # then the step's own [ctx, seg_hi) from the staged rows.
         ctx_hi = tl.minimum(ctx, seg_hi)
-        ctx_span = tl.maximum(ctx_hi - seg_lo, 0)
-        ctx_tiles = tl.cdiv(ctx_span, BLOCK_N)
-        if USE_WINDOW:
-            ctx_full = 0
-        else:
-            ctx_full = ctx_span // BLOCK_N
-        acc, acc_odd, m_i, l_i = _attend_tiles(
-            acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
-            offs_d, offs_w, d_ok, row_pos, row_end, seg_lo, ctx_full, ctx_hi, window, qk_scale, BLOCK_N,
-            BLOCK_SIZE, False, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
-        acc, acc_odd, m_i, l_i = _attend_tiles(
-            acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
-            offs_d, offs_w, d_ok, row_pos, row_end, seg_lo + ctx_full * BLOCK_N, ctx_tiles - ctx_full, ctx_hi,
-            window, qk_scale, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS,
+        acc, acc_odd, m_i, l_i = _attend_range(
+            acc, acc_odd, m_i, l_i, q, gathered, None, None, 0, 0, offs_n, row_pos, row_end, seg_lo, ctx_hi, ctx_hi,
+            window, qk_scale, False, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS,
             V_ASM, SOFT_CAP)
-        own_lo = tl.maximum(seg_lo, ctx)
-        own_tiles = tl.cdiv(tl.maximum(seg_hi - own_lo, 0), BLOCK_N)
-        if USE_WINDOW:
-            own_full = 0
-        else:
-            own_full = tl.maximum(full_hi - own_lo, 0) // BLOCK_N
-        row_of_ctx = q_start - ctx
-        kv_col = kv_head * HEAD
-        acc, acc_odd, m_i, l_i = _attend_new_tiles(
-            acc, acc_odd, m_i, l_i, q, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n, row_pos, row_end,
-            own_lo, own_full, seg_hi, window, qk_scale, BLOCK_N, HEAD, False, USE_WINDOW, DOT_DTYPE, DOT_PREC,
-            V_PAIRS, SOFT_CAP)
-        acc, acc_odd, m_i, l_i = _attend_new_tiles(
-            acc, acc_odd, m_i, l_i, q, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n, row_pos, row_end,
-            own_lo + own_full * BLOCK_N, own_tiles - own_full, seg_hi, window, qk_scale, BLOCK_N, HEAD, True,
-            USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS, SOFT_CAP)
+        acc, acc_odd, m_i, l_i = _attend_range(
+            acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, q_start - ctx, kv_head * HEAD, offs_n,
+            row_pos, row_end, tl.maximum(seg_lo, ctx), seg_hi, full_hi, window, qk_scale, True, BLOCK_N, BLOCK_SIZE,
+            HEAD, HEAD_PAD, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
     else:
-        acc, acc_odd, m_i, l_i = _attend_tiles(
-            acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
-            offs_d, offs_w, d_ok, row_pos, row_end, seg_lo, num_full, seg_hi, window, qk_scale, BLOCK_N,
-            BLOCK_SIZE, False, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
-        acc, acc_odd, m_i, l_i = _attend_tiles(
-            acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_n,
-            offs_d, offs_w, d_ok, row_pos, row_end, seg_lo + num_full * BLOCK_N, num_tiles - num_full, seg_hi,
-            window, qk_scale, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, HEAD != HEAD_PAD, DOT_DTYPE, DOT_PREC, V_PAIRS,
+        acc, acc_odd, m_i, l_i = _attend_range(
+            acc, acc_odd, m_i, l_i, q, gathered, None, None, 0, 0, offs_n, row_pos, row_end, seg_lo, seg_hi, full_hi,
+            window, qk_scale, False, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS,
             V_ASM, SOFT_CAP)
     if V_PAIRS:
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
