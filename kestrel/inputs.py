@@ -11,6 +11,8 @@ class TextPrompt(TypedDict):
 
     prompt: str
     multi_modal_data: NotRequired[Any]  # a multimodal model's {"image": image or list of images}
+    # Part of the first prefix-cache block's hash: only prompts with the same salt share cached blocks.
+    cache_salt: NotRequired[str]
 
 
 class TokensPrompt(TypedDict):
@@ -19,8 +21,14 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: Sequence[int]
     prompt: NotRequired[str]
     multi_modal_data: NotRequired[Any]
+    cache_salt: NotRequired[str]
 
 
 PromptType = str | TextPrompt | TokensPrompt
 # The keys a prompt dict may hold: every key of the two forms.
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "cache_salt")
+
+
+def cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's cache_salt, None without one (the engine checks it)."""
+    return prompt.get("cache_salt") if isinstance(prompt, dict) else None

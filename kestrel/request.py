@@ -192,6 +192,8 @@ class Request:
     pooled_output: list[float] | None = None
     # Images (media) of the prompt, ordered by position: their placeholder tokens take the encoder's embeddings.
     media: tuple[MediaItem, ...] = ()
+    # vLLM's cache_salt: part of the first block's hash, so only requests with the same salt share cached blocks.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -148,13 +148,14 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     prompt: str | None = None, priority: int = 0, grammar: Any = None,
-                    media: tuple[MediaItem, ...] = ()) -> None:
+                    media: tuple[MediaItem, ...] = (), cache_salt: str | None = None) -> None:
         """`priority`: under the priority scheduling policy, lower values are served first. `grammar`: the
         compiled grammar of `params.structured_outputs` (opaque here: the grammar backend's), so that the engine
         does not compile it; None: the backend compiles it. PoolingParams instead of SamplingParams: the request
         runs its prompt and its output carries the pooled final hidden state (`RequestOutput.pooled`); its
         fields left None take the model's pooler settings. `media`: the prompt's images, each with the placeholder
-        positions its embeddings fill (the entry points' processor expanded them)."""
+        positions its embeddings fill (the entry points' processor expanded them). `cache_salt` (vLLM's): a request
+        finds in the prefix cache only blocks that requests with the same salt computed."""
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is None and self.config.model.runner == "pooling":
             raise InvalidRequestError("model", "this engine runs the pooling runner (runner='pooling', --runner "
@@ -181,6 +182,8 @@ class EngineCore:
             raise InvalidRequestError("multi_modal_data", f"this model is an encoder-decoder (Whisper): a request "
                                       f"is one audio clip and its decoder prompt, got {len(media)} media items")
         self._check_priority(priority)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt", f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if self.deltas and params.n != 1:
             raise InvalidRequestError("n", f"this engine core takes one sequence per request (its client fans out "
                                       f"n), got n={params.n}")
@@ -196,7 +199,7 @@ class EngineCore:
             request = Request(child_id, list(prompt_token_ids), child_params, eos_token_id=self.eos_token_id,
                               max_model_len=None if self.config.streaming else self.max_model_len,
                               extra_eos_token_ids=self._extra_eos,
-                              priority=priority, pooling_params=pooling, media=media)
+                              priority=priority, pooling_params=pooling, media=media, cache_salt=cache_salt)
             detokenizer = (IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, child_params,
                                                   TokenizerLookups.of(self.tokenizer))
                            if self.detokenize and params.detokenize else None)

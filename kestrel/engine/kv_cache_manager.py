@@ -257,6 +257,8 @@ class KVCacheManager:
         while (len(hashes) + 1) * size <= len(tokens):
             start = len(hashes) * size
             extra = tuple(item.content_hash for item in media if item.overlaps(start, start + size)) if media else ()
+            if start == 0 and request.cache_salt is not None:  # the chain from it on differs from every other salt's
+                extra = (f"cache_salt:{request.cache_salt}", *extra)
             hashes.append(hash_block(hashes[-1] if hashes else None, tuple(tokens[start:start + size]), extra))
         return hashes
 

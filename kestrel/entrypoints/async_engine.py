@@ -71,6 +71,7 @@ class _Add:
     priority: int = 0
     grammar: Any = None  # the compiled grammar of params.structured_outputs (the server compiles it)
     media: tuple[MediaItem, ...] = ()  # the prompt's images, their placeholders expanded (entrypoints.media)
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -323,10 +324,11 @@ class AsyncEngine:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                prompt: str | None = None, timeout_s: float | None = None, priority: int = 0,
-               grammar: Any = None, media: tuple[MediaItem, ...] = ()) -> RequestStream:
+               grammar: Any = None, media: tuple[MediaItem, ...] = (), cache_salt: str | None = None) -> RequestStream:
         """Queue a request without waiting; the stream raises the engine's refusal, if any, when read. `grammar`:
         params.structured_outputs compiled (the grammar backend's object), so the engine thread does not compile.
-        `media`: the prompt's images as the media processor (`self.media`) made them."""
+        `media`: the prompt's images as the media processor (`self.media`) made them. `cache_salt`: see
+        `EngineCore.add_request`."""
         self._check_alive()
         if getattr(params, "prompt_compression", None) is not None:
             raise InvalidRequestError("prompt_compression", "the engine takes prompts already compressed; "
@@ -345,7 +347,7 @@ class AsyncEngine:
                 raise RequestIdInUseError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
             self._commands.append(_Add(request_id, list(prompt_token_ids), params, prompt, priority, grammar,
-                                       tuple(media)))
+                                       tuple(media), cache_salt))
             self._num_pending_sequences += params.n
             self._cond.notify()
         return stream
@@ -430,7 +432,7 @@ class AsyncEngine:
                 continue  # aborted before the engine saw it
             try:
                 self.core.add_request(command.request_id, command.prompt_token_ids, command.params, command.prompt,
-                                      command.priority, command.grammar, command.media)
+                                      command.priority, command.grammar, command.media, command.cache_salt)
             except ValueError as refusal:  # InvalidRequestError and friends: this request only
                 del self._streams[command.request_id]
                 accepted.append((stream, refusal))

@@ -27,6 +27,7 @@ from typing import Any
 from kestrel.config import ConfigError
 from kestrel.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from kestrel.entrypoints.llm import cut_to_params, prompt_media, tokenize_prompt
+from kestrel.inputs import cache_salt
 from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams
 
@@ -90,7 +91,8 @@ class AsyncLLM:
         text, token_ids, params = cut_to_params(text, token_ids, media, params, self.engine.max_model_len)
         if self.log_requests:
             logger.info("request %s: %d prompt tokens, %r", request_id, len(token_ids), params)
-        stream = self.engine.submit(request_id, token_ids, params, text, priority=priority, media=media)
+        stream = self.engine.submit(request_id, token_ids, params, text, priority=priority, media=media,
+                                    cache_salt=cache_salt(prompt))
         if aborted:  # asked while its prompt was being prepared: it ends at once, as an abort of a live request does
             self.engine.abort(request_id)
         try:

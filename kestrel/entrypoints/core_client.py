@@ -299,10 +299,10 @@ class CoreClient:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                prompt: str | None = None, timeout_s: float | None = None, priority: int = 0,
-               grammar: GrammarSource | None = None) -> RequestStream:
+               grammar: GrammarSource | None = None, cache_salt: str | None = None) -> RequestStream:
         """Send the request's sequences to the core without waiting; the stream raises the core's refusal, if any,
         when read. `grammar`: the source of params.structured_outputs (the grammar pool proved it compiles); the
-        core compiles it off its loop."""
+        core compiles it off its loop. `cache_salt`: see `EngineCore.add_request`."""
         if grammar is not None and not isinstance(grammar, GrammarSource):
             raise TypeError(f"the engine core process compiles grammars itself and takes their GrammarSource, got "
                             f"{type(grammar).__name__}")
@@ -333,7 +333,8 @@ class CoreClient:
             for index, sequence_params in child_params(params):
                 cid = child_id(request_id, index, params.n)
                 self._child_parent[cid] = request_id
-                messages.append([ADD, cid, prompt_token_ids, params_to_wire(sequence_params), priority, grammar_wire])
+                messages.append([ADD, cid, prompt_token_ids, params_to_wire(sequence_params), priority, grammar_wire,
+                                 cache_salt])
             self._num_pending_sequences += params.n
         for message in messages:
             self._send(message)

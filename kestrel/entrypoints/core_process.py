@@ -216,7 +216,7 @@ class _CoreLoop:
             self._abort_deltas += self.core.abort_request(ids)
             self._aborted.extend(ids)
         elif kind == ADD:
-            _, request_id, _, params, _, grammar = message
+            _, request_id, _, params, _, grammar, _ = message
             if grammar is None and params[0] == "sampling" and params[1].get("structured_outputs") is not None:
                 grammar = "spec"  # the backend checks the spec's limits and compiles it, in the compile thread
             if grammar is not None:
@@ -256,9 +256,10 @@ class _CoreLoop:
         self._wake_writer.send_bytes(b"")
 
     def _add(self, message: list[Any], compiled: Any) -> None:
-        _, request_id, prompt_token_ids, params, priority, _ = message
+        _, request_id, prompt_token_ids, params, priority, _, cache_salt = message
         try:
-            self.core.add_request(request_id, prompt_token_ids, params_from_wire(params), None, priority, compiled)
+            self.core.add_request(request_id, prompt_token_ids, params_from_wire(params), None, priority, compiled,
+                                  cache_salt=cache_salt)
         except ValueError as refusal:  # InvalidRequestError and friends: this request only
             self._refused.append([request_id, error_to_wire(refusal)])
             return

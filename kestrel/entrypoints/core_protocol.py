@@ -1,11 +1,11 @@
 """The messages between the API server and an engine core in its own process: msgpack over a pipe, plain data only
 (token ids, numbers, strings; never pickled objects), so a message costs what its tokens cost.
 
-Client -> core: START (the EOS id), ADD (one sequence: request id, prompt ids, sampling or pooling params as a
-dict, priority, the grammar's source), ABORT (request ids), TOKENIZER_INFO, SHUTDOWN. Core -> client: READY (what
-the server needs to know of the model), ERROR (a start-up or step failure: the exception's class name and message),
-STEP (the sequences taken and refused since the last message, each advanced sequence's new tokens, the engine's
-stats, and the sequences whose abort was applied since the last message).
+Client -> core: START (the EOS id), ADD (one sequence: request id, prompt ids, sampling or pooling params as a dict,
+priority, the grammar's source, the cache salt), ABORT (request ids), TOKENIZER_INFO, SHUTDOWN. Core -> client: READY
+(what the server needs to know of the model), ERROR (a start-up or step failure: the exception's class name and
+message), STEP (the sequences taken and refused since the last message, each advanced sequence's new tokens, the
+engine's stats, and the sequences whose abort was applied since the last message).
 """
 
 from __future__ import annotations

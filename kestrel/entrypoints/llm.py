@@ -41,7 +41,7 @@ from kestrel.entrypoints.pooling_tasks import (
 from kestrel.entrypoints.prompt_compression import PARAM as COMPRESSION_PARAM
 from kestrel.entrypoints.prompt_compression import PromptCompressor, build_prompt_compressor
 from kestrel.entrypoints.token_encoding import encode_pair
-from kestrel.inputs import PROMPT_KEYS, PromptType
+from kestrel.inputs import PROMPT_KEYS, PromptType, cache_salt
 from kestrel.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -184,7 +184,8 @@ class LLM:
                 token_ids, media = self._with_media(prompt, token_ids)
                 text, token_ids, params = cut_to_params(text, token_ids, media, params, self.engine.max_model_len)
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, token_ids, params, prompt=text, priority=rank, media=media)
+                self.engine.add_request(request_id, token_ids, params, prompt=text, priority=rank, media=media,
+                                        cache_salt=cache_salt(prompt))
                 ids.append(request_id)
                 originals[request_id] = original
         except Exception:
@@ -252,8 +253,8 @@ class LLM:
                                       f"{concurrency_limit!r}")
         prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         check_beam_width(params, self.config.model.max_logprobs)
-        searches = [BeamSearch(self._tokenize(p, "LLM.beam_search")[1], params, self.engine.eos_token_ids,
-                               self.engine.max_model_len) for p in prompts]
+        searches = [BeamSearch(self._tokenize(p, "LLM.beam_search", salted=False)[1], params,
+                               self.engine.eos_token_ids, self.engine.max_model_len) for p in prompts]
         step_params = params.step_params()
         group = concurrency_limit or len(searches) or 1
         bar = tqdm(total=len(searches), desc="Beam search", unit="prompt", disable=not use_tqdm)
@@ -433,8 +434,7 @@ class LLM:
     def _bi_encoder_scores(self, pairs: list[tuple[PromptType, PromptType]], pooling_params: PoolingParams | None,
                            truncate: int | None, use_tqdm: bool | Callable[..., Any]) -> list[ScoringRequestOutput]:
         """Both sides embedded, each distinct prompt once, as /score does with an embedding model."""
-        tokenized = [(self._tokenize(first, "LLM.score"), self._tokenize(second, "LLM.score"))
-                     for first, second in pairs]
+        tokenized = [tuple(self._tokenize(side, "LLM.score", salted=False) for side in pair) for pair in pairs]
         distinct = list(dict.fromkeys(tuple(ids) for side in tokenized for _, ids in side))
         params = self._pooling_params(pooling_params, len(distinct), "embed")
         outputs = self._pool([{"prompt_token_ids": list(ids)} for ids in distinct], params, truncate, use_tqdm)
@@ -508,7 +508,7 @@ class LLM:
                 text, token_ids = self._tokenize(prompt, "pooling (embed, classify, score, encode)")
                 text, token_ids = truncate_prompt(text, token_ids, truncate, self.engine.max_model_len)
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, token_ids, pooling, prompt=text)
+                self.engine.add_request(request_id, token_ids, pooling, prompt=text, cache_salt=cache_salt(prompt))
                 ids.append(request_id)
         except Exception:
             self.engine.abort_request(ids)
@@ -528,11 +528,16 @@ class LLM:
             raise InvalidRequestError("lora_request", "lora_request: LoRA adapters are not supported; merge the "
                                       "adapter into the model's weights and load that checkpoint")
 
-    def _tokenize(self, prompt: PromptType, text_only: str | None = None) -> tuple[str | None, list[int]]:
-        """`text_only`: the method, which takes no multi_modal_data (refused, naming it)."""
+    def _tokenize(self, prompt: PromptType, text_only: str | None = None,
+                  salted: bool = True) -> tuple[str | None, list[int]]:
+        """`text_only`: the method, which takes no multi_modal_data (refused, naming it); `salted=False`: nor a
+        cache_salt (its prompts are not requests of their own)."""
         if text_only is not None and isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             raise InvalidRequestError("multi_modal_data", f"{text_only} takes text prompts only; send the prompt "
                                       "without multi_modal_data (LLM.generate takes images)")
+        if not salted and cache_salt(prompt) is not None:
+            raise InvalidRequestError("cache_salt", f"{text_only} takes no cache_salt; LLM.generate and the pooling "
+                                      "methods do")
         # An encoder-decoder model's text prompt is its decoder prompt with the special tokens written out
         # ("<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"): the tokenizer adds none of its own.
         decoder_prompt = self.media is not None and getattr(self.media, "encoder_decoder", False)

@@ -114,7 +114,6 @@ NOT_SUPPORTED_FIELDS: dict[str, str] = {
     "mm_processor_kwargs": "per-request processor settings are not supported; the server's --mm-processor-kwargs "
                            "applies to every request",
     "logits_processors": "custom logits processors are not implemented",
-    "cache_salt": "prefix-cache salting is not implemented yet",
     "kv_transfer_params": "KV transfer is not implemented",
     "vllm_xargs": "vLLM's extension arguments are not implemented",
     **{name: _OPENAI_PLATFORM for name in ("store", "metadata", "service_tier", "modalities",
@@ -222,6 +221,8 @@ class _SamplingRequest(_Request):
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens as "token_id:N" (for unprintable ones)
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids in the response
     priority: Int | None = None  # vLLM's: lower first, when the server runs --scheduling-policy priority
+    # vLLM's: part of the first prefix-cache block's hash, so only requests with the same salt share cached blocks
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # vLLM's: the request's id in the engine and the logs, and the response's after its prefix ("chatcmpl-ID");
     # one in use by a request still running is a 400.
     request_id: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")] | None = None

@@ -256,7 +256,8 @@ class OpenAIServing:
         job = await self._submit(f"cmpl-{_request_id(request)}", prompts, params, arrival, prompt_param="prompt",
                                  logprobs_param="logprobs", priority=request.priority,
                                  structured_param=request.structured_outputs_field,
-                                 shape=_completion_shape(request, params, prompts), grammar=grammar)
+                                 shape=_completion_shape(request, params, prompts), grammar=grammar,
+                                 cache_salt=request.cache_salt)
         job.model_name = self.response_model_name(request.model)
         job.original_prompt_tokens = original_tokens
         if request.echo:
@@ -479,7 +480,7 @@ class OpenAIServing:
         job = await self._submit(f"chatcmpl-{_request_id(request)}", [_Prompt(None, token_ids)], params, arrival,
                                  prompt_param="messages", logprobs_param="top_logprobs", priority=request.priority,
                                  structured_param=structured_param, shape=_chat_shape(request, params),
-                                 grammar=grammar, media=media)
+                                 grammar=grammar, media=media, cache_salt=request.cache_salt)
         job.model_name = self.response_model_name(request.model)
         job.original_prompt_tokens = original_tokens
         tools = _tool_setup(request, prompt.assistant_prefix, prompt.tool_format)  # --tool-call-parser's, if given
@@ -868,7 +869,8 @@ class OpenAIServing:
     async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
                       arrival: float, prompt_param: str, logprobs_param: str, priority: int | None = None,
                       structured_param: str = "structured_outputs", shape: ResponseShape | None = None,
-                      grammar: Any = None, media: tuple[MediaItem, ...] = ()) -> _Submitted:
+                      grammar: Any = None, media: tuple[MediaItem, ...] = (),
+                      cache_salt: str | None = None) -> _Submitted:
         """Check the response's size, queue one engine request per prompt (all or none) and wait until the engine
         accepted them (the routes checked the number of sequences before their tokenizing). Refusals name the
         request's own fields (`prompt_param`, `logprobs_param`), not the engine's. `grammar`: the compiled grammar
@@ -879,7 +881,8 @@ class OpenAIServing:
         self.engine.check_capacity(len(prompts) * params.n)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         with_media = {"media": media} if media else {}  # only a multimodal engine (in-process) takes media
-        rest = {"params": params, "priority": priority or 0, "grammar": grammar, **with_media}
+        rest = {"params": params, "priority": priority or 0, "grammar": grammar, "cache_salt": cache_salt,
+                **with_media}
         try:
             streams = submit_all(self.engine, [(rid, p.token_ids, {**rest, "prompt": p.text})
                                                for rid, p in zip(ids, prompts)])

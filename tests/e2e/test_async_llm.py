@@ -277,6 +277,34 @@ def test_token_prompts_take_any_sequence_of_integers(model_dir):
             llm.generate(TokensPrompt(prompt_token_ids=bad), params, use_tqdm=False)
         assert error.value.param == "prompt_token_ids"
 
+def test_a_cache_salt_shares_cached_blocks_only_with_its_own_salt(model_dir):
+    """vLLM's `cache_salt` prompt key: the first block's hash carries it, so a salted prompt finds in the prefix cache
+    only what prompts of the same salt computed (an unsalted one only unsalted blocks); generate and the pooling
+    methods take it, beam_search refuses it, and an empty salt is refused by name."""
+    from kestrel import LLM
+    from kestrel.inputs import TokensPrompt
+    from kestrel.request import InvalidRequestError
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=128)
+    params = SamplingParams(max_tokens=1)
+    ids = list(range(10, 60))  # three full blocks of 16 can come from the cache
+
+    def cached(salt: str | None) -> int:
+        prompt = TokensPrompt(prompt_token_ids=ids) if salt is None else TokensPrompt(prompt_token_ids=ids,
+                                                                                      cache_salt=salt)
+        return llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens
+
+    assert [cached(s) for s in ("a", "a", "b", None, None, "b")] == [0, 48, 0, 0, 48, 48]
+    with pytest.raises(InvalidRequestError) as empty:
+        llm.generate(TokensPrompt(prompt_token_ids=ids, cache_salt=""), params, use_tqdm=False)
+    assert empty.value.param == "cache_salt"
+    from kestrel.sampling_params import BeamSearchParams
+
+    with pytest.raises(InvalidRequestError) as beam:
+        llm.beam_search([TokensPrompt(prompt_token_ids=ids, cache_salt="a")], BeamSearchParams(beam_width=2,
+                                                                                               max_tokens=2))
+    assert beam.value.param == "cache_salt"
+
 def test_generate_names_a_wrong_argument(model_dir):
     from kestrel import LLM
     from kestrel.request import InvalidRequestError

@@ -112,6 +112,18 @@ def test_continuous_usage_counts_each_chunks_own_choice_and_prompt(client, hf_to
     finals = {c.choices[0].index: c.usage.completion_tokens for c in chat if c.choices and c.choices[0].finish_reason}
     assert finals == {0: 5, 1: 5} and chat[-1].usage.completion_tokens == 10
 
+def test_cache_salt_is_taken_and_an_empty_one_refused(served):
+    """vLLM's cache_salt reaches the engine (thread and core process alike; its effect on the prefix cache:
+    tests/server/test_vllm_parity.py); an empty salt is a 400 naming it."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}), ("/v1/chat/completions", chat)):
+        ok = HTTP.post(f"{served.base_url}{path}", headers=served.headers,
+                       json={"model": MODEL, **body, "cache_salt": "tenant-a"})
+        assert ok.status_code == 200, ok.text
+        empty = HTTP.post(f"{served.base_url}{path}", headers=served.headers,
+                          json={"model": MODEL, **body, "cache_salt": ""})
+        assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt", empty.text
+
 def test_n_samples_and_several_prompts(client):
     response = client.completions.create(model=MODEL, prompt=["Hello", "Once upon a time"], n=3, max_tokens=4,
                                          temperature=1.0, seed=11, extra_body={"ignore_eos": True})

@@ -221,6 +221,10 @@ def test_prompt_tokens_details_count_the_prefix_cache(tiny_model_dir, live_serve
         assert samples["vllm:request_prefill_kv_computed_tokens_sum"] == (
             70 + 6 + chat_prompt - chunks[-1].usage.prompt_tokens_details.cached_tokens)
         assert samples["vllm:request_prefill_kv_computed_tokens_count"] == 3
+        # vLLM's cache_salt: a salted prompt shares cached blocks only with prompts of the same salt
+        salted = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt})
+                  for salt in ("tenant-a", "tenant-a", "tenant-b")]
+        assert [r.usage.prompt_tokens_details.cached_tokens for r in salted] == [0, 64, 0]
     finally:
         server.stop()
 
