@@ -119,9 +119,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
     args = parser.parse_args()
-    global SHAPES, STAGED_CONFIGS
+    shapes, configs = SHAPES, STAGED_CONFIGS
     if args.smoke:
-        SHAPES, STAGED_CONFIGS, args.runs = [(64, 64), (32, 96)], [AttnConfig(32, 16, 4, 2)], 1
+        shapes, configs, args.runs = [(64, 64), (32, 96)], [AttnConfig(32, 16, 4, 2)], 1
     device = torch.device("cpu" if args.smoke else "cuda")
     common.launch_feature = _feature_on
     gen = torch.Generator(device=device).manual_seed(0)
@@ -131,14 +131,14 @@ def main() -> int:
     out_file = Path(args.out) / f"prefill-attention-{gpu}.json"
     for cache_name, cache_dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
         fp8 = cache_dtype == torch.float8_e4m3fn
-        for query_len, ctx in SHAPES:
+        for query_len, ctx in shapes:
             case = make_case(query_len, ctx, cache_dtype, device, gen)
             staged = staged_kv_ref(case["k"], case["v"], case["slots"])
             gathered_out, gathered = call(case, None, None, fp8)
             gathered()
             row = {"cache": cache_name, "query_len": query_len, "ctx": ctx, "TFLOP": flops(query_len, ctx) / 1e12}
             row["gathered_us"] = time_calls([gathered], args.runs, device)[0]
-            for cfg in STAGED_CONFIGS:
+            for cfg in configs:
                 name = f"staged_{cfg.block_m}x{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
                 try:
                     out, fn = call(case, staged, cfg, fp8)
