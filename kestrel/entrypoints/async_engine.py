@@ -10,6 +10,7 @@ taken yet are merged (their deltas joined), so a stalled client holds one output
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -77,6 +78,11 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _ResetPrefixCache:
+    done: concurrent.futures.Future  # its result: whether the cache was reset (only while no request holds a block)
 
 
 class RequestIdInUseError(ValueError):
@@ -188,7 +194,7 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.request_timeout_s = request_timeout_s
         self._cond = threading.Condition()
-        self._commands: list[_Add | _Abort] = []
+        self._commands: list[_Add | _Abort | _ResetPrefixCache] = []
         # Aborted ids whose abort the engine thread has not applied: a step in flight may still answer for them,
         # so a new request may not take the id before then.
         self._aborting: set[str] = set()
@@ -373,6 +379,18 @@ class AsyncEngine:
             self._aborting.add(request_id)
             self._cond.notify()
 
+    def reset_prefix_cache(self) -> concurrent.futures.Future:
+        """Forget every cached prompt prefix before the engine's next step; the future's result says whether it was
+        (only while no request holds a block, as `LLM.reset_prefix_cache`)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._check_alive()
+            if self._failed is not None:
+                raise EngineDeadError(str(self._failed))
+            self._commands.append(_ResetPrefixCache(done))
+            self._cond.notify()
+        return done
+
     def _check_alive(self) -> None:
         if self._error is not None:
             raise EngineDeadError(ENGINE_FAILED_MESSAGE)
@@ -416,10 +434,13 @@ class AsyncEngine:
             return
         self._fail_all(EngineDeadError("the engine was shut down"))
 
-    def _apply(self, commands: list[_Add | _Abort]) -> list[tuple[RequestStream, Any]]:
+    def _apply(self, commands: list[_Add | _Abort | _ResetPrefixCache]) -> list[tuple[RequestStream, Any]]:
         """Run the callers' commands; return each added request's reply (accepted, or its refusal)."""
         accepted: list[tuple[RequestStream, Any]] = []
         for command in commands:
+            if isinstance(command, _ResetPrefixCache):
+                command.done.set_result(self.core.scheduler.kv.reset_prefix_cache())
+                continue
             if isinstance(command, _Abort):
                 finals = self.core.abort_request([command.request_id])
                 self._aborting.discard(command.request_id)
@@ -468,6 +489,9 @@ class AsyncEngine:
             self._failed = error  # a submit that passed _check_alive meanwhile finds it under the lock
             streams = list(self._streams.values())
             self._streams.clear()
+            for command in self._commands:
+                if isinstance(command, _ResetPrefixCache):
+                    command.done.set_exception(error)
             self._commands = []
             self._aborting.clear()
             self._num_pending_sequences = 0

@@ -109,6 +109,11 @@ class AsyncLLM:
                 self._preparing[rid] = True
             self.engine.abort(rid)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's, for benchmarks that must not reuse one); only while no request
+        holds a block: False otherwise."""
+        return await asyncio.wrap_future(self.engine.reset_prefix_cache())
+
     async def check_health(self) -> None:
         if not self.engine.is_healthy:
             raise EngineDeadError("the engine is not running" + (f": {self.engine.error!r}" if self.engine.error

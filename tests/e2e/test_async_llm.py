@@ -210,6 +210,27 @@ def test_async_llm_from_vllms_engine_args_logs_requests_and_awaits_its_tokenizer
     with pytest.raises(ConfigError, match="contradict"):
         AsyncLLM(model_dir, enable_log_requests=True, disable_log_requests=True)
 
+def test_async_llm_resets_its_prefix_cache_between_requests(model_dir):
+    """vLLM's `await AsyncLLM.reset_prefix_cache()`: applied by the engine thread before its next step; a repeated
+    prompt then computes again."""
+    from kestrel.inputs import TokensPrompt
+
+    async def app() -> tuple[list[int], bool]:
+        async with AsyncLLM(model_dir, dtype="float32", max_model_len=128) as engine:
+            prompt = TokensPrompt(prompt_token_ids=list(range(10, 60)))
+
+            async def cached(name: str) -> int:
+                outputs = [out async for out in engine.generate(prompt, SamplingParams(max_tokens=1), name)]
+                return outputs[-1].num_cached_tokens
+
+            counts = [await cached("first"), await cached("again")]
+            reset = await engine.reset_prefix_cache()
+            counts.append(await cached("after"))
+            return counts, reset
+
+    counts, reset = asyncio.run(app())
+    assert reset and counts == [0, 48, 0]
+
 def test_shortest_prefill_serves_short_prompts_first_with_the_same_answers(model_dir):
     from kestrel import LLM
 
