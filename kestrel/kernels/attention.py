@@ -637,18 +637,21 @@ def staged_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor,
     k, v = staged
     if stages_v_in_pairs(k_cache.dtype):
         v = torch.cat((v[..., 0::2], v[..., 1::2]), dim=-1)
-    return k.reshape(len(slots), -1), v.reshape(len(slots), -1)
+    return k.reshape(len(slots), num_kv_heads * head_size), v.reshape(len(slots), num_kv_heads * head_size)
 
 
 def check_staged_kv(staged: tuple[torch.Tensor, torch.Tensor], num_tokens: int, k_cache: torch.Tensor) -> None:
-    """Refuse staged K/V that are not the step's `[tokens, kv_heads * head]` rows of `staged_kv_dtype`."""
+    """Refuse staged K/V that are not the step's `[tokens, kv_heads * head]` rows of `staged_kv_dtype`, 16-byte
+    aligned rows (as tensor descriptors read them; `new_staged_kv`'s are)."""
     width = k_cache.shape[2] * k_cache.shape[3]
     expected = staged_kv_dtype(k_cache.dtype)
     for name, x in zip("kv", staged):
-        if x.shape != (num_tokens, width) or x.stride(-1) != 1 or x.dtype != expected or x.device != k_cache.device:
+        aligned = (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+        if (x.shape != (num_tokens, width) or x.stride(-1) != 1 or x.dtype != expected
+                or x.device != k_cache.device or not aligned):
             raise ValueError(f"staged {name} {tuple(x.shape)} {x.dtype} on {x.device} (strides {x.stride()}) is not "
-                             f"the step's [{num_tokens}, {width}] {expected} rows on {k_cache.device} with a "
-                             "contiguous last dimension")
+                             f"the step's [{num_tokens}, {width}] {expected} rows on {k_cache.device}, 16-byte "
+                             "aligned, with a contiguous last dimension (ops.new_staged_kv makes them)")
 
 
 def reads_staged_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -712,9 +715,10 @@ def paged_attention(
     """Triton paged attention with `paged_attention_ref`'s semantics (`causal_ends` included); no host
     synchronization.
 
-    `new_kv`: the step's own keys and values as the cache holds them, staged in token order (`stage_new_kv`'s
-    layout): the prefill launch reads them whole-tile through tensor descriptors (TMA) instead of gathering them
-    from the cache's blocks. Only a hint: ignored where the launch cannot use it (`reads_staged_kv`).
+    `new_kv`: the step's own keys and values as the cache holds them, staged in token order (`new_staged_kv`'s
+    tensors, which `rope_store_kv(..., staged=...)` fills): the prefill launch reads them whole-tile through tensor
+    descriptors (TMA) instead of gathering them from the cache's blocks. Only a hint: ignored where the launch cannot
+    use it (`reads_staged_kv`).
 
     `max_query_len` / `max_seq_len` are optional host-side hints (AttentionMetadata has them):
     `max_query_len` must bound every sequence's query length (a decode CUDA graph can pass 1, a prefill graph

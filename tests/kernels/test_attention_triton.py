@@ -260,6 +260,8 @@ def test_staged_rows_hold_what_the_cache_holds(device: torch.device) -> None:
     assert torch.equal(v[2].view(2, 8), torch.cat((values.view(-1, 2, 8)[0, :, 0::2],
                                                    values.view(-1, 2, 8)[0, :, 1::2]), -1).to(torch.float16))
     assert not k[1].any() and not v[1].any()
+    empty = staged_kv_ref(cache, values, slots[:0])
+    assert empty[0].shape == empty[1].shape == (0, 16)
 
 
 def test_head128_bf16(device: torch.device) -> None:

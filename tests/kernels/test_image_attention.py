@@ -72,13 +72,31 @@ def test_reference_and_cpu_path_match_the_oracle(window: int | None) -> None:
     assert rel_err(plain, oracle) > 1e-2
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["gathered", "staged"])
 @pytest.mark.parametrize("window", [None, 7])
-def test_triton_kernel_matches_the_oracle(device: torch.device, window: int | None) -> None:
+def test_triton_kernel_matches_the_oracle(device: torch.device, window: int | None, staged: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staged: the prefill launch reads each sequence's own keys (past a row's position inside its image too) from
+    the staged rows (`new_kv`); the prefilled rows' cache slots are poisoned after staging, so a read shows."""
+    from kestrel.kernels import attention, common
+
     case = Case(SEQS, 8, 2, 32, device, seed=12)
     ends = causal_ends(SEQS, RUNS)
+    oracle = expected(case, window, ends)
+    new_kv = None
+    if staged:
+        monkeypatch.setattr(common, "launch_feature", lambda name, device: True)
+        if not attention.reads_staged_kv(case.q, case.k_cache, case.v_cache):
+            pytest.skip("no TMA here, or float32 activations on a GPU: the prefill launch gathers every key")
+        new_kv = attention.staged_kv_ref(case.k_cache, case.v_cache, case.query_slots)
+        starts = case.query_start_loc.tolist()
+        prefilled = torch.cat([case.query_slots[starts[s]:starts[s + 1]] for s, (_, n) in enumerate(SEQS)
+                               if n > SMALL_DECODE.block_m // 4])
+        for cache in (case.k_cache, case.v_cache):
+            cache.view(-1, *cache.shape[2:])[prefilled.long()] = float("nan")
     out = case.run(sliding_window=window, causal_ends=ends.to(device), decode_cfg=SMALL_DECODE,
-                   prefill_cfg=SMALL_PREFILL, num_splits=2)
-    assert rel_err(out, expected(case, window, ends)) < 1e-5
+                   prefill_cfg=SMALL_PREFILL, num_splits=2, new_kv=new_kv)
+    assert rel_err(out, oracle) < 1e-5
 
 
 def test_ends_at_the_rows_own_positions_are_causal_attention(device: torch.device) -> None:
