@@ -399,23 +399,18 @@ def _paged_attn_kernel(
     v_base = v_ptr + kv_head * stride_vh
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     gathered = (k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_d, offs_w, d_ok)
+    # With NEW_KV the block table gives the cached keys [seg_lo, ctx) only (every row sees them, full_hi > ctx; one
+    # tile may end inside), and the staged rows the step's own [ctx, seg_hi).
+    gathered_hi = tl.minimum(ctx, seg_hi) if NEW_KV else seg_hi
+    acc, acc_odd, m_i, l_i = _attend_range(
+        acc, acc_odd, m_i, l_i, q, gathered, None, None, 0, 0, offs_n, row_pos, row_end, seg_lo, gathered_hi, full_hi,
+        window, qk_scale, False, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS,
+        V_ASM, SOFT_CAP)
     if NEW_KV:
-        # The cached keys [seg_lo, ctx) first (every row sees them, the window aside; one tile may end inside),
-        # then the step's own [ctx, seg_hi) from the staged rows.
-        ctx_hi = tl.minimum(ctx, seg_hi)
-        acc, acc_odd, m_i, l_i = _attend_range(
-            acc, acc_odd, m_i, l_i, q, gathered, None, None, 0, 0, offs_n, row_pos, row_end, seg_lo, ctx_hi, ctx_hi,
-            window, qk_scale, False, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS,
-            V_ASM, SOFT_CAP)
         acc, acc_odd, m_i, l_i = _attend_range(
             acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, q_start - ctx, kv_head * HEAD, offs_n,
             row_pos, row_end, tl.maximum(seg_lo, ctx), seg_hi, full_hi, window, qk_scale, True, BLOCK_N, BLOCK_SIZE,
             HEAD, HEAD_PAD, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
-    else:
-        acc, acc_odd, m_i, l_i = _attend_range(
-            acc, acc_odd, m_i, l_i, q, gathered, None, None, 0, 0, offs_n, row_pos, row_end, seg_lo, seg_hi, full_hi,
-            window, qk_scale, False, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS,
-            V_ASM, SOFT_CAP)
     if V_PAIRS:
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
 
@@ -670,8 +665,10 @@ def reads_staged_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _v_in_pairs(v_cache: torch.Tensor, head_size: int) -> bool:
-    """An e4m3 V cache read as int16 words of two values (V_PAIRS, see `_attend_tiles`)."""
-    return (v_cache.dtype == torch.float8_e4m3fn and head_size == _next_pow2(head_size) and v_cache.stride(-1) == 1
+    """An e4m3 V cache read as int16 words of two values (V_PAIRS, see `_attend_tiles`): its head fills the kernel's
+    padded head (a power of two, at least 16)."""
+    return (v_cache.dtype == torch.float8_e4m3fn and head_size == max(16, _next_pow2(head_size))
+            and v_cache.stride(-1) == 1
             and all(st % 2 == 0 for st in v_cache.stride()[:-1]) and v_cache.storage_offset() % 2 == 0)
 
 

@@ -178,7 +178,8 @@ def _rope_store_kv_kernel(
     else:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         h = (g - Q_GROUPS - KV_GROUPS) * GROUP + tl.arange(0, GROUP)
-        mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD)[None, :] & (slot >= 0)
+        head_mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD)[None, :]
+        mask = head_mask & (slot >= 0)
         x = tl.load(v_ptr + t * stride_v + h[:, None] * HEAD + d[None, :], mask=mask, other=0.0).to(tl.float32)
         dst = (v_cache_ptr + (slot // BLOCK_SIZE) * stride_vcb + (slot % BLOCK_SIZE) * stride_vct
                + h[:, None] * stride_vch + d[None, :])
@@ -189,7 +190,6 @@ def _rope_store_kv_kernel(
                 col = (d % 2) * (HEAD // 2) + d // 2
             else:
                 col = d
-            head_mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD)[None, :]
             tl.store(staged_v_ptr + t * stride_sv + h[:, None] * HEAD + col[None, :],
                      stored.to(staged_v_ptr.dtype.element_ty), mask=head_mask)
 
