@@ -323,6 +323,11 @@ class EngineCore:
             self._release_finished()
         return finals
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's, for benchmarks that must not reuse one); only while no request
+        holds a block: False otherwise."""
+        return self.scheduler.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
 

@@ -439,7 +439,7 @@ class AsyncEngine:
         accepted: list[tuple[RequestStream, Any]] = []
         for command in commands:
             if isinstance(command, _ResetPrefixCache):
-                command.done.set_result(self.core.scheduler.kv.reset_prefix_cache())
+                command.done.set_result(self.core.reset_prefix_cache())
                 continue
             if isinstance(command, _Abort):
                 finals = self.core.abort_request([command.request_id])

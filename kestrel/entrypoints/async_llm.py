@@ -24,9 +24,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kestrel.config import ConfigError
 from kestrel.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from kestrel.entrypoints.llm import cut_to_params, prompt_media, tokenize_prompt
+from kestrel.entrypoints.server_config import check_log_requests
 from kestrel.inputs import cache_salt
 from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams
@@ -53,8 +53,7 @@ class AsyncLLM:
                  disable_log_requests: bool = False, **engine_args: Any) -> None:
         """`enable_log_requests`: log each request's id, prompt size and sampling settings as it is submitted
         (`disable_log_requests`, vLLM's older spelling, is the default)."""
-        if enable_log_requests and disable_log_requests:
-            raise ConfigError("enable_log_requests and disable_log_requests contradict each other; give one")
+        check_log_requests(enable_log_requests, disable_log_requests)
         self.engine = AsyncEngine.from_args(str(model), max_queued_requests=max_queued_requests,
                                             request_timeout_s=request_timeout_s, **engine_args).start()
         self.tokenizer = self.engine.tokenizer

@@ -579,7 +579,7 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (vLLM's method, for benchmarks that must not reuse one); only
         possible between generate calls, while no request holds a block: False otherwise."""
-        return self.engine.scheduler.kv.reset_prefix_cache()
+        return self.engine.reset_prefix_cache()
 
     @property
     def stats(self):

@@ -48,6 +48,12 @@ def _opt(default: Any, help_text: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help_text, **extra})
 
 
+
+def check_log_requests(enable_log_requests: bool, disable_log_requests: bool) -> None:
+    """vLLM's two request-logging flags (the server's and AsyncLLM's): both set contradict each other."""
+    if enable_log_requests and disable_log_requests:
+        raise ConfigError("enable_log_requests and disable_log_requests contradict each other; give one")
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = _opt("127.0.0.1", "address to bind (0.0.0.0 for every interface)")
@@ -161,8 +167,7 @@ class ServerConfig:
     disable_uvicorn_access_log: bool = _opt(False, "leave out the HTTP server's access log line per request")
 
     def __post_init__(self) -> None:
-        if self.disable_log_requests and self.enable_log_requests:
-            raise ConfigError("enable_log_requests and disable_log_requests contradict each other; give one")
+        check_log_requests(self.enable_log_requests, self.disable_log_requests)
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 1 <= self.port <= 65535:
             raise ConfigError(f"invalid port={self.port!r}: expected a TCP port from 1 to 65535")
         for name in ("max_queued_requests", "max_request_bytes", "max_logprob_entries", "max_response_bytes",
