@@ -162,10 +162,6 @@ class _Submitted:
         for stream in self.streams:
             await stream.aclose()
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p.token_ids) for p in self.prompts)
-
 
 def error_body(message: str, err_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=code)).model_dump()
@@ -296,7 +292,7 @@ class OpenAIServing:
         n = job.params.n
         offsets: dict[int, int] = {}
         finished: set[int] = set()
-        completion_tokens = 0
+        streamed: dict[int, int] = {}  # per choice: the tokens its chunks carried so far
         fmt = self._formatter(job.params.logprobs, request.return_tokens_as_token_ids)
         ids = bool(request.return_token_ids)
         ids_sent: set[int] = set()
@@ -311,13 +307,11 @@ class OpenAIServing:
                 fields["prompt_token_ids"] = list(prompt.token_ids)
             return fields
 
-        streamed: dict[int, int] = {}  # per choice: the tokens its chunks carried so far
-
         def render(choices: list[CompletionChoice]) -> str:
             usage = None
             if request.usage_in_every_chunk:  # the chunk's own choice and prompt so far, as vLLM counts them
                 index = choices[0].index
-                usage = _chunk_usage(job, index // n, streamed.get(index, 0))
+                usage = _usage_of(job, streamed.get(index, 0), prompt_index=index // n)
             return sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model_name,
                                                 choices=choices, usage=usage).model_dump_json(exclude_none=True))
 
@@ -352,7 +346,6 @@ class OpenAIServing:
                     index = i * n + c.index
                     if index in finished or not (c.delta_text or c.delta_token_ids or c.finished):
                         continue
-                    completion_tokens += len(c.delta_token_ids)
                     streamed[index] = streamed.get(index, 0) + len(c.delta_token_ids)
                     logprobs = None
                     if job.params.logprobs is not None:
@@ -366,7 +359,7 @@ class OpenAIServing:
                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                                  **token_ids(index, job.prompts[i], c.delta_token_ids)))
             if request.include_usage_in_stream:
-                usage = _usage_of(job, completion_tokens)
+                usage = _usage_of(job, sum(streamed.values()))
                 yield sse(CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model_name,
                                                    choices=[], usage=usage).model_dump_json(exclude_none=True))
         except Exception as error:  # the status line is sent: errors can only travel as an event
@@ -597,15 +590,14 @@ class OpenAIServing:
         splitters = {i: reasoning.splitter() for i in range(params.n)} if reasoning is not None else {}
         answers: dict[int, list[int]] = {i: [] for i in splitters}  # for the usage's reasoning tokens
         finished: set[int] = set()
-        completion_tokens = 0
+        streamed: dict[int, int] = {}  # per choice: the tokens its chunks carried so far
         fmt = self._formatter(params.logprobs, request.return_tokens_as_token_ids)
         ids = bool(request.return_token_ids)
 
-        streamed: dict[int, int] = {}  # per choice: the tokens its chunks carried so far
-
         def render(choices: list[ChatStreamChoice], prompt_token_ids: list[int] | None = None) -> str:
             # with continuous usage, the chunk's own choice so far, as vLLM counts it
-            usage = _chunk_usage(job, 0, streamed.get(choices[0].index, 0)) if request.usage_in_every_chunk else None
+            usage = (_usage_of(job, streamed.get(choices[0].index, 0), prompt_index=0) if request.usage_in_every_chunk
+                     else None)
             return sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model_name,
                                            choices=choices, prompt_token_ids=prompt_token_ids, usage=usage
                                            ).model_dump_json(exclude_none=True))
@@ -626,7 +618,6 @@ class OpenAIServing:
                 for c in output.outputs:
                     if c.index in finished or not (c.delta_text or c.delta_token_ids or c.finished):
                         continue
-                    completion_tokens += len(c.delta_token_ids)
                     streamed[c.index] = streamed.get(c.index, 0) + len(c.delta_token_ids)
                     text, thinking = c.delta_text, None
                     if reasoning is not None:
@@ -649,7 +640,7 @@ class OpenAIServing:
                                                      stop_reason=c.stop_reason if finish_reason else None,
                                                      token_ids=list(c.delta_token_ids) if ids else None))
             if request.include_usage_in_stream:
-                usage = _usage_of(job, completion_tokens)
+                usage = _usage_of(job, sum(streamed.values()))
                 if reasoning is not None:
                     usage.completion_tokens_details = self._reasoning_tokens(reasoning, list(answers.values()))
                 yield sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model_name,
@@ -1150,22 +1141,16 @@ def _usage(job: _Submitted, finals: list[RequestOutput]) -> UsageInfo:
     return _usage_of(job, sum(len(c.token_ids) for final in finals for c in final.outputs))
 
 
-def _usage_of(job: _Submitted, completion_tokens: int) -> UsageInfo:
-    usage = _usage_info(job.num_prompt_tokens, completion_tokens)
-    usage.original_prompt_tokens = job.original_prompt_tokens
-    if job.report_cached:
-        usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=sum(job.cached_tokens.values()))
-    return usage
-
-
-def _chunk_usage(job: _Submitted, prompt_index: int, completion_tokens: int) -> UsageInfo:
-    """The usage a streamed chunk carries with continuous_usage_stats: its prompt's tokens and its choice's so far
-    (the stream's closing usage chunk counts them all)."""
-    usage = _usage_info(len(job.prompts[prompt_index].token_ids), completion_tokens)
-    if len(job.prompts) == 1:
+def _usage_of(job: _Submitted, completion_tokens: int, prompt_index: int | None = None) -> UsageInfo:
+    """The request's usage; with `prompt_index`, one prompt's (a streamed chunk's under continuous_usage_stats: its
+    prompt and its choice so far, where the stream's closing usage chunk counts them all)."""
+    indices = range(len(job.prompts)) if prompt_index is None else [prompt_index]
+    usage = _usage_info(sum(len(job.prompts[i].token_ids) for i in indices), completion_tokens)
+    if prompt_index is None or len(job.prompts) == 1:
         usage.original_prompt_tokens = job.original_prompt_tokens
     if job.report_cached:
-        usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=job.cached_tokens.get(prompt_index, 0))
+        usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=sum(job.cached_tokens.get(i, 0)
+                                                                            for i in indices))
     return usage
 
 
