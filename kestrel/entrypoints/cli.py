@@ -469,11 +469,6 @@ def expand_argv(argv: Sequence[str]) -> list[str]:
     return argv[:command + 1] + _config_flags(path) + rest
 
 
-def key_name(key: object) -> str:
-    """A config file's key as the field it names (`max-model-len` -> `max_model_len`)."""
-    return str(key).replace("-", "_")
-
-
 _JSON_LIST_FLAGS = frozenset("--" + f.name.replace("_", "-") for f in dataclasses.fields(ServerConfig)
                              if f.metadata.get("json_list"))
 
@@ -497,7 +492,7 @@ def _config_flags(path: str) -> list[str]:
         flag = "--" + str(key).replace("_", "-")
         if value is None:
             continue  # the flag's default
-        if isinstance(value, bool) and key_name(key) in NOT_SUPPORTED_ENGINE_ARGS:
+        if isinstance(value, bool) and _flag_dest(flag) in NOT_SUPPORTED_ENGINE_ARGS:
             flags += [flag, json.dumps(value)]  # vLLM-only: a value, which one that asks for nothing passes
         elif isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
