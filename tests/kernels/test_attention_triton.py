@@ -109,6 +109,21 @@ class Case:
         self.query_start_loc = self.query_start_loc.to(device)
         self.seq_lens = self.seq_lens.to(device)
 
+    def staged_then_poisoned(self, dec_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's own K/V staged (`staged_kv_ref`), then the cache slots of the rows the prefill launch takes
+        (queries longer than `dec_q`) poisoned with NaN (FP8: its NaN byte): a launch that still reads them shows."""
+        staged = staged_kv_ref(self.k_cache, self.v_cache, self.query_slots)
+        starts = self.query_start_loc.tolist()
+        prefilled = torch.cat([self.query_slots[starts[s]:starts[s + 1]] for s, (_, n) in enumerate(self.seqs)
+                               if n > dec_q]).long()
+        for cache in (self.k_cache, self.v_cache):
+            rows = cache.view(-1, *cache.shape[2:])
+            if cache.dtype == torch.float8_e4m3fn:
+                rows.view(torch.uint8)[prefilled] = 0x7F
+            else:
+                rows[prefilled] = float("nan")
+        return staged
+
     def run(self, fn=paged_attention, **kwargs) -> torch.Tensor:
         return fn(self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens, self.block_tables,
                   self.scale, **kwargs)
@@ -232,16 +247,7 @@ def test_prefill_reads_the_steps_own_keys_from_the_staged_rows(device: torch.dev
     if not attention.reads_staged_kv(case.q, case.k_cache, case.v_cache):
         pytest.skip("no TMA on this GPU (or float32 activations on a GPU): the prefill launch gathers every key")
     expected = case.expected(window, soft_cap)
-    staged = staged_kv_ref(case.k_cache, case.v_cache, case.query_slots)
-    dec_q = SMALL_DECODE.block_m // 4
-    starts = case.query_start_loc.tolist()
-    prefilled = torch.cat([case.query_slots[starts[s]:starts[s + 1]] for s, (_, n) in enumerate(MIXED) if n > dec_q])
-    for cache in (case.k_cache, case.v_cache):
-        rows = cache.view(-1, *cache.shape[2:])
-        if cache_dtype == torch.float8_e4m3fn:
-            rows.view(torch.uint8)[prefilled.long()] = 0x7F
-        else:
-            rows[prefilled.long()] = float("nan")
+    staged = case.staged_then_poisoned(SMALL_DECODE.block_m // 4)
     out = case.run(new_kv=staged, k_scale=k_scale, v_scale=v_scale, sliding_window=window, logit_soft_cap=soft_cap,
                    decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL, num_splits=1)
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5

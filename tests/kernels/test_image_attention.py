@@ -88,12 +88,7 @@ def test_triton_kernel_matches_the_oracle(device: torch.device, window: int | No
         monkeypatch.setattr(common, "launch_feature", lambda name, device: True)
         if not attention.reads_staged_kv(case.q, case.k_cache, case.v_cache):
             pytest.skip("no TMA here, or float32 activations on a GPU: the prefill launch gathers every key")
-        new_kv = attention.staged_kv_ref(case.k_cache, case.v_cache, case.query_slots)
-        starts = case.query_start_loc.tolist()
-        prefilled = torch.cat([case.query_slots[starts[s]:starts[s + 1]] for s, (_, n) in enumerate(SEQS)
-                               if n > SMALL_DECODE.block_m // 4])
-        for cache in (case.k_cache, case.v_cache):
-            cache.view(-1, *cache.shape[2:])[prefilled.long()] = float("nan")
+        new_kv = case.staged_then_poisoned(SMALL_DECODE.block_m // 4)
     out = case.run(sliding_window=window, causal_ends=ends.to(device), decode_cfg=SMALL_DECODE,
                    prefill_cfg=SMALL_PREFILL, num_splits=2, new_kv=new_kv)
     assert rel_err(out, oracle) < 1e-5
