@@ -102,6 +102,9 @@ def _check_soft_cap(logit_soft_cap: float | None) -> None:
 # r // GROUP, head r % GROUP), so each K/V tile is loaded once for the whole group.
 
 _LOG2E = 1.4426950408889634
+# P (at most 1) enters the FP8 P @ V dot times 2^8: e4m3's normal range then reaches down to p = 2^-14, and its
+# largest value, 448, is never passed.
+FP8_P_SCALE = tl.constexpr(256.0)
 _NO_LIMIT = 2**31 - 1  # the prefill launch takes every query length above the decode launch's
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -136,6 +139,25 @@ def _e4m3_pairs_to_f16(w, ASM: tl.constexpr):
         lo = _e4m3_bits_to_f16(u & 0xFF)
         hi = _e4m3_bits_to_f16(u >> 8)
     return lo, hi
+
+
+@triton.jit
+def _round_e4m3(x):
+    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value (ties to even), kept in fp32: the interpreter's stand-in
+    for the GPU's conversion, whose own rounding drops a carry into the exponent (125.8 became 64)."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2^14: its ulp is e4m3's subnormal step, 2^-9
+    return tl.where(tl.abs(x) >= 0.015625, normal, subnormal)
+
+
+@triton.jit
+def _to_e4m3(x, dot_dtype: tl.constexpr):
+    """x (fp32, |x| <= 448) as an FP8 dot operand: e4m3 on the GPU, its e4m3 value in fp32 in the interpreter."""
+    if dot_dtype == tl.float32:
+        return _round_e4m3(x)
+    else:
+        return x.to(dot_dtype)
 
 
 @triton.jit
@@ -226,24 +248,34 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
 
 @triton.jit
 def _attend_new_tiles(acc, acc_odd, m_i, l_i, q, k_desc, v_desc, row_of_ctx, kv_col, offs_n, row_pos, row_end,
-                      start, num_tiles, seg_hi, window, qk_scale, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
+                      start, num_tiles, key_lo, seg_hi, window, qk_scale, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
                       MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                      DOT_PREC: tl.constexpr, V_PAIRS: tl.constexpr, SOFT_CAP: tl.constexpr):
+                      DOT_PREC: tl.constexpr, V_PAIRS: tl.constexpr, SOFT_CAP: tl.constexpr,
+                      FP8_DOTS: tl.constexpr):
     """`_attend_tiles` over the step's own keys, read whole-tile through tensor descriptors from the staged K/V
     (`[tokens, kv_heads * HEAD]`, key position p of the sequence at row `row_of_ctx + p`) instead of through the
     block table. Rows past the tensor read as zeros; the MASKED tile zeroes V past `seg_hi` (another sequence's
-    rows: 0 * NaN would poison acc). V_PAIRS: the staged V holds each head's even dims, then its odd ones."""
+    rows: 0 * NaN would poison acc) and masks keys below `key_lo`. V_PAIRS: the staged V holds each head's even
+    dims, then its odd ones.
+
+    FP8_DOTS: the staged K/V are the cache's e4m3 values (V transposed: `[kv_heads * HEAD, tokens]`), `q` is e4m3
+    (scaled per row: `qk_scale` holds each row's scale) and P goes into its dot as e4m3 times FP8_P_SCALE, so `acc`
+    sums FP8_P_SCALE * P @ V. The staged values are all written ones (finite: writes clamp) or the descriptor's
+    zeros, so V is not masked."""
     for i in range(num_tiles):
         key0 = start + i * BLOCK_N
         row = row_of_ctx + key0
         tok = key0 + offs_n
         k = k_desc.load([row, kv_col])
-        tok_ok = tok < seg_hi  # read by MASKED tiles only
+        tok_ok = (tok < seg_hi) & (tok >= key_lo)  # read by MASKED tiles only
         p, m_new, l_i, acc, acc_odd = _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_i,
                                                     acc, acc_odd, MASKED, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS,
                                                     SOFT_CAP)
-        p_dot = p.to(DOT_DTYPE)
-        if V_PAIRS:
+        if FP8_DOTS:
+            v = tl.trans(v_desc.load([kv_col, row])).to(DOT_DTYPE)
+            acc = tl.dot(_to_e4m3(p * FP8_P_SCALE, DOT_DTYPE), v, acc, input_precision=DOT_PREC)
+        elif V_PAIRS:
+            p_dot = p.to(DOT_DTYPE)
             v_even = v_desc.load([row, kv_col])
             v_odd = v_desc.load([row, kv_col + HEAD // 2])
             if MASKED:
@@ -255,7 +287,7 @@ def _attend_new_tiles(acc, acc_odd, m_i, l_i, q, k_desc, v_desc, row_of_ctx, kv_
             v = v_desc.load([row, kv_col])
             if MASKED:
                 v = tl.where(tok_ok[:, None], v, 0.0)
-            acc = tl.dot(p_dot, v.to(DOT_DTYPE), acc, input_precision=DOT_PREC)
+            acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PREC)
         m_i = m_new
     return acc, acc_odd, m_i, l_i
 
@@ -265,7 +297,7 @@ def _attend_range(acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, r
                   row_end, lo, hi, full_hi, window, qk_scale, STAGED: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr,
-                  SOFT_CAP: tl.constexpr):
+                  SOFT_CAP: tl.constexpr, FP8_DOTS: tl.constexpr = False):
     """Keys [lo, hi): the tiles below `full_hi`, which every row sees, unmasked (none under a window), then the rest
     masked; gathered through the block table (`gathered`: `_attend_tiles`' cache arguments), or STAGED from the
     staged rows (`_attend_new_tiles`)."""
@@ -280,8 +312,8 @@ def _attend_range(acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, r
         if STAGED:
             acc, acc_odd, m_i, l_i = _attend_new_tiles(
                 acc, acc_odd, m_i, l_i, q, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n, row_pos, row_end,
-                start, count, hi, window, qk_scale, BLOCK_N, HEAD, masked == 1, USE_WINDOW, DOT_DTYPE, DOT_PREC,
-                V_PAIRS, SOFT_CAP)
+                start, count, 0, hi, window, qk_scale, BLOCK_N, HEAD, masked == 1, USE_WINDOW, DOT_DTYPE, DOT_PREC,
+                V_PAIRS, SOFT_CAP, FP8_DOTS)
         else:
             k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_d, offs_w, d_ok = gathered
             acc, acc_odd, m_i, l_i = _attend_tiles(
@@ -302,10 +334,15 @@ def _paged_attn_kernel(
     PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr, Q_CLAMP: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr,
     ACC_W: tl.constexpr, ODD_W: tl.constexpr, SOFT_CAP: tl.constexpr, USE_ENDS: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, USE_PDL: tl.constexpr, NEW_KV: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, USE_PDL: tl.constexpr, NEW_KV: tl.constexpr, FP8_DOTS: tl.constexpr,
+    FP8_DOT_DTYPE: tl.constexpr,
 ):
     """NEW_KV (the prefill launch, not SPLIT): keys at the positions of the step's own tokens are read from the
     staged K/V descriptors (`_attend_new_tiles`), the sequence's earlier keys from the cache.
+
+    FP8_DOTS (with NEW_KV, over an e4m3 cache): the staged keys' dots run in FP8 (FP8_DOT_DTYPE: e4m3 on the GPU,
+    fp32 over e4m3 values in the interpreter); each query row is scaled to e4m3's range by its own absolute max.
+    The cached keys before them keep their 16-bit dots.
 
     SPLIT with FUSED_MERGE: a (sequence, KV head) uses as many of the launch's splits as its keys fill at
     `min_keys` each (the rest return at once); one split writes the output itself, several write partials and
@@ -406,13 +443,38 @@ def _paged_attn_kernel(
         acc, acc_odd, m_i, l_i, q, gathered, None, None, 0, 0, offs_n, row_pos, row_end, seg_lo, gathered_hi, full_hi,
         window, qk_scale, False, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS,
         V_ASM, SOFT_CAP)
-    if NEW_KV:
+    new_lo = tl.maximum(seg_lo, ctx)
+    if FP8_DOTS:
+        if V_PAIRS:
+            acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
+        acc = acc * FP8_P_SCALE
+        q = q.to(tl.float32)
+        q_amax = tl.max(tl.abs(q), 1)
+        q_row_scale = tl.where(q_amax > 0.0, q_amax / 448.0, 1.0)
+        q = _to_e4m3(tl.clamp(q / q_row_scale[:, None], -448.0, 448.0), FP8_DOT_DTYPE)
+        row_scale = (q_row_scale * qk_scale)[:, None]
+        # A tile of the transposed V starts at a 16-byte-aligned column (TMA): where the sequence's first staged key
+        # lies inside one, that tile is attended alone, masked below the key, and the rest from the next
+        head_keys = (q_start - ctx + new_lo) % 16
+        aligned_lo = new_lo - head_keys
+        acc, acc_odd, m_i, l_i = _attend_new_tiles(
+            acc, acc_odd, m_i, l_i, q, k_new_desc, v_new_desc, q_start - ctx, kv_head * HEAD, offs_n, row_pos,
+            row_end, aligned_lo, tl.where((head_keys > 0) & (new_lo < seg_hi), 1, 0), new_lo, seg_hi, window,
+            row_scale, BLOCK_N, HEAD, True, USE_WINDOW, FP8_DOT_DTYPE, DOT_PREC, False, SOFT_CAP, True)
         acc, acc_odd, m_i, l_i = _attend_range(
             acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, q_start - ctx, kv_head * HEAD, offs_n,
-            row_pos, row_end, tl.maximum(seg_lo, ctx), seg_hi, full_hi, window, qk_scale, True, BLOCK_N, BLOCK_SIZE,
-            HEAD, HEAD_PAD, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
-    if V_PAIRS:
-        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
+            row_pos, row_end, tl.where(head_keys > 0, aligned_lo + BLOCK_N, new_lo), seg_hi, full_hi, window,
+            row_scale, True, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, USE_WINDOW, FP8_DOT_DTYPE, DOT_PREC, False, V_ASM,
+            SOFT_CAP, True)
+        v_scale = v_scale / FP8_P_SCALE
+    else:
+        if NEW_KV:
+            acc, acc_odd, m_i, l_i = _attend_range(
+                acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, q_start - ctx, kv_head * HEAD, offs_n,
+                row_pos, row_end, new_lo, seg_hi, full_hi, window, qk_scale, True, BLOCK_N, BLOCK_SIZE, HEAD,
+                HEAD_PAD, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
+        if V_PAIRS:
+            acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc * (v_scale / l_safe)[:, None]
@@ -593,60 +655,90 @@ def splits_for(num_seqs: int, num_kv_heads: int, sms: int, max_seq_len: int | No
     return splits
 
 
-def staged_kv_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+def stages_fp8(k_cache: torch.Tensor) -> bool:
+    """Whether the prefill launch over this cache runs its staged keys' dots in FP8 (FP8_DOTS): an e4m3 cache with
+    the launch feature `prefill_fp8_dots` on. Its staged K/V are then the cache's own e4m3 values, V transposed
+    (`staged_v_shape`): FP8 P @ V takes V with the keys contiguous, which Triton would otherwise transpose in the
+    kernel (half the speed of fp16 dots, measured)."""
+    return k_cache.dtype == torch.float8_e4m3fn and common.launch_feature("prefill_fp8_dots", k_cache.device)
+
+
+def staged_kv_dtype(k_cache: torch.Tensor) -> torch.dtype:
     """The dtype the step's own keys and values are staged in for the prefill launch (`new_kv`): the cache's own,
-    or fp16 for an FP8 cache (every e4m3 value exactly; its dots run in fp16)."""
-    return torch.float16 if cache_dtype == torch.float8_e4m3fn else cache_dtype
+    or fp16 for an FP8 cache whose staged dots run in fp16 (every e4m3 value exactly; see `stages_fp8`)."""
+    if k_cache.dtype == torch.float8_e4m3fn and not stages_fp8(k_cache):
+        return torch.float16
+    return k_cache.dtype
 
 
-def stages_v_in_pairs(cache_dtype: torch.dtype) -> bool:
-    """Whether the staged V holds each head's even dims first, then its odd ones: over an FP8 cache, whose V the
-    kernel accumulates as the even and the odd dims apart (V_PAIRS)."""
-    return cache_dtype == torch.float8_e4m3fn
+def stages_v_in_pairs(k_cache: torch.Tensor) -> bool:
+    """Whether the staged V holds each head's even dims first, then its odd ones: over an FP8 cache whose staged dots
+    run in fp16, where the kernel accumulates V's even and odd dims apart (V_PAIRS)."""
+    return k_cache.dtype == torch.float8_e4m3fn and not stages_fp8(k_cache)
+
+
+def _staged_width(k_cache: torch.Tensor) -> int:
+    return k_cache.shape[2] * k_cache.shape[3]
+
+
+def _padded_tokens(num_tokens: int) -> int:
+    """Columns of a transposed staged V: its rows 16-byte aligned, as tensor descriptors read them."""
+    return -(-num_tokens // 16) * 16
 
 
 def new_staged_kv(num_tokens: int, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty staged K and V for a step of `num_tokens` over `k_cache` (`[tokens, kv_heads * head]` each), which
-    `rope_store_kv(..., staged=...)` fills."""
-    _, _, num_kv_heads, head_size = k_cache.shape
-    shape = (num_tokens, num_kv_heads * head_size)
-    dtype = staged_kv_dtype(k_cache.dtype)
-    return (torch.empty(shape, dtype=dtype, device=k_cache.device),
-            torch.empty(shape, dtype=dtype, device=k_cache.device))
+    """Empty staged K (`[tokens, kv_heads * head]`) and V (the same, or `[kv_heads * head, tokens]` with its rows
+    padded where `stages_fp8`) for a step of `num_tokens` over `k_cache`, which `rope_store_kv(..., staged=...)`
+    fills."""
+    width, dtype = _staged_width(k_cache), staged_kv_dtype(k_cache)
+    k = torch.empty((num_tokens, width), dtype=dtype, device=k_cache.device)
+    if stages_fp8(k_cache):
+        v = torch.empty((width, _padded_tokens(num_tokens)), dtype=dtype, device=k_cache.device)[:, :num_tokens]
+    else:
+        v = torch.empty((num_tokens, width), dtype=dtype, device=k_cache.device)
+    return k, v
 
 
 def staged_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's own K/V staged as the cache holds them: row t is what slot `slot_mapping[t]` holds (zeros for
-    -1), in `staged_kv_dtype`, V's dims per head reordered evens first where `stages_v_in_pairs`."""
+    -1), in `staged_kv_dtype`, V's dims per head reordered evens first where `stages_v_in_pairs`, V transposed
+    (column t) where `stages_fp8`, in `new_staged_kv`'s layout."""
     _, _, num_kv_heads, head_size = k_cache.shape
-    dtype = staged_kv_dtype(k_cache.dtype)
+    dtype = staged_kv_dtype(k_cache)
     slots = slot_mapping.to(k_cache.device).long()
     written = (slots >= 0)[:, None, None]
     staged = []
     for cache in (k_cache, v_cache):
-        # gathered through a byte view: index_select has no FP8 kernel on every device
+        # gathered through a byte view (index_select and where have no FP8 kernels on every device); zero bytes
+        # are zeros in every dtype
         rows = cache.view(torch.uint8).reshape(-1, num_kv_heads, head_size * cache.element_size())[slots.clamp(min=0)]
-        x = rows.view(cache.dtype).to(dtype)
-        staged.append(torch.where(written, x, torch.zeros((), dtype=dtype, device=x.device)))
+        rows = torch.where(written, rows, torch.zeros((), dtype=torch.uint8, device=rows.device))
+        staged.append(rows.view(cache.dtype).to(dtype).reshape(len(slots), num_kv_heads * head_size))
     k, v = staged
-    if stages_v_in_pairs(k_cache.dtype):
-        v = torch.cat((v[..., 0::2], v[..., 1::2]), dim=-1)
-    return k.reshape(len(slots), num_kv_heads * head_size), v.reshape(len(slots), num_kv_heads * head_size)
+    if stages_v_in_pairs(k_cache):
+        per_head = v.view(len(slots), num_kv_heads, head_size)
+        v = torch.cat((per_head[..., 0::2], per_head[..., 1::2]), dim=-1).reshape(len(slots), num_kv_heads * head_size)
+    if stages_fp8(k_cache):
+        transposed = new_staged_kv(len(slots), k_cache)[1]
+        transposed.view(torch.uint8).copy_(v.view(torch.uint8).t())
+        v = transposed
+    return k, v
 
 
 def check_staged_kv(staged: tuple[torch.Tensor, torch.Tensor], num_tokens: int, k_cache: torch.Tensor) -> None:
-    """Refuse staged K/V that are not the step's `[tokens, kv_heads * head]` rows of `staged_kv_dtype`, 16-byte
-    aligned rows (as tensor descriptors read them; `new_staged_kv`'s are)."""
-    width = k_cache.shape[2] * k_cache.shape[3]
-    expected = staged_kv_dtype(k_cache.dtype)
-    for name, x in zip("kv", staged):
+    """Refuse staged K/V that are not `new_staged_kv`'s for this step: the step's rows (V transposed where
+    `stages_fp8`) of `staged_kv_dtype`, 16-byte aligned rows (as tensor descriptors read them)."""
+    width = _staged_width(k_cache)
+    expected = staged_kv_dtype(k_cache)
+    shapes = {"k": (num_tokens, width), "v": (width, num_tokens) if stages_fp8(k_cache) else (num_tokens, width)}
+    for (name, shape), x in zip(shapes.items(), staged):
         aligned = (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
-        if (x.shape != (num_tokens, width) or x.stride(-1) != 1 or x.dtype != expected
-                or x.device != k_cache.device or not aligned):
+        if (x.shape != shape or x.stride(-1) != 1 or x.dtype != expected or x.device != k_cache.device
+                or not aligned):
             raise ValueError(f"staged {name} {tuple(x.shape)} {x.dtype} on {x.device} (strides {x.stride()}) is not "
-                             f"the step's [{num_tokens}, {width}] {expected} rows on {k_cache.device}, 16-byte "
-                             "aligned, with a contiguous last dimension (ops.new_staged_kv makes them)")
+                             f"the step's {list(shape)} {expected} on {k_cache.device}, 16-byte aligned rows with a "
+                             "contiguous last dimension (ops.new_staged_kv makes them)")
 
 
 def reads_staged_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -656,7 +748,7 @@ def reads_staged_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     head_size = k_cache.shape[-1]
     if head_size != _next_pow2(head_size) or head_size < 16:
         return False
-    if stages_v_in_pairs(k_cache.dtype) and not _v_in_pairs(v_cache, head_size):
+    if stages_v_in_pairs(k_cache) and not _v_in_pairs(v_cache, head_size):
         return False
     if q.is_cuda:
         return (q.dtype in _DOT_DTYPES and common.is_hopper_or_newer(q.device)
@@ -674,17 +766,18 @@ def _v_in_pairs(v_cache: torch.Tensor, head_size: int) -> bool:
 
 def _staged_descriptors(new_kv: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, block_n: int) -> tuple[TensorDescriptor | None, ...]:
-    """Tensor descriptors of the staged K and V (`[tokens, kv_heads * head]`) for the prefill launch's key tiles,
-    or (None, None) where it gathers every key from the cache."""
+    """Tensor descriptors of the staged K and V (`new_staged_kv`'s) for the prefill launch's key tiles, or
+    (None, None) where it gathers every key from the cache."""
     if new_kv is None or not reads_staged_kv(q, k_cache, v_cache):
         return None, None
     check_staged_kv(new_kv, q.shape[0], k_cache)
     k_new, v_new = new_kv
-    num_tokens, width = q.shape[0], k_cache.shape[2] * k_cache.shape[3]
     head_size = k_cache.shape[-1]
-    v_block = head_size // 2 if stages_v_in_pairs(k_cache.dtype) else head_size
-    return (TensorDescriptor(k_new, [num_tokens, width], [k_new.stride(0), 1], [block_n, head_size]),
-            TensorDescriptor(v_new, [num_tokens, width], [v_new.stride(0), 1], [block_n, v_block]))
+    k_desc = TensorDescriptor(k_new, list(k_new.shape), [k_new.stride(0), 1], [block_n, head_size])
+    if stages_fp8(k_cache):  # transposed: a tile is one head's dims by block_n keys
+        return k_desc, TensorDescriptor(v_new, list(v_new.shape), [v_new.stride(0), 1], [head_size, block_n])
+    v_block = head_size // 2 if stages_v_in_pairs(k_cache) else head_size
+    return k_desc, TensorDescriptor(v_new, list(v_new.shape), [v_new.stride(0), 1], [block_n, v_block])
 
 
 def paged_attention(
@@ -788,7 +881,9 @@ def paged_attention(
             q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends, out, *staged,
             q_len_lo=dec_q, q_len_hi=_NO_LIMIT, min_keys=1, **shared, **pairs,
             BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False, FUSED_MERGE=False,
-            NEW_KV=staged[0] is not None, num_warps=pre.num_warps, num_stages=pre.num_stages, **pdl,
+            NEW_KV=staged[0] is not None, FP8_DOTS=staged[0] is not None and stages_fp8(k_cache),
+            FP8_DOT_DTYPE=tl.float8e4nv if q.is_cuda else tl.float32,
+            num_warps=pre.num_warps, num_stages=pre.num_stages, **pdl,
         )
 
     if num_seqs == 1 and max_query_len is not None and max_query_len > dec_q and num_tokens == max_query_len:
@@ -815,7 +910,8 @@ def paged_attention(
         common.arrival_counters(q.device) if fused_merge else out, None, None,
         q_len_lo=0, q_len_hi=dec_q, min_keys=min_keys, **shared, **pairs,
         BLOCK_M=dec.block_m, BLOCK_Q=dec_q, BLOCK_N=dec.block_n, PER_SEQ=True, SPLIT=split, FUSED_MERGE=fused_merge,
-        NEW_KV=False, num_warps=dec.num_warps, num_stages=dec.num_stages, **pdl,
+        NEW_KV=False, FP8_DOTS=False, FP8_DOT_DTYPE=tl.float32, num_warps=dec.num_warps, num_stages=dec.num_stages,
+        **pdl,
     )
     if split and not fused_merge:
         _merge_splits_kernel[(num_seqs, num_kv_heads, dec_q * group)](

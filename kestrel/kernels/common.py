@@ -216,6 +216,7 @@ LAUNCH_FEATURES = (
     "moe_k_sum",  # the small-T split down launch's k-sum in its last program to arrive
     "router_topk",  # the MoE router's softmax top-k in its GEMV's last column block to be stored
     "prefill_new_kv",  # the prefill attention launch reads the step's own K/V staged in token order, through TMA
+    "prefill_fp8_dots",  # over an FP8 cache, that launch's staged keys run their dots in FP8 (e4m3 q, K, P, V)
 )
 
 

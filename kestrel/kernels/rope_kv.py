@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels import common
-from kestrel.kernels.attention import check_staged_kv, staged_kv_ref, stages_v_in_pairs
+from kestrel.kernels.attention import check_staged_kv, staged_kv_ref, stages_fp8, stages_v_in_pairs
 from kestrel.kernels.norm import rms_norm, rms_norm_ref
 from kestrel.kernels.store_kv import store_kv_ref
 
@@ -83,7 +83,7 @@ def fill_staged(staged: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch
     fused staging write."""
     if staged is not None:
         for dst, src in zip(staged, staged_kv_ref(k_cache, v_cache, slot_mapping)):
-            dst.copy_(src)
+            dst.view(torch.uint8).copy_(src.view(torch.uint8))  # bytes: no FP8 copy kernel on every device
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
@@ -138,11 +138,11 @@ def _rope_store_kv_kernel(
     HALF: tl.constexpr, GROUP: tl.constexpr, Q_GROUPS: tl.constexpr, KV_GROUPS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr, NORM: tl.constexpr,
     UNIT_OFFSET: tl.constexpr, USE_PDL: tl.constexpr, FAST: tl.constexpr, STAGE: tl.constexpr,
-    STAGE_V_PAIRS: tl.constexpr,
+    STAGE_V_PAIRS: tl.constexpr, STAGE_V_T: tl.constexpr,
 ):
     """Program (token, group): groups of GROUP heads, first those of q, then k, then v. STAGE: the K and V rows as
     written also go to the staged rows (zeros where the slot is -1), V's dims per head evens first with
-    STAGE_V_PAIRS."""
+    STAGE_V_PAIRS, V transposed (token t its column t) with STAGE_V_T."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -186,12 +186,16 @@ def _rope_store_kv_kernel(
         stored = common.to_cache(x, v_scale, v_cache_ptr.dtype.element_ty, V_FP8, FAST)
         tl.store(dst, stored, mask=mask)
         if STAGE:
-            if STAGE_V_PAIRS:
-                col = (d % 2) * (HEAD // 2) + d // 2
+            if STAGE_V_T:  # column t of the transposed rows
+                tl.store(staged_v_ptr + (h[:, None] * HEAD + d[None, :]) * stride_sv + t,
+                         stored.to(staged_v_ptr.dtype.element_ty), mask=head_mask)
             else:
-                col = d
-            tl.store(staged_v_ptr + t * stride_sv + h[:, None] * HEAD + col[None, :],
-                     stored.to(staged_v_ptr.dtype.element_ty), mask=head_mask)
+                if STAGE_V_PAIRS:
+                    col = (d % 2) * (HEAD // 2) + d // 2
+                else:
+                    col = d
+                tl.store(staged_v_ptr + t * stride_sv + h[:, None] * HEAD + col[None, :],
+                         stored.to(staged_v_ptr.dtype.element_ty), mask=head_mask)
 
 
 def rope_store_kv(
@@ -250,7 +254,8 @@ def rope_store_kv(
         GROUP=group, Q_GROUPS=q_groups, KV_GROUPS=kv_groups, BLOCK_SIZE=block_size,
         K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, NORM=head_norms is not None,
         UNIT_OFFSET=bool(head_norms and head_norms.unit_offset), STAGE=staged is not None,
-        STAGE_V_PAIRS=staged is not None and stages_v_in_pairs(v_cache.dtype), num_warps=4,
+        STAGE_V_PAIRS=staged is not None and stages_v_in_pairs(k_cache),
+        STAGE_V_T=staged is not None and stages_fp8(k_cache), num_warps=4,
         **common.launch_options(q),
     )
     return q_out

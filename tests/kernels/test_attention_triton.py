@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from kestrel.kernels.attention import AttnConfig, paged_attention, paged_attention_ref, staged_kv_ref
+from kestrel.kernels.attention import AttnConfig, _round_e4m3, paged_attention, paged_attention_ref, staged_kv_ref
 from kestrel.kernels.store_kv import store_kv, store_kv_ref
 
 BLOCK_SIZE = 16
 SMALL_DECODE = AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
 SMALL_PREFILL = AttnConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
+# Bounds on the relative (norm-wise) error of the prefill launch's FP8 dots on these cases (measured 1.2-1.3% and
+# 1.9-2.1%): P's e4m3 rounding alone, and with the queries' too
+FP8_P_ROUNDING = 2e-2
+FP8_DOTS_ROUNDING = 3e-2
 
 # (context length after the step, query tokens this step): a full prefill, prefill chunks over cached
 # context, decodes (short and several blocks long), a 2-token query (speculative-style, decode launch),
@@ -24,16 +30,29 @@ SMALL_PREFILL = AttnConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
 MIXED = [(37, 37), (58, 21), (45, 1), (70, 1), (3, 1), (29, 2), (1, 1), (24, 0), (40, 9)]
 
 
+def e4m3_rows(q: torch.Tensor) -> torch.Tensor:
+    """Each `[..., D]` row of q scaled by its absolute max to e4m3's range, rounded to e4m3 and scaled back (float64):
+    the queries of the prefill launch's FP8 dots."""
+    x = q.float()
+    row_scale = x.abs().amax(-1, keepdim=True) / 448.0
+    row_scale = torch.where(row_scale > 0, row_scale, torch.ones_like(row_scale))
+    return (x / row_scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * row_scale.double()
+
+
 def dense_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 window: int | None, soft_cap: float | None = None) -> torch.Tensor:
+                 window: int | None, soft_cap: float | None = None, fp8_own_keys: bool = False) -> torch.Tensor:
     """Causal attention in float64 for one sequence: q `[Lq, H, D]` are the last Lq of k/v's `[L, H_kv, D]`;
-    with a soft cap, scores become `cap * tanh(scores / cap)` (Gemma 2) before the mask."""
+    with a soft cap, scores become `cap * tanh(scores / cap)` (Gemma 2) before the mask. `fp8_own_keys`: the
+    scores of the sequence's own keys (the last Lq) take q rounded to e4m3 per row (`e4m3_rows`)."""
     query_len, num_heads, _ = q.shape
     context = k.shape[0]
     group = num_heads // k.shape[1]
     kk = k.double().repeat_interleave(group, dim=1)
     vv = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    if fp8_own_keys:
+        own = slice(context - query_len, context)
+        scores[..., own] = torch.einsum("qhd,khd->hqk", e4m3_rows(q), kk[own]) * scale
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     q_pos = torch.arange(context - query_len, context).unsqueeze(1)
@@ -128,14 +147,18 @@ class Case:
         return fn(self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens, self.block_tables,
                   self.scale, **kwargs)
 
-    def expected(self, window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    def expected(self, window: int | None = None, soft_cap: float | None = None, fp8_dots_from: int | None = None
+                 ) -> torch.Tensor:
+        """The float64 oracle; `fp8_dots_from`: sequences of more query tokens than this (the prefill launch's)
+        score their own keys with e4m3 queries, as FP8_DOTS does."""
         out = torch.zeros(self.q.shape, dtype=torch.float64)
         starts = self.query_start_loc.tolist()
-        for s in range(len(self.seqs)):
+        for s, (_, query_len) in enumerate(self.seqs):
             rows = slice(starts[s], starts[s + 1])
             if rows.stop > rows.start:
+                fp8 = fp8_dots_from is not None and query_len > fp8_dots_from
                 out[rows] = dense_oracle(self.q[rows].cpu(), self.keys[s], self.values[s], self.scale, window,
-                                         soft_cap)
+                                         soft_cap, fp8_own_keys=fp8)
         return out
 
 
@@ -226,18 +249,28 @@ def test_fp8_kv(device: torch.device) -> None:
     assert rel_err(out, case.expected()) < 1e-5
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+STAGED_CACHES = [(torch.float32, False), (torch.bfloat16, False), (torch.float8_e4m3fn, False),
+                 (torch.float8_e4m3fn, True)]
+
+
+@pytest.mark.parametrize("cache_dtype,fp8_dots", STAGED_CACHES, ids=["fp32", "bf16", "fp8", "fp8-fp8-dots"])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (7, None), (None, 5.0)], ids=["causal", "window", "cap"])
 def test_prefill_reads_the_steps_own_keys_from_the_staged_rows(device: torch.device, cache_dtype: torch.dtype,
-                                                               window: int | None, soft_cap: float | None,
+                                                               fp8_dots: bool, window: int | None,
+                                                               soft_cap: float | None,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """With `new_kv` the prefill launch reads each sequence's own keys from the staged rows and only its earlier
     ones from the cache: once staged, the cache slots of the prefilled rows are filled with NaN (FP8: its NaN
     byte), which the launch must not read, and the output still matches the oracle of what the cache held. Decode
-    rows keep reading the cache. Tiles of 16 keys end inside chunks whose context is not a multiple of 16."""
+    rows keep reading the cache. Tiles of 16 keys end inside chunks whose context is not a multiple of 16.
+
+    With FP8 dots (launch feature `prefill_fp8_dots`) the own keys' scores take e4m3 queries and P enters P @ V as
+    e4m3: against the oracle with those queries only P's rounding is left (about 1.2% here), against the exact
+    oracle the queries' rounding adds to it (about 2% in all)."""
     from kestrel.kernels import attention, common
 
-    monkeypatch.setattr(common, "launch_feature", lambda name, device: True)  # a GPU's table may not have it yet
+    # a GPU's table may not have them yet
+    monkeypatch.setattr(common, "launch_feature", lambda name, device: name != "prefill_fp8_dots" or fp8_dots)
     k_scale, v_scale = (0.011, 0.0073) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
     # 16-bit activations on a GPU (its float32 ones keep the gathered path); float32 in the interpreter but for BF16
     gpu_fp8 = device.type == "cuda" and cache_dtype == torch.float8_e4m3fn
@@ -246,17 +279,46 @@ def test_prefill_reads_the_steps_own_keys_from_the_staged_rows(device: torch.dev
                 seed=21)
     if not attention.reads_staged_kv(case.q, case.k_cache, case.v_cache):
         pytest.skip("no TMA on this GPU (or float32 activations on a GPU): the prefill launch gathers every key")
+    assert attention.stages_fp8(case.k_cache) == fp8_dots
+    dec_q = SMALL_DECODE.block_m // 4
     expected = case.expected(window, soft_cap)
-    staged = case.staged_then_poisoned(SMALL_DECODE.block_m // 4)
+    staged = case.staged_then_poisoned(dec_q)
     out = case.run(new_kv=staged, k_scale=k_scale, v_scale=v_scale, sliding_window=window, logit_soft_cap=soft_cap,
                    decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL, num_splits=1)
-    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    assert rel_err(out, expected) < tolerance
+    if fp8_dots:
+        assert rel_err(out, case.expected(window, soft_cap, fp8_dots_from=dec_q)) < FP8_P_ROUNDING
+        assert rel_err(out, expected) < FP8_DOTS_ROUNDING
+    else:
+        tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        assert rel_err(out, expected) < tolerance
 
 
-def test_staged_rows_hold_what_the_cache_holds(device: torch.device) -> None:
+@triton.jit
+def _round_all(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, _round_e4m3(tl.load(x_ptr + offs)))
+
+
+def test_interpreter_rounds_to_e4m3_as_torch_does(device: torch.device) -> None:
+    """`_round_e4m3`, the interpreter's stand-in for the GPU's e4m3 conversion in the FP8 dots: the value of torch's
+    e4m3 rounding for normals, subnormals, zeros and every tie between two e4m3 values."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every finite e4m3 >= 0
+    ties = (values[:-1] + values[1:]) / 2
+    spread = torch.cat([torch.randn(512, generator=g) * s for s in (1e-3, 1e-2, 0.1, 1.0, 10.0, 100.0)])
+    x = torch.cat([values, -values, ties, -ties, spread.clamp(-448, 448)])
+    x = torch.nn.functional.pad(x, (0, triton.next_power_of_2(len(x)) - len(x)))
+    out = torch.empty_like(x, device=device)
+    _round_all[(1,)](x.to(device), out, N=len(x))
+    assert torch.equal(out.cpu(), x.to(torch.float8_e4m3fn).float())
+
+
+def test_staged_rows_hold_what_the_cache_holds(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     """`staged_kv_ref`: row t is slot t's K and V in the staged dtype (an FP8 cache's values exactly, as fp16, V's
-    even dims first), zeros for a row written nowhere."""
+    even dims first; with FP8 dots the cache's own e4m3 bytes, V transposed), zeros for a row written nowhere."""
+    from kestrel.kernels import common
+
+    monkeypatch.setattr(common, "launch_feature", lambda name, device: name != "prefill_fp8_dots")
     cache = torch.randn(3, 4, 2, 8).to(torch.float8_e4m3fn).to(device)
     values = torch.randn(3, 4, 2, 8).to(torch.float8_e4m3fn).to(device)
     slots = torch.tensor([5, -1, 0], device=device)
@@ -268,6 +330,13 @@ def test_staged_rows_hold_what_the_cache_holds(device: torch.device) -> None:
     assert not k[1].any() and not v[1].any()
     empty = staged_kv_ref(cache, values, slots[:0])
     assert empty[0].shape == empty[1].shape == (0, 16)
+    monkeypatch.setattr(common, "launch_feature", lambda name, device: True)
+    k, v = staged_kv_ref(cache, values, slots)
+    assert k.dtype == v.dtype == torch.float8_e4m3fn and k.shape == (3, 16) and v.shape == (16, 3)
+    assert v.stride() == (16, 1)  # V transposed, its rows padded to 16 bytes
+    assert torch.equal(k.view(torch.uint8)[0], cache.view(torch.uint8).view(-1, 16)[5])
+    assert torch.equal(v.view(torch.uint8)[:, 2], values.view(torch.uint8).view(-1, 16)[0])
+    assert not k.view(torch.uint8)[1].any() and not v.view(torch.uint8)[:, 1].any()
 
 
 def test_head128_bf16(device: torch.device) -> None:

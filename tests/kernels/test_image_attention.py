@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_attention_triton import SMALL_DECODE, SMALL_PREFILL, Case, rel_err
+from test_attention_triton import FP8_DOTS_ROUNDING, SMALL_DECODE, SMALL_PREFILL, Case, rel_err
 
 from kestrel.kernels.attention import paged_attention_ref
 from kestrel.kernels.cpu.attention import paged_attention_cpu
@@ -72,26 +72,32 @@ def test_reference_and_cpu_path_match_the_oracle(window: int | None) -> None:
     assert rel_err(plain, oracle) > 1e-2
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["gathered", "staged"])
+@pytest.mark.parametrize("staged", ["gathered", "staged", "staged-fp8-dots"])
 @pytest.mark.parametrize("window", [None, 7])
-def test_triton_kernel_matches_the_oracle(device: torch.device, window: int | None, staged: bool,
+def test_triton_kernel_matches_the_oracle(device: torch.device, window: int | None, staged: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Staged: the prefill launch reads each sequence's own keys (past a row's position inside its image too) from
-    the staged rows (`new_kv`); the prefilled rows' cache slots are poisoned after staging, so a read shows."""
+    the staged rows (`new_kv`); the prefilled rows' cache slots are poisoned after staging, so a read shows. With
+    FP8 dots (an FP8 cache, bf16 queries on a GPU) within their rounding (test_attention_triton)."""
     from kestrel.kernels import attention, common
 
-    case = Case(SEQS, 8, 2, 32, device, seed=12)
+    fp8_dots = staged == "staged-fp8-dots"
+    fp8 = dict(dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, cache_dtype=torch.float8_e4m3fn,
+               k_scale=0.011, v_scale=0.0073)
+    case = Case(SEQS, 8, 2, 32, device, seed=12, **(fp8 if fp8_dots else {}))
     ends = causal_ends(SEQS, RUNS)
     oracle = expected(case, window, ends)
     new_kv = None
-    if staged:
-        monkeypatch.setattr(common, "launch_feature", lambda name, device: True)
+    if staged != "gathered":
+        monkeypatch.setattr(common, "launch_feature", lambda name, device: name != "prefill_fp8_dots" or fp8_dots)
         if not attention.reads_staged_kv(case.q, case.k_cache, case.v_cache):
             pytest.skip("no TMA here, or float32 activations on a GPU: the prefill launch gathers every key")
+        assert attention.stages_fp8(case.k_cache) == fp8_dots
         new_kv = case.staged_then_poisoned(SMALL_DECODE.block_m // 4)
     out = case.run(sliding_window=window, causal_ends=ends.to(device), decode_cfg=SMALL_DECODE,
-                   prefill_cfg=SMALL_PREFILL, num_splits=2, new_kv=new_kv)
-    assert rel_err(out, oracle) < 1e-5
+                   prefill_cfg=SMALL_PREFILL, num_splits=2, new_kv=new_kv,
+                   **(dict(k_scale=fp8["k_scale"], v_scale=fp8["v_scale"]) if fp8_dots else {}))
+    assert rel_err(out, oracle) < (FP8_DOTS_ROUNDING if fp8_dots else 1e-5)
 
 
 def test_ends_at_the_rows_own_positions_are_causal_attention(device: torch.device) -> None:

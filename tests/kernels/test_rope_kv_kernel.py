@@ -238,14 +238,21 @@ def test_empty_batch_and_bad_shapes(device: torch.device) -> None:
 
 
 @pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[3]], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.bfloat16, FP8)], ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("dtype,cache_dtype,fp8_dots", [(torch.float32, torch.float32, False),
+                                                        (torch.bfloat16, torch.bfloat16, False),
+                                                        (torch.bfloat16, FP8, False), (torch.bfloat16, FP8, True)],
+                         ids=["fp32", "bf16", "fp8", "fp8-fp8-dots"])
 def test_staged_rows_are_the_rows_written(device: torch.device, shape: tuple, dtype: torch.dtype,
-                                          cache_dtype: torch.dtype) -> None:
+                                          cache_dtype: torch.dtype, fp8_dots: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """With `staged`, the launch also writes each token's K and V as the cache now holds them into the staged rows
     (what the prefill attention reads through TMA): exactly `staged_kv_ref` of the caches after the write, zeros for
-    the rows written nowhere (-1), and the cache and q as without staging."""
+    the rows written nowhere (-1), and the cache and q as without staging. An FP8 cache stages its e4m3 values as
+    fp16 (V in pairs), or as they are for the FP8 dots (launch feature `prefill_fp8_dots`)."""
+    from kestrel.kernels import common
     from kestrel.kernels.attention import new_staged_kv, staged_kv_ref
+
+    monkeypatch.setattr(common, "launch_feature", lambda name, device: name != "prefill_fp8_dots" or fp8_dots)
 
     scales = (0.5, 0.25) if cache_dtype == FP8 else (1.0, 1.0)
     case = Case(*shape, dtype=dtype, cache_dtype=cache_dtype, k_scale=scales[0], v_scale=scales[1])
@@ -262,7 +269,8 @@ def test_staged_rows_are_the_rows_written(device: torch.device, shape: tuple, dt
     expected = staged_kv_ref(k_after, v_after, inputs.slots)
     for got, want in zip(staged, expected):
         assert torch.equal(got.cpu(), want), (got.cpu() - want).abs().max()
-    assert not staged[0].cpu()[1::3].any() and not staged[1].cpu()[1::3].any()
+    v_rows = staged[1].cpu().t() if fp8_dots else staged[1].cpu()  # FP8 dots stage V transposed
+    assert not staged[0].cpu()[1::3].any() and not v_rows[1::3].any()
     reference = new_staged_kv(case.num_tokens, k_cache.cpu())
     _, k_ref, v_ref = inputs.run(partial(rope_store_kv_ref, staged=reference), torch.device("cpu"))
     for got, want in zip(reference, staged_kv_ref(k_ref, v_ref, inputs.slots)):

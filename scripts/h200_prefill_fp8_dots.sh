@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# FP8 dots in the prefill attention launch over an FP8 cache (launch feature `prefill_fp8_dots`), on one GPU:
+# `scripts/h200_prefill_fp8_dots.sh OUT STAGE...`. Another Hopper GPU runs the H200's tables under its own name.
+#   tests     the attention and rope/KV kernel tests compiled on the GPU, the staged-vs-gathered logits test
+#   kernels   scripts/h200_prefill_attention.py --quick: bf16 / fp8 (fp16 dots) / fp8-dots staged launches
+#   ppl       scripts/h200_fp8_dots_ppl.py: kestrel-tiny's perplexity, BF16 KV and FP8 KV with fp16 / FP8 dots
+#   ttft-off, ttft-on   `kestrel bench latency` batch 1, FP8 + FP8 KV: 8k and 128 prompts, FP8 dots off / on
+#   tput-on   full load, 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, FP8 dots on
+#   pack      everything under OUT in OUT/results.tar.gz
+source "$(dirname "$0")/h200_job.sh" "$1"; shift
+h200_tables
+feature() {  # feature NAME on|off: NAME in this GPU's decode_launches table
+  python3 - "$tuning/decode_launches_$key.json" "$1" "$2" <<'PY'
+import json, sys
+path, name, state = sys.argv[1], sys.argv[2], sys.argv[3] == "on"
+table = json.load(open(path))
+table["configs"][name] = state
+json.dump(table, open(path, "w"), indent=1)
+PY
+  echo "$1 $2" | tee -a "$out/log.txt"; }
+for stage in "$@"; do
+  case $stage in
+    tests) run 300 python3 -m pytest -p no:cacheprovider -rf tests/gpu/test_prefill_staged_kv_gpu.py \
+             tests/kernels/test_attention_triton.py tests/kernels/test_image_attention.py \
+             tests/kernels/test_rope_kv_kernel.py 2>&1 | tail -25 ;;
+    kernels) run 300 python3 scripts/h200_prefill_attention.py --out "$out" --quick ;;
+    ppl) run 240 python3 scripts/h200_fp8_dots_ppl.py --out "$out" --max-files 40 ;;
+    ttft-off|ttft-on) state=${stage#ttft-}; feature prefill_fp8_dots "$state"
+          latency 150 ttft8k-fp8-fp8dots-$state --batch 1 --input-len 8192 --output-len 16 --repeats 3 --warmups 1 \
+            --quantization fp8 --kv-cache-dtype fp8
+          latency 100 ttft128-fp8-fp8dots-$state --batch 1 --input-len 128 --output-len 32 --repeats 3 \
+            --quantization fp8 --kv-cache-dtype fp8 ;;
+    tput-on) feature prefill_fp8_dots on
+          run 330 python3 -m kestrel.bench.throughput --num-prompts 1000 --input-len 1000 --output-len 1000 \
+            --hf-peer-prompts 0 --max-seconds 280 --max-num-seqs 512 --quantization fp8 --kv-cache-dtype fp8 \
+            --result-file "$out/throughput-fp8-1000x1000-512-fp8dots-on-h200.json" ;;
+    pack) tar -czf "$out/results.tar.gz" -C "$out" --exclude results.tar.gz . ;;
+    *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
+  esac
+done
