@@ -105,6 +105,7 @@ _LOG2E = 1.4426950408889634
 # P (at most 1) enters the FP8 P @ V dot times 2^8: e4m3's normal range then reaches down to p = 2^-14, and its
 # largest value, 448, is never passed.
 FP8_P_SCALE = tl.constexpr(256.0)
+FP8_DOT_MIN_K = 32  # an e4m3 wgmma's reduction is 32 deep: head dims for q @ k^T, keys per tile for P @ V
 _NO_LIMIT = 2**31 - 1  # the prefill launch takes every query length above the decode launch's
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -656,11 +657,12 @@ def splits_for(num_seqs: int, num_kv_heads: int, sms: int, max_seq_len: int | No
 
 
 def stages_fp8(k_cache: torch.Tensor) -> bool:
-    """Whether the prefill launch over this cache runs its staged keys' dots in FP8 (FP8_DOTS): an e4m3 cache with
-    the launch feature `prefill_fp8_dots` on. Its staged K/V are then the cache's own e4m3 values, V transposed
-    (`staged_v_shape`): FP8 P @ V takes V with the keys contiguous, which Triton would otherwise transpose in the
-    kernel (half the speed of fp16 dots, measured)."""
-    return k_cache.dtype == torch.float8_e4m3fn and common.launch_feature("prefill_fp8_dots", k_cache.device)
+    """Whether the prefill launch over this cache runs its staged keys' dots in FP8 (FP8_DOTS): an e4m3 cache of
+    heads of at least FP8_DOT_MIN_K dims, with the launch feature `prefill_fp8_dots` on. Its staged K/V are then the
+    cache's own e4m3 values, V transposed (`new_staged_kv`): FP8 P @ V takes V with the keys contiguous, which
+    Triton would otherwise transpose in the kernel (half the speed of fp16 dots, measured)."""
+    return (k_cache.dtype == torch.float8_e4m3fn and k_cache.shape[-1] >= FP8_DOT_MIN_K
+            and common.launch_feature("prefill_fp8_dots", k_cache.device))
 
 
 def staged_kv_dtype(k_cache: torch.Tensor) -> torch.dtype:
@@ -877,6 +879,9 @@ def paged_attention(
         pre_q = max(1, pre.block_m // group)
         grid = (num_tokens // pre_q + num_seqs, num_kv_heads)
         staged = _staged_descriptors(new_kv, q, k_cache, v_cache, pre.block_n)
+        if staged[0] is not None and stages_fp8(k_cache) and pre.block_n < FP8_DOT_MIN_K:
+            raise ValueError(f"prefill_cfg block_n={pre.block_n}: the FP8 dots over staged keys (launch feature "
+                             f"prefill_fp8_dots) take key tiles of at least {FP8_DOT_MIN_K}")
         _paged_attn_kernel[grid](
             q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends, out, *staged,
             q_len_lo=dec_q, q_len_hi=_NO_LIMIT, min_keys=1, **shared, **pairs,

@@ -27,7 +27,7 @@ FP8_DOTS_LOGITS = 0.1
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("prefill-staged-kv")
-    write_tiny_checkpoint(path, arch="llama", size="small", seed=5)
+    write_tiny_checkpoint(path, arch="llama", size="small", seed=5, head_dim=64)  # FP8 dots need heads >= 32
     return path
 
 
@@ -61,6 +61,7 @@ def test_staged_prefill_logits_match_the_gathered_launch(checkpoint: Path, quant
               max_model_len=512, max_num_seqs=8, device="cuda", kv_cache_blocks=4 * BLOCKS_PER_ROW,
               enforce_eager=True)
     model, bs = llm.runner.model, llm.runner.block_size
+    assert model.attention_layers()[0].head_size == 64
     feature = {"on": False}
     original = common.launch_feature
     def launch_feature(name: str, device: torch.device) -> bool:

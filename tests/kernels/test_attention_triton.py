@@ -19,6 +19,7 @@ from kestrel.kernels.store_kv import store_kv, store_kv_ref
 BLOCK_SIZE = 16
 SMALL_DECODE = AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
 SMALL_PREFILL = AttnConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
+FP8_DOTS_PREFILL = AttnConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)  # FP8 dots take 32-key tiles
 # Bounds on the relative (norm-wise) error of the prefill launch's FP8 dots on these cases (measured 1.2-1.3% and
 # 1.9-2.1%): P's e4m3 rounding alone, and with the queries' too
 FP8_P_ROUNDING = 2e-2
@@ -280,11 +281,15 @@ def test_prefill_reads_the_steps_own_keys_from_the_staged_rows(device: torch.dev
     if not attention.reads_staged_kv(case.q, case.k_cache, case.v_cache):
         pytest.skip("no TMA on this GPU (or float32 activations on a GPU): the prefill launch gathers every key")
     assert attention.stages_fp8(case.k_cache) == fp8_dots
+    if fp8_dots:  # an e4m3 wgmma reduces over 32 keys at least
+        with pytest.raises(ValueError, match="block_n=16: the FP8 dots"):
+            case.run(new_kv=staged_kv_ref(case.k_cache, case.v_cache, case.query_slots), prefill_cfg=SMALL_PREFILL)
     dec_q = SMALL_DECODE.block_m // 4
     expected = case.expected(window, soft_cap)
     staged = case.staged_then_poisoned(dec_q)
     out = case.run(new_kv=staged, k_scale=k_scale, v_scale=v_scale, sliding_window=window, logit_soft_cap=soft_cap,
-                   decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL, num_splits=1)
+                   decode_cfg=SMALL_DECODE, prefill_cfg=FP8_DOTS_PREFILL if fp8_dots else SMALL_PREFILL,
+                   num_splits=1)
     if fp8_dots:
         assert rel_err(out, case.expected(window, soft_cap, fp8_dots_from=dec_q)) < FP8_P_ROUNDING
         assert rel_err(out, expected) < FP8_DOTS_ROUNDING
@@ -331,11 +336,14 @@ def test_staged_rows_hold_what_the_cache_holds(device: torch.device, monkeypatch
     empty = staged_kv_ref(cache, values, slots[:0])
     assert empty[0].shape == empty[1].shape == (0, 16)
     monkeypatch.setattr(common, "launch_feature", lambda name, device: True)
+    assert staged_kv_ref(cache, values, slots)[0].dtype == torch.float16  # heads of 8: too narrow for FP8 dots
+    cache = torch.randn(3, 4, 2, 32).to(torch.float8_e4m3fn).to(device)
+    values = torch.randn(3, 4, 2, 32).to(torch.float8_e4m3fn).to(device)
     k, v = staged_kv_ref(cache, values, slots)
-    assert k.dtype == v.dtype == torch.float8_e4m3fn and k.shape == (3, 16) and v.shape == (16, 3)
+    assert k.dtype == v.dtype == torch.float8_e4m3fn and k.shape == (3, 64) and v.shape == (64, 3)
     assert v.stride() == (16, 1)  # V transposed, its rows padded to 16 bytes
-    assert torch.equal(k.view(torch.uint8)[0], cache.view(torch.uint8).view(-1, 16)[5])
-    assert torch.equal(v.view(torch.uint8)[:, 2], values.view(torch.uint8).view(-1, 16)[0])
+    assert torch.equal(k.view(torch.uint8)[0], cache.view(torch.uint8).view(-1, 64)[5])
+    assert torch.equal(v.view(torch.uint8)[:, 2], values.view(torch.uint8).view(-1, 64)[0])
     assert not k.view(torch.uint8)[1].any() and not v.view(torch.uint8)[:, 1].any()
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_attention_triton import FP8_DOTS_ROUNDING, SMALL_DECODE, SMALL_PREFILL, Case, rel_err
+from test_attention_triton import FP8_DOTS_PREFILL, FP8_DOTS_ROUNDING, SMALL_DECODE, SMALL_PREFILL, Case, rel_err
 
 from kestrel.kernels.attention import paged_attention_ref
 from kestrel.kernels.cpu.attention import paged_attention_cpu
@@ -95,7 +95,7 @@ def test_triton_kernel_matches_the_oracle(device: torch.device, window: int | No
         assert attention.stages_fp8(case.k_cache) == fp8_dots
         new_kv = case.staged_then_poisoned(SMALL_DECODE.block_m // 4)
     out = case.run(sliding_window=window, causal_ends=ends.to(device), decode_cfg=SMALL_DECODE,
-                   prefill_cfg=SMALL_PREFILL, num_splits=2, new_kv=new_kv,
+                   prefill_cfg=FP8_DOTS_PREFILL if fp8_dots else SMALL_PREFILL, num_splits=2, new_kv=new_kv,
                    **(dict(k_scale=fp8["k_scale"], v_scale=fp8["v_scale"]) if fp8_dots else {}))
     assert rel_err(out, oracle) < (FP8_DOTS_ROUNDING if fp8_dots else 1e-5)
 
