@@ -152,6 +152,31 @@ def _skip_overflow_checks_that_assert_nothing() -> None:
     TritonSemantic.binary_op_sanitize_overflow_impl = binary_op_sanitize_overflow_impl
 
 
+def _map_numpy_dtypes_from_one_table() -> None:
+    """The interpreter's numpy dtype of a Triton type (asked for by every splat, cast, load and constant) built its
+    table of 17 numpy dtypes at each call: the table is built once, the same mapping."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    lookup = interpreter._get_np_dtype
+    table = {ty: lookup(ty) for ty in (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16,
+                                       tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5,
+                                       tl.float8e5b16, tl.float8e4nv, tl.float8e4b8, tl.float8e4b15)}
+    pointer = np.dtype(np.uint64)
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.pointer_type):
+            return pointer
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+            if isinstance(tt_dtype, tl.pointer_type):
+                return pointer
+        return table[tt_dtype]
+
+    interpreter._get_np_dtype = get_np_dtype
+
+
 if INTERPRET:
     _reload_compiled_kernel_modules()
     _patch_the_language_once_per_launch()
@@ -160,6 +185,7 @@ if INTERPRET:
     _name_block_types_when_asked()
     _type_tuples_when_asked()
     _skip_overflow_checks_that_assert_nothing()
+    _map_numpy_dtypes_from_one_table()
 
 
 @pytest.fixture(scope="session")
