@@ -172,7 +172,8 @@ def _map_numpy_dtypes_from_one_table() -> None:
             tt_dtype = tt_dtype.element_ty
             if isinstance(tt_dtype, tl.pointer_type):
                 return pointer
-        return table[tt_dtype]
+        found = table.get(tt_dtype)
+        return found if found is not None else lookup(tt_dtype)
 
     interpreter._get_np_dtype = get_np_dtype
 
