@@ -1,7 +1,10 @@
 # Sourced by the scripts/h200*.sh jobs after their stage list: `source "$(dirname "$0")/h200_job.sh" "$1"; shift`.
 # Sets `out` (the job's output directory, created) and `run LIMIT CMD...` (CMD under a time limit, its output
 # appended to OUT/log.txt without the device's start-up noise) and `latency LIMIT NAME ARGS...` (`kestrel bench
-# latency ARGS` under `run`, its result in OUT/latency-NAME-h200.json).
+# latency ARGS` under `run`, its result in OUT/latency-NAME-h200.json). After `h200_tables`: `launch_feature NAME
+# on|off` (one launch feature in this GPU's decode_launches table), `full_load_fp8 NAME` (1000 prompts x 1000 in /
+# 1000 out, FP8 + FP8 KV, max_num_seqs 512, into OUT/throughput-fp8-1000x1000-512-NAME-h200.json) and
+# `pack_results` (everything under OUT in OUT/results.tar.gz: a call brings back 8 files at most).
 set -uo pipefail
 out=$(realpath -m "$1")
 mkdir -p "$out"
@@ -19,3 +22,17 @@ h200_tables() {
     for f in $tuning/*_nvidia_h200.json; do cp "$f" "${f%_nvidia_h200.json}_$key.json"; done
     echo "the H200 tables copied as $key" | tee -a "$out/log.txt"
   fi; }
+launch_feature() {
+  python3 - "$tuning/decode_launches_$key.json" "$1" "$2" <<'PY'
+import json, sys
+path, name, state = sys.argv[1], sys.argv[2], sys.argv[3] == "on"
+table = json.load(open(path))
+table["configs"][name] = state
+json.dump(table, open(path, "w"), indent=1)
+PY
+  echo "$1 $2" | tee -a "$out/log.txt"; }
+full_load_fp8() {
+  run 330 python3 -m kestrel.bench.throughput --num-prompts 1000 --input-len 1000 --output-len 1000 \
+    --hf-peer-prompts 0 --max-seconds 280 --max-num-seqs 512 --quantization fp8 --kv-cache-dtype fp8 \
+    --result-file "$out/throughput-fp8-1000x1000-512-$1-h200.json"; }
+pack_results() { tar -czf "$out/results.tar.gz" -C "$out" --exclude results.tar.gz .; }

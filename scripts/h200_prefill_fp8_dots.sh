@@ -9,15 +9,6 @@
 #   pack      everything under OUT in OUT/results.tar.gz
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 h200_tables
-feature() {  # feature NAME on|off: NAME in this GPU's decode_launches table
-  python3 - "$tuning/decode_launches_$key.json" "$1" "$2" <<'PY'
-import json, sys
-path, name, state = sys.argv[1], sys.argv[2], sys.argv[3] == "on"
-table = json.load(open(path))
-table["configs"][name] = state
-json.dump(table, open(path, "w"), indent=1)
-PY
-  echo "$1 $2" | tee -a "$out/log.txt"; }
 for stage in "$@"; do
   case $stage in
     tests) run 300 python3 -m pytest -p no:cacheprovider -rf tests/gpu/test_prefill_staged_kv_gpu.py \
@@ -25,16 +16,13 @@ for stage in "$@"; do
              tests/kernels/test_rope_kv_kernel.py 2>&1 | tail -25 ;;
     kernels) run 300 python3 scripts/h200_prefill_attention.py --out "$out" --quick ;;
     ppl) run 240 python3 scripts/h200_fp8_dots_ppl.py --out "$out" --max-files 40 ;;
-    ttft-off|ttft-on) state=${stage#ttft-}; feature prefill_fp8_dots "$state"
+    ttft-off|ttft-on) state=${stage#ttft-}; launch_feature prefill_fp8_dots "$state"
           latency 150 ttft8k-fp8-fp8dots-$state --batch 1 --input-len 8192 --output-len 16 --repeats 3 --warmups 1 \
             --quantization fp8 --kv-cache-dtype fp8
           latency 100 ttft128-fp8-fp8dots-$state --batch 1 --input-len 128 --output-len 32 --repeats 3 \
             --quantization fp8 --kv-cache-dtype fp8 ;;
-    tput-on) feature prefill_fp8_dots on
-          run 330 python3 -m kestrel.bench.throughput --num-prompts 1000 --input-len 1000 --output-len 1000 \
-            --hf-peer-prompts 0 --max-seconds 280 --max-num-seqs 512 --quantization fp8 --kv-cache-dtype fp8 \
-            --result-file "$out/throughput-fp8-1000x1000-512-fp8dots-on-h200.json" ;;
-    pack) tar -czf "$out/results.tar.gz" -C "$out" --exclude results.tar.gz . ;;
+    tput-on) launch_feature prefill_fp8_dots on; full_load_fp8 fp8dots-on ;;
+    pack) pack_results ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac
 done

@@ -9,32 +9,20 @@
 #   pack      everything under OUT in OUT/results.tar.gz
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 h200_tables
-feature() {  # feature on|off: prefill_new_kv in this GPU's decode_launches table
-  python3 - "$tuning/decode_launches_$key.json" "$1" <<'PY'
-import json, sys
-path, state = sys.argv[1], sys.argv[2] == "on"
-table = json.load(open(path))
-table["configs"]["prefill_new_kv"] = state
-json.dump(table, open(path, "w"), indent=1)
-PY
-  echo "prefill_new_kv $1" | tee -a "$out/log.txt"; }
 for stage in "$@"; do
   case $stage in
     tests) run 300 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_staged_kv_gpu.py \
              tests/kernels/test_attention_triton.py tests/kernels/test_rope_kv_kernel.py ;;
     kernels) run 300 python3 scripts/h200_prefill_attention.py --out "$out" ;;
-    profile) feature on; run 240 python3 scripts/h200_prefill_profile.py --out "$out" --prompt 8192 ;;
-    ttft-off|ttft-on) state=${stage#ttft-}; feature "$state"
+    profile) launch_feature prefill_new_kv on; run 240 python3 scripts/h200_prefill_profile.py --out "$out" --prompt 8192 ;;
+    ttft-off|ttft-on) state=${stage#ttft-}; launch_feature prefill_new_kv "$state"
           latency 150 ttft8k-bf16-newkv-$state --batch 1 --input-len 8192 --output-len 16 --repeats 3 --warmups 1
           latency 150 ttft8k-fp8-newkv-$state --batch 1 --input-len 8192 --output-len 16 --repeats 3 --warmups 1 \
             --quantization fp8 --kv-cache-dtype fp8
           latency 150 ttft128-fp8-newkv-$state --batch 1 --input-len 128 --output-len 32 --repeats 3 \
             --quantization fp8 --kv-cache-dtype fp8 ;;
-    tput-off|tput-on) state=${stage#tput-}; feature "$state"
-          run 330 python3 -m kestrel.bench.throughput --num-prompts 1000 --input-len 1000 --output-len 1000 \
-            --hf-peer-prompts 0 --max-seconds 280 --max-num-seqs 512 --quantization fp8 --kv-cache-dtype fp8 \
-            --result-file "$out/throughput-fp8-1000x1000-512-newkv-$state-h200.json" ;;
-    pack) tar -czf "$out/results.tar.gz" -C "$out" --exclude results.tar.gz . ;;
+    tput-off|tput-on) state=${stage#tput-}; launch_feature prefill_new_kv "$state"; full_load_fp8 "newkv-$state" ;;
+    pack) pack_results ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac
 done
