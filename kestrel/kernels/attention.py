@@ -256,8 +256,8 @@ def _attend_new_tiles(acc, acc_odd, m_i, l_i, q, k_desc, v_desc, row_of_ctx, kv_
     """`_attend_tiles` over the step's own keys, read whole-tile through tensor descriptors from the staged K/V
     (`[tokens, kv_heads * HEAD]`, key position p of the sequence at row `row_of_ctx + p`) instead of through the
     block table. Rows past the tensor read as zeros; the MASKED tile zeroes V past `seg_hi` (another sequence's
-    rows: 0 * NaN would poison acc) and masks keys below `key_lo`. V_PAIRS: the staged V holds each head's even
-    dims, then its odd ones.
+    rows: 0 * NaN would poison acc), with FP8_DOTS also keys below `key_lo`. V_PAIRS: the staged V holds each head's
+    even dims, then its odd ones.
 
     FP8_DOTS: the staged K/V are the cache's e4m3 values (V transposed: `[kv_heads * HEAD, tokens]`), `q` is e4m3
     (scaled per row: `qk_scale` holds each row's scale) and P goes into its dot as e4m3 times FP8_P_SCALE, so `acc`
@@ -268,7 +268,9 @@ def _attend_new_tiles(acc, acc_odd, m_i, l_i, q, k_desc, v_desc, row_of_ctx, kv_
         row = row_of_ctx + key0
         tok = key0 + offs_n
         k = k_desc.load([row, kv_col])
-        tok_ok = (tok < seg_hi) & (tok >= key_lo)  # read by MASKED tiles only
+        tok_ok = tok < seg_hi  # read by MASKED tiles only
+        if FP8_DOTS:  # only its aligned head tile starts below the sequence's first key (key_lo)
+            tok_ok = tok_ok & (tok >= key_lo)
         p, m_new, l_i, acc, acc_odd = _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_i,
                                                     acc, acc_odd, MASKED, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS,
                                                     SOFT_CAP)
