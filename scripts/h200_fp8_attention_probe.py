@@ -5,22 +5,19 @@ import argparse
 import functools
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kestrel.kernels.common import round_e4m3  # noqa: E402
+
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _round_e4m3(x):
-    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32 arithmetic."""
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    sub = (x + 24576.0) - 24576.0
-    return tl.where(tl.abs(x) >= 0.015625, rounded, sub)
 
 
 @triton.jit
@@ -46,7 +43,7 @@ def _probe(q_ptr, k_desc, v_desc, o_ptr, qk_scale, T, GROUP: tl.constexpr, HEAD:
         q_row_scale = tl.where(q_amax > 0, q_amax / 448.0, 1.0)
         qs = tl.clamp(qf / q_row_scale[:, None], -448.0, 448.0)
         if EMULATE:
-            qd = _round_e4m3(qs)
+            qd = round_e4m3(qs)
         else:
             qd = qs.to(tl.float8e4nv)
         row_scale = q_row_scale * qk_scale
@@ -79,7 +76,7 @@ def _probe(q_ptr, k_desc, v_desc, o_ptr, qk_scale, T, GROUP: tl.constexpr, HEAD:
             acc = acc * alpha[:, None]
             if MODE == 1:
                 if EMULATE:
-                    pd = _round_e4m3(p * P_SCALE)
+                    pd = round_e4m3(p * P_SCALE)
                 else:
                     pd = (p * P_SCALE).to(tl.float8e4nv)
             else:

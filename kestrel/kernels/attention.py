@@ -143,20 +143,11 @@ def _e4m3_pairs_to_f16(w, ASM: tl.constexpr):
 
 
 @triton.jit
-def _round_e4m3(x):
-    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value (ties to even), kept in fp32: the interpreter's stand-in
-    for the GPU's conversion, whose own rounding drops a carry into the exponent (125.8 became 64)."""
-    bits = x.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2^14: its ulp is e4m3's subnormal step, 2^-9
-    return tl.where(tl.abs(x) >= 0.015625, normal, subnormal)
-
-
-@triton.jit
 def _to_e4m3(x, dot_dtype: tl.constexpr):
-    """x (fp32, |x| <= 448) as an FP8 dot operand: e4m3 on the GPU, its e4m3 value in fp32 in the interpreter."""
+    """x (fp32, |x| <= 448) as an FP8 dot operand: e4m3 on the GPU, its e4m3 value in fp32 in the interpreter (whose
+    own e4m3 conversion drops a carry into the exponent: 125.8 became 64)."""
     if dot_dtype == tl.float32:
-        return _round_e4m3(x)
+        return common.round_e4m3(x)
     else:
         return x.to(dot_dtype)
 
@@ -447,6 +438,8 @@ def _paged_attn_kernel(
         window, qk_scale, False, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS,
         V_ASM, SOFT_CAP)
     new_lo = tl.maximum(seg_lo, ctx)
+    row_of_ctx = q_start - ctx  # the staged row of the sequence's key position 0
+    kv_col = kv_head * HEAD
     if FP8_DOTS:
         if V_PAIRS:
             acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
@@ -458,14 +451,14 @@ def _paged_attn_kernel(
         row_scale = (q_row_scale * qk_scale)[:, None]
         # A tile of the transposed V starts at a 16-byte-aligned column (TMA): where the sequence's first staged key
         # lies inside one, that tile is attended alone, masked below the key, and the rest from the next
-        head_keys = (q_start - ctx + new_lo) % 16
+        head_keys = (row_of_ctx + new_lo) % 16
         aligned_lo = new_lo - head_keys
         acc, acc_odd, m_i, l_i = _attend_new_tiles(
-            acc, acc_odd, m_i, l_i, q, k_new_desc, v_new_desc, q_start - ctx, kv_head * HEAD, offs_n, row_pos,
-            row_end, aligned_lo, tl.where((head_keys > 0) & (new_lo < seg_hi), 1, 0), new_lo, seg_hi, window,
+            acc, acc_odd, m_i, l_i, q, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n, row_pos, row_end,
+            aligned_lo, tl.where((head_keys > 0) & (new_lo < seg_hi), 1, 0), new_lo, seg_hi, window,
             row_scale, BLOCK_N, HEAD, True, USE_WINDOW, FP8_DOT_DTYPE, DOT_PREC, False, SOFT_CAP, True)
         acc, acc_odd, m_i, l_i = _attend_range(
-            acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, q_start - ctx, kv_head * HEAD, offs_n,
+            acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n,
             row_pos, row_end, tl.where(head_keys > 0, aligned_lo + BLOCK_N, new_lo), seg_hi, full_hi, window,
             row_scale, True, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, USE_WINDOW, FP8_DOT_DTYPE, DOT_PREC, False, V_ASM,
             SOFT_CAP, True)
@@ -473,7 +466,7 @@ def _paged_attn_kernel(
     else:
         if NEW_KV:
             acc, acc_odd, m_i, l_i = _attend_range(
-                acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, q_start - ctx, kv_head * HEAD, offs_n,
+                acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n,
                 row_pos, row_end, new_lo, seg_hi, full_hi, window, qk_scale, True, BLOCK_N, BLOCK_SIZE, HEAD,
                 HEAD_PAD, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
         if V_PAIRS:
@@ -881,14 +874,15 @@ def paged_attention(
         pre_q = max(1, pre.block_m // group)
         grid = (num_tokens // pre_q + num_seqs, num_kv_heads)
         staged = _staged_descriptors(new_kv, q, k_cache, v_cache, pre.block_n)
-        if staged[0] is not None and stages_fp8(k_cache) and pre.block_n < FP8_DOT_MIN_K:
+        fp8_dots = staged[0] is not None and stages_fp8(k_cache)
+        if fp8_dots and pre.block_n < FP8_DOT_MIN_K:
             raise ValueError(f"prefill_cfg block_n={pre.block_n}: the FP8 dots over staged keys (launch feature "
                              f"prefill_fp8_dots) take key tiles of at least {FP8_DOT_MIN_K}")
         _paged_attn_kernel[grid](
             q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends, out, *staged,
             q_len_lo=dec_q, q_len_hi=_NO_LIMIT, min_keys=1, **shared, **pairs,
             BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False, FUSED_MERGE=False,
-            NEW_KV=staged[0] is not None, FP8_DOTS=staged[0] is not None and stages_fp8(k_cache),
+            NEW_KV=staged[0] is not None, FP8_DOTS=fp8_dots,
             FP8_DOT_DTYPE=tl.float8e4nv if q.is_cuda else tl.float32,
             num_warps=pre.num_warps, num_stages=pre.num_stages, **pdl,
         )

@@ -187,15 +187,11 @@ def _rope_store_kv_kernel(
         tl.store(dst, stored, mask=mask)
         if STAGE:
             if STAGE_V_T:  # column t of the transposed rows
-                tl.store(staged_v_ptr + (h[:, None] * HEAD + d[None, :]) * stride_sv + t,
-                         stored.to(staged_v_ptr.dtype.element_ty), mask=head_mask)
+                staged_at = (h[:, None] * HEAD + d[None, :]) * stride_sv + t
             else:
-                if STAGE_V_PAIRS:
-                    col = (d % 2) * (HEAD // 2) + d // 2
-                else:
-                    col = d
-                tl.store(staged_v_ptr + t * stride_sv + h[:, None] * HEAD + col[None, :],
-                         stored.to(staged_v_ptr.dtype.element_ty), mask=head_mask)
+                col = (d % 2) * (HEAD // 2) + d // 2 if STAGE_V_PAIRS else d
+                staged_at = t * stride_sv + h[:, None] * HEAD + col[None, :]
+            tl.store(staged_v_ptr + staged_at, stored.to(staged_v_ptr.dtype.element_ty), mask=head_mask)
 
 
 def rope_store_kv(

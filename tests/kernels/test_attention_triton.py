@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.attention import AttnConfig, _round_e4m3, paged_attention, paged_attention_ref, staged_kv_ref
+from kestrel.kernels.attention import AttnConfig, paged_attention, paged_attention_ref, staged_kv_ref
+from kestrel.kernels.common import round_e4m3
 from kestrel.kernels.store_kv import store_kv, store_kv_ref
 
 BLOCK_SIZE = 16
@@ -301,12 +302,12 @@ def test_prefill_reads_the_steps_own_keys_from_the_staged_rows(device: torch.dev
 @triton.jit
 def _round_all(x_ptr, out_ptr, N: tl.constexpr):
     offs = tl.arange(0, N)
-    tl.store(out_ptr + offs, _round_e4m3(tl.load(x_ptr + offs)))
+    tl.store(out_ptr + offs, round_e4m3(tl.load(x_ptr + offs)))
 
 
 def test_interpreter_rounds_to_e4m3_as_torch_does(device: torch.device) -> None:
-    """`_round_e4m3`, the interpreter's stand-in for the GPU's e4m3 conversion in the FP8 dots: the value of torch's
-    e4m3 rounding for normals, subnormals, zeros and every tie between two e4m3 values."""
+    """`common.round_e4m3`, the interpreter's stand-in for the GPU's e4m3 conversion (FP8 dots, FP8 caches): the value
+    of torch's e4m3 rounding for normals, subnormals, zeros and every tie between two e4m3 values."""
     g = torch.Generator().manual_seed(0)
     values = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every finite e4m3 >= 0
     ties = (values[:-1] + values[1:]) / 2
