@@ -38,6 +38,8 @@ QUICK_CONFIGS = [AttnConfig(128, 128, 8, 3), AttnConfig(128, 64, 8, 3), AttnConf
                  AttnConfig(64, 64, 4, 3)]
 FP8_SCALE = 0.05
 FP8_DOTS = {"on": False}  # the launch feature prefill_fp8_dots as the variant being measured sets it
+# (name, cache dtype): "fp8" runs the staged keys' dots in fp16, "fp8-dots" in FP8
+CACHE_VARIANTS = (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn), ("fp8-dots", torch.float8_e4m3fn))
 
 
 def _feature_on(name: str, device: torch.device, _original=common.launch_feature) -> bool:
@@ -107,7 +109,7 @@ def rope_cost(device: torch.device, gen: torch.Generator, runs: int, tokens: int
     cos, sin = angles.cos(), angles.sin()
     positions = torch.arange(tokens, device=device)
     result = {}
-    for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn), ("fp8-dots", torch.float8_e4m3fn)):
+    for name, dtype in CACHE_VARIANTS:
         FP8_DOTS["on"] = name == "fp8-dots"
         caches = [torch.zeros(tokens // BLOCK + 1, BLOCK, KV_HEADS, HEAD, device=device).to(dtype) for _ in range(2)]
         staged = attention.new_staged_kv(tokens, caches[0])
@@ -138,14 +140,13 @@ def main() -> int:
     name = "cpu" if args.smoke else torch.cuda.get_device_name(0)
     results: dict = {"gpu": name, "rows": [], "torch": torch.__version__}
     out_file = Path(args.out) / f"prefill-attention-{gpu}.json"
-    for cache_name, cache_dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn),
-                                    ("fp8-dots", torch.float8_e4m3fn)):
+    for cache_name, cache_dtype in CACHE_VARIANTS:
         fp8 = cache_dtype == torch.float8_e4m3fn
+        FP8_DOTS["on"] = cache_name == "fp8-dots"
         # FP8 dots round q and P to e4m3: about 2% from the 16-bit dots' output (tests/kernels/test_attention_triton)
         tolerance = 5e-2 if cache_name == "fp8-dots" else 2e-2
         for query_len, ctx in shapes:
             case = make_case(query_len, ctx, cache_dtype, device, gen)
-            FP8_DOTS["on"] = cache_name == "fp8-dots"
             staged = staged_kv_ref(case["k"], case["v"], case["slots"])
             gathered_out, gathered = call(case, None, None, fp8)
             gathered()
