@@ -106,6 +106,14 @@ _LOG2E = 1.4426950408889634
 # largest value, 448, is never passed.
 FP8_P_SCALE = tl.constexpr(256.0)
 FP8_DOT_MIN_K = 32  # an e4m3 wgmma's reduction is 32 deep: head dims for q @ k^T, keys per tile for P @ V
+# V_PAIRS (an e4m3 V read as int16 words of two values, see _attend_tiles): P @ V as two dots, over the even and
+# over the odd head dims, or as one dot over the words' values joined back into head order. The prefill launch joins
+# them for heads under 128: a wgmma whose B operand is 32 wide (64-byte swizzle) read past the CTA's shared memory
+# under Triton 3.6 on an H100 (compute-sanitizer: an invalid __shared__ read in the odd dot; heads of 64 with an FP8
+# cache faulted with "an illegal memory access"), while the 64-wide halves of heads of 128 run apart, as tuned.
+_PAIRS_APART = tl.constexpr(1)
+_PAIRS_JOINED = tl.constexpr(2)
+_MIN_PAIR_DOT_N = 64
 _NO_LIMIT = 2**31 - 1  # the prefill launch takes every query length above the decode launch's
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -176,9 +184,24 @@ def _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if V_PAIRS:
+    if V_PAIRS == _PAIRS_APART:
         acc_odd = acc_odd * alpha[:, None]
     return p, m_new, l_i, acc, acc_odd
+
+
+@triton.jit
+def _pairs_dot(p, v_even, v_odd, acc, acc_odd, V_PAIRS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+               DOT_PREC: tl.constexpr):
+    """P @ V over V's even and odd head dims: into `acc` and `acc_odd` apart (_PAIRS_APART), or as one dot over
+    them joined back into head order, into `acc` alone (_PAIRS_JOINED)."""
+    p_dot = p.to(DOT_DTYPE)  # fp16 on the GPU (a no-op for the values); fp32 in the interpreter
+    if V_PAIRS == _PAIRS_JOINED:
+        v = tl.reshape(tl.join(v_even, v_odd), [v_even.shape[0], 2 * v_even.shape[1]])
+        acc = tl.dot(p_dot, v.to(DOT_DTYPE), acc, input_precision=DOT_PREC)
+    else:
+        acc = tl.dot(p_dot, v_even.to(DOT_DTYPE), acc, input_precision=DOT_PREC)
+        acc_odd = tl.dot(p_dot, v_odd.to(DOT_DTYPE), acc_odd, input_precision=DOT_PREC)
+    return acc, acc_odd
 
 
 @triton.jit
@@ -191,8 +214,8 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
     (`seg_hi`), each row's end of visible keys (`row_end`: its position + 1, or past it inside an image that
     attends to itself both ways) and the window, the others are known to be fully visible to every row.
 
-    V_PAIRS (FP8 cache): V is read as int16 words of two e4m3 values and P @ V runs as two dots, over the even
-    and the odd head dims (`acc`, `acc_odd`). Read as bytes, the PV operand needs a transposed 8-bit load,
+    V_PAIRS (FP8 cache): V is read as int16 words of two e4m3 values and P @ V runs over the even and the odd head
+    dims (`_pairs_dot`). Read as bytes, the PV operand needs a transposed 8-bit load,
     which Triton emits as one shared-memory load per byte; words transpose with ldmatrix like 16-bit data.
 
     SOFT_CAP (0: none) is cap * log2(e), and then `qk_scale` carries 2 log2(e) / cap, so exp2(qk) =
@@ -224,9 +247,7 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, k_base, v_base, bt_row, stride_kb, 
             else:
                 w = tl.load(w_ptrs)
             v_even, v_odd = _e4m3_pairs_to_f16(w, V_ASM)
-            p_dot = p.to(DOT_DTYPE)  # fp16 on the GPU (a no-op for the values); fp32 in the interpreter
-            acc = tl.dot(p_dot, v_even.to(DOT_DTYPE), acc, input_precision=DOT_PREC)
-            acc_odd = tl.dot(p_dot, v_odd.to(DOT_DTYPE), acc_odd, input_precision=DOT_PREC)
+            acc, acc_odd = _pairs_dot(p, v_even, v_odd, acc, acc_odd, V_PAIRS, DOT_DTYPE, DOT_PREC)
         else:
             if MASKED or HEAD_MASK:
                 # masked, not just zero-weighted: 0 * NaN from an unwritten slot would poison acc
@@ -269,14 +290,12 @@ def _attend_new_tiles(acc, acc_odd, m_i, l_i, q, k_desc, v_desc, row_of_ctx, kv_
             v = tl.trans(v_desc.load([kv_col, row])).to(DOT_DTYPE)
             acc = tl.dot(_to_e4m3(p * FP8_P_SCALE, DOT_DTYPE), v, acc, input_precision=DOT_PREC)
         elif V_PAIRS:
-            p_dot = p.to(DOT_DTYPE)
             v_even = v_desc.load([row, kv_col])
             v_odd = v_desc.load([row, kv_col + HEAD // 2])
             if MASKED:
                 v_even = tl.where(tok_ok[:, None], v_even, 0.0)
                 v_odd = tl.where(tok_ok[:, None], v_odd, 0.0)
-            acc = tl.dot(p_dot, v_even.to(DOT_DTYPE), acc, input_precision=DOT_PREC)
-            acc_odd = tl.dot(p_dot, v_odd.to(DOT_DTYPE), acc_odd, input_precision=DOT_PREC)
+            acc, acc_odd = _pairs_dot(p, v_even, v_odd, acc, acc_odd, V_PAIRS, DOT_DTYPE, DOT_PREC)
         else:
             v = v_desc.load([row, kv_col])
             if MASKED:
@@ -421,11 +440,14 @@ def _paged_attn_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    # With V_PAIRS, acc holds the even head dims and acc_odd the odd ones (ACC_W = ODD_W = HEAD_PAD / 2);
-    # otherwise acc is the whole row and acc_odd an unused column.
+    # With V_PAIRS == _PAIRS_APART, acc holds the even head dims and acc_odd the odd ones (ACC_W = ODD_W =
+    # HEAD_PAD / 2); otherwise acc is the whole row and acc_odd an unused column.
     acc = tl.zeros([BLOCK_M, ACC_W], tl.float32)
     acc_odd = tl.zeros([BLOCK_M, ODD_W], tl.float32)
-    offs_w = tl.arange(0, ACC_W)
+    if V_PAIRS:
+        offs_w = tl.arange(0, HEAD_PAD // 2)
+    else:
+        offs_w = tl.arange(0, HEAD_PAD)
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
@@ -441,7 +463,7 @@ def _paged_attn_kernel(
     row_of_ctx = q_start - ctx  # the staged row of the sequence's key position 0
     kv_col = kv_head * HEAD
     if FP8_DOTS:
-        if V_PAIRS:
+        if V_PAIRS == _PAIRS_APART:
             acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
         acc = acc * FP8_P_SCALE
         q = q.to(tl.float32)
@@ -469,7 +491,7 @@ def _paged_attn_kernel(
                 acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n,
                 row_pos, row_end, new_lo, seg_hi, full_hi, window, qk_scale, True, BLOCK_N, BLOCK_SIZE, HEAD,
                 HEAD_PAD, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS, V_ASM, SOFT_CAP)
-        if V_PAIRS:
+        if V_PAIRS == _PAIRS_APART:
             acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -863,8 +885,8 @@ def paged_attention(
     # FP8 (e4m3) V read as int16 pairs, see _attend_tiles; the dots then run in fp16 off the GPU too.
     v_pairs = _v_in_pairs(v_cache, head_size)
     v_arg = v_cache.view(torch.int16) if v_pairs else v_cache
-    pairs = dict(V_PAIRS=v_pairs, V_ASM=v_pairs and q.is_cuda, ACC_W=head_pad // 2 if v_pairs else head_pad,
-                 ODD_W=head_pad // 2 if v_pairs else 1)
+    pairs = dict(V_PAIRS=int(_PAIRS_APART) if v_pairs else 0, V_ASM=v_pairs and q.is_cuda,
+                 ACC_W=head_pad // 2 if v_pairs else head_pad, ODD_W=head_pad // 2 if v_pairs else 1)
     shared.update(stride_vb=v_arg.stride(0), stride_vt=v_arg.stride(1), stride_vh=v_arg.stride(2))
     dec = decode_cfg or decode_config(head_size, group, fp8, wide)
     dec_q = max(1, dec.block_m // group)
@@ -878,9 +900,13 @@ def paged_attention(
         if fp8_dots and pre.block_n < FP8_DOT_MIN_K:
             raise ValueError(f"prefill_cfg block_n={pre.block_n}: the FP8 dots over staged keys (launch feature "
                              f"prefill_fp8_dots) take key tiles of at least {FP8_DOT_MIN_K}")
+        if v_pairs and head_pad // 2 < _MIN_PAIR_DOT_N:
+            pre_pairs = dict(pairs, V_PAIRS=int(_PAIRS_JOINED), ACC_W=head_pad, ODD_W=1)
+        else:
+            pre_pairs = pairs
         _paged_attn_kernel[grid](
             q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends, out, *staged,
-            q_len_lo=dec_q, q_len_hi=_NO_LIMIT, min_keys=1, **shared, **pairs,
+            q_len_lo=dec_q, q_len_hi=_NO_LIMIT, min_keys=1, **shared, **pre_pairs,
             BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False, FUSED_MERGE=False,
             NEW_KV=staged[0] is not None, FP8_DOTS=fp8_dots,
             FP8_DOT_DTYPE=tl.float8e4nv if q.is_cuda else tl.float32,

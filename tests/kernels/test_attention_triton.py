@@ -241,10 +241,13 @@ def test_split_kv_mixed_batch(device: torch.device, launch_features: bool) -> No
     assert rel_err(out, case.expected()) < 1e-5
 
 
-def test_fp8_kv(device: torch.device) -> None:
-    """FP8 e4m3 cache written by the Triton store_kv with per-tensor scales, dequantized in registers."""
+@pytest.mark.parametrize("head_size", [64, 128], ids=["pairs-joined", "pairs-apart"])
+def test_fp8_kv(device: torch.device, head_size: int) -> None:
+    """FP8 e4m3 cache written by the Triton store_kv with per-tensor scales, dequantized in registers. V is read in
+    words of two values; the prefill launch runs P @ V over them as one dot for heads under 128, as two (even and
+    odd dims) for heads of 128."""
     k_scale, v_scale = 0.011, 0.0073
-    case = Case(MIXED, 8, 2, 64, device, cache_dtype=torch.float8_e4m3fn, k_scale=k_scale, v_scale=v_scale,
+    case = Case(MIXED, 8, 2, head_size, device, cache_dtype=torch.float8_e4m3fn, k_scale=k_scale, v_scale=v_scale,
                 share_prefix_blocks=1, seed=5)
     out = case.run(k_scale=k_scale, v_scale=v_scale, decode_cfg=SMALL_DECODE, prefill_cfg=SMALL_PREFILL,
                    num_splits=2)
