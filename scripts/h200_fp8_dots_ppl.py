@@ -1,7 +1,8 @@
 """Perplexity of the bundled kestrel-tiny on held-out standard-library files (`kestrel bench ppl`'s windows) on a GPU,
 BF16 activations, with a BF16 KV cache and with an FP8 one whose prefill attention runs the step's own keys' dots in
 fp16 and in FP8 (launch feature `prefill_fp8_dots`): what the FP8 dots cost in accuracy. Every window is one prompt
-of up to 512 tokens, so all its keys go through the staged prefill launch. Writes OUT/fp8-dots-ppl.json.
+of up to 512 tokens, so all its keys go through the staged prefill launch (`prefill_new_kv` on in every
+variant). Writes OUT/fp8-dots-ppl.json.
 
     PYTHONPATH=$PWD python3 scripts/h200_fp8_dots_ppl.py --out OUT --max-files 60
 """
@@ -42,8 +43,8 @@ def main() -> int:
     original = common.launch_feature
     result = {"model": model, "files": len(documents), "tokens": sum(d.num_scored for d in documents), "rows": []}
     for name, kv_cache_dtype, fp8_dots in VARIANTS:
-        common.launch_feature = (lambda feature, device, on=fp8_dots:
-                                 on if feature == "prefill_fp8_dots" else original(feature, device))
+        common.launch_feature = (lambda feature, device, on=fp8_dots: on if feature == "prefill_fp8_dots" else
+                                 True if feature == "prefill_new_kv" else original(feature, device))
         started = time.perf_counter()
         scorer = ppl._scorer(engine, model, kv_cache_dtype=kv_cache_dtype)
         scored = ppl.evaluate(scorer, documents, None, counts, use_tqdm=False)

@@ -594,6 +594,13 @@ _PREFILL_CONFIGS: dict[int, AttnConfig] = {
     128: AttnConfig(128, 128, 8, 3),
     256: AttnConfig(64, 64, 8, 2),
 }
+# The FP8 dots over staged keys (`stages_fp8`), heads of 128, H100 (the H200's tables), best of four tiles, one causal
+# prefill of 32 / 8 heads (log-kernels-h100.txt under benchmarks/results/issue29/prefill-fp8-dots/): 128 x 64 with 4
+# warps 886 us at 8k, 3,348 us at 16k; 64 x 64 (4 warps) was best up to 4k (268 us at 4k), 128 x 128 (8 warps) for a
+# 2k chunk over 8k of context.
+_FP8_DOTS_PREFILL_CONFIGS: dict[int, AttnConfig] = {
+    128: AttnConfig(128, 64, 4, 3),
+}
 # fp32 activations (exact "ieee" dots, tests and debugging): fp32 tiles take twice the shared memory;
 # (128, 128, 8, 3) asked for 262 KB of the 227 KB an SM has.
 _FP32_DECODE = AttnConfig(16, 32, 4, 2)
@@ -646,9 +653,10 @@ def decode_config(head_size: int, group: int, fp8: bool, fp32: bool = False) -> 
     return replace(cfg, block_m=max(cfg.block_m, _next_pow2(group)))
 
 
-def prefill_config(head_size: int, group: int, fp32: bool = False) -> AttnConfig:
+def prefill_config(head_size: int, group: int, fp32: bool = False, fp8_dots: bool = False) -> AttnConfig:
     head_pad = max(16, _next_pow2(head_size))
-    cfg = _FP32_PREFILL if fp32 else _PREFILL_CONFIGS.get(head_pad) or AttnConfig(64, 32, 4, 2)
+    tuned = (fp8_dots and _FP8_DOTS_PREFILL_CONFIGS.get(head_pad)) or _PREFILL_CONFIGS.get(head_pad)
+    cfg = _FP32_PREFILL if fp32 else tuned or AttnConfig(64, 32, 4, 2)
     return replace(cfg, block_m=max(cfg.block_m, _next_pow2(group)))
 
 
@@ -892,11 +900,11 @@ def paged_attention(
     dec_q = max(1, dec.block_m // group)
 
     if num_tokens > dec_q and (max_query_len is None or max_query_len > dec_q):
-        pre = prefill_cfg or prefill_config(head_size, group, wide)
+        fp8_dots = new_kv is not None and stages_fp8(k_cache) and reads_staged_kv(q, k_cache, v_cache)
+        pre = prefill_cfg or prefill_config(head_size, group, wide, fp8_dots)
         pre_q = max(1, pre.block_m // group)
         grid = (num_tokens // pre_q + num_seqs, num_kv_heads)
         staged = _staged_descriptors(new_kv, q, k_cache, v_cache, pre.block_n)
-        fp8_dots = staged[0] is not None and stages_fp8(k_cache)
         if fp8_dots and pre.block_n < FP8_DOT_MIN_K:
             raise ValueError(f"prefill_cfg block_n={pre.block_n}: the FP8 dots over staged keys (launch feature "
                              f"prefill_fp8_dots) take key tiles of at least {FP8_DOT_MIN_K}")
