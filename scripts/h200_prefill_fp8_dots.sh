@@ -5,7 +5,8 @@
 #   kernels   scripts/h200_prefill_attention.py --quick: bf16 / fp8 (fp16 dots) / fp8-dots staged launches
 #   ppl       scripts/h200_fp8_dots_ppl.py: kestrel-tiny's perplexity, BF16 KV and FP8 KV with fp16 / FP8 dots
 #   ttft-off, ttft-on   `kestrel bench latency` batch 1, FP8 + FP8 KV: 8k and 128 prompts, FP8 dots off / on
-#   tput-on   full load, 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, FP8 dots on
+#   tput-off, tput-on   full load, 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, FP8 dots off / on
+#   ttft128-off, ttft128-on   `kestrel bench latency` batch 1, 128-token prompts, 10 repeats, FP8 dots off / on
 #   pack      everything under OUT in OUT/results.tar.gz
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 h200_tables
@@ -21,7 +22,11 @@ for stage in "$@"; do
             --quantization fp8 --kv-cache-dtype fp8
           latency 100 ttft128-fp8-fp8dots-$state --batch 1 --input-len 128 --output-len 32 --repeats 3 \
             --quantization fp8 --kv-cache-dtype fp8 ;;
-    tput-on) launch_feature prefill_fp8_dots on; full_load_fp8 fp8dots-on ;;
+    tput-off|tput-on) state=${stage#tput-}; launch_feature prefill_fp8_dots "$state"
+          full_load_fp8 fp8dots-$state ;;
+    ttft128-off|ttft128-on) state=${stage#ttft128-}; launch_feature prefill_fp8_dots "$state"
+          latency 150 ttft128x10-fp8-fp8dots-$state --batch 1 --input-len 128 --output-len 8 --repeats 10 \
+            --warmups 2 --quantization fp8 --kv-cache-dtype fp8 ;;
     pack) pack_results ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac
