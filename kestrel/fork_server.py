@@ -12,7 +12,10 @@ that the process had when the fork server started, not the one it has when each 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
+import signal
 from multiprocessing.context import BaseContext
 
 _CONTEXT = multiprocessing.get_context("forkserver")
@@ -34,3 +37,18 @@ def start_fork_server(preload: tuple[str, ...]) -> None:
 
     fork_context(preload)
     forkserver.ensure_running()
+
+
+def stop_fork_server() -> None:
+    """End the fork server now, mid-preload too (a serving process that refuses to start calls it). A fork server
+    notices its parent's exit only once its imports are done, and it holds the parent's stdout and stderr until then:
+    a caller reading them (a pipe, a test) would wait out those imports, 10-20 s of transformers and xgrammar on a
+    busy 2-core machine, after the refusal was printed."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # multiprocessing's own process-wide fork server; it has no public stop
+    if server._forkserver_pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(server._forkserver_pid, signal.SIGTERM)
+    server._stop()

@@ -75,7 +75,7 @@ from kestrel.entrypoints.serving_embeddings import OpenAIServingEmbeddings
 from kestrel.entrypoints.serving_pooling import OpenAIServingPooling
 from kestrel.entrypoints.serving_responses import OpenAIServingResponses
 from kestrel.entrypoints.text_workers import TextWorkers, UnservedModelError, tokenize_input
-from kestrel.fork_server import start_fork_server
+from kestrel.fork_server import start_fork_server, stop_fork_server
 from kestrel.loader.tokenizer import tokenizer_modules
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParamsError
@@ -743,16 +743,20 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
 
     logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The tokenizer and grammar workers' fork server imports their libraries while the model loads.
     config.chat_template_text()  # a --chat-template that names no file is refused before the model loads
     check_port_free(config.host, config.port)  # and an address in use, rather than after minutes of loading
+    try:
+        built_config = engine_config(model, **(engine_args or {}))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    # The tokenizer and grammar workers' fork server imports their libraries while the model loads (a refused
+    # configuration starts none).
     tokenizer_path = str((engine_args or {}).get("tokenizer") or model)
     preload = ((tokenizer_modules(tokenizer_path) if config.tokenizer_processes else ())
                + (COMPILE_WORKER_MODULES if config.grammar_compile_workers else ()))
     if preload:
         start_fork_server(preload)
     try:
-        built_config = engine_config(model, **(engine_args or {}))
         core_process = config.engine_core_process
         if core_process is None:
             core_process = core_process_by_default(built_config)
@@ -765,7 +769,11 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
             engine = AsyncEngine.from_config(built_config, model, max_queued_requests=config.max_queued_requests,
                                              request_timeout_s=config.request_timeout)
     except ValueError as e:
+        stop_fork_server()
         raise ConfigError(str(e)) from e
+    except BaseException:
+        stop_fork_server()
+        raise
     engine.start()
     try:
         for line in startup_summary(engine):
@@ -774,6 +782,7 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
         app = build_app(engine, names, config.api_key, config=config)
     except BaseException:
         engine.shutdown()  # an engine core process, or the engine thread, must not outlive a refusal
+        stop_fork_server()
         raise
     logger.info("garbage collector set for serving: %d start-up objects frozen", tune_for_serving())
     scheme = "https" if config.ssl_certfile else "http"
