@@ -106,6 +106,11 @@ _LOG2E = 1.4426950408889634
 # largest value, 448, is never passed.
 FP8_P_SCALE = tl.constexpr(256.0)
 FP8_DOT_MIN_K = 32  # an e4m3 wgmma's reduction is 32 deep: head dims for q @ k^T, keys per tile for P @ V
+# The FP8 dots pay on long steps only (H100, 32 / 8 heads of 128, eager forward, FP8 dots off -> on per layer: 8k
+# tokens: attention 1,332 -> 1,013 us, K/V write and staging 150 -> 215 us; 128 tokens: 15 -> 31 us and 4.4 -> 7.5
+# us; the kernel bench: about even at 1k, 41 us faster at 4k against 32 us more staging): on a GPU a step of fewer
+# tokens stages for fp16 dots.
+FP8_DOTS_MIN_TOKENS = 4096
 # V_PAIRS (an e4m3 V read as int16 words of two values, see _attend_tiles): P @ V as two dots, over the even and
 # over the odd head dims, or as one dot over the words' values joined back into head order. The prefill launch joins
 # them for heads under 128: a wgmma whose B operand is 32 wide (64-byte swizzle) read past the CTA's shared memory
@@ -681,27 +686,29 @@ def splits_for(num_seqs: int, num_kv_heads: int, sms: int, max_seq_len: int | No
     return splits
 
 
-def stages_fp8(k_cache: torch.Tensor) -> bool:
-    """Whether the prefill launch over this cache runs its staged keys' dots in FP8 (FP8_DOTS): an e4m3 cache of
-    heads of at least FP8_DOT_MIN_K dims, with the launch feature `prefill_fp8_dots` on. Its staged K/V are then the
-    cache's own e4m3 values, V transposed (`new_staged_kv`): FP8 P @ V takes V with the keys contiguous, which
-    Triton would otherwise transpose in the kernel (half the speed of fp16 dots, measured)."""
+def stages_fp8(k_cache: torch.Tensor, num_tokens: int) -> bool:
+    """Whether the prefill launch of a step of `num_tokens` over this cache runs its staged keys' dots in FP8
+    (FP8_DOTS): an e4m3 cache of heads of at least FP8_DOT_MIN_K dims, with the launch feature `prefill_fp8_dots`
+    on, and on a GPU a step of at least FP8_DOTS_MIN_TOKENS. Its staged K/V are then the cache's own e4m3 values, V
+    transposed (`new_staged_kv`): FP8 P @ V takes V with the keys contiguous, which Triton would otherwise transpose
+    in the kernel (half the speed of fp16 dots, measured)."""
+    min_tokens = FP8_DOTS_MIN_TOKENS if k_cache.is_cuda else 0
     return (k_cache.dtype == torch.float8_e4m3fn and k_cache.shape[-1] >= FP8_DOT_MIN_K
-            and common.launch_feature("prefill_fp8_dots", k_cache.device))
+            and num_tokens >= min_tokens and common.launch_feature("prefill_fp8_dots", k_cache.device))
 
 
-def staged_kv_dtype(k_cache: torch.Tensor) -> torch.dtype:
-    """The dtype the step's own keys and values are staged in for the prefill launch (`new_kv`): the cache's own,
+def staged_kv_dtype(k_cache: torch.Tensor, num_tokens: int) -> torch.dtype:
+    """The dtype a step's own keys and values are staged in for the prefill launch (`new_kv`): the cache's own,
     or fp16 for an FP8 cache whose staged dots run in fp16 (every e4m3 value exactly; see `stages_fp8`)."""
-    if k_cache.dtype == torch.float8_e4m3fn and not stages_fp8(k_cache):
+    if k_cache.dtype == torch.float8_e4m3fn and not stages_fp8(k_cache, num_tokens):
         return torch.float16
     return k_cache.dtype
 
 
-def stages_v_in_pairs(k_cache: torch.Tensor) -> bool:
-    """Whether the staged V holds each head's even dims first, then its odd ones: over an FP8 cache whose staged dots
-    run in fp16, where the kernel accumulates V's even and odd dims apart (V_PAIRS)."""
-    return k_cache.dtype == torch.float8_e4m3fn and not stages_fp8(k_cache)
+def stages_v_in_pairs(k_cache: torch.Tensor, num_tokens: int) -> bool:
+    """Whether a step's staged V holds each head's even dims first, then its odd ones: over an FP8 cache whose staged
+    dots run in fp16, where the kernel accumulates V's even and odd dims apart (V_PAIRS)."""
+    return k_cache.dtype == torch.float8_e4m3fn and not stages_fp8(k_cache, num_tokens)
 
 
 def _staged_width(k_cache: torch.Tensor) -> int:
@@ -717,9 +724,9 @@ def new_staged_kv(num_tokens: int, k_cache: torch.Tensor) -> tuple[torch.Tensor,
     """Empty staged K (`[tokens, kv_heads * head]`) and V (the same, or `[kv_heads * head, tokens]` with its rows
     padded where `stages_fp8`) for a step of `num_tokens` over `k_cache`, which `rope_store_kv(..., staged=...)`
     fills."""
-    width, dtype = _staged_width(k_cache), staged_kv_dtype(k_cache)
+    width, dtype = _staged_width(k_cache), staged_kv_dtype(k_cache, num_tokens)
     k = torch.empty((num_tokens, width), dtype=dtype, device=k_cache.device)
-    if stages_fp8(k_cache):
+    if stages_fp8(k_cache, num_tokens):
         v = torch.empty((width, _padded_tokens(num_tokens)), dtype=dtype, device=k_cache.device)[:, :num_tokens]
     else:
         v = torch.empty((num_tokens, width), dtype=dtype, device=k_cache.device)
@@ -732,7 +739,8 @@ def staged_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor,
     -1), in `staged_kv_dtype`, V's dims per head reordered evens first where `stages_v_in_pairs`, V transposed
     (column t) where `stages_fp8`, in `new_staged_kv`'s layout."""
     _, _, num_kv_heads, head_size = k_cache.shape
-    dtype = staged_kv_dtype(k_cache)
+    num_tokens = len(slot_mapping)
+    dtype = staged_kv_dtype(k_cache, num_tokens)
     slots = slot_mapping.to(k_cache.device).long()
     written = (slots >= 0)[:, None, None]
     staged = []
@@ -743,11 +751,11 @@ def staged_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor,
         rows = torch.where(written, rows, torch.zeros((), dtype=torch.uint8, device=rows.device))
         staged.append(rows.view(cache.dtype).to(dtype).reshape(len(slots), num_kv_heads * head_size))
     k, v = staged
-    if stages_v_in_pairs(k_cache):
+    if stages_v_in_pairs(k_cache, num_tokens):
         per_head = v.view(len(slots), num_kv_heads, head_size)
         v = torch.cat((per_head[..., 0::2], per_head[..., 1::2]), dim=-1).reshape(len(slots), num_kv_heads * head_size)
-    if stages_fp8(k_cache):
-        transposed = new_staged_kv(len(slots), k_cache)[1]
+    if stages_fp8(k_cache, num_tokens):
+        transposed = new_staged_kv(num_tokens, k_cache)[1]
         transposed.view(torch.uint8).copy_(v.view(torch.uint8).t())
         v = transposed
     return k, v
@@ -757,8 +765,9 @@ def check_staged_kv(staged: tuple[torch.Tensor, torch.Tensor], num_tokens: int, 
     """Refuse staged K/V that are not `new_staged_kv`'s for this step: the step's rows (V transposed where
     `stages_fp8`) of `staged_kv_dtype`, 16-byte aligned rows (as tensor descriptors read them)."""
     width = _staged_width(k_cache)
-    expected = staged_kv_dtype(k_cache)
-    shapes = {"k": (num_tokens, width), "v": (width, num_tokens) if stages_fp8(k_cache) else (num_tokens, width)}
+    expected = staged_kv_dtype(k_cache, num_tokens)
+    shapes = {"k": (num_tokens, width),
+              "v": (width, num_tokens) if stages_fp8(k_cache, num_tokens) else (num_tokens, width)}
     for (name, shape), x in zip(shapes.items(), staged):
         aligned = (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
         if (x.shape != shape or x.stride(-1) != 1 or x.dtype != expected or x.device != k_cache.device
@@ -775,7 +784,7 @@ def reads_staged_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     head_size = k_cache.shape[-1]
     if head_size != _next_pow2(head_size) or head_size < 16:
         return False
-    if stages_v_in_pairs(k_cache) and not _v_in_pairs(v_cache, head_size):
+    if stages_v_in_pairs(k_cache, q.shape[0]) and not _v_in_pairs(v_cache, head_size):
         return False
     if q.is_cuda:
         return (q.dtype in _DOT_DTYPES and common.is_hopper_or_newer(q.device)
@@ -801,9 +810,9 @@ def _staged_descriptors(new_kv: tuple[torch.Tensor, torch.Tensor] | None, q: tor
     k_new, v_new = new_kv
     head_size = k_cache.shape[-1]
     k_desc = TensorDescriptor(k_new, list(k_new.shape), [k_new.stride(0), 1], [block_n, head_size])
-    if stages_fp8(k_cache):  # transposed: a tile is one head's dims by block_n keys
+    if stages_fp8(k_cache, q.shape[0]):  # transposed: a tile is one head's dims by block_n keys
         return k_desc, TensorDescriptor(v_new, list(v_new.shape), [v_new.stride(0), 1], [head_size, block_n])
-    v_block = head_size // 2 if stages_v_in_pairs(k_cache) else head_size
+    v_block = head_size // 2 if stages_v_in_pairs(k_cache, q.shape[0]) else head_size
     return k_desc, TensorDescriptor(v_new, list(v_new.shape), [v_new.stride(0), 1], [block_n, v_block])
 
 
@@ -900,7 +909,7 @@ def paged_attention(
     dec_q = max(1, dec.block_m // group)
 
     if num_tokens > dec_q and (max_query_len is None or max_query_len > dec_q):
-        fp8_dots = new_kv is not None and stages_fp8(k_cache) and reads_staged_kv(q, k_cache, v_cache)
+        fp8_dots = new_kv is not None and stages_fp8(k_cache, num_tokens) and reads_staged_kv(q, k_cache, v_cache)
         pre = prefill_cfg or prefill_config(head_size, group, wide, fp8_dots)
         pre_q = max(1, pre.block_m // group)
         grid = (num_tokens // pre_q + num_seqs, num_kv_heads)

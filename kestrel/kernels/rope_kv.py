@@ -250,8 +250,8 @@ def rope_store_kv(
         GROUP=group, Q_GROUPS=q_groups, KV_GROUPS=kv_groups, BLOCK_SIZE=block_size,
         K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, NORM=head_norms is not None,
         UNIT_OFFSET=bool(head_norms and head_norms.unit_offset), STAGE=staged is not None,
-        STAGE_V_PAIRS=staged is not None and stages_v_in_pairs(k_cache),
-        STAGE_V_T=staged is not None and stages_fp8(k_cache), num_warps=4,
+        STAGE_V_PAIRS=staged is not None and stages_v_in_pairs(k_cache, num_tokens),
+        STAGE_V_T=staged is not None and stages_fp8(k_cache, num_tokens), num_warps=4,
         **common.launch_options(q),
     )
     return q_out

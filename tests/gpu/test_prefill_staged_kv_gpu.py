@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kestrel import LLM, ops
-from kestrel.kernels import common
+from kestrel.kernels import attention, common
 from kestrel.loader.model_init import write_tiny_checkpoint
 from kestrel.model.attn_metadata import AttentionMetadata
 
@@ -70,6 +70,7 @@ def test_staged_prefill_logits_match_the_gathered_launch(checkpoint: Path, quant
         return feature["on"] if name == "prefill_new_kv" else original(name, device)
 
     monkeypatch.setattr(common, "launch_feature", launch_feature)
+    monkeypatch.setattr(attention, "FP8_DOTS_MIN_TOKENS", 0)  # the test's steps are short
     staged_steps = []
     new_staged = ops.new_staged_kv
     monkeypatch.setattr(ops, "new_staged_kv", lambda *a: staged_steps.append(a[0]) or new_staged(*a))
@@ -92,3 +93,13 @@ def test_staged_prefill_logits_match_the_gathered_launch(checkpoint: Path, quant
                 assert difference < FP8_DOTS_LOGITS, (counts, difference)
             else:
                 torch.testing.assert_close(staged, gathered, rtol=tolerance, atol=tolerance)
+
+
+def test_fp8_dots_stage_long_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the FP8 dots take steps of FP8_DOTS_MIN_TOKENS and more; shorter ones stage fp16 for fp16 dots."""
+    monkeypatch.setattr(common, "launch_feature", lambda name, device: True)
+    k_cache = torch.zeros((1, 16, 2, 64), dtype=torch.float8_e4m3fn, device="cuda")
+    long_step, short_step = attention.FP8_DOTS_MIN_TOKENS, attention.FP8_DOTS_MIN_TOKENS - 1
+    assert attention.stages_fp8(k_cache, long_step) and not attention.stages_fp8(k_cache, short_step)
+    assert [x.dtype for x in ops.new_staged_kv(long_step, k_cache)] == [torch.float8_e4m3fn] * 2
+    assert [x.dtype for x in ops.new_staged_kv(short_step, k_cache)] == [torch.float16] * 2

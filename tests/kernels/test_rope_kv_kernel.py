@@ -249,17 +249,18 @@ def test_staged_rows_are_the_rows_written(device: torch.device, shape: tuple, dt
     (what the prefill attention reads through TMA): exactly `staged_kv_ref` of the caches after the write, zeros for
     the rows written nowhere (-1), and the cache and q as without staging. An FP8 cache stages its e4m3 values as
     fp16 (V in pairs), or as they are for the FP8 dots (launch feature `prefill_fp8_dots`)."""
-    from kestrel.kernels import common
+    from kestrel.kernels import attention, common
     from kestrel.kernels.attention import new_staged_kv, staged_kv_ref, stages_fp8
 
     monkeypatch.setattr(common, "launch_feature", lambda name, device: name != "prefill_fp8_dots" or fp8_dots)
+    monkeypatch.setattr(attention, "FP8_DOTS_MIN_TOKENS", 0)  # on a GPU too: the cases' steps are short
 
     scales = (0.5, 0.25) if cache_dtype == FP8 else (1.0, 1.0)
     case = Case(*shape, dtype=dtype, cache_dtype=cache_dtype, k_scale=scales[0], v_scale=scales[1])
     inputs = Inputs(case, seed=sum(shape) + 7)
     k_cache = inputs.caches[0].to(device)
     staged = new_staged_kv(case.num_tokens, k_cache)
-    assert stages_fp8(k_cache) == fp8_dots
+    assert stages_fp8(k_cache, case.num_tokens) == fp8_dots
     for x in staged:
         x.fill_(float("nan"))
     q_out, k_after, v_after = inputs.run(partial(rope_store_kv, staged=staged), device)
