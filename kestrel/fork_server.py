@@ -20,13 +20,20 @@ from multiprocessing.context import BaseContext
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _preloaded: set[str] = set()
+_handed_out = False  # a pool asked for the context: workers may have been forked
+
+
+def _ask_preload(preload: tuple[str, ...]) -> None:
+    if not set(preload) <= _preloaded:
+        _preloaded.update(preload)
+        _CONTEXT.set_forkserver_preload(sorted(_preloaded))
 
 
 def fork_context(preload: tuple[str, ...] = ()) -> BaseContext:
     """The fork server's multiprocessing context, asking it to import `preload` before it forks (if not started)."""
-    if not set(preload) <= _preloaded:
-        _preloaded.update(preload)
-        _CONTEXT.set_forkserver_preload(sorted(_preloaded))
+    global _handed_out
+    _ask_preload(preload)
+    _handed_out = True
     return _CONTEXT
 
 
@@ -35,7 +42,7 @@ def start_fork_server(preload: tuple[str, ...]) -> None:
     it before it loads its model, so those imports run beside the load instead of after it."""
     from multiprocessing import forkserver
 
-    fork_context(preload)
+    _ask_preload(preload)
     forkserver.ensure_running()
 
 
@@ -43,11 +50,15 @@ def stop_fork_server() -> None:
     """End the fork server now, mid-preload too (a serving process that refuses to start calls it). A fork server
     notices its parent's exit only once its imports are done, and it holds the parent's stdout and stderr until then:
     a caller reading them (a pipe, a test) would wait out those imports, 10-20 s of transformers and xgrammar on a
-    busy 2-core machine, after the refusal was printed."""
+    busy 2-core machine, after the refusal was printed.
+
+    Left running once a pool has had the context: its workers may be alive, and multiprocessing learns of their exit
+    from the fork server (stopped, they would read as ended and outlive their clean-up); the fork server has then
+    finished its imports (it forks only after them), so it ends with this process."""
     from multiprocessing import forkserver
 
     server = forkserver._forkserver  # multiprocessing's own process-wide fork server; it has no public stop
-    if server._forkserver_pid is None:
+    if server._forkserver_pid is None or _handed_out:
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(server._forkserver_pid, signal.SIGTERM)

@@ -774,15 +774,17 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
     except BaseException:
         stop_fork_server()
         raise
-    engine.start()
     try:
+        engine.start()
         for line in startup_summary(engine):
             logger.info(line)
         names = config.served_model_name or (model,)
         app = build_app(engine, names, config.api_key, config=config)
     except BaseException:
-        engine.shutdown()  # an engine core process, or the engine thread, must not outlive a refusal
-        stop_fork_server()
+        try:
+            engine.shutdown()  # an engine core process, or the engine thread, must not outlive a refusal
+        finally:
+            stop_fork_server()
         raise
     logger.info("garbage collector set for serving: %d start-up objects frozen", tune_for_serving())
     scheme = "https" if config.ssl_certfile else "http"

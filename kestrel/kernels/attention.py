@@ -119,6 +119,9 @@ FP8_DOTS_MIN_TOKENS = 4096
 _PAIRS_APART = tl.constexpr(1)
 _PAIRS_JOINED = tl.constexpr(2)
 _MIN_PAIR_DOT_N = 64
+# The decode launch's tiles (16 rows, mma.sync) keep the halves apart, as tuned; a group of more than 32 query heads
+# per KV head raises its rows to a wgmma tile, which joins them too.
+_WGMMA_MIN_ROWS = 64
 _NO_LIMIT = 2**31 - 1  # the prefill launch takes every query length above the decode launch's
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -902,8 +905,14 @@ def paged_attention(
     # FP8 (e4m3) V read as int16 pairs, see _attend_tiles; the dots then run in fp16 off the GPU too.
     v_pairs = _v_in_pairs(v_cache, head_size)
     v_arg = v_cache.view(torch.int16) if v_pairs else v_cache
-    pairs = dict(V_PAIRS=int(_PAIRS_APART) if v_pairs else 0, V_ASM=v_pairs and q.is_cuda,
-                 ACC_W=head_pad // 2 if v_pairs else head_pad, ODD_W=head_pad // 2 if v_pairs else 1)
+    narrow_halves = v_pairs and head_pad // 2 < _MIN_PAIR_DOT_N
+
+    def pairs_args(joined: bool) -> dict:
+        apart = v_pairs and not joined
+        mode = int(_PAIRS_APART) if apart else int(_PAIRS_JOINED) if v_pairs else 0
+        return dict(V_PAIRS=mode, V_ASM=v_pairs and q.is_cuda, ACC_W=head_pad // 2 if apart else head_pad,
+                    ODD_W=head_pad // 2 if apart else 1)
+
     shared.update(stride_vb=v_arg.stride(0), stride_vt=v_arg.stride(1), stride_vh=v_arg.stride(2))
     dec = decode_cfg or decode_config(head_size, group, fp8, wide)
     dec_q = max(1, dec.block_m // group)
@@ -917,13 +926,9 @@ def paged_attention(
         if fp8_dots and pre.block_n < FP8_DOT_MIN_K:
             raise ValueError(f"prefill_cfg block_n={pre.block_n}: the FP8 dots over staged keys (launch feature "
                              f"prefill_fp8_dots) take key tiles of at least {FP8_DOT_MIN_K}")
-        if v_pairs and head_pad // 2 < _MIN_PAIR_DOT_N:
-            pre_pairs = dict(pairs, V_PAIRS=int(_PAIRS_JOINED), ACC_W=head_pad, ODD_W=1)
-        else:
-            pre_pairs = pairs
         _paged_attn_kernel[grid](
             q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends, out, *staged,
-            q_len_lo=dec_q, q_len_hi=_NO_LIMIT, min_keys=1, **shared, **pre_pairs,
+            q_len_lo=dec_q, q_len_hi=_NO_LIMIT, min_keys=1, **shared, **pairs_args(narrow_halves),
             BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False, FUSED_MERGE=False,
             NEW_KV=staged[0] is not None, FP8_DOTS=fp8_dots,
             FP8_DOT_DTYPE=tl.float8e4nv if q.is_cuda else tl.float32,
@@ -952,7 +957,8 @@ def paged_attention(
     _paged_attn_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_arg, out, part_o, part_lse, query_start_loc, seq_lens, block_tables, ends,
         common.arrival_counters(q.device) if fused_merge else out, None, None,
-        q_len_lo=0, q_len_hi=dec_q, min_keys=min_keys, **shared, **pairs,
+        q_len_lo=0, q_len_hi=dec_q, min_keys=min_keys, **shared,
+        **pairs_args(narrow_halves and dec.block_m >= _WGMMA_MIN_ROWS),
         BLOCK_M=dec.block_m, BLOCK_Q=dec_q, BLOCK_N=dec.block_n, PER_SEQ=True, SPLIT=split, FUSED_MERGE=fused_merge,
         NEW_KV=False, FP8_DOTS=False, FP8_DOT_DTYPE=tl.float32, num_warps=dec.num_warps, num_stages=dec.num_stages,
         **pdl,

@@ -303,6 +303,33 @@ def test_prefill_reads_the_steps_own_keys_from_the_staged_rows(device: torch.dev
         assert rel_err(out, expected) < tolerance
 
 
+@pytest.mark.parametrize("fp8_dots", [False, True], ids=["fp16-dots", "fp8-dots"])
+def test_staged_prefill_over_fp8_heads_of_128_keeps_the_pairs_apart(device: torch.device, fp8_dots: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Heads of 128 keep V's paired halves apart in the prefill launch (two 64-wide dots), staged halves included;
+    with the FP8 dots the cached keys' two accumulators join before the staged keys' FP8 dot. (The heads of 32
+    above join the halves into one dot.) Fresh prompts, a chunk over context, decodes."""
+    from kestrel.kernels import attention, common
+
+    monkeypatch.setattr(common, "launch_feature", lambda name, device: name != "prefill_fp8_dots" or fp8_dots)
+    monkeypatch.setattr(attention, "FP8_DOTS_MIN_TOKENS", 0)  # on a GPU too: the case's step is short
+    k_scale, v_scale = 0.011, 0.0073
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    case = Case([(37, 37), (58, 21), (45, 1), (40, 9)], 4, 2, 128, device, dtype=dtype,
+                cache_dtype=torch.float8_e4m3fn, k_scale=k_scale, v_scale=v_scale, seed=24)
+    if not attention.reads_staged_kv(case.q, case.k_cache, case.v_cache):
+        pytest.skip("no TMA on this GPU: the prefill launch gathers every key")
+    dec_q = SMALL_DECODE.block_m // 2
+    expected = case.expected()
+    staged = case.staged_then_poisoned(dec_q)
+    out = case.run(new_kv=staged, k_scale=k_scale, v_scale=v_scale, decode_cfg=SMALL_DECODE,
+                   prefill_cfg=FP8_DOTS_PREFILL if fp8_dots else SMALL_PREFILL, num_splits=1)
+    if fp8_dots:
+        assert rel_err(out, case.expected(fp8_dots_from=dec_q)) < FP8_P_ROUNDING
+    else:
+        assert rel_err(out, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 @triton.jit
 def _round_all(x_ptr, out_ptr, N: tl.constexpr):
     offs = tl.arange(0, N)
@@ -484,3 +511,13 @@ def test_fp8_kv_scales_default_checkpoint_and_calibrated(tmp_path, caplog: pytes
               str(tmp_path / "kv_scales.safetensors"))
     read = checkpoint_kv_scales(str(tmp_path), [layer.prefix for layer in runner.model.attention_layers()])
     assert read is not None and read[0] == (0.5, 1.0) and read[1] == (1.0, 0.25)
+
+
+def test_fp8_kv_decode_with_a_wide_group_joins_the_pairs(device: torch.device) -> None:
+    """64 query heads on one KV head fill a 64-row decode tile (a wgmma tile on Hopper): its P @ V runs as one dot
+    over V's paired halves joined back into head order, as the prefill launch's does for heads under 128."""
+    k_scale, v_scale = 0.011, 0.0073
+    case = Case([(40, 1), (70, 1), (5, 1)], 64, 1, 64, device, cache_dtype=torch.float8_e4m3fn, k_scale=k_scale,
+                v_scale=v_scale, seed=23)
+    out = case.run(k_scale=k_scale, v_scale=v_scale, decode_cfg=AttnConfig(64, 16, 4, 2), num_splits=2)
+    assert rel_err(out, case.expected()) < 1e-5

@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -176,11 +177,16 @@ def test_kestrel_serve_refusals_after_the_start_exit_and_leave_no_core_process(t
     ended mid-preload (its imports take 10-20 s here; the pipes would stay open that long)."""
     server = subprocess.Popen([sys.executable, "-m", "kestrel.entrypoints.cli", "serve", str(tiny_dir), "--port",
                                "18932", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    output: dict[str, str] = {}
+    reader = threading.Thread(target=lambda: output.update(zip(("out", "err"), server.communicate())), daemon=True)
+    reader.start()  # drained as it runs, so no full pipe holds it up
     try:
         returncode = server.wait(timeout=120)
-        _, stderr = server.communicate(timeout=5)  # end of output once the command has exited
+        reader.join(timeout=5)  # end of output once the command has exited
     finally:
         server.kill()
+    assert not reader.is_alive(), "the output stayed open after `kestrel serve` exited: a process of its own holds it"
+    stderr = output["err"]
     assert returncode == 2, stderr[-2000:]
     assert "Traceback" not in stderr and words in stderr
 
