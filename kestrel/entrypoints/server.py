@@ -757,34 +757,31 @@ def run_server(config: ServerConfig, model: str, engine_args: dict[str, Any] | N
     if preload:
         start_fork_server(preload)
     try:
-        core_process = config.engine_core_process
-        if core_process is None:
-            core_process = core_process_by_default(built_config)
-        logger.info("engine core: %s", "in its own process" if core_process else "in the server's process")
-        if core_process:
-            engine = CoreClient.from_config(built_config, model, max_queued_requests=config.max_queued_requests,
-                                            request_timeout_s=config.request_timeout,
-                                            log_level=logging.getLogger().getEffectiveLevel())
-        else:
-            engine = AsyncEngine.from_config(built_config, model, max_queued_requests=config.max_queued_requests,
-                                             request_timeout_s=config.request_timeout)
-    except ValueError as e:
-        stop_fork_server()
-        raise ConfigError(str(e)) from e
-    except BaseException:
-        stop_fork_server()
-        raise
-    try:
-        engine.start()
-        for line in startup_summary(engine):
-            logger.info(line)
-        names = config.served_model_name or (model,)
-        app = build_app(engine, names, config.api_key, config=config)
-    except BaseException:
         try:
+            core_process = config.engine_core_process
+            if core_process is None:
+                core_process = core_process_by_default(built_config)
+            logger.info("engine core: %s", "in its own process" if core_process else "in the server's process")
+            if core_process:
+                engine = CoreClient.from_config(built_config, model, max_queued_requests=config.max_queued_requests,
+                                                request_timeout_s=config.request_timeout,
+                                                log_level=logging.getLogger().getEffectiveLevel())
+            else:
+                engine = AsyncEngine.from_config(built_config, model, max_queued_requests=config.max_queued_requests,
+                                                 request_timeout_s=config.request_timeout)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        try:
+            engine.start()
+            for line in startup_summary(engine):
+                logger.info(line)
+            names = config.served_model_name or (model,)
+            app = build_app(engine, names, config.api_key, config=config)
+        except BaseException:
             engine.shutdown()  # an engine core process, or the engine thread, must not outlive a refusal
-        finally:
-            stop_fork_server()
+            raise
+    except BaseException:
+        stop_fork_server()  # nor a fork server still importing, which holds the command's output
         raise
     logger.info("garbage collector set for serving: %d start-up objects frozen", tune_for_serving())
     scheme = "https" if config.ssl_certfile else "http"

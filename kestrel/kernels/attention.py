@@ -803,19 +803,17 @@ def _v_in_pairs(v_cache: torch.Tensor, head_size: int) -> bool:
             and all(st % 2 == 0 for st in v_cache.stride()[:-1]) and v_cache.storage_offset() % 2 == 0)
 
 
-def _staged_descriptors(new_kv: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, block_n: int) -> tuple[TensorDescriptor | None, ...]:
-    """Tensor descriptors of the staged K and V (`new_staged_kv`'s) for the prefill launch's key tiles, or
-    (None, None) where it gathers every key from the cache."""
-    if new_kv is None or not reads_staged_kv(q, k_cache, v_cache):
-        return None, None
-    check_staged_kv(new_kv, q.shape[0], k_cache)
+def _staged_descriptors(new_kv: tuple[torch.Tensor, torch.Tensor], num_tokens: int, k_cache: torch.Tensor,
+                        block_n: int, fp8_dots: bool) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """Tensor descriptors of the staged K and V (`new_staged_kv`'s) for the prefill launch's key tiles; `fp8_dots`:
+    the step's `stages_fp8`."""
+    check_staged_kv(new_kv, num_tokens, k_cache)
     k_new, v_new = new_kv
     head_size = k_cache.shape[-1]
     k_desc = TensorDescriptor(k_new, list(k_new.shape), [k_new.stride(0), 1], [block_n, head_size])
-    if stages_fp8(k_cache, q.shape[0]):  # transposed: a tile is one head's dims by block_n keys
+    if fp8_dots:  # transposed: a tile is one head's dims by block_n keys
         return k_desc, TensorDescriptor(v_new, list(v_new.shape), [v_new.stride(0), 1], [head_size, block_n])
-    v_block = head_size // 2 if stages_v_in_pairs(k_cache, q.shape[0]) else head_size
+    v_block = head_size // 2 if stages_v_in_pairs(k_cache, num_tokens) else head_size
     return k_desc, TensorDescriptor(v_new, list(v_new.shape), [v_new.stride(0), 1], [block_n, v_block])
 
 
@@ -918,11 +916,13 @@ def paged_attention(
     dec_q = max(1, dec.block_m // group)
 
     if num_tokens > dec_q and (max_query_len is None or max_query_len > dec_q):
-        fp8_dots = new_kv is not None and stages_fp8(k_cache, num_tokens) and reads_staged_kv(q, k_cache, v_cache)
+        reads_staged = new_kv is not None and reads_staged_kv(q, k_cache, v_cache)
+        fp8_dots = reads_staged and stages_fp8(k_cache, num_tokens)
         pre = prefill_cfg or prefill_config(head_size, group, wide, fp8_dots)
         pre_q = max(1, pre.block_m // group)
         grid = (num_tokens // pre_q + num_seqs, num_kv_heads)
-        staged = _staged_descriptors(new_kv, q, k_cache, v_cache, pre.block_n)
+        staged = (_staged_descriptors(new_kv, num_tokens, k_cache, pre.block_n, fp8_dots) if reads_staged
+                  else (None, None))
         if fp8_dots and pre.block_n < FP8_DOT_MIN_K:
             raise ValueError(f"prefill_cfg block_n={pre.block_n}: the FP8 dots over staged keys (launch feature "
                              f"prefill_fp8_dots) take key tiles of at least {FP8_DOT_MIN_K}")
@@ -930,7 +930,7 @@ def paged_attention(
             q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends, out, *staged,
             q_len_lo=dec_q, q_len_hi=_NO_LIMIT, min_keys=1, **shared, **pairs_args(narrow_halves),
             BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False, FUSED_MERGE=False,
-            NEW_KV=staged[0] is not None, FP8_DOTS=fp8_dots,
+            NEW_KV=reads_staged, FP8_DOTS=fp8_dots,
             FP8_DOT_DTYPE=tl.float8e4nv if q.is_cuda else tl.float32,
             num_warps=pre.num_warps, num_stages=pre.num_stages, **pdl,
         )
