@@ -3,7 +3,8 @@
 # appended to OUT/log.txt without the device's start-up noise) and `latency LIMIT NAME ARGS...` (`kestrel bench
 # latency ARGS` under `run`, its result in OUT/latency-NAME-h200.json). After `h200_tables`: `launch_feature NAME
 # on|off` (one launch feature in this GPU's decode_launches table), `full_load_fp8 NAME` (1000 prompts x 1000 in /
-# 1000 out, FP8 + FP8 KV, max_num_seqs 512, into OUT/throughput-fp8-1000x1000-512-NAME-h200.json) and
+# 1000 out, FP8 + FP8 KV, max_num_seqs 512, into OUT/throughput-fp8-1000x1000-512-NAME-h200.json; with
+# COUNT_COMPILES=1 every Triton compile of the run is logged in OUT/compiles-NAME.json) and
 # `pack_results` (everything under OUT in OUT/results.tar.gz: a call brings back 8 files at most).
 set -uo pipefail
 out=$(realpath -m "$1")
@@ -32,7 +33,9 @@ json.dump(table, open(path, "w"), indent=1)
 PY
   echo "$1 $2" | tee -a "$out/log.txt"; }
 full_load_fp8() {
-  run 330 python3 -m kestrel.bench.throughput --num-prompts 1000 --input-len 1000 --output-len 1000 \
+  local runner=(-m)  # COUNT_COMPILES=1: under scripts/h200_count_compiles.py, into OUT/compiles-NAME.json
+  [ "${COUNT_COMPILES:-0}" = 1 ] && runner=(scripts/h200_count_compiles.py "$out/compiles-$1.json")
+  run 330 python3 "${runner[@]}" kestrel.bench.throughput --num-prompts 1000 --input-len 1000 --output-len 1000 \
     --hf-peer-prompts 0 --max-seconds 280 --max-num-seqs 512 --quantization fp8 --kv-cache-dtype fp8 \
     --result-file "$out/throughput-fp8-1000x1000-512-$1-h200.json"; }
 pack_results() { tar -czf "$out/results.tar.gz" -C "$out" --exclude results.tar.gz .; }

@@ -7,6 +7,8 @@
 #   ttft-off, ttft-on   `kestrel bench latency` batch 1, FP8 + FP8 KV: 8k and 128 prompts, FP8 dots off / on
 #   tput-off, tput-on   full load, 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, FP8 dots off / on
 #   ttft128-off, ttft128-on   `kestrel bench latency` batch 1, 128-token prompts, 10 repeats, FP8 dots off / on
+#   profile-off, profile-on   scripts/h200_prefill_profile.py, FP8 + FP8 KV, 8k prompt: kernel times, FP8 dots off / on
+#   counted-off, counted-on   tput-off / tput-on with every Triton compile of the run logged (OUT/compiles-*.json)
 #   pack      everything under OUT in OUT/results.tar.gz
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 h200_tables
@@ -27,6 +29,10 @@ for stage in "$@"; do
     ttft128-off|ttft128-on) state=${stage#ttft128-}; launch_feature prefill_fp8_dots "$state"
           latency 150 ttft128x10-fp8-fp8dots-$state --batch 1 --input-len 128 --output-len 8 --repeats 10 \
             --warmups 2 --quantization fp8 --kv-cache-dtype fp8 ;;
+    profile-off|profile-on) state=${stage#profile-}; launch_feature prefill_fp8_dots "$state"
+          mkdir -p "$out/profile-$state"; run 200 python3 scripts/h200_prefill_profile.py --out "$out/profile-$state" --precisions fp8 --prompt 8192 ;;
+    counted-off|counted-on) state=${stage#counted-}; launch_feature prefill_fp8_dots "$state"
+          COUNT_COMPILES=1 full_load_fp8 fp8dots-$state ;;
     pack) pack_results ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac

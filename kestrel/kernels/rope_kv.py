@@ -28,6 +28,7 @@ from kestrel.kernels.norm import rms_norm, rms_norm_ref
 from kestrel.kernels.store_kv import store_kv_ref
 
 _GROUP_ELEMENTS = 1024  # (head, dim) elements per program
+V_TRANSPOSED_TOKENS = 64  # tokens per program of the transposed V staging: 64-byte runs of an e4m3 row
 
 
 class HeadNorms(NamedTuple):
@@ -138,11 +139,11 @@ def _rope_store_kv_kernel(
     HALF: tl.constexpr, GROUP: tl.constexpr, Q_GROUPS: tl.constexpr, KV_GROUPS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr, NORM: tl.constexpr,
     UNIT_OFFSET: tl.constexpr, USE_PDL: tl.constexpr, FAST: tl.constexpr, STAGE: tl.constexpr,
-    STAGE_V_PAIRS: tl.constexpr, STAGE_V_T: tl.constexpr,
+    STAGE_V_PAIRS: tl.constexpr,
 ):
-    """Program (token, group): groups of GROUP heads, first those of q, then k, then v. STAGE: the K and V rows as
-    written also go to the staged rows (zeros where the slot is -1), V's dims per head evens first with
-    STAGE_V_PAIRS, V transposed (token t its column t) with STAGE_V_T."""
+    """Program (token, group): groups of GROUP heads, first those of q, then k, then v (none of v where V is staged
+    transposed: `_store_v_transposed_kernel` writes it). STAGE: the K and V rows as written also go to the staged
+    rows (zeros where the slot is -1), V's dims per head evens first with STAGE_V_PAIRS."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -186,12 +187,38 @@ def _rope_store_kv_kernel(
         stored = common.to_cache(x, v_scale, v_cache_ptr.dtype.element_ty, V_FP8, FAST)
         tl.store(dst, stored, mask=mask)
         if STAGE:
-            if STAGE_V_T:  # column t of the transposed rows
-                staged_at = (h[:, None] * HEAD + d[None, :]) * stride_sv + t
-            else:
-                col = (d % 2) * (HEAD // 2) + d // 2 if STAGE_V_PAIRS else d
-                staged_at = t * stride_sv + h[:, None] * HEAD + col[None, :]
+            col = (d % 2) * (HEAD // 2) + d // 2 if STAGE_V_PAIRS else d
+            staged_at = t * stride_sv + h[:, None] * HEAD + col[None, :]
             tl.store(staged_v_ptr + staged_at, stored.to(staged_v_ptr.dtype.element_ty), mask=head_mask)
+
+
+@triton.jit
+def _store_v_transposed_kernel(
+    v_ptr, slot_ptr, v_cache_ptr, staged_v_ptr, v_scale, num_tokens,
+    stride_v, stride_vcb, stride_vct, stride_vch, stride_sv,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, V_FP8: tl.constexpr,
+    BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr, FAST: tl.constexpr,
+):
+    """Program (block of BLOCK_T tokens, KV head): V written into the cache as `_rope_store_kv_kernel` writes it,
+    and into the staged V transposed (token t its column t; zeros where the slot is -1). A block of tokens per
+    program makes the transposed store contiguous along the tokens; one token per program wrote a byte per row."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    d = tl.arange(0, HEAD_PAD)
+    t_ok = t < num_tokens
+    slot = tl.load(slot_ptr + t, mask=t_ok, other=-1).to(tl.int64)
+    head_mask = t_ok[:, None] & (d < HEAD)[None, :]
+    mask = head_mask & (slot >= 0)[:, None]
+    x = tl.load(v_ptr + t.to(tl.int64)[:, None] * stride_v + h * HEAD + d[None, :], mask=mask, other=0.0)
+    stored = common.to_cache(x.to(tl.float32), v_scale, v_cache_ptr.dtype.element_ty, V_FP8, FAST)
+    dst = (v_cache_ptr + (slot // BLOCK_SIZE)[:, None] * stride_vcb + (slot % BLOCK_SIZE)[:, None] * stride_vct
+           + h * stride_vch + d[None, :])
+    tl.store(dst, stored, mask=mask)
+    staged = tl.trans(stored.to(staged_v_ptr.dtype.element_ty))
+    tl.store(staged_v_ptr + (h * HEAD + d)[:, None] * stride_sv + t[None, :], staged, mask=tl.trans(head_mask))
 
 
 def rope_store_kv(
@@ -238,7 +265,8 @@ def rope_store_kv(
     group = min(triton.next_power_of_2(num_kv_heads), max(1, _GROUP_ELEMENTS // head_pad))
     q_groups, kv_groups = triton.cdiv(num_heads, group), triton.cdiv(num_kv_heads, group)
     fp8 = torch.float8_e4m3fn
-    _rope_store_kv_kernel[(num_tokens, q_groups + 2 * kv_groups)](
+    v_transposed = staged is not None and stages_fp8(k_cache, num_tokens)
+    _rope_store_kv_kernel[(num_tokens, q_groups + (1 if v_transposed else 2) * kv_groups)](
         positions, q, k, v, cos_cache, sin_cache, q_out, k_cache, v_cache, slot_mapping,
         head_norms.q_weight if head_norms else q, head_norms.k_weight if head_norms else k,
         staged[0] if staged else q, staged[1] if staged else q,
@@ -250,10 +278,16 @@ def rope_store_kv(
         GROUP=group, Q_GROUPS=q_groups, KV_GROUPS=kv_groups, BLOCK_SIZE=block_size,
         K_FP8=k_cache.dtype == fp8, V_FP8=v_cache.dtype == fp8, NORM=head_norms is not None,
         UNIT_OFFSET=bool(head_norms and head_norms.unit_offset), STAGE=staged is not None,
-        STAGE_V_PAIRS=staged is not None and stages_v_in_pairs(k_cache, num_tokens),
-        STAGE_V_T=staged is not None and stages_fp8(k_cache, num_tokens), num_warps=4,
+        STAGE_V_PAIRS=staged is not None and stages_v_in_pairs(k_cache, num_tokens), num_warps=4,
         **common.launch_options(q),
     )
+    if v_transposed:
+        _store_v_transposed_kernel[(triton.cdiv(num_tokens, V_TRANSPOSED_TOKENS), num_kv_heads)](
+            v, slot_mapping, v_cache, staged[1], float(v_scale), num_tokens,
+            v.stride(0), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), staged[1].stride(0),
+            HEAD=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, V_FP8=v_cache.dtype == fp8,
+            BLOCK_T=V_TRANSPOSED_TOKENS, num_warps=4, **common.launch_options(q),
+        )
     return q_out
 
 

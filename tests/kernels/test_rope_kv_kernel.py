@@ -248,12 +248,14 @@ def test_staged_rows_are_the_rows_written(device: torch.device, shape: tuple, dt
     """With `staged`, the launch also writes each token's K and V as the cache now holds them into the staged rows
     (what the prefill attention reads through TMA): exactly `staged_kv_ref` of the caches after the write, zeros for
     the rows written nowhere (-1), and the cache and q as without staging. An FP8 cache stages its e4m3 values as
-    fp16 (V in pairs), or as they are for the FP8 dots (launch feature `prefill_fp8_dots`)."""
-    from kestrel.kernels import attention, common
+    fp16 (V in pairs), or as they are for the FP8 dots (launch feature `prefill_fp8_dots`; V transposed by a launch of
+    its own, blocks of tokens per program)."""
+    from kestrel.kernels import attention, common, rope_kv
     from kestrel.kernels.attention import new_staged_kv, staged_kv_ref, stages_fp8
 
     monkeypatch.setattr(common, "launch_feature", lambda name, device: name != "prefill_fp8_dots" or fp8_dots)
     monkeypatch.setattr(attention, "FP8_DOTS_MIN_TOKENS", 0)  # on a GPU too: the cases' steps are short
+    monkeypatch.setattr(rope_kv, "V_TRANSPOSED_TOKENS", 16)  # the 37 tokens in three blocks, the last one partial
 
     scales = (0.5, 0.25) if cache_dtype == FP8 else (1.0, 1.0)
     case = Case(*shape, dtype=dtype, cache_dtype=cache_dtype, k_scale=scales[0], v_scale=scales[1])
