@@ -16,6 +16,13 @@ from triton import knobs
 from kestrel.bench import common
 
 
+def _differences(a: str, b: str) -> list[str]:
+    """The comma-separated fields of two specialization keys that differ, as `field i: a | b`."""
+    fa, fb = a.split(", "), b.split(", ")
+    return [f"{i}: {x} | {y}" for i, (x, y) in enumerate(zip(fa, fb)) if x != y] + (
+        [f"lengths {len(fa)} | {len(fb)}"] if len(fa) != len(fb) else [])
+
+
 def main() -> None:
     out, module, args = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     events: list[dict] = []
@@ -35,7 +42,7 @@ def main() -> None:
         now = time.time()
         begin = started.pop(str(key), now)
         events.append({"t": now, "s": round(now - begin, 3), "kernel": f"{fn.module}.{fn.name}",
-                       "signature": str(key)[:300]})
+                       "signature": str(key)})
         log(f"compiled {fn.name} in {now - begin:.2f} s")
 
     knobs.runtime.jit_cache_hook = before
@@ -49,6 +56,9 @@ def main() -> None:
     finally:
         timed = next((m["t"] for m in marks if m["msg"].startswith("timed run")), None)
         inside = [e for e in events if timed is not None and e["t"] >= timed]
+        for e in inside:  # what sets it apart from the same kernel's compiles before the timed run
+            e["differs_from_earlier"] = [_differences(e["signature"], b["signature"]) for b in events
+                                         if b["kernel"] == e["kernel"] and b["t"] < timed]
         out.write_text(json.dumps({"module": module, "args": args, "timed_run_started": timed, "marks": marks,
                                    "compiles": events, "compiles_in_timed_run": len(inside),
                                    "seconds_in_timed_run": round(sum(e["s"] for e in inside), 3)}, indent=1))

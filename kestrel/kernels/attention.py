@@ -344,7 +344,11 @@ def _attend_range(acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, r
     return acc, acc_odd, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi", "window", "min_keys"])
+# A step's metadata (token offsets, lengths, block tables) are slices at any offset and the block table's width
+# differs between the start-up's memory profile and serving: specialized on them, the launch compiled again in the
+# middle of serving (a full-load run paid 7 s of compiles inside its timed window).
+@triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi", "window", "min_keys", "stride_bt"],
+            do_not_specialize_on_alignment=["qsl_ptr", "seq_lens_ptr", "bt_ptr", "ends_ptr"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, ends_ptr, lock_ptr,
     k_new_desc, v_new_desc, qk_scale, v_scale, window, num_seqs, q_len_lo, q_len_hi, min_keys,

@@ -129,7 +129,9 @@ def _rotated(row_ptr, h, d, mask, cos, sin, norm_w_ptr, eps, HALF: tl.constexpr,
     return tl.where(rot[None, :], y, x)
 
 
-@triton.jit
+# Positions and slots are slices of the step's buffers at any offset: specialized on their alignment, a launch
+# compiled again while serving for each new offset (see attention._paged_attn_kernel).
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _rope_store_kv_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     q_norm_ptr, k_norm_ptr, staged_k_ptr, staged_v_ptr, k_scale, v_scale, norm_eps,
@@ -192,7 +194,7 @@ def _rope_store_kv_kernel(
             tl.store(staged_v_ptr + staged_at, stored.to(staged_v_ptr.dtype.element_ty), mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_ptr"])
 def _store_v_transposed_kernel(
     v_ptr, slot_ptr, v_cache_ptr, staged_v_ptr, v_scale, num_tokens,
     stride_v, stride_vcb, stride_vct, stride_vch, stride_sv,
