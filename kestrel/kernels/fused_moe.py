@@ -78,6 +78,7 @@ from kestrel.kernels.moe_common import (  # noqa: F401 - shared with moe_small_t
 )
 
 DEFAULT_TABLE = common.TUNING_DIR / "fused_moe_default.json"
+FP8_DOT_MIN_K = 32  # an e4m3 wgmma / mma reduces over at least 32
 
 
 @dataclass(frozen=True)
@@ -399,6 +400,10 @@ def fused_moe(
     cfg1 = cfg2 = cfg
     if quant == _BLOCK:
         bk = block_shape[1]
+        if x.is_cuda and bk < FP8_DOT_MIN_K:
+            raise ValueError(f"fused_moe: block_shape={tuple(block_shape)}: FP8 experts in blocks of {bk} columns need "
+                             f"an FP8 tensor-core dot over {bk}, and the GPU's reduce over at least {FP8_DOT_MIN_K}; "
+                             f"blocks of at least {FP8_DOT_MIN_K} columns run (the published checkpoints' are 128)")
         # One K step per scale column; the first GEMM's programs each hold one quantization group.
         cfg1, cfg2 = replace(cfg, block_n=bk, block_k=bk), replace(cfg, block_k=bk)
     launch = common.launch_options(x, "pdl_decode")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from kestrel import ops
 from kestrel.kernels import fused_moe as fm
 from kestrel.kernels.activation import ACTIVATIONS
-from kestrel.kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align
+from kestrel.kernels.fused_moe import FP8_DOT_MIN_K, MoEConfig, fused_moe, fused_moe_ref, moe_align
 from kestrel.kernels.moe_routing import moe_align_single, route_topk, route_topk_ref
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -329,6 +329,10 @@ def test_fp8_kernel_matches_oracle(case, device):
     T, E, k, H, inter, dtype, block, activation, skip, cfg = case
     args, quant = make_fp8_inputs(T, E, k, H, inter, dtype, block, skip, seed=T + H + inter)
     on_device = {name: v.to(device) if isinstance(v, torch.Tensor) else v for name, v in quant.items()}
+    if device.type == "cuda" and block is not None and block[1] < FP8_DOT_MIN_K:
+        with pytest.raises(ValueError, match=r"block_shape=\(\d+, 16\).* at least 32"):
+            fused_moe(*(a.to(device) for a in args), activation, config=cfg, small_t=False, **on_device)
+        return
     out = fused_moe(*(a.to(device) for a in args), activation, config=cfg, **on_device).cpu()
     check_fp8(out, args, quant, activation)
     if skip:
