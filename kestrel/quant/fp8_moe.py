@@ -31,6 +31,7 @@ from torch import nn
 
 from kestrel import ops
 from kestrel.config import ConfigError
+from kestrel.kernels.fused_moe import FP8_DOT_MIN_K
 from kestrel.kernels.quant_act import FP8_MAX, SCALE_FLOOR
 from kestrel.quant.base import FusedMoEMethod, expert_param
 from kestrel.quant.unquantized import UnquantizedFusedMoEMethod
@@ -84,6 +85,12 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
         layer.register_parameter("w2_weight_scale", w2_scale)
 
     def process_after_loading(self, layer: nn.Module) -> None:
+        if self.block_shape is not None and self.block_shape[1] < FP8_DOT_MIN_K and layer.w13_weight.is_cuda:
+            raise ConfigError(f"invalid quantization_config.weight_block_size={list(self.block_shape)} for "
+                              f"{layer.prefix}: FP8 experts in blocks of {self.block_shape[1]} columns need FP8 dots "
+                              f"over {self.block_shape[1]}, and a GPU's reduce over at least {FP8_DOT_MIN_K}; the "
+                              f"fused MoE kernel runs blocks of at least {FP8_DOT_MIN_K} columns on a GPU (the "
+                              "published checkpoints' are [128, 128]); such a checkpoint runs on the CPU")
         if self.prequantized:
             for name in ("w13_weight_scale", "w2_weight_scale"):
                 scale = getattr(layer, name)

@@ -345,3 +345,17 @@ def test_a_weight_that_is_not_fp8_is_refused(bases, tmp_path) -> None:
     save_file(tensors, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"down_proj\.weight: torch\.float32 in the checkpoint"):
         load(tmp_path / "m")
+
+
+def test_experts_in_blocks_under_an_fp8_dot_are_refused_on_a_gpu() -> None:
+    """An e4m3 tensor-core dot reduces over at least 32: on a GPU, FP8 experts in blocks of 16 columns are a
+    ConfigError naming the field at load, not a compile failure in the first forward; the CPU runs them."""
+    from types import SimpleNamespace
+
+    method = Fp8FusedMoEMethod(prequantized=True, block_shape=(16, 16))
+    on_gpu = SimpleNamespace(prefix="model.layers.0.mlp.experts", w13_weight=SimpleNamespace(is_cuda=True))
+    with pytest.raises(ConfigError, match=r"weight_block_size=\[16, 16\] for model\.layers\.0\.mlp\.experts.*32"):
+        method.process_after_loading(on_gpu)
+    on_cpu = SimpleNamespace(prefix="model.layers.0.mlp.experts", w13_weight=torch.zeros(1),
+                             w13_weight_scale=torch.ones(1), w2_weight_scale=torch.ones(1))
+    method.process_after_loading(on_cpu)
