@@ -221,6 +221,13 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None, azp_adj=None, azp=No
     return fn(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp)
 
 
+def scaled_mm_gated(a, b, scale_a, scale_b, out_dtype, activation="silu", bias=None):
+    """`act(gate) * up` of the W8A8-FP8 gate/up GEMM (b: gate rows, then up rows) in one launch
+    (kernels/scaled_mm.py)."""
+    fn = _scaled_mm.scaled_mm_gated if use_triton(a) else _scaled_mm.scaled_mm_gated_ref
+    return fn(a, b, scale_a, scale_b, out_dtype, activation, bias)
+
+
 def gemv(x, weight, weight_scale, out_dtype, bias=None, *, config=None):
     """`x [M, K] @ (weight * weight_scale).T + bias` for a 16-bit weight `[N, K]` (no scale) or a float8_e4m3fn one
     with its scale, model-dtype x (W8A16 for FP8), fp32 accumulation rounded once: the decode-sized GEMV of linear

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kestrel.kernels import activation as _activation
 from kestrel.kernels import common
 
 SMALL_M = 64
@@ -190,6 +191,30 @@ def _epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, adj_ptr, azp_ptr, off_r, off
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=m_ok & n_ok)
 
 
+@triton.jit
+def _gated_epilogue(acc, acc_up, c_ptr, sa_ptr, sb_ptr, bias_ptr, off_r, off_c, M, N, stride_cm, stride_sa,
+                    stride_sb, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr, FAST: tl.constexpr):
+    """`act(gate) * up` of the tile's N-wide outputs: gate and up each scaled (and biased) and rounded to the output
+    dtype as `_epilogue` writes them, then `activation.act_mul`'s fp32 product rounded once: bit for bit the two
+    launches it replaces."""
+    rows = off_r + tl.arange(0, BLOCK_R)[:, None]
+    cols = off_c + tl.arange(0, BLOCK_C)[None, :]
+    m_ok = rows < M
+    n_ok = cols < N
+    sa = tl.load(sa_ptr + rows * stride_sa, mask=m_ok, other=0.0)
+    gate = (sa * tl.load(sb_ptr + cols * stride_sb, mask=n_ok, other=0.0)) * acc.to(tl.float32)
+    up = (sa * tl.load(sb_ptr + (N + cols) * stride_sb, mask=n_ok, other=0.0)) * acc_up.to(tl.float32)
+    if HAS_BIAS:
+        gate = gate + tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
+        up = up + tl.load(bias_ptr + N + cols, mask=n_ok, other=0.0).to(tl.float32)
+    dtype: tl.constexpr = c_ptr.dtype.element_ty
+    gate = common.to_dtype(gate, dtype, FAST).to(tl.float32)
+    up = common.to_dtype(up, dtype, FAST).to(tl.float32)
+    out = common.to_dtype(_activation.activate(gate, ACTIVATION) * up, dtype, FAST)
+    tl.store(c_ptr + rows.to(tl.int64) * stride_cm + cols, out, mask=m_ok & n_ok)
+
+
 @triton.jit(do_not_specialize=["M", "stride_sa", "stride_sb", "stride_azp", "num_progs", "group", "split_k"])
 def _scaled_mm_kernel(
     a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, adj_ptr, azp_ptr, ws_ptr, lock_ptr,
@@ -199,7 +224,10 @@ def _scaled_mm_kernel(
     USE_TMA: tl.constexpr, FLATTEN: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr, PRECISE: tl.constexpr, FAST: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr = False, ACTIVATION: tl.constexpr = 0,
 ):
+    """GATED (`scaled_mm_gated`; not SWAP, not SPLIT): b holds N gate rows then N up rows, each tile accumulates
+    the gate columns and the up columns of the same outputs side by side, and the epilogue writes act(gate) * up."""
     ACC: tl.constexpr = tl.int32 if IS_INT8 else tl.float32
     # x supplies the tile rows, y the tile columns; both are [rows, K] with K contiguous (nn.Linear layout).
     if SWAP:
@@ -231,7 +259,7 @@ def _scaled_mm_kernel(
         gdc_wait()
     if USE_TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, [R, K], [stride_x, 1], [BLOCK_R, BLOCK_K])
-        y_desc = tl.make_tensor_descriptor(y_ptr, [C, K], [stride_y, 1], [BLOCK_C, BLOCK_K])
+        y_desc = tl.make_tensor_descriptor(y_ptr, [2 * C if GATED else C, K], [stride_y, 1], [BLOCK_C, BLOCK_K])
 
     num_tiles = num_r * num_c * split_k
     arange_k = tl.arange(0, BLOCK_K)
@@ -246,19 +274,29 @@ def _scaled_mm_kernel(
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
         y_rows = y_ptr + cols.to(tl.int64)[:, None] * stride_y
         acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=ACC)
+        acc_up = tl.zeros((BLOCK_R, BLOCK_C), dtype=ACC)  # GATED only
         for kt in range(kt_begin, kt_end):
             k = kt * BLOCK_K
             if USE_TMA:
                 x = x_desc.load([off_r, k])
                 y = y_desc.load([off_c, k])
+                if GATED:
+                    y_up = y_desc.load([C + off_c, k])
             else:
                 k_ok = (k + arange_k)[None, :] < K
                 x = _load_8bit(x_rows + (k + arange_k)[None, :], (rows[:, None] < R) & k_ok, IS_INT8)
                 y = _load_8bit(y_rows + (k + arange_k)[None, :], (cols[:, None] < C) & k_ok, IS_INT8)
+                if GATED:
+                    y_up = _load_8bit(y_rows + C * stride_y + (k + arange_k)[None, :], (cols[:, None] < C) & k_ok,
+                                      IS_INT8)
             if PRECISE:
                 acc = tl.dot(x, y.T, acc, out_dtype=ACC, max_num_imprecise_acc=BLOCK_K)
+                if GATED:
+                    acc_up = tl.dot(x, y_up.T, acc_up, out_dtype=ACC, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(x, y.T, acc, out_dtype=ACC)
+                if GATED:
+                    acc_up = tl.dot(x, y_up.T, acc_up, out_dtype=ACC)
 
         if SPLIT:
             tile_offs = tl.arange(0, BLOCK_R)[:, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
@@ -276,6 +314,9 @@ def _scaled_mm_kernel(
                 _epilogue(total, c_ptr, sa_ptr, sb_ptr, bias_ptr, adj_ptr, azp_ptr, off_r, off_c, M, N,
                           stride_cm, stride_sa, stride_sb, stride_azp, SWAP, HAS_BIAS, HAS_AZP,
                           BLOCK_R, BLOCK_C, FAST)
+        elif GATED:
+            _gated_epilogue(acc, acc_up, c_ptr, sa_ptr, sb_ptr, bias_ptr, off_r, off_c, M, N, stride_cm, stride_sa,
+                            stride_sb, HAS_BIAS, ACTIVATION, BLOCK_R, BLOCK_C, FAST)
         else:
             _epilogue(acc, c_ptr, sa_ptr, sb_ptr, bias_ptr, adj_ptr, azp_ptr, off_r, off_c, M, N,
                       stride_cm, stride_sa, stride_sb, stride_azp, SWAP, HAS_BIAS, HAS_AZP,
@@ -304,11 +345,77 @@ def scaled_mm(
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
+    cfg = config or select_config(a.dtype, N, K, M, a.device)
+    _launch(a, b, out, scale_a, scale_b, bias, azp_adj, azp, cfg)
+    return out
+
+
+def scaled_mm_gated(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    activation: str = "silu",
+    bias: torch.Tensor | None = None,
+    *,
+    config: MMConfig | None = None,
+) -> torch.Tensor:
+    """`act(gate) * up` of an FP8 gate/up GEMM in one launch: b `[2N, K]` (gate rows, then up rows, as
+    gate_up_proj lays them out) -> `[M, N]`, equal to `act_mul(scaled_mm(a, b, ...), activation)` bit for bit while
+    writing half the bytes. Each output tile holds a gate and an up accumulator, together as many values as the table's
+    config for the `[2N, K]` GEMM holds (its longer side halved); the decode-sized (swapped) and split-K configs are
+    not gated: those M take the default large-M tile."""
+    _check_args(a, b, scale_a, scale_b, out_dtype, bias, None, None)
+    if a.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"scaled_mm_gated: FP8 activations and weights only, got {a.dtype}")
+    M, K = a.shape
+    if b.shape[0] % 2:
+        raise ValueError(f"scaled_mm_gated: b must hold gate rows then up rows (an even count), got {b.shape[0]}")
+    N = b.shape[0] // 2
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    cfg = config or select_config(a.dtype, 2 * N, K, M, a.device)
+    if cfg.swap or cfg.split_k > 1:
+        cfg = default_config(2 * N, K, max(M, SMALL_M + 1), _num_sms(a.device))
+    # Two accumulators in the registers of one: halve the config's longer side (a 256-row tile with two 64-wide
+    # halves spilled in an sm_90 compile; 128 rows with two 128-wide ones did not).
+    cfg = replace(cfg, block_r=cfg.block_r // 2) if cfg.block_r > cfg.block_c else replace(
+        cfg, block_c=max(16, cfg.block_c // 2))
+    _launch(a, b, out, scale_a, scale_b, bias, None, None, cfg,
+            activation=_activation.activation_code(activation))
+    return out
+
+
+def scaled_mm_gated_ref(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    activation: str = "silu",
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PyTorch reference of `scaled_mm_gated`: the GEMM's output rounded to `out_dtype`, then act(gate) * up in
+    fp32, rounded once (with the kernels' SiLU expression)."""
+    gate_up = scaled_mm_ref(a, b, scale_a, scale_b, out_dtype, bias).float()
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = gate / (1.0 + torch.exp(-gate)) if activation == "silu" else _activation.activate_ref(gate, activation)
+    return (act * up).to(out_dtype)
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+            bias: torch.Tensor | None, azp_adj: torch.Tensor | None, azp: torch.Tensor | None, cfg: MMConfig,
+            activation: int | None = None) -> None:
+    """One `_scaled_mm_kernel` launch writing `out [M, N]`; `activation` set: gated (b holds 2N rows)."""
+    gated = activation is not None
+    M, K = a.shape
+    N = out.shape[1]
     if a.stride(1) != 1:
         a = a.contiguous()
     if b.stride(1) != 1:
         b = b.contiguous()
-    cfg = config or select_config(a.dtype, N, K, M, a.device)
     use_tma = cfg.tma and _tma_ok(a) and _tma_ok(b)
     R, C = (N, M) if cfg.swap else (M, N)
     num_rc = triton.cdiv(R, cfg.block_r) * triton.cdiv(C, cfg.block_c)
@@ -338,9 +445,9 @@ def scaled_mm(
         USE_TMA=use_tma, FLATTEN=cfg.flatten, SPLIT=split_k > 1, USE_PDL=cfg.pdl and on_gpu,
         PREFETCH=cfg.prefetch and cfg.swap and use_tma and on_gpu,
         PRECISE=cfg.precise_acc and on_gpu and a.dtype != torch.int8, FAST=a.is_cuda,
-        BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, BLOCK_K=cfg.block_k, **launch,
+        BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, BLOCK_K=cfg.block_k,
+        GATED=gated, ACTIVATION=activation if gated else 0, **launch,
     )
-    return out
 
 
 def _flat_with_stride(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:

@@ -110,6 +110,13 @@ class QuantMethod(ABC):
         """`[M, N]` in `out_dtype` from an input already quantized as `input_quant` says."""
         raise TypeError(f"{type(self).__name__} takes its input in the model dtype (input_quant() is None)")
 
+    def apply_gated(self, layer: nn.Module, x: torch.Tensor | QuantAct, activation: str,
+                    bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """For a gate/up layer (gate rows, then up rows): `act(gate) * up` of its output `[M, N/2]` in the model
+        dtype from one GEMM whose epilogue applies the activation, or None where this method has no such GEMM for
+        this input (the caller then runs the layer and the activation apart). `x` as `forward` takes it."""
+        return None
+
     # ----------------------------------------------------------------------------------- row parallel
 
     def needs_global_input_scale(self, layer: nn.Module) -> bool:

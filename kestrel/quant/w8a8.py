@@ -41,9 +41,11 @@ from torch import nn
 
 from kestrel import ops
 from kestrel.config import ConfigError, QuantConfig
+from kestrel.kernels.common import launch_feature
 from kestrel.kernels.gemv import GemvConfig
 from kestrel.kernels.quant_act import SCALE_FLOOR
 from kestrel.kernels.quant_types import QuantAct
+from kestrel.kernels.scaled_mm import SMALL_M
 from kestrel.quant.base import InputQuant, QuantMethod, TensorParallelGroup, decode_gemv
 from kestrel.quant.unquantized import UnquantizedLinearMethod
 
@@ -180,6 +182,20 @@ class W8A8LinearMethod(QuantMethod):
         azp_adj = layer.azp_adj if act.azp is not None else None
         out = ops.scaled_mm(act.q, layer.weight, act.scale, layer.weight_scale, gemm_dtype, bias, azp_adj, act.azp)
         return out if out.dtype == out_dtype else out.to(out_dtype)
+
+    def apply_gated(self, layer: nn.Module, x: torch.Tensor | QuantAct, activation: str,
+                    bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`ops.scaled_mm_gated` for dynamic symmetric FP8 layers of a 16-bit model at steps of more than SMALL_M
+        rows (the decode sizes keep their GEMV / swapped tiles), where the launch feature `gated_gemm` is on."""
+        rows = x.q.shape[0] if isinstance(x, QuantAct) else x.numel() // x.shape[-1]
+        out_dtype = layer.out_dtype
+        if (self.quant_dtype != torch.float8_e4m3fn or self.static or not self.symmetric or rows <= SMALL_M
+                or out_dtype not in GEMM_OUT_DTYPES or layer.weight.dtype != torch.float8_e4m3fn
+                or not launch_feature("gated_gemm", layer.weight.device)):
+            return None
+        act = x if isinstance(x, QuantAct) else self.quantize_input(layer, x.reshape(rows, x.shape[-1]))
+        out = ops.scaled_mm_gated(act.q, layer.weight, act.scale, layer.weight_scale, out_dtype, activation, bias)
+        return out if isinstance(x, QuantAct) else out.reshape(*x.shape[:-1], out.shape[-1])
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])

@@ -21,8 +21,8 @@ from kestrel import ops
 from kestrel.model.attn_metadata import AttentionMetadata
 
 _OPS = ("paged_attention", "store_kv", "rope_store_kv", "rms_norm", "layer_norm", "act_mul", "act",
-        "scaled_mm", "quant_fp8_per_token", "quant_int8_per_token", "quant_static", "rms_norm_quant", "act_mul_quant",
-        "act_quant")
+        "scaled_mm", "scaled_mm_gated", "quant_fp8_per_token", "quant_int8_per_token", "quant_static",
+        "rms_norm_quant", "act_mul_quant", "act_quant")
 
 # Operators that only reinterpret or alias memory: no kernel on a GPU.
 _METADATA_ONLY = frozenset({

@@ -155,7 +155,11 @@ class GatedMLP(nn.Module):
         return self.down_proj
 
     def forward(self, x: torch.Tensor, fuse: bool = True) -> torch.Tensor:
-        """`x` in the model dtype, or already in the form `gate_up_proj.input_quant()` asks for."""
+        """`x` in the model dtype, or already in the form `gate_up_proj.input_quant()` asks for. Where the gate/up
+        GEMM applies the activation in its epilogue (`apply_gated`), the down projection quantizes its input."""
+        gated = self.gate_up_proj.apply_gated(x, self.act_fn.activation)
+        if gated is not None:
+            return self.down_proj(gated)
         return self.down_proj(self.act_fn.feed(self.gate_up_proj(x), self.down_proj, fuse))
 
 

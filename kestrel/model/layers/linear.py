@@ -185,6 +185,11 @@ class LinearBase(nn.Module):
         """The output from activations a fused producer already quantized (as `input_quant()` asked)."""
         return self.quant_method.apply_quantized(self, act, out_dtype, self.rank_bias())
 
+    def apply_gated(self, x: torch.Tensor | QuantAct, activation: str) -> torch.Tensor | None:
+        """For a gate/up layer: `act(gate) * up` of its output from one GEMM launch, or None where its method has
+        none for this input (`QuantMethod.apply_gated`)."""
+        return self.quant_method.apply_gated(self, x, activation, self.rank_bias())
+
     def quantize_input(self, x: torch.Tensor) -> QuantAct:
         return self.quant_method.quantize_input(self, x)
 
