@@ -389,6 +389,11 @@ def fused_moe(
     if T == 0:
         return out
     cfg = config or select_config(E, inter, H, T, x.device, moe_small_t.weight_kind(fp8, block_shape))
+    if fp8 and block_shape is not None and x.is_cuda and block_shape[1] < FP8_DOT_MIN_K:
+        raise ValueError(f"fused_moe: block_shape={tuple(block_shape)}: FP8 experts in blocks of {block_shape[1]} "
+                         f"columns need an FP8 tensor-core dot over {block_shape[1]}, and the GPU's reduce over at "
+                         f"least {FP8_DOT_MIN_K}; blocks of at least {FP8_DOT_MIN_K} columns run (the published "
+                         "checkpoints' are 128)")
     if x.stride(1) != 1:
         x = x.contiguous()
     num_pairs = T * k
@@ -400,10 +405,6 @@ def fused_moe(
     cfg1 = cfg2 = cfg
     if quant == _BLOCK:
         bk = block_shape[1]
-        if x.is_cuda and bk < FP8_DOT_MIN_K:
-            raise ValueError(f"fused_moe: block_shape={tuple(block_shape)}: FP8 experts in blocks of {bk} columns need "
-                             f"an FP8 tensor-core dot over {bk}, and the GPU's reduce over at least {FP8_DOT_MIN_K}; "
-                             f"blocks of at least {FP8_DOT_MIN_K} columns run (the published checkpoints' are 128)")
         # One K step per scale column; the first GEMM's programs each hold one quantization group.
         cfg1, cfg2 = replace(cfg, block_n=bk, block_k=bk), replace(cfg, block_k=bk)
     launch = common.launch_options(x, "pdl_decode")

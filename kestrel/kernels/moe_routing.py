@@ -147,7 +147,7 @@ def _align_single_kernel(ids_ptr, num_pairs, sorted_ptr, expert_ids_ptr, num_pad
 def moe_align_single(topk_ids: torch.Tensor, num_experts: int, block_m: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`fused_moe.moe_align` in one launch (same outputs, same shapes); for at most `ALIGN_SINGLE_MAX_PAIRS`
-    pairs (any count works; more only take longer)."""
+    pairs (every pair sits in one program's registers, padded to a power of two)."""
     flat = topk_ids.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()

@@ -287,8 +287,8 @@ def _scaled_mm_kernel(
                 x = _load_8bit(x_rows + (k + arange_k)[None, :], (rows[:, None] < R) & k_ok, IS_INT8)
                 y = _load_8bit(y_rows + (k + arange_k)[None, :], (cols[:, None] < C) & k_ok, IS_INT8)
                 if GATED:
-                    y_up = _load_8bit(y_rows + C * stride_y + (k + arange_k)[None, :], (cols[:, None] < C) & k_ok,
-                                      IS_INT8)
+                    up_rows = y_ptr + (cols + C).to(tl.int64)[:, None] * stride_y
+                    y_up = _load_8bit(up_rows + (k + arange_k)[None, :], (cols[:, None] < C) & k_ok, IS_INT8)
             if PRECISE:
                 acc = tl.dot(x, y.T, acc, out_dtype=ACC, max_num_imprecise_acc=BLOCK_K)
                 if GATED:
@@ -362,10 +362,11 @@ def scaled_mm_gated(
     config: MMConfig | None = None,
 ) -> torch.Tensor:
     """`act(gate) * up` of an FP8 gate/up GEMM in one launch: b `[2N, K]` (gate rows, then up rows, as
-    gate_up_proj lays them out) -> `[M, N]`, equal to `act_mul(scaled_mm(a, b, ...), activation)` bit for bit while
-    writing half the bytes. Each output tile holds a gate and an up accumulator, together as many values as the table's
-    config for the `[2N, K]` GEMM holds (its longer side halved); the decode-sized (swapped) and split-K configs are
-    not gated: those M take the default large-M tile."""
+    gate_up_proj lays them out) -> `[M, N]`, writing half the bytes of `act_mul(scaled_mm(a, b, ...), activation)`
+    and equal to it bit for bit where `scaled_mm` runs the same tile unsplit (its large-M configs). Each output tile
+    holds a gate and an up accumulator, together as many values as the table's config for the `[2N, K]` GEMM holds
+    (its longer side halved); the decode-sized (swapped) and split-K configs are not gated: those M take the default
+    large-M tile."""
     _check_args(a, b, scale_a, scale_b, out_dtype, bias, None, None)
     if a.dtype != torch.float8_e4m3fn:
         raise ValueError(f"scaled_mm_gated: FP8 activations and weights only, got {a.dtype}")

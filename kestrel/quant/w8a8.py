@@ -41,7 +41,7 @@ from torch import nn
 
 from kestrel import ops
 from kestrel.config import ConfigError, QuantConfig
-from kestrel.kernels.common import launch_feature
+from kestrel.kernels import common
 from kestrel.kernels.gemv import GemvConfig
 from kestrel.kernels.quant_act import SCALE_FLOOR
 from kestrel.kernels.quant_types import QuantAct
@@ -51,6 +51,12 @@ from kestrel.quant.unquantized import UnquantizedLinearMethod
 
 GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16)
 INT8_MIN, INT8_MAX = -128, 127
+
+
+def gated_gemm_on(device: torch.device) -> bool:
+    """Whether FP8 gate/up layers on `device` take `scaled_mm_gated`: GPUs whose launch feature `gated_gemm` is on.
+    It moves where the product is rounded, so the CPU (whose references run either way) keeps the two ops."""
+    return device.type == "cuda" and common.launch_feature("gated_gemm", device)
 
 
 class W8A8LinearMethod(QuantMethod):
@@ -186,12 +192,12 @@ class W8A8LinearMethod(QuantMethod):
     def apply_gated(self, layer: nn.Module, x: torch.Tensor | QuantAct, activation: str,
                     bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """`ops.scaled_mm_gated` for dynamic symmetric FP8 layers of a 16-bit model at steps of more than SMALL_M
-        rows (the decode sizes keep their GEMV / swapped tiles), where the launch feature `gated_gemm` is on."""
+        rows (the decode sizes keep their GEMV / swapped tiles), on a GPU whose launch feature `gated_gemm` is on."""
         rows = x.q.shape[0] if isinstance(x, QuantAct) else x.numel() // x.shape[-1]
         out_dtype = layer.out_dtype
         if (self.quant_dtype != torch.float8_e4m3fn or self.static or not self.symmetric or rows <= SMALL_M
                 or out_dtype not in GEMM_OUT_DTYPES or layer.weight.dtype != torch.float8_e4m3fn
-                or not launch_feature("gated_gemm", layer.weight.device)):
+                or not gated_gemm_on(layer.weight.device)):
             return None
         act = x if isinstance(x, QuantAct) else self.quantize_input(layer, x.reshape(rows, x.shape[-1]))
         out = ops.scaled_mm_gated(act.q, layer.weight, act.scale, layer.weight_scale, out_dtype, activation, bias)

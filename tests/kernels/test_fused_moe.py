@@ -444,10 +444,14 @@ def test_align_layout(T, E, k, block_m, ids_dtype, skip, align, device):
 
 
 @pytest.mark.parametrize("T,E,k,block_m", [(1, 128, 8, 16), (6, 4, 2, 4), (40, 60, 6, 32), (128, 128, 8, 64)])
-def test_single_program_align_equals_torch_sort(T, E, k, block_m, device):
-    """The one-launch alignment gives the torch sort's outputs exactly, padding blocks' experts included."""
+@pytest.mark.parametrize("skipped", ["some", "all"])
+def test_single_program_align_equals_torch_sort(T, E, k, block_m, skipped, device):
+    """The one-launch alignment gives the torch sort's outputs exactly, padding blocks' experts included, also
+    when an expert-parallel rank owns none of the step's experts (every id -1)."""
     _, ids = routing(T, E, k, seed=3 * T + E, ids_dtype=torch.int64)
     skip_pairs(ids, seed=E)
+    if skipped == "all":
+        ids.fill_(-1)
     want = moe_align(ids, E, block_m)
     got = moe_align_single(ids.to(device), E, block_m)
     for w, g in zip(want, got):

@@ -1,9 +1,10 @@
 """The FP8 gate/up GEMM that writes act(gate) * up (`ops.scaled_mm_gated`, launch feature `gated_gemm`): a dynamic
-symmetric FP8 layer of a 16-bit model takes it at steps of more than SMALL_M rows, from model-dtype or already
-quantized input; decode-sized steps, static or INT8 layers, float32 models and the feature off keep the GEMM and
-the activation apart. A GatedMLP then hands the product to its down projection, which quantizes it itself: the
-MLP's output against the separate launches differs only by the product's rounding to the model dtype before its
-quantization (float64 oracle, norm-wise).
+symmetric FP8 layer of a 16-bit model takes it on a GPU whose feature is on (here the switch, `w8a8.gated_gemm_on`,
+is turned on for the CPU, where it is off by default) at steps of more than SMALL_M rows, from model-dtype or
+already quantized input; decode-sized steps, static or INT8 layers, float32 models, an MLP with its fusions off and
+the feature off keep the GEMM and the activation apart. A GatedMLP then hands the product to its down projection,
+which quantizes it itself: the MLP's output against the separate launches differs only by the product's rounding
+to the model dtype before its quantization (float64 oracle, norm-wise).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kestrel.kernels.scaled_mm import SMALL_M
 from kestrel.loader import load_model
 from kestrel.loader.model_init import write_tiny_checkpoint
 from kestrel.model.layers.decoder import GatedMLP
+from kestrel.quant import w8a8
 from kestrel.quant.base import QuantAct
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -28,13 +30,25 @@ from test_quantized import make_layer, oracle  # noqa: E402
 N, K = 24, 40  # gate/up of 2 x 24 outputs
 
 
+@pytest.fixture
+def gated_on(monkeypatch):
+    monkeypatch.setattr(w8a8, "gated_gemm_on", lambda device: True)
+
+
+def test_off_on_the_cpu_by_default():
+    layer, _, _ = make_layer(QuantConfig(method="fp8"), n=2 * N, k=K, dtype=torch.bfloat16)
+    x = torch.randn(SMALL_M + 1, K).to(torch.bfloat16)
+    assert not w8a8.gated_gemm_on(layer.weight.device)
+    assert layer.apply_gated(x, "silu") is None
+
+
 def gated_oracle(layer, x: torch.Tensor) -> torch.Tensor:
     """float64: the W8A8 output (the method's own quantizer), then SiLU(gate) * up."""
     gate, up = oracle(layer, x).chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
-def test_steps_over_small_m_take_the_gated_gemm():
+def test_steps_over_small_m_take_the_gated_gemm(gated_on):
     layer, _, _ = make_layer(QuantConfig(method="fp8"), n=2 * N, k=K, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(SMALL_M + 9, K, generator=g).to(torch.bfloat16)
@@ -49,7 +63,7 @@ def test_steps_over_small_m_take_the_gated_gemm():
     assert torch.equal(layer.apply_gated(QuantAct(act.q, act.scale, None), "silu"), out)
 
 
-def test_the_gemm_and_activation_stay_apart_elsewhere(monkeypatch):
+def test_the_gemm_and_activation_stay_apart_elsewhere(gated_on, monkeypatch):
     g = torch.Generator().manual_seed(2)
     bf16, _, _ = make_layer(QuantConfig(method="fp8"), n=2 * N, k=K, dtype=torch.bfloat16)
     many = torch.randn(SMALL_M + 1, K, generator=g).to(torch.bfloat16)
@@ -61,7 +75,7 @@ def test_the_gemm_and_activation_stay_apart_elsewhere(monkeypatch):
     plain, _, _ = make_layer(QuantConfig(method=None), n=2 * N, k=K, dtype=torch.bfloat16)
     assert plain.apply_gated(many, "silu") is None
     assert bf16.apply_gated(many, "silu") is not None
-    monkeypatch.setattr("kestrel.quant.w8a8.launch_feature", lambda name, device: name != "gated_gemm")
+    monkeypatch.setattr(w8a8, "gated_gemm_on", lambda device: False)
     assert bf16.apply_gated(many, "silu") is None
 
 
@@ -75,7 +89,7 @@ def fp8_mlp(tmp_path_factory) -> GatedMLP:
     return mlp
 
 
-def test_a_gated_mlp_hands_the_product_to_its_down_projection(fp8_mlp, monkeypatch):
+def test_a_gated_mlp_hands_the_product_to_its_down_projection(fp8_mlp, gated_on, monkeypatch):
     calls = []
     real = ops.scaled_mm_gated
 
@@ -91,8 +105,12 @@ def test_a_gated_mlp_hands_the_product_to_its_down_projection(fp8_mlp, monkeypat
     assert calls == [SMALL_M + 30]
     fp8_mlp(x[:SMALL_M])
     assert calls == [SMALL_M + 30]  # decode-sized: the separate launches
-    monkeypatch.setattr("kestrel.quant.w8a8.launch_feature", lambda name, device: name != "gated_gemm")
+    unfused = fp8_mlp(x, fuse=False)
+    assert calls == [SMALL_M + 30]  # the fusions off: the separate launches
+    monkeypatch.setattr(w8a8, "gated_gemm_on", lambda device: False)
     apart = fp8_mlp(x)
+    # Unfused, the product is rounded to bf16 too (then quantized by the down projection), as the gated path does.
+    assert (fused.double() - unfused.double()).norm() <= 2.0**-7 * unfused.double().norm()
     assert calls == [SMALL_M + 30]
     # Separately, the product is quantized from fp32; gated, from its bf16 rounding: a few FP8 steps apart at most.
     assert (fused.double() - apart.double()).norm() <= 2.0**-5 * apart.double().norm()

@@ -156,8 +156,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, fuse: bool = True) -> torch.Tensor:
         """`x` in the model dtype, or already in the form `gate_up_proj.input_quant()` asks for. Where the gate/up
-        GEMM applies the activation in its epilogue (`apply_gated`), the down projection quantizes its input."""
-        gated = self.gate_up_proj.apply_gated(x, self.act_fn.activation)
+        GEMM applies the activation in its epilogue (`apply_gated`; a fusion, so not with `fuse` off), the down
+        projection quantizes its input."""
+        gated = self.gate_up_proj.apply_gated(x, self.act_fn.activation) if fuse else None
         if gated is not None:
             return self.down_proj(gated)
         return self.down_proj(self.act_fn.feed(self.gate_up_proj(x), self.down_proj, fuse))
