@@ -17,14 +17,8 @@ for stage in "$@"; do
            run 250 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_graphs_gpu.py \
              tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_prefill_staged_kv_gpu.py 2>&1 | tail -5 ;;
     kernels) run 300 python3 scripts/h200_gated_gemm.py --out "$out" ;;
-    ttft-off|ttft-on) state=${stage#ttft-}; launch_feature gated_gemm "$state"
-          latency 150 ttft8k-fp8-gated-$state --batch 1 --input-len 8192 --output-len 16 --repeats 3 --warmups 1 \
-            --quantization fp8 --kv-cache-dtype fp8
-          latency 100 ttft128-fp8-gated-$state --batch 1 --input-len 128 --output-len 32 --repeats 3 \
-            --quantization fp8 --kv-cache-dtype fp8 ;;
-    profile-off|profile-on) state=${stage#profile-}; launch_feature gated_gemm "$state"
-          mkdir -p "$out/profile-$state"
-          run 200 python3 scripts/h200_prefill_profile.py --out "$out/profile-$state" --precisions fp8 --prompt 8192 ;;
+    ttft-off|ttft-on) state=${stage#ttft-}; launch_feature gated_gemm "$state"; ttft_fp8_pair gated-$state ;;
+    profile-off|profile-on) state=${stage#profile-}; launch_feature gated_gemm "$state"; prefill_profile_fp8 profile-$state ;;
     tput-off|tput-on) state=${stage#tput-}; launch_feature gated_gemm "$state"
           COUNT_COMPILES=1 full_load_fp8 gated-$state ;;
     pack) pack_results ;;

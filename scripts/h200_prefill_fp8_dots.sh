@@ -19,18 +19,13 @@ for stage in "$@"; do
              tests/kernels/test_rope_kv_kernel.py 2>&1 | tail -25 ;;
     kernels) run 300 python3 scripts/h200_prefill_attention.py --out "$out" --quick ;;
     ppl) run 240 python3 scripts/h200_fp8_dots_ppl.py --out "$out" --max-files 40 ;;
-    ttft-off|ttft-on) state=${stage#ttft-}; launch_feature prefill_fp8_dots "$state"
-          latency 150 ttft8k-fp8-fp8dots-$state --batch 1 --input-len 8192 --output-len 16 --repeats 3 --warmups 1 \
-            --quantization fp8 --kv-cache-dtype fp8
-          latency 100 ttft128-fp8-fp8dots-$state --batch 1 --input-len 128 --output-len 32 --repeats 3 \
-            --quantization fp8 --kv-cache-dtype fp8 ;;
+    ttft-off|ttft-on) state=${stage#ttft-}; launch_feature prefill_fp8_dots "$state"; ttft_fp8_pair fp8dots-$state ;;
     tput-off|tput-on) state=${stage#tput-}; launch_feature prefill_fp8_dots "$state"
           full_load_fp8 fp8dots-$state ;;
     ttft128-off|ttft128-on) state=${stage#ttft128-}; launch_feature prefill_fp8_dots "$state"
           latency 150 ttft128x10-fp8-fp8dots-$state --batch 1 --input-len 128 --output-len 8 --repeats 10 \
             --warmups 2 --quantization fp8 --kv-cache-dtype fp8 ;;
-    profile-off|profile-on) state=${stage#profile-}; launch_feature prefill_fp8_dots "$state"
-          mkdir -p "$out/profile-$state"; run 200 python3 scripts/h200_prefill_profile.py --out "$out/profile-$state" --precisions fp8 --prompt 8192 ;;
+    profile-off|profile-on) state=${stage#profile-}; launch_feature prefill_fp8_dots "$state"; prefill_profile_fp8 profile-$state ;;
     counted-off|counted-on) state=${stage#counted-}; launch_feature prefill_fp8_dots "$state"
           COUNT_COMPILES=1 full_load_fp8 fp8dots-$state ;;
     pack) pack_results ;;
