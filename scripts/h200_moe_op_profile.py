@@ -1,7 +1,9 @@
 """Where one fused MoE op's time goes, kernel by kernel: `PYTHONPATH=. python3 scripts/h200_moe_op_profile.py --out OUT
-[--tokens 32,128] [--shape qwen3-30b-a3b]`. Builds the layer as `kestrel bench moe` does (random experts, uniform
-routing), BF16 and FP8 (per channel, [128, 128] blocks), and records the CUDA kernels of 20 calls under the torch
-profiler, weights rotated over `kestrel bench moe`'s copies; writes OUT/moe-op-profile-<gpu>.json."""
+[--tokens 32,128] [--shape qwen3-30b-a3b] [--align-max-pairs N]`. Builds the layer as `kestrel bench moe` does (random
+experts, uniform routing), BF16 and FP8 (per channel, [128, 128] blocks), and records the CUDA kernels of 20 calls
+under the torch profiler, weights rotated over `kestrel bench moe`'s copies; writes OUT/moe-op-profile-<gpu>.json.
+`--align-max-pairs N` moves the single-program alignment's limit (T = 256, 512 with 4096 against the default shows
+whether it beats the torch sort there)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kestrel.bench import moe as bench
+from kestrel.kernels import moe_routing as routing
 from kestrel.kernels.common import device_name, gpu_key
 
 CALLS = 20
@@ -45,7 +48,12 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", default="32,128")
     parser.add_argument("--shape", default="qwen3-30b-a3b")
+    parser.add_argument("--align-max-pairs", type=int, default=None,
+                        help="steps of up to this many (token, expert) pairs take the single-program alignment "
+                             f"(default {routing.ALIGN_SINGLE_MAX_PAIRS}); above it the torch sort")
     args = parser.parse_args()
+    if args.align_max_pairs is not None:
+        routing.ALIGN_SINGLE_MAX_PAIRS = args.align_max_pairs
     device = torch.device("cuda")
     shape = bench.parse_shapes([args.shape], False)[0]
     tokens = bench.parse_ints(args.tokens, "--tokens")

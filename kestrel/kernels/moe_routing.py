@@ -26,6 +26,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kestrel.kernels import common
 
 # The single-program alignment holds every pair in one program's registers; larger steps take the torch sort.
+# (It runs any count; whether it beats the torch sort's launches above 1,024 pairs is not measured yet:
+# `scripts/h200_moe_op_profile.py --align-max-pairs`.)
 ALIGN_SINGLE_MAX_PAIRS = 1024
 # The block owners' comparisons hold FILL x E_PAD values; this bounds them (registers of one program).
 _ONE_HOT_ELEMENTS = 8192
@@ -158,8 +160,9 @@ def moe_align_single(topk_ids: torch.Tensor, num_experts: int, block_m: int
     num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
     e_pad = triton.next_power_of_2(num_experts)
     shift = torch.empty(e_pad, dtype=torch.int32, device=flat.device)
+    pairs_pad = max(16, triton.next_power_of_2(n))
     _align_single_kernel[(1,)](flat, n, sorted_ids, expert_ids, num_padded, shift, num_blocks, num_experts,
-                               BLOCK_M=block_m, E_PAD=e_pad, PAIRS_PAD=max(16, triton.next_power_of_2(n)),
+                               BLOCK_M=block_m, E_PAD=e_pad, PAIRS_PAD=pairs_pad,
                                FILL=max(16, _ONE_HOT_ELEMENTS // e_pad), SLOTS_FILL=_SLOTS_FILL,
-                               num_warps=4, **common.pdl_options(flat, "pdl_decode"))
+                               num_warps=4 if pairs_pad <= 1024 else 8, **common.pdl_options(flat, "pdl_decode"))
     return sorted_ids, expert_ids, num_padded

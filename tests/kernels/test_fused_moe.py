@@ -443,7 +443,8 @@ def test_align_layout(T, E, k, block_m, ids_dtype, skip, align, device):
     assert list(expert_ids[:padded // block_m]) == sorted(expert_ids[:padded // block_m].tolist())
 
 
-@pytest.mark.parametrize("T,E,k,block_m", [(1, 128, 8, 16), (6, 4, 2, 4), (40, 60, 6, 32), (128, 128, 8, 64)])
+@pytest.mark.parametrize("T,E,k,block_m", [(1, 128, 8, 16), (6, 4, 2, 4), (40, 60, 6, 32), (128, 128, 8, 64),
+                                           (500, 128, 8, 16)])  # 4,000 pairs: past the default limit, 8 warps
 @pytest.mark.parametrize("skipped", ["some", "all"])
 def test_single_program_align_equals_torch_sort(T, E, k, block_m, skipped, device):
     """The one-launch alignment gives the torch sort's outputs exactly, padding blocks' experts included, also
