@@ -51,6 +51,14 @@ def activate_ref(y: torch.Tensor, activation: str) -> torch.Tensor:
     return F.gelu(y, approximate="tanh")
 
 
+def activate_as_kernels_ref(g: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(g) of fp32 g with the kernels' own expression where torch's differs in the last bit (SiLU): the
+    references of the kernels that take the activation's fp32 value further (quantizers, epilogues)."""
+    if activation == "silu":
+        return g / (1.0 + torch.exp(-g))
+    return activate_ref(g, activation)
+
+
 def act_mul_ref(x: torch.Tensor, activation: str) -> torch.Tensor:
     gate, up = x.float().chunk(2, dim=-1)
     return (activate_ref(gate, activation) * up).to(x.dtype)

@@ -105,7 +105,8 @@ _LOG2E = 1.4426950408889634
 # P (at most 1) enters the FP8 P @ V dot times 2^8: e4m3's normal range then reaches down to p = 2^-14, and its
 # largest value, 448, is never passed.
 FP8_P_SCALE = tl.constexpr(256.0)
-FP8_DOT_MIN_K = 32  # an e4m3 wgmma's reduction is 32 deep: head dims for q @ k^T, keys per tile for P @ V
+# FP8 dots reduce over at least common.FP8_DOT_MIN_K: head dims for q @ k^T, keys per tile for P @ V.
+FP8_DOT_MIN_K = common.FP8_DOT_MIN_K
 # The FP8 dots pay on long steps only (H100, 32 / 8 heads of 128, eager forward, FP8 dots off -> on per layer: 8k
 # tokens: attention 1,332 -> 1,013 us, K/V write and staging 150 -> 215 us; 128 tokens: 15 -> 31 us and 4.4 -> 7.5
 # us; the kernel bench: about even at 1k, 41 us faster at 4k against 32 us more staging): on a GPU a step of fewer

@@ -159,6 +159,9 @@ def split_row_sum(ws_ptr, nb, m, SPLIT_K: tl.constexpr, ROWS: tl.constexpr, BLOC
     return total
 
 
+# An e4m3 tensor-core dot (wgmma, mma) reduces over at least 32: the least K of any FP8 dot a launch asks for.
+FP8_DOT_MIN_K = 32
+
 # Counters one launch can use: its tiles (or row blocks) whose K splits meet in the last program to arrive.
 ARRIVAL_SLOTS = 1 << 16
 _arrival_counters: dict[torch.device, torch.Tensor] = {}

@@ -78,7 +78,6 @@ from kestrel.kernels.moe_common import (  # noqa: F401 - shared with moe_small_t
 )
 
 DEFAULT_TABLE = common.TUNING_DIR / "fused_moe_default.json"
-FP8_DOT_MIN_K = 32  # an e4m3 wgmma / mma reduces over at least 32
 
 
 @dataclass(frozen=True)
@@ -389,11 +388,11 @@ def fused_moe(
     if T == 0:
         return out
     cfg = config or select_config(E, inter, H, T, x.device, moe_small_t.weight_kind(fp8, block_shape))
-    if fp8 and block_shape is not None and x.is_cuda and block_shape[1] < FP8_DOT_MIN_K:
+    if fp8 and block_shape is not None and x.is_cuda and block_shape[1] < common.FP8_DOT_MIN_K:
         raise ValueError(f"fused_moe: block_shape={tuple(block_shape)}: FP8 experts in blocks of {block_shape[1]} "
                          f"columns need an FP8 tensor-core dot over {block_shape[1]}, and the GPU's reduce over at "
-                         f"least {FP8_DOT_MIN_K}; blocks of at least {FP8_DOT_MIN_K} columns run (the published "
-                         "checkpoints' are 128)")
+                         f"least {common.FP8_DOT_MIN_K}; blocks of at least {common.FP8_DOT_MIN_K} columns run (the "
+                         "published checkpoints' are 128)")
     if x.stride(1) != 1:
         x = x.contiguous()
     num_pairs = T * k

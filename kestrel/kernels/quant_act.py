@@ -119,14 +119,14 @@ def act_mul_quant_ref(x: torch.Tensor, activation: str, dtype: torch.dtype, scal
                       azp: torch.Tensor | None = None, symmetric: bool = True) -> QuantAct:
     inter = x.shape[-1] // 2
     g, u = x[..., :inter].float(), x[..., inter:].float()
-    y = _activate_ref(g, activation) * u
+    y = _activation.activate_as_kernels_ref(g, activation) * u
     sym = symmetric if scale is None else azp is None
     return _quantize_ref(y, dtype, sym, scale, azp)
 
 
 def act_quant_ref(x: torch.Tensor, activation: str, dtype: torch.dtype, scale: torch.Tensor | None = None,
                   azp: torch.Tensor | None = None, symmetric: bool = True) -> QuantAct:
-    y = _activate_ref(x.float(), activation)
+    y = _activation.activate_as_kernels_ref(x.float(), activation)
     sym = symmetric if scale is None else azp is None
     return _quantize_ref(y, dtype, sym, scale, azp)
 
@@ -134,12 +134,6 @@ def act_quant_ref(x: torch.Tensor, activation: str, dtype: torch.dtype, scale: t
 def silu_mul_quant_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None,
                        azp: torch.Tensor | None = None, symmetric: bool = True) -> QuantAct:
     return act_mul_quant_ref(x, "silu", dtype, scale, azp, symmetric)
-
-
-def _activate_ref(g: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "silu":
-        return g / (1.0 + torch.exp(-g))  # the kernel's expression (F.silu differs from it in the last bit)
-    return _activation.activate_ref(g, activation)
 
 
 def _quantize_ref(y: torch.Tensor, dtype: torch.dtype, symmetric: bool, scale: torch.Tensor | None,

@@ -402,8 +402,7 @@ def scaled_mm_gated_ref(
     fp32, rounded once (with the kernels' SiLU expression)."""
     gate_up = scaled_mm_ref(a, b, scale_a, scale_b, out_dtype, bias).float()
     gate, up = gate_up.chunk(2, dim=-1)
-    act = gate / (1.0 + torch.exp(-gate)) if activation == "silu" else _activation.activate_ref(gate, activation)
-    return (act * up).to(out_dtype)
+    return (_activation.activate_as_kernels_ref(gate, activation) * up).to(out_dtype)
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

@@ -31,7 +31,7 @@ from torch import nn
 
 from kestrel import ops
 from kestrel.config import ConfigError
-from kestrel.kernels.fused_moe import FP8_DOT_MIN_K
+from kestrel.kernels.common import FP8_DOT_MIN_K
 from kestrel.kernels.quant_act import FP8_MAX, SCALE_FLOOR
 from kestrel.quant.base import FusedMoEMethod, expert_param
 from kestrel.quant.unquantized import UnquantizedFusedMoEMethod

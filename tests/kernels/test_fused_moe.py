@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from kestrel import ops
 from kestrel.kernels import fused_moe as fm
 from kestrel.kernels.activation import ACTIVATIONS
-from kestrel.kernels.fused_moe import FP8_DOT_MIN_K, MoEConfig, fused_moe, fused_moe_ref, moe_align
+from kestrel.kernels.common import FP8_DOT_MIN_K
+from kestrel.kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align
 from kestrel.kernels.moe_routing import moe_align_single, route_topk, route_topk_ref
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
