@@ -9,6 +9,8 @@
 #   ttft128-off, ttft128-on   `kestrel bench latency` batch 1, 128-token prompts, 10 repeats, FP8 dots off / on
 #   profile-off, profile-on   scripts/h200_prefill_profile.py, FP8 + FP8 KV, 8k prompt: kernel times, FP8 dots off / on
 #   counted-off, counted-on   tput-off / tput-on with every Triton compile of the run logged (OUT/compiles-*.json)
+#   budget2048   batch-1 TTFT of 8k and 2k prompts under the engine's GPU token budget (2,048 a step), the FP8 dots
+#             from 4,096-token steps (attention.FP8_DOTS_MIN_TOKENS as committed) and from 2,048
 #   pack      everything under OUT in OUT/results.tar.gz
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 h200_tables
@@ -28,6 +30,15 @@ for stage in "$@"; do
     profile-off|profile-on) state=${stage#profile-}; launch_feature prefill_fp8_dots "$state"; prefill_profile_fp8 profile-$state ;;
     counted-off|counted-on) state=${stage#counted-}; launch_feature prefill_fp8_dots "$state"
           COUNT_COMPILES=1 full_load_fp8 fp8dots-$state ;;
+    budget2048) launch_feature prefill_fp8_dots on
+          for min in 4096 2048; do for len in 8192 2048; do
+            run 150 python3 -c "import runpy, sys; from kestrel.kernels import attention
+attention.FP8_DOTS_MIN_TOKENS = int(sys.argv[1]); sys.argv[1:2] = []
+runpy.run_module('kestrel.bench.latency', run_name='__main__', alter_sys=True)" $min --hf-peer none --no-checks \
+              --batch 1 --input-len $len --output-len 16 --repeats 3 --warmups 1 --quantization fp8 \
+              --kv-cache-dtype fp8 --max-num-batched-tokens 2048 \
+              --result-file "$out/latency-ttft$len-fp8-budget2048-dots-from$min-h200.json"
+          done; done ;;
     pack) pack_results ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac

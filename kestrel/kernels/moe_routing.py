@@ -26,9 +26,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kestrel.kernels import common
 
 # The single-program alignment holds every pair in one program's registers; larger steps take the torch sort.
-# (It runs any count; whether it beats the torch sort's launches above 1,024 pairs is not measured yet:
-# `scripts/h200_moe_op_profile.py --align-max-pairs`.)
-ALIGN_SINGLE_MAX_PAIRS = 1024
+# It runs any count, but its one program pays for the sort of every pair (H100, Qwen3-30B-A3B's 128 experts x top-8,
+# `scripts/h200_moe_op_profile.py --align-max-pairs 4096`): 2,048 pairs 20.4 us against about 52 us of the torch
+# path's launches; 4,096 pairs 77 us against about 55 us.
+ALIGN_SINGLE_MAX_PAIRS = 2048
 # The block owners' comparisons hold FILL x E_PAD values; this bounds them (registers of one program).
 _ONE_HOT_ELEMENTS = 8192
 _SLOTS_FILL = 1024  # sentinel slots written per store

@@ -53,6 +53,17 @@ def assert_near_oracle(out: torch.Tensor, expected: np.ndarray) -> None:
     assert np.linalg.norm(got - expected) <= 2.0**-7 * np.linalg.norm(expected)
 
 
+def assert_same_as_two_launches(out: torch.Tensor, two_launches: torch.Tensor, device) -> None:
+    """Bit for bit in the interpreter. On a GPU the gated launch's tile has half the rows or columns of the plain
+    one's, so its dots may compile to another MMA shape whose fp32 sums round differently (seen on an H100 for a
+    few elements of a 32-row tile against a 64-row one): there each value may sit a bf16 rounding step away."""
+    if torch.device(device).type != "cuda":
+        assert torch.equal(out, two_launches)
+        return
+    scale = two_launches.float().abs().amax().item()
+    torch.testing.assert_close(out.float(), two_launches.float(), rtol=2.0**-6, atol=2.0**-7 * scale)
+
+
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("path", range(len(PATHS)))
 @pytest.mark.parametrize("sb_per_channel,bias", [(True, False), (False, True), (True, True)],
@@ -64,7 +75,7 @@ def test_gated_equals_the_gemm_then_the_activation(path, activation, sb_per_chan
     out = smm.scaled_mm_gated(*on[:4], torch.bfloat16, activation, on[4], config=cfg)
     assert out.shape == (M, N) and out.dtype == torch.bfloat16
     two_launches = act_kernels.act_mul(smm.scaled_mm(*on[:4], torch.bfloat16, on[4], config=cfg), activation)
-    assert torch.equal(out.cpu(), two_launches.cpu())
+    assert_same_as_two_launches(out.cpu(), two_launches.cpu(), device)
     assert_near_oracle(out.cpu(), oracle(a, b, sa, sb, bias_t, activation))
 
 
