@@ -112,8 +112,6 @@ FP8_DOT_MIN_K = common.FP8_DOT_MIN_K
 # us; the kernel bench: about even at 1k, 41 us faster at 4k against 32 us more staging): on a GPU a step of fewer
 # tokens stages for fp16 dots.
 FP8_DOTS_MIN_TOKENS = 4096
-# Whether the FP8 dots' tiles take half their probabilities' exp2 off the special-function unit (`_exp2_split`).
-FP8_DOTS_EXP2_SPLIT = False
 # V_PAIRS (an e4m3 V read as int16 words of two values, see _attend_tiles): P @ V as two dots, over the even and
 # over the odd head dims, or as one dot over the words' values joined back into head order. The prefill launch joins
 # them for heads under 128: a wgmma whose B operand is 32 wide (64-byte swizzle) read past the CTA's shared memory
@@ -172,34 +170,11 @@ def _to_e4m3(x, dot_dtype: tl.constexpr):
 
 
 @triton.jit
-def _exp2_poly(x):
-    """2^x for x <= 0 without the special-function unit: x = j + f with j = round(x) (the float magic-number
-    rounding) and f in [-0.5, 0.5]; 2^f by a cubic (relative error 1.2e-4, far under e4m3's 2^-4 steps, which is
-    all the FP8 P @ V dot keeps of it), and j added into the exponent bits. 0 below 2^-125."""
-    xc = tl.maximum(x, -125.0)
-    y = xc + 12582912.0  # 1.5 * 2^23: y's low mantissa bits hold round(xc)
-    f = xc - (y - 12582912.0)
-    poly = 1.0 + f * (0.6933686887483974 + f * (0.2422183803527581 + f * 0.05459282809513824))
-    bits = poly.to(tl.int32, bitcast=True) + (y.to(tl.int32, bitcast=True) << 23)
-    return tl.where(x < -125.0, 0.0, bits.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _exp2_split(x):
-    """2^x of a [M, N] tile, half of its columns (the odd ones) by `_exp2_poly` on the FMA units: the MUFU unit that
-    `exp2` runs on computes 16 values per SM per clock, as many as an FP8 tile's two dots leave time for."""
-    pairs = tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2])
-    even, odd = tl.split(pairs)
-    return tl.reshape(tl.join(tl.math.exp2(even), _exp2_poly(odd)), [x.shape[0], x.shape[1]])
-
-
-@triton.jit
 def _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_i, acc, acc_odd,
                   MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                  V_PAIRS: tl.constexpr, SOFT_CAP: tl.constexpr, EXP2_SPLIT: tl.constexpr = False):
+                  V_PAIRS: tl.constexpr, SOFT_CAP: tl.constexpr):
     """One key tile's scores (q @ k^T, the soft cap, the masks of a MASKED tile) into the online softmax: the
-    tile's probabilities and the running max, sum and accumulators rescaled to them. EXP2_SPLIT: half the
-    probabilities by `_exp2_poly` (`_exp2_split`)."""
+    tile's probabilities and the running max, sum and accumulators rescaled to them."""
     qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC) * qk_scale
     if SOFT_CAP > 0:
         qk = SOFT_CAP - (2.0 * SOFT_CAP) / (tl.math.exp2(qk) + 1.0)
@@ -214,10 +189,7 @@ def _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    if EXP2_SPLIT:
-        p = _exp2_split(qk - m_use[:, None])
-    else:
-        p = tl.math.exp2(qk - m_use[:, None])
+    p = tl.math.exp2(qk - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -301,7 +273,7 @@ def _attend_new_tiles(acc, acc_odd, m_i, l_i, q, k_desc, v_desc, row_of_ctx, kv_
                       start, num_tiles, key_lo, seg_hi, window, qk_scale, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
                       MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
                       DOT_PREC: tl.constexpr, V_PAIRS: tl.constexpr, SOFT_CAP: tl.constexpr,
-                      FP8_DOTS: tl.constexpr, EXP2_SPLIT: tl.constexpr = False):
+                      FP8_DOTS: tl.constexpr):
     """`_attend_tiles` over the step's own keys, read whole-tile through tensor descriptors from the staged K/V
     (`[tokens, kv_heads * HEAD]`, key position p of the sequence at row `row_of_ctx + p`) instead of through the
     block table. Rows past the tensor read as zeros; the MASKED tile zeroes V past `seg_hi` (another sequence's
@@ -322,7 +294,7 @@ def _attend_new_tiles(acc, acc_odd, m_i, l_i, q, k_desc, v_desc, row_of_ctx, kv_
             tok_ok = tok_ok & (tok >= key_lo)
         p, m_new, l_i, acc, acc_odd = _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_i,
                                                     acc, acc_odd, MASKED, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS,
-                                                    SOFT_CAP, EXP2_SPLIT)
+                                                    SOFT_CAP)
         if FP8_DOTS:
             v = tl.trans(v_desc.load([kv_col, row])).to(DOT_DTYPE)
             acc = tl.dot(_to_e4m3(p * FP8_P_SCALE, DOT_DTYPE), v, acc, input_precision=DOT_PREC)
@@ -347,7 +319,7 @@ def _attend_range(acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, r
                   row_end, lo, hi, full_hi, window, qk_scale, STAGED: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr,
-                  SOFT_CAP: tl.constexpr, FP8_DOTS: tl.constexpr = False, EXP2_SPLIT: tl.constexpr = False):
+                  SOFT_CAP: tl.constexpr, FP8_DOTS: tl.constexpr = False):
     """Keys [lo, hi): the tiles below `full_hi`, which every row sees, unmasked (none under a window), then the rest
     masked; gathered through the block table (`gathered`: `_attend_tiles`' cache arguments), or STAGED from the
     staged rows (`_attend_new_tiles`)."""
@@ -363,7 +335,7 @@ def _attend_range(acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, r
             acc, acc_odd, m_i, l_i = _attend_new_tiles(
                 acc, acc_odd, m_i, l_i, q, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n, row_pos, row_end,
                 start, count, 0, hi, window, qk_scale, BLOCK_N, HEAD, masked == 1, USE_WINDOW, DOT_DTYPE, DOT_PREC,
-                V_PAIRS, SOFT_CAP, FP8_DOTS, EXP2_SPLIT)
+                V_PAIRS, SOFT_CAP, FP8_DOTS)
         else:
             k_base, v_base, bt_row, stride_kb, stride_kt, stride_vb, stride_vt, offs_d, offs_w, d_ok = gathered
             acc, acc_odd, m_i, l_i = _attend_tiles(
@@ -389,7 +361,7 @@ def _paged_attn_kernel(
     DOT_PREC: tl.constexpr, Q_CLAMP: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr,
     ACC_W: tl.constexpr, ODD_W: tl.constexpr, SOFT_CAP: tl.constexpr, USE_ENDS: tl.constexpr,
     FUSED_MERGE: tl.constexpr, USE_PDL: tl.constexpr, NEW_KV: tl.constexpr, FP8_DOTS: tl.constexpr,
-    FP8_DOT_DTYPE: tl.constexpr, EXP2_SPLIT: tl.constexpr,
+    FP8_DOT_DTYPE: tl.constexpr,
 ):
     """NEW_KV (the prefill launch, not SPLIT): keys at the positions of the step's own tokens are read from the
     staged K/V descriptors (`_attend_new_tiles`), the sequence's earlier keys from the cache.
@@ -519,12 +491,12 @@ def _paged_attn_kernel(
         acc, acc_odd, m_i, l_i = _attend_new_tiles(
             acc, acc_odd, m_i, l_i, q, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n, row_pos, row_end,
             aligned_lo, tl.where((head_keys > 0) & (new_lo < seg_hi), 1, 0), new_lo, seg_hi, window,
-            row_scale, BLOCK_N, HEAD, True, USE_WINDOW, FP8_DOT_DTYPE, DOT_PREC, False, SOFT_CAP, True, EXP2_SPLIT)
+            row_scale, BLOCK_N, HEAD, True, USE_WINDOW, FP8_DOT_DTYPE, DOT_PREC, False, SOFT_CAP, True)
         acc, acc_odd, m_i, l_i = _attend_range(
             acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n,
             row_pos, row_end, tl.where(head_keys > 0, aligned_lo + BLOCK_N, new_lo), seg_hi, full_hi, window,
             row_scale, True, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, USE_WINDOW, FP8_DOT_DTYPE, DOT_PREC, False, V_ASM,
-            SOFT_CAP, True, EXP2_SPLIT)
+            SOFT_CAP, True)
         v_scale = v_scale / FP8_P_SCALE
     else:
         if NEW_KV:
@@ -963,7 +935,7 @@ def paged_attention(
             q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends, out, *staged,
             q_len_lo=dec_q, q_len_hi=_NO_LIMIT, min_keys=1, **shared, **pairs_args(narrow_halves),
             BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False, FUSED_MERGE=False,
-            NEW_KV=reads_staged, FP8_DOTS=fp8_dots, EXP2_SPLIT=fp8_dots and FP8_DOTS_EXP2_SPLIT,
+            NEW_KV=reads_staged, FP8_DOTS=fp8_dots,
             FP8_DOT_DTYPE=tl.float8e4nv if q.is_cuda else tl.float32,
             num_warps=pre.num_warps, num_stages=pre.num_stages, **pdl,
         )
@@ -993,8 +965,7 @@ def paged_attention(
         q_len_lo=0, q_len_hi=dec_q, min_keys=min_keys, **shared,
         **pairs_args(narrow_halves and dec.block_m >= _WGMMA_MIN_ROWS),
         BLOCK_M=dec.block_m, BLOCK_Q=dec_q, BLOCK_N=dec.block_n, PER_SEQ=True, SPLIT=split, FUSED_MERGE=fused_merge,
-        NEW_KV=False, FP8_DOTS=False, FP8_DOT_DTYPE=tl.float32, EXP2_SPLIT=False, num_warps=dec.num_warps,
-        num_stages=dec.num_stages,
+        NEW_KV=False, FP8_DOTS=False, FP8_DOT_DTYPE=tl.float32, num_warps=dec.num_warps, num_stages=dec.num_stages,
         **pdl,
     )
     if split and not fused_merge:

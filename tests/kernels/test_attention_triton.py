@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels import attention as attention_module
 from kestrel.kernels.attention import AttnConfig, paged_attention, paged_attention_ref, staged_kv_ref
 from kestrel.kernels.common import round_e4m3
 from kestrel.kernels.store_kv import store_kv, store_kv_ref
@@ -255,16 +254,14 @@ def test_fp8_kv(device: torch.device, head_size: int) -> None:
     assert rel_err(out, case.expected()) < 1e-5
 
 
-# (cache dtype, FP8 dots, their exp2 split between the MUFU and the FMA units: FP8_DOTS_EXP2_SPLIT)
-STAGED_CACHES = [(torch.float32, False, False), (torch.bfloat16, False, False), (torch.float8_e4m3fn, False, False),
-                 (torch.float8_e4m3fn, True, False), (torch.float8_e4m3fn, True, True)]
+STAGED_CACHES = [(torch.float32, False), (torch.bfloat16, False), (torch.float8_e4m3fn, False),
+                 (torch.float8_e4m3fn, True)]
 
 
-@pytest.mark.parametrize("cache_dtype,fp8_dots,exp2_split", STAGED_CACHES,
-                         ids=["fp32", "bf16", "fp8", "fp8-fp8-dots", "fp8-fp8-dots-exp2-split"])
+@pytest.mark.parametrize("cache_dtype,fp8_dots", STAGED_CACHES, ids=["fp32", "bf16", "fp8", "fp8-fp8-dots"])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (7, None), (None, 5.0)], ids=["causal", "window", "cap"])
 def test_prefill_reads_the_steps_own_keys_from_the_staged_rows(device: torch.device, cache_dtype: torch.dtype,
-                                                               fp8_dots: bool, exp2_split: bool, window: int | None,
+                                                               fp8_dots: bool, window: int | None,
                                                                soft_cap: float | None,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """With `new_kv` the prefill launch reads each sequence's own keys from the staged rows and only its earlier
@@ -280,7 +277,6 @@ def test_prefill_reads_the_steps_own_keys_from_the_staged_rows(device: torch.dev
     # a GPU's table may not have them yet
     monkeypatch.setattr(common, "launch_feature", lambda name, device: name != "prefill_fp8_dots" or fp8_dots)
     monkeypatch.setattr(attention, "FP8_DOTS_MIN_TOKENS", 0)  # on a GPU too: the cases' steps are short
-    monkeypatch.setattr(attention, "FP8_DOTS_EXP2_SPLIT", exp2_split)
     k_scale, v_scale = (0.011, 0.0073) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
     # 16-bit activations on a GPU (its float32 ones keep the gathered path); float32 in the interpreter but for BF16
     gpu_fp8 = device.type == "cuda" and cache_dtype == torch.float8_e4m3fn
@@ -307,10 +303,8 @@ def test_prefill_reads_the_steps_own_keys_from_the_staged_rows(device: torch.dev
         assert rel_err(out, expected) < tolerance
 
 
-@pytest.mark.parametrize("fp8_dots,exp2_split", [(False, False), (True, False), (True, True)],
-                         ids=["fp16-dots", "fp8-dots", "fp8-dots-exp2-split"])
+@pytest.mark.parametrize("fp8_dots", [False, True], ids=["fp16-dots", "fp8-dots"])
 def test_staged_prefill_over_fp8_heads_of_128_keeps_the_pairs_apart(device: torch.device, fp8_dots: bool,
-                                                                    exp2_split: bool,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Heads of 128 keep V's paired halves apart in the prefill launch (two 64-wide dots), staged halves included;
     with the FP8 dots the cached keys' two accumulators join before the staged keys' FP8 dot. (The heads of 32
@@ -319,7 +313,6 @@ def test_staged_prefill_over_fp8_heads_of_128_keeps_the_pairs_apart(device: torc
 
     monkeypatch.setattr(common, "launch_feature", lambda name, device: name != "prefill_fp8_dots" or fp8_dots)
     monkeypatch.setattr(attention, "FP8_DOTS_MIN_TOKENS", 0)  # on a GPU too: the case's step is short
-    monkeypatch.setattr(attention, "FP8_DOTS_EXP2_SPLIT", exp2_split)
     k_scale, v_scale = 0.011, 0.0073
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     case = Case([(37, 37), (58, 21), (45, 1), (40, 9)], 4, 2, 128, device, dtype=dtype,
@@ -335,37 +328,6 @@ def test_staged_prefill_over_fp8_heads_of_128_keeps_the_pairs_apart(device: torc
         assert rel_err(out, case.expected(fp8_dots_from=dec_q)) < FP8_P_ROUNDING
     else:
         assert rel_err(out, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
-
-
-@triton.jit
-def _exp2_both(x_ptr, poly_ptr, split_ptr, M: tl.constexpr, N: tl.constexpr):
-    offs = tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :]
-    x = tl.load(x_ptr + offs)
-    tl.store(poly_ptr + offs, attention_module._exp2_poly(x))
-    tl.store(split_ptr + offs, attention_module._exp2_split(x))
-
-
-def test_exp2_off_the_special_function_unit_against_float64(device: torch.device) -> None:
-    """`_exp2_poly` (the FP8 dots' exp2 on the FMA units) within 1.2e-4 of float64's 2^x down to 2^-125 and exactly 0
-    below (-inf, the masked scores, included); `_exp2_split` takes the even columns from exp2, the odd from it."""
-    M, N = 16, 64
-    g = torch.Generator().manual_seed(3)
-    x = -torch.rand(M, N, generator=g, dtype=torch.float64) * 130
-    x[0, :8] = torch.tensor([0.0, -0.5, -1.5, -2.5, -1e-7, -0.49999, -124.9, -125.0])
-    x[1, :4] = torch.tensor([float("-inf"), -125.5, -126.0, -1e4])
-    xf = x.float().to(device)
-    poly, split = torch.empty_like(xf), torch.empty_like(xf)
-    _exp2_both[(1,)](xf, poly, split, M=M, N=N)
-    exact = torch.exp2(xf.double().cpu())
-    got = poly.double().cpu()
-    normal = exact >= 2.0**-125
-    assert ((got[normal] - exact[normal]).abs() / exact[normal]).max() < 1.2e-4
-    assert (got[~normal] == 0).all()
-    split = split.double().cpu()
-    assert torch.equal(split[:, 1::2], got[:, 1::2])
-    even_normal = normal[:, ::2]
-    assert ((split[:, ::2][even_normal] - exact[:, ::2][even_normal]).abs()
-            / exact[:, ::2][even_normal]).max() < 1e-6
 
 
 @triton.jit
