@@ -34,6 +34,7 @@ from kestrel.engine.core import EngineCore
 from kestrel.executor.factory import build_executor
 from kestrel.loader.model_init import _write_weights, checkpoint_shapes, write_tiny_checkpoint
 from kestrel.loader.tokenizer import load_tokenizer
+from kestrel.structured.shards import engine_grammar_backend
 from kestrel.worker.model_runner import ModelRunner
 
 LLAMA3_8B: dict[str, Any] = {
@@ -243,15 +244,23 @@ def build_engine(model: str, **engine_args: Any) -> Engine:
     started = time.perf_counter()
     config = EngineConfig.from_kwargs(model, **engine_args)
     tokenizer: Any = NullTokenizer()
-    if any((Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+    if has_tokenizer(config.model.tokenizer_path):
         tokenizer = load_tokenizer(config.model.tokenizer_path)
+    elif config.grammar_workers:
+        raise ConfigError(f"invalid grammar_workers={config.grammar_workers}: {config.model.tokenizer_path} has no "
+                          "tokenizer for the grammars' vocabulary; pass one (--tokenizer DIR) or leave it 0")
     eos = tokenizer.eos_token_id
     runner: Any = build_executor(config, eos) if config.parallel.uses_workers else ModelRunner(config, eos_token_id=eos)
     if config.cache.kv_cache_dtype == "fp8":
         # Random weights have no checkpoint scales; 1.0 would waste FP8 range. Workers each calibrate their own
         # layers and kv heads in one collective prefill.
         runner.calibrate_kv_scales()
-    core = EngineCore(config, runner, runner.kv_layout, tokenizer, eos)
+    # The engine's own structured-outputs backend, as LLM builds it (grammar workers included), where there is a
+    # vocabulary to build grammars from.
+    gpu_host = isinstance(runner, ModelRunner) and runner.device.type == "cuda"  # executors pickle the masks
+    structured = (None if isinstance(tokenizer, NullTokenizer)
+                  else engine_grammar_backend(config, tokenizer, runner.vocab_size, runner.eos_token_ids, gpu_host))
+    core = EngineCore(config, runner, runner.kv_layout, tokenizer, eos, structured)
     synchronize(runner.device)
     return Engine(core, runner, config, time.perf_counter() - started)
 
@@ -269,11 +278,16 @@ def synchronize(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def prompt_vocab(model_dir: str) -> int:
-    """Prompt token ids must be valid for the model and, when there is one, its tokenizer."""
+def has_tokenizer(directory: str) -> bool:
+    return any((Path(directory) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def prompt_vocab(model_dir: str, tokenizer_dir: str | None = None) -> int:
+    """Prompt token ids must be valid for the model and, when there is one, its tokenizer (`tokenizer_dir`, by
+    default the model's directory)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     vocab = int(config["vocab_size"])
-    tokenizer_file = Path(model_dir) / "tokenizer.json"
+    tokenizer_file = Path(tokenizer_dir or model_dir) / "tokenizer.json"
     if tokenizer_file.is_file():
         vocab = min(vocab, len(json.loads(tokenizer_file.read_text())["model"]["vocab"]))
     return vocab

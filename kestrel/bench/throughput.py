@@ -144,6 +144,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts of the short warm-up run (default --max-num-seqs, so every decode batch size "
                         "and GEMM bucket is compiled before timing)")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory for the engine (default: the model's; random weights have none, and "
+                        "then no structured-outputs backend either)")
+    p.add_argument("--grammar-workers", type=int, default=None,
+                   help="the engine's grammar_workers: processes holding the grammar matchers, started with the "
+                        "engine (needs a tokenizer; default: the engine's)")
     p.add_argument("--max-seconds", type=float, default=420.0,
                    help="abort the timed run after this long and report it as truncated (stays under a job limit)")
     p.add_argument("--hf-peer-prompts", type=int, default=64, help="prompts for the HF peer (0: no peer)")
@@ -174,7 +180,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     run_peer = args.hf_peer_prompts > 0 and args.hf_result is None
     model_dir, load_format = common.prepare_model(args.model, args.arch, args.smoke, args.weights_dir,
                                                   run_peer, device, args.weight_only, args.group_size)
-    vocab = common.prompt_vocab(model_dir)
+    vocab = common.prompt_vocab(model_dir, args.tokenizer)
     hf: dict[str, Any] = {}
     if args.hf_result is not None:
         hf = common.load_hf_result(args.hf_result, "throughput", args.output_len, args.input_len)
@@ -187,8 +193,10 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
                                  "seed": 1, "static_batch": args.hf_static_batch,
                                  "static_only": args.smoke}, args.hf_timeout, in_process=args.smoke)
     started = time.perf_counter()
+    extra = {name: value for name, value in (("tokenizer", args.tokenizer), ("grammar_workers", args.grammar_workers))
+             if value is not None}
     engine = common.build_suite_engine(args, model_dir, load_format, device, args.max_num_seqs,
-                                       args.input_len + args.output_len + 1)
+                                       args.input_len + args.output_len + 1, **extra)
     generate_all(engine, common.random_prompts(1, args.input_len, vocab, seed=0), 1, "first")
     startup = time.perf_counter() - started
     common.log(f"first token {startup:.1f} s after start (engine built in {engine.build_s:.1f} s); "
@@ -203,7 +211,10 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     result: dict[str, Any] = {
         "suite": "throughput",
         "config": {**common.engine_config_block(args, engine, model_dir, load_format), "num_prompts": args.num_prompts,
-                   "input_len": args.input_len, "output_len": args.output_len, "max_num_seqs": args.max_num_seqs},
+                   "input_len": args.input_len, "output_len": args.output_len, "max_num_seqs": args.max_num_seqs,
+                   "tokenizer": engine.config.model.tokenizer_path if not isinstance(
+                       engine.core.tokenizer, common.NullTokenizer) else None,
+                   "grammar_workers": getattr(engine.core.structured, "num_workers", 0)},
         "environment": common.environment(device),
         "startup_to_first_token_s": startup, "engine_build_s": engine.build_s,
         "graph_capture_s": getattr(engine.runner, "capture_seconds", None),

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
+from kestrel.config import EngineConfig
 from kestrel.engine.contracts import GrammarBitmask
 from kestrel.fork_server import fork_context
 from kestrel.sampling_params import StructuredOutputsParams
@@ -33,6 +34,15 @@ from kestrel.structured.backend import GrammarBackend, advance_matchers, fill_dr
 from kestrel.structured.compile import GrammarSource, compile_source
 
 __all__ = ["GrammarShards", "grammar_backend"]
+
+
+def engine_grammar_backend(config: EngineConfig, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
+                           gpu_host: bool) -> GrammarBackend:
+    """An engine's backend from its config: `grammar_workers` processes or its own thread, masks for
+    `max_num_seqs` rows times the speculative tokens + 1. `gpu_host`: the runner is a GPU in this process."""
+    spec = config.speculative
+    max_rows = config.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+    return grammar_backend(tokenizer, vocab_size, eos_token_ids, config.grammar_workers, max_rows, gpu_host)
 
 
 def grammar_backend(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], workers: int, max_rows: int,
@@ -96,6 +106,10 @@ class GrammarShards(GrammarBackend):
         for index in range(self._workers):
             self._receive(index)
         self._initialized = True
+
+    @property
+    def num_workers(self) -> int:
+        return self._workers
 
     def close(self) -> None:
         """Stop the workers and free the shared memory (also done when the backend is collected)."""

@@ -180,3 +180,17 @@ def test_long_prompt_ttft_is_judged_against_its_floor() -> None:
     assert not any("its floor" in t["target"] for t in latency.evaluate_targets(rows, "bf16", smoke=True))
     passing = latency.evaluate_targets([row(1, 8192, 250.0, 200.0)], "fp8", smoke=False)
     assert [t["pass"] for t in passing if "its floor" in t["target"]] == [True]
+
+
+def test_throughput_engine_carries_the_engines_grammar_backend(tmp_path: Path, capsys) -> None:
+    """The bench's engine has the structured-outputs backend LLM builds (its grammar workers too) where there is a
+    tokenizer, and records it; grammar workers without a tokenizer are refused by name."""
+    out = tmp_path / "workers.json"
+    assert throughput.main(["--smoke", "--grammar-workers", "1", "--result-file", str(out)]) == 0
+    cfg = json.loads(out.read_text())["config"]
+    assert cfg["grammar_workers"] == 1 and cfg["tokenizer"]
+    empty = tmp_path / "no-tokenizer"
+    empty.mkdir()
+    assert throughput.main(["--smoke", "--tokenizer", str(empty), "--grammar-workers", "1",
+                            "--result-file", str(tmp_path / "refused.json")]) == 2
+    assert "grammar_workers=1" in capsys.readouterr().err
