@@ -257,9 +257,7 @@ def build_engine(model: str, **engine_args: Any) -> Engine:
         runner.calibrate_kv_scales()
     # The engine's own structured-outputs backend, as LLM builds it (grammar workers included), where there is a
     # vocabulary to build grammars from.
-    gpu_host = isinstance(runner, ModelRunner) and runner.device.type == "cuda"  # executors pickle the masks
-    structured = (None if isinstance(tokenizer, NullTokenizer)
-                  else engine_grammar_backend(config, tokenizer, runner.vocab_size, runner.eos_token_ids, gpu_host))
+    structured = None if isinstance(tokenizer, NullTokenizer) else engine_grammar_backend(config, runner, tokenizer)
     core = EngineCore(config, runner, runner.kv_layout, tokenizer, eos, structured)
     synchronize(runner.device)
     return Engine(core, runner, config, time.perf_counter() - started)

@@ -84,9 +84,6 @@ def run(args: argparse.Namespace) -> int:
                           "a number of processes")
     backend = grammar_backend(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids, args.grammar_workers,
                               max(batches), device.type == "cuda")
-    close_engines_own = getattr(engine.core.structured, "close", None)  # its grammar workers, where it has some
-    if close_engines_own is not None:
-        close_engines_own()
     engine.core.structured = backend
     default_async = engine.core.async_scheduling
     vocab = min(common.prompt_vocab(model_dir), tokenizer.vocab_size)

@@ -74,13 +74,6 @@ def core_process_by_default(config: EngineConfig) -> bool:
     return runs_on_cpu(config.device) and not model_modalities(config) and not config.parallel.uses_workers
 
 
-def structured_backend(config: EngineConfig, runner: ModelRunner | Executor, tokenizer: Any) -> Any:
-    """The engine's structured-outputs backend for its runner (`shards.engine_grammar_backend`); pinned masks where
-    the runner is a GPU in this process (an executor's workers get the masks pickled)."""
-    gpu_host = isinstance(runner, ModelRunner) and runner.device.type == "cuda"
-    return engine_grammar_backend(config, tokenizer, runner.vocab_size, runner.eos_token_ids, gpu_host)
-
-
 def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | None,
                       deltas: bool = False) -> BuiltEngine:
     """`build_engine` with the tokenizer given. None: its outputs carry token ids only, and its grammar backend
@@ -94,7 +87,7 @@ def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | 
         runner = build_executor(config, eos_token_id)
     else:
         runner = ModelRunner(config, eos_token_id=eos_token_id)
-    structured = structured_backend(config, runner, tokenizer)
+    structured = engine_grammar_backend(config, runner, tokenizer)
     core = EngineCore(config, runner, runner.kv_layout, tokenizer, eos_token_id, structured,
                       detokenize=tokenizer is not None, deltas=deltas)
     return BuiltEngine(tokenizer, runner, core)

@@ -36,13 +36,15 @@ from kestrel.structured.compile import GrammarSource, compile_source
 __all__ = ["GrammarShards", "grammar_backend"]
 
 
-def engine_grammar_backend(config: EngineConfig, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
-                           gpu_host: bool) -> GrammarBackend:
-    """An engine's backend from its config: `grammar_workers` processes or its own thread, masks for
-    `max_num_seqs` rows times the speculative tokens + 1. `gpu_host`: the runner is a GPU in this process."""
+def engine_grammar_backend(config: EngineConfig, runner: Any, tokenizer: Any) -> GrammarBackend:
+    """An engine's backend from its config and runner: `grammar_workers` processes or its own thread, masks for
+    `max_num_seqs` rows times the speculative tokens + 1, pinned where the runner is a GPU in this process (an
+    executor's workers, `config.parallel.uses_workers`, get the masks pickled)."""
+    gpu_host = not config.parallel.uses_workers and runner.device.type == "cuda"
     spec = config.speculative
     max_rows = config.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
-    return grammar_backend(tokenizer, vocab_size, eos_token_ids, config.grammar_workers, max_rows, gpu_host)
+    return grammar_backend(tokenizer, runner.vocab_size, runner.eos_token_ids, config.grammar_workers, max_rows,
+                           gpu_host)
 
 
 def grammar_backend(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], workers: int, max_rows: int,
@@ -106,10 +108,6 @@ class GrammarShards(GrammarBackend):
         for index in range(self._workers):
             self._receive(index)
         self._initialized = True
-
-    @property
-    def num_workers(self) -> int:
-        return self._workers
 
     def close(self) -> None:
         """Stop the workers and free the shared memory (also done when the backend is collected)."""
