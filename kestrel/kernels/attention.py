@@ -103,7 +103,9 @@ def _check_soft_cap(logit_soft_cap: float | None) -> None:
 
 _LOG2E = 1.4426950408889634
 # P (at most 1) enters the FP8 P @ V dot times 2^8: e4m3's normal range then reaches down to p = 2^-14, and its
-# largest value, 448, is never passed.
+# largest value, 448, is never passed. The factor is taken in the exponent (exp2(s - m + 8)), not by a multiply per
+# probability, and the row sums carry it too.
+FP8_P_LOG2_SCALE = tl.constexpr(8.0)
 FP8_P_SCALE = tl.constexpr(256.0)
 # FP8 dots reduce over at least common.FP8_DOT_MIN_K: head dims for q @ k^T, keys per tile for P @ V.
 FP8_DOT_MIN_K = common.FP8_DOT_MIN_K
@@ -172,9 +174,9 @@ def _to_e4m3(x, dot_dtype: tl.constexpr):
 @triton.jit
 def _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_i, acc, acc_odd,
                   MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                  V_PAIRS: tl.constexpr, SOFT_CAP: tl.constexpr):
+                  V_PAIRS: tl.constexpr, SOFT_CAP: tl.constexpr, P_LOG2_SCALE: tl.constexpr = 0.0):
     """One key tile's scores (q @ k^T, the soft cap, the masks of a MASKED tile) into the online softmax: the
-    tile's probabilities and the running max, sum and accumulators rescaled to them."""
+    tile's probabilities (times 2^P_LOG2_SCALE) and the running max, sum and accumulators rescaled to them."""
     qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC) * qk_scale
     if SOFT_CAP > 0:
         qk = SOFT_CAP - (2.0 * SOFT_CAP) / (tl.math.exp2(qk) + 1.0)
@@ -189,7 +191,10 @@ def _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    p = tl.math.exp2(qk - m_use[:, None])
+    if P_LOG2_SCALE != 0.0:
+        p = tl.math.exp2(qk - (m_use - P_LOG2_SCALE)[:, None])
+    else:
+        p = tl.math.exp2(qk - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -282,8 +287,8 @@ def _attend_new_tiles(acc, acc_odd, m_i, l_i, q, k_desc, v_desc, row_of_ctx, kv_
 
     FP8_DOTS: the staged K/V are the cache's e4m3 values (V transposed: `[kv_heads * HEAD, tokens]`), `q` is e4m3
     (scaled per row: `qk_scale` holds each row's scale) and P goes into its dot as e4m3 times FP8_P_SCALE, so `acc`
-    sums FP8_P_SCALE * P @ V. The staged values are all written ones (finite: writes clamp) or the descriptor's
-    zeros, so V is not masked."""
+    sums FP8_P_SCALE * P @ V and `l_i` FP8_P_SCALE * P. The staged values are all written ones (finite: writes
+    clamp) or the descriptor's zeros, so V is not masked."""
     for i in range(num_tiles):
         key0 = start + i * BLOCK_N
         row = row_of_ctx + key0
@@ -294,10 +299,10 @@ def _attend_new_tiles(acc, acc_odd, m_i, l_i, q, k_desc, v_desc, row_of_ctx, kv_
             tok_ok = tok_ok & (tok >= key_lo)
         p, m_new, l_i, acc, acc_odd = _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_i,
                                                     acc, acc_odd, MASKED, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS,
-                                                    SOFT_CAP)
+                                                    SOFT_CAP, FP8_P_LOG2_SCALE if FP8_DOTS else 0.0)
         if FP8_DOTS:
             v = tl.trans(v_desc.load([kv_col, row])).to(DOT_DTYPE)
-            acc = tl.dot(_to_e4m3(p * FP8_P_SCALE, DOT_DTYPE), v, acc, input_precision=DOT_PREC)
+            acc = tl.dot(_to_e4m3(p, DOT_DTYPE), v, acc, input_precision=DOT_PREC)
         elif V_PAIRS:
             v_even = v_desc.load([row, kv_col])
             v_odd = v_desc.load([row, kv_col + HEAD // 2])
@@ -479,6 +484,7 @@ def _paged_attn_kernel(
         if V_PAIRS == _PAIRS_APART:
             acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
         acc = acc * FP8_P_SCALE
+        l_i = l_i * FP8_P_SCALE
         q = q.to(tl.float32)
         q_amax = tl.max(tl.abs(q), 1)
         q_row_scale = tl.where(q_amax > 0.0, q_amax / 448.0, 1.0)
@@ -497,7 +503,6 @@ def _paged_attn_kernel(
             row_pos, row_end, tl.where(head_keys > 0, aligned_lo + BLOCK_N, new_lo), seg_hi, full_hi, window,
             row_scale, True, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, USE_WINDOW, FP8_DOT_DTYPE, DOT_PREC, False, V_ASM,
             SOFT_CAP, True)
-        v_scale = v_scale / FP8_P_SCALE
     else:
         if NEW_KV:
             acc, acc_odd, m_i, l_i = _attend_range(

@@ -203,16 +203,36 @@ def _store_v_transposed_kernel(
 ):
     """Program (block of BLOCK_T tokens, KV head): V written into the cache as `_rope_store_kv_kernel` writes it,
     and into the staged V transposed (token t its column t; zeros where the slot is -1). A block of tokens per
-    program makes the transposed store contiguous along the tokens; one token per program wrote a byte per row."""
+    program makes the transposed store contiguous along the tokens; one token per program wrote a byte per row.
+    Only the last block masks its tokens: a mask that varies along the tokens (against an unspecialized count)
+    splits the transposed store into single bytes."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t0 = tl.program_id(0) * BLOCK_T
     h = tl.program_id(1)
+    if t0 + BLOCK_T <= num_tokens:
+        _store_v_block(v_ptr, slot_ptr, v_cache_ptr, staged_v_ptr, v_scale, t0, h, num_tokens, stride_v, stride_vcb,
+                       stride_vct, stride_vch, stride_sv, HEAD, HEAD_PAD, BLOCK_SIZE, V_FP8, BLOCK_T, False, FAST)
+    else:
+        _store_v_block(v_ptr, slot_ptr, v_cache_ptr, staged_v_ptr, v_scale, t0, h, num_tokens, stride_v, stride_vcb,
+                       stride_vct, stride_vch, stride_sv, HEAD, HEAD_PAD, BLOCK_SIZE, V_FP8, BLOCK_T, True, FAST)
+
+
+@triton.jit
+def _store_v_block(v_ptr, slot_ptr, v_cache_ptr, staged_v_ptr, v_scale, t0, h, num_tokens, stride_v, stride_vcb,
+                   stride_vct, stride_vch, stride_sv, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, V_FP8: tl.constexpr, BLOCK_T: tl.constexpr, TAIL: tl.constexpr,
+                   FAST: tl.constexpr):
+    t = t0 + tl.arange(0, BLOCK_T)
     d = tl.arange(0, HEAD_PAD)
-    t_ok = t < num_tokens
-    slot = tl.load(slot_ptr + t, mask=t_ok, other=-1).to(tl.int64)
-    head_mask = t_ok[:, None] & (d < HEAD)[None, :]
+    if TAIL:
+        t_ok = t < num_tokens
+        slot = tl.load(slot_ptr + t, mask=t_ok, other=-1).to(tl.int64)
+        head_mask = t_ok[:, None] & (d < HEAD)[None, :]
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        head_mask = tl.full([BLOCK_T, 1], True, tl.int1) & (d < HEAD)[None, :]
     mask = head_mask & (slot >= 0)[:, None]
     x = tl.load(v_ptr + t.to(tl.int64)[:, None] * stride_v + h * HEAD + d[None, :], mask=mask, other=0.0)
     stored = common.to_cache(x.to(tl.float32), v_scale, v_cache_ptr.dtype.element_ty, V_FP8, FAST)
