@@ -107,6 +107,9 @@ _LOG2E = 1.4426950408889634
 # probability, and the row sums carry it too.
 FP8_P_LOG2_SCALE = tl.constexpr(8.0)
 FP8_P_SCALE = tl.constexpr(256.0)
+# FP8_DOTS of the prefill launch: 0 off, 1 on, or on with the raw scores scaled inside the exponent's FMA (launch
+# feature `fp8_dots_scores_in_exp`)
+_FP8_DOTS_SCORES_IN_EXP = tl.constexpr(2)
 # FP8 dots reduce over at least common.FP8_DOT_MIN_K: head dims for q @ k^T, keys per tile for P @ V.
 FP8_DOT_MIN_K = common.FP8_DOT_MIN_K
 # The FP8 dots pay on long steps only (H100, 32 / 8 heads of 128, eager forward, FP8 dots off -> on per layer: 8k
@@ -174,24 +177,43 @@ def _to_e4m3(x, dot_dtype: tl.constexpr):
 @triton.jit
 def _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_i, acc, acc_odd,
                   MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                  V_PAIRS: tl.constexpr, SOFT_CAP: tl.constexpr, P_LOG2_SCALE: tl.constexpr = 0.0):
+                  V_PAIRS: tl.constexpr, SOFT_CAP: tl.constexpr, P_LOG2_SCALE: tl.constexpr = 0.0,
+                  SCORES_IN_EXP: tl.constexpr = False):
     """One key tile's scores (q @ k^T, the soft cap, the masks of a MASKED tile) into the online softmax: the
-    tile's probabilities (times 2^P_LOG2_SCALE) and the running max, sum and accumulators rescaled to them."""
-    qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC) * qk_scale
-    if SOFT_CAP > 0:
-        qk = SOFT_CAP - (2.0 * SOFT_CAP) / (tl.math.exp2(qk) + 1.0)
+    tile's probabilities (times 2^P_LOG2_SCALE) and the running max, sum and accumulators rescaled to them.
+
+    P_LOG2_SCALE != 0 (the FP8 dots): `qk_scale` holds each row's scale ([BLOCK_M], positive). With SCORES_IN_EXP
+    and no soft cap, the raw scores go into the exponent's FMA, s * scale - m, and the running max is taken over
+    the raw scores times the row's scale (the same value: the scale is positive): no multiply per score."""
+    SCALE_IN_EXP: tl.constexpr = SCORES_IN_EXP & (P_LOG2_SCALE != 0.0) & (SOFT_CAP == 0)
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC)
+    if P_LOG2_SCALE != 0.0:
+        row_scale = qk_scale[:, None]
+    else:
+        row_scale = qk_scale
+    if SCALE_IN_EXP:
+        qk = s
+    else:
+        qk = s * row_scale
+        if SOFT_CAP > 0:
+            qk = SOFT_CAP - (2.0 * SOFT_CAP) / (tl.math.exp2(qk) + 1.0)
     if MASKED:
         visible = tok_ok[None, :] & (tok[None, :] < row_end[:, None])
         if USE_WINDOW:
             visible = visible & (tok[None, :] > row_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if SCALE_IN_EXP:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
     if MASKED:
         # a row that has seen no key yet keeps m = -inf; subtracting 0 keeps exp2 at 0, not NaN
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    if P_LOG2_SCALE != 0.0:
+    if SCALE_IN_EXP:
+        p = tl.math.exp2(qk * row_scale - (m_use - P_LOG2_SCALE)[:, None])
+    elif P_LOG2_SCALE != 0.0:
         p = tl.math.exp2(qk - (m_use - P_LOG2_SCALE)[:, None])
     else:
         p = tl.math.exp2(qk - m_use[:, None])
@@ -299,7 +321,8 @@ def _attend_new_tiles(acc, acc_odd, m_i, l_i, q, k_desc, v_desc, row_of_ctx, kv_
             tok_ok = tok_ok & (tok >= key_lo)
         p, m_new, l_i, acc, acc_odd = _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_i,
                                                     acc, acc_odd, MASKED, USE_WINDOW, DOT_DTYPE, DOT_PREC, V_PAIRS,
-                                                    SOFT_CAP, FP8_P_LOG2_SCALE if FP8_DOTS else 0.0)
+                                                    SOFT_CAP, FP8_P_LOG2_SCALE if FP8_DOTS else 0.0,
+                                                    FP8_DOTS == _FP8_DOTS_SCORES_IN_EXP)
         if FP8_DOTS:
             v = tl.trans(v_desc.load([kv_col, row])).to(DOT_DTYPE)
             acc = tl.dot(_to_e4m3(p, DOT_DTYPE), v, acc, input_precision=DOT_PREC)
@@ -324,7 +347,7 @@ def _attend_range(acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, r
                   row_end, lo, hi, full_hi, window, qk_scale, STAGED: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr,
-                  SOFT_CAP: tl.constexpr, FP8_DOTS: tl.constexpr = False):
+                  SOFT_CAP: tl.constexpr, FP8_DOTS: tl.constexpr = 0):
     """Keys [lo, hi): the tiles below `full_hi`, which every row sees, unmasked (none under a window), then the rest
     masked; gathered through the block table (`gathered`: `_attend_tiles`' cache arguments), or STAGED from the
     staged rows (`_attend_new_tiles`)."""
@@ -373,7 +396,8 @@ def _paged_attn_kernel(
 
     FP8_DOTS (with NEW_KV, over an e4m3 cache): the staged keys' dots run in FP8 (FP8_DOT_DTYPE: e4m3 on the GPU,
     fp32 over e4m3 values in the interpreter); each query row is scaled to e4m3's range by its own absolute max.
-    The cached keys before them keep their 16-bit dots.
+    The cached keys before them keep their 16-bit dots. FP8_DOTS == _FP8_DOTS_SCORES_IN_EXP: the scores' scale taken
+    in the exponent's FMA (`_softmax_step`).
 
     SPLIT with FUSED_MERGE: a (sequence, KV head) uses as many of the launch's splits as its keys fill at
     `min_keys` each (the rest return at once); one split writes the output itself, several write partials and
@@ -489,7 +513,7 @@ def _paged_attn_kernel(
         q_amax = tl.max(tl.abs(q), 1)
         q_row_scale = tl.where(q_amax > 0.0, q_amax / 448.0, 1.0)
         q = _to_e4m3(tl.clamp(q / q_row_scale[:, None], -448.0, 448.0), FP8_DOT_DTYPE)
-        row_scale = (q_row_scale * qk_scale)[:, None]
+        row_scale = q_row_scale * qk_scale
         # A tile of the transposed V starts at a 16-byte-aligned column (TMA): where the sequence's first staged key
         # lies inside one, that tile is attended alone, masked below the key, and the rest from the next
         head_keys = (row_of_ctx + new_lo) % 16
@@ -497,12 +521,12 @@ def _paged_attn_kernel(
         acc, acc_odd, m_i, l_i = _attend_new_tiles(
             acc, acc_odd, m_i, l_i, q, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n, row_pos, row_end,
             aligned_lo, tl.where((head_keys > 0) & (new_lo < seg_hi), 1, 0), new_lo, seg_hi, window,
-            row_scale, BLOCK_N, HEAD, True, USE_WINDOW, FP8_DOT_DTYPE, DOT_PREC, False, SOFT_CAP, True)
+            row_scale, BLOCK_N, HEAD, True, USE_WINDOW, FP8_DOT_DTYPE, DOT_PREC, False, SOFT_CAP, FP8_DOTS)
         acc, acc_odd, m_i, l_i = _attend_range(
             acc, acc_odd, m_i, l_i, q, gathered, k_new_desc, v_new_desc, row_of_ctx, kv_col, offs_n,
             row_pos, row_end, tl.where(head_keys > 0, aligned_lo + BLOCK_N, new_lo), seg_hi, full_hi, window,
             row_scale, True, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, USE_WINDOW, FP8_DOT_DTYPE, DOT_PREC, False, V_ASM,
-            SOFT_CAP, True)
+            SOFT_CAP, FP8_DOTS)
     else:
         if NEW_KV:
             acc, acc_odd, m_i, l_i = _attend_range(
@@ -940,7 +964,9 @@ def paged_attention(
             q, k_cache, v_arg, out, out, out, query_start_loc, seq_lens, block_tables, ends, out, *staged,
             q_len_lo=dec_q, q_len_hi=_NO_LIMIT, min_keys=1, **shared, **pairs_args(narrow_halves),
             BLOCK_M=pre.block_m, BLOCK_Q=pre_q, BLOCK_N=pre.block_n, PER_SEQ=False, SPLIT=False, FUSED_MERGE=False,
-            NEW_KV=reads_staged, FP8_DOTS=fp8_dots,
+            NEW_KV=reads_staged,
+            FP8_DOTS=(_FP8_DOTS_SCORES_IN_EXP if common.launch_feature("fp8_dots_scores_in_exp", q.device) else 1)
+            if fp8_dots else 0,
             FP8_DOT_DTYPE=tl.float8e4nv if q.is_cuda else tl.float32,
             num_warps=pre.num_warps, num_stages=pre.num_stages, **pdl,
         )

@@ -220,6 +220,7 @@ LAUNCH_FEATURES = (
     "router_topk",  # the MoE router's softmax top-k in its GEMV's last column block to be stored
     "prefill_new_kv",  # the prefill attention launch reads the step's own K/V staged in token order, through TMA
     "prefill_fp8_dots",  # over an FP8 cache, that launch's staged keys run their dots in FP8 (e4m3 q, K, P, V)
+    "fp8_dots_scores_in_exp",  # those dots' raw scores scaled inside the exponent's FMA, no multiply per score
     "gated_gemm",  # the W8A8-FP8 gate/up GEMM writes act(gate) * up from its epilogue (steps over 64 rows)
 )
 

@@ -254,15 +254,16 @@ def test_fp8_kv(device: torch.device, head_size: int) -> None:
     assert rel_err(out, case.expected()) < 1e-5
 
 
-STAGED_CACHES = [(torch.float32, False), (torch.bfloat16, False), (torch.float8_e4m3fn, False),
-                 (torch.float8_e4m3fn, True)]
+STAGED_CACHES = [(torch.float32, False, False), (torch.bfloat16, False, False), (torch.float8_e4m3fn, False, False),
+                 (torch.float8_e4m3fn, True, False), (torch.float8_e4m3fn, True, True)]
 
 
-@pytest.mark.parametrize("cache_dtype,fp8_dots", STAGED_CACHES, ids=["fp32", "bf16", "fp8", "fp8-fp8-dots"])
+@pytest.mark.parametrize("cache_dtype,fp8_dots,scores_in_exp", STAGED_CACHES,
+                         ids=["fp32", "bf16", "fp8", "fp8-fp8-dots", "fp8-fp8-dots-scores-in-exp"])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (7, None), (None, 5.0)], ids=["causal", "window", "cap"])
 def test_prefill_reads_the_steps_own_keys_from_the_staged_rows(device: torch.device, cache_dtype: torch.dtype,
-                                                               fp8_dots: bool, window: int | None,
-                                                               soft_cap: float | None,
+                                                               fp8_dots: bool, scores_in_exp: bool,
+                                                               window: int | None, soft_cap: float | None,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """With `new_kv` the prefill launch reads each sequence's own keys from the staged rows and only its earlier
     ones from the cache: once staged, the cache slots of the prefilled rows are filled with NaN (FP8: its NaN
@@ -271,11 +272,13 @@ def test_prefill_reads_the_steps_own_keys_from_the_staged_rows(device: torch.dev
 
     With FP8 dots (launch feature `prefill_fp8_dots`) the own keys' scores take e4m3 queries and P enters P @ V as
     e4m3: against the oracle with those queries only P's rounding is left (about 1.2% here), against the exact
-    oracle the queries' rounding adds to it (about 2% in all)."""
+    oracle the queries' rounding adds to it (about 2% in all). Either with the scores' scale multiplied in or taken
+    in the exponent's FMA (launch feature `fp8_dots_scores_in_exp`; the soft cap keeps the multiply)."""
     from kestrel.kernels import attention, common
 
     # a GPU's table may not have them yet
-    monkeypatch.setattr(common, "launch_feature", lambda name, device: name != "prefill_fp8_dots" or fp8_dots)
+    features = {"prefill_fp8_dots": fp8_dots, "fp8_dots_scores_in_exp": scores_in_exp}
+    monkeypatch.setattr(common, "launch_feature", lambda name, device: features.get(name, True))
     monkeypatch.setattr(attention, "FP8_DOTS_MIN_TOKENS", 0)  # on a GPU too: the cases' steps are short
     k_scale, v_scale = (0.011, 0.0073) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
     # 16-bit activations on a GPU (its float32 ones keep the gathered path); float32 in the interpreter but for BF16
