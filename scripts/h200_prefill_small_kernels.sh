@@ -10,6 +10,8 @@
 #   ttft10    the same, 10 repeats
 #   ttft128   `kestrel bench latency` batch 1, FP8 + FP8 KV, 128-token prompt, 10 repeats
 #   tput      full load, 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512 (`full_load_fp8`)
+#   scores-on, scores-off   launch feature fp8_dots_scores_in_exp on / off in this GPU's table (TAG "scores-on" /
+#             "scores-off")
 #   clocks    the SM clock, power and throttle reasons every 100 ms from here on, into OUT/clocks.csv
 #   before, mid, after   BEFORE's (or MID's) files put in place (TAG "before" / "mid"), this tree's put back
 #             (TAG "after"; where `tests` failed, MID's files stand in for this tree's)
@@ -41,6 +43,7 @@ for stage in "$@"; do
     tput) full_load_fp8 "$tag" ;;
     clocks) nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
               --format=csv -lms 100 > "$out/clocks.csv" & ;;
+    scores-on|scores-off) tag=$stage; launch_feature fp8_dots_scores_in_exp "${stage#scores-}" ;;
     before) tag=before; mkdir -p /tmp/this-tree
           for pair in $BEFORE; do cp "${pair%%=*}" "/tmp/this-tree/$(basename "${pair%%=*}")"; cp "${pair#*=}" "${pair%%=*}"; done ;;
     after) tag=after
