@@ -16,16 +16,19 @@ import torch
 # Arguments the launchers' values make multiples of 16 at the model shapes compiled (Triton's launch-time alignment
 # specialization, which lets the weight loads vectorize).
 ALIGNED = {"x_ptr", "w_ptr", "s_ptr", "ids_ptr", "inter_ptr", "weights_ptr", "out_ptr", "N", "K", "stride_xm",
-           "stride_we", "stride_wn", "stride_im", "stride_om"}
+           "stride_we", "stride_wn", "stride_im", "stride_om",
+           "v_ptr", "v_cache_ptr", "staged_v_ptr", "stride_v", "stride_vcb", "stride_vct", "stride_vch", "stride_sv"}
 
 
-def compile_sm90(fn, pointers: dict[str, str], ints: list[str], constexprs: dict, num_warps: int) -> tuple[str, str]:
-    """(PTX, ptxas -v report) of `fn` compiled for sm_90 without a GPU."""
+def compile_sm90(fn, pointers: dict[str, str], ints: list[str], constexprs: dict, num_warps: int,
+                 floats: tuple[str, ...] = ()) -> tuple[str, str]:
+    """(PTX, ptxas -v report) of `fn` compiled for sm_90 without a GPU; `floats`: its fp32 scalar arguments."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = {**pointers, **{n: "i32" for n in ints}, **{n: "constexpr" for n in constexprs}}
+    signature = {**pointers, **{n: "fp32" for n in floats}, **{n: "i32" for n in ints},
+                 **{n: "constexpr" for n in constexprs}}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in signature if n in ALIGNED}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

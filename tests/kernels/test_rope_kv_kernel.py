@@ -16,8 +16,12 @@ from dataclasses import dataclass
 from functools import partial
 
 import pytest
+import sm90
 import torch
+import triton
+import triton.language as tl
 
+from kestrel.kernels import rope_kv
 from kestrel.kernels.rope_kv import HeadNorms, head_norms_ref, rope_store_kv, rope_store_kv_ref
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -279,3 +283,29 @@ def test_staged_rows_are_the_rows_written(device: torch.device, shape: tuple, dt
     _, k_ref, v_ref = inputs.run(partial(rope_store_kv_ref, staged=reference), torch.device("cpu"))
     for got, want in zip(reference, staged_kv_ref(k_ref, v_ref, inputs.slots)):
         assert torch.equal(got, want)
+
+
+@triton.jit
+def _staged_v_blocks(v_ptr, slot_ptr, v_cache_ptr, staged_v_ptr, v_scale, num_tokens, stride_v, stride_vcb,
+                     stride_vct, stride_vch, stride_sv, TAIL: tl.constexpr):
+    """One block of `_store_v_transposed_kernel` at Llama-3-8B's KV heads (128 dims, FP8 cache of 16-token blocks,
+    64 tokens a program): a full block, or with TAIL the step's last one."""
+    rope_kv._store_v_block(v_ptr, slot_ptr, v_cache_ptr, staged_v_ptr, v_scale, tl.program_id(0) * 64,
+                           tl.program_id(1), num_tokens, stride_v, stride_vcb, stride_vct, stride_vch, stride_sv,
+                           128, 128, 16, True, 64, TAIL, True)
+
+
+def _staged_v_sm90_reports() -> list[tuple[str, str]]:
+    """(PTX, ptxas report) of a full block and of the last block. Run in a process without TRITON_INTERPRET."""
+    pointers = {"v_ptr": "*bf16", "slot_ptr": "*i64", "v_cache_ptr": "*fp8e4nv", "staged_v_ptr": "*fp8e4nv"}
+    ints = ["num_tokens", "stride_v", "stride_vcb", "stride_vct", "stride_vch", "stride_sv"]
+    return [sm90.compile_sm90(_staged_v_blocks, pointers, ints, {"TAIL": tail}, 4, floats=("v_scale",))
+            for tail in (False, True)]
+
+
+def test_transposed_v_full_blocks_store_in_16_byte_vectors():
+    """A mask along the tokens against the launch's unspecialized token count made Triton store the transposed V
+    byte by byte (half the launch's speed over an 8k prompt on an H100): only the last block may."""
+    (full, _), (tail, _) = sm90.reports("test_rope_kv_kernel", "_staged_v_sm90_reports()")
+    assert "st.global.v4.b32" in full and "st.global.b8" not in full
+    assert "st.global.b8" in tail  # the last block's tokens are masked one by one
