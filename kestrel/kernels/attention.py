@@ -213,10 +213,8 @@ def _softmax_step(q, k, qk_scale, tok, tok_ok, row_pos, row_end, window, m_i, l_
         m_use = m_new
     if SCALE_IN_EXP:
         p = tl.math.exp2(qk * row_scale - (m_use - P_LOG2_SCALE)[:, None])
-    elif P_LOG2_SCALE != 0.0:
-        p = tl.math.exp2(qk - (m_use - P_LOG2_SCALE)[:, None])
     else:
-        p = tl.math.exp2(qk - m_use[:, None])
+        p = tl.math.exp2(qk - (m_use - P_LOG2_SCALE)[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
