@@ -114,14 +114,14 @@ def host_side(prof) -> dict:
             waits[e.name][1] += e.cpu_time_total / 1e3
     host = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     forward_start = min(e.time_range.start for e in host)
-    launch_costs: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    host_self: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # per operator: calls, self milliseconds
     for e in host:
-        launch_costs[e.name][0] += 1
-        launch_costs[e.name][1] += e.self_cpu_time_total / 1e3
+        host_self[e.name][0] += 1
+        host_self[e.name][1] += e.self_cpu_time_total / 1e3
     return {"first_kernel_after_ms": (launches[0].time_range.start - forward_start) / 1e3,
             "host_span_ms": (max(e.time_range.end for e in host) - forward_start) / 1e3,
             "host_self_ms_top": [{"name": n[:120], "calls": c, "ms": round(ms, 3)} for n, (c, ms) in
-                                 sorted(launch_costs.items(), key=lambda kv: -kv[1][1])[:15]],
+                                 sorted(host_self.items(), key=lambda kv: -kv[1][1])[:15]],
             "idle_ms": sum(g["us"] for g in gaps) / 1e3,
             "largest_gaps": sorted(gaps, key=lambda g: -g["us"])[:20],
             "host_waits": {name: {"calls": n, "ms": round(ms, 3)} for name, (n, ms) in waits.items()}}

@@ -13,6 +13,7 @@ bytes each launch must move and the rate that makes. Writes OUT/prefill-small-ke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 from pathlib import Path
@@ -73,7 +74,7 @@ def measure_rope(tokens: int, dims: dict, device: torch.device, old, runs: int) 
     return row
 
 
-def quant_inputs(producer: int, rows: int, width: int, device: torch.device, seed: int):
+def quant_inputs(rows: int, width: int, device: torch.device, seed: int):
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(rows, width, generator=g, device=device).to(torch.bfloat16)
     r = torch.randn(rows, width, generator=g, device=device).to(torch.bfloat16)
@@ -81,44 +82,52 @@ def quant_inputs(producer: int, rows: int, width: int, device: torch.device, see
     return x, r, w
 
 
-def quant_launch(producer: int, x, r, w, warps: int, one_pass: bool, block: int):
-    """`quant_act._launch`'s kernel call for dynamic FP8 per token, with the launch shape given."""
-    K = x.shape[1] // 2 if producer == quant_act._ACT_MUL else x.shape[1]
-    M = x.shape[0]
-    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
-    residual = producer == quant_act._RMS_RESIDUAL
-    r_out = torch.empty_like(x) if residual else x
-    quant_act._act_quant_kernel[(M,)](
-        x, r if residual else x, w, r_out, q, s, q, s, s, K, x.stride(0), x.stride(0), r_out.stride(0),
-        q.stride(0), 1e-5, PRODUCER=producer, QMODE=quant_act._FP8, STATIC=False, ONE_PASS=one_pass, BLOCK=block,
-        ACTIVATION=1 if producer == quant_act._ACT_MUL else 0, UNIT_OFFSET=False, num_warps=warps,
-        **common.launch_options(x))
-    return q, s, r_out
+PRODUCERS = {  # name: (the quantizer's public call of inputs (x, residual, weight) -> its results, x is [M, 2 K])
+    "rms_residual": (lambda x, r, w: quant_act.rms_norm_quant(x, w, 1e-5, torch.float8_e4m3fn, residual=r), False),
+    "identity": (lambda x, r, w: (quant_act.quant_fp8_per_token(x),), False),
+    "silu_mul": (lambda x, r, w: (quant_act.silu_mul_quant(x, torch.float8_e4m3fn),), True),
+}
 
 
-def measure_quant(name: str, producer: int, rows: int, width: int, device: torch.device, runs: int,
+@contextlib.contextmanager
+def launch_shape(warps: int, one_pass: bool, block: int):
+    """`quant_act`'s launches under the launch shape given: its warps, and one pass or chunks of `block`."""
+    saved = quant_act._launch_options, quant_act._MAX_ONE_PASS, quant_act._LOOP_BLOCK
+    quant_act._launch_options = lambda x, _: {"num_warps": warps, **common.launch_options(x)}
+    if not one_pass:
+        quant_act._MAX_ONE_PASS, quant_act._LOOP_BLOCK = 0, block
+    try:
+        yield
+    finally:
+        quant_act._launch_options, quant_act._MAX_ONE_PASS, quant_act._LOOP_BLOCK = saved
+
+
+def _bytes_of(results: tuple) -> list[torch.Tensor]:
+    """The tensors of a quantizer's results (a QuantAct, and the new residual where there is one), FP8 as bytes."""
+    tensors = [t for r in results for t in (r if isinstance(r, quant_act.QuantAct) else (r,)) if t is not None]
+    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in tensors]
+
+
+def measure_quant(name: str, rows: int, width: int, device: torch.device, runs: int,
                   warps: tuple[int, ...] = (4, 8, 16, 32)) -> list[dict]:
-    xs = [quant_inputs(producer, rows, width, device, seed) for seed in (3, 4)]
-    K = width // 2 if producer == quant_act._ACT_MUL else width
+    call, gated = PRODUCERS[name]
+    xs = [quant_inputs(rows, width, device, seed) for seed in (3, 4)]
+    K = width // 2 if gated else width
     committed_block = triton.next_power_of_2(K)
     committed_warps = quant_act._launch_options(xs[0][0], committed_block)["num_warps"]
     variants = [(w, True, committed_block) for w in warps]
     if len(warps) > 2:
         variants += [(w, False, b) for w in (4, 8) for b in (1024, 2048, 4096) if b < K]
-    ref = quant_launch(producer, *xs[0], committed_warps, K <= quant_act._MAX_ONE_PASS, committed_block)
+    ref = _bytes_of(call(*xs[0]))
     moved = rows * (x_bytes := xs[0][0].shape[1] * 2) + rows * K + rows * 4
-    if producer == quant_act._RMS_RESIDUAL:
+    if name == "rms_residual":
         moved += 2 * rows * x_bytes
     out = []
     for warps, one_pass, block in variants:
         try:
-            got = quant_launch(producer, *xs[0], warps, one_pass, block)
-            equal = all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                                    b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
-                        for a, b in zip(got, ref))
-            us, graphed = time_calls([lambda x=x, shape=(warps, one_pass, block): quant_launch(producer, *x, *shape)
-                                      for x in xs], runs, device)
+            with launch_shape(warps, one_pass, block):
+                equal = all(torch.equal(a, b) for a, b in zip(_bytes_of(call(*xs[0])), ref))
+                us, graphed = time_calls([lambda x=x: call(*x) for x in xs], runs, device)
         except Exception as err:  # a launch shape that does not compile (registers) is reported, not fatal
             out.append({"op": name, "warps": warps, "one_pass": one_pass, "block": block, "error": str(err)[:200]})
             continue
@@ -155,13 +164,11 @@ def main() -> None:
             result["rope"].append({"v_block_tokens": block_t, **measure_rope(tokens, dims, device, old, runs)})
     rope_kv.V_TRANSPOSED_TOKENS = 64
     rows = 24 if args.smoke else 8192
-    for name, producer, width in (("rms_residual", quant_act._RMS_RESIDUAL, dims["HIDDEN"]),
-                                  ("identity", quant_act._IDENTITY, dims["HIDDEN"]),
-                                  ("silu_mul", quant_act._ACT_MUL, 2 * dims["INTER"])):
-        result["quant"] += measure_quant(name, producer, rows, width, device, runs)
+    for name, width in (("rms_residual", dims["HIDDEN"]), ("identity", dims["HIDDEN"]),
+                        ("silu_mul", 2 * dims["INTER"])):
+        result["quant"] += measure_quant(name, rows, width, device, runs)
     for few in ((3,) if args.smoke else (1, 64, 512, 2048)):  # decode and short-prompt rows
-        result["quant"] += measure_quant("silu_mul", quant_act._ACT_MUL, few, 2 * dims["INTER"], device, runs,
-                                         warps=(8, 16))
+        result["quant"] += measure_quant("silu_mul", few, 2 * dims["INTER"], device, runs, warps=(8, 16))
     key = gpu_key(result["gpu"]) if device.type == "cuda" else "cpu"
     (args.out / f"prefill-small-kernels-{key}.json").write_text(json.dumps(result, indent=1))
 
