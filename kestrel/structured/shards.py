@@ -33,7 +33,7 @@ from kestrel.sampling_params import StructuredOutputsParams
 from kestrel.structured.backend import GrammarBackend, advance_matchers, fill_draft_rows, valid_draft_prefix
 from kestrel.structured.compile import GrammarSource, compile_source
 
-__all__ = ["GrammarShards", "grammar_backend"]
+__all__ = ["GrammarShards", "engine_grammar_backend", "grammar_backend"]
 
 
 def engine_grammar_backend(config: EngineConfig, runner: Any, tokenizer: Any) -> GrammarBackend:
