@@ -199,6 +199,7 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self._max_tokens: int | None = None
         self._ending_eos_ids: frozenset[int] | None = None
+        self._stopping_ids: frozenset[int] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -239,6 +240,13 @@ class Request:
             eos = set() if self.sampling_params.ignore_eos else self.extra_eos_token_ids | {self.eos_token_id}
             self._ending_eos_ids = frozenset(eos - {None})
         return self._ending_eos_ids
+
+    @property
+    def stopping_ids(self) -> frozenset[int]:
+        """Every id whose sampling can end the request past min_tokens: its ending EOS ids and stop_token_ids."""
+        if self._stopping_ids is None:
+            self._stopping_ids = self.ending_eos_ids | frozenset(self.sampling_params.stop_token_ids or ())
+        return self._stopping_ids
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

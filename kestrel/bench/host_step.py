@@ -189,6 +189,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", action="store_true", help="the engine core in its own process, as `kestrel serve "
                    "--engine-core-process` runs it: the core loop's and the client's time per step "
                    "(kestrel/bench/host_step_split.py)")
+    p.add_argument("--core-deltas", action="store_true",
+                   help="in this process, the engine core as `--split` runs it (token deltas out, no detokenization "
+                   "or output objects: its client does those): the core's own step without the pipe, on one core")
     p.add_argument("--serving-gc", action="store_true",
                    help="the garbage collector set after set-up as `kestrel serve` sets it once its engine is built "
                    "(kestrel/engine/serving_gc.py); the tail columns show the full collections it avoids")
@@ -228,6 +231,8 @@ def run(args: argparse.Namespace) -> int:
     if args.serving_gc:
         tune_for_serving()
     results: dict[str, dict[str, float]] = {}
+    if args.split and args.core_deltas:
+        raise ConfigError("--core-deltas measures the core in this process; --split runs it in its own: pick one")
     if args.split:
         from kestrel.bench.host_step_split import measure_split, split_summary
 
@@ -255,7 +260,8 @@ def _measure(mode: str, args: argparse.Namespace, tokenizer: Any, vocab_size: in
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     runner = NullRunner(vocab_size, eos, seed=repeat, clock=clock)
     core = EngineCore(config, runner, _num_blocks(args, config), tokenizer, eos,
-                      structured=backend if mode == "constrained" else None)
+                      structured=backend if mode == "constrained" else None,
+                      detokenize=not args.core_deltas, deltas=args.core_deltas)
     phases = _PhaseClock(clock)
     for name, phase in (("schedule", "schedule"), ("update", "update")):
         phases.wrap(core.scheduler, name, phase)

@@ -601,7 +601,19 @@ class EngineCore:
                 self._sequence_ended(request, sequence, now)
                 self._parents.pop(parent.request_id, None)
                 outputs.append(make_delta(parent, True))
-            elif not request.sampling_params.final_only:
+                continue
+            params = request.sampling_params
+            if params.final_only:
+                continue
+            start = sequence.num_emitted_tokens
+            if start and params.logprobs is None and params.prompt_logprobs is None:
+                # _make_delta of a plain step (neither its first nor its last: no metrics), inline: every
+                # decoding request's every step comes here.
+                tokens = request.output_token_ids
+                sequence.num_emitted_tokens = len(tokens)
+                outputs.append(SequenceDelta(parent.request_id, tokens[start:], None, None, request.stop_reason,
+                                             max(request.num_cached_tokens, 0), None, None, request.pooled_output))
+            else:
                 outputs.append(make_delta(parent, False))
         return outputs
 

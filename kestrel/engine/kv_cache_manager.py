@@ -54,6 +54,12 @@ class KVCacheManager:
         self._blocks: dict[str, list[list[KVBlock | None]]] = {}
         self._num_released: dict[str, list[int]] = {}  # per request, per window group: leading blocks given back
         self._num_published: dict[str, int] = {}  # leading blocks of each request already published
+        # Per request, the token count up to which `allocate(request, n)` (no cached prefix, no lookahead) would
+        # change nothing and return NO_NEW_BLOCKS: its blocks hold the tokens and no block would fill that the
+        # prefix cache has yet to take. The scheduler's decode loop compares against it instead of calling
+        # `allocate` for every request and step. Never set where windows give blocks back.
+        self.quiet_until: dict[str, int] = {}
+        self._tracks_quiet = not self._windows and self.streaming is None
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -157,6 +163,8 @@ class KVCacheManager:
             self._release_outside_windows(request_id, held, request.num_computed_tokens)
         if held is not None and not num_prefix and needed <= 0:  # the usual decode step: the last block has room
             self._publish_full_blocks(request, held, num_total)
+            if self._tracks_quiet:
+                self._mark_quiet(request_id, held)
             return NO_NEW_BLOCKS
         fresh_counts = [0] * self.num_groups
         for g in self._token_groups:
@@ -183,12 +191,22 @@ class KVCacheManager:
             added.append([PLACEHOLDER_BLOCK_ID if b is None else b.block_id for b in prefix]
                          + [b.block_id for b in fresh])
         self._publish_full_blocks(request, held, num_total)
+        if self._tracks_quiet:
+            self._mark_quiet(request_id, held)
         return tuple(added)
+
+    def _mark_quiet(self, request_id: str, held: list[list[KVBlock | None]]) -> None:
+        quiet = len(held[self._lead]) * self.block_size
+        if self.enable_prefix_caching and self._token_groups:
+            # The next block to fill is published by the call that reaches its last token.
+            quiet = min(quiet, (self._num_published.get(request_id, 0) + 1) * self.block_size - 1)
+        self.quiet_until[request_id] = quiet
 
     def free(self, request: Request) -> None:
         """Release the request's blocks in every group, tail first so the tail is evicted first."""
         held = self._blocks.pop(request.request_id, None)
         self._num_published.pop(request.request_id, None)
+        self.quiet_until.pop(request.request_id, None)
         self._num_released.pop(request.request_id, None)
         if held:
             for pool, blocks in zip(self.pools, held):

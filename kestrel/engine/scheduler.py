@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kestrel.config import CacheConfig, SchedulerConfig
 from kestrel.engine.contracts import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from kestrel.engine.kv_cache_manager import KVCacheManager
+from kestrel.engine.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager
 from kestrel.engine.waiting_queue import WaitingQueue
 from kestrel.kv_spec import KVCacheLayout, as_layout
 from kestrel.request import Request, RequestStatus, end_outside_runs
@@ -131,6 +131,7 @@ class Scheduler:
         preempted_now = False
         running = self.running
         allocate = self.kv.allocate
+        quiet_until = self.kv.quiet_until.get
 
         index = 0
         while index < len(running) and budget > 0:
@@ -161,6 +162,8 @@ class Scheduler:
                     drafts, lookahead = [], 0  # drafts and the proposer's lookahead are optional: no preemption
                     block_ids = allocate(request, num_new)
                 num_new += len(drafts)
+            elif request.num_computed_tokens + num_new <= quiet_until(request_id, -1):
+                block_ids = NO_NEW_BLOCKS  # what allocate would return, with nothing to do
             else:
                 block_ids = allocate(request, num_new)
             while block_ids is None:
@@ -337,6 +340,7 @@ class Scheduler:
         pooled = runner_output.pooled
         all_logprobs = runner_output.logprobs
         stop_status = self._stop_status
+        max_model_len = self.max_model_len if self.kv.streaming is None else 1 << 62
         num_generated = 0
         for i, (request_id, tokens) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             if not tokens:
@@ -361,12 +365,19 @@ class Scheduler:
             logprobs = all_logprobs[i] if all_logprobs else None
             if request.first_token_time is None:
                 request.first_token_time = now
+            output_token_ids, all_token_ids = request.output_token_ids, request.all_token_ids
             for j, token_id in enumerate(tokens):
-                request.append_output_token(token_id)
+                output_token_ids.append(token_id)  # Request.append_output_token, inline: once per token
+                all_token_ids.append(token_id)
                 if logprobs is not None and logprobs[j] is not None:
                     request.output_logprobs.append(logprobs[j])
                 num_generated += 1
-                status = stop_status(request, token_id)
+                # Most tokens end nothing: _stop_status only where one of its rules could apply.
+                if (token_id in request.stopping_ids or len(output_token_ids) >= request.max_tokens
+                        or len(all_token_ids) >= max_model_len):
+                    status = stop_status(request, token_id)
+                else:
+                    status = None
                 if status is not None:
                     # Under async scheduling the request may have been preempted while its token was in flight.
                     (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
