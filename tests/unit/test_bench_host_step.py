@@ -28,3 +28,14 @@ def test_host_step_serving_gc_smoke():
                              "unconstrained"], capture_output=True, text=True, check=True)
     header = next(line for line in result.stdout.splitlines() if line.startswith("mode"))
     assert "step_p99" in header and "step_max" in header
+
+
+def test_host_step_core_deltas_smoke(capsys):
+    """`--core-deltas` drives the core the engine core process builds (token deltas, no text) in this process, in
+    every mode; with `--split` it is refused by name."""
+    assert host_step.main(["--smoke", "--core-deltas"]) == 0
+    out = capsys.readouterr().out
+    for mode in host_step.MODES:
+        assert mode in out
+    assert host_step.main(["--smoke", "--core-deltas", "--split"]) != 0
+    assert "--core-deltas" in capsys.readouterr().err
