@@ -591,6 +591,7 @@ class EngineCore:
         now = time.monotonic()
         sequence_parent = self._sequence_parent
         make_delta = self._make_delta
+        new_tuple = tuple.__new__
         for request in updated:
             parent = sequence_parent.get(request.request_id)
             if parent is None:
@@ -611,8 +612,11 @@ class EngineCore:
                 # decoding request's every step comes here.
                 tokens = request.output_token_ids
                 sequence.num_emitted_tokens = len(tokens)
-                outputs.append(SequenceDelta(parent.request_id, tokens[start:], None, None, request.stop_reason,
-                                             max(request.num_cached_tokens, 0), None, None, request.pooled_output))
+                cached = request.num_cached_tokens
+                # tuple.__new__ skips the named tuple's own __new__ frame (fields in SequenceDelta's order).
+                outputs.append(new_tuple(SequenceDelta, (parent.request_id, tokens[start:], None, None,
+                                                         request.stop_reason, cached if cached > 0 else 0, None,
+                                                         None, request.pooled_output)))
             else:
                 outputs.append(make_delta(parent, False))
         return outputs
