@@ -522,9 +522,17 @@ class SchedulerConfig:
     # shortest_prefill only: once this many requests were admitted since a request arrived, it goes before every
     # later arrival of its priority. None: 64 under shortest_prefill.
     starvation_bound: int | None = None
+    # Aim each step that carries decoding requests at this many milliseconds (their time between tokens): decodes
+    # are scheduled first, and prefill chunks get what the measured step cost (engine/step_cost.py) leaves of the
+    # target, at least scheduler.MIN_PREFILL_CHUNK tokens. None: every step takes up to max_num_batched_tokens.
+    step_time_target_ms: float | None = None
 
     def __post_init__(self) -> None:
         _check_choice("scheduling_policy", self.policy, SCHEDULING_POLICY_CHOICES)
+        target = self.step_time_target_ms
+        if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                                   or not 0 < target < float("inf")):
+            _fail("step_time_target_ms", target, "expected a number of milliseconds > 0, or None (off)")
         if self.policy == "shortest_prefill":
             if self.starvation_bound is None:
                 object.__setattr__(self, "starvation_bound", DEFAULT_STARVATION_BOUND)
@@ -1137,6 +1145,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("scheduling_starvation_bound", "scheduler", "starvation_bound",
               "shortest_prefill only: once this many requests were admitted since a request arrived, it goes "
               "before every later arrival of its priority (default 64)"),
+    EngineArg("step_time_target_ms", "scheduler", "step_time_target_ms",
+              "aim each step that carries decoding requests at this many milliseconds, their time between tokens: "
+              "decodes first, prefill chunks cut to what the measured step cost leaves (default: off, every step "
+              "takes up to --max-num-batched-tokens)"),
     EngineArg("tensor_parallel_size", "parallel", "tensor_parallel_size", "GPUs per model replica", aliases=("-tp",)),
     EngineArg("pipeline_parallel_size", "parallel", "pipeline_parallel_size", "pipeline stages", aliases=("-pp",)),
     EngineArg("distributed_executor_backend", "parallel", "distributed_executor_backend",

@@ -16,15 +16,20 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from kestrel.config import CacheConfig, SchedulerConfig
 from kestrel.engine.contracts import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kestrel.engine.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager
+from kestrel.engine.step_cost import StepCostModel
 from kestrel.engine.waiting_queue import WaitingQueue
 from kestrel.kv_spec import KVCacheLayout, as_layout
 from kestrel.request import Request, RequestStatus, end_outside_runs
+
+# Under a step time target, the prefill tokens a step with decodes carries at least, so that prompts progress even
+# where the decodes alone take the whole target.
+MIN_PREFILL_CHUNK = 64
 
 
 @dataclass
@@ -48,9 +53,9 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_cache: KVCacheLayout | int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, clock: Callable[[], float] = time.perf_counter) -> None:
         """`kv_cache`: the worker's KV cache layout (its groups and their blocks), or a block count for a model
-        whose layers share one spec."""
+        whose layers share one spec. `clock` times the steps for the step time target."""
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(as_layout(kv_cache, cache_config.block_size), cache_config.enable_prefix_caching)
@@ -72,6 +77,12 @@ class Scheduler:
         # Per step in flight, the requests it scheduled (by id): a step's tokens go to those objects only.
         self._scheduled: dict[int, dict[str, Request]] = {}
         self._step_ids = itertools.count(1)
+        # The step time target: the steps' measured cost, and when the last step's results came (None: idle since).
+        target = scheduler_config.step_time_target_ms
+        self._step_target_s = target / 1e3 if target is not None else None
+        self.step_cost = StepCostModel() if target is not None else None
+        self._clock = clock
+        self._last_step_done: float | None = None
 
     # ----- queue management -------------------------------------------------------------------
 
@@ -123,6 +134,11 @@ class Scheduler:
         verified (only in steps whose inputs are all known on the host). `draft_lookahead`: the positions past a
         step's tokens a worker-side proposer writes (k, or 0)."""
         budget = self.config.max_num_batched_tokens
+        # Under a step time target with requests decoding: the budget the measured cost allows, and room kept for
+        # each later running request's token when a running prefill takes its chunk (decodes are never starved).
+        reserve = self._step_target_s is not None and self._any_decoding()
+        if reserve:
+            budget = self._timed_budget(budget)
         num_scheduled: dict[str, int] = {}
         scheduled: list[Request] = []  # the requests of num_scheduled, in its order
         spec: dict[str, list[int]] = {}
@@ -146,6 +162,11 @@ class Scheduler:
                 continue
             remaining = len(request.all_token_ids) - request.num_dropped_tokens + pending - request.num_computed_tokens
             num_new = remaining if remaining < budget else budget
+            if reserve and remaining > 1:
+                num_new = min(num_new, budget - (len(running) - index - 1))
+                if num_new <= 0:
+                    index += 1  # a prefill chunk waits for a step with room beside the decodes
+                    continue
             if request.media:
                 start = request.num_computed_tokens
                 num_new = end_outside_runs(request.media, start, start + num_new) - start
@@ -240,6 +261,29 @@ class Scheduler:
         self.stats.num_scheduled_tokens += output.total_num_scheduled_tokens
         return output
 
+    def _any_decoding(self) -> bool:
+        return any(len(r.all_token_ids) - r.num_dropped_tokens + r.num_pending_tokens - r.num_computed_tokens <= 1
+                   for r in self.running)
+
+    def _timed_budget(self, budget: int) -> int:
+        """The step's token budget under the step time target: the most tokens the fitted step cost fits in it,
+        at least the running requests' one token each and MIN_PREFILL_CHUNK more, at most `budget`; `budget` until
+        steps of two sizes have been timed."""
+        assert self.step_cost is not None and self._step_target_s is not None
+        fits = self.step_cost.tokens_within(self._step_target_s)
+        if fits is None:
+            return budget
+        return min(budget, max(fits, len(self.running) + MIN_PREFILL_CHUNK))
+
+    def _time_step(self, num_tokens: int) -> None:
+        """A step's results arrived: the time since the previous step's is this step's cost, as its decoding
+        requests see it (the engine stayed busy in between: it is reset whenever the engine runs out of work)."""
+        assert self.step_cost is not None
+        now = self._clock()
+        if self._last_step_done is not None:
+            self.step_cost.observe(num_tokens, now - self._last_step_done)
+        self._last_step_done = now
+
     def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The proposed tokens a decoding request verifies this step: as many as the budget, its max_tokens and
         the context leave room for (the step also samples one token of its own)."""
@@ -321,6 +365,8 @@ class Scheduler:
 
         Returns the requests that received a token this step (finished ones included).
         """
+        if self.step_cost is not None:
+            self._time_step(scheduler_output.total_num_scheduled_tokens)
         updated = []
         now = time.monotonic()
         drafts = scheduler_output.scheduled_spec_decode_tokens
@@ -385,6 +431,8 @@ class Scheduler:
                     break
             updated.append(request)
         self.stats.num_generation_tokens += num_generated
+        if self.step_cost is not None and not self.has_unfinished_requests():
+            self._last_step_done = None  # idle: the next step's time would include the wait for requests
         return updated
 
     def _count_acceptance(self, num_drafts: int, num_accepted: int) -> None:
