@@ -268,19 +268,22 @@ class Scheduler:
     def _timed_budget(self, budget: int) -> int:
         """The step's token budget under the step time target: the most tokens the fitted step cost fits in it,
         at least the running requests' one token each and MIN_PREFILL_CHUNK more, at most `budget`; `budget` until
-        steps of two sizes have been timed."""
+        a step with a prefill chunk has been timed."""
         assert self.step_cost is not None and self._step_target_s is not None
         fits = self.step_cost.tokens_within(self._step_target_s)
         if fits is None:
             return budget
         return min(budget, max(fits, len(self.running) + MIN_PREFILL_CHUNK))
 
-    def _time_step(self, num_tokens: int) -> None:
+    def _time_step(self, scheduler_output: SchedulerOutput) -> None:
         """A step's results arrived: the time since the previous step's is this step's cost, as its decoding
-        requests see it (the engine stayed busy in between: it is reset whenever the engine runs out of work)."""
+        requests see it (the engine stayed busy in between: it is reset whenever the engine runs out of work). Only
+        steps that carry a prefill chunk are fitted: those are the steps the budget cuts, and on a GPU a decode-only
+        step runs as a CUDA graph whose cost says little about an eager mixed step's."""
         assert self.step_cost is not None
         now = self._clock()
-        if self._last_step_done is not None:
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        if self._last_step_done is not None and num_tokens > len(scheduler_output.num_scheduled_tokens):
             self.step_cost.observe(num_tokens, now - self._last_step_done)
         self._last_step_done = now
 
@@ -366,7 +369,7 @@ class Scheduler:
         Returns the requests that received a token this step (finished ones included).
         """
         if self.step_cost is not None:
-            self._time_step(scheduler_output.total_num_scheduled_tokens)
+            self._time_step(scheduler_output)
         updated = []
         now = time.monotonic()
         drafts = scheduler_output.scheduled_spec_decode_tokens

@@ -41,23 +41,23 @@ class StepCostModel:
         sums[3] += sign * tokens * seconds
 
     def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None until steps of at least two sizes were seen and their times
-        grow with their tokens."""
+        """(fixed seconds, seconds per token): the least-squares line where the steps seen have two sizes or more
+        and their time grows with their tokens; otherwise (one size, or times that noise has made fall with the
+        tokens) their time as if all of it grew with the tokens: no fixed part, an overestimate per token, so the
+        next budget is smaller, never larger. None before any step."""
         n = len(self._steps)
-        if n < 2:
+        if n == 0:
             return None
         tokens, seconds, tokens_sq, tokens_seconds = self._sums
         spread = n * tokens_sq - tokens * tokens  # exact: the token sums are integers
-        if spread <= 0:  # one size only
-            return None
-        per_token = (n * tokens_seconds - tokens * seconds) / spread
+        per_token = (n * tokens_seconds - tokens * seconds) / spread if spread > 0 else 0.0
         if per_token <= 0:
-            return None
+            return 0.0, seconds / tokens
         return max((seconds - per_token * tokens) / n, 0.0), per_token
 
     def tokens_within(self, seconds: float) -> int | None:
         """The most tokens a step can carry and take at most `seconds` by the fit (0 when even an empty step would
-        not); None while there is no fit."""
+        not); None without a fit."""
         fitted = self.fit()
         if fitted is None:
             return None
