@@ -934,6 +934,13 @@ class EngineConfig:
             _fail("quantization", self.quant.method, "it names a checkpoint format, and this checkpoint has no "
                   "quantization_config in its config.json; use 'fp8' or 'int8' to quantize at load")
         self._check_parallel()
+        target = self.scheduler.step_time_target_ms
+        if target is not None and not self.scheduler.enable_chunked_prefill:
+            _fail("step_time_target_ms", target, "it cuts prefill chunks, and chunked prefill is off; drop "
+                  "--no-enable-chunked-prefill or the target")
+        if target is not None and self.parallel.pipeline_parallel_size > 1:
+            _fail("step_time_target_ms", target, "with pipeline_parallel_size > 1 the steps' results interleave "
+                  "several batches, so their spacing is not a request's time between tokens; use it with one stage")
         if not self.scheduler.enable_chunked_prefill and (
             self.scheduler.max_num_batched_tokens < (self.model.max_model_len or 0)
         ):

@@ -176,3 +176,10 @@ def test_the_tiny_model_gives_the_same_tokens_under_a_target() -> None:
             assert fitted is None or fitted[1] > 0
     assert tokens[None] == tokens[1.0]
     assert steps[1.0] > steps[None]  # the prompts went in smaller chunks beside the decodes
+
+
+@pytest.mark.parametrize("other, reason", [({"enable_chunked_prefill": False}, "chunked prefill is off"),
+                                           ({"pipeline_parallel_size": 2}, "pipeline_parallel_size")])
+def test_a_target_is_refused_where_it_cannot_mean_what_it_says(other, reason) -> None:
+    with pytest.raises(ConfigError, match=f"step_time_target_ms.*{reason}"):
+        EngineConfig.from_kwargs(str(default_model_path()), step_time_target_ms=30.0, **other)
