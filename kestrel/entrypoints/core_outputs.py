@@ -151,7 +151,9 @@ class ClientRequest:
         first = self._ordered[0]
         m = first.metrics
         metrics = None
-        if m is not None:
+        if m is not None and len(self._ordered) == 1 and (m.finished_time is not None) == finished:
+            metrics = m  # one sequence's own metrics are the request's (replaced on change, never changed in place)
+        elif m is not None:
             finished_times = [s.metrics.finished_time or 0.0 for s in self._ordered if s.metrics is not None]
             metrics = RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
                                      max(finished_times, default=0.0) if finished else None,
