@@ -90,6 +90,8 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--engine-args", default="{}", help='more engine arguments as JSON, e.g. '
+                        '\'{"max_prefill_graph_tokens": 1024}\'')
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if args.smoke:  # a check of the script, unless the sizes are given
@@ -108,6 +110,7 @@ def main() -> int:
                        "max_num_batched_tokens": args.max_num_batched_tokens,
                        "max_model_len": args.input_len + args.output_len + 16,
                        "step_time_target_ms": None if target == "off" else float(target)}
+        engine_args.update(json.loads(args.engine_args))
         if args.async_scheduling != "auto":
             engine_args["async_scheduling"] = args.async_scheduling == "on"
         if args.quantization:
