@@ -66,6 +66,8 @@ _GRAMMAR_ON, _MAY_THINK, _THINKING = 0, 1, 2
 # What a step returns: RequestOutputs, or SequenceDeltas for an engine built with deltas=True.
 EngineOutput = RequestOutput | SequenceDelta
 
+_new_tuple = tuple.__new__
+
 _NOTHING_PLACED = ("the scheduler could not place any request; the KV cache is too small for the waiting "
                    "prompts")
 
@@ -591,7 +593,6 @@ class EngineCore:
         now = time.monotonic()
         sequence_parent = self._sequence_parent
         make_delta = self._make_delta
-        new_tuple = tuple.__new__
         for request in updated:
             parent = sequence_parent.get(request.request_id)
             if parent is None:
@@ -602,22 +603,7 @@ class EngineCore:
                 self._sequence_ended(request, sequence, now)
                 self._parents.pop(parent.request_id, None)
                 outputs.append(make_delta(parent, True))
-                continue
-            params = request.sampling_params
-            if params.final_only:
-                continue
-            start = sequence.num_emitted_tokens
-            if start and params.logprobs is None and params.prompt_logprobs is None:
-                # _make_delta of a plain step (neither its first nor its last: no metrics), inline: every
-                # decoding request's every step comes here.
-                tokens = request.output_token_ids
-                sequence.num_emitted_tokens = len(tokens)
-                cached = request.num_cached_tokens
-                # tuple.__new__ skips the named tuple's own __new__ frame (fields in SequenceDelta's order).
-                outputs.append(new_tuple(SequenceDelta, (parent.request_id, tokens[start:], None, None,
-                                                         request.stop_reason, cached if cached > 0 else 0, None,
-                                                         None, request.pooled_output)))
-            else:
+            elif not request.sampling_params.final_only:
                 outputs.append(make_delta(parent, False))
         return outputs
 
@@ -780,18 +766,20 @@ class EngineCore:
         start = sequence.num_emitted_tokens
         sequence.num_emitted_tokens = len(tokens)
         params = request.sampling_params
-        # Positional: one is built per sequence and step (the fields in SequenceDelta's order).
-        return SequenceDelta(
+        cached = request.num_cached_tokens
+        # One is built per sequence and step: the fields in SequenceDelta's order, through tuple.__new__ (the named
+        # tuple's own __new__ is a Python frame more).
+        return _new_tuple(SequenceDelta, (
             parent.request_id,
             tokens[start:],
             request.output_logprobs[start:] if params.logprobs is not None else None,
             request.status.finish_reason,
             request.stop_reason,
-            max(request.num_cached_tokens, 0),
+            cached if cached > 0 else 0,
             request.prompt_logprobs if params.prompt_logprobs is not None else None,
             self._metrics(parent, finished) if finished or not start else None,
             request.pooled_output,
-        )
+        ))
 
     @staticmethod
     def _completion(seq: _Sequence) -> CompletionOutput:

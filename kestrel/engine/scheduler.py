@@ -59,6 +59,9 @@ class Scheduler:
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(as_layout(kv_cache, cache_config.block_size), cache_config.enable_prefix_caching)
+        # The tokens that end a request by length: a stream (attention sinks + window) holds a bounded cache and may
+        # run past max_model_len.
+        self._context_limit = max_model_len if self.kv.streaming is None else 1 << 62
         self.waiting = WaitingQueue(scheduler_config.policy, scheduler_config.starvation_bound)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -262,8 +265,7 @@ class Scheduler:
         return output
 
     def _any_decoding(self) -> bool:
-        return any(len(r.all_token_ids) - r.num_dropped_tokens + r.num_pending_tokens - r.num_computed_tokens <= 1
-                   for r in self.running)
+        return any(r.num_kv_tokens + r.num_pending_tokens - r.num_computed_tokens <= 1 for r in self.running)
 
     def _timed_budget(self, budget: int) -> int:
         """The step's token budget under the step time target: the most tokens the fitted step cost fits in it,
@@ -389,7 +391,6 @@ class Scheduler:
         pooled = runner_output.pooled
         all_logprobs = runner_output.logprobs
         stop_status = self._stop_status
-        max_model_len = self.max_model_len if self.kv.streaming is None else 1 << 62
         num_generated = 0
         for i, (request_id, tokens) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             if not tokens:
@@ -421,12 +422,7 @@ class Scheduler:
                 if logprobs is not None and logprobs[j] is not None:
                     request.output_logprobs.append(logprobs[j])
                 num_generated += 1
-                # Most tokens end nothing: _stop_status only where one of its rules could apply.
-                if (token_id in request.stopping_ids or len(output_token_ids) >= request.max_tokens
-                        or len(all_token_ids) >= max_model_len):
-                    status = stop_status(request, token_id)
-                else:
-                    status = None
+                status = stop_status(request, token_id)
                 if status is not None:
                     # Under async scheduling the request may have been preempted while its token was in flight.
                     (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
@@ -449,17 +445,14 @@ class Scheduler:
             per_position[position] += 1
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
+        """Past min_tokens, an ending EOS id (first) or a stop_token_id (its stop_reason); else the length limits.
+        Called for every sampled token, so the usual answer, None, takes one set lookup and two comparisons."""
         num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens:
-            if token_id in request.ending_eos_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
+        if token_id in request.stopping_ids and num_output >= request.sampling_params.min_tokens:
+            if token_id not in request.ending_eos_ids:
                 request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        # A stream (attention sinks + window) holds a bounded cache and may run past max_model_len.
-        if num_output >= request.max_tokens or (len(request.all_token_ids) >= self.max_model_len
-                                                and self.kv.streaming is None):
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= request.max_tokens or len(request.all_token_ids) >= self._context_limit:
             return RequestStatus.FINISHED_LENGTH
         return None
 
