@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import types
 import typing
@@ -187,6 +188,15 @@ def _check_int(field_name: str, value: Any, minimum: int, allow_none: bool = Fal
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         _fail(field_name, value, f"expected an integer >= {minimum}" + (" or None" if allow_none else ""))
+
+
+def _check_positive_number(field_name: str, value: Any, expected: str, below: float = math.inf,
+                           allow_none: bool = False) -> None:
+    """A number > 0 and < `below` (NaN, infinities and booleans refused), else `expected` says what is."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < below:
+        _fail(field_name, value, expected)
 
 
 # generation_config.json keys -> SamplingParams fields (the ones a model's defaults may set): the same names, and
@@ -529,10 +539,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check_choice("scheduling_policy", self.policy, SCHEDULING_POLICY_CHOICES)
-        target = self.step_time_target_ms
-        if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
-                                   or not 0 < target < float("inf")):
-            _fail("step_time_target_ms", target, "expected a number of milliseconds > 0, or None (off)")
+        _check_positive_number("step_time_target_ms", self.step_time_target_ms,
+                               "expected a number of milliseconds > 0, or None (off)", allow_none=True)
         if self.policy == "shortest_prefill":
             if self.starvation_bound is None:
                 object.__setattr__(self, "starvation_bound", DEFAULT_STARVATION_BOUND)
@@ -569,10 +577,8 @@ class ParallelConfig:
             _fail("enable_expert_parallel", self.enable_expert_parallel, "expected True or False")
         _check_choice("distributed_executor_backend", self.distributed_executor_backend,
                       DISTRIBUTED_EXECUTOR_BACKEND_CHOICES)
-        if (isinstance(self.distributed_timeout_s, bool) or not isinstance(self.distributed_timeout_s, int | float)
-                or not 0 < self.distributed_timeout_s < 1e9):
-            _fail("distributed_timeout_s", self.distributed_timeout_s, "expected a finite number of seconds > 0 "
-                  "(below 1e9)")
+        _check_positive_number("distributed_timeout_s", self.distributed_timeout_s,
+                               "expected a finite number of seconds > 0 (below 1e9)", below=1e9)
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             _fail("distributed_executor_backend", "ray", "the ray package is not installed here; install it "
                   "(pip install ray) or use 'mp' (worker processes on this machine)")
