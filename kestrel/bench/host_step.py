@@ -211,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         raise ConfigError(f"invalid --modes={args.modes!r}; use names of {list(MODES)}")
+    if args.split and args.core_deltas:
+        raise ConfigError("--core-deltas measures the core in this process; --split runs it in its own: pick one")
     tokenizer_dir = args.tokenizer or str(default_model_path())
     if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
         raise ConfigError(f"invalid --tokenizer={tokenizer_dir!r}: no tokenizer.json there")
@@ -231,8 +233,6 @@ def run(args: argparse.Namespace) -> int:
     if args.serving_gc:
         tune_for_serving()
     results: dict[str, dict[str, float]] = {}
-    if args.split and args.core_deltas:
-        raise ConfigError("--core-deltas measures the core in this process; --split runs it in its own: pick one")
     if args.split:
         from kestrel.bench.host_step_split import measure_split, split_summary
 
