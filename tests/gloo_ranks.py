@@ -6,8 +6,10 @@ would import them again."""
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -56,14 +58,22 @@ def _lost_port_race(traceback_text: str) -> bool:
 
 def _start_and_join(work: Callable[[int, list[int], str], None], world: int, ports: list[int], root: Path,
                     timeout_s: float) -> list[multiprocessing.process.BaseProcess]:
+    """The ranks, joined; the first to fail (or the deadline, `timeout_s` a rank) ends the others at once: ranks
+    waiting for a dead peer would otherwise sit in gloo's rendezvous until its own timeout (a lost port race cost
+    minutes that way before its retry)."""
     ctx = fork_context()
     procs = [ctx.Process(target=rank_entry, args=(work, rank, ports, str(root)), daemon=True)
              for rank in range(world)]
+    deadline = time.monotonic() + timeout_s * world
     try:
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout_s)
+        running = list(procs)
+        while running and time.monotonic() < deadline:
+            multiprocessing.connection.wait([p.sentinel for p in running], timeout=deadline - time.monotonic())
+            running = [p for p in procs if p.exitcode is None]
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
     finally:
         for p in procs:
             if p.is_alive():
