@@ -44,10 +44,16 @@ from kestrel.kernels import gemv as gv  # noqa: E402
 from kestrel.quant.w8a8_fp8 import quantize_weight_fp8  # noqa: E402
 
 C = gv.GemvConfig
-CANDIDATES = [C(block_n=n, block_k=k, num_warps=w) for n, k, w in (
-    (4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4), (32, 512, 8), (2, 2048, 4),
-    (4, 2048, 8), (16, 256, 2), (64, 256, 8), (8, 2048, 8))]
-SMOKE_CANDIDATES = [C(block_n=8, block_k=32, num_warps=1), C(block_n=16, block_k=16, num_warps=1)]
+TILES = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4), (32, 512, 8),
+         (2, 2048, 4), (4, 2048, 8), (16, 256, 2), (64, 256, 8), (8, 2048, 8))
+# FP8 also tries slices of 128-256 values a thread (each program's fixed work spread over more bytes), and every
+# tile with its weights turned into fp32 by their bits (`fp8_bits`) as well as by the hardware's conversions.
+FP8_TILES = TILES + ((16, 1024, 4), (16, 2048, 4), (32, 1024, 4), (8, 4096, 8), (4, 4096, 4), (32, 2048, 8))
+CANDIDATES = {"w16": [C(block_n=n, block_k=k, num_warps=w) for n, k, w in TILES],
+              "fp8": [C(block_n=n, block_k=k, num_warps=w, fp8_bits=b) for b in (False, True)
+                      for n, k, w in FP8_TILES]}
+SMOKE_CANDIDATES = {kind: [C(block_n=8, block_k=32, num_warps=1, fp8_bits=kind == "fp8"),
+                           C(block_n=16, block_k=16, num_warps=1)] for kind in ("w16", "fp8")}
 TOKENS, SMOKE_TOKENS = (1, 2, 4, 8), (1, 2)
 KINDS = ("fp8", "w16")
 ERR_LIMIT = 2.0**-8
@@ -58,8 +64,12 @@ GPU_RUNS, CPU_RUNS = 30, 1
 TIME_BUDGET_S = 330.0  # past it, the remaining points are checked but not timed
 
 
-def shapes_of(smoke: bool) -> list[dict]:
+def shapes_of(smoke: bool, kinds: tuple[str, ...] = KINDS) -> list[dict]:
     """(kind, name, N, K, whether the model's producer quantizes an FP8 layer's input in its own launch)."""
+    return [s for s in _shapes(smoke) if s["kind"] in kinds]
+
+
+def _shapes(smoke: bool) -> list[dict]:
     if smoke:
         return [dict(kind=k, name=f"smoke/{p}", N=n, K=kk, fused=p != "o")
                 for k in KINDS for p, n, kk in (("qkv", 48, 64), ("o", 40, 96))]
@@ -212,7 +222,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def tuning_table(rows: list[dict], candidates: list[gv.GemvConfig]) -> tuple[dict, dict]:
+def tuning_table(rows: list[dict], candidates: dict[str, list[gv.GemvConfig]]) -> tuple[dict, dict]:
     """(table configs keyed "kind:N,K", the per-shape proposal): `max_m` = the largest measured M such that one
     candidate beats the baseline by >= 3% at every measured M up to it, and of the candidates that do, the one
     with the least summed time over those M."""
@@ -222,7 +232,7 @@ def tuning_table(rows: list[dict], candidates: list[gv.GemvConfig]) -> tuple[dic
         name = f"{kind}:{shape}"
         mine = sorted((r for r in rows if (r["kind"], r["shape"]) == (kind, shape)), key=lambda r: r["M"])
         best: tuple[int, float, int] | None = None  # (max_m, -summed us, candidate)
-        for i in range(len(candidates)):
+        for i in range(len(candidates[kind])):
             max_m, total = 0, 0.0
             for r in mine:
                 us, base = r["candidates"][i].get("us"), baseline_us(r)
@@ -237,7 +247,7 @@ def tuning_table(rows: list[dict], candidates: list[gv.GemvConfig]) -> tuple[dic
         max_m, _, i = best
         proposal[name] = {"config": i, "max_m": max_m}
         key = gv.table_key(kind, mine[0]["N"], mine[0]["K"])
-        entry = dict(candidates[i].to_json(), max_m=max_m)
+        entry = dict(candidates[kind][i].to_json(), max_m=max_m)
         if key in configs:  # two shapes of one weight size: the smaller win holds for both
             entry = min(configs[key], entry, key=lambda e: e["max_m"])
         configs[key] = entry
@@ -245,7 +255,11 @@ def tuning_table(rows: list[dict], candidates: list[gv.GemvConfig]) -> tuple[dic
 
 
 def main() -> int:
-    args, device = sweep_script_args(__doc__)
+    args, device = sweep_script_args(__doc__, lambda p: p.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"comma-separated weight kinds to sweep, of {', '.join(KINDS)}"))
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if not kinds or set(kinds) - set(KINDS):
+        raise SystemExit(f"--kinds {args.kinds!r}: expected a comma-separated subset of {', '.join(KINDS)}")
     started = time.time()
     gpu = common.gpu_key(common.device_name(0)) if device.type == "cuda" else "cpu"
     tokens = SMOKE_TOKENS if args.smoke else TOKENS
@@ -256,10 +270,11 @@ def main() -> int:
     bw = ceilings["bw"]
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s ({'measured' if ceilings.get('measured') else 'fallback'})")
     result: dict = {"env": gemm_bench.environment(None), "device": str(device), "bw": bw, "ceilings": ceilings,
-                    "tokens": list(tokens), "candidates": [c.to_json() for c in candidates], "err_limit": ERR_LIMIT,
+                    "tokens": list(tokens), "candidates": {k: [c.to_json() for c in candidates[k]] for k in kinds},
+                    "err_limit": ERR_LIMIT,
                     "win": WIN, "rows": []}
-    for shape in shapes_of(args.smoke):
-        result["rows"] += run_shape(shape, tokens, candidates, device, bw, runs, started)
+    for shape in shapes_of(args.smoke, kinds):
+        result["rows"] += run_shape(shape, tokens, candidates[shape["kind"]], device, bw, runs, started)
         result["seconds"] = time.time() - started
         path.write_text(json.dumps(result, indent=1) + "\n")  # after every shape: a cut-off run keeps its rows
         if device.type == "cuda":
@@ -280,7 +295,8 @@ def main() -> int:
           "the GEMV (w16: cuBLAS; fp8: scaled_mm alone where a fused producer quantizes (qkv, gate_up, down), "
           "quantizer + scaled_mm for o); gemv = best candidate (cfg); vs base = base / gemv")
     for name, prop in proposal.items():
-        cfg = candidates[prop["config"]].to_json() if prop["config"] is not None else None
+        kind = name.split(":")[0]
+        cfg = candidates[kind][prop["config"]].to_json() if prop["config"] is not None else None
         print(f"proposal {name}: candidate {prop['config']} max_m {prop['max_m']} {cfg or ''}")
     print(f"wrote {path} and {table_path} (copy it to kestrel/kernels/tuning/ to turn the path on where it won) "
           f"in {result['seconds']:.0f} s")

@@ -13,6 +13,13 @@
 #   tput     full load: 1000 x 1000 in / 1000 out, FP8 + FP8 KV, max_num_seqs 512, Qwen3-30B-A3B and Llama-3-8B
 #            shapes, with the table (the check a default needs)
 #   gputests tests/gpu: the GEMV's, CUDA graphs' and prefill graphs' (drain and refill) GPU tests
+#   tables   the H200's tuning tables copied under this GPU's name (an H100 runs them as the H200 would)
+#   sweep-fp8   the sweep of the FP8 weights alone (their tiles, hardware conversions and `fp8_bits`)
+#   merge-fp8   this GPU's table: the committed 16-bit entries and the FP8 sweep's entries (the committed table
+#            kept as OUT/committed-table.json)
+#   fp8-before / fp8-after   Llama-3-8B FP8 + FP8 KV decode at batch 1, 4 and 8 (prompt 128)
+#   profile-TAG   Llama-3-8B FP8 + FP8 KV batch-1 decode step, kernel by kernel (scripts/h200_decode_profile.py)
+#   pack     everything under OUT in OUT/results.tar.gz
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 decode_runs() { local tag=$1
   latency 150 llama3-8b-bf16-$tag --batch 1,8 --input-len 128 --output-len 64 --repeats 2
@@ -44,6 +51,23 @@ for stage in "$@"; do
           done ;;
     gputests) run 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv_gpu.py \
                 tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_prefill_graphs_gpu.py ;;
+    tables) h200_tables ;;
+    sweep-fp8) run 420 python3 scripts/h200_gemv.py --out "$out" --kinds fp8 ;;
+    merge-fp8) cp "$tuning/gemv_$key.json" "$out/committed-table.json"
+               python3 - "$out/committed-table.json" "$out/gemv_$key.json" "$tuning/gemv_$key.json" <<'PY' | tee -a "$out/log.txt"
+import json, sys
+committed, swept = (json.load(open(p)) for p in sys.argv[1:3])
+configs = {k: v for k, v in committed["configs"].items() if not k.startswith("fp8:")}
+configs.update(swept["configs"])
+json.dump(dict(committed, configs=configs), open(sys.argv[3], "w"), indent=1)
+print("table in place:", json.dumps(configs))
+PY
+               ;;
+    fp8-before|fp8-after) latency 150 "llama3-8b-fp8-${stage#fp8-}" --batch 1,4,8 --input-len 128 --output-len 64 \
+                            --repeats 2 --quantization fp8 --kv-cache-dtype fp8 ;;
+    profile-*) run 200 python3 scripts/h200_decode_profile.py --out "$out" --arch llama3-8b --precisions fp8 \
+                 --tag "${stage#profile-}" ;;
+    pack) pack_results ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac
 done

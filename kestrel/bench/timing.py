@@ -11,12 +11,15 @@ from pathlib import Path
 import torch
 
 
-def sweep_script_args(doc: str) -> tuple[argparse.Namespace, torch.device]:
-    """The arguments of a scripts/h200_*_sweep.py: `--out DIR` (created) and `--smoke` (tiny shapes on the CPU,
-    a check of the script); the device its kernels run on."""
+def sweep_script_args(doc: str, add_arguments: Callable[[argparse.ArgumentParser], object] | None = None
+                      ) -> tuple[argparse.Namespace, torch.device]:
+    """The arguments of a scripts/h200_*_sweep.py: `--out DIR` (created), `--smoke` (tiny shapes on the CPU,
+    a check of the script) and any that `add_arguments` adds; the device its kernels run on."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (a check of this script)")
+    if add_arguments is not None:
+        add_arguments(p)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     return args, torch.device("cpu" if args.smoke else "cuda")

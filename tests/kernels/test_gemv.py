@@ -71,6 +71,39 @@ def test_kernel_and_reference_match_oracle(case, device):
     check(gv.gemv_ref(x, w, scale, out_dtype, b), ref64, out_dtype, K)
 
 
+BITS = [gv.GemvConfig(**dict(c.to_json(), fp8_bits=True)) for c in (ONE_SLICE, SPLIT, NARROW)]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[4] == "fp8"], ids=str)
+def test_fp8_bits_path_matches_the_oracle_and_the_conversion_path(case, device):
+    """FP8 weights read as int32 words and turned into fp32 by placing their bits, within the float64 oracle's
+    bounds, one K slice and split sums; K off a multiple of 4 takes the byte path (the words need 4-byte rows)."""
+    M, N, K, dtype, weight, out_dtype, per_tensor, bias = case
+    x, w, scale, b = make(M, N, K, dtype, weight, per_tensor, bias, seed=M * 100 + N + K + 1)
+    ref64 = oracle(x, w, scale, b)
+    on = [t.to(device) if t is not None else None for t in (x, w, scale, b)]
+    for cfg in BITS:
+        check(gv.gemv(*on[:3], out_dtype, on[3], config=cfg).cpu(), ref64, out_dtype, K)
+
+
+def test_fp8_bits_cover_every_e4m3_value(device):
+    """Every finite e4m3 byte (zeros, both signs, subnormals, 448) as weights: the bit placement's 2^-120 units
+    give each product exactly (float32 out, one nonzero x a column: the output is the weight times its scale)."""
+    values = torch.arange(256, dtype=torch.int32)
+    values = values[(values & 0x7F) != 0x7F].to(torch.uint8)  # 0x7F / 0xFF are NaN in e4m3fn
+    N, K = values.numel(), 8
+    q = torch.zeros(N, K, dtype=torch.uint8)
+    q[:, 5] = values
+    q = q.view(torch.float8_e4m3fn)
+    scale = torch.full((N, 1), 0.25)
+    x = torch.zeros(1, K)
+    x[0, 5] = 3.0
+    on = [t.to(device) for t in (x, q, scale)]
+    for cfg in BITS:
+        out = gv.gemv(*on, torch.float32, config=cfg).cpu()
+        assert torch.equal(out[0], q[:, 5].float() * 0.75), cfg
+
+
 def test_all_m_one_to_eight_and_the_counters_left_zeroed(device):
     x, q, scale, b = make(8, 20, 36, torch.bfloat16, "fp8", False, True, seed=7)
     on = [t.to(device) for t in (x, q, scale, b)]
