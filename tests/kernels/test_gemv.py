@@ -197,6 +197,27 @@ def test_routing_gemv_compiles_for_sm90_without_spills():
         assert "atom.global.gpu.acq_rel.add" in ptx and ptx.count("ex2") == rows
 
 
+def _fp8_bits_sm90_reports() -> list[tuple[str, str]]:
+    """(PTX, ptxas report) of the FP8 GEMV on its words in two K slices of Llama-3-8B's gate_up: one row on
+    16 x 2048 slices (4 warps, 256 values a thread), four rows on 16 x 1024. Run in a process without
+    TRITON_INTERPRET (see the test)."""
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16",
+                "ws_ptr": "*fp32", "lock_ptr": "*i32", "route_w_ptr": "*fp32", "route_id_ptr": "*i64"}
+    ints = ["N", "K", "stride_xm", "stride_wn", "stride_om"]
+    return [sm90.compile_sm90(gv._gemv_kernel, pointers, ints, dict(
+        SPLIT_K=2, ROWS=rows, W_FP8=True, HAS_SCALE=True, PER_TENSOR=False, HAS_BIAS=False, EVEN_K=True, USE_PDL=True,
+        FAST=True, BLOCK_N=16, BLOCK_K=block_k, NUM_BLOCKS=1, TOP_K=0, K_PAD=1, E_PAD=1, RENORMALIZE=False,
+        FP8_BITS=True), 4) for rows, block_k in ((1, 2048), (4, 1024))]
+
+
+def test_fp8_bits_compile_for_sm90_keeping_subnormals_without_spills():
+    """The bit placement makes subnormal e4m3 values fp32 subnormals: the GPU's FMAs must keep them (no `.ftz`
+    in the PTX), and the words' slices must fit the registers."""
+    for ptx, report in sm90.reports("test_gemv", "_fp8_bits_sm90_reports()"):
+        assert " 0 bytes spill stores" in report, report
+        assert "fma.rn.f32" in ptx and ".ftz" not in ptx
+
+
 def test_routing_refuses_what_it_cannot_route():
     x, w = torch.randn(1, 16).bfloat16(), torch.randn(8, 16).bfloat16()
     with pytest.raises(ValueError, match="top_k=9 must be in 1..8"):
