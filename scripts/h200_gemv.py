@@ -23,6 +23,7 @@ kestrel/kernels/tuning/ to turn the path on where it won), and prints a table.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -46,14 +47,12 @@ from kestrel.quant.w8a8_fp8 import quantize_weight_fp8  # noqa: E402
 C = gv.GemvConfig
 TILES = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4), (32, 512, 8),
          (2, 2048, 4), (4, 2048, 8), (16, 256, 2), (64, 256, 8), (8, 2048, 8))
-# FP8 also tries slices of 128-256 values a thread (each program's fixed work spread over more bytes), and every
-# tile with its weights turned into fp32 by their bits (`fp8_bits`) as well as by the hardware's conversions.
-FP8_TILES = TILES + ((16, 1024, 4), (16, 2048, 4), (32, 1024, 4), (8, 4096, 8), (4, 4096, 4), (32, 2048, 8))
-CANDIDATES = {"w16": [C(block_n=n, block_k=k, num_warps=w) for n, k, w in TILES],
-              "fp8": [C(block_n=n, block_k=k, num_warps=w, fp8_bits=b) for b in (False, True)
-                      for n, k, w in FP8_TILES]}
-SMOKE_CANDIDATES = {kind: [C(block_n=8, block_k=32, num_warps=1, fp8_bits=kind == "fp8"),
-                           C(block_n=16, block_k=16, num_warps=1)] for kind in ("w16", "fp8")}
+# And slices of 128-256 values a thread: each program's fixed work (indexing, the reduction across the slice, the
+# split sums' arrival) spread over more bytes.
+TILES += ((16, 1024, 4), (16, 2048, 4), (32, 1024, 4), (8, 4096, 8), (4, 4096, 4), (32, 2048, 8))
+CANDIDATES = {kind: [C(block_n=n, block_k=k, num_warps=w) for n, k, w in TILES] for kind in ("w16", "fp8")}
+SMOKE_CANDIDATES = {kind: [C(block_n=8, block_k=32, num_warps=1), C(block_n=16, block_k=16, num_warps=1)]
+                    for kind in ("w16", "fp8")}
 TOKENS, SMOKE_TOKENS = (1, 2, 4, 8), (1, 2)
 KINDS = ("fp8", "w16")
 ERR_LIMIT = 2.0**-8
@@ -64,9 +63,10 @@ GPU_RUNS, CPU_RUNS = 30, 1
 TIME_BUDGET_S = 330.0  # past it, the remaining points are checked but not timed
 
 
-def shapes_of(smoke: bool, kinds: tuple[str, ...] = KINDS) -> list[dict]:
-    """(kind, name, N, K, whether the model's producer quantizes an FP8 layer's input in its own launch)."""
-    return [s for s in _shapes(smoke) if s["kind"] in kinds]
+def shapes_of(smoke: bool, kinds: tuple[str, ...] = KINDS, arch: str = "") -> list[dict]:
+    """(kind, name, N, K, whether the model's producer quantizes an FP8 layer's input in its own launch), of the
+    given kinds and of the architecture whose name `arch` starts (all where empty)."""
+    return [s for s in _shapes(smoke) if s["kind"] in kinds and s["name"].startswith(arch)]
 
 
 def _shapes(smoke: bool) -> list[dict]:
@@ -254,15 +254,28 @@ def tuning_table(rows: list[dict], candidates: dict[str, list[gv.GemvConfig]]) -
     return configs, proposal
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"comma-separated weight kinds to sweep, of {', '.join(KINDS)}")
+    p.add_argument("--arch", default="", choices=("", "llama3-8b", "qwen3-30b-a3b"),
+                   help="only this architecture's shapes (default: every one)")
+    p.add_argument("--tokens", default="", help=f"comma-separated row counts (default: {','.join(map(str, TOKENS))})")
+
+
 def main() -> int:
-    args, device = sweep_script_args(__doc__, lambda p: p.add_argument(
-        "--kinds", default=",".join(KINDS), help=f"comma-separated weight kinds to sweep, of {', '.join(KINDS)}"))
+    args, device = sweep_script_args(__doc__, add_arguments)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if not kinds or set(kinds) - set(KINDS):
         raise SystemExit(f"--kinds {args.kinds!r}: expected a comma-separated subset of {', '.join(KINDS)}")
+    try:
+        tokens = tuple(int(m) for m in args.tokens.split(",")) if args.tokens else None
+    except ValueError:
+        tokens = ()
+    if tokens is not None and (not tokens or not all(1 <= m <= gv.MAX_M for m in tokens)):
+        raise SystemExit(f"--tokens {args.tokens!r}: expected comma-separated row counts in 1..{gv.MAX_M}")
     started = time.time()
     gpu = common.gpu_key(common.device_name(0)) if device.type == "cuda" else "cpu"
-    tokens = SMOKE_TOKENS if args.smoke else TOKENS
+    tokens = tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
     candidates = SMOKE_CANDIDATES if args.smoke else CANDIDATES
     runs = GPU_RUNS if device.type == "cuda" else CPU_RUNS
     path = args.out / "gemv-h200.json"
@@ -273,7 +286,7 @@ def main() -> int:
                     "tokens": list(tokens), "candidates": {k: [c.to_json() for c in candidates[k]] for k in kinds},
                     "err_limit": ERR_LIMIT,
                     "win": WIN, "rows": []}
-    for shape in shapes_of(args.smoke, kinds):
+    for shape in shapes_of(args.smoke, kinds, args.arch):
         result["rows"] += run_shape(shape, tokens, candidates[shape["kind"]], device, bw, runs, started)
         result["seconds"] = time.time() - started
         path.write_text(json.dumps(result, indent=1) + "\n")  # after every shape: a cut-off run keeps its rows

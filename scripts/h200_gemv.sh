@@ -14,10 +14,12 @@
 #            shapes, with the table (the check a default needs)
 #   gputests tests/gpu: the GEMV's, CUDA graphs' and prefill graphs' (drain and refill) GPU tests
 #   tables   the H200's tuning tables copied under this GPU's name (an H100 runs them as the H200 would)
-#   sweep-fp8   the sweep of the FP8 weights alone (their tiles, hardware conversions and `fp8_bits`)
-#   merge-fp8   this GPU's table: the committed 16-bit entries and the FP8 sweep's entries (the committed table
-#            kept as OUT/committed-table.json)
+#   sweep-fp8   the sweep of the FP8 weights alone
+#   sweep-w16-llama   the 16-bit sweep at Llama-3-8B's shapes, 1 and 2 rows
+#   merge-fp8 / merge-w16   this GPU's table: the committed entries, those of the shapes swept replaced by the
+#            sweep's (the committed table kept as OUT/committed-table.json)
 #   fp8-before / fp8-after   Llama-3-8B FP8 + FP8 KV decode at batch 1, 4 and 8 (prompt 128)
+#   bf16-before / bf16-after   Llama-3-8B BF16 batch-1 decode (prompt 128)
 #   profile-TAG   Llama-3-8B FP8 + FP8 KV batch-1 decode step, kernel by kernel (scripts/h200_decode_profile.py)
 #   pack     everything under OUT in OUT/results.tar.gz
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
@@ -53,16 +55,19 @@ for stage in "$@"; do
                 tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_prefill_graphs_gpu.py ;;
     tables) h200_tables ;;
     sweep-fp8) run 420 python3 scripts/h200_gemv.py --out "$out" --kinds fp8 ;;
-    merge-fp8) cp "$tuning/gemv_$key.json" "$out/committed-table.json"
+    sweep-w16-llama) run 300 python3 scripts/h200_gemv.py --out "$out" --kinds w16 --arch llama3-8b --tokens 1,2 ;;
+    merge-fp8|merge-w16) cp "$tuning/gemv_$key.json" "$out/committed-table.json"
                python3 - "$out/committed-table.json" "$out/gemv_$key.json" "$tuning/gemv_$key.json" <<'PY' | tee -a "$out/log.txt"
 import json, sys
 committed, swept = (json.load(open(p)) for p in sys.argv[1:3])
-configs = {k: v for k, v in committed["configs"].items() if not k.startswith("fp8:")}
-configs.update(swept["configs"])
+configs = dict(committed["configs"])
+configs.update(swept["configs"])  # the swept shapes' entries replace the committed ones (others are kept)
 json.dump(dict(committed, configs=configs), open(sys.argv[3], "w"), indent=1)
 print("table in place:", json.dumps(configs))
 PY
                ;;
+    bf16-before|bf16-after) latency 120 "llama3-8b-bf16-${stage#bf16-}" --batch 1 --input-len 128 --output-len 64 \
+                              --repeats 3 ;;
     fp8-before|fp8-after) latency 150 "llama3-8b-fp8-${stage#fp8-}" --batch 1,4,8 --input-len 128 --output-len 64 \
                             --repeats 2 --quantization fp8 --kv-cache-dtype fp8 ;;
     profile-*) run 200 python3 scripts/h200_decode_profile.py --out "$out" --arch llama3-8b --precisions fp8 \

@@ -41,14 +41,12 @@ _WEIGHT_KINDS = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "w16", torch.float1
 @dataclass(frozen=True)
 class GemvConfig:
     """One program's weight slice `[block_n, block_k]` and its warps. `max_m`: the GEMV is chosen for
-    1 <= M <= max_m (0: never); the tiles apply at any M. `fp8_bits`: FP8 weights become fp32 by placing their
-    bits (`_e4m3_bits_to_f32`: integer ops only) instead of the hardware's e4m3 -> f16 -> f32 conversions."""
+    1 <= M <= max_m (0: never); the tiles apply at any M."""
 
     block_n: int = 16
     block_k: int = 512
     num_warps: int = 4
     max_m: int = 0
-    fp8_bits: bool = False
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -112,35 +110,6 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor |
 
 # ------------------------------------------------------------------------------------------- kernel
 
-# An e4m3 byte's bits placed in an fp32 (`_e4m3_bits_to_f32`) read as its value times 2^-120: the exponent fields'
-# biases differ by 127 - 7. Subnormal e4m3 values land on fp32 subnormals, which the FMAs keep (no flush to zero).
-_E4M3_BITS_SCALE: tl.constexpr = tl.constexpr(2.0**120)
-
-
-@triton.jit
-def _e4m3_byte_to_f32(words, BYTE: tl.constexpr):
-    """fp32 holding byte BYTE (0 = lowest) of each int32 word, an e4m3 value, times 2^-120, exactly: the byte
-    shifted to the top, then an arithmetic shift right by 4 leaves its sign at bit 31 and its exponent and
-    mantissa at bits 26..20, and one mask clears the rest. Integer ops only (about 3 a value): no e4m3 -> f16
-    conversion and no f16 -> f32 after it."""
-    top = words if BYTE == 3 else words << (24 - 8 * BYTE)
-    return ((top >> 4) & -0x78100000).to(tl.float32, bitcast=True)  # -0x78100000 is 0x87F00000 as an int32
-
-
-@triton.jit
-def _fp8_words_dot(words, kw, x_ptr, m, stride_xm, K, EVEN_K: tl.constexpr):
-    """sum_k w[row, k] * x[m, k] over a slice of an FP8 weight held as int32 `words` [rows, len(kw)] (4 values
-    each, word kw covering k = 4 kw .. 4 kw + 3), in units of 2^-120 (`_e4m3_byte_to_f32`)."""
-    acc = tl.zeros(words.shape, dtype=tl.float32)
-    for byte in tl.static_range(4):
-        ks = kw * 4 + byte
-        if EVEN_K:
-            xv = tl.load(x_ptr + m * stride_xm + ks)
-        else:
-            xv = tl.load(x_ptr + m * stride_xm + ks, mask=ks < K, other=0.0)
-        acc += _e4m3_byte_to_f32(words, byte) * xv.to(tl.float32)[None, :]
-    return tl.sum(acc, axis=1)
-
 
 @triton.jit
 def _epilogue(dot, m, cols, rows, n_ok, s_ptr, b_ptr, out_ptr, stride_om,
@@ -179,7 +148,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, route_w_
                  HAS_SCALE: tl.constexpr, PER_TENSOR: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                  USE_PDL: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NUM_BLOCKS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                 RENORMALIZE: tl.constexpr, FP8_BITS: tl.constexpr = False):
+                 RENORMALIZE: tl.constexpr):
     """out[m, n] = round(scale[n] * sum_k x[m, k] * w[n, k] + bias[n]) for the ROWS rows of x; this program
     reads the weight slice [BLOCK_N rows, K slice `program_id % SPLIT_K`]. Under PDL the slice is loaded before
     waiting for the previous kernel (weights never depend on it); x, the workspace, the counters and the output
@@ -197,15 +166,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, route_w_
     ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = ks < K
     w_ptrs = w_ptr + rows[:, None] * stride_wn + ks[None, :]
-    if W_FP8 and FP8_BITS:
-        # The slice as int32 words (the launcher checked the 4-byte alignment), converted per row below.
-        kw = split * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
-        words_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + kw[None, :]
-        if EVEN_K:
-            w = tl.load(words_ptrs)
-        else:
-            w = tl.load(words_ptrs, mask=(kw * 4 < K)[None, :], other=0)
-    elif EVEN_K:
+    if EVEN_K:
         w = _mc._load(w_ptrs, None, False, W_FP8).to(tl.float32)
     else:
         w = _mc._load(w_ptrs, k_ok[None, :], True, W_FP8).to(tl.float32)
@@ -213,14 +174,11 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, route_w_
         gdc_wait()
     part = ws_ptr + pid.to(tl.int64) * (ROWS * BLOCK_N) + tl.arange(0, BLOCK_N)
     for m in tl.static_range(ROWS):
-        if W_FP8 and FP8_BITS:
-            dot = _fp8_words_dot(w, kw, x_ptr, m, stride_xm, K, EVEN_K) * _E4M3_BITS_SCALE
+        if EVEN_K:
+            xv = tl.load(x_ptr + m * stride_xm + ks)
         else:
-            if EVEN_K:
-                xv = tl.load(x_ptr + m * stride_xm + ks)
-            else:
-                xv = tl.load(x_ptr + m * stride_xm + ks, mask=k_ok, other=0.0)
-            dot = tl.sum(w * xv.to(tl.float32)[None, :], axis=1)
+            xv = tl.load(x_ptr + m * stride_xm + ks, mask=k_ok, other=0.0)
+        dot = tl.sum(w * xv.to(tl.float32)[None, :], axis=1)
         if SPLIT_K == 1:
             _epilogue(dot, m, cols, rows, n_ok, s_ptr, b_ptr, out_ptr, stride_om,
                       HAS_SCALE, PER_TENSOR, HAS_BIAS, FAST)
@@ -307,9 +265,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | 
     if split_k > 1 and n_blocks + (route is not None) > common.ARRIVAL_SLOTS:
         block_k, split_k = triton.next_power_of_2(K), 1
     locks = common.arrival_counters(x.device) if split_k > 1 or route is not None else scale_arg
-    # Words of 4 FP8 values: every row and K slice must start on a 4-byte boundary (else the byte path).
-    fp8_bits = (cfg.fp8_bits and weight.dtype == torch.float8_e4m3fn and K % 4 == 0 and weight.stride(0) % 4 == 0
-                and weight.data_ptr() % 4 == 0)
     weights, ids, renormalize = route if route is not None else (scale_arg, scale_arg, False)
     top_k = weights.shape[1] if route is not None else 0
     for m0 in range(0, M, MAX_M):
@@ -326,5 +281,4 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | 
             # Routing's constants only where it routes: a plain GEMV compiles once for every N, as before.
             NUM_BLOCKS=n_blocks if top_k else 1, TOP_K=top_k, K_PAD=triton.next_power_of_2(max(top_k, 1)),
             E_PAD=triton.next_power_of_2(N) if top_k else 1, RENORMALIZE=renormalize,
-            FP8_BITS=fp8_bits,
             **common.launch_options(x, "pdl_decode"))

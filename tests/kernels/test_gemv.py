@@ -71,39 +71,6 @@ def test_kernel_and_reference_match_oracle(case, device):
     check(gv.gemv_ref(x, w, scale, out_dtype, b), ref64, out_dtype, K)
 
 
-BITS = [gv.GemvConfig(**dict(c.to_json(), fp8_bits=True)) for c in (ONE_SLICE, SPLIT, NARROW)]
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c[4] == "fp8"], ids=str)
-def test_fp8_bits_path_matches_the_oracle_and_the_conversion_path(case, device):
-    """FP8 weights read as int32 words and turned into fp32 by placing their bits, within the float64 oracle's
-    bounds, one K slice and split sums; K off a multiple of 4 takes the byte path (the words need 4-byte rows)."""
-    M, N, K, dtype, weight, out_dtype, per_tensor, bias = case
-    x, w, scale, b = make(M, N, K, dtype, weight, per_tensor, bias, seed=M * 100 + N + K + 1)
-    ref64 = oracle(x, w, scale, b)
-    on = [t.to(device) if t is not None else None for t in (x, w, scale, b)]
-    for cfg in BITS:
-        check(gv.gemv(*on[:3], out_dtype, on[3], config=cfg).cpu(), ref64, out_dtype, K)
-
-
-def test_fp8_bits_cover_every_e4m3_value(device):
-    """Every finite e4m3 byte (zeros, both signs, subnormals, 448) as weights: the bit placement's 2^-120 units
-    give each product exactly (float32 out, one nonzero x a column: the output is the weight times its scale)."""
-    values = torch.arange(256, dtype=torch.int32)
-    values = values[(values & 0x7F) != 0x7F].to(torch.uint8)  # 0x7F / 0xFF are NaN in e4m3fn
-    N, K = values.numel(), 8
-    q = torch.zeros(N, K, dtype=torch.uint8)
-    q[:, 5] = values
-    q = q.view(torch.float8_e4m3fn)
-    scale = torch.full((N, 1), 0.25)
-    x = torch.zeros(1, K)
-    x[0, 5] = 3.0
-    on = [t.to(device) for t in (x, q, scale)]
-    for cfg in BITS:
-        out = gv.gemv(*on, torch.float32, config=cfg).cpu()
-        assert torch.equal(out[0], q[:, 5].float() * 0.75), cfg
-
-
 def test_all_m_one_to_eight_and_the_counters_left_zeroed(device):
     x, q, scale, b = make(8, 20, 36, torch.bfloat16, "fp8", False, True, seed=7)
     on = [t.to(device) for t in (x, q, scale, b)]
@@ -195,27 +162,6 @@ def test_routing_gemv_compiles_for_sm90_without_spills():
         assert " 0 bytes spill stores" in report, report
         # the arrival counted with acquire-release order, and one softmax (one ex2) per routed row
         assert "atom.global.gpu.acq_rel.add" in ptx and ptx.count("ex2") == rows
-
-
-def _fp8_bits_sm90_reports() -> list[tuple[str, str]]:
-    """(PTX, ptxas report) of the FP8 GEMV on its words in two K slices of Llama-3-8B's gate_up: one row on
-    16 x 2048 slices (4 warps, 256 values a thread), four rows on 16 x 1024. Run in a process without
-    TRITON_INTERPRET (see the test)."""
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16",
-                "ws_ptr": "*fp32", "lock_ptr": "*i32", "route_w_ptr": "*fp32", "route_id_ptr": "*i64"}
-    ints = ["N", "K", "stride_xm", "stride_wn", "stride_om"]
-    return [sm90.compile_sm90(gv._gemv_kernel, pointers, ints, dict(
-        SPLIT_K=2, ROWS=rows, W_FP8=True, HAS_SCALE=True, PER_TENSOR=False, HAS_BIAS=False, EVEN_K=True, USE_PDL=True,
-        FAST=True, BLOCK_N=16, BLOCK_K=block_k, NUM_BLOCKS=1, TOP_K=0, K_PAD=1, E_PAD=1, RENORMALIZE=False,
-        FP8_BITS=True), 4) for rows, block_k in ((1, 2048), (4, 1024))]
-
-
-def test_fp8_bits_compile_for_sm90_keeping_subnormals_without_spills():
-    """The bit placement makes subnormal e4m3 values fp32 subnormals: the GPU's FMAs must keep them (no `.ftz`
-    in the PTX), and the words' slices must fit the registers."""
-    for ptx, report in sm90.reports("test_gemv", "_fp8_bits_sm90_reports()"):
-        assert " 0 bytes spill stores" in report, report
-        assert "fma.rn.f32" in ptx and ".ftz" not in ptx
 
 
 def test_routing_refuses_what_it_cannot_route():
