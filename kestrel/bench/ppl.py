@@ -31,6 +31,7 @@ from kestrel.bench import register_suite, standalone_main
 from kestrel.bench.common import write_result
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.engine.core import EngineCore
+from kestrel.loader.gguf_config import model_hf_config
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.outputs import PromptLogprobs
 from kestrel.sampling_params import SamplingParams
@@ -112,7 +113,7 @@ class KestrelScorer:
     """Prompt logprobs from kestrel's engine: one request per window, max_tokens=1."""
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        self.config = EngineConfig.from_kwargs(model, **engine_args)
+        self.config = EngineConfig.from_kwargs(model, hf_config=model_hf_config(model), **engine_args)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer_path)
         eos = self.tokenizer.eos_token_id
         self.runner = ModelRunner(self.config, eos_token_id=eos)
@@ -233,11 +234,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="score the float model and each quantization (kestrel quantize) on kestrel-tiny and an "
                         "outlier-injected copy; JSON + bar chart (see kestrel.bench.quant_accuracy)")
     p.add_argument("--calibration-samples", type=int, default=32, help="256-token calibration sequences (sweep)")
+    p.add_argument("--variants", default=None,
+                   help="with --quant-sweep: comma-separated variants to score besides the float model (default: all; "
+                        "see kestrel.bench.quant_accuracy.VARIANTS)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.quant_sweep:
         return _run_quant_sweep(args)
+    if args.variants is not None:
+        raise ConfigError("--variants selects the variants of --quant-sweep; pass --quant-sweep with it")
     started = time.perf_counter()
     model = args.model or str(default_model_path())
     scorer = _scorer(args, model)

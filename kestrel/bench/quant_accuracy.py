@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from kestrel.config import ConfigError
 from kestrel.loader.hf_config import load_hf_config
 from kestrel.model.registry import model_skeleton
 from kestrel.quant.calibrate import QuantizeOptions, quantize_checkpoint
@@ -51,13 +52,23 @@ VARIANTS: dict[str, tuple[str | None, float | None, str]] = {
     "w4a16-gptq": ("w4a16", None, "auto"),
     "fp8-kv-calibrated": (None, None, "fp8-calibrated"),
     "fp8-kv-unit": (None, None, "fp8-unit"),
+    "gguf-q8_0": ("gguf", None, "auto"),
+    "gguf-q8_0-dequantized": ("gguf", None, "auto"),
+    "gguf-q4_k": ("gguf", None, "auto"),
+    "gguf-q4_k-dequantized": ("gguf", None, "auto"),
 }
+# GGUF files written from the base (`quant/gguf_export.py`, every 2-D tensor in the type; Q4_K's rows that are not a
+# multiple of 256 in its fallback Q5_0). "-dequantized": the float model holding gguf's own dequantization of that
+# file, the oracle the GGUF row must match to float tolerance.
+GGUF_TYPES = {"gguf-q8_0": "Q8_0", "gguf-q8_0-dequantized": "Q8_0", "gguf-q4_k": "Q4_K",
+              "gguf-q4_k-dequantized": "Q4_K"}
+GGUF_MATCH = 1e-4
 # The weight-only variants' algorithm (`kestrel quantize --scheme w4a16 --algorithm A --group-size 128`).
 W4A16_ALGORITHMS = {"w4a16-rtn": "rtn", "w4a16-awq": "awq", "w4a16-gptq": "gptq"}
 W4A16_GROUP = 128
 # Issue targets: perplexity within these fractions of the float model's.
 TARGETS = {"fp8-dynamic": 0.01, "fp8-static": 0.01, "int8-smoothquant": 0.02, "fp8-kv-calibrated": 0.005,
-           "w4a16-awq": 0.03, "w4a16-gptq": 0.03}
+           "w4a16-awq": 0.03, "w4a16-gptq": 0.03, "gguf-q8_0": 0.005}
 # Targets set on one base only (the others hold on both).
 TARGET_BASES = {"int8-smoothquant": "kestrel-tiny-outliers", "w4a16-awq": "kestrel-tiny", "w4a16-gptq": "kestrel-tiny"}
 
@@ -96,11 +107,34 @@ def requantize_fused_shards(path: Path) -> None:
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+def write_gguf_variant(base: Path, dst: Path, type_name: str, dequantized: bool) -> Path:
+    """`base` as a GGUF file of `type_name` (dst.gguf); with `dequantized`, also that file's weights as gguf's
+    dequantizer reads them, written as a float checkpoint beside the base's config and tokenizer (dst/)."""
+    from kestrel.quant import gguf_export
+
+    tensors = {name: t for f in sorted(base.glob("*.safetensors")) for name, t in load_file(str(f)).items()}
+    path = gguf_export.write_gguf(dst.with_suffix(".gguf"), base,
+                                  ((name, t.float().numpy()) for name, t in tensors.items()), lambda module: type_name)
+    if not dequantized:
+        return path
+    config = json.loads((base / "config.json").read_text())
+    shutil.copytree(base, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = {name: torch.from_numpy(v) for name, v in gguf_export.dequantized_tensors([path], config).items()}
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
 def run_sweep(args: Any, score: Any, tokenizer: Any) -> dict[str, Any]:
     """`score(model_dir, **engine_args) -> perplexity result`; returns the sweep's JSON document."""
     from kestrel.tiny import default_model_path
 
     started = time.perf_counter()
+    variants = None
+    if getattr(args, "variants", None):
+        variants = {"float", *args.variants.split(",")}
+        unknown = sorted(variants - set(VARIANTS))
+        if unknown:
+            raise ConfigError(f"--variants: unknown {', '.join(unknown)}; expected some of {', '.join(VARIANTS)}")
     samples = corpus.calibration_token_ids(tokenizer, args.calibration_samples, 256)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,8 +143,13 @@ def run_sweep(args: Any, score: Any, tokenizer: Any) -> dict[str, Any]:
                                                           Path(tmp) / "outliers")}
         for base_name, base in bases.items():
             for variant, (scheme, alpha, kv) in VARIANTS.items():
+                if variants is not None and variant not in variants:
+                    continue
                 model_dir = base
-                if scheme is not None:
+                if variant in GGUF_TYPES:
+                    model_dir = write_gguf_variant(base, Path(tmp) / f"{base_name}-{variant}", GGUF_TYPES[variant],
+                                                   variant.endswith("-dequantized"))
+                elif scheme is not None:
                     model_dir = Path(tmp) / f"{base_name}-{variant}"
                     strategy = "tensor" if "-tensor" in variant else "channel"
                     algorithm = W4A16_ALGORITHMS.get(variant)
@@ -138,10 +177,19 @@ def run_sweep(args: Any, score: Any, tokenizer: Any) -> dict[str, Any]:
             continue
         targets.append({"target": f"{row['variant']} on {row['base']}: perplexity within +{limit:.1%} of float",
                         "limit": limit, "measured": row["vs_float"], "pass": row["vs_float"] <= limit})
+    for row in rows:
+        oracle = next((r for r in rows if r["base"] == row["base"] and r["variant"] == row["variant"] + "-dequantized"),
+                      None)
+        if oracle is not None:
+            gap = abs(row["perplexity"] / oracle["perplexity"] - 1.0)
+            targets.append({"target": f"{row['variant']} on {row['base']}: perplexity equals its gguf-dequantized "
+                                      f"float model's within {GGUF_MATCH:g}", "limit": GGUF_MATCH, "measured": gap,
+                            "pass": gap <= GGUF_MATCH})
     outl = {r["variant"]: r["vs_float"] for r in rows if r["base"] == "kestrel-tiny-outliers"}
-    targets.append({"target": "INT8 without smoothing clearly worse than with SmoothQuant on the outlier model",
-                    "limit": None, "measured": [outl["int8"], outl["int8-smoothquant"]],
-                    "pass": outl["int8"] > 2 * max(outl["int8-smoothquant"], 1e-4)})
+    if "int8" in outl and "int8-smoothquant" in outl:
+        targets.append({"target": "INT8 without smoothing clearly worse than with SmoothQuant on the outlier model",
+                        "limit": None, "measured": [outl["int8"], outl["int8-smoothquant"]],
+                        "pass": outl["int8"] > 2 * max(outl["int8-smoothquant"], 1e-4)})
     return {"suite": "ppl-quant-sweep", "outlier_channels": list(OUTLIER_CHANNELS), "outlier_scale": OUTLIER_SCALE,
             "calibration_samples": len(samples), "rows": rows, "targets": targets,
             "seconds": round(time.perf_counter() - started, 1)}
@@ -155,17 +203,21 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    variants = [v for v in VARIANTS if v != "float"]
-    fig, ax = plt.subplots(figsize=(12.5, 4.5))
+    measured = {r["variant"] for r in result["rows"]}
+    variants = [v for v in VARIANTS if v != "float" and v in measured]
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(variants) + 2.0), 4.5))
     width = 0.38
     for k, base in enumerate(("kestrel-tiny", "kestrel-tiny-outliers")):
         values = [100 * next(r["vs_float"] for r in result["rows"] if r["base"] == base and r["variant"] == v)
                   for v in variants]
         ax.bar([i + (k - 0.5) * width for i in range(len(variants))], values, width, label=base)
     for v, limit in TARGETS.items():
+        if v not in variants:
+            continue
         i = variants.index(v)
         ax.hlines(100 * limit, i - 0.45, i + 0.45, colors="black", linestyles="dashed", linewidth=1)
-    ax.set_xticks(range(len(variants)), [v.replace("-requantized", "\nrequantized") for v in variants], rotation=15)
+    labels = [v.replace("-requantized", "\nrequantized").replace("-dequantized", "\ndequantized") for v in variants]
+    ax.set_xticks(range(len(variants)), labels, rotation=15)
     ax.set_ylabel("perplexity vs float model (%)")
     for i, v in enumerate(variants):
         for k, base in enumerate(("kestrel-tiny", "kestrel-tiny-outliers")):
