@@ -271,11 +271,15 @@ def main() -> int:
         tokens = tuple(int(m) for m in args.tokens.split(",")) if args.tokens else None
     except ValueError:
         tokens = ()
-    if tokens is not None and (not tokens or not all(1 <= m <= gv.MAX_M for m in tokens)):
-        raise SystemExit(f"--tokens {args.tokens!r}: expected comma-separated row counts in 1..{gv.MAX_M}")
+    # A table entry covers every M from 1 to its max_m: the sweep must measure 1 and each M up to the largest.
+    if tokens is not None and (not tokens or 1 not in tokens or not all(1 <= m <= gv.MAX_M for m in tokens)):
+        raise SystemExit(f"--tokens {args.tokens!r}: expected comma-separated row counts in 1..{gv.MAX_M}, 1 among "
+                         "them (a table entry covers M = 1 up to its max_m)")
+    if args.smoke and args.arch:
+        raise SystemExit("--arch picks a model's shapes; --smoke runs tiny shapes of no model: pass one of them")
     started = time.time()
     gpu = common.gpu_key(common.device_name(0)) if device.type == "cuda" else "cpu"
-    tokens = tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
+    tokens = tuple(sorted(tokens or (SMOKE_TOKENS if args.smoke else TOKENS)))
     candidates = SMOKE_CANDIDATES if args.smoke else CANDIDATES
     runs = GPU_RUNS if device.type == "cuda" else CPU_RUNS
     path = args.out / "gemv-h200.json"
@@ -296,7 +300,8 @@ def main() -> int:
     result["proposal"] = proposal
     result["table"] = {"gpu": gpu, "configs": configs,
                        "note": "Measured by scripts/h200_gemv.py: per weight kind and shape (kind:N,K), the GEMV "
-                               "config with the least time over M = 1..8 and the largest M up to which it beat what "
+                               f"config with the least time over M = {','.join(map(str, tokens))} and the largest "
+                               "M up to which it beat what "
                                "the layer runs without it (FP8: W8A8; bf16: cuBLAS) by >= 3% (CUDA-graph replays "
                                "over weights rotated past L2)."}
     table_path = args.out / f"{gv.TABLE}_{gpu}.json"

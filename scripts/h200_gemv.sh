@@ -16,8 +16,9 @@
 #   tables   the H200's tuning tables copied under this GPU's name (an H100 runs them as the H200 would)
 #   sweep-fp8   the sweep of the FP8 weights alone
 #   sweep-w16-llama   the 16-bit sweep at Llama-3-8B's shapes, 1 and 2 rows
-#   merge-fp8 / merge-w16   this GPU's table: the committed entries, those of the shapes swept replaced by the
-#            sweep's (the committed table kept as OUT/committed-table.json)
+#   merge-fp8 / merge-w16   this GPU's table: the entries of the shapes the sweep measured replaced by its winners
+#            (dropped where none won), the rest kept (the table before the first merge kept as
+#            OUT/committed-table.json)
 #   fp8-before / fp8-after   Llama-3-8B FP8 + FP8 KV decode at batch 1, 4 and 8 (prompt 128)
 #   bf16-before / bf16-after   Llama-3-8B BF16 batch-1 decode (prompt 128)
 #   profile-TAG   Llama-3-8B FP8 + FP8 KV batch-1 decode step, kernel by kernel (scripts/h200_decode_profile.py)
@@ -56,13 +57,18 @@ for stage in "$@"; do
     tables) h200_tables ;;
     sweep-fp8) run 420 python3 scripts/h200_gemv.py --out "$out" --kinds fp8 ;;
     sweep-w16-llama) run 300 python3 scripts/h200_gemv.py --out "$out" --kinds w16 --arch llama3-8b --tokens 1,2 ;;
-    merge-fp8|merge-w16) cp "$tuning/gemv_$key.json" "$out/committed-table.json"
-               python3 - "$out/committed-table.json" "$out/gemv_$key.json" "$tuning/gemv_$key.json" <<'PY' | tee -a "$out/log.txt"
+    merge-fp8|merge-w16) [ -n "${key:-}" ] || h200_tables
+               [ -f "$out/committed-table.json" ] || cp "$tuning/gemv_$key.json" "$out/committed-table.json"
+               python3 - "$tuning/gemv_$key.json" "$out/gemv-h200.json" "$out/gemv_$key.json" <<'PY' | tee -a "$out/log.txt"
 import json, sys
-committed, swept = (json.load(open(p)) for p in sys.argv[1:3])
-configs = dict(committed["configs"])
-configs.update(swept["configs"])  # the swept shapes' entries replace the committed ones (others are kept)
-json.dump(dict(committed, configs=configs), open(sys.argv[3], "w"), indent=1)
+table_path, sweep_path, swept_path = sys.argv[1:4]
+table, sweep, swept = (json.load(open(p)) for p in sys.argv[1:4])
+# Every shape the sweep timed loses its entry (one its time budget left untimed keeps it); the shapes where a
+# candidate won get the sweep's.
+measured = {f"{r['kind']}:{r['N']},{r['K']}" for r in sweep["rows"] if any(c.get("us") for c in r["candidates"])}
+configs = {k: v for k, v in table["configs"].items() if k not in measured}
+configs.update(swept["configs"])
+json.dump(dict(table, configs=configs), open(table_path, "w"), indent=1)
 print("table in place:", json.dumps(configs))
 PY
                ;;

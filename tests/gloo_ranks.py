@@ -16,6 +16,8 @@ from pathlib import Path
 
 from kestrel.fork_server import fork_context
 
+FAIL_GRACE_S = 2.0
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -58,9 +60,10 @@ def _lost_port_race(traceback_text: str) -> bool:
 
 def _start_and_join(work: Callable[[int, list[int], str], None], world: int, ports: list[int], root: Path,
                     timeout_s: float) -> list[multiprocessing.process.BaseProcess]:
-    """The ranks, joined; the first to fail (or the deadline, `timeout_s` a rank) ends the others at once: ranks
-    waiting for a dead peer would otherwise sit in gloo's rendezvous until its own timeout (a lost port race cost
-    minutes that way before its retry)."""
+    """The ranks, joined. The first to fail ends the others (after FAIL_GRACE_S, for their own tracebacks: rank
+    0's lost port race must be seen to be retried), as does the deadline: `timeout_s` a rank, and at most
+    `timeout_s` past the first clean exit. Ranks waiting for a dead peer would otherwise sit in gloo's rendezvous
+    until its own timeout (a lost port race cost minutes that way before its retry)."""
     ctx = fork_context()
     procs = [ctx.Process(target=rank_entry, args=(work, rank, ports, str(root)), daemon=True)
              for rank in range(world)]
@@ -73,7 +76,10 @@ def _start_and_join(work: Callable[[int, list[int], str], None], world: int, por
             multiprocessing.connection.wait([p.sentinel for p in running], timeout=deadline - time.monotonic())
             running = [p for p in procs if p.exitcode is None]
             if any(p.exitcode not in (None, 0) for p in procs):
+                multiprocessing.connection.wait([p.sentinel for p in running], timeout=FAIL_GRACE_S)
                 break
+            if any(p.exitcode == 0 for p in procs):
+                deadline = min(deadline, time.monotonic() + timeout_s)
     finally:
         for p in procs:
             if p.is_alive():

@@ -279,6 +279,7 @@ def _held_out_documents(args: argparse.Namespace, tokenizer: Any) -> list[Docume
 def _run_quant_sweep(args: argparse.Namespace) -> int:
     from kestrel.bench import quant_accuracy
 
+    quant_accuracy.selected_variants(args.variants)  # a bad name fails before anything loads
     tokenizer = load_tokenizer(args.model or str(default_model_path()))
     documents = _held_out_documents(args, tokenizer)
     counts = unigram_counts(tokenizer, corpus.texts(corpus.select_evenly(corpus.train_files(), args.baseline_files)),

@@ -107,6 +107,19 @@ def requantize_fused_shards(path: Path) -> None:
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+def selected_variants(spec: str | None) -> set[str] | None:
+    """The variants `--variants` names, with the float model every row is set against; None (all) without it."""
+    if spec is None:
+        return None
+    names = {name.strip() for name in spec.split(",") if name.strip()}
+    if not names:
+        raise ConfigError(f"--variants {spec!r} names no variant; expected some of {', '.join(VARIANTS)}")
+    unknown = sorted(names - set(VARIANTS))
+    if unknown:
+        raise ConfigError(f"--variants: unknown {', '.join(unknown)}; expected some of {', '.join(VARIANTS)}")
+    return {"float", *names}
+
+
 def write_gguf_variant(base: Path, dst: Path, type_name: str, dequantized: bool) -> Path:
     """`base` as a GGUF file of `type_name` (dst.gguf); with `dequantized`, also that file's weights as gguf's
     dequantizer reads them, written as a float checkpoint beside the base's config and tokenizer (dst/)."""
@@ -118,7 +131,7 @@ def write_gguf_variant(base: Path, dst: Path, type_name: str, dequantized: bool)
     if not dequantized:
         return path
     config = json.loads((base / "config.json").read_text())
-    shutil.copytree(base, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(base, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
     weights = {name: torch.from_numpy(v) for name, v in gguf_export.dequantized_tensors([path], config).items()}
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
@@ -129,12 +142,7 @@ def run_sweep(args: Any, score: Any, tokenizer: Any) -> dict[str, Any]:
     from kestrel.tiny import default_model_path
 
     started = time.perf_counter()
-    variants = None
-    if getattr(args, "variants", None):
-        variants = {"float", *args.variants.split(",")}
-        unknown = sorted(variants - set(VARIANTS))
-        if unknown:
-            raise ConfigError(f"--variants: unknown {', '.join(unknown)}; expected some of {', '.join(VARIANTS)}")
+    variants = selected_variants(getattr(args, "variants", None))
     samples = corpus.calibration_token_ids(tokenizer, args.calibration_samples, 256)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,8 +6,11 @@ The `gguf` package quantizes Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 but only dequantize
 encoded here (`quantize_q4_k`, llama.cpp's block layout: per 256 values an fp16 `d` and `dmin`, eight 6-bit
 scale / min pairs packed in 12 bytes, 128 bytes of 4-bit codes; value = d * scale * q - dmin * min). The codes are
 round-to-nearest from each 32-value sub-block's min and max, without the search over scales that llama.cpp's
-quantizer runs. A row whose length is not a multiple of 256 cannot hold K-quant blocks: it takes llama.cpp's
-fallback type (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0).
+quantizer runs; the other K-quants are not written. A row whose length is not a multiple of 256 cannot hold K-quant
+blocks: it takes llama.cpp's fallback type (Q4_K -> Q5_0), and a row no block of its type divides is written F16.
+The tokenizer must be a byte-level BPE tokenizer.json ("gpt2" in GGUF; `pre` names its pre-tokenizer split, as
+llama.cpp's converter does); its token list is padded to the embedding's rows with `[PADi]` tokens, as llama.cpp's
+converter pads it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ LAYER_MODULES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ff
                  "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                  "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
                  "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0"}
+K_QUANT_FALLBACK = {"Q4_K": "Q5_0"}
 SUPER_BLOCK = 256
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -87,15 +90,25 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, cols // SUPER_BLOCK * 144)
 
 
+# Types written: F32 / F16 as arrays, Q4_K encoded here, the rest quantized by the gguf package.
+WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K")
+
+
 def stored_type(type_name: str, cols: int) -> str:
-    """The type a row of `cols` values is written in: a K-quant's fallback where K-quant blocks cannot hold it."""
-    if type_name.endswith("_K") and cols % SUPER_BLOCK:
-        return K_QUANT_FALLBACK[type_name]
-    return type_name
+    """The type a row of `cols` values is written in: a K-quant's fallback where K-quant blocks cannot hold it,
+    F16 where no block of the type divides the row."""
+    if type_name in K_QUANT_FALLBACK and cols % SUPER_BLOCK:
+        type_name = K_QUANT_FALLBACK[type_name]
+    if type_name in ("F32", "F16", "BF16"):
+        return type_name
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
+    return type_name if cols % block == 0 else "F16"
 
 
 def encode(values: np.ndarray, type_name: str) -> tuple[np.ndarray, object]:
     """`values` (float32) in GGML type `type_name`: F32 / F16 arrays as they are, Q4_K here, the rest by gguf."""
+    if type_name not in WRITABLE:
+        raise ValueError(f"GGML type {type_name} is not written here; supported: {', '.join(WRITABLE)}")
     if type_name == "F32":
         return values.astype(np.float32), None
     if type_name == "F16":
@@ -197,26 +210,34 @@ def llama3_rope_factors(config: dict) -> np.ndarray:
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, config: dict, pre: str) -> None:
-    """A byte-level BPE tokenizer.json ("gpt2" in GGUF), its special tokens and the chat template."""
+    """A byte-level BPE tokenizer.json ("gpt2" in GGUF), padded to the embedding's rows; its special tokens, BOS /
+    EOS (the first of a list of EOS ids), whether BOS is added (tokenizer_config.json's `add_bos_token`, off where
+    unset, as Hugging Face's BPE tokenizers default) and the chat template."""
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    chat_template = json.loads((hf_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    if tok["model"].get("type") != "BPE":
+        raise ValueError(f"{hf_dir}: only byte-level BPE tokenizers are written to GGUF here, not "
+                         f"{tok['model'].get('type')!r}")
+    tok_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
     vocab = tok["model"]["vocab"]
-    tokens = [""] * len(vocab)
+    size = max([len(vocab), config.get("vocab_size") or 0, *(a["id"] + 1 for a in tok["added_tokens"])])
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [gguf.TokenType.UNUSED] * size
     for token, i in vocab.items():
-        tokens[i] = token
-    special = {added["id"] for added in tok["added_tokens"] if added["special"]}
+        tokens[i], types[i] = token, gguf.TokenType.NORMAL
     for added in tok["added_tokens"]:
-        if added["id"] >= len(tokens):
-            tokens += [""] * (added["id"] + 1 - len(tokens))
         tokens[added["id"]] = added["content"]
+        types[added["id"]] = gguf.TokenType.CONTROL if added["special"] else gguf.TokenType.USER_DEFINED
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
-                            for i in range(len(tokens))])
+    writer.add_token_types(types)
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
-    writer.add_add_bos_token(True)
-    if chat_template:
-        writer.add_chat_template(chat_template)
+    for add, token_id in ((writer.add_bos_token_id, config.get("bos_token_id")),
+                          (writer.add_eos_token_id, config.get("eos_token_id"))):
+        if isinstance(token_id, list):
+            token_id = token_id[0] if token_id else None
+        if token_id is not None:
+            add(token_id)
+    writer.add_add_bos_token(bool(tok_config.get("add_bos_token", False)))
+    if tok_config.get("chat_template"):
+        writer.add_chat_template(tok_config["chat_template"])

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from test_gguf import assert_matches, load_gguf, oracle, tiny_hf
 
 from kestrel.bench import ppl
-from kestrel.bench.quant_accuracy import run_sweep, write_gguf_variant
+from kestrel.bench.quant_accuracy import run_sweep, selected_variants, write_gguf_variant
 from kestrel.config import ConfigError
 from kestrel.loader.model_init import write_tiny_checkpoint
 from kestrel.quant import gguf_export
@@ -46,9 +46,33 @@ def test_q4_k_blocks_read_back_within_their_step():
 
 def test_rows_k_quant_blocks_cannot_hold_take_the_fallback_type():
     assert gguf_export.stored_type("Q4_K", 640) == "Q5_0"
-    assert gguf_export.stored_type("Q6_K", 640) == "Q8_0"
     assert gguf_export.stored_type("Q4_K", 512) == "Q4_K"
     assert gguf_export.stored_type("Q8_0", 640) == "Q8_0"
+    assert gguf_export.stored_type("Q4_K", 100) == "F16"  # no Q5_0 block of 32 divides it either
+    with pytest.raises(ValueError, match="GGML type Q6_K is not written here; supported: F32, F16"):
+        gguf_export.encode(np.zeros((1, 256), dtype=np.float32), "Q6_K")
+
+
+def test_the_token_list_is_padded_to_the_embedding_and_eos_lists_and_bos_follow_the_checkpoint(tmp_path):
+    hf_dir = tmp_path / "hf"
+    config = write_tiny_checkpoint(hf_dir, "qwen3", hidden_size=256, intermediate_size=512, head_dim=64)
+    tokens = len(json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    config.update(vocab_size=tokens + 64, eos_token_id=[config["eos_token_id"], 3])
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    tok_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    tok_config["add_bos_token"] = False
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    weights = {n: t.float().numpy() for n, t in load_file(str(hf_dir / "model.safetensors")).items()}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in weights:
+            weights[name] = np.concatenate([weights[name], np.zeros((64, weights[name].shape[1]), np.float32)])
+    path = gguf_export.write_gguf(tmp_path / "m.gguf", hf_dir, weights.items(), lambda module: "Q8_0")
+    fields = gguf.GGUFReader(str(path)).fields
+    assert len(fields["tokenizer.ggml.tokens"].data) == tokens + 64
+    assert int(fields["tokenizer.ggml.eos_token_id"].parts[-1][0]) == config["eos_token_id"][0]
+    assert not bool(fields["tokenizer.ggml.add_bos_token"].parts[-1][0])
+    model = load_gguf(path)
+    assert model.config.vocab_size == tokens + 64
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0"])
@@ -85,3 +109,8 @@ def test_variants_without_the_sweep_and_unknown_variants_are_refused(capsys):
     assert "--variants selects the variants of --quant-sweep" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--variants: unknown gguf-q3; expected some of float, "):
         run_sweep(argparse.Namespace(variants="gguf-q3,gguf-q8_0"), None, None)
+    with pytest.raises(ConfigError, match="--variants ' , ' names no variant"):
+        selected_variants(" , ")
+    assert selected_variants("gguf-q8_0, gguf-q4_k") == {"float", "gguf-q8_0", "gguf-q4_k"}
+    assert ppl.main(["--quant-sweep", "--variants", "nope"]) != 0
+    assert "--variants: unknown nope" in capsys.readouterr().err
