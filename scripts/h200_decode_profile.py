@@ -8,6 +8,9 @@ against the sum, so the gap is the time the GPU idles. Writes OUT/decode-profile
 
     PYTHONPATH=. python scripts/h200_decode_profile.py --out OUT --arch qwen3-30b-a3b --tag table
     PYTHONPATH=. python scripts/h200_decode_profile.py --out OUT --smoke     # CPU check of this script
+
+Under programmatic dependent launch the profiler charges each kernel its wait for the one before (a GEMV shows
+30 us a call): `--no-pdl` launches every kernel without it, so the step is slower but splits by kernel.
 """
 
 from __future__ import annotations
@@ -100,6 +103,11 @@ def profile_precision(args: argparse.Namespace, quantization: str | None, kv_dty
     return result
 
 
+def _without_pdl(x: torch.Tensor, feature: str | None = None) -> dict:
+    """`kernels.common.pdl_options` with PDL off for every launch (`--no-pdl`)."""
+    return {"USE_PDL": False, "launch_pdl": False} if x.is_cuda else {"USE_PDL": False}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -111,7 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="tiny random llama on the CPU: checks this script runs")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch every kernel without programmatic dependent launch: under PDL the profiler charges a "
+                        "kernel its wait for the one before, so only a step without it splits by kernel")
     args = p.parse_args(argv)
+    if args.no_pdl:
+        from kestrel.kernels import common as kernel_common
+
+        kernel_common.pdl_options = _without_pdl
     args.out.mkdir(parents=True, exist_ok=True)
     choices = {"bf16": (None, "auto"), "fp8": ("fp8", "fp8")}
     results = {}
@@ -126,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         for row in res["top_kernels"][:12]:
             print(f"   {row['us_per_step']:9.1f} us  x{row['calls_per_step']:5.0f}  {row['name'][:100]}")
     path = args.out / f"decode-profile-{args.arch}-{args.tag}.json"
-    path.write_text(json.dumps({"arch": args.arch, "tag": args.tag, "results": results}, indent=1) + "\n")
+    path.write_text(json.dumps({"arch": args.arch, "tag": args.tag, "pdl": not args.no_pdl, "results": results},
+                               indent=1) + "\n")
     print(f"wrote {path}")
     return 0
 

@@ -21,7 +21,8 @@
 #            OUT/committed-table.json)
 #   fp8-before / fp8-after   Llama-3-8B FP8 + FP8 KV decode at batch 1, 4 and 8 (prompt 128)
 #   bf16-before / bf16-after   Llama-3-8B BF16 batch-1 decode (prompt 128)
-#   profile-TAG   Llama-3-8B FP8 + FP8 KV batch-1 decode step, kernel by kernel (scripts/h200_decode_profile.py)
+#   profile-TAG   Llama-3-8B FP8 + FP8 KV batch-1 decode step, kernel by kernel (scripts/h200_decode_profile.py;
+#            PDL off, so each kernel's own time is what the profiler shows)
 #   pack     everything under OUT in OUT/results.tar.gz
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 decode_runs() { local tag=$1
@@ -77,7 +78,7 @@ PY
     fp8-before|fp8-after) latency 150 "llama3-8b-fp8-${stage#fp8-}" --batch 1,4,8 --input-len 128 --output-len 64 \
                             --repeats 2 --quantization fp8 --kv-cache-dtype fp8 ;;
     profile-*) run 200 python3 scripts/h200_decode_profile.py --out "$out" --arch llama3-8b --precisions fp8 \
-                 --tag "${stage#profile-}" ;;
+                 --no-pdl --tag "${stage#profile-}" ;;
     pack) pack_results ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac
