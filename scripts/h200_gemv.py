@@ -50,9 +50,8 @@ TILES = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (16, 1024, 8), (
 # And slices of 128-256 values a thread: each program's fixed work (indexing, the reduction across the slice, the
 # split sums' arrival) spread over more bytes.
 TILES += ((16, 1024, 4), (16, 2048, 4), (32, 1024, 4), (8, 4096, 8), (4, 4096, 4), (32, 2048, 8))
-CANDIDATES = {kind: [C(block_n=n, block_k=k, num_warps=w) for n, k, w in TILES] for kind in ("w16", "fp8")}
-SMOKE_CANDIDATES = {kind: [C(block_n=8, block_k=32, num_warps=1), C(block_n=16, block_k=16, num_warps=1)]
-                    for kind in ("w16", "fp8")}
+CANDIDATES = [C(block_n=n, block_k=k, num_warps=w) for n, k, w in TILES]
+SMOKE_CANDIDATES = [C(block_n=8, block_k=32, num_warps=1), C(block_n=16, block_k=16, num_warps=1)]
 TOKENS, SMOKE_TOKENS = (1, 2, 4, 8), (1, 2)
 KINDS = ("fp8", "w16")
 ERR_LIMIT = 2.0**-8
@@ -222,7 +221,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def tuning_table(rows: list[dict], candidates: dict[str, list[gv.GemvConfig]]) -> tuple[dict, dict]:
+def tuning_table(rows: list[dict], candidates: list[gv.GemvConfig]) -> tuple[dict, dict]:
     """(table configs keyed "kind:N,K", the per-shape proposal): `max_m` = the largest measured M such that one
     candidate beats the baseline by >= 3% at every measured M up to it, and of the candidates that do, the one
     with the least summed time over those M."""
@@ -232,7 +231,7 @@ def tuning_table(rows: list[dict], candidates: dict[str, list[gv.GemvConfig]]) -
         name = f"{kind}:{shape}"
         mine = sorted((r for r in rows if (r["kind"], r["shape"]) == (kind, shape)), key=lambda r: r["M"])
         best: tuple[int, float, int] | None = None  # (max_m, -summed us, candidate)
-        for i in range(len(candidates[kind])):
+        for i in range(len(candidates)):
             max_m, total = 0, 0.0
             for r in mine:
                 us, base = r["candidates"][i].get("us"), baseline_us(r)
@@ -247,7 +246,7 @@ def tuning_table(rows: list[dict], candidates: dict[str, list[gv.GemvConfig]]) -
         max_m, _, i = best
         proposal[name] = {"config": i, "max_m": max_m}
         key = gv.table_key(kind, mine[0]["N"], mine[0]["K"])
-        entry = dict(candidates[kind][i].to_json(), max_m=max_m)
+        entry = dict(candidates[i].to_json(), max_m=max_m)
         if key in configs:  # two shapes of one weight size: the smaller win holds for both
             entry = min(configs[key], entry, key=lambda e: e["max_m"])
         configs[key] = entry
@@ -287,11 +286,10 @@ def main() -> int:
     bw = ceilings["bw"]
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s ({'measured' if ceilings.get('measured') else 'fallback'})")
     result: dict = {"env": gemm_bench.environment(None), "device": str(device), "bw": bw, "ceilings": ceilings,
-                    "tokens": list(tokens), "candidates": {k: [c.to_json() for c in candidates[k]] for k in kinds},
-                    "err_limit": ERR_LIMIT,
+                    "tokens": list(tokens), "candidates": [c.to_json() for c in candidates], "err_limit": ERR_LIMIT,
                     "win": WIN, "rows": []}
     for shape in shapes_of(args.smoke, kinds, args.arch):
-        result["rows"] += run_shape(shape, tokens, candidates[shape["kind"]], device, bw, runs, started)
+        result["rows"] += run_shape(shape, tokens, candidates, device, bw, runs, started)
         result["seconds"] = time.time() - started
         path.write_text(json.dumps(result, indent=1) + "\n")  # after every shape: a cut-off run keeps its rows
         if device.type == "cuda":
@@ -313,8 +311,7 @@ def main() -> int:
           "the GEMV (w16: cuBLAS; fp8: scaled_mm alone where a fused producer quantizes (qkv, gate_up, down), "
           "quantizer + scaled_mm for o); gemv = best candidate (cfg); vs base = base / gemv")
     for name, prop in proposal.items():
-        kind = name.split(":")[0]
-        cfg = candidates[kind][prop["config"]].to_json() if prop["config"] is not None else None
+        cfg = candidates[prop["config"]].to_json() if prop["config"] is not None else None
         print(f"proposal {name}: candidate {prop['config']} max_m {prop['max_m']} {cfg or ''}")
     print(f"wrote {path} and {table_path} (copy it to kestrel/kernels/tuning/ to turn the path on where it won) "
           f"in {result['seconds']:.0f} s")

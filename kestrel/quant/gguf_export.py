@@ -31,9 +31,8 @@ LAYER_MODULES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ff
                  "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 K_QUANT_FALLBACK = {"Q4_K": "Q5_0"}
 SUPER_BLOCK = 256
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
-# (GGUF name, values) -> (the tensor's data, its GGML type or None for F32 / F16 arrays).
+# (float32 values, GGML type name) -> (the tensor's data, its GGML type or None for F32 / F16 arrays).
 Encoder = Callable[[np.ndarray, str], tuple[np.ndarray, object]]
 
 
