@@ -1,8 +1,9 @@
 """Weight-only GEMM with 4- or 8-bit weights and 16-bit (or fp32) activations: W4A16 / W8A16.
 
-`out[m, n] = sum_k x[m, k] * w[n, k] + bias[n]`, where `w[n, k] = s[g(k), n] * (v[k, n] - z[g(k), n])`, computed in
-fp32 and rounded once to `out_dtype`. The weights come from GPTQ, AWQ and compressed-tensors checkpoints; the
-`repack_*` functions below turn each checkpoint layout into the one layout the kernel reads (`WNA16Weight`).
+`out[m, n] = sum_k x[m, k] * w[n, k] + bias[n]`, where `w[n, k] = s[g(k), n] * (v[k, n] - z[g(k), n])`, or
+`s[g(k), n] * v[k, n] - m[g(k), n]` with float offsets ("mins"), computed in fp32 and rounded once to `out_dtype`.
+The weights come from GPTQ, AWQ, compressed-tensors and GGUF checkpoints; the `repack_*` functions below turn each
+checkpoint layout into the one layout the kernel reads (`WNA16Weight`).
 
 Weight types (`weight_type`): the value `v` of a stored code or element, and the zero point `z`:
 - "int4"      4-bit code c, v = c - 8 (GPTQ symmetric, compressed-tensors symmetric INT4); no zeros.
@@ -27,7 +28,11 @@ The packed layout (`WNA16Weight`), K-major with N contiguous (the transpose of t
   bit shuffling at load. (Marlin-style fragment-ordered layouts are faster still; this is the simple first step.)
 - `scales`: `[K // group, N]` float (bf16 / fp16 / fp32, kept as the checkpoint stores them), row g for the rows
   k with k // group == g. `group` = K // scales.shape[0]: 16, 32, 64, 128, ... or K (per channel).
-- `zeros`: None or int8 `[K // group, N]` (uint4: 0..15; int8: the zero in the signed domain).
+- `zeros`: None or int8 `[K // group, N]` (uint4: 0..15; int8: the zero in the signed domain); or float32
+  `[K // group, N]` offsets m ("mins", int4 and int8 only: w = s * v - m), the form of llama.cpp's K-quants and
+  Q4_1 / Q5_1 (a 6-bit scale and a 6-bit min per sub-block), whose zero points s / m are not integers. The kernel
+  takes them out of the main loop's products: each K step adds s * sum x * v as before and subtracts
+  m * sum x (the step's activations summed once per row), so the dots keep their exact integer operands.
 - `perm`: None or int32 `[K]`: act-order (GPTQ desc_act, compressed-tensors actorder=group). The rows were sorted
   by group at load, so sorted row k holds checkpoint input column perm[k] and every group is a contiguous run of
   rows; at run time x's columns are gathered with the same permutation (`x.index_select(1, perm)`, one small
@@ -96,6 +101,7 @@ _NF4 = tl.constexpr(_CODE["nf4"])
 _FP4_BNB = tl.constexpr(_CODE["fp4_bnb"])
 _INT8 = tl.constexpr(_CODE["int8"])
 _FOUR_BIT = ("int4", "uint4", "fp4_e2m1", "nf4", "fp4_bnb")
+MINS_TYPES = ("int4", "int8")  # the weight types that take float offsets (mins) in `zeros`
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The e2m1 code book: code c -> value (sign bit 3).
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -172,6 +178,11 @@ class WNA16Config:
 # ------------------------------------------------------------------------------------- argument checks
 
 
+def has_mins(zeros: torch.Tensor | None) -> bool:
+    """Whether `zeros` holds float offsets (w = s * v - m) rather than integer zero points."""
+    return zeros is not None and zeros.is_floating_point()
+
+
 def weight_shape(qweight: torch.Tensor, weight_type: str) -> tuple[int, int]:
     """(K, N) of a packed weight."""
     rows, N = qweight.shape
@@ -197,7 +208,13 @@ def _check_weight(qweight, scales, zeros, perm, weight_type) -> tuple[int, int, 
         raise ValueError(f"wna16: the group size (K // scales rows = {group}) must be a multiple of 16")
     if weight_type == "uint4" and zeros is None:
         raise ValueError("wna16: uint4 weights need zeros (use int4 for the symmetric code - 8)")
-    if zeros is not None:
+    if zeros is not None and has_mins(zeros):
+        if weight_type not in MINS_TYPES:
+            raise ValueError(f"wna16: float offsets (mins) are for {MINS_TYPES} weights, not {weight_type}")
+        if zeros.dtype != torch.float32 or tuple(zeros.shape) != tuple(scales.shape):
+            raise ValueError(f"wna16: mins must be float32 {tuple(scales.shape)}, got {zeros.dtype} "
+                             f"{tuple(zeros.shape)}")
+    elif zeros is not None:
         if weight_type not in ("uint4", "int8"):
             raise ValueError(f"wna16: zero points are for uint4 and int8 weights, not {weight_type}")
         if zeros.dtype != torch.int8 or tuple(zeros.shape) != tuple(scales.shape):
@@ -234,12 +251,15 @@ def unpack_values(qweight: torch.Tensor, weight_type: str) -> torch.Tensor:
 
 
 def _dequant_kn(qweight, scales, zeros, weight_type, group) -> torch.Tensor:
-    """`[K, N]` float32 weights in sorted-K order: s * (v - z), exact in fp32 for 16-bit scales."""
+    """`[K, N]` float32 weights in sorted-K order: s * (v - z), exact in fp32 for 16-bit scales; with mins
+    s * v - m, rounded once."""
     v = unpack_values(qweight, weight_type)
     if weight_type == "int4":
         v = v - 8
     elif weight_type in _CODE_BOOKS:
         v = torch.tensor(_CODE_BOOKS[weight_type], dtype=torch.float32, device=v.device)[v]
+    if has_mins(zeros):
+        return v.float() * scales.float().repeat_interleave(group, 0) - zeros.repeat_interleave(group, 0)
     if zeros is not None:
         v = v - zeros.to(torch.int32).repeat_interleave(group, 0)
     return v.float() * scales.float().repeat_interleave(group, 0)
@@ -488,27 +508,41 @@ def _group_scales(s_ptr, g, stride_sg, w_cols):
 
 
 @triton.jit
+def _group_mins(z_ptr, g, stride_zg, w_cols):
+    """Group g's float offsets (mins) of the tile's columns (`zeros` holding float32 offsets)."""
+    return tl.load(z_ptr + g * stride_zg + w_cols)
+
+
+@triton.jit
 def _gemv_step4(acc2, words, x_row, s_ptr, z_ptr, w_cols, kt, steps_per_group, stride_sg, stride_zg,
-                WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, ONE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`acc2` plus K step kt of one activation row against its packed `words` (4-bit types, FMA path)."""
+                WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, ONE_GROUP: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """`acc2` plus K step kt of one activation row against its packed `words` (4-bit types, FMA path). With mins,
+    each word row's activations (summed) times the group's offsets are subtracted beside its scaled products."""
     g = kt // steps_per_group
     z = _group_zeros(z_ptr, g, stride_zg, w_cols, HAS_ZEROS)
     k8 = kt * BLOCK_K + tl.arange(0, BLOCK_K // 8) * 8
     step = tl.zeros(acc2.shape, dtype=tl.float32)
+    x_words = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
     for sh in tl.static_range(8):
         xs = tl.load(x_row + k8 + sh).to(tl.float32)
         step += xs[:, None] * _decode4((words >> (4 * sh)) & 0xF, z[None, :], WTYPE, HAS_ZEROS)
+        if HAS_MINS:
+            x_words += xs
     if ONE_GROUP:
         acc2 += step
     else:
         acc2 += step * _group_scales(s_ptr, g, stride_sg, w_cols)[None, :]
+    if HAS_MINS:
+        acc2 -= x_words[:, None] * _group_mins(z_ptr, g, stride_zg, w_cols)[None, :]
     return acc2
 
 
 @triton.jit
 def _gemv_range(x_row, w_ptr, s_ptr, z_ptr, w_cols, kt_begin, kt_end, steps_per_group, scale_mult, stride_wk,
-                stride_sg, stride_zg, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, ONE_GROUP: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PIPE: tl.constexpr, STAGES: tl.constexpr):
+                stride_sg, stride_zg, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr,
+                ONE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PIPE: tl.constexpr,
+                STAGES: tl.constexpr):
     """One activation row times K steps [kt_begin, kt_end) of a column tile, on the FMA units (BLOCK_M = 1): each
     step's exact products join a `[BLOCK_K (/ 8), BLOCK_N]` fp32 accumulator elementwise, so nothing crosses
     threads until one sum over K after the loop, and no tile is laid out again for a tensor-core dot. The
@@ -524,19 +558,19 @@ def _gemv_range(x_row, w_ptr, s_ptr, z_ptr, w_cols, kt_begin, kt_end, steps_per_
             for kt in tl.range(kt_begin, kt_end, num_stages=STAGES):
                 words = _word_rows(w_ptr, kt, w_cols, stride_wk, BLOCK_K)
                 acc2 = _gemv_step4(acc2, words, x_row, s_ptr, z_ptr, w_cols, kt, steps_per_group, stride_sg,
-                                   stride_zg, WTYPE, HAS_ZEROS, ONE_GROUP, BLOCK_K)
+                                   stride_zg, WTYPE, HAS_ZEROS, HAS_MINS, ONE_GROUP, BLOCK_K)
         elif PIPE == 1:
             words = _word_rows(w_ptr, kt_begin, w_cols, stride_wk, BLOCK_K)
             for kt in range(kt_begin, kt_end):
                 ahead = _word_rows(w_ptr, tl.minimum(kt + 1, kt_end - 1), w_cols, stride_wk, BLOCK_K)
                 acc2 = _gemv_step4(acc2, words, x_row, s_ptr, z_ptr, w_cols, kt, steps_per_group, stride_sg,
-                                   stride_zg, WTYPE, HAS_ZEROS, ONE_GROUP, BLOCK_K)
+                                   stride_zg, WTYPE, HAS_ZEROS, HAS_MINS, ONE_GROUP, BLOCK_K)
                 words = ahead
         else:
             for kt in range(kt_begin, kt_end):
                 words = _word_rows(w_ptr, kt, w_cols, stride_wk, BLOCK_K)
                 acc2 = _gemv_step4(acc2, words, x_row, s_ptr, z_ptr, w_cols, kt, steps_per_group, stride_sg,
-                                   stride_zg, WTYPE, HAS_ZEROS, ONE_GROUP, BLOCK_K)
+                                   stride_zg, WTYPE, HAS_ZEROS, HAS_MINS, ONE_GROUP, BLOCK_K)
     else:
         acc2 = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         for kt in range(kt_begin, kt_end):
@@ -548,6 +582,8 @@ def _gemv_range(x_row, w_ptr, s_ptr, z_ptr, w_cols, kt_begin, kt_end, steps_per_
                 acc2 += xs[:, None] * w
             else:
                 acc2 += (xs[:, None] * w) * _group_scales(s_ptr, g, stride_sg, w_cols)[None, :]
+            if HAS_MINS:
+                acc2 -= xs[:, None] * _group_mins(z_ptr, g, stride_zg, w_cols)[None, :]
     acc = tl.sum(acc2, axis=0)
     if ONE_GROUP:
         acc = acc * _group_scales(s_ptr, 0, stride_sg, w_cols)
@@ -604,11 +640,11 @@ def _step_dot(x_rows, offs_k, w_ptr, kt, w_cols, stride_wk, z, acc, WTYPE: tl.co
 
 @triton.jit
 def _group_scaled_step(acc, x_rows, offs_k, w_ptr, s_ptr, z_ptr, kt, w_cols, steps_per_group, scale_mult, stride_wk,
-                       stride_sg, stride_zg, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, X_DTYPE: tl.constexpr,
-                       DOT_F32: tl.constexpr, NIBBLES: tl.constexpr, ASM: tl.constexpr, SWAP: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                       stride_sg, stride_zg, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr,
+                       X_DTYPE: tl.constexpr, DOT_F32: tl.constexpr, NIBBLES: tl.constexpr, ASM: tl.constexpr,
+                       SWAP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """`acc` plus K step kt's product from exact operands times its group's scales in fp32 (each K step lies in
-    one group; `acc` is the transposed tile with SWAP)."""
+    one group; `acc` is the transposed tile with SWAP), less the group's mins times the step's activation sums."""
     g = kt // steps_per_group
     z = _group_zeros(z_ptr, g, stride_zg, w_cols, HAS_ZEROS)
     part = _step_dot(x_rows, offs_k, w_ptr, kt, w_cols, stride_wk, z, tl.zeros(acc.shape, dtype=tl.float32), WTYPE,
@@ -618,6 +654,13 @@ def _group_scaled_step(acc, x_rows, offs_k, w_ptr, s_ptr, z_ptr, kt, w_cols, ste
         acc += part * s[:, None]
     else:
         acc += part * s[None, :]
+    if HAS_MINS:
+        x_sums = tl.sum(tl.load(x_rows + (kt * BLOCK_K + offs_k)[None, :]).to(tl.float32), axis=1)
+        mins = _group_mins(z_ptr, g, stride_zg, w_cols)
+        if SWAP:
+            acc -= mins[:, None] * x_sums[None, :]
+        else:
+            acc -= x_sums[:, None] * mins[None, :]
     return acc
 
 
@@ -634,7 +677,7 @@ def _wna16_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
     M, N, k_tiles, k_tiles_per_split, split_k, steps_per_group, scale_mult,
     stride_xm, stride_wk, stride_sg, stride_zg, stride_om,
-    WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     ONE_GROUP: tl.constexpr, DOT_F32: tl.constexpr, FAST: tl.constexpr, NIBBLES: tl.constexpr,
     ASM: tl.constexpr, SWAP: tl.constexpr, PIPE: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -661,8 +704,8 @@ def _wna16_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if BLOCK_M == 1:
         acc = _gemv_range(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, s_ptr, z_ptr, w_cols, kt_begin, kt_end,
-                          steps_per_group, scale_mult, stride_wk, stride_sg, stride_zg, WTYPE, HAS_ZEROS, ONE_GROUP,
-                          BLOCK_K, BLOCK_N, PIPE, STAGES)
+                          steps_per_group, scale_mult, stride_wk, stride_sg, stride_zg, WTYPE, HAS_ZEROS, HAS_MINS,
+                          ONE_GROUP, BLOCK_K, BLOCK_N, PIPE, STAGES)
     elif SWAP:
         # The weights as the dots' first operand (nibble dots, or one dot over the transposed tile): the
         # accumulator is the transposed tile until the end. Per channel (one group) g stays 0 and the one scale
@@ -670,7 +713,7 @@ def _wna16_kernel(
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kt in range(kt_begin, kt_end):
             acc_t = _group_scaled_step(acc_t, x_rows, offs_k, w_ptr, s_ptr, z_ptr, kt, w_cols, steps_per_group,
-                                       scale_mult, stride_wk, stride_sg, stride_zg, WTYPE, HAS_ZEROS,
+                                       scale_mult, stride_wk, stride_sg, stride_zg, WTYPE, HAS_ZEROS, HAS_MINS,
                                        x_ptr.dtype.element_ty, DOT_F32, NIBBLES, ASM, True, BLOCK_K, BLOCK_N)
         acc = tl.trans(acc_t)
     elif ONE_GROUP:
@@ -684,7 +727,7 @@ def _wna16_kernel(
         # One flat loop (software-pipelined by Triton), each step's product scaled before it joins the accumulator.
         for kt in range(kt_begin, kt_end):
             acc = _group_scaled_step(acc, x_rows, offs_k, w_ptr, s_ptr, z_ptr, kt, w_cols, steps_per_group,
-                                     scale_mult, stride_wk, stride_sg, stride_zg, WTYPE, HAS_ZEROS,
+                                     scale_mult, stride_wk, stride_sg, stride_zg, WTYPE, HAS_ZEROS, HAS_MINS,
                                      x_ptr.dtype.element_ty, DOT_F32, NIBBLES, ASM, False, BLOCK_K, BLOCK_N)
 
     if SPLIT:
@@ -750,6 +793,7 @@ def wna16_gemm(
                      device=x.device)
     w = qweight.view(torch.uint8) if weight_type == "fp8_e4m3" else qweight
     z = zeros if zeros is not None else scales
+    mins = has_mins(zeros)
     bias_t = bias.reshape(-1).contiguous() if bias is not None else scales
     four_bit = weight_type in _FOUR_BIT
     nibbles = cfg.nibble_dots and four_bit and block_k >= 128 and cfg.block_m >= 16
@@ -758,8 +802,10 @@ def wna16_gemm(
         x, w, scales, z, bias_t, out, ws, common.arrival_counters(x.device),
         M, N, k_tiles, per_split, split_k, group // block_k, _SCALE_MULT.get(weight_type, 1.0),
         x.stride(0), w.stride(0), scales.stride(0), z.stride(0), out.stride(0),
-        WTYPE=_CODE[weight_type], HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        ONE_GROUP=scales.shape[0] == 1, DOT_F32=not x.is_cuda or x.dtype == torch.float32, FAST=x.is_cuda,
+        WTYPE=_CODE[weight_type], HAS_ZEROS=zeros is not None and not mins, HAS_MINS=mins,
+        HAS_BIAS=bias is not None, SPLIT=split_k > 1,
+        # With mins every step takes its group's offsets, so one group is looped like many.
+        ONE_GROUP=scales.shape[0] == 1 and not mins, DOT_F32=not x.is_cuda or x.dtype == torch.float32, FAST=x.is_cuda,
         NIBBLES=nibbles, ASM=cfg.fast_convert and (nibbles or swap) and _asm_ok(x, weight_type),
         SWAP=swap, PIPE=cfg.fma_pipeline if four_bit else 0,
         STAGES=cfg.num_stages, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
@@ -894,7 +940,7 @@ def _from_kn(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | No
     else:
         qweight = codes.to(torch.float8_e4m3fn).contiguous()
     if zeros is not None:
-        zeros = zeros.to(torch.int8).contiguous()
+        zeros = zeros.to(torch.float32 if zeros.is_floating_point() else torch.int8).contiguous()
     out = WNA16Weight(qweight, scales.to(_scale_dtype(scales, scale_dtype)).contiguous(), zeros, perm, weight_type)
     _check_weight(*out)
     return out
@@ -914,7 +960,8 @@ def pack_wna16(
     values: int4: integers in [-8, 7]; uint4: [0, 15] with zeros [0, 15]; fp4_e2m1: codes 0..15 (integer dtype)
     or e2m1-representable floats; nf4, fp4_bnb: codes 0..15 (integer dtype); int8: int8 (zeros optional, signed);
     fp8_e4m3: float8_e4m3fn.
-    scales `[N, K // group]` (or `[N]` / `[N, 1]`: per channel), zeros like scales, g_idx `[K]` (act-order).
+    scales `[N, K // group]` (or `[N]` / `[N, 1]`: per channel), zeros like scales (a floating dtype: offsets,
+    w = s * v - m, for int4 and int8), g_idx `[K]` (act-order).
     W8A16 checkpoints (compressed-tensors naive int8 or FP8 with `weight_scale [N, 1]`) load through this."""
     if weight_type not in _CODE:
         raise ValueError(f"wna16: weight_type must be one of {WEIGHT_TYPES}, got {weight_type!r}")
@@ -929,7 +976,9 @@ def pack_wna16(
         codes = values
     else:
         codes = values.to(torch.int32)
-    zeros_t = zeros.reshape(N, -1).T.to(torch.int32) if zeros is not None else None
+    zeros_t = None
+    if zeros is not None:
+        zeros_t = zeros.reshape(N, -1).T.to(torch.float32 if zeros.is_floating_point() else torch.int32)
     return _from_kn(codes.T, scales.reshape(N, -1).T, zeros_t, g_idx, weight_type, scale_dtype)
 
 

@@ -16,7 +16,8 @@ runs near 1.5 TB/s, bound by the integer units, not the bytes. Here:
   decoded values across rows or decode again).
 - The products (c - z) * x are summed in fp32 per group, then multiplied by the group's scale: `wna16_gemm_ref`'s
   numbers up to the order of the sums (the products are exact for 16-bit x; fp32 x rounds them as the reference
-  does).
+  does). With float offsets (int4 with mins: w = s * (c - 8) - m) each group's activations are summed beside and
+  m times that sum subtracted.
 
 Which layers take it: a `WNA16Config` with `block_m = 1` and `oneshot` set (the per-GPU table chooses it per M
 bucket); int4 and uint4 only (the other types keep the FMA path). It reads the config's `block_n`, `block_k` and
@@ -59,9 +60,10 @@ def fit_block_k(block_k: int, group: int, K: int) -> int:
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, N, group,
                     stride_xm, stride_wk, stride_sg, stride_zg, stride_om,
                     SPLIT_K: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[m, n] = sum_g s[g, n] * sum_{k in g} x[m, k] * (c[k, n] - z[g, n]) + bias[n] for the ROWS rows of x;
+                    HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, FAST: tl.constexpr,
+                    EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[m, n] = sum_g s[g, n] * sum_{k in g} x[m, k] * (c[k, n] - z[g, n]) + bias[n] for the ROWS rows of x
+    (with mins, less sum_g mins[g, n] * sum_{k in g} x[m, k]);
     this program reads word rows [split * BLOCK_K / 8, +BLOCK_K / 8) of BLOCK_N columns. GROUPS: the groups one
     slice holds (1 when the slice lies inside one group). Under PDL the words, zeros and scales are loaded before
     waiting for the previous kernel; x, the workspace, the counters and the output after."""
@@ -96,6 +98,11 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr
     else:
         gs = first_g + tl.arange(0, GROUPS)
         sc = tl.load(s_ptr + gs[:, None] * stride_sg + wc[None, :]).to(tl.float32)
+    if HAS_MINS:
+        if GROUPS == 1:
+            mn = tl.load(z_ptr + first_g * stride_zg + wc)
+        else:
+            mn = tl.load(z_ptr + (first_g + tl.arange(0, GROUPS))[:, None] * stride_zg + wc[None, :])
     if USE_PDL:
         gdc_wait()
     part = ws_ptr + pid.to(tl.int64) * (ROWS * BLOCK_N) + tl.arange(0, BLOCK_N)
@@ -104,17 +111,26 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr
     # The decode is written per row; the compiler may share it across rows (as it did for sm_90) or redo it.
     for m in tl.static_range(ROWS):
         acc = tl.zeros((KW, BLOCK_N), dtype=tl.float32)
+        x_words = tl.zeros((KW,), dtype=tl.float32)
         x_row = x_ptr + m * stride_xm + wrows * 8
         for s in tl.static_range(8):
             if s < 4:
                 w = _nibble_minus_zero(words, zf, 4 * s, FAST)
             else:
                 w = _nibble_minus_zero(upper, zf, 4 * (s - 4), FAST)
-            acc += w * tl.load(x_row + s).to(tl.float32)[:, None]
+            xv = tl.load(x_row + s).to(tl.float32)
+            acc += w * xv[:, None]
+            if HAS_MINS:
+                x_words += xv
         if GROUPS == 1:
             dot = tl.sum(acc, axis=0) * sc
+            if HAS_MINS:
+                dot -= tl.sum(x_words, axis=0) * mn
         else:
             dot = tl.sum(tl.sum(tl.reshape(acc, (GROUPS, KW // GROUPS, BLOCK_N)), axis=1) * sc, axis=0)
+            if HAS_MINS:
+                x_groups = tl.sum(tl.reshape(x_words, (GROUPS, KW // GROUPS)), axis=1)
+                dot -= tl.sum(x_groups[:, None] * mn, axis=0)
         if SPLIT_K == 1:
             _store(dot, m, out_ptr, b_ptr, cols, wc, n_ok, stride_om, HAS_BIAS, FAST)
         else:
@@ -170,7 +186,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
             out: torch.Tensor, bias: torch.Tensor | None, *, block_n: int, block_k: int, num_warps: int) -> None:
     """Write `x @ dequant(qweight).T + bias` into `out` ([M, N]). `x` is [M, K] with its act-order permutation
     already applied (what `wna16.wna16_gemm` hands over after checking every argument); `qweight` int32
-    [K / 8, N] of int4 (zeros None: the codes minus 8) or uint4 (zeros [K / group, N]) codes."""
+    [K / 8, N] of int4 (zeros None: the codes minus 8; or float32 mins [K / group, N]) or uint4 (zeros
+    [K / group, N]) codes."""
     M, K = x.shape
     N = qweight.shape[1]
     group = K // scales.shape[0]
@@ -184,6 +201,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     x = x if x.stride(1) == 1 else x.contiguous()
     groups = bk // group if bk > group else 1
     z = zeros if zeros is not None else scales
+    mins = zeros is not None and zeros.is_floating_point()
     b = bias.reshape(-1).contiguous() if bias is not None else scales
     locks = common.arrival_counters(x.device) if split_k > 1 else scales
     for m0 in range(0, M, MAX_ROWS):
@@ -194,6 +212,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         _w4_gemv_kernel[(n_blocks * split_k,)](
             xm, qweight, scales, z, b, om, ws, locks, N, group,
             xm.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), om.stride(0),
-            SPLIT_K=split_k, ROWS=rows, GROUPS=groups, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
+            SPLIT_K=split_k, ROWS=rows, GROUPS=groups, HAS_ZEROS=zeros is not None and not mins,
+            HAS_MINS=mins, HAS_BIAS=bias is not None,
             EVEN_N=N % block_n == 0, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps,
             **common.launch_options(x, "pdl_decode"))

@@ -70,7 +70,7 @@ def load_model(model_config: ModelConfig, quant_config: QuantConfig | None = Non
             initialize_dummy_weights(model, seed=model_config.seed, device=device)
             model.process_weights_after_loading()
         elif gguf is not None:
-            model.load_weights(iterate_gguf(gguf, hf_config, kernel_modules(model), dtype))
+            model.load_weights(iterate_gguf(gguf, hf_config, kernel_modules(model), dtype, device))
         else:
             # Large checkpoints take a while: show progress when there is more than one file to read.
             model.load_weights(iterate_files(files, load_format, progress=len(files) > 1))

@@ -16,7 +16,7 @@ import numpy as np
 from kestrel.config import ConfigError, is_gguf_model
 from kestrel.loader.gguf_files import GGUFModel, find_gguf
 from kestrel.loader.gguf_weights import ROPE_FREQS, check_architecture, check_tensor_types, dequantize, hf_names
-from kestrel.quant.schemes.gguf import KERNEL_TYPES
+from kestrel.quant.gguf_blocks import FORMS
 
 
 def model_hf_config(model: str) -> dict | None:
@@ -46,7 +46,7 @@ def gguf_hf_config(model: GGUFModel) -> dict[str, Any]:
         config["rope_parameters"] = _rope_with_factors(config, dequantize(rope_freqs).float().numpy())
     types = {tensor.name: tensor.tensor_type.name for tensor in model.tensors}
     modules = {name.removesuffix(".weight"): types[gguf_name] for gguf_name, name in hf_names(model, config).items()
-               if name.endswith(".weight") and types[gguf_name] in KERNEL_TYPES}
+               if name.endswith(".weight") and types[gguf_name] in FORMS}
     if modules:
         config["quantization_config"] = {"quant_method": "gguf", "modules": modules}
     return config

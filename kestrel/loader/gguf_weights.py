@@ -6,14 +6,17 @@ llama.cpp's converter reorders the rows of Llama's q and k projections within ea
 layout to the interleaved one its kernels use); they are put back as transformers' GGUF loader does.
 
 Values: the tensors of layers on the weight-only kernel (`kestrel.quant.schemes.gguf`) are unpacked from their blocks
-into its int-quantized layout (`weight` int8 [N, K], `weight_scale` float32 [N, K / 32]); every other tensor is
-dequantized to float32 by `gguf.quants.dequantize` (vectorized numpy), one tensor at a time, and the model's loader
-rounds it to the model dtype.
+into its int-quantized layout in the layer's form (`weight` int8 [N, K], `weight_scale` float32 [N, K / group],
+`weight_min` float32 where the layer has offsets); every other tensor (float types, the embedding and the LM head, a
+layer with a float part) is dequantized to float32, one tensor at a time, and the model's loader rounds it to the
+model dtype. Both run in torch (`kestrel.quant.gguf_blocks`) on the device the model is built on: each tensor's
+blocks are copied there once, as bytes.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -24,15 +27,15 @@ import torch
 from kestrel.config import ConfigError
 from kestrel.loader.gguf_files import GGUFModel
 from kestrel.loader.model_init import checkpoint_shapes
-from kestrel.quant.schemes.gguf import GGUF_GROUP, KERNEL_TYPES
+from kestrel.quant import gguf_blocks
+from kestrel.quant.gguf_blocks import FORMS, BlockForm
 
 logger = logging.getLogger(__name__)
 
 # GGUF architecture -> whether llama.cpp's converter permuted its q/k rows (LlamaModel.permute).
 ARCHITECTURES: dict[str, bool] = {"llama": True, "qwen2": False, "qwen3": False}
-# Types dequantized at load (no kernel layout for them), besides the kernel types that a merged layer cannot use.
-DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-SUPPORTED_TYPES = (*DEQUANTIZED_TYPES, *KERNEL_TYPES)
+FLOAT_TYPES = ("F32", "F16", "BF16")
+SUPPORTED_TYPES = (*FLOAT_TYPES, *FORMS)
 # Llama 3.1's per-frequency RoPE divisors, which the config reader turns into the model's RoPE parameters.
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -53,7 +56,7 @@ def check_tensor_types(model: GGUFModel) -> None:
     if unsupported:
         listed = ", ".join(f"{t} (e.g. {name})" for t, name in sorted(unsupported.items()))
         raise ConfigError(f"invalid model {model.first}: GGUF tensor types {listed} are not supported; kestrel loads "
-                          f"{list(KERNEL_TYPES)} on the weight-only kernel and dequantizes {list(DEQUANTIZED_TYPES)}")
+                          f"{list(FLOAT_TYPES)} and {list(FORMS)}")
 
 
 def hf_names(model: GGUFModel, hf_config: dict) -> dict[str, str]:
@@ -76,10 +79,11 @@ def hf_names(model: GGUFModel, hf_config: dict) -> dict[str, str]:
     return ours
 
 
-def iterate_gguf(model: GGUFModel, hf_config: dict, kernel: dict[str, str],
-                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of `model` under kestrel's checkpoint names: the checkpoint modules of `kernel` (module -> GGML
-    type, as `kernel_modules` of the built model says) unpacked for the weight-only kernel, the rest dequantized."""
+def iterate_gguf(model: GGUFModel, hf_config: dict, kernel: dict[str, BlockForm], dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of `model` under kestrel's checkpoint names, on `device`: the checkpoint modules of `kernel`
+    (module -> its layer's kernel form, as `kernel_modules` of the built model says) unpacked for the weight-only
+    kernel, the rest dequantized."""
     names = hf_names(model, hf_config)
     permuted = ARCHITECTURES[model.field("general.architecture")]
     heads = {"q_proj": int(hf_config["num_attention_heads"]),
@@ -92,58 +96,58 @@ def iterate_gguf(model: GGUFModel, hf_config: dict, kernel: dict[str, str],
         module, _, kind = name.rpartition(".")
         n_heads = heads.get(module.rpartition(".")[2]) if permuted else None
         if kind == "weight" and module in kernel:
-            values, scales = unpack_blocks(tensor)
+            form = kernel[module]
+            type_name = tensor.tensor_type.name
+            values, scales, mins = gguf_blocks.to_form(gguf_blocks.unpack(blocks_of(tensor, device), type_name),
+                                                      type_name, form)
             yield f"{module}.weight", unpermute_rows(values, n_heads)
             yield f"{module}.weight_scale", unpermute_rows(scales, n_heads)
+            if mins is not None:
+                yield f"{module}.weight_min", unpermute_rows(mins, n_heads)
         else:
-            yield name, unpermute_rows(dequantize(tensor), n_heads)
+            yield name, unpermute_rows(dequantize(tensor, device), n_heads)
 
 
-def _log_types(model: GGUFModel, names: dict[str, str], kernel: dict[str, str], dtype: torch.dtype) -> None:
-    on_kernel: Counter[str] = Counter()
+def _log_types(model: GGUFModel, names: dict[str, str], kernel: dict[str, BlockForm], dtype: torch.dtype) -> None:
+    on_kernel: Counter[tuple[str, int]] = Counter()
     dequantized: Counter[str] = Counter()
     for tensor in model.tensors:
         module, _, kind = names.get(tensor.name, "").rpartition(".")
         if kind == "weight" and module in kernel:
-            on_kernel[tensor.tensor_type.name] += 1
-        elif tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+            on_kernel[tensor.tensor_type.name, kernel[module].bits] += 1
+        elif tensor.tensor_type.name not in FLOAT_TYPES:
             dequantized[tensor.tensor_type.name] += 1
     parts = []
     if dequantized:
         listed = ", ".join(f"{t} ({n} tensors)" for t, n in sorted(dequantized.items()))
-        parts.append(f"{listed} dequantized at load to {str(dtype).removeprefix('torch.')} (no kernel layout, or "
-                     "merged with tensors of another type)")
+        parts.append(f"{listed} dequantized at load to {str(dtype).removeprefix('torch.')} (embedding, LM head, or "
+                     "merged with a float tensor)")
     if on_kernel:
-        listed = ", ".join(f"{t} ({n} tensors, W{KERNEL_TYPES[t]}A16)" for t, n in sorted(on_kernel.items()))
+        listed = ", ".join(f"{t} ({n} tensors, W{bits}A16)" for (t, bits), n in sorted(on_kernel.items()))
         parts.append(f"{listed} on the weight-only kernel")
     if parts:
         logger.info("GGUF %s: %s", model.first.name, "; ".join(parts))
 
 
-def dequantize(tensor: Any) -> torch.Tensor:
-    """The tensor's values as a float32 (or, for F16, float16) torch tensor of its logical shape."""
+def dequantize(tensor: Any, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The tensor's values on `device` as a float32 (F16: float16) torch tensor of its logical shape."""
     import gguf
 
-    data = tensor.data
-    if tensor.tensor_type.name in ("F32", "F16"):
-        return torch.from_numpy(np.array(data))
-    return torch.from_numpy(gguf.quants.dequantize(data, tensor.tensor_type))
-
-
-def unpack_blocks(tensor: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 or Q4_0 weight's values (int8 [N, K]: q, or c - 8) and scales (float32 [N, K / 32])."""
     type_name = tensor.tensor_type.name
+    if type_name in ("F32", "F16"):
+        return torch.from_numpy(np.array(tensor.data)).to(device)
+    if type_name == "BF16":
+        return torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type)).to(device)
+    return gguf_blocks.dequantize(blocks_of(tensor, device), type_name)
+
+
+def blocks_of(tensor: Any, device: str | torch.device) -> torch.Tensor:
+    """A quantized tensor's blocks as uint8 `[rows, bytes]` on `device`."""
     blocks = np.asarray(tensor.data, dtype=np.uint8)
-    rows = blocks.shape[0]
-    blocks = blocks.reshape(rows, -1, 2 + GGUF_GROUP * KERNEL_TYPES[type_name] // 8)
-    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    packed = blocks[..., 2:]
-    if type_name == "Q8_0":
-        values = packed.copy().view(np.int8)
-    else:
-        # Q4_0: byte i holds element i in its low nibble and element i + 16 in its high one.
-        values = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8) - np.int8(8)
-    return torch.from_numpy(values.reshape(rows, -1)), torch.from_numpy(scales)
+    with warnings.catch_warnings():
+        # The reader's arrays are read-only views of the file; these bytes are only ever read.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(blocks.reshape(blocks.shape[0], -1)).to(device)
 
 
 def unpermute_rows(tensor: torch.Tensor, n_heads: int | None) -> torch.Tensor:

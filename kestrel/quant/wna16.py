@@ -109,7 +109,7 @@ class WNA16LinearMethod(QuantMethod):
         pf = spec.pack_factor
         G = K // spec.group_size if spec.grouped else 1
         if spec.layout == "gptq":
-            _register(layer, "qweight", torch.empty(K // pf, N, dtype=torch.int32), output_dim=1, input_dim=0,
+            register_tagged(layer, "qweight", torch.empty(K // pf, N, dtype=torch.int32), output_dim=1, input_dim=0,
                       packed=(0, pf))
             self._register_scales(layer, "scales", G, N, n_dim=1)
             if spec.symmetric:  # GPTQ writes qzeros for symmetric weights too: accepted, not needed
@@ -117,17 +117,17 @@ class WNA16LinearMethod(QuantMethod):
             else:
                 self._register_zeros(layer, "qzeros", G, N // pf, n_dim=1, packed=True)
         elif spec.layout == "awq":
-            _register(layer, "qweight", torch.empty(K, N // pf, dtype=torch.int32), output_dim=1, input_dim=0,
+            register_tagged(layer, "qweight", torch.empty(K, N // pf, dtype=torch.int32), output_dim=1, input_dim=0,
                       packed=(1, pf))
             self._register_scales(layer, "scales", G, N, n_dim=1)
             self._register_zeros(layer, "qzeros", G, N // pf, n_dim=1, packed=True)
         else:
             if spec.layout == "pack-quantized":
-                _register(layer, "weight_packed", torch.empty(N, K // pf, dtype=torch.int32), output_dim=0,
+                register_tagged(layer, "weight_packed", torch.empty(N, K // pf, dtype=torch.int32), output_dim=0,
                           input_dim=1, packed=(1, pf))
                 _register_ignored(layer, "weight_shape", self._shape_checker(layer))
             else:
-                _register(layer, "weight", torch.empty(N, K, dtype=torch.int8), output_dim=0, input_dim=1)
+                register_tagged(layer, "weight", torch.empty(N, K, dtype=torch.int8), output_dim=0, input_dim=1)
             self._register_scales(layer, "weight_scale", N, G, n_dim=0)
             if not spec.symmetric:
                 packed = spec.layout == "pack-quantized"
@@ -168,11 +168,11 @@ class WNA16LinearMethod(QuantMethod):
 
     def _register_scales(self, layer: nn.Module, name: str, rows: int, cols: int, n_dim: int) -> None:
         # float32 holds any checkpoint's scales exactly; process_after_loading narrows them where that is exact.
-        _register(layer, name, torch.empty(rows, cols, dtype=torch.float32), output_dim=n_dim,
+        register_tagged(layer, name, torch.empty(rows, cols, dtype=torch.float32), output_dim=n_dim,
                   input_dim=1 - n_dim if self.spec.grouped else None, group_size=self.spec.group_size)
 
     def _register_zeros(self, layer: nn.Module, name: str, rows: int, cols: int, n_dim: int, packed: bool) -> None:
-        _register(layer, name, torch.empty(rows, cols, dtype=torch.int32), output_dim=n_dim,
+        register_tagged(layer, name, torch.empty(rows, cols, dtype=torch.int32), output_dim=n_dim,
                   input_dim=1 - n_dim if self.spec.grouped else None, group_size=self.spec.group_size,
                   packed=(n_dim, self.spec.pack_factor) if packed else None)
 
@@ -186,7 +186,7 @@ class WNA16LinearMethod(QuantMethod):
             for row in rows:
                 param.data[row].copy_(loaded.reshape(-1))
 
-        _register(layer, name, torch.full((num_parts, K), -1, dtype=torch.int32), loader=load, optional=True)
+        register_tagged(layer, name, torch.full((num_parts, K), -1, dtype=torch.int32), loader=load, optional=True)
 
     def _trivial_g_idx_checker(self, layer: nn.Module) -> Callable:
         spec = self.spec
@@ -233,6 +233,10 @@ class WNA16LinearMethod(QuantMethod):
                                                    num_bits=spec.bits, scale_dtype=scale_dtype)
         else:
             weight = _from_int_quantized(layer, spec, scales, g_idx, scale_dtype)
+        self.install(layer, weight)
+
+    def install(self, layer: nn.Module, weight: ops.WNA16Weight) -> None:
+        """The checkpoint's tensors replaced by the kernel's (`wna16_qweight`, ...)."""
         for name in [name for name, _ in layer.named_parameters(recurse=False) if name != "bias"]:
             delattr(layer, name)
         self.weight_type = weight.weight_type
@@ -279,7 +283,7 @@ def compact_dtype(scales: torch.Tensor, model_dtype: torch.dtype) -> torch.dtype
     return torch.float32
 
 
-def _register(layer: nn.Module, name: str, data: torch.Tensor, *, output_dim: int | None = None,
+def register_tagged(layer: nn.Module, name: str, data: torch.Tensor, *, output_dim: int | None = None,
               input_dim: int | None = None, group_size: int | None = None, packed: tuple[int, int] | None = None,
               loader: Callable | None = None, optional: bool = False) -> None:
     """A parameter with the loader's tags (`kestrel.model.layers.weights`); untagged dims are loaded whole."""
@@ -306,7 +310,7 @@ def _register_ignored(layer: nn.Module, name: str, check: Callable | None = None
         if check is not None:
             check(param, loaded, shard_id)
 
-    _register(layer, name, torch.empty(0, dtype=torch.int32), loader=load, optional=True)
+    register_tagged(layer, name, torch.empty(0, dtype=torch.int32), loader=load, optional=True)
 
 
 def one_spec(layer_name: str, parts: Sequence[str], spec_for: Callable[[str], WNA16Spec | None],

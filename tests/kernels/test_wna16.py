@@ -29,7 +29,7 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
                 0.7229568362236023, 1.0], dtype=np.float32)
 FP4_BNB = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, -0.0, -0.0625, -8, -12, -4, -6, -2, -3], dtype=np.float32) / 12
 CODE_BOOKS = {"nf4": NF4, "fp4_bnb": FP4_BNB}
-VARIANTS = ["int4", "uint4", "fp4_e2m1", "nf4", "fp4_bnb", "int8", "int8_zp", "fp8_e4m3"]
+VARIANTS = ["int4", "uint4", "fp4_e2m1", "nf4", "fp4_bnb", "int8", "int8_zp", "fp8_e4m3", "int4_mins", "int8_mins"]
 GROUPS = [32, 64, 128, None]  # None: per channel
 RTOL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 0.0}
 ACC_TOL = 1e-5  # fp32 accumulation, relative to sum |x| |w|
@@ -68,7 +68,8 @@ def make_weight(variant: str, group: int | None, act_order: bool, N: int, K: int
     """(WNA16Weight, W float64 [N, K]) for a variant, built through a checkpoint layout where one exists:
     int4: GPTQ sym (act-order) / compressed-tensors sym; uint4: GPTQ asym v1 (act-order) / AWQ; fp4: two per
     byte; int8: GPTQ 8-bit sym / compressed-tensors 8-bit; int8 with zeros: GPTQ 8-bit asym v2 / compressed-tensors
-    8-bit asym; nf4 / fp4_bnb (bitsandbytes' code books): codes through `pack_wna16`; fp8: `pack_wna16`."""
+    8-bit asym; nf4 / fp4_bnb (bitsandbytes' code books): codes through `pack_wna16`; fp8: `pack_wna16`; int4 /
+    int8 with float offsets (`*_mins`, w = s * v - m as llama.cpp's K-quants store it): `pack_wna16`."""
     rng = np.random.default_rng(seed)
     group = group or K
     G = K // group
@@ -77,7 +78,7 @@ def make_weight(variant: str, group: int | None, act_order: bool, N: int, K: int
     s64 = scales.double().numpy()
     gi = torch.from_numpy(g_idx).to(torch.int32)
     zeros = None
-    if variant in ("int4", "uint4", "fp4_e2m1", "nf4", "fp4_bnb"):
+    if variant in ("int4", "uint4", "fp4_e2m1", "nf4", "fp4_bnb", "int4_mins"):
         codes = rng.integers(0, 16, (N, K))
     elif variant == "fp8_e4m3":
         f8 = (torch.randn(N, K, generator=torch.Generator().manual_seed(seed + 1)) * 40).to(torch.float8_e4m3fn)
@@ -120,6 +121,13 @@ def make_weight(variant: str, group: int | None, act_order: bool, N: int, K: int
                                sym=False, zeros_minus_one=False)
         else:
             w = wq.repack_compressed_tensors(pack(codes, 8, 1), scales, pack(zeros, 8, 0), num_bits=8)
+    elif variant.endswith("_mins"):
+        # Offsets of either sign, up to ten steps, and not multiples of the scale.
+        mins = torch.from_numpy(rng.uniform(-10, 10, (N, G)).astype(np.float32)) * scales.float()
+        vals = codes - 8 if variant == "int4_mins" else codes - 128
+        w = wq.pack_wna16(torch.from_numpy(vals), scales, mins, gi if act_order else None,
+                          weight_type=variant.removesuffix("_mins"))
+        return w, vals * s64[:, g_idx] - mins.double().numpy()[:, g_idx]
     else:
         vals = f8.double().numpy()
         w = wq.pack_wna16(f8, scales, g_idx=gi if act_order else None, weight_type="fp8_e4m3")
@@ -204,7 +212,7 @@ def test_triton_matches_float64_oracle(variant, group, device):
         check_triton_case(variant, group, act_order, M, N, K, x_dtype, i, cfg, device, scale_dtype=scale_dtype)
 
 
-FOUR_BIT = [v for v in VARIANTS if v not in ("int8", "int8_zp", "fp8_e4m3")]
+FOUR_BIT = [v for v in VARIANTS if v not in ("int8", "int8_zp", "fp8_e4m3", "int8_mins")]
 
 
 @pytest.mark.parametrize("variant", FOUR_BIT)
@@ -254,7 +262,7 @@ def test_swap_ab_one_dot_matches_float64_oracle(variant, device):
         check_triton_case(variant, group, act_order, M, N, K, x_dtype, 50 + i, cfg, device)
 
 
-@pytest.mark.parametrize("variant", ["int4", "uint4", "fp4_e2m1", "int8"])
+@pytest.mark.parametrize("variant", ["int4", "uint4", "fp4_e2m1", "int8", "int4_mins"])
 def test_fma_pipelines_match_float64_oracle(variant, device):
     """block_m = 1 with the next step's words prefetched into registers (1) or the loop pipelined by Triton (2);
     8-bit types ignore the field."""
@@ -286,7 +294,7 @@ def oneshot_calls(monkeypatch):
     return record_calls(monkeypatch, wna16_gemv, "w4_gemv")
 
 
-@pytest.mark.parametrize("variant", ["int4", "uint4"])
+@pytest.mark.parametrize("variant", ["int4", "uint4", "int4_mins"])
 def test_oneshot_gemv_matches_float64_oracle(variant, device, oneshot_calls):
     """The one-shot decode GEMV (`oneshot`, block_m = 1): slices inside one group (split over K), holding several
     (summed per group before their scales), the whole of K (no split), per channel, act-order, fp32 and bf16 rows,
@@ -404,6 +412,8 @@ def test_ops_reexports_the_repack_helpers():
         dict(scale_rows=16),  # group 8 < 16
         dict(weight_type="uint4"),  # uint4 without zeros
         dict(zeros=True),  # zeros with int4
+        dict(zeros=torch.float32, weight_type="uint4"),  # float offsets beside uint4's own zero points
+        dict(zeros=torch.float16),  # offsets must be float32
         dict(out_dtype=torch.int32),
         dict(x_dtype=torch.int8),
         dict(bias_n=7),
@@ -412,7 +422,8 @@ def test_ops_reexports_the_repack_helpers():
 def test_invalid_arguments_raise(bad):
     qweight = torch.zeros(16, 48, dtype=torch.int32)  # K = 128
     scales = torch.ones(bad.get("scale_rows", 2), 48)
-    zeros = torch.zeros_like(scales, dtype=torch.int8) if bad.get("zeros") else None
+    zeros_dtype = bad.get("zeros")
+    zeros = torch.zeros_like(scales, dtype=torch.int8 if zeros_dtype is True else zeros_dtype) if zeros_dtype else None
     x = torch.zeros(2, bad.get("x_cols", 128), dtype=bad.get("x_dtype", torch.bfloat16))
     bias = torch.zeros(bad["bias_n"]) if "bias_n" in bad else None
     for fn in (wq.wna16_gemm, wq.wna16_gemm_ref):
@@ -571,8 +582,9 @@ def test_repack_round_trip_is_exact(variant, act_order):
     for group in GROUPS:
         N, K = shape_of(group)
         w, W = make_weight(variant, group, act_order, N, K, torch.float16, seed=3)
-        assert w.weight_type == variant.removesuffix("_zp")
-        if variant in CODE_BOOKS:  # code values times fp16 scales: one float32 rounding
+        assert w.weight_type == variant.removesuffix("_zp").removesuffix("_mins")
+        # Code values times fp16 scales, or s * v less a float32 offset: one float32 rounding.
+        if variant in CODE_BOOKS or variant.endswith("_mins"):
             assert np.allclose(wq.dequantize_wna16(*w).double().numpy(), W, rtol=2.0**-24, atol=0)
         else:
             assert torch.equal(wq.dequantize_wna16(*w).double(), torch.from_numpy(W))
@@ -635,7 +647,7 @@ def test_cpu_path_matches_float64_oracle(c_path_only, monkeypatch):
     cpu_wna16 = c_path_only
     monkeypatch.setattr(cpu_wna16, "CHUNK_COLUMNS", 80)
     cases = [("int4", 128, False, 100, 256), ("uint4", 32, True, 64, 128), ("int4", None, False, 100, 256),
-             ("uint4", 64, False, 64, 128), ("int4", 128, False, 1024, 1024)]
+             ("uint4", 64, False, 64, 128), ("int4", 128, False, 1024, 1024), ("int4_mins", 32, False, 64, 128)]
     for i, (variant, group, act_order, N, K) in enumerate(cases):
         w, W = make_weight(variant, group, act_order, N, K, torch.float16 if i % 2 else torch.bfloat16, seed=80 + i)
         bias = torch.randn(N, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)

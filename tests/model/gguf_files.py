@@ -15,7 +15,8 @@ from kestrel.quant import gguf_export
 from kestrel.quant.gguf_export import gguf_name
 
 # Random K-quant blocks: (block bytes, offsets of the fp16 super-block scales d / dmin, their values).
-_K_BLOCKS = {"Q4_K": (144, {0: 2e-4, 2: 1e-4}), "Q5_K": (176, {0: 1e-4, 2: 1e-4}), "Q6_K": (210, {208: 2e-5})}
+_K_BLOCKS = {"Q2_K": (84, {80: 2e-3, 82: 1e-3}), "Q3_K": (110, {108: 5e-4}), "Q4_K": (144, {0: 2e-4, 2: 1e-4}),
+             "Q5_K": (176, {0: 1e-4, 2: 1e-4}), "Q6_K": (210, {208: 2e-5})}
 
 
 def _random_encoder(rng: np.random.Generator):

@@ -1,8 +1,9 @@
 """GGUF models (llama.cpp's format) against transformers: tiny files written by gguf's own writer from a kestrel tiny
-checkpoint's config and tokenizer, in F32 / F16, Q8_0 and Q4_0 (the weight-only kernel), K-quants (dequantized at
-load) and mixes; kestrel's float32 logits match a transformers model holding gguf's own dequantization of the same
-file within 1e-4, greedy tokens are identical through `LLM`; the tokenizer and chat template come from the
-metadata; split files load; unsupported types and architectures are ConfigErrors naming them."""
+checkpoint's config and tokenizer, in F32 / F16, every quantized type kestrel runs on the weight-only kernel (Q8_0,
+Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K to Q6_K) and mixes (merged layers of two types, a float part); kestrel's
+float32 logits match a transformers model holding gguf's own dequantization of the same file within 1e-4, greedy
+tokens are identical through `LLM`; the tokenizer and chat template come from the metadata; split files load;
+unsupported types and architectures are ConfigErrors naming them."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from kestrel import LLM, SamplingParams
 from kestrel.config import CheckpointError, ConfigError, ModelConfig
 from kestrel.loader import load_model
 from kestrel.loader.gguf_config import model_hf_config
-from kestrel.loader.gguf_weights import unpack_blocks
+from kestrel.loader.gguf_weights import blocks_of
 from kestrel.loader.model_init import write_tiny_checkpoint
 from kestrel.loader.tokenizer import load_tokenizer
+from kestrel.quant import gguf_blocks
 from kestrel.quant.schemes.gguf import GGUFLinearMethod
 
 gguf = pytest.importorskip("gguf")
@@ -38,9 +40,15 @@ CASES = {
     "llama-q8_0": ("llama", {"default": "Q8_0"}, {"Q8_0"}),
     # llama.cpp's Q4_0 files keep the output layer in Q6_K.
     "llama-q4_0": ("llama", {"default": "Q4_0", "output": "Q6_K"}, {"Q4_0"}),
-    # Q4_K_M's mix: V and down projections in Q6_K (q, k, v are merged: the whole qkv is dequantized).
-    "llama-q4_k_m": ("llama", {"default": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K"}, set()),
-    "llama-q5_k": ("llama", {"default": "Q5_K", "token_embd": "Q8_0"}, set()),
+    # Q4_K_M's mix: V and down projections in Q6_K (q, k in Q4_K merged with v: qkv runs as int8 in groups of 16
+    # with offsets).
+    "llama-q4_k_m": ("llama", {"default": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K"}, {"Q4_K", "Q6_K"}),
+    "llama-q5_k": ("llama", {"default": "Q5_K", "token_embd": "Q8_0"}, {"Q5_K"}),
+    # 4-bit layers in groups of 16: Q3_K (signed, no offsets), Q2_K (offsets), a merge of both.
+    "llama-q3_k-q2_k": ("llama", {"default": "Q3_K", "ffn_gate": "Q2_K", "ffn_up": "Q2_K", "attn_k": "Q2_K"},
+                        {"Q3_K", "Q2_K"}),
+    # The legacy types with offsets and 5 bits: Q4_1 (shifted into int4), merged with Q5_0 into int8.
+    "qwen2-q4_1-q5": ("qwen2", {"default": "Q4_1", "attn_v": "Q5_0", "ffn_down": "Q5_1"}, {"Q4_1", "Q5_0", "Q5_1"}),
     # Q8_0 with V in F16: qkv dequantized, the MLP and o_proj on the kernel.
     "qwen2-q8_0-mixed": ("qwen2", {"default": "Q8_0", "attn_v": "F16"}, {"Q8_0"}),
     "qwen3-q4_0": ("qwen3", {"default": "Q4_0"}, {"Q4_0"}),
@@ -83,8 +91,8 @@ def test_logits_match_transformers_on_gguf_dequantization(case, tmp_path, caplog
         model = load_gguf(path)
     methods = [m.quant_method for m in model.modules() if isinstance(getattr(m, "quant_method", None),
                                                                      GGUFLinearMethod)]
-    assert {m.ggml_type for m in methods} == on_kernel
-    if "attn_v" in types:  # q, k, v merged into one GEMM: a part in another type dequantizes the whole layer
+    assert set().union(*(m.ggml_types for m in methods)) == on_kernel
+    if types.get("attn_v") == "F16":  # q, k, v merged into one GEMM: a float part dequantizes the whole layer
         assert not any(m.layer_name.endswith("qkv_proj") for m in methods)
     dequantized = {t for t in types.values() if t not in on_kernel and t not in ("F32", "F16")}
     logged = [r.getMessage() for r in caplog.records if r.name == "kestrel.loader.gguf_weights"]
@@ -105,15 +113,36 @@ def test_llama3_rope_factors_match_transformers_llama3_scaling(tmp_path) -> None
     assert_matches(load_gguf(path), oracle(hf_dir, [path], config), config["vocab_size"])
 
 
+def _weight_of(part: gguf_blocks.Unpacked) -> torch.Tensor:
+    values, scales, mins = part
+    w = values.double().view(values.shape[0], scales.shape[1], -1) * scales.double()[..., None]
+    if mins is not None:
+        w = w - mins.double()[..., None]
+    return w.reshape(values.shape)
+
+
 def test_kernel_blocks_unpack_to_gguf_dequantization(tmp_path, llama_dir) -> None:
+    """Every quantized type's blocks, unpacked in torch: `scales * values - mins` is gguf's dequantization exactly
+    in the type's own form (the same float32 operations), and within one float32 rounding in every merged form that
+    can hold it (groups split, offsets added, unsigned nibbles shifted into int4)."""
     hf_dir, _ = llama_dir
-    for type_name in ("Q8_0", "Q4_0"):
+    for type_name, own in gguf_blocks.FORMS.items():
         path = write_gguf(tmp_path / f"{type_name}.gguf", hf_dir, {"default": type_name})
         tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.0.ffn_down.weight")
-        values, scales = unpack_blocks(tensor)
-        ours = (values.float().view(values.shape[0], -1, 32) * scales[..., None]).reshape(values.shape)
-        torch.testing.assert_close(ours, torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type)),
-                                   rtol=0, atol=0)
+        oracle = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+        blocks = blocks_of(tensor, "cpu")
+        part = gguf_blocks.unpack(blocks, type_name)
+        assert part.values.dtype == torch.int8 and (part.mins is not None) == own.mins
+        torch.testing.assert_close(gguf_blocks.dequantize(blocks, type_name), oracle, rtol=0, atol=0)
+        for bits in (own.bits, 8):
+            for group in (own.group, 16):
+                for mins in (own.mins, True):
+                    form = gguf_blocks.BlockForm(bits, group, mins)
+                    held = gguf_blocks.to_form(part, type_name, form)
+                    assert held.scales.shape[1] * group == held.values.shape[1] and (held.mins is not None) == mins
+                    if bits == 4:
+                        assert -8 <= int(held.values.min()) and int(held.values.max()) <= 7
+                    torch.testing.assert_close(_weight_of(held), oracle.double(), rtol=2.0**-22, atol=1e-7)
 
 
 def test_split_files_load_from_the_directory_or_the_first_file(tmp_path, llama_dir) -> None:

@@ -4,7 +4,9 @@ reused buffer, each chunk's matmul writing its columns (the whole weight, as `wn
 allocation of K x N floats a call, its pages faulted in each time). Other weight types, gradients, tensors off the
 CPU or no C compiler take `wna16_gemm_ref`, which stays the tests' oracle. The many-row path multiplies the
 reference's float32 weight; the few-row path sums the exact products (c - z) * x per group and scales each group's
-sum once, where the reference rounds every x * s * (c - z): both float32-accurate, not bit-identical."""
+sum once, where the reference rounds every x * s * (c - z): both float32-accurate, not bit-identical. Float offsets
+(int4 with mins, w = s * (c - 8) - m) run the C code without them and subtract each group's activation sums times
+the offsets after, one small matmul."""
 
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ def wna16_gemm_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     xs = xs.contiguous()
     words = qweight.contiguous()
     sc = scales.float().contiguous()
-    zs = zeros.to(torch.int8).contiguous() if zeros is not None else None
+    mins = zeros if _wna16.has_mins(zeros) else None
+    zs = zeros.to(torch.int8).contiguous() if zeros is not None and mins is None else None
     z_ptr = zs.data_ptr() if zs is not None else None
     threads = torch.get_num_threads()
     out = torch.empty(M, N, dtype=torch.float32)
@@ -59,6 +62,8 @@ def wna16_gemm_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             out[:, n0:n0 + width] = xs @ w
     if status != 0:  # arguments the C side refuses (check_args leaves none): the reference
         return _wna16.wna16_gemm_ref(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
+    if mins is not None:
+        out -= xs.view(M, mins.shape[0], K // mins.shape[0]).sum(dim=2) @ mins
     if bias is not None:
         out = out + bias.float().reshape(1, -1)
     return out.to(out_dtype)
