@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kestrel.bench import attention as attn_bench
 from kestrel.bench.hf_peer import median as median
 from kestrel.bench.hf_peer import percentile as percentile
 from kestrel.bench.hf_peer import random_prompts as random_prompts
-from kestrel.config import ConfigError, EngineConfig
+from kestrel.config import ConfigError, EngineConfig, is_gguf_model
 from kestrel.engine.core import EngineCore
 from kestrel.executor.factory import build_executor
 from kestrel.loader.model_init import _write_weights, checkpoint_shapes, write_tiny_checkpoint
@@ -90,6 +91,9 @@ ARCHS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-8b": QWEN3_8B,
          "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B}
 # Random weight-only checkpoints (--weight-only): compressed-tensors pack-quantized, symmetric integer codes.
 WEIGHT_ONLY_BITS = {"w4a16": 4, "w8a16": 8}
+# ... or a GGUF file in one of llama.cpp's type mixes (`gguf_mix_type`).
+GGUF_MIXES = ("gguf-q4_k_m", "gguf-q8_0", "gguf-q4_0")
+WEIGHT_ONLY_GROUP = 128  # the compressed-tensors checkpoints' default group
 SMOKE_OVERRIDES: dict[str, Any] = {"max_position_embeddings": 512}
 # Batch-1 decode target of precisions without their own (latency.DECODE_ROOFLINE_FACTORS): x the roofline.
 ROOFLINE_FACTOR = 1.3
@@ -165,6 +169,55 @@ def write_random_weight_only_checkpoint(path: Path, config: dict[str, Any], bits
     return quantized
 
 
+def gguf_mix_type(mix: str, name: str, num_layers: int) -> str:
+    """The GGML type of GGUF tensor `name` in `mix`. Q4_K_M as llama.cpp's quantizer makes it: Q4_K, but Q6_K for
+    the LM head and, in a layer that gets more bits (the first and last eighth of the layers and every third one
+    between), for the V and down projections. Q8_0 and Q4_0 keep the LM head in Q6_K, as llama.cpp does for Q4_0."""
+    parts = name.split(".")
+    if name == "output.weight":
+        return "Q8_0" if mix == "gguf-q8_0" else "Q6_K"
+    if mix != "gguf-q4_k_m":
+        return mix.removeprefix("gguf-").upper()
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down"):
+        layer, eighth = int(parts[1]), num_layers // 8
+        if layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2:
+            return "Q6_K"
+    return "Q4_K"
+
+
+def write_random_gguf(path: Path, config: dict[str, Any], mix: str, seed: int = 0) -> None:
+    """A GGUF file of random blocks (`gguf_export.random_blocks`) in `mix`, with `config`'s shapes and kestrel-tiny's
+    tokenizer (its token list padded to the vocabulary); reused when `path` holds one of the same config and mix.
+    GGUFWriter holds the tensors in memory until it writes them."""
+    import gguf
+
+    from kestrel.quant import gguf_export
+    from kestrel.tiny import default_model_path
+
+    marker = path.with_suffix(".json")
+    spec = {"config": config, "mix": mix, "seed": seed}
+    if path.is_file() and marker.is_file() and json.loads(marker.read_text()) == spec:
+        return
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = Path(tmp)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(default_model_path()) / name, hf_dir / name)
+        (hf_dir / "config.json").write_text(json.dumps(config))
+
+        def encode(values: np.ndarray, type_name: str) -> tuple[np.ndarray, object]:
+            if type_name == "F32":
+                return np.ones(values.shape, np.float32), None
+            return gguf_export.random_blocks(rng, *values.shape, type_name), gguf.GGMLQuantizationType[type_name]
+
+        # Zero-stride stand-ins: the encoder reads only their shapes.
+        shapes = ((name, np.broadcast_to(np.float32(0), shape)) for name, shape in checkpoint_shapes(config).items())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        gguf_export.write_gguf(path, hf_dir, shapes,
+                               lambda name: gguf_mix_type(mix, name, config["num_hidden_layers"]), encoder=encode)
+    marker.write_text(json.dumps(spec))
+
+
 def has_checkpoint(path: Path, config: dict[str, Any]) -> bool:
     marker = path / "config.json"
     return marker.is_file() and json.loads(marker.read_text()) == config and any(path.glob("*.safetensors"))
@@ -184,15 +237,28 @@ def temporary_dir(prefix: str) -> Path:
 
 
 def prepare_model(model: str | None, arch: str, smoke: bool, weights_dir: Path | None, with_checkpoint: bool,
-                  device: torch.device, weight_only: str | None = None, group_size: int = 128) -> tuple[str, str]:
-    """(model directory, load_format). `--model` wins; `--smoke` writes a tiny checkpoint; `weight_only` a random
-    weight-only checkpoint of the architecture; otherwise the architecture's random checkpoint when the HF peer
-    needs it or an earlier run left it (loading it is faster than drawing dummy weights on the CPU), else its
-    config.json alone with load_format="dummy"."""
+                  device: torch.device, weight_only: str | None = None,
+                  group_size: int | None = None) -> tuple[str, str]:
+    """(model directory or GGUF file, load_format). `--model` wins; `--smoke` writes a tiny checkpoint;
+    `weight_only` a random weight-only checkpoint (or GGUF file) of the architecture; otherwise the architecture's
+    random checkpoint when the HF peer needs it or an earlier run left it (loading it is faster than drawing dummy
+    weights on the CPU), else its config.json alone with load_format="dummy"."""
     if weight_only is not None and (model or smoke):
         raise ConfigError(f"invalid --weight-only={weight_only}: it writes random weights of --arch, so it goes "
                           "without --model and --smoke")
+    if group_size is not None and weight_only not in WEIGHT_ONLY_BITS:
+        raise ConfigError(f"invalid --group-size={group_size}: it sets the group of --weight-only "
+                          f"{'/'.join(sorted(WEIGHT_ONLY_BITS))} checkpoints"
+                          + (f"; {weight_only}'s groups are its types' own" if weight_only else ""))
+    if weight_only in GGUF_MIXES:
+        if with_checkpoint:
+            raise ConfigError(f"invalid --weight-only={weight_only} with the HF peer: transformers would dequantize "
+                              "the whole GGUF file; use --hf-peer none (latency) / --hf-peer-prompts 0 (throughput)")
+        path = (weights_dir or default_weights_dir(f"{arch}-{weight_only}")) / "model.gguf"
+        write_random_gguf(path, ARCHS[arch], weight_only)
+        return str(path), "auto"
     if weight_only is not None:
+        group_size = group_size or WEIGHT_ONLY_GROUP
         weights_dir = weights_dir or default_weights_dir(f"{arch}-{weight_only}-g{group_size}")
         write_random_weight_only_checkpoint(weights_dir, ARCHS[arch], WEIGHT_ONLY_BITS[weight_only], group_size,
                                             device)
@@ -282,7 +348,11 @@ def has_tokenizer(directory: str) -> bool:
 
 def prompt_vocab(model_dir: str, tokenizer_dir: str | None = None) -> int:
     """Prompt token ids must be valid for the model and, when there is one, its tokenizer (`tokenizer_dir`, by
-    default the model's directory)."""
+    default the model's directory; a GGUF file's own token list covers its vocabulary)."""
+    if is_gguf_model(model_dir):
+        from kestrel.loader.gguf_config import model_hf_config
+
+        return int(model_hf_config(model_dir)["vocab_size"])
     config = json.loads((Path(model_dir) / "config.json").read_text())
     vocab = int(config["vocab_size"])
     tokenizer_file = Path(tokenizer_dir or model_dir) / "tokenizer.json"
@@ -459,10 +529,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "default /tmp/kestrel-bench-ARCH; with --smoke, a temporary directory)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default=None, choices=["fp8", "int8"])
-    p.add_argument("--weight-only", default=None, choices=sorted(WEIGHT_ONLY_BITS),
+    p.add_argument("--weight-only", default=None, choices=[*sorted(WEIGHT_ONLY_BITS), *GGUF_MIXES],
                    help="random weights of --arch in a compressed-tensors weight-only checkpoint (W4A16 / W8A16 "
-                        "kernel), written to --weights-dir")
-    p.add_argument("--group-size", type=int, default=128, help="the --weight-only checkpoint's group (-1: channel)")
+                        "kernel), or a GGUF file of llama.cpp's type mix (gguf-*), written to --weights-dir")
+    p.add_argument("--group-size", type=int, default=None,
+                   help=f"the w4a16 / w8a16 checkpoint's group (-1: channel; default {WEIGHT_ONLY_GROUP})")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the previous one's tokens reach the host (default: on for a GPU)")
@@ -529,7 +600,8 @@ def engine_config_block(args: argparse.Namespace, engine: Engine, model_dir: str
     """The model, precision and engine settings a result was measured with (the suite adds its workload)."""
     return {"model": model_dir, "arch": None if args.model or args.smoke else args.arch,
             "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
-            "weight_only": args.weight_only, "group_size": args.group_size if args.weight_only else None,
+            "weight_only": args.weight_only,
+            "group_size": (args.group_size or WEIGHT_ONLY_GROUP) if args.weight_only in WEIGHT_ONLY_BITS else None,
             "precision": precision(args, model_dir), "kv_cache_dtype": args.kv_cache_dtype,
             "enforce_eager": args.enforce_eager, "max_prefill_graph_tokens": args.max_prefill_graph_tokens,
             "sparse_decode": args.sparse_decode,

@@ -127,7 +127,7 @@ def write_gguf_variant(base: Path, dst: Path, type_name: str, dequantized: bool)
 
     tensors = {name: t for f in sorted(base.glob("*.safetensors")) for name, t in load_file(str(f)).items()}
     path = gguf_export.write_gguf(dst.with_suffix(".gguf"), base,
-                                  ((name, t.float().numpy()) for name, t in tensors.items()), lambda module: type_name)
+                                  ((name, t.float().numpy()) for name, t in tensors.items()), lambda name: type_name)
     if not dequantized:
         return path
     config = json.loads((base / "config.json").read_text())

@@ -32,8 +32,15 @@ LAYER_MODULES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ff
 K_QUANT_FALLBACK = {"Q4_K": "Q5_0"}
 SUPER_BLOCK = 256
 
-# (float32 values, GGML type name) -> (the tensor's data, its GGML type or None for F32 / F16 arrays).
+# (float values, GGML type name) -> (the tensor's data, its GGML type or None for F32 / F16 arrays).
 Encoder = Callable[[np.ndarray, str], tuple[np.ndarray, object]]
+# Random blocks (`random_blocks`): the fp16 fields of each type's block (byte offset -> value) that make its weights
+# about N(0, 0.02)-sized: d, and the offset's dmin / m where the type has one.
+RANDOM_BLOCK_SCALES: dict[str, dict[int, float]] = {
+    "Q8_0": {0: 2e-4}, "Q4_0": {0: 4e-3}, "Q4_1": {0: 4e-3, 2: -3e-2}, "Q5_0": {0: 1e-3}, "Q5_1": {0: 1e-3, 2: -3e-2},
+    "Q2_K": {80: 2e-3, 82: 1e-3}, "Q3_K": {108: 2e-4}, "Q4_K": {0: 4e-5, 2: 2e-5}, "Q5_K": {0: 2e-5, 2: 2e-5},
+    "Q6_K": {208: 5e-6},
+}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -93,6 +100,17 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
 WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K")
 
 
+def random_blocks(rng: np.random.Generator, rows: int, cols: int, type_name: str) -> np.ndarray:
+    """Random uint8 blocks `[rows, cols / block * bytes]` of a quantized type, its fp16 scale fields set
+    (`RANDOM_BLOCK_SCALES`): valid weights of no meaning, for tests and benchmarks of the loader and kernels."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset, scale in RANDOM_BLOCK_SCALES[type_name].items():
+        blocks[..., offset:offset + 2] = np.float16(scale).reshape(1).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def stored_type(type_name: str, cols: int) -> str:
     """The type a row of `cols` values is written in: a K-quant's fallback where K-quant blocks cannot hold it,
     F16 where no block of the type divides the row."""
@@ -122,8 +140,8 @@ def write_gguf(path: Path, hf_dir: Path, tensors: Iterable[tuple[str, np.ndarray
                *, encoder: Encoder = encode, split_max_tensors: int = 0, architecture: str | None = None,
                pre: str = "gpt-2") -> Path:
     """A GGUF file at `path` with `hf_dir`'s config and tokenizer and the (HF name, float values) `tensors`: each
-    2-D tensor in the type `type_of` gives its GGUF module ("attn_v", "output", ...; K-quants falling back where
-    rows are not a multiple of 256), 1-D ones in F32."""
+    2-D tensor in the type `type_of` gives its GGUF name ("blk.0.attn_v.weight", "output.weight", ...; K-quants
+    falling back where rows are not a multiple of 256), 1-D ones in F32. `encoder` turns the values into the type."""
     config = json.loads((hf_dir / "config.json").read_text())
     arch = architecture or config["model_type"]
     writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
@@ -136,9 +154,8 @@ def write_gguf(path: Path, hf_dir: Path, tensors: Iterable[tuple[str, np.ndarray
         heads = permuted_heads(config, hf_name)
         if heads is not None:
             values = llama_permute(values, heads)
-        module = name.split(".")[-2]
-        type_name = "F32" if values.ndim == 1 else stored_type(type_of(module), values.shape[-1])
-        data, qtype = encoder(values.astype(np.float32), type_name)
+        type_name = "F32" if values.ndim == 1 else stored_type(type_of(name), values.shape[-1])
+        data, qtype = encoder(values, type_name)
         writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

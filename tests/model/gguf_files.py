@@ -14,22 +14,16 @@ from safetensors.torch import load_file
 from kestrel.quant import gguf_export
 from kestrel.quant.gguf_export import gguf_name
 
-# Random K-quant blocks: (block bytes, offsets of the fp16 super-block scales d / dmin, their values).
-_K_BLOCKS = {"Q2_K": (84, {80: 2e-3, 82: 1e-3}), "Q3_K": (110, {108: 5e-4}), "Q4_K": (144, {0: 2e-4, 2: 1e-4}),
-             "Q5_K": (176, {0: 1e-4, 2: 1e-4}), "Q6_K": (210, {208: 2e-5})}
+# K-quants as random blocks (gguf writes none of them; random 6-bit scales and mins reach every bit of their packing).
+_RANDOM_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _random_encoder(rng: np.random.Generator):
     """gguf_export.encode, but K-quants as random blocks of sane scales and a refused type as bytes of its size."""
     def encode(values: np.ndarray, type_name: str) -> tuple[np.ndarray, object]:
         qtype = gguf.GGMLQuantizationType[type_name] if type_name not in ("F32", "F16") else None
-        if type_name in _K_BLOCKS:
-            size, scales = _K_BLOCKS[type_name]
-            rows, cols = values.shape
-            blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
-            for offset, scale in scales.items():
-                blocks[..., offset:offset + 2] = np.float16(scale).reshape(1).view(np.uint8)
-            return blocks.reshape(rows, -1), qtype
+        if type_name in _RANDOM_TYPES:
+            return gguf_export.random_blocks(rng, *values.shape, type_name), qtype
         if type_name == "IQ4_NL":  # a type kestrel refuses: bytes of the right size are enough
             return rng.integers(0, 256, (values.shape[0], values.shape[1] // 32 * 18), dtype=np.uint8), qtype
         return gguf_export.encode(values, type_name)
@@ -48,7 +42,8 @@ def write_gguf(path: Path, hf_dir: Path, types: dict[str, str], *, seed: int = 0
             yield hf_name, (1.0 + 0.2 * rng.standard_normal(tensor.shape) if norm
                             else 0.08 * rng.standard_normal(tensor.shape))
 
-    return gguf_export.write_gguf(path, hf_dir, random_values(), lambda module: types.get(module, types["default"]),
+    return gguf_export.write_gguf(path, hf_dir, random_values(),
+                                  lambda name: types.get(name.split(".")[-2], types["default"]),
                                   encoder=_random_encoder(rng), split_max_tensors=split_max_tensors,
                                   architecture=architecture, pre=pre)
 

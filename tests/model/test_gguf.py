@@ -141,7 +141,7 @@ def test_kernel_blocks_unpack_to_gguf_dequantization(tmp_path, llama_dir) -> Non
                     held = gguf_blocks.to_form(part, type_name, form)
                     assert held.scales.shape[1] * group == held.values.shape[1] and (held.mins is not None) == mins
                     if bits == 4:
-                        assert -8 <= int(held.values.min()) and int(held.values.max()) <= 7
+                        assert int(held.values.min()) >= -8 and int(held.values.max()) <= 7
                     torch.testing.assert_close(_weight_of(held), oracle.double(), rtol=2.0**-22, atol=1e-7)
 
 

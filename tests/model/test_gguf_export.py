@@ -66,7 +66,7 @@ def test_the_token_list_is_padded_to_the_embedding_and_eos_lists_and_bos_follow_
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         if name in weights:
             weights[name] = np.concatenate([weights[name], np.zeros((64, weights[name].shape[1]), np.float32)])
-    path = gguf_export.write_gguf(tmp_path / "m.gguf", hf_dir, weights.items(), lambda module: "Q8_0")
+    path = gguf_export.write_gguf(tmp_path / "m.gguf", hf_dir, weights.items(), lambda name: "Q8_0")
     fields = gguf.GGUFReader(str(path)).fields
     assert len(fields["tokenizer.ggml.tokens"].data) == tokens + 64
     assert int(fields["tokenizer.ggml.eos_token_id"].parts[-1][0]) == config["eos_token_id"][0]
@@ -81,7 +81,7 @@ def test_a_checkpoint_written_as_gguf_matches_its_dequantization(type_name, tmp_
     config = write_tiny_checkpoint(hf_dir, "llama", hidden_size=256, intermediate_size=640, rope_scaling=None)
     weights = load_file(str(hf_dir / "model.safetensors"))
     path = gguf_export.write_gguf(tmp_path / "model.gguf", hf_dir,
-                                  ((n, t.float().numpy()) for n, t in weights.items()), lambda module: type_name)
+                                  ((n, t.float().numpy()) for n, t in weights.items()), lambda name: type_name)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
     assert types["blk.0.attn_q.weight"] == type_name
     assert types["blk.0.ffn_down.weight"] == ("Q5_0" if type_name == "Q4_K" else type_name)

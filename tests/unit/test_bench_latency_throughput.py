@@ -194,3 +194,52 @@ def test_throughput_engine_carries_the_engines_grammar_backend(tmp_path: Path, c
     assert throughput.main(["--smoke", "--tokenizer", str(empty), "--grammar-workers", "1",
                             "--result-file", str(tmp_path / "refused.json")]) == 2
     assert "grammar_workers=1" in capsys.readouterr().err
+
+
+def test_gguf_mix_follows_llama_cpp_q4_k_m_rule() -> None:
+    """Q4_K_M: Q6_K for the LM head and, in the first and last eighth of the layers and every third between, for
+    V and down; Q4_K elsewhere. The other mixes keep one type (the LM head in Q6_K / Q8_0)."""
+    from kestrel.bench.common import gguf_mix_type
+
+    more_bits = [i for i in range(32) if gguf_mix_type("gguf-q4_k_m", f"blk.{i}.attn_v.weight", 32) == "Q6_K"]
+    assert more_bits == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert [gguf_mix_type("gguf-q4_k_m", f"blk.{i}.ffn_down.weight", 32) for i in (5, 6)] == ["Q4_K", "Q6_K"]
+    assert {gguf_mix_type("gguf-q4_k_m", n, 32) for n in ("blk.6.attn_q.weight", "blk.6.ffn_up.weight",
+                                                           "token_embd.weight")} == {"Q4_K"}
+    assert gguf_mix_type("gguf-q4_k_m", "output.weight", 32) == "Q6_K"
+    assert [gguf_mix_type("gguf-q4_0", n, 32) for n in ("blk.0.attn_v.weight", "output.weight")] == ["Q4_0", "Q6_K"]
+    assert [gguf_mix_type("gguf-q8_0", n, 32) for n in ("blk.0.attn_v.weight", "output.weight")] == ["Q8_0", "Q8_0"]
+
+
+def test_random_gguf_loads_every_linear_on_the_weight_only_kernel(tmp_path: Path) -> None:
+    """`--weight-only gguf-*`: a random GGUF file of the architecture's shapes (written once, reused for the same
+    config and mix) serves greedy tokens with every projection on the kernel; flags that do not apply to it are
+    refused by name."""
+    import pytest
+    import torch
+
+    from kestrel import LLM, SamplingParams
+    from kestrel.bench import common
+    from kestrel.config import ConfigError
+    from kestrel.loader.model_init import write_tiny_checkpoint
+    from kestrel.quant.schemes.gguf import GGUFLinearMethod
+
+    config = write_tiny_checkpoint(tmp_path / "dense", "llama", "tiny", hidden_size=256, intermediate_size=512,
+                                   num_hidden_layers=8, vocab_size=8192, rope_scaling=None)
+    path = tmp_path / "gguf" / "model.gguf"
+    common.write_random_gguf(path, config, "gguf-q4_k_m")
+    written = path.stat().st_mtime_ns
+    common.write_random_gguf(path, config, "gguf-q4_k_m")
+    assert path.stat().st_mtime_ns == written
+    llm = LLM(str(path), dtype="float32", max_model_len=64)
+    model = llm.engine.runner.model
+    methods = [m.quant_method for m in model.modules() if isinstance(getattr(m, "quant_method", None),
+                                                                     GGUFLinearMethod)]
+    assert len(methods) == 4 * 8 and {t for m in methods for t in m.ggml_types} == {"Q4_K", "Q6_K"}
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert common.prompt_vocab(str(path)) == config["vocab_size"]
+    with pytest.raises(ConfigError, match="--group-size=64.*gguf-q4_k_m's groups"):
+        common.prepare_model(None, "llama3-8b", False, tmp_path, False, torch.device("cpu"), "gguf-q4_k_m", 64)
+    with pytest.raises(ConfigError, match="HF peer"):
+        common.prepare_model(None, "llama3-8b", False, tmp_path, True, torch.device("cpu"), "gguf-q4_k_m")

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GGUF files on the weight-only kernel (issue 28), by stage: `scripts/h200_gguf.sh OUT STAGE...`, the `gguf` package
+# installed first (from wheels where the machine has no registry). Every stage appends to OUT/log.txt under its
+# own time limit; results are OUT/latency-*-h200.json.
+# Stages:
+#   tables      the H200's tuning tables copied under this GPU's name when it is another
+#   tests       the weight-only kernel's tests compiled on the GPU: float offsets (mins) on every path, bad arguments
+#   gguf-MIX    batch-1 and batch-8 decode (prompt 128) of a random Llama-3-8B GGUF file in MIX (q4_k_m, q4_0,
+#               q8_0; written on first use), the engine built in an empty Triton cache: `cold-MIX` in the results
+#   warm-MIX    the same file again, kernels cached: start-up to a built engine, batch 1
+#   bf16        the same shape as a BF16 safetensors checkpoint (written on first use), kernels cached after the
+#               first of its two runs: `bf16-cold`, `bf16-warm`
+#   w4a16       a compressed-tensors W4A16 (group 128) safetensors checkpoint of the same shape, batch 1 and 8
+#   pack        everything under OUT in OUT/results.tar.gz
+source "$(dirname "$0")/h200_job.sh" "$1"; shift
+cold_cache() { export TRITON_CACHE_DIR="$out/triton-cache-$1"; rm -rf "$TRITON_CACHE_DIR"; }
+for stage in "$@"; do
+  case $stage in
+    tables) h200_tables ;;
+    tests) run 400 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16.py -k "mins or invalid" ;;
+    gguf-*) mix=${stage#gguf-}; cold_cache "$mix"
+            latency 240 "llama3-8b-gguf-$mix-cold" --weight-only "gguf-$mix" --batch 1,8 --input-len 128 \
+              --output-len 64 --repeats 2 ;;
+    warm-*) mix=${stage#warm-}; export TRITON_CACHE_DIR="$out/triton-cache-$mix"
+            latency 150 "llama3-8b-gguf-$mix-warm" --weight-only "gguf-$mix" --batch 1 --input-len 128 \
+              --output-len 32 ;;
+    bf16) cold_cache bf16
+          run 200 python3 -c "import torch; from pathlib import Path; from kestrel.bench import common;
+common.write_random_checkpoint(Path('/tmp/kestrel-bench-llama3-8b'), common.ARCHS['llama3-8b'], torch.device('cuda'))"
+          latency 150 llama3-8b-bf16-cold --batch 1 --input-len 128 --output-len 32
+          latency 150 llama3-8b-bf16-warm --batch 1 --input-len 128 --output-len 32 ;;
+    w4a16) latency 200 llama3-8b-w4a16-g128 --weight-only w4a16 --batch 1,8 --input-len 128 --output-len 64 \
+             --repeats 2 ;;
+    pack) rm -rf "$out"/triton-cache-*; pack_results ;;
+    *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
+  esac
+done
