@@ -236,7 +236,8 @@ def test_random_gguf_loads_every_linear_on_the_weight_only_kernel(tmp_path: Path
     methods = [m.quant_method for m in model.modules() if isinstance(getattr(m, "quant_method", None),
                                                                      GGUFLinearMethod)]
     assert len(methods) == 4 * 8 and {t for m in methods for t in m.ggml_types} == {"Q4_K", "Q6_K"}
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy)
     assert len(out[0].outputs[0].token_ids) == 4
     assert common.prompt_vocab(str(path)) == config["vocab_size"]
     with pytest.raises(ConfigError, match="--group-size=64.*gguf-q4_k_m's groups"):
