@@ -17,7 +17,7 @@ cold_cache() { export TRITON_CACHE_DIR="$out/triton-cache-$1"; rm -rf "$TRITON_C
 for stage in "$@"; do
   case $stage in
     tables) h200_tables ;;
-    tests) run 400 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16.py -k "mins or invalid" ;;
+    tests) run 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_wna16.py -k "mins or invalid" ;;
     gguf-*) mix=${stage#gguf-}; cold_cache "$mix"
             latency 240 "llama3-8b-gguf-$mix-cold" --weight-only "gguf-$mix" --batch 1,8 --input-len 128 \
               --output-len 64 --repeats 2 ;;
