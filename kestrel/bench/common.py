@@ -586,7 +586,10 @@ def precision(args: argparse.Namespace, model_dir: str | None = None) -> str:
 
 
 def checkpoint_precision(model_dir: str) -> str | None:
-    """"fp8" or "int8" for a W8A8 checkpoint (its quantization_config), None for a float one."""
+    """The precision a quantized checkpoint's quantization_config names ("fp8", "int8", "w4a16", ...; "gguf" for a
+    GGUF file), None for a float one."""
+    if is_gguf_model(model_dir):
+        return "gguf"
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
         return None
