@@ -251,6 +251,11 @@ def prepare_model(model: str | None, arch: str, smoke: bool, weights_dir: Path |
                           f"{'/'.join(sorted(WEIGHT_ONLY_BITS))} checkpoints"
                           + (f"; {weight_only}'s groups are its types' own" if weight_only else ""))
     if weight_only in GGUF_MIXES:
+        from kestrel.loader.gguf_weights import ARCHITECTURES
+
+        if ARCHS[arch]["model_type"] not in ARCHITECTURES:
+            raise ConfigError(f"invalid --weight-only={weight_only} with --arch {arch}: GGUF files of "
+                              f"{sorted(ARCHITECTURES)} dense models load; choose such an --arch")
         if with_checkpoint:
             raise ConfigError(f"invalid --weight-only={weight_only} with the HF peer: transformers would dequantize "
                               "the whole GGUF file; use --hf-peer none (latency) / --hf-peer-prompts 0 (throughput)")
@@ -258,7 +263,7 @@ def prepare_model(model: str | None, arch: str, smoke: bool, weights_dir: Path |
         write_random_gguf(path, ARCHS[arch], weight_only)
         return str(path), "auto"
     if weight_only is not None:
-        group_size = group_size or WEIGHT_ONLY_GROUP
+        group_size = WEIGHT_ONLY_GROUP if group_size is None else group_size
         weights_dir = weights_dir or default_weights_dir(f"{arch}-{weight_only}-g{group_size}")
         write_random_weight_only_checkpoint(weights_dir, ARCHS[arch], WEIGHT_ONLY_BITS[weight_only], group_size,
                                             device)
@@ -352,9 +357,11 @@ def prompt_vocab(model_dir: str, tokenizer_dir: str | None = None) -> int:
     if is_gguf_model(model_dir):
         from kestrel.loader.gguf_config import model_hf_config
 
-        return int(model_hf_config(model_dir)["vocab_size"])
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    vocab = int(config["vocab_size"])
+        vocab = int(model_hf_config(model_dir)["vocab_size"])
+        if tokenizer_dir is None:
+            return vocab
+    else:
+        vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
     tokenizer_file = Path(tokenizer_dir or model_dir) / "tokenizer.json"
     if tokenizer_file.is_file():
         vocab = min(vocab, len(json.loads(tokenizer_file.read_text())["model"]["vocab"]))
@@ -555,6 +562,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the model in worker processes (with tp 1: the executor path, for its overhead)")
 
 
+def refuse_weight_only(args: argparse.Namespace, suite: str) -> None:
+    """A ConfigError for `--weight-only` / `--group-size` in a suite that builds its model without them."""
+    given = [flag for flag, value in (("--weight-only", args.weight_only), ("--group-size", args.group_size))
+             if value is not None]
+    if given:
+        raise ConfigError(f"invalid {', '.join(given)} for kestrel bench {suite}: its model is --arch's float "
+                          "checkpoint (or --model); the weight-only checkpoints are for latency and throughput")
+
+
 def add_report_arguments(p: argparse.ArgumentParser) -> None:
     """Where an end-to-end suite writes its result, and its CPU smoke mode."""
     p.add_argument("--result-file", type=Path, default=None, help="write the JSON here (and the PNG beside it)")
@@ -604,7 +620,8 @@ def engine_config_block(args: argparse.Namespace, engine: Engine, model_dir: str
     return {"model": model_dir, "arch": None if args.model or args.smoke else args.arch,
             "load_format": load_format, "dtype": args.dtype, "quantization": args.quantization,
             "weight_only": args.weight_only,
-            "group_size": (args.group_size or WEIGHT_ONLY_GROUP) if args.weight_only in WEIGHT_ONLY_BITS else None,
+            "group_size": ((WEIGHT_ONLY_GROUP if args.group_size is None else args.group_size)
+                           if args.weight_only in WEIGHT_ONLY_BITS else None),
             "precision": precision(args, model_dir), "kv_cache_dtype": args.kv_cache_dtype,
             "enforce_eager": args.enforce_eager, "max_prefill_graph_tokens": args.max_prefill_graph_tokens,
             "sparse_decode": args.sparse_decode,

@@ -157,6 +157,7 @@ def _generate(engine: common.Engine, prompt: list[int], params: SamplingParams, 
 
 def verify_part(args: argparse.Namespace, device: torch.device, result: dict[str, Any]) -> None:
     """Steps with k fixed drafts vs plain decode steps, on the --arch model."""
+    common.refuse_weight_only(args, "spec-decode")
     model_dir, load_format = common.prepare_model(args.model, args.arch, args.smoke, args.weights_dir, False, device)
     context = 512 if not args.smoke else 32
     ks = int_list(args.verify_k)

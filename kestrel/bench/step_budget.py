@@ -350,7 +350,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 GPU_DEFAULTS = {"batch": "256,512", "context": 1500, "prefill_tokens": "8192", "prefill_prompt_len": 1024,
                 "steps": 20, "dtype": "bfloat16"}
 # Flags the CPU budget has no use for (it times op families with and without the fast CPU paths).
-GPU_ONLY = {"precisions": None, "profile_steps": None, "layers": None, "quantization": None, "weight_only": None,
+GPU_ONLY = {"precisions": None, "profile_steps": None, "layers": None, "quantization": None,
             "kv_cache_dtype": "auto", "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
             "distributed_executor_backend": None}
 
@@ -386,6 +386,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kestrel.config import ConfigError
 
+    common.refuse_weight_only(args, "step-budget")
     if args.device == "cpu":
         from kestrel.bench import cpu_step_budget
 

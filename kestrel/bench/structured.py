@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(schemas) - set(SCHEMAS))
     if unknown or not schemas:
         raise ConfigError(f"invalid --schemas={args.schemas!r}: unknown {unknown}; use names of {sorted(SCHEMAS)}")
+    common.refuse_weight_only(args, "structured")
     model_dir, load_format = common.prepare_model(args.model, args.arch, args.smoke, args.weights_dir, False, device)
     tokenizer_dir = args.tokenizer or model_dir
     if not (Path(tokenizer_dir) / "tokenizer.json").is_file():

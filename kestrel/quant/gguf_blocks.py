@@ -82,6 +82,9 @@ def to_form(part: Unpacked, type_name: str, form: BlockForm) -> Unpacked:
     """One part's unpacked weight in a merged layer's `form` (its groups split to the layer's, zero offsets where
     the layer has them and the part does not, unsigned 4-bit values shifted into int4)."""
     own = FORMS[type_name]
+    if form.bits < own.bits or form.group > own.group or own.group % form.group:
+        raise ValueError(f"GGUF {type_name} ({own.bits}-bit values in groups of {own.group}) does not fit the form "
+                         f"of {form.bits}-bit values in groups of {form.group}")
     values, scales, mins = part
     if form.bits == 4 and own.unsigned4:
         values = values - 8

@@ -35,11 +35,12 @@ SUPER_BLOCK = 256
 # (float values, GGML type name) -> (the tensor's data, its GGML type or None for F32 / F16 arrays).
 Encoder = Callable[[np.ndarray, str], tuple[np.ndarray, object]]
 # Random blocks (`random_blocks`): the fp16 fields of each type's block (byte offset -> value) that make its weights
-# about N(0, 0.02)-sized: d, and the offset's dmin / m where the type has one.
+# about 0.01-0.02 in size: d, and where the type has an offset its dmin / m, set to the mean of d * scale * q over
+# uniform bytes so that the weights centre on 0.
 RANDOM_BLOCK_SCALES: dict[str, dict[int, float]] = {
-    "Q8_0": {0: 2e-4}, "Q4_0": {0: 4e-3}, "Q4_1": {0: 4e-3, 2: -3e-2}, "Q5_0": {0: 1e-3}, "Q5_1": {0: 1e-3, 2: -3e-2},
-    "Q2_K": {80: 2e-3, 82: 1e-3}, "Q3_K": {108: 2e-4}, "Q4_K": {0: 4e-5, 2: 2e-5}, "Q5_K": {0: 2e-5, 2: 2e-5},
-    "Q6_K": {208: 5e-6},
+    "Q8_0": {0: 2e-4}, "Q4_0": {0: 4e-3}, "Q4_1": {0: 4e-3, 2: -3e-2}, "Q5_0": {0: 1e-3},
+    "Q5_1": {0: 1e-3, 2: -1.55e-2}, "Q2_K": {80: 2e-3, 82: 3e-3}, "Q3_K": {108: 2e-4},
+    "Q4_K": {0: 4e-5, 2: 3e-4}, "Q5_K": {0: 2e-5, 2: 3.1e-4}, "Q6_K": {208: 5e-6},
 }
 
 

@@ -274,6 +274,22 @@ def test_fma_pipelines_match_float64_oracle(variant, device):
         check_triton_case(variant, group, act_order, M, N, K, x_dtype, 40 + i, cfg, device, fma_path=True)
 
 
+@pytest.mark.parametrize("variant", ["int4_mins", "int8_mins"])
+def test_mins_in_groups_of_16_on_every_path(variant, device, oneshot_calls):
+    """Float offsets in groups of 16 (GGUF's Q6_K / Q3_K / Q2_K, and Q4_K_M's merged qkv): the tensor-core tiles
+    (split over K, act-order), swap_ab with fast_convert, the FMA path and, for int4, the one-shot GEMV."""
+    N, K = 48, 192
+    cases = [(WNA16Config(block_m=16, block_n=32, block_k=64, split_k=2), False, 17, False),
+             (WNA16Config(block_m=16, block_n=32, block_k=64, split_k=1), True, 5, False),
+             (WNA16Config(block_m=16, block_n=32, block_k=64, swap_ab=True, fast_convert=True), False, 3, False),
+             (WNA16Config(block_m=1, block_n=32, block_k=64, split_k=3, group_m=1), False, 2, True),
+             (WNA16Config(block_m=1, block_n=32, block_k=64, num_warps=2, oneshot=True), True, 1, True)]
+    for i, (cfg, act_order, M, fma_path) in enumerate(cases):
+        x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
+        check_triton_case(variant, 16, act_order, M, N, K, x_dtype, 90 + i, cfg, device, fma_path=fma_path)
+    assert len(oneshot_calls) == (1 if variant == "int4_mins" else 0)
+
+
 def record_calls(monkeypatch, owner, name: str) -> list[tuple[tuple, dict]]:
     """`owner.name` still runs, and each call's (args, kwargs) is appended to the returned list."""
     calls = []

@@ -244,3 +244,23 @@ def test_random_gguf_loads_every_linear_on_the_weight_only_kernel(tmp_path: Path
         common.prepare_model(None, "llama3-8b", False, tmp_path, False, torch.device("cpu"), "gguf-q4_k_m", 64)
     with pytest.raises(ConfigError, match="HF peer"):
         common.prepare_model(None, "llama3-8b", False, tmp_path, True, torch.device("cpu"), "gguf-q4_k_m")
+
+
+def test_suites_without_weight_only_checkpoints_refuse_the_flags() -> None:
+    """structured, spec-decode and step-budget build --arch's float model: --weight-only and --group-size are
+    refused by name there, not dropped; a GGUF mix of an architecture GGUF files do not hold is refused too."""
+    import argparse
+
+    import pytest
+    import torch
+
+    from kestrel.bench import common, step_budget
+    from kestrel.config import ConfigError
+
+    parser = argparse.ArgumentParser()
+    step_budget.add_arguments(parser)
+    for flags, named in ((["--weight-only", "gguf-q4_0"], "--weight-only"), (["--group-size", "64"], "--group-size")):
+        with pytest.raises(ConfigError, match=f"{named} for kestrel bench step-budget"):
+            step_budget.run(parser.parse_args(["--smoke", *flags]))
+    with pytest.raises(ConfigError, match="--arch qwen3-30b-a3b"):
+        common.prepare_model(None, "qwen3-30b-a3b", False, None, False, torch.device("cpu"), "gguf-q4_k_m")
