@@ -312,10 +312,13 @@ class Engine:
 
 
 def build_engine(model: str, **engine_args: Any) -> Engine:
+    from kestrel.loader.gguf_config import model_hf_config
+
     started = time.perf_counter()
-    config = EngineConfig.from_kwargs(model, **engine_args)
+    # A GGUF file carries its config and tokenizer: both are read from it here, as a server's start-up does.
+    config = EngineConfig.from_kwargs(model, hf_config=model_hf_config(model), **engine_args)
     tokenizer: Any = NullTokenizer()
-    if has_tokenizer(config.model.tokenizer_path):
+    if is_gguf_model(config.model.tokenizer_path) or has_tokenizer(config.model.tokenizer_path):
         tokenizer = load_tokenizer(config.model.tokenizer_path)
     elif config.grammar_workers:
         raise ConfigError(f"invalid grammar_workers={config.grammar_workers}: {config.model.tokenizer_path} has no "

@@ -240,6 +240,8 @@ def test_random_gguf_loads_every_linear_on_the_weight_only_kernel(tmp_path: Path
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy)
     assert len(out[0].outputs[0].token_ids) == 4
     assert common.prompt_vocab(str(path)) == config["vocab_size"]
+    engine = common.build_engine(str(path), dtype="float32", max_model_len=64, max_num_seqs=2)
+    assert engine.core.tokenizer.decode([5, 6]) == llm.get_tokenizer().decode([5, 6])
     with pytest.raises(ConfigError, match="--group-size=64.*gguf-q4_k_m's groups"):
         common.prepare_model(None, "llama3-8b", False, tmp_path, False, torch.device("cpu"), "gguf-q4_k_m", 64)
     with pytest.raises(ConfigError, match="HF peer"):
