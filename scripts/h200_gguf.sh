@@ -4,12 +4,15 @@
 # own time limit; results are OUT/latency-*-h200.json.
 # Stages:
 #   tables      the H200's tuning tables copied under this GPU's name when it is another
-#   tests       the weight-only kernel's tests compiled on the GPU: float offsets (mins) on every path, bad arguments
+#   tests       the weight-only kernel's tests compiled on the GPU: float offsets (mins) on every path, the one-shot
+#               GEMV (int8 in small groups included), bad arguments
 #   gguf-MIX    batch-1 and batch-8 decode (prompt 128) of a random Llama-3-8B GGUF file in MIX (q4_k_m, q4_0,
 #               q8_0; written on first use), the engine built in an empty Triton cache: `cold-MIX` in the results
 #   warm-MIX    the same file again, kernels cached: start-up to a built engine, batch 1
 #   bf16        the same shape as a BF16 safetensors checkpoint (written on first use), kernels cached after the
 #               first of its two runs: `bf16-cold`, `bf16-warm`
+#   tput-MIX    full load of the MIX file: 384 prompts x 1000 in / 1000 out at max_num_seqs 256 (a batch drained and
+#               refilled; as the W4A16 runs of benchmarks/results/issue28/)
 #   w4a16       a compressed-tensors W4A16 (group 128) safetensors checkpoint of the same shape, batch 1 and 8
 #   pack        everything under OUT in OUT/results.tar.gz
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
@@ -17,7 +20,7 @@ cold_cache() { export TRITON_CACHE_DIR="$out/triton-cache-$1"; rm -rf "$TRITON_C
 for stage in "$@"; do
   case $stage in
     tables) h200_tables ;;
-    tests) run 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_wna16.py -k "mins or invalid" ;;
+    tests) run 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_wna16.py -k "mins or invalid or oneshot" ;;
     gguf-*) mix=${stage#gguf-}; cold_cache "$mix"
             latency 240 "llama3-8b-gguf-$mix-cold" --weight-only "gguf-$mix" --batch 1,8 --input-len 128 \
               --output-len 64 --repeats 2 ;;
@@ -29,6 +32,10 @@ for stage in "$@"; do
 common.write_random_checkpoint(Path('/tmp/kestrel-bench-llama3-8b'), common.ARCHS['llama3-8b'], torch.device('cuda'))"
           latency 150 llama3-8b-bf16-cold --batch 1 --input-len 128 --output-len 32
           latency 150 llama3-8b-bf16-warm --batch 1 --input-len 128 --output-len 32 ;;
+    tput-*) mix=${stage#tput-}
+            run 240 python3 -m kestrel.bench.throughput --weight-only "gguf-$mix" --hf-peer-prompts 0 \
+              --num-prompts 384 --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-seconds 150 \
+              --result-file "$out/throughput-llama3-8b-gguf-$mix-h200.json" ;;
     w4a16) latency 200 llama3-8b-w4a16-g128 --weight-only w4a16 --batch 1,8 --input-len 128 --output-len 64 \
              --repeats 2 ;;
     pack) rm -rf "$out"/triton-cache-*; pack_results ;;

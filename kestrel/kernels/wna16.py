@@ -68,8 +68,9 @@ block_m, is the small second operand; with nibble_dots eight dots per K step, el
 each step's words arrived only when asked for; 1 loads the next step's words into registers before the current
 step's arithmetic, 2 asks `tl.range` for num_stages. Same arithmetic.
 
-`oneshot` (block_m = 1, int4 / uint4): `kernels/wna16_gemv.py`, one word slice per program loaded whole and each
-nibble turned into fp32 by one lop3; the H200 table takes it for one row.
+`oneshot` (block_m = 1, int4 / uint4, and int8 in groups of 16 or 32 without integer zero points): `kernels/
+wna16_gemv.py`, one word slice per program loaded whole and each nibble turned into fp32 by one lop3 (int8: a slice
+of half the rows, the same bytes, each value converted); the H200 table takes it for one row.
 
 Split-K partials meet in an fp32 workspace; the last program to arrive at a tile (an atomic
 counter) sums them in split order (deterministic, so CUDA-graph replays are bit-exact) and runs the epilogue
@@ -158,9 +159,9 @@ class WNA16Config:
     # block_m = 1 (the FMA path), 4-bit types: 0 a plain loop, 1 register prefetch of the next step's words,
     # 2 the loop pipelined by Triton with num_stages (see `_gemv_range`).
     fma_pipeline: int = 0
-    # block_m = 1, int4 / uint4: the one-shot decode GEMV (`kernels/wna16_gemv.py`) instead of the FMA path: one
-    # [block_k / 8, block_n] word slice per program, codes turned to fp32 by one mask-or each. It reads block_n,
-    # block_k (which may then span whole groups; the split is K / block_k) and num_warps only.
+    # block_m = 1, int4 / uint4 (int8 in small groups): the one-shot decode GEMV (`kernels/wna16_gemv.py`), not the
+    # FMA path: one [block_k / 8, block_n] word slice per program, codes turned to fp32 by one mask-or each. It
+    # reads block_n, block_k (which may then span whole groups; the split is K / block_k) and num_warps only.
     oneshot: bool = False
 
     def __post_init__(self) -> None:
@@ -777,7 +778,7 @@ def wna16_gemm(
     elif x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or select_config(N, K, M, x.device)
-    if cfg.oneshot and cfg.block_m == 1 and weight_type in wna16_gemv.WEIGHT_TYPES:
+    if cfg.oneshot and cfg.block_m == 1 and wna16_gemv.takes(weight_type, zeros, group):
         wna16_gemv.w4_gemv(x, qweight, scales, zeros, out, bias, block_n=cfg.block_n, block_k=cfg.block_k,
                            num_warps=cfg.num_warps)
         return out

@@ -93,16 +93,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr
     else:
         g_of_word = (wrows * 8) // group
         zf = tl.load(z_ptr + g_of_word[:, None] * stride_zg + wc[None, :]).to(tl.float32)
-    if GROUPS == 1:
-        sc = tl.load(s_ptr + first_g * stride_sg + wc).to(tl.float32)
-    else:
-        gs = first_g + tl.arange(0, GROUPS)
-        sc = tl.load(s_ptr + gs[:, None] * stride_sg + wc[None, :]).to(tl.float32)
-    if HAS_MINS:
-        if GROUPS == 1:
-            mn = tl.load(z_ptr + first_g * stride_zg + wc)
-        else:
-            mn = tl.load(z_ptr + (first_g + tl.arange(0, GROUPS))[:, None] * stride_zg + wc[None, :])
+    sc, mn = _slice_scales(s_ptr, z_ptr, first_g, wc, stride_sg, stride_zg, GROUPS, HAS_MINS, BLOCK_N)
     if USE_PDL:
         gdc_wait()
     part = ws_ptr + pid.to(tl.int64) * (ROWS * BLOCK_N) + tl.arange(0, BLOCK_N)
@@ -122,19 +113,90 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr
             acc += w * xv[:, None]
             if HAS_MINS:
                 x_words += xv
+        _row_out(acc, x_words, sc, mn, m, part, out_ptr, b_ptr, cols, wc, n_ok, stride_om, SPLIT_K, GROUPS, HAS_MINS,
+                 HAS_BIAS, FAST, BLOCK_N)
+    _split_tail(ws_ptr, lock_ptr, nb, out_ptr, b_ptr, cols, wc, n_ok, stride_om, SPLIT_K, ROWS, HAS_BIAS, FAST,
+                BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["stride_xm", "stride_om"])
+def _i8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, N, group,
+                    stride_xm, stride_wk, stride_sg, stride_zg, stride_om,
+                    SPLIT_K: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, HAS_MINS: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_w4_gemv_kernel` for int8 values `[K, N]` (no integer zero points): this program reads rows
+    [split * BLOCK_K, +BLOCK_K) of BLOCK_N columns, each value turned to fp32 as it is multiplied."""
+    if USE_PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    nb = pid // SPLIT_K
+    split = pid % SPLIT_K
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    wc = cols if EVEN_N else cols % N
+    krows = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    values = tl.load(w_ptr + krows.to(tl.int64)[:, None] * stride_wk + wc[None, :]).to(tl.float32)
+    sc, mn = _slice_scales(s_ptr, z_ptr, (split * BLOCK_K) // group, wc, stride_sg, stride_zg, GROUPS, HAS_MINS,
+                           BLOCK_N)
+    if USE_PDL:
+        gdc_wait()
+    part = ws_ptr + pid.to(tl.int64) * (ROWS * BLOCK_N) + tl.arange(0, BLOCK_N)
+    for m in tl.static_range(ROWS):
+        xv = tl.load(x_ptr + m * stride_xm + krows).to(tl.float32)
+        _row_out(values * xv[:, None], xv, sc, mn, m, part, out_ptr, b_ptr, cols, wc, n_ok, stride_om, SPLIT_K,
+                 GROUPS, HAS_MINS, HAS_BIAS, FAST, BLOCK_N)
+    _split_tail(ws_ptr, lock_ptr, nb, out_ptr, b_ptr, cols, wc, n_ok, stride_om, SPLIT_K, ROWS, HAS_BIAS, FAST,
+                BLOCK_N)
+
+
+@triton.jit
+def _slice_scales(s_ptr, z_ptr, first_g, wc, stride_sg, stride_zg, GROUPS: tl.constexpr, HAS_MINS: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """The slice's scales and (with mins) offsets in fp32: `[BLOCK_N]` for one group, `[GROUPS, BLOCK_N]` else
+    (without mins the scales stand in for the offsets)."""
+    if GROUPS == 1:
+        rows = first_g
+        sc = tl.load(s_ptr + rows * stride_sg + wc).to(tl.float32)
+    else:
+        rows = (first_g + tl.arange(0, GROUPS))[:, None]
+        sc = tl.load(s_ptr + rows * stride_sg + wc[None, :]).to(tl.float32)
+    mn = sc
+    if HAS_MINS:
         if GROUPS == 1:
-            dot = tl.sum(acc, axis=0) * sc
-            if HAS_MINS:
-                dot -= tl.sum(x_words, axis=0) * mn
+            mn = tl.load(z_ptr + rows * stride_zg + wc)
         else:
-            dot = tl.sum(tl.sum(tl.reshape(acc, (GROUPS, KW // GROUPS, BLOCK_N)), axis=1) * sc, axis=0)
-            if HAS_MINS:
-                x_groups = tl.sum(tl.reshape(x_words, (GROUPS, KW // GROUPS)), axis=1)
-                dot -= tl.sum(x_groups[:, None] * mn, axis=0)
-        if SPLIT_K == 1:
-            _store(dot, m, out_ptr, b_ptr, cols, wc, n_ok, stride_om, HAS_BIAS, FAST)
-        else:
-            tl.store(part + m * BLOCK_N, dot)
+            mn = tl.load(z_ptr + rows * stride_zg + wc[None, :])
+    return sc, mn
+
+
+@triton.jit
+def _row_out(acc, x_parts, sc, mn, m, part, out_ptr, b_ptr, cols, wc, n_ok, stride_om, SPLIT_K: tl.constexpr,
+             GROUPS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """Row m's products `acc` ([rows of the slice, BLOCK_N], the slice's K in order) summed per group and scaled,
+    less the offsets times the groups' sums of `x_parts` (the row's x summed per row of `acc`); stored, or put in
+    the workspace `part` when K is split."""
+    if GROUPS == 1:
+        dot = tl.sum(acc, axis=0) * sc
+        if HAS_MINS:
+            dot -= tl.sum(x_parts, axis=0) * mn
+    else:
+        per_group: tl.constexpr = acc.shape[0] // GROUPS
+        dot = tl.sum(tl.sum(tl.reshape(acc, (GROUPS, per_group, BLOCK_N)), axis=1) * sc, axis=0)
+        if HAS_MINS:
+            x_groups = tl.sum(tl.reshape(x_parts, (GROUPS, per_group)), axis=1)
+            dot -= tl.sum(x_groups[:, None] * mn, axis=0)
+    if SPLIT_K == 1:
+        _store(dot, m, out_ptr, b_ptr, cols, wc, n_ok, stride_om, HAS_BIAS, FAST)
+    else:
+        tl.store(part + m * BLOCK_N, dot)
+
+
+@triton.jit
+def _split_tail(ws_ptr, lock_ptr, nb, out_ptr, b_ptr, cols, wc, n_ok, stride_om, SPLIT_K: tl.constexpr,
+                ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.constexpr):
+    """With K split, the last program to arrive at the column block sums the rows' partials in split order."""
     if SPLIT_K > 1:
         is_last = common.last_arrival(lock_ptr + nb, SPLIT_K)
         if is_last:
@@ -182,18 +244,33 @@ def _store(y, m, out_ptr, b_ptr, cols, wc, n_ok, stride_om, HAS_BIAS: tl.constex
     tl.store(out_ptr + m * stride_om + cols, common.to_dtype(y, out_ptr.dtype.element_ty, FAST), mask=n_ok)
 
 
+# int8 takes the one-shot GEMV in groups smaller than this (GGUF's 16 and 32), where the FMA path's K steps, which
+# lie inside one group, are that short; larger groups and per-channel int8 (W8A16 checkpoints) keep the FMA path.
+INT8_ONESHOT_GROUP = 64
+
+
+def takes(weight_type: str, zeros: torch.Tensor | None, group: int) -> bool:
+    """Whether the one-shot GEMV runs this weight: int4 / uint4, or int8 in small groups without integer zero
+    points."""
+    if weight_type == "int8":
+        return group < INT8_ONESHOT_GROUP and (zeros is None or zeros.is_floating_point())
+    return weight_type in WEIGHT_TYPES
+
+
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
             out: torch.Tensor, bias: torch.Tensor | None, *, block_n: int, block_k: int, num_warps: int) -> None:
     """Write `x @ dequant(qweight).T + bias` into `out` ([M, N]). `x` is [M, K] with its act-order permutation
     already applied (what `wna16.wna16_gemm` hands over after checking every argument); `qweight` int32
     [K / 8, N] of int4 (zeros None: the codes minus 8; or float32 mins [K / group, N]) or uint4 (zeros
-    [K / group, N]) codes."""
+    [K / group, N]) codes, or int8 [K, N] values (zeros None or float32 mins): `takes`. An int8 slice holds
+    block_k / 2 rows, the bytes of a 4-bit slice of block_k."""
     M, K = x.shape
     N = qweight.shape[1]
     group = K // scales.shape[0]
+    eight_bit = qweight.dtype == torch.int8
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"w4_gemv: block_n must be a power of two, got {block_n}")
-    bk = fit_block_k(block_k, group, K)
+    bk = fit_block_k(max(block_k // 2, 16) if eight_bit else block_k, group, K)
     split_k = K // bk
     n_blocks = triton.cdiv(N, block_n)
     if split_k > 1 and n_blocks > common.ARRIVAL_SLOTS:
@@ -209,10 +286,12 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         rows = xm.shape[0]
         ws = (torch.empty(n_blocks * split_k * rows * block_n, dtype=torch.float32, device=x.device)
               if split_k > 1 else scales)
-        _w4_gemv_kernel[(n_blocks * split_k,)](
-            xm, qweight, scales, z, b, om, ws, locks, N, group,
-            xm.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), om.stride(0),
-            SPLIT_K=split_k, ROWS=rows, GROUPS=groups, HAS_ZEROS=zeros is not None and not mins,
-            HAS_MINS=mins, HAS_BIAS=bias is not None,
-            EVEN_N=N % block_n == 0, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps,
-            **common.launch_options(x, "pdl_decode"))
+        args = (xm, qweight, scales, z, b, om, ws, locks, N, group,
+                xm.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), om.stride(0))
+        flags = dict(SPLIT_K=split_k, ROWS=rows, GROUPS=groups, HAS_MINS=mins, HAS_BIAS=bias is not None,
+                     EVEN_N=N % block_n == 0, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps,
+                     **common.launch_options(x, "pdl_decode"))
+        if eight_bit:
+            _i8_gemv_kernel[(n_blocks * split_k,)](*args, **flags)
+        else:
+            _w4_gemv_kernel[(n_blocks * split_k,)](*args, HAS_ZEROS=zeros is not None and not mins, **flags)

@@ -287,7 +287,7 @@ def test_mins_in_groups_of_16_on_every_path(variant, device, oneshot_calls):
     for i, (cfg, act_order, M, fma_path) in enumerate(cases):
         x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
         check_triton_case(variant, 16, act_order, M, N, K, x_dtype, 90 + i, cfg, device, fma_path=fma_path)
-    assert len(oneshot_calls) == (1 if variant == "int4_mins" else 0)
+    assert len(oneshot_calls) == 1
 
 
 def record_calls(monkeypatch, owner, name: str) -> list[tuple[tuple, dict]]:
@@ -321,6 +321,22 @@ def test_oneshot_gemv_matches_float64_oracle(variant, device, oneshot_calls):
         x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
         cfg = WNA16Config(block_m=1, block_n=32, block_k=block_k, num_warps=2, oneshot=True)
         check_triton_case(variant, group, act_order, M, N, 256, x_dtype, 60 + i, cfg, device, fma_path=True)
+    assert len(oneshot_calls) == len(cases)
+
+
+@pytest.mark.parametrize("variant", ["int8", "int8_mins"])
+def test_oneshot_gemv_takes_int8_in_small_groups(variant, device, oneshot_calls):
+    """int8 values in groups of 16 or 32 (GGUF's Q6_K, Q8_0, Q5_K forms) take the one-shot GEMV: slices of half the
+    configured rows, inside one group or spanning several, split over K or not, act-order, M past MAX_ROWS, N not a
+    multiple of block_n; in larger groups they keep the FMA path."""
+    cases = [(16, False, 1, 64, 40), (32, True, 3, 128, 64), (16, False, wna16_gemv.MAX_ROWS + 1, 512, 48),
+             (32, False, 2, 32, 40)]
+    for i, (group, act_order, M, block_k, N) in enumerate(cases):
+        x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
+        cfg = WNA16Config(block_m=1, block_n=32, block_k=block_k, num_warps=2, oneshot=True)
+        check_triton_case(variant, group, act_order, M, N, 256, x_dtype, 100 + i, cfg, device, fma_path=True)
+    assert len(oneshot_calls) == len(cases)
+    check_triton_case(variant, 64, False, 2, 40, 256, torch.float32, 105, cfg, device, fma_path=True)
     assert len(oneshot_calls) == len(cases)
 
 
