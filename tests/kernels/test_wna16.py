@@ -675,11 +675,13 @@ def test_cpu_path_matches_float64_oracle(c_path_only, monkeypatch):
     """`kernels/cpu/wna16.py` (C): few rows (one pass over the words) and more (column chunks of the dequantized
     weight, made small here so several chunks, a full C block plus a remainder inside one, and a short last chunk
     run), int4 / uint4, grouped / per channel / act-order, N not a multiple of the C block, a bias, three activation
-    dtypes; and a weight large enough for the C loops' parallel regions."""
+    dtypes; and a weight large enough for the C loops' parallel regions. int8 (plain, zero points, offsets) in
+    torch column chunks at every row count."""
     cpu_wna16 = c_path_only
     monkeypatch.setattr(cpu_wna16, "CHUNK_COLUMNS", 80)
     cases = [("int4", 128, False, 100, 256), ("uint4", 32, True, 64, 128), ("int4", None, False, 100, 256),
-             ("uint4", 64, False, 64, 128), ("int4", 128, False, 1024, 1024), ("int4_mins", 32, False, 64, 128)]
+             ("uint4", 64, False, 64, 128), ("int4", 128, False, 1024, 1024), ("int4_mins", 32, False, 64, 128),
+             ("int8", None, False, 100, 256), ("int8_zp", 64, True, 64, 128), ("int8_mins", 16, False, 100, 192)]
     for i, (variant, group, act_order, N, K) in enumerate(cases):
         w, W = make_weight(variant, group, act_order, N, K, torch.float16 if i % 2 else torch.bfloat16, seed=80 + i)
         bias = torch.randn(N, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)

@@ -1,8 +1,9 @@
-"""The weight-only GEMM with int4 / uint4 weights on the CPU (`wna16.c`, built by `native.py`): one pass over the
+"""The weight-only GEMM on the CPU. int4 / uint4 weights run in `wna16.c` (built by `native.py`): one pass over the
 packed words for a few rows (decode); for more, the float32 weight dequantized one column chunk at a time into one
 reused buffer, each chunk's matmul writing its columns (the whole weight, as `wna16_gemm_ref` makes it, is a fresh
-allocation of K x N floats a call, its pages faulted in each time). Other weight types, gradients, tensors off the
-CPU or no C compiler take `wna16_gemm_ref`, which stays the tests' oracle. The many-row path multiplies the
+allocation of K x N floats a call, its pages faulted in each time). int8 weights take the same column chunks,
+dequantized by torch ops, at any row count. Other weight types, gradients, tensors off the CPU or (for the 4-bit
+types) no C compiler take `wna16_gemm_ref`, which stays the tests' oracle. The many-row path multiplies the
 reference's float32 weight; the few-row path sums the exact products (c - z) * x per group and scales each group's
 sum once, where the reference rounds every x * s * (c - z): both float32-accurate, not bit-identical. Float offsets
 (int4 with mins, w = s * (c - 8) - m) run the C code without them and subtract each group's activation sums times
@@ -31,8 +32,9 @@ def wna16_gemm_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     M = x.shape[0]
     few = M <= GEMV_ROWS
     fn = (native.w4_gemv_fn() if few else native.w4_dequant_fn()) if weight_type in WEIGHT_TYPES else None
+    eight_bit = weight_type == "int8"
     tensors = [t for t in (x, qweight, scales, zeros, perm, bias) if t is not None]
-    if (fn is None or M == 0 or any(t.device.type != "cpu" for t in tensors)
+    if ((fn is None and not eight_bit) or M == 0 or any(t.device.type != "cpu" for t in tensors)
             or (torch.is_grad_enabled() and (x.requires_grad or scales.requires_grad))):
         return _wna16.wna16_gemm_ref(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
     xs = x.float()
@@ -46,12 +48,14 @@ def wna16_gemm_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     z_ptr = zs.data_ptr() if zs is not None else None
     threads = torch.get_num_threads()
     out = torch.empty(M, N, dtype=torch.float32)
-    if few:
+    status = 0
+    if eight_bit:
+        _int8_chunks(xs, words, sc, zs, out, group)
+    elif few:
         status = fn(xs.data_ptr(), words.data_ptr(), sc.data_ptr(), z_ptr, _INT4_ZERO,
                     out.data_ptr(), M, K, N, group, threads)
     else:
         buffer = torch.empty(K * min(N, CHUNK_COLUMNS), dtype=torch.float32)
-        status = 0
         for n0 in range(0, N, CHUNK_COLUMNS):
             width = min(CHUNK_COLUMNS, N - n0)
             w = buffer[:K * width].view(K, width)
@@ -67,3 +71,20 @@ def wna16_gemm_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if bias is not None:
         out = out + bias.float().reshape(1, -1)
     return out.to(out_dtype)
+
+
+def _int8_chunks(xs: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 out: torch.Tensor, group: int) -> None:
+    """`out = xs @ (s * (v - z))` for int8 values `[K, N]`, the weight dequantized a column chunk at a time into one
+    reused buffer (the reference makes the whole K x N weight a call)."""
+    K, N = values.shape
+    G = K // group
+    buffer = torch.empty(K * min(N, CHUNK_COLUMNS), dtype=torch.float32)
+    for n0 in range(0, N, CHUNK_COLUMNS):
+        width = min(CHUNK_COLUMNS, N - n0)
+        w = buffer[:K * width].view(G, group, width)
+        w.copy_(values[:, n0:n0 + width].view(G, group, width))
+        if zeros is not None:
+            w.sub_(zeros[:, None, n0:n0 + width])
+        w.mul_(scales[:, None, n0:n0 + width])
+        out[:, n0:n0 + width] = xs @ w.view(K, width)
