@@ -35,7 +35,7 @@ KINDS = (("moe_experts", ("fused_moe", "moe_small_t", "_moe_", "moe_gemm", "smal
          ("moe_routing", ("route", "align", "topk", "moe_sum")),
          ("attention", ("attention", "attn", "flash", "paged")),
          ("quant", ("quant", "fp8_act", "per_token")),
-         ("gemm", ("gemm", "scaled_mm", "matmul", "cutlass", "sm90", "nvjet", "xmma", "cublas")),
+         ("gemm", ("gemm", "gemv", "scaled_mm", "matmul", "cutlass", "sm90", "nvjet", "xmma", "cublas", "wna16")),
          ("norm_rope_act", ("norm", "rope", "rotary", "silu", "act", "store_kv")),
          )
 
@@ -50,7 +50,7 @@ def kind_of(name: str) -> str:
 
 def profile_precision(args: argparse.Namespace, quantization: str | None, kv_dtype: str) -> dict[str, Any]:
     device = torch.device("cpu" if args.smoke else "cuda")
-    model_dir, load_format = common.prepare_model(None, args.arch, args.smoke, None, False, device)
+    model_dir, load_format = common.prepare_model(None, args.arch, args.smoke, None, False, device, args.weight_only)
     engine = common.build_engine(model_dir, dtype="float32" if args.smoke else "bfloat16", device=device.type,
                                  load_format=load_format, quantization=quantization, kv_cache_dtype=kv_dtype,
                                  enable_prefix_caching=False, max_num_seqs=max(args.batch, 1),
@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", default="qwen3-30b-a3b", choices=sorted(common.ARCHS))
     p.add_argument("--tag", default="default", help="names the result file (e.g. which tuning tables were in place)")
     p.add_argument("--precisions", default="bf16,fp8", help="comma-separated: bf16, fp8 (FP8 weights + FP8 KV)")
+    p.add_argument("--weight-only", default=None, choices=[*sorted(common.WEIGHT_ONLY_BITS), *common.GGUF_MIXES],
+                   help="a random weight-only checkpoint or GGUF file of --arch (with --precisions bf16)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--steps", type=int, default=30)
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
               f"GPU kernels {res['gpu_kernel_us_per_step']:.0f} us, idle {res['idle_us_per_step']:.0f} us")
         for kind, us in sorted(res["kinds_us_per_step"].items(), key=lambda kv: -kv[1]):
             print(f"   {kind:16s} {us:9.1f} us")
-        for row in res["top_kernels"][:12]:
+        for row in res["top_kernels"][:20]:
             print(f"   {row['us_per_step']:9.1f} us  x{row['calls_per_step']:5.0f}  {row['name'][:100]}")
     path = args.out / f"decode-profile-{args.arch}-{args.tag}.json"
     path.write_text(json.dumps({"arch": args.arch, "tag": args.tag, "pdl": not args.no_pdl, "results": results},
