@@ -140,6 +140,16 @@ def stages_that_fit(num_stages: int, stage_bytes: int, device: torch.device) -> 
 # ------------------------------------------------------------------------- split-K arrival counters
 
 @triton.jit
+def split_program(N, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A split-K GEMV program's place: (program id, its column block, its K split, the block's columns, which of
+    them lie inside N). Programs run split-major within a column block, so a block's splits are neighbours."""
+    pid = tl.program_id(0)
+    nb = pid // SPLIT_K
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid, nb, pid % SPLIT_K, cols, cols < N
+
+
+@triton.jit
 def last_arrival(lock, count):
     """After this program stored what the others will read (split-K partials, split-KV partials, k products):
     whether it is the last of the `count` programs to arrive at `lock` (acq_rel, so it sees what every other

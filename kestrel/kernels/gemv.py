@@ -156,11 +156,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, route_w_
     counter is the one after the column blocks' own)."""
     if USE_PDL:
         gdc_launch_dependents()
-    pid = tl.program_id(0)
-    nb = pid // SPLIT_K
-    split = pid % SPLIT_K
-    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < N
+    pid, nb, split, cols, n_ok = common.split_program(N, SPLIT_K, BLOCK_N)
     # Wrapped rows keep the weight loads in bounds without an N mask; their results are not stored.
     rows = (cols % N).to(tl.int64)
     ks = split * BLOCK_K + tl.arange(0, BLOCK_K)

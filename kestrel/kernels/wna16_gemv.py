@@ -70,11 +70,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr
     if USE_PDL:
         gdc_launch_dependents()
     KW: tl.constexpr = BLOCK_K // 8
-    pid = tl.program_id(0)
-    nb = pid // SPLIT_K
-    split = pid % SPLIT_K
-    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < N
+    pid, nb, split, cols, n_ok = common.split_program(N, SPLIT_K, BLOCK_N)
     if EVEN_N:
         wc = cols
     else:
@@ -129,11 +125,7 @@ def _i8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr
     [split * BLOCK_K, +BLOCK_K) of BLOCK_N columns, each value turned to fp32 as it is multiplied."""
     if USE_PDL:
         gdc_launch_dependents()
-    pid = tl.program_id(0)
-    nb = pid // SPLIT_K
-    split = pid % SPLIT_K
-    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < N
+    pid, nb, split, cols, n_ok = common.split_program(N, SPLIT_K, BLOCK_N)
     wc = cols if EVEN_N else cols % N
     krows = split * BLOCK_K + tl.arange(0, BLOCK_K)
     values = tl.load(w_ptr + krows.to(tl.int64)[:, None] * stride_wk + wc[None, :]).to(tl.float32)
