@@ -28,14 +28,12 @@ def gguf_hf_config(model: GGUFModel) -> dict[str, Any]:
     architecture = check_architecture(model.field("general.architecture"))
     check_tensor_types(model)
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
-        config = AutoConfig.from_pretrained(str(model.first.parent), gguf_file=model.first.name,
-                                            local_files_only=True).to_dict()
-    except (OSError, ValueError, KeyError) as e:
+        config = AutoConfig.for_model(**_config_fields(model, architecture)).to_dict()
+    except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"invalid model {model.first}: its GGUF metadata does not make a config ({e})") from e
-    config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]
+    config["architectures"] = [MODEL_CLASSES[config["model_type"]]]
     # transformers reads no head size for some architectures and falls back to its config class's default (128
     # for Qwen3); llama.cpp writes it as the key length when it is not hidden_size / heads.
     key_length = model.field(f"{architecture}.attention.key_length")
@@ -50,6 +48,34 @@ def gguf_hf_config(model: GGUFModel) -> dict[str, Any]:
     if modules:
         config["quantization_config"] = {"quant_method": "gguf", "modules": modules}
     return config
+
+
+# llama.cpp's metadata keys (after the architecture's prefix) -> the config fields transformers' GGUF reader gives
+# them, for the architectures kestrel loads; the config class supplies every other field's default, as there.
+CONFIG_FIELDS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+                 "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+                 "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
+                 "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+                 "vocab_size": "vocab_size"}
+# ... and the tokenizer's ids, which that reader also puts in the config.
+TOKEN_ID_FIELDS = {"tokenizer.ggml.bos_token_id": "bos_token_id", "tokenizer.ggml.eos_token_id": "eos_token_id",
+                   "tokenizer.ggml.unknown_token_id": "unk_token_id", "tokenizer.ggml.padding_token_id": "pad_token_id"}
+MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+
+
+def _config_fields(model: GGUFModel, architecture: str) -> dict[str, Any]:
+    """The config's model type and fields from the metadata, read as transformers' GGUF reader reads them (a Llama
+    file whose general.name is "mistral" is a Mistral model; the LM head tied where the file has no output tensor;
+    the vocabulary from the token list where the metadata gives no size), without its second parse of the file."""
+    fields = {hf: model.field(f"{architecture}.{key}") for key, hf in CONFIG_FIELDS.items()}
+    fields.update({hf: model.field(key) for key, hf in TOKEN_ID_FIELDS.items()})
+    fields = {name: value for name, value in fields.items() if value is not None}
+    fields["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in model.tensors)
+    if "vocab_size" not in fields:
+        fields["vocab_size"] = len(model.field("tokenizer.ggml.tokens") or [])
+    mistral = architecture == "llama" and model.field("general.name") == "mistral"
+    return {"model_type": "mistral" if mistral else architecture, **fields}
 
 
 def _default_dtype(model: GGUFModel) -> str:

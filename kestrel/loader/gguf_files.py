@@ -4,6 +4,7 @@ the tensors)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -77,10 +78,18 @@ def _split_set(path: Path) -> tuple[Path, ...]:
 
 
 def open_reader(path: Path) -> Any:
-    """A `gguf.GGUFReader` of `path`; a file it cannot read is a CheckpointError naming it."""
+    """A `gguf.GGUFReader` of `path`; a file it cannot read is a CheckpointError naming it. Readers are kept per
+    file and version (size, modification time): start-up reads a model's metadata for its config, its tokenizer
+    and its weights, and parsing a large vocabulary's token list takes seconds each time."""
+    stat = path.stat()
+    return _reader(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _reader(path: str, size: int, mtime_ns: int) -> Any:
     import gguf
 
     try:
-        return gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as e:  # what the reader raises on a malformed file
         raise CheckpointError(f"invalid GGUF file {path}: {type(e).__name__}: {e}") from e
