@@ -9,6 +9,8 @@
 #   gguf-MIX    batch-1 and batch-8 decode (prompt 128) of a random Llama-3-8B GGUF file in MIX (q4_k_m, q4_0,
 #               q8_0; written on first use), the engine built in an empty Triton cache: `cold-MIX` in the results
 #   warm-MIX    the same file again, kernels cached: start-up to a built engine, batch 1
+#   startup-MIX where the MIX file's start-up goes: cProfile of building its engine (kernels cached by a gguf-MIX
+#               stage before it), the 40 costliest calls by cumulative time in OUT/startup-profile-MIX.txt
 #   bf16        the same shape as a BF16 safetensors checkpoint (written on first use), kernels cached after the
 #               first of its two runs: `bf16-cold`, `bf16-warm`
 #   tput-MIX    full load of the MIX file: 384 prompts x 1000 in / 1000 out at max_num_seqs 256 (a batch drained and
@@ -27,6 +29,13 @@ for stage in "$@"; do
     warm-*) mix=${stage#warm-}; export TRITON_CACHE_DIR="$out/triton-cache-$mix"
             latency 150 "llama3-8b-gguf-$mix-warm" --weight-only "gguf-$mix" --batch 1 --input-len 128 \
               --output-len 32 ;;
+    startup-*) mix=${stage#startup-}; export TRITON_CACHE_DIR="$out/triton-cache-$mix"
+                run 200 python3 -c "import cProfile, pstats, sys, torch; from kestrel.bench import common
+path, _ = common.prepare_model(None, 'llama3-8b', False, None, False, torch.device('cuda'), 'gguf-$mix')
+profile = cProfile.Profile(); profile.enable()
+engine = common.build_engine(path, dtype='bfloat16', max_model_len=512, max_num_seqs=8)
+profile.disable(); print(f'engine built in {engine.build_s:.1f} s')
+pstats.Stats(profile, stream=sys.stdout).sort_stats('cumulative').print_stats(40)" > "$out/startup-profile-$mix.txt" ;;
     bf16) cold_cache bf16
           run 200 python3 -c "import torch; from pathlib import Path; from kestrel.bench import common;
 common.write_random_checkpoint(Path('/tmp/kestrel-bench-llama3-8b'), common.ARCHS['llama3-8b'], torch.device('cuda'))"
