@@ -91,6 +91,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import common, wna16_gemv
+from kestrel.kernels.wna16_gemv import has_mins
 
 DEFAULT_TABLE = common.TUNING_DIR / "wna16_default.json"
 
@@ -179,11 +180,6 @@ class WNA16Config:
 # ------------------------------------------------------------------------------------- argument checks
 
 
-def has_mins(zeros: torch.Tensor | None) -> bool:
-    """Whether `zeros` holds float offsets (w = s * v - m) rather than integer zero points."""
-    return zeros is not None and zeros.is_floating_point()
-
-
 def weight_shape(qweight: torch.Tensor, weight_type: str) -> tuple[int, int]:
     """(K, N) of a packed weight."""
     rows, N = qweight.shape
@@ -209,7 +205,7 @@ def _check_weight(qweight, scales, zeros, perm, weight_type) -> tuple[int, int, 
         raise ValueError(f"wna16: the group size (K // scales rows = {group}) must be a multiple of 16")
     if weight_type == "uint4" and zeros is None:
         raise ValueError("wna16: uint4 weights need zeros (use int4 for the symmetric code - 8)")
-    if zeros is not None and has_mins(zeros):
+    if has_mins(zeros):
         if weight_type not in MINS_TYPES:
             raise ValueError(f"wna16: float offsets (mins) are for {MINS_TYPES} weights, not {weight_type}")
         if zeros.dtype != torch.float32 or tuple(zeros.shape) != tuple(scales.shape):

@@ -20,7 +20,8 @@ runs near 1.5 TB/s, bound by the integer units, not the bytes. Here:
   m times that sum subtracted.
 
 Which layers take it: a `WNA16Config` with `block_m = 1` and `oneshot` set (the per-GPU table chooses it per M
-bucket); int4 and uint4 only (the other types keep the FMA path). It reads the config's `block_n`, `block_k` and
+bucket); int4 and uint4, and int8 in groups of 16 or 32 without integer zero points (`takes`; the other types keep
+the FMA path). It reads the config's `block_n`, `block_k` and
 `num_warps` (powers of two; the split is K / block_k); the other fields belong to the looped paths. Up to
 `MAX_ROWS` rows per launch; more run in chunks.
 """
@@ -241,11 +242,16 @@ def _store(y, m, out_ptr, b_ptr, cols, wc, n_ok, stride_om, HAS_BIAS: tl.constex
 INT8_ONESHOT_GROUP = 64
 
 
+def has_mins(zeros: torch.Tensor | None) -> bool:
+    """Whether `zeros` holds float offsets (w = s * v - m) rather than integer zero points."""
+    return zeros is not None and zeros.is_floating_point()
+
+
 def takes(weight_type: str, zeros: torch.Tensor | None, group: int) -> bool:
     """Whether the one-shot GEMV runs this weight: int4 / uint4, or int8 in small groups without integer zero
     points."""
     if weight_type == "int8":
-        return group < INT8_ONESHOT_GROUP and (zeros is None or zeros.is_floating_point())
+        return group < INT8_ONESHOT_GROUP and (zeros is None or has_mins(zeros))
     return weight_type in WEIGHT_TYPES
 
 
@@ -270,7 +276,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     x = x if x.stride(1) == 1 else x.contiguous()
     groups = bk // group if bk > group else 1
     z = zeros if zeros is not None else scales
-    mins = zeros is not None and zeros.is_floating_point()
+    mins = has_mins(zeros)
     b = bias.reshape(-1).contiguous() if bias is not None else scales
     locks = common.arrival_counters(x.device) if split_k > 1 else scales
     for m0 in range(0, M, MAX_ROWS):

@@ -110,7 +110,7 @@ class WNA16LinearMethod(QuantMethod):
         G = K // spec.group_size if spec.grouped else 1
         if spec.layout == "gptq":
             register_tagged(layer, "qweight", torch.empty(K // pf, N, dtype=torch.int32), output_dim=1, input_dim=0,
-                      packed=(0, pf))
+                            packed=(0, pf))
             self._register_scales(layer, "scales", G, N, n_dim=1)
             if spec.symmetric:  # GPTQ writes qzeros for symmetric weights too: accepted, not needed
                 _register_ignored(layer, "qzeros")
@@ -118,13 +118,13 @@ class WNA16LinearMethod(QuantMethod):
                 self._register_zeros(layer, "qzeros", G, N // pf, n_dim=1, packed=True)
         elif spec.layout == "awq":
             register_tagged(layer, "qweight", torch.empty(K, N // pf, dtype=torch.int32), output_dim=1, input_dim=0,
-                      packed=(1, pf))
+                            packed=(1, pf))
             self._register_scales(layer, "scales", G, N, n_dim=1)
             self._register_zeros(layer, "qzeros", G, N // pf, n_dim=1, packed=True)
         else:
             if spec.layout == "pack-quantized":
                 register_tagged(layer, "weight_packed", torch.empty(N, K // pf, dtype=torch.int32), output_dim=0,
-                          input_dim=1, packed=(1, pf))
+                                input_dim=1, packed=(1, pf))
                 _register_ignored(layer, "weight_shape", self._shape_checker(layer))
             else:
                 register_tagged(layer, "weight", torch.empty(N, K, dtype=torch.int8), output_dim=0, input_dim=1)
@@ -169,12 +169,12 @@ class WNA16LinearMethod(QuantMethod):
     def _register_scales(self, layer: nn.Module, name: str, rows: int, cols: int, n_dim: int) -> None:
         # float32 holds any checkpoint's scales exactly; process_after_loading narrows them where that is exact.
         register_tagged(layer, name, torch.empty(rows, cols, dtype=torch.float32), output_dim=n_dim,
-                  input_dim=1 - n_dim if self.spec.grouped else None, group_size=self.spec.group_size)
+                        input_dim=1 - n_dim if self.spec.grouped else None, group_size=self.spec.group_size)
 
     def _register_zeros(self, layer: nn.Module, name: str, rows: int, cols: int, n_dim: int, packed: bool) -> None:
         register_tagged(layer, name, torch.empty(rows, cols, dtype=torch.int32), output_dim=n_dim,
-                  input_dim=1 - n_dim if self.spec.grouped else None, group_size=self.spec.group_size,
-                  packed=(n_dim, self.spec.pack_factor) if packed else None)
+                        input_dim=1 - n_dim if self.spec.grouped else None, group_size=self.spec.group_size,
+                        packed=(n_dim, self.spec.pack_factor) if packed else None)
 
     def _register_g_idx(self, layer: nn.Module, name: str, num_parts: int, K: int) -> None:
         """One act-order g_idx per merged part (-1: not in the checkpoint); they must agree after loading."""
@@ -215,9 +215,7 @@ class WNA16LinearMethod(QuantMethod):
     def process_after_loading(self, layer: nn.Module) -> None:
         spec = self.spec
         scales_name = "scales" if spec.layout in ("gptq", "awq") else "weight_scale"
-        scales = layer.get_parameter(scales_name).detach()
-        if not bool(torch.isfinite(scales).all()):
-            raise ValueError(f"{self.layer_name}.{scales_name} must be finite")
+        scales = self.finite(layer, scales_name)
         scale_dtype = compact_dtype(scales, self.model_dtype)
         g_idx = self._g_idx(layer)
         if spec.layout == "gptq":
@@ -234,6 +232,13 @@ class WNA16LinearMethod(QuantMethod):
         else:
             weight = _from_int_quantized(layer, spec, scales, g_idx, scale_dtype)
         self.install(layer, weight)
+
+    def finite(self, layer: nn.Module, name: str) -> torch.Tensor:
+        """The loaded parameter `name`, a ValueError naming it unless every value is finite."""
+        tensor = layer.get_parameter(name).detach()
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{self.layer_name}.{name} must be finite")
+        return tensor
 
     def install(self, layer: nn.Module, weight: ops.WNA16Weight) -> None:
         """The checkpoint's tensors replaced by the kernel's (`wna16_qweight`, ...)."""
@@ -284,8 +289,9 @@ def compact_dtype(scales: torch.Tensor, model_dtype: torch.dtype) -> torch.dtype
 
 
 def register_tagged(layer: nn.Module, name: str, data: torch.Tensor, *, output_dim: int | None = None,
-              input_dim: int | None = None, group_size: int | None = None, packed: tuple[int, int] | None = None,
-              loader: Callable | None = None, optional: bool = False) -> None:
+                    input_dim: int | None = None, group_size: int | None = None,
+                    packed: tuple[int, int] | None = None, loader: Callable | None = None,
+                    optional: bool = False) -> None:
     """A parameter with the loader's tags (`kestrel.model.layers.weights`); untagged dims are loaded whole."""
     param = nn.Parameter(data, requires_grad=False)
     if output_dim is not None:

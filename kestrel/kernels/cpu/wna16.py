@@ -48,22 +48,14 @@ def wna16_gemm_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     z_ptr = zs.data_ptr() if zs is not None else None
     threads = torch.get_num_threads()
     out = torch.empty(M, N, dtype=torch.float32)
-    status = 0
     if eight_bit:
-        _int8_chunks(xs, words, sc, zs, out, group)
+        status = _chunked_matmul(xs, out, lambda w, n0, width: _fill_int8(w, words, sc, zs, group, n0, width))
     elif few:
         status = fn(xs.data_ptr(), words.data_ptr(), sc.data_ptr(), z_ptr, _INT4_ZERO,
                     out.data_ptr(), M, K, N, group, threads)
     else:
-        buffer = torch.empty(K * min(N, CHUNK_COLUMNS), dtype=torch.float32)
-        for n0 in range(0, N, CHUNK_COLUMNS):
-            width = min(CHUNK_COLUMNS, N - n0)
-            w = buffer[:K * width].view(K, width)
-            status = fn(words.data_ptr(), sc.data_ptr(), z_ptr, _INT4_ZERO, w.data_ptr(), K, N, group, n0, width,
-                        threads)
-            if status != 0:
-                break
-            out[:, n0:n0 + width] = xs @ w
+        status = _chunked_matmul(xs, out, lambda w, n0, width: fn(
+            words.data_ptr(), sc.data_ptr(), z_ptr, _INT4_ZERO, w.data_ptr(), K, N, group, n0, width, threads))
     if status != 0:  # arguments the C side refuses (check_args leaves none): the reference
         return _wna16.wna16_gemm_ref(x, qweight, scales, zeros, perm, weight_type, out_dtype, bias)
     if mins is not None:
@@ -73,18 +65,29 @@ def wna16_gemm_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return out.to(out_dtype)
 
 
-def _int8_chunks(xs: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 out: torch.Tensor, group: int) -> None:
-    """`out = xs @ (s * (v - z))` for int8 values `[K, N]`, the weight dequantized a column chunk at a time into one
-    reused buffer (the reference makes the whole K x N weight a call)."""
-    K, N = values.shape
-    G = K // group
+def _chunked_matmul(xs: torch.Tensor, out: torch.Tensor, fill) -> int:
+    """`out = xs @ W` with the float32 weight `W [K, N]` made a column chunk at a time into one reused buffer by
+    `fill(w, n0, width)` (the chunk `w [K, width]` of columns n0..; its status, 0 for done); the first nonzero status,
+    else 0."""
+    K, N = xs.shape[1], out.shape[1]
     buffer = torch.empty(K * min(N, CHUNK_COLUMNS), dtype=torch.float32)
     for n0 in range(0, N, CHUNK_COLUMNS):
         width = min(CHUNK_COLUMNS, N - n0)
-        w = buffer[:K * width].view(G, group, width)
-        w.copy_(values[:, n0:n0 + width].view(G, group, width))
-        if zeros is not None:
-            w.sub_(zeros[:, None, n0:n0 + width])
-        w.mul_(scales[:, None, n0:n0 + width])
-        out[:, n0:n0 + width] = xs @ w.view(K, width)
+        w = buffer[:K * width].view(K, width)
+        status = fill(w, n0, width)
+        if status != 0:
+            return status
+        out[:, n0:n0 + width] = xs @ w
+    return 0
+
+
+def _fill_int8(w: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
+               n0: int, width: int) -> int:
+    """Columns n0.. of `s * (v - z)` for int8 values `[K, N]` into the chunk `w [K, width]` (torch ops)."""
+    K = values.shape[0]
+    grouped = w.view(K // group, group, width)
+    grouped.copy_(values[:, n0:n0 + width].view(K // group, group, width))
+    if zeros is not None:
+        grouped.sub_(zeros[:, None, n0:n0 + width])
+    grouped.mul_(scales[:, None, n0:n0 + width])
+    return 0

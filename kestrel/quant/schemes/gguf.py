@@ -49,16 +49,12 @@ class GGUFLinearMethod(WNA16LinearMethod):
                        params_dtype: torch.dtype) -> None:
         super().create_weights(layer, input_size, output_partition_sizes, params_dtype)
         if self.form.mins:
-            register_tagged(layer, "weight_min", torch.empty(sum(output_partition_sizes), input_size // self.form.group,
-                                                             dtype=torch.float32),
-                            output_dim=0, input_dim=1, group_size=self.form.group)
+            mins = torch.empty(sum(output_partition_sizes), input_size // self.form.group, dtype=torch.float32)
+            register_tagged(layer, "weight_min", mins, output_dim=0, input_dim=1, group_size=self.form.group)
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        scales = layer.weight_scale.detach()
-        mins = layer.weight_min.detach() if self.form.mins else None
-        for name, tensor in (("weight_scale", scales), ("weight_min", mins)):
-            if tensor is not None and not bool(torch.isfinite(tensor).all()):
-                raise ValueError(f"{self.layer_name}.{name} must be finite")
+        scales = self.finite(layer, "weight_scale")
+        mins = self.finite(layer, "weight_min") if self.form.mins else None
         weight = ops.pack_wna16(layer.weight.detach(), scales, mins, weight_type="int4" if self.form.bits == 4
                                 else "int8", scale_dtype=compact_dtype(scales, self.model_dtype))
         self.install(layer, weight)
