@@ -6,6 +6,7 @@
 #   tables      the H200's tuning tables copied under this GPU's name when it is another
 #   tests       the weight-only kernel's tests compiled on the GPU: float offsets (mins) on every path, the one-shot
 #               GEMV (int8 in small groups included), bad arguments
+#   gemv        scripts/h200_gguf_gemv.py: the decode GEMV in the Q4_K_M forms under each slice layout it can take
 #   gguf-MIX    batch-1 and batch-8 decode (prompt 128) of a random Llama-3-8B GGUF file in MIX (q4_k_m, q4_0,
 #               q8_0; written on first use), the engine built in an empty Triton cache: `cold-MIX` in the results
 #   warm-MIX    the same file again, kernels cached: start-up to a built engine, batch 1
@@ -22,7 +23,9 @@ cold_cache() { export TRITON_CACHE_DIR="$out/triton-cache-$1"; rm -rf "$TRITON_C
 for stage in "$@"; do
   case $stage in
     tables) h200_tables ;;
-    tests) run 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_wna16.py -k "mins or invalid or oneshot" ;;
+    tests) run 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_wna16.py -k "mins or invalid or oneshot"
+           run 150 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_wna16_gpu.py -k oneshot ;;
+    gemv) run 200 python3 scripts/h200_gguf_gemv.py --out "$out" ;;
     gguf-*) mix=${stage#gguf-}; cold_cache "$mix"
             latency 240 "llama3-8b-gguf-$mix-cold" --weight-only "gguf-$mix" --batch 1,8 --input-len 128 \
               --output-len 64 --repeats 2 ;;

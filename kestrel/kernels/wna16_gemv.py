@@ -121,24 +121,39 @@ def _i8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr
                     stride_xm, stride_wk, stride_sg, stride_zg, stride_om,
                     SPLIT_K: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, HAS_MINS: tl.constexpr,
                     HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr):
     """`_w4_gemv_kernel` for int8 values `[K, N]` (no integer zero points): this program reads rows
-    [split * BLOCK_K, +BLOCK_K) of BLOCK_N columns, each value turned to fp32 as it is multiplied."""
+    [split * STEPS * BLOCK_K, +STEPS * BLOCK_K) of BLOCK_N columns, BLOCK_K rows a step (more than one step for
+    one row of x only), each value turned to fp32 as it is multiplied. The launcher gives each warp 512 columns,
+    16 bytes a thread, so that a thread holds its columns' rows of the step whole: the sums per group stay in
+    its registers."""
     if USE_PDL:
         gdc_launch_dependents()
     pid, nb, split, cols, n_ok = common.split_program(N, SPLIT_K, BLOCK_N)
     wc = cols if EVEN_N else cols % N
-    krows = split * BLOCK_K + tl.arange(0, BLOCK_K)
-    values = tl.load(w_ptr + krows.to(tl.int64)[:, None] * stride_wk + wc[None, :]).to(tl.float32)
-    sc, mn = _slice_scales(s_ptr, z_ptr, (split * BLOCK_K) // group, wc, stride_sg, stride_zg, GROUPS, HAS_MINS,
-                           BLOCK_N)
+    krows = split * (STEPS * BLOCK_K) + tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + krows.to(tl.int64)[:, None] * stride_wk + wc[None, :]
+    values = _int8_to_f32(tl.load(w_rows), FAST)
+    sc, mn = _slice_scales(s_ptr, z_ptr, (split * STEPS * BLOCK_K) // group, wc, stride_sg, stride_zg, GROUPS,
+                           HAS_MINS, BLOCK_N)
     if USE_PDL:
         gdc_wait()
     part = ws_ptr + pid.to(tl.int64) * (ROWS * BLOCK_N) + tl.arange(0, BLOCK_N)
-    for m in tl.static_range(ROWS):
-        xv = tl.load(x_ptr + m * stride_xm + krows).to(tl.float32)
-        _row_out(values * xv[:, None], xv, sc, mn, m, part, out_ptr, b_ptr, cols, wc, n_ok, stride_om, SPLIT_K,
-                 GROUPS, HAS_MINS, HAS_BIAS, FAST, BLOCK_N)
+    if STEPS == 1:
+        for m in tl.static_range(ROWS):
+            xv = tl.load(x_ptr + m * stride_xm + krows).to(tl.float32)
+            _put(_group_dot(values * xv[:, None], xv, sc, mn, GROUPS, HAS_MINS, BLOCK_N), m, part, out_ptr, b_ptr,
+                 cols, wc, n_ok, stride_om, SPLIT_K, HAS_BIAS, FAST)
+    else:
+        xv = tl.load(x_ptr + krows).to(tl.float32)
+        dot = _group_dot(values * xv[:, None], xv, sc, mn, GROUPS, HAS_MINS, BLOCK_N)
+        for step in range(1, STEPS):
+            values = _int8_to_f32(tl.load(w_rows + step * BLOCK_K * stride_wk), FAST)
+            sc, mn = _slice_scales(s_ptr, z_ptr, (split * STEPS + step) * BLOCK_K // group, wc, stride_sg, stride_zg,
+                                   GROUPS, HAS_MINS, BLOCK_N)
+            xv = tl.load(x_ptr + krows + step * BLOCK_K).to(tl.float32)
+            dot += _group_dot(values * xv[:, None], xv, sc, mn, GROUPS, HAS_MINS, BLOCK_N)
+        _put(dot, 0, part, out_ptr, b_ptr, cols, wc, n_ok, stride_om, SPLIT_K, HAS_BIAS, FAST)
     _split_tail(ws_ptr, lock_ptr, nb, out_ptr, b_ptr, cols, wc, n_ok, stride_om, SPLIT_K, ROWS, HAS_BIAS, FAST,
                 BLOCK_N)
 
@@ -167,9 +182,15 @@ def _slice_scales(s_ptr, z_ptr, first_g, wc, stride_sg, stride_zg, GROUPS: tl.co
 def _row_out(acc, x_parts, sc, mn, m, part, out_ptr, b_ptr, cols, wc, n_ok, stride_om, SPLIT_K: tl.constexpr,
              GROUPS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
              BLOCK_N: tl.constexpr):
-    """Row m's products `acc` ([rows of the slice, BLOCK_N], the slice's K in order) summed per group and scaled,
-    less the offsets times the groups' sums of `x_parts` (the row's x summed per row of `acc`); stored, or put in
-    the workspace `part` when K is split."""
+    """Row m's `_group_dot`, stored, or put in the workspace `part` when K is split."""
+    _put(_group_dot(acc, x_parts, sc, mn, GROUPS, HAS_MINS, BLOCK_N), m, part, out_ptr, b_ptr, cols, wc, n_ok,
+         stride_om, SPLIT_K, HAS_BIAS, FAST)
+
+
+@triton.jit
+def _group_dot(acc, x_parts, sc, mn, GROUPS: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A row's products `acc` ([rows of the slice, BLOCK_N], the slice's K in order) summed per group and scaled,
+    less the offsets times the groups' sums of `x_parts` (the row's x summed per row of `acc`)."""
     if GROUPS == 1:
         dot = tl.sum(acc, axis=0) * sc
         if HAS_MINS:
@@ -180,10 +201,17 @@ def _row_out(acc, x_parts, sc, mn, m, part, out_ptr, b_ptr, cols, wc, n_ok, stri
         if HAS_MINS:
             x_groups = tl.sum(tl.reshape(x_parts, (GROUPS, per_group)), axis=1)
             dot -= tl.sum(x_groups[:, None] * mn, axis=0)
+    return dot
+
+
+@triton.jit
+def _put(dot, m, part, out_ptr, b_ptr, cols, wc, n_ok, stride_om, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+         FAST: tl.constexpr):
+    """Row m's finished sums: stored, or put in the workspace `part` when K is split."""
     if SPLIT_K == 1:
         _store(dot, m, out_ptr, b_ptr, cols, wc, n_ok, stride_om, HAS_BIAS, FAST)
     else:
-        tl.store(part + m * BLOCK_N, dot)
+        tl.store(part + m * dot.shape[0], dot)
 
 
 @triton.jit
@@ -230,6 +258,22 @@ def _nibble_minus_zero(src, zf, SH: tl.constexpr, ASM: tl.constexpr):
     return bits.to(tl.float32, bitcast=True) - (zf + (1 << (23 - SH)))
 
 
+# Four int8 values of one register as fp32: the word's bytes flipped to v + 128 (one xor for four), then each byte
+# placed under the exponent of 2^23 (one prmt), which is the float 2^23 + v + 128 exactly, less 2^23 + 128 (one
+# add). The conversion instruction it replaces issues at an eighth of the adds' rate on sm_90.
+_INT8X4_TO_F32 = tl.constexpr(
+    "{ .reg .b32 t, e; xor.b32 t, $4, 0x80808080; mov.b32 e, 0x4B000000;"
+    + "".join(f" prmt.b32 ${i}, t, e, {0x7540 + i}; sub.f32 ${i}, ${i}, 0f4B000080;" for i in range(4)) + " }")
+
+
+@triton.jit
+def _int8_to_f32(values, ASM: tl.constexpr):
+    if ASM:
+        return tl.inline_asm_elementwise(_INT8X4_TO_F32, "=r,=r,=r,=r,r", [values], dtype=tl.float32, is_pure=True,
+                                         pack=4)
+    return values.to(tl.float32)
+
+
 @triton.jit
 def _store(y, m, out_ptr, b_ptr, cols, wc, n_ok, stride_om, HAS_BIAS: tl.constexpr, FAST: tl.constexpr):
     if HAS_BIAS:
@@ -240,6 +284,49 @@ def _store(y, m, out_ptr, b_ptr, cols, wc, n_ok, stride_om, HAS_BIAS: tl.constex
 # int8 takes the one-shot GEMV in groups smaller than this (GGUF's 16 and 32), where the FMA path's K steps, which
 # lie inside one group, are that short; larger groups and per-channel int8 (W8A16 checkpoints) keep the FMA path.
 INT8_ONESHOT_GROUP = 64
+
+
+# A 4-bit slice that spans several groups (`w4_layout`): a warp spans W4_WARP_COLUMNS columns (four words a
+# thread) and the slice at most W4_GROUPED_ROWS rows, so each thread holds its columns' rows whole and the sums
+# per group stay in its registers (in a narrower block the warps split the rows, and each group's sums crossed
+# them through shared memory). False keeps the configured block_n and block_k.
+W4_WARP_COLUMNS = 128
+W4_GROUPED_ROWS = 128
+W4_GROUPED_LAYOUT = True
+
+
+def w4_layout(N: int, K: int, group: int, block_n: int, block_k: int, num_warps: int) -> tuple[int, int]:
+    """(block_n, block_k) of the 4-bit GEMV: the configured ones, unless the slice would span several groups."""
+    bk = fit_block_k(block_k, group, K)
+    if W4_GROUPED_LAYOUT and bk > group:
+        bk = fit_block_k(min(block_k, W4_GROUPED_ROWS), group, K)
+        block_n = min(W4_WARP_COLUMNS * num_warps, max(block_n, triton.next_power_of_2(N)))
+    return block_n, bk
+
+
+# int8 slices (`int8_layout`): a warp spans INT8_WARP_COLUMNS columns (16 bytes a thread) and the block up to
+# INT8_MAX_WARPS warps; a step reads INT8_STEP_ROWS rows; one row of x takes up to INT8_MAX_STEPS steps a program
+# while at least INT8_MIN_PROGRAMS programs are left (fewer splits: less of the fp32 workspace to write and read).
+INT8_WARP_COLUMNS = 512
+INT8_MAX_WARPS = 2
+INT8_STEP_ROWS = 32
+INT8_MAX_STEPS = 8
+INT8_MIN_PROGRAMS = 264
+
+
+def int8_layout(M: int, N: int, K: int, group: int) -> tuple[int, int, int, int]:
+    """(block_n, num_warps, block_k, steps) of the int8 GEMV for an [M, K] x [K, N] product in groups of `group`
+    rows: as many columns a block as INT8_MAX_WARPS warps span (fewer for a narrow N), whole groups a step."""
+    warps = max(1, min(INT8_MAX_WARPS, triton.next_power_of_2(N) // INT8_WARP_COLUMNS))
+    block_n = min(warps * INT8_WARP_COLUMNS, triton.next_power_of_2(N))
+    bk = fit_block_k(INT8_STEP_ROWS, group, K)
+    steps = 1
+    slices = K // bk
+    n_blocks = triton.cdiv(N, block_n)
+    while (M == 1 and steps * 2 <= INT8_MAX_STEPS and slices % (steps * 2) == 0
+           and n_blocks * slices // (steps * 2) >= INT8_MIN_PROGRAMS):
+        steps *= 2
+    return block_n, warps, bk, steps
 
 
 def has_mins(zeros: torch.Tensor | None) -> bool:
@@ -260,16 +347,19 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     """Write `x @ dequant(qweight).T + bias` into `out` ([M, N]). `x` is [M, K] with its act-order permutation
     already applied (what `wna16.wna16_gemm` hands over after checking every argument); `qweight` int32
     [K / 8, N] of int4 (zeros None: the codes minus 8; or float32 mins [K / group, N]) or uint4 (zeros
-    [K / group, N]) codes, or int8 [K, N] values (zeros None or float32 mins): `takes`. An int8 slice holds
-    block_k / 2 rows, the bytes of a 4-bit slice of block_k."""
+    [K / group, N]) codes, or int8 [K, N] values (zeros None or float32 mins): `takes`. int8 takes its own
+    slices (`int8_layout`), not block_n, block_k and num_warps."""
     M, K = x.shape
     N = qweight.shape[1]
     group = K // scales.shape[0]
     eight_bit = qweight.dtype == torch.int8
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"w4_gemv: block_n must be a power of two, got {block_n}")
-    bk = fit_block_k(max(block_k // 2, 16) if eight_bit else block_k, group, K)
-    split_k = K // bk
+    if eight_bit:
+        block_n, num_warps, bk, steps = int8_layout(M, N, K, group)
+    else:
+        block_n, bk, steps = *w4_layout(N, K, group, block_n, block_k, num_warps), 1
+    split_k = K // (bk * steps)
     n_blocks = triton.cdiv(N, block_n)
     if split_k > 1 and n_blocks > common.ARRIVAL_SLOTS:
         raise ValueError(f"w4_gemv: {n_blocks} column blocks exceed the {common.ARRIVAL_SLOTS} arrival counters")
@@ -290,6 +380,6 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                      EVEN_N=N % block_n == 0, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps,
                      **common.launch_options(x, "pdl_decode"))
         if eight_bit:
-            _i8_gemv_kernel[(n_blocks * split_k,)](*args, **flags)
+            _i8_gemv_kernel[(n_blocks * split_k,)](*args, STEPS=steps, **flags)
         else:
             _w4_gemv_kernel[(n_blocks * split_k,)](*args, HAS_ZEROS=zeros is not None and not mins, **flags)

@@ -325,15 +325,23 @@ def test_oneshot_gemv_matches_float64_oracle(variant, device, oneshot_calls):
 
 
 @pytest.mark.parametrize("variant", ["int8", "int8_mins"])
-def test_oneshot_gemv_takes_int8_in_small_groups(variant, device, oneshot_calls):
-    """int8 values in groups of 16 or 32 (GGUF's Q6_K, Q8_0, Q5_K forms) take the one-shot GEMV: slices of half the
-    configured rows, inside one group or spanning several, split over K or not, act-order, M past MAX_ROWS, N not a
-    multiple of block_n; in larger groups they keep the FMA path."""
-    cases = [(16, False, 1, 64, 40), (32, True, 3, 128, 64), (16, False, wna16_gemv.MAX_ROWS + 1, 512, 48),
-             (32, False, 2, 32, 40)]
-    for i, (group, act_order, M, block_k, N) in enumerate(cases):
+def test_oneshot_gemv_takes_int8_in_small_groups(variant, device, oneshot_calls, monkeypatch):
+    """int8 values in groups of 16 or 32 (GGUF's Q6_K, Q8_0, Q5_K forms) take the one-shot GEMV in its own slices
+    (`int8_layout`, here scaled down to the test's shapes): a step inside one group or spanning several, several
+    steps a program for one row (split over K or not), act-order, M past MAX_ROWS, N not a multiple of the
+    block; in larger groups they keep the FMA path."""
+    monkeypatch.setattr(wna16_gemv, "INT8_WARP_COLUMNS", 16)
+    cfg = WNA16Config(block_m=1, block_n=32, block_k=64, num_warps=2, oneshot=True)
+    # group, act-order, M, N, rows a step, fewest programs -> the steps a program and the K split
+    cases = [(16, False, 1, 40, 32, 4, 4, 2), (32, True, 3, 64, 32, 4, 1, 8),
+             (16, False, wna16_gemv.MAX_ROWS + 1, 48, 64, 4, 1, 4), (32, False, 1, 40, 16, 2, 8, 2),
+             (16, False, 1, 64, 32, 1, 8, 1)]
+    for i, (group, act_order, M, N, step_rows, programs, steps, split) in enumerate(cases):
+        monkeypatch.setattr(wna16_gemv, "INT8_STEP_ROWS", step_rows)
+        monkeypatch.setattr(wna16_gemv, "INT8_MIN_PROGRAMS", programs)
+        block_n, _, block_k, got_steps = wna16_gemv.int8_layout(M, N, 256, group)
+        assert (got_steps, 256 // (block_k * got_steps)) == (steps, split)
         x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
-        cfg = WNA16Config(block_m=1, block_n=32, block_k=block_k, num_warps=2, oneshot=True)
         check_triton_case(variant, group, act_order, M, N, 256, x_dtype, 100 + i, cfg, device, fma_path=True)
     assert len(oneshot_calls) == len(cases)
     check_triton_case(variant, 64, False, 2, 40, 256, torch.float32, 105, cfg, device, fma_path=True)
