@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import functools
 import re
+import struct
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from kestrel.config import GGUF_SUFFIX, CheckpointError, ConfigError, is_gguf_model
+from kestrel.loader.gguf_reader import GGUFFile, GGUFTensor
 
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -28,18 +30,17 @@ class GGUFModel:
         return self.files[0]
 
     @cached_property
-    def readers(self) -> tuple[Any, ...]:
-        """A `gguf.GGUFReader` per file (memory-mapped: tensors are read when used)."""
+    def readers(self) -> tuple[GGUFFile, ...]:
+        """A reader per file (memory-mapped: tensors are read when used)."""
         return tuple(open_reader(path) for path in self.files)
 
     def field(self, key: str, default: Any = None) -> Any:
         """The metadata value `key` of the first file (a str, number, bool, or list of them), or `default`."""
-        field = self.readers[0].get_field(key)
-        return default if field is None else field.contents()
+        return self.readers[0].fields.get(key, default)
 
     @property
-    def tensors(self) -> list[Any]:
-        """Every tensor of every file (`gguf.ReaderTensor`: name, tensor_type, data)."""
+    def tensors(self) -> list[GGUFTensor]:
+        """Every tensor of every file (name, tensor_type, data)."""
         return [tensor for reader in self.readers for tensor in reader.tensors]
 
 
@@ -77,19 +78,19 @@ def _split_set(path: Path) -> tuple[Path, ...]:
     return files
 
 
-def open_reader(path: Path) -> Any:
-    """A `gguf.GGUFReader` of `path`; a file it cannot read is a CheckpointError naming it. Readers are kept per
-    file and version (size, modification time): start-up reads a model's metadata for its config, its tokenizer
-    and its weights, and parsing a large vocabulary's token list takes seconds each time."""
+def open_reader(path: Path) -> GGUFFile:
+    """A reader of `path` (`gguf_reader.GGUFFile`); a file it cannot read is a CheckpointError naming it. Readers
+    are kept per file and version (size, modification time): start-up reads a model's metadata for its config, its
+    tokenizer and its weights."""
     stat = path.stat()
     return _reader(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=8)
-def _reader(path: str, size: int, mtime_ns: int) -> Any:
-    import gguf
-
+def _reader(path: str, size: int, mtime_ns: int) -> GGUFFile:
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as e:  # what the reader raises on a malformed file
+        reader = GGUFFile(path)
+        reader.tensors  # noqa: B018 - a malformed tensor table fails here, at open, not when a tensor is used
+        return reader
+    except (ValueError, OSError, IndexError, KeyError, struct.error) as e:  # what a malformed file raises
         raise CheckpointError(f"invalid GGUF file {path}: {type(e).__name__}: {e}") from e

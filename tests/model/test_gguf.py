@@ -12,6 +12,7 @@ import logging
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf_files import oracle_state_dict, write_gguf
@@ -189,6 +190,52 @@ def test_bpe_tokenizer_round_trips_and_special_tokens(tmp_path, arch) -> None:
         if arch == "llama":  # the file's pre-tokenizer ("gpt-2") is the tiny tokenizer's own
             assert ids == reference.encode(text, add_special_tokens=False)
         assert ours.encode(text)[0] == config["bos_token_id"]  # tokenizer.ggml.add_bos_token
+
+
+def _tokenizer_parity(path: Path, texts: list[str]) -> None:
+    """kestrel's tokenizer of a GGUF file against the one transformers builds from the file itself
+    (`AutoTokenizer` with `gguf_file`, through its own GGUF reader), both then set from the metadata alike."""
+    from kestrel.loader.gguf_files import find_gguf
+    from kestrel.loader.gguf_tokenizer import adjusted_to_metadata
+
+    ours = load_tokenizer(str(path))
+    reference = adjusted_to_metadata(
+        transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), find_gguf(path))
+    assert type(ours) is type(reference) and ours.get_vocab() == reference.get_vocab()
+    assert ours.all_special_tokens == reference.all_special_tokens and ours.chat_template == reference.chat_template
+    for text in texts:
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == reference.encode(text, add_special_tokens=special)
+        ids = reference.encode(text)
+        assert ours.decode(ids) == reference.decode(ids)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tokenizer_is_the_one_transformers_builds_from_the_file(tmp_path, arch) -> None:
+    hf_dir, _ = tiny_hf(tmp_path / "hf", arch)
+    path = write_gguf(tmp_path / "model.gguf", hf_dir, {"default": "F32"}, pre="llama-bpe")
+    _tokenizer_parity(path, ["The quick brown fox, 20251 times.", "café 日本語\n\tx = [1, 2]", "<|end_of_text|> ok"])
+
+
+def test_reader_matches_gguf_package(tmp_path, llama_dir) -> None:
+    """kestrel's GGUF reader against `gguf.GGUFReader`: every metadata value, every tensor's name, type, shape,
+    dtype and bytes (block types as bytes, F16 / F32 as numbers); a truncated file is a CheckpointError."""
+    from kestrel.loader.gguf_files import find_gguf
+
+    hf_dir, _ = llama_dir
+    path = write_gguf(tmp_path / "model.gguf", hf_dir, {"default": "Q4_K", "attn_v": "Q6_K", "ffn_up": "F16"})
+    ours, reference = find_gguf(path), gguf.GGUFReader(str(path))
+    fields = {key: field.contents() for key, field in reference.fields.items() if not key.startswith("GGUF.")}
+    assert {key: ours.field(key) for key in fields} == fields
+    assert len(ours.tensors) == len(reference.tensors)
+    for mine, theirs in zip(ours.tensors, reference.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, mine.data.shape, mine.data.dtype) == (
+            theirs.name, theirs.tensor_type, theirs.data.shape, theirs.data.dtype)
+        assert np.array_equal(mine.data, theirs.data)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="truncated.gguf"):
+        find_gguf(truncated).readers  # noqa: B018
 
 
 def test_llama3_pre_tokenizer_splits_digits_in_threes(tmp_path, llama_dir) -> None:
