@@ -90,7 +90,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels import common, wna16_gemv
+from kestrel.kernels import common, wna16_dequant, wna16_gemv
 from kestrel.kernels.wna16_gemv import has_mins
 
 DEFAULT_TABLE = common.TUNING_DIR / "wna16_default.json"
@@ -773,6 +773,11 @@ def wna16_gemm(
         x = x.index_select(1, perm)
     elif x.stride(1) != 1:
         x = x.contiguous()
+    if config is None and dense_min_rows(group) <= M and wna16_dequant.takes(weight_type, perm):
+        w = wna16_dequant.dequantize_kn(qweight, scales, zeros, weight_type, group, x.dtype)
+        if bias is None:
+            return torch.mm(x, w, out=out) if out_dtype == x.dtype else torch.mm(x, w).to(out_dtype)
+        return torch.addmm(bias.reshape(1, -1).to(x.dtype), x, w).to(out_dtype)
     cfg = config or select_config(N, K, M, x.device)
     if cfg.oneshot and cfg.block_m == 1 and wna16_gemv.takes(weight_type, zeros, group):
         wna16_gemv.w4_gemv(x, qweight, scales, zeros, out, bias, block_n=cfg.block_n, block_k=cfg.block_k,
@@ -809,6 +814,17 @@ def wna16_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+# Rows from which a product takes the dense path (`wna16_dequant`: the weight written out, then cuBLAS) instead of
+# the tiles: groups smaller than DENSE_SMALL_GROUP scale the tiles' accumulators every few K rows.
+DENSE_MIN_ROWS = 256
+DENSE_MIN_ROWS_SMALL_GROUPS = 64
+DENSE_SMALL_GROUP = 64
+
+
+def dense_min_rows(group: int) -> int:
+    return DENSE_MIN_ROWS_SMALL_GROUPS if group < DENSE_SMALL_GROUP else DENSE_MIN_ROWS
 
 
 def _asm_ok(x: torch.Tensor, weight_type: str) -> bool:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kestrel import ops
-from kestrel.kernels import common, wna16_gemv
+from kestrel.kernels import common, wna16_dequant, wna16_gemv
 from kestrel.kernels import wna16 as wq
 from kestrel.kernels.wna16 import WNA16Config
 
@@ -346,6 +346,32 @@ def test_oneshot_gemv_takes_int8_in_small_groups(variant, device, oneshot_calls,
     assert len(oneshot_calls) == len(cases)
     check_triton_case(variant, 64, False, 2, 40, 256, torch.float32, 105, cfg, device, fma_path=True)
     assert len(oneshot_calls) == len(cases)
+
+
+@pytest.mark.parametrize("variant", ["int4", "uint4", "int8", "int4_mins", "int8_mins"])
+def test_prompt_rows_take_the_dense_path(variant, device, monkeypatch):
+    """From `dense_min_rows` rows (scaled down here) the table's product writes the weight out dense and multiplies
+    it there: groups of 16 and 128, a bias, fp32 and bf16 rows (the weight rounded once to bf16 with bf16 rows);
+    act-order weights and fewer rows keep the tiles."""
+    monkeypatch.setattr(wq, "DENSE_MIN_ROWS", 5)
+    monkeypatch.setattr(wq, "DENSE_MIN_ROWS_SMALL_GROUPS", 3)
+    dense = record_calls(monkeypatch, wna16_dequant, "dequantize_kn")
+    cases = [(16, False, 3, torch.bfloat16, True), (128, False, 5, torch.float32, False),
+             (16, False, 2, torch.float32, False), (128, True, 5, torch.bfloat16, False)]
+    for i, (group, act_order, M, x_dtype, bias) in enumerate(cases):
+        w, W = make_weight(variant, group, act_order, 48, 256, x_dtype, seed=200 + i)
+        x = make_x(M, 256, x_dtype, seed=M)
+        b = torch.randn(48, generator=torch.Generator().manual_seed(i)).to(x_dtype) if bias else None
+        out = wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, b.to(device) if bias else None)
+        assert_matches(out, x, W, x_dtype, bias=b, w_rounding=2.0**-9 if x_dtype != torch.float32 else 0.0)
+    assert len(dense) == 2
+    for group in (16, 128):  # the dense weight itself: the reference's numbers, rounded once
+        w, _ = make_weight(variant, group, False, 48, 256, torch.float32, seed=210 + group)
+        ref = wq.dequantize_wna16(*w).T
+        for dtype in (torch.float32, torch.bfloat16):
+            got = wna16_dequant.dequantize_kn(w.qweight, w.scales, w.zeros, w.weight_type, group, dtype)
+            assert got.shape == (256, 48) and got.dtype == dtype
+            torch.testing.assert_close(got.float(), ref.to(dtype).float(), rtol=0, atol=0)
 
 
 def test_oneshot_gemv_bias_determinism_and_other_types(device, oneshot_calls):
