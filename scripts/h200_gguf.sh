@@ -23,8 +23,8 @@ cold_cache() { export TRITON_CACHE_DIR="$out/triton-cache-$1"; rm -rf "$TRITON_C
 for stage in "$@"; do
   case $stage in
     tables) h200_tables ;;
-    tests) run 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_wna16.py -k "mins or invalid or oneshot or dense"
-           run 120 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_wna16_gpu.py -k oneshot ;;
+    tests) run 120 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_wna16.py -k "mins or invalid or oneshot or dense"
+           run 60 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/gpu/test_wna16_gpu.py -k oneshot ;;
     gemv) run 200 python3 scripts/h200_gguf_gemv.py --out "$out" ;;
     gguf-*) mix=${stage#gguf-}; cold_cache "$mix"
             latency 240 "llama3-8b-gguf-$mix-cold" --weight-only "gguf-$mix" --batch 1,8 --input-len 128 \
