@@ -4,6 +4,8 @@
 # own time limit; results are OUT/latency-*-h200.json.
 # Stages:
 #   tables      the H200's tuning tables copied under this GPU's name when it is another
+#   features    the weight-only launch features turned on in this GPU's table (wna16_grouped_layout,
+#               wna16_int8_wide, wna16_dense_prompts), for the stages after it
 #   tests       the weight-only kernel's tests compiled on the GPU: float offsets (mins) on every path, the one-shot
 #               GEMV (int8 in small groups included), bad arguments
 #   gemv        scripts/h200_gguf_gemv.py: the decode GEMV in the Q4_K_M forms under each slice layout it can take
@@ -23,6 +25,7 @@ cold_cache() { export TRITON_CACHE_DIR="$out/triton-cache-$1"; rm -rf "$TRITON_C
 for stage in "$@"; do
   case $stage in
     tables) h200_tables ;;
+    features) for f in wna16_grouped_layout wna16_int8_wide wna16_dense_prompts; do launch_feature $f on; done ;;
     tests) run 120 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_wna16.py -k "mins or invalid or oneshot or dense"
            run 60 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/gpu/test_wna16_gpu.py -k oneshot ;;
     gemv) run 200 python3 scripts/h200_gguf_gemv.py --out "$out" ;;

@@ -2,9 +2,10 @@
 int8 in groups of 16 (Q6_K, with float offsets where it is merged beside Q4_K parts), int4 in groups of 32 with
 offsets (Q4_K), and W4A16's int4 in groups of 128, each under the slice layouts the kernel can take:
 
-- int4: `W4_GROUPED_LAYOUT` on (a slice spanning several groups gets warps along the columns) and off (the GPU
-  table's block_n / block_k as configured);
-- int8: `int8_layout`'s warps a block and fewest programs (the steps a program for one row).
+- int4: the launch feature "wna16_grouped_layout" on (a slice spanning several groups gets warps along the
+  columns) and off (the GPU table's block_n / block_k as configured);
+- int8: "wna16_int8_wide" off (the table's config, half its rows) and on under `int8_layout`'s warps a block and
+  fewest programs (the steps a program for one row).
 
 Every variant is checked against `wna16_gemm_ref` (relative error <= 2^-8) and timed as CUDA-graph replays over
 weight copies together past L2, beside cuBLAS BF16 on the dequantized weight. Writes OUT/gguf-gemv-h200.json and
@@ -28,8 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from h200_gemv import checked_and_timed, log, rotated_copies, timed  # noqa: E402
 
+from kestrel.kernels import (
+    common,  # noqa: E402
+    wna16_gemv,  # noqa: E402
+)
 from kestrel.kernels import wna16 as wq  # noqa: E402
-from kestrel.kernels import wna16_gemv  # noqa: E402
 
 # (form, shape name, N, K): the Q4_K_M layers of the Llama-3-8B shape and W4A16's
 CASES = [("int8-g16-mins", "qkv", 6144, 4096), ("int8-g16", "down", 4096, 14336),
@@ -38,9 +42,8 @@ CASES = [("int8-g16-mins", "qkv", 6144, 4096), ("int8-g16", "down", 4096, 14336)
          ("int4-g128", "qkv", 6144, 4096), ("int4-g128", "o", 4096, 4096), ("int4-g128", "gate_up", 28672, 4096),
          ("int4-g128", "down", 4096, 14336)]
 SMOKE_CASES = [("int8-g16-mins", "a", 48, 256), ("int4-g32-mins", "b", 40, 512), ("int4-g128", "c", 64, 512)]
-# int8 variants: (INT8_MAX_WARPS, INT8_MIN_PROGRAMS); 1 << 30 programs = one step a program
+# int8 variants under "wna16_int8_wide": (INT8_MAX_WARPS, INT8_MIN_PROGRAMS); 1 << 30 programs = one step a program
 INT8_VARIANTS = [(2, 1 << 30), (2, 528), (2, 264), (2, 132), (1, 264), (4, 264)]
-W4_VARIANTS = [True, False]
 RUNS = 30
 
 
@@ -63,15 +66,19 @@ def weight_bytes(w: wq.WNA16Weight) -> int:
     return sum(t.numel() * t.element_size() for t in w[:3] if t is not None)
 
 
-def with_constants(constants: dict, fn):
-    """fn run with wna16_gemv's module constants set (kept while fn captures its launch), then restored."""
+def with_settings(features: dict[str, bool], constants: dict, fn):
+    """fn run with launch features and wna16_gemv's module constants set (kept while fn captures its launch),
+    then restored."""
     def call(*args, **kwargs):
         saved = {k: getattr(wna16_gemv, k) for k in constants}
+        launch_feature = common.launch_feature
         for k, v in constants.items():
             setattr(wna16_gemv, k, v)
+        common.launch_feature = lambda name, device: features.get(name, launch_feature(name, device))
         try:
             return fn(*args, **kwargs)
         finally:
+            common.launch_feature = launch_feature
             for k, v in saved.items():
                 setattr(wna16_gemv, k, v)
     return call
@@ -91,12 +98,14 @@ def run_case(form: str, name: str, N: int, K: int, device: torch.device, runs: i
            "cublas": timed(lambda i: (lambda d=dense[i]: torch.mm(x, d.T)), dense_copies, runs, device, False),
            "variants": []}
     if form.startswith("int8"):
-        variants = [({"INT8_MAX_WARPS": w, "INT8_MIN_PROGRAMS": p}, f"warps<={w} programs>={p}")
-                    for w, p in INT8_VARIANTS]
+        variants = [({"wna16_int8_wide": False}, {}, "table layout")]
+        variants += [({"wna16_int8_wide": True}, {"INT8_MAX_WARPS": w, "INT8_MIN_PROGRAMS": p},
+                      f"wide, warps<={w} programs>={p}") for w, p in INT8_VARIANTS]
     else:
-        variants = [({"W4_GROUPED_LAYOUT": on}, "grouped layout" if on else "configured layout") for on in W4_VARIANTS]
-    for constants, label in variants:
-        gemm = with_constants(constants, lambda w, c=cfg: wq.wna16_gemm(x, *w, torch.bfloat16, config=c))
+        variants = [({"wna16_grouped_layout": on}, {}, "grouped layout" if on else "configured layout")
+                    for on in (True, False)]
+    for features, constants, label in variants:
+        gemm = with_settings(features, constants, lambda w, c=cfg: wq.wna16_gemm(x, *w, torch.bfloat16, config=c))
         res = checked_and_timed(lambda g=gemm: g(weights[0]), ref, lambda i, g=gemm: (lambda w=weights[i]: g(w)),
                                 copies, runs, device, False)
         res["label"] = label

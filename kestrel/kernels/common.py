@@ -232,6 +232,9 @@ LAUNCH_FEATURES = (
     "prefill_fp8_dots",  # over an FP8 cache, that launch's staged keys run their dots in FP8 (e4m3 q, K, P, V)
     "fp8_dots_scores_in_exp",  # those dots' raw scores scaled inside the exponent's FMA, no multiply per score
     "gated_gemm",  # the W8A8-FP8 gate/up GEMM writes act(gate) * up from its epilogue (steps over 64 rows)
+    "wna16_grouped_layout",  # a 4-bit GEMV slice spanning several groups: warps along the columns (`w4_layout`)
+    "wna16_int8_wide",  # the int8 GEMV in its own slices, each byte made fp32 by a byte permute (`int8_layout`)
+    "wna16_dense_prompts",  # weight-only products of a prompt's rows: the weight written out dense, then cuBLAS
 )
 
 

@@ -773,7 +773,8 @@ def wna16_gemm(
         x = x.index_select(1, perm)
     elif x.stride(1) != 1:
         x = x.contiguous()
-    if config is None and dense_min_rows(group) <= M and wna16_dequant.takes(weight_type, perm):
+    if (config is None and dense_min_rows(group) <= M and wna16_dequant.takes(weight_type, perm)
+            and common.launch_feature("wna16_dense_prompts", x.device)):
         w = wna16_dequant.dequantize_kn(qweight, scales, zeros, weight_type, group, x.dtype)
         if bias is None:
             return torch.mm(x, w, out=out) if out_dtype == x.dtype else torch.mm(x, w).to(out_dtype)

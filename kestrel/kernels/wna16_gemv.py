@@ -121,19 +121,19 @@ def _i8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr
                     stride_xm, stride_wk, stride_sg, stride_zg, stride_om,
                     SPLIT_K: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, HAS_MINS: tl.constexpr,
                     HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, FAST: tl.constexpr, EVEN_N: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, BYTE_PERMUTE: tl.constexpr):
     """`_w4_gemv_kernel` for int8 values `[K, N]` (no integer zero points): this program reads rows
     [split * STEPS * BLOCK_K, +STEPS * BLOCK_K) of BLOCK_N columns, BLOCK_K rows a step (more than one step for
-    one row of x only), each value turned to fp32 as it is multiplied. The launcher gives each warp 512 columns,
-    16 bytes a thread, so that a thread holds its columns' rows of the step whole: the sums per group stay in
-    its registers."""
+    one row of x only), each value turned to fp32 as it is multiplied. Under `int8_layout` each warp has 512
+    columns, 16 bytes a thread, so that a thread holds its columns' rows of the step whole: the sums per group stay
+    in its registers."""
     if USE_PDL:
         gdc_launch_dependents()
     pid, nb, split, cols, n_ok = common.split_program(N, SPLIT_K, BLOCK_N)
     wc = cols if EVEN_N else cols % N
     krows = split * (STEPS * BLOCK_K) + tl.arange(0, BLOCK_K)
     w_rows = w_ptr + krows.to(tl.int64)[:, None] * stride_wk + wc[None, :]
-    values = _int8_to_f32(tl.load(w_rows), FAST)
+    values = _int8_to_f32(tl.load(w_rows), BYTE_PERMUTE)
     sc, mn = _slice_scales(s_ptr, z_ptr, (split * STEPS * BLOCK_K) // group, wc, stride_sg, stride_zg, GROUPS,
                            HAS_MINS, BLOCK_N)
     if USE_PDL:
@@ -148,7 +148,7 @@ def _i8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr
         xv = tl.load(x_ptr + krows).to(tl.float32)
         dot = _group_dot(values * xv[:, None], xv, sc, mn, GROUPS, HAS_MINS, BLOCK_N)
         for step in range(1, STEPS):
-            values = _int8_to_f32(tl.load(w_rows + step * BLOCK_K * stride_wk), FAST)
+            values = _int8_to_f32(tl.load(w_rows + step * BLOCK_K * stride_wk), BYTE_PERMUTE)
             sc, mn = _slice_scales(s_ptr, z_ptr, (split * STEPS + step) * BLOCK_K // group, wc, stride_sg, stride_zg,
                                    GROUPS, HAS_MINS, BLOCK_N)
             xv = tl.load(x_ptr + krows + step * BLOCK_K).to(tl.float32)
@@ -286,25 +286,28 @@ def _store(y, m, out_ptr, b_ptr, cols, wc, n_ok, stride_om, HAS_BIAS: tl.constex
 INT8_ONESHOT_GROUP = 64
 
 
-# A 4-bit slice that spans several groups (`w4_layout`): a warp spans W4_WARP_COLUMNS columns (four words a
-# thread) and the slice at most W4_GROUPED_ROWS rows, so each thread holds its columns' rows whole and the sums
-# per group stay in its registers (in a narrower block the warps split the rows, and each group's sums crossed
-# them through shared memory). False keeps the configured block_n and block_k.
+# A 4-bit slice that spans several groups (`w4_layout`, launch feature "wna16_grouped_layout"): a warp spans
+# W4_WARP_COLUMNS columns (four words a thread) and the slice at most W4_GROUPED_ROWS rows, so each thread holds
+# its columns' rows whole and the sums per group stay in its registers (in a narrower block the warps split the
+# rows, and each group's sums crossed them through shared memory).
 W4_WARP_COLUMNS = 128
 W4_GROUPED_ROWS = 128
-W4_GROUPED_LAYOUT = True
 
 
-def w4_layout(N: int, K: int, group: int, block_n: int, block_k: int, num_warps: int) -> tuple[int, int]:
-    """(block_n, block_k) of the 4-bit GEMV: the configured ones, unless the slice would span several groups."""
+def w4_layout(N: int, K: int, group: int, block_n: int, block_k: int, num_warps: int,
+              grouped: bool) -> tuple[int, int]:
+    """(block_n, block_k) of the 4-bit GEMV: the configured ones, unless `grouped` and the slice would span
+    several groups."""
     bk = fit_block_k(block_k, group, K)
-    if W4_GROUPED_LAYOUT and bk > group:
+    if grouped and bk > group:
         bk = fit_block_k(min(block_k, W4_GROUPED_ROWS), group, K)
         block_n = min(W4_WARP_COLUMNS * num_warps, max(block_n, triton.next_power_of_2(N)))
     return block_n, bk
 
 
-# int8 slices (`int8_layout`): a warp spans INT8_WARP_COLUMNS columns (16 bytes a thread) and the block up to
+# int8 slices (`int8_layout`, launch feature "wna16_int8_wide"; off, int8 takes the configured block_n and
+# num_warps and half the configured block_k, one step a program, each byte converted by the conversion unit): a warp
+# spans INT8_WARP_COLUMNS columns (16 bytes a thread) and the block up to
 # INT8_MAX_WARPS warps; a step reads INT8_STEP_ROWS rows; one row of x takes up to INT8_MAX_STEPS steps a program
 # while at least INT8_MIN_PROGRAMS programs are left (fewer splits: less of the fp32 workspace to write and read).
 INT8_WARP_COLUMNS = 512
@@ -355,10 +358,14 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     eight_bit = qweight.dtype == torch.int8
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"w4_gemv: block_n must be a power of two, got {block_n}")
-    if eight_bit:
+    wide = eight_bit and common.launch_feature("wna16_int8_wide", x.device)
+    if wide:
         block_n, num_warps, bk, steps = int8_layout(M, N, K, group)
+    elif eight_bit:
+        bk, steps = fit_block_k(max(block_k // 2, 16), group, K), 1
     else:
-        block_n, bk, steps = *w4_layout(N, K, group, block_n, block_k, num_warps), 1
+        grouped = common.launch_feature("wna16_grouped_layout", x.device)
+        block_n, bk, steps = *w4_layout(N, K, group, block_n, block_k, num_warps, grouped), 1
     split_k = K // (bk * steps)
     n_blocks = triton.cdiv(N, block_n)
     if split_k > 1 and n_blocks > common.ARRIVAL_SLOTS:
@@ -380,6 +387,6 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                      EVEN_N=N % block_n == 0, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps,
                      **common.launch_options(x, "pdl_decode"))
         if eight_bit:
-            _i8_gemv_kernel[(n_blocks * split_k,)](*args, STEPS=steps, **flags)
+            _i8_gemv_kernel[(n_blocks * split_k,)](*args, STEPS=steps, BYTE_PERMUTE=wide and x.is_cuda, **flags)
         else:
             _w4_gemv_kernel[(n_blocks * split_k,)](*args, HAS_ZEROS=zeros is not None and not mins, **flags)

@@ -374,6 +374,21 @@ def test_prompt_rows_take_the_dense_path(variant, device, monkeypatch):
             torch.testing.assert_close(got.float(), ref.to(dtype).float(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("variant", ["int4_mins", "int8_mins", "int4"])
+def test_oneshot_gemv_with_its_layout_features_off(variant, device, oneshot_calls, monkeypatch):
+    """What a GPU runs until its table turns "wna16_grouped_layout" / "wna16_int8_wide" on: the configured slices
+    (several groups a slice summed across the threads), int8 in half the configured rows, converted by the
+    conversion unit."""
+    launch_feature = common.launch_feature
+    monkeypatch.setattr(common, "launch_feature", lambda name, device: name not in (
+        "wna16_grouped_layout", "wna16_int8_wide") and launch_feature(name, device))
+    cfg = WNA16Config(block_m=1, block_n=32, block_k=128, num_warps=2, oneshot=True)
+    cases = [(16, False, 1, 40), (32, True, 3, 64)] if variant != "int4" else [(32, False, 1, 64), (64, False, 2, 40)]
+    for i, (group, act_order, M, N) in enumerate(cases):
+        check_triton_case(variant, group, act_order, M, N, 256, torch.bfloat16, 120 + i, cfg, device, fma_path=True)
+    assert len(oneshot_calls) == len(cases)
+
+
 def test_oneshot_gemv_bias_determinism_and_other_types(device, oneshot_calls):
     """A bias and fp16 output, split over K and not; split-K replays bit-identical with the arrival counters left
     zeroed; weight types the one-shot kernel does not read (fp4, int8) keep the FMA path under the same config;
