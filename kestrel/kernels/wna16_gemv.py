@@ -305,11 +305,11 @@ def w4_layout(N: int, K: int, group: int, block_n: int, block_k: int, num_warps:
     return block_n, bk
 
 
-# int8 slices (`int8_layout`, launch feature "wna16_int8_wide"; off, int8 takes the configured block_n and
-# num_warps and half the configured block_k, one step a program, each byte converted by the conversion unit): a warp
-# spans INT8_WARP_COLUMNS columns (16 bytes a thread) and the block up to
-# INT8_MAX_WARPS warps; a step reads INT8_STEP_ROWS rows; one row of x takes up to INT8_MAX_STEPS steps a program
-# while at least INT8_MIN_PROGRAMS programs are left (fewer splits: less of the fp32 workspace to write and read).
+# int8 slices (`int8_layout`, launch feature "wna16_int8_wide"): a warp spans INT8_WARP_COLUMNS columns (16 bytes a
+# thread) and the block up to INT8_MAX_WARPS warps; a step reads INT8_STEP_ROWS rows; one row of x takes up to
+# INT8_MAX_STEPS steps a program while at least INT8_MIN_PROGRAMS programs are left (fewer splits: less of the fp32
+# workspace to write and read). With the feature off, int8 takes the configured block_n and num_warps and half the
+# configured block_k, one step a program, each byte converted by the conversion unit.
 INT8_WARP_COLUMNS = 512
 INT8_MAX_WARPS = 2
 INT8_STEP_ROWS = 32
