@@ -773,12 +773,14 @@ def wna16_gemm(
         x = x.index_select(1, perm)
     elif x.stride(1) != 1:
         x = x.contiguous()
-    if (config is None and dense_min_rows(group) <= M and wna16_dequant.takes(weight_type, perm)
+    # (In x's dtype only: an fp32 output of bf16 rows would pass through bf16 here.)
+    if (config is None and dense_min_rows(group) <= M and out_dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype) and wna16_dequant.takes(weight_type, perm)
             and common.launch_feature("wna16_dense_prompts", x.device)):
         w = wna16_dequant.dequantize_kn(qweight, scales, zeros, weight_type, group, x.dtype)
         if bias is None:
-            return torch.mm(x, w, out=out) if out_dtype == x.dtype else torch.mm(x, w).to(out_dtype)
-        return torch.addmm(bias.reshape(1, -1).to(x.dtype), x, w).to(out_dtype)
+            return torch.mm(x, w, out=out)
+        return torch.addmm(bias.reshape(1, -1), x, w, out=out)
     cfg = config or select_config(N, K, M, x.device)
     if cfg.oneshot and cfg.block_m == 1 and wna16_gemv.takes(weight_type, zeros, group):
         wna16_gemv.w4_gemv(x, qweight, scales, zeros, out, bias, block_n=cfg.block_n, block_k=cfg.block_k,

@@ -127,6 +127,7 @@ def _i8_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr
     one row of x only), each value turned to fp32 as it is multiplied. Under `int8_layout` each warp has 512
     columns, 16 bytes a thread, so that a thread holds its columns' rows of the step whole: the sums per group stay
     in its registers."""
+    tl.static_assert(STEPS == 1 or ROWS == 1, "several steps a program for one row of x only")
     if USE_PDL:
         gdc_launch_dependents()
     pid, nb, split, cols, n_ok = common.split_program(N, SPLIT_K, BLOCK_N)

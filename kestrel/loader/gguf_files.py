@@ -92,5 +92,6 @@ def _reader(path: str, size: int, mtime_ns: int) -> GGUFFile:
         reader = GGUFFile(path)
         reader.tensors  # noqa: B018 - a malformed tensor table fails here, at open, not when a tensor is used
         return reader
-    except (ValueError, OSError, IndexError, KeyError, struct.error) as e:  # what a malformed file raises
+    except (ValueError, OSError, IndexError, KeyError, TypeError, OverflowError, struct.error) as e:
+        # what a malformed file raises
         raise CheckpointError(f"invalid GGUF file {path}: {type(e).__name__}: {e}") from e

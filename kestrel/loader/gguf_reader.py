@@ -62,15 +62,24 @@ class GGUFFile:
             raise ValueError("the file does not start with the GGUF magic bytes")
         version, tensor_count, field_count = struct.unpack_from("<IQQ", self._view, 4)
         if version not in VERSIONS:
-            raise ValueError(f"GGUF version {version} (kestrel reads versions {VERSIONS})")
+            swapped = struct.unpack_from(">I", self._view, 4)[0]
+            raise ValueError("a big-endian GGUF file (kestrel reads little-endian ones)" if swapped in VERSIONS
+                             else f"GGUF version {version} (kestrel reads versions {VERSIONS})")
         self._pos = 24
         self.fields: dict[str, Any] = {}
         for _ in range(field_count):
             key = self._string()
             (value_type,) = self._unpack("<I")
+            if key in self.fields:
+                raise ValueError(f"metadata key {key!r} appears twice")
             self.fields[key] = self._value(value_type)
         self._table = [self._tensor_entry() for _ in range(tensor_count)]
-        alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
+        names = [entry[0] for entry in self._table]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tensor names appear twice: {sorted({n for n in names if names.count(n) > 1})[:5]}")
+        alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(alignment) is not int or alignment < 1 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment must be a power of two, got {alignment!r}")
         self._data_start = -(-self._pos // alignment) * alignment
 
     @cached_property
@@ -83,17 +92,19 @@ class GGUFFile:
             start = self._data_start + offset
             if type_id in _PLAIN:
                 dtype = np.dtype(_PLAIN[type_id])
-                count = int(np.prod(shape, dtype=np.int64))
-                data = self._bytes[start:start + count * dtype.itemsize].view(dtype).reshape(shape)
+                byte_shape, item_size = shape, dtype.itemsize
             else:
+                dtype = np.dtype(np.uint8)
                 block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
-                if shape[-1] % block:
-                    raise ValueError(f"tensor {name}: its rows of {shape[-1]} do not hold whole blocks of {block}")
-                byte_shape = (*shape[:-1], shape[-1] // block * block_bytes)
-                count = int(np.prod(byte_shape, dtype=np.int64))
-                data = self._bytes[start:start + count].reshape(byte_shape)
-            if data.size != int(np.prod(data.shape, dtype=np.int64)) or start + data.nbytes > len(self._bytes):
+                if not shape or shape[-1] % block:
+                    raise ValueError(f"tensor {name}: its rows of {shape[-1:]} do not hold whole blocks of {block}")
+                byte_shape, item_size = (*shape[:-1], shape[-1] // block * block_bytes), 1
+            size = item_size
+            for dim in byte_shape:  # Python integers: no overflow on absurd dimensions
+                size *= dim
+            if start + size > len(self._bytes):
                 raise ValueError(f"tensor {name}: its data run past the end of the file")
+            data = self._bytes[start:start + size].view(dtype).reshape(byte_shape)
             tensors.append(GGUFTensor(name, shape, type_id, data))
         return tensors
 
@@ -106,7 +117,12 @@ class GGUFFile:
         (length,) = self._unpack("<Q")
         start = self._pos
         self._pos += length
+        self._check_end()
         return str(self._view[start:self._pos], "utf-8")
+
+    def _check_end(self) -> None:
+        if self._pos > len(self._view):
+            raise ValueError("the metadata run past the end of the file")
 
     def _value(self, value_type: int) -> Any:
         if value_type == _STRING:
@@ -124,6 +140,8 @@ class GGUFFile:
     def _array(self, item_type: int, count: int) -> list:
         if item_type in _NUMERIC:
             dtype = np.dtype(_NUMERIC[item_type])
+            if self._pos + count * dtype.itemsize > len(self._view):
+                raise ValueError("the metadata run past the end of the file")
             items = np.frombuffer(self._view, dtype=dtype.newbyteorder("<"), count=count, offset=self._pos)
             self._pos += count * dtype.itemsize
             return items.tolist()
@@ -141,6 +159,7 @@ class GGUFFile:
             items.append(str(view[pos:pos + length], "utf-8"))
             pos += length
         self._pos = pos
+        self._check_end()
         return items
 
     def _tensor_entry(self) -> tuple[str, tuple[int, ...], int, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -234,8 +235,38 @@ def test_reader_matches_gguf_package(tmp_path, llama_dir) -> None:
         assert np.array_equal(mine.data, theirs.data)
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(path.read_bytes()[:-1000])
-    with pytest.raises(CheckpointError, match="truncated.gguf"):
+    with pytest.raises(CheckpointError, match="truncated.gguf.*past the end"):
         find_gguf(truncated).readers  # noqa: B018
+
+
+def _gguf_bytes(fields: list[tuple[str, int, bytes]], version: int = 3) -> bytes:
+    """A GGUF file without tensors: (key, value type, value bytes) entries."""
+    out = b"GGUF" + struct.pack("<IQQ", version, 0, len(fields))
+    for key, value_type, value in fields:
+        out += struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", value_type) + value
+    return out
+
+
+@pytest.mark.parametrize("case,match", [
+    ([("general.alignment", 4, struct.pack("<I", 0))], "alignment must be a power of two, got 0"),
+    ([("general.alignment", 4, struct.pack("<I", 24))], "alignment must be a power of two, got 24"),
+    ([("general.alignment", 8, struct.pack("<Q", 1) + b"x")], "alignment must be a power of two, got 'x'"),
+    ([("a", 4, struct.pack("<I", 1)), ("a", 4, struct.pack("<I", 2))], "key 'a' appears twice"),
+    ([("name", 8, struct.pack("<Q", 1000) + b"short")], "past the end"),
+    ([("ids", 9, struct.pack("<IQ", 5, 2**62))], "past the end"),
+    ([("ids", 9, struct.pack("<IQ", 8, 2) + struct.pack("<Q", 2) + b"ok" + struct.pack("<Q", 99))], "past the end"),
+])
+def test_reader_refuses_malformed_metadata(tmp_path, case, match) -> None:
+    from kestrel.loader.gguf_files import find_gguf
+
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(_gguf_bytes(case))
+    with pytest.raises(CheckpointError, match=f"bad.gguf.*{match}"):
+        find_gguf(path).readers  # noqa: B018
+    swapped = tmp_path / "swapped.gguf"
+    swapped.write_bytes(b"GGUF" + struct.pack(">IQQ", 3, 0, 0))
+    with pytest.raises(CheckpointError, match="big-endian"):
+        find_gguf(swapped).readers  # noqa: B018
 
 
 def test_llama3_pre_tokenizer_splits_digits_in_threes(tmp_path, llama_dir) -> None:
