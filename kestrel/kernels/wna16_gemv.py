@@ -306,28 +306,29 @@ def w4_layout(N: int, K: int, group: int, block_n: int, block_k: int, num_warps:
     return block_n, bk
 
 
-# int8 slices (`int8_layout`, launch feature "wna16_int8_wide"): a warp spans INT8_WARP_COLUMNS columns (16 bytes a
-# thread) and the block up to INT8_MAX_WARPS warps; a step reads INT8_STEP_ROWS rows; one row of x takes up to
-# INT8_MAX_STEPS steps a program while at least INT8_MIN_PROGRAMS programs are left (fewer splits: less of the fp32
-# workspace to write and read). With the feature off, int8 takes the configured block_n and num_warps and half the
-# configured block_k, one step a program, each byte converted by the conversion unit.
+# One row's int8 slices (`int8_layout`, launch feature "wna16_int8_wide"): a warp spans INT8_WARP_COLUMNS columns
+# (16 bytes a thread) and the block up to INT8_MAX_WARPS warps; a step reads INT8_STEP_ROWS rows; a program takes up
+# to INT8_MAX_STEPS steps while at least INT8_MIN_PROGRAMS programs are left (fewer splits: less of the fp32
+# workspace to write and read). Compiled for sm_90 that is 168 registers and no spills; more rows of x (each thread
+# then holds 256 fp32 values per row) spill, so they keep the configured layout, as int8 does with the feature off:
+# the configured block_n and num_warps, half the configured block_k, each byte converted by the conversion unit.
 INT8_WARP_COLUMNS = 512
 INT8_MAX_WARPS = 2
-INT8_STEP_ROWS = 32
+INT8_STEP_ROWS = 16
 INT8_MAX_STEPS = 8
 INT8_MIN_PROGRAMS = 264
 
 
-def int8_layout(M: int, N: int, K: int, group: int) -> tuple[int, int, int, int]:
-    """(block_n, num_warps, block_k, steps) of the int8 GEMV for an [M, K] x [K, N] product in groups of `group`
-    rows: as many columns a block as INT8_MAX_WARPS warps span (fewer for a narrow N), whole groups a step."""
+def int8_layout(N: int, K: int, group: int) -> tuple[int, int, int, int]:
+    """(block_n, num_warps, block_k, steps) of the int8 GEMV of one row of x and a [K, N] weight in groups of
+    `group` rows: as many columns a block as INT8_MAX_WARPS warps span (fewer for a narrow N)."""
     warps = max(1, min(INT8_MAX_WARPS, triton.next_power_of_2(N) // INT8_WARP_COLUMNS))
     block_n = min(warps * INT8_WARP_COLUMNS, triton.next_power_of_2(N))
     bk = fit_block_k(INT8_STEP_ROWS, group, K)
     steps = 1
     slices = K // bk
     n_blocks = triton.cdiv(N, block_n)
-    while (M == 1 and steps * 2 <= INT8_MAX_STEPS and slices % (steps * 2) == 0
+    while (steps * 2 <= INT8_MAX_STEPS and slices % (steps * 2) == 0
            and n_blocks * slices // (steps * 2) >= INT8_MIN_PROGRAMS):
         steps *= 2
     return block_n, warps, bk, steps
@@ -359,9 +360,9 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     eight_bit = qweight.dtype == torch.int8
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"w4_gemv: block_n must be a power of two, got {block_n}")
-    wide = eight_bit and common.launch_feature("wna16_int8_wide", x.device)
+    wide = eight_bit and M == 1 and common.launch_feature("wna16_int8_wide", x.device)
     if wide:
-        block_n, num_warps, bk, steps = int8_layout(M, N, K, group)
+        block_n, num_warps, bk, steps = int8_layout(N, K, group)
     elif eight_bit:
         bk, steps = fit_block_k(max(block_k // 2, 16), group, K), 1
     else:

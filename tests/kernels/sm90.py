@@ -21,15 +21,16 @@ ALIGNED = {"x_ptr", "w_ptr", "s_ptr", "ids_ptr", "inter_ptr", "weights_ptr", "ou
 
 
 def compile_sm90(fn, pointers: dict[str, str], ints: list[str], constexprs: dict, num_warps: int,
-                 floats: tuple[str, ...] = ()) -> tuple[str, str]:
-    """(PTX, ptxas -v report) of `fn` compiled for sm_90 without a GPU; `floats`: its fp32 scalar arguments."""
+                 floats: tuple[str, ...] = (), aligned: frozenset[str] = frozenset()) -> tuple[str, str]:
+    """(PTX, ptxas -v report) of `fn` compiled for sm_90 without a GPU; `floats`: its fp32 scalar arguments;
+    `aligned`: arguments beyond ALIGNED that the launch finds multiples of 16."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {**pointers, **{n: "fp32" for n in floats}, **{n: "i32" for n in ints},
                  **{n: "constexpr" for n in constexprs}}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in signature if n in ALIGNED}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in signature if n in ALIGNED | aligned}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     ptx = kernel.asm["ptx"]

@@ -326,26 +326,67 @@ def test_oneshot_gemv_matches_float64_oracle(variant, device, oneshot_calls):
 
 @pytest.mark.parametrize("variant", ["int8", "int8_mins"])
 def test_oneshot_gemv_takes_int8_in_small_groups(variant, device, oneshot_calls, monkeypatch):
-    """int8 values in groups of 16 or 32 (GGUF's Q6_K, Q8_0, Q5_K forms) take the one-shot GEMV in its own slices
-    (`int8_layout`, here scaled down to the test's shapes): a step inside one group or spanning several, several
-    steps a program for one row (split over K or not), act-order, M past MAX_ROWS, N not a multiple of the
-    block; in larger groups they keep the FMA path."""
+    """int8 values in groups of 16 or 32 (GGUF's Q6_K, Q8_0, Q5_K forms) take the one-shot GEMV: one row in its own
+    slices (`int8_layout`, here scaled down to the test's shapes: a step inside one group or spanning several,
+    several steps a program, split over K or not, N not a multiple of the block), more rows in half the configured
+    ones (act-order, M past MAX_ROWS); in larger groups they keep the FMA path."""
     monkeypatch.setattr(wna16_gemv, "INT8_WARP_COLUMNS", 16)
     cfg = WNA16Config(block_m=1, block_n=32, block_k=64, num_warps=2, oneshot=True)
-    # group, act-order, M, N, rows a step, fewest programs -> the steps a program and the K split
-    cases = [(16, False, 1, 40, 32, 4, 4, 2), (32, True, 3, 64, 32, 4, 1, 8),
-             (16, False, wna16_gemv.MAX_ROWS + 1, 48, 64, 4, 1, 4), (32, False, 1, 40, 16, 2, 8, 2),
+    # group, act-order, M, N, rows a step, fewest programs -> for one row: the steps a program and the K split
+    cases = [(16, False, 1, 40, 32, 4, 4, 2), (32, True, 3, 64, 32, 4, None, None),
+             (16, False, wna16_gemv.MAX_ROWS + 1, 48, 64, 4, None, None), (32, False, 1, 40, 16, 2, 8, 2),
              (16, False, 1, 64, 32, 1, 8, 1)]
     for i, (group, act_order, M, N, step_rows, programs, steps, split) in enumerate(cases):
         monkeypatch.setattr(wna16_gemv, "INT8_STEP_ROWS", step_rows)
         monkeypatch.setattr(wna16_gemv, "INT8_MIN_PROGRAMS", programs)
-        block_n, _, block_k, got_steps = wna16_gemv.int8_layout(M, N, 256, group)
-        assert (got_steps, 256 // (block_k * got_steps)) == (steps, split)
+        if M == 1:
+            _, _, block_k, got_steps = wna16_gemv.int8_layout(N, 256, group)
+            assert (got_steps, 256 // (block_k * got_steps)) == (steps, split)
         x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
         check_triton_case(variant, group, act_order, M, N, 256, x_dtype, 100 + i, cfg, device, fma_path=True)
     assert len(oneshot_calls) == len(cases)
     check_triton_case(variant, 64, False, 2, 40, 256, torch.float32, 105, cfg, device, fma_path=True)
     assert len(oneshot_calls) == len(cases)
+
+
+def _gemv_sm90_reports() -> list[tuple[str, str]]:
+    """The one-shot GEMV's layouts as a GPU compiles them: int8 in `int8_layout`'s slices (one and several steps,
+    groups of 16 with offsets), int4 in groups of 32 with offsets under `w4_layout`'s grouped slices and under the
+    configured ones (the H200 table's 512 rows x 128 columns, 4 warps)."""
+    import sm90
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "z_ptr": "*fp32", "b_ptr": "*fp32",
+                "out_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32"}
+    ints = ["N", "group", "stride_xm", "stride_wk", "stride_sg", "stride_zg", "stride_om"]
+    aligned = frozenset(["z_ptr", "b_ptr", "ws_ptr", "stride_wk", "stride_sg", "stride_zg"])
+    common_flags = dict(ROWS=1, HAS_MINS=True, HAS_BIAS=False, USE_PDL=True, FAST=True, EVEN_N=True)
+    reports = []
+    for steps in (1, 8):
+        warps = wna16_gemv.INT8_MAX_WARPS
+        block_n, block_k = warps * wna16_gemv.INT8_WARP_COLUMNS, wna16_gemv.INT8_STEP_ROWS
+        flags = dict(common_flags, SPLIT_K=32, GROUPS=1, BLOCK_N=block_n, BLOCK_K=block_k, STEPS=steps,
+                     BYTE_PERMUTE=True)
+        reports.append(sm90.compile_sm90(wna16_gemv._i8_gemv_kernel, pointers, ints, flags, warps, aligned=aligned))
+    for block_n, block_k in ((4 * wna16_gemv.W4_WARP_COLUMNS, wna16_gemv.W4_GROUPED_ROWS), (128, 512)):
+        flags = dict(common_flags, SPLIT_K=8, GROUPS=block_k // 32, HAS_ZEROS=False, BLOCK_N=block_n, BLOCK_K=block_k)
+        reports.append(sm90.compile_sm90(wna16_gemv._w4_gemv_kernel, dict(pointers, w_ptr="*i32"), ints, flags, 4,
+                                         aligned=aligned))
+    return reports
+
+
+def test_oneshot_gemv_layouts_compile_for_sm90_without_spills_or_shared_group_sums():
+    """The interpreter runs what the GPU compiler may still refuse or spill: the int8 slices and the grouped int4
+    slices compiled for the H200 (ptxas ships with Triton) load 16 bytes a thread, do not spill, and sum their
+    groups in registers (a few shared-memory stores for the scales and the split-K tail, where the configured int4
+    slices spanning 16 groups store each group's sums there); int8 turns bytes to fp32 by byte permutes."""
+    import sm90
+
+    (i8_one, i8_steps, w4_grouped, w4_configured) = sm90.reports("test_wna16", "_gemv_sm90_reports()")
+    for ptx, report in (i8_one, i8_steps, w4_grouped):
+        assert "ld.global.v4" in ptx and " 0 bytes spill stores" in report, report
+        assert ptx.count("st.shared") <= 16
+    assert ptx.count("st.shared") * 4 < w4_configured[0].count("st.shared")
+    assert i8_one[0].count("prmt.b32") >= 256 and "cvt.rn.f32.s" not in i8_one[0]  # a byte permute a value
 
 
 @pytest.mark.parametrize("variant", ["int4", "uint4", "int8", "int4_mins", "int8_mins"])
