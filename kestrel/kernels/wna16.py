@@ -774,7 +774,7 @@ def wna16_gemm(
     elif x.stride(1) != 1:
         x = x.contiguous()
     # (In x's dtype only: an fp32 output of bf16 rows would pass through bf16 here.)
-    if (config is None and dense_min_rows(group) <= M and out_dtype == x.dtype
+    if (config is None and group < DENSE_BELOW_GROUP and DENSE_MIN_ROWS <= M and out_dtype == x.dtype
             and (bias is None or bias.dtype == x.dtype) and wna16_dequant.takes(weight_type, perm)
             and common.launch_feature("wna16_dense_prompts", x.device)):
         w = wna16_dequant.dequantize_kn(qweight, scales, zeros, weight_type, group, x.dtype)
@@ -819,15 +819,11 @@ def wna16_gemm(
     return out
 
 
-# Rows from which a product takes the dense path (`wna16_dequant`: the weight written out, then cuBLAS) instead of
-# the tiles: groups smaller than DENSE_SMALL_GROUP scale the tiles' accumulators every few K rows.
-DENSE_MIN_ROWS = 256
-DENSE_MIN_ROWS_SMALL_GROUPS = 64
-DENSE_SMALL_GROUP = 64
-
-
-def dense_min_rows(group: int) -> int:
-    return DENSE_MIN_ROWS_SMALL_GROUPS if group < DENSE_SMALL_GROUP else DENSE_MIN_ROWS
+# Products of DENSE_MIN_ROWS rows or more over groups smaller than DENSE_BELOW_GROUP (GGUF's 16 and 32, whose tiles
+# scale their accumulators every 16-32 K rows; the case measured) take the dense path (`wna16_dequant`: the weight
+# written out, then cuBLAS) under the launch feature "wna16_dense_prompts"; larger groups keep the tiles.
+DENSE_MIN_ROWS = 64
+DENSE_BELOW_GROUP = 64
 
 
 def _asm_ok(x: torch.Tensor, weight_type: str) -> bool:

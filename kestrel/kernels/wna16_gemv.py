@@ -287,20 +287,22 @@ def _store(y, m, out_ptr, b_ptr, cols, wc, n_ok, stride_om, HAS_BIAS: tl.constex
 INT8_ONESHOT_GROUP = 64
 
 
-# A 4-bit slice that spans several groups (`w4_layout`, launch feature "wna16_grouped_layout"): a warp spans
-# W4_WARP_COLUMNS columns (four words a thread) and the slice at most W4_GROUPED_ROWS rows, so each thread holds
-# its columns' rows whole and the sums per group stay in its registers (in a narrower block the warps split the
-# rows, and each group's sums crossed them through shared memory).
+# A 4-bit slice that spans several groups smaller than W4_GROUPED_BELOW (`w4_layout`, launch feature
+# "wna16_grouped_layout"; GGUF's groups of 32, the case measured): a warp spans W4_WARP_COLUMNS columns (four words
+# a thread) and the slice at most W4_GROUPED_ROWS rows, so each thread holds its columns' rows whole and the sums
+# per group stay in its registers (in a narrower block the warps split the rows, and each group's sums crossed
+# them through shared memory). Larger groups keep the tuned table's slices.
 W4_WARP_COLUMNS = 128
 W4_GROUPED_ROWS = 128
+W4_GROUPED_BELOW = 64
 
 
 def w4_layout(N: int, K: int, group: int, block_n: int, block_k: int, num_warps: int,
               grouped: bool) -> tuple[int, int]:
     """(block_n, block_k) of the 4-bit GEMV: the configured ones, unless `grouped` and the slice would span
-    several groups."""
+    several small groups."""
     bk = fit_block_k(block_k, group, K)
-    if grouped and bk > group:
+    if grouped and group < W4_GROUPED_BELOW and bk > group:
         bk = fit_block_k(min(block_k, W4_GROUPED_ROWS), group, K)
         block_n = min(W4_WARP_COLUMNS * num_warps, max(block_n, triton.next_power_of_2(N)))
     return block_n, bk

@@ -391,14 +391,14 @@ def test_oneshot_gemv_layouts_compile_for_sm90_without_spills_or_shared_group_su
 
 @pytest.mark.parametrize("variant", ["int4", "uint4", "int8", "int4_mins", "int8_mins"])
 def test_prompt_rows_take_the_dense_path(variant, device, monkeypatch):
-    """From `dense_min_rows` rows (scaled down here) the table's product writes the weight out dense and multiplies
-    it there: groups of 16 and 128, a bias, fp32 and bf16 rows (the weight rounded once to bf16 with bf16 rows);
-    act-order weights and fewer rows keep the tiles."""
-    monkeypatch.setattr(wq, "DENSE_MIN_ROWS", 5)
-    monkeypatch.setattr(wq, "DENSE_MIN_ROWS_SMALL_GROUPS", 3)
+    """From DENSE_MIN_ROWS rows (scaled down here) in small groups the table's product writes the weight out dense
+    and multiplies it there: groups of 16 and 32, a bias, fp32 and bf16 rows (the weight rounded once to bf16 with
+    bf16 rows); fewer rows, groups of 128 and act-order weights keep the tiles."""
+    monkeypatch.setattr(wq, "DENSE_MIN_ROWS", 3)
     dense = record_calls(monkeypatch, wna16_dequant, "dequantize_kn")
-    cases = [(16, False, 3, torch.bfloat16, True), (128, False, 5, torch.float32, False),
-             (16, False, 2, torch.float32, False), (128, True, 5, torch.bfloat16, False)]
+    cases = [(16, False, 3, torch.bfloat16, True), (32, False, 5, torch.float32, False),
+             (16, False, 2, torch.float32, False), (128, False, 5, torch.bfloat16, False),
+             (32, True, 5, torch.bfloat16, False)]
     for i, (group, act_order, M, x_dtype, bias) in enumerate(cases):
         w, W = make_weight(variant, group, act_order, 48, 256, x_dtype, seed=200 + i)
         x = make_x(M, 256, x_dtype, seed=M)
@@ -410,9 +410,12 @@ def test_prompt_rows_take_the_dense_path(variant, device, monkeypatch):
         w, _ = make_weight(variant, group, False, 48, 256, torch.float32, seed=210 + group)
         ref = wq.dequantize_wna16(*w).T
         for dtype in (torch.float32, torch.bfloat16):
-            got = wna16_dequant.dequantize_kn(w.qweight, w.scales, w.zeros, w.weight_type, group, dtype)
+            wd = to_device(w, device)
+            got = wna16_dequant.dequantize_kn(wd.qweight, wd.scales, wd.zeros, w.weight_type, group, dtype)
             assert got.shape == (256, 48) and got.dtype == dtype
-            torch.testing.assert_close(got.float(), ref.to(dtype).float(), rtol=0, atol=0)
+            # s * v - m: a GPU contracts it into one FMA, one rounding fewer than the reference's; bit-equal else
+            slack = 2.0**-23 * float(ref.abs().max()) if w.zeros is not None and w.zeros.is_floating_point() else 0.0
+            torch.testing.assert_close(got.float().cpu(), ref.to(dtype).float(), rtol=0, atol=slack)
 
 
 @pytest.mark.parametrize("variant", ["int4_mins", "int8_mins", "int4"])
