@@ -80,6 +80,34 @@ def shape_weight(request):
     torch.cuda.empty_cache()
 
 
+# The forms a GGUF Q4_K_M file of the 8B shape runs (Q6_K merged beside Q4_K: int8 in groups of 16 with float
+# offsets; Q6_K alone: int8 in groups of 16; Q4_K: int4 in groups of 32 with offsets), at one row (the one-shot
+# GEMV in the table's layout features) and at a prompt's rows (the dense path, whose bf16 weight is rounded once).
+GGUF_FORMS = [("int8", 16, True, 6144, 4096), ("int8", 16, False, 4096, 14336), ("int4", 32, True, 28672, 4096),
+              ("int4", 32, True, 4096, 14336)]
+
+
+@pytest.mark.parametrize("weight_type,group,mins,N,K", GGUF_FORMS)
+@pytest.mark.parametrize("M", [1, 2, 128])
+def test_gguf_forms_match_reference_8b_shapes(weight_type, group, mins, N, K, M):
+    g = torch.Generator(device="cuda").manual_seed(N + K + M)
+    lo, hi = (-32, 32) if weight_type == "int8" else (-8, 8)
+    values = torch.randint(lo, hi, (N, K), generator=g, device="cuda")
+    if weight_type == "int8":
+        values = values.to(torch.int8)
+    scales = (torch.rand(N, K // group, generator=g, device="cuda") + 0.5) / (20.0 * K**0.5)
+    offsets = torch.rand(N, K // group, generator=g, device="cuda") / (20.0 * K**0.5) if mins else None
+    w = wq.pack_wna16(values, scales, offsets, weight_type=weight_type)
+    x = make_x(M, K, seed=M)
+    out = wq.wna16_gemm(x, *w, torch.bfloat16)
+    ref = wq.wna16_gemm_ref(x, *w, torch.bfloat16)
+    if M >= wq.DENSE_MIN_ROWS:  # the weight entered the product rounded to bf16: one more rounding a weight
+        diff = (out.float() - ref.float()).norm() / ref.float().norm()
+        assert diff.item() < 4e-3, diff.item()
+    else:
+        assert_close(out, ref)
+
+
 @pytest.mark.parametrize("M", TOKENS)
 def test_kernel_matches_reference_8b_shapes(shape_weight, M):
     N, K, w = shape_weight
