@@ -70,7 +70,8 @@ step's arithmetic, 2 asks `tl.range` for num_stages. Same arithmetic.
 
 `oneshot` (block_m = 1, int4 / uint4, and int8 in groups of 16 or 32 without integer zero points): `kernels/
 wna16_gemv.py`, one word slice per program loaded whole and each nibble turned into fp32 by one lop3 (int8: a slice
-of half the rows, the same bytes, each value converted); the H200 table takes it for one row.
+of half the rows, the same bytes, each value converted, or for one row its own slices under a launch feature); the
+H200 table takes it for one row.
 
 Split-K partials meet in an fp32 workspace; the last program to arrive at a tile (an atomic
 counter) sums them in split order (deterministic, so CUDA-graph replays are bit-exact) and runs the epilogue

@@ -110,8 +110,8 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr
             acc += w * xv[:, None]
             if HAS_MINS:
                 x_words += xv
-        _row_out(acc, x_words, sc, mn, m, part, out_ptr, b_ptr, cols, wc, n_ok, stride_om, SPLIT_K, GROUPS, HAS_MINS,
-                 HAS_BIAS, FAST, BLOCK_N)
+        _put(_group_dot(acc, x_words, sc, mn, GROUPS, HAS_MINS, BLOCK_N), m, part, out_ptr, b_ptr, cols, wc, n_ok,
+             stride_om, SPLIT_K, HAS_BIAS, FAST)
     _split_tail(ws_ptr, lock_ptr, nb, out_ptr, b_ptr, cols, wc, n_ok, stride_om, SPLIT_K, ROWS, HAS_BIAS, FAST,
                 BLOCK_N)
 
@@ -177,15 +177,6 @@ def _slice_scales(s_ptr, z_ptr, first_g, wc, stride_sg, stride_zg, GROUPS: tl.co
         else:
             mn = tl.load(z_ptr + rows * stride_zg + wc[None, :])
     return sc, mn
-
-
-@triton.jit
-def _row_out(acc, x_parts, sc, mn, m, part, out_ptr, b_ptr, cols, wc, n_ok, stride_om, SPLIT_K: tl.constexpr,
-             GROUPS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    """Row m's `_group_dot`, stored, or put in the workspace `part` when K is split."""
-    _put(_group_dot(acc, x_parts, sc, mn, GROUPS, HAS_MINS, BLOCK_N), m, part, out_ptr, b_ptr, cols, wc, n_ok,
-         stride_om, SPLIT_K, HAS_BIAS, FAST)
 
 
 @triton.jit
@@ -354,8 +345,9 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     """Write `x @ dequant(qweight).T + bias` into `out` ([M, N]). `x` is [M, K] with its act-order permutation
     already applied (what `wna16.wna16_gemm` hands over after checking every argument); `qweight` int32
     [K / 8, N] of int4 (zeros None: the codes minus 8; or float32 mins [K / group, N]) or uint4 (zeros
-    [K / group, N]) codes, or int8 [K, N] values (zeros None or float32 mins): `takes`. int8 takes its own
-    slices (`int8_layout`), not block_n, block_k and num_warps."""
+    [K / group, N]) codes, or int8 [K, N] values (zeros None or float32 mins): `takes`. One row over int8 takes
+    its own slices under "wna16_int8_wide" (`int8_layout`); otherwise int8 reads half the configured rows a slice,
+    and 4-bit slices spanning several small groups are laid out by `w4_layout`."""
     M, K = x.shape
     N = qweight.shape[1]
     group = K // scales.shape[0]

@@ -147,8 +147,7 @@ class GGUFFile:
             return items.tolist()
         if item_type == _STRING:
             return self._strings(count)
-        return [self._value(item_type) if item_type != _ARRAY else self._array(*self._unpack("<IQ"))
-                for _ in range(count)]
+        return [self._value(item_type) for _ in range(count)]
 
     def _strings(self, count: int) -> list[str]:
         view, pos, items = self._view, self._pos, []

@@ -67,8 +67,8 @@ def _converted(model: GGUFModel) -> Any:
     from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
-    sections = {section: {name: model.field(f"tokenizer.{key}") for key, name in renames.items()
-                          if model.field(f"tokenizer.{key}") is not None}
+    sections = {section: {name: value for key, name in renames.items()
+                          if (value := model.field(f"tokenizer.{key}")) is not None}
                 for section, renames in GGUF_TOKENIZER_MAPPING.items()}
     architecture = model.field("general.architecture")
     backend, extra = convert_gguf_tokenizer(architecture, sections["tokenizer"])
