@@ -91,7 +91,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels import common, wna16_dequant, wna16_gemv
+from kestrel.kernels import common, wna16_dequant, wna16_gemv, wna16_tc
+from kestrel.kernels.nibbles import nibbles16
 from kestrel.kernels.wna16_gemv import has_mins
 
 DEFAULT_TABLE = common.TUNING_DIR / "wna16_default.json"
@@ -152,7 +153,7 @@ class WNA16Config:
     # [BLOCK_K, BLOCK_N] tile through a register shuffle.
     nibble_dots: bool = False
     # With nibble_dots or swap_ab: int4 / uint4 codes become bf16 / fp16 operands by bit tricks on whole words
-    # (`_nibble_asm`: about 1.4 instructions per value instead of about 4 through fp32); exact, as before.
+    # (`nibbles.nibble_asm`: about 1.4 instructions per value instead of about 4 through fp32); exact, as before.
     fast_convert: bool = False
     # block_m >= 16: out^T = W^T x^T, the weights as the dots' first operand (the 64-row side of the tensor
     # cores), x padded to block_m as the second; with nibble_dots eight dots per step, else one over the
@@ -165,6 +166,11 @@ class WNA16Config:
     # FMA path: one [block_k / 8, block_n] word slice per program, codes turned to fp32 by one mask-or each. It
     # reads block_n, block_k (which may then span whole groups; the split is K / block_k) and num_warps only.
     oneshot: bool = False
+    # block_m >= 16, int4 / uint4 in groups of block_k (>= 128) or per channel, 16-bit activations: the weights
+    # scaled in 16-bit before one chained accumulator (`kernels/wna16_tc.py`), each rounded once as the dense
+    # path rounds it, instead of exact codes scaled per K step in fp32. Reads block_m/n/k, split_k, group_m,
+    # num_warps, num_stages and swap_ab.
+    prescale: bool = False
 
     def __post_init__(self) -> None:
         if self.oneshot and self.block_m != 1:
@@ -351,54 +357,6 @@ def _decode4(c, zz, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr):
     return w
 
 
-def _nibble_asm(kind: str) -> str:
-    """PTX turning one int32 word ($8) into its eight nibbles minus a zero point, as 16-bit floats ($0..$7, nibble
-    s in $s). Two nibbles at a time (bits 4i and 4i + 16) are masked into the mantissas of a pair of magic numbers
-    whose unit in the last place is 1 (128 in bf16, 1024 in fp16) by one lop3, then one paired fma subtracts the
-    magic plus the zero point ($9: that pair's bit pattern, so 128 + z in bf16): c - z, an integer of magnitude
-    <= 15, exact. Four lop3, three shifts and four paired fmas per eight values, where the fp32 path spends about
-    four instructions per value."""
-    magic, one, op = {"bf16": ("0x43004300", "0x3f803f80", "fma.rn.bf16x2"),
-                      "fp16": ("0x64006400", "0x3c003c00", "fma.rn.f16x2")}[kind]
-    lines = ["{", ".reg .b32 t0, t1, t2, t3, s1, s2, s3, one, neg;", f"mov.b32 one, {one};",
-             "or.b32 neg, $9, 0x80008000;", "shr.u32 s1, $8, 4;", "shr.u32 s2, $8, 8;", "shr.u32 s3, $8, 12;",
-             f"lop3.b32 t0, $8, 0x000f000f, {magic}, 0xea;"]
-    lines += [f"lop3.b32 t{i}, s{i}, 0x000f000f, {magic}, 0xea;" for i in (1, 2, 3)]
-    lines += [f"{op} t{i}, t{i}, one, neg;" for i in range(4)]
-    lines += [f"mov.b32 {{${i}, ${i + 4}}}, t{i};" for i in range(4)]
-    return "\n".join(lines + ["}"])
-
-
-_ASM_BF16 = tl.constexpr(_nibble_asm("bf16"))
-_ASM_FP16 = tl.constexpr(_nibble_asm("fp16"))
-
-
-@triton.jit
-def _nibbles16_asm(words, zz, HAS_ZEROS: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr):
-    if HAS_ZEROS:
-        zw = zz.to(tl.int32)
-        pat = tl.zeros_like(words) + (MAGIC | zw | (zw << 16))
-    else:
-        pat = tl.zeros_like(words) + (MAGIC | 0x80008)
-    return tl.inline_asm_elementwise(
-        ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, pat],
-        dtype=(tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16),
-        is_pure=True, pack=1)
-
-
-@triton.jit
-def _nibbles16(words, zz, HAS_ZEROS: tl.constexpr, X_DTYPE: tl.constexpr):
-    """int4 / uint4 words -> eight X_DTYPE (bf16 / fp16) tensors of the words' shape, nibble s minus the zero
-    point (8 for int4, `zz` broadcast against the words for uint4); compiled only (see `_nibble_asm`)."""
-    if X_DTYPE == tl.bfloat16:  # noqa: SIM300 (X_DTYPE is a constexpr argument, not a constant)
-        w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles16_asm(words, zz, HAS_ZEROS, 0x43004300, _ASM_BF16)
-    else:
-        w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles16_asm(words, zz, HAS_ZEROS, 0x64006400, _ASM_FP16)
-    return (w0.to(X_DTYPE, bitcast=True), w1.to(X_DTYPE, bitcast=True), w2.to(X_DTYPE, bitcast=True),
-            w3.to(X_DTYPE, bitcast=True), w4.to(X_DTYPE, bitcast=True), w5.to(X_DTYPE, bitcast=True),
-            w6.to(X_DTYPE, bitcast=True), w7.to(X_DTYPE, bitcast=True))
-
-
 @triton.jit
 def _nibble_dot(x_rows, k8, s: tl.constexpr, w, acc, X_DTYPE: tl.constexpr, DOT_F32: tl.constexpr,
                 SWAP: tl.constexpr):
@@ -431,13 +389,13 @@ def _interleave(a, b):
 def _weight_tile_t(w_ptr, kt, w_cols, stride_wk, z, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr,
                    X_DTYPE: tl.constexpr, ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The transposed tile `[BLOCK_N, BLOCK_K]` of K step kt in natural K order (swap_ab without nibble dots).
-    ASM: the eight `_nibbles16` outputs, nibble s of word j at column 8j + s, put together by three rounds of
+    ASM: the eight `nibbles.nibbles16` outputs, nibble s of word j at column 8j + s, put together by three rounds of
     pairwise interleaving (s with s + 4, then s with s + 2, then even with odd s: each round doubles the column
     index and adds the next lower bit of s); else `_weight_tile` transposed (fp32)."""
     if ASM:
         rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_ptr + rows.to(tl.int64)[None, :] * stride_wk + w_cols[:, None])
-        w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles16(words, z[:, None], HAS_ZEROS, X_DTYPE)
+        w0, w1, w2, w3, w4, w5, w6, w7 = nibbles16(words, z[:, None], HAS_ZEROS, X_DTYPE)
         even = _interleave(_interleave(w0, w4), _interleave(w2, w6))
         odd = _interleave(_interleave(w1, w5), _interleave(w3, w7))
         w = _interleave(even, odd)
@@ -456,7 +414,7 @@ def _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, acc, WTYPE: tl.constex
     SWAP: the weights are the dots' first operand (`[BLOCK_N, BLOCK_K / 8]` against x's columns transposed) and
     `acc` is the transposed tile `[BLOCK_N, BLOCK_M]`: for a few rows the weights fill the tensor cores' 64-row
     side and stay in registers, x (the small operand) goes through shared memory. ASM (int4 / uint4 with 16-bit
-    activations, compiled): the nibbles become 16-bit operands through `_nibbles16`, no fp32 step."""
+    activations, compiled): the nibbles become 16-bit operands through `nibbles.nibbles16`, no fp32 step."""
     rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
     k8 = kt * BLOCK_K + tl.arange(0, BLOCK_K // 8) * 8
     if SWAP:
@@ -466,7 +424,7 @@ def _nibble_dots(x_rows, w_ptr, kt, w_cols, stride_wk, z, acc, WTYPE: tl.constex
         words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wk + w_cols[None, :])
         zz = z[None, :]
     if ASM:
-        w0, w1, w2, w3, w4, w5, w6, w7 = _nibbles16(words, zz, HAS_ZEROS, X_DTYPE)
+        w0, w1, w2, w3, w4, w5, w6, w7 = nibbles16(words, zz, HAS_ZEROS, X_DTYPE)
         acc = _nibble_dot(x_rows, k8, 0, w0, acc, X_DTYPE, DOT_F32, SWAP)
         acc = _nibble_dot(x_rows, k8, 1, w1, acc, X_DTYPE, DOT_F32, SWAP)
         acc = _nibble_dot(x_rows, k8, 2, w2, acc, X_DTYPE, DOT_F32, SWAP)
@@ -793,6 +751,12 @@ def wna16_gemm(
     split_k = split_for(cfg.split_k, tiles, k_tiles, common.num_sms(x.device, off_cuda=4))
     if tiles > common.ARRIVAL_SLOTS:
         split_k = 1
+    if (cfg.prescale and cfg.block_m >= 16
+            and wna16_tc.takes(weight_type, x.dtype, has_mins(zeros), group, K, cfg.block_k)):
+        wna16_tc.tc_gemm(x, qweight, scales, zeros, out, bias, block_m=cfg.block_m, block_n=cfg.block_n,
+                         block_k=cfg.block_k, split_k=split_k, group_m=cfg.group_m, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages, swap_ab=cfg.swap_ab, nibble_dots=cfg.nibble_dots)
+        return out
     per_split = triton.cdiv(k_tiles, split_k)
     split_k = triton.cdiv(k_tiles, per_split)  # no empty splits
     ws = torch.empty(tiles * split_k * cfg.block_m * cfg.block_n if split_k > 1 else 1, dtype=torch.float32,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kestrel import ops
-from kestrel.kernels import common, wna16_dequant, wna16_gemv
+from kestrel.kernels import common, nibbles, wna16_dequant, wna16_gemv
 from kestrel.kernels import wna16 as wq
 from kestrel.kernels.wna16 import WNA16Config
 
@@ -471,7 +471,7 @@ def test_nibble_asm_text():
     """The PTX of the word conversion: four lop3 into the magic number's mantissas, four paired fmas, each output
     register written once (nibble s in $s: bits 4s of the word, s < 4 from the low halves)."""
     for kind, magic, fma in (("bf16", "0x43004300", "fma.rn.bf16x2"), ("fp16", "0x64006400", "fma.rn.f16x2")):
-        text = wq._nibble_asm(kind)
+        text = nibbles.nibble_asm(kind)
         assert text.count(f"0x000f000f, {magic}, 0xea;") == 4 and text.count(fma) == 4
         assert [f"${i}" in text for i in range(10)] == [True] * 10
         assert "mov.b32 {$0, $4}, t0;" in text and "mov.b32 {$3, $7}, t3;" in text

@@ -1,0 +1,197 @@
+"""The prescaled W4A16 tiles (`kernels/wna16_tc.py`, `WNA16Config.prescale`) against the committed table, the dense
+path (the weight written out, then cuBLAS) and cuBLAS BF16, on Llama-3-8B's four linears, int4 group 128, bf16
+activations, M = 16 .. 2048. Every config is first checked against the float64 product, then timed as CUDA-graph
+replays over weight copies rotated past L2 (`h200_wna16_sweep.measure`).
+
+Variants: ps1 / ps1n: one dot per K step over the tile put in natural K order (weights as the first operand /
+second operand); ps8 / ps8n: eight nibble dots per K step over x's permuted columns (the permutation's gather is
+timed with the call).
+
+Writes OUT/wna16-prescale-h200.json (every timing, the best per (shape, M)) and prints a summary.
+
+    python scripts/h200_wna16_prescale.py --out OUT [--ms 16,64,256] [--max-seconds 300]
+    python scripts/h200_wna16_prescale.py --out OUT --dry-run   # CPU, Triton interpreter, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+M_ORDER = [256, 64, 16, 1024, 128, 32, 2048, 512, 4, 8]
+
+
+def variant_of(cfg) -> str:
+    if not cfg.prescale:
+        return "table"
+    return ("ps8" if cfg.nibble_dots else "ps1") + ("" if cfg.swap_ab else "n")
+
+
+def grid(M: int, wq) -> list:
+    C = wq.WNA16Config
+    out = []
+
+    def ps(bm, bn, warps, stages, swap, nib, split=0, group_m=8):
+        out.append(C(bm, bn, 128, split, group_m, warps, stages, nibble_dots=nib, swap_ab=swap, prescale=True))
+
+    if M <= 32:
+        bm = 16 if M <= 16 else 32
+        for bn, warps, stages in ((64, 4, 4), (128, 4, 4), (128, 8, 4), (256, 8, 3)):
+            for nib in (False, True):
+                ps(bm, bn, warps, stages, True, nib, group_m=1)
+    elif M <= 64:
+        for bn, warps, stages in ((64, 4, 4), (128, 4, 4), (128, 8, 4), (256, 8, 3)):
+            for nib in (False, True):
+                ps(64, bn, warps, stages, True, nib, group_m=1)
+        for bn, warps in ((128, 4), (256, 8)):
+            for nib in (False, True):
+                ps(64, bn, warps, 3, False, nib, group_m=1)
+    else:
+        for bm, bn in ((128, 128), (256, 128), (128, 256)):
+            ps(bm, bn, 8, 3, True, False, split=1)
+        ps(128, 128, 8, 3, True, True, split=1)
+        for bm, bn in ((128, 128), (128, 256), (256, 128), (64, 256)):
+            for nib in (False, True):
+                ps(bm, bn, 8, 3, False, nib, split=1)
+    return out
+
+
+def check(out, ref, abs_ref) -> tuple[bool, float]:
+    """Each weight rounded once or twice to bf16 (the scale's rounding, then the product's: at most 2^-8 of it,
+    relative) and the output once: |out - ref| <= 2^-8 (sum |x||w| + |ref|) elementwise. A wrong nibble order or
+    zero point is off by O(1)."""
+    diff = (out.double() - ref).abs()
+    ok = bool((diff <= 2.0**-8 * (abs_ref + ref.abs()) + 1e-6).all())
+    return ok, (diff.norm() / ref.norm()).item()
+
+
+def run(args, save) -> dict:
+    import h200_wna16_sweep as sweep
+    import torch
+    import tune_wna16_moe as tune
+
+    from kestrel.kernels import wna16 as wq
+    from kestrel.kernels import wna16_dequant
+
+    dev = "cpu" if args.dry_run else "cuda"
+    shapes = sweep.DRY_SHAPES if args.dry_run else sweep.SHAPES
+    if args.dry_run:
+        shapes = {"a": (64, 256), "b": (96, 512)}
+    ms = [3, 40, 130] if args.dry_run else [m for m in M_ORDER if m in args.ms]
+    started = time.time()
+
+    def time_calls(calls: list) -> float:
+        if args.dry_run:
+            t = time.perf_counter()
+            calls[0]()
+            return (time.perf_counter() - t) * 1e6
+        return tune.time_us(calls, rep_ms=15)
+
+    data = {}
+    for name, (N, K) in shapes.items():
+        copies = 1 if args.dry_run else max(1, min(8, math.ceil(tune.L2_BYTES / (N * K // 2))))
+        weights = [tune.int4_weight(N, K, seed, device=dev) for seed in range(copies)]
+        dense64 = wq.dequantize_wna16(*weights[0]).double()
+        bf16_copies = 1 if args.dry_run else max(1, min(8, math.ceil(tune.L2_BYTES / (N * K * 2))))
+        dense = [wq.dequantize_wna16(*weights[i % copies]).to(torch.bfloat16) for i in range(bf16_copies)]
+        data[name] = (N, K, weights, dense64, dense)
+
+    rows: list[dict] = []
+    best: dict[str, dict] = {}
+    skipped: list[str] = []
+    result = {"rows": rows, "best": best, "skipped": skipped, "seconds": 0.0,
+              "shapes": {k: list(v) for k, v in shapes.items()}}
+    for M in ms:
+        configs = grid(M, wq)
+        if args.dry_run:
+            seen: dict[str, object] = {}
+            for c in configs:
+                seen.setdefault(variant_of(c), c)
+            configs = [wq.WNA16Config(16, 32, 128, c.split_k, 1, 4, 2, nibble_dots=c.nibble_dots,
+                                      swap_ab=c.swap_ab, prescale=True) for c in seen.values()]
+        for name, (N, K, weights, dense64, dense) in data.items():
+            if time.time() - started > args.max_seconds:
+                skipped.append(f"{name} M={M}")
+                continue
+            x = torch.randn(M, K, generator=torch.Generator(device=dev).manual_seed(M), device=dev)
+            x = x.to(torch.bfloat16)
+            ref = x.double() @ dense64.T
+            abs_ref = x.double().abs() @ dense64.abs().T
+            mm_us = time_calls([lambda d=d: torch.mm(x, d.T) for d in dense])  # noqa: B023
+            case = {"shape": name, "N": N, "K": K, "M": M, "bf16_mm_us": mm_us}
+
+            def dense_path(w, x=x, K=K):
+                qweight, scales, zeros, _, wtype = w
+                kn = wna16_dequant.dequantize_kn(qweight, scales, zeros, wtype, K // scales.shape[0], x.dtype)
+                return torch.mm(x, kn)
+
+            row = dict(case, variant="dense")
+            ok, rel = check(dense_path(weights[0]), ref, abs_ref)
+            row["rel_err"] = rel
+            if ok:
+                row["us"] = time_calls([lambda w=w: dense_path(w) for w in weights])
+                row["speedup_vs_bf16"] = mm_us / row["us"]
+            else:
+                row["error"] = f"wrong result: relative error {rel:.3g}"
+            table_cfg = wq.select_config(N, K, M, x.device)
+            cands = [sweep.Candidate("table", table_cfg)] + [sweep.Candidate(variant_of(c), c) for c in configs]
+            sweep.check = lambda out, ref_: check(out, ref_, abs_ref)  # noqa: B023 (this case's bound)
+            timed = [row] + sweep.measure(case, cands, x, weights, ref, time_calls)
+            rows += timed
+            entry = None
+            for r in timed:
+                if "us" in r and r["variant"] not in ("table", "dense") and (entry is None or r["us"] < entry["us"]):
+                    entry = {k: r[k] for k in ("us", "bf16_mm_us", "speedup_vs_bf16", "variant", "config")}
+            table_us = next((r.get("us", float("nan")) for r in timed if r["variant"] == "table"), float("nan"))
+            dense_us = row.get("us", float("nan"))
+            if entry is not None:
+                entry["table_us"], entry["dense_us"] = table_us, dense_us
+                best.setdefault(f"{N},{K}", {})[str(M)] = entry
+                print(f"{name:8s} M={M:4d}: prescaled {entry['us']:8.1f} us {entry['variant']:5s} "
+                      f"({entry['speedup_vs_bf16']:.2f}x cuBLAS {mm_us:.1f}); table {table_us:.1f} "
+                      f"({mm_us / table_us:.2f}x); dense {dense_us:.1f} ({mm_us / dense_us:.2f}x) "
+                      f"[{time.time() - started:.0f} s]", flush=True)
+            result["seconds"] = time.time() - started
+            save(result)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--ms", default=",".join(map(str, M_ORDER)))
+    parser.add_argument("--max-seconds", type=float, default=300.0)
+    args = parser.parse_args()
+    args.ms = [int(m) for m in args.ms.split(",")]
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
+    sys.path.insert(0, str(root / "scripts"))
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (or --dry-run)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
+
+    def save(result: dict) -> None:
+        result["device"] = device
+        (args.out / "wna16-prescale-h200.json").write_text(json.dumps(result, indent=1) + "\n")
+
+    result = run(args, save)
+    save(result)
+    errors = [r for r in result["rows"] if "error" in r]
+    print(f"{len(result['rows'])} rows, {len(errors)} failed: "
+          + "; ".join(f"{r['variant']} {r['shape']} M={r['M']}: {r['error'][:120]}" for r in errors[:8]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
