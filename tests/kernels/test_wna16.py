@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kestrel import ops
-from kestrel.kernels import common, nibbles, wna16_dequant, wna16_gemv
+from kestrel.kernels import common, nibbles, wna16_dequant, wna16_gemv, wna16_tc
 from kestrel.kernels import wna16 as wq
 from kestrel.kernels.wna16 import WNA16Config
 
@@ -260,6 +260,54 @@ def test_swap_ab_one_dot_matches_float64_oracle(variant, device):
         x_dtype = torch.bfloat16 if i != 1 else torch.float32
         cfg = WNA16Config(block_m=16, block_n=32, block_k=block_k, split_k=split_k, swap_ab=True, fast_convert=True)
         check_triton_case(variant, group, act_order, M, N, K, x_dtype, 50 + i, cfg, device)
+
+
+@pytest.mark.parametrize("variant", ["int4", "uint4"])
+def test_prescaled_tiles_match_float64_oracle(variant, device, monkeypatch):
+    """`prescale` (`wna16_tc`): the weight formed as s * (c - z) in x's 16-bit dtype (the scale rounded to it,
+    then the product: at most 2^-8 of each weight, relative) and one accumulator through every dot; both operand
+    sides, one dot over the natural-order tile and eight nibble dots over x's permuted columns, groups of 128 and
+    per channel, act-order (x sorted first), split K, a bias, fp16 rows and fp32 outputs."""
+    taken = record_calls(monkeypatch, wna16_tc, "tc_gemm")
+    N, K = 40, 256
+    cases = [(128, False, 3, torch.bfloat16, 1, True, False, False),
+             (128, True, 17, torch.bfloat16, 2, False, True, True),
+             (None, False, 40, torch.float16, 1, True, True, False),
+             (128, False, 33, torch.float16, 3, False, False, True),
+             (None, True, 5, torch.bfloat16, 2, True, False, True)]
+    for i, (group, act_order, M, x_dtype, split_k, swap, nibble_dots, bias) in enumerate(cases):
+        w, W = make_weight(variant, group, act_order, N, K, torch.float16, seed=70 + i)
+        x = make_x(M, K, x_dtype, seed=M)
+        b = torch.randn(N, generator=torch.Generator().manual_seed(i)).to(x_dtype) if bias else None
+        cfg = WNA16Config(block_m=16, block_n=32, block_k=128, split_k=split_k, swap_ab=swap, nibble_dots=nibble_dots,
+                          prescale=True)
+        out_dtype = torch.float32 if i == 1 else x_dtype
+        out = wq.wna16_gemm(x.to(device), *to_device(w, device), out_dtype, b.to(device) if bias else None,
+                            config=cfg)
+        assert_matches(out, x, W, out_dtype, bias=b, w_rounding=2.0**-8)
+    assert len(taken) == len(cases)
+
+
+def test_prescaled_tiles_refuse_what_they_cannot_take(device, monkeypatch):
+    """Groups under 128, float offsets, fp32 rows, one row, or a block_k under 128: the looped tiles (exact
+    operands) run instead, with the same results."""
+    taken = record_calls(monkeypatch, wna16_tc, "tc_gemm")
+    for variant, group, M, x_dtype, block_m, block_k in (("int4", 64, 5, torch.bfloat16, 16, 128),
+                                                         ("int4_mins", 128, 5, torch.bfloat16, 16, 128),
+                                                         ("uint4", 128, 5, torch.float32, 16, 128),
+                                                         ("int4", 128, 1, torch.bfloat16, 1, 128),
+                                                         ("int4", 128, 5, torch.bfloat16, 16, 64)):
+        w, W = make_weight(variant, group, False, 40, 256, x_dtype, seed=80)
+        x = make_x(M, 256, x_dtype, seed=M)
+        cfg = WNA16Config(block_m=block_m, block_n=32, block_k=block_k, prescale=True)
+        assert_matches(wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, config=cfg), x, W, x_dtype)
+    assert taken == []
+
+
+def test_nibble_order_puts_each_nibble_run_together():
+    order = wna16_tc.nibble_order(256, 128, torch.device("cpu"))
+    assert order[:4].tolist() == [0, 8, 16, 24] and order[16:18].tolist() == [1, 9] and order[128].item() == 128
+    assert sorted(order.tolist()) == list(range(256))
 
 
 @pytest.mark.parametrize("variant", ["int4", "uint4", "fp4_e2m1", "int8", "int4_mins"])
