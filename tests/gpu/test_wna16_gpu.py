@@ -325,3 +325,42 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# The prescaled tiles (`wna16_tc`) in each operand order and step form, at a decode batch, a small prompt and a
+# prompt chunk's rows.
+PRESCALED = {
+    "ps1": WNA16Config(16, 128, 128, 0, 1, 4, 4, swap_ab=True, prescale=True),
+    "ps8": WNA16Config(16, 128, 128, 0, 1, 4, 4, swap_ab=True, nibble_dots=True, prescale=True),
+    "ps1n-128": WNA16Config(128, 128, 128, 1, 8, 8, 3, prescale=True),
+    "ps8n-128": WNA16Config(128, 128, 128, 1, 8, 8, 3, nibble_dots=True, prescale=True),
+    "ps1-128": WNA16Config(128, 128, 128, 1, 8, 8, 3, swap_ab=True, prescale=True),
+}
+
+
+@pytest.mark.parametrize("name", list(PRESCALED))
+@pytest.mark.parametrize("M", [16, 64, 300])
+def test_prescaled_tiles_match_float64_8b_shapes(shape_weight, name, M):
+    """Each weight rounded to bf16 twice at most (its fp16 scale, then s * (c - z)), the output once:
+    |out - ref| <= 2^-8 (sum |x| |w| + |ref|)."""
+    N, K, w = shape_weight
+    x = make_x(M, K, seed=200 + M)
+    out = wq.wna16_gemm(x, *w, torch.bfloat16, config=PRESCALED[name])
+    ref = float64_product(x, w)
+    dense = wq.dequantize_wna16(*w).double()
+    bound = 2.0**-8 * (x.double().abs() @ dense.abs().T + ref.abs())
+    diff = (out.double() - ref).abs()
+    assert bool((diff <= bound).all()), f"max excess {(diff - bound).max().item():.3g}"
+
+
+def test_prescaled_tiles_with_zeros_act_order_and_bias():
+    N, K = 4096, 4096
+    w = make_weight(N, K, "uint4", act_order=True, seed=13)
+    for M, cfg in ((16, PRESCALED["ps1"]), (200, PRESCALED["ps8n-128"])):
+        x = make_x(M, K, seed=14 + M)
+        bias = torch.randn(N, device="cuda").to(torch.bfloat16)
+        out = wq.wna16_gemm(x, *w, torch.bfloat16, bias, config=cfg)
+        ref = float64_product(x, w) + bias.double()
+        dense = wq.dequantize_wna16(*w).double()
+        bound = 2.0**-8 * (x.double().abs() @ dense.abs().T + ref.abs() + bias.double().abs())
+        assert bool(((out.double() - ref).abs() <= bound).all())
