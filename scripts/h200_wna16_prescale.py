@@ -27,6 +27,8 @@ M_ORDER = [256, 64, 16, 1024, 128, 32, 2048, 512, 4, 8]
 
 
 def variant_of(cfg) -> str:
+    if cfg.dense:
+        return "dense"
     if not cfg.prescale:
         return "table"
     return ("ps8" if cfg.nibble_dots else "ps1") + ("" if cfg.swap_ab else "n")

@@ -171,6 +171,9 @@ class WNA16Config:
     # path rounds it, instead of exact codes scaled per K step in fp32. Reads block_m/n/k, split_k, group_m,
     # num_warps, num_stages and swap_ab.
     prescale: bool = False
+    # The weight written out dense in one pass, then cuBLAS (`kernels/wna16_dequant.py`; int4 / uint4 / int8
+    # without act-order, results in x's dtype): for rows enough to hide the extra pass. Reads nothing else.
+    dense: bool = False
 
     def __post_init__(self) -> None:
         if self.oneshot and self.block_m != 1:
@@ -733,14 +736,14 @@ def wna16_gemm(
     elif x.stride(1) != 1:
         x = x.contiguous()
     # (In x's dtype only: an fp32 output of bf16 rows would pass through bf16 here.)
-    if (config is None and group < DENSE_BELOW_GROUP and DENSE_MIN_ROWS <= M and out_dtype == x.dtype
-            and (bias is None or bias.dtype == x.dtype) and wna16_dequant.takes(weight_type, perm)
+    dense_ok = (out_dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+                and wna16_dequant.takes(weight_type, perm))
+    if (config is None and group < DENSE_BELOW_GROUP and DENSE_MIN_ROWS <= M and dense_ok
             and common.launch_feature("wna16_dense_prompts", x.device)):
-        w = wna16_dequant.dequantize_kn(qweight, scales, zeros, weight_type, group, x.dtype)
-        if bias is None:
-            return torch.mm(x, w, out=out)
-        return torch.addmm(bias.reshape(1, -1), x, w, out=out)
+        return _dense_product(x, qweight, scales, zeros, weight_type, group, bias, out)
     cfg = config or select_config(N, K, M, x.device)
+    if cfg.dense and dense_ok:
+        return _dense_product(x, qweight, scales, zeros, weight_type, group, bias, out)
     if cfg.oneshot and cfg.block_m == 1 and wna16_gemv.takes(weight_type, zeros, group):
         wna16_gemv.w4_gemv(x, qweight, scales, zeros, out, bias, block_n=cfg.block_n, block_k=cfg.block_k,
                            num_warps=cfg.num_warps)
@@ -782,6 +785,13 @@ def wna16_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def _dense_product(x, qweight, scales, zeros, weight_type, group, bias, out) -> torch.Tensor:
+    w = wna16_dequant.dequantize_kn(qweight, scales, zeros, weight_type, group, x.dtype)
+    if bias is None:
+        return torch.mm(x, w, out=out)
+    return torch.addmm(bias.reshape(1, -1), x, w, out=out)
 
 
 # Products of DENSE_MIN_ROWS rows or more over groups smaller than DENSE_BELOW_GROUP (GGUF's 16 and 32, whose tiles

@@ -304,6 +304,20 @@ def test_prescaled_tiles_refuse_what_they_cannot_take(device, monkeypatch):
     assert taken == []
 
 
+def test_dense_config_writes_the_weight_out(device, monkeypatch):
+    """A table entry with `dense` (groups of 128 too) takes the dense path where it applies (x's dtype out, no
+    act-order) and the tiles elsewhere."""
+    dense = record_calls(monkeypatch, wna16_dequant, "dequantize_kn")
+    cfg = WNA16Config(block_m=16, block_n=32, block_k=128, dense=True)
+    for variant, act_order, out_dtype in (("int4", False, torch.bfloat16), ("uint4", False, torch.bfloat16),
+                                          ("int4", True, torch.bfloat16), ("int4", False, torch.float32)):
+        w, W = make_weight(variant, 128, act_order, 40, 256, torch.bfloat16, seed=90)
+        x = make_x(5, 256, torch.bfloat16, seed=5)
+        out = wq.wna16_gemm(x.to(device), *to_device(w, device), out_dtype, config=cfg)
+        assert_matches(out, x, W, out_dtype, w_rounding=2.0**-9)
+    assert len(dense) == 2
+
+
 def test_nibble_order_puts_each_nibble_run_together():
     order = wna16_tc.nibble_order(256, 128, torch.device("cpu"))
     assert order[:4].tolist() == [0, 8, 16, 24] and order[16:18].tolist() == [1, 9] and order[128].item() == 128
