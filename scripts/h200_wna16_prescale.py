@@ -163,6 +163,30 @@ def run(args, save) -> dict:
     return result
 
 
+def candidate_table(result: dict, current: dict) -> dict:
+    """The committed table with, per (shape, M) measured, the fastest of the prescaled best, the dense path and the
+    current entry, a new entry only where it is >= 3% faster than the current one. M buckets past the table's
+    largest get their own entry (the current one is the largest bucket's)."""
+    from kestrel.kernels import wna16 as wq
+
+    table = {nk: dict(ms) for nk, ms in current.get("configs", {}).items()}
+    chosen = {}
+    for nk, per_m in result["best"].items():
+        for m, e in per_m.items():
+            now = e["table_us"]
+            options = [(e["us"], e["config"], e["variant"]), (e["dense_us"], {**wq.WNA16Config(64, 64, 64).to_json(),
+                                                                             "dense": True}, "dense")]
+            us, cfg, variant = min(options, key=lambda o: o[0] if o[0] == o[0] else float("inf"))
+            if not us < 0.97 * now:
+                entry = wq.lookup(table.get(nk, {}), int(m))
+                cfg, variant, us = (entry.to_json() if entry else cfg), "table", now
+            table.setdefault(nk, {})[m] = cfg
+            chosen[f"{nk} M={m}"] = {"variant": variant, "us": us, "table_us": now}
+    configs = {nk: dict(sorted(ms.items(), key=lambda t: int(t[0]))) for nk, ms in table.items()}
+    return {"gpu": current.get("gpu", "nvidia_h200"), "note": current.get("note", ""), "configs": configs,
+            "chosen": chosen}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -189,6 +213,14 @@ def main() -> int:
 
     result = run(args, save)
     save(result)
+    from kestrel.kernels import common
+
+    current = json.loads((common.TUNING_DIR / "wna16_nvidia_h200.json").read_text())
+    candidate = candidate_table(result, current)
+    (args.out / "wna16_nvidia_h200.json").write_text(json.dumps(
+        {k: v for k, v in candidate.items() if k != "chosen"}, indent=1) + "\n")
+    for key, c in candidate["chosen"].items():
+        print(f"{key}: {c['variant']} {c['us']:.1f} us (table {c['table_us']:.1f})", flush=True)
     errors = [r for r in result["rows"] if "error" in r]
     print(f"{len(result['rows'])} rows, {len(errors)} failed: "
           + "; ".join(f"{r['variant']} {r['shape']} M={r['M']}: {r['error'][:120]}" for r in errors[:8]), flush=True)
