@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-M_ORDER = [256, 64, 16, 1024, 128, 32, 2048, 512, 4, 8]
+M_ORDER = [256, 64, 16, 1, 1024, 128, 32, 4, 2048, 512, 8, 2]
 
 
 def variant_of(cfg) -> str:
@@ -43,9 +43,10 @@ def grid(M: int, wq) -> list:
 
     if M <= 32:
         bm = 16 if M <= 16 else 32
-        for bn, warps, stages in ((64, 4, 4), (128, 4, 4), (128, 8, 4), (256, 8, 3)):
+        for bn, warps, stages, split in ((64, 4, 4, 0), (64, 4, 4, 16), (128, 4, 4, 0), (128, 4, 4, 8),
+                                         (128, 8, 4, 0), (256, 8, 3, 0)):
             for nib in (False, True):
-                ps(bm, bn, warps, stages, True, nib, group_m=1)
+                ps(bm, bn, warps, stages, True, nib, split=split, group_m=1)
     elif M <= 64:
         for bn, warps, stages in ((64, 4, 4), (128, 4, 4), (128, 8, 4), (256, 8, 3)):
             for nib in (False, True):
