@@ -55,7 +55,7 @@ def grid(M: int, wq) -> list:
             for nib in (False, True):
                 ps(64, bn, warps, 3, False, nib, group_m=1)
     else:
-        for bm, bn in ((128, 128), (256, 128), (128, 256)):
+        for bm, bn in ((128, 128), (128, 256)):  # (256 rows with swap_ab: wna16_tc.MAX_SWAP_ROWS)
             ps(bm, bn, 8, 3, True, False, split=1)
         ps(128, 128, 8, 3, True, True, split=1)
         for bm, bn in ((128, 128), (128, 256), (256, 128), (64, 256)):

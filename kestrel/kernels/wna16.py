@@ -754,8 +754,8 @@ def wna16_gemm(
     split_k = split_for(cfg.split_k, tiles, k_tiles, common.num_sms(x.device, off_cuda=4))
     if tiles > common.ARRIVAL_SLOTS:
         split_k = 1
-    if (cfg.prescale and cfg.block_m >= 16
-            and wna16_tc.takes(weight_type, x.dtype, has_mins(zeros), group, K, cfg.block_k)):
+    if cfg.prescale and wna16_tc.takes(weight_type, x.dtype, has_mins(zeros), group, K, cfg.block_k, cfg.block_m,
+                                       cfg.swap_ab):
         wna16_tc.tc_gemm(x, qweight, scales, zeros, out, bias, block_m=cfg.block_m, block_n=cfg.block_n,
                          block_k=cfg.block_k, split_k=split_k, group_m=cfg.group_m, num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages, swap_ab=cfg.swap_ab, nibble_dots=cfg.nibble_dots)

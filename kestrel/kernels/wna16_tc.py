@@ -33,25 +33,23 @@ from kestrel.kernels.nibbles import nibbles16
 
 WEIGHT_TYPES = ("int4", "uint4")
 MIN_BLOCK_K = 128  # eight dots of BLOCK_K / 8 >= 16, the 16-bit MMA's least K
+# With the weights as the first operand, x's rows are the MMA's N: 256 of them gave NaNs on an H100 (Triton 3.6,
+# every 8B shape), 128 and fewer were right, so larger row blocks are refused there.
+MAX_SWAP_ROWS = 128
 
 
-def takes(weight_type: str, x_dtype: torch.dtype, mins: bool, group: int, K: int, block_k: int) -> bool:
+def takes(weight_type: str, x_dtype: torch.dtype, mins: bool, group: int, K: int, block_k: int, block_m: int,
+          swap_ab: bool) -> bool:
     return (weight_type in WEIGHT_TYPES and x_dtype in (torch.bfloat16, torch.float16) and not mins
-            and block_k >= MIN_BLOCK_K and (group == K or group % block_k == 0) and K % block_k == 0)
+            and block_k >= MIN_BLOCK_K and (group == K or group % block_k == 0) and K % block_k == 0
+            and block_m >= 16 and not (swap_ab and block_m > MAX_SWAP_ROWS))
 
 
-_orders: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-
-
-def nibble_order(K: int, block_k: int, device: torch.device) -> torch.Tensor:
-    """Column order of x for the kernel: within each K step of block_k, position s * block_k / 8 + j takes x's
-    column 8j + s (nibble s of word row j)."""
-    key = (K, block_k, device)
-    order = _orders.get(key)
-    if order is None:
-        idx = torch.arange(K, device=device).view(K // block_k, block_k // 8, 8)
-        order = _orders[key] = idx.transpose(1, 2).reshape(K).contiguous()
-    return order
+def nibble_order(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x's columns in the kernel's order: within each K step of block_k, position s * block_k / 8 + j takes x's
+    column 8j + s (nibble s of word row j). One copy kernel (no index tensor: safe to capture in a CUDA graph)."""
+    M, K = x.shape
+    return x.reshape(M, K // block_k, block_k // 8, 8).transpose(2, 3).reshape(M, K)
 
 
 @triton.jit
@@ -205,7 +203,7 @@ def tc_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     M, K = x.shape
     N = qweight.shape[1]
     if nibble_dots:
-        x = x.index_select(1, nibble_order(K, block_k, x.device))
+        x = nibble_order(x, block_k)
     k_tiles = K // block_k
     group = K // scales.shape[0]
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)

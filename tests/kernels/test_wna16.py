@@ -289,17 +289,18 @@ def test_prescaled_tiles_match_float64_oracle(variant, device, monkeypatch):
 
 
 def test_prescaled_tiles_refuse_what_they_cannot_take(device, monkeypatch):
-    """Groups under 128, float offsets, fp32 rows, one row, or a block_k under 128: the looped tiles (exact
-    operands) run instead, with the same results."""
+    """Groups under 128, float offsets, fp32 rows, one row, a block_k under 128, or more than MAX_SWAP_ROWS rows
+    as the second operand: the looped tiles (exact operands) run instead, with the same results."""
     taken = record_calls(monkeypatch, wna16_tc, "tc_gemm")
     for variant, group, M, x_dtype, block_m, block_k in (("int4", 64, 5, torch.bfloat16, 16, 128),
                                                          ("int4_mins", 128, 5, torch.bfloat16, 16, 128),
                                                          ("uint4", 128, 5, torch.float32, 16, 128),
                                                          ("int4", 128, 1, torch.bfloat16, 1, 128),
-                                                         ("int4", 128, 5, torch.bfloat16, 16, 64)):
+                                                         ("int4", 128, 5, torch.bfloat16, 16, 64),
+                                                         ("int4", 128, 5, torch.bfloat16, 256, 128)):
         w, W = make_weight(variant, group, False, 40, 256, x_dtype, seed=80)
         x = make_x(M, 256, x_dtype, seed=M)
-        cfg = WNA16Config(block_m=block_m, block_n=32, block_k=block_k, prescale=True)
+        cfg = WNA16Config(block_m=block_m, block_n=32, block_k=block_k, prescale=True, swap_ab=block_m == 256)
         assert_matches(wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, config=cfg), x, W, x_dtype)
     assert taken == []
 
@@ -319,7 +320,7 @@ def test_dense_config_writes_the_weight_out(device, monkeypatch):
 
 
 def test_nibble_order_puts_each_nibble_run_together():
-    order = wna16_tc.nibble_order(256, 128, torch.device("cpu"))
+    order = wna16_tc.nibble_order(torch.arange(512).view(2, 256), 128)[1] - 256
     assert order[:4].tolist() == [0, 8, 16, 24] and order[16:18].tolist() == [1, 9] and order[128].item() == 128
     assert sorted(order.tolist()) == list(range(256))
 
