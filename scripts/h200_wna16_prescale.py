@@ -15,13 +15,8 @@ Writes OUT/wna16-prescale-h200.json (every timing, the best per (shape, M)) and 
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
-import os
-import sys
 import time
-from pathlib import Path
 
 M_ORDER = [256, 64, 16, 1, 1024, 128, 32, 4, 2048, 512, 8, 2]
 
@@ -95,20 +90,9 @@ def run(args, save) -> dict:
             return (time.perf_counter() - t) * 1e6
         return tune.time_us(calls, rep_ms=15)
 
-    data = {}
-    for name, (N, K) in shapes.items():
-        copies = 1 if args.dry_run else max(1, min(8, math.ceil(tune.L2_BYTES / (N * K // 2))))
-        weights = [tune.int4_weight(N, K, seed, device=dev) for seed in range(copies)]
-        dense64 = wq.dequantize_wna16(*weights[0]).double()
-        bf16_copies = 1 if args.dry_run else max(1, min(8, math.ceil(tune.L2_BYTES / (N * K * 2))))
-        dense = [wq.dequantize_wna16(*weights[i % copies]).to(torch.bfloat16) for i in range(bf16_copies)]
-        data[name] = (N, K, weights, dense64, dense)
-
-    rows: list[dict] = []
-    best: dict[str, dict] = {}
-    skipped: list[str] = []
-    result = {"rows": rows, "best": best, "skipped": skipped, "seconds": 0.0,
-              "shapes": {k: list(v) for k, v in shapes.items()}}
+    data = sweep.rotated_weights(shapes, dev, args.dry_run)
+    result = sweep.new_result(shapes)
+    rows, best, skipped = result["rows"], result["best"], result["skipped"]
     for M in ms:
         configs = grid(M, wq)
         if args.dry_run:
@@ -121,11 +105,8 @@ def run(args, save) -> dict:
             if time.time() - started > args.max_seconds:
                 skipped.append(f"{name} M={M}")
                 continue
-            x = torch.randn(M, K, generator=torch.Generator(device=dev).manual_seed(M), device=dev)
-            x = x.to(torch.bfloat16)
-            ref = x.double() @ dense64.T
+            x, ref, mm_us = sweep.case_inputs(M, K, dense64, dense, dev, time_calls)
             abs_ref = x.double().abs() @ dense64.abs().T
-            mm_us = time_calls([lambda d=d: torch.mm(x, d.T) for d in dense])  # noqa: B023
             case = {"shape": name, "N": N, "K": K, "M": M, "bf16_mm_us": mm_us}
 
             def dense_path(w, x=x, K=K):
@@ -189,24 +170,9 @@ def candidate_table(result: dict, current: dict) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--ms", default=",".join(map(str, M_ORDER)))
-    parser.add_argument("--max-seconds", type=float, default=300.0)
-    args = parser.parse_args()
-    args.ms = [int(m) for m in args.ms.split(",")]
-    if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root))
-    sys.path.insert(0, str(root / "scripts"))
-    import torch
+    import h200_wna16_sweep as sweep
 
-    if not args.dry_run and not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (or --dry-run)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    device = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
+    args, device = sweep.parse_args(__doc__, M_ORDER)
 
     def save(result: dict) -> None:
         result["device"] = device

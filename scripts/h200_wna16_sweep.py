@@ -134,8 +134,38 @@ def measure(case: dict, cands: list[Candidate], x, weights: list, ref, time_call
     return out
 
 
-def run(args, save) -> dict:
+def rotated_weights(shapes: dict, dev: str, dry_run: bool) -> dict:
+    """Per shape name: (N, K, int4 copies rotated past L2 for the kernel, the exact float64 weight [N, K], BF16
+    copies of the same weights for cuBLAS)."""
     import torch
+    import tune_wna16_moe as tune
+
+    from kestrel.kernels import wna16 as wq
+
+    data = {}
+    for name, (N, K) in shapes.items():
+        copies = 1 if dry_run else max(1, min(8, math.ceil(tune.L2_BYTES / (N * K // 2))))
+        weights = [tune.int4_weight(N, K, seed, device=dev) for seed in range(copies)]
+        dense64 = wq.dequantize_wna16(*weights[0]).double()
+        bf16_copies = 1 if dry_run else max(1, min(8, math.ceil(tune.L2_BYTES / (N * K * 2))))
+        dense = [wq.dequantize_wna16(*weights[i % copies]).to(torch.bfloat16) for i in range(bf16_copies)]
+        data[name] = (N, K, weights, dense64, dense)
+    return data
+
+
+def case_inputs(M: int, K: int, dense64, dense: list, dev: str, time_calls) -> tuple:
+    """(M random bf16 rows, their float64 product with the weight, cuBLAS BF16's time over the rotated copies)."""
+    import torch
+
+    x = torch.randn(M, K, generator=torch.Generator(device=dev).manual_seed(M), device=dev).to(torch.bfloat16)
+    return x, x.double() @ dense64.T, time_calls([lambda d=d: torch.mm(x, d.T) for d in dense])
+
+
+def new_result(shapes: dict) -> dict:
+    return {"rows": [], "best": {}, "skipped": [], "seconds": 0.0, "shapes": {k: list(v) for k, v in shapes.items()}}
+
+
+def run(args, save) -> dict:
     import tune_wna16_moe as tune
 
     from kestrel.kernels import wna16 as wq
@@ -152,21 +182,9 @@ def run(args, save) -> dict:
             return (time.perf_counter() - t) * 1e6
         return tune.time_us(calls, rep_ms=15)
 
-    # Weights: int4 copies rotated past L2 for the kernel, BF16 copies of the same weights for cuBLAS.
-    data = {}
-    for name, (N, K) in shapes.items():
-        copies = 1 if args.dry_run else max(1, min(8, math.ceil(tune.L2_BYTES / (N * K // 2))))
-        weights = [tune.int4_weight(N, K, seed, device=dev) for seed in range(copies)]
-        dense64 = wq.dequantize_wna16(*weights[0]).double()  # [N, K], exact
-        bf16_copies = max(1, min(8, math.ceil(tune.L2_BYTES / (N * K * 2)))) if not args.dry_run else 1
-        dense = [wq.dequantize_wna16(*weights[i % copies]).to(torch.bfloat16) for i in range(bf16_copies)]
-        data[name] = (N, K, weights, dense64, dense)
-
-    rows: list[dict] = []
-    best: dict[str, dict] = {}
-    skipped: list[str] = []
-    result = {"rows": rows, "best": best, "skipped": skipped, "seconds": 0.0,
-              "shapes": {k: list(v) for k, v in shapes.items()}}
+    data = rotated_weights(shapes, dev, args.dry_run)
+    result = new_result(shapes)
+    rows, best, skipped = result["rows"], result["best"], result["skipped"]
     for M in ms:
         configs = grid(M, wq)
         if args.dry_run:
@@ -175,10 +193,7 @@ def run(args, save) -> dict:
             if time.time() - started > args.max_seconds:
                 skipped.append(f"{name} M={M}")
                 continue
-            x = torch.randn(M, K, generator=torch.Generator(device=dev).manual_seed(M), device=dev)
-            x = x.to(torch.bfloat16)
-            ref = x.double() @ dense64.T
-            mm_us = time_calls([lambda d=d: torch.mm(x, d.T) for d in dense])  # noqa: B023
+            x, ref, mm_us = case_inputs(M, K, dense64, dense, dev, time_calls)
             table_cfg = wq.select_config(N, K, M, x.device)
 
             case = {"shape": name, "N": N, "K": K, "M": M, "bf16_mm_us": mm_us}
@@ -265,16 +280,18 @@ def save(out: Path, result: dict, device: str) -> None:
     (out / "wna16_nvidia_h200.json").write_text(json.dumps(table, indent=1) + "\n")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(doc: str, ms: list[int]) -> tuple[argparse.Namespace, str]:
+    """A sweep script's arguments (--out, --dry-run, --ms, --max-seconds), the interpreter switched on for a dry run
+    before Triton is imported, the repository and scripts/ importable; (args, the device's name)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
-    parser.add_argument("--ms", default=",".join(map(str, MS)), help="token counts (comma-separated)")
+    parser.add_argument("--ms", default=",".join(map(str, ms)), help="token counts (comma-separated)")
     parser.add_argument("--max-seconds", type=float, default=300.0, help="stop starting new (shape, M) after this")
     args = parser.parse_args()
     args.ms = [int(m) for m in args.ms.split(",")]
     if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+        os.environ["TRITON_INTERPRET"] = "1"
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root))
     sys.path.insert(0, str(root / "scripts"))
@@ -283,7 +300,11 @@ def main() -> int:
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (or --dry-run)")
     args.out.mkdir(parents=True, exist_ok=True)
-    device = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
+    return args, "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
+
+
+def main() -> int:
+    args, device = parse_args(__doc__, MS)
     result = run(args, lambda r: save(args.out, r, device))
     save(args.out, result, device)
     print(summary(result), flush=True)

@@ -169,6 +169,53 @@ def split_row_sum(ws_ptr, nb, m, SPLIT_K: tl.constexpr, ROWS: tl.constexpr, BLOC
     return total
 
 
+@triton.jit
+def gemm_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """A split-K GEMM program's place, launched on (tiles, splits): (its output tile, its K split, the tile's rows,
+    its columns), GROUP_M row blocks sweeping the column blocks together (each weight tile then serves GROUP_M row
+    blocks from L2)."""
+    tile = tl.program_id(0)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (tile // per_group) * GROUP_M
+    group_size = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % group_size
+    pid_n = (tile % per_group) // group_size
+    return (tile, tl.program_id(1), pid_m * BLOCK_M + tl.arange(0, BLOCK_M),
+            pid_n * BLOCK_N + tl.arange(0, BLOCK_N))
+
+
+@triton.jit
+def finish_tile(acc, out_ptr, bias_ptr, ws_ptr, lock_ptr, tile, split, split_k, rows, cols, M, N, stride_om,
+                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """A GEMM tile's fp32 `acc` written out (`store_tile`); under SPLIT it is one K split's partial: stored to the
+    workspace ([tile, split, BLOCK_M, BLOCK_N], the real rows only), and the last split to arrive sums every
+    partial in split order (deterministic), writes the tile and leaves its counter zeroed."""
+    if SPLIT:
+        live = (rows < M)[:, None]
+        tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile_base = tile.to(tl.int64) * split_k * (BLOCK_M * BLOCK_N)
+        tl.store(ws_ptr + tile_base + split * (BLOCK_M * BLOCK_N) + tile_offs, acc, mask=live)
+        if last_arrival(lock_ptr + tile, split_k):
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s_idx in range(0, split_k):
+                total += tl.load(ws_ptr + tile_base + s_idx * (BLOCK_M * BLOCK_N) + tile_offs, mask=live,
+                                 other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(lock_ptr + tile, 0)
+            store_tile(total, out_ptr, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS, FAST)
+    else:
+        store_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS, FAST)
+
+
+@triton.jit
+def store_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS: tl.constexpr, FAST: tl.constexpr):
+    """A GEMM tile plus its columns' bias, in the output's dtype, inside [M, N]."""
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(ptrs, to_dtype(acc, out_ptr.dtype.element_ty, FAST), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
 # An e4m3 tensor-core dot (wgmma, mma) reduces over at least 32: the least K of any FP8 dot a launch asks for.
 FP8_DOT_MIN_K = 32
 

@@ -623,14 +623,6 @@ def _group_scaled_step(acc, x_rows, offs_k, w_ptr, s_ptr, z_ptr, kt, w_cols, ste
     return acc
 
 
-@triton.jit
-def _epilogue(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS: tl.constexpr, FAST: tl.constexpr):
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-    tl.store(ptrs, common.to_dtype(acc, out_ptr.dtype.element_ty, FAST), mask=(rows < M)[:, None] & (cols < N)[None, :])
-
-
 @triton.jit(do_not_specialize=["M", "k_tiles_per_split", "split_k"])
 def _wna16_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
@@ -641,18 +633,7 @@ def _wna16_kernel(
     ASM: tl.constexpr, SWAP: tl.constexpr, PIPE: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (tile // per_group) * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % group_size
-    pid_n = (tile % per_group) // group_size
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile, split, rows, cols = common.gemm_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # Wrapped indices keep every main-loop load in bounds without masks; their results are never stored.
     x_rows = x_ptr + (rows % M).to(tl.int64)[:, None] * stride_xm
     w_cols = cols % N
@@ -662,9 +643,9 @@ def _wna16_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if BLOCK_M == 1:
-        acc = _gemv_range(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, s_ptr, z_ptr, w_cols, kt_begin, kt_end,
-                          steps_per_group, scale_mult, stride_wk, stride_sg, stride_zg, WTYPE, HAS_ZEROS, HAS_MINS,
-                          ONE_GROUP, BLOCK_K, BLOCK_N, PIPE, STAGES)
+        acc = _gemv_range(x_ptr + tl.min(rows, axis=0).to(tl.int64) * stride_xm, w_ptr, s_ptr, z_ptr, w_cols,
+                          kt_begin, kt_end, steps_per_group, scale_mult, stride_wk, stride_sg, stride_zg, WTYPE,
+                          HAS_ZEROS, HAS_MINS, ONE_GROUP, BLOCK_K, BLOCK_N, PIPE, STAGES)
     elif SWAP:
         # The weights as the dots' first operand (nibble dots, or one dot over the transposed tile): the
         # accumulator is the transposed tile until the end. Per channel (one group) g stays 0 and the one scale
@@ -689,24 +670,9 @@ def _wna16_kernel(
                                      scale_mult, stride_wk, stride_sg, stride_zg, WTYPE, HAS_ZEROS, HAS_MINS,
                                      x_ptr.dtype.element_ty, DOT_F32, NIBBLES, ASM, False, BLOCK_K, BLOCK_N)
 
-    if SPLIT:
-        tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tile_base = tile.to(tl.int64) * split_k * (BLOCK_M * BLOCK_N)
-        # Only the tile's real rows travel (at M = 1 one of block_m = 16); the padding rows are never stored.
-        live = (rows < M)[:, None]
-        tl.store(ws_ptr + tile_base + split * (BLOCK_M * BLOCK_N) + tile_offs, acc, mask=live)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
-        if arrived == split_k - 1:
-            # The last arrival sums every partial in split order, so results do not depend on timing.
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s_idx in range(0, split_k):
-                total += tl.load(ws_ptr + tile_base + s_idx * (BLOCK_M * BLOCK_N) + tile_offs, mask=live, other=0.0,
-                                 cache_modifier=".cg")
-            tl.atomic_xchg(lock_ptr + tile, 0)
-            _epilogue(total, out_ptr, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS, FAST)
-    else:
-        _epilogue(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS, FAST)
+    # Only the tile's real rows travel (at M = 1 one of block_m = 16); the padding rows are never stored.
+    common.finish_tile(acc, out_ptr, bias_ptr, ws_ptr, lock_ptr, tile, split, split_k, rows, cols, M, N, stride_om,
+                       SPLIT, HAS_BIAS, FAST, BLOCK_M, BLOCK_N)
 
 
 # ------------------------------------------------------------------------------------------- launcher

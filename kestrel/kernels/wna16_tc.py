@@ -113,18 +113,7 @@ def _tc_kernel(
     DOT_F32: tl.constexpr, FAST: tl.constexpr, NIBBLE_DOTS: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (tile // per_group) * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % group_size
-    pid_n = (tile % per_group) // group_size
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile, split, rows, cols = common.gemm_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # Wrapped indices keep every main-loop load in bounds without masks; their results are never stored.
     x_rows = x_ptr + (rows % M).to(tl.int64)[:, None] * stride_xm
     w_cols = cols % N
@@ -169,29 +158,8 @@ def _tc_kernel(
     if SWAP:
         acc = tl.trans(acc)
 
-    if SPLIT:
-        tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tile_base = tile.to(tl.int64) * split_k * (BLOCK_M * BLOCK_N)
-        live = (rows < M)[:, None]
-        tl.store(ws_ptr + tile_base + split * (BLOCK_M * BLOCK_N) + tile_offs, acc, mask=live)
-        if common.last_arrival(lock_ptr + tile, split_k):
-            # The last arrival sums every partial in split order, so results do not depend on timing.
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s_idx in range(0, split_k):
-                acc += tl.load(ws_ptr + tile_base + s_idx * (BLOCK_M * BLOCK_N) + tile_offs, mask=live, other=0.0,
-                               cache_modifier=".cg")
-            tl.atomic_xchg(lock_ptr + tile, 0)
-            _store(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS, FAST)
-    else:
-        _store(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS, FAST)
-
-
-@triton.jit
-def _store(acc, out_ptr, bias_ptr, rows, cols, M, N, stride_om, HAS_BIAS: tl.constexpr, FAST: tl.constexpr):
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-    tl.store(ptrs, common.to_dtype(acc, out_ptr.dtype.element_ty, FAST), mask=(rows < M)[:, None] & (cols < N)[None, :])
+    common.finish_tile(acc, out_ptr, bias_ptr, ws_ptr, lock_ptr, tile, split, split_k, rows, cols, M, N, stride_om,
+                       SPLIT, HAS_BIAS, FAST, BLOCK_M, BLOCK_N)
 
 
 def tc_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
