@@ -305,6 +305,36 @@ def test_prescaled_tiles_refuse_what_they_cannot_take(device, monkeypatch):
     assert taken == []
 
 
+def _prescaled_sm90_reports() -> list[tuple[str, str]]:
+    """The prescaled tiles as a GPU compiles them, in the H200 table's forms: one dot per step with the weights as
+    the first operand at 16, 64 and 128 rows (uint4 zeros at 128), split K."""
+    import sm90
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "bias_ptr": "*bf16",
+                "out_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32"}
+    ints = ["M", "N", "k_tiles", "k_tiles_per_split", "split_k", "steps_per_group", "stride_xm", "stride_wk",
+            "stride_sg", "stride_zg", "stride_om"]
+    aligned = frozenset(["z_ptr", "bias_ptr", "ws_ptr", "stride_wk", "stride_sg", "stride_zg"])
+    reports = []
+    for block_m, block_n, warps, stages, zeros in ((16, 128, 8, 4, False), (16, 64, 4, 4, False),
+                                                   (64, 128, 8, 4, False), (128, 128, 8, 3, True)):
+        flags = dict(HAS_ZEROS=zeros, HAS_BIAS=False, SPLIT=True, SWAP=True, ASM=True, DOT_F32=False, FAST=True,
+                     NIBBLE_DOTS=False, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1)
+        reports.append(sm90.compile_sm90(wna16_tc._tc_kernel, pointers, ints, flags, warps, aligned=aligned))
+    return reports
+
+
+def test_prescaled_tiles_compile_for_sm90_on_the_tensor_cores_without_spills():
+    """What the interpreter cannot show: the table's prescaled forms compile for the H200 to wgmma with the word
+    conversion's lop3 and paired fma, their weight loads asynchronous copies, and no spills."""
+    import sm90
+
+    for ptx, report in sm90.reports("test_wna16", "_prescaled_sm90_reports()"):
+        assert " 0 bytes spill stores" in report, report
+        assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+        assert "lop3.b32" in ptx and "fma.rn.bf16x2" in ptx
+
+
 def test_dense_config_writes_the_weight_out(device, monkeypatch):
     """A table entry with `dense` (groups of 128 too) takes the dense path where it applies (x's dtype out, no
     act-order) and the tiles elsewhere."""
