@@ -6,16 +6,19 @@ wait for its dots to finish and a pass of FMAs over the whole accumulator tile, 
 next step's unpacking and the tiles ran at 0.3-0.4x cuBLAS BF16 from 256 rows (docs/benchmarks.md).
 
 Here each 16-bit weight is formed in registers as s * (c - z), rounded once to the activations' dtype (what the
-dense path `wna16_dequant` writes out, and what cuBLAS then multiplies), and the dots accumulate into one fp32
-tile, so Triton chains them as asynchronous MMAs. The words are unpacked without any shuffle: nibble s of word
-row j holds k = 8j + s, so a K step of BLOCK_K is eight dots of BLOCK_K / 8, dot s over nibble s of every word,
-against the activations' columns 8j + s. The launcher permutes x's columns once per call so that those columns
-are contiguous (`nibble_order`: within each K step of BLOCK_K, column s * BLOCK_K / 8 + j holds x's 8j + s),
-and the kernel's x loads stay plain, pipelined copies.
+dense path `wna16_dequant` writes out, and what cuBLAS then multiplies), and every dot accumulates into one fp32
+tile, with no scaling pass. Two forms of a K step (nibble s of word row j holds k = 8j + s):
+- one dot (`nibble_dots` off): the eight nibble tensors interleaved into the tile's natural K order, against x's
+  columns as they are. Triton keeps this dot asynchronous across steps; it won every measured shape and row count
+  (docs/benchmarks.md, "The prescaled W4A16 tiles").
+- eight nibble dots (`nibble_dots`): dot s over nibble s of every word, against x's columns 8j + s, which the
+  launcher copies once per call into that order (`nibble_order`: within each K step of BLOCK_K, column
+  s * BLOCK_K / 8 + j holds x's 8j + s). No interleaving, but Triton waits for each of a loop's several dots
+  before the next.
 
-SWAP puts the weights on the tensor cores' 64-row side (`out^T = W^T x^T`): the unpacked words stay in registers
-as the MMA's first operand (the loads land in that operand's layout directly), and only x goes through shared
-memory; without it the weights are the second operand and pass through shared memory.
+SWAP puts the weights on the tensor cores' 64-row side (`out^T = W^T x^T`): the unpacked weights stay in registers
+as the MMA's first operand and only x goes through shared memory; without it the weights are the second operand
+and pass through shared memory. Rows as the MMA's N are limited to MAX_SWAP_ROWS.
 
 Which products take it (`takes`): int4 and uint4 (integer zero points), groups of a multiple of BLOCK_K (128)
 or one group per column, 16-bit activations, on a GPU (`WNA16Config.prescale`; the interpreter runs the same
