@@ -171,8 +171,8 @@ class WNA16Config:
     # path rounds it, instead of exact codes scaled per K step in fp32. Reads block_m/n/k, split_k, group_m,
     # num_warps, num_stages and swap_ab.
     prescale: bool = False
-    # The weight written out dense in one pass, then cuBLAS (`kernels/wna16_dequant.py`; int4 / uint4 / int8
-    # without act-order, results in x's dtype): for rows enough to hide the extra pass. Reads nothing else.
+    # The weight written out dense in one pass, then cuBLAS (`kernels/wna16_dequant.py`; int4 / uint4 / int8,
+    # results in x's dtype): for rows enough to hide the extra pass. Reads nothing else.
     dense: bool = False
 
     def __post_init__(self) -> None:
@@ -703,7 +703,7 @@ def wna16_gemm(
         x = x.contiguous()
     # (In x's dtype only: an fp32 output of bf16 rows would pass through bf16 here.)
     dense_ok = (out_dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
-                and wna16_dequant.takes(weight_type, perm))
+                and wna16_dequant.takes(weight_type))
     if (config is None and group < DENSE_BELOW_GROUP and DENSE_MIN_ROWS <= M and dense_ok
             and common.launch_feature("wna16_dense_prompts", x.device)):
         return _dense_product(x, qweight, scales, zeros, weight_type, group, bias, out)

@@ -8,8 +8,9 @@ read, two bytes a weight written) the weight goes through cuBLAS at its own spee
 extra pass costs less than those per-step scalings.
 
 Types: int4 (codes minus 8), uint4 with integer zero points, int8, each with float offsets (w = s * v - m) or not;
-the value is s * (v - z) (or s * v - m) in fp32, rounded once to the activations' dtype. Act-order weights and the
-other types keep the tiles (`takes`).
+the value is s * (v - z) (or s * v - m) in fp32, rounded once to the activations' dtype. Act-order weights are
+written in their sorted-K order (their groups contiguous), which the caller's x gathered by `perm` meets. The other
+types keep the tiles (`takes`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ TYPES = ("int4", "uint4", "int8")
 BLOCK_K, BLOCK_N = 64, 128
 
 
-def takes(weight_type: str, perm: torch.Tensor | None) -> bool:
-    return weight_type in TYPES and perm is None
+def takes(weight_type: str) -> bool:
+    return weight_type in TYPES
 
 
 @triton.jit

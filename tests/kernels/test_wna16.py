@@ -336,8 +336,8 @@ def test_prescaled_tiles_compile_for_sm90_on_the_tensor_cores_without_spills():
 
 
 def test_dense_config_writes_the_weight_out(device, monkeypatch):
-    """A table entry with `dense` (groups of 128 too) takes the dense path where it applies (x's dtype out, no
-    act-order) and the tiles elsewhere."""
+    """A table entry with `dense` (groups of 128 too) takes the dense path where it applies (x's dtype out,
+    act-order included) and the tiles elsewhere."""
     dense = record_calls(monkeypatch, wna16_dequant, "dequantize_kn")
     cfg = WNA16Config(block_m=16, block_n=32, block_k=128, dense=True)
     for variant, act_order, out_dtype in (("int4", False, torch.bfloat16), ("uint4", False, torch.bfloat16),
@@ -346,7 +346,7 @@ def test_dense_config_writes_the_weight_out(device, monkeypatch):
         x = make_x(5, 256, torch.bfloat16, seed=5)
         out = wq.wna16_gemm(x.to(device), *to_device(w, device), out_dtype, config=cfg)
         assert_matches(out, x, W, out_dtype, w_rounding=2.0**-9)
-    assert len(dense) == 2
+    assert len(dense) == 3
 
 
 def test_nibble_order_puts_each_nibble_run_together():
@@ -486,7 +486,8 @@ def test_oneshot_gemv_layouts_compile_for_sm90_without_spills_or_shared_group_su
 def test_prompt_rows_take_the_dense_path(variant, device, monkeypatch):
     """From DENSE_MIN_ROWS rows (scaled down here) in small groups the table's product writes the weight out dense
     and multiplies it there: groups of 16 and 32, a bias, fp32 and bf16 rows (the weight rounded once to bf16 with
-    bf16 rows); fewer rows, groups of 128 and act-order weights keep the tiles."""
+    bf16 rows), act-order weights (written in their sorted order, x gathered); fewer rows and groups of 128 keep
+    the tiles."""
     monkeypatch.setattr(wq, "DENSE_MIN_ROWS", 3)
     dense = record_calls(monkeypatch, wna16_dequant, "dequantize_kn")
     cases = [(16, False, 3, torch.bfloat16, True), (32, False, 5, torch.float32, False),
@@ -498,7 +499,7 @@ def test_prompt_rows_take_the_dense_path(variant, device, monkeypatch):
         b = torch.randn(48, generator=torch.Generator().manual_seed(i)).to(x_dtype) if bias else None
         out = wq.wna16_gemm(x.to(device), *to_device(w, device), x_dtype, b.to(device) if bias else None)
         assert_matches(out, x, W, x_dtype, bias=b, w_rounding=2.0**-9 if x_dtype != torch.float32 else 0.0)
-    assert len(dense) == 2
+    assert len(dense) == 3
     for group in (16, 128):  # the dense weight itself: the reference's numbers, rounded once
         w, _ = make_weight(variant, group, False, 48, 256, torch.float32, seed=210 + group)
         ref = wq.dequantize_wna16(*w).T
