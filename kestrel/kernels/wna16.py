@@ -172,7 +172,8 @@ class WNA16Config:
     # num_warps, num_stages and swap_ab.
     prescale: bool = False
     # The weight written out dense in one pass, then cuBLAS (`kernels/wna16_dequant.py`; int4 / uint4 / int8,
-    # results in x's dtype): for rows enough to hide the extra pass. Reads nothing else.
+    # results in x's dtype): for rows enough to hide the extra pass. Where it does not apply, the looped tiles run
+    # with this entry's blocks.
     dense: bool = False
 
     def __post_init__(self) -> None:
