@@ -1,5 +1,6 @@
 """4-bit integer codes (int4 / uint4, eight to an int32 word) turned into 16-bit tensor-core operands by bit tricks
-on whole words, for the weight-only kernels (`wna16`, `wna16_tc`): compiled only (inline PTX), exact."""
+on whole words, for the weight-only kernels (`wna16`, `wna16_tc`): compiled only (inline PTX), exact; and the
+eight nibble tensors put back in K order (`in_k_order`)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,19 @@ def nibbles16(words, zz, HAS_ZEROS: tl.constexpr, X_DTYPE: tl.constexpr):
     return (w0.to(X_DTYPE, bitcast=True), w1.to(X_DTYPE, bitcast=True), w2.to(X_DTYPE, bitcast=True),
             w3.to(X_DTYPE, bitcast=True), w4.to(X_DTYPE, bitcast=True), w5.to(X_DTYPE, bitcast=True),
             w6.to(X_DTYPE, bitcast=True), w7.to(X_DTYPE, bitcast=True))
+
+
+@triton.jit
+def _interleave(a, b):
+    """`[R, C]` and `[R, C]` -> `[R, 2C]` with column 2i + t from (a, b)[t] column i."""
+    return tl.reshape(tl.join(a, b), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def in_k_order(w0, w1, w2, w3, w4, w5, w6, w7):
+    """The eight nibble tensors (`[R, C]` each, nibble s of word j at column j) as one `[R, 8C]` tensor in natural K
+    order, nibble s of word j at column 8j + s: three rounds of pairwise interleaving (s with s + 4, then s with
+    s + 2, then even with odd s), each doubling the column index and adding the next lower bit of s."""
+    even = _interleave(_interleave(w0, w4), _interleave(w2, w6))
+    odd = _interleave(_interleave(w1, w5), _interleave(w3, w7))
+    return _interleave(even, odd)

@@ -92,7 +92,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import common, wna16_dequant, wna16_gemv, wna16_tc
-from kestrel.kernels.nibbles import nibbles16
+from kestrel.kernels.nibbles import in_k_order, nibbles16
 from kestrel.kernels.wna16_gemv import has_mins
 
 DEFAULT_TABLE = common.TUNING_DIR / "wna16_default.json"
@@ -384,25 +384,16 @@ def _dot_t(w, x, acc, X_DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _interleave(a, b):
-    """`[R, C]` and `[R, C]` -> `[R, 2C]` with column 2i + t from (a, b)[t] column i."""
-    return tl.reshape(tl.join(a, b), (a.shape[0], 2 * a.shape[1]))
-
-
-@triton.jit
 def _weight_tile_t(w_ptr, kt, w_cols, stride_wk, z, WTYPE: tl.constexpr, HAS_ZEROS: tl.constexpr,
                    X_DTYPE: tl.constexpr, ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The transposed tile `[BLOCK_N, BLOCK_K]` of K step kt in natural K order (swap_ab without nibble dots).
-    ASM: the eight `nibbles.nibbles16` outputs, nibble s of word j at column 8j + s, put together by three rounds of
-    pairwise interleaving (s with s + 4, then s with s + 2, then even with odd s: each round doubles the column
-    index and adds the next lower bit of s); else `_weight_tile` transposed (fp32)."""
+    ASM: the eight `nibbles.nibbles16` outputs put in K order (`nibbles.in_k_order`); else `_weight_tile`
+    transposed (fp32)."""
     if ASM:
         rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_ptr + rows.to(tl.int64)[None, :] * stride_wk + w_cols[:, None])
         w0, w1, w2, w3, w4, w5, w6, w7 = nibbles16(words, z[:, None], HAS_ZEROS, X_DTYPE)
-        even = _interleave(_interleave(w0, w4), _interleave(w2, w6))
-        odd = _interleave(_interleave(w1, w5), _interleave(w3, w7))
-        w = _interleave(even, odd)
+        w = in_k_order(w0, w1, w2, w3, w4, w5, w6, w7)
     else:
         w = tl.trans(_weight_tile(w_ptr, kt, w_cols, stride_wk, z, WTYPE, HAS_ZEROS, BLOCK_K, BLOCK_N))
     return w

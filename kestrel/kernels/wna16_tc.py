@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import common
-from kestrel.kernels.nibbles import nibbles16
+from kestrel.kernels.nibbles import in_k_order, nibbles16
 
 WEIGHT_TYPES = ("int4", "uint4")
 MIN_BLOCK_K = 128  # eight dots of BLOCK_K / 8 >= 16, the 16-bit MMA's least K
@@ -74,12 +74,6 @@ def _codes(words, zz, HAS_ZEROS: tl.constexpr, X_DTYPE: tl.constexpr, ASM: tl.co
         w6 = (((words >> 24) & 15).to(tl.float32) - z).to(X_DTYPE)
         w7 = (((words >> 28) & 15).to(tl.float32) - z).to(X_DTYPE)
     return w0, w1, w2, w3, w4, w5, w6, w7
-
-
-@triton.jit
-def _interleave(a, b):
-    """`[R, C]` and `[R, C]` -> `[R, 2C]` with column 2i + t from (a, b)[t] column i."""
-    return tl.reshape(tl.join(a, b), (a.shape[0], 2 * a.shape[1]))
 
 
 @triton.jit
@@ -152,11 +146,8 @@ def _tc_kernel(
             acc = _mma(acc, _scaled(w6, s, DOT_F32), tl.load(x_step + 6 * KC), SWAP, DOT_F32)
             acc = _mma(acc, _scaled(w7, s, DOT_F32), tl.load(x_step + 7 * KC), SWAP, DOT_F32)
         else:
-            # Nibble s of word j is k = 8j + s: three rounds of pairwise interleaving (s with s + 4, then s with
-            # s + 2, then even with odd s) put the tile in natural K order, for one dot per step.
-            even = _interleave(_interleave(w0, w4), _interleave(w2, w6))
-            odd = _interleave(_interleave(w1, w5), _interleave(w3, w7))
-            w_step = _scaled(_interleave(even, odd), s, DOT_F32)
+            # Nibble s of word j is k = 8j + s: the tile in natural K order, for one dot per step.
+            w_step = _scaled(in_k_order(w0, w1, w2, w3, w4, w5, w6, w7), s, DOT_F32)
             acc = _mma(acc, w_step, tl.load(x_rows + kt * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]), SWAP, DOT_F32)
     if SWAP:
         acc = tl.trans(acc)
