@@ -712,16 +712,17 @@ def wna16_gemm(
     split_k = split_for(cfg.split_k, tiles, k_tiles, common.num_sms(x.device, off_cuda=4))
     if tiles > common.ARRIVAL_SLOTS:
         split_k = 1
-    if cfg.prescale and wna16_tc.takes(weight_type, x.dtype, has_mins(zeros), group, K, cfg.block_k, cfg.block_m,
-                                       cfg.swap_ab):
-        wna16_tc.tc_gemm(x, qweight, scales, zeros, out, bias, block_m=cfg.block_m, block_n=cfg.block_n,
-                         block_k=cfg.block_k, split_k=split_k, group_m=cfg.group_m, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages, swap_ab=cfg.swap_ab, nibble_dots=cfg.nibble_dots)
-        return out
     per_split = triton.cdiv(k_tiles, split_k)
     split_k = triton.cdiv(k_tiles, per_split)  # no empty splits
     ws = torch.empty(tiles * split_k * cfg.block_m * cfg.block_n if split_k > 1 else 1, dtype=torch.float32,
                      device=x.device)
+    if cfg.prescale and wna16_tc.takes(weight_type, x.dtype, has_mins(zeros), group, K, cfg.block_k, cfg.block_m,
+                                       cfg.swap_ab):
+        wna16_tc.tc_gemm(x, qweight, scales, zeros, out, bias, ws, tiles=tiles, per_split=per_split, split_k=split_k,
+                         block_m=cfg.block_m, block_n=cfg.block_n, block_k=block_k, group_m=cfg.group_m,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, swap_ab=cfg.swap_ab,
+                         nibble_dots=cfg.nibble_dots)
+        return out
     w = qweight.view(torch.uint8) if weight_type == "fp8_e4m3" else qweight
     z = zeros if zeros is not None else scales
     mins = has_mins(zeros)

@@ -157,21 +157,18 @@ def _tc_kernel(
 
 
 def tc_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-            out: torch.Tensor, bias: torch.Tensor | None, *, block_m: int, block_n: int,
-            block_k: int, split_k: int, group_m: int, num_warps: int, num_stages: int, swap_ab: bool,
-            nibble_dots: bool) -> None:
-    """`out` = x times the weight (arguments as `wna16.wna16_gemm` checked them; `takes` holds; `split_k` already
-    resolved to >= 1; act-order x already in sorted-K order)."""
+            out: torch.Tensor, bias: torch.Tensor | None, ws: torch.Tensor, *, tiles: int, per_split: int,
+            split_k: int, block_m: int, block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int,
+            swap_ab: bool, nibble_dots: bool) -> None:
+    """`out` = x times the weight (arguments as `wna16.wna16_gemm` checked them, `takes` holds, act-order x already
+    in sorted-K order), on `wna16_gemm`'s grid of `tiles` output tiles by `split_k` K splits of `per_split` steps,
+    its workspace `ws` holding the split partials."""
     M, K = x.shape
     N = qweight.shape[1]
     if nibble_dots:
         x = nibble_order(x, block_k)
     k_tiles = K // block_k
     group = K // scales.shape[0]
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    per_split = triton.cdiv(k_tiles, split_k)
-    split_k = triton.cdiv(k_tiles, per_split)  # no empty splits
-    ws = torch.empty(tiles * split_k * block_m * block_n if split_k > 1 else 1, dtype=torch.float32, device=x.device)
     stage_bytes = (block_m + block_n // 4) * block_k * x.element_size()
     _tc_kernel[(tiles, split_k)](
         x, qweight, scales, zeros if zeros is not None else scales, bias.reshape(-1) if bias is not None else scales,
