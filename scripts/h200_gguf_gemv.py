@@ -29,10 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from h200_gemv import checked_and_timed, log, rotated_copies, timed  # noqa: E402
 
-from kestrel.kernels import (
-    common,  # noqa: E402
-    wna16_gemv,  # noqa: E402
-)
+from kestrel.kernels import common, wna16_gemv  # noqa: E402
 from kestrel.kernels import wna16 as wq  # noqa: E402
 
 # (form, shape name, N, K): the Q4_K_M layers of the Llama-3-8B shape and W4A16's

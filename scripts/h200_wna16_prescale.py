@@ -59,6 +59,14 @@ def grid(M: int, wq) -> list:
     return out
 
 
+def dense_config():
+    """A table entry for the dense path (the weight written out, then cuBLAS; its blocks serve only where the path
+    does not apply)."""
+    from kestrel.kernels import wna16 as wq
+
+    return wq.WNA16Config(64, 64, 64, dense=True)
+
+
 def check(out, ref, abs_ref) -> tuple[bool, float]:
     """Each weight rounded once or twice to bf16 (the scale's rounding, then the product's: at most 2^-8 of it,
     relative) and the output once: |out - ref| <= 2^-8 (sum |x||w| + |ref|) elementwise. A wrong nibble order or
@@ -70,16 +78,12 @@ def check(out, ref, abs_ref) -> tuple[bool, float]:
 
 def run(args, save) -> dict:
     import h200_wna16_sweep as sweep
-    import torch
     import tune_wna16_moe as tune
 
     from kestrel.kernels import wna16 as wq
-    from kestrel.kernels import wna16_dequant
 
     dev = "cpu" if args.dry_run else "cuda"
-    shapes = sweep.DRY_SHAPES if args.dry_run else sweep.SHAPES
-    if args.dry_run:
-        shapes = {"a": (64, 256), "b": (96, 512)}
+    shapes = {"a": (64, 256), "b": (96, 512)} if args.dry_run else sweep.SHAPES  # K holds whole 128-row groups
     ms = [3, 40, 130] if args.dry_run else [m for m in M_ORDER if m in args.ms]
     started = time.time()
 
@@ -108,31 +112,17 @@ def run(args, save) -> dict:
             x, ref, mm_us = sweep.case_inputs(M, K, dense64, dense, dev, time_calls)
             abs_ref = x.double().abs() @ dense64.abs().T
             case = {"shape": name, "N": N, "K": K, "M": M, "bf16_mm_us": mm_us}
-
-            def dense_path(w, x=x, K=K):
-                qweight, scales, zeros, _, wtype = w
-                kn = wna16_dequant.dequantize_kn(qweight, scales, zeros, wtype, K // scales.shape[0], x.dtype)
-                return torch.mm(x, kn)
-
-            row = dict(case, variant="dense")
-            ok, rel = check(dense_path(weights[0]), ref, abs_ref)
-            row["rel_err"] = rel
-            if ok:
-                row["us"] = time_calls([lambda w=w: dense_path(w) for w in weights])
-                row["speedup_vs_bf16"] = mm_us / row["us"]
-            else:
-                row["error"] = f"wrong result: relative error {rel:.3g}"
             table_cfg = wq.select_config(N, K, M, x.device)
-            cands = [sweep.Candidate("table", table_cfg)] + [sweep.Candidate(variant_of(c), c) for c in configs]
-            sweep.check = lambda out, ref_: check(out, ref_, abs_ref)  # noqa: B023 (this case's bound)
-            timed = [row] + sweep.measure(case, cands, x, weights, ref, time_calls)
+            cands = [sweep.Candidate("table", table_cfg), sweep.Candidate("dense", dense_config())]
+            cands += [sweep.Candidate(variant_of(c), c) for c in configs]
+            timed = sweep.measure(case, cands, x, weights, ref, time_calls,
+                                  check=lambda out, ref_, a=abs_ref: check(out, ref_, a))
             rows += timed
             entry = None
             for r in timed:
                 if "us" in r and r["variant"] not in ("table", "dense") and (entry is None or r["us"] < entry["us"]):
                     entry = {k: r[k] for k in ("us", "bf16_mm_us", "speedup_vs_bf16", "variant", "config")}
-            table_us = next((r.get("us", float("nan")) for r in timed if r["variant"] == "table"), float("nan"))
-            dense_us = row.get("us", float("nan"))
+            table_us, dense_us = (timed[i].get("us", float("nan")) for i in (0, 1))
             if entry is not None:
                 entry["table_us"], entry["dense_us"] = table_us, dense_us
                 best.setdefault(f"{N},{K}", {})[str(M)] = entry
@@ -156,8 +146,7 @@ def candidate_table(result: dict, current: dict) -> dict:
     for nk, per_m in result["best"].items():
         for m, e in per_m.items():
             now = e["table_us"]
-            options = [(e["us"], e["config"], e["variant"]), (e["dense_us"], {**wq.WNA16Config(64, 64, 64).to_json(),
-                                                                             "dense": True}, "dense")]
+            options = [(e["us"], e["config"], e["variant"]), (e["dense_us"], dense_config().to_json(), "dense")]
             us, cfg, variant = min(options, key=lambda o: o[0] if o[0] == o[0] else float("inf"))
             if not us < 0.97 * now:
                 entry = wq.lookup(table.get(nk, {}), int(m))

@@ -109,9 +109,10 @@ def check(out, ref) -> tuple[bool, float]:
     return bool((diff <= bound).all()) and rel < 5e-3, rel
 
 
-def measure(case: dict, cands: list[Candidate], x, weights: list, ref, time_calls) -> list[dict]:
-    """One row per candidate: its error against the float64 product `ref`, then (if right) its time over the
-    rotated `weights`; a config that fails to compile or launch, or is wrong, gets an `error` instead."""
+def measure(case: dict, cands: list[Candidate], x, weights: list, ref, time_calls, check=check) -> list[dict]:
+    """One row per candidate: its error against the float64 product `ref` (`check(out, ref)`: whether it is within
+    the bound, and the relative error), then (if right) its time over the rotated `weights`; a config that fails to
+    compile or launch, or is wrong, gets an `error` instead."""
     import torch
 
     from kestrel.kernels import wna16 as wq
