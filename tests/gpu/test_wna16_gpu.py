@@ -16,6 +16,7 @@ import itertools
 
 import pytest
 import torch
+from spies import record_calls
 
 from kestrel.kernels import wna16 as wq
 from kestrel.kernels.wna16 import WNA16Config
@@ -65,14 +66,11 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.fixture
 def rounded_paths(monkeypatch):
     """The calls of the paths that take the weight rounded to 16 bits (the prescaled tiles, the dense path) made
-    while the test runs: where the table sends a product there, `assert_table_output` allows that rounding."""
+    while the test runs, one list each: where the table sends a product there (`any` of them),
+    `assert_table_output` allows that rounding."""
     from kestrel.kernels import wna16_dequant, wna16_tc
 
-    calls = []
-    for owner, name in ((wna16_tc, "tc_gemm"), (wna16_dequant, "dequantize_kn")):
-        real = getattr(owner, name)
-        monkeypatch.setattr(owner, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
-    return calls
+    return record_calls(monkeypatch, wna16_tc, "tc_gemm"), record_calls(monkeypatch, wna16_dequant, "dequantize_kn")
 
 
 def assert_table_output(out, x, w, bias, rounded: bool) -> None:
@@ -138,7 +136,7 @@ def test_kernel_matches_reference_8b_shapes(shape_weight, M, rounded_paths):
     N, K, w = shape_weight
     x = make_x(M, K, seed=M)
     out = wq.wna16_gemm(x, *w, torch.bfloat16)
-    assert_table_output(out, x, w, None, bool(rounded_paths))
+    assert_table_output(out, x, w, None, any(rounded_paths))
 
 
 @pytest.mark.parametrize("weight_type", ["int4", "uint4", "fp4_e2m1", "int8", "fp8_e4m3"])
@@ -150,7 +148,7 @@ def test_every_weight_type_compiles_and_matches(weight_type, group, act_order, M
     x = make_x(M, K, seed=2)
     bias = torch.randn(N, device="cuda").to(torch.bfloat16) if M == 64 else None
     out = wq.wna16_gemm(x, *w, torch.bfloat16, bias)
-    assert_table_output(out, x, w, bias, bool(rounded_paths))
+    assert_table_output(out, x, w, bias, any(rounded_paths))
 
 
 @pytest.mark.parametrize("weight_type", ["int4", "uint4"])

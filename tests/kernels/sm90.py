@@ -57,7 +57,9 @@ def reports(module: str, call: str) -> list[tuple[str, str]]:
         pytest.skip("this Triton has no NVIDIA backend")
     here = Path(__file__).resolve().parent
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    code = f"import json, sys; sys.path.insert(0, {str(here)!r}); import {module} as t; print(json.dumps(t.{call}))"
+    # The test module's own directory and tests/ (its shared helpers) importable, as under pytest.
+    code = (f"import json, sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; import {module} as t; "
+            f"print(json.dumps(t.{call}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=here.parents[1],
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

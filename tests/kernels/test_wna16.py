@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from spies import record_calls
 
 from kestrel import ops
 from kestrel.kernels import common, nibbles, wna16_dequant, wna16_gemv, wna16_tc
@@ -381,19 +382,6 @@ def test_mins_in_groups_of_16_on_every_path(variant, device, oneshot_calls):
         x_dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
         check_triton_case(variant, 16, act_order, M, N, K, x_dtype, 90 + i, cfg, device, fma_path=fma_path)
     assert len(oneshot_calls) == 1
-
-
-def record_calls(monkeypatch, owner, name: str) -> list[tuple[tuple, dict]]:
-    """`owner.name` still runs, and each call's (args, kwargs) is appended to the returned list."""
-    calls = []
-    real = getattr(owner, name)
-
-    def spy(*args, **kwargs):
-        calls.append((args, kwargs))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, spy)
-    return calls
 
 
 @pytest.fixture
