@@ -74,15 +74,22 @@ def rounded_paths(monkeypatch):
 
 
 def assert_table_output(out, x, w, bias, rounded: bool) -> None:
-    """The table's product: exact operands (`assert_close` against the reference), or with the weight rounded once
-    or twice to bf16 (its scale, then s * (c - z)): |out - ref| <= 2^-8 (sum |x| |w| + |ref|)."""
+    """The table's product: exact operands (`assert_close` against the reference), or with the weight rounded
+    (`assert_weight_rounded`)."""
     if not rounded:
         assert_close(out, wq.wna16_gemm_ref(x, *w, out.dtype, bias))
         return
-    ref = float64_product(x, w) + (bias.double() if bias is not None else 0.0)
+    assert_weight_rounded(out, x, w, bias)
+
+
+def assert_weight_rounded(out, x, w, bias=None, slack=0.0) -> None:
+    """Each weight rounded to bf16 twice at most (its scale, then s * (c - z)), the output once, against the float64
+    product ref (plus `bias`): |out - ref| <= 2^-8 (sum |x| |w| + |ref| + slack)."""
     dense = wq.dequantize_wna16(*w).double()
-    mag = x.double().abs() @ dense.abs().T + ref.abs()
-    assert bool(((out.double() - ref).abs() <= 2.0**-8 * mag).all())
+    ref = x.double() @ dense.T + (bias.double() if bias is not None else 0.0)
+    bound = 2.0**-8 * (x.double().abs() @ dense.abs().T + ref.abs() + slack)
+    diff = (out.double() - ref).abs()
+    assert bool((diff <= bound).all()), f"max excess {(diff - bound).max().item():.3g}"
 
 
 @pytest.fixture(autouse=True)
@@ -366,16 +373,9 @@ PRESCALED = {
 @pytest.mark.parametrize("name", list(PRESCALED))
 @pytest.mark.parametrize("M", [16, 64, 300])
 def test_prescaled_tiles_match_float64_8b_shapes(shape_weight, name, M):
-    """Each weight rounded to bf16 twice at most (its fp16 scale, then s * (c - z)), the output once:
-    |out - ref| <= 2^-8 (sum |x| |w| + |ref|)."""
     N, K, w = shape_weight
     x = make_x(M, K, seed=200 + M)
-    out = wq.wna16_gemm(x, *w, torch.bfloat16, config=PRESCALED[name])
-    ref = float64_product(x, w)
-    dense = wq.dequantize_wna16(*w).double()
-    bound = 2.0**-8 * (x.double().abs() @ dense.abs().T + ref.abs())
-    diff = (out.double() - ref).abs()
-    assert bool((diff <= bound).all()), f"max excess {(diff - bound).max().item():.3g}"
+    assert_weight_rounded(wq.wna16_gemm(x, *w, torch.bfloat16, config=PRESCALED[name]), x, w)
 
 
 def test_prescaled_tiles_with_zeros_act_order_and_bias():
@@ -385,10 +385,7 @@ def test_prescaled_tiles_with_zeros_act_order_and_bias():
         x = make_x(M, K, seed=14 + M)
         bias = torch.randn(N, device="cuda").to(torch.bfloat16)
         out = wq.wna16_gemm(x, *w, torch.bfloat16, bias, config=cfg)
-        ref = float64_product(x, w) + bias.double()
-        dense = wq.dequantize_wna16(*w).double()
-        bound = 2.0**-8 * (x.double().abs() @ dense.abs().T + ref.abs() + bias.double().abs())
-        assert bool(((out.double() - ref).abs() <= bound).all())
+        assert_weight_rounded(out, x, w, bias, slack=bias.double().abs())
 
 
 @pytest.mark.parametrize("name", ["ps1", "ps8"])
