@@ -130,28 +130,25 @@ def check_media(media: tuple[MediaItem, ...], num_prompt_tokens: int) -> None:
 
 
 class RequestStatus(enum.IntEnum):
+    """Where a request stands; `finished` and `finish_reason` are plain attributes of each member (read several
+    times per request and step, where a property would cost a Python frame each time)."""
+
+    finished: bool
+    finish_reason: str | None
+
+    def __new__(cls, value: int, finish_reason: str | None = None) -> RequestStatus:
+        member = int.__new__(cls, value)
+        member._value_ = value
+        member.finish_reason = finish_reason
+        member.finished = finish_reason is not None
+        return member
+
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-
-    @property
-    def finished(self) -> bool:
-        return self._value_ >= _FIRST_FINISHED  # a plain int comparison: asked several times per request and step
-
-    @property
-    def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
-
-
-_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED.value
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
+    FINISHED_STOPPED = 3, "stop"
+    FINISHED_LENGTH = 4, "length"
+    FINISHED_ABORTED = 5, "abort"
 
 
 @dataclass
@@ -197,9 +194,15 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
-        self._max_tokens: int | None = None
-        self._ending_eos_ids: frozenset[int] | None = None
-        self._stopping_ids: frozenset[int] | None = None
+        # Read for every sampled token, so plain attributes fixed here rather than properties.
+        # Output tokens allowed: the request's own limit, capped by the model's context.
+        self.max_tokens: int = self._output_limit()
+        # The EOS ids whose sampling ends the request (past min_tokens): the tokenizer's and generation_config.json's,
+        # none under ignore_eos.
+        eos = set() if self.sampling_params.ignore_eos else self.extra_eos_token_ids | {self.eos_token_id}
+        self.ending_eos_ids: frozenset[int] = frozenset(eos - {None})
+        # Every id whose sampling can end the request past min_tokens: its ending EOS ids and stop_token_ids.
+        self.stopping_ids: frozenset[int] = self.ending_eos_ids | frozenset(self.sampling_params.stop_token_ids or ())
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -218,35 +221,12 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
-    def max_tokens(self) -> int:
-        """Output tokens allowed: the request's own limit, capped by the model's context."""
-        if self._max_tokens is None:
-            self._max_tokens = self._output_limit()
-        return self._max_tokens
-
     def _output_limit(self) -> int:
         limit = self.sampling_params.max_tokens
         room = (self.max_model_len - self.num_prompt_tokens) if self.max_model_len else None
         if limit is None:
             return room if room is not None else 1 << 62
         return limit if room is None else min(limit, room)
-
-    @property
-    def ending_eos_ids(self) -> frozenset[int]:
-        """The EOS ids whose sampling ends the request (past min_tokens): the tokenizer's and generation_config.json's,
-        none under ignore_eos."""
-        if self._ending_eos_ids is None:
-            eos = set() if self.sampling_params.ignore_eos else self.extra_eos_token_ids | {self.eos_token_id}
-            self._ending_eos_ids = frozenset(eos - {None})
-        return self._ending_eos_ids
-
-    @property
-    def stopping_ids(self) -> frozenset[int]:
-        """Every id whose sampling can end the request past min_tokens: its ending EOS ids and stop_token_ids."""
-        if self._stopping_ids is None:
-            self._stopping_ids = self.ending_eos_ids | frozenset(self.sampling_params.stop_token_ids or ())
-        return self._stopping_ids
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -42,6 +42,14 @@ class _Sequence:
     finish_emitted: bool = False  # output_kind="delta": its finish has been handed out
     logprob_sum: float = 0.0  # output_kind="delta": the sampled tokens' logprobs emitted so far, summed
 
+    def __post_init__(self) -> None:
+        # Read for every sequence and step, so plain attributes rather than the params' properties.
+        params = self.request.sampling_params
+        self.final_only = params.final_only
+        # Between its first delta and its last, each of its deltas carries its new tokens only.
+        self.tokens_only = (params.logprobs is None and params.prompt_logprobs is None
+                            and self.request.pooling_params is None)
+
 
 @dataclass
 class _ParentRequest:
@@ -603,7 +611,7 @@ class EngineCore:
                 self._sequence_ended(request, sequence, now)
                 self._parents.pop(parent.request_id, None)
                 outputs.append(make_delta(parent, True))
-            elif not request.sampling_params.final_only:
+            elif not sequence.final_only:
                 outputs.append(make_delta(parent, False))
         return outputs
 
@@ -765,10 +773,13 @@ class EngineCore:
         tokens = request.output_token_ids
         start = sequence.num_emitted_tokens
         sequence.num_emitted_tokens = len(tokens)
-        params = request.sampling_params
         cached = request.num_cached_tokens
         # One is built per sequence and step: the fields in SequenceDelta's order, through tuple.__new__ (the named
         # tuple's own __new__ is a Python frame more).
+        if start and not finished and sequence.tokens_only:
+            return _new_tuple(SequenceDelta, (parent.request_id, tokens[start:], None, None, None,
+                                              cached if cached > 0 else 0, None, None, None))
+        params = request.sampling_params
         return _new_tuple(SequenceDelta, (
             parent.request_id,
             tokens[start:],

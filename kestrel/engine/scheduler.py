@@ -143,10 +143,17 @@ class Scheduler:
         if reserve:
             budget = self._timed_budget(budget)
         num_scheduled: dict[str, int] = {}
-        scheduled: list[Request] = []  # the requests of num_scheduled, in its order
+        scheduled: dict[str, Request] = {}  # the requests of num_scheduled, in its order
+        admitted: list[Request] = []  # the waiting requests this step admits (the last of `scheduled`)
         spec: dict[str, list[int]] = {}
-        new_block_ids: dict[str, tuple[list[int], ...]] = {}
         proposing: set[str] = set()  # requests whose drafts the worker proposes after this step
+        # The running requests' records for the runner, made as each is scheduled: every running request is known
+        # to the runner (it was scheduled when admitted), so it needs a CachedRequestData only when more changed
+        # than its scheduled tokens.
+        cached: list[CachedRequestData] = []
+        structured: list[str] = []
+        every_known = self.kv.streaming is not None  # a stream's dropped blocks reach the runner with its record
+        stale = self._runner_count_stale
         preempted_now = False
         running = self.running
         allocate = self.kv.allocate
@@ -160,10 +167,11 @@ class Scheduler:
                 index += 1
                 continue
             pending = request.num_pending_tokens
+            computed = request.num_computed_tokens
             if pending and len(request.output_token_ids) + pending >= request.max_tokens:
                 index += 1  # its token in flight is its last: it finishes when that token arrives
                 continue
-            remaining = len(request.all_token_ids) - request.num_dropped_tokens + pending - request.num_computed_tokens
+            remaining = len(request.all_token_ids) - request.num_dropped_tokens + pending - computed
             num_new = remaining if remaining < budget else budget
             if reserve and remaining > 1:
                 num_new = min(num_new, budget - (len(running) - index - 1))
@@ -171,22 +179,22 @@ class Scheduler:
                     index += 1  # a prefill chunk waits for a step with room beside the decodes
                     continue
             if request.media:
-                start = request.num_computed_tokens
-                num_new = end_outside_runs(request.media, start, start + num_new) - start
+                num_new = end_outside_runs(request.media, computed, computed + num_new) - computed
                 if not num_new:
                     index += 1  # the rest of a bidirectional image does not fit this step's budget
                     continue
+            samples = num_new == remaining  # the step reaches the request's end: it samples the next token(s)
             drafts = (self._drafts_to_verify(request, num_new, budget)
-                      if verify_drafts and request.spec_token_ids else [])
-            lookahead = (self._lookahead(draft_lookahead, request.num_computed_tokens + num_new + len(drafts))
-                         if draft_lookahead and num_new == remaining else 0)
+                      if verify_drafts and request.spec_token_ids else ())
+            lookahead = (self._lookahead(draft_lookahead, computed + num_new + len(drafts))
+                         if draft_lookahead and samples else 0)
             if drafts or lookahead:
                 block_ids = allocate(request, num_new + len(drafts), None, lookahead)
                 if block_ids is None:
-                    drafts, lookahead = [], 0  # drafts and the proposer's lookahead are optional: no preemption
+                    drafts, lookahead = (), 0  # drafts and the proposer's lookahead are optional: no preemption
                     block_ids = allocate(request, num_new)
                 num_new += len(drafts)
-            elif request.num_computed_tokens + num_new <= quiet_until(request_id, -1):
+            elif computed + num_new <= quiet_until(request_id, -1):
                 block_ids = NO_NEW_BLOCKS  # what allocate would return, with nothing to do
             else:
                 block_ids = allocate(request, num_new)
@@ -199,13 +207,23 @@ class Scheduler:
                 block_ids = allocate(request, num_new)
             if block_ids is None:
                 break
+            computed = request.num_computed_tokens  # a stream's allocation moves it down by the tokens it drops
             num_scheduled[request_id] = num_new
-            scheduled.append(request)
-            new_block_ids[request_id] = block_ids
+            scheduled[request_id] = request
+            if request.sampling_params.structured_outputs is not None:
+                structured.append(request_id)
+            if block_ids or every_known or request_id in stale:
+                stale.discard(request_id)
+                cached.append(CachedRequestData(request_id, block_ids, computed, request.num_dropped_tokens))
             if drafts:
                 spec[request_id] = drafts
+            if request.spec_token_ids:
+                request.spec_token_ids = []
             if lookahead:
                 proposing.add(request_id)
+            request.num_computed_tokens = computed + num_new
+            if samples:
+                request.num_pending_tokens = pending + 1
             budget -= num_new
             index += 1
 
@@ -247,18 +265,16 @@ class Scheduler:
             else:
                 self.running.append(request)
             num_scheduled[request.request_id] = num_new
-            scheduled.append(request)
+            scheduled[request.request_id] = request
+            admitted.append(request)
             budget -= num_new
 
-        output = self._build_output(num_scheduled, scheduled, new_block_ids, spec, proposing, draft_lookahead)
-        for request in scheduled:
+        output = self._build_output(num_scheduled, scheduled, admitted, cached, structured, spec, proposing,
+                                    draft_lookahead)
+        for request in admitted:
             request.num_computed_tokens += num_scheduled[request.request_id]
-            if request.spec_token_ids:
-                request.spec_token_ids = []
-            if request.num_computed_tokens == (len(request.all_token_ids) - request.num_dropped_tokens
-                                               + request.num_pending_tokens
-                                               + (len(spec.get(request.request_id, ())) if spec else 0)):
-                request.num_pending_tokens += 1  # this step samples the request's next token(s)
+            if request.num_computed_tokens == request.num_kv_tokens + request.num_pending_tokens:
+                request.num_pending_tokens += 1  # this step samples the request's first token
         if not output.is_empty:
             self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += output.total_num_scheduled_tokens
@@ -303,47 +319,28 @@ class Scheduler:
         the step samples: up to `draft_lookahead`, within max_model_len."""
         return max(min(draft_lookahead, self.max_model_len - end), 0)
 
-    def _build_output(self, num_scheduled: dict[str, int], scheduled: list[Request],
-                      new_block_ids: dict[str, tuple[list[int], ...]], spec: dict[str, list[int]],
+    def _build_output(self, num_scheduled: dict[str, int], scheduled: dict[str, Request], admitted: list[Request],
+                      cached: list[CachedRequestData], structured: list[str], spec: dict[str, list[int]],
                       proposing: set[str], draft_lookahead: int) -> SchedulerOutput:
-        cached, new = [], []
-        known = self._known_to_runner
-        stale = self._runner_count_stale
-        every_known = self.kv.streaming is not None  # a stream's dropped blocks reach the runner with its record
-        structured = []
-        in_order = True  # every request the runner knows comes before every new one in `scheduled`
-        for request in scheduled:
+        """The step's output: `cached` and `structured` hold the running requests' records already; the requests
+        `admitted` this step (the last of `scheduled`) are new to the runner."""
+        new = []
+        for request in admitted:
             request_id = request.request_id
             if request.sampling_params.structured_outputs is not None:
                 structured.append(request_id)
-            if request_id in known:
-                in_order = in_order and not new
-                block_ids = new_block_ids[request_id]
-                if block_ids or every_known or request_id in stale:
-                    stale.discard(request_id)
-                    cached.append(CachedRequestData(request_id, block_ids, request.num_computed_tokens,
-                                                    request.num_dropped_tokens))
-            else:
-                new.append(NewRequestData(
-                    req_id=request_id,
-                    token_ids=list(request.all_token_ids),
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    sampling_params=request.sampling_params,
-                    block_ids=self.kv.block_ids(request_id),
-                    num_computed_tokens=request.num_computed_tokens,
-                    pooling_params=request.pooling_params,
-                    num_dropped_tokens=request.num_dropped_tokens,
-                    media=request.media,
-                ))
-                known.add(request_id)
-        # Requests the runner knows come first in the batch, then new ones, matching num_scheduled's order (the
-        # running requests a step continues are known to the runner and come before those it admits).
-        if not in_order:
-            new_ids = {n.req_id for n in new}
-            order = [r.request_id for r in scheduled if r.request_id not in new_ids] + [n.req_id for n in new]
-            num_scheduled = {rid: num_scheduled[rid] for rid in order}
-            by_id = {request.request_id: request for request in scheduled}
-            scheduled = [by_id[rid] for rid in order]
+            new.append(NewRequestData(
+                req_id=request_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=self.kv.block_ids(request_id),
+                num_computed_tokens=request.num_computed_tokens,
+                pooling_params=request.pooling_params,
+                num_dropped_tokens=request.num_dropped_tokens,
+                media=request.media,
+            ))
+            self._known_to_runner.add(request_id)
         output = SchedulerOutput(
             new_requests=new,
             cached_requests=cached,
@@ -358,7 +355,7 @@ class Scheduler:
             step_id=next(self._step_ids),
         )
         if scheduled:
-            self._scheduled[output.step_id] = {request.request_id: request for request in scheduled}
+            self._scheduled[output.step_id] = scheduled
         self._finished_ids.clear()
         self._preempted_ids.clear()
         return output
@@ -412,22 +409,23 @@ class Scheduler:
                     self._runner_count_stale.add(request_id)
             if request.status.finished:
                 continue
-            logprobs = all_logprobs[i] if all_logprobs else None
             if request.first_token_time is None:
                 request.first_token_time = now
             output_token_ids, all_token_ids = request.output_token_ids, request.all_token_ids
-            for j, token_id in enumerate(tokens):
+            appended = 0
+            for token_id in tokens:
                 output_token_ids.append(token_id)  # Request.append_output_token, inline: once per token
                 all_token_ids.append(token_id)
-                if logprobs is not None and logprobs[j] is not None:
-                    request.output_logprobs.append(logprobs[j])
-                num_generated += 1
+                appended += 1
                 status = stop_status(request, token_id)
                 if status is not None:
                     # Under async scheduling the request may have been preempted while its token was in flight.
                     (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
                     self._finish(request, status)
                     break
+            num_generated += appended
+            if all_logprobs and all_logprobs[i] is not None:
+                request.output_logprobs.extend(entry for entry in all_logprobs[i][:appended] if entry is not None)
             updated.append(request)
         self.stats.num_generation_tokens += num_generated
         if self.step_cost is not None and not self.has_unfinished_requests():
