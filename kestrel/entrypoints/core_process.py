@@ -270,6 +270,9 @@ class _CoreLoop:
         sent = self._prompt_logprobs_sent
         for delta in deltas:
             prompt_logprobs = delta.prompt_logprobs
+            if prompt_logprobs is None and delta.metrics is None and delta.new_logprobs is None:
+                records.append(delta)  # a plain decode step's record is the delta's own fields (a tuple packs as one)
+                continue
             changed = prompt_logprobs is not None and len(prompt_logprobs) != sent.get(delta.request_id, 0)
             if changed:
                 sent[delta.request_id] = len(prompt_logprobs)
