@@ -273,6 +273,8 @@ class Scheduler:
                                     draft_lookahead)
         for request in admitted:
             request.num_computed_tokens += num_scheduled[request.request_id]
+            if request.spec_token_ids:
+                request.spec_token_ids = []  # drafts taken while it waited (preempted in flight) are not verified
             if request.num_computed_tokens == request.num_kv_tokens + request.num_pending_tokens:
                 request.num_pending_tokens += 1  # this step samples the request's first token
         if not output.is_empty:
