@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kestrel.model.attn_metadata import AttentionMetadata, GroupTables
-from kestrel.worker.input_batch import ModelInputs
+from kestrel.worker.input_batch import ModelInputs, host_tensor
 from kestrel.worker.prefill_graph import PrefillBuckets, PrefillBuffers, StepBuffers
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class GraphBuffers(StepBuffers):
         else:
             self._pad_tokens(0, num_tokens)
             pin = self.device.type == "cuda"
-            index = torch.tensor(host_index, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
+            index = host_tensor(host_index, torch.int64, pin).to(self.device, non_blocking=True)
             self.input_ids.index_copy_(0, index, inputs.input_ids)
             self.positions.index_copy_(0, index, inputs.positions)
             self.slot_mapping.index_copy_(0, index, meta.slot_mapping)

@@ -12,6 +12,7 @@ slots and the block table every group's rows, so a step still moves three tensor
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -65,6 +66,17 @@ class CachedRequestState:
         return self.token_ids[self.num_prompt_tokens:]
 
 
+def host_tensor(values: list[int], dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+    """`torch.tensor(values, dtype=dtype, pin_memory=pin)` for int32 / int64 values, through an array: a list of
+    Python ints converts at C speed there (about 20 ns a value on the development machine, against 70 ns)."""
+    tensor = (torch.frombuffer(array.array(_ARRAY_CODES[dtype], values), dtype=dtype) if values
+              else torch.empty(0, dtype=dtype))
+    return torch.empty_like(tensor, pin_memory=True).copy_(tensor) if pin else tensor
+
+
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}
+
+
 class BlockTable:
     """Host block table `[max_rows, max_blocks_per_seq]` int32, one row per running request."""
 
@@ -110,7 +122,7 @@ class BlockTable:
 
     def gather(self, rows: list[int], width: int) -> torch.Tensor:
         """`[len(rows), width]`: entries past a row's own blocks are stale, never read by attention."""
-        return self.table[:, :width].index_select(0, torch.tensor(rows, dtype=torch.int64))
+        return self.table[:, :width].index_select(0, host_tensor(rows, torch.int64))
 
 
 class BlockTables:
@@ -221,9 +233,9 @@ def build_model_inputs(states: list[CachedRequestState], num_scheduled: list[int
     if num_groups > 1:
         other_slots, max_blocks = _other_group_slots(states, num_scheduled, block_size, block_tables, max_blocks)
     pin = device.type == "cuda"
-    longs = torch.tensor(input_ids + positions + slots + logits_indices + fill_dst + fill_src + other_slots,
-                         dtype=torch.int64, pin_memory=pin)
-    ints = torch.tensor(query_start + seq_lens, dtype=torch.int32, pin_memory=pin)
+    longs = host_tensor(input_ids + positions + slots + logits_indices + fill_dst + fill_src + other_slots,
+                        torch.int64, pin)
+    ints = host_tensor(query_start + seq_lens, torch.int32, pin)
     if num_groups == 1:
         table = block_tables[0].gather(rows, max_blocks)
     else:

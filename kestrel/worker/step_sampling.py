@@ -134,6 +134,8 @@ class StepSampler:
         self.device = device
         self.drafter = drafter
         self.inputs = inputs
+        # (row ids, vocabulary size, rows, metadata) of the last step whose metadata depends on params alone.
+        self._cached_metadata: tuple[list[int], int, list[CachedRequestState], SamplingMetadata] | None = None
 
     # ----- after the forward ---------------------------------------------------------------------------
 
@@ -239,21 +241,28 @@ class StepSampler:
             position = {state.req_id: i for i, state in enumerate(rows)}
             pairs = [(i, position[rid]) for i, rid in enumerate(grammar.req_ids) if rid in position]
             logits = self._apply_grammar(logits, grammar, [i for i, _ in pairs], [row for _, row in pairs])
-        meta = SamplingMetadata.build(
-            [s.sampling_params for s in rows],
-            _TokenLists(rows, prompt=True),
-            _TokenLists(rows, prompt=False),
-            [s.generator for s in rows],
-            self.eos_token_ids,
-            logits.shape[-1],
-            self.device,
-        )
-        result = self.sampler(logits, meta)
+        result = self.sampler(logits, self._metadata(rows, logits.shape[-1]))
         for i, state in enumerate(rows):
             state.num_pending += 1
             state.pending_row = i
         self.inputs.last_sampled = result.sampled_token_ids
         return LaunchedStep(step.req_ids, step.sampled_rows, rows, result, step.prompt_logprobs)
+
+    def _metadata(self, rows: list[CachedRequestState], vocab_size: int) -> SamplingMetadata:
+        """The sampling metadata of a step's rows. A step of the same requests, in the same order, as the last one
+        built reuses its metadata where that depends on their params alone (no penalties, min_tokens or bad_words,
+        which read the tokens so far): a decode batch that does not change pays for it once, not every step."""
+        key = list(map(id, rows))
+        cached = self._cached_metadata
+        if cached is not None and cached[0] == key and cached[1] == vocab_size:
+            return cached[3]
+        params = [s.sampling_params for s in rows]
+        meta = SamplingMetadata.build(params, _TokenLists(rows, prompt=True), _TokenLists(rows, prompt=False),
+                                      [s.generator for s in rows], self.eos_token_ids, vocab_size, self.device)
+        reads_tokens = any(p.has_penalties or p.min_tokens or p.bad_words_token_ids for p in params)
+        # The rows are kept with the key so that no other object can take one of their ids while it is cached.
+        self._cached_metadata = None if reads_tokens else (key, vocab_size, rows, meta)
+        return meta
 
     def _sample_with_drafts(self, step: ForwardStep, grammar: GrammarBitmask | None) -> LaunchedStep:
         """A step with verifying rows: the others sample as usual, the verifying ones check their drafts
