@@ -16,7 +16,8 @@ for stage in "$@"; do
   case $stage in
     tables) h200_tables ;;
     sweep) run 560 python3 scripts/h200_wna16_prescale.py --out "$out" --max-seconds "${SWEEP_SECONDS:-420}" ;;
-    tests) run 400 python3 -m pytest -q -rf -p no:cacheprovider tests/gpu/test_wna16_gpu.py ;;
+    tests) workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")  # compiles in 8 processes where it can
+           run 400 python3 -m pytest -q -rf -p no:cacheprovider $workers tests/gpu/test_wna16_gpu.py ;;
     lat-*) latency 200 "llama3-8b-w4a16-${stage#lat-}" --weight-only w4a16 --batch 1,8,32,128 --input-len 128 \
              --output-len 64 ;;
     tput-*) run 240 python3 -m kestrel.bench.throughput --weight-only w4a16 --hf-peer-prompts 0 --num-prompts 384 \
