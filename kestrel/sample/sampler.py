@@ -15,7 +15,7 @@ never reads a device value back to the host.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +79,8 @@ class SamplingMetadata:
         if not (len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators)):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators must have one entry per row")
         greedy = [p.greedy for p in params]
-        top_k, max_top_k = _top_k(params, vocab_size, device)
+        sampling = [p for p, g in zip(params, greedy) if not g]  # the rows top-k, top-p and min-p apply to
+        top_k, max_top_k = _top_k(params, greedy, sampling, vocab_size, device)
         requested = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=_tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device),
@@ -88,8 +89,8 @@ class SamplingMetadata:
             all_random=not any(greedy),
             top_k=top_k,
             max_top_k=max_top_k,
-            top_p=_tensor([p.top_p for p in params], device) if _any_random(params, lambda p: p.top_p < 1.0) else None,
-            min_p=_tensor([p.min_p for p in params], device) if _any_random(params, lambda p: p.min_p > 0.0) else None,
+            top_p=_tensor([p.top_p for p in params], device) if any(p.top_p < 1.0 for p in sampling) else None,
+            min_p=_tensor([p.min_p for p in params], device) if any(p.min_p > 0.0 for p in sampling) else None,
             **_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
             **_min_tokens(params, output_token_ids, eos_token_id, vocab_size, device),
             generators={i: g for i, g in enumerate(generators) if g is not None},
@@ -112,16 +113,14 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> 
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def _any_random(params: list[SamplingParams], uses: Callable[[SamplingParams], bool]) -> bool:
-    return any(not p.greedy and uses(p) for p in params)
-
-
 def _top_k(
-    params: list[SamplingParams], vocab_size: int, device: torch.device | str
+    params: list[SamplingParams], greedy: list[bool], sampling: list[SamplingParams], vocab_size: int,
+    device: torch.device | str
 ) -> tuple[torch.Tensor | None, int]:
-    if not _any_random(params, lambda p: 0 < p.top_k < vocab_size):
+    """`greedy`: each row's; `sampling`: the params of the rows that sample."""
+    if not any(0 < p.top_k < vocab_size for p in sampling):
         return None, vocab_size
-    ks = [p.top_k if 0 < p.top_k < vocab_size and not p.greedy else vocab_size for p in params]
+    ks = [p.top_k if 0 < p.top_k < vocab_size and not g else vocab_size for p, g in zip(params, greedy)]
     return _to_device(ks, torch.int64, device), max(ks)
 
 
