@@ -46,6 +46,7 @@ class _Sequence:
         # Read for every sequence and step, so plain attributes rather than the params' properties.
         params = self.request.sampling_params
         self.final_only = params.final_only
+        self.delta_outputs = params.delta_outputs
         # Between its first delta and its last, each of its deltas carries its new tokens only.
         self.tokens_only = (params.logprobs is None and params.prompt_logprobs is None
                             and self.request.pooling_params is None)
@@ -58,6 +59,7 @@ class _ParentRequest:
     prompt_token_ids: list[int]
     sequences: list[_Sequence] = field(default_factory=list)
     prompt_logprobs_emitted: bool = False  # output_kind="delta": they went out with an earlier output
+    metrics: RequestMetrics | None = None  # the metrics its last output carried
 
     @property
     def finished(self) -> bool:
@@ -577,7 +579,7 @@ class EngineCore:
             if detokenize and (params.logprobs is not None or params.prompt_logprobs is not None):
                 self._name_logprob_tokens(sequence)
             # Final-only requests without stop strings need their text only once, at the end.
-            if detokenize and (not params.final_only or params.stop or request.status.finished):
+            if detokenize and (not sequence.final_only or params.stop or request.status.finished):
                 self._detokenize(sequence)
             status = sequence.status = request.status  # a stop string may have ended it just now
             if status.finished:
@@ -709,7 +711,7 @@ class EngineCore:
         # Stopped by its last token (EOS, a stop token id, a grammar's end): a stop string matches later, here.
         stop_token = request.status == RequestStatus.FINISHED_STOPPED and not isinstance(request.stop_reason, str)
         stop_string = detokenizer.update(new_tokens, stop_token)
-        if stop_string is not None and not request.is_finished:
+        if stop_string is not None and not request.status.finished:
             request.stop_reason = stop_string
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
@@ -718,11 +720,11 @@ class EngineCore:
         first = sequences[0].request
         params = first.sampling_params
         prompt_logprobs = first.prompt_logprobs if params.prompt_logprobs is not None else None
-        if params.delta_outputs:
+        if sequences[0].delta_outputs:
             # Only the sequences the step advanced or ended, each with only what it added; the prompt's logprobs
             # once, with the first output.
             completions = [_delta_completion(seq) for seq in sequences
-                           if seq.num_emitted_tokens < seq.request.num_output_tokens
+                           if seq.num_emitted_tokens < len(seq.request.output_token_ids)
                            or (seq.status.finished and not seq.finish_emitted)]
             if prompt_logprobs is not None:
                 # Once, whole: from the first sequence whose prompt has run (siblings prefill apart).
@@ -748,7 +750,9 @@ class EngineCore:
 
     @staticmethod
     def _metrics(parent: _ParentRequest, finished: bool) -> RequestMetrics:
-        """The request's timestamps and preemptions over its sequences; its finish time once every one ended."""
+        """The request's timestamps and preemptions over its sequences; its finish time once every one ended. The
+        metrics handed out last are handed out again while they say what new ones would (they are replaced on
+        change, never changed in place)."""
         sequences = parent.sequences
         first = sequences[0].request
         if len(sequences) == 1:
@@ -757,13 +761,19 @@ class EngineCore:
         else:
             finished_time = max((s.finished_time or 0.0) for s in sequences) if finished else None
             num_preemptions = sum(s.request.num_preemptions for s in sequences)
-        return RequestMetrics(
+        last = parent.metrics
+        if (last is not None and finished_time is None and last.finished_time is None
+                and last.first_token_time == first.first_token_time and last.num_preemptions == num_preemptions
+                and last.first_scheduled_time == first.first_scheduled_time):
+            return last
+        parent.metrics = RequestMetrics(
             arrival_time=first.arrival_time,
             first_scheduled_time=first.first_scheduled_time,
             first_token_time=first.first_token_time,
             finished_time=finished_time,
             num_preemptions=num_preemptions,
         )
+        return parent.metrics
 
     def _make_delta(self, parent: _ParentRequest, finished: bool) -> SequenceDelta:
         """The tokens the request's one sequence gained since its last delta (`deltas=True`), with its metrics
@@ -818,7 +828,7 @@ class EngineCore:
 def _delta_completion(seq: _Sequence) -> CompletionOutput:
     request = seq.request
     start = seq.num_emitted_tokens
-    seq.num_emitted_tokens = request.num_output_tokens
+    seq.num_emitted_tokens = len(request.output_token_ids)
     status = seq.status
     seq.finish_emitted = status.finished
     detokenizer = seq.detokenizer

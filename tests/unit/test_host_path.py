@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from delta_outputs import check_joined_deltas
 
@@ -155,3 +157,20 @@ def test_cumulative_text_only_grows_while_a_stop_string_may_match(llm: LLM) -> N
     texts = [out.outputs[0].text for out in outputs]
     assert outputs[-1].outputs[0].stop_reason == "=None, li"
     assert all(b == a + out.outputs[0].delta_text for a, b, out in zip(["", *texts], texts, outputs))
+
+
+def test_a_requests_metrics_are_handed_out_again_until_they_change(llm: LLM) -> None:
+    """A streamed request's outputs share one RequestMetrics while it says what a new one would; its first token
+    time and its finish give new ones, and no handed-out metrics change afterwards."""
+    engine = llm.engine
+    engine.add_request("m", llm.get_tokenizer().encode("import os"),
+                       SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, output_kind="delta"))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [(out.metrics, dataclasses.astuple(out.metrics)) for out in engine.step() if out.request_id == "m"]
+    assert len(outputs) > 3
+    assert all(dataclasses.astuple(metrics) == seen for metrics, seen in outputs)  # none changed in place
+    running, (final, _) = [m for m, _ in outputs[:-1]], outputs[-1]
+    assert all(m is running[0] for m in running) and running[0].first_token_time is not None
+    assert running[0].finished_time is None and final is not running[0] and final.finished_time is not None
+    assert final.first_token_time == running[0].first_token_time
