@@ -65,6 +65,12 @@ class SamplingMetadata:
     def no_penalties(self) -> bool:
         return self.repetition_penalty is None
 
+    @staticmethod
+    def reads_tokens(params: list[SamplingParams]) -> bool:
+        """Whether `build` reads the rows' tokens so far for these params (penalties, min_tokens, bad_words): if
+        not, the metadata depends on the params alone and serves later steps of the same rows."""
+        return any(p.has_penalties or p.min_tokens or p.bad_words_token_ids for p in params)
+
     @classmethod
     def build(
         cls,

@@ -29,7 +29,7 @@ from kestrel.loader import load_eagle_head, load_model
 from kestrel.model.attn_metadata import AttentionMetadata
 from kestrel.worker import cuda_graph
 from kestrel.worker.cuda_graph import GraphRunner, bucket_for, capture_sizes
-from kestrel.worker.input_batch import BlockTable, CachedRequestState, ModelInputs
+from kestrel.worker.input_batch import BlockTable, CachedRequestState, ModelInputs, host_tensor
 from kestrel.worker.kv_cache import KVCacheShape, allocate_kv_cache
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -119,7 +119,7 @@ class Drafter:
         `caps[i] == 0` drafts nothing (its K/V writes go nowhere) but still settles its feature (EAGLE)."""
         n = len(rows)
         bucket = self._bucket(n)
-        host = torch.tensor(base + hidden_base + rows + caps + token_base, dtype=torch.int64, pin_memory=self._pin)
+        host = host_tensor(base + hidden_base + rows + caps + token_base, torch.int64, self._pin)
         host = host.to(self.device, non_blocking=True)
         first = host[:n] + accepted
         width = min(-(-(max(base) + 2 * self.k + 1) // self.block_size), self.table.shape[1])
@@ -188,7 +188,7 @@ class Drafter:
     def _longs(self, values: list[int]) -> torch.Tensor:
         """A small int64 index on the device; through pinned memory on CUDA, so the copy does not wait for the
         queued work (async scheduling launches the next step before this one finishes)."""
-        return torch.tensor(values, dtype=torch.int64, pin_memory=self._pin).to(self.device, non_blocking=True)
+        return host_tensor(values, torch.int64, self._pin).to(self.device, non_blocking=True)
 
     def _run(self, forward, inputs: ModelInputs, counts: list[int]) -> torch.Tensor:
         width = inputs.attn_metadata.block_tables.shape[1]

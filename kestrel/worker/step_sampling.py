@@ -259,9 +259,8 @@ class StepSampler:
         params = [s.sampling_params for s in rows]
         meta = SamplingMetadata.build(params, _TokenLists(rows, prompt=True), _TokenLists(rows, prompt=False),
                                       [s.generator for s in rows], self.eos_token_ids, vocab_size, self.device)
-        reads_tokens = any(p.has_penalties or p.min_tokens or p.bad_words_token_ids for p in params)
         # The rows are kept with the key so that no other object can take one of their ids while it is cached.
-        self._cached_metadata = None if reads_tokens else (key, vocab_size, rows, meta)
+        self._cached_metadata = None if SamplingMetadata.reads_tokens(params) else (key, vocab_size, rows, meta)
         return meta
 
     def _sample_with_drafts(self, step: ForwardStep, grammar: GrammarBitmask | None) -> LaunchedStep:
