@@ -276,14 +276,23 @@ class IncrementalDetokenizer:
 
     def get_delta(self, finished: bool) -> str:
         """Text not yet returned, holding back a possible stop-string prefix and split characters."""
-        text = self.output_text
-        if finished or self.stopped:
-            limit = len(text)
+        emitted = self._emitted
+        if self._final_text is not None:
+            delta = self._final_text[emitted:]
+            self._emitted += len(delta)
+            return delta
+        committed, pending = self._committed, self._pending
+        if finished:
+            limit = len(committed) + len(pending)
         else:
             limit = self._stable_len() - max(self._max_stop_len - 1, 0)
-        if limit <= self._emitted:
+        if limit <= emitted:
             return ""
-        delta = text[self._emitted : limit]
+        # Sliced from the committed text and the pending one apart: a step copies its delta, not the whole text.
+        if limit <= len(committed):
+            delta = committed[emitted:limit]
+        else:
+            delta = committed[emitted:] + pending[max(emitted - len(committed), 0):limit - len(committed)]
         self._emitted = limit
         return delta
 
@@ -311,7 +320,7 @@ class IncrementalDetokenizer:
     def _append_literal(self, token: str) -> None:
         """A special token ends the current run: finalize it as is and restart the window after it."""
         self._decode_window()
-        self._committed += self._pending + token
+        self._commit(self._pending + token)
         self._pending = ""
         self._prefix_offset = self._read_offset = len(self._tokens)
 
@@ -327,7 +336,7 @@ class IncrementalDetokenizer:
                 return
             unread.append(token_id)
             if piece is not None:
-                self._committed += piece
+                self._commit(piece)
                 self._piece_ids, self._unread_ids = unread, []
                 unread = self._unread_ids
         self._pending = self._pending_piece() if unread else ""
@@ -358,7 +367,7 @@ class IncrementalDetokenizer:
         if piece.endswith(_REPLACEMENT):
             self._pending = piece
             return
-        self._committed += piece
+        self._commit(piece)
         self._pending = ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
@@ -367,22 +376,31 @@ class IncrementalDetokenizer:
         """Characters that no later token can change (all but a trailing split character)."""
         return len(self._committed) + len(self._pending.rstrip(_REPLACEMENT))
 
+    def _commit(self, piece: str) -> None:
+        # The text is taken out of the attribute while it grows: a string held only by a local variable is
+        # extended in place (amortized O(piece)), where `self._committed += piece` copies the whole text each time.
+        committed = self._committed
+        self._committed = ""
+        committed += piece
+        self._committed = committed
+
     def _check_stop(self) -> str | None:
         if not self._stops:
             return None
-        text = self.output_text
-        # A match not seen before must end after the previously searched stable text.
+        # A match not seen before must end after the previously searched stable text: only the text from there on
+        # is searched (a copy of it, not of the whole text).
         start = max(0, self._searched - self._max_stop_len + 1)
+        tail = self._committed[start:] + self._pending
         best: tuple[int, str] | None = None
         for stop in self._stops:
-            index = text.find(stop, start)
+            index = tail.find(stop)
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)
         self._searched = self._stable_len()
         if best is None:
             return None
         index, stop = best
-        end = index + len(stop) if self._params.include_stop_str_in_output else index
-        self._final_text = text[:end]
+        end = start + index + (len(stop) if self._params.include_stop_str_in_output else 0)
+        self._final_text = self.output_text[:end]
         self.stop_reason = stop
         return stop

@@ -468,7 +468,11 @@ class ToolCallParser:
 
     def feed(self, text: str) -> list[ParserEvent]:
         events, self._pending = self._pending, []
-        self._text += text
+        # Out of the attribute while it grows: a string only a local holds is extended in place, where
+        # `self._text += text` copies the whole text on every feed.
+        buffered, self._text = self._text, ""
+        buffered += text
+        self._text = buffered
         while self._step(events):
             pass
         return events

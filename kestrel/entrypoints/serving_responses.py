@@ -218,11 +218,11 @@ class _EventWriter:
     def reasoning_delta(self, delta: str) -> list[str]:
         events = []
         if self.reasoning is None:
-            self.reasoning = {"item": _reasoning_item(f"rs_{uuid.uuid4().hex}", None, "in_progress"), "text": "",
+            self.reasoning = {"item": _reasoning_item(f"rs_{uuid.uuid4().hex}", None, "in_progress"), "parts": [],
                               "index": self._next_index()}
             events.append(self.event("response.output_item.added", output_index=self.reasoning["index"],
                                      item=self.reasoning["item"]))
-        self.reasoning["text"] += delta
+        self.reasoning["parts"].append(delta)
         events.append(self.event("response.reasoning_text.delta", item_id=self.reasoning["item"]["id"],
                                  output_index=self.reasoning["index"], content_index=0, delta=delta))
         return events
@@ -230,7 +230,8 @@ class _EventWriter:
     def _finished(self, opened: dict[str, Any], make: Callable[[str, str, str], dict[str, Any]],
                   status: str) -> tuple[str, int, str, dict[str, Any]]:
         """An open item's id, output index and text, and its final form (`make`), now in the output."""
-        item_id, index, text = opened["item"]["id"], opened["index"], opened["text"]
+        # The text was kept in its deltas (joined once here: appending each delta to one string copies it whole).
+        item_id, index, text = opened["item"]["id"], opened["index"], "".join(opened["parts"])
         item = make(item_id, text, status)
         self.output.append(item)
         return item_id, index, text, item
@@ -247,14 +248,14 @@ class _EventWriter:
     def text_delta(self, delta: str) -> list[str]:
         events = self.close_reasoning()
         if self.text is None:
-            self.text = {"item": _message_item(f"msg_{uuid.uuid4().hex}", None, "in_progress"), "text": "",
+            self.text = {"item": _message_item(f"msg_{uuid.uuid4().hex}", None, "in_progress"), "parts": [],
                          "index": self._next_index()}
             events += [self.event("response.output_item.added", output_index=self.text["index"],
                                   item=self.text["item"]),
                        self.event("response.content_part.added", item_id=self.text["item"]["id"],
                                   output_index=self.text["index"], content_index=0, part=_text_part(""))]
         if delta:
-            self.text["text"] += delta
+            self.text["parts"].append(delta)
             events.append(self.event("response.output_text.delta", item_id=self.text["item"]["id"],
                                      output_index=self.text["index"], content_index=0, delta=delta, logprobs=[]))
         return events

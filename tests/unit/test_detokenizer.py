@@ -182,6 +182,25 @@ def test_stop_strings_random(tokenizer, seed: int, include: bool) -> None:
         assert expected_text.startswith(streamed)
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_deep_in_a_long_output(tokenizer, seed: int, include: bool) -> None:
+    """Deltas and the stop search read only the text's end: a stop string thousands of characters in, after a
+    near miss, ends the text where a search of the whole text does."""
+    rng = random.Random(300 + seed)
+    text = random_text(rng, 3000)
+    start = rng.randrange(2500, 2900)
+    stop = text[start : start + 4]
+    near_miss = stop[:3] + "#"  # never in the text: CHARS has no '#'
+    ids = encode(tokenizer, text)
+    ids_chunks = chunks(rng, ids, 3)
+    detok, deltas = run(tokenizer, ids_chunks, SP(stop=[near_miss, stop], include_stop_str_in_output=include))
+    expected_text, expected_stop = stop_oracle(tokenizer, ids_chunks, [near_miss, stop], include)
+    assert detok.stop_reason == expected_stop == stop
+    assert detok.output_text == expected_text
+    assert "".join(deltas) == expected_text
+
+
 def test_stop_strings_wait_for_min_tokens(tokenizer) -> None:
     """As EOS does (vLLM's rule): a stop string ending in the text of the first min_tokens tokens does not count,
     one ending after it does, however the tokens arrive."""
