@@ -613,7 +613,17 @@ class EngineCore:
                 self._sequence_ended(request, sequence, now)
                 self._parents.pop(parent.request_id, None)
                 outputs.append(make_delta(parent, True))
-            elif not sequence.final_only:
+            elif sequence.final_only:
+                continue
+            elif sequence.tokens_only and sequence.num_emitted_tokens:
+                # _make_delta's tokens-only form, inline: the delta of nearly every sequence in a decode step.
+                tokens = request.output_token_ids
+                start = sequence.num_emitted_tokens
+                sequence.num_emitted_tokens = len(tokens)
+                cached = request.num_cached_tokens
+                outputs.append(_new_tuple(SequenceDelta, (parent.request_id, tokens[start:], None, None, None,
+                                                          cached if cached > 0 else 0, None, None, None)))
+            else:
                 outputs.append(make_delta(parent, False))
         return outputs
 
@@ -784,11 +794,8 @@ class EngineCore:
         start = sequence.num_emitted_tokens
         sequence.num_emitted_tokens = len(tokens)
         cached = request.num_cached_tokens
-        # One is built per sequence and step: the fields in SequenceDelta's order, through tuple.__new__ (the named
-        # tuple's own __new__ is a Python frame more).
-        if start and not finished and sequence.tokens_only:
-            return _new_tuple(SequenceDelta, (parent.request_id, tokens[start:], None, None, None,
-                                              cached if cached > 0 else 0, None, None, None))
+        # The fields in SequenceDelta's order, through tuple.__new__ (the named tuple's own __new__ is a Python frame
+        # more); _emit_deltas builds the tokens-only form itself.
         params = request.sampling_params
         return _new_tuple(SequenceDelta, (
             parent.request_id,

@@ -390,6 +390,7 @@ class Scheduler:
         pooled = runner_output.pooled
         all_logprobs = runner_output.logprobs
         stop_status = self._stop_status
+        context_limit = self._context_limit
         num_generated = 0
         for i, (request_id, tokens) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             if not tokens:
@@ -414,11 +415,16 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             output_token_ids, all_token_ids = request.output_token_ids, request.all_token_ids
+            stopping_ids, max_tokens = request.stopping_ids, request.max_tokens
             appended = 0
             for token_id in tokens:
                 output_token_ids.append(token_id)  # Request.append_output_token, inline: once per token
                 all_token_ids.append(token_id)
                 appended += 1
+                # _stop_status's own tests, inline: it is called only where one of them may stop the request.
+                if not (token_id in stopping_ids or len(output_token_ids) >= max_tokens
+                        or len(all_token_ids) >= context_limit):
+                    continue
                 status = stop_status(request, token_id)
                 if status is not None:
                     # Under async scheduling the request may have been preempted while its token was in flight.
@@ -446,7 +452,7 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         """Past min_tokens, an ending EOS id (first) or a stop_token_id (its stop_reason); else the length limits.
-        Called for every sampled token, so the usual answer, None, takes one set lookup and two comparisons."""
+        `update` calls it only for a token in `stopping_ids` or at a length limit (its tests repeat these)."""
         num_output = len(request.output_token_ids)
         if token_id in request.stopping_ids and num_output >= request.sampling_params.min_tokens:
             if token_id not in request.ending_eos_ids:
