@@ -9,6 +9,9 @@
 #   ttft       batch-1 TTFT of an 8k and a 128-token FP8 prompt
 #   moe        `kestrel bench moe` at T = 32, 128: bf16, FP8 per channel, FP8 [128, 128] blocks
 #   moe1       Qwen3-30B-A3B batch-1 and batch-8 decode, BF16 and FP8 + FP8 KV
+#   mixtral    Mixtral-8x7B decode at batch 1, 8, 32, 128, FP8 + FP8 KV (and BF16 where its 93 GB fit the GPU)
+#   moetput    Qwen3-30B-A3B full load, BF16, 1000 x 1000 in / 1000 out, max_num_seqs 512
+#   w8a16      Llama-3-8B W8A16 (group 128): decode at batch 1, 8, 32, 128, and a full load of 384 x 1000/1000
 # Off an H200 the H200's tables are copied under the GPU's name (h200_tables), so the defaults are the H200's.
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 h200_tables
@@ -39,6 +42,23 @@ for stage in "$@"; do
     moe1) latency 200 moe1-fp8 --arch qwen3-30b-a3b --batch 1,8 --input-len 128 --output-len 64 --repeats 3 \
             --quantization fp8 --kv-cache-dtype fp8
           latency 200 moe1-bf16 --arch qwen3-30b-a3b --batch 1,8 --input-len 128 --output-len 64 --repeats 3 ;;
+    mixtral) latency 300 mixtral-fp8 --arch mixtral-8x7b --batch 1,8,32,128 --input-len 128 --output-len 64 \
+               --repeats 2 --quantization fp8 --kv-cache-dtype fp8
+             gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+             if [ "$gib" -gt 120000 ]; then
+               latency 300 mixtral-bf16 --arch mixtral-8x7b --batch 1,8,32,128 --input-len 128 --output-len 64 \
+                 --repeats 2
+             else
+               echo "Mixtral-8x7B BF16 (93 GB of weights) does not fit this GPU's $gib MiB" | tee -a "$out/log.txt"
+             fi ;;
+    moetput) run 400 python3 -m kestrel.bench.throughput --arch qwen3-30b-a3b --num-prompts 1000 --input-len 1000 \
+               --output-len 1000 --hf-peer-prompts 0 --max-seconds 330 --max-num-seqs 512 \
+               --result-file "$out/throughput-qwen3-30b-a3b-bf16-judged-h200.json" ;;
+    w8a16) latency 200 llama3-8b-w8a16 --weight-only w8a16 --batch 1,8,32,128 --input-len 128 --output-len 64 \
+             --repeats 2
+           run 300 python3 -m kestrel.bench.throughput --weight-only w8a16 --hf-peer-prompts 0 --num-prompts 384 \
+             --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-seconds 240 \
+             --result-file "$out/throughput-llama3-8b-w8a16-384x1000-256-h200.json" ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac
 done
