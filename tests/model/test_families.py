@@ -58,10 +58,14 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "norm_topk_prob": True}),
+    # Every second layer sparse (decoder_sparse_step): the first layer keeps its dense MLP.
+    "qwen3-moe-sparse-step": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "decoder_sparse_step": 2}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
                                                   "clip_qkv": 0.5}),
 }
-MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe")
+MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "qwen3-moe-sparse-step", "olmoe")
 
 
 def write_family(path: Path, family: str, seed: int = 0, spread: float = 0.08) -> Path:

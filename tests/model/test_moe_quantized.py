@@ -420,7 +420,7 @@ def rename_mixtral_experts(path: Path) -> None:
     save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
-LLMC_CASES = {"qwen3-moe": "mlp.gate", "qwen2-moe": "mlp.gate", "mixtral": "block_sparse_moe.gate"}
+LLMC_CASES = {"qwen3-moe": "mlp.gate", "qwen2-moe": "mlp.gate", "mixtral": "block_sparse_moe.gate", "olmoe": "mlp.gate"}
 
 
 @pytest.fixture(scope="module", params=list(LLMC_CASES))
@@ -512,7 +512,7 @@ def test_llmcompressor_fp8_dynamic_checkpoint_loads_and_follows_its_fake_quantiz
         assert error < quant_effect, f"logits {error:.4f} from the checkpoint, quantization moved {quant_effect:.4f}"
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_block_fp8_experts_follow_the_checkpoints_fake_quantized_forward_end_to_end(family, tmp_path) -> None:
     """Experts only (the dense layers stay in float32): kestrel's logits are the oracle's to float32 rounding."""
     from test_families import write_family
