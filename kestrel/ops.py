@@ -279,19 +279,24 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, activation="silu", *, w13_scal
               block_shape=block_shape, reduce_inter_amax=reduce_inter_amax)
 
 
-def moe_route(logits, top_k, renormalize):
-    """(weights fp32 [T, k], expert ids int64 [T, k]): each token's `top_k` experts by the softmax of its router
-    logits `[T, E]`, in descending weight order, the weights renormalised to sum to 1 when `renormalize`."""
+# ValueError naming what a router of that many experts cannot do (its scoring, groups, top-k).
+check_moe_routing = _moe_routing.check_routing
+
+
+def moe_route(logits, top_k, renormalize, scoring="softmax", num_groups=1, topk_groups=1):
+    """(weights fp32 [T, k], expert ids int64 [T, k]): each token's `top_k` experts by the `scoring` ("softmax" or
+    "sigmoid") of its router logits `[T, E]`, in descending weight order, the weights renormalised to sum to 1 when
+    `renormalize`; with `num_groups` > 1, chosen among the experts of its `topk_groups` best groups."""
     fn = _moe_routing.route_topk if use_triton(logits) else _moe_routing.route_topk_ref
-    return fn(logits, top_k, renormalize)
+    return fn(logits, top_k, renormalize, scoring, num_groups, topk_groups)
 
 
-def moe_route_gemv(x, router_weight, top_k, renormalize, *, config):
-    """`moe_route(x @ router_weight.T, ...)` for a 16-bit router whose decode GEMV (kernels/gemv.py, `config`) runs
-    these rows: the logits rounded to x's dtype, then each row's top-k, in the GEMV's own launch where the GPU
-    runs the `router_topk` launch feature."""
+def moe_route_gemv(x, router_weight, top_k, renormalize, *, config, scoring="softmax"):
+    """`moe_route(x @ router_weight.T, ...)` (ungrouped) for a 16-bit router whose decode GEMV (kernels/gemv.py,
+    `config`) runs these rows: the logits rounded to x's dtype, then each row's top-k, in the GEMV's own launch
+    where the GPU runs the `router_topk` launch feature."""
     fn = _gemv.gemv_route if use_triton(x) else _gemv.gemv_route_ref
-    return fn(x, router_weight, top_k, renormalize, config=config)
+    return fn(x, router_weight, top_k, renormalize, config=config, scoring=scoring)
 
 
 def apply_token_bitmask(logits, bitmask, rows):

@@ -128,7 +128,7 @@ def _epilogue(dot, m, cols, rows, n_ok, s_ptr, b_ptr, out_ptr, stride_om,
 @triton.jit
 def _route_when_last(out_ptr, stride_om, N, done_ptr, route_w_ptr, route_id_ptr, ROWS: tl.constexpr,
                      NUM_BLOCKS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                     RENORMALIZE: tl.constexpr):
+                     RENORMALIZE: tl.constexpr, SIGMOID: tl.constexpr):
     """After this program stored its column block of every row: the last of the NUM_BLOCKS to arrive routes each
     row from the stored logits (rounded to the output dtype, as the routing launch reads them) and zeroes the
     counter again."""
@@ -138,7 +138,7 @@ def _route_when_last(out_ptr, stride_om, N, done_ptr, route_w_ptr, route_id_ptr,
         for m in tl.static_range(ROWS):
             logits = tl.load(out_ptr + m * stride_om + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
             _routing.topk_of_row(logits.to(tl.float32), offs, valid, route_w_ptr + m * TOP_K,
-                                 route_id_ptr + m * TOP_K, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+                                 route_id_ptr + m * TOP_K, TOP_K, K_PAD, E_PAD, RENORMALIZE, SIGMOID)
         tl.atomic_xchg(done_ptr, 0)
 
 
@@ -148,7 +148,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, route_w_
                  HAS_SCALE: tl.constexpr, PER_TENSOR: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                  USE_PDL: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NUM_BLOCKS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                 RENORMALIZE: tl.constexpr):
+                 RENORMALIZE: tl.constexpr, SIGMOID: tl.constexpr):
     """out[m, n] = round(scale[n] * sum_k x[m, k] * w[n, k] + bias[n]) for the ROWS rows of x; this program
     reads the weight slice [BLOCK_N rows, K slice `program_id % SPLIT_K`]. Under PDL the slice is loaded before
     waiting for the previous kernel (weights never depend on it); x, the workspace, the counters and the output
@@ -182,7 +182,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, route_w_
             tl.store(part + m * BLOCK_N, dot)
     if SPLIT_K == 1 and TOP_K > 0:
         _route_when_last(out_ptr, stride_om, N, lock_ptr + NUM_BLOCKS, route_w_ptr, route_id_ptr, ROWS, NUM_BLOCKS,
-                         TOP_K, K_PAD, E_PAD, RENORMALIZE)
+                         TOP_K, K_PAD, E_PAD, RENORMALIZE, SIGMOID)
     if SPLIT_K > 1:
         is_last = common.last_arrival(lock_ptr + nb, SPLIT_K)
         if is_last:
@@ -192,7 +192,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, route_w_
             tl.atomic_xchg(lock_ptr + nb, 0)
             if TOP_K > 0:
                 _route_when_last(out_ptr, stride_om, N, lock_ptr + NUM_BLOCKS, route_w_ptr, route_id_ptr, ROWS,
-                                 NUM_BLOCKS, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+                                 NUM_BLOCKS, TOP_K, K_PAD, E_PAD, RENORMALIZE, SIGMOID)
 
 
 # ----------------------------------------------------------------------------------------- launcher
@@ -213,38 +213,38 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
 
 
 def gemv_route_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, *,
-                   config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights fp32 [M, k], expert ids int64 [M, k]): the softmax top-k of a router's logits, `x @ weight.T`
-    rounded to x's dtype (`gemv_ref`, then `moe_routing.route_topk_ref`). `config` is unused."""
-    return _routing.route_topk_ref(gemv_ref(x, weight, None, x.dtype), top_k, renormalize)
+                   config: GemvConfig | None = None, scoring: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [M, k], expert ids int64 [M, k]): the top-k by `scoring` (softmax or sigmoid) of a router's
+    logits, `x @ weight.T` rounded to x's dtype (`gemv_ref`, then `moe_routing.route_topk_ref`). `config` is
+    unused."""
+    return _routing.route_topk_ref(gemv_ref(x, weight, None, x.dtype), top_k, renormalize, scoring)
 
 
 def gemv_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, *,
-               config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               config: GemvConfig | None = None, scoring: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `gemv_route_ref` in one launch (per `MAX_M` rows) for a 16-bit router weight: the GEMV's last
     column block to be stored routes every row (`moe_routing.topk_of_row`, the routing launch's code), in place
     of the routing launch after it. Where the `router_topk` launch feature is off: the GEMV, then that launch."""
     if weight.dtype == torch.float8_e4m3fn:
         raise ValueError("gemv_route: the router weight must be 16-bit (routing stays in the model dtype)")
     M, N, K = _check(x, weight, None, None)
-    if not 0 < top_k <= N:
-        raise ValueError(f"top_k={top_k} must be in 1..{N} (the router's experts)")
+    _routing.check_routing(N, top_k, scoring, 1, 1)
     cfg = config or DEFAULT
     # Off (the launch feature, until measured on this GPU), nothing to launch, or no counter left for the
     # router's: the two launches.
     if (not common.launch_feature("router_topk", x.device) or M == 0 or K == 0
             or triton.cdiv(N, cfg.block_n) >= common.ARRIVAL_SLOTS):
-        return _routing.route_topk(gemv(x, weight, None, x.dtype, config=cfg), top_k, renormalize)
+        return _routing.route_topk(gemv(x, weight, None, x.dtype, config=cfg), top_k, renormalize, scoring)
     weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(M, top_k, dtype=torch.int64, device=x.device)
     _launch(x, weight, None, None, torch.empty(M, N, dtype=x.dtype, device=x.device), cfg,
-            (weights, ids, renormalize))
+            (weights, ids, renormalize, scoring))
     return weights, ids
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
-            out: torch.Tensor, cfg: GemvConfig, route: tuple[torch.Tensor, torch.Tensor, bool] | None) -> None:
-    """The GEMV launches into `out`; `route` (weights, ids, renormalize): each row's top-k too."""
+            out: torch.Tensor, cfg: GemvConfig, route: tuple[torch.Tensor, torch.Tensor, bool, str] | None) -> None:
+    """The GEMV launches into `out`; `route` (weights, ids, renormalize, scoring): each row's top-k too."""
     M, N = out.shape
     K = x.shape[1]
     if weight.stride(1) != 1:
@@ -261,7 +261,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | 
     if split_k > 1 and n_blocks + (route is not None) > common.ARRIVAL_SLOTS:
         block_k, split_k = triton.next_power_of_2(K), 1
     locks = common.arrival_counters(x.device) if split_k > 1 or route is not None else scale_arg
-    weights, ids, renormalize = route if route is not None else (scale_arg, scale_arg, False)
+    weights, ids, renormalize, scoring = route if route is not None else (scale_arg, scale_arg, False, "softmax")
     top_k = weights.shape[1] if route is not None else 0
     for m0 in range(0, M, MAX_M):
         xm, om = x[m0:m0 + MAX_M], out[m0:m0 + MAX_M]
@@ -276,5 +276,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | 
             EVEN_K=K % block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps,
             # Routing's constants only where it routes: a plain GEMV compiles once for every N, as before.
             NUM_BLOCKS=n_blocks if top_k else 1, TOP_K=top_k, K_PAD=triton.next_power_of_2(max(top_k, 1)),
-            E_PAD=triton.next_power_of_2(N) if top_k else 1, RENORMALIZE=renormalize,
+            E_PAD=triton.next_power_of_2(N) if top_k else 1, RENORMALIZE=renormalize, SIGMOID=scoring == "sigmoid",
             **common.launch_options(x, "pdl_decode"))

@@ -4,9 +4,11 @@ alignment of the (token, slot) pairs by expert that the fused MoE GEMMs read (`f
 The torch versions take about twenty small launches per layer (softmax, top-k, renormalisation; a sort, two
 binary searches, cumulative sums, a scatter), which at batch 1 cost more than reading the chosen experts' weights.
 
-- `route_topk`: one program per token; the softmax in fp32 over the padded expert row, then `top_k` rounds of
-  arg-max (the lowest index wins a tie), the weights renormalised to sum to 1 when asked. Weights fp32 `[T, k]`,
-  ids int64 `[T, k]` in descending weight order, as `torch.topk` gives them.
+- `route_topk`: one program per token; the scores in fp32 over the padded expert row (the softmax, or each
+  logit's sigmoid: `scoring`), then `top_k` rounds of arg-max (the lowest index wins a tie), the weights
+  renormalised to sum to 1 when asked. Weights fp32 `[T, k]`, ids int64 `[T, k]` in descending weight order, as
+  `torch.topk` gives them. Grouped top-k (the experts in `num_groups` groups, each token choosing among those of
+  its `topk_groups` best groups, a group scored by its best expert) runs in `route_topk_ref`.
 - `moe_align_single`: one program for the whole step, every pair in its registers. Per-expert counts by a
   histogram, each expert's run padded to a multiple of BLOCK_M, their starts by a cumulative sum; the pairs sorted
   by (expert, pair) in registers, so the i-th goes to its expert's start plus its rank among that expert's pairs
@@ -38,10 +40,44 @@ _SLOTS_FILL = 1024  # sentinel slots written per store
 # ------------------------------------------------------------------------------------------------ router
 
 
-def route_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights fp32 [T, k], expert ids int64 [T, k]) of each token's `top_k` experts by softmax probability."""
-    probs = F.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+SCORINGS = ("softmax", "sigmoid")
+
+
+def check_routing(num_experts: int, top_k: int, scoring: str, num_groups: int, topk_groups: int) -> None:
+    """ValueError naming what a router of `num_experts` experts cannot do."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring={scoring!r}: a router scores its experts by one of {list(SCORINGS)}")
+    if num_groups < 1 or num_experts % num_groups:
+        raise ValueError(f"num_groups={num_groups} must divide the {num_experts} experts")
+    if not 1 <= topk_groups <= num_groups:
+        raise ValueError(f"topk_groups={topk_groups} must be in 1..num_groups={num_groups}")
+    choosable = topk_groups * (num_experts // num_groups)
+    if not 0 < top_k <= choosable:
+        among = ("the router's experts" if num_groups == 1 else
+                 f"the experts of {topk_groups} of {num_groups} groups of the router's {num_experts}")
+        raise ValueError(f"top_k={top_k} must be in 1..{choosable} ({among})")
+
+
+def route_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
+                   num_groups: int = 1, topk_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, k], expert ids int64 [T, k]) of each token's `top_k` experts by score: the softmax of
+    the logits, or each one's sigmoid. With `num_groups` > 1 the experts form that many equal groups in order, and
+    a token chooses among the experts of its `topk_groups` groups of highest best score (DeepSeek's grouped top-k)."""
+    num_tokens, num_experts = logits.shape
+    check_routing(num_experts, top_k, scoring, num_groups, topk_groups)
+    probs = F.softmax(logits.float(), dim=-1) if scoring == "softmax" else torch.sigmoid(logits.float())
+    candidates = probs
+    if num_groups > 1:
+        per_group = num_experts // num_groups
+        best_of_group = probs.view(num_tokens, num_groups, per_group).amax(dim=-1)
+        groups = torch.topk(best_of_group, topk_groups, dim=-1).indices
+        kept = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=logits.device)
+        kept.scatter_(1, groups, True)
+        # Experts outside the kept groups can never be chosen: below any score (scores are >= 0).
+        candidates = probs.masked_fill(~kept.repeat_interleave(per_group, dim=1), -1.0)
+    # A stable sort: among equal scores the lowest index first, as the kernel picks them (torch.topk does not say).
+    ids = torch.sort(candidates, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = probs.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
@@ -49,12 +85,15 @@ def route_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple
 
 @triton.jit
 def topk_of_row(logits, offs, valid, weights_ptr, ids_ptr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """One token's softmax top-k from its fp32 `logits` over `offs` (E_PAD lanes, `valid` the real experts,
-    -inf elsewhere), stored at `weights_ptr` / `ids_ptr` (TOP_K each). Shared by the routing launch and the router
-    GEMV that routes in its last program (`gemv.gemv_route`)."""
-    exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
-    probs = exps / tl.sum(exps, axis=0)
+                E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, SIGMOID: tl.constexpr = False):
+    """One token's top-k by softmax probability (SIGMOID: by each logit's sigmoid) from its fp32 `logits` over
+    `offs` (E_PAD lanes, `valid` the real experts, -inf elsewhere), stored at `weights_ptr` / `ids_ptr` (TOP_K
+    each). Shared by the routing launch and the router GEMV that routes in its last program (`gemv.gemv_route`)."""
+    if SIGMOID:
+        probs = tl.where(valid, 1.0 / (1.0 + tl.exp(-logits)), 0.0)
+    else:
+        exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+        probs = exps / tl.sum(exps, axis=0)
     # Probabilities are >= 0: -1 marks what is taken or padding. A NaN (a NaN logit, or stale memory) counts as
     # 0, so every pick is a real expert: an id past the experts would make the alignment index out of bounds.
     remaining = tl.where(valid, tl.where(probs == probs, probs, 0.0), -1.0)
@@ -75,7 +114,8 @@ def topk_of_row(logits, offs, valid, weights_ptr, ids_ptr, TOP_K: tl.constexpr, 
 
 @triton.jit
 def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
-                       K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+                       K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, SIGMOID: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -84,14 +124,16 @@ def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, 
     valid = offs < num_experts
     logits = tl.load(logits_ptr + token * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
     topk_of_row(logits, offs, valid, weights_ptr + token * TOP_K, ids_ptr + token * TOP_K, TOP_K, K_PAD, E_PAD,
-                RENORMALIZE)
+                RENORMALIZE, SIGMOID)
 
 
-def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton `route_topk_ref`: one launch."""
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
+               num_groups: int = 1, topk_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `route_topk_ref`: one launch; grouped top-k (`num_groups` > 1) runs the reference's torch ops."""
     num_tokens, num_experts = logits.shape
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"top_k={top_k} must be in 1..{num_experts} (the router's experts)")
+    check_routing(num_experts, top_k, scoring, num_groups, topk_groups)
+    if num_groups > 1:
+        return route_topk_ref(logits, top_k, renormalize, scoring, num_groups, topk_groups)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
@@ -100,7 +142,8 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
         e_pad = triton.next_power_of_2(num_experts)
         _route_topk_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                                           K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad,
-                                          RENORMALIZE=renormalize, num_warps=4 if e_pad >= 512 else 1,
+                                          RENORMALIZE=renormalize, SIGMOID=scoring == "sigmoid",
+                                          num_warps=4 if e_pad >= 512 else 1,
                                           **common.pdl_options(logits, "pdl_decode"))
     return weights, ids
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from kestrel import ops
 from kestrel.config import ConfigError
 from kestrel.model.layers.activation import activation_from_hf
 from kestrel.model.layers.rotary import RopeConfig
@@ -43,10 +44,13 @@ SANDWICH_NORMS = LayerNorms("input_layernorm", "post_attention_layernorm", "pre_
 
 @dataclass(frozen=True)
 class MoEArch:
-    """A mixture-of-experts MLP: a softmax router picks `top_k` of `num_experts` gated MLPs per token (their
-    weights renormalized to sum to 1 when `renormalize`), plus an always-on shared expert scaled by a sigmoid gate
-    where `shared_expert_size` is set (Qwen2-MoE). Names are the checkpoint's: the block (`block_sparse_moe` in
-    Mixtral), its router, and each expert's gate, up and down projections (`w1`, `w3`, `w2` in Mixtral)."""
+    """A mixture-of-experts MLP: a router picks `top_k` of `num_experts` gated MLPs per token by their scores
+    (`scoring`: the softmax of its logits, or each logit's sigmoid), their weights renormalized to sum to 1 when
+    `renormalize`; with `num_groups` > 1 a token chooses among the experts of its `topk_groups` groups of highest
+    best score (DeepSeek's grouped top-k; the families here route ungrouped by softmax). Plus an always-on shared
+    expert scaled by a sigmoid gate where `shared_expert_size` is set (Qwen2-MoE). Names are the checkpoint's: the
+    block (`block_sparse_moe` in Mixtral), its router, and each expert's gate, up and down projections (`w1`,
+    `w3`, `w2` in Mixtral)."""
 
     num_experts: int
     top_k: int
@@ -57,11 +61,18 @@ class MoEArch:
     module: str = "mlp"
     router: str = "gate"
     expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    scoring: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
             raise ConfigError(f"invalid config.json: num_experts_per_tok={self.top_k} must be in 1..num_experts="
                               f"{self.num_experts}")
+        try:
+            ops.check_moe_routing(self.num_experts, self.top_k, self.scoring, self.num_groups, self.topk_groups)
+        except ValueError as e:
+            raise ConfigError(f"invalid config.json: the router's {e}") from None
         if self.intermediate_size <= 0:
             raise ConfigError(f"invalid config.json: the experts' intermediate size {self.intermediate_size} must "
                               "be > 0")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import pytest
 import torch
@@ -460,11 +461,20 @@ def test_single_program_align_equals_torch_sort(T, E, k, block_m, skipped, devic
         assert g.dtype == w.dtype and g.cpu().tolist() == w.tolist()
 
 
-def route_oracle(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 softmax; the k largest by value, the lowest index first among equals."""
-    probs = torch.softmax(logits.double(), dim=-1)
-    ids = torch.stack([torch.tensor(sorted(range(row.numel()), key=lambda e, r=row: (-float(r[e]), e))[:k])
-                       for row in probs])
+def route_oracle(logits: torch.Tensor, k: int, renormalize: bool, scoring: str = "softmax", num_groups: int = 1,
+                 topk_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 softmax (or sigmoid); the k largest by value, the lowest index first among equals; with groups, only
+    among the experts of the topk_groups groups whose best expert scores highest (the lower group first)."""
+    logits = logits.double()
+    probs = torch.softmax(logits, dim=-1) if scoring == "softmax" else 1.0 / (1.0 + torch.exp(-logits))
+    per_group = probs.shape[1] // num_groups
+    rows = []
+    for row in probs:
+        best = [max(float(v) for v in row[g * per_group:(g + 1) * per_group]) for g in range(num_groups)]
+        groups = sorted(range(num_groups), key=lambda g: (-best[g], g))[:topk_groups]
+        allowed = [e for e in range(row.numel()) if e // per_group in groups]
+        rows.append(torch.tensor(sorted(allowed, key=lambda e, r=row: (-float(r[e]), e))[:k]))
+    ids = torch.stack(rows)
     weights = probs.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
@@ -483,6 +493,46 @@ def test_route_topk_matches_float64(T, E, k, dtype, renormalize, device):
         assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and weights.shape == (T, k)
         assert ids.cpu().tolist() == want_ids.tolist()
         torch.testing.assert_close(weights.cpu().double(), want_w, rtol=4 * FP32, atol=4 * FP32)
+
+
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "raw"])
+@pytest.mark.parametrize("T,E,k,dtype", [(1, 128, 8, torch.bfloat16), (9, 60, 4, torch.float32),
+                                         (4, 16, 1, torch.float32)])
+def test_sigmoid_routing_matches_float64(T, E, k, dtype, renormalize, device):
+    """Each logit's sigmoid as the expert's score (the routers of DeepSeek-V3 and Llama 4), renormalized or not."""
+    g = torch.Generator().manual_seed(T * E + k + 7)
+    logits = (torch.randn(T, E, generator=g) * 2).to(dtype)
+    want_w, want_ids = route_oracle(logits, k, renormalize, "sigmoid")
+    for fn in (route_topk, route_topk_ref):
+        weights, ids = fn(logits.to(device), k, renormalize, "sigmoid")
+        assert ids.cpu().tolist() == want_ids.tolist()
+        torch.testing.assert_close(weights.cpu().double(), want_w, rtol=4 * FP32, atol=4 * FP32)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("E,groups,topk_groups,k", [(16, 4, 2, 4), (64, 8, 3, 6), (12, 3, 1, 4)])
+def test_grouped_routing_chooses_only_within_the_best_groups(E, groups, topk_groups, k, scoring, device):
+    g = torch.Generator().manual_seed(E + groups * 10 + k)
+    logits = torch.randn(7, E, generator=g) * 2
+    want_w, want_ids = route_oracle(logits, k, True, scoring, groups, topk_groups)
+    for fn in (route_topk, route_topk_ref):
+        weights, ids = fn(logits.to(device), k, True, scoring, groups, topk_groups)
+        assert ids.cpu().tolist() == want_ids.tolist()
+        torch.testing.assert_close(weights.cpu().double(), want_w, rtol=4 * FP32, atol=4 * FP32)
+        chosen_groups = (ids.cpu() // (E // groups)).tolist()
+        assert all(len(set(row)) <= topk_groups for row in chosen_groups)
+
+
+def test_routing_refuses_what_it_cannot_route_naming_it():
+    logits = torch.randn(2, 12)
+    for kwargs, match in (({"scoring": "softplus"}, "scoring='softplus'"),
+                          ({"num_groups": 5}, "num_groups=5 must divide the 12 experts"),
+                          ({"num_groups": 4, "topk_groups": 5}, "topk_groups=5 must be in 1..num_groups=4"),
+                          ({"num_groups": 4, "topk_groups": 1, "top_k": 4}, "top_k=4 must be in 1..3")):
+        kwargs = {"top_k": 2, **kwargs}
+        for fn in (route_topk, route_topk_ref):
+            with pytest.raises(ValueError, match=re.escape(match)):
+                fn(logits, renormalize=True, **kwargs)
 
 
 def test_route_topk_ties_take_the_lowest_index(device):

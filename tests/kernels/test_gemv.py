@@ -139,6 +139,24 @@ def test_routing_in_the_last_column_block_is_the_routing_launch_bit_for_bit(case
     assert torch.equal(ids.cpu(), ref_ids)
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_sigmoid_routing_in_the_last_column_block_is_the_routing_launch_bit_for_bit(renormalize, device):
+    """The router GEMV's own routing with sigmoid scores: the routing launch's weights and ids, the reference's."""
+    from kestrel.kernels import moe_routing
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16).to(device)
+    w = (torch.randn(16, 64, generator=g) / 8).to(torch.bfloat16).to(device)
+    for cfg in (ONE_SLICE, SPLIT, NARROW):
+        weights, ids = gv.gemv_route(x, w, 4, renormalize, config=cfg, scoring="sigmoid")
+        two_launches = moe_routing.route_topk(gv.gemv(x, w, None, torch.bfloat16, config=cfg), 4, renormalize,
+                                              "sigmoid")
+        assert torch.equal(weights, two_launches[0]) and torch.equal(ids, two_launches[1])
+    ref_weights, ref_ids = gv.gemv_route_ref(x.cpu(), w.cpu(), 4, renormalize, scoring="sigmoid")
+    assert torch.equal(ids.cpu(), ref_ids)
+    assert torch.allclose(weights.cpu(), ref_weights, rtol=2.0**-20, atol=1e-7)
+
+
 def _route_sm90_reports() -> list[tuple[str, str]]:
     """(PTX, ptxas report) of the routing GEMV at Qwen3-30B-A3B's router (128 experts x 2048, top-8) with the H200
     table's tiles (one K slice) and with two K slices (the routing inside the split sum's last arrival), 1 and 4
@@ -150,7 +168,8 @@ def _route_sm90_reports() -> list[tuple[str, str]]:
     for block_k, rows in ((2048, 1), (2048, 4), (1024, 4)):
         constexprs = dict(SPLIT_K=2048 // block_k, ROWS=rows, W_FP8=False, HAS_SCALE=False, PER_TENSOR=False,
                           HAS_BIAS=False, EVEN_K=True, USE_PDL=True, FAST=True, BLOCK_N=2, BLOCK_K=block_k,
-                          NUM_BLOCKS=64, TOP_K=8, K_PAD=8, E_PAD=128, RENORMALIZE=True)
+                          NUM_BLOCKS=64, TOP_K=8, K_PAD=8, E_PAD=128, RENORMALIZE=True,
+                          SIGMOID=False)
         reports.append(sm90.compile_sm90(gv._gemv_kernel, pointers, ints, constexprs, 4))
     return reports
 

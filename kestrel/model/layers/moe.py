@@ -141,8 +141,9 @@ class FusedExperts(nn.Module):
 
 
 class MoEMLP(nn.Module):
-    """`x [T, H]` -> `[T, H]`: the router's softmax top-k over the experts, the chosen experts' gated MLPs weighted
-    and summed (one fused kernel), plus the shared expert times sigmoid(its gate) where there is one."""
+    """`x [T, H]` -> `[T, H]`: the router's top-k over the experts (`MoEArch`: softmax or sigmoid scores, grouped or
+    not), the chosen experts' gated MLPs weighted and summed (one fused kernel), plus the shared expert times
+    sigmoid(its gate) where there is one."""
 
     def __init__(self, arch: DecoderArch, dtype: torch.dtype, quant_method: QuantMethodFor, prefix: str,
                  parallel: ParallelContext, dense_mlp: Callable[[DecoderArch, str], nn.Module]) -> None:
@@ -156,6 +157,7 @@ class MoEMLP(nn.Module):
         experts_method = quant_method(experts, parts, kind=FUSED_MOE)
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
+        self.scoring, self.num_groups, self.topk_groups = moe.scoring, moe.num_groups, moe.topk_groups
         self.activation = arch.activation
         self.parallel = parallel
         self.router_name = moe.router
@@ -185,10 +187,13 @@ class MoEMLP(nn.Module):
         """(weights [T, k] float32, expert ids [T, k]) of each token's chosen experts. A router that runs these rows
         on the decode GEMV routes in it (`ops.moe_route_gemv`: the same logits and choices)."""
         router = self.in_proj
-        gemv = UnquantizedLinearMethod.gemv_config(router, x) if x.dim() == 2 else None  # the router's method
+        # The router's method; grouped top-k runs after the router's own GEMM.
+        gemv = (UnquantizedLinearMethod.gemv_config(router, x) if x.dim() == 2 and self.num_groups == 1 else None)
         if gemv is not None:
-            return ops.moe_route_gemv(x, router.weight, self.top_k, self.renormalize, config=gemv)
-        return ops.moe_route(router(x), self.top_k, self.renormalize)
+            return ops.moe_route_gemv(x, router.weight, self.top_k, self.renormalize, config=gemv,
+                                      scoring=self.scoring)
+        return ops.moe_route(router(x), self.top_k, self.renormalize, self.scoring, self.num_groups,
+                             self.topk_groups)
 
     def forward(self, x: torch.Tensor, fuse: bool = True,
                 attn_metadata: AttentionMetadata | None = None) -> torch.Tensor:
