@@ -39,6 +39,8 @@ ARCH_OVERRIDES = {"llama": {"rope_scaling": None}, "qwen2": {}, "qwen3": {"head_
 # case -> (architecture, GGML type by GGUF module, what runs on the kernel)
 CASES = {
     "llama-f32": ("llama", {"default": "F32"}, set()),
+    # BF16 weights (float weights, loaded as they are in the model dtype), the output layer in F16.
+    "qwen3-bf16": ("qwen3", {"default": "BF16", "output": "F16"}, set()),
     "llama-q8_0": ("llama", {"default": "Q8_0"}, {"Q8_0"}),
     # llama.cpp's Q4_0 files keep the output layer in Q6_K.
     "llama-q4_0": ("llama", {"default": "Q4_0", "output": "Q6_K"}, {"Q4_0"}),
@@ -96,7 +98,7 @@ def test_logits_match_transformers_on_gguf_dequantization(case, tmp_path, caplog
     assert set().union(*(m.ggml_types for m in methods)) == on_kernel
     if types.get("attn_v") == "F16":  # q, k, v merged into one GEMM: a float part dequantizes the whole layer
         assert not any(m.layer_name.endswith("qkv_proj") for m in methods)
-    dequantized = {t for t in types.values() if t not in on_kernel and t not in ("F32", "F16")}
+    dequantized = {t for t in types.values() if t not in on_kernel and t not in ("F32", "F16", "BF16")}
     logged = [r.getMessage() for r in caplog.records if r.name == "kestrel.loader.gguf_weights"]
     assert len(logged) == (1 if dequantized or on_kernel else 0)
     for type_name in dequantized:
@@ -176,6 +178,29 @@ def test_llm_greedy_matches_transformers_and_reads_tokenizer_and_chat_template(t
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     assert (llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def test_a_tokenizer_directory_overrides_the_files_tokenizer(tmp_path, llama_dir) -> None:
+    """`tokenizer=` (`--tokenizer`): the Hugging Face tokenizer of that directory, its own chat template, instead of
+    the one the file's metadata builds."""
+    hf_dir, config = llama_dir
+    path = write_gguf(tmp_path / "model.gguf", hf_dir, {"default": "Q8_0"})
+    override = tmp_path / "tokenizer"
+    override.mkdir()
+    shutil.copy(hf_dir / "tokenizer.json", override / "tokenizer.json")
+    tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    (override / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    from_file = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_blocks=16, block_size=16)
+    overridden = LLM(str(path), tokenizer=str(override), dtype="float32", max_model_len=64, kv_cache_blocks=16,
+                     block_size=16)
+    messages = [{"role": "user", "content": "hi"}]
+    assert overridden.tokenizer.apply_chat_template(messages, tokenize=False) == "<<hi>>"
+    assert from_file.tokenizer.apply_chat_template(messages, tokenize=False) != "<<hi>>"
+    prompt = random_prompts(config["vocab_size"], [6], seed=2)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert (overridden.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+            == from_file.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
