@@ -1,6 +1,6 @@
-"""`kestrel serve FILE.gguf` in one command: kestrel-tiny's own weights written to a Q8_0 GGUF file (gguf's writer), served
-by the CLI with nothing but the file; its completions are the offline engine's on the same file, and its chat
-template is the one the file's metadata carries."""
+"""`kestrel serve FILE.gguf` in one command: kestrel-tiny's own weights written to a Q8_0 GGUF file (gguf's writer),
+served by the CLI with nothing but the file; its completions are the offline engine's on the same file, and its
+chat template is the one the file's metadata carries."""
 
 from __future__ import annotations
 
