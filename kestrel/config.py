@@ -29,6 +29,7 @@ QUANTIZATION_CHOICES = (None, "fp8", "int8", "compressed-tensors", "gptq", "awq"
 # Names of checkpoint formats only: a checkpoint saved in them loads as saved; nothing is quantized to them at load.
 CHECKPOINT_ONLY_QUANTIZATION = ("compressed-tensors", "gptq", "awq", "bitsandbytes")
 ACTIVATION_SCHEME_CHOICES = ("dynamic", "static")
+FP8_BLOCK_ACTIVATION_CHOICES = ("model_dtype", "fp8")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 MEDIA_MODALITIES = ("image", "audio", "video")
 DEFAULT_MM_PER_PROMPT = 999  # vLLM's default per modality: the context length is the real bound
@@ -600,10 +601,14 @@ class QuantConfig:
     method: str | None = None
     activation_scheme: str = "dynamic"
     symmetric_activations: bool = True
+    # The dense layers of a block-FP8 checkpoint: activations in the model dtype on the weight-only kernel, or
+    # "fp8": quantized per token and block as the checkpoint says, on the W8A8 block GEMM.
+    fp8_block_activations: str = "model_dtype"
 
     def __post_init__(self) -> None:
         _check_choice("quantization", self.method, QUANTIZATION_CHOICES)
         _check_choice("activation_scheme", self.activation_scheme, ACTIVATION_SCHEME_CHOICES)
+        _check_choice("fp8_block_activations", self.fp8_block_activations, FP8_BLOCK_ACTIVATION_CHOICES)
         if self.method == "fp8" and not self.symmetric_activations:
             _fail("symmetric_activations", self.symmetric_activations,
                   "asymmetric activations exist only for quantization='int8'")
@@ -1178,6 +1183,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("activation_scheme", "quant", "activation_scheme", "W8A8 activation scales",
               choices=ACTIVATION_SCHEME_CHOICES),
     EngineArg("symmetric_activations", "quant", "symmetric_activations", "INT8 activations without a zero point"),
+    EngineArg("fp8_block_activations", "quant", "fp8_block_activations",
+              "the dense layers of a block-FP8 checkpoint (weight_block_size, FP8_BLOCK): model_dtype keeps their "
+              "inputs in the model dtype on the weight-only kernel; fp8 quantizes them per token and block as the "
+              "checkpoint says, on the W8A8 block GEMM", choices=FP8_BLOCK_ACTIVATION_CHOICES),
     EngineArg("device", "engine", "device", "where the model runs", choices=DEVICE_CHOICES),
     EngineArg("enforce_eager", "engine", "enforce_eager", "no CUDA graphs"),
     EngineArg("max_prefill_graph_tokens", "engine", "max_prefill_graph_tokens",

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kestrel.kernels import activation as _activation
 from kestrel.kernels import attention as _attention
+from kestrel.kernels import block_fp8_mm as _block_fp8_mm
 from kestrel.kernels import fused_moe as _fused_moe
 from kestrel.kernels import gemv as _gemv
 from kestrel.kernels import moe_routing as _moe_routing
@@ -239,6 +240,27 @@ def gemv(x, weight, weight_scale, out_dtype, bias=None, *, config=None):
 def quant_fp8_per_token(x):
     fn = _quant_act.quant_fp8_per_token if use_triton(x) else _quant_act.quant_fp8_per_token_ref
     return fn(x)
+
+
+def quant_fp8_per_group(x, group):
+    """(e4m3 `[M, K]`, fp32 scales `[M, ceil(K / group)]`): x `[M, K]` quantized per token and `group` input
+    features, each group by its own absolute max (the per-token quantizer over rows of `group` values; a last
+    group shorter than `group` padded with zeros, which leave its max as it is)."""
+    M, K = x.shape
+    groups = -(-K // group)
+    padded = x if groups * group == K else F.pad(x, (0, groups * group - K))
+    q, scale, _ = quant_fp8_per_token(padded.reshape(M * groups, group))
+    return q.reshape(M, groups * group)[:, :K], scale.reshape(M, groups)
+
+
+block_fp8_k_step = _block_fp8_mm.k_step
+
+
+def block_fp8_mm(a, b, scale_a, scale_b, group, out_dtype, bias=None):
+    """The W8A8 block GEMM (kernels/block_fp8_mm.py): e4m3 `a [M, K]` and `b [N, K]`, fp32 scales per token
+    (output row) and `group` input features."""
+    fn = _block_fp8_mm.block_fp8_mm if use_triton(a) else _block_fp8_mm.block_fp8_mm_ref
+    return fn(a, b, scale_a, scale_b, group, out_dtype, bias)
 
 
 def quant_int8_per_token(x, symmetric=True):

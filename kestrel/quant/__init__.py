@@ -51,12 +51,16 @@ class QuantPlan:
     @classmethod
     def build(cls, quant_config: QuantConfig | None, hf_config: dict[str, Any]) -> QuantPlan:
         saved = hf_config.get("quantization_config")
+        block_w8a8 = quant_config is not None and quant_config.fp8_block_activations == "fp8"
         if not saved:
+            if block_w8a8:
+                raise ConfigError("invalid fp8_block_activations='fp8': it runs the block-FP8 layers of a checkpoint "
+                                  "W8A8, and this checkpoint has no quantization_config; leave it 'model_dtype'")
             return cls(quant_config)
         scheme = scheme_from_checkpoint(saved)
         if quant_config is not None:
             _check_flags_against(quant_config, scheme)
-        return cls(quant_config, scheme)
+        return cls(quant_config, scheme.with_fp8_block_activations() if block_w8a8 else scheme)
 
     @property
     def checkpoint(self) -> QuantScheme | None:

@@ -18,6 +18,7 @@ weight-only experts are refused.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import Any, Self
 from kestrel.config import ConfigError, QuantConfig
 from kestrel.quant.base import FusedMoEMethod, QuantMethod
 from kestrel.quant.fp8_moe import Fp8FusedMoEMethod
-from kestrel.quant.fp8_weight_only import Fp8WeightOnlyLinearMethod, Fp8WeightSpec
+from kestrel.quant.fp8_weight_only import Fp8BlockLinearMethod, Fp8WeightOnlyLinearMethod, Fp8WeightSpec
 from kestrel.quant.scheme import FUSED_MOE, LayerKind, QuantScheme, check_layer_kind, scheme_from_checkpoint
 from kestrel.quant.w8a8 import W8A8LinearMethod
 from kestrel.quant.w8a8_fp8 import Fp8LinearMethod
@@ -62,6 +63,11 @@ class LinearScheme:
         return self.method if self.weight_only is not None else f"{self.method} {self.activation_scheme}"
 
 
+def _runs_w8a8(spec: Fp8WeightSpec) -> bool:
+    """Block-FP8 weights whose checkpoint asks for inputs quantized per token and block (fp8_block_activations)."""
+    return spec.strategy == "block" and spec.quantized_inputs
+
+
 @dataclass(frozen=True)
 class TargetGroup:
     targets: tuple[str, ...]
@@ -78,6 +84,7 @@ class W8A8Scheme(QuantScheme):
         self.ignore = tuple(ignore)
         self.prequantized = prequantized
         self._kv_cache_scales = kv_cache_scales
+        self.block_w8a8 = False  # the block layers that ask for quantized inputs run W8A8 (fp8_block_activations)
 
     @classmethod
     def at_load(cls, config: QuantConfig, method: str) -> Self:
@@ -85,6 +92,13 @@ class W8A8Scheme(QuantScheme):
         scheme = LinearScheme(method, weight_per_tensor=False, static_input=config.activation_scheme == "static",
                               symmetric_input=config.symmetric_activations)
         return cls((TargetGroup(("Linear",), scheme),), prequantized=False)
+
+    def with_fp8_block_activations(self) -> W8A8Scheme:
+        if not any(g.scheme.fp8_weights is not None and _runs_w8a8(g.scheme.fp8_weights) for g in self.groups):
+            return super().with_fp8_block_activations()
+        scheme = copy.copy(self)
+        scheme.block_w8a8 = True
+        return scheme
 
     @property
     def precision(self) -> str:
@@ -126,6 +140,8 @@ class W8A8Scheme(QuantScheme):
         if scheme.weight_only is not None:
             return WNA16LinearMethod(scheme.weight_only, prefix)
         if scheme.fp8_weights is not None:
+            if self.block_w8a8 and _runs_w8a8(scheme.fp8_weights):
+                return Fp8BlockLinearMethod(scheme.fp8_weights, prefix)
             return Fp8WeightOnlyLinearMethod(scheme.fp8_weights, prefix)
         config = QuantConfig(method=scheme.method, activation_scheme=scheme.activation_scheme,
                              symmetric_activations=scheme.symmetric_input)

@@ -15,8 +15,11 @@ Along K a block scale is a group scale of group `bk`; when K is no multiple of `
 runs groups of gcd(K, bk), each scale repeated over the groups of its block. Either way the packed weight represents
 the checkpoint exactly.
 
-kestrel departs from vLLM here: vLLM quantizes the activations per token and `bk` columns and runs a W8A8 block
-GEMM; kestrel keeps them in the model dtype (at least as accurate; a W8A8 block GEMM is left for later).
+By default kestrel departs from vLLM here: vLLM quantizes the activations per token and `bk` columns and runs a W8A8
+block GEMM; kestrel keeps them in the model dtype (at least as accurate). `fp8_block_activations="fp8"` runs the
+block layers of checkpoints that ask for quantized inputs as they say: `Fp8BlockLinearMethod` keeps the FP8 weight
+and its per-row block scales as loaded, quantizes each input per token and `bk` features and runs the W8A8 block
+GEMM (`ops.block_fp8_mm`).
 
 Tensor parallelism: a column layer splits the rows (any split: rows carry their own scales); a row layer splits K,
 and each rank's share of the input features must hold whole `bk` blocks (whole groups), else a ConfigError naming
@@ -186,4 +189,39 @@ class Fp8WeightOnlyLinearMethod(QuantMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         out = ops.wna16_gemm(x2, layer.wna16_qweight, layer.wna16_scales, None, None, "fp8_e4m3", x.dtype, bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Fp8BlockLinearMethod(Fp8WeightOnlyLinearMethod):
+    """A block-FP8 linear layer run W8A8, as its checkpoint asks: the input quantized to e4m3 per token and `bk`
+    features (`ops.quant_fp8_per_group`), then the W8A8 block GEMM over the weight and its per-row block scales
+    as loaded (`ops.block_fp8_mm`). Loading and the tensor-parallel rules are the weight-only method's."""
+
+    def _kernel_group(self, layer: nn.Module, K: int) -> int:
+        spec, cols = self.spec, self.spec.cols_per_scale
+        assert spec.strategy == "block" and cols is not None
+        try:
+            ops.block_fp8_k_step(cols)
+        except ValueError:
+            raise ConfigError(f"invalid {spec.setting} for layer {self.layer_name!r} ({spec.source}, the W8A8 block "
+                              f"GEMM of fp8_block_activations='fp8'): blocks of {cols} input features must be a "
+                              "multiple of 32; use fp8_block_activations='model_dtype'") from None
+        tp = getattr(layer, "tp_size", 1)
+        if getattr(layer, "tp_split", None) == "input" and tp > 1 and K % cols:
+            raise ConfigError(f"invalid tensor_parallel_size={tp} for layer {self.layer_name!r} ({spec.source}): each "
+                              f"rank's {K} input features of this row-parallel layer must be whole blocks of {cols} "
+                              f"({spec.setting}); use a smaller tensor_parallel_size")
+        return cols
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        scales = layer.get_parameter(self.spec.scale_name).detach()
+        if not bool(torch.isfinite(scales).all()):
+            raise ValueError(f"{self.layer_name}.{self.spec.scale_name} must be finite")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        group = self.spec.cols_per_scale
+        x2 = x.reshape(-1, x.shape[-1])
+        q, scale = ops.quant_fp8_per_group(x2, group)
+        out = ops.block_fp8_mm(q, layer.weight, scale, layer.get_parameter(self.spec.scale_name), group, x.dtype,
+                               bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -107,6 +107,12 @@ class QuantScheme(ABC):
         `kv_scale_names`)."""
         return False
 
+    def with_fp8_block_activations(self) -> QuantScheme:
+        """This scheme with the block-FP8 layers that ask for quantized inputs run W8A8 (`fp8_block_activations=
+        "fp8"`); a ConfigError where it has none."""
+        raise ConfigError(f"invalid fp8_block_activations='fp8': it runs the block-FP8 layers of a checkpoint W8A8, "
+                          f"and this model's quantization ({self.name!r}) has none; leave it 'model_dtype'")
+
 
 def check_layer_kind(scheme: QuantScheme, kind: str, prefix: str) -> None:
     """A ConfigError for a layer kind the scheme has no method for."""

@@ -27,13 +27,14 @@ from gloo_ranks import run_ranks
 from safetensors.torch import load_file, save_file
 from test_hf_parity import PagedBatch, assert_rel_close, hf_logits, random_prompts
 
-from kestrel.config import ConfigError, ModelConfig
+from kestrel import ops
+from kestrel.config import ConfigError, ModelConfig, QuantConfig
 from kestrel.distributed.parallel import ParallelContext, init_parallel, shutdown_parallel
 from kestrel.loader import load_model
 from kestrel.loader.model_init import write_tiny_checkpoint
 from kestrel.model.layers.linear import LinearBase
 from kestrel.quant import FUSED_MOE, Fp8FusedMoEMethod, QuantPlan
-from kestrel.quant.fp8_weight_only import Fp8WeightOnlyLinearMethod
+from kestrel.quant.fp8_weight_only import Fp8BlockLinearMethod, Fp8WeightOnlyLinearMethod
 
 transformers = pytest.importorskip("transformers")
 
@@ -119,7 +120,7 @@ def assert_matches(path: Path, reference: torch.nn.Module) -> None:
 
 def fp8_weight_only_layers(model: torch.nn.Module) -> list[str]:
     return [name for name, m in model.named_modules()
-            if isinstance(m, LinearBase) and isinstance(m.quant_method, Fp8WeightOnlyLinearMethod)]
+            if isinstance(m, LinearBase) and type(m.quant_method) is Fp8WeightOnlyLinearMethod]
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +153,78 @@ def test_dense_block_fp8_matches_the_dequantized_float_model(bases, tmp_path, na
     assert len(layers) == 4 * len(list(model.decoder_layers()))  # qkv, o, gate_up, down
     assert model.model.layers[0].self_attn.qkv_proj.wna16_qweight.dtype == FP8
     assert_matches(tmp_path / name, reference_model(bases[arch], dense))
+
+
+# ---------------------------------------------------------------------- fp8_block_activations="fp8": W8A8 blocks
+
+W8A8 = QuantConfig(fp8_block_activations="fp8")
+
+
+def block_w8a8_layers(model: torch.nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules()
+            if isinstance(m, LinearBase) and isinstance(m.quant_method, Fp8BlockLinearMethod)]
+
+
+# name -> (arch, block); bk a multiple of 32 (the W8A8 kernel's K step)
+W8A8_CASES = {"llama-32x32": ("llama", (32, 32)), "phi3-merged-48x64": ("phi3", (48, 64))}
+
+
+@pytest.mark.parametrize("name", list(W8A8_CASES))
+def test_w8a8_block_layers_follow_the_checkpoints_fake_quantized_forward(bases, tmp_path, name) -> None:
+    """With fp8_block_activations="fp8" every dense block layer runs W8A8 as the checkpoint asks: transformers' float
+    model holding the dequantized weights, each quantized layer's input fake-quantized to e4m3 per token and bk
+    features, gives the same logits to float32 rounding."""
+    arch, block = W8A8_CASES[name]
+    dense = write_block_fp8(bases[arch], tmp_path / name, block)
+    model = load_model(ModelConfig(model=str(tmp_path / name), dtype="float32"), W8A8, "cpu", None)
+    assert len(block_w8a8_layers(model)) == 4 * len(list(model.decoder_layers())) and not fp8_weight_only_layers(model)
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8
+    assert_follows_fake_quantized_inputs(model, reference_model(bases[arch], dense), dense, block[1])
+    # Without the flag the same checkpoint keeps its inputs in the model dtype (weight-only).
+    weight_only = load(tmp_path / name)
+    assert fp8_weight_only_layers(weight_only) and not block_w8a8_layers(weight_only)
+
+
+def assert_follows_fake_quantized_inputs(model: torch.nn.Module, reference: torch.nn.Module,
+                                         dense: dict[str, torch.Tensor], group: int) -> None:
+    """`model`'s logits are `reference`'s (float, the dequantized weights `dense`) with each quantized layer's input
+    fake-quantized to e4m3 per token and `group` features, to float32 rounding."""
+    quantized = {n.removesuffix(".weight") for n in dense}
+    for module_name, module in reference.named_modules():
+        if module_name in quantized:
+            module.register_forward_pre_hook(
+                lambda _m, args: (fake_quant(args[0].reshape(-1, args[0].shape[-1]), group)
+                                  .float().reshape(args[0].shape),))
+    # The CPU references sum in the oracle's order; the fast CPU paths reorder, and an e4m3 rounding of the next
+    # layer's input can turn such a last-bit difference into a visible one.
+    # Even so the two sums round apart in the last bit now and then, and where that moves an input across an e4m3
+    # rounding boundary the position (and the later ones, through its K/V) moves by up to an e4m3 step of one
+    # value: most positions agree to float32 rounding, none by more than such a step.
+    with ops.cpu_references():
+        logits = PagedBatch(model, len(PROMPTS)).step(PROMPTS, [(0, len(p)) for p in PROMPTS])
+    errors = []
+    for prompt, got in zip(PROMPTS, logits, strict=True):
+        ref = hf_logits(reference, prompt)
+        errors += [float((g - r).norm() / r.norm()) for g, r in zip(got, ref, strict=True)]
+    assert max(errors) < 1e-2 and sorted(errors)[len(errors) // 2] < 1e-6, errors
+
+
+def test_w8a8_llm_compressor_fp8_block_checkpoint_follows_its_fake_quantized_forward(bases, tmp_path) -> None:
+    """compressed-tensors FP8_BLOCK (llm-compressor's preset: [128, 128] weight blocks, inputs per token and 128
+    features): under fp8_block_activations="fp8", its fake-quantized forward."""
+    path = llm_compressor_checkpoint(bases["llama"], tmp_path / "FP8_BLOCK", "FP8_BLOCK")
+    model = load_model(ModelConfig(model=str(path), dtype="float32"), W8A8, "cpu", None)
+    assert len(block_w8a8_layers(model)) == 8
+    dense = ct_dequantized(path)
+    assert_follows_fake_quantized_inputs(model, reference_model(bases["llama"], dense), dense, 128)
+
+
+def test_fp8_block_activations_is_refused_where_no_layer_asks_for_it(bases, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="fp8_block_activations='fp8'.*no quantization_config"):
+        load_model(ModelConfig(model=str(bases["llama"]), dtype="float32"), W8A8, "cpu", None)
+    write_block_fp8(bases["llama"], tmp_path / "k48", (32, 48))
+    with pytest.raises(ConfigError, match=r"weight_block_size=\[32, 48\].*fp8_block_activations='fp8'.*multiple of 32"):
+        load_model(ModelConfig(model=str(tmp_path / "k48"), dtype="float32"), W8A8, "cpu", None)
 
 
 # ------------------------------------------------------------------------------------------ mixture of experts

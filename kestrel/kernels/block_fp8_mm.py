@@ -1,0 +1,125 @@
+"""The W8A8 block GEMM of block-FP8 checkpoints (DeepSeek-V3's and the Qwen3 FP8 releases' layout): e4m3 activations
+with one scale per token and `group` input features, e4m3 weights `[N, K]` with one scale per output row and `group`
+input features (a checkpoint's `[bn, bk]` block scales repeated over their `bn` rows, as the loader holds them).
+
+    out[m, n] = sum_g scale_a[m, g] * scale_b[n, g] * sum_{k in g} a[m, k] * b[n, k]  (+ bias[n])
+
+`block_fp8_mm`: one program per `[BLOCK_M, BLOCK_N]` output tile (grouped order for L2 reuse), K walked in steps of
+`BLOCK_K` that divide the group, each step's fp32 dot scaled by its group's two scales and added: the products are
+exact in fp32 (e4m3 x e4m3), their sums and the scaling rounded as the reference's are up to order. A last group
+shorter than `group` (K no multiple of it) is masked. `block_fp8_mm_ref`: the same sums in fp32, group by group.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels import common
+
+FP8 = torch.float8_e4m3fn
+
+
+def _check(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group: int,
+           bias: torch.Tensor | None) -> None:
+    if a.dtype != FP8 or b.dtype != FP8:
+        raise ValueError(f"block_fp8_mm: a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"block_fp8_mm: a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    groups = -(-a.shape[1] // group)
+    if tuple(scale_a.shape) != (a.shape[0], groups) or tuple(scale_b.shape) != (b.shape[0], groups):
+        raise ValueError(f"block_fp8_mm: scales [M, {groups}] and [N, {groups}] for K={a.shape[1]} in groups of "
+                         f"{group}, got {tuple(scale_a.shape)} and {tuple(scale_b.shape)}")
+    if bias is not None and tuple(bias.shape) != (b.shape[0],):
+        raise ValueError(f"block_fp8_mm: bias [N], got {tuple(bias.shape)}")
+
+
+def k_step(group: int) -> int:
+    """The kernel's K step for groups of `group` input features; ValueError where none fits."""
+    step = min(group & -group, 128)
+    if step < 32:
+        raise ValueError(f"block_fp8_mm: groups of {group} input features; the kernel steps K by a power of two "
+                         "from 32 (an e4m3 tensor-core dot's least K) to 128 that divides the group, and none does")
+    return step
+
+
+def block_fp8_mm_ref(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group: int,
+                     out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 reference: each group's exact products summed, scaled by its two scales, the groups added in order."""
+    _check(a, b, scale_a, scale_b, group, bias)
+    K = a.shape[1]
+    out = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
+    for g, k in enumerate(range(0, K, group)):
+        part = a[:, k:k + group].float() @ b[:, k:k + group].float().T
+        out += part * scale_a[:, g:g + 1].float() * scale_b[:, g].float()[None, :]
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype)
+
+
+@triton.jit
+def _block_fp8_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
+                         stride_sa, stride_sb, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles sweep the column tiles together, sharing the weight tiles through L2.
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    rows_c = tl.where(row_ok, rows, 0)
+    cols_c = tl.where(col_ok, cols, 0)
+    ks = tl.arange(0, BLOCK_K)
+    # Pointer tiles made once and stepped along K (made anew each step, they held two 64-bit tiles in registers).
+    a_ptrs = a_ptr + rows_c.to(tl.int64)[:, None] * stride_am + ks[None, :]
+    b_ptrs = b_ptr + cols_c.to(tl.int64)[None, :] * stride_bn + ks[:, None]
+    sa_ptrs = sa_ptr + rows_c * stride_sa
+    sb_ptrs = sb_ptr + cols_c * stride_sb
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_ok = (k + ks) < K
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        g = k // GROUP
+        sa = tl.load(sa_ptrs + g)
+        sb = tl.load(sb_ptrs + g)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols_c).to(tl.float32)[None, :]
+    out = common.to_dtype(acc, c_ptr.dtype.element_ty, FAST)
+    tl.store(c_ptr + rows_c.to(tl.int64)[:, None] * stride_cm + cols[None, :], out,
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def block_fp8_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group: int,
+                 out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton `block_fp8_mm_ref`. Tiles of 64 x 128, K in steps of the largest power of two up to 128 that divides
+    the group (128 for the published checkpoints' blocks), at least 32 (an e4m3 tensor-core dot's least K)."""
+    _check(a, b, scale_a, scale_b, group, bias)
+    block_k = k_step(group)
+    M, K = a.shape
+    N = b.shape[0]
+    a = a if a.stride(1) == 1 else a.contiguous()
+    b = b if b.stride(1) == 1 else b.contiguous()
+    scale_a, scale_b = scale_a.float().contiguous(), scale_b.float().contiguous()
+    out = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    block_m, block_n = 64, 128
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    _block_fp8_mm_kernel[grid](a, b, out, scale_a, scale_b, bias if bias is not None else scale_b, M, N, K,
+                               a.stride(0), b.stride(0), out.stride(0), scale_a.stride(0), scale_b.stride(0),
+                               GROUP=group, HAS_BIAS=bias is not None, FAST=a.is_cuda, BLOCK_M=block_m,
+                               BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=4, num_stages=3)
+    return out
