@@ -12,6 +12,8 @@
 #   mixtral    Mixtral-8x7B decode at batch 1, 8, 32, 128, FP8 + FP8 KV (and BF16 where its 93 GB fit the GPU)
 #   moetput    Qwen3-30B-A3B full load, BF16, 1000 x 1000 in / 1000 out, max_num_seqs 512
 #   w8a16      Llama-3-8B W8A16 (group 128): decode at batch 1, 8, 32, 128, and a full load of 384 x 1000/1000
+#   blockfp8   block-FP8 dense layers weight-only against the W8A8 block GEMM (and W8A8 per channel), Llama-3-8B's
+#              linears, M = 1-8192 (scripts/h200_block_fp8_mm.py), after the block GEMM's kernel tests on the GPU
 # Off an H200 the H200's tables are copied under the GPU's name (h200_tables), so the defaults are the H200's.
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 h200_tables
@@ -59,6 +61,8 @@ for stage in "$@"; do
            run 300 python3 -m kestrel.bench.throughput --weight-only w8a16 --hf-peer-prompts 0 --num-prompts 384 \
              --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-seconds 240 \
              --result-file "$out/throughput-llama3-8b-w8a16-384x1000-256-h200.json" ;;
+    blockfp8) run 200 python3 -m pytest -q -rf -p no:cacheprovider tests/kernels/test_block_fp8_mm.py
+              run 300 python3 scripts/h200_block_fp8_mm.py --out "$out" ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac
 done
