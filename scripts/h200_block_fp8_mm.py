@@ -94,10 +94,10 @@ def main() -> int:
             w0, s0 = weights[0]
             ref = x[0].double() @ (w0.double() * s0.double().repeat_interleave(BLOCK, dim=1)).T
             outs = {
-                "weight_only": lambda i: ops.wna16_gemm(x[i], packed[i].qweight, packed[i].scales, None, None,
-                                                        "fp8_e4m3", torch.bfloat16),
-                "w8a8_block": lambda i: per_block(x[i], *weights[i]),
-                "w8a8_channel": lambda i: per_channel(x[i], *channel[i]),
+                "weight_only": lambda i, x=x, packed=packed: ops.wna16_gemm(
+                    x[i], packed[i].qweight, packed[i].scales, None, None, "fp8_e4m3", torch.bfloat16),
+                "w8a8_block": lambda i, x=x, weights=weights: per_block(x[i], *weights[i]),
+                "w8a8_channel": lambda i, x=x, channel=channel: per_channel(x[i], *channel[i]),
             }
             row = {"layer": name, "N": N, "K": K, "M": M}
             for kind, fn in outs.items():
