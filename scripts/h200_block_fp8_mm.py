@@ -109,8 +109,9 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "block-fp8-mm.json").write_text(json.dumps(
-        {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "block": BLOCK, "rows": rows}, indent=1) + "\n")
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    result = {"device": device, "block": BLOCK, "rows": rows}
+    (Path(args.out) / "block-fp8-mm.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 
