@@ -62,7 +62,7 @@ for stage in "$@"; do
              --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-seconds 240 \
              --result-file "$out/throughput-llama3-8b-w8a16-384x1000-256-h200.json" ;;
     blockfp8) run 200 python3 -m pytest -q -rf -p no:cacheprovider tests/kernels/test_block_fp8_mm.py
-              run 300 python3 scripts/h200_block_fp8_mm.py --out "$out" ;;
+              PYTHONPATH=. run 300 python3 scripts/h200_block_fp8_mm.py --out "$out" ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac
 done
