@@ -63,17 +63,8 @@ def _block_fp8_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                          stride_sa, stride_sb, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
     # Grouped order: GROUP_M row tiles sweep the column tiles together, sharing the weight tiles through L2.
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_in_group
-    pid_n = (pid % per_group) // rows_in_group
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _, _, rows, cols = common.gemm_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     row_ok = rows < M
     col_ok = cols < N
     rows_c = tl.where(row_ok, rows, 0)
