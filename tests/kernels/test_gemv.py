@@ -165,11 +165,11 @@ def _route_sm90_reports() -> list[tuple[str, str]]:
                 "ws_ptr": "*fp32", "lock_ptr": "*i32", "route_w_ptr": "*fp32", "route_id_ptr": "*i64"}
     ints = ["N", "K", "stride_xm", "stride_wn", "stride_om"]
     reports = []
-    for block_k, rows in ((2048, 1), (2048, 4), (1024, 4)):
+    for block_k, rows, sigmoid in ((2048, 1, False), (2048, 4, False), (1024, 4, False), (1024, 4, True)):
         constexprs = dict(SPLIT_K=2048 // block_k, ROWS=rows, W_FP8=False, HAS_SCALE=False, PER_TENSOR=False,
                           HAS_BIAS=False, EVEN_K=True, USE_PDL=True, FAST=True, BLOCK_N=2, BLOCK_K=block_k,
                           NUM_BLOCKS=64, TOP_K=8, K_PAD=8, E_PAD=128, RENORMALIZE=True,
-                          SIGMOID=False)
+                          SIGMOID=sigmoid)
         reports.append(sm90.compile_sm90(gv._gemv_kernel, pointers, ints, constexprs, 4))
     return reports
 
@@ -177,10 +177,13 @@ def _route_sm90_reports() -> list[tuple[str, str]]:
 def test_routing_gemv_compiles_for_sm90_without_spills():
     """The interpreter runs what the GPU compiler may still refuse: the routing GEMV compiled for the H200 (ptxas
     ships with Triton), in a process of their own since this one's kernels are interpreted."""
-    for (ptx, report), rows in zip(sm90.reports("test_gemv", "_route_sm90_reports()"), (1, 4, 4), strict=True):
+    *softmax, sigmoid = sm90.reports("test_gemv", "_route_sm90_reports()")
+    for (ptx, report), rows in zip(softmax, (1, 4, 4), strict=True):
         assert " 0 bytes spill stores" in report, report
         # the arrival counted with acquire-release order, and one softmax (one ex2) per routed row
         assert "atom.global.gpu.acq_rel.add" in ptx and ptx.count("ex2") == rows
+    # sigmoid scores (4 rows): no spills either
+    assert " 0 bytes spill stores" in sigmoid[1], sigmoid[1]
 
 
 def test_routing_refuses_what_it_cannot_route():
