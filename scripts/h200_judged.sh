@@ -5,6 +5,8 @@
 #   hoststep   `kestrel bench host-step` at batch 256 (core deltas), the working tree against BEFORE (a commit)
 #              alternated when BEFORE is set, else the working tree alone
 #   tput       the FP8 + FP8 KV full load, 1000 x 1000 in / 1000 out, max_num_seqs 512
+#   tputgw     the same full load with 8 grammar workers (the engine's grammar backend built on the 128k tokenizer):
+#              the run a default of grammar workers on a GPU needs
 #   decode1    Llama-3-8B batch-1 decode, prompt 128, BF16 and FP8 + FP8 KV
 #   ttft       batch-1 TTFT of an 8k and a 128-token FP8 prompt
 #   moe        `kestrel bench moe` at T = 32, 128: bf16, FP8 per channel, FP8 [128, 128] blocks
@@ -32,6 +34,10 @@ for stage in "$@"; do
                 run 100 python3 -m kestrel.bench.host_step "${hs[@]}"
               fi ;;
     tput) full_load_fp8 judged ;;
+    tputgw) run 330 python3 -m kestrel.bench.throughput --num-prompts 1000 --input-len 1000 --output-len 1000 \
+              --hf-peer-prompts 0 --max-seconds 280 --max-num-seqs 512 --quantization fp8 --kv-cache-dtype fp8 \
+              --tokenizer .bench-tokenizer-128k --grammar-workers 8 \
+              --result-file "$out/throughput-fp8-1000x1000-512-grammar-workers-8-h200.json" ;;
     decode1) latency 120 decode1-bf16 --batch 1 --input-len 128 --output-len 64 --repeats 3
              latency 120 decode1-fp8 --batch 1 --input-len 128 --output-len 64 --repeats 3 \
                --quantization fp8 --kv-cache-dtype fp8 ;;
