@@ -390,7 +390,9 @@ class IncrementalDetokenizer:
         # A match not seen before must end after the previously searched stable text: only the text from there on
         # is searched (a copy of it, not of the whole text).
         start = max(0, self._searched - self._max_stop_len + 1)
-        tail = self._committed[start:] + self._pending
+        committed = self._committed
+        tail = (committed[start:] + self._pending if start <= len(committed)
+                else self._pending[start - len(committed):])
         best: tuple[int, str] | None = None
         for stop in self._stops:
             index = tail.find(stop)

@@ -201,6 +201,24 @@ def test_stop_string_deep_in_a_long_output(tokenizer, seed: int, include: bool) 
     assert "".join(deltas) == expected_text
 
 
+@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("window", ["library", "python"])
+def test_stop_strings_after_characters_split_across_steps(tokenizer, seed: int, window: str) -> None:
+    """Steps of several tokens that end inside a multi-byte character (its text pending, held back) and stop
+    strings of one or two characters: the search resumes where the last one stopped, inside the pending text too.
+    In both windows (the Python one where special tokens are literal boundaries)."""
+    literal = {"skip_special_tokens": False, "spaces_between_special_tokens": False} if window == "python" else {}
+    rng = random.Random(500 + seed)
+    text = "".join(rng.choice(["🙂", "🚀", "👍🏽", "日", "é", "a", "b", " "]) for _ in range(40))
+    stops = [rng.choice(["a", "b", "é", "a🙂", " b", "日a"]) for _ in range(2)]
+    ids = encode(tokenizer, text)
+    for include in (False, True):
+        ids_chunks = chunks(rng, ids, 7)
+        detok, _ = run(tokenizer, ids_chunks, SP(stop=stops, include_stop_str_in_output=include, **literal))
+        expected_text, expected_stop = stop_oracle(tokenizer, ids_chunks, stops, include)
+        assert (detok.stop_reason, detok.output_text) == (expected_stop, expected_text)
+
+
 def test_stop_strings_wait_for_min_tokens(tokenizer) -> None:
     """As EOS does (vLLM's rule): a stop string ending in the text of the first min_tokens tokens does not count,
     one ending after it does, however the tokens arrive."""
