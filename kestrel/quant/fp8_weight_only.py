@@ -84,6 +84,8 @@ class Fp8WeightSpec:
 class Fp8WeightOnlyLinearMethod(QuantMethod):
     """A linear layer of FP8 weights from a checkpoint, run weight-only; `layer_name` is for messages."""
 
+    runs_as = "FP8 weights run weight-only"  # how the layer runs, for messages
+
     def __init__(self, spec: Fp8WeightSpec, layer_name: str) -> None:
         self.spec = spec
         self.layer_name = layer_name
@@ -113,7 +115,7 @@ class Fp8WeightOnlyLinearMethod(QuantMethod):
         """The kernel's group size for this rank's K input features (K per channel), or a ConfigError naming the
         layer when the block size, K or the tensor-parallel size do not fit the kernel."""
         spec, cols = self.spec, self.spec.cols_per_scale
-        where = f"layer {self.layer_name!r} ({spec.source}, FP8 weights run weight-only)"
+        where = self._where()
         if cols is None:
             if K % GROUP_MULTIPLE:
                 raise ConfigError(f"invalid shape for {where}: its {K} input features must be a multiple of "
@@ -122,17 +124,24 @@ class Fp8WeightOnlyLinearMethod(QuantMethod):
         if cols % GROUP_MULTIPLE:
             raise ConfigError(f"invalid {spec.setting} for {where}: the block's {cols} input "
                               f"features must be a multiple of {GROUP_MULTIPLE} (the weight-only kernel's K step)")
-        tp = getattr(layer, "tp_size", 1)
-        if getattr(layer, "tp_split", None) == "input" and tp > 1 and K % cols:
-            raise ConfigError(f"invalid tensor_parallel_size={tp} for {where}: each rank's {K} input features of this "
-                              f"row-parallel layer must be whole blocks of {cols} ({spec.setting}); use a smaller "
-                              "tensor_parallel_size")
+        self._check_rank_blocks(layer, K)
         group = math.gcd(K, cols)
         if group % GROUP_MULTIPLE:
             raise ConfigError(f"invalid shape for {where}: its {K} input features end in a partial block of "
                               f"{K % cols}, and the weight-only kernel needs groups of a multiple of "
                               f"{GROUP_MULTIPLE} features ({spec.setting})")
         return group
+
+    def _where(self) -> str:
+        return f"layer {self.layer_name!r} ({self.spec.source}, {self.runs_as})"
+
+    def _check_rank_blocks(self, layer: nn.Module, K: int) -> None:
+        """A row-parallel layer's K input features on this rank must be whole blocks, else a ConfigError."""
+        spec, tp = self.spec, getattr(layer, "tp_size", 1)
+        if getattr(layer, "tp_split", None) == "input" and tp > 1 and K % spec.cols_per_scale:
+            raise ConfigError(f"invalid tensor_parallel_size={tp} for {self._where()}: each rank's {K} input features "
+                              f"of this row-parallel layer must be whole blocks of {spec.cols_per_scale} "
+                              f"({spec.setting}); use a smaller tensor_parallel_size")
 
     def _fp8_loader(self, layer: nn.Module):
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -197,20 +206,17 @@ class Fp8BlockLinearMethod(Fp8WeightOnlyLinearMethod):
     features (`ops.quant_fp8_per_group`), then the W8A8 block GEMM over the weight and its per-row block scales
     as loaded (`ops.block_fp8_mm`). Loading and the tensor-parallel rules are the weight-only method's."""
 
+    runs_as = "the W8A8 block GEMM of fp8_block_activations='fp8'"
+
     def _kernel_group(self, layer: nn.Module, K: int) -> int:
         spec, cols = self.spec, self.spec.cols_per_scale
         assert spec.strategy == "block" and cols is not None
         try:
             ops.block_fp8_k_step(cols)
         except ValueError:
-            raise ConfigError(f"invalid {spec.setting} for layer {self.layer_name!r} ({spec.source}, the W8A8 block "
-                              f"GEMM of fp8_block_activations='fp8'): blocks of {cols} input features must be a "
-                              "multiple of 32; use fp8_block_activations='model_dtype'") from None
-        tp = getattr(layer, "tp_size", 1)
-        if getattr(layer, "tp_split", None) == "input" and tp > 1 and K % cols:
-            raise ConfigError(f"invalid tensor_parallel_size={tp} for layer {self.layer_name!r} ({spec.source}): each "
-                              f"rank's {K} input features of this row-parallel layer must be whole blocks of {cols} "
-                              f"({spec.setting}); use a smaller tensor_parallel_size")
+            raise ConfigError(f"invalid {spec.setting} for {self._where()}: blocks of {cols} input features must be "
+                              "a multiple of 32; use fp8_block_activations='model_dtype'") from None
+        self._check_rank_blocks(layer, K)
         return cols
 
     def process_after_loading(self, layer: nn.Module) -> None:
