@@ -281,18 +281,13 @@ class IncrementalDetokenizer:
             delta = self._final_text[emitted:]
             self._emitted += len(delta)
             return delta
-        committed, pending = self._committed, self._pending
         if finished:
-            limit = len(committed) + len(pending)
+            limit = len(self._committed) + len(self._pending)
         else:
             limit = self._stable_len() - max(self._max_stop_len - 1, 0)
         if limit <= emitted:
             return ""
-        # Sliced from the committed text and the pending one apart: a step copies its delta, not the whole text.
-        if limit <= len(committed):
-            delta = committed[emitted:limit]
-        else:
-            delta = committed[emitted:] + pending[max(emitted - len(committed), 0):limit - len(committed)]
+        delta = self._text_between(emitted, limit)
         self._emitted = limit
         return delta
 
@@ -376,6 +371,18 @@ class IncrementalDetokenizer:
         """Characters that no later token can change (all but a trailing split character)."""
         return len(self._committed) + len(self._pending.rstrip(_REPLACEMENT))
 
+    def _text_between(self, start: int, end: int | None = None) -> str:
+        """`output_text[start:end]` before any stop string, sliced from the committed and the pending text apart: a
+        step copies the text it reads, not the whole text."""
+        committed, pending = self._committed, self._pending
+        n = len(committed)
+        if end is not None and end <= n:
+            return committed[start:end]
+        pending_end = None if end is None else end - n
+        if start >= n:
+            return pending[start - n:pending_end]
+        return committed[start:] + pending[:pending_end]
+
     def _commit(self, piece: str) -> None:
         # The text is taken out of the attribute while it grows: a string held only by a local variable is
         # extended in place (amortized O(piece)), where `self._committed += piece` copies the whole text each time.
@@ -390,9 +397,7 @@ class IncrementalDetokenizer:
         # A match not seen before must end after the previously searched stable text: only the text from there on
         # is searched (a copy of it, not of the whole text).
         start = max(0, self._searched - self._max_stop_len + 1)
-        committed = self._committed
-        tail = (committed[start:] + self._pending if start <= len(committed)
-                else self._pending[start - len(committed):])
+        tail = self._text_between(start)
         best: tuple[int, str] | None = None
         for stop in self._stops:
             index = tail.find(stop)
