@@ -699,13 +699,16 @@ def wna16_gemm(
     if (config is None and group < DENSE_BELOW_GROUP and DENSE_MIN_ROWS <= M and dense_ok
             and common.launch_feature("wna16_dense_prompts", x.device)):
         return _dense_product(x, qweight, scales, zeros, weight_type, group, bias, out)
-    cfg = config or select_config(N, K, M, x.device)
+    cfg = config or select_config(N, K, M, x.device, weight_type)
     if cfg.dense and dense_ok:
         return _dense_product(x, qweight, scales, zeros, weight_type, group, bias, out)
-    if cfg.oneshot and cfg.block_m == 1 and wna16_gemv.takes(weight_type, zeros, group):
-        wna16_gemv.w4_gemv(x, qweight, scales, zeros, out, bias, block_n=cfg.block_n, block_k=cfg.block_k,
-                           num_warps=cfg.num_warps)
-        return out
+    if cfg.oneshot:
+        if wna16_gemv.takes(weight_type, zeros, group):
+            wna16_gemv.w4_gemv(x, qweight, scales, zeros, out, bias, block_n=cfg.block_n, block_k=cfg.block_k,
+                               num_warps=cfg.num_warps)
+            return out
+        # A one-shot entry's wide tile on the FMA path instead spills (1.4 ms for 8-bit 6144 x 4096 at M = 1).
+        cfg = default_config(M)
     block_k = fit_block_k(cfg.block_k, group)
     k_tiles = K // block_k
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
@@ -795,11 +798,26 @@ def lookup(entries: dict[str, dict], M: int) -> WNA16Config | None:
     return None if entry is None else WNA16Config.from_json(entry)
 
 
-def select_config(N: int, K: int, M: int, device: torch.device) -> WNA16Config:
-    """A tuned entry for (GPU, N, K) if one was measured, else the default table's entry for M."""
-    cfg = lookup(common.gpu_table("wna16", device).get(f"{N},{K}", {}), M)
+# The weight types a GPU table's plain "N,K" entries were measured with (int4, group 128; uint4 runs the same code
+# paths). Every other type has entries of its own, "N,K,TYPE", or takes the default table: a 4-bit entry's tiles
+# (the one-shot GEMV at M = 1, the prescaled tiles) do not carry over to other codes and were measured at 260x
+# their floor on 8-bit weights.
+TABLE_TYPES = ("int4", "uint4")
+
+
+def table_key(N: int, K: int, weight_type: str) -> str:
+    return f"{N},{K}" if weight_type in TABLE_TYPES else f"{N},{K},{weight_type}"
+
+
+def select_config(N: int, K: int, M: int, device: torch.device, weight_type: str = "int4") -> WNA16Config:
+    """A tuned entry for (GPU, N, K, weight type) if one was measured, else the default table's entry for M."""
+    cfg = lookup(common.gpu_table("wna16", device).get(table_key(N, K, weight_type), {}), M)
     if cfg is not None:
         return cfg
+    return default_config(M)
+
+
+def default_config(M: int) -> WNA16Config:
     cfg = lookup(load_table(DEFAULT_TABLE), M)
     return cfg if cfg is not None else WNA16Config(block_m=16, block_n=64, block_k=128, split_k=0)
 

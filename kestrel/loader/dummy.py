@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kestrel.model.layers.linear import LinearBase, process_linear_layer
+from kestrel.model.layers.linear import process_linear_layer
 from kestrel.model.layers.norm import LayerNorm, RMSNorm
 
 
@@ -52,7 +52,7 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02,
         del values
         if id(owner) in deferred:
             deferred[id(owner)] -= 1
-            if not deferred[id(owner)] and isinstance(owner, LinearBase):
+            if not deferred[id(owner)] and hasattr(owner, "process_after_loading"):  # linear layers, experts
                 process_linear_layer(owner)
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from kestrel.config import ConfigError
 from kestrel.distributed.parallel import ParallelContext
 from kestrel.model.layers.linear import LinearBase
+from kestrel.model.layers.moe import FusedExperts
 
 # The bytes of the KV cache the worker allocates for a model whose attention layers (on the meta device) these are.
 KVCacheBytes = Callable[[Sequence[nn.Module]], int]
@@ -62,9 +63,8 @@ def plan_memory(build: Callable[[], nn.Module], kv_cache_bytes: KVCacheBytes | N
     parts: dict[str, int] = {}
     loading = kept = 0
     # A weight its quant method changes after loading (quantized at load) is counted as the method plans it.
-    planned = {id(module.weight): module.quant_method.planned_weight_bytes(module.weight)
-               for module in model.modules()
-               if isinstance(module, LinearBase) and isinstance(getattr(module, "weight", None), nn.Parameter)}
+    planned = {id(weight): module.quant_method.planned_weight_bytes(weight)
+               for module in model.modules() for weight in _quantizable_weights(module)}
     for name, param in model.named_parameters():
         size = param.numel() * param.element_size()
         while_loading, size = planned.get(id(param)) or (size, size)
@@ -83,6 +83,17 @@ def plan_memory(build: Callable[[], nn.Module], kv_cache_bytes: KVCacheBytes | N
         kv = kv_cache_bytes(model.attention_layers())
         parts["KV cache"] = kv
     return MemoryPlan(parts, loading, kept, kv)
+
+
+def _quantizable_weights(module: nn.Module) -> list[nn.Parameter]:
+    """The weights a layer's quant method may change after loading: a linear layer's, a mixture's stacked experts."""
+    if isinstance(module, LinearBase):
+        names = ("weight",)
+    elif isinstance(module, FusedExperts):
+        names = ("w13_weight", "w2_weight")
+    else:
+        return []
+    return [w for w in (getattr(module, name, None) for name in names) if isinstance(w, nn.Parameter)]
 
 
 def _part_of(name: str) -> str:

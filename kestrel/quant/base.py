@@ -190,9 +190,15 @@ class FusedMoEMethod(ABC):
     the intermediate); `layer.prefix`, the layer's checkpoint name, for messages.
     """
 
-    # Set by the plan for random weights (load_format="dummy"); the expert methods create their weights where the
-    # model is built and ignore it.
+    # Set by the plan for random weights (load_format="dummy"): a method that quantizes the experts at load creates
+    # their high-precision weights on the meta device, for the dummy loader to create, fill and process one layer
+    # at a time; the others create their weights where the model is built.
     defer_weight: bool = False
+
+    def planned_weight_bytes(self, weight: nn.Parameter) -> tuple[int, int] | None:
+        """As `QuantMethod.planned_weight_bytes`, for each of the layer's stacked expert weights (`w13_weight`,
+        `w2_weight`)."""
+        return None
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,

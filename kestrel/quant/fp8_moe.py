@@ -24,6 +24,7 @@ exactly as one device does; expert parallelism holds whole experts and needs not
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -60,8 +61,11 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
                        params_dtype: torch.dtype) -> None:
         if not self.prequantized:
             # The high-precision experts load exactly like unquantized ones; process_after_loading converts them.
-            UnquantizedFusedMoEMethod().create_weights(layer, num_experts, hidden_size, intermediate_size,
-                                                       params_dtype)
+            # Random weights are created one layer at a time by the dummy loader (`defer_weight`), so a model whose
+            # experts fit only in FP8 (Mixtral-8x7B on 80 GB) never holds them all in the model dtype.
+            with torch.device("meta") if self.defer_weight else contextlib.nullcontext():
+                UnquantizedFusedMoEMethod().create_weights(layer, num_experts, hidden_size, intermediate_size,
+                                                           params_dtype)
             return
         E, H, inter = num_experts, hidden_size, intermediate_size
         layer.register_parameter("w13_weight", expert_param(torch.empty(E, 2 * inter, H, dtype=FP8), "w13",
@@ -83,6 +87,13 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
             w2_scale = expert_param(torch.ones(E, math.ceil(H / bn), math.ceil(inter / bk)), "w2", name, 1, block=bk)
         layer.register_parameter("w13_weight_scale", w13_scale)
         layer.register_parameter("w2_weight_scale", w2_scale)
+
+    def planned_weight_bytes(self, weight: nn.Parameter) -> tuple[int, int] | None:
+        if self.prequantized:
+            return None
+        # The e4m3 weight and one fp32 scale per output channel (its last dimension is the input).
+        after = weight.numel() + weight.numel() // weight.shape[-1] * 4
+        return (after if self.defer_weight else weight.numel() * weight.element_size()), after
 
     def process_after_loading(self, layer: nn.Module) -> None:
         if self.block_shape is not None and self.block_shape[1] < FP8_DOT_MIN_K and layer.w13_weight.is_cuda:

@@ -812,6 +812,29 @@ def test_default_table_parses_and_buckets():
     assert wq.lookup({}, 3) is None
 
 
+def test_gpu_table_entries_by_weight_type(monkeypatch):
+    """A GPU table's plain "N,K" entries were measured with int4 and serve int4 / uint4 only; another weight type
+    takes its own "N,K,TYPE" entries, else the default table (a 4-bit entry's one-shot tile spilled on 8-bit
+    weights)."""
+    oneshot = WNA16Config(1, 512, 128, 1, oneshot=True)
+    fp8 = WNA16Config(16, 32, 128, 4, num_warps=4)
+    table = {"64,256": {"1": oneshot.to_json()}, "64,256,fp8_e4m3": {"1": fp8.to_json()},
+             "64,256,int8": {"1": oneshot.to_json()}}
+    monkeypatch.setattr(wq.common, "gpu_table", lambda kernel, device: table if kernel == "wna16" else {})
+    cpu = torch.device("cpu")
+    assert wq.select_config(64, 256, 1, cpu, "int4") == wq.select_config(64, 256, 1, cpu, "uint4") == oneshot
+    assert wq.select_config(64, 256, 1, cpu, "fp8_e4m3") == fp8
+    for other in ("nf4", "fp4_e2m1", "fp4_bnb"):
+        assert wq.select_config(64, 256, 1, cpu, other) == wq.default_config(1)
+    # A one-shot entry for a weight the GEMV does not run (int8 in groups of 128): the default tiles instead,
+    # still exact.
+    fallback = record_calls(monkeypatch, wq, "default_config")
+    w, W = make_weight("int8", 128, False, 64, 256, torch.bfloat16, seed=5)
+    x = make_x(1, 256, torch.bfloat16, seed=6)
+    assert_matches(wq.wna16_gemm(x, *w, torch.bfloat16), x, W, torch.bfloat16)
+    assert fallback and fallback[0][0] == (1,)
+
+
 def test_block_k_and_split_choices():
     assert [wq.fit_block_k(128, g) for g in (32, 64, 128, 192, 4096)] == [32, 64, 128, 64, 128]
     assert wq.split_for(3, tiles=10, k_tiles=2, num_sms=132) == 2

@@ -4,6 +4,7 @@ the plain way (every weight created first, then filled, then quantized) has."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -80,3 +81,63 @@ def test_out_of_memory_while_loading_is_a_config_error_with_the_per_rank_size(tm
     # two 128256 x 8192 BF16 tables (embedding, LM head).
     assert f"about {gigabytes} GB per rank at tp=1, pp=1" in str(raised.value)
     assert ("quantization='fp8'" in str(raised.value)) == (method is None)
+
+
+def test_dummy_fp8_experts_quantize_one_layer_at_a_time_and_plan_as_fp8(tmp_path, monkeypatch):
+    """A mixture's experts quantized at load are created, filled and quantized one layer at a time too (Mixtral-8x7B
+    fits an 80 GB GPU only in FP8), with the plain build's values; the memory plan counts them as FP8, while loading
+    as well."""
+    from kestrel.loader.memory_plan import plan_memory
+    from kestrel.model.layers.moe import FusedExperts
+    from kestrel.model.registry import get_model_class
+
+    hf = write_tiny_checkpoint(tmp_path, "mixtral", "tiny")
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    quant = QuantConfig(method="fp8")
+    model_cls = get_model_class("MixtralForCausalLM")
+
+    plain = model_cls(hf, torch.bfloat16, QuantPlan(quant))
+    initialize_dummy_weights(plain, seed=0)
+    plain.process_weights_after_loading()
+
+    loading: list[torch.nn.Module] = []
+    live_float_experts: list[int] = []
+    original = FusedExperts.process_after_loading
+
+    def counting(self):
+        model = loading[-1]
+        live_float_experts.append(sum(1 for m in model.modules() if isinstance(m, FusedExperts)
+                                      and not m.w13_weight.is_meta and m.w13_weight.dtype == torch.bfloat16))
+        return original(self)
+
+    real_init = model_cls.__init__
+
+    def remember(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        loading.append(self)
+
+    monkeypatch.setattr(FusedExperts, "process_after_loading", counting)
+    monkeypatch.setattr(model_cls, "__init__", remember)
+    model = load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", load_format="dummy"), quant)
+
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    assert len(live_float_experts) == len(experts) == hf["num_hidden_layers"]
+    assert max(live_float_experts) == 1
+    ours, theirs = dict(model.named_parameters()), dict(plain.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, param in ours.items():
+        assert param.dtype == theirs[name].dtype, name
+        assert torch.equal(param.view(torch.uint8) if param.element_size() == 1 else param,
+                           theirs[name].view(torch.uint8) if param.element_size() == 1 else theirs[name]), name
+
+    monkeypatch.undo()
+    loaded = (sum(p.numel() * p.element_size() for p in model.parameters())
+              + sum(b.numel() * b.element_size() for b in model.buffers()))
+    deferred = plan_memory(lambda: model_cls(hf, torch.bfloat16, dataclasses.replace(QuantPlan(quant),
+                                                                                     random_weights=True)))
+    assert deferred.weight_bytes == deferred.loading_bytes == loaded
+    fp8_experts = sum(p.numel() * p.element_size() for m in experts for p in m.parameters(recurse=False))
+    float_experts = sum(p.numel() * 2 for m in experts for p in (m.w13_weight, m.w2_weight))
+    from_checkpoint = plan_memory(lambda: model_cls(hf, torch.bfloat16, QuantPlan(quant)))
+    assert from_checkpoint.weight_bytes == loaded
+    assert from_checkpoint.loading_bytes - loaded >= float_experts - fp8_experts

@@ -330,8 +330,9 @@ class RowLinear(LinearBase):
             self.quant_method.process_after_loading_row_parallel(self, self.parallel)
 
 
-def process_linear_layer(layer: LinearBase) -> None:
-    """The layer's post-loading hook, once: the dummy loader runs it as soon as a deferred layer is filled, and
+def process_linear_layer(layer: nn.Module) -> None:
+    """The layer's post-loading hook, once (a linear layer, or any layer with a `processed` flag and
+    `process_after_loading()`: fused experts): the dummy loader runs it as soon as a deferred layer is filled, and
     the model's pass over every layer then leaves that one alone."""
     if not layer.processed:
         layer.process_after_loading()
