@@ -699,7 +699,7 @@ def wna16_gemm(
     if (config is None and group < DENSE_BELOW_GROUP and DENSE_MIN_ROWS <= M and dense_ok
             and common.launch_feature("wna16_dense_prompts", x.device)):
         return _dense_product(x, qweight, scales, zeros, weight_type, group, bias, out)
-    cfg = config or select_config(N, K, M, x.device, weight_type)
+    cfg = config or select_config(N, K, M, x.device, weight_type, zeros, group)
     if cfg.dense and dense_ok:
         return _dense_product(x, qweight, scales, zeros, weight_type, group, bias, out)
     if cfg.oneshot:
@@ -798,20 +798,19 @@ def lookup(entries: dict[str, dict], M: int) -> WNA16Config | None:
     return None if entry is None else WNA16Config.from_json(entry)
 
 
-# The weight types a GPU table's plain "N,K" entries were measured with (int4, group 128; uint4 runs the same code
-# paths). Every other type has entries of its own, "N,K,TYPE", or takes the default table: a 4-bit entry's tiles
-# (the one-shot GEMV at M = 1, the prescaled tiles) do not carry over to other codes and were measured at 260x
-# their floor on 8-bit weights.
-TABLE_TYPES = ("int4", "uint4")
+# A GPU table's plain "N,K" entries serve the weights the one-shot GEMV runs (int4 / uint4, int8 in small groups
+# without integer zero points): they were measured with int4 in groups of 128, and GGUF's int8 in groups of 16 end
+# to end under them. Every other weight has entries of its own, "N,K,TYPE", or takes the default table: a plain
+# entry's tiles (the one-shot GEMV at M = 1, the prescaled tiles) do not carry over to other codes and were
+# measured at 260x their floor on 8-bit weights in groups of 128.
+def table_key(N: int, K: int, weight_type: str, zeros: torch.Tensor | None = None, group: int = 128) -> str:
+    return f"{N},{K}" if wna16_gemv.takes(weight_type, zeros, group) else f"{N},{K},{weight_type}"
 
 
-def table_key(N: int, K: int, weight_type: str) -> str:
-    return f"{N},{K}" if weight_type in TABLE_TYPES else f"{N},{K},{weight_type}"
-
-
-def select_config(N: int, K: int, M: int, device: torch.device, weight_type: str = "int4") -> WNA16Config:
-    """A tuned entry for (GPU, N, K, weight type) if one was measured, else the default table's entry for M."""
-    cfg = lookup(common.gpu_table("wna16", device).get(table_key(N, K, weight_type), {}), M)
+def select_config(N: int, K: int, M: int, device: torch.device, weight_type: str = "int4",
+                  zeros: torch.Tensor | None = None, group: int = 128) -> WNA16Config:
+    """A tuned entry for (GPU, `table_key`) if one was measured, else the default table's entry for M."""
+    cfg = lookup(common.gpu_table("wna16", device).get(table_key(N, K, weight_type, zeros, group), {}), M)
     if cfg is not None:
         return cfg
     return default_config(M)

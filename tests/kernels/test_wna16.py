@@ -813,9 +813,9 @@ def test_default_table_parses_and_buckets():
 
 
 def test_gpu_table_entries_by_weight_type(monkeypatch):
-    """A GPU table's plain "N,K" entries were measured with int4 and serve int4 / uint4 only; another weight type
-    takes its own "N,K,TYPE" entries, else the default table (a 4-bit entry's one-shot tile spilled on 8-bit
-    weights)."""
+    """A GPU table's plain "N,K" entries serve the weights the one-shot GEMV runs (int4 / uint4, int8 in small
+    groups); another weight takes its own "N,K,TYPE" entries, else the default table (a 4-bit entry's one-shot tile
+    spilled on 8-bit weights in groups of 128)."""
     oneshot = WNA16Config(1, 512, 128, 1, oneshot=True)
     fp8 = WNA16Config(16, 32, 128, 4, num_warps=4)
     table = {"64,256": {"1": oneshot.to_json()}, "64,256,fp8_e4m3": {"1": fp8.to_json()},
@@ -823,6 +823,7 @@ def test_gpu_table_entries_by_weight_type(monkeypatch):
     monkeypatch.setattr(wq.common, "gpu_table", lambda kernel, device: table if kernel == "wna16" else {})
     cpu = torch.device("cpu")
     assert wq.select_config(64, 256, 1, cpu, "int4") == wq.select_config(64, 256, 1, cpu, "uint4") == oneshot
+    assert wq.select_config(64, 256, 1, cpu, "int8", group=32) == oneshot  # GGUF's Q8_0 / Q6_K: the GEMV runs it
     assert wq.select_config(64, 256, 1, cpu, "fp8_e4m3") == fp8
     for other in ("nf4", "fp4_e2m1", "fp4_bnb"):
         assert wq.select_config(64, 256, 1, cpu, other) == wq.default_config(1)
