@@ -197,7 +197,7 @@ def test_bitsandbytes_code_books(weight_type, M):
     w = make_weight(N, K, weight_type, group, seed=9)
     x = make_x(M, K, seed=10)
     out = wq.wna16_gemm(x, *w, torch.bfloat16)
-    if weight_type == "fp4_bnb" or wq.select_config(N, K, M, x.device).block_m == 1:
+    if weight_type == "fp4_bnb" or wq.select_config(N, K, M, x.device, weight_type, w.zeros, group).block_m == 1:
         assert_close(out, wq.wna16_gemm_ref(x, *w, torch.bfloat16))
         return
     book = torch.tensor(wq.NF4_VALUES, device="cuda").to(torch.bfloat16).float()
@@ -327,7 +327,7 @@ def bench(sweep: bool, weight_type: str = "int4") -> None:
         wbytes = sum(t.numel() * t.element_size() for t in w[:3] if t is not None)
         for M in TOKENS:
             x = make_x(M, K, seed=M)
-            cfg = wq.select_config(N, K, M, x.device)
+            cfg = wq.select_config(N, K, M, x.device, weight_type, w.zeros, GROUP)
             us = _time_us(lambda: wq.wna16_gemm(x, *w, torch.bfloat16, config=cfg))  # noqa: B023
             mm = _time_us(lambda: torch.mm(x, dense.T))  # noqa: B023
             line = (f"N={N:5d} K={K:5d} M={M:3d}: wna16 {us:7.1f} us ({wbytes / us / 1e3:5.0f} GB/s), torch.mm bf16 "
