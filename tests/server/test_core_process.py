@@ -451,22 +451,22 @@ def test_an_abort_by_id_ends_the_readers_stream_through_the_core_process(core_pr
     output, finish_reason "abort", with the text of what was generated so far (a final-only request's too)."""
     engine = core_process_server.engine
     tokenizer = engine.tokenizer
-    params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0, output_kind=output_kind)
+    # Most of kestrel-tiny's 512 positions: a fast host decodes 200 tokens in the 0.2 s a fixed wait would take.
+    params = SamplingParams(max_tokens=480, ignore_eos=True, temperature=0.0, output_kind=output_kind)
 
     async def run() -> list:
         seen = []
+        generated_before = engine.stats().num_generation_tokens
 
         async def read():
             async for out in engine.generate(f"abort-{output_kind}", tokenizer.encode("import os"), params):
                 seen.append(out)
 
         reader = asyncio.create_task(read())
-        for _ in range(500):  # a few tokens out (a final-only request shows none: it runs a while)
-            if len(seen) >= 3 or (output_kind == "final_only" and engine.stats().num_running):
+        for _ in range(1000):  # a few tokens out (a final-only request shows none: the engine's count says so)
+            if len(seen) >= 3 or engine.stats().num_generation_tokens - generated_before >= 3:
                 break
-            await asyncio.sleep(0.01)
-        if output_kind == "final_only":
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.002)
         engine.abort(f"abort-{output_kind}")
         await asyncio.wait_for(reader, 10)
         return seen
