@@ -99,12 +99,7 @@ def run(args) -> dict:
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     started = time.time()
 
-    def time_calls(calls: list) -> float:
-        if args.dry_run:
-            t = time.perf_counter()
-            calls[0]()
-            return (time.perf_counter() - t) * 1e6
-        return tune.time_us(calls, rep_ms=15)
+    time_calls = sweep.call_timer(args.dry_run)
 
     result = {"rows": [], "best": {}, "skipped": [], "device": args.device, "group": GROUP,
               "note": "8-bit weights in groups of 128, bf16 activations; CUDA-graph replays over weight copies "

@@ -78,7 +78,6 @@ def check(out, ref, abs_ref) -> tuple[bool, float]:
 
 def run(args, save) -> dict:
     import h200_wna16_sweep as sweep
-    import tune_wna16_moe as tune
 
     from kestrel.kernels import wna16 as wq
 
@@ -87,12 +86,7 @@ def run(args, save) -> dict:
     ms = [3, 40, 130] if args.dry_run else [m for m in M_ORDER if m in args.ms]
     started = time.time()
 
-    def time_calls(calls: list) -> float:
-        if args.dry_run:
-            t = time.perf_counter()
-            calls[0]()
-            return (time.perf_counter() - t) * 1e6
-        return tune.time_us(calls, rep_ms=15)
+    time_calls = sweep.call_timer(args.dry_run)
 
     data = sweep.rotated_weights(shapes, dev, args.dry_run)
     result = sweep.new_result(shapes)

@@ -162,12 +162,26 @@ def case_inputs(M: int, K: int, dense64, dense: list, dev: str, time_calls) -> t
     return x, x.double() @ dense64.T, time_calls([lambda d=d: torch.mm(x, d.T) for d in dense])
 
 
+def call_timer(dry_run: bool):
+    """`time_calls(calls) -> microseconds`: CUDA-graph replays of the rotated calls (`tune_wna16_moe.time_us`), or
+    in a dry run the interpreter's wall clock of one call, only to exercise the bookkeeping."""
+    import tune_wna16_moe as tune
+
+    def time_calls(calls: list) -> float:
+        if dry_run:
+            t = time.perf_counter()
+            calls[0]()
+            return (time.perf_counter() - t) * 1e6
+        return tune.time_us(calls, rep_ms=15)
+
+    return time_calls
+
+
 def new_result(shapes: dict) -> dict:
     return {"rows": [], "best": {}, "skipped": [], "seconds": 0.0, "shapes": {k: list(v) for k, v in shapes.items()}}
 
 
 def run(args, save) -> dict:
-    import tune_wna16_moe as tune
 
     from kestrel.kernels import wna16 as wq
 
@@ -176,13 +190,7 @@ def run(args, save) -> dict:
     ms = [1, 3, 16, 64, 128] if args.dry_run else [m for m in M_ORDER if m in args.ms]
     started = time.time()
 
-    def time_calls(calls: list) -> float:
-        if args.dry_run:  # the interpreter: wall clock of one call, only to exercise the bookkeeping
-            t = time.perf_counter()
-            calls[0]()
-            return (time.perf_counter() - t) * 1e6
-        return tune.time_us(calls, rep_ms=15)
-
+    time_calls = call_timer(args.dry_run)
     data = rotated_weights(shapes, dev, args.dry_run)
     result = new_result(shapes)
     rows, best, skipped = result["rows"], result["best"], result["skipped"]

@@ -19,47 +19,63 @@ from kestrel.model.llama import LlamaForCausalLM
 from kestrel.quant import QuantPlan
 
 
-@pytest.mark.parametrize("method", ["fp8", "int8"])
-def test_dummy_quantized_load_holds_one_float_layer_and_matches_the_plain_build(tmp_path, monkeypatch, method):
-    hf = write_tiny_checkpoint(tmp_path, "llama", "tiny")
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    quant = QuantConfig(method=method)
-
-    # Oracle: the plain build, every bf16 weight created and filled before any is quantized.
-    plain = LlamaForCausalLM(hf, torch.bfloat16, QuantPlan(quant))
-    initialize_dummy_weights(plain, seed=0)
-    plain.process_weights_after_loading()
-
+def load_counting_float_layers(tmp_path, monkeypatch, model_cls, layer_cls, float_weight, quant):
+    """Load `model_cls` from the checkpoint in tmp_path with random weights quantized at load, counting at each
+    `layer_cls` quantization how many such layers hold a materialized 16-bit weight (`float_weight(layer)`, or
+    None where it has none). Returns (model, counts)."""
     loading: list[torch.nn.Module] = []
     live_float_layers: list[int] = []
-    original = LinearBase.process_after_loading
+    original = layer_cls.process_after_loading
 
-    def counting(self):  # at each quantization, how many linear layers hold a materialized 16-bit weight
+    def counting(self):
         model = loading[-1]  # the one being loaded (the memory plan builds a meta-device one first)
-        live_float_layers.append(sum(1 for m in model.modules() if isinstance(m, LinearBase)
-                                     and not m.weight.is_meta and m.weight.dtype == torch.bfloat16))
+        live_float_layers.append(sum(1 for m in model.modules() if isinstance(m, layer_cls)
+                                     and not float_weight(m).is_meta and float_weight(m).dtype == torch.bfloat16))
         return original(self)
 
-    real_init = LlamaForCausalLM.__init__
+    real_init = model_cls.__init__
 
     def remember(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         loading.append(self)
 
-    monkeypatch.setattr(LinearBase, "process_after_loading", counting)
-    monkeypatch.setattr(LlamaForCausalLM, "__init__", remember)
+    monkeypatch.setattr(layer_cls, "process_after_loading", counting)
+    monkeypatch.setattr(model_cls, "__init__", remember)
     model = load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", load_format="dummy"), quant)
+    monkeypatch.undo()
+    return model, live_float_layers
 
-    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
-    assert len(live_float_layers) == len(linears)  # each layer quantized exactly once
-    assert max(live_float_layers) == 1
-    assert all(m.weight.element_size() == 1 for m in linears)
+
+def plain_build(model_cls, hf, quant):
+    """The oracle: every bf16 weight created and filled before any is quantized."""
+    plain = model_cls(hf, torch.bfloat16, QuantPlan(quant))
+    initialize_dummy_weights(plain, seed=0)
+    plain.process_weights_after_loading()
+    return plain
+
+
+def assert_same_parameters(model, plain):
     ours, theirs = dict(model.named_parameters()), dict(plain.named_parameters())
     assert ours.keys() == theirs.keys()
     for name, param in ours.items():
         assert param.dtype == theirs[name].dtype, name
         assert torch.equal(param.view(torch.uint8) if param.element_size() == 1 else param,
                            theirs[name].view(torch.uint8) if param.element_size() == 1 else theirs[name]), name
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_dummy_quantized_load_holds_one_float_layer_and_matches_the_plain_build(tmp_path, monkeypatch, method):
+    hf = write_tiny_checkpoint(tmp_path, "llama", "tiny")
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    quant = QuantConfig(method=method)
+    plain = plain_build(LlamaForCausalLM, hf, quant)
+    model, live_float_layers = load_counting_float_layers(tmp_path, monkeypatch, LlamaForCausalLM, LinearBase,
+                                                          lambda m: m.weight, quant)
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert len(live_float_layers) == len(linears)  # each layer quantized exactly once
+    assert max(live_float_layers) == 1
+    assert all(m.weight.element_size() == 1 for m in linears)
+    assert_same_parameters(model, plain)
 
 
 @pytest.mark.parametrize(("method", "gigabytes"), [(None, 141), ("fp8", 73)])
@@ -95,42 +111,14 @@ def test_dummy_fp8_experts_quantize_one_layer_at_a_time_and_plan_as_fp8(tmp_path
     (tmp_path / "config.json").write_text(json.dumps(hf))
     quant = QuantConfig(method="fp8")
     model_cls = get_model_class("MixtralForCausalLM")
-
-    plain = model_cls(hf, torch.bfloat16, QuantPlan(quant))
-    initialize_dummy_weights(plain, seed=0)
-    plain.process_weights_after_loading()
-
-    loading: list[torch.nn.Module] = []
-    live_float_experts: list[int] = []
-    original = FusedExperts.process_after_loading
-
-    def counting(self):
-        model = loading[-1]
-        live_float_experts.append(sum(1 for m in model.modules() if isinstance(m, FusedExperts)
-                                      and not m.w13_weight.is_meta and m.w13_weight.dtype == torch.bfloat16))
-        return original(self)
-
-    real_init = model_cls.__init__
-
-    def remember(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        loading.append(self)
-
-    monkeypatch.setattr(FusedExperts, "process_after_loading", counting)
-    monkeypatch.setattr(model_cls, "__init__", remember)
-    model = load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", load_format="dummy"), quant)
-
+    plain = plain_build(model_cls, hf, quant)
+    model, live_float_experts = load_counting_float_layers(tmp_path, monkeypatch, model_cls, FusedExperts,
+                                                           lambda m: m.w13_weight, quant)
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
     assert len(live_float_experts) == len(experts) == hf["num_hidden_layers"]
     assert max(live_float_experts) == 1
-    ours, theirs = dict(model.named_parameters()), dict(plain.named_parameters())
-    assert ours.keys() == theirs.keys()
-    for name, param in ours.items():
-        assert param.dtype == theirs[name].dtype, name
-        assert torch.equal(param.view(torch.uint8) if param.element_size() == 1 else param,
-                           theirs[name].view(torch.uint8) if param.element_size() == 1 else theirs[name]), name
+    assert_same_parameters(model, plain)
 
-    monkeypatch.undo()
     loaded = (sum(p.numel() * p.element_size() for p in model.parameters())
               + sum(b.numel() * b.element_size() for b in model.buffers()))
     deferred = plan_memory(lambda: model_cls(hf, torch.bfloat16, dataclasses.replace(QuantPlan(quant),
