@@ -171,7 +171,7 @@ class WNA16Config:
     # path rounds it, instead of exact codes scaled per K step in fp32. Reads block_m/n/k, split_k, group_m,
     # num_warps, num_stages and swap_ab.
     prescale: bool = False
-    # The weight written out dense in one pass, then cuBLAS (`kernels/wna16_dequant.py`; int4 / uint4 / int8,
+    # The weight written out dense in one pass, then cuBLAS (`kernels/wna16_dequant.py`; int4 / uint4 / int8 / fp8_e4m3,
     # results in x's dtype): for rows enough to hide the extra pass. Where it does not apply, the looped tiles run
     # with this entry's blocks.
     dense: bool = False

@@ -7,8 +7,9 @@ as the MMA's, and a prompt's step ran several times slower than the BF16 GEMM. W
 read, two bytes a weight written) the weight goes through cuBLAS at its own speed; at a prompt's row counts the
 extra pass costs less than those per-step scalings.
 
-Types: int4 (codes minus 8), uint4 with integer zero points, int8, each with float offsets (w = s * v - m) or not;
-the value is s * (v - z) (or s * v - m) in fp32, rounded once to the activations' dtype. Act-order weights are
+Types: int4 (codes minus 8), uint4 with integer zero points, int8, each with float offsets (w = s * v - m) or not,
+and fp8_e4m3 (a block-FP8 checkpoint's weight run weight-only); the value is s * (v - z) (or s * v - m) in fp32,
+rounded once to the activations' dtype. Act-order weights are
 written in their sorted-K order (their groups contiguous), which the caller's x gathered by `perm` meets. The other
 types keep the tiles (`takes`).
 """
@@ -21,7 +22,8 @@ import triton.language as tl
 
 from kestrel.kernels import common
 
-TYPES = ("int4", "uint4", "int8")
+TYPES = ("int4", "uint4", "int8", "fp8_e4m3")
+_FOUR_BIT = ("int4", "uint4")
 BLOCK_K, BLOCK_N = 64, 128
 
 
@@ -72,7 +74,7 @@ def dequantize_kn(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
                   group: int, dtype: torch.dtype) -> torch.Tensor:
     """The weight `[K, N]` in `dtype` (sorted-K order), from `wna16`'s layout (arguments as `wna16_gemm` has checked
     them; `takes` says which)."""
-    four_bit = weight_type != "int8"
+    four_bit = weight_type in _FOUR_BIT
     K = qweight.shape[0] * (8 if four_bit else 1)
     N = qweight.shape[1]
     out = torch.empty((K, N), dtype=dtype, device=qweight.device)

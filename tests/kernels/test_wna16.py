@@ -342,12 +342,13 @@ def test_dense_config_writes_the_weight_out(device, monkeypatch):
     dense = record_calls(monkeypatch, wna16_dequant, "dequantize_kn")
     cfg = WNA16Config(block_m=16, block_n=32, block_k=128, dense=True)
     for variant, act_order, out_dtype in (("int4", False, torch.bfloat16), ("uint4", False, torch.bfloat16),
-                                          ("int4", True, torch.bfloat16), ("int4", False, torch.float32)):
+                                          ("int4", True, torch.bfloat16), ("int4", False, torch.float32),
+                                          ("fp8_e4m3", False, torch.bfloat16)):
         w, W = make_weight(variant, 128, act_order, 40, 256, torch.bfloat16, seed=90)
         x = make_x(5, 256, torch.bfloat16, seed=5)
         out = wq.wna16_gemm(x.to(device), *to_device(w, device), out_dtype, config=cfg)
         assert_matches(out, x, W, out_dtype, w_rounding=2.0**-9)
-    assert len(dense) == 3
+    assert len(dense) == 4
 
 
 def test_nibble_order_puts_each_nibble_run_together():
@@ -470,7 +471,7 @@ def test_oneshot_gemv_layouts_compile_for_sm90_without_spills_or_shared_group_su
     assert i8_one[0].count("prmt.b32") >= 256 and "cvt.rn.f32.s" not in i8_one[0]  # a byte permute a value
 
 
-@pytest.mark.parametrize("variant", ["int4", "uint4", "int8", "int4_mins", "int8_mins"])
+@pytest.mark.parametrize("variant", ["int4", "uint4", "int8", "int4_mins", "int8_mins", "fp8_e4m3"])
 def test_prompt_rows_take_the_dense_path(variant, device, monkeypatch):
     """From DENSE_MIN_ROWS rows (scaled down here) in small groups the table's product writes the weight out dense
     and multiplies it there: groups of 16 and 32, a bias, fp32 and bf16 rows (the weight rounded once to bf16 with
