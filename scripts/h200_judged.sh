@@ -16,6 +16,8 @@
 #   w8a16      Llama-3-8B W8A16 (group 128): decode at batch 1, 8, 32, 128, and a full load of 384 x 1000/1000
 #   blockfp8   block-FP8 dense layers weight-only against the W8A8 block GEMM (and W8A8 per channel), Llama-3-8B's
 #              linears, M = 1-8192 (scripts/h200_block_fp8_mm.py), after the block GEMM's kernel tests on the GPU
+#   sweep8     the 8-bit weight-only tiles (int8 and FP8 in groups of 128, the dense path from 128 rows), M = 1-4096
+#              (scripts/h200_wna16_8bit_sweep.py): OUT/wna16-8bit-entries.json is the candidate "N,K,TYPE" entries
 # Off an H200 the H200's tables are copied under the GPU's name (h200_tables), so the defaults are the H200's.
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 h200_tables
@@ -69,6 +71,7 @@ for stage in "$@"; do
              --result-file "$out/throughput-llama3-8b-w8a16-384x1000-256-h200.json" ;;
     blockfp8) run 200 python3 -m pytest -q -rf -p no:cacheprovider tests/kernels/test_block_fp8_mm.py
               PYTHONPATH=. run 300 python3 scripts/h200_block_fp8_mm.py --out "$out" ;;
+    sweep8) PYTHONPATH=. run 400 python3 scripts/h200_wna16_8bit_sweep.py --out "$out" --max-seconds 330 ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac
 done
