@@ -707,8 +707,10 @@ def wna16_gemm(
             wna16_gemv.w4_gemv(x, qweight, scales, zeros, out, bias, block_n=cfg.block_n, block_k=cfg.block_k,
                                num_warps=cfg.num_warps)
             return out
-        # A one-shot entry's wide tile on the FMA path instead spills (1.4 ms for 8-bit 6144 x 4096 at M = 1).
-        cfg = default_config(M)
+        if config is None:
+            # A table's one-shot tile on the FMA path instead spills (1.4 ms for 8-bit 6144 x 4096 at M = 1); a
+            # config passed in runs its own tiles on the FMA path.
+            cfg = default_config(M)
     block_k = fit_block_k(cfg.block_k, group)
     k_tiles = K // block_k
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
