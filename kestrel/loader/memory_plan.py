@@ -65,6 +65,12 @@ def plan_memory(build: Callable[[], nn.Module], kv_cache_bytes: KVCacheBytes | N
     # A weight its quant method changes after loading (quantized at load) is counted as the method plans it.
     planned = {id(weight): module.quant_method.planned_weight_bytes(weight)
                for module in model.modules() for weight in _quantizable_weights(module)}
+    # A layer quantized as its random weights are filled holds its high-precision weights until it is processed:
+    # the last such layer's, on top of everything already quantized, is the peak while loading.
+    transient = max((sum(w.numel() * w.element_size() for w in _quantizable_weights(module))
+                     for module in model.modules()
+                     if getattr(getattr(module, "quant_method", None), "defer_weight", False)
+                     and any(planned.get(id(w)) for w in _quantizable_weights(module))), default=0)
     for name, param in model.named_parameters():
         size = param.numel() * param.element_size()
         while_loading, size = planned.get(id(param)) or (size, size)
@@ -82,7 +88,7 @@ def plan_memory(build: Callable[[], nn.Module], kv_cache_bytes: KVCacheBytes | N
     if kv_cache_bytes is not None:
         kv = kv_cache_bytes(model.attention_layers())
         parts["KV cache"] = kv
-    return MemoryPlan(parts, loading, kept, kv)
+    return MemoryPlan(parts, loading + transient, kept, kv)
 
 
 def _quantizable_weights(module: nn.Module) -> list[nn.Parameter]:
