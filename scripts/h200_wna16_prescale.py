@@ -67,15 +67,6 @@ def dense_config():
     return wq.WNA16Config(64, 64, 64, dense=True)
 
 
-def check(out, ref, abs_ref) -> tuple[bool, float]:
-    """Each weight rounded once or twice to bf16 (the scale's rounding, then the product's: at most 2^-8 of it,
-    relative) and the output once: |out - ref| <= 2^-8 (sum |x||w| + |ref|) elementwise. A wrong nibble order or
-    zero point is off by O(1)."""
-    diff = (out.double() - ref).abs()
-    ok = bool((diff <= 2.0**-8 * (abs_ref + ref.abs()) + 1e-6).all())
-    return ok, (diff.norm() / ref.norm()).item()
-
-
 def run(args, save) -> dict:
     import h200_wna16_sweep as sweep
 
@@ -110,7 +101,7 @@ def run(args, save) -> dict:
             cands = [sweep.Candidate("table", table_cfg), sweep.Candidate("dense", dense_config())]
             cands += [sweep.Candidate(variant_of(c), c) for c in configs]
             timed = sweep.measure(case, cands, x, weights, ref, time_calls,
-                                  check=lambda out, ref_, a=abs_ref: check(out, ref_, a))
+                                  check=lambda out, ref_, a=abs_ref: sweep.check_rounded(out, ref_, a))
             rows += timed
             entry = None
             for r in timed:

@@ -109,6 +109,16 @@ def check(out, ref) -> tuple[bool, float]:
     return bool((diff <= bound).all()) and rel < 5e-3, rel
 
 
+def check_rounded(out, ref, abs_ref) -> tuple[bool, float]:
+    """`check` for paths that round each weight to bf16 once or twice (the scale's rounding, then the product's: at
+    most 2^-8 of it, relative; the prescaled tiles, the dense path) and the output once: |out - ref| <= 2^-8
+    (sum |x||w| + |ref|) elementwise, `abs_ref` being sum |x||w|. A wrong code, nibble order or zero point is off by
+    O(1)."""
+    diff = (out.double() - ref).abs()
+    ok = bool((diff <= 2.0**-8 * (abs_ref + ref.abs()) + 1e-6).all())
+    return ok, (diff.norm() / ref.norm()).item()
+
+
 def measure(case: dict, cands: list[Candidate], x, weights: list, ref, time_calls, check=check) -> list[dict]:
     """One row per candidate: its error against the float64 product `ref` (`check(out, ref)`: whether it is within
     the bound, and the relative error), then (if right) its time over the rotated `weights`; a config that fails to
@@ -182,7 +192,6 @@ def new_result(shapes: dict) -> dict:
 
 
 def run(args, save) -> dict:
-
     from kestrel.kernels import wna16 as wq
 
     dev = "cpu" if args.dry_run else "cuda"
