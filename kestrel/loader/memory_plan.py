@@ -62,15 +62,19 @@ def plan_memory(build: Callable[[], nn.Module], kv_cache_bytes: KVCacheBytes | N
         model = build()
     parts: dict[str, int] = {}
     loading = kept = 0
-    # A weight its quant method changes after loading (quantized at load) is counted as the method plans it.
-    planned = {id(weight): module.quant_method.planned_weight_bytes(weight)
-               for module in model.modules() for weight in _quantizable_weights(module)}
-    # A layer quantized as its random weights are filled holds its high-precision weights until it is processed:
-    # the last such layer's, on top of everything already quantized, is the peak while loading.
-    transient = max((sum(w.numel() * w.element_size() for w in _quantizable_weights(module))
-                     for module in model.modules()
-                     if getattr(getattr(module, "quant_method", None), "defer_weight", False)
-                     and any(planned.get(id(w)) for w in _quantizable_weights(module))), default=0)
+    # A weight its quant method changes after loading (quantized at load) is counted as the method plans it. A layer
+    # quantized as its random weights are filled holds its high-precision weights until it is processed: the
+    # largest such layer's, on top of everything already quantized, is the peak while loading.
+    planned: dict[int, tuple[int, int] | None] = {}
+    transient = 0
+    for module in model.modules():
+        weights = _quantizable_weights(module)
+        if not weights:
+            continue
+        plans = [module.quant_method.planned_weight_bytes(weight) for weight in weights]
+        planned.update(zip(map(id, weights), plans))
+        if module.quant_method.defer_weight and any(plans):
+            transient = max(transient, sum(w.numel() * w.element_size() for w in weights))
     for name, param in model.named_parameters():
         size = param.numel() * param.element_size()
         while_loading, size = planned.get(id(param)) or (size, size)
