@@ -5,8 +5,11 @@
 #   hoststep   `kestrel bench host-step` at batch 256 (core deltas), the working tree against BEFORE (a commit)
 #              alternated when BEFORE is set, else the working tree alone
 #   tput       the FP8 + FP8 KV full load, 1000 x 1000 in / 1000 out, max_num_seqs 512
-#   tputgw     the same full load with 8 grammar workers (the engine's grammar backend built on the 128k tokenizer):
-#              the run a default of grammar workers on a GPU needs
+#   tputgw     the same full load with the engine's grammar backend built on the 128k tokenizer and its default
+#              grammar workers: the run a default of grammar workers on a GPU needs
+#   gwtests    the grammar workers' tests and the async engine's drained-and-refilled batches, on the GPU
+#              (needs xgrammar and jsonschema as wheels in .whl)
+#   structured `kestrel bench structured` at batch 64, the engine's default grammar workers and none
 #   decode1    Llama-3-8B batch-1 decode, prompt 128, BF16 and FP8 + FP8 KV
 #   ttft       batch-1 TTFT of an 8k and a 128-token FP8 prompt
 #   moe        `kestrel bench moe` at T = 32, 128: bf16, FP8 per channel, FP8 [128, 128] blocks
@@ -38,8 +41,15 @@ for stage in "$@"; do
     tput) full_load_fp8 judged ;;
     tputgw) run 330 python3 -m kestrel.bench.throughput --num-prompts 1000 --input-len 1000 --output-len 1000 \
               --hf-peer-prompts 0 --max-seconds 280 --max-num-seqs 512 --quantization fp8 --kv-cache-dtype fp8 \
-              --tokenizer .bench-tokenizer-128k --grammar-workers 8 \
-              --result-file "$out/throughput-fp8-1000x1000-512-grammar-workers-8-h200.json" ;;
+              --tokenizer .bench-tokenizer-128k \
+              --result-file "$out/throughput-fp8-1000x1000-512-grammar-workers-default-h200.json" ;;
+    gwtests) run 300 python3 -m pytest -q -rf -p no:cacheprovider tests/e2e/test_grammar_workers.py \
+               tests/e2e/test_async_scheduling.py ;;
+    structured) for workers in default 0; do
+                  flag=(); [ "$workers" = default ] || flag=(--grammar-workers "$workers")
+                  run 200 python3 -m kestrel.bench.structured --tokenizer .bench-tokenizer-128k --batch 64 \
+                    --output-len 96 --repeats 2 "${flag[@]}" --result-file "$out/structured-b64-workers-$workers-h200.json"
+                done ;;
     decode1) latency 120 decode1-bf16 --batch 1 --input-len 128 --output-len 64 --repeats 3
              latency 120 decode1-fp8 --batch 1 --input-len 128 --output-len 64 --repeats 3 \
                --quantization fp8 --kv-cache-dtype fp8 ;;

@@ -214,7 +214,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
                    "input_len": args.input_len, "output_len": args.output_len, "max_num_seqs": args.max_num_seqs,
                    "tokenizer": engine.config.model.tokenizer_path if not isinstance(
                        engine.core.tokenizer, common.NullTokenizer) else None,
-                   "grammar_workers": engine.config.grammar_workers},
+                   "grammar_workers": (None if engine.core.structured is None
+                                       else engine.core.structured.worker_count)},
         "environment": common.environment(device),
         "startup_to_first_token_s": startup, "engine_build_s": engine.build_s,
         "graph_capture_s": getattr(engine.runner, "capture_seconds", None),

@@ -44,6 +44,7 @@ class GrammarBackend:
         # Elsewhere torch's own pool spins between ops and the fill's threads wait for cores: one thread fills.
         self._max_threads = max_threads or max(1, min(8, os.cpu_count() or 1))
         self._fill_threads = self._max_threads if gpu_host else 1
+        self.worker_count = 0  # processes holding the matchers (GrammarShards); 0: this thread
         self._compiler: Any = None
         self._matchers: dict[str, Any] = {}
         self._batch: Any = None

@@ -63,7 +63,7 @@ class GrammarShards(GrammarBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], workers: int,
                  max_rows: int, gpu_host: bool = False, **backend_options: Any) -> None:
         super().__init__(tokenizer, vocab_size, eos_token_ids, gpu_host=gpu_host, **backend_options)
-        self._workers = workers
+        self.worker_count = workers
         self._max_rows = max_rows
         self._words = (vocab_size + 31) // 32
         self._conns: list[Connection] = []
@@ -88,7 +88,7 @@ class GrammarShards(GrammarBackend):
         context = fork_context(WORKER_MODULES)
         processes = []
         try:
-            for index in range(self._workers):
+            for index in range(self.worker_count):
                 parent, child = context.Pipe()
                 process = context.Process(target=_worker_main, name=f"kestrel-grammar-{index}", daemon=True,
                                           args=(child, self._memory.name, self._max_rows, self._words))
@@ -103,9 +103,9 @@ class GrammarShards(GrammarBackend):
     def _ready(self) -> None:
         """Hand each worker the vocabulary and its fill threads, once, before its first request."""
         info = self.tokenizer_info.serialize_json()
-        for index in range(self._workers):
+        for index in range(self.worker_count):
             self._send(index, ("init", info, self._fill_threads_per_worker(), self._cache_bytes))
-        for index in range(self._workers):
+        for index in range(self.worker_count):
             self._receive(index)
         self._initialized = True
 
@@ -116,7 +116,7 @@ class GrammarShards(GrammarBackend):
             finalizer()
 
     def _fill_threads_per_worker(self) -> int:
-        return max(1, self._fill_threads // self._workers)
+        return max(1, self._fill_threads // self.worker_count)
 
     # ----- requests ------------------------------------------------------------------------------
 

@@ -62,7 +62,7 @@ def test_workers_give_the_tokens_of_the_engine_thread(engine_args):
     prompts = ["A person, as JSON:\n", "digits = [1, 2, 3, 1, 2, 3]\nmore = ", "Email: ", "def f(x):\n"]
     prompts *= 2
     params = params_mix()[:len(prompts)]
-    in_thread = LLM(max_model_len=160, **engine_args)
+    in_thread = LLM(max_model_len=160, grammar_workers=0, **engine_args)
     expected = in_thread.generate(prompts, params, use_tqdm=False)
     sharded = LLM(max_model_len=160, grammar_workers=2, **engine_args)
     outputs = sharded.generate(prompts, params, use_tqdm=False)
@@ -86,7 +86,7 @@ def test_workers_under_speculative_decoding_keep_drafts_the_grammar_allows():
     prompt = "digits = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3]\nmore = "
     params = [SamplingParams(temperature=t, seed=s, max_tokens=120, structured_outputs=StructuredOutputsParams(
         json=DIGITS, disable_any_whitespace=True)) for t, s in ((0.0, 0), (0.9, 1), (1.2, 2))]
-    expected = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM).generate(
+    expected = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM, grammar_workers=0).generate(
         [prompt] * 3, params, use_tqdm=False)
     spec = LLM(dtype="float32", max_model_len=256, speculative_config=NGRAM, grammar_workers=2)
     outputs = spec.generate([prompt] * 3, params, use_tqdm=False)
