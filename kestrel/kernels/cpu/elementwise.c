@@ -81,8 +81,12 @@ int kestrel_silu_mul(const float *x, float *out, long rows, int inter, int threa
         const float *restrict gate = x + r * 2 * (long)inter;
         const float *restrict up = gate + inter;
         float *restrict o = out + r * (long)inter;
-        for (int j = 0; j < inter; j++)
-            o[j] = gate[j] / (1.0f + exp_poly(-gate[j])) * up[j];
+        /* one division, after the exp: written as gate / (1 + e) * up, GCC divided once per clamp case of the
+         * inlined exp and the loop ran 3x slower */
+        for (int j = 0; j < inter; j++) {
+            const float e = exp_poly(-gate[j]);
+            o[j] = gate[j] * up[j] / (1.0f + e);
+        }
     }
     return 0;
 }

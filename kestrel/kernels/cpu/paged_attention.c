@@ -67,6 +67,86 @@ static inline float dot(const float *restrict a, const float *restrict b, int d)
     return s;
 }
 
+/* The decode path's vectors: one register wide (16 floats with AVX-512, else 8). Its scores take eight keys at a
+ * time, each key's products summed in a register's lanes, the eight keys' lane sums then formed together by
+ * shuffles (one vector of eight scores), instead of spilling each key's lanes to memory to add them one by one. */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vfw __attribute__((vector_size(VW * 4)));
+typedef float vfwu __attribute__((vector_size(VW * 4), aligned(4)));
+typedef float vf8 __attribute__((vector_size(32)));
+
+static inline vf8 fold_to8(vfw x) {
+#if VW == 16
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    return x;
+#endif
+}
+
+/* [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7] (x86's horizontal add) */
+static inline vf8 pair_sums(vf8 a, vf8 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+/* lane j: the sum of the lanes of a_j */
+static inline vf8 lane_sums8(vf8 a0, vf8 a1, vf8 a2, vf8 a3, vf8 a4, vf8 a5, vf8 a6, vf8 a7) {
+    const vf8 u = pair_sums(pair_sums(a0, a1), pair_sums(a2, a3));
+    const vf8 v = pair_sums(pair_sums(a4, a5), pair_sums(a6, a7));
+    return __builtin_shufflevector(u, v, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(u, v, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+static inline float lane_sum(vfw x) {
+    vf8 y = fold_to8(x);
+    y += __builtin_shufflevector(y, y, 4, 5, 6, 7, 0, 1, 2, 3);
+    y += __builtin_shufflevector(y, y, 2, 3, 0, 1, 6, 7, 4, 5);
+    y += __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6);
+    return y[0];
+}
+
+/* p[j] = (q . k_j) * scale for n keys k_j = k_rows + j * k_stride */
+static inline __attribute__((always_inline)) void row_scores(float *restrict p, const float *restrict q,
+                                                             const float *restrict k_rows, long k_stride, int n,
+                                                             const int d, float scale) {
+    if (d % VW != 0 || d > VMAX_D) {
+        for (int j = 0; j < n; j++)
+            p[j] = dot(q, k_rows + j * k_stride, d) * scale;
+        return;
+    }
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const float *restrict k = k_rows + j * k_stride;
+        vfw a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+        for (int c = 0; c < d; c += VW) {
+            const vfw qc = *(const vfwu *)(q + c);
+            a0 += qc * *(const vfwu *)(k + c);
+            a1 += qc * *(const vfwu *)(k + k_stride + c);
+            a2 += qc * *(const vfwu *)(k + 2 * k_stride + c);
+            a3 += qc * *(const vfwu *)(k + 3 * k_stride + c);
+            a4 += qc * *(const vfwu *)(k + 4 * k_stride + c);
+            a5 += qc * *(const vfwu *)(k + 5 * k_stride + c);
+            a6 += qc * *(const vfwu *)(k + 6 * k_stride + c);
+            a7 += qc * *(const vfwu *)(k + 7 * k_stride + c);
+        }
+        const vf8 s = lane_sums8(fold_to8(a0), fold_to8(a1), fold_to8(a2), fold_to8(a3), fold_to8(a4), fold_to8(a5),
+                                 fold_to8(a6), fold_to8(a7)) * scale;
+        memcpy(p + j, &s, sizeof s);
+    }
+    for (; j < n; j++) {
+        const float *restrict k = k_rows + j * k_stride;
+        vfw acc = {0};
+        for (int c = 0; c < d; c += VW)
+            acc += *(const vfwu *)(q + c) * *(const vfwu *)(k + c);
+        p[j] = lane_sum(acc) * scale;
+    }
+}
+
 /* cap * tanh(x / cap): an odd Taylor polynomial near 0, where 1 - 2 / (exp(2y) + 1) would cancel, that form
  * elsewhere (saturating to +-cap, never NaN). Both are computed so the loop vectorizes with a select. */
 static inline float soft_cap_score(float x, float cap, float inv_cap) {
@@ -191,6 +271,32 @@ static inline __attribute__((always_inline)) void accumulate(float *restrict acc
     }
     for (int i = 0; i < d; i++)
         acc[i] = t[i];
+}
+
+/* accumulate() for one row's probabilities (p_stride 1), in register-wide vectors, eight registers of the
+ * accumulator at a time (the decode path: d a multiple of VW up to VMAX_D). */
+static inline __attribute__((always_inline)) void accumulate_row(float *restrict acc, float alpha,
+                                                                 const float *restrict p,
+                                                                 const float *restrict v_rows, long v_stride, int n,
+                                                                 const int d) {
+    if (d % VW != 0 || d > VMAX_D) {
+        accumulate(acc, alpha, p, 1, v_rows, v_stride, n, d);
+        return;
+    }
+    for (int c0 = 0; c0 < d; c0 += 8 * VW) {
+        const int w = d - c0 < 8 * VW ? (d - c0) / VW : 8;
+        vfw t[8];
+        for (int c = 0; c < w; c++)
+            t[c] = *(const vfwu *)(acc + c0 + VW * c) * alpha;
+        for (int j = 0; j < n; j++) {
+            const float pj = p[j];
+            const float *restrict vv = v_rows + j * v_stride + c0;
+            for (int c = 0; c < w; c++)
+                t[c] += pj * *(const vfwu *)(vv + VW * c);
+        }
+        for (int c = 0; c < w; c++)
+            *(vfwu *)(acc + c0 + VW * c) = t[c];
+    }
 }
 
 /* Scores of the ROW_TILE (32) packed rows against n keys: s[j * ROW_TILE + r] = k_j . qt[:, r], with the queries
@@ -369,15 +475,14 @@ static inline __attribute__((always_inline)) void run_item_d(const Args *a, cons
                     const int row = (qr - it->row0) * group + g;
                     const float *restrict qv = a->q + ((long)(q_start + qr) * a->num_heads + (long)it->kv_head * group + g) * d;
                     float *restrict p = sc->row_scores;
-                    for (int j = 0; j < n; j++)
-                        p[j] = dot(qv, k_rows + (long)(j0 + j) * kv_stride, d) * a->scale;
+                    row_scores(p, qv, k_rows + (long)j0 * kv_stride, kv_stride, n, d, a->scale);
                     if (a->soft_cap > 0.0f) {
                         const float cap = a->soft_cap, inv_cap = 1.0f / a->soft_cap;
                         for (int j = 0; j < n; j++)
                             p[j] = soft_cap_score(p[j], cap, inv_cap);
                     }
                     const float alpha = softmax_step(p, n, &sc->m[row], &sc->l[row]);
-                    accumulate(sc->acc + (long)row * d, alpha, p, 1, v_rows + j0 * kv_stride, kv_stride, n, d);
+                    accumulate_row(sc->acc + (long)row * d, alpha, p, v_rows + j0 * kv_stride, kv_stride, n, d);
                 }
             }
         }
