@@ -387,6 +387,19 @@ static inline void softmax_by_rows(float *restrict s, int n, int t0, const int *
     }
 }
 
+/* Asks for the keys and values of one KV head in `block` (its first n tokens) ahead of their use: blocks lie
+ * anywhere in the cache, so the hardware's stride prefetchers cannot see the next one coming. */
+static inline void prefetch_block(const Args *a, long block, long head_off, int n, int d) {
+    const long elem = a->cache_bf16 ? 2 : 4;
+    const char *k = (const char *)a->k_cache + (block * a->stride_block + head_off) * elem;
+    const char *v = (const char *)a->v_cache + (block * a->stride_block + head_off) * elem;
+    for (int j = 0; j < n; j++)
+        for (long i = 0; i < d * elem; i += 64) {
+            __builtin_prefetch(k + j * a->stride_tok * elem + i, 0, 3);
+            __builtin_prefetch(v + j * a->stride_tok * elem + i, 0, 3);
+        }
+}
+
 /* Inlined into one copy per common head size, where d is a constant and the loops over it unroll. */
 static inline __attribute__((always_inline)) void run_item_d(const Args *a, const Item *it, Scratch *sc, const int d) {
     const int group = a->num_heads / a->num_kv_heads;
@@ -440,6 +453,10 @@ static inline __attribute__((always_inline)) void run_item_d(const Args *a, cons
             t1 = t0 + TILE;
         const int n_tok = t1 - t0;
         const long base = (long)table[blk_idx] * a->stride_block + (long)(t0 % a->block_size) * a->stride_tok + head_off;
+        if (!by_rows && t0 % a->block_size == 0 && (blk_idx + 1) * a->block_size < key_hi) {
+            const int nt = key_hi - (blk_idx + 1) * a->block_size;
+            prefetch_block(a, table[blk_idx + 1], head_off, nt < a->block_size ? nt : a->block_size, d);
+        }
         const float *k_rows;
         const float *v_rows;
         long kv_stride;
@@ -594,8 +611,19 @@ int kestrel_paged_attention(const float *q, float *out, const void *k_cache, con
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (long i = 0; i < n_items; i++)
+        for (long i = 0; i < n_items; i++) {
+            /* the next item's first block, a whole item ahead (a decode's: prefill items find theirs soon enough) */
+            if (i + 1 < n_items) {
+                const Item *nx = &items[i + 1];
+                const int nq = query_start_loc[nx->seq + 1] - query_start_loc[nx->seq];
+                if (nq == 1) {
+                    const int nlen = seq_lens[nx->seq];
+                    prefetch_block(&a, block_tables[(long)nx->seq * table_stride], (long)nx->kv_head * head_size,
+                                   nlen < block_size ? nlen : block_size, head_size);
+                }
+            }
             run_item(&a, &items[i], &sc);
+        }
     }
     free(scratch);
     free(items);
