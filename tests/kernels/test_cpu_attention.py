@@ -222,7 +222,6 @@ def test_paged_attention_cpu_takes_the_native_path_when_it_applies(monkeypatch) 
     taken: list[bool] = []
     native_fn = cpu_attention._native
     monkeypatch.setattr(cpu_attention, "_native", lambda *a: taken.append(native_fn(*a)) or taken[-1])
-    monkeypatch.setattr(native, "has_avx512", lambda: True)  # a CPU whose kernel takes every batch
     paged_attention_cpu(q, kc, vc, qsl, lens, tables, 0.2)  # float32
     paged_attention_cpu(q, kc.bfloat16(), vc.bfloat16(), qsl, lens, tables, 0.2)  # bf16 cache
     paged_attention_cpu(q, kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), qsl, lens, tables, 0.2)
@@ -230,21 +229,6 @@ def test_paged_attention_cpu_takes_the_native_path_when_it_applies(monkeypatch) 
     ends = (torch.arange(q.shape[0]) + 1).to(torch.int32)
     paged_attention_cpu(q, kc, vc, qsl, lens, tables, 0.2, causal_ends=ends)
     assert taken == [True, True, False, False, False]
-
-
-@needs_compiler
-def test_without_avx512_only_batches_of_decodes_go_to_the_kernel(monkeypatch) -> None:
-    """Where the CPU has no AVX-512 a batch with prefill rows runs gathered into SDPA, a batch of decodes in the C
-    kernel; either way the float64 oracle's result."""
-    monkeypatch.setattr(native, "has_avx512", lambda: False)
-    taken: list[bool] = []
-    native_fn = cpu_attention._native
-    monkeypatch.setattr(cpu_attention, "_native", lambda *a: taken.append(native_fn(*a)) or taken[-1])
-    for case in (MIXED, NATIVE_CASES["decode"]):
-        q, kc, vc, qsl, lens, tables = _case(*case, 4, 2, 32)
-        got = paged_attention_cpu(q, kc, vc, qsl, lens, tables, 0.2)
-        torch.testing.assert_close(got.double(), _oracle(q, kc, vc, qsl, lens, tables, 0.2), rtol=1e-5, atol=1e-5)
-    assert taken == [True]
 
 
 def test_without_a_compiler_the_torch_path_runs(monkeypatch, tmp_path) -> None:

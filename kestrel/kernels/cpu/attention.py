@@ -50,8 +50,8 @@ def paged_attention_cpu(
     _check_soft_cap(logit_soft_cap)
     if out is None:
         out = torch.empty_like(q)
-    if native_serves(q, seq_lens) and _native(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                              sliding_window, k_scale, v_scale, out, logit_soft_cap, causal_ends):
+    if _native(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window, k_scale, v_scale,
+               out, logit_soft_cap, causal_ends):
         return out
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -68,14 +68,6 @@ def paged_attention_cpu(
             _attend(q, k_cache, v_cache, starts, lens, block_tables, seqs, scale, sliding_window, k_scale, v_scale,
                     out, logit_soft_cap, causal_ends)
     return out
-
-
-def native_serves(q: torch.Tensor, seq_lens: torch.Tensor) -> bool:
-    """Whether a call the C kernel can compute should go to it: always on a CPU with AVX-512; without it only a
-    batch of decodes. There the kernel's prefill tiles (two 16-float vectors a packed row tile, each two AVX2
-    registers) spill, and batches with prefill rows run faster gathered into SDPA (kestrel-tiny offline on an AVX2
-    host: 880 out tok/s all in the kernel, 1,000 all in SDPA, 1,120 split so; docs/benchmarks.md)."""
-    return q.shape[0] == seq_lens.shape[0] or native.has_avx512()
 
 
 def native_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,

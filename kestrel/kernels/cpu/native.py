@@ -59,12 +59,6 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(keep))  # one copy per distinct line, not one per core
 
 
-@functools.cache
-def has_avx512() -> bool:
-    """Whether this CPU has AVX-512 (the C kernels' 16-float vectors in one register each)."""
-    return any(line.startswith("flags") and " avx512f" in line for line in _cpu_identity().splitlines())
-
-
 def build_key(source: bytes, flags: tuple[str, ...], compiler: str) -> str:
     st = os.stat(compiler)
     ident = "\0".join([compiler, str(st.st_size), str(st.st_mtime_ns), " ".join(flags), _cpu_identity()])

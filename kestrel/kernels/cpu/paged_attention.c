@@ -7,8 +7,9 @@
  * packed row (query row, head) keeps an online softmax: running max, running sum and a D-float accumulator.
  *
  * Two ways through a tile:
- * - few packed rows (decodes, short chunks): one row at a time, one dot per visible key; a row visits only the keys
- *   it may see (its causal end, the window's start), so nothing is masked;
+ * - few packed rows (decodes, short chunks): one row at a time, scoring eight visible keys at a time (`row_scores`);
+ *   a row visits only the keys it may see (its causal end, the window's start), so nothing is masked, and the
+ *   item asks for its next block while it works on this one;
  * - prefill chunks (at least a third of ROW_TILE packed rows): the rows are the vector lanes. The item's queries are
  *   transposed once (`qt[dim][row]`), a tile's scores are 32-lane multiply-adds with no sum across lanes, and the
  *   softmax runs across rows too, invisible keys getting probability 0 through a select.
@@ -30,30 +31,28 @@
 #endif
 
 #define TILE 16     /* keys per step */
-#define ROW_TILE 32 /* packed rows (query rows x group heads) per work item: two vf16 */
+#define ROW_TILE 32 /* packed rows (query rows x group heads) per work item */
 #define LANES 16
 #define MAX_D 512
 
-/* GNU C vectors of 16 floats (one AVX-512 register; split by the compiler on narrower targets). Accumulators that
- * are plain arrays stay in memory, each update a store and a reload; these stay in registers. The unaligned variant
- * loads and stores at any float address. */
-typedef float vf16 __attribute__((vector_size(64)));
-typedef float vf16u __attribute__((vector_size(64), aligned(4)));
-#define VMAX_D 256 /* head sizes up to this, multiples of 16, take the vector paths */
+/* GNU C vectors one register wide: 16 floats with AVX-512, else 8 (AVX2's). Accumulators that are plain arrays
+ * stay in memory, each update a store and a reload; these stay in registers. The unaligned variant loads and stores
+ * at any float address. */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vfw __attribute__((vector_size(VW * 4)));
+typedef float vfwu __attribute__((vector_size(VW * 4), aligned(4)));
+typedef float vf8 __attribute__((vector_size(32)));
+#define VMAX_D 256 /* head sizes up to this, multiples of VW, take the vector paths */
+#define ROW_VECTORS (ROW_TILE / VW) /* vectors of one key's scores over the packed rows */
+#define ROW_KEYS (8 / ROW_VECTORS)  /* keys a step of scores_by_rows takes: eight accumulators in all */
 
-/* q . k over d floats: LANES independent partial sums, so the loop vectorizes without reassociating a sum. */
+/* q . k over d floats where the vector path does not apply: LANES independent partial sums, so the loop vectorizes
+ * without reassociating a sum. */
 static inline float dot(const float *restrict a, const float *restrict b, int d) {
-    if (d % 16 == 0 && d <= VMAX_D) {
-        vf16 acc = *(const vf16u *)a * *(const vf16u *)b;
-        for (int c = 1; c < d / 16; c++)
-            acc += *(const vf16u *)(a + 16 * c) * *(const vf16u *)(b + 16 * c);
-        float lanes[16];
-        memcpy(lanes, &acc, sizeof lanes);
-        for (int w = 8; w >= 1; w /= 2)
-            for (int l = 0; l < w; l++)
-                lanes[l] += lanes[l + w];
-        return lanes[0];
-    }
     float part[LANES] = {0};
     int i = 0;
     for (; i + LANES <= d; i += LANES)
@@ -67,18 +66,9 @@ static inline float dot(const float *restrict a, const float *restrict b, int d)
     return s;
 }
 
-/* The decode path's vectors: one register wide (16 floats with AVX-512, else 8). Its scores take eight keys at a
- * time, each key's products summed in a register's lanes, the eight keys' lane sums then formed together by
- * shuffles (one vector of eight scores), instead of spilling each key's lanes to memory to add them one by one. */
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vfw __attribute__((vector_size(VW * 4)));
-typedef float vfwu __attribute__((vector_size(VW * 4), aligned(4)));
-typedef float vf8 __attribute__((vector_size(32)));
-
+/* The decode path scores eight keys at a time, each key's products summed in a register's lanes, the eight keys'
+ * lane sums then formed together by shuffles (one vector of eight scores), instead of spilling each key's lanes to
+ * memory to add them one by one. */
 static inline vf8 fold_to8(vfw x) {
 #if VW == 16
     return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -241,23 +231,27 @@ static inline float softmax_step(float *restrict s, int n, float *m, float *l) {
     return alpha;
 }
 
-/* acc = acc * alpha + sum_j p[j * p_stride] * v[j]: the row's accumulator is read and written once per tile, and
- * held in registers in between (d a multiple of 16 up to VMAX_D; the compiler unrolls the loops over d / 16). */
+/* acc = acc * alpha + sum_j p[j * p_stride] * v[j]: the row's accumulator is read and written once per tile and
+ * held in registers in between, eight registers of it at a time (d a multiple of VW up to VMAX_D; the compiler
+ * unrolls the loops over them). */
 static inline __attribute__((always_inline)) void accumulate(float *restrict acc, float alpha, const float *restrict p,
                                                              long p_stride, const float *restrict v_rows,
                                                              long v_stride, int n, const int d) {
-    if (d % 16 == 0 && d <= VMAX_D) {
-        vf16 t[VMAX_D / 16];
-        for (int c = 0; c < d / 16; c++)
-            t[c] = *(const vf16u *)(acc + 16 * c) * alpha;
-        for (int j = 0; j < n; j++) {
-            const float pj = p[j * p_stride];
-            const float *restrict vv = v_rows + j * v_stride;
-            for (int c = 0; c < d / 16; c++)
-                t[c] += pj * *(const vf16u *)(vv + 16 * c);
+    if (d % VW == 0 && d <= VMAX_D) {
+        for (int c0 = 0; c0 < d; c0 += 8 * VW) {
+            const int w = d - c0 < 8 * VW ? (d - c0) / VW : 8;
+            vfw t[8];
+            for (int c = 0; c < w; c++)
+                t[c] = *(const vfwu *)(acc + c0 + VW * c) * alpha;
+            for (int j = 0; j < n; j++) {
+                const float pj = p[j * p_stride];
+                const float *restrict vv = v_rows + j * v_stride + c0;
+                for (int c = 0; c < w; c++)
+                    t[c] += pj * *(const vfwu *)(vv + VW * c);
+            }
+            for (int c = 0; c < w; c++)
+                *(vfwu *)(acc + c0 + VW * c) = t[c];
         }
-        for (int c = 0; c < d / 16; c++)
-            *(vf16u *)(acc + 16 * c) = t[c];
         return;
     }
     float t[MAX_D];
@@ -273,74 +267,41 @@ static inline __attribute__((always_inline)) void accumulate(float *restrict acc
         acc[i] = t[i];
 }
 
-/* accumulate() for one row's probabilities (p_stride 1), in register-wide vectors, eight registers of the
- * accumulator at a time (the decode path: d a multiple of VW up to VMAX_D). */
-static inline __attribute__((always_inline)) void accumulate_row(float *restrict acc, float alpha,
-                                                                 const float *restrict p,
-                                                                 const float *restrict v_rows, long v_stride, int n,
-                                                                 const int d) {
-    if (d % VW != 0 || d > VMAX_D) {
-        accumulate(acc, alpha, p, 1, v_rows, v_stride, n, d);
-        return;
-    }
-    for (int c0 = 0; c0 < d; c0 += 8 * VW) {
-        const int w = d - c0 < 8 * VW ? (d - c0) / VW : 8;
-        vfw t[8];
-        for (int c = 0; c < w; c++)
-            t[c] = *(const vfwu *)(acc + c0 + VW * c) * alpha;
-        for (int j = 0; j < n; j++) {
-            const float pj = p[j];
-            const float *restrict vv = v_rows + j * v_stride + c0;
-            for (int c = 0; c < w; c++)
-                t[c] += pj * *(const vfwu *)(vv + VW * c);
-        }
-        for (int c = 0; c < w; c++)
-            *(vfwu *)(acc + c0 + VW * c) = t[c];
-    }
-}
-
 /* Scores of the ROW_TILE (32) packed rows against n keys: s[j * ROW_TILE + r] = k_j . qt[:, r], with the queries
- * transposed (`qt[i * ROW_TILE + r]`) so the rows are the vector lanes and no sum runs across lanes. Four keys at a
- * time keep eight independent vector accumulators in registers. */
+ * transposed (`qt[i * ROW_TILE + r]`) so the rows are the vector lanes and no sum runs across lanes. ROW_KEYS keys at
+ * a time keep eight independent vector accumulators in registers. */
 static inline __attribute__((always_inline)) void scores_by_rows(float *restrict s, const float *restrict qt,
                                                                  const float *restrict k_rows, long k_stride, int n,
                                                                  const int d) {
     int j = 0;
-    for (; j + 4 <= n; j += 4) {
-        const float *restrict k0 = k_rows + j * k_stride;
-        const float *restrict k1 = k0 + k_stride;
-        const float *restrict k2 = k1 + k_stride;
-        const float *restrict k3 = k2 + k_stride;
-        vf16 a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0}, a3 = {0}, b3 = {0};
+    for (; j + ROW_KEYS <= n; j += ROW_KEYS) {
+        vfw acc[ROW_KEYS][ROW_VECTORS];
+        for (int u = 0; u < ROW_KEYS; u++)
+            for (int r = 0; r < ROW_VECTORS; r++)
+                acc[u][r] = (vfw){0};
         for (int i = 0; i < d; i++) {
-            const vf16 lo = *(const vf16u *)(qt + i * ROW_TILE), hi = *(const vf16u *)(qt + i * ROW_TILE + 16);
-            a0 += k0[i] * lo;
-            b0 += k0[i] * hi;
-            a1 += k1[i] * lo;
-            b1 += k1[i] * hi;
-            a2 += k2[i] * lo;
-            b2 += k2[i] * hi;
-            a3 += k3[i] * lo;
-            b3 += k3[i] * hi;
+            vfw q[ROW_VECTORS];
+            for (int r = 0; r < ROW_VECTORS; r++)
+                q[r] = *(const vfwu *)(qt + i * ROW_TILE + r * VW);
+            for (int u = 0; u < ROW_KEYS; u++) {
+                const float k = k_rows[(j + u) * k_stride + i];
+                for (int r = 0; r < ROW_VECTORS; r++)
+                    acc[u][r] += k * q[r];
+            }
         }
-        *(vf16u *)(s + (j + 0) * ROW_TILE) = a0;
-        *(vf16u *)(s + (j + 0) * ROW_TILE + 16) = b0;
-        *(vf16u *)(s + (j + 1) * ROW_TILE) = a1;
-        *(vf16u *)(s + (j + 1) * ROW_TILE + 16) = b1;
-        *(vf16u *)(s + (j + 2) * ROW_TILE) = a2;
-        *(vf16u *)(s + (j + 2) * ROW_TILE + 16) = b2;
-        *(vf16u *)(s + (j + 3) * ROW_TILE) = a3;
-        *(vf16u *)(s + (j + 3) * ROW_TILE + 16) = b3;
+        for (int u = 0; u < ROW_KEYS; u++)
+            for (int r = 0; r < ROW_VECTORS; r++)
+                *(vfwu *)(s + (j + u) * ROW_TILE + r * VW) = acc[u][r];
     }
     for (; j < n; j++) {
-        const float *restrict k0 = k_rows + j * k_stride;
-        vf16 a0 = {0}, b0 = {0};
-        for (int i = 0; i < d; i++) {
-            a0 += k0[i] * *(const vf16u *)(qt + i * ROW_TILE);
-            b0 += k0[i] * *(const vf16u *)(qt + i * ROW_TILE + 16);
-        }
-        *(vf16u *)(s + j * ROW_TILE) = a0;
-        *(vf16u *)(s + j * ROW_TILE + 16) = b0;
+        vfw acc[ROW_VECTORS];
+        for (int r = 0; r < ROW_VECTORS; r++)
+            acc[r] = (vfw){0};
+        for (int i = 0; i < d; i++)
+            for (int r = 0; r < ROW_VECTORS; r++)
+                acc[r] += k_rows[j * k_stride + i] * *(const vfwu *)(qt + i * ROW_TILE + r * VW);
+        for (int r = 0; r < ROW_VECTORS; r++)
+            *(vfwu *)(s + j * ROW_TILE + r * VW) = acc[r];
     }
 }
 
@@ -499,7 +460,7 @@ static inline __attribute__((always_inline)) void run_item_d(const Args *a, cons
                             p[j] = soft_cap_score(p[j], cap, inv_cap);
                     }
                     const float alpha = softmax_step(p, n, &sc->m[row], &sc->l[row]);
-                    accumulate_row(sc->acc + (long)row * d, alpha, p, v_rows + j0 * kv_stride, kv_stride, n, d);
+                    accumulate(sc->acc + (long)row * d, alpha, p, 1, v_rows + j0 * kv_stride, kv_stride, n, d);
                 }
             }
         }
