@@ -81,11 +81,15 @@ int kestrel_silu_mul(const float *x, float *out, long rows, int inter, int threa
         const float *restrict gate = x + r * 2 * (long)inter;
         const float *restrict up = gate + inter;
         float *restrict o = out + r * (long)inter;
-        /* one division, after the exp: written as gate / (1 + e) * up, GCC divided once per clamp case of the
-         * inlined exp and the loop ran 3x slower */
-        for (int j = 0; j < inter; j++) {
-            const float e = exp_poly(-gate[j]);
-            o[j] = gate[j] * up[j] / (1.0f + e);
+        /* The exps first, then the divisions, in chunks: in one loop GCC divides once per clamp case of the
+         * inlined exp (3x slower). The same operations, so the same results, as `gate / (1 + e) * up` in one loop. */
+        float denom[64];
+        for (int j0 = 0; j0 < inter; j0 += 64) {
+            const int m = inter - j0 < 64 ? inter - j0 : 64;
+            for (int j = 0; j < m; j++)
+                denom[j] = 1.0f + exp_poly(-gate[j0 + j]);
+            for (int j = 0; j < m; j++)
+                o[j0 + j] = gate[j0 + j] / denom[j] * up[j0 + j];
         }
     }
     return 0;
