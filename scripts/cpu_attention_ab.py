@@ -6,7 +6,7 @@ tokens per second and the kernel's time (all calls, and the mean of the decode-o
     .venv/bin/python scripts/cpu_attention_ab.py --before OLD.c --after kestrel/kernels/cpu/paged_attention.c
 
 `--before` / `--after` are C sources (e.g. `git show REV:kestrel/kernels/cpu/paged_attention.c > /tmp/old.c`),
-built here with the flags `native.py` uses.
+each built by `native.py` as the engine builds its own.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import random
-import subprocess
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -26,15 +26,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def build(source: Path, out_dir: Path) -> ctypes._CFuncPtr:
-    library = out_dir / f"{source.stem}-{abs(hash(str(source)))}.so"
-    compiler = native.find_compiler()
-    if compiler is None:
-        raise SystemExit("no C compiler")
-    subprocess.run([compiler, *native.BASE_FLAGS, *native.OPENMP_FLAGS, f"-I{native.SOURCE.parent}", str(source),
-                    "-o", str(library)], check=True)
-    fn = ctypes.CDLL(str(library)).kestrel_paged_attention
-    fn.argtypes = native._PAGED_ATTENTION_ARGS
-    fn.restype = ctypes.c_int
+    """`kestrel_paged_attention` of `source`, built by `native` (its flags, its cache) beside a copy of the headers
+    the kernels include."""
+    beside = out_dir / f"{len(list(out_dir.iterdir()))}"
+    beside.mkdir()
+    for header in native.SOURCE.parent.glob("*.h"):
+        shutil.copy(header, beside)
+    copy = beside / native.SOURCE.name
+    shutil.copy(source, copy)
+    fn = native._function(copy, "kestrel_paged_attention", native._PAGED_ATTENTION_ARGS)
+    if fn is None:
+        raise SystemExit(f"{source} did not build (no C compiler, or a compile error)")
     return fn
 
 
