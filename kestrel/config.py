@@ -898,8 +898,9 @@ class EngineConfig:
     # captures graphs.
     compile_workers: int | None = None
     # Processes holding the grammar matchers of structured outputs, each a shard of the constrained requests
-    # (kestrel.structured.shards); 0: the engine's own thread advances and fills them.
-    grammar_workers: int = 0
+    # (kestrel.structured.shards); 0: the engine's own thread advances and fills them; None: half the usable cores,
+    # at most 8, for a model runner in this process on a CUDA device, else 0.
+    grammar_workers: int | None = None
     speculative_config: dict | None = None  # vLLM's dict; parsed into `speculative`
     speculative: SpeculativeConfig | None = field(default=None, init=False, compare=False)
     sparse_decode: dict | None = None  # {"method": "quest", "token_budget": ...}; parsed into `sparse`
@@ -927,7 +928,7 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICE_CHOICES)
         _check_int("cpu_threads", self.cpu_threads, 1, allow_none=True)
         _check_int("compile_workers", self.compile_workers, 0, allow_none=True)
-        _check_int("grammar_workers", self.grammar_workers, 0)
+        _check_int("grammar_workers", self.grammar_workers, 0, allow_none=True)
         if self.compile_workers and self.device == "cpu":
             _fail("compile_workers", self.compile_workers, "it compiles a GPU's Triton kernels; a CPU engine runs "
                   "none, leave it unset or 0")
@@ -1202,7 +1203,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("grammar_workers", "engine", "grammar_workers",
               "processes that hold the grammar matchers of structured outputs, each a shard of the constrained "
               "requests, advancing them and filling their token masks beside each other instead of on the engine's "
-              "thread (0: on the engine's thread)"),
+              "thread (0: on the engine's thread; default: half the usable cores, at most 8, for one GPU in the "
+              "engine's process, else 0)"),
     EngineArg("debug_launch_count", "engine", "debug_launch_count",
               "log the kernel launches of one decoder layer's decode step"),
     EngineArg("speculative_config", "engine", "speculative_config",

@@ -43,7 +43,8 @@ for stage in "$@"; do
               --hf-peer-prompts 0 --max-seconds 280 --max-num-seqs 512 --quantization fp8 --kv-cache-dtype fp8 \
               --tokenizer .bench-tokenizer-128k \
               --result-file "$out/throughput-fp8-1000x1000-512-grammar-workers-default-h200.json" ;;
-    gwtests) run 300 python3 -m pytest -q -rf -p no:cacheprovider tests/e2e/test_grammar_workers.py \
+    gwtests) run 300 python3 -m pytest -q -rf -p no:cacheprovider tests/unit/test_grammar_workers_default.py \
+               tests/e2e/test_grammar_workers.py \
                tests/e2e/test_async_scheduling.py ;;
     structured) for workers in default 0; do
                   flag=(); [ "$workers" = default ] || flag=(--grammar-workers "$workers")

@@ -36,7 +36,7 @@ from kestrel.config import ConfigError
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.structured.backend import GrammarBackend
-from kestrel.structured.shards import grammar_backend
+from kestrel.structured.shards import default_grammar_workers, grammar_backend
 
 RECORD_FIELDS = 100
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -57,8 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--grammar-workers", type=int, default=0,
-                   help="processes holding the grammar matchers (the engine's grammar_workers; 0: its thread)")
+    p.add_argument("--grammar-workers", type=int, default=None,
+                   help="processes holding the grammar matchers (the engine's grammar_workers; 0: its thread; "
+                        "default: the engine's, half the usable cores up to 8 on a GPU, 0 on the CPU)")
     common.add_report_arguments(p)
 
 
@@ -80,11 +81,16 @@ def run(args: argparse.Namespace) -> int:
     engine = common.build_suite_engine(args, model_dir, load_format, device, max(batches),
                                        args.input_len + args.output_len + 1)
     tokenizer = load_tokenizer(tokenizer_dir)
-    if args.grammar_workers < 0:
+    if args.grammar_workers is not None and args.grammar_workers < 0:
         raise ConfigError(f"invalid --grammar-workers={args.grammar_workers}: expected 0 (the engine's thread) or "
                           "a number of processes")
-    backend = grammar_backend(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids, args.grammar_workers,
+    workers = (default_grammar_workers(device.type == "cuda") if args.grammar_workers is None
+               else args.grammar_workers)
+    backend = grammar_backend(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids, workers,
                               max(batches), device.type == "cuda")
+    close_engines_own = getattr(engine.core.structured, "close", None)  # its workers, where the engine has some
+    if close_engines_own is not None:
+        close_engines_own()
     engine.core.structured = backend
     default_async = engine.core.async_scheduling
     vocab = min(common.prompt_vocab(model_dir), tokenizer.vocab_size)
@@ -93,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         "suite": "structured",
         "config": {**common.engine_config_block(args, engine, model_dir, load_format), "batches": batches,
                    "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
-                   "grammar_workers": args.grammar_workers,
+                   "grammar_workers": workers,
                    "tokenizer": tokenizer_dir, "tokenizer_vocab": len(tokenizer),
                    "schemas": {name: SCHEMAS[name] for name in schemas}},
         "environment": common.environment(device), "rows": rows, "complete": False,

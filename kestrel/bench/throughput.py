@@ -149,7 +149,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "then no structured-outputs backend either)")
     p.add_argument("--grammar-workers", type=int, default=None,
                    help="the engine's grammar_workers: processes holding the grammar matchers, started with the "
-                        "engine (needs a tokenizer; default: the engine's)")
+                        "engine (needs a tokenizer; default: the engine's, half the usable cores up to 8 on a GPU, "
+                        "0 on the CPU)")
     p.add_argument("--max-seconds", type=float, default=420.0,
                    help="abort the timed run after this long and report it as truncated (stays under a job limit)")
     p.add_argument("--hf-peer-prompts", type=int, default=64, help="prompts for the HF peer (0: no peer)")
