@@ -8,7 +8,8 @@
 #   tputgw     the same full load with the engine's grammar backend built on the 128k tokenizer and its default
 #              grammar workers: the run a default of grammar workers on a GPU needs
 #   gwtests    the grammar workers' tests and the async engine's drained-and-refilled batches, on the GPU
-#              (needs xgrammar and jsonschema as wheels in .whl)
+#              (needs xgrammar with apache-tvm-ffi and pydantic (pydantic-core, annotated-types, typing-inspection,
+#              typing-extensions), jsonschema with its dependencies, as cp312 wheels in .whl)
 #   structured `kestrel bench structured` at batch 64, the engine's default grammar workers and none
 #   decode1    Llama-3-8B batch-1 decode, prompt 128, BF16 and FP8 + FP8 KV
 #   ttft       batch-1 TTFT of an 8k and a 128-token FP8 prompt

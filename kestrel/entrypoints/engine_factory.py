@@ -14,7 +14,7 @@ from kestrel.executor.factory import build_executor
 from kestrel.loader.gguf_config import model_hf_config
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.model.registry import get_model_class
-from kestrel.structured.shards import engine_grammar_backend
+from kestrel.structured.shards import engine_grammar_backend, start_grammar_workers_early
 from kestrel.worker.model_runner import ModelRunner
 from kestrel.worker.runner_setup import runs_on_cpu
 
@@ -86,6 +86,7 @@ def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | 
     if config.parallel.uses_workers:
         runner = build_executor(config, eos_token_id)
     else:
+        start_grammar_workers_early(config, gpu_host=not runs_on_cpu(config.device))
         runner = ModelRunner(config, eos_token_id=eos_token_id)
     structured = engine_grammar_backend(config, runner, tokenizer)
     core = EngineCore(config, runner, runner.kv_layout, tokenizer, eos_token_id, structured,

@@ -10,8 +10,9 @@ process compiles a grammar it was not handed compiled first, so an invalid gramm
 A worker that dies takes the engine's step with it (a RuntimeError naming it), never a request silently.
 
 The workers are forked from the process's fork server (`kestrel/fork_server.py`), which imports torch and xgrammar
-once for all of them, when the backend is built: they start beside the model's load, not in the step of the first
-constrained request. The vocabulary reaches them with that first request (an engine core in its own process gets it
+once for all of them; the engine starts it before its model loads (`start_grammar_workers_early`), so those imports
+run beside the load, and forks the workers when the backend is built: not in the step of the first constrained
+request. The vocabulary reaches them with that first request (an engine core in its own process gets it
 from its client only then).
 
 Messages are tuples over a pipe, in order; a reply comes only for the calls that wait for one.
@@ -29,12 +30,12 @@ from typing import Any
 
 from kestrel.config import EngineConfig
 from kestrel.engine.contracts import GrammarBitmask
-from kestrel.fork_server import fork_context
+from kestrel.fork_server import fork_context, start_fork_server
 from kestrel.sampling_params import StructuredOutputsParams
 from kestrel.structured.backend import GrammarBackend, advance_matchers, fill_draft_rows, valid_draft_prefix
 from kestrel.structured.compile import GrammarSource, compile_source
 
-__all__ = ["GrammarShards", "engine_grammar_backend", "grammar_backend"]
+__all__ = ["GrammarShards", "engine_grammar_backend", "grammar_backend", "start_grammar_workers_early"]
 
 
 def engine_grammar_backend(config: EngineConfig, runner: Any, tokenizer: Any) -> GrammarBackend:
@@ -61,6 +62,15 @@ def default_grammar_workers(gpu_host: bool) -> int:
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return min(MAX_DEFAULT_WORKERS, cores // 2)
+
+
+def start_grammar_workers_early(config: EngineConfig, gpu_host: bool) -> None:
+    """Start the fork server of the grammar workers an engine will have, importing their modules, before its model
+    loads: those imports (torch and xgrammar, seconds) then run beside the load instead of between the load and the
+    workers' start. `gpu_host`: as `engine_grammar_backend` will find it once the runner is built."""
+    workers = config.grammar_workers if config.grammar_workers is not None else default_grammar_workers(gpu_host)
+    if workers:
+        start_fork_server(WORKER_MODULES)
 
 
 def grammar_backend(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], workers: int | None,

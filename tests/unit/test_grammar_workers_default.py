@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from kestrel.config import EngineConfig
 from kestrel.structured import shards
 
@@ -27,3 +29,35 @@ def test_the_backend_takes_an_explicit_count_and_resolves_an_unset_one(monkeypat
     assert shards.grammar_backend(None, 10, frozenset(), None, 4, gpu_host=False) == "thread"
     assert shards.grammar_backend(None, 10, frozenset(), 0, 4, gpu_host=True) == "thread"
     assert shards.grammar_backend(None, 10, frozenset(), 3, 4, gpu_host=False) == "shards" and built == [8, 3]
+
+
+def test_the_fork_server_starts_before_the_model_loads_only_for_an_engine_with_workers(monkeypatch):
+    from types import SimpleNamespace
+
+    from kestrel.entrypoints import engine_factory
+
+    started = []
+    monkeypatch.setattr(shards, "start_fork_server", lambda modules: started.append(modules))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    for workers, gpu_host, expected in ((None, True, 1), (None, False, 0), (0, True, 0), (2, False, 1)):
+        started.clear()
+        shards.start_grammar_workers_early(SimpleNamespace(grammar_workers=workers), gpu_host)
+        assert started == [shards.WORKER_MODULES] * expected, (workers, gpu_host)
+
+    order = []
+
+    class StopAtTheRunner(Exception):
+        pass
+
+    def runner(*args, **kwargs):
+        order.append("model runner")
+        raise StopAtTheRunner
+
+    monkeypatch.setattr(engine_factory, "start_grammar_workers_early",
+                        lambda config, gpu_host: order.append(("fork server", gpu_host)))
+    monkeypatch.setattr(engine_factory, "ModelRunner", runner)
+    config = SimpleNamespace(device="cpu", parallel=SimpleNamespace(uses_workers=False),
+                             model=SimpleNamespace(hf_config={}))
+    with pytest.raises(StopAtTheRunner):
+        engine_factory.build_engine_core(config, None, None)
+    assert order == [("fork server", False), "model runner"]
