@@ -8,6 +8,10 @@ more). A process that runs threads, or CUDA, never forks itself.
 multiprocessing keeps one fork server per process, so the modules asked for after it started are not preloaded:
 those workers import them after the fork, as spawned ones would. Its workers also get the environment (os.environ)
 that the process had when the fork server started, not the one it has when each worker starts.
+
+A process that runs kestrel's functions only (a grammar worker) starts without the program's main module
+(`start_without_main`): multiprocessing would import it again there, and a script without an
+`if __name__ == "__main__":` guard would run its top level in it (an `LLM(...)` built again in every worker).
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import sys
+import types
 from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _preloaded: set[str] = set()
@@ -63,3 +70,15 @@ def stop_fork_server() -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(server._forkserver_pid, signal.SIGTERM)
     server._stop()
+
+
+def start_without_main(process: BaseProcess) -> None:
+    """`process.start()`, with nothing of the program's `__main__` handed to the child (its target is a kestrel
+    function, pickled by module and name): the child neither imports the main module again nor runs an unguarded
+    script's top level."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        process.start()
+    finally:
+        sys.modules["__main__"] = main

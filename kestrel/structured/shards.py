@@ -30,7 +30,7 @@ from typing import Any
 
 from kestrel.config import EngineConfig
 from kestrel.engine.contracts import GrammarBitmask
-from kestrel.fork_server import fork_context, start_fork_server
+from kestrel.fork_server import fork_context, start_fork_server, start_without_main
 from kestrel.sampling_params import StructuredOutputsParams
 from kestrel.structured.backend import GrammarBackend, advance_matchers, fill_draft_rows, valid_draft_prefix
 from kestrel.structured.compile import GrammarSource, compile_source
@@ -120,7 +120,7 @@ class GrammarShards(GrammarBackend):
                 parent, child = context.Pipe()
                 process = context.Process(target=_worker_main, name=f"kestrel-grammar-{index}", daemon=True,
                                           args=(child, self._memory.name, self._max_rows, self._words))
-                process.start()
+                start_without_main(process)
                 child.close()
                 self._conns.append(parent)
                 processes.append(process)

@@ -139,3 +139,29 @@ def test_workers_start_with_the_engine_and_close_before_any_constrained_request(
 def test_a_negative_worker_count_is_refused():
     with pytest.raises(ConfigError, match="grammar_workers"):
         LLM(max_model_len=128, grammar_workers=-1)
+
+
+UNGUARDED_SCRIPT = """
+from kestrel import LLM, SamplingParams
+from kestrel.sampling_params import StructuredOutputsParams
+
+print("top level ran", flush=True)
+llm = LLM(max_model_len=128, grammar_workers=2)
+choice = StructuredOutputsParams(choice=["yes", "no"])
+print("answer:", llm.generate("x", SamplingParams(max_tokens=8, structured_outputs=choice), use_tqdm=False)[0]
+      .outputs[0].text, flush=True)
+"""
+
+
+def test_a_script_without_a_main_guard_runs_once_and_its_workers_constrain(tmp_path):
+    """The workers start without the program's main module: a script with no `if __name__ == "__main__":` guard
+    runs its top level once (not again in each worker, which would build the engine there) and gets its answer."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("top level ran") == 1, done.stdout
+    assert done.stdout.splitlines()[-1] in ("answer: yes", "answer: no"), done.stdout
