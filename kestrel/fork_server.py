@@ -9,9 +9,10 @@ multiprocessing keeps one fork server per process, so the modules asked for afte
 those workers import them after the fork, as spawned ones would. Its workers also get the environment (os.environ)
 that the process had when the fork server started, not the one it has when each worker starts.
 
-A process that runs kestrel's functions only (a grammar worker) starts without the program's main module
-(`start_without_main`): multiprocessing would import it again there, and a script without an
-`if __name__ == "__main__":` guard would run its top level in it (an `LLM(...)` built again in every worker).
+A process that runs kestrel's functions only (a grammar worker, an executor's rank, forked or spawned) starts
+without the program's main module (`start_without_main`): multiprocessing would import it again there, and a script
+without an `if __name__ == "__main__":` guard would run its top level in it (an `LLM(...)` built again in every
+worker).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from kestrel.executor.worker import (
     reply_rank,
     worker_process_main,
 )
-from kestrel.fork_server import fork_context
+from kestrel.fork_server import fork_context, start_without_main
 from kestrel.worker.runner_setup import runs_on_cpu
 
 logger = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ class MultiprocExecutor(Executor):
             spec = WorkerSpec(config, eos_token_id, rank, init_method, device_index=rank, num_threads=threads)
             proc = ctx.Process(target=worker_process_main, args=(spec, child), daemon=True,
                                name=f"kestrel-worker-{rank}")
-            proc.start()
+            start_without_main(proc)  # a rank runs kestrel's functions only: not an unguarded script again
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)

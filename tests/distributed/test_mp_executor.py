@@ -221,3 +221,27 @@ def test_a_shutdown_beside_a_call_in_flight_ends_the_workers_and_leaves_the_pipe
     finally:
         executor.shutdown()
     assert all(conn.closed for conn in executor._conns)
+
+
+UNGUARDED_TP_SCRIPT = """
+from kestrel import LLM, SamplingParams
+
+print("top level ran", flush=True)
+llm = LLM(max_model_len=128, tensor_parallel_size=2, device="cpu")
+print("tokens:", *llm.generate("x", SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids, flush=True)
+"""
+
+
+def test_a_script_without_a_main_guard_runs_once_under_tensor_parallelism(tmp_path):
+    """The ranks start without the program's main module: a script with no `if __name__ == "__main__":` guard runs
+    its top level once (not again in each rank, where building its LLM would fail), and generates."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded_tp.py"
+    script.write_text(UNGUARDED_TP_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("top level ran") == 1, done.stdout
+    last = done.stdout.splitlines()[-1].split()
+    assert last[0] == "tokens:" and len(last) == 5, done.stdout
