@@ -35,8 +35,9 @@ from kestrel.engine.core import EngineCore
 from kestrel.executor.factory import build_executor
 from kestrel.loader.model_init import _write_weights, checkpoint_shapes, write_tiny_checkpoint
 from kestrel.loader.tokenizer import load_tokenizer
-from kestrel.structured.shards import engine_grammar_backend
+from kestrel.structured.shards import engine_grammar_backend, start_grammar_workers_early
 from kestrel.worker.model_runner import ModelRunner
+from kestrel.worker.runner_setup import runs_on_cpu
 
 LLAMA3_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -324,6 +325,8 @@ def build_engine(model: str, **engine_args: Any) -> Engine:
         raise ConfigError(f"invalid grammar_workers={config.grammar_workers}: {config.model.tokenizer_path} has no "
                           "tokenizer for the grammars' vocabulary; pass one (--tokenizer DIR) or leave it 0")
     eos = tokenizer.eos_token_id
+    if not isinstance(tokenizer, NullTokenizer):
+        start_grammar_workers_early(config, on_cuda=not runs_on_cpu(config.device))
     runner: Any = build_executor(config, eos) if config.parallel.uses_workers else ModelRunner(config, eos_token_id=eos)
     if config.cache.kv_cache_dtype == "fp8":
         # Random weights have no checkpoint scales; 1.0 would waste FP8 range. Workers each calibrate their own

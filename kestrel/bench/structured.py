@@ -36,7 +36,7 @@ from kestrel.config import ConfigError
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.structured.backend import GrammarBackend
-from kestrel.structured.shards import default_grammar_workers, grammar_backend
+from kestrel.structured.shards import grammar_backend
 
 RECORD_FIELDS = 100
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -84,10 +84,8 @@ def run(args: argparse.Namespace) -> int:
     if args.grammar_workers is not None and args.grammar_workers < 0:
         raise ConfigError(f"invalid --grammar-workers={args.grammar_workers}: expected 0 (the engine's thread) or "
                           "a number of processes")
-    workers = (default_grammar_workers(device.type == "cuda") if args.grammar_workers is None
-               else args.grammar_workers)
-    backend = grammar_backend(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids, workers,
-                              max(batches), device.type == "cuda")
+    backend = grammar_backend(tokenizer, engine.runner.vocab_size, engine.runner.eos_token_ids,
+                              args.grammar_workers, max(batches), device.type == "cuda")
     close_engines_own = getattr(engine.core.structured, "close", None)  # its workers, where the engine has some
     if close_engines_own is not None:
         close_engines_own()
@@ -99,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         "suite": "structured",
         "config": {**common.engine_config_block(args, engine, model_dir, load_format), "batches": batches,
                    "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
-                   "grammar_workers": workers,
+                   "grammar_workers": backend.worker_count,
                    "tokenizer": tokenizer_dir, "tokenizer_vocab": len(tokenizer),
                    "schemas": {name: SCHEMAS[name] for name in schemas}},
         "environment": common.environment(device), "rows": rows, "complete": False,

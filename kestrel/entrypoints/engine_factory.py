@@ -83,10 +83,10 @@ def build_engine_core(config: EngineConfig, tokenizer: Any, eos_token_id: int | 
     if model_modalities(config) and (config.parallel.uses_workers or tokenizer is None):
         raise ConfigError("a multimodal model's images reach its runner in this process: run it without "
                           "tensor/pipeline parallelism, distributed_executor_backend or --engine-core-process")
+    start_grammar_workers_early(config, on_cuda=not runs_on_cpu(config.device))
     if config.parallel.uses_workers:
         runner = build_executor(config, eos_token_id)
     else:
-        start_grammar_workers_early(config, gpu_host=not runs_on_cpu(config.device))
         runner = ModelRunner(config, eos_token_id=eos_token_id)
     structured = engine_grammar_backend(config, runner, tokenizer)
     core = EngineCore(config, runner, runner.kv_layout, tokenizer, eos_token_id, structured,

@@ -64,10 +64,12 @@ def default_grammar_workers(gpu_host: bool) -> int:
     return min(MAX_DEFAULT_WORKERS, cores // 2)
 
 
-def start_grammar_workers_early(config: EngineConfig, gpu_host: bool) -> None:
+def start_grammar_workers_early(config: EngineConfig, on_cuda: bool) -> None:
     """Start the fork server of the grammar workers an engine will have, importing their modules, before its model
     loads: those imports (torch and xgrammar, seconds) then run beside the load instead of between the load and the
-    workers' start. `gpu_host`: as `engine_grammar_backend` will find it once the runner is built."""
+    workers' start. `on_cuda`: whether the runner to be built will be on a CUDA device (engine_grammar_backend
+    reads it from the runner)."""
+    gpu_host = not config.parallel.uses_workers and on_cuda
     workers = config.grammar_workers if config.grammar_workers is not None else default_grammar_workers(gpu_host)
     if workers:
         start_fork_server(WORKER_MODULES)

@@ -39,10 +39,13 @@ def test_the_fork_server_starts_before_the_model_loads_only_for_an_engine_with_w
     started = []
     monkeypatch.setattr(shards, "start_fork_server", lambda modules: started.append(modules))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    for workers, gpu_host, expected in ((None, True, 1), (None, False, 0), (0, True, 0), (2, False, 1)):
+    for workers, uses_workers, on_cuda, expected in ((None, False, True, 1), (None, False, False, 0),
+                                                     (None, True, True, 0), (0, False, True, 0),
+                                                     (2, False, False, 1)):
         started.clear()
-        shards.start_grammar_workers_early(SimpleNamespace(grammar_workers=workers), gpu_host)
-        assert started == [shards.WORKER_MODULES] * expected, (workers, gpu_host)
+        config = SimpleNamespace(grammar_workers=workers, parallel=SimpleNamespace(uses_workers=uses_workers))
+        shards.start_grammar_workers_early(config, on_cuda)
+        assert started == [shards.WORKER_MODULES] * expected, (workers, uses_workers, on_cuda)
 
     order = []
 
@@ -54,7 +57,7 @@ def test_the_fork_server_starts_before_the_model_loads_only_for_an_engine_with_w
         raise StopAtTheRunner
 
     monkeypatch.setattr(engine_factory, "start_grammar_workers_early",
-                        lambda config, gpu_host: order.append(("fork server", gpu_host)))
+                        lambda config, on_cuda: order.append(("fork server", on_cuda)))
     monkeypatch.setattr(engine_factory, "ModelRunner", runner)
     config = SimpleNamespace(device="cpu", parallel=SimpleNamespace(uses_workers=False),
                              model=SimpleNamespace(hf_config={}))
