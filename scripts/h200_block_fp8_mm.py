@@ -6,6 +6,10 @@ Each path is checked against the float64 product of the same dequantized weight 
 (weights rotated past L2), microseconds per call, into OUT/block-fp8-mm.json.
 
     PYTHONPATH=. python3 scripts/h200_block_fp8_mm.py --out OUT [--ms 1,16,64,256,1024,4096,8192] [--smoke]
+    PYTHONPATH=. python3 scripts/h200_block_fp8_mm.py --out OUT --plot before=A.json after=B.json   # the PNG only
+
+Each run also plots its JSON into OUT/block-fp8-mm.png (microseconds per call against M, one panel per layer);
+`--plot` draws the weight-only line of every labelled result and the W8A8 lines of the last.
 """
 
 from __future__ import annotations
@@ -73,12 +77,50 @@ def timed(fn, copies: int, runs: int = 30) -> float:
     return statistics.median(times)
 
 
+def plot(results: dict[str, dict], path: Path) -> bool:
+    """Microseconds against M per layer: each result's weight-only path, the last result's W8A8 paths."""
+    from kestrel.bench.common import pyplot, save_figure
+
+    plt = pyplot()
+    if plt is None:
+        return False
+    last = list(results.values())[-1]
+    layers = list(dict.fromkeys(r["layer"] for r in last["rows"]))
+    fig, axes = plt.subplots(1, len(layers), figsize=(4.2 * len(layers), 3.8), squeeze=False)
+    for ax, layer in zip(axes[0], layers):
+        lines = [(f"weight-only ({label})", result) for label, result in results.items()]
+        for label, result in lines:
+            rows = [r for r in result["rows"] if r["layer"] == layer and r["weight_only_us"] is not None]
+            ax.plot([r["M"] for r in rows], [r["weight_only_us"] for r in rows], marker="o", label=label)
+        for kind in ("w8a8_block", "w8a8_channel"):
+            rows = [r for r in last["rows"] if r["layer"] == layer and r[f"{kind}_us"] is not None]
+            ax.plot([r["M"] for r in rows], [r[f"{kind}_us"] for r in rows], marker="x", linestyle="--",
+                    label=kind.replace("_", " "))
+        N, K = next((r["N"], r["K"]) for r in last["rows"] if r["layer"] == layer)
+        ax.set(xscale="log", yscale="log", xlabel="M (tokens)", ylabel="us per call", title=f"{layer} {N} x {K}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"block-FP8 dense layers ([{last['block']}, {last['block']}] blocks), {last['device']}")
+    return save_figure(plt, fig, path)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--ms", default="1,16,64,256,1024,4096,8192")
     p.add_argument("--smoke", action="store_true", help="small shapes, checks only (runs on the CPU)")
+    p.add_argument("--plot", nargs="+", metavar="LABEL=JSON", help="plot these results only (no run)")
     args = p.parse_args()
+    out = Path(args.out)
+    if args.plot:
+        results = {}
+        for item in args.plot:
+            label, sep, file = item.partition("=")
+            if not sep:
+                p.error(f"--plot takes LABEL=JSON items, got {item!r}")
+            results[label] = json.loads(Path(file).read_text())
+        plot(results, out / "block-fp8-mm.png")
+        return 0
     if args.smoke:  # the script's own check on any device: small shapes, no timing
         SHAPES.clear()
         SHAPES.update({"small": (256, 384)})
@@ -108,10 +150,12 @@ def main() -> int:
                 row[f"{kind}_us"] = None if args.smoke else timed(fn, copies)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     result = {"device": device, "block": BLOCK, "rows": rows}
-    (Path(args.out) / "block-fp8-mm.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "block-fp8-mm.json").write_text(json.dumps(result, indent=1) + "\n")
+    if not args.smoke:
+        plot({"run": result}, out / "block-fp8-mm.png")
     return 0
 
 

@@ -22,6 +22,11 @@
 #              linears, M = 1-8192 (scripts/h200_block_fp8_mm.py), after the block GEMM's kernel tests on the GPU
 #   sweep8     the 8-bit weight-only tiles (int8 and FP8 in groups of 128, the dense path from 128 rows), M = 1-4096
 #              (scripts/h200_wna16_8bit_sweep.py): OUT/wna16-8bit-entries.json is the candidate "N,K,TYPE" entries
+#   dense8     FP8 weights in groups of 128 from 128 rows (the dense path a candidate): the sweep at M = 128-4096,
+#              the block-FP8 layers weight-only before and after its entries are merged into this GPU's table
+#              (OUT/wna16_nvidia_h200.json: the committed H200 table with them), then the table-driven GPU tests
+#   startgw    start-up to first token from an empty Triton cache, FP8 + FP8 KV, 32 prompts of 128 / 16 on the 128k
+#              tokenizer (the grammar workers' fork server started), default grammar workers and none, alternated
 # Off an H200 the H200's tables are copied under the GPU's name (h200_tables), so the defaults are the H200's.
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 h200_tables
@@ -83,6 +88,26 @@ for stage in "$@"; do
              --result-file "$out/throughput-llama3-8b-w8a16-384x1000-256-h200.json" ;;
     blockfp8) run 200 python3 -m pytest -q -rf -p no:cacheprovider tests/kernels/test_block_fp8_mm.py
               PYTHONPATH=. run 300 python3 scripts/h200_block_fp8_mm.py --out "$out" ;;
+    dense8) ms=128,256,1024,4096
+            PYTHONPATH=. run 260 python3 scripts/h200_wna16_8bit_sweep.py --out "$out" --types fp8_e4m3 --ms $ms \
+              --max-seconds 200
+            mkdir -p "$out/before" "$out/after"
+            PYTHONPATH=. run 150 python3 scripts/h200_block_fp8_mm.py --out "$out/before" --ms 1,64,$ms,8192
+            python3 scripts/merge_wna16_entries.py "$tuning/wna16_nvidia_h200.json" "$out/wna16-8bit-entries.json" \
+              --ms $ms --out "$out/wna16_nvidia_h200.json" | tee -a "$out/log.txt"
+            python3 scripts/merge_wna16_entries.py "$tuning/wna16_$key.json" "$out/wna16-8bit-entries.json" --ms $ms \
+              | tee -a "$out/log.txt"
+            PYTHONPATH=. run 150 python3 scripts/h200_block_fp8_mm.py --out "$out/after" --ms 1,64,$ms,8192
+            run 150 python3 -m pytest -q -rf -p no:cacheprovider tests/gpu/test_wna16_gpu.py -k "8bit or every_weight_type" ;;
+    startgw) for round in 1 2; do
+               for workers in default 0; do
+                 flag=(); [ "$workers" = default ] || flag=(--grammar-workers "$workers")
+                 run 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kestrel.bench.throughput --num-prompts 32 \
+                   --input-len 128 --output-len 16 --hf-peer-prompts 0 --max-num-seqs 512 --quantization fp8 \
+                   --kv-cache-dtype fp8 --tokenizer .bench-tokenizer-128k "${flag[@]}" \
+                   --result-file "$out/throughput-start-workers-$workers-$round-h200.json"
+               done
+             done ;;
     sweep8) PYTHONPATH=. run 400 python3 scripts/h200_wna16_8bit_sweep.py --out "$out" --max-seconds 330 ;;
     *) echo "unknown stage $stage" | tee -a "$out/log.txt" ;;
   esac

@@ -146,6 +146,18 @@ def test_kernel_matches_reference_8b_shapes(shape_weight, M, rounded_paths):
     assert_table_output(out, x, w, None, any(rounded_paths))
 
 
+@pytest.mark.parametrize("weight_type", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("M", [1, 16, 128, 1024])
+def test_8bit_table_entries_match_float64_8b_shapes(shape_weight, weight_type, M, rounded_paths):
+    """The "N,K,TYPE" entries of 8-bit weights in groups of 128 (block-FP8 layers run weight-only, W8A16), prompt
+    rows included, where the dense path may take them."""
+    N, K, _ = shape_weight
+    w = make_weight(N, K, weight_type, seed=3)
+    x = make_x(M, K, seed=M + 1)
+    out = wq.wna16_gemm(x, *w, torch.bfloat16)
+    assert_table_output(out, x, w, None, any(rounded_paths))
+
+
 @pytest.mark.parametrize("weight_type", ["int4", "uint4", "fp4_e2m1", "int8", "fp8_e4m3"])
 @pytest.mark.parametrize("group,act_order", [(GROUP, False), (GROUP, True), (32, False), (None, False)])
 @pytest.mark.parametrize("M", [1, 64])
