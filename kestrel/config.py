@@ -494,6 +494,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # absolute KV budget on any device; overrides the fraction
     # Multimodal models: the encoder cache's bound in embedding rows (an image's placeholder count each).
     encoder_cache_size: int = 16384
+    # An FP8 cache's k_scale / v_scale per layer measured at start-up (amax / 448 of a calibration prefill of random
+    # token ids, before the graphs are captured) in place of the checkpoint's, or of 1.0 where it has none.
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("block_size", self.block_size, BLOCK_SIZE_CHOICES)
@@ -507,6 +510,11 @@ class CacheConfig:
         _check_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, 1)
         _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, allow_none=True)
         _check_int("encoder_cache_size", self.encoder_cache_size, 1)
+        if not isinstance(self.calculate_kv_scales, bool):
+            _fail("calculate_kv_scales", self.calculate_kv_scales, "expected True or False")
+        if self.calculate_kv_scales and self.kv_cache_dtype != "fp8":
+            _fail("calculate_kv_scales", self.calculate_kv_scales, "it measures an FP8 KV cache's scales; set "
+                  "kv_cache_dtype='fp8' (--kv-cache-dtype fp8) with it, or leave it False")
 
     @property
     def num_blocks(self) -> int | None:
@@ -1149,6 +1157,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "absolute KV cache budget in bytes (instead of the fraction)"),
     EngineArg("encoder_cache_size", "cache", "encoder_cache_size",
               "multimodal models: the encoder cache's bound in embedding rows (an image's placeholder tokens each)"),
+    EngineArg("calculate_kv_scales", "cache", "calculate_kv_scales",
+              "with --kv-cache-dtype fp8: measure each layer's k_scale / v_scale at start-up (amax / 448 of a "
+              "calibration prefill of random token ids, before the CUDA graphs are captured) instead of taking the "
+              "checkpoint's, or 1.0 where it has none"),
     EngineArg("max_num_batched_tokens", "scheduler", "max_num_batched_tokens", "token budget of one step (a CPU "
               "engine of a text model with chunked prefill: 512 unless given)"),
     EngineArg("max_num_seqs", "scheduler", "max_num_seqs", "most sequences in the running batch"),
@@ -1261,7 +1273,6 @@ NOT_SUPPORTED_ENGINE_ARGS: dict[str, str] = {
             "decides between embeddings and classification",
     "kv_transfer_config": "KV transfer (disaggregated prefill) is not implemented",
     "enable_sleep_mode": "sleep mode is not implemented",
-    "calculate_kv_scales": "FP8 KV scales come from the checkpoint or `kestrel quantize`",
     "rope_scaling": "pass it through hf_overrides ({'rope_scaling': ...})",
     "rope_theta": "pass it through hf_overrides ({'rope_theta': ...})",
     "override_generation_config": "put the settings in a generation_config.json and pass generation_config=DIR",
@@ -1274,7 +1285,7 @@ _ENGINE_ARG_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "tokenizer_mode": ("auto",), "task": ("auto", "generate"),
     "preemption_mode": (None, "recompute"), "logprobs_mode": ("raw_logprobs",), "revision": (None, "main"),
     "enable_prompt_embeds": (False,),
-    "calculate_kv_scales": (False,), "enable_sleep_mode": (False,), "data_parallel_size": (1,),
+    "enable_sleep_mode": (False,), "data_parallel_size": (1,),
     "enable_expert_parallel": (False,), "hf_token": (None,), "compilation_config": (None,),
     "guided_decoding_backend": ("xgrammar", "auto"),
     "structured_outputs_config": ({"backend": "xgrammar"}, {"backend": "auto"}),

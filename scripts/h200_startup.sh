@@ -8,6 +8,9 @@
 #   pyc      `cold` again with Python's bytecode cached under PYTHONPYCACHEPREFIX (filled by a first run), as a
 #            pip-installed environment has it: the device's environment has no .pyc files and sets
 #            PYTHONDONTWRITEBYTECODE, so each of its processes compiles every module it imports
+#   serving  the engine a server builds (`kestrel bench throughput`, 32 prompts of 128 / 16, FP8 + FP8 KV, the
+#            128k tokenizer, so the grammar workers start): max_num_seqs 512 cold, then cold and warm under
+#            cProfile, then max_num_seqs 128 (the default) cold
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 args=(--batch 1 --input-len 128 --output-len 16 --hf-peer none --no-checks)
 fp8=(--quantization fp8 --kv-cache-dtype fp8)
@@ -34,6 +37,22 @@ for stage in "$@"; do
              bench 150 fp8-warm-profiled "$cache" 1 "${fp8[@]}"
              bench 150 bf16-cold "$(mktemp -d)" 0 ;;
     cold) cold_runs "$tag" ;;
+    serving) tput() { local name=$1 cache=$2 prof=$3 seqs=$4
+               local py=(python3); [ "$prof" = 1 ] && py=(python3 -m cProfile -o "$out/$name.prof")
+               run 150 env TRITON_CACHE_DIR="$cache" "${py[@]}" -m kestrel.bench.throughput --num-prompts 32 \
+                 --input-len 128 --output-len 16 --hf-peer-prompts 0 --max-num-seqs "$seqs" "${fp8[@]}" \
+                 --tokenizer .bench-tokenizer-128k --result-file "$out/throughput-start-$name-h200.json"
+               if [ "$prof" = 1 ] && [ -f "$out/$name.prof" ]; then
+                 python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(120)" \
+                   "$out/$name.prof" > "$out/$name-prof.txt"
+                 python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(60)" \
+                   "$out/$name.prof" > "$out/$name-prof-tottime.txt"
+               fi; }
+             tput seqs512-cold "$(mktemp -d)" 0 512
+             cache=$(mktemp -d)
+             tput seqs512-cold-profiled "$cache" 1 512
+             tput seqs512-warm-profiled "$cache" 1 512
+             tput seqs128-cold "$(mktemp -d)" 0 128 ;;
     pyc) (unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX; PYTHONPYCACHEPREFIX=$(mktemp -d)
           bench 150 "fill-pyc-$tag" "$(mktemp -d)" 0 "${fp8[@]}"
           cold_runs "$tag-pyc") ;;

@@ -317,6 +317,10 @@ def build_engine(model: str, **engine_args: Any) -> Engine:
 
     started = time.perf_counter()
     # A GGUF file carries its config and tokenizer: both are read from it here, as a server's start-up does.
+    if engine_args.get("kv_cache_dtype") == "fp8":
+        # Random weights have no checkpoint scales, and 1.0 would waste FP8 range: the runner measures them before
+        # it captures its graphs (each tensor-parallel rank or pipeline stage its own layers' and kv heads').
+        engine_args.setdefault("calculate_kv_scales", True)
     config = EngineConfig.from_kwargs(model, hf_config=model_hf_config(model), **engine_args)
     tokenizer: Any = NullTokenizer()
     if is_gguf_model(config.model.tokenizer_path) or has_tokenizer(config.model.tokenizer_path):
@@ -328,10 +332,6 @@ def build_engine(model: str, **engine_args: Any) -> Engine:
     if not isinstance(tokenizer, NullTokenizer):
         start_grammar_workers_early(config, on_cuda=not runs_on_cpu(config.device))
     runner: Any = build_executor(config, eos) if config.parallel.uses_workers else ModelRunner(config, eos_token_id=eos)
-    if config.cache.kv_cache_dtype == "fp8":
-        # Random weights have no checkpoint scales; 1.0 would waste FP8 range. Workers each calibrate their own
-        # layers and kv heads in one collective prefill.
-        runner.calibrate_kv_scales()
     # The engine's own structured-outputs backend, as LLM builds it (grammar workers included), where there is a
     # vocabulary to build grammars from.
     structured = None if isinstance(tokenizer, NullTokenizer) else engine_grammar_backend(config, runner, tokenizer)

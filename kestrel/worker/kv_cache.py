@@ -270,13 +270,16 @@ def checkpoint_kv_scales(model_dir: str, prefixes: Sequence[str]) -> list[tuple[
 
 
 def kv_cache_scales(config: EngineConfig, layers: Sequence[CachingLayer]) -> list[tuple[float, float]]:
-    """(k_scale, v_scale) of each of `layers` (a pipeline stage's own): 1.0 for a 16-bit
-    cache; for FP8 the checkpoint's, else 1.0 with a warning (ModelRunner.calibrate_kv_scales measures them)."""
+    """(k_scale, v_scale) of each of `layers` (a pipeline stage's own): 1.0 for a 16-bit cache; for FP8 the
+    checkpoint's, else 1.0 with a warning; 1.0 until the runner measures them with calculate_kv_scales."""
     num_layers = len(layers)
     declared = bool((config.model.hf_config.get("quantization_config") or {}).get("kv_cache_scheme"))
     if config.cache.kv_cache_dtype != "fp8":
         if declared:
             logger.info("the checkpoint carries FP8 KV cache scales (kv_cache_scheme); kv_cache_dtype='fp8' uses them")
+        return [(1.0, 1.0)] * num_layers
+    if config.cache.calculate_kv_scales:
+        logger.info("calculate_kv_scales: the FP8 KV cache scales are measured by a calibration prefill at start-up")
         return [(1.0, 1.0)] * num_layers
     scales = None if config.model.load_format == "dummy" else checkpoint_kv_scales(
         config.model.model, [kv_scale_key(layer) for layer in layers])
@@ -285,7 +288,7 @@ def kv_cache_scales(config: EngineConfig, layers: Sequence[CachingLayer]) -> lis
                           "k_scale / v_scale tensors; re-export it or drop kv_cache_scheme")
     if scales is None:
         logger.warning("kv_cache_dtype='fp8' but the checkpoint has no KV cache scales: using k_scale = v_scale "
-                       "= 1.0, so K/V values beyond +-%g saturate; ModelRunner.calibrate_kv_scales() measures "
-                       "scales from a calibration run", FP8_E4M3_MAX)
+                       "= 1.0, so K/V values beyond +-%g saturate; calculate_kv_scales=True (--calculate-kv-scales) "
+                       "measures them at start-up", FP8_E4M3_MAX)
         return [(1.0, 1.0)] * num_layers
     return scales

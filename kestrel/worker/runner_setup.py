@@ -165,6 +165,8 @@ class RunnerSetup:
         self.bind_kv_caches(kv_cache_scales(config, layers))
         # Quest's key bounds, bound before the graphs are captured (they are kernel arguments there).
         self.key_bounds = bind_key_bounds(layers, config.sparse, self.num_blocks, self.device)
+        if config.cache.calculate_kv_scales:  # before the capture, whose graphs take the scales as arguments
+            self.calibrate_kv_scales()
         self.prefill_graph_tokens = self._resolve_prefill_graph_tokens()
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
@@ -235,12 +237,13 @@ class RunnerSetup:
 
     # ----- KV cache scales (FP8 cache) -----------------------------------------------------------------
 
-    def bind_kv_caches(self, scales: list[tuple[float, float]]) -> None:
-        """Bind each layer's cache with its (k_scale, v_scale) and its KV-cache group."""
+    def bind_kv_caches(self, scales: list[tuple[float, float]], recapture: bool = True) -> None:
+        """Bind each layer's cache with its (k_scale, v_scale) and its KV-cache group; the captured graphs, which
+        take the scales as kernel arguments, are captured again unless `recapture` is False (they then replay
+        the scales bound before until the next capture)."""
         self.kv_scales = list(scales)
         bind_layer_caches(self.model.attention_layers(), self.kv_caches, self.kv_scales, self.layer_groups)
-        if self.graph_runner is not None:
-            # The scales are kernel arguments baked into the captured graphs.
+        if recapture and self.graph_runner is not None:
             self._capture_graphs()
 
     @torch.inference_mode()
@@ -265,6 +268,9 @@ class RunnerSetup:
             block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
             max_query_len=n, max_seq_len=n,
         ).sharing_group_tables(len(self.kv_groups))
+        positions = torch.arange(n, device=self.device)
+        # During the start-up (calculate_kv_scales) its kernels compile ahead, as the capture's do; later a no-op.
+        self._compile_ahead([lambda: self._run_model(ids, positions, meta)])
         layers = self.model.attention_layers()
         seen = torch.zeros(len(layers), 2, device=self.device)  # running max |K|, |V| per layer
 
@@ -274,15 +280,16 @@ class RunnerSetup:
                 seen[i, 1] = torch.maximum(seen[i, 1], args[2].abs().max().float())
             return record
 
-        for _ in range(passes):
+        for done in range(1, passes + 1):
             handles = [layer.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
             try:
-                self._run_model(ids, torch.arange(n, device=self.device), meta)
+                self._run_model(ids, positions, meta)
             finally:
                 for h in handles:
                     h.remove()
             amax = seen.clamp_min(1e-6).tolist()
-            self.bind_kv_caches([(k / FP8_E4M3_MAX, v / FP8_E4M3_MAX) for k, v in amax])
+            # The passes run eagerly: graphs captured already are captured again once, with the last scales.
+            self.bind_kv_caches([(k / FP8_E4M3_MAX, v / FP8_E4M3_MAX) for k, v in amax], recapture=done == passes)
         if self.expert_counts is not None:
             self.expert_counts.reset()
         return self.kv_scales

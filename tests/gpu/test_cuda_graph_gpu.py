@@ -111,3 +111,18 @@ def test_async_scheduling_matches_sync_on_gpu(checkpoint: Path, quantization: st
     assert overlapped.engine.async_scheduling and not sync.engine.async_scheduling
     batch = prompts(7)
     assert generate(overlapped, batch) == generate(sync, batch)
+
+
+def test_kv_scales_measured_at_start_up_are_those_a_later_calibration_captures(checkpoint: Path) -> None:
+    """calculate_kv_scales calibrates inside the start-up, before the capture: the same scales and greedy tokens as
+    an engine calibrated after its start-up (its graphs captured again once), and its graphs replay them."""
+    kwargs = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=8, kv_cache_dtype="fp8", device="cuda")
+    at_start = LLM(str(checkpoint), calculate_kv_scales=True, **kwargs)
+    after = LLM(str(checkpoint), **kwargs)
+    assert after.runner.kv_scales == [(1.0, 1.0)] * len(after.runner.kv_scales)
+    after.runner.calibrate_kv_scales()
+    assert at_start.runner.kv_scales == after.runner.kv_scales != [(1.0, 1.0)] * len(after.runner.kv_scales)
+    assert at_start.runner.graph_runner is not None and after.runner.graph_runner is not None
+    for n in (3, 8):
+        batch = prompts(n)
+        assert generate(at_start, batch) == generate(after, batch)

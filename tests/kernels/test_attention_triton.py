@@ -517,6 +517,45 @@ def test_fp8_kv_scales_default_checkpoint_and_calibrated(tmp_path, caplog: pytes
     assert read is not None and read[0] == (0.5, 1.0) and read[1] == (1.0, 0.25)
 
 
+def test_calculate_kv_scales_measures_them_at_start_up(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """calculate_kv_scales: the runner binds the scales a calibration measures, inside its start-up (the same
+    scales a calibration after it measures), without the no-scales warning; it needs an FP8 cache."""
+    from kestrel.config import ConfigError, EngineConfig
+    from kestrel.loader.model_init import write_tiny_checkpoint
+    from kestrel.worker.model_runner import ModelRunner
+
+    write_tiny_checkpoint(str(tmp_path), arch="llama", seed=4)
+    kwargs = {"dtype": "float32", "kv_cache_dtype": "fp8", "max_model_len": 64, "device": "cpu"}
+    with caplog.at_level("WARNING"):
+        runner = ModelRunner(EngineConfig.from_kwargs(str(tmp_path), calculate_kv_scales=True, **kwargs))
+    assert not any("no KV cache scales" in r.getMessage() for r in caplog.records)
+    measured = runner.kv_scales
+    assert all(0 < k < 1 and 0 < v < 1 for k, v in measured)
+    assert [(layer.k_scale, layer.v_scale) for layer in runner.model.attention_layers()] == measured
+    after = ModelRunner(EngineConfig.from_kwargs(str(tmp_path), **kwargs))
+    assert after.kv_scales != measured
+    flat = [s for pair in measured for s in pair]
+    assert [s for pair in after.calibrate_kv_scales() for s in pair] == pytest.approx(flat, rel=1e-6)
+    with pytest.raises(ConfigError, match="calculate_kv_scales.*kv_cache_dtype='fp8'"):
+        EngineConfig.from_kwargs(str(tmp_path), calculate_kv_scales=True, dtype="float32", device="cpu")
+
+
+def test_calibration_captures_the_graphs_again_once(tmp_path, monkeypatch) -> None:
+    """A calibration after start-up runs its passes eagerly and captures the graphs again once, after the last."""
+    from kestrel.config import EngineConfig
+    from kestrel.loader.model_init import write_tiny_checkpoint
+    from kestrel.worker.model_runner import ModelRunner
+
+    write_tiny_checkpoint(str(tmp_path), arch="llama", seed=4)
+    runner = ModelRunner(EngineConfig.from_kwargs(str(tmp_path), dtype="float32", kv_cache_dtype="fp8",
+                                                  max_model_len=64, device="cpu"))
+    captured = []
+    monkeypatch.setattr(runner, "_capture_graphs", lambda: captured.append(list(runner.kv_scales)))
+    runner.graph_runner = object()  # as if graphs were captured at start-up (a CPU runner captures none)
+    scales = runner.calibrate_kv_scales(passes=3)
+    assert captured == [scales]
+
+
 def test_fp8_kv_decode_with_a_wide_group_joins_the_pairs(device: torch.device) -> None:
     """64 query heads on one KV head fill a 64-row decode tile (a wgmma tile on Hopper): its P @ V runs as one dot
     over V's paired halves joined back into head order, as the prefill launch's does for heads under 128."""

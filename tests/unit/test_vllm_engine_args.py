@@ -31,8 +31,9 @@ VLLM_ENGINE_ARGS = {
 }
 # vLLM arguments kestrel spells differently, accepted under vLLM's name too: the kestrel argument each sets.
 VLLM_SPELLINGS = {"num_gpu_blocks_override": "kv_cache_blocks", "override_pooler_config": "pooler_config"}
-# What an argument needs beside it to be accepted: the pooler's settings configure the pooling runner.
-COMPANIONS = {"override_pooler_config": {"runner": "pooling"}}
+# What an argument needs beside it to be accepted: the pooler's settings configure the pooling runner; the KV
+# scales are measured for an FP8 cache.
+COMPANIONS = {"override_pooler_config": {"runner": "pooling"}, "calculate_kv_scales": {"kv_cache_dtype": "fp8"}}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Start-up before / after calculate_kv_scales (the bench's FP8-KV engine calibrated inside its start-up, one
+# capture instead of three), alternated, each cold; then the GPU tests of the graphs and the scales. "before" is the
+# working tree with scratch/kv-scales.patch (`git diff HEAD -- kestrel` of the change, uncommitted then) reversed.
+source scripts/h200_job.sh "$1"; shift
+h200_tables
+rm -rf /tmp/before && cp -r . /tmp/before && (cd /tmp/before && patch -s -R -p1 < scratch/kv-scales.patch) || exit 1
+tput() { local tree=$1 name=$2 seqs=$3
+  (cd "$tree" && run 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kestrel.bench.throughput --num-prompts 32 \
+    --input-len 128 --output-len 16 --hf-peer-prompts 0 --max-num-seqs "$seqs" --quantization fp8 \
+    --kv-cache-dtype fp8 --tokenizer .bench-tokenizer-128k --result-file "$out/throughput-start-$name-h200.json"); }
+for round in 1 2; do
+  tput . "after-512-$round" 512
+  tput /tmp/before "before-512-$round" 512
+done
+run 200 python3 -m pytest -q -rf -p no:cacheprovider tests/gpu/test_cuda_graph_gpu.py -k "kv_scales or matches_eager"
+pack_results
