@@ -25,6 +25,7 @@ from kestrel.model.expert_load import ExpertLoad
 from kestrel.worker.cpu_runtime import configure_cpu_process
 from kestrel.worker.cuda_graph import GraphRunner, verify_batch_limit
 from kestrel.worker.drafter import build_drafter
+from kestrel.worker.dry_layers import one_layer_of_each_kind
 from kestrel.worker.kv_cache import (
     FP8_E4M3_MAX,
     CachingLayer,
@@ -196,12 +197,15 @@ class RunnerSetup:
         return ops.default_workers() if self.device.type == "cuda" and not self.config.enforce_eager and single else 0
 
     def _compile_ahead(self, forwards: list[Callable[[], object]]) -> None:
-        """Run `forwards` dry and compile the Triton kernels they would launch on the compile pool (a no-op
-        without one). A forward that fails dry is logged and left: its kernels compile when they launch."""
+        """Run `forwards` dry, one decoder layer of each kind (`dry_layers`), and compile the Triton kernels they
+        would launch on the compile pool (a no-op without one). A forward that fails dry is logged and left: its
+        kernels compile when they launch."""
         if self._compile_pool is None:
             return
         try:
-            self.compile_ahead_stats.append(ops.compile_ahead(self._compile_pool, forwards))
+            with one_layer_of_each_kind(self.model) as left_out:
+                stats = ops.compile_ahead(self._compile_pool, forwards)
+            self.compile_ahead_stats.append({**stats, "layers_left_out": float(left_out)})
         except Exception as e:  # nothing ran for real; the real forward raises what is wrong, if anything
             logger.warning("compiling ahead stopped: %s; the rest compiles as it launches", e)
         torch.cuda.synchronize(self.device)
