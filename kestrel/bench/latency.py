@@ -348,6 +348,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
                    "warmups": args.warmups},
         "environment": common.environment(device), "ceilings": ceilings, "startup_s": engine.build_s,
         "graph_capture_s": getattr(engine.runner, "capture_seconds", None),
+        "startup_phases_s": getattr(engine.runner, "startup_seconds", None),
+        "compile_ahead": getattr(engine.runner, "compile_ahead_stats", None),
         "prefill_graph_capture_s": getattr(getattr(engine.runner, "graph_runner", None), "prefill_capture_seconds",
                                            None),
         "weight_bytes": common.runner_weight_bytes(engine.runner),

@@ -220,6 +220,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         "environment": common.environment(device),
         "startup_to_first_token_s": startup, "engine_build_s": engine.build_s,
         "graph_capture_s": getattr(engine.runner, "capture_seconds", None),
+        "startup_phases_s": getattr(engine.runner, "startup_seconds", None),
+        "compile_ahead": getattr(engine.runner, "compile_ahead_stats", None),
         "kestrel": {**run_stats, **rates(run_stats)}, "hf_peer": hf,
     }
     if hf.get("output_tok_per_s"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -105,9 +106,13 @@ class RunnerSetup:
         self.streaming_sink_blocks = config.streaming.sink_blocks(self.block_size) if config.streaming else None
         # Triton compiles ahead of the profile and the graph capture run in these processes, started now so that
         # their imports overlap the weights' loading (kestrel.kernels.compile_ahead).
+        # Seconds of each start-up phase, in order (the benches record them beside their start-up to first token).
+        self.startup_seconds: dict[str, float] = {}
+        lap = time.perf_counter()
         self._compile_pool = ops.start_pool(self._compile_workers())
         self.compile_ahead_stats: list[dict[str, float]] = []
         self.model = load_model(model_config, config.quant, self.device, parallel, self._planned_kv_cache_bytes)
+        lap = self._lap("weights", lap)
         self.vocab_size: int = int(config.model.hf_config["vocab_size"])
         # A multimodal model's media reach its first pipeline stage's input embeddings through the encoder step.
         self.supported_modalities: frozenset[str] = frozenset(getattr(self.model, "supported_modalities", ()))
@@ -154,7 +159,9 @@ class RunnerSetup:
         self.drafter = build_drafter(config, self.model, self.dtype, self.kv_spec.dtype, self.device)
         draft_bytes = self.drafter.kv_spec.bytes_per_block if self.drafter is not None else 0
         bounds_bytes = key_bounds_bytes_per_block(layers, config.sparse, self.block_size, self.kv_spec.dtype)
+        lap = self._lap("model_setup", lap)
         self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget(), draft_bytes + bounds_bytes)
+        lap = self._lap("memory_profile", lap)
         if parallel is not None:  # every rank holds the same blocks: as many as the tightest rank can
             self.num_blocks = parallel.min_over_world(self.num_blocks, self.device)
         # A drafter's K/V lives in group 0's blocks and its layers may read past that group's window.
@@ -166,8 +173,10 @@ class RunnerSetup:
         self.bind_kv_caches(kv_cache_scales(config, layers))
         # Quest's key bounds, bound before the graphs are captured (they are kernel arguments there).
         self.key_bounds = bind_key_bounds(layers, config.sparse, self.num_blocks, self.device)
+        lap = self._lap("kv_cache", lap)
         if config.cache.calculate_kv_scales:  # before the capture, whose graphs take the scales as arguments
             self.calibrate_kv_scales()
+            lap = self._lap("kv_scales", lap)
         self.prefill_graph_tokens = self._resolve_prefill_graph_tokens()
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
@@ -181,8 +190,15 @@ class RunnerSetup:
             raise ConfigError(f"invalid max_prefill_graph_tokens={self.prefill_graph_tokens}: this model runs "
                               "every step eagerly (no CUDA graphs are captured for it); leave it 0")
         self._stop_compile_pool()
+        self._lap("graphs", lap)
         if self.expert_counts is not None:
             self.expert_counts.reset()
+
+    def _lap(self, phase: str, since: float) -> float:
+        """Record the seconds since `since` as start-up phase `phase`; returns now."""
+        now = time.perf_counter()
+        self.startup_seconds[phase] = now - since
+        return now
 
     def _compile_workers(self) -> int:
         """Processes compiling Triton kernels ahead of the profile and the capture: `compile_workers`, or where
