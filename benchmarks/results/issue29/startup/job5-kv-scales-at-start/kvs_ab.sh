@@ -13,5 +13,7 @@ for round in 1 2; do
   tput . "after-512-$round" 512
   tput /tmp/before "before-512-$round" 512
 done
-run 200 python3 -m pytest -q -rf -p no:cacheprovider tests/gpu/test_cuda_graph_gpu.py -k "kv_scales or matches_eager"
+tput . after-128 128
+tput /tmp/before before-128 128
+run 200 python3 -m pytest -q -rf -p no:cacheprovider tests/gpu/test_cuda_graph_gpu.py
 pack_results
