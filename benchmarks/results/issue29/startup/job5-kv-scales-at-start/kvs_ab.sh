@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Start-up before / after calculate_kv_scales (the bench's FP8-KV engine calibrated inside its start-up, one
 # capture instead of three), alternated, each cold; then the GPU tests of the graphs and the scales. "before" is the
-# working tree with scratch/kv-scales.patch (`git diff HEAD -- kestrel` of the change, uncommitted then) reversed.
+# working tree with scratch/kv-scales.patch reversed: the kestrel/ diff of commit 9334301 less its compile-ahead of
+# the calibration's forward (which came after this job).
 source scripts/h200_job.sh "$1"; shift
 h200_tables
 rm -rf /tmp/before && cp -r . /tmp/before && (cd /tmp/before && patch -s -R -p1 < scratch/kv-scales.patch) || exit 1
