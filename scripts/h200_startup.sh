@@ -11,7 +11,11 @@
 #   serving  the engine a server builds (`kestrel bench throughput`, 32 prompts of 128 / 16, FP8 + FP8 KV, the
 #            128k tokenizer, so the grammar workers start): max_num_seqs 512 cold, then cold and warm under
 #            cProfile, then max_num_seqs 128 (the default) cold
+#   serving-ab  the tests of the start-up's compile-ahead and graphs on the GPU (junit XML in OUT), then the
+#            `serving` engine's cold start, max_num_seqs 512 and 128, of the working tree against a copy of it with
+#            PATCH reversed (a file in the tree, e.g. `git diff BEFORE HEAD -- kestrel > start.patch`), alternated
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
+h200_tables  # off an H200, its tables copied under the GPU's name: the defaults judged
 args=(--batch 1 --input-len 128 --output-len 16 --hf-peer none --no-checks)
 fp8=(--quantization fp8 --kv-cache-dtype fp8)
 tag=${TAG:-cold}
@@ -37,6 +41,19 @@ for stage in "$@"; do
              bench 150 fp8-warm-profiled "$cache" 1 "${fp8[@]}"
              bench 150 bf16-cold "$(mktemp -d)" 0 ;;
     cold) cold_runs "$tag" ;;
+    serving-ab) [ -f "${PATCH:-}" ] || { echo "serving-ab needs PATCH=FILE (in the tree)" | tee -a "$out/log.txt"; exit 2; }
+             rm -rf /tmp/before && cp -r . /tmp/before && (cd /tmp/before && patch -s -R -p1 < "$PATCH") || exit 1
+             run 240 python3 -m pytest -q -rf -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
+               tests/gpu/test_compile_ahead_gpu.py tests/gpu/test_cuda_graph_gpu.py
+             start() { (cd "$1" && run 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kestrel.bench.throughput \
+               --num-prompts 32 --input-len 128 --output-len 16 --hf-peer-prompts 0 --max-num-seqs "$3" "${fp8[@]}" \
+               --tokenizer .bench-tokenizer-128k --result-file "$out/throughput-start-$2-h200.json"); }
+             for seqs in 512 128; do
+               for round in 1 2; do
+                 start . "after-$seqs-$round" "$seqs"
+                 start /tmp/before "before-$seqs-$round" "$seqs"
+               done
+             done ;;
     serving) tput() { local name=$1 cache=$2 prof=$3 seqs=$4
                local py=(python3); [ "$prof" = 1 ] && py=(python3 -m cProfile -o "$out/$name.prof")
                run 150 env TRITON_CACHE_DIR="$cache" "${py[@]}" -m kestrel.bench.throughput --num-prompts 32 \
