@@ -25,6 +25,9 @@
 #   dense8     FP8 weights in groups of 128 from 128 rows (the dense path a candidate): the sweep at M = 128-4096,
 #              the block-FP8 layers weight-only before and after its entries are merged into this GPU's table
 #              (OUT/wna16_nvidia_h200.json: the committed H200 table with them), then the table-driven GPU tests
+#   blocksweep the W8A8 block GEMM's tiles (scripts/h200_block_fp8_sweep.py, M = 1-8192 at the 8B shapes): the
+#              block-FP8 layers timed before and after this GPU's table takes the sweep's best configs
+#              (OUT/block_fp8_mm_<gpu>.json), then the block GEMM's kernel tests on the GPU
 #   startgw    start-up to first token from an empty Triton cache, FP8 + FP8 KV, 32 prompts of 128 / 16 on the 128k
 #              tokenizer (the grammar workers' fork server started), default grammar workers and none, alternated
 # Off an H200 the H200's tables are copied under the GPU's name (h200_tables), so the defaults are the H200's.
@@ -99,6 +102,13 @@ for stage in "$@"; do
               | tee -a "$out/log.txt"
             PYTHONPATH=. run 150 python3 scripts/h200_block_fp8_mm.py --out "$out/after" --ms 1,64,$ms,8192
             run 150 python3 -m pytest -q -rf -p no:cacheprovider tests/gpu/test_wna16_gpu.py -k "8bit or every_weight_type" ;;
+    blocksweep) mkdir -p "$out/before" "$out/after"
+                PYTHONPATH=. run 150 python3 scripts/h200_block_fp8_mm.py --out "$out/before" --ms 1,64,256,1024,4096,8192
+                PYTHONPATH=. run 330 python3 scripts/h200_block_fp8_sweep.py --out "$out" --max-seconds 260
+                cp "$out/block_fp8_mm_$key.json" "$tuning/" && echo "table: block_fp8_mm_$key.json" | tee -a "$out/log.txt"
+                PYTHONPATH=. run 150 python3 scripts/h200_block_fp8_mm.py --out "$out/after" --ms 1,64,256,1024,4096,8192
+                run 150 python3 -m pytest -q -rf -p no:cacheprovider --junitxml "$out/block-tests.xml" \
+                  tests/kernels/test_block_fp8_mm.py ;;
     startgw) for round in 1 2; do
                for workers in default 0; do
                  flag=(); [ "$workers" = default ] || flag=(--grammar-workers "$workers")

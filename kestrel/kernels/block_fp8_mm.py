@@ -12,6 +12,9 @@ shorter than `group` (K no multiple of it) is masked. `block_fp8_mm_ref`: the sa
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -19,6 +22,34 @@ import triton.language as tl
 from kestrel.kernels import common
 
 FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class BlockMMConfig:
+    """One launch of the block GEMM: the output tile, its warps and pipeline stages, and how many row tiles sweep
+    the column tiles together (`group_m`)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, entry: dict) -> BlockMMConfig:
+        return cls(**entry)
+
+
+DEFAULT_CONFIG = BlockMMConfig()
+
+
+def select_config(N: int, K: int, M: int, device: torch.device) -> BlockMMConfig:
+    """This GPU's entry for the layer `N, K` and M's bucket (`tuning/block_fp8_mm_<gpu>.json`), else the default."""
+    entry = common.bucket_entry(common.gpu_table("block_fp8_mm", device).get(f"{N},{K}", {}), M)
+    return DEFAULT_CONFIG if entry is None else BlockMMConfig.from_json(entry)
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group: int,
@@ -94,9 +125,11 @@ def _block_fp8_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
 
 
 def block_fp8_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, group: int,
-                 out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton `block_fp8_mm_ref`. Tiles of 64 x 128, K in steps of the largest power of two up to 128 that divides
-    the group (128 for the published checkpoints' blocks), at least 32 (an e4m3 tensor-core dot's least K)."""
+                 out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                 config: BlockMMConfig | None = None) -> torch.Tensor:
+    """Triton `block_fp8_mm_ref`. Tiles of `config` (default: this GPU's table entry for the shape, else 64 x 128),
+    K in steps of the largest power of two up to 128 that divides the group (128 for the published checkpoints'
+    blocks), at least 32 (an e4m3 tensor-core dot's least K)."""
     _check(a, b, scale_a, scale_b, group, bias)
     block_k = k_step(group)
     M, K = a.shape
@@ -107,10 +140,11 @@ def block_fp8_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
     out = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
-    block_m, block_n = 64, 128
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    cfg = config if config is not None else select_config(N, K, M, a.device)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     _block_fp8_mm_kernel[grid](a, b, out, scale_a, scale_b, bias if bias is not None else scale_b, M, N, K,
                                a.stride(0), b.stride(0), out.stride(0), scale_a.stride(0), scale_b.stride(0),
-                               GROUP=group, HAS_BIAS=bias is not None, FAST=a.is_cuda, BLOCK_M=block_m,
-                               BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=4, num_stages=3)
+                               GROUP=group, HAS_BIAS=bias is not None, FAST=a.is_cuda, BLOCK_M=cfg.block_m,
+                               BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages)
     return out

@@ -7,7 +7,8 @@ import sm90
 import torch
 
 from kestrel import ops
-from kestrel.kernels.block_fp8_mm import block_fp8_mm, block_fp8_mm_ref
+from kestrel.kernels import common
+from kestrel.kernels.block_fp8_mm import DEFAULT_CONFIG, BlockMMConfig, block_fp8_mm, block_fp8_mm_ref, select_config
 
 FP8 = torch.float8_e4m3fn
 FP32 = 2.0**-23
@@ -52,6 +53,31 @@ def test_block_gemm_matches_float64(M, N, K, group, with_bias, device) -> None:
         bound = unit * ((a.double().abs() * scale_a.double().repeat_interleave(group, 1)[:, :K])
                         @ (b.double().abs() * scale_b.double().repeat_interleave(group, 1)[:, :K]).T)
         assert ((got.double() - want).abs() <= bound + 1e-6).all(), fn.__name__
+
+
+@pytest.mark.parametrize("config", [BlockMMConfig(16, 64, 4, 2, 1), BlockMMConfig(32, 256, 8, 4, 4)],
+                         ids=["16x64", "32x256"])
+def test_each_tile_of_a_tuning_table_matches_float64(config, device) -> None:
+    """The tiles a tuned table may name: rows and columns past a tile, the grouped order over several row tiles."""
+    M, N, K, group = 70, 320, 384, 128
+    a, b, scale_a, scale_b = operands(M, N, K, group, seed=9)
+    want = oracle(a, b, scale_a, scale_b, group)
+    got = block_fp8_mm(a.to(device), b.to(device), scale_a.to(device), scale_b.to(device), group, torch.float32,
+                       config=config).cpu()
+    unit = 64 * FP32 if device.type != "cuda" else 2.0**-13
+    bound = unit * ((a.double().abs() * scale_a.double().repeat_interleave(group, 1))
+                    @ (b.double().abs() * scale_b.double().repeat_interleave(group, 1)).T)
+    assert ((got.double() - want).abs() <= bound + 1e-6).all()
+
+
+def test_the_table_entry_of_the_shape_and_m_bucket_is_taken(monkeypatch) -> None:
+    small, large = BlockMMConfig(16, 64, 4, 4, 1), BlockMMConfig(128, 128, 8, 3, 8)
+    table = {"6144,4096": {"16": small.to_json(), "1024": large.to_json()}}
+    monkeypatch.setattr(common, "gpu_table", lambda kernel, device: table if kernel == "block_fp8_mm" else {})
+    cuda = torch.device("cuda", 0)
+    assert select_config(6144, 4096, 1, cuda) == small and select_config(6144, 4096, 16, cuda) == small
+    assert select_config(6144, 4096, 17, cuda) == large and select_config(6144, 4096, 8192, cuda) == large
+    assert select_config(4096, 4096, 16, cuda) == DEFAULT_CONFIG
 
 
 def test_block_gemm_rounds_once_to_the_output_dtype(device) -> None:
