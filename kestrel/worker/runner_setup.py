@@ -104,11 +104,11 @@ class RunnerSetup:
         self.max_blocks_per_seq = -(-(config.model.max_model_len or 1) // self.block_size)
         # Attention sinks + window: each request keeps its sink blocks; the blocks after them leave with the window.
         self.streaming_sink_blocks = config.streaming.sink_blocks(self.block_size) if config.streaming else None
-        # Triton compiles ahead of the profile and the graph capture run in these processes, started now so that
-        # their imports overlap the weights' loading (kestrel.kernels.compile_ahead).
         # Seconds of each start-up phase, in order (the benches record them beside their start-up to first token).
         self.startup_seconds: dict[str, float] = {}
         lap = time.perf_counter()
+        # Triton compiles ahead of the profile and the graph capture run in these processes, started now so that
+        # their imports overlap the weights' loading (kestrel.kernels.compile_ahead).
         self._compile_pool = ops.start_pool(self._compile_workers())
         self.compile_ahead_stats: list[dict[str, float]] = []
         self.model = load_model(model_config, config.quant, self.device, parallel, self._planned_kv_cache_bytes)
