@@ -15,7 +15,6 @@
 #            `serving` engine's cold start, max_num_seqs 512 and 128, of the working tree against a copy of it with
 #            PATCH reversed (a file in the tree, e.g. `git diff BEFORE HEAD -- kestrel > start.patch`), alternated
 # Everything under OUT is packed into OUT/results.tar.gz at the end (a call brings back 8 files at most).
-# Everything under OUT is packed into OUT/results.tar.gz at the end (a call brings back 8 files at most).
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 h200_tables  # off an H200, its tables copied under the GPU's name: the defaults judged
 args=(--batch 1 --input-len 128 --output-len 16 --hf-peer none --no-checks)
