@@ -279,6 +279,8 @@ class RunnerSetup:
             g = torch.Generator().manual_seed(self.config.model.seed)
             token_ids = torch.randint(0, self.vocab_size, (num_tokens,), generator=g).tolist()
         n = min(len(token_ids), self.num_blocks * self.block_size, self.config.model.max_model_len or len(token_ids))
+        if self.config.streaming is not None:  # no longer than the prompts such an engine takes
+            n = min(n, self.config.streaming.num_kept_tokens)
         ids = torch.tensor(token_ids[:n], dtype=torch.long, device=self.device)
         num_blocks = -(-n // self.block_size)
         meta = AttentionMetadata(

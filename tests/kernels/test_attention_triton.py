@@ -540,6 +540,30 @@ def test_calculate_kv_scales_measures_them_at_start_up(tmp_path, caplog: pytest.
         EngineConfig.from_kwargs(str(tmp_path), calculate_kv_scales=True, dtype="float32", device="cpu")
 
 
+@pytest.mark.parametrize("arch,extra", [
+    ("gemma3", {}),  # sliding-window and global layers in two KV-cache groups
+    ("llama", {"streaming_window": {"window": 64, "sink_tokens": 4}, "enforce_eager": True}),
+    ("llama", {"sparse_decode": {"method": "quest", "token_budget": 64}}),  # key bounds written beside the keys
+], ids=["gemma3", "streaming", "quest"])
+def test_scales_measured_at_start_up_serve_as_those_calibrated_after_it(tmp_path, arch, extra) -> None:
+    """Under each cache layout the calibration prefill runs inside the start-up, and the engine generates what an
+    engine calibrated after its start-up (its cache written by the calibration then) does."""
+    from kestrel import LLM, SamplingParams
+    from kestrel.loader.model_init import write_tiny_checkpoint
+
+    write_tiny_checkpoint(str(tmp_path), arch=arch, seed=5)
+    kwargs = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "kv_cache_dtype": "fp8", **extra}
+    at_start = LLM(str(tmp_path), calculate_kv_scales=True, **kwargs)
+    after = LLM(str(tmp_path), **kwargs)
+    after.runner.calibrate_kv_scales()
+    assert at_start.runner.kv_scales == after.runner.kv_scales != [(1.0, 1.0)] * len(after.runner.kv_scales)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (35, 60)]  # a stream takes 68 at most
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+              for llm in (at_start, after)]
+    assert tokens[0] == tokens[1]
+
+
 def test_calibration_captures_the_graphs_again_once(tmp_path, monkeypatch) -> None:
     """A calibration after start-up runs its passes eagerly and captures the graphs again once, after the last."""
     from kestrel.config import EngineConfig
