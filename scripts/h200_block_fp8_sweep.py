@@ -102,7 +102,9 @@ def save(out: Path, result: dict) -> None:
     (out / "block-fp8-sweep.json").write_text(json.dumps(result, indent=1) + "\n")
     configs = {shape: {m: entry["config"] for m, entry in sorted(ms.items(), key=lambda t: int(t[0]))}
                for shape, ms in result["best"].items()}
-    gpu = "".join(ch if ch.isalnum() else "_" for ch in result["device"].lower()).strip("_")
+    from kestrel.kernels.common import gpu_key
+
+    gpu = gpu_key(result["device"])
     table = {"gpu": gpu, "note": "Measured by scripts/h200_block_fp8_sweep.py: " + result["note"], "configs": configs}
     (out / f"block_fp8_mm_{gpu}.json").write_text(json.dumps(table, indent=1) + "\n")
 

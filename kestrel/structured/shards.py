@@ -42,7 +42,7 @@ def engine_grammar_backend(config: EngineConfig, runner: Any, tokenizer: Any) ->
     """An engine's backend from its config and runner: `grammar_workers` processes or its own thread, masks for
     `max_num_seqs` rows times the speculative tokens + 1, pinned where the runner is a GPU in this process (an
     executor's workers, `config.parallel.uses_workers`, get the masks pickled)."""
-    gpu_host = not config.parallel.uses_workers and runner.device.type == "cuda"
+    gpu_host = engine_gpu_host(config, runner.device.type == "cuda")
     spec = config.speculative
     max_rows = config.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
     return grammar_backend(tokenizer, runner.vocab_size, runner.eos_token_ids, config.grammar_workers, max_rows,
@@ -52,6 +52,17 @@ def engine_grammar_backend(config: EngineConfig, runner: Any, tokenizer: Any) ->
 # The most grammar workers by default: 8 brought a constrained step at batch 64 within 0.6-1.2% of an unconstrained
 # one on the H200 (4: within 3%; the engine's thread alone: +3.5-51%; docs/benchmarks.md, "Grammar workers").
 MAX_DEFAULT_WORKERS = 8
+
+
+def engine_gpu_host(config: EngineConfig, on_cuda: bool) -> bool:
+    """Whether an engine's model runner is on a CUDA device in the engine's own process (`on_cuda`: its device is;
+    an executor's runners are in its workers)."""
+    return not config.parallel.uses_workers and on_cuda
+
+
+def grammar_worker_count(workers: int | None, gpu_host: bool) -> int:
+    """`grammar_workers` as given, or `default_grammar_workers` where unset."""
+    return workers if workers is not None else default_grammar_workers(gpu_host)
 
 
 def default_grammar_workers(gpu_host: bool) -> int:
@@ -69,9 +80,7 @@ def start_grammar_workers_early(config: EngineConfig, on_cuda: bool) -> None:
     loads: those imports (torch and xgrammar, seconds) then run beside the load instead of between the load and the
     workers' start. `on_cuda`: whether the runner to be built will be on a CUDA device (engine_grammar_backend
     reads it from the runner)."""
-    gpu_host = not config.parallel.uses_workers and on_cuda
-    workers = config.grammar_workers if config.grammar_workers is not None else default_grammar_workers(gpu_host)
-    if workers:
+    if grammar_worker_count(config.grammar_workers, engine_gpu_host(config, on_cuda)):
         start_fork_server(WORKER_MODULES)
 
 
@@ -79,8 +88,7 @@ def grammar_backend(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[in
                     max_rows: int, gpu_host: bool) -> GrammarBackend:
     """The engine's structured-outputs backend: the matchers in `workers` processes (`GrammarShards`, masks for
     up to `max_rows` rows a step), or on the engine's thread when `workers` is 0; None: `default_grammar_workers`."""
-    if workers is None:
-        workers = default_grammar_workers(gpu_host)
+    workers = grammar_worker_count(workers, gpu_host)
     if workers:
         return GrammarShards(tokenizer, vocab_size, eos_token_ids, workers, max_rows, gpu_host=gpu_host)
     return GrammarBackend(tokenizer, vocab_size, eos_token_ids, gpu_host=gpu_host)

@@ -37,6 +37,14 @@ def runner_for(tmp_path, arch: str, **overrides) -> ModelRunner:
                                                 kv_cache_dtype="fp8", calculate_kv_scales=True))
 
 
+def prefill_metadata(runner: ModelRunner, n: int) -> AttentionMetadata:
+    """One sequence's prefill of `n` tokens (n <= 16) in the cache's first block."""
+    return AttentionMetadata(
+        slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32), block_tables=torch.arange(1, dtype=torch.int32)[None],
+        max_query_len=n, max_seq_len=n).sharing_group_tables(len(runner.kv_groups))
+
+
 def calls_per_layer(runner: ModelRunner, monkeypatch) -> dict[int, tuple]:
     """Each decoder layer's `kestrel.ops` calls in one prefill of 12 tokens."""
     stack = runner.model.model
@@ -60,13 +68,9 @@ def calls_per_layer(runner: ModelRunner, monkeypatch) -> dict[int, tuple]:
              for i in stack.stage_layers]
     hooks.append(stack.norm.register_forward_pre_hook(lambda _m, _a: current.__setitem__(0, None)))
     n = 12
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32), block_tables=torch.arange(1, dtype=torch.int32)[None],
-        max_query_len=n, max_seq_len=n).sharing_group_tables(len(runner.kv_groups))
     try:
         with torch.inference_mode():
-            runner._run_model(torch.arange(3, 3 + n), torch.arange(n), meta)
+            runner._run_model(torch.arange(3, 3 + n), torch.arange(n), prefill_metadata(runner, n))
     finally:
         for hook in hooks:
             hook.remove()
@@ -100,10 +104,7 @@ def test_a_dry_forward_over_the_kept_layers_runs_and_the_stack_comes_back_whole(
     runner = runner_for(tmp_path, "gemma3")
     stack = runner.model.model
     n = 5
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32), block_tables=torch.arange(1, dtype=torch.int32)[None],
-        max_query_len=n, max_seq_len=n).sharing_group_tables(len(runner.kv_groups))
+    meta = prefill_metadata(runner, n)
     ran = []
     hooks = [stack.layers[i].register_forward_pre_hook(lambda _m, _a, i=i: ran.append(i)) for i in range(4)]
     with torch.inference_mode(), one_layer_of_each_kind(runner.model):
