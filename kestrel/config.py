@@ -31,6 +31,8 @@ CHECKPOINT_ONLY_QUANTIZATION = ("compressed-tensors", "gptq", "awq", "bitsandbyt
 ACTIVATION_SCHEME_CHOICES = ("dynamic", "static")
 FP8_BLOCK_ACTIVATION_CHOICES = ("model_dtype", "fp8")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+# When the CUDA graphs are captured (EngineConfig.graph_capture): before the engine serves, or once it serves.
+GRAPH_CAPTURE_CHOICES = ("serving", "startup")
 MEDIA_MODALITIES = ("image", "audio", "video")
 DEFAULT_MM_PER_PROMPT = 999  # vLLM's default per modality: the context length is the real bound
 # Steps between the expert-load counts' reports (each one a host copy and a conversion of [layers, experts] ints).
@@ -896,6 +898,10 @@ class EngineConfig:
     # Largest token bucket of the prefill / mixed-step CUDA graphs (kestrel.worker.prefill_graph); 0: off;
     # None: DEFAULT_PREFILL_GRAPH_TOKENS where the runner captures CUDA graphs, else off.
     max_prefill_graph_tokens: int | None = None
+    # "startup": every CUDA graph is captured before the engine serves; "serving": the engine serves at once and
+    # captures one graph before each step and while idle, a step without its graph running eagerly meanwhile;
+    # None: "serving" wherever the runner captures graphs.
+    graph_capture: str | None = None
     debug_launch_count: bool = False  # log the kernel launches of one decoder layer's decode step at startup
     disable_log_stats: bool = False  # no periodic throughput / queue / KV cache line in the log
     expert_load_metrics: bool = False  # count the tokens routed to each expert of every MoE layer
@@ -947,6 +953,7 @@ class EngineConfig:
                 _fail(name, getattr(self, name), "expected True or False")
         self._check_expert_load()
         self._check_prefill_graphs()
+        self._check_graph_capture()
         if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs:
             _fail("max_num_batched_tokens", self.scheduler.max_num_batched_tokens,
                   f"must be >= max_num_seqs={self.scheduler.max_num_seqs} so every running request can decode")
@@ -1034,6 +1041,21 @@ class EngineConfig:
             _fail("max_prefill_graph_tokens", limit, "enforce_eager=True turns every CUDA graph off; drop one of them")
         if self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size > 1:
             _fail("max_prefill_graph_tokens", limit, "CUDA graphs are captured on one device only; use it with "
+                  "tensor_parallel_size=1 and pipeline_parallel_size=1")
+
+    def _check_graph_capture(self) -> None:
+        """An explicit graph_capture only where CUDA graphs may be captured (the runner refuses what needs the
+        device or the model to tell)."""
+        if self.graph_capture is None:
+            return
+        _check_choice("graph_capture", self.graph_capture, GRAPH_CAPTURE_CHOICES)
+        if self.enforce_eager:
+            _fail("graph_capture", self.graph_capture, "enforce_eager=True turns every CUDA graph off; drop one of "
+                  "them")
+        if self.device == "cpu":
+            _fail("graph_capture", self.graph_capture, "a CPU engine captures no CUDA graphs; leave it unset")
+        if self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size > 1:
+            _fail("graph_capture", self.graph_capture, "CUDA graphs are captured on one device only; use it with "
                   "tensor_parallel_size=1 and pipeline_parallel_size=1")
 
     def _check_expert_load(self) -> None:
@@ -1206,6 +1228,11 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "CUDA graphs for prefill and mixed steps of up to this many tokens (power-of-two token buckets from "
               "16; 0: off, prefills run eagerly; default: 512 where the engine captures CUDA graphs, else off); a GPU "
               "with CUDA graphs on only (docs/kernels-attention.md)"),
+    EngineArg("graph_capture", "engine", "graph_capture",
+              "when the CUDA graphs are captured: serving (the engine serves at once and captures one graph before "
+              "each step and while idle; a step whose graph is not captured yet runs eagerly) or startup (all of "
+              "them before the engine serves); default: serving where graphs are captured",
+              choices=GRAPH_CAPTURE_CHOICES),
     EngineArg("cpu_threads", "engine", "cpu_threads", "torch threads of a CPU engine (default: the cores it may "
               "use, less one for the engine loop)"),
     EngineArg("compile_workers", "engine", "compile_workers",

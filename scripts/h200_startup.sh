@@ -14,6 +14,9 @@
 #   serving-ab  the tests of the start-up's compile-ahead and graphs on the GPU (junit XML in OUT), then the
 #            `serving` engine's cold start, max_num_seqs 512 and 128, of the working tree against a copy of it with
 #            PATCH reversed (a file in the tree, e.g. `git diff BEFORE HEAD -- kestrel > start.patch`), alternated
+#   capture-ab  the GPU tests of the graphs (junit XML in OUT), then the `serving` engine's cold start, max_num_seqs
+#            512 and 128, with its CUDA graphs captured while it serves (`--graph-capture serving`, the default)
+#            against all of them before it serves (`startup`), alternated
 # Everything under OUT is packed into OUT/results.tar.gz at the end (a call brings back 8 files at most).
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 h200_tables  # off an H200, its tables copied under the GPU's name: the defaults judged
@@ -53,6 +56,18 @@ for stage in "$@"; do
                for round in 1 2; do
                  start . "after-$seqs-$round" "$seqs"
                  start /tmp/before "before-$seqs-$round" "$seqs"
+               done
+             done ;;
+    capture-ab) run 300 python3 -m pytest -q -rf -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
+               tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_prefill_graphs_gpu.py
+             for seqs in 512 128; do
+               for round in 1 2; do
+                 for mode in serving startup; do
+                   run 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kestrel.bench.throughput --num-prompts 32 \
+                     --input-len 128 --output-len 16 --hf-peer-prompts 0 --max-num-seqs "$seqs" "${fp8[@]}" \
+                     --tokenizer .bench-tokenizer-128k --graph-capture "$mode" \
+                     --result-file "$out/throughput-start-$mode-$seqs-$round-h200.json"
+                 done
                done
              done ;;
     serving) tput() { local name=$1 cache=$2 prof=$3 seqs=$4

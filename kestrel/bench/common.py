@@ -30,7 +30,7 @@ from kestrel.bench import attention as attn_bench
 from kestrel.bench.hf_peer import median as median
 from kestrel.bench.hf_peer import percentile as percentile
 from kestrel.bench.hf_peer import random_prompts as random_prompts
-from kestrel.config import ConfigError, EngineConfig, is_gguf_model
+from kestrel.config import GRAPH_CAPTURE_CHOICES, ConfigError, EngineConfig, is_gguf_model
 from kestrel.engine.core import EngineCore
 from kestrel.executor.factory import build_executor
 from kestrel.loader.model_init import _write_weights, checkpoint_shapes, write_tiny_checkpoint
@@ -309,10 +309,21 @@ class Engine:
     core: EngineCore
     runner: ModelRunner
     config: EngineConfig
-    build_s: float
+    build_s: float  # until the engine serves
+    started: float  # perf_counter() when the build began
+    graphs_ready_s: float | None = None  # until every CUDA graph was captured (`finish_graphs`)
+
+    def finish_graphs(self) -> None:
+        """Capture the CUDA graphs still pending (graph_capture="serving"), so that timed steps replay them."""
+        self.core.finish_idle_work()
+        synchronize(self.runner.device)
+        if self.graphs_ready_s is None:
+            self.graphs_ready_s = time.perf_counter() - self.started
 
 
-def build_engine(model: str, **engine_args: Any) -> Engine:
+def build_engine(model: str, capture_graphs_now: bool = True, **engine_args: Any) -> Engine:
+    """`capture_graphs_now`: capture every CUDA graph before returning (outside `build_s`), for benchmarks that
+    time steps from the start; False leaves them to the engine's steps (and to `Engine.finish_graphs`)."""
     from kestrel.loader.gguf_config import model_hf_config
 
     started = time.perf_counter()
@@ -337,7 +348,10 @@ def build_engine(model: str, **engine_args: Any) -> Engine:
     structured = None if isinstance(tokenizer, NullTokenizer) else engine_grammar_backend(config, runner, tokenizer)
     core = EngineCore(config, runner, runner.kv_layout, tokenizer, eos, structured)
     synchronize(runner.device)
-    return Engine(core, runner, config, time.perf_counter() - started)
+    engine = Engine(core, runner, config, time.perf_counter() - started, started)
+    if capture_graphs_now:
+        engine.finish_graphs()
+    return engine
 
 
 def release(engine: Engine | None) -> None:
@@ -555,6 +569,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="the engine's max_prefill_graph_tokens: CUDA graphs for prefill and mixed steps of up to "
                         "this many tokens (0: off, prefills run eagerly; default: the engine's, 512 where it "
                         "captures CUDA graphs)")
+    p.add_argument("--graph-capture", default=None, choices=GRAPH_CAPTURE_CHOICES,
+                   help="the engine's graph_capture: its CUDA graphs captured once it serves (serving) or before "
+                        "(startup); default: the engine's, serving where it captures graphs. Either way the timed "
+                        "steps run after every graph is captured")
     p.add_argument("--sparse-decode", type=json.loads, default=None,
                    help="the engine's sparse_decode as JSON, e.g. '{\"method\": \"quest\", \"token_budget\": 2048}'")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -584,13 +602,15 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_suite_engine(args: argparse.Namespace, model_dir: str, load_format: str, device: torch.device,
-                       max_num_seqs: int, max_model_len: int, **extra: Any) -> Engine:
+                       max_num_seqs: int, max_model_len: int, capture_graphs_now: bool = True,
+                       **extra: Any) -> Engine:
     """The engine of an end-to-end suite from its `add_model_arguments` flags (prefix caching off: prompts
     are distinct anyway, and a hit would skip the work being measured); `extra`: the suite's own engine arguments."""
     return build_engine(
-        model_dir, dtype=args.dtype, device=device.type, load_format=load_format, quantization=args.quantization,
+        model_dir, capture_graphs_now, dtype=args.dtype, device=device.type, load_format=load_format,
+        quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, enable_prefix_caching=False,
-        max_prefill_graph_tokens=args.max_prefill_graph_tokens,
+        max_prefill_graph_tokens=args.max_prefill_graph_tokens, graph_capture=args.graph_capture,
         async_scheduling=args.async_scheduling, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs), max_model_len=max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
@@ -630,6 +650,7 @@ def engine_config_block(args: argparse.Namespace, engine: Engine, model_dir: str
                            if args.weight_only in WEIGHT_ONLY_BITS else None),
             "precision": precision(args, model_dir), "kv_cache_dtype": args.kv_cache_dtype,
             "enforce_eager": args.enforce_eager, "max_prefill_graph_tokens": args.max_prefill_graph_tokens,
+            "graph_capture": getattr(engine.runner, "graph_capture", None),
             "sparse_decode": args.sparse_decode,
             "tensor_parallel_size": args.tensor_parallel_size,
             "pipeline_parallel_size": args.pipeline_parallel_size,

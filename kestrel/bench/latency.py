@@ -347,6 +347,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
                    "input_lens": input_lens, "output_len": args.output_len, "repeats": args.repeats,
                    "warmups": args.warmups},
         "environment": common.environment(device), "ceilings": ceilings, "startup_s": engine.build_s,
+        "graphs_ready_s": engine.graphs_ready_s,
         "graph_capture_s": getattr(engine.runner, "capture_seconds", None),
         "startup_phases_s": getattr(engine.runner, "startup_seconds", None),
         "compile_ahead": getattr(engine.runner, "compile_ahead_stats", None),

@@ -157,6 +157,17 @@ class Runner(Protocol):
                       non_block: bool = False) -> ModelRunnerOutput | StepHandle: ...
 
 
+@runtime_checkable
+class CapturesGraphsWhileServing(Protocol):
+    """A runner that captures its CUDA graphs once the engine serves (graph_capture="serving"): one before each
+    step it executes, and one per `capture_next_graph` call, which the engine makes while it has nothing to run."""
+
+    @property
+    def graphs_pending(self) -> bool: ...
+
+    def capture_next_graph(self) -> None: ...
+
+
 def run_step(runner: Runner, scheduler_output: SchedulerOutput,
              grammar_output: GrammarBitmask | None = None) -> ModelRunnerOutput:
     """One step to its output, for callers that need no overlap (the bitmask, if any, is filled already)."""

@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kestrel.config import EngineConfig
-from kestrel.engine.contracts import ModelRunnerOutput, Ready, Runner, SchedulerOutput, StepHandle, run_step
+from kestrel.engine.contracts import (
+    CapturesGraphsWhileServing,
+    ModelRunnerOutput,
+    Ready,
+    Runner,
+    SchedulerOutput,
+    StepHandle,
+    run_step,
+)
 from kestrel.engine.detokenizer import IncrementalDetokenizer, TokenizerLookups
 from kestrel.engine.ngram_proposer import propose
 from kestrel.engine.scheduler import Scheduler
@@ -342,6 +350,23 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
+
+    @property
+    def has_idle_work(self) -> bool:
+        """Whether the runner has CUDA graphs left to capture (graph_capture="serving"): a loop with no request to
+        run calls `do_idle_work` instead of waiting."""
+        runner = self.runner
+        return isinstance(runner, CapturesGraphsWhileServing) and runner.graphs_pending
+
+    def do_idle_work(self) -> None:
+        """Capture the runner's next pending CUDA graph, if any (only between steps: it waits for the device)."""
+        if self.has_idle_work and not self._batch_queue:
+            self.runner.capture_next_graph()
+
+    def finish_idle_work(self) -> None:
+        """Capture every pending CUDA graph now (benchmarks, before they time steps)."""
+        while self.has_idle_work and not self._batch_queue:
+            self.runner.capture_next_graph()
 
     @property
     def num_unfinished_requests(self) -> int:

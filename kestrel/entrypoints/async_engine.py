@@ -407,7 +407,8 @@ class AsyncEngine:
                 if self._stats_logger is not None and not self.core.has_unfinished_requests():
                     self._stats_logger.maybe_log(self.core.scheduler, force=True)  # the last line of a busy spell
                 with self._cond:
-                    while not (self._commands or self._stopping or self.core.has_unfinished_requests()):
+                    while not (self._commands or self._stopping or self.core.has_unfinished_requests()
+                               or self.core.has_idle_work):
                         self._cond.wait()
                     if self._stopping:
                         break
@@ -419,6 +420,7 @@ class AsyncEngine:
                     self._publish_stats()
                     self._deliver(replies)
                 if not self.core.has_unfinished_requests():
+                    self.core.do_idle_work()  # one pending CUDA graph, then the commands are looked at again
                     continue
                 outputs = self.core.step()
                 self._stats_tracker.count_step(self.core.scheduler)

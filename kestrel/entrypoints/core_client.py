@@ -79,6 +79,7 @@ class CoreRunnerInfo:
     device: str
     capture_seconds: float | None
     vocab_size: int
+    graphs_pending: bool  # graph_capture="serving": the core captures them once it serves
 
 
 class CoreView:
@@ -88,7 +89,8 @@ class CoreView:
     def __init__(self, config: EngineConfig, tokenizer: Any, info: dict[str, Any]) -> None:
         self.config = config
         self.num_blocks: int = info["num_blocks"]
-        self.runner = CoreRunnerInfo(info["dtype"], info["device"], info["capture_seconds"], info["vocab_size"])
+        self.runner = CoreRunnerInfo(info["dtype"], info["device"], info["capture_seconds"], info["vocab_size"],
+                                     info["graphs_pending"])
         # The grammar pool compiles its trial grammars against the core's vocabulary, read here.
         self.structured = GrammarBackend(tokenizer, info["vocab_size"], frozenset(info["eos_token_ids"]))
         self._tokenizer = tokenizer

@@ -105,6 +105,7 @@ def core_process_main(spec: CoreProcessSpec, conn: Connection) -> None:
         "num_blocks": built.core.num_blocks, "dtype": str(getattr(runner, "dtype", "?")),
         "device": str(getattr(runner, "device", spec.config.device)),
         "capture_seconds": getattr(runner, "capture_seconds", None),
+        "graphs_pending": bool(getattr(runner, "graphs_pending", False)),
     }]))
     code = 0
     try:
@@ -192,7 +193,7 @@ class _CoreLoop:
             busy = core.has_unfinished_requests()
             if not busy and self._stats_logger is not None:
                 self._stats_logger.maybe_log(core.scheduler, force=True)  # the last line of a busy spell
-            messages = self._receive(block=not busy)
+            messages = self._receive(block=not busy and not core.has_idle_work)
             if any(m[0] == SHUTDOWN for m in messages):
                 break
             for message in messages:
@@ -203,6 +204,8 @@ class _CoreLoop:
                 self.stats.count_step(core.scheduler)
                 if self._stats_logger is not None:
                     self._stats_logger.maybe_log(core.scheduler)
+            else:
+                core.do_idle_work()  # one pending CUDA graph between looks at the pipe
             if outputs or self._accepted or self._refused or self._aborted or busy:
                 self._send_step(outputs)
 

@@ -711,7 +711,10 @@ def startup_summary(engine: AsyncEngine) -> list[str]:
              f"{tokens / engine.max_model_len:.1f}x concurrency at full length; max_num_seqs "
              f"{config.scheduler.max_num_seqs}, max_num_batched_tokens {config.scheduler.max_num_batched_tokens}"]
     capture = getattr(runner, "capture_seconds", None)
-    if capture:
+    if getattr(runner, "graphs_pending", False):
+        lines.append("CUDA graphs: captured while serving (graph_capture=serving), one before each step and while "
+                     "idle; a step runs eagerly until its graph exists")
+    elif capture:
         lines.append(f"CUDA graphs captured in {capture:.1f} s")
     pooler = config.model.pooler
     if pooler is not None:

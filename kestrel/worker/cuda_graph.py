@@ -1,6 +1,8 @@
 """CUDA graphs of decode and verify steps: one graph per (query length, batch bucket), replayed on static buffers.
 
-A decode step (every row has one query token) is padded up to the smallest batch bucket that holds it. A verify
+A decode step (every row has one query token) is padded up to the smallest captured batch bucket that holds it;
+graphs may be captured one at a time while the engine serves (`begin_capture`, `capture_next`), the largest
+first, and a step no captured graph holds runs eagerly. A verify
 step (speculative decoding: a row scores its last token and its k drafts, k + 1 query tokens) runs in the graph
 of query length q = the step's longest row, captured for q = 2 .. k + 1 and small batches only (speculation is
 turned off for large ones). Every row of such a graph has exactly q query tokens: a shorter row (fewer drafts, a
@@ -14,14 +16,16 @@ What a graph bakes in is shape-only: the attention's launch choice from max_quer
 query length, exactly) and its split count from the batch size (max_seq_len stays 0: the split rule must not
 see one step's context length).
 
-The buckets and `GraphBuffers` are device-independent (tested on CPU); only `GraphRunner.capture` and `_replay`
+The buckets and `GraphBuffers` are device-independent (tested on CPU); only `GraphRunner`'s capture and `_replay`
 need CUDA.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -227,6 +231,10 @@ class GraphRunner:
             prefill, max(max_blocks_per_seq, -(-prefill.max_tokens // block_size)), device, num_groups)
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.prefill_outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # The buckets captured so far by query length, ascending: a step pads to the smallest one that holds it.
+        self.captured_sizes: dict[int, list[int]] = {}
+        self._pending: deque[tuple[int, bool, tuple[int, int]]] = deque()
+        self._pool: object | None = None
         self.capture_seconds = 0.0
         self.prefill_capture_seconds = 0.0
 
@@ -256,34 +264,63 @@ class GraphRunner:
     def capture(self) -> float:
         """Capture every graph, the largest token count first (decode, verify and prefill graphs in one pool);
         returns (and keeps) the wall time it took."""
-        start = time.perf_counter()
+        self.begin_capture()
+        while self.pending:
+            self.capture_next()
+        return self.capture_seconds
+
+    def begin_capture(self) -> None:
+        """Drop every graph and queue them all for `capture_next`, the largest token count first; until its graph
+        is captured, `key_for` and `prefill_key_for` pass a step by (it runs eagerly) or pad it to a larger one."""
         self.graphs.clear()
         self.outputs.clear()
         self.prefill_graphs.clear()
         self.prefill_outputs.clear()
+        self.captured_sizes.clear()
+        self._pool = None
+        self._pending = deque(self._jobs())
+        self.capture_seconds = self.prefill_capture_seconds = 0.0
+
+    @property
+    def pending(self) -> bool:
+        """Whether graphs queued by `begin_capture` are still to be captured."""
+        return bool(self._pending)
+
+    def capture_next(self) -> None:
+        """Capture the next queued graph. Its inputs are padding alone (every buffer reset first, so what a step
+        loaded before writes nothing through the capture-time run); the next step loads its own."""
+        began = time.perf_counter()
+        _, is_prefill, key = self._pending.popleft()
         self.buffers.reset_padding()
         if self.prefill_buffers is not None:
             self.prefill_buffers.reset_padding()
-        pool = graph_pool(self.device)
-        prefill_seconds = 0.0
-        for _, is_prefill, key in self._jobs():
-            began = time.perf_counter()
-            ids, pos, meta = self._job_inputs(is_prefill, key)
-            graph, out = capture_graph(lambda ids=ids, pos=pos, meta=meta: self.forward(ids, pos, meta), pool)
-            if is_prefill:
-                self.prefill_graphs[key], self.prefill_outputs[key] = graph, out
-                prefill_seconds += time.perf_counter() - began
-            else:
-                self.graphs[key], self.outputs[key] = graph, out
-        self.capture_seconds = time.perf_counter() - start
-        self.prefill_capture_seconds = prefill_seconds
+        ids, pos, meta = self._job_inputs(is_prefill, key)
+        graph, out = self._record(lambda: self.forward(ids, pos, meta))
+        seconds = time.perf_counter() - began
+        self.capture_seconds += seconds
+        if is_prefill:
+            self.prefill_graphs[key], self.prefill_outputs[key] = graph, out
+            self.prefill_capture_seconds += seconds
+        else:
+            self.graphs[key], self.outputs[key] = graph, out
+            bisect.insort(self.captured_sizes.setdefault(key[0], []), key[1])
+        if not self._pending:
+            self._log_captured()
+
+    def _record(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """One graph of `fn` in this runner's pool (made on the first capture after `begin_capture`)."""
+        if self._pool is None:
+            self._pool = graph_pool(self.device)
+        return capture_graph(fn, self._pool)
+
+    def _log_captured(self) -> None:
+        decode_seconds = self.capture_seconds - self.prefill_capture_seconds
         logger.info("captured %d CUDA graphs (decode batch sizes %s; verify query lengths %s at batch sizes %s) in "
-                    "%.2f s", len(self.keys), self.sizes, self.verify_query_lens, self.verify_sizes,
-                    self.capture_seconds - prefill_seconds)
+                    "%.2f s", len(self.keys), self.sizes, self.verify_query_lens, self.verify_sizes, decode_seconds)
         if self.prefill is not None:
             logger.info("captured %d prefill CUDA graphs (token buckets %s x row buckets %s) in %.2f s",
-                        len(self.prefill_keys), list(self.prefill.tokens), list(self.prefill.rows), prefill_seconds)
-        return self.capture_seconds
+                        len(self.prefill_keys), list(self.prefill.tokens), list(self.prefill.rows),
+                        self.prefill_capture_seconds)
 
     def _prefill_inputs(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         assert self.prefill_buffers is not None
@@ -301,7 +338,7 @@ class GraphRunner:
         if not self.graphs or not num_scheduled or block_table_width > self.buffers.max_blocks_per_seq:
             return None
         q = max(num_scheduled)
-        sizes = self.sizes if q == 1 else self.verify_sizes if q in self.verify_query_lens else []
+        sizes = self.captured_sizes.get(q if q == 1 or q in self.verify_query_lens else 0, [])
         bucket = bucket_for(len(num_scheduled), sizes)
         return None if bucket is None else (q, bucket)
 

@@ -61,6 +61,8 @@ class ModelRunner(RunnerSetup):
         step = self.step_inputs.prepare(out)
         if step is None:
             return ModelRunnerOutput([], [])
+        if self.graphs_pending:  # graph_capture="serving": one graph before each step until all are captured
+            self.capture_next_graph()
         if self.mrope:
             step = with_mrope_positions(self.model, step)
         if self.bidirectional_media:

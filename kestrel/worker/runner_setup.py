@@ -154,7 +154,7 @@ class RunnerSetup:
         # The groups are every stage's; `layer_groups[i]` is the group of this stage's attention layer i.
         self.kv_groups, self.layer_groups = kv_cache_groups(self.kv_spec.layer_specs, parallel)
         self.graph_runner: GraphRunner | None = None
-        self.capture_seconds = 0.0
+        self.graph_capture = self._resolve_graph_capture()
         # A draft model or EAGLE head: loaded before the memory profile, its K/V in the target's blocks.
         self.drafter = build_drafter(config, self.model, self.dtype, self.kv_spec.dtype, self.device)
         draft_bytes = self.drafter.kv_spec.bytes_per_block if self.drafter is not None else 0
@@ -422,5 +422,35 @@ class RunnerSetup:
                              prefill=self._prefill_buckets(), block_size=self.block_size)
         with torch.inference_mode():
             self._compile_ahead(runner.capture_forwards())
-            self.capture_seconds = runner.capture()
+            if self.graph_capture == "startup":
+                runner.capture()
+            else:  # one graph before each step and while idle (`capture_next_graph`)
+                runner.begin_capture()
         self.graph_runner = runner
+
+    @property
+    def capture_seconds(self) -> float:
+        """Seconds spent capturing the model's CUDA graphs so far."""
+        return self.graph_runner.capture_seconds if self.graph_runner is not None else 0.0
+
+    @property
+    def graphs_pending(self) -> bool:
+        """Whether CUDA graphs are still to be captured (graph_capture="serving")."""
+        return self.graph_runner is not None and self.graph_runner.pending
+
+    @torch.inference_mode()
+    def capture_next_graph(self) -> None:
+        """Capture the next pending CUDA graph (a no-op when none is); it waits for the steps in flight."""
+        if self.graphs_pending:
+            self.graph_runner.capture_next()
+
+    def _resolve_graph_capture(self) -> str | None:
+        """When this runner captures its CUDA graphs: graph_capture, "serving" where unset; None where it captures
+        none, and an explicit setting there is refused by name."""
+        mode = self.config.graph_capture
+        if not self._captures_graphs():
+            if mode is not None:
+                raise ConfigError(f"invalid graph_capture={mode!r}: this engine captures no CUDA graphs (a CPU "
+                                  "device, an M-RoPE or encoder-decoder model, or several ranks); leave it unset")
+            return None
+        return mode or "serving"

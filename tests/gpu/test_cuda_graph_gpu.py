@@ -42,13 +42,56 @@ def test_graph_decode_matches_eager(checkpoint: Path, dtype: str, quantization: 
     """Batches of 3 (padded to bucket 4, padded row at slot -1) and 8 (an exact bucket): identical tokens."""
     kwargs = dict(dtype=dtype, max_model_len=128, max_num_seqs=8, quantization=quantization, device="cuda")
     eager = LLM(str(checkpoint), enforce_eager=True, **kwargs)
-    graphs = LLM(str(checkpoint), enforce_eager=False, **kwargs)
+    graphs = LLM(str(checkpoint), enforce_eager=False, graph_capture="startup", **kwargs)
     assert eager.runner.graph_runner is None
     assert graphs.runner.graph_runner is not None and graphs.runner.graph_runner.sizes == [1, 2, 4, 8]
-    assert graphs.runner.capture_seconds > 0
+    assert graphs.runner.capture_seconds > 0 and not graphs.runner.graphs_pending
     for n in (3, 8):
         batch = prompts(n)
         assert generate(graphs, batch) == generate(eager, batch)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [(None, "auto"), ("fp8", "fp8")])
+def test_graphs_captured_while_serving_match_eager(checkpoint: Path, quantization: str | None,
+                                                   kv_cache_dtype: str, async_scheduling: bool) -> None:
+    """The default graph_capture="serving": the engine is built with no graph captured, its steps capture one
+    each (with a step of async scheduling in flight too) and run eagerly until theirs exists; every batch's
+    greedy tokens equal enforce_eager's, while graphs are pending, once they are all captured, and again after a
+    calibration recaptures them."""
+    kwargs = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=8, quantization=quantization,
+                  kv_cache_dtype=kv_cache_dtype, device="cuda", max_num_batched_tokens=64,
+                  async_scheduling=async_scheduling, enable_prefix_caching=False)  # calibration writes blocks
+    eager = LLM(str(checkpoint), enforce_eager=True, **kwargs)
+    served = LLM(str(checkpoint), **kwargs)
+    runner = served.runner
+    assert runner.graph_capture == "serving" and runner.graphs_pending and runner.capture_seconds == 0
+    graph_runner = runner.graph_runner
+    assert not graph_runner.graphs and not graph_runner.prefill_graphs
+    replays: list[tuple[int, int]] = []
+    replay = graph_runner._replay
+
+    def counting(key: tuple[int, int]) -> None:
+        replays.append(key)
+        replay(key)
+
+    graph_runner._replay = counting
+    batch = prompts(7)
+    assert generate(served, batch) == generate(eager, batch)
+    assert graph_runner.graphs and replays  # captured on the way, and replayed
+    while runner.graphs_pending:
+        assert generate(served, prompts(3)) == generate(eager, prompts(3))
+    assert runner.capture_seconds > 0
+    for n in (3, 8):
+        assert generate(served, prompts(n)) == generate(eager, prompts(n))
+    if kv_cache_dtype == "fp8":
+        scales = runner.calibrate_kv_scales()
+        eager.runner.bind_kv_caches(scales)
+        assert runner.graphs_pending
+        assert generate(served, batch) == generate(eager, batch)
+        served.engine.finish_idle_work()
+        assert not runner.graphs_pending
+        assert generate(served, batch) == generate(eager, batch)
 
 
 def test_profiled_kv_budget(checkpoint: Path) -> None:

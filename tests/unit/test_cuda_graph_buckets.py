@@ -126,10 +126,14 @@ class EagerReplayRunner(GraphRunner):
     replays: list[tuple[int, int]]
     verify_replays: list[tuple[int, int, int]]
 
-    def capture(self) -> float:
-        self.replays, self.verify_replays = [], []
-        self.graphs = dict.fromkeys(self.keys)  # type: ignore[misc]
-        return 0.0
+    def begin_capture(self) -> None:
+        super().begin_capture()
+        self.replays, self.verify_replays, self.recorded = [], [], []
+
+    def _record(self, fn):
+        # The capture-time run as on a GPU (its inputs all padding), without a graph.
+        self.recorded.append(len(self.recorded))
+        return None, fn()
 
     def _replay(self, key: tuple[int, int]) -> None:
         q, bucket = key
@@ -195,8 +199,9 @@ def test_verify_batch_limit_and_graph_keys() -> None:
     assert verify_batch_limit(256, 4) == 4
     assert verify_batch_limit(6, None) == 6
     assert verify_batch_limit(1024, 1000) == 32
-    runner = GraphRunner(lambda *a: a[0], 64, 4, torch.device("cpu"), verify_query_lens=[2, 3, 4], verify_batch=4)
-    runner.graphs = dict.fromkeys(runner.keys)  # as if captured
+    runner = EagerReplayRunner(lambda *a: a[0], 64, 4, torch.device("cpu"), verify_query_lens=[2, 3, 4],
+                               verify_batch=4)
+    runner.capture()
     assert runner.verify_sizes == [1, 2, 4]
     assert runner.key_for([1, 1, 1], 4) == (1, 4)
     assert runner.key_for([3], 4) == (3, 1)
@@ -298,3 +303,108 @@ def test_verify_steps_through_the_graph_path_match_eager() -> None:
     assert llm.stats.num_spec_accepted_tokens > 0
     assert graph_runner.verify_replays
     assert any(real < q * bucket for q, bucket, real in graph_runner.verify_replays)
+
+
+# ----- graphs captured while the engine serves (graph_capture="serving") ----------------------------------------
+
+def test_a_step_pads_to_the_smallest_bucket_captured_so_far() -> None:
+    runner = EagerReplayRunner(lambda *a: a[0], 16, 4, torch.device("cpu"))
+    runner.begin_capture()
+    assert runner.pending and runner.key_for([1] * 3, 4) is None  # nothing captured: the step runs eagerly
+    runner.capture_next()  # the largest first
+    assert runner.captured_sizes == {1: [16]} and runner.key_for([1] * 3, 4) == (1, 16)
+    runner.capture_next()
+    assert runner.key_for([1] * 3, 4) == (1, 8) and runner.key_for([1] * 9, 4) == (1, 16)
+    while runner.pending:
+        runner.capture_next()
+    assert runner.captured_sizes == {1: runner.sizes} and runner.key_for([1] * 3, 4) == (1, 4)
+    assert len(runner.recorded) == len(runner.keys)
+
+
+def test_a_capture_between_steps_resets_what_a_step_loaded() -> None:
+    """The capture-time run reads padding only, whatever the step before it loaded: its K/V go nowhere."""
+    seen: list[list[int]] = []
+
+    def forward(ids, positions, meta):
+        seen.append(meta.slot_mapping.tolist())
+        return ids
+
+    runner = EagerReplayRunner(forward, 8, 4, torch.device("cpu"))
+    runner.begin_capture()
+    runner.capture_next()  # bucket 8
+    runner.run(_decode_inputs(5, 3, offset=9), [1] * 5)
+    assert seen[-1][:5] != [-1] * 5  # the step's own slots
+    runner.capture_next()
+    assert seen[-1] == [-1] * len(seen[-1])
+    assert runner.run(_decode_inputs(2, 2), [1] * 2).shape[0] == 2
+
+
+def test_graphs_captured_while_serving_give_the_eager_tokens(tmp_path) -> None:
+    """graph_capture="serving" as the runner does it: one capture before each step; steps without their graph run
+    eagerly, later ones replay; greedy tokens equal the eager engine's, and the engine's idle work captures the
+    rest."""
+    from kestrel import LLM, SamplingParams
+    from kestrel.loader.model_init import write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path, arch="llama", seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    batch = [{"prompt_token_ids": torch.randint(3, 200, (4 + 5 * i,), generator=g).tolist()} for i in range(3)]
+    eager = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=16, device="cpu")
+    serving = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=16, device="cpu")
+    runner = serving.runner
+    graph_runner = EagerReplayRunner(runner.model, 16, 64 // runner.block_size, runner.device)
+    graph_runner.begin_capture()
+    runner.graph_runner = graph_runner
+    assert runner.graphs_pending and serving.engine.has_idle_work
+    expected = [o.outputs[0].token_ids for o in eager.generate(batch, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in serving.generate(batch, params, use_tqdm=False)] == expected
+    # 3 steps (a prefill, two decodes of 3 rows), one capture before each: buckets 16, 8, 4; the decodes padded to
+    # the smallest captured then (8, and 4 after its capture).
+    assert graph_runner.captured_sizes == {1: [4, 8, 16]}
+    assert graph_runner.replays == [(8, 3), (4, 3)]
+    serving.engine.do_idle_work()
+    assert graph_runner.captured_sizes == {1: [2, 4, 8, 16]}
+    serving.engine.finish_idle_work()
+    assert not runner.graphs_pending and not serving.engine.has_idle_work
+    assert graph_runner.captured_sizes == {1: [1, 2, 4, 8, 16]}
+    assert [o.outputs[0].token_ids for o in serving.generate(batch, params, use_tqdm=False)] == expected
+    assert graph_runner.replays[-2:] == [(4, 3), (4, 3)]
+
+
+def test_an_idle_async_engine_captures_its_pending_graphs(tmp_path) -> None:
+    """The server's engine thread with nothing to run captures the pending graphs one by one, then waits; a request
+    afterwards replays them and gets the eager engine's tokens."""
+    import asyncio
+    import time
+
+    from kestrel import LLM, SamplingParams
+    from kestrel.entrypoints.async_engine import AsyncEngine
+    from kestrel.loader.model_init import write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path, arch="llama", seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = [5, 9, 13, 21, 34]
+    eager = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=8, device="cpu")
+    expected = eager.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=8, device="cpu")
+    graph_runner = EagerReplayRunner(llm.runner.model, 8, 64 // llm.runner.block_size, llm.runner.device)
+    graph_runner.begin_capture()
+    llm.runner.graph_runner = graph_runner
+    engine = AsyncEngine(llm.engine, llm.tokenizer).start()
+    try:
+        deadline = time.monotonic() + 60
+        while llm.runner.graphs_pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not llm.runner.graphs_pending and graph_runner.captured_sizes == {1: [1, 2, 4, 8]}
+
+        async def one() -> list[int]:
+            last = None
+            async for out in engine.generate("r", prompt, params):
+                last = out
+            return last.outputs[0].token_ids
+
+        assert asyncio.run(one()) == expected
+        assert graph_runner.replays == [(1, 1)] * (params.max_tokens - 1)
+    finally:
+        engine.shutdown()
