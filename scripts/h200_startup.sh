@@ -15,8 +15,9 @@
 #            `serving` engine's cold start, max_num_seqs 512 and 128, of the working tree against a copy of it with
 #            PATCH reversed (a file in the tree, e.g. `git diff BEFORE HEAD -- kestrel > start.patch`), alternated
 #   capture-ab  the GPU tests of the graphs (junit XML in OUT), then the `serving` engine's cold start, max_num_seqs
-#            512 and 128, with its CUDA graphs captured while it serves (`--graph-capture serving`, the default)
-#            against all of them before it serves (`startup`), alternated
+#            512, with its CUDA graphs captured while it serves (`--graph-capture serving`, the default) against all
+#            of them before it serves (`startup`), alternated; the FP8 full load under the default (full_load_fp8);
+#            the cold starts again at max_num_seqs 128
 # Everything under OUT is packed into OUT/results.tar.gz at the end (a call brings back 8 files at most).
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 h200_tables  # off an H200, its tables copied under the GPU's name: the defaults judged
@@ -60,16 +61,13 @@ for stage in "$@"; do
              done ;;
     capture-ab) run 300 python3 -m pytest -q -rf -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
                tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_prefill_graphs_gpu.py
-             for seqs in 512 128; do
-               for round in 1 2; do
-                 for mode in serving startup; do
-                   run 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kestrel.bench.throughput --num-prompts 32 \
-                     --input-len 128 --output-len 16 --hf-peer-prompts 0 --max-num-seqs "$seqs" "${fp8[@]}" \
-                     --tokenizer .bench-tokenizer-128k --graph-capture "$mode" \
-                     --result-file "$out/throughput-start-$mode-$seqs-$round-h200.json"
-                 done
-               done
-             done ;;
+             start_mode() { run 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kestrel.bench.throughput \
+                 --num-prompts 32 --input-len 128 --output-len 16 --hf-peer-prompts 0 --max-num-seqs "$2" "${fp8[@]}" \
+                 --tokenizer .bench-tokenizer-128k --graph-capture "$1" \
+                 --result-file "$out/throughput-start-$1-$2-$3-h200.json"; }
+             for round in 1 2; do start_mode serving 512 $round; start_mode startup 512 $round; done
+             full_load_fp8 graph-capture-serving  # the default's full-load run
+             for round in 1 2; do start_mode serving 128 $round; start_mode startup 128 $round; done ;;
     serving) tput() { local name=$1 cache=$2 prof=$3 seqs=$4
                local py=(python3); [ "$prof" = 1 ] && py=(python3 -m cProfile -o "$out/$name.prof")
                run 150 env TRITON_CACHE_DIR="$cache" "${py[@]}" -m kestrel.bench.throughput --num-prompts 32 \
