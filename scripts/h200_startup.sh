@@ -59,14 +59,15 @@ for stage in "$@"; do
                  start /tmp/before "before-$seqs-$round" "$seqs"
                done
              done ;;
-    capture-ab) run 200 python3 -m pytest -q -rf -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
-               tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_prefill_graphs_gpu.py
+    capture-ab) run 150 python3 -m pytest -q -rf -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
+               tests/gpu/test_cuda_graph_gpu.py -k "serving or matches_eager or kv_scales or async"
              start_mode() { run 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kestrel.bench.throughput \
                  --num-prompts 32 --input-len 128 --output-len 16 --hf-peer-prompts 0 --max-num-seqs "$2" "${fp8[@]}" \
                  --tokenizer .bench-tokenizer-128k --graph-capture "$1" \
                  --result-file "$out/throughput-start-$1-$2-$3-h200.json"; }
-             for round in 1 2; do start_mode serving 512 $round; start_mode startup 512 $round; done
+             start_mode serving 512 1; start_mode startup 512 1
              full_load_fp8 graph-capture-serving  # the default's full-load run
+             start_mode serving 512 2; start_mode startup 512 2
              for round in 1 2; do start_mode serving 128 $round; start_mode startup 128 $round; done ;;
     serving) tput() { local name=$1 cache=$2 prof=$3 seqs=$4
                local py=(python3); [ "$prof" = 1 ] && py=(python3 -m cProfile -o "$out/$name.prof")
