@@ -14,10 +14,9 @@
 #   serving-ab  the tests of the start-up's compile-ahead and graphs on the GPU (junit XML in OUT), then the
 #            `serving` engine's cold start, max_num_seqs 512 and 128, of the working tree against a copy of it with
 #            PATCH reversed (a file in the tree, e.g. `git diff BEFORE HEAD -- kestrel > start.patch`), alternated
-#   capture-ab  the GPU tests of the graphs (junit XML in OUT), then the `serving` engine's cold start, max_num_seqs
-#            512, with its CUDA graphs captured while it serves (`--graph-capture serving`, the default) against all
-#            of them before it serves (`startup`), alternated; the FP8 full load under the default (full_load_fp8);
-#            the cold starts again at max_num_seqs 128
+#   capture-ab  the GPU tests of the capture modes (junit XML in OUT), then the `serving` engine's cold start,
+#            max_num_seqs 512 then 128, with its CUDA graphs captured while it serves (`--graph-capture serving`)
+#            against all of them before it serves (`startup`, the default), alternated
 # Everything under OUT is packed into OUT/results.tar.gz at the end (a call brings back 8 files at most).
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 h200_tables  # off an H200, its tables copied under the GPU's name: the defaults judged
@@ -65,9 +64,7 @@ for stage in "$@"; do
                  --num-prompts 32 --input-len 128 --output-len 16 --hf-peer-prompts 0 --max-num-seqs "$2" "${fp8[@]}" \
                  --tokenizer .bench-tokenizer-128k --graph-capture "$1" \
                  --result-file "$out/throughput-start-$1-$2-$3-h200.json"; }
-             start_mode serving 512 1; start_mode startup 512 1
-             full_load_fp8 graph-capture-serving  # the default's full-load run
-             start_mode serving 512 2; start_mode startup 512 2
+             for round in 1 2; do start_mode serving 512 $round; start_mode startup 512 $round; done
              for round in 1 2; do start_mode serving 128 $round; start_mode startup 128 $round; done ;;
     serving) tput() { local name=$1 cache=$2 prof=$3 seqs=$4
                local py=(python3); [ "$prof" = 1 ] && py=(python3 -m cProfile -o "$out/$name.prof")

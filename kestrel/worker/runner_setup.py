@@ -470,7 +470,7 @@ class RunnerSetup:
             self.graph_runner.capture_next()
 
     def _resolve_graph_capture(self) -> str | None:
-        """When this runner captures its CUDA graphs: graph_capture, "serving" where unset; None where it captures
+        """When this runner captures its CUDA graphs: graph_capture, "startup" where unset; None where it captures
         none, and an explicit setting there is refused by name."""
         mode = self.config.graph_capture
         if not self._captures_graphs():
@@ -478,4 +478,4 @@ class RunnerSetup:
                 raise ConfigError(f"invalid graph_capture={mode!r}: this engine captures no CUDA graphs (a CPU "
                                   "device, an M-RoPE or encoder-decoder model, or several ranks); leave it unset")
             return None
-        return mode or "serving"
+        return mode or "startup"

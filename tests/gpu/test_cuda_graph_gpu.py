@@ -55,7 +55,7 @@ def test_graph_decode_matches_eager(checkpoint: Path, dtype: str, quantization: 
 @pytest.mark.parametrize("quantization,kv_cache_dtype", [(None, "auto"), ("fp8", "fp8")])
 def test_graphs_captured_while_serving_match_eager(checkpoint: Path, quantization: str | None,
                                                    kv_cache_dtype: str, async_scheduling: bool) -> None:
-    """The default graph_capture="serving": the engine is built with no graph captured, its steps capture one
+    """graph_capture="serving": the engine is built with no graph captured, its steps capture one
     each (with a step of async scheduling in flight too) and run eagerly until theirs exists; every batch's
     greedy tokens equal enforce_eager's, while graphs are pending, once they are all captured, and again after a
     calibration recaptures them."""
@@ -63,7 +63,7 @@ def test_graphs_captured_while_serving_match_eager(checkpoint: Path, quantizatio
                   kv_cache_dtype=kv_cache_dtype, device="cuda", max_num_batched_tokens=64,
                   async_scheduling=async_scheduling, enable_prefix_caching=False)  # calibration writes blocks
     eager = LLM(str(checkpoint), enforce_eager=True, **kwargs)
-    served = LLM(str(checkpoint), **kwargs)
+    served = LLM(str(checkpoint), graph_capture="serving", **kwargs)
     runner = served.runner
     assert runner.graph_capture == "serving" and runner.graphs_pending and runner.capture_seconds == 0
     graph_runner = runner.graph_runner
