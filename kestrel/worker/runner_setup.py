@@ -422,10 +422,10 @@ class RunnerSetup:
                              prefill=self._prefill_buckets(), block_size=self.block_size)
         with torch.inference_mode():
             self._compile_ahead(runner.capture_forwards())
-            if self.graph_capture == "startup":
-                runner.capture()
-            else:  # one graph before each step and while idle (`capture_next_graph`)
+            if self.graph_capture == "serving":  # one graph before each step and while idle (`capture_next_graph`)
                 runner.begin_capture()
+            else:
+                runner.capture()
         self.graph_runner = runner
 
     @property
