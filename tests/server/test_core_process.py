@@ -40,7 +40,7 @@ from kestrel.engine.core import EngineCore
 from kestrel.entrypoints.async_engine import EngineDeadError
 from kestrel.entrypoints.core_client import CORE_FAILED_MESSAGE, CoreClient
 from kestrel.entrypoints.core_process import PROCESS_NAME, _CoreLoop
-from kestrel.entrypoints.core_protocol import ERROR, STEP, unpack
+from kestrel.entrypoints.core_protocol import ERROR, SHUTDOWN, STEP, pack, unpack
 from kestrel.loader.tokenizer import load_tokenizer
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -477,3 +477,45 @@ def test_an_abort_by_id_ends_the_readers_stream_through_the_core_process(core_pr
     tokens = [t for out in seen for t in out.outputs[0].delta_token_ids] if output_kind == "delta" else final.token_ids
     text = "".join(out.outputs[0].delta_text for out in seen) if output_kind == "delta" else final.text
     assert tokens and text == tokenizer.decode(tokens)
+
+
+class _RunnerWithPendingGraphs(ScriptedRunner):
+    """A scripted runner with graphs left to capture (graph_capture="serving"), one per call."""
+
+    def __init__(self, *args: Any, pending: int = 5, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pending = pending
+        self.captured = 0
+
+    @property
+    def graphs_pending(self) -> bool:
+        return self.captured < self.pending
+
+    def capture_next_graph(self) -> None:
+        self.captured += 1
+
+
+def test_an_idle_core_captures_its_pending_graphs_without_a_message(tiny_model_dir):
+    """The core process's loop with no request: it captures the pending graphs one per turn, without waiting on
+    the pipe while any is left, then waits there; SHUTDOWN ends it."""
+    config = EngineConfig.from_kwargs(tiny_model_dir, max_model_len=256, kv_cache_blocks=SCRIPTED_BLOCKS,
+                                      device="cpu")
+    tokenizer = load_tokenizer(tiny_model_dir)
+    runner = _RunnerWithPendingGraphs(tokenizer, int(config.model.hf_config["vocab_size"]))
+    core = EngineCore(config, runner, SCRIPTED_BLOCKS, tokenizer, tokenizer.eos_token_id)
+    assert core.has_idle_work
+    ours, theirs = multiprocessing.Pipe()
+    loop = _CoreLoop(core, theirs)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while runner.graphs_pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert runner.captured == runner.pending and not core.has_idle_work
+    time.sleep(0.2)
+    assert thread.is_alive()  # waiting for a message, not spinning out
+    ours.send_bytes(pack([SHUTDOWN]))
+    thread.join(10)
+    assert not thread.is_alive()
+    for conn in (ours, theirs, loop._wake, loop._wake_writer):
+        conn.close()
