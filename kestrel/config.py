@@ -1057,6 +1057,16 @@ class EngineConfig:
         if self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size > 1:
             _fail("graph_capture", self.graph_capture, "CUDA graphs are captured on one device only; use it with "
                   "tensor_parallel_size=1 and pipeline_parallel_size=1")
+        if self.graph_capture == "serving":
+            if self.parallel.uses_workers:
+                _fail("graph_capture", self.graph_capture, "a runner behind an executor (distributed_executor_backend)"
+                      " captures its graphs at start-up; use graph_capture='startup' or no executor")
+            if self.prompt_compressor is not None:
+                # A capture forbids other threads' allocations on the device, and the compressor's forwards run on
+                # a thread of their own.
+                _fail("graph_capture", self.graph_capture, "prompt compression runs its model on another thread "
+                      "while the engine serves, which a capture then cannot allow; use graph_capture='startup' with "
+                      "prompt_compressor")
 
     def _check_expert_load(self) -> None:
         interval = self.expert_load_interval

@@ -314,11 +314,12 @@ class Engine:
     graphs_ready_s: float | None = None  # until every CUDA graph was captured (`finish_graphs`)
 
     def finish_graphs(self) -> None:
-        """Capture the CUDA graphs still pending (graph_capture="serving"), so that timed steps replay them."""
+        """Capture the CUDA graphs still pending (graph_capture="serving"), so that timed steps replay them;
+        `graphs_ready_s`: from the build's start to the last graph's capture (None without graphs)."""
         self.core.finish_idle_work()
         synchronize(self.runner.device)
-        if self.graphs_ready_s is None:
-            self.graphs_ready_s = time.perf_counter() - self.started
+        ready_at = getattr(self.runner, "graphs_ready_at", None)
+        self.graphs_ready_s = None if ready_at is None else ready_at - self.started
 
 
 def build_engine(model: str, capture_graphs_now: bool = True, **engine_args: Any) -> Engine:

@@ -196,20 +196,21 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     started = time.perf_counter()
     extra = {name: value for name, value in (("tokenizer", args.tokenizer), ("grammar_workers", args.grammar_workers))
              if value is not None}
-    # Graphs left to capture (graph_capture="serving") are captured by the first steps, as in a server, and the
-    # rest before the timed run.
+    # Graphs left to capture (graph_capture="serving") are captured after the first token, before the warm-up (each
+    # capture empties the allocator's caches, which the warm-up fills again for the timed run).
     engine = common.build_suite_engine(args, model_dir, load_format, device, args.max_num_seqs,
                                        args.input_len + args.output_len + 1, capture_graphs_now=False, **extra)
     generate_all(engine, common.random_prompts(1, args.input_len, vocab, seed=0), 1, "first")
     startup = time.perf_counter() - started
     common.log(f"first token {startup:.1f} s after start (engine built in {engine.build_s:.1f} s); "
                f"KV cache {engine.runner.num_blocks} blocks")
+    engine.finish_graphs()
+    if engine.graphs_ready_s is not None:
+        common.log(f"every CUDA graph captured {engine.graphs_ready_s:.1f} s after start")
     warmup_prompts = args.max_num_seqs if args.warmup_prompts is None else args.warmup_prompts
     if warmup_prompts > 0:
         generate_all(engine, common.random_prompts(warmup_prompts, args.input_len, vocab, seed=2),
                      min(args.output_len, 16), "warm")
-    engine.finish_graphs()
-    common.log(f"every CUDA graph captured {engine.graphs_ready_s:.1f} s after start")
     common.log(f"timed run: {args.num_prompts} prompts")
     run_stats = generate_all(engine, common.random_prompts(args.num_prompts, args.input_len, vocab, seed=1),
                              args.output_len, "run", max_seconds=args.max_seconds)

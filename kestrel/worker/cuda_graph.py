@@ -235,6 +235,7 @@ class GraphRunner:
         self.captured_sizes: dict[int, list[int]] = {}
         self._pending: deque[tuple[int, bool, tuple[int, int]]] = deque()
         self._pool: object | None = None
+        self.finished_at: float | None = None  # perf_counter() when the last queued graph was captured
         self.capture_seconds = 0.0
         self.prefill_capture_seconds = 0.0
 
@@ -280,6 +281,7 @@ class GraphRunner:
         self._pool = None
         self._pending = deque(self._jobs())
         self.capture_seconds = self.prefill_capture_seconds = 0.0
+        self.finished_at = None
 
     @property
     def pending(self) -> bool:
@@ -305,6 +307,7 @@ class GraphRunner:
             self.graphs[key], self.outputs[key] = graph, out
             bisect.insort(self.captured_sizes.setdefault(key[0], []), key[1])
         if not self._pending:
+            self.finished_at = time.perf_counter()
             self._log_captured()
 
     def _record(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -434,6 +434,12 @@ class RunnerSetup:
         return self.graph_runner.capture_seconds if self.graph_runner is not None else 0.0
 
     @property
+    def graphs_ready_at(self) -> float | None:
+        """perf_counter() when the last of the model's CUDA graphs was captured; None while any is pending or none
+        is captured."""
+        return self.graph_runner.finished_at if self.graph_runner is not None else None
+
+    @property
     def graphs_pending(self) -> bool:
         """Whether CUDA graphs are still to be captured (graph_capture="serving")."""
         return self.graph_runner is not None and self.graph_runner.pending

@@ -408,3 +408,37 @@ def test_an_idle_async_engine_captures_its_pending_graphs(tmp_path) -> None:
         assert graph_runner.replays == [(1, 1)] * (params.max_tokens - 1)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("kwargs,refusal", [
+    ({"graph_capture": "later"}, r"graph_capture='later': expected one of \['serving', 'startup'\]"),
+    ({"graph_capture": "serving", "enforce_eager": True}, "enforce_eager=True turns every CUDA graph off"),
+    ({"graph_capture": "startup", "device": "cpu"}, "a CPU engine captures no CUDA graphs"),
+    ({"graph_capture": "serving", "distributed_executor_backend": "mp"}, "captures its graphs at start-up"),
+    ({"graph_capture": "serving", "prompt_compressor": "kestrel-tiny"}, "prompt compression runs its model"),
+])
+def test_graph_capture_is_refused_where_it_cannot_hold(kwargs, refusal) -> None:
+    from kestrel.config import ConfigError, EngineConfig
+    from kestrel.tiny import default_model_path
+
+    with pytest.raises(ConfigError, match=refusal):
+        EngineConfig.from_kwargs(str(default_model_path()), **kwargs)
+
+
+def test_an_explicit_graph_capture_on_a_runner_without_graphs_is_refused() -> None:
+    """device="auto" resolves to the CPU here: the runner refuses what the config could not tell."""
+    from kestrel import LLM
+    from kestrel.config import ConfigError
+
+    with pytest.raises(ConfigError, match="graph_capture='serving': this engine captures no CUDA graphs"):
+        LLM(dtype="float32", max_model_len=64, graph_capture="serving")
+
+
+def test_graphs_ready_at_marks_the_last_capture() -> None:
+    runner = EagerReplayRunner(lambda *a: a[0], 4, 4, torch.device("cpu"))
+    runner.begin_capture()
+    runner.capture_next()
+    assert runner.finished_at is None
+    while runner.pending:
+        runner.capture_next()
+    assert runner.finished_at is not None
