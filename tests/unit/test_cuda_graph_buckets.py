@@ -145,22 +145,30 @@ class EagerReplayRunner(GraphRunner):
         self.outputs[key] = self.forward(*self._inputs(key))
 
 
-def test_padded_decode_through_the_model_matches_eager(tmp_path) -> None:
-    """Greedy tokens of 3 requests (padded to bucket 4) and 1 request equal the eager engine's."""
-    from kestrel import LLM, SamplingParams
+def _engines_with_emulated_graphs(tmp_path, max_num_seqs: int):
+    """A tiny checkpoint's eager engine and a second engine whose runner holds an `EagerReplayRunner` with nothing
+    captured yet (the test captures or queues its graphs)."""
+    from kestrel import LLM
     from kestrel.loader.model_init import write_tiny_checkpoint
 
     write_tiny_checkpoint(tmp_path, arch="llama", seed=0)
+    eager, graphed = (LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=max_num_seqs, device="cpu")
+                      for _ in range(2))
+    runner = graphed.runner
+    runner.graph_runner = EagerReplayRunner(runner.model, max_num_seqs, 64 // runner.block_size, runner.device)
+    return eager, graphed, runner.graph_runner
+
+
+def test_padded_decode_through_the_model_matches_eager(tmp_path) -> None:
+    """Greedy tokens of 3 requests (padded to bucket 4) and 1 request equal the eager engine's."""
+    from kestrel import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     batches = [[{"prompt_token_ids": torch.randint(3, 200, (5 + 9 * i,), generator=g).tolist()} for i in range(n)]
                for n in (3, 1)]
-    eager = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=6, device="cpu")
-    padded = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=6, device="cpu")
-    runner = padded.runner
-    graph_runner = EagerReplayRunner(runner.model, 6, 64 // runner.block_size, runner.device)
+    eager, padded, graph_runner = _engines_with_emulated_graphs(tmp_path, 6)
     graph_runner.capture()
-    runner.graph_runner = graph_runner
     for batch in batches:
         expected = [o.outputs[0].token_ids for o in eager.generate(batch, params, use_tqdm=False)]
         got = [o.outputs[0].token_ids for o in padded.generate(batch, params, use_tqdm=False)]
@@ -343,19 +351,14 @@ def test_graphs_captured_while_serving_give_the_eager_tokens(tmp_path) -> None:
     """graph_capture="serving" as the runner does it: one capture before each step; steps without their graph run
     eagerly, later ones replay; greedy tokens equal the eager engine's, and the engine's idle work captures the
     rest."""
-    from kestrel import LLM, SamplingParams
-    from kestrel.loader.model_init import write_tiny_checkpoint
+    from kestrel import SamplingParams
 
-    write_tiny_checkpoint(tmp_path, arch="llama", seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
     batch = [{"prompt_token_ids": torch.randint(3, 200, (4 + 5 * i,), generator=g).tolist()} for i in range(3)]
-    eager = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=16, device="cpu")
-    serving = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=16, device="cpu")
+    eager, serving, graph_runner = _engines_with_emulated_graphs(tmp_path, 16)
     runner = serving.runner
-    graph_runner = EagerReplayRunner(runner.model, 16, 64 // runner.block_size, runner.device)
     graph_runner.begin_capture()
-    runner.graph_runner = graph_runner
     assert runner.graphs_pending and serving.engine.has_idle_work
     expected = [o.outputs[0].token_ids for o in eager.generate(batch, params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in serving.generate(batch, params, use_tqdm=False)] == expected
@@ -378,19 +381,14 @@ def test_an_idle_async_engine_captures_its_pending_graphs(tmp_path) -> None:
     import asyncio
     import time
 
-    from kestrel import LLM, SamplingParams
+    from kestrel import SamplingParams
     from kestrel.entrypoints.async_engine import AsyncEngine
-    from kestrel.loader.model_init import write_tiny_checkpoint
 
-    write_tiny_checkpoint(tmp_path, arch="llama", seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompt = [5, 9, 13, 21, 34]
-    eager = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=8, device="cpu")
+    eager, llm, graph_runner = _engines_with_emulated_graphs(tmp_path, 8)
     expected = eager.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=8, device="cpu")
-    graph_runner = EagerReplayRunner(llm.runner.model, 8, 64 // llm.runner.block_size, llm.runner.device)
     graph_runner.begin_capture()
-    llm.runner.graph_runner = graph_runner
     engine = AsyncEngine(llm.engine, llm.tokenizer).start()
     try:
         deadline = time.monotonic() + 60
