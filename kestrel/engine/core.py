@@ -353,19 +353,20 @@ class EngineCore:
 
     @property
     def has_idle_work(self) -> bool:
-        """Whether the runner has CUDA graphs left to capture (graph_capture="serving"): a loop with no request to
-        run calls `do_idle_work` instead of waiting."""
+        """Whether the runner has CUDA graphs left to capture (graph_capture="serving") and no step is in flight (a
+        capture waits for the device): a loop with no request to run calls `do_idle_work` instead of waiting."""
         runner = self.runner
-        return isinstance(runner, CapturesGraphsWhileServing) and runner.graphs_pending
+        return (not self._batch_queue and isinstance(runner, CapturesGraphsWhileServing)
+                and runner.graphs_pending)
 
     def do_idle_work(self) -> None:
-        """Capture the runner's next pending CUDA graph, if any (only between steps: it waits for the device)."""
-        if self.has_idle_work and not self._batch_queue:
+        """Capture the runner's next pending CUDA graph, if any."""
+        if self.has_idle_work:
             self.runner.capture_next_graph()
 
     def finish_idle_work(self) -> None:
         """Capture every pending CUDA graph now (benchmarks, before they time steps)."""
-        while self.has_idle_work and not self._batch_queue:
+        while self.has_idle_work:
             self.runner.capture_next_graph()
 
     @property

@@ -341,8 +341,7 @@ class GraphRunner:
         if not self.graphs or not num_scheduled or block_table_width > self.buffers.max_blocks_per_seq:
             return None
         q = max(num_scheduled)
-        sizes = self.captured_sizes.get(q if q == 1 or q in self.verify_query_lens else 0, [])
-        bucket = bucket_for(len(num_scheduled), sizes)
+        bucket = bucket_for(len(num_scheduled), self.captured_sizes.get(q, []))
         return None if bucket is None else (q, bucket)
 
     def prefill_key_for(self, num_scheduled: list[int], block_table_width: int) -> tuple[int, int] | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from replay_log import record_replays
 
 from kestrel import LLM, SamplingParams
 from kestrel.config import ModelConfig, QuantConfig
@@ -68,14 +69,7 @@ def test_graphs_captured_while_serving_match_eager(checkpoint: Path, quantizatio
     assert runner.graph_capture == "serving" and runner.graphs_pending and runner.capture_seconds == 0
     graph_runner = runner.graph_runner
     assert not graph_runner.graphs and not graph_runner.prefill_graphs
-    replays: list[tuple[int, int]] = []
-    replay = graph_runner._replay
-
-    def counting(key: tuple[int, int]) -> None:
-        replays.append(key)
-        replay(key)
-
-    graph_runner._replay = counting
+    replays = record_replays(graph_runner, "_replay")
     batch = prompts(7)
     assert generate(served, batch) == generate(eager, batch)
     assert graph_runner.graphs and replays  # captured on the way, and replayed

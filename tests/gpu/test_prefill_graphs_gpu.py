@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from replay_log import record_replays
 
 from kestrel import LLM, SamplingParams
 from kestrel.loader.model_init import write_tiny_checkpoint
@@ -107,14 +108,7 @@ def test_greedy_with_prefill_graphs_equals_enforce_eager(checkpoint: Path, quant
     expected = [o.outputs[0].token_ids for o in eager.generate(batch, params, use_tqdm=False)]
     graphs = LLM(str(checkpoint), max_prefill_graph_tokens=64, graph_capture="startup", **kwargs)
     graph_runner = graphs.runner.graph_runner
-    replayed: list[tuple[int, int]] = []
-    replay = graph_runner._replay_prefill
-
-    def counting(key: tuple[int, int]) -> None:
-        replayed.append(key)
-        replay(key)
-
-    graph_runner._replay_prefill = counting
+    replayed = record_replays(graph_runner, "_replay_prefill")
     got = [o.outputs[0].token_ids for o in graphs.generate(batch, params, use_tqdm=False)]
     assert got == expected
     assert len(replayed) >= 4 and any(rows > 2 for _, rows in replayed)
