@@ -1037,10 +1037,14 @@ class EngineConfig:
             _fail("max_prefill_graph_tokens", limit, f"expected 0 (off) or a power of two from {low} to {high}")
         if limit == 0:
             return
+        self._check_graphs_possible("max_prefill_graph_tokens", limit)
+
+    def _check_graphs_possible(self, field_name: str, value: Any) -> None:
+        """A CUDA graph setting `field_name` refused where no graph is captured: enforce_eager, several ranks."""
         if self.enforce_eager:
-            _fail("max_prefill_graph_tokens", limit, "enforce_eager=True turns every CUDA graph off; drop one of them")
+            _fail(field_name, value, "enforce_eager=True turns every CUDA graph off; drop one of them")
         if self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size > 1:
-            _fail("max_prefill_graph_tokens", limit, "CUDA graphs are captured on one device only; use it with "
+            _fail(field_name, value, "CUDA graphs are captured on one device only; use it with "
                   "tensor_parallel_size=1 and pipeline_parallel_size=1")
 
     def _check_graph_capture(self) -> None:
@@ -1049,14 +1053,9 @@ class EngineConfig:
         if self.graph_capture is None:
             return
         _check_choice("graph_capture", self.graph_capture, GRAPH_CAPTURE_CHOICES)
-        if self.enforce_eager:
-            _fail("graph_capture", self.graph_capture, "enforce_eager=True turns every CUDA graph off; drop one of "
-                  "them")
+        self._check_graphs_possible("graph_capture", self.graph_capture)
         if self.device == "cpu":
             _fail("graph_capture", self.graph_capture, "a CPU engine captures no CUDA graphs; leave it unset")
-        if self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size > 1:
-            _fail("graph_capture", self.graph_capture, "CUDA graphs are captured on one device only; use it with "
-                  "tensor_parallel_size=1 and pipeline_parallel_size=1")
         if self.graph_capture == "serving":
             if self.parallel.uses_workers:
                 _fail("graph_capture", self.graph_capture, "a runner behind an executor (distributed_executor_backend)"
