@@ -49,15 +49,31 @@ def default_workers() -> int:
     return max(0, min(MAX_WORKERS, cores - 1))
 
 
-def start_pool(workers: int) -> ProcessPoolExecutor | None:
+class CompilePool(ProcessPoolExecutor):
+    """The compile processes, and when they started and finished their imports (`start_pool`), which the start-up
+    statistics report beside each wave's timing."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+        self.started = time.monotonic()
+        self.imports: list[Future] = []
+
+    def seconds_to_ready(self) -> float | None:
+        """Seconds from the pool's start to the last worker's imports done, once all are (None before)."""
+        if not self.imports or not all(f.done() and f.exception() is None for f in self.imports):
+            return None
+        return max(f.result() for f in self.imports) - self.started
+
+
+def start_pool(workers: int) -> CompilePool | None:
     """A pool of `workers` spawned compile processes (None for 0), each importing Triton at once so that their
     start-up overlaps whatever this process does next (loading weights)."""
     if workers < 1:
         return None
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    pool = CompilePool(workers)
     try:
         for _ in range(workers):
-            pool.submit(_import_triton)
+            pool.imports.append(pool.submit(_import_triton))
     except Exception as e:  # a host that cannot start processes compiles each kernel at its launch instead
         logger.warning("no compile workers (%s): Triton kernels compile when they first launch", e)
         pool.shutdown(wait=False, cancel_futures=True)
@@ -65,8 +81,9 @@ def start_pool(workers: int) -> ProcessPoolExecutor | None:
     return pool
 
 
-def _import_triton() -> None:
-    """A worker's first task: Triton's compiler and kestrel's Triton kernel modules, which the compiles import."""
+def _import_triton() -> float:
+    """A worker's first task: Triton's compiler and kestrel's Triton kernel modules, which the compiles import.
+    Returns when it finished (the monotonic clock, which every process of the host shares)."""
     import pkgutil
 
     from triton.compiler import compiler  # noqa: F401
@@ -76,6 +93,7 @@ def _import_triton() -> None:
     for module in pkgutil.iter_modules(kestrel.kernels.__path__):
         if not module.ispkg:
             importlib.import_module(f"kestrel.kernels.{module.name}")
+    return time.monotonic()
 
 
 def compile_spec(spec: KernelSpec, target: tuple[str, int | str, int]) -> float:
@@ -158,16 +176,16 @@ class CompileAhead:
             self._futures.append(self.pool.submit(compile_spec, spec, self.target))
         return True
 
-    def wait(self) -> float:
-        """Wait for every recorded compile; the summed compile seconds of the workers. A failed one is logged
-        and left to compile where it is launched."""
-        total = 0.0
+    def wait(self) -> list[float]:
+        """Wait for every recorded compile; the seconds each took in its worker. A failed one is logged and left to
+        compile where it is launched."""
+        seconds = []
         for future in self._futures:
             try:
-                total += future.result()
+                seconds.append(future.result())
             except Exception as e:  # the launch compiles it in this process, and raises there if it must
                 logger.warning("ahead-of-capture compile failed (%s); it compiles at its launch", e)
-        return total
+        return seconds
 
 
 def current_target() -> tuple[str, int | str, int]:
@@ -186,9 +204,15 @@ def compile_ahead(pool: Executor | None, forwards: list[Callable[[], object]]) -
         for forward in forwards:
             forward()
     dry = time.perf_counter() - began
-    worker_seconds = ahead.wait()
+    compile_seconds = ahead.wait()
+    worker_seconds = sum(compile_seconds)
     stats = {"kernels": float(len(ahead.specs)), "dry_s": dry, "wall_s": time.perf_counter() - began,
-             "worker_s": worker_seconds}
+             "worker_s": worker_seconds, "longest_s": max(compile_seconds, default=0.0)}
+    if isinstance(pool, CompilePool):  # where the wave began and the workers were ready, from the pool's start
+        stats["began_s"] = time.monotonic() - stats["wall_s"] - pool.started
+        ready = pool.seconds_to_ready()
+        if ready is not None:
+            stats["workers_ready_s"] = ready
     logger.info("compiled %d kernel specializations ahead of capture in %.2f s (%.1f s of compile on %s workers)",
                 len(ahead.specs), stats["wall_s"], worker_seconds,
                 getattr(pool, "_max_workers", "?"))
