@@ -3,7 +3,8 @@
 # appended to OUT/log.txt without the device's start-up noise) and `latency LIMIT NAME ARGS...` (`kestrel bench
 # latency ARGS` under `run`, its result in OUT/latency-NAME-h200.json). After `h200_tables`: `launch_feature NAME
 # on|off` (one launch feature in this GPU's decode_launches table), `full_load_fp8 NAME` (1000 prompts x 1000 in /
-# 1000 out, FP8 + FP8 KV, max_num_seqs 512, into OUT/throughput-fp8-1000x1000-512-NAME-h200.json; with
+# 1000 out, FP8 + FP8 KV, max_num_seqs 512, into OUT/throughput-fp8-1000x1000-512-NAME-h200.json, the bench's
+# arguments after NAME added; with
 # COUNT_COMPILES=1 every Triton compile of the run is logged in OUT/compiles-NAME.json), `ttft_fp8_pair NAME`
 # (batch-1 TTFT of 8k and 128-token FP8 prompts), `prefill_profile_fp8 NAME` (an 8k FP8 prefill's kernel times) and
 # `pack_results` (everything under OUT in OUT/results.tar.gz: a call brings back 8 files at most).
@@ -38,7 +39,7 @@ full_load_fp8() {
   [ "${COUNT_COMPILES:-0}" = 1 ] && runner=(scripts/h200_count_compiles.py "$out/compiles-$1.json")
   run 330 python3 "${runner[@]}" kestrel.bench.throughput --num-prompts 1000 --input-len 1000 --output-len 1000 \
     --hf-peer-prompts 0 --max-seconds 280 --max-num-seqs 512 --quantization fp8 --kv-cache-dtype fp8 \
-    --result-file "$out/throughput-fp8-1000x1000-512-$1-h200.json"; }
+    --result-file "$out/throughput-fp8-1000x1000-512-$1-h200.json" "${@:2}"; }
 ttft_fp8_pair() {  # batch-1 TTFT, FP8 + FP8 KV, 8k and 128-token prompts: OUT/latency-ttft{8k,128}-fp8-NAME-h200.json
   latency 150 "ttft8k-fp8-$1" --batch 1 --input-len 8192 --output-len 16 --repeats 3 --warmups 1 \
     --quantization fp8 --kv-cache-dtype fp8

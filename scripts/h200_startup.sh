@@ -17,6 +17,10 @@
 #   capture-ab  the GPU tests of the capture modes (junit XML in OUT), then the `serving` engine's cold start,
 #            max_num_seqs 512 then 128, with its CUDA graphs captured while it serves (`--graph-capture serving`)
 #            against all of them before it serves (`startup`, the default), alternated
+#   startup-ab  the GPU tests of the compile-ahead and the capture modes (junit XML in OUT), then the `serving`
+#            engine's cold start at max_num_seqs 128 (two rounds) and 512 (one): the working tree with its graphs
+#            captured while it serves and with them captured at start-up, against a copy with PATCH reversed (as in
+#            serving-ab) at its default, alternated
 # Everything under OUT is packed into OUT/results.tar.gz at the end (a call brings back 8 files at most).
 source "$(dirname "$0")/h200_job.sh" "$1"; shift
 h200_tables  # off an H200, its tables copied under the GPU's name: the defaults judged
@@ -66,6 +70,21 @@ for stage in "$@"; do
                  --result-file "$out/throughput-start-$1-$2-$3-h200.json"; }
              for round in 1 2; do start_mode serving 512 $round; start_mode startup 512 $round; done
              for round in 1 2; do start_mode serving 128 $round; start_mode startup 128 $round; done ;;
+    startup-ab) [ -f "${PATCH:-}" ] || { echo "startup-ab needs PATCH=FILE (in the tree)" | tee -a "$out/log.txt"; exit 2; }
+             rm -rf /tmp/before && cp -r . /tmp/before && (cd /tmp/before && patch -s -R -p1 < "$PATCH") || exit 1
+             run 200 python3 -m pytest -q -rf -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
+               tests/gpu/test_compile_ahead_gpu.py tests/gpu/test_cuda_graph_gpu.py \
+               -k "compile or serving or matches_eager or kv_scales or async"
+             start_tree() { (cd "$1" && run 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kestrel.bench.throughput \
+                 --num-prompts 32 --input-len 128 --output-len 16 --hf-peer-prompts 0 --max-num-seqs "$3" "${fp8[@]}" \
+                 --tokenizer .bench-tokenizer-128k "${@:4}" --result-file "$out/throughput-start-$2-h200.json"); }
+             for round in 1 2; do
+               start_tree . "serving-128-$round" 128 --graph-capture serving
+               start_tree /tmp/before "before-128-$round" 128
+               start_tree . "startup-128-$round" 128 --graph-capture startup
+             done
+             start_tree . serving-512-1 512 --graph-capture serving
+             start_tree /tmp/before before-512-1 512 ;;
     serving) tput() { local name=$1 cache=$2 prof=$3 seqs=$4
                local py=(python3); [ "$prof" = 1 ] && py=(python3 -m cProfile -o "$out/$name.prof")
                run 150 env TRITON_CACHE_DIR="$cache" "${py[@]}" -m kestrel.bench.throughput --num-prompts 32 \

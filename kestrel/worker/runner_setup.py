@@ -174,15 +174,22 @@ class RunnerSetup:
         # Quest's key bounds, bound before the graphs are captured (they are kernel arguments there).
         self.key_bounds = bind_key_bounds(layers, config.sparse, self.num_blocks, self.device)
         lap = self._lap("kv_cache", lap)
+        self.prefill_graph_tokens = self._resolve_prefill_graph_tokens()
+        graphs = self._new_graph_runner() if self._captures_graphs() else None
+        # The calibration's kernels and every graph's compile ahead side by side, in one wait for the pool.
+        calibration = self._calibration_forward() if config.cache.calculate_kv_scales else None
+        with torch.inference_mode():
+            self._compile_ahead([*([calibration] if calibration else []),
+                                 *(graphs.capture_forwards() if graphs is not None else [])])
+        lap = self._lap("compile_ahead", lap)
         if config.cache.calculate_kv_scales:  # before the capture, whose graphs take the scales as arguments
             self.calibrate_kv_scales()
             lap = self._lap("kv_scales", lap)
-        self.prefill_graph_tokens = self._resolve_prefill_graph_tokens()
         self.launches_per_layer: int | None = None
         if config.debug_launch_count:
             self.launches_per_layer = self._count_layer_launches()
-        if self._captures_graphs():
-            self._capture_graphs()
+        if graphs is not None:
+            self._capture_graphs(graphs)
             if self.drafter is not None:
                 self.drafter.capture_graphs(config.scheduler.max_num_seqs, self.max_blocks_per_seq,
                                             *self._verify_shapes())
@@ -275,24 +282,7 @@ class RunnerSetup:
         it writes the first blocks of the cache."""
         if self.kv_spec.dtype != torch.float8_e4m3fn:
             return self.kv_scales
-        if token_ids is None:
-            g = torch.Generator().manual_seed(self.config.model.seed)
-            token_ids = torch.randint(0, self.vocab_size, (num_tokens,), generator=g).tolist()
-        n = min(len(token_ids), self.num_blocks * self.block_size, self.config.model.max_model_len or len(token_ids))
-        if self.config.streaming is not None:  # no longer than the prompts such an engine takes
-            n = min(n, self.config.streaming.num_kept_tokens)
-        ids = torch.tensor(token_ids[:n], dtype=torch.long, device=self.device)
-        num_blocks = -(-n // self.block_size)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, dtype=torch.long, device=self.device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
-            max_query_len=n, max_seq_len=n,
-        ).sharing_group_tables(len(self.kv_groups))
-        positions = torch.arange(n, device=self.device)
-        # During the start-up (calculate_kv_scales) its kernels compile ahead, as the capture's do; later a no-op.
-        self._compile_ahead([lambda: self._run_model(ids, positions, meta)])
+        ids, positions, meta = self._calibration_inputs(token_ids, num_tokens)
         layers = self.model.attention_layers()
         seen = torch.zeros(len(layers), 2, device=self.device)  # running max |K|, |V| per layer
 
@@ -315,6 +305,35 @@ class RunnerSetup:
         if self.expert_counts is not None:
             self.expert_counts.reset()
         return self.kv_scales
+
+    def _calibration_inputs(self, token_ids: list[int] | None = None, num_tokens: int = 512
+                            ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The calibration prefill: `token_ids` (random ids unless given) in one sequence from the cache's first
+        block, as long as the cache, max_model_len and a streaming engine's kept tokens allow."""
+        if token_ids is None:
+            g = torch.Generator().manual_seed(self.config.model.seed)
+            token_ids = torch.randint(0, self.vocab_size, (num_tokens,), generator=g).tolist()
+        n = min(len(token_ids), self.num_blocks * self.block_size, self.config.model.max_model_len or len(token_ids))
+        if self.config.streaming is not None:  # no longer than the prompts such an engine takes
+            n = min(n, self.config.streaming.num_kept_tokens)
+        ids = torch.tensor(token_ids[:n], dtype=torch.long, device=self.device)
+        num_blocks = -(-n // self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
+            max_query_len=n, max_seq_len=n,
+        ).sharing_group_tables(len(self.kv_groups))
+        return ids, torch.arange(n, device=self.device), meta
+
+    def _calibration_forward(self) -> Callable[[], object] | None:
+        """The start-up calibration's forward (calculate_kv_scales), for compiling its kernels ahead; None where
+        the cache is not FP8 (nothing is calibrated)."""
+        if self.kv_spec.dtype != torch.float8_e4m3fn:
+            return None
+        ids, positions, meta = self._calibration_inputs()
+        return lambda: self._run_model(ids, positions, meta)
 
     # ----- GPU memory profiling and CUDA graphs --------------------------------------------------------
 
@@ -415,13 +434,19 @@ class RunnerSetup:
         return PrefillBuckets.for_engine(self.prefill_graph_tokens, scheduler.max_num_batched_tokens,
                                          scheduler.max_num_seqs)
 
-    def _capture_graphs(self) -> None:
+    def _new_graph_runner(self) -> GraphRunner:
+        return GraphRunner(self._run_model, self.config.scheduler.max_num_seqs, self.max_blocks_per_seq,
+                           self.device, *self._verify_shapes(), num_groups=len(self.kv_groups),
+                           prefill=self._prefill_buckets(), block_size=self.block_size)
+
+    def _capture_graphs(self, runner: GraphRunner | None = None) -> None:
+        """Capture (or queue, graph_capture="serving") every graph of `runner`, a new one unless given (its
+        kernels compiled ahead already)."""
         self.graph_runner = None  # release the previous graphs' pool before capturing new ones
-        runner = GraphRunner(self._run_model, self.config.scheduler.max_num_seqs, self.max_blocks_per_seq,
-                             self.device, *self._verify_shapes(), num_groups=len(self.kv_groups),
-                             prefill=self._prefill_buckets(), block_size=self.block_size)
         with torch.inference_mode():
-            self._compile_ahead(runner.capture_forwards())
+            if runner is None:
+                runner = self._new_graph_runner()
+                self._compile_ahead(runner.capture_forwards())
             if self.graph_capture == "serving":  # one graph before each step and while idle (`capture_next_graph`)
                 runner.begin_capture()
             else:

@@ -14,7 +14,7 @@ def test_latency_smoke(tmp_path: Path) -> None:
     assert {"git_sha", "torch", "gpu"} <= set(result["environment"])
     assert result["ceilings"]["copy_TBps"] > 0 and result["startup_s"] > 0
     phases = result["startup_phases_s"]  # the runner's start-up by phase, in order, within the whole start-up
-    assert list(phases) == ["weights", "model_setup", "memory_profile", "kv_cache", "graphs"]
+    assert list(phases) == ["weights", "model_setup", "memory_profile", "kv_cache", "compile_ahead", "graphs"]
     assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= result["startup_s"]
     rows = [r for r in result["rows"] if "skipped" not in r]
     assert len(rows) == len(result["config"]["batches"]) * len(result["config"]["input_lens"])
