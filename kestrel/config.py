@@ -900,7 +900,8 @@ class EngineConfig:
     max_prefill_graph_tokens: int | None = None
     # "startup": every CUDA graph is captured before the engine serves; "serving": the engine serves at once and
     # captures one graph before each step and while idle, a step without its graph running eagerly meanwhile;
-    # None: "startup" ("serving" is the lever for start-up to first token, not yet run at full load on a GPU).
+    # None: "serving", except behind an executor or with a prompt compressor ("startup" there; docs/benchmarks.md,
+    # "Serving before the graphs are captured, measured").
     graph_capture: str | None = None
     debug_launch_count: bool = False  # log the kernel launches of one decoder layer's decode step at startup
     disable_log_stats: bool = False  # no periodic throughput / queue / KV cache line in the log
@@ -1240,7 +1241,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("graph_capture", "engine", "graph_capture",
               "when the CUDA graphs are captured: serving (the engine serves at once and captures one graph before "
               "each step and while idle; a step whose graph is not captured yet runs eagerly) or startup (all of "
-              "them before the engine serves); default: startup",
+              "them before the engine serves); default: serving, startup behind an executor or with a prompt compressor",
               choices=GRAPH_CAPTURE_CHOICES),
     EngineArg("cpu_threads", "engine", "cpu_threads", "torch threads of a CPU engine (default: the cores it may "
               "use, less one for the engine loop)"),

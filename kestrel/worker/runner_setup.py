@@ -476,12 +476,16 @@ class RunnerSetup:
             self.graph_runner.capture_next()
 
     def _resolve_graph_capture(self) -> str | None:
-        """When this runner captures its CUDA graphs: graph_capture, "startup" where unset; None where it captures
-        none, and an explicit setting there is refused by name."""
+        """When this runner captures its CUDA graphs: graph_capture; where unset, "serving" unless the runner is an
+        executor's rank (its steps come from the executor, which has no idle turns to capture in) or the engine runs
+        a prompt compressor (its forwards on another thread), else "startup". None where it captures none, and an
+        explicit setting there is refused by name."""
         mode = self.config.graph_capture
         if not self._captures_graphs():
             if mode is not None:
                 raise ConfigError(f"invalid graph_capture={mode!r}: this engine captures no CUDA graphs (a CPU "
                                   "device, an M-RoPE or encoder-decoder model, or several ranks); leave it unset")
             return None
-        return mode or "startup"
+        if mode is not None:
+            return mode
+        return "serving" if self.parallel is None and self.config.prompt_compressor is None else "startup"
