@@ -122,8 +122,9 @@ def test_greedy_with_prefill_graphs_equals_enforce_eager(checkpoint: Path, quant
 
 
 def test_moe_model_captures_and_replays_prefill_graphs_by_default(moe_checkpoint: Path) -> None:
-    """An MoE model with the default graphs: capture runs route real values (every token of the capture-time step
-    belongs to the pad row, so no expert id comes from stale memory), and greedy equals enforce_eager."""
+    """An MoE model with the default graphs (captured while it serves, the largest token count first): capture runs
+    route real values (every token of the capture-time step belongs to the pad row, so no expert id comes from stale
+    memory), and greedy equals enforce_eager."""
     kwargs = dict(dtype="bfloat16", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, device="cuda")
     g = torch.Generator().manual_seed(9)
     batch = [{"prompt_token_ids": torch.randint(3, 200, (n,), generator=g).tolist()} for n in (5, 40, 110)]
@@ -131,5 +132,6 @@ def test_moe_model_captures_and_replays_prefill_graphs_by_default(moe_checkpoint
     eager = LLM(str(moe_checkpoint), enforce_eager=True, **kwargs)
     expected = [o.outputs[0].token_ids for o in eager.generate(batch, params, use_tqdm=False)]
     graphs = LLM(str(moe_checkpoint), **kwargs)
-    assert graphs.runner.graph_runner is not None and graphs.runner.graph_runner.prefill_graphs
+    assert graphs.runner.graph_capture == "serving" and graphs.runner.graph_runner is not None
     assert [o.outputs[0].token_ids for o in graphs.generate(batch, params, use_tqdm=False)] == expected
+    assert graphs.runner.graph_runner.prefill_graphs  # captured between its steps
