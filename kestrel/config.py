@@ -1241,7 +1241,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("graph_capture", "engine", "graph_capture",
               "when the CUDA graphs are captured: serving (the engine serves at once and captures one graph before "
               "each step and while idle; a step whose graph is not captured yet runs eagerly) or startup (all of "
-              "them before the engine serves); default: serving, startup behind an executor or with a prompt compressor",
+              "them before the engine serves); default: serving, startup behind an executor or with a prompt "
+              "compressor",
               choices=GRAPH_CAPTURE_CHOICES),
     EngineArg("cpu_threads", "engine", "cpu_threads", "torch threads of a CPU engine (default: the cores it may "
               "use, less one for the engine loop)"),

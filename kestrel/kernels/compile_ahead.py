@@ -176,13 +176,13 @@ class CompileAhead:
             self._futures.append(self.pool.submit(compile_spec, spec, self.target))
         return True
 
-    def wait(self) -> list[float]:
-        """Wait for every recorded compile; the seconds each took in its worker. A failed one is logged and left to
-        compile where it is launched."""
-        seconds = []
-        for future in self._futures:
+    def wait(self) -> dict[str, float]:
+        """Wait for every recorded compile; the seconds each kernel's compiles took in the workers, by kernel name.
+        A failed one is logged and left to compile where it is launched."""
+        seconds: dict[str, float] = {}
+        for spec, future in zip(self.specs.values(), self._futures):
             try:
-                seconds.append(future.result())
+                seconds[spec.name] = seconds.get(spec.name, 0.0) + future.result()
             except Exception as e:  # the launch compiles it in this process, and raises there if it must
                 logger.warning("ahead-of-capture compile failed (%s); it compiles at its launch", e)
         return seconds
@@ -196,18 +196,20 @@ def current_target() -> tuple[str, int | str, int]:
     return target.backend, target.arch, target.warp_size
 
 
-def compile_ahead(pool: Executor | None, forwards: list[Callable[[], object]]) -> dict[str, float]:
-    """Run `forwards` dry, compile what they would have compiled on `pool`, wait: the timing of each phase."""
+def compile_ahead(pool: Executor | None, forwards: list[Callable[[], object]]) -> dict[str, Any]:
+    """Run `forwards` dry, compile what they would have compiled on `pool`, wait: the timing of each phase, and the
+    three kernels whose compiles took longest (name, seconds summed over their specializations)."""
     began = time.perf_counter()
     ahead = CompileAhead(pool, current_target())
     with ahead:
         for forward in forwards:
             forward()
     dry = time.perf_counter() - began
-    compile_seconds = ahead.wait()
-    worker_seconds = sum(compile_seconds)
-    stats = {"kernels": float(len(ahead.specs)), "dry_s": dry, "wall_s": time.perf_counter() - began,
-             "worker_s": worker_seconds, "longest_s": max(compile_seconds, default=0.0)}
+    by_kernel = ahead.wait()
+    worker_seconds = sum(by_kernel.values())
+    stats: dict[str, Any] = {"kernels": float(len(ahead.specs)), "dry_s": dry, "wall_s": time.perf_counter() - began,
+                             "worker_s": worker_seconds, "longest_s": max(by_kernel.values(), default=0.0),
+                             "slowest": sorted(by_kernel.items(), key=lambda item: -item[1])[:3]}
     if isinstance(pool, CompilePool):  # where the wave began and the workers were ready, from the pool's start
         stats["began_s"] = time.monotonic() - stats["wall_s"] - pool.started
         ready = pool.seconds_to_ready()

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -110,7 +111,7 @@ class RunnerSetup:
         # Triton compiles ahead of the profile and the graph capture run in these processes, started now so that
         # their imports overlap the weights' loading (kestrel.kernels.compile_ahead).
         self._compile_pool = ops.start_pool(self._compile_workers())
-        self.compile_ahead_stats: list[dict[str, float]] = []
+        self.compile_ahead_stats: list[dict[str, Any]] = []
         self.model = load_model(model_config, config.quant, self.device, parallel, self._planned_kv_cache_bytes)
         lap = self._lap("weights", lap)
         self.vocab_size: int = int(config.model.hf_config["vocab_size"])
