@@ -288,10 +288,12 @@ def test_front_padded_verify_attention_equals_the_unpadded_batch() -> None:
     torch.testing.assert_close(padded.index_select(0, index), plain, rtol=1e-5, atol=1e-6)  # einsum shapes differ
 
 
-def test_verify_steps_through_the_graph_path_match_eager() -> None:
+@pytest.mark.parametrize("capture", ["startup", "serving"])
+def test_verify_steps_through_the_graph_path_match_eager(capture: str) -> None:
     """n-gram speculation on kestrel-tiny with verify steps replayed through the graph runner's padded buffers
     (eagerly, on CPU): the greedy tokens equal the plain engine's, and verify replays happened, padded ones
-    (a row with fewer drafts than the longest) included."""
+    (a row with fewer drafts than the longest) included; with the graphs captured before the steps, or one before
+    each step as the default `graph_capture="serving"` does (steps whose graph is missing run eagerly)."""
     from kestrel import LLM, SamplingParams
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -304,11 +306,16 @@ def test_verify_steps_through_the_graph_path_match_eager() -> None:
     runner = llm.runner
     graph_runner = EagerReplayRunner(runner.model, 4, 128 // runner.block_size, runner.device,
                                      verify_query_lens=[2, 3, 4], verify_batch=4)
-    graph_runner.capture()
+    if capture == "startup":
+        graph_runner.capture()
+    else:
+        graph_runner.begin_capture()
     runner.graph_runner = graph_runner
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     assert llm.stats.num_spec_accepted_tokens > 0
+    if capture == "serving":
+        assert graph_runner.recorded  # captured before the steps, one each, and (below) replayed after
     assert graph_runner.verify_replays
     assert any(real < q * bucket for q, bucket, real in graph_runner.verify_replays)
 
