@@ -447,3 +447,30 @@ def test_graphs_ready_at_marks_the_last_capture() -> None:
     while runner.pending:
         runner.capture_next()
     assert runner.finished_at is not None
+
+
+@pytest.mark.parametrize("setting,rank,compressor,resolved", [
+    (None, False, False, "serving"),  # the default where the runner captures graphs
+    (None, True, False, "startup"),  # an executor's rank: no idle turn of its own to capture in
+    (None, False, True, "startup"),  # a prompt compressor's forwards run on another thread
+    ("startup", False, False, "startup"),
+    ("serving", False, False, "serving"),
+])
+def test_graph_capture_resolves_to_serving_unless_a_rank_or_a_compressor(setting, rank, compressor, resolved) -> None:
+    """The runner's rule for graph_capture (RunnerSetup._resolve_graph_capture) on a runner that captures graphs,
+    which takes a CUDA device: its inputs stand in for that runner's."""
+    from types import SimpleNamespace
+
+    from kestrel.config import ConfigError
+    from kestrel.worker.runner_setup import RunnerSetup
+
+    runner = SimpleNamespace(config=SimpleNamespace(graph_capture=setting,
+                                                    prompt_compressor="kestrel-tiny" if compressor else None),
+                             parallel=object() if rank else None, _captures_graphs=lambda: True)
+    assert RunnerSetup._resolve_graph_capture(runner) == resolved
+    runner._captures_graphs = lambda: False  # a runner without graphs resolves to none, and an explicit one is refused
+    if setting is None:
+        assert RunnerSetup._resolve_graph_capture(runner) is None
+    else:
+        with pytest.raises(ConfigError, match="this engine captures no CUDA graphs"):
+            RunnerSetup._resolve_graph_capture(runner)
