@@ -36,6 +36,14 @@ bench() { local limit=$1 name=$2 cache=$3 prof=$4; shift 4
     python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(80)" \
       "$out/$name.prof" > "$out/$name-prof.txt"
   fi; }
+# cold_start DIR NAME SEQS ARGS...: the serving engine's cold start (`kestrel bench throughput`, 32 prompts of 128 /
+# 16, FP8 + FP8 KV, the 128k tokenizer) of the tree at DIR, from an empty Triton cache, with max_num_seqs SEQS
+cold_start() { (cd "$1" && run 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kestrel.bench.throughput \
+    --num-prompts 32 --input-len 128 --output-len 16 --hf-peer-prompts 0 --max-num-seqs "$3" "${fp8[@]}" \
+    --tokenizer .bench-tokenizer-128k "${@:4}" --result-file "$out/throughput-start-$2-h200.json"); }
+# before_tree STAGE: /tmp/before, a copy of the tree with PATCH reversed
+before_tree() { [ -f "${PATCH:-}" ] || { echo "$1 needs PATCH=FILE (in the tree)" | tee -a "$out/log.txt"; exit 2; }
+  rm -rf /tmp/before && cp -r . /tmp/before && (cd /tmp/before && patch -s -R -p1 < "$PATCH") || exit 1; }
 cold_runs() { local tag=$1
   for i in 1 2; do
     bench 150 "fp8-$tag-$i" "$(mktemp -d)" 0 "${fp8[@]}"
@@ -49,42 +57,33 @@ for stage in "$@"; do
              bench 150 fp8-warm-profiled "$cache" 1 "${fp8[@]}"
              bench 150 bf16-cold "$(mktemp -d)" 0 ;;
     cold) cold_runs "$tag" ;;
-    serving-ab) [ -f "${PATCH:-}" ] || { echo "serving-ab needs PATCH=FILE (in the tree)" | tee -a "$out/log.txt"; exit 2; }
-             rm -rf /tmp/before && cp -r . /tmp/before && (cd /tmp/before && patch -s -R -p1 < "$PATCH") || exit 1
+    serving-ab) before_tree serving-ab
              run 240 python3 -m pytest -q -rf -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
                tests/gpu/test_compile_ahead_gpu.py tests/gpu/test_cuda_graph_gpu.py
-             start() { (cd "$1" && run 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kestrel.bench.throughput \
-               --num-prompts 32 --input-len 128 --output-len 16 --hf-peer-prompts 0 --max-num-seqs "$3" "${fp8[@]}" \
-               --tokenizer .bench-tokenizer-128k --result-file "$out/throughput-start-$2-h200.json"); }
              for seqs in 512 128; do
                for round in 1 2; do
-                 start . "after-$seqs-$round" "$seqs"
-                 start /tmp/before "before-$seqs-$round" "$seqs"
+                 cold_start . "after-$seqs-$round" "$seqs"
+                 cold_start /tmp/before "before-$seqs-$round" "$seqs"
                done
              done ;;
     capture-ab) run 150 python3 -m pytest -q -rf -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
                tests/gpu/test_cuda_graph_gpu.py -k "serving or matches_eager or kv_scales or async"
-             start_mode() { run 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kestrel.bench.throughput \
-                 --num-prompts 32 --input-len 128 --output-len 16 --hf-peer-prompts 0 --max-num-seqs "$2" "${fp8[@]}" \
-                 --tokenizer .bench-tokenizer-128k --graph-capture "$1" \
-                 --result-file "$out/throughput-start-$1-$2-$3-h200.json"; }
-             for round in 1 2; do start_mode serving 512 $round; start_mode startup 512 $round; done
-             for round in 1 2; do start_mode serving 128 $round; start_mode startup 128 $round; done ;;
-    startup-ab) [ -f "${PATCH:-}" ] || { echo "startup-ab needs PATCH=FILE (in the tree)" | tee -a "$out/log.txt"; exit 2; }
-             rm -rf /tmp/before && cp -r . /tmp/before && (cd /tmp/before && patch -s -R -p1 < "$PATCH") || exit 1
+             for seqs in 512 128; do
+               for round in 1 2; do
+                 for mode in serving startup; do cold_start . "$mode-$seqs-$round" "$seqs" --graph-capture "$mode"; done
+               done
+             done ;;
+    startup-ab) before_tree startup-ab
              run 200 python3 -m pytest -q -rf -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
                tests/gpu/test_compile_ahead_gpu.py tests/gpu/test_cuda_graph_gpu.py \
                -k "compile or serving or matches_eager or kv_scales or async"
-             start_tree() { (cd "$1" && run 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m kestrel.bench.throughput \
-                 --num-prompts 32 --input-len 128 --output-len 16 --hf-peer-prompts 0 --max-num-seqs "$3" "${fp8[@]}" \
-                 --tokenizer .bench-tokenizer-128k "${@:4}" --result-file "$out/throughput-start-$2-h200.json"); }
              for round in 1 2; do
-               start_tree . "serving-128-$round" 128 --graph-capture serving
-               start_tree /tmp/before "before-128-$round" 128
-               start_tree . "startup-128-$round" 128 --graph-capture startup
+               cold_start . "serving-128-$round" 128 --graph-capture serving
+               cold_start /tmp/before "before-128-$round" 128
+               cold_start . "startup-128-$round" 128 --graph-capture startup
              done
-             start_tree . serving-512-1 512 --graph-capture serving
-             start_tree /tmp/before before-512-1 512 ;;
+             cold_start . serving-512-1 512 --graph-capture serving
+             cold_start /tmp/before before-512-1 512 ;;
     serving) tput() { local name=$1 cache=$2 prof=$3 seqs=$4
                local py=(python3); [ "$prof" = 1 ] && py=(python3 -m cProfile -o "$out/$name.prof")
                run 150 env TRITON_CACHE_DIR="$cache" "${py[@]}" -m kestrel.bench.throughput --num-prompts 32 \
