@@ -1058,15 +1058,22 @@ class EngineConfig:
         if self.device == "cpu":
             _fail("graph_capture", self.graph_capture, "a CPU engine captures no CUDA graphs; leave it unset")
         if self.graph_capture == "serving":
-            if self.parallel.uses_workers:
-                _fail("graph_capture", self.graph_capture, "a runner behind an executor (distributed_executor_backend)"
-                      " captures its graphs at start-up; use graph_capture='startup' or no executor")
-            if self.prompt_compressor is not None:
-                # A capture forbids other threads' allocations on the device, and the compressor's forwards run on
-                # a thread of their own.
-                _fail("graph_capture", self.graph_capture, "prompt compression runs its model on another thread "
-                      "while the engine serves, which a capture then cannot allow; use graph_capture='startup' with "
-                      "prompt_compressor")
+            blocker = self.serving_capture_blocker()
+            if blocker is not None:
+                _fail("graph_capture", self.graph_capture, blocker)
+
+    def serving_capture_blocker(self) -> str | None:
+        """Why this engine's CUDA graphs must be captured at start-up rather than while it serves (an explicit
+        graph_capture='serving' is refused with it; an unset one resolves to 'startup'), or None."""
+        if self.parallel.uses_workers:
+            return ("a runner behind an executor (distributed_executor_backend) captures its graphs at start-up; use "
+                    "graph_capture='startup' or no executor")
+        if self.prompt_compressor is not None:
+            # A capture forbids other threads' allocations on the device, and the compressor's forwards run on a
+            # thread of their own.
+            return ("prompt compression runs its model on another thread while the engine serves, which a capture "
+                    "then cannot allow; use graph_capture='startup' with prompt_compressor")
+        return None
 
     def _check_expert_load(self) -> None:
         interval = self.expert_load_interval

@@ -572,8 +572,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "captures CUDA graphs)")
     p.add_argument("--graph-capture", default=None, choices=GRAPH_CAPTURE_CHOICES,
                    help="the engine's graph_capture: its CUDA graphs captured once it serves (serving) or before "
-                        "(startup); default: the engine's, startup. Either way the timed "
-                        "steps run after every graph is captured")
+                        "(startup); default: the engine's, serving (startup behind an executor or with a prompt "
+                        "compressor). Either way the timed steps run after every graph is captured")
     p.add_argument("--sparse-decode", type=json.loads, default=None,
                    help="the engine's sparse_decode as JSON, e.g. '{\"method\": \"quest\", \"token_budget\": 2048}'")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)

@@ -477,10 +477,10 @@ class RunnerSetup:
             self.graph_runner.capture_next()
 
     def _resolve_graph_capture(self) -> str | None:
-        """When this runner captures its CUDA graphs: graph_capture; where unset, "serving" unless the runner is an
-        executor's rank (its steps come from the executor, which has no idle turns to capture in) or the engine runs
-        a prompt compressor (its forwards on another thread), else "startup". None where it captures none, and an
-        explicit setting there is refused by name."""
+        """When this runner captures its CUDA graphs: graph_capture; where unset, "serving" unless the config names
+        what needs them captured at start-up (`EngineConfig.serving_capture_blocker`: an executor's ranks, whose
+        steps come from the executor without idle turns to capture in, or a prompt compressor), then "startup".
+        None where it captures none, and an explicit setting there is refused by name."""
         mode = self.config.graph_capture
         if not self._captures_graphs():
             if mode is not None:
@@ -489,4 +489,4 @@ class RunnerSetup:
             return None
         if mode is not None:
             return mode
-        return "serving" if self.parallel is None and self.config.prompt_compressor is None else "startup"
+        return "startup" if self.config.serving_capture_blocker() is not None else "serving"

@@ -449,24 +449,24 @@ def test_graphs_ready_at_marks_the_last_capture() -> None:
     assert runner.finished_at is not None
 
 
-@pytest.mark.parametrize("setting,rank,compressor,resolved", [
-    (None, False, False, "serving"),  # the default where the runner captures graphs
-    (None, True, False, "startup"),  # an executor's rank: no idle turn of its own to capture in
-    (None, False, True, "startup"),  # a prompt compressor's forwards run on another thread
-    ("startup", False, False, "startup"),
-    ("serving", False, False, "serving"),
+@pytest.mark.parametrize("setting,engine_args,resolved", [
+    (None, {}, "serving"),  # the default where the runner captures graphs
+    (None, {"distributed_executor_backend": "mp"}, "startup"),  # the executor's ranks have no idle turn to capture in
+    (None, {"prompt_compressor": "kestrel-tiny"}, "startup"),  # its forwards run on another thread
+    ("startup", {}, "startup"),
+    ("serving", {}, "serving"),
 ])
-def test_graph_capture_resolves_to_serving_unless_a_rank_or_a_compressor(setting, rank, compressor, resolved) -> None:
+def test_graph_capture_resolves_to_serving_unless_the_config_needs_startup(setting, engine_args, resolved) -> None:
     """The runner's rule for graph_capture (RunnerSetup._resolve_graph_capture) on a runner that captures graphs,
-    which takes a CUDA device: its inputs stand in for that runner's."""
+    which takes a CUDA device: the config is the engine's own, the runner's side stands in."""
     from types import SimpleNamespace
 
-    from kestrel.config import ConfigError
+    from kestrel.config import ConfigError, EngineConfig
+    from kestrel.tiny import default_model_path
     from kestrel.worker.runner_setup import RunnerSetup
 
-    runner = SimpleNamespace(config=SimpleNamespace(graph_capture=setting,
-                                                    prompt_compressor="kestrel-tiny" if compressor else None),
-                             parallel=object() if rank else None, _captures_graphs=lambda: True)
+    config = EngineConfig.from_kwargs(str(default_model_path()), graph_capture=setting, **engine_args)
+    runner = SimpleNamespace(config=config, _captures_graphs=lambda: True)
     assert RunnerSetup._resolve_graph_capture(runner) == resolved
     runner._captures_graphs = lambda: False  # a runner without graphs resolves to none, and an explicit one is refused
     if setting is None:
