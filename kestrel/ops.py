@@ -28,7 +28,12 @@ from kestrel.kernels import streaming_attention as _streaming_attention
 from kestrel.kernels import token_bitmask as _token_bitmask
 from kestrel.kernels import wna16 as _wna16
 from kestrel.kernels.activation import ACTIVATIONS, HF_ACTIVATIONS  # noqa: F401 - the layers' names
-from kestrel.kernels.compile_ahead import compile_ahead, default_workers, start_pool  # noqa: F401 - the runner's
+from kestrel.kernels.compile_ahead import (  # noqa: F401 - the runner's
+    compile_ahead,
+    default_workers,
+    start_pool,
+    start_pool_early,
+)
 from kestrel.kernels.cpu import attention as _cpu_attention
 from kestrel.kernels.cpu import elementwise as _cpu_elementwise
 from kestrel.kernels.cpu import linear as _cpu_linear

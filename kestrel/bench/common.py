@@ -37,7 +37,7 @@ from kestrel.loader.model_init import _write_weights, checkpoint_shapes, write_t
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.structured.shards import engine_grammar_backend, start_grammar_workers_early
 from kestrel.worker.model_runner import ModelRunner
-from kestrel.worker.runner_setup import runs_on_cpu
+from kestrel.worker.runner_setup import runs_on_cpu, start_compile_pool_early
 
 LLAMA3_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -334,6 +334,7 @@ def build_engine(model: str, capture_graphs_now: bool = True, **engine_args: Any
         # it captures its graphs (each tensor-parallel rank or pipeline stage its own layers' and kv heads').
         engine_args.setdefault("calculate_kv_scales", True)
     config = EngineConfig.from_kwargs(model, hf_config=model_hf_config(model), **engine_args)
+    start_compile_pool_early(config)
     tokenizer: Any = NullTokenizer()
     if is_gguf_model(config.model.tokenizer_path) or has_tokenizer(config.model.tokenizer_path):
         tokenizer = load_tokenizer(config.model.tokenizer_path)

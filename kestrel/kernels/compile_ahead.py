@@ -65,9 +65,38 @@ class CompilePool(ProcessPoolExecutor):
         return max(f.result() for f in self.imports) - self.started
 
 
+# The pool `start_pool_early` started, which the next `start_pool` of the same size takes (one per process: the
+# engine builder starts it, the runner it builds takes it).
+_early_pool: CompilePool | None = None
+
+
+def start_pool_early(workers: int) -> None:
+    """Start the pool that the next `start_pool(workers)` of this process returns, so that the workers' imports
+    (seconds) also overlap what comes before the runner: the tokenizer's load and CUDA's initialisation. A pool
+    already started early of another size is shut down."""
+    global _early_pool
+    if _early_pool is not None and _early_pool._max_workers == workers:
+        return
+    _discard_early_pool()
+    _early_pool = start_pool(workers)
+
+
+def _discard_early_pool() -> None:
+    global _early_pool
+    if _early_pool is not None:
+        _early_pool.shutdown(wait=False, cancel_futures=True)
+        _early_pool = None
+
+
 def start_pool(workers: int) -> CompilePool | None:
     """A pool of `workers` spawned compile processes (None for 0), each importing Triton at once so that their
-    start-up overlaps whatever this process does next (loading weights)."""
+    start-up overlaps whatever this process does next (loading weights); the pool `start_pool_early` started, if
+    it has as many workers."""
+    global _early_pool
+    if _early_pool is not None and _early_pool._max_workers == workers:
+        pool, _early_pool = _early_pool, None
+        return pool
+    _discard_early_pool()
     if workers < 1:
         return None
     pool = CompilePool(workers)

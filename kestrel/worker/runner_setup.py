@@ -76,6 +76,23 @@ def runs_on_cpu(device: str) -> bool:
     return device != "cuda" and resolve_device(device).type == "cpu"
 
 
+def compile_worker_count(config: EngineConfig, on_cuda: bool, single_process: bool) -> int:
+    """Processes compiling Triton kernels ahead of the profile and the capture: `compile_workers`, or where unset
+    the usable cores less one (at most 8) for a runner on a CUDA device that may capture graphs and holds the whole
+    model (`single_process`), else 0."""
+    if config.compile_workers is not None:
+        return config.compile_workers
+    return ops.default_workers() if on_cuda and not config.enforce_eager and single_process else 0
+
+
+def start_compile_pool_early(config: EngineConfig) -> None:
+    """Start the compile workers of the runner that `config` will build in this process (none where its model
+    runs in worker processes or on the CPU) before the tokenizer and the runner load: their imports take seconds."""
+    if config.parallel.uses_workers or runs_on_cpu(config.device) or not torch.cuda.is_available():
+        return
+    ops.start_pool_early(compile_worker_count(config, on_cuda=True, single_process=True))
+
+
 class RunnerSetup:
     """The loaded model on its device with its KV cache, scales and graphs (the state a model runner steps on)."""
 
@@ -209,16 +226,12 @@ class RunnerSetup:
         return now
 
     def _compile_workers(self) -> int:
-        """Processes compiling Triton kernels ahead of the profile and the capture: `compile_workers`, or where
-        unset the usable cores less one (at most 8) on a CUDA device whose runner may capture graphs (else 0)."""
         workers = self.config.compile_workers
         if workers and self.device.type != "cuda":
             raise ConfigError(f"invalid compile_workers={workers}: it compiles a GPU's Triton kernels and this "
                               f"engine runs on {self.device.type}; leave it unset or 0")
-        if workers is not None:
-            return workers
         single = self.parallel is None or self.parallel.world_size == 1
-        return ops.default_workers() if self.device.type == "cuda" and not self.config.enforce_eager and single else 0
+        return compile_worker_count(self.config, self.device.type == "cuda", single)
 
     def _compile_ahead(self, forwards: list[Callable[[], object]]) -> None:
         """Run `forwards` dry, one decoder layer of each kind (`dry_layers`), and compile the Triton kernels they

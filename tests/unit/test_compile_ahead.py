@@ -74,3 +74,68 @@ def test_a_host_that_cannot_start_workers_gets_no_pool(monkeypatch) -> None:
 
     monkeypatch.setattr(ProcessPoolExecutor, "submit", refuse)
     assert start_pool(2) is None
+
+
+def test_a_pool_started_early_is_the_one_the_runner_takes(monkeypatch) -> None:
+    """`start_pool_early` (the engine builder, before the tokenizer) starts the pool that the runner's
+    `start_pool` of the same size returns, once; a runner wanting another size gets its own, and the early one is
+    shut down. Threads stand in for the spawned processes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kestrel.kernels import compile_ahead
+
+    class ThreadPool(ThreadPoolExecutor):
+        def __init__(self, workers: int) -> None:
+            super().__init__(max_workers=workers)
+            self.started = time.monotonic()
+            self.imports = []
+            self.was_shut_down = False
+
+        def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+            self.was_shut_down = True
+            super().shutdown(wait=wait, cancel_futures=cancel_futures)
+
+    monkeypatch.setattr(compile_ahead, "CompilePool", ThreadPool)
+    monkeypatch.setattr(compile_ahead, "_import_triton", time.monotonic)
+    monkeypatch.setattr(compile_ahead, "_early_pool", None)
+
+    compile_ahead.start_pool_early(2)
+    early = compile_ahead._early_pool
+    compile_ahead.start_pool_early(2)  # the builder's second call keeps it
+    assert compile_ahead._early_pool is early
+    taken = start_pool(2)
+    assert taken is early and not early.was_shut_down
+    later = start_pool(2)  # taken once: the next runner of the process gets a pool of its own
+    assert later is not early
+    for pool in (taken, later):
+        pool.shutdown()
+
+    compile_ahead.start_pool_early(2)
+    early = compile_ahead._early_pool
+    other = start_pool(3)
+    assert other is not early and other._max_workers == 3 and early.was_shut_down
+    other.shutdown()
+    compile_ahead.start_pool_early(2)
+    early = compile_ahead._early_pool
+    assert start_pool(0) is None and early.was_shut_down and compile_ahead._early_pool is None
+
+
+def test_the_engine_builder_starts_the_runners_pool_early(monkeypatch) -> None:
+    """The builder starts as many workers as the runner of its config would (`compile_worker_count`), and none
+    where the model runs on the CPU or in worker processes (their ranks start no pool)."""
+    import torch
+
+    from kestrel import ops
+    from kestrel.config import EngineConfig
+    from kestrel.tiny import BUNDLED_MODEL_DIR
+    from kestrel.worker import runner_setup
+
+    started: list[int] = []
+    monkeypatch.setattr(ops, "start_pool_early", started.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = str(BUNDLED_MODEL_DIR)
+    for kwargs in ({"device": "cuda"}, {"device": "cuda", "compile_workers": 3},
+                   {"device": "cuda", "enforce_eager": True}, {"device": "cpu"},
+                   {"device": "cuda", "tensor_parallel_size": 2}):
+        runner_setup.start_compile_pool_early(EngineConfig.from_kwargs(model, **kwargs))
+    assert started == [ops.default_workers(), 3, 0]
