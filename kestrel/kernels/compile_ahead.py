@@ -21,7 +21,7 @@ import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +57,8 @@ class CompilePool(ProcessPoolExecutor):
         super().__init__(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
         self.started = time.monotonic()
         self.imports: list[Future] = []
+        # Every compile submitted, by kernel specialization: a later wave that records one again waits for it.
+        self.compiles: dict[tuple[str, str, str], Future] = {}
 
     def seconds_to_ready(self) -> float | None:
         """Seconds from the pool's start to the last worker's imports done, once all are (None before)."""
@@ -177,6 +179,7 @@ class CompileAhead:
     target: tuple[str, int | str, int]
     specs: dict[tuple[str, str, str], KernelSpec] = field(default_factory=dict)
     _futures: list[Future] = field(default_factory=list)
+    reused: int = 0  # recorded specializations an earlier wave had submitted already
     _previous_hook: Any = None
 
     def __enter__(self) -> CompileAhead:
@@ -202,7 +205,15 @@ class CompileAhead:
         ident = (module, fn.name, spec.specialization)
         if ident not in self.specs:
             self.specs[ident] = spec
-            self._futures.append(self.pool.submit(compile_spec, spec, self.target))
+            submitted = getattr(self.pool, "compiles", None)
+            future = submitted.get(ident) if submitted is not None else None
+            if future is None:
+                future = self.pool.submit(compile_spec, spec, self.target)
+                if submitted is not None:
+                    submitted[ident] = future
+            else:
+                self.reused += 1
+            self._futures.append(future)
         return True
 
     def wait(self) -> dict[str, float]:
@@ -225,20 +236,35 @@ def current_target() -> tuple[str, int | str, int]:
     return target.backend, target.arch, target.warp_size
 
 
-def compile_ahead(pool: Executor | None, forwards: list[Callable[[], object]]) -> dict[str, Any]:
+def compile_ahead(pool: Executor | None, forwards: list[Callable[[], object]],
+                  prefetch: Sequence[Callable[[], object]] = ()) -> dict[str, Any]:
     """Run `forwards` dry, compile what they would have compiled on `pool`, wait: the timing of each phase, and the
-    three kernels whose compiles took longest (name, seconds summed over their specializations)."""
+    three kernels whose compiles took longest (name, seconds summed over their specializations). `prefetch`: forwards
+    of a later wave, run dry after them; their kernels queue behind and this wave does not wait for them (a later
+    wave that records one again waits for the same compile). A prefetch forward that fails dry is left."""
     began = time.monotonic()  # the clock of the pool's start and of its workers' imports
-    ahead = CompileAhead(pool, current_target())
+    target = current_target()
+    ahead = CompileAhead(pool, target)
     with ahead:
         for forward in forwards:
             forward()
     dry = time.monotonic() - began
+    later = CompileAhead(pool, target)
+    for forward in prefetch:
+        try:
+            with later:
+                forward()
+        except Exception as e:  # their kernels compile in their own wave or at their launch
+            logger.info("prefetching a later wave's kernels stopped: %s", e)
+            break
     by_kernel = ahead.wait()
     worker_seconds = sum(by_kernel.values())
-    stats: dict[str, Any] = {"kernels": float(len(ahead.specs)), "dry_s": dry, "wall_s": time.monotonic() - began,
+    stats: dict[str, Any] = {"kernels": float(len(ahead.specs)), "reused": float(ahead.reused), "dry_s": dry,
+                             "wall_s": time.monotonic() - began,
                              "worker_s": worker_seconds, "longest_s": max(by_kernel.values(), default=0.0),
                              "slowest": sorted(by_kernel.items(), key=lambda item: -item[1])[:3]}
+    if prefetch:
+        stats["prefetched"] = float(len(set(later.specs) - set(ahead.specs)))
     if isinstance(pool, CompilePool):  # where the wave began and the workers were ready, from the pool's start
         stats["began_s"] = began - pool.started
         ready = pool.seconds_to_ready()

@@ -178,6 +178,7 @@ class RunnerSetup:
         draft_bytes = self.drafter.kv_spec.bytes_per_block if self.drafter is not None else 0
         bounds_bytes = key_bounds_bytes_per_block(layers, config.sparse, self.block_size, self.kv_spec.dtype)
         lap = self._lap("model_setup", lap)
+        self.prefill_graph_tokens = self._resolve_prefill_graph_tokens()
         self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget(), draft_bytes + bounds_bytes)
         lap = self._lap("memory_profile", lap)
         if parallel is not None:  # every rank holds the same blocks: as many as the tightest rank can
@@ -192,7 +193,6 @@ class RunnerSetup:
         # Quest's key bounds, bound before the graphs are captured (they are kernel arguments there).
         self.key_bounds = bind_key_bounds(layers, config.sparse, self.num_blocks, self.device)
         lap = self._lap("kv_cache", lap)
-        self.prefill_graph_tokens = self._resolve_prefill_graph_tokens()
         graphs = self._new_graph_runner() if self._captures_graphs() else None
         # The calibration's kernels and every graph's compile ahead side by side, in one wait for the pool.
         calibration = self._calibration_forward() if config.cache.calculate_kv_scales else None
@@ -233,15 +233,17 @@ class RunnerSetup:
         single = self.parallel is None or self.parallel.world_size == 1
         return compile_worker_count(self.config, self.device.type == "cuda", single)
 
-    def _compile_ahead(self, forwards: list[Callable[[], object]]) -> None:
+    def _compile_ahead(self, forwards: list[Callable[[], object]],
+                       prefetch: Callable[[], list[Callable[[], object]]] | None = None) -> None:
         """Run `forwards` dry, one decoder layer of each kind (`dry_layers`), and compile the Triton kernels they
         would launch on the compile pool (a no-op without one). A forward that fails dry is logged and left: its
-        kernels compile when they launch."""
+        kernels compile when they launch. `prefetch`: builds a later wave's forwards, whose kernels then compile
+        behind these without this wave waiting for them (`ops.compile_ahead`)."""
         if self._compile_pool is None:
             return
         try:
             with one_layer_of_each_kind(self.model) as left_out:
-                stats = ops.compile_ahead(self._compile_pool, forwards)
+                stats = ops.compile_ahead(self._compile_pool, forwards, prefetch() if prefetch else ())
             self.compile_ahead_stats.append({**stats, "layers_left_out": float(left_out)})
         except Exception as e:  # nothing ran for real; the real forward raises what is wrong, if anything
             logger.warning("compiling ahead stopped: %s; the rest compiles as it launches", e)
@@ -382,7 +384,8 @@ class RunnerSetup:
         ).sharing_group_tables(len(self.kv_groups))
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device) % max(self.config.model.max_model_len or 1, 1)
-        self._compile_ahead([lambda: self._run_model(ids, positions, meta, transport=False)])
+        self._compile_ahead([lambda: self._run_model(ids, positions, meta, transport=False)],
+                            prefetch=self._graph_forwards if self._captures_graphs() else None)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         hidden = self._run_model(ids, positions, meta, transport=False)
@@ -447,6 +450,13 @@ class RunnerSetup:
         scheduler = self.config.scheduler
         return PrefillBuckets.for_engine(self.prefill_graph_tokens, scheduler.max_num_batched_tokens,
                                          scheduler.max_num_seqs)
+
+    def _graph_forwards(self) -> list[Callable[[], object]]:
+        """The capture's forwards for the memory profile's compile wave to prefetch (their kernels compile while the
+        profile and the KV cache's set-up run), on a graph runner of their own and the profile's one-block cache:
+        the kernels' specializations do not depend on the number of blocks. The real capture's wave finds them
+        compiled, or waits for the same compiles."""
+        return self._new_graph_runner().capture_forwards()
 
     def _new_graph_runner(self) -> GraphRunner:
         return GraphRunner(self._run_model, self.config.scheduler.max_num_seqs, self.max_blocks_per_seq,

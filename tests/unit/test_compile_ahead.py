@@ -139,3 +139,55 @@ def test_the_engine_builder_starts_the_runners_pool_early(monkeypatch) -> None:
                    {"device": "cuda", "tensor_parallel_size": 2}):
         runner_setup.start_compile_pool_early(EngineConfig.from_kwargs(model, **kwargs))
     assert started == [ops.default_workers(), 3, 0]
+
+
+def test_a_prefetched_waves_kernels_are_not_waited_for_and_the_next_wave_takes_their_compiles(monkeypatch) -> None:
+    """`compile_ahead(pool, forwards, prefetch)`: the later wave's kernels (the capture's, dry in the memory
+    profile's wave) queue behind this wave's, which returns without them; the later wave, recording them again,
+    waits for those same compiles instead of submitting new ones. A prefetch forward that fails dry is left. The
+    forwards call Triton's cache hook as a kernel launch would."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    from kestrel.kernels import compile_ahead
+
+    release = threading.Event()
+    compiled: list[str] = []
+
+    def compile_spec(spec: KernelSpec, target: tuple) -> float:
+        compiled.append(spec.name)
+        if spec.name == "capture_kernel":
+            assert release.wait(60)
+        return 0.01
+
+    def launch(name: str) -> None:
+        fn = SimpleNamespace(module="kestrel.kernels.some_module", name=name)
+        skipped = knobs.runtime.jit_cache_hook(key=name, repr=name, fn=fn, compile={"specialization_data": name},
+                                               is_manual_warmup=False, already_compiled=False)
+        assert skipped  # a dry forward launches nothing
+
+    def fails_dry() -> None:
+        raise IndexError("a forward this wave's cache cannot run")
+
+    monkeypatch.setattr(compile_ahead, "compile_spec", compile_spec)
+    monkeypatch.setattr(compile_ahead, "current_target", lambda: TARGET)
+    pool = ThreadPoolExecutor(max_workers=2)
+    pool.compiles = {}
+    try:
+        profile = compile_ahead.compile_ahead(pool, [lambda: launch("profile_kernel")],
+                                              prefetch=[lambda: launch("capture_kernel"),
+                                                        lambda: launch("profile_kernel"), fails_dry])
+        assert profile["kernels"] == 1 and profile["prefetched"] == 1 and profile["reused"] == 0
+        pending = pool.compiles[("kestrel.kernels.some_module", "capture_kernel", "capture_kernel")]
+        assert not pending.done()  # the profile's wave did not wait for it
+        release.set()
+        capture = compile_ahead.compile_ahead(pool, [lambda: launch("capture_kernel"), lambda: launch("graph_only")])
+        assert pending.done()
+        assert capture["kernels"] == 2 and capture["reused"] == 1 and "prefetched" not in capture
+        assert sorted(compiled) == ["capture_kernel", "graph_only", "profile_kernel"]  # each compiled once
+    finally:
+        release.set()
+        pool.shutdown()
