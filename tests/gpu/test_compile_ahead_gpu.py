@@ -3,7 +3,8 @@ kestrel.kernels.compile_ahead). Each engine is built in a fresh process with an 
 its dry forwards record kernels and the workers compile them; greedy tokens equal those of an engine built with
 compile_workers=0, for a dense FP8 model and an MoE one (whose routing kernels run for real in the dry forwards).
 The dry forwards run one decoder layer of each kind (`kestrel.worker.dry_layers`): they record as many kernel
-specializations as dry forwards over every layer do.
+specializations as dry forwards over every layer do. The profile's wave prefetches the capture's kernels, and the
+capture's wave waits for those compiles instead of submitting them again.
 Run on the H200: `.venv/bin/python -m pytest -q tests/gpu/test_compile_ahead_gpu.py`."""
 
 from __future__ import annotations
@@ -57,4 +58,7 @@ def test_compiled_ahead_engine_generates_what_the_plain_one_does(tmp_path: Path,
     assert sum(s["kernels"] for s in ahead["stats"]) > 0
     assert [s["layers_left_out"] for s in ahead["stats"]] == [2, 2]  # layers 0 and 1 run dry, 2 and 3 alike
     assert [s["kernels"] for s in ahead["stats"]] == [s["kernels"] for s in every["stats"]]
+    # The profile's wave prefetched the capture's kernels, and the capture's wave took those compiles.
+    profile, capture = ahead["stats"]
+    assert profile["prefetched"] > 0 and capture["reused"] > 0, ahead["stats"]
     assert ahead["tokens"] == plain["tokens"] == every["tokens"]
