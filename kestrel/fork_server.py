@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import types
+from collections.abc import Iterator
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 
@@ -73,13 +74,20 @@ def stop_fork_server() -> None:
     server._stop()
 
 
-def start_without_main(process: BaseProcess) -> None:
-    """`process.start()`, with nothing of the program's `__main__` handed to the child (its target is a kestrel
-    function, pickled by module and name): the child neither imports the main module again nor runs an unguarded
-    script's top level."""
+@contextlib.contextmanager
+def main_module_hidden() -> Iterator[None]:
+    """While it is open, the processes started (a process pool's workers, whose tasks are kestrel functions pickled
+    by module and name) get nothing of the program's `__main__`: they neither import the main module again nor run
+    an unguarded script's top level."""
     main = sys.modules["__main__"]
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
-        process.start()
+        yield
     finally:
         sys.modules["__main__"] = main
+
+
+def start_without_main(process: BaseProcess) -> None:
+    """`process.start()` under `main_module_hidden`."""
+    with main_module_hidden():
+        process.start()

@@ -31,8 +31,10 @@ from kestrel.kernels.activation import ACTIVATIONS, HF_ACTIVATIONS  # noqa: F401
 from kestrel.kernels.compile_ahead import (  # noqa: F401 - the runner's
     compile_ahead,
     default_workers,
+    discard_early_pool,
     start_pool,
     start_pool_early,
+    stop_pool,
 )
 from kestrel.kernels.cpu import attention as _cpu_attention
 from kestrel.kernels.cpu import elementwise as _cpu_elementwise

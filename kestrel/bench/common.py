@@ -37,7 +37,7 @@ from kestrel.loader.model_init import _write_weights, checkpoint_shapes, write_t
 from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.structured.shards import engine_grammar_backend, start_grammar_workers_early
 from kestrel.worker.model_runner import ModelRunner
-from kestrel.worker.runner_setup import runs_on_cpu, start_compile_pool_early
+from kestrel.worker.runner_setup import compile_pool_started_early, runs_on_cpu
 
 LLAMA3_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -334,17 +334,18 @@ def build_engine(model: str, capture_graphs_now: bool = True, **engine_args: Any
         # it captures its graphs (each tensor-parallel rank or pipeline stage its own layers' and kv heads').
         engine_args.setdefault("calculate_kv_scales", True)
     config = EngineConfig.from_kwargs(model, hf_config=model_hf_config(model), **engine_args)
-    start_compile_pool_early(config)
-    tokenizer: Any = NullTokenizer()
-    if is_gguf_model(config.model.tokenizer_path) or has_tokenizer(config.model.tokenizer_path):
-        tokenizer = load_tokenizer(config.model.tokenizer_path)
-    elif config.grammar_workers:
-        raise ConfigError(f"invalid grammar_workers={config.grammar_workers}: {config.model.tokenizer_path} has no "
-                          "tokenizer for the grammars' vocabulary; pass one (--tokenizer DIR) or leave it 0")
-    eos = tokenizer.eos_token_id
-    if not isinstance(tokenizer, NullTokenizer):
-        start_grammar_workers_early(config, on_cuda=not runs_on_cpu(config.device))
-    runner: Any = build_executor(config, eos) if config.parallel.uses_workers else ModelRunner(config, eos_token_id=eos)
+    with compile_pool_started_early(config):
+        tokenizer: Any = NullTokenizer()
+        if is_gguf_model(config.model.tokenizer_path) or has_tokenizer(config.model.tokenizer_path):
+            tokenizer = load_tokenizer(config.model.tokenizer_path)
+        elif config.grammar_workers:
+            raise ConfigError(f"invalid grammar_workers={config.grammar_workers}: {config.model.tokenizer_path} has "
+                              "no tokenizer for the grammars' vocabulary; pass one (--tokenizer DIR) or leave it 0")
+        eos = tokenizer.eos_token_id
+        if not isinstance(tokenizer, NullTokenizer):
+            start_grammar_workers_early(config, on_cuda=not runs_on_cpu(config.device))
+        runner: Any = (build_executor(config, eos) if config.parallel.uses_workers
+                       else ModelRunner(config, eos_token_id=eos))
     # The engine's own structured-outputs backend, as LLM builds it (grammar workers included), where there is a
     # vocabulary to build grammars from.
     structured = None if isinstance(tokenizer, NullTokenizer) else engine_grammar_backend(config, runner, tokenizer)

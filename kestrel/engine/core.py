@@ -313,8 +313,9 @@ class EngineCore:
         bias = params.logit_bias or {}
         if vocab_size is not None and any(t >= vocab_size for t in bias):
             raise InvalidRequestError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size})")
-        if vocab_size is not None and any(t >= vocab_size for t in params.allowed_token_ids or ()):
-            raise InvalidRequestError("allowed_token_ids", f"allowed_token_ids must be in [0, {vocab_size})")
+        for name in ("allowed_token_ids", "stop_token_ids"):  # an id past the vocabulary is never sampled
+            if vocab_size is not None and any(t >= vocab_size for t in getattr(params, name) or ()):
+                raise InvalidRequestError(name, f"{name} must be in [0, {vocab_size})")
         tags = params.structured_outputs.after_thinking if params.structured_outputs is not None else None
         if tags is not None and vocab_size is not None and max(tags.start_token_id, tags.end_token_id) >= vocab_size:
             raise InvalidRequestError("structured_outputs.after_thinking", f"the thinking's token ids must be in "

@@ -16,7 +16,7 @@ from kestrel.loader.tokenizer import load_tokenizer
 from kestrel.model.registry import get_model_class
 from kestrel.structured.shards import engine_grammar_backend, start_grammar_workers_early
 from kestrel.worker.model_runner import ModelRunner
-from kestrel.worker.runner_setup import runs_on_cpu, start_compile_pool_early
+from kestrel.worker.runner_setup import compile_pool_started_early, runs_on_cpu
 
 
 @dataclass
@@ -51,9 +51,9 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     """Tokenizer, model runner (weights, KV cache, graphs) and the engine core with its grammar backend. With
     tensor/pipeline parallelism (or a named executor backend) the runner is an executor over worker processes
     and this process holds no model."""
-    start_compile_pool_early(config)
-    tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
-    built = build_engine_core(config, tokenizer, tokenizer.eos_token_id)
+    with compile_pool_started_early(config):
+        tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
+        built = build_engine_core(config, tokenizer, tokenizer.eos_token_id)
     built.media = media_processor(config.model, model_modalities(config), tokenizer)
     return built
 

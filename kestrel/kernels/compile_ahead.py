@@ -57,8 +57,9 @@ class CompilePool(ProcessPoolExecutor):
         super().__init__(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
         self.started = time.monotonic()
         self.imports: list[Future] = []
-        # Every compile submitted, by kernel specialization: a later wave that records one again waits for it.
-        self.compiles: dict[tuple[str, str, str], Future] = {}
+        # Every compile submitted, by target and kernel specialization: a later wave that records one again waits
+        # for it.
+        self.compiles: dict[tuple[Any, ...], Future] = {}
 
     def seconds_to_ready(self) -> float | None:
         """Seconds from the pool's start to the last worker's imports done, once all are (None before)."""
@@ -79,15 +80,27 @@ def start_pool_early(workers: int) -> None:
     global _early_pool
     if _early_pool is not None and _early_pool._max_workers == workers:
         return
-    _discard_early_pool()
+    discard_early_pool()
     _early_pool = start_pool(workers)
 
 
-def _discard_early_pool() -> None:
+def discard_early_pool() -> None:
+    """End the pool `start_pool_early` started, if no runner took it (the engine's build failed before)."""
     global _early_pool
     if _early_pool is not None:
-        _early_pool.shutdown(wait=False, cancel_futures=True)
+        stop_pool(_early_pool, terminate=True)
         _early_pool = None
+
+
+def stop_pool(pool: Executor, terminate: bool = False) -> None:
+    """Shut `pool` down without waiting for it; `terminate`: end its workers now too, since an import or a compile
+    under way would otherwise run to its end (holding the program's output) before the worker exits."""
+    # The executor's own map of its worker processes: no public way to end them before Python 3.14.
+    workers = getattr(pool, "_processes", None) if terminate else None
+    processes = list(workers.values()) if workers else []
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
 
 
 def start_pool(workers: int) -> CompilePool | None:
@@ -98,7 +111,7 @@ def start_pool(workers: int) -> CompilePool | None:
     if _early_pool is not None and _early_pool._max_workers == workers:
         pool, _early_pool = _early_pool, None
         return pool
-    _discard_early_pool()
+    discard_early_pool()
     if workers < 1:
         return None
     pool = CompilePool(workers)
@@ -107,7 +120,7 @@ def start_pool(workers: int) -> CompilePool | None:
             pool.imports.append(pool.submit(_import_triton))
     except Exception as e:  # a host that cannot start processes compiles each kernel at its launch instead
         logger.warning("no compile workers (%s): Triton kernels compile when they first launch", e)
-        pool.shutdown(wait=False, cancel_futures=True)
+        stop_pool(pool, terminate=True)
         return None
     return pool
 
@@ -206,11 +219,12 @@ class CompileAhead:
         if ident not in self.specs:
             self.specs[ident] = spec
             submitted = getattr(self.pool, "compiles", None)
-            future = submitted.get(ident) if submitted is not None else None
+            key = (self.target, *ident)
+            future = submitted.get(key) if submitted is not None else None
             if future is None:
                 future = self.pool.submit(compile_spec, spec, self.target)
                 if submitted is not None:
-                    submitted[ident] = future
+                    submitted[key] = future
             else:
                 self.reused += 1
             self._futures.append(future)
@@ -243,20 +257,19 @@ def compile_ahead(pool: Executor | None, forwards: list[Callable[[], object]],
     of a later wave, run dry after them; their kernels queue behind and this wave does not wait for them (a later
     wave that records one again waits for the same compile). A prefetch forward that fails dry is left."""
     began = time.monotonic()  # the clock of the pool's start and of its workers' imports
-    target = current_target()
+    target = current_target() if pool is not None else ("", 0, 0)  # without a pool nothing is compiled for it
     ahead = CompileAhead(pool, target)
     with ahead:
         for forward in forwards:
             forward()
     dry = time.monotonic() - began
     later = CompileAhead(pool, target)
-    for forward in prefetch:
+    for forward in prefetch if pool is not None else ():  # without a pool a dry forward would run for real
         try:
             with later:
                 forward()
-        except Exception as e:  # their kernels compile in their own wave or at their launch
-            logger.info("prefetching a later wave's kernels stopped: %s", e)
-            break
+        except Exception as e:  # its kernels compile in their own wave or at their launch
+            logger.info("a later wave's forward did not run dry here (%s); its kernels compile in their wave", str(e))
     by_kernel = ahead.wait()
     worker_seconds = sum(by_kernel.values())
     stats: dict[str, Any] = {"kernels": float(len(ahead.specs)), "reused": float(ahead.reused), "dry_s": dry,

@@ -8,10 +8,11 @@ Every forward of the target model (profiling, calibration, capture, a step) goes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from kestrel import ops
 from kestrel.config import DEFAULT_PREFILL_GRAPH_TOKENS, ConfigError, EngineConfig
 from kestrel.distributed.parallel import ParallelContext
+from kestrel.fork_server import main_module_hidden
 from kestrel.kv_spec import KVCacheLayout, SinkWindowSpec
 from kestrel.loader import load_model
 from kestrel.loader.hf_config import resolve_dtype
@@ -85,12 +87,19 @@ def compile_worker_count(config: EngineConfig, on_cuda: bool, single_process: bo
     return ops.default_workers() if on_cuda and not config.enforce_eager and single_process else 0
 
 
-def start_compile_pool_early(config: EngineConfig) -> None:
-    """Start the compile workers of the runner that `config` will build in this process (none where its model
-    runs in worker processes or on the CPU) before the tokenizer and the runner load: their imports take seconds."""
-    if config.parallel.uses_workers or runs_on_cpu(config.device) or not torch.cuda.is_available():
-        return
-    ops.start_pool_early(compile_worker_count(config, on_cuda=True, single_process=True))
+@contextlib.contextmanager
+def compile_pool_started_early(config: EngineConfig) -> Iterator[None]:
+    """Around an engine's build: start the compile workers of the runner that `config` builds in this process
+    (none where its model runs in worker processes or on the CPU) before the tokenizer and the runner load, since
+    their imports take seconds; the runner takes them. A build that ends without its runner taking them (refused)
+    ends them."""
+    if not (config.parallel.uses_workers or runs_on_cpu(config.device) or not torch.cuda.is_available()):
+        with main_module_hidden():
+            ops.start_pool_early(compile_worker_count(config, on_cuda=True, single_process=True))
+    try:
+        yield
+    finally:
+        ops.discard_early_pool()
 
 
 class RunnerSetup:
@@ -127,93 +136,100 @@ class RunnerSetup:
         lap = time.perf_counter()
         # Triton compiles ahead of the profile and the graph capture run in these processes, started now so that
         # their imports overlap the weights' loading (kestrel.kernels.compile_ahead).
-        self._compile_pool = ops.start_pool(self._compile_workers())
-        self.compile_ahead_stats: list[dict[str, Any]] = []
-        self.model = load_model(model_config, config.quant, self.device, parallel, self._planned_kv_cache_bytes)
-        lap = self._lap("weights", lap)
-        self.vocab_size: int = int(config.model.hf_config["vocab_size"])
-        # A multimodal model's media reach its first pipeline stage's input embeddings through the encoder step.
-        self.supported_modalities: frozenset[str] = frozenset(getattr(self.model, "supported_modalities", ()))
-        self.media_encoder = (MediaEncoder(self.model, config.cache.encoder_cache_size)
-                              if self.supported_modalities else None)
-        # M-RoPE models take [3, T] positions (`kestrel.worker.mrope`), which the captured graphs and the drafters'
-        # one-row positions do not carry: such a model runs eagerly and without speculative decoding.
-        self.mrope = uses_mrope(self.model)
-        # Images that attend to themselves both ways (Gemma 3): the engine marks their items, the scheduler keeps
-        # each run in one step and the step's rows get their causal ends (`kestrel.worker.media_attention`).
-        self.bidirectional_media = bool(getattr(self.model, "bidirectional_media", False))
-        # Encoder-decoder models (Whisper): the encoder step writes each request's cross-attention K/V once; they
-        # run eagerly (the cross-attention reads are not captured) and without speculative decoding.
-        self.encoder_decoder = bool(getattr(self.model, "is_encoder_decoder", False))
-        if self.encoder_decoder and config.speculative is not None:
-            raise ConfigError("invalid speculative_config: this model is an encoder-decoder (Whisper), which "
-                              "kestrel's drafters do not serve")
-        if self.encoder_decoder and config.debug_launch_count:
-            raise ConfigError("invalid debug_launch_count=True: the launch count runs a decoder-only layer alone, "
-                              "and an encoder-decoder (Whisper) layer also reads the encoder's cross-attention "
-                              "K/V; leave it off")
-        if self.mrope and config.speculative is not None:
-            raise ConfigError("invalid speculative_config: this model rotates by M-RoPE (three position rows), "
-                              "which kestrel's drafters do not carry")
-        # Bound before any forward, so the captured graphs count too.
-        self.expert_counts = ExpertLoad.attach(self.model) if config.expert_load_metrics else None
-        layers = self.model.attention_layers()
-        bind_streaming_window(layers, config.streaming)
-        if config.streaming is not None:
-            streamed = SinkWindowSpec(1, 1, window=config.streaming.window, sink_tokens=config.streaming.sink_tokens)
-            self.max_blocks_per_seq = max(self.max_blocks_per_seq, streamed.max_blocks_per_request(self.block_size))
-            if self.device.type == "cuda" and not config.enforce_eager:
-                raise ConfigError("invalid enforce_eager=False with streaming_window: the sink + window attention "
-                                  "reads each step's lengths on the host and cannot run in CUDA graphs; set "
-                                  "enforce_eager=True (--enforce-eager)")
-        self.kv_spec = KVCacheShape.of_layers(layers, kv_cache_dtype(config.cache, self.dtype), self.block_size)
-        # A cross-attention group's block list holds the encoder's positions, which may outnumber the decoder's.
-        self.max_blocks_per_seq = max(self.max_blocks_per_seq, self.kv_spec.blocks_per_request(0))
-        # The groups are every stage's; `layer_groups[i]` is the group of this stage's attention layer i.
-        self.kv_groups, self.layer_groups = kv_cache_groups(self.kv_spec.layer_specs, parallel)
-        self.graph_runner: GraphRunner | None = None
-        self.graph_capture = self._resolve_graph_capture()
-        # A draft model or EAGLE head: loaded before the memory profile, its K/V in the target's blocks.
-        self.drafter = build_drafter(config, self.model, self.dtype, self.kv_spec.dtype, self.device)
-        draft_bytes = self.drafter.kv_spec.bytes_per_block if self.drafter is not None else 0
-        bounds_bytes = key_bounds_bytes_per_block(layers, config.sparse, self.block_size, self.kv_spec.dtype)
-        lap = self._lap("model_setup", lap)
-        self.prefill_graph_tokens = self._resolve_prefill_graph_tokens()
-        self.num_blocks = num_blocks_for(config, self.kv_spec, self._profiled_kv_budget(), draft_bytes + bounds_bytes)
-        lap = self._lap("memory_profile", lap)
-        if parallel is not None:  # every rank holds the same blocks: as many as the tightest rank can
-            self.num_blocks = parallel.min_over_world(self.num_blocks, self.device)
-        # A drafter's K/V lives in group 0's blocks and its layers may read past that group's window.
-        self.kv_layout = KVCacheLayout(self.block_size, self.kv_groups, (self.num_blocks,) * len(self.kv_groups),
-                                       keep_all_blocks=frozenset({0} if self.drafter is not None else ()))
-        self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
-        if self.drafter is not None:
-            self.drafter.bind(self.num_blocks)
-        self.bind_kv_caches(kv_cache_scales(config, layers))
-        # Quest's key bounds, bound before the graphs are captured (they are kernel arguments there).
-        self.key_bounds = bind_key_bounds(layers, config.sparse, self.num_blocks, self.device)
-        lap = self._lap("kv_cache", lap)
-        graphs = self._new_graph_runner() if self._captures_graphs() else None
-        # The calibration's kernels and every graph's compile ahead side by side, in one wait for the pool.
-        calibration = self._calibration_forward() if config.cache.calculate_kv_scales else None
-        with torch.inference_mode():
-            self._compile_ahead([*([calibration] if calibration else []),
-                                 *(graphs.capture_forwards() if graphs is not None else [])])
-        lap = self._lap("compile_ahead", lap)
-        if config.cache.calculate_kv_scales:  # before the capture, whose graphs take the scales as arguments
-            self.calibrate_kv_scales()
-            lap = self._lap("kv_scales", lap)
-        self.launches_per_layer: int | None = None
-        if config.debug_launch_count:
-            self.launches_per_layer = self._count_layer_launches()
-        if graphs is not None:
-            self._capture_graphs(graphs)
+        with main_module_hidden():  # the workers run kestrel's functions only, not the program's script
+            self._compile_pool = ops.start_pool(self._compile_workers())
+        try:
+            self.compile_ahead_stats: list[dict[str, Any]] = []
+            self.model = load_model(model_config, config.quant, self.device, parallel, self._planned_kv_cache_bytes)
+            lap = self._lap("weights", lap)
+            self.vocab_size: int = int(config.model.hf_config["vocab_size"])
+            # A multimodal model's media reach its first pipeline stage's input embeddings through the encoder step.
+            self.supported_modalities: frozenset[str] = frozenset(getattr(self.model, "supported_modalities", ()))
+            self.media_encoder = (MediaEncoder(self.model, config.cache.encoder_cache_size)
+                                  if self.supported_modalities else None)
+            # M-RoPE models take [3, T] positions (`kestrel.worker.mrope`), which the captured graphs and the drafters'
+            # one-row positions do not carry: such a model runs eagerly and without speculative decoding.
+            self.mrope = uses_mrope(self.model)
+            # Images that attend to themselves both ways (Gemma 3): the engine marks their items, the scheduler keeps
+            # each run in one step and the step's rows get their causal ends (`kestrel.worker.media_attention`).
+            self.bidirectional_media = bool(getattr(self.model, "bidirectional_media", False))
+            # Encoder-decoder models (Whisper): the encoder step writes each request's cross-attention K/V once; they
+            # run eagerly (the cross-attention reads are not captured) and without speculative decoding.
+            self.encoder_decoder = bool(getattr(self.model, "is_encoder_decoder", False))
+            if self.encoder_decoder and config.speculative is not None:
+                raise ConfigError("invalid speculative_config: this model is an encoder-decoder (Whisper), which "
+                                  "kestrel's drafters do not serve")
+            if self.encoder_decoder and config.debug_launch_count:
+                raise ConfigError("invalid debug_launch_count=True: the launch count runs a decoder-only layer alone, "
+                                  "and an encoder-decoder (Whisper) layer also reads the encoder's cross-attention "
+                                  "K/V; leave it off")
+            if self.mrope and config.speculative is not None:
+                raise ConfigError("invalid speculative_config: this model rotates by M-RoPE (three position rows), "
+                                  "which kestrel's drafters do not carry")
+            # Bound before any forward, so the captured graphs count too.
+            self.expert_counts = ExpertLoad.attach(self.model) if config.expert_load_metrics else None
+            layers = self.model.attention_layers()
+            bind_streaming_window(layers, config.streaming)
+            if config.streaming is not None:
+                streaming = config.streaming
+                streamed = SinkWindowSpec(1, 1, window=streaming.window, sink_tokens=streaming.sink_tokens)
+                self.max_blocks_per_seq = max(self.max_blocks_per_seq, streamed.max_blocks_per_request(self.block_size))
+                if self.device.type == "cuda" and not config.enforce_eager:
+                    raise ConfigError("invalid enforce_eager=False with streaming_window: the sink + window attention "
+                                      "reads each step's lengths on the host and cannot run in CUDA graphs; set "
+                                      "enforce_eager=True (--enforce-eager)")
+            self.kv_spec = KVCacheShape.of_layers(layers, kv_cache_dtype(config.cache, self.dtype), self.block_size)
+            # A cross-attention group's block list holds the encoder's positions, which may outnumber the decoder's.
+            self.max_blocks_per_seq = max(self.max_blocks_per_seq, self.kv_spec.blocks_per_request(0))
+            # The groups are every stage's; `layer_groups[i]` is the group of this stage's attention layer i.
+            self.kv_groups, self.layer_groups = kv_cache_groups(self.kv_spec.layer_specs, parallel)
+            self.graph_runner: GraphRunner | None = None
+            self.graph_capture = self._resolve_graph_capture()
+            # A draft model or EAGLE head: loaded before the memory profile, its K/V in the target's blocks.
+            self.drafter = build_drafter(config, self.model, self.dtype, self.kv_spec.dtype, self.device)
+            draft_bytes = self.drafter.kv_spec.bytes_per_block if self.drafter is not None else 0
+            bounds_bytes = key_bounds_bytes_per_block(layers, config.sparse, self.block_size, self.kv_spec.dtype)
+            lap = self._lap("model_setup", lap)
+            self.prefill_graph_tokens = self._resolve_prefill_graph_tokens()
+            budget = self._profiled_kv_budget()
+            self.num_blocks = num_blocks_for(config, self.kv_spec, budget, draft_bytes + bounds_bytes)
+            lap = self._lap("memory_profile", lap)
+            if parallel is not None:  # every rank holds the same blocks: as many as the tightest rank can
+                self.num_blocks = parallel.min_over_world(self.num_blocks, self.device)
+            # A drafter's K/V lives in group 0's blocks and its layers may read past that group's window.
+            self.kv_layout = KVCacheLayout(self.block_size, self.kv_groups, (self.num_blocks,) * len(self.kv_groups),
+                                           keep_all_blocks=frozenset({0} if self.drafter is not None else ()))
+            self.kv_caches = allocate_kv_cache(self.kv_spec, self.num_blocks, self.device)
             if self.drafter is not None:
-                self.drafter.capture_graphs(config.scheduler.max_num_seqs, self.max_blocks_per_seq,
-                                            *self._verify_shapes())
-        if self.prefill_graph_tokens and self.graph_runner is None:
-            raise ConfigError(f"invalid max_prefill_graph_tokens={self.prefill_graph_tokens}: this model runs "
-                              "every step eagerly (no CUDA graphs are captured for it); leave it 0")
+                self.drafter.bind(self.num_blocks)
+            self.bind_kv_caches(kv_cache_scales(config, layers))
+            # Quest's key bounds, bound before the graphs are captured (they are kernel arguments there).
+            self.key_bounds = bind_key_bounds(layers, config.sparse, self.num_blocks, self.device)
+            lap = self._lap("kv_cache", lap)
+            graphs = self._new_graph_runner() if self._captures_graphs() else None
+            # The calibration's kernels and every graph's compile ahead side by side, in one wait for the pool.
+            calibration = self._calibration_forward() if config.cache.calculate_kv_scales else None
+            with torch.inference_mode():
+                self._compile_ahead([*([calibration] if calibration else []),
+                                     *(graphs.capture_forwards() if graphs is not None else [])])
+            lap = self._lap("compile_ahead", lap)
+            if config.cache.calculate_kv_scales:  # before the capture, whose graphs take the scales as arguments
+                self.calibrate_kv_scales()
+                lap = self._lap("kv_scales", lap)
+            self.launches_per_layer: int | None = None
+            if config.debug_launch_count:
+                self.launches_per_layer = self._count_layer_launches()
+            if graphs is not None:
+                self._capture_graphs(graphs)
+                if self.drafter is not None:
+                    self.drafter.capture_graphs(config.scheduler.max_num_seqs, self.max_blocks_per_seq,
+                                                *self._verify_shapes())
+            if self.prefill_graph_tokens and self.graph_runner is None:
+                raise ConfigError(f"invalid max_prefill_graph_tokens={self.prefill_graph_tokens}: this model runs "
+                                  "every step eagerly (no CUDA graphs are captured for it); leave it 0")
+        except BaseException:
+            self._stop_compile_pool(terminate=True)  # a refused runner leaves no compile workers behind
+            raise
         self._stop_compile_pool()
         self._lap("graphs", lap)
         if self.expert_counts is not None:
@@ -241,17 +257,23 @@ class RunnerSetup:
         behind these without this wave waiting for them (`ops.compile_ahead`)."""
         if self._compile_pool is None:
             return
+        later: list[Callable[[], object]] = []
+        try:
+            later = prefetch() if prefetch else []
+        except Exception as e:  # those kernels compile in their own wave
+            logger.info("no prefetch of a later wave's kernels (%s)", str(e))
         try:
             with one_layer_of_each_kind(self.model) as left_out:
-                stats = ops.compile_ahead(self._compile_pool, forwards, prefetch() if prefetch else ())
+                stats = ops.compile_ahead(self._compile_pool, forwards, later)
             self.compile_ahead_stats.append({**stats, "layers_left_out": float(left_out)})
         except Exception as e:  # nothing ran for real; the real forward raises what is wrong, if anything
-            logger.warning("compiling ahead stopped: %s; the rest compiles as it launches", e)
+            logger.warning("compiling ahead stopped: %s; the rest compiles as it launches", str(e))
+        del later  # the prefetch's graph runner and its buffers go before the memory profile measures
         torch.cuda.synchronize(self.device)
 
-    def _stop_compile_pool(self) -> None:
+    def _stop_compile_pool(self, terminate: bool = False) -> None:
         if self._compile_pool is not None:
-            self._compile_pool.shutdown(wait=False, cancel_futures=True)
+            ops.stop_pool(self._compile_pool, terminate)
             self._compile_pool = None
 
     def _planned_kv_cache_bytes(self, layers: Sequence[CachingLayer]) -> int:
@@ -384,8 +406,10 @@ class RunnerSetup:
         ).sharing_group_tables(len(self.kv_groups))
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device) % max(self.config.model.max_model_len or 1, 1)
+        # Quest's key bounds are bound after the profile: without them its decode would prefetch dense kernels.
+        prefetch = self._captures_graphs() and self.config.sparse is None
         self._compile_ahead([lambda: self._run_model(ids, positions, meta, transport=False)],
-                            prefetch=self._graph_forwards if self._captures_graphs() else None)
+                            prefetch=self._graph_forwards if prefetch else None)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         hidden = self._run_model(ids, positions, meta, transport=False)

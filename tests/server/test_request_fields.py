@@ -203,8 +203,9 @@ def test_allowed_token_ids_restrict_what_is_generated(openai_server, tiny_model_
     reply = post(openai_server, "/v1/completions", {**COMPLETION, "max_tokens": 6, "ignore_eos": True,
                                                      "temperature": 1.0, "seed": 3, "allowed_token_ids": [11]}).json()
     assert reply["choices"][0]["text"] == tokenizer.decode([11] * 6)
-    out_of_vocab = post(openai_server, "/v1/completions", {**COMPLETION, "allowed_token_ids": [10 ** 9]})
-    assert out_of_vocab.status_code == 400 and out_of_vocab.json()["error"]["param"] == "allowed_token_ids"
+    for name in ("allowed_token_ids", "stop_token_ids"):  # an id the model can never produce is refused
+        out_of_vocab = post(openai_server, "/v1/completions", {**COMPLETION, name: [10 ** 9]})
+        assert out_of_vocab.status_code == 400 and out_of_vocab.json()["error"]["param"] == name
 
 
 

@@ -76,32 +76,48 @@ def test_a_host_that_cannot_start_workers_gets_no_pool(monkeypatch) -> None:
     assert start_pool(2) is None
 
 
-def test_a_pool_started_early_is_the_one_the_runner_takes(monkeypatch) -> None:
-    """`start_pool_early` (the engine builder, before the tokenizer) starts the pool that the runner's
-    `start_pool` of the same size returns, once; a runner wanting another size gets its own, and the early one is
-    shut down. Threads stand in for the spawned processes."""
-    from concurrent.futures import ThreadPoolExecutor
+class ThreadPool:
+    """Stands in for CompilePool (threads instead of spawned processes): remembers whether it was shut down."""
 
+    def __init__(self, workers: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._executor = ThreadPoolExecutor(max_workers=workers)
+        self._max_workers = workers
+        self.started = time.monotonic()
+        self.imports: list = []
+        self.compiles: dict = {}
+        self.was_shut_down = False
+
+    def submit(self, fn, *args):
+        return self._executor.submit(fn, *args)
+
+    def seconds_to_ready(self) -> float | None:
+        return None
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.was_shut_down = True
+        self._executor.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+@pytest.fixture
+def thread_pools(monkeypatch):
     from kestrel.kernels import compile_ahead
-
-    class ThreadPool(ThreadPoolExecutor):
-        def __init__(self, workers: int) -> None:
-            super().__init__(max_workers=workers)
-            self.started = time.monotonic()
-            self.imports = []
-            self.was_shut_down = False
-
-        def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-            self.was_shut_down = True
-            super().shutdown(wait=wait, cancel_futures=cancel_futures)
 
     monkeypatch.setattr(compile_ahead, "CompilePool", ThreadPool)
     monkeypatch.setattr(compile_ahead, "_import_triton", time.monotonic)
     monkeypatch.setattr(compile_ahead, "_early_pool", None)
+    return compile_ahead
 
+
+def test_a_pool_started_early_is_the_one_the_runner_takes(thread_pools) -> None:
+    """`start_pool_early` (the engine builder, before the tokenizer) starts the pool that the runner's
+    `start_pool` of the same size returns, once; a runner wanting another size gets its own, and the early one is
+    shut down."""
+    compile_ahead = thread_pools
     compile_ahead.start_pool_early(2)
     early = compile_ahead._early_pool
-    compile_ahead.start_pool_early(2)  # the builder's second call keeps it
+    compile_ahead.start_pool_early(2)  # a second call keeps it
     assert compile_ahead._early_pool is early
     taken = start_pool(2)
     assert taken is early and not early.was_shut_down
@@ -121,8 +137,8 @@ def test_a_pool_started_early_is_the_one_the_runner_takes(monkeypatch) -> None:
 
 
 def test_the_engine_builder_starts_the_runners_pool_early(monkeypatch) -> None:
-    """The builder starts as many workers as the runner of its config would (`compile_worker_count`), and none
-    where the model runs on the CPU or in worker processes (their ranks start no pool)."""
+    """The builder starts as many workers as the runner of its config would (`compile_worker_count`, the rule both
+    read), and none where the model runs on the CPU or in worker processes (their ranks start no pool)."""
     import torch
 
     from kestrel import ops
@@ -137,57 +153,99 @@ def test_the_engine_builder_starts_the_runners_pool_early(monkeypatch) -> None:
     for kwargs in ({"device": "cuda"}, {"device": "cuda", "compile_workers": 3},
                    {"device": "cuda", "enforce_eager": True}, {"device": "cpu"},
                    {"device": "cuda", "tensor_parallel_size": 2}):
-        runner_setup.start_compile_pool_early(EngineConfig.from_kwargs(model, **kwargs))
+        with runner_setup.compile_pool_started_early(EngineConfig.from_kwargs(model, **kwargs)):
+            pass
     assert started == [ops.default_workers(), 3, 0]
 
 
-def test_a_prefetched_waves_kernels_are_not_waited_for_and_the_next_wave_takes_their_compiles(monkeypatch) -> None:
+def test_a_refused_build_ends_the_pool_it_started_before_its_tokenizer(thread_pools, monkeypatch) -> None:
+    """`kestrel serve`'s builder (`engine_factory.build_engine`) starts the pool before it loads the tokenizer; a
+    build refused before its runner took the pool ends it, and nothing is left for the next one."""
+    import torch
+
+    from kestrel.config import EngineConfig
+    from kestrel.entrypoints import engine_factory
+    from kestrel.tiny import BUNDLED_MODEL_DIR
+
+    compile_ahead = thread_pools
+    seen = []
+
+    def load_tokenizer(*args, **kwargs):
+        seen.append(compile_ahead._early_pool)
+        raise ConfigError("no tokenizer here")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_factory, "load_tokenizer", load_tokenizer)
+    config = EngineConfig.from_kwargs(str(BUNDLED_MODEL_DIR), device="cuda", compile_workers=2)
+    with pytest.raises(ConfigError, match="no tokenizer"):
+        engine_factory.build_engine(config)
+    assert seen and seen[0] is not None and seen[0]._max_workers == 2
+    assert seen[0].was_shut_down and compile_ahead._early_pool is None
+
+
+def test_a_prefetched_waves_kernels_are_not_waited_for_and_the_next_wave_takes_their_compiles(thread_pools,
+                                                                                               monkeypatch) -> None:
     """`compile_ahead(pool, forwards, prefetch)`: the later wave's kernels (the capture's, dry in the memory
     profile's wave) queue behind this wave's, which returns without them; the later wave, recording them again,
-    waits for those same compiles instead of submitting new ones. A prefetch forward that fails dry is left. The
-    forwards call Triton's cache hook as a kernel launch would."""
+    waits for those same compiles instead of submitting new ones, a failed one included (left to its launch). A
+    prefetch forward that fails dry is left and the rest still run; Triton's hook is restored. The forwards call
+    Triton's cache hook as a kernel launch would."""
     import threading
-    from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
     from triton import knobs
 
-    from kestrel.kernels import compile_ahead
-
+    compile_ahead = thread_pools
     release = threading.Event()
     compiled: list[str] = []
+    launches: list[bool] = []
 
     def compile_spec(spec: KernelSpec, target: tuple) -> float:
         compiled.append(spec.name)
         if spec.name == "capture_kernel":
             assert release.wait(60)
+        if spec.name == "broken_kernel":
+            raise RuntimeError("this kernel does not compile")
         return 0.01
 
     def launch(name: str) -> None:
         fn = SimpleNamespace(module="kestrel.kernels.some_module", name=name)
-        skipped = knobs.runtime.jit_cache_hook(key=name, repr=name, fn=fn, compile={"specialization_data": name},
-                                               is_manual_warmup=False, already_compiled=False)
-        assert skipped  # a dry forward launches nothing
+        launches.append(knobs.runtime.jit_cache_hook(key=name, repr=name, fn=fn, compile={"specialization_data": name},
+                                                     is_manual_warmup=False, already_compiled=False))
 
     def fails_dry() -> None:
         raise IndexError("a forward this wave's cache cannot run")
 
     monkeypatch.setattr(compile_ahead, "compile_spec", compile_spec)
     monkeypatch.setattr(compile_ahead, "current_target", lambda: TARGET)
-    pool = ThreadPoolExecutor(max_workers=2)
-    pool.compiles = {}
+    hook = knobs.runtime.jit_cache_hook
+    pool = ThreadPool(2)
     try:
         profile = compile_ahead.compile_ahead(pool, [lambda: launch("profile_kernel")],
-                                              prefetch=[lambda: launch("capture_kernel"),
-                                                        lambda: launch("profile_kernel"), fails_dry])
-        assert profile["kernels"] == 1 and profile["prefetched"] == 1 and profile["reused"] == 0
-        pending = pool.compiles[("kestrel.kernels.some_module", "capture_kernel", "capture_kernel")]
+                                              prefetch=[lambda: launch("capture_kernel"), fails_dry,
+                                                        lambda: launch("profile_kernel"),
+                                                        lambda: launch("broken_kernel")])
+        assert knobs.runtime.jit_cache_hook is hook
+        assert launches == [True] * 4  # every dry launch skipped, the ones after the failed forward too
+        assert profile["kernels"] == 1 and profile["prefetched"] == 2 and profile["reused"] == 0
+        pending = pool.compiles[(TARGET, "kestrel.kernels.some_module", "capture_kernel", "capture_kernel")]
         assert not pending.done()  # the profile's wave did not wait for it
         release.set()
-        capture = compile_ahead.compile_ahead(pool, [lambda: launch("capture_kernel"), lambda: launch("graph_only")])
+        capture = compile_ahead.compile_ahead(pool, [lambda: launch("capture_kernel"), lambda: launch("graph_only"),
+                                                     lambda: launch("broken_kernel")])
         assert pending.done()
-        assert capture["kernels"] == 2 and capture["reused"] == 1 and "prefetched" not in capture
-        assert sorted(compiled) == ["capture_kernel", "graph_only", "profile_kernel"]  # each compiled once
+        assert capture["kernels"] == 3 and capture["reused"] == 2 and "prefetched" not in capture
+        assert sorted(compiled) == ["broken_kernel", "capture_kernel", "graph_only", "profile_kernel"]  # once each
+        assert "broken_kernel" not in capture["slowest"] and len(capture["slowest"]) == 2
     finally:
         release.set()
         pool.shutdown()
+
+
+def test_without_a_pool_no_forward_runs_dry() -> None:
+    """No pool, no hook: the forwards run for real, and the prefetch's are not run at all."""
+    from kestrel.kernels import compile_ahead
+
+    ran: list[str] = []
+    stats = compile_ahead.compile_ahead(None, [lambda: ran.append("forward")], prefetch=[lambda: ran.append("later")])
+    assert ran == ["forward"] and stats["kernels"] == 0
