@@ -74,6 +74,16 @@ def stop_fork_server() -> None:
     server._stop()
 
 
+def leave_stop_signals_to_the_server() -> None:
+    """For a process that serves a server's engine (its core process, an executor's rank, a grammar or tokenizer
+    worker): a process group of its own. A terminal's Ctrl-C and a `kill` of the server's process group then reach
+    the server alone, which drains on them; a drain needs these processes alive until the requests in flight
+    finish. They end with the server instead (its pipe closes, or the parent-death signal) and still end on a
+    signal sent to them (multiprocessing terminates daemonic workers at exit)."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+
+
 @contextlib.contextmanager
 def main_module_hidden() -> Iterator[None]:
     """While it is open, the processes started (a process pool's workers, whose tasks are kestrel functions pickled

@@ -47,6 +47,7 @@ from kestrel.entrypoints.core_protocol import (
 )
 from kestrel.entrypoints.engine_factory import BuiltEngine, build_engine_core
 from kestrel.entrypoints.engine_stats import StatsTracker
+from kestrel.fork_server import leave_stop_signals_to_the_server
 from kestrel.outputs import SequenceDelta
 from kestrel.request import InvalidRequestError
 from kestrel.structured.compile import GrammarCompileError, GrammarSource, compile_source
@@ -86,6 +87,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def core_process_main(spec: CoreProcessSpec, conn: Connection) -> None:
+    leave_stop_signals_to_the_server()
     _die_with_parent(spec.parent_pid)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -58,11 +58,13 @@ def check_log_requests(enable_log_requests: bool, disable_log_requests: bool) ->
 class ServerConfig:
     host: str = _opt("127.0.0.1", "address to bind (0.0.0.0 for every interface)")
     port: int = _opt(8000, "port to listen on")
-    api_key: tuple[str, ...] = _opt((), "one or more keys clients send as 'Authorization: Bearer KEY' on /v1 "
-                                        "(default: the KESTREL_API_KEY environment variable, else vLLM's "
-                                        "VLLM_API_KEY; none: open)")
-    served_model_name: tuple[str, ...] = _opt((), "the model's names for clients: the first is reported, all are "
-                                                  "accepted (default: the model as given)")
+    api_key: tuple[str, ...] = _opt((), "one or more keys clients send as 'Authorization: Bearer KEY' on every "
+                                        "route but /health, /ping, /version and the playground (/metrics and the "
+                                        "API docs too with --public-metrics / --public-docs) (default: the "
+                                        "KESTREL_API_KEY environment variable, else vLLM's VLLM_API_KEY; none: open)")
+    served_model_name: tuple[str, ...] = _opt((), "the model's names for clients: all are accepted and listed by "
+                                                  "/v1/models; the first labels the metrics and answers requests that "
+                                                  "name no model (default: the model as given)")
     max_queued_requests: int = _opt(1024, "waiting sequences beyond which new requests get 429 with Retry-After")
     request_timeout: float | None = _opt(None, "abort requests running longer (s)")
     max_request_bytes: int = _opt(4 << 20, "largest request body (413 beyond)")

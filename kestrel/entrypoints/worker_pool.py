@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kestrel.fork_server import fork_context
+from kestrel.fork_server import fork_context, leave_stop_signals_to_the_server
 
 logger = logging.getLogger("kestrel.server")
 
@@ -81,7 +81,8 @@ def _picklable(error: BaseException) -> BaseException:
 def _worker_main(conn: Connection, initializer: Callable[..., None] | None, initargs: tuple[Any, ...],
                  niceness: int) -> None:
     _end_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the serving process decides
+    leave_stop_signals_to_the_server()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the serving process decides what a Ctrl-C does
     if niceness:
         os.nice(niceness)
     try:

@@ -29,6 +29,7 @@ import torch
 from kestrel.config import ConfigError, EngineConfig
 from kestrel.distributed.parallel import backend_for, init_parallel, shutdown_parallel
 from kestrel.engine.contracts import ModelRunnerOutput
+from kestrel.fork_server import leave_stop_signals_to_the_server
 from kestrel.kv_spec import KVCacheLayout
 from kestrel.worker.model_runner import ModelRunner
 from kestrel.worker.runner_setup import resolve_device
@@ -184,6 +185,7 @@ def worker_process_main(spec: WorkerSpec, conn: Connection) -> None:
     """The body of an `mp` worker process: start, report, then serve calls from the engine's pipe until told
     to stop (or the pipe closes: the engine process is gone). Only the reply rank sends outputs; any rank sends
     its error and exits, which the executor sees at once."""
+    leave_stop_signals_to_the_server()
     lock = threading.Lock()
     try:
         worker = Worker(spec)

@@ -74,7 +74,12 @@ def compile_source(compiler: Any, source: GrammarSource) -> Any:
         raise GrammarCompileError(str(error)) from None
     except (RuntimeError, ValueError, TypeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = _COMPILER_LOG_PREFIX.sub("", reason)  # the compiler's time and source line mean nothing to a client
         raise GrammarCompileError(f"the {_DESCRIPTIONS[source.kind]} could not be compiled: {reason[:500]}") from None
+
+
+# xgrammar's C++ errors open with its log prefix: "[01:36:58] /project/cpp/json_schema_converter.cc:5082: ".
+_COMPILER_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+\.(?:cc|cpp|h):\d+: ")
 
 
 def choice_grammar(choices: list[str]) -> str:

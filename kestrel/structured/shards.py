@@ -30,7 +30,12 @@ from typing import Any
 
 from kestrel.config import EngineConfig
 from kestrel.engine.contracts import GrammarBitmask
-from kestrel.fork_server import fork_context, start_fork_server, start_without_main
+from kestrel.fork_server import (
+    fork_context,
+    leave_stop_signals_to_the_server,
+    start_fork_server,
+    start_without_main,
+)
 from kestrel.sampling_params import StructuredOutputsParams
 from kestrel.structured.backend import GrammarBackend, advance_matchers, fill_draft_rows, valid_draft_prefix
 from kestrel.structured.compile import GrammarSource, compile_source
@@ -274,6 +279,7 @@ WORKER_MODULES = ("torch", "xgrammar", __name__)  # what the fork server imports
 
 
 def _worker_main(conn: Connection, memory_name: str, max_rows: int, words: int) -> None:
+    leave_stop_signals_to_the_server()  # ends when the engine closes the pipe
     import torch
     import xgrammar as xgr
 

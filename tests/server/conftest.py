@@ -156,15 +156,16 @@ def core_process_server(tiny_model_dir: str) -> Iterator[LiveServer]:
 
 
 @contextlib.contextmanager
-def serve_process(model_dir: str, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`kestrel serve` as its own process (key API_KEY, model name MODEL), ready: (process, base URL)."""
+def serve_process(model_dir: str, *flags: str, own_group: bool = False) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`kestrel serve` as its own process (key API_KEY, model name MODEL), ready: (process, base URL). `own_group`:
+    in a process group (and session) of its own, as a shell starts a command, so that a test may signal the group."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     process = subprocess.Popen([sys.executable, "-m", "kestrel.entrypoints.cli", "serve", "--model", model_dir,
                                 "--served-model-name", MODEL, "--port", str(port), "--dtype", "float32",
                                 "--log-level", "warning", *flags],
-                               cwd=REPO, env={**os.environ, "KESTREL_API_KEY": API_KEY})
+                               cwd=REPO, env={**os.environ, "KESTREL_API_KEY": API_KEY}, start_new_session=own_group)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

@@ -80,3 +80,14 @@ def test_a_request_schema_compiles_through_the_corrected_grammar():
     for piece in ['{', '"', 's', '"', ':', ' ', '"', 'a']:
         assert matcher.accept_string(piece)
     assert not matcher.accept_string("\x06")  # the raw control character the uncorrected grammar let through
+
+
+def test_a_refused_schema_names_the_problem_without_the_compilers_log_prefix():
+    from kestrel.structured.compile import GrammarCompileError
+
+    source = GrammarSource("json", json.dumps({"type": "foo"}), any_whitespace=True)
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(["a", "b"]))
+    with pytest.raises(GrammarCompileError) as caught:
+        compile_source(compiler, source)
+    message = str(caught.value)
+    assert "foo" in message and ".cc:" not in message and not message.split(": ", 1)[1].startswith("["), message
