@@ -11,10 +11,10 @@
 #   serving  the engine a server builds (`kestrel bench throughput`, 32 prompts of 128 / 16, FP8 + FP8 KV, the
 #            128k tokenizer, so the grammar workers start): max_num_seqs 512 cold, then cold and warm under
 #            cProfile, then max_num_seqs 128 (the default) cold
-#   serving-ab  the tests of the start-up's compile-ahead and graphs on the GPU (junit XML in OUT), then the
-#            `serving` engine's cold start, max_num_seqs 512 (two rounds) and 128 (one), of the working tree against
-#            a copy of it with PATCH reversed (a file in the tree, e.g. `git diff BEFORE HEAD -- kestrel >
-#            start.patch`), alternated
+#   serving-ab  the `serving` engine's cold start, max_num_seqs 512 (two rounds) and 128 (one), of the working
+#            tree against a copy of it with PATCH reversed (a file in the tree, e.g. `git diff BEFORE HEAD -- kestrel >
+#            start.patch`), alternated; then the tests of the start-up's compile-ahead and graphs on the GPU (junit
+#            XML in OUT)
 #   capture-ab  the GPU tests of the capture modes (junit XML in OUT), then the `serving` engine's cold start,
 #            max_num_seqs 512 then 128, with its CUDA graphs captured while it serves (`--graph-capture serving`)
 #            against all of them before it serves (`startup`, the default), alternated
@@ -59,13 +59,14 @@ for stage in "$@"; do
              bench 150 bf16-cold "$(mktemp -d)" 0 ;;
     cold) cold_runs "$tag" ;;
     serving-ab) before_tree serving-ab
-             run 280 python3 -m pytest -q -rf -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
-               tests/gpu/test_compile_ahead_gpu.py tests/gpu/test_cuda_graph_gpu.py
              for job in 512:1 512:2 128:1; do
                seqs=${job%:*} round=${job#*:}
                cold_start . "after-$seqs-$round" "$seqs"
                cold_start /tmp/before "before-$seqs-$round" "$seqs"
-             done ;;
+             done
+             pack_results  # what came so far, should the tests outlast the call
+             run 280 python3 -m pytest -q -rf -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
+               tests/gpu/test_compile_ahead_gpu.py tests/gpu/test_cuda_graph_gpu.py ;;
     capture-ab) run 150 python3 -m pytest -q -rf -p no:cacheprovider --junitxml "$out/gpu-tests.xml" \
                tests/gpu/test_cuda_graph_gpu.py -k "serving or matches_eager or kv_scales or async"
              for seqs in 512 128; do
