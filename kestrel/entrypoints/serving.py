@@ -870,16 +870,18 @@ class OpenAIServing:
         budget = self._response_budget(prompts, params, shape)
         trackers = [self.metrics.tracker(arrival, params) for _ in prompts]
         self.engine.check_capacity(len(prompts) * params.n)
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        # The engine's ids: the response's, made unique, since clients (and proxies stamping X-Request-Id) may send
+        # one id with several requests at once, or again while the last one's abort is still under way.
+        engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
+        ids = [engine_id] if len(prompts) == 1 else [f"{engine_id}-{i}" for i in range(len(prompts))]
         with_media = {"media": media} if media else {}  # only a multimodal engine (in-process) takes media
         rest = {"params": params, "priority": priority or 0, "grammar": grammar, "cache_salt": cache_salt,
                 **with_media}
         try:
             streams = submit_all(self.engine, [(rid, p.token_ids, {**rest, "prompt": p.text})
                                                for rid, p in zip(ids, prompts)])
-        except RequestIdInUseError as error:  # only a request_id the client chose can be in use already
-            raise InvalidRequestError("request_id", f"{error}; give each running request its own request_id") \
-                from None
+        except RequestIdInUseError as error:  # the random part of the engine's id came twice: retry
+            raise InvalidRequestError("request_id", f"{error}; send the request again") from None
         try:
             for stream in streams:
                 await stream.accepted()
@@ -895,8 +897,8 @@ class OpenAIServing:
                                           ) from None
             raise
         if self.config.enable_log_requests:
-            logger.info("request %s: %d prompt(s), %s prompt tokens, %r", request_id, len(prompts),
-                        [len(p.token_ids) for p in prompts], params)
+            logger.info("request %s (engine %s): %d prompt(s), %s prompt tokens, %r", request_id, engine_id,
+                        len(prompts), [len(p.token_ids) for p in prompts], params)
         return _Submitted(streams, trackers, prompts, params, request_id, budget=budget,
                           report_cached=self.config.enable_prompt_tokens_details)
 
