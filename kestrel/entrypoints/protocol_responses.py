@@ -1,9 +1,9 @@
 """The OpenAI Responses API's request schema (its text subset) and its translation into a chat completion request.
 
 Parsed as strictly as protocol.py's models (the same base): an unknown field is a 400 naming it. What has no
-counterpart here is refused by name: `background: true`, `truncation: "auto"`, `reasoning.summary`, `include` and every
-other field of OpenAI's that this server does not know. `store` and `previous_response_id` are the serving layer's
-to judge (they need the response store, which is off by default).
+counterpart here is refused by name: `background: true`, `truncation: "auto"`, `reasoning.summary`, an `include` other
+than the output text's logprobs, and every other field of OpenAI's that this server does not know. `store` and
+`previous_response_id` are the serving layer's to judge (they need the response store, which is off by default).
 """
 
 from __future__ import annotations
@@ -134,6 +134,13 @@ class ResponsesRequest(_Request):
     truncation: Literal["disabled"] | None = None
     user: str | None = None
     reasoning: ReasoningConfig | None = None
+    # The output text's logprobs (the chat completion's, per token) come with `include` naming them; top_logprobs
+    # adds that many alternatives to each.
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    top_logprobs: _bounded(Int, "logprobs", "top_logprobs") | None = None
+
+    def wants_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or ())
 
     def input_items(self) -> list[InputItem]:
         """The input as items: a string is one user message."""
@@ -159,6 +166,12 @@ class ResponsesRequest(_Request):
                 body[theirs] = getattr(self, ours)
         if self.reasoning is not None and self.reasoning.effort is not None:
             body["reasoning_effort"] = self.reasoning.effort
+        if self.wants_logprobs():
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
+        elif self.top_logprobs:
+            raise InvalidRequestError("top_logprobs", "top_logprobs adds alternatives to the output text's logprobs, "
+                                      "which come with include: [\"message.output_text.logprobs\"]; add it, or "
+                                      "leave top_logprobs out")
         if self.stream:
             body["stream_options"] = {"include_usage": True}  # response.completed carries the usage
         fmt = self.text.format if self.text is not None else None

@@ -72,7 +72,8 @@ class OpenAIServingResponses:
             cut = not message.get("content") and not calls  # the thinking is all there is
             output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", reasoning, status if cut else "completed"))
         if message.get("content") or not (calls or reasoning is not None):
-            output.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status))
+            output.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status,
+                                        _logprobs(choice)))
         output += [_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
                               call["function"]["arguments"], status if i == len(calls) - 1 else "completed")
                    for i, call in enumerate(calls)]
@@ -154,6 +155,7 @@ class _ResponseShell:
                             else tool_choice or "auto"),
             "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
             "top_p": used("top_p", request.top_p), "truncation": "disabled", "user": request.user, "metadata": {},
+            "top_logprobs": request.top_logprobs or 0,
         }
 
     def response(self, output: list[dict[str, Any]], finish_reason: str | None,
@@ -177,9 +179,16 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
             "total_tokens": usage["total_tokens"]}
 
 
-def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [_text_part(text)]
+def _message_item(item_id: str, text: str | None, status: str,
+                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    content = [] if text is None else [_text_part(text, logprobs)]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _logprobs(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat choice's (or chunk choice's) logprobs of its content tokens, which the Responses API's output text
+    carries in the same form ({token, logprob, bytes, top_logprobs}); none unless asked for (`include`)."""
+    return list((choice.get("logprobs") or {}).get("content") or [])
 
 
 def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
@@ -187,8 +196,8 @@ def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, An
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -206,6 +215,7 @@ class _EventWriter:
         self.text: dict[str, Any] | None = None  # the message item open, with its text so far
         self.reasoning: dict[str, Any] | None = None  # the reasoning item open, with its text so far
         self.calls: dict[int, dict[str, Any]] = {}  # function call items open, by the chat delta's index
+        self.held_logprobs: list[dict[str, Any]] = []  # of tokens whose text has not come yet
 
     def event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.number, **fields}
@@ -245,30 +255,35 @@ class _EventWriter:
                            text=text),
                 self.event("response.output_item.done", output_index=index, item=item)]
 
-    def text_delta(self, delta: str) -> list[str]:
+    def text_delta(self, delta: str, logprobs: list[dict[str, Any]] | None = None) -> list[str]:
         events = self.close_reasoning()
         if self.text is None:
             self.text = {"item": _message_item(f"msg_{uuid.uuid4().hex}", None, "in_progress"), "parts": [],
-                         "index": self._next_index()}
+                         "logprobs": [], "index": self._next_index()}
             events += [self.event("response.output_item.added", output_index=self.text["index"],
                                   item=self.text["item"]),
                        self.event("response.content_part.added", item_id=self.text["item"]["id"],
                                   output_index=self.text["index"], content_index=0, part=_text_part(""))]
         if delta:
+            logprobs, self.held_logprobs = self.held_logprobs + (logprobs or []), []
             self.text["parts"].append(delta)
+            self.text["logprobs"] += logprobs
             events.append(self.event("response.output_text.delta", item_id=self.text["item"]["id"],
-                                     output_index=self.text["index"], content_index=0, delta=delta, logprobs=[]))
+                                     output_index=self.text["index"], content_index=0, delta=delta,
+                                     logprobs=logprobs))
         return events
 
     def close_text(self, status: str) -> list[str]:
         if self.text is None:
             return []
-        item_id, index, text, item = self._finished(self.text, _message_item, status)
+        logprobs, self.held_logprobs = self.text["logprobs"] + self.held_logprobs, []
+        item_id, index, text, item = self._finished(
+            self.text, lambda item_id, text, status: _message_item(item_id, text, status, logprobs), status)
         self.text = None
         return [self.event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                           text=text, logprobs=[]),
+                           text=text, logprobs=logprobs),
                 self.event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                           part=_text_part(text)),
+                           part=_text_part(text, logprobs)),
                 self.event("response.output_item.done", output_index=index, item=item)]
 
     def call_delta(self, call: dict[str, Any]) -> list[str]:
@@ -331,8 +346,11 @@ async def _events(shell: _ResponseShell, chunks: AsyncIterator[Any],
                 delta = choice.get("delta") or {}
                 for event in writer.reasoning_delta(delta["reasoning"]) if delta.get("reasoning") else []:
                     yield event
-                for event in writer.text_delta(delta["content"]) if delta.get("content") else []:
-                    yield event
+                if delta.get("content"):
+                    for event in writer.text_delta(delta["content"], _logprobs(choice)):
+                        yield event
+                else:  # a token whose text is held back (a character split across tokens) comes with the next
+                    writer.held_logprobs += _logprobs(choice)
                 for call in delta.get("tool_calls") or []:
                     for event in writer.call_delta(call):
                         yield event

@@ -75,6 +75,31 @@ def test_streams_give_the_event_sequence_and_the_same_text(client):
     assert "".join(e.delta for e in raw if e.type.endswith("delta")) == whole.output_text
 
 
+def test_output_text_logprobs_are_the_chat_completions_whole_and_streamed(client):
+    """include ["message.output_text.logprobs"] with top_logprobs: the output text's tokens with their logprobs
+    and alternatives, equal to the chat completion's of the same greedy answer; the stream's deltas carry them
+    piecewise and its done events whole."""
+    args = {"model": MODEL, "input": "Hello there", "instructions": INSTRUCTIONS, **GREEDY,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    whole = client.responses.create(**args)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Hello there"}],
+        max_completion_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    part = whole.output[0].content[0]
+    assert whole.top_logprobs == 2 and len(part.logprobs) == len(chat) == whole.usage.output_tokens
+    for ours, theirs in zip(part.logprobs, chat):
+        assert (ours.token, ours.bytes) == (theirs.token, theirs.bytes)
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-5)
+        assert [t.token for t in ours.top_logprobs] == [t.token for t in theirs.top_logprobs]
+    assert "".join(bytes(t.bytes).decode("utf-8", "replace") for t in part.logprobs) == whole.output_text
+    events = list(client.responses.create(stream=True, **args))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [t.token for t in streamed] == [t.token for t in done.logprobs] == [t.token for t in part.logprobs]
+    plain = client.responses.create(model=MODEL, input="Hello there", **GREEDY)
+    assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs == 0  # none unless asked for
+
+
 def _collapsed(kinds: list[str]) -> list[str]:
     """The event types with each run of deltas as one."""
     return [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
@@ -172,7 +197,9 @@ def test_tool_round_trip_on_the_scripted_model(scripted):
     ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"truncation": "auto"}, "truncation"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # alternatives to logprobs not asked for
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
