@@ -97,12 +97,17 @@ _SSE = ("With `stream: true`, a `text/event-stream` of `data: <chunk JSON>` line
         "event `data: {{\"error\": ...}}` if the request fails mid-stream, and `data: [DONE]` last.")
 
 
+def _event_stream(description: str) -> dict[str, Any]:
+    """The `text/event-stream` content of a route's 200 (a stream's events as `event:` / `data:` lines)."""
+    return {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "description": description,
+                                             "properties": {"data": {"type": "string"},
+                                                            "event": {"type": "string"}}}}}
+
+
 def _generation_responses(whole: type, chunk: str) -> dict[int | str, dict[str, Any]]:
     """The 200 of a generation route: the whole response as JSON, or server-sent events."""
-    event = {"type": "object", "required": ["data"], "description": _SSE.format(chunk=chunk),
-             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
-    return {200: {"model": whole, "description": "The completion.",
-                  "content": {"text/event-stream": {"schema": event}}}, **_ERROR_RESPONSES}
+    return {200: {"model": whole, "description": "The completion.", "content": _event_stream(_SSE.format(chunk=chunk))},
+            **_ERROR_RESPONSES}
 
 
 def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str],
@@ -204,7 +209,8 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
     app.router.add_api_route("/v1/responses", create_response, methods=["POST"],
                              responses={200: {"description": "The Response object; with `stream: true`, a "
                                               "`text/event-stream` of the Responses API's events (`event: <type>` "
-                                              "and `data: <event JSON>`), response.completed last."},
+                                              "and `data: <event JSON>`), response.completed last.",
+                                              "content": _event_stream("The Responses API's events.")},
                                         **_ERROR_RESPONSES},
                              route_class_override=parsed_in_worker(ResponsesRequest, "input", create_response))
 
