@@ -297,7 +297,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     samples = _calibration_samples(args) if options.needs_calibration else None
     summary = quantize_checkpoint(args.model, args.out, options, samples, device=args.device,
                                   progress=lambda items: tqdm(items, desc="quantize", leave=False),
-                                  model=model_skeleton(load_hf_config(args.model)))
+                                  model=model_skeleton(load_hf_config(args.model)), overwrite=args.overwrite)
     print(json.dumps(summary, indent=2))
     print(f"wrote a compressed-tensors {args.scheme} checkpoint to {args.out}; serve it with "
           f"`kestrel serve --model {args.out}`")
@@ -424,6 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--weight-strategy", default="channel", choices=["channel", "tensor"],
                           help="one weight scale per output channel (default) or per linear module")
     quantize.add_argument("--device", default="cpu", help="where the calibration forward runs")
+    quantize.add_argument("--overwrite", action="store_true", help="write into a non-empty output directory, "
+                          "replacing the checkpoint files in it (never the model's own directory)")
     weight_only = quantize.add_argument_group("weight-only schemes (w4a16, w8a16)")
     fields = {f.name: f for f in dataclasses.fields(QuantizeOptions)}
     for name in WEIGHT_ONLY_FIELDS:

@@ -442,15 +442,38 @@ def quantization_config(options: QuantizeOptions) -> dict:
     return config
 
 
+# The files of a checkpoint's weights, which an overwritten output directory loses before the new ones are written.
+CHECKPOINT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "pytorch_model.bin.index.json")
+
+
+def check_output_dir(src: Path, dst: Path, overwrite: bool) -> None:
+    """Refuse, before anything is read or written, an output directory that would destroy the model's weights (the
+    model's own directory, `overwrite` or not) or mix with another checkpoint (not empty, unless `overwrite`)."""
+    if dst.resolve() == src.resolve():
+        raise ConfigError(f"invalid out={str(dst)!r}: it is the model's own directory, and the quantized checkpoint "
+                          "would overwrite the weights it is made from; write it to a directory of its own")
+    if dst.exists() and not dst.is_dir():
+        raise ConfigError(f"invalid out={str(dst)!r}: it is a file; give a directory")
+    present = sorted(path.name for path in dst.iterdir()) if dst.is_dir() else []
+    if present and not overwrite:
+        shown = ", ".join(present[:5]) + (" and more" if len(present) > 5 else "")
+        raise ConfigError(f"invalid out={str(dst)!r}: the directory is not empty ({shown}); its files would mix "
+                          "with the new checkpoint's (a stale shard index would win): give a new or empty directory, "
+                          "or --overwrite to replace the checkpoint files in it")
+
+
 def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, options: QuantizeOptions,
                         samples: list[list[int]] | None = None, device: str = "cpu",
-                        progress: Callable[[Iterable], Iterable] = lambda x: x, *, model: nn.Module) -> dict:
+                        progress: Callable[[Iterable], Iterable] = lambda x: x, *, model: nn.Module,
+                        overwrite: bool = False) -> dict:
     """Write `out_dir`; returns a summary of the scales chosen. `model`: the checkpoint's kestrel model, whose
-    structure says what to quantize (`QuantTargets.of_model`; build it on the meta device)."""
+    structure says what to quantize (`QuantTargets.of_model`; build it on the meta device). `overwrite`: a
+    non-empty `out_dir` is allowed, its checkpoint files replaced (`check_output_dir`)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     src, dst = Path(model_dir), Path(out_dir)
+    check_output_dir(src, dst, overwrite)
     hf_config = json.loads((src / "config.json").read_text())
     if hf_config.get("quantization_config"):
         raise ConfigError(f"invalid model={str(src)!r}: it is already quantized (quantization_config); quantize "
@@ -507,6 +530,9 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, options: Qua
                 max(calibration.key_absmax[attention.prefix] * math.sqrt(2.0) / FP8_MAX, SCALE_FLOOR))
             out[value_name] = torch.tensor(max(calibration.value_absmax[attention.prefix] / FP8_MAX, SCALE_FLOOR))
     dst.mkdir(parents=True, exist_ok=True)
+    for stale in CHECKPOINT_FILES:  # --overwrite: an earlier checkpoint's shards and index would win over ours
+        for path in dst.glob(stale):
+            path.unlink()
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     hf_config["quantization_config"] = quantization_config(options)
     (dst / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

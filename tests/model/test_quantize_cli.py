@@ -131,6 +131,34 @@ def test_bad_quantize_arguments_are_config_errors(base, tmp_path):
                  str(tmp_path / "missing.jsonl")]) == 2
 
 
+def test_the_output_directory_never_destroys_the_weights_nor_mixes_with_another_checkpoint(base, tmp_path, capsys):
+    """The model's own directory as the output is refused before anything is written (its weights are intact); a
+    non-empty output directory is refused unless --overwrite, which replaces the checkpoint files there (a stale
+    shard index included) and serves."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (model / name).write_bytes((base / name).read_bytes())
+    before = (model / "model.safetensors").read_bytes()
+    args = ["--scheme", "w8a8-int8"]
+    assert main(["quantize", str(model), str(model), *args]) == 2
+    assert "the model's own directory" in capsys.readouterr().err
+    assert (model / "model.safetensors").read_bytes() == before and "quantization_config" not in (
+        model / "config.json").read_text()
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {"x": "gone.safetensors"}}')
+    assert main(["quantize", str(model), str(used), *args]) == 2
+    assert "not empty (model.safetensors.index.json)" in capsys.readouterr().err
+    assert main(["quantize", str(model), str(used), *args, "--overwrite"]) == 0
+    assert not (used / "model.safetensors.index.json").exists()
+    from kestrel import LLM, SamplingParams
+
+    llm = LLM(str(used), tokenizer=str(base), dtype="float32", max_model_len=64)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
 def test_outlier_injection_keeps_the_function_and_makes_outliers(tmp_path):
     from kestrel.bench.quant_accuracy import OUTLIER_CHANNELS, OUTLIER_SCALE, inject_outliers
     from kestrel.tiny import default_model_path
