@@ -1323,6 +1323,17 @@ NOT_SUPPORTED_ENGINE_ARGS: dict[str, str] = {
     "override_generation_config": "put the settings in a generation_config.json and pass generation_config=DIR",
     "logprobs_mode": "logprobs are the raw model's (vLLM's raw_logprobs)",
     "served_model_name": "it names the model in the server; pass --served-model-name to kestrel serve",
+    "disable_custom_all_reduce": "tensor parallelism all-reduces through torch.distributed (NCCL, gloo); kestrel has "
+                                 "no custom all-reduce to turn off",
+    "max_parallel_loading_workers": "each rank loads its own shard of the checkpoint",
+    "cuda_graph_sizes": "the decode graphs cover the batch sizes up to max_num_seqs, and the prefill graphs up to "
+                        "max_prefill_graph_tokens; enforce_eager turns them off",
+    "model_impl": "kestrel runs its own implementation of each architecture it lists",
+    "long_prefill_token_threshold": "a step's prefill tokens are max_num_batched_tokens at most; step_time_target_ms "
+                                    "bounds a step's time",
+    "logits_processors": "custom logits processors are not implemented",
+    "tokenizer_pool_size": "the server tokenizes in --tokenizer-workers processes",
+    "otlp_traces_endpoint": "OpenTelemetry tracing is not implemented; /metrics serves Prometheus metrics",
 }
 # vLLM engine arguments at a value that asks for what kestrel does anyway: accepted, since nothing is ignored.
 _ENGINE_ARG_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
@@ -1334,6 +1345,9 @@ _ENGINE_ARG_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "enable_expert_parallel": (False,), "hf_token": (None,), "compilation_config": (None,),
     "guided_decoding_backend": ("xgrammar", "auto"),
     "structured_outputs_config": ({"backend": "xgrammar"}, {"backend": "auto"}),
+    "disable_custom_all_reduce": (True, False), "max_parallel_loading_workers": (None,), "model_impl": ("auto",),
+    "long_prefill_token_threshold": (0,), "logits_processors": (None,), "tokenizer_pool_size": (0,),
+    "otlp_traces_endpoint": (None,), "cuda_graph_sizes": (None,),
 }
 
 

@@ -23,7 +23,7 @@ def standalone_main(suite: str, description: str | None, add_arguments: Callable
                     run: Callable[[argparse.Namespace], int], argv: Sequence[str] | None = None) -> int:
     """`python -m kestrel.bench.<suite>`: parse the suite's arguments and run it; a ConfigError is a message."""
     parser = argparse.ArgumentParser(prog=f"python -m kestrel.bench.{suite}", description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

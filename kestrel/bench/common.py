@@ -30,7 +30,7 @@ from kestrel.bench import attention as attn_bench
 from kestrel.bench.hf_peer import median as median
 from kestrel.bench.hf_peer import percentile as percentile
 from kestrel.bench.hf_peer import random_prompts as random_prompts
-from kestrel.config import GRAPH_CAPTURE_CHOICES, ConfigError, EngineConfig, is_gguf_model
+from kestrel.config import GRAPH_CAPTURE_CHOICES, ConfigError, EngineConfig, is_gguf_model, resolve_model_path
 from kestrel.engine.core import EngineCore
 from kestrel.executor.factory import build_executor
 from kestrel.loader.model_init import _write_weights, checkpoint_shapes, write_tiny_checkpoint
@@ -270,6 +270,10 @@ def prepare_model(model: str | None, arch: str, smoke: bool, weights_dir: Path |
                                             device)
         return str(weights_dir), "auto"
     if model:
+        model = resolve_model_path(model)  # a Hugging Face id from the local cache, or a ConfigError naming it
+        if not is_gguf_model(model) and not (Path(model) / "config.json").is_file():
+            raise ConfigError(f"invalid model={model!r}: no config.json there; pass a Hugging Face model directory "
+                              "or a GGUF file (or --arch for random weights of a known shape)")
         return model, "auto"
     if smoke:
         # a directory of the run's own unless given: the architecture's default holds its real random checkpoint,

@@ -236,6 +236,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 def _cmd_model_init(args: argparse.Namespace) -> int:
     from kestrel.loader.model_init import write_tiny_checkpoint
 
+    if Path(args.path).exists() and not Path(args.path).is_dir():
+        raise ConfigError(f"invalid path={args.path!r}: it is a file; give a directory for the checkpoint")
     write_tiny_checkpoint(args.path, arch=args.arch, size=args.size, seed=args.seed)
     print(f"wrote a random {args.arch} checkpoint ({args.size}) to {args.path}")
     return 0
@@ -377,7 +379,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kestrel", description="Fast LLM inference and serving.")
+    parser = ExactFlagParser(prog="kestrel", description="Fast LLM inference and serving.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -438,6 +440,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name in BENCH_SUITES:
         importlib.import_module(f"kestrel.bench.{name}").register(suites)
     return parser
+
+
+class ExactFlagParser(argparse.ArgumentParser):
+    """A parser (and, as their class, its subcommands' parsers) that takes flags whole: by argparse's default a
+    vLLM flag kestrel lacks would be read as a longer flag of kestrel's that it begins (`--logprobs` as the
+    refused `--logprobs-mode`, `--swap` as `--swap-space`), and refused with the wrong name or taken silently."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
 
 # The commands whose flags a --config file may hold (the engine's, the server's, sampling).

@@ -41,6 +41,12 @@ NOT_SUPPORTED_SERVER_FLAGS: dict[str, str] = {
     "enable_reasoning": "vLLM's older flag: --reasoning-parser NAME turns the reasoning parser on",
     "lora_modules": "LoRA adapters are not supported; merge the adapter into the weights",
     "prompt_adapters": "prompt adapters are not supported",
+    "api_server_count": "one API server process serves; --engine-core-process runs the engine core in a process of "
+                        "its own",
+    "disable_frontend_multiprocessing": "--no-engine-core-process keeps the engine core in the server's process",
+    "enable_log_outputs": "requests are logged with their id, size and settings only (--enable-log-requests), never "
+                          "their text",
+    "uds": "kestrel serves on TCP (--host, --port); put a proxy in front for a Unix socket",
 }
 
 

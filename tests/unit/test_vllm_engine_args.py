@@ -28,6 +28,9 @@ VLLM_ENGINE_ARGS = {
     "enable_sleep_mode": True, "calculate_kv_scales": True, "async_scheduling": False, "task": "embed",
     "runner": "pooling", "override_pooler_config": {"pooling_type": "MEAN"}, "enable_prompt_embeds": True,
     "override_generation_config": {"temperature": 0.5}, "served_model_name": "mine",
+    "max_parallel_loading_workers": 2, "cuda_graph_sizes": [1, 2, 4], "model_impl": "transformers",
+    "long_prefill_token_threshold": 512, "logits_processors": ["my.Processor"], "tokenizer_pool_size": 2,
+    "otlp_traces_endpoint": "http://collector:4317",
 }
 # vLLM arguments kestrel spells differently, accepted under vLLM's name too: the kestrel argument each sets.
 VLLM_SPELLINGS = {"num_gpu_blocks_override": "kv_cache_blocks", "override_pooler_config": "pooler_config"}
@@ -64,7 +67,8 @@ def test_each_vllm_engine_argument_is_honoured_or_refused_by_name(model_dir, nam
 @pytest.mark.parametrize("name, value", [("swap_space", 0), ("cpu_offload_gb", 0), ("enable_lora", False),
                                          ("speculative_config", None), ("preemption_mode", "recompute"),
                                          ("guided_decoding_backend", "xgrammar"),
-                                         ("structured_outputs_config", {"backend": "auto"})])
+                                         ("structured_outputs_config", {"backend": "auto"}),
+                                         ("disable_custom_all_reduce", True), ("model_impl", "auto")])
 def test_a_vllm_argument_at_its_no_op_value_is_accepted(model_dir, name, value):
     assert EngineConfig.from_kwargs(model_dir, **{name: value}) == EngineConfig.from_kwargs(model_dir)
 
