@@ -1115,6 +1115,8 @@ class EngineConfig:
                 known = ", ".join(sorted(_KWARG_TO_FIELD))
                 raise ConfigError(f"unknown engine argument {key!r}; known arguments: {known}")
             group, name = _KWARG_TO_FIELD[key]
+            if key == "dtype" and type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+                value = str(value).removeprefix("torch.")  # LLM(dtype=torch.bfloat16), as vLLM takes it
             groups[group][name] = value
         return cls(
             model=ModelConfig(model=model, hf_config=hf_config or {}, **groups["model"]),

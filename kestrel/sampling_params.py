@@ -40,8 +40,8 @@ class Bound:
     def admits(self, value: Any) -> bool:
         if value is None:
             return self.optional
-        if not (_is_int(value) if self.integer else _is_number(value)) or math.isnan(value):
-            return False
+        if not (_is_int(value) if self.integer else _is_number(value)) or not math.isfinite(value):
+            return False  # NaN, and infinity, which no parameter means (temperature=inf sampled uniformly)
         return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
                 and (self.le is None or value <= self.le))
 

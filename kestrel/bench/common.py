@@ -103,6 +103,17 @@ ROOFLINE_FACTOR = 1.3
 # ------------------------------------------------------------------------------------------------ models
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a count of prompts, tokens or rounds that must not be empty)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def write_random_checkpoint(path: Path, config: dict[str, Any], device: torch.device, seed: int = 0) -> None:
     """HF-named random weights (std 0.02, norms 1 + N(0, 0.02)) drawn on `device`, saved as safetensors.
     Reused when `path` already holds a checkpoint of the same config."""

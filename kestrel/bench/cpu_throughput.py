@@ -154,7 +154,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory (default: the bundled kestrel-tiny)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=common.positive_int, default=64)
     p.add_argument("--input-len", type=int, default=100)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each runs every variant once")

@@ -137,9 +137,9 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     common.add_model_arguments(p)
-    p.add_argument("--num-prompts", type=int, default=1500)
-    p.add_argument("--input-len", type=int, default=1000)
-    p.add_argument("--output-len", type=int, default=1000)
+    p.add_argument("--num-prompts", type=common.positive_int, default=1500)
+    p.add_argument("--input-len", type=common.positive_int, default=1000)
+    p.add_argument("--output-len", type=common.positive_int, default=1000)
     p.add_argument("--warmup-prompts", type=int, default=None,
                    help="prompts of the short warm-up run (default --max-num-seqs, so every decode batch size "
                         "and GEMM bucket is compiled before timing)")

@@ -251,6 +251,9 @@ class LLM:
                 concurrency_limit, int) or concurrency_limit < 1):
             raise InvalidRequestError("concurrency_limit", f"concurrency_limit must be an integer >= 1 or None, got "
                                       f"{concurrency_limit!r}")
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError("params", f"LLM.beam_search takes a BeamSearchParams (beam_width, max_tokens, "
+                                      f"ignore_eos, temperature, length_penalty), got {type(params).__name__}")
         prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         check_beam_width(params, self.config.model.max_logprobs)
         searches = [BeamSearch(self._tokenize(p, "LLM.beam_search", salted=False)[1], params,

@@ -85,7 +85,12 @@ def test_concurrency_limit_changes_nothing_but_the_grouping(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_bad_beam_settings_are_named():
+def test_bad_beam_settings_are_named(llm):
+    from kestrel import SamplingParams
+    from kestrel.request import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="takes a BeamSearchParams.*got SamplingParams"):
+        llm.beam_search(["x"], SamplingParams(max_tokens=3))
     with pytest.raises(SamplingParamsError, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=3)
     with pytest.raises(SamplingParamsError, match="max_tokens"):

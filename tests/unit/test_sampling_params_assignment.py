@@ -21,7 +21,8 @@ def test_an_assigned_field_is_normalized_and_kept():
 
 
 @pytest.mark.parametrize("name,value", [("temperature", -1.0), ("top_p", 0.0), ("n", 0), ("stop", [""]),
-                                        ("min_tokens", 100)])
+                                        ("min_tokens", 100), ("temperature", float("inf")),
+                                        ("repetition_penalty", float("inf")), ("presence_penalty", float("nan"))])
 def test_a_refused_value_names_its_field_and_changes_nothing(name, value):
     params = SamplingParams(max_tokens=10)
     before = SamplingParams(max_tokens=10)

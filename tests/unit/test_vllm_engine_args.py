@@ -73,6 +73,15 @@ def test_a_vllm_argument_at_its_no_op_value_is_accepted(model_dir, name, value):
     assert EngineConfig.from_kwargs(model_dir, **{name: value}) == EngineConfig.from_kwargs(model_dir)
 
 
+def test_a_torch_dtype_is_taken_as_its_name(model_dir):
+    import torch
+
+    assert EngineConfig.from_kwargs(model_dir, dtype=torch.bfloat16) == EngineConfig.from_kwargs(model_dir,
+                                                                                                 dtype="bfloat16")
+    with pytest.raises(ConfigError, match="invalid dtype='int8'"):
+        EngineConfig.from_kwargs(model_dir, dtype=torch.int8)
+
+
 def test_a_misspelt_argument_is_an_error_listing_the_known_ones(model_dir):
     with pytest.raises(ConfigError, match="unknown engine argument 'max_num_seq'.*max_num_seqs"):
         EngineConfig.from_kwargs(model_dir, max_num_seq=4)
