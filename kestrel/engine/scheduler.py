@@ -481,7 +481,8 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
         self._runner_count_stale.discard(request.request_id)
-        if request.request_id in self._known_to_runner:
+        # A request preempted earlier may still have state on the runner (a seeded generator kept for its return).
+        if request.request_id in self._known_to_runner or request.num_preemptions:
             self._known_to_runner.discard(request.request_id)
             self._finished_ids.add(request.request_id)
 

@@ -37,6 +37,9 @@ class StepInputs:
         self.device = device
         self.drafter = drafter
         self.requests: dict[str, CachedRequestState] = {}
+        # A preempted seeded request's generator, until it runs again: it goes on from where it was, so the
+        # request samples what it would have unpreempted (a new one would replay its first draws).
+        self.preempted_generators: dict[str, torch.Generator] = {}
         self.block_table = BlockTables(max_num_seqs, max_blocks_per_seq, groups_follow_tokens)
         self.last_sampled: torch.Tensor | None = None  # sampled ids of the latest launched step, on the device
 
@@ -47,6 +50,10 @@ class StepInputs:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self.block_table.free(state.block_table_row)
+                if req_id in out.preempted_req_ids and state.generator is not None:
+                    self.preempted_generators[req_id] = state.generator
+            if req_id in out.finished_req_ids:  # finished, or aborted while preempted
+                self.preempted_generators.pop(req_id, None)
         for new in out.new_requests:
             self._add(new)
         for cached in out.cached_requests:
@@ -74,8 +81,8 @@ class StepInputs:
         state.num_dropped_tokens = num_dropped_tokens
 
     def _add(self, new: NewRequestData) -> None:
-        generator = None
-        if new.sampling_params.seed is not None:
+        generator = self.preempted_generators.pop(new.req_id, None)
+        if generator is None and new.sampling_params.seed is not None:
             generator = torch.Generator(self.device)
             generator.manual_seed(new.sampling_params.seed)
         self.requests[new.req_id] = CachedRequestState(

@@ -72,6 +72,24 @@ def test_forced_chunking_and_preemption_keep_outputs(llama_dir):
     assert pool.num_free_blocks == pool.num_blocks
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_seeded_request_samples_the_same_tokens_when_preempted(llama_dir, async_scheduling):
+    """A preempted seeded request's generator goes on where it was when the request runs again (a new one from the
+    seed replayed its first draws): each request samples what it samples alone, one at a time."""
+    prompts = mixed_prompts(1000, seed=3)
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=MAX_NEW, ignore_eos=True)
+              for i in range(len(prompts))]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    roomy = LLM(llama_dir, dtype="float32", max_model_len=64, max_num_seqs=1, async_scheduling=async_scheduling)
+    alone = [o.outputs[0].token_ids for o in roomy.generate(requests, params, use_tqdm=False)]
+    tight = LLM(llama_dir, dtype="float32", max_model_len=64, kv_cache_blocks=6, max_num_seqs=16,
+                async_scheduling=async_scheduling)
+    together = [o.outputs[0].token_ids for o in tight.generate(requests, params, use_tqdm=False)]
+    assert tight.stats.num_preemptions > 0
+    assert together == alone
+    assert not tight.runner.step_inputs.preempted_generators  # each came back, or finished
+
+
 def test_prefix_caching_computes_fewer_tokens_with_identical_outputs(llama_dir):
     rng = random.Random(5)
     shared = [rng.randrange(3, 1000) for _ in range(48)]
