@@ -85,6 +85,16 @@ class _ResetPrefixCache:
     done: concurrent.futures.Future  # its result: whether the cache was reset (only while no request holds a block)
 
 
+def check_queue_room(queued: int, num_sequences: int, free_slots: int, limit: int) -> None:
+    """Raise QueueFullError if `num_sequences` more would leave more than `limit` sequences waiting: `queued` are
+    accepted and not yet running, and the `free_slots` of the running batch take that many of them first."""
+    waiting = queued + num_sequences - max(0, free_slots)
+    if waiting > limit:
+        raise QueueFullError(f"the queue is full: {max(0, waiting - num_sequences)} sequences would wait beside "
+                             f"the {num_sequences} of this request (limit max_queued_requests={limit}, sequences "
+                             "waiting for a place in the running batch); retry later")
+
+
 class RequestIdInUseError(ValueError):
     """A request submitted under the id of one still running (or whose abort the engine has not applied yet)."""
 
@@ -322,11 +332,8 @@ class AsyncEngine:
         with self._cond:
             stats = self._stats
             queued = self._num_pending_sequences + stats.num_waiting
-        # Free running slots absorb new sequences; only the rest would wait.
-        room = max(0, self.core.config.scheduler.max_num_seqs - stats.num_running)
-        if queued + num_sequences - room > self.max_queued_requests:
-            raise QueueFullError(f"the server has {queued} queued sequences (limit max_queued_requests="
-                                 f"{self.max_queued_requests}); retry later")
+        check_queue_room(queued, num_sequences, self.core.config.scheduler.max_num_seqs - stats.num_running,
+                         self.max_queued_requests)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                prompt: str | None = None, timeout_s: float | None = None, priority: int = 0,

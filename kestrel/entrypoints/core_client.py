@@ -31,11 +31,11 @@ from kestrel.entrypoints.async_engine import (
     _ACCEPTED,
     SHUTTING_DOWN_MESSAGE,
     EngineDeadError,
-    QueueFullError,
     RequestIdInUseError,
     RequestStream,
     ServerShuttingDownError,
     _put_all,
+    check_queue_room,
 )
 from kestrel.entrypoints.core_outputs import ClientRequest, child_id, child_params
 from kestrel.entrypoints.core_process import CoreProcessSpec, build_model_core, core_process_main
@@ -294,10 +294,8 @@ class CoreClient:
             return
         stats = self._stats
         queued = self._num_pending_sequences + stats.num_waiting
-        room = max(0, self.config.scheduler.max_num_seqs - stats.num_running)
-        if queued + num_sequences - room > self.max_queued_requests:
-            raise QueueFullError(f"the server has {queued} queued sequences (limit max_queued_requests="
-                                 f"{self.max_queued_requests}); retry later")
+        check_queue_room(queued, num_sequences, self.config.scheduler.max_num_seqs - stats.num_running,
+                         self.max_queued_requests)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                prompt: str | None = None, timeout_s: float | None = None, priority: int = 0,
