@@ -23,7 +23,7 @@ from kestrel.config import (
     engine_arg_type,
     field_kind,
 )
-from kestrel.entrypoints.server_config import NOT_SUPPORTED_SERVER_FLAGS, ServerConfig
+from kestrel.entrypoints.server_config import NOT_SUPPORTED_SERVER_FLAGS, ServerConfig, chat_template_text
 from kestrel.init_configs import ARCHS, SIZES
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import SamplingParams, SamplingParamsError
@@ -213,6 +213,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_chat(args: argparse.Namespace) -> int:
     from kestrel.entrypoints.llm import LLM
 
+    template = chat_template_text(args.chat_template)  # a bad one is refused before the model loads
     llm = LLM(args.model, **_engine_kwargs(args))
     params = _sampling_params(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -228,7 +229,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             except EOFError:
                 return 0
         messages.append({"role": "user", "content": user})
-        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        reply = llm.chat(messages, params, use_tqdm=False, chat_template=template)[0].outputs[0].text
         print(f"assistant> {reply}")
         messages.append({"role": "assistant", "content": reply})
 
@@ -400,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="system message")
     chat.add_argument("--message", action="append", help="user turn (repeatable); default: interactive")
+    chat.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one, in place "
+                      "of the tokenizer's")
     chat.set_defaults(func=_cmd_chat)
 
     init = commands.add_parser("model-init", help="write a small random Hugging Face checkpoint with a tokenizer")

@@ -50,6 +50,18 @@ NOT_SUPPORTED_SERVER_FLAGS: dict[str, str] = {
 }
 
 
+def chat_template_text(chat_template: str | None) -> str | None:
+    """A --chat-template as template text: a file's contents, or the value itself when no such file."""
+    if chat_template is None:
+        return None
+    if os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            return f.read()
+    if "{" not in chat_template:
+        raise ConfigError(f"invalid chat_template={chat_template!r}: no such file, and not a Jinja template")
+    return chat_template
+
+
 def _opt(default: Any, help_text: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help_text, **extra})
 
@@ -220,15 +232,7 @@ class ServerConfig:
                 raise ConfigError(f"invalid {name}={value!r}: expected one of {list(LOG_LEVELS)}")
 
     def chat_template_text(self) -> str | None:
-        """The --chat-template as template text: a file's contents, or the value itself when no such file."""
-        if self.chat_template is None:
-            return None
-        if os.path.isfile(self.chat_template):
-            with open(self.chat_template) as f:
-                return f.read()
-        if "{" not in self.chat_template:
-            raise ConfigError(f"invalid chat_template={self.chat_template!r}: no such file, and not a Jinja template")
-        return self.chat_template
+        return chat_template_text(self.chat_template)
 
     @property
     def tokenizer_processes(self) -> int:

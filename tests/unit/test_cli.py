@@ -31,3 +31,25 @@ def test_chat_sends_each_message_as_one_turn(capsys):
                      "--max-tokens", "24", "--temperature", "0"]) == 0
     replies = [line for line in capsys.readouterr().out.splitlines() if line.startswith("assistant> ")]
     assert len(replies) == 2 and "os.path.join" in replies[0]  # the chat fine-tune names what it explains
+
+
+def test_chat_takes_a_chat_template_and_refuses_a_bad_one(capsys, tmp_path, monkeypatch):
+    """--chat-template (a file or the template itself) renders the conversation; one that is neither is refused
+    before the model loads."""
+    from kestrel.entrypoints import llm as llm_module
+
+    rendered: list[str | None] = []
+    chat = llm_module.LLM.chat
+
+    def recording_chat(self, messages, *args, **kwargs):
+        rendered.append(kwargs.get("chat_template"))
+        return chat(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(llm_module.LLM, "chat", recording_chat)
+    template = "{% for m in messages %}Q: {{ m.content }}\n{% endfor %}A:"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    assert cli.main(["chat", "--message", "hi", "--max-tokens", "2", "--chat-template", str(path)]) == 0
+    assert rendered == [template]
+    assert cli.main(["chat", "--message", "hi", "--chat-template", "no-such-file"]) == 2
+    assert "invalid chat_template='no-such-file'" in capsys.readouterr().err
