@@ -116,9 +116,12 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
     content_parts = content_parts or content_format == "openai" or (content_format == "auto"
                                                                      and reads_content_parts(template))
     use_tools = bool(tools) and tool_choice != "none"
-    native = bool(tools) and (use_tools or not exclude_tools_when_none) and template_renders_tools(template)
+    renders_tools = template_renders_tools(template)
+    native = bool(tools) and (use_tools or not exclude_tools_when_none) and renders_tools
     fmt = tool_parser or (tool_format(template) if native else "llama3_json")
-    conversation = [_normalize_message(m, native, content_parts) for m in messages]
+    # Earlier turns' calls go to a template that renders tools as its own tool_calls whether or not this request
+    # sends tools (a follow-up after a tool result often does not): one history, one prompt.
+    conversation = [_normalize_message(m, renders_tools, content_parts) for m in messages]
     if use_tools and not native:
         conversation = _with_tool_instruction(conversation, tools or [], tool_choice, named_tool, fmt)
     try:

@@ -145,6 +145,29 @@ def test_tool_choice_none_keeps_the_tools_in_a_template_that_renders_them() -> N
     assert render_chat(Plain(), messages, tools=[tool], tool_choice="none").text == "<|user|>1+1?<|assistant|>"
 
 
+def test_earlier_calls_reach_a_tool_template_as_its_own_whether_or_not_the_request_sends_tools() -> None:
+    """The turn after a tool result often comes without `tools`: the assistant's earlier call still reaches a
+    template that renders tools as its `tool_calls` (as transformers hands them over), so the history renders the
+    same either way; a template without tools gets the call as JSON text in the content."""
+    class Native(_TemplateTokenizer):
+        chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% for c in m.tool_calls or [] %}"
+                         "CALL {{ c.function.name }}{% endfor %}{% endfor %}{% if tools %}{% endif %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    messages = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    with_tools = render_chat(Native(), messages, tools=[tool]).text
+    without = render_chat(Native(), messages).text
+    assert "<|assistant|>CALL add" in with_tools and with_tools == without
+
+    class Plain(_TemplateTokenizer):
+        chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+
+    assert '<|assistant|>{"name": "add", "arguments": {"a": 1}}' in render_chat(Plain(), messages).text
+
+
 @pytest.mark.parametrize("function", [{"name": "ping"}, {"name": "ping", "parameters": {}}])
 def test_a_function_without_parameters_is_called_with_no_arguments(function: dict) -> None:
     """OpenAI's function without parameters takes none: a forced call's arguments are {} (an object schema without
