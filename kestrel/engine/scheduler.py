@@ -414,6 +414,11 @@ class Scheduler:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
+            if request.pooled_output is not None:  # its result is the pooled state: no token is generated
+                (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                updated.append(request)
+                continue
             output_token_ids, all_token_ids = request.output_token_ids, request.all_token_ids
             stopping_ids, max_tokens = request.stopping_ids, request.max_tokens
             appended = 0

@@ -117,3 +117,28 @@ def test_engine_pools_unnormalized_and_truncated(openai_server, oracle):
 
 async def _both(run, first, second):
     return await run(first), await run(second)
+
+
+def test_embeddings_generate_no_tokens_in_the_metrics(client, openai_server):
+    """A pooled request's result is its hidden state: /metrics counts its prompt and a success finished "stop",
+    and no generated token (each used to count one, finished "length")."""
+    import re
+
+    def series() -> dict[str, float]:
+        text = HTTP.get(f"{openai_server.base_url}/metrics", headers=openai_server.headers).text
+        found = {}
+        for name in ("vllm:generation_tokens_total", "vllm:prompt_tokens_total"):
+            found[name] = sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
+        for reason in ("stop", "length"):
+            found[reason] = sum(float(v) for v in re.findall(
+                rf'^vllm:request_success_total{{[^}}]*finished_reason="{reason}"[^}}]*}} (\S+)$', text, re.M))
+        return found
+
+    openai_server.wait_idle()
+    before = series()
+    reply = client.embeddings.create(model=MODEL, input=TEXTS)
+    openai_server.wait_idle()
+    after = series()
+    assert after["vllm:generation_tokens_total"] == before["vllm:generation_tokens_total"]
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == reply.usage.prompt_tokens
+    assert (after["stop"] - before["stop"], after["length"] - before["length"]) == (len(TEXTS), 0)
