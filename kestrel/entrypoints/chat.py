@@ -115,6 +115,11 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
                                   f"{list(CONTENT_FORMATS)}, got {content_format!r}")
     content_parts = content_parts or content_format == "openai" or (content_format == "auto"
                                                                      and reads_content_parts(template))
+    taken = sorted(set(template_kwargs or ()) & _OWN_TEMPLATE_VARIABLES)
+    if taken:
+        raise InvalidRequestError("chat_template_kwargs", f"chat_template_kwargs may not set {taken}: the request's "
+                                  "own fields set them (messages, tools, add_generation_prompt, "
+                                  "continue_final_message, chat_template); send them there")
     use_tools = bool(tools) and tool_choice != "none"
     renders_tools = template_renders_tools(template)
     native = bool(tools) and (use_tools or not exclude_tools_when_none) and renders_tools
@@ -135,6 +140,11 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
         text += f"{THINK_END}\n\n"
     prefix = forced_prefix(tool_choice, named_tool, fmt) if use_tools and add_generation_prompt else ""
     return ChatPrompt(text + prefix, prefix, fmt, answer_start)
+
+
+# What render_chat hands the template itself, from the request's own fields.
+_OWN_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tools", "add_generation_prompt",
+                                     "continue_final_message", "chat_template", "tokenize"})
 
 
 def special_token_texts(tokenizer: Any) -> list[str]:

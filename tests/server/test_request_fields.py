@@ -165,6 +165,13 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(openai_server):
         assert "more than max_model_len=256" in refused.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("key", ["add_generation_prompt", "tools", "messages"])
+def test_template_kwargs_may_not_set_what_the_request_sets(openai_server, key):
+    refused = post(openai_server, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {key: True}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+    assert key in refused.json()["error"]["message"] and "send them there" in refused.json()["error"]["message"]
+
+
 def test_request_chat_templates_need_the_servers_trust(openai_server, start_scripted_server, tiny_model_dir):
     template = "{% for m in messages %}[{{ m['content'] }}|{{ greeting }}]{% endfor %}"
     body = {**CHAT, "chat_template": template, "chat_template_kwargs": {"greeting": "hello there"}}
