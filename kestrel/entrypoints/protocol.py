@@ -786,12 +786,22 @@ class TokenizeChatRequest(_ChatMessagesRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     return_token_strs: bool | None = False
+    # vLLM's: the tokenizer's special tokens (BOS) on top of those the template writes; off, as the template's are
+    # usually all a model wants
+    add_special_tokens: bool | None = False
 
     def tool_dicts(self) -> list[dict[str, Any]]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
 
 
-TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+def _tokenize_form(body: Any) -> str:
+    """A body with messages is the chat form, and its errors are the chat form's alone (as _embedding_form)."""
+    return "TokenizeChatRequest" if isinstance(body, dict) and "messages" in body else "TokenizeCompletionRequest"
+
+
+TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+                            | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+                            Discriminator(_tokenize_form)]
 
 
 class DetokenizeRequest(_Request):

@@ -86,8 +86,8 @@ def tokenize_input(request: TokenizeRequest) -> tuple[str | ChatInput, bool]:
         return chat_input(request.messages, request.message_dicts(), request.tool_dicts() or None,
                           add_generation_prompt=request.add_generation_prompt is not False,
                           continue_final_message=bool(request.continue_final_message),
-                          template_kwargs=request.chat_template_kwargs), True
-    return request.prompt, getattr(request, "add_special_tokens", None) is not False
+                          template_kwargs=request.chat_template_kwargs), request.add_special_tokens is True
+    return request.prompt, request.add_special_tokens is not False
 
 
 def _prompt_texts(prompt: str | ChatInput) -> tuple[str, list[str]]:
@@ -149,12 +149,26 @@ def tokenize_reply(tokenizer: Any, specials: Sequence[str], prompt: str | ChatIn
     """The /tokenize response body; `token_strs`: each token's string too (vLLM's return_token_strs)."""
     if isinstance(prompt, ChatInput):
         ids = render_and_encode(tokenizer, specials, prompt, None)[2] or []
+        if add_special_tokens:  # on top of the template's
+            before, after = special_token_ends(tokenizer)
+            ids = [*before, *ids, *after]
     else:
         ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     reply: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
     if token_strs:
         reply["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
     return json.dumps(reply, separators=(",", ":")).encode()
+
+
+def special_token_ends(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after a text it encodes with add_special_tokens (BOS, and
+    EOS where its post-processor adds one): what encoding a text adds around its plain ids."""
+    plain = tokenizer.encode("x", add_special_tokens=False)
+    full = tokenizer.encode("x", add_special_tokens=True)
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start], full[start + len(plain):]
+    return [], []
 
 
 @functools.cache

@@ -241,6 +241,17 @@ def test_models_tokenize_detokenize(client, served, hf_tokenizer):
     assert refused.status_code == 400 and "continue_final_message" in refused.json()["error"]["message"]
     text = HTTP.post(f"{url}/detokenize", json={"tokens": tokens["tokens"][1:]}, headers=headers).json()
     assert text["prompt"] == PROMPT
+    # vLLM's add_special_tokens on the chat form: the tokenizer's BOS on top of the template's tokens.
+    plain = HTTP.post(f"{url}/tokenize", json={"messages": turns[:1]}, headers=headers).json()["tokens"]
+    added = HTTP.post(f"{url}/tokenize", json={"messages": turns[:1], "add_special_tokens": True},
+                      headers=headers).json()["tokens"]
+    bos = hf_tokenizer.encode("x")[:-len(hf_tokenizer.encode("x", add_special_tokens=False))]
+    assert bos and added == bos + plain
+    # A chat-form body's errors name its own fields, not the completion form's prompt.
+    for body, param in (({"messages": "hi"}, "messages"), ({"messages": turns, "chat_template_kwargs": "x"},
+                                                            "chat_template_kwargs")):
+        bad = HTTP.post(f"{url}/tokenize", json=body, headers=headers)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.json()
 
 
 def test_health_version_and_metric_names(client, served):
