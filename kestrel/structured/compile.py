@@ -18,7 +18,7 @@ from typing import Any
 
 from kestrel.request import InvalidRequestError
 from kestrel.sampling_params import StructuredOutputsParams
-from kestrel.structured.json_strings import json_schema_grammar
+from kestrel.structured.json_strings import compiler_reason, json_schema_grammar
 from kestrel.structured.tool_grammar import tool_call_grammar
 
 # The longest whitespace run allowed between JSON tokens: room for indented, pretty-printed JSON, and a bound on
@@ -73,13 +73,8 @@ def compile_source(compiler: Any, source: GrammarSource) -> Any:
     except InvalidRequestError as error:  # a tool's schema, named by the tool grammar
         raise GrammarCompileError(str(error)) from None
     except (RuntimeError, ValueError, TypeError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        reason = _COMPILER_LOG_PREFIX.sub("", reason)  # the compiler's time and source line mean nothing to a client
-        raise GrammarCompileError(f"the {_DESCRIPTIONS[source.kind]} could not be compiled: {reason[:500]}") from None
-
-
-# xgrammar's C++ errors open with its log prefix: "[01:36:58] /project/cpp/json_schema_converter.cc:5082: ".
-_COMPILER_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+\.(?:cc|cpp|h):\d+: ")
+        raise GrammarCompileError(f"the {_DESCRIPTIONS[source.kind]} could not be compiled: "
+                                  f"{compiler_reason(error)[:500]}") from None
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -34,3 +34,14 @@ def json_schema_grammar(schema: str, *, any_whitespace: bool, max_whitespace_cnt
     text = str(grammar)
     corrected, count = _BOUNDED_CHARACTER_RULE.subn(lambda m: f"{m.group(1)} ::= {BOUNDED_STRING_CHARACTER}", text)
     return xgr.Grammar.from_ebnf(corrected) if count else grammar
+
+
+# xgrammar's C++ errors open with its log prefix: "[01:36:58] /project/cpp/json_schema_converter.cc:5082: ".
+_COMPILER_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+\.(?:cc|cpp|h):\d+: ")
+
+
+def compiler_reason(error: BaseException) -> str:
+    """A grammar compiler's error as a client reads it: its first line, without xgrammar's log prefix (the time
+    and the C++ source line mean nothing to a client)."""
+    text = str(error).strip()
+    return _COMPILER_LOG_PREFIX.sub("", text.splitlines()[0]) if text else type(error).__name__

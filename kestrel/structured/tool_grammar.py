@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from kestrel.request import InvalidRequestError
-from kestrel.structured.json_strings import json_schema_grammar
+from kestrel.structured.json_strings import compiler_reason, json_schema_grammar
 
 # What closes one call after its arguments object, per tool-call format.
 _CLOSING = {"llama3_json": "}", "hermes": "}\n</tool_call>", "mistral": "}]"}
@@ -30,7 +30,7 @@ def tool_call_grammar(tools: list[dict[str, Any]], tool_choice: str, named_tool:
             return json_schema_grammar(json.dumps(schema), any_whitespace=False)
         except (RuntimeError, ValueError) as error:
             raise InvalidRequestError("tools", f"the parameters schema of tool {function['name']!r} could not be "
-                                      f"compiled: {str(error).strip().splitlines()[0][:300]}") from None
+                                      f"compiled: {compiler_reason(error)[:300]}") from None
 
     closing = literal(_CLOSING[fmt])
     by_name = {tool["function"]["name"]: tool for tool in tools}

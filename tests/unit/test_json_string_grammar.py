@@ -91,3 +91,14 @@ def test_a_refused_schema_names_the_problem_without_the_compilers_log_prefix():
         compile_source(compiler, source)
     message = str(caught.value)
     assert "foo" in message and ".cc:" not in message and not message.split(": ", 1)[1].startswith("["), message
+
+
+def test_a_refused_tool_schema_names_the_problem_without_the_compilers_log_prefix():
+    from kestrel.request import InvalidRequestError
+    from kestrel.structured.tool_grammar import tool_call_grammar
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]
+    with pytest.raises(InvalidRequestError) as caught:
+        tool_call_grammar(tools, "required", None, "hermes")
+    message = str(caught.value)
+    assert caught.value.param == "tools" and "foo" in message and ".cc:" not in message, message
