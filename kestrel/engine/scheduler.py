@@ -415,8 +415,7 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             if request.pooled_output is not None:  # its result is the pooled state: no token is generated
-                (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                self._finish_queued(request, RequestStatus.FINISHED_STOPPED)
                 updated.append(request)
                 continue
             output_token_ids, all_token_ids = request.output_token_ids, request.all_token_ids
@@ -432,9 +431,7 @@ class Scheduler:
                     continue
                 status = stop_status(request, token_id)
                 if status is not None:
-                    # Under async scheduling the request may have been preempted while its token was in flight.
-                    (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
-                    self._finish(request, status)
+                    self._finish_queued(request, status)
                     break
             num_generated += appended
             if all_logprobs and all_logprobs[i] is not None:
@@ -480,6 +477,12 @@ class Scheduler:
         if request.request_id in self._known_to_runner:
             self._known_to_runner.discard(request.request_id)
             self._preempted_ids.add(request.request_id)
+
+    def _finish_queued(self, request: Request, status: RequestStatus) -> None:
+        """`_finish` a request the step's results end, out of the queue it is in: the running one, or the waiting
+        one where it was preempted while its token was in flight (async scheduling)."""
+        (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
+        self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

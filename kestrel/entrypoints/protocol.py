@@ -751,15 +751,18 @@ class EmbeddingChatRequest(_ChatMessagesRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-def _embedding_form(body: Any) -> str:
-    """A body with messages is the chat form; its errors are then the chat form's alone (tagged by class name,
-    which error locations leave out as they do a union member's)."""
-    return "EmbeddingChatRequest" if isinstance(body, dict) and "messages" in body else "EmbeddingCompletionRequest"
+def _by_messages(completion: type, chat: type) -> Any:
+    """The completion form or the chat form of a request: a body with messages is the chat form, and its errors are
+    then the chat form's alone (each form tagged by its class name, which error locations leave out as they do a
+    union member's)."""
+    def form(body: Any) -> str:
+        return chat.__name__ if isinstance(body, dict) and "messages" in body else completion.__name__
+
+    return Annotated[Annotated[completion, Tag(completion.__name__)] | Annotated[chat, Tag(chat.__name__)],
+                     Discriminator(form)]
 
 
-EmbeddingRequest = Annotated[Annotated[EmbeddingCompletionRequest, Tag("EmbeddingCompletionRequest")]
-                             | Annotated[EmbeddingChatRequest, Tag("EmbeddingChatRequest")],
-                             Discriminator(_embedding_form)]
+EmbeddingRequest = _by_messages(EmbeddingCompletionRequest, EmbeddingChatRequest)
 
 
 class EmbeddingData(BaseModel):
@@ -794,14 +797,7 @@ class TokenizeChatRequest(_ChatMessagesRequest):
         return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
 
 
-def _tokenize_form(body: Any) -> str:
-    """A body with messages is the chat form, and its errors are the chat form's alone (as _embedding_form)."""
-    return "TokenizeChatRequest" if isinstance(body, dict) and "messages" in body else "TokenizeCompletionRequest"
-
-
-TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
-                            | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
-                            Discriminator(_tokenize_form)]
+TokenizeRequest = _by_messages(TokenizeCompletionRequest, TokenizeChatRequest)
 
 
 class DetokenizeRequest(_Request):

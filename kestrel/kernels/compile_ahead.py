@@ -78,10 +78,13 @@ def start_pool_early(workers: int) -> None:
     (seconds) also overlap what comes before the runner: the tokenizer's load and CUDA's initialisation. A pool
     already started early of another size is shut down."""
     global _early_pool
-    if _early_pool is not None and _early_pool._max_workers == workers:
-        return
-    discard_early_pool()
-    _early_pool = start_pool(workers)
+    if not _early_pool_has(workers):
+        discard_early_pool()
+        _early_pool = start_pool(workers)
+
+
+def _early_pool_has(workers: int) -> bool:
+    return _early_pool is not None and _early_pool._max_workers == workers
 
 
 def discard_early_pool() -> None:
@@ -108,7 +111,7 @@ def start_pool(workers: int) -> CompilePool | None:
     start-up overlaps whatever this process does next (loading weights); the pool `start_pool_early` started, if
     it has as many workers."""
     global _early_pool
-    if _early_pool is not None and _early_pool._max_workers == workers:
+    if _early_pool_has(workers):
         pool, _early_pool = _early_pool, None
         return pool
     discard_early_pool()

@@ -93,7 +93,7 @@ def compile_pool_started_early(config: EngineConfig) -> Iterator[None]:
     (none where its model runs in worker processes or on the CPU) before the tokenizer and the runner load, since
     their imports take seconds; the runner takes them. A build that ends without its runner taking them (refused)
     ends them."""
-    if not (config.parallel.uses_workers or runs_on_cpu(config.device) or not torch.cuda.is_available()):
+    if not config.parallel.uses_workers and not runs_on_cpu(config.device) and torch.cuda.is_available():
         with main_module_hidden():
             ops.start_pool_early(compile_worker_count(config, on_cuda=True, single_process=True))
     try:
@@ -268,7 +268,6 @@ class RunnerSetup:
             self.compile_ahead_stats.append({**stats, "layers_left_out": float(left_out)})
         except Exception as e:  # nothing ran for real; the real forward raises what is wrong, if anything
             logger.warning("compiling ahead stopped: %s; the rest compiles as it launches", str(e))
-        del later  # the prefetch's graph runner and its buffers go before the memory profile measures
         torch.cuda.synchronize(self.device)
 
     def _stop_compile_pool(self, terminate: bool = False) -> None:
